@@ -1,0 +1,57 @@
+"""The one family of user-facing errors, shared by workers and the service.
+
+Every error a user can cause (a bad spec, unreadable data, a loss that turns NaN) derives from
+:class:`EtrainError`. The message names the setting, the value and the fix. These classes are plain
+``Exception`` subclasses whose constructor arguments survive pickling, so an error raised inside a
+Ray worker reaches the supervisor (and the REST API) with its type and fields intact.
+
+Internal invariants use ``assert``; they are bugs, never user errors.
+"""
+
+from __future__ import annotations
+
+
+class EtrainError(Exception):
+    """Base of every error a user can cause and fix.
+
+    ``field`` is the dotted spec path the error is about (``training.global_batch``) when there is
+    one; ``fix`` says what to change.
+    """
+
+    def __init__(self, message: str, *, field: str | None = None, fix: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.field = field
+        self.fix = fix
+
+    def __reduce__(self):  # keep keyword fields across pickling (Ray ships exceptions by pickle)
+        return (_rebuild_error, (type(self), self.message, self.field, self.fix))
+
+    def __str__(self) -> str:
+        text = self.message
+        if self.fix:
+            text = f"{text} Fix: {self.fix}"
+        return text
+
+    def to_dict(self) -> dict[str, str | None]:
+        return {"type": type(self).__name__, "field": self.field, "message": self.message, "fix": self.fix}
+
+
+def _rebuild_error(cls, message, field, fix):
+    return cls(message, field=field, fix=fix)
+
+
+class ConfigError(EtrainError):
+    """A run configuration that cannot train (degrees, divisibility, sizes)."""
+
+
+class DataError(EtrainError):
+    """The training data cannot be read or is too small for the requested run."""
+
+
+class NonFiniteLossError(EtrainError):
+    """The loss became NaN or infinite: the job itself is broken, restarting will not help."""
+
+
+class CheckpointError(EtrainError):
+    """No usable checkpoint where one was required, or a checkpoint that fails verification."""
