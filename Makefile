@@ -1,0 +1,46 @@
+# etrain — the two commands a newcomer needs: `make run` and `make test`.
+# Both create .venv and (re)install the project when it is missing or pyproject.toml changed.
+
+SHELL := /bin/bash
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+PYTEST_ARGS ?=
+# Tests run with a fixed worker thread count so a 2-core CI machine is not oversubscribed.
+export ETRAIN_TORCH_THREADS ?= 1
+export PYTHONUNBUFFERED := 1
+
+.PHONY: install run test test-fast test-gpu bench lint clean
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# torch is pinned to exactly 2.13.0 in pyproject.toml: with the CPU wheel available to pip this
+	# installs no CUDA packages (a looser range would pull several GB of them).
+	$(PY) -m pip install --quiet -e '.[dev]'
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+## make run: local Ray + control plane + dashboard, then the quickstart job (Ctrl-C stops everything).
+run: $(STAMP)
+	$(VENV)/bin/etrain demo examples/quickstart.yaml --data-dir .etrain
+
+## make test: the whole suite (unit, API, multi-process gloo, Ray integration, chaos).
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+## make test-fast: pure unit and API tests only (seconds).
+test-fast: $(STAMP)
+	$(PY) -m pytest tests/unit tests/api $(PYTEST_ARGS)
+
+## make test-gpu: the NCCL / CUDA / bf16 tests (needs a GPU).
+test-gpu: $(STAMP)
+	$(PY) -m pytest -m gpu $(PYTEST_ARGS)
+
+## make bench: speed and memory benchmarks; writes bench-results/ and the README table rows.
+bench: $(STAMP)
+	$(PY) -m benchmarks.run --out bench-results
+
+clean:
+	rm -rf $(VENV) .etrain bench-results .pytest_cache

@@ -1,0 +1,258 @@
+"""The Ray actor around one rank's :class:`workers.train.Trainer`.
+
+One ``TrainWorker`` per rank, placed in its placement-group bundle by ``service/runtime.py``. The class
+is plain Python (the runtime wraps it with ``ray.remote``), so it stays importable without a cluster.
+
+The actor is *threaded* (the runtime gives it ``max_concurrency > 1``): ``run`` occupies one thread
+for the whole attempt while control calls (``chaos``, ``request_checkpoint``, ``ping``) land on
+others. Everything the supervisor needs to know travels as fire-and-forget calls on the supervisor
+handle (``report_ready``, ``report_step``, ``report_checkpoint``, ``report_chaos``); a step report is
+also the rank's heartbeat, so a rank that stops reporting is, by definition, not making progress.
+
+Cross-cutting work is in trainer callbacks, not branches in the loop: :class:`ChaosCallback` makes a
+rank slow or hung for fault drills.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from workers.config import RunConfig
+
+# How long a rank waits for the supervisor to accept a report it must not lose (checkpoint shards,
+# chaos firings) before giving up on it.
+REPORT_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChaosOrder:
+    """A fault drill for one rank. ``at_step`` None fires at once; otherwise when the rank starts that step."""
+
+    id: int
+    action: str  # kill_rank | kill_actor | slow_rank | hang_rank
+    rank: int
+    factor: float = 1.0
+    at_step: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchPlan:
+    """What one attempt of the group runs: the layout, where to resume, when to stop."""
+
+    attempt: int
+    config: RunConfig
+    start_step: int  # first step to run (0 on a fresh start)
+    resume_dir: str | None  # committed checkpoint directory to load before start_step
+    chaos: tuple[ChaosOrder, ...] = ()
+
+
+@dataclass
+class _ChaosState:
+    """Mutable per-rank fault state, shared between the control thread and the training thread."""
+
+    slow_factor: float = 1.0
+    hung: threading.Event = field(default_factory=threading.Event)
+    pending: list[ChaosOrder] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class ChaosCallback:
+    """Trainer callback carrying out fault drills inside the timed compute region.
+
+    ``slow_rank`` sleeps ``(factor - 1) x`` the micro-step's own compute time, so the rank's measured
+    compute really grows by ``factor`` (that is what straggler detection sees); ``hang_rank`` blocks
+    the training thread forever without exiting (hang detection must catch it).
+    """
+
+    def __init__(self, worker: "TrainWorker"):
+        self._worker = worker
+        self._micro_start = 0.0
+
+    def on_step_start(self, trainer, step: int) -> None:
+        self._worker._fire_due_chaos(step)
+        self._micro_start = time.perf_counter()
+
+    def on_compute(self, trainer, step: int, micro_step: int) -> None:
+        state = self._worker._chaos
+        now = time.perf_counter()
+        elapsed, self._micro_start = now - self._micro_start, now
+        if state.slow_factor > 1.0:
+            time.sleep(elapsed * (state.slow_factor - 1.0))
+            self._micro_start = time.perf_counter()
+        while state.hung.is_set():
+            time.sleep(0.5)
+
+    def on_step_end(self, trainer, metrics) -> None:
+        pass
+
+
+class TrainWorker:
+    """One rank of a job's worker group."""
+
+    def __init__(self, *, job_id: str, rank: int, world_size: int, supervisor: Any):
+        self.job_id = job_id
+        self.rank = rank
+        self.world_size = world_size
+        self._supervisor = supervisor
+        self._chaos = _ChaosState()
+        self._plan: LaunchPlan | None = None
+        self._checkpoint_at: set[int] = set()
+        self._stop = threading.Event()
+
+    # --- control calls (run concurrently with `run`) -------------------------------------------
+
+    def node_info(self) -> dict[str, Any]:
+        import ray
+
+        context = ray.get_runtime_context()
+        return {
+            "rank": self.rank,
+            "node_id": context.get_node_id(),
+            "ip": ray.util.get_node_ip_address(),
+            "pid": os.getpid(),
+        }
+
+    def free_port(self) -> int:
+        """A free TCP port on this node for the rendezvous (asked of rank 0 only)."""
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("", 0))
+            return sock.getsockname()[1]
+
+    def ping(self) -> int:
+        return self.rank
+
+    def request_checkpoint(self, completed_steps: int) -> None:
+        """Save a checkpoint once ``completed_steps`` steps are done (every rank gets the same number)."""
+        self._checkpoint_at.add(completed_steps)
+
+    def request_stop(self) -> None:
+        """Finish the current step and return from ``run`` (used before a graceful resize)."""
+        self._stop.set()
+
+    def chaos(self, order: ChaosOrder) -> None:
+        """Arm (``at_step``) or fire at once a fault drill on this rank."""
+        if order.at_step is None:
+            self._fire(order)
+        else:
+            with self._chaos.lock:
+                self._chaos.pending.append(order)
+
+    # --- the attempt ----------------------------------------------------------------------------
+
+    def run(self, plan: LaunchPlan, master_addr: str, master_port: int) -> dict[str, Any]:
+        """Rendezvous, build the trainer, restore, and train until the plan's last step.
+
+        Returns ``{"final_step", "final_loss", "stopped"}``; raises on any failure (the supervisor
+        classifies it).
+        """
+        import torch
+        import torch.distributed as dist
+
+        from workers.mesh import backend_for
+        from workers.train import Trainer
+
+        self._plan = plan
+        with self._chaos.lock:
+            self._chaos.pending = [order for order in plan.chaos if order.rank == self.rank]
+        config = plan.config
+        torch.set_num_threads(max(1, int(os.environ.get("ETRAIN_TORCH_THREADS", "1"))))
+        device = self._device(config)
+        dist.init_process_group(
+            backend=backend_for(device.type),
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=datetime.timedelta(seconds=config.collective_timeout_s),
+        )
+        try:
+            trainer = Trainer(
+                config, rank=self.rank, world_size=self.world_size, device=device, callbacks=[ChaosCallback(self)]
+            )
+            if plan.resume_dir:
+                trainer.restore(plan.resume_dir)
+            self._supervisor.report_ready.remote(plan.attempt, self.rank, self.node_info())
+            final_loss = None
+            step = plan.start_step
+            for step in range(plan.start_step, config.training.steps):
+                metrics = trainer.train_step(step)
+                final_loss = metrics.loss
+                self._supervisor.report_step.remote(plan.attempt, self.rank, dataclasses.asdict(metrics))
+                last = step == config.training.steps - 1
+                every = config.checkpoint.every_steps
+                if last or (every and (step + 1) % every == 0) or (step + 1) in self._checkpoint_at:
+                    self._save(trainer, step + 1, plan.attempt)
+                if self._stop.is_set():
+                    return {"final_step": step + 1, "final_loss": final_loss, "stopped": True}
+            return {"final_step": config.training.steps, "final_loss": final_loss, "stopped": False}
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+    def _save(self, trainer, completed_steps: int, attempt: int) -> None:
+        """Write this rank's shards of the checkpoint after ``completed_steps`` and report them.
+
+        The supervisor commits the step (writes the manifest) only when every rank has reported.
+        """
+        import ray
+
+        from workers.manifest import step_dir
+
+        directory = step_dir(Path(self._plan.config.checkpoint.path), completed_steps)
+        report = trainer.save(directory)
+        ray.get(
+            self._supervisor.report_checkpoint.remote(attempt, self.rank, completed_steps, report),
+            timeout=REPORT_TIMEOUT_S,
+        )
+
+    # --- chaos ----------------------------------------------------------------------------------
+
+    def _fire_due_chaos(self, step: int) -> None:
+        with self._chaos.lock:
+            due = [order for order in self._chaos.pending if order.at_step is not None and order.at_step <= step]
+            self._chaos.pending = [order for order in self._chaos.pending if order not in due]
+        for order in due:
+            self._fire(order, step=step)
+
+    def _fire(self, order: ChaosOrder, step: int | None = None) -> None:
+        import ray
+
+        attempt = self._plan.attempt if self._plan else -1
+        # The supervisor must know the drill fired before the process disappears, so that a restart
+        # does not fire it again: wait for the acknowledgement.
+        try:
+            ray.get(self._supervisor.report_chaos.remote(attempt, self.rank, order.id, step), timeout=REPORT_TIMEOUT_S)
+        except Exception:  # the drill still fires; the supervisor may re-arm it, which the test will show
+            pass
+        if order.action == "kill_rank":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif order.action == "kill_actor":
+            ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+        elif order.action == "slow_rank":
+            self._chaos.slow_factor = float(order.factor)
+        elif order.action == "hang_rank":
+            self._chaos.hung.set()
+        else:  # validated by the API; an unknown action here is a bug
+            raise AssertionError(f"unknown chaos action {order.action!r}")
+
+    @staticmethod
+    def _device(config: RunConfig):
+        import torch
+
+        if config.device == "cuda":
+            import ray
+
+            gpu_ids = ray.get_gpu_ids()
+            # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPUs, so the first visible one is ours.
+            assert gpu_ids, "a cuda rank was scheduled without a GPU"
+            torch.cuda.set_device(0)
+            return torch.device("cuda", 0)
+        return torch.device("cpu")
