@@ -1,0 +1,134 @@
+"""The control plane's handle on Ray: connect (or start a local cluster) and talk to supervisors.
+
+Every call has a timeout: a slow or dead supervisor must never hang an HTTP request. The manager
+depends on the small :class:`Runtime` protocol, so API tests can substitute a named fake while
+integration tests use this real implementation against real Ray clusters.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Protocol
+
+from service.errors import ServiceUnavailable
+from service.runtime import JobPolicy, find_supervisor, start_supervisor
+from service.settings import Settings
+from service.worker_group import NAMESPACE
+from workers.config import RunConfig
+
+log = logging.getLogger(__name__)
+
+CALL_TIMEOUT_S = 10.0
+
+
+class Runtime(Protocol):
+    def start(self, job_id: str, config: RunConfig, policy: JobPolicy) -> None: ...
+    def exists(self, job_id: str) -> bool: ...
+    def updates(self, job_id: str, since_seq: int, since_step: int) -> dict[str, Any] | None: ...
+    def cancel(self, job_id: str, reason: str) -> None: ...
+    def scale(self, job_id: str, dp: int) -> None: ...
+    def chaos(self, job_id: str, request: dict[str, Any]) -> dict[str, Any]: ...
+    def release(self, job_id: str) -> None: ...
+    def health(self) -> dict[str, Any]: ...
+    def close(self) -> None: ...
+
+
+class RayRuntime:
+    """Runtime over a real Ray cluster (``settings.ray_address``) or a local one started here."""
+
+    def __init__(self, settings: Settings):
+        import ray
+
+        self._ray = ray
+        self._owns_cluster = False
+        if ray.is_initialized():
+            return
+        try:
+            if settings.ray_address:
+                ray.init(address=settings.ray_address, namespace=NAMESPACE, log_to_driver=False)
+            else:
+                ray.init(
+                    namespace=NAMESPACE,
+                    include_dashboard=True,
+                    dashboard_host=settings.dashboard_host,
+                    dashboard_port=settings.dashboard_port,
+                    log_to_driver=False,
+                )
+                self._owns_cluster = True
+        except Exception as err:
+            raise ServiceUnavailable(
+                f"cannot connect to Ray at {settings.ray_address or 'a new local cluster'}: {err}",
+                fix="check ETRAIN_RAY_ADDRESS / --ray-address, or leave it unset to start a local Ray",
+            ) from err
+
+    @property
+    def dashboard_url(self) -> str | None:
+        context = self._ray.get_runtime_context()
+        try:
+            url = self._ray._private.worker.global_worker.node.address_info.get("webui_url")  # noqa: SLF001
+        except Exception:
+            url = None
+        del context
+        return f"http://{url}" if url and not url.startswith("http") else url
+
+    def start(self, job_id: str, config: RunConfig, policy: JobPolicy) -> None:
+        handle = start_supervisor(job_id=job_id, config=config, policy=policy)
+        self._get(handle.updates.remote(0, 10**12))  # surfaces constructor errors now, with a timeout
+
+    def exists(self, job_id: str) -> bool:
+        return find_supervisor(job_id) is not None
+
+    def updates(self, job_id: str, since_seq: int, since_step: int) -> dict[str, Any] | None:
+        handle = find_supervisor(job_id)
+        if handle is None:
+            return None
+        try:
+            return self._get(handle.updates.remote(since_seq, since_step))
+        except self._ray.exceptions.RayActorError:
+            return None
+
+    def cancel(self, job_id: str, reason: str) -> None:
+        handle = find_supervisor(job_id)
+        if handle is not None:
+            self._get(handle.cancel.remote(reason))
+
+    def scale(self, job_id: str, dp: int) -> None:
+        handle = self._require(job_id)
+        self._get(handle.scale.remote(dp))
+
+    def chaos(self, job_id: str, request: dict[str, Any]) -> dict[str, Any]:
+        handle = self._require(job_id)
+        return self._get(handle.chaos.remote(request))
+
+    def release(self, job_id: str) -> None:
+        handle = find_supervisor(job_id)
+        if handle is not None:
+            try:
+                self._ray.kill(handle, no_restart=True)
+            except Exception:  # already gone
+                pass
+
+    def health(self) -> dict[str, Any]:
+        try:
+            nodes = [node for node in self._ray.nodes() if node.get("Alive")]
+            return {"ray": "ok", "nodes": len(nodes), "resources": self._ray.cluster_resources()}
+        except Exception as err:
+            return {"ray": f"unavailable: {err}"}
+
+    def close(self) -> None:
+        if self._owns_cluster and self._ray.is_initialized():
+            self._ray.shutdown()
+
+    def _require(self, job_id: str):
+        handle = find_supervisor(job_id)
+        if handle is None:
+            raise ServiceUnavailable(f"the supervisor of job {job_id} is not running", fix="retry in a few seconds")
+        return handle
+
+    def _get(self, ref):
+        try:
+            return self._ray.get(ref, timeout=CALL_TIMEOUT_S)
+        except self._ray.exceptions.GetTimeoutError as err:
+            raise ServiceUnavailable(
+                f"Ray did not answer within {CALL_TIMEOUT_S:.0f}s", fix="check the cluster (ray status) and retry"
+            ) from err

@@ -1,0 +1,46 @@
+"""Prometheus exposition of job state for the control plane's ``/metrics``.
+
+Built from the SQLite store (not from Ray), so it answers even while the cluster is unreachable.
+Per-rank and per-step metrics are exported by the supervisors through Ray's own metrics agent.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from service.store import JobStatus, JobStore
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class _JobCollector:
+    def __init__(self, store: JobStore):
+        self._store = store
+
+    def collect(self):
+        by_status = self._store.count_by_status()
+        counts = GaugeMetricFamily("etrain_jobs", "jobs by status", labels=["status"])
+        for status in JobStatus:
+            counts.add_metric([status.value], by_status.get(status, 0))
+        yield counts
+        gauges = {
+            "step": GaugeMetricFamily("etrain_job_step", "optimizer steps completed", labels=["job_id", "name"]),
+            "loss": GaugeMetricFamily("etrain_job_loss", "loss at the last step", labels=["job_id", "name"]),
+            "tokens_per_s": GaugeMetricFamily("etrain_tokens_per_second", "training throughput", labels=["job_id", "name"]),
+            "restarts": GaugeMetricFamily("etrain_restarts_total", "restarts spent", labels=["job_id", "name"]),
+            "goodput": GaugeMetricFamily("etrain_goodput", "productive step time / wall time", labels=["job_id", "name"]),
+            "world_size": GaugeMetricFamily("etrain_job_world_size", "ranks in the current layout", labels=["job_id", "name"]),
+        }
+        for job in self._store.active_jobs():
+            for field, gauge in gauges.items():
+                value = getattr(job, field)
+                if value is not None:
+                    gauge.add_metric([job.id, job.name], float(value))
+        yield from gauges.values()
+
+
+def render_job_metrics(store: JobStore) -> str:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_JobCollector(store))
+    return generate_latest(registry).decode()

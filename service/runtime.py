@@ -1,0 +1,588 @@
+"""The Ray side of a job: the supervisor actor that drives ``service/supervisor.py``.
+
+One detached, named actor per job (``etrain/<job-id>/supervisor``). It outlives the control plane, so
+a restarted API server reattaches to it and loses nothing. Its only job is translation:
+
+* what happens (rank reports, finished or failed ``run`` calls, dead nodes, free capacity, user
+  requests) becomes state-machine **events**;
+* :func:`service.supervisor.decide` answers with **actions**, carried out here (launch or stop a
+  :class:`~service.worker_group.WorkerGroup`, commit a checkpoint manifest, record an event);
+* everything users see is appended to an in-memory log that the control plane pulls with
+  :meth:`JobSupervisor.updates` and persists in SQLite.
+
+All decisions happen on one control thread (``_loop``); other threads (Ray method calls, group
+launch/stop workers) only enqueue events, so the state is never touched concurrently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from service import supervisor as sm
+from service.capacity import rank_slots, replicas_that_fit
+from service.stragglers import StragglerConfig, StragglerDetector
+from service.worker_group import NAMESPACE, GroupOutcome, PlacementTimeout, WorkerGroup
+from workers.config import RunConfig
+from workers.manifest import commit, latest_committed, prune, step_dir
+from workers.worker import ChaosOrder, LaunchPlan
+
+log = logging.getLogger(__name__)
+
+TICK_S = 0.2
+MAX_STEP_HISTORY = 100_000
+
+
+def supervisor_name(job_id: str) -> str:
+    return f"etrain/{job_id}/supervisor"
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobPolicy:
+    """The parts of a job spec the supervisor needs besides the run config (plain values)."""
+
+    min_dp: int
+    max_dp: int
+    max_restarts: int
+    heartbeat_timeout_s: float
+    backoff_base_s: float
+    backoff_max_s: float
+    elastic_check_interval_s: float
+    stragglers: StragglerConfig
+    straggler_action: str  # report | evict
+    resources_per_rank: dict[str, float]
+    placement_strategy: str = "PACK"
+    restarts_used: int = 0  # carried over when a supervisor is recreated after a control-plane loss
+    start_timeout_s: float = 300.0
+    checkpoint_timeout_s: float = 120.0
+    capacity_wait_timeout_s: float = 900.0
+
+
+class JobSupervisor:
+    """Keeps one job alive. Wrapped with ``ray.remote`` by :func:`start_supervisor`."""
+
+    def __init__(self, *, job_id: str, config: RunConfig, policy: JobPolicy):
+        self.job_id = job_id
+        self.config = config
+        self.policy = policy
+        self.sm_config = sm.SupervisorConfig(
+            total_steps=config.training.steps,
+            global_batch=config.training.global_batch,
+            micro_batch=config.training.micro_batch,
+            min_dp=policy.min_dp,
+            max_dp=policy.max_dp,
+            tp=config.parallel.tp,
+            pp=config.parallel.pp,
+            max_restarts=policy.max_restarts,
+            heartbeat_timeout_s=policy.heartbeat_timeout_s,
+            start_timeout_s=max(policy.start_timeout_s, policy.heartbeat_timeout_s),
+            checkpoint_timeout_s=policy.checkpoint_timeout_s,
+            capacity_wait_timeout_s=policy.capacity_wait_timeout_s,
+            backoff_base_s=policy.backoff_base_s,
+            backoff_max_s=policy.backoff_max_s,
+        )
+        self.root = Path(config.checkpoint.path)
+        self.root.mkdir(parents=True, exist_ok=True)
+        found = latest_committed(self.root)
+        resume_step = found[0] if found else None
+        self.state = sm.initial_state(
+            self.sm_config, dp=config.parallel.dp, last_committed_step=resume_step, restarts_used=policy.restarts_used
+        )
+        self._inbox: queue.Queue = queue.Queue()
+        self._log: list[dict[str, Any]] = []
+        self._log_lock = threading.Lock()
+        self._steps: list[dict[str, Any]] = []
+        self._step_seq = 0
+        self._group: WorkerGroup | None = None
+        self._ready: dict[int, set[int]] = {}
+        self._reports: dict[int, dict[int, Any]] = {}  # step -> rank -> ShardReport
+        self._compute: dict[int, dict[int, float]] = {}  # step -> rank -> compute_s
+        self._stragglers = StragglerDetector(policy.stragglers)
+        self._straggler_findings: list[dict[str, Any]] = []
+        self._chaos: dict[int, ChaosOrder] = {}
+        self._chaos_corrupt: dict[int, int] = {}  # order id -> step to corrupt once committed
+        self._chaos_ids = 0
+        self._productive: dict[int, float] = {}  # step -> step_s of the run that counts
+        self._latest: dict[str, Any] = {}
+        self._started_at = time.time()
+        self._last_capacity: int | None = None
+        self._next_capacity_check = 0.0
+        self._closed = threading.Event()
+        self._terminal_at: float | None = None
+        self._metrics = _JobMetrics(job_id)
+        self._self_handle = ray.get_runtime_context().current_actor
+        if resume_step is not None:
+            self._record("resuming", f"found committed checkpoint at step {resume_step} in {self.root}")
+        self._inbox.put(sm.Start())
+        self._thread = threading.Thread(target=self._loop, name=f"supervisor-{job_id}", daemon=True)
+        self._thread.start()
+
+    # --- reports from ranks (any thread) ---------------------------------------------------------
+
+    def report_ready(self, attempt: int, rank: int, node_info: dict) -> None:
+        self._inbox.put(("ready", attempt, rank))
+
+    def report_step(self, attempt: int, rank: int, metrics: dict) -> None:
+        self._inbox.put(("step", attempt, rank, metrics))
+
+    def report_checkpoint(self, attempt: int, rank: int, completed_steps: int, report: Any) -> None:
+        self._inbox.put(("checkpoint", attempt, rank, completed_steps, report))
+
+    def report_chaos(self, attempt: int, rank: int, order_id: int, step: int | None) -> None:
+        self._inbox.put(("chaos_fired", attempt, rank, order_id, step))
+
+    # --- requests from the control plane ---------------------------------------------------------
+
+    def cancel(self, reason: str = "cancelled by user") -> None:
+        self._inbox.put(sm.Cancel(reason=reason))
+
+    def scale(self, dp: int) -> None:
+        self._inbox.put(sm.ScaleRequested(dp=dp))
+
+    def chaos(self, request: dict) -> dict:
+        """Arm or fire a fault drill; returns the order as recorded."""
+        self._chaos_ids += 1
+        order_id = self._chaos_ids
+        action = request["action"]
+        if action == "corrupt_checkpoint":
+            self._inbox.put(("chaos_corrupt", order_id, int(request["step"])))
+            return {"id": order_id, "action": action, "step": request["step"], "armed": True}
+        order = ChaosOrder(
+            id=order_id,
+            action=action,
+            rank=int(request["rank"]),
+            factor=float(request.get("factor") or 1.0),
+            at_step=request.get("at_step"),
+        )
+        self._inbox.put(("chaos", order))
+        return dataclasses.asdict(order) | {"armed": True}
+
+    def updates(self, since_seq: int = 0, since_step_seq: int = 0) -> dict[str, Any]:
+        """Everything new since the caller's cursors (event seq, step-row seq), plus the job's fields.
+
+        Step rows have their own sequence because a restarted attempt re-reports step numbers.
+        """
+        with self._log_lock:
+            events = [event for event in self._log if event["seq"] > since_seq]
+            steps = [row for row in self._steps if row["seq"] > since_step_seq]
+        state = self.state
+        return {
+            "status": state.status.value,
+            "attempt": state.attempt,
+            "dp": state.dp,
+            "world_size": self.sm_config.world_size(state.dp),
+            "layout": dataclasses.replace(self.config.parallel, dp=state.dp).describe(),
+            "restarts": state.restarts_used,
+            "last_checkpoint_step": state.last_committed_step,
+            "error": state.error,
+            "step": self._latest.get("step", state.step),
+            "loss": self._latest.get("loss"),
+            "tokens_per_s": self._latest.get("tokens_per_s"),
+            "stragglers": list(self._straggler_findings),
+            "goodput": self._goodput(),
+            "events": events,
+            "steps": steps,
+        }
+
+    def shutdown(self) -> None:
+        """Stop the control loop and any group; the manager calls this after persisting the end."""
+        self._inbox.put(sm.Cancel(reason="supervisor shut down"))
+        self._closed.set()
+        if self._group is not None:
+            self._group.stop()
+        ray.actor.exit_actor()
+
+    # --- control loop ----------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                self._turn()
+            except Exception:  # a bug here must not silently kill the job: fail it loudly
+                log.exception("supervisor loop error")
+                self._apply(sm.JobError(attempt=self.state.attempt, rank=-1, message="supervisor internal error",
+                                        traceback=traceback.format_exc()), time.time())
+
+    def _turn(self) -> None:
+        try:
+            item = self._inbox.get(timeout=TICK_S)
+        except queue.Empty:
+            item = None
+        now = time.time()
+        if item is not None:
+            self._handle(item, now)
+        while True:  # drain what else arrived
+            try:
+                self._handle(self._inbox.get_nowait(), time.time())
+            except queue.Empty:
+                break
+        group = self._group
+        if group is not None and group.attempt == self.state.attempt:
+            outcome = group.poll(now)
+            if outcome is not None:
+                self._apply(self._outcome_event(group, outcome), now)
+        if now >= self._next_capacity_check and not self.state.status.terminal:
+            self._check_capacity(force=False)
+        self._apply(sm.Tick(), time.time())
+
+    def _handle(self, item: Any, now: float) -> None:
+        if not isinstance(item, tuple):
+            self._apply(item, now)
+            return
+        kind = item[0]
+        if kind == "ready":
+            _, attempt, rank = item
+            if attempt != self.state.attempt:
+                return
+            ranks = self._ready.setdefault(attempt, set())
+            ranks.add(rank)
+            if len(ranks) == self.sm_config.world_size(self.state.dp):
+                self._apply(sm.GroupReady(attempt=attempt, world_size=len(ranks)), now)
+        elif kind == "step":
+            self._on_step(*item[1:], now=now)
+        elif kind == "checkpoint":
+            _, attempt, rank, completed, report = item
+            if attempt == self.state.attempt:
+                self._reports.setdefault(completed, {})[rank] = report
+                self._apply(sm.CheckpointReported(attempt=attempt, step=completed, rank=rank), now)
+        elif kind == "chaos":
+            self._arm_chaos(item[1])
+        elif kind == "chaos_fired":
+            _, attempt, rank, order_id, step = item
+            order = self._chaos.pop(order_id, None)
+            if order is not None:
+                self._record("chaos_fired", f"{order.action} on rank {rank} at step {step} (order {order_id})")
+        elif kind == "chaos_corrupt":
+            _, order_id, step = item
+            self._chaos_corrupt[order_id] = step
+            self._record("chaos_armed", f"corrupt_checkpoint step {step} (order {order_id})")
+            self._corrupt_due()
+        elif kind == "group_started":
+            pass
+        else:
+            raise AssertionError(f"unknown inbox item {kind!r}")
+
+    def _apply(self, event: sm.Event, now: float) -> None:
+        decision = sm.decide(self.state, event, now, self.sm_config)
+        self.state = decision.state
+        for action in decision.actions:
+            self._carry_out(action, now)
+
+    # --- actions ---------------------------------------------------------------------------------
+
+    def _carry_out(self, action: sm.Action, now: float) -> None:
+        if isinstance(action, sm.RecordEvent):
+            self._record(action.kind, action.detail)
+        elif isinstance(action, sm.LaunchGroup):
+            self._launch(action)
+        elif isinstance(action, sm.StopGroup):
+            self._stop(action)
+        elif isinstance(action, sm.CommitCheckpoint):
+            self._commit(action.step)
+        elif isinstance(action, sm.RequestCheckpoint):
+            if self._group is not None:
+                target = self.state.step + 2  # ranks run in lock-step; 2 steps ahead is always still to come
+                self._group.broadcast("request_checkpoint", target)
+        elif isinstance(action, sm.ExcludeNode):
+            self._check_capacity(force=True)
+        elif isinstance(action, sm.ScheduleWake):
+            pass  # the loop ticks every TICK_S anyway
+        elif isinstance(action, sm.MarkTerminal):
+            self._record(action.status.value.lower(), action.error or f"job {action.status.value.lower()}")
+            self._terminal_at = now
+            self._metrics.finish(action.status.value)
+        else:
+            raise AssertionError(f"unhandled action {action!r}")
+
+    def _launch(self, action: sm.LaunchGroup) -> None:
+        config = self.config.with_dp(action.dp)
+        resume_dir = str(step_dir(self.root, action.resume_step)) if action.resume_step else None
+        plan = LaunchPlan(
+            attempt=action.attempt,
+            config=config,
+            start_step=action.resume_step or 0,
+            resume_dir=resume_dir,
+            chaos=tuple(order for order in self._chaos.values() if order.at_step is not None),
+        )
+        self._stragglers.reset()
+        self._compute.clear()
+        group = WorkerGroup(
+            job_id=self.job_id,
+            plan=plan,
+            world_size=action.world_size,
+            resources_per_rank=self.policy.resources_per_rank,
+            strategy=self.policy.placement_strategy,
+            excluded_nodes=action.excluded_nodes,
+            supervisor=self._self_handle,
+        )
+        self._group = group
+        self._record(
+            "launching",
+            f"attempt {action.attempt}: {action.world_size} ranks, layout {config.parallel.describe()}, "
+            + (f"resuming from step {action.resume_step}" if action.resume_step else "fresh start"),
+        )
+
+        def start() -> None:
+            try:
+                group.start()
+            except PlacementTimeout as err:
+                self._inbox.put(sm.WorkerLost(attempt=group.attempt, rank=-1, node="", cause="node", detail=str(err)))
+                self._next_capacity_check = 0.0
+            except Exception as err:  # actor creation / rendezvous failure: infrastructure
+                self._inbox.put(sm.WorkerLost(attempt=group.attempt, rank=-1, node="", cause="process",
+                                              detail=f"group start failed: {err}"))
+
+        threading.Thread(target=start, name=f"launch-{self.job_id}-{action.attempt}", daemon=True).start()
+
+    def _stop(self, action: sm.StopGroup) -> None:
+        group = self._group
+        attempt = action.attempt
+
+        def stop() -> None:
+            if group is not None:
+                group.stop()
+            self._inbox.put(sm.GroupStopped(attempt=attempt))
+
+        threading.Thread(target=stop, name=f"stop-{self.job_id}-{attempt}", daemon=True).start()
+
+    def _commit(self, step: int) -> None:
+        reports = self._reports.pop(step, {})
+        directory = step_dir(self.root, step)
+        try:
+            commit(
+                directory,
+                step=step,
+                layout=dataclasses.replace(self.config.parallel, dp=self.state.dp).describe(),
+                world_size=self.sm_config.world_size(self.state.dp),
+                reports=list(reports.values()),
+            )
+        except Exception as err:  # the step simply does not count; restore uses the previous one
+            self._record("checkpoint_commit_failed", f"step {step}: {err}")
+            return
+        for stale in [s for s in self._reports if s < step]:
+            self._reports.pop(stale)
+        prune(self.root, keep_last=self.config.checkpoint.keep_last)
+        self._corrupt_due()
+
+    # --- reports -> events -----------------------------------------------------------------------
+
+    def _on_step(self, attempt: int, rank: int, metrics: dict, *, now: float) -> None:
+        if attempt != self.state.attempt:
+            return
+        completed = int(metrics["step"]) + 1
+        self._apply(sm.Heartbeat(attempt=attempt, rank=rank, step=completed), now)
+        compute = self._compute.setdefault(completed, {})
+        compute[rank] = float(metrics.get("compute_s") or 0.0)
+        if len(compute) == self.sm_config.world_size(self.state.dp):
+            self._observe_stragglers(completed, self._compute.pop(completed), now)
+        if rank != 0:
+            return
+        self._latest = {"step": completed, "loss": metrics.get("loss"), "tokens_per_s": metrics.get("tokens_per_s")}
+        self._productive[completed] = float(metrics.get("step_s") or 0.0)
+        row = {key: metrics.get(key) for key in ("loss", "lr", "grad_norm", "step_s", "compute_s", "comm_wait_s",
+                                                  "tokens_per_s", "flops_per_s", "mfu", "peak_mem_bytes")}
+        row.update(step=completed, attempt=attempt, ts=now)
+        with self._log_lock:
+            self._step_seq += 1
+            row["seq"] = self._step_seq
+            self._steps.append(row)
+            if len(self._steps) > MAX_STEP_HISTORY:
+                del self._steps[: len(self._steps) - MAX_STEP_HISTORY]
+        self._metrics.step(completed, metrics, self.state.restarts_used, self._goodput())
+        self._apply(sm.StepReported(attempt=attempt, step=completed, loss=float(metrics["loss"]), rank=rank), now)
+        if completed >= self.sm_config.total_steps:
+            pass  # Finished arrives when every rank's run() has returned
+
+    def _observe_stragglers(self, step: int, compute: dict[int, float], now: float) -> None:
+        if not self.policy.stragglers.enabled:
+            return
+        for finding in self._stragglers.observe(step, compute):
+            node = self._group.node_of(finding.rank) if self._group else ""
+            record = dataclasses.asdict(finding) | {"node": node}
+            self._straggler_findings.append(record)
+            self._metrics.straggler(finding.rank, finding.factor)
+            self._apply(
+                sm.StragglerFlagged(
+                    attempt=self.state.attempt,
+                    rank=finding.rank,
+                    node=node,
+                    factor=finding.factor,
+                    evict=self.policy.straggler_action == "evict",
+                    evidence=finding.evidence,
+                ),
+                now,
+            )
+
+    def _outcome_event(self, group: WorkerGroup, outcome: GroupOutcome) -> sm.Event:
+        if outcome.kind == "finished":
+            return sm.Finished(attempt=group.attempt, final_step=outcome.final_step)
+        if outcome.kind == "job_error":
+            return sm.JobError(attempt=group.attempt, rank=outcome.rank, message=outcome.message,
+                               traceback=outcome.traceback)
+        if outcome.cause == "node":
+            self._next_capacity_check = 0.0
+        return sm.WorkerLost(attempt=group.attempt, rank=outcome.rank, node=outcome.node, cause=outcome.cause,
+                             detail=outcome.message)
+
+    # --- capacity --------------------------------------------------------------------------------
+
+    def _check_capacity(self, *, force: bool) -> None:
+        self._next_capacity_check = time.time() + self.policy.elastic_check_interval_s
+        try:
+            available = self._available_dp()
+        except Exception as err:  # the GCS may be briefly unreachable after a node loss
+            log.warning("capacity check failed: %s", err)
+            return
+        if force or available != self._last_capacity or self.state.awaiting_capacity:
+            self._last_capacity = available
+            self._apply(sm.CapacityChanged(available_dp=available), time.time())
+
+    def _available_dp(self) -> int:
+        """Replicas this job could run now: free resources per live node plus what the job holds there."""
+        from ray._private.state import available_resources_per_node
+
+        free_per_node = available_resources_per_node()
+        held = self._group.bundles_per_node() if self._group is not None else {}
+        slots: dict[str, int] = {}
+        for node in ray.nodes():
+            node_id = node["NodeID"]
+            if not node.get("Alive") or node_id in self.state.excluded_nodes:
+                continue
+            free = dict(free_per_node.get(node_id, {}))
+            for name, amount in self.policy.resources_per_rank.items():
+                free[name] = free.get(name, 0.0) + amount * held.get(node_id, 0)
+            slots[node_id] = rank_slots(free=free, per_rank=self.policy.resources_per_rank)
+        return replicas_that_fit(slots, tp=self.config.parallel.tp, pp=self.config.parallel.pp)
+
+    # --- chaos -----------------------------------------------------------------------------------
+
+    def _arm_chaos(self, order: ChaosOrder) -> None:
+        world = self.sm_config.world_size(self.state.dp)
+        if not 0 <= order.rank < world:
+            self._record("chaos_rejected", f"rank {order.rank} is outside the world of {world} ranks")
+            return
+        group = self._group if self.state.group == sm.GroupPhase.UP else None
+        if order.at_step is None and group is not None:
+            if order.action == "kill_actor":
+                self._record("chaos_fired", f"kill_actor on rank {order.rank} (order {order.id})")
+                group.kill_actor(order.rank)
+            else:
+                group.chaos(order)
+            return
+        self._chaos[order.id] = order
+        self._record("chaos_armed", f"{order.action} on rank {order.rank}"
+                     + (f" at step {order.at_step}" if order.at_step is not None else " when the group is up"))
+        if group is not None:
+            group.chaos(order)
+
+    def _corrupt_due(self) -> None:
+        committed = self.state.last_committed_step
+        for order_id, step in list(self._chaos_corrupt.items()):
+            directory = step_dir(self.root, step)
+            if committed is None or step > committed or not (directory / "manifest.json").exists():
+                continue
+            del self._chaos_corrupt[order_id]
+            victim = _largest_shard(directory)
+            if victim is None:
+                self._record("chaos_rejected", f"corrupt_checkpoint: no shard files in {directory}")
+                continue
+            _flip_bytes(victim)
+            self._record("chaos_fired", f"corrupt_checkpoint flipped bytes in {victim.name} of step {step}")
+
+    # --- bookkeeping -----------------------------------------------------------------------------
+
+    def _record(self, kind: str, detail: str) -> None:
+        with self._log_lock:
+            seq = len(self._log) + 1
+            self._log.append({"seq": seq, "ts": time.time(), "kind": kind, "detail": detail})
+        log.info("job %s: %s: %s", self.job_id, kind, detail)
+
+    def _goodput(self) -> float | None:
+        wall = time.time() - self._started_at
+        if wall <= 0 or not self._productive:
+            return None
+        return min(1.0, sum(self._productive.values()) / wall)
+
+
+class _JobMetrics:
+    """Prometheus gauges exported through Ray's metrics agent (visible in the Ray dashboard)."""
+
+    def __init__(self, job_id: str):
+        from ray.util.metrics import Gauge
+
+        self._tags = {"job_id": job_id}
+        keys = ("job_id",)
+        self._step = Gauge("etrain_job_step", "optimizer steps completed", tag_keys=keys)
+        self._loss = Gauge("etrain_job_loss", "training loss of the last step", tag_keys=keys)
+        self._tokens = Gauge("etrain_tokens_per_second", "training throughput", tag_keys=keys)
+        self._restarts = Gauge("etrain_restarts_total", "restarts spent from the budget", tag_keys=keys)
+        self._goodput = Gauge("etrain_goodput", "productive step time / wall time", tag_keys=keys)
+        self._straggler = Gauge("etrain_straggler_factor", "slow rank's compute / peers' median",
+                                tag_keys=("job_id", "rank"))
+        self._done = Gauge("etrain_job_finished", "1 once the job reached a terminal status", tag_keys=("job_id", "status"))
+
+    def step(self, step: int, metrics: dict, restarts: int, goodput: float | None) -> None:
+        self._step.set(step, tags=self._tags)
+        if metrics.get("loss") is not None:
+            self._loss.set(float(metrics["loss"]), tags=self._tags)
+        if metrics.get("tokens_per_s") is not None:
+            self._tokens.set(float(metrics["tokens_per_s"]), tags=self._tags)
+        self._restarts.set(restarts, tags=self._tags)
+        if goodput is not None:
+            self._goodput.set(goodput, tags=self._tags)
+
+    def straggler(self, rank: int, factor: float) -> None:
+        self._straggler.set(factor, tags=self._tags | {"rank": str(rank)})
+
+    def finish(self, status: str) -> None:
+        self._done.set(1, tags=self._tags | {"status": status})
+
+
+def _largest_shard(directory: Path) -> Path | None:
+    shards = [path for path in directory.iterdir() if path.is_file() and path.suffix == ".distcp"]
+    return max(shards, key=lambda path: path.stat().st_size) if shards else None
+
+
+def _flip_bytes(path: Path) -> None:
+    """Corrupt a file in place (chaos): invert 64 bytes in its middle, keeping its size."""
+    size = path.stat().st_size
+    offset = max(0, size // 2 - 32)
+    with open(path, "r+b") as handle:
+        handle.seek(offset)
+        chunk = handle.read(64)
+        handle.seek(offset)
+        handle.write(bytes(b ^ 0xFF for b in chunk))
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def start_supervisor(*, job_id: str, config: RunConfig, policy: JobPolicy):
+    """Create the job's detached supervisor actor (or return the live one of that name)."""
+    actor_cls = ray.remote(JobSupervisor)
+    return actor_cls.options(
+        name=supervisor_name(job_id),
+        namespace=NAMESPACE,
+        lifetime="detached",
+        num_cpus=0,
+        max_concurrency=64,
+        max_restarts=0,
+        get_if_exists=True,
+    ).remote(job_id=job_id, config=config, policy=policy)
+
+
+def find_supervisor(job_id: str):
+    """The live supervisor of ``job_id``, or None."""
+    try:
+        return ray.get_actor(supervisor_name(job_id), namespace=NAMESPACE)
+    except ValueError:
+        return None

@@ -1,0 +1,251 @@
+"""One attempt's group of rank actors on Ray: place, start, watch, tear down.
+
+Lives inside the supervisor actor. It owns exactly one placement group and ``world_size`` rank
+actors, and turns what Ray reports about them into plain :class:`GroupOutcome` values that the
+supervisor converts into state-machine events. Nothing here decides *what to do* about a failure.
+
+Placement: one bundle per rank, in rank order (Megatron order puts each tensor-parallel group in
+consecutive ranks, so ``PACK`` keeps a tp group on one node whenever it fits there). Excluded nodes
+(evicted stragglers) are kept out with a per-bundle label selector on ``ray.io/node-id``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from workers.errors import EtrainError
+from workers.worker import ChaosOrder, LaunchPlan, TrainWorker
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "etrain"
+PLACEMENT_TIMEOUT_S = 60.0
+RENDEZVOUS_TIMEOUT_S = 60.0
+# A rank whose run() failed with a collective error is usually the *victim* of a peer that died;
+# wait this long for the peer's death to surface before blaming the rank itself.
+PEER_FAILURE_GRACE_S = 3.0
+
+
+def rank_actor_name(job_id: str, rank: int) -> str:
+    return f"etrain/{job_id}/rank{rank}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupOutcome:
+    """What happened to the group since the last poll (at most one per poll)."""
+
+    kind: Literal["finished", "worker_lost", "job_error", "placement_failed"]
+    rank: int = -1
+    node: str = ""
+    cause: Literal["process", "actor", "node"] = "process"
+    final_step: int = 0
+    message: str = ""
+    traceback: str = ""
+
+
+class WorkerGroup:
+    """The rank actors of one attempt and their placement group."""
+
+    def __init__(
+        self,
+        *,
+        job_id: str,
+        plan: LaunchPlan,
+        world_size: int,
+        resources_per_rank: dict[str, float],
+        strategy: str,
+        excluded_nodes: frozenset[str],
+        supervisor: Any,
+    ):
+        self.job_id = job_id
+        self.plan = plan
+        self.attempt = plan.attempt
+        self.world_size = world_size
+        self._resources = resources_per_rank
+        self._strategy = strategy
+        self._excluded = excluded_nodes
+        self._supervisor = supervisor
+        self.pg = None
+        self.actors: list[Any] = []
+        self.nodes: dict[int, str] = {}  # rank -> node id
+        self._runs: dict[Any, int] = {}  # run ObjectRef -> rank
+        self._results: dict[int, dict] = {}
+        self._suspect: tuple[float, GroupOutcome] | None = None
+        self._lock = threading.Lock()
+
+    # --- start ----------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Place the bundles, create the rank actors, rendezvous on rank 0 and start ``run``.
+
+        Raises :class:`PlacementTimeout` when the cluster cannot hold the group.
+        """
+        bundles = [dict(self._resources) for _ in range(self.world_size)]
+        kwargs: dict[str, Any] = {}
+        if self._excluded:
+            selector = {"ray.io/node-id": f"!in({','.join(sorted(self._excluded))})"}
+            kwargs["bundle_label_selector"] = [dict(selector) for _ in bundles]
+        self.pg = placement_group(bundles, strategy=self._strategy, name=f"etrain/{self.job_id}/a{self.attempt}", **kwargs)
+        try:
+            ray.get(self.pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
+        except GetTimeoutError as err:
+            raise PlacementTimeout(
+                f"{self.world_size} ranks of {self._resources} could not be placed within {PLACEMENT_TIMEOUT_S:.0f}s"
+            ) from err
+        num_gpus = self._resources.get("GPU", 0.0)
+        actor_cls = ray.remote(TrainWorker)
+        for rank in range(self.world_size):
+            actor = actor_cls.options(
+                name=rank_actor_name(self.job_id, rank),
+                namespace=NAMESPACE,
+                num_cpus=self._resources.get("CPU", 0.0),
+                num_gpus=num_gpus,
+                max_restarts=0,
+                max_concurrency=4,  # run() on one thread; chaos / checkpoint requests on others
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self.pg, placement_group_bundle_index=rank
+                ),
+            ).remote(job_id=self.job_id, rank=rank, world_size=self.world_size, supervisor=self._supervisor)
+            self.actors.append(actor)
+        infos = ray.get([actor.node_info.remote() for actor in self.actors], timeout=RENDEZVOUS_TIMEOUT_S)
+        self.nodes = {info["rank"]: info["node_id"] for info in infos}
+        master_addr = infos[0]["ip"]
+        master_port = ray.get(self.actors[0].free_port.remote(), timeout=RENDEZVOUS_TIMEOUT_S)
+        for rank, actor in enumerate(self.actors):
+            self._runs[actor.run.remote(self.plan, master_addr, master_port)] = rank
+
+    # --- watch ----------------------------------------------------------------------------------
+
+    def poll(self, now: float) -> GroupOutcome | None:
+        """Collect finished ``run`` calls; classify the first failure. Never blocks."""
+        pending = list(self._runs)
+        if not pending:
+            return None
+        done, _ = ray.wait(pending, num_returns=len(pending), timeout=0)
+        for ref in done:
+            rank = self._runs.pop(ref)
+            outcome = self._classify(ref, rank)
+            if outcome is None:
+                continue
+            if outcome.kind == "job_error" and outcome.message.startswith("collective failure"):
+                # Maybe the victim of a dead peer: hold it for the grace period.
+                if self._suspect is None:
+                    self._suspect = (now, outcome)
+                continue
+            return outcome
+        if self._suspect is not None and now - self._suspect[0] >= PEER_FAILURE_GRACE_S:
+            _, outcome = self._suspect
+            self._suspect = None
+            # No peer died: the collective failed on its own (network, timeout). Infrastructure, not the job.
+            return GroupOutcome(kind="worker_lost", rank=outcome.rank, node=outcome.node, cause="process",
+                                message=outcome.message)
+        if not self._runs and self._suspect is None and len(self._results) == self.world_size:
+            final_step = min(result["final_step"] for result in self._results.values())
+            return GroupOutcome(kind="finished", final_step=final_step)
+        return None
+
+    def _classify(self, ref, rank: int) -> GroupOutcome | None:
+        node = self.nodes.get(rank, "")
+        try:
+            self._results[rank] = ray.get(ref, timeout=10)
+            return None
+        except RayActorError as err:
+            cause = "node" if node and not _node_alive(node) else ("actor" if "ray.kill" in str(err) else "process")
+            return GroupOutcome(kind="worker_lost", rank=rank, node=node, cause=cause, message=_first_line(err))
+        except RayTaskError as err:
+            inner = err.cause
+            if isinstance(inner, EtrainError):
+                return GroupOutcome(kind="job_error", rank=rank, node=node, message=str(inner), traceback=str(err))
+            if _is_collective_failure(inner):
+                return GroupOutcome(kind="job_error", rank=rank, node=node,
+                                    message=f"collective failure on rank {rank}: {_first_line(inner)}", traceback=str(err))
+            return GroupOutcome(kind="job_error", rank=rank, node=node,
+                                message=f"{type(inner).__name__} on rank {rank}: {inner}", traceback=str(err))
+
+    # --- control calls --------------------------------------------------------------------------
+
+    def call(self, rank: int, method: str, *args) -> None:
+        """Fire-and-forget control call on one rank (chaos, checkpoint request)."""
+        if 0 <= rank < len(self.actors):
+            getattr(self.actors[rank], method).remote(*args)
+
+    def broadcast(self, method: str, *args) -> None:
+        for actor in self.actors:
+            getattr(actor, method).remote(*args)
+
+    def chaos(self, order: ChaosOrder) -> None:
+        self.call(order.rank, "chaos", order)
+
+    def kill_actor(self, rank: int) -> None:
+        if 0 <= rank < len(self.actors):
+            ray.kill(self.actors[rank], no_restart=True)
+
+    def node_of(self, rank: int) -> str:
+        return self.nodes.get(rank, "")
+
+    def bundles_per_node(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for node in self.nodes.values():
+            counts[node] = counts.get(node, 0) + 1
+        return counts
+
+    # --- teardown -------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Kill every rank and release the placement group. Idempotent; never raises."""
+        for actor in self.actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # already dead
+                pass
+        if self.pg is not None:
+            try:
+                remove_placement_group(self.pg)
+            except Exception:
+                pass
+        self._runs.clear()
+
+
+class PlacementTimeout(RuntimeError):
+    """The cluster could not hold the group's bundles in time."""
+
+
+def _node_alive(node_id: str) -> bool:
+    for node in ray.nodes():
+        if node.get("NodeID") == node_id:
+            return bool(node.get("Alive"))
+    return False
+
+
+def _is_collective_failure(error: BaseException | None) -> bool:
+    """Errors a rank sees when a *peer* fails: gloo/nccl connection resets, store or PG timeouts."""
+    # By name, not isinstance: the service does not import torch (DistError, DistBackendError, ...).
+    names = {cls.__name__ for cls in type(error).__mro__} if error is not None else set()
+    if names & {"DistError", "DistBackendError", "DistNetworkError", "DistStoreError", "TimeoutError", "ConnectionError"}:
+        return True
+    text = str(error).lower()
+    return any(marker in text for marker in ("gloo", "nccl", "connection reset", "connection closed", "timed out", "broken pipe"))
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def wait_for(predicate, timeout_s: float, interval_s: float = 0.1) -> bool:
+    """Poll ``predicate`` until true or ``timeout_s`` passes (every wait has a timeout)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return predicate()
