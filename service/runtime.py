@@ -34,7 +34,8 @@ from service.capacity import rank_slots, replicas_that_fit
 from service.stragglers import StragglerConfig, StragglerDetector
 from service.worker_group import NAMESPACE, GroupOutcome, PlacementTimeout, WorkerGroup
 from workers.config import RunConfig
-from workers.manifest import commit, latest_committed, prune, step_dir
+from workers.errors import CheckpointError
+from workers.manifest import commit, latest_committed, list_steps, prune, resolve_latest, step_dir, verify
 from workers.worker import ChaosOrder, LaunchPlan
 
 log = logging.getLogger(__name__)
@@ -210,8 +211,7 @@ class JobSupervisor:
                 self._turn()
             except Exception:  # a bug here must not silently kill the job: fail it loudly
                 log.exception("supervisor loop error")
-                self._apply(sm.JobError(attempt=self.state.attempt, rank=-1, message="supervisor internal error",
-                                        traceback=traceback.format_exc()), time.time())
+                self._apply(sm.Abort(error=f"supervisor internal error: {traceback.format_exc(limit=5)}"), time.time())
 
     def _turn(self) -> None:
         try:
@@ -247,6 +247,8 @@ class JobSupervisor:
             ranks = self._ready.setdefault(attempt, set())
             ranks.add(rank)
             if len(ranks) == self.sm_config.world_size(self.state.dp):
+                nodes = self._group.nodes if self._group is not None else {}
+                self._record("placed", " ".join(f"rank{r}={nodes.get(r, '?')}" for r in sorted(ranks)))
                 self._apply(sm.GroupReady(attempt=attempt, world_size=len(ranks)), now)
         elif kind == "step":
             self._on_step(*item[1:], now=now)
@@ -297,8 +299,7 @@ class JobSupervisor:
             self._check_capacity(force=True)
         elif isinstance(action, sm.ScheduleWake):
             pass  # the loop ticks every TICK_S anyway
-        elif isinstance(action, sm.MarkTerminal):
-            self._record(action.status.value.lower(), action.error or f"job {action.status.value.lower()}")
+        elif isinstance(action, sm.MarkTerminal):  # its RecordEvent comes in the same action list
             self._terminal_at = now
             self._metrics.finish(action.status.value)
         else:
@@ -306,11 +307,15 @@ class JobSupervisor:
 
     def _launch(self, action: sm.LaunchGroup) -> None:
         config = self.config.with_dp(action.dp)
-        resume_dir = str(step_dir(self.root, action.resume_step)) if action.resume_step else None
+        resume_step = self._verified_resume_step(action.resume_step)
+        if resume_step != action.resume_step:
+            self._inbox.put(sm.CheckpointFallback(attempt=action.attempt, step=resume_step,
+                                                  reason="newer checkpoint failed verification"))
+        resume_dir = step_dir(self.root, resume_step) if resume_step else None
         plan = LaunchPlan(
             attempt=action.attempt,
             config=config,
-            start_step=action.resume_step or 0,
+            start_step=resume_step or 0,
             resume_dir=resume_dir,
             chaos=tuple(order for order in self._chaos.values() if order.at_step is not None),
         )
@@ -329,7 +334,7 @@ class JobSupervisor:
         self._record(
             "launching",
             f"attempt {action.attempt}: {action.world_size} ranks, layout {config.parallel.describe()}, "
-            + (f"resuming from step {action.resume_step}" if action.resume_step else "fresh start"),
+            + (f"resuming from step {resume_step}" if resume_step else "fresh start"),
         )
 
         def start() -> None:
@@ -344,6 +349,32 @@ class JobSupervisor:
 
         threading.Thread(target=start, name=f"launch-{self.job_id}-{action.attempt}", daemon=True).start()
 
+    def _verified_resume_step(self, wanted: int | None) -> int | None:
+        """The newest checkpoint at or below ``wanted`` whose manifest and checksums verify.
+
+        The state machine remembers what was committed; a file can rot (or be corrupted by a drill)
+        afterwards, so every launch re-verifies and falls back to the previous good step.
+        """
+        if wanted is None:
+            return None
+        resolution = resolve_latest(self.root)
+        for skipped in resolution.skipped:
+            if skipped.step <= wanted:
+                self._record("checkpoint_skipped", f"step {skipped.step}: {skipped.reason}")
+        if resolution.step is None:
+            self._record("checkpoint_skipped", f"no verifying checkpoint under {self.root}; starting fresh")
+            return None
+        if resolution.step > wanted:  # newer than the commit we know of: only the known one is consistent
+            candidates = [step for step, _ in list_steps(self.root) if step <= wanted]
+            for step in reversed(candidates):
+                try:
+                    verify(step_dir(self.root, step))
+                    return step
+                except CheckpointError as err:
+                    self._record("checkpoint_skipped", f"step {step}: {err}")
+            return None
+        return resolution.step
+
     def _stop(self, action: sm.StopGroup) -> None:
         group = self._group
         attempt = action.attempt
@@ -357,7 +388,7 @@ class JobSupervisor:
 
     def _commit(self, step: int) -> None:
         reports = self._reports.pop(step, {})
-        directory = step_dir(self.root, step)
+        directory = Path(step_dir(self.root, step))
         try:
             commit(
                 directory,
@@ -425,6 +456,8 @@ class JobSupervisor:
 
     def _outcome_event(self, group: WorkerGroup, outcome: GroupOutcome) -> sm.Event:
         if outcome.kind == "finished":
+            digests = {rank: result.get("param_digest") for rank, result in sorted(group.results().items())}
+            self._record("ranks_finished", "param digests " + " ".join(f"rank{r}={d}" for r, d in digests.items()))
             return sm.Finished(attempt=group.attempt, final_step=outcome.final_step)
         if outcome.kind == "job_error":
             return sm.JobError(attempt=group.attempt, rank=outcome.rank, message=outcome.message,
@@ -488,7 +521,7 @@ class JobSupervisor:
     def _corrupt_due(self) -> None:
         committed = self.state.last_committed_step
         for order_id, step in list(self._chaos_corrupt.items()):
-            directory = step_dir(self.root, step)
+            directory = Path(step_dir(self.root, step))
             if committed is None or step > committed or not (directory / "manifest.json").exists():
                 continue
             del self._chaos_corrupt[order_id]

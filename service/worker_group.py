@@ -189,6 +189,10 @@ class WorkerGroup:
         if 0 <= rank < len(self.actors):
             ray.kill(self.actors[rank], no_restart=True)
 
+    def results(self) -> dict[int, dict]:
+        """What each rank's ``run`` returned (complete once the outcome is ``finished``)."""
+        return dict(self._results)
+
     def node_of(self, rank: int) -> str:
         return self.nodes.get(rank, "")
 

@@ -1,0 +1,940 @@
+"""The planner: memory per rank, pipeline bubble, communication and step time of a layout, the rules
+a layout must satisfy, and the automatic choice of ``(dp, tp, pp, zero, schedule)``.
+
+Pure arithmetic over the spec (no torch, no Ray), so the API can answer at submit time and
+``POST /v1/plan`` can show its work. Every formula below is a documented estimate; the numbers are
+meant to reject what cannot fit and to rank layouts, not to predict the allocator to the byte.
+
+Conventions (bytes per parameter; ``precision_bytes``):
+
+* ``bf16``: parameters 2 + gradients 2 + optimizer states 12 (AdamW's two fp32 moments and an fp32
+  master copy) = 16, the ZeRO paper's mixed-precision ``2 + 2 + K`` with K = 12.
+* ``fp32``: parameters 4 + gradients 4 + optimizer states 8 (two fp32 moments; no master copy).
+* The seed notes' table (``bytes_per_param``) uses 2 + 2 + 8 = 12 (no master copy); it is kept as
+  its own function so its worked examples stay checkable.
+* ZeRO shards across the ``dp`` ranks: stage 1 the optimizer states, 2 also the gradients, 3 also the
+  parameters. Memory is reported in bytes and GiB; ``device_memory_gb`` is read as GiB.
+
+What a rank holds (``workers/model.py``, TP as Megatron/torchtitan shard it): column-parallel
+``wq/wk/wv/w1`` shard weight and bias by ``tp``; row-parallel ``wo/w2`` shard the weight but keep the
+bias whole; LayerNorms are replicated; the token embedding and the output head are vocab-parallel
+(sharded by ``tp``); the learned position embedding is replicated. A pipeline stage holds
+``n_layers / (pp * virtual_stages)`` layers per chunk; stage 0 also holds the embeddings and the
+last stage the final norm and head. The estimate reports the WORST stage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from service.errors import SpecRejected
+from service.spec import JobSpec, ParallelismSpec, SpecProblem, check_spec
+from workers.config import ModelConfig, ParallelConfig
+
+__all__ = [
+    "AutoPlan",
+    "CommVolume",
+    "Hardware",
+    "MemoryBreakdown",
+    "PlanEstimate",
+    "StepTime",
+    "bubble_fraction",
+    "bytes_per_param",
+    "check_plan",
+    "estimate",
+    "hardware_for",
+    "in_flight_microbatches",
+    "korthikanti_activation_bytes",
+    "layer_activation_bytes",
+    "layer_params",
+    "plan_report",
+    "precision_bytes",
+    "resolve_auto",
+    "stage_params",
+]
+
+GiB = 1024**3
+DEFAULT_DEVICE_MEMORY_GB = {"cuda": 80.0, "cpu": 8.0}
+#: CUDA context, NCCL/gloo buffers, allocator slack: memory a rank uses before holding any tensor.
+RUNTIME_OVERHEAD_GIB = {"cuda": 1.0, "cpu": 0.5}
+#: Layouts whose estimated step time is within this fraction of the fastest count as equally fast.
+STEP_TIME_TOLERANCE = 0.05
+#: Auto-planning first looks for layouts within this share of device memory (estimates are estimates).
+AUTO_MEMORY_TARGET = 0.9
+DDP_BUCKET_BYTES = 25 * 1024**2
+MAX_AUTO_TP = 8  # tensor parallelism stays inside one node (8 GPUs, NVLink)
+MEMORY_COMPONENTS = ("parameters", "gradients", "optimizer_states", "activations", "buffers", "overhead")
+
+
+# ---------------------------------------------------------------------------------------------
+# Formulas (each one tested on its own)
+# ---------------------------------------------------------------------------------------------
+
+
+def bytes_per_param(zero: int, n: int, *, param_bytes: float = 2, grad_bytes: float = 2,
+                    optimizer_bytes: float = 8) -> float:
+    """Per-GPU bytes per parameter under ZeRO over ``n`` data-parallel ranks (the seed table).
+
+    With the defaults (fp16 params and grads, fp32 Adam moments): 12, 4 + 8/N, 2 + 10/N, 12/N.
+    """
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"zero must be 0, 1, 2 or 3, got {zero}")
+    if n < 1:
+        raise ValueError(f"n (data-parallel ranks) must be >= 1, got {n}")
+    params = param_bytes / n if zero >= 3 else param_bytes
+    grads = grad_bytes / n if zero >= 2 else grad_bytes
+    states = optimizer_bytes / n if zero >= 1 else optimizer_bytes
+    return params + grads + states
+
+
+def precision_bytes(precision: str) -> tuple[int, int, int]:
+    """(parameter, gradient, optimizer-state) bytes per parameter for AdamW at this precision."""
+    if precision == "bf16":
+        return 2, 2, 12  # bf16 weights and grads; fp32 m, v and master copy
+    if precision == "fp32":
+        return 4, 4, 8  # fp32 weights and grads; fp32 m, v
+    raise ValueError(f"precision must be 'fp32' or 'bf16', got {precision!r}")
+
+
+def layer_params(model: ModelConfig, tp: int = 1) -> float:
+    """Parameters of one transformer block held by one tensor-parallel rank.
+
+    Sharded by tp: q/k/v/out and MLP weights, q/k/v and up-projection biases. Replicated: both
+    LayerNorms (2 x 2d) and the biases of the row-parallel ``wo`` and ``w2`` (d each).
+    """
+    d, f = model.d_model, model.ffn_dim
+    sharded = 4 * d * d + 3 * d + 2 * d * f + f
+    replicated = 2 * d + 2 * d + d + d
+    return sharded / tp + replicated
+
+
+def _embedding_params(model: ModelConfig, tp: int) -> float:
+    return model.vocab_size * model.d_model / tp + model.seq_len * model.d_model
+
+
+def _head_params(model: ModelConfig, tp: int) -> float:
+    return model.vocab_size * model.d_model / tp + 2 * model.d_model
+
+
+def stage_params(model: ModelConfig, *, tp: int = 1, layers: int, first: bool, last: bool) -> float:
+    """Parameters one rank holds: its layers plus the embeddings (first stage) and head (last)."""
+    total = layers * layer_params(model, tp)
+    if first:
+        total += _embedding_params(model, tp)
+    if last:
+        total += _head_params(model, tp)
+    return total
+
+
+def korthikanti_activation_bytes(*, seq_len: int, micro_batch: int, d_model: int, n_heads: int,
+                                 tp: int = 1, sequence_parallel: bool = False) -> float:
+    """Activations one layer saves per micro-batch, half precision (Korthikanti et al. 2022).
+
+    ``sbh(34 + 5as/h)`` without TP; ``sbh(10 + 24/t + 5as/(ht))`` with TP; ``sbh/t (34 + 5as/h)``
+    with TP and sequence parallelism. Counts dropout masks and materialised attention scores.
+    """
+    s, b, h, a = seq_len, micro_batch, d_model, n_heads
+    sbh, scores = s * b * h, 5 * a * s * s * b
+    if sequence_parallel:
+        return (34 * sbh + scores) / tp
+    return sbh * (10 + 24 / tp) + scores / tp
+
+
+def layer_activation_bytes(model: ModelConfig, *, micro_batch: int, tp: int = 1,
+                           sequence_parallel: bool = False, precision: str = "bf16",
+                           checkpointing: bool = False) -> float:
+    """Activations one block of OUR model saves for backward, per micro-batch.
+
+    Korthikanti's count adapted to ``workers/model.py``: no dropout (no masks) and fused
+    ``scaled_dot_product_attention`` (no s x s scores saved, only an fp32 log-sum-exp per head and
+    position). Per token it saves, in elements: replicated 4d (both LayerNorm inputs and outputs) and
+    TP-sharded 5d + 2f (q, k, v, attention output and its re-laid-out copy, GELU input and output);
+    at f = 4d and 2 bytes that is exactly Korthikanti's 34 sbh, split 8 + 26/t instead of 10 + 24/t.
+    Element size is 2 bytes (bf16) or 4 (fp32). Sequence parallelism shards the replicated part
+    too (Megatron's layout). With activation checkpointing only the block input (s·b·d) is saved.
+    """
+    elem = 2 if precision == "bf16" else 4
+    s, b, d, f = model.seq_len, micro_batch, model.d_model, model.ffn_dim
+    sp_div = tp if sequence_parallel else 1
+    if checkpointing:
+        return s * b * d * elem / sp_div
+    replicated = 4 * s * b * d * elem / sp_div
+    sharded = s * b * (5 * d + 2 * f) * elem / tp
+    log_sum_exp = 4 * model.n_heads * s * b / tp
+    return replicated + sharded + log_sum_exp
+
+
+def _layer_chunks_in_flight(schedule: str, *, pp: int, microbatches: int, virtual_stages: int,
+                            stage: int) -> int:
+    """Model chunks x micro-batches whose activations ``stage`` holds at its peak."""
+    m, v = microbatches, virtual_stages
+    if pp <= 1:
+        return 1
+    if schedule == "gpipe":
+        return m * v
+    if schedule == "interleaved_1f1b":
+        return min(m * v, 2 * (pp - stage - 1) + (v - 1) * pp + 1)
+    return min(pp - stage, m) * v
+
+
+def in_flight_microbatches(schedule: str, *, pp: int, microbatches: int, virtual_stages: int = 1,
+                           stage: int = 0) -> float:
+    """Micro-batches of a full stage's layers whose activations a stage holds at its peak.
+
+    Assumptions: ``pp == 1`` runs plain gradient accumulation (1). GPipe runs every forward before
+    any backward (M). 1F1B warms up ``pp - stage`` forwards, so stage 0 holds ``min(P, M)``.
+    Interleaved 1F1B (Megatron/torch) warms up ``2(P - stage - 1) + (v - 1)P + 1`` chunk forwards of
+    ``1/v`` of the stage's layers each: ``P + (P - 1)/v`` micro-batches' worth on stage 0.
+    """
+    chunks = _layer_chunks_in_flight(schedule, pp=pp, microbatches=microbatches,
+                                     virtual_stages=virtual_stages, stage=stage)
+    return chunks / (virtual_stages if pp > 1 else 1)
+
+
+def bubble_fraction(pp: int, microbatches: int, schedule: str = "1f1b", virtual_stages: int = 1) -> float:
+    """Fraction of a step the pipeline idles: ``(P - 1) / (v·M + P - 1)``.
+
+    GPipe and 1F1B: ``(P - 1)/(M + P - 1)`` (v = 1). Interleaved: Megatron's bubble relative to the
+    ideal time is ``(1/v)(P - 1)/M``; as a fraction of the total step that is ``(P - 1)/(v·M + P - 1)``.
+    """
+    if pp <= 1:
+        return 0.0
+    v = virtual_stages if schedule == "interleaved_1f1b" else 1
+    return (pp - 1) / (v * microbatches + pp - 1)
+
+
+def _ring_all_reduce(n: int, nbytes: float) -> float:
+    return 2 * (n - 1) / n * nbytes
+
+
+def _ring_gather_or_scatter(n: int, nbytes: float) -> float:
+    return (n - 1) / n * nbytes
+
+
+# ---------------------------------------------------------------------------------------------
+# Hardware assumptions for the cost model
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hardware:
+    """Sustained throughput per rank the step-time model assumes (order of magnitude, not a promise)."""
+
+    flops_per_s: float
+    intra_node_bytes_per_s: float
+    inter_node_bytes_per_s: float
+    intra_node_latency_s: float  # per collective / send: what makes many small ones expensive
+    inter_node_latency_s: float
+    ranks_per_node: int
+
+    def link(self, span: int) -> tuple[float, float]:
+        """(bytes/s, latency) of a group of consecutive ranks spanning ``span`` ranks."""
+        if span <= self.ranks_per_node:
+            return self.intra_node_bytes_per_s, self.intra_node_latency_s
+        return self.inter_node_bytes_per_s, self.inter_node_latency_s
+
+
+def hardware_for(device: str, precision: str, cpus_per_worker: float = 1.0) -> Hardware:
+    """H100-class GPUs at ~40% MFU, NVLink inside an 8-GPU node, 200 Gb/s InfiniBand across; CPU
+    workers on one machine talking gloo."""
+    if device == "cuda":
+        return Hardware(flops_per_s=400e12 if precision == "bf16" else 50e12,
+                        intra_node_bytes_per_s=200e9, inter_node_bytes_per_s=25e9,
+                        intra_node_latency_s=10e-6, inter_node_latency_s=30e-6, ranks_per_node=8)
+    return Hardware(flops_per_s=2e10 * cpus_per_worker, intra_node_bytes_per_s=2e9, inter_node_bytes_per_s=1e9,
+                    intra_node_latency_s=200e-6, inter_node_latency_s=500e-6, ranks_per_node=64)
+
+
+# ---------------------------------------------------------------------------------------------
+# Result types
+# ---------------------------------------------------------------------------------------------
+
+
+def _gib(nbytes: float) -> float:
+    return round(nbytes / GiB, 3)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryBreakdown:
+    """Bytes one rank (of the worst pipeline stage) holds at its peak."""
+
+    stage: int
+    parameters: int
+    gradients: int
+    optimizer_states: int
+    activations: int
+    buffers: int  # ZeRO-3 gathered parameters (current + prefetched unit), ZeRO-2/3 unsharded grads
+    overhead: int
+
+    @property
+    def total(self) -> int:
+        return sum(self.components().values())
+
+    def components(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in MEMORY_COMPONENTS}
+
+    @property
+    def biggest(self) -> str:
+        parts = self.components()
+        return max(parts, key=parts.__getitem__)
+
+    def to_dict(self) -> dict:
+        parts = self.components()
+        return {
+            "stage": self.stage,
+            "bytes": {**parts, "total": self.total},
+            "gib": {**{k: _gib(v) for k, v in parts.items()}, "total": _gib(self.total)},
+            "biggest": self.biggest,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommVolume:
+    """Bytes the busiest rank sends (about as many it receives) per optimizer step, by mesh axis,
+    and how many collectives (or point-to-point sends) carry them."""
+
+    dp: int
+    tp: int
+    pp: int
+    dp_ops: int = 0
+    tp_ops: int = 0
+    pp_ops: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.dp + self.tp + self.pp
+
+    def to_dict(self) -> dict:
+        parts = {"dp": self.dp, "tp": self.tp, "pp": self.pp, "total": self.total}
+        return {"bytes": parts, "gib": {k: _gib(v) for k, v in parts.items()},
+                "collectives": {"dp": self.dp_ops, "tp": self.tp_ops, "pp": self.pp_ops}}
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepTime:
+    """Cost model: ``(compute + tp + pp) / (1 - bubble) + dp`` seconds, nothing overlapped."""
+
+    compute_s: float
+    tp_comm_s: float
+    pp_comm_s: float
+    dp_comm_s: float
+    bubble_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.tp_comm_s + self.pp_comm_s + self.dp_comm_s + self.bubble_s
+
+    def to_dict(self) -> dict:
+        fields = dataclasses.asdict(self)
+        return {**{k: float(f"{v:.4g}") for k, v in fields.items()}, "total_s": float(f"{self.total_s:.4g}")}
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanEstimate:
+    """Everything the planner knows about one explicit layout."""
+
+    layout: str
+    world_size: int
+    dp: int
+    tp: int
+    pp: int
+    zero: int
+    pp_schedule: str
+    virtual_stages: int
+    sequence_parallel: bool
+    microbatches: int
+    micro_batch: int
+    precision: str
+    activation_checkpointing: bool
+    num_params: int
+    params_per_rank: int  # the worst stage's parameters on one TP rank, before ZeRO sharding
+    layers_per_stage: int
+    in_flight_microbatches: float
+    activation_bytes_per_layer: int
+    memory: MemoryBreakdown
+    device_memory_bytes: int
+    bubble_fraction: float
+    comm: CommVolume
+    flops_per_step: float
+    flops_per_step_with_recompute: float
+    step_time: StepTime
+
+    @property
+    def headroom_bytes(self) -> int:
+        return self.device_memory_bytes - self.memory.total
+
+    @property
+    def fits(self) -> bool:
+        return self.headroom_bytes >= 0
+
+    def to_dict(self) -> dict:
+        return {
+            "layout": self.layout,
+            "world_size": self.world_size,
+            "parallelism": {
+                "dp": self.dp, "tp": self.tp, "pp": self.pp, "zero": self.zero,
+                "pp_schedule": self.pp_schedule, "virtual_stages": self.virtual_stages,
+                "sequence_parallel": self.sequence_parallel, "microbatches": self.microbatches,
+            },
+            "training": {"micro_batch": self.micro_batch, "precision": self.precision,
+                         "activation_checkpointing": self.activation_checkpointing},
+            "params": {"total": self.num_params, "per_rank": self.params_per_rank,
+                       "layers_per_stage": self.layers_per_stage},
+            "memory": {
+                **self.memory.to_dict(),
+                "device_gib": _gib(self.device_memory_bytes),
+                "headroom_gib": _gib(self.headroom_bytes),
+                "fits": self.fits,
+            },
+            "activations": {"in_flight_microbatches": self.in_flight_microbatches,
+                            "bytes_per_layer_per_microbatch": self.activation_bytes_per_layer},
+            "bubble_fraction": round(self.bubble_fraction, 6),
+            "comm_per_step": self.comm.to_dict(),
+            "flops_per_step": self.flops_per_step,
+            "flops_per_step_with_recompute": self.flops_per_step_with_recompute,
+            "step_time": self.step_time.to_dict(),
+        }
+
+
+# ---------------------------------------------------------------------------------------------
+# Estimating one layout
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Case:
+    """A spec flattened to the numbers the estimate reads, so variants are cheap to make."""
+
+    model: ModelConfig
+    layout: ParallelismSpec
+    global_batch: int
+    micro_batch: int
+    precision: str
+    checkpointing: bool
+    device: str
+    device_memory_bytes: int
+    cpus_per_worker: float
+
+    @property
+    def microbatches(self) -> int:
+        derived = max(1, self.global_batch // (self.layout.dp * self.micro_batch))
+        return self.layout.microbatches or derived
+
+    def replace(self, *, layout: dict | None = None, **fields) -> "_Case":
+        if layout:
+            fields["layout"] = self.layout.model_copy(update=layout)
+        return dataclasses.replace(self, **fields)
+
+
+def _device_memory_bytes(spec: JobSpec) -> int:
+    gb = spec.resources.device_memory_gb or DEFAULT_DEVICE_MEMORY_GB[spec.resources.device]
+    return int(gb * GiB)
+
+
+def _case(spec: JobSpec, layout: ParallelismSpec) -> _Case:
+    return _Case(
+        model=spec.model.to_config(), layout=layout, global_batch=spec.training.global_batch,
+        micro_batch=spec.training.micro_batch, precision=spec.training.precision,
+        checkpointing=spec.training.activation_checkpointing, device=spec.resources.device,
+        device_memory_bytes=_device_memory_bytes(spec), cpus_per_worker=spec.resources.cpus_per_worker,
+    )
+
+
+def _describe(layout: ParallelismSpec) -> str:
+    return ParallelConfig(dp=layout.dp, tp=layout.tp, pp=layout.pp, zero=layout.zero,
+                          pp_schedule=layout.pp_schedule, virtual_stages=layout.virtual_stages,
+                          sequence_parallel=layout.sequence_parallel).describe()
+
+
+def _evaluate(case: _Case) -> PlanEstimate:
+    model, lay = case.model, case.layout
+    dp, tp, pp, zero = lay.dp, lay.tp, lay.pp, lay.zero
+    v = lay.virtual_stages if pp > 1 else 1
+    m, b, s, d = case.microbatches, case.micro_batch, model.seq_len, model.d_model
+    elem = 2 if case.precision == "bf16" else 4
+    pb, gb, ob = precision_bytes(case.precision)
+    layers = math.ceil(model.n_layers / (pp * v)) * v
+    per_layer_act = layer_activation_bytes(model, micro_batch=b, tp=tp, sequence_parallel=lay.sequence_parallel,
+                                           precision=case.precision, checkpointing=case.checkpointing)
+    full_layer_act = layer_activation_bytes(model, micro_batch=b, tp=tp, sequence_parallel=lay.sequence_parallel,
+                                            precision=case.precision)
+    hidden = s * b * d * elem  # one micro-batch's hidden states
+    sp_div = tp if lay.sequence_parallel else 1
+    overhead = RUNTIME_OVERHEAD_GIB[case.device] * GiB
+    ar_per_layer = 6 if case.checkpointing else 4  # 2 fwd + 2 bwd all-reduces, +2 fwd in recompute
+
+    stages = sorted({0, pp - 1})
+    memories, params_of, tp_bytes, dp_bytes, tp_ops, dp_ops = {}, {}, [], [], [], []
+    for stage in stages:
+        first, last = stage == 0, stage == pp - 1
+        params = stage_params(model, tp=tp, layers=layers, first=first, last=last)
+        unit = max(layer_params(model, tp) if layers else 0.0, _embedding_params(model, tp) if first else 0.0,
+                   _head_params(model, tp) if last else 0.0)
+        held = _layer_chunks_in_flight(lay.pp_schedule, pp=pp, microbatches=m, virtual_stages=v, stage=stage)
+        activations = held * (layers // v) * per_layer_act
+        if case.checkpointing:
+            activations += full_layer_act  # one block's activations live while it is recomputed
+        if last:  # fp32 log-softmax of the (gathered) logits, final norm input and output
+            logits_held = math.ceil(_layer_chunks_in_flight(lay.pp_schedule, pp=pp, microbatches=m,
+                                                            virtual_stages=v, stage=stage) / v)
+            activations += logits_held * (4 * b * s * model.vocab_size + 2 * hidden / sp_div)
+        memories[stage] = MemoryBreakdown(
+            stage=stage,
+            parameters=math.ceil(params * pb / (dp if zero >= 3 else 1)),
+            gradients=math.ceil(params * gb / (dp if zero >= 2 else 1)),
+            optimizer_states=math.ceil(params * ob / (dp if zero >= 1 else 1)),
+            activations=math.ceil(activations),
+            buffers=math.ceil((2 * unit * pb if zero >= 3 else 0) + (unit * gb if zero >= 2 else 0)),
+            overhead=math.ceil(overhead),
+        )
+        params_of[stage] = params
+        # dp: ring all-reduce of the gradients (ZeRO 0/1); reduce-scatter + all-gather of the
+        # parameters (ZeRO-2); one more all-gather (ZeRO-3: forward and backward each gather).
+        # Collectives: DDP-style buckets of 25 MiB (ZeRO-1 adds the parameter all-gathers); FSDP units
+        # (each block, the embeddings, the head) gather/scatter one at a time. Gradients are reduced
+        # once per step (no sync during accumulation).
+        grads_b, params_b = params * gb, params * pb
+        units = layers + int(first) + int(last)
+        if dp <= 1:
+            dp_bytes.append(0.0)
+            dp_ops.append(0)
+        elif zero <= 1:
+            dp_bytes.append(_ring_all_reduce(dp, grads_b))
+            dp_ops.append(math.ceil(grads_b / DDP_BUCKET_BYTES) * (1 + zero))
+        else:
+            gathers = 2 if zero >= 3 else 1
+            dp_bytes.append(_ring_gather_or_scatter(dp, grads_b) + gathers * _ring_gather_or_scatter(dp, params_b))
+            dp_ops.append(units * (1 + gathers))
+        # tp: per layer per micro-batch 2 all-reduces forward + 2 backward of b·s·d (same volume as
+        # all-gather + reduce-scatter under sequence parallelism); vocab-parallel embedding (fwd) and
+        # head (bwd) add one each.
+        edge_ops = int(first) + int(last)
+        tp_ops.append(0 if tp <= 1 else m * (layers * ar_per_layer + edge_ops))
+        tp_bytes.append(tp_ops[-1] * _ring_all_reduce(tp, hidden))
+    worst = max(stages, key=lambda st: memories[st].total)
+    # pp: each micro-batch's activations cross every chunk boundary forward, its gradients backward.
+    sends = max(v - (i == pp - 1) + v - (i == 0) for i in range(pp)) if pp > 1 else 0
+    pp_bytes = m * sends * hidden / sp_div
+
+    tokens = case.global_batch * s
+    matmul_params = model.num_params - (model.vocab_size + s) * d  # lookups are not matmuls
+    attention = model.n_layers * d * s
+    flops = 6 * matmul_params * tokens + 12 * attention * tokens
+    flops_recompute = flops + (2 * matmul_params + 4 * attention) * tokens if case.checkpointing else flops
+    bubble = bubble_fraction(pp, m, lay.pp_schedule, v)
+    comm = CommVolume(dp=math.ceil(max(dp_bytes)), tp=math.ceil(max(tp_bytes)), pp=math.ceil(pp_bytes),
+                      dp_ops=max(dp_ops), tp_ops=max(tp_ops), pp_ops=m * sends)
+    step = _step_time(case, comm, flops_recompute, bubble)
+    return PlanEstimate(
+        layout=_describe(lay), world_size=dp * tp * pp, dp=dp, tp=tp, pp=pp, zero=zero,
+        pp_schedule=lay.pp_schedule, virtual_stages=lay.virtual_stages, sequence_parallel=lay.sequence_parallel,
+        microbatches=m, micro_batch=b, precision=case.precision, activation_checkpointing=case.checkpointing,
+        num_params=model.num_params, params_per_rank=math.ceil(params_of[worst]), layers_per_stage=layers,
+        in_flight_microbatches=in_flight_microbatches(lay.pp_schedule, pp=pp, microbatches=m, virtual_stages=v,
+                                                      stage=worst),
+        activation_bytes_per_layer=math.ceil(per_layer_act), memory=memories[worst],
+        device_memory_bytes=case.device_memory_bytes, bubble_fraction=bubble, comm=comm,
+        flops_per_step=float(flops), flops_per_step_with_recompute=float(flops_recompute), step_time=step,
+    )
+
+
+def _step_time(case: _Case, comm: CommVolume, flops: float, bubble: float) -> StepTime:
+    lay = case.layout
+    hw = hardware_for(case.device, case.precision, case.cpus_per_worker)
+
+    def seconds(nbytes: float, ops: int, span: int) -> float:  # Megatron order: tp, then dp, then pp
+        bandwidth, latency = hw.link(span)
+        return nbytes / bandwidth + ops * latency
+
+    world = lay.dp * lay.tp * lay.pp
+    compute = flops / world / hw.flops_per_s
+    tp_s = seconds(comm.tp, comm.tp_ops, lay.tp)
+    pp_s = seconds(comm.pp, comm.pp_ops, world)
+    dp_s = seconds(comm.dp, comm.dp_ops, lay.tp * lay.dp)
+    busy = compute + tp_s + pp_s
+    return StepTime(compute_s=compute, tp_comm_s=tp_s, pp_comm_s=pp_s, dp_comm_s=dp_s,
+                    bubble_s=busy / (1 - bubble) - busy)
+
+
+def estimate(spec: JobSpec) -> PlanEstimate:
+    """Memory, bubble, communication, FLOPs and step time of the spec's explicit layout."""
+    return _evaluate(_case(spec, spec.layout))
+
+
+# ---------------------------------------------------------------------------------------------
+# Rules
+# ---------------------------------------------------------------------------------------------
+
+
+def _divisors_ok(model: ModelConfig, tp: int) -> bool:
+    return all(x % tp == 0 for x in (model.n_heads, model.d_model, model.ffn_dim, model.vocab_size))
+
+
+def _degree_problems(lay: ParallelismSpec) -> list[SpecProblem]:
+    """Degrees below 1 (possible only past pydantic, e.g. model_construct): nothing else is computable."""
+    problems = []
+    for name in ("dp", "tp", "pp", "virtual_stages"):
+        value = getattr(lay, name)
+        if not isinstance(value, int) or value < 1:
+            problems.append(SpecProblem(field=f"parallelism.{name}", message=f"parallelism.{name}={value!r} "
+                                        "must be an integer >= 1.", fix=f"set {name} >= 1"))
+    if lay.microbatches is not None and (not isinstance(lay.microbatches, int) or lay.microbatches < 1):
+        problems.append(SpecProblem(field="parallelism.microbatches", message="parallelism.microbatches="
+                                    f"{lay.microbatches!r} must be >= 1.",
+                                    fix="omit it (derived from the batch sizes) or set it >= 1"))
+    return problems
+
+
+def _layout_problems(case: _Case, *, max_dp: int) -> list[SpecProblem]:
+    """Structural rules of a layout (no memory): degrees, divisibility, schedule, flags."""
+    lay, model = case.layout, case.model
+    problems = _degree_problems(lay)
+    if problems:
+        return problems
+
+    def add(field: str, message: str, fix: str) -> None:
+        problems.append(SpecProblem(field=field, message=message, fix=fix))
+
+    dp, tp, pp, v = lay.dp, lay.tp, lay.pp, lay.virtual_stages
+    degrees = f"(world = dp·tp·pp = {dp}·{tp}·{pp} = {dp * tp * pp})"
+    valid_tp = [t for t in range(1, min(model.n_heads, MAX_AUTO_TP) + 1) if _divisors_ok(model, t)]
+    for dim, size in (("n_heads", model.n_heads), ("d_model", model.d_model), ("ffn_dim", model.ffn_dim),
+                      ("vocab_size", model.vocab_size)):
+        if size % tp:
+            why = " (the output head is column-parallel over the vocabulary)" if dim == "vocab_size" else ""
+            add("parallelism.tp", f"parallelism.tp={tp} does not divide model.{dim}={size}{why} {degrees}.",
+                f"use tp in {valid_tp}")
+    if lay.sequence_parallel and tp == 1:
+        add("parallelism.sequence_parallel", "parallelism.sequence_parallel=true needs tp > 1, got tp=1.",
+            "set tp >= 2 or sequence_parallel=false")
+    elif lay.sequence_parallel and model.seq_len % tp:
+        add("parallelism.sequence_parallel",
+            f"sequence parallelism shards the sequence: model.seq_len={model.seq_len} is not divisible by tp={tp}.",
+            f"use a seq_len that is a multiple of {tp}, or sequence_parallel=false")
+    chunks = pp * v
+    if model.n_layers % chunks:
+        field = "parallelism.virtual_stages" if v > 1 and model.n_layers % pp == 0 else "parallelism.pp"
+        valid_pp = [p for p in range(1, model.n_layers + 1) if model.n_layers % (p * v) == 0]
+        add(field, f"model.n_layers={model.n_layers} is not divisible by pp·virtual_stages = {pp}·{v} = {chunks} "
+            f"{degrees}.", f"use pp in {valid_pp[:12]} (with virtual_stages={v})")
+    m = case.microbatches
+    source = (f"parallelism.microbatches={m}" if lay.microbatches else
+              f"global_batch/(dp·micro_batch) = {case.global_batch}/({dp}·{case.micro_batch}) = {m}")
+    if pp > 1 and lay.pp_schedule in ("gpipe", "1f1b"):
+        if v != 1:
+            add("parallelism.virtual_stages",
+                f"pp_schedule={lay.pp_schedule!r} runs one stage per rank but virtual_stages={v}.",
+                "set virtual_stages=1 or pp_schedule='interleaved_1f1b'")
+        if m < pp:
+            add("parallelism.microbatches",
+                f"pp_schedule={lay.pp_schedule!r} with pp={pp} needs at least {pp} micro-batches to fill the "
+                f"pipeline, got {source}.",
+                f"raise training.global_batch to >= {pp * dp * case.micro_batch} or lower training.micro_batch/dp")
+    elif lay.pp_schedule == "interleaved_1f1b":
+        if pp < 2:
+            add("parallelism.pp_schedule", f"pp_schedule='interleaved_1f1b' needs pp >= 2, got pp={pp}.",
+                "use pp >= 2 or pp_schedule='1f1b'")
+        if v < 2:
+            add("parallelism.virtual_stages",
+                f"pp_schedule='interleaved_1f1b' needs virtual_stages >= 2, got {v}.",
+                "set virtual_stages=2 (or more), or pp_schedule='1f1b'")
+        if pp >= 2 and m % pp:
+            add("parallelism.microbatches",
+                f"pp_schedule='interleaved_1f1b' needs micro-batches divisible by pp={pp}, got {source}.",
+                f"make global_batch/(dp·micro_batch) a multiple of {pp}")
+    elif pp == 1 and v != 1:
+        add("parallelism.virtual_stages", f"virtual_stages={v} needs pipeline parallelism, got pp=1.",
+            "set virtual_stages=1")
+    if lay.zero > 0 and dp == 1 and max_dp <= 1:
+        add("parallelism.zero", f"parallelism.zero={lay.zero} shards across data-parallel ranks but dp=1 "
+            "(and resources.max_dp allows no more).", "set zero=0, or dp >= 2 (or resources.max_dp >= 2)")
+    return problems
+
+
+def _memory_problem(case: _Case, est: PlanEstimate, *, field: str = "parallelism",
+                    context: str = "") -> SpecProblem:
+    mem = est.memory
+    parts = ", ".join(f"{name.replace('_', ' ')} {_gib(value):.1f}" for name, value in mem.components().items())
+    where = f"stage {mem.stage} of pp={est.pp}, " if est.pp > 1 else ""
+    message = (f"{context}estimated memory per rank {_gib(mem.total):.1f} GiB ({where}{parts} GiB) exceeds "
+               f"the device memory {_gib(est.device_memory_bytes):.1f} GiB (resources.device_memory_gb) for "
+               f"{est.layout}; the biggest component is {mem.biggest.replace('_', ' ')} "
+               f"({_gib(getattr(mem, mem.biggest)):.1f} GiB).")
+    return SpecProblem(field=field, message=message, fix=_memory_fixes(case, est))
+
+
+def _memory_fixes(case: _Case, est: PlanEstimate) -> str:
+    """Concrete single changes, each with the memory it would need ("fits" when it does)."""
+    lay, model = case.layout, case.model
+    variants: list[tuple[str, _Case]] = []
+    if lay.zero < 3 and lay.dp > 1:
+        variants += [(f"parallelism.zero={z}", case.replace(layout={"zero": z})) for z in range(lay.zero + 1, 4)]
+    if not case.checkpointing:
+        variants.append(("training.activation_checkpointing=true", case.replace(checkpointing=True)))
+    if case.micro_batch > 1:
+        variants.append(("training.micro_batch=1", case.replace(micro_batch=1)))
+    if lay.tp * 2 <= MAX_AUTO_TP and _divisors_ok(model, lay.tp * 2):
+        variants.append((f"parallelism.tp={lay.tp * 2} (world {est.world_size * 2})",
+                         case.replace(layout={"tp": lay.tp * 2})))
+    if model.n_layers % (lay.pp * 2 * lay.virtual_stages) == 0:
+        variants.append((f"parallelism.pp={lay.pp * 2} (world {est.world_size * 2})",
+                         case.replace(layout={"pp": lay.pp * 2, "microbatches": None})))
+    texts, seen_fit = [], False
+    for label, variant in variants:
+        if label.startswith("parallelism.zero") and seen_fit:
+            continue  # name only the lowest ZeRO stage that fits
+        total = _evaluate(variant).memory.total
+        fits = total <= case.device_memory_bytes
+        seen_fit = seen_fit or (fits and label.startswith("parallelism.zero"))
+        texts.append(f"{label} → {_gib(total):.1f} GiB/rank{' (fits)' if fits else ''}")
+    advice = "; ".join(texts) if texts else "no single change helps"
+    return (f"try {advice}; or combine them, use a device with more memory, or let the planner choose with "
+            "parallelism: {auto: true, max_workers: N}")
+
+
+def check_plan(spec: JobSpec) -> list[SpecProblem]:
+    """Every reason the spec's layout cannot run (layout rules and memory), each with numbers and a fix.
+
+    An auto spec is checked by resolving it: the answer is empty when some layout fits the budget.
+    ``zero > 0`` at ``dp == 1`` is rejected unless ``resources.max_dp`` lets the job grow. An elastic
+    job is also checked at ``resources.min_dp``, where ZeRO shards over fewer ranks.
+    """
+    if spec.is_auto:
+        try:
+            resolve_auto(spec)
+        except SpecRejected as rejected:
+            return list(rejected.problems)
+        return []
+    case = _case(spec, spec.layout)
+    problems = _layout_problems(case, max_dp=spec.max_dp)
+    if _degree_problems(case.layout):
+        return problems
+    est = _evaluate(case)
+    if not est.fits:
+        problems.append(_memory_problem(case, est))
+    elif spec.min_dp < case.layout.dp:
+        shrunk = case.replace(layout={"dp": spec.min_dp, "microbatches": None})
+        low = _evaluate(shrunk)
+        if not low.fits:
+            problems.append(_memory_problem(shrunk, low, field="resources.min_dp",
+                                            context=f"after an elastic shrink to resources.min_dp={spec.min_dp}: "))
+    return problems
+
+
+# ---------------------------------------------------------------------------------------------
+# Auto-planning
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class AutoPlan:
+    """The layout the planner chose, its estimate, and why (one reason per decision)."""
+
+    layout: ParallelismSpec
+    estimate: PlanEstimate
+    reasons: list[str]
+    candidates_considered: int
+    candidates_fitting: int
+    max_workers: int
+
+    def to_dict(self) -> dict:
+        return {
+            "layout": self.layout.model_dump(), "layout_text": self.estimate.layout, "reasons": list(self.reasons),
+            "candidates_considered": self.candidates_considered, "candidates_fitting": self.candidates_fitting,
+            "max_workers": self.max_workers,
+        }
+
+
+def _budget(spec: JobSpec) -> int:
+    """max_workers; for the literal ``"auto"`` the elastic ceiling ``resources.max_dp``, else 1."""
+    if isinstance(spec.parallelism, ParallelismSpec):
+        raise ValueError("resolve_auto needs parallelism: auto or {auto: true, max_workers: N}")
+    if spec.parallelism == "auto":
+        return spec.resources.max_dp or 1
+    return spec.parallelism.max_workers
+
+
+def _candidates(spec: JobSpec, base: _Case, budget: int) -> Iterator[_Case]:
+    """Every (dp, tp, pp, zero, schedule, sp) within the budget that check_spec's batch rules allow."""
+    model, res = base.model, spec.resources
+    per_replica = spec.training.global_batch // spec.training.micro_batch
+    lo_dp, hi_dp = res.min_dp or 1, res.max_dp or budget
+    for tp in range(1, min(MAX_AUTO_TP, budget) + 1):
+        for pp in range(1, min(model.n_layers, budget // tp) + 1):
+            for dp in range(max(1, lo_dp), min(hi_dp, budget // (tp * pp)) + 1):
+                if spec.training.global_batch % (dp * spec.training.micro_batch):
+                    continue
+                m = per_replica // dp
+                schedules = [("1f1b", 1)]
+                if pp > 1:
+                    schedules += [("interleaved_1f1b", v) for v in (2, 4) if m % pp == 0]
+                for zero in range(4) if dp > 1 else (0,):
+                    for schedule, v in schedules:
+                        for sp in (False, True) if tp > 1 else (False,):
+                            layout = ParallelismSpec(dp=dp, tp=tp, pp=pp, zero=zero, pp_schedule=schedule,
+                                                     virtual_stages=v, sequence_parallel=sp)
+                            yield dataclasses.replace(base, layout=layout)
+
+
+def _choose(fitting: list[PlanEstimate]) -> PlanEstimate:
+    """The cost model's pick among layouts that fit.
+
+    1. Layouts within AUTO_MEMORY_TARGET of device memory, when there are any (headroom for error).
+    2. Pipeline parallelism only when needed: if a pp=1 layout fits, only pp=1 layouts compete.
+    3. Among layouts whose estimated step time is within STEP_TIME_TOLERANCE of the fastest, the
+       fewest pipeline stages, then the least tensor parallelism (the comm-heavy axes).
+    4. Within that (pp, tp): the fastest step; exact ties (same traffic, e.g. sequence parallelism
+       on or off) go to lower memory. So ZeRO is used when memory needs it or it is faster.
+    """
+    roomy = [e for e in fitting if e.memory.total <= AUTO_MEMORY_TARGET * e.device_memory_bytes]
+    pool = roomy or fitting
+    if any(e.pp == 1 for e in pool):
+        pool = [e for e in pool if e.pp == 1]
+    fastest = min(e.step_time.total_s for e in pool)
+    band = [e for e in pool if e.step_time.total_s <= fastest * (1 + STEP_TIME_TOLERANCE)]
+    pp, tp = min((e.pp, e.tp) for e in band)
+    same_axes = [e for e in pool if (e.pp, e.tp) == (pp, tp)]
+    best = min(e.step_time.total_s for e in same_axes)
+    ties = [e for e in same_axes if e.step_time.total_s <= best * (1 + 1e-9)]
+    return min(ties, key=lambda e: (e.memory.total, e.step_time.total_s, e.layout))
+
+
+def resolve_auto(spec: JobSpec) -> AutoPlan:
+    """Choose a layout for ``parallelism: auto`` within the worker budget.
+
+    Enumerates dp·tp·pp <= budget (tp <= 8: one node), every ZeRO stage (dp > 1), 1F1B and
+    interleaved (v = 2, 4) schedules for pp > 1 (GPipe has 1F1B's bubble and more memory, so it is
+    never the better choice) and sequence parallelism for tp > 1; drops layouts
+    that break a rule or do not fit the device memory; picks by :func:`_choose` over the
+    :class:`StepTime` cost model. Raises :class:`SpecRejected` when nothing fits.
+    """
+    budget = _budget(spec)
+    base = _case(spec, ParallelismSpec())
+    evaluated = []
+    for case in _candidates(spec, base, budget):
+        if not _layout_problems(case, max_dp=case.layout.dp):
+            evaluated.append((case, _evaluate(case)))
+    fitting = [est for _, est in evaluated if est.fits]
+    dev = _gib(base.device_memory_bytes)
+    if not fitting:
+        if evaluated:
+            smallest = min((est for _, est in evaluated), key=lambda e: e.memory.total)
+            detail = (f"the smallest, {smallest.layout}, needs {_gib(smallest.memory.total):.1f} GiB/rank "
+                      f"({smallest.memory.biggest.replace('_', ' ')} "
+                      f"{_gib(getattr(smallest.memory, smallest.memory.biggest)):.1f} GiB)")
+        else:
+            detail = "no layout satisfies the divisibility and batch rules"
+        raise SpecRejected([SpecProblem(
+            field="parallelism.max_workers",
+            message=f"no layout of at most {budget} workers fits in {dev:.1f} GiB/rank: {detail}.",
+            fix="raise max_workers, enable training.activation_checkpointing, lower training.micro_batch, "
+                "or use a device with more memory (resources.device_memory_gb)",
+        )])
+    chosen = _choose(fitting)
+    case = next(c for c, e in evaluated if e is chosen)
+    reasons = _reasons(chosen, case, [e for _, e in evaluated], fitting, budget, dev)
+    return AutoPlan(layout=case.layout, estimate=chosen, reasons=reasons, candidates_considered=len(evaluated),
+                    candidates_fitting=len(fitting), max_workers=budget)
+
+
+def _axis_reason(axis: str, label: str, chosen: PlanEstimate, evaluated: list[PlanEstimate],
+                 fitting: list[PlanEstimate], dev: float) -> str:
+    value = getattr(chosen, axis)
+    if value == 1:
+        return f"{axis}=1: the model fits without {label}"
+    alts = [e for e in fitting if getattr(e, axis) == 1]
+    if alts:
+        alt = min(alts, key=lambda e: e.step_time.total_s)
+        return (f"{axis}={value}: est. step {chosen.step_time.total_s:.3g} s vs {alt.step_time.total_s:.3g} s "
+                f"for the best {axis}=1 layout ({alt.layout})")
+    pool = [e for e in evaluated if getattr(e, axis) == 1]
+    if not pool:
+        return f"{axis}={value}: no valid layout with {axis}=1 within the budget"
+    low = min(pool, key=lambda e: e.memory.total)
+    return (f"{axis}={value}: no layout with {axis}=1 fits; the smallest ({low.layout}) needs "
+            f"{_gib(low.memory.total):.1f} GiB/rank > {dev:.1f} GiB "
+            f"({low.memory.biggest.replace('_', ' ')} {_gib(getattr(low.memory, low.memory.biggest)):.1f} GiB)")
+
+
+def _reasons(chosen: PlanEstimate, case: _Case, evaluated: list[PlanEstimate], fitting: list[PlanEstimate],
+             budget: int, dev: float) -> list[str]:
+    lay = case.layout
+    reasons = [f"budget: at most {budget} workers; {len(evaluated)} valid layouts considered, "
+               f"{len(fitting)} fit in {dev:.1f} GiB/rank",
+               _axis_reason("tp", "tensor parallelism", chosen, evaluated, fitting, dev),
+               _axis_reason("pp", "pipeline parallelism", chosen, evaluated, fitting, dev)]
+    if chosen.pp > 1:
+        reasons.append(f"pp_schedule={chosen.pp_schedule}"
+                       f"{f' x{chosen.virtual_stages} virtual stages' if chosen.virtual_stages > 1 else ''}: "
+                       f"bubble {chosen.bubble_fraction:.1%} with {chosen.microbatches} micro-batches, "
+                       f"stage {chosen.memory.stage} holds {chosen.in_flight_microbatches:g} in flight")
+    if chosen.zero == 0:
+        reasons.append("zero=0: dp=1, nothing to shard" if chosen.dp == 1 else
+                       f"zero=0: replicated optimizer states fit "
+                       f"({_gib(chosen.memory.optimizer_states):.1f} GiB/rank)")
+    else:
+        plain = _evaluate(case.replace(layout={"zero": 0}))
+        shards = {1: "optimizer states", 2: "optimizer states and gradients",
+                  3: "optimizer states, gradients and parameters"}[chosen.zero]
+        if not plain.fits:
+            verdict = f"exceeds {dev:.1f} GiB"
+        elif plain.memory.total > AUTO_MEMORY_TARGET * plain.device_memory_bytes:
+            verdict = f"leaves under {1 - AUTO_MEMORY_TARGET:.0%} of {dev:.1f} GiB free"
+        else:
+            verdict = (f"fits, but zero={chosen.zero} is estimated faster ({chosen.step_time.total_s:.4g} s vs "
+                       f"{plain.step_time.total_s:.4g} s per step)")
+        reasons.append(f"zero={chosen.zero}: shards {shards} over dp={chosen.dp}; at zero=0 optimizer states "
+                       f"take {_gib(plain.memory.optimizer_states):.1f} GiB/rank and the total "
+                       f"{_gib(plain.memory.total):.1f} GiB/rank {verdict}; now {_gib(chosen.memory.total):.1f} GiB")
+    if chosen.sequence_parallel:
+        reasons.append(f"sequence_parallel: shards the LayerNorm activations over tp={chosen.tp} at no extra "
+                       "communication volume")
+    used = f"{chosen.world_size} of {budget} workers"
+    limit = "" if chosen.world_size == budget else (
+        f" (dp must divide global_batch/micro_batch = {case.global_batch}/{case.micro_batch} and fit the budget)")
+    reasons.append(f"dp={chosen.dp}: world = dp·tp·pp = {chosen.dp}·{chosen.tp}·{chosen.pp} uses {used}{limit}")
+    st = chosen.step_time
+    reasons.append(f"chosen {chosen.layout}: {_gib(chosen.memory.total):.1f} of {dev:.1f} GiB/rank, est. step "
+                   f"{st.total_s:.3g} s (compute {st.compute_s:.3g}, comm {st.tp_comm_s + st.pp_comm_s + st.dp_comm_s:.3g}, "
+                   f"bubble {chosen.bubble_fraction:.1%})")
+    return reasons
+
+
+# ---------------------------------------------------------------------------------------------
+# The POST /v1/plan body
+# ---------------------------------------------------------------------------------------------
+
+
+def plan_report(spec: JobSpec) -> dict:
+    """``{"feasible", "problems", "layout", "estimate", "auto"}``: check_spec + planner in one answer.
+
+    An auto spec is resolved first and its chosen layout checked like an explicit one.
+    """
+    auto: AutoPlan | None = None
+    problems = list(check_spec(spec))
+    resolved = spec
+    if spec.is_auto:
+        try:
+            auto = resolve_auto(spec)
+        except SpecRejected as rejected:
+            problems += rejected.problems
+        else:
+            resolved = spec.with_layout(auto.layout)
+            problems += check_spec(resolved)
+    if not resolved.is_auto:
+        problems += [p for p in check_plan(resolved) if p not in problems]
+    est = auto.estimate if auto else (None if resolved.is_auto else _safe_estimate(resolved))
+    return {
+        "feasible": not problems,
+        "problems": [p.to_dict() for p in problems],
+        "layout": est.layout if est else None,
+        "estimate": est.to_dict() if est else None,
+        "auto": auto.to_dict() if auto else None,
+    }
+
+
+def _safe_estimate(spec: JobSpec) -> PlanEstimate | None:
+    return None if _degree_problems(spec.layout) else estimate(spec)

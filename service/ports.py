@@ -1,0 +1,116 @@
+"""What the REST API needs from the job service: the manager's interface and its request types.
+
+``api/`` depends on this Protocol, never on the Ray-backed ``service.manager.JobManager``, so the API
+is tested with a named fake (``tests/fakes.py``) and the manager can change inside freely. Types
+that cross the boundary live here (``ChaosRequest``) or in ``service/store.py`` (the records).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+from service.spec import JobSpec
+from service.store import EventRecord, JobRecord, StepRecord
+
+ChaosAction = Literal["kill_rank", "kill_actor", "slow_rank", "hang_rank", "corrupt_checkpoint"]
+RANK_ACTIONS: frozenset[str] = frozenset({"kill_rank", "kill_actor", "slow_rank", "hang_rank"})
+
+
+class ChaosRequest(BaseModel):
+    """One injected fault.
+
+    * ``kill_rank``: the rank's process exits abruptly (as on a segfault or OOM kill);
+    * ``kill_actor``: the rank's Ray actor is killed from outside (``ray.kill``), as on node loss;
+    * ``slow_rank``: the rank's steps take ``factor`` times longer (a straggler);
+    * ``hang_rank``: the rank stops making progress without exiting (heartbeats stop);
+    * ``corrupt_checkpoint``: the committed checkpoint of ``step`` is damaged on disk.
+
+    ``at_step``: inject when the job reaches this step; omitted: as soon as possible.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    action: ChaosAction
+    rank: int | None = Field(default=None, ge=0, validate_default=True)
+    factor: float | None = Field(default=None, validate_default=True, description="slow_rank only; > 1")
+    step: int | None = Field(default=None, ge=0, validate_default=True, description="corrupt_checkpoint only")
+    at_step: int | None = Field(default=None, ge=0)
+
+    @field_validator("rank")
+    @classmethod
+    def _rank_for_rank_actions(cls, rank: int | None, info: ValidationInfo) -> int | None:
+        action = info.data.get("action")
+        if action in RANK_ACTIONS and rank is None:
+            raise ValueError(f"action {action!r} needs a rank (0 .. world_size - 1)")
+        if action == "corrupt_checkpoint" and rank is not None:
+            raise ValueError("corrupt_checkpoint takes no rank; give the checkpoint step instead")
+        return rank
+
+    @field_validator("factor")
+    @classmethod
+    def _factor_for_slow_rank(cls, factor: float | None, info: ValidationInfo) -> float | None:
+        action = info.data.get("action")
+        if action == "slow_rank":
+            if factor is None or not factor > 1:
+                raise ValueError(f"slow_rank needs a factor > 1 (how many times slower), got {factor}")
+        elif factor is not None and action is not None:
+            raise ValueError(f"factor applies only to slow_rank, not {action!r}")
+        return factor
+
+    @field_validator("step")
+    @classmethod
+    def _step_for_corrupt_checkpoint(cls, step: int | None, info: ValidationInfo) -> int | None:
+        action = info.data.get("action")
+        if action == "corrupt_checkpoint" and step is None:
+            raise ValueError("corrupt_checkpoint needs the step of the checkpoint to damage")
+        if action is not None and action != "corrupt_checkpoint" and step is not None:
+            raise ValueError(f"step applies only to corrupt_checkpoint; to delay {action!r} use at_step")
+        return step
+
+
+@runtime_checkable
+class JobManagerPort(Protocol):
+    """The job service as the API sees it. Every method is synchronous and may block briefly
+    (the API calls it from a worker thread); each raises the ``service.errors`` named below."""
+
+    def submit(self, spec: JobSpec) -> JobRecord:
+        """Validate (spec + planner), record and start a job. Raises SpecRejected."""
+
+    def get(self, job_id: str) -> JobRecord:
+        """Raises JobNotFound."""
+
+    def list(self, status: str | None = None, limit: int = 100, offset: int = 0) -> list[JobRecord]:
+        """Newest first."""
+
+    def events(self, job_id: str, since_seq: int = 0) -> list[EventRecord]:
+        """Events with seq > since_seq, oldest first. Raises JobNotFound."""
+
+    def steps(self, job_id: str, since_step: int = -1) -> list[StepRecord]:
+        """Per-step metrics with step > since_step. Raises JobNotFound."""
+
+    def cancel(self, job_id: str) -> JobRecord:
+        """Stop the job; raises JobNotFound, or JobConflict when it is already terminal."""
+
+    def scale(self, job_id: str, dp: int) -> JobRecord:
+        """Resize data parallelism to ``dp``; JobConflict when terminal, EtrainError when out of range."""
+
+    def chaos(self, job_id: str, request: dict[str, Any]) -> dict[str, Any]:
+        """Inject a fault. ``request`` is a validated :class:`ChaosRequest` as a dict without unset
+        fields (``request.model_dump(exclude_none=True)``): plain data for the supervisor actor.
+        The API checks settings.enable_chaos first. Returns the order as recorded."""
+
+    def plan(self, spec: JobSpec) -> dict[str, Any]:
+        """The planner's report without starting anything; at least ``feasible: bool`` and
+        ``problems: [{field, message, fix}]`` (infeasible is an answer here, not an error)."""
+
+    def health(self) -> dict[str, Any]:
+        """``db`` and ``ray`` ("ok" or what is wrong) and other details; optionally ``ok: bool``.
+        /healthz answers 503 unless ``ok`` (or, without it, every ``db``/``ray`` entry is "ok")."""
+
+    def metrics_text(self) -> str:
+        """Prometheus text exposition of job gauges (``service.prometheus.render_job_metrics``)."""
+
+    def close(self) -> None:
+        """Stop background work; leaves detached supervisors running."""

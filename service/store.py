@@ -1,0 +1,557 @@
+"""Durable job state in one SQLite file: jobs, their events, per-step metrics, pump cursors.
+
+Why SQLite: the control plane is one process, the data is small, and a file on a volume survives a
+restart of the server (invariant 5: nothing lost on control-plane restart). WAL mode lets readers
+(API threads) run while the manager's poller writes; ``busy_timeout`` makes a second process (a
+second server on the same file, a debugging shell) wait instead of failing.
+
+Thread safety: one connection guarded by a lock. FastAPI runs sync routes in a thread pool and the
+manager's poller is another thread; statements are short, so serialising them costs nothing
+measurable and keeps every write transaction (``BEGIN IMMEDIATE``) simple to reason about.
+
+Records come out as frozen dataclasses, never row dicts. Schema changes are appended to
+``MIGRATIONS`` (never edited in place); opening a file applies the ones it has not seen yet.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from service.errors import JobConflict, JobNotFound, ServiceUnavailable
+
+
+class JobStatus(enum.StrEnum):
+    QUEUED = "QUEUED"
+    STARTING = "STARTING"
+    RUNNING = "RUNNING"
+    RECOVERING = "RECOVERING"
+    RESIZING = "RESIZING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in TERMINAL_STATUSES
+
+    @classmethod
+    def _missing_(cls, value: object) -> "JobStatus | None":
+        """Accept any case ("running"): statuses arrive from query strings and command lines."""
+        return cls.__members__.get(value.upper()) if isinstance(value, str) else None
+
+
+TERMINAL_STATUSES: frozenset[JobStatus] = frozenset({JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED})
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobRecord:
+    id: str
+    name: str
+    status: JobStatus
+    spec: dict[str, Any]
+    step: int
+    loss: float | None
+    tokens_per_s: float | None
+    world_size: int
+    restarts: int
+    created_at: float  # unix seconds
+    updated_at: float
+    error: str | None
+    layout: str | None  # compact layout string, e.g. "pp1·dp2·tp1 zero=0"
+    last_checkpoint_step: int | None
+    stragglers: list[Any] = field(default_factory=list)
+    goodput: float | None = None  # fraction of wall time spent on steps that were kept
+    attempt: int = 0
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.status.is_terminal
+
+
+@dataclass(frozen=True, kw_only=True)
+class EventRecord:
+    seq: int  # per job, 1, 2, 3, ...: "give me what happened after seq N"
+    job_id: str
+    ts: float
+    kind: str
+    detail: dict[str, Any]
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepRecord:
+    job_id: str
+    step: int
+    loss: float | None
+    tokens_per_s: float | None
+    step_s: float | None
+    compute_s: float | None
+    comm_wait_s: float | None
+    ts: float
+    attempt: int = 0  # the run attempt that reported it; a later attempt's report replaces an earlier one
+
+
+# Each entry moves the schema from version i to i + 1. Append; never edit a released entry.
+MIGRATIONS: tuple[tuple[str, ...], ...] = (
+    (
+        """CREATE TABLE jobs (
+            id TEXT PRIMARY KEY,
+            name TEXT NOT NULL,
+            status TEXT NOT NULL,
+            spec TEXT NOT NULL,
+            step INTEGER NOT NULL DEFAULT 0,
+            loss REAL,
+            tokens_per_s REAL,
+            world_size INTEGER NOT NULL,
+            restarts INTEGER NOT NULL DEFAULT 0,
+            created_at REAL NOT NULL,
+            updated_at REAL NOT NULL,
+            error TEXT,
+            layout TEXT,
+            last_checkpoint_step INTEGER,
+            stragglers TEXT NOT NULL DEFAULT '[]',
+            goodput REAL,
+            attempt INTEGER NOT NULL DEFAULT 0
+        )""",
+        "CREATE INDEX jobs_by_status ON jobs (status)",
+        "CREATE INDEX jobs_by_created ON jobs (created_at)",
+        """CREATE TABLE events (
+            job_id TEXT NOT NULL REFERENCES jobs (id) ON DELETE CASCADE,
+            seq INTEGER NOT NULL,
+            ts REAL NOT NULL,
+            kind TEXT NOT NULL,
+            detail TEXT NOT NULL DEFAULT '{}',
+            PRIMARY KEY (job_id, seq)
+        ) WITHOUT ROWID""",
+    ),
+    (
+        """CREATE TABLE steps (
+            job_id TEXT NOT NULL REFERENCES jobs (id) ON DELETE CASCADE,
+            step INTEGER NOT NULL,
+            attempt INTEGER NOT NULL DEFAULT 0,
+            loss REAL,
+            tokens_per_s REAL,
+            step_s REAL,
+            compute_s REAL,
+            comm_wait_s REAL,
+            ts REAL NOT NULL,
+            PRIMARY KEY (job_id, step)
+        ) WITHOUT ROWID""",
+        """CREATE TABLE cursors (
+            job_id TEXT PRIMARY KEY,
+            value INTEGER NOT NULL
+        )""",
+    ),
+)
+
+SCHEMA_VERSION = len(MIGRATIONS)
+
+# Fields update_job may change; id, name, spec origin and created_at are fixed at creation.
+_UPDATABLE = frozenset(
+    {
+        "status",
+        "spec",
+        "step",
+        "loss",
+        "tokens_per_s",
+        "world_size",
+        "restarts",
+        "error",
+        "layout",
+        "last_checkpoint_step",
+        "stragglers",
+        "goodput",
+        "attempt",
+    }
+)
+_JSON_FIELDS = frozenset({"spec", "stragglers"})
+_JOB_COLUMNS = (
+    "id, name, status, spec, step, loss, tokens_per_s, world_size, restarts, created_at, updated_at, "
+    "error, layout, last_checkpoint_step, stragglers, goodput, attempt"
+)
+
+
+def schema_version(conn: sqlite3.Connection) -> int:
+    conn.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
+    row = conn.execute("SELECT version FROM schema_version").fetchone()
+    return 0 if row is None else int(row[0])
+
+
+def migrate(conn: sqlite3.Connection, migrations: Sequence[Sequence[str]] = MIGRATIONS) -> int:
+    """Apply the migrations this database has not seen, each in its own transaction; return the version.
+
+    ``conn`` must be in autocommit mode (``isolation_level=None``). A database written by a newer
+    etrain (a higher version than we know) is refused rather than guessed at.
+    """
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        current = schema_version(conn)
+        if current == 0 and conn.execute("SELECT COUNT(*) FROM schema_version").fetchone()[0] == 0:
+            conn.execute("INSERT INTO schema_version (version) VALUES (0)")
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    if current > len(migrations):
+        raise ServiceUnavailable(
+            f"the database has schema version {current} but this etrain knows only up to {len(migrations)}.",
+            field="data_dir",
+            fix="run a newer etrain on this data directory, or point ETRAIN_DATA_DIR at another one",
+        )
+    for version in range(current, len(migrations)):
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            if schema_version(conn) == version:  # another process may have migrated meanwhile
+                for statement in migrations[version]:
+                    conn.execute(statement)
+                conn.execute("UPDATE schema_version SET version = ?", (version + 1,))
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+    return schema_version(conn)
+
+
+class JobStore:
+    """Jobs, events, step metrics and cursors in one SQLite file (``":memory:"`` for a throwaway)."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        busy_timeout_s: float = 5.0,
+        clock: Callable[[], float] = time.time,
+    ):
+        self.path = str(path)
+        if self.path != ":memory:":
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        self._clock = clock
+        self._lock = threading.RLock()
+        self._conn = sqlite3.connect(
+            self.path, timeout=busy_timeout_s, isolation_level=None, check_same_thread=False
+        )
+        self._conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000)}")
+        if self.path != ":memory:":
+            self._conn.execute("PRAGMA journal_mode = WAL")
+            self._conn.execute("PRAGMA synchronous = NORMAL")  # durable across process crashes in WAL
+        self._conn.execute("PRAGMA foreign_keys = ON")
+        self._closed = False
+        migrate(self._conn)
+
+    # -- plumbing ---------------------------------------------------------------------------------
+
+    @contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            self._check_open()
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._conn
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+            self._conn.execute("COMMIT")
+
+    @contextmanager
+    def _read(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            self._check_open()
+            yield self._conn
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ServiceUnavailable("the job store is closed.", fix="the server is shutting down; retry shortly")
+
+    @property
+    def schema_version(self) -> int:
+        with self._read() as conn:
+            return schema_version(conn)
+
+    @property
+    def journal_mode(self) -> str:
+        with self._read() as conn:
+            return str(conn.execute("PRAGMA journal_mode").fetchone()[0])
+
+    def ping(self) -> bool:
+        """True when the database answers a query (for /healthz)."""
+        try:
+            with self._read() as conn:
+                conn.execute("SELECT 1").fetchone()
+            return True
+        except (sqlite3.Error, ServiceUnavailable):
+            return False
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._conn.close()
+
+    def __enter__(self) -> "JobStore":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- jobs -------------------------------------------------------------------------------------
+
+    def create_job(
+        self,
+        *,
+        job_id: str,
+        name: str,
+        spec: dict[str, Any],
+        world_size: int,
+        status: str = JobStatus.QUEUED,
+        layout: str | None = None,
+    ) -> JobRecord:
+        status = JobStatus(status)
+        now = self._clock()
+        with self._write() as conn:
+            try:
+                conn.execute(
+                    "INSERT INTO jobs (id, name, status, spec, world_size, created_at, updated_at, layout) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    (job_id, name, status.value, _dumps(spec), world_size, now, now, layout),
+                )
+            except sqlite3.IntegrityError:
+                raise JobConflict(
+                    f"a job with id {job_id!r} already exists.", job_id=job_id, fix="use a new job id"
+                ) from None
+            return self._get(conn, job_id)
+
+    def get_job(self, job_id: str) -> JobRecord | None:
+        with self._read() as conn:
+            row = conn.execute(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        return None if row is None else _job(row)
+
+    def list_jobs(
+        self, *, status: str | Collection[str] | None = None, limit: int = 100, offset: int = 0
+    ) -> list[JobRecord]:
+        """Newest first. ``status`` is one status or a collection of them."""
+        where, args = _status_filter(status)
+        with self._read() as conn:
+            rows = conn.execute(
+                f"SELECT {_JOB_COLUMNS} FROM jobs {where} ORDER BY created_at DESC, rowid DESC LIMIT ? OFFSET ?",
+                (*args, limit, offset),
+            ).fetchall()
+        return [_job(row) for row in rows]
+
+    def active_jobs(self) -> list[JobRecord]:
+        """Jobs not yet in a terminal state, oldest first (the manager reattaches to these)."""
+        active = [status for status in JobStatus if not status.is_terminal]
+        where, args = _status_filter(active)
+        with self._read() as conn:
+            rows = conn.execute(f"SELECT {_JOB_COLUMNS} FROM jobs {where} ORDER BY created_at, rowid", args).fetchall()
+        return [_job(row) for row in rows]
+
+    def count_by_status(self) -> dict[JobStatus, int]:
+        """Every status with its number of jobs (zero included), for the etrain_jobs gauge."""
+        counts = dict.fromkeys(JobStatus, 0)
+        with self._read() as conn:
+            for status, count in conn.execute("SELECT status, COUNT(*) FROM jobs GROUP BY status"):
+                counts[JobStatus(status)] = int(count)
+        return counts
+
+    def update_job(self, job_id: str, *, expect_status: Collection[str] | None = None, **fields: Any) -> JobRecord:
+        """Change the given fields (and ``updated_at``) atomically; return the new record.
+
+        ``expect_status``: only update when the job is currently in one of these statuses, else raise
+        :class:`JobConflict` (so a cancel and the poller's SUCCEEDED cannot both win).
+        """
+        unknown = set(fields) - _UPDATABLE
+        if unknown:
+            raise TypeError(f"update_job cannot change {sorted(unknown)}; allowed: {sorted(_UPDATABLE)}")
+        if "status" in fields:
+            fields["status"] = JobStatus(fields["status"]).value
+        values = {name: _dumps(value) if name in _JSON_FIELDS else value for name, value in fields.items()}
+        values["updated_at"] = self._clock()
+        assignments = ", ".join(f"{name} = ?" for name in values)
+        with self._write() as conn:
+            current = conn.execute("SELECT status FROM jobs WHERE id = ?", (job_id,)).fetchone()
+            if current is None:
+                raise JobNotFound(job_id)
+            if expect_status is not None and current[0] not in {JobStatus(s).value for s in expect_status}:
+                raise JobConflict(
+                    f"job {job_id!r} is {current[0]}; this change needs one of {sorted(JobStatus(s).value for s in expect_status)}.",
+                    job_id=job_id,
+                    status=current[0],
+                )
+            conn.execute(f"UPDATE jobs SET {assignments} WHERE id = ?", (*values.values(), job_id))
+            return self._get(conn, job_id)
+
+    def _get(self, conn: sqlite3.Connection, job_id: str) -> JobRecord:
+        row = conn.execute(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        if row is None:
+            raise JobNotFound(job_id)
+        return _job(row)
+
+    # -- events -----------------------------------------------------------------------------------
+
+    def add_events(self, job_id: str, events: Iterable[tuple[float, str, dict[str, Any]]]) -> list[EventRecord]:
+        """Append events in order; each gets the job's next ``seq`` (1-based, gap-free)."""
+        events = list(events)
+        if not events:
+            return []
+        with self._write() as conn:
+            self._require_job(conn, job_id)
+            (last,) = conn.execute("SELECT COALESCE(MAX(seq), 0) FROM events WHERE job_id = ?", (job_id,)).fetchone()
+            records, rows = [], []
+            for offset, (ts, kind, detail) in enumerate(events, start=1):
+                text = _dumps(dict(detail or {}))
+                records.append(
+                    EventRecord(seq=last + offset, job_id=job_id, ts=float(ts), kind=str(kind), detail=json.loads(text))
+                )
+                rows.append((job_id, last + offset, float(ts), str(kind), text))
+            conn.executemany("INSERT INTO events (job_id, seq, ts, kind, detail) VALUES (?, ?, ?, ?, ?)", rows)
+        return records
+
+    def events(self, job_id: str, *, since_seq: int = 0, limit: int = 1000) -> list[EventRecord]:
+        """Events with ``seq > since_seq``, oldest first."""
+        with self._read() as conn:
+            rows = conn.execute(
+                "SELECT seq, job_id, ts, kind, detail FROM events WHERE job_id = ? AND seq > ? ORDER BY seq LIMIT ?",
+                (job_id, since_seq, limit),
+            ).fetchall()
+        return [EventRecord(seq=seq, job_id=jid, ts=ts, kind=kind, detail=json.loads(detail)) for seq, jid, ts, kind, detail in rows]
+
+    # -- steps ------------------------------------------------------------------------------------
+
+    def add_steps(self, job_id: str, steps: Iterable[StepRecord]) -> int:
+        """Record per-step metrics; return how many rows were written or replaced.
+
+        Idempotent: a step already stored is replaced by a report from the same or a later attempt
+        (a restarted run re-runs the steps after its checkpoint; the history keeps the run that
+        continued) and left alone by a report from an earlier attempt (a late, stale message).
+        """
+        rows = []
+        for record in steps:
+            assert record.job_id == job_id, f"step record of job {record.job_id!r} added to {job_id!r}"
+            rows.append(
+                (
+                    job_id,
+                    record.step,
+                    record.attempt,
+                    _finite_or_none(record.loss),
+                    _finite_or_none(record.tokens_per_s),
+                    record.step_s,
+                    record.compute_s,
+                    record.comm_wait_s,
+                    record.ts,
+                )
+            )
+        if not rows:
+            return 0
+        with self._write() as conn:
+            self._require_job(conn, job_id)
+            before = conn.total_changes
+            conn.executemany(
+                "INSERT INTO steps (job_id, step, attempt, loss, tokens_per_s, step_s, compute_s, comm_wait_s, ts) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
+                "ON CONFLICT (job_id, step) DO UPDATE SET attempt = excluded.attempt, loss = excluded.loss, "
+                "tokens_per_s = excluded.tokens_per_s, step_s = excluded.step_s, compute_s = excluded.compute_s, "
+                "comm_wait_s = excluded.comm_wait_s, ts = excluded.ts WHERE excluded.attempt >= steps.attempt",
+                rows,
+            )
+            return conn.total_changes - before
+
+    def steps(self, job_id: str, *, since_step: int = -1, limit: int = 10000) -> list[StepRecord]:
+        """Step metrics with ``step > since_step``, in step order."""
+        with self._read() as conn:
+            rows = conn.execute(
+                "SELECT job_id, step, loss, tokens_per_s, step_s, compute_s, comm_wait_s, ts, attempt FROM steps "
+                "WHERE job_id = ? AND step > ? ORDER BY step LIMIT ?",
+                (job_id, since_step, limit),
+            ).fetchall()
+        return [
+            StepRecord(
+                job_id=jid, step=step, loss=loss, tokens_per_s=tps, step_s=step_s, compute_s=compute_s,
+                comm_wait_s=comm_wait_s, ts=ts, attempt=attempt,
+            )
+            for jid, step, loss, tps, step_s, compute_s, comm_wait_s, ts, attempt in rows
+        ]
+
+    # -- cursors ----------------------------------------------------------------------------------
+
+    def set_cursor(self, job_id: str, value: int) -> None:
+        """Remember how far the event pump of ``job_id`` has read (survives a server restart)."""
+        with self._write() as conn:
+            conn.execute(
+                "INSERT INTO cursors (job_id, value) VALUES (?, ?) ON CONFLICT (job_id) DO UPDATE SET value = excluded.value",
+                (job_id, int(value)),
+            )
+
+    def get_cursor(self, job_id: str) -> int:
+        with self._read() as conn:
+            row = conn.execute("SELECT value FROM cursors WHERE job_id = ?", (job_id,)).fetchone()
+        return 0 if row is None else int(row[0])
+
+    def _require_job(self, conn: sqlite3.Connection, job_id: str) -> None:
+        if conn.execute("SELECT 1 FROM jobs WHERE id = ?", (job_id,)).fetchone() is None:
+            raise JobNotFound(job_id)
+
+
+def _job(row: tuple) -> JobRecord:
+    (job_id, name, status, spec, step, loss, tokens_per_s, world_size, restarts, created_at, updated_at,
+     error, layout, last_checkpoint_step, stragglers, goodput, attempt) = row
+    return JobRecord(
+        id=job_id,
+        name=name,
+        status=JobStatus(status),
+        spec=json.loads(spec),
+        step=step,
+        loss=loss,
+        tokens_per_s=tokens_per_s,
+        world_size=world_size,
+        restarts=restarts,
+        created_at=created_at,
+        updated_at=updated_at,
+        error=error,
+        layout=layout,
+        last_checkpoint_step=last_checkpoint_step,
+        stragglers=json.loads(stragglers),
+        goodput=goodput,
+        attempt=attempt,
+    )
+
+
+def _status_filter(status: str | Collection[str] | None) -> tuple[str, tuple[str, ...]]:
+    if status is None:
+        return "", ()
+    statuses = [status] if isinstance(status, str) else list(status)
+    values = tuple(JobStatus(s).value for s in statuses)
+    if not values:
+        return "WHERE 0", ()
+    return f"WHERE status IN ({', '.join('?' for _ in values)})", values
+
+
+def _finite_or_none(value: float | None) -> float | None:
+    """SQLite stores NaN as NULL anyway; say so explicitly (a NaN loss is reported as an event)."""
+    if value is None:
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, default=_json_default, allow_nan=True, separators=(",", ":"))
+
+
+def _json_default(value: Any) -> Any:
+    """Values that show up in details from the workers: numpy scalars/arrays, paths, enums."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, (Path, enum.Enum)):
+        return str(value.value if isinstance(value, enum.Enum) else value)
+    if isinstance(value, (set, frozenset, tuple)):
+        return list(value)
+    raise TypeError(f"cannot store a {type(value).__name__} in a job record: {value!r}")

@@ -1,0 +1,1122 @@
+"""The supervisor state machine, one transition at a time, then whole stories.
+
+Every test passes the clock explicitly. The config used throughout:
+  global_batch=32, micro_batch=2 -> 16 micro-batches -> legal dp in [2, 8]: 2, 4, 8
+  tp=2, pp=1 -> world_size = 2 * dp (dp=4 -> 8 ranks)
+  backoff 10s, 20s, then capped at 25s; max_restarts=2
+"""
+
+import math
+import random
+from dataclasses import replace
+
+import pytest
+
+from service.supervisor import (
+    Abort,
+    Cancel,
+    CapacityChanged,
+    CheckpointReported,
+    CommitCheckpoint,
+    ExcludeNode,
+    Finished,
+    GroupPhase,
+    GroupReady,
+    GroupStopped,
+    Heartbeat,
+    JobError,
+    LaunchGroup,
+    MarkTerminal,
+    RecordEvent,
+    RequestCheckpoint,
+    ScaleRequested,
+    ScheduleWake,
+    Start,
+    Status,
+    StepReported,
+    StopGroup,
+    StragglerFlagged,
+    SupervisorConfig,
+    SupervisorConfigError,
+    SupervisorState,
+    Tick,
+    WorkerLost,
+    backoff_delay,
+    decide,
+    initial_state,
+)
+
+CONFIG = SupervisorConfig(
+    total_steps=100,
+    global_batch=32,
+    micro_batch=2,
+    min_dp=2,
+    max_dp=8,
+    tp=2,
+    pp=1,
+    max_restarts=2,
+    heartbeat_timeout_s=60,
+    start_timeout_s=120,
+    stop_timeout_s=30,
+    checkpoint_timeout_s=100,
+    capacity_wait_timeout_s=600,
+    backoff_base_s=10,
+    backoff_max_s=25,
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+
+def running(**changes) -> SupervisorState:
+    """Attempt 1 at dp=4 (8 ranks), up since t=0, at step 10, nothing committed."""
+    base = SupervisorState(
+        status=Status.RUNNING,
+        dp=4,
+        attempt=1,
+        group=GroupPhase.UP,
+        group_since=0.0,
+        last_progress_at=0.0,
+        step=10,
+    )
+    return replace(base, **changes)
+
+
+def stopping(**changes) -> SupervisorState:
+    """RECOVERING after a fault at t=100: the old group (attempt 1) is being torn down."""
+    base = running(
+        status=Status.RECOVERING,
+        group=GroupPhase.STOPPING,
+        group_since=100.0,
+        restarts_used=1,
+        backoff_until=110.0,
+        last_committed_step=8,
+    )
+    return replace(base, **changes)
+
+
+def launching(**changes) -> SupervisorState:
+    base = SupervisorState(status=Status.STARTING, dp=4, attempt=1, group=GroupPhase.LAUNCHING, group_since=0.0)
+    return replace(base, **changes)
+
+
+def of(decision, cls):
+    return [a for a in decision.actions if isinstance(a, cls)]
+
+
+def kinds(decision):
+    return [a.kind for a in decision.actions if isinstance(a, RecordEvent)]
+
+
+def types(decision):
+    return [type(a).__name__ for a in decision.actions]
+
+
+def commit_all(state, step, now=50.0, config=CONFIG):
+    """All ranks of the current world report `step`; returns the last decision."""
+    decision = None
+    for rank in range(config.world_size(state.dp)):
+        decision = decide(state, CheckpointReported(attempt=state.attempt, step=step, rank=rank), now, config)
+        state = decision.state
+    return decision
+
+
+class Story:
+    """Replays scripted (now, event) pairs, keeping every decision for assertions."""
+
+    def __init__(self, config=CONFIG, dp=4, **initial):
+        self.config = config
+        self.state = initial_state(config, dp=dp, **initial)
+        self.decisions = []
+
+    def at(self, now, event):
+        decision = decide(self.state, event, now, self.config)
+        assert decision.reason, f"no reason for {event}"
+        self.state = decision.state
+        self.decisions.append(decision)
+        return decision
+
+    def checkpoint(self, now, step):
+        decision = None
+        for rank in range(self.config.world_size(self.state.dp)):
+            decision = self.at(now, CheckpointReported(attempt=self.state.attempt, step=step, rank=rank))
+        return decision
+
+    @property
+    def all_kinds(self):
+        return [k for d in self.decisions for k in kinds(d)]
+
+
+# ---------------------------------------------------------------------------------------------
+# status, config, initial state, backoff
+
+
+class TestStatus:
+    def test_terminal_statuses(self):
+        assert {s for s in Status if s.terminal} == {Status.SUCCEEDED, Status.FAILED, Status.CANCELLED}
+
+    def test_is_a_string(self):
+        assert Status.RUNNING == "RUNNING"
+
+
+class TestConfig:
+    @pytest.mark.parametrize(
+        "change,match",
+        [
+            (dict(total_steps=0), "total_steps=0"),
+            (dict(tp=0), "tp=0"),
+            (dict(max_restarts=-1), "max_restarts=-1"),
+            (dict(heartbeat_timeout_s=0), "heartbeat_timeout_s=0 must be > 0"),
+            (dict(stop_timeout_s=-1), "stop_timeout_s=-1"),
+            (dict(backoff_base_s=-1), "backoff_base_s=-1"),
+            (dict(backoff_max_s=5), "backoff_max_s=5 must be >= backoff_base_s=10"),
+            (dict(min_dp=5, max_dp=7), r"no dp in \[min_dp=5, max_dp=7\]"),
+            (dict(micro_batch=3), "global_batch=32 is not a multiple of micro_batch=3"),
+        ],
+    )
+    def test_bad_settings_name_the_setting(self, change, match):
+        with pytest.raises(SupervisorConfigError, match=match):
+            replace(CONFIG, **change)
+
+    def test_world_size(self):
+        assert CONFIG.world_size(4) == 8
+        assert replace(CONFIG, pp=2).world_size(4) == 16
+
+
+class TestInitialState:
+    def test_queued_at_the_planned_dp(self):
+        state = initial_state(CONFIG, dp=4)
+        assert (state.status, state.dp, state.attempt, state.group) == (Status.QUEUED, 4, 0, GroupPhase.NONE)
+        assert state.last_committed_step is None and state.step == 0
+
+    def test_resumed_job_starts_from_its_committed_step(self):
+        state = initial_state(CONFIG, dp=4, last_committed_step=40, restarts_used=1)
+        assert (state.step, state.last_committed_step, state.restarts_used) == (40, 40, 1)
+
+    def test_illegal_dp_is_rejected_with_legal_sizes(self):
+        with pytest.raises(SupervisorConfigError, match=r"dp=3 is not a legal size .* \[2, 4, 8\]"):
+            initial_state(CONFIG, dp=3)
+
+
+class TestValues:
+    def test_state_events_and_actions_pickle(self):
+        # The adapter ships these across Ray calls and may persist the state.
+        import pickle
+
+        state = running(excluded_nodes=frozenset({"n3"}), checkpoint_reports=frozenset({(10, 1)}))
+        d = decide(state, WorkerLost(attempt=1, rank=0, node="n1", cause="process"), 1.0, CONFIG)
+        assert pickle.loads(pickle.dumps(d)) == d
+        assert pickle.loads(pickle.dumps(CONFIG)) == CONFIG
+
+    def test_errors_pickle_and_share_the_project_base(self):
+        import pickle
+
+        from workers.errors import EtrainError
+
+        with pytest.raises(SupervisorConfigError) as info:
+            replace(CONFIG, total_steps=0)
+        err = pickle.loads(pickle.dumps(info.value))
+        assert isinstance(err, EtrainError) and isinstance(err, ValueError)
+        assert str(err) == "total_steps=0 must be >= 1"
+
+
+class TestBackoff:
+    def test_doubles_then_caps(self):
+        assert [backoff_delay(n, CONFIG) for n in range(5)] == [10, 20, 25, 25, 25]
+
+    def test_huge_restart_counts_do_not_overflow(self):
+        assert backoff_delay(10_000, CONFIG) == 25
+
+
+# ---------------------------------------------------------------------------------------------
+# one transition at a time
+
+
+class TestStart:
+    def test_launches_attempt_1(self):
+        d = decide(initial_state(CONFIG, dp=4), Start(), 5.0, CONFIG)
+        assert d.state.status is Status.STARTING
+        assert d.state.group is GroupPhase.LAUNCHING and d.state.group_since == 5.0
+        assert d.actions == (LaunchGroup(attempt=1, dp=4, world_size=8, resume_step=None),)
+        assert "launch attempt 1 at dp=4" in d.reason
+
+    def test_resumed_job_restores_its_checkpoint(self):
+        d = decide(initial_state(CONFIG, dp=4, last_committed_step=40), Start(), 0.0, CONFIG)
+        assert of(d, LaunchGroup)[0].resume_step == 40
+
+    def test_known_capacity_sets_the_first_size(self):
+        state = initial_state(CONFIG, dp=4)
+        assert of(decide(replace(state, available_dp=6), Start(), 0, CONFIG), LaunchGroup)[0].dp == 4
+        assert of(decide(replace(state, available_dp=20), Start(), 0, CONFIG), LaunchGroup)[0].dp == 8
+
+    def test_waits_when_capacity_is_below_min_dp(self):
+        d = decide(replace(initial_state(CONFIG, dp=4), available_dp=1), Start(), 0.0, CONFIG)
+        assert d.state.status is Status.STARTING and d.state.group is GroupPhase.NONE
+        assert of(d, LaunchGroup) == []
+        assert kinds(d) == ["waiting_for_capacity"]
+        assert "min_dp=2" in of(d, RecordEvent)[0].detail
+
+    def test_second_start_is_ignored(self):
+        d = decide(launching(), Start(), 1.0, CONFIG)
+        assert d.ignored and d.actions == () and d.state == launching()
+
+
+class TestGroupReady:
+    def test_starting_becomes_running(self):
+        d = decide(launching(), GroupReady(attempt=1, world_size=8), 30.0, CONFIG)
+        assert d.state.status is Status.RUNNING and d.state.group is GroupPhase.UP
+        assert d.state.last_progress_at == 30.0
+        assert kinds(d) == ["started"]
+        assert "fresh start" in of(d, RecordEvent)[0].detail
+
+    @pytest.mark.parametrize("status,kind", [(Status.RECOVERING, "restored"), (Status.RESIZING, "resized")])
+    def test_event_kind_follows_why_we_launched(self, status, kind):
+        state = launching(status=status, attempt=2, last_committed_step=20, step=20)
+        d = decide(state, GroupReady(attempt=2, world_size=8), 30.0, CONFIG)
+        assert d.state.status is Status.RUNNING
+        assert kinds(d) == [kind]
+        assert "from step 20" in of(d, RecordEvent)[0].detail
+
+    def test_wrong_world_size_fails_naming_the_numbers(self):
+        d = decide(launching(), GroupReady(attempt=1, world_size=6), 30.0, CONFIG)
+        assert d.state.status is Status.FAILED
+        assert d.state.error == "worker group reported world_size=6, expected pp*dp*tp = 1*4*2 = 8"
+        assert types(d) == ["StopGroup", "RecordEvent", "MarkTerminal"]
+
+    def test_when_not_launching_is_ignored(self):
+        assert decide(running(), GroupReady(attempt=1, world_size=8), 1.0, CONFIG).ignored
+
+    def test_scale_request_made_during_launch_resizes_right_away(self):
+        state = launching(status=Status.RECOVERING, attempt=2, last_committed_step=20, step=20, target_dp=2)
+        d = decide(state, GroupReady(attempt=2, world_size=8), 30.0, CONFIG)
+        # Nothing trained since the checkpoint, so no new checkpoint is needed: stop now.
+        assert d.state.status is Status.RESIZING
+        assert kinds(d) == ["restored", "resizing"]
+        assert of(d, StopGroup) == [StopGroup(attempt=2, reason="resize dp 4 -> 2")]
+
+
+class TestStepsAndHeartbeats:
+    def test_higher_step_is_progress(self):
+        d = decide(running(), StepReported(attempt=1, step=11, loss=2.5), 42.0, CONFIG)
+        assert (d.state.step, d.state.last_progress_at) == (11, 42.0)
+        assert d.actions == () and not d.ignored
+
+    def test_same_step_is_not_progress(self):
+        d = decide(running(), StepReported(attempt=1, step=10, loss=2.5, rank=3), 42.0, CONFIG)
+        assert d.state == running()
+        assert "no progress" in d.reason
+
+    @pytest.mark.parametrize("loss", [math.nan, math.inf, -math.inf])
+    def test_nonfinite_loss_fails_the_job(self, loss):
+        d = decide(running(), StepReported(attempt=1, step=12, loss=loss, rank=0), 42.0, CONFIG)
+        assert d.state.status is Status.FAILED
+        assert d.state.error == f"loss is {loss} at step 12 (rank 0)"
+        assert of(d, MarkTerminal) == [MarkTerminal(status=Status.FAILED, error=d.state.error)]
+        assert d.state.restarts_used == 0
+
+    def test_nonfinite_loss_allowed_when_configured(self):
+        config = replace(CONFIG, fail_on_nonfinite_loss=False)
+        d = decide(running(), StepReported(attempt=1, step=12, loss=math.inf), 42.0, config)
+        assert d.state.status is Status.RUNNING and d.state.step == 12
+
+    def test_steps_outside_running_are_ignored(self):
+        assert decide(stopping(), StepReported(attempt=1, step=12, loss=1.0), 1.0, CONFIG).ignored
+        assert decide(launching(), StepReported(attempt=1, step=1, loss=1.0), 1.0, CONFIG).ignored
+
+    def test_heartbeat_with_a_higher_step_is_progress(self):
+        d = decide(running(), Heartbeat(attempt=1, rank=5, step=13), 50.0, CONFIG)
+        assert (d.state.step, d.state.last_progress_at) == (13, 50.0)
+
+    def test_heartbeat_at_the_same_step_does_not_reset_the_hang_clock(self):
+        d = decide(running(), Heartbeat(attempt=1, rank=5, step=10), 50.0, CONFIG)
+        assert d.state.last_progress_at == 0.0
+
+
+class TestCheckpointCommit:
+    def test_commits_only_when_every_rank_reported(self):
+        state = running()
+        for rank in range(7):
+            d = decide(state, CheckpointReported(attempt=1, step=10, rank=rank), 5.0, CONFIG)
+            assert d.actions == () and d.state.last_committed_step is None
+            state = d.state
+        assert "7/8 ranks" in d.reason
+        d = decide(state, CheckpointReported(attempt=1, step=10, rank=7), 6.0, CONFIG)
+        assert d.actions == (
+            CommitCheckpoint(step=10),
+            RecordEvent(kind="checkpoint_committed", detail="step 10, 8 ranks"),
+        )
+        assert d.state.last_committed_step == 10
+        assert d.state.checkpoint_reports == frozenset()
+
+    def test_a_rank_reporting_twice_counts_once(self):
+        state = running()
+        for _ in range(2):
+            for rank in range(7):
+                state = decide(state, CheckpointReported(attempt=1, step=10, rank=rank), 5.0, CONFIG).state
+        assert state.last_committed_step is None
+
+    def test_world_includes_tp_and_pp(self):
+        config = replace(CONFIG, pp=2)  # pp=2 * dp=4 * tp=2 = 16 ranks
+        assert commit_all(running(), 10, config=config).state.last_committed_step == 10
+        state = running()  # the 8 ranks of one pipeline stage are not enough
+        for rank in range(8):
+            state = decide(state, CheckpointReported(attempt=1, step=10, rank=rank), 5.0, config).state
+        assert state.last_committed_step is None
+
+    def test_rank_outside_the_world_is_ignored(self):
+        assert decide(running(), CheckpointReported(attempt=1, step=10, rank=8), 5.0, CONFIG).ignored
+
+    def test_old_step_is_ignored(self):
+        d = decide(running(last_committed_step=20), CheckpointReported(attempt=1, step=20, rank=0), 5.0, CONFIG)
+        assert d.ignored
+
+    def test_newer_commit_drops_older_partial_reports(self):
+        state = decide(running(), CheckpointReported(attempt=1, step=10, rank=0), 5.0, CONFIG).state
+        d = commit_all(state, 20)
+        assert d.state.last_committed_step == 20 and d.state.checkpoint_reports == frozenset()
+
+    def test_commits_while_recovering_when_all_ranks_had_reported(self):
+        # The save finished before the failure: every rank reported it, so it is safe to use.
+        d = commit_all(stopping(), 9)
+        assert d.state.last_committed_step == 9 and d.state.status is Status.RECOVERING
+
+
+class TestFinished:
+    def test_all_steps_done_succeeds(self):
+        d = decide(running(step=99), Finished(attempt=1, final_step=100), 70.0, CONFIG)
+        assert d.state.status is Status.SUCCEEDED and d.state.error is None and d.state.step == 100
+        assert d.actions == (
+            StopGroup(attempt=1, reason="job succeeded"),
+            RecordEvent(kind="succeeded", detail="finished 100/100 steps"),
+            MarkTerminal(status=Status.SUCCEEDED, error=None),
+        )
+
+    def test_early_exit_fails(self):
+        d = decide(running(), Finished(attempt=1, final_step=50), 70.0, CONFIG)
+        assert d.state.status is Status.FAILED
+        assert d.state.error == "workers exited at step 50 before total_steps=100"
+
+    def test_outside_running_is_ignored(self):
+        assert decide(launching(), Finished(attempt=1, final_step=100), 1.0, CONFIG).ignored
+
+
+class TestJobError:
+    def test_fails_at_once_without_spending_a_restart(self):
+        event = JobError(attempt=1, rank=3, message="ValueError: token id 70000 >= vocab 50257", traceback="Traceback ...")
+        d = decide(running(), event, 80.0, CONFIG)
+        assert d.state.status is Status.FAILED
+        assert d.state.error == "rank 3: ValueError: token id 70000 >= vocab 50257"
+        assert d.state.restarts_used == 0
+        assert types(d) == ["StopGroup", "RecordEvent", "MarkTerminal"]
+        assert of(d, RecordEvent)[0].kind == "failed"
+        assert of(d, RecordEvent)[0].detail.endswith("Traceback ...")
+        assert of(d, MarkTerminal)[0].error == d.state.error
+        assert of(d, LaunchGroup) == []
+
+    def test_while_launching_fails_too(self):
+        d = decide(launching(), JobError(attempt=1, rank=0, message="ImportError"), 3.0, CONFIG)
+        assert d.state.status is Status.FAILED
+
+    def test_during_teardown_is_ignored(self):
+        assert decide(stopping(), JobError(attempt=1, rank=0, message="NCCL aborted"), 101.0, CONFIG).ignored
+
+
+class TestWorkerLost:
+    @pytest.mark.parametrize("cause", ["process", "actor"])
+    def test_restarts_from_the_last_checkpoint_after_backoff(self, cause):
+        state = running(last_committed_step=8)
+        d = decide(state, WorkerLost(attempt=1, rank=5, node="n2", cause=cause, detail="exit 137"), 100.0, CONFIG)
+        what = f"rank 5 on node n2 lost ({cause}): exit 137"
+        assert d.state.status is Status.RECOVERING
+        assert d.state.group is GroupPhase.STOPPING and d.state.group_since == 100.0
+        assert (d.state.restarts_used, d.state.backoff_until) == (1, 110.0)
+        assert d.actions == (
+            RecordEvent(kind="worker_failed", detail=what),
+            StopGroup(attempt=1, reason=what),
+            RecordEvent(kind="restarting", detail="restart 1/2 from step 8 in 10s"),
+            ScheduleWake(at=110.0),
+        )
+        assert d.reason == f"{what}: restart 1/2 after 10s backoff"
+
+    def test_second_failure_backs_off_longer(self):
+        d = decide(running(restarts_used=1), WorkerLost(attempt=1, rank=0, node="n1", cause="process"), 100.0, CONFIG)
+        assert (d.state.restarts_used, d.state.backoff_until) == (2, 120.0)
+        assert "from scratch" in of(d, RecordEvent)[1].detail
+
+    def test_backoff_is_capped(self):
+        config = replace(CONFIG, max_restarts=10)
+        d = decide(running(restarts_used=5), WorkerLost(attempt=1, rank=0, node="n1", cause="process"), 100.0, config)
+        assert d.state.backoff_until == 125.0
+
+    def test_budget_spent_fails_with_a_clear_reason(self):
+        d = decide(running(restarts_used=2), WorkerLost(attempt=1, rank=1, node="n1", cause="actor"), 100.0, CONFIG)
+        assert d.state.status is Status.FAILED
+        assert d.state.error == "rank 1 on node n1 lost (actor); restarted 2 times, max_restarts=2"
+        assert types(d) == ["RecordEvent", "StopGroup", "RecordEvent", "MarkTerminal"]
+        assert kinds(d) == ["worker_failed", "failed"]
+
+    def test_zero_restarts_allowed_fails_on_first_loss(self):
+        config = replace(CONFIG, max_restarts=0)
+        d = decide(running(), WorkerLost(attempt=1, rank=1, node="n1", cause="process"), 1.0, config)
+        assert d.state.error.endswith("restarted 0 times, max_restarts=0")
+
+    def test_loss_while_launching_is_a_fault(self):
+        state = launching(status=Status.RECOVERING, attempt=2, restarts_used=1)
+        d = decide(state, WorkerLost(attempt=2, rank=0, node="n1", cause="process"), 5.0, CONFIG)
+        assert (d.state.status, d.state.restarts_used, d.state.backoff_until) == (Status.RECOVERING, 2, 25.0)
+
+    def test_node_loss_spends_no_budget_and_waits_for_capacity(self):
+        d = decide(running(), WorkerLost(attempt=1, rank=6, node="n4", cause="node"), 100.0, CONFIG)
+        assert d.state.status is Status.RECOVERING
+        assert (d.state.restarts_used, d.state.backoff_until, d.state.awaiting_capacity) == (0, None, True)
+        assert d.actions == (
+            RecordEvent(kind="node_lost", detail="rank 6 on node n4 lost (node)"),
+            StopGroup(attempt=1, reason="rank 6 on node n4 lost (node)"),
+        )
+
+    def test_more_losses_during_teardown_are_ignored(self):
+        d = decide(stopping(), WorkerLost(attempt=1, rank=2, node="n1", cause="process"), 101.0, CONFIG)
+        assert d.ignored and d.state.restarts_used == 1
+
+
+class TestGroupStopped:
+    def test_waits_out_the_backoff(self):
+        d = decide(stopping(), GroupStopped(attempt=1), 104.0, CONFIG)
+        assert d.state.group is GroupPhase.NONE and d.state.group_since == 104.0
+        assert d.actions == ()
+        assert "backing off until t=110" in d.reason
+
+    def test_launches_when_backoff_is_over(self):
+        d = decide(stopping(), GroupStopped(attempt=1), 111.0, CONFIG)
+        assert d.state.status is Status.RECOVERING
+        assert d.actions == (LaunchGroup(attempt=2, dp=4, world_size=8, resume_step=8),)
+        assert (d.state.attempt, d.state.group, d.state.step, d.state.backoff_until) == (
+            2, GroupPhase.LAUNCHING, 8, None,
+        )
+
+    def test_waits_for_a_capacity_report_after_node_loss(self):
+        state = stopping(restarts_used=0, backoff_until=None, awaiting_capacity=True)
+        d = decide(state, GroupStopped(attempt=1), 104.0, CONFIG)
+        assert of(d, LaunchGroup) == []
+        assert kinds(d) == ["waiting_for_capacity"]
+        assert d.state.capacity_wait_since == 104.0
+
+    def test_unasked_stop_is_a_fault(self):
+        d = decide(running(), GroupStopped(attempt=1), 100.0, CONFIG)
+        assert (d.state.status, d.state.group, d.state.restarts_used) == (Status.RECOVERING, GroupPhase.NONE, 1)
+        assert of(d, StopGroup) == []  # nothing left to stop
+        assert kinds(d) == ["worker_failed", "restarting"]
+
+    def test_with_no_group_is_ignored(self):
+        assert decide(stopping(group=GroupPhase.NONE), GroupStopped(attempt=1), 100.0, CONFIG).ignored
+
+
+class TestTick:
+    def test_progress_within_timeout_is_fine(self):
+        d = decide(running(), Tick(), 60.0, CONFIG)
+        assert d.state == running() and d.actions == ()
+
+    def test_hang_restarts_and_spends_budget(self):
+        d = decide(running(last_committed_step=8), Tick(), 61.0, CONFIG)
+        assert d.state.status is Status.RECOVERING and d.state.restarts_used == 1
+        assert kinds(d) == ["hang_detected", "restarting"]
+        assert of(d, RecordEvent)[0].detail == "no step progress for 61s (heartbeat_timeout_s=60), stuck at step 10"
+        assert of(d, StopGroup)[0].attempt == 1
+        assert of(d, ScheduleWake) == [ScheduleWake(at=71.0)]
+
+    def test_hang_with_budget_spent_fails(self):
+        d = decide(running(restarts_used=2), Tick(), 61.0, CONFIG)
+        assert d.state.status is Status.FAILED
+        assert "restarted 2 times, max_restarts=2" in d.state.error
+
+    def test_start_timeout_is_a_fault(self):
+        assert decide(launching(), Tick(), 120.0, CONFIG).state.status is Status.STARTING
+        d = decide(launching(), Tick(), 121.0, CONFIG)
+        assert d.state.status is Status.RECOVERING and d.state.restarts_used == 1
+        assert kinds(d) == ["start_timeout", "restarting"]
+
+    def test_stop_timeout_fails(self):
+        assert decide(stopping(), Tick(), 130.0, CONFIG).state.status is Status.RECOVERING
+        d = decide(stopping(), Tick(), 131.0, CONFIG)
+        assert d.state.status is Status.FAILED
+        assert d.state.error == "worker group of attempt 1 did not stop within stop_timeout_s=30"
+        assert of(d, StopGroup) == []  # already asked
+
+    def test_backoff_expiry_launches(self):
+        state = stopping(group=GroupPhase.NONE)
+        assert decide(state, Tick(), 109.0, CONFIG).actions == ()
+        d = decide(state, Tick(), 110.0, CONFIG)
+        assert of(d, LaunchGroup) == [LaunchGroup(attempt=2, dp=4, world_size=8, resume_step=8)]
+
+    def test_queued_tick_does_nothing(self):
+        state = initial_state(CONFIG, dp=4)
+        assert decide(state, Tick(), 1e9, CONFIG).state == state
+
+    def test_capacity_wait_gives_up_after_its_timeout(self):
+        state = stopping(group=GroupPhase.NONE, backoff_until=None, available_dp=1)
+        d = decide(state, Tick(), 200.0, CONFIG)
+        assert kinds(d) == ["waiting_for_capacity"]
+        state = d.state
+        d = decide(state, Tick(), 500.0, CONFIG)
+        assert d.actions == () and "300s so far" in d.reason  # silent while nothing changes
+        d = decide(state, Tick(), 801.0, CONFIG)
+        assert d.state.status is Status.FAILED
+        assert d.state.error.startswith("gave up after 601s waiting for capacity for min_dp=2")
+
+
+class TestCapacity:
+    def test_grow_asks_for_a_checkpoint_first(self):
+        d = decide(running(step=15, last_committed_step=10), CapacityChanged(available_dp=8), 40.0, CONFIG)
+        assert d.state.status is Status.RUNNING
+        assert (d.state.pending_resize_dp, d.state.checkpoint_requested_at, d.state.checkpoint_requested_step) == (
+            8, 40.0, 15,
+        )
+        assert d.actions == (
+            RequestCheckpoint(attempt=1, reason="resize dp 4 -> 8"),
+            RecordEvent(kind="checkpoint_requested", detail="before resize dp 4 -> 8, at step 15"),
+        )
+
+    def test_commit_of_the_requested_checkpoint_stops_for_the_resize(self):
+        state = running(step=16, last_committed_step=10, available_dp=8, pending_resize_dp=8,
+                        checkpoint_requested_at=40.0, checkpoint_requested_step=15)
+        d = commit_all(state, 16, now=45.0)
+        assert d.state.status is Status.RESIZING and d.state.group is GroupPhase.STOPPING
+        assert types(d) == ["CommitCheckpoint", "RecordEvent", "RecordEvent", "StopGroup"]
+        assert kinds(d) == ["checkpoint_committed", "resizing"]
+        assert d.state.pending_resize_dp is None and not d.state.pending
+
+    def test_an_older_in_flight_checkpoint_does_not_trigger_the_resize(self):
+        state = running(step=16, last_committed_step=10, available_dp=8, pending_resize_dp=8,
+                        checkpoint_requested_at=40.0, checkpoint_requested_step=15)
+        d = commit_all(state, 12, now=45.0)
+        assert d.state.status is Status.RUNNING and d.state.pending
+        assert d.state.last_committed_step == 12
+
+    def test_nothing_new_since_the_checkpoint_resizes_at_once(self):
+        d = decide(running(step=10, last_committed_step=10), CapacityChanged(available_dp=8), 40.0, CONFIG)
+        assert d.state.status is Status.RESIZING
+        assert of(d, RequestCheckpoint) == []
+        assert of(d, StopGroup) == [StopGroup(attempt=1, reason="resize dp 4 -> 8")]
+
+    def test_same_fit_changes_nothing(self):
+        d = decide(running(), CapacityChanged(available_dp=6), 40.0, CONFIG)  # 6 -> legal 4
+        assert d.state == running(available_dp=6) and d.actions == ()
+
+    def test_capped_at_max_dp(self):
+        d = decide(running(step=15), CapacityChanged(available_dp=100), 40.0, CONFIG)
+        assert d.state.pending_resize_dp == 8
+
+    def test_less_capacity_while_running_shrinks_gracefully(self):
+        d = decide(running(step=15), CapacityChanged(available_dp=3), 40.0, CONFIG)
+        assert d.state.pending_resize_dp == 2 and of(d, RequestCheckpoint)
+
+    def test_capacity_below_min_while_running_keeps_running_and_says_so(self):
+        d = decide(running(step=15), CapacityChanged(available_dp=1), 40.0, CONFIG)
+        assert d.state.status is Status.RUNNING and d.state.available_dp == 1
+        assert kinds(d) == ["capacity_low"]
+
+    def test_pending_resize_follows_newer_capacity(self):
+        state = decide(running(step=15), CapacityChanged(available_dp=8), 40.0, CONFIG).state
+        d = decide(state, CapacityChanged(available_dp=2), 41.0, CONFIG)
+        assert d.state.pending_resize_dp == 2 and d.actions == ()
+        d = decide(state, CapacityChanged(available_dp=4), 41.0, CONFIG)
+        assert d.state.pending_resize_dp is None and not d.state.pending
+        assert "resize dropped" in d.reason
+
+    def test_queued_and_stopping_store_it_for_the_next_launch(self):
+        queued = initial_state(CONFIG, dp=4)
+        assert decide(queued, CapacityChanged(available_dp=2), 0, CONFIG).state == replace(queued, available_dp=2)
+        d = decide(stopping(), CapacityChanged(available_dp=2), 105.0, CONFIG)
+        assert d.actions == () and d.state.available_dp == 2
+
+    def test_capacity_report_releases_a_node_loss_wait(self):
+        state = stopping(group=GroupPhase.NONE, backoff_until=None, awaiting_capacity=True)
+        d = decide(state, CapacityChanged(available_dp=3), 120.0, CONFIG)
+        assert d.state.status is Status.RESIZING and not d.state.awaiting_capacity
+        assert of(d, LaunchGroup) == [LaunchGroup(attempt=2, dp=2, world_size=4, resume_step=8)]
+
+    def test_negative_capacity_is_ignored(self):
+        assert decide(running(), CapacityChanged(available_dp=-1), 1.0, CONFIG).ignored
+
+
+class TestScaleRequested:
+    @pytest.mark.parametrize("dp", [1, 3, 16])
+    def test_illegal_sizes_are_rejected_with_the_legal_ones(self, dp):
+        d = decide(running(), ScaleRequested(dp=dp), 5.0, CONFIG)
+        assert d.state == running()
+        assert kinds(d) == ["scale_rejected"]
+        assert of(d, RecordEvent)[0].detail == (
+            f"dp={dp} rejected: legal sizes for global_batch=32, micro_batch=2 in "
+            f"[min_dp=2, max_dp=8] are [2, 4, 8]"
+        )
+
+    def test_more_than_the_cluster_can_place_is_rejected(self):
+        d = decide(running(available_dp=4), ScaleRequested(dp=8), 5.0, CONFIG)
+        assert d.state == running(available_dp=4)
+        assert "only 4 replica(s)" in of(d, RecordEvent)[0].detail
+
+    def test_legal_request_while_running_checkpoints_then_resizes(self):
+        d = decide(running(step=15), ScaleRequested(dp=2), 5.0, CONFIG)
+        assert d.state.target_dp == 2 and d.state.pending_resize_dp == 2
+        assert kinds(d) == ["scale_requested", "checkpoint_requested"]
+        assert of(d, RequestCheckpoint) == [RequestCheckpoint(attempt=1, reason="resize dp 4 -> 2")]
+
+    def test_request_for_the_current_size_is_a_no_op(self):
+        d = decide(running(), ScaleRequested(dp=4), 5.0, CONFIG)
+        assert d.state == running(target_dp=4) and kinds(d) == ["scale_requested"]
+
+    def test_target_pins_the_size_against_more_capacity(self):
+        d = decide(running(target_dp=2, dp=2), CapacityChanged(available_dp=8), 5.0, CONFIG)
+        assert d.actions == () and d.state.pending_resize_dp is None
+
+    def test_queued_request_sets_the_first_size(self):
+        state = decide(initial_state(CONFIG, dp=4), ScaleRequested(dp=8), 0.0, CONFIG).state
+        assert of(decide(state, Start(), 1.0, CONFIG), LaunchGroup)[0].dp == 8
+
+    def test_request_while_backing_off_applies_at_launch(self):
+        state = decide(stopping(group=GroupPhase.NONE), ScaleRequested(dp=2), 105.0, CONFIG).state
+        d = decide(state, Tick(), 110.0, CONFIG)
+        assert d.state.status is Status.RESIZING and of(d, LaunchGroup)[0].dp == 2
+
+
+class TestStragglers:
+    def flagged(self, evict=True, node="n3", attempt=1):
+        return StragglerFlagged(attempt=attempt, rank=6, node=node, factor=2.1, evict=evict, evidence="2 windows")
+
+    def test_report_only(self):
+        d = decide(running(), self.flagged(evict=False), 5.0, CONFIG)
+        assert d.state == running()
+        assert d.actions == (
+            RecordEvent(kind="straggler_detected", detail="rank 6 on node n3 is 2.10x slower than its peers (2 windows)"),
+        )
+
+    def test_evict_checkpoints_first(self):
+        d = decide(running(step=15), self.flagged(), 5.0, CONFIG)
+        assert (d.state.pending_evict_node, d.state.pending_evict_rank) == ("n3", 6)
+        assert kinds(d) == ["straggler_detected", "checkpoint_requested"]
+        assert of(d, RequestCheckpoint) == [RequestCheckpoint(attempt=1, reason="evict node n3 (rank 6)")]
+
+    def test_commit_excludes_the_node_and_restarts_without_spending_budget(self):
+        state = decide(running(step=15), self.flagged(), 5.0, CONFIG).state
+        d = commit_all(state, 15, now=9.0)
+        assert d.state.status is Status.RECOVERING and d.state.restarts_used == 0
+        assert d.state.excluded_nodes == frozenset({"n3"}) and d.state.awaiting_capacity
+        assert types(d) == ["CommitCheckpoint", "RecordEvent", "RecordEvent", "ExcludeNode", "StopGroup"]
+        assert of(d, ExcludeNode) == [ExcludeNode(node="n3", reason="straggler rank 6")]
+        assert kinds(d) == ["checkpoint_committed", "straggler_evicted"]
+
+    def test_evict_with_nothing_new_to_save_stops_at_once(self):
+        d = decide(running(step=10, last_committed_step=10), self.flagged(), 5.0, CONFIG)
+        assert of(d, RequestCheckpoint) == [] and of(d, ExcludeNode) and of(d, StopGroup)
+
+    @pytest.mark.parametrize(
+        "state,why",
+        [
+            (running(checkpoint_requested_at=1.0, pending_resize_dp=8), "another change"),
+            (running(excluded_nodes=frozenset({"n3"})), "already excluded"),
+            (launching(), "job is STARTING"),
+        ],
+    )
+    def test_evict_refused(self, state, why):
+        d = decide(state, self.flagged(), 5.0, CONFIG)
+        assert kinds(d) == ["straggler_detected"] and why in d.reason
+        assert d.state == state
+
+    def test_failure_during_a_pending_evict_still_excludes_the_node(self):
+        state = decide(running(step=15), self.flagged(), 5.0, CONFIG).state
+        d = decide(state, WorkerLost(attempt=1, rank=0, node="n1", cause="process"), 6.0, CONFIG)
+        assert of(d, ExcludeNode) == [ExcludeNode(node="n3", reason="straggler rank 6")]
+        assert d.state.excluded_nodes == frozenset({"n3"}) and d.state.awaiting_capacity
+        assert d.state.pending_evict_node is None
+
+    def test_checkpoint_timeout_evicts_anyway(self):
+        state = decide(running(step=15, last_progress_at=100.0), self.flagged(), 5.0, CONFIG).state
+        d = decide(state, Tick(), 106.0, CONFIG)
+        assert kinds(d) == ["checkpoint_timeout", "straggler_evicted"]
+        assert of(d, ExcludeNode) and d.state.status is Status.RECOVERING
+
+    def test_checkpoint_timeout_abandons_a_resize(self):
+        state = decide(running(step=15, last_progress_at=100.0), CapacityChanged(available_dp=8), 5.0, CONFIG).state
+        assert decide(state, Tick(), 105.0, CONFIG).actions == ()
+        d = decide(state, Tick(), 106.0, CONFIG)
+        assert d.state.status is Status.RUNNING and not d.state.pending
+        assert kinds(d) == ["resize_abandoned"]
+
+
+class TestCancel:
+    def test_running_job_is_stopped_and_cancelled(self):
+        d = decide(running(), Cancel(), 5.0, CONFIG)
+        assert d.state.status is Status.CANCELLED
+        assert d.actions == (
+            StopGroup(attempt=1, reason="job cancelled"),
+            RecordEvent(kind="cancelled", detail="cancelled by user"),
+            MarkTerminal(status=Status.CANCELLED, error=None),
+        )
+
+    def test_queued_job_has_nothing_to_stop(self):
+        d = decide(initial_state(CONFIG, dp=4), Cancel(reason="user alice"), 5.0, CONFIG)
+        assert types(d) == ["RecordEvent", "MarkTerminal"]
+
+    def test_stopping_group_is_not_stopped_twice(self):
+        d = decide(stopping(), Cancel(), 105.0, CONFIG)
+        assert d.state.status is Status.CANCELLED and of(d, StopGroup) == []
+
+
+class TestAbort:
+    @pytest.mark.parametrize("state", [running(), stopping(), launching(), initial_state(CONFIG, dp=4)],
+                             ids=["running", "stopping", "launching", "queued"])
+    def test_fails_from_any_live_state(self, state):
+        d = decide(state, Abort(error="supervisor internal error: KeyError 'loss'"), 5.0, CONFIG)
+        assert d.state.status is Status.FAILED
+        assert d.state.error == "supervisor internal error: KeyError 'loss'"
+        assert d.actions[-1] == MarkTerminal(status=Status.FAILED, error=d.state.error)
+        assert len(of(d, StopGroup)) == (1 if state.group in (GroupPhase.UP, GroupPhase.LAUNCHING) else 0)
+
+
+TERMINAL = [
+    running(status=Status.SUCCEEDED, group=GroupPhase.STOPPING),
+    running(status=Status.FAILED, group=GroupPhase.STOPPING, error="boom"),
+    running(status=Status.CANCELLED, group=GroupPhase.STOPPING),
+]
+EVERY_EVENT = [
+    Start(),
+    GroupReady(attempt=1, world_size=8),
+    StepReported(attempt=1, step=11, loss=1.0),
+    Heartbeat(attempt=1, rank=0, step=11),
+    CheckpointReported(attempt=1, step=11, rank=0),
+    WorkerLost(attempt=1, rank=0, node="n1", cause="process"),
+    JobError(attempt=1, rank=0, message="x"),
+    Tick(),
+    CapacityChanged(available_dp=8),
+    ScaleRequested(dp=2),
+    StragglerFlagged(attempt=1, rank=0, node="n1", factor=3.0, evict=True),
+    Cancel(),
+    Abort(error="x"),
+    Finished(attempt=1, final_step=100),
+    GroupStopped(attempt=1),
+]
+
+
+class TestIgnored:
+    @pytest.mark.parametrize("state", TERMINAL, ids=lambda s: s.status.value)
+    @pytest.mark.parametrize("event", EVERY_EVENT, ids=lambda e: type(e).__name__)
+    def test_terminal_states_ignore_everything(self, state, event):
+        d = decide(state, event, 1e6, CONFIG)
+        assert d.ignored and d.state == state and d.actions == ()
+        assert d.reason.startswith(f"ignored: job is {state.status.value}")
+
+    @pytest.mark.parametrize("event", [e for e in EVERY_EVENT if hasattr(e, "attempt")], ids=lambda e: type(e).__name__)
+    def test_events_from_an_old_attempt_are_dropped(self, event):
+        state = running(attempt=2)
+        d = decide(state, event, 5.0, CONFIG)
+        assert d.ignored and d.state == state and d.actions == ()
+        assert d.reason == f"ignored: stale {type(event).__name__} from attempt 1 (current attempt 2)"
+
+    def test_unknown_event_type_is_ignored(self):
+        class Mystery:
+            pass
+
+        assert decide(running(), Mystery(), 5.0, CONFIG).ignored
+
+
+# ---------------------------------------------------------------------------------------------
+# stories
+
+
+class TestStories:
+    def test_worker_lost_restart_then_finish(self):
+        s = Story()
+        assert of(s.at(0, Start()), LaunchGroup)[0].attempt == 1
+        s.at(20, GroupReady(attempt=1, world_size=8))
+        for step in range(1, 31):
+            s.at(20 + step, StepReported(attempt=1, step=step, loss=3.0 - step / 100))
+        s.checkpoint(51, 30)
+        s.at(55, StepReported(attempt=1, step=31, loss=2.7))
+        d = s.at(60, WorkerLost(attempt=1, rank=3, node="n2", cause="process", detail="SIGKILL"))
+        assert of(d, ScheduleWake) == [ScheduleWake(at=70)]
+        s.at(61, StepReported(attempt=1, step=32, loss=2.6))  # in flight from the dying group
+        assert s.decisions[-1].ignored
+        assert s.at(62, GroupStopped(attempt=1)).actions == ()  # still backing off
+        d = s.at(70, Tick())
+        assert of(d, LaunchGroup) == [LaunchGroup(attempt=2, dp=4, world_size=8, resume_step=30)]
+        s.at(72, StepReported(attempt=1, step=33, loss=2.5))  # a straggling report from attempt 1
+        assert s.decisions[-1].ignored
+        s.at(80, GroupReady(attempt=2, world_size=8))
+        assert s.state.step == 30  # resumed from the checkpoint, not from the lost progress
+        for step in range(31, 101):
+            s.at(80 + step, StepReported(attempt=2, step=step, loss=2.0))
+        d = s.at(181, Finished(attempt=2, final_step=100))
+        assert s.state.status is Status.SUCCEEDED and s.state.restarts_used == 1
+        assert s.all_kinds == [
+            "started", "checkpoint_committed", "worker_failed", "restarting", "restored", "succeeded",
+        ]
+
+    def test_node_lost_shrink_then_capacity_back_grow(self):
+        s = Story(dp=8)
+        s.at(0, CapacityChanged(available_dp=8))
+        s.at(0, Start())
+        s.at(10, GroupReady(attempt=1, world_size=16))
+        s.at(20, StepReported(attempt=1, step=20, loss=2.0))
+        s.checkpoint(21, 20)
+        s.at(25, StepReported(attempt=1, step=25, loss=1.9))
+        s.at(30, WorkerLost(attempt=1, rank=14, node="n4", cause="node"))
+        s.at(31, WorkerLost(attempt=1, rank=15, node="n4", cause="node"))  # same node, ignored
+        s.at(35, GroupStopped(attempt=1))
+        assert s.state.status is Status.RECOVERING and s.state.restarts_used == 0
+        d = s.at(36, CapacityChanged(available_dp=6))  # 6 replicas left: largest legal is 4
+        assert s.state.status is Status.RESIZING
+        assert of(d, LaunchGroup) == [LaunchGroup(attempt=2, dp=4, world_size=8, resume_step=20)]
+        s.at(40, GroupReady(attempt=2, world_size=8))
+        s.at(50, StepReported(attempt=2, step=30, loss=1.8))
+        d = s.at(60, CapacityChanged(available_dp=8))  # the node is back
+        assert of(d, RequestCheckpoint) and s.state.status is Status.RUNNING
+        s.at(61, StepReported(attempt=2, step=31, loss=1.8))
+        d = s.checkpoint(62, 31)
+        assert s.state.status is Status.RESIZING and of(d, StopGroup)
+        d = s.at(64, GroupStopped(attempt=2))
+        assert of(d, LaunchGroup) == [LaunchGroup(attempt=3, dp=8, world_size=16, resume_step=31)]
+        s.at(70, GroupReady(attempt=3, world_size=16))
+        assert s.state.status is Status.RUNNING and s.state.dp == 8 and s.state.restarts_used == 0
+        assert s.all_kinds == [
+            "started", "checkpoint_committed", "node_lost", "waiting_for_capacity", "resized",
+            "checkpoint_requested", "checkpoint_committed", "resizing", "resized",
+        ]
+
+    def test_launches_that_keep_failing_to_place_give_up_at_the_capacity_deadline(self):
+        s = Story()
+        s.at(0, Start())
+        now, launches = 0.0, 0
+        while not s.state.status.terminal:
+            s.at(now + 5, WorkerLost(attempt=s.state.attempt, rank=-1, node="", cause="node", detail="placement"))
+            s.at(now + 6, GroupStopped(attempt=s.state.attempt))
+            launches += len(of(s.at(now + 7, CapacityChanged(available_dp=4)), LaunchGroup))
+            now += 60
+        assert s.state.restarts_used == 0  # capacity trouble never spends the budget...
+        # ...but it is bounded in time: the wait began at t=6 and is not reset by launches that
+        # never become ready; at t=666 it is over the 600s deadline.
+        assert s.state.error == (
+            "gave up after 660s waiting for a capacity report after losing or excluding a node "
+            "(capacity_wait_timeout_s=600)"
+        )
+        assert launches == 11
+
+    def test_capacity_below_min_waits_then_recovers(self):
+        s = Story()
+        s.at(0, Start())
+        s.at(10, GroupReady(attempt=1, world_size=8))
+        s.at(20, WorkerLost(attempt=1, rank=0, node="n1", cause="node"))
+        s.at(21, GroupStopped(attempt=1))
+        s.at(22, CapacityChanged(available_dp=1))
+        s.at(100, Tick())
+        assert s.state.status is Status.RECOVERING and s.state.group is GroupPhase.NONE
+        d = s.at(200, CapacityChanged(available_dp=4))
+        assert of(d, LaunchGroup)[0].dp == 4 and s.state.status is Status.RECOVERING
+        assert s.all_kinds == ["started", "node_lost", "waiting_for_capacity", "waiting_for_capacity"]
+        assert "cluster can place 1" in s.decisions[4].actions[0].detail
+
+    def test_hang_detected_then_restart(self):
+        s = Story()
+        s.at(0, Start())
+        s.at(10, GroupReady(attempt=1, world_size=8))
+        s.at(20, StepReported(attempt=1, step=1, loss=3.0))
+        for t in (30, 50, 70):
+            s.at(t, Heartbeat(attempt=1, rank=0, step=1))  # alive but stuck in a collective
+            s.at(t, Tick())
+        assert s.state.status is Status.RUNNING
+        d = s.at(81, Tick())
+        assert kinds(d) == ["hang_detected", "restarting"] and s.state.restarts_used == 1
+        s.at(82, GroupStopped(attempt=1))
+        d = s.at(91, Tick())
+        assert of(d, LaunchGroup) == [LaunchGroup(attempt=2, dp=4, world_size=8, resume_step=None)]
+
+    def test_max_restarts_exceeded(self):
+        s = Story()
+        s.at(0, Start())
+        now = 0.0
+        for attempt in (1, 2, 3):
+            s.at(now + 1, GroupReady(attempt=attempt, world_size=8))
+            s.at(now + 2, WorkerLost(attempt=attempt, rank=1, node="n1", cause="process"))
+            if s.state.status.terminal:
+                break
+            s.at(now + 3, GroupStopped(attempt=attempt))
+            now = s.state.backoff_until
+            s.at(now, Tick())
+        assert s.state.status is Status.FAILED
+        assert s.state.error == "rank 1 on node n1 lost (process); restarted 2 times, max_restarts=2"
+        backoffs = [a.at for d in s.decisions for a in of(d, ScheduleWake)]
+        assert backoffs == [12.0, 12.0 + 2 + 20]  # 10s then 20s after each loss
+        assert s.decisions[-1].actions[-1] == MarkTerminal(status=Status.FAILED, error=s.state.error)
+        assert s.at(1e4, Tick()).ignored
+
+    def test_stale_events_from_an_old_attempt_change_nothing(self):
+        s = Story()
+        s.at(0, Start())
+        s.at(1, GroupReady(attempt=1, world_size=8))
+        s.at(2, WorkerLost(attempt=1, rank=0, node="n1", cause="actor"))
+        s.at(3, GroupStopped(attempt=1))
+        s.at(12, Tick())
+        s.at(13, GroupReady(attempt=2, world_size=8))
+        before = s.state
+        for event in [
+            WorkerLost(attempt=1, rank=2, node="n1", cause="process"),
+            JobError(attempt=1, rank=2, message="RuntimeError: NCCL communicator aborted"),
+            Finished(attempt=1, final_step=100),
+            CheckpointReported(attempt=1, step=50, rank=0),
+            GroupStopped(attempt=1),
+            StragglerFlagged(attempt=1, rank=0, node="n1", factor=3.0, evict=True),
+        ]:
+            assert s.at(14, event).ignored
+        assert s.state == before and s.state.status is Status.RUNNING
+
+    def test_straggler_eviction_story(self):
+        s = Story()
+        s.at(0, CapacityChanged(available_dp=4))
+        s.at(0, Start())
+        s.at(5, GroupReady(attempt=1, world_size=8))
+        s.at(10, StepReported(attempt=1, step=20, loss=2.0))
+        s.at(11, StragglerFlagged(attempt=1, rank=6, node="n3", factor=2.0, evict=True))
+        s.at(12, StepReported(attempt=1, step=21, loss=2.0))
+        s.checkpoint(13, 21)
+        s.at(14, GroupStopped(attempt=1))
+        assert of(s.decisions[-1], LaunchGroup) == []  # waits for the capacity without n3
+        d = s.at(15, CapacityChanged(available_dp=3))
+        assert of(d, LaunchGroup) == [
+            LaunchGroup(attempt=2, dp=2, world_size=4, resume_step=21, excluded_nodes=frozenset({"n3"}))
+        ]
+        assert s.state.status is Status.RESIZING and s.state.restarts_used == 0
+
+    def test_user_scales_down_then_up(self):
+        s = Story(dp=8)
+        s.at(0, Start())
+        s.at(1, GroupReady(attempt=1, world_size=16))
+        s.at(2, StepReported(attempt=1, step=5, loss=2.0))
+        s.at(3, ScaleRequested(dp=2))
+        s.checkpoint(4, 5)
+        s.at(5, GroupStopped(attempt=1))
+        s.at(6, GroupReady(attempt=2, world_size=4))
+        assert (s.state.status, s.state.dp) == (Status.RUNNING, 2)
+        s.at(7, ScaleRequested(dp=8))  # nothing trained since step 5: immediate
+        s.at(8, GroupStopped(attempt=2))
+        s.at(9, GroupReady(attempt=3, world_size=16))
+        assert (s.state.status, s.state.dp, s.state.last_committed_step) == (Status.RUNNING, 8, 5)
+        assert s.all_kinds.count("resized") == 2 and s.state.restarts_used == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# invariants under random event streams
+
+
+FUZZ_CONFIG = replace(CONFIG, max_restarts=8)
+
+
+def random_event(rng, state):
+    """A plausible event, mostly from the current attempt, sometimes late from the one before."""
+    attempt = max(0, state.attempt - (rng.random() < 0.1))
+    world = FUZZ_CONFIG.world_size(state.dp)
+    makers = [
+        (5, lambda: Start()),
+        (3, lambda: GroupReady(attempt=attempt, world_size=world)),
+        (8, lambda: StepReported(attempt=attempt, step=state.step + rng.choice([0, 1, 2]), loss=2.0)),
+        (2, lambda: Heartbeat(attempt=attempt, rank=0, step=state.step + rng.choice([0, 1]))),
+        (8, lambda: CheckpointReported(attempt=attempt, step=state.step, rank=rng.randrange(world))),
+        (1, lambda: WorkerLost(attempt=attempt, rank=0, node="n1", cause=rng.choice(["process", "actor", "node"]))),
+        (6, lambda: Tick()),
+        (2, lambda: CapacityChanged(available_dp=rng.choice([0, 1, 2, 3, 4, 6, 8, 12]))),
+        (1, lambda: ScaleRequested(dp=rng.choice([1, 2, 3, 4, 8]))),
+        (1, lambda: StragglerFlagged(attempt=attempt, rank=1, node=rng.choice(["n1", "n2"]), factor=2.0,
+                                     evict=rng.random() < 0.5)),
+        (3, lambda: GroupStopped(attempt=attempt)),
+        (0.3, lambda: Finished(attempt=attempt, final_step=rng.choice([50, 100]))),
+        (0.1, lambda: Cancel()),
+        (0.05, lambda: Abort(error="adapter bug")),
+    ]
+    weights = [w for w, _ in makers]
+    return rng.choices([m for _, m in makers], weights=weights)[0]()
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_event_streams_keep_the_invariants(seed):
+    rng = random.Random(seed)
+    config = FUZZ_CONFIG
+    state = initial_state(config, dp=4)
+    now = 0.0
+    terminal_marks = 0
+    for _ in range(400):
+        now += rng.choice([0.0, 0.5, 2.0, 5.0, 12.0, 40.0, 70.0])
+        event = random_event(rng, state)
+        before = state
+        d = decide(state, event, now, config)
+        state = d.state
+        assert d.reason
+        assert (state.status is Status.RUNNING) == (state.group is GroupPhase.UP) or state.status.terminal
+        assert state.attempt >= before.attempt
+        assert state.restarts_used <= config.max_restarts
+        assert config.min_dp <= state.dp <= config.max_dp and config.elastic.is_legal(state.dp)
+        if before.last_committed_step is not None:
+            assert state.last_committed_step >= before.last_committed_step
+        for launch in of(d, LaunchGroup):
+            assert launch.attempt == before.attempt + 1 and launch.resume_step == before.last_committed_step
+            assert launch.world_size == config.world_size(launch.dp)
+            assert before.group is GroupPhase.NONE or (
+                before.group is GroupPhase.STOPPING and isinstance(event, GroupStopped)
+            )
+        for stop in of(d, StopGroup):
+            assert stop.attempt == before.attempt and before.group in (GroupPhase.LAUNCHING, GroupPhase.UP)
+        if of(d, RequestCheckpoint):
+            assert state.status is Status.RUNNING and state.pending
+        terminal_marks += len(of(d, MarkTerminal))
+        if state.status.terminal:
+            assert terminal_marks == 1
+            break
+
+
+# ---------------------------------------------------------------------------------------------
+# CheckpointFallback: the launch restores an older checkpoint than the commit it was told about
+
+
+def test_checkpoint_fallback_moves_commit_point_and_progress_back():
+    from service.supervisor import CheckpointFallback
+
+    state = launching(status=Status.RECOVERING, attempt=2, last_committed_step=20, step=20)
+    decision = decide(state, CheckpointFallback(attempt=2, step=10, reason="sha256 mismatch"), 50.0, CONFIG)
+    assert decision.state.last_committed_step == 10
+    assert decision.state.step == 10
+    assert kinds(decision) == ["checkpoint_fallback"]
+    assert "step 20 failed verification; restoring step 10 (sha256 mismatch)" in decision.reason
+    # Re-running steps 11..20 now counts as progress (no false hang).
+    up = replace(decision.state, status=Status.RUNNING, group=GroupPhase.UP, last_progress_at=50.0)
+    progressed = decide(up, Heartbeat(attempt=2, rank=0, step=11), 51.0, CONFIG)
+    assert progressed.state.step == 11 and progressed.state.last_progress_at == 51.0
+
+
+def test_checkpoint_fallback_to_fresh_start():
+    from service.supervisor import CheckpointFallback
+
+    state = launching(status=Status.RECOVERING, attempt=2, last_committed_step=5, step=5)
+    decision = decide(state, CheckpointFallback(attempt=2, step=None), 1.0, CONFIG)
+    assert decision.state.last_committed_step is None and decision.state.step == 0
+    assert "restoring a fresh start" in decision.reason
+
+
+@pytest.mark.parametrize(
+    "state, step, why",
+    [
+        (running(last_committed_step=20), 10, "while the group is up"),
+        (launching(attempt=1, last_committed_step=20), 20, "not older"),
+        (launching(attempt=1, last_committed_step=20), 30, "not older"),
+    ],
+)
+def test_checkpoint_fallback_ignored_when_not_launching_or_not_older(state, step, why):
+    from service.supervisor import CheckpointFallback
+
+    decision = decide(state, CheckpointFallback(attempt=state.attempt, step=step), 1.0, CONFIG)
+    assert decision.ignored and decision.state == state
+    assert why in decision.reason
+
+
+def test_checkpoint_fallback_from_a_stale_attempt_is_ignored():
+    from service.supervisor import CheckpointFallback
+
+    state = launching(attempt=3, last_committed_step=20)
+    assert decide(state, CheckpointFallback(attempt=2, step=10), 1.0, CONFIG).ignored
