@@ -1,0 +1,114 @@
+"""Fixtures for failure-injection tests: real multi-node Ray clusters and a real control plane.
+
+``ray.cluster_utils.Cluster`` starts several raylets (nodes) on this machine; ``remove_node`` kills
+one for real. The head node has no CPUs, so every rank lands on a worker node that a test can
+remove. Health checks are tightened so a removed node is declared dead in a few seconds.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from tests.service_harness import ControlPlane, control_plane
+
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+FAST_NODE_DEATH = {
+    "health_check_initial_delay_ms": 0,
+    "health_check_period_ms": 1000,
+    "health_check_failure_threshold": 3,
+}
+
+
+@contextmanager
+def ray_cluster(worker_cpus: list[int]) -> Iterator[Cluster]:
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 0, "include_dashboard": False, "_system_config": FAST_NODE_DEATH},
+    )
+    try:
+        for cpus in worker_cpus:
+            cluster.add_node(num_cpus=cpus)
+        cluster.wait_for_nodes(timeout=120)
+        ray.init(address=cluster.address, namespace="etrain", log_to_driver=False)
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def shared_plane(tmp_path_factory) -> Iterator[ControlPlane]:
+    """Three 2-CPU worker nodes shared by the tests that do not remove nodes."""
+    with ray_cluster([2, 2, 2]):
+        with control_plane(tmp_path_factory.mktemp("etrain-chaos")) as plane:
+            yield plane
+
+
+def spec(name: str, *, steps: int = 24, dp: int = 2, tp: int = 1, pp: int = 1, every: int = 4, **sections) -> dict:
+    """A small, fast, deterministic job (fp32, synthetic data, fixed seeds)."""
+    body = {
+        "name": name,
+        "model": {"n_layers": 2, "d_model": 32, "n_heads": 2, "vocab_size": 64, "seq_len": 16},
+        "data": {"kind": "synthetic", "seed": 3},
+        "parallelism": {"dp": dp, "tp": tp, "pp": pp},
+        "resources": {"cpus_per_worker": 1},
+        "training": {"steps": steps, "global_batch": 8, "micro_batch": 2, "lr": 0.01, "seed": 5},
+        "checkpoint": {"every_steps": every, "keep_last": 3},
+        "fault_tolerance": {"max_restarts": 3, "heartbeat_timeout_s": 30, "backoff_base_s": 0.5, "backoff_max_s": 2},
+        "stragglers": {"enabled": False},
+    }
+    for key, value in sections.items():
+        body[key] = {**body.get(key, {}), **value} if isinstance(value, dict) else value
+    return body
+
+
+def losses(plane: ControlPlane, job_id: str) -> dict[int, float]:
+    return {row["step"]: row["loss"] for row in plane.steps(job_id)}
+
+
+def run_clean(plane: ControlPlane, body: dict) -> dict:
+    job = plane.wait_terminal(plane.submit(body)["id"], timeout_s=300)
+    assert job["status"] == "SUCCEEDED", job
+    return job
+
+
+def node_of_rank(job_id: str, rank: int) -> str:
+    from ray.util.state import list_actors
+
+    name = f"etrain/{job_id}/rank{rank}"
+    for actor in list_actors(filters=[("name", "=", name), ("state", "=", "ALIVE")], timeout=10):
+        return actor.node_id
+    raise AssertionError(f"no live actor {name}")
+
+
+def cluster_node(cluster: Cluster, node_id: str):
+    for node in cluster.list_all_nodes():
+        if node.node_id == node_id:
+            return node
+    raise AssertionError(f"node {node_id} is not in the cluster")
+
+
+def resumed_from(events: list[dict]) -> list[int | None]:
+    """The step each launch resumed from (None: fresh), in launch order."""
+    import re
+
+    from tests.service_harness import event_text
+
+    out: list[int | None] = []
+    for event in events:
+        if event["kind"] == "launching":
+            match = re.search(r"resuming from step (\d+)", event_text(event))
+            out.append(int(match.group(1)) if match else None)
+    return out
+
+
+def data_dir(plane: ControlPlane) -> Path:
+    return plane.data_dir

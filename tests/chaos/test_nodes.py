@@ -1,0 +1,99 @@
+"""Issue #4 acceptance 2 (node loss), 3 (shrink and grow) and 4 (evict): nodes really go away.
+
+Each test owns its cluster, since it removes or adds nodes. The head node has no CPUs, so ranks run
+only on worker nodes the test controls.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+from tests.chaos.conftest import cluster_node, losses, node_of_rank, ray_cluster, resumed_from, run_clean, spec
+from tests.service_harness import control_plane, event_kinds, event_text
+
+pytestmark = pytest.mark.slow
+
+
+def placements(events: list[dict]) -> list[dict[int, str]]:
+    out = []
+    for event in events:
+        if event["kind"] == "placed":
+            out.append({int(r): node for r, node in re.findall(r"rank(\d+)=(\S+)", event_text(event))})
+    return out
+
+
+def test_node_loss_during_dp2_tp2_restarts_on_the_spare_node(tmp_path):
+    with ray_cluster([2, 2, 2]) as cluster, control_plane(tmp_path) as plane:
+        body = spec("node-dp2tp2", steps=20, dp=2, tp=2)
+        clean = losses(plane, run_clean(plane, body)["id"])
+        job = plane.submit(body)
+        plane.wait_until(job["id"], lambda j: j["status"] == "RUNNING" and j["step"] >= 10, timeout_s=240,
+                         what="step 10")
+        victim = node_of_rank(job["id"], 3)
+        cluster.remove_node(cluster_node(cluster, victim))
+        final = plane.wait_terminal(job["id"], timeout_s=300)
+        assert final["status"] == "SUCCEEDED", final
+        assert final["restarts"] == 0  # losing a node is not the job's fault
+        events = plane.events(job["id"])
+        assert "node_lost" in event_kinds(events)
+        last = placements(events)[-1]
+        assert victim not in last.values() and len(last) == 4
+        assert final["world_size"] == 4
+        recovered = losses(plane, job["id"])
+        assert max(abs(recovered[s] - clean[s]) for s in clean) <= 1e-6
+
+
+def test_shrinks_when_capacity_is_lost_and_grows_back_when_it_returns(tmp_path):
+    with ray_cluster([2, 2]) as cluster, control_plane(tmp_path) as plane:
+        body = spec("elastic-dp4", steps=60, dp=4, every=4,
+                    resources={"cpus_per_worker": 1, "min_dp": 2, "max_dp": 4},
+                    elastic={"check_interval_s": 1.0})
+        clean = losses(plane, run_clean(plane, body)["id"])
+
+        job = plane.submit(body)
+        plane.wait_until(job["id"], lambda j: j["status"] == "RUNNING" and j["step"] >= 8, timeout_s=240,
+                         what="step 8")
+        victim = node_of_rank(job["id"], 3)
+        cluster.remove_node(cluster_node(cluster, victim))
+        shrunk = plane.wait_until(job["id"], lambda j: j["status"] == "RUNNING" and j["world_size"] == 2,
+                                  timeout_s=180, what="the shrink to dp=2")
+        assert shrunk["layout"].startswith("pp1·dp2")
+
+        cluster.add_node(num_cpus=2)
+        grown = plane.wait_until(job["id"], lambda j: j["status"] == "RUNNING" and j["world_size"] == 4,
+                                 timeout_s=180, what="the grow back to dp=4")
+        assert grown["layout"].startswith("pp1·dp4")
+        final = plane.wait_terminal(job["id"], timeout_s=300)
+        assert final["status"] == "SUCCEEDED", final
+        assert final["restarts"] == 0
+
+        kinds = event_kinds(plane.events(job["id"]))
+        assert kinds.count("resized") >= 2, kinds  # one each way
+        # Elastic exactness: same global batch and sample order at any dp; only reduction order differs.
+        recovered = losses(plane, job["id"])
+        assert sorted(recovered) == sorted(clean)
+        worst = max(abs(recovered[s] - clean[s]) for s in clean)
+        assert worst <= 1e-4, worst
+
+
+def test_evict_moves_the_slow_rank_off_its_node_and_finishes(tmp_path):
+    with ray_cluster([1, 1, 1]) as cluster, control_plane(tmp_path) as plane:
+        body = spec("evict-dp2", steps=40, every=4,
+                    stragglers={"enabled": True, "window": 4, "threshold": 1.5, "patience": 2, "action": "evict"})
+        job = plane.submit(body)
+        plane.chaos(job["id"], action="slow_rank", rank=1, factor=3.0, at_step=2)
+        final = plane.wait_terminal(job["id"], timeout_s=300)
+        assert final["status"] == "SUCCEEDED", final
+        events = plane.events(job["id"])
+        kinds = event_kinds(events)
+        assert "straggler_detected" in kinds or "straggler_evicted" in kinds, kinds
+        flagged = final["stragglers"][0]
+        assert flagged["rank"] == 1
+        first, last = placements(events)[0], placements(events)[-1]
+        evicted = first[1]
+        assert evicted not in last.values(), (first, last)
+        assert final["step"] == 40
+        assert cluster  # the cluster stayed up for the whole test
