@@ -121,11 +121,7 @@ def planned_mb(config: RunConfig) -> float | None:
         "training": {"steps": config.training.steps, "global_batch": config.training.global_batch,
                      "micro_batch": config.training.micro_batch},
     })
-    result = estimate(spec)
-    total = getattr(result, "total_bytes", None)
-    if total is None and hasattr(result, "to_dict"):
-        total = result.to_dict().get("memory", {}).get("total_bytes")
-    return None if total is None else total / 2**20
+    return estimate(spec).memory.total / 2**20
 
 
 LAYOUTS = [

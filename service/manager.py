@@ -154,14 +154,7 @@ class JobManager:
         return order
 
     def plan(self, spec: JobSpec) -> dict[str, Any]:
-        spec = resolve_paths(spec, self._base_dir)
-        report = planner.plan_report(spec)
-        spec_problems = [problem.to_dict() for problem in check_spec(spec)]
-        if spec_problems:
-            report = dict(report)
-            report["problems"] = spec_problems + list(report.get("problems", []))
-            report["feasible"] = False
-        return report
+        return planner.plan_report(resolve_paths(spec, self._base_dir))
 
     def health(self) -> dict[str, Any]:
         return {"db": "ok" if self.store.ping() else "error", **self.runtime.health()}

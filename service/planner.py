@@ -13,7 +13,10 @@ Conventions (bytes per parameter; ``precision_bytes``):
 * The seed notes' table (``bytes_per_param``) uses 2 + 2 + 8 = 12 (no master copy); it is kept as
   its own function so its worked examples stay checkable.
 * ZeRO shards across the ``dp`` ranks: stage 1 the optimizer states, 2 also the gradients, 3 also the
-  parameters. Memory is reported in bytes and GiB; ``device_memory_gb`` is read as GiB.
+  parameters (the table). On top of the table, ``fsdp_buffers`` counts what FSDP2 holds at the peak
+  as the workers run ZeRO-2/3 (``_fsdp_buffers``): notably, gradient accumulation without gradient
+  sync keeps a stage's gradients unsharded, so with more than one micro-batch per step ZeRO-2/3 save
+  no gradient memory in this build. Memory is in bytes and GiB; ``device_memory_gb`` is read as GiB.
 
 What a rank holds (``workers/model.py``, TP as Megatron/torchtitan shard it): column-parallel
 ``wq/wk/wv/w1`` shard weight and bias by ``tp``; row-parallel ``wo/w2`` shard the weight but keep the
@@ -21,6 +24,18 @@ bias whole; LayerNorms are replicated; the token embedding and the output head a
 (sharded by ``tp``); the learned position embedding is replicated. A pipeline stage holds
 ``n_layers / (pp * virtual_stages)`` layers per chunk; stage 0 also holds the embeddings and the
 last stage the final norm and head. The estimate reports the WORST stage.
+
+Activations (``layer_activation_bytes``, ``in_flight_microbatches``): Korthikanti et al.'s per-layer
+count adapted to our block (no dropout, fused attention), times the layers of a stage, times the
+micro-batches the schedule keeps in flight on that stage; activation checkpointing keeps only each
+block's input plus one block being recomputed. The last stage adds the fp32 log-softmax of the
+logits, which ``workers/parallelize.py`` gathers over the vocabulary (not loss-parallel).
+
+Communication (``CommVolume``): bytes the busiest rank sends per optimizer step, ring algorithms
+(all-reduce ``2(N-1)/N·D``, reduce-scatter and all-gather ``(N-1)/N·D``); gradients are reduced once
+per step, FSDP re-gathers parameters per micro-batch (``_dp_traffic``). Step time (``StepTime``, used
+only to rank layouts) is compute at an assumed throughput plus bytes/bandwidth and a per-collective
+latency (``Hardware``), stretched by the bubble; nothing is assumed to overlap.
 """
 
 from __future__ import annotations
@@ -35,6 +50,7 @@ from service.spec import JobSpec, ParallelismSpec, SpecProblem, check_spec
 from workers.config import ModelConfig, ParallelConfig
 
 __all__ = [
+    "GiB",
     "AutoPlan",
     "CommVolume",
     "Hardware",
@@ -66,7 +82,7 @@ STEP_TIME_TOLERANCE = 0.05
 AUTO_MEMORY_TARGET = 0.9
 DDP_BUCKET_BYTES = 25 * 1024**2
 MAX_AUTO_TP = 8  # tensor parallelism stays inside one node (8 GPUs, NVLink)
-MEMORY_COMPONENTS = ("parameters", "gradients", "optimizer_states", "activations", "buffers", "overhead")
+MEMORY_COMPONENTS = ("parameters", "gradients", "optimizer_states", "activations", "fsdp_buffers", "overhead")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -148,11 +164,12 @@ def layer_activation_bytes(model: ModelConfig, *, micro_batch: int, tp: int = 1,
                            checkpointing: bool = False) -> float:
     """Activations one block of OUR model saves for backward, per micro-batch.
 
-    Korthikanti's count adapted to ``workers/model.py``: no dropout (no masks) and fused
-    ``scaled_dot_product_attention`` (no s x s scores saved, only an fp32 log-sum-exp per head and
-    position). Per token it saves, in elements: replicated 4d (both LayerNorm inputs and outputs) and
-    TP-sharded 5d + 2f (q, k, v, attention output and its re-laid-out copy, GELU input and output);
-    at f = 4d and 2 bytes that is exactly Korthikanti's 34 sbh, split 8 + 26/t instead of 10 + 24/t.
+    Korthikanti's count adapted to ``workers/model.py`` (and checked against the tensors autograd
+    saves): no dropout, so no masks, and fused ``scaled_dot_product_attention``, so no s x s scores,
+    only an fp32 log-sum-exp per head and position. Per token it saves, in elements: replicated 4d
+    (both LayerNorm inputs and outputs) plus the LayerNorms' fp32 mean and rstd; TP-sharded 4d + 2f
+    (q, k, v, the attention output that ``wo`` reads, the GELU input and output). At f = 4d and 2
+    bytes that is Korthikanti's 34 sbh less the 2 sbh of dropout masks: sbh (8 + 24/t).
     Element size is 2 bytes (bf16) or 4 (fp32). Sequence parallelism shards the replicated part
     too (Megatron's layout). With activation checkpointing only the block input (s·b·d) is saved.
     """
@@ -161,8 +178,8 @@ def layer_activation_bytes(model: ModelConfig, *, micro_batch: int, tp: int = 1,
     sp_div = tp if sequence_parallel else 1
     if checkpointing:
         return s * b * d * elem / sp_div
-    replicated = 4 * s * b * d * elem / sp_div
-    sharded = s * b * (5 * d + 2 * f) * elem / tp
+    replicated = (4 * d * elem + 2 * 2 * 4) * s * b / sp_div  # + two LayerNorms' fp32 mean and rstd
+    sharded = s * b * (4 * d + 2 * f) * elem / tp
     log_sum_exp = 4 * model.n_heads * s * b / tp
     return replicated + sharded + log_sum_exp
 
@@ -238,11 +255,11 @@ class Hardware:
 
 
 def hardware_for(device: str, precision: str, cpus_per_worker: float = 1.0) -> Hardware:
-    """H100-class GPUs at ~40% MFU, NVLink inside an 8-GPU node, 200 Gb/s InfiniBand across; CPU
-    workers on one machine talking gloo."""
+    """H100-class GPUs at ~40% MFU, NVLink inside an 8-GPU node (~400 GB/s all-reduce bus bandwidth),
+    200 Gb/s InfiniBand per GPU across nodes; CPU workers on one machine talking gloo."""
     if device == "cuda":
         return Hardware(flops_per_s=400e12 if precision == "bf16" else 50e12,
-                        intra_node_bytes_per_s=200e9, inter_node_bytes_per_s=25e9,
+                        intra_node_bytes_per_s=400e9, inter_node_bytes_per_s=25e9,
                         intra_node_latency_s=10e-6, inter_node_latency_s=30e-6, ranks_per_node=8)
     return Hardware(flops_per_s=2e10 * cpus_per_worker, intra_node_bytes_per_s=2e9, inter_node_bytes_per_s=1e9,
                     intra_node_latency_s=200e-6, inter_node_latency_s=500e-6, ranks_per_node=64)
@@ -259,14 +276,19 @@ def _gib(nbytes: float) -> float:
 
 @dataclass(frozen=True, kw_only=True)
 class MemoryBreakdown:
-    """Bytes one rank (of the worst pipeline stage) holds at its peak."""
+    """Bytes one rank (of the worst pipeline stage) holds at its peak.
+
+    ``parameters``, ``gradients`` and ``optimizer_states`` follow the ZeRO table
+    (:func:`bytes_per_param` at this precision); ``fsdp_buffers`` is what FSDP2 holds on top of it at
+    the peak, as the workers run ZeRO-2/3 (gathered parameters, gradients accumulated unsharded).
+    """
 
     stage: int
     parameters: int
     gradients: int
     optimizer_states: int
     activations: int
-    buffers: int  # ZeRO-3 gathered parameters (current + prefetched unit), ZeRO-2/3 unsharded grads
+    fsdp_buffers: int  # ZeRO-2/3: gathered parameters and unsharded gradients beyond the ZeRO table
     overhead: int
 
     @property
@@ -392,7 +414,7 @@ class PlanEstimate:
             "activations": {"in_flight_microbatches": self.in_flight_microbatches,
                             "bytes_per_layer_per_microbatch": self.activation_bytes_per_layer},
             "bubble_fraction": round(self.bubble_fraction, 6),
-            "comm_per_step": self.comm.to_dict(),
+            "comm_per_step": {**self.comm.to_dict(), "group_sizes": {"dp": self.dp, "tp": self.tp, "pp": self.pp}},
             "flops_per_step": self.flops_per_step,
             "flops_per_step_with_recompute": self.flops_per_step_with_recompute,
             "step_time": self.step_time.to_dict(),
@@ -471,49 +493,42 @@ def _evaluate(case: _Case) -> PlanEstimate:
     for stage in stages:
         first, last = stage == 0, stage == pp - 1
         params = stage_params(model, tp=tp, layers=layers, first=first, last=last)
-        unit = max(layer_params(model, tp) if layers else 0.0, _embedding_params(model, tp) if first else 0.0,
-                   _head_params(model, tp) if last else 0.0)
+        root = (_embedding_params(model, tp) if first else 0.0) + (_head_params(model, tp) if last else 0.0)
+        unit = max(layer_params(model, tp) if layers else 0.0, root)  # the largest FSDP unit
         held = _layer_chunks_in_flight(lay.pp_schedule, pp=pp, microbatches=m, virtual_stages=v, stage=stage)
         activations = held * (layers // v) * per_layer_act
         if case.checkpointing:
             activations += full_layer_act  # one block's activations live while it is recomputed
-        if last:  # fp32 log-softmax of the (gathered) logits, final norm input and output
-            logits_held = math.ceil(_layer_chunks_in_flight(lay.pp_schedule, pp=pp, microbatches=m,
-                                                            virtual_stages=v, stage=stage) / v)
-            activations += logits_held * (4 * b * s * model.vocab_size + 2 * hidden / sp_div)
+        if last:  # fp32 log-softmax of the gathered logits, final norm input and output; then the
+            # gradient of one micro-batch's logits (fp32 and compute dtype) during the loss backward
+            logits = b * s * model.vocab_size
+            activations += math.ceil(held / v) * (4 * logits + 2 * hidden / sp_div) + logits * (4 + elem)
         memories[stage] = MemoryBreakdown(
             stage=stage,
             parameters=math.ceil(params * pb / (dp if zero >= 3 else 1)),
             gradients=math.ceil(params * gb / (dp if zero >= 2 else 1)),
             optimizer_states=math.ceil(params * ob / (dp if zero >= 1 else 1)),
             activations=math.ceil(activations),
-            buffers=math.ceil((2 * unit * pb if zero >= 3 else 0) + (unit * gb if zero >= 2 else 0)),
+            fsdp_buffers=math.ceil(_fsdp_buffers(zero=zero, dp=dp, pp=pp, microbatches=m, params=params, unit=unit,
+                                            param_bytes=pb, grad_bytes=gb)),
             overhead=math.ceil(overhead),
         )
         params_of[stage] = params
-        # dp: ring all-reduce of the gradients (ZeRO 0/1); reduce-scatter + all-gather of the
-        # parameters (ZeRO-2); one more all-gather (ZeRO-3: forward and backward each gather).
-        # Collectives: DDP-style buckets of 25 MiB (ZeRO-1 adds the parameter all-gathers); FSDP units
-        # (each block, the embeddings, the head) gather/scatter one at a time. Gradients are reduced
-        # once per step (no sync during accumulation).
-        grads_b, params_b = params * gb, params * pb
-        units = layers + int(first) + int(last)
-        if dp <= 1:
-            dp_bytes.append(0.0)
-            dp_ops.append(0)
-        elif zero <= 1:
-            dp_bytes.append(_ring_all_reduce(dp, grads_b))
-            dp_ops.append(math.ceil(grads_b / DDP_BUCKET_BYTES) * (1 + zero))
-        else:
-            gathers = 2 if zero >= 3 else 1
-            dp_bytes.append(_ring_gather_or_scatter(dp, grads_b) + gathers * _ring_gather_or_scatter(dp, params_b))
-            dp_ops.append(units * (1 + gathers))
+        volume, ops = _dp_traffic(zero=zero, dp=dp, pp=pp, microbatches=m, params=params, param_bytes=pb,
+                                  grad_bytes=gb, units=layers + int(first or last),
+                                  tensors=16 * layers + 2 * int(first) + 3 * int(last))
+        dp_bytes.append(volume)
+        dp_ops.append(ops)
         # tp: per layer per micro-batch 2 all-reduces forward + 2 backward of b·s·d (same volume as
-        # all-gather + reduce-scatter under sequence parallelism); vocab-parallel embedding (fwd) and
-        # head (bwd) add one each.
+        # all-gather + reduce-scatter under sequence parallelism; +2 forward when recomputed); the
+        # vocab-parallel embedding (forward) and head (backward) one each; the head's logits are
+        # all-gathered over the vocabulary (``workers/parallelize.py``: output_layouts=Replicate()).
         edge_ops = int(first) + int(last)
-        tp_ops.append(0 if tp <= 1 else m * (layers * ar_per_layer + edge_ops))
-        tp_bytes.append(tp_ops[-1] * _ring_all_reduce(tp, hidden))
+        ops = 0 if tp <= 1 else m * (layers * ar_per_layer + edge_ops + int(last))
+        volume = 0.0 if tp <= 1 else m * ((layers * ar_per_layer + edge_ops) * _ring_all_reduce(tp, hidden)
+                                          + int(last) * _ring_gather_or_scatter(tp, b * s * model.vocab_size * elem))
+        tp_ops.append(ops)
+        tp_bytes.append(volume)
     worst = max(stages, key=lambda st: memories[st].total)
     # pp: each micro-batch's activations cross every chunk boundary forward, its gradients backward.
     sends = max(v - (i == pp - 1) + v - (i == 0) for i in range(pp)) if pp > 1 else 0
@@ -539,6 +554,64 @@ def _evaluate(case: _Case) -> PlanEstimate:
         device_memory_bytes=case.device_memory_bytes, bubble_fraction=bubble, comm=comm,
         flops_per_step=float(flops), flops_per_step_with_recompute=float(flops_recompute), step_time=step,
     )
+
+
+def _fsdp_buffers(*, zero: int, dp: int, pp: int, microbatches: int, params: float, unit: float,
+                  param_bytes: int, grad_bytes: int) -> float:
+    """What ZeRO-2/3 hold at the peak beyond the ZeRO table, as the workers run them.
+
+    ZeRO-0/1 are DDP (+ ZeroRedundancyOptimizer): nothing extra (DDP's buckets are views of the
+    gradients). ZeRO-2/3 are FSDP2 (``workers/parallelize.py``), one unit per block plus the root:
+
+    * ZeRO-2 keeps parameters gathered from forward to backward: the table's full parameters are
+      live, and FSDP's sharded copy (1/dp) sits beside them.
+    * ZeRO-3 gathers one unit at a time and prefetches the next (2 units), except under a pipeline
+      schedule, which keeps the stage's parameters gathered until its last backward
+      (``set_reshard_after_backward(False)``): the full parameters then.
+    * Gradient accumulation runs without gradient sync (``workers.parallelize.gradient_sync``, and
+      the pipeline schedules do the same), so with more than one micro-batch per step the stage's
+      full unsharded gradients live until the last micro-step's reduce-scatter; with one, only the
+      unit being reduced.
+    """
+    if zero < 2 or dp <= 1:
+        return 0.0
+    if zero == 2:
+        extra_params = params * param_bytes / dp
+    else:
+        extra_params = params * param_bytes if pp > 1 else 2 * unit * param_bytes
+    extra_grads = params * grad_bytes if microbatches > 1 else unit * grad_bytes
+    return extra_params + extra_grads
+
+
+def _dp_traffic(*, zero: int, dp: int, pp: int, microbatches: int, params: float, param_bytes: int,
+                grad_bytes: int, units: int, tensors: int) -> tuple[float, int]:
+    """(bytes sent, collectives) per step on the dp axis, ring algorithms.
+
+    ZeRO-0: one all-reduce of the gradients, 2(N-1)/N·G, in 25 MiB DDP buckets. ZeRO-1 adds
+    ZeroRedundancyOptimizer's broadcast of the updated parameters, (N-1)/N·P, one per tensor (the
+    seed table's "all-reduce + scatter"). ZeRO-2: one reduce-scatter of the gradients per step plus
+    an all-gather of the parameters per forward, (N-1)/N·(G + P); ZeRO-3 one more all-gather for
+    the backward, (N-1)/N·(G + 2P). FSDP reshards after every backward when no pipeline keeps the
+    parameters gathered, so with M micro-batches per step those all-gathers happen M times (the
+    seed formulas are the M = 1 case); a pipeline gathers ZeRO-2 once and ZeRO-3 once per forward
+    plus once for the backwards.
+    """
+    if dp <= 1:
+        return 0.0, 0
+    grads, weights = params * grad_bytes, params * param_bytes
+    if zero <= 1:
+        volume = _ring_all_reduce(dp, grads)
+        ops = math.ceil(grads / DDP_BUCKET_BYTES)
+        if zero == 1:
+            volume += _ring_gather_or_scatter(dp, weights)
+            ops += tensors
+        return volume, ops
+    m = microbatches
+    if zero == 2:
+        gathers = m if pp == 1 else 1
+    else:
+        gathers = 2 * m if pp == 1 else m + 1
+    return _ring_gather_or_scatter(dp, grads) + gathers * _ring_gather_or_scatter(dp, weights), units * (1 + gathers)
 
 
 def _step_time(case: _Case, comm: CommVolume, flops: float, bubble: float) -> StepTime:
@@ -670,12 +743,16 @@ def _memory_fixes(case: _Case, est: PlanEstimate) -> str:
     """Concrete single changes, each with the memory it would need ("fits" when it does)."""
     lay, model = case.layout, case.model
     variants: list[tuple[str, _Case]] = []
-    if lay.zero < 3 and lay.dp > 1:
-        variants += [(f"parallelism.zero={z}", case.replace(layout={"zero": z})) for z in range(lay.zero + 1, 4)]
+    if lay.dp > 1:  # lower stages too: with accumulation, ZeRO-2/3 hold unsharded gradients
+        variants += [(f"parallelism.zero={z}", case.replace(layout={"zero": z})) for z in range(4) if z != lay.zero]
     if not case.checkpointing:
         variants.append(("training.activation_checkpointing=true", case.replace(checkpointing=True)))
     if case.micro_batch > 1:
-        variants.append(("training.micro_batch=1", case.replace(micro_batch=1)))
+        variants.append(("training.micro_batch=1", case.replace(micro_batch=1, layout={"microbatches": None})))
+    if lay.zero >= 2 and case.microbatches > 1 and case.global_batch % lay.dp == 0:
+        whole = case.global_batch // lay.dp  # one micro-batch per step: FSDP reduce-scatters at once
+        variants.append((f"training.micro_batch={whole} (no accumulation, so gradients stay sharded)",
+                         case.replace(micro_batch=whole, layout={"microbatches": None})))
     if lay.tp * 2 <= MAX_AUTO_TP and _divisors_ok(model, lay.tp * 2):
         variants.append((f"parallelism.tp={lay.tp * 2} (world {est.world_size * 2})",
                          case.replace(layout={"tp": lay.tp * 2})))
@@ -687,6 +764,8 @@ def _memory_fixes(case: _Case, est: PlanEstimate) -> str:
         if label.startswith("parallelism.zero") and seen_fit:
             continue  # name only the lowest ZeRO stage that fits
         total = _evaluate(variant).memory.total
+        if total >= est.memory.total:
+            continue  # only changes that help
         fits = total <= case.device_memory_bytes
         seen_fit = seen_fit or (fits and label.startswith("parallelism.zero"))
         texts.append(f"{label} → {_gib(total):.1f} GiB/rank{' (fits)' if fits else ''}")
@@ -783,23 +862,31 @@ def _choose(fitting: list[PlanEstimate]) -> PlanEstimate:
     """The cost model's pick among layouts that fit.
 
     1. Layouts within AUTO_MEMORY_TARGET of device memory, when there are any (headroom for error).
-    2. Pipeline parallelism only when needed: if a pp=1 layout fits, only pp=1 layouts compete.
+    2. Pipeline parallelism only when needed, and only as much as needed: only layouts with the
+       smallest pp that fits compete (pp=1 whenever something fits without a pipeline).
     3. Among layouts whose estimated step time is within STEP_TIME_TOLERANCE of the fastest, the
-       fewest pipeline stages, then the least tensor parallelism (the comm-heavy axes).
+       least tensor parallelism (the comm-heavy axis).
     4. Within that (pp, tp): the fastest step; exact ties (same traffic, e.g. sequence parallelism
        on or off) go to lower memory. So ZeRO is used when memory needs it or it is faster.
     """
     roomy = [e for e in fitting if e.memory.total <= AUTO_MEMORY_TARGET * e.device_memory_bytes]
     pool = roomy or fitting
-    if any(e.pp == 1 for e in pool):
-        pool = [e for e in pool if e.pp == 1]
+    fewest_stages = min(e.pp for e in pool)
+    pool = [e for e in pool if e.pp == fewest_stages]
     fastest = min(e.step_time.total_s for e in pool)
     band = [e for e in pool if e.step_time.total_s <= fastest * (1 + STEP_TIME_TOLERANCE)]
-    pp, tp = min((e.pp, e.tp) for e in band)
-    same_axes = [e for e in pool if (e.pp, e.tp) == (pp, tp)]
+    tp = min(e.tp for e in band)
+    same_axes = [e for e in pool if e.tp == tp]
     best = min(e.step_time.total_s for e in same_axes)
     ties = [e for e in same_axes if e.step_time.total_s <= best * (1 + 1e-9)]
     return min(ties, key=lambda e: (e.memory.total, e.step_time.total_s, e.layout))
+
+
+def _shrink_fits(case: _Case, min_dp: int | None) -> bool:
+    """An elastic job must also fit after shrinking to ``resources.min_dp`` (ZeRO shards over fewer)."""
+    if not min_dp or min_dp >= case.layout.dp:
+        return True
+    return _evaluate(case.replace(layout={"dp": min_dp, "microbatches": None})).fits
 
 
 def resolve_auto(spec: JobSpec) -> AutoPlan:
@@ -808,7 +895,7 @@ def resolve_auto(spec: JobSpec) -> AutoPlan:
     Enumerates dp·tp·pp <= budget (tp <= 8: one node), every ZeRO stage (dp > 1), 1F1B and
     interleaved (v = 2, 4) schedules for pp > 1 (GPipe has 1F1B's bubble and more memory, so it is
     never the better choice) and sequence parallelism for tp > 1; drops layouts
-    that break a rule or do not fit the device memory; picks by :func:`_choose` over the
+    that break a rule or do not fit the device memory (also at ``resources.min_dp``); picks by :func:`_choose` over the
     :class:`StepTime` cost model. Raises :class:`SpecRejected` when nothing fits.
     """
     budget = _budget(spec)
@@ -817,7 +904,8 @@ def resolve_auto(spec: JobSpec) -> AutoPlan:
     for case in _candidates(spec, base, budget):
         if not _layout_problems(case, max_dp=case.layout.dp):
             evaluated.append((case, _evaluate(case)))
-    fitting = [est for _, est in evaluated if est.fits]
+    min_dp = spec.resources.min_dp
+    fitting = [est for case, est in evaluated if est.fits and _shrink_fits(case, min_dp)]
     dev = _gib(base.device_memory_bytes)
     if not fitting:
         if evaluated:
@@ -841,20 +929,35 @@ def resolve_auto(spec: JobSpec) -> AutoPlan:
 
 
 def _axis_reason(axis: str, label: str, chosen: PlanEstimate, evaluated: list[PlanEstimate],
-                 fitting: list[PlanEstimate], dev: float) -> str:
+                 fitting: list[PlanEstimate], dev: float, *, same_pp: bool = False) -> str:
+    """Why ``axis`` is not 1: the best layout without it is slower, too tight, or does not fit."""
     value = getattr(chosen, axis)
     if value == 1:
         return f"{axis}=1: the model fits without {label}"
-    alts = [e for e in fitting if getattr(e, axis) == 1]
-    if alts:
-        alt = min(alts, key=lambda e: e.step_time.total_s)
+    scope = f" and pp={chosen.pp}" if same_pp and chosen.pp > 1 else ""
+
+    def without(pool: list[PlanEstimate]) -> list[PlanEstimate]:
+        return [e for e in pool if getattr(e, axis) == 1 and (not same_pp or e.pp == chosen.pp)]
+
+    alts = without(fitting)
+    roomy = [e for e in alts if e.memory.total <= AUTO_MEMORY_TARGET * e.device_memory_bytes]
+    if roomy:
+        alt = min(roomy, key=lambda e: e.step_time.total_s)
         return (f"{axis}={value}: est. step {chosen.step_time.total_s:.3g} s vs {alt.step_time.total_s:.3g} s "
-                f"for the best {axis}=1 layout ({alt.layout})")
-    pool = [e for e in evaluated if getattr(e, axis) == 1]
+                f"for the best layout with {axis}=1{scope} ({alt.layout})")
+    if alts:
+        alt = min(alts, key=lambda e: e.memory.total)
+        return (f"{axis}={value}: with {axis}=1{scope} the best fit ({alt.layout}) needs "
+                f"{_gib(alt.memory.total):.1f} of {dev:.1f} GiB/rank, above the "
+                f"{AUTO_MEMORY_TARGET:.0%} planning target")
+    pool = without(evaluated)
     if not pool:
-        return f"{axis}={value}: no valid layout with {axis}=1 within the budget"
+        return f"{axis}={value}: no valid layout with {axis}=1{scope} within the budget"
     low = min(pool, key=lambda e: e.memory.total)
-    return (f"{axis}={value}: no layout with {axis}=1 fits; the smallest ({low.layout}) needs "
+    if low.fits:  # it fits as sized but not after shrinking to resources.min_dp
+        return (f"{axis}={value}: layouts with {axis}=1{scope} fit at their size (the smallest, {low.layout}, "
+                f"{_gib(low.memory.total):.1f} GiB/rank) but not after an elastic shrink to resources.min_dp")
+    return (f"{axis}={value}: no layout with {axis}=1{scope} fits; the smallest ({low.layout}) needs "
             f"{_gib(low.memory.total):.1f} GiB/rank > {dev:.1f} GiB "
             f"({low.memory.biggest.replace('_', ' ')} {_gib(getattr(low.memory, low.memory.biggest)):.1f} GiB)")
 
@@ -864,7 +967,7 @@ def _reasons(chosen: PlanEstimate, case: _Case, evaluated: list[PlanEstimate], f
     lay = case.layout
     reasons = [f"budget: at most {budget} workers; {len(evaluated)} valid layouts considered, "
                f"{len(fitting)} fit in {dev:.1f} GiB/rank",
-               _axis_reason("tp", "tensor parallelism", chosen, evaluated, fitting, dev),
+               _axis_reason("tp", "tensor parallelism", chosen, evaluated, fitting, dev, same_pp=True),
                _axis_reason("pp", "pipeline parallelism", chosen, evaluated, fitting, dev)]
     if chosen.pp > 1:
         reasons.append(f"pp_schedule={chosen.pp_schedule}"
@@ -897,8 +1000,9 @@ def _reasons(chosen: PlanEstimate, case: _Case, evaluated: list[PlanEstimate], f
         f" (dp must divide global_batch/micro_batch = {case.global_batch}/{case.micro_batch} and fit the budget)")
     reasons.append(f"dp={chosen.dp}: world = dp·tp·pp = {chosen.dp}·{chosen.tp}·{chosen.pp} uses {used}{limit}")
     st = chosen.step_time
+    comm_s = st.tp_comm_s + st.pp_comm_s + st.dp_comm_s
     reasons.append(f"chosen {chosen.layout}: {_gib(chosen.memory.total):.1f} of {dev:.1f} GiB/rank, est. step "
-                   f"{st.total_s:.3g} s (compute {st.compute_s:.3g}, comm {st.tp_comm_s + st.pp_comm_s + st.dp_comm_s:.3g}, "
+                   f"{st.total_s:.3g} s (compute {st.compute_s:.3g}, comm {comm_s:.3g}, "
                    f"bubble {chosen.bubble_fraction:.1%})")
     return reasons
 
@@ -923,7 +1027,7 @@ def plan_report(spec: JobSpec) -> dict:
             problems += rejected.problems
         else:
             resolved = spec.with_layout(auto.layout)
-            problems += check_spec(resolved)
+            problems += [p for p in check_spec(resolved) if p not in problems]
     if not resolved.is_auto:
         problems += [p for p in check_plan(resolved) if p not in problems]
     est = auto.estimate if auto else (None if resolved.is_auto else _safe_estimate(resolved))
