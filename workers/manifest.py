@@ -1,0 +1,480 @@
+"""Checkpoint manifests: the one atomic act that turns a step directory into a checkpoint.
+
+A checkpoint is written by many ranks, in many files, over seconds or minutes; any of them can die
+half-way. Rather than trying to make the writes themselves atomic, a step directory counts as a
+checkpoint only once ``manifest.json`` exists in it *and verifies*: it lists every file with its
+size and SHA-256 and carries a checksum of itself. The supervisor writes it last, after every rank
+has reported its files, with write-tmp + fsync + ``os.replace`` + fsync-dir, so a crash at any
+instant leaves either no manifest (the directory is ignored) or a complete one (invariant 4 of
+``ARCHITECTURE.md``). Corruption after the fact (a flipped byte, a truncated file) makes
+:func:`verify` fail and :func:`resolve_latest` falls back to the previous step.
+
+Pure: standard library only. The supervisor, which must not import torch, commits, verifies,
+resolves and prunes with this module; ``workers/checkpoint.py`` (the torch side) produces the
+per-rank :class:`ShardReport` objects it consumes.
+
+On-disk layout::
+
+    <root>/step_00000100/
+        __0_0.distcp __1_0.distcp ...   DCP shards, one file per rank (named by the rank's prefix)
+        .metadata                       DCP's global index (rank 0)
+        extra.pt                        non-tensor state: step, data position, RNG (rank 0)
+        manifest.json                   written last, atomically; absent = not a checkpoint
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+
+from workers.errors import CheckpointError
+
+__all__ = [
+    "MANIFEST_NAME",
+    "FileEntry",
+    "Manifest",
+    "Resolution",
+    "ShardReport",
+    "SkippedStep",
+    "checkpoint_files",
+    "commit",
+    "file_entry",
+    "latest_committed",
+    "list_steps",
+    "prune",
+    "resolve_latest",
+    "step_dir",
+    "verify",
+]
+
+MANIFEST_NAME = "manifest.json"
+FORMAT = "etrain.checkpoint/1"
+_TMP_SUFFIX = ".tmp"
+_STEP_DIR_RE = re.compile(r"^step_(\d+)$")
+_HASH_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True, kw_only=True)
+class FileEntry:
+    """One file of a checkpoint, relative to its step directory."""
+
+    path: str
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardReport:
+    """What one rank wrote for one checkpoint; it travels from the rank to the supervisor.
+
+    Plain types only, so it pickles across Ray actors without torch on the receiving side.
+    ``directory`` is the step directory's base name: :func:`commit` rejects reports that belong to
+    another step (a late report from an earlier save must never complete a later one).
+    """
+
+    rank: int
+    world_size: int
+    directory: str
+    files: tuple[FileEntry, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Manifest:
+    """The committed description of one checkpoint; ``layout`` is the writer's compact layout string."""
+
+    step: int
+    layout: str
+    world_size: int
+    created_at: float
+    files: tuple[FileEntry, ...]
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(entry.size for entry in self.files)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SkippedStep:
+    """A step directory :func:`resolve_latest` passed over, and why (for events and logs)."""
+
+    step: int
+    step_dir: str
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Resolution:
+    """Outcome of looking for the newest usable checkpoint under a root.
+
+    ``skipped`` lists the newer directories that were rejected, newest first, so a restart can say
+    "restored step 100; step 200 skipped: __1_0.distcp sha256 mismatch".
+    """
+
+    step: int | None
+    step_dir: str | None
+    manifest: Manifest | None
+    skipped: tuple[SkippedStep, ...]
+
+
+# --------------------------------------------------------------------------------------------------
+# Paths
+
+
+def step_dir(root: str | os.PathLike, step: int) -> str:
+    """``<root>/step_<8-digit step>``: zero-padded so names sort like steps in any file browser."""
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    return os.path.join(os.fspath(root), f"step_{step:08d}")
+
+
+def list_steps(root: str | os.PathLike) -> list[tuple[int, str]]:
+    """Every step directory under ``root`` (committed or not), ascending by step."""
+    root = os.fspath(root)
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    steps = []
+    for name in names:
+        match = _STEP_DIR_RE.match(name)
+        path = os.path.join(root, name)
+        if match and os.path.isdir(path):
+            steps.append((int(match.group(1)), path))
+    return sorted(steps)
+
+
+def checkpoint_files(step_dir: str | os.PathLike) -> list[str]:
+    """Relative paths of the data files in a step directory (everything but the manifest and
+    leftover ``*.tmp`` files), sorted. Chaos tests pick their victims from this list."""
+    root = os.fspath(step_dir)
+    found = []
+    for dirpath, _dirnames, filenames in os.walk(root):
+        for name in filenames:
+            rel = os.path.relpath(os.path.join(dirpath, name), root)
+            if rel == MANIFEST_NAME or name.endswith(_TMP_SUFFIX):
+                continue
+            found.append(rel.replace(os.sep, "/"))
+    return sorted(found)
+
+
+# --------------------------------------------------------------------------------------------------
+# Files and hashes
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as stream:
+        while chunk := stream.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def file_entry(step_dir: str | os.PathLike, relative_path: str) -> FileEntry:
+    """Size and SHA-256 of one file as it is on disk now (ranks call this after their writes)."""
+    path = os.path.join(os.fspath(step_dir), relative_path)
+    return FileEntry(path=relative_path, size=os.path.getsize(path), sha256=sha256_file(path))
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` so that ``path`` is at every instant absent/old or complete/new.
+
+    ``<path>.tmp`` is written and fsynced, renamed over ``path`` (atomic on POSIX), then the directory
+    is fsynced so the rename itself survives a power loss. A crash leaves at most a stale ``.tmp``,
+    which nothing ever reads.
+    """
+    path = os.fspath(path)
+    tmp = path + _TMP_SUFFIX
+    with open(tmp, "wb") as stream:
+        stream.write(data)
+        stream.flush()
+        os.fsync(stream.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(path) or ".")
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Persist a directory's entries (renames, new files). A no-op where directories cannot be opened."""
+    try:
+        fd = os.open(os.fspath(path), os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# --------------------------------------------------------------------------------------------------
+# Commit and verify
+
+
+def commit(
+    step_dir: str | os.PathLike,
+    step: int,
+    layout: str,
+    world_size: int,
+    reports: list[ShardReport] | tuple[ShardReport, ...],
+    *,
+    created_at: float | None = None,
+) -> Manifest:
+    """Merge every rank's report and write ``manifest.json`` last, atomically: the commit point.
+
+    Refuses (``CheckpointError``, nothing written) unless exactly ranks ``0..world_size-1`` reported
+    for this directory, no file is claimed twice, DCP's ``.metadata`` is among the files, and every
+    file is on disk with the reported size. Contents are not re-hashed here (the ranks hashed them in
+    parallel right after writing; re-reading a large checkpoint on the supervisor would serialise
+    that work); :func:`verify` does the full check before anything is loaded.
+    """
+    directory = os.fspath(step_dir)
+    name = os.path.basename(os.path.normpath(directory))
+    if world_size < 1:
+        raise CheckpointError(f"cannot commit {directory}: world_size must be >= 1, got {world_size}")
+    by_rank: dict[int, ShardReport] = {}
+    for report in reports:
+        if report.directory != name:
+            raise CheckpointError(
+                f"cannot commit {directory}: rank {report.rank} reported files for {report.directory!r}"
+            )
+        if report.world_size != world_size:
+            raise CheckpointError(
+                f"cannot commit {directory}: rank {report.rank} saved with world_size="
+                f"{report.world_size}, expected {world_size}"
+            )
+        if report.rank in by_rank:
+            raise CheckpointError(f"cannot commit {directory}: rank {report.rank} reported twice")
+        by_rank[report.rank] = report
+    missing = sorted(set(range(world_size)) - by_rank.keys())
+    extra = sorted(by_rank.keys() - set(range(world_size)))
+    if missing or extra:
+        raise CheckpointError(
+            f"cannot commit {directory}: ranks {missing} of {world_size} did not report"
+            + (f", unexpected ranks {extra} did" if extra else "")
+            + "; a checkpoint is complete only when every rank has written its shard"
+        )
+
+    files: dict[str, FileEntry] = {}
+    for rank in range(world_size):
+        for entry in by_rank[rank].files:
+            _check_relative(entry.path, directory)
+            if entry.path == MANIFEST_NAME:
+                raise CheckpointError(f"cannot commit {directory}: rank {rank} reported {MANIFEST_NAME}")
+            if entry.path in files:
+                raise CheckpointError(f"cannot commit {directory}: {entry.path} reported by two ranks")
+            files[entry.path] = entry
+    if ".metadata" not in files:
+        raise CheckpointError(f"cannot commit {directory}: no rank reported DCP's .metadata file")
+    for entry in files.values():
+        problem = _size_problem(directory, entry)
+        if problem:
+            raise CheckpointError(f"cannot commit {directory}: {problem}")
+
+    manifest = Manifest(
+        step=step,
+        layout=layout,
+        world_size=world_size,
+        created_at=time.time() if created_at is None else created_at,
+        files=tuple(sorted(files.values(), key=lambda e: e.path)),
+    )
+    atomic_write_bytes(os.path.join(directory, MANIFEST_NAME), _encode(manifest))
+    # The step directory's own entry in the root must survive a power loss too.
+    fsync_dir(os.path.dirname(os.path.normpath(directory)) or ".")
+    return manifest
+
+
+def verify(
+    step_dir: str | os.PathLike,
+    *,
+    checksums: bool = True,
+    share: tuple[int, int] | None = None,
+) -> Manifest:
+    """The manifest of a committed, intact checkpoint, or ``CheckpointError`` saying what is wrong.
+
+    Checks: the manifest exists and parses, its own checksum matches (a flipped byte in the manifest
+    is caught too), its step matches the directory name, and every listed file is present with the
+    recorded size and (``checksums=True``) SHA-256. ``checksums=False`` is the cheap check for
+    housekeeping; anything about to be *loaded* must pass the full one.
+
+    ``share=(index, count)`` hashes only files ``index, index + count, ...`` (sizes are still checked
+    for all): ``count`` ranks each verify their share, so the hashing of a large checkpoint is
+    spread instead of one rank reading everything while the others wait in a collective.
+    """
+    directory = os.fspath(step_dir)
+    path = os.path.join(directory, MANIFEST_NAME)
+    try:
+        with open(path, "rb") as stream:
+            raw = stream.read()
+    except FileNotFoundError:
+        hint = " (a commit was interrupted)" if os.path.exists(path + _TMP_SUFFIX) else ""
+        raise CheckpointError(f"{directory} is not committed: no {MANIFEST_NAME}{hint}") from None
+    manifest = _decode(raw, directory)
+    match = _STEP_DIR_RE.match(os.path.basename(os.path.normpath(directory)))
+    if match and int(match.group(1)) != manifest.step:
+        raise CheckpointError(
+            f"{directory}: manifest says step {manifest.step}, the directory name says {int(match.group(1))}"
+        )
+    index, count = share if share is not None else (0, 1)
+    if not 0 <= index < count:
+        raise ValueError(f"share must be (index, count) with 0 <= index < count, got {share}")
+    for entry in manifest.files:  # cheap checks for every file before any hashing
+        _check_relative(entry.path, directory)
+        problem = _size_problem(directory, entry)
+        if problem:
+            raise CheckpointError(f"{directory}: {problem}")
+    for entry in manifest.files[index::count] if checksums else ():
+        actual = sha256_file(os.path.join(directory, entry.path))
+        if actual != entry.sha256:
+            raise CheckpointError(
+                f"{directory}: {entry.path} sha256 mismatch (manifest {entry.sha256[:12]}…, "
+                f"disk {actual[:12]}…): the file changed after commit"
+            )
+    return manifest
+
+
+def _size_problem(directory: str, entry: FileEntry) -> str | None:
+    path = os.path.join(directory, entry.path)
+    try:
+        size = os.path.getsize(path)
+    except OSError:
+        return f"{entry.path} is missing"
+    if size != entry.size:
+        return f"{entry.path} has {size} bytes, expected {entry.size} (truncated or overwritten)"
+    return None
+
+
+def _check_relative(path: str, directory: str) -> None:
+    """Manifest paths stay inside their step directory (a manifest is data, not trusted code)."""
+    parts = path.replace("\\", "/").split("/")
+    if not path or os.path.isabs(path) or ".." in parts:
+        raise CheckpointError(f"{directory}: file path {path!r} is not a plain relative path")
+
+
+# --------------------------------------------------------------------------------------------------
+# Encoding: canonical JSON with a checksum over the body.
+
+
+def _body(manifest: Manifest) -> dict:
+    return {
+        "format": FORMAT,
+        "step": manifest.step,
+        "layout": manifest.layout,
+        "world_size": manifest.world_size,
+        "created_at": manifest.created_at,
+        "files": [{"path": f.path, "size": f.size, "sha256": f.sha256} for f in manifest.files],
+    }
+
+
+def _canonical(body: dict) -> bytes:
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _encode(manifest: Manifest) -> bytes:
+    body = _body(manifest)
+    document = dict(body, checksum=hashlib.sha256(_canonical(body)).hexdigest())
+    return json.dumps(document, sort_keys=True, indent=1).encode() + b"\n"
+
+
+def _decode(raw: bytes, directory: str) -> Manifest:
+    try:
+        document = json.loads(raw)
+        checksum = document.pop("checksum")
+        if hashlib.sha256(_canonical(document)).hexdigest() != checksum:
+            raise CheckpointError(f"{directory}: {MANIFEST_NAME} checksum mismatch (the manifest is corrupt)")
+        if document["format"] != FORMAT:
+            raise CheckpointError(f"{directory}: unknown manifest format {document['format']!r}")
+        return Manifest(
+            step=int(document["step"]),
+            layout=str(document["layout"]),
+            world_size=int(document["world_size"]),
+            created_at=float(document["created_at"]),
+            files=tuple(
+                FileEntry(path=str(f["path"]), size=int(f["size"]), sha256=str(f["sha256"]))
+                for f in document["files"]
+            ),
+        )
+    except CheckpointError:
+        raise
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CheckpointError(f"{directory}: {MANIFEST_NAME} is unreadable ({type(exc).__name__}: {exc})") from None
+
+
+# --------------------------------------------------------------------------------------------------
+# Choosing and pruning
+
+
+def resolve_latest(root: str | os.PathLike, *, checksums: bool = True) -> Resolution:
+    """The newest step under ``root`` whose manifest verifies, with the reasons newer ones were skipped.
+
+    Partial directories (a save that crashed, an interrupted commit) and corrupted checkpoints are
+    passed over for the previous step, never loaded.
+    """
+    skipped: list[SkippedStep] = []
+    for step, directory in reversed(list_steps(root)):
+        try:
+            manifest = verify(directory, checksums=checksums)
+        except CheckpointError as exc:
+            skipped.append(SkippedStep(step=step, step_dir=directory, reason=str(exc)))
+            continue
+        return Resolution(step=step, step_dir=directory, manifest=manifest, skipped=tuple(skipped))
+    return Resolution(step=None, step_dir=None, manifest=None, skipped=tuple(skipped))
+
+
+def latest_committed(root: str | os.PathLike, *, checksums: bool = True) -> tuple[int, str] | None:
+    """``(step, step_dir)`` of the newest verifying checkpoint, or ``None``.
+
+    See :func:`resolve_latest` for the same answer with the skipped directories and their reasons.
+    """
+    found = resolve_latest(root, checksums=checksums)
+    return None if found.step is None else (found.step, found.step_dir)
+
+
+def prune(root: str | os.PathLike, keep_last: int, *, checksums: bool = True) -> list[str]:
+    """Delete what no restart will need; return the deleted directories.
+
+    Keeps the newest ``keep_last`` checkpoints that verify (so never the newest usable one) and any
+    directory newer than the newest of them (an in-flight save, or a corrupt one left for
+    inspection). Deletes older committed checkpoints beyond ``keep_last`` and stale directories older
+    than the newest checkpoint that never committed or no longer verify. With no verifying
+    checkpoint at all nothing is deleted.
+
+    ``checksums=True`` (default) hashes the kept checkpoints: with size-only checks a bit-flipped
+    newest step could be "kept" while the truly usable previous one is deleted.
+    Each deletion removes ``manifest.json`` first, so a crash half-way through leaves an uncommitted
+    directory rather than a "committed" one with missing files.
+    """
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1 (the newest checkpoint is never pruned), got {keep_last}")
+    steps = list_steps(root)
+    kept: list[int] = []
+    for step, directory in reversed(steps):
+        if len(kept) == keep_last:
+            break
+        try:
+            verify(directory, checksums=checksums)
+        except CheckpointError:
+            continue
+        kept.append(step)
+    if not kept:
+        return []
+    newest = kept[0]
+    deleted = []
+    for step, directory in steps:
+        if step in kept or step > newest:
+            continue
+        _delete_step_dir(directory)
+        deleted.append(directory)
+    return deleted
+
+
+def _delete_step_dir(directory: str) -> None:
+    manifest = os.path.join(directory, MANIFEST_NAME)
+    if os.path.exists(manifest):
+        os.remove(manifest)
+        fsync_dir(directory)
+    shutil.rmtree(directory, ignore_errors=True)
