@@ -99,14 +99,18 @@ def _integer(variable: str, raw: str) -> int:
     try:
         return int(raw)
     except ValueError:
-        raise SettingsError(f"{variable}={raw!r} is not an integer.", field=variable, fix="give a whole number") from None
+        raise SettingsError(
+            f"{variable}={raw!r} is not an integer.", field=variable, fix="give a whole number"
+        ) from None
 
 
 def _number(variable: str, raw: str) -> float:
     try:
         return float(raw)
     except ValueError:
-        raise SettingsError(f"{variable}={raw!r} is not a number.", field=variable, fix="give a number, e.g. 0.5") from None
+        raise SettingsError(
+            f"{variable}={raw!r} is not a number.", field=variable, fix="give a number, e.g. 0.5"
+        ) from None
 
 
 def _flag(variable: str, raw: str) -> bool:
@@ -115,7 +119,9 @@ def _flag(variable: str, raw: str) -> bool:
         return True
     if value in _FALSE:
         return False
-    raise SettingsError(f"{variable}={raw!r} is not a yes/no value.", field=variable, fix=f"set {variable}=1 or {variable}=0")
+    raise SettingsError(
+        f"{variable}={raw!r} is not a yes/no value.", field=variable, fix=f"set {variable}=1 or {variable}=0"
+    )
 
 
 _ENV = {

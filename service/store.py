@@ -381,8 +381,9 @@ class JobStore:
             if current is None:
                 raise JobNotFound(job_id)
             if expect_status is not None and current[0] not in {JobStatus(s).value for s in expect_status}:
+                allowed = sorted(JobStatus(s).value for s in expect_status)
                 raise JobConflict(
-                    f"job {job_id!r} is {current[0]}; this change needs one of {sorted(JobStatus(s).value for s in expect_status)}.",
+                    f"job {job_id!r} is {current[0]}; this change needs one of {allowed}.",
                     job_id=job_id,
                     status=current[0],
                 )
@@ -422,7 +423,10 @@ class JobStore:
                 "SELECT seq, job_id, ts, kind, detail FROM events WHERE job_id = ? AND seq > ? ORDER BY seq LIMIT ?",
                 (job_id, since_seq, limit),
             ).fetchall()
-        return [EventRecord(seq=seq, job_id=jid, ts=ts, kind=kind, detail=json.loads(detail)) for seq, jid, ts, kind, detail in rows]
+        return [
+            EventRecord(seq=seq, job_id=jid, ts=ts, kind=kind, detail=json.loads(detail))
+            for seq, jid, ts, kind, detail in rows
+        ]
 
     # -- steps ------------------------------------------------------------------------------------
 
@@ -486,7 +490,8 @@ class JobStore:
         """Remember how far the event pump of ``job_id`` has read (survives a server restart)."""
         with self._write() as conn:
             conn.execute(
-                "INSERT INTO cursors (job_id, value) VALUES (?, ?) ON CONFLICT (job_id) DO UPDATE SET value = excluded.value",
+                "INSERT INTO cursors (job_id, value) VALUES (?, ?) "
+                "ON CONFLICT (job_id) DO UPDATE SET value = excluded.value",
                 (job_id, int(value)),
             )
 

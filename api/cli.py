@@ -1,0 +1,607 @@
+"""``etrain``: a thin command-line client of the REST API, plus ``etrain serve`` to run the server.
+
+Every command except ``serve`` talks HTTP only (``ETRAIN_URL``, default http://127.0.0.1:8000, and
+``ETRAIN_API_TOKEN``), so it works the same against a laptop server or a cluster. Server errors are
+printed as field + message + fix and exit non-zero. Every wait has a timeout (``--timeout`` per HTTP
+request, ``--max-wait`` for ``watch``).
+
+Exit codes: 0 success (``watch``: the job SUCCEEDED; ``plan``: feasible), 1 an error or a job that
+FAILED / was CANCELLED / an infeasible plan, 2 bad usage, 124 ``watch`` gave up waiting, 130 ^C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+import httpx
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+TERMINAL = frozenset({"SUCCEEDED", "FAILED", "CANCELLED"})
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_TIMEOUT, EXIT_INTERRUPTED = 0, 1, 2, 124, 130
+
+
+class ApiError(Exception):
+    """The server answered with an error status; ``body`` is its JSON error (or raw text)."""
+
+    def __init__(self, status_code: int, body: Any):
+        super().__init__(f"HTTP {status_code}")
+        self.status_code = status_code
+        self.body = body
+
+
+class CliError(Exception):
+    """A problem on this side (unreadable spec file, server unreachable): message and optional fix."""
+
+    def __init__(self, message: str, fix: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.fix = fix
+
+
+class Client:
+    """The REST API over httpx; every request has a timeout."""
+
+    def __init__(self, url: str, *, token: str | None = None, timeout_s: float = 30.0, transport=None):
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.url = url.rstrip("/")
+        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s, transport=transport)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def request(self, method: str, path: str, *, json_body: Any = None, params: dict | None = None) -> Any:
+        try:
+            response = self._http.request(method, path, json=json_body, params=params)
+        except httpx.TimeoutException as err:
+            raise CliError(f"the server at {self.url} did not answer in time ({type(err).__name__}).",
+                           fix="retry, or raise --timeout") from err
+        except httpx.TransportError as err:
+            raise CliError(f"cannot reach the etrain server at {self.url}: {err}",
+                           fix="start it with `etrain serve`, or set ETRAIN_URL / --url") from err
+        if response.status_code >= 400:
+            try:
+                body = response.json()
+            except ValueError:
+                body = response.text
+            raise ApiError(response.status_code, body)
+        if response.headers.get("content-type", "").startswith("application/json"):
+            return response.json()
+        return response.text
+
+    def get(self, path: str, **params: Any) -> Any:
+        return self.request("GET", path, params={k: v for k, v in params.items() if v is not None} or None)
+
+    def post(self, path: str, body: Any = None) -> Any:
+        return self.request("POST", path, json_body=body)
+
+
+# -- output -----------------------------------------------------------------------------------------
+
+
+def _when(ts: float | None) -> str:
+    return "-" if ts is None else datetime.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _clock(ts: float) -> str:
+    return datetime.datetime.fromtimestamp(ts).strftime("%H:%M:%S")
+
+
+def _num(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def _print_json(body: Any, out: TextIO) -> None:
+    print(json.dumps(body, indent=2, ensure_ascii=False), file=out)
+
+
+def print_error(err: ApiError | CliError, out: TextIO) -> None:
+    if isinstance(err, CliError):
+        print(f"error: {err.message}", file=out)
+        if err.fix:
+            print(f"  fix: {err.fix}", file=out)
+        return
+    body = err.body
+    if not isinstance(body, dict) or "message" not in body:
+        text = body if isinstance(body, str) else json.dumps(body)
+        print(f"error (HTTP {err.status_code}): {text[:2000]}", file=out)
+        return
+    code = body.get("error", "error")
+    details = body.get("detail") or []
+    if details:
+        print(f"error (HTTP {err.status_code}, {code}):", file=out)
+        for item in details:
+            field, message = item.get("field", ""), item.get("message", "")
+            print(f"  {message}" if message.startswith(field) else f"  {field}: {message}", file=out)
+            if item.get("fix"):
+                print(f"    fix: {item['fix']}", file=out)
+        if body.get("fix") and all(body["fix"] != item.get("fix") for item in details):
+            print(f"  fix: {body['fix']}", file=out)
+    else:
+        print(f"error (HTTP {err.status_code}, {code}): {body['message']}", file=out)
+        if body.get("fix"):
+            print(f"  fix: {body['fix']}", file=out)
+
+
+def _total_steps(job: dict[str, Any]) -> Any:
+    return (job.get("spec") or {}).get("training", {}).get("steps", "?")
+
+
+def print_job(job: dict[str, Any], out: TextIO) -> None:
+    rows = [
+        ("id", job["id"]),
+        ("name", job["name"]),
+        ("status", job["status"]),
+        ("step", f"{job['step']} / {_total_steps(job)}"),
+        ("loss", _num(job.get("loss"), ".4f")),
+        ("tokens/s", _num(job.get("tokens_per_s"), ",.0f")),
+        ("layout", f"{job.get('layout') or '-'} (world size {job['world_size']})"),
+        ("restarts", f"{job['restarts']} (attempt {job.get('attempt', '-')})"),
+        ("checkpoint", "-" if job.get("last_checkpoint_step") is None else f"step {job['last_checkpoint_step']}"),
+        ("goodput", "-" if job.get("goodput") is None else f"{100 * job['goodput']:.1f}%"),
+        ("stragglers", ", ".join(str(s) for s in job.get("stragglers") or []) or "-"),
+        ("created", _when(job.get("created_at"))),
+        ("updated", _when(job.get("updated_at"))),
+    ]
+    if job.get("error"):
+        rows.append(("error", job["error"]))
+    for label, value in rows:
+        print(f"{label + ':':<12} {value}", file=out)
+
+
+def print_job_table(jobs: list[dict[str, Any]], out: TextIO) -> None:
+    if not jobs:
+        print("no jobs", file=out)
+        return
+    header = ("ID", "NAME", "STATUS", "STEP", "LOSS", "TOKENS/S", "WORLD", "RESTARTS", "CREATED")
+    rows = [
+        (
+            job["id"], job["name"], job["status"], f"{job['step']}/{_total_steps(job)}", _num(job.get("loss"), ".4f"),
+            _num(job.get("tokens_per_s"), ",.0f"), str(job["world_size"]), str(job["restarts"]),
+            _when(job.get("created_at")),
+        )
+        for job in jobs
+    ]
+    widths = [max(len(str(row[i])) for row in (header, *rows)) for i in range(len(header))]
+    for row in (header, *rows):
+        print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip(), file=out)
+
+
+def _event_line(event: dict[str, Any]) -> str:
+    detail = event.get("detail") or {}
+    text = detail.get("message") if set(detail) == {"message"} else (json.dumps(detail) if detail else "")
+    return f"[{_clock(event['ts'])}] {event['kind']}" + (f": {text}" if text else "")
+
+
+def _step_line(step: dict[str, Any], total: Any) -> str:
+    return (
+        f"step {step['step']}/{total}  loss {_num(step.get('loss'), '.4f')}  "
+        f"{_num(step.get('tokens_per_s'), ',.0f')} tokens/s"
+    )
+
+
+# -- commands ---------------------------------------------------------------------------------------
+
+
+def load_spec(path: str) -> dict[str, Any]:
+    """A job spec from a YAML or JSON file ("-": standard input)."""
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+    except OSError as err:
+        raise CliError(f"cannot read the spec file {path}: {err.strerror or err}.") from err
+    try:
+        if path.endswith(".json"):
+            spec = json.loads(text)
+        else:
+            import yaml  # YAML is a superset of JSON: any other file is read as YAML
+
+            spec = yaml.safe_load(text)
+    except Exception as err:  # json.JSONDecodeError, yaml.YAMLError
+        raise CliError(f"{path} is not valid {'JSON' if path.endswith('.json') else 'YAML'}: {err}") from err
+    if not isinstance(spec, dict):
+        raise CliError(f"{path} must hold one job spec (a mapping with name, model, training, ...).")
+    return spec
+
+
+def watch_job(
+    client: Client,
+    job_id: str,
+    *,
+    interval_s: float,
+    max_wait_s: float,
+    out: TextIO,
+    err: TextIO | None = None,
+    every: int = 1,
+) -> int:
+    """Follow a job until it ends: new step metrics and events as they arrive. Exit code by outcome."""
+    deadline = time.monotonic() + max_wait_s
+    since_event, since_step, status = 0, -1, None
+    while True:
+        job = client.get(f"/v1/jobs/{job_id}")
+        steps = client.get(f"/v1/jobs/{job_id}/metrics", since=since_step)
+        events = client.get(f"/v1/jobs/{job_id}/events", since=since_event)
+        if job["status"] != status:  # the state at the start of this poll, before what happened since
+            status = job["status"]
+            print(f"status: {status}", file=out)
+        total = _total_steps(job)
+        lines = [
+            (step["ts"], _step_line(step, total))
+            for step in steps["steps"]
+            if every <= 1 or step["step"] % every == 0 or step["step"] == total
+        ]
+        lines += [(event["ts"], _event_line(event)) for event in events["events"]]
+        for _, line in sorted(lines, key=lambda item: item[0]):  # stable: steps keep their order on ties
+            print(line, file=out)
+        since_step, since_event = steps["next_since"], events["next_since"]
+        out.flush()
+        if status in TERMINAL:
+            summary = f"job {job_id} {status} at step {job['step']}/{total}"
+            if job.get("loss") is not None:
+                summary += f", loss {job['loss']:.4f}"
+            if job.get("error"):
+                summary += f": {job['error']}"
+            print(summary, file=out)
+            return EXIT_OK if status == "SUCCEEDED" else EXIT_FAILED
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            print(f"gave up waiting after {max_wait_s:g}s; job {job_id} is still {status} "
+                  f"(`etrain watch {job_id}` to keep following)", file=err or sys.stderr)
+            return EXIT_TIMEOUT
+        time.sleep(min(interval_s, remaining))
+
+
+def _cmd_submit(client: Client, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    job = client.post("/v1/jobs", load_spec(args.file))
+    if args.json:
+        _print_json(job, out)
+    else:
+        print(f"submitted {job['id']}: {job['status']}, layout {job.get('layout') or '-'} "
+              f"(world size {job['world_size']})", file=out)
+    if args.watch:
+        return watch_job(client, job["id"], interval_s=args.interval, max_wait_s=args.max_wait, out=out, err=err)
+    return EXIT_OK
+
+
+def _cmd_list(client: Client, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    body = client.get("/v1/jobs", status=args.status, limit=args.limit, offset=args.offset)
+    if args.json:
+        _print_json(body, out)
+    else:
+        print_job_table(body["jobs"], out)
+    return EXIT_OK
+
+
+def _cmd_status(client: Client, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    job = client.get(f"/v1/jobs/{args.job_id}")
+    if args.json:
+        _print_json(job, out)
+    else:
+        print_job(job, out)
+    return EXIT_OK
+
+
+def _cmd_watch(client: Client, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    return watch_job(
+        client, args.job_id, interval_s=args.interval, max_wait_s=args.max_wait, out=out, err=err, every=args.every
+    )
+
+
+def _cmd_cancel(client: Client, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    job = client.post(f"/v1/jobs/{args.job_id}/cancel")
+    if args.json:
+        _print_json(job, out)
+    else:
+        print(f"{job['id']}: {job['status']}", file=out)
+    return EXIT_OK
+
+
+def _cmd_scale(client: Client, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    job = client.post(f"/v1/jobs/{args.job_id}/scale", {"dp": args.dp})
+    if args.json:
+        _print_json(job, out)
+    else:
+        print(f"{job['id']}: resize to dp={args.dp} requested; now {job['status']}, "
+              f"layout {job.get('layout') or '-'} (world size {job['world_size']})", file=out)
+    return EXIT_OK
+
+
+def _cmd_events(client: Client, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    body = client.get(f"/v1/jobs/{args.job_id}/events", since=args.since)
+    if args.json:
+        _print_json(body, out)
+    else:
+        for event in body["events"]:
+            print(_event_line(event), file=out)
+    return EXIT_OK
+
+
+def _cmd_plan(client: Client, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    report = client.post("/v1/plan", load_spec(args.file))
+    if args.json:
+        _print_json(report, out)
+        return EXIT_OK if report.get("feasible") else EXIT_FAILED
+    feasible = bool(report.get("feasible"))
+    print(f"feasible: {'yes' if feasible else 'no'}", file=out)
+    if report.get("layout"):
+        print(f"layout:   {report['layout']}", file=out)
+    for problem in report.get("problems") or []:
+        print(f"  {problem['field']}: {problem['message']}", file=out)
+        if problem.get("fix"):
+            print(f"    fix: {problem['fix']}", file=out)
+    estimate = report.get("estimate") or {}
+    memory = (estimate.get("memory") or {}).get("gib") or {}
+    if memory:
+        parts = ", ".join(f"{k} {v:g}" for k, v in memory.items() if k != "total")
+        print(f"memory per rank: {memory.get('total', '?')} GiB ({parts})", file=out)
+    if "bubble_fraction" in estimate:
+        print(f"pipeline bubble: {100 * estimate['bubble_fraction']:.1f}%", file=out)
+    step_time = estimate.get("step_time") or {}
+    if "total_s" in step_time:
+        print(f"estimated step time: {step_time['total_s']:.4g}s", file=out)
+    return EXIT_OK if feasible else EXIT_FAILED
+
+
+def _cmd_chaos(client: Client, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    request = {"action": args.action, "rank": args.rank, "factor": args.factor, "step": args.step,
+               "at_step": args.at_step}
+    order = client.post(f"/v1/jobs/{args.job_id}/chaos", {k: v for k, v in request.items() if v is not None})
+    _print_json(order, out)
+    return EXIT_OK
+
+
+def _server_settings(args: argparse.Namespace):
+    from service.settings import Settings
+
+    return Settings.from_env(
+        host=args.host,
+        port=args.port,
+        data_dir=args.data_dir,
+        ray_address=args.ray_address,
+        enable_chaos=True if args.enable_chaos else None,
+    )
+
+
+def _announce(settings: Any, out: TextIO):
+    """``on_ready`` callback: print where everything is once the manager (and Ray) is up."""
+
+    def ready(manager: Any) -> None:
+        runtime = getattr(manager, "runtime", None)
+        dashboard = getattr(runtime, "dashboard_url", None) or (
+            settings.dashboard_url if settings.ray_address is None else f"see the Ray cluster at {settings.ray_address}"
+        )
+        print(f"etrain API:     {settings.api_url}  (docs: {settings.api_url}/docs)", file=out)
+        print(f"Ray dashboard:  {dashboard}", file=out)
+        print(f"data directory: {settings.data_dir.resolve()}", file=out)
+        if settings.enable_chaos:
+            print("fault injection (chaos) is ENABLED", file=out)
+        out.flush()
+
+    print(f"starting etrain on {settings.api_url} (Ray: {settings.ray_address or 'a new local instance'}) ...",
+          file=out)
+    out.flush()
+    return ready
+
+
+def _cmd_serve(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    import uvicorn
+
+    from api.app import create_app
+
+    settings = _server_settings(args)
+    app = create_app(settings, on_ready=_announce(settings, out))
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level)
+    return EXIT_OK
+
+
+def _cmd_demo(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    """Server (local Ray, API, dashboard) and a job in one process: ``make run``.
+
+    The server runs on the main thread, so Ctrl-C shuts it down the normal way (workers stopped, Ray
+    shut down); a helper thread waits for it, submits the spec and follows the job.
+    """
+    import threading
+
+    import uvicorn
+
+    from api.app import create_app
+
+    spec = load_spec(args.file)  # a broken file fails before Ray starts
+    settings = _server_settings(args)
+    app = create_app(settings, on_ready=_announce(settings, out))
+    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level=args.log_level))
+    outcome: dict[str, int] = {}
+
+    def drive() -> None:
+        deadline = time.monotonic() + args.start_timeout
+        while not server.started:
+            if server.should_exit or time.monotonic() > deadline:
+                if not server.should_exit:
+                    print(f"error: the server did not start within {args.start_timeout:g}s", file=err)
+                    outcome["code"] = EXIT_TIMEOUT
+                    server.should_exit = True
+                return
+            time.sleep(0.1)
+        client = Client(settings.api_url, token=settings.api_token, timeout_s=args.timeout)
+        try:
+            job = client.post("/v1/jobs", spec)
+            print(f"submitted {job['id']}: layout {job.get('layout') or '-'} (world size {job['world_size']})",
+                  file=out)
+            outcome["code"] = watch_job(client, job["id"], interval_s=args.interval, max_wait_s=args.max_wait,
+                                        out=out, err=err)
+            if args.exit_when_done:
+                server.should_exit = True
+            else:
+                print(f"the API ({settings.api_url}) and the Ray dashboard stay up; Ctrl-C stops everything",
+                      file=out)
+                out.flush()
+        except (ApiError, CliError) as error:
+            if not server.should_exit:  # errors while shutting down are expected; stay quiet
+                print_error(error, err)
+                outcome["code"] = EXIT_FAILED
+                server.should_exit = True
+        finally:
+            client.close()
+
+    driver = threading.Thread(target=drive, name="etrain-demo", daemon=True)
+    driver.start()
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn shut down cleanly, then re-raised the signal
+        return outcome.get("code", EXIT_INTERRUPTED)
+    finally:
+        server.should_exit = True
+        driver.join(timeout=5)
+    if server.started is False and "code" not in outcome:
+        return EXIT_FAILED  # the server never came up (uvicorn has logged why)
+    return outcome.get("code", EXIT_INTERRUPTED)
+
+
+# -- argument parsing -------------------------------------------------------------------------------
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="etrain", description="Elastic training service client and server.")
+    parser.add_argument("--url", default=os.environ.get("ETRAIN_URL", DEFAULT_URL),
+                        help="API URL (env ETRAIN_URL; default %(default)s)")
+    parser.add_argument("--token", default=os.environ.get("ETRAIN_API_TOKEN"),
+                        help="API token (env ETRAIN_API_TOKEN)")
+    parser.add_argument("--timeout", type=_positive, default=30.0, help="seconds per HTTP request (default 30)")
+    parser.add_argument("--json", action="store_true", help="print the server's JSON instead of text")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add_server_options(command: argparse.ArgumentParser, *, log_level: str) -> None:
+        command.add_argument("--host", help="bind address (env ETRAIN_HOST; default 127.0.0.1)")
+        command.add_argument("--port", type=int, help="port (env ETRAIN_PORT; default 8000)")
+        command.add_argument("--data-dir",
+                             help="jobs database and checkpoints (env ETRAIN_DATA_DIR; default ./.etrain)")
+        command.add_argument("--ray-address", help="existing Ray cluster (env ETRAIN_RAY_ADDRESS; default: start one)")
+        command.add_argument("--enable-chaos", action="store_true",
+                             help="allow fault injection (env ETRAIN_ENABLE_CHAOS=1)")
+        command.add_argument("--log-level", default=log_level,
+                             choices=["trace", "debug", "info", "warning", "error", "critical"])
+
+    def add_wait_options(command: argparse.ArgumentParser) -> None:
+        command.add_argument("--interval", type=_positive, default=1.0, help="seconds between polls (default 1)")
+        command.add_argument("--max-wait", type=_positive, default=24 * 3600.0,
+                             help="give up (exit 124) after this many seconds (default 86400)")
+
+    serve = commands.add_parser("serve", help="run the API server (starts or joins Ray)")
+    add_server_options(serve, log_level="info")
+
+    demo = commands.add_parser("demo", help="serve (local Ray + API + dashboard) and run one job: `make run`")
+    demo.add_argument("file", help="job spec (YAML or JSON)")
+    add_server_options(demo, log_level="warning")
+    add_wait_options(demo)
+    demo.add_argument("--start-timeout", type=_positive, default=300.0,
+                      help="seconds to wait for the server and Ray to come up (default 300)")
+    demo.add_argument("--exit-when-done", action="store_true",
+                      help="stop the server when the job ends (default: keep serving until Ctrl-C)")
+
+    submit = commands.add_parser("submit", help="submit a job spec (YAML or JSON file, '-' for stdin)")
+    submit.add_argument("file")
+    submit.add_argument("--watch", action="store_true", help="follow the job until it ends")
+    add_wait_options(submit)
+
+    listing = commands.add_parser("list", help="list jobs, newest first")
+    listing.add_argument("--status", help="only jobs in this status (e.g. RUNNING)")
+    listing.add_argument("--limit", type=int, default=100)
+    listing.add_argument("--offset", type=int, default=0)
+
+    commands.add_parser("status", help="show one job").add_argument("job_id")
+
+    watch = commands.add_parser("watch", help="follow a job: steps, loss, tokens/s, events; exit 0 on success")
+    watch.add_argument("job_id")
+    watch.add_argument("--every", type=int, default=1, help="print every Nth step (default: all)")
+    add_wait_options(watch)
+
+    commands.add_parser("cancel", help="cancel a job").add_argument("job_id")
+
+    scale = commands.add_parser("scale", help="resize a job's data parallelism")
+    scale.add_argument("job_id")
+    scale.add_argument("--dp", type=int, required=True, help="the new data-parallel degree")
+
+    events = commands.add_parser("events", help="print a job's events")
+    events.add_argument("job_id")
+    events.add_argument("--since", type=int, default=0, help="only events after this sequence number")
+
+    plan = commands.add_parser("plan", help="check a spec and show the planner's estimate; starts nothing")
+    plan.add_argument("file")
+
+    chaos = commands.add_parser("chaos", help="inject a fault (servers started with --enable-chaos)")
+    chaos.add_argument("job_id")
+    chaos.add_argument("action", choices=["kill_rank", "kill_actor", "slow_rank", "hang_rank", "corrupt_checkpoint"])
+    chaos.add_argument("--rank", type=int)
+    chaos.add_argument("--factor", type=float)
+    chaos.add_argument("--step", type=int, help="corrupt_checkpoint: the checkpoint step")
+    chaos.add_argument("--at-step", type=int, help="inject when the job reaches this step")
+    return parser
+
+
+_COMMANDS = {
+    "submit": _cmd_submit,
+    "list": _cmd_list,
+    "status": _cmd_status,
+    "watch": _cmd_watch,
+    "cancel": _cmd_cancel,
+    "scale": _cmd_scale,
+    "events": _cmd_events,
+    "plan": _cmd_plan,
+    "chaos": _cmd_chaos,
+}
+
+
+def main(argv: list[str] | None = None, *, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    out = out or sys.stdout
+    err = err or sys.stderr
+    for stream in (out, err):
+        if hasattr(stream, "reconfigure"):
+            try:
+                stream.reconfigure(errors="replace")  # layout strings use "·"; never crash on a C locale
+            except (ValueError, OSError):
+                pass
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exit_:
+        return int(exit_.code or 0)
+    if args.command in ("serve", "demo"):
+        try:
+            return (_cmd_serve if args.command == "serve" else _cmd_demo)(args, out, err)
+        except KeyboardInterrupt:
+            return EXIT_INTERRUPTED
+        except Exception as error:  # a settings error or Ray failing to start: say so, no traceback
+            from workers.errors import EtrainError
+
+            if not isinstance(error, EtrainError):
+                raise
+            print_error(CliError(error.message, error.fix), err)
+            return EXIT_FAILED
+        except CliError as error:
+            print_error(error, err)
+            return EXIT_FAILED
+    client = Client(args.url, token=args.token, timeout_s=args.timeout)
+    try:
+        return _COMMANDS[args.command](client, args, out, err)
+    except (ApiError, CliError) as error:
+        print_error(error, err)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    finally:
+        client.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

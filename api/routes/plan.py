@@ -1,0 +1,24 @@
+"""/v1/plan: what the planner would do with a spec, without starting anything.
+
+An infeasible spec is an answer here, not an error: 200 with ``feasible: false`` and the problems
+(field + message + fix), because this endpoint exists to explain. A body that is not a JobSpec at
+all (unknown field, wrong type) is still a 422.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends
+
+from api.routes import get_manager
+from api.schemas import ErrorOut
+from service.ports import JobManagerPort
+from service.spec import JobSpec
+
+router = APIRouter(prefix="/v1", tags=["plan"])
+
+
+@router.post("/plan", responses={422: {"model": ErrorOut, "description": "the body is not a job spec"}})
+def plan(spec: JobSpec, manager: Annotated[JobManagerPort, Depends(get_manager)]) -> dict[str, Any]:
+    return manager.plan(spec)

@@ -1,0 +1,159 @@
+"""Response (and small request) models of the REST API: the JSON contract, built from store records.
+
+Request bodies for jobs and plans are ``service.spec.JobSpec`` itself; ``ChaosRequest`` lives with the
+manager interface (``service.ports``) because the manager consumes it. Non-finite floats (a NaN loss)
+are sent as ``null``: JSON has no NaN and the job's ``error`` says what happened.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from service.ports import ChaosRequest
+from service.store import EventRecord, JobRecord, JobStatus, StepRecord
+
+__all__ = [
+    "ChaosRequest",
+    "ErrorItem",
+    "ErrorOut",
+    "EventOut",
+    "EventsOut",
+    "JobListOut",
+    "JobOut",
+    "ScaleRequest",
+    "StepOut",
+    "StepsOut",
+]
+
+
+def _finite(value: float | None) -> float | None:
+    return value if value is None or math.isfinite(value) else None
+
+
+def _clean(value: Any) -> Any:
+    if isinstance(value, float):
+        return _finite(value)
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return value
+
+
+class ScaleRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    dp: int = Field(ge=1, description="the new data-parallel degree (within resources.min_dp .. max_dp)")
+
+
+class JobOut(BaseModel):
+    id: str
+    name: str
+    status: JobStatus
+    spec: dict[str, Any]
+    step: int
+    loss: float | None
+    tokens_per_s: float | None
+    world_size: int
+    restarts: int
+    created_at: float = Field(description="unix seconds")
+    updated_at: float = Field(description="unix seconds")
+    error: str | None
+    layout: str | None
+    last_checkpoint_step: int | None
+    stragglers: list[Any]
+    goodput: float | None
+    attempt: int
+
+    @classmethod
+    def of(cls, job: JobRecord) -> "JobOut":
+        return cls(
+            id=job.id,
+            name=job.name,
+            status=job.status,
+            spec=_clean(job.spec),
+            step=job.step,
+            loss=_finite(job.loss),
+            tokens_per_s=_finite(job.tokens_per_s),
+            world_size=job.world_size,
+            restarts=job.restarts,
+            created_at=job.created_at,
+            updated_at=job.updated_at,
+            error=job.error,
+            layout=job.layout,
+            last_checkpoint_step=job.last_checkpoint_step,
+            stragglers=_clean(list(job.stragglers)),
+            goodput=_finite(job.goodput),
+            attempt=job.attempt,
+        )
+
+
+class JobListOut(BaseModel):
+    jobs: list[JobOut]
+    limit: int
+    offset: int
+
+
+class EventOut(BaseModel):
+    seq: int
+    ts: float
+    kind: str
+    detail: dict[str, Any]
+
+    @classmethod
+    def of(cls, event: EventRecord) -> "EventOut":
+        return cls(seq=event.seq, ts=event.ts, kind=event.kind, detail=_clean(event.detail))
+
+
+class EventsOut(BaseModel):
+    job_id: str
+    events: list[EventOut]
+    next_since: int = Field(description="pass as ?since= to get only newer events")
+
+
+class StepOut(BaseModel):
+    step: int
+    loss: float | None
+    tokens_per_s: float | None
+    step_s: float | None
+    compute_s: float | None
+    comm_wait_s: float | None
+    ts: float
+    attempt: int
+
+    @classmethod
+    def of(cls, record: StepRecord) -> "StepOut":
+        return cls(
+            step=record.step,
+            loss=_finite(record.loss),
+            tokens_per_s=_finite(record.tokens_per_s),
+            step_s=_finite(record.step_s),
+            compute_s=_finite(record.compute_s),
+            comm_wait_s=_finite(record.comm_wait_s),
+            ts=record.ts,
+            attempt=record.attempt,
+        )
+
+
+class StepsOut(BaseModel):
+    job_id: str
+    steps: list[StepOut]
+    next_since: int = Field(description="pass as ?since= to get only newer steps")
+
+
+class ErrorItem(BaseModel):
+    field: str
+    message: str
+    fix: str | None = None
+
+
+class ErrorOut(BaseModel):
+    """Every error response (documented in OpenAPI; produced by api/errors.py)."""
+
+    error: str
+    message: str
+    fix: str | None = None
+    detail: list[ErrorItem] = []

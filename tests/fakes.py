@@ -1,0 +1,332 @@
+"""Named fakes for tests above the unit level. Each one is real where it is cheap and fake where the
+real thing needs a cluster:
+
+* :class:`InMemoryManager` - the job service as the REST API sees it (``service.ports.JobManagerPort``)
+  for API and CLI tests: the REAL ``JobStore`` (SQLite), the REAL spec checks (``check_spec`` and,
+  once it exists, the planner), and simulated training instead of Ray. Deterministic: training
+  advances only when a test calls :meth:`InMemoryManager.advance`, or by ``steps_per_poll`` steps on
+  every ``get`` (so a polling client such as ``etrain watch`` sees a job run to the end).
+* :class:`FakeRuntime` - the Ray side (``service.cluster.Runtime``) for the REAL
+  ``service.manager.JobManager``: it answers ``updates`` in the supervisor's format with simulated
+  progress, so the manager's own logic runs without Ray.
+
+Neither imports Ray or torch.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+import uuid
+from typing import Any
+
+from service.errors import ChaosDisabled, JobConflict, JobNotFound, SpecRejected
+from service.ports import RANK_ACTIONS, ChaosRequest
+from service.spec import JobSpec, SpecProblem, check_spec, resolve_paths
+from service.store import EventRecord, JobRecord, JobStatus, JobStore, StepRecord
+
+try:  # the planner is written alongside; until it lands the fake checks the spec rules only
+    from service import planner as _planner
+except ImportError:  # pragma: no cover - depends on the tree's state
+    _planner = None
+
+LIVE = tuple(status for status in JobStatus if not status.is_terminal)
+
+
+def simulated_loss(step: int) -> float:
+    """A smooth, decreasing loss curve the tests can predict."""
+    return round(0.5 + 5.0 * math.exp(-step / 20.0), 6)
+
+
+def _layout_text(pp: int, dp: int, tp: int, zero: int) -> str:
+    return f"pp{pp}·dp{dp}·tp{tp} zero={zero}"
+
+
+class InMemoryManager:
+    """Fake ``JobManagerPort``: real store and validation, simulated training. Not thread-safe
+    beyond what the store gives; API tests drive it from one client at a time."""
+
+    STEP_S = 0.1  # simulated seconds per step
+
+    def __init__(
+        self,
+        store: JobStore,
+        *,
+        enable_chaos: bool = False,
+        base_dir: str | None = None,
+        steps_per_poll: int = 0,
+        checkpoint_every: int = 5,
+    ):
+        self.store = store
+        self.enable_chaos = enable_chaos
+        self.base_dir = base_dir or os.getcwd()
+        self.steps_per_poll = steps_per_poll
+        self.checkpoint_every = checkpoint_every
+        self.chaos_orders: list[tuple[str, dict[str, Any]]] = []
+        self.closed = False
+        self._lock = threading.Lock()
+
+    # -- the port -------------------------------------------------------------------------------------
+
+    def validate(self, spec: JobSpec) -> JobSpec:
+        """Same order as the real manager: spec rules, auto layout, planner rules; every problem at once."""
+        spec = resolve_paths(spec, self.base_dir)
+        problems: list[SpecProblem] = list(check_spec(spec))
+        if not problems and spec.is_auto:
+            if _planner is None:
+                max_workers = spec.parallelism.max_workers  # type: ignore[union-attr]
+                from service.spec import ParallelismSpec
+
+                spec = spec.with_layout(ParallelismSpec(dp=max_workers))
+            else:
+                spec = spec.with_layout(_planner.resolve_auto(spec).layout)
+            problems += check_spec(spec)
+        if not problems and _planner is not None:
+            problems += _planner.check_plan(spec)
+        if problems:
+            raise SpecRejected(problems)
+        return spec
+
+    def submit(self, spec: JobSpec) -> JobRecord:
+        spec = self.validate(spec)
+        layout = spec.layout
+        job_id = f"{spec.name.lower()}-{uuid.uuid4().hex[:8]}"
+        now = time.time()
+        self.store.create_job(
+            job_id=job_id,
+            name=spec.name,
+            spec=spec.model_dump(mode="json", by_alias=True),
+            world_size=layout.pp * layout.dp * layout.tp,
+            layout=_layout_text(layout.pp, layout.dp, layout.tp, layout.zero),
+        )
+        self.store.add_events(job_id, [(now, "submitted", {"message": "accepted"})])
+        self.store.update_job(job_id, status=JobStatus.RUNNING, attempt=1)
+        self.store.add_events(job_id, [(now, "started", {"message": "attempt 1 running"})])
+        return self._require(job_id)
+
+    def get(self, job_id: str) -> JobRecord:
+        job = self._require(job_id)
+        if self.steps_per_poll and job.status == JobStatus.RUNNING:
+            job = self.advance(job_id, self.steps_per_poll)
+        return job
+
+    def list(self, status: str | None = None, limit: int = 100, offset: int = 0) -> list[JobRecord]:
+        return self.store.list_jobs(status=status, limit=limit, offset=offset)
+
+    def events(self, job_id: str, since_seq: int = 0) -> list[EventRecord]:
+        self._require(job_id)
+        return self.store.events(job_id, since_seq=since_seq)
+
+    def steps(self, job_id: str, since_step: int = -1) -> list[StepRecord]:
+        self._require(job_id)
+        return self.store.steps(job_id, since_step=since_step)
+
+    def cancel(self, job_id: str) -> JobRecord:
+        job = self._require(job_id)
+        if job.is_terminal:
+            raise JobConflict(f"job {job_id} is already {job.status.value}.", job_id=job_id, status=job.status,
+                              fix="nothing to cancel")
+        job = self.store.update_job(job_id, status=JobStatus.CANCELLED, expect_status=LIVE)
+        self.store.add_events(job_id, [(time.time(), "cancelled", {"message": "cancelled by user"})])
+        return job
+
+    def scale(self, job_id: str, dp: int) -> JobRecord:
+        job = self._require(job_id)
+        if job.is_terminal:
+            raise JobConflict(f"job {job_id} is {job.status.value}; it cannot be resized.", job_id=job_id,
+                              status=job.status)
+        spec = JobSpec.model_validate(job.spec)
+        layout = spec.layout
+        per_step = dp * spec.training.micro_batch
+        if not spec.min_dp <= dp <= spec.max_dp or spec.training.global_batch % per_step:
+            raise SpecRejected([SpecProblem(
+                field="dp",
+                message=f"dp={dp} is outside resources.min_dp..max_dp = {spec.min_dp}..{spec.max_dp} or does not "
+                        f"divide training.global_batch={spec.training.global_batch}.",
+                fix=f"choose dp between {spec.min_dp} and {spec.max_dp} that divides the global batch",
+            )])
+        self.store.add_events(job_id, [(time.time(), "scale_requested", {"message": f"dp -> {dp}"})])
+        job = self.store.update_job(
+            job_id,
+            world_size=layout.pp * dp * layout.tp,
+            layout=_layout_text(layout.pp, dp, layout.tp, layout.zero),
+        )
+        self.store.add_events(job_id, [(time.time(), "resized", {"message": f"running at dp={dp}"})])
+        return job
+
+    def chaos(self, job_id: str, request: dict[str, Any]) -> dict[str, Any]:
+        if not self.enable_chaos:
+            raise ChaosDisabled()
+        order = ChaosRequest.model_validate(request)  # the API sends a validated request as a dict
+        job = self._require(job_id)
+        if job.is_terminal:
+            raise JobConflict(f"job {job_id} is {job.status.value}; nothing to inject into.", job_id=job_id)
+        if order.action in RANK_ACTIONS and not 0 <= (order.rank or 0) < job.world_size:
+            raise SpecRejected([SpecProblem(field="rank", message=f"rank {order.rank} is outside the job's "
+                                            f"{job.world_size} ranks.", fix=f"use 0..{job.world_size - 1}")])
+        self.chaos_orders.append((job_id, dict(request)))
+        self.store.add_events(job_id, [(time.time(), "chaos_armed", {"message": f"{order.action} armed"})])
+        return {"id": len(self.chaos_orders), **request, "armed": True}
+
+    def plan(self, spec: JobSpec) -> dict[str, Any]:
+        spec = resolve_paths(spec, self.base_dir)
+        if _planner is not None:
+            return _planner.plan_report(spec)  # check_spec + planner rules in one answer
+        problems = [p.to_dict() for p in check_spec(spec)]
+        return {"feasible": not problems, "problems": problems, "layout": None, "estimate": None, "auto": None}
+
+    def health(self) -> dict[str, Any]:
+        return {"db": "ok" if self.store.ping() else "error", "ray": "ok", "runtime": "fake"}
+
+    def metrics_text(self) -> str:
+        from service.prometheus import render_job_metrics
+
+        return render_job_metrics(self.store)
+
+    def close(self) -> None:
+        self.closed = True
+
+    # -- simulation controls (tests only) -----------------------------------------------------------
+
+    def advance(self, job_id: str, num_steps: int) -> JobRecord:
+        """Train ``num_steps`` more steps: step metrics, checkpoints, success at training.steps."""
+        with self._lock:
+            job = self._require(job_id)
+            if job.is_terminal:
+                return job
+            spec = JobSpec.model_validate(job.spec)
+            total = spec.training.steps
+            tokens_per_s = spec.training.global_batch * spec.model.resolved()["seq_len"] / self.STEP_S
+            first, last = job.step + 1, min(total, job.step + num_steps)
+            now = time.time()
+            records = [
+                StepRecord(job_id=job_id, step=step, loss=simulated_loss(step), tokens_per_s=tokens_per_s,
+                           step_s=self.STEP_S, compute_s=0.8 * self.STEP_S, comm_wait_s=0.2 * self.STEP_S,
+                           ts=now, attempt=job.attempt)
+                for step in range(first, last + 1)
+            ]
+            self.store.add_steps(job_id, records)
+            fields: dict[str, Any] = {}
+            every = self.checkpoint_every
+            checkpoints = [s for s in range(first, last + 1) if every and s % every == 0]
+            if checkpoints:
+                self.store.add_events(
+                    job_id, [(now, "checkpoint", {"message": f"committed step {s}"}) for s in checkpoints]
+                )
+                fields["last_checkpoint_step"] = checkpoints[-1]
+            if last >= total:
+                fields["status"] = JobStatus.SUCCEEDED
+            if records:
+                fields.update(step=last, loss=records[-1].loss, tokens_per_s=tokens_per_s, goodput=0.9)
+            job = self.store.update_job(job_id, **fields) if fields else job
+            if job.status == JobStatus.SUCCEEDED:
+                self.store.add_events(job_id, [(now, "succeeded", {"message": f"finished {total} steps"})])
+            return job
+
+    def fail(self, job_id: str, error: str) -> JobRecord:
+        job = self.store.update_job(job_id, status=JobStatus.FAILED, error=error, expect_status=LIVE)
+        self.store.add_events(job_id, [(time.time(), "failed", {"message": error})])
+        return job
+
+    def _require(self, job_id: str) -> JobRecord:
+        job = self.store.get_job(job_id)
+        if job is None:
+            raise JobNotFound(job_id)
+        return job
+
+
+class FakeRuntime:
+    """Fake ``service.cluster.Runtime`` for the real ``JobManager``: no Ray, simulated supervisors.
+
+    Each ``updates`` call of a running job advances it by ``steps_per_update`` steps and returns the
+    supervisor's update dict (status, fields, new events and step rows past the caller's cursors).
+    """
+
+    def __init__(self, *, steps_per_update: int = 1, step_s: float = 0.1):
+        self.steps_per_update = steps_per_update
+        self.step_s = step_s
+        self.jobs: dict[str, dict[str, Any]] = {}
+        self.calls: list[tuple[str, ...]] = []
+        self.closed = False
+        self._lock = threading.Lock()
+
+    def start(self, job_id: str, config: Any, policy: Any) -> None:
+        with self._lock:
+            self.calls.append(("start", job_id))
+            self.jobs[job_id] = {
+                "config": config, "policy": policy, "status": "RUNNING", "step": 0, "dp": config.parallel.dp,
+                "attempt": 1, "events": [], "steps": [], "chaos": [], "error": None,
+            }
+            self._record(job_id, "started", "attempt 1 running")
+
+    def exists(self, job_id: str) -> bool:
+        return job_id in self.jobs
+
+    def updates(self, job_id: str, since_seq: int, since_step: int) -> dict[str, Any] | None:
+        with self._lock:
+            job = self.jobs.get(job_id)
+            if job is None:
+                return None
+            config = job["config"]
+            if job["status"] == "RUNNING":
+                for _ in range(self.steps_per_update):
+                    if job["step"] >= config.training.steps:
+                        break
+                    job["step"] += 1
+                    job["steps"].append({
+                        "seq": len(job["steps"]) + 1, "step": job["step"], "loss": simulated_loss(job["step"]),
+                        "tokens_per_s": config.tokens_per_step / self.step_s, "step_s": self.step_s,
+                        "compute_s": 0.8 * self.step_s, "comm_wait_s": 0.2 * self.step_s, "ts": time.time(),
+                        "attempt": job["attempt"],
+                    })
+                if job["step"] >= config.training.steps:
+                    job["status"] = "SUCCEEDED"
+                    self._record(job_id, "succeeded", f"finished {config.training.steps} steps")
+            latest = job["steps"][-1] if job["steps"] else {}
+            parallel = config.parallel
+            return {
+                "status": job["status"], "attempt": job["attempt"], "dp": job["dp"],
+                "world_size": parallel.pp * job["dp"] * parallel.tp,
+                "layout": _layout_text(parallel.pp, job["dp"], parallel.tp, parallel.zero),
+                "restarts": 0, "last_checkpoint_step": None, "error": job["error"], "step": job["step"],
+                "loss": latest.get("loss"), "tokens_per_s": latest.get("tokens_per_s"), "stragglers": [],
+                "goodput": 0.9 if latest else None,
+                "events": [e for e in job["events"] if e["seq"] > since_seq],
+                "steps": [row for row in job["steps"] if row["seq"] > since_step],
+            }
+
+    def cancel(self, job_id: str, reason: str) -> None:
+        with self._lock:
+            self.calls.append(("cancel", job_id))
+            job = self.jobs[job_id]
+            if job["status"] not in ("SUCCEEDED", "FAILED", "CANCELLED"):
+                job["status"] = "CANCELLED"
+                self._record(job_id, "cancelled", reason)
+
+    def scale(self, job_id: str, dp: int) -> None:
+        with self._lock:
+            self.calls.append(("scale", job_id, str(dp)))
+            self.jobs[job_id]["dp"] = dp
+            self._record(job_id, "resized", f"dp -> {dp}")
+
+    def chaos(self, job_id: str, request: dict[str, Any]) -> dict[str, Any]:
+        with self._lock:
+            self.calls.append(("chaos", job_id))
+            job = self.jobs[job_id]
+            job["chaos"].append(dict(request))
+            return {"id": len(job["chaos"]), **request, "armed": True}
+
+    def release(self, job_id: str) -> None:
+        self.calls.append(("release", job_id))
+
+    def health(self) -> dict[str, Any]:
+        return {"ray": "ok", "nodes": 1}
+
+    def close(self) -> None:
+        self.closed = True
+
+    def _record(self, job_id: str, kind: str, detail: str) -> None:
+        events = self.jobs[job_id]["events"]
+        events.append({"seq": len(events) + 1, "ts": time.time(), "kind": kind, "detail": detail})

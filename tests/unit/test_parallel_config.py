@@ -1,0 +1,82 @@
+"""Layout validation and the single-process Trainer path (no process group needed)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from tests.equivalence_utils import small_config
+from workers.config import ModelConfig, ParallelConfig
+from workers.errors import ConfigError
+from workers.parallelize import ParallelDims, validate_tp
+from workers.train import Trainer, load_run_config, main
+
+
+def test_parallel_dims_must_multiply_to_the_world_and_the_message_prints_every_degree() -> None:
+    with pytest.raises(ConfigError) as info:
+        ParallelDims(pp=2, dp=3, tp=2, world_size=8)
+    assert "pp=2 × dp=3 × tp=2 = 12, but the world size is 8" in str(info.value)
+    dims = ParallelDims(pp=1, dp=2, tp=2, world_size=4)
+    assert (dims.dp_enabled, dims.tp_enabled, dims.pp_enabled) == (True, True, False)
+
+
+@pytest.mark.parametrize(
+    "model, tp, sp, field",
+    [
+        (ModelConfig(n_layers=1, d_model=24, n_heads=3, vocab_size=64, seq_len=8), 2, False, "model.n_heads"),
+        (ModelConfig(n_layers=1, d_model=8, n_heads=2, vocab_size=64, seq_len=8, d_ff=9), 2, False, "model.d_ff"),
+        (ModelConfig(n_layers=1, d_model=8, n_heads=2, vocab_size=63, seq_len=8), 2, False, "model.vocab_size"),
+        (ModelConfig(n_layers=1, d_model=8, n_heads=2, vocab_size=64, seq_len=7), 2, True, "model.seq_len"),
+    ],
+)
+def test_tensor_parallel_shape_rules_name_the_setting(model, tp, sp, field) -> None:
+    with pytest.raises(ConfigError) as info:
+        validate_tp(model, tp, sp)
+    assert info.value.field == field and "parallel.tp=2" in str(info.value)
+
+
+def test_trainer_rejects_a_layout_of_another_world_size() -> None:
+    config = small_config(parallel=ParallelConfig(dp=2))
+    with pytest.raises(ConfigError, match="pp=1 × dp=2 × tp=1 = 2 ranks, but the world size is 1"):
+        Trainer(config, rank=0, world_size=1, device=torch.device("cpu"))
+
+
+def test_sequence_parallel_needs_tensor_parallel() -> None:
+    config = small_config(parallel=ParallelConfig(sequence_parallel=True))
+    with pytest.raises(ConfigError, match="sequence_parallel needs parallel.tp > 1"):
+        Trainer(config, rank=0, world_size=1, device=torch.device("cpu"))
+
+
+def test_single_process_trainer_learns_and_reports_state() -> None:
+    config = small_config(steps=6)
+    trainer = Trainer(config, rank=0, world_size=1, device=torch.device("cpu"))
+    history = trainer.run(0, 6)
+    assert history[-1].loss < history[0].loss - 0.2
+    assert [m.step for m in history] == list(range(6))
+    parts, optimizers, extra = trainer.state_for_checkpoint()
+    assert extra["step"] == 6 and extra["data"]["next_step"] == 6 and "rng" in extra
+    assert set(trainer.full_state_dict()) == {n for n, _ in parts[0].named_parameters()}
+
+
+def test_torchrun_entry_point_runs_a_config_file(tmp_path, capsys) -> None:
+    config = small_config(steps=2)
+    raw = {k: v for k, v in dataclasses.asdict(config).items()}
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps(raw))
+    assert load_run_config(str(path)) == config
+    metrics_path = tmp_path / "metrics.json"
+    assert main(["--config", str(path), "--metrics-out", str(metrics_path)]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["step"] for line in lines] == [0, 1]
+    assert json.loads(metrics_path.read_text()) == lines
+
+
+def test_bf16_autocast_trains_close_to_fp32() -> None:
+    fp32 = Trainer(small_config(steps=2), rank=0, world_size=1, device=torch.device("cpu")).run(0, 2)
+    config = small_config(steps=2, precision="bf16")
+    bf16 = Trainer(config, rank=0, world_size=1, device=torch.device("cpu")).run(0, 2)
+    for a, b in zip(fp32, bf16):
+        assert a.loss != b.loss and abs(a.loss - b.loss) < 0.02 * a.loss
