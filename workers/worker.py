@@ -191,11 +191,20 @@ class TrainWorker:
                 if last or (every and (step + 1) % every == 0) or (step + 1) in self._checkpoint_at:
                     self._save(trainer, step + 1, plan.attempt)
                 if self._stop.is_set():
-                    return {"final_step": step + 1, "final_loss": final_loss, "stopped": True}
-            return {"final_step": config.training.steps, "final_loss": final_loss, "stopped": False}
+                    return self._result(trainer, step + 1, final_loss, stopped=True)
+            return self._result(trainer, config.training.steps, final_loss, stopped=False)
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
+
+    def _result(self, trainer, final_step: int, final_loss: float | None, *, stopped: bool) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "final_step": final_step,
+            "final_loss": final_loss,
+            "stopped": stopped,
+            "param_digest": local_param_digest(trainer.model_parts),
+        }
 
     def _save(self, trainer, completed_steps: int, attempt: int) -> None:
         """Write this rank's shards of the checkpoint after ``completed_steps`` and report them.
@@ -256,3 +265,20 @@ class TrainWorker:
             torch.cuda.set_device(0)
             return torch.device("cuda", 0)
         return torch.device("cpu")
+
+
+def local_param_digest(model_parts) -> str:
+    """SHA-256 over this rank's local parameter bytes, in name order.
+
+    Ranks holding the same parameters (data-parallel replicas with zero <= 1) must report the same
+    digest after training; a mismatch means the replicas diverged (gradients were not averaged).
+    """
+    import hashlib
+
+    digest = hashlib.sha256()
+    for part in model_parts:
+        for name, param in sorted(part.named_parameters(), key=lambda item: item[0]):
+            local = param.to_local() if hasattr(param, "to_local") else param
+            digest.update(name.encode())
+            digest.update(local.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()

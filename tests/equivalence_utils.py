@@ -1,0 +1,152 @@
+"""Parallel-equivalence helpers: run a layout on real gloo ranks and compare it with one process.
+
+Used by ``tests/integration/test_equivalence.py`` (DP/ZeRO/TP layouts) and
+``tests/integration/test_pipeline_equivalence.py`` (PP layouts)::
+
+    reference = run_reference(config)                 # one process, no process group
+    results = run_layout(config_with_layout)          # one RunResult per rank
+    assert_equivalent(reference, results, layout="dp2 zero=3")
+
+The reference is the same ``Trainer`` with world size 1, so the only difference between the two
+runs is the parallel layout. Equivalence is asserted in fp32 to a tight tolerance: every step's
+loss within ``LOSS_RTOL`` (relative) and every final parameter within ``PARAM_ATOL`` (absolute).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from tests.dist_utils import run_distributed
+from workers.config import DataConfig, ModelConfig, ParallelConfig, RunConfig, TrainingConfig
+
+__all__ = [
+    "LOSS_RTOL",
+    "PARAM_ATOL",
+    "RunResult",
+    "assert_equivalent",
+    "assert_replicas_identical",
+    "max_param_diff",
+    "reference_key",
+    "run_layout",
+    "run_reference",
+    "small_config",
+]
+
+LOSS_RTOL = 1e-5
+PARAM_ATOL = 1e-4
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What one rank reports after training: per-step losses/norms and the full parameters."""
+
+    rank: int
+    losses: list[float]
+    grad_norms: list[float]
+    params: dict[str, torch.Tensor]
+
+
+def small_config(*, steps: int = 8, parallel: ParallelConfig | None = None, **training) -> RunConfig:
+    """A tiny model that trains in well under a second per step on one CPU core.
+
+    Defaults: 4 layers, d_model 32, 4 heads, vocab 64, seq 16, global batch 8 in micro-batches of 2
+    (grad accumulation 4 on one process, 2 at dp=2), AdamW with clipping at a norm that binds.
+    """
+    training_kwargs = dict(steps=steps, global_batch=8, micro_batch=2, lr=3e-3, warmup_steps=2,
+                           grad_clip=0.5, weight_decay=0.1, seed=7)
+    training_kwargs.update(training)
+    return RunConfig(
+        job_id="equivalence",
+        model=ModelConfig(n_layers=4, d_model=32, n_heads=4, vocab_size=64, seq_len=16),
+        data=DataConfig(kind="synthetic", seed=3),
+        parallel=parallel or ParallelConfig(),
+        training=TrainingConfig(**training_kwargs),
+    )
+
+
+def _train(rank: int, world_size: int, config: RunConfig) -> RunResult:
+    """Runs in each rank: train ``config.training.steps`` steps and report."""
+    from workers.train import Trainer
+
+    torch.manual_seed(0)
+    trainer = Trainer(config, rank=rank, world_size=world_size, device=torch.device("cpu"))
+    history = trainer.run(0, config.training.steps)
+    return RunResult(
+        rank=rank,
+        losses=[m.loss for m in history],
+        grad_norms=[m.grad_norm for m in history],
+        params=trainer.full_state_dict(),
+    )
+
+
+def reference_key(config: RunConfig) -> RunConfig:
+    """The single-process config equivalent to ``config``: one rank, no activation checkpointing.
+
+    Activation checkpointing only trades memory for recompute, so it must not change a number;
+    the reference runs without it. Use the result as a cache key: every layout of one config
+    shares the same reference run.
+    """
+    training = dataclasses.replace(config.training, activation_checkpointing=False)
+    return dataclasses.replace(config, parallel=ParallelConfig(), training=training)
+
+
+def run_reference(config: RunConfig) -> RunResult:
+    """Train ``config`` in this process with no process group (world size 1)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _train(0, 1, reference_key(config))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def run_layout(config: RunConfig, *, timeout_s: float = 150.0) -> list[RunResult]:
+    """Train ``config`` on ``config.parallel.world_size`` spawned gloo ranks; results by rank."""
+    return run_distributed(_train, config.parallel.world_size, config, timeout_s=timeout_s)
+
+
+def assert_equivalent(reference: RunResult, results: list[RunResult], *, layout: str) -> None:
+    """Every rank's per-step losses, gradient norms and final parameters equal the single process."""
+    for result in results:
+        assert len(result.losses) == len(reference.losses), layout
+        for step, (got, want) in enumerate(zip(result.losses, reference.losses)):
+            assert abs(got - want) <= LOSS_RTOL * abs(want), (
+                f"{layout} rank {result.rank} step {step}: loss {got!r} vs single-process {want!r} "
+                f"(relative difference {abs(got - want) / abs(want):.3g} > {LOSS_RTOL})"
+            )
+        for step, (got, want) in enumerate(zip(result.grad_norms, reference.grad_norms)):
+            # The global norm over every shard and stage: clipping binds, so a wrong norm would
+            # also show in the parameters, but this names the cause.
+            assert abs(got - want) <= LOSS_RTOL * abs(want), (
+                f"{layout} rank {result.rank} step {step}: grad norm {got!r} vs single-process {want!r}"
+            )
+        assert result.params.keys() == reference.params.keys(), (
+            f"{layout} rank {result.rank}: parameter names differ: "
+            f"{sorted(result.params.keys() ^ reference.params.keys())}"
+        )
+        for name, want in reference.params.items():
+            got = result.params[name]
+            assert got.shape == want.shape, f"{layout} rank {result.rank} {name}: shape {got.shape} vs {want.shape}"
+            diff = (got - want).abs().max().item()
+            assert diff <= PARAM_ATOL, (
+                f"{layout} rank {result.rank} {name}: max |Δ| = {diff:.3g} > {PARAM_ATOL}"
+            )
+
+
+def assert_replicas_identical(results: list[RunResult], *, layout: str) -> None:
+    """All ranks end with bit-identical full parameters (dp replicas never drift apart)."""
+    first = results[0]
+    for result in results[1:]:
+        for name, tensor in first.params.items():
+            assert torch.equal(result.params[name], tensor), (
+                f"{layout}: rank {result.rank} {name} differs from rank 0 by "
+                f"{(result.params[name] - tensor).abs().max().item():.3g}"
+            )
+
+
+def max_param_diff(reference: RunResult, result: RunResult) -> float:
+    """Largest absolute parameter difference (for reports)."""
+    return max((result.params[k] - v).abs().max().item() for k, v in reference.params.items())

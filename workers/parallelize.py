@@ -1,0 +1,319 @@
+"""Parallelise a model (or one pipeline stage): an ordered list of ``apply_*`` steps.
+
+The order is torchtitan's and matters:
+
+1. ``apply_tp``  — tensor parallelism first, because it turns parameters into DTensors on the
+   ``tp`` axis and the later steps must see (and keep) that sharding;
+2. ``apply_ac``  — activation checkpointing wraps whole blocks, after TP has rewritten their
+   projections, so recomputation replays the TP collectives too;
+3. ``apply_dp``  — data parallelism last (DDP, ZeRO-1, FSDP2 ZeRO-2/3), because FSDP2 shards the
+   DTensors TP produced along the ``dp`` axis, and DDP must see the final parameters.
+
+Pipeline parallelism splits the model before any of this; ``workers/pipeline.py`` calls
+:func:`parallelize_stage` on each stage module, so a stage gets exactly the same steps.
+
+Everything is driven by one :class:`ParallelDims` (degrees + the named DeviceMesh); no process group
+is stored in a module global.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from torch.nn.parallel import DistributedDataParallel
+
+from workers.config import ModelConfig, RunConfig
+from workers.errors import ConfigError
+from workers.topology import Topology
+
+__all__ = [
+    "ParallelDims",
+    "ReplicateParallel",
+    "apply_ac",
+    "apply_dp",
+    "apply_tp",
+    "gradient_sync",
+    "parallelize_stage",
+    "unwrap",
+    "validate_tp",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelDims:
+    """The degrees of a ``pp × dp × tp`` layout and the DeviceMesh whose axes carry them.
+
+    Built once per rank from the run's :class:`~workers.config.ParallelConfig`, the
+    :class:`~workers.topology.Topology` and the mesh; every ``apply_*`` step reads it.
+    """
+
+    pp: int
+    dp: int
+    tp: int
+    world_size: int
+    mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.pp * self.dp * self.tp != self.world_size:
+            raise ConfigError(
+                f"parallel degrees pp={self.pp} × dp={self.dp} × tp={self.tp} = "
+                f"{self.pp * self.dp * self.tp}, but the world size is {self.world_size}.",
+                field="parallel",
+                fix=f"choose pp, dp and tp whose product is {self.world_size}",
+            )
+        if self.mesh is not None and tuple(self.mesh.mesh.shape) != (self.pp, self.dp, self.tp):
+            raise ConfigError(
+                f"DeviceMesh shape {tuple(self.mesh.mesh.shape)} does not match "
+                f"(pp, dp, tp) = ({self.pp}, {self.dp}, {self.tp}).",
+                field="parallel",
+            )
+
+    @classmethod
+    def build(cls, topology: Topology, mesh: DeviceMesh | None, world_size: int) -> "ParallelDims":
+        return cls(pp=topology.pp, dp=topology.dp, tp=topology.tp, world_size=world_size, mesh=mesh)
+
+    def axis(self, name: str) -> DeviceMesh:
+        """The 1-D sub-mesh of axis ``name`` (``"pp"``, ``"dp"`` or ``"tp"``) holding this rank."""
+        assert self.mesh is not None, "ParallelDims has no DeviceMesh (single process without a group)"
+        return self.mesh[name]
+
+    def group(self, name: str) -> dist.ProcessGroup | None:
+        """The process group of axis ``name``, or None when that axis has degree 1."""
+        if getattr(self, name) == 1 or self.mesh is None:
+            return None
+        return self.mesh.get_group(name)
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+
+# -- tensor parallelism ----------------------------------------------------------------------------
+
+
+class ReplicateParallel(ParallelStyle):
+    """Replicate a module's parameters as DTensors on the TP mesh; no compute is sharded.
+
+    Why: modules outside the Megatron plan (position embedding, and layer norms when sequence
+    parallelism is off) would otherwise keep plain-tensor parameters next to DTensor ones. Making
+    every parameter a DTensor gives the gradient-norm, FSDP2 and DCP paths one kind of tensor to
+    handle. The input is taken as replicated; the output is redistributed to ``output_layout``
+    (e.g. ``Shard(0)`` slices the position embedding along the sequence for sequence parallelism,
+    a local chunk with no communication) and returned as a local tensor.
+    """
+
+    def __init__(self, *, output_layout=None):
+        super().__init__()
+        self.output_layout = output_layout or Replicate()
+
+    @staticmethod
+    def _replicate_params(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        for param_name, param in list(module.named_parameters(recurse=False)):
+            # Every rank holds identical weights (one seed), so from_local needs no broadcast.
+            dtensor = DTensor.from_local(param.data, mesh, [Replicate()], run_check=False)
+            module.register_parameter(param_name, nn.Parameter(dtensor, requires_grad=param.requires_grad))
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        output_layout = self.output_layout
+
+        def input_fn(mod, inputs, mesh):
+            return tuple(
+                DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+                if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x
+                for x in inputs
+            )
+
+        def output_fn(mod, output, mesh):
+            return output.redistribute(placements=[output_layout]).to_local()
+
+        return distribute_module(module, device_mesh, self._replicate_params, input_fn, output_fn)
+
+
+def validate_tp(model: ModelConfig, tp: int, sequence_parallel: bool) -> None:
+    """Shape rules for a Megatron split over ``tp`` ranks; each failure names the fix."""
+    rules = [
+        (model.n_heads, "model.n_heads", "each rank holds n_heads / tp whole attention heads"),
+        (model.ffn_dim, "model.d_ff", "the MLP hidden size is split across tp ranks"),
+        (model.vocab_size, "model.vocab_size", "the embedding and output are split by vocabulary"),
+    ]
+    if sequence_parallel:
+        rules.append((model.seq_len, "model.seq_len", "sequence parallelism splits the sequence"))
+    for value, name, why in rules:
+        if value % tp:
+            raise ConfigError(
+                f"{name}={value} is not divisible by parallel.tp={tp} ({why}).",
+                field=name,
+                fix=f"choose {name} as a multiple of {tp}, or a tp that divides {value}",
+            )
+
+
+def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> None:
+    """Megatron tensor parallelism with DTensor: one all-reduce (or reduce-scatter with SP) per block half.
+
+    ``wq/wk/wv`` and ``w1`` are column-parallel (each rank computes its heads / its slice of the
+    hidden layer), ``wo`` and ``w2`` row-parallel (partial sums reduced once). The embedding is
+    split by vocabulary, the output projection by vocabulary with the logits gathered, so the loss
+    runs on full logits, identically on every TP rank. With sequence parallelism the residual
+    stream between blocks is sharded on the sequence dim: norms run on a sequence shard and the
+    row-parallel outputs are reduce-scattered instead of all-reduced. Works on a pipeline stage too:
+    parts the stage does not own are ``None`` and skipped.
+    """
+    residual = Shard(1) if sequence_parallel else Replicate()
+    root_plan: dict[str, ParallelStyle] = {}
+    if getattr(module, "tok_embeddings", None) is not None:
+        root_plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=residual)
+    if getattr(module, "pos_embeddings", None) is not None:
+        # positions [seq] -> [seq, d]: the sequence is dim 0 here.
+        root_plan["pos_embeddings"] = ReplicateParallel(output_layout=Shard(0) if sequence_parallel else Replicate())
+    if getattr(module, "norm", None) is not None:
+        root_plan["norm"] = SequenceParallel() if sequence_parallel else ReplicateParallel()
+    if getattr(module, "output", None) is not None:
+        root_plan["output"] = ColwiseParallel(input_layouts=residual, output_layouts=Replicate())
+    if root_plan:
+        parallelize_module(module, tp_mesh, root_plan)
+
+    for block in module.layers.values():
+        norm_style = SequenceParallel() if sequence_parallel else ReplicateParallel()
+        block_plan: dict[str, ParallelStyle] = {
+            "attention_norm": norm_style,
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=residual),
+            "ffn_norm": SequenceParallel() if sequence_parallel else ReplicateParallel(),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=residual),
+        }
+        if sequence_parallel:
+            # The norm hands over a sequence shard; attention and MLP need the whole sequence.
+            gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+            block_plan["attention"] = gather
+            block_plan["feed_forward"] = PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+            )
+        parallelize_module(block, tp_mesh, block_plan)
+
+
+# -- activation checkpointing --------------------------------------------------------------------
+
+
+def apply_ac(module: nn.Module) -> None:
+    """Recompute each block's activations in backward (non-reentrant checkpoint_wrapper).
+
+    Per block: the memory of one block's activations instead of all of them, for ~1/3 more compute.
+    The wrapper adds ``_checkpoint_wrapped_module`` to parameter paths; ``state_dict()`` and DCP's
+    ``get_model_state_dict`` strip it, so checkpoint FQNs stay layout-independent.
+    """
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for key in list(module.layers.keys()):
+        module.layers[key] = checkpoint_wrapper(module.layers[key], preserve_rng_state=False)
+
+
+# -- data parallelism ----------------------------------------------------------------------------
+
+
+def apply_dp(module: nn.Module, dims: ParallelDims, *, zero: int) -> nn.Module:
+    """Data parallelism over the ``dp`` axis by ZeRO stage; returns the module to call.
+
+    * 0 — DDP. Plain ``DistributedDataParallel`` over the dp group when parameters are plain
+      tensors. With TP the parameters are DTensors, which DDP cannot bucket; the composable
+      ``replicate`` built on FSDP2 (``torch.distributed._composable.replicate_with_fsdp``) all-reduces
+      DTensor gradients over the dp axis and keeps parameters DTensors, so the clip-norm and
+      DCP paths need no special case (the older DDP-based ``replicate`` flattens DTensors into local
+      tensors, losing the sharding DCP needs).
+    * 1 — ZeRO-1: DDP for gradients as in stage 0; the optimizer state is sharded by
+      ``workers.optim.build_optimizer`` (``ZeroRedundancyOptimizer`` over the dp group).
+    * 2 — FSDP2 ``fully_shard(reshard_after_forward=False)``: gradients and optimizer state sharded;
+      parameters are gathered once per step and kept through backward (ZeRO-2's communication
+      volume: one all-gather + one reduce-scatter). Unlike DeepSpeed's ZeRO-2 they are also sharded
+      between steps, which only saves memory; FSDP2 has no mode that keeps them replicated.
+    * 3 — FSDP2 ``fully_shard(reshard_after_forward=True)``: parameters sharded too (ZeRO-3).
+
+    FSDP2 wraps each block, then the root, so each block's all-gather overlaps the previous
+    block's compute. With dp=1 there is nothing to replicate or shard and nothing is wrapped.
+    """
+    if not dims.dp_enabled:
+        return module
+    if zero in (2, 3):
+        dp_mesh = dims.axis("dp")
+        reshard = zero == 3
+        for key, block in module.layers.items():
+            fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
+        fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard)
+        return module
+    if _has_dtensor_params(module):
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        replicate(module, mesh=dims.axis("dp"))
+        return module
+    return DistributedDataParallel(module, process_group=dims.group("dp"))
+
+
+def _has_dtensor_params(module: nn.Module) -> bool:
+    return any(isinstance(p, DTensor) for p in module.parameters())
+
+
+def parallelize_stage(module: nn.Module, dims: ParallelDims, config: RunConfig) -> nn.Module:
+    """TP → AC → DP on a whole model or one pipeline stage; returns the module to run.
+
+    The returned module may be a DDP wrapper; its ``.module`` (or the module itself) keeps the
+    original FQNs. Passed as ``stage_transform`` to ``workers.pipeline.build_pipeline``.
+    """
+    parallel = config.parallel
+    if dims.tp_enabled:
+        validate_tp(config.model, dims.tp, parallel.sequence_parallel)
+        apply_tp(module, dims.axis("tp"), sequence_parallel=parallel.sequence_parallel)
+    elif parallel.sequence_parallel:
+        raise ConfigError("parallel.sequence_parallel needs parallel.tp > 1.",
+                          field="parallel.sequence_parallel", fix="set tp > 1 or turn sequence_parallel off")
+    if config.training.activation_checkpointing:
+        apply_ac(module)
+    return apply_dp(module, dims, zero=parallel.zero)
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """The model inside a DDP wrapper (FQNs as in the original model)."""
+    return module.module if isinstance(module, DistributedDataParallel) else module
+
+
+@contextlib.contextmanager
+def gradient_sync(modules: Iterable[nn.Module], enabled: bool) -> Iterator[None]:
+    """Run a micro-step with gradient synchronisation on (last micro-step) or off (the others).
+
+    Accumulating micro-steps locally and reducing once per optimizer step is what makes gradient
+    accumulation cheap: DDP's ``no_sync()``; FSDP2's ``set_requires_gradient_sync(False)``
+    (unsharded gradients accumulate locally, one reduce-scatter on the last micro-step).
+    """
+    with contextlib.ExitStack() as stack:
+        for module in modules:
+            if isinstance(module, DistributedDataParallel):
+                if not enabled:
+                    stack.enter_context(module.no_sync())
+            elif isinstance(module, FSDPModule):
+                module.set_requires_gradient_sync(enabled)
+        yield

@@ -1,0 +1,456 @@
+"""Pipeline parallelism: cut the GPT into stages and run them with a ``torch.distributed.pipelining``
+schedule.
+
+Why it looks the way it does:
+
+* **A stage is the whole model with parts deleted** (torchtitan's convention). Each stage module is a
+  deep copy of the full :class:`~workers.model.GPT` with the layers it does not own removed (the kept
+  ones stay under their *global* keys) and the embeddings / final norm / output set to ``None`` where
+  they do not belong. Parameter names (FQNs) are therefore identical to the unsharded model's, so a
+  DCP checkpoint saved under one layout loads under any other.
+* **Pure helpers first.** Layer splits, stage ids and schedule rules are plain functions over ints
+  (tested without process groups); :func:`build_pipeline` is the only place that touches torch
+  distributed, and it takes the ``pp`` mesh axis as an argument (no process-group globals).
+* **Exact loss scaling.** The trainer wants the gradient of the *mean* loss over a rank's local batch,
+  i.e. of the mean of the micro-batch (mean) losses. Each micro-batch loss is divided by
+  ``n_microbatches`` *before* its backward (and the schedule's own ``scale_grads``, which divides
+  the summed ``.grad`` afterwards, is off). Both give the same gradient mathematically, but only the
+  first performs the same float operations as the non-pipelined trainer's gradient accumulation
+  (``(loss / n).backward()`` per micro-step); with a micro-batch count that is not a power of two
+  the two orders differ by an ulp, and AdamW's ``g / (|g| + eps)`` magnifies that to ~1e-4 in
+  parameters whose gradients are ~1e-9. DP averaging is left to the engine's DP wrapper. Gradient
+  accumulation under PP *is* the micro-batches: ``n_microbatches = training.grad_accum_steps(dp)``.
+* **Measured bubble.** Each stage's forward, loss and backward calls are timed, so a step splits into
+  busy time (``compute_s``) and the rest (waiting on neighbours, ``comm_wait_s``); the idle fraction
+  tracks the schedule's bubble, ``(P-1)/(M+P-1)`` for GPipe and 1F1B.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from contextlib import nullcontext
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.parallel import DistributedDataParallel
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
+
+from workers.config import ParallelConfig
+from workers.errors import ConfigError
+from workers.model import GPT
+
+__all__ = [
+    "PIPELINE_SCHEDULES",
+    "PipelineRunner",
+    "StepTiming",
+    "build_pipeline",
+    "split_layers",
+    "stage_ids_for_rank",
+    "stage_module",
+    "validate_schedule",
+]
+
+#: Schedules that run one stage per rank; the others (interleaved) run ``virtual_stages`` per rank.
+_SINGLE_STAGE_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+_MULTI_STAGE_SCHEDULES = {"interleaved_1f1b": ScheduleInterleaved1F1B}
+PIPELINE_SCHEDULES: tuple[str, ...] = (*_SINGLE_STAGE_SCHEDULES, *_MULTI_STAGE_SCHEDULES)
+
+
+# -- pure helpers ---------------------------------------------------------------------------------
+
+
+def split_layers(n_layers: int, num_stages: int) -> list[range]:
+    """Contiguous, equal runs of global layer indices, one per stage (stage ``s`` gets ``result[s]``).
+
+    Equal runs keep the stages balanced (the bubble formula assumes equal stage times), which is why
+    an uneven split is an error rather than a best effort.
+    """
+    if num_stages < 1:
+        raise ConfigError(
+            f"the number of pipeline stages must be >= 1, got {num_stages}.",
+            field="parallelism.pp",
+            fix="set parallelism.pp and parallelism.virtual_stages to integers >= 1",
+        )
+    if n_layers % num_stages:
+        raise ConfigError(
+            f"model.n_layers={n_layers} is not divisible by the number of pipeline stages "
+            f"parallelism.pp * parallelism.virtual_stages = {num_stages}.",
+            field="model.n_layers",
+            fix=(
+                f"use a model.n_layers that is a multiple of {num_stages}, or change parallelism.pp / "
+                f"parallelism.virtual_stages so that their product divides {n_layers}"
+            ),
+        )
+    per_stage = n_layers // num_stages
+    return [range(s * per_stage, (s + 1) * per_stage) for s in range(num_stages)]
+
+
+def stage_ids_for_rank(pp_rank: int, pp: int, virtual_stages: int, schedule: str) -> tuple[int, ...]:
+    """The global stage indices that pipeline rank ``pp_rank`` runs, in execution order.
+
+    Loop style (what torch's interleaved schedules expect): rank ``r`` holds stages
+    ``r, r + pp, r + 2*pp, ...``, so activations travel round the ring ``virtual_stages`` times.
+    """
+    _check_schedule_name(schedule)
+    if not 0 <= pp_rank < pp:
+        raise ValueError(f"pp_rank={pp_rank} is out of range for pp={pp}")
+    if schedule in _SINGLE_STAGE_SCHEDULES:
+        return (pp_rank,)
+    return tuple(v * pp + pp_rank for v in range(virtual_stages))
+
+
+def validate_schedule(pp: int, virtual_stages: int, n_microbatches: int, schedule: str) -> None:
+    """Reject a (schedule, stages, micro-batches) combination the torch schedule cannot run.
+
+    The rules mirror what the torch classes check at construction (so a bad spec fails at submit time
+    with a message naming the setting, not deep inside a rank): 1F1B needs at least ``pp``
+    micro-batches; interleaved 1F1B runs in rounds of ``max(1, M // pp)`` and needs ``M`` to be a
+    multiple of the round count (any multiple of ``pp`` is), and at least two virtual stages per rank
+    (with one it is plain 1F1B).
+    """
+    _check_schedule_name(schedule)
+    if pp < 1:
+        raise ConfigError(f"parallelism.pp must be >= 1, got {pp}.", field="parallelism.pp")
+    if n_microbatches < 1:
+        raise ConfigError(
+            f"the pipeline needs >= 1 micro-batch per step, got {n_microbatches}.",
+            field="parallelism.microbatches",
+            fix="raise training.global_batch to at least parallelism.dp * training.micro_batch",
+        )
+    if schedule in _SINGLE_STAGE_SCHEDULES:
+        if virtual_stages != 1:
+            raise ConfigError(
+                f"parallelism.virtual_stages={virtual_stages} needs an interleaved schedule, but "
+                f"parallelism.pp_schedule={schedule!r} runs one stage per rank.",
+                field="parallelism.virtual_stages",
+                fix="set parallelism.virtual_stages=1, or parallelism.pp_schedule='interleaved_1f1b'",
+            )
+        if schedule == "1f1b" and n_microbatches < pp:
+            raise ConfigError(
+                f"parallelism.pp_schedule='1f1b' needs at least parallelism.pp={pp} micro-batches per "
+                f"step, got {n_microbatches} (= global_batch / (dp * micro_batch)).",
+                field="parallelism.microbatches",
+                fix=(
+                    f"raise training.global_batch or lower training.micro_batch so that there are >= {pp} "
+                    "micro-batches, or use parallelism.pp_schedule='gpipe'"
+                ),
+            )
+        return
+    if virtual_stages < 2:
+        raise ConfigError(
+            f"parallelism.pp_schedule={schedule!r} needs parallelism.virtual_stages >= 2, got "
+            f"{virtual_stages}.",
+            field="parallelism.virtual_stages",
+            fix="set parallelism.virtual_stages=2 (or more), or use parallelism.pp_schedule='1f1b'",
+        )
+    rounds = max(1, n_microbatches // pp)
+    if n_microbatches % rounds:
+        raise ConfigError(
+            f"parallelism.pp_schedule={schedule!r} runs micro-batches in rounds of "
+            f"max(1, microbatches // pp) = {rounds}, and {n_microbatches} micro-batches (= global_batch "
+            f"/ (dp * micro_batch)) is not a multiple of {rounds}.",
+            field="parallelism.microbatches",
+            fix=f"use a number of micro-batches that is a multiple of parallelism.pp={pp}",
+        )
+
+
+def stage_module(model: GPT, stage_index: int, num_stages: int) -> GPT:
+    """A deep copy of ``model`` holding only stage ``stage_index``'s parts, under unchanged names.
+
+    The layers outside the stage are deleted from the ``layers`` ModuleDict (the kept ones keep their
+    global keys); embeddings live on the first stage only, the final norm and output on the last.
+    """
+    if not 0 <= stage_index < num_stages:
+        raise ValueError(f"stage_index={stage_index} is out of range for {num_stages} stages")
+    owned = split_layers(model.config.n_layers, num_stages)[stage_index]
+    stage = copy.deepcopy(model)
+    for key in list(stage.layers.keys()):
+        if int(key) not in owned:
+            del stage.layers[key]
+    if stage_index != 0:
+        stage.tok_embeddings = None
+        stage.pos_embeddings = None
+    if stage_index != num_stages - 1:
+        stage.norm = None
+        stage.output = None
+    return stage
+
+
+def _check_schedule_name(schedule: str) -> None:
+    if schedule not in PIPELINE_SCHEDULES:
+        raise ConfigError(
+            f"parallelism.pp_schedule={schedule!r} is not a known pipeline schedule.",
+            field="parallelism.pp_schedule",
+            fix=f"use one of {', '.join(PIPELINE_SCHEDULES)}",
+        )
+
+
+# -- timing ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepTiming:
+    """Wall time of one pipeline step and the part of it this rank's stages spent computing."""
+
+    step_s: float
+    forward_s: float  # stage forwards, plus the loss on the last stage
+    backward_s: float
+
+    @property
+    def busy_s(self) -> float:
+        return self.forward_s + self.backward_s
+
+    @property
+    def wait_s(self) -> float:
+        """Everything that is not compute: waiting on neighbours (the bubble) and p2p transfers."""
+        return max(0.0, self.step_s - self.busy_s)
+
+    @property
+    def idle_fraction(self) -> float:
+        return 1.0 - self.busy_s / self.step_s if self.step_s > 0 else 0.0
+
+
+class _Stopwatch:
+    """Accumulates compute intervals of a rank's stages over one step.
+
+    On CUDA the intervals are CUDA events read once at the end of the step (no per-chunk
+    synchronisation, which would serialise the p2p streams); on CPU they are ``perf_counter`` spans.
+    """
+
+    def __init__(self, device: torch.device):
+        self._cuda = device.type == "cuda"
+        self.reset()
+
+    def reset(self) -> None:
+        self._seconds = {"forward": 0.0, "backward": 0.0}
+        self._events: list[tuple[str, Any, Any]] = []
+
+    def timed(self, kind: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if self._cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            result = fn(*args, **kwargs)
+            end.record()
+            self._events.append((kind, start, end))
+            return result
+        started = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self._seconds[kind] += time.perf_counter() - started
+
+    def totals(self) -> dict[str, float]:
+        if self._events:
+            torch.cuda.synchronize()
+            for kind, start, end in self._events:
+                self._seconds[kind] += start.elapsed_time(end) / 1000.0
+            self._events.clear()
+        return dict(self._seconds)
+
+
+class _Stage(PipelineStage):
+    """A ``PipelineStage`` that times its compute and keeps a DDP-wrapped stage module consistent.
+
+    Timing here (not in module hooks) catches exactly what the schedule runs as compute: the stage
+    forward, the full / input / weight backward, and nothing of the p2p waits, which the schedules
+    do outside these calls.
+    """
+
+    def __init__(self, *args: Any, stopwatch: _Stopwatch, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._stopwatch = stopwatch
+
+    def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        return self._stopwatch.timed("forward", super().forward_one_chunk, *args, **kwargs)
+
+    def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        return self._stopwatch.timed("backward", super().backward_one_chunk, *args, **kwargs)
+
+    def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        return self._stopwatch.timed("backward", super().backward_weight_one_chunk, *args, **kwargs)
+
+    def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+        """Shape inference (first step only) with a DDP module's gradient sync off.
+
+        torch calls the module directly here, outside ``no_sync``, and then differentiates only
+        with respect to the inputs. A DDP reducer armed by that forward records its bucket order
+        twice in the first real step and fails on the next forward ("rebuilt parameter indices
+        size is not same as original model parameters size").
+        """
+        sync_off = self.submod.no_sync() if isinstance(self.submod, DistributedDataParallel) else nullcontext()
+        with sync_off:
+            return super()._forward_metadata_inference(*args, **kwargs)
+
+
+class _MicroBatchLoss:
+    """The loss the schedule differentiates: ``loss_fn(logits, targets) / n_microbatches``.
+
+    Scaling before backward makes the accumulated gradient the gradient of the mean micro-batch
+    loss with the same float operations as the trainer's non-pipelined accumulation (see the module
+    docstring). The unscaled losses are kept for the step's reported loss; the schedule also calls
+    this once during its first step to infer shapes, so a step reads only the last
+    ``n_microbatches`` entries.
+    """
+
+    def __init__(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], n_microbatches: int,
+                 stopwatch: _Stopwatch):
+        self._loss_fn = loss_fn
+        self._n_microbatches = n_microbatches
+        self._stopwatch = stopwatch
+        self.recorded: list[torch.Tensor] = []
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss = self._stopwatch.timed("forward", self._loss_fn, output, target)
+        self.recorded.append(loss.detach())
+        return loss / self._n_microbatches
+
+    def step_mean(self) -> torch.Tensor:
+        """Mean of this step's micro-batch losses, summed in micro-batch order like the trainer."""
+        losses = self.recorded[-self._n_microbatches:]
+        total = torch.zeros((), dtype=torch.float32, device=losses[0].device)
+        for loss in losses:
+            total += loss.float()
+        return total / self._n_microbatches
+
+
+# -- the runner -----------------------------------------------------------------------------------
+
+
+class PipelineRunner:
+    """This rank's stages and the schedule that drives them; one :meth:`step` per optimizer step."""
+
+    def __init__(
+        self,
+        *,
+        schedule: Any,
+        stages: list[PipelineStage],
+        n_microbatches: int,
+        stopwatch: _Stopwatch,
+        loss: _MicroBatchLoss,
+    ):
+        self._schedule = schedule
+        self._stages = stages
+        self._stopwatch = stopwatch
+        self._loss = loss
+        self.n_microbatches = n_microbatches
+        self.stage_ids: tuple[int, ...] = tuple(stage.stage_index for stage in stages)
+        self.model_parts: list[nn.Module] = [stage.submod for stage in stages]
+        self.is_first = any(stage.is_first for stage in stages)
+        self.is_last = any(stage.is_last for stage in stages)
+        self.last_step_timing: StepTiming | None = None
+
+    @property
+    def busy_s(self) -> float:
+        """Compute seconds of this rank's stages in the last step (0 before the first)."""
+        return self.last_step_timing.busy_s if self.last_step_timing else 0.0
+
+    def parameters(self) -> Iterable[nn.Parameter]:
+        for part in self.model_parts:
+            yield from part.parameters()
+
+    def step(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Forward and backward of one local batch through the pipeline; gradients land in ``.grad``.
+
+        ``inputs`` (``[n_microbatches * micro_batch, seq]`` tokens) is required on the rank holding
+        the first stage, ``targets`` on the one holding the last; other ranks may pass them too and
+        they are ignored. Gradients are reset first: a step's ``.grad`` is exactly the gradient of
+        this batch's mean loss, never an accumulation across calls. Returns the mean of the
+        micro-batch losses on the last stage's rank, ``None`` elsewhere.
+        """
+        if self.is_first:
+            self._check_batch("inputs", inputs)
+        if self.is_last:
+            self._check_batch("targets", targets)
+        for part in self.model_parts:
+            part.zero_grad(set_to_none=True)
+        self._stopwatch.reset()
+        self._loss.recorded.clear()
+        args = (inputs,) if self.is_first else ()
+        started = time.perf_counter()
+        self._schedule.step(*args, target=targets if self.is_last else None, return_outputs=False)
+        totals = self._stopwatch.totals()
+        self.last_step_timing = StepTiming(
+            step_s=time.perf_counter() - started,
+            forward_s=totals["forward"],
+            backward_s=totals["backward"],
+        )
+        return self._loss.step_mean() if self.is_last else None
+
+    def _check_batch(self, name: str, batch: torch.Tensor | None) -> None:
+        if batch is None:
+            raise ValueError(f"PipelineRunner.step needs {name} on this rank (stages {self.stage_ids})")
+        if batch.shape[0] % self.n_microbatches:
+            raise ValueError(
+                f"{name} batch of {batch.shape[0]} rows does not split into {self.n_microbatches} "
+                "equal micro-batches"
+            )
+
+
+def build_pipeline(
+    model: GPT,
+    *,
+    pp_mesh: DeviceMesh,
+    pp_rank: int,
+    parallel: ParallelConfig,
+    n_microbatches: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    device: torch.device | str,
+    stage_transform: Callable[[nn.Module], nn.Module] = lambda module: module,
+) -> PipelineRunner:
+    """Cut ``model`` into this rank's stages, apply ``stage_transform`` to each, build the schedule.
+
+    ``model`` is the full model with initialised weights (identical on every rank); it is not
+    modified. ``pp_mesh`` is the 1-D ``pp`` axis of the device mesh (its group carries the p2p
+    traffic). ``loss_fn(logits, targets)`` returns the *mean* over one micro-batch; the pipeline
+    backpropagates ``loss / n_microbatches`` per micro-batch, so ``.grad`` ends as the gradient of the
+    mean over the local batch (DP averaging is the DP wrapper's). ``stage_transform`` is the engine's per-stage
+    TP → activation checkpointing → DP/FSDP step; the modules it returns are the ``model_parts``.
+    """
+    validate_schedule(parallel.pp, parallel.virtual_stages, n_microbatches, parallel.pp_schedule)
+    group = pp_mesh.get_group()
+    if dist.get_world_size(group) != parallel.pp:
+        raise ValueError(
+            f"pp_mesh has {dist.get_world_size(group)} ranks but parallelism.pp={parallel.pp}"
+        )
+    if dist.get_rank(group) != pp_rank:
+        raise ValueError(f"pp_rank={pp_rank} but this rank is {dist.get_rank(group)} on the pp mesh")
+    device = torch.device(device)
+    num_stages = parallel.num_stages
+    stopwatch = _Stopwatch(device)
+    stages = [
+        _Stage(
+            stage_transform(stage_module(model, stage_index, num_stages).to(device)),
+            stage_index,
+            num_stages,
+            device,
+            group=group,
+            stopwatch=stopwatch,
+        )
+        for stage_index in stage_ids_for_rank(pp_rank, parallel.pp, parallel.virtual_stages, parallel.pp_schedule)
+    ]
+
+    loss = _MicroBatchLoss(loss_fn, n_microbatches, stopwatch)
+    # scale_grads=False: the loss is already divided by n_microbatches (see _MicroBatchLoss).
+    if parallel.pp_schedule in _SINGLE_STAGE_SCHEDULES:
+        (stage,) = stages
+        schedule = _SINGLE_STAGE_SCHEDULES[parallel.pp_schedule](
+            stage, n_microbatches=n_microbatches, loss_fn=loss, scale_grads=False
+        )
+    else:
+        schedule = _MULTI_STAGE_SCHEDULES[parallel.pp_schedule](
+            stages, n_microbatches=n_microbatches, loss_fn=loss, scale_grads=False
+        )
+    return PipelineRunner(
+        schedule=schedule, stages=stages, n_microbatches=n_microbatches, stopwatch=stopwatch, loss=loss
+    )
