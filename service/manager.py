@@ -44,6 +44,7 @@ class JobManager:
         self.runtime = runtime
         self._base_dir = base_dir or os.getcwd()
         self._step_cursor: dict[str, int] = {}  # job -> seq of the supervisor's last step row stored
+        self._submitting: set[str] = set()  # jobs whose supervisor is being created: not "lost"
         self._stop = threading.Event()
         self._poll_lock = threading.Lock()
         self._poller = threading.Thread(target=self._poll_forever, name="etrain-poller", daemon=True)
@@ -68,6 +69,7 @@ class JobManager:
         spec = self.validate(spec)
         job_id = f"{spec.name.lower()}-{uuid.uuid4().hex[:8]}"
         config = spec.to_run_config(job_id=job_id, checkpoint_root=str(self.settings.checkpoint_root(job_id).resolve()))
+        self._submitting.add(job_id)
         record = self.store.create_job(
             job_id=job_id,
             name=spec.name,
@@ -82,6 +84,8 @@ class JobManager:
             self.store.update_job(job_id, status=JobStatus.FAILED, error=f"could not start the job: {err}")
             self.store.add_events(job_id, [(time.time(), "failed", {"message": str(err)})])
             raise
+        finally:
+            self._submitting.discard(job_id)
         return self.store.get_job(job_id) or record
 
     def get(self, job_id: str) -> JobRecord:
@@ -183,7 +187,7 @@ class JobManager:
     def poll_once(self, job_id: str) -> None:
         with self._poll_lock:
             record = self.store.get_job(job_id)
-            if record is None or record.is_terminal:
+            if record is None or record.is_terminal or job_id in self._submitting:
                 return
             update = self.runtime.updates(job_id, self.store.get_cursor(job_id), self._step_cursor.get(job_id, 0))
             if update is None:
@@ -223,14 +227,16 @@ class JobManager:
         """
         spec = JobSpec.model_validate(record.spec)
         policy = policy_for(spec)
-        if record.restarts >= spec.fault_tolerance.max_restarts:
+        # A job that never got past QUEUED lost nothing: its supervisor is (re)created for free.
+        spent = 0 if record.status == JobStatus.QUEUED else 1
+        if spent and record.restarts >= spec.fault_tolerance.max_restarts:
             self.store.update_job(record.id, status=JobStatus.FAILED,
                                   error=f"supervisor lost and restarted {record.restarts} times, "
                                         f"max_restarts={spec.fault_tolerance.max_restarts}")
             self.store.add_events(record.id, [(time.time(), "failed", {"message": "supervisor lost; budget spent"})])
             return
         config = spec.to_run_config(job_id=record.id, checkpoint_root=str(self.settings.checkpoint_root(record.id).resolve()))
-        policy = dataclasses.replace(policy, restarts_used=record.restarts + 1)
+        policy = dataclasses.replace(policy, restarts_used=record.restarts + spent)
         self.store.add_events(record.id, [(time.time(), "supervisor_lost",
                                            {"message": "no live supervisor; starting a new one from the last checkpoint"})])
         self.store.set_cursor(record.id, 0)

@@ -249,6 +249,7 @@ class JobSupervisor:
             if len(ranks) == self.sm_config.world_size(self.state.dp):
                 nodes = self._group.nodes if self._group is not None else {}
                 self._record("placed", " ".join(f"rank{r}={nodes.get(r, '?')}" for r in sorted(ranks)))
+                self._deliver_armed_chaos()
                 self._apply(sm.GroupReady(attempt=attempt, world_size=len(ranks)), now)
         elif kind == "step":
             self._on_step(*item[1:], now=now)
@@ -517,6 +518,21 @@ class JobSupervisor:
                      + (f" at step {order.at_step}" if order.at_step is not None else " when the group is up"))
         if group is not None:
             group.chaos(order)
+
+    def _deliver_armed_chaos(self) -> None:
+        """Hand armed drills to a group that just came up (orders that arrived while it launched).
+
+        Ranks key orders by id, so one already in the launch plan is not fired twice.
+        """
+        if self._group is None:
+            return
+        for order in list(self._chaos.values()):
+            if order.action == "kill_actor" and order.at_step is None:
+                self._chaos.pop(order.id)
+                self._record("chaos_fired", f"kill_actor on rank {order.rank} (order {order.id})")
+                self._group.kill_actor(order.rank)
+            else:
+                self._group.chaos(order)
 
     def _corrupt_due(self) -> None:
         committed = self.state.last_committed_step

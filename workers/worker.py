@@ -61,38 +61,44 @@ class _ChaosState:
 
     slow_factor: float = 1.0
     hung: threading.Event = field(default_factory=threading.Event)
-    pending: list[ChaosOrder] = field(default_factory=list)
+    pending: dict[int, ChaosOrder] = field(default_factory=dict)  # by order id: delivered twice, fired once
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class ChaosCallback:
     """Trainer callback carrying out fault drills inside the timed compute region.
 
-    ``slow_rank`` sleeps ``(factor - 1) x`` the micro-step's own compute time, so the rank's measured
-    compute really grows by ``factor`` (that is what straggler detection sees); ``hang_rank`` blocks
-    the training thread forever without exiting (hang detection must catch it).
+    ``slow_rank`` makes each micro-step take ``factor x`` its normal compute: ``on_compute`` runs
+    at the start of a micro-step's timed region and sleeps ``(factor - 1) x`` the rank's own
+    per-micro-step compute, measured on the previous step without the sleep it added. So the rank's
+    measured compute really grows by ``factor`` (what straggler detection must see) while its
+    peers only wait. ``hang_rank`` blocks the training thread without exiting.
     """
 
     def __init__(self, worker: "TrainWorker"):
         self._worker = worker
-        self._micro_start = 0.0
+        self._per_micro_s = 0.0  # last step's compute per micro-step, drill sleep excluded
+        self._slept_s = 0.0
+        self._micro_steps = 0
 
     def on_step_start(self, trainer, step: int) -> None:
         self._worker._fire_due_chaos(step)
-        self._micro_start = time.perf_counter()
+        self._slept_s = 0.0
+        self._micro_steps = 0
 
     def on_compute(self, trainer, step: int, micro_step: int) -> None:
         state = self._worker._chaos
-        now = time.perf_counter()
-        elapsed, self._micro_start = now - self._micro_start, now
-        if state.slow_factor > 1.0:
-            time.sleep(elapsed * (state.slow_factor - 1.0))
-            self._micro_start = time.perf_counter()
+        self._micro_steps += 1
+        if state.slow_factor > 1.0 and self._per_micro_s > 0:
+            delay = self._per_micro_s * (state.slow_factor - 1.0)
+            time.sleep(delay)
+            self._slept_s += delay
         while state.hung.is_set():
             time.sleep(0.5)
 
     def on_step_end(self, trainer, metrics) -> None:
-        pass
+        if self._micro_steps:
+            self._per_micro_s = max(0.0, metrics.compute_s - self._slept_s) / self._micro_steps
 
 
 class TrainWorker:
@@ -144,7 +150,7 @@ class TrainWorker:
             self._fire(order)
         else:
             with self._chaos.lock:
-                self._chaos.pending.append(order)
+                self._chaos.pending.setdefault(order.id, order)
 
     # --- the attempt ----------------------------------------------------------------------------
 
@@ -162,7 +168,9 @@ class TrainWorker:
 
         self._plan = plan
         with self._chaos.lock:
-            self._chaos.pending = [order for order in plan.chaos if order.rank == self.rank]
+            for order in plan.chaos:
+                if order.rank == self.rank:
+                    self._chaos.pending.setdefault(order.id, order)
         config = plan.config
         torch.set_num_threads(max(1, int(os.environ.get("ETRAIN_TORCH_THREADS", "1"))))
         device = self._device(config)
@@ -226,8 +234,9 @@ class TrainWorker:
 
     def _fire_due_chaos(self, step: int) -> None:
         with self._chaos.lock:
-            due = [order for order in self._chaos.pending if order.at_step is not None and order.at_step <= step]
-            self._chaos.pending = [order for order in self._chaos.pending if order not in due]
+            due = [order for order in self._chaos.pending.values() if order.at_step is not None and order.at_step <= step]
+            for order in due:
+                del self._chaos.pending[order.id]
         for order in due:
             self._fire(order, step=step)
 

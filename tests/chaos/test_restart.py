@@ -96,16 +96,17 @@ def test_nan_loss_fails_fast_without_restarts(shared_plane):
     assert "restarting" not in event_kinds(plane.events(job["id"]))
 
 
-def test_exception_in_model_code_fails_with_the_traceback(shared_plane, tmp_path):
+def test_bad_data_fails_fast_with_the_field_and_the_fix(shared_plane, tmp_path):
     plane = shared_plane
-    # Token ids beyond the vocabulary: the embedding lookup raises inside the model.
+    # Token ids beyond the vocabulary: the data layer refuses them before the model sees them.
     tokens = tmp_path / "bad.bin"
     np.full(4096, 1000, dtype=np.uint16).tofile(tokens)
     job = plane.submit(spec("bad-tokens", data={"kind": "tokens", "path": str(tokens), "seed": 0}))
     final = plane.wait_terminal(job["id"], timeout_s=180)
     assert final["status"] == "FAILED", final
     assert final["restarts"] == 0
-    assert "index" in final["error"].lower() or "range" in final["error"].lower(), final["error"]
+    assert "holds token id 1000 >= model.vocab_size=64" in final["error"], final["error"]
+    assert "Fix:" in final["error"]
     assert "restarting" not in event_kinds(plane.events(job["id"]))
 
 
@@ -129,8 +130,8 @@ def test_slow_rank_is_flagged_within_20_steps_with_its_rank_id(shared_plane):
     final = plane.wait_terminal(job["id"], timeout_s=300)
     assert final["status"] == "SUCCEEDED", final
     flagged = final["stragglers"]
-    assert [f["rank"] for f in flagged] == [1], flagged
-    assert flagged[0]["step"] - 4 <= 20, flagged
+    assert flagged and {f["rank"] for f in flagged} == {1}, flagged  # only ever the slowed rank
+    assert flagged[0]["step"] - 4 <= 20, flagged  # within 20 steps of the slowdown
     assert flagged[0]["factor"] >= 1.5
     assert "straggler_detected" in event_kinds(plane.events(job["id"]))
 
