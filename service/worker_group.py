@@ -11,6 +11,7 @@ consecutive ranks, so ``PACK`` keeps a tp group on one node whenever it fits the
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -33,6 +34,9 @@ RENDEZVOUS_TIMEOUT_S = 60.0
 # A rank whose run() failed with a collective error is usually the *victim* of a peer that died;
 # wait this long for the peer's death to surface before blaming the rank itself.
 PEER_FAILURE_GRACE_S = 3.0
+# A rank's actor can be reported dead before the cluster has declared its node dead; wait this long
+# for the node's verdict before calling the loss a process fault (which spends the restart budget).
+NODE_DEATH_GRACE_S = 5.0
 
 
 def rank_actor_name(job_id: str, rank: int) -> str:
@@ -80,6 +84,7 @@ class WorkerGroup:
         self._runs: dict[Any, int] = {}  # run ObjectRef -> rank
         self._results: dict[int, dict] = {}
         self._suspect: tuple[float, GroupOutcome] | None = None
+        self._lost: tuple[float, GroupOutcome] | None = None  # a dead rank waiting for its node's verdict
         self._lock = threading.Lock()
 
     # --- start ----------------------------------------------------------------------------------
@@ -127,6 +132,15 @@ class WorkerGroup:
 
     def poll(self, now: float) -> GroupOutcome | None:
         """Collect finished ``run`` calls; classify the first failure. Never blocks."""
+        if self._lost is not None:
+            since, outcome = self._lost
+            if outcome.node and not _node_alive(outcome.node):
+                self._lost = None
+                return dataclasses.replace(outcome, cause="node")
+            if now - since >= NODE_DEATH_GRACE_S:
+                self._lost = None
+                return outcome
+            return None
         pending = list(self._runs)
         if not pending:
             return None
@@ -136,6 +150,9 @@ class WorkerGroup:
             outcome = self._classify(ref, rank)
             if outcome is None:
                 continue
+            if outcome.kind == "worker_lost" and outcome.cause != "node":
+                self._lost = (now, outcome)  # the node may be dying: poll() decides after the grace
+                return None
             if outcome.kind == "job_error" and outcome.message.startswith("collective failure"):
                 # Maybe the victim of a dead peer: hold it for the grace period.
                 if self._suspect is None:

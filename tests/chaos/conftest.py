@@ -80,13 +80,24 @@ def run_clean(plane: ControlPlane, body: dict) -> dict:
     return job
 
 
-def node_of_rank(job_id: str, rank: int) -> str:
-    from ray.util.state import list_actors
+def placements(events: list[dict]) -> list[dict[int, str]]:
+    """Rank -> node id of every launch, from the job's ``placed`` events (what an operator sees)."""
+    import re
 
-    name = f"etrain/{job_id}/rank{rank}"
-    for actor in list_actors(filters=[("name", "=", name), ("state", "=", "ALIVE")], timeout=10):
-        return actor.node_id
-    raise AssertionError(f"no live actor {name}")
+    from tests.service_harness import event_text
+
+    return [
+        {int(rank): node for rank, node in re.findall(r"rank(\d+)=(\S+)", event_text(event))}
+        for event in events
+        if event["kind"] == "placed"
+    ]
+
+
+def node_of_rank(plane: ControlPlane, job_id: str, rank: int) -> str:
+    """The node running ``rank`` in the job's current launch."""
+    placed = placements(plane.events(job_id))
+    assert placed, f"job {job_id} has no placed event yet"
+    return placed[-1][rank]
 
 
 def cluster_node(cluster: Cluster, node_id: str):

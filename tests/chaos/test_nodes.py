@@ -6,23 +6,12 @@ only on worker nodes the test controls.
 
 from __future__ import annotations
 
-import re
-import time
-
 import pytest
 
-from tests.chaos.conftest import cluster_node, losses, node_of_rank, ray_cluster, resumed_from, run_clean, spec
-from tests.service_harness import control_plane, event_kinds, event_text
+from tests.chaos.conftest import cluster_node, losses, node_of_rank, placements, ray_cluster, run_clean, spec
+from tests.service_harness import control_plane, event_kinds
 
 pytestmark = pytest.mark.slow
-
-
-def placements(events: list[dict]) -> list[dict[int, str]]:
-    out = []
-    for event in events:
-        if event["kind"] == "placed":
-            out.append({int(r): node for r, node in re.findall(r"rank(\d+)=(\S+)", event_text(event))})
-    return out
 
 
 def test_node_loss_during_dp2_tp2_restarts_on_the_spare_node(tmp_path):
@@ -32,7 +21,7 @@ def test_node_loss_during_dp2_tp2_restarts_on_the_spare_node(tmp_path):
         job = plane.submit(body)
         plane.wait_until(job["id"], lambda j: j["status"] == "RUNNING" and j["step"] >= 10, timeout_s=240,
                          what="step 10")
-        victim = node_of_rank(job["id"], 3)
+        victim = node_of_rank(plane, job["id"], 3)
         cluster.remove_node(cluster_node(cluster, victim))
         final = plane.wait_terminal(job["id"], timeout_s=300)
         assert final["status"] == "SUCCEEDED", final
@@ -56,7 +45,7 @@ def test_shrinks_when_capacity_is_lost_and_grows_back_when_it_returns(tmp_path):
         job = plane.submit(body)
         plane.wait_until(job["id"], lambda j: j["status"] == "RUNNING" and j["step"] >= 8, timeout_s=240,
                          what="step 8")
-        victim = node_of_rank(job["id"], 3)
+        victim = node_of_rank(plane, job["id"], 3)
         cluster.remove_node(cluster_node(cluster, victim))
         shrunk = plane.wait_until(job["id"], lambda j: j["status"] == "RUNNING" and j["world_size"] == 2,
                                   timeout_s=180, what="the shrink to dp=2")
