@@ -50,10 +50,17 @@ LAYOUTS = {
     "pp2-1f1b-M3": _layout(6, pp=2, pp_schedule="1f1b"),
 }
 
-COMPOSED_LAYOUTS = {
+COMPOSED_LAYOUTS = {  # PP with the engine's per-stage TP / DP (DDP, FSDP2) via stage_transform
     "dp2-pp2-1f1b": _layout(dp=2, pp=2, pp_schedule="1f1b"),
     "tp2-pp2-interleaved_1f1b-v2": _layout(tp=2, pp=2, pp_schedule="interleaved_1f1b", virtual_stages=2),
     "dp2-tp2-pp2-gpipe": _layout(dp=2, tp=2, pp=2, pp_schedule="gpipe"),
+}
+MORE_COMPOSED_LAYOUTS = {
+    "dp2-zero3-pp2-interleaved_1f1b-v2": _layout(
+        dp=2, zero=3, pp=2, pp_schedule="interleaved_1f1b", virtual_stages=2
+    ),
+    "tp2-sp-pp2-1f1b": _layout(tp=2, sequence_parallel=True, pp=2, pp_schedule="1f1b"),
+    "dp2-zero3-tp2-pp2-1f1b": _layout(dp=2, zero=3, tp=2, pp=2, pp_schedule="1f1b"),
 }
 
 
@@ -71,13 +78,18 @@ def test_pipeline_trains_like_one_process(layout: str) -> None:
     _check(LAYOUTS[layout], layout)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("layout", COMPOSED_LAYOUTS)
 def test_pipeline_composed_with_dp_and_tp_trains_like_one_process(layout: str) -> None:
     _check(COMPOSED_LAYOUTS[layout], layout)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", MORE_COMPOSED_LAYOUTS)
+def test_pipeline_composed_with_fsdp_and_sequence_parallel_trains_like_one_process(layout: str) -> None:
+    _check(MORE_COMPOSED_LAYOUTS[layout], layout)
+
+
 def test_layouts_use_gradient_accumulation() -> None:
     """The micro-batches are the pipeline's grad accumulation; every layout here has at least 2."""
-    for config in (*LAYOUTS.values(), *COMPOSED_LAYOUTS.values()):
+    for config in (*LAYOUTS.values(), *COMPOSED_LAYOUTS.values(), *MORE_COMPOSED_LAYOUTS.values()):
         assert config.grad_accum_steps >= 2, config.parallel.describe()
