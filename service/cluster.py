@@ -22,6 +22,22 @@ CALL_TIMEOUT_S = 10.0
 
 
 class Runtime(Protocol):
+    @property
+    def dashboard_token_hint(self) -> str | None:
+        """How to log in to the dashboard when Ray protects it with a token (local clusters, Ray >= 2.59)."""
+        import os
+        from pathlib import Path
+
+        if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
+            return None
+        if os.environ.get("RAY_AUTH_TOKEN"):
+            return "the dashboard asks for Ray's token: it is in $RAY_AUTH_TOKEN"
+        token_file = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+        if token_file.exists():
+            return (f"the dashboard asks for Ray's token: paste the contents of {token_file} "
+                    "(or run `.venv/bin/ray get-auth-token`)")
+        return None
+
     def start(self, job_id: str, config: RunConfig, policy: JobPolicy) -> None: ...
     def exists(self, job_id: str) -> bool: ...
     def updates(self, job_id: str, since_seq: int, since_step: int) -> dict[str, Any] | None: ...
@@ -70,6 +86,22 @@ class RayRuntime:
             url = None
         del context
         return f"http://{url}" if url and not url.startswith("http") else url
+
+    @property
+    def dashboard_token_hint(self) -> str | None:
+        """How to log in to the dashboard when Ray protects it with a token (local clusters, Ray >= 2.59)."""
+        import os
+        from pathlib import Path
+
+        if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
+            return None
+        if os.environ.get("RAY_AUTH_TOKEN"):
+            return "the dashboard asks for Ray's token: it is in $RAY_AUTH_TOKEN"
+        token_file = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+        if token_file.exists():
+            return (f"the dashboard asks for Ray's token: paste the contents of {token_file} "
+                    "(or run `.venv/bin/ray get-auth-token`)")
+        return None
 
     def start(self, job_id: str, config: RunConfig, policy: JobPolicy) -> None:
         handle = start_supervisor(job_id=job_id, config=config, policy=policy)

@@ -727,6 +727,8 @@ def _on_straggler(
         return _decision(state, actions, f"straggler not evicted: job is {state.status.value}")
     if state.pending:
         return _decision(state, actions, "straggler not evicted: another change is waiting for a checkpoint")
+    if state.step >= config.total_steps:
+        return _decision(state, actions, "straggler not evicted: every step is done, the job is finishing")
     if event.node in state.excluded_nodes:
         return _decision(state, actions, f"node {event.node} is already excluded")
     pending = replace(state, pending_evict_node=event.node, pending_evict_rank=event.rank)

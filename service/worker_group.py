@@ -33,10 +33,12 @@ PLACEMENT_TIMEOUT_S = 60.0
 RENDEZVOUS_TIMEOUT_S = 60.0
 # A rank whose run() failed with a collective error is usually the *victim* of a peer that died;
 # wait this long for the peer's death to surface before blaming the rank itself.
-PEER_FAILURE_GRACE_S = 3.0
-# A rank's actor can be reported dead before the cluster has declared its node dead; wait this long
-# for the node's verdict before calling the loss a process fault (which spends the restart budget).
-NODE_DEATH_GRACE_S = 5.0
+PEER_FAILURE_GRACE_S = 6.0
+# A rank's actor (or its peers' collectives) can fail before the cluster has declared the node dead;
+# wait this long for the node's verdict before calling the loss a process fault, which spends the
+# restart budget. Ray's node health check must be faster than this for node loss to be free
+# (the tests use a 1 s period x 3 failures; production clusters tune health_check_* likewise).
+NODE_DEATH_GRACE_S = 6.0
 
 
 def rank_actor_name(job_id: str, rank: int) -> str:
@@ -84,6 +86,7 @@ class WorkerGroup:
         self._runs: dict[Any, int] = {}  # run ObjectRef -> rank
         self._results: dict[int, dict] = {}
         self._suspect: tuple[float, GroupOutcome] | None = None
+        self._stopped = False
         self._lost: tuple[float, GroupOutcome] | None = None  # a dead rank waiting for its node's verdict
         self._lock = threading.Lock()
 
@@ -134,9 +137,10 @@ class WorkerGroup:
         """Collect finished ``run`` calls; classify the first failure. Never blocks."""
         if self._lost is not None:
             since, outcome = self._lost
-            if outcome.node and not _node_alive(outcome.node):
+            dead = self._dead_rank()
+            if dead is not None:
                 self._lost = None
-                return dataclasses.replace(outcome, cause="node")
+                return dataclasses.replace(outcome, rank=dead[0], node=dead[1], cause="node")
             if now - since >= NODE_DEATH_GRACE_S:
                 self._lost = None
                 return outcome
@@ -159,6 +163,10 @@ class WorkerGroup:
                     self._suspect = (now, outcome)
                 continue
             return outcome
+        if self._suspect is not None and (dead := self._dead_rank()) is not None:
+            self._suspect = None  # the peers failed because a node went away
+            return GroupOutcome(kind="worker_lost", rank=dead[0], node=dead[1], cause="node",
+                                message=f"node {dead[1]} of rank {dead[0]} died")
         if self._suspect is not None and now - self._suspect[0] >= PEER_FAILURE_GRACE_S:
             _, outcome = self._suspect
             self._suspect = None
@@ -168,6 +176,14 @@ class WorkerGroup:
         if not self._runs and self._suspect is None and len(self._results) == self.world_size:
             final_step = min(result["final_step"] for result in self._results.values())
             return GroupOutcome(kind="finished", final_step=final_step)
+        return None
+
+    def _dead_rank(self) -> tuple[int, str] | None:
+        """(rank, node) of the first rank whose node the cluster has declared dead, if any."""
+        alive = {node["NodeID"]: bool(node.get("Alive")) for node in ray.nodes()}
+        for rank, node in sorted(self.nodes.items()):
+            if not alive.get(node, False):
+                return rank, node
         return None
 
     def _classify(self, ref, rank: int) -> GroupOutcome | None:
@@ -214,6 +230,9 @@ class WorkerGroup:
         return self.nodes.get(rank, "")
 
     def bundles_per_node(self) -> dict[str, int]:
+        """Ranks this group holds per node; nothing once stopped (its placement group is released)."""
+        if self._stopped:
+            return {}
         counts: dict[str, int] = {}
         for node in self.nodes.values():
             counts[node] = counts.get(node, 0) + 1
@@ -223,6 +242,7 @@ class WorkerGroup:
 
     def stop(self) -> None:
         """Kill every rank and release the placement group. Idempotent; never raises."""
+        self._stopped = True
         for actor in self.actors:
             try:
                 ray.kill(actor, no_restart=True)

@@ -1120,3 +1120,14 @@ def test_checkpoint_fallback_from_a_stale_attempt_is_ignored():
 
     state = launching(attempt=3, last_committed_step=20)
     assert decide(state, CheckpointFallback(attempt=2, step=10), 1.0, CONFIG).ignored
+
+
+def test_straggler_at_the_last_step_is_reported_not_evicted():
+    """Evicting when every step is done would relaunch a finished job for nothing."""
+    state = running(step=CONFIG.total_steps)
+    event = StragglerFlagged(attempt=1, rank=1, node="n1", factor=2.0, evict=True)
+    decision = decide(state, event, 5.0, CONFIG)
+    assert kinds(decision) == ["straggler_detected"]
+    assert not of(decision, RequestCheckpoint) and not of(decision, StopGroup)
+    assert decision.state.pending_evict_node is None
+    assert "every step is done" in decision.reason
