@@ -377,6 +377,9 @@ def _announce(settings: Any, out: TextIO):
         )
         print(f"etrain API:     {settings.api_url}  (docs: {settings.api_url}/docs)", file=out)
         print(f"Ray dashboard:  {dashboard}", file=out)
+        hint = getattr(runtime, "dashboard_token_hint", None)
+        if hint:
+            print(f"                {hint}", file=out)
         print(f"data directory: {settings.data_dir.resolve()}", file=out)
         if settings.enable_chaos:
             print("fault injection (chaos) is ENABLED", file=out)

@@ -28,26 +28,11 @@ from pathlib import Path
 from typing import Any
 
 from service.errors import JobConflict, JobNotFound, ServiceUnavailable
+from service.supervisor import Status
 
 
-class JobStatus(enum.StrEnum):
-    QUEUED = "QUEUED"
-    STARTING = "STARTING"
-    RUNNING = "RUNNING"
-    RECOVERING = "RECOVERING"
-    RESIZING = "RESIZING"
-    SUCCEEDED = "SUCCEEDED"
-    FAILED = "FAILED"
-    CANCELLED = "CANCELLED"
-
-    @property
-    def is_terminal(self) -> bool:
-        return self in TERMINAL_STATUSES
-
-    @classmethod
-    def _missing_(cls, value: object) -> "JobStatus | None":
-        """Accept any case ("running"): statuses arrive from query strings and command lines."""
-        return cls.__members__.get(value.upper()) if isinstance(value, str) else None
+# One status enum for the whole service: the state machine's.
+JobStatus = Status
 
 
 TERMINAL_STATUSES: frozenset[JobStatus] = frozenset({JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED})

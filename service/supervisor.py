@@ -78,7 +78,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from enum import Enum
+from enum import Enum, StrEnum
 from typing import Literal, Union
 
 from service.elastic import ElasticPolicy, ResizeError
@@ -98,7 +98,9 @@ class SupervisorConfigError(EtrainError, ValueError):
     """A supervisor setting out of range; the message names the setting, the value and the fix."""
 
 
-class Status(str, Enum):
+class Status(StrEnum):
+    """A job's status: what users see, what the store keeps, what the state machine decides."""
+
     QUEUED = "QUEUED"
     STARTING = "STARTING"
     RUNNING = "RUNNING"
@@ -111,6 +113,13 @@ class Status(str, Enum):
     @property
     def terminal(self) -> bool:
         return self in (Status.SUCCEEDED, Status.FAILED, Status.CANCELLED)
+
+    is_terminal = terminal
+
+    @classmethod
+    def _missing_(cls, value: object) -> "Status | None":
+        """Accept any case ("running"): statuses arrive from query strings and command lines."""
+        return cls.__members__.get(value.upper()) if isinstance(value, str) else None
 
 
 class GroupPhase(str, Enum):

@@ -24,6 +24,7 @@ FAST_NODE_DEATH = {
     "health_check_initial_delay_ms": 0,
     "health_check_period_ms": 1000,
     "health_check_failure_threshold": 3,
+    "health_check_timeout_ms": 1000,
 }
 
 

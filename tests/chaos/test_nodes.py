@@ -25,8 +25,8 @@ def test_node_loss_during_dp2_tp2_restarts_on_the_spare_node(tmp_path):
         cluster.remove_node(cluster_node(cluster, victim))
         final = plane.wait_terminal(job["id"], timeout_s=300)
         assert final["status"] == "SUCCEEDED", final
-        assert final["restarts"] == 0  # losing a node is not the job's fault
         events = plane.events(job["id"])
+        assert final["restarts"] == 0, [(e["kind"], e["detail"]) for e in events]  # node loss is not the job's fault
         assert "node_lost" in event_kinds(events)
         last = placements(events)[-1]
         assert victim not in last.values() and len(last) == 4
@@ -37,7 +37,8 @@ def test_node_loss_during_dp2_tp2_restarts_on_the_spare_node(tmp_path):
 
 def test_shrinks_when_capacity_is_lost_and_grows_back_when_it_returns(tmp_path):
     with ray_cluster([2, 2]) as cluster, control_plane(tmp_path) as plane:
-        body = spec("elastic-dp4", steps=60, dp=4, every=4,
+        # Long enough that the shrunk job is still running when the re-added node registers.
+        body = spec("elastic-dp4", steps=300, dp=4, every=10,
                     resources={"cpus_per_worker": 1, "min_dp": 2, "max_dp": 4},
                     elastic={"check_interval_s": 1.0})
         clean = losses(plane, run_clean(plane, body)["id"])
@@ -57,9 +58,10 @@ def test_shrinks_when_capacity_is_lost_and_grows_back_when_it_returns(tmp_path):
         assert grown["layout"].startswith("pp1·dp4")
         final = plane.wait_terminal(job["id"], timeout_s=300)
         assert final["status"] == "SUCCEEDED", final
-        assert final["restarts"] == 0
+        events = plane.events(job["id"])
+        assert final["restarts"] == 0, [(e["kind"], e["detail"]) for e in events]  # capacity changes are free
 
-        kinds = event_kinds(plane.events(job["id"]))
+        kinds = event_kinds(events)
         assert kinds.count("resized") >= 2, kinds  # one each way
         # Elastic exactness: same global batch and sample order at any dp; only reduction order differs.
         recovered = losses(plane, job["id"])
