@@ -79,9 +79,36 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 from enum import Enum, StrEnum
-from typing import Literal, Union
 
 from service.elastic import ElasticPolicy, ResizeError
+from service.supervisor_events import (
+    Abort,
+    Action,
+    Cancel,
+    CapacityChanged,
+    CheckpointFallback,
+    CheckpointReported,
+    CommitCheckpoint,
+    Event,
+    ExcludeNode,
+    Finished,
+    GroupReady,
+    GroupStopped,
+    Heartbeat,
+    JobError,
+    LaunchGroup,
+    MarkTerminal,
+    RecordEvent,
+    RequestCheckpoint,
+    ScaleRequested,
+    ScheduleWake,
+    Start,
+    StepReported,
+    StopGroup,
+    StragglerFlagged,
+    Tick,
+    WorkerLost,
+)
 from workers.errors import EtrainError
 
 __all__ = [
@@ -252,196 +279,7 @@ def backoff_delay(restarts_used: int, config: SupervisorConfig) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
-# Events (in). Events from a worker group carry the attempt that group was launched for.
-
-
-@dataclass(frozen=True, kw_only=True)
-class Start:
-    pass
-
-
-@dataclass(frozen=True, kw_only=True)
-class GroupReady:
-    attempt: int
-    world_size: int
-
-
-@dataclass(frozen=True, kw_only=True)
-class StepReported:
-    attempt: int
-    step: int  # optimizer steps completed
-    loss: float
-    rank: int = 0
-
-
-@dataclass(frozen=True, kw_only=True)
-class Heartbeat:
-    attempt: int
-    rank: int
-    step: int
-
-
-@dataclass(frozen=True, kw_only=True)
-class CheckpointReported:
-    """One rank finished writing its shard of the checkpoint at ``step``."""
-
-    attempt: int
-    step: int
-    rank: int
-
-
-@dataclass(frozen=True, kw_only=True)
-class WorkerLost:
-    attempt: int
-    rank: int
-    node: str
-    cause: Literal["process", "actor", "node"]
-    detail: str = ""
-
-
-@dataclass(frozen=True, kw_only=True)
-class JobError:
-    """The job itself is broken (bad data, NaN loss, model exception): retrying cannot help."""
-
-    attempt: int
-    rank: int
-    message: str
-    traceback: str = ""
-
-
-@dataclass(frozen=True, kw_only=True)
-class Tick:
-    pass
-
-
-@dataclass(frozen=True, kw_only=True)
-class CapacityChanged:
-    """Replicas (tp*pp ranks each) the cluster can give this job in total, its own included,
-    excluded nodes left out."""
-
-    available_dp: int
-
-
-@dataclass(frozen=True, kw_only=True)
-class ScaleRequested:
-    dp: int
-
-
-@dataclass(frozen=True, kw_only=True)
-class StragglerFlagged:
-    attempt: int
-    rank: int
-    node: str
-    factor: float
-    evict: bool = False
-    evidence: str = ""
-
-
-@dataclass(frozen=True, kw_only=True)
-class Cancel:
-    reason: str = "cancelled by user"
-
-
-
-@dataclass(frozen=True, kw_only=True)
-class Abort:
-    """The adapter cannot go on (an internal error of its own): fail now, whatever the state."""
-
-    error: str
-
-
-@dataclass(frozen=True, kw_only=True)
-class Finished:
-    attempt: int
-    final_step: int
-
-
-@dataclass(frozen=True, kw_only=True)
-class GroupStopped:
-    """The adapter finished tearing down the group of ``attempt`` (asked for or not)."""
-
-    attempt: int
-
-
-@dataclass(frozen=True, kw_only=True)
-class CheckpointFallback:
-    """The launching group restores an older checkpoint than ``resume_step``: the newer one failed
-    verification (rot, a crash, a corruption drill). Progress and the commit point move back to it."""
-
-    attempt: int
-    step: int | None  # None: nothing verifies, the group starts fresh
-    reason: str = ""
-
-
-Event = Union[
-    Start, GroupReady, StepReported, Heartbeat, CheckpointReported, WorkerLost, JobError, Tick,
-    CapacityChanged, ScaleRequested, StragglerFlagged, Cancel, Abort, Finished, GroupStopped,
-    CheckpointFallback,
-]
-
-# ---------------------------------------------------------------------------------------------
-# Actions (out), carried out by the adapter in order.
-
-
-@dataclass(frozen=True, kw_only=True)
-class LaunchGroup:
-    attempt: int
-    dp: int
-    world_size: int  # pp * dp * tp ranks
-    resume_step: int | None  # restore this committed checkpoint; None = fresh start
-    excluded_nodes: frozenset[str] = frozenset()
-
-
-@dataclass(frozen=True, kw_only=True)
-class StopGroup:
-    attempt: int
-    reason: str
-
-
-@dataclass(frozen=True, kw_only=True)
-class CommitCheckpoint:
-    step: int
-
-
-@dataclass(frozen=True, kw_only=True)
-class RequestCheckpoint:
-    """Ask the running group to save a checkpoint at its next step boundary."""
-
-    attempt: int
-    reason: str
-
-
-@dataclass(frozen=True, kw_only=True)
-class ExcludeNode:
-    """Never place this job's ranks on ``node`` again; report the new CapacityChanged."""
-
-    node: str
-    reason: str
-
-
-@dataclass(frozen=True, kw_only=True)
-class ScheduleWake:
-    """Send a Tick at or after ``at`` (on top of the adapter's periodic ticks)."""
-
-    at: float
-
-
-@dataclass(frozen=True, kw_only=True)
-class RecordEvent:
-    kind: str
-    detail: str
-
-
-@dataclass(frozen=True, kw_only=True)
-class MarkTerminal:
-    status: Status
-    error: str | None
-
-
-Action = Union[
-    LaunchGroup, StopGroup, CommitCheckpoint, RequestCheckpoint, ExcludeNode, ScheduleWake,
-    RecordEvent, MarkTerminal,
-]
+# Decision. The events (in) and actions (out) it speaks of live in service/supervisor_events.py.
 
 
 @dataclass(frozen=True, kw_only=True)
