@@ -221,19 +221,27 @@ class JobSupervisor:
         now = time.time()
         if item is not None:
             self._handle(item, now)
-        while True:  # drain what else arrived
-            try:
-                self._handle(self._inbox.get_nowait(), time.time())
-            except queue.Empty:
-                break
+        self._drain(now)
         group = self._group
         if group is not None and group.attempt == self.state.attempt:
             outcome = group.poll(now)
             if outcome is not None:
+                # Ranks have their reports acknowledged before run() returns: take them in first,
+                # so a final checkpoint is committed before the group's end is acted on.
+                self._drain(time.time())
                 self._apply(self._outcome_event(group, outcome), now)
         if now >= self._next_capacity_check and not self.state.status.terminal:
             self._check_capacity(force=False)
         self._apply(sm.Tick(), time.time())
+
+    def _drain(self, now: float) -> None:
+        """Handle everything already in the inbox."""
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            self._handle(item, time.time())
 
     def _handle(self, item: Any, now: float) -> None:
         if not isinstance(item, tuple):

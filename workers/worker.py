@@ -113,6 +113,8 @@ class TrainWorker:
         self._plan: LaunchPlan | None = None
         self._checkpoint_at: set[int] = set()
         self._stop = threading.Event()
+        self._async = None  # AsyncCheckpointer when checkpoint.async_save
+        self._report_threads: list[threading.Thread] = []
 
     # --- control calls (run concurrently with `run`) -------------------------------------------
 
@@ -187,6 +189,10 @@ class TrainWorker:
             )
             if plan.resume_dir:
                 trainer.restore(plan.resume_dir)
+            if config.checkpoint.async_save:
+                from workers.checkpoint import AsyncCheckpointer
+
+                self._async = AsyncCheckpointer()  # collective: its own gloo group for background writes
             self._supervisor.report_ready.remote(plan.attempt, self.rank, self.node_info())
             final_loss = None
             step = plan.start_step
@@ -202,6 +208,12 @@ class TrainWorker:
                     return self._result(trainer, step + 1, final_loss, stopped=True)
             return self._result(trainer, config.training.steps, final_loss, stopped=False)
         finally:
+            if self._async is not None:
+                self._async.close(timeout_s=REPORT_TIMEOUT_S * 10)  # the last save must land first
+                self._async = None
+            for thread in self._report_threads:  # every report is acknowledged before run() returns
+                thread.join(timeout=REPORT_TIMEOUT_S)
+            self._report_threads.clear()
             if dist.is_initialized():
                 dist.destroy_process_group()
 
@@ -224,11 +236,26 @@ class TrainWorker:
         from workers.manifest import step_dir
 
         directory = step_dir(Path(self._plan.config.checkpoint.path), completed_steps)
-        report = trainer.save(directory)
-        ray.get(
-            self._supervisor.report_checkpoint.remote(attempt, self.rank, completed_steps, report),
-            timeout=REPORT_TIMEOUT_S,
-        )
+        if self._async is None:
+            report = trainer.save(directory)
+            ray.get(
+                self._supervisor.report_checkpoint.remote(attempt, self.rank, completed_steps, report),
+                timeout=REPORT_TIMEOUT_S,
+            )
+            return
+        # Async: training goes on once the state is staged in memory; the shard report goes to the
+        # supervisor when the files are written (it commits the step only when every rank reported).
+        model_parts, optimizers, extra = trainer.state_for_checkpoint()
+        pending = self._async.save(directory, model_parts, optimizers, extra)
+
+        def report_when_written() -> None:
+            report = pending.wait(timeout_s=REPORT_TIMEOUT_S * 10)
+            ray.get(self._supervisor.report_checkpoint.remote(attempt, self.rank, completed_steps, report),
+                    timeout=REPORT_TIMEOUT_S)
+
+        thread = threading.Thread(target=report_when_written, name=f"ckpt-report-{completed_steps}", daemon=True)
+        thread.start()
+        self._report_threads.append(thread)
 
     # --- chaos ----------------------------------------------------------------------------------
 

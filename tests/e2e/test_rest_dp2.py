@@ -123,3 +123,27 @@ def test_cancel_stops_workers_and_releases_the_placement_group(plane):
     while leftovers() != ([], []) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert leftovers() == ([], []), leftovers()
+
+
+def test_scale_request_resizes_and_keeps_the_loss_curve(plane):
+    """POST /v1/jobs/{id}/scale: dp 2 -> 1 on demand; global batch and sample order are unchanged."""
+    body = dp2_spec(steps=120)  # long enough that the resize lands mid-run
+    body["resources"] = {"cpus_per_worker": 1, "min_dp": 1, "max_dp": 2}
+    body["checkpoint"] = {"every_steps": 5, "keep_last": 3}
+    clean = {row["step"]: row["loss"] for row in plane.steps(plane.wait_terminal(plane.submit(body)["id"], timeout_s=300)["id"])}
+
+    job = plane.submit(body)
+    plane.wait_until(job["id"], lambda j: j["status"] == "RUNNING" and j["step"] >= 5, timeout_s=180, what="step 5")
+    bad = plane.client.post(f"/v1/jobs/{job['id']}/scale", json={"dp": 3})
+    assert bad.status_code == 422 and bad.json()["detail"][0]["field"] == "dp", bad.text
+    response = plane.client.post(f"/v1/jobs/{job['id']}/scale", json={"dp": 1})
+    assert response.status_code == 200, response.text
+    resized = plane.wait_until(job["id"], lambda j: j["world_size"] == 1 and j["status"] == "RUNNING",
+                               timeout_s=180, what="the resize to dp=1")
+    assert resized["layout"].startswith("pp1·dp1")
+    final = plane.wait_terminal(job["id"], timeout_s=300)
+    assert final["status"] == "SUCCEEDED" and final["restarts"] == 0, final
+    assert "resized" in event_kinds(plane.events(job["id"]))
+    losses = {row["step"]: row["loss"] for row in plane.steps(job["id"])}
+    assert sorted(losses) == sorted(clean)
+    assert max(abs(losses[s] - clean[s]) for s in clean) <= 1e-4
