@@ -79,12 +79,10 @@ class RayRuntime:
 
     @property
     def dashboard_url(self) -> str | None:
-        context = self._ray.get_runtime_context()
-        try:
+        try:  # Ray has no public getter for the dashboard address of the connected cluster
             url = self._ray._private.worker.global_worker.node.address_info.get("webui_url")  # noqa: SLF001
         except Exception:
             url = None
-        del context
         return f"http://{url}" if url and not url.startswith("http") else url
 
     @property

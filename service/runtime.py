@@ -119,7 +119,6 @@ class JobSupervisor:
         self._last_capacity: int | None = None
         self._next_capacity_check = 0.0
         self._closed = threading.Event()
-        self._terminal_at: float | None = None
         self._metrics = _JobMetrics(job_id)
         self._self_handle = ray.get_runtime_context().current_actor
         if resume_step is not None:
@@ -278,8 +277,6 @@ class JobSupervisor:
             self._chaos_corrupt[order_id] = step
             self._record("chaos_armed", f"corrupt_checkpoint step {step} (order {order_id})")
             self._corrupt_due()
-        elif kind == "group_started":
-            pass
         else:
             raise AssertionError(f"unknown inbox item {kind!r}")
 
@@ -309,7 +306,6 @@ class JobSupervisor:
         elif isinstance(action, sm.ScheduleWake):
             pass  # the loop ticks every TICK_S anyway
         elif isinstance(action, sm.MarkTerminal):  # its RecordEvent comes in the same action list
-            self._terminal_at = now
             self._metrics.finish(action.status.value)
         else:
             raise AssertionError(f"unhandled action {action!r}")

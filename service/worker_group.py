@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
-import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -49,7 +47,7 @@ def rank_actor_name(job_id: str, rank: int) -> str:
 class GroupOutcome:
     """What happened to the group since the last poll (at most one per poll)."""
 
-    kind: Literal["finished", "worker_lost", "job_error", "placement_failed"]
+    kind: Literal["finished", "worker_lost", "job_error"]
     rank: int = -1
     node: str = ""
     cause: Literal["process", "actor", "node"] = "process"
@@ -88,7 +86,6 @@ class WorkerGroup:
         self._suspect: tuple[float, GroupOutcome] | None = None
         self._stopped = False
         self._lost: tuple[float, GroupOutcome] | None = None  # a dead rank waiting for its node's verdict
-        self._lock = threading.Lock()
 
     # --- start ----------------------------------------------------------------------------------
 
@@ -280,13 +277,3 @@ def _is_collective_failure(error: BaseException | None) -> bool:
 def _first_line(error: BaseException) -> str:
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
-
-
-def wait_for(predicate, timeout_s: float, interval_s: float = 0.1) -> bool:
-    """Poll ``predicate`` until true or ``timeout_s`` passes (every wait has a timeout)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval_s)
-    return predicate()
