@@ -41,6 +41,7 @@ from workers.worker import ChaosOrder, LaunchPlan
 log = logging.getLogger(__name__)
 
 TICK_S = 0.2
+HEAD_NODE_RESOURCE = "node:__internal_head__"  # Ray gives the head node this resource
 MAX_STEP_HISTORY = 100_000
 
 
@@ -627,6 +628,9 @@ def start_supervisor(*, job_id: str, config: RunConfig, policy: JobPolicy):
         namespace=NAMESPACE,
         lifetime="detached",
         num_cpus=0,
+        # Pinned to the head node: it lives as long as the cluster, so losing a worker node (the very
+        # thing the supervisor must handle) never takes the supervisor with it.
+        resources={HEAD_NODE_RESOURCE: 0.001},
         max_concurrency=64,
         max_restarts=0,
         get_if_exists=True,
