@@ -35,7 +35,7 @@ from service.stragglers import StragglerConfig, StragglerDetector
 from service.worker_group import NAMESPACE, GroupOutcome, PlacementTimeout, WorkerGroup
 from workers.config import RunConfig
 from workers.errors import CheckpointError
-from workers.manifest import commit, latest_committed, list_steps, prune, resolve_latest, step_dir, verify
+from workers.manifest import commit, latest_committed, list_steps, prune, step_dir, verify
 from workers.worker import ChaosOrder, LaunchPlan
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ class JobSupervisor:
         )
         self.root = Path(config.checkpoint.path)
         self.root.mkdir(parents=True, exist_ok=True)
-        found = latest_committed(self.root)
+        found = latest_committed(self.root, checksums=False)  # the launch verifies it fully
         resume_step = found[0] if found else None
         self.state = sm.initial_state(
             self.sm_config, dp=config.parallel.dp, last_committed_step=resume_step, restarts_used=policy.restarts_used
@@ -120,6 +120,7 @@ class JobSupervisor:
         self._last_capacity: int | None = None
         self._next_capacity_check = 0.0
         self._closed = threading.Event()
+        self._pruner: threading.Thread | None = None
         self._metrics = _JobMetrics(job_id)
         self._self_handle = ray.get_runtime_context().current_actor
         if resume_step is not None:
@@ -359,27 +360,21 @@ class JobSupervisor:
         """The newest checkpoint at or below ``wanted`` whose manifest and checksums verify.
 
         The state machine remembers what was committed; a file can rot (or be corrupted by a drill)
-        afterwards, so every launch re-verifies and falls back to the previous good step.
+        afterwards, so every launch verifies and falls back to the previous good step. This is the
+        one full verification of a restore: the ranks then only check the manifest and sizes.
         """
         if wanted is None:
             return None
-        resolution = resolve_latest(self.root)
-        for skipped in resolution.skipped:
-            if skipped.step <= wanted:
-                self._record("checkpoint_skipped", f"step {skipped.step}: {skipped.reason}")
-        if resolution.step is None:
-            self._record("checkpoint_skipped", f"no verifying checkpoint under {self.root}; starting fresh")
-            return None
-        if resolution.step > wanted:  # newer than the commit we know of: only the known one is consistent
-            candidates = [step for step, _ in list_steps(self.root) if step <= wanted]
-            for step in reversed(candidates):
-                try:
-                    verify(step_dir(self.root, step))
-                    return step
-                except CheckpointError as err:
-                    self._record("checkpoint_skipped", f"step {step}: {err}")
-            return None
-        return resolution.step
+        for step, directory in reversed(list_steps(self.root)):
+            if step > wanted:
+                continue
+            try:
+                verify(directory)
+                return step
+            except CheckpointError as err:
+                self._record("checkpoint_skipped", f"step {step}: {err}")
+        self._record("checkpoint_skipped", f"no verifying checkpoint under {self.root}; starting fresh")
+        return None
 
     def _stop(self, action: sm.StopGroup) -> None:
         group = self._group
@@ -408,8 +403,27 @@ class JobSupervisor:
             return
         for stale in [s for s in self._reports if s < step]:
             self._reports.pop(stale)
-        prune(self.root, keep_last=self.config.checkpoint.keep_last)
+        self._prune_in_background()
         self._corrupt_due()
+
+    def _prune_in_background(self) -> None:
+        """Drop checkpoints beyond ``keep_last`` off the control thread.
+
+        Pruning hashes the checkpoints it keeps (so a rotten newest step never causes the good one
+        before it to be deleted); on large checkpoints that takes long enough to stall heartbeat
+        handling if done here. One prune at a time; a commit during one is pruned by the next.
+        """
+        if self._pruner is not None and self._pruner.is_alive():
+            return
+
+        def prune_now() -> None:
+            try:
+                prune(self.root, keep_last=self.config.checkpoint.keep_last)
+            except Exception as err:  # never fatal: old checkpoints just stay on disk a while longer
+                log.warning("pruning %s failed: %s", self.root, err)
+
+        self._pruner = threading.Thread(target=prune_now, name=f"prune-{self.job_id}", daemon=True)
+        self._pruner.start()
 
     # --- reports -> events -----------------------------------------------------------------------
 
@@ -437,8 +451,6 @@ class JobSupervisor:
                 del self._steps[: len(self._steps) - MAX_STEP_HISTORY]
         self._metrics.step(completed, metrics, self.state.restarts_used, self._goodput())
         self._apply(sm.StepReported(attempt=attempt, step=completed, loss=float(metrics["loss"]), rank=rank), now)
-        if completed >= self.sm_config.total_steps:
-            pass  # Finished arrives when every rank's run() has returned
 
     def _observe_stragglers(self, step: int, compute: dict[int, float], now: float) -> None:
         if not self.policy.stragglers.enabled:
@@ -510,19 +522,15 @@ class JobSupervisor:
         if not 0 <= order.rank < world:
             self._record("chaos_rejected", f"rank {order.rank} is outside the world of {world} ranks")
             return
-        group = self._group if self.state.group == sm.GroupPhase.UP else None
-        if order.at_step is None and group is not None:
-            if order.action == "kill_actor":
-                self._record("chaos_fired", f"kill_actor on rank {order.rank} (order {order.id})")
-                group.kill_actor(order.rank)
-            else:
-                group.chaos(order)
+        group_up = self._group is not None and self.state.group == sm.GroupPhase.UP
+        if order.at_step is None and group_up:
+            self._send_chaos(order)
             return
         self._chaos[order.id] = order
         self._record("chaos_armed", f"{order.action} on rank {order.rank}"
                      + (f" at step {order.at_step}" if order.at_step is not None else " when the group is up"))
-        if group is not None:
-            group.chaos(order)
+        if group_up:
+            self._send_chaos(order)
 
     def _deliver_armed_chaos(self) -> None:
         """Hand armed drills to a group that just came up (orders that arrived while it launched).
@@ -532,12 +540,17 @@ class JobSupervisor:
         if self._group is None:
             return
         for order in list(self._chaos.values()):
-            if order.action == "kill_actor" and order.at_step is None:
-                self._chaos.pop(order.id)
-                self._record("chaos_fired", f"kill_actor on rank {order.rank} (order {order.id})")
-                self._group.kill_actor(order.rank)
-            else:
-                self._group.chaos(order)
+            self._send_chaos(order)
+
+    def _send_chaos(self, order: ChaosOrder) -> None:
+        """Give an order to its rank. An immediate actor kill is done from here: a rank cannot
+        ``ray.kill`` itself mid-call as cleanly as its owner can."""
+        if order.action == "kill_actor" and order.at_step is None:
+            self._chaos.pop(order.id, None)
+            self._record("chaos_fired", f"kill_actor on rank {order.rank} (order {order.id})")
+            self._group.kill_actor(order.rank)
+        else:
+            self._group.chaos(order)
 
     def _corrupt_due(self) -> None:
         committed = self.state.last_committed_step

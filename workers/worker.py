@@ -188,7 +188,8 @@ class TrainWorker:
                 config, rank=self.rank, world_size=self.world_size, device=device, callbacks=[ChaosCallback(self)]
             )
             if plan.resume_dir:
-                trainer.restore(plan.resume_dir)
+                # The supervisor verified this checkpoint's checksums just before the launch.
+                trainer.restore(plan.resume_dir, verify_checksums=False)
             if config.checkpoint.async_save:
                 from workers.checkpoint import AsyncCheckpointer
 
