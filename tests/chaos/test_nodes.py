@@ -71,7 +71,7 @@ def test_shrinks_when_capacity_is_lost_and_grows_back_when_it_returns(tmp_path):
 
 
 def test_evict_moves_the_slow_rank_off_its_node_and_finishes(tmp_path):
-    with ray_cluster([1, 1, 1]) as cluster, control_plane(tmp_path) as plane:
+    with ray_cluster([1, 1, 1]), control_plane(tmp_path) as plane:
         body = spec("evict-dp2", steps=40, every=4,
                     stragglers={"enabled": True, "window": 4, "threshold": 2.0, "patience": 2, "action": "evict"})
         job = plane.submit(body)
@@ -87,4 +87,3 @@ def test_evict_moves_the_slow_rank_off_its_node_and_finishes(tmp_path):
         evicted = first[1]
         assert evicted not in last.values(), (first, last)
         assert final["step"] == 40
-        assert cluster  # the cluster stayed up for the whole test

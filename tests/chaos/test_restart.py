@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import re
-import time
 
 import numpy as np
 import pytest

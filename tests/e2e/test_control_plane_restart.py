@@ -15,13 +15,6 @@ from tests.service_harness import control_plane, event_kinds
 ray = pytest.importorskip("ray")
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(num_cpus=4, include_dashboard=False, namespace="etrain", log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 def long_spec(name: str) -> dict:
     return {
         "name": name,

@@ -7,20 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.service_harness import control_plane, event_kinds, event_text
+from tests.service_harness import event_kinds, event_text
 
 ray = pytest.importorskip("ray")
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def plane(tmp_path_factory):
-    ray.init(num_cpus=4, include_dashboard=False, namespace="etrain", log_to_driver=False)
-    try:
-        with control_plane(tmp_path_factory.mktemp("etrain")) as plane:
-            yield plane
-    finally:
-        ray.shutdown()
 
 
 def dp2_spec(**training) -> dict:

@@ -8,19 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.service_harness import control_plane
 
 ray = pytest.importorskip("ray")
-
-
-@pytest.fixture(scope="module")
-def plane(tmp_path_factory):
-    ray.init(num_cpus=4, include_dashboard=False, namespace="etrain", log_to_driver=False)
-    try:
-        with control_plane(tmp_path_factory.mktemp("etrain-layouts")) as plane:
-            yield plane
-    finally:
-        ray.shutdown()
 
 
 def layout_spec(name: str, **parallelism) -> dict:
