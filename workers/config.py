@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from workers.errors import ConfigError
 
@@ -21,9 +21,37 @@ DataKind = Literal["text", "tokens", "synthetic"]
 Device = Literal["cpu", "cuda"]
 
 
+ModelArch = Literal["gpt", "llama"]
+AttentionBias = Literal["none", "qkv", "all"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+    """RoPE frequency scaling as Hugging Face configs describe it (``rope_scaling`` / ``rope_parameters``).
+
+    ``kind="linear"`` divides every frequency by ``factor``; ``kind="llama3"`` is Llama 3.1's
+    wavelength-dependent scaling (``low_freq_factor``, ``high_freq_factor`` and the original
+    context ``original_max_position_embeddings``).
+    """
+
+    kind: Literal["linear", "llama3"]
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """Sizes of the built-in GPT-style decoder (pre-norm, causal attention, GELU MLP)."""
+    """Sizes and architecture of a decoder-only language model.
+
+    ``arch="gpt"`` is the built-in GPT-2-style decoder (learned positions, LayerNorm, GELU, biases).
+    ``arch="llama"`` is the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3): RoPE, RMSNorm, SwiGLU,
+    grouped-query attention (``n_kv_heads``), optional q/k/v bias (Qwen2) or bias everywhere
+    (Llama ``attention_bias``), optional per-head q/k RMSNorm (Qwen3), tied or untied embeddings.
+    ``seq_len`` is the training context. ``hf_architecture`` remembers the Hugging Face class the
+    model came from, so an export writes the same one back.
+    """
 
     n_layers: int
     d_model: int
@@ -31,6 +59,22 @@ class ModelConfig:
     vocab_size: int
     seq_len: int
     d_ff: int | None = None  # defaults to 4 * d_model
+    arch: ModelArch = "gpt"
+    n_kv_heads: int | None = None  # grouped-query attention; default n_heads
+    head_dim_override: int | None = None  # Qwen3: head_dim != d_model / n_heads
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    norm_eps: float = 1e-5
+    attention_bias: AttentionBias = "none"
+    qk_norm: bool = False
+    tie_embeddings: bool = False
+    max_position_embeddings: int | None = None
+    hf_architecture: str | None = None
+
+    def __post_init__(self) -> None:
+        # A config read back from JSON (``torchrun`` entry point, Ray) carries rope_scaling as a dict.
+        if isinstance(self.rope_scaling, dict):
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
 
     @property
     def ffn_dim(self) -> int:
@@ -38,12 +82,28 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.head_dim_override or self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
 
     @property
     def num_params(self) -> int:
-        """Exact parameter count of ``workers.model.GPT`` for these sizes (tested against the module)."""
+        """Exact parameter count of the model these sizes build (tested against the modules)."""
         d, f, v, n = self.d_model, self.ffn_dim, self.vocab_size, self.n_layers
+        if self.arch == "llama":
+            q_width, kv_width = self.n_heads * self.head_dim, self.kv_heads * self.head_dim
+            bias = {"none": 0, "qkv": q_width + 2 * kv_width, "all": q_width + 2 * kv_width + d}[self.attention_bias]
+            per_layer = (
+                d  # attention RMSNorm
+                + d * q_width + 2 * d * kv_width + q_width * d + bias  # q, k, v, o
+                + (2 * self.head_dim if self.qk_norm else 0)  # per-head q/k RMSNorm
+                + d  # MLP RMSNorm
+                + 3 * d * f  # SwiGLU: gate, up, down
+            )
+            head = d + (0 if self.tie_embeddings else v * d)  # final norm + output (shared when tied)
+            return n * per_layer + v * d + head
         per_layer = (
             2 * d  # attn norm (weight + bias)
             + 4 * d * d + 4 * d  # q, k, v, out projections with bias
@@ -55,16 +115,38 @@ class ModelConfig:
         return n * per_layer + embeddings + head
 
 
-# Named sizes for quick starts; a spec may override any field of a preset.
-MODEL_PRESETS: dict[str, dict[str, int]] = {
+_LLAMA3_ROPE_8K = RopeScaling(kind="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                              original_max_position_embeddings=8192)
+
+# Named sizes for quick starts; a spec may override the sizes of a preset. The Llama-family presets
+# are the published Hugging Face configs (meta-llama/Llama-3.2-1B, Llama-3.1-8B, Llama-3.1-70B,
+# Qwen/Qwen3-0.6B, mistralai/Mistral-7B-v0.1) with the training context set to 4096.
+MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "gpt-tiny": dict(n_layers=4, d_model=64, n_heads=4, vocab_size=256, seq_len=64),
     "gpt-mini": dict(n_layers=6, d_model=192, n_heads=6, vocab_size=256, seq_len=128),
     "gpt-small": dict(n_layers=12, d_model=768, n_heads=12, vocab_size=50304, seq_len=1024),
     "gpt-medium": dict(n_layers=24, d_model=1024, n_heads=16, vocab_size=50304, seq_len=1024),
     "gpt-1b": dict(n_layers=24, d_model=2048, n_heads=16, vocab_size=50304, seq_len=2048),
-    "gpt-7b": dict(n_layers=32, d_model=4096, n_heads=32, vocab_size=32000, seq_len=4096),
-    "gpt-13b": dict(n_layers=40, d_model=5120, n_heads=40, vocab_size=32000, seq_len=4096),
-    "gpt-70b": dict(n_layers=80, d_model=8192, n_heads=64, vocab_size=32000, seq_len=4096),
+    "llama-tiny": dict(arch="llama", n_layers=4, d_model=64, n_heads=4, n_kv_heads=2, d_ff=176, vocab_size=256,
+                       seq_len=64, rope_theta=10000.0, hf_architecture="LlamaForCausalLM"),
+    "llama3-1b": dict(arch="llama", n_layers=16, d_model=2048, n_heads=32, n_kv_heads=8, d_ff=8192,
+                      vocab_size=128256, seq_len=4096, rope_theta=500000.0,
+                      rope_scaling=RopeScaling(kind="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                               original_max_position_embeddings=8192),
+                      tie_embeddings=True, max_position_embeddings=131072, hf_architecture="LlamaForCausalLM"),
+    "llama3-8b": dict(arch="llama", n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, d_ff=14336,
+                      vocab_size=128256, seq_len=4096, rope_theta=500000.0, rope_scaling=_LLAMA3_ROPE_8K,
+                      max_position_embeddings=131072, hf_architecture="LlamaForCausalLM"),
+    "llama3-70b": dict(arch="llama", n_layers=80, d_model=8192, n_heads=64, n_kv_heads=8, d_ff=28672,
+                       vocab_size=128256, seq_len=4096, rope_theta=500000.0, rope_scaling=_LLAMA3_ROPE_8K,
+                       max_position_embeddings=131072, hf_architecture="LlamaForCausalLM"),
+    "qwen3-0.6b": dict(arch="llama", n_layers=28, d_model=1024, n_heads=16, n_kv_heads=8, head_dim_override=128,
+                       d_ff=3072, vocab_size=151936, seq_len=4096, rope_theta=1000000.0, norm_eps=1e-6,
+                       qk_norm=True, tie_embeddings=True, max_position_embeddings=40960,
+                       hf_architecture="Qwen3ForCausalLM"),
+    "mistral-7b": dict(arch="llama", n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, d_ff=14336,
+                       vocab_size=32000, seq_len=4096, rope_theta=10000.0, max_position_embeddings=32768,
+                       hf_architecture="MistralForCausalLM"),
 }
 
 

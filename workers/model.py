@@ -11,8 +11,9 @@ Structure (torchtitan's convention, which the parallel engine relies on):
   tensor-parallel plan is a table of names (``workers/parallelize.py``).
 * No dropout: fp32 runs of different layouts must compute the same numbers.
 
-Weights are initialised on the full model from one seed before any parallelisation, so every layout
-starts from identical parameters.
+Weights are initialised per parameter from a seed derived from its FQN (``workers/init.py``), so
+every layout starts from identical parameters whether the model is built whole or on the meta
+device and materialised shard by shard.
 """
 
 from __future__ import annotations
@@ -106,35 +107,10 @@ class GPT(nn.Module):
             h = self.output(h)
         return h
 
-    @torch.no_grad()
-    def init_weights(self, seed: int) -> None:
-        """GPT-2 initialisation from one seed, on the full model, before any parallelisation.
-
-        Residual output projections (``wo``, ``w2``) are scaled by 1/sqrt(2 * n_layers) as in GPT-2.
-        Layers are initialised in global index order so a stage's weights do not depend on the layout.
-        """
-        generator = torch.Generator(device="cpu").manual_seed(seed)
-        residual_std = 0.02 / math.sqrt(2 * self.config.n_layers)
-
-        def normal_(tensor: torch.Tensor, std: float) -> None:
-            tensor.copy_(torch.randn(tensor.shape, generator=generator) * std)
-
-        for module_name, module in self.named_modules():
-            if isinstance(module, nn.Linear):
-                std = residual_std if module_name.endswith(("wo", "w2")) else 0.02
-                normal_(module.weight, std)
-                if module.bias is not None:
-                    module.bias.zero_()
-            elif isinstance(module, nn.Embedding):
-                normal_(module.weight, 0.02)
-            elif isinstance(module, nn.LayerNorm):
-                module.weight.fill_(1.0)
-                module.bias.zero_()
-
 
 def validate_model_config(config: ModelConfig) -> None:
     """Shape rules the model itself needs (the planner adds the parallel ones)."""
-    if config.d_model % config.n_heads:
+    if config.arch == "gpt" and config.d_model % config.n_heads:
         raise ConfigError(
             f"model.d_model={config.d_model} is not divisible by model.n_heads={config.n_heads}.",
             field="model.d_model",
@@ -143,12 +119,38 @@ def validate_model_config(config: ModelConfig) -> None:
     for name in ("n_layers", "d_model", "n_heads", "vocab_size", "seq_len"):
         if getattr(config, name) < 1:
             raise ConfigError(f"model.{name} must be >= 1, got {getattr(config, name)}.", field=f"model.{name}")
+    if config.arch == "llama":
+        if config.n_heads % config.kv_heads:
+            raise ConfigError(
+                f"model.n_heads={config.n_heads} is not divisible by model.n_kv_heads={config.kv_heads}.",
+                field="model.n_kv_heads",
+                fix="grouped-query attention shares each kv head among n_heads / n_kv_heads query heads: "
+                "pick n_kv_heads dividing n_heads",
+            )
+        if config.head_dim % 2:
+            raise ConfigError(f"the head dimension {config.head_dim} is odd; RoPE rotates pairs.",
+                              field="model.d_model", fix="use an even head_dim (d_model / n_heads)")
 
 
-def build_model(config: ModelConfig, seed: int) -> GPT:
-    """Full model on CPU with deterministic weights; parallelisation happens afterwards."""
-    model = GPT(config)
-    model.init_weights(seed)
+def build_model_skeleton(config: ModelConfig) -> nn.Module:
+    """The architecture ``config.arch`` names, with uninitialised weights.
+
+    Call it under ``torch.device("meta")`` to allocate nothing: the engine parallelises the meta
+    model first and then materialises only each rank's shards (``workers/init.py``).
+    """
+    if config.arch == "llama":
+        from workers.llama import Llama
+
+        return Llama(config)
+    return GPT(config)
+
+
+def build_model(config: ModelConfig, seed: int) -> nn.Module:
+    """Full model on CPU with deterministic weights (the same values the meta-device path gives)."""
+    from workers.init import initialize_parameters
+
+    model = build_model_skeleton(config)
+    initialize_parameters(model, seed=seed, n_layers=config.n_layers)
     return model
 
 

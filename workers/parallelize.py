@@ -19,7 +19,7 @@ is stored in a module global.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -157,6 +157,7 @@ def validate_tp(model: ModelConfig, tp: int, sequence_parallel: bool) -> None:
     """Shape rules for a Megatron split over ``tp`` ranks; each failure names the fix."""
     rules = [
         (model.n_heads, "model.n_heads", "each rank holds n_heads / tp whole attention heads"),
+        (model.kv_heads, "model.n_kv_heads", "each rank holds n_kv_heads / tp whole key/value heads"),
         (model.ffn_dim, "model.d_ff", "the MLP hidden size is split across tp ranks"),
         (model.vocab_size, "model.vocab_size", "the embedding and output are split by vocabulary"),
     ]
@@ -208,6 +209,13 @@ def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool)
             "feed_forward.w1": ColwiseParallel(),
             "feed_forward.w2": RowwiseParallel(output_layouts=residual),
         }
+        if getattr(block.feed_forward, "w3", None) is not None:  # SwiGLU's up projection
+            block_plan["feed_forward.w3"] = ColwiseParallel()
+        if getattr(block.attention, "q_norm", None) is not None:
+            # Qwen3's per-head norms see [batch, seq, local heads, head_dim]: heads (dim 2) are
+            # sharded, the weight is replicated and its gradient reduced over tp by DTensor.
+            block_plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+            block_plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         if sequence_parallel:
             # The norm hands over a sequence shard; attention and MLP need the whole sequence.
             gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
@@ -216,6 +224,11 @@ def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool)
                 input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
             )
         parallelize_module(block, tp_mesh, block_plan)
+    tie_weights = getattr(module, "tie_weights", None)
+    if tie_weights is not None:
+        # Each TP style swapped in its own DTensor; a tied output re-shares the embedding's (both
+        # are sharded by vocabulary, Shard(0), so one parameter serves both).
+        tie_weights()
 
 
 # -- activation checkpointing --------------------------------------------------------------------
@@ -278,13 +291,24 @@ def _has_dtensor_params(module: nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in module.parameters())
 
 
-def parallelize_stage(module: nn.Module, dims: ParallelDims, config: RunConfig) -> nn.Module:
+def parallelize_stage(
+    module: nn.Module,
+    dims: ParallelDims,
+    config: RunConfig,
+    materialize: Callable[[nn.Module], nn.Module] | None = None,
+) -> nn.Module:
     """TP → AC → DP on a whole model or one pipeline stage; returns the module to run.
+
+    ``module`` may live on the ``meta`` device; ``materialize`` then allocates and initialises its
+    local shards at the latest point that is legal: after FSDP2 has sharded it (ZeRO-2/3, so a rank
+    only ever allocates its shards), or before DDP / ``replicate`` / ZeRO-1 wrap it (they need real
+    parameters, and hold them whole anyway).
 
     The returned module may be a DDP wrapper; its ``.module`` (or the module itself) keeps the
     original FQNs. Passed as ``stage_transform`` to ``workers.pipeline.build_pipeline``.
     """
     parallel = config.parallel
+    materialize = materialize or (lambda m: m)
     if dims.tp_enabled:
         validate_tp(config.model, dims.tp, parallel.sequence_parallel)
         apply_tp(module, dims.axis("tp"), sequence_parallel=parallel.sequence_parallel)
@@ -293,7 +317,9 @@ def parallelize_stage(module: nn.Module, dims: ParallelDims, config: RunConfig) 
                           field="parallel.sequence_parallel", fix="set tp > 1 or turn sequence_parallel off")
     if config.training.activation_checkpointing:
         apply_ac(module)
-    return apply_dp(module, dims, zero=parallel.zero)
+    if dims.dp_enabled and parallel.zero in (2, 3):
+        return materialize(apply_dp(module, dims, zero=parallel.zero))
+    return apply_dp(materialize(module), dims, zero=parallel.zero)
 
 
 def unwrap(module: nn.Module) -> nn.Module:

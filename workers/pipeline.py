@@ -52,7 +52,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from workers.config import ParallelConfig
 from workers.errors import ConfigError
-from workers.model import GPT
 
 __all__ = [
     "PIPELINE_SCHEDULES",
@@ -169,7 +168,7 @@ def validate_schedule(pp: int, virtual_stages: int, n_microbatches: int, schedul
         )
 
 
-def stage_module(model: GPT, stage_index: int, num_stages: int) -> GPT:
+def stage_module(model: nn.Module, stage_index: int, num_stages: int) -> nn.Module:
     """A copy of ``model`` holding only stage ``stage_index``'s parts, under unchanged names.
 
     The layers outside the stage are deleted from the ``layers`` ModuleDict (the kept ones keep their
@@ -419,7 +418,7 @@ class PipelineRunner:
 
 
 def build_pipeline(
-    model: GPT,
+    model: nn.Module,
     *,
     pp_mesh: DeviceMesh,
     pp_rank: int,
@@ -431,7 +430,8 @@ def build_pipeline(
 ) -> PipelineRunner:
     """Cut ``model`` into this rank's stages, apply ``stage_transform`` to each, build the schedule.
 
-    ``model`` is the full model with initialised weights (identical on every rank); it is not
+    ``model`` is the full model, either with initialised weights (identical on every rank) or on
+    the ``meta`` device (``stage_transform`` then materialises each stage's shards); it is not
     modified. ``pp_mesh`` is the 1-D ``pp`` axis of the device mesh (its group carries the p2p
     traffic). ``loss_fn(logits, targets)`` returns the *mean* over one micro-batch; the pipeline
     backpropagates ``loss / n_microbatches`` per micro-batch, so ``.grad`` ends as the gradient of the
@@ -449,9 +449,21 @@ def build_pipeline(
     device = torch.device(device)
     num_stages = parallel.num_stages
     stopwatch = _Stopwatch(device)
+    if getattr(model.config, "tie_embeddings", False) and num_stages > 1:
+        raise ConfigError(
+            "a model with tied input and output embeddings cannot be cut into pipeline stages (the "
+            "embedding and the output would live on different stages).",
+            field="parallelism.pp",
+            fix="use parallelism.pp=1 (shard with ZeRO-3 or tp instead), or a model with untied embeddings",
+        )
+
+    def placed(stage: nn.Module) -> nn.Module:
+        # A meta-device model is materialised by stage_transform, shard by shard.
+        return stage if any(p.is_meta for p in stage.parameters()) else stage.to(device)
+
     stages = [
         _Stage(
-            stage_transform(stage_module(model, stage_index, num_stages).to(device)),
+            stage_transform(placed(stage_module(model, stage_index, num_stages))),
             stage_index,
             num_stages,
             device,

@@ -48,7 +48,8 @@ from workers.config import (
 from workers.data import GlobalSampler, build_dataset
 from workers.errors import ConfigError, NonFiniteLossError
 from workers.mesh import backend_for, build_device_mesh
-from workers.model import build_model, cross_entropy_loss
+from workers.init import materialize
+from workers.model import build_model_skeleton, cross_entropy_loss
 from workers.optim import build_optimizer, clip_grad_norm_, lr_at, set_lr
 from workers.parallelize import ParallelDims, gradient_sync, parallelize_stage, unwrap
 from workers.topology import Topology
@@ -122,8 +123,13 @@ class Trainer:
         self.dims = ParallelDims.build(self.topology, mesh, world_size)
         self.grad_accum_steps = config.grad_accum_steps
 
-        model = build_model(config.model, seed=config.training.seed)
-        transform = partial(parallelize_stage, dims=self.dims, config=config)
+        # Meta-device init: nothing is allocated until each rank's shards are materialised inside
+        # parallelize_stage (after FSDP2 sharding), initialised per parameter from its FQN.
+        with torch.device("meta"):
+            model = build_model_skeleton(config.model)
+        materialize_local = partial(materialize, device=self.device, seed=config.training.seed,
+                                    n_layers=config.model.n_layers)
+        transform = partial(parallelize_stage, dims=self.dims, config=config, materialize=materialize_local)
         self.pipeline = None
         if self.dims.pp_enabled:
             from workers.pipeline import build_pipeline
@@ -140,7 +146,7 @@ class Trainer:
             )
             self.modules: list[nn.Module] = list(self.pipeline.model_parts)
         else:
-            self.modules = [transform(model.to(self.device))]
+            self.modules = [transform(model)]
         #: The stage modules with their original FQNs (DDP wrappers removed): what DCP saves.
         self.model_parts: list[nn.Module] = [unwrap(m) for m in self.modules]
 
