@@ -91,6 +91,14 @@ class ParallelismSpec(_Section):
     )
     virtual_stages: PositiveInt = 1
     sequence_parallel: bool = False
+    dp_replicate: PositiveInt = Field(
+        default=1,
+        description="HSDP: dp ranks form dp_replicate groups that each shard the model (FSDP2, zero 2/3), "
+        "replicated across groups; must divide dp",
+    )
+    offload: Literal["none", "cpu"] = Field(
+        default="none", description="cpu: FSDP2 keeps parameters, gradients and optimizer states in host memory"
+    )
 
 
 class AutoParallelismSpec(_Section):
@@ -201,6 +209,8 @@ class JobSpec(_Section):
                 pp_schedule=layout.pp_schedule,
                 virtual_stages=layout.virtual_stages,
                 sequence_parallel=layout.sequence_parallel,
+                dp_replicate=layout.dp_replicate,
+                offload=layout.offload,
             ),
             training=TrainingConfig(**self.training.model_dump()),
             checkpoint=CheckpointConfig(

@@ -70,6 +70,9 @@ class ModelConfig:
     tie_embeddings: bool = False
     max_position_embeddings: int | None = None
     hf_architecture: str | None = None
+    #: The Hugging Face folder the model was read from (``model.hf``): its safetensors, when present,
+    #: are the step-0 weights, and its tokenizer files are copied into exports.
+    hf_path: str | None = None
 
     def __post_init__(self) -> None:
         # A config read back from JSON (``torchrun`` entry point, Ray) carries rope_scaling as a dict.
@@ -171,6 +174,11 @@ class ParallelConfig:
     pp_schedule: PipelineSchedule = "1f1b"
     virtual_stages: int = 1
     sequence_parallel: bool = False
+    #: HSDP: FSDP2 on a 2-D (replicate, shard) mesh; the dp ranks form dp_replicate groups of
+    #: dp / dp_replicate that each shard the model, replicated across groups. 1 = plain FSDP.
+    dp_replicate: int = 1
+    #: FSDP2 CPUOffloadPolicy: parameters, gradients and optimizer states live in host memory.
+    offload: Literal["none", "cpu"] = "none"
 
     @property
     def world_size(self) -> int:
