@@ -1,0 +1,190 @@
+"""``etrain prepare-data`` (local: progress bar on stderr, the cache file and its token count on stdout) and
+the submit path: the real JobManager (Ray replaced by FakeRuntime) tokenizes ``data.tokenizer`` text with the
+same function, bounded, or answers 422 naming the field and the fix."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+from tokenizers import Tokenizer
+
+from api import cli
+from api.app import create_app
+from service.settings import Settings
+from tests.fakes import FakeRuntime
+from tests.tiny_tokenizers import CORPUS, byte_bpe
+from workers.tokenized import CACHE_DIR_SUFFIX
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory) -> Path:
+    return byte_bpe(tmp_path_factory.mktemp("bpe"))
+
+
+@pytest.fixture
+def corpus(tmp_path) -> Path:
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    for index, text in enumerate(CORPUS):
+        (folder / f"{index}.txt").write_text(text * 50)
+    return folder
+
+
+def expected_ids(bpe: Path, corpus: Path) -> list[int]:
+    tokenizer = Tokenizer.from_file(str(bpe))
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    ids: list[int] = []
+    for index, path in enumerate(sorted(corpus.glob("*.txt"))):
+        ids += ([eos] if index else []) + tokenizer.encode(path.read_text()).ids
+    return ids
+
+
+def etrain(*args: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    code = cli.main(list(args), out=out, err=err)
+    return code, out.getvalue(), err.getvalue()
+
+
+# -- etrain prepare-data ------------------------------------------------------------------------------------
+
+
+def test_prepare_data_prints_the_cache_and_its_token_count(bpe, corpus):
+    expected = expected_ids(bpe, corpus)
+
+    code, out, err = etrain("prepare-data", "--tokenizer", str(bpe), str(corpus))
+
+    assert code == 0, err
+    cache_line, tokens_line = out.splitlines()
+    path = Path(cache_line.split()[1])
+    assert path.parent == corpus / CACHE_DIR_SUFFIX and cache_line.endswith(" (written)")
+    assert tokens_line == (f"tokens: {len(expected)} uint16 (4 documents, EOS '<|endoftext|>', "
+                           "tokenizer vocab 300)")
+    assert np.fromfile(path, dtype=np.uint16).tolist() == expected
+    # the progress bar: hashing, then tokenizing, each ending at 100% on stderr (stdout stays clean)
+    assert "hashing    100.0% |" + "#" * 30 + "|" in err
+    assert "tokenizing 100.0% |" + "#" * 30 + "|" in err and f"{len(expected):,} tokens" in err
+    assert err.endswith("\n")
+
+    again = etrain("prepare-data", "--tokenizer", str(bpe.parent), str(corpus))
+    assert again[0] == 0 and again[1].splitlines() == [f"cache:  {path} (reused)", tokens_line]
+    assert "tokenizing" not in again[2]
+
+
+def test_prepare_data_out_and_json(bpe, corpus, tmp_path):
+    out_file = tmp_path / "train.bin"
+    code, out, err = etrain("--json", "prepare-data", "--tokenizer", str(bpe), str(corpus), "--out", str(out_file))
+
+    assert code == 0, err
+    body = json.loads(out)
+    assert body["path"] == str(out_file) and body["reused"] is False
+    assert body["num_tokens"] == len(expected_ids(bpe, corpus)) and body["dtype"] == "uint16"
+    assert out_file.stat().st_size == 2 * body["num_tokens"]
+    assert not (corpus / CACHE_DIR_SUFFIX).exists()
+
+
+def test_prepare_data_errors_name_the_setting_and_the_fix(bpe, corpus, tmp_path):
+    code, out, err = etrain("prepare-data", "--tokenizer", str(tmp_path / "nope.json"), str(corpus))
+    assert (code, out) == (1, "")
+    assert err.splitlines()[0] == f"error: data.tokenizer={str(tmp_path / 'nope.json')!r} is not a file."
+    assert err.splitlines()[1].startswith("  fix: point data.tokenizer at a Hugging Face tokenizer.json")
+
+    code, _, err = etrain("prepare-data", "--tokenizer", str(bpe), str(tmp_path / "absent"))
+    assert code == 1 and "data.path=" in err and "does not exist" in err
+    assert etrain("prepare-data", str(corpus))[0] == 2  # --tokenizer is required
+
+
+def test_the_console_command_runs_without_a_server(bpe, corpus):
+    result = subprocess.run(
+        [sys.executable, "-m", "api.cli", "--url", "http://127.0.0.1:9", "prepare-data", "--tokenizer", str(bpe),
+         str(corpus)],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[1].startswith(f"tokens: {len(expected_ids(bpe, corpus))} uint16")
+    assert "tokenizing 100.0%" in result.stderr
+
+
+# -- at submit: the real JobManager -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def manager(tmp_path):
+    manager_module = pytest.importorskip("service.manager")  # imports Ray (not started)
+    manager = manager_module.JobManager(Settings(data_dir=tmp_path / "state", poll_interval_s=60),
+                                        runtime=FakeRuntime(), base_dir=str(tmp_path))
+    yield manager
+    manager.close()
+
+
+def job(data: dict[str, Any], **model: Any) -> dict[str, Any]:
+    return {"name": "tok", "model": {"preset": "gpt-tiny", "vocab_size": 320, **model}, "data": data,
+            "training": {"steps": 4, "global_batch": 2}}
+
+
+def test_submit_tokenizes_once_with_the_same_function(tmp_path, manager, bpe, corpus):
+    client = TestClient(create_app(Settings(data_dir=tmp_path / "state"), manager=manager))
+    spec = job({"kind": "text", "path": "corpus", "tokenizer": str(bpe)})  # relative to the server's dir
+
+    first = client.post("/v1/jobs", json=spec)
+
+    assert first.status_code == 201, first.text
+    [cache] = (corpus / CACHE_DIR_SUFFIX).glob("*.bin")
+    assert np.fromfile(cache, dtype=np.uint16).tolist() == expected_ids(bpe, corpus)
+    config = manager.runtime.jobs[first.json()["id"]]["config"]
+    assert (config.data.kind, config.data.path, config.data.tokenizer) == ("text", str(corpus), str(bpe))
+    events = client.get(f"/v1/jobs/{first.json()['id']}/events").json()["events"]
+    tokenized = [event["detail"]["message"] for event in events if event["kind"] == "data_tokenized"]
+    assert tokenized == [f"{len(expected_ids(bpe, corpus))} tokens (uint16) written to {cache}"]
+
+    mtime = cache.stat().st_mtime_ns
+    second = client.post("/v1/jobs", json=spec)
+    assert second.status_code == 201 and cache.stat().st_mtime_ns == mtime
+    events = client.get(f"/v1/jobs/{second.json()['id']}/events").json()["events"]
+    assert any(e["kind"] == "data_tokenized" and "reused from" in e["detail"]["message"] for e in events)
+
+
+def test_submit_refuses_a_tokenizer_the_model_cannot_embed(tmp_path, manager, bpe, corpus):
+    client = TestClient(create_app(Settings(data_dir=tmp_path / "state"), manager=manager))
+
+    response = client.post("/v1/jobs", json=job({"kind": "text", "path": str(corpus), "tokenizer": str(bpe)},
+                                                vocab_size=256))
+
+    assert response.status_code == 422
+    [problem] = response.json()["detail"]
+    assert problem["field"] == "data.tokenizer"
+    assert "has 300 token ids but model.vocab_size=256" in problem["message"]
+    assert problem["fix"].startswith("set model.vocab_size to at least 300")
+    assert not (corpus / CACHE_DIR_SUFFIX).exists()  # refused before any tokenizing
+
+
+def test_submit_bounds_the_work_and_points_at_prepare_data(tmp_path, manager, bpe, corpus):
+    client = TestClient(create_app(Settings(data_dir=tmp_path / "state"), manager=manager))
+    spec = job({"kind": "text", "path": str(corpus), "tokenizer": str(bpe)})
+    manager.submit_tokenize_max_bytes = 1000  # the corpus is ~13 kB
+
+    too_big = client.post("/v1/jobs", json=spec)
+
+    assert too_big.status_code == 422
+    [problem] = too_big.json()["detail"]
+    assert problem["field"] == "data.path"
+    assert "more than the 0.0 MiB tokenized while a submit waits" in problem["message"]
+    assert f"`etrain prepare-data --tokenizer {bpe} {corpus}`" in problem["fix"]
+
+    manager.submit_tokenize_max_bytes, manager.submit_tokenize_timeout_s = 1 << 30, 0.0
+    too_slow = client.post("/v1/jobs", json=spec)
+    assert too_slow.status_code == 422 and "did not finish within 0 s" in too_slow.json()["detail"][0]["message"]
+
+    assert etrain("prepare-data", "--tokenizer", str(bpe), str(corpus))[0] == 0  # what the fix says
+    manager.submit_tokenize_timeout_s = 20.0
+    manager.submit_tokenize_max_bytes = 1000
+    assert client.post("/v1/jobs", json=spec).status_code == 201  # the prepared cache is reused

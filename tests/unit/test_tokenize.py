@@ -1,0 +1,363 @@
+"""Tokenized text data: ids equal ``Tokenizer.encode`` joined with EOS, written once into a content-addressed
+cache beside the data, reused, never torn; the spec rules for ``data.tokenizer``. Tokenizers are trained
+in the test (tests/tiny_tokenizers.py), never downloaded."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer
+
+from service.spec import JobSpec, check_spec, resolve_paths
+from tests.tiny_tokenizers import CORPUS, byte_bpe, wide_word_level, word_level_with_bos
+from workers import tokenized
+from workers.config import DataConfig, ModelConfig
+from workers.data import build_dataset, read_token_file
+from workers.errors import DataError
+from workers.tokenized import CACHE_DIR_SUFFIX, cache_file, load_tokenizer, tokenize_text
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory) -> Path:
+    return byte_bpe(tmp_path_factory.mktemp("bpe"))
+
+
+def encode(tokenizer_path: Path, text: str) -> list[int]:
+    return Tokenizer.from_file(str(tokenizer_path)).encode(text).ids
+
+
+def read_ids(cache: tokenized.TokenCache) -> list[int]:
+    return np.fromfile(cache.path, dtype=cache.dtype).tolist()
+
+
+def corpus_folder(root: Path) -> tuple[Path, list[str]]:
+    """A folder of text files, plus files the walk must skip; the documents in walk order."""
+    root.mkdir()
+    (root / "a.txt").write_text(CORPUS[0] + CORPUS[1])
+    (root / "b.md").write_text(CORPUS[2])
+    (root / "sub").mkdir()
+    (root / "sub" / "c.py").write_text(CORPUS[3])
+    (root / "empty.txt").write_text("")
+    (root / "image.txt").write_bytes(b"\x89PNG\x00\x00binary")
+    (root / "notes.bin").write_text("not a text suffix")
+    (root / ".hidden").mkdir()
+    (root / ".hidden" / "d.txt").write_text("hidden folders are skipped")
+    return root, [CORPUS[0] + CORPUS[1], CORPUS[2], CORPUS[3]]
+
+
+# -- the token stream ------------------------------------------------------------------------------------
+
+
+def test_a_folder_is_encode_of_each_document_joined_with_eos(tmp_path, bpe):
+    data, documents = corpus_folder(tmp_path / "corpus")
+
+    cache = tokenize_text(data, bpe)
+
+    eos = Tokenizer.from_file(str(bpe)).token_to_id("<|endoftext|>")
+    expected = encode(bpe, documents[0]) + [eos] + encode(bpe, documents[1]) + [eos] + encode(bpe, documents[2])
+    assert read_ids(cache) == expected
+    assert (cache.num_tokens, cache.dtype, cache.documents, cache.vocab_size) == (len(expected), "uint16", 3, 300)
+    assert (cache.eos_id, cache.eos_token, cache.reused) == (eos, "<|endoftext|>", False)
+    # content-addressed, inside the folder in a hidden directory the text walk skips
+    assert Path(cache.path) == data / CACHE_DIR_SUFFIX / f"{cache.sha256}.bin" == cache_file(data, cache.sha256)
+    sidecar = json.loads(Path(cache.path + ".json").read_text())
+    assert sidecar == {"format": 1, "path": cache.path, "num_tokens": len(expected), "dtype": "uint16",
+                       "vocab_size": 300, "sha256": cache.sha256, "tokenizer": str(bpe), "data": str(data),
+                       "documents": 3, "eos_id": eos, "eos_token": "<|endoftext|>"}
+    assert sorted(p.name for p in (data / CACHE_DIR_SUFFIX).iterdir()) == [f"{cache.sha256}.bin",
+                                                                          f"{cache.sha256}.bin.json"]
+    assert tokenize_text(data, bpe).sha256 == cache.sha256  # the cache folder is not read back as data
+
+
+def test_a_post_processor_bos_starts_every_document_and_the_cache_sits_beside_a_file(tmp_path):
+    tok = word_level_with_bos(tmp_path / "wl")
+    single = tmp_path / "corpus.txt"
+    single.write_text(CORPUS[0] + "an unknown word\n")
+
+    cache = tokenize_text(single, tok)
+
+    assert read_ids(cache) == encode(tok, single.read_text())
+    assert read_ids(cache)[0] == 1 and read_ids(cache)[-3:] == [0, 0, 0]  # <s> first; unknown words: [UNK]
+    assert Path(cache.path).parent == tmp_path / f"corpus.txt{CACHE_DIR_SUFFIX}"
+
+    folder = tmp_path / "two"
+    folder.mkdir()
+    (folder / "1.txt").write_text(CORPUS[0])
+    (folder / "2.txt").write_text(CORPUS[1])
+    ids = read_ids(tokenize_text(folder, tok))
+    assert ids == encode(tok, CORPUS[0]) + [2] + encode(tok, CORPUS[1])  # </s> between, <s> inside each
+    assert ids.count(1) == 2
+
+
+def test_without_an_eos_token_documents_are_concatenated(tmp_path):
+    tok = byte_bpe(tmp_path / "noeos", eos=None)
+    data, documents = corpus_folder(tmp_path / "corpus")
+    cache = tokenize_text(data, tok)
+    assert (cache.eos_id, cache.eos_token) == (None, None)
+    assert read_ids(cache) == [i for document in documents for i in encode(tok, document)]
+
+
+def test_tokenizer_config_names_the_eos_and_changes_the_cache(tmp_path):
+    tok = word_level_with_bos(tmp_path / "wl")
+    data = tmp_path / "two"
+    data.mkdir()
+    (data / "1.txt").write_text(CORPUS[0])
+    (data / "2.txt").write_text(CORPUS[1])
+    by_name = tokenize_text(data, tok)
+    (tmp_path / "wl" / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "[UNK]"}}))
+
+    by_config = tokenize_text(data, tok)
+
+    assert (by_name.eos_token, by_config.eos_token) == ("</s>", "[UNK]")
+    assert by_config.sha256 != by_name.sha256
+    assert read_ids(by_config) == encode(tok, CORPUS[0]) + [0] + encode(tok, CORPUS[1])
+
+
+def test_long_documents_are_encoded_in_pieces_with_the_same_ids(tmp_path, bpe, monkeypatch):
+    monkeypatch.setattr(tokenized, "PIECE_CHARS", 300)
+    monkeypatch.setattr(tokenized, "BATCH_CHARS", 1000)
+    text = "".join(CORPUS[i % 4] for i in range(200))  # ~13k characters, indented lines included
+    assert len(tokenized._pieces(text, 300)) >= 45 and "".join(tokenized._pieces(text, 300)) == text
+    (tmp_path / "long.txt").write_text(text)
+    progress: list[tuple[str, int, int, int]] = []
+
+    cache = tokenize_text(tmp_path / "long.txt", bpe, progress=lambda *event: progress.append(event))
+
+    assert read_ids(cache) == encode(bpe, text)
+    tokenizing = [event for event in progress if event[0] == "tokenizing"]
+    assert len(tokenizing) > 10  # one report per batch
+    assert tokenizing[-1] == ("tokenizing", len(text), len(text), cache.num_tokens)
+    assert [event[1] for event in tokenizing] == sorted(event[1] for event in tokenizing)
+
+
+def test_pieces_prefer_a_newline_between_two_non_space_characters():
+    text = "aaaa\n  bb\ncccc\n\ndddd"
+    assert tokenized._pieces(text, 12) == ["aaaa\n  bb\n", "cccc\n\ndddd"]
+    assert tokenized._pieces("x" * 10, 4) == ["xxxx", "xxxx", "xx"]  # no newline: a hard cut
+
+
+def test_ids_beyond_uint16_are_stored_as_uint32(tmp_path):
+    tok = wide_word_level(tmp_path / "wide")
+    (tmp_path / "words.txt").write_text("w1 w65999 w69998 nope")
+
+    cache = tokenize_text(tmp_path / "words.txt", tok)
+
+    assert (cache.dtype, cache.vocab_size) == ("uint32", 70_000)
+    assert read_ids(cache) == [2, 66000, 69999, 0]
+    assert read_token_file(cache.path, cache.dtype, 70_000).tolist() == [2, 66000, 69999, 0]
+
+
+# -- the cache --------------------------------------------------------------------------------------------
+
+
+def test_the_second_call_reuses_the_cache_without_tokenizing(tmp_path, bpe):
+    data = tmp_path / "big.txt"
+    data.write_text("".join(CORPUS) * 3000)  # ~700 kB
+    started = time.perf_counter()
+    first = tokenize_text(data, bpe)
+    first_s = time.perf_counter() - started
+    mtime = Path(first.path).stat().st_mtime_ns
+    stages: list[str] = []
+
+    started = time.perf_counter()
+    second = tokenize_text(data, bpe, progress=lambda stage, *_: stages.append(stage))
+    second_s = time.perf_counter() - started
+
+    assert (first.reused, second.reused) == (False, True)
+    assert (second.path, second.num_tokens, second.sha256) == (first.path, first.num_tokens, first.sha256)
+    assert Path(first.path).stat().st_mtime_ns == mtime
+    assert set(stages) == {"hashing"}  # nothing was encoded
+    assert second_s < first_s / 2, (first_s, second_s)
+
+
+def test_the_hash_follows_the_content_of_data_and_tokenizer(tmp_path, bpe):
+    data, _ = corpus_folder(tmp_path / "corpus")
+    base = tokenize_text(data, bpe)
+
+    copy, _ = corpus_folder(tmp_path / "copy")
+    assert tokenize_text(copy, bpe).sha256 == base.sha256  # same bytes, same name: content, not path
+    moved = shutil.copytree(data, tmp_path / "moved")  # the data moves with its cache: reused where it is now
+    found = tokenize_text(moved, bpe)
+    assert found.reused and found.path == str(moved / CACHE_DIR_SUFFIX / f"{base.sha256}.bin")
+    assert found.data == str(moved)
+
+    (data / "b.md").write_text(CORPUS[2] + "one more line\n")
+    edited = tokenize_text(data, bpe)
+    assert edited.sha256 != base.sha256 and not edited.reused
+    assert Path(base.path).is_file()  # the old cache is left, never overwritten
+
+    other = tokenize_text(data, byte_bpe(tmp_path / "bpe320", vocab_size=320))
+    assert other.sha256 not in (base.sha256, edited.sha256)
+
+    (data / "b.md").write_text(CORPUS[2])
+    assert tokenize_text(data, bpe).reused and tokenize_text(data, bpe).sha256 == base.sha256
+
+
+def test_a_tokenizer_folder_means_its_tokenizer_json(tmp_path, bpe):
+    (tmp_path / "t.txt").write_text(CORPUS[0])
+    assert tokenize_text(tmp_path / "t.txt", bpe.parent).sha256 == tokenize_text(tmp_path / "t.txt", bpe).sha256
+
+
+def test_racing_writers_leave_one_whole_cache(tmp_path, bpe):
+    data = tmp_path / "race.txt"
+    data.write_text("".join(CORPUS) * 500)
+    barrier = threading.Barrier(3)
+    results: list[tokenized.TokenCache] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        barrier.wait()
+        try:
+            results.append(tokenize_text(data, bpe))
+        except BaseException as err:  # noqa: BLE001 - surfaced by the assertion below
+            errors.append(err)
+
+    threads = [threading.Thread(target=run) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+
+    assert errors == [] and len(results) == 3
+    assert len({cache.path for cache in results}) == 1
+    assert read_ids(results[0]) == encode(bpe, data.read_text())
+    assert sorted(p.name for p in Path(results[0].path).parent.iterdir()) == [
+        Path(results[0].path).name, Path(results[0].path).name + ".json"]  # no temporary files left
+
+
+def test_out_writes_a_tokens_file_that_kind_tokens_reads(tmp_path, bpe):
+    data, documents = corpus_folder(tmp_path / "corpus")
+    out = tmp_path / "prepared" / "train.bin"
+
+    cache = tokenize_text(data, bpe, out=out)
+
+    assert cache.path == str(out) and (tmp_path / "prepared" / "train.bin.json").is_file()
+    assert not (data / CACHE_DIR_SUFFIX).exists()
+    assert tokenize_text(data, bpe, out=out).reused
+    model = ModelConfig(n_layers=1, d_model=8, n_heads=2, vocab_size=300, seq_len=8)
+    dataset = build_dataset(DataConfig(kind="tokens", path=str(out), token_dtype="uint16"), model)
+    assert dataset.num_tokens == cache.num_tokens
+
+
+# -- errors ----------------------------------------------------------------------------------------------
+
+
+def test_bad_tokenizers_name_data_tokenizer(tmp_path, bpe):
+    (tmp_path / "t.txt").write_text(CORPUS[0])
+    (tmp_path / "broken.json").write_text('{"model": "nope"}')
+    (tmp_path / "empty").mkdir()
+    for path, words in [(tmp_path / "missing.json", "is not a file"), (tmp_path / "empty", "holds no tokenizer.json"),
+                        (tmp_path / "broken.json", "is not a Hugging Face tokenizer.json")]:
+        with pytest.raises(DataError, match=words) as raised:
+            tokenize_text(tmp_path / "t.txt", path)
+        assert raised.value.field == "data.tokenizer" and raised.value.fix
+    with pytest.raises(DataError, match="has 300 token ids but model.vocab_size=256") as raised:
+        tokenize_text(tmp_path / "t.txt", bpe, model_vocab_size=256)
+    assert raised.value.field == "data.tokenizer" and "300" in raised.value.fix
+
+
+def test_bad_data_names_data_path(tmp_path, bpe):
+    (tmp_path / "bin.txt").write_bytes(b"\xff\xfe\x00 not utf-8")
+    (tmp_path / "nothing").mkdir()
+    for path, words in [(tmp_path / "absent", "does not exist"), (tmp_path / "bin.txt", "is not UTF-8 text"),
+                        (tmp_path / "nothing", "holds no text")]:
+        with pytest.raises(DataError, match=words) as raised:
+            tokenize_text(path, bpe)
+        assert raised.value.field == "data.path"
+
+
+def test_a_bounded_run_refuses_big_or_slow_work_with_the_prepare_data_fix(tmp_path, bpe):
+    data = tmp_path / "c.txt"
+    data.write_text("".join(CORPUS) * 10)
+    size = data.stat().st_size
+
+    with pytest.raises(DataError, match=f"holds 0.0 MiB of text to tokenize, more than the 0.0 MiB") as raised:
+        tokenize_text(data, bpe, max_bytes=size - 1)
+    assert raised.value.field == "data.path"
+    assert raised.value.fix.startswith(f"tokenize it once ahead of the submit, where the data is: "
+                                       f"`etrain prepare-data --tokenizer {bpe} {data}`")
+    with pytest.raises(DataError, match="did not finish within 0 s") as raised:
+        tokenize_text(data, bpe, timeout_s=0)
+    assert "etrain prepare-data" in raised.value.fix
+    assert not (tmp_path / f"c.txt{CACHE_DIR_SUFFIX}").exists() or not any(
+        (tmp_path / f"c.txt{CACHE_DIR_SUFFIX}").iterdir())
+
+    tokenize_text(data, bpe)  # prepared ahead (no bounds): a bounded run now only reuses it
+    assert tokenize_text(data, bpe, max_bytes=1, timeout_s=60).reused
+
+
+# -- the worker side --------------------------------------------------------------------------------------
+
+
+def test_build_dataset_reads_the_tokenized_stream_and_bytes_stay_the_default(tmp_path, bpe):
+    data, documents = corpus_folder(tmp_path / "corpus")
+    model = ModelConfig(n_layers=1, d_model=8, n_heads=2, vocab_size=320, seq_len=8)
+
+    dataset = build_dataset(DataConfig(kind="text", path=str(data), tokenizer=str(bpe)), model)
+
+    expected = tokenize_text(data, bpe)
+    assert expected.reused  # build_dataset wrote it; the same function finds it
+    assert dataset.tokens.dtype == np.uint16 and dataset.tokens.tolist() == read_ids(expected)
+    assert len(dataset) == (expected.num_tokens - 1) // 8
+    assert build_dataset(DataConfig(kind="text", path=str(data)), model).tokens.dtype == np.uint8  # bytes
+    with pytest.raises(DataError) as raised:
+        build_dataset(DataConfig(kind="text", path=str(data), tokenizer=str(bpe)),
+                      ModelConfig(n_layers=1, d_model=8, n_heads=2, vocab_size=256, seq_len=8))
+    assert raised.value.field == "data.tokenizer"
+
+
+# -- the job spec -----------------------------------------------------------------------------------------
+
+
+def spec(data: dict, **model) -> JobSpec:
+    return JobSpec.model_validate({
+        "name": "tok", "model": {"preset": "gpt-tiny", **model}, "data": data,
+        "training": {"steps": 2, "global_batch": 2},
+    })
+
+
+def test_a_spec_with_a_tokenizer_validates_and_reaches_the_workers(tmp_path, bpe):
+    (tmp_path / "t.txt").write_text(CORPUS[0])
+    relative = resolve_paths(spec({"kind": "text", "path": "t.txt", "tokenizer": "bpe/tokenizer.json"},
+                                  vocab_size=320), tmp_path)
+    assert relative.data.tokenizer == str(tmp_path / "bpe" / "tokenizer.json")
+    assert relative.data.path == str(tmp_path / "t.txt")
+
+    job = resolve_paths(spec({"kind": "text", "path": str(tmp_path / "t.txt"), "tokenizer": str(bpe)},
+                             vocab_size=320), tmp_path)
+    assert check_spec(job) == []
+    config = job.to_run_config(job_id="tok-1", checkpoint_root=str(tmp_path / "ckpt"))
+    assert config.data == DataConfig(kind="text", path=str(tmp_path / "t.txt"), tokenizer=str(bpe))
+
+    small = word_level_with_bos(tmp_path / "wl")  # 35 ids: a model under 256 is fine, no byte rule
+    assert check_spec(spec({"kind": "text", "path": str(tmp_path / "t.txt"), "tokenizer": str(small)},
+                           vocab_size=64)) == []
+
+
+def test_spec_problems_name_data_tokenizer_with_a_fix(tmp_path, bpe):
+    (tmp_path / "t.txt").write_text(CORPUS[0])
+    text = {"kind": "text", "path": str(tmp_path / "t.txt")}
+
+    [too_big] = check_spec(spec({**text, "tokenizer": str(bpe)}))  # gpt-tiny: vocab_size 256
+    assert too_big.field == "data.tokenizer"
+    assert too_big.message == (f"data.tokenizer {bpe} has 300 token ids but model.vocab_size=256: "
+                               "ids >= 256 have no embedding.")
+    assert too_big.fix.startswith("set model.vocab_size to at least 300 (e.g. 320)")
+
+    [missing] = check_spec(spec({**text, "tokenizer": str(tmp_path / "nope.json")}, vocab_size=320))
+    assert missing.field == "data.tokenizer" and "is not a file" in missing.message and missing.fix
+
+    (tmp_path / "bad.json").write_text("not json")
+    [unreadable] = check_spec(spec({**text, "tokenizer": str(tmp_path / "bad.json")}, vocab_size=320))
+    assert unreadable.field == "data.tokenizer" and "not a Hugging Face tokenizer.json" in unreadable.message
+
+    bin_file = tmp_path / "x.bin"
+    bin_file.write_bytes(b"\x00\x00")
+    [wrong_kind] = check_spec(spec({"kind": "tokens", "path": str(bin_file), "tokenizer": str(bpe)}, vocab_size=320))
+    assert (wrong_kind.field, wrong_kind.fix) == ("data.tokenizer", "remove data.tokenizer, or set data.kind: text")
