@@ -1,9 +1,9 @@
 """``etrain``: a thin command-line client of the REST API, plus ``etrain serve`` to run the server.
 
-Every command except ``serve`` talks HTTP only (``ETRAIN_URL``, default http://127.0.0.1:8000, and
-``ETRAIN_API_TOKEN``), so it works the same against a laptop server or a cluster. Server errors are
-printed as field + message + fix and exit non-zero. Every wait has a timeout (``--timeout`` per HTTP
-request, ``--max-wait`` for ``watch``).
+Every command except ``serve`` and ``prepare-data`` (which tokenizes text here) talks HTTP only
+(``ETRAIN_URL``, default http://127.0.0.1:8000, and ``ETRAIN_API_TOKEN``), so it works the same
+against a laptop server or a cluster. Server errors are printed as field + message + fix and exit
+non-zero. Every wait has a timeout (``--timeout`` per HTTP request, ``--max-wait`` for ``watch``).
 
 Exit codes: 0 success (``watch``: the job SUCCEEDED; ``plan``: feasible), 1 an error or a job that
 FAILED / was CANCELLED / an infeasible plan, 2 bad usage, 124 ``watch`` gave up waiting, 130 ^C.
@@ -56,9 +56,11 @@ class Client:
     def close(self) -> None:
         self._http.close()
 
-    def request(self, method: str, path: str, *, json_body: Any = None, params: dict | None = None) -> Any:
+    def request(self, method: str, path: str, *, json_body: Any = None, params: dict | None = None,
+                timeout_s: float | None = None) -> Any:
+        extra = {} if timeout_s is None else {"timeout": timeout_s}
         try:
-            response = self._http.request(method, path, json=json_body, params=params)
+            response = self._http.request(method, path, json=json_body, params=params, **extra)
         except httpx.TimeoutException as err:
             raise CliError(f"the server at {self.url} did not answer in time ({type(err).__name__}).",
                            fix="retry, or raise --timeout") from err
@@ -78,8 +80,8 @@ class Client:
     def get(self, path: str, **params: Any) -> Any:
         return self.request("GET", path, params={k: v for k, v in params.items() if v is not None} or None)
 
-    def post(self, path: str, body: Any = None) -> Any:
-        return self.request("POST", path, json_body=body)
+    def post(self, path: str, body: Any = None, *, timeout_s: float | None = None) -> Any:
+        return self.request("POST", path, json_body=body, timeout_s=timeout_s)
 
 
 # -- output -----------------------------------------------------------------------------------------
@@ -146,6 +148,7 @@ def print_job(job: dict[str, Any], out: TextIO) -> None:
         ("checkpoint", "-" if job.get("last_checkpoint_step") is None else f"step {job['last_checkpoint_step']}"),
         ("goodput", "-" if job.get("goodput") is None else f"{100 * job['goodput']:.1f}%"),
         ("stragglers", ", ".join(str(s) for s in job.get("stragglers") or []) or "-"),
+        ("artifacts", ", ".join(f"{kind}: {path}" for kind, path in (job.get("artifacts") or {}).items()) or "-"),
         ("created", _when(job.get("created_at"))),
         ("updated", _when(job.get("updated_at"))),
     ]
@@ -347,11 +350,89 @@ def _cmd_plan(client: Client, args: argparse.Namespace, out: TextIO, err: TextIO
     return EXIT_OK if feasible else EXIT_FAILED
 
 
+def _cmd_export(client: Client, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    """POST /v1/jobs/{id}/export and print the folder. ``--out`` is made absolute here, against the
+    directory the command runs in: the server writes it, so both must see the same filesystem."""
+    body = {"step": args.step, "out": os.path.abspath(os.path.expanduser(args.out))}
+    result = client.post(f"/v1/jobs/{args.job_id}/export", body, timeout_s=args.max_wait)
+    if args.json:
+        _print_json(result, out)
+    else:
+        print(result["hf"], file=out)
+    return EXIT_OK
+
+
 def _cmd_chaos(client: Client, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     request = {"action": args.action, "rank": args.rank, "factor": args.factor, "step": args.step,
                "at_step": args.at_step}
     order = client.post(f"/v1/jobs/{args.job_id}/chaos", {k: v for k, v in request.items() if v is not None})
     _print_json(order, out)
+    return EXIT_OK
+
+
+class ProgressBar:
+    """``etrain prepare-data``'s progress: one line on ``stream`` (stderr) redrawn in place, at most every
+    ``interval_s`` seconds and always at 100%; a new stage (hashing, then tokenizing) starts a new line."""
+
+    WIDTH = 30
+
+    def __init__(self, stream: TextIO, *, interval_s: float = 0.2):
+        self.stream = stream
+        self.interval_s = interval_s
+        self._stage: str | None = None
+        self._started = self._drawn = 0.0
+
+    def __call__(self, stage: str, done: int, total: int, tokens: int) -> None:
+        now = time.monotonic()
+        if stage != self._stage:
+            if self._stage is not None:
+                self.stream.write("\n")
+            self._stage, self._started, self._drawn = stage, now, 0.0
+        elif done < total and now - self._drawn < self.interval_s:
+            return
+        self._drawn = now
+        fraction = done / total if total else 1.0
+        filled = min(self.WIDTH, int(fraction * self.WIDTH))
+        mib = 1 << 20
+        rate = done / mib / max(now - self._started, 1e-6)
+        line = (f"{stage:<10} {100 * fraction:5.1f}% |{'#' * filled}{'.' * (self.WIDTH - filled)}| "
+                f"{done / mib:.1f}/{total / mib:.1f} MiB  {rate:.1f} MiB/s")
+        if stage == "tokenizing":
+            line += f"  {tokens:,} tokens"
+        self.stream.write("\r" + line)
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self._stage is not None:
+            self.stream.write("\n")
+            self.stream.flush()
+            self._stage = None
+
+
+def _cmd_prepare_data(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    """Tokenize text with a tokenizer.json into the cache a ``data: {kind: text, tokenizer: ...}`` job reads
+    (or into ``--out``), here, with no server and no time limit; print the file and its token count."""
+    from workers.errors import EtrainError
+    from workers.tokenized import tokenize_text
+
+    bar = ProgressBar(err)
+    try:
+        cache = tokenize_text(args.path, args.tokenizer, out=args.out, progress=bar)
+    except EtrainError as error:
+        bar.close()
+        print_error(CliError(error.message, error.fix), err)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        bar.close()
+        return EXIT_INTERRUPTED
+    bar.close()
+    if args.json:
+        _print_json({**cache.sidecar(), "reused": cache.reused}, out)
+        return EXIT_OK
+    eos = f"EOS {cache.eos_token!r}" if cache.eos_token else "no EOS"
+    print(f"cache:  {cache.path} ({'reused' if cache.reused else 'written'})", file=out)
+    print(f"tokens: {cache.num_tokens} {cache.dtype} ({cache.documents} documents, {eos}, "
+          f"tokenizer vocab {cache.vocab_size})", file=out)
     return EXIT_OK
 
 
@@ -543,6 +624,15 @@ def build_parser() -> argparse.ArgumentParser:
     plan = commands.add_parser("plan", help="check a spec and show the planner's estimate; starts nothing")
     plan.add_argument("file")
 
+    export = commands.add_parser(
+        "export", help="write a committed checkpoint as a Hugging Face folder (from_pretrained loads it)"
+    )
+    export.add_argument("job_id")
+    export.add_argument("--step", type=int, help="a committed checkpoint step (default: the newest)")
+    export.add_argument("--out", required=True, help="a new or empty folder to write")
+    export.add_argument("--max-wait", type=_positive, default=3600.0,
+                        help="seconds to wait for the export (default 3600)")
+
     chaos = commands.add_parser("chaos", help="inject a fault (servers started with --enable-chaos)")
     chaos.add_argument("job_id")
     chaos.add_argument("action", choices=["kill_rank", "kill_actor", "slow_rank", "hang_rank", "corrupt_checkpoint"])
@@ -550,6 +640,17 @@ def build_parser() -> argparse.ArgumentParser:
     chaos.add_argument("--factor", type=float)
     chaos.add_argument("--step", type=int, help="corrupt_checkpoint: the checkpoint step")
     chaos.add_argument("--at-step", type=int, help="inject when the job reaches this step")
+
+    prepare = commands.add_parser(
+        "prepare-data",
+        help="tokenize text once with a tokenizer.json into the cache `data: {kind: text, tokenizer: ...}` "
+             "reads (runs here; no server)",
+    )
+    prepare.add_argument("path", help="a UTF-8 text file or a folder of text files (data.path)")
+    prepare.add_argument("--tokenizer", required=True,
+                         help="a Hugging Face tokenizer.json, or the folder holding one (data.tokenizer)")
+    prepare.add_argument("--out", help="write the .bin here instead of the cache beside the data "
+                                       "(then train with data.kind: tokens)")
     return parser
 
 
@@ -562,6 +663,7 @@ _COMMANDS = {
     "scale": _cmd_scale,
     "events": _cmd_events,
     "plan": _cmd_plan,
+    "export": _cmd_export,
     "chaos": _cmd_chaos,
 }
 
@@ -594,6 +696,8 @@ def main(argv: list[str] | None = None, *, out: TextIO | None = None, err: TextI
         except CliError as error:
             print_error(error, err)
             return EXIT_FAILED
+    if args.command == "prepare-data":
+        return _cmd_prepare_data(args, out, err)
     client = Client(args.url, token=args.token, timeout_s=args.timeout)
     try:
         return _COMMANDS[args.command](client, args, out, err)

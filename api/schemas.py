@@ -21,6 +21,8 @@ __all__ = [
     "ErrorOut",
     "EventOut",
     "EventsOut",
+    "ExportOut",
+    "ExportRequest",
     "JobListOut",
     "JobOut",
     "ScaleRequest",
@@ -49,6 +51,18 @@ class ScaleRequest(BaseModel):
     dp: int = Field(ge=1, description="the new data-parallel degree (within resources.min_dp .. max_dp)")
 
 
+class ExportRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    step: int | None = Field(default=None, ge=0, description="a committed checkpoint step; null: the newest")
+    out: str = Field(min_length=1, description="a new or empty folder (relative paths: the server's directory)")
+
+
+class ExportOut(BaseModel):
+    hf: str = Field(description="absolute path of the folder transformers' from_pretrained loads")
+    step: int
+
+
 class JobOut(BaseModel):
     id: str
     name: str
@@ -67,6 +81,9 @@ class JobOut(BaseModel):
     stragglers: list[Any]
     goodput: float | None
     attempt: int
+    artifacts: dict[str, str] = Field(
+        default_factory=dict, description='what a succeeded job wrote besides checkpoints: {"hf": "<folder>"}'
+    )
 
     @classmethod
     def of(cls, job: JobRecord) -> "JobOut":
@@ -88,6 +105,7 @@ class JobOut(BaseModel):
             stragglers=_clean(list(job.stragglers)),
             goodput=_finite(job.goodput),
             attempt=job.attempt,
+            artifacts=dict(job.artifacts),
         )
 
 

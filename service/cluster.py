@@ -11,10 +11,10 @@ import logging
 from typing import Any, Protocol
 
 from service.errors import ServiceUnavailable
-from service.runtime import JobPolicy, find_supervisor, start_supervisor
+from service.runtime import JobPolicy, find_supervisor, run_export, start_supervisor
 from service.settings import Settings
 from service.worker_group import NAMESPACE
-from workers.config import RunConfig
+from workers.config import ModelConfig, RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +45,14 @@ class Runtime(Protocol):
     def scale(self, job_id: str, dp: int) -> None: ...
     def chaos(self, job_id: str, request: dict[str, Any]) -> dict[str, Any]: ...
     def release(self, job_id: str) -> None: ...
+    def export(self, *, step_dir: str, out_dir: str, model: ModelConfig, source_dir: str | None,
+               timeout_s: float) -> str: ...
     def health(self) -> dict[str, Any]: ...
     def close(self) -> None: ...
+
+    def accelerator_memory_gb(self) -> float | None:
+        """GiB of memory per GPU the cluster's nodes offer (the smallest type's); None without GPUs or
+        when it cannot be measured now (the planner then uses its default)."""
 
 
 class RayRuntime:
@@ -57,6 +63,7 @@ class RayRuntime:
 
         self._ray = ray
         self._owns_cluster = False
+        self._gpu_memory_gib: dict[str, float] = {}  # accelerator type -> GiB per GPU, measured once
         if ray.is_initialized():
             return
         try:
@@ -138,6 +145,35 @@ class RayRuntime:
             except Exception:  # already gone
                 pass
 
+    def export(self, *, step_dir: str, out_dir: str, model: ModelConfig, source_dir: str | None,
+               timeout_s: float) -> str:
+        """Run the Hugging Face export task (service.runtime) and wait up to ``timeout_s``."""
+        return run_export(step_dir=step_dir, out_dir=out_dir, model=model, source_dir=source_dir, timeout_s=timeout_s)
+
+    def accelerator_memory_gb(self) -> float | None:
+        """GiB of memory per GPU the cluster offers, for the planner (``resources.device_memory_gb``).
+
+        Ray's resources name how many GPUs there are and their type (``accelerator_type:H100``), not
+        their memory, so one probe task per accelerator type reads it on a GPU node
+        (:func:`probe_gpu_memory_gib`) and the answer is cached for that type. With several types, the
+        smallest (a job may land on any). None when the cluster has no GPU, or when a probe cannot run
+        within the call timeout (every GPU busy): not cached, asked again next time.
+        """
+        try:
+            resources = self._ray.cluster_resources()
+        except Exception:
+            return None
+        if resources.get("GPU", 0) < 1:
+            return None
+        types = sorted(key.split(":", 1)[1] for key in resources if key.startswith("accelerator_type:")) or [""]
+        for kind in types:
+            if kind not in self._gpu_memory_gib:
+                measured = probe_gpu_memory_gib(kind or None, timeout_s=CALL_TIMEOUT_S)
+                if measured is None:
+                    return None
+                self._gpu_memory_gib[kind] = measured
+        return min(self._gpu_memory_gib[kind] for kind in types)
+
     def health(self) -> dict[str, Any]:
         try:
             nodes = [node for node in self._ray.nodes() if node.get("Alive")]
@@ -162,3 +198,27 @@ class RayRuntime:
             raise ServiceUnavailable(
                 f"Ray did not answer within {CALL_TIMEOUT_S:.0f}s", fix="check the cluster (ray status) and retry"
             ) from err
+
+
+def probe_gpu_memory_gib(accelerator_type: str | None, *, timeout_s: float) -> float | None:
+    """Total memory of one GPU (of ``accelerator_type``, when given) in GiB, read by a one-GPU Ray task
+    running ``workers.device_info.gpu_memory_bytes`` (torch lives on the workers, not here); None when
+    the task cannot be scheduled within ``timeout_s`` (it is then cancelled) or sees no GPU."""
+    import ray
+
+    from workers.device_info import gpu_memory_bytes
+
+    options: dict[str, Any] = {"num_gpus": 1, "num_cpus": 0, "max_retries": 0}
+    if accelerator_type:
+        options["accelerator_type"] = accelerator_type
+    ref = ray.remote(**options)(gpu_memory_bytes).remote()
+    try:
+        total = ray.get(ref, timeout=timeout_s)
+    except Exception as err:  # GetTimeoutError (every GPU busy) or a task failure
+        log.info("GPU memory probe (%s) gave no answer: %s", accelerator_type or "any GPU", err)
+        try:
+            ray.cancel(ref, force=True)
+        except Exception:
+            pass
+        return None
+    return None if total is None else total / 2**30

@@ -25,14 +25,24 @@ from service.settings import Settings
 from service.spec import JobSpec, SpecProblem, check_spec, resolve_paths
 from service.store import EventRecord, JobRecord, JobStatus, JobStore, StepRecord
 from service.stragglers import StragglerConfig
+from workers.errors import CheckpointError, ConfigError
+from workers.manifest import latest_committed, list_steps, step_dir, verify
 
 log = logging.getLogger(__name__)
 
 CANCEL_WAIT_S = 30.0
+#: How long POST /v1/jobs/{id}/export waits for its export task (a 70B model is ~280 GB of fp32 to write).
+EXPORT_TIMEOUT_S = 3600.0
 RANK_ACTIONS = ("kill_rank", "kill_actor", "slow_rank", "hang_rank")
 
 
 class JobManager:
+    #: ``data.tokenizer`` text is tokenized at submit, inside the HTTP request (clients wait 30 s by
+    #: default), so that run is bounded: more text than this to tokenize, or a run longer than this, is
+    #: a 422 whose fix is ``etrain prepare-data`` (the same function, run ahead, without bounds).
+    submit_tokenize_max_bytes: int = 64 << 20
+    submit_tokenize_timeout_s: float = 20.0
+
     def __init__(self, settings: Settings, *, runtime: Runtime | None = None, base_dir: str | None = None):
         self.settings = settings
         settings.data_dir.mkdir(parents=True, exist_ok=True)
@@ -56,17 +66,19 @@ class JobManager:
         """The spec as it will run (paths pinned, auto layout resolved), or SpecRejected with every problem."""
         spec = resolve_paths(spec, self._base_dir)
         problems: list[SpecProblem] = list(check_spec(spec))
+        available = self.device_memory_gb(spec.resources.device) if not problems else None
         if not problems and spec.is_auto:
-            spec = spec.with_layout(planner.resolve_auto(spec).layout)
+            spec = spec.with_layout(planner.resolve_auto(spec, available_gb=available).layout)
             problems += check_spec(spec)
         if not problems:
-            problems += planner.check_plan(spec)
+            problems += planner.check_plan(spec, available_gb=available)
         if problems:
             raise SpecRejected(problems)
         return spec
 
     def submit(self, spec: JobSpec) -> JobRecord:
         spec = self.validate(spec)
+        tokenized = self._prepare_data(spec)
         job_id = f"{spec.name.lower()}-{uuid.uuid4().hex[:8]}"
         config = spec.to_run_config(job_id=job_id, checkpoint_root=str(self.settings.checkpoint_root(job_id).resolve()))
         self._submitting.add(job_id)
@@ -78,6 +90,8 @@ class JobManager:
             layout=config.parallel.describe(),
         )
         self.store.add_events(job_id, [(time.time(), "submitted", {"message": f"layout {config.parallel.describe()}"})])
+        if tokenized is not None:
+            self.store.add_events(job_id, [(time.time(), "data_tokenized", {"message": tokenized})])
         try:
             self.runtime.start(job_id, config, policy_for(spec))
         except Exception as err:
@@ -87,6 +101,23 @@ class JobManager:
         finally:
             self._submitting.discard(job_id)
         return self.store.get_job(job_id) or record
+
+    def _prepare_data(self, spec: JobSpec) -> str | None:
+        """Tokenize ``data.tokenizer`` text now, once (a cache hit costs one hash of the data), so the ranks
+        only memory-map it; a line for the job's events, or SpecRejected naming the field and the fix."""
+        data = spec.data
+        if data.kind != "text" or not data.tokenizer or not data.path:
+            return None
+        from workers.errors import DataError
+        from workers.tokenized import tokenize_text
+
+        try:
+            cache = tokenize_text(data.path, data.tokenizer, max_bytes=self.submit_tokenize_max_bytes,
+                                  timeout_s=self.submit_tokenize_timeout_s)
+        except DataError as err:
+            raise SpecRejected([SpecProblem(field=err.field or "data.path", message=err.message, fix=err.fix)]) from err
+        return (f"{cache.num_tokens} tokens ({cache.dtype}) {'reused from' if cache.reused else 'written to'} "
+                f"{cache.path}")
 
     def get(self, job_id: str) -> JobRecord:
         record = self.store.get_job(job_id)
@@ -157,8 +188,50 @@ class JobManager:
         order = self.runtime.chaos(job_id, request)
         return order
 
+    def export(self, job_id: str, step: int | None, out: str) -> dict[str, Any]:
+        """Write committed checkpoint ``step`` (default: the newest) of ``job_id`` as a Hugging Face folder
+        at ``out`` with the same Ray task a job runs at its end; returns ``{"hf": path, "step": step}``.
+
+        Any committed checkpoint qualifies, of a running job too (committed steps never change; a
+        checkpoint pruned by ``keep_last`` mid-export fails the export, not the job).
+        """
+        record = self.get(job_id)
+        spec = JobSpec.model_validate(record.spec)
+        config = spec.to_run_config(job_id=job_id, checkpoint_root=str(self.settings.checkpoint_root(job_id).resolve()))
+        model = config.model
+        if model.arch != "llama":
+            raise ConfigError(
+                f"job {job_id} trains the built-in GPT (model.kind={spec.model.kind!r}), which has no Hugging Face "
+                "format; only Llama-family models (model.hf or a llama preset) export.",
+                field="model.kind", fix="export a job that trains a Llama-family model",
+            )
+        out_dir = os.path.expanduser(out)
+        out_dir = out_dir if os.path.isabs(out_dir) else os.path.join(self._base_dir, out_dir)
+        out_dir = os.path.abspath(out_dir)
+        if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
+            raise JobConflict(f"out {out_dir} already exists and is not empty.", job_id=job_id, field="out",
+                              fix="give a new or empty folder; exports never overwrite")
+        root = config.checkpoint.path
+        step, directory = _committed_step(job_id, root, step)
+        path = self.runtime.export(step_dir=directory, out_dir=out_dir, model=model, source_dir=model.hf_path,
+                                   timeout_s=EXPORT_TIMEOUT_S)
+        self.store.add_events(job_id, [(time.time(), "exported",
+                                        {"message": f"step {step} -> {path} (requested via API)"})])
+        return {"hf": path, "step": step}
+
     def plan(self, spec: JobSpec) -> dict[str, Any]:
-        return planner.plan_report(resolve_paths(spec, self._base_dir))
+        return planner.plan_report(resolve_paths(spec, self._base_dir),
+                                   available_gb=self.device_memory_gb(spec.resources.device))
+
+    def device_memory_gb(self, device: str) -> float | None:
+        """Memory per rank (GiB) this cluster offers for ``device``, for the planner: the operator's
+        ``ETRAIN_DEVICE_MEMORY_GB`` when set, else for ``cuda`` the GPU memory the runtime measures on
+        the Ray nodes; None (the planner's default: 80 per GPU, 8 per CPU worker) when neither says."""
+        if self.settings.device_memory_gb is not None:
+            return self.settings.device_memory_gb
+        if device == "cuda":
+            return self.runtime.accelerator_memory_gb()
+        return None
 
     def health(self) -> dict[str, Any]:
         return {"db": "ok" if self.store.ping() else "error", **self.runtime.health()}
@@ -213,6 +286,8 @@ class JobManager:
         fields = {key: update.get(key) for key in ("step", "loss", "tokens_per_s", "world_size", "restarts",
                                                    "last_checkpoint_step", "layout", "goodput", "attempt", "error")}
         fields["stragglers"] = update.get("stragglers", [])
+        if update.get("artifacts"):
+            fields["artifacts"] = update["artifacts"]
         fields["status"] = JobStatus(update["status"])
         fields = {key: value for key, value in fields.items() if value is not None or key == "error"}
         self.store.update_job(job_id, **fields)
@@ -267,4 +342,36 @@ def policy_for(spec: JobSpec) -> JobPolicy:
         straggler_action=stragglers.action,
         resources_per_rank=resources,
         placement_strategy=spec.resources.placement_strategy,
+        export=spec.export_format == "hf",
+    )
+
+
+def _committed_step(job_id: str, root: str, step: int | None) -> tuple[int, str]:
+    """``(step, step_dir)`` of a committed checkpoint of the job (sizes checked here; the export task
+    verifies the checksums as it reads), or JobConflict naming the committed steps there are."""
+    if step is None:
+        found = latest_committed(root, checksums=False)
+        if found is not None:
+            return found
+    else:
+        directory = step_dir(root, step)
+        try:
+            verify(directory, checksums=False)
+            return step, directory
+        except CheckpointError:
+            pass
+    committed = []
+    for number, directory in list_steps(root):
+        try:
+            verify(directory, checksums=False)
+        except CheckpointError:
+            continue
+        committed.append(number)
+    what = "no committed checkpoint" if step is None else f"no committed checkpoint at step {step}"
+    listing = f"committed steps: {committed}" if committed else "nothing is committed yet"
+    raise JobConflict(
+        f"job {job_id} has {what} under {root} ({listing}).",
+        job_id=job_id, field="step",
+        fix=(f"pass one of the committed steps ({committed[-1]} is the newest)" if committed
+             else "wait for the job's first checkpoint (checkpoint.every_steps, or its end)"),
     )

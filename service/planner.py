@@ -28,10 +28,7 @@ from service.plan_math import (
     MemoryBreakdown,
     StepTime,
     _dp_traffic,
-    _embedding_params,
-    _fsdp_buffers,
     _gib,
-    _head_params,
     _layer_chunks_in_flight,
     _pp_traffic,
     _step_flops,
@@ -39,12 +36,16 @@ from service.plan_math import (
     _tp_traffic,
     bubble_fraction,
     bytes_per_param,
+    compute_regime,
     hardware_for,
     in_flight_microbatches,
     korthikanti_activation_bytes,
     layer_activation_bytes,
     layer_params,
+    llama_layer_activation_bytes,
+    logits_bytes,
     precision_bytes,
+    stage_memory,
     stage_params,
 )
 from service.spec import JobSpec, ParallelismSpec, SpecProblem, check_spec
@@ -61,21 +62,28 @@ __all__ = [
     "bubble_fraction",
     "bytes_per_param",
     "check_plan",
+    "device_memory_gb",
     "estimate",
     "hardware_for",
     "in_flight_microbatches",
     "korthikanti_activation_bytes",
     "layer_activation_bytes",
     "layer_params",
+    "llama_layer_activation_bytes",
+    "logits_bytes",
     "plan_report",
     "precision_bytes",
     "resolve_auto",
     "stage_params",
 ]
 
+#: Memory per rank when neither the cluster (detected GPU memory) nor the operator
+#: (``ETRAIN_DEVICE_MEMORY_GB``) says: 80 GiB per GPU, 8 GiB per CPU worker.
 DEFAULT_DEVICE_MEMORY_GB = {"cuda": 80.0, "cpu": 8.0}
-#: CUDA context, NCCL/gloo buffers, allocator slack: memory a rank uses before holding any tensor.
-RUNTIME_OVERHEAD_GIB = {"cuda": 1.0, "cpu": 0.5}
+#: Memory a rank uses before holding any tensor. CUDA: context, NCCL buffers, allocator slack.
+#: CPU: the Python + torch + gloo process of a rank, measured by ``make bench`` as an empty rank's
+#: peak RSS (272 MiB on x86_64 Linux, torch 2.13), rounded up.
+RUNTIME_OVERHEAD_GIB = {"cuda": 1.0, "cpu": 0.28}
 #: Layouts whose estimated step time is within this fraction of the fastest count as equally fast.
 STEP_TIME_TOLERANCE = 0.05
 #: Auto-planning first looks for layouts within this share of device memory (estimates are estimates).
@@ -96,9 +104,12 @@ class PlanEstimate:
     pp_schedule: str
     virtual_stages: int
     sequence_parallel: bool
+    dp_replicate: int
+    offload: str
     microbatches: int
     micro_batch: int
     precision: str
+    regime: str  # how blocks compute: fp32, autocast (bf16 matmuls) or bf16_params (FSDP2 mixed precision)
     activation_checkpointing: bool
     num_params: int
     params_per_rank: int  # the worst stage's parameters on one TP rank, before ZeRO sharding
@@ -129,8 +140,9 @@ class PlanEstimate:
                 "dp": self.dp, "tp": self.tp, "pp": self.pp, "zero": self.zero,
                 "pp_schedule": self.pp_schedule, "virtual_stages": self.virtual_stages,
                 "sequence_parallel": self.sequence_parallel, "microbatches": self.microbatches,
+                "dp_replicate": self.dp_replicate, "offload": self.offload,
             },
-            "training": {"micro_batch": self.micro_batch, "precision": self.precision,
+            "training": {"micro_batch": self.micro_batch, "precision": self.precision, "compute": self.regime,
                          "activation_checkpointing": self.activation_checkpointing},
             "params": {"total": self.num_params, "per_rank": self.params_per_rank,
                        "layers_per_stage": self.layers_per_stage},
@@ -180,24 +192,38 @@ class _Case:
         return dataclasses.replace(self, **fields)
 
 
-def _device_memory_bytes(spec: JobSpec) -> int:
-    gb = spec.resources.device_memory_gb or DEFAULT_DEVICE_MEMORY_GB[spec.resources.device]
-    return int(gb * GiB)
+def device_memory_gb(spec: JobSpec, available_gb: float | None = None) -> float:
+    """Memory per rank the plan is checked against, in GiB.
+
+    ``available_gb`` is what the cluster offers per rank for ``resources.device`` (the GPU memory
+    Ray's nodes report, or the operator's ``ETRAIN_DEVICE_MEMORY_GB``), passed in by the caller so
+    that the planner stays pure; None means unknown (:data:`DEFAULT_DEVICE_MEMORY_GB`). A job's
+    ``resources.device_memory_gb`` may only lower it (:func:`check_plan` rejects a higher one).
+    """
+    offered = available_gb if available_gb is not None else DEFAULT_DEVICE_MEMORY_GB[spec.resources.device]
+    asked = spec.resources.device_memory_gb
+    return offered if asked is None else (asked if available_gb is None else min(asked, offered))
 
 
-def _case(spec: JobSpec, layout: ParallelismSpec) -> _Case:
+def _case(spec: JobSpec, layout: ParallelismSpec, available_gb: float | None = None) -> _Case:
     return _Case(
         model=spec.model.to_config(), layout=layout, global_batch=spec.training.global_batch,
         micro_batch=spec.training.micro_batch, precision=spec.training.precision,
         checkpointing=spec.training.activation_checkpointing, device=spec.resources.device,
-        device_memory_bytes=_device_memory_bytes(spec), cpus_per_worker=spec.resources.cpus_per_worker,
+        device_memory_bytes=int(device_memory_gb(spec, available_gb) * GiB),
+        cpus_per_worker=spec.resources.cpus_per_worker,
     )
 
 
 def _describe(layout: ParallelismSpec) -> str:
-    return ParallelConfig(dp=layout.dp, tp=layout.tp, pp=layout.pp, zero=layout.zero,
+    text = ParallelConfig(dp=layout.dp, tp=layout.tp, pp=layout.pp, zero=layout.zero,
                           pp_schedule=layout.pp_schedule, virtual_stages=layout.virtual_stages,
                           sequence_parallel=layout.sequence_parallel).describe()
+    if layout.dp_replicate > 1:
+        text += f" hsdp={layout.dp_replicate}x{layout.dp // layout.dp_replicate}"
+    if layout.offload != "none":
+        text += f" offload={layout.offload}"
+    return text
 
 
 def _evaluate(case: _Case) -> PlanEstimate:
@@ -205,14 +231,16 @@ def _evaluate(case: _Case) -> PlanEstimate:
     dp, tp, pp, zero = lay.dp, lay.tp, lay.pp, lay.zero
     v = lay.virtual_stages if pp > 1 else 1
     m, b, s, d = case.microbatches, case.micro_batch, model.seq_len, model.d_model
-    elem = 2 if case.precision == "bf16" else 4
-    pb, gb, ob = precision_bytes(case.precision)
+    fsdp = zero in (2, 3) and dp > 1
+    replicate = lay.dp_replicate if fsdp and dp % lay.dp_replicate == 0 else 1
+    regime = compute_regime(case.precision, fsdp=fsdp)
+    act_elem = 4 if regime == "fp32" else 2  # what crosses tp and pp links
+    pb, gb, _ = precision_bytes(case.precision)
+    param_comm_bytes = 2 if regime == "bf16_params" else pb  # FSDP2 all-gathers bf16 copies
     layers = math.ceil(model.n_layers / (pp * v)) * v
     per_layer_act = layer_activation_bytes(model, micro_batch=b, tp=tp, sequence_parallel=lay.sequence_parallel,
-                                           precision=case.precision, checkpointing=case.checkpointing)
-    full_layer_act = layer_activation_bytes(model, micro_batch=b, tp=tp, sequence_parallel=lay.sequence_parallel,
-                                            precision=case.precision)
-    hidden = s * b * d * elem  # one micro-batch's hidden states
+                                           precision=case.precision, checkpointing=case.checkpointing, regime=regime)
+    hidden = s * b * d * act_elem  # one micro-batch's hidden states
     sp_div = tp if lay.sequence_parallel else 1
     overhead = RUNTIME_OVERHEAD_GIB[case.device] * GiB
 
@@ -221,35 +249,21 @@ def _evaluate(case: _Case) -> PlanEstimate:
     for stage in stages:
         first, last = stage == 0, stage == pp - 1
         params = stage_params(model, tp=tp, layers=layers, first=first, last=last)
-        root = (_embedding_params(model, tp) if first else 0.0) + (_head_params(model, tp) if last else 0.0)
-        unit = max(layer_params(model, tp) if layers else 0.0, root)  # the largest FSDP unit
         held = _layer_chunks_in_flight(lay.pp_schedule, pp=pp, microbatches=m, virtual_stages=v, stage=stage)
-        activations = held * (layers // v) * per_layer_act
-        if case.checkpointing:
-            activations += full_layer_act  # one block's activations live while it is recomputed
-        if last:  # fp32 log-softmax of the gathered logits, final norm input and output; then the
-            # gradient of one micro-batch's logits (fp32 and compute dtype) during the loss backward
-            logits = b * s * model.vocab_size
-            activations += math.ceil(held / v) * (4 * logits + 2 * hidden / sp_div) + logits * (4 + elem)
-        memories[stage] = MemoryBreakdown(
-            stage=stage,
-            parameters=math.ceil(params * pb / (dp if zero >= 3 else 1)),
-            gradients=math.ceil(params * gb / (dp if zero >= 2 else 1)),
-            optimizer_states=math.ceil(params * ob / (dp if zero >= 1 else 1)),
-            activations=math.ceil(activations),
-            fsdp_buffers=math.ceil(_fsdp_buffers(zero=zero, dp=dp, pp=pp, microbatches=m, params=params, unit=unit,
-                                            param_bytes=pb, grad_bytes=gb)),
-            overhead=math.ceil(overhead),
+        memories[stage] = stage_memory(
+            model, stage=stage, pp=pp, layers=layers, virtual_stages=v, held=held, dp=dp, tp=tp, zero=zero,
+            micro_batch=b, microbatches=m, precision=case.precision, checkpointing=case.checkpointing,
+            device=case.device, overhead=overhead, dp_replicate=replicate, offload=lay.offload,
+            sequence_parallel=lay.sequence_parallel,
         )
         params_of[stage] = params
-        volume, ops = _dp_traffic(zero=zero, dp=dp, pp=pp, microbatches=m, params=params, param_bytes=pb,
-                                  grad_bytes=gb, units=layers + int(first or last),
-                                  tensors=16 * layers + 2 * int(first) + 3 * int(last))
+        volume, ops = _dp_traffic(zero=zero, dp=dp, pp=pp, microbatches=m, params=params,
+                                  param_bytes=param_comm_bytes, grad_bytes=gb, units=layers + int(first or last),
+                                  tensors=16 * layers + 2 * int(first) + 3 * int(last), dp_replicate=replicate)
         dp_bytes.append(volume)
         dp_ops.append(ops)
         volume, ops = _tp_traffic(tp=tp, microbatches=m, layers=layers, first=first, last=last,
-                                  checkpointing=case.checkpointing, hidden_bytes=hidden,
-                                  logits_bytes=b * s * model.vocab_size * elem)
+                                  checkpointing=case.checkpointing, hidden_bytes=hidden, tokens=b * s)
         tp_ops.append(ops)
         tp_bytes.append(volume)
     worst = max(stages, key=lambda st: memories[st].total)
@@ -263,7 +277,9 @@ def _evaluate(case: _Case) -> PlanEstimate:
     return PlanEstimate(
         layout=_describe(lay), world_size=dp * tp * pp, dp=dp, tp=tp, pp=pp, zero=zero,
         pp_schedule=lay.pp_schedule, virtual_stages=lay.virtual_stages, sequence_parallel=lay.sequence_parallel,
-        microbatches=m, micro_batch=b, precision=case.precision, activation_checkpointing=case.checkpointing,
+        dp_replicate=lay.dp_replicate, offload=lay.offload,
+        microbatches=m, micro_batch=b, precision=case.precision, regime=regime,
+        activation_checkpointing=case.checkpointing,
         num_params=model.num_params, params_per_rank=math.ceil(params_of[worst]), layers_per_stage=layers,
         in_flight_microbatches=in_flight_microbatches(lay.pp_schedule, pp=pp, microbatches=m, virtual_stages=v,
                                                       stage=worst),
@@ -273,10 +289,11 @@ def _evaluate(case: _Case) -> PlanEstimate:
     )
 
 
+def estimate(spec: JobSpec, *, available_gb: float | None = None) -> PlanEstimate:
+    """Memory, bubble, communication, FLOPs and step time of the spec's explicit layout.
 
-def estimate(spec: JobSpec) -> PlanEstimate:
-    """Memory, bubble, communication, FLOPs and step time of the spec's explicit layout."""
-    return _evaluate(_case(spec, spec.layout))
+    ``available_gb``: memory per rank the cluster offers (see :func:`device_memory_gb`)."""
+    return _evaluate(_case(spec, spec.layout, available_gb))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -284,8 +301,18 @@ def estimate(spec: JobSpec) -> PlanEstimate:
 # ---------------------------------------------------------------------------------------------
 
 
+def _tp_dims(model: ModelConfig) -> tuple[tuple[str, int], ...]:
+    """The sizes tensor parallelism splits: whole query (and, for Llama, key/value) heads, the MLP
+    width and the vocabulary; the GPT also splits d_model (its q/k/v/out are d x d)."""
+    if model.arch == "llama":
+        return (("n_heads", model.n_heads), ("n_kv_heads", model.kv_heads), ("ffn_dim", model.ffn_dim),
+                ("vocab_size", model.vocab_size))
+    return (("n_heads", model.n_heads), ("d_model", model.d_model), ("ffn_dim", model.ffn_dim),
+            ("vocab_size", model.vocab_size))
+
+
 def _divisors_ok(model: ModelConfig, tp: int) -> bool:
-    return all(x % tp == 0 for x in (model.n_heads, model.d_model, model.ffn_dim, model.vocab_size))
+    return all(size % tp == 0 for _, size in _tp_dims(model))
 
 
 def _degree_problems(lay: ParallelismSpec) -> list[SpecProblem]:
@@ -316,8 +343,14 @@ def _layout_problems(case: _Case, *, max_dp: int) -> list[SpecProblem]:
     dp, tp, pp, v = lay.dp, lay.tp, lay.pp, lay.virtual_stages
     degrees = f"(world = dp·tp·pp = {dp}·{tp}·{pp} = {dp * tp * pp})"
     valid_tp = [t for t in range(1, min(model.n_heads, MAX_AUTO_TP) + 1) if _divisors_ok(model, t)]
-    for dim, size in (("n_heads", model.n_heads), ("d_model", model.d_model), ("ffn_dim", model.ffn_dim),
-                      ("vocab_size", model.vocab_size)):
+    heads_problem = model.arch == "llama" and (model.n_heads % tp or model.kv_heads % tp)
+    if heads_problem:
+        add("parallelism.tp", f"parallelism.tp={tp} must divide both model.n_heads={model.n_heads} and "
+            f"model.n_kv_heads={model.kv_heads}: each rank holds whole query and key/value heads {degrees}.",
+            f"use tp in {valid_tp}")
+    for dim, size in _tp_dims(model):
+        if heads_problem and dim in ("n_heads", "n_kv_heads"):
+            continue
         if size % tp:
             why = " (the output head is column-parallel over the vocabulary)" if dim == "vocab_size" else ""
             add("parallelism.tp", f"parallelism.tp={tp} does not divide model.{dim}={size}{why} {degrees}.",
@@ -329,6 +362,10 @@ def _layout_problems(case: _Case, *, max_dp: int) -> list[SpecProblem]:
         add("parallelism.sequence_parallel",
             f"sequence parallelism shards the sequence: model.seq_len={model.seq_len} is not divisible by tp={tp}.",
             f"use a seq_len that is a multiple of {tp}, or sequence_parallel=false")
+    if pp > 1 and model.arch == "llama" and model.tie_embeddings:
+        add("parallelism.pp", f"parallelism.pp={pp} splits the model into stages, but its input embedding and "
+            "output head share one weight (tie_embeddings), which cannot live on two stages.",
+            "use pp=1 (shard with parallelism.zero 3 or parallelism.tp instead)")
     chunks = pp * v
     if model.n_layers % chunks:
         field = "parallelism.virtual_stages" if v > 1 and model.n_layers % pp == 0 else "parallelism.pp"
@@ -363,6 +400,19 @@ def _layout_problems(case: _Case, *, max_dp: int) -> list[SpecProblem]:
     elif pp == 1 and v != 1:
         add("parallelism.virtual_stages", f"virtual_stages={v} needs pipeline parallelism, got pp=1.",
             "set virtual_stages=1")
+    fsdp_fix = "set parallelism.zero to 2 or 3 (FSDP2) with dp >= 2"
+    if lay.dp_replicate > 1:
+        if dp % lay.dp_replicate:
+            add("parallelism.dp_replicate", f"parallelism.dp_replicate={lay.dp_replicate} must divide "
+                f"parallelism.dp={dp}: HSDP splits the dp ranks into equal replica groups.",
+                f"use dp_replicate in {[r for r in range(1, dp + 1) if dp % r == 0]}")
+        if lay.zero not in (2, 3):
+            add("parallelism.dp_replicate", f"parallelism.dp_replicate={lay.dp_replicate} (HSDP) shards with "
+                f"FSDP2 inside each replica group, but parallelism.zero={lay.zero}.",
+                f"{fsdp_fix}, or dp_replicate=1")
+    if lay.offload != "none" and (lay.zero not in (2, 3) or dp < 2):
+        add("parallelism.offload", f"parallelism.offload={lay.offload!r} moves FSDP2's shards to host memory, "
+            f"but parallelism.zero={lay.zero} with dp={dp}.", f"{fsdp_fix}, or offload='none'")
     if lay.zero > 0 and dp == 1 and max_dp <= 1:
         add("parallelism.zero", f"parallelism.zero={lay.zero} shards across data-parallel ranks but dp=1 "
             "(and resources.max_dp allows no more).", "set zero=0, or dp >= 2 (or resources.max_dp >= 2)")
@@ -374,10 +424,13 @@ def _memory_problem(case: _Case, est: PlanEstimate, *, field: str = "parallelism
     mem = est.memory
     parts = ", ".join(f"{name.replace('_', ' ')} {_gib(value):.1f}" for name, value in mem.components().items())
     where = f"stage {mem.stage} of pp={est.pp}, " if est.pp > 1 else ""
-    message = (f"{context}estimated memory per rank {_gib(mem.total):.1f} GiB ({where}{parts} GiB) exceeds "
+    phase = "" if mem.phase == "forward_backward" else f" at its peak, the {mem.phase.replace('_', ' ')},"
+    biggest = f"{mem.biggest.replace('_', ' ')} ({_gib(getattr(mem, mem.biggest)):.1f} GiB"
+    if mem.biggest == "buffers" and mem.buffer_parts:
+        biggest += ": " + ", ".join(f"{k.replace('_', ' ')} {_gib(v):.1f}" for k, v in mem.buffer_parts.items())
+    message = (f"{context}estimated memory per rank{phase} {_gib(mem.total):.1f} GiB ({where}{parts} GiB) exceeds "
                f"the device memory {_gib(est.device_memory_bytes):.1f} GiB (resources.device_memory_gb) for "
-               f"{est.layout}; the biggest component is {mem.biggest.replace('_', ' ')} "
-               f"({_gib(getattr(mem, mem.biggest)):.1f} GiB).")
+               f"{est.layout}; the biggest component is {biggest}).")
     return SpecProblem(field=field, message=message, fix=_memory_fixes(case, est))
 
 
@@ -386,7 +439,11 @@ def _memory_fixes(case: _Case, est: PlanEstimate) -> str:
     lay, model = case.layout, case.model
     variants: list[tuple[str, _Case]] = []
     if lay.dp > 1:  # lower stages too: with accumulation, ZeRO-2/3 hold unsharded gradients
-        variants += [(f"parallelism.zero={z}", case.replace(layout={"zero": z})) for z in range(4) if z != lay.zero]
+        for z in (z for z in range(4) if z != lay.zero):
+            fsdp_only = {} if z >= 2 else {"dp_replicate": 1, "offload": "none"}  # HSDP/offload need FSDP2
+            variants.append((f"parallelism.zero={z}", case.replace(layout={"zero": z, **fsdp_only})))
+    if lay.dp > 1 and lay.zero >= 2 and lay.offload == "none" and case.device == "cuda":
+        variants.append(("parallelism.offload=cpu (states in host memory)", case.replace(layout={"offload": "cpu"})))
     if not case.checkpointing:
         variants.append(("training.activation_checkpointing=true", case.replace(checkpointing=True)))
     if case.micro_batch > 1:
@@ -398,7 +455,8 @@ def _memory_fixes(case: _Case, est: PlanEstimate) -> str:
     if lay.tp * 2 <= MAX_AUTO_TP and _divisors_ok(model, lay.tp * 2):
         variants.append((f"parallelism.tp={lay.tp * 2} (world {est.world_size * 2})",
                          case.replace(layout={"tp": lay.tp * 2})))
-    if model.n_layers % (lay.pp * 2 * lay.virtual_stages) == 0:
+    tied = model.arch == "llama" and model.tie_embeddings
+    if model.n_layers % (lay.pp * 2 * lay.virtual_stages) == 0 and not tied:
         variants.append((f"parallelism.pp={lay.pp * 2} (world {est.world_size * 2})",
                          case.replace(layout={"pp": lay.pp * 2, "microbatches": None})))
     texts, seen_fit = [], False
@@ -416,21 +474,40 @@ def _memory_fixes(case: _Case, est: PlanEstimate) -> str:
             "parallelism: {auto: true, max_workers: N}")
 
 
-def check_plan(spec: JobSpec) -> list[SpecProblem]:
+def _device_memory_problems(spec: JobSpec, available_gb: float | None) -> list[SpecProblem]:
+    """A job may lower the memory per rank the cluster offers, never raise it."""
+    asked = spec.resources.device_memory_gb
+    if asked is None or available_gb is None or asked <= available_gb:
+        return []
+    device = "GPU" if spec.resources.device == "cuda" else "CPU worker"
+    return [SpecProblem(
+        field="resources.device_memory_gb",
+        message=f"resources.device_memory_gb={asked:g} GiB exceeds the {available_gb:g} GiB per {device} this "
+                "cluster offers (detected from the Ray nodes' accelerators, or set by the operator with "
+                "ETRAIN_DEVICE_MEMORY_GB).",
+        fix=f"omit resources.device_memory_gb (the planner uses {available_gb:g} GiB) or set it at most "
+            f"{available_gb:g}",
+    )]
+
+
+def check_plan(spec: JobSpec, *, available_gb: float | None = None) -> list[SpecProblem]:
     """Every reason the spec's layout cannot run (layout rules and memory), each with numbers and a fix.
 
     An auto spec is checked by resolving it: the answer is empty when some layout fits the budget.
     ``zero > 0`` at ``dp == 1`` is rejected unless ``resources.max_dp`` lets the job grow. An elastic
     job is also checked at ``resources.min_dp``, where ZeRO shards over fewer ranks.
+    ``available_gb``: memory per rank the cluster offers (:func:`device_memory_gb`); a spec asking
+    for more is rejected.
     """
+    memory_problems = _device_memory_problems(spec, available_gb)
     if spec.is_auto:
         try:
-            resolve_auto(spec)
+            resolve_auto(spec, available_gb=available_gb)
         except SpecRejected as rejected:
-            return list(rejected.problems)
-        return []
-    case = _case(spec, spec.layout)
-    problems = _layout_problems(case, max_dp=spec.max_dp)
+            return memory_problems + list(rejected.problems)
+        return memory_problems
+    case = _case(spec, spec.layout, available_gb)
+    problems = memory_problems + _layout_problems(case, max_dp=spec.max_dp)
     if _degree_problems(case.layout):
         return problems
     est = _evaluate(case)
@@ -531,7 +608,7 @@ def _shrink_fits(case: _Case, min_dp: int | None) -> bool:
     return _evaluate(case.replace(layout={"dp": min_dp, "microbatches": None})).fits
 
 
-def resolve_auto(spec: JobSpec) -> AutoPlan:
+def resolve_auto(spec: JobSpec, *, available_gb: float | None = None) -> AutoPlan:
     """Choose a layout for ``parallelism: auto`` within the worker budget.
 
     Enumerates dp·tp·pp <= budget (tp <= 8: one node), every ZeRO stage (dp > 1), 1F1B and
@@ -541,7 +618,7 @@ def resolve_auto(spec: JobSpec) -> AutoPlan:
     :class:`StepTime` cost model. Raises :class:`SpecRejected` when nothing fits.
     """
     budget = _budget(spec)
-    base = _case(spec, ParallelismSpec())
+    base = _case(spec, ParallelismSpec(), available_gb)
     evaluated = []
     for case in _candidates(spec, base, budget):
         if not _layout_problems(case, max_dp=case.layout.dp):
@@ -635,7 +712,7 @@ def _reasons(chosen: PlanEstimate, case: _Case, evaluated: list[PlanEstimate], f
                        f"take {_gib(plain.memory.optimizer_states):.1f} GiB/rank and the total "
                        f"{_gib(plain.memory.total):.1f} GiB/rank {verdict}; now {_gib(chosen.memory.total):.1f} GiB")
     if chosen.sequence_parallel:
-        reasons.append(f"sequence_parallel: shards the LayerNorm activations over tp={chosen.tp} at no extra "
+        reasons.append(f"sequence_parallel: shards the norms' activations over tp={chosen.tp} at no extra "
                        "communication volume")
     used = f"{chosen.world_size} of {budget} workers"
     limit = "" if chosen.world_size == budget else (
@@ -654,25 +731,27 @@ def _reasons(chosen: PlanEstimate, case: _Case, evaluated: list[PlanEstimate], f
 # ---------------------------------------------------------------------------------------------
 
 
-def plan_report(spec: JobSpec) -> dict:
+def plan_report(spec: JobSpec, *, available_gb: float | None = None) -> dict:
     """``{"feasible", "problems", "layout", "estimate", "auto"}``: check_spec + planner in one answer.
 
     An auto spec is resolved first and its chosen layout checked like an explicit one.
+    ``available_gb``: memory per rank the cluster offers (:func:`device_memory_gb`).
     """
     auto: AutoPlan | None = None
     problems = list(check_spec(spec))
     resolved = spec
     if spec.is_auto:
+        problems += _device_memory_problems(spec, available_gb)
         try:
-            auto = resolve_auto(spec)
+            auto = resolve_auto(spec, available_gb=available_gb)
         except SpecRejected as rejected:
             problems += rejected.problems
         else:
             resolved = spec.with_layout(auto.layout)
             problems += [p for p in check_spec(resolved) if p not in problems]
     if not resolved.is_auto:
-        problems += [p for p in check_plan(resolved) if p not in problems]
-    est = auto.estimate if auto else (None if resolved.is_auto else _safe_estimate(resolved))
+        problems += [p for p in check_plan(resolved, available_gb=available_gb) if p not in problems]
+    est = auto.estimate if auto else (None if resolved.is_auto else _safe_estimate(resolved, available_gb))
     return {
         "feasible": not problems,
         "problems": [p.to_dict() for p in problems],
@@ -682,5 +761,5 @@ def plan_report(spec: JobSpec) -> dict:
     }
 
 
-def _safe_estimate(spec: JobSpec) -> PlanEstimate | None:
-    return None if _degree_problems(spec.layout) else estimate(spec)
+def _safe_estimate(spec: JobSpec, available_gb: float | None = None) -> PlanEstimate | None:
+    return None if _degree_problems(spec.layout) else estimate(spec, available_gb=available_gb)

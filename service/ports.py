@@ -101,6 +101,12 @@ class JobManagerPort(Protocol):
         fields (``request.model_dump(exclude_none=True)``): plain data for the supervisor actor.
         The API checks settings.enable_chaos first. Returns the order as recorded."""
 
+    def export(self, job_id: str, step: int | None, out: str) -> dict[str, Any]:
+        """Write committed checkpoint ``step`` (None: the newest) as a Hugging Face folder at ``out``;
+        returns ``{"hf": absolute path, "step": step}``. Raises JobNotFound, JobConflict (no such
+        committed step, ``out`` not empty), ConfigError (a model with no Hugging Face format), or
+        ServiceUnavailable / EtrainError when the export itself fails or times out."""
+
     def plan(self, spec: JobSpec) -> dict[str, Any]:
         """The planner's report without starting anything; at least ``feasible: bool`` and
         ``problems: [{field, message, fix}]`` (infeasible is an answer here, not an error)."""

@@ -33,8 +33,8 @@ from service import supervisor as sm
 from service.capacity import rank_slots, replicas_that_fit
 from service.stragglers import StragglerConfig, StragglerDetector
 from service.worker_group import NAMESPACE, GroupOutcome, PlacementTimeout, WorkerGroup
-from workers.config import RunConfig
-from workers.errors import CheckpointError
+from workers.config import ModelConfig, RunConfig
+from workers.errors import CheckpointError, EtrainError
 from workers.manifest import commit, latest_committed, list_steps, prune, step_dir, verify
 from workers.worker import ChaosOrder, LaunchPlan
 
@@ -43,6 +43,10 @@ log = logging.getLogger(__name__)
 TICK_S = 0.2
 HEAD_NODE_RESOURCE = "node:__internal_head__"  # Ray gives the head node this resource
 MAX_STEP_HISTORY = 100_000
+#: Where a job's end-of-run Hugging Face export goes, inside its checkpoint root.
+HF_EXPORT_DIR = "hf-export"
+#: CPUs the export task reserves: it is single-process and streams one output shard at a time.
+EXPORT_NUM_CPUS = 1.0
 
 
 def supervisor_name(job_id: str) -> str:
@@ -68,6 +72,8 @@ class JobPolicy:
     start_timeout_s: float = 300.0
     checkpoint_timeout_s: float = 120.0
     capacity_wait_timeout_s: float = 900.0
+    export: bool = False  # checkpoint.export == "hf": write <checkpoint root>/hf-export before SUCCEEDED
+    export_timeout_s: float = 3600.0
 
 
 class JobSupervisor:
@@ -92,6 +98,9 @@ class JobSupervisor:
             capacity_wait_timeout_s=policy.capacity_wait_timeout_s,
             backoff_base_s=policy.backoff_base_s,
             backoff_max_s=policy.backoff_max_s,
+            export=policy.export,
+            export_timeout_s=policy.export_timeout_s,
+            job_id=job_id,
         )
         self.root = Path(config.checkpoint.path)
         self.root.mkdir(parents=True, exist_ok=True)
@@ -121,6 +130,7 @@ class JobSupervisor:
         self._next_capacity_check = 0.0
         self._closed = threading.Event()
         self._pruner: threading.Thread | None = None
+        self._export_ref: Any = None  # the export task in flight (cancelled if the job ends otherwise)
         self._metrics = _JobMetrics(job_id)
         self._self_handle = ray.get_runtime_context().current_actor
         if resume_step is not None:
@@ -192,6 +202,7 @@ class JobSupervisor:
             "tokens_per_s": self._latest.get("tokens_per_s"),
             "stragglers": list(self._straggler_findings),
             "goodput": self._goodput(),
+            "artifacts": {"hf": state.hf_export} if state.hf_export else {},
             "events": events,
             "steps": steps,
         }
@@ -307,7 +318,12 @@ class JobSupervisor:
             self._check_capacity(force=True)
         elif isinstance(action, sm.ScheduleWake):
             pass  # the loop ticks every TICK_S anyway
+        elif isinstance(action, sm.ExportCheckpoint):
+            self._export(action.step)
         elif isinstance(action, sm.MarkTerminal):  # its RecordEvent comes in the same action list
+            if action.status is not sm.Status.SUCCEEDED and self._export_ref is not None:
+                _cancel_quietly(self._export_ref)  # cancelled, or failed by the export timeout
+            self._export_ref = None
             self._metrics.finish(action.status.value)
         else:
             raise AssertionError(f"unhandled action {action!r}")
@@ -406,6 +422,34 @@ class JobSupervisor:
         self._prune_in_background()
         self._corrupt_due()
 
+    def _export(self, step: int) -> None:
+        """Write committed ``step`` as a Hugging Face folder in a Ray task; answer with Exported/ExportFailed.
+
+        The task runs off the control thread (and off this process: torch is imported only there);
+        its timeout is the policy's, and the state machine keeps its own as a backstop.
+        """
+        directory = step_dir(self.root, step)
+        out = str((self.root / HF_EXPORT_DIR).resolve())
+        model = self.config.model
+        try:
+            ref = submit_export(step_dir=directory, out_dir=out, model=model, source_dir=model.hf_path,
+                                replace_existing=True)
+        except Exception as err:
+            self._inbox.put(sm.ExportFailed(step=step, checkpoint_dir=directory,
+                                            error=f"could not start the export task: {err}"))
+            return
+        self._export_ref = ref
+
+        def wait() -> None:
+            try:
+                path = wait_export(ref, timeout_s=self.policy.export_timeout_s)
+            except Exception as err:  # EtrainError from the task, a timeout, a lost worker
+                self._inbox.put(sm.ExportFailed(step=step, checkpoint_dir=directory, error=str(err)))
+            else:
+                self._inbox.put(sm.Exported(step=step, path=path))
+
+        threading.Thread(target=wait, name=f"export-{self.job_id}-{step}", daemon=True).start()
+
     def _prune_in_background(self) -> None:
         """Drop checkpoints beyond ``keep_last`` off the control thread.
 
@@ -432,10 +476,13 @@ class JobSupervisor:
             return
         completed = int(metrics["step"]) + 1
         self._apply(sm.Heartbeat(attempt=attempt, rank=rank, step=completed), now)
-        compute = self._compute.setdefault(completed, {})
-        compute[rank] = float(metrics.get("compute_s") or 0.0)
-        if len(compute) == self.sm_config.world_size(self.state.dp):
-            self._observe_stragglers(completed, self._compute.pop(completed), now)
+        # Only timing-sync steps separate a rank's compute from waiting on a slow peer (between
+        # them a fast rank's compute_s includes that wait); every rank agrees which steps they are.
+        if metrics.get("timing_synced", True):
+            compute = self._compute.setdefault(completed, {})
+            compute[rank] = float(metrics.get("compute_s") or 0.0)
+            if len(compute) == self.sm_config.world_size(self.state.dp):
+                self._observe_stragglers(completed, self._compute.pop(completed), now)
         if rank != 0:
             return
         self._latest = {"step": completed, "loss": metrics.get("loss"), "tokens_per_s": metrics.get("tokens_per_s")}
@@ -613,6 +660,77 @@ class _JobMetrics:
 
     def finish(self, status: str) -> None:
         self._done.set(1, tags=self._tags | {"status": status})
+
+
+# --- Hugging Face export -------------------------------------------------------------------------
+
+
+class ExportFailedError(EtrainError):
+    """An export task failed or timed out; the checkpoint it read from is untouched."""
+
+
+def _export_folder(step_dir: str, out_dir: str, model: ModelConfig, source_dir: str | None,
+                   replace_existing: bool) -> str:
+    """The body of the export task: runs in a Ray worker process, the only place torch is imported.
+
+    ``replace_existing``: the job's own ``hf-export`` folder may be left by an earlier supervisor of the
+    same job (recreated after a control-plane loss); it is that job's output, so it is replaced.
+    A user's ``--out`` folder is never replaced (``export_hf`` refuses a non-empty one).
+    """
+    import shutil
+
+    from workers.hf_io import export_hf
+
+    if replace_existing and os.path.isdir(out_dir):
+        shutil.rmtree(out_dir)
+    return export_hf(step_dir, out_dir, model, source_dir=source_dir)
+
+
+_export_task = ray.remote(num_cpus=EXPORT_NUM_CPUS, max_retries=0)(_export_folder)
+
+
+def submit_export(*, step_dir: str, out_dir: str, model: ModelConfig, source_dir: str | None,
+                  replace_existing: bool = False):
+    """Start the export task (any node: checkpoints live on shared storage); returns its ObjectRef."""
+    return _export_task.options(name=f"etrain-export:{Path(out_dir).name}").remote(
+        step_dir, out_dir, model, source_dir, replace_existing
+    )
+
+
+def wait_export(ref: Any, *, timeout_s: float) -> str:
+    """The exported folder's absolute path, or the task's own :class:`EtrainError` (field + fix intact),
+    or :class:`ExportFailedError` on a timeout (the task is cancelled) or any other failure."""
+    try:
+        return ray.get(ref, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        _cancel_quietly(ref)
+        raise ExportFailedError(
+            f"the export task did not finish within {timeout_s:g}s (it needs {EXPORT_NUM_CPUS:g} free CPU "
+            "and reads the whole checkpoint)",
+            fix="check that the cluster has a free CPU (ray status) and that the checkpoint storage is readable",
+        ) from None
+    except ray.exceptions.RayTaskError as err:
+        cause = getattr(err, "cause", None)
+        if isinstance(cause, EtrainError):
+            raise cause from None
+        raise ExportFailedError(f"the export task failed: {type(cause).__name__ if cause else 'error'}: "
+                                f"{cause if cause is not None else err}") from None
+    except ray.exceptions.RayError as err:  # the task's worker or node died
+        raise ExportFailedError(f"the export task was lost: {err}", fix="retry the export") from None
+
+
+def run_export(*, step_dir: str, out_dir: str, model: ModelConfig, source_dir: str | None,
+               timeout_s: float) -> str:
+    """Export one committed checkpoint and wait for it (the control plane's `etrain export`)."""
+    ref = submit_export(step_dir=step_dir, out_dir=out_dir, model=model, source_dir=source_dir)
+    return wait_export(ref, timeout_s=timeout_s)
+
+
+def _cancel_quietly(ref: Any) -> None:
+    try:
+        ray.cancel(ref, force=True)
+    except Exception:  # already finished or gone
+        pass
 
 
 def _largest_shard(directory: Path) -> Path | None:

@@ -33,6 +33,9 @@ class Settings:
     enable_chaos: bool = False
     max_request_bytes: int = 1_000_000
     poll_interval_s: float = 0.5
+    #: Memory per rank (GiB) the planner checks jobs against, overriding what Ray's GPUs report
+    #: (and the 8 GiB default of a CPU worker). None: detect (GPUs) or default.
+    device_memory_gb: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir).expanduser())
@@ -49,6 +52,11 @@ class Settings:
                 f"max_request_bytes={self.max_request_bytes} must be positive.",
                 field="max_request_bytes",
                 fix="use e.g. 1000000",
+            )
+        if self.device_memory_gb is not None and not self.device_memory_gb > 0:
+            raise SettingsError(
+                f"device_memory_gb={self.device_memory_gb} must be positive.", field="device_memory_gb",
+                fix="give the memory per rank in GiB, e.g. 79 (or unset ETRAIN_DEVICE_MEMORY_GB to detect it)",
             )
         if self.poll_interval_s <= 0:
             raise SettingsError(
@@ -135,4 +143,5 @@ _ENV = {
     "enable_chaos": ("ETRAIN_ENABLE_CHAOS", _flag),
     "max_request_bytes": ("ETRAIN_MAX_REQUEST_BYTES", _integer),
     "poll_interval_s": ("ETRAIN_POLL_INTERVAL_S", _number),
+    "device_memory_gb": ("ETRAIN_DEVICE_MEMORY_GB", _number),
 }

@@ -11,10 +11,11 @@ the frozen dataclasses of ``workers/config.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -27,6 +28,8 @@ from workers.config import (
     RunConfig,
     TrainingConfig,
 )
+from workers.errors import ConfigError
+from workers.hf_config import model_config_from_hf, read_hf_config
 
 PositiveInt = Annotated[int, Field(ge=1)]
 
@@ -36,39 +39,77 @@ class _Section(BaseModel):
 
 
 class ModelSpec(_Section):
-    """The built-in GPT decoder. Give a ``preset`` and/or explicit sizes (explicit sizes win)."""
+    """The model: a Hugging Face folder (``hf``), or a ``preset`` and/or explicit sizes (explicit sizes win).
 
-    kind: Literal["gpt"] = "gpt"
+    ``kind`` is ``gpt`` (the built-in GPT decoder) or ``llama`` (the Llama family); a llama preset or
+    ``hf`` implies ``llama``, anything else ``gpt``. With ``hf`` the sizes come from the folder's
+    ``config.json`` (and its safetensors are the step-0 weights), so only ``seq_len`` may be given:
+    default ``min(max_position_embeddings, 4096)``.
+    """
+
+    kind: Literal["gpt", "llama"] | None = Field(
+        default=None, description="default: llama for model.hf and llama presets, else gpt"
+    )
+    hf: str | None = Field(default=None, description="Hugging Face model folder (config.json + *.safetensors)")
     preset: str | None = Field(default=None, description=f"one of {sorted(MODEL_PRESETS)}")
     n_layers: PositiveInt | None = None
     d_model: PositiveInt | None = None
     n_heads: PositiveInt | None = None
+    n_kv_heads: PositiveInt | None = Field(default=None, description="llama: grouped-query attention; default n_heads")
     vocab_size: PositiveInt | None = None
     seq_len: PositiveInt | None = None
     d_ff: PositiveInt | None = Field(default=None, description="MLP width; default 4 * d_model")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_kind(cls, data: object) -> object:
+        """Pin ``kind`` when it is not given, so the stored spec says which model family runs."""
+        if isinstance(data, dict) and data.get("kind") is None:
+            preset = MODEL_PRESETS.get(data.get("preset") or "", {})
+            llama = data.get("hf") is not None or preset.get("arch") == "llama"
+            data = {**data, "kind": "llama" if llama else "gpt"}
+        return data
 
     @model_validator(mode="after")
     def _sizes_known(self) -> "ModelSpec":
         if self.preset is not None and self.preset not in MODEL_PRESETS:
             raise ValueError(f"unknown preset {self.preset!r}; use one of {sorted(MODEL_PRESETS)}")
+        if self.hf is not None:
+            return self  # sizes come from the folder; check_spec reads it (once paths are resolved)
         missing = [name for name in _MODEL_SIZE_FIELDS if self.resolved().get(name) is None]
         if missing:
-            raise ValueError(f"set a preset (e.g. 'gpt-tiny') or give {', '.join(missing)}")
+            raise ValueError(f"set a preset (e.g. 'gpt-tiny'), model.hf, or give {', '.join(missing)}")
         return self
 
-    def resolved(self) -> dict[str, int | None]:
-        sizes: dict[str, int | None] = dict(MODEL_PRESETS.get(self.preset or "", {}))
-        for name in (*_MODEL_SIZE_FIELDS, "d_ff"):
+    def resolved(self) -> dict[str, Any]:
+        """The model's sizes (and, for presets, its other settings); with ``hf`` read from config.json."""
+        if self.hf is not None:
+            config = self.to_config()
+            return {"n_layers": config.n_layers, "d_model": config.d_model, "n_heads": config.n_heads,
+                    "n_kv_heads": config.kv_heads, "vocab_size": config.vocab_size, "seq_len": config.seq_len,
+                    "d_ff": config.ffn_dim, "arch": config.arch}
+        sizes: dict[str, Any] = dict(MODEL_PRESETS.get(self.preset or "", {}))
+        for name in (*_MODEL_SIZE_FIELDS, "d_ff", "n_kv_heads"):
             value = getattr(self, name)
             if value is not None:
                 sizes[name] = value
+        if self.kind == "llama":
+            sizes["arch"] = "llama"
         return sizes
 
     def to_config(self) -> ModelConfig:
-        return ModelConfig(**self.resolved())
+        """The workers' ModelConfig. With ``hf`` this reads ``<hf>/config.json`` (stdlib only) and raises
+        :class:`~workers.errors.ConfigError` naming ``model.hf`` when the folder cannot be trained."""
+        if self.hf is None:
+            return ModelConfig(**self.resolved())
+        folder = os.path.abspath(os.path.expanduser(self.hf))
+        config = model_config_from_hf(read_hf_config(folder), seq_len=self.seq_len)
+        return dataclasses.replace(config, hf_path=folder)
 
 
 _MODEL_SIZE_FIELDS = ("n_layers", "d_model", "n_heads", "vocab_size", "seq_len")
+#: Fields ``model.hf`` replaces (only ``seq_len`` may be given beside it).
+_HF_EXCLUSIVE_FIELDS = ("preset", "n_layers", "d_model", "n_heads", "n_kv_heads", "vocab_size", "d_ff")
 
 
 class DataSpec(_Section):
@@ -76,6 +117,11 @@ class DataSpec(_Section):
     path: str | None = Field(default=None, description="file or folder (text), .bin file (tokens)")
     seed: int = 0
     token_dtype: Literal["uint16", "uint32"] = "uint16"
+    tokenizer: str | None = Field(
+        default=None,
+        description="text only: a Hugging Face tokenizer.json (or its folder); the text is tokenized once "
+        "into a cached .bin beside the data (`etrain prepare-data`). Default: byte tokens",
+    )
 
 
 class ParallelismSpec(_Section):
@@ -113,7 +159,10 @@ class ResourcesSpec(_Section):
     cpus_per_worker: float = Field(default=1.0, gt=0, description="may be fractional so ranks share a machine")
     gpus_per_worker: float = Field(default=0.0, ge=0)
     device_memory_gb: float | None = Field(
-        default=None, gt=0, description="memory per rank the planner checks against; default: 80 (cuda), 8 (cpu)"
+        default=None, gt=0,
+        description="memory per rank (GiB) the planner checks against; default: what the cluster offers (the GPU "
+        "memory its Ray nodes report, or the operator's ETRAIN_DEVICE_MEMORY_GB), else 80 (cuda) / 8 (cpu); "
+        "a job may lower it, never raise it"
     )
     min_dp: PositiveInt | None = Field(default=None, description="elastic floor; default: parallelism.dp")
     max_dp: PositiveInt | None = Field(default=None, description="elastic ceiling; default: parallelism.dp")
@@ -131,6 +180,11 @@ class TrainingSpec(_Section):
     seed: int = 0
     precision: Literal["fp32", "bf16"] = "fp32"
     activation_checkpointing: bool = False
+    timing_sync_every: PositiveInt = Field(
+        default=10,
+        description="every this many steps the ranks meet in a barrier so that the step's compute time "
+        "excludes waiting on peers; straggler detection reads only those steps (1 = every step)",
+    )
 
 
 class CheckpointSpec(_Section):
@@ -138,6 +192,11 @@ class CheckpointSpec(_Section):
     keep_last: PositiveInt = 3
     path: str | None = Field(default=None, description="default: <data-dir>/checkpoints/<job-id>")
     async_save: bool = Field(default=False, alias="async")
+    export: Literal["hf", "none"] | None = Field(
+        default=None,
+        description="hf: when the job succeeds, write its final weights as a Hugging Face folder "
+        "(default for jobs started from model.hf); none: checkpoints only (default otherwise)",
+    )
 
 
 class FaultToleranceSpec(_Section):
@@ -183,6 +242,13 @@ class JobSpec(_Section):
         return self.parallelism
 
     @property
+    def export_format(self) -> Literal["hf", "none"]:
+        """What a successful job writes besides its checkpoints: ``checkpoint.export`` or its default."""
+        if self.checkpoint.export is not None:
+            return self.checkpoint.export
+        return "hf" if self.model.hf is not None else "none"
+
+    @property
     def min_dp(self) -> int:
         return self.resources.min_dp or self.layout.dp
 
@@ -199,7 +265,8 @@ class JobSpec(_Section):
             job_id=job_id,
             model=self.model.to_config(),
             data=DataConfig(
-                kind=self.data.kind, path=self.data.path, seed=self.data.seed, token_dtype=self.data.token_dtype
+                kind=self.data.kind, path=self.data.path, seed=self.data.seed, token_dtype=self.data.token_dtype,
+                tokenizer=self.data.tokenizer,
             ),
             parallel=ParallelConfig(
                 dp=layout.dp,
@@ -236,15 +303,24 @@ class SpecProblem:
 
 
 def resolve_paths(spec: JobSpec, base_dir: str | os.PathLike) -> JobSpec:
-    """Make data/checkpoint paths absolute against the server's working directory.
+    """Make model.hf, data and checkpoint paths absolute against the server's working directory.
 
     Workers run in Ray's own working directories, so a relative path must be pinned at submit time.
     """
     updates = {}
+    if spec.model.hf:
+        hf = os.path.expanduser(spec.model.hf)
+        resolved_hf = hf if os.path.isabs(hf) else str((Path(base_dir) / hf).resolve())
+        if resolved_hf != spec.model.hf:
+            updates["model"] = spec.model.model_copy(update={"hf": resolved_hf})
     if spec.data.path and not os.path.isabs(os.path.expanduser(spec.data.path)):
         updates["data"] = spec.data.model_copy(update={"path": str((Path(base_dir) / spec.data.path).resolve())})
     elif spec.data.path:
         updates["data"] = spec.data.model_copy(update={"path": os.path.expanduser(spec.data.path)})
+    if spec.data.tokenizer:
+        tokenizer = os.path.expanduser(spec.data.tokenizer)
+        tokenizer = tokenizer if os.path.isabs(tokenizer) else str((Path(base_dir) / tokenizer).resolve())
+        updates["data"] = updates.get("data", spec.data).model_copy(update={"tokenizer": tokenizer})
     if spec.checkpoint.path and not os.path.isabs(os.path.expanduser(spec.checkpoint.path)):
         resolved = str((Path(base_dir) / spec.checkpoint.path).resolve())
         updates["checkpoint"] = spec.checkpoint.model_copy(update={"path": resolved})
@@ -253,8 +329,8 @@ def resolve_paths(spec: JobSpec, base_dir: str | os.PathLike) -> JobSpec:
 
 def check_spec(spec: JobSpec) -> list[SpecProblem]:
     """Cross-field rules of the spec itself (the planner adds layout and memory rules)."""
-    problems: list[SpecProblem] = []
-    model = spec.model.resolved()
+    problems = _model_problems(spec)
+    model = {} if problems else spec.model.resolved()  # the model-dependent rules need a readable model
     if spec.data.kind in ("text", "tokens"):
         if not spec.data.path:
             problems.append(
@@ -272,7 +348,8 @@ def check_spec(spec: JobSpec) -> list[SpecProblem]:
                     fix="give an existing file or folder (relative paths are relative to the server's directory)",
                 )
             )
-    if spec.data.kind == "text" and (model.get("vocab_size") or 0) < 256:
+    problems += _tokenizer_problems(spec, model.get("vocab_size"))
+    if model and spec.data.kind == "text" and not spec.data.tokenizer and (model.get("vocab_size") or 0) < 256:
         problems.append(
             SpecProblem(
                 field="model.vocab_size",
@@ -333,4 +410,88 @@ def check_spec(spec: JobSpec) -> list[SpecProblem]:
                 fix="set gpus_per_worker: 1 (one GPU per rank)",
             )
         )
+    return problems
+
+
+def _tokenizer_problems(spec: JobSpec, vocab_size: int | None) -> list[SpecProblem]:
+    """``data.tokenizer``: text data only, a readable tokenizer.json, and ids the model can embed.
+
+    Reading the tokenizer needs ``tokenizers`` (no torch); the tokenizing itself happens at submit
+    (``JobManager``), bounded, or ahead of it with ``etrain prepare-data``.
+    """
+    data = spec.data
+    if not data.tokenizer:
+        return []
+    if data.kind != "text":
+        return [SpecProblem(field="data.tokenizer",
+                            message=f"data.tokenizer applies to data.kind='text' only, not {data.kind!r}.",
+                            fix="remove data.tokenizer, or set data.kind: text")]
+    from workers.errors import DataError
+    from workers.tokenized import tokenizer_info
+
+    try:
+        info = tokenizer_info(data.tokenizer)
+    except DataError as err:
+        return [SpecProblem(field="data.tokenizer", message=err.message, fix=err.fix)]
+    if vocab_size is not None and info.vocab_size > vocab_size:
+        return [SpecProblem(
+            field="data.tokenizer",
+            message=f"data.tokenizer {info.path} has {info.vocab_size} token ids but model.vocab_size={vocab_size}: "
+                    f"ids >= {vocab_size} have no embedding.",
+            fix=f"set model.vocab_size to at least {info.vocab_size} (e.g. {-(-info.vocab_size // 64) * 64}), "
+                "or use the tokenizer the model was trained with",
+        )]
+    return []
+
+
+def _model_problems(spec: JobSpec) -> list[SpecProblem]:
+    """``model`` (and ``checkpoint.export``, which depends on it): exclusive fields, kind vs preset, and
+    what the ``model.hf`` folder's config.json allows. Reading the folder happens here, after
+    :func:`resolve_paths`, so a bad folder is one 422 naming ``model.hf``, never a 500."""
+    model = spec.model
+    problems: list[SpecProblem] = []
+    if model.hf is not None:
+        for name in _HF_EXCLUSIVE_FIELDS:
+            if getattr(model, name) is not None:
+                problems.append(SpecProblem(
+                    field=f"model.{name}",
+                    message=f"model.hf and model.{name} are exclusive: the model's sizes come from "
+                            f"{model.hf}/config.json.",
+                    fix=f"remove model.{name} (only model.seq_len may be given with model.hf)",
+                ))
+        if model.kind != "llama":
+            problems.append(SpecProblem(
+                field="model.kind",
+                message=f"model.kind={model.kind!r} but model.hf loads a Llama-family model.",
+                fix="remove model.kind (or set it to 'llama')",
+            ))
+        if problems:
+            return problems
+    elif model.preset is not None:
+        preset_kind = MODEL_PRESETS[model.preset].get("arch", "gpt")
+        if preset_kind != model.kind:
+            problems.append(SpecProblem(
+                field="model.kind",
+                message=f"model.kind={model.kind!r} but model.preset={model.preset!r} is a {preset_kind} model.",
+                fix=f"remove model.kind, or choose a {model.kind} preset",
+            ))
+    if model.kind == "gpt" and model.n_kv_heads is not None:
+        problems.append(SpecProblem(
+            field="model.n_kv_heads",
+            message="model.n_kv_heads (grouped-query attention) applies to model.kind='llama' only.",
+            fix="remove model.n_kv_heads, or set model.kind: llama",
+        ))
+    if problems:
+        return problems
+    try:
+        config = model.to_config()
+    except ConfigError as err:
+        return [SpecProblem(field=err.field or "model", message=err.message, fix=err.fix)]
+    if spec.export_format == "hf" and config.arch != "llama":
+        problems.append(SpecProblem(
+            field="checkpoint.export",
+            message="checkpoint.export='hf' writes a transformers LlamaForCausalLM-family folder; "
+                    "the built-in GPT (model.kind='gpt') has no Hugging Face equivalent.",
+            fix="set checkpoint.export: none, or train a Llama-family model (model.hf or a llama preset)",
+        ))
     return problems

@@ -57,6 +57,8 @@ class JobRecord:
     stragglers: list[Any] = field(default_factory=list)
     goodput: float | None = None  # fraction of wall time spent on steps that were kept
     attempt: int = 0
+    #: What a succeeded job wrote besides checkpoints, by format: ``{"hf": "/abs/path/hf-export"}``.
+    artifacts: dict[str, str] = field(default_factory=dict)
 
     @property
     def is_terminal(self) -> bool:
@@ -136,6 +138,7 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
             value INTEGER NOT NULL
         )""",
     ),
+    ("ALTER TABLE jobs ADD COLUMN artifacts TEXT NOT NULL DEFAULT '{}'",),
 )
 
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -156,12 +159,13 @@ _UPDATABLE = frozenset(
         "stragglers",
         "goodput",
         "attempt",
+        "artifacts",
     }
 )
-_JSON_FIELDS = frozenset({"spec", "stragglers"})
+_JSON_FIELDS = frozenset({"spec", "stragglers", "artifacts"})
 _JOB_COLUMNS = (
     "id, name, status, spec, step, loss, tokens_per_s, world_size, restarts, created_at, updated_at, "
-    "error, layout, last_checkpoint_step, stragglers, goodput, attempt"
+    "error, layout, last_checkpoint_step, stragglers, goodput, attempt, artifacts"
 )
 
 
@@ -492,7 +496,7 @@ class JobStore:
 
 def _job(row: tuple) -> JobRecord:
     (job_id, name, status, spec, step, loss, tokens_per_s, world_size, restarts, created_at, updated_at,
-     error, layout, last_checkpoint_step, stragglers, goodput, attempt) = row
+     error, layout, last_checkpoint_step, stragglers, goodput, attempt, artifacts) = row
     return JobRecord(
         id=job_id,
         name=name,
@@ -511,6 +515,7 @@ def _job(row: tuple) -> JobRecord:
         stragglers=json.loads(stragglers),
         goodput=goodput,
         attempt=attempt,
+        artifacts=json.loads(artifacts),
     )
 
 

@@ -22,6 +22,13 @@ any non-terminal status; "fault" and [n] are explained under the table::
   RUNNING    UP         StepReported(loss nan/inf)            FAILED      StopGroup, MarkTerminal
   live       any        CheckpointReported (last rank)        same        CommitCheckpoint         [3]
   RUNNING    UP         Finished(final_step >= total_steps)   SUCCEEDED   StopGroup, MarkTerminal
+                          with export, final step committed   EXPORTING   StopGroup                [6]
+                          with export, final step uncommitted FAILED      StopGroup, MarkTerminal
+  EXPORTING  STOPPING   GroupStopped, or Tick > stop_timeout  EXPORTING   ExportCheckpoint(final)  [6]
+  EXPORTING  any        Exported(path)                        SUCCEEDED   exported, MarkTerminal
+  EXPORTING  any        ExportFailed / Tick > export_timeout  FAILED      MarkTerminal: error names the
+                                                                           checkpoint and `etrain export`
+  EXPORTING  any        CapacityChanged / ScaleRequested      same        (noted / scale_rejected)
   RUNNING    UP         Finished(final_step < total_steps)    FAILED      StopGroup, MarkTerminal
   live       LAUNCH/UP  JobError                              FAILED      StopGroup, MarkTerminal
   live       LAUNCH/UP  WorkerLost(process | actor)           RECOVERING  fault
@@ -69,6 +76,11 @@ any non-terminal status; "fault" and [n] are explained under the table::
       While blocked on capacity it records waiting_for_capacity (again whenever what it waits for
       changes) and fails once capacity_wait_timeout_s passed without a group becoming ready (so
       launches that keep failing to place cannot loop for free).
+  [6] Export (``config.export``): a job that trained every step stops its group first (the ranks'
+      memory and devices are freed before the export reads the checkpoint), then writes the final
+      committed checkpoint as a Hugging Face folder. It is SUCCEEDED only once that folder exists
+      (``state.hf_export``); a failed or timed-out export fails the job but leaves the checkpoint,
+      and the error says how to retry the export by hand.
 
 Policies are plain values: the resize policy is :class:`service.elastic.ElasticPolicy` built from
 the config; straggler statistics live in service/stragglers.py and arrive as StragglerFlagged.
@@ -91,6 +103,9 @@ from service.supervisor_events import (
     CommitCheckpoint,
     Event,
     ExcludeNode,
+    ExportCheckpoint,
+    Exported,
+    ExportFailed,
     Finished,
     GroupReady,
     GroupStopped,
@@ -113,7 +128,8 @@ from workers.errors import EtrainError
 
 __all__ = [
     "Abort", "Action", "Cancel", "CapacityChanged", "CheckpointFallback", "CheckpointReported", "CommitCheckpoint",
-    "Decision", "Event", "ExcludeNode", "Finished", "GroupPhase", "GroupReady", "GroupStopped",
+    "Decision", "Event", "ExcludeNode", "ExportCheckpoint", "ExportFailed", "Exported", "Finished",
+    "GroupPhase", "GroupReady", "GroupStopped",
     "Heartbeat", "JobError", "LaunchGroup", "MarkTerminal", "RecordEvent", "RequestCheckpoint",
     "ScaleRequested", "ScheduleWake", "Start", "Status", "StepReported", "StopGroup",
     "StragglerFlagged", "SupervisorConfig", "SupervisorConfigError", "SupervisorState", "Tick",
@@ -133,6 +149,7 @@ class Status(StrEnum):
     RUNNING = "RUNNING"
     RECOVERING = "RECOVERING"
     RESIZING = "RESIZING"
+    EXPORTING = "EXPORTING"  # every step trained; writing the final weights as a Hugging Face folder
     SUCCEEDED = "SUCCEEDED"
     FAILED = "FAILED"
     CANCELLED = "CANCELLED"
@@ -180,6 +197,9 @@ class SupervisorConfig:
     backoff_base_s: float = 5.0
     backoff_max_s: float = 300.0
     fail_on_nonfinite_loss: bool = True
+    export: bool = False  # write the final checkpoint as a Hugging Face folder before SUCCEEDED
+    export_timeout_s: float = 3600.0  # ExportCheckpoint -> Exported
+    job_id: str = "JOB_ID"  # only for messages (the `etrain export` retry command)
 
     def __post_init__(self) -> None:
         def need(ok: bool, message: str) -> None:
@@ -190,7 +210,7 @@ class SupervisorConfig:
         need(self.tp >= 1 and self.pp >= 1, f"tp={self.tp} and pp={self.pp} must be >= 1")
         need(self.max_restarts >= 0, f"max_restarts={self.max_restarts} must be >= 0")
         for name in ("heartbeat_timeout_s", "start_timeout_s", "stop_timeout_s",
-                     "checkpoint_timeout_s", "capacity_wait_timeout_s"):
+                     "checkpoint_timeout_s", "capacity_wait_timeout_s", "export_timeout_s"):
             value = getattr(self, name)
             need(value > 0, f"{name}={value} must be > 0 seconds (every wait has a timeout)")
         need(self.backoff_base_s >= 0, f"backoff_base_s={self.backoff_base_s} must be >= 0")
@@ -245,6 +265,10 @@ class SupervisorState:
     checkpoint_requested_step: int | None = None
     # (step, rank) pairs of checkpoint saves reported by the current attempt, not yet committed.
     checkpoint_reports: frozenset[tuple[int, int]] = frozenset()
+    # The end-of-job export (status EXPORTING): which committed step, since when, and where it went.
+    exporting_step: int | None = None
+    export_started_at: float | None = None  # None while the group is still stopping
+    hf_export: str | None = None
     error: str | None = None
 
     @property
@@ -431,6 +455,8 @@ def _on_finished(state: SupervisorState, event: Finished, now: float, config: Su
     if state.status is not Status.RUNNING:
         return _ignore(state, f"Finished in {state.status.value}")
     done = replace(state, step=max(state.step, event.final_step))
+    if event.final_step >= config.total_steps and config.export:
+        return _begin_export(done, now, config, event.final_step)
     if event.final_step >= config.total_steps:
         detail = f"finished {event.final_step}/{config.total_steps} steps"
         return _terminal(done, now, Status.SUCCEEDED, None, [], detail=detail)
@@ -470,6 +496,11 @@ def _on_group_stopped(
     now: float,
     config: SupervisorConfig,
 ) -> Decision:
+    if state.group is GroupPhase.STOPPING and state.status is Status.EXPORTING:
+        stopped = replace(state, group=GroupPhase.NONE, group_since=now)
+        if stopped.export_started_at is not None:
+            return _decision(stopped, [], "group stopped; the export already runs")
+        return _start_export(stopped, now, config, f"group of attempt {state.attempt} stopped")
     if state.group is GroupPhase.STOPPING:
         stopped = replace(state, group=GroupPhase.NONE, group_since=now)
         return _try_launch(stopped, now, config, [], f"group of attempt {state.attempt} stopped")
@@ -481,6 +512,8 @@ def _on_group_stopped(
 
 
 def _on_tick(state: SupervisorState, event: Tick, now: float, config: SupervisorConfig) -> Decision:
+    if state.status is Status.EXPORTING:
+        return _export_tick(state, now, config)
     since = state.group_since if state.group_since is not None else now
     if state.group is GroupPhase.UP:
         idle = now - (state.last_progress_at if state.last_progress_at is not None else now)
@@ -524,6 +557,8 @@ def _on_capacity(
         return _ignore(state, f"negative capacity {event.available_dp}")
     updated = replace(state, available_dp=event.available_dp, awaiting_capacity=False)
     reason = f"capacity {event.available_dp} replica(s)"
+    if state.status is Status.EXPORTING:
+        return _decision(updated, [], f"{reason}; training is done, nothing to launch")
     if state.group is GroupPhase.UP:
         return _maybe_resize(updated, now, config, [], reason)
     if state.group is GroupPhase.NONE and state.status is not Status.QUEUED:
@@ -538,6 +573,9 @@ def _on_scale(
     config: SupervisorConfig,
 ) -> Decision:
     policy = config.elastic
+    if state.status is Status.EXPORTING:
+        why = f"dp={event.dp} rejected: every step is trained; the job is exporting its final checkpoint"
+        return _decision(state, [RecordEvent(kind="scale_rejected", detail=why)], why)
     if not policy.is_legal(event.dp):
         why = (
             f"dp={event.dp} rejected: legal sizes for global_batch={config.global_batch}, "
@@ -590,6 +628,78 @@ def _on_abort(state: SupervisorState, event: Abort, now: float, config: Supervis
     return _terminal(state, now, Status.FAILED, event.error, [])
 
 
+def _begin_export(state: SupervisorState, now: float, config: SupervisorConfig, final_step: int) -> Decision:
+    """Every step is trained: stop the group, then export the final checkpoint (on GroupStopped)."""
+    if state.last_committed_step != final_step:
+        committed = "nothing" if state.last_committed_step is None else f"step {state.last_committed_step}"
+        return _terminal(
+            state, now, Status.FAILED,
+            f"finished {final_step}/{config.total_steps} steps but the final checkpoint (step {final_step}) was "
+            f"not committed (last committed: {committed}), so there is no checkpoint to export",
+            [],
+        )
+    stopped, stop_actions = _stop(state, now, "training finished; exporting")
+    exporting = replace(_clear_pending(stopped), status=Status.EXPORTING, exporting_step=final_step,
+                        export_started_at=None)
+    detail = f"finished {final_step}/{config.total_steps} steps; exporting checkpoint step {final_step}"
+    actions: list[Action] = [RecordEvent(kind="training_finished", detail=detail), *stop_actions]
+    if exporting.group is GroupPhase.NONE:
+        return _start_export(exporting, now, config, detail, tuple(actions))
+    return _decision(exporting, actions, f"{detail} once the group has stopped")
+
+
+def _start_export(state: SupervisorState, now: float, config: SupervisorConfig, reason: str,
+                  actions: tuple[Action, ...] = ()) -> Decision:
+    step = state.exporting_step
+    started = replace(state, export_started_at=now)
+    return _decision(
+        started,
+        [*actions, RecordEvent(kind="exporting", detail=f"checkpoint step {step} to Hugging Face format"),
+         ExportCheckpoint(step=step)],
+        f"{reason}; export of step {step} started (export_timeout_s={config.export_timeout_s:g})",
+    )
+
+
+def _export_tick(state: SupervisorState, now: float, config: SupervisorConfig) -> Decision:
+    if state.export_started_at is None:  # still waiting for the group to stop
+        since = state.group_since if state.group_since is not None else now
+        if now - since > config.stop_timeout_s:
+            # The checkpoint is committed: exporting it does not need the group, so do not wait on it.
+            what = (f"worker group of attempt {state.attempt} did not stop within "
+                    f"stop_timeout_s={config.stop_timeout_s:g}; exporting anyway")
+            return _start_export(state, now, config, what, (RecordEvent(kind="stop_timeout", detail=what),))
+        return _decision(state, [], "tick: waiting for the group to stop before the export")
+    if now - state.export_started_at > config.export_timeout_s:
+        why = (f"did not finish within export_timeout_s={config.export_timeout_s:g} "
+               f"({now - state.export_started_at:.0f}s)")
+        return _terminal(state, now, Status.FAILED, _export_error(state.exporting_step, None, why, config), [])
+    return _decision(state, [], "tick: exporting")
+
+
+def _export_error(step: int | None, checkpoint_dir: str | None, why: str, config: SupervisorConfig) -> str:
+    where = f"checkpoint step {step}" + (f" ({checkpoint_dir})" if checkpoint_dir else "")
+    return (f"training finished but exporting {where} to Hugging Face format failed: {why}. The checkpoint is "
+            f"intact; retry with `etrain export {config.job_id} --step {step} --out DIR`")
+
+
+def _on_exported(state: SupervisorState, event: Exported, now: float, config: SupervisorConfig) -> Decision:
+    if state.status is not Status.EXPORTING or event.step != state.exporting_step:
+        return _ignore(state, f"Exported(step {event.step}) while {state.status.value}, "
+                              f"exporting step {state.exporting_step}")
+    done = replace(state, hf_export=event.path)
+    record = RecordEvent(kind="exported", detail=f"step {event.step} -> {event.path}")
+    detail = f"finished {config.total_steps}/{config.total_steps} steps; Hugging Face folder {event.path}"
+    return _terminal(done, now, Status.SUCCEEDED, None, [record], detail=detail)
+
+
+def _on_export_failed(state: SupervisorState, event: ExportFailed, now: float, config: SupervisorConfig) -> Decision:
+    if state.status is not Status.EXPORTING or event.step != state.exporting_step:
+        return _ignore(state, f"ExportFailed(step {event.step}) while {state.status.value}, "
+                              f"exporting step {state.exporting_step}")
+    error = _export_error(event.step, event.checkpoint_dir, event.error, config)
+    return _terminal(state, now, Status.FAILED, error, [])
+
+
 _READY_KIND = {Status.STARTING: "started", Status.RECOVERING: "restored", Status.RESIZING: "resized"}
 
 _HANDLERS = {
@@ -609,6 +719,8 @@ _HANDLERS = {
     Finished: _on_finished,
     GroupStopped: _on_group_stopped,
     CheckpointFallback: _on_checkpoint_fallback,
+    Exported: _on_exported,
+    ExportFailed: _on_export_failed,
 }
 
 # ---------------------------------------------------------------------------------------------

@@ -16,9 +16,10 @@ if TYPE_CHECKING:  # only an annotation here: supervisor.py imports this module
 
 __all__ = [
     "Abort", "Action", "Cancel", "CapacityChanged", "CheckpointFallback", "CheckpointReported",
-    "CommitCheckpoint", "Event", "ExcludeNode", "Finished", "GroupReady", "GroupStopped", "Heartbeat",
-    "JobError", "LaunchGroup", "MarkTerminal", "RecordEvent", "RequestCheckpoint", "ScaleRequested",
-    "ScheduleWake", "Start", "StepReported", "StopGroup", "StragglerFlagged", "Tick", "WorkerLost",
+    "CommitCheckpoint", "Event", "ExcludeNode", "ExportCheckpoint", "ExportFailed", "Exported", "Finished",
+    "GroupReady", "GroupStopped", "Heartbeat", "JobError", "LaunchGroup", "MarkTerminal", "RecordEvent",
+    "RequestCheckpoint", "ScaleRequested", "ScheduleWake", "Start", "StepReported", "StopGroup",
+    "StragglerFlagged", "Tick", "WorkerLost",
 ]
 
 
@@ -143,10 +144,28 @@ class CheckpointFallback:
     reason: str = ""
 
 
+@dataclass(frozen=True, kw_only=True)
+class Exported:
+    """The export of checkpoint ``step`` finished: ``path`` is the Hugging Face folder (absolute)."""
+
+    step: int
+    path: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExportFailed:
+    """The export of checkpoint ``step`` (in ``checkpoint_dir``) failed or timed out; the checkpoint
+    itself is intact, so the error tells the user how to retry."""
+
+    step: int
+    checkpoint_dir: str
+    error: str
+
+
 Event = Union[
     Start, GroupReady, StepReported, Heartbeat, CheckpointReported, WorkerLost, JobError, Tick,
     CapacityChanged, ScaleRequested, StragglerFlagged, Cancel, Abort, Finished, GroupStopped,
-    CheckpointFallback,
+    CheckpointFallback, Exported, ExportFailed,
 ]
 
 
@@ -204,6 +223,14 @@ class RecordEvent:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ExportCheckpoint:
+    """Write committed checkpoint ``step`` as a Hugging Face folder (off the control thread, with a
+    timeout); answer with Exported or ExportFailed."""
+
+    step: int
+
+
+@dataclass(frozen=True, kw_only=True)
 class MarkTerminal:
     status: Status
     error: str | None
@@ -211,5 +238,5 @@ class MarkTerminal:
 
 Action = Union[
     LaunchGroup, StopGroup, CommitCheckpoint, RequestCheckpoint, ExcludeNode, ScheduleWake,
-    RecordEvent, MarkTerminal,
+    RecordEvent, ExportCheckpoint, MarkTerminal,
 ]

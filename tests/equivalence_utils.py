@@ -24,7 +24,11 @@ from workers.config import DataConfig, ModelConfig, ParallelConfig, RunConfig, T
 
 __all__ = [
     "LOSS_RTOL",
+    "MODELS",
     "PARAM_ATOL",
+    "TINY_GPT",
+    "TINY_LLAMA",
+    "TINY_LLAMA_TIED",
     "RunResult",
     "assert_equivalent",
     "assert_replicas_identical",
@@ -38,6 +42,19 @@ __all__ = [
 LOSS_RTOL = 1e-5
 PARAM_ATOL = 1e-4
 
+#: The built-in GPT the equivalence tests were written for.
+TINY_GPT = ModelConfig(n_layers=4, d_model=32, n_heads=4, vocab_size=64, seq_len=16)
+#: One tiny Llama-family model that takes every Llama-specific code path at once: grouped-query
+#: attention (4 query heads on 2 kv heads, so tp=2 leaves one kv head per rank), Qwen2's q/k/v
+#: biases, Qwen3's per-head q/k RMSNorms (their TP plan is the head-sharded one), SwiGLU's third
+#: projection (w3), RoPE; untied, so it also runs pipelined.
+TINY_LLAMA = ModelConfig(arch="llama", n_layers=4, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=64,
+                         seq_len=16, attention_bias="qkv", qk_norm=True)
+#: The same with tied input/output embeddings (one parameter used at both ends): non-pipelined
+#: layouts only, since ``build_pipeline`` refuses to cut a tied model into stages.
+TINY_LLAMA_TIED = dataclasses.replace(TINY_LLAMA, tie_embeddings=True)
+MODELS: dict[str, ModelConfig] = {"gpt": TINY_GPT, "llama": TINY_LLAMA, "llama-tied": TINY_LLAMA_TIED}
+
 
 @dataclass(frozen=True)
 class RunResult:
@@ -49,18 +66,21 @@ class RunResult:
     params: dict[str, torch.Tensor]
 
 
-def small_config(*, steps: int = 8, parallel: ParallelConfig | None = None, **training) -> RunConfig:
+def small_config(
+    *, steps: int = 8, parallel: ParallelConfig | None = None, model: ModelConfig = TINY_GPT, **training
+) -> RunConfig:
     """A tiny model that trains in well under a second per step on one CPU core.
 
-    Defaults: 4 layers, d_model 32, 4 heads, vocab 64, seq 16, global batch 8 in micro-batches of 2
-    (grad accumulation 4 on one process, 2 at dp=2), AdamW with clipping at a norm that binds.
+    Defaults: the GPT of 4 layers, d_model 32, 4 heads, vocab 64, seq 16 (``model=TINY_LLAMA`` or
+    any of ``MODELS`` for another), global batch 8 in micro-batches of 2 (grad accumulation 4 on
+    one process, 2 at dp=2), AdamW with clipping at a norm that binds.
     """
     training_kwargs = dict(steps=steps, global_batch=8, micro_batch=2, lr=3e-3, warmup_steps=2,
                            grad_clip=0.5, weight_decay=0.1, seed=7)
     training_kwargs.update(training)
     return RunConfig(
         job_id="equivalence",
-        model=ModelConfig(n_layers=4, d_model=32, n_heads=4, vocab_size=64, seq_len=16),
+        model=model,
         data=DataConfig(kind="synthetic", seed=3),
         parallel=parallel or ParallelConfig(),
         training=TrainingConfig(**training_kwargs),

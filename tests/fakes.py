@@ -26,6 +26,7 @@ from service.errors import ChaosDisabled, JobConflict, JobNotFound, SpecRejected
 from service.ports import RANK_ACTIONS, ChaosRequest
 from service.spec import JobSpec, SpecProblem, check_spec, resolve_paths
 from service.store import EventRecord, JobRecord, JobStatus, JobStore, StepRecord
+from workers.errors import ConfigError
 
 try:  # the planner is written alongside; until it lands the fake checks the spec rules only
     from service import planner as _planner
@@ -65,6 +66,7 @@ class InMemoryManager:
         self.steps_per_poll = steps_per_poll
         self.checkpoint_every = checkpoint_every
         self.chaos_orders: list[tuple[str, dict[str, Any]]] = []
+        self.exports: list[tuple[str, int, str]] = []  # (job, step, out) of simulated exports
         self.closed = False
         self._lock = threading.Lock()
 
@@ -169,6 +171,29 @@ class InMemoryManager:
         self.chaos_orders.append((job_id, dict(request)))
         self.store.add_events(job_id, [(time.time(), "chaos_armed", {"message": f"{order.action} armed"})])
         return {"id": len(self.chaos_orders), **request, "armed": True}
+
+    def export(self, job_id: str, step: int | None, out: str) -> dict[str, Any]:
+        """Simulated like the training: the same refusals as the real manager (unknown job, a GPT model,
+        a non-empty ``out``, a step that was never checkpointed), then the export is only recorded in
+        ``self.exports``; nothing is written (tests/e2e/test_rest_hf.py exports for real)."""
+        job = self._require(job_id)
+        spec = JobSpec.model_validate(job.spec)
+        if spec.model.kind != "llama":
+            raise ConfigError(f"job {job_id} trains the built-in GPT, which has no Hugging Face format.",
+                              field="model.kind", fix="export a job that trains a Llama-family model")
+        out_dir = out if os.path.isabs(out) else os.path.join(self.base_dir, out)
+        if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
+            raise JobConflict(f"out {out_dir} already exists and is not empty.", job_id=job_id, field="out",
+                              fix="give a new or empty folder; exports never overwrite")
+        every = self.checkpoint_every
+        committed = [s for s in range(1, job.step + 1) if every and s % every == 0]
+        if (step is None and not committed) or (step is not None and step not in committed):
+            raise JobConflict(f"job {job_id} has no committed checkpoint at step {step} (committed: {committed}).",
+                              job_id=job_id, field="step", fix="pass a committed step")
+        chosen = committed[-1] if step is None else step
+        self.exports.append((job_id, chosen, out_dir))
+        self.store.add_events(job_id, [(time.time(), "exported", {"message": f"step {chosen} -> {out_dir}"})])
+        return {"hf": out_dir, "step": chosen}
 
     def plan(self, spec: JobSpec) -> dict[str, Any]:
         spec = resolve_paths(spec, self.base_dir)
@@ -283,6 +308,9 @@ class FakeRuntime:
                     })
                 if job["step"] >= config.training.steps:
                     job["status"] = "SUCCEEDED"
+                    if getattr(job["policy"], "export", False):  # the supervisor's export, simulated
+                        job["artifacts"] = {"hf": os.path.join(config.checkpoint.path, "hf-export")}
+                        self._record(job_id, "exported", f"step {job['step']} -> {job['artifacts']['hf']}")
                     self._record(job_id, "succeeded", f"finished {config.training.steps} steps")
             latest = job["steps"][-1] if job["steps"] else {}
             parallel = config.parallel
@@ -293,6 +321,7 @@ class FakeRuntime:
                 "restarts": 0, "last_checkpoint_step": None, "error": job["error"], "step": job["step"],
                 "loss": latest.get("loss"), "tokens_per_s": latest.get("tokens_per_s"), "stragglers": [],
                 "goodput": 0.9 if latest else None,
+                "artifacts": job.get("artifacts", {}),
                 "events": [e for e in job["events"] if e["seq"] > since_seq],
                 "steps": [row for row in job["steps"] if row["seq"] > since_step],
             }
@@ -320,6 +349,20 @@ class FakeRuntime:
 
     def release(self, job_id: str) -> None:
         self.calls.append(("release", job_id))
+
+    def export(self, *, step_dir: str, out_dir: str, model: Any, source_dir: str | None, timeout_s: float) -> str:
+        """The real export, in this process instead of a Ray task (torch is imported only when called)."""
+        self.calls.append(("export", step_dir, out_dir))
+        from workers.hf_io import export_hf
+
+        return export_hf(step_dir, out_dir, model, source_dir=source_dir)
+
+    #: What ``accelerator_memory_gb`` answers: the GPU memory a real cluster's probe would measure.
+    gpu_memory_gb: float | None = None
+
+    def accelerator_memory_gb(self) -> float | None:
+        self.calls.append(("accelerator_memory_gb",))
+        return self.gpu_memory_gb
 
     def health(self) -> dict[str, Any]:
         return {"ray": "ok", "nodes": 1}

@@ -155,12 +155,15 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
 
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
-    """Where tokens come from. ``path`` is absolute by the time a worker sees it."""
+    """Where tokens come from. ``path`` (and ``tokenizer``) are absolute by the time a worker sees them."""
 
     kind: DataKind = "synthetic"
     path: str | None = None
     seed: int = 0
     token_dtype: Literal["uint16", "uint32"] = "uint16"
+    #: ``kind="text"`` only: a Hugging Face tokenizer.json (or its folder). The text is tokenized once
+    #: into a content-addressed ``.bin`` beside the data (``workers/tokenized.py``); without it, bytes.
+    tokenizer: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -212,6 +215,10 @@ class TrainingConfig:
     seed: int = 0
     precision: Precision = "fp32"
     activation_checkpointing: bool = False
+    #: Every this many steps the ranks meet in a world-wide barrier before the last backward, so
+    #: that step's compute_s excludes waiting on peers (straggler detection reads only those
+    #: steps); the steps between have no barrier. 1 = every step.
+    timing_sync_every: int = 10
 
     def grad_accum_steps(self, dp: int) -> int:
         """Micro-steps per optimizer step on each dp rank: global_batch / (dp * micro_batch).

@@ -13,7 +13,9 @@ same window shifted by one).
 Kinds:
 
 * ``text``      a UTF-8 file, or a folder of text-like files walked in sorted order; bytes are
-                tokens (vocabulary 256).
+                tokens (vocabulary 256). With ``data.tokenizer`` (a Hugging Face tokenizer.json) the
+                text is tokenized once into a cached ``.bin`` beside the data and read like
+                ``tokens`` (``workers/tokenized.py``; the service usually writes it at submit).
 * ``tokens``    a nanoGPT-style ``.bin``: a raw array of ``uint16``/``uint32`` token ids, memory-mapped.
 * ``synthetic`` a deterministic, learnable stream built from a seed (random "words" of distinct
                 tokens repeated in a random order), so a loss curve falls clearly without any file.
@@ -21,8 +23,7 @@ Kinds:
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +31,7 @@ import torch
 
 from workers.config import DataConfig, ModelConfig
 from workers.errors import ConfigError, DataError
+from workers.tokenized import TEXT_SUFFIXES, read_text_file, tokenize_text, walk_text_files
 
 __all__ = [
     "TEXT_SUFFIXES",
@@ -43,11 +45,7 @@ __all__ = [
 ]
 
 BYTE_VOCAB_SIZE = 256
-TEXT_SUFFIXES = frozenset({".py", ".md", ".txt", ".yaml", ".yml", ".toml", ".json", ".cfg", ".sh"})
-TEXT_NAMES = frozenset({"Makefile"})
-SKIPPED_DIRS = frozenset({".venv", "venv", "__pycache__", ".git", "node_modules"})
 SYNTHETIC_NUM_TOKENS = 1 << 20  # 1M tokens: ~8k samples of 128 tokens, generated in milliseconds
-_BINARY_PROBE_BYTES = 8192
 _TOKEN_RANGE_PROBE = 1 << 20  # tokens checked against the vocabulary when a .bin is opened
 
 
@@ -152,32 +150,6 @@ class GlobalSampler:
 # -- readers --------------------------------------------------------------------------------------
 
 
-def _is_text_candidate(path: Path) -> bool:
-    return path.suffix in TEXT_SUFFIXES or path.name in TEXT_NAMES
-
-
-def _read_text_file(path: Path) -> bytes | None:
-    """The file's bytes if it is UTF-8 text, else ``None`` (binary files are skipped)."""
-    data = path.read_bytes()
-    if b"\x00" in data[:_BINARY_PROBE_BYTES]:
-        return None
-    try:
-        data.decode("utf-8")
-    except UnicodeDecodeError:
-        return None
-    return data
-
-
-def _walk_text_files(root: Path) -> Iterator[Path]:
-    """Text-like files under ``root`` in sorted order, skipping hidden and tooling folders."""
-    for directory, subdirs, files in os.walk(root):
-        subdirs[:] = sorted(d for d in subdirs if not d.startswith(".") and d not in SKIPPED_DIRS)
-        for name in sorted(files):
-            path = Path(directory) / name
-            if not name.startswith(".") and _is_text_candidate(path) and path.is_file():
-                yield path
-
-
 def read_text_tokens(path: str) -> np.ndarray:
     """Byte tokens (uint8) of a UTF-8 file, or of every text-like file in a folder, sorted by path.
 
@@ -188,12 +160,12 @@ def read_text_tokens(path: str) -> np.ndarray:
         raise DataError(f"data.path={path!r} does not exist.", field="data.path",
                         fix="point data.path at a UTF-8 text file or a folder of text files")
     if root.is_file():
-        data = _read_text_file(root)
+        data = read_text_file(root)
         if data is None:
             raise DataError(f"data.path={path!r} is not UTF-8 text.", field="data.path",
                             fix="use a UTF-8 text file, or data.kind='tokens' for a .bin of token ids")
     else:
-        parts = [d for p in _walk_text_files(root) if (d := _read_text_file(p))]
+        parts = [d for p in walk_text_files(root) if (d := read_text_file(p))]
         data = b"\n".join(parts)
     if not data:
         raise DataError(
@@ -265,7 +237,10 @@ def build_dataset(data: DataConfig, model: ModelConfig) -> TokenDataset:
     if data.path is None:
         raise DataError(f"data.kind={data.kind!r} needs data.path.", field="data.path",
                         fix="set data.path, or use data.kind='synthetic'")
-    if data.kind == "text":
+    if data.kind == "text" and data.tokenizer:
+        cache = tokenize_text(data.path, data.tokenizer, model_vocab_size=model.vocab_size)
+        tokens = read_token_file(cache.path, cache.dtype, model.vocab_size)
+    elif data.kind == "text":
         if model.vocab_size < BYTE_VOCAB_SIZE:
             raise ConfigError(
                 f"data.kind='text' uses byte tokens (256 ids) but model.vocab_size={model.vocab_size}.",

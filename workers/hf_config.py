@@ -213,6 +213,10 @@ def hf_config_dict(model: ModelConfig) -> dict[str, Any]:
     if arch == "LlamaForCausalLM":
         config["attention_bias"] = model.attention_bias == "all"
         config["mlp_bias"] = False
+    if arch == "MistralForCausalLM":
+        # etrain trains full causal attention; without this key transformers would apply its
+        # default 4096-token sliding window to longer inputs.
+        config["sliding_window"] = None
     return config
 
 

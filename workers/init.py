@@ -58,7 +58,7 @@ def initial_value(fqn: str, shape: tuple[int, ...], *, seed: int, n_layers: int)
         return torch.ones(shape)
     std = _STD / math.sqrt(2 * n_layers) if len(leaf) >= 2 and leaf[-2] in ("wo", "w2") else _STD
     generator = torch.Generator(device="cpu").manual_seed(param_seed(seed, fqn))
-    return torch.randn(shape, generator=generator) * std
+    return torch.randn(shape, generator=generator).mul_(std)  # in place: one full tensor, not two
 
 
 @torch.no_grad()

@@ -23,6 +23,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from workers.config import ModelConfig
 from workers.errors import ConfigError
@@ -155,5 +156,17 @@ def build_model(config: ModelConfig, seed: int) -> nn.Module:
 
 
 def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean token cross-entropy over a micro-batch (fp32 for the reduction)."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1))
+    """Mean token cross-entropy over a micro-batch (fp32 for the reduction), as a plain tensor.
+
+    Under tensor parallelism ``logits`` is a DTensor sharded by vocabulary (``Shard(-1)`` on the tp
+    mesh, ``workers.parallelize.apply_tp``) and this must run, with its backward, inside
+    ``torch.distributed.tensor.parallel.loss_parallel()`` (``workers.parallelize.loss_context``):
+    there ``cross_entropy`` all-reduces the per-token max, sum of exponentials and target logit over
+    the tp ranks, so no rank materialises the full logits. The result is a replicated scalar
+    DTensor; its local value (the same on every tp rank) is returned, and ``to_local``'s backward
+    hands the gradient back to the sharded logits, so callers treat both cases alike.
+    """
+    loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1))
+    if isinstance(loss, DTensor):
+        loss = loss.to_local()
+    return loss

@@ -1,8 +1,11 @@
 """Optimizer, learning-rate schedule and the true global gradient norm.
 
-* AdamW in fp32, the single-tensor implementation (``foreach=False``) on every layout, so a
-  sharded run performs the same per-element arithmetic as one process (the foreach kernels round
-  differently; DTensor parameters work with both).
+* AdamW in fp32: ``fused=True`` (one kernel for all parameters) when they live on CUDA,
+  ``foreach=True`` (a few multi-tensor ops instead of a Python loop per parameter) otherwise, CPU
+  and FSDP2's CPU offload alike. The choice depends only on where the parameters live, never on
+  the layout, so a sharded run performs the same per-element arithmetic as one process on the same
+  device: every AdamW update is element-wise, and a shard's elements see the same operations as
+  the whole tensor's (DTensor parameters work with both).
 * The learning rate is a pure function of the step (:func:`lr_at`), set before each step: a
   restored run needs no scheduler state, only the step number.
 * :func:`clip_grad_norm_` computes the norm over *all* gradient shards — TP and FSDP shards
@@ -45,10 +48,12 @@ def build_optimizer(
     peers. Gradients are still all-reduced by DDP (see ``workers.parallelize.apply_dp``).
     Checkpoints: its ``state_dict()`` needs a consolidation to one rank, which DCP cannot use;
     ``.optim`` is the plain AdamW over this rank's partition, whose FQN-keyed state DCP can save.
+    ``ZeroRedundancyOptimizer`` passes ``foreach`` / ``fused`` on to that AdamW (``**defaults``).
     """
-    kwargs = dict(lr=training.lr, betas=ADAM_BETAS, weight_decay=training.weight_decay, eps=1e-8,
-                  foreach=False, fused=False)
     params = list(params)
+    on_cuda = bool(params) and all(p.device.type == "cuda" for p in params)
+    kwargs = dict(lr=training.lr, betas=ADAM_BETAS, weight_decay=training.weight_decay, eps=1e-8,
+                  foreach=not on_cuda, fused=on_cuda)
     if zero == 1 and dp_group is not None:
         return _ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW,
                                         process_group=dp_group, **kwargs)

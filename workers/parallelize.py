@@ -14,19 +14,26 @@ Pipeline parallelism splits the model before any of this; ``workers/pipeline.py`
 
 Everything is driven by one :class:`ParallelDims` (degrees + the named DeviceMesh); no process group
 is stored in a module global.
+
+Three per-run choices shape the FSDP2 step (ZeRO-2/3): ``training.precision="bf16"`` gives FSDP2 a
+``MixedPrecisionPolicy`` (bf16 compute copies of fp32 master weights, fp32 gradient reduction), in
+place of autocast; ``parallelism.dp_replicate > 1`` runs it as HSDP on the 2-D (replicate, shard)
+mesh; ``parallelism.offload="cpu"`` keeps the shards, gradients and optimizer state in host memory.
+:func:`validate_data_parallel` rejects the combinations that have no meaning.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -34,12 +41,14 @@ from torch.distributed.tensor.parallel import (
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
+    loss_parallel,
     parallelize_module,
 )
 from torch.nn.parallel import DistributedDataParallel
 
-from workers.config import ModelConfig, RunConfig
+from workers.config import ModelConfig, ParallelConfig, RunConfig
 from workers.errors import ConfigError
+from workers.mesh import ParallelMesh, validate_dp_replicate
 from workers.topology import Topology
 
 __all__ = [
@@ -48,9 +57,13 @@ __all__ = [
     "apply_ac",
     "apply_dp",
     "apply_tp",
+    "fsdp_policies",
     "gradient_sync",
+    "loss_context",
     "parallelize_stage",
     "unwrap",
+    "uses_fsdp",
+    "validate_data_parallel",
     "validate_tp",
 ]
 
@@ -59,6 +72,7 @@ __all__ = [
 class ParallelDims:
     """The degrees of a ``pp × dp × tp`` layout and the DeviceMesh whose axes carry them.
 
+    ``dp`` is split as ``dp_replicate × dp_shard`` for HSDP (``dp_replicate = 1``: plain FSDP / DDP).
     Built once per rank from the run's :class:`~workers.config.ParallelConfig`, the
     :class:`~workers.topology.Topology` and the mesh; every ``apply_*`` step reads it.
     """
@@ -67,7 +81,8 @@ class ParallelDims:
     dp: int
     tp: int
     world_size: int
-    mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
+    dp_replicate: int = 1
+    mesh: ParallelMesh | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.pp * self.dp * self.tp != self.world_size:
@@ -77,19 +92,30 @@ class ParallelDims:
                 field="parallel",
                 fix=f"choose pp, dp and tp whose product is {self.world_size}",
             )
-        if self.mesh is not None and tuple(self.mesh.mesh.shape) != (self.pp, self.dp, self.tp):
+        validate_dp_replicate(self.dp, self.dp_replicate)
+        expected = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+        if self.mesh is not None and self.mesh.shape != expected:
             raise ConfigError(
-                f"DeviceMesh shape {tuple(self.mesh.mesh.shape)} does not match "
-                f"(pp, dp, tp) = ({self.pp}, {self.dp}, {self.tp}).",
+                f"DeviceMesh shape {self.mesh.shape} does not match "
+                f"(pp, dp_replicate, dp_shard, tp) = {expected}.",
                 field="parallel",
             )
 
     @classmethod
-    def build(cls, topology: Topology, mesh: DeviceMesh | None, world_size: int) -> "ParallelDims":
-        return cls(pp=topology.pp, dp=topology.dp, tp=topology.tp, world_size=world_size, mesh=mesh)
+    def build(
+        cls, topology: Topology, mesh: ParallelMesh | None, world_size: int, *, dp_replicate: int = 1
+    ) -> "ParallelDims":
+        return cls(pp=topology.pp, dp=topology.dp, tp=topology.tp, world_size=world_size,
+                   dp_replicate=dp_replicate, mesh=mesh)
+
+    @property
+    def dp_shard(self) -> int:
+        """Ranks that shard the model inside one HSDP replica (all dp ranks without HSDP)."""
+        return self.dp // self.dp_replicate
 
     def axis(self, name: str) -> DeviceMesh:
-        """The 1-D sub-mesh of axis ``name`` (``"pp"``, ``"dp"`` or ``"tp"``) holding this rank."""
+        """The 1-D sub-mesh of axis ``name`` (``"pp"``, ``"dp"``, ``"tp"``, ``"dp_replicate"`` or
+        ``"dp_shard"``) holding this rank."""
         assert self.mesh is not None, "ParallelDims has no DeviceMesh (single process without a group)"
         return self.mesh[name]
 
@@ -98,6 +124,12 @@ class ParallelDims:
         if getattr(self, name) == 1 or self.mesh is None:
             return None
         return self.mesh.get_group(name)
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh:
+        """The mesh FSDP2 runs on: 1-D ``dp`` (FSDP), or 2-D ``(dp_replicate, dp_shard)`` (HSDP)."""
+        assert self.mesh is not None, "ParallelDims has no DeviceMesh (single process without a group)"
+        return self.mesh.fsdp
 
     @property
     def tp_enabled(self) -> bool:
@@ -177,8 +209,11 @@ def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool)
 
     ``wq/wk/wv`` and ``w1`` are column-parallel (each rank computes its heads / its slice of the
     hidden layer), ``wo`` and ``w2`` row-parallel (partial sums reduced once). The embedding is
-    split by vocabulary, the output projection by vocabulary with the logits gathered, so the loss
-    runs on full logits, identically on every TP rank. With sequence parallelism the residual
+    split by vocabulary, and so is the output projection, whose logits *stay* split: a DTensor
+    ``Shard(-1)`` on the tp mesh (``use_local_output=False``), so no rank ever holds the full
+    ``[batch, seq, vocab]`` logits. The loss then runs vocab-parallel inside :func:`loss_context`
+    (``loss_parallel``: the softmax max / sum-exp and the target logit are reduced over tp ranks,
+    not the logits). With sequence parallelism the residual
     stream between blocks is sharded on the sequence dim: norms run on a sequence shard and the
     row-parallel outputs are reduce-scattered instead of all-reduced. Works on a pipeline stage too:
     parts the stage does not own are ``None`` and skipped.
@@ -193,7 +228,8 @@ def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool)
     if getattr(module, "norm", None) is not None:
         root_plan["norm"] = SequenceParallel() if sequence_parallel else ReplicateParallel()
     if getattr(module, "output", None) is not None:
-        root_plan["output"] = ColwiseParallel(input_layouts=residual, output_layouts=Replicate())
+        root_plan["output"] = ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1),
+                                              use_local_output=False)
     if root_plan:
         parallelize_module(module, tp_mesh, root_plan)
 
@@ -250,7 +286,76 @@ def apply_ac(module: nn.Module) -> None:
 # -- data parallelism ----------------------------------------------------------------------------
 
 
-def apply_dp(module: nn.Module, dims: ParallelDims, *, zero: int) -> nn.Module:
+def validate_data_parallel(parallel: ParallelConfig) -> None:
+    """The engine-side rules for HSDP and CPU offload; each failure names the field and the fix.
+
+    Both are FSDP2 features, so both need ZeRO-2/3 with dp > 1 (with dp = 1 nothing is sharded).
+    HSDP splits the dp ranks into ``dp_replicate`` equal replica groups, so it must divide dp.
+    """
+    fsdp = parallel.zero in (2, 3) and parallel.dp > 1
+    if parallel.dp_replicate != 1:
+        validate_dp_replicate(parallel.dp, parallel.dp_replicate)
+        if not fsdp:
+            raise ConfigError(
+                f"parallelism.dp_replicate={parallel.dp_replicate} (HSDP) needs FSDP2, i.e. "
+                f"parallelism.zero 2 or 3, but zero={parallel.zero}.",
+                field="parallelism.dp_replicate",
+                fix="set parallelism.zero to 2 or 3, or parallelism.dp_replicate=1 (DDP and ZeRO-1 "
+                "already replicate over every dp rank)",
+            )
+    if parallel.offload == "cpu" and not fsdp:
+        raise ConfigError(
+            f"parallelism.offload='cpu' needs FSDP2 (parallelism.zero 2 or 3 with dp > 1), but "
+            f"zero={parallel.zero}, dp={parallel.dp}.",
+            field="parallelism.offload",
+            fix="set parallelism.zero to 2 or 3 with parallelism.dp >= 2, or parallelism.offload='none'",
+        )
+
+
+def uses_fsdp(dims: ParallelDims, parallel: ParallelConfig) -> bool:
+    """Whether :func:`apply_dp` wraps with FSDP2 (ZeRO-2/3 over more than one dp rank)."""
+    return dims.dp_enabled and parallel.zero in (2, 3)
+
+
+def fsdp_policies(config: RunConfig, device: torch.device) -> dict[str, object]:
+    """``fully_shard`` keyword arguments for the run's precision and offload settings.
+
+    * bf16: ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``. FSDP2 keeps the sharded
+      fp32 parameters as the master weights (the optimizer and its state stay fp32), all-gathers
+      bf16 copies for compute (half the all-gather bytes), and reduce-scatters gradients in fp32
+      before casting them onto the fp32 shards, so gradient accumulation over dp ranks loses
+      nothing. The trainer then does not autocast (``Trainer._autocast``): FSDP already casts.
+    * offload cpu: ``CPUOffloadPolicy``; the optimizer then steps the host-resident shards. Pinned
+      memory speeds the host-device copies on CUDA; a CPU-only run cannot pin (no accelerator),
+      and there the policy only exercises the same code path.
+    """
+    kwargs: dict[str, object] = {}
+    if config.training.precision == "bf16":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if config.parallel.offload == "cpu":
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    return kwargs
+
+
+def loss_context(dims: ParallelDims) -> AbstractContextManager:
+    """The context the forward, the loss *and* its backward run in.
+
+    Under TP the logits are vocab-sharded DTensors (see :func:`apply_tp`); ``loss_parallel()``
+    makes ``F.cross_entropy`` on them reduce across tp ranks instead of gathering the logits, and
+    its backward must run inside the same context (torch's rule for ``loss_parallel``). Without TP
+    it is a no-op.
+    """
+    return loss_parallel() if dims.tp_enabled else contextlib.nullcontext()
+
+
+def apply_dp(
+    module: nn.Module,
+    dims: ParallelDims,
+    *,
+    zero: int,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    offload_policy: OffloadPolicy | None = None,
+) -> nn.Module:
     """Data parallelism over the ``dp`` axis by ZeRO stage; returns the module to call.
 
     * 0 — DDP. Plain ``DistributedDataParallel`` over the dp group when parameters are plain
@@ -269,15 +374,23 @@ def apply_dp(module: nn.Module, dims: ParallelDims, *, zero: int) -> nn.Module:
 
     FSDP2 wraps each block, then the root, so each block's all-gather overlaps the previous
     block's compute. With dp=1 there is nothing to replicate or shard and nothing is wrapped.
+    With ``dims.dp_replicate > 1`` FSDP2 runs on the 2-D ``(dp_replicate, dp_shard)`` mesh (HSDP):
+    parameters are sharded within a replica group, and gradients are reduce-scattered there and
+    then all-reduced across replicas. ``mp_policy`` / ``offload_policy`` (:func:`fsdp_policies`)
+    go to every ``fully_shard`` call, so blocks and root agree.
     """
     if not dims.dp_enabled:
         return module
     if zero in (2, 3):
-        dp_mesh = dims.axis("dp")
-        reshard = zero == 3
+        fsdp_mesh = dims.fsdp_mesh
+        policies: dict[str, object] = {"reshard_after_forward": zero == 3}
+        if mp_policy is not None:
+            policies["mp_policy"] = mp_policy
+        if offload_policy is not None:
+            policies["offload_policy"] = offload_policy
         for key, block in module.layers.items():
-            fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
-        fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard)
+            fully_shard(block, mesh=fsdp_mesh, **policies)
+        fully_shard(module, mesh=fsdp_mesh, **policies)
         return module
     if _has_dtensor_params(module):
         from torch.distributed._composable.replicate_with_fsdp import replicate
@@ -305,9 +418,11 @@ def parallelize_stage(
     parameters, and hold them whole anyway).
 
     The returned module may be a DDP wrapper; its ``.module`` (or the module itself) keeps the
-    original FQNs. Passed as ``stage_transform`` to ``workers.pipeline.build_pipeline``.
+    original FQNs. Passed as ``stage_transform`` to ``workers.pipeline.build_pipeline``. With CPU
+    offload the caller's ``materialize`` must allocate on the CPU (the shards live there).
     """
     parallel = config.parallel
+    validate_data_parallel(parallel)
     materialize = materialize or (lambda m: m)
     if dims.tp_enabled:
         validate_tp(config.model, dims.tp, parallel.sequence_parallel)
@@ -317,8 +432,9 @@ def parallelize_stage(
                           field="parallel.sequence_parallel", fix="set tp > 1 or turn sequence_parallel off")
     if config.training.activation_checkpointing:
         apply_ac(module)
-    if dims.dp_enabled and parallel.zero in (2, 3):
-        return materialize(apply_dp(module, dims, zero=parallel.zero))
+    if uses_fsdp(dims, parallel):
+        device = torch.device(dims.fsdp_mesh.device_type)
+        return materialize(apply_dp(module, dims, zero=parallel.zero, **fsdp_policies(config, device)))
     return apply_dp(materialize(module), dims, zero=parallel.zero)
 
 

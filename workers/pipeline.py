@@ -231,10 +231,12 @@ class StepTiming:
 
 
 class _Stopwatch:
-    """Accumulates compute intervals of a rank's stages over one step.
+    """Accumulates compute intervals of a rank's stages over one step, and the step's span.
 
-    On CUDA the intervals are CUDA events read once at the end of the step (no per-chunk
-    synchronisation, which would serialise the p2p streams); on CPU they are ``perf_counter`` spans.
+    On CUDA the intervals are CUDA events, read only when someone asks for :meth:`totals` (no
+    per-chunk synchronisation, which would serialise the p2p streams, and no synchronisation at the
+    end of the step either: the trainer asks after its one host read of the step, when the events
+    are complete and reading them is free); on CPU they are ``perf_counter`` spans.
     """
 
     def __init__(self, device: torch.device):
@@ -242,8 +244,24 @@ class _Stopwatch:
         self.reset()
 
     def reset(self) -> None:
-        self._seconds = {"forward": 0.0, "backward": 0.0}
+        self._seconds = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self._events: list[tuple[str, Any, Any]] = []
+        self._step_start: Any = None
+
+    def begin_step(self) -> None:
+        if self._cuda:
+            self._step_start = torch.cuda.Event(enable_timing=True)
+            self._step_start.record()
+        else:
+            self._step_start = time.perf_counter()
+
+    def end_step(self) -> None:
+        if self._cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._events.append(("step", self._step_start, end))
+        else:
+            self._seconds["step"] += time.perf_counter() - self._step_start
 
     def timed(self, kind: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if self._cuda:
@@ -261,7 +279,7 @@ class _Stopwatch:
 
     def totals(self) -> dict[str, float]:
         if self._events:
-            torch.cuda.synchronize()
+            self._events[-1][2].synchronize()  # the last recorded; returns at once if already done
             for kind, start, end in self._events:
                 self._seconds[kind] += start.elapsed_time(end) / 1000.0
             self._events.clear()
@@ -320,6 +338,13 @@ class _MicroBatchLoss:
         self.recorded: list[torch.Tensor] = []
 
     def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        # Under TP the last stage's output is the vocab-sharded logits DTensor (``apply_tp``). The
+        # stage hands it over untouched: torch's PipelineStage validates and sends only non-last
+        # stages' outputs, and keeps the last stage's as they are for the loss. It is not
+        # converted here on purpose: ``loss_fn`` (``cross_entropy_loss``) computes the loss on it
+        # vocab-parallel, under the ``loss_parallel()`` context the trainer holds around the whole
+        # schedule (forward and backward), and returns a plain tensor, so what the schedule
+        # backpropagates and what is recorded below are ordinary tensors.
         loss = self._stopwatch.timed("forward", self._loss_fn, output, target)
         self.recorded.append(loss.detach())
         return loss / self._n_microbatches
@@ -361,12 +386,26 @@ class PipelineRunner:
         self.model_parts: list[nn.Module] = [stage.submod for stage in stages]
         self.is_first = any(stage.is_first for stage in stages)
         self.is_last = any(stage.is_last for stage in stages)
-        self.last_step_timing: StepTiming | None = None
+        self._last_timing: StepTiming | None = None
+        self._timing_pending = False
+
+    @property
+    def last_step_timing(self) -> StepTiming | None:
+        """The last step's timing (None before the first); on CUDA, reading it waits for that step's
+        events (free once the caller has read the step's loss)."""
+        if self._timing_pending:
+            totals = self._stopwatch.totals()
+            self._last_timing = StepTiming(
+                step_s=totals["step"], forward_s=totals["forward"], backward_s=totals["backward"]
+            )
+            self._timing_pending = False
+        return self._last_timing
 
     @property
     def busy_s(self) -> float:
         """Compute seconds of this rank's stages in the last step (0 before the first)."""
-        return self.last_step_timing.busy_s if self.last_step_timing else 0.0
+        timing = self.last_step_timing
+        return timing.busy_s if timing else 0.0
 
     def parameters(self) -> Iterable[nn.Parameter]:
         for part in self.model_parts:
@@ -396,15 +435,11 @@ class PipelineRunner:
         self._stopwatch.reset()
         self._loss.recorded.clear()
         args = (inputs,) if self.is_first else ()
-        started = time.perf_counter()
+        self._stopwatch.begin_step()
         self._schedule.step(*args, target=targets if self.is_last else None, return_outputs=False)
         dist.all_reduce(self._step_end, group=self._group)
-        totals = self._stopwatch.totals()
-        self.last_step_timing = StepTiming(
-            step_s=time.perf_counter() - started,
-            forward_s=totals["forward"],
-            backward_s=totals["backward"],
-        )
+        self._stopwatch.end_step()
+        self._timing_pending = True
         return self._loss.step_mean() if self.is_last else None
 
     def _check_batch(self, name: str, batch: torch.Tensor | None) -> None:

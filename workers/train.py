@@ -5,11 +5,21 @@
 step over the global batch of that step. Everything a step does is a function of the step number
 (sample indices, learning rate), so a restored or resized run continues exactly.
 
+A step never makes the host wait for the device more than once: the loss and the gradient norm are
+read together, in one ``.tolist()`` of a stacked tensor, and nothing else synchronises (no
+per-micro-step ``cuda.synchronize``, no world-wide barrier on ordinary steps).
+
 Timing is measured, not estimated, because straggler detection depends on it: ``compute_s`` is the
-wall time of forward/backward (and of the ``on_compute`` callbacks, where a chaos "slow rank"
-sleeps); just before the last micro-step's backward every rank enters a timed scalar all-reduce
-over the world (the *sync point*), so a slow rank shows a high ``compute_s`` while its peers show
-the wait as ``comm_wait_s``, together with the optimizer-side collectives (gradient norm, loss).
+time of forward/backward (and of the ``on_compute`` callbacks, where a chaos "slow rank" sleeps):
+``perf_counter`` spans on CPU, CUDA events on GPU (read after the step's one host read, when they
+are complete, so reading them is free); ``comm_wait_s`` is the rest of the step (collectives,
+waiting on peers or pipeline neighbours, the optimizer). Inside forward/backward a fast rank also
+waits for a slow one (DDP's all-reduce, FSDP2's all-gathers), which compute time cannot tell apart.
+So every ``training.timing_sync_every`` steps (a *timing-sync step*, ``StepMetrics.timing_synced``)
+every rank enters a scalar all-reduce over the world just before the last micro-step's backward
+(after the schedule under PP), outside the compute spans: there a slow rank shows a high
+``compute_s`` while its peers show the wait as ``comm_wait_s``. The supervisor's straggler detector
+reads only those steps.
 
 Run as the reference path::
 
@@ -19,6 +29,7 @@ Run as the reference path::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -26,7 +37,7 @@ import os
 import resource
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
@@ -51,7 +62,15 @@ from workers.mesh import backend_for, build_device_mesh
 from workers.init import materialize
 from workers.model import build_model_skeleton, cross_entropy_loss
 from workers.optim import build_optimizer, clip_grad_norm_, lr_at, set_lr
-from workers.parallelize import ParallelDims, gradient_sync, parallelize_stage, unwrap
+from workers.parallelize import (
+    ParallelDims,
+    gradient_sync,
+    loss_context,
+    parallelize_stage,
+    unwrap,
+    uses_fsdp,
+    validate_data_parallel,
+)
 from workers.topology import Topology
 
 __all__ = ["StepMetrics", "Trainer", "TrainerCallback", "load_run_config", "main"]
@@ -73,6 +92,8 @@ class StepMetrics:
     flops_per_s: float
     mfu: float | None
     peak_mem_bytes: int
+    #: True on timing-sync steps (and always in one process): compute_s excludes waiting on peers.
+    timing_synced: bool
 
 
 class TrainerCallback(Protocol):
@@ -119,15 +140,26 @@ class Trainer:
         self.distributed = dist.is_available() and dist.is_initialized()
         if not self.distributed and world_size > 1:
             raise RuntimeError("Trainer with world_size > 1 needs an initialized default process group")
-        mesh = build_device_mesh(self.topology, self.device.type) if self.distributed else None
-        self.dims = ParallelDims.build(self.topology, mesh, world_size)
+        validate_data_parallel(parallel)
+        if config.training.timing_sync_every < 1:
+            raise ConfigError(
+                f"training.timing_sync_every={config.training.timing_sync_every} must be >= 1 step.",
+                field="training.timing_sync_every",
+                fix="use 1 to separate compute from waiting on every step, or e.g. 10",
+            )
+        mesh = (build_device_mesh(self.topology, self.device.type, dp_replicate=parallel.dp_replicate)
+                if self.distributed else None)
+        self.dims = ParallelDims.build(self.topology, mesh, world_size, dp_replicate=parallel.dp_replicate)
         self.grad_accum_steps = config.grad_accum_steps
+        self._sync_tensor = torch.zeros(1, device=self.device)
 
         # Meta-device init: nothing is allocated until each rank's shards are materialised inside
         # parallelize_stage (after FSDP2 sharding), initialised per parameter from its FQN.
         with torch.device("meta"):
             model = build_model_skeleton(config.model)
-        materialize_local = partial(materialize, device=self.device, seed=config.training.seed,
+        # FSDP2's CPU offload keeps the shards in host memory: allocate them there.
+        init_device = torch.device("cpu") if parallel.offload == "cpu" else self.device
+        materialize_local = partial(materialize, device=init_device, seed=config.training.seed,
                                     n_layers=config.model.n_layers)
         transform = partial(parallelize_stage, dims=self.dims, config=config, materialize=materialize_local)
         self.pipeline = None
@@ -149,6 +181,7 @@ class Trainer:
             self.modules = [transform(model)]
         #: The stage modules with their original FQNs (DDP wrappers removed): what DCP saves.
         self.model_parts: list[nn.Module] = [unwrap(m) for m in self.modules]
+        self._load_pretrained(config.model)
 
         zero_group = self.dims.group("dp") if parallel.zero == 1 else None
         self.optimizers = [
@@ -162,14 +195,38 @@ class Trainer:
         self.peak_flops = throughput.peak_flops_per_s(device_name, config.training.precision)
         self.next_step = 0
 
+    def _load_pretrained(self, model: ModelConfig) -> None:
+        """Step-0 weights from ``model.hf_path`` when that folder has safetensors (collective).
+
+        Each rank reads only the slices it owns into its (already sharded) parts; a checkpoint
+        restored afterwards simply overwrites them. A folder with only a config.json trains from
+        the seeded initialisation.
+        """
+        if not model.hf_path:
+            return
+        from workers.hf_config import weight_files
+
+        if weight_files(model.hf_path):
+            from workers.hf_io import load_hf_weights
+
+            load_hf_weights(self.model_parts, model.hf_path, model)
+
     # -- the step ------------------------------------------------------------------------------
 
     def train_step(self, step: int) -> StepMetrics:
-        """One optimizer step over the global batch of ``step``; collective over the world."""
+        """One optimizer step over the global batch of ``step``; collective over the world.
+
+        The host waits for the device exactly once: the stacked ``[loss, grad_norm]`` is read with
+        one ``.tolist()`` after clipping and before the optimizer step, so a non-finite loss stops
+        the run before it can touch the weights, and the step's CUDA timing events are complete by
+        then. The optimizer's kernels run on while the next step is being enqueued.
+        """
         training = self.config.training
         for callback in self.callbacks:
             _call(callback, "on_step_start", self, step)
         step_start = time.perf_counter()
+        timer = _ComputeTimer(self.device)
+        synced = self._is_timing_sync_step(step)
         lr = lr_at(step, training)
         for optimizer in self.optimizers:
             set_lr(optimizer, lr)
@@ -177,26 +234,26 @@ class Trainer:
 
         micro_batches = self.sampler.local_micro_batches(step, self.coords.dp, self.dims.dp, training.micro_batch)
         if self.pipeline is not None:
-            loss_sum, has_loss, compute_s, comm_wait_s = self._pipeline_forward_backward(step, micro_batches)
+            loss_sum, has_loss = self._pipeline_forward_backward(step, micro_batches, timer, synced)
         else:
-            loss_sum, has_loss, compute_s, comm_wait_s = self._forward_backward(step, micro_batches)
+            loss_sum, has_loss = self._forward_backward(step, micro_batches, timer, synced)
 
-        comm_start = time.perf_counter()
-        loss = self._global_loss(loss_sum, has_loss)
+        loss_t = self._global_loss(loss_sum, has_loss)
+        grad_norm_t = clip_grad_norm_(
+            [p for m in self.model_parts for p in m.parameters()], training.grad_clip,
+            pp_group=self.dims.group("pp"),
+        )
+        # The step's one host read (CPU offload leaves the norm on the host: bring it over).
+        loss, grad_norm = torch.stack([loss_t, grad_norm_t.to(loss_t.device)]).tolist()
         if not math.isfinite(loss):
             raise NonFiniteLossError(
                 f"the loss is {loss} at step {step}; the run cannot continue from this state.",
                 field="training.lr",
                 fix="lower training.lr, enable training.grad_clip, or check the data",
             )
-        grad_norm = clip_grad_norm_(
-            [p for m in self.model_parts for p in m.parameters()], training.grad_clip,
-            pp_group=self.dims.group("pp"),
-        )
         for optimizer in self.optimizers:
             optimizer.step()
-        self._sync_device()
-        comm_wait_s += time.perf_counter() - comm_start
+        compute_s = timer.seconds()
         step_s = time.perf_counter() - step_start
 
         tokens = training.global_batch * self.config.model.seq_len
@@ -205,110 +262,112 @@ class Trainer:
             step=step,
             loss=loss,
             lr=lr,
-            grad_norm=float(grad_norm),
+            grad_norm=grad_norm,
             step_s=step_s,
             compute_s=compute_s,
-            comm_wait_s=comm_wait_s,
+            comm_wait_s=max(0.0, step_s - compute_s),
             tokens=tokens,
             tokens_per_s=throughput.tokens_per_s(tokens, step_s),
             flops_per_s=flops_per_s,
             mfu=throughput.mfu(flops_per_s, self.world_size, self.peak_flops),
             peak_mem_bytes=self._peak_mem_bytes(),
+            timing_synced=synced or self.world_size == 1,
         )
         self.next_step = step + 1
         for callback in self.callbacks:
             _call(callback, "on_step_end", self, metrics)
         return metrics
 
-    def _forward_backward(self, step: int, micro_batches: list[list[int]]) -> tuple[torch.Tensor, bool, float, float]:
+    def _forward_backward(
+        self, step: int, micro_batches: list[list[int]], timer: "_ComputeTimer", synced: bool
+    ) -> tuple[torch.Tensor, bool]:
         """Micro-steps without a pipeline: loss / grad_accum so the gradients sum to the mean.
 
         The DP wrapper averages over dp, so the result is exactly the gradient of the mean loss
-        over the global batch. Gradients are synchronised only on the last micro-step.
+        over the global batch. Gradients are synchronised only on the last micro-step, whose
+        backward (on a timing-sync step) follows the sync point.
         """
         (module,) = self.modules
         num_micro = len(micro_batches)
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        compute_s = comm_wait_s = 0.0
         for micro_step, indices in enumerate(micro_batches):
             inputs, targets = (t.to(self.device) for t in self.dataset.batch(indices))
             last = micro_step == num_micro - 1
-            start = time.perf_counter()
-            for callback in self.callbacks:
-                _call(callback, "on_compute", self, step, micro_step)
-            with gradient_sync(self.modules, enabled=last):
-                with self._autocast():
-                    loss = cross_entropy_loss(module(inputs), targets)
-                if last:
-                    self._sync_device()
-                    compute_s += time.perf_counter() - start
-                    comm_wait_s += self._sync_point()
-                    start = time.perf_counter()
-                (loss / num_micro).backward()
-            self._sync_device()
-            compute_s += time.perf_counter() - start
+            with gradient_sync(self.modules, enabled=last), self._loss_context():
+                with timer.span():
+                    for callback in self.callbacks:
+                        _call(callback, "on_compute", self, step, micro_step)
+                    with self._autocast():
+                        loss = cross_entropy_loss(module(inputs), targets)
+                if last and synced:
+                    self._sync_point()
+                with timer.span():
+                    (loss / num_micro).backward()
             loss_sum += loss.detach().float()
-        return loss_sum / num_micro, True, compute_s, comm_wait_s
+        return loss_sum / num_micro, True
 
     def _pipeline_forward_backward(
-        self, step: int, micro_batches: list[list[int]]
-    ) -> tuple[torch.Tensor, bool, float, float]:
+        self, step: int, micro_batches: list[list[int]], timer: "_ComputeTimer", synced: bool
+    ) -> tuple[torch.Tensor, bool]:
         """The whole pipeline schedule over the local batch (micro-batches = grad_accum steps).
 
         The schedule interleaves stages, so the sync point comes after it; the pipeline's own
-        ``busy_s`` separates compute from waiting on neighbours.
+        ``busy_s`` (its stages' compute, CUDA events on GPU) separates compute from waiting on
+        neighbours, and is read only once the step's host read has made it free.
         """
         indices = [i for micro in micro_batches for i in micro]
         inputs, targets = (t.to(self.device) for t in self.dataset.batch(indices))
         start = time.perf_counter()
         for callback in self.callbacks:
             _call(callback, "on_compute", self, step, 0)
-        callbacks_s = time.perf_counter() - start
-        with self._autocast():
+        timer.add(time.perf_counter() - start)
+        with self._autocast(), self._loss_context():
             loss = self.pipeline.step(inputs, targets)
-        self._sync_device()
-        wall_s = time.perf_counter() - start
-        busy_s = float(getattr(self.pipeline, "busy_s", wall_s - callbacks_s))
-        compute_s = callbacks_s + busy_s
-        comm_wait_s = max(0.0, wall_s - compute_s) + self._sync_point()
+        if synced:
+            self._sync_point()
+        timer.add_later(lambda: self.pipeline.busy_s)
         has_loss = loss is not None
         loss_mean = loss.detach().float() if has_loss else torch.zeros((), device=self.device)
-        return loss_mean, has_loss, compute_s, comm_wait_s
+        return loss_mean, has_loss
 
     def _autocast(self):
         """bf16 compute with fp32 parameters, gradients and optimizer state (``training.precision``).
 
         Autocast keeps the master weights fp32, so the optimizer and the gradient reductions are
-        unchanged; the loss reduction is done in fp32 by ``cross_entropy_loss``.
+        unchanged; the loss reduction is done in fp32 by ``cross_entropy_loss``. Under FSDP2
+        (ZeRO-2/3 with dp > 1) it is off: FSDP2's ``MixedPrecisionPolicy`` already computes with
+        bf16 copies of the fp32 shards (``workers.parallelize.fsdp_policies``), and autocast on top
+        would only re-cast what is already bf16.
         """
-        enabled = self.config.training.precision == "bf16"
+        enabled = self.config.training.precision == "bf16" and not uses_fsdp(self.dims, self.config.parallel)
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=enabled)
 
-    def _sync_point(self) -> float:
-        """A timed scalar all-reduce over the world: the time a fast rank waits for the slowest."""
-        if not self.distributed:
-            return 0.0
-        start = time.perf_counter()
-        dist.all_reduce(torch.zeros(1, device=self.device))
-        return time.perf_counter() - start
+    def _loss_context(self):
+        """Vocab-parallel loss under TP (``loss_parallel``), around forward and backward alike."""
+        return loss_context(self.dims)
 
-    def _global_loss(self, local_mean: torch.Tensor, has_loss: bool) -> float:
-        """Mean loss over the global batch, identical on every rank.
+    def _is_timing_sync_step(self, step: int) -> bool:
+        """Whether ``step`` is a timing-sync step: a pure function of the step, so every rank agrees."""
+        return self.distributed and self.world_size > 1 and step % self.config.training.timing_sync_every == 0
+
+    def _sync_point(self) -> None:
+        """A scalar all-reduce over the world, outside the compute spans: fast ranks wait here
+        for the slowest, so that wait lands in ``comm_wait_s`` and not in ``compute_s``."""
+        dist.all_reduce(self._sync_tensor)
+
+    def _global_loss(self, local_mean: torch.Tensor, has_loss: bool) -> torch.Tensor:
+        """Mean loss over the global batch, identical on every rank (a 0-d fp32 tensor, not read).
 
         Ranks that hold a loss (all, or the last pipeline stage) each carry the mean over their
         micro-batches; TP ranks of one dp replica carry the same value, so the world sum divided by
         the number of holders is the mean over dp replicas.
         """
         if not self.distributed or self.world_size == 1:
-            return float(local_mean)
+            return local_mean.detach().float().reshape(())
         holders = self.dims.dp * self.dims.tp
         value = local_mean.detach().float().reshape(1) if has_loss else torch.zeros(1, device=self.device)
         dist.all_reduce(value)
-        return float(value[0] / holders)
-
-    def _sync_device(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        return value[0] / holders
 
     def _peak_mem_bytes(self) -> int:
         if self.device.type == "cuda":
@@ -388,6 +447,59 @@ class Trainer:
         return state
 
 
+class _ComputeTimer:
+    """The compute time of one step, measured without making the host wait for the device.
+
+    On CPU a span is ``perf_counter`` time: the host runs the work itself, so this is free. On CUDA
+    a span is a pair of events recorded on the current stream; :meth:`seconds` reads them after
+    the step's one host read (``.tolist()``) has already waited for that stream, so they are
+    complete and reading them costs no further synchronisation (the last event's
+    ``synchronize()`` returns at once; it only guards a caller that reads early). A span that
+    contains host work (a chaos sleep in ``on_compute``) still counts on CUDA, as the device idles
+    between the events.
+    """
+
+    def __init__(self, device: torch.device):
+        self._cuda = device.type == "cuda"
+        self._seconds = 0.0
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._later: list[Any] = []
+
+    @contextlib.contextmanager
+    def span(self) -> Iterator[None]:
+        if self._cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            try:
+                yield
+            finally:
+                end.record()
+                self._events.append((start, end))
+        else:
+            started = time.perf_counter()
+            try:
+                yield
+            finally:
+                self._seconds += time.perf_counter() - started
+
+    def add(self, seconds: float) -> None:
+        """Compute measured on the host (callbacks run around the pipeline schedule)."""
+        self._seconds += seconds
+
+    def add_later(self, read: Any) -> None:
+        """Compute another timer measured, read (free) when :meth:`seconds` is."""
+        self._later.append(read)
+
+    def seconds(self) -> float:
+        if self._events:
+            self._events[-1][1].synchronize()
+            self._seconds += sum(start.elapsed_time(end) for start, end in self._events) / 1000.0
+            self._events.clear()
+        while self._later:
+            self._seconds += float(self._later.pop(0)())
+        return self._seconds
+
+
 def _call(callback: Any, hook: str, *args: Any) -> None:
     method = getattr(callback, hook, None)
     if method is not None:
@@ -431,7 +543,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         device = torch.device("cpu")
     initialized_here = False
     if "RANK" in os.environ and not dist.is_initialized():
-        dist.init_process_group(backend_for(device.type), timeout=timedelta(seconds=config.collective_timeout_s))
+        dist.init_process_group(backend_for(device.type, cpu_offload=config.parallel.offload == "cpu"),
+                                timeout=timedelta(seconds=config.collective_timeout_s))
         initialized_here = True
     try:
         trainer = Trainer(config, rank=rank, world_size=world_size, device=device)

@@ -177,7 +177,7 @@ class TrainWorker:
         torch.set_num_threads(max(1, int(os.environ.get("ETRAIN_TORCH_THREADS", "1"))))
         device = self._device(config)
         dist.init_process_group(
-            backend=backend_for(device.type),
+            backend=backend_for(device.type, cpu_offload=config.parallel.offload == "cpu"),
             init_method=f"tcp://{master_addr}:{master_port}",
             rank=self.rank,
             world_size=self.world_size,

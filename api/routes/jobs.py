@@ -1,4 +1,4 @@
-"""/v1/jobs: submit, list, inspect, follow, cancel, resize and (when enabled) break jobs.
+"""/v1/jobs: submit, list, inspect, follow, cancel, resize, export and (when enabled) break jobs.
 
 Handlers are plain ``def``: the manager blocks (SQLite, Ray calls), so FastAPI runs them in its
 thread pool. Errors are raised as ``service.errors`` and turned into HTTP by ``api/errors.py``.
@@ -11,7 +11,19 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Query, Response
 
 from api.routes import get_manager, require_chaos
-from api.schemas import ChaosRequest, ErrorOut, EventOut, EventsOut, JobListOut, JobOut, ScaleRequest, StepOut, StepsOut
+from api.schemas import (
+    ChaosRequest,
+    ErrorOut,
+    EventOut,
+    EventsOut,
+    ExportOut,
+    ExportRequest,
+    JobListOut,
+    JobOut,
+    ScaleRequest,
+    StepOut,
+    StepsOut,
+)
 from service.ports import JobManagerPort
 from service.spec import JobSpec
 from service.store import JobStatus
@@ -84,6 +96,24 @@ def cancel_job(job_id: str, manager: Manager) -> JobOut:
 def scale_job(job_id: str, request: ScaleRequest, manager: Manager) -> JobOut:
     """Change the data-parallel degree; tp and pp never change and the global batch is kept."""
     return JobOut.of(manager.scale(job_id, request.dp))
+
+
+@router.post(
+    "/{job_id}/export",
+    response_model=ExportOut,
+    responses={
+        **_NOT_FOUND,
+        400: {"model": ErrorOut, "description": "the job's model has no Hugging Face format"},
+        409: {"model": ErrorOut, "description": "no such committed checkpoint, or out is not empty"},
+    },
+)
+def export_job(job_id: str, request: ExportRequest, manager: Manager) -> ExportOut:
+    """Write a committed checkpoint (``step``, default the newest) as a Hugging Face folder at ``out``.
+
+    Blocks until the export task is done (it streams one output shard at a time); the folder loads
+    with ``transformers.AutoModelForCausalLM.from_pretrained``.
+    """
+    return ExportOut.model_validate(manager.export(job_id, request.step, request.out))
 
 
 @router.post(

@@ -181,6 +181,32 @@ def test_scale_and_plan(url, tmp_path):
     assert plan.out.splitlines()[0] == "feasible: yes"
 
 
+def test_export_prints_the_folder_and_its_refusals(url, tmp_path, manager, monkeypatch):
+    job_id = submitted_id(etrain(url, "submit", str(write_spec(tmp_path, "llama", model={"preset": "llama-tiny"}))))
+    manager.advance(job_id, 10)  # the fake checkpoints every 5 steps
+    monkeypatch.chdir(tmp_path)
+
+    exported = etrain(url, "export", job_id, "--step", "5", "--out", "exports/step5")
+    assert exported.code == 0, exported
+    assert exported.out == f"{tmp_path / 'exports' / 'step5'}\n"  # made absolute where the command runs
+    assert manager.exports == [(job_id, 5, str(tmp_path / "exports" / "step5"))]
+    as_json = etrain(url, "--json", "export", job_id, "--out", "newest")
+    assert json.loads(as_json.out) == {"hf": str(tmp_path / "newest"), "step": 10}
+
+    refused = etrain(url, "export", job_id, "--step", "7", "--out", "s7")
+    assert refused.code == 1 and refused.out == ""
+    assert refused.err.splitlines()[0] == "error (HTTP 409, conflict):"
+    assert "fix: pass a committed step" in refused.err
+    assert etrain(url, "export", job_id).code == cli.EXIT_USAGE  # --out is required
+
+
+def test_status_shows_the_artifacts_of_a_job(url, tmp_path, manager):
+    job_id = submitted_id(etrain(url, "submit", str(write_spec(tmp_path))))
+    assert "artifacts:   -" in etrain(url, "status", job_id).out
+    manager.store.update_job(job_id, artifacts={"hf": "/ckpt/job/hf-export"})
+    assert "artifacts:   hf: /ckpt/job/hf-export" in etrain(url, "status", job_id).out
+
+
 # -- errors: printed as field + message + fix, non-zero exit ---------------------------------------------------
 
 

@@ -84,7 +84,7 @@ def test_submit_returns_the_new_job(client):
     assert job["id"].startswith("tiny-")
     assert set(job) == {
         "id", "name", "status", "spec", "step", "loss", "tokens_per_s", "world_size", "restarts", "created_at",
-        "updated_at", "error", "layout", "last_checkpoint_step", "stragglers", "goodput", "attempt",
+        "updated_at", "error", "layout", "last_checkpoint_step", "stragglers", "goodput", "attempt", "artifacts",
     }
     assert (job["name"], job["status"], job["step"], job["world_size"]) == ("tiny", "RUNNING", 0, 2)
     assert job["spec"]["training"]["global_batch"] == 8
@@ -297,6 +297,95 @@ def test_chaos_when_enabled_passes_the_validated_request_on(chaos_client):
 def test_bad_chaos_requests_name_the_field(chaos_client, body, field):
     job_id = submit(chaos_client)["id"]
     assert field in problems(chaos_client.post(f"/v1/jobs/{job_id}/chaos", json=body))
+
+
+# -- Hugging Face models in and out ------------------------------------------------------------------------------
+
+
+def hf_folder(path, **config: Any):
+    """A model folder as far as the service reads it: config.json only (the workers read the weights)."""
+    path.mkdir(parents=True, exist_ok=True)
+    body = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32,
+            "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "vocab_size": 64, "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "hidden_act": "silu",
+            "tie_word_embeddings": False}
+    body.update(config)
+    (path / "config.json").write_text(json.dumps(body))
+    return path
+
+
+def test_an_unsupported_hf_architecture_is_a_422_naming_model_hf_and_the_supported_ones(client, tmp_path):
+    hf_folder(tmp_path / "gpt2", architectures=["GPT2LMHeadModel"], model_type="gpt2")
+    response = client.post("/v1/jobs", json=tiny_spec(model={"hf": "gpt2", "seq_len": 16}))
+    problem = problems(response)["model.hf"]
+    assert "GPT2LMHeadModel is not supported" in problem["message"]
+    for name in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        assert name in problem["fix"]
+    assert response.json()["error"] == "invalid_spec"
+
+
+def test_a_hf_job_reads_its_sizes_from_the_folder_and_pins_its_path(client, tmp_path):
+    hf_folder(tmp_path / "tiny-llama")
+    job = submit(client, model={"hf": "tiny-llama", "seq_len": 16}, training={"steps": 4, "global_batch": 4,
+                                                                              "micro_batch": 2})
+    model = job["spec"]["model"]
+    assert (model["hf"], model["kind"], model["seq_len"]) == (str(tmp_path / "tiny-llama"), "llama", 16)
+    assert job["artifacts"] == {}
+
+
+@pytest.mark.parametrize(
+    ("model", "field", "words"),
+    [
+        ({"hf": "tiny-llama", "preset": "llama-tiny"}, "model.preset", "model.hf and model.preset are exclusive"),
+        ({"hf": "tiny-llama", "d_model": 64}, "model.d_model", "model.hf and model.d_model are exclusive"),
+        ({"hf": "tiny-llama", "kind": "gpt"}, "model.kind", "model.kind='gpt'"),
+        ({"hf": "tiny-llama", "seq_len": 256}, "model.seq_len", "exceeds the model's max_position_embeddings=128"),
+        ({"hf": "missing"}, "model.hf", "is not a folder"),
+        ({"preset": "llama-tiny", "kind": "gpt"}, "model.kind", "is a llama model"),
+    ],
+)
+def test_bad_hf_model_specs_name_the_field(client, tmp_path, model, field, words):
+    hf_folder(tmp_path / "tiny-llama")
+    problem = problems(client.post("/v1/jobs", json=tiny_spec(model=model)))[field]
+    assert words in problem["message"] and problem["fix"]
+
+
+def test_export_hf_of_a_gpt_is_refused_at_submit(client):
+    problem = problems(client.post("/v1/jobs", json=tiny_spec(checkpoint={"export": "hf"})))["checkpoint.export"]
+    assert "built-in GPT" in problem["message"]
+
+
+def test_export_writes_a_committed_step_and_refuses_what_it_cannot(client, manager, tmp_path):
+    job_id = submit(client, model={"preset": "llama-tiny"})["id"]
+    manager.advance(job_id, 12)  # the fake checkpoints every 5 steps: 5 and 10 are committed
+
+    response = client.post(f"/v1/jobs/{job_id}/export", json={"step": 5, "out": "exports/s5"})
+    assert response.status_code == 200, response.text
+    assert response.json() == {"hf": str(tmp_path / "exports" / "s5"), "step": 5}
+    newest = client.post(f"/v1/jobs/{job_id}/export", json={"out": str(tmp_path / "newest")}).json()
+    assert newest["step"] == 10
+    assert [e["kind"] for e in client.get(f"/v1/jobs/{job_id}/events").json()["events"]].count("exported") == 2
+
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "config.json").write_text("{}")
+    conflict = client.post(f"/v1/jobs/{job_id}/export", json={"out": str(tmp_path / "full")})
+    assert conflict.status_code == 409 and conflict.json()["detail"][0]["field"] == "out"
+    uncommitted = client.post(f"/v1/jobs/{job_id}/export", json={"step": 7, "out": str(tmp_path / "s7")})
+    assert uncommitted.status_code == 409 and uncommitted.json()["detail"][0]["field"] == "step"
+
+    gpt = submit(client, name="gpt")["id"]
+    manager.advance(gpt, 5)
+    refused = client.post(f"/v1/jobs/{gpt}/export", json={"out": str(tmp_path / "gpt")})
+    assert refused.status_code == 400 and refused.json()["detail"][0]["field"] == "model.kind"
+    assert client.post("/v1/jobs/nope/export", json={"out": "x"}).status_code == 404
+
+
+@pytest.mark.parametrize(("body", "field"), [({}, "out"), ({"out": ""}, "out"), ({"out": "x", "step": -1}, "step"),
+                                             ({"out": "x", "bogus": 1}, "bogus")])
+def test_bad_export_requests_name_the_field(client, body, field):
+    job_id = submit(client, model={"preset": "llama-tiny"})["id"]
+    response = client.post(f"/v1/jobs/{job_id}/export", json=body)
+    assert field in problems(response)
 
 
 # -- plan -------------------------------------------------------------------------------------------------------
@@ -514,3 +603,28 @@ def test_the_real_manager_fits_the_routes(tmp_path, real_manager):
     assert "training.global_batch" in problems(
         client.post("/v1/jobs", json=tiny_spec(training={"steps": 5, "global_batch": 10, "micro_batch": 4}))
     )
+
+
+def test_the_real_manager_records_artifacts_and_refuses_exports_it_cannot_do(tmp_path, real_manager):
+    import time
+
+    hf_folder(tmp_path / "tiny-llama")
+    client = make_client(tmp_path, real_manager, enable_chaos=True)
+    training = {"steps": 4, "global_batch": 4, "micro_batch": 2}
+    job_id = submit(client, model={"hf": "tiny-llama", "seq_len": 16}, training=training)["id"]
+    deadline = time.monotonic() + 30
+    while (job := client.get(f"/v1/jobs/{job_id}").json())["status"] != "SUCCEEDED":
+        assert time.monotonic() < deadline, "the poller never finished the simulated job"
+        time.sleep(0.05)
+    checkpoint_root = real_manager.settings.checkpoint_root(job_id).resolve()
+    assert job["artifacts"] == {"hf": str(checkpoint_root / "hf-export")}  # policy: export defaults to hf
+    assert real_manager.runtime.jobs[job_id]["policy"].export is True
+
+    none_committed = client.post(f"/v1/jobs/{job_id}/export", json={"out": str(tmp_path / "out")})
+    assert none_committed.status_code == 409
+    assert "nothing is committed yet" in none_committed.json()["message"]
+    gpt = submit(client, name="gpt", training=training)["id"]
+    assert real_manager.runtime.jobs[gpt]["policy"].export is False
+    refused = client.post(f"/v1/jobs/{gpt}/export", json={"out": str(tmp_path / "out")})
+    assert refused.status_code == 400 and "built-in GPT" in refused.json()["message"]
+    assert not any(call[0] == "export" for call in real_manager.runtime.calls)

@@ -1,14 +1,23 @@
 """Issue #4 acceptance 2 (node loss), 3 (shrink and grow) and 4 (evict): nodes really go away.
 
 Each test owns its cluster, since it removes or adds nodes. The head node has no CPUs, so ranks run
-only on worker nodes the test controls.
+only on worker nodes the test controls. Shrink-and-grow runs on the GPT and on a Llama (``LLAMA_MODEL``).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.chaos.conftest import cluster_node, losses, node_of_rank, placements, ray_cluster, run_clean, spec
+from tests.chaos.conftest import (
+    LLAMA_MODEL,
+    cluster_node,
+    losses,
+    node_of_rank,
+    placements,
+    ray_cluster,
+    run_clean,
+    spec,
+)
 from tests.service_harness import control_plane, event_kinds
 
 pytestmark = pytest.mark.slow
@@ -35,10 +44,12 @@ def test_node_loss_during_dp2_tp2_restarts_on_the_spare_node(tmp_path):
         assert max(abs(recovered[s] - clean[s]) for s in clean) <= 1e-6
 
 
-def test_shrinks_when_capacity_is_lost_and_grows_back_when_it_returns(tmp_path):
+@pytest.mark.parametrize("model", ["gpt", "llama"])
+def test_shrinks_when_capacity_is_lost_and_grows_back_when_it_returns(tmp_path, model):
     with ray_cluster([2, 2]) as cluster, control_plane(tmp_path) as plane:
         # Long enough that the shrunk job is still running when the re-added node registers.
-        body = spec("elastic-dp4", steps=300, dp=4, every=10,
+        sections = {"model": LLAMA_MODEL} if model == "llama" else {}
+        body = spec(f"elastic-{model}-dp4", steps=300, dp=4, every=10, **sections,
                     resources={"cpus_per_worker": 1, "min_dp": 2, "max_dp": 4},
                     elastic={"check_interval_s": 1.0})
         clean = losses(plane, run_clean(plane, body)["id"])
@@ -72,7 +83,7 @@ def test_shrinks_when_capacity_is_lost_and_grows_back_when_it_returns(tmp_path):
 
 def test_evict_moves_the_slow_rank_off_its_node_and_finishes(tmp_path):
     with ray_cluster([1, 1, 1]), control_plane(tmp_path) as plane:
-        body = spec("evict-dp2", steps=40, every=4,
+        body = spec("evict-dp2", steps=40, every=4, training={"timing_sync_every": 1},
                     stragglers={"enabled": True, "window": 4, "threshold": 2.0, "patience": 2, "action": "evict"})
         job = plane.submit(body)
         plane.chaos(job["id"], action="slow_rank", rank=1, factor=3.0, at_step=2)

@@ -2,7 +2,8 @@
 
 Every test injects a real failure into a real multi-node Ray cluster through the chaos API (SIGKILL
 of a rank's process, ray.kill of its actor, a hung rank, a corrupted checkpoint) or through the job
-itself (NaN loss, unreadable data), and asserts steps, losses, times and rank ids.
+itself (NaN loss, unreadable data), and asserts steps, losses, times and rank ids. The kill-and-resume
+test also runs on a Llama (``LLAMA_MODEL``), against that model's own clean run.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import re
 import numpy as np
 import pytest
 
-from tests.chaos.conftest import losses, resumed_from, run_clean, spec
+from tests.chaos.conftest import LLAMA_MODEL, losses, resumed_from, run_clean, spec
 from tests.service_harness import event_kinds, event_text
 
 pytestmark = pytest.mark.slow
@@ -26,16 +27,25 @@ def clean(shared_plane):
     return losses(shared_plane, job["id"])
 
 
+@pytest.fixture(scope="module")
+def clean_llama(shared_plane):
+    """The uninterrupted DP2 run of the Llama job."""
+    job = run_clean(shared_plane, spec("clean-llama-dp2", model=LLAMA_MODEL))
+    return losses(shared_plane, job["id"])
+
+
 def assert_same_trajectory(recovered: dict[int, float], clean: dict[int, float], tol: float) -> None:
     assert sorted(recovered) == sorted(clean), (sorted(recovered), sorted(clean))
     worst = max(abs(recovered[s] - clean[s]) for s in clean)
     assert worst <= tol, f"max |loss - clean loss| = {worst:.3g} > {tol}"
 
 
-@pytest.mark.parametrize("action", ["kill_rank", "kill_actor"])
-def test_killed_rank_restarts_from_checkpoint_and_ends_where_the_clean_run_ends(shared_plane, clean, action):
+@pytest.mark.parametrize("action, model", [("kill_rank", "gpt"), ("kill_actor", "gpt"), ("kill_rank", "llama")])
+def test_killed_rank_restarts_from_checkpoint_and_ends_where_the_clean_run_ends(shared_plane, request, action, model):
     plane = shared_plane
-    job = plane.submit(spec(f"{action.replace('_', '-')}-dp2"))
+    clean = request.getfixturevalue("clean_llama" if model == "llama" else "clean")
+    sections = {"model": LLAMA_MODEL} if model == "llama" else {}
+    job = plane.submit(spec(f"{action.replace('_', '-')}-{model}-dp2", **sections))
     plane.chaos(job["id"], action=action, rank=1, at_step=10)
     final = plane.wait_terminal(job["id"], timeout_s=300)
     assert final["status"] == "SUCCEEDED", final
@@ -123,7 +133,8 @@ def test_restarts_beyond_the_budget_fail_with_a_clear_reason(shared_plane):
 
 def test_slow_rank_is_flagged_within_20_steps_with_its_rank_id(shared_plane):
     plane = shared_plane
-    body = spec("slow-dp2", steps=40, stragglers={"enabled": True, "window": 4, "threshold": 1.5, "patience": 2})
+    body = spec("slow-dp2", steps=40, stragglers={"enabled": True, "window": 4, "threshold": 1.5, "patience": 2},
+                training={"timing_sync_every": 1})  # per-step timing: every step a timing-sync step
     job = plane.submit(body)
     plane.chaos(job["id"], action="slow_rank", rank=1, factor=2.0, at_step=4)
     final = plane.wait_terminal(job["id"], timeout_s=300)
@@ -137,7 +148,7 @@ def test_slow_rank_is_flagged_within_20_steps_with_its_rank_id(shared_plane):
 
 def test_clean_run_of_200_steps_flags_nobody(shared_plane):
     plane = shared_plane
-    body = spec("steady-dp2", steps=200, every=0,
+    body = spec("steady-dp2", steps=200, every=0, training={"timing_sync_every": 1},
                 stragglers={"enabled": True, "window": 10, "threshold": 1.5, "patience": 2})
     final = run_clean(plane, body)
     assert final["stragglers"] == []

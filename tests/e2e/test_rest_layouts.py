@@ -2,6 +2,7 @@
 
 Each job's per-step losses must equal a single-process run of the same spec (the reference is the
 same Trainer, in this process, at world size 1): the REST/Ray path changes nothing in the numbers.
+DP2×TP2 runs on the built-in GPT and on a Llama given by explicit sizes (``kind: llama``, GQA).
 """
 
 from __future__ import annotations
@@ -12,10 +13,15 @@ import pytest
 ray = pytest.importorskip("ray")
 
 
-def layout_spec(name: str, **parallelism) -> dict:
+GPT_MODEL = {"n_layers": 4, "d_model": 32, "n_heads": 4, "vocab_size": 64, "seq_len": 16}
+LLAMA_MODEL = {"kind": "llama", "n_layers": 4, "d_model": 32, "n_heads": 4, "n_kv_heads": 2, "d_ff": 64,
+               "vocab_size": 64, "seq_len": 16}
+
+
+def layout_spec(name: str, model: dict | None = None, **parallelism) -> dict:
     return {
         "name": name,
-        "model": {"n_layers": 4, "d_model": 32, "n_heads": 4, "vocab_size": 64, "seq_len": 16},
+        "model": model or GPT_MODEL,
         "data": {"kind": "synthetic", "seed": 1},
         "parallelism": parallelism,
         "resources": {"cpus_per_worker": 1},
@@ -40,14 +46,16 @@ def reference_losses(body: dict) -> list[float]:
 
 
 @pytest.mark.parametrize(
-    "name, parallelism",
+    "name, model, parallelism",
     [
-        ("dp2-tp2", {"dp": 2, "tp": 2}),
-        ("dp2-pp2", {"dp": 2, "pp": 2, "pp_schedule": "1f1b"}),
+        ("dp2-tp2", GPT_MODEL, {"dp": 2, "tp": 2}),
+        ("dp2-pp2", GPT_MODEL, {"dp": 2, "pp": 2, "pp_schedule": "1f1b"}),
+        ("llama-dp2-tp2", LLAMA_MODEL, {"dp": 2, "tp": 2}),
     ],
+    ids=["dp2-tp2", "dp2-pp2", "llama-dp2-tp2"],
 )
-def test_composed_layout_job_matches_one_process(plane, name, parallelism):
-    body = layout_spec(name, **parallelism)
+def test_composed_layout_job_matches_one_process(plane, name, model, parallelism):
+    body = layout_spec(name, model, **parallelism)
     job = plane.submit(body)
     assert job["world_size"] == 4
     final = plane.wait_terminal(job["id"], timeout_s=300)

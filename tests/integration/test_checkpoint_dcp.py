@@ -18,10 +18,14 @@ and -> PP-virtual(2); TP(2) -> PP(2); FSDP2, TP, PP, ZeRO-1, PP-virtual (2) -> o
 FSDP2xTP(2x2) -> FSDP2(4) and -> one process; async FSDP2(2) -> DDP(2). To keep the run short, one 2-rank run saves every 2-rank
 layout, one 2-rank run loads every pair into 2 ranks, single-process saves and loads run in the
 test process itself (no process group), and one 2-rank run covers async save and corruption.
+
+A tied-embedding Llama (GQA, q/k/v biases, q/k norms; one weight under two FQNs) is saved under
+FSDP2, TP and ZeRO-1 and restored into each other and into one process, in one more 2-rank run.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import threading
@@ -47,6 +51,11 @@ from workers.manifest import ShardReport, commit, step_dir, verify
 from workers.model import build_model, cross_entropy_loss
 
 MODEL = ModelConfig(n_layers=4, d_model=16, n_heads=2, vocab_size=32, seq_len=8)
+#: Same vocabulary, context and depth as MODEL, so batches and stages are shared; tied (Qwen2-style).
+LLAMA = ModelConfig(arch="llama", n_layers=4, d_model=16, n_heads=4, n_kv_heads=2, d_ff=32, vocab_size=32, seq_len=8,
+                    attention_bias="qkv", qk_norm=True, tie_embeddings=True)
+LLAMA_LAYOUTS = ("fsdp", "tp", "zero1")
+LLAMA_PAIRS = (("fsdp", "tp"), ("tp", "zero1"), ("zero1", "fsdp"))
 TRAIN_STEPS = 2
 LR = 1e-2
 TOL = 1e-6
@@ -90,7 +99,9 @@ def _num_stages(layout: str, world_size: int) -> int:
     return {"pp": world_size, "pp_virtual": 2 * world_size}.get(layout, 1)
 
 
-def _build(layout: str, seed: int, lr: float = LR) -> tuple[list[nn.Module], list[torch.optim.Optimizer]]:
+def _build(
+    layout: str, seed: int, lr: float = LR, model_config: ModelConfig = MODEL
+) -> tuple[list[nn.Module], list[torch.optim.Optimizer]]:
     """Model parts and optimizers of ``layout`` on this rank, from weights initialised with ``seed``.
 
     Restore targets use another ``lr`` too: the checkpoint's hyperparameters must win.
@@ -109,7 +120,7 @@ def _build(layout: str, seed: int, lr: float = LR) -> tuple[list[nn.Module], lis
         if layout == "pp":
             return parts, [_adamw([part]) for part in parts]
         return parts, [_adamw(parts)]  # one optimizer over both parts
-    model = build_model(MODEL, seed)
+    model = build_model(model_config, seed)
     if layout == "single":
         return [model], [_adamw([model])]
     if layout == "ddp":
@@ -159,11 +170,21 @@ def _apply_fsdp(model: nn.Module, mesh) -> None:
 
 
 def _apply_tp(model: nn.Module, mesh) -> None:
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
 
     plan = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(), "feed_forward.w1": ColwiseParallel(),
             "feed_forward.w2": RowwiseParallel()}
+    if model.config.arch == "llama":  # SwiGLU's up projection; q/k norms on head-sharded activations
+        plan["feed_forward.w3"] = ColwiseParallel()
+        if model.config.qk_norm:
+            plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+            plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
     for block in model.layers.values():
         parallelize_module(block, mesh, plan)
 
@@ -377,6 +398,28 @@ def _async_and_corruption(rank: int, world_size: int, root: str) -> dict:
             "report": report, "errors": errors, "in_flight": in_flight}
 
 
+def _llama_save_and_load(rank: int, world_size: int, root: str) -> tuple[dict, dict] | None:
+    """The tied Llama saved under every LLAMA_LAYOUTS layout, then each LLAMA_PAIRS pair restored."""
+    torch.manual_seed(99)
+    saved = {}
+    for layout in LLAMA_LAYOUTS:
+        parts, optimizers = _build(layout, seed=0, model_config=LLAMA)
+        _train(layout, parts, optimizers, TRAIN_STEPS)
+        saved[layout] = _snapshot(parts, optimizers)
+        directory = step_dir(os.path.join(root, layout), TRAIN_STEPS)
+        reports = _gather_reports(save_checkpoint(directory, parts, optimizers, _extra(TRAIN_STEPS)))
+        if rank == 0:
+            commit(directory, TRAIN_STEPS, layout, world_size, reports)
+        dist.barrier()
+    loaded = {}
+    for source, target in LLAMA_PAIRS:
+        parts, optimizers = _build(target, seed=1, lr=LR / 2, model_config=LLAMA)
+        load_checkpoint(step_dir(os.path.join(root, source), TRAIN_STEPS), parts, optimizers)
+        snapshot = _snapshot(parts, optimizers)
+        loaded[(source, target)] = (snapshot, _train(target, parts, optimizers, steps=1, first_step=TRAIN_STEPS))
+    return (saved, loaded) if rank == 0 else None
+
+
 # -- fixtures -------------------------------------------------------------------------------------
 
 
@@ -460,6 +503,23 @@ def test_2d_fsdp_tp_checkpoint_restores_on_four_data_parallel_ranks_and_one_proc
     parts, optimizers = _build("single", seed=1, lr=LR / 2)
     load_checkpoint(step_dir(os.path.join(str(tmp_path), "fsdp_tp"), TRAIN_STEPS), parts, optimizers)
     _assert_same_state(_snapshot(parts, optimizers), result["saved"])
+
+
+def test_tied_llama_checkpoint_restores_across_layouts_and_in_one_process(tmp_path):
+    saved, loaded = run_distributed(_llama_save_and_load, 2, str(tmp_path), timeout_s=TIMEOUT_S)[0]
+    for layout in LLAMA_LAYOUTS:  # trained to a real state; the tied output is not a second parameter
+        assert float(saved[layout]["step/layers.0.attention.q_norm.weight"]) == TRAIN_STEPS
+        assert saved[layout]["exp_avg_sq/tok_embeddings.weight"].abs().sum() > 0
+        assert "param/output.weight" not in saved[layout]
+    for (source, target), (snapshot, loss_after) in loaded.items():
+        _assert_same_state(snapshot, saved[source])
+        assert math.isfinite(loss_after), (source, target)
+    for source in LLAMA_LAYOUTS:
+        parts, optimizers = _build("single", seed=1, lr=LR / 2, model_config=LLAMA)
+        load_checkpoint(step_dir(os.path.join(str(tmp_path), source), TRAIN_STEPS), parts, optimizers)
+        _assert_same_state(_snapshot(parts, optimizers), saved[source])
+        model = parts[0]
+        assert model.output.weight is model.tok_embeddings.weight, f"{source}: restoring untied the embeddings"
 
 
 def test_extra_state_and_rng_round_trip(tmp_path):

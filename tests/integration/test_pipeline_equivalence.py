@@ -6,6 +6,10 @@ on real gloo ranks: AdamW in fp32, clipping at a norm that binds, grad accumulat
 (2 per dp replica at dp=2). It must match the same Trainer in one process: every step's loss within
 1e-5 relative and every final parameter within 1e-4 absolute (``tests/equivalence_utils``).
 
+The untied Llama (``TINY_LLAMA``: GQA, q/k/v biases, q/k norms, SwiGLU, RoPE) runs one layout per
+distinct pipeline code path: end stages only, middle stages (interleaved), DDP per stage, FSDP2 per
+stage, and its TP plan per stage. A tied Llama cannot be pipelined: ``build_pipeline`` refuses it.
+
 Why micro-batch counts that are not powers of two are covered too: the pipeline backpropagates
 ``loss / n_microbatches`` per micro-batch, the same float operations as the trainer's gradient
 accumulation. Dividing the summed gradients afterwards (torch's ``scale_grads``) is the same
@@ -16,11 +20,16 @@ GELU-saturated hidden units): it fails the 1e-4 bound at 3 micro-batches with no
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
+import torch
 
+from tests.dist_utils import run_distributed
 from tests.equivalence_utils import (
+    TINY_LLAMA,
+    TINY_LLAMA_TIED,
     assert_equivalent,
     reference_key,
     run_layout,
@@ -28,6 +37,7 @@ from tests.equivalence_utils import (
     small_config,
 )
 from workers.config import ParallelConfig, RunConfig
+from workers.errors import ConfigError
 
 TIMEOUT_S = 240.0
 
@@ -64,6 +74,17 @@ MORE_COMPOSED_LAYOUTS = {
 }
 
 
+#: Layouts the Llama runs too, one per pipeline code path it could break (see the module docstring).
+LLAMA_LAYOUTS = (
+    "pp2-1f1b",  # first and last stages: embeddings on one, norm + output on the other
+    "pp2-interleaved_1f1b-v2",  # stages that own neither end (no embeddings, no output)
+    "dp2-pp2-1f1b",  # DDP on each stage
+    "tp2-pp2-interleaved_1f1b-v2",  # the Llama TP plan (w3, kv heads, head-sharded q/k norms) per stage
+    "dp2-zero3-pp2-interleaved_1f1b-v2",  # FSDP2 on each stage
+)
+ALL_LAYOUTS = {**LAYOUTS, **COMPOSED_LAYOUTS, **MORE_COMPOSED_LAYOUTS}
+
+
 def _check(config: RunConfig, layout: str) -> None:
     assert config.parallel.pp > 1
     reference = _reference(reference_key(config))
@@ -87,6 +108,36 @@ def test_pipeline_composed_with_dp_and_tp_trains_like_one_process(layout: str) -
 @pytest.mark.parametrize("layout", MORE_COMPOSED_LAYOUTS)
 def test_pipeline_composed_with_fsdp_and_sequence_parallel_trains_like_one_process(layout: str) -> None:
     _check(MORE_COMPOSED_LAYOUTS[layout], layout)
+
+
+@pytest.mark.parametrize("layout", LLAMA_LAYOUTS)
+def test_llama_pipeline_trains_like_one_process(layout: str) -> None:
+    _check(dataclasses.replace(ALL_LAYOUTS[layout], model=TINY_LLAMA), f"llama {layout}")
+
+
+def _build_tied_pipeline(rank: int, world_size: int) -> tuple[str, str | None, str | None]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from workers.model import build_model_skeleton, cross_entropy_loss
+    from workers.pipeline import build_pipeline
+
+    with torch.device("meta"):
+        model = build_model_skeleton(TINY_LLAMA_TIED)
+    try:
+        build_pipeline(model, pp_mesh=init_device_mesh("cpu", (world_size,), mesh_dim_names=("pp",)),
+                       pp_rank=rank, parallel=ParallelConfig(pp=world_size), n_microbatches=4,
+                       loss_fn=cross_entropy_loss, device="cpu")
+    except ConfigError as exc:
+        return str(exc), exc.field, exc.fix
+    return "built", None, None
+
+
+def test_tied_embeddings_cannot_be_pipelined() -> None:
+    """The embedding (first stage) and the output (last stage) would be one parameter on two ranks."""
+    for message, field, fix in run_distributed(_build_tied_pipeline, 2, timeout_s=60.0):
+        assert "tied input and output embeddings cannot be cut into pipeline stages" in message, message
+        assert field == "parallelism.pp"
+        assert "parallelism.pp=1" in fix
 
 
 def test_layouts_use_gradient_accumulation() -> None:

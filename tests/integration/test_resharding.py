@@ -4,6 +4,8 @@ Save at step k under layout A (every rank writes its DCP shards; the manifest is
 under layout B, and every loss after k matches the uninterrupted single-process run within the
 equivalence tolerance, as do the final parameters. DCP reshards by parameter name (FQN), which the
 model keeps identical under every layout; optimizer state, RNG and the data position come along.
+The Llama (``TINY_LLAMA``: GQA, q/k/v biases, q/k norms) reshards across the 3D → DP, ZeRO-3 →
+ZeRO-1 and TP → one-process pairs too: its own parameter names and TP placements go through DCP.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.equivalence_utils import LOSS_RTOL, PARAM_ATOL, run_reference, small_config
+from tests.equivalence_utils import LOSS_RTOL, MODELS, PARAM_ATOL, run_reference, small_config
 from workers.config import ParallelConfig
 
 STEPS, SAVE_AT = 8, 4
@@ -49,8 +51,15 @@ def _restore_and_train(rank: int, world_size: int, config, root: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reference():
-    return run_reference(small_config(steps=STEPS))
+def references() -> dict:
+    """The uninterrupted single-process run of each model, computed once."""
+    return {}
+
+
+def _reference(references: dict, model: str):
+    if model not in references:
+        references[model] = run_reference(small_config(steps=STEPS, model=MODELS[model]))
+    return references[model]
 
 
 PAIRS = [
@@ -63,9 +72,14 @@ PAIRS = [
 ]
 
 
-@pytest.mark.parametrize("name, before, after", PAIRS, ids=[p[0] for p in PAIRS])
-def test_resume_in_another_layout_matches_the_uninterrupted_run(tmp_path, reference, name, before, after):
-    base = small_config(steps=STEPS)
+LLAMA_PAIRS = ("3d-to-dp2", "zero3-to-zero1", "tp2-to-tp1")
+CASES = [("gpt", *pair) for pair in PAIRS] + [("llama", *pair) for pair in PAIRS if pair[0] in LLAMA_PAIRS]
+
+
+@pytest.mark.parametrize("model, name, before, after", CASES, ids=[f"{case[0]}-{case[1]}" for case in CASES])
+def test_resume_in_another_layout_matches_the_uninterrupted_run(tmp_path, references, model, name, before, after):
+    reference = _reference(references, model)
+    base = small_config(steps=STEPS, model=MODELS[model])
     first = run_distributed(_train_and_save, before.world_size, dataclasses.replace(base, parallel=before),
                             str(tmp_path), timeout_s=240)
     second = run_distributed(_restore_and_train, after.world_size, dataclasses.replace(base, parallel=after),

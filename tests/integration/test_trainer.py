@@ -1,6 +1,7 @@
 """The Trainer's contracts beyond equivalence, on two real gloo ranks (no Ray).
 
-* timing: a slow rank shows high ``compute_s`` and its peer high ``comm_wait_s`` (the sync point);
+* timing: a slow rank shows high ``compute_s`` and its peer high ``comm_wait_s`` (on timing-sync
+  steps, here every step);
 * gradient accumulation does not synchronise on intermediate micro-steps (DDP and FSDP2);
 * ZeRO-1 shards the optimizer state over the dp ranks;
 * a non-finite loss on one rank raises ``NonFiniteLossError`` naming the step on every rank;
@@ -111,7 +112,8 @@ def _scenarios(rank: int, world_size: int, directory: str) -> dict:
     report: dict = {"resume": _resume(rank, world_size, directory)}
 
     recorder = _Recorder(slow_rank=1)
-    trainer = _trainer(rank, world_size, ParallelConfig(dp=2), callbacks=[recorder])
+    # Every step a timing-sync step: the test reads step 2's compute / wait split.
+    trainer = _trainer(rank, world_size, ParallelConfig(dp=2), callbacks=[recorder], timing_sync_every=1)
     report["timed"] = [dataclasses.asdict(trainer.train_step(s)) for s in range(3)]
     report["calls"] = recorder.calls
     report["grad_accum_steps"] = trainer.grad_accum_steps

@@ -1,15 +1,19 @@
-"""The built-in GPT: exact parameter count, causal, deterministic, and cut into stages by FQN."""
+"""The built-in GPT and the Llama family: exact parameter count, causal, deterministic (whole or
+meta-device built), and cut into stages by FQN."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 
 from workers.config import MODEL_PRESETS, ModelConfig
 from workers.errors import ConfigError
-from workers.model import GPT, build_model, cross_entropy_loss
+from workers.init import materialize
+from workers.llama import Llama
+from workers.model import GPT, build_model, build_model_skeleton, cross_entropy_loss
 
 CONFIG = ModelConfig(n_layers=4, d_model=32, n_heads=4, vocab_size=64, seq_len=16)
 
@@ -91,3 +95,143 @@ def test_stages_keep_the_full_models_fqns_and_chain_to_its_output() -> None:
 def test_invalid_shapes_are_config_errors() -> None:
     with pytest.raises(ConfigError, match="d_model=30 is not divisible by model.n_heads=4"):
         GPT(ModelConfig(n_layers=1, d_model=30, n_heads=4, vocab_size=8, seq_len=4))
+
+
+# -- the Llama family ------------------------------------------------------------------------------
+
+LLAMA = ModelConfig(arch="llama", n_layers=4, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=64,
+                    seq_len=16, attention_bias="qkv", qk_norm=True)
+LLAMA_CONFIGS = {
+    "mha": ModelConfig(arch="llama", n_layers=2, d_model=32, n_heads=4, vocab_size=50, seq_len=8),
+    "gqa": ModelConfig(arch="llama", n_layers=3, d_model=48, n_heads=6, n_kv_heads=2, d_ff=80, vocab_size=70,
+                       seq_len=8),
+    "mqa-default-ffn": ModelConfig(arch="llama", n_layers=1, d_model=16, n_heads=4, n_kv_heads=1, vocab_size=20,
+                                   seq_len=4),
+    "head-dim-override": ModelConfig(arch="llama", n_layers=2, d_model=32, n_heads=4, n_kv_heads=2,
+                                     head_dim_override=12, d_ff=40, vocab_size=50, seq_len=8),
+    "qkv-bias": ModelConfig(arch="llama", n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, d_ff=40,
+                            vocab_size=50, seq_len=8, attention_bias="qkv"),
+    "all-bias": ModelConfig(arch="llama", n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, d_ff=40,
+                            vocab_size=50, seq_len=8, attention_bias="all"),
+    "qk-norm-head-dim": ModelConfig(arch="llama", n_layers=2, d_model=32, n_heads=4, n_kv_heads=2,
+                                    head_dim_override=16, d_ff=40, vocab_size=50, seq_len=8, qk_norm=True),
+    "tied": ModelConfig(arch="llama", n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, d_ff=40, vocab_size=50,
+                        seq_len=8, tie_embeddings=True),
+    "everything": dataclasses.replace(LLAMA, tie_embeddings=True, head_dim_override=10),
+}
+
+
+def _hand_count(config: ModelConfig) -> int:
+    """The parameter count written out term by term, independently of ``ModelConfig.num_params``."""
+    d, hd, h, kv, f, v, n = (config.d_model, config.head_dim, config.n_heads, config.kv_heads, config.ffn_dim,
+                             config.vocab_size, config.n_layers)
+    attention = d * h * hd + 2 * d * kv * hd + h * hd * d
+    if config.attention_bias in ("qkv", "all"):
+        attention += h * hd + 2 * kv * hd
+    if config.attention_bias == "all":
+        attention += d
+    if config.qk_norm:
+        attention += 2 * hd
+    block = 2 * d + attention + 3 * d * f
+    return v * d + n * block + d + (0 if config.tie_embeddings else v * d)
+
+
+@pytest.mark.parametrize("config", LLAMA_CONFIGS.values(), ids=LLAMA_CONFIGS.keys())
+def test_llama_parameter_count_matches_the_config_formula(config: ModelConfig) -> None:
+    model = Llama(config)
+    counted = sum(p.numel() for p in model.parameters())  # a tied weight is reported once
+    assert counted == config.num_params == _hand_count(config)
+    names = dict(model.named_parameters())
+    assert ("output.weight" in names) is not config.tie_embeddings
+    assert ("layers.0.attention.q_norm.weight" in names) is config.qk_norm
+    assert ("layers.0.attention.wq.bias" in names) is (config.attention_bias != "none")
+    assert ("layers.0.attention.wo.bias" in names) is (config.attention_bias == "all")
+    assert names["layers.0.attention.wk.weight"].shape == (config.kv_heads * config.head_dim, config.d_model)
+
+
+def test_llama_preset_parameter_counts_are_the_published_ones() -> None:
+    # Meta's Llama 3.2 1B (tied) and 3.1 8B, Qwen3 0.6B (tied, head_dim 128, q/k norms): 1.24B, 8.03B, 0.60B.
+    assert ModelConfig(**MODEL_PRESETS["llama3-1b"]).num_params == 1_235_814_400
+    assert ModelConfig(**MODEL_PRESETS["llama3-8b"]).num_params == 8_030_261_248
+    assert ModelConfig(**MODEL_PRESETS["qwen3-0.6b"]).num_params == 596_049_920
+
+
+def test_llama_future_tokens_do_not_change_past_logits() -> None:
+    config = LLAMA_CONFIGS["everything"]
+    model = build_model(config, seed=0)
+    _perturb_norms_and_biases(model)
+    tokens = torch.randint(0, config.vocab_size, (2, config.seq_len), generator=torch.Generator().manual_seed(1))
+    changed = tokens.clone()
+    changed[:, 10:] = (changed[:, 10:] + 1) % config.vocab_size
+    with torch.no_grad():
+        a, b = model(tokens), model(changed)
+    torch.testing.assert_close(a[:, :10], b[:, :10], rtol=0, atol=0)
+    assert (a[:, 10:] - b[:, 10:]).abs().max() > 1e-3
+
+
+def _perturb_norms_and_biases(model: torch.nn.Module) -> None:
+    """Norm weights start at 1 and biases at 0; give them values so their code paths count."""
+    generator = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias") or "norm" in name:
+                param.add_(torch.randn(param.shape, generator=generator) * 0.1)
+
+
+@pytest.mark.parametrize("name", ["gqa", "head-dim-override", "all-bias", "everything"])
+def test_llama_meta_device_materialise_gives_build_models_weights(name: str) -> None:
+    """Per-FQN seeded init: the same value per parameter whether built whole or on the meta device."""
+    config = LLAMA_CONFIGS[name]
+    whole = build_model(config, seed=5)
+    with torch.device("meta"):
+        skeleton = build_model_skeleton(config)
+    assert all(p.is_meta for p in skeleton.parameters())
+    materialize(skeleton, device=torch.device("cpu"), seed=5, n_layers=config.n_layers)
+    state, expected = skeleton.state_dict(), whole.state_dict()
+    assert state.keys() == expected.keys()
+    for fqn, value in expected.items():
+        assert torch.equal(state[fqn], value), fqn
+    if config.tie_embeddings:  # still one parameter after to_empty gave each name its own tensor
+        assert skeleton.output.weight is skeleton.tok_embeddings.weight
+        assert torch.equal(state["output.weight"], state["tok_embeddings.weight"])
+    # another seed, other values; norms 1, biases 0, residual projections scaled down
+    other = build_model(config, seed=6)
+    assert not torch.equal(other.layers["0"].attention.wq.weight, whole.layers["0"].attention.wq.weight)
+    assert torch.equal(whole.layers["1"].ffn_norm.weight, torch.ones(config.d_model))
+    assert whole.layers["0"].feed_forward.w2.weight.std() < whole.layers["0"].feed_forward.w1.weight.std()
+
+
+def test_llama_initial_loss_is_near_uniform() -> None:
+    model = build_model(LLAMA, seed=0)
+    tokens = torch.randint(0, LLAMA.vocab_size, (4, LLAMA.seq_len + 1), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        loss = cross_entropy_loss(model(tokens[:, :-1]), tokens[:, 1:])
+    assert abs(loss.item() - torch.log(torch.tensor(64.0)).item()) < 0.1
+
+
+def test_llama_stages_keep_the_full_models_fqns_and_chain_to_its_output() -> None:
+    from workers.pipeline import stage_module
+
+    model = build_model(LLAMA, seed=0)
+    _perturb_norms_and_biases(model)
+    stages = [stage_module(model, index, 2) for index in range(2)]
+
+    full = dict(model.named_parameters())
+    names0, names1 = (dict(stage.named_parameters()) for stage in stages)
+    assert names0.keys() | names1.keys() == full.keys()
+    assert not names0.keys() & names1.keys()
+    assert "tok_embeddings.weight" in names0 and "layers.1.attention.q_norm.weight" in names0
+    assert "layers.2.attention.wk.bias" in names1 and "norm.weight" in names1 and "output.weight" in names1
+    for name, param in {**names0, **names1}.items():
+        assert torch.equal(param, full[name]), name
+
+    tokens = torch.randint(0, LLAMA.vocab_size, (2, LLAMA.seq_len))
+    with torch.no_grad():
+        torch.testing.assert_close(stages[1](stages[0](tokens)), model(tokens), rtol=0, atol=0)
+
+
+def test_llama_invalid_shapes_are_config_errors() -> None:
+    with pytest.raises(ConfigError, match="n_heads=4 is not divisible by model.n_kv_heads=3"):
+        Llama(dataclasses.replace(LLAMA, n_kv_heads=3))
+    with pytest.raises(ConfigError, match="head dimension 9 is odd"):
+        Llama(dataclasses.replace(LLAMA, head_dim_override=9))

@@ -9,17 +9,21 @@ import math
 import pytest
 
 from service.errors import SpecRejected
+from service.plan_math import largest_param, rope_table_bytes
 from service.planner import (
     GiB,
     AutoPlan,
     bubble_fraction,
     bytes_per_param,
     check_plan,
+    device_memory_gb,
     estimate,
     in_flight_microbatches,
     korthikanti_activation_bytes,
     layer_activation_bytes,
     layer_params,
+    llama_layer_activation_bytes,
+    logits_bytes,
     plan_report,
     precision_bytes,
     resolve_auto,
@@ -43,7 +47,7 @@ def make_spec(*, model="gpt-tiny", parallelism=None, training=None, resources=No
     return JobSpec.model_validate(body)
 
 
-def gpu_spec(model="gpt-70b", parallelism=None, training=None, **resources) -> JobSpec:
+def gpu_spec(model="llama3-70b", parallelism=None, training=None, **resources) -> JobSpec:
     return make_spec(
         model=model,
         parallelism=parallelism,
@@ -109,7 +113,19 @@ class TestParameterCounts:
         split = stage_params(model, layers=half, first=True, last=False) + stage_params(
             model, layers=model.n_layers - half, first=False, last=True
         )
-        assert split == model.num_params
+        # A tied model split in two would need the shared weight on both stages (pp > 1 is refused).
+        tied = model.vocab_size * model.d_model if model.tie_embeddings else 0
+        assert split == model.num_params + tied
+
+    def test_llama_counts_are_the_published_sizes(self):
+        """Exact counts (GQA k/v widths, SwiGLU, RMSNorm without bias, no position embedding, tied once)."""
+        counts = {name: ModelConfig(**MODEL_PRESETS[name]).num_params for name in
+                  ("llama3-1b", "llama3-8b", "llama3-70b", "qwen3-0.6b", "mistral-7b")}
+        assert counts == {"llama3-1b": 1_235_814_400, "llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496,
+                          "qwen3-0.6b": 596_049_920, "mistral-7b": 7_241_732_096}
+        model = ModelConfig(**MODEL_PRESETS["llama3-8b"])
+        d, f, kv = model.d_model, model.ffn_dim, model.kv_heads * model.head_dim
+        assert layer_params(model) == d * d + 2 * d * kv + d * d + 3 * d * f + 2 * d
 
     def test_tensor_parallel_shards_match_the_module(self):
         """Column-parallel weights+biases and row-parallel weights are split; norms and row biases are not."""
@@ -124,6 +140,23 @@ class TestParameterCounts:
             expected = sum(p.numel() if name in replicated else p.numel() / tp for name, p in block.named_parameters())
             assert layer_params(model, tp) == pytest.approx(expected)
 
+    @pytest.mark.parametrize("variant", [{}, {"attention_bias": "qkv"}, {"attention_bias": "all", "qk_norm": True,
+                                                                        "head_dim_override": 24}])
+    def test_llama_tensor_parallel_shards_match_the_module(self, variant):
+        """wq/wk/wv (GQA widths), w1/w3 column-parallel with their biases; wo/w2 row-parallel; the RMSNorms,
+        Qwen3's per-head q/k norms and wo's bias replicated."""
+        pytest.importorskip("torch")
+        from workers.llama import LlamaBlock
+
+        model = ModelConfig(arch="llama", n_layers=1, d_model=96, n_heads=4, n_kv_heads=2, d_ff=160,
+                            vocab_size=256, seq_len=16, **variant)
+        block = LlamaBlock(model)
+        replicated = {"attention_norm.weight", "ffn_norm.weight", "attention.q_norm.weight", "attention.k_norm.weight",
+                      "attention.wo.bias"}
+        for tp in (1, 2):
+            expected = sum(p.numel() if name in replicated else p.numel() / tp for name, p in block.named_parameters())
+            assert layer_params(model, tp) == pytest.approx(expected)
+
     def test_embeddings_and_head_are_vocab_parallel(self):
         model = ModelConfig(**MODEL_PRESETS["gpt-small"])
         d, v, s = model.d_model, model.vocab_size, model.seq_len
@@ -131,6 +164,39 @@ class TestParameterCounts:
         last = stage_params(model, tp=4, layers=0, first=False, last=True)
         assert first == v * d / 4 + s * d  # position embedding replicated
         assert last == v * d / 4 + 2 * d  # final norm replicated, output column-parallel
+
+    def test_llama_has_no_position_embedding_and_ties_one_vocab_shard(self):
+        untied = ModelConfig(**MODEL_PRESETS["llama3-8b"])
+        d, v = untied.d_model, untied.vocab_size
+        assert stage_params(untied, tp=4, layers=0, first=True, last=False) == v * d / 4
+        assert stage_params(untied, tp=4, layers=0, first=False, last=True) == v * d / 4 + d  # RMSNorm: no bias
+        tied = ModelConfig(**MODEL_PRESETS["llama3-1b"])
+        # Embedding and head share one vocab-sharded weight: counted once, plus the final norm.
+        assert stage_params(tied, tp=4, layers=0, first=True, last=True) == tied.vocab_size * tied.d_model / 4 + d / 2
+
+    def test_largest_param_is_the_init_transient(self):
+        model = ModelConfig(**MODEL_PRESETS["llama3-8b"])
+        assert largest_param(model) == model.vocab_size * model.d_model  # the embedding
+        assert largest_param(model, first=False, last=False) == model.d_model * model.ffn_dim  # a SwiGLU matrix
+
+
+def _saved_bytes(torch, block, x, *, autocast: bool, exclude=()) -> int:
+    """Distinct non-parameter storages autograd saves for one block's backward (and the module state
+    in ``exclude``, e.g. RoPE's cached tables)."""
+    skip = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in skip:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = block(x)
+        out.float().sum().backward()
+    return sum(nbytes for ptr, nbytes in saved.items() if ptr not in exclude)
 
 
 class TestActivations:
@@ -163,6 +229,31 @@ class TestActivations:
         assert layer_activation_bytes(model, micro_batch=self.B, tp=4, sequence_parallel=True,
                                       checkpointing=True) == pytest.approx(2 * sbd / 4)
 
+    def test_llama_block_per_token(self):
+        """The Llama count, written out for an 8B-shaped block (GQA 32/8 heads, SwiGLU 14336)."""
+        model = ModelConfig(**MODEL_PRESETS["llama3-8b"])
+        d, f, q, h, hd = model.d_model, model.ffn_dim, 32 * 128, 32, model.head_dim
+        s, b = model.seq_len, 1
+        tokens = s * b
+
+        def per_token(regime, tp=1, sp=1):
+            return llama_layer_activation_bytes(model, micro_batch=b, tp=tp, sequence_parallel=sp > 1,
+                                                regime=regime)
+
+        # fp32: norms 2·(x, x·rsqrt, rsqrt) + their outputs; q, k, v (repeated to 32 heads), out, lse; 4 MLP tensors.
+        assert per_token("fp32") == tokens * (2 * (8 * d + 4) + 8 * d + 16 * q + 4 * h + 16 * f)
+        # autocast: fp32 residual and norms, a bf16 cast per consumer (5), bf16 attention/MLP, RoPE casts.
+        assert per_token("autocast") == tokens * (2 * (8 * d + 4) + 10 * d + 8 * q + 4 * h + 8 * f) + 4 * s * hd * 2
+        # FSDP2 mixed precision: bf16 residual, fp32 copy inside the norms.
+        assert per_token("bf16_params") == tokens * (2 * (6 * d + 4) + 4 * d + 8 * q + 4 * h + 8 * f) + 4 * s * hd * 2
+        # TP shards heads and the MLP; sequence parallelism also the norms' own tensors.
+        assert per_token("fp32", tp=8) == tokens * (2 * (8 * d + 4) + 8 * d + (16 * q + 4 * h + 16 * f) / 8)
+        assert per_token("fp32", tp=8, sp=8) == tokens * (2 * (8 * d + 4) / 8 + 8 * d + (16 * q + 4 * h + 16 * f) / 8)
+        assert llama_layer_activation_bytes(model, micro_batch=b, checkpointing=True) == tokens * d * 4
+        assert llama_layer_activation_bytes(model, micro_batch=b, checkpointing=True,
+                                            regime="bf16_params") == tokens * d * 2
+        assert rope_table_bytes(model) == 2 * s * hd * 4
+
     @pytest.mark.parametrize("d_ff", [None, 96])
     def test_count_matches_what_autograd_saves(self, d_ff):
         """Sum the distinct non-parameter storages autograd saves for one block's backward (fp32, CPU)."""
@@ -171,19 +262,48 @@ class TestActivations:
 
         model = ModelConfig(n_layers=1, d_model=128, n_heads=4, vocab_size=256, seq_len=64, d_ff=d_ff)
         block = TransformerBlock(model)
-        params = {p.untyped_storage().data_ptr() for p in block.parameters()}
-        saved: dict[int, int] = {}
-
-        def pack(tensor):
-            storage = tensor.untyped_storage()
-            if storage.data_ptr() not in params:
-                saved[storage.data_ptr()] = storage.nbytes()
-            return tensor
-
         x = torch.randn(2, model.seq_len, model.d_model, requires_grad=True)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            block(x).sum().backward()
-        assert sum(saved.values()) == layer_activation_bytes(model, micro_batch=2, precision="fp32")
+        assert _saved_bytes(torch, block, x, autocast=False) == layer_activation_bytes(
+            model, micro_batch=2, precision="fp32")
+
+    @pytest.mark.parametrize("regime", ["fp32", "autocast", "bf16_params"])
+    @pytest.mark.parametrize("variant", [
+        {"n_kv_heads": 2},  # grouped-query attention: k/v repeated to n_heads before the kernel
+        {"n_kv_heads": 4},  # plain multi-head
+        {"n_kv_heads": 2, "attention_bias": "all", "d_ff": 96},
+        {"n_kv_heads": 2, "qk_norm": True, "head_dim_override": 16},  # Qwen3
+    ], ids=["gqa", "mha", "bias", "qk_norm"])
+    def test_llama_count_matches_what_autograd_saves(self, regime, variant):
+        """The Llama block's count against autograd, in fp32, under bf16 autocast (fp32 weights; the bf16
+        weight casts autograd keeps are the planner's ``weight_casts`` buffer, not activations) and with
+        bf16 weights and input (what FSDP2's MixedPrecisionPolicy runs)."""
+        torch = pytest.importorskip("torch")
+        from workers.llama import LlamaBlock
+
+        model = ModelConfig(arch="llama", n_layers=1, d_model=128, n_heads=4, vocab_size=256, seq_len=64,
+                            **{"d_ff": 176, **variant})
+        block = LlamaBlock(model)
+        dtype = torch.bfloat16 if regime == "bf16_params" else torch.float32
+        block = block.to(dtype)
+        x = torch.randn(2, model.seq_len, model.d_model, requires_grad=True, dtype=dtype)
+        x.retain_grad()
+        saved = _saved_bytes(torch, block, x, autocast=regime == "autocast")
+        # RoPE's cached fp32 tables are module state; autograd saves them where q and k are fp32.
+        rope = rope_table_bytes(model) if regime == "fp32" or (regime == "autocast" and model.qk_norm) else 0
+        weights = [p for name, p in block.named_parameters() if "norm" not in name and name.endswith("weight")]
+        casts = 2 * sum(p.numel() for p in weights)
+        weight_casts = casts if regime == "autocast" else 0
+        assert saved == llama_layer_activation_bytes(model, micro_batch=2, regime=regime) + rope + weight_casts
+
+    def test_logits_without_and_with_loss_parallel(self):
+        model = ModelConfig(**MODEL_PRESETS["llama3-8b"])
+        full = 2 * model.seq_len * model.vocab_size
+        # log-softmax kept + the loss backward's two full-vocabulary fp32 buffers
+        assert logits_bytes(model, micro_batch=2) == 12 * full
+        # loss_parallel: the same per vocab shard plus the softmax it rebuilds in backward
+        assert logits_bytes(model, micro_batch=2, tp=8) == 16 * full / 8
+        # a pipeline's last stage also keeps each in-flight micro-batch's logits (bf16 here), 3 in flight
+        assert logits_bytes(model, micro_batch=2, held=3, logits_elem=2, pipeline=True) == full * (6 * 3 + 8)
 
     def test_in_flight_micro_batches_per_schedule(self):
         assert in_flight_microbatches("1f1b", pp=1, microbatches=16) == 1  # plain accumulation
@@ -224,128 +344,224 @@ class TestEstimate:
     @pytest.mark.parametrize("precision", ["bf16", "fp32"])
     @pytest.mark.parametrize("zero", [0, 1, 2, 3])
     def test_model_states_follow_the_zero_table(self, precision, zero):
-        spec = gpu_spec("gpt-13b", {"dp": 8, "zero": zero}, {"precision": precision})
+        spec = gpu_spec("llama3-8b", {"dp": 8, "zero": zero}, {"precision": precision})
         est = estimate(spec)
+        assert est.memory.phase == "forward_backward"
         pb, gb, ob = precision_bytes(precision)
-        per_param = bytes_per_param(zero, 8, param_bytes=pb, grad_bytes=gb, optimizer_bytes=ob)
+        # FSDP2 also shards ZeRO-2's master parameters between steps (its gathered copy is a buffer).
+        table_stage = 3 if zero == 2 else zero
+        per_param = bytes_per_param(table_stage, 8, param_bytes=pb, grad_bytes=gb, optimizer_bytes=ob)
         states = est.memory.parameters + est.memory.gradients + est.memory.optimizer_states
         assert states == pytest.approx(per_param * est.num_params, rel=1e-6)
 
-    def test_bf16_keeps_an_fp32_master_copy(self):
-        assert precision_bytes("bf16") == (2, 2, 12)
-        assert precision_bytes("fp32") == (4, 4, 8)
+    def test_fp32_master_state_in_both_precisions(self):
+        """bf16 computes with copies: FSDP2's bf16 gathered parameters, or autocast's weight casts."""
+        assert precision_bytes("bf16") == precision_bytes("fp32") == (4, 4, 8)
+        fsdp = estimate(gpu_spec("llama3-8b", {"dp": 8, "zero": 2}, {"global_batch": 8}))
+        ddp = estimate(gpu_spec("llama3-8b", {"dp": 8, "zero": 1}, {"global_batch": 8}))
+        assert (fsdp.regime, ddp.regime) == ("bf16_params", "autocast")
+        model = ModelConfig(**MODEL_PRESETS["llama3-8b"])
+        n = model.num_params
+        assert fsdp.memory.buffer_parts["gathered_params"] == math.ceil(2 * n)  # bf16, the whole model (ZeRO-2)
+        matmul_weights = n - 2 * model.d_model * model.n_layers - model.d_model - model.vocab_size * model.d_model
+        assert ddp.memory.buffer_parts["weight_casts"] == math.ceil(2 * matmul_weights)
+        assert ddp.memory.buffer_parts["ddp_buckets"] == 4 * n  # gradient_as_bucket_view is off
 
     def test_memory_falls_with_zero_stage(self):
         one_micro_batch = {"global_batch": 8}  # dp=8 x micro_batch=1: no accumulation
-        totals = [estimate(gpu_spec("gpt-13b", {"dp": 8, "zero": z}, one_micro_batch)).memory.total for z in range(4)]
+        totals = [estimate(gpu_spec("llama3-8b", {"dp": 8, "zero": z}, one_micro_batch)).memory.total
+                  for z in range(4)]
         assert totals == sorted(totals, reverse=True) and len(set(totals)) == 4
 
-    def test_fsdp_buffers_as_the_workers_run_zero(self):
-        """ZeRO-2 keeps FSDP's sharded copy beside the gathered parameters; ZeRO-3 gathers one block and
-        prefetches the next; accumulating without gradient sync keeps the gradients unsharded."""
-        model = ModelConfig(**MODEL_PRESETS["gpt-13b"])
-        params = model.num_params
-        block, root = layer_params(model), stage_params(model, layers=0, first=True, last=True)
-        mem = {(z, gb): estimate(gpu_spec("gpt-13b", {"dp": 8, "zero": z}, {"global_batch": gb})).memory
-               for z in range(4) for gb in (8, 64)}
+    @pytest.mark.parametrize("precision, gathered", [("fp32", 4), ("bf16", 2)])
+    def test_fsdp_buffers_as_the_workers_run_zero(self, precision, gathered):
+        """ZeRO-2 keeps the model gathered through the backward; ZeRO-3 the root unit plus one block and
+        the prefetched one; accumulating without gradient sync keeps the gradients unsharded (fp32)."""
+        model = ModelConfig(**MODEL_PRESETS["llama3-8b"])
+        n = model.num_params
+        block = layer_params(model)
+        root = stage_params(model, layers=0, first=True, last=True)
+        rope = model.n_layers * rope_table_bytes(model)
+
+        def buffers(zero, global_batch, **layout):
+            spec = gpu_spec("llama3-8b", {"dp": 8, "zero": zero, **layout},
+                            {"global_batch": global_batch, "precision": precision})
+            return estimate(spec).memory.buffer_parts
+
         for gb in (8, 64):
-            assert mem[0, gb].fsdp_buffers == mem[1, gb].fsdp_buffers == 0
-        assert mem[2, 8].fsdp_buffers == pytest.approx(2 * params / 8 + 2 * max(block, root), rel=1e-6)
-        assert mem[3, 8].fsdp_buffers == pytest.approx(2 * 2 * max(block, root) + 2 * max(block, root), rel=1e-6)
-        assert mem[2, 64].fsdp_buffers == pytest.approx(2 * params / 8 + 2 * params, rel=1e-6)
-        assert mem[3, 64].fsdp_buffers == pytest.approx(2 * 2 * max(block, root) + 2 * params, rel=1e-6)
-        # So with accumulation, ZeRO-2 saves nothing over ZeRO-1 in this build.
-        assert mem[2, 64].total > mem[1, 64].total
+            for zero in (0, 1):
+                assert buffers(zero, gb)["ddp_buckets"] == 4 * n
+        assert buffers(2, 8) == pytest.approx({"gathered_params": gathered * n, "unsharded_grads": 2 * 4 * root,
+                                               "rope_tables": rope}, rel=1e-6)
+        assert buffers(3, 8) == pytest.approx({"gathered_params": gathered * (root + 2 * block),
+                                               "unsharded_grads": 2 * 4 * root, "rope_tables": rope}, rel=1e-6)
+        assert buffers(2, 64)["unsharded_grads"] == buffers(3, 64)["unsharded_grads"] == pytest.approx(4 * n)
         # A pipeline keeps ZeRO-3's parameters gathered until the stage's last backward.
-        piped = estimate(gpu_spec("gpt-13b", {"dp": 4, "pp": 2, "zero": 3}, {"global_batch": 64})).memory
-        stage = stage_params(model, layers=20, first=True, last=False)
-        assert piped.fsdp_buffers == pytest.approx(2 * stage + 2 * stage, rel=1e-6)
+        piped = estimate(gpu_spec("llama3-8b", {"dp": 4, "pp": 2, "zero": 3},
+                                  {"global_batch": 64, "precision": precision})).memory
+        stage = stage_params(model, layers=16, first=True, last=False)
+        assert piped.buffer_parts["gathered_params"] == pytest.approx(gathered * stage, rel=1e-6)
+
+    def test_hsdp_shards_within_a_replica_group(self):
+        model = ModelConfig(**MODEL_PRESETS["llama3-8b"])
+        fsdp = estimate(gpu_spec("llama3-8b", {"dp": 8, "zero": 3})).memory
+        hsdp = estimate(gpu_spec("llama3-8b", {"dp": 8, "zero": 3, "dp_replicate": 2})).memory
+        assert fsdp.parameters == math.ceil(4 * model.num_params / 8)
+        assert hsdp.parameters == math.ceil(4 * model.num_params / 4)  # 2 replicas of 4 shards
+        assert hsdp.optimizer_states == math.ceil(8 * model.num_params / 4)
+
+    def test_cpu_offload_moves_the_state_to_host_memory(self):
+        model = ModelConfig(**MODEL_PRESETS["llama3-8b"])
+        n = model.num_params
+        spec = gpu_spec("llama3-8b", {"dp": 8, "zero": 3, "offload": "cpu"}, {"global_batch": 8})
+        est = estimate(spec)
+        mem = est.memory
+        assert mem.parameters == mem.gradients == mem.optimizer_states == 0
+        # host: fp32 shards, gradients and AdamW states, plus foreach AdamW's temporary on the host
+        assert mem.host_bytes == pytest.approx((4 + 4 + 8 + 4) * n / 8, rel=1e-6)
+        assert mem.activations > 0 and mem.buffer_parts["gathered_params"] > 0
+        plain = estimate(gpu_spec("llama3-8b", {"dp": 8, "zero": 3}, {"global_batch": 8})).memory
+        assert plain.total - mem.total == pytest.approx(16 * n / 8, rel=1e-6)
+
+    def test_initialisation_materialises_shards_plus_the_largest_parameter(self):
+        model = ModelConfig(**MODEL_PRESETS["llama3-8b"])
+        spec = gpu_spec("llama3-8b", {"dp": 8, "zero": 3})
+        mem = estimate(spec).memory
+        assert mem.phases["init"] == math.ceil(4 * model.num_params / 8) + 4 * largest_param(model) + GiB
+        # On a GPU the draw happens on the host first: the host sees the same transient.
+        assert mem.host_bytes == 4 * largest_param(model)
+
+    def test_on_cpu_the_optimizer_step_can_be_the_peak(self):
+        """foreach AdamW on CPU holds a temporary as large as the second moments; DDP keeps its buckets."""
+        spec = make_spec(model="llama-tiny", parallelism={"dp": 2}, training={"global_batch": 2}, d_model=256,
+                         d_ff=704, seq_len=16)
+        model = spec.model.to_config()
+        est = estimate(spec)
+        n = est.num_params
+        assert est.memory.phase == "optimizer_step"
+        assert est.memory.components() == {
+            "parameters": 4 * n, "gradients": 4 * n, "optimizer_states": 8 * n, "activations": 0, "logits": 0,
+            "buffers": 4 * n + model.n_layers * rope_table_bytes(model), "transient": 4 * n,
+            "overhead": math.ceil(0.28 * GiB)}
+        assert est.memory.phases["forward_backward"] < est.memory.total
+
+    def test_logits_are_vocab_sharded_under_tp(self):
+        model = ModelConfig(**MODEL_PRESETS["llama3-8b"])
+        for tp in (1, 2, 8):
+            est = estimate(gpu_spec("llama3-8b", {"tp": tp}))
+            assert est.memory.logits == math.ceil(logits_bytes(model, micro_batch=1, tp=tp))
 
     def test_memory_falls_with_tensor_parallelism(self):
-        totals = [estimate(gpu_spec("gpt-13b", {"tp": t, "dp": 1})).memory.total for t in (1, 2, 4, 8)]
+        totals = [estimate(gpu_spec("llama3-8b", {"tp": t, "dp": 1})).memory.total for t in (1, 2, 4, 8)]
         assert totals == sorted(totals, reverse=True) and len(set(totals)) == 4
 
     def test_memory_falls_with_pipeline_parallelism(self):
-        totals = [estimate(gpu_spec("gpt-13b", {"pp": p})).memory.total for p in (1, 2, 4, 8)]
+        totals = [estimate(gpu_spec("llama3-8b", {"pp": p})).memory.total for p in (1, 2, 4, 8)]
         assert totals == sorted(totals, reverse=True) and len(set(totals)) == 4
 
     def test_activation_checkpointing_and_sequence_parallel_cut_activations(self):
-        plain = estimate(gpu_spec("gpt-7b", {"tp": 4})).memory.activations
-        sp = estimate(gpu_spec("gpt-7b", {"tp": 4, "sequence_parallel": True})).memory.activations
-        ac = estimate(gpu_spec("gpt-7b", {"tp": 4}, {"activation_checkpointing": True})).memory.activations
+        plain = estimate(gpu_spec("mistral-7b", {"tp": 4})).memory.activations
+        sp = estimate(gpu_spec("mistral-7b", {"tp": 4, "sequence_parallel": True})).memory.activations
+        ac = estimate(gpu_spec("mistral-7b", {"tp": 4}, {"activation_checkpointing": True})).memory.activations
         assert sp < plain and ac < sp
 
     def test_worst_stage_of_1f1b_is_the_first(self):
-        est = estimate(gpu_spec("gpt-7b", {"pp": 4}))
-        model = ModelConfig(**MODEL_PRESETS["gpt-7b"])
+        est = estimate(gpu_spec("llama3-8b", {"pp": 4}))
+        model = ModelConfig(**MODEL_PRESETS["llama3-8b"])
         assert est.memory.stage == 0
         assert est.in_flight_microbatches == 4  # min(P, M) on stage 0
         assert est.layers_per_stage == 8
         assert est.params_per_rank == math.ceil(stage_params(model, layers=8, first=True, last=False))
 
     def test_gpipe_holds_every_micro_batch(self):
-        one = estimate(gpu_spec("gpt-7b", {"pp": 4, "pp_schedule": "1f1b"}))
-        gpipe = estimate(gpu_spec("gpt-7b", {"pp": 4, "pp_schedule": "gpipe"}))
+        one = estimate(gpu_spec("llama3-8b", {"pp": 4, "pp_schedule": "1f1b"}))
+        gpipe = estimate(gpu_spec("llama3-8b", {"pp": 4, "pp_schedule": "gpipe"}))
         assert gpipe.in_flight_microbatches == gpipe.microbatches == 512
         assert gpipe.memory.activations > one.memory.activations
         assert gpipe.bubble_fraction == one.bubble_fraction == pytest.approx(3 / (512 + 3))
 
     def test_dp_communication_per_zero_stage(self):
         dp = 8
-        vols = {(zero, gb): estimate(gpu_spec("gpt-1b", {"dp": dp, "zero": zero}, {"global_batch": gb})).comm.dp
+        vols = {(zero, gb): estimate(gpu_spec("llama3-1b", {"dp": dp, "zero": zero}, {"global_batch": gb})).comm.dp
                 for zero in range(4) for gb in (8, 32)}
-        n = estimate(gpu_spec("gpt-1b", {"dp": dp})).params_per_rank
-        grads, params = 2 * n, 2 * n  # bf16
+        n = estimate(gpu_spec("llama3-1b", {"dp": dp})).params_per_rank
+        grads, params, gathered = 4 * n, 4 * n, 2 * n  # fp32 reduction; FSDP2 gathers bf16 copies
         ring = (dp - 1) / dp
         assert vols[0, 8] == pytest.approx(2 * ring * grads)  # ring all-reduce
         assert vols[1, 8] == pytest.approx(2 * ring * grads + ring * params)  # + ZeroRedundancyOptimizer broadcast
-        assert vols[2, 8] == pytest.approx(ring * (grads + params))  # reduce-scatter + all-gather
-        assert vols[3, 8] == pytest.approx(ring * (grads + 2 * params))  # + 1 all-gather
+        assert vols[2, 8] == pytest.approx(ring * (grads + gathered))  # reduce-scatter + all-gather
+        assert vols[3, 8] == pytest.approx(ring * (grads + 2 * gathered))  # + 1 all-gather
         # Gradients are reduced once per step; FSDP re-gathers parameters for every micro-batch (4 here).
         assert vols[0, 32] == vols[0, 8] and vols[1, 32] == vols[1, 8]
-        assert vols[2, 32] == pytest.approx(ring * (grads + 4 * params))
-        assert vols[3, 32] == pytest.approx(ring * (grads + 8 * params))
-        assert estimate(gpu_spec("gpt-1b", {"dp": 1})).comm.dp == 0
+        assert vols[2, 32] == pytest.approx(ring * (grads + 4 * gathered))
+        assert vols[3, 32] == pytest.approx(ring * (grads + 8 * gathered))
+        assert estimate(gpu_spec("llama3-1b", {"dp": 1})).comm.dp == 0
+        # HSDP: the same collectives inside 4 shards, plus an all-reduce of the gradient shard over 2 replicas.
+        hsdp = estimate(gpu_spec("llama3-1b", {"dp": dp, "zero": 3, "dp_replicate": 2}, {"global_batch": 8})).comm.dp
+        assert hsdp == pytest.approx(3 / 4 * (grads + 2 * gathered) + 2 * 1 / 2 * grads / 4)
 
     def test_tp_and_pp_communication(self):
-        model = ModelConfig(**MODEL_PRESETS["gpt-1b"])
-        est = estimate(gpu_spec("gpt-1b", {"tp": 4, "pp": 2}))
-        m, hidden = est.microbatches, model.seq_len * 1 * model.d_model * 2
+        model = ModelConfig(**MODEL_PRESETS["llama3-8b"])
+        est = estimate(gpu_spec("llama3-8b", {"tp": 4, "pp": 2}))
+        m, tokens = est.microbatches, model.seq_len * 1
+        hidden = tokens * model.d_model * 2
         layers = model.n_layers // 2
         # 4 all-reduces per layer per micro-batch + the vocab-parallel embedding (stage 0) or the head
-        # plus its logits all-gather (last stage, the busier one).
-        logits = model.seq_len * model.vocab_size * 2
-        assert est.comm.tp == pytest.approx(m * ((4 * layers + 1) * 2 * 3 / 4 * hidden + 3 / 4 * logits), rel=1e-9)
+        # plus loss_parallel's three per-token fp32 reductions (last stage, the busier one).
+        assert est.comm.tp == pytest.approx(m * ((4 * layers + 1) * 2 * 3 / 4 * hidden + 3 * 2 * 3 / 4 * 4 * tokens),
+                                            rel=1e-9)
         # Two stages: each sends one activation (or gradient) per micro-batch.
         assert est.comm.pp == pytest.approx(m * hidden)
-        sp = estimate(gpu_spec("gpt-1b", {"tp": 4, "pp": 4, "sequence_parallel": True}))
+        sp = estimate(gpu_spec("llama3-8b", {"tp": 4, "pp": 4, "sequence_parallel": True}))
         assert sp.comm.pp == pytest.approx(sp.microbatches * 2 * hidden / 4)  # middle stages send both ways
 
-    def test_flops_per_step(self):
-        spec = gpu_spec("gpt-7b", {"dp": 8})
-        model = ModelConfig(**MODEL_PRESETS["gpt-7b"])
+    @pytest.mark.parametrize("preset", ["llama3-8b", "qwen3-0.6b", "gpt-1b"])
+    def test_flops_per_step(self, preset):
+        spec = gpu_spec(preset, {"dp": 8})
+        model = ModelConfig(**MODEL_PRESETS[preset])
         tokens = 512 * model.seq_len
-        matmul_params = model.num_params - (model.vocab_size + model.seq_len) * model.d_model
-        expected = 6 * matmul_params * tokens + 12 * model.n_layers * model.d_model * model.seq_len * tokens
+        if model.arch == "llama":  # the tied head multiplies by the embedding's weight
+            lookups, width = (0 if model.tie_embeddings else model.vocab_size * model.d_model), 128 * model.n_heads
+        else:
+            lookups, width = (model.vocab_size + model.seq_len) * model.d_model, model.d_model
+        expected = 6 * (model.num_params - lookups) * tokens + 12 * model.n_layers * width * model.seq_len * tokens
         est = estimate(spec)
         assert est.flops_per_step == pytest.approx(expected)
         assert est.flops_per_step_with_recompute == est.flops_per_step
-        ac = estimate(gpu_spec("gpt-7b", {"dp": 8}, {"activation_checkpointing": True}))
-        assert ac.flops_per_step_with_recompute == pytest.approx(expected * 8 / 6, rel=1e-3)
+        ac = estimate(gpu_spec(preset, {"dp": 8}, {"activation_checkpointing": True}))
+        assert ac.flops_per_step_with_recompute == pytest.approx(expected * 8 / 6, rel=2e-2)
 
     def test_device_memory_defaults_and_headroom(self):
         assert estimate(make_spec()).device_memory_bytes == 8 * GiB
-        assert estimate(gpu_spec("gpt-1b")).device_memory_bytes == 80 * GiB
-        est = estimate(gpu_spec("gpt-1b", device_memory_gb=40))
+        assert estimate(gpu_spec("llama3-1b")).device_memory_bytes == 80 * GiB
+        est = estimate(gpu_spec("llama3-1b", device_memory_gb=40))
         assert est.device_memory_bytes == 40 * GiB
         assert est.headroom_bytes == 40 * GiB - est.memory.total and est.fits
 
+    def test_device_memory_comes_from_the_cluster_and_a_job_may_only_lower_it(self):
+        h200 = gpu_spec("llama3-8b", {"dp": 8, "zero": 3})
+        assert estimate(h200, available_gb=139.8).device_memory_bytes == int(139.8 * GiB)
+        assert device_memory_gb(gpu_spec("llama3-8b", device_memory_gb=60), available_gb=139.8) == 60
+        assert device_memory_gb(gpu_spec("llama3-8b", device_memory_gb=100)) == 100  # nothing known: trusted
+        assert check_plan(h200, available_gb=139.8) == []
+        asks_more = gpu_spec("llama3-8b", {"dp": 8, "zero": 3}, device_memory_gb=100)
+        problems = check_plan(asks_more, available_gb=79.1)
+        assert fields(problems)[0] == "resources.device_memory_gb"
+        assert "100 GiB exceeds the 79.1 GiB per GPU" in problems[0].message and "at most 79.1" in problems[0].fix
+        report = plan_report(asks_more, available_gb=79.1)
+        assert report["feasible"] is False and report["estimate"]["memory"]["device_gib"] == 79.1
+        auto = gpu_spec("llama3-8b", {"auto": True, "max_workers": 8}, device_memory_gb=100)
+        assert fields(check_plan(auto, available_gb=79.1)) == ["resources.device_memory_gb"]
+
     def test_to_dict_is_json(self):
-        data = json.loads(json.dumps(estimate(gpu_spec("gpt-7b", {"dp": 2, "tp": 2, "pp": 2})).to_dict()))
+        data = json.loads(json.dumps(estimate(gpu_spec("llama3-8b", {"dp": 2, "tp": 2, "pp": 2})).to_dict()))
         assert data["layout"] == "pp2·dp2·tp2 zero=0 1f1b"
-        assert set(data["memory"]["gib"]) >= {"parameters", "gradients", "optimizer_states", "activations", "total"}
+        assert set(data["memory"]["gib"]) >= {"parameters", "gradients", "optimizer_states", "activations",
+                                              "logits", "buffers", "total"}
         assert data["memory"]["bytes"]["total"] == sum(
             v for k, v in data["memory"]["bytes"].items() if k != "total")
+        assert set(data["memory"]["phases_gib"]) == {"init", "forward_backward", "optimizer_step"}
+        assert data["memory"]["phase"] == "forward_backward" and data["training"]["compute"] == "autocast"
         assert data["world_size"] == 8
 
 
@@ -385,6 +601,37 @@ class TestRules:
         problems = check_plan(make_spec(parallelism={"tp": 4}, d_ff=130))
         assert fields(problems) == ["parallelism.tp"]
         assert "model.ffn_dim=130" in problems[0].message
+
+    def test_llama_tp_must_divide_query_and_key_value_heads(self):
+        problems = check_plan(make_spec(model="llama-tiny", parallelism={"tp": 4}))  # 4 heads, 2 kv heads
+        assert fields(problems) == ["parallelism.tp"]
+        assert "model.n_heads=4 and model.n_kv_heads=2" in problems[0].message
+        assert "[1, 2]" in problems[0].fix
+        assert check_plan(make_spec(model="llama-tiny", parallelism={"tp": 2})) == []
+        # A Llama splits heads, the MLP and the vocabulary, not d_model: 8 divides all of Qwen3-0.6B's.
+        assert check_plan(gpu_spec("qwen3-0.6b", {"tp": 8}, {"global_batch": 8})) == []
+
+    def test_tied_embeddings_refuse_pipeline_stages(self):
+        problems = check_plan(gpu_spec("qwen3-0.6b", {"pp": 2}))
+        assert fields(problems) == ["parallelism.pp"]
+        assert "tie_embeddings" in problems[0].message and "pp=1" in problems[0].fix
+        assert check_plan(gpu_spec("qwen3-0.6b", {"dp": 2})) == []
+
+    def test_hsdp_replicas_divide_dp_and_need_fsdp(self):
+        problems = check_plan(gpu_spec("llama3-8b", {"dp": 8, "zero": 3, "dp_replicate": 3}, {"global_batch": 8}))
+        assert fields(problems) == ["parallelism.dp_replicate"]
+        assert "dp_replicate=3 must divide parallelism.dp=8" in problems[0].message
+        assert "[1, 2, 4, 8]" in problems[0].fix
+        problems = check_plan(gpu_spec("llama3-8b", {"dp": 8, "zero": 1, "dp_replicate": 2}))
+        assert "parallelism.dp_replicate" in fields(problems)
+        assert "parallelism.zero=1" in problems[0].message and "zero to 2 or 3" in problems[0].fix
+        assert check_plan(gpu_spec("llama3-8b", {"dp": 8, "zero": 3, "dp_replicate": 2}, {"global_batch": 8})) == []
+
+    def test_offload_needs_fsdp(self):
+        problems = check_plan(gpu_spec("llama3-1b", {"dp": 8, "zero": 1, "offload": "cpu"}))
+        assert fields(problems) == ["parallelism.offload"]
+        assert "zero=1" in problems[0].message and "offload='none'" in problems[0].fix
+        assert check_plan(gpu_spec("llama3-1b", {"dp": 8, "zero": 3, "offload": "cpu"})) == []
 
     def test_sequence_parallel_needs_tp(self):
         problems = check_plan(make_spec(parallelism={"sequence_parallel": True}))
@@ -443,7 +690,7 @@ class TestRules:
         assert check_plan(make_spec(parallelism={"zero": 2}, resources={"max_dp": 4})) == []
 
     def test_memory_names_the_biggest_component_and_the_fixes(self):
-        spec = gpu_spec("gpt-13b", {"dp": 8})
+        spec = gpu_spec("llama3-8b", {"dp": 8}, {"global_batch": 8})
         problems = check_plan(spec)
         assert fields(problems) == ["parallelism"]
         message, fix = problems[0].message, problems[0].fix
@@ -451,8 +698,14 @@ class TestRules:
         assert "the biggest component is optimizer states" in message
         assert "parallelism.zero=1" in fix and "(fits)" in fix
 
+    def test_buffers_name_what_they_hold(self):
+        problems = check_plan(gpu_spec("llama3-8b", {"dp": 8, "zero": 3}))  # 64 micro-batches accumulate
+        assert "the biggest component is buffers" in problems[0].message
+        assert "unsharded grads 29.9" in problems[0].message  # fp32 gradients of the whole model
+        assert "parallelism.offload=cpu" in problems[0].fix
+
     def test_activation_memory_suggests_checkpointing(self):
-        spec = gpu_spec("gpt-7b", {"dp": 8, "zero": 3}, {"micro_batch": 4})
+        spec = gpu_spec("mistral-7b", {"dp": 8, "zero": 3}, {"micro_batch": 4})
         problems = check_plan(spec)
         assert fields(problems) == ["parallelism"]
         assert "the biggest component is activations" in problems[0].message
@@ -460,14 +713,14 @@ class TestRules:
         assert "training.micro_batch=1" in problems[0].fix
 
     def test_elastic_shrink_must_still_fit(self):
-        spec = gpu_spec("gpt-13b", {"dp": 8, "zero": 3}, min_dp=1, max_dp=8)
+        spec = gpu_spec("llama3-8b", {"dp": 8, "zero": 3}, {"global_batch": 8}, min_dp=1, max_dp=8)
         problems = check_plan(spec)
         assert fields(problems) == ["resources.min_dp"]
         assert "resources.min_dp=1" in problems[0].message
 
     def test_70b_on_eight_80gb_gpus_is_rejected_for_memory(self):
         for layout in ({"dp": 8, "zero": 3}, {"tp": 8}, {"pp": 8}, {"dp": 2, "tp": 4, "zero": 3}):
-            problems = check_plan(gpu_spec("gpt-70b", layout, {"activation_checkpointing": True}))
+            problems = check_plan(gpu_spec("llama3-70b", layout, {"activation_checkpointing": True}))
             assert fields(problems) == ["parallelism"], layout
             assert "estimated memory per rank" in problems[0].message
             assert "exceeds the device memory 80.0 GiB" in problems[0].message
@@ -494,7 +747,7 @@ class TestAuto:
         assert 12 % plan.layout.dp == 0 and plan.layout.dp * plan.layout.tp * plan.layout.pp <= 8
 
     def test_elastic_floor_must_fit_too(self):
-        spec = gpu_spec("gpt-13b", {"auto": True, "max_workers": 8}, min_dp=2, max_dp=8)
+        spec = gpu_spec("llama3-8b", {"auto": True, "max_workers": 8}, min_dp=2, max_dp=8)
         plan = resolve_auto(spec)
         assert plan.layout.dp >= 2
         assert check_plan(spec.with_layout(plan.layout)) == []
@@ -508,30 +761,30 @@ class TestAuto:
             resolve_auto(make_spec(parallelism={"dp": 2}))
 
     def test_zero_when_optimizer_states_do_not_fit(self):
-        plan = resolve_auto(gpu_spec("gpt-7b", {"auto": True, "max_workers": 8}))
+        plan = resolve_auto(gpu_spec("mistral-7b", {"auto": True, "max_workers": 8}))
         assert plan.layout.zero > 0 and plan.estimate.fits
         zero_reason = next(r for r in plan.reasons if r.startswith(f"zero={plan.layout.zero}"))
         assert "optimizer states" in zero_reason and "exceeds 80.0 GiB" in zero_reason
 
     def test_70b_fits_on_64_gpus(self):
-        spec = gpu_spec("gpt-70b", {"auto": True, "max_workers": 64})
+        spec = gpu_spec("llama3-70b", {"auto": True, "max_workers": 64})
         plan = resolve_auto(spec)
         assert plan.estimate.fits and plan.estimate.world_size <= 64
         assert plan.layout.tp > 1 or plan.layout.pp > 1
         chosen = spec.with_layout(plan.layout)
         assert check_plan(chosen) == [] and check_plan(spec) == []
-        assert any(r.startswith(f"tp={plan.layout.tp}: no layout with tp=1 fits") for r in plan.reasons)
+        assert any(r.startswith(f"tp={plan.layout.tp}: no layout with tp=1") and "fits" in r for r in plan.reasons)
         assert plan.reasons[-1].startswith(f"chosen {plan.estimate.layout}")
 
     def test_70b_same_job_rejected_on_8_accepted_on_64(self):
         training = {"global_batch": 512, "micro_batch": 1}
-        eight = check_plan(gpu_spec("gpt-70b", {"dp": 8, "zero": 3}, training))
+        eight = check_plan(gpu_spec("llama3-70b", {"dp": 8, "zero": 3}, training))
         assert fields(eight) == ["parallelism"] and "estimated memory per rank" in eight[0].message
-        auto = gpu_spec("gpt-70b", {"auto": True, "max_workers": 64}, training)
+        auto = gpu_spec("llama3-70b", {"auto": True, "max_workers": 64}, training)
         assert check_plan(auto) == [] and plan_report(auto)["feasible"] is True
 
     def test_70b_does_not_fit_on_8_gpus(self):
-        spec = gpu_spec("gpt-70b", {"auto": True, "max_workers": 8}, {"activation_checkpointing": True})
+        spec = gpu_spec("llama3-70b", {"auto": True, "max_workers": 8}, {"activation_checkpointing": True})
         with pytest.raises(SpecRejected) as caught:
             resolve_auto(spec)
         problem = caught.value.problems[0]
@@ -541,16 +794,16 @@ class TestAuto:
 
     def test_pipeline_only_when_needed(self):
         # dp pinned to 1: 70B needs more than one node's tensor parallelism, so the planner adds stages.
-        spec = gpu_spec("gpt-70b", {"auto": True, "max_workers": 16}, {"activation_checkpointing": True}, max_dp=1)
+        spec = gpu_spec("llama3-70b", {"auto": True, "max_workers": 16}, {"activation_checkpointing": True}, max_dp=1)
         plan = resolve_auto(spec)
         assert (plan.layout.dp, plan.layout.tp, plan.layout.pp) == (1, 8, 2)
         assert any(r.startswith("pp=2: no layout with pp=1 fits") for r in plan.reasons)
         assert any(r.startswith(f"pp_schedule={plan.layout.pp_schedule}") for r in plan.reasons)
         # Something that fits on one node's tensor parallelism gets no pipeline.
-        assert resolve_auto(gpu_spec("gpt-13b", {"auto": True, "max_workers": 16}, max_dp=1)).layout.pp == 1
+        assert resolve_auto(gpu_spec("llama3-8b", {"auto": True, "max_workers": 16}, max_dp=1)).layout.pp == 1
 
     def test_choice_is_the_fastest_of_the_simplest_axes(self):
-        spec = gpu_spec("gpt-13b", {"auto": True, "max_workers": 16})
+        spec = gpu_spec("llama3-8b", {"auto": True, "max_workers": 16})
         plan = resolve_auto(spec)
         for dp, tp, zero in ((16, 1, 0), (2, 8, 0)):
             alt = estimate(spec.with_layout(ParallelismSpec(dp=dp, tp=tp, zero=zero)))
@@ -570,21 +823,21 @@ class TestReport:
         assert report["estimate"]["memory"]["fits"] is True
 
     def test_infeasible_plan_lists_spec_and_planner_problems(self):
-        spec = gpu_spec("gpt-70b", {"dp": 8, "zero": 3}, {"global_batch": 500})
+        spec = gpu_spec("llama3-70b", {"dp": 8, "zero": 3}, {"global_batch": 500})
         report = plan_report(spec)
         assert report["feasible"] is False
         assert {"training.global_batch", "parallelism"} <= {p["field"] for p in report["problems"]}
         assert report["estimate"]["memory"]["fits"] is False
 
     def test_auto_report(self):
-        report = json.loads(json.dumps(plan_report(gpu_spec("gpt-70b", {"auto": True, "max_workers": 64}))))
+        report = json.loads(json.dumps(plan_report(gpu_spec("llama3-70b", {"auto": True, "max_workers": 64}))))
         assert report["feasible"] is True
         assert report["auto"]["layout"]["dp"] * report["auto"]["layout"]["tp"] * report["auto"]["layout"]["pp"] <= 64
         assert report["layout"] == report["auto"]["layout_text"] == report["estimate"]["layout"]
         assert report["auto"]["reasons"]
 
     def test_auto_report_when_nothing_fits(self):
-        report = plan_report(gpu_spec("gpt-70b", {"auto": True, "max_workers": 8}))
+        report = plan_report(gpu_spec("llama3-70b", {"auto": True, "max_workers": 8}))
         assert report["feasible"] is False and report["estimate"] is None and report["auto"] is None
         assert [p["field"] for p in report["problems"]] == ["parallelism.max_workers"]
 

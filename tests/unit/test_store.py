@@ -281,6 +281,25 @@ def test_an_older_file_is_migrated_in_order_and_keeps_its_data(db_path):
         assert len(store.steps("old")) == 1
 
 
+def test_a_release_2_file_gains_empty_artifacts_and_stores_new_ones(db_path):
+    db_path.parent.mkdir(parents=True)
+    conn = sqlite3.connect(db_path, isolation_level=None)
+    assert migrate(conn, MIGRATIONS[:2]) == 2  # jobs, events, steps and cursors; no artifacts column yet
+    conn.execute(
+        "INSERT INTO jobs (id, name, status, spec, world_size, created_at, updated_at) "
+        "VALUES ('old', 'old', 'SUCCEEDED', '{}', 1, 1.0, 1.0)"
+    )
+    conn.close()
+
+    with JobStore(db_path) as store:
+        assert store.schema_version == SCHEMA_VERSION == 3
+        assert store.get_job("old").artifacts == {}
+        updated = store.update_job("old", artifacts={"hf": "/ckpt/old/hf-export"})
+        assert updated.artifacts == {"hf": "/ckpt/old/hf-export"}
+    with JobStore(db_path) as store:  # durable across a reopen
+        assert store.get_job("old").artifacts == {"hf": "/ckpt/old/hf-export"}
+
+
 def test_a_file_from_a_newer_etrain_is_refused(db_path):
     with JobStore(db_path):
         pass

@@ -19,6 +19,9 @@ from service.supervisor import (
     CheckpointReported,
     CommitCheckpoint,
     ExcludeNode,
+    ExportCheckpoint,
+    Exported,
+    ExportFailed,
     Finished,
     GroupPhase,
     GroupReady,
@@ -763,6 +766,129 @@ class TestCancel:
         assert d.state.status is Status.CANCELLED and of(d, StopGroup) == []
 
 
+EXPORT_CONFIG = replace(CONFIG, export=True, export_timeout_s=300, job_id="demo-1234")
+
+
+def exporting(**changes) -> SupervisorState:
+    """Every step trained and committed at t=70; the group of attempt 1 is stopping before the export."""
+    base = running(status=Status.EXPORTING, group=GroupPhase.STOPPING, group_since=70.0, step=100,
+                   last_committed_step=100, exporting_step=100)
+    return replace(base, **changes)
+
+
+class TestExport:
+    def test_finishing_with_export_stops_the_group_first_and_is_not_yet_succeeded(self):
+        d = decide(running(step=100, last_committed_step=100), Finished(attempt=1, final_step=100), 70.0,
+                   EXPORT_CONFIG)
+        assert d.state.status is Status.EXPORTING and d.state.group is GroupPhase.STOPPING
+        assert (d.state.exporting_step, d.state.export_started_at) == (100, None)
+        assert d.actions == (
+            RecordEvent(kind="training_finished",
+                        detail="finished 100/100 steps; exporting checkpoint step 100"),
+            StopGroup(attempt=1, reason="training finished; exporting"),
+        )
+
+    def test_the_export_starts_once_the_group_stopped(self):
+        d = decide(exporting(), GroupStopped(attempt=1), 72.0, EXPORT_CONFIG)
+        assert d.state.status is Status.EXPORTING and d.state.group is GroupPhase.NONE
+        assert d.state.export_started_at == 72.0
+        assert d.actions == (
+            RecordEvent(kind="exporting", detail="checkpoint step 100 to Hugging Face format"),
+            ExportCheckpoint(step=100),
+        )
+
+    def test_exported_succeeds_and_remembers_the_folder(self):
+        state = exporting(group=GroupPhase.NONE, export_started_at=72.0)
+        d = decide(state, Exported(step=100, path="/ckpt/demo/hf-export"), 90.0, EXPORT_CONFIG)
+        assert d.state.status is Status.SUCCEEDED and d.state.error is None
+        assert d.state.hf_export == "/ckpt/demo/hf-export"
+        assert d.actions == (
+            RecordEvent(kind="exported", detail="step 100 -> /ckpt/demo/hf-export"),
+            RecordEvent(kind="succeeded", detail="finished 100/100 steps; Hugging Face folder /ckpt/demo/hf-export"),
+            MarkTerminal(status=Status.SUCCEEDED, error=None),
+        )
+
+    def test_a_failed_export_fails_the_job_naming_the_checkpoint_and_the_retry(self):
+        state = exporting(group=GroupPhase.NONE, export_started_at=72.0)
+        d = decide(state, ExportFailed(step=100, checkpoint_dir="/ckpt/demo/step_00000100", error="disk full"),
+                   90.0, EXPORT_CONFIG)
+        assert d.state.status is Status.FAILED and d.state.hf_export is None
+        assert d.state.error == (
+            "training finished but exporting checkpoint step 100 (/ckpt/demo/step_00000100) to Hugging Face "
+            "format failed: disk full. The checkpoint is intact; retry with "
+            "`etrain export demo-1234 --step 100 --out DIR`"
+        )
+        assert d.actions[-1] == MarkTerminal(status=Status.FAILED, error=d.state.error)
+
+    def test_an_export_past_its_timeout_fails(self):
+        state = exporting(group=GroupPhase.NONE, export_started_at=72.0)
+        assert decide(state, Tick(), 72.0 + 300, EXPORT_CONFIG).state.status is Status.EXPORTING
+        d = decide(state, Tick(), 72.0 + 301, EXPORT_CONFIG)
+        assert d.state.status is Status.FAILED
+        assert "did not finish within export_timeout_s=300 (301s)" in d.state.error
+        assert "`etrain export demo-1234 --step 100 --out DIR`" in d.state.error
+
+    def test_an_uncommitted_final_checkpoint_fails_at_once(self):
+        d = decide(running(step=100, last_committed_step=96), Finished(attempt=1, final_step=100), 70.0,
+                   EXPORT_CONFIG)
+        assert d.state.status is Status.FAILED and not of(d, ExportCheckpoint)
+        assert d.state.error == ("finished 100/100 steps but the final checkpoint (step 100) was not committed "
+                                 "(last committed: step 96), so there is no checkpoint to export")
+
+    def test_a_group_that_does_not_stop_does_not_block_the_export(self):
+        state = exporting()
+        assert of(decide(state, Tick(), 70.0 + 30, EXPORT_CONFIG), ExportCheckpoint) == []
+        d = decide(state, Tick(), 70.0 + 31, EXPORT_CONFIG)
+        assert d.state.status is Status.EXPORTING and of(d, ExportCheckpoint) == [ExportCheckpoint(step=100)]
+        assert "stop_timeout" in kinds(d)
+        late = decide(d.state, GroupStopped(attempt=1), 120.0, EXPORT_CONFIG)  # the stop lands after all
+        assert late.state.group is GroupPhase.NONE and late.actions == ()
+
+    @pytest.mark.parametrize("event", [Tick(), CapacityChanged(available_dp=8), ScaleRequested(dp=8)],
+                             ids=lambda e: type(e).__name__)
+    def test_nothing_is_launched_while_exporting(self, event):
+        state = exporting(group=GroupPhase.NONE, export_started_at=72.0, available_dp=2)
+        d = decide(state, event, 80.0, EXPORT_CONFIG)
+        assert d.state.status is Status.EXPORTING and not of(d, LaunchGroup) and not of(d, ExportCheckpoint)
+        if isinstance(event, ScaleRequested):
+            assert kinds(d) == ["scale_rejected"]
+
+    def test_cancel_while_exporting(self):
+        d = decide(exporting(group=GroupPhase.NONE, export_started_at=72.0), Cancel(), 80.0, EXPORT_CONFIG)
+        assert d.state.status is Status.CANCELLED and d.actions[-1] == MarkTerminal(status=Status.CANCELLED,
+                                                                                    error=None)
+
+    @pytest.mark.parametrize(
+        "state, event",
+        [
+            (running(), Exported(step=100, path="/x")),
+            (exporting(export_started_at=72.0), Exported(step=96, path="/x")),
+            (running(), ExportFailed(step=100, checkpoint_dir="/x", error="y")),
+        ],
+        ids=["not-exporting", "other-step", "failed-not-exporting"],
+    )
+    def test_stray_export_answers_are_ignored(self, state, event):
+        d = decide(state, event, 80.0, EXPORT_CONFIG)
+        assert d.ignored and d.state == state
+
+    def test_without_export_finishing_succeeds_at_once(self):
+        d = decide(running(step=100, last_committed_step=100), Finished(attempt=1, final_step=100), 70.0, CONFIG)
+        assert d.state.status is Status.SUCCEEDED and not of(d, ExportCheckpoint)
+
+    def test_story_train_checkpoint_export(self):
+        s = Story(config=EXPORT_CONFIG)
+        s.at(0, Start())
+        s.at(1, GroupReady(attempt=1, world_size=8))
+        s.at(60, StepReported(attempt=1, step=100, loss=1.5))
+        s.checkpoint(61, 100)
+        s.at(62, Finished(attempt=1, final_step=100))
+        assert s.at(63, GroupStopped(attempt=1)).actions[-1] == ExportCheckpoint(step=100)
+        s.at(64, Tick())
+        s.at(80, Exported(step=100, path="/ckpt/hf-export"))
+        assert s.state.status is Status.SUCCEEDED and s.state.hf_export == "/ckpt/hf-export"
+        assert s.all_kinds[-4:] == ["training_finished", "exporting", "exported", "succeeded"]
+
+
 class TestAbort:
     @pytest.mark.parametrize("state", [running(), stopping(), launching(), initial_state(CONFIG, dp=4)],
                              ids=["running", "stopping", "launching", "queued"])
@@ -795,6 +921,8 @@ EVERY_EVENT = [
     Abort(error="x"),
     Finished(attempt=1, final_step=100),
     GroupStopped(attempt=1),
+    Exported(step=100, path="/ckpt/hf-export"),
+    ExportFailed(step=100, checkpoint_dir="/ckpt/step_00000100", error="disk full"),
 ]
 
 
@@ -1008,18 +1136,20 @@ class TestStories:
 
 
 FUZZ_CONFIG = replace(CONFIG, max_restarts=8)
+TERMINAL_STATUSES = (Status.SUCCEEDED, Status.FAILED, Status.CANCELLED)
 
 
-def random_event(rng, state):
+def random_event(rng, state, config=FUZZ_CONFIG):
     """A plausible event, mostly from the current attempt, sometimes late from the one before."""
     attempt = max(0, state.attempt - (rng.random() < 0.1))
-    world = FUZZ_CONFIG.world_size(state.dp)
+    world = config.world_size(state.dp)
+    total = config.total_steps
     makers = [
         (5, lambda: Start()),
         (3, lambda: GroupReady(attempt=attempt, world_size=world)),
         (8, lambda: StepReported(attempt=attempt, step=state.step + rng.choice([0, 1, 2]), loss=2.0)),
         (2, lambda: Heartbeat(attempt=attempt, rank=0, step=state.step + rng.choice([0, 1]))),
-        (8, lambda: CheckpointReported(attempt=attempt, step=state.step, rank=rng.randrange(world))),
+        (8, lambda: CheckpointReported(attempt=attempt, step=min(state.step, total), rank=rng.randrange(world))),
         (1, lambda: WorkerLost(attempt=attempt, rank=0, node="n1", cause=rng.choice(["process", "actor", "node"]))),
         (6, lambda: Tick()),
         (2, lambda: CapacityChanged(available_dp=rng.choice([0, 1, 2, 3, 4, 6, 8, 12]))),
@@ -1027,7 +1157,9 @@ def random_event(rng, state):
         (1, lambda: StragglerFlagged(attempt=attempt, rank=1, node=rng.choice(["n1", "n2"]), factor=2.0,
                                      evict=rng.random() < 0.5)),
         (3, lambda: GroupStopped(attempt=attempt)),
-        (0.3, lambda: Finished(attempt=attempt, final_step=rng.choice([50, 100]))),
+        (0.3, lambda: Finished(attempt=attempt, final_step=rng.choice([total // 2, total]))),
+        (0.5, lambda: Exported(step=rng.choice([state.exporting_step or total, total // 2]), path="/hf")),
+        (0.2, lambda: ExportFailed(step=state.exporting_step or total, checkpoint_dir="/c", error="x")),
         (0.1, lambda: Cancel()),
         (0.05, lambda: Abort(error="adapter bug")),
     ]
@@ -1044,7 +1176,7 @@ def test_random_event_streams_keep_the_invariants(seed):
     terminal_marks = 0
     for _ in range(400):
         now += rng.choice([0.0, 0.5, 2.0, 5.0, 12.0, 40.0, 70.0])
-        event = random_event(rng, state)
+        event = random_event(rng, state, config)
         before = state
         d = decide(state, event, now, config)
         state = d.state
@@ -1065,10 +1197,40 @@ def test_random_event_streams_keep_the_invariants(seed):
             assert stop.attempt == before.attempt and before.group in (GroupPhase.LAUNCHING, GroupPhase.UP)
         if of(d, RequestCheckpoint):
             assert state.status is Status.RUNNING and state.pending
+        assert not of(d, ExportCheckpoint) and state.hf_export is None  # FUZZ_CONFIG does not export
         terminal_marks += len(of(d, MarkTerminal))
         if state.status.terminal:
             assert terminal_marks == 1
             break
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_random_events_after_the_last_step_export_exactly_once_and_never_relaunch(seed):
+    """From the moment a job with export finishes its last step, whatever arrives (late reports,
+    capacity, scale requests, stops, ticks, export answers, cancels), the job never launches again,
+    exports at most once, and is SUCCEEDED only with the folder it exported."""
+    rng = random.Random(seed)
+    config = replace(FUZZ_CONFIG, export=True, total_steps=100, export_timeout_s=300)
+    state = decide(running(step=100, last_committed_step=100), Finished(attempt=1, final_step=100), 70.0,
+                   config).state
+    now, exports = 70.0, 0
+    for _ in range(200):
+        now += rng.choice([0.0, 1.0, 5.0, 20.0, 60.0])
+        event = random_event(rng, state, config)
+        before = state
+        d = decide(state, event, now, config)
+        state = d.state
+        assert not of(d, LaunchGroup) and not of(d, RequestCheckpoint)
+        assert state.status in (Status.EXPORTING, *TERMINAL_STATUSES)
+        exports += len(of(d, ExportCheckpoint))
+        assert exports <= 1
+        if of(d, ExportCheckpoint):
+            assert before.export_started_at is None and state.export_started_at == now
+        if state.status is Status.SUCCEEDED:
+            assert isinstance(event, Exported) and exports == 1 and state.hf_export == event.path
+        if state.status.terminal:
+            break
+    assert exports == 1 or state.status is not Status.SUCCEEDED
 
 
 # ---------------------------------------------------------------------------------------------
