@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.config import ModelConfig, RopeScaling
+from workers.model import run_trunk, validate_model_config
 
 
 def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
@@ -166,8 +167,6 @@ class Llama(nn.Module):
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        from workers.model import validate_model_config
-
         validate_model_config(config)
         self.config = config
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(config.vocab_size, config.d_model)
@@ -187,10 +186,4 @@ class Llama(nn.Module):
         h = tokens_or_hidden
         if self.tok_embeddings is not None:
             h = self.tok_embeddings(h)
-        for layer in self.layers.values():
-            h = layer(h)
-        if self.norm is not None:
-            h = self.norm(h)
-        if self.output is not None:
-            h = self.output(h)
-        return h
+        return run_trunk(self, h)

@@ -100,13 +100,19 @@ class GPT(nn.Module):
         if self.tok_embeddings is not None:
             positions = torch.arange(h.shape[1], device=h.device)
             h = self.tok_embeddings(h) + self.pos_embeddings(positions)
-        for layer in self.layers.values():
-            h = layer(h)
-        if self.norm is not None:
-            h = self.norm(h)
-        if self.output is not None:
-            h = self.output(h)
-        return h
+        return run_trunk(self, h)
+
+
+def run_trunk(model: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """The part of a forward every architecture shares: the stage's blocks, then the final norm and
+    the output projection where this stage owns them."""
+    for layer in model.layers.values():
+        h = layer(h)
+    if model.norm is not None:
+        h = model.norm(h)
+    if model.output is not None:
+        h = model.output(h)
+    return h
 
 
 def validate_model_config(config: ModelConfig) -> None:
