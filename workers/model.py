@@ -18,7 +18,6 @@ device and materialised shard by shard.
 
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn.functional as F
