@@ -1,13 +1,19 @@
-"""`make bench`: throughput, time split and memory of each layout, and overhead against a peer.
+"""`make bench`: throughput of each layout, meta-device initialisation memory, and the planner's
+memory prediction against measured peaks.
 
-Every row runs the production ``workers.train.Trainer`` on real gloo process groups (no Ray, so
-the numbers are the engine's, not the scheduler's). The peer row is a bare torch DDP loop over the
-same model and batch, the smallest thing a user could write by hand, so the overhead of etrain's
-engine (global sampler, measured timing, sync point, clipping across shards) is visible.
+Three benchmarks, each a few minutes at most on 2 CPU cores (``--only`` runs a subset):
 
-Writes ``<out>/results.json`` and ``<out>/results.md`` (the table pasted into the README) and
-prints the table. On a 2-core CPU machine, absolute numbers are small; what the table shows is the
-relative cost of each layout and the planner's memory estimate next to the measured peak.
+* ``throughput``: every row runs the production ``workers.train.Trainer`` on real gloo process
+  groups (no Ray, so the numbers are the engine's, not the scheduler's). The peer row is a bare
+  torch DDP loop over the same model and batch, the smallest thing a user could write by hand, so
+  the overhead of etrain's engine (global sampler, measured timing, sync point, clipping across
+  shards) is visible.
+* ``init`` and ``planner``: ``benchmarks/memory.py`` (meta-device init peak RSS against building the
+  whole model; the planner's per-rank peak against measured peak RSS for six layouts).
+
+Writes ``<out>/results.json`` and one markdown table per benchmark (``throughput.md``, ``init.md``,
+``planner.md``; the tables pasted into the README) and prints them. On a 2-core CPU machine,
+absolute speeds are small; what the throughput table shows is the relative cost of each layout.
 """
 
 from __future__ import annotations
@@ -21,8 +27,11 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from benchmarks import memory
 from tests.dist_utils import run_distributed
 from workers.config import DataConfig, ModelConfig, ParallelConfig, RunConfig, TrainingConfig
+
+BENCHMARKS = ("throughput", "init", "planner")
 
 WARMUP_STEPS = 3
 
@@ -105,24 +114,25 @@ def _peer_ddp_rank(rank: int, world_size: int, config: RunConfig) -> dict:
     }
 
 
-def planned_mb(config: RunConfig) -> float | None:
-    """The planner's per-rank estimate for the same layout (fp32 states), for comparison."""
+def planned_mb(config: RunConfig, runtime_bytes: int) -> float | None:
+    """The planner's per-rank peak for the same layout, its runtime allowance replaced by the measured one."""
     try:
         from service.planner import estimate
         from service.spec import JobSpec
     except ImportError:
         return None
-    p = config.parallel
+    p, m = config.parallel, config.model
     spec = JobSpec.model_validate({
         "name": "bench",
-        "model": {k: v for k, v in asdict(config.model).items() if v is not None},
+        "model": {"kind": m.arch, "n_layers": m.n_layers, "d_model": m.d_model, "n_heads": m.n_heads,
+                  "vocab_size": m.vocab_size, "seq_len": m.seq_len, "d_ff": m.ffn_dim},
         "parallelism": {"dp": p.dp, "tp": p.tp, "pp": p.pp, "zero": p.zero, "pp_schedule": p.pp_schedule,
-                        "virtual_stages": p.virtual_stages},
+                        "virtual_stages": p.virtual_stages, "sequence_parallel": p.sequence_parallel},
         "training": {"steps": config.training.steps, "global_batch": config.training.global_batch,
                      "micro_batch": config.training.micro_batch},
     })
-    memory = estimate(spec).memory
-    return (memory.total - memory.overhead) / 2**20  # the runtime allowance would swamp a tiny model
+    mem = estimate(spec).memory
+    return memory.predicted_peak_bytes(mem.total, mem.overhead, runtime_bytes) / 2**20
 
 
 LAYOUTS = [
@@ -138,7 +148,8 @@ LAYOUTS = [
 ]
 
 
-def run(out: Path, steps: int) -> list[Row]:
+def run(steps: int, runtime_bytes: int) -> list[Row]:
+    """The throughput table's rows (the layouts, then the peer)."""
     rows: list[Row] = []
 
     def record(name: str, results: list[dict], config: RunConfig) -> None:
@@ -151,7 +162,7 @@ def run(out: Path, steps: int) -> list[Row]:
             compute_ms=1e3 * worst["compute_s"],
             comm_wait_ms=1e3 * worst["comm_wait_s"],
             peak_rss_mb=max(r["peak_rss"] for r in results) / 2**20,
-            planned_mb=planned_mb(config),
+            planned_mb=planned_mb(config, runtime_bytes),
         ))
         print(f"  {name:<22} {rows[-1].step_ms:8.1f} ms/step  {rows[-1].tokens_per_s:9.0f} tok/s", flush=True)
 
@@ -160,29 +171,27 @@ def run(out: Path, steps: int) -> list[Row]:
         record(name, run_distributed(_etrain_rank, parallel.world_size, config, timeout_s=600), config)
     peer = bench_config(steps, ParallelConfig(dp=2))
     record("peer: bare torch DDP ×2", run_distributed(_peer_ddp_rank, 2, peer, timeout_s=600), peer)
-
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps([asdict(r) for r in rows], indent=2))
-    (out / "results.md").write_text(table(rows))
     return rows
 
 
-def table(rows: list[Row]) -> str:
+def table(rows: list[Row], runtime_bytes: int) -> str:
     def ms(value: float) -> str:
         return "–" if value != value else f"{value:.1f}"
 
     lines = [
         f"Model 4×128 (0.9 M params), seq 64, global batch 16, micro-batch 4, fp32, gloo on "
-        f"{os.cpu_count()} CPU cores ({platform.processor() or platform.machine()}); medians after {WARMUP_STEPS} warm-up steps.",
+        f"{os.cpu_count()} CPU cores ({platform.processor() or platform.machine()}); medians after {WARMUP_STEPS} "
+        "warm-up steps.",
         "",
-        "Peak RSS includes the Python + torch runtime (about 340 MiB per process); the planner column is its estimate "
-        "of model state + activations per rank, without its runtime allowance.",
+        f"At this size the Python + torch runtime (an empty rank: {runtime_bytes / 2**20:.0f} MiB) is nearly all of a "
+        "rank's memory; the planner column is its peak per rank with that runtime as its allowance.",
         "",
-        "| layout | ranks | step (ms) | tokens/s | compute (ms) | comm wait (ms) | peak RSS/rank (MiB) | planner: states + activations (MiB) |",
+        "| layout | ranks | step (ms) | tokens/s | compute (ms) | comm wait (ms) | peak RSS/rank (MiB) "
+        "| planner peak/rank (MiB) |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        planned = "–" if r.planned_mb is None else f"{r.planned_mb:.2f}"
+        planned = "–" if r.planned_mb is None else f"{r.planned_mb:.0f}"
         lines.append(f"| {r.layout} | {r.ranks} | {ms(r.step_ms)} | {r.tokens_per_s:.0f} | {ms(r.compute_ms)} | "
                      f"{ms(r.comm_wait_ms)} | {r.peak_rss_mb:.0f} | {planned} |")
     return "\n".join(lines) + "\n"
@@ -192,10 +201,35 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
     parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--only", action="append", choices=BENCHMARKS,
+                        help="run only this benchmark (repeatable); default: all")
     args = parser.parse_args()
-    rows = run(args.out, args.steps)
-    print()
-    print(table(rows))
+    selected = args.only or list(BENCHMARKS)
+    args.out.mkdir(parents=True, exist_ok=True)
+    runtime_bytes = memory.measure_runtime_rss()
+    print(f"runtime (an empty rank's peak RSS): {runtime_bytes / 2**20:.0f} MiB", flush=True)
+    results: dict = {"runtime_rss_bytes": runtime_bytes}
+    tables: list[str] = []
+
+    def emit(name: str, text: str) -> None:
+        (args.out / f"{name}.md").write_text(text)
+        tables.append(text)
+        print(f"\n{text}", flush=True)
+
+    if "throughput" in selected:
+        rows = run(args.steps, runtime_bytes)
+        results["throughput"] = [asdict(r) for r in rows]
+        emit("throughput", table(rows, runtime_bytes))
+    if "init" in selected:
+        start = time.perf_counter()
+        init = memory.bench_meta_init(runtime_bytes)
+        results["init"] = {**asdict(init), "ratio": init.ratio, "seconds": time.perf_counter() - start}
+        emit("init", memory.init_table(init))
+    if "planner" in selected:
+        accuracy = memory.bench_planner_accuracy(runtime_bytes)
+        results["planner"] = [{**asdict(r), "ratio": r.ratio} for r in accuracy]
+        emit("planner", memory.accuracy_table(accuracy, runtime_bytes, memory.ACCURACY_MODEL.num_params))
+    (args.out / "results.json").write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

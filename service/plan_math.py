@@ -36,12 +36,15 @@ What a rank holds (``stage_memory``), as the engine runs (``workers/parallelize.
   runs without gradient sync, so with more than one micro-batch per step the stage's unsharded
   gradients (fp32, the reduce dtype) live until the last micro-step's reduce-scatter; with one,
   only the unit being reduced and its reduce-scatter input.
+* Tensor parallelism as measured: the token embedding's gradient arrives replicated (full
+  vocabulary) on every tp rank, though its weight is a vocab shard (``gradients`` counts it).
 * CPU offload (``offload: cpu``, FSDP2's ``CPUOffloadPolicy``): sharded parameters, gradients and
   optimizer states live in host memory (``host_bytes``); the device keeps the gathered parameters,
   unsharded gradients, activations and logits.
 * Initialisation builds on the meta device and materialises the rank's shards; each parameter's
   full fp32 initial value is drawn once on the host and, on a GPU, copied to the device before the
-  rank keeps its slice: shards plus the largest single parameter (``init`` phase).
+  rank copies out its slice: shards plus the largest single parameter (and its slice, when
+  sharded) (``init`` phase).
 * The optimizer step: on CPU parameters (CPU runs, and offload) AdamW's ``foreach`` kernels hold a
   temporary the size of the second moments (4 bytes per parameter the rank steps); fused AdamW on
   CUDA holds none.
@@ -546,6 +549,11 @@ def stage_memory(model: ModelConfig, *, stage: int, pp: int, layers: int, virtua
     params = stage_params(model, tp=tp, layers=layers, first=first, last=last)
     state_div = shard if fsdp else (dp if zero >= 1 and dp > 1 else 1)
     parameters, gradients, states = 4 * params / shard, 4 * params / shard, 8 * params / state_div
+    if tp > 1 and first and not fsdp:
+        # Measured (make bench): under TP the token embedding's gradient arrives *replicated* on every tp
+        # rank, full vocabulary x d_model, although the weight is a vocab shard (DTensor's embedding
+        # backward under RowwiseParallel returns a Replicate gradient for the Shard(0) weight).
+        gradients += 4 * model.vocab_size * d * (1 - 1 / tp)
 
     layer = layer_params(model, tp) if layers else 0.0
     root = (_embedding_params(model, tp) if first else 0.0) + (
@@ -583,11 +591,15 @@ def stage_memory(model: ModelConfig, *, stage: int, pp: int, layers: int, virtua
                               logits_elem=4 if regime == "fp32" else 2, pipeline=pp > 1)
 
     optimizer_temp = 4 * params / state_div if device == "cpu" or offloaded else 0.0  # foreach AdamW on CPU
-    init_draw = 4 * largest_param(model, first=first, last=last)
+    # Each parameter's full fp32 value, plus the rank's slice that distribute_tensor cuts from it as a
+    # copy when the parameter is sharded (FSDP2 and/or TP DTensors; a plain parameter is copied into).
+    pieces = shard * tp
+    host_draw = 4 * largest_param(model, first=first, last=last)
+    init_draw = host_draw * (1 + (1 / pieces if pieces > 1 else 0))
     on_device = 0.0 if offloaded else 1.0
     host = parameters + gradients + states
     host_bytes = max(host + optimizer_temp, parameters + init_draw) if offloaded else (
-        init_draw if device != "cpu" else 0.0)
+        host_draw if device != "cpu" else 0.0)
 
     fb_buffers = dict(ddp_buckets=buckets, gathered_params=gathered, unsharded_grads=unsharded_grads,
                       weight_casts=casts, rope_tables=rope)

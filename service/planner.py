@@ -82,8 +82,8 @@ __all__ = [
 DEFAULT_DEVICE_MEMORY_GB = {"cuda": 80.0, "cpu": 8.0}
 #: Memory a rank uses before holding any tensor. CUDA: context, NCCL buffers, allocator slack.
 #: CPU: the Python + torch + gloo process of a rank, measured by ``make bench`` as an empty rank's
-#: peak RSS (272 MiB on x86_64 Linux, torch 2.13), rounded up.
-RUNTIME_OVERHEAD_GIB = {"cuda": 1.0, "cpu": 0.28}
+#: peak RSS (274 MiB on x86_64 Linux, torch 2.13), rounded up.
+RUNTIME_OVERHEAD_GIB = {"cuda": 1.0, "cpu": 0.27}
 #: Layouts whose estimated step time is within this fraction of the fastest count as equally fast.
 STEP_TIME_TOLERANCE = 0.05
 #: Auto-planning first looks for layouts within this share of device memory (estimates are estimates).

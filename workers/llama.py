@@ -160,11 +160,6 @@ class Llama(nn.Module):
     ``pp > 1`` for them, since the two ends would live on different stages).
     """
 
-    #: RoPE, no learned position table. Declared as a part that is always absent because code that
-    #: cuts models by part reads it on both architectures (``workers.pipeline.stage_module`` drops
-    #: ``model.pos_embeddings`` from every stage but the first).
-    pos_embeddings: None = None
-
     def __init__(self, config: ModelConfig):
         super().__init__()
         validate_model_config(config)

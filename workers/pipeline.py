@@ -181,7 +181,7 @@ def stage_module(model: nn.Module, stage_index: int, num_stages: int) -> nn.Modu
     owned = split_layers(model.config.n_layers, num_stages)[stage_index]
     dropped = [layer for key, layer in model.layers.items() if int(key) not in owned]
     if stage_index != 0:
-        dropped += [model.tok_embeddings, model.pos_embeddings]
+        dropped += [model.tok_embeddings, getattr(model, "pos_embeddings", None)]
     if stage_index != num_stages - 1:
         dropped += [model.norm, model.output]
     stage = copy.deepcopy(model, memo={id(module): None for module in dropped if module is not None})
@@ -189,7 +189,8 @@ def stage_module(model: nn.Module, stage_index: int, num_stages: int) -> nn.Modu
         del stage.layers[key]
     if stage_index != 0:
         stage.tok_embeddings = None
-        stage.pos_embeddings = None
+        if hasattr(stage, "pos_embeddings"):  # the GPT's learned positions; RoPE models have none
+            stage.pos_embeddings = None
     if stage_index != num_stages - 1:
         stage.norm = None
         stage.output = None

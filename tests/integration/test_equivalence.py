@@ -13,6 +13,9 @@ Llama with grouped-query attention, q/k/v biases and q/k norms (its own TP plan:
 sharded norms); the tied-embedding Llama runs on one layout per way of holding the shared weight
 (DDP, FSDP2, TP, both).
 
+TP layouts compute the loss vocab-parallel (``loss_parallel`` on logits sharded by vocabulary), so
+that is held to the same bounds; HSDP and CPU offload are FSDP2 variants and are too.
+
 A layout that misses these is a bug, not a tolerance to loosen. Pipeline layouts live in
 ``test_pipeline_equivalence.py`` and reuse ``tests/equivalence_utils.py``.
 """

@@ -11,6 +11,7 @@ import pytest
 from service.errors import SpecRejected
 from service.plan_math import largest_param, rope_table_bytes
 from service.planner import (
+    RUNTIME_OVERHEAD_GIB,
     GiB,
     AutoPlan,
     bubble_fraction,
@@ -427,9 +428,14 @@ class TestEstimate:
         model = ModelConfig(**MODEL_PRESETS["llama3-8b"])
         spec = gpu_spec("llama3-8b", {"dp": 8, "zero": 3})
         mem = estimate(spec).memory
-        assert mem.phases["init"] == math.ceil(4 * model.num_params / 8) + 4 * largest_param(model) + GiB
-        # On a GPU the draw happens on the host first: the host sees the same transient.
-        assert mem.host_bytes == 4 * largest_param(model)
+        # the full draw of the largest parameter (the embedding) and the 1/8 slice cut from it
+        draw = 4 * largest_param(model)
+        assert mem.phases["init"] == math.ceil(4 * model.num_params / 8) + math.ceil(draw * (1 + 1 / 8)) + GiB
+        # On a GPU the draw happens on the host first: the host sees the full tensor too.
+        assert mem.host_bytes == draw
+        # Plain (DDP) parameters are copied into whole: no slice; the buckets come after the draw.
+        ddp = estimate(gpu_spec("llama3-8b", {"dp": 8})).memory
+        assert ddp.phases["init"] == 4 * model.num_params + max(draw, 4 * model.num_params) + GiB
 
     def test_on_cpu_the_optimizer_step_can_be_the_peak(self):
         """foreach AdamW on CPU holds a temporary as large as the second moments; DDP keeps its buckets."""
@@ -442,7 +448,7 @@ class TestEstimate:
         assert est.memory.components() == {
             "parameters": 4 * n, "gradients": 4 * n, "optimizer_states": 8 * n, "activations": 0, "logits": 0,
             "buffers": 4 * n + model.n_layers * rope_table_bytes(model), "transient": 4 * n,
-            "overhead": math.ceil(0.28 * GiB)}
+            "overhead": math.ceil(RUNTIME_OVERHEAD_GIB["cpu"] * GiB)}
         assert est.memory.phases["forward_backward"] < est.memory.total
 
     def test_logits_are_vocab_sharded_under_tp(self):
@@ -450,6 +456,14 @@ class TestEstimate:
         for tp in (1, 2, 8):
             est = estimate(gpu_spec("llama3-8b", {"tp": tp}))
             assert est.memory.logits == math.ceil(logits_bytes(model, micro_batch=1, tp=tp))
+
+    def test_tp_embedding_gradient_is_replicated(self):
+        """As measured on the engine: the vocab-sharded embedding's gradient is a full-vocabulary Replicate."""
+        model = ModelConfig(**MODEL_PRESETS["llama3-8b"])
+        est = estimate(gpu_spec("llama3-8b", {"tp": 4}))
+        params = stage_params(model, tp=4, layers=model.n_layers, first=True, last=True)
+        assert est.memory.parameters == math.ceil(4 * params)
+        assert est.memory.gradients == math.ceil(4 * params + 4 * model.vocab_size * model.d_model * 3 / 4)
 
     def test_memory_falls_with_tensor_parallelism(self):
         totals = [estimate(gpu_spec("llama3-8b", {"tp": t, "dp": 1})).memory.total for t in (1, 2, 4, 8)]
@@ -794,10 +808,11 @@ class TestAuto:
 
     def test_pipeline_only_when_needed(self):
         # dp pinned to 1: 70B needs more than one node's tensor parallelism, so the planner adds stages.
-        spec = gpu_spec("llama3-70b", {"auto": True, "max_workers": 16}, {"activation_checkpointing": True}, max_dp=1)
+        # (pp=2 needs 80.1 GiB; 80 layers do not split in 3, so 4 stages.)
+        spec = gpu_spec("llama3-70b", {"auto": True, "max_workers": 32}, {"activation_checkpointing": True}, max_dp=1)
         plan = resolve_auto(spec)
-        assert (plan.layout.dp, plan.layout.tp, plan.layout.pp) == (1, 8, 2)
-        assert any(r.startswith("pp=2: no layout with pp=1 fits") for r in plan.reasons)
+        assert (plan.layout.dp, plan.layout.tp, plan.layout.pp) == (1, 8, 4)
+        assert any(r.startswith("pp=4: no layout with pp=1 fits") for r in plan.reasons)
         assert any(r.startswith(f"pp_schedule={plan.layout.pp_schedule}") for r in plan.reasons)
         # Something that fits on one node's tensor parallelism gets no pipeline.
         assert resolve_auto(gpu_spec("llama3-8b", {"auto": True, "max_workers": 16}, max_dp=1)).layout.pp == 1
