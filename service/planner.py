@@ -739,6 +739,11 @@ def plan_report(spec: JobSpec, *, available_gb: float | None = None) -> dict:
     """
     auto: AutoPlan | None = None
     problems = list(check_spec(spec))
+    if any(p.field == "model" or p.field.startswith("model.") for p in problems):
+        # Without a model there is nothing to size (a bad model.hf cannot even be read): report
+        # the spec's problems as an infeasible plan rather than failing the request.
+        return {"feasible": False, "problems": [p.to_dict() for p in problems], "layout": None,
+                "estimate": None, "auto": None}
     resolved = spec
     if spec.is_auto:
         problems += _device_memory_problems(spec, available_gb)

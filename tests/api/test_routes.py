@@ -324,6 +324,15 @@ def test_an_unsupported_hf_architecture_is_a_422_naming_model_hf_and_the_support
     assert response.json()["error"] == "invalid_spec"
 
 
+def test_plan_of_an_unreadable_hf_model_is_an_infeasible_report_naming_model_hf(client, tmp_path):
+    hf_folder(tmp_path / "gpt2", architectures=["GPT2LMHeadModel"], model_type="gpt2")
+    response = client.post("/v1/plan", json=tiny_spec(model={"hf": "gpt2", "seq_len": 16}))
+    assert response.status_code == 200, response.text
+    report = response.json()
+    assert report["feasible"] is False and report["estimate"] is None
+    assert [p["field"] for p in report["problems"]] == ["model.hf"]
+
+
 def test_a_hf_job_reads_its_sizes_from_the_folder_and_pins_its_path(client, tmp_path):
     hf_folder(tmp_path / "tiny-llama")
     job = submit(client, model={"hf": "tiny-llama", "seq_len": 16}, training={"steps": 4, "global_batch": 4,
