@@ -51,15 +51,19 @@ def _check_range(min_dp: int, max_dp: int) -> None:
         raise ResizeError(f"max_dp={max_dp} must be >= min_dp={min_dp}")
 
 
-def legal_dp_sizes(global_batch: int, micro_batch: int, min_dp: int, max_dp: int) -> list[int]:
+def legal_dp_sizes(global_batch: int, micro_batch: int, min_dp: int, max_dp: int, dp_multiple: int = 1) -> list[int]:
     """Every dp in ``[min_dp, max_dp]`` that divides the micro-batch count, ascending.
+
+    ``dp_multiple`` (HSDP's ``dp_replicate``): dp must stay a multiple of it, since the replicate
+    groups each shard over ``dp / dp_replicate`` ranks.
 
     Empty when no size in the range keeps the global batch (callers decide whether that is an
     error; :class:`ElasticPolicy` treats it as one).
     """
     micro_batches = num_micro_batches(global_batch, micro_batch)
     _check_range(min_dp, max_dp)
-    return [dp for dp in range(min_dp, min(max_dp, micro_batches) + 1) if micro_batches % dp == 0]
+    return [dp for dp in range(min_dp, min(max_dp, micro_batches) + 1)
+            if micro_batches % dp == 0 and dp % dp_multiple == 0]
 
 
 def grad_accum_steps(global_batch: int, micro_batch: int, dp: int) -> int:
@@ -84,6 +88,7 @@ def choose_dp(
     micro_batch: int,
     min_dp: int,
     max_dp: int,
+    dp_multiple: int = 1,
 ) -> int | None:
     """The dp to run at: the largest legal dp ``<= min(available_dp, max_dp)`` and ``>= min_dp``.
 
@@ -105,7 +110,7 @@ def choose_dp(
         _check_range(min_dp, max_dp)
         num_micro_batches(global_batch, micro_batch)
         return None
-    fits = legal_dp_sizes(global_batch, micro_batch, min_dp, ceiling)
+    fits = legal_dp_sizes(global_batch, micro_batch, min_dp, ceiling, dp_multiple)
     return fits[-1] if fits else None
 
 
@@ -120,18 +125,20 @@ class ElasticPolicy:
     micro_batch: int
     min_dp: int
     max_dp: int
+    dp_multiple: int = 1  # HSDP's dp_replicate
 
     def __post_init__(self) -> None:
         if not self.legal_sizes():
+            multiple = f" and is a multiple of dp_replicate={self.dp_multiple}" if self.dp_multiple > 1 else ""
             raise ResizeError(
                 f"no dp in [min_dp={self.min_dp}, max_dp={self.max_dp}] divides "
                 f"global_batch/micro_batch = {self.global_batch}/{self.micro_batch} = "
-                f"{num_micro_batches(self.global_batch, self.micro_batch)}; widen the range or "
+                f"{num_micro_batches(self.global_batch, self.micro_batch)}{multiple}; widen the range or "
                 f"change the batch sizes"
             )
 
     def legal_sizes(self) -> list[int]:
-        return legal_dp_sizes(self.global_batch, self.micro_batch, self.min_dp, self.max_dp)
+        return legal_dp_sizes(self.global_batch, self.micro_batch, self.min_dp, self.max_dp, self.dp_multiple)
 
     def is_legal(self, dp: int) -> bool:
         return dp in self.legal_sizes()
@@ -153,6 +160,7 @@ class ElasticPolicy:
             micro_batch=self.micro_batch,
             min_dp=self.min_dp,
             max_dp=self.max_dp,
+            dp_multiple=self.dp_multiple,
         )
 
     def grad_accum(self, dp: int) -> int:

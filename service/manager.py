@@ -167,6 +167,7 @@ class JobManager:
                 micro_batch=spec.training.micro_batch,
                 min_dp=spec.min_dp,
                 max_dp=spec.max_dp,
+                dp_multiple=spec.layout.dp_replicate,
             ).check(dp)
         except ResizeError as err:
             raise SpecRejected([SpecProblem(field="dp", message=str(err),

@@ -91,6 +91,7 @@ class JobSupervisor:
             max_dp=policy.max_dp,
             tp=config.parallel.tp,
             pp=config.parallel.pp,
+            dp_multiple=config.parallel.dp_replicate,
             max_restarts=policy.max_restarts,
             heartbeat_timeout_s=policy.heartbeat_timeout_s,
             start_timeout_s=max(policy.start_timeout_s, policy.heartbeat_timeout_s),

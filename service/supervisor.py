@@ -188,6 +188,7 @@ class SupervisorConfig:
     max_dp: int
     tp: int = 1
     pp: int = 1
+    dp_multiple: int = 1  # HSDP: every dp the job runs at stays a multiple of dp_replicate
     max_restarts: int = 3  # faults survived before FAILED (node loss/resize/evict are free)
     heartbeat_timeout_s: float = 300.0  # RUNNING with no step progress this long = hang
     start_timeout_s: float = 600.0  # LaunchGroup -> GroupReady
@@ -230,6 +231,7 @@ class SupervisorConfig:
             micro_batch=self.micro_batch,
             min_dp=self.min_dp,
             max_dp=self.max_dp,
+            dp_multiple=self.dp_multiple,
         )
 
     def world_size(self, dp: int) -> int:

@@ -127,3 +127,12 @@ class TestElasticPolicy:
     def test_no_legal_size_in_range_is_an_error(self):
         with pytest.raises(ResizeError, match=r"no dp in \[min_dp=5, max_dp=7\]"):
             ElasticPolicy(global_batch=32, micro_batch=2, min_dp=5, max_dp=7)
+
+    def test_hsdp_keeps_dp_a_multiple_of_dp_replicate(self):
+        # 48 micro-batches: 2, 3, 4, 6, 8 and 12 divide it; with dp_replicate=2 only even sizes stay.
+        policy = ElasticPolicy(global_batch=48, micro_batch=1, min_dp=2, max_dp=12, dp_multiple=2)
+        assert policy.legal_sizes() == [2, 4, 6, 8, 12]
+        assert policy.choose(11) == 8  # 11 replicas fit, but 9..11 are odd or do not divide 48
+        assert legal_dp_sizes(48, 1, 2, 12, 4) == [4, 8, 12]
+        with pytest.raises(ResizeError, match="multiple of dp_replicate=4"):
+            ElasticPolicy(global_batch=48, micro_batch=1, min_dp=5, max_dp=7, dp_multiple=4)
