@@ -14,8 +14,7 @@ materialises a full copy of a tensor it shards, and pipeline stages only ask for
 one process, DP2×TP2 with ``replicate`` and with ZeRO-3 plus activation checkpointing, and PP2
 stages, so the hand-written ``get_slice`` fallback was not needed. DCP fills the tensors *in place*:
 the state dict's tensors (or DTensors' local tensors) share storage with the parameters, so nothing
-is copied back; a part whose state dict does not share storage (none today) is written back with
-``set_model_state_dict``. The files' dtype (bf16, fp16, fp32) is converted to the parameters' by
+is copied back (checked after the load; a copy would be an error, not a silent no-op). The files' dtype (bf16, fp16, fp32) is converted to the parameters' by
 the copy. (The reader indexes every ``*.safetensors`` file in the folder; only the tensors asked
 for are read.)
 
@@ -52,7 +51,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, HuggingFaceStorageReader
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 
 from workers.config import ModelConfig
@@ -78,13 +77,11 @@ _LISTED = 8  # names listed per kind of problem in an error
 @dataclass(frozen=True, kw_only=True)
 class HFLoadReport:
     """What one rank loaded: ``elements_read`` counts the elements DCP copied out of the files (one
-    per element of every slice read), ``local_elements`` those of the shards the rank holds, and
-    ``written_back`` the parts that needed ``set_model_state_dict`` (0: DCP filled them in place)."""
+    per element of every slice read), and ``local_elements`` those of the shards the rank holds."""
 
     tensors: int
     elements_read: int
     local_elements: int
-    written_back: int
 
 
 class _CountingPlanner(DefaultLoadPlanner):
@@ -132,16 +129,14 @@ def load_hf_weights(
     with _quiet_single_process():
         dcp.load(state, storage_reader=HuggingFaceStorageReader(directory), planner=planner,
                  no_dist=not _distributed())
-    written_back = 0
     for part, part_state in part_states:
         if not _filled_in_place(part, part_state):
-            if tied and "output.weight" in part_state:
-                part_state["output.weight"] = part_state["tok_embeddings.weight"]  # it was not read
-            set_model_state_dict(part, part_state)
-            written_back += 1
-        _retie(part, model_config)
+            # get_model_state_dict returns views of the parameters for every wrapper etrain uses;
+            # a wrapper that copies would silently leave the seeded weights, so refuse loudly.
+            raise RuntimeError("DCP did not load the Hugging Face weights into the parameters in place "
+                               f"(a {type(part).__name__} state dict that copies); nothing was loaded")
     return HFLoadReport(tensors=len(state), elements_read=planner.elements_read,
-                        local_elements=sum(_local(t).numel() for t in state.values()), written_back=written_back)
+                        local_elements=sum(_local(t).numel() for t in state.values()))
 
 
 def _read_headers(directory: str) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -224,15 +219,6 @@ def _filled_in_place(part: nn.Module, part_state: dict[str, torch.Tensor]) -> bo
         if own.numel() and loaded.untyped_storage().data_ptr() != own.untyped_storage().data_ptr():
             return False
     return True
-
-
-def _retie(part: nn.Module, model_config: ModelConfig) -> None:
-    """A tied output must still be the embedding's parameter (loading never swaps parameters; this
-    re-ties should a write-back ever have)."""
-    embeddings, output = getattr(part, "tok_embeddings", None), getattr(part, "output", None)
-    if model_config.tie_embeddings and embeddings is not None and output is not None:
-        if output.weight is not embeddings.weight:
-            part.tie_weights()
 
 
 def _distributed() -> bool:

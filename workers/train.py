@@ -121,6 +121,7 @@ class Trainer:
         world_size: int,
         device: torch.device,
         callbacks: Sequence[Any] = (),
+        load_pretrained: bool = True,
     ):
         parallel = config.parallel
         if parallel.world_size != world_size:
@@ -181,7 +182,8 @@ class Trainer:
             self.modules = [transform(model)]
         #: The stage modules with their original FQNs (DDP wrappers removed): what DCP saves.
         self.model_parts: list[nn.Module] = [unwrap(m) for m in self.modules]
-        self._load_pretrained(config.model)
+        if load_pretrained:
+            self._load_pretrained(config.model)
 
         zero_group = self.dims.group("dp") if parallel.zero == 1 else None
         self.optimizers = [
@@ -198,9 +200,10 @@ class Trainer:
     def _load_pretrained(self, model: ModelConfig) -> None:
         """Step-0 weights from ``model.hf_path`` when that folder has safetensors (collective).
 
-        Each rank reads only the slices it owns into its (already sharded) parts; a checkpoint
-        restored afterwards simply overwrites them. A folder with only a config.json trains from
-        the seeded initialisation.
+        Each rank reads only the slices it owns into its (already sharded) parts. A caller that is
+        about to restore a checkpoint passes ``load_pretrained=False`` so the weights are not read
+        only to be overwritten. A folder with only a config.json trains from the seeded
+        initialisation.
         """
         if not model.hf_path:
             return

@@ -185,7 +185,8 @@ class TrainWorker:
         )
         try:
             trainer = Trainer(
-                config, rank=self.rank, world_size=self.world_size, device=device, callbacks=[ChaosCallback(self)]
+                config, rank=self.rank, world_size=self.world_size, device=device, callbacks=[ChaosCallback(self)],
+                load_pretrained=plan.resume_dir is None,  # a resume overwrites them anyway
             )
             if plan.resume_dir:
                 # The supervisor verified this checkpoint's checksums just before the launch.
