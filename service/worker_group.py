@@ -143,12 +143,18 @@ class WorkerGroup:
                 return outcome
             return None
         pending = list(self._runs)
-        if not pending:
+        if not pending or self._stopped:
             return None
         done, _ = ray.wait(pending, num_returns=len(pending), timeout=0)
         for ref in done:
-            rank = self._runs.pop(ref)
+            # stop() runs on its own thread (runtime._stop) while the control loop may still poll this
+            # group: it clears ``_runs`` and kills the ranks, and those deaths are its doing, not failures.
+            rank = self._runs.pop(ref, None)
+            if rank is None or self._stopped:
+                return None
             outcome = self._classify(ref, rank)
+            if self._stopped:
+                return None
             if outcome is None:
                 continue
             if outcome.kind == "worker_lost" and outcome.cause != "node":
