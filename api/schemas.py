@@ -84,6 +84,8 @@ class JobOut(BaseModel):
     artifacts: dict[str, str] = Field(
         default_factory=dict, description='what a succeeded job wrote besides checkpoints: {"hf": "<folder>"}'
     )
+    tenant: str = Field(default="default", description="the tenant that submitted the job")
+    priority: int = Field(default=0, description="queue order: higher first, then oldest first")
 
     @classmethod
     def of(cls, job: JobRecord) -> "JobOut":
@@ -106,6 +108,8 @@ class JobOut(BaseModel):
             goodput=_finite(job.goodput),
             attempt=job.attempt,
             artifacts=dict(job.artifacts),
+            tenant=job.tenant,
+            priority=job.priority,
         )
 
 

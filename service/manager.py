@@ -24,6 +24,7 @@ from service.runtime import JobPolicy
 from service.settings import Settings
 from service.spec import JobSpec, SpecProblem, check_spec, resolve_paths
 from service.store import EventRecord, JobRecord, JobStatus, JobStore, StepRecord
+from service.tenancy import ADMIN, Principal
 from service.stragglers import StragglerConfig
 from workers.errors import CheckpointError, ConfigError
 from workers.manifest import latest_committed, list_steps, step_dir, verify
@@ -76,7 +77,7 @@ class JobManager:
             raise SpecRejected(problems)
         return spec
 
-    def submit(self, spec: JobSpec) -> JobRecord:
+    def submit(self, spec: JobSpec, *, principal: Principal = ADMIN) -> JobRecord:
         spec = self.validate(spec)
         tokenized = self._prepare_data(spec)
         job_id = f"{spec.name.lower()}-{uuid.uuid4().hex[:8]}"
@@ -88,6 +89,8 @@ class JobManager:
             spec=spec.model_dump(mode="json", by_alias=True),
             world_size=config.parallel.world_size,
             layout=config.parallel.describe(),
+            tenant=principal.tenant,
+            priority=spec.priority,
         )
         self.store.add_events(job_id, [(time.time(), "submitted", {"message": f"layout {config.parallel.describe()}"})])
         if tokenized is not None:
@@ -119,25 +122,27 @@ class JobManager:
         return (f"{cache.num_tokens} tokens ({cache.dtype}) {'reused from' if cache.reused else 'written to'} "
                 f"{cache.path}")
 
-    def get(self, job_id: str) -> JobRecord:
+    def get(self, job_id: str, *, principal: Principal = ADMIN) -> JobRecord:
+        """The job, if it exists *for this caller*: another tenant's job is JobNotFound, like a missing one."""
         record = self.store.get_job(job_id)
-        if record is None:
+        if record is None or not principal.can_see(record.tenant):
             raise JobNotFound(job_id)
         return record
 
-    def list(self, status: str | None = None, limit: int = 100, offset: int = 0) -> list[JobRecord]:
-        return self.store.list_jobs(status=status, limit=limit, offset=offset)
+    def list(self, status: str | None = None, limit: int = 100, offset: int = 0, *,
+             principal: Principal = ADMIN) -> list[JobRecord]:
+        return self.store.list_jobs(status=status, limit=limit, offset=offset, tenant=principal.tenant_filter)
 
-    def events(self, job_id: str, since_seq: int = 0) -> list[EventRecord]:
-        self.get(job_id)
+    def events(self, job_id: str, since_seq: int = 0, *, principal: Principal = ADMIN) -> list[EventRecord]:
+        self.get(job_id, principal=principal)
         return self.store.events(job_id, since_seq=since_seq)
 
-    def steps(self, job_id: str, since_step: int = -1) -> list[StepRecord]:
-        self.get(job_id)
+    def steps(self, job_id: str, since_step: int = -1, *, principal: Principal = ADMIN) -> list[StepRecord]:
+        self.get(job_id, principal=principal)
         return self.store.steps(job_id, since_step=since_step)
 
-    def cancel(self, job_id: str) -> JobRecord:
-        record = self.get(job_id)
+    def cancel(self, job_id: str, *, principal: Principal = ADMIN) -> JobRecord:
+        record = self.get(job_id, principal=principal)
         if record.is_terminal:
             raise JobConflict(
                 f"job {job_id} is already {record.status.value}.", job_id=job_id, fix="nothing to cancel"
@@ -156,8 +161,8 @@ class JobManager:
             time.sleep(0.2)
         return self.get(job_id)
 
-    def scale(self, job_id: str, dp: int) -> JobRecord:
-        record = self.get(job_id)
+    def scale(self, job_id: str, dp: int, *, principal: Principal = ADMIN) -> JobRecord:
+        record = self.get(job_id, principal=principal)
         if record.is_terminal:
             raise JobConflict(f"job {job_id} is {record.status.value}; it cannot be resized.", job_id=job_id)
         spec = JobSpec.model_validate(record.spec)
@@ -177,10 +182,10 @@ class JobManager:
         self.store.add_events(job_id, [(time.time(), "scale_requested", {"message": f"dp -> {dp} requested via API"})])
         return self.get(job_id)
 
-    def chaos(self, job_id: str, request: dict[str, Any]) -> dict[str, Any]:
+    def chaos(self, job_id: str, request: dict[str, Any], *, principal: Principal = ADMIN) -> dict[str, Any]:
         if not self.settings.enable_chaos:
             raise ChaosDisabled()
-        record = self.get(job_id)
+        record = self.get(job_id, principal=principal)
         if record.is_terminal:
             raise JobConflict(f"job {job_id} is {record.status.value}; nothing to inject into.", job_id=job_id)
         if request.get("action") in RANK_ACTIONS and not 0 <= int(request.get("rank", -1)) < record.world_size:
@@ -189,14 +194,14 @@ class JobManager:
         order = self.runtime.chaos(job_id, request)
         return order
 
-    def export(self, job_id: str, step: int | None, out: str) -> dict[str, Any]:
+    def export(self, job_id: str, step: int | None, out: str, *, principal: Principal = ADMIN) -> dict[str, Any]:
         """Write committed checkpoint ``step`` (default: the newest) of ``job_id`` as a Hugging Face folder
         at ``out`` with the same Ray task a job runs at its end; returns ``{"hf": path, "step": step}``.
 
         Any committed checkpoint qualifies, of a running job too (committed steps never change; a
         checkpoint pruned by ``keep_last`` mid-export fails the export, not the job).
         """
-        record = self.get(job_id)
+        record = self.get(job_id, principal=principal)
         spec = JobSpec.model_validate(record.spec)
         config = spec.to_run_config(job_id=job_id, checkpoint_root=str(self.settings.checkpoint_root(job_id).resolve()))
         model = config.model

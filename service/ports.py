@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from service.spec import JobSpec
 from service.store import EventRecord, JobRecord, StepRecord
+from service.tenancy import ADMIN, Principal
 
 ChaosAction = Literal["kill_rank", "kill_actor", "slow_rank", "hang_rank", "corrupt_checkpoint"]
 RANK_ACTIONS: frozenset[str] = frozenset({"kill_rank", "kill_actor", "slow_rank", "hang_rank"})
@@ -75,33 +76,37 @@ class JobManagerPort(Protocol):
     """The job service as the API sees it. Every method is synchronous and may block briefly
     (the API calls it from a worker thread); each raises the ``service.errors`` named below."""
 
-    def submit(self, spec: JobSpec) -> JobRecord:
+    # Every job-scoped call takes the caller (``principal``, default the admin): another tenant's job
+    # is JobNotFound, exactly like a missing one, and lists hold only the caller's jobs.
+
+    def submit(self, spec: JobSpec, *, principal: Principal = ADMIN) -> JobRecord:
         """Validate (spec + planner), record and start a job. Raises SpecRejected."""
 
-    def get(self, job_id: str) -> JobRecord:
+    def get(self, job_id: str, *, principal: Principal = ADMIN) -> JobRecord:
         """Raises JobNotFound."""
 
-    def list(self, status: str | None = None, limit: int = 100, offset: int = 0) -> list[JobRecord]:
+    def list(self, status: str | None = None, limit: int = 100, offset: int = 0, *,
+             principal: Principal = ADMIN) -> list[JobRecord]:
         """Newest first."""
 
-    def events(self, job_id: str, since_seq: int = 0) -> list[EventRecord]:
+    def events(self, job_id: str, since_seq: int = 0, *, principal: Principal = ADMIN) -> list[EventRecord]:
         """Events with seq > since_seq, oldest first. Raises JobNotFound."""
 
-    def steps(self, job_id: str, since_step: int = -1) -> list[StepRecord]:
+    def steps(self, job_id: str, since_step: int = -1, *, principal: Principal = ADMIN) -> list[StepRecord]:
         """Per-step metrics with step > since_step. Raises JobNotFound."""
 
-    def cancel(self, job_id: str) -> JobRecord:
+    def cancel(self, job_id: str, *, principal: Principal = ADMIN) -> JobRecord:
         """Stop the job; raises JobNotFound, or JobConflict when it is already terminal."""
 
-    def scale(self, job_id: str, dp: int) -> JobRecord:
+    def scale(self, job_id: str, dp: int, *, principal: Principal = ADMIN) -> JobRecord:
         """Resize data parallelism to ``dp``; JobConflict when terminal, EtrainError when out of range."""
 
-    def chaos(self, job_id: str, request: dict[str, Any]) -> dict[str, Any]:
+    def chaos(self, job_id: str, request: dict[str, Any], *, principal: Principal = ADMIN) -> dict[str, Any]:
         """Inject a fault. ``request`` is a validated :class:`ChaosRequest` as a dict without unset
         fields (``request.model_dump(exclude_none=True)``): plain data for the supervisor actor.
         The API checks settings.enable_chaos first. Returns the order as recorded."""
 
-    def export(self, job_id: str, step: int | None, out: str) -> dict[str, Any]:
+    def export(self, job_id: str, step: int | None, out: str, *, principal: Principal = ADMIN) -> dict[str, Any]:
         """Write committed checkpoint ``step`` (None: the newest) as a Hugging Face folder at ``out``;
         returns ``{"hf": absolute path, "step": step}``. Raises JobNotFound, JobConflict (no such
         committed step, ``out`` not empty), ConfigError (a model with no Hugging Face format), or

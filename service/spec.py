@@ -229,6 +229,10 @@ class JobSpec(_Section):
     fault_tolerance: FaultToleranceSpec = FaultToleranceSpec()
     stragglers: StragglerSpec = StragglerSpec()
     elastic: ElasticSpec = ElasticSpec()
+    priority: int = Field(
+        default=0, ge=-1000, le=1000,
+        description="queue order: higher starts first, then oldest first (-1000..1000)",
+    )
 
     @property
     def is_auto(self) -> bool:

@@ -59,6 +59,8 @@ class JobRecord:
     attempt: int = 0
     #: What a succeeded job wrote besides checkpoints, by format: ``{"hf": "/abs/path/hf-export"}``.
     artifacts: dict[str, str] = field(default_factory=dict)
+    tenant: str = "default"  # who submitted it (service.tenancy); other tenants never see it
+    priority: int = 0  # the queue starts higher first, then oldest first
 
     @property
     def is_terminal(self) -> bool:
@@ -139,6 +141,16 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         )""",
     ),
     ("ALTER TABLE jobs ADD COLUMN artifacts TEXT NOT NULL DEFAULT '{}'",),
+    (
+        # Tenants (the submitting token's tenant), the queue's priority, idempotent submit.
+        "ALTER TABLE jobs ADD COLUMN tenant TEXT NOT NULL DEFAULT 'default'",
+        "ALTER TABLE jobs ADD COLUMN priority INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE jobs ADD COLUMN idempotency_key TEXT",
+        "ALTER TABLE jobs ADD COLUMN request_hash TEXT",
+        "CREATE INDEX jobs_by_tenant ON jobs (tenant, created_at)",
+        "CREATE UNIQUE INDEX jobs_by_idempotency_key ON jobs (tenant, idempotency_key) "
+        "WHERE idempotency_key IS NOT NULL",
+    ),
 )
 
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -165,7 +177,7 @@ _UPDATABLE = frozenset(
 _JSON_FIELDS = frozenset({"spec", "stragglers", "artifacts"})
 _JOB_COLUMNS = (
     "id, name, status, spec, step, loss, tokens_per_s, world_size, restarts, created_at, updated_at, "
-    "error, layout, last_checkpoint_step, stragglers, goodput, attempt, artifacts"
+    "error, layout, last_checkpoint_step, stragglers, goodput, attempt, artifacts, tenant, priority"
 )
 
 
@@ -302,21 +314,44 @@ class JobStore:
         world_size: int,
         status: str = JobStatus.QUEUED,
         layout: str | None = None,
+        tenant: str = "default",
+        priority: int = 0,
+        idempotency_key: str | None = None,
+        request_hash: str | None = None,
     ) -> JobRecord:
+        """Insert a job. With ``idempotency_key``, a second job of the same tenant and key is a
+        JobConflict (:meth:`find_idempotent` tells the caller which job holds the key)."""
         status = JobStatus(status)
         now = self._clock()
         with self._write() as conn:
             try:
                 conn.execute(
-                    "INSERT INTO jobs (id, name, status, spec, world_size, created_at, updated_at, layout) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                    (job_id, name, status.value, _dumps(spec), world_size, now, now, layout),
+                    "INSERT INTO jobs (id, name, status, spec, world_size, created_at, updated_at, layout, "
+                    "tenant, priority, idempotency_key, request_hash) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (job_id, name, status.value, _dumps(spec), world_size, now, now, layout, tenant, priority,
+                     idempotency_key, request_hash),
                 )
             except sqlite3.IntegrityError:
+                if idempotency_key is not None and self._idempotent(conn, tenant, idempotency_key) is not None:
+                    raise JobConflict(
+                        f"idempotency key {idempotency_key!r} is already used by another job.",
+                        fix="send a new Idempotency-Key for a new job",
+                    ) from None
                 raise JobConflict(
                     f"a job with id {job_id!r} already exists.", job_id=job_id, fix="use a new job id"
                 ) from None
             return self._get(conn, job_id)
+
+    def find_idempotent(self, tenant: str, key: str) -> tuple[JobRecord, str | None] | None:
+        """The job ``tenant`` submitted with Idempotency-Key ``key`` and the hash of that request."""
+        with self._read() as conn:
+            return self._idempotent(conn, tenant, key)
+
+    def _idempotent(self, conn: sqlite3.Connection, tenant: str, key: str) -> tuple[JobRecord, str | None] | None:
+        row = conn.execute(
+            f"SELECT {_JOB_COLUMNS}, request_hash FROM jobs WHERE tenant = ? AND idempotency_key = ?", (tenant, key)
+        ).fetchone()
+        return None if row is None else (_job(row[:-1]), row[-1])
 
     def get_job(self, job_id: str) -> JobRecord | None:
         with self._read() as conn:
@@ -324,10 +359,18 @@ class JobStore:
         return None if row is None else _job(row)
 
     def list_jobs(
-        self, *, status: str | Collection[str] | None = None, limit: int = 100, offset: int = 0
+        self,
+        *,
+        status: str | Collection[str] | None = None,
+        limit: int = 100,
+        offset: int = 0,
+        tenant: str | None = None,
     ) -> list[JobRecord]:
-        """Newest first. ``status`` is one status or a collection of them."""
+        """Newest first. ``status`` is one status or a collection of them; ``tenant`` None is all tenants."""
         where, args = _status_filter(status)
+        if tenant is not None:
+            where = f"{where} AND tenant = ?" if where else "WHERE tenant = ?"
+            args = (*args, tenant)
         with self._read() as conn:
             rows = conn.execute(
                 f"SELECT {_JOB_COLUMNS} FROM jobs {where} ORDER BY created_at DESC, rowid DESC LIMIT ? OFFSET ?",
@@ -496,7 +539,7 @@ class JobStore:
 
 def _job(row: tuple) -> JobRecord:
     (job_id, name, status, spec, step, loss, tokens_per_s, world_size, restarts, created_at, updated_at,
-     error, layout, last_checkpoint_step, stragglers, goodput, attempt, artifacts) = row
+     error, layout, last_checkpoint_step, stragglers, goodput, attempt, artifacts, tenant, priority) = row
     return JobRecord(
         id=job_id,
         name=name,
@@ -516,6 +559,8 @@ def _job(row: tuple) -> JobRecord:
         goodput=goodput,
         attempt=attempt,
         artifacts=json.loads(artifacts),
+        tenant=tenant,
+        priority=priority,
     )
 
 

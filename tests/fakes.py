@@ -26,6 +26,7 @@ from service.errors import ChaosDisabled, JobConflict, JobNotFound, SpecRejected
 from service.ports import RANK_ACTIONS, ChaosRequest
 from service.spec import JobSpec, SpecProblem, check_spec, resolve_paths
 from service.store import EventRecord, JobRecord, JobStatus, JobStore, StepRecord
+from service.tenancy import ADMIN, Principal
 from workers.errors import ConfigError
 
 try:  # the planner is written alongside; until it lands the fake checks the spec rules only
@@ -91,7 +92,7 @@ class InMemoryManager:
             raise SpecRejected(problems)
         return spec
 
-    def submit(self, spec: JobSpec) -> JobRecord:
+    def submit(self, spec: JobSpec, *, principal: Principal = ADMIN) -> JobRecord:
         spec = self.validate(spec)
         layout = spec.layout
         job_id = f"{spec.name.lower()}-{uuid.uuid4().hex[:8]}"
@@ -102,31 +103,33 @@ class InMemoryManager:
             spec=spec.model_dump(mode="json", by_alias=True),
             world_size=layout.pp * layout.dp * layout.tp,
             layout=_layout_text(layout.pp, layout.dp, layout.tp, layout.zero),
+            tenant=principal.tenant,
+            priority=spec.priority,
         )
         self.store.add_events(job_id, [(now, "submitted", {"message": "accepted"})])
         self.store.update_job(job_id, status=JobStatus.RUNNING, attempt=1)
         self.store.add_events(job_id, [(now, "started", {"message": "attempt 1 running"})])
         return self._require(job_id)
 
-    def get(self, job_id: str) -> JobRecord:
-        job = self._require(job_id)
+    def get(self, job_id: str, *, principal: Principal = ADMIN) -> JobRecord:
+        job = self._require(job_id, principal)
         if self.steps_per_poll and job.status == JobStatus.RUNNING:
             job = self.advance(job_id, self.steps_per_poll)
         return job
 
-    def list(self, status: str | None = None, limit: int = 100, offset: int = 0) -> list[JobRecord]:
-        return self.store.list_jobs(status=status, limit=limit, offset=offset)
+    def list(self, status: str | None = None, limit: int = 100, offset: int = 0, *, principal: Principal = ADMIN) -> list[JobRecord]:
+        return self.store.list_jobs(status=status, limit=limit, offset=offset, tenant=principal.tenant_filter)
 
-    def events(self, job_id: str, since_seq: int = 0) -> list[EventRecord]:
-        self._require(job_id)
+    def events(self, job_id: str, since_seq: int = 0, *, principal: Principal = ADMIN) -> list[EventRecord]:
+        self._require(job_id, principal)
         return self.store.events(job_id, since_seq=since_seq)
 
-    def steps(self, job_id: str, since_step: int = -1) -> list[StepRecord]:
-        self._require(job_id)
+    def steps(self, job_id: str, since_step: int = -1, *, principal: Principal = ADMIN) -> list[StepRecord]:
+        self._require(job_id, principal)
         return self.store.steps(job_id, since_step=since_step)
 
-    def cancel(self, job_id: str) -> JobRecord:
-        job = self._require(job_id)
+    def cancel(self, job_id: str, *, principal: Principal = ADMIN) -> JobRecord:
+        job = self._require(job_id, principal)
         if job.is_terminal:
             raise JobConflict(f"job {job_id} is already {job.status.value}.", job_id=job_id, status=job.status,
                               fix="nothing to cancel")
@@ -134,8 +137,8 @@ class InMemoryManager:
         self.store.add_events(job_id, [(time.time(), "cancelled", {"message": "cancelled by user"})])
         return job
 
-    def scale(self, job_id: str, dp: int) -> JobRecord:
-        job = self._require(job_id)
+    def scale(self, job_id: str, dp: int, *, principal: Principal = ADMIN) -> JobRecord:
+        job = self._require(job_id, principal)
         if job.is_terminal:
             raise JobConflict(f"job {job_id} is {job.status.value}; it cannot be resized.", job_id=job_id,
                               status=job.status)
@@ -158,11 +161,11 @@ class InMemoryManager:
         self.store.add_events(job_id, [(time.time(), "resized", {"message": f"running at dp={dp}"})])
         return job
 
-    def chaos(self, job_id: str, request: dict[str, Any]) -> dict[str, Any]:
+    def chaos(self, job_id: str, request: dict[str, Any], *, principal: Principal = ADMIN) -> dict[str, Any]:
         if not self.enable_chaos:
             raise ChaosDisabled()
         order = ChaosRequest.model_validate(request)  # the API sends a validated request as a dict
-        job = self._require(job_id)
+        job = self._require(job_id, principal)
         if job.is_terminal:
             raise JobConflict(f"job {job_id} is {job.status.value}; nothing to inject into.", job_id=job_id)
         if order.action in RANK_ACTIONS and not 0 <= (order.rank or 0) < job.world_size:
@@ -172,11 +175,11 @@ class InMemoryManager:
         self.store.add_events(job_id, [(time.time(), "chaos_armed", {"message": f"{order.action} armed"})])
         return {"id": len(self.chaos_orders), **request, "armed": True}
 
-    def export(self, job_id: str, step: int | None, out: str) -> dict[str, Any]:
+    def export(self, job_id: str, step: int | None, out: str, *, principal: Principal = ADMIN) -> dict[str, Any]:
         """Simulated like the training: the same refusals as the real manager (unknown job, a GPT model,
         a non-empty ``out``, a step that was never checkpointed), then the export is only recorded in
         ``self.exports``; nothing is written (tests/e2e/test_rest_hf.py exports for real)."""
-        job = self._require(job_id)
+        job = self._require(job_id, principal)
         spec = JobSpec.model_validate(job.spec)
         if spec.model.kind != "llama":
             raise ConfigError(f"job {job_id} trains the built-in GPT, which has no Hugging Face format.",
@@ -255,9 +258,9 @@ class InMemoryManager:
         self.store.add_events(job_id, [(time.time(), "failed", {"message": error})])
         return job
 
-    def _require(self, job_id: str) -> JobRecord:
+    def _require(self, job_id: str, principal: Principal = ADMIN) -> JobRecord:
         job = self.store.get_job(job_id)
-        if job is None:
+        if job is None or not principal.can_see(job.tenant):
             raise JobNotFound(job_id)
         return job
 

@@ -11,6 +11,7 @@ from fastapi import Request
 from service.errors import ChaosDisabled, ServiceUnavailable
 from service.ports import JobManagerPort
 from service.settings import Settings
+from service.tenancy import ADMIN, Principal
 
 
 def get_settings(request: Request) -> Settings:
@@ -30,3 +31,8 @@ def require_chaos(request: Request) -> None:
     """Fault injection only on servers started with ETRAIN_ENABLE_CHAOS=1 (checked before the body)."""
     if not get_settings(request).enable_chaos:
         raise ChaosDisabled()
+
+
+def get_principal(request: Request) -> Principal:
+    """The caller the route acts for (the tenant its jobs belong to, or the admin)."""
+    return getattr(request.state, "principal", ADMIN)

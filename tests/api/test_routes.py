@@ -503,10 +503,10 @@ def test_an_oversized_body_without_a_length_is_413_too(tmp_path, manager):
 
 
 class _BrokenManager(InMemoryManager):
-    def list(self, status=None, limit=100, offset=0):
+    def list(self, status=None, limit=100, offset=0, *, principal=None):
         raise RuntimeError("secret internals: /etc/passwd")
 
-    def get(self, job_id):
+    def get(self, job_id, *, principal=None):
         raise ServiceUnavailable("Ray did not answer within 10s", fix="check the cluster and retry")
 
 

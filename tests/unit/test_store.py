@@ -292,8 +292,9 @@ def test_a_release_2_file_gains_empty_artifacts_and_stores_new_ones(db_path):
     conn.close()
 
     with JobStore(db_path) as store:
-        assert store.schema_version == SCHEMA_VERSION == 3
+        assert store.schema_version == SCHEMA_VERSION == 4
         assert store.get_job("old").artifacts == {}
+        assert (store.get_job("old").tenant, store.get_job("old").priority) == ("default", 0)
         updated = store.update_job("old", artifacts={"hf": "/ckpt/old/hf-export"})
         assert updated.artifacts == {"hf": "/ckpt/old/hf-export"}
     with JobStore(db_path) as store:  # durable across a reopen
@@ -363,3 +364,30 @@ def test_two_stores_on_one_file_number_events_without_gaps_or_duplicates(db_path
 
         assert _run_threads(writer, 4) == []
         assert [e.seq for e in second.events("job-1")] == list(range(1, 101))
+
+
+def test_lists_filter_by_tenant_and_keep_the_priority(store):
+    store.create_job(job_id="a1", name="a1", spec={}, world_size=1, tenant="alice", priority=5)
+    store.create_job(job_id="b1", name="b1", spec={}, world_size=1, tenant="bob")
+    store.create_job(job_id="a2", name="a2", spec={}, world_size=1, tenant="alice", priority=-3)
+    assert [job.id for job in store.list_jobs(tenant="alice")] == ["a2", "a1"]
+    assert [job.id for job in store.list_jobs(tenant="bob")] == ["b1"]
+    assert [job.id for job in store.list_jobs(tenant="carol")] == []
+    assert len(store.list_jobs()) == 3
+    assert [job.id for job in store.list_jobs(tenant="alice", status="QUEUED", limit=1)] == ["a2"]
+    assert (store.get_job("a1").tenant, store.get_job("a1").priority) == ("alice", 5)
+
+
+def test_an_idempotency_key_is_unique_per_tenant(store):
+    store.create_job(job_id="j1", name="j", spec={}, world_size=1, tenant="alice", idempotency_key="k",
+                     request_hash="h1")
+    found = store.find_idempotent("alice", "k")
+    assert found is not None and found[0].id == "j1" and found[1] == "h1"
+    assert store.find_idempotent("bob", "k") is None
+    with pytest.raises(JobConflict, match="idempotency key 'k'"):
+        store.create_job(job_id="j2", name="j", spec={}, world_size=1, tenant="alice", idempotency_key="k")
+    # Another tenant may use the same key; jobs without a key never collide.
+    store.create_job(job_id="j3", name="j", spec={}, world_size=1, tenant="bob", idempotency_key="k")
+    store.create_job(job_id="j4", name="j", spec={}, world_size=1, tenant="alice")
+    store.create_job(job_id="j5", name="j", spec={}, world_size=1, tenant="alice")
+    assert store.get_job("j2") is None
