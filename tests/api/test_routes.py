@@ -84,7 +84,7 @@ def test_submit_returns_the_new_job(client):
     assert job["id"].startswith("tiny-")
     assert set(job) == {
         "id", "name", "status", "spec", "step", "loss", "tokens_per_s", "world_size", "restarts", "created_at",
-        "updated_at", "error", "layout", "last_checkpoint_step", "stragglers", "goodput", "attempt", "artifacts",
+        "updated_at", "error", "layout", "last_checkpoint_step", "stragglers", "goodput", "attempt", "artifacts", "tenant", "priority",
     }
     assert (job["name"], job["status"], job["step"], job["world_size"]) == ("tiny", "RUNNING", 0, 2)
     assert job["spec"]["training"]["global_batch"] == 8
