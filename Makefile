@@ -23,8 +23,11 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 ## make run: local Ray + control plane + dashboard, then the quickstart job (Ctrl-C stops everything).
+## Auth is on: the server keeps its admin token in .etrain/api-token (0600); `etrain` run from this
+## directory finds it there.
+## The quickstart trains on this repository's files, so the repository is the storage root.
 run: $(STAMP)
-	$(VENV)/bin/etrain demo examples/quickstart.yaml --data-dir .etrain
+	ETRAIN_STORAGE_ROOTS="$(CURDIR)" $(VENV)/bin/etrain demo examples/quickstart.yaml --data-dir .etrain
 
 ## make test: the whole suite (unit, API, multi-process gloo, Ray integration, chaos).
 test: $(STAMP)
@@ -38,9 +41,10 @@ test-fast: $(STAMP)
 test-gpu: $(STAMP)
 	$(PY) -m pytest -m gpu $(PYTEST_ARGS)
 
-## make bench: speed and memory benchmarks; writes bench-results/ and the README table rows.
+## make bench: speed, memory and API benchmarks; writes bench-results/ and the README table rows.
 bench: $(STAMP)
 	$(PY) -m benchmarks.run --out bench-results
+	$(PY) -m benchmarks.bench_api --out bench-results
 
 clean:
 	rm -rf $(VENV) .etrain bench-results .pytest_cache

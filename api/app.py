@@ -3,6 +3,10 @@
 ``create_app(settings)`` builds the real ``service.manager.JobManager`` in the lifespan (it starts or
 joins Ray, so it must not happen at import) and closes it on shutdown. Tests and embedders pass their
 own ``manager`` instead; the app then never closes it: whoever built it owns it.
+
+Auth is always on: with no token in the settings, ``create_app`` generates (or reuses) the admin
+token in ``<data-dir>/api-token`` (``api.auth.Authenticator.from_settings``); ``app.state.authenticator``
+resolves tokens, and every /v1 router is included behind ``api.routes.get_principal``.
 """
 
 from __future__ import annotations
@@ -10,12 +14,14 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from importlib import metadata
+from typing import Any
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 
-from api.auth import BearerTokenMiddleware, RequestSizeLimitMiddleware
+from api.auth import Authenticator, BearerAuthGate, RequestSizeLimitMiddleware
 from api.errors import install_error_handlers
-from api.routes import health, jobs, plan
+from api.routes import cluster, get_principal, health, jobs, plan
+from api.schemas import ErrorOut
 from service.ports import JobManagerPort
 from service.settings import Settings
 
@@ -61,14 +67,22 @@ def create_app(
         description="Elastic training service: submit, follow, resize and cancel distributed training jobs.",
         lifespan=lifespan,
     )
+    authenticator = Authenticator.from_settings(settings)
     app.state.settings = settings
     app.state.manager = manager
+    app.state.authenticator = authenticator
     install_error_handlers(app)
     # Added last = outermost: the token is checked before the size, so strangers learn nothing.
     app.add_middleware(RequestSizeLimitMiddleware, max_bytes=settings.max_request_bytes)
-    if settings.api_token:
-        app.add_middleware(BearerTokenMiddleware, token=settings.api_token)
-    app.include_router(jobs.router)
-    app.include_router(plan.router)
+    app.add_middleware(BearerAuthGate, authenticator=authenticator)
+    # Every /v1 router goes here: behind the caller (401 without a known token, declared in OpenAPI).
+    for router in (jobs.router, plan.router, cluster.router):
+        app.include_router(router, **_V1)
     app.include_router(health.router)
     return app
+
+
+_V1: dict[str, Any] = {
+    "dependencies": [Depends(get_principal)],
+    "responses": {401: {"model": ErrorOut, "description": "no API token, or one this server does not know"}},
+}

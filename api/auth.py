@@ -1,50 +1,118 @@
-"""Request gates that run before any route: a bearer token on /v1/*, and a request-size limit.
+"""Who is calling: bearer tokens -> :class:`service.tenancy.Principal`, and the request gates.
 
-Both are plain ASGI middleware, so they answer before the body is read or parsed (an unauthenticated
-client learns nothing about the API's validation; an oversized body is never buffered). Their
-responses are built by ``api.errors.error_response``, the one error shape.
+Auth is always on. ``ETRAIN_API_TOKEN`` is the admin; ``ETRAIN_API_TOKENS`` / ``ETRAIN_API_TOKENS_FILE``
+map tokens to tenants; with none of them set the server generates its admin token into
+``<data-dir>/api-token`` (``service.api_token``). The routes get the caller from the security
+dependency ``api.routes.get_principal`` (so the OpenAPI document declares the bearer scheme), and
+:class:`BearerAuthGate`, plain ASGI, answers the same 401 *before* FastAPI reads the body: FastAPI
+parses JSON before it runs dependencies, so without the gate a stranger's malformed body would get
+a 422 that teaches the API's validation. The size limit is plain ASGI for the same reason (an
+oversized body is never buffered). Responses come from ``api.errors``, the one error shape.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
+import logging
+from collections.abc import Mapping
+from pathlib import Path
 
+from fastapi.security.utils import get_authorization_scheme_param
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.errors import error_response
+from api.errors import error_response, etrain_error_response
+from service.errors import NotAuthenticated
+from service.settings import Settings
+from service.tenancy import ADMIN, Principal
+
+log = logging.getLogger("etrain.api")
 
 PROTECTED_PREFIX = "/v1/"
 
 
-class BearerTokenMiddleware:
-    """Require ``Authorization: Bearer <token>`` on every /v1/* request (constant-time compare).
+class Authenticator:
+    """Bearer token -> Principal, comparing in constant time against *every* configured token.
 
-    /healthz and /metrics stay open: load balancers and Prometheus probe them without secrets, and
-    they reveal no more than job counts and gauges.
+    Tokens are compared as SHA-256 digests with ``hmac.compare_digest``, and the loop never stops
+    early, so neither the time to answer nor a length difference tells a caller how close it came or
+    which entry matched.
     """
 
-    def __init__(self, app: ASGIApp, *, token: str):
-        assert token, "BearerTokenMiddleware needs a non-empty token"
+    def __init__(self, tokens: Mapping[str, Principal], *, token_file: Path | None = None):
+        assert tokens, "an Authenticator needs at least one token"
+        self._entries = [(_digest(token), principal) for token, principal in tokens.items()]
+        #: Where the generated admin token lives (None when the operator configured the tokens).
+        self.token_file = token_file
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> "Authenticator":
+        """The admin token (ETRAIN_API_TOKEN, else the generated file when no token at all is set) and
+        every tenant token."""
+        tokens: dict[str, Principal] = {token: Principal(tenant) for token, tenant in settings.token_tenants.items()}
+        token_file = None
+        admin = settings.api_token
+        if not settings.auth_configured:
+            from service.api_token import ensure_api_token
+
+            provisioned = ensure_api_token(settings.data_dir)
+            admin, token_file = provisioned.token, provisioned.path
+            log.warning("no API token configured: the admin token is in %s (%s)", provisioned.path,
+                        "generated now" if provisioned.created else "kept from an earlier start")
+        if admin is not None:
+            tokens[admin] = ADMIN
+        return cls(tokens, token_file=token_file)
+
+    def principal_for(self, token: str | None) -> Principal | None:
+        """The caller this token belongs to, or None (no token, or an unknown one)."""
+        if not token:
+            return None
+        given = _digest(token)
+        found = None
+        for digest, principal in self._entries:
+            if hmac.compare_digest(given, digest):
+                found = principal
+        return found
+
+    def authenticate(self, authorization: str | None) -> Principal:
+        """The caller of a request with this ``Authorization`` header, or NotAuthenticated (401)."""
+        principal = self.principal_for(bearer_token(authorization))
+        if principal is None:
+            raise NotAuthenticated(token_given=bool(authorization))
+        return principal
+
+
+def bearer_token(authorization: str | None) -> str | None:
+    """The token of ``Bearer <token>`` (parsed as FastAPI's ``HTTPBearer`` does), else None."""
+    scheme, token = get_authorization_scheme_param(authorization)
+    return token if scheme.lower() == "bearer" and token else None
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode("utf-8", "surrogateescape")).digest()
+
+
+class BearerAuthGate:
+    """Answer 401 on /v1/* without a known bearer token, before the route reads or parses the body.
+
+    /healthz and /metrics stay open: load balancers and Prometheus probe them without secrets, and
+    anonymously they show only aggregates (no job ids, names or tenants). The routes still resolve
+    the caller themselves (``api.routes.get_principal``); this gate only makes the refusal early.
+    """
+
+    def __init__(self, app: ASGIApp, *, authenticator: Authenticator):
         self.app = app
-        self._expected = f"Bearer {token}".encode()
+        self.authenticator = authenticator
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not (scope["path"] + "/").startswith(PROTECTED_PREFIX):
-            await self.app(scope, receive, send)
-            return
-        given = Headers(scope=scope).get("authorization")
-        if given is None or not hmac.compare_digest(given.encode(), self._expected):
-            response = error_response(
-                401,
-                "unauthorized",
-                "missing or wrong API token." if given else "this server requires an API token.",
-                fix="send 'Authorization: Bearer <token>' (the CLI reads ETRAIN_API_TOKEN)",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-            await response(scope, receive, send)
-            return
+        if scope["type"] == "http" and (scope["path"] + "/").startswith(PROTECTED_PREFIX):
+            try:
+                self.authenticator.authenticate(Headers(scope=scope).get("authorization"))
+            except NotAuthenticated as refused:
+                await etrain_error_response(refused)(scope, receive, send)
+                return
         await self.app(scope, receive, send)
 
 

@@ -2,11 +2,16 @@
 
 Every command except ``serve`` and ``prepare-data`` (which tokenizes text here) talks HTTP only
 (``ETRAIN_URL``, default http://127.0.0.1:8000, and ``ETRAIN_API_TOKEN``), so it works the same
-against a laptop server or a cluster. Server errors are printed as field + message + fix and exit
-non-zero. Every wait has a timeout (``--timeout`` per HTTP request, ``--max-wait`` for ``watch``).
+against a laptop server or a cluster. Without ``--token`` / ``ETRAIN_API_TOKEN``, a command sent to a
+server on this machine (loopback URL) uses the token that server generated into
+``$ETRAIN_DATA_DIR/api-token`` (default ``./.etrain``); a remote server never gets that file's token. Server errors are printed as field + message + fix and exit
+non-zero. Every wait has a timeout (``--timeout`` per HTTP request, ``--max-wait`` for ``watch`` and
+``logs -f``, ``--wait`` for ``cancel``). ``watch`` follows the server's event stream (server-sent
+events, resumed with Last-Event-ID when the connection drops); ``logs -f`` follows a rank's log file.
 
-Exit codes: 0 success (``watch``: the job SUCCEEDED; ``plan``: feasible), 1 an error or a job that
-FAILED / was CANCELLED / an infeasible plan, 2 bad usage, 124 ``watch`` gave up waiting, 130 ^C.
+Exit codes: 0 success (``watch``: the job SUCCEEDED; ``plan``: feasible; ``cancel``: CANCELLED), 1 an
+error or a job that FAILED / was CANCELLED / an infeasible plan, 2 bad usage, 124 ``watch``, ``logs -f``
+or ``cancel`` gave up waiting, 130 ^C.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -51,6 +58,7 @@ class Client:
     def __init__(self, url: str, *, token: str | None = None, timeout_s: float = 30.0, transport=None):
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
         self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s, transport=transport)
 
     def close(self) -> None:
@@ -79,6 +87,25 @@ class Client:
 
     def get(self, path: str, **params: Any) -> Any:
         return self.request("GET", path, params={k: v for k, v in params.items() if v is not None} or None)
+
+    @contextmanager
+    def stream(self, path: str, *, params: dict[str, Any], headers: dict[str, str],
+               read_timeout_s: float) -> Iterator[httpx.Response]:
+        """GET a streaming response (server-sent events); ``read_timeout_s`` bounds each wait for data."""
+        timeout = httpx.Timeout(self.timeout_s, read=read_timeout_s)
+        try:
+            with self._http.stream("GET", path, params=params, headers=headers, timeout=timeout) as response:
+                if response.status_code >= 400:
+                    response.read()
+                    try:
+                        body = response.json()
+                    except ValueError:
+                        body = response.text
+                    raise ApiError(response.status_code, body)
+                yield response
+        except httpx.ConnectError as err:
+            raise CliError(f"cannot reach the etrain server at {self.url}: {err}",
+                           fix="start it with `etrain serve`, or set ETRAIN_URL / --url") from err
 
     def post(self, path: str, body: Any = None, *, timeout_s: float | None = None) -> Any:
         return self.request("POST", path, json_body=body, timeout_s=timeout_s)
@@ -212,6 +239,101 @@ def load_spec(path: str) -> dict[str, Any]:
     return spec
 
 
+#: On Ctrl-C the server waits this long for open requests, then cancels them: an event stream
+#: (``watch``) would otherwise hold the shutdown until its job ends.
+SHUTDOWN_GRACE_S = 5.0
+#: How long ``watch`` waits for a byte of the event stream before it reconnects (the server sends a
+#: keepalive every 15 s, so a silent minute means the connection is gone).
+STREAM_READ_TIMEOUT_S = 60.0
+
+
+class _Watch:
+    """What ``watch`` has shown so far: where to resume the stream and what to print next."""
+
+    def __init__(self, out: TextIO, every: int):
+        self.out, self.every = out, every
+        self.since_event, self.since_step, self.status, self.total = 0, -1, None, "?"
+        self.job: dict[str, Any] | None = None
+
+    def on_job(self, job: dict[str, Any]) -> None:
+        self.job, self.total = job, _total_steps(job)
+        if job["status"] != self.status:
+            self.status = job["status"]
+            print(f"status: {self.status}", file=self.out)
+
+    def on_step(self, step: dict[str, Any]) -> None:
+        self.since_step = max(self.since_step, step["step"])
+        if self.every <= 1 or step["step"] % self.every == 0 or step["step"] == self.total:
+            print(_step_line(step, self.total), file=self.out)
+
+    def on_event(self, event: dict[str, Any]) -> None:
+        self.since_event = max(self.since_event, event["seq"])
+        print(_event_line(event), file=self.out)
+
+    def finish(self, job_id: str, job: dict[str, Any]) -> int:
+        self.out.flush()
+        summary = f"job {job_id} {job['status']} at step {job['step']}/{_total_steps(job)}"
+        if job.get("loss") is not None:
+            summary += f", loss {job['loss']:.4f}"
+        if job.get("error"):
+            summary += f": {job['error']}"
+        print(summary, file=self.out)
+        return EXIT_OK if job["status"] == "SUCCEEDED" else EXIT_FAILED
+
+
+class _NoStream(Exception):
+    """The server answered GET /events?follow=true with JSON: it has no event stream (an older server)."""
+
+
+def sse_messages(lines: Iterator[str]) -> Iterator[tuple[str, str | None, str]]:
+    """``(event, id, data)`` per server-sent event (``event`` "message" by default); a comment line
+    (the keepalive) yields ``("comment", None, text)``."""
+    event, event_id, data = None, None, []
+    for line in lines:
+        if not line:
+            if data or event:
+                yield event or "message", event_id, "\n".join(data)
+            event, event_id, data = None, None, []
+        elif line.startswith(":"):
+            yield "comment", None, line[1:].strip()
+        else:
+            name, _, value = line.partition(":")
+            value = value[1:] if value.startswith(" ") else value
+            if name == "data":
+                data.append(value)
+            elif name == "event":
+                event = value
+            elif name == "id":
+                event_id = value
+
+
+def _follow_stream(client: Client, job_id: str, watch: _Watch, deadline: float) -> dict[str, Any] | None:
+    """Print what one event-stream connection brings; the final job once the stream says ``end``,
+    None when it closed or went silent first (the caller reconnects where it left off)."""
+    params = {"follow": "true", "steps": "true", "steps_since": watch.since_step}
+    headers = {"Accept": "text/event-stream", "Last-Event-ID": str(watch.since_event)}
+    read_s = max(0.05, min(STREAM_READ_TIMEOUT_S, deadline - time.monotonic()))
+    with client.stream(f"/v1/jobs/{job_id}/events", params=params, headers=headers, read_timeout_s=read_s) as response:
+        if not response.headers.get("content-type", "").startswith("text/event-stream"):
+            raise _NoStream()
+        try:
+            for event, _, data in sse_messages(response.iter_lines()):
+                if event == "message":
+                    watch.on_event(json.loads(data))
+                elif event == "step":
+                    watch.on_step(json.loads(data))
+                elif event == "status":
+                    watch.on_job(json.loads(data))
+                elif event == "end":
+                    return json.loads(data)
+                watch.out.flush()
+                if time.monotonic() >= deadline:
+                    return None
+        except (httpx.ReadTimeout, httpx.RemoteProtocolError, httpx.ReadError):
+            return None  # silent or dropped: reconnect (or give up at the deadline)
+    return None
+
+
 def watch_job(
     client: Client,
     job_id: str,
@@ -222,38 +344,46 @@ def watch_job(
     err: TextIO | None = None,
     every: int = 1,
 ) -> int:
-    """Follow a job until it ends: new step metrics and events as they arrive. Exit code by outcome."""
+    """Follow a job until it ends: its status, step metrics and events as they happen, from the server's
+    event stream (GET /v1/jobs/{id}/events?follow=true; reconnects with Last-Event-ID when the
+    connection drops). Exit code by outcome; EXIT_TIMEOUT after ``max_wait_s``."""
     deadline = time.monotonic() + max_wait_s
-    since_event, since_step, status = 0, -1, None
+    watch = _Watch(out, every)
     while True:
-        job = client.get(f"/v1/jobs/{job_id}")
-        steps = client.get(f"/v1/jobs/{job_id}/metrics", since=since_step)
-        events = client.get(f"/v1/jobs/{job_id}/events", since=since_event)
-        if job["status"] != status:  # the state at the start of this poll, before what happened since
-            status = job["status"]
-            print(f"status: {status}", file=out)
-        total = _total_steps(job)
-        lines = [
-            (step["ts"], _step_line(step, total))
-            for step in steps["steps"]
-            if every <= 1 or step["step"] % every == 0 or step["step"] == total
-        ]
-        lines += [(event["ts"], _event_line(event)) for event in events["events"]]
-        for _, line in sorted(lines, key=lambda item: item[0]):  # stable: steps keep their order on ties
-            print(line, file=out)
-        since_step, since_event = steps["next_since"], events["next_since"]
-        out.flush()
-        if status in TERMINAL:
-            summary = f"job {job_id} {status} at step {job['step']}/{total}"
-            if job.get("loss") is not None:
-                summary += f", loss {job['loss']:.4f}"
-            if job.get("error"):
-                summary += f": {job['error']}"
-            print(summary, file=out)
-            return EXIT_OK if status == "SUCCEEDED" else EXIT_FAILED
+        try:
+            final = _follow_stream(client, job_id, watch, deadline)
+        except _NoStream:
+            return _watch_polling(client, job_id, watch, interval_s=interval_s, deadline=deadline,
+                                  max_wait_s=max_wait_s, err=err)
+        if final is not None:
+            watch.on_job(final)
+            return watch.finish(job_id, final)
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            print(f"gave up waiting after {max_wait_s:g}s; job {job_id} is still {status} "
+            print(f"gave up waiting after {max_wait_s:g}s; job {job_id} is still {watch.status} "
+                  f"(`etrain watch {job_id}` to keep following)", file=err or sys.stderr)
+            return EXIT_TIMEOUT
+        time.sleep(min(interval_s, remaining))
+
+
+def _watch_polling(client: Client, job_id: str, watch: _Watch, *, interval_s: float, deadline: float,
+                   max_wait_s: float, err: TextIO | None) -> int:
+    """``watch`` against a server without an event stream: poll the job, its metrics and events."""
+    while True:
+        job = client.get(f"/v1/jobs/{job_id}")
+        steps = client.get(f"/v1/jobs/{job_id}/metrics", since=watch.since_step)
+        events = client.get(f"/v1/jobs/{job_id}/events", since=watch.since_event)
+        watch.on_job(job)  # the state at the start of this poll, before what happened since
+        lines = [(step["ts"], watch.on_step, step) for step in steps["steps"]]
+        lines += [(event["ts"], watch.on_event, event) for event in events["events"]]
+        for _, show, item in sorted(lines, key=lambda line: line[0]):  # stable: steps keep their order on ties
+            show(item)
+        watch.out.flush()
+        if job["status"] in TERMINAL:
+            return watch.finish(job_id, job)
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            print(f"gave up waiting after {max_wait_s:g}s; job {job_id} is still {job['status']} "
                   f"(`etrain watch {job_id}` to keep following)", file=err or sys.stderr)
             return EXIT_TIMEOUT
         time.sleep(min(interval_s, remaining))
@@ -296,12 +426,36 @@ def _cmd_watch(client: Client, args: argparse.Namespace, out: TextIO, err: TextI
 
 
 def _cmd_cancel(client: Client, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    """POST cancel (the server answers 202 at once), then poll the job until it is terminal, printing
+    each status it passes through (``--no-wait``: do not wait; ``--wait S``: give up after S, exit 124)."""
     job = client.post(f"/v1/jobs/{args.job_id}/cancel")
+    if args.json and (args.no_wait or job["status"] in TERMINAL):
+        _print_json(job, out)
+        return EXIT_OK
+    if job["status"] in TERMINAL or args.no_wait:
+        print(f"{job['id']}: {job['status']}" + ("" if job["status"] in TERMINAL else " (cancel requested)"),
+              file=out)
+        return EXIT_OK
+    if not args.json:
+        print(f"{job['id']}: cancel requested ({job['status']})", file=out)
+        out.flush()
+    deadline = time.monotonic() + args.wait
+    status = job["status"]
+    while job["status"] not in TERMINAL:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            print(f"gave up waiting after {args.wait:g}s; job {job['id']} is still {job['status']} "
+                  f"(the cancel stays requested: `etrain status {job['id']}`)", file=err)
+            return EXIT_TIMEOUT
+        time.sleep(min(args.interval, remaining))
+        job = client.get(f"/v1/jobs/{args.job_id}")
+        if job["status"] != status and not args.json:
+            status = job["status"]
+            print(f"{job['id']}: {status}", file=out)
+            out.flush()
     if args.json:
         _print_json(job, out)
-    else:
-        print(f"{job['id']}: {job['status']}", file=out)
-    return EXIT_OK
+    return EXIT_OK if job["status"] == "CANCELLED" else EXIT_FAILED
 
 
 def _cmd_scale(client: Client, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
@@ -314,6 +468,44 @@ def _cmd_scale(client: Client, args: argparse.Namespace, out: TextIO, err: TextI
     return EXIT_OK
 
 
+def _cmd_logs(client: Client, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    """Print a rank's recent log lines; ``-f`` keeps printing new ones (GET /logs?offset=) until the job
+    ends, or ``--max-wait``. A job that has not started yet is waited for under ``-f``."""
+    path = f"/v1/jobs/{args.job_id}/logs"
+    deadline = time.monotonic() + args.max_wait
+    offset, waiting_said, job_over = None, False, False
+    while True:
+        try:
+            body = client.get(path, rank=args.rank, tail=args.tail, offset=offset)
+        except ApiError as error:
+            if not (args.follow and error.status_code == 409):
+                raise
+            body = None  # not started yet: wait for it
+            if not waiting_said:
+                print(f"waiting for job {args.job_id} to start ...", file=err)
+                waiting_said = True
+        if body is not None:
+            if args.json:
+                _print_json(body, out)
+            else:
+                for line in body["lines"]:
+                    print(line, file=out)
+            out.flush()
+            offset = body["next_offset"]
+        if not args.follow:
+            return EXIT_OK
+        if job_over and (body is None or not body["lines"]):
+            return EXIT_OK  # the job ended and its last lines are printed
+        if body is not None and len(body["lines"]) >= args.tail:
+            continue  # more is waiting: read on at once
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            print(f"gave up following after {args.max_wait:g}s", file=err)
+            return EXIT_TIMEOUT
+        time.sleep(min(args.interval, remaining))
+        job_over = client.get(f"/v1/jobs/{args.job_id}")["status"] in TERMINAL
+
+
 def _cmd_events(client: Client, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     body = client.get(f"/v1/jobs/{args.job_id}/events", since=args.since)
     if args.json:
@@ -321,6 +513,31 @@ def _cmd_events(client: Client, args: argparse.Namespace, out: TextIO, err: Text
     else:
         for event in body["events"]:
             print(_event_line(event), file=out)
+    return EXIT_OK
+
+
+def _cmd_cluster(client: Client, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    body = client.get("/v1/cluster")
+    if args.json:
+        _print_json(body, out)
+        return EXIT_OK
+    totals = body["totals"]
+    print(f"nodes {totals['alive_nodes']}/{totals['nodes']} alive   CPUs {totals['free_cpus']:g} free of "
+          f"{totals['cpus']:g}   GPUs {totals['free_gpus']:g} free of {totals['gpus']:g}   "
+          f"jobs {totals['running_jobs']} started, {totals['queued_jobs']} queued", file=out)
+    for node in body["nodes"]:
+        print(f"  node {node['node_id'][:12]}  {'alive' if node['alive'] else 'DEAD '}  CPUs {node['free_cpus']:g}/"
+              f"{node['cpus']:g} free  GPUs {node['free_gpus']:g}/{node['gpus']:g} free", file=out)
+    if body["jobs"]:
+        print("holding:", file=out)
+        for job in body["jobs"]:
+            print(f"  {job['job_id']:<28} {job['status']:<10} prio {job['priority']:>4}  {job['world_size']} ranks  "
+                  f"{job['cpus']:g} CPUs  {job['gpus']:g} GPUs", file=out)
+    if body["queue"]:
+        print("queue:", file=out)
+        for entry in body["queue"]:
+            print(f"  {entry['position']:>3}. {entry['job_id']:<28} prio {entry['priority']:>4}  {entry['reason']}",
+                  file=out)
     return EXIT_OK
 
 
@@ -436,16 +653,63 @@ def _cmd_prepare_data(args: argparse.Namespace, out: TextIO, err: TextIO) -> int
     return EXIT_OK
 
 
-def _server_settings(args: argparse.Namespace):
+def _server_settings(args: argparse.Namespace, out: TextIO):
+    """Settings from the environment and the flags; with no token configured at all, the admin token
+    from ``<data-dir>/api-token`` (generated at the first start, mode 0600), and a line saying where."""
+    import dataclasses
+
     from service.settings import Settings
 
-    return Settings.from_env(
+    settings = Settings.from_env(
         host=args.host,
         port=args.port,
         data_dir=args.data_dir,
         ray_address=args.ray_address,
         enable_chaos=True if args.enable_chaos else None,
     )
+    if settings.auth_configured:
+        return settings
+    from service.api_token import ensure_api_token
+
+    provisioned = ensure_api_token(settings.data_dir)
+    print(f"API token:      {provisioned.path.resolve()} ({'generated' if provisioned.created else 'existing'}, "
+          "mode 0600; the admin token: `etrain` reads it for a server on this machine when ETRAIN_DATA_DIR "
+          "points at this data directory, other clients send it as 'Authorization: Bearer <token>')", file=out)
+    return dataclasses.replace(settings, api_token=provisioned.token)
+
+
+def _is_local(url: str) -> bool:
+    import ipaddress
+    from urllib.parse import urlsplit
+
+    host = urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def client_token(url: str, token: str | None) -> str | None:
+    """``--token`` / ETRAIN_API_TOKEN; else, for a server on this machine, the token it generated into
+    ``$ETRAIN_DATA_DIR/api-token`` (default ./.etrain). Never that file's token for a remote URL."""
+    if token:
+        return token
+    if not _is_local(url):
+        return None
+    from service.api_token import read_api_token, token_path
+
+    try:
+        return read_api_token(token_path(os.environ.get("ETRAIN_DATA_DIR") or ".etrain"))
+    except FileNotFoundError:
+        return None  # the server answers 401 with the fix
+    except Exception as error:  # an unsafe token file (SettingsError): say why, never use it
+        from workers.errors import EtrainError
+
+        if not isinstance(error, EtrainError):
+            raise
+        raise CliError(error.message, error.fix) from None
 
 
 def _announce(settings: Any, out: TextIO):
@@ -477,9 +741,10 @@ def _cmd_serve(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
     from api.app import create_app
 
-    settings = _server_settings(args)
+    settings = _server_settings(args, out)
     app = create_app(settings, on_ready=_announce(settings, out))
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level,
+                timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
     return EXIT_OK
 
 
@@ -496,9 +761,10 @@ def _cmd_demo(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from api.app import create_app
 
     spec = load_spec(args.file)  # a broken file fails before Ray starts
-    settings = _server_settings(args)
+    settings = _server_settings(args, out)
     app = create_app(settings, on_ready=_announce(settings, out))
-    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level=args.log_level))
+    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level=args.log_level,
+                                           timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
     outcome: dict[str, int] = {}
 
     def drive() -> None:
@@ -561,7 +827,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--url", default=os.environ.get("ETRAIN_URL", DEFAULT_URL),
                         help="API URL (env ETRAIN_URL; default %(default)s)")
     parser.add_argument("--token", default=os.environ.get("ETRAIN_API_TOKEN"),
-                        help="API token (env ETRAIN_API_TOKEN)")
+                        help="API token (env ETRAIN_API_TOKEN; default for a server on this machine: "
+                             "$ETRAIN_DATA_DIR/api-token, ETRAIN_DATA_DIR default ./.etrain)")
     parser.add_argument("--timeout", type=_positive, default=30.0, help="seconds per HTTP request (default 30)")
     parser.add_argument("--json", action="store_true", help="print the server's JSON instead of text")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -611,7 +878,19 @@ def build_parser() -> argparse.ArgumentParser:
     watch.add_argument("--every", type=int, default=1, help="print every Nth step (default: all)")
     add_wait_options(watch)
 
-    commands.add_parser("cancel", help="cancel a job").add_argument("job_id")
+    cancel = commands.add_parser("cancel", help="cancel a job and wait until it has stopped")
+    cancel.add_argument("job_id")
+    cancel.add_argument("--no-wait", action="store_true", help="return once the cancel is requested")
+    cancel.add_argument("--wait", type=_positive, default=120.0,
+                        help="give up waiting (exit 124) after this many seconds (default 120)")
+    cancel.add_argument("--interval", type=_positive, default=0.5, help="seconds between polls (default 0.5)")
+
+    logs = commands.add_parser("logs", help="print a rank's recent log lines (-f: keep following)")
+    logs.add_argument("job_id")
+    logs.add_argument("--rank", type=int, default=0, help="the rank (default 0)")
+    logs.add_argument("--tail", type=int, default=200, help="how many recent lines (default 200, at most 10000)")
+    logs.add_argument("-f", "--follow", action="store_true", help="keep printing new lines until the job ends")
+    add_wait_options(logs)
 
     scale = commands.add_parser("scale", help="resize a job's data parallelism")
     scale.add_argument("job_id")
@@ -620,6 +899,8 @@ def build_parser() -> argparse.ArgumentParser:
     events = commands.add_parser("events", help="print a job's events")
     events.add_argument("job_id")
     events.add_argument("--since", type=int, default=0, help="only events after this sequence number")
+
+    commands.add_parser("cluster", help="show nodes, free CPUs/GPUs, what each job holds and the queue")
 
     plan = commands.add_parser("plan", help="check a spec and show the planner's estimate; starts nothing")
     plan.add_argument("file")
@@ -660,8 +941,10 @@ _COMMANDS = {
     "status": _cmd_status,
     "watch": _cmd_watch,
     "cancel": _cmd_cancel,
+    "logs": _cmd_logs,
     "scale": _cmd_scale,
     "events": _cmd_events,
+    "cluster": _cmd_cluster,
     "plan": _cmd_plan,
     "export": _cmd_export,
     "chaos": _cmd_chaos,
@@ -698,7 +981,12 @@ def main(argv: list[str] | None = None, *, out: TextIO | None = None, err: TextI
             return EXIT_FAILED
     if args.command == "prepare-data":
         return _cmd_prepare_data(args, out, err)
-    client = Client(args.url, token=args.token, timeout_s=args.timeout)
+    try:
+        token = client_token(args.url, args.token)
+    except CliError as error:
+        print_error(error, err)
+        return EXIT_FAILED
+    client = Client(args.url, token=token, timeout_s=args.timeout)
     try:
         return _COMMANDS[args.command](client, args, out, err)
     except (ApiError, CliError) as error:

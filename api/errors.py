@@ -29,7 +29,17 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from service.errors import ChaosDisabled, JobConflict, JobNotFound, ServiceUnavailable, SpecRejected
+from service.errors import (
+    AdminOnly,
+    ChaosDisabled,
+    JobConflict,
+    JobNotFound,
+    NotAuthenticated,
+    QuotaExceeded,
+    RankNotFound,
+    ServiceUnavailable,
+    SpecRejected,
+)
 from service.spec import JobSpec
 from workers.errors import EtrainError
 
@@ -39,8 +49,12 @@ log = logging.getLogger("etrain.api")
 _ETRAIN_ERRORS: tuple[tuple[type[EtrainError], int, str], ...] = (
     (SpecRejected, 422, "invalid_spec"),
     (JobNotFound, 404, "job_not_found"),
+    (RankNotFound, 404, "rank_not_found"),
     (JobConflict, 409, "conflict"),
     (ChaosDisabled, 403, "chaos_disabled"),
+    (NotAuthenticated, 401, "unauthorized"),
+    (AdminOnly, 403, "admin_only"),
+    (QuotaExceeded, 429, "quota_exceeded"),
     (ServiceUnavailable, 503, "service_unavailable"),
     (EtrainError, 400, "bad_request"),
 )
@@ -69,13 +83,27 @@ def error_response(
     fix: str | None = None,
     detail: Sequence[dict[str, Any]] = (),
     headers: dict[str, str] | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> JSONResponse:
-    """Build an error response in the one shape; middleware (auth, size limit) uses it too."""
+    """Build an error response in the one shape; middleware (auth, size limit) uses it too. ``extra``
+    adds keys after the standard ones (a 429's ``quota`` numbers)."""
     body: dict[str, Any] = {"error": error, "message": message}
     if fix:
         body["fix"] = fix
     body["detail"] = [{k: v for k, v in item.items() if v is not None} for item in detail]
+    body.update(extra or {})
     return JSONResponse(body, status_code=status_code, headers=headers)
+
+
+def etrain_error_response(exc: EtrainError) -> JSONResponse:
+    """The response for a service error, outside a route too (the auth gate answers 401 with it)."""
+    status_code, code = next((s, c) for cls, s, c in _ETRAIN_ERRORS if isinstance(exc, cls))
+    if isinstance(exc, SpecRejected):
+        return _validation_response([p.to_dict() for p in exc.problems], code=code)
+    detail = [{"field": exc.field, "message": exc.message, "fix": exc.fix}] if exc.field else []
+    headers = {"WWW-Authenticate": "Bearer"} if status_code == 401 else None
+    extra = {"quota": exc.to_dict()} if isinstance(exc, QuotaExceeded) else None
+    return error_response(status_code, code, exc.message, fix=exc.fix, detail=detail, headers=headers, extra=extra)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -115,16 +143,21 @@ def _validation_response(detail: list[dict[str, Any]], *, code: str) -> JSONResp
 
 
 async def _etrain_error(request: Request, exc: EtrainError) -> JSONResponse:
-    status_code, code = next((s, c) for cls, s, c in _ETRAIN_ERRORS if isinstance(exc, cls))
-    if isinstance(exc, SpecRejected):
-        return _validation_response([p.to_dict() for p in exc.problems], code=code)
-    if status_code == 503:
+    if isinstance(exc, ServiceUnavailable):
         log.warning("%s %s: %s", request.method, request.url.path, exc)
-    detail = [{"field": exc.field, "message": exc.message, "fix": exc.fix}] if exc.field else []
-    return error_response(status_code, code, exc.message, fix=exc.fix, detail=detail)
+    return etrain_error_response(exc)
 
 
 async def _http_exception(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    if exc.status_code == 400 and isinstance(exc.__cause__, UnicodeDecodeError):
+        # FastAPI answers a JSON body that is not UTF-8 with a bare 400; any other unparsable body is a
+        # 422 naming ``body`` (json_invalid), so this one is too: one answer for "not JSON".
+        is_spec = _body_model(request) is JobSpec
+        return _validation_response([{
+            "field": "body", "message": f"the request body is not UTF-8 text: {exc.__cause__.reason} at byte "
+                                       f"{exc.__cause__.start}.",
+            "fix": "send a JSON object encoded as UTF-8 with Content-Type: application/json",
+        }], code="invalid_spec" if is_spec else "invalid_request")
     code = _HTTP_CODES.get(exc.status_code, "http_error")
     message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
     if exc.status_code == 404 and message == "Not Found":

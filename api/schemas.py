@@ -12,11 +12,14 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from service.bounds import MAX_PATH, MAX_STEPS, MAX_WORKERS, NO_NUL
 from service.ports import ChaosRequest
+from service.spec import json_int
 from service.store import EventRecord, JobRecord, JobStatus, StepRecord
 
 __all__ = [
     "ChaosRequest",
+    "ClusterOut",
     "ErrorItem",
     "ErrorOut",
     "EventOut",
@@ -25,6 +28,7 @@ __all__ = [
     "ExportRequest",
     "JobListOut",
     "JobOut",
+    "LogsOut",
     "ScaleRequest",
     "StepOut",
     "StepsOut",
@@ -45,17 +49,22 @@ def _clean(value: Any) -> Any:
     return value
 
 
-class ScaleRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+# Request bodies are strict (a JSON string is not a number) and bounded (service/bounds.py), like the spec.
+_REQUEST = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
-    dp: int = Field(ge=1, description="the new data-parallel degree (within resources.min_dp .. max_dp)")
+
+class ScaleRequest(BaseModel):
+    model_config = _REQUEST
+
+    dp: json_int(1, MAX_WORKERS) = Field(description="the new data-parallel degree (within resources.min_dp .. max_dp)")
 
 
 class ExportRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = _REQUEST
 
-    step: int | None = Field(default=None, ge=0, description="a committed checkpoint step; null: the newest")
-    out: str = Field(min_length=1, description="a new or empty folder (relative paths: the server's directory)")
+    step: json_int(0, MAX_STEPS) | None = Field(default=None, description="a committed checkpoint step; null: the newest")
+    out: str = Field(min_length=1, max_length=MAX_PATH, pattern=NO_NUL,
+                     description="a new or empty folder (relative paths: the server's directory)")
 
 
 class ExportOut(BaseModel):
@@ -166,6 +175,71 @@ class StepsOut(BaseModel):
     next_since: int = Field(description="pass as ?since= to get only newer steps")
 
 
+class LogsOut(BaseModel):
+    job_id: str
+    rank: int
+    lines: list[str] = Field(description="whole lines, oldest first, each at most 4000 characters")
+    next_offset: int = Field(description="pass as ?offset= to get only the lines written after these")
+
+
+class ClusterNodeOut(BaseModel):
+    node_id: str
+    alive: bool
+    cpus: float = Field(description="total CPUs the node offers to Ray")
+    gpus: float
+    free_cpus: float = Field(description="not held by any placement group, actor or task now")
+    free_gpus: float
+
+
+class NodeHoldingOut(BaseModel):
+    node_id: str
+    cpus: float
+    gpus: float
+
+
+class JobHoldingOut(BaseModel):
+    """A started job and what its placement group holds now (nothing while it starts or recovers)."""
+
+    job_id: str
+    status: JobStatus
+    priority: int
+    tenant: str
+    world_size: int = Field(description="ranks of its current layout")
+    cpus: float
+    gpus: float
+    nodes: list[NodeHoldingOut]
+
+
+class QueueEntryOut(BaseModel):
+    job_id: str
+    priority: int
+    position: int = Field(ge=1, description="1 starts next: higher priority first, then oldest first")
+    reason: str = Field(description="what it waits for, with the numbers")
+    submitted_at: float
+
+
+class ClusterTotalsOut(BaseModel):
+    nodes: int
+    alive_nodes: int
+    cpus: float
+    gpus: float
+    free_cpus: float
+    free_gpus: float
+    running_jobs: int = Field(description="started, unfinished jobs of every tenant")
+    queued_jobs: int = Field(description="queued jobs of every tenant")
+
+
+class ClusterOut(BaseModel):
+    """GET /v1/cluster: nodes, totals, what each started job holds, and the queue in admission order.
+    A tenant sees its own jobs only (``jobs``, ``queue``); nodes and totals cover the whole cluster."""
+
+    nodes: list[ClusterNodeOut]
+    totals: ClusterTotalsOut
+    jobs: list[JobHoldingOut]
+    queue: list[QueueEntryOut]
+    observed_at: float = Field(description="when the cluster was read (unix seconds)")
+
+
 class ErrorItem(BaseModel):
     field: str
     message: str
@@ -179,3 +253,17 @@ class ErrorOut(BaseModel):
     message: str
     fix: str | None = None
     detail: list[ErrorItem] = []
+
+
+#: Statuses any operation may answer besides its own, declared by each router (``responses=``) so the
+#: document lists every status the server sends (FastAPI's own 422 schema is not our error body).
+COMMON_RESPONSES: dict[int | str, dict[str, Any]] = {
+    413: {"model": ErrorOut, "description": "the request body is larger than ETRAIN_MAX_REQUEST_BYTES"},
+    503: {"model": ErrorOut, "description": "the job service is not running (the server is starting or stopping)"},
+}
+#: ... and every operation that takes parameters or a body (all of /v1).
+V1_RESPONSES: dict[int | str, dict[str, Any]] = {
+    **COMMON_RESPONSES,
+    422: {"model": ErrorOut, "description": "a parameter or the body is invalid or out of bounds; each problem "
+                                            "names its field and the fix"},
+}

@@ -7,9 +7,11 @@ integration tests use this real implementation against real Ray clusters.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 from typing import Any, Protocol
 
+from service.admission import ClusterView, NodeView
 from service.errors import ServiceUnavailable
 from service.runtime import JobPolicy, find_supervisor, run_export, start_supervisor
 from service.settings import Settings
@@ -50,6 +52,14 @@ class Runtime(Protocol):
     def health(self) -> dict[str, Any]: ...
     def close(self) -> None: ...
 
+    def cluster(self) -> ClusterView:
+        """The nodes (alive, total and free resources) and what each job's placement group holds;
+        ServiceUnavailable when the cluster cannot be read within the call timeout."""
+
+    def request_capacity(self, bundles: list[dict[str, float]]) -> None:
+        """Ask the cluster's autoscaler for room to hold all ``bundles`` at once (what runs counts toward
+        it); ``[]`` withdraws the request."""
+
     def accelerator_memory_gb(self) -> float | None:
         """GiB of memory per GPU the cluster's nodes offer (the smallest type's); None without GPUs or
         when it cannot be measured now (the planner then uses its default)."""
@@ -64,6 +74,7 @@ class RayRuntime:
         self._ray = ray
         self._owns_cluster = False
         self._gpu_memory_gib: dict[str, float] = {}  # accelerator type -> GiB per GPU, measured once
+        self._reader: concurrent.futures.ThreadPoolExecutor | None = None  # reads cluster() off the caller
         if ray.is_initialized():
             return
         try:
@@ -174,6 +185,62 @@ class RayRuntime:
                 self._gpu_memory_gib[kind] = measured
         return min(self._gpu_memory_gib[kind] for kind in types)
 
+    def cluster(self) -> ClusterView:
+        """Nodes from ``ray.nodes()``, free resources per node as the GCS accounts them (held placement
+        groups already subtracted), and the etrain placement groups that are ``CREATED`` (held), by job.
+
+        Read on a helper thread with the call timeout, so a stalled GCS never hangs the caller.
+        """
+        return self._off_thread("read the cluster's resources", self._read_cluster)
+
+    def request_capacity(self, bundles: list[dict[str, float]]) -> None:
+        """``ray.autoscaler.sdk.request_resources(bundles=...)``: a persistent hint the autoscaler scales
+        toward (a no-op without one); each call replaces the last, ``[]`` clears it."""
+        from ray.autoscaler.sdk import request_resources
+
+        self._off_thread("take the autoscaler request", lambda: request_resources(bundles=bundles))
+
+    def _off_thread(self, what: str, call):
+        """``call()`` on the helper thread, waited for at most the call timeout; ServiceUnavailable
+        naming ``what`` when it fails or times out (the thread is left to finish on its own)."""
+        if self._reader is None:
+            self._reader = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="etrain-cluster")
+        future = self._reader.submit(call)
+        try:
+            return future.result(timeout=CALL_TIMEOUT_S)
+        except concurrent.futures.TimeoutError as err:
+            raise ServiceUnavailable(f"Ray did not {what} within {CALL_TIMEOUT_S:.0f}s",
+                                     fix="check the cluster (ray status) and retry") from err
+        except Exception as err:
+            raise ServiceUnavailable(f"could not {what}: {err}", fix="check the cluster (ray status) and retry") from err
+
+    def _read_cluster(self) -> ClusterView:
+        from ray._private.state import available_resources_per_node
+        from ray.util import placement_group_table
+
+        free = available_resources_per_node()
+        nodes = tuple(
+            NodeView(
+                id=node["NodeID"],
+                alive=bool(node.get("Alive")),
+                total=_plain(node.get("Resources", {})),
+                free=_plain(free.get(node["NodeID"], {})) if node.get("Alive") else {},
+            )
+            for node in self._ray.nodes()
+        )
+        holdings: dict[str, dict[str, dict[str, float]]] = {}
+        for group in placement_group_table().values():
+            job_id = job_of_placement_group(group.get("name", ""))
+            if job_id is None or group.get("state") != "CREATED":
+                continue
+            held = holdings.setdefault(job_id, {})
+            for index, bundle in group.get("bundles", {}).items():
+                node_id = group.get("bundles_to_node_id", {}).get(index, "")
+                on_node = held.setdefault(node_id, {})
+                for name, amount in _plain(bundle).items():
+                    on_node[name] = on_node.get(name, 0.0) + amount
+        return ClusterView(nodes=nodes, holdings=holdings)
+
     def health(self) -> dict[str, Any]:
         try:
             nodes = [node for node in self._ray.nodes() if node.get("Alive")]
@@ -182,6 +249,8 @@ class RayRuntime:
             return {"ray": f"unavailable: {err}"}
 
     def close(self) -> None:
+        if self._reader is not None:
+            self._reader.shutdown(wait=False, cancel_futures=True)
         if self._owns_cluster and self._ray.is_initialized():
             self._ray.shutdown()
 
@@ -198,6 +267,24 @@ class RayRuntime:
             raise ServiceUnavailable(
                 f"Ray did not answer within {CALL_TIMEOUT_S:.0f}s", fix="check the cluster (ray status) and retry"
             ) from err
+
+
+#: The resources a cluster view keeps (Ray also reports memory, object store, node and bundle labels).
+VIEW_RESOURCES = ("CPU", "GPU")
+
+
+def _plain(resources: dict[str, Any]) -> dict[str, float]:
+    return {name: float(resources.get(name, 0.0)) for name in VIEW_RESOURCES}
+
+
+def job_of_placement_group(name: str) -> str | None:
+    """The job of an etrain placement group's name (``etrain/<job-id>/a<attempt>``, see
+    service/worker_group.py), or None for anyone else's."""
+    prefix, _, rest = name.partition("/")
+    job_id, _, attempt = rest.rpartition("/")
+    if prefix != "etrain" or not job_id or not attempt.startswith("a"):
+        return None
+    return job_id
 
 
 def probe_gpu_memory_gib(accelerator_type: str | None, *, timeout_s: float) -> float | None:

@@ -735,7 +735,9 @@ def _pp_traffic(*, pp: int, virtual_stages: int, microbatches: int, hidden_bytes
     chunk boundary forward, its gradients backward. ``sp_div`` is tp under sequence parallelism
     (the hidden states cross sharded), else 1."""
     v = virtual_stages
-    sends = max(v - (i == pp - 1) + v - (i == 0) for i in range(pp)) if pp > 1 else 0
+    # Stage i sends v chunks forward (one fewer on the last stage) and v backward (one fewer on the
+    # first): the busiest is a middle stage (2v) when pp > 2; with pp == 2 both send 2v - 1.
+    sends = 0 if pp <= 1 else (2 * v if pp > 2 else 2 * v - 1)
     return microbatches * sends * hidden_bytes / sp_div, microbatches * sends
 
 

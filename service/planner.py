@@ -18,6 +18,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from service.bounds import divisors, spread
 from service.errors import SpecRejected
 from service.plan_math import (
     DDP_BUCKET_BYTES,  # noqa: F401 - re-exported: importable from here as before the split
@@ -48,7 +49,7 @@ from service.plan_math import (
     stage_memory,
     stage_params,
 )
-from service.spec import JobSpec, ParallelismSpec, SpecProblem, check_spec
+from service.spec import JobSpec, ParallelismSpec, SpecProblem, check_spec, field_problems
 from workers.config import ModelConfig, ParallelConfig
 
 __all__ = [
@@ -89,6 +90,14 @@ STEP_TIME_TOLERANCE = 0.05
 #: Auto-planning first looks for layouts within this share of device memory (estimates are estimates).
 AUTO_MEMORY_TARGET = 0.9
 MAX_AUTO_TP = 8  # tensor parallelism stays inside one node (8 GPUs, NVLink)
+#: Auto-planning tries at most this many pipeline depths (divisors of n_layers) and, per (tp, pp), this
+#: many dp sizes (divisors of global_batch / micro_batch within the budget): all of them when there are
+#: no more, else an even spread that keeps the smallest and the largest (``service.bounds.spread``).
+MAX_AUTO_PP_SIZES = 16
+MAX_AUTO_DP_SIZES = 16
+#: And at most this many layouts in all (each costs ~0.2 ms to estimate), in order of preference
+#: (fewest pipeline stages first), so no spec makes POST /v1/plan or /v1/jobs search for long.
+MAX_AUTO_LAYOUTS = 4096
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -198,11 +207,12 @@ def device_memory_gb(spec: JobSpec, available_gb: float | None = None) -> float:
     ``available_gb`` is what the cluster offers per rank for ``resources.device`` (the GPU memory
     Ray's nodes report, or the operator's ``ETRAIN_DEVICE_MEMORY_GB``), passed in by the caller so
     that the planner stays pure; None means unknown (:data:`DEFAULT_DEVICE_MEMORY_GB`). A job's
-    ``resources.device_memory_gb`` may only lower it (:func:`check_plan` rejects a higher one).
+    ``resources.device_memory_gb`` may only lower it (:func:`check_plan` rejects a higher one), the
+    default included: a job cannot talk the planner into more memory than the operator vouches for.
     """
     offered = available_gb if available_gb is not None else DEFAULT_DEVICE_MEMORY_GB[spec.resources.device]
     asked = spec.resources.device_memory_gb
-    return offered if asked is None else (asked if available_gb is None else min(asked, offered))
+    return offered if asked is None else min(asked, offered)
 
 
 def _case(spec: JobSpec, layout: ParallelismSpec, available_gb: float | None = None) -> _Case:
@@ -293,7 +303,16 @@ def estimate(spec: JobSpec, *, available_gb: float | None = None) -> PlanEstimat
     """Memory, bubble, communication, FLOPs and step time of the spec's explicit layout.
 
     ``available_gb``: memory per rank the cluster offers (see :func:`device_memory_gb`)."""
+    _require_bounds(spec)
     return _evaluate(_case(spec, spec.layout, available_gb))
+
+
+def _require_bounds(spec: JobSpec) -> None:
+    """Every entry point of the planner first: a spec that skipped validation (``model_construct``)
+    with sizes out of bounds is refused before any search over them (:func:`field_problems`)."""
+    problems = field_problems(spec)
+    if problems:
+        raise SpecRejected(problems)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -313,6 +332,11 @@ def _tp_dims(model: ModelConfig) -> tuple[tuple[str, int], ...]:
 
 def _divisors_ok(model: ModelConfig, tp: int) -> bool:
     return all(size % tp == 0 for _, size in _tp_dims(model))
+
+
+def _valid_tps(model: ModelConfig) -> list[int]:
+    """The tensor-parallel degrees up to one node (MAX_AUTO_TP) that split every TP dimension evenly."""
+    return [t for t in range(1, min(model.n_heads, MAX_AUTO_TP) + 1) if _divisors_ok(model, t)]
 
 
 def _degree_problems(lay: ParallelismSpec) -> list[SpecProblem]:
@@ -342,7 +366,7 @@ def _layout_problems(case: _Case, *, max_dp: int) -> list[SpecProblem]:
 
     dp, tp, pp, v = lay.dp, lay.tp, lay.pp, lay.virtual_stages
     degrees = f"(world = dp·tp·pp = {dp}·{tp}·{pp} = {dp * tp * pp})"
-    valid_tp = [t for t in range(1, min(model.n_heads, MAX_AUTO_TP) + 1) if _divisors_ok(model, t)]
+    valid_tp = _valid_tps(model)
     heads_problem = model.arch == "llama" and (model.n_heads % tp or model.kv_heads % tp)
     if heads_problem:
         add("parallelism.tp", f"parallelism.tp={tp} must divide both model.n_heads={model.n_heads} and "
@@ -369,7 +393,7 @@ def _layout_problems(case: _Case, *, max_dp: int) -> list[SpecProblem]:
     chunks = pp * v
     if model.n_layers % chunks:
         field = "parallelism.virtual_stages" if v > 1 and model.n_layers % pp == 0 else "parallelism.pp"
-        valid_pp = [p for p in range(1, model.n_layers + 1) if model.n_layers % (p * v) == 0]
+        valid_pp = [p for p in divisors(model.n_layers) if model.n_layers % (p * v) == 0]
         add(field, f"model.n_layers={model.n_layers} is not divisible by pp·virtual_stages = {pp}·{v} = {chunks} "
             f"{degrees}.", f"use pp in {valid_pp[:12]} (with virtual_stages={v})")
     m = case.microbatches
@@ -405,7 +429,7 @@ def _layout_problems(case: _Case, *, max_dp: int) -> list[SpecProblem]:
         if dp % lay.dp_replicate:
             add("parallelism.dp_replicate", f"parallelism.dp_replicate={lay.dp_replicate} must divide "
                 f"parallelism.dp={dp}: HSDP splits the dp ranks into equal replica groups.",
-                f"use dp_replicate in {[r for r in range(1, dp + 1) if dp % r == 0]}")
+                f"use dp_replicate in {divisors(dp)[:24]}")
         if lay.zero not in (2, 3):
             add("parallelism.dp_replicate", f"parallelism.dp_replicate={lay.dp_replicate} (HSDP) shards with "
                 f"FSDP2 inside each replica group, but parallelism.zero={lay.zero}.",
@@ -475,18 +499,22 @@ def _memory_fixes(case: _Case, est: PlanEstimate) -> str:
 
 
 def _device_memory_problems(spec: JobSpec, available_gb: float | None) -> list[SpecProblem]:
-    """A job may lower the memory per rank the cluster offers, never raise it."""
+    """A job may lower the memory per rank the cluster offers, never raise it; when nothing says what
+    the cluster offers, the limit is the default (:data:`DEFAULT_DEVICE_MEMORY_GB`), which only the
+    operator can raise (``ETRAIN_DEVICE_MEMORY_GB``)."""
     asked = spec.resources.device_memory_gb
-    if asked is None or available_gb is None or asked <= available_gb:
+    limit = available_gb if available_gb is not None else DEFAULT_DEVICE_MEMORY_GB[spec.resources.device]
+    if asked is None or asked <= limit:
         return []
     device = "GPU" if spec.resources.device == "cuda" else "CPU worker"
+    source = ("this cluster offers (detected from the Ray nodes' accelerators, or set by the operator with "
+              "ETRAIN_DEVICE_MEMORY_GB)" if available_gb is not None else
+              "the planner assumes: neither the operator (ETRAIN_DEVICE_MEMORY_GB) nor the cluster's GPUs say more")
     return [SpecProblem(
         field="resources.device_memory_gb",
-        message=f"resources.device_memory_gb={asked:g} GiB exceeds the {available_gb:g} GiB per {device} this "
-                "cluster offers (detected from the Ray nodes' accelerators, or set by the operator with "
-                "ETRAIN_DEVICE_MEMORY_GB).",
-        fix=f"omit resources.device_memory_gb (the planner uses {available_gb:g} GiB) or set it at most "
-            f"{available_gb:g}",
+        message=f"resources.device_memory_gb={asked:g} GiB exceeds the {limit:g} GiB per {device} {source}.",
+        fix=f"omit resources.device_memory_gb (the planner uses {limit:g} GiB) or set it at most {limit:g}; "
+            "only the operator can allow more",
     )]
 
 
@@ -499,6 +527,9 @@ def check_plan(spec: JobSpec, *, available_gb: float | None = None) -> list[Spec
     ``available_gb``: memory per rank the cluster offers (:func:`device_memory_gb`); a spec asking
     for more is rejected.
     """
+    bounds = field_problems(spec)
+    if bounds:  # degrees below 1 keep the planner's own words
+        return (None if spec.is_auto else _degree_problems(spec.layout)) or bounds
     memory_problems = _device_memory_problems(spec, available_gb)
     if spec.is_auto:
         try:
@@ -556,25 +587,42 @@ def _budget(spec: JobSpec) -> int:
 
 
 def _candidates(spec: JobSpec, base: _Case, budget: int) -> Iterator[_Case]:
-    """Every (dp, tp, pp, zero, schedule, sp) within the budget that check_spec's batch rules allow."""
+    """The (dp, tp, pp, zero, schedule, sp) layouts within the budget that the structural rules allow,
+    fewest pipeline stages first.
+
+    Built from divisors, not ranges: tp splits every TP dimension (:func:`_valid_tps`), pp divides
+    n_layers (only pp=1 for a tied model), dp divides the micro-batches per step (global_batch /
+    micro_batch) within ``resources.min_dp..max_dp``, interleaving needs n_layers divisible by pp·v and
+    micro-batches by pp; sequence parallelism is on whenever tp > 1 divides seq_len. At most MAX_AUTO_PP_SIZES pp
+    and MAX_AUTO_DP_SIZES dp values per (tp, pp) are tried (:func:`service.bounds.spread`).
+    """
     model, res = base.model, spec.resources
+    if spec.training.global_batch % spec.training.micro_batch:
+        return  # check_spec reports it; no dp keeps the batch whole
     per_replica = spec.training.global_batch // spec.training.micro_batch
     lo_dp, hi_dp = res.min_dp or 1, res.max_dp or budget
-    for tp in range(1, min(MAX_AUTO_TP, budget) + 1):
-        for pp in range(1, min(model.n_layers, budget // tp) + 1):
-            for dp in range(max(1, lo_dp), min(hi_dp, budget // (tp * pp)) + 1):
-                if spec.training.global_batch % (dp * spec.training.micro_batch):
-                    continue
+    tps = [t for t in _valid_tps(model) if t <= budget]
+    tied = model.arch == "llama" and model.tie_embeddings
+    pps = [1] if tied else spread([p for p in divisors(model.n_layers) if p <= budget], MAX_AUTO_PP_SIZES)
+    dps = divisors(per_replica)
+    for pp in pps:
+        for tp in tps:
+            if tp * pp > budget:
+                continue
+            ceiling = min(hi_dp, budget // (tp * pp))
+            for dp in spread([d for d in dps if lo_dp <= d <= ceiling], MAX_AUTO_DP_SIZES):
                 m = per_replica // dp
-                schedules = [("1f1b", 1)]
-                if pp > 1:
-                    schedules += [("interleaved_1f1b", v) for v in (2, 4) if m % pp == 0]
+                schedules = [("1f1b", 1)] if pp == 1 or m >= pp else []
+                if pp > 1 and m % pp == 0:
+                    schedules += [("interleaved_1f1b", v) for v in (2, 4) if model.n_layers % (pp * v) == 0]
+                # Sequence parallelism, where it applies, shards activations at no extra traffic: never
+                # slower nor bigger than without it, so the layout without it is not tried.
+                sp = tp > 1 and model.seq_len % tp == 0
                 for zero in range(4) if dp > 1 else (0,):
                     for schedule, v in schedules:
-                        for sp in (False, True) if tp > 1 else (False,):
-                            layout = ParallelismSpec(dp=dp, tp=tp, pp=pp, zero=zero, pp_schedule=schedule,
-                                                     virtual_stages=v, sequence_parallel=sp)
-                            yield dataclasses.replace(base, layout=layout)
+                        layout = ParallelismSpec(dp=dp, tp=tp, pp=pp, zero=zero, pp_schedule=schedule,
+                                                 virtual_stages=v, sequence_parallel=sp)
+                        yield dataclasses.replace(base, layout=layout)
 
 
 def _choose(fitting: list[PlanEstimate]) -> PlanEstimate:
@@ -611,20 +659,36 @@ def _shrink_fits(case: _Case, min_dp: int | None) -> bool:
 def resolve_auto(spec: JobSpec, *, available_gb: float | None = None) -> AutoPlan:
     """Choose a layout for ``parallelism: auto`` within the worker budget.
 
-    Enumerates dp·tp·pp <= budget (tp <= 8: one node), every ZeRO stage (dp > 1), 1F1B and
-    interleaved (v = 2, 4) schedules for pp > 1 (GPipe has 1F1B's bubble and more memory, so it is
-    never the better choice) and sequence parallelism for tp > 1; drops layouts
+    Enumerates dp·tp·pp <= budget over divisors (:func:`_candidates`; tp <= 8: one node), every ZeRO
+    stage (dp > 1), 1F1B and interleaved (v = 2, 4) schedules for pp > 1 (GPipe has 1F1B's bubble and
+    more memory, so it is never the better choice) and sequence parallelism for tp > 1, fewest stages
+    first; stops at the first pp that has a layout within AUTO_MEMORY_TARGET (no deeper pipeline can
+    win) or after MAX_AUTO_LAYOUTS layouts; drops layouts
     that break a rule or do not fit the device memory (also at ``resources.min_dp``); picks by :func:`_choose` over the
     :class:`StepTime` cost model. Raises :class:`SpecRejected` when nothing fits.
     """
+    _require_bounds(spec)
     budget = _budget(spec)
     base = _case(spec, ParallelismSpec(), available_gb)
-    evaluated = []
-    for case in _candidates(spec, base, budget):
-        if not _layout_problems(case, max_dp=case.layout.dp):
-            evaluated.append((case, _evaluate(case)))
     min_dp = spec.resources.min_dp
-    fitting = [est for case, est in evaluated if est.fits and _shrink_fits(case, min_dp)]
+    evaluated: list[tuple[_Case, PlanEstimate]] = []
+    fitting: list[PlanEstimate] = []
+    level, roomy_at_level, capped = None, False, False
+    for case in _candidates(spec, base, budget):
+        if case.layout.pp != level:
+            if roomy_at_level:
+                break  # a roomy layout with fewer stages exists: deeper pipelines can never be chosen (_choose)
+            level = case.layout.pp
+        if len(evaluated) >= MAX_AUTO_LAYOUTS:
+            capped = True
+            break
+        if _layout_problems(case, max_dp=case.layout.dp):
+            continue
+        est = _evaluate(case)
+        evaluated.append((case, est))
+        if est.fits and _shrink_fits(case, min_dp):
+            fitting.append(est)
+            roomy_at_level = roomy_at_level or est.memory.total <= AUTO_MEMORY_TARGET * est.device_memory_bytes
     dev = _gib(base.device_memory_bytes)
     if not fitting:
         if evaluated:
@@ -632,13 +696,17 @@ def resolve_auto(spec: JobSpec, *, available_gb: float | None = None) -> AutoPla
             detail = (f"the smallest, {smallest.layout}, needs {_gib(smallest.memory.total):.1f} GiB/rank "
                       f"({smallest.memory.biggest.replace('_', ' ')} "
                       f"{_gib(getattr(smallest.memory, smallest.memory.biggest)):.1f} GiB)")
+            if capped:
+                detail += f"; the search stopped after {MAX_AUTO_LAYOUTS} layouts"
         else:
             detail = "no layout satisfies the divisibility and batch rules"
         raise SpecRejected([SpecProblem(
             field="parallelism.max_workers",
             message=f"no layout of at most {budget} workers fits in {dev:.1f} GiB/rank: {detail}.",
-            fix="raise max_workers, enable training.activation_checkpointing, lower training.micro_batch, "
-                "or use a device with more memory (resources.device_memory_gb)",
+            fix=("give an explicit layout (parallelism: {dp, tp, pp, zero}), which POST /v1/plan checks, or "
+                 "fewer choices (lower max_workers, a global_batch with fewer divisors)" if capped else
+                 "raise max_workers, enable training.activation_checkpointing, lower training.micro_batch, "
+                 "or use a device with more memory (resources.device_memory_gb)"),
         )])
     chosen = _choose(fitting)
     case = next(c for c, e in evaluated if e is chosen)
@@ -739,7 +807,7 @@ def plan_report(spec: JobSpec, *, available_gb: float | None = None) -> dict:
     """
     auto: AutoPlan | None = None
     problems = list(check_spec(spec))
-    if any(p.field == "model" or p.field.startswith("model.") for p in problems):
+    if field_problems(spec) or any(p.field == "model" or p.field.startswith("model.") for p in problems):
         # Without a model there is nothing to size (a bad model.hf cannot even be read): report
         # the spec's problems as an infeasible plan rather than failing the request.
         return {"feasible": False, "problems": [p.to_dict() for p in problems], "layout": None,

@@ -11,7 +11,8 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from service.spec import JobSpec
+from service.bounds import MAX_STEPS, MAX_WORKERS
+from service.spec import JobSpec, json_int
 from service.store import EventRecord, JobRecord, StepRecord
 from service.tenancy import ADMIN, Principal
 
@@ -31,13 +32,17 @@ class ChaosRequest(BaseModel):
     ``at_step``: inject when the job reaches this step; omitted: as soon as possible.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # The document states the per-action rules the validators below enforce (one shape per action), so
+    # a client (or a fuzzer) reading it knows which fields each action takes; strict and finite as the spec.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False,
+                              json_schema_extra=lambda schema: schema.update(oneOf=_CHAOS_SHAPES))
 
     action: ChaosAction
-    rank: int | None = Field(default=None, ge=0, validate_default=True)
-    factor: float | None = Field(default=None, validate_default=True, description="slow_rank only; > 1")
-    step: int | None = Field(default=None, ge=0, validate_default=True, description="corrupt_checkpoint only")
-    at_step: int | None = Field(default=None, ge=0)
+    rank: json_int(0, MAX_WORKERS - 1) | None = Field(default=None, validate_default=True)
+    factor: float | None = Field(default=None, le=1000.0, validate_default=True, description="slow_rank only; > 1")
+    step: json_int(0, MAX_STEPS) | None = Field(default=None, validate_default=True,
+                                                description="corrupt_checkpoint only")
+    at_step: json_int(0, MAX_STEPS) | None = None
 
     @field_validator("rank")
     @classmethod
@@ -71,6 +76,26 @@ class ChaosRequest(BaseModel):
         return step
 
 
+def _chaos_shape(actions: list[str], *, rank: bool, factor: bool, step: bool) -> dict[str, Any]:
+    """One action's fields: each given one required (and not null), each other one absent or null."""
+    none = {"type": "null"}
+    properties: dict[str, Any] = {
+        "action": {"enum": actions},
+        "rank": {"type": "integer"} if rank else none,
+        "factor": {"type": "number", "exclusiveMinimum": 1} if factor else none,
+        "step": {"type": "integer"} if step else none,
+    }
+    required = ["action", *(name for name, given in (("rank", rank), ("factor", factor), ("step", step)) if given)]
+    return {"properties": properties, "required": required}
+
+
+_CHAOS_SHAPES = [
+    _chaos_shape(sorted(RANK_ACTIONS - {"slow_rank"}), rank=True, factor=False, step=False),
+    _chaos_shape(["slow_rank"], rank=True, factor=True, step=False),
+    _chaos_shape(["corrupt_checkpoint"], rank=False, factor=False, step=True),
+]
+
+
 @runtime_checkable
 class JobManagerPort(Protocol):
     """The job service as the API sees it. Every method is synchronous and may block briefly
@@ -79,8 +104,14 @@ class JobManagerPort(Protocol):
     # Every job-scoped call takes the caller (``principal``, default the admin): another tenant's job
     # is JobNotFound, exactly like a missing one, and lists hold only the caller's jobs.
 
-    def submit(self, spec: JobSpec, *, principal: Principal = ADMIN) -> JobRecord:
-        """Validate (spec + planner), record and start a job. Raises SpecRejected."""
+    def submit(self, spec: JobSpec, *, principal: Principal = ADMIN, idempotency_key: str | None = None) -> JobRecord:
+        """Validate (spec + planner), record and start a job. Raises SpecRejected.
+
+        ``idempotency_key`` (the ``Idempotency-Key`` header, checked with
+        ``service.idempotency.check_key``): the caller's earlier job with this key and the same spec
+        (``service.idempotency.request_hash``) is returned as a ``ReplayedJob`` and nothing new is
+        created; the same key with another spec is JobConflict. Keys are per tenant, and two concurrent
+        submissions with one key create exactly one job."""
 
     def get(self, job_id: str, *, principal: Principal = ADMIN) -> JobRecord:
         """Raises JobNotFound."""
@@ -96,10 +127,19 @@ class JobManagerPort(Protocol):
         """Per-step metrics with step > since_step. Raises JobNotFound."""
 
     def cancel(self, job_id: str, *, principal: Principal = ADMIN) -> JobRecord:
-        """Stop the job; raises JobNotFound, or JobConflict when it is already terminal."""
+        """Ask the job to stop and return at once (never waiting on Ray): records ``cancel_requested``;
+        the job reaches CANCELLED shortly after. Raises JobNotFound, or JobConflict when already terminal."""
 
     def scale(self, job_id: str, dp: int, *, principal: Principal = ADMIN) -> JobRecord:
-        """Resize data parallelism to ``dp``; JobConflict when terminal, EtrainError when out of range."""
+        """Ask for data parallelism ``dp`` and return at once: records ``scale_requested``; the job moves
+        through RESIZING to the new size. JobConflict when terminal, SpecRejected (field ``dp``) when out
+        of range."""
+
+    def logs(self, job_id: str, rank: int, tail: int = 200, offset: int | None = None, *,
+             principal: Principal = ADMIN) -> dict[str, Any]:
+        """``{"job_id", "rank", "lines": [str], "next_offset": int}``: the last ``tail`` lines of the rank's
+        log, or (``offset`` = a previous ``next_offset``) up to ``tail`` lines written after it. Raises
+        JobNotFound, RankNotFound (a rank the job never had), JobConflict (the job has not started)."""
 
     def chaos(self, job_id: str, request: dict[str, Any], *, principal: Principal = ADMIN) -> dict[str, Any]:
         """Inject a fault. ``request`` is a validated :class:`ChaosRequest` as a dict without unset
@@ -116,12 +156,20 @@ class JobManagerPort(Protocol):
         """The planner's report without starting anything; at least ``feasible: bool`` and
         ``problems: [{field, message, fix}]`` (infeasible is an answer here, not an error)."""
 
+    def cluster(self, *, principal: Principal = ADMIN) -> dict[str, Any]:
+        """The cluster as the scheduler sees it, in the shape of ``api.schemas.ClusterOut``: ``nodes``
+        (node_id, alive, cpus, gpus, free_cpus, free_gpus), ``totals``, ``jobs`` (what each started job
+        holds), ``queue`` (job_id, priority, position, reason, submitted_at) and ``observed_at``. Only the
+        caller's jobs are listed; the totals count every tenant's. ServiceUnavailable when the cluster
+        cannot be read."""
+
     def health(self) -> dict[str, Any]:
         """``db`` and ``ray`` ("ok" or what is wrong) and other details; optionally ``ok: bool``.
         /healthz answers 503 unless ``ok`` (or, without it, every ``db``/``ray`` entry is "ok")."""
 
-    def metrics_text(self) -> str:
-        """Prometheus text exposition of job gauges (``service.prometheus.render_job_metrics``)."""
+    def metrics_text(self, *, principal: Principal | None = None) -> str:
+        """Prometheus text exposition of job gauges (``service.prometheus.render_job_metrics``): aggregates
+        only for ``principal`` None (an anonymous scraper), plus the per-job gauges this caller may see."""
 
     def close(self) -> None:
         """Stop background work; leaves detached supervisors running."""

@@ -23,7 +23,7 @@ import queue
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,7 @@ from service.stragglers import StragglerConfig, StragglerDetector
 from service.worker_group import NAMESPACE, GroupOutcome, PlacementTimeout, WorkerGroup
 from workers.config import ModelConfig, RunConfig
 from workers.errors import CheckpointError, EtrainError
-from workers.manifest import commit, latest_committed, list_steps, prune, step_dir, verify
+from workers.manifest import ManifestSignatureError, commit, list_steps, prune, resolve_latest, step_dir, verify
 from workers.worker import ChaosOrder, LaunchPlan
 
 log = logging.getLogger(__name__)
@@ -74,6 +74,9 @@ class JobPolicy:
     capacity_wait_timeout_s: float = 900.0
     export: bool = False  # checkpoint.export == "hf": write <checkpoint root>/hf-export before SUCCEEDED
     export_timeout_s: float = 3600.0
+    #: The service's checkpoint signing key (service/checkpoint_key.py): manifests are signed with it at
+    #: commit and verified with it before any rank loads one. Only the manager sets it; never printed.
+    checkpoint_key: bytes | None = field(default=None, repr=False)
 
 
 class JobSupervisor:
@@ -103,16 +106,26 @@ class JobSupervisor:
             export_timeout_s=policy.export_timeout_s,
             job_id=job_id,
         )
+        if policy.checkpoint_key is None:  # fail closed: an unsigned commit or an unverified load is never right
+            raise ValueError(f"job {job_id}: the supervisor needs the service's checkpoint key (JobPolicy.checkpoint_key)")
+        self._key = policy.checkpoint_key
         self.root = Path(config.checkpoint.path)
         self.root.mkdir(parents=True, exist_ok=True)
-        found = latest_committed(self.root, checksums=False)  # the launch verifies it fully
-        resume_step = found[0] if found else None
+        # Signatures are checked now (the launch re-verifies fully): a forged newest step is never the
+        # step this job believes it has, and is moved aside below.
+        found = resolve_latest(self.root, checksums=False, key=self._key)
+        resume_step = found.step
+        self._verified_digests: dict[int, str] = {}  # step -> digest of the manifest the launch verified
         self.state = sm.initial_state(
             self.sm_config, dp=config.parallel.dp, last_committed_step=resume_step, restarts_used=policy.restarts_used
         )
         self._inbox: queue.Queue = queue.Queue()
         self._log: list[dict[str, Any]] = []
         self._log_lock = threading.Lock()
+        # Held while a decision is applied (its new state and its actions, recorded events included), so
+        # ``updates`` never shows a state without the events that came with it: a CANCELLED status read
+        # before its "cancelled" event is recorded would end the job (and its supervisor) without it.
+        self._decide_lock = threading.RLock()
         self._steps: list[dict[str, Any]] = []
         self._step_seq = 0
         self._group: WorkerGroup | None = None
@@ -134,6 +147,9 @@ class JobSupervisor:
         self._export_ref: Any = None  # the export task in flight (cancelled if the job ends otherwise)
         self._metrics = _JobMetrics(job_id)
         self._self_handle = ray.get_runtime_context().current_actor
+        for skipped in found.skipped:
+            if skipped.refused:
+                self._refuse(skipped.step, skipped.step_dir, skipped.reason)
         if resume_step is not None:
             self._record("resuming", f"found committed checkpoint at step {resume_step} in {self.root}")
         self._inbox.put(sm.Start())
@@ -185,10 +201,10 @@ class JobSupervisor:
 
         Step rows have their own sequence because a restarted attempt re-reports step numbers.
         """
-        with self._log_lock:
+        with self._decide_lock, self._log_lock:
             events = [event for event in self._log if event["seq"] > since_seq]
             steps = [row for row in self._steps if row["seq"] > since_step_seq]
-        state = self.state
+            state = self.state
         return {
             "status": state.status.value,
             "attempt": state.attempt,
@@ -295,14 +311,21 @@ class JobSupervisor:
             raise AssertionError(f"unknown inbox item {kind!r}")
 
     def _apply(self, event: sm.Event, now: float) -> None:
-        decision = sm.decide(self.state, event, now, self.sm_config)
-        self.state = decision.state
-        for action in decision.actions:
-            self._carry_out(action, now)
+        with self._decide_lock:
+            decision = sm.decide(self.state, event, now, self.sm_config)
+            self.state = decision.state
+            answers = [answer for action in decision.actions if (answer := self._carry_out(action, now)) is not None]
+            # A commit's outcome is decided on before any other event (the inbox waits), so nothing acts
+            # on a checkpoint whose manifest was not written ([3] in service/supervisor.py).
+            for answer in answers:
+                self._apply(answer, time.time())
+                if isinstance(answer, sm.CommitSucceeded):
+                    self._corrupt_due()
 
     # --- actions ---------------------------------------------------------------------------------
 
-    def _carry_out(self, action: sm.Action, now: float) -> None:
+    def _carry_out(self, action: sm.Action, now: float) -> sm.Event | None:
+        """Do one action; the event it answers with at once (a commit's outcome), else None."""
         if isinstance(action, sm.RecordEvent):
             self._record(action.kind, action.detail)
         elif isinstance(action, sm.LaunchGroup):
@@ -310,7 +333,7 @@ class JobSupervisor:
         elif isinstance(action, sm.StopGroup):
             self._stop(action)
         elif isinstance(action, sm.CommitCheckpoint):
-            self._commit(action.step)
+            return self._commit(action.step)
         elif isinstance(action, sm.RequestCheckpoint):
             if self._group is not None:
                 target = self.state.step + 2  # ranks run in lock-step; 2 steps ahead is always still to come
@@ -328,6 +351,7 @@ class JobSupervisor:
             self._metrics.finish(action.status.value)
         else:
             raise AssertionError(f"unhandled action {action!r}")
+        return None
 
     def _launch(self, action: sm.LaunchGroup) -> None:
         config = self.config.with_dp(action.dp)
@@ -341,6 +365,7 @@ class JobSupervisor:
             config=config,
             start_step=resume_step or 0,
             resume_dir=resume_dir,
+            resume_digest=self._verified_digests.get(resume_step) if resume_step else None,
             chaos=tuple(order for order in self._chaos.values() if order.at_step is not None),
         )
         self._stragglers.reset()
@@ -374,11 +399,14 @@ class JobSupervisor:
         threading.Thread(target=start, name=f"launch-{self.job_id}-{action.attempt}", daemon=True).start()
 
     def _verified_resume_step(self, wanted: int | None) -> int | None:
-        """The newest checkpoint at or below ``wanted`` whose manifest and checksums verify.
+        """The newest checkpoint at or below ``wanted`` whose signature, manifest and checksums verify.
 
-        The state machine remembers what was committed; a file can rot (or be corrupted by a drill)
-        afterwards, so every launch verifies and falls back to the previous good step. This is the
-        one full verification of a restore: the ranks then only check the manifest and sizes.
+        The state machine remembers what was committed; a file can rot (or be corrupted by a drill,
+        or a manifest be forged) afterwards, so every launch verifies and falls back to the previous
+        good step. This is the one full verification of a restore: the ranks then check that the
+        manifest is the one verified here (its digest travels in the launch plan), the sizes, and
+        the hash of DCP's ``.metadata`` before unpickling it. A manifest whose signature does not
+        verify is refused (``checkpoint_refused``) and moved aside, never loaded.
         """
         if wanted is None:
             return None
@@ -386,12 +414,28 @@ class JobSupervisor:
             if step > wanted:
                 continue
             try:
-                verify(directory)
-                return step
+                manifest = verify(directory, key=self._key)
+            except ManifestSignatureError as err:
+                self._refuse(step, directory, str(err))
             except CheckpointError as err:
                 self._record("checkpoint_skipped", f"step {step}: {err}")
+            else:
+                self._verified_digests[step] = manifest.digest
+                return step
         self._record("checkpoint_skipped", f"no verifying checkpoint under {self.root}; starting fresh")
         return None
+
+    def _refuse(self, step: int, directory: str, reason: str) -> None:
+        """A step directory whose manifest is unsigned or forged: an event, and the directory moved
+        aside (``<dir>.refused-<time>``, kept for inspection) so nothing ever considers it again and
+        the job can save that step afresh. It stays inside this job's own checkpoint directory."""
+        aside = f"{directory}.refused-{int(time.time())}"
+        try:
+            os.replace(directory, aside)
+            where = f"moved to {os.path.basename(aside)}"
+        except OSError as err:
+            where = f"could not be moved aside ({err})"
+        self._record("checkpoint_refused", f"step {step}: {reason}; not loaded, {where}")
 
     def _stop(self, action: sm.StopGroup) -> None:
         group = self._group
@@ -404,7 +448,9 @@ class JobSupervisor:
 
         threading.Thread(target=stop, name=f"stop-{self.job_id}-{attempt}", daemon=True).start()
 
-    def _commit(self, step: int) -> None:
+    def _commit(self, step: int) -> sm.CommitSucceeded | sm.CommitFailed:
+        """Write the manifest of ``step`` (atomically, last); the outcome is the state machine's next
+        event: only CommitSucceeded makes the step a checkpoint anything resumes from."""
         reports = self._reports.pop(step, {})
         directory = Path(step_dir(self.root, step))
         try:
@@ -414,14 +460,15 @@ class JobSupervisor:
                 layout=dataclasses.replace(self.config.parallel, dp=self.state.dp).describe(),
                 world_size=self.sm_config.world_size(self.state.dp),
                 reports=list(reports.values()),
+                key=self._key,
+                job_id=self.job_id,
             )
-        except Exception as err:  # the step simply does not count; restore uses the previous one
-            self._record("checkpoint_commit_failed", f"step {step}: {err}")
-            return
+        except Exception as err:  # the step does not count; restore uses the previous one
+            return sm.CommitFailed(step=step, error=f"{type(err).__name__}: {err}")
         for stale in [s for s in self._reports if s < step]:
             self._reports.pop(stale)
         self._prune_in_background()
-        self._corrupt_due()
+        return sm.CommitSucceeded(step=step)
 
     def _export(self, step: int) -> None:
         """Write committed ``step`` as a Hugging Face folder in a Ray task; answer with Exported/ExportFailed.
@@ -463,7 +510,8 @@ class JobSupervisor:
 
         def prune_now() -> None:
             try:
-                prune(self.root, keep_last=self.config.checkpoint.keep_last)
+                # Only step directories whose signed manifests name this job are ever deleted.
+                prune(self.root, keep_last=self.config.checkpoint.keep_last, key=self._key, owner=self.job_id)
             except Exception as err:  # never fatal: old checkpoints just stay on disk a while longer
                 log.warning("pruning %s failed: %s", self.root, err)
 

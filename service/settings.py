@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from service.errors import SettingsError
+from service.tenancy import DEFAULT_TENANT
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"", "0", "false", "no", "off"})
@@ -29,18 +31,52 @@ class Settings:
     ray_address: str | None = None  # None: start a local Ray instance
     dashboard_host: str = "127.0.0.1"
     dashboard_port: int = 8265
-    api_token: str | None = field(default=None, repr=False)  # None: no authentication
+    #: The operator's (admin) bearer token. None with no tenant tokens either: ``etrain serve`` generates
+    #: one into ``<data_dir>/api-token`` (service/api_token.py); the API is never open.
+    api_token: str | None = field(default=None, repr=False)
+    #: Tenant tokens, ``ETRAIN_API_TOKENS="alice=TOKEN,bob=TOKEN"``: (tenant, token) pairs (a mapping
+    #: tenant -> token is accepted too). A tenant may have several tokens (rotation); a token one tenant.
+    api_tokens: tuple[tuple[str, str], ...] = field(default=(), repr=False)
+    #: A file of ``tenant=token`` lines (``#`` comments), read once at start-up and merged with api_tokens.
+    api_tokens_file: Path | None = None
+    #: Per-tenant quotas on unfinished (non-terminal) jobs and on the workers (world size) they hold;
+    #: None is unlimited. The admin token is exempt.
+    tenant_max_jobs: int | None = None
+    tenant_max_workers: int | None = None
     enable_chaos: bool = False
     max_request_bytes: int = 1_000_000
     poll_interval_s: float = 0.5
     #: Memory per rank (GiB) the planner checks jobs against, overriding what Ray's GPUs report
     #: (and the 8 GiB default of a CPU worker). None: detect (GPUs) or default.
     device_memory_gb: float | None = None
+    #: The only directories a job's paths (data.path, data.tokenizer, model.hf, checkpoint.path, an
+    #: export's out) may resolve into, ``ETRAIN_STORAGE_ROOTS`` (absolute, ``os.pathsep``- or
+    #: comma-separated). Empty: the data directory (service/storage_roots.py).
+    storage_roots: tuple[Path, ...] = ()
+    #: Queue jobs whose minimum layout exceeds the cluster's total resources instead of refusing them
+    #: (422): for autoscaling clusters, where nodes are added on demand (service/admission.py).
+    admit_beyond_cluster: bool = False
+    #: token -> tenant, from api_tokens and api_tokens_file (checked: names, duplicates); derived.
+    token_tenants: Mapping[str, str] = field(init=False, repr=False, compare=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir).expanduser())
         if self.api_token == "":
             object.__setattr__(self, "api_token", None)
+        if self.api_token is not None:
+            _check_token(self.api_token, "ETRAIN_API_TOKEN", "ETRAIN_API_TOKEN")
+        if isinstance(self.api_tokens, Mapping):
+            object.__setattr__(self, "api_tokens", tuple(self.api_tokens.items()))
+        if self.api_tokens_file is not None:
+            object.__setattr__(self, "api_tokens_file", Path(self.api_tokens_file).expanduser())
+        object.__setattr__(self, "token_tenants", self._token_tenants())
+        for name in ("tenant_max_jobs", "tenant_max_workers"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise SettingsError(
+                    f"{name}={value} must be 0 or more.", field=name,
+                    fix=f"give a limit per tenant, or unset ETRAIN_{name.upper()} for no limit",
+                )
         if self.ray_address == "":
             object.__setattr__(self, "ray_address", None)
         for name in ("port", "dashboard_port"):
@@ -62,6 +98,14 @@ class Settings:
             raise SettingsError(
                 f"poll_interval_s={self.poll_interval_s} must be positive.", field="poll_interval_s", fix="use e.g. 0.5"
             )
+        roots = (self.storage_roots,) if isinstance(self.storage_roots, (str, os.PathLike)) else self.storage_roots
+        object.__setattr__(self, "storage_roots", tuple(Path(root).expanduser() for root in roots))
+        for root in self.storage_roots:
+            if not root.is_absolute():
+                raise SettingsError(
+                    f"storage root {str(root)!r} is not an absolute path.", field="storage_roots",
+                    fix="give absolute directories in ETRAIN_STORAGE_ROOTS, separated by ':' or ','",
+                )
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> "Settings":
@@ -77,6 +121,39 @@ class Settings:
             raise TypeError(f"unknown settings: {sorted(unknown)}")
         values.update({name: value for name, value in overrides.items() if value is not None})
         return cls(**values)
+
+    def _token_tenants(self) -> dict[str, str]:
+        """Every tenant token (environment, then file) -> its tenant; SettingsError names the source of
+        a bad entry (never the token itself: error messages end up in logs)."""
+        entries = [(tenant, token, "ETRAIN_API_TOKENS", "ETRAIN_API_TOKENS") for tenant, token in self.api_tokens]
+        if self.api_tokens_file is not None:
+            entries += [(*pair, where, "ETRAIN_API_TOKENS_FILE") for *pair, where in _read_tokens_file(self.api_tokens_file)]
+        tenants: dict[str, str] = {}
+        for tenant, token, where, variable in entries:
+            _check_tenant(tenant, where, variable)
+            _check_token(token, where, variable, tenant=tenant)
+            if token == self.api_token:
+                raise SettingsError(
+                    f"{where}: tenant {tenant!r} has the admin token (ETRAIN_API_TOKEN).", field=variable,
+                    fix=f"give every tenant its own token, e.g. {_NEW_TOKEN}",
+                )
+            if token in tenants:
+                raise SettingsError(
+                    f"{where}: tenant {tenant!r} has the same token as tenant {tenants[token]!r}.", field=variable,
+                    fix="a token must name one tenant: give each entry its own token",
+                )
+            tenants[token] = tenant
+        return tenants
+
+    @property
+    def auth_configured(self) -> bool:
+        """True when any token is set; otherwise the server generates its admin token at start-up."""
+        return self.api_token is not None or bool(self.token_tenants)
+
+    @property
+    def api_token_path(self) -> Path:
+        """Where a generated admin token lives (``service.api_token``)."""
+        return self.data_dir / "api-token"
 
     @property
     def db_path(self) -> Path:
@@ -121,6 +198,86 @@ def _number(variable: str, raw: str) -> float:
         ) from None
 
 
+def _optional_integer(variable: str, raw: str) -> int | None:
+    return None if raw.strip() == "" else _integer(variable, raw.strip())
+
+
+#: Tenant names end up in the jobs table, logs and (for the admin) metrics labels: keep them plain.
+TENANT_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+#: Visible ASCII (an HTTP header value), no comma (the ETRAIN_API_TOKENS separator).
+_TOKEN_CHARS = re.compile(r"^[\x21-\x2b\x2d-\x7e]+$")
+_NEW_TOKEN = "python -c 'import secrets; print(secrets.token_urlsafe(32))'"
+
+
+def _check_tenant(tenant: str, where: str, variable: str) -> None:
+    if not TENANT_NAME.match(tenant):
+        raise SettingsError(
+            f"{where}: {tenant!r} is not a tenant name.", field=variable,
+            fix="use 1-63 characters of a-z, 0-9, '_' and '-', starting with a letter or digit",
+        )
+    if tenant == DEFAULT_TENANT:
+        raise SettingsError(
+            f"{where}: the tenant name {DEFAULT_TENANT!r} is reserved for the operator's own jobs "
+            "(those submitted with ETRAIN_API_TOKEN).", field=variable, fix="pick another tenant name",
+        )
+
+
+def _check_token(token: str, where: str, variable: str, *, tenant: str | None = None) -> None:
+    if not _TOKEN_CHARS.match(token):
+        whose = "the token" if tenant is None else f"the token of tenant {tenant!r}"
+        raise SettingsError(
+            f"{where}: {whose} is empty or holds spaces, commas or non-ASCII characters.", field=variable,
+            fix=f"use a random URL-safe token, e.g. {_NEW_TOKEN}",
+        )
+
+
+def _tenant_tokens(variable: str, raw: str) -> tuple[tuple[str, str], ...]:
+    """``alice=TOKEN,bob=TOKEN`` (spaces around entries ignored, empty entries skipped)."""
+    pairs = []
+    for number, entry in enumerate((part.strip() for part in raw.split(",")), start=1):
+        if entry:
+            pairs.append(_tenant_token(entry, f"{variable} entry {number}", variable))
+    return tuple(pairs)
+
+
+def _tenant_token(entry: str, where: str, variable: str) -> tuple[str, str]:
+    tenant, equals, token = entry.partition("=")
+    if not equals:
+        raise SettingsError(
+            f"{where} is not 'tenant=token'.", field=variable,
+            fix="write each entry as tenant=token, e.g. ETRAIN_API_TOKENS=alice=TOKEN1,bob=TOKEN2",
+        )
+    return tenant.strip(), token.strip()
+
+
+def _read_tokens_file(path: Path) -> list[tuple[str, str, str]]:
+    """(tenant, token, "file:line") for each ``tenant=token`` line; blank lines and ``#`` comments skipped."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise SettingsError(
+            f"cannot read the tenant tokens file {path}: {getattr(err, 'strerror', None) or err}.",
+            field="ETRAIN_API_TOKENS_FILE", fix="point ETRAIN_API_TOKENS_FILE at a readable UTF-8 file of tenant=token lines",
+        ) from None
+    entries = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        line = line.strip()
+        if line and not line.startswith("#"):
+            where = f"{path}:{number}"
+            entries.append((*_tenant_token(line, where, "ETRAIN_API_TOKENS_FILE"), where))
+    return entries
+
+
+def _storage_roots(variable: str, raw: str) -> tuple[Path, ...]:
+    from service.storage_roots import parse_roots
+
+    try:
+        return parse_roots(raw)
+    except ValueError as err:
+        raise SettingsError(f"{variable}: {err}.", field=variable,
+                            fix=f"give absolute directories, e.g. {variable}=/data:/checkpoints") from None
+
+
 def _flag(variable: str, raw: str) -> bool:
     value = raw.strip().lower()
     if value in _TRUE:
@@ -140,8 +297,14 @@ _ENV = {
     "dashboard_host": ("ETRAIN_DASHBOARD_HOST", _text),
     "dashboard_port": ("ETRAIN_DASHBOARD_PORT", _integer),
     "api_token": ("ETRAIN_API_TOKEN", _text),
+    "api_tokens": ("ETRAIN_API_TOKENS", _tenant_tokens),
+    "api_tokens_file": ("ETRAIN_API_TOKENS_FILE", lambda variable, raw: Path(raw) if raw.strip() else None),
+    "tenant_max_jobs": ("ETRAIN_TENANT_MAX_JOBS", _optional_integer),
+    "tenant_max_workers": ("ETRAIN_TENANT_MAX_WORKERS", _optional_integer),
     "enable_chaos": ("ETRAIN_ENABLE_CHAOS", _flag),
     "max_request_bytes": ("ETRAIN_MAX_REQUEST_BYTES", _integer),
     "poll_interval_s": ("ETRAIN_POLL_INTERVAL_S", _number),
     "device_memory_gb": ("ETRAIN_DEVICE_MEMORY_GB", _number),
+    "storage_roots": ("ETRAIN_STORAGE_ROOTS", _storage_roots),
+    "admit_beyond_cluster": ("ETRAIN_ADMIT_BEYOND_CLUSTER", _flag),
 }

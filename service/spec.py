@@ -14,11 +14,32 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
+from service import storage_roots
+from service.bounds import (
+    MAX_CPUS_PER_WORKER,
+    MAX_D_FF,
+    MAX_D_MODEL,
+    MAX_DEVICE_MEMORY_GB,
+    MAX_GLOBAL_BATCH,
+    MAX_GPUS_PER_WORKER,
+    MAX_HEADS,
+    MAX_LAYERS,
+    MAX_LR,
+    MAX_PATH,
+    MAX_RESTARTS,
+    MAX_SECONDS,
+    MAX_SEED,
+    MAX_SEQ_LEN,
+    MAX_STEPS,
+    MAX_VOCAB,
+    MAX_WORKERS,
+    NO_NUL,
+)
 from workers.config import (
     MODEL_PRESETS,
     CheckpointConfig,
@@ -31,11 +52,39 @@ from workers.config import (
 from workers.errors import ConfigError
 from workers.hf_config import model_config_from_hf, read_hf_config
 
-PositiveInt = Annotated[int, Field(ge=1)]
+def _integer_only(value: Any) -> Any:
+    """JSON integers only. JSON Schema's "integer" includes 3.0, so 3.0 is 3; "3" and true are not."""
+    if isinstance(value, (str, bytes, bool)):
+        raise PydanticCustomError("int_type", "Input should be a valid integer")
+    return value
+
+
+def json_int(lower: int | None = None, upper: int | None = None) -> Any:
+    """An integer field of a strict model as the OpenAPI document defines one (3 and 3.0, never "3"),
+    within ``lower..upper``. The bounds sit before the validator so the document shows them."""
+    return Annotated[int, Field(strict=False, ge=lower, le=upper), BeforeValidator(_integer_only)]
+
+
+PositiveInt = json_int(1)
+
+
+def _upto(upper: int, lower: int = 1) -> Any:
+    """An integer in ``lower..upper`` (the bounds are service/bounds.py's, shown in the OpenAPI document)."""
+    return json_int(lower, upper)
+
+
+#: A filesystem path as a client may give it: not empty, at most PATH_MAX, no NUL byte.
+PathText = Annotated[str, Field(min_length=1, max_length=MAX_PATH, pattern=NO_NUL)]
+Seed = json_int(0, MAX_SEED)
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    # strict: a JSON string is not a number and 1 is not true; the document's types are the rules.
+    # allow_inf_nan=False: NaN and Infinity (which Python's JSON parser accepts) are never a size or a rate.
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, strict=True, allow_inf_nan=False)
+
+
+_MODEL_SIZE_FIELDS = ("n_layers", "d_model", "n_heads", "vocab_size", "seq_len")
 
 
 class ModelSpec(_Section):
@@ -47,18 +96,27 @@ class ModelSpec(_Section):
     default ``min(max_position_embeddings, 4096)``.
     """
 
+    # The document states the rule _sizes_known enforces: model.hf, a preset, or all five sizes.
+    model_config = ConfigDict(json_schema_extra={"anyOf": [
+        {"required": ["hf"], "properties": {"hf": {"type": "string"}}},
+        {"required": ["preset"], "properties": {"preset": {"type": "string"}}},
+        {"required": list(_MODEL_SIZE_FIELDS),
+         "properties": {name: {"type": "integer"} for name in _MODEL_SIZE_FIELDS}},
+    ]})
+
     kind: Literal["gpt", "llama"] | None = Field(
         default=None, description="default: llama for model.hf and llama presets, else gpt"
     )
-    hf: str | None = Field(default=None, description="Hugging Face model folder (config.json + *.safetensors)")
-    preset: str | None = Field(default=None, description=f"one of {sorted(MODEL_PRESETS)}")
-    n_layers: PositiveInt | None = None
-    d_model: PositiveInt | None = None
-    n_heads: PositiveInt | None = None
-    n_kv_heads: PositiveInt | None = Field(default=None, description="llama: grouped-query attention; default n_heads")
-    vocab_size: PositiveInt | None = None
-    seq_len: PositiveInt | None = None
-    d_ff: PositiveInt | None = Field(default=None, description="MLP width; default 4 * d_model")
+    hf: PathText | None = Field(default=None, description="Hugging Face model folder (config.json + *.safetensors)")
+    preset: str | None = Field(default=None, description=f"one of {sorted(MODEL_PRESETS)}",
+                               json_schema_extra={"enum": [*sorted(MODEL_PRESETS), None]})
+    n_layers: _upto(MAX_LAYERS) | None = None
+    d_model: _upto(MAX_D_MODEL) | None = None
+    n_heads: _upto(MAX_HEADS) | None = None
+    n_kv_heads: _upto(MAX_HEADS) | None = Field(default=None, description="llama: grouped-query attention; default n_heads")
+    vocab_size: _upto(MAX_VOCAB) | None = None
+    seq_len: _upto(MAX_SEQ_LEN) | None = None
+    d_ff: _upto(MAX_D_FF) | None = Field(default=None, description="MLP width; default 4 * d_model")
 
     @model_validator(mode="before")
     @classmethod
@@ -107,17 +165,16 @@ class ModelSpec(_Section):
         return dataclasses.replace(config, hf_path=folder)
 
 
-_MODEL_SIZE_FIELDS = ("n_layers", "d_model", "n_heads", "vocab_size", "seq_len")
 #: Fields ``model.hf`` replaces (only ``seq_len`` may be given beside it).
 _HF_EXCLUSIVE_FIELDS = ("preset", "n_layers", "d_model", "n_heads", "n_kv_heads", "vocab_size", "d_ff")
 
 
 class DataSpec(_Section):
     kind: Literal["text", "tokens", "synthetic"] = "synthetic"
-    path: str | None = Field(default=None, description="file or folder (text), .bin file (tokens)")
-    seed: int = 0
+    path: PathText | None = Field(default=None, description="file or folder (text), .bin file (tokens)")
+    seed: Seed = 0
     token_dtype: Literal["uint16", "uint32"] = "uint16"
-    tokenizer: str | None = Field(
+    tokenizer: PathText | None = Field(
         default=None,
         description="text only: a Hugging Face tokenizer.json (or its folder); the text is tokenized once "
         "into a cached .bin beside the data (`etrain prepare-data`). Default: byte tokens",
@@ -125,19 +182,19 @@ class DataSpec(_Section):
 
 
 class ParallelismSpec(_Section):
-    dp: PositiveInt = 1
-    tp: PositiveInt = 1
-    pp: PositiveInt = 1
+    dp: _upto(MAX_WORKERS) = 1
+    tp: _upto(MAX_HEADS) = Field(default=1, description="divides the heads (and kv heads, d_ff, vocab)")
+    pp: _upto(MAX_LAYERS) = Field(default=1, description="divides model.n_layers (with virtual_stages)")
     zero: Literal[0, 1, 2, 3] = 0
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
-    microbatches: PositiveInt | None = Field(
+    microbatches: _upto(MAX_GLOBAL_BATCH) | None = Field(
         default=None,
         description="pipeline micro-batches per step; derived as global_batch / (dp * micro_batch) "
         "and, when given, must equal that",
     )
-    virtual_stages: PositiveInt = 1
+    virtual_stages: _upto(MAX_LAYERS) = 1
     sequence_parallel: bool = False
-    dp_replicate: PositiveInt = Field(
+    dp_replicate: _upto(MAX_WORKERS) = Field(
         default=1,
         description="HSDP: dp ranks form dp_replicate groups that each shard the model (FSDP2, zero 2/3), "
         "replicated across groups; must divide dp",
@@ -151,36 +208,37 @@ class AutoParallelismSpec(_Section):
     """Let the planner choose (dp, tp, pp, zero) within a worker budget."""
 
     auto: Literal[True] = True
-    max_workers: PositiveInt = Field(description="how many ranks (GPUs or CPU workers) the job may use")
+    max_workers: _upto(MAX_WORKERS) = Field(description="how many ranks (GPUs or CPU workers) the job may use")
 
 
 class ResourcesSpec(_Section):
     device: Literal["cpu", "cuda"] = "cpu"
-    cpus_per_worker: float = Field(default=1.0, gt=0, description="may be fractional so ranks share a machine")
-    gpus_per_worker: float = Field(default=0.0, ge=0)
+    cpus_per_worker: float = Field(default=1.0, gt=0, le=MAX_CPUS_PER_WORKER,
+                                   description="may be fractional so ranks share a machine")
+    gpus_per_worker: float = Field(default=0.0, ge=0, le=MAX_GPUS_PER_WORKER)
     device_memory_gb: float | None = Field(
-        default=None, gt=0,
+        default=None, gt=0, le=MAX_DEVICE_MEMORY_GB,
         description="memory per rank (GiB) the planner checks against; default: what the cluster offers (the GPU "
         "memory its Ray nodes report, or the operator's ETRAIN_DEVICE_MEMORY_GB), else 80 (cuda) / 8 (cpu); "
         "a job may lower it, never raise it"
     )
-    min_dp: PositiveInt | None = Field(default=None, description="elastic floor; default: parallelism.dp")
-    max_dp: PositiveInt | None = Field(default=None, description="elastic ceiling; default: parallelism.dp")
+    min_dp: _upto(MAX_WORKERS) | None = Field(default=None, description="elastic floor; default: parallelism.dp")
+    max_dp: _upto(MAX_WORKERS) | None = Field(default=None, description="elastic ceiling; default: parallelism.dp")
     placement_strategy: Literal["PACK", "SPREAD"] = "PACK"
 
 
 class TrainingSpec(_Section):
-    steps: PositiveInt
-    global_batch: PositiveInt
-    micro_batch: PositiveInt = 1
-    lr: float = Field(default=3e-4, gt=0)
-    warmup_steps: int = Field(default=0, ge=0)
-    grad_clip: float | None = Field(default=1.0, gt=0)
-    weight_decay: float = Field(default=0.0, ge=0)
-    seed: int = 0
+    steps: _upto(MAX_STEPS)
+    global_batch: _upto(MAX_GLOBAL_BATCH) = Field(description="sequences per optimizer step")
+    micro_batch: _upto(MAX_GLOBAL_BATCH) = 1
+    lr: float = Field(default=3e-4, gt=0, le=MAX_LR)
+    warmup_steps: _upto(MAX_STEPS, 0) = 0
+    grad_clip: float | None = Field(default=1.0, gt=0, le=1e6)
+    weight_decay: float = Field(default=0.0, ge=0, le=100.0)
+    seed: Seed = 0
     precision: Literal["fp32", "bf16"] = "fp32"
     activation_checkpointing: bool = False
-    timing_sync_every: PositiveInt = Field(
+    timing_sync_every: _upto(MAX_STEPS) = Field(
         default=10,
         description="every this many steps the ranks meet in a barrier so that the step's compute time "
         "excludes waiting on peers; straggler detection reads only those steps (1 = every step)",
@@ -188,9 +246,9 @@ class TrainingSpec(_Section):
 
 
 class CheckpointSpec(_Section):
-    every_steps: int = Field(default=0, ge=0, description="0: only at the end")
-    keep_last: PositiveInt = 3
-    path: str | None = Field(default=None, description="default: <data-dir>/checkpoints/<job-id>")
+    every_steps: _upto(MAX_STEPS, 0) = Field(default=0, description="0: only at the end")
+    keep_last: _upto(1000) = 3
+    path: PathText | None = Field(default=None, description="default: <data-dir>/checkpoints/<job-id>")
     async_save: bool = Field(default=False, alias="async")
     export: Literal["hf", "none"] | None = Field(
         default=None,
@@ -200,22 +258,22 @@ class CheckpointSpec(_Section):
 
 
 class FaultToleranceSpec(_Section):
-    max_restarts: int = Field(default=3, ge=0)
-    heartbeat_timeout_s: float = Field(default=60.0, gt=0)
-    backoff_base_s: float = Field(default=1.0, ge=0)
-    backoff_max_s: float = Field(default=60.0, ge=0)
+    max_restarts: _upto(MAX_RESTARTS, 0) = 3
+    heartbeat_timeout_s: float = Field(default=60.0, gt=0, le=MAX_SECONDS)
+    backoff_base_s: float = Field(default=1.0, ge=0, le=MAX_SECONDS)
+    backoff_max_s: float = Field(default=60.0, ge=0, le=MAX_SECONDS, description="at least backoff_base_s")
 
 
 class StragglerSpec(_Section):
     enabled: bool = True
-    window: PositiveInt = 10
-    threshold: float = Field(default=1.5, gt=1.0)
-    patience: PositiveInt = 2
+    window: _upto(10_000) = 10
+    threshold: float = Field(default=1.5, gt=1.0, le=1000.0)
+    patience: _upto(10_000) = 2
     action: Literal["report", "evict"] = "report"
 
 
 class ElasticSpec(_Section):
-    check_interval_s: float = Field(default=30.0, gt=0)
+    check_interval_s: float = Field(default=30.0, gt=0, le=MAX_SECONDS)
 
 
 class JobSpec(_Section):
@@ -229,8 +287,8 @@ class JobSpec(_Section):
     fault_tolerance: FaultToleranceSpec = FaultToleranceSpec()
     stragglers: StragglerSpec = StragglerSpec()
     elastic: ElasticSpec = ElasticSpec()
-    priority: int = Field(
-        default=0, ge=-1000, le=1000,
+    priority: json_int(-1000, 1000) = Field(
+        default=0,
         description="queue order: higher starts first, then oldest first (-1000..1000)",
     )
 
@@ -306,33 +364,101 @@ class SpecProblem:
         return {"field": self.field, "message": self.message, "fix": self.fix}
 
 
-def resolve_paths(spec: JobSpec, base_dir: str | os.PathLike) -> JobSpec:
-    """Make model.hf, data and checkpoint paths absolute against the server's working directory.
+#: The spec's path fields, as (dotted field, section, attribute): every one is pinned and fenced.
+PATH_FIELDS = (
+    ("model.hf", "model", "hf"),
+    ("data.path", "data", "path"),
+    ("data.tokenizer", "data", "tokenizer"),
+    ("checkpoint.path", "checkpoint", "path"),
+)
 
-    Workers run in Ray's own working directories, so a relative path must be pinned at submit time.
+
+def resolve_paths(spec: JobSpec, base_dir: str | os.PathLike) -> JobSpec:
+    """Pin model.hf, data.path, data.tokenizer and checkpoint.path: ``~`` expanded, joined with the
+    server's working directory when relative, symlinks and ``..`` resolved (:func:`storage_roots.pin`).
+
+    Workers run in Ray's own working directories, so a relative path must be pinned at submit time;
+    the resolved path is also what the storage-roots rule judges (:func:`pin_paths`).
     """
-    updates = {}
-    if spec.model.hf:
-        hf = os.path.expanduser(spec.model.hf)
-        resolved_hf = hf if os.path.isabs(hf) else str((Path(base_dir) / hf).resolve())
-        if resolved_hf != spec.model.hf:
-            updates["model"] = spec.model.model_copy(update={"hf": resolved_hf})
-    if spec.data.path and not os.path.isabs(os.path.expanduser(spec.data.path)):
-        updates["data"] = spec.data.model_copy(update={"path": str((Path(base_dir) / spec.data.path).resolve())})
-    elif spec.data.path:
-        updates["data"] = spec.data.model_copy(update={"path": os.path.expanduser(spec.data.path)})
-    if spec.data.tokenizer:
-        tokenizer = os.path.expanduser(spec.data.tokenizer)
-        tokenizer = tokenizer if os.path.isabs(tokenizer) else str((Path(base_dir) / tokenizer).resolve())
-        updates["data"] = updates.get("data", spec.data).model_copy(update={"tokenizer": tokenizer})
-    if spec.checkpoint.path and not os.path.isabs(os.path.expanduser(spec.checkpoint.path)):
-        resolved = str((Path(base_dir) / spec.checkpoint.path).resolve())
-        updates["checkpoint"] = spec.checkpoint.model_copy(update={"path": resolved})
+    sections: dict[str, dict[str, str]] = {}
+    for _field, section, name in PATH_FIELDS:
+        raw = getattr(getattr(spec, section), name)
+        if raw:
+            pinned = storage_roots.pin(raw, base_dir)
+            if pinned != raw:
+                sections.setdefault(section, {})[name] = pinned
+    updates = {section: getattr(spec, section).model_copy(update=values) for section, values in sections.items()}
     return spec.model_copy(update=updates) if updates else spec
 
 
+def pin_paths(
+    spec: JobSpec, base_dir: str | os.PathLike, roots: storage_roots.StorageRoots
+) -> tuple[JobSpec, list[SpecProblem]]:
+    """:func:`resolve_paths`, then the storage-roots rule on the pinned paths: the spec as it will run
+    and the paths it may not use (empty: all inside the roots).
+
+    Call it before anything looks at the files (:func:`check_spec` reports missing ones): a refused
+    path's problem depends only on the given string and where it resolves, and echoes the given
+    string, so the answer is the same whether the file exists or not.
+    """
+    pinned = resolve_paths(spec, base_dir)
+    problems = []
+    for field, section, name in PATH_FIELDS:
+        raw = getattr(getattr(spec, section), name)
+        if raw:
+            problem = roots.check(field, raw, getattr(getattr(pinned, section), name))
+            if problem is not None:
+                problems.append(SpecProblem(field=problem.field, message=problem.message, fix=problem.fix))
+    return pinned, problems
+
+
+def field_problems(spec: JobSpec) -> list[SpecProblem]:
+    """The field rules (types, bounds) checked again on a spec that may not have been validated
+    (``model_construct``, ``model_copy(update=...)``): nothing downstream (the planner's searches, the
+    supervisor's rules) may see an unbounded size. Empty for any spec that came through validation."""
+    from pydantic import ValidationError
+
+    try:
+        JobSpec.model_validate(spec.model_dump(by_alias=True, round_trip=True))
+    except ValidationError as err:
+        problems = []
+        for error in err.errors():
+            loc = _branch_of(spec, error["loc"])
+            if loc is None:
+                continue  # an error of a union branch the spec does not use
+            field = ".".join(loc) or "spec"
+            given = error.get("input")
+            shown = f"={given!r}" if isinstance(given, (int, float, str)) and len(repr(given)) <= 80 else ""
+            problems.append(SpecProblem(field=field, message=f"{field}{shown}: {error['msg']}.",
+                                        fix="see the bounds in README's job spec section (service/bounds.py)"))
+        return problems or [SpecProblem(field="spec", message=str(err), fix=None)]
+    return []
+
+
+def _branch_of(spec: JobSpec, loc: tuple) -> list[str] | None:
+    """A pydantic error location as the spec's field path, or None when it is about a union branch
+    (named in the location: "ParallelismSpec", "literal['auto']") other than the one the spec holds."""
+    path: list[str] = []
+    value: Any = spec
+    for part in map(str, loc):
+        if part[:1].isupper() or "[" in part:
+            held = "literal" if isinstance(value, str) else type(value).__name__
+            if not part.startswith(held):
+                return None
+            continue
+        path.append(part)
+        value = getattr(value, part, None) if isinstance(value, BaseModel) else None
+    return path
+
+
 def check_spec(spec: JobSpec) -> list[SpecProblem]:
-    """Cross-field rules of the spec itself (the planner adds layout and memory rules)."""
+    """Cross-field rules of the spec itself (the planner adds layout and memory rules).
+
+    Starts with :func:`field_problems`: a spec whose fields are out of bounds gets only those
+    problems, at once, before any rule that searches or sizes anything runs."""
+    problems = field_problems(spec)
+    if problems:
+        return problems
     problems = _model_problems(spec)
     model = {} if problems else spec.model.resolved()  # the model-dependent rules need a readable model
     if spec.data.kind in ("text", "tokens"):
@@ -362,7 +488,7 @@ def check_spec(spec: JobSpec) -> list[SpecProblem]:
             )
         )
     if spec.is_auto:
-        return problems
+        return problems + _policy_problems(spec, problems)
     layout = spec.layout
     training = spec.training
     per_step = layout.dp * training.micro_batch
@@ -414,7 +540,98 @@ def check_spec(spec: JobSpec) -> list[SpecProblem]:
                 fix="set gpus_per_worker: 1 (one GPU per rank)",
             )
         )
+    problems += _world_problems(spec)
+    problems += _policy_problems(spec, problems)
     return problems
+
+
+def _world_problems(spec: JobSpec) -> list[SpecProblem]:
+    """dp·tp·pp ranks, now and at the elastic ceiling, within MAX_WORKERS (each degree is bounded alone)."""
+    layout = spec.layout
+    problems = []
+    for field, dp in (("parallelism", layout.dp), ("resources.max_dp", spec.max_dp)):
+        world = dp * layout.tp * layout.pp
+        if world > MAX_WORKERS:
+            problems.append(SpecProblem(
+                field=field,
+                message=f"{'dp' if field == 'parallelism' else 'resources.max_dp'}·tp·pp = {dp}·{layout.tp}·"
+                        f"{layout.pp} = {world} ranks, more than this service runs in one job ({MAX_WORKERS}).",
+                fix=f"use at most {MAX_WORKERS} ranks: lower {'parallelism.dp, tp or pp' if field == 'parallelism' else 'resources.max_dp'}",
+            ))
+            break
+    return problems
+
+
+#: Settings of the supervisor (service/supervisor.py ``SupervisorConfig``, service/elastic.py) -> the
+#: spec field they come from.
+_POLICY_FIELDS = {
+    "total_steps": "training.steps",
+    "global_batch": "training.global_batch",
+    "micro_batch": "training.micro_batch",
+    "min_dp": "resources.min_dp",
+    "max_dp": "resources.max_dp",
+    "dp": "parallelism.dp",
+    "tp": "parallelism.tp",
+    "max_restarts": "fault_tolerance.max_restarts",
+    "heartbeat_timeout_s": "fault_tolerance.heartbeat_timeout_s",
+    "backoff_base_s": "fault_tolerance.backoff_base_s",
+    "backoff_max_s": "fault_tolerance.backoff_max_s",
+}
+_BATCH_FIELDS = frozenset({"training.global_batch", "training.micro_batch", "resources.min_dp", "resources.max_dp",
+                           "parallelism.dp", "parallelism"})
+
+
+def _policy_problems(spec: JobSpec, found: list[SpecProblem]) -> list[SpecProblem]:
+    """The rules the job's supervisor enforces when it is created, run here, at submit, by building the
+    same objects: ``SupervisorConfig`` (steps, restarts, timeouts, ``backoff_max_s >= backoff_base_s``,
+    the elastic dp range: ``ElasticPolicy`` and the initial dp) and ``StragglerConfig``. A spec they
+    refuse is a 422 naming the field, never a job that is recorded and then fails to start.
+
+    An auto spec is checked with one rank (min_dp = max_dp = dp = 1) until the planner has chosen its
+    layout (the manager checks the resolved spec again). Batch/dp problems ``check_spec`` already
+    reported are not reported twice, and a dp that dp_replicate does not divide is left to the
+    planner's rule, whose message says more.
+    """
+    from service.stragglers import StragglerConfig, StragglerConfigError
+    from service.supervisor import SupervisorConfig, SupervisorConfigError, initial_state
+
+    training, tolerance = spec.training, spec.fault_tolerance
+    if spec.is_auto:
+        tp = pp = dp = min_dp = max_dp = multiple = 1
+    else:
+        layout = spec.layout
+        tp, pp, dp, min_dp, max_dp = layout.tp, layout.pp, layout.dp, spec.min_dp, spec.max_dp
+        multiple = layout.dp_replicate if dp % layout.dp_replicate == 0 else 1
+    problems: list[SpecProblem] = []
+    try:
+        config = SupervisorConfig(
+            total_steps=training.steps, global_batch=training.global_batch, micro_batch=training.micro_batch,
+            min_dp=min_dp, max_dp=max_dp, tp=tp, pp=pp, dp_multiple=multiple,
+            max_restarts=tolerance.max_restarts, heartbeat_timeout_s=tolerance.heartbeat_timeout_s,
+            backoff_base_s=tolerance.backoff_base_s, backoff_max_s=tolerance.backoff_max_s,
+        )
+        initial_state(config, dp=dp)
+    except SupervisorConfigError as err:
+        field = _POLICY_FIELDS.get(err.field or "", "fault_tolerance")
+        if not (field in _BATCH_FIELDS and any(p.field in _BATCH_FIELDS for p in found)):
+            problems.append(SpecProblem(field=field, message=f"{field}: {err.message}.",
+                                        fix=err.fix or _POLICY_FIX.get(field)))
+    stragglers = spec.stragglers
+    try:
+        StragglerConfig(enabled=stragglers.enabled, window=stragglers.window, threshold=stragglers.threshold,
+                        patience=stragglers.patience)
+    except StragglerConfigError as err:
+        problems.append(SpecProblem(field="stragglers", message=f"stragglers: {err.message}.", fix=err.fix))
+    return problems
+
+
+_POLICY_FIX = {
+    "fault_tolerance.backoff_max_s": "set fault_tolerance.backoff_max_s at least fault_tolerance.backoff_base_s "
+                                     "(the backoff doubles from base up to max)",
+    "resources.min_dp": "widen resources.min_dp..max_dp to include a dp that divides "
+                        "training.global_batch / training.micro_batch",
+    "training.global_batch": "make training.global_batch a multiple of training.micro_batch",
+}
 
 
 def _tokenizer_problems(spec: JobSpec, vocab_size: int | None) -> list[SpecProblem]:

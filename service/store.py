@@ -430,13 +430,21 @@ class JobStore:
 
     # -- events -----------------------------------------------------------------------------------
 
-    def add_events(self, job_id: str, events: Iterable[tuple[float, str, dict[str, Any]]]) -> list[EventRecord]:
-        """Append events in order; each gets the job's next ``seq`` (1-based, gap-free)."""
+    def add_events(self, job_id: str, events: Iterable[tuple[float, str, dict[str, Any]]], *,
+                   cursor: int | None = None) -> list[EventRecord]:
+        """Append events in order; each gets the job's next ``seq`` (1-based, gap-free).
+
+        ``cursor``: also set the job's event-pump cursor (``set_cursor``) in the same transaction, so
+        a control plane killed mid-pump never stores the same supervisor events twice.
+        """
         events = list(events)
         if not events:
             return []
         with self._write() as conn:
             self._require_job(conn, job_id)
+            if cursor is not None:
+                conn.execute("INSERT INTO cursors (job_id, value) VALUES (?, ?) "
+                             "ON CONFLICT (job_id) DO UPDATE SET value = excluded.value", (job_id, int(cursor)))
             (last,) = conn.execute("SELECT COALESCE(MAX(seq), 0) FROM events WHERE job_id = ?", (job_id,)).fetchone()
             records, rows = [], []
             for offset, (ts, kind, detail) in enumerate(events, start=1):

@@ -21,6 +21,8 @@ any non-terminal status; "fault" and [n] are explained under the table::
   RUNNING    UP         StepReported / Heartbeat (higher step) RUNNING    (progress clock reset)
   RUNNING    UP         StepReported(loss nan/inf)            FAILED      StopGroup, MarkTerminal
   live       any        CheckpointReported (last rank)        same        CommitCheckpoint         [3]
+  live       any        CommitSucceeded(step being committed) same        checkpoint_committed     [3]
+  live       any        CommitFailed(step being committed)    same        checkpoint_commit_failed [3]
   RUNNING    UP         Finished(final_step >= total_steps)   SUCCEEDED   StopGroup, MarkTerminal
                           with export, final step committed   EXPORTING   StopGroup                [6]
                           with export, final step uncommitted FAILED      StopGroup, MarkTerminal
@@ -41,8 +43,9 @@ any non-terminal status; "fault" and [n] are explained under the table::
                           fit dp != dp                        (RESIZING   StopGroup, at once when
                                                                at once)   nothing is new to save)
   RUNNING    UP         StragglerFlagged(evict=True)          RUNNING     RequestCheckpoint        [4]
-  RUNNING    UP         CheckpointReported commits pending    RESIZING    StopGroup (resize)
+  RUNNING    UP         CommitSucceeded of the pending step   RESIZING    StopGroup (resize)
                                                               RECOVERING  ExcludeNode, StopGroup (evict)
+  RUNNING    UP         CommitFailed of the pending step      RUNNING     RequestCheckpoint (retry) [7]
   RUNNING    UP         Tick, pending > checkpoint_timeout_s  RUNNING     resize_abandoned, or
                                                               RECOVERING  evict from the last commit
   live       any        StragglerFlagged(evict=False)         same        RecordEvent(straggler_detected)
@@ -65,8 +68,14 @@ any non-terminal status; "fault" and [n] are explained under the table::
   [1] Start launches at once unless capacity is known to be below min_dp (then it waits, [5]).
   [2] The fit is re-checked on GroupReady: capacity or a ScaleRequested that arrived during the
       launch starts a resize right away.
-  [3] A step commits only when every rank of the current world (pp*dp*tp) reported it, and only
-      if it is newer than the last committed step.
+  [3] A step is committed only when every rank of the current world (pp*dp*tp) reported it, it is
+      newer than the last committed step, and the adapter then wrote its manifest: the last report
+      asks for the manifest (CommitCheckpoint, the step is "committing"), and only the adapter's
+      answer CommitSucceeded moves ``last_committed_step`` and records checkpoint_committed. So a
+      restart, a resize or an eviction never resumes from, nor waits on, a commit that did not
+      happen. CommitFailed records checkpoint_commit_failed and leaves ``last_committed_step`` where
+      it was (restore keeps the previous checkpoint). The adapter answers before it handles any other
+      event; a launch forgets steps still committing (it resumes from what was committed before it).
   [4] "fit dp" = largest legal dp <= min(reported capacity, ScaleRequested target, max_dp), see
       service/elastic.py. A planned stop (resize, eviction) first saves a checkpoint; the stop
       happens when a step >= the step at the request commits.
@@ -81,6 +90,12 @@ any non-terminal status; "fault" and [n] are explained under the table::
       committed checkpoint as a Hugging Face folder. It is SUCCEEDED only once that folder exists
       (``state.hf_export``); a failed or timed-out export fails the job but leaves the checkpoint,
       and the error says how to retry the export by hand.
+  [7] A resize or eviction waiting for a checkpoint whose commit failed asks the group for another
+      checkpoint at once (the failure may be transient: a full disk freed, a slow shared filesystem).
+      ``checkpoint_requested_at`` is kept, so all retries together are still bounded by
+      checkpoint_timeout_s, after which the resize is abandoned or the eviction goes ahead from the
+      last committed checkpoint (the Tick rows above). A failed commit of an older, unrequested step
+      changes nothing: the requested one is still to come.
 
 Policies are plain values: the resize policy is :class:`service.elastic.ElasticPolicy` built from
 the config; straggler statistics live in service/stragglers.py and arrive as StragglerFlagged.
@@ -101,6 +116,8 @@ from service.supervisor_events import (
     CheckpointFallback,
     CheckpointReported,
     CommitCheckpoint,
+    CommitFailed,
+    CommitSucceeded,
     Event,
     ExcludeNode,
     ExportCheckpoint,
@@ -128,6 +145,7 @@ from workers.errors import EtrainError
 
 __all__ = [
     "Abort", "Action", "Cancel", "CapacityChanged", "CheckpointFallback", "CheckpointReported", "CommitCheckpoint",
+    "CommitFailed", "CommitSucceeded",
     "Decision", "Event", "ExcludeNode", "ExportCheckpoint", "ExportFailed", "Exported", "Finished",
     "GroupPhase", "GroupReady", "GroupStopped",
     "Heartbeat", "JobError", "LaunchGroup", "MarkTerminal", "RecordEvent", "RequestCheckpoint",
@@ -203,26 +221,29 @@ class SupervisorConfig:
     job_id: str = "JOB_ID"  # only for messages (the `etrain export` retry command)
 
     def __post_init__(self) -> None:
-        def need(ok: bool, message: str) -> None:
+        # ``field`` names the setting (this config's name) so that spec validation, which builds this
+        # config at submit to run these same rules, can name the spec field (service/spec.py).
+        def need(ok: bool, message: str, field: str) -> None:
             if not ok:
-                raise SupervisorConfigError(message)
+                raise SupervisorConfigError(message, field=field)
 
-        need(self.total_steps >= 1, f"total_steps={self.total_steps} must be >= 1")
-        need(self.tp >= 1 and self.pp >= 1, f"tp={self.tp} and pp={self.pp} must be >= 1")
-        need(self.max_restarts >= 0, f"max_restarts={self.max_restarts} must be >= 0")
+        need(self.total_steps >= 1, f"total_steps={self.total_steps} must be >= 1", "total_steps")
+        need(self.tp >= 1 and self.pp >= 1, f"tp={self.tp} and pp={self.pp} must be >= 1", "tp")
+        need(self.max_restarts >= 0, f"max_restarts={self.max_restarts} must be >= 0", "max_restarts")
         for name in ("heartbeat_timeout_s", "start_timeout_s", "stop_timeout_s",
                      "checkpoint_timeout_s", "capacity_wait_timeout_s", "export_timeout_s"):
             value = getattr(self, name)
-            need(value > 0, f"{name}={value} must be > 0 seconds (every wait has a timeout)")
-        need(self.backoff_base_s >= 0, f"backoff_base_s={self.backoff_base_s} must be >= 0")
+            need(value > 0, f"{name}={value} must be > 0 seconds (every wait has a timeout)", name)
+        need(self.backoff_base_s >= 0, f"backoff_base_s={self.backoff_base_s} must be >= 0", "backoff_base_s")
         need(
             self.backoff_max_s >= self.backoff_base_s,
             f"backoff_max_s={self.backoff_max_s} must be >= backoff_base_s={self.backoff_base_s}",
+            "backoff_max_s",
         )
         try:
             self.elastic  # noqa: B018 - validates the batch sizes and dp range
         except ResizeError as err:
-            raise SupervisorConfigError(str(err)) from err
+            raise SupervisorConfigError(str(err), field=err.field) from err
 
     @property
     def elastic(self) -> ElasticPolicy:
@@ -267,6 +288,9 @@ class SupervisorState:
     checkpoint_requested_step: int | None = None
     # (step, rank) pairs of checkpoint saves reported by the current attempt, not yet committed.
     checkpoint_reports: frozenset[tuple[int, int]] = frozenset()
+    # Steps every rank reported whose manifest the adapter is writing (CommitCheckpoint sent, no
+    # CommitSucceeded / CommitFailed yet). Not committed: last_committed_step does not include them.
+    committing: frozenset[int] = frozenset()
     # The end-of-job export (status EXPORTING): which committed step, since when, and where it went.
     exporting_step: int | None = None
     export_started_at: float | None = None  # None while the group is still stopping
@@ -289,7 +313,7 @@ def initial_state(
     try:
         config.elastic.check(dp)
     except ResizeError as err:
-        raise SupervisorConfigError(str(err)) from err
+        raise SupervisorConfigError(str(err), field=err.field) from err
     return SupervisorState(
         status=Status.QUEUED,
         dp=dp,
@@ -427,6 +451,8 @@ def _on_checkpoint(
         return _ignore(state, f"checkpoint report from rank {event.rank}, outside world of {world}")
     if state.last_committed_step is not None and event.step <= state.last_committed_step:
         return _ignore(state, f"checkpoint step {event.step} <= committed step {state.last_committed_step}")
+    if event.step in state.committing:
+        return _ignore(state, f"checkpoint step {event.step} is already being committed")
     reports = state.checkpoint_reports | {(event.step, event.rank)}
     reported = sum(1 for step, _ in reports if step == event.step)
     if reported < world:
@@ -434,16 +460,37 @@ def _on_checkpoint(
             replace(state, checkpoint_reports=reports), [],
             f"checkpoint step {event.step}: {reported}/{world} ranks reported",
         )
-    committed = replace(
+    # Every rank saved its shards; the step counts only once the adapter wrote its manifest ([3]).
+    committing = replace(
         state,
+        committing=state.committing | {event.step},
+        checkpoint_reports=frozenset(r for r in reports if r[0] != event.step),
+    )
+    return _decision(
+        committing, [CommitCheckpoint(step=event.step)],
+        f"checkpoint step {event.step}: {world}/{world} ranks reported; writing its manifest",
+    )
+
+
+def _on_commit_succeeded(
+    state: SupervisorState, event: CommitSucceeded, now: float, config: SupervisorConfig
+) -> Decision:
+    if event.step not in state.committing:
+        return _ignore(state, f"CommitSucceeded(step {event.step}) for a step not being committed")
+    done = replace(state, committing=state.committing - {event.step})
+    if state.last_committed_step is not None and event.step <= state.last_committed_step:
+        why = f"checkpoint step {event.step} committed, but step {state.last_committed_step} is newer"
+        return _decision(done, [], why)
+    world = config.world_size(state.dp)
+    committed = replace(
+        done,
         last_committed_step=event.step,
-        checkpoint_reports=frozenset(r for r in reports if r[0] > event.step),
+        checkpoint_reports=frozenset(r for r in state.checkpoint_reports if r[0] > event.step),
     )
     actions: list[Action] = [
-        CommitCheckpoint(step=event.step),
         RecordEvent(kind="checkpoint_committed", detail=f"step {event.step}, {world} ranks"),
     ]
-    reason = f"checkpoint step {event.step} committed ({world}/{world} ranks)"
+    reason = f"checkpoint step {event.step} committed ({world}/{world} ranks, manifest written)"
     if (
         committed.status is Status.RUNNING
         and committed.pending
@@ -451,6 +498,29 @@ def _on_checkpoint(
     ):
         return _carry_out_pending(committed, now, config, actions, reason)
     return _decision(committed, actions, reason)
+
+
+def _on_commit_failed(state: SupervisorState, event: CommitFailed, now: float, config: SupervisorConfig) -> Decision:
+    if event.step not in state.committing:
+        return _ignore(state, f"CommitFailed(step {event.step}) for a step not being committed")
+    failed = replace(state, committing=state.committing - {event.step})
+    kept = "nothing" if state.last_committed_step is None else f"step {state.last_committed_step}"
+    detail = f"step {event.step}: {event.error}; the last committed checkpoint stays {kept}"
+    actions: list[Action] = [RecordEvent(kind="checkpoint_commit_failed", detail=detail)]
+    if (
+        failed.status is Status.RUNNING
+        and failed.group is GroupPhase.UP
+        and failed.pending
+        and event.step >= (failed.checkpoint_requested_step or 0)
+    ):
+        # The change waits for a commit that did not happen: ask again, within the same deadline [7].
+        what = "resize" if failed.pending_resize_dp is not None else "eviction"
+        retry = RequestCheckpoint(attempt=state.attempt, reason=f"retry before the {what}: commit of step "
+                                                               f"{event.step} failed")
+        actions += [retry, RecordEvent(kind="checkpoint_requested",
+                                       detail=f"again before the {what}: the commit of step {event.step} failed")]
+        return _decision(failed, actions, f"{detail}; checkpoint requested again for the pending {what}")
+    return _decision(failed, actions, detail)
 
 
 def _on_finished(state: SupervisorState, event: Finished, now: float, config: SupervisorConfig) -> Decision:
@@ -710,6 +780,8 @@ _HANDLERS = {
     StepReported: _on_step,
     Heartbeat: _on_heartbeat,
     CheckpointReported: _on_checkpoint,
+    CommitSucceeded: _on_commit_succeeded,
+    CommitFailed: _on_commit_failed,
     WorkerLost: _on_worker_lost,
     JobError: _on_job_error,
     Tick: _on_tick,
@@ -950,6 +1022,7 @@ def _try_launch(
         last_progress_at=None,
         backoff_until=None,
         checkpoint_reports=frozenset(),
+        committing=frozenset(),  # a late answer about the old group's commit is ignored [3]
     )
     launch = LaunchGroup(
         attempt=launched.attempt,

@@ -16,7 +16,8 @@ if TYPE_CHECKING:  # only an annotation here: supervisor.py imports this module
 
 __all__ = [
     "Abort", "Action", "Cancel", "CapacityChanged", "CheckpointFallback", "CheckpointReported",
-    "CommitCheckpoint", "Event", "ExcludeNode", "ExportCheckpoint", "ExportFailed", "Exported", "Finished",
+    "CommitCheckpoint", "CommitFailed", "CommitSucceeded", "Event", "ExcludeNode", "ExportCheckpoint",
+    "ExportFailed", "Exported", "Finished",
     "GroupReady", "GroupStopped", "Heartbeat", "JobError", "LaunchGroup", "MarkTerminal", "RecordEvent",
     "RequestCheckpoint", "ScaleRequested", "ScheduleWake", "Start", "StepReported", "StopGroup",
     "StragglerFlagged", "Tick", "WorkerLost",
@@ -60,6 +61,26 @@ class CheckpointReported:
     attempt: int
     step: int
     rank: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommitSucceeded:
+    """The adapter wrote (atomically) the manifest of checkpoint ``step`` after a CommitCheckpoint:
+    only now is the step a checkpoint a restart, a resize or an eviction may resume from.
+
+    No ``attempt``: a manifest on disk is a fact whatever group wrote the shards, so it is never stale.
+    """
+
+    step: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommitFailed:
+    """Writing the manifest of checkpoint ``step`` failed (a missing or short shard, a full disk): the
+    step is not a checkpoint, and restore keeps using the previous committed one."""
+
+    step: int
+    error: str
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -163,7 +184,8 @@ class ExportFailed:
 
 
 Event = Union[
-    Start, GroupReady, StepReported, Heartbeat, CheckpointReported, WorkerLost, JobError, Tick,
+    Start, GroupReady, StepReported, Heartbeat, CheckpointReported, CommitSucceeded, CommitFailed, WorkerLost,
+    JobError, Tick,
     CapacityChanged, ScaleRequested, StragglerFlagged, Cancel, Abort, Finished, GroupStopped,
     CheckpointFallback, Exported, ExportFailed,
 ]
@@ -190,6 +212,9 @@ class StopGroup:
 
 @dataclass(frozen=True, kw_only=True)
 class CommitCheckpoint:
+    """Every rank saved its shards of ``step``: write the manifest, then answer with CommitSucceeded
+    or CommitFailed (before any other event, so nothing acts on a commit that has not happened)."""
+
     step: int
 
 

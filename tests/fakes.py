@@ -22,9 +22,11 @@ import time
 import uuid
 from typing import Any
 
-from service.errors import ChaosDisabled, JobConflict, JobNotFound, SpecRejected
+from service import idempotency
+from service.errors import ChaosDisabled, JobConflict, JobNotFound, RankNotFound, SpecRejected
 from service.ports import RANK_ACTIONS, ChaosRequest
-from service.spec import JobSpec, SpecProblem, check_spec, resolve_paths
+from service.spec import JobSpec, SpecProblem, check_spec, pin_paths
+from service.storage_roots import StorageRoots, pin
 from service.store import EventRecord, JobRecord, JobStatus, JobStore, StepRecord
 from service.tenancy import ADMIN, Principal
 from workers.errors import ConfigError
@@ -60,12 +62,14 @@ class InMemoryManager:
         base_dir: str | None = None,
         steps_per_poll: int = 0,
         checkpoint_every: int = 5,
+        storage_roots: tuple[str, ...] = (),
     ):
         self.store = store
         self.enable_chaos = enable_chaos
         self.base_dir = base_dir or os.getcwd()
         self.steps_per_poll = steps_per_poll
         self.checkpoint_every = checkpoint_every
+        self.storage = StorageRoots.of(storage_roots or (self.base_dir,))  # the real rule; default root: base_dir
         self.chaos_orders: list[tuple[str, dict[str, Any]]] = []
         self.exports: list[tuple[str, int, str]] = []  # (job, step, out) of simulated exports
         self.closed = False
@@ -74,8 +78,10 @@ class InMemoryManager:
     # -- the port -------------------------------------------------------------------------------------
 
     def validate(self, spec: JobSpec) -> JobSpec:
-        """Same order as the real manager: spec rules, auto layout, planner rules; every problem at once."""
-        spec = resolve_paths(spec, self.base_dir)
+        """Same order as the real manager: storage roots, spec rules, auto layout, planner rules."""
+        spec, outside = pin_paths(spec, self.base_dir, self.storage)
+        if outside:
+            raise SpecRejected(outside)
         problems: list[SpecProblem] = list(check_spec(spec))
         if not problems and spec.is_auto:
             if _planner is None:
@@ -92,20 +98,33 @@ class InMemoryManager:
             raise SpecRejected(problems)
         return spec
 
-    def submit(self, spec: JobSpec, *, principal: Principal = ADMIN) -> JobRecord:
+    def submit(self, spec: JobSpec, *, principal: Principal = ADMIN, idempotency_key: str | None = None) -> JobRecord:
+        digest = idempotency.request_hash(spec) if idempotency_key is not None else None
+        if idempotency_key is not None:  # the real manager's rules (service/idempotency.py)
+            replayed = idempotency.replay(self.store, principal.tenant, idempotency.check_key(idempotency_key), digest)
+            if replayed is not None:
+                return replayed
         spec = self.validate(spec)
         layout = spec.layout
         job_id = f"{spec.name.lower()}-{uuid.uuid4().hex[:8]}"
         now = time.time()
-        self.store.create_job(
-            job_id=job_id,
-            name=spec.name,
-            spec=spec.model_dump(mode="json", by_alias=True),
-            world_size=layout.pp * layout.dp * layout.tp,
-            layout=_layout_text(layout.pp, layout.dp, layout.tp, layout.zero),
-            tenant=principal.tenant,
-            priority=spec.priority,
-        )
+        try:
+            self.store.create_job(
+                job_id=job_id,
+                name=spec.name,
+                spec=spec.model_dump(mode="json", by_alias=True),
+                world_size=layout.pp * layout.dp * layout.tp,
+                layout=_layout_text(layout.pp, layout.dp, layout.tp, layout.zero),
+                tenant=principal.tenant,
+                priority=spec.priority,
+                idempotency_key=idempotency_key,
+                request_hash=digest,
+            )
+        except JobConflict:
+            replayed = idempotency.replay(self.store, principal.tenant, idempotency_key, digest) if digest else None
+            if replayed is None:
+                raise
+            return replayed
         self.store.add_events(job_id, [(now, "submitted", {"message": "accepted"})])
         self.store.update_job(job_id, status=JobStatus.RUNNING, attempt=1)
         self.store.add_events(job_id, [(now, "started", {"message": "attempt 1 running"})])
@@ -133,6 +152,8 @@ class InMemoryManager:
         if job.is_terminal:
             raise JobConflict(f"job {job_id} is already {job.status.value}.", job_id=job_id, status=job.status,
                               fix="nothing to cancel")
+        # Like the real manager, the request is an event; the simulated supervisor then stops at once.
+        self.store.add_events(job_id, [(time.time(), "cancel_requested", {"message": "cancel requested via API"})])
         job = self.store.update_job(job_id, status=JobStatus.CANCELLED, expect_status=LIVE)
         self.store.add_events(job_id, [(time.time(), "cancelled", {"message": "cancelled by user"})])
         return job
@@ -161,6 +182,26 @@ class InMemoryManager:
         self.store.add_events(job_id, [(time.time(), "resized", {"message": f"running at dp={dp}"})])
         return job
 
+    def logs(self, job_id: str, rank: int, tail: int = 200, offset: int | None = None, *,
+             principal: Principal = ADMIN) -> dict[str, Any]:
+        """Simulated like the training: rank ``rank``'s lines are a start line and one line per step
+        trained so far (the real format of ``workers/worker.py``); ``next_offset`` counts lines."""
+        job = self._require(job_id, principal)
+        if rank >= job.world_size:
+            raise RankNotFound(job_id, rank, job.world_size)
+        if job.attempt == 0:
+            raise JobConflict(f"job {job_id} has not started yet ({job.status.value}): no rank has written a log.",
+                              job_id=job_id, field="rank", fix=f"wait until it runs (`etrain watch {job_id}`)")
+        total = JobSpec.model_validate(job.spec).training.steps
+        lines = [f"attempt 1: rank {rank}/{job.world_size} on 127.0.0.1, layout {job.layout}, fresh start"]
+        lines += [f"step {s}/{total} loss {simulated_loss(s):.4f} compute {0.8 * self.STEP_S:.3f}s "
+                  f"comm_wait {0.2 * self.STEP_S:.3f}s" for s in range(1, job.step + 1)]
+        if offset is None:
+            return {"job_id": job_id, "rank": rank, "lines": lines[-tail:], "next_offset": len(lines)}
+        start = 0 if offset > len(lines) else offset
+        chunk = lines[start:start + tail]
+        return {"job_id": job_id, "rank": rank, "lines": chunk, "next_offset": start + len(chunk)}
+
     def chaos(self, job_id: str, request: dict[str, Any], *, principal: Principal = ADMIN) -> dict[str, Any]:
         if not self.enable_chaos:
             raise ChaosDisabled()
@@ -184,7 +225,10 @@ class InMemoryManager:
         if spec.model.kind != "llama":
             raise ConfigError(f"job {job_id} trains the built-in GPT, which has no Hugging Face format.",
                               field="model.kind", fix="export a job that trains a Llama-family model")
-        out_dir = out if os.path.isabs(out) else os.path.join(self.base_dir, out)
+        out_dir = pin(out, self.base_dir)
+        refused = self.storage.check("out", out, out_dir)
+        if refused is not None:
+            raise SpecRejected([SpecProblem(field=refused.field, message=refused.message, fix=refused.fix)])
         if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
             raise JobConflict(f"out {out_dir} already exists and is not empty.", job_id=job_id, field="out",
                               fix="give a new or empty folder; exports never overwrite")
@@ -199,19 +243,42 @@ class InMemoryManager:
         return {"hf": out_dir, "step": chosen}
 
     def plan(self, spec: JobSpec) -> dict[str, Any]:
-        spec = resolve_paths(spec, self.base_dir)
+        spec, outside = pin_paths(spec, self.base_dir, self.storage)
+        if outside:
+            raise SpecRejected(outside)
         if _planner is not None:
             return _planner.plan_report(spec)  # check_spec + planner rules in one answer
         problems = [p.to_dict() for p in check_spec(spec)]
         return {"feasible": not problems, "problems": problems, "layout": None, "estimate": None, "auto": None}
 
+    #: The simulated cluster ``cluster()`` reports: one node, every job running on it at once.
+    NODE = {"node_id": "fake-node-1", "alive": True, "cpus": 1024.0, "gpus": 64.0}
+
+    def cluster(self, *, principal: Principal = ADMIN) -> dict[str, Any]:
+        """Jobs start at once here (no queue): each live job holds its world size x resources per worker."""
+        live = [job for job in self.store.active_jobs() if not job.is_terminal]
+        holders, used_cpus, used_gpus = [], 0.0, 0.0
+        for job in live:
+            resources = JobSpec.model_validate(job.spec).resources
+            cpus, gpus = job.world_size * resources.cpus_per_worker, job.world_size * resources.gpus_per_worker
+            used_cpus, used_gpus = used_cpus + cpus, used_gpus + gpus
+            if principal.can_see(job.tenant):
+                holders.append({"job_id": job.id, "status": job.status.value, "priority": job.priority,
+                                "tenant": job.tenant, "world_size": job.world_size, "cpus": cpus, "gpus": gpus,
+                                "nodes": [{"node_id": self.NODE["node_id"], "cpus": cpus, "gpus": gpus}]})
+        node = {**self.NODE, "free_cpus": self.NODE["cpus"] - used_cpus, "free_gpus": self.NODE["gpus"] - used_gpus}
+        totals = {"nodes": 1, "alive_nodes": 1, "cpus": node["cpus"], "gpus": node["gpus"],
+                  "free_cpus": node["free_cpus"], "free_gpus": node["free_gpus"], "running_jobs": len(live),
+                  "queued_jobs": 0}
+        return {"nodes": [node], "totals": totals, "jobs": holders, "queue": [], "observed_at": time.time()}
+
     def health(self) -> dict[str, Any]:
         return {"db": "ok" if self.store.ping() else "error", "ray": "ok", "runtime": "fake"}
 
-    def metrics_text(self) -> str:
+    def metrics_text(self, *, principal: Principal | None = None) -> str:
         from service.prometheus import render_job_metrics
 
-        return render_job_metrics(self.store)
+        return render_job_metrics(self.store, principal)
 
     def close(self) -> None:
         self.closed = True
@@ -272,9 +339,15 @@ class FakeRuntime:
     supervisor's update dict (status, fields, new events and step rows past the caller's cursors).
     """
 
-    def __init__(self, *, steps_per_update: int = 1, step_s: float = 0.1):
+    #: The simulated cluster (``cluster()``): one node big enough that every test job fits at once.
+    DEFAULT_NODES: dict[str, dict[str, float]] = {"fake-node-1": {"CPU": 1024.0, "GPU": 64.0}}
+
+    def __init__(self, *, steps_per_update: int = 1, step_s: float = 0.1,
+                 nodes: dict[str, dict[str, float]] | None = None):
         self.steps_per_update = steps_per_update
         self.step_s = step_s
+        self.nodes = {name: dict(total) for name, total in (nodes or self.DEFAULT_NODES).items()}
+        self.capacity_requests: list[list[dict[str, float]]] = []
         self.jobs: dict[str, dict[str, Any]] = {}
         self.calls: list[tuple[str, ...]] = []
         self.closed = False
@@ -321,7 +394,7 @@ class FakeRuntime:
                 "status": job["status"], "attempt": job["attempt"], "dp": job["dp"],
                 "world_size": parallel.pp * job["dp"] * parallel.tp,
                 "layout": _layout_text(parallel.pp, job["dp"], parallel.tp, parallel.zero),
-                "restarts": 0, "last_checkpoint_step": None, "error": job["error"], "step": job["step"],
+                "restarts": getattr(job["policy"], "restarts_used", 0), "last_checkpoint_step": None, "error": job["error"], "step": job["step"],
                 "loss": latest.get("loss"), "tokens_per_s": latest.get("tokens_per_s"), "stragglers": [],
                 "goodput": 0.9 if latest else None,
                 "artifacts": job.get("artifacts", {}),
@@ -369,6 +442,35 @@ class FakeRuntime:
 
     def health(self) -> dict[str, Any]:
         return {"ray": "ok", "nodes": 1}
+
+    def request_capacity(self, bundles: list[dict[str, float]]) -> None:
+        """Recorded, as an autoscaler would receive it (``capacity_requests``: every request in order)."""
+        self.calls.append(("request_capacity", str(len(bundles))))
+        self.capacity_requests.append([dict(bundle) for bundle in bundles])
+
+    def cluster(self) -> Any:
+        """``self.nodes``, minus what each live simulated job holds (its ranks packed node by node)."""
+        from service.admission import ClusterView, NodeView
+
+        with self._lock:
+            free = {name: dict(total) for name, total in self.nodes.items()}
+            holdings: dict[str, dict[str, dict[str, float]]] = {}
+            for job_id, job in self.jobs.items():
+                if job["status"] in ("SUCCEEDED", "FAILED", "CANCELLED"):
+                    continue
+                per_rank = job["policy"].resources_per_rank
+                parallel = job["config"].parallel
+                ranks = parallel.pp * job["dp"] * parallel.tp
+                held: dict[str, dict[str, float]] = {}
+                for name, left in free.items():
+                    while ranks and all(left.get(key, 0.0) >= amount for key, amount in per_rank.items()):
+                        for key, amount in per_rank.items():
+                            left[key] = left.get(key, 0.0) - amount
+                            held.setdefault(name, {})[key] = held.get(name, {}).get(key, 0.0) + amount
+                        ranks -= 1
+                holdings[job_id] = held
+            nodes = tuple(NodeView(id=name, alive=True, total=dict(self.nodes[name]), free=free[name]) for name in free)
+            return ClusterView(nodes=nodes, holdings=holdings)
 
     def close(self) -> None:
         self.closed = True

@@ -3,11 +3,18 @@
 Used by the end-to-end and chaos tests. The caller owns the Ray cluster (``ray.init`` on a local
 instance, or ``ray.cluster_utils.Cluster`` for several nodes); the control plane connects to it
 exactly as ``etrain serve --ray-address`` would. Every wait has a timeout.
+
+Auth is on, as in production: the server gets an admin token (``ControlPlane.token``; its ``client``
+sends it), tenants' tokens via ``tenant_tokens``, and ``ControlPlane.as_token(token)`` is the same
+server seen with another token. ``admin_headers(data_dir)`` reads the token an app with no token
+configured generated into ``<data_dir>/api-token`` (for in-process ``create_app`` tests).
 """
 
 from __future__ import annotations
 
+import secrets
 import socket
+import tempfile
 import threading
 import time
 from contextlib import contextmanager
@@ -27,11 +34,29 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def admin_headers(data_dir: Path) -> dict[str, str]:
+    """The ``Authorization`` header of the admin token an app without configured tokens generated."""
+    from service.api_token import read_api_token, token_path
+
+    return bearer(read_api_token(token_path(data_dir)))
+
+
 @dataclass
 class ControlPlane:
     url: str
     data_dir: Path
     client: httpx.Client
+    token: str = ""  # the admin token the client sends
+
+    @contextmanager
+    def as_token(self, token: str | None) -> Iterator["ControlPlane"]:
+        """This server through a client that sends ``token`` (None: no Authorization header)."""
+        with httpx.Client(base_url=self.url, timeout=30.0, headers=bearer(token) if token else {}) as client:
+            yield ControlPlane(url=self.url, data_dir=self.data_dir, client=client, token=token or "")
 
     def submit(self, spec: dict[str, Any]) -> dict[str, Any]:
         response = self.client.post("/v1/jobs", json=spec)
@@ -77,21 +102,44 @@ class ControlPlane:
         return self.wait_until(job_id, lambda job: job["status"] in TERMINAL, timeout_s=timeout_s, what="a terminal status")
 
 
+REPO = Path(__file__).resolve().parents[1]
+
+
+def storage_roots_for(data_dir: Path) -> tuple[Path, ...]:
+    """Storage roots for a test server: its data directory, the temp directory, the repository."""
+    return (Path(data_dir).resolve(), Path(tempfile.gettempdir()).resolve(), REPO)
+
+
 @contextmanager
-def control_plane(data_dir: Path, *, enable_chaos: bool = True, api_token: str | None = None) -> Iterator[ControlPlane]:
-    """Serve the real app (real JobManager, real SQLite, the already-initialised Ray) on a free port."""
+def control_plane(
+    data_dir: Path,
+    *,
+    enable_chaos: bool = True,
+    api_token: str | None = None,
+    tenant_tokens: dict[str, str] | None = None,
+    **settings_overrides: Any,
+) -> Iterator[ControlPlane]:
+    """Serve the real app (real JobManager, real SQLite, the already-initialised Ray) on a free port.
+
+    ``api_token``: the admin token (default: a random one); ``tenant_tokens``: tenant -> token;
+    ``settings_overrides``: any other ``Settings`` field (e.g. ``tenant_max_jobs``). Unless given,
+    ``storage_roots`` are the data directory, the temp directory (pytest's ``tmp_path`` data) and the
+    repository (specs that train on its source).
+    """
     from api.app import create_app
     from service.settings import Settings
 
+    settings_overrides.setdefault("storage_roots", storage_roots_for(data_dir))
     port = free_port()
+    api_token = api_token or secrets.token_urlsafe(16)
     settings = Settings(host="127.0.0.1", port=port, data_dir=data_dir, enable_chaos=enable_chaos,
-                        api_token=api_token, poll_interval_s=0.2)
+                        api_token=api_token, api_tokens=tenant_tokens or {}, poll_interval_s=0.2,
+                        **settings_overrides)
     server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, name="etrain-test-server", daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
-    headers = {"Authorization": f"Bearer {api_token}"} if api_token else {}
-    with httpx.Client(base_url=url, timeout=30.0, headers=headers) as client:
+    with httpx.Client(base_url=url, timeout=30.0, headers=bearer(api_token)) as client:
         deadline = time.monotonic() + 60
         while True:
             try:
@@ -104,7 +152,7 @@ def control_plane(data_dir: Path, *, enable_chaos: bool = True, api_token: str |
                 raise AssertionError("the control plane did not become healthy within 60s")
             time.sleep(0.2)
         try:
-            yield ControlPlane(url=url, data_dir=data_dir, client=client)
+            yield ControlPlane(url=url, data_dir=data_dir, client=client, token=api_token)
         finally:
             server.should_exit = True
             thread.join(timeout=30)

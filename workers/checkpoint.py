@@ -119,17 +119,20 @@ def load_checkpoint(
     *,
     process_group: dist.ProcessGroup | None = None,
     checksums: bool = True,
+    expect_digest: str | None = None,
 ) -> dict[str, Any]:
     """Restore model and optimizer state from a committed ``step_dir`` into the current layout.
 
     Collective. The manifest is verified first (the ranks hash a share of the files each and
     agree on the verdict); a directory that does not verify raises ``CheckpointError`` on every
-    rank before anything is read.
+    rank before anything is read. ``expect_digest`` (of the manifest the supervisor verified with the
+    service's key): the manifest read here must be exactly that one, and every rank hashes DCP's ``.metadata``
+    before DCP unpickles it, so a directory swapped after the supervisor's check is never loaded.
     The parts and optimizers may use any layout: DCP reads the slices each rank now owns. Returns
     the ``extra`` dict given to :func:`save_checkpoint`.
     """
     directory = os.fspath(step_dir)
-    _verify_together(directory, checksums, process_group)
+    _verify_together(directory, checksums, process_group, expect_digest)
     collected = _collect_state(model_parts, optimizers)
     state = collected.state
     try:
@@ -534,12 +537,13 @@ def _world_size(group: dist.ProcessGroup | None) -> int:
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
-def _verify_together(directory: str, checksums: bool, group: dist.ProcessGroup | None) -> None:
+def _verify_together(directory: str, checksums: bool, group: dist.ProcessGroup | None,
+                     expect_digest: str | None = None) -> None:
     """Every rank checks sizes and hashes its share of the files; all raise the first rank's error."""
     rank, world_size = _rank(group), _world_size(group)
     error: CheckpointError | None = None
     try:
-        verify(directory, checksums=checksums, share=(rank, world_size))
+        verify(directory, checksums=checksums, share=(rank, world_size), expect_digest=expect_digest)
     except CheckpointError as exc:
         error = exc
     except OSError as exc:  # unreadable file: still a verdict, so no peer is left waiting below

@@ -9,6 +9,17 @@ instant leaves either no manifest (the directory is ignored) or a complete one (
 ``ARCHITECTURE.md``). Corruption after the fact (a flipped byte, a truncated file) makes
 :func:`verify` fail and :func:`resolve_latest` falls back to the previous step.
 
+Manifests are signed. DCP's ``.metadata`` is unpickled by every rank at restore, so a step directory
+written by anyone but the service is code that runs on every rank. The supervisor commits with the
+service's key (``service/checkpoint_key.py``): the manifest carries ``hmac``, HMAC-SHA256 over the
+canonical (sorted-key, compact) JSON of everything else in it, including each file's SHA-256, and
+the job that committed it. Whatever will be *loaded* is first verified with the key
+(:class:`ManifestSignatureError` for an unsigned, edited or foreign manifest); the ranks, which do
+not hold the key, get the verified manifest's :attr:`Manifest.digest` from the supervisor and check
+that the manifest they read is that one (``expect_digest``), and hash ``.metadata`` before DCP
+unpickles it. Verifying without
+a key checks integrity only: fine for tools and housekeeping, never the gate before a load.
+
 Pure: standard library only. The supervisor, which must not import torch, commits, verifies,
 resolves and prunes with this module; ``workers/checkpoint.py`` (the torch side) produces the
 per-rank :class:`ShardReport` objects it consumes.
@@ -24,7 +35,9 @@ On-disk layout::
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import hmac as _hmac
 import json
 import os
 import re
@@ -38,6 +51,7 @@ __all__ = [
     "MANIFEST_NAME",
     "FileEntry",
     "Manifest",
+    "ManifestSignatureError",
     "Resolution",
     "ShardReport",
     "SkippedStep",
@@ -47,16 +61,27 @@ __all__ = [
     "latest_committed",
     "list_steps",
     "prune",
+    "read_manifest",
     "resolve_latest",
     "step_dir",
     "verify",
 ]
 
 MANIFEST_NAME = "manifest.json"
-FORMAT = "etrain.checkpoint/1"
+#: Version 2 added ``hmac`` and ``job_id``. Version 1 manifests are unsigned: still readable without a
+#: key (tools), refused with a key.
+FORMAT = "etrain.checkpoint/2"
+_UNSIGNED_FORMAT = "etrain.checkpoint/1"
+#: DCP's global index: the one file of a checkpoint that is unpickled (ranks hash it before loading).
+METADATA_NAME = ".metadata"
 _TMP_SUFFIX = ".tmp"
 _STEP_DIR_RE = re.compile(r"^step_(\d+)$")
 _HASH_CHUNK = 1 << 20
+
+
+class ManifestSignatureError(CheckpointError):
+    """The manifest is not signed with the verifier's key: unsigned (an older format, or written
+    outside the service), edited after commit, or signed by another service. Never loaded."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,13 +110,21 @@ class ShardReport:
 
 @dataclass(frozen=True, kw_only=True)
 class Manifest:
-    """The committed description of one checkpoint; ``layout`` is the writer's compact layout string."""
+    """The committed description of one checkpoint; ``layout`` is the writer's compact layout string.
+
+    ``job_id`` is the job that committed it (``None`` outside the service); ``hmac`` its signature
+    (``None``: unsigned); ``digest`` the SHA-256 of the whole manifest as read (signature included),
+    which lets a reader without the key check it reads the manifest a key holder verified.
+    """
 
     step: int
     layout: str
     world_size: int
     created_at: float
     files: tuple[FileEntry, ...]
+    job_id: str | None = None
+    hmac: str | None = None
+    digest: str | None = None
 
     @property
     def num_bytes(self) -> int:
@@ -105,6 +138,8 @@ class SkippedStep:
     step: int
     step_dir: str
     reason: str
+    #: True when the manifest's signature did not verify (forged, unsigned): refused, not merely corrupt.
+    refused: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -222,9 +257,14 @@ def commit(
     world_size: int,
     reports: list[ShardReport] | tuple[ShardReport, ...],
     *,
+    key: bytes | None = None,
+    job_id: str | None = None,
     created_at: float | None = None,
 ) -> Manifest:
     """Merge every rank's report and write ``manifest.json`` last, atomically: the commit point.
+
+    ``key`` signs it (the service always passes its key; ``None`` writes an unsigned manifest, which
+    only keyless tools accept) and ``job_id`` records the committing job (pruning deletes only its own).
 
     Refuses (``CheckpointError``, nothing written) unless exactly ranks ``0..world_size-1`` reported
     for this directory, no file is claimed twice, DCP's ``.metadata`` is among the files, and every
@@ -281,8 +321,11 @@ def commit(
         world_size=world_size,
         created_at=time.time() if created_at is None else created_at,
         files=tuple(sorted(files.values(), key=lambda e: e.path)),
+        job_id=job_id,
     )
-    atomic_write_bytes(os.path.join(directory, MANIFEST_NAME), _encode(manifest))
+    document = _document(manifest, key)
+    manifest = dataclasses.replace(manifest, hmac=document["hmac"], digest=hashlib.sha256(_canonical(document)).hexdigest())
+    atomic_write_bytes(os.path.join(directory, MANIFEST_NAME), _encode(document))
     # The step directory's own entry in the root must survive a power loss too.
     fsync_dir(os.path.dirname(os.path.normpath(directory)) or ".")
     return manifest
@@ -291,15 +334,25 @@ def commit(
 def verify(
     step_dir: str | os.PathLike,
     *,
+    key: bytes | None = None,
     checksums: bool = True,
     share: tuple[int, int] | None = None,
+    expect_digest: str | None = None,
 ) -> Manifest:
     """The manifest of a committed, intact checkpoint, or ``CheckpointError`` saying what is wrong.
 
-    Checks: the manifest exists and parses, its own checksum matches (a flipped byte in the manifest
-    is caught too), its step matches the directory name, and every listed file is present with the
-    recorded size and (``checksums=True``) SHA-256. ``checksums=False`` is the cheap check for
-    housekeeping; anything about to be *loaded* must pass the full one.
+    Checks: the manifest exists and parses, its signature verifies under ``key``
+    (:class:`ManifestSignatureError` otherwise; ``key=None`` skips this, see the module docstring),
+    its own checksum matches (a flipped byte in the manifest is caught too), its step matches the
+    directory name, and every listed file is present with the recorded size and
+    (``checksums=True``) SHA-256. ``checksums=False`` is the cheap check for housekeeping; anything
+    about to be *loaded* must pass the full one, with the key.
+
+    ``expect_digest``: the :attr:`Manifest.digest` of the manifest a key holder verified; the manifest
+    read here must have exactly it (a keyless reader cannot check the signature, but it can check that
+    every byte that was signed, the signature included, is the same), and ``.metadata`` (the file DCP
+    unpickles) is hashed even with ``checksums=False``. This is how a rank, which has no key, makes sure
+    it loads the checkpoint the supervisor verified.
 
     ``share=(index, count)`` hashes only files ``index, index + count, ...`` (sizes are still checked
     for all): ``count`` ranks each verify their share, so the hashing of a large checkpoint is
@@ -313,7 +366,12 @@ def verify(
     except FileNotFoundError:
         hint = " (a commit was interrupted)" if os.path.exists(path + _TMP_SUFFIX) else ""
         raise CheckpointError(f"{directory} is not committed: no {MANIFEST_NAME}{hint}") from None
-    manifest = _decode(raw, directory)
+    manifest = _decode(raw, directory, key)
+    if expect_digest is not None and not _hmac.compare_digest(manifest.digest or "", expect_digest):
+        raise CheckpointError(
+            f"{directory}: {MANIFEST_NAME} is not the one the supervisor verified (it changed since); "
+            "refusing to load it"
+        )
     match = _STEP_DIR_RE.match(os.path.basename(os.path.normpath(directory)))
     if match and int(match.group(1)) != manifest.step:
         raise CheckpointError(
@@ -327,7 +385,10 @@ def verify(
         problem = _size_problem(directory, entry)
         if problem:
             raise CheckpointError(f"{directory}: {problem}")
-    for entry in manifest.files[index::count] if checksums else ():
+    hashed = list(manifest.files[index::count]) if checksums else []
+    if expect_digest is not None:  # every rank unpickles .metadata: each hashes it itself
+        hashed += [entry for entry in manifest.files if entry.path == METADATA_NAME and entry not in hashed]
+    for entry in hashed:
         actual = sha256_file(os.path.join(directory, entry.path))
         if actual != entry.sha256:
             raise CheckpointError(
@@ -335,6 +396,18 @@ def verify(
                 f"disk {actual[:12]}…): the file changed after commit"
             )
     return manifest
+
+
+def read_manifest(step_dir: str | os.PathLike, *, key: bytes | None) -> Manifest:
+    """The manifest of ``step_dir`` with its signature (and checksum) checked, but not its files:
+    who committed a directory, cheaply (``CheckpointError`` / :class:`ManifestSignatureError`)."""
+    directory = os.fspath(step_dir)
+    try:
+        with open(os.path.join(directory, MANIFEST_NAME), "rb") as stream:
+            raw = stream.read()
+    except FileNotFoundError:
+        raise CheckpointError(f"{directory} is not committed: no {MANIFEST_NAME}") from None
+    return _decode(raw, directory, key)
 
 
 def _size_problem(directory: str, entry: FileEntry) -> str | None:
@@ -356,7 +429,7 @@ def _check_relative(path: str, directory: str) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# Encoding: canonical JSON with a checksum over the body.
+# Encoding: canonical JSON with a checksum over the body and an HMAC over everything else.
 
 
 def _body(manifest: Manifest) -> dict:
@@ -366,6 +439,7 @@ def _body(manifest: Manifest) -> dict:
         "layout": manifest.layout,
         "world_size": manifest.world_size,
         "created_at": manifest.created_at,
+        "job_id": manifest.job_id,
         "files": [{"path": f.path, "size": f.size, "sha256": f.sha256} for f in manifest.files],
     }
 
@@ -374,20 +448,62 @@ def _canonical(body: dict) -> bytes:
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 
-def _encode(manifest: Manifest) -> bytes:
+def _signature(key: bytes, document: dict) -> str:
+    """HMAC-SHA256 under ``key`` of the canonical JSON of ``document`` without its ``hmac`` field."""
+    unsigned = {name: value for name, value in document.items() if name != "hmac"}
+    return _hmac.new(key, _canonical(unsigned), hashlib.sha256).hexdigest()
+
+
+def _document(manifest: Manifest, key: bytes | None) -> dict:
+    """The manifest as written: body, its checksum, and (with ``key``) the signature over both."""
     body = _body(manifest)
     document = dict(body, checksum=hashlib.sha256(_canonical(body)).hexdigest())
+    document["hmac"] = _signature(key, document) if key is not None else None
+    return document
+
+
+def _encode(document: dict) -> bytes:
     return json.dumps(document, sort_keys=True, indent=1).encode() + b"\n"
 
 
-def _decode(raw: bytes, directory: str) -> Manifest:
+def _check_signature(document: dict, directory: str, key: bytes) -> None:
+    """Before anything else in the document is believed: unsigned or forged is ManifestSignatureError."""
+    given = document.get("hmac")
+    if given is None:
+        if document.get("format") == _UNSIGNED_FORMAT:
+            raise ManifestSignatureError(
+                f"{directory}: {MANIFEST_NAME} has format {_UNSIGNED_FORMAT!r}, written before checkpoints "
+                "were signed; it carries no signature, so this service will not load it",
+                fix="retrain from scratch (or from model.hf); checkpoints written from now on are signed",
+            )
+        raise ManifestSignatureError(
+            f"{directory}: {MANIFEST_NAME} is unsigned (no hmac signature); only checkpoints this service "
+            "committed are loaded",
+            fix="resume only from checkpoint directories this service wrote",
+        )
+    if not isinstance(given, str) or not _hmac.compare_digest(_signature(key, document), given):
+        raise ManifestSignatureError(
+            f"{directory}: {MANIFEST_NAME} signature does not verify (edited after commit, or signed by "
+            "another service's key); refusing to load it",
+            fix="resume only from checkpoint directories this service wrote (its key is <data-dir>/checkpoint-key)",
+        )
+
+
+def _decode(raw: bytes, directory: str, key: bytes | None = None) -> Manifest:
     try:
         document = json.loads(raw)
+        if not isinstance(document, dict):
+            raise TypeError(f"a JSON object was expected, got {type(document).__name__}")
+        if key is not None:
+            _check_signature(document, directory, key)
+        digest = hashlib.sha256(_canonical(document)).hexdigest()
+        signed = document.pop("hmac", None)
         checksum = document.pop("checksum")
         if hashlib.sha256(_canonical(document)).hexdigest() != checksum:
             raise CheckpointError(f"{directory}: {MANIFEST_NAME} checksum mismatch (the manifest is corrupt)")
-        if document["format"] != FORMAT:
+        if document["format"] not in (FORMAT, _UNSIGNED_FORMAT):
             raise CheckpointError(f"{directory}: unknown manifest format {document['format']!r}")
+        job_id = document.get("job_id")
         return Manifest(
             step=int(document["step"]),
             layout=str(document["layout"]),
@@ -397,6 +513,9 @@ def _decode(raw: bytes, directory: str) -> Manifest:
                 FileEntry(path=str(f["path"]), size=int(f["size"]), sha256=str(f["sha256"]))
                 for f in document["files"]
             ),
+            job_id=None if job_id is None else str(job_id),
+            hmac=None if signed is None else str(signed),
+            digest=digest,
         )
     except CheckpointError:
         raise
@@ -408,33 +527,43 @@ def _decode(raw: bytes, directory: str) -> Manifest:
 # Choosing and pruning
 
 
-def resolve_latest(root: str | os.PathLike, *, checksums: bool = True) -> Resolution:
+def resolve_latest(root: str | os.PathLike, *, checksums: bool = True, key: bytes | None = None) -> Resolution:
     """The newest step under ``root`` whose manifest verifies, with the reasons newer ones were skipped.
 
-    Partial directories (a save that crashed, an interrupted commit) and corrupted checkpoints are
-    passed over for the previous step, never loaded.
+    Partial directories (a save that crashed, an interrupted commit), corrupted checkpoints and, with
+    ``key``, unsigned or forged ones (``refused=True``) are passed over for the previous step, never loaded.
     """
     skipped: list[SkippedStep] = []
     for step, directory in reversed(list_steps(root)):
         try:
-            manifest = verify(directory, checksums=checksums)
+            manifest = verify(directory, key=key, checksums=checksums)
         except CheckpointError as exc:
-            skipped.append(SkippedStep(step=step, step_dir=directory, reason=str(exc)))
+            skipped.append(SkippedStep(step=step, step_dir=directory, reason=str(exc),
+                                       refused=isinstance(exc, ManifestSignatureError)))
             continue
         return Resolution(step=step, step_dir=directory, manifest=manifest, skipped=tuple(skipped))
     return Resolution(step=None, step_dir=None, manifest=None, skipped=tuple(skipped))
 
 
-def latest_committed(root: str | os.PathLike, *, checksums: bool = True) -> tuple[int, str] | None:
+def latest_committed(
+    root: str | os.PathLike, *, checksums: bool = True, key: bytes | None = None
+) -> tuple[int, str] | None:
     """``(step, step_dir)`` of the newest verifying checkpoint, or ``None``.
 
     See :func:`resolve_latest` for the same answer with the skipped directories and their reasons.
     """
-    found = resolve_latest(root, checksums=checksums)
+    found = resolve_latest(root, checksums=checksums, key=key)
     return None if found.step is None else (found.step, found.step_dir)
 
 
-def prune(root: str | os.PathLike, keep_last: int, *, checksums: bool = True) -> list[str]:
+def prune(
+    root: str | os.PathLike,
+    keep_last: int,
+    *,
+    checksums: bool = True,
+    key: bytes | None = None,
+    owner: str | None = None,
+) -> list[str]:
     """Delete what no restart will need; return the deleted directories.
 
     Keeps the newest ``keep_last`` checkpoints that verify (so never the newest usable one) and any
@@ -443,6 +572,11 @@ def prune(root: str | os.PathLike, keep_last: int, *, checksums: bool = True) ->
     than the newest checkpoint that never committed or no longer verify. With no verifying
     checkpoint at all nothing is deleted.
 
+    ``owner`` (with ``key``, as the supervisor calls it): only directories whose manifest carries this
+    job id under a valid signature are deleted, so a job never deletes what it did not commit (another
+    job's steps in a shared directory, forgeries, partial directories it cannot attribute); only
+    checkpoints that verify under ``key`` count as kept.
+
     ``checksums=True`` (default) hashes the kept checkpoints: with size-only checks a bit-flipped
     newest step could be "kept" while the truly usable previous one is deleted.
     Each deletion removes ``manifest.json`` first, so a crash half-way through leaves an uncommitted
@@ -450,13 +584,15 @@ def prune(root: str | os.PathLike, keep_last: int, *, checksums: bool = True) ->
     """
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1 (the newest checkpoint is never pruned), got {keep_last}")
+    if owner is not None and key is None:
+        raise ValueError("prune(owner=...) needs the key that proves the owner committed a directory")
     steps = list_steps(root)
     kept: list[int] = []
     for step, directory in reversed(steps):
         if len(kept) == keep_last:
             break
         try:
-            verify(directory, checksums=checksums)
+            verify(directory, key=key, checksums=checksums)
         except CheckpointError:
             continue
         kept.append(step)
@@ -467,9 +603,18 @@ def prune(root: str | os.PathLike, keep_last: int, *, checksums: bool = True) ->
     for step, directory in steps:
         if step in kept or step > newest:
             continue
+        if owner is not None and not _committed_by(directory, owner, key):
+            continue
         _delete_step_dir(directory)
         deleted.append(directory)
     return deleted
+
+
+def _committed_by(directory: str, owner: str, key: bytes) -> bool:
+    try:
+        return read_manifest(directory, key=key).job_id == owner
+    except CheckpointError:
+        return False
 
 
 def _delete_step_dir(directory: str) -> None:

@@ -413,16 +413,19 @@ class Trainer:
         model_parts, optimizers, extra = self.state_for_checkpoint()
         return save_checkpoint(step_dir, model_parts, optimizers, extra)
 
-    def restore(self, step_dir: str, *, verify_checksums: bool = True) -> int:
+    def restore(self, step_dir: str, *, verify_checksums: bool = True, expect_digest: str | None = None) -> int:
         """Load a committed checkpoint saved under any layout (DCP reshards by FQN).
 
         Restores parameters, optimizer state and RNG; returns the step to run next. The manifest and
         file sizes are always checked; ``verify_checksums=False`` skips re-hashing when the caller
         (the supervisor, right before launch) has just verified the checksums itself.
+        ``expect_digest``: the digest of the manifest the supervisor verified; the manifest read here
+        must be that one (see ``workers.checkpoint.load_checkpoint``).
         """
         from workers.checkpoint import load_checkpoint, restore_rng_state
 
-        extra = load_checkpoint(step_dir, self.model_parts, self.optimizers, checksums=verify_checksums)
+        extra = load_checkpoint(step_dir, self.model_parts, self.optimizers, checksums=verify_checksums,
+                                expect_digest=expect_digest)
         restore_rng_state(extra.get("rng") or {})
         self.next_step = int(extra["step"])
         return self.next_step

@@ -53,6 +53,9 @@ class LaunchPlan:
     start_step: int  # first step to run (0 on a fresh start)
     resume_dir: str | None  # committed checkpoint directory to load before start_step
     chaos: tuple[ChaosOrder, ...] = ()
+    #: The digest of resume_dir's manifest as the supervisor verified it with the service's key (ranks
+    #: have no key): the rank loads only that very manifest (workers.manifest.verify(expect_digest=)).
+    resume_digest: str | None = None
 
 
 @dataclass
@@ -160,8 +163,39 @@ class TrainWorker:
         """Rendezvous, build the trainer, restore, and train until the plan's last step.
 
         Returns ``{"final_step", "final_loss", "stopped"}``; raises on any failure (the supervisor
-        classifies it).
+        classifies it). Everything the attempt prints, each step and any error go to the rank's log
+        file (``workers/rank_log.py``: what ``etrain logs`` shows).
         """
+        import traceback
+
+        from workers.rank_log import RankLog, rank_log_path
+
+        root = plan.config.checkpoint.path
+        log = RankLog(rank_log_path(root, self.job_id, self.rank)) if root else None
+        if log is not None:
+            info = self.node_info()
+            log.write(f"attempt {plan.attempt}: rank {self.rank}/{self.world_size} on {info['ip']} (node "
+                      f"{info['node_id'][:12]}, pid {info['pid']}), layout {plan.config.parallel.describe()}, "
+                      + (f"resuming step {plan.start_step} from {plan.resume_dir}" if plan.resume_dir
+                         else "fresh start"))
+            log.capture()
+        try:
+            result = self._train(plan, master_addr, master_port, log)
+        except BaseException as err:
+            if log is not None:
+                log.write(f"attempt {plan.attempt}: failed: {type(err).__name__}: {err}\n"
+                          + traceback.format_exc().rstrip())
+            raise
+        else:
+            if log is not None:
+                log.write(f"attempt {plan.attempt}: {'stopped' if result['stopped'] else 'finished'} at step "
+                          f"{result['final_step']}")
+            return result
+        finally:
+            if log is not None:
+                log.close()
+
+    def _train(self, plan: LaunchPlan, master_addr: str, master_port: int, log: Any) -> dict[str, Any]:
         import torch
         import torch.distributed as dist
 
@@ -190,7 +224,7 @@ class TrainWorker:
             )
             if plan.resume_dir:
                 # The supervisor verified this checkpoint's checksums just before the launch.
-                trainer.restore(plan.resume_dir, verify_checksums=False)
+                trainer.restore(plan.resume_dir, verify_checksums=False, expect_digest=plan.resume_digest)
             if config.checkpoint.async_save:
                 from workers.checkpoint import AsyncCheckpointer
 
@@ -202,10 +236,16 @@ class TrainWorker:
                 metrics = trainer.train_step(step)
                 final_loss = metrics.loss
                 self._supervisor.report_step.remote(plan.attempt, self.rank, dataclasses.asdict(metrics))
+                if log is not None:
+                    log.write(f"step {step + 1}/{config.training.steps} loss {metrics.loss:.4f} "
+                              f"compute {metrics.compute_s:.3f}s comm_wait {metrics.comm_wait_s:.3f}s")
                 last = step == config.training.steps - 1
                 every = config.checkpoint.every_steps
                 if last or (every and (step + 1) % every == 0) or (step + 1) in self._checkpoint_at:
                     self._save(trainer, step + 1, plan.attempt)
+                    if log is not None:
+                        log.write(f"checkpoint step {step + 1} "
+                                  + ("save started (async)" if config.checkpoint.async_save else "saved"))
                 if self._stop.is_set():
                     return self._result(trainer, step + 1, final_loss, stopped=True)
             return self._result(trainer, config.training.steps, final_loss, stopped=False)

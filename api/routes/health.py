@@ -7,17 +7,24 @@ from typing import Annotated
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from api.routes import get_manager
+from api.routes import get_manager, get_optional_principal
+from api.schemas import COMMON_RESPONSES, ErrorOut
 from service.ports import JobManagerPort
+from service.tenancy import Principal
 
-router = APIRouter(tags=["operations"])
+router = APIRouter(tags=["operations"], responses=COMMON_RESPONSES)
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 Manager = Annotated[JobManagerPort, Depends(get_manager)]
 
 
-@router.get("/healthz")
+@router.get(
+    "/healthz",
+    responses={503: {"description": "a dependency (database, Ray) is not ok: the same report as 200 with "
+                                    "ok=false, or the error body when the job service is not running",
+                     "content": {"application/json": {"schema": {"type": "object"}}}}},
+)
 def healthz(manager: Manager) -> JSONResponse:
     """200 when the manager reports ok (database and Ray reachable), else 503 with the same body.
 
@@ -29,7 +36,14 @@ def healthz(manager: Manager) -> JSONResponse:
     return JSONResponse(report, status_code=200 if report["ok"] else 503)
 
 
-@router.get("/metrics", response_class=PlainTextResponse)
-def metrics(manager: Manager) -> PlainTextResponse:
-    """Prometheus text exposition of job gauges."""
-    return PlainTextResponse(manager.metrics_text(), media_type=PROMETHEUS_CONTENT_TYPE)
+@router.get(
+    "/metrics",
+    response_class=PlainTextResponse,
+    responses={401: {"model": ErrorOut, "description": "an Authorization header with a token this server does not know"}},
+)
+def metrics(
+    manager: Manager, viewer: Annotated[Principal | None, Depends(get_optional_principal)]
+) -> PlainTextResponse:
+    """Prometheus text exposition of job gauges: aggregates for anyone; with a bearer token (optional)
+    also the per-job gauges of the jobs that token may see (the admin: all)."""
+    return PlainTextResponse(manager.metrics_text(principal=viewer), media_type=PROMETHEUS_CONTENT_TYPE)

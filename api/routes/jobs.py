@@ -1,15 +1,20 @@
 """/v1/jobs: submit, list, inspect, follow, cancel, resize, export and (when enabled) break jobs.
 
 Handlers are plain ``def``: the manager blocks (SQLite, Ray calls), so FastAPI runs them in its
-thread pool. Errors are raised as ``service.errors`` and turned into HTTP by ``api/errors.py``.
+thread pool. The one exception is GET /events, ``async`` so that a following (streaming) client holds
+no thread while it waits. Errors are raised as ``service.errors`` and turned into HTTP by ``api/errors.py``.
+No handler waits on Ray: cancel and scale are handed to the supervisor off the request thread (202).
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Query, Response
+from fastapi import APIRouter, Depends, Header, Query, Response
+from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
+from api import sse
 from api.routes import get_manager, get_principal, require_chaos
 from api.schemas import (
     ChaosRequest,
@@ -20,19 +25,28 @@ from api.schemas import (
     ExportRequest,
     JobListOut,
     JobOut,
+    LogsOut,
     ScaleRequest,
     StepOut,
     StepsOut,
+    V1_RESPONSES,
 )
+from service import idempotency
+from service.bounds import MAX_CURSOR
 from service.ports import JobManagerPort
 from service.spec import JobSpec
 from service.store import JobStatus
 from service.tenancy import Principal
 
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=V1_RESPONSES)
 
 Manager = Annotated[JobManagerPort, Depends(get_manager)]
 Caller = Annotated[Principal, Depends(get_principal)]
+#: Largest event/step sequence number a query may name (SQLite integers are 64-bit).
+MAX_SEQ = MAX_CURSOR
+#: Bounds of GET /logs: a rank index no layout reaches, and the most lines one answer carries.
+MAX_RANK = 1 << 20
+MAX_LOG_TAIL = 10_000
 _NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"model": ErrorOut, "description": "no such job"}}
 _CONFLICT: dict[int | str, dict[str, Any]] = {**_NOT_FOUND, 409: {"model": ErrorOut, "description": "job is terminal"}}
 
@@ -41,11 +55,33 @@ _CONFLICT: dict[int | str, dict[str, Any]] = {**_NOT_FOUND, 409: {"model": Error
     "",
     status_code=201,
     response_model=JobOut,
-    responses={422: {"model": ErrorOut, "description": "the spec is invalid or infeasible"}},
+    responses={
+        422: {"model": ErrorOut, "description": "the spec is invalid or infeasible"},
+        429: {"model": ErrorOut, "description": "a per-tenant quota (ETRAIN_TENANT_MAX_JOBS / _MAX_WORKERS) is "
+                                                "full; the body's quota object has the numbers"},
+        200: {"model": JobOut, "description": "an earlier submission with this Idempotency-Key and the same "
+                                              "spec created this job; nothing new was created"},
+        409: {"model": ErrorOut, "description": "this Idempotency-Key was used for a different spec"},
+    },
 )
-def submit_job(spec: JobSpec, response: Response, manager: Manager, caller: Caller) -> JobOut:
+def submit_job(
+    spec: JobSpec,
+    response: Response,
+    manager: Manager,
+    caller: Caller,
+    idempotency_key: Annotated[str | None, Header(
+        alias=idempotency.HEADER,
+        description="makes retries safe: the same key and spec return the job the first request created "
+                    "(200); the same key with another spec is 409. Per tenant. A UUID per logical submission.",
+        # Checked by service.idempotency.check_key (a 422 naming the header and the fix); declared here.
+        json_schema_extra={"minLength": 1, "maxLength": idempotency.MAX_KEY_LENGTH,
+                           "pattern": idempotency.KEY_PATTERN},
+    )] = None,
+) -> JobOut:
     """Validate the spec (fields, cross-field rules, planner), record the job and start it."""
-    job = manager.submit(spec, principal=caller)
+    job = manager.submit(spec, principal=caller, idempotency_key=idempotency_key)
+    if isinstance(job, idempotency.ReplayedJob):
+        response.status_code = 200
     response.headers["Location"] = f"/v1/jobs/{job.id}"
     return JobOut.of(job)
 
@@ -54,9 +90,10 @@ def submit_job(spec: JobSpec, response: Response, manager: Manager, caller: Call
 def list_jobs(
     manager: Manager,
     caller: Caller,
-    status: Annotated[JobStatus | None, Query(description="only jobs in this status")] = None,
+    # Typed without None (default None): the document offers "absent or a status", never null.
+    status: Annotated[JobStatus, Query(description="only jobs in this status")] = None,  # type: ignore[assignment]
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-    offset: Annotated[int, Query(ge=0)] = 0,
+    offset: Annotated[int, Query(ge=0, le=MAX_CURSOR)] = 0,
 ) -> JobListOut:
     jobs = manager.list(status=status, limit=limit, offset=offset, principal=caller)
     return JobListOut(jobs=[JobOut.of(job) for job in jobs], limit=limit, offset=offset)
@@ -67,16 +104,53 @@ def get_job(job_id: str, manager: Manager, caller: Caller) -> JobOut:
     return JobOut.of(manager.get(job_id, principal=caller))
 
 
-@router.get("/{job_id}/events", response_model=EventsOut, responses=_NOT_FOUND)
-def job_events(
+@router.get(
+    "/{job_id}/events",
+    response_model=EventsOut,
+    responses={
+        **_NOT_FOUND,
+        200: {
+            "description": "the events (JSON); with follow=true a server-sent event stream (api/sse.py): each "
+                           "event as `id: <seq>` + `data: <event JSON>`, `event: status` on status changes, "
+                           "`event: step` per step with steps=true, `: keepalive` comments, `event: end` last",
+            # One event of the stream (OpenAPI 3.1: the schema of an event-stream describes each event).
+            "content": {sse.MEDIA_TYPE: {"schema": {
+                "type": "object", "required": ["event", "data"],
+                "properties": {"event": {"enum": ["message", "status", "step", "end"]},
+                               "data": {"type": "string", "description": "JSON: an event, the job or a step row"},
+                               "id": {"type": "string"}, "retry": {"type": "integer"}}}}},
+        },
+    },
+)
+async def job_events(
     job_id: str,
     manager: Manager,
     caller: Caller,
-    since: Annotated[int, Query(ge=0, description="only events with seq > since")] = 0,
-) -> EventsOut:
-    events = manager.events(job_id, since_seq=since, principal=caller)
-    next_since = events[-1].seq if events else since
-    return EventsOut(job_id=job_id, events=[EventOut.of(e) for e in events], next_since=next_since)
+    since: Annotated[int, Query(ge=0, le=MAX_SEQ, description="only events with seq > since")] = 0,
+    follow: Annotated[bool, Query(description="stream (text/event-stream) until the job ends")] = False,
+    steps: Annotated[bool, Query(description="follow only: also stream each per-step metrics row")] = False,
+    steps_since: Annotated[int, Query(ge=-1, le=MAX_SEQ, description="follow only: steps > this")] = -1,
+    timeout_s: Annotated[float, Query(gt=0, le=sse.MAX_STREAM_S,
+                                      description="follow only: close the stream after this long")] = sse.MAX_STREAM_S,
+    last_event_id: Annotated[int, Header(alias="Last-Event-ID", ge=0, le=MAX_SEQ,
+                                                description="follow only: resume after this seq "
+                                                            "(overrides since)")] = None,  # type: ignore[assignment]
+) -> Any:
+    """The job's events, oldest first; ``follow=true`` streams them as they happen.
+
+    ``async``: a stream sleeps on the event loop between reads of the store (through the thread pool),
+    so a following client holds no thread while it waits."""
+    if not follow:
+        events = await run_in_threadpool(manager.events, job_id, since_seq=since, principal=caller)
+        next_since = events[-1].seq if events else since
+        return EventsOut(job_id=job_id, events=[EventOut.of(e) for e in events], next_since=next_since)
+    await run_in_threadpool(manager.get, job_id, principal=caller)  # 404 now, not inside a 200 stream
+    stream = sse.job_event_stream(
+        manager, job_id, caller, since=since if last_event_id is None else last_event_id,
+        steps=steps, steps_since=steps_since, max_s=timeout_s,
+    )
+    return StreamingResponse(stream, media_type=sse.MEDIA_TYPE,
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 @router.get("/{job_id}/metrics", response_model=StepsOut, responses=_NOT_FOUND)
@@ -84,7 +158,7 @@ def job_metrics(
     job_id: str,
     manager: Manager,
     caller: Caller,
-    since: Annotated[int, Query(ge=-1, description="only steps > since")] = -1,
+    since: Annotated[int, Query(ge=-1, le=MAX_SEQ, description="only steps > since")] = -1,
 ) -> StepsOut:
     """Per-step history: loss, throughput and the compute / communication-wait split."""
     steps = manager.steps(job_id, since_step=since, principal=caller)
@@ -92,15 +166,48 @@ def job_metrics(
     return StepsOut(job_id=job_id, steps=[StepOut.of(s) for s in steps], next_since=next_since)
 
 
-@router.post("/{job_id}/cancel", response_model=JobOut, responses=_CONFLICT)
+@router.post("/{job_id}/cancel", status_code=202, response_model=JobOut, responses=_CONFLICT)
 def cancel_job(job_id: str, manager: Manager, caller: Caller) -> JobOut:
+    """Ask the job to stop; answers at once (202) with the job as it is now. The request is recorded
+    (``cancel_requested``) and handed to the job's supervisor off this thread; follow the job (GET, or
+    the event stream) to CANCELLED."""
     return JobOut.of(manager.cancel(job_id, principal=caller))
 
 
-@router.post("/{job_id}/scale", response_model=JobOut, responses=_CONFLICT)
+@router.post(
+    "/{job_id}/scale",
+    status_code=202,
+    response_model=JobOut,
+    responses={**_CONFLICT, 422: {"model": ErrorOut, "description": "dp outside min_dp..max_dp or not legal"}},
+)
 def scale_job(job_id: str, request: ScaleRequest, manager: Manager, caller: Caller) -> JobOut:
-    """Change the data-parallel degree; tp and pp never change and the global batch is kept."""
+    """Change the data-parallel degree; tp and pp never change and the global batch is kept.
+
+    Answers at once (202): the request is recorded (``scale_requested``) and handed to the supervisor,
+    which checkpoints, stops the group and relaunches at the new size (RESIZING, then ``resized``)."""
     return JobOut.of(manager.scale(job_id, request.dp, principal=caller))
+
+
+@router.get(
+    "/{job_id}/logs",
+    response_model=LogsOut,
+    responses={
+        404: {"model": ErrorOut, "description": "no such job, or the job never had this rank"},
+        409: {"model": ErrorOut, "description": "the job has not started: no rank has written a log"},
+    },
+)
+def job_logs(
+    job_id: str,
+    manager: Manager,
+    caller: Caller,
+    rank: Annotated[int, Query(ge=0, le=MAX_RANK, description="the rank (0 .. world_size - 1)")] = 0,
+    tail: Annotated[int, Query(ge=1, le=MAX_LOG_TAIL, description="at most this many lines")] = 200,
+    offset: Annotated[int, Query(ge=0, le=MAX_SEQ, description="next_offset of the previous answer: only "
+                                                             "lines written after it")] = None,  # type: ignore[assignment]
+) -> LogsOut:
+    """The rank's recent log lines (what it printed, one line per step, errors with tracebacks), read
+    from its log file in the job's checkpoint folder; ``offset`` follows the file (``etrain logs -f``)."""
+    return LogsOut.model_validate(manager.logs(job_id, rank, tail, offset, principal=caller))
 
 
 @router.post(
@@ -110,6 +217,7 @@ def scale_job(job_id: str, request: ScaleRequest, manager: Manager, caller: Call
         **_NOT_FOUND,
         400: {"model": ErrorOut, "description": "the job's model has no Hugging Face format"},
         409: {"model": ErrorOut, "description": "no such committed checkpoint, or out is not empty"},
+        422: {"model": ErrorOut, "description": "the body is invalid, or out is outside the storage roots"},
     },
 )
 def export_job(job_id: str, request: ExportRequest, manager: Manager, caller: Caller) -> ExportOut:
@@ -124,7 +232,8 @@ def export_job(job_id: str, request: ExportRequest, manager: Manager, caller: Ca
 @router.post(
     "/{job_id}/chaos",
     dependencies=[Depends(require_chaos)],
-    responses={**_NOT_FOUND, 403: {"model": ErrorOut, "description": "chaos is disabled on this server"}},
+    responses={**_CONFLICT, 403: {"model": ErrorOut,
+                                   "description": "chaos is disabled on this server, or the caller is not the admin"}},
 )
 def inject_fault(job_id: str, request: ChaosRequest, manager: Manager, caller: Caller) -> dict[str, Any]:
     """Inject a fault into a running job (servers started with ETRAIN_ENABLE_CHAOS=1 only).

@@ -12,13 +12,15 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends
 
 from api.routes import get_manager
-from api.schemas import ErrorOut
+from api.schemas import V1_RESPONSES, ErrorOut
 from service.ports import JobManagerPort
 from service.spec import JobSpec
 
-router = APIRouter(prefix="/v1", tags=["plan"])
+router = APIRouter(prefix="/v1", tags=["plan"], responses=V1_RESPONSES)
 
 
-@router.post("/plan", responses={422: {"model": ErrorOut, "description": "the body is not a job spec"}})
+@router.post("/plan", responses={422: {"model": ErrorOut, "description": "the body is not a job spec (a field out "
+                                                                          "of bounds, an unknown field), or a path "
+                                                                          "is outside the storage roots"}})
 def plan(spec: JobSpec, manager: Annotated[JobManagerPort, Depends(get_manager)]) -> dict[str, Any]:
     return manager.plan(spec)

@@ -59,6 +59,13 @@ def serving(manager: InMemoryManager, data_dir: Path, **settings: Any) -> Iterat
         assert not thread.is_alive(), "uvicorn did not stop"
 
 
+@pytest.fixture(autouse=True)
+def client_data_dir(tmp_path, monkeypatch):
+    """The CLI reads a local server's token from $ETRAIN_DATA_DIR/api-token: point it at the test server's."""
+    monkeypatch.setenv("ETRAIN_DATA_DIR", str(tmp_path))
+    monkeypatch.delenv("ETRAIN_API_TOKEN", raising=False)
+
+
 @pytest.fixture
 def manager(tmp_path):
     with JobStore(tmp_path / "etrain.db") as store:

@@ -73,10 +73,15 @@ def test_cpu_workers_keep_the_default_and_nothing_is_probed(make_manager):
     manager = make_manager(gpu_memory_gb=39.4)
     assert manager.plan(spec("cpu"))["estimate"]["memory"]["device_gib"] == 8.0
     assert ("accelerator_memory_gb",) not in manager.runtime.calls
-    # No GPUs detected (or none free to probe): the cuda default, and a job's own value is trusted.
+    # No GPUs detected (or none free to probe): the cuda default, which a job may lower but not raise
+    # (the operator raises it with ETRAIN_DEVICE_MEMORY_GB).
     unknown = make_manager(gpu_memory_gb=None)
     assert unknown.plan(spec())["estimate"]["memory"]["device_gib"] == 80.0
-    assert unknown.plan(spec(device_memory_gb=141))["estimate"]["memory"]["device_gib"] == 141.0
+    assert unknown.plan(spec(device_memory_gb=40))["estimate"]["memory"]["device_gib"] == 40.0
+    raised = unknown.plan(spec(device_memory_gb=141))
+    assert raised["feasible"] is False and [p["field"] for p in raised["problems"]] == ["resources.device_memory_gb"]
+    assert "141 GiB exceeds the 80 GiB per GPU" in raised["problems"][0]["message"]
+    assert make_manager(gpu_memory_gb=None, device_memory_gb=141.0).plan(spec(device_memory_gb=141))["feasible"]
 
 
 def test_the_setting_comes_from_the_environment():

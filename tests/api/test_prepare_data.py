@@ -20,6 +20,7 @@ from api import cli
 from api.app import create_app
 from service.settings import Settings
 from tests.fakes import FakeRuntime
+from tests.service_harness import admin_headers
 from tests.tiny_tokenizers import CORPUS, byte_bpe
 from workers.tokenized import CACHE_DIR_SUFFIX
 
@@ -120,7 +121,8 @@ def test_the_console_command_runs_without_a_server(bpe, corpus):
 @pytest.fixture
 def manager(tmp_path):
     manager_module = pytest.importorskip("service.manager")  # imports Ray (not started)
-    manager = manager_module.JobManager(Settings(data_dir=tmp_path / "state", poll_interval_s=60),
+    manager = manager_module.JobManager(Settings(data_dir=tmp_path / "state", poll_interval_s=60,
+                                                 storage_roots=(tmp_path.parent,)),  # bpe: another tmp dir
                                         runtime=FakeRuntime(), base_dir=str(tmp_path))
     yield manager
     manager.close()
@@ -132,7 +134,8 @@ def job(data: dict[str, Any], **model: Any) -> dict[str, Any]:
 
 
 def test_submit_tokenizes_once_with_the_same_function(tmp_path, manager, bpe, corpus):
-    client = TestClient(create_app(Settings(data_dir=tmp_path / "state"), manager=manager))
+    client = TestClient(create_app(Settings(data_dir=tmp_path / "state"), manager=manager),
+                        headers=admin_headers(tmp_path / "state"))
     spec = job({"kind": "text", "path": "corpus", "tokenizer": str(bpe)})  # relative to the server's dir
 
     first = client.post("/v1/jobs", json=spec)
@@ -154,7 +157,8 @@ def test_submit_tokenizes_once_with_the_same_function(tmp_path, manager, bpe, co
 
 
 def test_submit_refuses_a_tokenizer_the_model_cannot_embed(tmp_path, manager, bpe, corpus):
-    client = TestClient(create_app(Settings(data_dir=tmp_path / "state"), manager=manager))
+    client = TestClient(create_app(Settings(data_dir=tmp_path / "state"), manager=manager),
+                        headers=admin_headers(tmp_path / "state"))
 
     response = client.post("/v1/jobs", json=job({"kind": "text", "path": str(corpus), "tokenizer": str(bpe)},
                                                 vocab_size=256))
@@ -168,7 +172,8 @@ def test_submit_refuses_a_tokenizer_the_model_cannot_embed(tmp_path, manager, bp
 
 
 def test_submit_bounds_the_work_and_points_at_prepare_data(tmp_path, manager, bpe, corpus):
-    client = TestClient(create_app(Settings(data_dir=tmp_path / "state"), manager=manager))
+    client = TestClient(create_app(Settings(data_dir=tmp_path / "state"), manager=manager),
+                        headers=admin_headers(tmp_path / "state"))
     spec = job({"kind": "text", "path": str(corpus), "tokenizer": str(bpe)})
     manager.submit_tokenize_max_bytes = 1000  # the corpus is ~13 kB
 

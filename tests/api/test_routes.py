@@ -19,6 +19,7 @@ from service.errors import ServiceUnavailable
 from service.settings import Settings
 from service.store import JobStatus, JobStore
 from tests.fakes import FakeRuntime, InMemoryManager, simulated_loss
+from tests.service_harness import admin_headers
 
 TOKEN = "test-token-123"
 
@@ -46,8 +47,10 @@ def manager(store, tmp_path):
 
 
 def make_client(tmp_path, manager, **settings: Any) -> TestClient:
+    """A client of the app; it sends the admin token the app generated unless the test sets api_token."""
     app = create_app(Settings(data_dir=tmp_path, **settings), manager=manager)
-    return TestClient(app, raise_server_exceptions=False)
+    headers = {} if settings.get("api_token") else admin_headers(tmp_path)
+    return TestClient(app, raise_server_exceptions=False, headers=headers)
 
 
 @pytest.fixture
@@ -240,7 +243,10 @@ def test_an_unknown_job_is_404(client, method, path, body):
 def test_cancel_twice_is_a_conflict(client):
     job_id = submit(client)["id"]
     first = client.post(f"/v1/jobs/{job_id}/cancel")
-    assert (first.status_code, first.json()["status"]) == (200, "CANCELLED")
+    assert first.status_code == 202  # accepted; the fake's simulated supervisor stops at once
+    assert client.get(f"/v1/jobs/{job_id}").json()["status"] == "CANCELLED"
+    kinds = [e["kind"] for e in client.get(f"/v1/jobs/{job_id}/events").json()["events"]]
+    assert kinds[-2:] == ["cancel_requested", "cancelled"]
 
     second = client.post(f"/v1/jobs/{job_id}/cancel")
     assert second.status_code == 409
@@ -250,7 +256,7 @@ def test_cancel_twice_is_a_conflict(client):
 def test_scale_resizes_within_the_elastic_range(client):
     job_id = submit(client, resources={"min_dp": 1, "max_dp": 4})["id"]
     response = client.post(f"/v1/jobs/{job_id}/scale", json={"dp": 4})
-    assert response.status_code == 200
+    assert response.status_code == 202
     assert (response.json()["world_size"], "dp4" in response.json()["layout"]) == (4, True)
 
 
@@ -539,11 +545,11 @@ def test_unknown_endpoints_and_methods_answer_in_the_error_shape(client):
 def test_the_manager_dependency_can_be_overridden(tmp_path, manager):
     app = create_app(Settings(data_dir=tmp_path))  # no manager and no lifespan run: the override serves
     app.dependency_overrides[get_manager] = lambda: manager
-    assert TestClient(app).get("/v1/jobs").json()["jobs"] == []
+    assert TestClient(app, headers=admin_headers(tmp_path)).get("/v1/jobs").json()["jobs"] == []
 
 
 def test_without_a_manager_routes_answer_503_not_500(tmp_path):
-    response = TestClient(create_app(Settings(data_dir=tmp_path))).get("/v1/jobs")
+    response = TestClient(create_app(Settings(data_dir=tmp_path)), headers=admin_headers(tmp_path)).get("/v1/jobs")
     assert (response.status_code, response.json()["error"]) == (503, "service_unavailable")
 
 
@@ -563,7 +569,7 @@ def test_the_app_builds_its_own_manager_in_the_lifespan_and_closes_it(tmp_path, 
     settings = Settings(data_dir=tmp_path)
     app = create_app(settings, on_ready=ready.append)
 
-    with TestClient(app) as client:
+    with TestClient(app, headers=admin_headers(tmp_path)) as client:
         assert client.post("/v1/jobs", json=tiny_spec()).status_code == 201
         assert len(built) == 1 and built[0].settings is settings and ready == built
     assert built[0].closed and app.state.manager is None
@@ -604,8 +610,15 @@ def test_the_real_manager_fits_the_routes(tmp_path, real_manager):
     assert order.status_code == 200 and order.json()["armed"] is True
     assert real_manager.runtime.jobs[other]["chaos"] == [{"action": "kill_rank", "rank": 1, "at_step": 3}]
     assert "rank" in problems(client.post(f"/v1/jobs/{other}/chaos", json={"action": "kill_rank", "rank": 9}))
-    cancelled = client.post(f"/v1/jobs/{other}/cancel")
-    assert (cancelled.status_code, cancelled.json()["status"]) == (200, JobStatus.CANCELLED)
+    cancelled = client.post(f"/v1/jobs/{other}/cancel")  # answered at once; delivered off the request thread
+    assert cancelled.status_code == 202 and not JobStatus(cancelled.json()["status"]).is_terminal
+    deadline = time.monotonic() + 10
+    while client.get(f"/v1/jobs/{other}").json()["status"] != JobStatus.CANCELLED:
+        assert time.monotonic() < deadline, "the cancel never reached the simulated supervisor"
+        time.sleep(0.05)
+    assert ("cancel", other) in real_manager.runtime.calls
+    kinds = [e["kind"] for e in client.get(f"/v1/jobs/{other}/events").json()["events"]]
+    assert kinds.index("cancel_requested") < kinds.index("cancelled")
 
     assert client.get("/healthz").status_code == 200
     assert f'etrain_jobs{{status="SUCCEEDED"}} 1.0' in client.get("/metrics").text

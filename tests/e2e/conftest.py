@@ -12,7 +12,7 @@ ray = pytest.importorskip("ray")
 @pytest.fixture(scope="module")
 def local_ray():
     """A 4-CPU local Ray instance owned by the test module (the control plane connects to it)."""
-    ray.init(num_cpus=4, include_dashboard=False, namespace="etrain", log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, namespace="etrain", log_to_driver=False)
     try:
         yield
     finally:

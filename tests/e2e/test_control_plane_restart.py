@@ -2,15 +2,26 @@
 
 * The API server stops mid-job; a new one on the same data directory reattaches to the job's live,
   detached supervisor: the job finishes with no restart, and its events and steps are complete.
-* A job's supervisor actor is killed; the control plane notices and starts a new supervisor that
+* A job's supervisor actor is killed; the control plane notices and queues it again; a new supervisor
   resumes from the last committed checkpoint (counted as one restart) and finishes the job.
+* ``etrain serve`` (a real process) is SIGKILLed with one job running and two queued; a new one on
+  the same data directory reattaches to the running job and admits the queued ones by priority:
+  every job succeeds exactly once, with a complete event list and no duplicate.
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
 import pytest
 
-from tests.service_harness import control_plane, event_kinds
+from tests.service_harness import REPO, ControlPlane, bearer, control_plane, event_kinds, free_port
 
 ray = pytest.importorskip("ray")
 
@@ -61,3 +72,97 @@ def test_a_killed_supervisor_is_recreated_from_the_last_checkpoint(local_ray, tm
         assert final["restarts"] == 1 and final["step"] == 400
         kinds = event_kinds(plane.events(job["id"]))
         assert "supervisor_lost" in kinds and "resuming" in kinds
+
+
+# --- SIGKILL of a real `etrain serve` with jobs running and queued --------------------------------------
+
+
+def whole_machine(name: str, priority: int, steps: int) -> dict:
+    """A tiny job that takes the whole 4-CPU test machine (2 ranks x 2 CPUs)."""
+    return {
+        "name": name,
+        "priority": priority,
+        "model": {"n_layers": 1, "d_model": 16, "n_heads": 2, "vocab_size": 32, "seq_len": 8},
+        "data": {"kind": "synthetic", "seed": 2},
+        "parallelism": {"dp": 2},
+        "resources": {"cpus_per_worker": 2},
+        "training": {"steps": steps, "global_batch": 8, "micro_batch": 2, "lr": 0.01, "seed": 1},
+        "checkpoint": {"every_steps": 10},
+        "stragglers": {"enabled": False},
+    }
+
+
+class Server:
+    """``etrain serve`` as its own process on the test's Ray cluster (``--ray-address``)."""
+
+    def __init__(self, data_dir: Path, token: str):
+        self.port = free_port()
+        self.log = data_dir.parent / f"serve-{self.port}.log"
+        env = {**os.environ, "ETRAIN_API_TOKEN": token, "ETRAIN_POLL_INTERVAL_S": "0.2"}
+        command = [sys.executable, "-m", "api.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+                   "--data-dir", str(data_dir), "--ray-address", ray.get_runtime_context().gcs_address,
+                   "--log-level", "warning"]
+        with open(self.log, "wb") as log:
+            self.process = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        self.client = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=30.0, headers=bearer(token))
+        self.plane = ControlPlane(url=str(self.client.base_url), data_dir=data_dir, client=self.client, token=token)
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                if self.client.get("/healthz").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline or self.process.poll() is not None:
+                self.kill()
+                raise AssertionError(f"etrain serve did not become healthy:\n{self.log.read_text()[-3000:]}")
+            time.sleep(0.2)
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown hook runs, the database is left as it was mid-write."""
+        self.client.close()
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+        self.process.wait(timeout=30)
+
+
+def test_a_sigkilled_control_plane_loses_no_queued_or_running_job(local_ray, tmp_path):
+    data_dir, token = tmp_path / "data", "restart-admin-token"
+    first = Server(data_dir, token)
+    try:
+        running = first.plane.submit(whole_machine("running", priority=0, steps=60))["id"]
+        first.plane.wait_until(running, lambda job: job["status"] == "RUNNING", timeout_s=60, what="RUNNING")
+        low = first.plane.submit(whole_machine("low", priority=1, steps=12))["id"]
+        high = first.plane.submit(whole_machine("high", priority=5, steps=12))["id"]
+        queue = first.client.get("/v1/cluster").json()["queue"]
+        assert [(entry["job_id"], entry["position"]) for entry in queue] == [(high, 1), (low, 2)]
+    finally:
+        first.kill()
+
+    second = Server(data_dir, token)
+    try:
+        plane = second.plane
+        finals = {job_id: plane.wait_terminal(job_id, timeout_s=120) for job_id in (running, high, low)}
+        assert {job_id: job["status"] for job_id, job in finals.items()} == dict.fromkeys(finals, "SUCCEEDED")
+        assert [job["restarts"] for job in finals.values()] == [0, 0, 0]
+        spans = {}
+        for job_id in (running, high, low):
+            events = plane.events(job_id)
+            kinds = event_kinds(events)
+            seen = [(e["kind"], e["ts"], str(e["detail"])) for e in events]
+            assert len(set(seen)) == len(seen), f"duplicate events: {kinds}"
+            assert [e["seq"] for e in events] == list(range(1, len(events) + 1))
+            expected_head = ["submitted", "admitted"] if job_id == running else ["submitted", "queued", "admitted"]
+            assert kinds[:len(expected_head)] == expected_head, kinds
+            for kind in ("submitted", "admitted", "launching", "started", "succeeded"):
+                assert kinds.count(kind) == 1, (kind, kinds)
+            assert kinds[-1] == "succeeded" and "supervisor_lost" not in kinds, kinds
+            spans[job_id] = (next(e["ts"] for e in events if e["kind"] == "started"),
+                             next(e["ts"] for e in events if e["kind"] == "succeeded"))
+            steps = [row["step"] for row in plane.steps(job_id)]
+            assert steps == list(range(1, finals[job_id]["step"] + 1)), job_id
+        order = sorted(spans, key=lambda job_id: spans[job_id][0])
+        assert order == [running, high, low]  # the queued ones by priority
+        assert spans[running][1] <= spans[high][0] and spans[high][1] <= spans[low][0]  # one at a time
+    finally:
+        second.kill()

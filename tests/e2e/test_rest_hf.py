@@ -138,7 +138,7 @@ def test_fine_tune_a_transformers_llama_through_rest_and_load_the_result(plane, 
     # `etrain export` of an earlier committed step, and POST /export of the last one, to new folders.
     out = io.StringIO()
     earlier_dir = tmp_path / "exports" / f"step{CHECKPOINT_EVERY}"
-    code = cli.main(["--url", plane.url, "export", job["id"], "--step", str(CHECKPOINT_EVERY),
+    code = cli.main(["--url", plane.url, "--token", plane.token, "export", job["id"], "--step", str(CHECKPOINT_EVERY),
                      "--out", str(earlier_dir)], out=out, err=out)
     assert code == 0, out.getvalue()
     assert out.getvalue().strip() == str(earlier_dir)

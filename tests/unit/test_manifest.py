@@ -6,6 +6,8 @@ Pure: fake "DCP" files in temporary directories, no torch. Each test reads as on
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
 import pickle
@@ -16,6 +18,7 @@ from workers.errors import CheckpointError
 from workers.manifest import (
     MANIFEST_NAME,
     FileEntry,
+    ManifestSignatureError,
     ShardReport,
     checkpoint_files,
     commit,
@@ -23,10 +26,12 @@ from workers.manifest import (
     latest_committed,
     list_steps,
     prune,
+    read_manifest,
     resolve_latest,
     step_dir,
     verify,
 )
+from workers.manifest import _canonical  # the one canonical encoding the signature is over
 
 WORLD = 2
 
@@ -284,3 +289,169 @@ def test_prune_with_nothing_committed_deletes_nothing(tmp_path):
     assert [s for s, _ in list_steps(tmp_path)] == [100]
     with pytest.raises(ValueError, match="keep_last must be >= 1"):
         prune(tmp_path, keep_last=0)
+
+
+# -- signed manifests (issue #8): the key holder loads only what it committed --------------------------
+
+KEY = bytes(range(32))
+OTHER_KEY = bytes(range(1, 33))
+
+
+def _signed(root, step: int, *, job_id: str = "job-a", key: bytes = KEY) -> str:
+    directory, reports = _fake_save(root, step)
+    commit(directory, step, "pp1·dp2·tp1 zero=3", WORLD, reports, key=key, job_id=job_id, created_at=1000.0 + step)
+    return directory
+
+
+def _document(directory: str) -> dict:
+    with open(os.path.join(directory, MANIFEST_NAME), "rb") as stream:
+        return json.loads(stream.read())
+
+
+def _rewrite(directory: str, document: dict) -> None:
+    """Write a manifest as an attacker would: valid JSON, its checksum recomputed, the hmac kept."""
+    body = {name: value for name, value in document.items() if name not in ("checksum", "hmac")}
+    document = dict(document, checksum=hashlib.sha256(_canonical(body)).hexdigest())
+    _write(os.path.join(directory, MANIFEST_NAME), json.dumps(document, sort_keys=True, indent=1).encode())
+
+
+def test_a_signed_manifest_carries_an_hmac_over_everything_else_and_verifies_with_the_key(tmp_path):
+    directory = _signed(tmp_path, 100)
+    document = _document(directory)
+    assert document["format"] == "etrain.checkpoint/2" and document["job_id"] == "job-a"
+    unsigned = {name: value for name, value in document.items() if name != "hmac"}
+    assert document["hmac"] == hmac.new(KEY, _canonical(unsigned), hashlib.sha256).hexdigest()
+    manifest = verify(directory, key=KEY)
+    assert (manifest.step, manifest.job_id, manifest.hmac) == (100, "job-a", document["hmac"])
+    assert read_manifest(directory, key=KEY).job_id == "job-a"
+
+
+@pytest.mark.parametrize("where", [b'"layout": "', b'"world_size": ', b'"job_id": "', b'"size": ', b'"step": '])
+def test_a_tampered_byte_of_the_manifest_is_a_signature_error(tmp_path, where):
+    """One byte of a value changed (the JSON stays valid): the signature, checked first, refuses it."""
+    directory = _signed(tmp_path, 100)
+    path = os.path.join(directory, MANIFEST_NAME)
+    raw = bytearray(open(path, "rb").read())
+    at = raw.index(where) + len(where)
+    raw[at] = ord("3") if raw[at] != ord("3") else ord("4")
+    _write(path, bytes(raw))
+    with pytest.raises(ManifestSignatureError, match="signature does not verify"):
+        verify(directory, key=KEY, checksums=False)
+    with pytest.raises(CheckpointError, match="checksum mismatch"):  # without a key: integrity only
+        verify(directory, checksums=False)
+
+
+def test_an_edited_manifest_with_a_recomputed_checksum_passes_integrity_but_not_the_signature(tmp_path):
+    """The forgery the checksum cannot catch: a shard swapped for the attacker's, its sha256 and size
+    written into the manifest and the checksum recomputed."""
+    directory = _signed(tmp_path, 100)
+    _write(os.path.join(directory, ".metadata"), b"cos\nsystem\n(S'echo pwned'\ntR.")  # a pickle payload
+    document = _document(directory)
+    for entry in document["files"]:
+        if entry["path"] == ".metadata":
+            entry.update(file_entry(directory, ".metadata").__dict__)
+    _rewrite(directory, document)
+    assert verify(directory).step == 100  # keyless: a self-consistent directory
+    with pytest.raises(ManifestSignatureError, match="signature does not verify"):
+        verify(directory, key=KEY)
+    resolution = resolve_latest(tmp_path, key=KEY)
+    assert resolution.step is None and [s.refused for s in resolution.skipped] == [True]
+
+
+def test_a_manifest_signed_with_another_key_is_refused(tmp_path):
+    directory = _signed(tmp_path, 100, key=OTHER_KEY)
+    assert verify(directory, key=OTHER_KEY).step == 100
+    with pytest.raises(ManifestSignatureError, match="signature does not verify"):
+        verify(directory, key=KEY)
+    with pytest.raises(ManifestSignatureError):
+        read_manifest(directory, key=KEY)
+
+
+def test_a_manifest_without_an_hmac_is_refused_as_unsigned(tmp_path):
+    unsigned = _save_and_commit(tmp_path, 100)  # committed without a key: hmac null
+    assert _document(unsigned)["hmac"] is None
+    with pytest.raises(ManifestSignatureError, match="unsigned"):
+        verify(unsigned, key=KEY)
+    removed = _signed(tmp_path, 200)
+    document = _document(removed)
+    del document["hmac"]
+    _rewrite(removed, document)
+    with pytest.raises(ManifestSignatureError, match="unsigned"):
+        verify(removed, key=KEY)
+    assert latest_committed(tmp_path) == (200, removed)  # both pass the keyless integrity check
+    assert latest_committed(tmp_path, key=KEY) is None
+
+
+def test_an_old_format_manifest_is_refused_with_a_clear_error(tmp_path):
+    """Format 1 (before signing) is readable without a key, refused with one, and says why."""
+    directory = _signed(tmp_path, 100)
+    document = _document(directory)
+    del document["hmac"], document["job_id"]
+    document["format"] = "etrain.checkpoint/1"
+    _rewrite(directory, document)
+    assert verify(directory).step == 100
+    with pytest.raises(ManifestSignatureError, match="'etrain.checkpoint/1', written before checkpoints were signed"):
+        verify(directory, key=KEY)
+
+
+def test_ranks_without_the_key_load_only_the_manifest_the_supervisor_verified(tmp_path):
+    directory = _signed(tmp_path, 100)
+    verified = verify(directory, key=KEY)
+    assert verified.digest == commit_digest(directory)
+    assert verify(directory, checksums=False, expect_digest=verified.digest).step == 100
+    replaced = _signed(tmp_path / "elsewhere", 100, job_id="job-b")  # another valid manifest, other contents
+    os.replace(os.path.join(replaced, MANIFEST_NAME), os.path.join(directory, MANIFEST_NAME))
+    with pytest.raises(CheckpointError, match="not the one the supervisor verified"):
+        verify(directory, checksums=False, expect_digest=verified.digest)
+
+
+def test_a_rank_catches_an_edit_that_keeps_the_verified_signature(tmp_path):
+    """The rank cannot check the HMAC, so it compares the whole manifest: the signed body changed under
+    a copied (now wrong) hmac field is still a different manifest."""
+    directory = _signed(tmp_path, 100)
+    verified = verify(directory, key=KEY)
+    document = _document(directory)
+    document["layout"] = "forged"
+    _rewrite(directory, document)  # the hmac field is kept as it was
+    assert _document(directory)["hmac"] == verified.hmac
+    with pytest.raises(CheckpointError, match="not the one the supervisor verified"):
+        verify(directory, checksums=False, expect_digest=verified.digest)
+
+
+def test_with_an_expected_digest_every_rank_hashes_the_metadata_it_will_unpickle(tmp_path):
+    """checksums=False skips hashing the shards, never .metadata when a digest is expected: a file
+    swapped after the supervisor's check (same size) is caught on the rank, before DCP reads it."""
+    directory = _signed(tmp_path, 100)
+    verified = verify(directory, key=KEY).digest
+    _flip_byte(os.path.join(directory, ".metadata"))
+    assert verify(directory, checksums=False).step == 100  # the size is unchanged
+    for rank in range(3):
+        with pytest.raises(CheckpointError, match=r"\.metadata sha256 mismatch"):
+            verify(directory, checksums=False, share=(rank, 3), expect_digest=verified)
+
+
+def commit_digest(directory: str) -> str:
+    return hashlib.sha256(_canonical(_document(directory))).hexdigest()
+
+
+def test_prune_with_an_owner_deletes_only_that_jobs_signed_checkpoints(tmp_path):
+    """A job never deletes what it did not commit: another job's steps, forgeries, partial saves."""
+    mine = {step: _signed(tmp_path, step, job_id="job-a") for step in (100, 300, 500, 600)}
+    theirs = _signed(tmp_path, 200, job_id="job-b")
+    foreign = _signed(tmp_path, 400, key=OTHER_KEY, job_id="job-a")  # claims job-a, wrong key
+    partial, _reports = _fake_save(tmp_path, 50)  # never committed
+
+    deleted = prune(tmp_path, keep_last=2, key=KEY, owner="job-a")
+
+    assert deleted == [mine[100], mine[300]]
+    assert [step for step, _ in list_steps(tmp_path)] == [50, 200, 400, 500, 600]
+    assert all(os.path.isdir(path) for path in (theirs, foreign, partial))
+    with pytest.raises(ValueError, match="needs the key"):
+        prune(tmp_path, keep_last=1, owner="job-a")
+
+
+def test_prune_keeps_by_signature_so_a_forged_newest_step_never_evicts_the_good_one(tmp_path):
+    good = _signed(tmp_path, 100)
+    forged = _signed(tmp_path, 200, key=OTHER_KEY)
+    assert prune(tmp_path, keep_last=1, key=KEY, owner="job-a") == []
+    assert os.path.isdir(good) and os.path.isdir(forged)

@@ -556,7 +556,10 @@ class TestEstimate:
         h200 = gpu_spec("llama3-8b", {"dp": 8, "zero": 3})
         assert estimate(h200, available_gb=139.8).device_memory_bytes == int(139.8 * GiB)
         assert device_memory_gb(gpu_spec("llama3-8b", device_memory_gb=60), available_gb=139.8) == 60
-        assert device_memory_gb(gpu_spec("llama3-8b", device_memory_gb=100)) == 100  # nothing known: trusted
+        # Nothing known: the default (80 GiB per GPU) is the limit too; only the operator can raise it.
+        assert device_memory_gb(gpu_spec("llama3-8b", device_memory_gb=100)) == 80
+        assert fields(check_plan(gpu_spec("llama3-8b", {"dp": 8, "zero": 3}, device_memory_gb=100)))[0] == (
+            "resources.device_memory_gb")
         assert check_plan(h200, available_gb=139.8) == []
         asks_more = gpu_spec("llama3-8b", {"dp": 8, "zero": 3}, device_memory_gb=100)
         problems = check_plan(asks_more, available_gb=79.1)

@@ -220,6 +220,16 @@ def test_cursors_default_to_zero_and_keep_the_last_value(store):
     assert store.get_cursor("job-1") == 42
 
 
+def test_events_and_their_cursor_are_written_together(store):
+    make_job(store)
+    store.add_events("job-1", [(1.0, "started", {})], cursor=7)
+    assert store.get_cursor("job-1") == 7
+    with pytest.raises(JobNotFound):  # nothing is half-written for a missing job
+        store.add_events("nope", [(1.0, "x", {})], cursor=3)
+    assert store.get_cursor("nope") == 0
+    assert store.add_events("job-1", [], cursor=9) == [] and store.get_cursor("job-1") == 7
+
+
 # -- durability and the file ---------------------------------------------------------------------------
 
 

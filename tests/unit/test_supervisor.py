@@ -18,6 +18,8 @@ from service.supervisor import (
     CapacityChanged,
     CheckpointReported,
     CommitCheckpoint,
+    CommitFailed,
+    CommitSucceeded,
     ExcludeNode,
     ExportCheckpoint,
     Exported,
@@ -116,13 +118,20 @@ def types(decision):
     return [type(a).__name__ for a in decision.actions]
 
 
-def commit_all(state, step, now=50.0, config=CONFIG):
-    """All ranks of the current world report `step`; returns the last decision."""
+def report_all(state, step, now=50.0, config=CONFIG):
+    """All ranks of the current world report `step`; returns the last report's decision."""
     decision = None
     for rank in range(config.world_size(state.dp)):
         decision = decide(state, CheckpointReported(attempt=state.attempt, step=step, rank=rank), now, config)
         state = decision.state
     return decision
+
+
+def commit_all(state, step, now=50.0, config=CONFIG):
+    """All ranks report `step` and the adapter writes its manifest; returns the CommitSucceeded decision."""
+    reported = report_all(state, step, now, config)
+    assert of(reported, CommitCheckpoint) == [CommitCheckpoint(step=step)], reported.reason
+    return decide(reported.state, CommitSucceeded(step=step), now, config)
 
 
 class Story:
@@ -141,9 +150,12 @@ class Story:
         return decision
 
     def checkpoint(self, now, step):
+        """Every rank reports ``step``; the adapter commits it (the decision of CommitSucceeded)."""
         decision = None
         for rank in range(self.config.world_size(self.state.dp)):
             decision = self.at(now, CheckpointReported(attempt=self.state.attempt, step=step, rank=rank))
+        if of(decision, CommitCheckpoint):
+            decision = self.at(now, CommitSucceeded(step=step))
         return decision
 
     @property
@@ -345,12 +357,13 @@ class TestCheckpointCommit:
             state = d.state
         assert "7/8 ranks" in d.reason
         d = decide(state, CheckpointReported(attempt=1, step=10, rank=7), 6.0, CONFIG)
-        assert d.actions == (
-            CommitCheckpoint(step=10),
-            RecordEvent(kind="checkpoint_committed", detail="step 10, 8 ranks"),
-        )
-        assert d.state.last_committed_step == 10
+        # The last report asks for the manifest; nothing is committed until it is written.
+        assert d.actions == (CommitCheckpoint(step=10),)
+        assert (d.state.last_committed_step, d.state.committing) == (None, frozenset({10}))
         assert d.state.checkpoint_reports == frozenset()
+        d = decide(d.state, CommitSucceeded(step=10), 6.0, CONFIG)
+        assert d.actions == (RecordEvent(kind="checkpoint_committed", detail="step 10, 8 ranks"),)
+        assert (d.state.last_committed_step, d.state.committing) == (10, frozenset())
 
     def test_a_rank_reporting_twice_counts_once(self):
         state = running()
@@ -383,6 +396,105 @@ class TestCheckpointCommit:
         # The save finished before the failure: every rank reported it, so it is safe to use.
         d = commit_all(stopping(), 9)
         assert d.state.last_committed_step == 9 and d.state.status is Status.RECOVERING
+
+
+class TestCommitOutcome:
+    """Only the adapter's answer to CommitCheckpoint (the manifest written, or not) commits a step."""
+
+    def committing(self, step=16, **changes):
+        return report_all(running(step=step, last_committed_step=10, **changes), step, now=45.0).state
+
+    def test_a_failed_commit_leaves_the_last_committed_step(self):
+        state = self.committing()
+        assert state.committing == frozenset({16})
+        d = decide(state, CommitFailed(step=16, error="shard of rank 3 is missing"), 46.0, CONFIG)
+        assert (d.state.last_committed_step, d.state.committing) == (10, frozenset())
+        assert d.actions == (RecordEvent(
+            kind="checkpoint_commit_failed",
+            detail="step 16: shard of rank 3 is missing; the last committed checkpoint stays step 10",
+        ),)
+        # A restart after it resumes from step 10, not from the step that never committed.
+        d = decide(d.state, WorkerLost(attempt=1, rank=0, node="n1", cause="process"), 47.0, CONFIG)
+        d = decide(replace(d.state, group=GroupPhase.NONE), Tick(), 60.0, CONFIG)
+        assert of(d, LaunchGroup) == [LaunchGroup(attempt=2, dp=4, world_size=8, resume_step=10)]
+
+    def test_reports_of_a_step_being_committed_are_not_counted_again(self):
+        d = decide(self.committing(), CheckpointReported(attempt=1, step=16, rank=0), 45.5, CONFIG)
+        assert d.ignored and "already being committed" in d.reason
+
+    def test_a_failed_commit_can_be_reported_again_and_then_succeed(self):
+        state = decide(self.committing(), CommitFailed(step=16, error="disk full"), 46.0, CONFIG).state
+        d = commit_all(state, 16, now=47.0)
+        assert d.state.last_committed_step == 16 and kinds(d) == ["checkpoint_committed"]
+
+    @pytest.mark.parametrize("event", [CommitSucceeded(step=12), CommitFailed(step=12, error="x")])
+    def test_an_answer_for_a_step_not_being_committed_is_ignored(self, event):
+        state = self.committing()
+        d = decide(state, event, 46.0, CONFIG)
+        assert d.ignored and d.state == state
+
+    def test_an_older_commit_answering_after_a_newer_one_does_not_move_the_commit_point_back(self):
+        state = report_all(running(step=20), 12).state
+        state = report_all(state, 16).state
+        assert state.committing == frozenset({12, 16})
+        state = decide(state, CommitSucceeded(step=16), 50.0, CONFIG).state
+        d = decide(state, CommitSucceeded(step=12), 50.0, CONFIG)
+        assert (d.state.last_committed_step, d.state.committing, d.actions) == (16, frozenset(), ())
+
+    def test_a_launch_forgets_commits_in_flight(self):
+        state = stopping(group=GroupPhase.NONE, backoff_until=None, committing=frozenset({9}))
+        launched = decide(state, Tick(), 120.0, CONFIG)
+        assert of(launched, LaunchGroup)[0].resume_step == 8 and launched.state.committing == frozenset()
+        d = decide(launched.state, CommitSucceeded(step=9), 121.0, CONFIG)
+        assert d.ignored and d.state.last_committed_step == 8
+
+    def test_a_failed_commit_of_the_requested_checkpoint_asks_again_for_a_pending_resize(self):
+        # Chosen: retry (the failure may be transient) within the original checkpoint_timeout_s.
+        state = self.committing(available_dp=8, pending_resize_dp=8, checkpoint_requested_at=40.0,
+                                checkpoint_requested_step=15)
+        d = decide(state, CommitFailed(step=16, error="disk full"), 46.0, CONFIG)
+        assert d.state.status is Status.RUNNING and d.state.pending_resize_dp == 8
+        assert d.state.checkpoint_requested_at == 40.0 and d.state.last_committed_step == 10
+        assert of(d, RequestCheckpoint) == [
+            RequestCheckpoint(attempt=1, reason="retry before the resize: commit of step 16 failed")
+        ]
+        assert kinds(d) == ["checkpoint_commit_failed", "checkpoint_requested"]
+        assert not of(d, StopGroup)
+        # The retried checkpoint commits: now the resize goes ahead.
+        d = commit_all(replace(d.state, step=18), 18, now=50.0)
+        assert d.state.status is Status.RESIZING and kinds(d) == ["checkpoint_committed", "resizing"]
+
+    def test_a_pending_resize_whose_commits_keep_failing_is_abandoned_at_the_timeout(self):
+        state = self.committing(available_dp=8, pending_resize_dp=8, checkpoint_requested_at=40.0,
+                                checkpoint_requested_step=15, last_progress_at=130.0)
+        state = decide(state, CommitFailed(step=16, error="disk full"), 46.0, CONFIG).state
+        d = decide(state, Tick(), 141.0, CONFIG)  # 101 s after the first request
+        assert kinds(d) == ["resize_abandoned"] and d.state.status is Status.RUNNING and d.state.dp == 4
+
+    def test_a_failed_commit_before_an_eviction_asks_again_then_evicts_from_the_last_commit_at_the_timeout(self):
+        flagged = StragglerFlagged(attempt=1, rank=6, node="n3", factor=2.1, evict=True)
+        state = decide(running(step=15, last_committed_step=10, last_progress_at=130.0), flagged, 40.0, CONFIG).state
+        state = report_all(replace(state, step=16), 16, now=45.0).state
+        d = decide(state, CommitFailed(step=16, error="disk full"), 46.0, CONFIG)
+        assert of(d, RequestCheckpoint) and not of(d, ExcludeNode) and d.state.pending_evict_node == "n3"
+        d = decide(d.state, Tick(), 141.0, CONFIG)
+        assert kinds(d) == ["checkpoint_timeout", "straggler_evicted"] and of(d, ExcludeNode)
+        assert d.state.last_committed_step == 10
+
+    def test_a_failed_commit_of_an_older_step_does_not_retry(self):
+        state = report_all(running(step=16, last_committed_step=10, pending_resize_dp=8, available_dp=8,
+                                   checkpoint_requested_at=40.0, checkpoint_requested_step=15), 12).state
+        d = decide(state, CommitFailed(step=12, error="x"), 46.0, CONFIG)
+        assert kinds(d) == ["checkpoint_commit_failed"] and not of(d, RequestCheckpoint)
+        assert d.state.pending
+
+    def test_an_uncommitted_final_checkpoint_is_not_exported(self):
+        config = replace(CONFIG, export=True)
+        state = report_all(running(step=100, last_committed_step=90), 100, config=config).state
+        state = decide(state, CommitFailed(step=100, error="disk full"), 51.0, config).state
+        d = decide(state, Finished(attempt=1, final_step=100), 52.0, config)
+        assert d.state.status is Status.FAILED and not of(d, ExportCheckpoint)
+        assert "final checkpoint (step 100) was not committed (last committed: step 90)" in d.state.error
 
 
 class TestFinished:
@@ -583,9 +695,12 @@ class TestCapacity:
     def test_commit_of_the_requested_checkpoint_stops_for_the_resize(self):
         state = running(step=16, last_committed_step=10, available_dp=8, pending_resize_dp=8,
                         checkpoint_requested_at=40.0, checkpoint_requested_step=15)
-        d = commit_all(state, 16, now=45.0)
+        reported = report_all(state, 16, now=45.0)
+        assert reported.state.status is Status.RUNNING and reported.state.pending  # not before the manifest
+        assert types(reported) == ["CommitCheckpoint"]
+        d = decide(reported.state, CommitSucceeded(step=16), 45.0, CONFIG)
         assert d.state.status is Status.RESIZING and d.state.group is GroupPhase.STOPPING
-        assert types(d) == ["CommitCheckpoint", "RecordEvent", "RecordEvent", "StopGroup"]
+        assert types(d) == ["RecordEvent", "RecordEvent", "StopGroup"]
         assert kinds(d) == ["checkpoint_committed", "resizing"]
         assert d.state.pending_resize_dp is None and not d.state.pending
 
@@ -705,7 +820,7 @@ class TestStragglers:
         d = commit_all(state, 15, now=9.0)
         assert d.state.status is Status.RECOVERING and d.state.restarts_used == 0
         assert d.state.excluded_nodes == frozenset({"n3"}) and d.state.awaiting_capacity
-        assert types(d) == ["CommitCheckpoint", "RecordEvent", "RecordEvent", "ExcludeNode", "StopGroup"]
+        assert types(d) == ["RecordEvent", "RecordEvent", "ExcludeNode", "StopGroup"]
         assert of(d, ExcludeNode) == [ExcludeNode(node="n3", reason="straggler rank 6")]
         assert kinds(d) == ["checkpoint_committed", "straggler_evicted"]
 
@@ -1144,12 +1259,21 @@ def random_event(rng, state, config=FUZZ_CONFIG):
     attempt = max(0, state.attempt - (rng.random() < 0.1))
     world = config.world_size(state.dp)
     total = config.total_steps
+
+    def next_rank():
+        """Half the time a rank that has not reported this step yet, so whole checkpoints happen."""
+        step = min(state.step, total)
+        missing = [r for r in range(world) if (step, r) not in state.checkpoint_reports]
+        return missing[0] if missing and rng.random() < 0.5 else rng.randrange(world)
+
     makers = [
         (5, lambda: Start()),
         (3, lambda: GroupReady(attempt=attempt, world_size=world)),
         (8, lambda: StepReported(attempt=attempt, step=state.step + rng.choice([0, 1, 2]), loss=2.0)),
         (2, lambda: Heartbeat(attempt=attempt, rank=0, step=state.step + rng.choice([0, 1]))),
-        (8, lambda: CheckpointReported(attempt=attempt, step=min(state.step, total), rank=rng.randrange(world))),
+        (8, lambda: CheckpointReported(attempt=attempt, step=min(state.step, total), rank=next_rank())),
+        (3, lambda: CommitSucceeded(step=rng.choice(sorted(state.committing) or [state.step]))),
+        (1, lambda: CommitFailed(step=rng.choice(sorted(state.committing) or [state.step]), error="x")),
         (1, lambda: WorkerLost(attempt=attempt, rank=0, node="n1", cause=rng.choice(["process", "actor", "node"]))),
         (6, lambda: Tick()),
         (2, lambda: CapacityChanged(available_dp=rng.choice([0, 1, 2, 3, 4, 6, 8, 12]))),
@@ -1187,6 +1311,8 @@ def test_random_event_streams_keep_the_invariants(seed):
         assert config.min_dp <= state.dp <= config.max_dp and config.elastic.is_legal(state.dp)
         if before.last_committed_step is not None:
             assert state.last_committed_step >= before.last_committed_step
+        if state.last_committed_step != before.last_committed_step:  # only the manifest's answer commits
+            assert isinstance(event, CommitSucceeded) and event.step in before.committing
         for launch in of(d, LaunchGroup):
             assert launch.attempt == before.attempt + 1 and launch.resume_step == before.last_committed_step
             assert launch.world_size == config.world_size(launch.dp)

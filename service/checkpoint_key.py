@@ -1,0 +1,84 @@
+"""The checkpoint signing key: one secret per service, in ``<data-dir>/checkpoint-key`` (pure: stdlib only).
+
+DCP's ``.metadata`` is unpickled on every rank at restore, so a checkpoint directory written by
+anyone but this service is code that runs on every rank. The supervisor therefore signs each
+manifest with HMAC-SHA256 under this key (``workers.manifest.commit``) and refuses, before any rank
+reads a byte, a manifest whose signature does not verify. The key never leaves the control plane
+except in a supervisor's :class:`~service.runtime.JobPolicy` (not in the spec, the job's JSON,
+events or logs).
+
+The first start generates 32 random bytes and writes them as hex, with ``O_CREAT | O_EXCL`` and
+mode 0600, so two servers starting together never overwrite each other's key (the loser reads the
+winner's); every later start reuses it. Deleting the file makes every existing checkpoint
+unverifiable: jobs then refuse them (they are moved aside, not deleted) and start fresh.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import stat
+import time
+from pathlib import Path
+
+from service.errors import SettingsError
+
+__all__ = ["KEY_BYTES", "KEY_NAME", "load_or_create_key"]
+
+log = logging.getLogger(__name__)
+
+KEY_NAME = "checkpoint-key"
+KEY_BYTES = 32
+_HEX_CHARS = 2 * KEY_BYTES
+#: How long a reader waits for a concurrent creator to finish writing the key.
+_CREATE_WAIT_S = 2.0
+
+
+def load_or_create_key(data_dir: str | os.PathLike) -> bytes:
+    """The service's checkpoint key, generated into ``<data_dir>/checkpoint-key`` on first use."""
+    path = Path(data_dir) / KEY_NAME
+    deadline = time.monotonic() + _CREATE_WAIT_S
+    while True:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        except FileExistsError:
+            key = _read(path)
+            if key is not None:
+                return key
+            if time.monotonic() > deadline:  # still short: not a creator mid-write, a damaged file
+                raise _unusable(path, "it holds fewer than 64 hex digits")
+            time.sleep(0.05)
+            continue
+        key = secrets.token_bytes(KEY_BYTES)
+        try:
+            os.fchmod(fd, 0o600)  # whatever the umask did, owner read/write only
+            os.write(fd, key.hex().encode() + b"\n")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        log.info("generated the checkpoint signing key in %s", path)
+        return key
+
+
+def _read(path: Path) -> bytes | None:
+    """The key in ``path``; ``None`` while it is shorter than a key (a creator is still writing)."""
+    text = path.read_text(encoding="ascii", errors="replace").strip()
+    if len(text) < _HEX_CHARS:
+        return None
+    try:
+        key = bytes.fromhex(text)
+    except ValueError:
+        raise _unusable(path, "it is not hexadecimal") from None
+    mode = stat.S_IMODE(path.stat().st_mode)
+    if mode & 0o077:
+        log.warning("%s is readable by others (mode %o); chmod 600 it", path, mode)
+    return key
+
+
+def _unusable(path: Path, why: str) -> SettingsError:
+    return SettingsError(
+        f"the checkpoint signing key {path} is unusable: {why}.", field=KEY_NAME,
+        fix=f"restore the file from a backup, or delete it to generate a new key (checkpoints signed with the "
+            "old key are then refused and their jobs start fresh)",
+    )
