@@ -62,7 +62,8 @@ class ScaleRequest(BaseModel):
 class ExportRequest(BaseModel):
     model_config = _REQUEST
 
-    step: json_int(0, MAX_STEPS) | None = Field(default=None, description="a committed checkpoint step; null: the newest")
+    step: json_int(0, MAX_STEPS) | None = Field(default=None,
+                                                description="a committed checkpoint step; null: the newest")
     out: str = Field(min_length=1, max_length=MAX_PATH, pattern=NO_NUL,
                      description="a new or empty folder (relative paths: the server's directory)")
 

@@ -43,9 +43,9 @@ RETRY_MS = 2000
 PAGE = 1000  # the store's page of events per read
 
 
-def message(data: Any, *, event: str | None = None, id: int | None = None) -> str:
+def message(data: Any, *, event: str | None = None, event_id: int | None = None) -> str:
     """One SSE message; ``data`` is sent as compact JSON on one line."""
-    head = (f"event: {event}\n" if event else "") + (f"id: {id}\n" if id is not None else "")
+    head = (f"event: {event}\n" if event else "") + (f"id: {event_id}\n" if event_id is not None else "")
     return f"{head}data: {json.dumps(data, separators=(',', ':'), allow_nan=False)}\n\n"
 
 
@@ -116,6 +116,6 @@ def _merged(events: list[EventRecord], rows: list[StepRecord]) -> list[str]:
         while i < len(rows) and rows[i].ts < event.ts:
             out.append(message(StepOut.of(rows[i]).model_dump(mode="json"), event="step"))
             i += 1
-        out.append(message(EventOut.of(event).model_dump(mode="json"), id=event.seq))
+        out.append(message(EventOut.of(event).model_dump(mode="json"), event_id=event.seq))
     out += [message(StepOut.of(row).model_dump(mode="json"), event="step") for row in rows[i:]]
     return out

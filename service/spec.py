@@ -113,7 +113,8 @@ class ModelSpec(_Section):
     n_layers: _upto(MAX_LAYERS) | None = None
     d_model: _upto(MAX_D_MODEL) | None = None
     n_heads: _upto(MAX_HEADS) | None = None
-    n_kv_heads: _upto(MAX_HEADS) | None = Field(default=None, description="llama: grouped-query attention; default n_heads")
+    n_kv_heads: _upto(MAX_HEADS) | None = Field(default=None,
+                                                description="llama: grouped-query attention; default n_heads")
     vocab_size: _upto(MAX_VOCAB) | None = None
     seq_len: _upto(MAX_SEQ_LEN) | None = None
     d_ff: _upto(MAX_D_FF) | None = Field(default=None, description="MLP width; default 4 * d_model")
@@ -556,7 +557,8 @@ def _world_problems(spec: JobSpec) -> list[SpecProblem]:
                 field=field,
                 message=f"{'dp' if field == 'parallelism' else 'resources.max_dp'}·tp·pp = {dp}·{layout.tp}·"
                         f"{layout.pp} = {world} ranks, more than this service runs in one job ({MAX_WORKERS}).",
-                fix=f"use at most {MAX_WORKERS} ranks: lower {'parallelism.dp, tp or pp' if field == 'parallelism' else 'resources.max_dp'}",
+                fix=f"use at most {MAX_WORKERS} ranks: lower "
+                    + ("parallelism.dp, tp or pp" if field == "parallelism" else "resources.max_dp"),
             ))
             break
     return problems

@@ -324,7 +324,8 @@ def commit(
         job_id=job_id,
     )
     document = _document(manifest, key)
-    manifest = dataclasses.replace(manifest, hmac=document["hmac"], digest=hashlib.sha256(_canonical(document)).hexdigest())
+    digest = hashlib.sha256(_canonical(document)).hexdigest()
+    manifest = dataclasses.replace(manifest, hmac=document["hmac"], digest=digest)
     atomic_write_bytes(os.path.join(directory, MANIFEST_NAME), _encode(document))
     # The step directory's own entry in the root must survive a power loss too.
     fsync_dir(os.path.dirname(os.path.normpath(directory)) or ".")

@@ -203,7 +203,7 @@ def job_logs(
     rank: Annotated[int, Query(ge=0, le=MAX_RANK, description="the rank (0 .. world_size - 1)")] = 0,
     tail: Annotated[int, Query(ge=1, le=MAX_LOG_TAIL, description="at most this many lines")] = 200,
     offset: Annotated[int, Query(ge=0, le=MAX_SEQ, description="next_offset of the previous answer: only "
-                                                             "lines written after it")] = None,  # type: ignore[assignment]
+                                 "lines written after it")] = None,  # type: ignore[assignment]
 ) -> LogsOut:
     """The rank's recent log lines (what it printed, one line per step, errors with tracebacks), read
     from its log file in the job's checkpoint folder; ``offset`` follows the file (``etrain logs -f``)."""

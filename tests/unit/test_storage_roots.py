@@ -115,7 +115,8 @@ def test_roots_from_the_environment(tmp_path):
     assert parse_roots(f"/a{os.pathsep}/b, /c ,,") == (Path("/a"), Path("/b"), Path("/c"))
     with pytest.raises(ValueError, match="'relative/dir' is not an absolute path"):
         parse_roots("/a,relative/dir")
-    settings = Settings.from_env({"ETRAIN_STORAGE_ROOTS": f"{tmp_path}/x,{tmp_path}/y", "ETRAIN_DATA_DIR": str(tmp_path)})
+    settings = Settings.from_env({"ETRAIN_STORAGE_ROOTS": f"{tmp_path}/x,{tmp_path}/y",
+                                  "ETRAIN_DATA_DIR": str(tmp_path)})
     assert settings.storage_roots == (tmp_path / "x", tmp_path / "y")
     assert Settings(data_dir=tmp_path).storage_roots == ()
     with pytest.raises(SettingsError, match="ETRAIN_STORAGE_ROOTS"):
