@@ -41,6 +41,7 @@ __all__ = [
     "MAX_STEPS",
     "MAX_VOCAB",
     "MAX_WORKERS",
+    "MIN_RESOURCE",
     "NO_NUL",
     "divisors",
     "spread",
@@ -64,6 +65,9 @@ MAX_RESTARTS = 10_000
 MAX_SECONDS = 7 * 24 * 3600.0  # any timeout, backoff or interval: a week
 MAX_CPUS_PER_WORKER = 1024.0
 MAX_GPUS_PER_WORKER = 64.0
+#: Ray's resource granularity: amounts are kept to 4 decimals, so a rank asks for at least this much of a
+#: resource it asks for at all (a smaller positive amount would also make "ranks per node" infinite).
+MIN_RESOURCE = 0.0001
 MAX_DEVICE_MEMORY_GB = 16384.0  # GiB per rank; the operator's value (or the detected one) caps it further
 
 # --- strings and cursors

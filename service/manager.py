@@ -505,7 +505,8 @@ class JobManager:
                 if not queued and self.settings.admit_beyond_cluster:
                     self._ask_autoscaler(active, waiting=set())
                 return []
-            plan = admission.decide([self._queued(job) for job in queued], view.nodes, self._claims(active, view))
+            plan = admission.decide([self._queued(job) for job in queued], self._admission_nodes(view, active),
+                                    self._claims(active, view))
             by_id = {job.id: job for job in queued}
             started = []
             for admit in plan.admit:
@@ -611,6 +612,32 @@ class JobManager:
             claims.append(admission.Claim(id=job.id, per_rank=gang.per_rank, ranks=job.world_size, tp=gang.tp))
         return claims
 
+    def _admission_nodes(self, view: admission.ClusterView, active: list[JobRecord]) -> tuple[admission.NodeView, ...]:
+        """The view's nodes, with what jobs that already ended still hold counted as free: their groups
+        are on their way out (the supervisor stops its group as the job ends, and ``release`` ends the
+        supervisor), so the next job is admitted whole and waits a moment for Ray, instead of starting
+        smaller and resizing a second later."""
+        live = {job.id for job in active}
+        ending: dict[str, dict[str, float]] = {}
+        for job_id, held in view.holdings.items():
+            if job_id in live or not held:
+                continue
+            record = self.store.get_job(job_id)
+            if record is None or not record.is_terminal:
+                continue  # not ours to judge (another control plane's, or unknown)
+            for node, resources in held.items():
+                on_node = ending.setdefault(node, {})
+                for name, amount in resources.items():
+                    on_node[name] = on_node.get(name, 0.0) + amount
+        nodes = []
+        for node in view.nodes:
+            extra = ending.get(node.id) if node.alive else None
+            if extra:
+                node = dataclasses.replace(node, free={name: node.free.get(name, 0.0) + extra.get(name, 0.0)
+                                                       for name in {*node.free, *extra}})
+            nodes.append(node)
+        return tuple(nodes)
+
     def _refresh_view(self, *, force: bool) -> admission.ClusterView | None:
         """Read the cluster (forced, or when the snapshot is stale); the fresh view, or None if the read
         failed (then no admission this pass; GET /v1/cluster reports the error)."""
@@ -648,7 +675,8 @@ class JobManager:
                                      fix="check the cluster (ray status) and retry")
         active = self.store.active_jobs()
         queued = [job for job in active if job.status is JobStatus.QUEUED]
-        plan = admission.decide([self._queued(job) for job in queued], view.nodes, self._claims(active, view))
+        plan = admission.decide([self._queued(job) for job in queued], self._admission_nodes(view, active),
+                                self._claims(active, view))
         alive = [node for node in view.nodes if node.alive]
         total = {name: sum(node.total.get(name, 0.0) for node in alive) for name in ("CPU", "GPU")}
         free = admission.free_summary(view.nodes)

@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from service import storage_roots
@@ -38,6 +38,7 @@ from service.bounds import (
     MAX_STEPS,
     MAX_VOCAB,
     MAX_WORKERS,
+    MIN_RESOURCE,
     NO_NUL,
 )
 from workers.config import (
@@ -214,9 +215,12 @@ class AutoParallelismSpec(_Section):
 
 class ResourcesSpec(_Section):
     device: Literal["cpu", "cuda"] = "cpu"
-    cpus_per_worker: float = Field(default=1.0, gt=0, le=MAX_CPUS_PER_WORKER,
-                                   description="may be fractional so ranks share a machine")
-    gpus_per_worker: float = Field(default=0.0, ge=0, le=MAX_GPUS_PER_WORKER)
+    cpus_per_worker: float = Field(default=1.0, ge=MIN_RESOURCE, le=MAX_CPUS_PER_WORKER,
+                                   description="may be fractional so ranks share a machine (Ray counts 0.0001s)")
+    gpus_per_worker: float = Field(
+        default=0.0, ge=0, le=MAX_GPUS_PER_WORKER, description="0, or at least 0.0001 (Ray counts 0.0001s)",
+        json_schema_extra={"not": {"exclusiveMinimum": 0, "exclusiveMaximum": MIN_RESOURCE}},
+    )
     device_memory_gb: float | None = Field(
         default=None, gt=0, le=MAX_DEVICE_MEMORY_GB,
         description="memory per rank (GiB) the planner checks against; default: what the cluster offers (the GPU "
@@ -226,6 +230,13 @@ class ResourcesSpec(_Section):
     min_dp: _upto(MAX_WORKERS) | None = Field(default=None, description="elastic floor; default: parallelism.dp")
     max_dp: _upto(MAX_WORKERS) | None = Field(default=None, description="elastic ceiling; default: parallelism.dp")
     placement_strategy: Literal["PACK", "SPREAD"] = "PACK"
+
+    @field_validator("gpus_per_worker")
+    @classmethod
+    def _whole_units(cls, value: float) -> float:
+        if 0 < value < MIN_RESOURCE:
+            raise ValueError(f"a rank asks for no GPU (0) or at least {MIN_RESOURCE} of one, got {value}")
+        return value
 
 
 class TrainingSpec(_Section):
@@ -274,7 +285,8 @@ class StragglerSpec(_Section):
 
 
 class ElasticSpec(_Section):
-    check_interval_s: float = Field(default=30.0, gt=0, le=MAX_SECONDS)
+    check_interval_s: float = Field(default=30.0, ge=0.1, le=MAX_SECONDS,
+                                    description="how often the supervisor re-checks capacity (at least 0.1 s)")
 
 
 class JobSpec(_Section):

@@ -258,3 +258,25 @@ def test_placement_groups_are_mapped_to_their_jobs_by_name():
 
     assert job_of_placement_group("etrain/tiny-1a2b3c4d/a3") == "tiny-1a2b3c4d"
     assert [job_of_placement_group(name) for name in ("", "etrain/a1", "other/job/a1", "etrain/job/x1")] == [None] * 4
+
+
+def test_what_an_ended_job_still_holds_is_counted_free(plane):
+    """Ray removes an ended job's placement group a moment after its status is final: the next job is
+    admitted whole at once (its group waits that moment in Ray) instead of waiting or starting smaller."""
+
+    class Lingering(FakeRuntime):
+        def cluster(self):
+            view = super().cluster()
+            ended = [job_id for job_id, job in self.jobs.items() if job["status"] == "SUCCEEDED"]
+            if not ended:
+                return view
+            held = {ended[0]: {"n1": {"CPU": 2.0, "GPU": 0.0}}}
+            nodes = tuple(manager_module.dataclasses.replace(node, free={"CPU": 0.0, "GPU": 0.0}) for node in view.nodes)
+            return manager_module.admission.ClusterView(nodes=nodes, holdings={**view.holdings, **held})
+
+    manager, client = plane(Lingering(nodes=TWO_CPUS))
+    done = submit(client, spec("done", steps=2))
+    wait_for(client, done["id"], {"SUCCEEDED"})
+    assert manager.runtime.cluster().nodes[0].free["CPU"] == 0.0  # Ray still counts its group
+    following = submit(client, spec("following", resources={"min_dp": 1}))
+    assert (following["status"], following["world_size"]) == ("STARTING", 2)

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -182,6 +183,12 @@ PAST_BOUNDS = [
     ("resources.max_dp", {"resources": {"max_dp": MAX_WORKERS + 1}}),
     ("resources.cpus_per_worker", {"resources": {"cpus_per_worker": bounds.MAX_CPUS_PER_WORKER + 1}}),
     ("resources.device_memory_gb", {"resources": {"device_memory_gb": bounds.MAX_DEVICE_MEMORY_GB + 1}}),
+    # Found by the fuzzer: 5e-324 CPUs per rank made "ranks per node" infinite (a 500 in admission).
+    ("resources.cpus_per_worker", {"resources": {"cpus_per_worker": 5e-324}}),
+    ("resources.gpus_per_worker", {"resources": {"gpus_per_worker": 5e-324}}),
+    ("training.lr", {"training": {"lr": float("nan")}}),  # Python's JSON reads NaN; a rate never is one
+    ("fault_tolerance.backoff_base_s", {"fault_tolerance": {"backoff_base_s": float("inf")}}),
+    ("elastic.check_interval_s", {"elastic": {"check_interval_s": 0.01}}),
     ("checkpoint.keep_last", {"checkpoint": {"keep_last": 1001}}),
     ("checkpoint.every_steps", {"checkpoint": {"every_steps": bounds.MAX_STEPS + 1}}),
     ("checkpoint.path", {"checkpoint": {"path": "c" * (bounds.MAX_PATH + 1)}}),
@@ -198,9 +205,11 @@ PAST_BOUNDS = [
 
 @pytest.mark.parametrize(("field", "sections"), PAST_BOUNDS, ids=[f for f, _ in PAST_BOUNDS])
 def test_one_past_each_bound_is_a_422_naming_the_field(client, field, sections):
-    response = client.post("/v1/jobs", json=spec_dict(**sections))
+    # json.dumps writes NaN and Infinity as Python's JSON parser (the server's) reads them
+    body = {"content": json.dumps(spec_dict(**sections)), "headers": {"Content-Type": "application/json"}}
+    response = client.post("/v1/jobs", **body)
     assert fields_of(response) == [field]
-    assert client.post("/v1/plan", json=spec_dict(**sections)).status_code == 422
+    assert client.post("/v1/plan", **body).status_code == 422
 
 
 REQUEST_BOUNDS = [
