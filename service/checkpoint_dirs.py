@@ -97,6 +97,12 @@ class CheckpointDirectories:
                 raise SpecRejected(problems)
             self._claims[job_id] = (self.root_of(job_id, spec), now)
 
+    def release(self, job_id: str) -> None:
+        """Drop ``job_id``'s claim: its submit failed after :meth:`claim` (quota, a lost idempotency race),
+        so no row will ever hold the directory."""
+        with self._lock:
+            self._claims.pop(job_id, None)
+
     # --- the rules ----------------------------------------------------------------------------
 
     def _visible(self, job_id: str | None, principal: Principal, tenant_of: Callable[[str], str | None]) -> bool:

@@ -114,7 +114,11 @@ class JobManager:
         job_id = f"{spec.name.lower()}-{uuid.uuid4().hex[:8]}"
         self._claim_directories(job_id, spec, principal)
         config = spec.to_run_config(job_id=job_id, checkpoint_root=str(self.settings.checkpoint_root(job_id).resolve()))
-        self._quotas.admit(principal, job_id, config.parallel.world_size, self.store)  # QuotaExceeded: 429
+        try:
+            self._quotas.admit(principal, job_id, config.parallel.world_size, self.store)  # QuotaExceeded: 429
+        except Exception:
+            self._directories.release(job_id)
+            raise
         self._submitting.add(job_id)
         try:
             record = self.store.create_job(
@@ -131,6 +135,7 @@ class JobManager:
         except JobConflict:
             # A concurrent request with the same key won the unique index: answer with its job.
             self._submitting.discard(job_id)
+            self._directories.release(job_id)
             replayed = None
             if idempotency_key is not None:
                 replayed = idempotency.replay(self.store, principal.tenant, idempotency_key, digest)

@@ -390,6 +390,20 @@ def test_a_tenant_over_its_quota_gets_429_with_the_numbers(quota_app):
     assert alice.post("/v1/jobs", json=long_spec("three", dp=1)).status_code == 201
 
 
+def test_a_refused_submit_leaves_its_checkpoint_directory_free(quota_app, tmp_path):
+    """The directory claim taken before the quota gate is given back when the gate refuses."""
+    alice, admin = client_for(quota_app, ALICE), client_for(quota_app, ADMIN_TOKEN)
+    assert alice.post("/v1/jobs", json=long_spec("one", dp=2)).status_code == 201
+    shared = str(tmp_path / "shared-ckpt")
+    refused = long_spec("two", dp=2)
+    refused["checkpoint"] = {"path": shared}
+    assert alice.post("/v1/jobs", json=refused).status_code == 429
+    taken = long_spec("ops", dp=1)
+    taken["checkpoint"] = {"path": shared}
+    response = admin.post("/v1/jobs", json=taken)
+    assert response.status_code == 201, response.text
+
+
 def test_concurrent_submits_cannot_both_take_the_last_slot(tmp_path, store):
     """The quota gate counts admitted submits whose row is not written yet."""
     quotas = TenantQuotas(max_jobs=1, max_workers=None)
