@@ -125,7 +125,8 @@ class ModelSpec(_Section):
     def _default_kind(cls, data: object) -> object:
         """Pin ``kind`` when it is not given, so the stored spec says which model family runs."""
         if isinstance(data, dict) and data.get("kind") is None:
-            preset = MODEL_PRESETS.get(data.get("preset") or "", {})
+            name = data.get("preset")  # not validated yet: a list or a dict here is the field's error, not ours
+            preset = MODEL_PRESETS.get(name, {}) if isinstance(name, str) else {}
             llama = data.get("hf") is not None or preset.get("arch") == "llama"
             data = {**data, "kind": "llama" if llama else "gpt"}
         return data

@@ -200,6 +200,8 @@ PAST_BOUNDS = [
     ("elastic.check_interval_s", {"elastic": {"check_interval_s": bounds.MAX_SECONDS + 1}}),
     ("data.path", {"data": {"kind": "tokens", "path": "d" * (bounds.MAX_PATH + 1)}}),
     ("name", {"name": "n" * 65}),
+    ("model.preset", {"model": {"preset": [None]}}),  # found by the fuzzer: a 500 (unhashable) before
+    ("model.preset", {"model": {"preset": {"gpt": 1}}}),
 ]
 
 
