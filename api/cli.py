@@ -358,12 +358,21 @@ def watch_job(
         if final is not None:
             watch.on_job(final)
             return watch.finish(job_id, final)
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            print(f"gave up waiting after {max_wait_s:g}s; job {job_id} is still {watch.status} "
-                  f"(`etrain watch {job_id}` to keep following)", file=err or sys.stderr)
+        if not _wait_a_little(job_id, watch.status, deadline=deadline, interval_s=interval_s,
+                              max_wait_s=max_wait_s, err=err):
             return EXIT_TIMEOUT
-        time.sleep(min(interval_s, remaining))
+
+
+def _wait_a_little(job_id: str, status: str, *, deadline: float, interval_s: float, max_wait_s: float,
+                   err: TextIO | None) -> bool:
+    """Sleep until the next poll; False (after saying so) once ``deadline`` has passed."""
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        print(f"gave up waiting after {max_wait_s:g}s; job {job_id} is still {status} "
+              f"(`etrain watch {job_id}` to keep following)", file=err or sys.stderr)
+        return False
+    time.sleep(min(interval_s, remaining))
+    return True
 
 
 def _watch_polling(client: Client, job_id: str, watch: _Watch, *, interval_s: float, deadline: float,
@@ -381,12 +390,9 @@ def _watch_polling(client: Client, job_id: str, watch: _Watch, *, interval_s: fl
         watch.out.flush()
         if job["status"] in TERMINAL:
             return watch.finish(job_id, job)
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            print(f"gave up waiting after {max_wait_s:g}s; job {job_id} is still {job['status']} "
-                  f"(`etrain watch {job_id}` to keep following)", file=err or sys.stderr)
+        if not _wait_a_little(job_id, job["status"], deadline=deadline, interval_s=interval_s,
+                              max_wait_s=max_wait_s, err=err):
             return EXIT_TIMEOUT
-        time.sleep(min(interval_s, remaining))
 
 
 def _cmd_submit(client: Client, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:

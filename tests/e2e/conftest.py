@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import pytest
 
 from tests.service_harness import control_plane
@@ -9,14 +12,22 @@ from tests.service_harness import control_plane
 ray = pytest.importorskip("ray")
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    """A 4-CPU local Ray instance owned by the test module (the control plane connects to it)."""
-    ray.init(address="local", num_cpus=4, include_dashboard=False, namespace="etrain", log_to_driver=False)
+@contextmanager
+def owned_ray(num_cpus: int) -> Iterator[None]:
+    """A new local Ray instance of ``num_cpus`` (``address="local"``: never join another cluster running on
+    this machine), shut down on exit."""
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, namespace="etrain", log_to_driver=False)
     try:
         yield
     finally:
         ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """A 4-CPU local Ray instance owned by the test module (the control plane connects to it)."""
+    with owned_ray(4):
+        yield
 
 
 @pytest.fixture(scope="module")

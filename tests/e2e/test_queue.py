@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from tests.e2e.conftest import owned_ray
 from tests.service_harness import control_plane, event_kinds
 
 ray = pytest.importorskip("ray")
@@ -20,11 +21,8 @@ ray = pytest.importorskip("ray")
 @pytest.fixture(scope="module")
 def two_cpus():
     """A 2-CPU local Ray owned by this module (the control plane joins it)."""
-    ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="etrain", log_to_driver=False)
-    try:
+    with owned_ray(2):
         yield
-    finally:
-        ray.shutdown()
 
 
 def whole_machine(name: str, *, priority: int = 0, dp: int = 2) -> dict:
