@@ -96,8 +96,9 @@ def test_corrupted_newest_checkpoint_is_skipped_for_the_previous_one(shared_plan
 
 def test_nan_loss_fails_fast_without_restarts(shared_plane):
     plane = shared_plane
-    # lr 1e30 with no clipping: weights explode after one update and the loss turns NaN.
-    job = plane.submit(spec("nan-dp2", training={"lr": 1e30, "grad_clip": None}))
+    # The largest lr and weight decay the bounds allow, no clipping: AdamW's decoupled decay multiplies every
+    # weight by 1 - lr * weight_decay = -999 a step, so fp32 overflows within ~13 steps and the loss turns NaN.
+    job = plane.submit(spec("nan-dp2", training={"lr": 10.0, "weight_decay": 100.0, "grad_clip": None}))
     final = plane.wait_terminal(job["id"], timeout_s=180)
     assert final["status"] == "FAILED", final
     assert final["restarts"] == 0
