@@ -41,6 +41,11 @@ from workers.worker import ChaosOrder, LaunchPlan
 log = logging.getLogger(__name__)
 
 TICK_S = 0.2
+# How long a node whose rank was lost as a process fault is watched for a late death verdict (Ray's
+# health check declares a node dead after period x failure threshold: 5 s x 5 by default), and how
+# often the node table is read meanwhile.
+UNCONFIRMED_WATCH_S = 60.0
+NODE_CHECK_INTERVAL_S = 0.5
 HEAD_NODE_RESOURCE = "node:__internal_head__"  # Ray gives the head node this resource
 MAX_STEP_HISTORY = 100_000
 #: Where a job's end-of-run Hugging Face export goes, inside its checkpoint root.
@@ -142,6 +147,10 @@ class JobSupervisor:
         self._started_at = time.time()
         self._last_capacity: int | None = None
         self._next_capacity_check = 0.0
+        # Nodes of ranks lost as process faults (restart charged at once), watched until the cluster
+        # declares them dead (refund) or UNCONFIRMED_WATCH_S pass: node -> (attempt, watch until).
+        self._unconfirmed: dict[str, tuple[int, float]] = {}
+        self._next_node_check = 0.0
         self._closed = threading.Event()
         self._pruner: threading.Thread | None = None
         self._export_ref: Any = None  # the export task in flight (cancelled if the job ends otherwise)
@@ -253,12 +262,17 @@ class JobSupervisor:
         self._drain(now)
         group = self._group
         if group is not None and group.attempt == self.state.attempt:
-            outcome = group.poll(now)
+            outcome = group.poll(now, restarts_left=self.state.restarts_used < self.sm_config.max_restarts)
             if outcome is not None:
                 # Ranks have their reports acknowledged before run() returns: take them in first,
                 # so a final checkpoint is committed before the group's end is acted on.
                 self._drain(time.time())
+                charged = self.state.restarts_used
                 self._apply(self._outcome_event(group, outcome), now)
+                if outcome.kind == "worker_lost" and outcome.node and self.state.restarts_used > charged:
+                    self._unconfirmed[outcome.node] = (group.attempt, now + UNCONFIRMED_WATCH_S)
+        if self._unconfirmed and now >= self._next_node_check:
+            self._confirm_node_losses(now)
         if now >= self._next_capacity_check and not self.state.status.terminal:
             self._check_capacity(force=False)
         self._apply(sm.Tick(), time.time())
@@ -580,6 +594,26 @@ class JobSupervisor:
             self._next_capacity_check = 0.0
         return sm.WorkerLost(attempt=group.attempt, rank=outcome.rank, node=outcome.node, cause=outcome.cause,
                              detail=outcome.message)
+
+    def _confirm_node_losses(self, now: float) -> None:
+        """Correct an immediate process-fault verdict once the cluster declares the rank's node dead."""
+        self._next_node_check = now + NODE_CHECK_INTERVAL_S
+        try:
+            alive = {node["NodeID"]: bool(node.get("Alive")) for node in ray.nodes()}
+        except Exception as err:  # the GCS may be briefly unreachable after a node loss
+            log.warning("node table unavailable: %s", err)
+            return
+        for node, (attempt, until) in list(self._unconfirmed.items()):
+            if not alive.get(node, False):
+                del self._unconfirmed[node]
+                self._next_capacity_check = 0.0
+                try:
+                    available = self._available_dp()
+                except Exception:
+                    available = self.state.available_dp if self.state.available_dp is not None else 0
+                self._apply(sm.NodeLossConfirmed(node=node, failed_attempt=attempt, available_dp=available), now)
+            elif now > until:
+                del self._unconfirmed[node]  # the node lives: it was the process after all
 
     # --- capacity --------------------------------------------------------------------------------
 

@@ -38,6 +38,9 @@ any non-terminal status; "fault" and [n] are explained under the table::
   RUNNING    UP         Tick, no progress > heartbeat_timeout RECOVERING  hang_detected, fault
   STARTING+  LAUNCHING  Tick, not ready > start_timeout_s     RECOVERING  start_timeout, fault
   live       LAUNCH/UP  WorkerLost(node)                      RECOVERING  StopGroup; await capacity
+  live       any        NodeLossConfirmed                     same        restart_refunded         [8]
+                          group LAUNCHING, fit dp != dp       RECOVERING  StopGroup; await capacity
+                          group NONE (backing off)            same        launch now, no backoff
   live       STOPPING   WorkerLost / JobError                 same        (ignored: teardown noise)
   RUNNING    UP         CapacityChanged / ScaleRequested,     RUNNING     RequestCheckpoint        [4]
                           fit dp != dp                        (RESIZING   StopGroup, at once when
@@ -97,6 +100,13 @@ any non-terminal status; "fault" and [n] are explained under the table::
       last committed checkpoint (the Tick rows above). A failed commit of an older, unrequested step
       changes nothing: the requested one is still to come.
 
+  [8] Classify at once, correct later: the adapter reports a lost rank as a process fault the moment
+      its actor dies (Ray's death cause says "node" only once the cluster has declared the node
+      dead), so the restart starts without waiting for the node's health verdict. When the node is
+      declared dead afterwards, NodeLossConfirmed gives the restart back (restarts_used - 1) and
+      re-fits the job to the capacity left; an attempt still launching at a size that no longer fits
+      is stopped and the job waits for capacity like any node loss.
+
 Policies are plain values: the resize policy is :class:`service.elastic.ElasticPolicy` built from
 the config; straggler statistics live in service/stragglers.py and arrive as StragglerFlagged.
 """
@@ -130,6 +140,7 @@ from service.supervisor_events import (
     JobError,
     LaunchGroup,
     MarkTerminal,
+    NodeLossConfirmed,
     RecordEvent,
     RequestCheckpoint,
     ScaleRequested,
@@ -147,7 +158,7 @@ __all__ = [
     "Abort", "Action", "Cancel", "CapacityChanged", "CheckpointFallback", "CheckpointReported", "CommitCheckpoint",
     "CommitFailed", "CommitSucceeded",
     "Decision", "Event", "ExcludeNode", "ExportCheckpoint", "ExportFailed", "Exported", "Finished",
-    "GroupPhase", "GroupReady", "GroupStopped",
+    "GroupPhase", "GroupReady", "GroupStopped", "NodeLossConfirmed",
     "Heartbeat", "JobError", "LaunchGroup", "MarkTerminal", "RecordEvent", "RequestCheckpoint",
     "ScaleRequested", "ScheduleWake", "Start", "Status", "StepReported", "StopGroup",
     "StragglerFlagged", "SupervisorConfig", "SupervisorConfigError", "SupervisorState", "Tick",
@@ -562,6 +573,28 @@ def _on_worker_lost(
     return _fault(state, now, config, "worker_failed", what)
 
 
+def _on_node_loss_confirmed(
+    state: SupervisorState,
+    event: NodeLossConfirmed,
+    now: float,
+    config: SupervisorConfig,
+) -> Decision:
+    """A process fault turned out to be a node loss [8]: refund its restart, re-fit to the capacity left."""
+    refunded = replace(state, restarts_used=max(0, state.restarts_used - 1), available_dp=event.available_dp)
+    detail = (f"node {event.node} of the rank lost in attempt {event.failed_attempt} was declared dead: a node "
+              f"loss, not the job's fault; restarts used {refunded.restarts_used}/{config.max_restarts}")
+    actions: list[Action] = [RecordEvent(kind="restart_refunded", detail=detail)]
+    fit = _fit_dp(refunded, config)
+    if state.group is GroupPhase.LAUNCHING and fit != state.dp:
+        # The relaunch asked for a size the cluster no longer holds: stop it and re-fit.
+        lost = _node_lost(refunded, now, config, f"attempt {state.attempt} cannot be placed at dp={state.dp} "
+                                                 f"without node {event.node}")
+        return _decision(lost.state, [*actions, *lost.actions], f"{detail}; {lost.reason}")
+    if state.group is GroupPhase.NONE and state.status in (Status.RECOVERING, Status.RESIZING):
+        return _try_launch(replace(refunded, backoff_until=None), now, config, actions, detail)  # no backoff for a node
+    return _decision(refunded, actions, detail)
+
+
 def _on_group_stopped(
     state: SupervisorState,
     event: GroupStopped,
@@ -783,6 +816,7 @@ _HANDLERS = {
     CommitSucceeded: _on_commit_succeeded,
     CommitFailed: _on_commit_failed,
     WorkerLost: _on_worker_lost,
+    NodeLossConfirmed: _on_node_loss_confirmed,
     JobError: _on_job_error,
     Tick: _on_tick,
     CapacityChanged: _on_capacity,

@@ -18,7 +18,8 @@ __all__ = [
     "Abort", "Action", "Cancel", "CapacityChanged", "CheckpointFallback", "CheckpointReported",
     "CommitCheckpoint", "CommitFailed", "CommitSucceeded", "Event", "ExcludeNode", "ExportCheckpoint",
     "ExportFailed", "Exported", "Finished",
-    "GroupReady", "GroupStopped", "Heartbeat", "JobError", "LaunchGroup", "MarkTerminal", "RecordEvent",
+    "GroupReady", "GroupStopped", "Heartbeat", "JobError", "LaunchGroup", "MarkTerminal", "NodeLossConfirmed",
+    "RecordEvent",
     "RequestCheckpoint", "ScaleRequested", "ScheduleWake", "Start", "StepReported", "StopGroup",
     "StragglerFlagged", "Tick", "WorkerLost",
 ]
@@ -90,6 +91,20 @@ class WorkerLost:
     node: str
     cause: Literal["process", "actor", "node"]
     detail: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeLossConfirmed:
+    """The node of a rank lost as a process fault (classified at once, budget spent) was afterwards
+    declared dead by the cluster: the loss was the node's, not the job's, so the restart is refunded.
+
+    No ``attempt``: it corrects an earlier attempt's verdict (``failed_attempt``) whatever runs now.
+    ``available_dp`` is the capacity measured when the death was confirmed.
+    """
+
+    node: str
+    failed_attempt: int
+    available_dp: int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -184,6 +199,7 @@ class ExportFailed:
 
 
 Event = Union[
+    NodeLossConfirmed,
     Start, GroupReady, StepReported, Heartbeat, CheckpointReported, CommitSucceeded, CommitFailed, WorkerLost,
     JobError, Tick,
     CapacityChanged, ScaleRequested, StragglerFlagged, Cancel, Abort, Finished, GroupStopped,

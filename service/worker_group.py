@@ -29,13 +29,22 @@ log = logging.getLogger(__name__)
 NAMESPACE = "etrain"
 PLACEMENT_TIMEOUT_S = 60.0
 RENDEZVOUS_TIMEOUT_S = 60.0
-# A rank whose run() failed with a collective error is usually the *victim* of a peer that died;
-# wait this long for the peer's death to surface before blaming the rank itself.
+# Failure classification is immediate on the recovery path and corrected later (issue #9): a rank
+# whose actor died is a process fault at once, unless Ray's own death cause already says its node
+# died; the runtime refunds the restart when the node table confirms a node loss afterwards
+# (``service/runtime.py``, NodeLossConfirmed). Only when no restart is left does the final verdict
+# wait, so that a node loss is never mistaken for the job's last allowed fault:
+#
+# A rank whose run() failed with a collective error is usually the *victim* of a peer that died.
+# The group pings every rank at once (``ping`` on the rank actors answers in milliseconds while they
+# live); the first rank whose ping fails with an actor death is the culprit. A rank that does not
+# answer within PROBE_TIMEOUT_S is called lost (its process or node is gone or wedged).
+PROBE_TIMEOUT_S = 2.0
+# With no restart left, wait this long for the dead peer to surface before blaming the rank itself...
 PEER_FAILURE_GRACE_S = 6.0
-# A rank's actor (or its peers' collectives) can fail before the cluster has declared the node dead;
-# wait this long for the node's verdict before calling the loss a process fault, which spends the
-# restart budget. Ray's node health check must be faster than this for node loss to be free
-# (the tests use a 1 s period x 3 failures; production clusters tune health_check_* likewise).
+# ... and this long for the node's verdict before calling a loss a process fault (which would fail
+# the job). Ray's node health check must be faster than this for node loss to be free (the tests
+# use a 1 s period x 3 failures; production clusters tune health_check_* likewise).
 NODE_DEATH_GRACE_S = 6.0
 
 
@@ -86,6 +95,7 @@ class WorkerGroup:
         self._suspect: tuple[float, GroupOutcome] | None = None
         self._stopped = False
         self._lost: tuple[float, GroupOutcome] | None = None  # a dead rank waiting for its node's verdict
+        self._probe: dict[Any, int] = {}  # ping ObjectRef -> rank, while a collective failure is explained
 
     # --- start ----------------------------------------------------------------------------------
 
@@ -130,8 +140,13 @@ class WorkerGroup:
 
     # --- watch ----------------------------------------------------------------------------------
 
-    def poll(self, now: float) -> GroupOutcome | None:
-        """Collect finished ``run`` calls; classify the first failure. Never blocks."""
+    def poll(self, now: float, *, restarts_left: bool = True) -> GroupOutcome | None:
+        """Collect finished ``run`` calls; classify the first failure. Never blocks.
+
+        ``restarts_left``: whether the job could survive a process fault. While it can, a lost rank
+        is reported at once (the caller corrects a node loss later); when it cannot, the verdict
+        waits for the node's health (a node loss would be free, a process fault would fail the job).
+        """
         if self._lost is not None:
             since, outcome = self._lost
             dead = self._dead_rank()
@@ -157,29 +172,62 @@ class WorkerGroup:
                 return None
             if outcome is None:
                 continue
-            if outcome.kind == "worker_lost" and outcome.cause != "node":
-                self._lost = (now, outcome)  # the node may be dying: poll() decides after the grace
-                return None
+            if outcome.kind == "worker_lost":
+                return self._lost_rank(outcome, now, restarts_left)
             if outcome.kind == "job_error" and outcome.message.startswith("collective failure"):
-                # Maybe the victim of a dead peer: hold it for the grace period.
+                # Maybe the victim of a dead peer: find out who is gone (ping every rank).
                 if self._suspect is None:
                     self._suspect = (now, outcome)
+                    self._probe = {actor.ping.remote(): r for r, actor in enumerate(self.actors)}
                 continue
             return outcome
-        if self._suspect is not None and (dead := self._dead_rank()) is not None:
-            self._suspect = None  # the peers failed because a node went away
-            return GroupOutcome(kind="worker_lost", rank=dead[0], node=dead[1], cause="node",
-                                message=f"node {dead[1]} of rank {dead[0]} died")
-        if self._suspect is not None and now - self._suspect[0] >= PEER_FAILURE_GRACE_S:
-            _, outcome = self._suspect
-            self._suspect = None
-            # No peer died: the collective failed on its own (network, timeout). Infrastructure, not the job.
-            return GroupOutcome(kind="worker_lost", rank=outcome.rank, node=outcome.node, cause="process",
-                                message=outcome.message)
-        if not self._runs and self._suspect is None and len(self._results) == self.world_size:
+        if self._suspect is not None:
+            return self._explain_collective_failure(now, restarts_left)
+        if not self._runs and len(self._results) == self.world_size:
             final_step = min(result["final_step"] for result in self._results.values())
             return GroupOutcome(kind="finished", final_step=final_step)
         return None
+
+    def _lost_rank(self, outcome: GroupOutcome, now: float, restarts_left: bool) -> GroupOutcome | None:
+        self._suspect, self._probe = None, {}
+        if outcome.cause == "node" or restarts_left:
+            return outcome
+        self._lost = (now, outcome)  # the last allowed fault: poll() decides after the node's verdict
+        return None
+
+    def _explain_collective_failure(self, now: float, restarts_left: bool) -> GroupOutcome | None:
+        """Which rank made the others' collectives fail: a dead node, a dead actor, a silent rank, or none."""
+        since, suspect = self._suspect
+        if (dead := self._dead_rank()) is not None:
+            self._suspect, self._probe = None, {}  # the peers failed because a node went away
+            return GroupOutcome(kind="worker_lost", rank=dead[0], node=dead[1], cause="node",
+                                message=f"node {dead[1]} of rank {dead[0]} died")
+        answered, _ = ray.wait(list(self._probe), num_returns=len(self._probe), timeout=0)
+        for ref in answered:
+            rank = self._probe.pop(ref)
+            try:
+                ray.get(ref, timeout=1)
+            except RayActorError as err:
+                node = self.nodes.get(rank, "")
+                return self._lost_rank(GroupOutcome(kind="worker_lost", rank=rank, node=node,
+                                                    cause=_death_cause(err, node), message=_first_line(err)),
+                                       now, restarts_left)
+            except Exception:  # the ping itself failed some other way: no verdict from this rank
+                pass
+        grace = PROBE_TIMEOUT_S if restarts_left else PEER_FAILURE_GRACE_S
+        if self._probe and now - since < grace:
+            return None  # some rank has not answered yet
+        self._suspect = None
+        if self._probe:  # silent ranks: gone or wedged, and the collective failed on them
+            rank = min(self._probe.values())
+            self._probe = {}
+            return GroupOutcome(kind="worker_lost", rank=rank, node=self.nodes.get(rank, ""), cause="process",
+                                message=f"rank {rank} did not answer within {grace:g}s after rank "
+                                        f"{suspect.rank}'s {suspect.message}")
+        # Every rank answered: no peer died, the collective failed on its own (network, timeout).
+        # Infrastructure, not the job.
+        return GroupOutcome(kind="worker_lost", rank=suspect.rank, node=suspect.node, cause="process",
+                            message=suspect.message)
 
     def _dead_rank(self) -> tuple[int, str] | None:
         """(rank, node) of the first rank whose node the cluster has declared dead, if any."""
@@ -195,8 +243,8 @@ class WorkerGroup:
             self._results[rank] = ray.get(ref, timeout=10)
             return None
         except RayActorError as err:
-            cause = "node" if node and not _node_alive(node) else ("actor" if "ray.kill" in str(err) else "process")
-            return GroupOutcome(kind="worker_lost", rank=rank, node=node, cause=cause, message=_first_line(err))
+            return GroupOutcome(kind="worker_lost", rank=rank, node=node, cause=_death_cause(err, node),
+                                message=_first_line(err))
         except RayTaskError as err:
             inner = err.cause
             if isinstance(inner, EtrainError):
@@ -268,6 +316,18 @@ def _node_alive(node_id: str) -> bool:
         if node.get("NodeID") == node_id:
             return bool(node.get("Alive"))
     return False
+
+
+def _death_cause(error: RayActorError, node: str) -> Literal["process", "actor", "node"]:
+    """Why a rank actor died, from Ray's own death context (its message) or else the node table.
+
+    The GCS writes "The actor died because its node has died" once it has declared the node dead,
+    and marks actors on preempted (drained) nodes; ``ray.kill`` says so in the message.
+    """
+    text = str(error)
+    if getattr(error, "preempted", False) or "its node has died" in text or (node and not _node_alive(node)):
+        return "node"
+    return "actor" if "ray.kill" in text else "process"
 
 
 def _is_collective_failure(error: BaseException | None) -> bool:

@@ -36,7 +36,10 @@ def test_node_loss_during_dp2_tp2_restarts_on_the_spare_node(tmp_path):
         assert final["status"] == "SUCCEEDED", final
         events = plane.events(job["id"])
         assert final["restarts"] == 0, [(e["kind"], e["detail"]) for e in events]  # node loss is not the job's fault
-        assert "node_lost" in event_kinds(events)
+        # Either Ray had declared the node dead when the rank's death reached the supervisor (node_lost at
+        # once), or the loss was classified a process fault at once and refunded when the node was
+        # declared dead ([8] in service/supervisor.py).
+        assert {"node_lost", "restart_refunded"} & set(event_kinds(events)), event_kinds(events)
         last = placements(events)[-1]
         assert victim not in last.values() and len(last) == 4
         assert final["world_size"] == 4

@@ -32,6 +32,7 @@ from service.supervisor import (
     JobError,
     LaunchGroup,
     MarkTerminal,
+    NodeLossConfirmed,
     RecordEvent,
     RequestCheckpoint,
     ScaleRequested,
@@ -593,6 +594,53 @@ class TestWorkerLost:
     def test_more_losses_during_teardown_are_ignored(self):
         d = decide(stopping(), WorkerLost(attempt=1, rank=2, node="n1", cause="process"), 101.0, CONFIG)
         assert d.ignored and d.state.restarts_used == 1
+
+
+class TestNodeLossConfirmed:
+    """[8] A loss classified at once as a process fault is corrected when its node is declared dead."""
+
+    def confirmed(self, available_dp: int) -> NodeLossConfirmed:
+        return NodeLossConfirmed(node="n4", failed_attempt=1, available_dp=available_dp)
+
+    def test_refunds_the_restart_while_the_relaunch_fits(self):
+        state = launching(status=Status.RECOVERING, attempt=2, restarts_used=1)
+        d = decide(state, self.confirmed(available_dp=4), 5.0, CONFIG)
+        assert (d.state.restarts_used, d.state.group, d.state.attempt, d.state.available_dp) == (
+            0, GroupPhase.LAUNCHING, 2, 4)
+        assert d.actions == (RecordEvent(kind="restart_refunded", detail=(
+            "node n4 of the rank lost in attempt 1 was declared dead: a node loss, not the job's fault; "
+            "restarts used 0/2")),)
+
+    def test_stops_a_relaunch_the_cluster_can_no_longer_hold(self):
+        state = launching(status=Status.RECOVERING, attempt=2, restarts_used=1)
+        d = decide(state, self.confirmed(available_dp=2), 5.0, CONFIG)
+        assert (d.state.status, d.state.restarts_used, d.state.awaiting_capacity) == (Status.RECOVERING, 0, True)
+        assert kinds(d) == ["restart_refunded", "node_lost"]
+        assert of(d, StopGroup) == [StopGroup(attempt=2, reason="attempt 2 cannot be placed at dp=4 without node n4")]
+
+    def test_a_job_backing_off_relaunches_at_once_at_the_size_that_fits(self):
+        state = stopping(group=GroupPhase.NONE, attempt=1, restarts_used=1, backoff_until=110.0)
+        d = decide(state, self.confirmed(available_dp=2), 101.0, CONFIG)
+        assert d.state.restarts_used == 0 and d.state.backoff_until is None
+        assert of(d, LaunchGroup) == [LaunchGroup(attempt=2, dp=2, world_size=4, resume_step=8)]
+        assert d.state.status is Status.RESIZING
+
+    def test_a_running_group_keeps_running_and_nothing_goes_below_zero(self):
+        d = decide(running(restarts_used=0), self.confirmed(available_dp=4), 50.0, CONFIG)
+        assert (d.state.status, d.state.restarts_used) == (Status.RUNNING, 0) and kinds(d) == ["restart_refunded"]
+
+    def test_is_never_stale_but_ignored_once_terminal(self):
+        d = decide(running(attempt=7, restarts_used=2), self.confirmed(available_dp=4), 50.0, CONFIG)
+        assert not d.ignored and d.state.restarts_used == 1
+        assert decide(running(status=Status.FAILED), self.confirmed(available_dp=4), 50.0, CONFIG).ignored
+
+    def test_a_loss_that_would_have_failed_the_job_is_refunded_too_late(self):
+        """The adapter waits for the node's verdict when no restart is left (worker_group.poll), because
+        a refund cannot revive a job the last charged fault already failed."""
+        config = replace(CONFIG, max_restarts=1)
+        d = decide(running(restarts_used=1), WorkerLost(attempt=1, rank=1, node="n4", cause="process"), 1.0, config)
+        assert d.state.status is Status.FAILED
+        assert decide(d.state, self.confirmed(available_dp=4), 2.0, config).ignored
 
 
 class TestGroupStopped:
