@@ -121,25 +121,198 @@ export port, which the `metrics` container port and the PodMonitor rely on, then
 {{- toYaml $params }}
 {{- end }}
 
-{{/* Volumes of a Ray pod: in-memory /dev/shm and the shared checkpoint claim. Call with (dict "root" $ "shmSize" <size>). */}}
+{{/* "true" when checkpoints go to an object store (`checkpoint.path: s3://...`), else "". */}}
+{{- define "etrain.checkpointIsS3" -}}
+{{- if hasPrefix "s3://" .Values.checkpoint.path }}true{{ end }}
+{{- end }}
+
+{{/* The ReadWriteMany claim holding the checkpoints: `checkpoint.existingClaim` or the one the chart creates. */}}
+{{- define "etrain.checkpointClaimName" -}}
+{{- default (printf "%s-checkpoints" (include "etrain.fullname" .)) .Values.checkpoint.existingClaim }}
+{{- end }}
+
+{{/* Secret with the S3 credentials: `checkpoint.s3.existingSecret` or the one the chart creates. */}}
+{{- define "etrain.s3SecretName" -}}
+{{- default (printf "%s-s3" (include "etrain.fullname" .)) .Values.checkpoint.s3.existingSecret }}
+{{- end }}
+
+{{/*
+Checks of values that values.schema.json cannot express; a failed check fails the render with the fix.
+Included once, from the Deployment.
+*/}}
+{{- define "etrain.validate" -}}
+{{- if include "etrain.checkpointIsS3" . }}
+{{- if and (not .Values.checkpoint.s3.existingSecret) (not (and .Values.checkpoint.s3.accessKeyId .Values.checkpoint.s3.secretAccessKey)) }}
+{{- fail "checkpoint.path is s3://...: give checkpoint.s3.existingSecret (a Secret with AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY) or checkpoint.s3.accessKeyId and checkpoint.s3.secretAccessKey" }}
+{{- end }}
+{{- if .Values.checkpoint.existingClaim }}
+{{- fail "checkpoint.existingClaim is set but checkpoint.path is s3://...: checkpoints go to the bucket and no volume is mounted; unset one of them" }}
+{{- end }}
+{{- end }}
+{{- $mounts := list "/data" "/tmp" "/dev/shm" }}
+{{- if not (include "etrain.checkpointIsS3" .) }}
+{{- $mounts = append $mounts .Values.checkpoint.path }}
+{{- end }}
+{{- range .Values.sharedVolumes }}
+{{- if has .mountPath $mounts }}
+{{- fail (printf "sharedVolumes %s: mountPath %s is already used (/data, /tmp, /dev/shm and checkpoint.path are the chart's)" .name .mountPath) }}
+{{- end }}
+{{- if has .name (list "data" "tmp" "dshm" "checkpoints" "tenant-tokens") }}
+{{- fail (printf "sharedVolumes: the name %s is one of the chart's own volumes; pick another" .name) }}
+{{- end }}
+{{- $mounts = append $mounts .mountPath }}
+{{- end }}
+{{- if and .Values.ingress.enabled (not .Values.ingress.host) }}
+{{- fail "ingress.enabled is true but ingress.host is empty: give the API's host name, e.g. --set ingress.host=etrain.example.com" }}
+{{- end }}
+{{- if .Values.rayCluster.enabled }}
+{{- range $name, $group := .Values.rayCluster.workerGroups }}
+{{- if $group.enabled }}
+{{- $replicas := int ($group.replicas | default 0) }}
+{{- if gt (int $group.minReplicas) (int $group.maxReplicas) }}
+{{- fail (printf "rayCluster.workerGroups.%s: minReplicas %d is above maxReplicas %d" $name (int $group.minReplicas) (int $group.maxReplicas)) }}
+{{- end }}
+{{- if or (lt $replicas (int $group.minReplicas)) (gt $replicas (int $group.maxReplicas)) }}
+{{- fail (printf "rayCluster.workerGroups.%s: replicas %d must lie between minReplicas %d and maxReplicas %d" $name $replicas (int $group.minReplicas) (int $group.maxReplicas)) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+The storage roots of the server (`ETRAIN_STORAGE_ROOTS`): /data, the checkpoint root and every shared
+volume. Separated by commas, which the server accepts between entries like ':' and which, unlike ':',
+never occurs inside an `s3://` root.
+*/}}
+{{- define "etrain.storageRoots" -}}
+{{- $roots := list "/data" .Values.checkpoint.path }}
+{{- range .Values.sharedVolumes }}
+{{- $roots = append $roots .mountPath }}
+{{- end }}
+{{- join "," $roots }}
+{{- end }}
+
+{{/*
+Environment shared by the control plane and every Ray container: HOME on the writable /tmp (the root
+filesystem is read-only) and, for s3:// checkpoints, the bucket's credentials from the Secret.
+*/}}
+{{- define "etrain.sharedEnv" -}}
+- name: HOME
+  value: /tmp
+{{- if include "etrain.checkpointIsS3" . }}
+{{- $secret := include "etrain.s3SecretName" . }}
+- name: AWS_ACCESS_KEY_ID
+  valueFrom:
+    secretKeyRef:
+      name: {{ $secret }}
+      key: AWS_ACCESS_KEY_ID
+- name: AWS_SECRET_ACCESS_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ $secret }}
+      key: AWS_SECRET_ACCESS_KEY
+- name: AWS_ENDPOINT_URL
+{{- if .Values.checkpoint.s3.endpointUrl }}
+  value: {{ .Values.checkpoint.s3.endpointUrl | quote }}
+{{- else }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ $secret }}
+      key: AWS_ENDPOINT_URL
+      optional: true
+{{- end }}
+- name: AWS_DEFAULT_REGION
+{{- if .Values.checkpoint.s3.region }}
+  value: {{ .Values.checkpoint.s3.region | quote }}
+{{- else }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ $secret }}
+      key: AWS_DEFAULT_REGION
+      optional: true
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Volumes every pod of the release has: a writable /tmp, the checkpoint claim and the shared volumes. */}}
+{{- define "etrain.sharedVolumes" -}}
+- name: tmp
+  emptyDir: {}
+{{- if not (include "etrain.checkpointIsS3" .) }}
+- name: checkpoints
+  persistentVolumeClaim:
+    claimName: {{ include "etrain.checkpointClaimName" . }}
+{{- end }}
+{{- range .Values.sharedVolumes }}
+- name: {{ .name }}
+  {{- toYaml .volume | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* Mounts matching etrain.sharedVolumes: the checkpoint claim at `checkpoint.path` in every pod. */}}
+{{- define "etrain.sharedVolumeMounts" -}}
+- name: tmp
+  mountPath: /tmp
+{{- if not (include "etrain.checkpointIsS3" .) }}
+- name: checkpoints
+  mountPath: {{ .Values.checkpoint.path }}
+{{- end }}
+{{- range .Values.sharedVolumes }}
+- name: {{ .name }}
+  mountPath: {{ .mountPath }}
+  {{- if .readOnly }}
+  readOnly: true
+  {{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Volumes of a Ray pod: in-memory /dev/shm plus the shared ones. Call with (dict "root" $ "shmSize" <size>). */}}
 {{- define "etrain.rayVolumes" -}}
 - name: dshm
   emptyDir:
     medium: Memory
     sizeLimit: {{ .shmSize }}
-{{- with .root.Values.checkpoints.existingClaim }}
-- name: checkpoints
-  persistentVolumeClaim:
-    claimName: {{ . }}
-{{- end }}
+{{ include "etrain.sharedVolumes" .root }}
 {{- end }}
 
 {{/* Volume mounts matching etrain.rayVolumes. Call with the root context. */}}
 {{- define "etrain.rayVolumeMounts" -}}
 - name: dshm
   mountPath: /dev/shm
-{{- if .Values.checkpoints.existingClaim }}
-- name: checkpoints
-  mountPath: {{ .Values.checkpoints.mountPath }}
+{{ include "etrain.sharedVolumeMounts" . }}
 {{- end }}
+
+{{/* Environment of a Ray container: the shared environment, then `rayCluster.containerEnv`. */}}
+{{- define "etrain.rayEnv" -}}
+{{ include "etrain.sharedEnv" . }}
+{{- with .Values.rayCluster.containerEnv }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/*
+Resources of a worker group: its `resources`, with `gpus` as nvidia.com/gpu requests and limits.
+Call with the group.
+*/}}
+{{- define "etrain.groupResources" -}}
+{{- $resources := deepCopy (.resources | default dict) }}
+{{- if gt (int (.gpus | default 0)) 0 }}
+{{- $limits := get $resources "limits" | default dict }}
+{{- $requests := get $resources "requests" | default dict }}
+{{- $_ := set $limits "nvidia.com/gpu" (int .gpus) }}
+{{- $_ := set $requests "nvidia.com/gpu" (int .gpus) }}
+{{- $_ := set $resources "limits" $limits }}
+{{- $_ := set $resources "requests" $requests }}
+{{- end }}
+{{- toYaml $resources }}
+{{- end }}
+
+{{/*
+KubeRay `autoscalerOptions`: the user's, over the chart's defaults for the autoscaler sidecar (it runs in
+the head pod with the Ray image): the Ray containers' securityContext, HOME=/tmp and the /tmp emptyDir.
+*/}}
+{{- define "etrain.autoscalerOptions" -}}
+{{- $defaults := dict "securityContext" (deepCopy .Values.rayCluster.securityContext) "env" (list (dict "name" "HOME" "value" "/tmp")) "volumeMounts" (list (dict "name" "tmp" "mountPath" "/tmp")) }}
+{{- toYaml (mergeOverwrite $defaults (deepCopy .Values.rayCluster.autoscalerOptions)) }}
 {{- end }}
