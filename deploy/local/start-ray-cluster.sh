@@ -21,6 +21,7 @@ STATE_DIR=${STATE_DIR:-${TMPDIR:-/tmp}/etrain-local-ray}
 HEAD_IP=${HEAD_IP:-127.0.0.1}
 HEAD_PORT=${HEAD_PORT:-6379}               # GCS
 DASHBOARD_PORT=${DASHBOARD_PORT:-8265}
+INCLUDE_DASHBOARD=${INCLUDE_DASHBOARD:-1}  # 0: no dashboard process on the head (lighter; tests use it)
 CLIENT_PORT=${CLIENT_PORT:-10001}          # Ray Client server (ray://)
 METRICS_PORT=${METRICS_PORT:-8080}         # head's metrics exporter; worker i uses METRICS_PORT+i
 AGENT_PORT=${AGENT_PORT:-52365}            # dashboard agent HTTP; worker i uses AGENT_PORT+i
@@ -28,18 +29,60 @@ HEAD_CPUS=${HEAD_CPUS:-0}                  # 0 keeps training ranks off the head
 CPUS_PER_WORKER=${CPUS_PER_WORKER:-2}
 GPUS_PER_WORKER=${GPUS_PER_WORKER:-0}
 START_TIMEOUT_S=${START_TIMEOUT_S:-120}
+START_ATTEMPTS=${START_ATTEMPTS:-3}        # tries per node (see start_node)
+# On SIGTERM a Ray node first drains (waits for its leases to end, 30 s by default) for rolling
+# upgrades; `stop` takes the whole cluster down, where there is nowhere to drain to.
+export RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=${RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S:-0}
 RAY_TEMP_DIR=${RAY_TEMP_DIR:-$STATE_DIR/ray}  # keeps this cluster's session files apart from /tmp/ray
+# Worker i gets its own Ray temp dir, $RAY_TEMP_DIR-worker-i, as a node on another machine would: nodes
+# started at once in one session directory race for the same socket names (`bind: Address in use`).
+
+# Ray token authentication, decided once for every process of this cluster. `ray start --head` turns
+# it on by itself when a token exists (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token, which
+# a local `ray.init()` creates), but a joining `ray start`, `ray status` and a driver given an address
+# (`etrain serve --ray-address`) do not: they would be refused. So with a token the mode is exported.
+if [[ -z ${RAY_AUTH_MODE:-} ]] && [[ -n ${RAY_AUTH_TOKEN:-} || -s ${RAY_AUTH_TOKEN_PATH:-$HOME/.ray/auth_token} ]]; then
+  export RAY_AUTH_MODE=token
+fi
 
 log() { printf '[local-ray] %s\n' "$*" >&2; }
 die() { log "error: $*"; exit 1; }
 
-alive() { [[ -f $1 ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
+# A PID is alive while it exists and is not a zombie (exited, not yet reaped: in a container whose
+# PID 1 reaps nothing, a stopped node would otherwise look alive forever).
+alive_pid() {
+  kill -0 "$1" 2>/dev/null || return 1
+  [[ -r /proc/$1/stat ]] || return 0
+  [[ $(sed 's/.*) //' "/proc/$1/stat" 2>/dev/null | cut -c1) != Z ]]
+}
+alive() { [[ -f $1 ]] && alive_pid "$(cat "$1")"; }
 
-# `ray start --block` in the background, logging to $STATE_DIR/<name>.log.
+# `ray start --block` in the background, logging to $STATE_DIR/<name>.log (an earlier try's: .log.1).
 launch() {
   local name=$1; shift
+  if [[ -f $STATE_DIR/$name.log ]]; then mv -f "$STATE_DIR/$name.log" "$STATE_DIR/$name.log.1"; fi
   nohup "$RAY" start --block --disable-usage-stats "$@" >"$STATE_DIR/$name.log" 2>&1 &
   echo $! >"$STATE_DIR/$name.pid"
+}
+
+# Start one node and wait until it is registered with the GCS: `ray start` prints "Ray runtime
+# started." only then (a cheap check; `ray status` costs a Python start per call). On a loaded machine
+# a node's agents can miss Ray's internal start-up deadlines and `ray start` exits; such a node is
+# started again, up to START_ATTEMPTS times, all within START_TIMEOUT_S.
+start_node() {
+  local name=$1; shift
+  local attempt deadline=$((SECONDS + START_TIMEOUT_S))
+  for ((attempt = 1; attempt <= START_ATTEMPTS; attempt++)); do
+    launch "$name" "$@"
+    while alive "$STATE_DIR/$name.pid"; do
+      grep -q "Ray runtime started" "$STATE_DIR/$name.log" && return 0
+      ((SECONDS < deadline)) || die "$name did not start within ${START_TIMEOUT_S}s; see $STATE_DIR/$name.log"
+      sleep 1
+    done
+    log "$name exited during start-up (try $attempt of $START_ATTEMPTS): $(grep -m1 -E '^[A-Za-z.]*(Exception|Error)' \
+      "$STATE_DIR/$name.log" || echo "see $STATE_DIR/$name.log")"
+  done
+  die "$name failed to start $START_ATTEMPTS times; see $STATE_DIR/$name.log"
 }
 
 alive_nodes() {
@@ -69,13 +112,15 @@ start() {
   rm -f "$STATE_DIR"/*.pid
 
   log "head: $HEAD_IP:$HEAD_PORT, dashboard :$DASHBOARD_PORT, client :$CLIENT_PORT, metrics :$METRICS_PORT"
-  launch head --head --node-ip-address "$HEAD_IP" --port "$HEAD_PORT" \
-    --dashboard-host 0.0.0.0 --dashboard-port "$DASHBOARD_PORT" --ray-client-server-port "$CLIENT_PORT" \
+  local dashboard_args=(--dashboard-host 0.0.0.0 --dashboard-port "$DASHBOARD_PORT")
+  [[ $INCLUDE_DASHBOARD == 0 ]] && dashboard_args=(--include-dashboard=false)
+  start_node head --head --node-ip-address "$HEAD_IP" --port "$HEAD_PORT" \
+    "${dashboard_args[@]}" --ray-client-server-port "$CLIENT_PORT" \
     --metrics-export-port "$METRICS_PORT" --dashboard-agent-listen-port "$AGENT_PORT" \
     --num-cpus "$HEAD_CPUS" --num-gpus 0 --temp-dir "$RAY_TEMP_DIR"
-  wait_for_nodes 1
 
-  local i
+  # The workers start at once (each with its own tries, in a subshell) and are then waited for.
+  local i pids=()
   for ((i = 1; i <= num_workers; i++)); do
     local gpu_args=(--num-gpus 0) visible=""
     if ((GPUS_PER_WORKER > 0)); then
@@ -86,13 +131,17 @@ start() {
     log "worker $i: $CPUS_PER_WORKER CPUs, $GPUS_PER_WORKER GPUs${visible:+ (CUDA_VISIBLE_DEVICES=$visible)}, metrics :$((METRICS_PORT + i))"
     (
       if [[ -n $visible ]]; then export CUDA_VISIBLE_DEVICES=$visible; fi
-      launch "worker-$i" --address "$HEAD_IP:$HEAD_PORT" --node-ip-address "$HEAD_IP" \
-        --num-cpus "$CPUS_PER_WORKER" "${gpu_args[@]}" \
+      start_node "worker-$i" --address "$HEAD_IP:$HEAD_PORT" --node-ip-address "$HEAD_IP" \
+        --num-cpus "$CPUS_PER_WORKER" "${gpu_args[@]}" --temp-dir "$RAY_TEMP_DIR-worker-$i" \
         --metrics-export-port $((METRICS_PORT + i)) --dashboard-agent-listen-port $((AGENT_PORT + i))
-    )
+    ) &
+    pids+=($!)
   done
+  local pid failed=0
+  for pid in "${pids[@]}"; do wait "$pid" || failed=$((failed + 1)); done
+  ((failed == 0)) || die "$failed worker node(s) failed to start; logs in $STATE_DIR"
   wait_for_nodes $((num_workers + 1))
-  log "up: $((num_workers + 1)) nodes. Dashboard http://$HEAD_IP:$DASHBOARD_PORT"
+  log "up: $((num_workers + 1)) nodes.$([[ $INCLUDE_DASHBOARD == 0 ]] || echo " Dashboard http://$HEAD_IP:$DASHBOARD_PORT")"
   log "etrain serve --ray-address $HEAD_IP:$HEAD_PORT   (or ray://$HEAD_IP:$CLIENT_PORT)"
   log "Prometheus targets for Ray: $RAY_TEMP_DIR/prom_metrics_service_discovery.json"
 }
@@ -110,8 +159,8 @@ stop() {
   done
   local deadline=$((SECONDS + 30)) pid
   for pid in "${pids[@]}"; do
-    while kill -0 "$pid" 2>/dev/null && ((SECONDS < deadline)); do sleep 1; done
-    kill -0 "$pid" 2>/dev/null && { log "PID $pid ignored SIGTERM; sending SIGKILL"; kill -KILL "$pid" || true; }
+    while alive_pid "$pid" && ((SECONDS < deadline)); do sleep 1; done
+    alive_pid "$pid" && { log "PID $pid ignored SIGTERM; sending SIGKILL"; kill -KILL "$pid" || true; }
   done
   log "stopped ${#pids[@]} node(s)"
 }
