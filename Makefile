@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 export ETRAIN_TORCH_THREADS ?= 1
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install run test test-fast test-gpu bench lint clean
+.PHONY: install run test test-fast test-gpu bench bench-quick lint clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -41,10 +41,20 @@ test-fast: $(STAMP)
 test-gpu: $(STAMP)
 	$(PY) -m pytest -m gpu $(PYTEST_ARGS)
 
-## make bench: speed, memory and API benchmarks; writes bench-results/ and the README table rows.
+## make bench: the benchmark suite (benchmarks/suite.py: start-up, recovery, goodput, stragglers, hangs,
+## checkpoints, pipeline bubble, steady state, each against Ray Train v2, torchrun or a formula); raw
+## samples to benchmarks/results/*.json, the README table regenerated from them. Then the throughput,
+## memory and API benchmarks (bench-results/). `make bench QUICK=1` (or `make bench-quick`, or
+## ARGS=--quick): the suite alone, under 15 minutes on 2 CPU cores. ARGS passes more suite flags, e.g.
+## ARGS='--only recovery --note "shared machine"'.
 bench: $(STAMP)
-	$(PY) -m benchmarks.run --out bench-results
-	$(PY) -m benchmarks.bench_api --out bench-results
+	$(PY) -m benchmarks.suite $(if $(QUICK),--quick) $(ARGS)
+	@if [ -z "$(QUICK)" ] && [[ " $(ARGS) " != *" --quick "* ]]; then \
+		$(PY) -m benchmarks.run --out bench-results && $(PY) -m benchmarks.bench_api --out bench-results; \
+	fi
+
+bench-quick:
+	$(MAKE) bench QUICK=1
 
 clean:
 	rm -rf $(VENV) .etrain bench-results .pytest_cache

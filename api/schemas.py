@@ -89,7 +89,11 @@ class JobOut(BaseModel):
     layout: str | None
     last_checkpoint_step: int | None
     stragglers: list[Any]
-    goodput: float | None
+    goodput: float | None = Field(
+        ge=0.0, le=1.0,
+        description="kept step time / wall time since submit, 0..1 (service/goodput.py: a recomputed step counts "
+                    "once, queued time counts against it); null before the first step",
+    )
     attempt: int
     artifacts: dict[str, str] = Field(
         default_factory=dict, description='what a succeeded job wrote besides checkpoints: {"hf": "<folder>"}'

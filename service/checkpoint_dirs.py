@@ -14,6 +14,10 @@ own (default ``<data-dir>/checkpoints/<job-id>``), and at submit:
 
 What a running job may delete is the supervisor's rule (``workers.manifest.prune(owner=...)``): only
 step directories whose signed manifests name it.
+
+The same rules hold for object storage: a ``checkpoint.path`` of ``s3://bucket/prefix`` is compared by
+key components, and its step "directories" are listed and their manifests read through
+``workers/storage.py``; the checkpoint tree is ``ETRAIN_CHECKPOINT_ROOT`` when the operator set one.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ from service.errors import SpecRejected
 from service.spec import JobSpec, SpecProblem
 from service.storage_roots import inside
 from service.tenancy import Principal
-from workers.errors import CheckpointError
+from workers import storage
+from workers.errors import CheckpointError, EtrainError
 from workers.manifest import MANIFEST_NAME, list_steps, read_manifest
 
 __all__ = ["CheckpointDirectories"]
@@ -42,8 +47,13 @@ _PATH_FIELDS = (("model.hf", "model", "hf"), ("data.path", "data", "path"), ("da
 class CheckpointDirectories:
     """The rules above, over the job store's view of jobs (passed in as callables: no SQLite here)."""
 
-    def __init__(self, *, data_dir: str | os.PathLike, key: bytes, default_root: Callable[[str], str]):
-        self._tree = os.path.realpath(os.path.join(os.fspath(data_dir), "checkpoints"))
+    def __init__(self, *, data_dir: str | os.PathLike, key: bytes, default_root: Callable[[str], str],
+                 tree: str | None = None):
+        """``tree``: the folder (or ``s3://`` prefix) holding every job's default directory, the operator's
+        ``ETRAIN_CHECKPOINT_ROOT`` (default ``<data_dir>/checkpoints``)."""
+        if tree is None:
+            tree = os.path.join(os.fspath(data_dir), "checkpoints")
+        self._tree = _resolved(tree)
         self._key = key
         self._default_root = default_root
         self._lock = threading.Lock()
@@ -52,7 +62,7 @@ class CheckpointDirectories:
     def root_of(self, job_id: str, spec: dict | JobSpec) -> str:
         """The resolved checkpoint directory a job uses (its spec's path, else its default)."""
         path = spec.checkpoint.path if isinstance(spec, JobSpec) else (spec.get("checkpoint") or {}).get("path")
-        return os.path.realpath(path) if path else self._default_root(job_id)
+        return _resolved(path) if path else self._default_root(job_id)
 
     def check_reach(self, spec: JobSpec, principal: Principal, *, tenant_of: Callable[[str], str | None]) -> None:
         """SpecRejected when a path of ``spec`` (pinned) reaches into the checkpoint directory of a job the
@@ -62,7 +72,7 @@ class CheckpointDirectories:
         for field, section, name in _PATH_FIELDS:
             value = getattr(getattr(spec, section), name)
             if value:
-                problem = self._tree_problem(field, os.path.realpath(value), principal, tenant_of)
+                problem = self._tree_problem(field, _resolved(value), principal, tenant_of)
                 if problem is not None:
                     problems.append(problem)
         if problems:
@@ -92,7 +102,7 @@ class CheckpointDirectories:
             self._claims = {job: claim for job, claim in self._claims.items()
                             if now - claim[1] < CLAIM_TTL_S and tenant_of(job) is None}
             if path:
-                problems += self._checkpoint_problems(os.path.realpath(path), principal, unfinished, tenant_of)
+                problems += self._checkpoint_problems(_resolved(path), principal, unfinished, tenant_of)
             if problems:
                 raise SpecRejected(problems)
             self._claims[job_id] = (self.root_of(job_id, spec), now)
@@ -122,7 +132,8 @@ class CheckpointDirectories:
                 fix=f"point {field} at a folder of your own",
             )
         if inside(path, self._tree) and path != self._tree:
-            job_id = os.path.relpath(path, self._tree).split(os.sep)[0]
+            job_id = (path[len(self._tree) + 1:].split("/")[0] if storage.is_url(path)
+                      else os.path.relpath(path, self._tree).split(os.sep)[0])
             if not self._visible(job_id, principal, tenant_of):
                 return SpecProblem(
                     field=field,
@@ -143,8 +154,17 @@ class CheckpointDirectories:
                         "finished; a directory belongs to one job at a time.",
                 fix="leave checkpoint.path unset (each job gets <data-dir>/checkpoints/<job-id>), or give a new folder",
             )]
-        for step, directory in list_steps(path):
-            if not os.path.exists(os.path.join(directory, MANIFEST_NAME)):
+        try:
+            steps = list_steps(path)
+        except (OSError, EtrainError) as err:  # an object store that refuses the listing (credentials)
+            return [SpecProblem(
+                field=field,
+                message=f"checkpoint.path={path!r} cannot be listed: {getattr(err, 'message', None) or err}",
+                fix="check that the service can read it (for s3://: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and "
+                    "AWS_ENDPOINT_URL of the server), or give another folder",
+            )]
+        for step, directory in steps:
+            if not storage.exists(storage.join(directory, MANIFEST_NAME)):
                 continue  # an interrupted save: not a checkpoint, never loaded (replaced if the step is saved)
             try:
                 manifest = read_manifest(directory, key=self._key)
@@ -162,3 +182,7 @@ class CheckpointDirectories:
             )]
         return []
 
+
+def _resolved(path: str) -> str:
+    """A local path with symlinks and ``..`` resolved; a URL as given (without a trailing ``/``)."""
+    return storage.normalize_url(path) if storage.is_url(path) else os.path.realpath(path)

@@ -76,6 +76,7 @@ class RayRuntime:
         self._gpu_memory_gib: dict[str, float] = {}  # accelerator type -> GiB per GPU, measured once
         self._reader: concurrent.futures.ThreadPoolExecutor | None = None  # reads cluster() off the caller
         if ray.is_initialized():
+            self._start_spares(settings.warm_spares_per_node)
             return
         try:
             if settings.ray_address:
@@ -94,6 +95,17 @@ class RayRuntime:
                 f"cannot connect to Ray at {settings.ray_address or 'a new local cluster'}: {err}",
                 fix="check ETRAIN_RAY_ADDRESS / --ray-address, or leave it unset to start a local Ray",
             ) from err
+        self._start_spares(settings.warm_spares_per_node)
+
+    @staticmethod
+    def _start_spares(per_node: int) -> None:
+        """Warm spare ranks for every job on this cluster (service/spares.py); never fatal."""
+        from service.spares import ensure_pool
+
+        try:
+            ensure_pool(per_node)
+        except Exception as err:  # ranks then start cold, as they did before spares existed
+            log.warning("warm spare pool not started: %s", err)
 
     @property
     def dashboard_url(self) -> str | None:

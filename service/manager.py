@@ -25,6 +25,7 @@ from service.cluster import Runtime
 from service.control import ControlQueue, ControlRequest, NotYet
 from service.elastic import ElasticPolicy, ResizeError
 from service.errors import ChaosDisabled, JobConflict, JobNotFound, RankNotFound, ServiceUnavailable, SpecRejected
+from service.goodput import ProductiveTally, goodput
 from service.runtime import JobPolicy
 from service.settings import Settings
 from service.checkpoint_dirs import CheckpointDirectories
@@ -35,6 +36,7 @@ from service.store import EventRecord, JobRecord, JobStatus, JobStore, StepRecor
 from service.quotas import TenantQuotas
 from service.tenancy import ADMIN, Principal
 from service.stragglers import StragglerConfig
+from workers import storage
 from workers.errors import CheckpointError, ConfigError
 from workers.manifest import latest_committed, list_steps, step_dir, verify
 from workers.rank_log import rank_log_path, read_lines
@@ -69,9 +71,12 @@ class JobManager:
         self._checkpoint_key = load_or_create_key(settings.data_dir)
         self._directories = CheckpointDirectories(
             data_dir=settings.data_dir, key=self._checkpoint_key,
-            default_root=lambda job_id: str(self.settings.checkpoint_root(job_id).resolve()),
+            default_root=lambda job_id: self.settings.checkpoint_location(job_id), tree=settings.checkpoint_tree,
         )
         self._step_cursor: dict[str, int] = {}  # job -> seq of the supervisor's last step row stored
+        # job -> its kept step time, rebuilt from the steps table once per control-plane lifetime and then
+        # fed the rows it stores (service/goodput.py): goodput survives supervisor and server restarts.
+        self._tallies: dict[str, ProductiveTally] = {}
         self._submitting: set[str] = set()  # jobs whose supervisor is being created: not "lost"
         self._quotas = TenantQuotas(max_jobs=settings.tenant_max_jobs, max_workers=settings.tenant_max_workers)
         self._stop = threading.Event()
@@ -113,7 +118,7 @@ class JobManager:
         tokenized = self._prepare_data(spec)
         job_id = f"{spec.name.lower()}-{uuid.uuid4().hex[:8]}"
         self._claim_directories(job_id, spec, principal)
-        config = spec.to_run_config(job_id=job_id, checkpoint_root=str(self.settings.checkpoint_root(job_id).resolve()))
+        config = spec.to_run_config(job_id=job_id, checkpoint_root=self.settings.checkpoint_location(job_id))
         try:
             self._quotas.admit(principal, job_id, config.parallel.world_size, self.store)  # QuotaExceeded: 429
         except Exception:
@@ -264,6 +269,7 @@ class JobManager:
             except JobConflict:
                 return  # it reached another end first
             self.store.add_events(job_id, [(time.time(), "cancelled", {"message": "cancelled (no live supervisor)"})])
+            self._tallies.pop(job_id, None)
 
     def _control_failed(self, request: ControlRequest, err: BaseException) -> None:
         """The ControlQueue gave up on a request: say so in the job's events (the user asked for it)."""
@@ -283,7 +289,7 @@ class JobManager:
         when no rank has started yet."""
         record = self.get(job_id, principal=principal)
         path = rank_log_path(self._checkpoint_path(record), job_id, rank)
-        if not os.path.exists(path):
+        if not storage.exists(path):  # a local file, or an object (s3://) that ranks upload
             if rank >= record.world_size:
                 raise RankNotFound(job_id, rank, record.world_size)
             if record.attempt == 0:
@@ -298,7 +304,7 @@ class JobManager:
     def _checkpoint_path(self, record: JobRecord) -> str:
         """The job's checkpoint root as its ranks see it (the run config the supervisor was given)."""
         spec = JobSpec.model_validate(record.spec)
-        root = str(self.settings.checkpoint_root(record.id).resolve())
+        root = self.settings.checkpoint_location(record.id)
         return spec.to_run_config(job_id=record.id, checkpoint_root=root).checkpoint.path
 
     def chaos(self, job_id: str, request: dict[str, Any], *, principal: Principal = ADMIN) -> dict[str, Any]:
@@ -322,7 +328,7 @@ class JobManager:
         """
         record = self.get(job_id, principal=principal)
         spec = JobSpec.model_validate(record.spec)
-        config = spec.to_run_config(job_id=job_id, checkpoint_root=str(self.settings.checkpoint_root(job_id).resolve()))
+        config = spec.to_run_config(job_id=job_id, checkpoint_root=self.settings.checkpoint_location(job_id))
         model = config.model
         if model.arch != "llama":
             raise ConfigError(
@@ -392,6 +398,9 @@ class JobManager:
     def poll_once(self, job_id: str) -> None:
         with self._poll_lock:
             record = self.store.get_job(job_id)
+            if record is not None and record.status is JobStatus.QUEUED and record.goodput is not None:
+                # Queued again after a lost supervisor: the wait counts against goodput, so keep it current.
+                self.store.update_job(job_id, goodput=self._goodput(record, time.time()))
             if record is None or record.is_terminal or job_id in self._submitting or record.status is JobStatus.QUEUED:
                 return  # (a queued job has no supervisor to ask)
             update = self.runtime.updates(job_id, self.store.get_cursor(job_id), self._step_cursor.get(job_id, 0))
@@ -408,15 +417,20 @@ class JobManager:
                                   cursor=max(e["seq"] for e in events))  # one transaction: no duplicates on a kill
         steps = update.get("steps", [])
         if steps:
-            self.store.add_steps(job_id, [
+            tally = self._tally(job_id)  # (built from the table before these rows land in it)
+            records = [
                 StepRecord(job_id=job_id, step=row["step"], loss=row.get("loss"), tokens_per_s=row.get("tokens_per_s"),
                            step_s=row.get("step_s"), compute_s=row.get("compute_s"),
                            comm_wait_s=row.get("comm_wait_s"), ts=row["ts"], attempt=row.get("attempt", 0))
                 for row in steps
-            ])
+            ]
+            self.store.add_steps(job_id, records)
+            for step_record in records:
+                tally.add(step_record)
             self._step_cursor[job_id] = max(row["seq"] for row in steps)
         fields = {key: update.get(key) for key in ("step", "loss", "tokens_per_s", "world_size", "restarts",
-                                                   "last_checkpoint_step", "layout", "goodput", "attempt", "error")}
+                                                   "last_checkpoint_step", "layout", "attempt", "error")}
+        fields["goodput"] = self._goodput(record, time.time())
         fields["stragglers"] = update.get("stragglers", [])
         if update.get("artifacts"):
             fields["artifacts"] = update["artifacts"]
@@ -428,7 +442,18 @@ class JobManager:
         if fields["status"].is_terminal:
             self.runtime.release(job_id)
             self._step_cursor.pop(job_id, None)
+            self._tallies.pop(job_id, None)  # its goodput is final (measured up to now, its end)
             self._wake.set()  # what it held may start the next queued job
+
+    def _tally(self, job_id: str) -> ProductiveTally:
+        tally = self._tallies.get(job_id)
+        if tally is None:
+            tally = self._tallies[job_id] = ProductiveTally(self.store.steps(job_id, limit=2**62))
+        return tally
+
+    def _goodput(self, record: JobRecord, now: float) -> float | None:
+        """Kept step time over wall time since the submit (service/goodput.py), from the store's rows."""
+        return goodput(self._tally(record.id).value, submitted_at=record.created_at, now=now)
 
     def _supervisor_lost(self, record: JobRecord) -> None:
         """A started job without a supervisor (its node died, the cluster restarted, or a control plane
@@ -444,6 +469,7 @@ class JobManager:
                                   error=f"supervisor lost and restarted {record.restarts} times, "
                                         f"max_restarts={spec.fault_tolerance.max_restarts}")
             self.store.add_events(record.id, [(time.time(), "failed", {"message": "supervisor lost; budget spent"})])
+            self._tallies.pop(record.id, None)
             return
         # The event first: once QUEUED, the scheduler may admit it (and record "admitted") at once.
         self.store.add_events(record.id, [(time.time(), "supervisor_lost",
@@ -555,9 +581,11 @@ class JobManager:
         that wins the race leaves it cancelled and unstarted)."""
         job_id = record.id
         spec = JobSpec.model_validate(record.spec)
-        root = str(self.settings.checkpoint_root(job_id).resolve())
+        root = self.settings.checkpoint_location(job_id)
         config = spec.to_run_config(job_id=job_id, checkpoint_root=root).with_dp(admit.dp)
-        policy = dataclasses.replace(policy_for(spec), restarts_used=record.restarts,
+        # attempt_base: a supervisor recreated after a loss numbers its attempts on from the job's last one,
+        # so its step rows replace the recomputed steps' old rows (service/store.py keeps the higher attempt).
+        policy = dataclasses.replace(policy_for(spec), restarts_used=record.restarts, attempt_base=record.attempt,
                                      checkpoint_key=self._checkpoint_key)
         self._submitting.add(job_id)  # before the status change: the poller and cancel wait for the start
         try:
@@ -593,6 +621,7 @@ class JobManager:
         except JobConflict:
             return False
         self._announce.discard(job_id)
+        self._tallies.pop(job_id, None)
         self.store.add_events(job_id, [(time.time(), "cancelled", {"message": "cancelled by user while queued"})])
         self._wake.set()  # the jobs behind it may start now
         return True
@@ -751,6 +780,7 @@ def policy_for(spec: JobSpec) -> JobPolicy:
         heartbeat_timeout_s=spec.fault_tolerance.heartbeat_timeout_s,
         backoff_base_s=spec.fault_tolerance.backoff_base_s,
         backoff_max_s=spec.fault_tolerance.backoff_max_s,
+        in_place=spec.fault_tolerance.in_place,
         elastic_check_interval_s=spec.elastic.check_interval_s,
         stragglers=StragglerConfig(
             enabled=stragglers.enabled,

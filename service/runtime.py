@@ -31,8 +31,10 @@ import ray
 
 from service import supervisor as sm
 from service.capacity import rank_slots, replicas_that_fit
-from service.stragglers import StragglerConfig, StragglerDetector
+from service.stragglers import StragglerConfig, StragglerDetector, stage_map
+from service.spares import HEAD_NODE_RESOURCE
 from service.worker_group import NAMESPACE, GroupOutcome, PlacementTimeout, WorkerGroup
+from workers import storage
 from workers.config import ModelConfig, RunConfig
 from workers.errors import CheckpointError, EtrainError
 from workers.manifest import ManifestSignatureError, commit, list_steps, prune, resolve_latest, step_dir, verify
@@ -46,12 +48,18 @@ TICK_S = 0.2
 # often the node table is read meanwhile.
 UNCONFIRMED_WATCH_S = 60.0
 NODE_CHECK_INTERVAL_S = 0.5
-HEAD_NODE_RESOURCE = "node:__internal_head__"  # Ray gives the head node this resource
 MAX_STEP_HISTORY = 100_000
 #: Where a job's end-of-run Hugging Face export goes, inside its checkpoint root.
 HF_EXPORT_DIR = "hf-export"
+#: How long ``updates`` of an ended job waits for its last prune (well inside the caller's Ray call timeout).
+END_PRUNE_WAIT_S = 5.0
 #: CPUs the export task reserves: it is single-process and streams one output shard at a time.
 EXPORT_NUM_CPUS = 1.0
+
+
+def _stages(parallel: Any) -> dict[int, int]:
+    """``{rank: pipeline stage}`` of a layout, for the straggler detector (peers are judged per stage)."""
+    return stage_map(pp=parallel.pp, dp=parallel.dp, tp=parallel.tp)
 
 
 def supervisor_name(job_id: str) -> str:
@@ -73,7 +81,12 @@ class JobPolicy:
     straggler_action: str  # report | evict
     resources_per_rank: dict[str, float]
     placement_strategy: str = "PACK"
+    in_place: bool = True  # fault_tolerance.in_place: repair a single lost rank in place
     restarts_used: int = 0  # carried over when a supervisor is recreated after a control-plane loss
+    #: The job's last attempt number when this supervisor was created (0 for its first): a supervisor
+    #: recreated after a loss reports attempts base+1, base+2, ... so the job's attempts only grow and its
+    #: step rows replace the rows of the steps it recomputes (service/store.py keeps the higher attempt).
+    attempt_base: int = 0
     start_timeout_s: float = 300.0
     checkpoint_timeout_s: float = 120.0
     capacity_wait_timeout_s: float = 900.0
@@ -107,6 +120,7 @@ class JobSupervisor:
             capacity_wait_timeout_s=policy.capacity_wait_timeout_s,
             backoff_base_s=policy.backoff_base_s,
             backoff_max_s=policy.backoff_max_s,
+            in_place=policy.in_place,
             export=policy.export,
             export_timeout_s=policy.export_timeout_s,
             job_id=job_id,
@@ -114,8 +128,10 @@ class JobSupervisor:
         if policy.checkpoint_key is None:  # fail closed: an unsigned commit or an unverified load is never right
             raise ValueError(f"job {job_id}: the supervisor needs the service's checkpoint key (JobPolicy.checkpoint_key)")
         self._key = policy.checkpoint_key
-        self.root = Path(config.checkpoint.path)
-        self.root.mkdir(parents=True, exist_ok=True)
+        #: A resolved local folder or an ``s3://`` URL (workers/storage.py): manifests, verification, pruning,
+        #: fallback and the corruption drill work the same on both.
+        self.root: str = config.checkpoint.path
+        storage.makedirs(self.root)
         # Signatures are checked now (the launch re-verifies fully): a forged newest step is never the
         # step this job believes it has, and is moved aside below.
         found = resolve_latest(self.root, checksums=False, key=self._key)
@@ -136,23 +152,25 @@ class JobSupervisor:
         self._group: WorkerGroup | None = None
         self._ready: dict[int, set[int]] = {}
         self._reports: dict[int, dict[int, Any]] = {}  # step -> rank -> ShardReport
-        self._compute: dict[int, dict[int, float]] = {}  # step -> rank -> compute_s
-        self._stragglers = StragglerDetector(policy.stragglers)
+        self._step_calls = 0  # report_steps calls taken in (one per batch from rank 0, not per rank per step)
+        self._step_records = 0  # steps they carried
+        self._stragglers = StragglerDetector(policy.stragglers, stages=_stages(config.parallel))
         self._straggler_findings: list[dict[str, Any]] = []
         self._chaos: dict[int, ChaosOrder] = {}
         self._chaos_corrupt: dict[int, int] = {}  # order id -> step to corrupt once committed
         self._chaos_ids = 0
-        self._productive: dict[int, float] = {}  # step -> step_s of the run that counts
         self._latest: dict[str, Any] = {}
-        self._started_at = time.time()
         self._last_capacity: int | None = None
         self._next_capacity_check = 0.0
         # Nodes of ranks lost as process faults (restart charged at once), watched until the cluster
         # declares them dead (refund) or UNCONFIRMED_WATCH_S pass: node -> (attempt, watch until).
         self._unconfirmed: dict[str, tuple[int, float]] = {}
+        self._sources: dict[int, dict[int, str]] = {}  # attempt -> rank -> where its restored state came from
         self._next_node_check = 0.0
         self._closed = threading.Event()
         self._pruner: threading.Thread | None = None
+        self._prune_lock = threading.Lock()
+        self._prune_wanted = False  # a commit since the running prune started: it prunes once more
         self._export_ref: Any = None  # the export task in flight (cancelled if the job ends otherwise)
         self._metrics = _JobMetrics(job_id)
         self._self_handle = ray.get_runtime_context().current_actor
@@ -168,10 +186,20 @@ class JobSupervisor:
     # --- reports from ranks (any thread) ---------------------------------------------------------
 
     def report_ready(self, attempt: int, rank: int, node_info: dict) -> None:
-        self._inbox.put(("ready", attempt, rank))
+        """A rank of ``attempt`` is set up and restored; ``node_info["state_source"]`` says from where."""
+        self._inbox.put(("ready", attempt, rank, node_info.get("state_source")))
 
-    def report_step(self, attempt: int, rank: int, metrics: dict) -> None:
-        self._inbox.put(("step", attempt, rank, metrics))
+    def report_steps(self, attempt: int, records: list[dict]) -> None:
+        """Rank 0's batch of completed steps (``workers/report_batch.py``), each its ``StepMetrics`` plus
+        every rank's timings under ``ranks`` (from the step-boundary exchange): the only per-step call a
+        job makes, so one actor keeps up with any number of ranks. It is also the job's heartbeat."""
+        self._inbox.put(("steps", attempt, records))
+
+    def report_stats(self) -> dict[str, int]:
+        """How many step-report calls and step records this supervisor took in, and the last step (tests,
+        operators: one actor per job must keep up with the reports of every rank)."""
+        return {"step_report_calls": self._step_calls, "step_records": self._step_records,
+                "step": int(self._latest.get("step") or 0)}
 
     def report_checkpoint(self, attempt: int, rank: int, completed_steps: int, report: Any) -> None:
         self._inbox.put(("checkpoint", attempt, rank, completed_steps, report))
@@ -209,14 +237,28 @@ class JobSupervisor:
         """Everything new since the caller's cursors (event seq, step-row seq), plus the job's fields.
 
         Step rows have their own sequence because a restarted attempt re-reports step numbers.
+
+        Once the job has ended, the prune after its last commit is given up to :data:`END_PRUNE_WAIT_S`
+        to finish first (off the locks): the caller releases (kills) a finished supervisor, which would
+        stop a prune half-way (slow on an object store, where it hashes what it keeps) and leave more
+        than ``keep_last`` checkpoints behind.
         """
+        if self.state.status.is_terminal:  # read first: the last prune starts before the state turns terminal
+            pruner = self._pruner
+            if pruner is not None:
+                pruner.join(timeout=END_PRUNE_WAIT_S)
         with self._decide_lock, self._log_lock:
             events = [event for event in self._log if event["seq"] > since_seq]
             steps = [row for row in self._steps if row["seq"] > since_step_seq]
             state = self.state
+        # Attempts as the job counts them (JobPolicy.attempt_base). No goodput here: the control plane
+        # computes it from the stored rows (service/goodput.py), across supervisors.
+        base = self.policy.attempt_base
+        if base:
+            steps = [row | {"attempt": row["attempt"] + base} for row in steps]
         return {
             "status": state.status.value,
-            "attempt": state.attempt,
+            "attempt": state.attempt + base,
             "dp": state.dp,
             "world_size": self.sm_config.world_size(state.dp),
             "layout": dataclasses.replace(self.config.parallel, dp=state.dp).describe(),
@@ -227,7 +269,6 @@ class JobSupervisor:
             "loss": self._latest.get("loss"),
             "tokens_per_s": self._latest.get("tokens_per_s"),
             "stragglers": list(self._straggler_findings),
-            "goodput": self._goodput(),
             "artifacts": {"hf": state.hf_export} if state.hf_export else {},
             "events": events,
             "steps": steps,
@@ -292,18 +333,27 @@ class JobSupervisor:
             return
         kind = item[0]
         if kind == "ready":
-            _, attempt, rank = item
+            _, attempt, rank, source = item
             if attempt != self.state.attempt:
                 return
             ranks = self._ready.setdefault(attempt, set())
             ranks.add(rank)
+            if source:
+                self._sources.setdefault(attempt, {})[rank] = source
             if len(ranks) == self.sm_config.world_size(self.state.dp):
                 nodes = self._group.nodes if self._group is not None else {}
-                self._record("placed", " ".join(f"rank{r}={nodes.get(r, '?')}" for r in sorted(ranks)))
+                warm = self._group.warm_ranks if self._group is not None else 0
+                self._record("placed", " ".join(f"rank{r}={nodes.get(r, '?')}" for r in sorted(ranks))
+                             + f"; {warm} of {len(ranks)} ranks from warm spares")
+                self._record_state_sources(attempt)
                 self._deliver_armed_chaos()
                 self._apply(sm.GroupReady(attempt=attempt, world_size=len(ranks)), now)
-        elif kind == "step":
-            self._on_step(*item[1:], now=now)
+        elif kind == "steps":
+            _, attempt, records = item
+            self._step_calls += 1
+            self._step_records += len(records)
+            for record in records:
+                self._on_step(attempt, record, now=now)
         elif kind == "checkpoint":
             _, attempt, rank, completed, report = item
             if attempt == self.state.attempt:
@@ -344,14 +394,17 @@ class JobSupervisor:
             self._record(action.kind, action.detail)
         elif isinstance(action, sm.LaunchGroup):
             self._launch(action)
+        elif isinstance(action, sm.RepairGroup):
+            self._repair(action)
         elif isinstance(action, sm.StopGroup):
             self._stop(action)
         elif isinstance(action, sm.CommitCheckpoint):
             return self._commit(action.step)
         elif isinstance(action, sm.RequestCheckpoint):
             if self._group is not None:
-                target = self.state.step + 2  # ranks run in lock-step; 2 steps ahead is always still to come
-                self._group.broadcast("request_checkpoint", target)
+                # Rank 0 decides at a step boundary, for every rank, to save the first step past the one
+                # the supervisor knows (workers/step_control.py): all ranks save the same step.
+                self._group.call(0, "request_checkpoint", self.state.step + 1)
         elif isinstance(action, sm.ExcludeNode):
             self._check_capacity(force=True)
         elif isinstance(action, sm.ScheduleWake):
@@ -382,8 +435,8 @@ class JobSupervisor:
             resume_digest=self._verified_digests.get(resume_step) if resume_step else None,
             chaos=tuple(order for order in self._chaos.values() if order.at_step is not None),
         )
-        self._stragglers.reset()
-        self._compute.clear()
+        # A fresh detector per attempt, judging ranks within their pipeline stage of this layout.
+        self._stragglers = StragglerDetector(self.policy.stragglers, stages=_stages(config.parallel))
         group = WorkerGroup(
             job_id=self.job_id,
             plan=plan,
@@ -411,6 +464,49 @@ class JobSupervisor:
                                               detail=f"group start failed: {err}"))
 
         threading.Thread(target=start, name=f"launch-{self.job_id}-{action.attempt}", daemon=True).start()
+
+    def _repair(self, action: sm.RepairGroup) -> None:
+        """Carry out an in-place repair ([9] in service/supervisor.py) on the launch thread's terms:
+        any failure becomes RepairFailed, and the state machine relaunches every rank instead."""
+        group = self._group
+        step = action.resume_step
+        config = self.config.with_dp(self.state.dp)
+        plan = LaunchPlan(
+            attempt=action.attempt,
+            config=config,
+            start_step=step,
+            resume_dir=step_dir(self.root, step),
+            # Known since this supervisor committed the step: ranks that must read the checkpoint check
+            # that very manifest and hash every file themselves (no full pass here: memory usually serves).
+            resume_digest=self._verified_digests.get(step),
+            chaos=tuple(order for order in self._chaos.values() if order.at_step is not None),
+            state_from_memory=True,
+        )
+        self._stragglers = StragglerDetector(self.policy.stragglers, stages=_stages(config.parallel))
+        self._record("repairing", f"attempt {action.attempt}: rank {action.lost_rank} replaced in place, the other "
+                                  f"{action.world_size - 1} ranks kept, resuming from step {step}")
+        if group is None or group.world_size != action.world_size:
+            self._inbox.put(sm.RepairFailed(attempt=action.attempt, reason="no running group to repair"))
+            return
+
+        def repair() -> None:
+            try:
+                group.repair(action.lost_rank, plan)
+            except Exception as err:
+                self._inbox.put(sm.RepairFailed(attempt=action.attempt, reason=f"{type(err).__name__}: {err}"))
+
+        threading.Thread(target=repair, name=f"repair-{self.job_id}-{action.attempt}", daemon=True).start()
+
+    def _record_state_sources(self, attempt: int) -> None:
+        """One event saying where every rank's restored state came from (a resume only)."""
+        sources = self._sources.pop(attempt, {})
+        if not sources:
+            return
+        by_source: dict[str, list[int]] = {}
+        for rank, source in sorted(sources.items()):
+            by_source.setdefault(source, []).append(rank)
+        self._record("state_restored", f"attempt {attempt}, step {self.state.step}: " + "; ".join(
+            f"ranks {','.join(map(str, ranks))} from {source}" for source, ranks in by_source.items()))
 
     def _verified_resume_step(self, wanted: int | None) -> int | None:
         """The newest checkpoint at or below ``wanted`` whose signature, manifest and checksums verify.
@@ -445,8 +541,8 @@ class JobSupervisor:
         the job can save that step afresh. It stays inside this job's own checkpoint directory."""
         aside = f"{directory}.refused-{int(time.time())}"
         try:
-            os.replace(directory, aside)
-            where = f"moved to {os.path.basename(aside)}"
+            storage.replace(directory, aside)
+            where = f"moved to {storage.basename(aside)}"
         except OSError as err:
             where = f"could not be moved aside ({err})"
         self._record("checkpoint_refused", f"step {step}: {reason}; not loaded, {where}")
@@ -466,9 +562,9 @@ class JobSupervisor:
         """Write the manifest of ``step`` (atomically, last); the outcome is the state machine's next
         event: only CommitSucceeded makes the step a checkpoint anything resumes from."""
         reports = self._reports.pop(step, {})
-        directory = Path(step_dir(self.root, step))
+        directory = step_dir(self.root, step)
         try:
-            commit(
+            manifest = commit(
                 directory,
                 step=step,
                 layout=dataclasses.replace(self.config.parallel, dp=self.state.dp).describe(),
@@ -479,6 +575,7 @@ class JobSupervisor:
             )
         except Exception as err:  # the step does not count; restore uses the previous one
             return sm.CommitFailed(step=step, error=f"{type(err).__name__}: {err}")
+        self._verified_digests[step] = manifest.digest  # written and signed here: its digest is known
         for stale in [s for s in self._reports if s < step]:
             self._reports.pop(stale)
         self._prune_in_background()
@@ -491,7 +588,8 @@ class JobSupervisor:
         its timeout is the policy's, and the state machine keeps its own as a backstop.
         """
         directory = step_dir(self.root, step)
-        out = str((self.root / HF_EXPORT_DIR).resolve())
+        out = (storage.join(self.root, HF_EXPORT_DIR) if storage.is_url(self.root)
+               else str((Path(self.root) / HF_EXPORT_DIR).resolve()))
         model = self.config.model
         try:
             ref = submit_export(step_dir=directory, out_dir=out, model=model, source_dir=model.hf_path,
@@ -517,39 +615,51 @@ class JobSupervisor:
 
         Pruning hashes the checkpoints it keeps (so a rotten newest step never causes the good one
         before it to be deleted); on large checkpoints that takes long enough to stall heartbeat
-        handling if done here. One prune at a time; a commit during one is pruned by the next.
+        handling if done here. One prune at a time; a commit during one makes it prune once more when
+        it is done (otherwise the last commit of a job, landing while the previous prune still hashes,
+        e.g. on an object store, would never be pruned).
         """
-        if self._pruner is not None and self._pruner.is_alive():
-            return
+        with self._prune_lock:
+            self._prune_wanted = True
+            if self._pruner is not None:
+                return
 
-        def prune_now() -> None:
-            try:
-                # Only step directories whose signed manifests name this job are ever deleted.
-                prune(self.root, keep_last=self.config.checkpoint.keep_last, key=self._key, owner=self.job_id)
-            except Exception as err:  # never fatal: old checkpoints just stay on disk a while longer
-                log.warning("pruning %s failed: %s", self.root, err)
+            def prune_now() -> None:
+                while True:
+                    with self._prune_lock:
+                        if not self._prune_wanted:
+                            self._pruner = None
+                            return
+                        self._prune_wanted = False
+                    try:
+                        # Only step directories whose signed manifests name this job are ever deleted.
+                        prune(self.root, keep_last=self.config.checkpoint.keep_last, key=self._key, owner=self.job_id)
+                    except Exception as err:  # never fatal: old checkpoints just stay on disk a while longer
+                        log.warning("pruning %s failed: %s", self.root, err)
 
-        self._pruner = threading.Thread(target=prune_now, name=f"prune-{self.job_id}", daemon=True)
-        self._pruner.start()
+            self._pruner = threading.Thread(target=prune_now, name=f"prune-{self.job_id}", daemon=True)
+            self._pruner.start()
 
     # --- reports -> events -----------------------------------------------------------------------
 
-    def _on_step(self, attempt: int, rank: int, metrics: dict, *, now: float) -> None:
+    def _on_step(self, attempt: int, metrics: dict, *, now: float) -> None:
+        """One completed step as rank 0 reported it: its metrics, and every rank's timings in ``ranks``.
+
+        Rank 0 reports a step only after every rank took part in that step's boundary exchange, so the
+        step is every rank's heartbeat.
+        """
         if attempt != self.state.attempt:
             return
+        rank = 0
         completed = int(metrics["step"]) + 1
         self._apply(sm.Heartbeat(attempt=attempt, rank=rank, step=completed), now)
         # Only timing-sync steps separate a rank's compute from waiting on a slow peer (between
         # them a fast rank's compute_s includes that wait); every rank agrees which steps they are.
-        if metrics.get("timing_synced", True):
-            compute = self._compute.setdefault(completed, {})
-            compute[rank] = float(metrics.get("compute_s") or 0.0)
-            if len(compute) == self.sm_config.world_size(self.state.dp):
-                self._observe_stragglers(completed, self._compute.pop(completed), now)
-        if rank != 0:
-            return
+        compute_s = (metrics.get("ranks") or {}).get("compute_s") or []
+        if metrics.get("timing_synced", True) and len(compute_s) == self.sm_config.world_size(self.state.dp):
+            compute_by_rank = {r: float(seconds or 0.0) for r, seconds in enumerate(compute_s)}
+            self._observe_stragglers(completed, compute_by_rank, now)
         self._latest = {"step": completed, "loss": metrics.get("loss"), "tokens_per_s": metrics.get("tokens_per_s")}
-        self._productive[completed] = float(metrics.get("step_s") or 0.0)
         row = {key: metrics.get(key) for key in ("loss", "lr", "grad_norm", "step_s", "compute_s", "comm_wait_s",
                                                   "tokens_per_s", "flops_per_s", "mfu", "peak_mem_bytes")}
         row.update(step=completed, attempt=attempt, ts=now)
@@ -559,7 +669,7 @@ class JobSupervisor:
             self._steps.append(row)
             if len(self._steps) > MAX_STEP_HISTORY:
                 del self._steps[: len(self._steps) - MAX_STEP_HISTORY]
-        self._metrics.step(completed, metrics, self.state.restarts_used, self._goodput())
+        self._metrics.step(completed, metrics, self.state.restarts_used)
         self._apply(sm.StepReported(attempt=attempt, step=completed, loss=float(metrics["loss"]), rank=rank), now)
 
     def _observe_stragglers(self, step: int, compute: dict[int, float], now: float) -> None:
@@ -685,8 +795,8 @@ class JobSupervisor:
     def _corrupt_due(self) -> None:
         committed = self.state.last_committed_step
         for order_id, step in list(self._chaos_corrupt.items()):
-            directory = Path(step_dir(self.root, step))
-            if committed is None or step > committed or not (directory / "manifest.json").exists():
+            directory = step_dir(self.root, step)
+            if committed is None or step > committed or not storage.exists(storage.join(directory, "manifest.json")):
                 continue
             del self._chaos_corrupt[order_id]
             victim = _largest_shard(directory)
@@ -694,7 +804,7 @@ class JobSupervisor:
                 self._record("chaos_rejected", f"corrupt_checkpoint: no shard files in {directory}")
                 continue
             _flip_bytes(victim)
-            self._record("chaos_fired", f"corrupt_checkpoint flipped bytes in {victim.name} of step {step}")
+            self._record("chaos_fired", f"corrupt_checkpoint flipped bytes in {storage.basename(victim)} of step {step}")
 
     # --- bookkeeping -----------------------------------------------------------------------------
 
@@ -704,15 +814,13 @@ class JobSupervisor:
             self._log.append({"seq": seq, "ts": time.time(), "kind": kind, "detail": detail})
         log.info("job %s: %s: %s", self.job_id, kind, detail)
 
-    def _goodput(self) -> float | None:
-        wall = time.time() - self._started_at
-        if wall <= 0 or not self._productive:
-            return None
-        return min(1.0, sum(self._productive.values()) / wall)
-
 
 class _JobMetrics:
-    """Prometheus gauges exported through Ray's metrics agent (visible in the Ray dashboard)."""
+    """Prometheus gauges exported through Ray's metrics agent (visible in the Ray dashboard).
+
+    Goodput is not here: it spans supervisor restarts, so the control plane computes it from its store
+    and exports ``etrain_goodput`` on its own ``/metrics`` (service/prometheus.py).
+    """
 
     def __init__(self, job_id: str):
         from ray.util.metrics import Gauge
@@ -723,20 +831,17 @@ class _JobMetrics:
         self._loss = Gauge("etrain_job_loss", "training loss of the last step", tag_keys=keys)
         self._tokens = Gauge("etrain_tokens_per_second", "training throughput", tag_keys=keys)
         self._restarts = Gauge("etrain_restarts_total", "restarts spent from the budget", tag_keys=keys)
-        self._goodput = Gauge("etrain_goodput", "productive step time / wall time", tag_keys=keys)
         self._straggler = Gauge("etrain_straggler_factor", "slow rank's compute / peers' median",
                                 tag_keys=("job_id", "rank"))
         self._done = Gauge("etrain_job_finished", "1 once the job reached a terminal status", tag_keys=("job_id", "status"))
 
-    def step(self, step: int, metrics: dict, restarts: int, goodput: float | None) -> None:
+    def step(self, step: int, metrics: dict, restarts: int) -> None:
         self._step.set(step, tags=self._tags)
         if metrics.get("loss") is not None:
             self._loss.set(float(metrics["loss"]), tags=self._tags)
         if metrics.get("tokens_per_s") is not None:
             self._tokens.set(float(metrics["tokens_per_s"]), tags=self._tags)
         self._restarts.set(restarts, tags=self._tags)
-        if goodput is not None:
-            self._goodput.set(goodput, tags=self._tags)
 
     def straggler(self, rank: int, factor: float) -> None:
         self._straggler.set(factor, tags=self._tags | {"rank": str(rank)})
@@ -764,7 +869,9 @@ def _export_folder(step_dir: str, out_dir: str, model: ModelConfig, source_dir: 
 
     from workers.hf_io import export_hf
 
-    if replace_existing and os.path.isdir(out_dir):
+    if replace_existing and storage.is_url(out_dir):
+        storage.rmtree(out_dir)
+    elif replace_existing and os.path.isdir(out_dir):
         shutil.rmtree(out_dir)
     return export_hf(step_dir, out_dir, model, source_dir=source_dir)
 
@@ -775,7 +882,7 @@ _export_task = ray.remote(num_cpus=EXPORT_NUM_CPUS, max_retries=0)(_export_folde
 def submit_export(*, step_dir: str, out_dir: str, model: ModelConfig, source_dir: str | None,
                   replace_existing: bool = False):
     """Start the export task (any node: checkpoints live on shared storage); returns its ObjectRef."""
-    return _export_task.options(name=f"etrain-export:{Path(out_dir).name}").remote(
+    return _export_task.options(name=f"etrain-export:{storage.basename(out_dir)}").remote(
         step_dir, out_dir, model, source_dir, replace_existing
     )
 
@@ -816,14 +923,25 @@ def _cancel_quietly(ref: Any) -> None:
         pass
 
 
-def _largest_shard(directory: Path) -> Path | None:
-    shards = [path for path in directory.iterdir() if path.is_file() and path.suffix == ".distcp"]
-    return max(shards, key=lambda path: path.stat().st_size) if shards else None
+def _largest_shard(directory: str) -> str | None:
+    if storage.is_url(directory):
+        sizes = {rel: size for rel, size in storage.file_sizes(directory).items()
+                 if "/" not in rel and rel.endswith(".distcp")}
+        return storage.join(directory, max(sizes, key=sizes.get)) if sizes else None
+    shards = [path for path in Path(directory).iterdir() if path.is_file() and path.suffix == ".distcp"]
+    return str(max(shards, key=lambda path: path.stat().st_size)) if shards else None
 
 
-def _flip_bytes(path: Path) -> None:
-    """Corrupt a file in place (chaos): invert 64 bytes in its middle, keeping its size."""
-    size = path.stat().st_size
+def _flip_bytes(path: str) -> None:
+    """Corrupt a file in place (chaos): invert 64 bytes in its middle, keeping its size. An object is
+    rewritten whole with the same bytes flipped (an object store has no in-place writes)."""
+    if storage.is_url(path):
+        data = bytearray(storage.read_bytes(path))
+        offset = max(0, len(data) // 2 - 32)
+        data[offset:offset + 64] = bytes(b ^ 0xFF for b in data[offset:offset + 64])
+        storage.write_bytes(path, bytes(data))
+        return
+    size = os.path.getsize(path)
     offset = max(0, size // 2 - 32)
     with open(path, "r+b") as handle:
         handle.seek(offset)

@@ -23,6 +23,10 @@ _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"", "0", "false", "no", "off"})
 
 
+#: Each spare is an idle process with torch imported (~300 MB of host memory).
+MAX_WARM_SPARES_PER_NODE = 16
+
+
 @dataclass(frozen=True, kw_only=True)
 class Settings:
     host: str = "127.0.0.1"
@@ -50,12 +54,21 @@ class Settings:
     #: (and the 8 GiB default of a CPU worker). None: detect (GPUs) or default.
     device_memory_gb: float | None = None
     #: The only directories a job's paths (data.path, data.tokenizer, model.hf, checkpoint.path, an
-    #: export's out) may resolve into, ``ETRAIN_STORAGE_ROOTS`` (absolute, ``os.pathsep``- or
-    #: comma-separated). Empty: the data directory (service/storage_roots.py).
-    storage_roots: tuple[Path, ...] = ()
+    #: export's out) may resolve into, ``ETRAIN_STORAGE_ROOTS``: absolute directories and
+    #: ``s3://bucket/prefix`` roots (checkpoint.path only), separated by commas or ':' (a ':' that opens
+    #: '://' separates nothing, so ``/a:/b`` and ``/data:s3://bucket/ckpt`` both work). Empty: the data
+    #: directory (service/storage_roots.py). URLs are kept as strings, folders as Paths.
+    storage_roots: tuple[Path | str, ...] = ()
+    #: ``ETRAIN_CHECKPOINT_ROOT``: where a job whose spec names no checkpoint.path checkpoints
+    #: (``<root>/<job-id>``): an absolute folder every node shares, or ``s3://bucket/prefix`` (needs the
+    #: ``s3`` extra; credentials from the AWS environment). None: ``<data_dir>/checkpoints``.
+    checkpoint_base: str | None = None
     #: Queue jobs whose minimum layout exceeds the cluster's total resources instead of refusing them
     #: (422): for autoscaling clusters, where nodes are added on demand (service/admission.py).
     admit_beyond_cluster: bool = False
+    #: Pre-started rank processes (torch imported, no resources held) kept on every node that can run
+    #: ranks, so a first launch or a replacement pays no interpreter start (service/spares.py); 0: off.
+    warm_spares_per_node: int = 1
     #: token -> tenant, from api_tokens and api_tokens_file (checked: names, duplicates); derived.
     token_tenants: Mapping[str, str] = field(init=False, repr=False, compare=False, default_factory=dict)
 
@@ -83,6 +96,12 @@ class Settings:
             value = getattr(self, name)
             if not 0 <= value <= 65535:
                 raise SettingsError(f"{name}={value} is not a TCP port.", field=name, fix="use 0..65535")
+        if not 0 <= self.warm_spares_per_node <= MAX_WARM_SPARES_PER_NODE:
+            raise SettingsError(
+                f"warm_spares_per_node={self.warm_spares_per_node} must be 0..{MAX_WARM_SPARES_PER_NODE}.",
+                field="warm_spares_per_node",
+                fix="use 1 (the default: one warm spare per node) or 0 to turn spares off",
+            )
         if self.max_request_bytes < 1:
             raise SettingsError(
                 f"max_request_bytes={self.max_request_bytes} must be positive.",
@@ -99,13 +118,19 @@ class Settings:
                 f"poll_interval_s={self.poll_interval_s} must be positive.", field="poll_interval_s", fix="use e.g. 0.5"
             )
         roots = (self.storage_roots,) if isinstance(self.storage_roots, (str, os.PathLike)) else self.storage_roots
-        object.__setattr__(self, "storage_roots", tuple(Path(root).expanduser() for root in roots))
+        object.__setattr__(self, "storage_roots", tuple(_url_root(root, "storage_roots") if _is_url(root)
+                                                        else Path(root).expanduser() for root in roots))
         for root in self.storage_roots:
+            if isinstance(root, str):
+                continue
             if not root.is_absolute():
                 raise SettingsError(
                     f"storage root {str(root)!r} is not an absolute path.", field="storage_roots",
                     fix="give absolute directories in ETRAIN_STORAGE_ROOTS, separated by ':' or ','",
                 )
+
+        if self.checkpoint_base is not None:
+            object.__setattr__(self, "checkpoint_base", _checkpoint_base(self.checkpoint_base))
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> "Settings":
@@ -159,8 +184,26 @@ class Settings:
     def db_path(self) -> Path:
         return self.data_dir / "etrain.db"
 
-    def checkpoint_root(self, job_id: str) -> Path:
-        return self.data_dir / "checkpoints" / job_id
+    def checkpoint_root(self, job_id: str) -> Path | str:
+        """Where job ``job_id`` checkpoints unless its spec says otherwise: ``<checkpoint root>/<job-id>``, a
+        Path for a local root (default ``<data_dir>/checkpoints``), a URL string for an object-store one."""
+        if self.checkpoint_base is None:
+            return self.data_dir / "checkpoints" / job_id
+        if _is_url(self.checkpoint_base):
+            return f"{self.checkpoint_base}/{job_id}"
+        return Path(self.checkpoint_base) / job_id
+
+    def checkpoint_location(self, job_id: str) -> str:
+        """:meth:`checkpoint_root` as the job uses it: a local path resolved (symlinks followed), or the URL."""
+        root = self.checkpoint_root(job_id)
+        return root if isinstance(root, str) else str(root.resolve())
+
+    @property
+    def checkpoint_tree(self) -> str:
+        """The checkpoint root holding every job's default directory, resolved (a URL as it is)."""
+        if self.checkpoint_base is not None and _is_url(self.checkpoint_base):
+            return self.checkpoint_base
+        return os.path.realpath(self.checkpoint_base or self.data_dir / "checkpoints")
 
     @property
     def api_url(self) -> str:
@@ -275,7 +318,43 @@ def _storage_roots(variable: str, raw: str) -> tuple[Path, ...]:
         return parse_roots(raw)
     except ValueError as err:
         raise SettingsError(f"{variable}: {err}.", field=variable,
-                            fix=f"give absolute directories, e.g. {variable}=/data:/checkpoints") from None
+                            fix=f"give absolute directories or s3://bucket/prefix roots, e.g. "
+                                f"{variable}=/data,/checkpoints,s3://bucket/ckpt") from None
+
+
+def _is_url(value: Any) -> bool:
+    from workers.storage import is_url
+
+    return is_url(value)
+
+
+def _url_root(url: str, name: str) -> str:
+    """A URL root (storage root or checkpoint root), normalised; SettingsError when it names no plain prefix."""
+    from workers.storage import normalize_url, url_problem
+
+    problem = url_problem(url)
+    if problem:
+        variable = "ETRAIN_STORAGE_ROOTS" if name == "storage_roots" else "ETRAIN_CHECKPOINT_ROOT"
+        raise SettingsError(f"{variable}: {problem}.", field=name, fix="give s3://bucket/prefix with plain key components")
+    return normalize_url(url)
+
+
+def _checkpoint_base(raw: str | os.PathLike) -> str:
+    """ETRAIN_CHECKPOINT_ROOT checked: an s3:// URL whose backend is installed, or an absolute folder."""
+    from workers.storage import missing_backend
+
+    if _is_url(raw):
+        url = _url_root(raw, "checkpoint_base")
+        missing = missing_backend(url)
+        if missing:
+            raise SettingsError(f"ETRAIN_CHECKPOINT_ROOT={url!r}: {missing}.", field="checkpoint_base",
+                                fix="install it where the service and the ranks run: pip install 'etrain[s3]'")
+        return url
+    path = Path(raw).expanduser()
+    if not path.is_absolute():
+        raise SettingsError(f"ETRAIN_CHECKPOINT_ROOT={str(raw)!r} is not an absolute path.", field="checkpoint_base",
+                            fix="give an absolute folder every Ray node and the server share, or s3://bucket/prefix")
+    return str(path)
 
 
 def _flag(variable: str, raw: str) -> bool:
@@ -306,5 +385,7 @@ _ENV = {
     "poll_interval_s": ("ETRAIN_POLL_INTERVAL_S", _number),
     "device_memory_gb": ("ETRAIN_DEVICE_MEMORY_GB", _number),
     "storage_roots": ("ETRAIN_STORAGE_ROOTS", _storage_roots),
+    "checkpoint_base": ("ETRAIN_CHECKPOINT_ROOT", lambda variable, raw: raw.strip() or None),
     "admit_beyond_cluster": ("ETRAIN_ADMIT_BEYOND_CLUSTER", _flag),
+    "warm_spares_per_node": ("ETRAIN_WARM_SPARES_PER_NODE", _integer),
 }

@@ -275,6 +275,8 @@ class FaultToleranceSpec(_Section):
     heartbeat_timeout_s: float = Field(default=60.0, gt=0, le=MAX_SECONDS)
     backoff_base_s: float = Field(default=1.0, ge=0, le=MAX_SECONDS)
     backoff_max_s: float = Field(default=60.0, ge=0, le=MAX_SECONDS, description="at least backoff_base_s")
+    in_place: bool = Field(default=True, description="repair a single lost rank in place: the other ranks keep "
+                           "their processes and state; false relaunches every rank")
 
 
 class StragglerSpec(_Section):

@@ -19,16 +19,27 @@ server can read and writes anywhere it can write. The fence is a list of directo
 
 The pinned (resolved) path is what the job then uses, so a symlink swapped after submission cannot
 move a job outside the roots through a component that was already resolved.
+
+Object storage: a root may also be an ``s3://bucket/prefix`` URL. Only ``checkpoint.path``
+(:data:`URL_FIELDS`) may name one (the data, the tokenizer and ``model.hf`` are read with local file
+APIs, and an export's ``out`` is a local folder); it must lie inside an ``s3://`` root by key
+components, exactly like a path (``s3://bucket/prefix-evil`` is not inside ``s3://bucket/prefix``). A URL
+is taken literally (no ``..``, ``.`` or empty components, no trailing ``/``) and is never looked up
+before this check, and the service must have the backend installed (``pip install 'etrain[s3]'``).
 """
 
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from workers.storage import is_url, missing_backend, normalize_url, url_problem
+
 __all__ = [
     "PRIVATE_FILE_NAMES",
+    "URL_FIELDS",
     "RootProblem",
     "StorageRoots",
     "inside",
@@ -42,14 +53,22 @@ PRIVATE_FILE_NAMES = (
     "etrain.db", "etrain.db-wal", "etrain.db-shm", "etrain.db-journal", "api-token", "api-tokens",
     "checkpoint-key",
 )
+#: The only spec fields that may name object storage (``s3://...``); every other path is local-only.
+URL_FIELDS = frozenset({"checkpoint.path"})
+#: ETRAIN_STORAGE_ROOTS separators: ',' anywhere, and ':' (``os.pathsep``) except where it opens ``://``.
+_SEPARATOR = re.compile(r",|:(?!//)") if os.pathsep == ":" else re.compile(r",|" + re.escape(os.pathsep))
 
 
 def pin(raw: str, base_dir: str | os.PathLike) -> str:
     """``raw`` as the job will use it: ``~`` expanded, joined with ``base_dir`` when relative, then
     :func:`os.path.realpath` (symlinks and ``..`` resolved; a missing tail is kept as written).
-    A value with a NUL byte names no file; it is returned as given, and :meth:`StorageRoots.check` refuses it."""
+    A value with a NUL byte names no file; it is returned as given, and :meth:`StorageRoots.check` refuses it.
+    A URL (``s3://...``) is pinned without its trailing ``/``; a malformed one is returned as given (refused
+    by :meth:`StorageRoots.check`)."""
     if "\x00" in raw:
         return raw
+    if is_url(raw):
+        return raw if url_problem(raw) else normalize_url(raw)
     return os.path.realpath(os.path.join(os.fspath(base_dir), os.path.expanduser(raw)))
 
 
@@ -58,16 +77,25 @@ def inside(path: str, root: str) -> bool:
     return path == root or path.startswith(root if root.endswith(os.sep) else root + os.sep)
 
 
-def parse_roots(raw: str) -> tuple[Path, ...]:
-    """``ETRAIN_STORAGE_ROOTS``: absolute directories separated by ``os.pathsep`` or commas.
+def parse_roots(raw: str) -> tuple[Path | str, ...]:
+    """``ETRAIN_STORAGE_ROOTS``: absolute directories and ``s3://bucket/prefix`` URLs, separated by commas
+    or by ``:`` (``os.pathsep``). A ``:`` that opens ``://`` separates nothing, so the old ``/a:/b`` form
+    still reads as two roots and ``/data:s3://bucket/ckpt`` or ``/data,s3://bucket/ckpt`` as a folder
+    and a URL. Folders come back as :class:`~pathlib.Path`, URLs as strings (without a trailing ``/``).
 
     ``ValueError`` names a relative entry (a root relative to wherever the server happens to start
-    would silently change meaning).
+    would silently change meaning) or a malformed URL.
     """
-    entries = [part.strip() for chunk in raw.split(os.pathsep) for part in chunk.split(",")]
-    roots = []
+    entries = [part.strip() for part in _SEPARATOR.split(raw)]
+    roots: list[Path | str] = []
     for entry in entries:
         if not entry:
+            continue
+        if is_url(entry):
+            problem = url_problem(entry)
+            if problem:
+                raise ValueError(f"storage root {problem}")
+            roots.append(normalize_url(entry))
             continue
         expanded = os.path.expanduser(entry)
         if not os.path.isabs(expanded):
@@ -99,12 +127,14 @@ class StorageRoots:
     @classmethod
     def of(cls, roots: tuple[str | os.PathLike, ...] | list[str | os.PathLike],
            *, data_dir: str | os.PathLike | None = None) -> "StorageRoots":
-        """Roots resolved now (relative ones against the current directory); with ``data_dir``, its
-        private files (:data:`PRIVATE_FILE_NAMES`) are fenced off, and it is the root when none is given."""
+        """Roots resolved now (relative ones against the current directory; URLs as given, without a
+        trailing ``/``); with ``data_dir``, its private files (:data:`PRIVATE_FILE_NAMES`) are fenced off,
+        and it is the root when none is given."""
         chosen = list(roots) or ([data_dir] if data_dir is not None else [])
         if not chosen:
             raise ValueError("at least one storage root (or the data directory) is needed")
-        resolved = tuple(dict.fromkeys(os.path.realpath(os.fspath(root)) for root in chosen))
+        resolved = tuple(dict.fromkeys(normalize_url(root) if is_url(root) else os.path.realpath(os.fspath(root))
+                                       for root in chosen))
         private = ()
         if data_dir is not None:
             base = os.path.realpath(os.fspath(data_dir))
@@ -117,11 +147,16 @@ class StorageRoots:
     def check(self, field: str, raw: str, pinned: str) -> RootProblem | None:
         """``None`` when ``pinned`` (the :func:`pin` of ``raw``) may be used, else the problem.
 
-        The answer is a function of ``raw`` and ``pinned`` alone; the message shows ``raw``.
+        The answer is a function of ``raw`` and ``pinned`` alone (and, for a URL, of whether the
+        service has the backend installed); the message shows ``raw``.
         """
         if "\x00" in raw:
             return RootProblem(field=field, message=f"{field} contains a NUL byte, which no file name can.",
                                fix=f"give {field} as a plain path")
+        if is_url(raw):
+            problem = self._url_problem(field, raw, pinned)
+            if problem is not None:
+                return problem
         if not any(inside(pinned, root) for root in self.roots):
             return RootProblem(
                 field=field,
@@ -130,6 +165,13 @@ class StorageRoots:
                 fix=f"put it under one of the storage roots ({self.describe()}), or ask the operator to add "
                     "a root to ETRAIN_STORAGE_ROOTS",
             )
+        if is_url(pinned):
+            missing = missing_backend(pinned)
+            if missing:
+                return RootProblem(field=field, message=f"{field}={raw!r}: {missing}.",
+                                   fix="ask the operator to install the extra where the service and the ranks run "
+                                       "(pip install 'etrain[s3]'), or use a local checkpoint.path")
+            return None
         if any(inside(pinned, private) for private in self.private):
             return RootProblem(
                 field=field,
@@ -137,4 +179,19 @@ class StorageRoots:
                         "checkpoint key), which no job may read or write.",
                 fix=f"point {field} at your own files",
             )
+        return None
+
+    def _url_problem(self, field: str, raw: str, pinned: str) -> RootProblem | None:
+        """An object-store URL where the field must be local, or a URL that names no plain key prefix."""
+        if field not in URL_FIELDS:
+            return RootProblem(
+                field=field,
+                message=f"{field}={raw!r} is an object-store URL; {field} must be a local path (only "
+                        f"{', '.join(sorted(URL_FIELDS))} may name object storage).",
+                fix=f"copy the files to a folder under the storage roots ({self.describe()}) and give its path",
+            )
+        problem = url_problem(raw)
+        if problem:
+            return RootProblem(field=field, message=f"{field}: {problem}.",
+                               fix=f"give {field} as s3://bucket/prefix with plain key components")
         return None

@@ -1,37 +1,62 @@
-"""Slow-rank detection from per-rank COMPUTE time.
+"""Slow-rank detection from per-rank COMPUTE time, judged within a pipeline stage.
 
 Why compute time and not step time: data/tensor/pipeline parallel ranks meet in collectives every
 step, so one slow rank makes every other rank wait for it. Their *step* times rise to the slow
 rank's, and step time alone cannot say who is slow. The time a rank spends in its own forward /
-backward / optimizer math (``compute_s`` in the worker's step report, collective waits excluded)
-is what separates them: the slow rank's compute is long, its peers' compute is normal and their
-extra time shows up as ``comm_wait_s`` instead.
+backward / optimizer math (``compute_s`` in the worker's step report, collective waits excluded:
+the timing-sync point and the timed waits inside TP / FSDP2 collectives, see ``workers/train.py``
+and ``workers/collective_waits.py``) is what separates them: the slow rank's compute is long, its
+peers' compute is normal and their extra time shows up as ``comm_wait_s`` instead.
+
+Why per stage: pipeline stages do different work by design. The last stage carries the vocabulary
+head and the loss (with a large vocabulary, several times a middle stage's compute), the first the
+embeddings; comparing ranks across stages would flag the last stage on every healthy run. So a rank
+is compared only with its **peers in the same stage** (its data- and tensor-parallel partners,
+which run the same layers on other data or other shards). The stage of each rank comes from the
+run's layout (:func:`stage_map`, Megatron rank order from ``workers/topology.py``). Without a stage
+map every rank is in one stage (plain DP / TP / ZeRO).
+
+A stage with **one rank** (pure pipeline parallelism, ``dp = tp = 1``) has no peer. It is compared
+with **its own history** instead: its cost relative to the other stages (its window median over
+the median of theirs) against the median of that relative cost over its last ``history`` healthy
+windows (windows at or under the threshold). Relative, because what slows every rank alike (a busy
+host, every step getting longer) is not a straggler and must not look like one; what is left is a
+rank that *became* slow (a throttling GPU, a noisy neighbour, a failing link), which is what
+eviction can fix. A stage that is slow from its first window cannot be told from one that is slow
+by design, and is not flagged. The first window of a lone stage is its baseline and is not judged.
+A run with one rank in total is never judged: nobody waits for it.
 
 The statistic is deliberately robust:
 
 * steps are grouped into windows of ``window`` observations; each rank's value for a window is the
   **median** of its compute times, so one long step (GC pause, checkpoint flush) does not count;
-* a rank is compared with the **median of the other ranks' medians** (its peers, itself
-  excluded), so a slow rank does not drag its own baseline up. With two ranks the peer is simply
-  the other rank;
+* a rank is compared with the **median of the other ranks' medians in its stage** (itself
+  excluded), so a slow rank does not drag its own baseline up. With two ranks in a stage the peer
+  is simply the other rank;
 * a rank is flagged only after ``patience`` consecutive windows over ``threshold``, and then
   reported **once**; it is reported again only after a window at or under the threshold (it
   recovered) followed by a new streak.
 
 The detector knows ranks, not nodes; the adapter maps a finding to a node and turns it into a
-``StragglerFlagged`` event for the supervisor.
+``StragglerFlagged`` event for the supervisor. Pure Python: no torch, no Ray.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
+from collections import Counter, deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from workers.errors import EtrainError
+from workers.topology import Topology
 
-__all__ = ["StragglerConfig", "StragglerConfigError", "StragglerDetector", "StragglerFinding"]
+__all__ = ["StragglerConfig", "StragglerConfigError", "StragglerDetector", "StragglerFinding", "stage_map"]
+
+#: ``StragglerFinding.basis``: compared with the other ranks of its stage, or with its own past.
+PEERS = "peers"
+HISTORY = "history"
 
 
 class StragglerConfigError(EtrainError, ValueError):
@@ -44,7 +69,8 @@ class StragglerConfig:
     window: int = 10  # observations (steps) per window
     threshold: float = 1.5  # flag when window_median / peer_median is above this
     patience: int = 2  # consecutive windows over threshold before a rank is reported
-    min_ranks: int = 2  # windows with fewer ranks reporting are skipped (no peers to compare)
+    min_ranks: int = 2  # a stage with fewer ranks reporting in a window is not peer-judged in it
+    history: int = 5  # a lone stage's baseline: the median of its last `history` healthy windows
 
     def __post_init__(self) -> None:
         if self.window < 1:
@@ -59,6 +85,8 @@ class StragglerConfig:
             raise StragglerConfigError(
                 f"min_ranks={self.min_ranks} must be >= 2: a rank needs at least one peer"
             )
+        if self.history < 1:
+            raise StragglerConfigError(f"history={self.history} must be >= 1 window")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,10 +94,15 @@ class StragglerFinding:
     rank: int
     factor: float  # window_median / peer_median in the window that completed the streak
     window_median: float  # the rank's median compute seconds in that window
-    peer_median: float  # median of the other ranks' window medians
+    #: What the rank was compared with, in seconds: the median of its stage peers' window medians
+    #: (basis "peers"), or, for a stage with one rank (basis "history"), the compute it would have in
+    #: this window at its usual cost relative to the other stages (median over its healthy windows).
+    peer_median: float
     windows_flagged: int  # consecutive windows over threshold (== patience when first reported)
     step: int  # last step of the window that completed the streak
     evidence: str  # one line for the event log
+    stage: int = 0  # the rank's pipeline stage (0 without a stage map)
+    basis: str = PEERS  # PEERS | HISTORY
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,22 +112,45 @@ class _Streak:
     factors: tuple[float, ...] = ()
 
 
+def stage_map(*, pp: int, dp: int, tp: int) -> dict[int, int]:
+    """``{rank: pipeline stage}`` of a ``pp × dp × tp`` layout (Megatron order, ``workers/topology.py``).
+
+    A rank's stage is its pp coordinate: with interleaved schedules it holds several virtual stages
+    (``s, s + pp, ...``), the same ones as every rank of equal pp coordinate, so those ranks are
+    still each other's peers (and the rank holding the head is always pp coordinate ``pp - 1``).
+    """
+    topology = Topology(pp=pp, dp=dp, tp=tp)
+    return {rank: topology.coords(rank).pp for rank in range(topology.world_size)}
+
+
 class StragglerDetector:
     """Feeds on per-step ``{rank: compute_s}`` maps; returns findings when a window closes.
 
-    Owned by one worker group: call :meth:`reset` when the group is relaunched (ranks change).
-    Samples that are missing, negative, NaN or infinite are dropped, and a rank with fewer than
-    half a window of samples is left out of that window (neither judged nor used as a peer).
+    Owned by one worker group: build a new one (or :meth:`reset`) when the group is relaunched
+    (ranks and maybe the layout change). ``stages`` is the layout's ``{rank: stage}``
+    (:func:`stage_map`); None puts every rank in one stage, and a rank missing from a given map is
+    ignored (it is not part of the layout). Samples that are missing, negative, NaN or infinite are
+    dropped, and a rank with fewer than half a window of samples is left out of that window
+    (neither judged nor used as a peer).
     """
 
-    def __init__(self, config: StragglerConfig | None = None) -> None:
+    def __init__(self, config: StragglerConfig | None = None, *, stages: Mapping[int, int] | None = None) -> None:
         self.config = config or StragglerConfig()
+        self._stages = dict(stages) if stages is not None else None
+        self._stage_sizes = Counter(self._stages.values()) if self._stages is not None else Counter()
         self.reset()
 
     def reset(self) -> None:
         self._samples: dict[int, list[float]] = {}
         self._steps_in_window = 0
         self._streaks: dict[int, _Streak] = {}
+        self._history: dict[int, deque[float]] = {}  # lone ranks: medians of their healthy windows
+
+    def stage_of(self, rank: int) -> int | None:
+        """The rank's stage (0 without a stage map), None for a rank outside the layout."""
+        if self._stages is None:
+            return 0
+        return self._stages.get(rank)
 
     def observe(self, step: int, compute_s: Mapping[int, float]) -> list[StragglerFinding]:
         """Record one step's compute times; at the end of a window, judge it."""
@@ -111,46 +167,89 @@ class StragglerDetector:
 
     def _judge(self, step: int, samples: dict[int, list[float]]) -> list[StragglerFinding]:
         min_samples = max(1, self.config.window // 2)
-        medians = {
-            rank: statistics.median(values)
-            for rank, values in samples.items()
-            if len(values) >= min_samples
-        }
-        if len(medians) < self.config.min_ranks:
-            return []
+        by_stage: dict[int, dict[int, float]] = {}
+        for rank, values in samples.items():
+            stage = self.stage_of(rank)
+            if stage is not None and len(values) >= min_samples:
+                by_stage.setdefault(stage, {})[rank] = statistics.median(values)
         findings = []
-        for rank in sorted(medians):
-            peer_median = statistics.median(m for r, m in medians.items() if r != rank)
-            if peer_median <= 0:
-                continue  # peers report zero compute: no meaningful ratio
-            factor = medians[rank] / peer_median
-            streak = self._streaks.get(rank, _Streak())
-            if factor <= self.config.threshold:
-                self._streaks[rank] = _Streak()  # recovered: may be reported again later
-                continue
-            streak = _Streak(
-                windows=streak.windows + 1,
-                reported=streak.reported,
-                factors=streak.factors + (factor,),
-            )
-            if streak.windows >= self.config.patience and not streak.reported:
-                findings.append(self._finding(rank, factor, medians[rank], peer_median, streak, step))
-                streak = _Streak(windows=streak.windows, reported=True, factors=streak.factors)
-            self._streaks[rank] = streak
+        for stage in sorted(by_stage):
+            medians = by_stage[stage]
+            if len(medians) >= self.config.min_ranks:
+                for rank in sorted(medians):
+                    peer_median = statistics.median(m for r, m in medians.items() if r != rank)
+                    finding = self._judge_rank(rank, stage, PEERS, medians[rank], peer_median, step)
+                    findings += [finding] if finding else []
+            elif self._lone(stage):
+                (rank,) = medians
+                others = [m for s, stage_medians in by_stage.items() if s != stage for m in stage_medians.values()]
+                if others:  # (every other stage silent this window: nothing to scale by, no verdict)
+                    finding = self._judge_against_history(rank, stage, medians[rank], statistics.median(others), step)
+                    findings += [finding] if finding else []
+            # else: a stage of several ranks with too few reporting this window: no peers, no verdict
         return findings
+
+    def _lone(self, stage: int) -> bool:
+        """A stage with exactly one rank in a layout of several ranks (someone may wait for it)."""
+        return self._stages is not None and self._stage_sizes[stage] == 1 and len(self._stages) >= 2
+
+    def _judge_against_history(
+        self, rank: int, stage: int, median: float, others: float, step: int
+    ) -> StragglerFinding | None:
+        """A lone stage's cost *relative to the other stages* (``median / others``) against the median of
+        its earlier healthy relative costs. Relative, so that what slows every rank alike (a busier
+        machine, a longer step for everyone) moves nothing, and only this rank slowing does."""
+        if others <= 0:
+            return None
+        relative = median / others
+        history = self._history.setdefault(rank, deque(maxlen=self.config.history))
+        if not history:
+            history.append(relative)  # the first window is the baseline, not judged
+            return None
+        # In seconds: the compute this rank would have now at its usual cost relative to the others.
+        expected = statistics.median(history) * others
+        finding = self._judge_rank(rank, stage, HISTORY, median, expected, step)
+        if self._streaks.get(rank, _Streak()).windows == 0:
+            history.append(relative)  # healthy: it moves the baseline; a slow window never does
+        return finding
+
+    def _judge_rank(
+        self, rank: int, stage: int, basis: str, median: float, reference: float, step: int
+    ) -> StragglerFinding | None:
+        if reference <= 0:
+            return None  # the reference is zero compute: no meaningful ratio
+        factor = median / reference
+        if factor <= self.config.threshold:
+            self._streaks[rank] = _Streak()  # recovered: may be reported again later
+            return None
+        streak = self._streaks.get(rank, _Streak())
+        streak = _Streak(windows=streak.windows + 1, reported=streak.reported, factors=streak.factors + (factor,))
+        finding = None
+        if streak.windows >= self.config.patience and not streak.reported:
+            finding = self._finding(rank, stage, basis, factor, median, reference, streak, step)
+            streak = _Streak(windows=streak.windows, reported=True, factors=streak.factors)
+        self._streaks[rank] = streak
+        return finding
 
     def _finding(
         self,
         rank: int,
+        stage: int,
+        basis: str,
         factor: float,
         window_median: float,
-        peer_median: float,
+        reference: float,
         streak: _Streak,
         step: int,
     ) -> StragglerFinding:
         factors = ", ".join(f"{f:.2f}x" for f in streak.factors)
+        if basis == PEERS:
+            compared = f"peer median {reference:.4f}s" + (f" in stage {stage}" if self._stages is not None else "")
+        else:
+            compared = (f"{reference:.4f}s expected from its own earlier windows relative to the other stages "
+                        f"(stage {stage} has no peer)")
         evidence = (
-            f"rank {rank} median compute {window_median:.4f}s vs peer median {peer_median:.4f}s "
+            f"rank {rank} median compute {window_median:.4f}s vs {compared} "
             f"({factor:.2f}x > threshold {self.config.threshold}x) for {streak.windows} consecutive "
             f"windows of {self.config.window} steps ending at step {step} [{factors}]"
         )
@@ -158,8 +257,10 @@ class StragglerDetector:
             rank=rank,
             factor=factor,
             window_median=window_median,
-            peer_median=peer_median,
+            peer_median=reference,
             windows_flagged=streak.windows,
             step=step,
             evidence=evidence,
+            stage=stage,
+            basis=basis,
         )

@@ -33,7 +33,9 @@ any non-terminal status; "fault" and [n] are explained under the table::
   EXPORTING  any        CapacityChanged / ScaleRequested      same        (noted / scale_rejected)
   RUNNING    UP         Finished(final_step < total_steps)    FAILED      StopGroup, MarkTerminal
   live       LAUNCH/UP  JobError                              FAILED      StopGroup, MarkTerminal
+  live       UP         WorkerLost(process | actor), one rank RECOVERING  RepairGroup (in place)  [9]
   live       LAUNCH/UP  WorkerLost(process | actor)           RECOVERING  fault
+  RECOVERING LAUNCHING  RepairFailed                          RECOVERING  StopGroup, then relaunch [9]
   live       LAUNCH/UP  GroupStopped (not asked for)          RECOVERING  fault
   RUNNING    UP         Tick, no progress > heartbeat_timeout RECOVERING  hang_detected, fault
   STARTING+  LAUNCHING  Tick, not ready > start_timeout_s     RECOVERING  start_timeout, fault
@@ -107,6 +109,15 @@ any non-terminal status; "fault" and [n] are explained under the table::
       re-fits the job to the capacity left; an attempt still launching at a size that no longer fits
       is stopped and the job waits for capacity like any node loss.
 
+  [9] Keep the survivors: a single rank lost from a running group (process or actor, a budget left,
+      a committed step, no resize or eviction pending, ``in_place``) is repaired in place: attempt
+      + 1 on the same placement group, every surviving rank process kept (it rejoins a new
+      rendezvous and restores the committed step from its own memory), and only the lost rank
+      replaced (a warm spare where there is one), which gets its state from a data-parallel replica
+      or else from storage. The restart is spent as for any fault, with no backoff (the budget
+      bounds the loop). RepairFailed falls back to a full relaunch from the same step without
+      spending again; a failure during the repair's launch is an ordinary fault.
+
 Policies are plain values: the resize policy is :class:`service.elastic.ElasticPolicy` built from
 the config; straggler statistics live in service/stragglers.py and arrive as StragglerFlagged.
 """
@@ -142,6 +153,8 @@ from service.supervisor_events import (
     MarkTerminal,
     NodeLossConfirmed,
     RecordEvent,
+    RepairFailed,
+    RepairGroup,
     RequestCheckpoint,
     ScaleRequested,
     ScheduleWake,
@@ -158,7 +171,7 @@ __all__ = [
     "Abort", "Action", "Cancel", "CapacityChanged", "CheckpointFallback", "CheckpointReported", "CommitCheckpoint",
     "CommitFailed", "CommitSucceeded",
     "Decision", "Event", "ExcludeNode", "ExportCheckpoint", "ExportFailed", "Exported", "Finished",
-    "GroupPhase", "GroupReady", "GroupStopped", "NodeLossConfirmed",
+    "GroupPhase", "GroupReady", "GroupStopped", "NodeLossConfirmed", "RepairFailed", "RepairGroup",
     "Heartbeat", "JobError", "LaunchGroup", "MarkTerminal", "RecordEvent", "RequestCheckpoint",
     "ScaleRequested", "ScheduleWake", "Start", "Status", "StepReported", "StopGroup",
     "StragglerFlagged", "SupervisorConfig", "SupervisorConfigError", "SupervisorState", "Tick",
@@ -226,6 +239,7 @@ class SupervisorConfig:
     capacity_wait_timeout_s: float = 1800.0  # waiting for min_dp replicas / a capacity report
     backoff_base_s: float = 5.0
     backoff_max_s: float = 300.0
+    in_place: bool = True  # repair a single lost rank in place [9] instead of relaunching every rank
     fail_on_nonfinite_loss: bool = True
     export: bool = False  # write the final checkpoint as a Hugging Face folder before SUCCEEDED
     export_timeout_s: float = 3600.0  # ExportCheckpoint -> Exported
@@ -570,7 +584,52 @@ def _on_worker_lost(
         what += f": {event.detail}"
     if event.cause == "node":
         return _node_lost(state, now, config, what)
+    if _can_repair(state, event, config):
+        return _repair(state, now, config, event.rank, what)
     return _fault(state, now, config, "worker_failed", what)
+
+
+def _can_repair(state: SupervisorState, event: WorkerLost, config: SupervisorConfig) -> bool:
+    """[9] One known rank of a running group, a committed step to resume, nothing planned to stop for."""
+    return (config.in_place and state.group is GroupPhase.UP and 0 <= event.rank < config.world_size(state.dp)
+            and state.last_committed_step is not None and state.restarts_used < config.max_restarts
+            and state.pending_evict_node is None and state.pending_resize_dp is None)
+
+
+def _repair(state: SupervisorState, now: float, config: SupervisorConfig, rank: int, what: str) -> Decision:
+    """Spend a restart, keep every other rank's process, replace ``rank``, resume the last commit."""
+    step = state.last_committed_step
+    repaired = replace(
+        _clear_pending(state),
+        status=Status.RECOVERING,
+        restarts_used=state.restarts_used + 1,
+        attempt=state.attempt + 1,
+        group=GroupPhase.LAUNCHING,
+        group_since=now,
+        step=step,
+        last_progress_at=None,
+        backoff_until=None,
+        checkpoint_reports=frozenset(),
+        committing=frozenset(),  # a late answer about the old attempt's commit is ignored [3]
+    )
+    detail = (f"restart {repaired.restarts_used}/{config.max_restarts} in place: rank {rank} replaced, the other "
+              f"ranks kept, resuming step {step}")
+    actions: list[Action] = [
+        RecordEvent(kind="worker_failed", detail=what),
+        RecordEvent(kind="restarting", detail=detail),
+        RepairGroup(attempt=repaired.attempt, lost_rank=rank, world_size=config.world_size(state.dp),
+                    resume_step=step),
+    ]
+    return _decision(repaired, actions, f"{what}: {detail}")
+
+
+def _on_repair_failed(state: SupervisorState, event: RepairFailed, now: float, config: SupervisorConfig) -> Decision:
+    """[9] Fall back to a full relaunch from the same committed step; the restart was already spent."""
+    if state.group is not GroupPhase.LAUNCHING:
+        return _ignore(state, f"RepairFailed while group is {state.group.value}")
+    what = f"in-place repair of attempt {state.attempt} failed: {event.reason}; relaunching every rank"
+    stopped, stop_actions = _stop(state, now, what)
+    return _decision(stopped, [RecordEvent(kind="repair_failed", detail=what), *stop_actions], what)
 
 
 def _on_node_loss_confirmed(
@@ -817,6 +876,7 @@ _HANDLERS = {
     CommitFailed: _on_commit_failed,
     WorkerLost: _on_worker_lost,
     NodeLossConfirmed: _on_node_loss_confirmed,
+    RepairFailed: _on_repair_failed,
     JobError: _on_job_error,
     Tick: _on_tick,
     CapacityChanged: _on_capacity,

@@ -19,7 +19,7 @@ __all__ = [
     "CommitCheckpoint", "CommitFailed", "CommitSucceeded", "Event", "ExcludeNode", "ExportCheckpoint",
     "ExportFailed", "Exported", "Finished",
     "GroupReady", "GroupStopped", "Heartbeat", "JobError", "LaunchGroup", "MarkTerminal", "NodeLossConfirmed",
-    "RecordEvent",
+    "RecordEvent", "RepairFailed", "RepairGroup",
     "RequestCheckpoint", "ScaleRequested", "ScheduleWake", "Start", "StepReported", "StopGroup",
     "StragglerFlagged", "Tick", "WorkerLost",
 ]
@@ -105,6 +105,15 @@ class NodeLossConfirmed:
     node: str
     failed_attempt: int
     available_dp: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class RepairFailed:
+    """The in-place repair of attempt ``attempt`` (RepairGroup) could not be carried out: a survivor
+    did not come back, no replacement could be started, or the ranks could not rendezvous."""
+
+    attempt: int
+    reason: str
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -199,7 +208,7 @@ class ExportFailed:
 
 
 Event = Union[
-    NodeLossConfirmed,
+    NodeLossConfirmed, RepairFailed,
     Start, GroupReady, StepReported, Heartbeat, CheckpointReported, CommitSucceeded, CommitFailed, WorkerLost,
     JobError, Tick,
     CapacityChanged, ScaleRequested, StragglerFlagged, Cancel, Abort, Finished, GroupStopped,
@@ -218,6 +227,18 @@ class LaunchGroup:
     world_size: int  # pp * dp * tp ranks
     resume_step: int | None  # restore this committed checkpoint; None = fresh start
     excluded_nodes: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True, kw_only=True)
+class RepairGroup:
+    """Keep the surviving ranks' processes, replace ``lost_rank`` only, and run attempt ``attempt`` on
+    the same placement from committed step ``resume_step`` (state from the ranks' memory where a
+    replica holds it, else from the checkpoint on storage)."""
+
+    attempt: int
+    lost_rank: int
+    world_size: int
+    resume_step: int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -278,6 +299,6 @@ class MarkTerminal:
 
 
 Action = Union[
-    LaunchGroup, StopGroup, CommitCheckpoint, RequestCheckpoint, ExcludeNode, ScheduleWake,
+    LaunchGroup, RepairGroup, StopGroup, CommitCheckpoint, RequestCheckpoint, ExcludeNode, ScheduleWake,
     RecordEvent, ExportCheckpoint, MarkTerminal,
 ]

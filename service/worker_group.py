@@ -18,15 +18,15 @@ from typing import Any, Literal
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from service.spares import NAMESPACE, take_spares
 from workers.errors import EtrainError
 from workers.worker import ChaosOrder, LaunchPlan, TrainWorker
 
 log = logging.getLogger(__name__)
 
-NAMESPACE = "etrain"
 PLACEMENT_TIMEOUT_S = 60.0
 RENDEZVOUS_TIMEOUT_S = 60.0
 # Failure classification is immediate on the recovery path and corrected later (issue #9): a rank
@@ -40,6 +40,8 @@ RENDEZVOUS_TIMEOUT_S = 60.0
 # live); the first rank whose ping fails with an actor death is the culprit. A rank that does not
 # answer within PROBE_TIMEOUT_S is called lost (its process or node is gone or wedged).
 PROBE_TIMEOUT_S = 2.0
+# An in-place repair waits this long for the survivors' failed ``run`` calls to return.
+SURVIVOR_EXIT_TIMEOUT_S = 15.0
 # With no restart left, wait this long for the dead peer to surface before blaming the rank itself...
 PEER_FAILURE_GRACE_S = 6.0
 # ... and this long for the node's verdict before calling a loss a process fault (which would fail
@@ -96,6 +98,7 @@ class WorkerGroup:
         self._stopped = False
         self._lost: tuple[float, GroupOutcome] | None = None  # a dead rank waiting for its node's verdict
         self._probe: dict[Any, int] = {}  # ping ObjectRef -> rank, while a collective failure is explained
+        self.warm_ranks = 0  # ranks that started from a warm spare (service/spares.py)
 
     # --- start ----------------------------------------------------------------------------------
 
@@ -116,27 +119,98 @@ class WorkerGroup:
             raise PlacementTimeout(
                 f"{self.world_size} ranks of {self._resources} could not be placed within {PLACEMENT_TIMEOUT_S:.0f}s"
             ) from err
+        self.actors = self._rank_actors()
+        if self._stopped:  # stop() ran while the ranks were being made: they are ours to kill
+            self.stop()
+            raise RuntimeError("worker group stopped while starting")
+        self._rendezvous()
+
+    def _rank_actors(self) -> list[Any]:
+        """One actor per rank: a warm spare on the bundle's node where the pool has one, else a cold start.
+
+        A cold rank is created inside its bundle, so Ray accounts its CPUs/GPUs to it; a spare (no
+        logical resources) runs on the bundle's node while the bundle's reservation accounts for it,
+        and is pinned to the bundle's GPUs (service/spares.py, workers/spare.py).
+        """
+        bundle_nodes = placement_group_table(self.pg).get("bundles_to_node_id", {})
+        spares = take_spares([bundle_nodes.get(rank, "") for rank in range(self.world_size)])
+        actors, assigned = zip(*(self._rank_actor(rank, spare) for rank, spare in enumerate(spares)))
+        ray.get([ref for ref in assigned if ref is not None], timeout=RENDEZVOUS_TIMEOUT_S)
+        self.warm_ranks = sum(spare is not None for spare in spares)
+        return list(actors)
+
+    def _rank_actor(self, rank: int, spare: Any | None) -> tuple[Any, Any | None]:
+        """(actor, its pending ``assign`` call or None): the spare made rank ``rank``, or a cold actor."""
         num_gpus = self._resources.get("GPU", 0.0)
-        actor_cls = ray.remote(TrainWorker)
-        for rank in range(self.world_size):
-            actor = actor_cls.options(
-                name=rank_actor_name(self.job_id, rank),
-                namespace=NAMESPACE,
-                num_cpus=self._resources.get("CPU", 0.0),
-                num_gpus=num_gpus,
-                max_restarts=0,
-                max_concurrency=4,  # run() on one thread; chaos / checkpoint requests on others
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self.pg, placement_group_bundle_index=rank
-                ),
-            ).remote(job_id=self.job_id, rank=rank, world_size=self.world_size, supervisor=self._supervisor)
-            self.actors.append(actor)
+        if spare is not None:
+            gpu_ids = _bundle_gpu_ids(self.pg, rank, num_gpus) if num_gpus else None
+            return spare, spare.assign.remote(job_id=self.job_id, rank=rank, world_size=self.world_size,
+                                              supervisor=self._supervisor, gpu_ids=gpu_ids)
+        return ray.remote(TrainWorker).options(
+            name=rank_actor_name(self.job_id, rank),
+            namespace=NAMESPACE,
+            num_cpus=self._resources.get("CPU", 0.0),
+            num_gpus=num_gpus,
+            max_restarts=0,
+            max_concurrency=4,  # run() on one thread; chaos / checkpoint requests on others
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=self.pg, placement_group_bundle_index=rank
+            ),
+        ).remote(job_id=self.job_id, rank=rank, world_size=self.world_size, supervisor=self._supervisor), None
+
+    def _rendezvous(self) -> None:
+        """Learn where each rank runs, pick rank 0's address and a free port, start every ``run``."""
         infos = ray.get([actor.node_info.remote() for actor in self.actors], timeout=RENDEZVOUS_TIMEOUT_S)
         self.nodes = {info["rank"]: info["node_id"] for info in infos}
         master_addr = infos[0]["ip"]
         master_port = ray.get(self.actors[0].free_port.remote(), timeout=RENDEZVOUS_TIMEOUT_S)
         for rank, actor in enumerate(self.actors):
             self._runs[actor.run.remote(self.plan, master_addr, master_port)] = rank
+
+    # --- repair in place ------------------------------------------------------------------------
+
+    def repair(self, lost_rank: int, plan: LaunchPlan) -> None:
+        """Run ``plan`` (the next attempt) on the same placement group: every rank but ``lost_rank``
+        keeps its actor (its process, its memory: it restores the committed step it saved itself),
+        and ``lost_rank`` gets a new one (a warm spare where the pool has one).
+
+        The survivors' ``run`` of the failed attempt must have returned first (their collectives
+        failed with the dead peer): one that does not within SURVIVOR_EXIT_TIMEOUT_S, or that died
+        too, makes the repair fail (:class:`RepairError`), and the caller relaunches every rank.
+        """
+        old = dict(self._runs)  # the failed attempt's runs still out (not the lost rank's, if polled)
+        if old:
+            done, late = ray.wait(list(old), num_returns=len(old), timeout=SURVIVOR_EXIT_TIMEOUT_S)
+            if late:
+                raise RepairError(f"ranks {sorted(old[ref] for ref in late)} did not leave the failed attempt "
+                                  f"within {SURVIVOR_EXIT_TIMEOUT_S:g}s")
+            for ref in done:
+                rank = old[ref]
+                try:
+                    ray.get(ref, timeout=10)
+                except RayActorError as err:
+                    if rank != lost_rank:
+                        raise RepairError(f"rank {rank} died as well: {_first_line(err)}") from None
+                except Exception:  # the expected collective failure of a survivor
+                    pass
+        self._runs.clear()
+        self._results.clear()
+        self._suspect, self._probe, self._lost = None, {}, None
+        try:
+            ray.kill(self.actors[lost_rank], no_restart=True)  # dead already, or wedged: gone either way
+        except Exception:
+            pass
+        node = placement_group_table(self.pg).get("bundles_to_node_id", {}).get(lost_rank, "")
+        spare = take_spares([node])[0]
+        actor, assigning = self._rank_actor(lost_rank, spare)
+        if assigning is not None:
+            ray.get(assigning, timeout=RENDEZVOUS_TIMEOUT_S)
+        self.actors[lost_rank] = actor
+        self.warm_ranks = int(spare is not None)
+        self.plan, self.attempt = plan, plan.attempt
+        if self._stopped:
+            raise RepairError("the group was stopped during the repair")
+        self._rendezvous()
 
     # --- watch ----------------------------------------------------------------------------------
 
@@ -262,10 +336,6 @@ class WorkerGroup:
         if 0 <= rank < len(self.actors):
             getattr(self.actors[rank], method).remote(*args)
 
-    def broadcast(self, method: str, *args) -> None:
-        for actor in self.actors:
-            getattr(actor, method).remote(*args)
-
     def chaos(self, order: ChaosOrder) -> None:
         self.call(order.rank, "chaos", order)
 
@@ -307,6 +377,10 @@ class WorkerGroup:
         self._runs.clear()
 
 
+class RepairError(RuntimeError):
+    """The in-place repair could not be carried out; the message says why (a RepairFailed event)."""
+
+
 class PlacementTimeout(RuntimeError):
     """The cluster could not hold the group's bundles in time."""
 
@@ -316,6 +390,17 @@ def _node_alive(node_id: str) -> bool:
         if node.get("NodeID") == node_id:
             return bool(node.get("Alive"))
     return False
+
+
+def _bundle_gpu_ids(pg: Any, index: int, num_gpus: float) -> list[str]:
+    """The GPU ids Ray reserved for bundle ``index`` (a task in the bundle reads them; the bundle keeps them)."""
+
+    @ray.remote(num_cpus=0, num_gpus=num_gpus)
+    def gpu_ids() -> list[str]:
+        return [str(gpu) for gpu in ray.get_gpu_ids()]
+
+    strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index)
+    return ray.get(gpu_ids.options(scheduling_strategy=strategy).remote(), timeout=RENDEZVOUS_TIMEOUT_S)
 
 
 def _death_cause(error: RayActorError, node: str) -> Literal["process", "actor", "node"]:

@@ -380,7 +380,8 @@ class FakeRuntime:
                         "seq": len(job["steps"]) + 1, "step": job["step"], "loss": simulated_loss(job["step"]),
                         "tokens_per_s": config.tokens_per_step / self.step_s, "step_s": self.step_s,
                         "compute_s": 0.8 * self.step_s, "comm_wait_s": 0.2 * self.step_s, "ts": time.time(),
-                        "attempt": job["attempt"],
+                        # numbered on from the job's last attempt, like the real supervisor (JobPolicy.attempt_base)
+                        "attempt": job["attempt"] + getattr(job["policy"], "attempt_base", 0),
                     })
                 if job["step"] >= config.training.steps:
                     job["status"] = "SUCCEEDED"
@@ -391,12 +392,12 @@ class FakeRuntime:
             latest = job["steps"][-1] if job["steps"] else {}
             parallel = config.parallel
             return {
-                "status": job["status"], "attempt": job["attempt"], "dp": job["dp"],
+                "status": job["status"], "attempt": job["attempt"] + getattr(job["policy"], "attempt_base", 0),
+                "dp": job["dp"],
                 "world_size": parallel.pp * job["dp"] * parallel.tp,
                 "layout": _layout_text(parallel.pp, job["dp"], parallel.tp, parallel.zero),
                 "restarts": getattr(job["policy"], "restarts_used", 0), "last_checkpoint_step": None, "error": job["error"], "step": job["step"],
                 "loss": latest.get("loss"), "tokens_per_s": latest.get("tokens_per_s"), "stragglers": [],
-                "goodput": 0.9 if latest else None,
                 "artifacts": job.get("artifacts", {}),
                 "events": [e for e in job["events"] if e["seq"] > since_seq],
                 "steps": [row for row in job["steps"] if row["seq"] > since_step],

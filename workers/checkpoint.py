@@ -27,6 +27,9 @@ Why it is built this way:
   it wrote, with size and SHA-256); ``workers.manifest.commit`` writes ``manifest.json`` last once
   all ranks reported. Loading verifies the manifest first: a step directory that never committed,
   or was corrupted afterwards, is never read (invariant 4).
+* **Local folders or object storage.** A step directory may be an ``s3://`` URL: shards and
+  ``.metadata`` then go through DCP's fsspec storage (``FsspecWriter``/``FsspecReader``, async saves
+  included), ``extra.pt`` and the rank's file listing through ``workers/storage.py``.
 * **Non-tensor state** (step, data position, RNG) goes to ``extra.pt``, written by rank 0 and
   readable with ``torch.load(weights_only=True)``; it is global, not per rank (the data sampler is
   global and the model has no dropout, and per-rank RNG would not survive a resize anyway).
@@ -38,6 +41,7 @@ initialized process group they work in a single process.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import os
 import random
@@ -66,8 +70,9 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 
-from workers.errors import CheckpointError
-from workers.manifest import MANIFEST_NAME, ShardReport, atomic_write_bytes, file_entry, verify
+from workers import storage
+from workers.errors import CheckpointError, EtrainError
+from workers.manifest import MANIFEST_NAME, FileEntry, ShardReport, atomic_write_bytes, file_entry, verify
 
 __all__ = [
     "EXTRA_NAME",
@@ -101,12 +106,13 @@ def save_checkpoint(
     Collective: every rank of ``process_group`` calls it with its own parts and optimizers. The
     checkpoint is *not* usable until the supervisor commits the reports of all ranks. A partial
     ``step_dir`` from an earlier crashed attempt is cleared first; a committed one is never
-    overwritten (``CheckpointError``).
+    overwritten (``CheckpointError``). ``step_dir`` may be an object-store URL (``s3://...``): DCP then
+    writes through its fsspec storage.
     """
-    directory = os.fspath(step_dir)
+    directory = _location(step_dir)
     _start_checkpoint(directory, extra, process_group)
     collected = _collect_state(model_parts, optimizers)
-    writer = _RecordingWriter(directory)
+    writer = _writer(directory)
     with _single_process_quiet():
         dcp.save(collected.state, storage_writer=writer, process_group=process_group)
     return _shard_report(directory, writer, process_group)
@@ -131,21 +137,39 @@ def load_checkpoint(
     The parts and optimizers may use any layout: DCP reads the slices each rank now owns. Returns
     the ``extra`` dict given to :func:`save_checkpoint`.
     """
-    directory = os.fspath(step_dir)
+    directory = _location(step_dir)
     _verify_together(directory, checksums, process_group, expect_digest)
     collected = _collect_state(model_parts, optimizers)
     state = collected.state
     try:
         with _single_process_quiet():
-            dcp.load(state, checkpoint_id=directory, process_group=process_group)
+            if storage.is_url(directory):
+                dcp.load(state, storage_reader=storage_reader(directory), process_group=process_group)
+            else:
+                dcp.load(state, checkpoint_id=directory, process_group=process_group)
     except CheckpointException as exc:  # DCP's (BaseException) wrapper around per-rank failures
         raise CheckpointError(
             f"cannot load {directory} into this layout: {exc}",
             fix="a key missing from the checkpoint means the model or optimizer differs from the saved one "
             "(model sizes, optimizer class or parameter groups)",
         ) from None
-    # DCP filled the merged dicts (non-tensor values by replacement), so each part and optimizer
-    # gets its own entries back out of them.
+    apply_state(collected, model_parts, optimizers)
+    return _read_extra(directory)
+
+
+def collect_state(model_parts: list[nn.Module], optimizers: list[Optimizer]) -> _Collected:
+    """This rank's FQN-keyed model and flattened optimizer state, as DCP saves and fills it (and as
+    the in-memory snapshots of ``workers/snapshot.py`` copy it)."""
+    return _collect_state(model_parts, optimizers)
+
+
+def apply_state(collected: _Collected, model_parts: list[nn.Module], optimizers: list[Optimizer]) -> None:
+    """Hand filled ``collected.state`` back to each part and optimizer (after a DCP load or a snapshot).
+
+    DCP fills the merged dicts (non-tensor values by replacement), so each part and optimizer gets
+    its own entries back out of them.
+    """
+    state = collected.state
     for part, keys in zip(model_parts, collected.model_keys):
         set_model_state_dict(part, {key: state["model"][key] for key in keys})
     for binding in collected.bindings:
@@ -153,7 +177,6 @@ def load_checkpoint(
         set_optimizer_state_dict(binding.part, binding.optimizer, optim_state, options=_OPTIONS)
         binding.sync_back(after_load=True)
     _share_zero_hyperparameters(optimizers)
-    return _read_extra(directory)
 
 
 class PendingCheckpoint:
@@ -210,10 +233,10 @@ class AsyncCheckpointer:
         """Start saving (collective); waits first for the previous save (its report is the caller's
         to have collected via its own handle)."""
         self.wait_previous(previous_timeout_s)
-        directory = os.fspath(step_dir)
+        directory = _location(step_dir)
         _start_checkpoint(directory, extra, self._group)
         collected = _collect_state(model_parts, optimizers)
-        writer = _RecordingWriter(directory)
+        writer = _writer(directory)
         # The writer is a BlockingAsyncStager: the state is copied to CPU before this returns.
         written = dcp.async_save(collected.state, storage_writer=writer, process_group=self._group)
         if isinstance(written, AsyncSaveResponse):  # returned when staging itself is asynchronous
@@ -442,8 +465,8 @@ def _share_zero_hyperparameters(optimizers: list[Optimizer]) -> None:
 # -- files ---------------------------------------------------------------------------------------
 
 
-class _RecordingWriter(dcp.FileSystemWriter):
-    """DCP's file writer that remembers this rank's file-name prefix (``__<rank>_``), so the rank
+class _Recording:
+    """Remembers this rank's file-name prefix (``__<rank>_``) as DCP's writer plans it, so the rank
     can report exactly the files it wrote, an empty shard file included."""
 
     prefix: str | None = None
@@ -453,18 +476,122 @@ class _RecordingWriter(dcp.FileSystemWriter):
         return super().write_data(plan, planner)
 
 
-def _shard_report(directory: str, writer: _RecordingWriter, group: dist.ProcessGroup | None) -> ShardReport:
+class _RecordingWriter(_Recording, dcp.FileSystemWriter):
+    """DCP's local file writer, recording."""
+
+
+class _HashingStream:
+    """A write stream that hashes and counts what passes through it to the upload it wraps."""
+
+    def __init__(self, raw):
+        self._raw = raw
+        self._digest = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data) -> int:
+        self._digest.update(data)
+        self.size += memoryview(data).nbytes
+        return self._raw.write(data)
+
+    @property
+    def sha256(self) -> str:
+        return self._digest.hexdigest()
+
+    def __getattr__(self, name: str):  # tell, flush, ...: the upload's own
+        return getattr(self._raw, name)
+
+
+_fsspec_classes: tuple[type, type] | None = None
+
+
+def _fsspec_writer_classes() -> tuple[type, type]:
+    """(recording ``FsspecWriter``, hashing fsspec ``FileSystem``), built on first use (fsspec imported then).
+
+    The file system records ``(size, sha256)`` of every file as its upload completes (``.metadata``
+    under its final name after DCP's rename), so the rank reports its shards without downloading what
+    it has just uploaded. What the supervisor later verifies before a load is the objects themselves.
+    """
+    global _fsspec_classes
+    if _fsspec_classes is None:
+        from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecWriter
+
+        class _HashingFileSystem(FileSystem):
+            def __init__(self) -> None:
+                super().__init__()
+                self.written: dict[str, tuple[int, str]] = {}
+
+            @contextlib.contextmanager
+            def create_stream(self, path, mode):
+                with super().create_stream(path, mode) as stream:
+                    if "w" not in mode:
+                        yield stream
+                        return
+                    hashing = _HashingStream(stream)
+                    yield hashing
+                self.written[os.fspath(path)] = (hashing.size, hashing.sha256)  # the upload completed
+
+            def rename(self, path, new_path) -> None:
+                super().rename(path, new_path)
+                if os.fspath(path) in self.written:
+                    self.written[os.fspath(new_path)] = self.written.pop(os.fspath(path))
+
+        _fsspec_classes = (type("_RecordingFsspecWriter", (_Recording, FsspecWriter), {}), _HashingFileSystem)
+    return _fsspec_classes
+
+
+def _writer(directory: str) -> _Recording:
+    """DCP's writer for ``directory``: the local file writer, or for a URL DCP's fsspec writer
+    (``FsspecWriter``: a ``FileSystemWriter`` over fsspec, so async staging works the same) over a
+    hashing file system. On an object store ``sync_files`` is off: an upload is durable once its PUT
+    returns, and the file objects have no descriptor to fsync (DCP would fall back to a machine-wide
+    ``os.sync()`` per file)."""
+    if not storage.is_url(directory):
+        return _RecordingWriter(directory)
+    storage.filesystem(directory)  # ConfigError naming the extra to install, before DCP's ImportError
+    writer_class, filesystem_class = _fsspec_writer_classes()
+    options = storage.storage_options(directory)
+    writer = writer_class(directory, sync_files=False, **options)
+    writer.fs = filesystem_class()
+    writer.path = writer.fs.init_path(directory, **options)
+    return writer
+
+
+def storage_reader(directory: str):
+    """DCP's reader for ``directory`` (a local path or a URL: ``FsspecReader``); ``workers/hf_io.py`` uses
+    it to export a checkpoint from either."""
+    if not storage.is_url(directory):
+        return dcp.FileSystemReader(directory)
+    storage.filesystem(directory)
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    return FsspecReader(directory, **storage.storage_options(directory))
+
+
+def _location(step_dir: str | os.PathLike) -> str:
+    """A step directory as a string: a URL as given, a local path via ``os.fspath``."""
+    return step_dir if storage.is_url(step_dir) else os.fspath(step_dir)
+
+
+def _shard_report(directory: str, writer: _Recording, group: dist.ProcessGroup | None) -> ShardReport:
     rank, world_size = _rank(group), _world_size(group)
     assert writer.prefix is not None, "DCP finished without planning this rank's writes"
-    names = sorted(n for n in os.listdir(directory) if n.startswith(writer.prefix) and n.endswith(".distcp"))
+    names = sorted(n for n in storage.listdir(directory) if n.startswith(writer.prefix) and n.endswith(".distcp"))
     if rank == 0:
         names += [METADATA_NAME, EXTRA_NAME]
+    uploaded = getattr(writer.fs, "written", {})  # object stores: hashed on the way up
     return ShardReport(
         rank=rank,
         world_size=world_size,
-        directory=os.path.basename(os.path.normpath(directory)),
-        files=tuple(file_entry(directory, name) for name in names),
+        directory=storage.basename(directory),
+        files=tuple(_reported(directory, name, uploaded) for name in names),
     )
+
+
+def _reported(directory: str, name: str, uploaded: dict[str, tuple[int, str]]) -> FileEntry:
+    known = uploaded.get(os.path.join(directory, name))
+    if known is None:
+        return file_entry(directory, name)  # local files (and extra.pt): read back from storage
+    return FileEntry(path=name, size=known[0], sha256=known[1])
 
 
 def _start_checkpoint(directory: str, extra: dict[str, Any], group: dist.ProcessGroup | None) -> None:
@@ -473,6 +600,8 @@ def _start_checkpoint(directory: str, extra: dict[str, Any], group: dist.Process
     not mix with new ones, and nobody may start DCP's collectives if rank 0 cannot take part)."""
 
     def start() -> None:
+        if storage.is_url(directory):
+            return start_url()
         if os.path.exists(os.path.join(directory, MANIFEST_NAME)):
             try:
                 verify(directory)
@@ -489,6 +618,20 @@ def _start_checkpoint(directory: str, extra: dict[str, Any], group: dist.Process
             shutil.rmtree(directory)
         os.makedirs(directory)
         atomic_write_bytes(os.path.join(directory, EXTRA_NAME), _encode_extra(extra))
+
+    def start_url() -> None:  # the same steps on an object store (a "directory" is a key prefix)
+        if storage.exists(storage.join(directory, MANIFEST_NAME)):
+            try:
+                verify(directory)
+            except CheckpointError:
+                storage.replace(directory, f"{directory}.corrupt-{int(time.time())}")
+            else:
+                raise CheckpointError(
+                    f"{directory} already holds a committed checkpoint; refusing to overwrite it",
+                    fix="save each step once; resume from the committed step instead of saving it again",
+                )
+        storage.rmtree(directory)
+        atomic_write_bytes(storage.join(directory, EXTRA_NAME), _encode_extra(extra))
 
     _agree(start, group, f"cannot save into {directory}")
 
@@ -511,7 +654,10 @@ def _encode_extra(extra: dict[str, Any]) -> bytes:
 
 def _read_extra(directory: str) -> dict[str, Any]:
     try:
-        payload = torch.load(os.path.join(directory, EXTRA_NAME), weights_only=True)
+        if storage.is_url(directory):
+            payload = torch.load(io.BytesIO(storage.read_bytes(storage.join(directory, EXTRA_NAME))), weights_only=True)
+        else:
+            payload = torch.load(os.path.join(directory, EXTRA_NAME), weights_only=True)
     except Exception as exc:
         raise CheckpointError(f"cannot read {EXTRA_NAME} of {directory}: {exc}") from exc
     return payload["extra"]
@@ -546,6 +692,8 @@ def _verify_together(directory: str, checksums: bool, group: dist.ProcessGroup |
         verify(directory, checksums=checksums, share=(rank, world_size), expect_digest=expect_digest)
     except CheckpointError as exc:
         error = exc
+    except EtrainError as exc:  # e.g. the object-store backend is not installed on this node
+        error = CheckpointError(f"cannot load {directory}: {exc}")
     except OSError as exc:  # unreadable file: still a verdict, so no peer is left waiting below
         error = CheckpointError(f"cannot load {directory}: {exc}")
     if world_size > 1:
@@ -565,7 +713,7 @@ def _agree(action, group: dist.ProcessGroup | None, context: str) -> None:
             action()
         except CheckpointError as exc:
             error = exc
-        except OSError as exc:
+        except (EtrainError, OSError) as exc:  # EtrainError: e.g. no object-store backend on this node
             error = CheckpointError(f"{context}: {exc}")
     if dist.is_initialized() and _world_size(group) > 1:
         box = [error]

@@ -32,6 +32,12 @@ most ``max_shard_bytes``) as full fp32 tensors with ``dcp.load(..., no_dist=True
 and frees it, so peak memory is one output shard, never the model. The folder is written next to
 its destination and renamed into place, so an interrupted export leaves no half folder under the
 final name.
+
+Object storage: a checkpoint under ``s3://...`` is read with DCP's ``FsspecReader`` (the same
+manifest verification first), and an ``s3://`` destination (a job's ``hf-export`` under an s3
+checkpoint root) is written in a local temporary folder, each file uploaded as soon as it is complete
+and deleted locally (peak local disk: one output shard); ``config.json`` is uploaded last, so a
+destination without it is an interrupted export that ``from_pretrained`` will not mistake for a model.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, H
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 
+from workers import storage
 from workers.config import ModelConfig
 from workers.errors import CheckpointError, ConfigError
 from workers.hf_config import TOKENIZER_FILES, hf_config_dict, hf_name, hf_parameter_names, weight_files
@@ -272,11 +279,14 @@ def export_hf(
     (``ConfigError``, field ``checkpoint.export``) and an uncommitted or corrupt checkpoint
     (``CheckpointError``).
     """
-    directory = os.fspath(step_dir)
-    out = os.path.abspath(os.fspath(out_dir))
+    directory = step_dir if storage.is_url(step_dir) else os.fspath(step_dir)
     config = hf_config_dict(model_config)  # refuses what cannot be exported, before any work
     if max_shard_bytes < 1:
         raise ValueError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
+    if storage.is_url(out_dir):
+        return _export_to_url(directory, storage.normalize_url(out_dir), model_config, config, source_dir,
+                              max_shard_bytes)
+    out = os.path.abspath(os.fspath(out_dir))
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise ConfigError(f"export destination {out} already exists and is not empty.", field="checkpoint.export",
                           fix="export into a new or empty folder; exports never overwrite")
@@ -306,9 +316,39 @@ def export_hf(
     return out
 
 
+def _export_to_url(directory: str, out: str, model_config: ModelConfig, config: dict[str, Any],
+                   source_dir: str | os.PathLike | None, max_shard_bytes: int) -> str:
+    """:func:`export_hf` into an object-store prefix: files built locally, uploaded one by one, config last."""
+    import tempfile
+
+    if storage.walk_files(out):
+        raise ConfigError(f"export destination {out} already holds objects.", field="checkpoint.export",
+                          fix="export into a new or empty prefix; exports never overwrite")
+    verify(directory)
+    shapes = _checkpoint_shapes(directory, model_config)
+    tmp = tempfile.mkdtemp(prefix="etrain-export-")
+
+    def upload(path: str) -> None:
+        storage.upload(path, storage.join(out, os.path.basename(path)))
+        os.remove(path)
+
+    try:
+        _write_weights(directory, tmp, shapes, max_shard_bytes, on_file=upload)
+        source = source_dir if source_dir is not None else model_config.hf_path
+        if source is not None:
+            for name in TOKENIZER_FILES:
+                if (Path(source) / name).is_file():
+                    storage.upload(Path(source) / name, storage.join(out, name))
+        _write_json(os.path.join(tmp, "config.json"), config)
+        upload(os.path.join(tmp, "config.json"))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
 def _checkpoint_shapes(directory: str, model_config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """``{etrain FQN: shape}`` to export, checked against what the checkpoint holds."""
-    metadata = FileSystemReader(directory).read_metadata().state_dict_metadata
+    metadata = _reader(directory).read_metadata().state_dict_metadata
     expected = expected_shapes(model_config)
     stored = {key[len(_MODEL_PREFIX):]: entry for key, entry in metadata.items() if key.startswith(_MODEL_PREFIX)}
     missing = [fqn for fqn in expected if fqn not in stored]
@@ -349,7 +389,18 @@ def _numel(shape: tuple[int, ...]) -> int:
     return count
 
 
-def _write_weights(directory: str, tmp: str, shapes: dict[str, tuple[int, ...]], max_shard_bytes: int) -> None:
+def _reader(directory: str):
+    """DCP's reader of a committed checkpoint: local files, or an s3:// prefix through fsspec."""
+    if storage.is_url(directory):
+        from workers.checkpoint import storage_reader
+
+        return storage_reader(directory)
+    return FileSystemReader(directory)
+
+
+def _write_weights(directory: str, tmp: str, shapes: dict[str, tuple[int, ...]], max_shard_bytes: int,
+                   on_file=None) -> None:
+    """``on_file(path)``: called with each file once written (the URL export uploads and deletes it)."""
     from safetensors.torch import save_file
 
     groups = _shard_groups(shapes, max_shard_bytes)
@@ -359,7 +410,7 @@ def _write_weights(directory: str, tmp: str, shapes: dict[str, tuple[int, ...]],
         name = _SINGLE_NAME if len(groups) == 1 else f"model-{index:05d}-of-{len(groups):05d}.safetensors"
         tensors = {fqn: torch.empty(shapes[fqn], dtype=torch.float32) for fqn in group}
         with _quiet_single_process():
-            dcp.load({"model": tensors}, storage_reader=FileSystemReader(directory), no_dist=True)
+            dcp.load({"model": tensors}, storage_reader=_reader(directory), no_dist=True)
         named = {hf_name(fqn): tensor for fqn, tensor in tensors.items()}
         path = os.path.join(tmp, name)
         save_file(named, path, metadata={"format": "pt"})
@@ -368,8 +419,12 @@ def _write_weights(directory: str, tmp: str, shapes: dict[str, tuple[int, ...]],
             weight_map[hf] = name
         total += sum(t.numel() * t.element_size() for t in named.values())
         del tensors, named  # the next group reuses this memory
+        if on_file is not None:
+            on_file(path)
     if len(groups) > 1:
         _write_json(os.path.join(tmp, _INDEX_NAME), {"metadata": {"total_size": total}, "weight_map": weight_map})
+        if on_file is not None:
+            on_file(os.path.join(tmp, _INDEX_NAME))
 
 
 def _write_json(path: str, payload: dict[str, Any]) -> None:

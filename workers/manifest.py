@@ -24,6 +24,11 @@ Pure: standard library only. The supervisor, which must not import torch, commit
 resolves and prunes with this module; ``workers/checkpoint.py`` (the torch side) produces the
 per-rank :class:`ShardReport` objects it consumes.
 
+Checkpoint roots may be local folders or object-store URLs (``s3://bucket/prefix``): every file
+operation goes through ``workers/storage.py``. On an object store the manifest is written with one
+PUT, which is atomic per object, so the same rule holds: the manifest object, written last after every
+shard's size was checked, is the commit point.
+
 On-disk layout::
 
     <root>/step_00000100/
@@ -45,6 +50,7 @@ import shutil
 import time
 from dataclasses import dataclass
 
+from workers import storage
 from workers.errors import CheckpointError
 
 __all__ = [
@@ -76,7 +82,6 @@ _UNSIGNED_FORMAT = "etrain.checkpoint/1"
 METADATA_NAME = ".metadata"
 _TMP_SUFFIX = ".tmp"
 _STEP_DIR_RE = re.compile(r"^step_(\d+)$")
-_HASH_CHUNK = 1 << 20
 
 
 class ManifestSignatureError(CheckpointError):
@@ -164,11 +169,19 @@ def step_dir(root: str | os.PathLike, step: int) -> str:
     """``<root>/step_<8-digit step>``: zero-padded so names sort like steps in any file browser."""
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
-    return os.path.join(os.fspath(root), f"step_{step:08d}")
+    return storage.join(root, f"step_{step:08d}")
 
 
 def list_steps(root: str | os.PathLike) -> list[tuple[int, str]]:
-    """Every step directory under ``root`` (committed or not), ascending by step."""
+    """Every step directory under ``root`` (committed or not), ascending by step. ``root`` may be a URL
+    (``s3://bucket/prefix``: a step "directory" is the prefix of its objects, ``workers/storage.py``)."""
+    if storage.is_url(root):
+        try:
+            names = storage.subdirs(root)
+        except FileNotFoundError:
+            return []
+        return sorted((int(match.group(1)), storage.join(root, name))
+                      for name in names if (match := _STEP_DIR_RE.match(name)))
     root = os.fspath(root)
     try:
         names = os.listdir(root)
@@ -186,6 +199,9 @@ def list_steps(root: str | os.PathLike) -> list[tuple[int, str]]:
 def checkpoint_files(step_dir: str | os.PathLike) -> list[str]:
     """Relative paths of the data files in a step directory (everything but the manifest and
     leftover ``*.tmp`` files), sorted. Chaos tests pick their victims from this list."""
+    if storage.is_url(step_dir):
+        return [rel for rel in storage.walk_files(step_dir)
+                if rel != MANIFEST_NAME and not rel.rsplit("/", 1)[-1].endswith(_TMP_SUFFIX)]
     root = os.fspath(step_dir)
     found = []
     for dirpath, _dirnames, filenames in os.walk(root):
@@ -202,48 +218,21 @@ def checkpoint_files(step_dir: str | os.PathLike) -> list[str]:
 
 
 def sha256_file(path: str | os.PathLike) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as stream:
-        while chunk := stream.read(_HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
+    """SHA-256 of a file or (URL) object, streamed in 1 MiB chunks."""
+    return storage.sha256(path)
 
 
 def file_entry(step_dir: str | os.PathLike, relative_path: str) -> FileEntry:
-    """Size and SHA-256 of one file as it is on disk now (ranks call this after their writes)."""
-    path = os.path.join(os.fspath(step_dir), relative_path)
-    return FileEntry(path=relative_path, size=os.path.getsize(path), sha256=sha256_file(path))
+    """Size and SHA-256 of one file as it is on disk (or in the object store) now (ranks call this after
+    their writes)."""
+    path = storage.join(step_dir, relative_path)
+    return FileEntry(path=relative_path, size=storage.getsize(path), sha256=sha256_file(path))
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` so that ``path`` is at every instant absent/old or complete/new.
-
-    ``<path>.tmp`` is written and fsynced, renamed over ``path`` (atomic on POSIX), then the directory
-    is fsynced so the rename itself survives a power loss. A crash leaves at most a stale ``.tmp``,
-    which nothing ever reads.
-    """
-    path = os.fspath(path)
-    tmp = path + _TMP_SUFFIX
-    with open(tmp, "wb") as stream:
-        stream.write(data)
-        stream.flush()
-        os.fsync(stream.fileno())
-    os.replace(tmp, path)
-    fsync_dir(os.path.dirname(path) or ".")
-
-
-def fsync_dir(path: str | os.PathLike) -> None:
-    """Persist a directory's entries (renames, new files). A no-op where directories cannot be opened."""
-    try:
-        fd = os.open(os.fspath(path), os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+#: Write-tmp + fsync + rename + fsync-dir locally, one PUT for a URL (see ``workers/storage.py``).
+atomic_write_bytes = storage.atomic_write_bytes
+#: Persist a directory's entries (a no-op for URLs and where directories cannot be opened).
+fsync_dir = storage.fsync_dir
 
 
 # --------------------------------------------------------------------------------------------------
@@ -272,8 +261,8 @@ def commit(
     parallel right after writing; re-reading a large checkpoint on the supervisor would serialise
     that work); :func:`verify` does the full check before anything is loaded.
     """
-    directory = os.fspath(step_dir)
-    name = os.path.basename(os.path.normpath(directory))
+    directory = step_dir if storage.is_url(step_dir) else os.fspath(step_dir)
+    name = storage.basename(directory)
     if world_size < 1:
         raise CheckpointError(f"cannot commit {directory}: world_size must be >= 1, got {world_size}")
     by_rank: dict[int, ShardReport] = {}
@@ -310,8 +299,9 @@ def commit(
             files[entry.path] = entry
     if ".metadata" not in files:
         raise CheckpointError(f"cannot commit {directory}: no rank reported DCP's .metadata file")
+    sizes = _listed_sizes(directory)
     for entry in files.values():
-        problem = _size_problem(directory, entry)
+        problem = _size_problem(directory, entry, sizes)
         if problem:
             raise CheckpointError(f"cannot commit {directory}: {problem}")
 
@@ -326,9 +316,10 @@ def commit(
     document = _document(manifest, key)
     digest = hashlib.sha256(_canonical(document)).hexdigest()
     manifest = dataclasses.replace(manifest, hmac=document["hmac"], digest=digest)
-    atomic_write_bytes(os.path.join(directory, MANIFEST_NAME), _encode(document))
+    # On an object store this single PUT is the commit point (every shard's size was checked above).
+    atomic_write_bytes(storage.join(directory, MANIFEST_NAME), _encode(document))
     # The step directory's own entry in the root must survive a power loss too.
-    fsync_dir(os.path.dirname(os.path.normpath(directory)) or ".")
+    fsync_dir(storage.parent(directory) or ".")
     return manifest
 
 
@@ -359,13 +350,13 @@ def verify(
     for all): ``count`` ranks each verify their share, so the hashing of a large checkpoint is
     spread instead of one rank reading everything while the others wait in a collective.
     """
-    directory = os.fspath(step_dir)
-    path = os.path.join(directory, MANIFEST_NAME)
+    directory = step_dir if storage.is_url(step_dir) else os.fspath(step_dir)
+    path = storage.join(directory, MANIFEST_NAME)
     try:
-        with open(path, "rb") as stream:
-            raw = stream.read()
+        raw = storage.read_bytes(path)
     except FileNotFoundError:
-        hint = " (a commit was interrupted)" if os.path.exists(path + _TMP_SUFFIX) else ""
+        hint = (" (a commit was interrupted)" if not storage.is_url(path) and os.path.exists(path + _TMP_SUFFIX)
+                else "")
         raise CheckpointError(f"{directory} is not committed: no {MANIFEST_NAME}{hint}") from None
     manifest = _decode(raw, directory, key)
     if expect_digest is not None and not _hmac.compare_digest(manifest.digest or "", expect_digest):
@@ -373,7 +364,7 @@ def verify(
             f"{directory}: {MANIFEST_NAME} is not the one the supervisor verified (it changed since); "
             "refusing to load it"
         )
-    match = _STEP_DIR_RE.match(os.path.basename(os.path.normpath(directory)))
+    match = _STEP_DIR_RE.match(storage.basename(directory))
     if match and int(match.group(1)) != manifest.step:
         raise CheckpointError(
             f"{directory}: manifest says step {manifest.step}, the directory name says {int(match.group(1))}"
@@ -381,16 +372,17 @@ def verify(
     index, count = share if share is not None else (0, 1)
     if not 0 <= index < count:
         raise ValueError(f"share must be (index, count) with 0 <= index < count, got {share}")
+    sizes = _listed_sizes(directory)
     for entry in manifest.files:  # cheap checks for every file before any hashing
         _check_relative(entry.path, directory)
-        problem = _size_problem(directory, entry)
+        problem = _size_problem(directory, entry, sizes)
         if problem:
             raise CheckpointError(f"{directory}: {problem}")
     hashed = list(manifest.files[index::count]) if checksums else []
     if expect_digest is not None:  # every rank unpickles .metadata: each hashes it itself
         hashed += [entry for entry in manifest.files if entry.path == METADATA_NAME and entry not in hashed]
     for entry in hashed:
-        actual = sha256_file(os.path.join(directory, entry.path))
+        actual = sha256_file(storage.join(directory, entry.path))
         if actual != entry.sha256:
             raise CheckpointError(
                 f"{directory}: {entry.path} sha256 mismatch (manifest {entry.sha256[:12]}…, "
@@ -402,16 +394,28 @@ def verify(
 def read_manifest(step_dir: str | os.PathLike, *, key: bytes | None) -> Manifest:
     """The manifest of ``step_dir`` with its signature (and checksum) checked, but not its files:
     who committed a directory, cheaply (``CheckpointError`` / :class:`ManifestSignatureError`)."""
-    directory = os.fspath(step_dir)
+    directory = step_dir if storage.is_url(step_dir) else os.fspath(step_dir)
     try:
-        with open(os.path.join(directory, MANIFEST_NAME), "rb") as stream:
-            raw = stream.read()
+        raw = storage.read_bytes(storage.join(directory, MANIFEST_NAME))
     except FileNotFoundError:
         raise CheckpointError(f"{directory} is not committed: no {MANIFEST_NAME}") from None
     return _decode(raw, directory, key)
 
 
-def _size_problem(directory: str, entry: FileEntry) -> str | None:
+def _listed_sizes(directory: str) -> dict[str, int] | None:
+    """Every file's size from one listing, on an object store (one request instead of one per file);
+    ``None`` locally, where each file is stat-ed as before."""
+    return storage.file_sizes(directory) if storage.is_url(directory) else None
+
+
+def _size_problem(directory: str, entry: FileEntry, sizes: dict[str, int] | None = None) -> str | None:
+    if sizes is not None:
+        size = sizes.get(entry.path)
+        if size is None:
+            return f"{entry.path} is missing"
+        if size != entry.size:
+            return f"{entry.path} has {size} bytes, expected {entry.size} (truncated or overwritten)"
+        return None
     path = os.path.join(directory, entry.path)
     try:
         size = os.path.getsize(path)
@@ -619,6 +623,13 @@ def _committed_by(directory: str, owner: str, key: bytes) -> bool:
 
 
 def _delete_step_dir(directory: str) -> None:
+    if storage.is_url(directory):  # the manifest object first: never a "committed" prefix with missing shards
+        try:
+            storage.remove(storage.join(directory, MANIFEST_NAME))
+        except FileNotFoundError:
+            pass
+        storage.rmtree(directory)
+        return
     manifest = os.path.join(directory, MANIFEST_NAME)
     if os.path.exists(manifest):
         os.remove(manifest)

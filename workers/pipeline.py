@@ -238,15 +238,23 @@ class _Stopwatch:
     per-chunk synchronisation, which would serialise the p2p streams, and no synchronisation at the
     end of the step either: the trainer asks after its one host read of the step, when the events
     are complete and reading them is free); on CPU they are ``perf_counter`` spans.
+
+    With ``waits`` (``workers.collective_waits.CollectiveWaitClock``), the collective waits inside a
+    compute interval (TP all-reduces, FSDP2 all-gathers, while the trainer has the clock armed) are
+    subtracted from it: waiting for a slow TP / FSDP2 peer is not this stage's compute.
     """
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, waits: Any = None):
         self._cuda = device.type == "cuda"
+        self._device = device
+        self._waits = waits
+        self._align: torch.Tensor | None = None
         self.reset()
 
     def reset(self) -> None:
         self._seconds = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self._events: list[tuple[str, Any, Any]] = []
+        self._wait_spans: list[tuple[str, Any, Any]] = []  # (kind, clock mark at start, at end)
         self._step_start: Any = None
 
     def begin_step(self) -> None:
@@ -265,18 +273,37 @@ class _Stopwatch:
             self._seconds["step"] += time.perf_counter() - self._step_start
 
     def timed(self, kind: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        if self._cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            result = fn(*args, **kwargs)
-            end.record()
-            self._events.append((kind, start, end))
-            return result
-        started = time.perf_counter()
+        first = self._waits.mark() if self._waits is not None else None
         try:
-            return fn(*args, **kwargs)
+            if self._cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                result = fn(*args, **kwargs)
+                end.record()
+                self._events.append((kind, start, end))
+                return result
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._seconds[kind] += time.perf_counter() - started
         finally:
-            self._seconds[kind] += time.perf_counter() - started
+            if first is not None:
+                self._wait_spans.append((kind, first, self._waits.mark()))
+
+    def align(self, group: dist.ProcessGroup) -> None:
+        """On a timing-sync step, meet the stage's DP peers before the last backward chunk, untimed.
+
+        DDP's gradient all-reduce runs inside that chunk and is waited for in C++ (the collective-wait
+        clock cannot see it), so without this a DP peer of a slow rank would count the slow rank's
+        whole lead as its own backward. Every DP rank of the stage reaches this point in the same
+        schedule order (the all-reduce right after already synchronises them there), so it adds a
+        meeting, not a new dependency; on other steps it does nothing.
+        """
+        if self._waits is not None and self._waits.armed_now:
+            if self._align is None:
+                self._align = torch.zeros(1, device=self._device)
+            dist.all_reduce(self._align, group=group)
 
     def totals(self) -> dict[str, float]:
         if self._events:
@@ -284,6 +311,9 @@ class _Stopwatch:
             for kind, start, end in self._events:
                 self._seconds[kind] += start.elapsed_time(end) / 1000.0
             self._events.clear()
+        for kind, first, last in self._wait_spans:
+            self._seconds[kind] = max(0.0, self._seconds[kind] - self._waits.between(first, last))
+        self._wait_spans.clear()
         return dict(self._seconds)
 
 
@@ -303,6 +333,8 @@ class _Stage(PipelineStage):
         return self._stopwatch.timed("forward", super().forward_one_chunk, *args, **kwargs)
 
     def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("last_backward") and isinstance(self.submod, DistributedDataParallel):
+            self._stopwatch.align(self.submod.process_group)
         return self._stopwatch.timed("backward", super().backward_one_chunk, *args, **kwargs)
 
     def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
@@ -463,6 +495,7 @@ def build_pipeline(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     device: torch.device | str,
     stage_transform: Callable[[nn.Module], nn.Module] = lambda module: module,
+    wait_clock: Any = None,
 ) -> PipelineRunner:
     """Cut ``model`` into this rank's stages, apply ``stage_transform`` to each, build the schedule.
 
@@ -473,6 +506,8 @@ def build_pipeline(
     backpropagates ``loss / n_microbatches`` per micro-batch, so ``.grad`` ends as the gradient of the
     mean over the local batch (DP averaging is the DP wrapper's). ``stage_transform`` is the engine's per-stage
     TP → activation checkpointing → DP/FSDP step; the modules it returns are the ``model_parts``.
+    ``wait_clock`` (a :class:`workers.collective_waits.CollectiveWaitClock`): collective waits inside
+    the stages' forward / backward (TP, FSDP2) are subtracted from their busy time while it is armed.
     """
     validate_schedule(parallel.pp, parallel.virtual_stages, n_microbatches, parallel.pp_schedule)
     group = pp_mesh.get_group()
@@ -484,7 +519,7 @@ def build_pipeline(
         raise ValueError(f"pp_rank={pp_rank} but this rank is {dist.get_rank(group)} on the pp mesh")
     device = torch.device(device)
     num_stages = parallel.num_stages
-    stopwatch = _Stopwatch(device)
+    stopwatch = _Stopwatch(device, waits=wait_clock)
     if getattr(model.config, "tie_embeddings", False) and num_stages > 1:
         raise ConfigError(
             "a model with tied input and output embeddings cannot be cut into pipeline stages (the "

@@ -16,7 +16,15 @@ progress, and rotates once at :data:`MAX_BYTES` (one ``.1`` file kept), so a fil
 bound. The reader (:func:`read_lines`, used by the control plane) returns whole lines only, from the
 end (``tail``) or from a byte offset (following), reading at most :data:`MAX_READ_BYTES`.
 
-Stdlib only: the torch-free control plane imports it.
+Object storage: when the checkpoint root is ``s3://...`` a log cannot be appended to in place (an object
+is written whole). The rank then writes the same file locally, in a temporary folder of its own, after
+first fetching what earlier attempts left at the key (so the lines of every attempt stay in one log), and
+uploads it to ``<checkpoint root>/logs/<job id>/rank<R>.log`` at each checkpoint (:meth:`RankLog.sync`,
+called by the worker) and when the attempt ends (:meth:`RankLog.close`). The control plane reads the
+object through fsspec with ranged reads. A rank killed outright (SIGKILL, a lost node) loses the lines
+written since its last upload; its checkpoint-time lines and everything of finished attempts are kept.
+
+Stdlib only (fsspec, through ``workers/storage.py``, only for URLs): the torch-free control plane imports it.
 """
 
 from __future__ import annotations
@@ -24,10 +32,14 @@ from __future__ import annotations
 import datetime
 import os
 import re
+import shutil
 import sys
+import tempfile
 import threading
 from dataclasses import dataclass
 from typing import TextIO
+
+from workers import storage
 
 LOG_DIR = "logs"
 #: A file is rotated (to ``.1``) when it grows past this; readers see the current file only.
@@ -44,7 +56,7 @@ def rank_log_path(checkpoint_root: str | os.PathLike, job_id: str, rank: int) ->
         raise ValueError(f"job id {job_id!r} cannot name a log folder")
     if rank < 0:
         raise ValueError(f"rank must be >= 0, got {rank}")
-    return os.path.join(os.fspath(checkpoint_root), LOG_DIR, job_id, f"rank{rank}.log")
+    return storage.join(checkpoint_root, LOG_DIR, job_id, f"rank{rank}.log")
 
 
 @dataclass(frozen=True)
@@ -63,12 +75,13 @@ def read_lines(path: str | os.PathLike, *, tail: int, offset: int | None = None)
     """
     if tail < 1:
         raise ValueError(f"tail must be >= 1, got {tail}")
+    remote = storage.is_url(path)
     try:
-        handle = open(path, "rb")
+        handle = storage.open_read(path) if remote else open(path, "rb")
     except FileNotFoundError:
         return LogChunk(lines=[], offset=0, size=0)
     with handle:
-        size = os.fstat(handle.fileno()).st_size
+        size = int(handle.size) if remote else os.fstat(handle.fileno()).st_size
         if offset is None:
             return _last_lines(handle, size, tail)
         start = 0 if offset > size else max(0, offset)
@@ -113,15 +126,26 @@ class RankLog:
 
     Thread-safe (the actor's control calls and its run thread both write). Never raises into training:
     a log that cannot be written (a read-only or full volume) is given up on with one line on stderr.
+
+    ``path`` may be a URL (``s3://...``): :attr:`path` is then a local file in a temporary folder and
+    :attr:`remote` the URL it is uploaded to by :meth:`sync` and :meth:`close`.
     """
 
     def __init__(self, path: str | os.PathLike, *, max_bytes: int = MAX_BYTES):
+        self.remote: str | None = None
+        self._local_dir: str | None = None
+        if storage.is_url(path):
+            self.remote = path
+            self._local_dir = tempfile.mkdtemp(prefix="etrain-rank-log-")
+            path = os.path.join(self._local_dir, storage.basename(path))
         self.path = os.fspath(path)
         self._max_bytes = max_bytes
         self._lock = threading.Lock()
         self._file: TextIO | None = None
         self._broken = False
         self._saved: tuple[TextIO, TextIO] | None = None
+        self._rotated = False  # a rotated .1 file not yet uploaded (remote only)
+        self._fetched = False  # what earlier attempts uploaded has been fetched (remote only)
 
     def write(self, message: str) -> None:
         """One timestamped line per line of ``message``."""
@@ -140,11 +164,14 @@ class RankLog:
                     handle.close()
                     self._file = None
                     os.replace(self.path, self.path + ".1")
+                    self._rotated = self.remote is not None
             except OSError as err:
                 self._give_up(err)
 
     def _open(self) -> TextIO | None:
         if self._file is None and not self._broken:
+            if self.remote is not None and not self._fetched:
+                self._fetch()
             try:
                 os.makedirs(os.path.dirname(self.path), exist_ok=True)
                 self._file = open(self.path, "a", encoding="utf-8", errors="replace")
@@ -170,6 +197,33 @@ class RankLog:
             sys.stdout, sys.stderr = self._saved
             self._saved = None
 
+    def _fetch(self) -> None:
+        """Start from what earlier attempts uploaded to :attr:`remote` (remote only; called under the lock)."""
+        self._fetched = True
+        try:
+            storage.download(self.remote, self.path)
+        except FileNotFoundError:
+            pass
+        except Exception as err:  # noqa: BLE001 - the log goes on; only the earlier lines are not prepended
+            print(f"etrain: cannot fetch the rank log {self.remote}: {err}; starting a new one", file=sys.__stderr__)
+
+    def sync(self) -> None:
+        """Upload the file to :attr:`remote` (a no-op for a local log). Never raises: an upload that fails is
+        reported on stderr and tried again at the next sync."""
+        if self.remote is None:
+            return
+        with self._lock:
+            try:
+                if self._file is not None:
+                    self._file.flush()
+                if self._rotated:
+                    storage.upload(self.path + ".1", self.remote + ".1")
+                    self._rotated = False
+                if os.path.exists(self.path):
+                    storage.upload(self.path, self.remote)
+            except Exception as err:  # noqa: BLE001 - a log upload must never stop training
+                print(f"etrain: cannot upload the rank log to {self.remote}: {err}", file=sys.__stderr__)
+
     def close(self) -> None:
         self.release()
         with self._lock:
@@ -179,6 +233,11 @@ class RankLog:
                 except OSError:
                     pass
                 self._file = None
+        if self.remote is not None:
+            self.sync()
+            if self._local_dir is not None:
+                shutil.rmtree(self._local_dir, ignore_errors=True)
+            self._fetched = False  # written again after this (not done today): fetch the uploaded lines first
 
 
 class _Tee:

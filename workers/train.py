@@ -14,12 +14,14 @@ time of forward/backward (and of the ``on_compute`` callbacks, where a chaos "sl
 ``perf_counter`` spans on CPU, CUDA events on GPU (read after the step's one host read, when they
 are complete, so reading them is free); ``comm_wait_s`` is the rest of the step (collectives,
 waiting on peers or pipeline neighbours, the optimizer). Inside forward/backward a fast rank also
-waits for a slow one (DDP's all-reduce, FSDP2's all-gathers), which compute time cannot tell apart.
-So every ``training.timing_sync_every`` steps (a *timing-sync step*, ``StepMetrics.timing_synced``)
-every rank enters a scalar all-reduce over the world just before the last micro-step's backward
-(after the schedule under PP), outside the compute spans: there a slow rank shows a high
-``compute_s`` while its peers show the wait as ``comm_wait_s``. The supervisor's straggler detector
-reads only those steps.
+waits for a slow one (DDP's all-reduce, TP's all-reduces, FSDP2's all-gathers), which span time
+cannot tell apart. So every ``training.timing_sync_every`` steps (a *timing-sync step*,
+``StepMetrics.timing_synced``) two things happen, and the supervisor's straggler detector reads only
+those steps: every rank enters a scalar all-reduce over the world just before the last micro-step's
+backward (after the schedule under PP), outside the compute spans, which absorbs the wait that built
+up before it (all of it under DDP); and the waits *inside* collectives in forward/backward (TP,
+FSDP2) are timed and subtracted from the spans (``workers/collective_waits.py``). There a slow rank
+shows a high ``compute_s`` while its peers show the wait as ``comm_wait_s``.
 
 Run as the reference path::
 
@@ -48,6 +50,7 @@ import torch.distributed as dist
 from torch import nn
 
 from workers import metrics as throughput
+from workers.collective_waits import CollectiveWaitClock
 from workers.config import (
     CheckpointConfig,
     DataConfig,
@@ -153,6 +156,8 @@ class Trainer:
         self.dims = ParallelDims.build(self.topology, mesh, world_size, dp_replicate=parallel.dp_replicate)
         self.grad_accum_steps = config.grad_accum_steps
         self._sync_tensor = torch.zeros(1, device=self.device)
+        #: Times waits inside TP / FSDP2 collectives on timing-sync steps (workers/collective_waits.py).
+        self._waits = CollectiveWaitClock(self.device) if self.distributed and world_size > 1 else None
 
         # Meta-device init: nothing is allocated until each rank's shards are materialised inside
         # parallelize_stage (after FSDP2 sharding), initialised per parameter from its FQN.
@@ -176,6 +181,7 @@ class Trainer:
                 loss_fn=cross_entropy_loss,
                 device=self.device,
                 stage_transform=transform,
+                wait_clock=self._waits,
             )
             self.modules: list[nn.Module] = list(self.pipeline.model_parts)
         else:
@@ -228,18 +234,19 @@ class Trainer:
         for callback in self.callbacks:
             _call(callback, "on_step_start", self, step)
         step_start = time.perf_counter()
-        timer = _ComputeTimer(self.device)
         synced = self._is_timing_sync_step(step)
+        timer = _ComputeTimer(self.device, waits=self._waits if synced else None)
         lr = lr_at(step, training)
         for optimizer in self.optimizers:
             set_lr(optimizer, lr)
             optimizer.zero_grad(set_to_none=True)
 
         micro_batches = self.sampler.local_micro_batches(step, self.coords.dp, self.dims.dp, training.micro_batch)
-        if self.pipeline is not None:
-            loss_sum, has_loss = self._pipeline_forward_backward(step, micro_batches, timer, synced)
-        else:
-            loss_sum, has_loss = self._forward_backward(step, micro_batches, timer, synced)
+        with self._waits.armed(synced) if self._waits is not None else contextlib.nullcontext():
+            if self.pipeline is not None:
+                loss_sum, has_loss = self._pipeline_forward_backward(step, micro_batches, timer, synced)
+            else:
+                loss_sum, has_loss = self._forward_backward(step, micro_batches, timer, synced)
 
         loss_t = self._global_loss(loss_sum, has_loss)
         grad_norm_t = clip_grad_norm_(
@@ -456,6 +463,9 @@ class Trainer:
 class _ComputeTimer:
     """The compute time of one step, measured without making the host wait for the device.
 
+    With ``waits`` (a timing-sync step), the collective waits that fell inside a span are subtracted
+    from it, so a rank that only waited for a slow TP / FSDP2 peer does not look slow itself.
+
     On CPU a span is ``perf_counter`` time: the host runs the work itself, so this is free. On CUDA
     a span is a pair of events recorded on the current stream; :meth:`seconds` reads them after
     the step's one host read (``.tolist()``) has already waited for that stream, so they are
@@ -465,28 +475,35 @@ class _ComputeTimer:
     between the events.
     """
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, waits: CollectiveWaitClock | None = None):
         self._cuda = device.type == "cuda"
         self._seconds = 0.0
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._later: list[Any] = []
+        self._waits = waits
+        self._wait_spans: list[tuple[Any, Any]] = []  # clock marks at each span's start and end
 
     @contextlib.contextmanager
     def span(self) -> Iterator[None]:
-        if self._cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            try:
-                yield
-            finally:
-                end.record()
-                self._events.append((start, end))
-        else:
-            started = time.perf_counter()
-            try:
-                yield
-            finally:
-                self._seconds += time.perf_counter() - started
+        first = self._waits.mark() if self._waits is not None else None
+        try:
+            if self._cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                try:
+                    yield
+                finally:
+                    end.record()
+                    self._events.append((start, end))
+            else:
+                started = time.perf_counter()
+                try:
+                    yield
+                finally:
+                    self._seconds += time.perf_counter() - started
+        finally:
+            if first is not None:
+                self._wait_spans.append((first, self._waits.mark()))
 
     def add(self, seconds: float) -> None:
         """Compute measured on the host (callbacks run around the pipeline schedule)."""
@@ -503,7 +520,10 @@ class _ComputeTimer:
             self._events.clear()
         while self._later:
             self._seconds += float(self._later.pop(0)())
-        return self._seconds
+        while self._wait_spans:
+            first, last = self._wait_spans.pop(0)
+            self._seconds -= self._waits.between(first, last)
+        return max(0.0, self._seconds)
 
 
 def _call(callback: Any, hook: str, *args: Any) -> None:

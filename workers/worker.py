@@ -6,8 +6,15 @@ is plain Python (the runtime wraps it with ``ray.remote``), so it stays importab
 The actor is *threaded* (the runtime gives it ``max_concurrency > 1``): ``run`` occupies one thread
 for the whole attempt while control calls (``chaos``, ``request_checkpoint``, ``ping``) land on
 others. Everything the supervisor needs to know travels as fire-and-forget calls on the supervisor
-handle (``report_ready``, ``report_step``, ``report_checkpoint``, ``report_chaos``); a step report is
-also the rank's heartbeat, so a rank that stops reporting is, by definition, not making progress.
+handle (``report_ready``, ``report_steps``, ``report_checkpoint``, ``report_chaos``).
+
+Every step ends with the step-boundary control exchange (``workers/step_control.py``, one all-gather
+over a gloo group of its own): rank 0 decides there whether this completed step is saved and whether
+the attempt stops, and every rank acts on rank 0's decision, so all ranks save and stop at the same
+step. Supervisor requests (``request_checkpoint``, ``request_stop``) count on rank 0 only. The same
+exchange gives rank 0 every rank's timings; only rank 0 reports steps, batched
+(``workers/report_batch.py``). Its reports are the job's heartbeat: a rank that hangs blocks the
+exchange, so rank 0 stops reporting, which is what hang detection needs.
 
 Cross-cutting work is in trainer callbacks, not branches in the loop: :class:`ChaosCallback` makes a
 rank slow or hung for fault drills.
@@ -27,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from workers.config import RunConfig
+from workers.report_batch import ReportBatcher
+from workers.step_control import ControlRequests, step_record
 
 # How long a rank waits for the supervisor to accept a report it must not lose (checkpoint shards,
 # chaos firings) before giving up on it.
@@ -56,6 +65,9 @@ class LaunchPlan:
     #: The digest of resume_dir's manifest as the supervisor verified it with the service's key (ranks
     #: have no key): the rank loads only that very manifest (workers.manifest.verify(expect_digest=)).
     resume_digest: str | None = None
+    #: An in-place repair: restore start_step from the ranks' in-memory snapshots where every rank can
+    #: get one (its own, or a data-parallel replica's), else from resume_dir (workers/snapshot.py).
+    state_from_memory: bool = False
 
 
 @dataclass
@@ -114,8 +126,8 @@ class TrainWorker:
         self._supervisor = supervisor
         self._chaos = _ChaosState()
         self._plan: LaunchPlan | None = None
-        self._checkpoint_at: set[int] = set()
-        self._stop = threading.Event()
+        self._control = ControlRequests()  # acted on at step boundaries, on rank 0 only
+        self._snapshots: dict[int, Any] = {}  # completed step -> this rank's state then (workers/snapshot.py)
         self._async = None  # AsyncCheckpointer when checkpoint.async_save
         self._report_threads: list[threading.Thread] = []
 
@@ -141,13 +153,15 @@ class TrainWorker:
     def ping(self) -> int:
         return self.rank
 
-    def request_checkpoint(self, completed_steps: int) -> None:
-        """Save a checkpoint once ``completed_steps`` steps are done (every rank gets the same number)."""
-        self._checkpoint_at.add(completed_steps)
+    def request_checkpoint(self, completed_steps: int | None = None) -> None:
+        """Save a checkpoint at the first step boundary with at least ``completed_steps`` steps done
+        (None: the next one). Only rank 0's requests count: it decides for every rank at the boundary."""
+        self._control.request_checkpoint(completed_steps)
 
     def request_stop(self) -> None:
-        """Finish the current step and return from ``run`` (used before a graceful resize)."""
-        self._stop.set()
+        """Finish the current step (and its save, if any) and return from ``run``; counts on rank 0 only,
+        which stops every rank at the same boundary."""
+        self._control.request_stop()
 
     def chaos(self, order: ChaosOrder) -> None:
         """Arm (``at_step``) or fire at once a fault drill on this rank."""
@@ -200,9 +214,11 @@ class TrainWorker:
         import torch.distributed as dist
 
         from workers.mesh import backend_for
+        from workers.step_exchange import StepExchange
         from workers.train import Trainer
 
         self._plan = plan
+        self._control = ControlRequests()  # requests to an earlier attempt of this process do not carry over
         with self._chaos.lock:
             for order in plan.chaos:
                 if order.rank == self.rank:
@@ -210,6 +226,7 @@ class TrainWorker:
         config = plan.config
         torch.set_num_threads(max(1, int(os.environ.get("ETRAIN_TORCH_THREADS", "1"))))
         device = self._device(config)
+        batcher = None
         dist.init_process_group(
             backend=backend_for(device.type, cpu_offload=config.parallel.offload == "cpu"),
             init_method=f"tcp://{master_addr}:{master_port}",
@@ -222,42 +239,103 @@ class TrainWorker:
                 config, rank=self.rank, world_size=self.world_size, device=device, callbacks=[ChaosCallback(self)],
                 load_pretrained=plan.resume_dir is None,  # a resume overwrites them anyway
             )
-            if plan.resume_dir:
-                # The supervisor verified this checkpoint's checksums just before the launch.
-                trainer.restore(plan.resume_dir, verify_checksums=False, expect_digest=plan.resume_digest)
+            source = self._restore(trainer, plan) if plan.resume_dir else None
             if config.checkpoint.async_save:
                 from workers.checkpoint import AsyncCheckpointer
 
                 self._async = AsyncCheckpointer()  # collective: its own gloo group for background writes
-            self._supervisor.report_ready.remote(plan.attempt, self.rank, self.node_info())
+            # Collective too: the step-boundary control exchange's own gloo group (workers/step_exchange.py).
+            exchange = StepExchange(world_size=self.world_size, timeout_s=config.collective_timeout_s)
+            if self.rank == 0:
+                batcher = self._report_batcher(plan.attempt)
+            self._supervisor.report_ready.remote(plan.attempt, self.rank, self.node_info() | {"state_source": source})
             final_loss = None
             step = plan.start_step
-            for step in range(plan.start_step, config.training.steps):
-                metrics = trainer.train_step(step)
-                final_loss = metrics.loss
-                self._supervisor.report_step.remote(plan.attempt, self.rank, dataclasses.asdict(metrics))
+            total = config.training.steps
+            for step in range(plan.start_step, total):
+                metrics = dataclasses.asdict(trainer.train_step(step))
+                final_loss = metrics["loss"]
+                # Rank 0 decides (its requests, the schedule); every rank acts on its decision.
+                flags = (self._control.decide(step + 1, total_steps=total, every_steps=config.checkpoint.every_steps)
+                         if self.rank == 0 else 0)
+                boundary = exchange.boundary(metrics, flags)
+                if batcher is not None:
+                    batcher.add(step_record(metrics, boundary), urgent=boundary.urgent or step + 1 == total)
                 if log is not None:
-                    log.write(f"step {step + 1}/{config.training.steps} loss {metrics.loss:.4f} "
-                              f"compute {metrics.compute_s:.3f}s comm_wait {metrics.comm_wait_s:.3f}s")
-                last = step == config.training.steps - 1
-                every = config.checkpoint.every_steps
-                if last or (every and (step + 1) % every == 0) or (step + 1) in self._checkpoint_at:
+                    log.write(f"step {step + 1}/{total} loss {metrics['loss']:.4f} "
+                              f"compute {metrics['compute_s']:.3f}s comm_wait {metrics['comm_wait_s']:.3f}s")
+                if boundary.save:
                     self._save(trainer, step + 1, plan.attempt)
                     if log is not None:
                         log.write(f"checkpoint step {step + 1} "
                                   + ("save started (async)" if config.checkpoint.async_save else "saved"))
-                if self._stop.is_set():
+                        log.sync()  # an s3:// log is uploaded at each checkpoint (a no-op for a local one)
+                if boundary.stop:
                     return self._result(trainer, step + 1, final_loss, stopped=True)
-            return self._result(trainer, config.training.steps, final_loss, stopped=False)
+            return self._result(trainer, total, final_loss, stopped=False)
         finally:
+            if batcher is not None:  # the last steps reach the supervisor before run() returns
+                self._close_reports(batcher)
             if self._async is not None:
                 self._async.close(timeout_s=REPORT_TIMEOUT_S * 10)  # the last save must land first
                 self._async = None
             for thread in self._report_threads:  # every report is acknowledged before run() returns
                 thread.join(timeout=REPORT_TIMEOUT_S)
             self._report_threads.clear()
-            if dist.is_initialized():
+            if dist.is_initialized():  # every group with it, the exchange's included
                 dist.destroy_process_group()
+
+    def _restore(self, trainer, plan: LaunchPlan) -> str:
+        """Load committed step ``plan.start_step``; returns where the state came from.
+
+        A relaunch reads the checkpoint from storage (the supervisor verified its checksums just
+        before). An in-place repair first offers memory: every rank restores its own snapshot of that
+        step, or receives one from a data-parallel replica; when memory cannot serve every rank, all
+        of them read storage together, hashing every file (the supervisor did not, this time).
+        """
+        if plan.state_from_memory:
+            from workers.snapshot import replicated, resume_from_snapshot, share_snapshots
+
+            parallel = plan.config.parallel
+            snapshot, origin = share_snapshots(self._snapshots.get(plan.start_step), plan.start_step,
+                                               list(trainer.topology.dp_groups()),
+                                               replicas=replicated(parallel.zero, parallel.dp))
+            if snapshot is not None:
+                resume_from_snapshot(trainer, snapshot)
+                return origin
+            trainer.restore(plan.resume_dir, verify_checksums=True, expect_digest=plan.resume_digest)
+            return "storage (no replica in memory for every rank)"
+        trainer.restore(plan.resume_dir, verify_checksums=False, expect_digest=plan.resume_digest)
+        return "storage"
+
+    def _keep_snapshot(self, trainer, completed_steps: int) -> None:
+        """Copy this rank's state at a checkpointed step to host memory, for an in-place repair.
+
+        Two are kept: the newest may not be committed yet when a rank dies, the one before it is.
+        """
+        from workers.snapshot import take_snapshot
+
+        self._snapshots[completed_steps] = take_snapshot(completed_steps, *trainer.state_for_checkpoint())
+        for old in sorted(self._snapshots)[:-2]:
+            del self._snapshots[old]
+
+    def _report_batcher(self, attempt: int) -> ReportBatcher:
+        """Rank 0's batched step reports: ``report_steps(attempt, records)``, fire-and-forget."""
+        supervisor = self._supervisor
+        return ReportBatcher(lambda records: supervisor.report_steps.remote(attempt, records)).start()
+
+    @staticmethod
+    def _close_reports(batcher: ReportBatcher) -> None:
+        """Send what is buffered and wait until the supervisor accepted the last report (it takes calls
+        from one caller in order); a supervisor that is gone or slow does not fail the attempt."""
+        import ray
+
+        try:
+            last = batcher.close()
+            if last is not None:
+                ray.get(last, timeout=REPORT_TIMEOUT_S)
+        except Exception:
+            pass
 
     def _result(self, trainer, final_step: int, final_loss: float | None, *, stopped: bool) -> dict[str, Any]:
         return {
@@ -277,7 +355,8 @@ class TrainWorker:
 
         from workers.manifest import step_dir
 
-        directory = step_dir(Path(self._plan.config.checkpoint.path), completed_steps)
+        directory = step_dir(self._plan.config.checkpoint.path, completed_steps)  # a path or an s3:// URL
+        self._keep_snapshot(trainer, completed_steps)
         if self._async is None:
             report = trainer.save(directory)
             ray.get(

@@ -94,7 +94,7 @@ def placements(events: list[dict]) -> list[dict[int, str]]:
     from tests.service_harness import event_text
 
     return [
-        {int(rank): node for rank, node in re.findall(r"rank(\d+)=(\S+)", event_text(event))}
+        {int(rank): node for rank, node in re.findall(r"rank(\d+)=([^\s;]+)", event_text(event))}
         for event in events
         if event["kind"] == "placed"
     ]
@@ -115,14 +115,14 @@ def cluster_node(cluster: Cluster, node_id: str):
 
 
 def resumed_from(events: list[dict]) -> list[int | None]:
-    """The step each launch resumed from (None: fresh), in launch order."""
+    """The step each launch or in-place repair resumed from (None: fresh), in order."""
     import re
 
     from tests.service_harness import event_text
 
     out: list[int | None] = []
     for event in events:
-        if event["kind"] == "launching":
+        if event["kind"] in ("launching", "repairing"):
             match = re.search(r"resuming from step (\d+)", event_text(event))
             out.append(int(match.group(1)) if match else None)
     return out

@@ -137,3 +137,29 @@ def test_scale_request_resizes_and_keeps_the_loss_curve(plane):
     losses = {row["step"]: row["loss"] for row in plane.steps(job["id"])}
     assert sorted(losses) == sorted(clean)
     assert max(abs(losses[s] - clean[s]) for s in clean) <= 1e-4
+
+
+def test_ranks_report_steps_in_batches_from_rank_zero_only(plane):
+    """Issue #9: the supervisor gets at most one step-report call per step for the whole job (not one per
+    rank per step): rank 0 reports every rank's timings, batched at most one call per second plus one per
+    save, and every step still reaches the job's metrics."""
+    import math
+    import time
+
+    from service.runtime import find_supervisor
+
+    started = time.monotonic()
+    job = plane.submit(dp2_spec(steps=100000, timing_sync_every=1))
+    plane.wait_until(job["id"], lambda j: j["status"] == "RUNNING" and j["step"] >= 40, timeout_s=180, what="step 40")
+    stats = ray.get(find_supervisor(job["id"]).report_stats.remote(), timeout=30)
+    elapsed = time.monotonic() - started
+    records, calls = stats["step_records"], stats["step_report_calls"]
+    assert records == stats["step"] >= 40, stats  # one record per completed step, none lost
+    assert calls <= records, stats  # the old way: 2 calls per step on DP2
+    # The batching policy's own bound: one call per 1 s interval, plus one per checkpoint (every 10 steps).
+    assert calls <= math.ceil(elapsed) + records // 10 + 1, (stats, elapsed)
+    steps = plane.steps(job["id"])
+    assert [row["step"] for row in steps][:40] == list(range(1, 41))
+    assert all(row["compute_s"] > 0 and row["step_s"] >= row["compute_s"] for row in steps[:40])
+    assert plane.client.post(f"/v1/jobs/{job['id']}/cancel").status_code == 202
+    assert plane.wait_terminal(job["id"], timeout_s=60)["status"] == "CANCELLED"

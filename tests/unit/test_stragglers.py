@@ -1,11 +1,11 @@
-"""Slow-rank detection over per-rank compute times."""
+"""Slow-rank detection over per-rank compute times: peers within a pipeline stage, lone stages against their history."""
 
 import math
 import random
 
 import pytest
 
-from service.stragglers import StragglerConfig, StragglerConfigError, StragglerDetector
+from service.stragglers import HISTORY, PEERS, StragglerConfig, StragglerConfigError, StragglerDetector, stage_map
 
 
 def feed(detector, steps, ranks, slow=None, factor=2.0, jitter=0.0, seed=0, base=0.1, first_step=0):
@@ -152,6 +152,7 @@ class TestConfig:
             (dict(threshold=1.0), "threshold=1.0 must be > 1.0"),
             (dict(patience=0), "patience=0"),
             (dict(min_ranks=1), "min_ranks=1"),
+            (dict(history=0), "history=0"),
         ],
     )
     def test_bad_settings_name_the_setting(self, kwargs, match):
@@ -160,6 +161,171 @@ class TestConfig:
 
     def test_defaults(self):
         config = StragglerConfig()
-        assert (config.enabled, config.window, config.threshold, config.patience, config.min_ranks) == (
-            True, 10, 1.5, 2, 2,
-        )
+        assert (config.enabled, config.window, config.threshold, config.patience, config.min_ranks,
+                config.history) == (True, 10, 1.5, 2, 2, 5)
+
+
+# --- per pipeline stage ----------------------------------------------------------------------------
+
+def feed_stages(detector, steps, stages, *, stage_cost, slow=None, factor=2.0, jitter=0.1, seed=0, first_step=0):
+    """Like `feed`, but each rank's base time is its stage's cost (`stage_cost[stage]`)."""
+    rng = random.Random(seed)
+    slow = slow or {}
+    out = []
+    for step in range(first_step, first_step + steps):
+        times = {}
+        for rank, stage in stages.items():
+            t = stage_cost[stage] * (1 + rng.uniform(-jitter, jitter))
+            if rank in slow and slow[rank](step):
+                t *= factor
+            times[rank] = t
+        out += [(step, f) for f in detector.observe(step, times)]
+    return out
+
+
+class TestStageMap:
+    def test_megatron_order_stage_is_the_pp_coordinate(self):
+        assert stage_map(pp=2, dp=2, tp=2) == {0: 0, 1: 0, 2: 0, 3: 0, 4: 1, 5: 1, 6: 1, 7: 1}
+        assert stage_map(pp=4, dp=1, tp=1) == {0: 0, 1: 1, 2: 2, 3: 3}
+        assert stage_map(pp=1, dp=3, tp=2) == dict.fromkeys(range(6), 0)
+
+    def test_bad_layout_is_a_topology_error(self):
+        from workers.topology import TopologyError
+
+        with pytest.raises(TopologyError, match="pp"):
+            stage_map(pp=0, dp=1, tp=1)
+
+
+class TestPeersWithinAStage:
+    # Stage costs of a 4-stage pipeline whose last stage carries a large vocabulary head (3x).
+    COSTS = {0: 0.10, 1: 0.08, 2: 0.08, 3: 0.30}
+
+    @pytest.mark.parametrize("seed", range(5))
+    def test_last_stage_slower_by_design_is_never_flagged(self, seed):
+        stages = stage_map(pp=4, dp=2, tp=2)
+        detector = StragglerDetector(StragglerConfig(), stages=stages)
+        assert feed_stages(detector, 1000, stages, stage_cost=self.COSTS, jitter=0.2, seed=seed) == []
+
+    def test_without_a_stage_map_the_head_stage_would_be_flagged(self):
+        # Why the map matters: compared across stages, both ranks of the head stage look 3x slow.
+        stages = stage_map(pp=2, dp=2, tp=1)
+        detector = StragglerDetector(StragglerConfig(window=5, patience=1))
+        found = feed_stages(detector, 5, stages, stage_cost={0: 0.1, 1: 0.3}, jitter=0.0)
+        assert sorted(f.rank for _, f in found) == [2, 3]
+
+    def test_slow_rank_found_among_its_stage_peers_only(self):
+        stages = stage_map(pp=4, dp=2, tp=2)  # 4 ranks per stage
+        detector = StragglerDetector(StragglerConfig(window=10, patience=2), stages=stages)
+        found = feed_stages(detector, 100, stages, stage_cost=self.COSTS, slow={6: ALWAYS}, factor=2.0, seed=1)
+        assert [(s, f.rank, f.stage, f.basis) for s, f in found] == [(19, 6, 1, PEERS)]
+        finding = found[0][1]
+        assert finding.factor == pytest.approx(2.0, rel=0.2)
+        assert finding.peer_median == pytest.approx(0.08, rel=0.1)  # stage 1's cost, not the world's
+        assert "in stage 1" in finding.evidence
+
+    def test_slow_rank_on_the_head_stage_is_found_against_the_head_stage(self):
+        stages = stage_map(pp=2, dp=2, tp=1)
+        detector = StragglerDetector(StragglerConfig(window=10, patience=2), stages=stages)
+        found = feed_stages(detector, 40, stages, stage_cost={0: 0.1, 1: 0.3}, slow={3: ALWAYS}, factor=1.8)
+        assert [(s, f.rank, f.stage) for s, f in found] == [(19, 3, 1)]
+        assert found[0][1].peer_median == pytest.approx(0.3, rel=0.1)
+
+    def test_stage_with_too_few_reporting_ranks_gets_no_verdict(self):
+        # Stage 1 has two ranks; only rank 3 reports: no peer, and it is not a lone stage either.
+        stages = stage_map(pp=2, dp=2, tp=1)
+        detector = StragglerDetector(StragglerConfig(window=2, patience=1), stages=stages)
+        found = []
+        for step in range(20):
+            found += detector.observe(step, {0: 0.1, 1: 0.1, 3: 0.1 if step < 10 else 0.5})
+        assert found == []
+
+    def test_ranks_outside_the_layout_are_ignored(self):
+        stages = stage_map(pp=1, dp=2, tp=1)
+        detector = StragglerDetector(StragglerConfig(window=2, patience=1), stages=stages)
+        found = []
+        for step in range(10):
+            found += detector.observe(step, {0: 0.1, 1: 0.1, 7: 5.0})
+        assert found == []
+        assert (detector.stage_of(0), detector.stage_of(7)) == (0, None)
+
+
+class TestLoneStagesAgainstTheirHistory:
+    COSTS = {0: 0.10, 1: 0.08, 2: 0.08, 3: 0.30}
+
+    @pytest.mark.parametrize("seed", range(5))
+    def test_healthy_pipeline_of_unequal_stages_flags_nobody(self, seed):
+        stages = stage_map(pp=4, dp=1, tp=1)
+        detector = StragglerDetector(StragglerConfig(), stages=stages)
+        assert feed_stages(detector, 1000, stages, stage_cost=self.COSTS, jitter=0.2, seed=seed) == []
+
+    @pytest.mark.parametrize("slow_rank", [0, 2, 3])
+    def test_stage_that_slows_down_is_flagged_after_patience_windows(self, slow_rank):
+        stages = stage_map(pp=4, dp=1, tp=1)
+        detector = StragglerDetector(StragglerConfig(window=10, patience=2), stages=stages)
+        slow = {slow_rank: lambda s: s >= 200}
+        found = feed_stages(detector, 400, stages, stage_cost=self.COSTS, slow=slow, factor=2.0, seed=slow_rank)
+        assert [(s, f.rank, f.basis) for s, f in found] == [(219, slow_rank, HISTORY)]
+        finding = found[0][1]
+        assert finding.stage == slow_rank
+        assert finding.peer_median == pytest.approx(self.COSTS[slow_rank], rel=0.1)  # its own healthy past
+        assert finding.factor == pytest.approx(2.0, rel=0.2)
+        assert "relative to the other stages" in finding.evidence and "has no peer" in finding.evidence
+
+    def test_every_stage_slowing_alike_is_not_a_straggler(self):
+        # A busier host, or every step getting longer: the stages' relative costs do not move.
+        stages = stage_map(pp=4, dp=1, tp=1)
+        detector = StragglerDetector(StragglerConfig(window=10, patience=2), stages=stages)
+        everyone = {rank: (lambda s: s >= 200) for rank in stages}
+        assert feed_stages(detector, 400, stages, stage_cost=self.COSTS, slow=everyone, factor=3.0) == []
+
+    def test_only_the_stage_that_slowed_is_flagged_not_the_others_it_shifts(self):
+        # Stage 1 slows 3x: the median of the others for stage 0 rises a little, never past the threshold.
+        stages = stage_map(pp=3, dp=1, tp=1)
+        detector = StragglerDetector(StragglerConfig(window=10, patience=2), stages=stages)
+        found = feed_stages(detector, 300, stages, stage_cost={0: 0.1, 1: 0.1, 2: 0.3},
+                            slow={1: lambda s: s >= 100}, factor=3.0, jitter=0.05)
+        assert [(s, f.rank) for s, f in found] == [(119, 1)]
+
+    def test_first_window_is_the_baseline_and_is_not_judged(self):
+        stages = stage_map(pp=2, dp=1, tp=1)
+        detector = StragglerDetector(StragglerConfig(window=5, patience=1), stages=stages)
+        # Slow from the very first step: indistinguishable from a stage slow by design.
+        assert feed_stages(detector, 200, stages, stage_cost={0: 0.1, 1: 0.1}, slow={1: ALWAYS}, factor=3.0) == []
+
+    def test_slow_windows_never_become_the_baseline(self):
+        # Slow for 30 windows (reported once), healthy again, slow again: reported a second time,
+        # because the baseline is still the healthy median, not the long slow stretch.
+        stages = stage_map(pp=2, dp=1, tp=1)
+        detector = StragglerDetector(StragglerConfig(window=10, patience=2, history=3), stages=stages)
+        slow = {1: lambda s: 50 <= s < 350 or s >= 400}
+        found = feed_stages(detector, 450, stages, stage_cost={0: 0.1, 1: 0.2}, slow=slow, factor=2.0, jitter=0.05)
+        assert [(s, f.rank) for s, f in found] == [(69, 1), (419, 1)]
+        assert found[1][1].peer_median == pytest.approx(0.2, rel=0.06)
+
+    def test_baseline_is_the_median_of_the_last_history_healthy_windows(self):
+        stages = stage_map(pp=2, dp=1, tp=1)
+        detector = StragglerDetector(StragglerConfig(window=1, patience=1, history=3, threshold=1.5), stages=stages)
+        found = []
+        # Healthy windows 1.0, 1.2, 1.4, 1.6 (each <= 1.5x the baseline then): baseline = median(1.2, 1.4, 1.6).
+        for step, t in enumerate([1.0, 1.2, 1.4, 1.6, 2.5]):
+            found += detector.observe(step, {0: 1.0, 1: t})
+        assert [(f.rank, f.step) for f in found] == [(1, 4)]
+        assert found[0].peer_median == pytest.approx(1.4)
+        assert found[0].factor == pytest.approx(2.5 / 1.4)
+
+    def test_a_world_of_one_rank_is_never_judged(self):
+        detector = StragglerDetector(StragglerConfig(window=1, patience=1), stages=stage_map(pp=1, dp=1, tp=1))
+        found = []
+        for step, t in enumerate([0.1, 0.1, 1.0, 1.0, 1.0]):
+            found += detector.observe(step, {0: t})
+        assert found == []
+
+    def test_reset_forgets_the_history(self):
+        stages = stage_map(pp=2, dp=1, tp=1)
+        detector = StragglerDetector(StragglerConfig(window=1, patience=1), stages=stages)
+        for step in range(3):
+            detector.observe(step, {0: 0.1, 1: 0.1})
+        detector.reset()
+        # After a relaunch the first window is a new baseline: 0.5 is not judged against 0.1.
+        assert detector.observe(3, {0: 0.1, 1: 0.5}) == []
+        assert detector.observe(4, {0: 0.1, 1: 0.5}) == []

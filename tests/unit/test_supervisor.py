@@ -34,6 +34,8 @@ from service.supervisor import (
     MarkTerminal,
     NodeLossConfirmed,
     RecordEvent,
+    RepairFailed,
+    RepairGroup,
     RequestCheckpoint,
     ScaleRequested,
     ScheduleWake,
@@ -68,7 +70,9 @@ CONFIG = SupervisorConfig(
     capacity_wait_timeout_s=600,
     backoff_base_s=10,
     backoff_max_s=25,
+    in_place=False,  # the relaunch path; the in-place repair [9] has its own tests (IN_PLACE)
 )
+IN_PLACE = replace(CONFIG, in_place=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -641,6 +645,54 @@ class TestNodeLossConfirmed:
         d = decide(running(restarts_used=1), WorkerLost(attempt=1, rank=1, node="n4", cause="process"), 1.0, config)
         assert d.state.status is Status.FAILED
         assert decide(d.state, self.confirmed(available_dp=4), 2.0, config).ignored
+
+
+class TestRepairInPlace:
+    """[9] A single lost rank of a running group is replaced; the other ranks' processes are kept."""
+
+    def test_one_lost_rank_is_repaired_in_place_from_the_last_commit(self):
+        d = decide(running(last_committed_step=8), WorkerLost(attempt=1, rank=3, node="n2", cause="process"),
+                   60.0, IN_PLACE)
+        assert (d.state.status, d.state.attempt, d.state.group, d.state.restarts_used, d.state.step) == (
+            Status.RECOVERING, 2, GroupPhase.LAUNCHING, 1, 8)
+        assert d.state.backoff_until is None and d.state.group_since == 60.0
+        assert d.actions == (
+            RecordEvent(kind="worker_failed", detail="rank 3 on node n2 lost (process)"),
+            RecordEvent(kind="restarting", detail="restart 1/2 in place: rank 3 replaced, the other ranks kept, "
+                                                  "resuming step 8"),
+            RepairGroup(attempt=2, lost_rank=3, world_size=8, resume_step=8),
+        )
+        ready = decide(d.state, GroupReady(attempt=2, world_size=8), 63.0, IN_PLACE)
+        assert ready.state.status is Status.RUNNING and kinds(ready) == ["restored"]
+
+    @pytest.mark.parametrize("why, state, event", [
+        ("nothing committed yet", running(), WorkerLost(attempt=1, rank=3, node="n2", cause="process")),
+        ("still launching", launching(last_committed_step=8), WorkerLost(attempt=1, rank=3, node="n2", cause="process")),
+        ("rank unknown", running(last_committed_step=8), WorkerLost(attempt=1, rank=-1, node="", cause="process")),
+        ("resize pending", running(last_committed_step=8, pending_resize_dp=2, checkpoint_requested_at=1.0),
+         WorkerLost(attempt=1, rank=3, node="n2", cause="process")),
+        ("node lost", running(last_committed_step=8), WorkerLost(attempt=1, rank=3, node="n2", cause="node")),
+    ])
+    def test_otherwise_the_whole_group_is_relaunched(self, why, state, event):
+        d = decide(state, event, 60.0, IN_PLACE)
+        assert of(d, RepairGroup) == [], why
+        assert of(d, StopGroup), why
+
+    def test_the_last_allowed_restart_fails_the_job_as_before(self):
+        state = running(last_committed_step=8, restarts_used=2)
+        d = decide(state, WorkerLost(attempt=1, rank=3, node="n2", cause="process"), 60.0, IN_PLACE)
+        assert d.state.status is Status.FAILED and of(d, RepairGroup) == []
+
+    def test_a_failed_repair_relaunches_every_rank_without_spending_again(self):
+        repairing = decide(running(last_committed_step=8), WorkerLost(attempt=1, rank=3, node="n2", cause="process"),
+                           60.0, IN_PLACE).state
+        d = decide(repairing, RepairFailed(attempt=2, reason="rank 0 did not come back"), 61.0, IN_PLACE)
+        assert kinds(d) == ["repair_failed"] and of(d, StopGroup)[0].attempt == 2
+        assert (d.state.group, d.state.restarts_used) == (GroupPhase.STOPPING, 1)
+        relaunch = decide(d.state, GroupStopped(attempt=2), 62.0, IN_PLACE)
+        assert of(relaunch, LaunchGroup) == [LaunchGroup(attempt=3, dp=4, world_size=8, resume_step=8)]
+        assert relaunch.state.restarts_used == 1
+        assert decide(relaunch.state, RepairFailed(attempt=2, reason="late"), 63.0, IN_PLACE).ignored
 
 
 class TestGroupStopped:

@@ -1,0 +1,205 @@
+"""`make bench`: issue #9's benchmark suite, each figure against a peer or a formula in the same run.
+
+    python -m benchmarks.suite [--quick] [--only FIGURE ...] [--note TEXT]     # make bench [QUICK=1]
+
+Figures (``benchmarks/results/<figure>.json``, raw samples + the machine; then the README table is
+regenerated from them by ``benchmarks.readme_table``):
+
+1. ``startup``   submit → first step: etrain vs Ray Train v2 ``TorchTrainer.fit`` (and torchrun);
+2. ``recovery``  SIGKILL of rank 1 → next completed step, steps recomputed: vs Ray Train v2 with
+   ``FailureConfig`` and torchrun's elastic agent (1 and 2 come from the same alternating runs,
+   ``benchmarks/recovery.py``);
+3. ``goodput``   with rank 1 killed every 60 s (quick: every 20 s, 2 kills);
+4. ``stragglers`` detection latency and false positives: ``benchmarks/stragglers.py`` when present
+   (``figure(quick=...)`` returning rows, or ``(rows, raw)``); otherwise marked pending;
+5. ``hang``      hang → detected → next step, against the heartbeat timeout;
+6. ``checkpoint`` sync vs async save overhead, save/load MB/s, restore into another layout;
+7. ``pipeline_bubble`` measured idle fraction vs (P-1)/(M+P-1) at M = 2, 4, 8, 16;
+8. ``steady_state`` step time vs a bare torch DDP loop.
+
+``--quick`` is sized to finish within 15 minutes on 2 CPU cores (fewer rounds, a 24-step job, a
+1-minute goodput window); the full run is about three times longer. A figure that fails is written
+with its error as a pending row, and the suite goes on; the exit status is 1 if any figure failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from benchmarks.figures import Row, figure_document, machine_info, write_figure
+from benchmarks.peers.common import Job
+from benchmarks.procs import LoadSampler
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+FIGURES = ("startup", "recovery", "goodput", "stragglers", "hang", "checkpoint", "pipeline_bubble", "steady_state")
+TITLES = {
+    "startup": "1. Startup: submit → first completed step",
+    "recovery": "2. Recovery: SIGKILL of one rank → next completed step",
+    "goodput": "3. Goodput under repeated rank kills",
+    "stragglers": "4. Straggler detection latency and false positives",
+    "hang": "5. Hang → detected → next step",
+    "checkpoint": "6. Checkpoints: sync vs async overhead, save/load speed, restore into another layout",
+    "pipeline_bubble": "7. Pipeline bubble vs (P-1)/(M+P-1)",
+    "steady_state": "8. Steady-state step time vs a bare torch DDP loop",
+}
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How much of each figure a run measures."""
+
+    recovery_steps: int
+    recovery_rounds: int
+    run_timeout_s: float
+    goodput_interval_s: float
+    goodput_kills: int
+    hang_repeats: int
+    checkpoint_rounds: int
+    checkpoint_steps_between: int
+    checkpoint_loads: int
+    bubble_steps: int
+    bubble_budget_s: float
+    steady_reps: int
+    steady_steps: int
+
+
+QUICK = Sizes(recovery_steps=24, recovery_rounds=2, run_timeout_s=360, goodput_interval_s=20, goodput_kills=2,
+              hang_repeats=2, checkpoint_rounds=3, checkpoint_steps_between=3, checkpoint_loads=3, bubble_steps=4,
+              bubble_budget_s=20, steady_reps=2, steady_steps=12)
+FULL = Sizes(recovery_steps=40, recovery_rounds=5, run_timeout_s=600, goodput_interval_s=60, goodput_kills=4,
+             hang_repeats=3, checkpoint_rounds=8, checkpoint_steps_between=5, checkpoint_loads=5, bubble_steps=8,
+             bubble_budget_s=90, steady_reps=5, steady_steps=30)
+HEARTBEAT_TIMEOUT_S = 5.0
+
+
+def stragglers_figure(quick: bool, log: Callable[[str], None]) -> tuple[list[Row], dict[str, Any]]:
+    """Figure 4 from ``benchmarks/stragglers.py`` (owned by the stragglers work), or a pending row."""
+    try:
+        module = importlib.import_module("benchmarks.stragglers")
+    except ModuleNotFoundError as exc:
+        if exc.name != "benchmarks.stragglers":
+            raise
+        return [Row(label="4. straggler detection latency / false positives", unit="steps", etrain=[],
+                    pending="benchmarks/stragglers.py does not exist yet")], {}
+    function = next((getattr(module, name) for name in ("figure", "run", "bench", "measure")
+                     if callable(getattr(module, name, None))), None)
+    if function is None:
+        return [Row(label="4. straggler detection latency / false positives", unit="steps", etrain=[],
+                    pending="benchmarks/stragglers.py has no figure() function")], {}
+    kwargs = {}
+    parameters = inspect.signature(function).parameters
+    if "quick" in parameters:
+        kwargs["quick"] = quick
+    if "log" in parameters:
+        kwargs["log"] = log
+    result = function(**kwargs)
+    rows, raw = result if isinstance(result, tuple) else (result, {})
+    if isinstance(rows, dict):  # a plain dict of numbers: keep it, say where to read it
+        return [Row(label="4. straggler detection latency / false positives", unit="steps", etrain=[],
+                    pending="measured; see raw in stragglers.json")], {"result": rows}
+    return [row if isinstance(row, Row) else Row.of(row) for row in rows], raw
+
+
+def measure(selected: list[str], sizes: Sizes, quick: bool, workdir: Path, out: Path, note: str,
+            log: Callable[[str], None]) -> list[str]:
+    """Measure the ``selected`` figures, writing each result file as soon as it exists; the failed ones."""
+    from benchmarks import engine, recovery
+
+    failed: list[str] = []
+    job = Job(steps=sizes.recovery_steps)
+
+    def emit(name: str, rows: list[Row], raw: dict[str, Any], started: float, sampler: LoadSampler,
+             notes: list[str] | None = None) -> None:
+        document = figure_document(name, TITLES[name], rows, quick=quick, seconds=time.monotonic() - started,
+                                   raw=raw, notes=notes, machine=machine_info(note, list(sampler.samples)))
+        log(f"  -> {write_figure(out, document)}")
+
+    def group(names: list[str], produce: Callable[[], dict[str, tuple[list[Row], dict[str, Any]]]]) -> None:
+        wanted = [n for n in names if n in selected]
+        if not wanted:
+            return
+        log(f"\n== {', '.join(TITLES[n] for n in wanted)}")
+        started = time.monotonic()
+        with LoadSampler() as sampler:
+            try:
+                produced = produce()
+            except Exception as exc:  # noqa: BLE001 - one figure failing must not lose the others
+                log(traceback.format_exc())
+                failed.extend(wanted)
+                for name in wanted:
+                    emit(name, [Row(label=TITLES[name], unit="", etrain=[],
+                                    pending=f"failed: {type(exc).__name__}: {str(exc)[:300]}")],
+                         {"error": traceback.format_exc()[-5000:]}, started, sampler)
+                return
+        for name in wanted:
+            rows, raw = produced[name]
+            notes = recovery.recovery_profile(raw) if name == "recovery" else None
+            emit(name, rows, raw, started, sampler, notes)
+        log(f"   ({time.monotonic() - started:.0f} s)")
+
+    group(["startup", "recovery"], lambda: recovery.recovery_figures(
+        job=job, rounds=sizes.recovery_rounds, workdir=workdir / "recovery", timeout_s=sizes.run_timeout_s, log=log))
+    group(["goodput", "hang"], lambda: recovery.fault_figures(
+        job=job, interval_s=sizes.goodput_interval_s, kills=sizes.goodput_kills,
+        heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S, hang_repeats=sizes.hang_repeats, workdir=workdir / "faults",
+        timeout_s=sizes.goodput_interval_s * (sizes.goodput_kills + 1) + 300 + 150 * sizes.hang_repeats, log=log))
+    group(["stragglers"], lambda: {"stragglers": stragglers_figure(quick, log)})
+    group(["checkpoint"], lambda: {"checkpoint": engine.checkpoint_figure(
+        rounds=sizes.checkpoint_rounds, steps_between=sizes.checkpoint_steps_between, loads=sizes.checkpoint_loads,
+        log=log)})
+    group(["pipeline_bubble"], lambda: {"pipeline_bubble": engine.bubble_figure(
+        wanted=sizes.bubble_steps, budget_s=sizes.bubble_budget_s, log=log)})
+    group(["steady_state"], lambda: {"steady_state": engine.steady_state_figure(
+        reps=sizes.steady_reps, steps=sizes.steady_steps, log=log)})
+    return failed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="the 15-minute version (2 CPU cores)")
+    parser.add_argument("--only", action="append", choices=FIGURES, help="measure only this figure (repeatable)")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="where the result files go")
+    parser.add_argument("--note", default="", help="recorded with the machine, e.g. 'shared with 6 test runs'")
+    parser.add_argument("--no-readme", action="store_true", help="do not regenerate the README table")
+    parser.add_argument("--keep", action="store_true", help="keep the runs' working directories (logs)")
+    args = parser.parse_args()
+    sizes = QUICK if args.quick else FULL
+    selected = args.only or list(FIGURES)
+    started = time.monotonic()
+
+    def log(message: str) -> None:
+        print(f"[{time.monotonic() - started:6.0f} s] {message}" if not message.startswith("\n") else message,
+              flush=True)
+
+    log(f"benchmark suite ({'quick' if args.quick else 'full'}): {', '.join(selected)}")
+    workdir = Path(tempfile.mkdtemp(prefix="etrain-bench-suite-"))
+    try:
+        failed = measure(selected, sizes, args.quick, workdir, args.out, args.note, log)
+    finally:
+        if args.keep:
+            log(f"run directories kept in {workdir}")
+        else:
+            import shutil
+
+            shutil.rmtree(workdir, ignore_errors=True)
+    if not args.no_readme:
+        from benchmarks.readme_table import update_readme
+
+        update_readme(results=args.out)
+        log("README.md benchmark table regenerated")
+    log(f"done in {(time.monotonic() - started) / 60:.1f} min" + (f"; FAILED: {', '.join(failed)}" if failed else ""))
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,190 @@
+"""The warm spare pool: pre-started rank processes per node, handed to worker groups on demand.
+
+One detached actor per Ray cluster (``etrain/spares``, on the head node, no CPUs), created by the
+control plane at start (``ensure_pool``) and shared by every job. It keeps ``per_node`` ready
+:class:`workers.spare.SpareRank` actors on each alive node that can run ranks (a node with CPUs or
+GPUs), refills a node as soon as one of its spares is taken, and forgets spares whose node died.
+A worker group whose placement group is ready asks for one spare per bundle on that bundle's node
+(``take``); where none is ready it starts the rank cold, as before, so the pool only ever makes a
+launch faster, never blocks it.
+
+Spares are owned by the pool actor (which lives as long as the cluster, detached like the job
+supervisors), so a job's ranks never share fate with a control-plane restart. A spare costs one
+idle process with torch imported (~300 MB of host memory) and no logical resources.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+log = logging.getLogger(__name__)
+
+POOL_NAME = "etrain/spares"
+NAMESPACE = "etrain"
+HEAD_NODE_RESOURCE = "node:__internal_head__"  # Ray gives the head node this resource
+REFILL_INTERVAL_S = 1.0
+TAKE_TIMEOUT_S = 5.0
+
+
+class SparePool:
+    """Keeps ``per_node`` warm spares on every node that can run ranks."""
+
+    def __init__(self, per_node: int):
+        self.per_node = max(0, int(per_node))
+        self._lock = threading.Lock()
+        self._ready: dict[str, list[Any]] = {}  # node id -> warm spares, oldest first
+        self._pids: dict[Any, int] = {}  # spare -> its process id (what an operator can look up)
+        self._warming: dict[str, list[tuple[Any, Any]]] = {}  # node id -> (spare, its ready() ref)
+        self._taken = 0
+        self._closed = threading.Event()
+        self._wake = threading.Event()
+        threading.Thread(target=self._refill_loop, name="spare-refill", daemon=True).start()
+
+    def configure(self, per_node: int) -> None:
+        """A restarted control plane may ask for another pool size; extra spares are retired."""
+        with self._lock:
+            self.per_node = max(0, int(per_node))
+            for node, spares in self._ready.items():
+                while len(spares) > self.per_node:
+                    _kill(spares.pop())
+        self._wake.set()
+
+    def take(self, nodes: list[str]) -> list[Any]:
+        """One warm spare per entry of ``nodes`` (a node id per rank), or None where none is ready."""
+        handed: list[Any] = []
+        with self._lock:
+            for node in nodes:
+                spares = self._ready.get(node) or []
+                spare = spares.pop(0) if spares else None
+                self._pids.pop(spare, None)
+                handed.append(spare)
+            self._taken += sum(spare is not None for spare in handed)
+        self._wake.set()
+        return handed
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {"per_node": self.per_node, "taken": self._taken,
+                    "ready": {node: len(spares) for node, spares in self._ready.items() if spares},
+                    "ready_pids": sorted(self._pids[spare] for spares in self._ready.values() for spare in spares),
+                    "warming": {node: len(spares) for node, spares in self._warming.items() if spares}}
+
+    def close(self) -> None:
+        self._closed.set()
+        self._wake.set()
+        with self._lock:
+            for spares in self._ready.values():
+                for spare in spares:
+                    _kill(spare)
+            for warming in self._warming.values():
+                for spare, _ in warming:
+                    _kill(spare)
+            self._ready.clear()
+            self._warming.clear()
+
+    # --- refill ----------------------------------------------------------------------------------
+
+    def _refill_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                self._refill()
+            except Exception as err:  # the GCS can be briefly unreachable (node loss): try again
+                log.warning("spare refill failed: %s", err)
+            self._wake.wait(REFILL_INTERVAL_S)
+            self._wake.clear()
+
+    def _refill(self) -> None:
+        nodes = [node["NodeID"] for node in ray.nodes() if node.get("Alive") and _runs_ranks(node)]
+        with self._lock:
+            for gone in set(self._ready) | set(self._warming):
+                if gone not in nodes:  # its node died: the spares died with it
+                    for spare in self._ready.pop(gone, []):
+                        self._pids.pop(spare, None)
+                    self._warming.pop(gone, None)
+            for node in nodes:
+                warming = self._warming.setdefault(node, [])
+                if warming:
+                    done, _ = ray.wait([ref for _, ref in warming], num_returns=len(warming), timeout=0)
+                    for spare, ref in list(warming):
+                        if ref in done:
+                            warming.remove((spare, ref))
+                            try:
+                                self._pids[spare] = ray.get(ref, timeout=1)["pid"]
+                            except Exception as err:
+                                log.warning("a spare on node %s failed to start: %s", node[:12], err)
+                                continue
+                            self._ready.setdefault(node, []).append(spare)
+                missing = self.per_node - len(self._ready.get(node, [])) - len(warming)
+                for _ in range(max(0, missing)):
+                    spare = _start_spare(node)
+                    warming.append((spare, spare.ready.remote()))
+
+
+def _runs_ranks(node: dict[str, Any]) -> bool:
+    resources = node.get("Resources") or {}
+    return resources.get("CPU", 0) > 0 or resources.get("GPU", 0) > 0
+
+
+def _start_spare(node: str) -> Any:
+    from workers.spare import SpareRank
+
+    return ray.remote(SpareRank).options(
+        num_cpus=0,
+        num_gpus=0,
+        max_restarts=0,
+        max_concurrency=4,  # as a rank: run() on one thread, control calls on others
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
+    ).remote()
+
+
+def _kill(actor: Any) -> None:
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception:
+        pass
+
+
+def ensure_pool(per_node: int) -> Any | None:
+    """Create the cluster's spare pool (or resize the live one); None when spares are off."""
+    if per_node <= 0:
+        pool = find_pool()
+        if pool is not None:
+            pool.configure.remote(0)
+        return None
+    pool = ray.remote(SparePool).options(
+        name=POOL_NAME,
+        namespace=NAMESPACE,
+        lifetime="detached",
+        num_cpus=0,
+        resources={HEAD_NODE_RESOURCE: 0.001},
+        max_concurrency=8,
+        get_if_exists=True,
+    ).remote(per_node)
+    pool.configure.remote(per_node)
+    return pool
+
+
+def find_pool() -> Any | None:
+    try:
+        return ray.get_actor(POOL_NAME, namespace=NAMESPACE)
+    except ValueError:
+        return None
+
+
+def take_spares(nodes: list[str]) -> list[Any]:
+    """Spares for ranks on ``nodes`` (None where none is ready, or no pool); never raises, bounded wait."""
+    pool = find_pool()
+    if pool is None or not nodes:
+        return [None] * len(nodes)
+    started = time.monotonic()
+    try:
+        return ray.get(pool.take.remote(nodes), timeout=TAKE_TIMEOUT_S)
+    except Exception as err:
+        log.warning("no spares after %.1fs: %s", time.monotonic() - started, err)
+        return [None] * len(nodes)

@@ -1,0 +1,68 @@
+"""Issue #9, warm spares: a job's first launch and its replacement ranks are pre-started processes.
+
+Real local Ray, the real control plane and its spare pool (service/spares.py). The test proves it by
+process ids: every rank of both attempts runs in a process that was a ready spare before the launch
+(so it paid no interpreter start and no torch import), and the recovered run still ends exactly
+where the clean run ends.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+from service.spares import find_pool
+from tests.chaos.conftest import losses, spec
+from tests.service_harness import control_plane, event_kinds, event_text
+
+pytestmark = pytest.mark.slow
+
+ray = pytest.importorskip("ray")
+
+
+def ready_spare_pids(count: int, timeout_s: float = 90) -> set[int]:
+    """The pids of the pool's ready spares once there are ``count`` of them."""
+    pool = find_pool()
+    assert pool is not None, "the control plane starts the spare pool"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = ray.get(pool.stats.remote(), timeout=10)
+        if len(stats["ready_pids"]) >= count:
+            return set(stats["ready_pids"])
+        assert time.monotonic() < deadline, f"the pool never had {count} ready spares: {stats}"
+        time.sleep(0.2)
+
+
+def rank_pids(plane, job_id: str, rank: int) -> list[int]:
+    """The pid of the rank's process in every attempt, from its log ('... (node N, pid P) ...')."""
+    lines = plane.client.get(f"/v1/jobs/{job_id}/logs", params={"rank": rank}).json()["lines"]
+    return [int(pid) for line in lines for pid in re.findall(r"pid (\d+)\)", line)]
+
+
+def test_first_launch_and_replacement_run_in_warm_spares_and_end_like_the_clean_run(local_ray, tmp_path):
+    with control_plane(tmp_path, warm_spares_per_node=2) as plane:
+        body = spec("warm-dp2", steps=24)
+        clean_before = ready_spare_pids(2)
+        clean = plane.wait_terminal(plane.submit(body)["id"], timeout_s=300)
+        assert clean["status"] == "SUCCEEDED", clean
+
+        first = ready_spare_pids(2)
+        job = plane.submit(body)
+        plane.wait_until(job["id"], lambda j: j["status"] == "RUNNING" and j["step"] >= 9, timeout_s=120,
+                         what="step 9")
+        second = ready_spare_pids(2)  # refilled after the first launch took two
+        plane.chaos(job["id"], action="kill_rank", rank=1)
+        final = plane.wait_terminal(job["id"], timeout_s=300)
+        assert final["status"] == "SUCCEEDED", final
+        assert final["restarts"] == 1
+        events = plane.events(job["id"])
+        assert "worker_failed" in event_kinds(events) and "restored" in event_kinds(events)
+        placed = [event_text(e) for e in events if e["kind"] == "placed"]
+        assert [text.endswith("2 of 2 ranks from warm spares") for text in placed] == [True, True], placed
+        attempts = list(zip(rank_pids(plane, job["id"], 0), rank_pids(plane, job["id"], 1)))
+        assert len(attempts) == 2, attempts
+        assert set(attempts[0]) <= first and set(attempts[1]) <= second, (attempts, first, second)
+        assert losses(plane, job["id"]) == losses(plane, clean["id"])  # exact: same data, RNG and state
+        assert clean_before  # the clean run itself started warm, too

@@ -1,0 +1,145 @@
+"""The step-boundary control exchange's pure part: the per-rank vector and rank 0's decision rule."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from workers.step_control import (
+    FIELDS,
+    RANK_TIMINGS,
+    SAVE,
+    STOP,
+    ControlRequests,
+    StepDesyncError,
+    decode,
+    encode,
+    scheduled_save,
+    step_record,
+)
+
+
+def metrics(step: int, *, compute_s: float = 0.25, comm_wait_s: float = 0.05, step_s: float = 0.3,
+            synced: bool = True, peak: int = 123_456_789) -> dict:
+    return {"step": step, "loss": 2.5, "lr": 1e-3, "compute_s": compute_s, "comm_wait_s": comm_wait_s,
+            "step_s": step_s, "timing_synced": synced, "peak_mem_bytes": peak}
+
+
+class TestVector:
+    def test_encode_puts_each_field_in_its_slot(self):
+        vector = encode(metrics(7), SAVE | STOP)
+        assert len(vector) == len(FIELDS) == 7
+        assert dict(zip(FIELDS, vector)) == {"step": 7.0, "flags": 3.0, "compute_s": 0.25, "comm_wait_s": 0.05,
+                                             "step_s": 0.3, "timing_synced": 1.0, "peak_mem_bytes": 123456789.0}
+
+    def test_round_trip_over_three_ranks_keeps_every_value_and_rank_zeros_flags(self):
+        rows = [encode(metrics(4, compute_s=0.1, synced=True, peak=2**40 + 1), SAVE),
+                encode(metrics(4, compute_s=0.2, synced=True, peak=5), 0),
+                encode(metrics(4, compute_s=0.4, synced=True, peak=0), STOP)]  # not rank 0: ignored
+        boundary = decode(rows, step=4)
+        assert (boundary.completed, boundary.save, boundary.stop, boundary.urgent) == (5, True, False, True)
+        assert boundary.timings == {
+            "compute_s": [0.1, 0.2, 0.4], "comm_wait_s": [0.05] * 3, "step_s": [0.3] * 3,
+            "timing_synced": [True, True, True], "peak_mem_bytes": [2**40 + 1, 5, 0],
+        }
+        assert boundary.compute_by_rank() == {0: 0.1, 1: 0.2, 2: 0.4}
+        assert list(boundary.timings) == list(RANK_TIMINGS)
+
+    def test_peak_memory_stays_exact_at_80_gib(self):
+        peak = 80 * 2**30 + 12345
+        assert decode([encode(metrics(0, peak=peak))], step=0).timings["peak_mem_bytes"] == [peak]
+
+    def test_a_rank_at_another_step_is_a_desync_naming_every_rank(self):
+        rows = [encode(metrics(9)), encode(metrics(10)), encode(metrics(9))]
+        with pytest.raises(StepDesyncError, match=r"expected 9; rank 0: 9, rank 1: 10, rank 2: 9"):
+            decode(rows, step=9)
+
+    def test_missing_fields_and_bad_flags_are_refused(self):
+        with pytest.raises(ValueError, match="rank 1's vector has 6 values, expected 7"):
+            decode([encode(metrics(1)), encode(metrics(1))[:-1]], step=1)
+        with pytest.raises(ValueError, match="flags=4"):
+            encode(metrics(1), 4)
+        bad = encode(metrics(1))
+        bad[1] = 2.5
+        with pytest.raises(ValueError, match="flags 2.5"):
+            decode([bad], step=1)
+        with pytest.raises(ValueError, match="at least one"):
+            decode([], step=1)
+
+    def test_a_missing_metric_encodes_as_zero(self):
+        assert encode({"step": 3}) == [3.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+
+    def test_step_record_is_rank_zeros_metrics_plus_every_ranks_timings(self):
+        mine = metrics(2, compute_s=0.1)
+        boundary = decode([encode(mine), encode(metrics(2, compute_s=0.3))], step=2)
+        record = step_record(mine, boundary)
+        assert {k: v for k, v in record.items() if k != "ranks"} == mine
+        assert record["ranks"]["compute_s"] == [0.1, 0.3]
+        assert record["ranks"]["timing_synced"] == [True, True]
+
+
+class TestDecision:
+    @pytest.mark.parametrize("completed, expected", [(1, False), (9, False), (10, True), (20, True), (25, True),
+                                                     (26, True)])
+    def test_schedule_is_every_n_and_the_last_step(self, completed, expected):
+        assert scheduled_save(completed, total_steps=25, every_steps=10) is expected
+
+    def test_no_every_steps_saves_only_the_last(self):
+        assert [c for c in range(1, 31) if scheduled_save(c, total_steps=30, every_steps=None)] == [30]
+        assert [c for c in range(1, 31) if scheduled_save(c, total_steps=30, every_steps=0)] == [30]
+
+    def test_no_request_follows_the_schedule(self):
+        control = ControlRequests()
+        flags = [control.decide(c, total_steps=12, every_steps=5) for c in range(1, 13)]
+        assert [c for c, f in zip(range(1, 13), flags) if f] == [5, 10, 12]
+        assert all(f == SAVE for f in flags if f)
+
+    def test_a_checkpoint_request_saves_the_first_boundary_at_or_past_its_target_once(self):
+        control = ControlRequests()
+        control.request_checkpoint(7)  # the supervisor knew 6 steps; rank 0 may already be past 7
+        assert control.decide(6, total_steps=100, every_steps=None) == 0
+        assert control.decide(8, total_steps=100, every_steps=None) == SAVE  # target passed: saved at once
+        assert control.decide(9, total_steps=100, every_steps=None) == 0  # consumed
+        assert control.pending() == (frozenset(), False)
+
+    def test_a_request_without_a_target_saves_the_next_boundary(self):
+        control = ControlRequests()
+        control.request_checkpoint()
+        assert control.decide(3, total_steps=100, every_steps=50) == SAVE
+        assert control.decide(4, total_steps=100, every_steps=50) == 0
+
+    def test_a_stop_is_decided_once_with_the_save_it_comes_with(self):
+        control = ControlRequests()
+        control.request_checkpoint(5)
+        control.request_stop()
+        assert control.pending() == (frozenset({5}), True)
+        assert control.decide(5, total_steps=100, every_steps=None) == SAVE | STOP
+        assert control.decide(6, total_steps=100, every_steps=None) == 0  # a new attempt would not stop at once
+
+    def test_a_stop_at_the_last_step_is_a_finish_not_a_stop(self):
+        control = ControlRequests()
+        control.request_stop()
+        assert control.decide(10, total_steps=10, every_steps=None) == SAVE
+
+    def test_requests_from_other_threads_land_in_exactly_one_boundary(self):
+        control = ControlRequests()
+        decided: list[int] = []
+        done = threading.Event()
+
+        def request():
+            for target in range(1, 2001):
+                control.request_checkpoint(target)
+            done.set()
+
+        thread = threading.Thread(target=request)
+        thread.start()
+        completed = 0
+        while not done.is_set() or control.pending()[0]:
+            completed += 1
+            if control.decide(completed, total_steps=10**9, every_steps=None) & SAVE:
+                decided.append(completed)
+        thread.join()
+        # Every target was satisfied by some boundary at or past it, and no boundary saved without a target.
+        assert decided and len(decided) <= 2000
+        assert control.pending() == (frozenset(), False)

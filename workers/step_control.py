@@ -1,0 +1,162 @@
+"""The step-boundary control exchange, pure part: what each rank contributes and what rank 0 decides.
+
+Why one decision: a checkpoint save and a graceful stop are collective. If one rank saves (or stops)
+after step 12 and another after step 13, their collectives pair up wrongly and the job hangs or
+mixes steps. A request delivered asynchronously to every rank (each comparing a target step of its
+own) lands at different moments on different ranks, so ranks can disagree. Instead, at the end of
+every step, every rank contributes one fixed-size vector of floats (:data:`FIELDS`) to ONE
+all-gather over a dedicated gloo group (``workers/step_exchange.py``, the thin torch adapter). Rank 0's
+vector also carries its decision (:data:`SAVE`, :data:`STOP`), taken from its own view of the
+supervisor's requests (:class:`ControlRequests`) and the deterministic schedule; every rank reads
+the decision from rank 0's row of the same gathered result, so all ranks act at the same step. The
+same exchange gives rank 0 every rank's timings, which it reports to the supervisor in one batched
+call (``workers/report_batch.py``) instead of one call per rank per step.
+
+Torch-free and Ray-free: unit-tested in ``tests/unit/test_step_control.py``.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "FIELDS", "RANK_TIMINGS", "SAVE", "STOP", "Boundary", "ControlRequests", "StepDesyncError",
+    "decode", "encode", "scheduled_save", "step_record",
+]
+
+#: One rank's vector, in order. ``step`` is the step index the rank just finished (a sanity check that
+#: every rank is at the same boundary); ``flags`` is meaningful in rank 0's row only.
+FIELDS = ("step", "flags", "compute_s", "comm_wait_s", "step_s", "timing_synced", "peak_mem_bytes")
+#: The per-rank timings rank 0 reports for every rank (``record["ranks"]``, one list per field, rank order).
+RANK_TIMINGS = FIELDS[2:]
+
+SAVE = 1  # save a checkpoint at this completed step
+STOP = 2  # return from the attempt after this step (graceful stop)
+_ALL_FLAGS = SAVE | STOP
+
+
+class StepDesyncError(RuntimeError):
+    """Ranks reached the exchange at different steps: a bug (their collectives would mismatch)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Boundary:
+    """What every rank learns at the end of one step, identical on all ranks."""
+
+    completed: int  # steps completed (the step index + 1)
+    save: bool
+    stop: bool
+    #: field name (RANK_TIMINGS) -> one value per rank, in rank order.
+    timings: dict[str, list[Any]]
+
+    @property
+    def urgent(self) -> bool:
+        """Whether the supervisor must hear about this step at once (a save or a stop follows)."""
+        return self.save or self.stop
+
+    def compute_by_rank(self) -> dict[int, float]:
+        return dict(enumerate(self.timings["compute_s"]))
+
+
+def scheduled_save(completed: int, *, total_steps: int, every_steps: int | None) -> bool:
+    """The deterministic saves: every ``every_steps`` completed steps, and after the last step."""
+    return completed >= total_steps or bool(every_steps and completed % every_steps == 0)
+
+
+def encode(metrics: Mapping[str, Any], flags: int = 0) -> list[float]:
+    """One rank's vector from its step metrics (``StepMetrics`` as a dict) and, on rank 0, its flags."""
+    if not 0 <= flags <= _ALL_FLAGS:
+        raise ValueError(f"flags={flags} is not a combination of SAVE={SAVE} and STOP={STOP}")
+    values = {
+        "step": float(metrics["step"]),
+        "flags": float(flags),
+        "compute_s": float(metrics.get("compute_s") or 0.0),
+        "comm_wait_s": float(metrics.get("comm_wait_s") or 0.0),
+        "step_s": float(metrics.get("step_s") or 0.0),
+        "timing_synced": 1.0 if metrics.get("timing_synced") else 0.0,
+        # float64 holds integers exactly up to 2**53 bytes (8 PiB): exact for any device memory.
+        "peak_mem_bytes": float(metrics.get("peak_mem_bytes") or 0),
+    }
+    return [values[name] for name in FIELDS]
+
+
+def decode(rows: Sequence[Sequence[float]], *, step: int) -> Boundary:
+    """Every rank's vector (rank order) -> the boundary after step index ``step``.
+
+    Raises :class:`StepDesyncError` when a rank reports another step: acting on such an exchange would
+    save or stop different steps on different ranks.
+    """
+    if not rows:
+        raise ValueError("decode needs at least one rank's vector")
+    for rank, row in enumerate(rows):
+        if len(row) != len(FIELDS):
+            raise ValueError(f"rank {rank}'s vector has {len(row)} values, expected {len(FIELDS)} ({', '.join(FIELDS)})")
+    steps = [row[0] for row in rows]
+    if any(value != step for value in steps):
+        at = ", ".join(f"rank {rank}: {int(value) if math.isfinite(value) else value}" for rank, value in enumerate(steps))
+        raise StepDesyncError(f"ranks reached the step-boundary exchange at different steps (expected {step}; {at})")
+    flags = rows[0][1]
+    if flags != int(flags) or not 0 <= flags <= _ALL_FLAGS:
+        raise ValueError(f"rank 0's flags {flags} are not a combination of SAVE={SAVE} and STOP={STOP}")
+    flags = int(flags)
+    columns = {name: [row[index] for row in rows] for index, name in enumerate(FIELDS)}
+    timings: dict[str, list[Any]] = {
+        "compute_s": columns["compute_s"],
+        "comm_wait_s": columns["comm_wait_s"],
+        "step_s": columns["step_s"],
+        "timing_synced": [value != 0.0 for value in columns["timing_synced"]],
+        "peak_mem_bytes": [int(value) for value in columns["peak_mem_bytes"]],
+    }
+    return Boundary(completed=step + 1, save=bool(flags & SAVE), stop=bool(flags & STOP), timings=timings)
+
+
+def step_record(metrics: Mapping[str, Any], boundary: Boundary) -> dict[str, Any]:
+    """What rank 0 reports for one step: its own metrics plus every rank's timings under ``ranks``."""
+    return {**metrics, "ranks": {name: list(values) for name, values in boundary.timings.items()}}
+
+
+class ControlRequests:
+    """The supervisor's requests as one rank sees them; only rank 0's view is ever acted on.
+
+    Control calls (``request_checkpoint``, ``request_stop``) arrive on the actor's other threads at any
+    moment; the training thread calls :meth:`decide` once per step boundary, which takes a consistent
+    snapshot under a lock and consumes what it acts on.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._checkpoints: set[int] = set()  # save at the first boundary with completed >= each
+        self._stop = False
+
+    def request_checkpoint(self, at_least: int | None = None) -> None:
+        """Save at the first step boundary with at least ``at_least`` completed steps (None: the next one)."""
+        with self._lock:
+            self._checkpoints.add(0 if at_least is None else int(at_least))
+
+    def request_stop(self) -> None:
+        """Stop after the next step boundary (after its save, if it has one)."""
+        with self._lock:
+            self._stop = True
+
+    def pending(self) -> tuple[frozenset[int], bool]:
+        """(checkpoint targets not yet acted on, stop requested)."""
+        with self._lock:
+            return frozenset(self._checkpoints), self._stop
+
+    def decide(self, completed: int, *, total_steps: int, every_steps: int | None) -> int:
+        """The flags of the boundary after ``completed`` steps; consumes the requests it satisfies.
+
+        A stop at the last step is not a stop: the attempt ends there anyway, as finished.
+        """
+        with self._lock:
+            due = {target for target in self._checkpoints if target <= completed}
+            self._checkpoints -= due
+            stop = self._stop and completed < total_steps
+            if stop:
+                self._stop = False
+        flags = SAVE if due or scheduled_save(completed, total_steps=total_steps, every_steps=every_steps) else 0
+        return flags | (STOP if stop else 0)

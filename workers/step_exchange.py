@@ -1,0 +1,54 @@
+"""The step-boundary control exchange over torch.distributed: one all-gather per step, on its own gloo group.
+
+The pure part (what the vector holds, how rank 0 decides, how the result is read) is
+``workers/step_control.py``; this adapter only moves the vectors. Why a dedicated CPU gloo group,
+created once per attempt beside the training groups:
+
+* the vectors are host floats (the step's metrics were read from the device by the step's one host
+  read), so an NCCL job exchanging them on a gloo group never makes the host wait for the GPU again;
+* a group of its own keeps these collectives from ever pairing up with the training step's (or the
+  async checkpointer's, which has its own group too).
+
+One collective per step: ``all_gather`` of ``len(FIELDS)`` float64 values per rank (56 bytes). Rank 0's
+row carries the decision, so no broadcast is needed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from workers.step_control import FIELDS, Boundary, decode, encode
+
+__all__ = ["StepExchange"]
+
+
+class StepExchange:
+    """Collective construction (``dist.new_group`` over the world) when the world has more than one rank."""
+
+    def __init__(self, *, world_size: int, timeout_s: float | None = None):
+        self.world_size = world_size
+        self._group: dist.ProcessGroup | None = None
+        if world_size > 1:
+            if not dist.is_initialized():
+                raise RuntimeError(f"StepExchange over {world_size} ranks needs an initialized default process group")
+            timeout = timedelta(seconds=timeout_s) if timeout_s else None
+            self._group = dist.new_group(backend="gloo", timeout=timeout)
+        self._local = torch.zeros(len(FIELDS), dtype=torch.float64)
+        self._rows = [torch.zeros(len(FIELDS), dtype=torch.float64) for _ in range(world_size)]
+
+    def exchange(self, vector: Sequence[float]) -> list[list[float]]:
+        """Every rank's vector, in rank order (collective on every rank of the world)."""
+        self._local.copy_(torch.tensor(vector, dtype=torch.float64))
+        if self._group is None:
+            return [self._local.tolist()]
+        dist.all_gather(self._rows, self._local, group=self._group)
+        return [row.tolist() for row in self._rows]
+
+    def boundary(self, metrics: Mapping[str, Any], flags: int = 0) -> Boundary:
+        """Exchange this rank's timings (and, on rank 0, its decision flags); what every rank then knows."""
+        return decode(self.exchange(encode(metrics, flags)), step=int(metrics["step"]))
