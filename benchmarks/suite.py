@@ -9,16 +9,16 @@ regenerated from them by ``benchmarks.readme_table``):
 2. ``recovery``  SIGKILL of rank 1 → next completed step, steps recomputed: vs Ray Train v2 with
    ``FailureConfig`` and torchrun's elastic agent (1 and 2 come from the same alternating runs,
    ``benchmarks/recovery.py``);
-3. ``goodput``   with rank 1 killed every 60 s (quick: every 20 s, 2 kills);
-4. ``stragglers`` detection latency and false positives: ``benchmarks/stragglers.py`` when present
-   (``figure(quick=...)`` returning rows, or ``(rows, raw)``); otherwise marked pending;
+3. ``goodput``   with rank 1 killed every 60 s, 4 kills (quick: every 30 s, 2 kills);
+4. ``stragglers`` detection latency and false positives under DP, TP, PP (and ZeRO-3, PP·DP in the full
+   run): ``benchmarks/stragglers.py``'s ``bench_all`` when that module exists; otherwise marked pending;
 5. ``hang``      hang → detected → next step, against the heartbeat timeout;
 6. ``checkpoint`` sync vs async save overhead, save/load MB/s, restore into another layout;
 7. ``pipeline_bubble`` measured idle fraction vs (P-1)/(M+P-1) at M = 2, 4, 8, 16;
 8. ``steady_state`` step time vs a bare torch DDP loop.
 
 ``--quick`` is sized to finish within 15 minutes on 2 CPU cores (fewer rounds, a 24-step job, a
-1-minute goodput window); the full run is about three times longer. A figure that fails is written
+90-second goodput window, three straggler layouts); the full run is about three times longer. A figure that fails is written
 with its error as a pending row, and the suite goes on; the exit status is 1 if any figure failed.
 """
 
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from benchmarks.figures import Row, figure_document, machine_info, write_figure
+from benchmarks.figures import Goal, Row, figure_document, machine_info, write_figure
 from benchmarks.peers.common import Job
 from benchmarks.procs import LoadSampler
 
@@ -73,8 +73,8 @@ class Sizes:
     steady_steps: int
 
 
-QUICK = Sizes(recovery_steps=24, recovery_rounds=2, run_timeout_s=360, goodput_interval_s=20, goodput_kills=2,
-              hang_repeats=2, checkpoint_rounds=3, checkpoint_steps_between=3, checkpoint_loads=3, bubble_steps=4,
+QUICK = Sizes(recovery_steps=24, recovery_rounds=2, run_timeout_s=360, goodput_interval_s=30, goodput_kills=2,
+              hang_repeats=1, checkpoint_rounds=3, checkpoint_steps_between=3, checkpoint_loads=3, bubble_steps=4,
               bubble_budget_s=20, steady_reps=2, steady_steps=12)
 FULL = Sizes(recovery_steps=40, recovery_rounds=5, run_timeout_s=600, goodput_interval_s=60, goodput_kills=4,
              hang_repeats=3, checkpoint_rounds=8, checkpoint_steps_between=5, checkpoint_loads=5, bubble_steps=8,
@@ -82,8 +82,14 @@ FULL = Sizes(recovery_steps=40, recovery_rounds=5, run_timeout_s=600, goodput_in
 HEARTBEAT_TIMEOUT_S = 5.0
 
 
+STRAGGLER_LAYOUTS_QUICK = ("DP ×2", "TP ×2", "PP ×2")  # one measured run each; the full run takes every layout
+STRAGGLER_SLOWDOWN = 2.0  # the row's slowdown; the notes give the whole grid
+
+
 def stragglers_figure(quick: bool, log: Callable[[str], None]) -> tuple[list[Row], dict[str, Any]]:
-    """Figure 4 from ``benchmarks/stragglers.py`` (owned by the stragglers work), or a pending row."""
+    """Figure 4 from ``benchmarks/stragglers.py``'s ``bench_all`` (owned by the stragglers work), or a
+    pending row while that module does not exist. Per layout: the detection latency at 2x (its per-trial
+    samples) and the false positives per 1,000 healthy steps (goal 0); the full grid goes to the notes."""
     try:
         module = importlib.import_module("benchmarks.stragglers")
     except ModuleNotFoundError as exc:
@@ -91,23 +97,44 @@ def stragglers_figure(quick: bool, log: Callable[[str], None]) -> tuple[list[Row
             raise
         return [Row(label="4. straggler detection latency / false positives", unit="steps", etrain=[],
                     pending="benchmarks/stragglers.py does not exist yet")], {}
-    function = next((getattr(module, name) for name in ("figure", "run", "bench", "measure")
-                     if callable(getattr(module, name, None))), None)
-    if function is None:
-        return [Row(label="4. straggler detection latency / false positives", unit="steps", etrain=[],
-                    pending="benchmarks/stragglers.py has no figure() function")], {}
-    kwargs = {}
-    parameters = inspect.signature(function).parameters
-    if "quick" in parameters:
-        kwargs["quick"] = quick
-    if "log" in parameters:
-        kwargs["log"] = log
-    result = function(**kwargs)
-    rows, raw = result if isinstance(result, tuple) else (result, {})
-    if isinstance(rows, dict):  # a plain dict of numbers: keep it, say where to read it
-        return [Row(label="4. straggler detection latency / false positives", unit="steps", etrain=[],
-                    pending="measured; see raw in stragglers.json")], {"result": rows}
-    return [row if isinstance(row, Row) else Row.of(row) for row in rows], raw
+    layouts = STRAGGLER_LAYOUTS_QUICK if quick else tuple(module.LAYOUTS)
+    grid = module.bench_all(layouts=layouts, quick=quick)
+    rows: list[Row] = []
+    for layout in layouts:
+        cells = {cell["slowdown"]: cell for cell in grid if cell["layout"] == layout}
+        cell = cells[STRAGGLER_SLOWDOWN]
+        latencies = [v for v in cell["latency_samples_steps"] if v is not None]
+        found = cell["detection_latency_steps"] is not None
+        rows.append(Row(
+            label=f"4. stragglers, {layout}: detection latency at {STRAGGLER_SLOWDOWN:g}× (steps)", unit="steps",
+            etrain=latencies if found else [],
+            note=(f"detected in {cell['detected_fraction']:.0%} of {len(cell['latency_samples_steps'])} replays "
+                  f"(compared with {cell['basis']}); the drill measured {cell['measured_factor']:.2f}× against "
+                  f"{cell['healthy_factor']:.2f}× healthy noise")))
+        rows.append(Row(
+            label=f"4. stragglers, {layout}: false positives per 1,000 healthy steps", unit="per 1,000 steps",
+            etrain=[cell["false_positives_per_1000_steps"]],
+            goal=Goal(on="etrain", op="<=", value=0.0, text="0")))
+        log(f"  stragglers {layout}: " + ", ".join(
+            f"{f:g}× {'–' if c['detection_latency_steps'] is None else c['detection_latency_steps']}"
+            for f, c in sorted(cells.items())) + f" steps; false positives {cell['false_positives_per_1000_steps']:g}/1000")
+    return rows, {"grid": grid, "layouts": list(layouts)}
+
+
+def stragglers_notes(raw: dict[str, Any]) -> list[str]:
+    """The whole grid: detection latency (training steps) per layout and slowdown."""
+    grid = raw.get("grid") or []
+    if not grid:
+        return []
+    slowdowns = sorted({cell["slowdown"] for cell in grid})
+    lines = ["Straggler detection latency in training steps (–: not reported in most replays), per slowdown "
+             + " / ".join(f"{f:g}×" for f in slowdowns) + ":"]
+    for layout in raw["layouts"]:
+        cells = {cell["slowdown"]: cell for cell in grid if cell["layout"] == layout}
+        lines.append(f"{layout}: " + " / ".join(
+            "–" if cells[f]["detection_latency_steps"] is None else f"{cells[f]['detection_latency_steps']:g}"
+            for f in slowdowns) + f" (basis: {cells[slowdowns[0]]['basis']})")
+    return lines
 
 
 def measure(selected: list[str], sizes: Sizes, quick: bool, workdir: Path, out: Path, note: str,
@@ -143,7 +170,7 @@ def measure(selected: list[str], sizes: Sizes, quick: bool, workdir: Path, out: 
                 return
         for name in wanted:
             rows, raw = produced[name]
-            notes = recovery.recovery_profile(raw) if name == "recovery" else None
+            notes = {"recovery": recovery.recovery_profile, "stragglers": stragglers_notes}.get(name, lambda _: None)(raw)
             emit(name, rows, raw, started, sampler, notes)
         log(f"   ({time.monotonic() - started:.0f} s)")
 

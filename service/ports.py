@@ -18,6 +18,9 @@ from service.tenancy import ADMIN, Principal
 
 ChaosAction = Literal["kill_rank", "kill_actor", "slow_rank", "hang_rank", "corrupt_checkpoint"]
 RANK_ACTIONS: frozenset[str] = frozenset({"kill_rank", "kill_actor", "slow_rank", "hang_rank"})
+#: When a kill lands: at the start of a step (the default), or inside a checkpoint save (workers/worker.py).
+ChaosMoment = Literal["step", "checkpoint_write", "checkpoint_commit"]
+KILL_ACTIONS: frozenset[str] = frozenset({"kill_rank", "kill_actor"})
 
 
 class ChaosRequest(BaseModel):
@@ -30,6 +33,12 @@ class ChaosRequest(BaseModel):
     * ``corrupt_checkpoint``: the committed checkpoint of ``step`` is damaged on disk.
 
     ``at_step``: inject when the job reaches this step; omitted: as soon as possible.
+
+    ``during`` (kills only): ``step`` (omitted) kills at the start of step ``at_step``; a kill
+    ``checkpoint_write`` lands in the first save at or after ``at_step``, once the rank's shards are
+    written but before it reports them (that step is never committed); ``checkpoint_commit`` right
+    after the supervisor accepted the rank's report (the step commits, with the rank dead, when the
+    other ranks' reports reach the supervisor before it handles the loss).
     """
 
     # The document states the per-action rules the validators below enforce (one shape per action), so
@@ -43,6 +52,7 @@ class ChaosRequest(BaseModel):
     step: json_int(0, MAX_STEPS) | None = Field(default=None, validate_default=True,
                                                 description="corrupt_checkpoint only")
     at_step: json_int(0, MAX_STEPS) | None = None
+    during: ChaosMoment | None = Field(default=None, description="kill_rank and kill_actor only; omitted: step")
 
     @field_validator("rank")
     @classmethod
@@ -75,22 +85,33 @@ class ChaosRequest(BaseModel):
             raise ValueError(f"step applies only to corrupt_checkpoint; to delay {action!r} use at_step")
         return step
 
+    @field_validator("during")
+    @classmethod
+    def _during_for_kills(cls, during: str | None, info: ValidationInfo) -> str | None:
+        action = info.data.get("action")
+        if during is not None and action is not None and action not in KILL_ACTIONS:
+            raise ValueError(f"during applies only to kill_rank and kill_actor, not {action!r}")
+        return during
 
-def _chaos_shape(actions: list[str], *, rank: bool, factor: bool, step: bool) -> dict[str, Any]:
-    """One action's fields: each given one required (and not null), each other one absent or null."""
+
+def _chaos_shape(actions: list[str], *, rank: bool, factor: bool, step: bool, during: bool = False) -> dict[str, Any]:
+    """One action's fields: each given one required (and not null), each other one absent or null;
+    ``during`` is optional where it applies (absent or null: ``step``)."""
     none = {"type": "null"}
     properties: dict[str, Any] = {
         "action": {"enum": actions},
         "rank": {"type": "integer"} if rank else none,
         "factor": {"type": "number", "exclusiveMinimum": 1} if factor else none,
         "step": {"type": "integer"} if step else none,
+        "during": {"enum": [*ChaosMoment.__args__, None]} if during else none,
     }
     required = ["action", *(name for name, given in (("rank", rank), ("factor", factor), ("step", step)) if given)]
     return {"properties": properties, "required": required}
 
 
 _CHAOS_SHAPES = [
-    _chaos_shape(sorted(RANK_ACTIONS - {"slow_rank"}), rank=True, factor=False, step=False),
+    _chaos_shape(sorted(KILL_ACTIONS), rank=True, factor=False, step=False, during=True),
+    _chaos_shape(["hang_rank"], rank=True, factor=False, step=False),
     _chaos_shape(["slow_rank"], rank=True, factor=True, step=False),
     _chaos_shape(["corrupt_checkpoint"], rank=False, factor=False, step=True),
 ]

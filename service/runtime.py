@@ -223,12 +223,16 @@ class JobSupervisor:
         if action == "corrupt_checkpoint":
             self._inbox.put(("chaos_corrupt", order_id, int(request["step"])))
             return {"id": order_id, "action": action, "step": request["step"], "armed": True}
+        during = request.get("during") or "step"
         order = ChaosOrder(
             id=order_id,
             action=action,
             rank=int(request["rank"]),
             factor=float(request.get("factor") or 1.0),
-            at_step=request.get("at_step"),
+            # A kill inside a save is always armed (never fired on delivery, carried into the next
+            # attempt until it fires): with no at_step it lands in the first save.
+            at_step=request.get("at_step") if during == "step" else int(request.get("at_step") or 0),
+            during=during,
         )
         self._inbox.put(("chaos", order))
         return dataclasses.asdict(order) | {"armed": True}
@@ -365,7 +369,8 @@ class JobSupervisor:
             _, attempt, rank, order_id, step = item
             order = self._chaos.pop(order_id, None)
             if order is not None:
-                self._record("chaos_fired", f"{order.action} on rank {rank} at step {step} (order {order_id})")
+                self._record("chaos_fired", f"{order.action} on rank {rank} at step {step}"
+                             + (f" during {order.during}" if order.during != "step" else "") + f" (order {order_id})")
         elif kind == "chaos_corrupt":
             _, order_id, step = item
             self._chaos_corrupt[order_id] = step
@@ -768,7 +773,8 @@ class JobSupervisor:
             return
         self._chaos[order.id] = order
         self._record("chaos_armed", f"{order.action} on rank {order.rank}"
-                     + (f" at step {order.at_step}" if order.at_step is not None else " when the group is up"))
+                     + (f" at step {order.at_step}" if order.at_step is not None else " when the group is up")
+                     + (f" during {order.during}" if order.during != "step" else ""))
         if group_up:
             self._send_chaos(order)
 

@@ -19,7 +19,7 @@ map every rank is in one stage (plain DP / TP / ZeRO).
 A stage with **one rank** (pure pipeline parallelism, ``dp = tp = 1``) has no peer. It is compared
 with **its own history** instead: its cost relative to the other stages (its window median over
 the median of theirs) against the median of that relative cost over its last ``history`` healthy
-windows (windows at or under the threshold). Relative, because what slows every rank alike (a busy
+windows (windows within the threshold either way). Relative, because what slows every rank alike (a busy
 host, every step getting longer) is not a straggler and must not look like one; what is left is a
 rank that *became* slow (a throttling GPU, a noisy neighbour, a failing link), which is what
 eviction can fix. A stage that is slow from its first window cannot be told from one that is slow
@@ -206,11 +206,14 @@ class StragglerDetector:
         if not history:
             history.append(relative)  # the first window is the baseline, not judged
             return None
+        usual = statistics.median(history)
         # In seconds: the compute this rank would have now at its usual cost relative to the others.
-        expected = statistics.median(history) * others
-        finding = self._judge_rank(rank, stage, HISTORY, median, expected, step)
-        if self._streaks.get(rank, _Streak()).windows == 0:
-            history.append(relative)  # healthy: it moves the baseline; a slow window never does
+        finding = self._judge_rank(rank, stage, HISTORY, median, usual * others, step)
+        # Only a window within the threshold either way moves the baseline: a slow one never does, nor
+        # one that looks fast because another stage was slow (with two stages, a slow neighbour halves
+        # this one's relative cost; learning that would flag this stage when the neighbour recovers).
+        if self._streaks.get(rank, _Streak()).windows == 0 and relative * self.config.threshold >= usual:
+            history.append(relative)
         return finding
 
     def _judge_rank(

@@ -30,7 +30,6 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from workers.config import RunConfig
@@ -44,13 +43,19 @@ REPORT_TIMEOUT_S = 30.0
 
 @dataclass(frozen=True, kw_only=True)
 class ChaosOrder:
-    """A fault drill for one rank. ``at_step`` None fires at once; otherwise when the rank starts that step."""
+    """A fault drill for one rank. ``at_step`` None fires at once; otherwise when the rank starts that step.
+
+    ``during`` (kills): ``step``, or inside the first checkpoint save after at least ``at_step`` steps,
+    ``checkpoint_write`` once the rank's shards are written and before it reports them,
+    ``checkpoint_commit`` right after the supervisor accepted its report (``TrainWorker._save``).
+    """
 
     id: int
     action: str  # kill_rank | kill_actor | slow_rank | hang_rank
     rank: int
     factor: float = 1.0
     at_step: int | None = None
+    during: str = "step"  # step | checkpoint_write | checkpoint_commit
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -164,8 +169,8 @@ class TrainWorker:
         self._control.request_stop()
 
     def chaos(self, order: ChaosOrder) -> None:
-        """Arm (``at_step``) or fire at once a fault drill on this rank."""
-        if order.at_step is None:
+        """Arm (``at_step``, or a save to fire in) or fire at once a fault drill on this rank."""
+        if order.at_step is None and order.during == "step":
             self._fire(order)
         else:
             with self._chaos.lock:
@@ -227,6 +232,7 @@ class TrainWorker:
         torch.set_num_threads(max(1, int(os.environ.get("ETRAIN_TORCH_THREADS", "1"))))
         device = self._device(config)
         batcher = None
+        _leave_process_groups()  # a kept process (in-place repair) rejoins from a clean slate
         dist.init_process_group(
             backend=backend_for(device.type, cpu_offload=config.parallel.offload == "cpu"),
             init_method=f"tcp://{master_addr}:{master_port}",
@@ -274,16 +280,21 @@ class TrainWorker:
                     return self._result(trainer, step + 1, final_loss, stopped=True)
             return self._result(trainer, total, final_loss, stopped=False)
         finally:
+            # Each step on its own: after a peer died, the async writer's close can raise, and this
+            # process may run the next attempt (an in-place repair), which needs the groups gone.
             if batcher is not None:  # the last steps reach the supervisor before run() returns
                 self._close_reports(batcher)
             if self._async is not None:
-                self._async.close(timeout_s=REPORT_TIMEOUT_S * 10)  # the last save must land first
+                try:
+                    self._async.close(timeout_s=REPORT_TIMEOUT_S * 10)  # the last save must land first
+                except Exception as err:
+                    if log is not None:
+                        log.write(f"attempt {plan.attempt}: the last async checkpoint did not land: {err}")
                 self._async = None
             for thread in self._report_threads:  # every report is acknowledged before run() returns
                 thread.join(timeout=REPORT_TIMEOUT_S)
             self._report_threads.clear()
-            if dist.is_initialized():  # every group with it, the exchange's included
-                dist.destroy_process_group()
+            _leave_process_groups()
 
     def _restore(self, trainer, plan: LaunchPlan) -> str:
         """Load committed step ``plan.start_step``; returns where the state came from.
@@ -359,10 +370,12 @@ class TrainWorker:
         self._keep_snapshot(trainer, completed_steps)
         if self._async is None:
             report = trainer.save(directory)
+            self._fire_save_chaos(completed_steps, "checkpoint_write")
             ray.get(
                 self._supervisor.report_checkpoint.remote(attempt, self.rank, completed_steps, report),
                 timeout=REPORT_TIMEOUT_S,
             )
+            self._fire_save_chaos(completed_steps, "checkpoint_commit")
             return
         # Async: training goes on once the state is staged in memory; the shard report goes to the
         # supervisor when the files are written (it commits the step only when every rank reported).
@@ -371,8 +384,10 @@ class TrainWorker:
 
         def report_when_written() -> None:
             report = pending.wait(timeout_s=REPORT_TIMEOUT_S * 10)
+            self._fire_save_chaos(completed_steps, "checkpoint_write")
             ray.get(self._supervisor.report_checkpoint.remote(attempt, self.rank, completed_steps, report),
                     timeout=REPORT_TIMEOUT_S)
+            self._fire_save_chaos(completed_steps, "checkpoint_commit")
 
         thread = threading.Thread(target=report_when_written, name=f"ckpt-report-{completed_steps}", daemon=True)
         thread.start()
@@ -380,13 +395,22 @@ class TrainWorker:
 
     # --- chaos ----------------------------------------------------------------------------------
 
-    def _fire_due_chaos(self, step: int) -> None:
+    def _fire_due_chaos(self, step: int, during: str = "step") -> None:
+        """Fire the armed drills due at this moment: the start of ``step``, or (``during`` a save) the
+        save after ``step`` completed steps."""
         with self._chaos.lock:
-            due = [order for order in self._chaos.pending.values() if order.at_step is not None and order.at_step <= step]
+            due = [order for order in self._chaos.pending.values()
+                   if order.during == during and (order.at_step is None or order.at_step <= step)]
             for order in due:
                 del self._chaos.pending[order.id]
         for order in due:
             self._fire(order, step=step)
+
+    def _fire_save_chaos(self, completed_steps: int, during: str) -> None:
+        """Kill drills that land inside the save of ``completed_steps`` (the first at or after their
+        ``at_step``): ``checkpoint_write`` (shards written, not reported: the step never commits) or
+        ``checkpoint_commit`` (reported: the supervisor commits without this rank)."""
+        self._fire_due_chaos(completed_steps, during)
 
     def _fire(self, order: ChaosOrder, step: int | None = None) -> None:
         import ray
@@ -422,6 +446,14 @@ class TrainWorker:
             torch.cuda.set_device(0)
             return torch.device("cuda", 0)
         return torch.device("cpu")
+
+
+def _leave_process_groups() -> None:
+    """Destroy the default group and every group made from it (the exchange's, the async writer's)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def local_param_digest(model_parts) -> str:

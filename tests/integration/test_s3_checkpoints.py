@@ -151,9 +151,8 @@ def _copy(s3, source: str, name: str) -> str:
     """A private copy of the committed checkpoints (each test mutates its own)."""
     target = s3.url(name)
     storage.rmtree(target)
-    fs = s3.fs
     for rel in storage.walk_files(source):
-        fs.copy(f"{source[5:]}/{rel}", f"{target[5:]}/{rel}")
+        storage.write_bytes(storage.join(target, rel), storage.read_bytes(storage.join(source, rel)))
     return target
 
 

@@ -146,3 +146,16 @@ def test_the_readme_region_is_replaced_between_the_markers(tmp_path):
     readme.write_text("no markers")
     with pytest.raises(SystemExit, match="no benchmark-suite region"):
         update_readme(readme, tmp_path)
+
+
+def test_the_straggler_grid_becomes_notes():
+    from benchmarks.suite import stragglers_notes
+
+    cell = lambda layout, f, latency: {"layout": layout, "slowdown": f, "detection_latency_steps": latency,  # noqa: E731
+                                        "basis": "peers"}
+    raw = {"layouts": ["DP ×2"], "grid": [cell("DP ×2", 1.5, None), cell("DP ×2", 2.0, 30), cell("DP ×2", 4.0, 20.0)]}
+    assert stragglers_notes(raw) == [
+        "Straggler detection latency in training steps (–: not reported in most replays), per slowdown 1.5× / 2× / 4×:",
+        "DP ×2: – / 30 / 20 (basis: peers)",
+    ]
+    assert stragglers_notes({}) == []

@@ -294,7 +294,8 @@ class TestLoneStagesAgainstTheirHistory:
 
     def test_slow_windows_never_become_the_baseline(self):
         # Slow for 30 windows (reported once), healthy again, slow again: reported a second time,
-        # because the baseline is still the healthy median, not the long slow stretch.
+        # because the baseline is still the healthy median, not the long slow stretch. Nor does rank 0
+        # learn the low relative cost it had while rank 1 was slow (it would be flagged at recovery).
         stages = stage_map(pp=2, dp=1, tp=1)
         detector = StragglerDetector(StragglerConfig(window=10, patience=2, history=3), stages=stages)
         slow = {1: lambda s: 50 <= s < 350 or s >= 400}
