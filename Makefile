@@ -33,9 +33,9 @@ run: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-## make test-fast: pure unit and API tests only (seconds).
+## make test-fast: pure unit, API and chart/image tests only (a few minutes).
 test-fast: $(STAMP)
-	$(PY) -m pytest tests/unit tests/api $(PYTEST_ARGS)
+	$(PY) -m pytest tests/unit tests/api tests/deploy $(PYTEST_ARGS)
 
 ## make test-gpu: the NCCL / CUDA / bf16 tests (needs a GPU).
 test-gpu: $(STAMP)

@@ -149,7 +149,7 @@ def test_torch_is_pyprojects_pin_from_the_matching_wheel_index(dockerfile):
 
 def test_etrain_is_installed_from_the_repository_copy(dockerfile):
     runs = " ".join(args_of(dockerfile, "RUN"))
-    assert "pip install --no-cache-dir ." in runs  # dependencies, against stand-in packages
+    assert 'pip install --no-cache-dir "./[s3]"' in runs  # dependencies (s3:// checkpoints too), against stand-ins
     assert "pip install --no-cache-dir --no-deps --force-reinstall ." in runs  # the real code
     assert "etrain --help" in runs
 
