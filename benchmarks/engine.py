@@ -280,7 +280,7 @@ def bubble_figure(*, wanted: int, budget_s: float, log=print) -> tuple[list[Row]
                     f"all {len(steps)} steps, unreliable: descheduled time lands in both busy and wait time")
         formula = bubble_formula(m)
         rows.append(Row(label=f"7. pipeline bubble, GPipe P=2, M={m}", unit="fraction", etrain=steps,
-                        reference_name=f"(P-1)/(M+P-1) = {formula:.3f}", reference=[formula],
+                        reference_name="(P-1)/(M+P-1)", reference=[formula],
                         goal=Goal(on="difference", op="<=", value=0.12,
                                   text="within ±0.12 of the formula (the test's band)"), note=note))
         log(f"  bubble M={m:<2} measured {statistics.median(steps) if steps else float('nan'):.3f} "

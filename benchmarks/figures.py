@@ -86,7 +86,10 @@ class Goal:
             factor = measured / self.value if self.op == "<=" else self.value / measured
             return f"{factor:.1f}× {'over' if self.op == '<=' else 'under'} the goal"
         gap = abs(measured - self.value)
-        return f"{format_value(gap, unit)} {'over' if self.op == '<=' else 'short'}"
+        side = "over" if self.op == "<=" else "short"
+        if unit == "fraction":  # a gap between percentages is in points, not a percentage of anything
+            return f"{100 * gap:.1f} points {side}"
+        return f"{format_value(gap, unit)} {side}"
 
     def as_dict(self) -> dict[str, Any]:
         return {"on": self.on, "op": self.op, "value": self.value, "text": self.text}

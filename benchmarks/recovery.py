@@ -148,6 +148,25 @@ def recovery_profile(raw: dict[str, Any]) -> list[str]:
     return lines
 
 
+def startup_profile(raw: dict[str, Any]) -> list[str]:
+    """Where etrain's start-up time goes: the event log (seconds after the submit) of its median run."""
+    timed = [r for r in raw["runs"]["etrain"] if r.get("measures", {}).get("startup_s") is not None]
+    if not timed:
+        return []
+    timed.sort(key=lambda r: r["measures"]["startup_s"])
+    run = timed[(len(timed) - 1) // 2]
+    startup = run["measures"]["startup_s"]
+    lines = [f"etrain's median start-up run ({startup:.2f} s from submit to step 1), its event log in seconds "
+             "after the HTTP submit:"]
+    for event in run.get("events", []):
+        t = event["ts"] - run["start_ts"]
+        if t > startup:
+            break
+        lines.append(f"+{t:.2f} s `{event['kind']}`")
+    lines.append(f"+{startup:.2f} s step 1 recorded")
+    return lines
+
+
 def fault_figures(*, job: Job, interval_s: float, kills: int, heartbeat_timeout_s: float, hang_repeats: int,
                   workdir: Path, timeout_s: float, log: Callable[[str], None] = print
                   ) -> dict[str, tuple[list[Row], dict[str, Any]]]:
@@ -191,4 +210,4 @@ def _pct(value: float | None) -> str:
     return "nothing" if value is None else f"{100 * value:.1f}%"
 
 
-__all__ = ["SYSTEMS", "fault_figures", "recovery_figures", "recovery_profile", "run_system"]
+__all__ = ["SYSTEMS", "fault_figures", "recovery_figures", "recovery_profile", "run_system", "startup_profile"]

@@ -170,7 +170,8 @@ def measure(selected: list[str], sizes: Sizes, quick: bool, workdir: Path, out: 
                 return
         for name in wanted:
             rows, raw = produced[name]
-            notes = {"recovery": recovery.recovery_profile, "stragglers": stragglers_notes}.get(name, lambda _: None)(raw)
+            notes = {"startup": recovery.startup_profile, "recovery": recovery.recovery_profile,
+                     "stragglers": stragglers_notes}.get(name, lambda _: None)(raw)
             emit(name, rows, raw, started, sampler, notes)
         log(f"   ({time.monotonic() - started:.0f} s)")
 

@@ -11,7 +11,7 @@ import pytest
 
 from tests.dist_utils import run_distributed
 
-LATE_S = 0.3
+LATE_S = 1.0  # long next to the scheduling noise of a shared 2-core machine
 
 
 def _waits(rank: int, world_size: int) -> dict:
@@ -73,8 +73,8 @@ def test_waits_are_timed_only_while_armed(results):
 def test_the_rank_that_waited_measures_the_wait_and_the_late_rank_does_not(results):
     early, late = results
     for key in ("work_wait_s", "wait_tensor_s"):
-        assert LATE_S * 0.8 < early[key] < LATE_S + 1.0, (key, early[key])
-        assert late[key] < LATE_S * 0.5, (key, late[key])
+        assert LATE_S * 0.6 < early[key] < LATE_S + 1.0, (key, early[key])
+        assert late[key] < LATE_S * 0.4, (key, late[key])
 
 
 def test_waits_on_other_threads_are_not_counted_on_cpu(results):

@@ -120,15 +120,16 @@ def test_the_slow_rank_is_found_and_its_waiting_peer_is_not(measured, variant):
 
     findings = _detect(results, variant, layout)
     assert [f.rank for f in findings] == [SLOW_RANK], (name, variant, findings)
-    assert findings[0].factor > 2.0  # ~4x: rank 1's compute / its peer's
+    assert findings[0].factor > THRESHOLD  # rank 1's compute / its peer's: ~4x on a quiet machine
     assert peer_compute / slow_compute < THRESHOLD  # the peer's factor (it is ~1/4)
 
-    # The peer did wait (its comm_wait_s grew by about what rank 1 added), and that wait did not
-    # become its compute (which grew by a small part of it at most: noise of a shared 2-core box).
+    # The peer did wait for what rank 1 added (its comm_wait_s is that much above rank 1's, which no
+    # longer waits for anyone), and that wait did not become its compute (which grew by a small part
+    # of it at most: the noise of a shared 2-core box).
     added = slow_compute - _median(results, variant, SLOW_RANK, "compute_s", BEFORE)
     peer_rise = peer_compute - _median(results, variant, peer, "compute_s", BEFORE)
-    waited = _median(results, variant, peer, "comm_wait_s", AFTER) - _median(results, variant, peer, "comm_wait_s", BEFORE)
-    assert waited > 0.6 * added, (name, variant, added, waited)
+    waited = _median(results, variant, peer, "comm_wait_s", AFTER) - _median(results, variant, SLOW_RANK, "comm_wait_s", AFTER)
+    assert waited > 0.5 * added, (name, variant, added, waited)
     assert peer_rise < 0.35 * added, (name, variant, added, peer_rise)
 
 

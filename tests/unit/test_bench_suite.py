@@ -58,7 +58,7 @@ def test_a_speed_ratio_is_peer_over_etrain():
 
 def test_goals_on_etrain_alone_and_on_a_difference():
     goodput = Row(label="goodput", unit="fraction", etrain=[0.8], goal=Goal(on="etrain", op=">=", value=0.9, text="≥ 90%"))
-    assert row_summary(goodput).verdict == "no: 10.0% short"
+    assert row_summary(goodput).verdict == "no: 10.0 points short"
     assert row_summary(goodput).n == "1"
     bubble = Row(label="bubble", unit="fraction", etrain=[0.40, 0.36, 0.38], reference=[1 / 3], reference_name="f",
                  goal=Goal(on="difference", op="<=", value=0.12, text="±0.12"))
@@ -139,7 +139,7 @@ def test_the_readme_region_is_replaced_between_the_markers(tmp_path):
     assert update_readme(readme, tmp_path) is True
     text = readme.read_text()
     assert "old table" not in text
-    assert "| 3. goodput | 75.0% | – | – | ≥ 90% | no: 15.0% short | 1 |" in text
+    assert "| 3. goodput | 75.0% | – | – | ≥ 90% | no: 15.0 points short | 1 |" in text
     assert text.startswith("# x\n\n## Benchmarks\n\nintro\n\n" + BEGIN + "\n")
     assert text.endswith(END + "\n\n## Limits\n")
     assert update_readme(readme, tmp_path) is False  # idempotent
