@@ -10,12 +10,8 @@ STOP_TIMEOUT_S=${STOP_TIMEOUT_S:-30}
 pid_file=$STATE_DIR/server/etrain.pid
 
 log() { printf '[local-etrain] %s\n' "$*" >&2; }
-# Alive: exists and is not a zombie (see start-ray-cluster.sh).
-alive_pid() {
-  kill -0 "$1" 2>/dev/null || return 1
-  [[ -r /proc/$1/stat ]] || return 0
-  [[ $(sed 's/.*) //' "/proc/$1/stat" 2>/dev/null | cut -c1) != Z ]]
-}
+# shellcheck source=common.sh
+source "$HERE/common.sh"  # alive_pid
 
 if [[ -f $pid_file ]]; then
   pid=$(cat "$pid_file")

@@ -41,22 +41,11 @@ DATA_DIR=${DATA_DIR:-$STATE_DIR/etrain}
 SERVE_TIMEOUT_S=${SERVE_TIMEOUT_S:-120}
 SERVER_DIR=$STATE_DIR/server
 
-# Ray token authentication: the same rule as start-ray-cluster.sh, here so that `etrain serve` (a
-# driver given an address, which never turns it on by itself) agrees with the nodes.
-if [[ -z ${RAY_AUTH_MODE:-} ]] && [[ -n ${RAY_AUTH_TOKEN:-} || -s ${RAY_AUTH_TOKEN_PATH:-$HOME/.ray/auth_token} ]]; then
-  export RAY_AUTH_MODE=token
-fi
+# shellcheck source=common.sh
+source "$HERE/common.sh"  # Ray token mode (as for the nodes), alive_pid, alive
 
 log() { printf '[local-etrain] %s\n' "$*" >&2; }
 die() { log "error: $*"; exit 1; }
-# A PID is alive while it exists and is not a zombie (exited, not yet reaped: in a container whose
-# PID 1 reaps nothing, a stopped node would otherwise look alive forever).
-alive_pid() {
-  kill -0 "$1" 2>/dev/null || return 1
-  [[ -r /proc/$1/stat ]] || return 0
-  [[ $(sed 's/.*) //' "/proc/$1/stat" 2>/dev/null | cut -c1) != Z ]]
-}
-alive() { [[ -f $1 ]] && alive_pid "$(cat "$1")"; }
 
 num_workers=${1:-2}
 [[ $num_workers =~ ^[1-9][0-9]*$ ]] || die "N must be a number of worker nodes (1 or more), got '$num_workers'"

@@ -1,0 +1,18 @@
+# Shared by start-ray-cluster.sh, up.sh and down.sh (sourced, never run).
+
+# Ray token authentication, decided once for every process of this cluster. `ray start --head` turns
+# it on by itself when a token exists (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token, which
+# a local `ray.init()` creates), but a joining `ray start`, `ray status` and a driver given an address
+# (`etrain serve --ray-address`) do not: they would be refused. So with a token the mode is exported.
+if [[ -z ${RAY_AUTH_MODE:-} ]] && [[ -n ${RAY_AUTH_TOKEN:-} || -s ${RAY_AUTH_TOKEN_PATH:-$HOME/.ray/auth_token} ]]; then
+  export RAY_AUTH_MODE=token
+fi
+
+# A PID is alive while it exists and is not a zombie (exited, not yet reaped: in a container whose
+# PID 1 reaps nothing, a stopped node would otherwise look alive forever).
+alive_pid() {
+  kill -0 "$1" 2>/dev/null || return 1
+  [[ -r /proc/$1/stat ]] || return 0
+  [[ $(sed 's/.*) //' "/proc/$1/stat" 2>/dev/null | cut -c1) != Z ]]
+}
+alive() { [[ -f $1 ]] && alive_pid "$(cat "$1")"; }
