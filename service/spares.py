@@ -30,6 +30,7 @@ NAMESPACE = "etrain"
 HEAD_NODE_RESOURCE = "node:__internal_head__"  # Ray gives the head node this resource
 REFILL_INTERVAL_S = 1.0
 TAKE_TIMEOUT_S = 5.0
+MAX_HANDED_PIDS = 1000
 
 
 class SparePool:
@@ -40,6 +41,7 @@ class SparePool:
         self._lock = threading.Lock()
         self._ready: dict[str, list[Any]] = {}  # node id -> warm spares, oldest first
         self._pids: dict[Any, int] = {}  # spare -> its process id (what an operator can look up)
+        self._handed_pids: list[int] = []  # the last MAX_HANDED_PIDS spares handed out, oldest first
         self._warming: dict[str, list[tuple[Any, Any]]] = {}  # node id -> (spare, its ready() ref)
         self._taken = 0
         self._closed = threading.Event()
@@ -62,7 +64,9 @@ class SparePool:
             for node in nodes:
                 spares = self._ready.get(node) or []
                 spare = spares.pop(0) if spares else None
-                self._pids.pop(spare, None)
+                pid = self._pids.pop(spare, None)
+                if pid is not None:
+                    self._handed_pids = [*self._handed_pids, pid][-MAX_HANDED_PIDS:]
                 handed.append(spare)
             self._taken += sum(spare is not None for spare in handed)
         self._wake.set()
@@ -72,6 +76,7 @@ class SparePool:
         with self._lock:
             return {"per_node": self.per_node, "taken": self._taken,
                     "ready": {node: len(spares) for node, spares in self._ready.items() if spares},
+                    "handed_pids": list(self._handed_pids),
                     "ready_pids": sorted(self._pids[spare] for spares in self._ready.values() for spare in spares),
                     "warming": {node: len(spares) for node, spares in self._warming.items() if spares}}
 
