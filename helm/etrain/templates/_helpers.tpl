@@ -126,6 +126,11 @@ export port, which the `metrics` container port and the PodMonitor rely on, then
 {{- if hasPrefix "s3://" .Values.checkpoint.path }}true{{ end }}
 {{- end }}
 
+{{/* A claim's `storageClassName` from a values `storageClass`: `-` is "" (no dynamic provisioning). */}}
+{{- define "etrain.storageClassName" -}}
+{{ if eq . "-" }}""{{ else }}{{ . | quote }}{{ end }}
+{{- end }}
+
 {{/* The ReadWriteMany claim holding the checkpoints: `checkpoint.existingClaim` or the one the chart creates. */}}
 {{- define "etrain.checkpointClaimName" -}}
 {{- default (printf "%s-checkpoints" (include "etrain.fullname" .)) .Values.checkpoint.existingClaim }}
@@ -202,35 +207,21 @@ filesystem is read-only) and, for s3:// checkpoints, the bucket's credentials fr
   value: /tmp
 {{- if include "etrain.checkpointIsS3" . }}
 {{- $secret := include "etrain.s3SecretName" . }}
-- name: AWS_ACCESS_KEY_ID
-  valueFrom:
-    secretKeyRef:
-      name: {{ $secret }}
-      key: AWS_ACCESS_KEY_ID
-- name: AWS_SECRET_ACCESS_KEY
-  valueFrom:
-    secretKeyRef:
-      name: {{ $secret }}
-      key: AWS_SECRET_ACCESS_KEY
-- name: AWS_ENDPOINT_URL
-{{- if .Values.checkpoint.s3.endpointUrl }}
-  value: {{ .Values.checkpoint.s3.endpointUrl | quote }}
+{{- /* The optional variables, with the value `checkpoint.s3` gives (empty: the Secret's key, if any). */}}
+{{- $optional := dict "AWS_ENDPOINT_URL" .Values.checkpoint.s3.endpointUrl "AWS_DEFAULT_REGION" .Values.checkpoint.s3.region }}
+{{- range $name := list "AWS_ACCESS_KEY_ID" "AWS_SECRET_ACCESS_KEY" "AWS_ENDPOINT_URL" "AWS_DEFAULT_REGION" }}
+- name: {{ $name }}
+{{- with get $optional $name }}
+  value: {{ . | quote }}
 {{- else }}
   valueFrom:
     secretKeyRef:
       name: {{ $secret }}
-      key: AWS_ENDPOINT_URL
+      key: {{ $name }}
+      {{- if hasKey $optional $name }}
       optional: true
+      {{- end }}
 {{- end }}
-- name: AWS_DEFAULT_REGION
-{{- if .Values.checkpoint.s3.region }}
-  value: {{ .Values.checkpoint.s3.region | quote }}
-{{- else }}
-  valueFrom:
-    secretKeyRef:
-      name: {{ $secret }}
-      key: AWS_DEFAULT_REGION
-      optional: true
 {{- end }}
 {{- end }}
 {{- end }}
@@ -267,33 +258,97 @@ filesystem is read-only) and, for s3:// checkpoints, the bucket's credentials fr
 {{- end }}
 {{- end }}
 
-{{/* Volumes of a Ray pod: in-memory /dev/shm plus the shared ones. Call with (dict "root" $ "shmSize" <size>). */}}
-{{- define "etrain.rayVolumes" -}}
-- name: dshm
-  emptyDir:
-    medium: Memory
-    sizeLimit: {{ .shmSize }}
-{{ include "etrain.sharedVolumes" .root }}
+{{/*
+Where a pod runs: the `priorityClassName`, `nodeSelector`, `affinity` and `tolerations` of its values
+section (the control plane's, the Ray head's or a worker group's), as a YAML map of the ones that are set.
+*/}}
+{{- define "etrain.placement" -}}
+{{- $placement := dict }}
+{{- range $key := list "priorityClassName" "nodeSelector" "affinity" "tolerations" }}
+{{- with get $ $key }}
+{{- $_ := set $placement $key . }}
 {{- end }}
-
-{{/* Volume mounts matching etrain.rayVolumes. Call with the root context. */}}
-{{- define "etrain.rayVolumeMounts" -}}
-- name: dshm
-  mountPath: /dev/shm
-{{ include "etrain.sharedVolumeMounts" . }}
 {{- end }}
-
-{{/* Environment of a Ray container: the shared environment, then `rayCluster.containerEnv`. */}}
-{{- define "etrain.rayEnv" -}}
-{{ include "etrain.sharedEnv" . }}
-{{- with .Values.rayCluster.containerEnv }}
-{{ toYaml . }}
-{{- end }}
+{{- with $placement }}{{ toYaml . }}{{ end }}
 {{- end }}
 
 {{/*
-Resources of a worker group: its `resources`, with `gpus` as nvidia.com/gpu requests and limits.
-Call with the group.
+The pod template of a Ray node, the head or a worker group's: the release's labels and the group's,
+the Ray security contexts, the shared environment then `rayCluster.containerEnv`, the shared volumes
+plus an in-memory /dev/shm, the metrics port and the group's placement. Only a head that runs the
+autoscaler sidecar keeps a service-account token. Call with (dict "root" $ "group" <its values>
+"container" <name> "ports" <ports besides metrics> "autoscalerSidecar" <bool>).
+*/}}
+{{- define "etrain.rayPodTemplate" -}}
+{{- $root := .root }}
+{{- $rc := $root.Values.rayCluster }}
+{{- $group := .group -}}
+metadata:
+  labels:
+    {{- include "etrain.labels" $root | nindent 4 }}
+    app.kubernetes.io/component: ray
+    {{- with $group.labels }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  {{- with $group.annotations }}
+  annotations:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+spec:
+  {{- with $group.serviceAccountName }}
+  serviceAccountName: {{ . }}
+  {{- end }}
+  {{- if not .autoscalerSidecar }}
+  # Nothing in this pod calls the Kubernetes API (only the head's autoscaler sidecar does).
+  automountServiceAccountToken: false
+  {{- end }}
+  {{- with $root.Values.imagePullSecrets }}
+  imagePullSecrets:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with include "etrain.placement" $group }}
+  {{- . | nindent 2 }}
+  {{- end }}
+  {{- with $rc.podSecurityContext }}
+  securityContext:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  containers:
+    - name: {{ .container }}
+      image: {{ $group.image | default (include "etrain.image" $root) }}
+      imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+      ports:
+        {{- with .ports }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+        - name: metrics
+          containerPort: {{ $rc.metricsExportPort }}
+      env:
+        {{- include "etrain.sharedEnv" $root | nindent 8 }}
+        {{- with $rc.containerEnv }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+      resources:
+        {{- include "etrain.groupResources" $group | nindent 8 }}
+      {{- with $rc.securityContext }}
+      securityContext:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      volumeMounts:
+        - name: dshm
+          mountPath: /dev/shm
+        {{- include "etrain.sharedVolumeMounts" $root | nindent 8 }}
+  volumes:
+    - name: dshm
+      emptyDir:
+        medium: Memory
+        sizeLimit: {{ $group.shmSize | default "2Gi" }}
+    {{- include "etrain.sharedVolumes" $root | nindent 4 }}
+{{- end }}
+
+{{/*
+Resources of a Ray group (the head or a worker group): its `resources`, with `gpus` as nvidia.com/gpu
+requests and limits. Call with the group.
 */}}
 {{- define "etrain.groupResources" -}}
 {{- $resources := deepCopy (.resources | default dict) }}
