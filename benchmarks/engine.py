@@ -11,8 +11,8 @@
   restored into ZeRO-3 x2 (DCP reshards by FQN), compared with the same-layout load and checked
   bit-equal to the saved parameters.
 * **7, pipeline bubble** (:func:`bubble_figure`): the method of ``tests/integration/
-  test_pipeline_bubble.py`` (two gloo stages, GPipe, busy time from ``PipelineRunner``'s own timing,
-  steps in which a rank lost its core left out) at M = 2, 4, 8, 16 micro-batches, against
+  test_pipeline_bubble.py``, shared with it (``tests/pipeline_timing.py``: two gloo stages, GPipe, busy
+  time from ``PipelineRunner``'s own timing, steps in which a rank lost its core left out) at M = 2, 4, 8, 16 micro-batches, against
   (P-1)/(M+P-1).
 * **8, steady state** (:func:`steady_state_figure`): ``benchmarks/run.py``'s DDP x2 rows, etrain's
   ``Trainer`` against its bare torch DDP loop, alternating runs; speed ratio = peer step / etrain step.
@@ -136,21 +136,22 @@ def _checkpoint_rank(rank: int, world_size: int, root: str, rounds: int, steps_b
     dist.barrier()
     total = sum(f.size for r in reports for f in r.files)
     saved_digest = _digest(trainer.full_state_dict())
-    same_layout: list[float] = []
-    for _ in range(loads):
-        dist.barrier()
-        started = time.perf_counter()
-        load_checkpoint(directory, trainer.model_parts, trainer.optimizers)
-        same_layout.append(barrier_max(time.perf_counter() - started))
+
+    def timed_loads(into: Trainer) -> list[float]:
+        """``loads`` loads of the committed checkpoint into ``into``, the slowest rank's seconds each."""
+        seconds = []
+        for _ in range(loads):
+            dist.barrier()
+            started = time.perf_counter()
+            load_checkpoint(directory, into.model_parts, into.optimizers)
+            seconds.append(barrier_max(time.perf_counter() - started))
+        return seconds
+
+    same_layout = timed_loads(trainer)
     del trainer
     resharded = Trainer(_config(ParallelConfig(dp=2, zero=3)), rank=rank, world_size=world_size,
                         device=torch.device("cpu"))
-    other_layout: list[float] = []
-    for _ in range(loads):
-        dist.barrier()
-        started = time.perf_counter()
-        load_checkpoint(directory, resharded.model_parts, resharded.optimizers)
-        other_layout.append(barrier_max(time.perf_counter() - started))
+    other_layout = timed_loads(resharded)
     restored_equal = _digest(resharded.full_state_dict()) == saved_digest
     return {"walls": walls, "save_s": save_s, "bytes_written": bytes_written,
             "async_still_writing_after_k_steps": async_pending_at_end, "checkpoint_bytes": total,
@@ -206,65 +207,25 @@ def _filesystem(path: str) -> str:
 
 # -- 7: pipeline bubble -----------------------------------------------------------------------------------
 
-BUBBLE_MODEL = ModelConfig(n_layers=8, d_model=256, n_heads=4, vocab_size=64, seq_len=64)
-BUBBLE_MICRO_BATCH = 4
-BUBBLE_PP = 2
 BUBBLE_MS = (2, 4, 8, 16)
-MAX_DESCHEDULED = 0.25  # as the test: a step counts if each rank got >= 75% of a core while computing
 MIN_CLEAN_STEPS = 3
 
 
-def bubble_formula(m: int, p: int = BUBBLE_PP) -> float:
-    return (p - 1) / (m + p - 1)
-
-
 def _bubble_rank(rank: int, world_size: int, ms: tuple[int, ...], wanted: int, budget_s: float) -> dict[str, Any]:
-    import torch
-    import torch.distributed as dist
+    """The test's measurement (``tests.pipeline_timing``) of GPipe at each M, as idle fractions by M."""
+    from tests.pipeline_timing import time_pipeline_steps
 
-    from workers.mesh import build_device_mesh
-    from workers.model import build_model, cross_entropy_loss
-    from workers.pipeline import build_pipeline
-    from workers.topology import Topology
-
-    pp_mesh = build_device_mesh(Topology(pp=BUBBLE_PP, dp=1, tp=1), "cpu")["pp"]
-    model = build_model(BUBBLE_MODEL, seed=0)
-    runners, batches = {}, {}
-    for m in ms:
-        runners[m] = build_pipeline(model, pp_mesh=pp_mesh, pp_rank=rank,
-                                    parallel=ParallelConfig(pp=BUBBLE_PP, pp_schedule="gpipe"),
-                                    n_microbatches=m, loss_fn=cross_entropy_loss, device="cpu")
-        generator = torch.Generator().manual_seed(m)
-        batches[m] = torch.randint(0, BUBBLE_MODEL.vocab_size, (m * BUBBLE_MICRO_BATCH, BUBBLE_MODEL.seq_len),
-                                   generator=generator)
-        runners[m].step(batches[m], batches[m])  # warm-up: shapes
-    clean: dict[int, list[float]] = {m: [] for m in ms}
-    every: dict[int, list[tuple[float, float]]] = {m: [] for m in ms}  # (idle fraction, worst descheduled)
-    seen = 0
-    deadline = time.monotonic() + budget_s
-    while True:
-        for m, runner in runners.items():
-            cpu_started = time.process_time()
-            runner.step(batches[m], batches[m])
-            cpu_s = time.process_time() - cpu_started
-            timing = runner.last_step_timing
-            worst = torch.tensor([max(0.0, 1.0 - cpu_s / timing.busy_s)])
-            dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=pp_mesh.get_group())
-            seen += 1
-            every[m].append((timing.idle_fraction, worst.item()))
-            if worst.item() <= MAX_DESCHEDULED:
-                clean[m].append(timing.idle_fraction)
-        more = min(len(v) for v in clean.values()) < wanted and time.monotonic() < deadline
-        flag = torch.tensor([int(more)])
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=pp_mesh.get_group())
-        if not flag.item():
-            return {"clean": clean, "all": every, "steps_seen": seen}
+    timed = time_pipeline_steps(rank, world_size, [("gpipe", 1, m) for m in ms], wanted, budget_s)
+    return {"clean": {m: [t.idle_fraction for t in timed["clean"][("gpipe", 1, m)]] for m in ms},
+            "all": {m: timed["all"][("gpipe", 1, m)] for m in ms},
+            "steps_seen": sum(len(steps) for steps in timed["all"].values())}
 
 
 def bubble_figure(*, wanted: int, budget_s: float, log=print) -> tuple[list[Row], dict[str, Any]]:
     from tests.dist_utils import run_distributed
+    from tests.pipeline_timing import MAX_DESCHEDULED, PP, bubble
 
-    per_rank = run_distributed(_bubble_rank, BUBBLE_PP, BUBBLE_MS, wanted, budget_s, timeout_s=budget_s + 180)
+    per_rank = run_distributed(_bubble_rank, PP, BUBBLE_MS, wanted, budget_s, timeout_s=budget_s + 180)
     rows = []
     for m in BUBBLE_MS:
         # a step's idle fraction = the mean over the two stages (each stage idles (P-1)/(M+P-1) in theory)
@@ -278,7 +239,7 @@ def bubble_figure(*, wanted: int, budget_s: float, log=print) -> tuple[list[Row]
             worst = statistics.median(max(d for _, d in pair) for pair in pairs) if pairs else float("nan")
             note = (f"machine too loaded for clean steps (median step: a rank descheduled {worst:.0%} of its compute); "
                     f"all {len(steps)} steps, unreliable: descheduled time lands in both busy and wait time")
-        formula = bubble_formula(m)
+        formula = bubble(m)
         rows.append(Row(label=f"7. pipeline bubble, GPipe P=2, M={m}", unit="fraction", etrain=steps,
                         reference_name="(P-1)/(M+P-1)", reference=[formula],
                         goal=Goal(on="difference", op="<=", value=0.12,
@@ -292,4 +253,4 @@ def bubble_figure(*, wanted: int, budget_s: float, log=print) -> tuple[list[Row]
     return rows, raw
 
 
-__all__ = ["CHECKPOINT_MODEL", "bubble_figure", "bubble_formula", "checkpoint_figure", "steady_state_figure"]
+__all__ = ["CHECKPOINT_MODEL", "bubble_figure", "checkpoint_figure", "steady_state_figure"]

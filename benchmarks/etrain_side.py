@@ -60,10 +60,6 @@ def timeline(events: list[dict[str, Any]], origin: float) -> list[dict[str, Any]
             for e in events if e["ts"] >= origin - 1.0]
 
 
-def _wait_running(plane, job_id: str, timeout_s: float) -> None:
-    plane.wait_until(job_id, lambda job: job["step"] >= 1, timeout_s=timeout_s, what="the first step")
-
-
 def recovery(plane, job: Job, name: str) -> dict[str, Any]:
     spec = etrain_spec(job, name)
     submit_ts = time.time()

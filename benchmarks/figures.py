@@ -173,23 +173,16 @@ def _count(samples: list[float]) -> int:
     return sum(1 for s in samples if s is not None and math.isfinite(float(s)))
 
 
+#: unit -> how a median of it is written in the table
+_FORMATS = {"fraction": "{:.1%}", "×": "{:.2f}×", "s": "{:.2f} s", "steps": "{:g} steps", "ms": "{:.1f} ms",
+            "MB/s": "{:.0f} MB/s"}
+
+
 def format_value(value: float, unit: str) -> str:
     """A median for the table: seconds with 2 decimals, fractions as percentages, rates as integers."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "–"
-    if unit == "fraction":
-        return f"{100 * value:.1f}%"
-    if unit == "×":
-        return f"{value:.2f}×"
-    if unit == "s":
-        return f"{value:.2f} s"
-    if unit == "steps":
-        return f"{value:g} steps"
-    if unit == "ms":
-        return f"{value:.1f} ms"
-    if unit == "MB/s":
-        return f"{value:.0f} MB/s"
-    return f"{value:.3g} {unit}".strip()
+    return _FORMATS.get(unit, "{:.3g} " + unit).format(value).strip()
 
 
 # -- files -------------------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable
 
 from service.errors import SpecRejected
 from service.spec import JobSpec, SpecProblem
-from service.storage_roots import inside
+from service.storage_roots import inside, resolve
 from service.tenancy import Principal
 from workers import storage
 from workers.errors import CheckpointError, EtrainError
@@ -47,13 +47,10 @@ _PATH_FIELDS = (("model.hf", "model", "hf"), ("data.path", "data", "path"), ("da
 class CheckpointDirectories:
     """The rules above, over the job store's view of jobs (passed in as callables: no SQLite here)."""
 
-    def __init__(self, *, data_dir: str | os.PathLike, key: bytes, default_root: Callable[[str], str],
-                 tree: str | None = None):
-        """``tree``: the folder (or ``s3://`` prefix) holding every job's default directory, the operator's
-        ``ETRAIN_CHECKPOINT_ROOT`` (default ``<data_dir>/checkpoints``)."""
-        if tree is None:
-            tree = os.path.join(os.fspath(data_dir), "checkpoints")
-        self._tree = _resolved(tree)
+    def __init__(self, *, tree: str, key: bytes, default_root: Callable[[str], str]):
+        """``tree``: the folder (or ``s3://`` prefix) holding every job's default directory
+        (``Settings.checkpoint_tree``: ``ETRAIN_CHECKPOINT_ROOT``, default ``<data_dir>/checkpoints``)."""
+        self._tree = resolve(tree)
         self._key = key
         self._default_root = default_root
         self._lock = threading.Lock()
@@ -62,7 +59,7 @@ class CheckpointDirectories:
     def root_of(self, job_id: str, spec: dict | JobSpec) -> str:
         """The resolved checkpoint directory a job uses (its spec's path, else its default)."""
         path = spec.checkpoint.path if isinstance(spec, JobSpec) else (spec.get("checkpoint") or {}).get("path")
-        return _resolved(path) if path else self._default_root(job_id)
+        return resolve(path) if path else self._default_root(job_id)
 
     def check_reach(self, spec: JobSpec, principal: Principal, *, tenant_of: Callable[[str], str | None]) -> None:
         """SpecRejected when a path of ``spec`` (pinned) reaches into the checkpoint directory of a job the
@@ -72,7 +69,7 @@ class CheckpointDirectories:
         for field, section, name in _PATH_FIELDS:
             value = getattr(getattr(spec, section), name)
             if value:
-                problem = self._tree_problem(field, _resolved(value), principal, tenant_of)
+                problem = self._tree_problem(field, resolve(value), principal, tenant_of)
                 if problem is not None:
                     problems.append(problem)
         if problems:
@@ -102,7 +99,7 @@ class CheckpointDirectories:
             self._claims = {job: claim for job, claim in self._claims.items()
                             if now - claim[1] < CLAIM_TTL_S and tenant_of(job) is None}
             if path:
-                problems += self._checkpoint_problems(_resolved(path), principal, unfinished, tenant_of)
+                problems += self._checkpoint_problems(resolve(path), principal, unfinished, tenant_of)
             if problems:
                 raise SpecRejected(problems)
             self._claims[job_id] = (self.root_of(job_id, spec), now)
@@ -182,7 +179,3 @@ class CheckpointDirectories:
             )]
         return []
 
-
-def _resolved(path: str) -> str:
-    """A local path with symlinks and ``..`` resolved; a URL as given (without a trailing ``/``)."""
-    return storage.normalize_url(path) if storage.is_url(path) else os.path.realpath(path)

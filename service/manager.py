@@ -70,8 +70,8 @@ class JobManager:
         #: Signs and verifies checkpoint manifests; travels only to supervisors, in their JobPolicy.
         self._checkpoint_key = load_or_create_key(settings.data_dir)
         self._directories = CheckpointDirectories(
-            data_dir=settings.data_dir, key=self._checkpoint_key,
-            default_root=lambda job_id: self.settings.checkpoint_location(job_id), tree=settings.checkpoint_tree,
+            tree=settings.checkpoint_tree, key=self._checkpoint_key,
+            default_root=lambda job_id: self.settings.checkpoint_location(job_id),
         )
         self._step_cursor: dict[str, int] = {}  # job -> seq of the supervisor's last step row stored
         # job -> its kept step time, rebuilt from the steps table once per control-plane lifetime and then

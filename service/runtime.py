@@ -150,10 +150,9 @@ class JobSupervisor:
         self._steps: list[dict[str, Any]] = []
         self._step_seq = 0
         self._group: WorkerGroup | None = None
-        self._ready: dict[int, set[int]] = {}
+        self._ready: dict[int, dict[int, str | None]] = {}  # attempt -> ready rank -> where its state came from
         self._reports: dict[int, dict[int, Any]] = {}  # step -> rank -> ShardReport
         self._step_calls = 0  # report_steps calls taken in (one per batch from rank 0, not per rank per step)
-        self._step_records = 0  # steps they carried
         self._stragglers = StragglerDetector(policy.stragglers, stages=_stages(config.parallel))
         self._straggler_findings: list[dict[str, Any]] = []
         self._chaos: dict[int, ChaosOrder] = {}
@@ -165,7 +164,6 @@ class JobSupervisor:
         # Nodes of ranks lost as process faults (restart charged at once), watched until the cluster
         # declares them dead (refund) or UNCONFIRMED_WATCH_S pass: node -> (attempt, watch until).
         self._unconfirmed: dict[str, tuple[int, float]] = {}
-        self._sources: dict[int, dict[int, str]] = {}  # attempt -> rank -> where its restored state came from
         self._next_node_check = 0.0
         self._closed = threading.Event()
         self._pruner: threading.Thread | None = None
@@ -196,9 +194,9 @@ class JobSupervisor:
         self._inbox.put(("steps", attempt, records))
 
     def report_stats(self) -> dict[str, int]:
-        """How many step-report calls and step records this supervisor took in, and the last step (tests,
-        operators: one actor per job must keep up with the reports of every rank)."""
-        return {"step_report_calls": self._step_calls, "step_records": self._step_records,
+        """How many step-report calls this supervisor took in, the step rows they gave (one per step of a
+        live attempt) and the last step (tests, operators: one actor per job must keep up with every rank)."""
+        return {"step_report_calls": self._step_calls, "step_records": self._step_seq,
                 "step": int(self._latest.get("step") or 0)}
 
     def report_checkpoint(self, attempt: int, rank: int, completed_steps: int, report: Any) -> None:
@@ -340,24 +338,26 @@ class JobSupervisor:
             _, attempt, rank, source = item
             if attempt != self.state.attempt:
                 return
-            ranks = self._ready.setdefault(attempt, set())
-            ranks.add(rank)
-            if source:
-                self._sources.setdefault(attempt, {})[rank] = source
+            ranks = self._ready.setdefault(attempt, {})
+            ranks[rank] = source
             if len(ranks) == self.sm_config.world_size(self.state.dp):
                 nodes = self._group.nodes if self._group is not None else {}
                 warm = self._group.warm_ranks if self._group is not None else 0
                 self._record("placed", " ".join(f"rank{r}={nodes.get(r, '?')}" for r in sorted(ranks))
                              + f"; {warm} of {len(ranks)} ranks from warm spares")
-                self._record_state_sources(attempt)
+                self._record_state_sources(attempt, ranks)
                 self._deliver_armed_chaos()
                 self._apply(sm.GroupReady(attempt=attempt, world_size=len(ranks)), now)
         elif kind == "steps":
             _, attempt, records = item
             self._step_calls += 1
-            self._step_records += len(records)
-            for record in records:
-                self._on_step(attempt, record, now=now)
+            if attempt == self.state.attempt and records:
+                for record in records:
+                    self._on_step(attempt, record, now=now)
+                last = records[-1]  # the gauges and the job's fields show the batch's newest step
+                self._latest = {"step": int(last["step"]) + 1, "loss": last.get("loss"),
+                                "tokens_per_s": last.get("tokens_per_s")}
+                self._metrics.step(self._latest["step"], last, self.state.restarts_used)
         elif kind == "checkpoint":
             _, attempt, rank, completed, report = item
             if attempt == self.state.attempt:
@@ -431,17 +431,7 @@ class JobSupervisor:
         if resume_step != action.resume_step:
             self._inbox.put(sm.CheckpointFallback(attempt=action.attempt, step=resume_step,
                                                   reason="newer checkpoint failed verification"))
-        resume_dir = step_dir(self.root, resume_step) if resume_step else None
-        plan = LaunchPlan(
-            attempt=action.attempt,
-            config=config,
-            start_step=resume_step or 0,
-            resume_dir=resume_dir,
-            resume_digest=self._verified_digests.get(resume_step) if resume_step else None,
-            chaos=tuple(order for order in self._chaos.values() if order.at_step is not None),
-        )
-        # A fresh detector per attempt, judging ranks within their pipeline stage of this layout.
-        self._stragglers = StragglerDetector(self.policy.stragglers, stages=_stages(config.parallel))
+        plan = self._attempt_plan(action.attempt, config, resume_step)
         group = WorkerGroup(
             job_id=self.job_id,
             plan=plan,
@@ -475,19 +465,9 @@ class JobSupervisor:
         any failure becomes RepairFailed, and the state machine relaunches every rank instead."""
         group = self._group
         step = action.resume_step
-        config = self.config.with_dp(self.state.dp)
-        plan = LaunchPlan(
-            attempt=action.attempt,
-            config=config,
-            start_step=step,
-            resume_dir=step_dir(self.root, step),
-            # Known since this supervisor committed the step: ranks that must read the checkpoint check
-            # that very manifest and hash every file themselves (no full pass here: memory usually serves).
-            resume_digest=self._verified_digests.get(step),
-            chaos=tuple(order for order in self._chaos.values() if order.at_step is not None),
-            state_from_memory=True,
-        )
-        self._stragglers = StragglerDetector(self.policy.stragglers, stages=_stages(config.parallel))
+        # The step's digest is known since this supervisor committed it: ranks that must read the checkpoint
+        # check that very manifest and hash every file themselves (no full pass here: memory usually serves).
+        plan = self._attempt_plan(action.attempt, self.config.with_dp(self.state.dp), step, state_from_memory=True)
         self._record("repairing", f"attempt {action.attempt}: rank {action.lost_rank} replaced in place, the other "
                                   f"{action.world_size - 1} ranks kept, resuming from step {step}")
         if group is None or group.world_size != action.world_size:
@@ -502,14 +482,29 @@ class JobSupervisor:
 
         threading.Thread(target=repair, name=f"repair-{self.job_id}-{action.attempt}", daemon=True).start()
 
-    def _record_state_sources(self, attempt: int) -> None:
+    def _attempt_plan(self, attempt: int, config: RunConfig, resume_step: int | None, *,
+                      state_from_memory: bool = False) -> LaunchPlan:
+        """The plan of a new attempt (a launch or an in-place repair), with a fresh straggler detector
+        judging ranks within their pipeline stage of its layout."""
+        self._stragglers = StragglerDetector(self.policy.stragglers, stages=_stages(config.parallel))
+        return LaunchPlan(
+            attempt=attempt,
+            config=config,
+            start_step=resume_step or 0,
+            resume_dir=step_dir(self.root, resume_step) if resume_step else None,
+            resume_digest=self._verified_digests.get(resume_step) if resume_step else None,
+            chaos=tuple(order for order in self._chaos.values() if order.at_step is not None),
+            state_from_memory=state_from_memory,
+        )
+
+    def _record_state_sources(self, attempt: int, sources: dict[int, str | None]) -> None:
         """One event saying where every rank's restored state came from (a resume only)."""
-        sources = self._sources.pop(attempt, {})
-        if not sources:
-            return
         by_source: dict[str, list[int]] = {}
         for rank, source in sorted(sources.items()):
-            by_source.setdefault(source, []).append(rank)
+            if source:
+                by_source.setdefault(source, []).append(rank)
+        if not by_source:
+            return
         self._record("state_restored", f"attempt {attempt}, step {self.state.step}: " + "; ".join(
             f"ranks {','.join(map(str, ranks))} from {source}" for source, ranks in by_source.items()))
 
@@ -651,20 +646,15 @@ class JobSupervisor:
         """One completed step as rank 0 reported it: its metrics, and every rank's timings in ``ranks``.
 
         Rank 0 reports a step only after every rank took part in that step's boundary exchange, so the
-        step is every rank's heartbeat.
+        step is every rank's heartbeat: StepReported is the progress (no separate Heartbeat event).
         """
-        if attempt != self.state.attempt:
-            return
-        rank = 0
         completed = int(metrics["step"]) + 1
-        self._apply(sm.Heartbeat(attempt=attempt, rank=rank, step=completed), now)
         # Only timing-sync steps separate a rank's compute from waiting on a slow peer (between
         # them a fast rank's compute_s includes that wait); every rank agrees which steps they are.
         compute_s = (metrics.get("ranks") or {}).get("compute_s") or []
         if metrics.get("timing_synced", True) and len(compute_s) == self.sm_config.world_size(self.state.dp):
             compute_by_rank = {r: float(seconds or 0.0) for r, seconds in enumerate(compute_s)}
             self._observe_stragglers(completed, compute_by_rank, now)
-        self._latest = {"step": completed, "loss": metrics.get("loss"), "tokens_per_s": metrics.get("tokens_per_s")}
         row = {key: metrics.get(key) for key in ("loss", "lr", "grad_norm", "step_s", "compute_s", "comm_wait_s",
                                                   "tokens_per_s", "flops_per_s", "mfu", "peak_mem_bytes")}
         row.update(step=completed, attempt=attempt, ts=now)
@@ -674,8 +664,7 @@ class JobSupervisor:
             self._steps.append(row)
             if len(self._steps) > MAX_STEP_HISTORY:
                 del self._steps[: len(self._steps) - MAX_STEP_HISTORY]
-        self._metrics.step(completed, metrics, self.state.restarts_used)
-        self._apply(sm.StepReported(attempt=attempt, step=completed, loss=float(metrics["loss"]), rank=rank), now)
+        self._apply(sm.StepReported(attempt=attempt, step=completed, loss=float(metrics["loss"]), rank=0), now)
 
     def _observe_stragglers(self, step: int, compute: dict[int, float], now: float) -> None:
         if not self.policy.stragglers.enabled:

@@ -117,17 +117,14 @@ class Settings:
             raise SettingsError(
                 f"poll_interval_s={self.poll_interval_s} must be positive.", field="poll_interval_s", fix="use e.g. 0.5"
             )
+        from service.storage_roots import parse_root
+
         roots = (self.storage_roots,) if isinstance(self.storage_roots, (str, os.PathLike)) else self.storage_roots
-        object.__setattr__(self, "storage_roots", tuple(_url_root(root, "storage_roots") if _is_url(root)
-                                                        else Path(root).expanduser() for root in roots))
-        for root in self.storage_roots:
-            if isinstance(root, str):
-                continue
-            if not root.is_absolute():
-                raise SettingsError(
-                    f"storage root {str(root)!r} is not an absolute path.", field="storage_roots",
-                    fix="give absolute directories in ETRAIN_STORAGE_ROOTS, separated by ':' or ','",
-                )
+        try:
+            object.__setattr__(self, "storage_roots", tuple(parse_root(root) for root in roots))
+        except ValueError as err:
+            raise SettingsError(f"ETRAIN_STORAGE_ROOTS: {err}.", field="storage_roots",
+                                fix=_ROOTS_FIX.format(variable="ETRAIN_STORAGE_ROOTS")) from None
 
         if self.checkpoint_base is not None:
             object.__setattr__(self, "checkpoint_base", _checkpoint_base(self.checkpoint_base))
@@ -195,15 +192,16 @@ class Settings:
 
     def checkpoint_location(self, job_id: str) -> str:
         """:meth:`checkpoint_root` as the job uses it: a local path resolved (symlinks followed), or the URL."""
-        root = self.checkpoint_root(job_id)
-        return root if isinstance(root, str) else str(root.resolve())
+        from service.storage_roots import resolve
+
+        return resolve(self.checkpoint_root(job_id))
 
     @property
     def checkpoint_tree(self) -> str:
         """The checkpoint root holding every job's default directory, resolved (a URL as it is)."""
-        if self.checkpoint_base is not None and _is_url(self.checkpoint_base):
-            return self.checkpoint_base
-        return os.path.realpath(self.checkpoint_base or self.data_dir / "checkpoints")
+        from service.storage_roots import resolve
+
+        return resolve(self.checkpoint_base or self.data_dir / "checkpoints")
 
     @property
     def api_url(self) -> str:
@@ -317,9 +315,10 @@ def _storage_roots(variable: str, raw: str) -> tuple[Path, ...]:
     try:
         return parse_roots(raw)
     except ValueError as err:
-        raise SettingsError(f"{variable}: {err}.", field=variable,
-                            fix=f"give absolute directories or s3://bucket/prefix roots, e.g. "
-                                f"{variable}=/data,/checkpoints,s3://bucket/ckpt") from None
+        raise SettingsError(f"{variable}: {err}.", field=variable, fix=_ROOTS_FIX.format(variable=variable)) from None
+
+
+_ROOTS_FIX = "give absolute directories or s3://bucket/prefix roots, e.g. {variable}=/data,/checkpoints,s3://bucket/ckpt"
 
 
 def _is_url(value: Any) -> bool:
@@ -328,23 +327,16 @@ def _is_url(value: Any) -> bool:
     return is_url(value)
 
 
-def _url_root(url: str, name: str) -> str:
-    """A URL root (storage root or checkpoint root), normalised; SettingsError when it names no plain prefix."""
-    from workers.storage import normalize_url, url_problem
-
-    problem = url_problem(url)
-    if problem:
-        variable = "ETRAIN_STORAGE_ROOTS" if name == "storage_roots" else "ETRAIN_CHECKPOINT_ROOT"
-        raise SettingsError(f"{variable}: {problem}.", field=name, fix="give s3://bucket/prefix with plain key components")
-    return normalize_url(url)
-
-
 def _checkpoint_base(raw: str | os.PathLike) -> str:
     """ETRAIN_CHECKPOINT_ROOT checked: an s3:// URL whose backend is installed, or an absolute folder."""
-    from workers.storage import missing_backend
+    from workers.storage import missing_backend, normalize_url, url_problem
 
     if _is_url(raw):
-        url = _url_root(raw, "checkpoint_base")
+        problem = url_problem(raw)
+        if problem:
+            raise SettingsError(f"ETRAIN_CHECKPOINT_ROOT: {problem}.", field="checkpoint_base",
+                                fix="give s3://bucket/prefix with plain key components")
+        url = normalize_url(raw)
         missing = missing_backend(url)
         if missing:
             raise SettingsError(f"ETRAIN_CHECKPOINT_ROOT={url!r}: {missing}.", field="checkpoint_base",

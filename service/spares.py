@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from typing import Any
 
 import ray
@@ -39,9 +40,9 @@ class SparePool:
     def __init__(self, per_node: int):
         self.per_node = max(0, int(per_node))
         self._lock = threading.Lock()
-        self._ready: dict[str, list[Any]] = {}  # node id -> warm spares, oldest first
-        self._pids: dict[Any, int] = {}  # spare -> its process id (what an operator can look up)
-        self._handed_pids: list[int] = []  # the last MAX_HANDED_PIDS spares handed out, oldest first
+        # node id -> (warm spare, its process id: what an operator can look up), oldest first
+        self._ready: dict[str, list[tuple[Any, int]]] = {}
+        self._handed_pids: deque[int] = deque(maxlen=MAX_HANDED_PIDS)  # the last spares handed out, oldest first
         self._warming: dict[str, list[tuple[Any, Any]]] = {}  # node id -> (spare, its ready() ref)
         self._taken = 0
         self._closed = threading.Event()
@@ -54,7 +55,7 @@ class SparePool:
             self.per_node = max(0, int(per_node))
             for node, spares in self._ready.items():
                 while len(spares) > self.per_node:
-                    _kill(spares.pop())
+                    _kill(spares.pop()[0])
         self._wake.set()
 
     def take(self, nodes: list[str]) -> list[Any]:
@@ -62,13 +63,14 @@ class SparePool:
         handed: list[Any] = []
         with self._lock:
             for node in nodes:
-                spares = self._ready.get(node) or []
-                spare = spares.pop(0) if spares else None
-                pid = self._pids.pop(spare, None)
-                if pid is not None:
-                    self._handed_pids = [*self._handed_pids, pid][-MAX_HANDED_PIDS:]
-                handed.append(spare)
-            self._taken += sum(spare is not None for spare in handed)
+                spares = self._ready.get(node)
+                if spares:
+                    spare, pid = spares.pop(0)
+                    self._handed_pids.append(pid)
+                    self._taken += 1
+                    handed.append(spare)
+                else:
+                    handed.append(None)
         self._wake.set()
         return handed
 
@@ -77,7 +79,7 @@ class SparePool:
             return {"per_node": self.per_node, "taken": self._taken,
                     "ready": {node: len(spares) for node, spares in self._ready.items() if spares},
                     "handed_pids": list(self._handed_pids),
-                    "ready_pids": sorted(self._pids[spare] for spares in self._ready.values() for spare in spares),
+                    "ready_pids": sorted(pid for spares in self._ready.values() for _, pid in spares),
                     "warming": {node: len(spares) for node, spares in self._warming.items() if spares}}
 
     def close(self) -> None:
@@ -85,7 +87,7 @@ class SparePool:
         self._wake.set()
         with self._lock:
             for spares in self._ready.values():
-                for spare in spares:
+                for spare, _ in spares:
                     _kill(spare)
             for warming in self._warming.values():
                 for spare, _ in warming:
@@ -109,8 +111,7 @@ class SparePool:
         with self._lock:
             for gone in set(self._ready) | set(self._warming):
                 if gone not in nodes:  # its node died: the spares died with it
-                    for spare in self._ready.pop(gone, []):
-                        self._pids.pop(spare, None)
+                    self._ready.pop(gone, None)
                     self._warming.pop(gone, None)
             for node in nodes:
                 warming = self._warming.setdefault(node, [])
@@ -120,11 +121,11 @@ class SparePool:
                         if ref in done:
                             warming.remove((spare, ref))
                             try:
-                                self._pids[spare] = ray.get(ref, timeout=1)["pid"]
+                                pid = ray.get(ref, timeout=1)["pid"]
                             except Exception as err:
                                 log.warning("a spare on node %s failed to start: %s", node[:12], err)
                                 continue
-                            self._ready.setdefault(node, []).append(spare)
+                            self._ready.setdefault(node, []).append((spare, pid))
                 missing = self.per_node - len(self._ready.get(node, [])) - len(warming)
                 for _ in range(max(0, missing)):
                     spare = _start_spare(node)

@@ -43,6 +43,8 @@ __all__ = [
     "RootProblem",
     "StorageRoots",
     "inside",
+    "parse_root",
+    "resolve",
     "parse_roots",
     "pin",
 ]
@@ -86,22 +88,27 @@ def parse_roots(raw: str) -> tuple[Path | str, ...]:
     ``ValueError`` names a relative entry (a root relative to wherever the server happens to start
     would silently change meaning) or a malformed URL.
     """
-    entries = [part.strip() for part in _SEPARATOR.split(raw)]
-    roots: list[Path | str] = []
-    for entry in entries:
-        if not entry:
-            continue
-        if is_url(entry):
-            problem = url_problem(entry)
-            if problem:
-                raise ValueError(f"storage root {problem}")
-            roots.append(normalize_url(entry))
-            continue
-        expanded = os.path.expanduser(entry)
-        if not os.path.isabs(expanded):
-            raise ValueError(f"storage root {entry!r} is not an absolute path")
-        roots.append(Path(expanded))
-    return tuple(roots)
+    return tuple(parse_root(entry) for part in _SEPARATOR.split(raw) if (entry := part.strip()))
+
+
+def parse_root(entry: str | os.PathLike) -> Path | str:
+    """One storage root (from the environment or given to ``Settings``): a folder (``~`` expanded) as a
+    :class:`~pathlib.Path`, a URL normalised; ``ValueError`` for a relative folder or a malformed URL."""
+    if is_url(entry):
+        problem = url_problem(entry)
+        if problem:
+            raise ValueError(f"storage root {problem}")
+        return normalize_url(entry)
+    expanded = os.path.expanduser(os.fspath(entry))
+    if not os.path.isabs(expanded):
+        raise ValueError(f"storage root {os.fspath(entry)!r} is not an absolute path")
+    return Path(expanded)
+
+
+def resolve(path: str | os.PathLike) -> str:
+    """A local path with symlinks and ``..`` resolved (relative to the current directory); a URL as
+    given, without a trailing ``/``. How roots, checkpoint trees and checkpoint paths are compared."""
+    return normalize_url(path) if is_url(path) else os.path.realpath(os.fspath(path))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -133,8 +140,7 @@ class StorageRoots:
         chosen = list(roots) or ([data_dir] if data_dir is not None else [])
         if not chosen:
             raise ValueError("at least one storage root (or the data directory) is needed")
-        resolved = tuple(dict.fromkeys(normalize_url(root) if is_url(root) else os.path.realpath(os.fspath(root))
-                                       for root in chosen))
+        resolved = tuple(dict.fromkeys(resolve(root) for root in chosen))
         private = ()
         if data_dir is not None:
             base = os.path.realpath(os.fspath(data_dir))

@@ -94,10 +94,10 @@ class WorkerGroup:
         self.nodes: dict[int, str] = {}  # rank -> node id
         self._runs: dict[Any, int] = {}  # run ObjectRef -> rank
         self._results: dict[int, dict] = {}
-        self._suspect: tuple[float, GroupOutcome] | None = None
+        # A rank's collective failure being explained: (since, its outcome, ping ObjectRef -> rank still out).
+        self._suspect: tuple[float, GroupOutcome, dict[Any, int]] | None = None
         self._stopped = False
         self._lost: tuple[float, GroupOutcome] | None = None  # a dead rank waiting for its node's verdict
-        self._probe: dict[Any, int] = {}  # ping ObjectRef -> rank, while a collective failure is explained
         self.warm_ranks = 0  # ranks that started from a warm spare (service/spares.py)
 
     # --- start ----------------------------------------------------------------------------------
@@ -195,7 +195,7 @@ class WorkerGroup:
                     pass
         self._runs.clear()
         self._results.clear()
-        self._suspect, self._probe, self._lost = None, {}, None
+        self._suspect, self._lost = None, None
         try:
             ray.kill(self.actors[lost_rank], no_restart=True)  # dead already, or wedged: gone either way
         except Exception:
@@ -251,8 +251,7 @@ class WorkerGroup:
             if outcome.kind == "job_error" and outcome.message.startswith("collective failure"):
                 # Maybe the victim of a dead peer: find out who is gone (ping every rank).
                 if self._suspect is None:
-                    self._suspect = (now, outcome)
-                    self._probe = {actor.ping.remote(): r for r, actor in enumerate(self.actors)}
+                    self._suspect = (now, outcome, {actor.ping.remote(): r for r, actor in enumerate(self.actors)})
                 continue
             return outcome
         if self._suspect is not None:
@@ -263,7 +262,7 @@ class WorkerGroup:
         return None
 
     def _lost_rank(self, outcome: GroupOutcome, now: float, restarts_left: bool) -> GroupOutcome | None:
-        self._suspect, self._probe = None, {}
+        self._suspect = None
         if outcome.cause == "node" or restarts_left:
             return outcome
         self._lost = (now, outcome)  # the last allowed fault: poll() decides after the node's verdict
@@ -271,14 +270,14 @@ class WorkerGroup:
 
     def _explain_collective_failure(self, now: float, restarts_left: bool) -> GroupOutcome | None:
         """Which rank made the others' collectives fail: a dead node, a dead actor, a silent rank, or none."""
-        since, suspect = self._suspect
+        since, suspect, probe = self._suspect
         if (dead := self._dead_rank()) is not None:
-            self._suspect, self._probe = None, {}  # the peers failed because a node went away
+            self._suspect = None  # the peers failed because a node went away
             return GroupOutcome(kind="worker_lost", rank=dead[0], node=dead[1], cause="node",
                                 message=f"node {dead[1]} of rank {dead[0]} died")
-        answered, _ = ray.wait(list(self._probe), num_returns=len(self._probe), timeout=0)
+        answered, _ = ray.wait(list(probe), num_returns=len(probe), timeout=0)
         for ref in answered:
-            rank = self._probe.pop(ref)
+            rank = probe.pop(ref)
             try:
                 ray.get(ref, timeout=1)
             except RayActorError as err:
@@ -289,12 +288,11 @@ class WorkerGroup:
             except Exception:  # the ping itself failed some other way: no verdict from this rank
                 pass
         grace = PROBE_TIMEOUT_S if restarts_left else PEER_FAILURE_GRACE_S
-        if self._probe and now - since < grace:
+        if probe and now - since < grace:
             return None  # some rank has not answered yet
         self._suspect = None
-        if self._probe:  # silent ranks: gone or wedged, and the collective failed on them
-            rank = min(self._probe.values())
-            self._probe = {}
+        if probe:  # silent ranks: gone or wedged, and the collective failed on them
+            rank = min(probe.values())
             return GroupOutcome(kind="worker_lost", rank=rank, node=self.nodes.get(rank, ""), cause="process",
                                 message=f"rank {rank} did not answer within {grace:g}s after rank "
                                         f"{suspect.rank}'s {suspect.message}")

@@ -109,9 +109,9 @@ def save_checkpoint(
     overwritten (``CheckpointError``). ``step_dir`` may be an object-store URL (``s3://...``): DCP then
     writes through its fsspec storage.
     """
-    directory = _location(step_dir)
+    directory = os.fspath(step_dir)  # a URL string is returned as is
     _start_checkpoint(directory, extra, process_group)
-    collected = _collect_state(model_parts, optimizers)
+    collected = collect_state(model_parts, optimizers)
     writer = _writer(directory)
     with _single_process_quiet():
         dcp.save(collected.state, storage_writer=writer, process_group=process_group)
@@ -137,16 +137,13 @@ def load_checkpoint(
     The parts and optimizers may use any layout: DCP reads the slices each rank now owns. Returns
     the ``extra`` dict given to :func:`save_checkpoint`.
     """
-    directory = _location(step_dir)
+    directory = os.fspath(step_dir)
     _verify_together(directory, checksums, process_group, expect_digest)
-    collected = _collect_state(model_parts, optimizers)
+    collected = collect_state(model_parts, optimizers)
     state = collected.state
     try:
         with _single_process_quiet():
-            if storage.is_url(directory):
-                dcp.load(state, storage_reader=storage_reader(directory), process_group=process_group)
-            else:
-                dcp.load(state, checkpoint_id=directory, process_group=process_group)
+            dcp.load(state, storage_reader=storage_reader(directory), process_group=process_group)
     except CheckpointException as exc:  # DCP's (BaseException) wrapper around per-rank failures
         raise CheckpointError(
             f"cannot load {directory} into this layout: {exc}",
@@ -155,12 +152,6 @@ def load_checkpoint(
         ) from None
     apply_state(collected, model_parts, optimizers)
     return _read_extra(directory)
-
-
-def collect_state(model_parts: list[nn.Module], optimizers: list[Optimizer]) -> _Collected:
-    """This rank's FQN-keyed model and flattened optimizer state, as DCP saves and fills it (and as
-    the in-memory snapshots of ``workers/snapshot.py`` copy it)."""
-    return _collect_state(model_parts, optimizers)
 
 
 def apply_state(collected: _Collected, model_parts: list[nn.Module], optimizers: list[Optimizer]) -> None:
@@ -233,9 +224,9 @@ class AsyncCheckpointer:
         """Start saving (collective); waits first for the previous save (its report is the caller's
         to have collected via its own handle)."""
         self.wait_previous(previous_timeout_s)
-        directory = _location(step_dir)
+        directory = os.fspath(step_dir)
         _start_checkpoint(directory, extra, self._group)
-        collected = _collect_state(model_parts, optimizers)
+        collected = collect_state(model_parts, optimizers)
         writer = _writer(directory)
         # The writer is a BlockingAsyncStager: the state is copied to CPU before this returns.
         written = dcp.async_save(collected.state, storage_writer=writer, process_group=self._group)
@@ -410,8 +401,9 @@ class _Collected:
     bindings: list[_Binding]
 
 
-def _collect_state(model_parts: list[nn.Module], optimizers: list[Optimizer]) -> _Collected:
-    """FQN-keyed model and (flattened) optimizer state of all parts, merged into one dict."""
+def collect_state(model_parts: list[nn.Module], optimizers: list[Optimizer]) -> _Collected:
+    """FQN-keyed model and (flattened) optimizer state of all parts, merged into one dict: what DCP
+    saves and fills (and what the in-memory snapshots of ``workers/snapshot.py`` copy)."""
     model_state: dict[str, Any] = {}
     model_keys = []
     for part in model_parts:
@@ -567,11 +559,6 @@ def storage_reader(directory: str):
     return FsspecReader(directory, **storage.storage_options(directory))
 
 
-def _location(step_dir: str | os.PathLike) -> str:
-    """A step directory as a string: a URL as given, a local path via ``os.fspath``."""
-    return step_dir if storage.is_url(step_dir) else os.fspath(step_dir)
-
-
 def _shard_report(directory: str, writer: _Recording, group: dist.ProcessGroup | None) -> ShardReport:
     rank, world_size = _rank(group), _world_size(group)
     assert writer.prefix is not None, "DCP finished without planning this rank's writes"
@@ -599,38 +586,25 @@ def _start_checkpoint(directory: str, extra: dict[str, Any], group: dist.Process
     rank hears the verdict before any rank writes a shard (stale shards of a crashed attempt must
     not mix with new ones, and nobody may start DCP's collectives if rank 0 cannot take part)."""
 
-    def start() -> None:
-        if storage.is_url(directory):
-            return start_url()
-        if os.path.exists(os.path.join(directory, MANIFEST_NAME)):
+    def start() -> None:  # a local folder or (URL) an object-store prefix, through workers/storage.py
+        if storage.exists(storage.join(directory, MANIFEST_NAME)):
             try:
                 verify(directory)
             except CheckpointError:
                 # A commit that no longer verifies (rot, a corruption drill) was passed over at
                 # restore; the re-run of its step replaces it. Keep the bad one aside for inspection.
-                os.replace(directory, f"{directory}.corrupt-{int(time.time())}")
-            else:
-                raise CheckpointError(
-                    f"{directory} already holds a committed checkpoint; refusing to overwrite it",
-                    fix="save each step once; resume from the committed step instead of saving it again",
-                )
-        if os.path.isdir(directory):
-            shutil.rmtree(directory)
-        os.makedirs(directory)
-        atomic_write_bytes(os.path.join(directory, EXTRA_NAME), _encode_extra(extra))
-
-    def start_url() -> None:  # the same steps on an object store (a "directory" is a key prefix)
-        if storage.exists(storage.join(directory, MANIFEST_NAME)):
-            try:
-                verify(directory)
-            except CheckpointError:
                 storage.replace(directory, f"{directory}.corrupt-{int(time.time())}")
             else:
                 raise CheckpointError(
                     f"{directory} already holds a committed checkpoint; refusing to overwrite it",
                     fix="save each step once; resume from the committed step instead of saving it again",
                 )
-        storage.rmtree(directory)
+        if storage.is_url(directory):
+            storage.rmtree(directory)  # every object under the prefix (a prefix needs no creating)
+        else:  # strict locally: a folder that cannot be cleared fails the save, never mixes old shards in
+            if os.path.isdir(directory):
+                shutil.rmtree(directory)
+            os.makedirs(directory)
         atomic_write_bytes(storage.join(directory, EXTRA_NAME), _encode_extra(extra))
 
     _agree(start, group, f"cannot save into {directory}")
@@ -654,10 +628,7 @@ def _encode_extra(extra: dict[str, Any]) -> bytes:
 
 def _read_extra(directory: str) -> dict[str, Any]:
     try:
-        if storage.is_url(directory):
-            payload = torch.load(io.BytesIO(storage.read_bytes(storage.join(directory, EXTRA_NAME))), weights_only=True)
-        else:
-            payload = torch.load(os.path.join(directory, EXTRA_NAME), weights_only=True)
+        payload = torch.load(io.BytesIO(storage.read_bytes(storage.join(directory, EXTRA_NAME))), weights_only=True)
     except Exception as exc:
         raise CheckpointError(f"cannot read {EXTRA_NAME} of {directory}: {exc}") from exc
     return payload["extra"]

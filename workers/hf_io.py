@@ -56,11 +56,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, HuggingFaceStorageReader
+from torch.distributed.checkpoint import DefaultLoadPlanner, HuggingFaceStorageReader
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 
 from workers import storage
+from workers.checkpoint import storage_reader
 from workers.config import ModelConfig
 from workers.errors import CheckpointError, ConfigError
 from workers.hf_config import TOKENIZER_FILES, hf_config_dict, hf_name, hf_parameter_names, weight_files
@@ -279,7 +280,7 @@ def export_hf(
     (``ConfigError``, field ``checkpoint.export``) and an uncommitted or corrupt checkpoint
     (``CheckpointError``).
     """
-    directory = step_dir if storage.is_url(step_dir) else os.fspath(step_dir)
+    directory = os.fspath(step_dir)  # a URL string is returned as is
     config = hf_config_dict(model_config)  # refuses what cannot be exported, before any work
     if max_shard_bytes < 1:
         raise ValueError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
@@ -348,7 +349,7 @@ def _export_to_url(directory: str, out: str, model_config: ModelConfig, config: 
 
 def _checkpoint_shapes(directory: str, model_config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """``{etrain FQN: shape}`` to export, checked against what the checkpoint holds."""
-    metadata = _reader(directory).read_metadata().state_dict_metadata
+    metadata = storage_reader(directory).read_metadata().state_dict_metadata
     expected = expected_shapes(model_config)
     stored = {key[len(_MODEL_PREFIX):]: entry for key, entry in metadata.items() if key.startswith(_MODEL_PREFIX)}
     missing = [fqn for fqn in expected if fqn not in stored]
@@ -389,15 +390,6 @@ def _numel(shape: tuple[int, ...]) -> int:
     return count
 
 
-def _reader(directory: str):
-    """DCP's reader of a committed checkpoint: local files, or an s3:// prefix through fsspec."""
-    if storage.is_url(directory):
-        from workers.checkpoint import storage_reader
-
-        return storage_reader(directory)
-    return FileSystemReader(directory)
-
-
 def _write_weights(directory: str, tmp: str, shapes: dict[str, tuple[int, ...]], max_shard_bytes: int,
                    on_file=None) -> None:
     """``on_file(path)``: called with each file once written (the URL export uploads and deletes it)."""
@@ -410,7 +402,7 @@ def _write_weights(directory: str, tmp: str, shapes: dict[str, tuple[int, ...]],
         name = _SINGLE_NAME if len(groups) == 1 else f"model-{index:05d}-of-{len(groups):05d}.safetensors"
         tensors = {fqn: torch.empty(shapes[fqn], dtype=torch.float32) for fqn in group}
         with _quiet_single_process():
-            dcp.load({"model": tensors}, storage_reader=_reader(directory), no_dist=True)
+            dcp.load({"model": tensors}, storage_reader=storage_reader(directory), no_dist=True)
         named = {hf_name(fqn): tensor for fqn, tensor in tensors.items()}
         path = os.path.join(tmp, name)
         save_file(named, path, metadata={"format": "pt"})

@@ -46,7 +46,6 @@ import hmac as _hmac
 import json
 import os
 import re
-import shutil
 import time
 from dataclasses import dataclass
 
@@ -175,42 +174,19 @@ def step_dir(root: str | os.PathLike, step: int) -> str:
 def list_steps(root: str | os.PathLike) -> list[tuple[int, str]]:
     """Every step directory under ``root`` (committed or not), ascending by step. ``root`` may be a URL
     (``s3://bucket/prefix``: a step "directory" is the prefix of its objects, ``workers/storage.py``)."""
-    if storage.is_url(root):
-        try:
-            names = storage.subdirs(root)
-        except FileNotFoundError:
-            return []
-        return sorted((int(match.group(1)), storage.join(root, name))
-                      for name in names if (match := _STEP_DIR_RE.match(name)))
-    root = os.fspath(root)
     try:
-        names = os.listdir(root)
+        names = storage.subdirs(root)
     except FileNotFoundError:
         return []
-    steps = []
-    for name in names:
-        match = _STEP_DIR_RE.match(name)
-        path = os.path.join(root, name)
-        if match and os.path.isdir(path):
-            steps.append((int(match.group(1)), path))
-    return sorted(steps)
+    return sorted((int(match.group(1)), storage.join(root, name))
+                  for name in names if (match := _STEP_DIR_RE.match(name)))
 
 
 def checkpoint_files(step_dir: str | os.PathLike) -> list[str]:
     """Relative paths of the data files in a step directory (everything but the manifest and
     leftover ``*.tmp`` files), sorted. Chaos tests pick their victims from this list."""
-    if storage.is_url(step_dir):
-        return [rel for rel in storage.walk_files(step_dir)
-                if rel != MANIFEST_NAME and not rel.rsplit("/", 1)[-1].endswith(_TMP_SUFFIX)]
-    root = os.fspath(step_dir)
-    found = []
-    for dirpath, _dirnames, filenames in os.walk(root):
-        for name in filenames:
-            rel = os.path.relpath(os.path.join(dirpath, name), root)
-            if rel == MANIFEST_NAME or name.endswith(_TMP_SUFFIX):
-                continue
-            found.append(rel.replace(os.sep, "/"))
-    return sorted(found)
+    return [rel for rel in storage.walk_files(step_dir)
+            if rel != MANIFEST_NAME and not rel.rsplit("/", 1)[-1].endswith(_TMP_SUFFIX)]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -261,7 +237,7 @@ def commit(
     parallel right after writing; re-reading a large checkpoint on the supervisor would serialise
     that work); :func:`verify` does the full check before anything is loaded.
     """
-    directory = step_dir if storage.is_url(step_dir) else os.fspath(step_dir)
+    directory = os.fspath(step_dir)  # a URL string is returned as is
     name = storage.basename(directory)
     if world_size < 1:
         raise CheckpointError(f"cannot commit {directory}: world_size must be >= 1, got {world_size}")
@@ -350,7 +326,7 @@ def verify(
     for all): ``count`` ranks each verify their share, so the hashing of a large checkpoint is
     spread instead of one rank reading everything while the others wait in a collective.
     """
-    directory = step_dir if storage.is_url(step_dir) else os.fspath(step_dir)
+    directory = os.fspath(step_dir)
     path = storage.join(directory, MANIFEST_NAME)
     try:
         raw = storage.read_bytes(path)
@@ -394,7 +370,7 @@ def verify(
 def read_manifest(step_dir: str | os.PathLike, *, key: bytes | None) -> Manifest:
     """The manifest of ``step_dir`` with its signature (and checksum) checked, but not its files:
     who committed a directory, cheaply (``CheckpointError`` / :class:`ManifestSignatureError`)."""
-    directory = step_dir if storage.is_url(step_dir) else os.fspath(step_dir)
+    directory = os.fspath(step_dir)
     try:
         raw = storage.read_bytes(storage.join(directory, MANIFEST_NAME))
     except FileNotFoundError:
@@ -623,15 +599,11 @@ def _committed_by(directory: str, owner: str, key: bytes) -> bool:
 
 
 def _delete_step_dir(directory: str) -> None:
-    if storage.is_url(directory):  # the manifest object first: never a "committed" prefix with missing shards
-        try:
-            storage.remove(storage.join(directory, MANIFEST_NAME))
-        except FileNotFoundError:
-            pass
-        storage.rmtree(directory)
-        return
-    manifest = os.path.join(directory, MANIFEST_NAME)
-    if os.path.exists(manifest):
-        os.remove(manifest)
-        fsync_dir(directory)
-    shutil.rmtree(directory, ignore_errors=True)
+    # The manifest first (made durable locally): never a "committed" directory with missing shards.
+    try:
+        storage.remove(storage.join(directory, MANIFEST_NAME))
+    except FileNotFoundError:
+        pass
+    else:
+        fsync_dir(directory)  # a no-op for a URL
+    storage.rmtree(directory)

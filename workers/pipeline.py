@@ -273,7 +273,9 @@ class _Stopwatch:
             self._seconds["step"] += time.perf_counter() - self._step_start
 
     def timed(self, kind: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        first = self._waits.mark() if self._waits is not None else None
+        # Marks only while the trainer has the clock armed (timing-sync steps): on other steps no wait
+        # is recorded, so there is nothing to subtract and no per-chunk bookkeeping to do.
+        first = self._waits.mark() if self._waits is not None and self._waits.armed_now else None
         try:
             if self._cuda:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -58,7 +58,10 @@ class ReportBatcher:
                 raise RuntimeError("ReportBatcher.add after close()")
             self._buffer.append(record)
             due = urgent or self._clock() - self._last_sent >= self._interval
-            self._cond.notify()  # the timer thread re-computes when the buffer is due
+            if len(self._buffer) == 1 and not due:
+                # The buffer just became non-empty: the timer thread (asleep with nothing to send)
+                # computes its deadline. Later adds leave the deadline as it is, so they do not wake it.
+                self._cond.notify()
         if due:
             self.flush()
 
@@ -79,8 +82,9 @@ class ReportBatcher:
             try:
                 result = self._send(batch)
             except BaseException:
-                with self._cond:  # keep the records, in order, for the next attempt
+                with self._cond:  # keep the records, in order, for the next attempt (the timer's)
                     self._buffer[:0] = batch
+                    self._cond.notify()
                 raise
             self.calls += 1
             self.records += len(batch)

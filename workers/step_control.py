@@ -17,6 +17,7 @@ Torch-free and Ray-free: unit-tested in ``tests/unit/test_step_control.py``.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from collections.abc import Mapping, Sequence
@@ -50,8 +51,24 @@ class Boundary:
     completed: int  # steps completed (the step index + 1)
     save: bool
     stop: bool
-    #: field name (RANK_TIMINGS) -> one value per rank, in rank order.
-    timings: dict[str, list[Any]]
+    #: Every rank's vector (FIELDS), in rank order, as exchanged.
+    rows: Sequence[Sequence[float]]
+
+    @functools.cached_property
+    def timings(self) -> dict[str, list[Any]]:
+        """Field name (RANK_TIMINGS) -> one value per rank, in rank order. Built on first use: only
+        rank 0 reads it (to report), so the other ranks never pay for the table."""
+        def column(name: str) -> list[float]:
+            index = FIELDS.index(name)
+            return [row[index] for row in self.rows]
+
+        return {
+            "compute_s": column("compute_s"),
+            "comm_wait_s": column("comm_wait_s"),
+            "step_s": column("step_s"),
+            "timing_synced": [value != 0.0 for value in column("timing_synced")],
+            "peak_mem_bytes": [int(value) for value in column("peak_mem_bytes")],
+        }
 
     @property
     def urgent(self) -> bool:
@@ -103,20 +120,12 @@ def decode(rows: Sequence[Sequence[float]], *, step: int) -> Boundary:
     if flags != int(flags) or not 0 <= flags <= _ALL_FLAGS:
         raise ValueError(f"rank 0's flags {flags} are not a combination of SAVE={SAVE} and STOP={STOP}")
     flags = int(flags)
-    columns = {name: [row[index] for row in rows] for index, name in enumerate(FIELDS)}
-    timings: dict[str, list[Any]] = {
-        "compute_s": columns["compute_s"],
-        "comm_wait_s": columns["comm_wait_s"],
-        "step_s": columns["step_s"],
-        "timing_synced": [value != 0.0 for value in columns["timing_synced"]],
-        "peak_mem_bytes": [int(value) for value in columns["peak_mem_bytes"]],
-    }
-    return Boundary(completed=step + 1, save=bool(flags & SAVE), stop=bool(flags & STOP), timings=timings)
+    return Boundary(completed=step + 1, save=bool(flags & SAVE), stop=bool(flags & STOP), rows=rows)
 
 
 def step_record(metrics: Mapping[str, Any], boundary: Boundary) -> dict[str, Any]:
     """What rank 0 reports for one step: its own metrics plus every rank's timings under ``ranks``."""
-    return {**metrics, "ranks": {name: list(values) for name, values in boundary.timings.items()}}
+    return {**metrics, "ranks": boundary.timings}
 
 
 class ControlRequests:

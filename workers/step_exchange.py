@@ -38,16 +38,21 @@ class StepExchange:
                 raise RuntimeError(f"StepExchange over {world_size} ranks needs an initialized default process group")
             timeout = timedelta(seconds=timeout_s) if timeout_s else None
             self._group = dist.new_group(backend="gloo", timeout=timeout)
+        # Buffers made once per attempt, reused every step: the vector is written in place through
+        # its numpy view, and the ranks' rows are views of one (world, FIELDS) tensor, read with one
+        # ``tolist()`` (no per-step tensor, no per-rank conversion).
         self._local = torch.zeros(len(FIELDS), dtype=torch.float64)
-        self._rows = [torch.zeros(len(FIELDS), dtype=torch.float64) for _ in range(world_size)]
+        self._local_view = self._local.numpy()
+        self._gathered = torch.zeros(world_size, len(FIELDS), dtype=torch.float64)
+        self._rows = list(self._gathered.unbind(0))
 
     def exchange(self, vector: Sequence[float]) -> list[list[float]]:
         """Every rank's vector, in rank order (collective on every rank of the world)."""
-        self._local.copy_(torch.tensor(vector, dtype=torch.float64))
+        self._local_view[:] = vector
         if self._group is None:
             return [self._local.tolist()]
         dist.all_gather(self._rows, self._local, group=self._group)
-        return [row.tolist() for row in self._rows]
+        return self._gathered.tolist()
 
     def boundary(self, metrics: Mapping[str, Any], flags: int = 0) -> Boundary:
         """Exchange this rank's timings (and, on rank 0, its decision flags); what every rank then knows."""

@@ -265,8 +265,8 @@ class TrainWorker:
                 flags = (self._control.decide(step + 1, total_steps=total, every_steps=config.checkpoint.every_steps)
                          if self.rank == 0 else 0)
                 boundary = exchange.boundary(metrics, flags)
-                if batcher is not None:
-                    batcher.add(step_record(metrics, boundary), urgent=boundary.urgent or step + 1 == total)
+                if batcher is not None:  # the last step is always a save, so urgent too
+                    batcher.add(step_record(metrics, boundary), urgent=boundary.urgent)
                 if log is not None:
                     log.write(f"step {step + 1}/{total} loss {metrics['loss']:.4f} "
                               f"compute {metrics['compute_s']:.3f}s comm_wait {metrics['comm_wait_s']:.3f}s")
@@ -323,9 +323,15 @@ class TrainWorker:
         """Copy this rank's state at a checkpointed step to host memory, for an in-place repair.
 
         Two are kept: the newest may not be committed yet when a rank dies, the one before it is.
+        Only where a data-parallel replica holds the same state: the rank a repair replaces is a new
+        process with no snapshot, so without a replica to send it one every rank restores from storage
+        (``workers.snapshot.share_snapshots``) and a copy here would never be read.
         """
-        from workers.snapshot import take_snapshot
+        from workers.snapshot import replicated, take_snapshot
 
+        parallel = self._plan.config.parallel
+        if not replicated(parallel.zero, parallel.dp):
+            return
         self._snapshots[completed_steps] = take_snapshot(completed_steps, *trainer.state_for_checkpoint())
         for old in sorted(self._snapshots)[:-2]:
             del self._snapshots[old]
@@ -370,12 +376,12 @@ class TrainWorker:
         self._keep_snapshot(trainer, completed_steps)
         if self._async is None:
             report = trainer.save(directory)
-            self._fire_save_chaos(completed_steps, "checkpoint_write")
+            self._fire_due_chaos(completed_steps, "checkpoint_write")
             ray.get(
                 self._supervisor.report_checkpoint.remote(attempt, self.rank, completed_steps, report),
                 timeout=REPORT_TIMEOUT_S,
             )
-            self._fire_save_chaos(completed_steps, "checkpoint_commit")
+            self._fire_due_chaos(completed_steps, "checkpoint_commit")
             return
         # Async: training goes on once the state is staged in memory; the shard report goes to the
         # supervisor when the files are written (it commits the step only when every rank reported).
@@ -384,10 +390,10 @@ class TrainWorker:
 
         def report_when_written() -> None:
             report = pending.wait(timeout_s=REPORT_TIMEOUT_S * 10)
-            self._fire_save_chaos(completed_steps, "checkpoint_write")
+            self._fire_due_chaos(completed_steps, "checkpoint_write")
             ray.get(self._supervisor.report_checkpoint.remote(attempt, self.rank, completed_steps, report),
                     timeout=REPORT_TIMEOUT_S)
-            self._fire_save_chaos(completed_steps, "checkpoint_commit")
+            self._fire_due_chaos(completed_steps, "checkpoint_commit")
 
         thread = threading.Thread(target=report_when_written, name=f"ckpt-report-{completed_steps}", daemon=True)
         thread.start()
@@ -397,7 +403,9 @@ class TrainWorker:
 
     def _fire_due_chaos(self, step: int, during: str = "step") -> None:
         """Fire the armed drills due at this moment: the start of ``step``, or (``during`` a save) the
-        save after ``step`` completed steps."""
+        save after ``step`` completed steps, the first at or after their ``at_step``:
+        ``checkpoint_write`` (shards written, not reported: the step never commits) or
+        ``checkpoint_commit`` (reported: the supervisor commits without this rank)."""
         with self._chaos.lock:
             due = [order for order in self._chaos.pending.values()
                    if order.during == during and (order.at_step is None or order.at_step <= step)]
@@ -405,12 +413,6 @@ class TrainWorker:
                 del self._chaos.pending[order.id]
         for order in due:
             self._fire(order, step=step)
-
-    def _fire_save_chaos(self, completed_steps: int, during: str) -> None:
-        """Kill drills that land inside the save of ``completed_steps`` (the first at or after their
-        ``at_step``): ``checkpoint_write`` (shards written, not reported: the step never commits) or
-        ``checkpoint_commit`` (reported: the supervisor commits without this rank)."""
-        self._fire_due_chaos(completed_steps, during)
 
     def _fire(self, order: ChaosOrder, step: int | None = None) -> None:
         import ray

@@ -7,13 +7,16 @@ remove. Health checks are tightened so a removed node is declared dead in a few 
 
 from __future__ import annotations
 
+import json
+import re
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 
-from tests.service_harness import ControlPlane, control_plane
+from tests.service_harness import ControlPlane, control_plane, event_kinds, event_text
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
@@ -87,12 +90,76 @@ def run_clean(plane: ControlPlane, body: dict) -> dict:
     return job
 
 
+def param_digests(plane: ControlPlane, job_id: str) -> dict[int, str]:
+    """Rank -> digest of its final parameters, from the job's last ``ranks_finished`` event."""
+    finished = [event_text(e) for e in plane.events(job_id) if e["kind"] == "ranks_finished"]
+    assert finished, f"job {job_id} has no ranks_finished event"
+    return {int(rank): digest for rank, digest in re.findall(r"rank(\d+)=(\S+)", finished[-1])}
+
+
+@dataclass(frozen=True)
+class CleanRun:
+    """What a recovered run is compared with: the uninterrupted run's losses by step and final digests."""
+
+    losses: dict[int, float]
+    digests: dict[int, str]  # rank -> digest of its final parameters
+
+
+_CLEAN_RUNS: dict[str, CleanRun] = {}
+
+
+def clean_run(plane: ControlPlane, body: dict) -> CleanRun:
+    """The uninterrupted run of ``body``, run once per test session.
+
+    Its numbers are a function of the spec alone (fp32, synthetic data, fixed seeds: the same ranks run
+    the same operations in the same order wherever Ray places them), not of the cluster or the control
+    plane that ran it. So the first module to ask runs it on its own plane, and every later module, on
+    another cluster, compares against the same numbers instead of training the same job again (a clean
+    run is tens of seconds of a 2-core CI machine). Keyed by the spec without its name.
+    """
+    key = json.dumps({k: v for k, v in body.items() if k != "name"}, sort_keys=True)
+    if key not in _CLEAN_RUNS:
+        job_id = run_clean(plane, body)["id"]
+        _CLEAN_RUNS[key] = CleanRun(losses=losses(plane, job_id), digests=param_digests(plane, job_id))
+    return _CLEAN_RUNS[key]
+
+
+def recover(plane: ControlPlane, body: dict, *orders: dict) -> tuple[dict, list[dict]]:
+    """Submit ``body`` with the chaos ``orders`` armed; wait for it to succeed. The final job and its events."""
+    job = plane.submit(body)
+    for order in orders:
+        plane.chaos(job["id"], **order)
+    final = plane.wait_terminal(job["id"], timeout_s=300)
+    assert final["status"] == "SUCCEEDED", final
+    return final, plane.events(job["id"])
+
+
+def fired(events: list[dict]) -> list[str]:
+    """The chaos orders that fired, as the events say them."""
+    return [event_text(e) for e in events if e["kind"] == "chaos_fired"]
+
+
+def restored(events: list[dict]) -> list[str]:
+    """Where each rank's state came from, per recovery (``state_restored`` events)."""
+    return [event_text(e) for e in events if e["kind"] == "state_restored"]
+
+
+def assert_repaired_in_place(final: dict, events: list[dict], times: int) -> list[str]:
+    """``times`` restarts, each an in-place repair, and never a full relaunch. The event kinds."""
+    kinds = event_kinds(events)
+    assert final["restarts"] == times, final
+    assert (kinds.count("repairing"), kinds.count("launching")) == (times, 1), kinds
+    return kinds
+
+
+def rank_pids(plane: ControlPlane, job_id: str, rank: int) -> list[int]:
+    """The pid of the rank's process in every attempt, from its log ('... (node N, pid P) ...')."""
+    lines = plane.client.get(f"/v1/jobs/{job_id}/logs", params={"rank": rank}).json()["lines"]
+    return [int(pid) for line in lines for pid in re.findall(r"pid (\d+)\)", line)]
+
+
 def placements(events: list[dict]) -> list[dict[int, str]]:
     """Rank -> node id of every launch, from the job's ``placed`` events (what an operator sees)."""
-    import re
-
-    from tests.service_harness import event_text
-
     return [
         {int(rank): node for rank, node in re.findall(r"rank(\d+)=([^\s;]+)", event_text(event))}
         for event in events
@@ -116,10 +183,6 @@ def cluster_node(cluster: Cluster, node_id: str):
 
 def resumed_from(events: list[dict]) -> list[int | None]:
     """The step each launch or in-place repair resumed from (None: fresh), in order."""
-    import re
-
-    from tests.service_harness import event_text
-
     out: list[int | None] = []
     for event in events:
         if event["kind"] in ("launching", "repairing"):

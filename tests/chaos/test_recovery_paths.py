@@ -10,52 +10,38 @@ number of restarts, the step every attempt resumed from and where each rank's st
 
 from __future__ import annotations
 
-import re
-
 import pytest
 
-from tests.chaos.conftest import losses, resumed_from, run_clean, spec
-from tests.service_harness import event_kinds, event_text
+from tests.chaos.conftest import (
+    assert_repaired_in_place,
+    clean_run,
+    fired,
+    losses,
+    param_digests,
+    recover,
+    restored,
+    resumed_from,
+    spec,
+)
+from tests.service_harness import event_text
 
 pytestmark = pytest.mark.slow
-
-
-def param_digests(plane, job_id: str) -> dict[int, str]:
-    """Rank -> digest of its final parameters, from the job's last ``ranks_finished`` event."""
-    finished = [event_text(e) for e in plane.events(job_id) if e["kind"] == "ranks_finished"]
-    assert finished, f"job {job_id} has no ranks_finished event"
-    return {int(rank): digest for rank, digest in re.findall(r"rank(\d+)=(\S+)", finished[-1])}
 
 
 @pytest.fixture(scope="module")
 def clean(shared_plane):
     """The uninterrupted DP2 run (24 steps, a checkpoint every 4): losses by step and final digests."""
-    job = run_clean(shared_plane, spec("clean-dp2"))
-    digests = param_digests(shared_plane, job["id"])
-    assert sorted(digests) == [0, 1] and len(set(digests.values())) == 1, digests  # DP replicas agree
-    return {"losses": losses(shared_plane, job["id"]), "digests": digests}
+    run = clean_run(shared_plane, spec("clean-dp2"))
+    assert sorted(run.digests) == [0, 1] and len(set(run.digests.values())) == 1, run.digests  # DP replicas agree
+    return run
 
 
-def recover(plane, name: str, *orders: dict) -> tuple[dict, list[dict]]:
-    """Submit the clean run's job with chaos ``orders`` armed; wait for its end."""
-    job = plane.submit(spec(name))
-    for order in orders:
-        plane.chaos(job["id"], **order)
-    final = plane.wait_terminal(job["id"], timeout_s=300)
-    assert final["status"] == "SUCCEEDED", final
-    return final, plane.events(job["id"])
-
-
-def assert_ends_like_clean(plane, job: dict, clean: dict) -> None:
+def assert_ends_like_clean(plane, job: dict, clean) -> None:
     recovered = losses(plane, job["id"])
-    assert sorted(recovered) == sorted(clean["losses"]) == list(range(1, 25))
-    worst = max(abs(recovered[s] - clean["losses"][s]) for s in clean["losses"])
+    assert sorted(recovered) == sorted(clean.losses) == list(range(1, 25))
+    worst = max(abs(recovered[s] - clean.losses[s]) for s in clean.losses)
     assert worst <= 1e-6, f"max |loss - clean loss| = {worst:.3g}"
-    assert param_digests(plane, job["id"]) == clean["digests"]
-
-
-def restored(events: list[dict]) -> list[str]:
-    return [event_text(e) for e in events if e["kind"] == "state_restored"]
+    assert param_digests(plane, job["id"]) == clean.digests
 
 
 def committed(events: list[dict]) -> list[int]:
@@ -67,13 +53,10 @@ def test_kill_during_a_checkpoint_write_resumes_from_the_previous_commit(shared_
     plane = shared_plane
     # Rank 1 dies inside step 12's save, its shards written but never reported: rank 0 reported, the
     # step can never commit, so the repair resumes from step 8 and saves step 12 again.
-    final, events = recover(plane, "write-kill-dp2",
+    final, events = recover(plane, spec("write-kill-dp2"),
                             {"action": "kill_rank", "rank": 1, "at_step": 10, "during": "checkpoint_write"})
-    assert final["restarts"] == 1
-    fired = [event_text(e) for e in events if e["kind"] == "chaos_fired"]
-    assert fired == ["kill_rank on rank 1 at step 12 during checkpoint_write (order 1)"], fired
-    kinds = event_kinds(events)
-    assert kinds.count("repairing") == 1 and kinds.count("launching") == 1
+    kinds = assert_repaired_in_place(final, events, times=1)
+    assert fired(events) == ["kill_rank on rank 1 at step 12 during checkpoint_write (order 1)"]
     assert resumed_from(events) == [None, 8]
     # Step 12 was committed once, after the repair, by attempt 2 (never from attempt 1's partial save).
     before = committed(events[:kinds.index("repairing")])
@@ -88,13 +71,10 @@ def test_kill_during_the_commit_resumes_from_the_step_it_reported(shared_plane, 
     # Rank 0 dies right after the supervisor accepted its report of step 12. Rank 1 (one shard file to
     # hash against rank 0's three) has reported by then, so the report completes the step: the commit
     # happens around a dead rank, and the repair resumes from step 12 with nothing recomputed.
-    final, events = recover(plane, "commit-kill-dp2",
+    final, events = recover(plane, spec("commit-kill-dp2"),
                             {"action": "kill_rank", "rank": 0, "at_step": 10, "during": "checkpoint_commit"})
-    assert final["restarts"] == 1
-    fired = [event_text(e) for e in events if e["kind"] == "chaos_fired"]
-    assert fired == ["kill_rank on rank 0 at step 12 during checkpoint_commit (order 1)"], fired
-    kinds = event_kinds(events)
-    assert kinds.count("repairing") == 1 and kinds.count("launching") == 1
+    kinds = assert_repaired_in_place(final, events, times=1)
+    assert fired(events) == ["kill_rank on rank 0 at step 12 during checkpoint_commit (order 1)"]
     assert committed(events[:kinds.index("repairing")]) == [4, 8, 12]
     assert resumed_from(events) == [None, 12]
     assert committed(events) == [4, 8, 12, 16, 20, 24]
@@ -108,13 +88,12 @@ def test_kill_during_the_commit_resumes_from_the_step_it_reported(shared_plane, 
 
 def test_two_failures_in_a_row_are_each_repaired_in_place(shared_plane, clean):
     plane = shared_plane
-    final, events = recover(plane, "two-kills-dp2",
+    final, events = recover(plane, spec("two-kills-dp2"),
                             {"action": "kill_rank", "rank": 1, "at_step": 10},
                             {"action": "kill_rank", "rank": 0, "at_step": 18})
-    assert final["restarts"] == 2
-    kinds = event_kinds(events)
-    assert kinds.count("chaos_fired") == 2 and kinds.count("worker_failed") == 2
-    assert kinds.count("repairing") == 2 and kinds.count("launching") == 1  # never a full relaunch
+    kinds = assert_repaired_in_place(final, events, times=2)  # never a full relaunch
+    assert fired(events) == ["kill_rank on rank 1 at step 10 (order 1)", "kill_rank on rank 0 at step 18 (order 2)"]
+    assert kinds.count("worker_failed") == 2
     assert resumed_from(events) == [None, 8, 16]
     # The second repair draws on the first one's replacement: rank 0 is restored from rank 1's memory.
     assert restored(events) == [
@@ -128,14 +107,11 @@ def test_a_failure_of_the_replacement_itself_is_repaired_again(shared_plane, cle
     plane = shared_plane
     # Both orders armed up front: the first kills rank 1 at step 10; the second, still pending, travels
     # in the repair's launch plan to the replacement and kills it at step 11, three steps after it resumed.
-    final, events = recover(plane, "replacement-kill-dp2",
+    final, events = recover(plane, spec("replacement-kill-dp2"),
                             {"action": "kill_rank", "rank": 1, "at_step": 10},
                             {"action": "kill_rank", "rank": 1, "at_step": 11})
-    assert final["restarts"] == 2
-    fired = [event_text(e) for e in events if e["kind"] == "chaos_fired"]
-    assert fired == ["kill_rank on rank 1 at step 10 (order 1)", "kill_rank on rank 1 at step 11 (order 2)"], fired
-    kinds = event_kinds(events)
-    assert kinds.count("repairing") == 2 and kinds.count("launching") == 1
+    kinds = assert_repaired_in_place(final, events, times=2)
+    assert fired(events) == ["kill_rank on rank 1 at step 10 (order 1)", "kill_rank on rank 1 at step 11 (order 2)"]
     # The second order fired in the replacement: after the first repair's group was up again.
     second_fired = [i for i, kind in enumerate(kinds) if kind == "chaos_fired"][1]
     assert kinds.index("restored") < second_fired, kinds

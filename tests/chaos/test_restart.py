@@ -14,7 +14,7 @@ import re
 import numpy as np
 import pytest
 
-from tests.chaos.conftest import LLAMA_MODEL, losses, resumed_from, run_clean, spec
+from tests.chaos.conftest import LLAMA_MODEL, clean_run, losses, resumed_from, run_clean, spec
 from tests.service_harness import event_kinds, event_text
 
 pytestmark = pytest.mark.slow
@@ -23,15 +23,13 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def clean(shared_plane):
     """The uninterrupted DP2 run every restart test compares against."""
-    job = run_clean(shared_plane, spec("clean-dp2"))
-    return losses(shared_plane, job["id"])
+    return clean_run(shared_plane, spec("clean-dp2")).losses
 
 
 @pytest.fixture(scope="module")
 def clean_llama(shared_plane):
     """The uninterrupted DP2 run of the Llama job."""
-    job = run_clean(shared_plane, spec("clean-llama-dp2", model=LLAMA_MODEL))
-    return losses(shared_plane, job["id"])
+    return clean_run(shared_plane, spec("clean-llama-dp2", model=LLAMA_MODEL)).losses
 
 
 def assert_same_trajectory(recovered: dict[int, float], clean: dict[int, float], tol: float) -> None:

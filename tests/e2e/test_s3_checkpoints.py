@@ -19,6 +19,7 @@ import time
 
 import pytest
 
+from tests.chaos.conftest import losses, resumed_from, spec
 from tests.e2e.conftest import owned_ray
 from tests.object_store import s3_server
 from tests.service_harness import control_plane, event_kinds, event_text, storage_roots_for
@@ -31,20 +32,11 @@ ROOT = "s3://etrain-test/jobs"
 STEPS, EVERY, KEEP = 12, 4, 2
 
 
-def spec(name: str, path: str) -> dict:
-    return {
-        "name": name,
-        "model": {"n_layers": 2, "d_model": 32, "n_heads": 2, "vocab_size": 64, "seq_len": 16},
-        "data": {"kind": "synthetic", "seed": 3},
-        "parallelism": {"dp": 2},
-        "resources": {"cpus_per_worker": 1},
-        "training": {"steps": STEPS, "global_batch": 8, "micro_batch": 2, "lr": 0.01, "seed": 5},
-        "checkpoint": {"every_steps": EVERY, "keep_last": KEEP, "path": path},
-        # A relaunch, not an in-place repair from the surviving ranks' memory: the restart must read S3.
-        "fault_tolerance": {"max_restarts": 2, "heartbeat_timeout_s": 30, "backoff_base_s": 0.2, "backoff_max_s": 1,
-                            "in_place": False},
-        "stragglers": {"enabled": False},
-    }
+def s3_spec(name: str, path: str) -> dict:
+    """The chaos suite's small DP2 job, 12 steps, checkpointing to ``path``. A relaunch, not an in-place
+    repair from the surviving ranks' memory: the restart must read S3."""
+    return spec(name, steps=STEPS, every=EVERY, checkpoint={"keep_last": KEEP, "path": path},
+                fault_tolerance={"max_restarts": 2, "backoff_base_s": 0.2, "backoff_max_s": 1, "in_place": False})
 
 
 @pytest.fixture(scope="module")
@@ -68,19 +60,6 @@ def submit(plane, body: dict) -> dict:
     return response.json()
 
 
-def losses(plane, job_id: str) -> dict[int, float]:
-    return {row["step"]: row["loss"] for row in plane.steps(job_id)}
-
-
-def resumed_from(events: list[dict]) -> list[int | None]:
-    out = []
-    for event in events:
-        if event["kind"] == "launching":
-            match = re.search(r"resuming from step (\d+)", event_text(event))
-            out.append(int(match.group(1)) if match else None)
-    return out
-
-
 def committed_steps(root: str, timeout_s: float = 20.0) -> list[int]:
     """Committed steps under ``root`` once the background prune after the last commit has settled."""
     deadline = time.monotonic() + timeout_s
@@ -99,8 +78,8 @@ def log_text(plane, job_id: str, rank: int) -> list[str]:
 
 def test_a_killed_rank_resumes_from_s3_past_a_corrupt_step_to_the_clean_runs_losses(s3_plane):
     plane, s3 = s3_plane
-    clean = submit(plane, spec("s3-clean", f"{ROOT}/clean"))
-    chaos = submit(plane, spec("s3-chaos", f"{ROOT}/x"))
+    clean = submit(plane, s3_spec("s3-clean", f"{ROOT}/clean"))
+    chaos = submit(plane, s3_spec("s3-chaos", f"{ROOT}/x"))
     plane.chaos(chaos["id"], action="corrupt_checkpoint", step=8)  # armed before the step exists
     plane.chaos(chaos["id"], action="kill_rank", rank=1, at_step=10)
     clean_final = plane.wait_terminal(clean["id"], timeout_s=240)

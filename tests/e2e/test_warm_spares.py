@@ -9,13 +9,12 @@ ends.
 
 from __future__ import annotations
 
-import re
 import time
 
 import pytest
 
 from service.spares import find_pool
-from tests.chaos.conftest import losses, spec
+from tests.chaos.conftest import clean_run, losses, rank_pids, recover, spec
 from tests.service_harness import control_plane, event_kinds, event_text
 
 pytestmark = pytest.mark.slow
@@ -36,38 +35,25 @@ def ready_spare_pids(count: int, timeout_s: float = 90) -> set[int]:
         time.sleep(0.2)
 
 
-def rank_pids(plane, job_id: str, rank: int) -> list[int]:
-    """The pid of the rank's process in every attempt, from its log ('... (node N, pid P) ...')."""
-    lines = plane.client.get(f"/v1/jobs/{job_id}/logs", params={"rank": rank}).json()["lines"]
-    return [int(pid) for line in lines for pid in re.findall(r"pid (\d+)\)", line)]
-
-
 def test_first_launch_and_replacement_run_in_warm_spares_and_end_like_the_clean_run(local_ray, tmp_path):
     # Three spares on the one node: a DP2 launch takes two and leaves one ready for the replacement,
     # whatever the refill's pace on a loaded machine.
     with control_plane(tmp_path, warm_spares_per_node=3) as plane:
         body = spec("warm-dp2", steps=24)
-        clean_before = ready_spare_pids(3)
-        clean = plane.wait_terminal(plane.submit(body)["id"], timeout_s=300)
-        assert clean["status"] == "SUCCEEDED", clean
+        clean = clean_run(plane, body)  # the same spec as tests/chaos' and test_in_place_repair's clean runs
 
         first = ready_spare_pids(3)
-        job = plane.submit(body)
-        plane.chaos(job["id"], action="kill_rank", rank=1, at_step=10)
-        final = plane.wait_terminal(job["id"], timeout_s=300)
-        assert final["status"] == "SUCCEEDED", final
+        final, events = recover(plane, body, {"action": "kill_rank", "rank": 1, "at_step": 10})
         assert final["restarts"] == 1
-        events = plane.events(job["id"])
         assert "worker_failed" in event_kinds(events) and "restored" in event_kinds(events)
         placed = [event_text(e) for e in events if e["kind"] == "placed"]
         # The first launch takes a spare per rank; the in-place repair replaces only the killed rank.
         assert [text.rsplit("; ", 1)[-1] for text in placed] == [
             "2 of 2 ranks from warm spares", "1 of 2 ranks from warm spares"], placed
-        attempts = list(zip(rank_pids(plane, job["id"], 0), rank_pids(plane, job["id"], 1)))
+        attempts = list(zip(rank_pids(plane, final["id"], 0), rank_pids(plane, final["id"], 1)))
         assert len(attempts) == 2, attempts
         assert set(attempts[0]) <= first, (attempts, first)
         assert attempts[1][0] == attempts[0][0]  # the survivor kept its process
         handed = ray.get(find_pool().stats.remote(), timeout=10)["handed_pids"]
         assert attempts[1][1] in first and attempts[1][1] in handed, (attempts, first, handed)  # a ready spare
-        assert losses(plane, job["id"]) == losses(plane, clean["id"])  # exact: same data, RNG and state
-        assert clean_before  # the clean run itself started warm, too
+        assert losses(plane, final["id"]) == clean.losses  # exact: same data, RNG and state

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 
 import pytest
 import torch
@@ -27,7 +28,7 @@ from tests.object_store import s3_server
 from workers import storage
 from workers.checkpoint import AsyncCheckpointer, load_checkpoint, save_checkpoint
 from workers.config import ModelConfig
-from workers.errors import CheckpointError
+from workers.errors import CheckpointError, ConfigError
 from workers.manifest import commit, list_steps, prune, resolve_latest, step_dir, verify
 from workers.model import build_model, cross_entropy_loss
 
@@ -54,11 +55,13 @@ def _fsdp_model(seed: int, lr: float):
     return model, torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
 
 
-def _state_digest(model, optimizer) -> str:
-    """SHA-256 over the FULL model and optimizer state (collective under FSDP2: every rank gets it)."""
+def _state_digest(model, optimizer, *, sharded: bool = True) -> str:
+    """SHA-256 over the FULL model and optimizer state, by FQN. ``sharded``: an FSDP2 model, gathered whole
+    (a collective: every rank gets it); False: a plain single-process model, whole already (the same FQNs
+    and flattened optimizer keys, so the same digest for the same state)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
-    options = StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=True)
+    options = StateDictOptions(full_state_dict=sharded, flatten_optimizer_state_dict=True)
     state = {**{f"model.{k}": v for k, v in get_model_state_dict(model, options=options).items()},
              **{f"optim.{k}": v for k, v in get_optimizer_state_dict(model, optimizer, options=options).items()}}
     digest = hashlib.sha256()
@@ -106,24 +109,6 @@ def _restore_on_two_ranks(rank: int, world_size: int, directory: str, manifest_d
     extra = load_checkpoint(directory, [model], [optimizer], checksums=False, expect_digest=manifest_digest)
     return {"before": before, "after": _state_digest(model, optimizer), "extra": extra,
             "next_loss": _train_step(model, optimizer, 4)}
-
-
-def _single_digest(model, optimizer) -> str:
-    """The same digest for a plain (single-process) model: identical FQNs and flattened optimizer keys."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
-
-    options = StateDictOptions(flatten_optimizer_state_dict=True)
-    state = {**{f"model.{k}": v for k, v in get_model_state_dict(model, options=options).items()},
-             **{f"optim.{k}": v for k, v in get_optimizer_state_dict(model, optimizer, options=options).items()}}
-    digest = hashlib.sha256()
-    for name in sorted(state):
-        value = state[name]
-        digest.update(name.encode())
-        if isinstance(value, torch.Tensor):
-            digest.update(value.detach().cpu().contiguous().numpy().tobytes())
-        else:
-            digest.update(repr(value).encode())
-    return digest.hexdigest()
 
 
 # -- fixtures --------------------------------------------------------------------------------------
@@ -195,10 +180,10 @@ def test_restore_from_s3_gives_the_saved_state_bit_for_bit(saved):
     # One process, no process group: the async-saved step 2 resharded into a plain model.
     model = build_model(MODEL, seed=7)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    assert _single_digest(model, optimizer) != expected[2]
+    assert _state_digest(model, optimizer, sharded=False) != expected[2]
     extra = load_checkpoint(step_dir(root, 2), [model], [optimizer], expect_digest=manifests[2].digest)
     assert extra == {"step": 2}
-    assert _single_digest(model, optimizer) == expected[2]
+    assert _state_digest(model, optimizer, sharded=False) == expected[2]
 
 
 def test_a_corrupted_shard_object_falls_back_to_the_previous_step(saved, s3):
@@ -222,14 +207,14 @@ def test_a_corrupted_shard_object_falls_back_to_the_previous_step(saved, s3):
     with pytest.raises(CheckpointError, match="sha256 mismatch"):
         load_checkpoint(step_dir(root, 3), [model], [optimizer])
     assert load_checkpoint(found.step_dir, [model], [optimizer], expect_digest=found.manifest.digest) == {"step": 2}
-    assert _single_digest(model, optimizer) == expected[2]
+    assert _state_digest(model, optimizer, sharded=False) == expected[2]
     # Saving step 3 again (the re-run after the fallback) keeps the corrupt copy aside, and commits afresh.
     report = save_checkpoint(step_dir(root, 3), [model], [optimizer], {"step": 3})
     commit(step_dir(root, 3), 3, "single", 1, [report], key=KEY, job_id=JOB)
     assert verify(step_dir(root, 3), key=KEY).world_size == 1
-    names = storage.listdir(root)
-    assert [name for name in names if name.startswith("step_00000003.corrupt-")] and \
-        [step for step, _ in list_steps(root)] == [1, 2, 3]
+    aside = [name for name in storage.listdir(root) if name.startswith("step_00000003.corrupt-")]
+    assert len(aside) == 1, storage.listdir(root)
+    assert [step for step, _ in list_steps(root)] == [1, 2, 3]
 
 
 def test_prune_keeps_the_last_checkpoints_on_s3(saved, s3):
@@ -264,5 +249,7 @@ def test_a_llama_checkpoint_on_s3_exports_like_a_local_one(s3, tmp_path):
         expected = (tmp_path / "from-local" / name).read_bytes()
         assert (tmp_path / "from-s3" / name).read_bytes() == expected
         assert storage.read_bytes(storage.join(to_s3, name)) == expected
-    with pytest.raises(Exception, match="already holds objects"):
+    with pytest.raises(ConfigError, match=re.escape(f"export destination {to_s3} already holds objects")) as refused:
         export_hf(remote, to_s3, LLAMA)
+    assert refused.value.field == "checkpoint.export"
+    assert storage.walk_files(to_s3) == names  # the first export is untouched

@@ -31,7 +31,8 @@ def test_latency_and_false_positives_follow_the_detector(parallel, slow_rank, ba
     assert result["wrong_rank_findings"] == 0
     assert result["detected_fraction"] == 1.0
     # Reported when the 2nd window whose median is slow closes: 11..30 observations after the start.
-    assert all(110 <= s <= 300 for s in result["latency_samples_steps"]), result["latency_samples_steps"]
+    latencies = result["latency_samples_steps"]
+    assert len(latencies) == 20 and all(110 <= s <= 300 for s in latencies), latencies  # one per trial
     assert 110 <= result["detection_latency_steps"] <= 300
     assert result["measured_factor"] == pytest.approx(2.0)
     assert result["healthy_factor"] == pytest.approx(1.0)

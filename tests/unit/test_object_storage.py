@@ -132,8 +132,11 @@ def test_only_checkpoint_path_may_name_object_storage_and_only_inside_an_s3_root
                                    "local path (only checkpoint.path may name object storage).")
         assert problem.fix == "copy the files to a folder under the storage roots (/data, s3://bucket/jobs) and give its path"
     # A local path never lies inside a URL root, nor a URL inside a local root.
-    assert roots.check("checkpoint.path", "/s3:/bucket/jobs/x", "/s3:/bucket/jobs/x") is not None
-    assert StorageRoots.of(["/data"]).check("checkpoint.path", "s3://bucket/jobs", "s3://bucket/jobs") is not None
+    local = roots.check("checkpoint.path", "/s3:/bucket/jobs/x", "/s3:/bucket/jobs/x")
+    assert local.message.startswith("checkpoint.path='/s3:/bucket/jobs/x' is outside the storage roots "
+                                    "(/data, s3://bucket/jobs)"), local
+    url = StorageRoots.of(["/data"]).check("checkpoint.path", "s3://bucket/jobs", "s3://bucket/jobs")
+    assert url.message.startswith("checkpoint.path='s3://bucket/jobs' is outside the storage roots (/data)"), url
 
 
 # -- the storage API on a real S3-compatible server ------------------------------------------------

@@ -196,16 +196,19 @@ class TestStageMap:
             stage_map(pp=0, dp=1, tp=1)
 
 
+# Stage costs of a 4-stage pipeline whose last stage carries a large vocabulary head (3x).
+HEAD_HEAVY = {0: 0.10, 1: 0.08, 2: 0.08, 3: 0.30}
+
+
+@pytest.mark.parametrize("dp, tp", [(2, 2), (1, 1)], ids=["among-stage-peers", "lone-stages-vs-history"])
+@pytest.mark.parametrize("seed", range(5))
+def test_healthy_pipeline_whose_last_stage_is_slower_by_design_flags_nobody(dp, tp, seed):
+    stages = stage_map(pp=4, dp=dp, tp=tp)
+    detector = StragglerDetector(StragglerConfig(), stages=stages)
+    assert feed_stages(detector, 1000, stages, stage_cost=HEAD_HEAVY, jitter=0.2, seed=seed) == []
+
+
 class TestPeersWithinAStage:
-    # Stage costs of a 4-stage pipeline whose last stage carries a large vocabulary head (3x).
-    COSTS = {0: 0.10, 1: 0.08, 2: 0.08, 3: 0.30}
-
-    @pytest.mark.parametrize("seed", range(5))
-    def test_last_stage_slower_by_design_is_never_flagged(self, seed):
-        stages = stage_map(pp=4, dp=2, tp=2)
-        detector = StragglerDetector(StragglerConfig(), stages=stages)
-        assert feed_stages(detector, 1000, stages, stage_cost=self.COSTS, jitter=0.2, seed=seed) == []
-
     def test_without_a_stage_map_the_head_stage_would_be_flagged(self):
         # Why the map matters: compared across stages, both ranks of the head stage look 3x slow.
         stages = stage_map(pp=2, dp=2, tp=1)
@@ -216,7 +219,7 @@ class TestPeersWithinAStage:
     def test_slow_rank_found_among_its_stage_peers_only(self):
         stages = stage_map(pp=4, dp=2, tp=2)  # 4 ranks per stage
         detector = StragglerDetector(StragglerConfig(window=10, patience=2), stages=stages)
-        found = feed_stages(detector, 100, stages, stage_cost=self.COSTS, slow={6: ALWAYS}, factor=2.0, seed=1)
+        found = feed_stages(detector, 100, stages, stage_cost=HEAD_HEAVY, slow={6: ALWAYS}, factor=2.0, seed=1)
         assert [(s, f.rank, f.stage, f.basis) for s, f in found] == [(19, 6, 1, PEERS)]
         finding = found[0][1]
         assert finding.factor == pytest.approx(2.0, rel=0.2)
@@ -250,24 +253,16 @@ class TestPeersWithinAStage:
 
 
 class TestLoneStagesAgainstTheirHistory:
-    COSTS = {0: 0.10, 1: 0.08, 2: 0.08, 3: 0.30}
-
-    @pytest.mark.parametrize("seed", range(5))
-    def test_healthy_pipeline_of_unequal_stages_flags_nobody(self, seed):
-        stages = stage_map(pp=4, dp=1, tp=1)
-        detector = StragglerDetector(StragglerConfig(), stages=stages)
-        assert feed_stages(detector, 1000, stages, stage_cost=self.COSTS, jitter=0.2, seed=seed) == []
-
     @pytest.mark.parametrize("slow_rank", [0, 2, 3])
     def test_stage_that_slows_down_is_flagged_after_patience_windows(self, slow_rank):
         stages = stage_map(pp=4, dp=1, tp=1)
         detector = StragglerDetector(StragglerConfig(window=10, patience=2), stages=stages)
         slow = {slow_rank: lambda s: s >= 200}
-        found = feed_stages(detector, 400, stages, stage_cost=self.COSTS, slow=slow, factor=2.0, seed=slow_rank)
+        found = feed_stages(detector, 400, stages, stage_cost=HEAD_HEAVY, slow=slow, factor=2.0, seed=slow_rank)
         assert [(s, f.rank, f.basis) for s, f in found] == [(219, slow_rank, HISTORY)]
         finding = found[0][1]
         assert finding.stage == slow_rank
-        assert finding.peer_median == pytest.approx(self.COSTS[slow_rank], rel=0.1)  # its own healthy past
+        assert finding.peer_median == pytest.approx(HEAD_HEAVY[slow_rank], rel=0.1)  # its own healthy past
         assert finding.factor == pytest.approx(2.0, rel=0.2)
         assert "relative to the other stages" in finding.evidence and "has no peer" in finding.evidence
 
@@ -276,7 +271,7 @@ class TestLoneStagesAgainstTheirHistory:
         stages = stage_map(pp=4, dp=1, tp=1)
         detector = StragglerDetector(StragglerConfig(window=10, patience=2), stages=stages)
         everyone = {rank: (lambda s: s >= 200) for rank in stages}
-        assert feed_stages(detector, 400, stages, stage_cost=self.COSTS, slow=everyone, factor=3.0) == []
+        assert feed_stages(detector, 400, stages, stage_cost=HEAD_HEAVY, slow=everyone, factor=3.0) == []
 
     def test_only_the_stage_that_slowed_is_flagged_not_the_others_it_shifts(self):
         # Stage 1 slows 3x: the median of the others for stage 0 rises a little, never past the threshold.
