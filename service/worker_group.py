@@ -50,8 +50,11 @@ PEER_FAILURE_GRACE_S = 6.0
 NODE_DEATH_GRACE_S = 6.0
 
 
-def rank_actor_name(job_id: str, rank: int) -> str:
-    return f"etrain/{job_id}/rank{rank}"
+def rank_actor_name(job_id: str, attempt: int, rank: int) -> str:
+    """A cold rank's actor name. The attempt is part of it: a lost rank that is wedged rather than dead
+    may still hold its name while its replacement (in place) or the next group starts (ray.kill is
+    asynchronous)."""
+    return f"etrain/{job_id}/a{attempt}/rank{rank}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -139,7 +142,7 @@ class WorkerGroup:
         self.warm_ranks = sum(spare is not None for spare in spares)
         return list(actors)
 
-    def _rank_actor(self, rank: int, spare: Any | None) -> tuple[Any, Any | None]:
+    def _rank_actor(self, rank: int, spare: Any | None, attempt: int | None = None) -> tuple[Any, Any | None]:
         """(actor, its pending ``assign`` call or None): the spare made rank ``rank``, or a cold actor."""
         num_gpus = self._resources.get("GPU", 0.0)
         if spare is not None:
@@ -147,7 +150,7 @@ class WorkerGroup:
             return spare, spare.assign.remote(job_id=self.job_id, rank=rank, world_size=self.world_size,
                                               supervisor=self._supervisor, gpu_ids=gpu_ids)
         return ray.remote(TrainWorker).options(
-            name=rank_actor_name(self.job_id, rank),
+            name=rank_actor_name(self.job_id, self.attempt if attempt is None else attempt, rank),
             namespace=NAMESPACE,
             num_cpus=self._resources.get("CPU", 0.0),
             num_gpus=num_gpus,
@@ -202,7 +205,7 @@ class WorkerGroup:
             pass
         node = placement_group_table(self.pg).get("bundles_to_node_id", {}).get(lost_rank, "")
         spare = take_spares([node])[0]
-        actor, assigning = self._rank_actor(lost_rank, spare)
+        actor, assigning = self._rank_actor(lost_rank, spare, plan.attempt)
         if assigning is not None:
             ray.get(assigning, timeout=RENDEZVOUS_TIMEOUT_S)
         self.actors[lost_rank] = actor
