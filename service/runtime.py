@@ -495,6 +495,7 @@ class JobSupervisor:
             resume_digest=self._verified_digests.get(resume_step) if resume_step else None,
             chaos=tuple(order for order in self._chaos.values() if order.at_step is not None),
             state_from_memory=state_from_memory,
+            keep_snapshots=self.policy.in_place,  # only an in-place repair ever reads them
         )
 
     def _record_state_sources(self, attempt: int, sources: dict[int, str | None]) -> None:

@@ -73,6 +73,8 @@ class LaunchPlan:
     #: An in-place repair: restore start_step from the ranks' in-memory snapshots where every rank can
     #: get one (its own, or a data-parallel replica's), else from resume_dir (workers/snapshot.py).
     state_from_memory: bool = False
+    #: Keep in-memory snapshots at each save (``fault_tolerance.in_place``): nothing else reads them.
+    keep_snapshots: bool = True
 
 
 @dataclass
@@ -330,7 +332,7 @@ class TrainWorker:
         from workers.snapshot import replicated, take_snapshot
 
         parallel = self._plan.config.parallel
-        if not replicated(parallel.zero, parallel.dp):
+        if not self._plan.keep_snapshots or not replicated(parallel.zero, parallel.dp):
             return
         self._snapshots[completed_steps] = take_snapshot(completed_steps, *trainer.state_for_checkpoint())
         for old in sorted(self._snapshots)[:-2]:
