@@ -647,7 +647,7 @@ class JobSupervisor:
         """One completed step as rank 0 reported it: its metrics, and every rank's timings in ``ranks``.
 
         Rank 0 reports a step only after every rank took part in that step's boundary exchange, so the
-        step is every rank's heartbeat: StepReported is the progress (no separate Heartbeat event).
+        step is every rank's heartbeat: StepReported is the progress.
         """
         completed = int(metrics["step"]) + 1
         # Only timing-sync steps separate a rank's compute from waiting on a slow peer (between

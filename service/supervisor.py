@@ -18,7 +18,7 @@ any non-terminal status; "fault" and [n] are explained under the table::
   RECOVERING LAUNCHING  GroupReady                            RUNNING     RecordEvent(restored)    [2]
   RESIZING   LAUNCHING  GroupReady                            RUNNING     RecordEvent(resized)     [2]
   STARTING+  LAUNCHING  GroupReady(wrong world_size)          FAILED      StopGroup, MarkTerminal
-  RUNNING    UP         StepReported / Heartbeat (higher step) RUNNING    (progress clock reset)
+  RUNNING    UP         StepReported (higher step)            RUNNING    (progress clock reset)
   RUNNING    UP         StepReported(loss nan/inf)            FAILED      StopGroup, MarkTerminal
   live       any        CheckpointReported (last rank)        same        CommitCheckpoint         [3]
   live       any        CommitSucceeded(step being committed) same        checkpoint_committed     [3]
@@ -147,7 +147,6 @@ from service.supervisor_events import (
     Finished,
     GroupReady,
     GroupStopped,
-    Heartbeat,
     JobError,
     LaunchGroup,
     MarkTerminal,
@@ -172,7 +171,7 @@ __all__ = [
     "CommitFailed", "CommitSucceeded",
     "Decision", "Event", "ExcludeNode", "ExportCheckpoint", "ExportFailed", "Exported", "Finished",
     "GroupPhase", "GroupReady", "GroupStopped", "NodeLossConfirmed", "RepairFailed", "RepairGroup",
-    "Heartbeat", "JobError", "LaunchGroup", "MarkTerminal", "RecordEvent", "RequestCheckpoint",
+    "JobError", "LaunchGroup", "MarkTerminal", "RecordEvent", "RequestCheckpoint",
     "ScaleRequested", "ScheduleWake", "Start", "Status", "StepReported", "StopGroup",
     "StragglerFlagged", "SupervisorConfig", "SupervisorConfigError", "SupervisorState", "Tick",
     "WorkerLost", "backoff_delay", "decide", "initial_state",
@@ -435,12 +434,6 @@ def _on_step(state: SupervisorState, event: StepReported, now: float, config: Su
     return _progress(state, event.step, now, "step")
 
 
-def _on_heartbeat(state: SupervisorState, event: Heartbeat, now: float, config: SupervisorConfig) -> Decision:
-    if state.status is not Status.RUNNING:
-        return _ignore(state, f"Heartbeat in {state.status.value}")
-    return _progress(state, event.step, now, f"heartbeat from rank {event.rank}")
-
-
 def _on_checkpoint_fallback(
     state: SupervisorState, event: CheckpointFallback, now: float, config: SupervisorConfig
 ) -> Decision:
@@ -457,7 +450,7 @@ def _on_checkpoint_fallback(
 
 
 def _progress(state: SupervisorState, step: int, now: float, what: str) -> Decision:
-    """Only a higher step is progress: a hung collective keeps heartbeating at the same step."""
+    """Only a higher step is progress: a report of a step already seen does not reset the hang clock."""
     if step <= state.step:
         return _decision(state, [], f"{what} at step {step}: no progress past step {state.step}")
     return _decision(replace(state, step=step, last_progress_at=now), [], f"{what}: progress to step {step}")
@@ -870,7 +863,6 @@ _HANDLERS = {
     Start: _on_start,
     GroupReady: _on_group_ready,
     StepReported: _on_step,
-    Heartbeat: _on_heartbeat,
     CheckpointReported: _on_checkpoint,
     CommitSucceeded: _on_commit_succeeded,
     CommitFailed: _on_commit_failed,

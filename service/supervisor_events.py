@@ -18,7 +18,7 @@ __all__ = [
     "Abort", "Action", "Cancel", "CapacityChanged", "CheckpointFallback", "CheckpointReported",
     "CommitCheckpoint", "CommitFailed", "CommitSucceeded", "Event", "ExcludeNode", "ExportCheckpoint",
     "ExportFailed", "Exported", "Finished",
-    "GroupReady", "GroupStopped", "Heartbeat", "JobError", "LaunchGroup", "MarkTerminal", "NodeLossConfirmed",
+    "GroupReady", "GroupStopped", "JobError", "LaunchGroup", "MarkTerminal", "NodeLossConfirmed",
     "RecordEvent", "RepairFailed", "RepairGroup",
     "RequestCheckpoint", "ScaleRequested", "ScheduleWake", "Start", "StepReported", "StopGroup",
     "StragglerFlagged", "Tick", "WorkerLost",
@@ -46,13 +46,6 @@ class StepReported:
     step: int  # optimizer steps completed
     loss: float
     rank: int = 0
-
-
-@dataclass(frozen=True, kw_only=True)
-class Heartbeat:
-    attempt: int
-    rank: int
-    step: int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -209,7 +202,7 @@ class ExportFailed:
 
 Event = Union[
     NodeLossConfirmed, RepairFailed,
-    Start, GroupReady, StepReported, Heartbeat, CheckpointReported, CommitSucceeded, CommitFailed, WorkerLost,
+    Start, GroupReady, StepReported, CheckpointReported, CommitSucceeded, CommitFailed, WorkerLost,
     JobError, Tick,
     CapacityChanged, ScaleRequested, StragglerFlagged, Cancel, Abort, Finished, GroupStopped,
     CheckpointFallback, Exported, ExportFailed,

@@ -28,7 +28,6 @@ from service.supervisor import (
     GroupPhase,
     GroupReady,
     GroupStopped,
-    Heartbeat,
     JobError,
     LaunchGroup,
     MarkTerminal,
@@ -316,7 +315,7 @@ class TestGroupReady:
         assert of(d, StopGroup) == [StopGroup(attempt=2, reason="resize dp 4 -> 2")]
 
 
-class TestStepsAndHeartbeats:
+class TestSteps:
     def test_higher_step_is_progress(self):
         d = decide(running(), StepReported(attempt=1, step=11, loss=2.5), 42.0, CONFIG)
         assert (d.state.step, d.state.last_progress_at) == (11, 42.0)
@@ -343,14 +342,6 @@ class TestStepsAndHeartbeats:
     def test_steps_outside_running_are_ignored(self):
         assert decide(stopping(), StepReported(attempt=1, step=12, loss=1.0), 1.0, CONFIG).ignored
         assert decide(launching(), StepReported(attempt=1, step=1, loss=1.0), 1.0, CONFIG).ignored
-
-    def test_heartbeat_with_a_higher_step_is_progress(self):
-        d = decide(running(), Heartbeat(attempt=1, rank=5, step=13), 50.0, CONFIG)
-        assert (d.state.step, d.state.last_progress_at) == (13, 50.0)
-
-    def test_heartbeat_at_the_same_step_does_not_reset_the_hang_clock(self):
-        d = decide(running(), Heartbeat(attempt=1, rank=5, step=10), 50.0, CONFIG)
-        assert d.state.last_progress_at == 0.0
 
 
 class TestCheckpointCommit:
@@ -1124,7 +1115,6 @@ EVERY_EVENT = [
     Start(),
     GroupReady(attempt=1, world_size=8),
     StepReported(attempt=1, step=11, loss=1.0),
-    Heartbeat(attempt=1, rank=0, step=11),
     CheckpointReported(attempt=1, step=11, rank=0),
     WorkerLost(attempt=1, rank=0, node="n1", cause="process"),
     JobError(attempt=1, rank=0, message="x"),
@@ -1264,7 +1254,7 @@ class TestStories:
         s.at(10, GroupReady(attempt=1, world_size=8))
         s.at(20, StepReported(attempt=1, step=1, loss=3.0))
         for t in (30, 50, 70):
-            s.at(t, Heartbeat(attempt=1, rank=0, step=1))  # alive but stuck in a collective
+            s.at(t, StepReported(attempt=1, step=1, loss=3.0))  # a stale report while stuck in a collective
             s.at(t, Tick())
         assert s.state.status is Status.RUNNING
         d = s.at(81, Tick())
@@ -1370,8 +1360,7 @@ def random_event(rng, state, config=FUZZ_CONFIG):
         (5, lambda: Start()),
         (3, lambda: GroupReady(attempt=attempt, world_size=world)),
         (8, lambda: StepReported(attempt=attempt, step=state.step + rng.choice([0, 1, 2]), loss=2.0)),
-        (2, lambda: Heartbeat(attempt=attempt, rank=0, step=state.step + rng.choice([0, 1]))),
-        (8, lambda: CheckpointReported(attempt=attempt, step=min(state.step, total), rank=next_rank())),
+                (8, lambda: CheckpointReported(attempt=attempt, step=min(state.step, total), rank=next_rank())),
         (3, lambda: CommitSucceeded(step=rng.choice(sorted(state.committing) or [state.step]))),
         (1, lambda: CommitFailed(step=rng.choice(sorted(state.committing) or [state.step]), error="x")),
         (1, lambda: WorkerLost(attempt=attempt, rank=0, node="n1", cause=rng.choice(["process", "actor", "node"]))),
@@ -1474,7 +1463,7 @@ def test_checkpoint_fallback_moves_commit_point_and_progress_back():
     assert "step 20 failed verification; restoring step 10 (sha256 mismatch)" in decision.reason
     # Re-running steps 11..20 now counts as progress (no false hang).
     up = replace(decision.state, status=Status.RUNNING, group=GroupPhase.UP, last_progress_at=50.0)
-    progressed = decide(up, Heartbeat(attempt=2, rank=0, step=11), 51.0, CONFIG)
+    progressed = decide(up, StepReported(attempt=2, step=11, loss=2.0), 51.0, CONFIG)
     assert progressed.state.step == 11 and progressed.state.last_progress_at == 51.0
 
 
