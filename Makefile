@@ -35,7 +35,7 @@ test: $(STAMP)
 
 ## make test-fast: pure unit, API and chart/image tests only (a few minutes).
 test-fast: $(STAMP)
-	$(PY) -m pytest tests/unit tests/api tests/deploy $(PYTEST_ARGS)
+	$(PY) -m pytest tests/architecture tests/unit tests/api tests/deploy $(PYTEST_ARGS)
 
 ## make test-gpu: the NCCL / CUDA / bf16 tests (needs a GPU).
 test-gpu: $(STAMP)

@@ -1,12 +1,12 @@
 """The FastAPI application: routes, gates (auth, size limit), error handlers; nothing else.
 
-``create_app(settings)`` builds the real ``service.manager.JobManager`` in the lifespan (it starts or
+``create_app(settings)`` builds the real ``etrain.service.manager.JobManager`` in the lifespan (it starts or
 joins Ray, so it must not happen at import) and closes it on shutdown. Tests and embedders pass their
 own ``manager`` instead; the app then never closes it: whoever built it owns it.
 
 Auth is always on: with no token in the settings, ``create_app`` generates (or reuses) the admin
-token in ``<data-dir>/api-token`` (``api.auth.Authenticator.from_settings``); ``app.state.authenticator``
-resolves tokens, and every /v1 router is included behind ``api.routes.get_principal``.
+token in ``<data-dir>/api-token`` (``etrain.api.auth.Authenticator.from_settings``); ``app.state.authenticator``
+resolves tokens, and every /v1 router is included behind ``etrain.api.routes.get_principal``.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from typing import Any
 
 from fastapi import Depends, FastAPI
 
-from api.auth import Authenticator, BearerAuthGate, RequestSizeLimitMiddleware
-from api.errors import install_error_handlers
-from api.routes import cluster, get_principal, health, jobs, plan
-from api.schemas import ErrorOut
-from service.ports import JobManagerPort
-from service.settings import Settings
+from etrain.api.auth import Authenticator, BearerAuthGate, RequestSizeLimitMiddleware
+from etrain.api.errors import install_error_handlers
+from etrain.api.routes import get_principal, cluster, health, jobs, plan
+from etrain.api.schemas import ErrorOut
+from etrain.service.ports import JobManagerPort
+from etrain.service.settings import Settings
 
 
 def _version() -> str:
@@ -46,7 +46,7 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         owned: JobManagerPort | None = None
         if app.state.manager is None:
-            from service.manager import JobManager  # Ray lives behind this import
+            from etrain.service.manager import JobManager  # Ray lives behind this import
 
             # Built on the main thread, before any request is served: ray.init installs its signal
             # handlers only there. It may block for seconds (starting Ray, reattaching supervisors).

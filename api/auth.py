@@ -1,13 +1,13 @@
-"""Who is calling: bearer tokens -> :class:`service.tenancy.Principal`, and the request gates.
+"""Who is calling: bearer tokens -> :class:`etrain.service.access.tenancy.Principal`, and the request gates.
 
 Auth is always on. ``ETRAIN_API_TOKEN`` is the admin; ``ETRAIN_API_TOKENS`` / ``ETRAIN_API_TOKENS_FILE``
 map tokens to tenants; with none of them set the server generates its admin token into
-``<data-dir>/api-token`` (``service.api_token``). The routes get the caller from the security
-dependency ``api.routes.get_principal`` (so the OpenAPI document declares the bearer scheme), and
+``<data-dir>/api-token`` (``etrain.service.access.api_token``). The routes get the caller from the security
+dependency ``etrain.api.routes.get_principal`` (so the OpenAPI document declares the bearer scheme), and
 :class:`BearerAuthGate`, plain ASGI, answers the same 401 *before* FastAPI reads the body: FastAPI
 parses JSON before it runs dependencies, so without the gate a stranger's malformed body would get
 a 422 that teaches the API's validation. The size limit is plain ASGI for the same reason (an
-oversized body is never buffered). Responses come from ``api.errors``, the one error shape.
+oversized body is never buffered). Responses come from ``etrain.api.errors``, the one error shape.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.errors import error_response, etrain_error_response
-from service.errors import NotAuthenticated
-from service.settings import Settings
-from service.tenancy import ADMIN, Principal
+from etrain.api.errors import error_response, etrain_error_response
+from etrain.service.errors import NotAuthenticated
+from etrain.service.settings import Settings
+from etrain.service.access.tenancy import ADMIN, Principal
 
 log = logging.getLogger("etrain.api")
 
@@ -55,7 +55,7 @@ class Authenticator:
         token_file = None
         admin = settings.api_token
         if not settings.auth_configured:
-            from service.api_token import ensure_api_token
+            from etrain.service.access.api_token import ensure_api_token
 
             provisioned = ensure_api_token(settings.data_dir)
             admin, token_file = provisioned.token, provisioned.path
@@ -99,7 +99,7 @@ class BearerAuthGate:
 
     /healthz and /metrics stay open: load balancers and Prometheus probe them without secrets, and
     anonymously they show only aggregates (no job ids, names or tenants). The routes still resolve
-    the caller themselves (``api.routes.get_principal``); this gate only makes the refusal early.
+    the caller themselves (``etrain.api.routes.get_principal``); this gate only makes the refusal early.
     """
 
     def __init__(self, app: ASGIApp, *, authenticator: Authenticator):

@@ -635,8 +635,8 @@ class ProgressBar:
 def _cmd_prepare_data(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     """Tokenize text with a tokenizer.json into the cache a ``data: {kind: text, tokenizer: ...}`` job reads
     (or into ``--out``), here, with no server and no time limit; print the file and its token count."""
-    from workers.errors import EtrainError
-    from workers.tokenized import tokenize_text
+    from etrain.workers.protocol.errors import EtrainError
+    from etrain.workers.tokenized import tokenize_text
 
     bar = ProgressBar(err)
     try:
@@ -664,7 +664,7 @@ def _server_settings(args: argparse.Namespace, out: TextIO):
     from ``<data-dir>/api-token`` (generated at the first start, mode 0600), and a line saying where."""
     import dataclasses
 
-    from service.settings import Settings
+    from etrain.service.settings import Settings
 
     settings = Settings.from_env(
         host=args.host,
@@ -675,7 +675,7 @@ def _server_settings(args: argparse.Namespace, out: TextIO):
     )
     if settings.auth_configured:
         return settings
-    from service.api_token import ensure_api_token
+    from etrain.service.access.api_token import ensure_api_token
 
     provisioned = ensure_api_token(settings.data_dir)
     print(f"API token:      {provisioned.path.resolve()} ({'generated' if provisioned.created else 'existing'}, "
@@ -704,14 +704,14 @@ def client_token(url: str, token: str | None) -> str | None:
         return token
     if not _is_local(url):
         return None
-    from service.api_token import read_api_token, token_path
+    from etrain.service.access.api_token import read_api_token, token_path
 
     try:
         return read_api_token(token_path(os.environ.get("ETRAIN_DATA_DIR") or ".etrain"))
     except FileNotFoundError:
         return None  # the server answers 401 with the fix
     except Exception as error:  # an unsafe token file (SettingsError): say why, never use it
-        from workers.errors import EtrainError
+        from etrain.workers.protocol.errors import EtrainError
 
         if not isinstance(error, EtrainError):
             raise
@@ -745,7 +745,7 @@ def _announce(settings: Any, out: TextIO):
 def _cmd_serve(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     import uvicorn
 
-    from api.app import create_app
+    from etrain.api.app import create_app
 
     settings = _server_settings(args, out)
     app = create_app(settings, on_ready=_announce(settings, out))
@@ -764,7 +764,7 @@ def _cmd_demo(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
     import uvicorn
 
-    from api.app import create_app
+    from etrain.api.app import create_app
 
     spec = load_spec(args.file)  # a broken file fails before Ray starts
     settings = _server_settings(args, out)
@@ -976,7 +976,7 @@ def main(argv: list[str] | None = None, *, out: TextIO | None = None, err: TextI
         except KeyboardInterrupt:
             return EXIT_INTERRUPTED
         except Exception as error:  # a settings error or Ray failing to start: say so, no traceback
-            from workers.errors import EtrainError
+            from etrain.workers.protocol.errors import EtrainError
 
             if not isinstance(error, EtrainError):
                 raise

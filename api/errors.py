@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from service.errors import (
+from etrain.service.errors import (
     AdminOnly,
     ChaosDisabled,
     JobConflict,
@@ -40,8 +40,8 @@ from service.errors import (
     ServiceUnavailable,
     SpecRejected,
 )
-from service.spec import JobSpec
-from workers.errors import EtrainError
+from etrain.service.planning.spec import JobSpec
+from etrain.workers.protocol.errors import EtrainError
 
 log = logging.getLogger("etrain.api")
 

@@ -1,7 +1,7 @@
 """Response (and small request) models of the REST API: the JSON contract, built from store records.
 
-Request bodies for jobs and plans are ``service.spec.JobSpec`` itself; ``ChaosRequest`` lives with the
-manager interface (``service.ports``) because the manager consumes it. Non-finite floats (a NaN loss)
+Request bodies for jobs and plans are ``etrain.service.planning.spec.JobSpec`` itself; ``ChaosRequest`` lives with the
+manager interface (``etrain.service.ports``) because the manager consumes it. Non-finite floats (a NaN loss)
 are sent as ``null``: JSON has no NaN and the job's ``error`` says what happened.
 """
 
@@ -12,10 +12,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from service.bounds import MAX_PATH, MAX_STEPS, MAX_WORKERS, NO_NUL
-from service.ports import ChaosRequest
-from service.spec import json_int
-from service.store import EventRecord, JobRecord, JobStatus, StepRecord
+from etrain.service.planning.bounds import MAX_PATH, MAX_STEPS, MAX_WORKERS, NO_NUL
+from etrain.service.ports import ChaosRequest
+from etrain.service.planning.spec import json_int
+from etrain.service.store.job_store import EventRecord, JobRecord, JobStatus, StepRecord
 
 __all__ = [
     "ChaosRequest",
@@ -49,7 +49,7 @@ def _clean(value: Any) -> Any:
     return value
 
 
-# Request bodies are strict (a JSON string is not a number) and bounded (service/bounds.py), like the spec.
+# Request bodies are strict (a JSON string is not a number) and bounded (service/planning/bounds.py), like the spec.
 _REQUEST = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
@@ -91,7 +91,7 @@ class JobOut(BaseModel):
     stragglers: list[Any]
     goodput: float | None = Field(
         ge=0.0, le=1.0,
-        description="kept step time / wall time since submit, 0..1 (service/goodput.py: a recomputed step counts "
+        description="kept step time / wall time since submit, 0..1 (service/decisions/goodput.py: a recomputed step counts "
                     "once, queued time counts against it); null before the first step",
     )
     attempt: int

@@ -29,11 +29,11 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
-from api.schemas import EventOut, JobOut, StepOut
-from service.errors import JobNotFound
-from service.ports import JobManagerPort
-from service.store import EventRecord, StepRecord
-from service.tenancy import Principal
+from etrain.api.schemas import EventOut, JobOut, StepOut
+from etrain.service.errors import JobNotFound
+from etrain.service.ports import JobManagerPort
+from etrain.service.store.job_store import EventRecord, StepRecord
+from etrain.service.access.tenancy import Principal
 
 MEDIA_TYPE = "text/event-stream"
 POLL_S = 0.5  # how often the store is read for news

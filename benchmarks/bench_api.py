@@ -59,9 +59,9 @@ def serve(port: int, data_dir: Path, token: str, use_ray: bool) -> None:
     """Run the control plane in this process (the benchmark's ``--serve`` mode)."""
     import uvicorn
 
-    from api.app import create_app
-    from service.manager import JobManager
-    from service.settings import Settings
+    from etrain.api.app import create_app
+    from etrain.service.manager import JobManager
+    from etrain.service.settings import Settings
 
     settings = Settings(host=HOST, port=port, data_dir=data_dir, api_token=token)
     runtime = None

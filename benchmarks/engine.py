@@ -28,7 +28,7 @@ import time
 from typing import Any
 
 from benchmarks.figures import Goal, Row
-from workers.config import DataConfig, ModelConfig, ParallelConfig, RunConfig, TrainingConfig
+from etrain.workers.protocol.run_config import DataConfig, ModelConfig, ParallelConfig, RunConfig, TrainingConfig
 
 # -- 8: steady state ---------------------------------------------------------------------------------------
 
@@ -80,9 +80,9 @@ def _checkpoint_rank(rank: int, world_size: int, root: str, rounds: int, steps_b
     import torch
     import torch.distributed as dist
 
-    from workers.checkpoint import AsyncCheckpointer, load_checkpoint, save_checkpoint
-    from workers.manifest import commit
-    from workers.train import Trainer
+    from etrain.workers.checkpoint import AsyncCheckpointer, load_checkpoint, save_checkpoint
+    from etrain.workers.protocol.manifest import commit
+    from etrain.workers.train import Trainer
 
     def barrier_max(seconds: float) -> float:
         value = torch.tensor([seconds], dtype=torch.float64)

@@ -3,7 +3,7 @@ memory prediction against measured peaks.
 
 Three benchmarks, each a few minutes at most on 2 CPU cores (``--only`` runs a subset):
 
-* ``throughput``: every row runs the production ``workers.train.Trainer`` on real gloo process
+* ``throughput``: every row runs the production ``etrain.workers.train.Trainer`` on real gloo process
   groups (no Ray, so the numbers are the engine's, not the scheduler's). The peer row is a bare
   torch DDP loop over the same model and batch, the smallest thing a user could write by hand, so
   the overhead of etrain's engine (global sampler, measured timing, sync point, clipping across
@@ -29,7 +29,7 @@ from pathlib import Path
 
 from benchmarks import memory
 from tests.dist_utils import run_distributed
-from workers.config import DataConfig, ModelConfig, ParallelConfig, RunConfig, TrainingConfig
+from etrain.workers.protocol.run_config import DataConfig, ModelConfig, ParallelConfig, RunConfig, TrainingConfig
 
 BENCHMARKS = ("throughput", "init", "planner")
 
@@ -61,7 +61,7 @@ def bench_config(steps: int, parallel: ParallelConfig) -> RunConfig:
 def _etrain_rank(rank: int, world_size: int, config: RunConfig) -> dict:
     import torch
 
-    from workers.train import Trainer
+    from etrain.workers.train import Trainer
 
     trainer = Trainer(config, rank=rank, world_size=world_size, device=torch.device("cpu"))
     metrics = [trainer.train_step(step) for step in range(config.training.steps)]
@@ -83,7 +83,7 @@ def _peer_ddp_rank(rank: int, world_size: int, config: RunConfig) -> dict:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from workers.model import build_model, cross_entropy_loss
+    from etrain.workers.model import build_model, cross_entropy_loss
 
     model = build_model(config.model, seed=0)
     if world_size > 1:
@@ -117,8 +117,8 @@ def _peer_ddp_rank(rank: int, world_size: int, config: RunConfig) -> dict:
 def planned_mb(config: RunConfig, runtime_bytes: int) -> float | None:
     """The planner's per-rank peak for the same layout, its runtime allowance replaced by the measured one."""
     try:
-        from service.planner import estimate
-        from service.spec import JobSpec
+        from etrain.service.planning.planner import estimate
+        from etrain.service.planning.spec import JobSpec
     except ImportError:
         return None
     p, m = config.parallel, config.model

@@ -1,11 +1,11 @@
 """Straggler detection latency and false positives under DP, TP, ZeRO-3 and PP, on measured compute times.
 
-For the benchmark suite's figure 4. Per layout, one short real run (``workers.train.Trainer`` on gloo
+For the benchmark suite's figure 4. Per layout, one short real run (``etrain.workers.train.Trainer`` on gloo
 ranks, ``tests.dist_utils``; no Ray) records every rank's ``compute_s`` on every step (all steps are
 timing-sync steps there): first healthy, then with one rank slowed by the chaos ``slow_rank`` drill
-(``workers.worker.ChaosCallback`` of a real ``TrainWorker``) at each slowdown in turn. Those measured
+(``etrain.workers.worker.ChaosCallback`` of a real ``TrainWorker``) at each slowdown in turn. Those measured
 per-step rows (all ranks of one step together, so a load spike that hits every rank stays one) are then
-replayed through the production :class:`service.stragglers.StragglerDetector` with the job defaults
+replayed through the production :class:`etrain.service.decisions.stragglers.StragglerDetector` with the job defaults
 (window 10, threshold 1.5, patience 2), resampled with replacement:
 
 * **false positives**: a healthy stream of ``HEALTHY_OBSERVATIONS`` timing-sync steps; every finding is
@@ -35,8 +35,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
-from service.stragglers import HISTORY, PEERS, StragglerConfig, StragglerDetector, stage_map
-from workers.config import DataConfig, ModelConfig, ParallelConfig, RunConfig, TrainingConfig
+from etrain.service.decisions.stragglers import HISTORY, PEERS, StragglerConfig, StragglerDetector, stage_map
+from etrain.workers.protocol.run_config import DataConfig, ModelConfig, ParallelConfig, RunConfig, TrainingConfig
 
 __all__ = ["LAYOUTS", "SLOWDOWNS", "Trace", "bench_all", "bench_stragglers", "measure", "replay"]
 
@@ -89,8 +89,8 @@ def _rank(rank: int, world_size: int, parallel: ParallelConfig, slow_rank: int, 
     """One rank of the measured run: ``(slowdown in force, compute_s, timing_synced)`` per step."""
     import torch
 
-    from workers.train import Trainer
-    from workers.worker import ChaosCallback, TrainWorker
+    from etrain.workers.train import Trainer
+    from etrain.workers.worker import ChaosCallback, TrainWorker
 
     phases = [1.0] * (WARMUP_STEPS + healthy) + [f for f in slowdowns for _ in range(per_slowdown)]
     worker = TrainWorker(job_id="bench-stragglers", rank=rank, world_size=world_size, supervisor=None)

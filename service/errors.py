@@ -1,6 +1,6 @@
 """Errors of the job service: what a caller of the manager (the REST API, the CLI) can be told.
 
-All derive from :class:`workers.errors.EtrainError`, so ``api/errors.py`` maps the whole family to
+All derive from :class:`etrain.workers.protocol.errors.EtrainError`, so ``api/errors.py`` maps the whole family to
 HTTP in one place, and all survive pickling with their fields (a Supervisor actor may raise them
 across a Ray call). Each message names the job, the value and the fix.
 """
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from service.spec import SpecProblem
-from workers.errors import EtrainError
+from etrain.service.planning.spec import SpecProblem
+from etrain.workers.protocol.errors import EtrainError
 
 __all__ = [
     "AdminOnly",

@@ -3,7 +3,7 @@
 ``submit`` validates (spec rules, then the planner's layout and memory rules; a job the cluster can
 never hold is refused) and stores the job ``QUEUED``. The scheduler (:meth:`JobManager.schedule`, run
 at submit and by the ``etrain-scheduler`` thread) starts a queued job's supervisor only when
-:mod:`service.admission` says its whole minimum layout fits now, by priority then FIFO. A poller
+:mod:`etrain.service.decisions.admission` says its whole minimum layout fits now, by priority then FIFO. A poller
 thread pulls each live supervisor's updates into SQLite, so REST reads never touch Ray. On start-up
 the manager reattaches to supervisors that outlived a previous control plane, and the queue (rows in
 SQLite) is admitted in the same order; a started job whose supervisor is gone is queued again and
@@ -20,26 +20,28 @@ import time
 import uuid
 from typing import Any
 
-from service import admission, idempotency, planner
-from service.cluster import Runtime
-from service.control import ControlQueue, ControlRequest, NotYet
-from service.elastic import ElasticPolicy, ResizeError
-from service.errors import ChaosDisabled, JobConflict, JobNotFound, RankNotFound, ServiceUnavailable, SpecRejected
-from service.goodput import ProductiveTally, goodput
-from service.runtime import JobPolicy
-from service.settings import Settings
-from service.checkpoint_dirs import CheckpointDirectories
-from service.checkpoint_key import load_or_create_key
-from service.spec import JobSpec, SpecProblem, check_spec, pin_paths
-from service.storage_roots import StorageRoots, pin
-from service.store import EventRecord, JobRecord, JobStatus, JobStore, StepRecord
-from service.quotas import TenantQuotas
-from service.tenancy import ADMIN, Principal
-from service.stragglers import StragglerConfig
-from workers import storage
-from workers.errors import CheckpointError, ConfigError
-from workers.manifest import latest_committed, list_steps, step_dir, verify
-from workers.rank_log import rank_log_path, read_lines
+from etrain.service.decisions import admission
+from etrain.service.store import idempotency
+from etrain.service.planning import planner
+from etrain.service.runtime.cluster import Runtime
+from etrain.service.runtime.control import ControlQueue, ControlRequest, NotYet
+from etrain.service.decisions.elastic import ElasticPolicy, ResizeError
+from etrain.service.errors import ChaosDisabled, JobConflict, JobNotFound, RankNotFound, ServiceUnavailable, SpecRejected
+from etrain.service.decisions.goodput import ProductiveTally, goodput
+from etrain.service.runtime.supervisor_actor import JobPolicy
+from etrain.service.settings import Settings
+from etrain.service.access.checkpoint_dirs import CheckpointDirectories
+from etrain.service.access.checkpoint_key import load_or_create_key
+from etrain.service.planning.spec import JobSpec, SpecProblem, check_spec, pin_paths
+from etrain.service.access.storage_roots import StorageRoots, pin
+from etrain.service.store.job_store import EventRecord, JobRecord, JobStatus, JobStore, StepRecord
+from etrain.service.access.quotas import TenantQuotas
+from etrain.service.access.tenancy import ADMIN, Principal
+from etrain.service.decisions.stragglers import StragglerConfig
+from etrain.workers import storage
+from etrain.workers.protocol.errors import CheckpointError, ConfigError
+from etrain.workers.protocol.manifest import latest_committed, list_steps, step_dir, verify
+from etrain.workers.rank_log import rank_log_path, read_lines
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +62,7 @@ class JobManager:
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         self.store = JobStore(settings.db_path)
         if runtime is None:
-            from service.cluster import RayRuntime
+            from etrain.service.runtime.cluster import RayRuntime
 
             runtime = RayRuntime(settings)
         self.runtime = runtime
@@ -75,7 +77,7 @@ class JobManager:
         )
         self._step_cursor: dict[str, int] = {}  # job -> seq of the supervisor's last step row stored
         # job -> its kept step time, rebuilt from the steps table once per control-plane lifetime and then
-        # fed the rows it stores (service/goodput.py): goodput survives supervisor and server restarts.
+        # fed the rows it stores (service/decisions/goodput.py): goodput survives supervisor and server restarts.
         self._tallies: dict[str, ProductiveTally] = {}
         self._submitting: set[str] = set()  # jobs whose supervisor is being created: not "lost"
         self._quotas = TenantQuotas(max_jobs=settings.tenant_max_jobs, max_workers=settings.tenant_max_workers)
@@ -106,7 +108,7 @@ class JobManager:
 
     def submit(self, spec: JobSpec, *, principal: Principal = ADMIN, idempotency_key: str | None = None) -> JobRecord:
         """``idempotency_key``: a retry with the same key and spec returns the job the first request created
-        (an :class:`~service.idempotency.ReplayedJob`), the same key with another spec is JobConflict."""
+        (an :class:`~etrain.service.store.idempotency.ReplayedJob`), the same key with another spec is JobConflict."""
         digest = idempotency.request_hash(spec) if idempotency_key is not None else None
         if idempotency_key is not None:
             replayed = idempotency.replay(self.store, principal.tenant, idempotency.check_key(idempotency_key), digest)
@@ -164,7 +166,7 @@ class JobManager:
         self._directories.check_reach(pinned, principal, tenant_of=self._tenant_of)
 
     def _claim_directories(self, job_id: str, spec: JobSpec, principal: Principal) -> None:
-        """SpecRejected unless the job's checkpoint directory is its own to use (service/checkpoint_dirs.py);
+        """SpecRejected unless the job's checkpoint directory is its own to use (service/access/checkpoint_dirs.py);
         then it is taken until the job row holds it."""
         self._directories.claim(job_id, spec, principal, tenant_of=self._tenant_of,
                                 unfinished=[(job.id, job.spec) for job in self.store.active_jobs()])
@@ -179,8 +181,8 @@ class JobManager:
         data = spec.data
         if data.kind != "text" or not data.tokenizer or not data.path:
             return None
-        from workers.errors import DataError
-        from workers.tokenized import tokenize_text
+        from etrain.workers.protocol.errors import DataError
+        from etrain.workers.tokenized import tokenize_text
 
         try:
             cache = tokenize_text(data.path, data.tokenizer, max_bytes=self.submit_tokenize_max_bytes,
@@ -372,7 +374,7 @@ class JobManager:
         return {"db": "ok" if self.store.ping() else "error", **self.runtime.health()}
 
     def metrics_text(self, *, principal: Principal | None = None) -> str:
-        from service.prometheus import render_job_metrics
+        from etrain.service.prometheus import render_job_metrics
 
         return render_job_metrics(self.store, principal)
 
@@ -452,7 +454,7 @@ class JobManager:
         return tally
 
     def _goodput(self, record: JobRecord, now: float) -> float | None:
-        """Kept step time over wall time since the submit (service/goodput.py), from the store's rows."""
+        """Kept step time over wall time since the submit (service/decisions/goodput.py), from the store's rows."""
         return goodput(self._tally(record.id).value, submitted_at=record.created_at, now=now)
 
     def _supervisor_lost(self, record: JobRecord) -> None:
@@ -521,7 +523,7 @@ class JobManager:
                 log.exception("admission pass failed")
 
     def schedule(self, *, submitted: str | None = None) -> list[str]:
-        """One admission pass: start the queued jobs that fit now (service/admission.py), record why the
+        """One admission pass: start the queued jobs that fit now (service/decisions/admission.py), record why the
         newly queued ones wait; returns the ids started.
 
         ``submitted``: called from ``submit`` for that job: only it is started on the caller's thread
@@ -584,7 +586,7 @@ class JobManager:
         root = self.settings.checkpoint_location(job_id)
         config = spec.to_run_config(job_id=job_id, checkpoint_root=root).with_dp(admit.dp)
         # attempt_base: a supervisor recreated after a loss numbers its attempts on from the job's last one,
-        # so its step rows replace the recomputed steps' old rows (service/store.py keeps the higher attempt).
+        # so its step rows replace the recomputed steps' old rows (service/store/job_store.py keeps the higher attempt).
         policy = dataclasses.replace(policy_for(spec), restarts_used=record.restarts, attempt_base=record.attempt,
                                      checkpoint_key=self._checkpoint_key)
         self._submitting.add(job_id)  # before the status change: the poller and cancel wait for the start

@@ -1,8 +1,8 @@
 """What the REST API needs from the job service: the manager's interface and its request types.
 
-``api/`` depends on this Protocol, never on the Ray-backed ``service.manager.JobManager``, so the API
+``api/`` depends on this Protocol, never on the Ray-backed ``etrain.service.manager.JobManager``, so the API
 is tested with a named fake (``tests/fakes.py``) and the manager can change inside freely. Types
-that cross the boundary live here (``ChaosRequest``) or in ``service/store.py`` (the records).
+that cross the boundary live here (``ChaosRequest``) or in ``service/store/job_store.py`` (the records).
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from service.bounds import MAX_STEPS, MAX_WORKERS
-from service.spec import JobSpec, json_int
-from service.store import EventRecord, JobRecord, StepRecord
-from service.tenancy import ADMIN, Principal
+from etrain.service.planning.bounds import MAX_STEPS, MAX_WORKERS
+from etrain.service.planning.spec import JobSpec, json_int
+from etrain.service.store.job_store import EventRecord, JobRecord, StepRecord
+from etrain.service.access.tenancy import ADMIN, Principal
 
 ChaosAction = Literal["kill_rank", "kill_actor", "slow_rank", "hang_rank", "corrupt_checkpoint"]
 RANK_ACTIONS: frozenset[str] = frozenset({"kill_rank", "kill_actor", "slow_rank", "hang_rank"})
@@ -120,7 +120,7 @@ _CHAOS_SHAPES = [
 @runtime_checkable
 class JobManagerPort(Protocol):
     """The job service as the API sees it. Every method is synchronous and may block briefly
-    (the API calls it from a worker thread); each raises the ``service.errors`` named below."""
+    (the API calls it from a worker thread); each raises the ``etrain.service.errors`` named below."""
 
     # Every job-scoped call takes the caller (``principal``, default the admin): another tenant's job
     # is JobNotFound, exactly like a missing one, and lists hold only the caller's jobs.
@@ -129,8 +129,8 @@ class JobManagerPort(Protocol):
         """Validate (spec + planner), record and start a job. Raises SpecRejected.
 
         ``idempotency_key`` (the ``Idempotency-Key`` header, checked with
-        ``service.idempotency.check_key``): the caller's earlier job with this key and the same spec
-        (``service.idempotency.request_hash``) is returned as a ``ReplayedJob`` and nothing new is
+        ``etrain.service.store.idempotency.check_key``): the caller's earlier job with this key and the same spec
+        (``etrain.service.store.idempotency.request_hash``) is returned as a ``ReplayedJob`` and nothing new is
         created; the same key with another spec is JobConflict. Keys are per tenant, and two concurrent
         submissions with one key create exactly one job."""
 
@@ -178,7 +178,7 @@ class JobManagerPort(Protocol):
         ``problems: [{field, message, fix}]`` (infeasible is an answer here, not an error)."""
 
     def cluster(self, *, principal: Principal = ADMIN) -> dict[str, Any]:
-        """The cluster as the scheduler sees it, in the shape of ``api.schemas.ClusterOut``: ``nodes``
+        """The cluster as the scheduler sees it, in the shape of ``etrain.api.schemas.ClusterOut``: ``nodes``
         (node_id, alive, cpus, gpus, free_cpus, free_gpus), ``totals``, ``jobs`` (what each started job
         holds), ``queue`` (job_id, priority, position, reason, submitted_at) and ``observed_at``. Only the
         caller's jobs are listed; the totals count every tenant's. ServiceUnavailable when the cluster
@@ -189,7 +189,7 @@ class JobManagerPort(Protocol):
         /healthz answers 503 unless ``ok`` (or, without it, every ``db``/``ray`` entry is "ok")."""
 
     def metrics_text(self, *, principal: Principal | None = None) -> str:
-        """Prometheus text exposition of job gauges (``service.prometheus.render_job_metrics``): aggregates
+        """Prometheus text exposition of job gauges (``etrain.service.prometheus.render_job_metrics``): aggregates
         only for ``principal`` None (an anonymous scraper), plus the per-job gauges this caller may see."""
 
     def close(self) -> None:

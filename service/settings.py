@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from service.errors import SettingsError
-from service.tenancy import DEFAULT_TENANT
+from etrain.service.errors import SettingsError
+from etrain.service.access.tenancy import DEFAULT_TENANT
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"", "0", "false", "no", "off"})
@@ -36,7 +36,7 @@ class Settings:
     dashboard_host: str = "127.0.0.1"
     dashboard_port: int = 8265
     #: The operator's (admin) bearer token. None with no tenant tokens either: ``etrain serve`` generates
-    #: one into ``<data_dir>/api-token`` (service/api_token.py); the API is never open.
+    #: one into ``<data_dir>/api-token`` (service/access/api_token.py); the API is never open.
     api_token: str | None = field(default=None, repr=False)
     #: Tenant tokens, ``ETRAIN_API_TOKENS="alice=TOKEN,bob=TOKEN"``: (tenant, token) pairs (a mapping
     #: tenant -> token is accepted too). A tenant may have several tokens (rotation); a token one tenant.
@@ -57,17 +57,17 @@ class Settings:
     #: export's out) may resolve into, ``ETRAIN_STORAGE_ROOTS``: absolute directories and
     #: ``s3://bucket/prefix`` roots (checkpoint.path only), separated by commas or ':' (a ':' that opens
     #: '://' separates nothing, so ``/a:/b`` and ``/data:s3://bucket/ckpt`` both work). Empty: the data
-    #: directory (service/storage_roots.py). URLs are kept as strings, folders as Paths.
+    #: directory (service/access/storage_roots.py). URLs are kept as strings, folders as Paths.
     storage_roots: tuple[Path | str, ...] = ()
     #: ``ETRAIN_CHECKPOINT_ROOT``: where a job whose spec names no checkpoint.path checkpoints
     #: (``<root>/<job-id>``): an absolute folder every node shares, or ``s3://bucket/prefix`` (needs the
     #: ``s3`` extra; credentials from the AWS environment). None: ``<data_dir>/checkpoints``.
     checkpoint_base: str | None = None
     #: Queue jobs whose minimum layout exceeds the cluster's total resources instead of refusing them
-    #: (422): for autoscaling clusters, where nodes are added on demand (service/admission.py).
+    #: (422): for autoscaling clusters, where nodes are added on demand (service/decisions/admission.py).
     admit_beyond_cluster: bool = False
     #: Pre-started rank processes (torch imported, no resources held) kept on every node that can run
-    #: ranks, so a first launch or a replacement pays no interpreter start (service/spares.py); 0: off.
+    #: ranks, so a first launch or a replacement pays no interpreter start (service/runtime/spares.py); 0: off.
     warm_spares_per_node: int = 1
     #: token -> tenant, from api_tokens and api_tokens_file (checked: names, duplicates); derived.
     token_tenants: Mapping[str, str] = field(init=False, repr=False, compare=False, default_factory=dict)
@@ -117,7 +117,7 @@ class Settings:
             raise SettingsError(
                 f"poll_interval_s={self.poll_interval_s} must be positive.", field="poll_interval_s", fix="use e.g. 0.5"
             )
-        from service.storage_roots import parse_root
+        from etrain.service.access.storage_roots import parse_root
 
         roots = (self.storage_roots,) if isinstance(self.storage_roots, (str, os.PathLike)) else self.storage_roots
         try:
@@ -174,7 +174,7 @@ class Settings:
 
     @property
     def api_token_path(self) -> Path:
-        """Where a generated admin token lives (``service.api_token``)."""
+        """Where a generated admin token lives (``etrain.service.access.api_token``)."""
         return self.data_dir / "api-token"
 
     @property
@@ -192,14 +192,14 @@ class Settings:
 
     def checkpoint_location(self, job_id: str) -> str:
         """:meth:`checkpoint_root` as the job uses it: a local path resolved (symlinks followed), or the URL."""
-        from service.storage_roots import resolve
+        from etrain.service.access.storage_roots import resolve
 
         return resolve(self.checkpoint_root(job_id))
 
     @property
     def checkpoint_tree(self) -> str:
         """The checkpoint root holding every job's default directory, resolved (a URL as it is)."""
-        from service.storage_roots import resolve
+        from etrain.service.access.storage_roots import resolve
 
         return resolve(self.checkpoint_base or self.data_dir / "checkpoints")
 
@@ -310,7 +310,7 @@ def _read_tokens_file(path: Path) -> list[tuple[str, str, str]]:
 
 
 def _storage_roots(variable: str, raw: str) -> tuple[Path, ...]:
-    from service.storage_roots import parse_roots
+    from etrain.service.access.storage_roots import parse_roots
 
     try:
         return parse_roots(raw)
@@ -322,14 +322,14 @@ _ROOTS_FIX = "give absolute directories or s3://bucket/prefix roots, e.g. {varia
 
 
 def _is_url(value: Any) -> bool:
-    from workers.storage import is_url
+    from etrain.workers.storage import is_url
 
     return is_url(value)
 
 
 def _checkpoint_base(raw: str | os.PathLike) -> str:
     """ETRAIN_CHECKPOINT_ROOT checked: an s3:// URL whose backend is installed, or an absolute folder."""
-    from workers.storage import missing_backend, normalize_url, url_problem
+    from etrain.workers.storage import missing_backend, normalize_url, url_problem
 
     if _is_url(raw):
         problem = url_problem(raw)

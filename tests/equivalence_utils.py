@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from tests.dist_utils import run_distributed
-from workers.config import DataConfig, ModelConfig, ParallelConfig, RunConfig, TrainingConfig
+from etrain.workers.protocol.run_config import DataConfig, ModelConfig, ParallelConfig, RunConfig, TrainingConfig
 
 __all__ = [
     "LOSS_RTOL",
@@ -89,7 +89,7 @@ def small_config(
 
 def _train(rank: int, world_size: int, config: RunConfig) -> RunResult:
     """Runs in each rank: train ``config.training.steps`` steps and report."""
-    from workers.train import Trainer
+    from etrain.workers.train import Trainer
 
     torch.manual_seed(0)
     trainer = Trainer(config, rank=rank, world_size=world_size, device=torch.device("cpu"))

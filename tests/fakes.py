@@ -1,13 +1,13 @@
 """Named fakes for tests above the unit level. Each one is real where it is cheap and fake where the
 real thing needs a cluster:
 
-* :class:`InMemoryManager` - the job service as the REST API sees it (``service.ports.JobManagerPort``)
+* :class:`InMemoryManager` - the job service as the REST API sees it (``etrain.service.ports.JobManagerPort``)
   for API and CLI tests: the REAL ``JobStore`` (SQLite), the REAL spec checks (``check_spec`` and,
   once it exists, the planner), and simulated training instead of Ray. Deterministic: training
   advances only when a test calls :meth:`InMemoryManager.advance`, or by ``steps_per_poll`` steps on
   every ``get`` (so a polling client such as ``etrain watch`` sees a job run to the end).
-* :class:`FakeRuntime` - the Ray side (``service.cluster.Runtime``) for the REAL
-  ``service.manager.JobManager``: it answers ``updates`` in the supervisor's format with simulated
+* :class:`FakeRuntime` - the Ray side (``etrain.service.runtime.cluster.Runtime``) for the REAL
+  ``etrain.service.manager.JobManager``: it answers ``updates`` in the supervisor's format with simulated
   progress, so the manager's own logic runs without Ray.
 
 Neither imports Ray or torch.
@@ -22,17 +22,17 @@ import time
 import uuid
 from typing import Any
 
-from service import idempotency
-from service.errors import ChaosDisabled, JobConflict, JobNotFound, RankNotFound, SpecRejected
-from service.ports import RANK_ACTIONS, ChaosRequest
-from service.spec import JobSpec, SpecProblem, check_spec, pin_paths
-from service.storage_roots import StorageRoots, pin
-from service.store import EventRecord, JobRecord, JobStatus, JobStore, StepRecord
-from service.tenancy import ADMIN, Principal
-from workers.errors import ConfigError
+from etrain.service.store import idempotency
+from etrain.service.errors import ChaosDisabled, JobConflict, JobNotFound, RankNotFound, SpecRejected
+from etrain.service.ports import RANK_ACTIONS, ChaosRequest
+from etrain.service.planning.spec import JobSpec, SpecProblem, check_spec, pin_paths
+from etrain.service.access.storage_roots import StorageRoots, pin
+from etrain.service.store.job_store import EventRecord, JobRecord, JobStatus, JobStore, StepRecord
+from etrain.service.access.tenancy import ADMIN, Principal
+from etrain.workers.protocol.errors import ConfigError
 
 try:  # the planner is written alongside; until it lands the fake checks the spec rules only
-    from service import planner as _planner
+    from etrain.service.planning import planner as _planner
 except ImportError:  # pragma: no cover - depends on the tree's state
     _planner = None
 
@@ -86,7 +86,7 @@ class InMemoryManager:
         if not problems and spec.is_auto:
             if _planner is None:
                 max_workers = spec.parallelism.max_workers  # type: ignore[union-attr]
-                from service.spec import ParallelismSpec
+                from etrain.service.planning.spec import ParallelismSpec
 
                 spec = spec.with_layout(ParallelismSpec(dp=max_workers))
             else:
@@ -100,7 +100,7 @@ class InMemoryManager:
 
     def submit(self, spec: JobSpec, *, principal: Principal = ADMIN, idempotency_key: str | None = None) -> JobRecord:
         digest = idempotency.request_hash(spec) if idempotency_key is not None else None
-        if idempotency_key is not None:  # the real manager's rules (service/idempotency.py)
+        if idempotency_key is not None:  # the real manager's rules (service/store/idempotency.py)
             replayed = idempotency.replay(self.store, principal.tenant, idempotency.check_key(idempotency_key), digest)
             if replayed is not None:
                 return replayed
@@ -276,7 +276,7 @@ class InMemoryManager:
         return {"db": "ok" if self.store.ping() else "error", "ray": "ok", "runtime": "fake"}
 
     def metrics_text(self, *, principal: Principal | None = None) -> str:
-        from service.prometheus import render_job_metrics
+        from etrain.service.prometheus import render_job_metrics
 
         return render_job_metrics(self.store, principal)
 
@@ -333,7 +333,7 @@ class InMemoryManager:
 
 
 class FakeRuntime:
-    """Fake ``service.cluster.Runtime`` for the real ``JobManager``: no Ray, simulated supervisors.
+    """Fake ``etrain.service.runtime.cluster.Runtime`` for the real ``JobManager``: no Ray, simulated supervisors.
 
     Each ``updates`` call of a running job advances it by ``steps_per_update`` steps and returns the
     supervisor's update dict (status, fields, new events and step rows past the caller's cursors).
@@ -430,7 +430,7 @@ class FakeRuntime:
     def export(self, *, step_dir: str, out_dir: str, model: Any, source_dir: str | None, timeout_s: float) -> str:
         """The real export, in this process instead of a Ray task (torch is imported only when called)."""
         self.calls.append(("export", step_dir, out_dir))
-        from workers.hf_io import export_hf
+        from etrain.workers.hf_io import export_hf
 
         return export_hf(step_dir, out_dir, model, source_dir=source_dir)
 
@@ -451,7 +451,7 @@ class FakeRuntime:
 
     def cluster(self) -> Any:
         """``self.nodes``, minus what each live simulated job holds (its ranks packed node by node)."""
-        from service.admission import ClusterView, NodeView
+        from etrain.service.decisions.admission import ClusterView, NodeView
 
         with self._lock:
             free = {name: dict(total) for name, total in self.nodes.items()}

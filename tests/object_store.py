@@ -33,7 +33,7 @@ class S3Server:
     @property
     def fs(self):
         """The s3fs filesystem the service itself uses (workers/storage.py), for the test's own looks."""
-        from workers.storage import filesystem
+        from etrain.workers.storage import filesystem
 
         return filesystem(self.url())[0]
 

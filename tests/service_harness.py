@@ -40,7 +40,7 @@ def bearer(token: str) -> dict[str, str]:
 
 def admin_headers(data_dir: Path) -> dict[str, str]:
     """The ``Authorization`` header of the admin token an app without configured tokens generated."""
-    from service.api_token import read_api_token, token_path
+    from etrain.service.access.api_token import read_api_token, token_path
 
     return bearer(read_api_token(token_path(data_dir)))
 
@@ -126,8 +126,8 @@ def control_plane(
     ``storage_roots`` are the data directory, the temp directory (pytest's ``tmp_path`` data) and the
     repository (specs that train on its source).
     """
-    from api.app import create_app
-    from service.settings import Settings
+    from etrain.api.app import create_app
+    from etrain.service.settings import Settings
 
     settings_overrides.setdefault("storage_roots", storage_roots_for(data_dir))
     port = free_port()

@@ -24,7 +24,7 @@ Why it is built this way:
   Each (part, optimizer) pair whose parameters only partly overlap gets a *view*: an optimizer of
   the same class over the overlap, sharing the per-parameter state, copied back after each call.
 * **A rank reports, the supervisor commits.** Every rank returns a :class:`ShardReport` (the files
-  it wrote, with size and SHA-256); ``workers.manifest.commit`` writes ``manifest.json`` last once
+  it wrote, with size and SHA-256); ``etrain.workers.protocol.manifest.commit`` writes ``manifest.json`` last once
   all ranks reported. Loading verifies the manifest first: a step directory that never committed,
   or was corrupted afterwards, is never read (invariant 4).
 * **Local folders or object storage.** A step directory may be an ``s3://`` URL: shards and
@@ -70,9 +70,9 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 
-from workers import storage
-from workers.errors import CheckpointError, EtrainError
-from workers.manifest import MANIFEST_NAME, FileEntry, ShardReport, atomic_write_bytes, file_entry, verify
+from etrain.workers import storage
+from etrain.workers.protocol.errors import CheckpointError, EtrainError
+from etrain.workers.protocol.manifest import MANIFEST_NAME, FileEntry, ShardReport, atomic_write_bytes, file_entry, verify
 
 __all__ = [
     "EXTRA_NAME",

@@ -29,9 +29,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from workers.config import DataConfig, ModelConfig
-from workers.errors import ConfigError, DataError
-from workers.tokenized import TEXT_SUFFIXES, read_text_file, tokenize_text, walk_text_files
+from etrain.workers.protocol.run_config import DataConfig, ModelConfig
+from etrain.workers.protocol.errors import ConfigError, DataError
+from etrain.workers.tokenized import TEXT_SUFFIXES, read_text_file, tokenize_text, walk_text_files
 
 __all__ = [
     "TEXT_SUFFIXES",

@@ -2,7 +2,7 @@
 
 Ray reports how many GPUs a node has and their type (``accelerator_type:H100``), not their memory,
 which is what the planner checks a layout against. So the control plane runs
-:func:`gpu_memory_bytes` as a one-GPU Ray task (``service.runtime.probe_gpu_memory_gib``) once per
+:func:`gpu_memory_bytes` as a one-GPU Ray task (``etrain.service.runtime.supervisor_actor.probe_gpu_memory_gib``) once per
 accelerator type. torch is imported inside the function: this module is importable without it,
 and the service (which must not import torch) only ships the function to a worker.
 """

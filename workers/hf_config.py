@@ -1,4 +1,4 @@
-"""Hugging Face model folders ↔ :class:`~workers.config.ModelConfig`, and the parameter-name map.
+"""Hugging Face model folders ↔ :class:`~etrain.workers.protocol.run_config.ModelConfig`, and the parameter-name map.
 
 Pure (stdlib only): the service reads a ``model.hf`` folder's ``config.json`` at submit time to
 validate and plan the job without importing torch, and the workers use the same functions to build
@@ -18,8 +18,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from workers.config import ModelConfig, RopeScaling
-from workers.errors import ConfigError
+from etrain.workers.protocol.run_config import ModelConfig, RopeScaling
+from etrain.workers.protocol.errors import ConfigError
 
 __all__ = [
     "DEFAULT_MAX_SEQ_LEN",

@@ -4,7 +4,7 @@
 Loading (:func:`load_hf_weights`) uses torch's own ``HuggingFaceStorageReader`` with ``dcp.load``
 on the model parts' *sharded* state dicts (``get_model_state_dict``: DTensor shards under TP and
 FSDP2, plain tensors otherwise), renamed to Hugging Face's names with
-:func:`workers.hf_config.hf_name`. Why DCP rather than reading the files ourselves: DCP's planner
+:func:`etrain.workers.hf_config.hf_name`. Why DCP rather than reading the files ourselves: DCP's planner
 turns each local shard (FSDP2-over-TP 2-D placements and uneven splits included) into read
 requests for exactly the rows and columns a rank owns, and the reader serves each one with
 ``safe_open(...).get_slice(name)[slices]``, a memory-mapped read of that slice only; no rank ever
@@ -60,17 +60,17 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, HuggingFaceStorageR
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from workers import storage
-from workers.checkpoint import storage_reader
-from workers.config import ModelConfig
-from workers.errors import CheckpointError, ConfigError
-from workers.hf_config import TOKENIZER_FILES, hf_config_dict, hf_name, hf_parameter_names, weight_files
-from workers.init import canonical_fqn
-from workers.manifest import fsync_dir, resolve_latest, step_dir, verify
+from etrain.workers import storage
+from etrain.workers.checkpoint import storage_reader
+from etrain.workers.protocol.run_config import ModelConfig
+from etrain.workers.protocol.errors import CheckpointError, ConfigError
+from etrain.workers.hf_config import TOKENIZER_FILES, hf_config_dict, hf_name, hf_parameter_names, weight_files
+from etrain.workers.init import canonical_fqn
+from etrain.workers.protocol.manifest import fsync_dir, resolve_latest, step_dir, verify
 
 __all__ = ["HFLoadReport", "expected_shapes", "export_hf", "find_step_dir", "load_hf_weights"]
 
-#: The prefix etrain's checkpoints put before every model FQN (``workers.checkpoint``: {"model": ...}).
+#: The prefix etrain's checkpoints put before every model FQN (``etrain.workers.checkpoint``: {"model": ...}).
 _MODEL_PREFIX = "model."
 #: safetensors dtypes whose values a float parameter can take as they are.
 _FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
@@ -203,7 +203,7 @@ def _check_weights(found: dict[str, tuple[tuple[int, ...], str]], model_config: 
 def expected_shapes(model_config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """``{etrain FQN: shape}`` of every parameter of the whole model, in Hugging Face's order (tied
     output excluded), from a meta-device build (allocates nothing)."""
-    from workers.model import build_model_skeleton
+    from etrain.workers.model import build_model_skeleton
 
     with torch.device("meta"):
         skeleton = build_model_skeleton(model_config)

@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.config import ModelConfig, RopeScaling
-from workers.model import run_trunk, validate_model_config
+from etrain.workers.protocol.run_config import ModelConfig, RopeScaling
+from etrain.workers.model import run_trunk, validate_model_config
 
 
 def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:

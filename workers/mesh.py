@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from workers.errors import ConfigError
-from workers.topology import Topology, TopologyError
+from etrain.workers.protocol.errors import ConfigError
+from etrain.workers.topology import Topology, TopologyError
 
 __all__ = ["MESH_DIMS", "ParallelMesh", "backend_for", "build_device_mesh", "mesh_group_ranks",
            "validate_dp_replicate"]

@@ -8,7 +8,7 @@ recomputation does not inflate it (PaLM appendix B).
 
 from __future__ import annotations
 
-from workers.config import ModelConfig
+from etrain.workers.protocol.run_config import ModelConfig
 
 __all__ = ["PEAK_FLOPS", "flops_per_token", "mfu", "peak_flops_per_s", "tokens_per_s"]
 

@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from workers.config import ModelConfig
-from workers.errors import ConfigError
+from etrain.workers.protocol.run_config import ModelConfig
+from etrain.workers.protocol.errors import ConfigError
 
 
 class Attention(nn.Module):
@@ -145,7 +145,7 @@ def build_model_skeleton(config: ModelConfig) -> nn.Module:
     model first and then materialises only each rank's shards (``workers/init.py``).
     """
     if config.arch == "llama":
-        from workers.llama import Llama
+        from etrain.workers.llama import Llama
 
         return Llama(config)
     return GPT(config)
@@ -153,7 +153,7 @@ def build_model_skeleton(config: ModelConfig) -> nn.Module:
 
 def build_model(config: ModelConfig, seed: int) -> nn.Module:
     """Full model on CPU with deterministic weights (the same values the meta-device path gives)."""
-    from workers.init import initialize_parameters
+    from etrain.workers.init import initialize_parameters
 
     model = build_model_skeleton(config)
     initialize_parameters(model, seed=seed, n_layers=config.n_layers)
@@ -164,8 +164,8 @@ def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
     """Mean token cross-entropy over a micro-batch (fp32 for the reduction), as a plain tensor.
 
     Under tensor parallelism ``logits`` is a DTensor sharded by vocabulary (``Shard(-1)`` on the tp
-    mesh, ``workers.parallelize.apply_tp``) and this must run, with its backward, inside
-    ``torch.distributed.tensor.parallel.loss_parallel()`` (``workers.parallelize.loss_context``):
+    mesh, ``etrain.workers.parallelize.apply_tp``) and this must run, with its backward, inside
+    ``torch.distributed.tensor.parallel.loss_parallel()`` (``etrain.workers.parallelize.loss_context``):
     there ``cross_entropy`` all-reduces the per-token max, sum of exponentials and target logit over
     the tp ranks, so no rank materialises the full logits. The result is a replicated scalar
     DTensor; its local value (the same on every tp rank) is returned, and ``to_local``'s backward

@@ -46,10 +46,10 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
-from workers.config import ModelConfig, ParallelConfig, RunConfig
-from workers.errors import ConfigError
-from workers.mesh import ParallelMesh, validate_dp_replicate
-from workers.topology import Topology
+from etrain.workers.protocol.run_config import ModelConfig, ParallelConfig, RunConfig
+from etrain.workers.protocol.errors import ConfigError
+from etrain.workers.mesh import ParallelMesh, validate_dp_replicate
+from etrain.workers.topology import Topology
 
 __all__ = [
     "ParallelDims",
@@ -73,8 +73,8 @@ class ParallelDims:
     """The degrees of a ``pp × dp × tp`` layout and the DeviceMesh whose axes carry them.
 
     ``dp`` is split as ``dp_replicate × dp_shard`` for HSDP (``dp_replicate = 1``: plain FSDP / DDP).
-    Built once per rank from the run's :class:`~workers.config.ParallelConfig`, the
-    :class:`~workers.topology.Topology` and the mesh; every ``apply_*`` step reads it.
+    Built once per rank from the run's :class:`~etrain.workers.protocol.run_config.ParallelConfig`, the
+    :class:`~etrain.workers.topology.Topology` and the mesh; every ``apply_*`` step reads it.
     """
 
     pp: int
@@ -365,7 +365,7 @@ def apply_dp(
       DCP paths need no special case (the older DDP-based ``replicate`` flattens DTensors into local
       tensors, losing the sharding DCP needs).
     * 1 — ZeRO-1: DDP for gradients as in stage 0; the optimizer state is sharded by
-      ``workers.optim.build_optimizer`` (``ZeroRedundancyOptimizer`` over the dp group).
+      ``etrain.workers.optim.build_optimizer`` (``ZeroRedundancyOptimizer`` over the dp group).
     * 2 — FSDP2 ``fully_shard(reshard_after_forward=False)``: gradients and optimizer state sharded;
       parameters are gathered once per step and kept through backward (ZeRO-2's communication
       volume: one all-gather + one reduce-scatter). Unlike DeepSpeed's ZeRO-2 they are also sharded
@@ -418,7 +418,7 @@ def parallelize_stage(
     parameters, and hold them whole anyway).
 
     The returned module may be a DDP wrapper; its ``.module`` (or the module itself) keeps the
-    original FQNs. Passed as ``stage_transform`` to ``workers.pipeline.build_pipeline``. With CPU
+    original FQNs. Passed as ``stage_transform`` to ``etrain.workers.pipeline.build_pipeline``. With CPU
     offload the caller's ``materialize`` must allocate on the CPU (the shards live there).
     """
     parallel = config.parallel

@@ -4,7 +4,7 @@ schedule.
 Why it looks the way it does:
 
 * **A stage is the whole model with parts deleted** (torchtitan's convention). Each stage module is a
-  deep copy of the full :class:`~workers.model.GPT` with the layers it does not own removed (the kept
+  deep copy of the full :class:`~etrain.workers.model.GPT` with the layers it does not own removed (the kept
   ones stay under their *global* keys) and the embeddings / final norm / output set to ``None`` where
   they do not belong. Parameter names (FQNs) are therefore identical to the unsharded model's, so a
   DCP checkpoint saved under one layout loads under any other.
@@ -50,8 +50,8 @@ from torch.distributed.pipelining import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
-from workers.config import ParallelConfig
-from workers.errors import ConfigError
+from etrain.workers.protocol.run_config import ParallelConfig
+from etrain.workers.protocol.errors import ConfigError
 
 __all__ = [
     "PIPELINE_SCHEDULES",
@@ -239,7 +239,7 @@ class _Stopwatch:
     end of the step either: the trainer asks after its one host read of the step, when the events
     are complete and reading them is free); on CPU they are ``perf_counter`` spans.
 
-    With ``waits`` (``workers.collective_waits.CollectiveWaitClock``), the collective waits inside a
+    With ``waits`` (``etrain.workers.collective_waits.CollectiveWaitClock``), the collective waits inside a
     compute interval (TP all-reduces, FSDP2 all-gathers, while the trainer has the clock armed) are
     subtracted from it: waiting for a slow TP / FSDP2 peer is not this stage's compute.
     """
@@ -508,7 +508,7 @@ def build_pipeline(
     backpropagates ``loss / n_microbatches`` per micro-batch, so ``.grad`` ends as the gradient of the
     mean over the local batch (DP averaging is the DP wrapper's). ``stage_transform`` is the engine's per-stage
     TP → activation checkpointing → DP/FSDP step; the modules it returns are the ``model_parts``.
-    ``wait_clock`` (a :class:`workers.collective_waits.CollectiveWaitClock`): collective waits inside
+    ``wait_clock`` (a :class:`etrain.workers.collective_waits.CollectiveWaitClock`): collective waits inside
     the stages' forward / backward (TP, FSDP2) are subtracted from their busy time while it is armed.
     """
     validate_schedule(parallel.pp, parallel.virtual_stages, n_microbatches, parallel.pp_schedule)

@@ -39,7 +39,7 @@ import threading
 from dataclasses import dataclass
 from typing import TextIO
 
-from workers import storage
+from etrain.workers import storage
 
 LOG_DIR = "logs"
 #: A file is rotated (to ``.1``) when it grows past this; readers see the current file only.

@@ -5,7 +5,7 @@ Starting a rank cold costs a new Python interpreter, ``import torch`` and the en
 that once, ahead of time, while it holds nothing: it is created with ``num_cpus=0`` and no GPUs, so
 it never counts against any job's resources, and it does not touch CUDA, so it holds no GPU memory.
 When a job's placement group is ready, the worker group takes a spare on the node of each bundle
-(``service/spares.py``) and :meth:`SpareRank.assign` turns it into that job's rank: the bundle's
+(``service/runtime/spares.py``) and :meth:`SpareRank.assign` turns it into that job's rank: the bundle's
 reservation is what accounts for the rank's CPUs and GPUs, and the rank is pinned to the bundle's
 GPUs through ``CUDA_VISIBLE_DEVICES`` (CUDA reads it on first use, which comes after this).
 """
@@ -16,7 +16,7 @@ import os
 import time
 from typing import Any
 
-from workers.worker import TrainWorker
+from etrain.workers.worker import TrainWorker
 
 
 class SpareRank(TrainWorker):
@@ -28,8 +28,8 @@ class SpareRank(TrainWorker):
         import torch  # noqa: F401
         import torch.distributed  # noqa: F401
 
-        import workers.checkpoint  # noqa: F401
-        import workers.train  # noqa: F401
+        import etrain.workers.checkpoint  # noqa: F401
+        import etrain.workers.train  # noqa: F401
 
         self.warmup_s = time.monotonic() - started
         self.assigned = False

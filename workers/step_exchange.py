@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from workers.step_control import FIELDS, Boundary, decode, encode
+from etrain.workers.step_control import FIELDS, Boundary, decode, encode
 
 __all__ = ["StepExchange"]
 

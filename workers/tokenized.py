@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from workers.errors import DataError
+from etrain.workers.protocol.errors import DataError
 
 __all__ = [
     "CACHE_DIR_SUFFIX",

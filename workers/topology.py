@@ -11,7 +11,7 @@ ranks onto a node keeps every TP group on one node. DP (gradient all-reduce once
 next, and PP (point-to-point between neighbouring stages) is the axis most tolerant of crossing
 nodes, so it varies slowest.
 
-Everything here is pure standard-library code (plus the pure ``workers.errors``): the planner,
+Everything here is pure standard-library code (plus the pure ``etrain.workers.protocol.errors``): the planner,
 the supervisor and the placement logic import it without torch or Ray, and ``workers/mesh.py``
 builds the torch ``DeviceMesh`` with the same ``(pp, dp, tp)`` shape so the process groups equal
 the groups computed here.
@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass
 from typing import Final
 
-from workers.errors import ConfigError
+from etrain.workers.protocol.errors import ConfigError
 
 __all__ = ["AXES", "Coords", "Topology", "TopologyError", "parse_topology"]
 

@@ -25,7 +25,7 @@ shows a high ``compute_s`` while its peers show the wait as ``comm_wait_s``.
 
 Run as the reference path::
 
-    torchrun --nproc-per-node 4 -m workers.train --config cfg.json
+    torchrun --nproc-per-node 4 -m etrain.workers.train --config cfg.json
 """
 
 from __future__ import annotations
@@ -49,9 +49,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from workers import metrics as throughput
-from workers.collective_waits import CollectiveWaitClock
-from workers.config import (
+from etrain.workers import metrics as throughput
+from etrain.workers.collective_waits import CollectiveWaitClock
+from etrain.workers.protocol.run_config import (
     CheckpointConfig,
     DataConfig,
     ModelConfig,
@@ -59,13 +59,13 @@ from workers.config import (
     RunConfig,
     TrainingConfig,
 )
-from workers.data import GlobalSampler, build_dataset
-from workers.errors import ConfigError, NonFiniteLossError
-from workers.mesh import backend_for, build_device_mesh
-from workers.init import materialize
-from workers.model import build_model_skeleton, cross_entropy_loss
-from workers.optim import build_optimizer, clip_grad_norm_, lr_at, set_lr
-from workers.parallelize import (
+from etrain.workers.data import GlobalSampler, build_dataset
+from etrain.workers.protocol.errors import ConfigError, NonFiniteLossError
+from etrain.workers.mesh import backend_for, build_device_mesh
+from etrain.workers.init import materialize
+from etrain.workers.model import build_model_skeleton, cross_entropy_loss
+from etrain.workers.optim import build_optimizer, clip_grad_norm_, lr_at, set_lr
+from etrain.workers.parallelize import (
     ParallelDims,
     gradient_sync,
     loss_context,
@@ -74,7 +74,7 @@ from workers.parallelize import (
     uses_fsdp,
     validate_data_parallel,
 )
-from workers.topology import Topology
+from etrain.workers.topology import Topology
 
 __all__ = ["StepMetrics", "Trainer", "TrainerCallback", "load_run_config", "main"]
 
@@ -170,7 +170,7 @@ class Trainer:
         transform = partial(parallelize_stage, dims=self.dims, config=config, materialize=materialize_local)
         self.pipeline = None
         if self.dims.pp_enabled:
-            from workers.pipeline import build_pipeline
+            from etrain.workers.pipeline import build_pipeline
 
             self.pipeline = build_pipeline(
                 model,
@@ -213,10 +213,10 @@ class Trainer:
         """
         if not model.hf_path:
             return
-        from workers.hf_config import weight_files
+        from etrain.workers.hf_config import weight_files
 
         if weight_files(model.hf_path):
-            from workers.hf_io import load_hf_weights
+            from etrain.workers.hf_io import load_hf_weights
 
             load_hf_weights(self.model_parts, model.hf_path, model)
 
@@ -346,7 +346,7 @@ class Trainer:
         Autocast keeps the master weights fp32, so the optimizer and the gradient reductions are
         unchanged; the loss reduction is done in fp32 by ``cross_entropy_loss``. Under FSDP2
         (ZeRO-2/3 with dp > 1) it is off: FSDP2's ``MixedPrecisionPolicy`` already computes with
-        bf16 copies of the fp32 shards (``workers.parallelize.fsdp_policies``), and autocast on top
+        bf16 copies of the fp32 shards (``etrain.workers.parallelize.fsdp_policies``), and autocast on top
         would only re-cast what is already bf16.
         """
         enabled = self.config.training.precision == "bf16" and not uses_fsdp(self.dims, self.config.parallel)
@@ -399,7 +399,7 @@ class Trainer:
         a pure function of the step), and the RNG states, all as plain types that
         ``torch.load(weights_only=True)`` reads back.
         """
-        from workers.checkpoint import capture_rng_state
+        from etrain.workers.checkpoint import capture_rng_state
 
         extra = {
             "step": self.next_step,
@@ -415,7 +415,7 @@ class Trainer:
 
         The checkpoint is usable only once the supervisor commits every rank's report.
         """
-        from workers.checkpoint import save_checkpoint
+        from etrain.workers.checkpoint import save_checkpoint
 
         model_parts, optimizers, extra = self.state_for_checkpoint()
         return save_checkpoint(step_dir, model_parts, optimizers, extra)
@@ -427,9 +427,9 @@ class Trainer:
         file sizes are always checked; ``verify_checksums=False`` skips re-hashing when the caller
         (the supervisor, right before launch) has just verified the checksums itself.
         ``expect_digest``: the digest of the manifest the supervisor verified; the manifest read here
-        must be that one (see ``workers.checkpoint.load_checkpoint``).
+        must be that one (see ``etrain.workers.checkpoint.load_checkpoint``).
         """
-        from workers.checkpoint import load_checkpoint, restore_rng_state
+        from etrain.workers.checkpoint import load_checkpoint, restore_rng_state
 
         extra = load_checkpoint(step_dir, self.model_parts, self.optimizers, checksums=verify_checksums,
                                 expect_digest=expect_digest)
@@ -551,8 +551,8 @@ def load_run_config(path: str) -> RunConfig:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``torchrun -m workers.train --config cfg.json``: train and print one JSON line per step (rank 0)."""
-    parser = argparse.ArgumentParser(prog="workers.train", description=__doc__.splitlines()[0])
+    """``torchrun -m etrain.workers.train --config cfg.json``: train and print one JSON line per step (rank 0)."""
+    parser = argparse.ArgumentParser(prog="etrain.workers.train", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="RunConfig as JSON")
     parser.add_argument("--steps", type=int, default=None, help="override training.steps")
     parser.add_argument("--metrics-out", default=None, help="write all ranks' step metrics (rank 0) as JSON")

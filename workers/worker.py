@@ -1,6 +1,6 @@
-"""The Ray actor around one rank's :class:`workers.train.Trainer`.
+"""The Ray actor around one rank's :class:`etrain.workers.train.Trainer`.
 
-One ``TrainWorker`` per rank, placed in its placement-group bundle by ``service/runtime.py``. The class
+One ``TrainWorker`` per rank, placed in its placement-group bundle by ``service/runtime/supervisor_actor.py``. The class
 is plain Python (the runtime wraps it with ``ray.remote``), so it stays importable without a cluster.
 
 The actor is *threaded* (the runtime gives it ``max_concurrency > 1``): ``run`` occupies one thread
@@ -32,9 +32,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from workers.config import RunConfig
-from workers.report_batch import ReportBatcher
-from workers.step_control import ControlRequests, step_record
+from etrain.workers.protocol.run_config import RunConfig
+from etrain.workers.report_batch import ReportBatcher
+from etrain.workers.step_control import ControlRequests, step_record
 
 # How long a rank waits for the supervisor to accept a report it must not lose (checkpoint shards,
 # chaos firings) before giving up on it.
@@ -68,7 +68,7 @@ class LaunchPlan:
     resume_dir: str | None  # committed checkpoint directory to load before start_step
     chaos: tuple[ChaosOrder, ...] = ()
     #: The digest of resume_dir's manifest as the supervisor verified it with the service's key (ranks
-    #: have no key): the rank loads only that very manifest (workers.manifest.verify(expect_digest=)).
+    #: have no key): the rank loads only that very manifest (etrain.workers.protocol.manifest.verify(expect_digest=)).
     resume_digest: str | None = None
     #: An in-place repair: restore start_step from the ranks' in-memory snapshots where every rank can
     #: get one (its own, or a data-parallel replica's), else from resume_dir (workers/snapshot.py).
@@ -189,7 +189,7 @@ class TrainWorker:
         """
         import traceback
 
-        from workers.rank_log import RankLog, rank_log_path
+        from etrain.workers.rank_log import RankLog, rank_log_path
 
         root = plan.config.checkpoint.path
         log = RankLog(rank_log_path(root, self.job_id, self.rank)) if root else None
@@ -220,9 +220,9 @@ class TrainWorker:
         import torch
         import torch.distributed as dist
 
-        from workers.mesh import backend_for
-        from workers.step_exchange import StepExchange
-        from workers.train import Trainer
+        from etrain.workers.mesh import backend_for
+        from etrain.workers.step_exchange import StepExchange
+        from etrain.workers.train import Trainer
 
         self._plan = plan
         self._control = ControlRequests()  # requests to an earlier attempt of this process do not carry over
@@ -249,7 +249,7 @@ class TrainWorker:
             )
             source = self._restore(trainer, plan) if plan.resume_dir else None
             if config.checkpoint.async_save:
-                from workers.checkpoint import AsyncCheckpointer
+                from etrain.workers.checkpoint import AsyncCheckpointer
 
                 self._async = AsyncCheckpointer()  # collective: its own gloo group for background writes
             # Collective too: the step-boundary control exchange's own gloo group (workers/step_exchange.py).
@@ -307,7 +307,7 @@ class TrainWorker:
         of them read storage together, hashing every file (the supervisor did not, this time).
         """
         if plan.state_from_memory:
-            from workers.snapshot import replicated, resume_from_snapshot, share_snapshots
+            from etrain.workers.snapshot import replicated, resume_from_snapshot, share_snapshots
 
             parallel = plan.config.parallel
             snapshot, origin = share_snapshots(self._snapshots.get(plan.start_step), plan.start_step,
@@ -327,9 +327,9 @@ class TrainWorker:
         Two are kept: the newest may not be committed yet when a rank dies, the one before it is.
         Only where a data-parallel replica holds the same state: the rank a repair replaces is a new
         process with no snapshot, so without a replica to send it one every rank restores from storage
-        (``workers.snapshot.share_snapshots``) and a copy here would never be read.
+        (``etrain.workers.snapshot.share_snapshots``) and a copy here would never be read.
         """
-        from workers.snapshot import replicated, take_snapshot
+        from etrain.workers.snapshot import replicated, take_snapshot
 
         parallel = self._plan.config.parallel
         if not self._plan.keep_snapshots or not replicated(parallel.zero, parallel.dp):
@@ -372,7 +372,7 @@ class TrainWorker:
         """
         import ray
 
-        from workers.manifest import step_dir
+        from etrain.workers.protocol.manifest import step_dir
 
         directory = step_dir(self._plan.config.checkpoint.path, completed_steps)  # a path or an s3:// URL
         self._keep_snapshot(trainer, completed_steps)

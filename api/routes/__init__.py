@@ -13,13 +13,13 @@ from typing import Annotated
 from fastapi import Depends, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from service.errors import AdminOnly, ChaosDisabled, NotAuthenticated, ServiceUnavailable
-from service.ports import JobManagerPort
-from service.settings import Settings
-from service.tenancy import Principal
+from etrain.service.errors import AdminOnly, ChaosDisabled, NotAuthenticated, ServiceUnavailable
+from etrain.service.ports import JobManagerPort
+from etrain.service.settings import Settings
+from etrain.service.access.tenancy import Principal
 
 #: The OpenAPI security scheme. ``auto_error=False``: a missing token is answered by
-#: :func:`get_principal` in the one error shape (and by ``api.auth.BearerAuthGate`` before that).
+#: :func:`get_principal` in the one error shape (and by ``etrain.api.auth.BearerAuthGate`` before that).
 bearer_scheme = HTTPBearer(
     auto_error=False,
     scheme_name="bearer",

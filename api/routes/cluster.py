@@ -11,10 +11,10 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends
 
-from api.routes import get_manager, get_principal
-from api.schemas import V1_RESPONSES, ClusterOut, ErrorOut
-from service.ports import JobManagerPort
-from service.tenancy import Principal
+from etrain.api.routes import get_manager, get_principal
+from etrain.api.schemas import V1_RESPONSES, ClusterOut, ErrorOut
+from etrain.service.ports import JobManagerPort
+from etrain.service.access.tenancy import Principal
 
 router = APIRouter(prefix="/v1/cluster", tags=["cluster"], responses=V1_RESPONSES)
 

@@ -7,10 +7,10 @@ from typing import Annotated
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from api.routes import get_manager, get_optional_principal
-from api.schemas import COMMON_RESPONSES, ErrorOut
-from service.ports import JobManagerPort
-from service.tenancy import Principal
+from etrain.api.routes import get_manager, get_optional_principal
+from etrain.api.schemas import COMMON_RESPONSES, ErrorOut
+from etrain.service.ports import JobManagerPort
+from etrain.service.access.tenancy import Principal
 
 router = APIRouter(tags=["operations"], responses=COMMON_RESPONSES)
 

@@ -2,7 +2,7 @@
 
 Handlers are plain ``def``: the manager blocks (SQLite, Ray calls), so FastAPI runs them in its
 thread pool. The one exception is GET /events, ``async`` so that a following (streaming) client holds
-no thread while it waits. Errors are raised as ``service.errors`` and turned into HTTP by ``api/errors.py``.
+no thread while it waits. Errors are raised as ``etrain.service.errors`` and turned into HTTP by ``api/errors.py``.
 No handler waits on Ray: cancel and scale are handed to the supervisor off the request thread (202).
 """
 
@@ -14,9 +14,9 @@ from fastapi import APIRouter, Depends, Header, Query, Response
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from api import sse
-from api.routes import get_manager, get_principal, require_chaos
-from api.schemas import (
+from etrain.api import sse
+from etrain.api.routes import get_manager, get_principal, require_chaos
+from etrain.api.schemas import (
     ChaosRequest,
     ErrorOut,
     EventOut,
@@ -31,12 +31,12 @@ from api.schemas import (
     StepsOut,
     V1_RESPONSES,
 )
-from service import idempotency
-from service.bounds import MAX_CURSOR
-from service.ports import JobManagerPort
-from service.spec import JobSpec
-from service.store import JobStatus
-from service.tenancy import Principal
+from etrain.service.store import idempotency
+from etrain.service.planning.bounds import MAX_CURSOR
+from etrain.service.ports import JobManagerPort
+from etrain.service.planning.spec import JobSpec
+from etrain.service.store.job_store import JobStatus
+from etrain.service.access.tenancy import Principal
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=V1_RESPONSES)
 
@@ -73,7 +73,7 @@ def submit_job(
         alias=idempotency.HEADER,
         description="makes retries safe: the same key and spec return the job the first request created "
                     "(200); the same key with another spec is 409. Per tenant. A UUID per logical submission.",
-        # Checked by service.idempotency.check_key (a 422 naming the header and the fix); declared here.
+        # Checked by etrain.service.store.idempotency.check_key (a 422 naming the header and the fix); declared here.
         json_schema_extra={"minLength": 1, "maxLength": idempotency.MAX_KEY_LENGTH,
                            "pattern": idempotency.KEY_PATTERN},
     )] = None,

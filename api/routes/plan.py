@@ -11,10 +11,10 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends
 
-from api.routes import get_manager
-from api.schemas import V1_RESPONSES, ErrorOut
-from service.ports import JobManagerPort
-from service.spec import JobSpec
+from etrain.api.routes import get_manager
+from etrain.api.schemas import V1_RESPONSES, ErrorOut
+from etrain.service.ports import JobManagerPort
+from etrain.service.planning.spec import JobSpec
 
 router = APIRouter(prefix="/v1", tags=["plan"], responses=V1_RESPONSES)
 

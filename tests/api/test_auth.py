@@ -20,14 +20,14 @@ import pytest
 import uvicorn
 from fastapi.testclient import TestClient
 
-from api import cli
-from api.app import create_app
-from service.api_token import ensure_api_token, read_api_token, token_path
-from service.errors import QuotaExceeded, SettingsError
-from service.quotas import TenantQuotas
-from service.settings import Settings
-from service.store import JobStore
-from service.tenancy import ADMIN, Principal
+from etrain.api import cli
+from etrain.api.app import create_app
+from etrain.service.access.api_token import ensure_api_token, read_api_token, token_path
+from etrain.service.errors import QuotaExceeded, SettingsError
+from etrain.service.access.quotas import TenantQuotas
+from etrain.service.settings import Settings
+from etrain.service.store.job_store import JobStore
+from etrain.service.access.tenancy import ADMIN, Principal
 from tests.fakes import FakeRuntime, InMemoryManager
 from tests.service_harness import bearer, free_port
 
@@ -140,7 +140,7 @@ def test_a_token_file_that_is_not_a_plain_secret_is_refused(tmp_path, make, monk
     with pytest.raises(SettingsError, match=expected):
         read_api_token(path)
     if make == "empty":
-        monkeypatch.setattr("service.api_token._WRITER_WAIT_S", 0.3)
+        monkeypatch.setattr("etrain.service.access.api_token._WRITER_WAIT_S", 0.3)
         started = time.monotonic()
         with pytest.raises(SettingsError, match=expected):
             ensure_api_token(tmp_path)  # waits a moment for a concurrent writer, then refuses
@@ -335,7 +335,7 @@ def test_chaos_stays_off_when_disabled_even_for_the_admin(tmp_path, store):
 
 @pytest.fixture
 def quota_app(tmp_path):
-    manager_module = pytest.importorskip("service.manager")  # imports Ray (not started)
+    manager_module = pytest.importorskip("etrain.service.manager")  # imports Ray (not started)
     settings = Settings(data_dir=tmp_path, api_token=ADMIN_TOKEN, api_tokens=TENANTS, tenant_max_jobs=2,
                         tenant_max_workers=3, poll_interval_s=60)
     manager = manager_module.JobManager(settings, runtime=FakeRuntime(steps_per_update=1), base_dir=str(tmp_path))
@@ -564,7 +564,7 @@ def test_serve_generates_the_token_once_and_prints_where_it_is(tmp_path, monkeyp
 def test_the_new_errors_survive_pickling_with_their_fields():
     import pickle
 
-    from service.errors import AdminOnly, NotAuthenticated
+    from etrain.service.errors import AdminOnly, NotAuthenticated
 
     quota = pickle.loads(pickle.dumps(QuotaExceeded("max_workers", tenant="alice", limit=8, used=6, requested=4)))
     assert quota.to_dict() == {"name": "max_workers", "setting": "ETRAIN_TENANT_MAX_WORKERS", "tenant": "alice",

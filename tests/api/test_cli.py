@@ -20,10 +20,10 @@ import pytest
 import uvicorn
 import yaml
 
-from api import cli
-from api.app import create_app
-from service.settings import Settings
-from service.store import JobStore
+from etrain.api import cli
+from etrain.api.app import create_app
+from etrain.service.settings import Settings
+from etrain.service.store.job_store import JobStore
 from tests.fakes import InMemoryManager, simulated_loss
 
 START_TIMEOUT_S = 10.0
@@ -291,7 +291,7 @@ def test_the_token_comes_from_the_flag_or_the_environment(manager, tmp_path, mon
 def test_python_m_api_cli_runs_as_a_program(url, tmp_path):
     spec = write_spec(tmp_path)
     completed = subprocess.run(
-        [sys.executable, "-m", "api.cli", "--url", url, "submit", str(spec)],
+        [sys.executable, "-m", "etrain.api.cli", "--url", url, "submit", str(spec)],
         cwd=REPO, capture_output=True, text=True, timeout=60,
     )
     assert completed.returncode == 0, completed.stderr
@@ -326,9 +326,9 @@ def test_demo_serves_submits_and_follows_the_job(monkeypatch, tmp_path):
         def __init__(self, settings: Settings):
             super().__init__(JobStore(settings.db_path), base_dir=str(tmp_path), steps_per_poll=5)
 
-    module = types.ModuleType("service.manager")
+    module = types.ModuleType("etrain.service.manager")
     module.JobManager = StubJobManager  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "service.manager", module)
+    monkeypatch.setitem(sys.modules, "etrain.service.manager", module)
     out, err = io.StringIO(), io.StringIO()
     port = free_port()
 

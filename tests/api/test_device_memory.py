@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from service.errors import SettingsError, SpecRejected
-from service.settings import Settings
-from service.spec import JobSpec
+from etrain.service.errors import SettingsError, SpecRejected
+from etrain.service.settings import Settings
+from etrain.service.planning.spec import JobSpec
 from tests.fakes import FakeRuntime
 
 
@@ -25,7 +25,7 @@ def spec(device: str = "cuda", **resources) -> JobSpec:
 
 @pytest.fixture
 def make_manager(tmp_path):
-    manager_module = pytest.importorskip("service.manager")  # imports Ray (not started)
+    manager_module = pytest.importorskip("etrain.service.manager")  # imports Ray (not started)
     made = []
 
     def make(gpu_memory_gb: float | None = None, **settings):

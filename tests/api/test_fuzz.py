@@ -1,6 +1,6 @@
 """Schemathesis fuzzes every operation of the OpenAPI document against the real ASGI app.
 
-The app is ``create_app(Settings(api_token=...), manager=...)`` with the REAL ``service.manager.JobManager``
+The app is ``create_app(Settings(api_token=...), manager=...)`` with the REAL ``etrain.service.manager.JobManager``
 (real SQLite store, real spec checks and planner, real admission, device-memory and cross-field rules)
 whose Ray side is ``tests.fakes.FakeRuntime`` (simulated supervisors). Not a real local Ray: it costs
 ~10 s to start on the 2-core CI machine, and every fuzzed spec that passes validation would launch real
@@ -50,8 +50,8 @@ from schemathesis.specs.openapi.checks import (  # noqa: E402
     status_code_conformance,
 )
 
-from api.app import create_app  # noqa: E402
-from service.settings import Settings  # noqa: E402
+from etrain.api.app import create_app  # noqa: E402
+from etrain.service.settings import Settings  # noqa: E402
 from tests.fakes import FakeRuntime  # noqa: E402
 
 TOKEN = "fuzz-token-5b1d9e"
@@ -104,7 +104,7 @@ def _operations() -> list[tuple[str, str]]:
 @pytest.fixture(scope="module")
 def fuzz_env(tmp_path_factory):
     """The app, its schemathesis schema, and the ids of a finished and a running job."""
-    from service.manager import JobManager  # imports Ray (never started: FakeRuntime)
+    from etrain.service.manager import JobManager  # imports Ray (never started: FakeRuntime)
 
     data_dir = tmp_path_factory.mktemp("fuzz")
     settings_ = Settings(data_dir=data_dir, api_token=TOKEN, enable_chaos=True, poll_interval_s=0.05)

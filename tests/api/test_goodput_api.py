@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from service.goodput import StepTime, goodput, productive_seconds
+from etrain.service.decisions.goodput import StepTime, goodput, productive_seconds
 from tests.fakes import FakeRuntime
 
-queue_tests = pytest.importorskip("tests.api.test_queue")  # imports service.manager (Ray never started)
+queue_tests = pytest.importorskip("tests.api.test_queue")  # imports etrain.service.manager (Ray never started)
 plane, spec, submit, wait_for, events = (queue_tests.plane, queue_tests.spec, queue_tests.submit,
                                           queue_tests.wait_for, queue_tests.events)
 

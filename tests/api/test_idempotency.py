@@ -16,13 +16,13 @@ import httpx
 import pytest
 import uvicorn
 
-from api.app import create_app
-from service.idempotency import MAX_KEY_LENGTH, ReplayedJob, request_hash
-from service.settings import Settings
-from service.spec import JobSpec
+from etrain.api.app import create_app
+from etrain.service.store.idempotency import MAX_KEY_LENGTH, ReplayedJob, request_hash
+from etrain.service.settings import Settings
+from etrain.service.planning.spec import JobSpec
 from tests.fakes import FakeRuntime
 
-manager_module = pytest.importorskip("service.manager")  # imports Ray (never started here)
+manager_module = pytest.importorskip("etrain.service.manager")  # imports Ray (never started here)
 
 ADMIN, ALICE, BOB = "admin-token-0123456789", "alice-token-0123456789", "bob-token-0123456789"
 
@@ -162,7 +162,7 @@ def test_concurrent_identical_submits_create_exactly_one_job(url, manager):
 def test_the_unique_index_decides_a_race_past_the_first_lookup(manager, monkeypatch):
     """Both requests find no job for the key (both pass the early lookup), then both insert: the index
     lets one win and the other answers with the winner's job, creating nothing."""
-    from service.tenancy import Principal
+    from etrain.service.access.tenancy import Principal
 
     barrier = threading.Barrier(2)
     validate = manager.validate

@@ -16,13 +16,13 @@ import pytest
 from fastapi.testclient import TestClient
 from tokenizers import Tokenizer
 
-from api import cli
-from api.app import create_app
-from service.settings import Settings
+from etrain.api import cli
+from etrain.api.app import create_app
+from etrain.service.settings import Settings
 from tests.fakes import FakeRuntime
 from tests.service_harness import admin_headers
 from tests.tiny_tokenizers import CORPUS, byte_bpe
-from workers.tokenized import CACHE_DIR_SUFFIX
+from etrain.workers.tokenized import CACHE_DIR_SUFFIX
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -106,7 +106,7 @@ def test_prepare_data_errors_name_the_setting_and_the_fix(bpe, corpus, tmp_path)
 
 def test_the_console_command_runs_without_a_server(bpe, corpus):
     result = subprocess.run(
-        [sys.executable, "-m", "api.cli", "--url", "http://127.0.0.1:9", "prepare-data", "--tokenizer", str(bpe),
+        [sys.executable, "-m", "etrain.api.cli", "--url", "http://127.0.0.1:9", "prepare-data", "--tokenizer", str(bpe),
          str(corpus)],
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )
@@ -120,7 +120,7 @@ def test_the_console_command_runs_without_a_server(bpe, corpus):
 
 @pytest.fixture
 def manager(tmp_path):
-    manager_module = pytest.importorskip("service.manager")  # imports Ray (not started)
+    manager_module = pytest.importorskip("etrain.service.manager")  # imports Ray (not started)
     manager = manager_module.JobManager(Settings(data_dir=tmp_path / "state", poll_interval_s=60,
                                                  storage_roots=(tmp_path.parent,)),  # bpe: another tmp dir
                                         runtime=FakeRuntime(), base_dir=str(tmp_path))

@@ -12,14 +12,14 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from api.app import create_app
-from service.settings import Settings
-from service.store import JobStatus
-from service.tenancy import Principal
+from etrain.api.app import create_app
+from etrain.service.settings import Settings
+from etrain.service.store.job_store import JobStatus
+from etrain.service.access.tenancy import Principal
 from tests.fakes import FakeRuntime
 from tests.service_harness import admin_headers
 
-manager_module = pytest.importorskip("service.manager")  # imports Ray (never started: FakeRuntime)
+manager_module = pytest.importorskip("etrain.service.manager")  # imports Ray (never started: FakeRuntime)
 
 TWO_CPUS = {"n1": {"CPU": 2.0}}
 
@@ -255,7 +255,7 @@ def test_on_an_autoscaling_cluster_the_queue_asks_for_room(plane):
 
 
 def test_placement_groups_are_mapped_to_their_jobs_by_name():
-    from service.cluster import job_of_placement_group
+    from etrain.service.runtime.cluster import job_of_placement_group
 
     assert job_of_placement_group("etrain/tiny-1a2b3c4d/a3") == "tiny-1a2b3c4d"
     assert [job_of_placement_group(name) for name in ("", "etrain/a1", "other/job/a1", "etrain/job/x1")] == [None] * 4

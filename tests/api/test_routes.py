@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from api.app import create_app
-from api.routes import get_manager
-from service.errors import ServiceUnavailable
-from service.settings import Settings
-from service.store import JobStatus, JobStore
+from etrain.api.app import create_app
+from etrain.api.routes import get_manager
+from etrain.service.errors import ServiceUnavailable
+from etrain.service.settings import Settings
+from etrain.service.store.job_store import JobStatus, JobStore
 from tests.fakes import FakeRuntime, InMemoryManager, simulated_loss
 from tests.service_harness import admin_headers
 
@@ -562,9 +562,9 @@ def test_the_app_builds_its_own_manager_in_the_lifespan_and_closes_it(tmp_path, 
             self.settings = settings
             built.append(self)
 
-    module = types.ModuleType("service.manager")
+    module = types.ModuleType("etrain.service.manager")
     module.JobManager = StubJobManager  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "service.manager", module)
+    monkeypatch.setitem(sys.modules, "etrain.service.manager", module)
     ready: list[Any] = []
     settings = Settings(data_dir=tmp_path)
     app = create_app(settings, on_ready=ready.append)
@@ -580,7 +580,7 @@ def test_the_app_builds_its_own_manager_in_the_lifespan_and_closes_it(tmp_path, 
 
 @pytest.fixture
 def real_manager(tmp_path):
-    manager_module = pytest.importorskip("service.manager")  # imports Ray (not started)
+    manager_module = pytest.importorskip("etrain.service.manager")  # imports Ray (not started)
     settings = Settings(data_dir=tmp_path, enable_chaos=True, poll_interval_s=0.05)
     manager = manager_module.JobManager(settings, runtime=FakeRuntime(steps_per_update=2), base_dir=str(tmp_path))
     yield manager

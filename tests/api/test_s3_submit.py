@@ -18,14 +18,14 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from api.app import create_app
-from service.checkpoint_key import load_or_create_key
-from service.settings import Settings
+from etrain.api.app import create_app
+from etrain.service.access.checkpoint_key import load_or_create_key
+from etrain.service.settings import Settings
 from tests.fakes import FakeRuntime
 from tests.object_store import s3_server
 from tests.service_harness import bearer
-from workers import storage
-from workers.manifest import ShardReport, commit, file_entry, step_dir
+from etrain.workers import storage
+from etrain.workers.protocol.manifest import ShardReport, commit, file_entry, step_dir
 
 ADMIN_TOKEN = "admin-token-0123456789"
 ROOT = "s3://etrain-test/jobs"
@@ -38,7 +38,7 @@ def s3():
 
 
 def make_server(tmp_path, **settings: Any):
-    manager_module = pytest.importorskip("service.manager")  # imports Ray (not started)
+    manager_module = pytest.importorskip("etrain.service.manager")  # imports Ray (not started)
     settings = Settings(data_dir=tmp_path / "state", storage_roots=(tmp_path, ROOT), api_token=ADMIN_TOKEN,
                         poll_interval_s=60, **settings)
     runtime = FakeRuntime()

@@ -14,12 +14,12 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from api.app import create_app
-from service.checkpoint_key import load_or_create_key
-from service.settings import Settings
+from etrain.api.app import create_app
+from etrain.service.access.checkpoint_key import load_or_create_key
+from etrain.service.settings import Settings
 from tests.fakes import FakeRuntime
 from tests.service_harness import bearer
-from workers.manifest import ShardReport, commit, file_entry, step_dir
+from etrain.workers.protocol.manifest import ShardReport, commit, file_entry, step_dir
 
 ADMIN_TOKEN = "admin-token-0123456789"
 TENANTS = {"alice": "alice-token-0123456789", "bob": "bob-token-0123456789"}
@@ -41,7 +41,7 @@ def world(tmp_path):
 
 @pytest.fixture
 def server(world):
-    manager_module = pytest.importorskip("service.manager")  # imports Ray (not started)
+    manager_module = pytest.importorskip("etrain.service.manager")  # imports Ray (not started)
     settings = Settings(data_dir=world / "roots" / "state", storage_roots=(world / "roots",), api_token=ADMIN_TOKEN,
                         api_tokens=TENANTS, poll_interval_s=60)
     manager = manager_module.JobManager(settings, runtime=FakeRuntime(), base_dir=str(world / "roots"))

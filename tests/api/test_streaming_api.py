@@ -10,16 +10,16 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
-from api import cli, sse
-from api.app import create_app
-from api.cli import sse_messages
-from service.settings import Settings
-from service.store import JobStatus, JobStore
-from service.tenancy import ADMIN, Principal
+from etrain.api import cli, sse
+from etrain.api.app import create_app
+from etrain.api.cli import sse_messages
+from etrain.service.settings import Settings
+from etrain.service.store.job_store import JobStatus, JobStore
+from etrain.service.access.tenancy import ADMIN, Principal
 from tests.api.test_cli import etrain as etrain_as
 from tests.api.test_cli import serving, submitted_id, write_spec
 from tests.fakes import FakeRuntime, InMemoryManager, simulated_loss
-from workers.rank_log import RankLog, rank_log_path
+from etrain.workers.rank_log import RankLog, rank_log_path
 
 TOKEN = "stream-test-token"
 SPEC = {"name": "tiny", "model": {"preset": "gpt-tiny"}, "parallelism": {"dp": 2},
@@ -77,7 +77,7 @@ def test_last_event_id_overrides_since_and_a_bad_one_is_422(tmp_path, store):
 
 def test_an_idle_stream_sends_keepalives_and_closes_at_its_time_limit(tmp_path, store):
     manager = InMemoryManager(store, base_dir=str(tmp_path))  # no simulated progress: the job stays RUNNING
-    job_id = manager.submit(__import__("service.spec", fromlist=["JobSpec"]).JobSpec.model_validate(SPEC)).id
+    job_id = manager.submit(__import__("etrain.service.planning.spec", fromlist=["JobSpec"]).JobSpec.model_validate(SPEC)).id
 
     async def collect() -> list[str]:
         chunks = []
@@ -108,7 +108,7 @@ def test_another_tenants_job_is_404_for_the_stream_too(tmp_path, store):
 
 @pytest.fixture
 def real_manager(tmp_path):
-    manager_module = pytest.importorskip("service.manager")  # imports Ray (not started)
+    manager_module = pytest.importorskip("etrain.service.manager")  # imports Ray (not started)
     # The poller sleeps for the whole test: jobs stay exactly as the test leaves them in the store.
     settings = Settings(data_dir=tmp_path, api_token=TOKEN, poll_interval_s=3600)
     manager = manager_module.JobManager(settings, runtime=FakeRuntime(), base_dir=str(tmp_path))

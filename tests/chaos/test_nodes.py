@@ -38,7 +38,7 @@ def test_node_loss_during_dp2_tp2_restarts_on_the_spare_node(tmp_path):
         assert final["restarts"] == 0, [(e["kind"], e["detail"]) for e in events]  # node loss is not the job's fault
         # Either Ray had declared the node dead when the rank's death reached the supervisor (node_lost at
         # once), or the loss was classified a process fault at once and refunded when the node was
-        # declared dead ([8] in service/supervisor.py).
+        # declared dead ([8] in service/decisions/supervisor.py).
         assert {"node_lost", "restart_refunded"} & set(event_kinds(events)), event_kinds(events)
         last = placements(events)[-1]
         assert victim not in last.values() and len(last) == 4

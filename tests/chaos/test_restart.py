@@ -51,7 +51,7 @@ def test_killed_rank_restarts_from_checkpoint_and_ends_where_the_clean_run_ends(
     events = plane.events(job["id"])
     kinds = event_kinds(events)
     assert "chaos_fired" in kinds and "worker_failed" in kinds and "restored" in kinds
-    # Classified at once ([8] in service/supervisor.py): no wait for a node verdict (it was 6 s).
+    # Classified at once ([8] in service/decisions/supervisor.py): no wait for a node verdict (it was 6 s).
     at = {e["kind"]: e["ts"] for e in reversed(events)}
     assert at["worker_failed"] - at["chaos_fired"] < 3.0, (at["chaos_fired"], at["worker_failed"])
     # Killed while running step index 10 (the 11th step): the last commit was after 8 steps.

@@ -22,9 +22,9 @@ import pytest
 import yaml
 from fastapi.testclient import TestClient
 
-from api.app import create_app
-from service.settings import Settings
-from service.store import JobStore
+from etrain.api.app import create_app
+from etrain.service.settings import Settings
+from etrain.service.store.job_store import JobStore
 from tests.deploy import chart
 from tests.deploy.chart import ROOT, as_pod_template, containers, labels_match, render, resolve_env
 from tests.deploy.kuberay_fields import check_raycluster

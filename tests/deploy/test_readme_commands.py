@@ -22,8 +22,8 @@ import helm_python as helm
 import pytest
 import yaml
 
-from api.cli import load_spec
-from service.spec import JobSpec, check_spec
+from etrain.api.cli import load_spec
+from etrain.service.planning.spec import JobSpec, check_spec
 from tests.deploy import chart
 
 README = chart.ROOT / "README.md"

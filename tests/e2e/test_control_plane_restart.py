@@ -60,7 +60,7 @@ def test_a_new_control_plane_reattaches_to_the_running_job(local_ray, tmp_path):
 
 
 def test_a_killed_supervisor_is_recreated_from_the_last_checkpoint(local_ray, tmp_path):
-    from service.runtime import find_supervisor
+    from etrain.service.runtime.supervisor_actor import find_supervisor
 
     with control_plane(tmp_path) as plane:
         job = plane.submit(long_spec("lost-supervisor"))
@@ -99,7 +99,7 @@ class Server:
         self.port = free_port()
         self.log = data_dir.parent / f"serve-{self.port}.log"
         env = {**os.environ, "ETRAIN_API_TOKEN": token, "ETRAIN_POLL_INTERVAL_S": "0.2"}
-        command = [sys.executable, "-m", "api.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+        command = [sys.executable, "-m", "etrain.api.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
                    "--data-dir", str(data_dir), "--ray-address", ray.get_runtime_context().gcs_address,
                    "--log-level", "warning"]
         with open(self.log, "wb") as log:

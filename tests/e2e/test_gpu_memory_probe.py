@@ -31,8 +31,8 @@ def _expected_gib() -> float | None:
 
 
 def test_the_probe_reads_the_gpu_of_its_type(ray_with_a_gpu_node):
-    from service.cluster import RayRuntime, probe_gpu_memory_gib
-    from service.settings import Settings
+    from etrain.service.runtime.cluster import RayRuntime, probe_gpu_memory_gib
+    from etrain.service.settings import Settings
 
     expected = _expected_gib()
     measured = probe_gpu_memory_gib("H100", timeout_s=60)
@@ -44,7 +44,7 @@ def test_the_probe_reads_the_gpu_of_its_type(ray_with_a_gpu_node):
 def test_a_probe_that_cannot_be_scheduled_answers_none_in_time(ray_with_a_gpu_node):
     import time
 
-    from service.cluster import probe_gpu_memory_gib
+    from etrain.service.runtime.cluster import probe_gpu_memory_gib
 
     start = time.monotonic()
     assert probe_gpu_memory_gib("A100", timeout_s=2) is None  # no such accelerator in this cluster

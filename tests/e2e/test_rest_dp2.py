@@ -146,7 +146,7 @@ def test_ranks_report_steps_in_batches_from_rank_zero_only(plane):
     import math
     import time
 
-    from service.runtime import find_supervisor
+    from etrain.service.runtime.supervisor_actor import find_supervisor
 
     started = time.monotonic()
     job = plane.submit(dp2_spec(steps=100000, timing_sync_every=1))

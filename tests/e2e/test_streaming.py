@@ -17,8 +17,8 @@ from typing import Any
 import httpx
 import pytest
 
-from api import cli
-from api.cli import sse_messages
+from etrain.api import cli
+from etrain.api.cli import sse_messages
 from tests.service_harness import event_kinds
 
 ray = pytest.importorskip("ray")

@@ -1,6 +1,6 @@
 """Issue #9, warm spares: a job's first launch and its replacement rank are pre-started processes.
 
-Real local Ray, the real control plane and its spare pool (service/spares.py). The test proves it by
+Real local Ray, the real control plane and its spare pool (service/runtime/spares.py). The test proves it by
 process ids: every rank of the first launch, and the rank that replaces a killed one (in place: the
 survivor keeps its own process), runs in a process that was a ready spare before (so it paid no
 interpreter start and no torch import), and the recovered run still ends exactly where the clean run
@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from service.spares import find_pool
+from etrain.service.runtime.spares import find_pool
 from tests.chaos.conftest import clean_run, losses, rank_pids, recover, spec
 from tests.service_harness import control_plane, event_kinds, event_text
 

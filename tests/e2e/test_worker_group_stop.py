@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from service.worker_group import WorkerGroup
+from etrain.service.runtime.worker_group import WorkerGroup
 
 ray = pytest.importorskip("ray")
 

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from tests.equivalence_utils import small_config
-from workers.config import ParallelConfig
-from workers.mesh import backend_for
+from etrain.workers.protocol.run_config import ParallelConfig
+from etrain.workers.mesh import backend_for
 
 pytestmark = [
     pytest.mark.gpu,
@@ -30,7 +30,7 @@ pytestmark = [
 
 
 def _losses(config, device: str) -> list[float]:
-    from workers.train import Trainer
+    from etrain.workers.train import Trainer
 
     trainer = Trainer(config, rank=0, world_size=1, device=torch.device(device))
     return [trainer.train_step(step).loss for step in range(config.training.steps)]
@@ -54,7 +54,7 @@ def test_bf16_trains_close_to_fp32():
 
 
 def test_cuda_step_timing_and_fused_adamw():
-    from workers.train import Trainer
+    from etrain.workers.train import Trainer
 
     config = dataclasses.replace(small_config(steps=3), device="cuda")
     trainer = Trainer(config, rank=0, world_size=1, device=torch.device("cuda"))
@@ -67,7 +67,7 @@ def test_cuda_step_timing_and_fused_adamw():
 
 
 def _nccl_rank(rank: int, world_size: int, config) -> dict:
-    from workers.train import Trainer
+    from etrain.workers.train import Trainer
 
     torch.cuda.set_device(rank)
     trainer = Trainer(config, rank=rank, world_size=world_size, device=torch.device("cuda", rank))

@@ -1,7 +1,7 @@
 """A checkpoint saved under one parallel layout restores exactly under another (resharding).
 
 A tiny GPT trains two AdamW steps under a layout, is saved with ``save_checkpoint``, committed with
-``workers.manifest.commit`` (the supervisor's job), and loaded into a *differently initialised*
+``etrain.workers.protocol.manifest.commit`` (the supervisor's job), and loaded into a *differently initialised*
 model under another layout. The full parameters and the optimizer's ``exp_avg`` / ``exp_avg_sq`` /
 ``step`` (gathered to full tensors by an independent helper, not by the checkpoint code) must equal
 the saved ones within 1e-6, and the restored state must train on.
@@ -36,19 +36,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import workers.checkpoint as checkpoint_module
+import etrain.workers.checkpoint as checkpoint_module
 from tests.dist_utils import run_distributed
-from workers.checkpoint import (
+from etrain.workers.checkpoint import (
     AsyncCheckpointer,
     capture_rng_state,
     load_checkpoint,
     restore_rng_state,
     save_checkpoint,
 )
-from workers.config import ModelConfig
-from workers.errors import CheckpointError
-from workers.manifest import ShardReport, commit, step_dir, verify
-from workers.model import build_model, cross_entropy_loss
+from etrain.workers.protocol.run_config import ModelConfig
+from etrain.workers.protocol.errors import CheckpointError
+from etrain.workers.protocol.manifest import ShardReport, commit, step_dir, verify
+from etrain.workers.model import build_model, cross_entropy_loss
 
 MODEL = ModelConfig(n_layers=4, d_model=16, n_heads=2, vocab_size=32, seq_len=8)
 #: Same vocabulary, context and depth as MODEL, so batches and stages are shared; tied (Qwen2-style).
@@ -590,8 +590,8 @@ def test_resaving_over_a_corrupted_commit_quarantines_it(tmp_path):
     import torch
     from torch import nn
 
-    from workers.checkpoint import save_checkpoint
-    from workers.manifest import commit, list_steps, step_dir, verify
+    from etrain.workers.checkpoint import save_checkpoint
+    from etrain.workers.protocol.manifest import commit, list_steps, step_dir, verify
 
     model = nn.Linear(4, 4)
     optimizer = torch.optim.AdamW(model.parameters())

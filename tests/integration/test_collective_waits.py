@@ -19,7 +19,7 @@ def _waits(rank: int, world_size: int) -> dict:
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
 
-    from workers.collective_waits import CollectiveWaitClock
+    from etrain.workers.collective_waits import CollectiveWaitClock
 
     clock = CollectiveWaitClock(torch.device("cpu"))
     tensor = torch.ones(4)

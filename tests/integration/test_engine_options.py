@@ -31,8 +31,8 @@ from tests.equivalence_utils import (
     run_reference,
     small_config,
 )
-from workers.config import ParallelConfig
-from workers.errors import ConfigError
+from etrain.workers.protocol.run_config import ParallelConfig
+from etrain.workers.protocol.errors import ConfigError
 
 BF16_STEPS = 6
 #: bf16 keeps 8 significant bits: one rounding of a value is up to 2^-8 ≈ 3.9e-3 of it. A loss
@@ -115,7 +115,7 @@ class _WorldAllReduces:
 
 
 def _trainer(rank, world_size, config, callbacks=()):
-    from workers.train import Trainer
+    from etrain.workers.train import Trainer
 
     return Trainer(config, rank=rank, world_size=world_size, device=torch.device("cpu"), callbacks=callbacks)
 
@@ -273,7 +273,7 @@ def test_the_world_barrier_runs_only_on_timing_sync_steps(reports) -> None:
     ids=["hsdp-zero1", "hsdp-not-dividing", "offload-ddp", "offload-dp1"],
 )
 def test_hsdp_and_offload_config_errors_name_the_field(parallel, field, message) -> None:
-    from workers.parallelize import validate_data_parallel
+    from etrain.workers.parallelize import validate_data_parallel
 
     with pytest.raises(ConfigError) as info:
         validate_data_parallel(parallel)
@@ -282,7 +282,7 @@ def test_hsdp_and_offload_config_errors_name_the_field(parallel, field, message)
 
 
 def test_timing_sync_every_must_be_positive() -> None:
-    from workers.train import Trainer
+    from etrain.workers.train import Trainer
 
     config = small_config(timing_sync_every=0)
     with pytest.raises(ConfigError) as info:

@@ -36,7 +36,7 @@ from tests.equivalence_utils import (
     run_reference,
     small_config,
 )
-from workers.config import ParallelConfig, RunConfig
+from etrain.workers.protocol.run_config import ParallelConfig, RunConfig
 
 BASE = small_config(steps=8)
 

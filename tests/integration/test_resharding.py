@@ -17,7 +17,7 @@ import torch
 
 from tests.dist_utils import run_distributed
 from tests.equivalence_utils import LOSS_RTOL, MODELS, PARAM_ATOL, run_reference, small_config
-from workers.config import ParallelConfig
+from etrain.workers.protocol.run_config import ParallelConfig
 
 STEPS, SAVE_AT = 8, 4
 
@@ -25,8 +25,8 @@ STEPS, SAVE_AT = 8, 4
 def _train_and_save(rank: int, world_size: int, config, root: str) -> list[float]:
     import torch.distributed as dist
 
-    from workers.manifest import commit, step_dir
-    from workers.train import Trainer
+    from etrain.workers.protocol.manifest import commit, step_dir
+    from etrain.workers.train import Trainer
 
     trainer = Trainer(config, rank=rank, world_size=world_size, device=torch.device("cpu"))
     losses = [m.loss for m in trainer.run(0, SAVE_AT)]
@@ -41,8 +41,8 @@ def _train_and_save(rank: int, world_size: int, config, root: str) -> list[float
 
 
 def _restore_and_train(rank: int, world_size: int, config, root: str) -> dict:
-    from workers.manifest import step_dir
-    from workers.train import Trainer
+    from etrain.workers.protocol.manifest import step_dir
+    from etrain.workers.train import Trainer
 
     trainer = Trainer(config, rank=rank, world_size=world_size, device=torch.device("cpu"))
     next_step = trainer.restore(step_dir(root, SAVE_AT))

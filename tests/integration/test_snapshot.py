@@ -9,18 +9,18 @@ import torch
 
 from tests.dist_utils import run_distributed
 from tests.equivalence_utils import small_config
-from workers.config import ParallelConfig
+from etrain.workers.protocol.run_config import ParallelConfig
 
 
 def _trainer(rank, world_size, parallel, steps):
-    from workers.train import Trainer
+    from etrain.workers.train import Trainer
 
     return Trainer(small_config(parallel=parallel, steps=steps), rank=rank, world_size=world_size,
                    device=torch.device("cpu"))
 
 
 def _local_state(trainer) -> dict[str, torch.Tensor]:
-    from workers.checkpoint import collect_state
+    from etrain.workers.checkpoint import collect_state
 
     state = collect_state(trainer.model_parts, trainer.optimizers).state
     return {f"{section}/{key}": (value.to_local() if hasattr(value, "to_local") else value).detach().clone()
@@ -30,7 +30,7 @@ def _local_state(trainer) -> dict[str, torch.Tensor]:
 def _save_committed(trainer, rank, world_size, directory, step):
     import torch.distributed as dist
 
-    from workers.manifest import commit
+    from etrain.workers.protocol.manifest import commit
 
     report = trainer.save(directory)
     reports = [None] * world_size
@@ -41,7 +41,7 @@ def _save_committed(trainer, rank, world_size, directory, step):
 
 
 def _scenarios(rank: int, world_size: int, root: str) -> dict:
-    from workers.snapshot import replicated, resume_from_snapshot, share_snapshots, take_snapshot
+    from etrain.workers.snapshot import replicated, resume_from_snapshot, share_snapshots, take_snapshot
 
     directory = f"{root}/step_00000003"
     first = _trainer(rank, world_size, ParallelConfig(dp=2), steps=6)

@@ -2,7 +2,7 @@
 
 Three spawned ranks run 20 trials in one process group. Each step is a real collective on the default
 group (standing in for the training step, and checking that every rank is on the same step) followed
-by the step-boundary exchange (``workers.step_exchange.StepExchange``) on its own gloo group. A save is
+by the step-boundary exchange (``etrain.workers.step_exchange.StepExchange``) on its own gloo group. A save is
 another collective (as a DCP save is); a stop ends the trial. In every trial, every rank receives a
 checkpoint request, and in every other trial a stop request, from a thread at its own random moment
 (as a broadcast to all ranks would land), with the target a lagging supervisor would send (the
@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
-from workers.step_control import SAVE, STOP, ControlRequests
-from workers.step_exchange import StepExchange
+from etrain.workers.step_control import SAVE, STOP, ControlRequests
+from etrain.workers.step_exchange import StepExchange
 
 WORLD = 3
 TRIALS = 20

@@ -3,7 +3,7 @@
 Under tensor parallelism and FSDP2 the collectives are inside forward/backward, so a rank waiting
 for a slow peer waits *inside* its compute span. Measured here on timing-sync steps (every step):
 
-* ``drill``: the chaos ``slow_rank`` drill (``workers.worker.ChaosCallback`` of a real ``TrainWorker``,
+* ``drill``: the chaos ``slow_rank`` drill (``etrain.workers.worker.ChaosCallback`` of a real ``TrainWorker``,
   factor 4) sleeps at the start of each micro-step;
 * ``layers``: a slow device, modelled as a sleep before every attention and feed-forward block of
   rank 1, i.e. between the collectives (3x its own compute in total): the case a barrier before
@@ -11,7 +11,7 @@ for a slow peer waits *inside* its compute span. Measured here on timing-sync st
 * ``unfixed``: ``layers`` with the collective-wait clock removed, the measurement before the fix.
 
 For each, rank 1 runs ``BASELINE`` steps at normal speed, then ``SLOWED`` steps slow; the per-rank
-``compute_s`` go through the real :class:`~service.stragglers.StragglerDetector`.
+``compute_s`` go through the real :class:`~etrain.service.decisions.stragglers.StragglerDetector`.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ import time
 import pytest
 import torch
 
-from service.stragglers import StragglerConfig, StragglerDetector, stage_map
+from etrain.service.decisions.stragglers import StragglerConfig, StragglerDetector, stage_map
 from tests.dist_utils import run_distributed
 from tests.equivalence_utils import small_config
-from workers.config import ParallelConfig
+from etrain.workers.protocol.run_config import ParallelConfig
 
 BASELINE, SLOWED = 4, 4
 SLOW_RANK = 1
@@ -60,8 +60,8 @@ class _SlowLayers:
 
 
 def _measure(rank: int, world_size: int, parallel: ParallelConfig) -> dict[str, list[dict]]:
-    from workers.train import Trainer
-    from workers.worker import ChaosCallback, TrainWorker
+    from etrain.workers.train import Trainer
+    from etrain.workers.worker import ChaosCallback, TrainWorker
 
     # Two micro-steps per rank in both layouts (global batch 4 at tp=2, 8 at dp=2): TP on CPU is slow per op.
     config = small_config(parallel=parallel, steps=BASELINE + SLOWED, timing_sync_every=1,

@@ -22,8 +22,8 @@ import torch
 
 from tests.dist_utils import run_distributed
 from tests.equivalence_utils import small_config
-from workers.config import ParallelConfig
-from workers.errors import NonFiniteLossError
+from etrain.workers.protocol.run_config import ParallelConfig
+from etrain.workers.protocol.errors import NonFiniteLossError
 
 SLOW_S = 0.25
 
@@ -71,7 +71,7 @@ class _PoisonOnRank0:
 
 
 def _trainer(rank, world_size, parallel, callbacks=(), **training):
-    from workers.train import Trainer
+    from etrain.workers.train import Trainer
 
     config = small_config(parallel=parallel, **{"steps": 3, **training})
     return Trainer(config, rank=rank, world_size=world_size, device=torch.device("cpu"), callbacks=callbacks)
@@ -81,7 +81,7 @@ def _resume(rank: int, world_size: int, directory: str) -> dict:
     """Save after 2 steps of ZeRO-3, go on to step 4; restore the save under TP and redo steps 2-3."""
     import torch.distributed as dist
 
-    from workers.manifest import commit
+    from etrain.workers.protocol.manifest import commit
 
     first = _trainer(rank, world_size, ParallelConfig(dp=2, zero=3), steps=4)
     first.run(0, 2)

@@ -1,4 +1,4 @@
-"""Gang admission (service/admission.py): priority, FIFO, whole gangs only, per-node fit, head-of-line
+"""Gang admission (service/decisions/admission.py): priority, FIFO, whole gangs only, per-node fit, head-of-line
 blocking with safe backfill, claims, never-fits refusals, and the same order after a restart."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from service.admission import (
+from etrain.service.decisions.admission import (
     Claim,
     Gang,
     NodeView,

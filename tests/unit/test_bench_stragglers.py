@@ -5,8 +5,8 @@ below the threshold; no false positives on rows without a slow rank)."""
 import pytest
 
 from benchmarks.stragglers import Trace, replay
-from service.stragglers import HISTORY, PEERS, StragglerConfig
-from workers.config import ParallelConfig
+from etrain.service.decisions.stragglers import HISTORY, PEERS, StragglerConfig
+from etrain.workers.protocol.run_config import ParallelConfig
 
 
 def trace(parallel: ParallelConfig, slow_rank: int, base: dict[int, float], slowdowns=(1.25, 2.0)) -> Trace:

@@ -88,7 +88,7 @@ def test_the_etrain_spec_is_the_job_the_peers_run():
     assert spec["checkpoint"] == {"every_steps": 10, "keep_last": 3}
     assert spec["fault_tolerance"] == {"heartbeat_timeout_s": 5.0}
     assert spec["model"] == {"preset": "gpt-tiny"}
-    from service.spec import JobSpec
+    from etrain.service.planning.spec import JobSpec
 
     JobSpec.model_validate(spec)  # a spec the service accepts
 

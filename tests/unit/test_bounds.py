@@ -1,4 +1,4 @@
-"""Bounds on every input (service/bounds.py) and the divisor searches that keep every request cheap.
+"""Bounds on every input (service/planning/bounds.py) and the divisor searches that keep every request cheap.
 
 * the largest real model (Llama 3.1 405B, 128k context, 16384 GPUs) passes every bound;
 * one past each bound is a 422 naming the field (through the real app);
@@ -19,14 +19,14 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from api.app import create_app
-from service import bounds
-from service.bounds import MAX_GLOBAL_BATCH, MAX_WORKERS, divisors, spread
-from service.elastic import ElasticPolicy, legal_dp_sizes
-from service.errors import SpecRejected
-from service.planner import MAX_AUTO_LAYOUTS, check_plan, plan_report, resolve_auto
-from service.settings import Settings
-from service.spec import (
+from etrain.api.app import create_app
+from etrain.service.planning import bounds
+from etrain.service.planning.bounds import MAX_GLOBAL_BATCH, MAX_WORKERS, divisors, spread
+from etrain.service.decisions.elastic import ElasticPolicy, legal_dp_sizes
+from etrain.service.errors import SpecRejected
+from etrain.service.planning.planner import MAX_AUTO_LAYOUTS, check_plan, plan_report, resolve_auto
+from etrain.service.settings import Settings
+from etrain.service.planning.spec import (
     AutoParallelismSpec,
     JobSpec,
     ModelSpec,
@@ -52,7 +52,7 @@ def spec_dict(**sections: Any) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
     """The real app over the real JobManager (SQLite, spec checks, planner); Ray replaced by FakeRuntime."""
-    from service.manager import JobManager
+    from etrain.service.manager import JobManager
 
     data_dir = tmp_path_factory.mktemp("bounds")
     settings = Settings(data_dir=data_dir, api_token=TOKEN)
@@ -314,7 +314,7 @@ def test_the_supervisors_rules_are_a_422_at_submit_and_no_job_is_made(client):
 
 
 def test_device_memory_cannot_be_raised_above_what_the_operator_allows(tmp_path):
-    from service.manager import JobManager
+    from etrain.service.manager import JobManager
 
     runtime = FakeRuntime()
     runtime.gpu_memory_gb = 79.1  # what the cluster's H100s report

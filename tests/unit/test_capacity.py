@@ -2,7 +2,7 @@
 
 import pytest
 
-from service.capacity import rank_slots, replicas_that_fit
+from etrain.service.decisions.capacity import rank_slots, replicas_that_fit
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""The control queue (service/control.py): cancel/scale delivered off the request thread, with retries."""
+"""The control queue (service/runtime/control.py): cancel/scale delivered off the request thread, with retries."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from service.control import ControlQueue, ControlRequest, NotYet
+from etrain.service.runtime.control import ControlQueue, ControlRequest, NotYet
 
 
 class Recorder:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from service.elastic import (
+from etrain.service.decisions.elastic import (
     ElasticPolicy,
     ResizeError,
     choose_dp,

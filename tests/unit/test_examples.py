@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from service import planner
-from service.spec import JobSpec, check_spec, resolve_paths
+from etrain.service.planning import planner
+from etrain.service.planning.spec import JobSpec, check_spec, resolve_paths
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))

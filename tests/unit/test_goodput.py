@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from service.goodput import ProductiveTally, StepTime, goodput, productive_seconds
+from etrain.service.decisions.goodput import ProductiveTally, StepTime, goodput, productive_seconds
 
 
 def run(attempt, steps, seconds=1.0):

@@ -1,7 +1,7 @@
 """Atomic checkpoint commits (invariant 4): what counts as a checkpoint, and what is skipped.
 
 Pure: fake "DCP" files in temporary directories, no torch. Each test reads as one rule of
-``workers/manifest.py``.
+``workers/protocol/manifest.py``.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import pickle
 
 import pytest
 
-from workers.errors import CheckpointError
-from workers.manifest import (
+from etrain.workers.protocol.errors import CheckpointError
+from etrain.workers.protocol.manifest import (
     MANIFEST_NAME,
     FileEntry,
     ManifestSignatureError,
@@ -31,7 +31,7 @@ from workers.manifest import (
     step_dir,
     verify,
 )
-from workers.manifest import _canonical  # the one canonical encoding the signature is over
+from etrain.workers.protocol.manifest import _canonical  # the one canonical encoding the signature is over
 
 WORLD = 2
 

@@ -9,11 +9,11 @@ import dataclasses
 import pytest
 import torch
 
-from workers.config import MODEL_PRESETS, ModelConfig
-from workers.errors import ConfigError
-from workers.init import materialize
-from workers.llama import Llama
-from workers.model import GPT, build_model, build_model_skeleton, cross_entropy_loss
+from etrain.workers.protocol.run_config import MODEL_PRESETS, ModelConfig
+from etrain.workers.protocol.errors import ConfigError
+from etrain.workers.init import materialize
+from etrain.workers.llama import Llama
+from etrain.workers.model import GPT, build_model, build_model_skeleton, cross_entropy_loss
 
 CONFIG = ModelConfig(n_layers=4, d_model=32, n_heads=4, vocab_size=64, seq_len=16)
 
@@ -210,7 +210,7 @@ def test_llama_initial_loss_is_near_uniform() -> None:
 
 
 def test_llama_stages_keep_the_full_models_fqns_and_chain_to_its_output() -> None:
-    from workers.pipeline import stage_module
+    from etrain.workers.pipeline import stage_module
 
     model = build_model(LLAMA, seed=0)
     _perturb_norms_and_biases(model)

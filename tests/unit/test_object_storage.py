@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from service.errors import SettingsError
-from service.settings import Settings
-from service.storage_roots import StorageRoots, parse_roots, pin
+from etrain.service.errors import SettingsError
+from etrain.service.settings import Settings
+from etrain.service.access.storage_roots import StorageRoots, parse_roots, pin
 from tests.object_store import s3_server
-from workers import storage
-from workers.errors import CheckpointError, ConfigError
-from workers.manifest import (
+from etrain.workers import storage
+from etrain.workers.protocol.errors import CheckpointError, ConfigError
+from etrain.workers.protocol.manifest import (
     ShardReport,
     checkpoint_files,
     commit,
@@ -28,7 +28,7 @@ from workers.manifest import (
     step_dir,
     verify,
 )
-from workers.rank_log import RankLog, rank_log_path, read_lines
+from etrain.workers.rank_log import RankLog, rank_log_path, read_lines
 
 KEY = b"k" * 32
 

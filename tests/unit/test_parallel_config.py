@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from tests.equivalence_utils import small_config
-from workers.config import ModelConfig, ParallelConfig
-from workers.errors import ConfigError
-from workers.parallelize import ParallelDims, validate_tp
-from workers.train import Trainer, load_run_config, main
+from etrain.workers.protocol.run_config import ModelConfig, ParallelConfig
+from etrain.workers.protocol.errors import ConfigError
+from etrain.workers.parallelize import ParallelDims, validate_tp
+from etrain.workers.train import Trainer, load_run_config, main
 
 
 def test_parallel_dims_must_multiply_to_the_world_and_the_message_prints_every_degree() -> None:

@@ -15,10 +15,10 @@ import torch
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 
-from workers.config import ModelConfig
-from workers.errors import ConfigError
-from workers.model import build_model
-from workers.pipeline import (
+from etrain.workers.protocol.run_config import ModelConfig
+from etrain.workers.protocol.errors import ConfigError
+from etrain.workers.model import build_model
+from etrain.workers.pipeline import (
     PIPELINE_SCHEDULES,
     StepTiming,
     split_layers,

@@ -8,9 +8,9 @@ import math
 
 import pytest
 
-from service.errors import SpecRejected
-from service.plan_math import largest_param, rope_table_bytes
-from service.planner import (
+from etrain.service.errors import SpecRejected
+from etrain.service.planning.plan_math import largest_param, rope_table_bytes
+from etrain.service.planning.planner import (
     RUNTIME_OVERHEAD_GIB,
     GiB,
     AutoPlan,
@@ -30,8 +30,8 @@ from service.planner import (
     resolve_auto,
     stage_params,
 )
-from service.spec import JobSpec, ParallelismSpec
-from workers.config import MODEL_PRESETS, ModelConfig
+from etrain.service.planning.spec import JobSpec, ParallelismSpec
+from etrain.workers.protocol.run_config import MODEL_PRESETS, ModelConfig
 
 GB = 1e9
 
@@ -131,7 +131,7 @@ class TestParameterCounts:
     def test_tensor_parallel_shards_match_the_module(self):
         """Column-parallel weights+biases and row-parallel weights are split; norms and row biases are not."""
         pytest.importorskip("torch")
-        from workers.model import TransformerBlock
+        from etrain.workers.model import TransformerBlock
 
         model = ModelConfig(**MODEL_PRESETS["gpt-mini"])
         block = TransformerBlock(model)
@@ -147,7 +147,7 @@ class TestParameterCounts:
         """wq/wk/wv (GQA widths), w1/w3 column-parallel with their biases; wo/w2 row-parallel; the RMSNorms,
         Qwen3's per-head q/k norms and wo's bias replicated."""
         pytest.importorskip("torch")
-        from workers.llama import LlamaBlock
+        from etrain.workers.llama import LlamaBlock
 
         model = ModelConfig(arch="llama", n_layers=1, d_model=96, n_heads=4, n_kv_heads=2, d_ff=160,
                             vocab_size=256, seq_len=16, **variant)
@@ -259,7 +259,7 @@ class TestActivations:
     def test_count_matches_what_autograd_saves(self, d_ff):
         """Sum the distinct non-parameter storages autograd saves for one block's backward (fp32, CPU)."""
         torch = pytest.importorskip("torch")
-        from workers.model import TransformerBlock
+        from etrain.workers.model import TransformerBlock
 
         model = ModelConfig(n_layers=1, d_model=128, n_heads=4, vocab_size=256, seq_len=64, d_ff=d_ff)
         block = TransformerBlock(model)
@@ -279,7 +279,7 @@ class TestActivations:
         weight casts autograd keeps are the planner's ``weight_casts`` buffer, not activations) and with
         bf16 weights and input (what FSDP2's MixedPrecisionPolicy runs)."""
         torch = pytest.importorskip("torch")
-        from workers.llama import LlamaBlock
+        from etrain.workers.llama import LlamaBlock
 
         model = ModelConfig(arch="llama", n_layers=1, d_model=128, n_heads=4, vocab_size=256, seq_len=64,
                             **{"d_ff": 176, **variant})

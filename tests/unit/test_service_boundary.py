@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from service.errors import (
+from etrain.service.errors import (
     ChaosDisabled,
     JobConflict,
     JobNotFound,
@@ -17,10 +17,10 @@ from service.errors import (
     SettingsError,
     SpecRejected,
 )
-from service.ports import ChaosRequest
-from service.settings import Settings
-from service.spec import SpecProblem
-from workers.errors import EtrainError
+from etrain.service.ports import ChaosRequest
+from etrain.service.settings import Settings
+from etrain.service.planning.spec import SpecProblem
+from etrain.workers.protocol.errors import EtrainError
 
 # -- settings -----------------------------------------------------------------------------------------
 

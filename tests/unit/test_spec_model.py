@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from service.spec import JobSpec, check_spec, resolve_paths
-from workers.hf_config import DEFAULT_MAX_SEQ_LEN
+from etrain.service.planning.spec import JobSpec, check_spec, resolve_paths
+from etrain.workers.hf_config import DEFAULT_MAX_SEQ_LEN
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -133,8 +133,10 @@ def test_reading_a_hf_spec_never_imports_torch(tmp_path):
     write_config(tmp_path / "m")
     code = (
         "import sys, json\n"
-        "from service.spec import JobSpec, check_spec\n"
-        "from service import supervisor, store, manager\n"
+        "from etrain.service.planning.spec import JobSpec, check_spec\n"
+        "from etrain.service.decisions import supervisor\n"
+        "from etrain.service.store import job_store\n"
+        "from etrain.service import manager\n"
         f"s = JobSpec.model_validate({{'name': 'x', 'model': {{'hf': {str(tmp_path / 'm')!r}}},"
         " 'training': {'steps': 1, 'global_batch': 2}})\n"
         "assert check_spec(s) == [], check_spec(s)\n"

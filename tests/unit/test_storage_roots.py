@@ -1,5 +1,5 @@
-"""Storage roots (service/storage_roots.py, service/spec.py pin_paths) and the checkpoint key
-(service/checkpoint_key.py): pure rules over real temporary directories and real symlinks."""
+"""Storage roots (service/access/storage_roots.py, service/planning/spec.py pin_paths) and the checkpoint key
+(service/access/checkpoint_key.py): pure rules over real temporary directories and real symlinks."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from service.checkpoint_key import KEY_NAME, load_or_create_key
-from service.errors import SettingsError
-from service.settings import Settings
-from service.spec import JobSpec, pin_paths, resolve_paths
-from service.storage_roots import PRIVATE_FILE_NAMES, StorageRoots, inside, parse_roots, pin
+from etrain.service.access.checkpoint_key import KEY_NAME, load_or_create_key
+from etrain.service.errors import SettingsError
+from etrain.service.settings import Settings
+from etrain.service.planning.spec import JobSpec, pin_paths, resolve_paths
+from etrain.service.access.storage_roots import PRIVATE_FILE_NAMES, StorageRoots, inside, parse_roots, pin
 
 
 @pytest.fixture
@@ -180,7 +180,7 @@ def test_a_damaged_key_file_is_a_settings_error_naming_the_fix(tmp_path):
 
 def test_the_key_is_not_in_the_policys_repr(tmp_path):
     pytest.importorskip("ray")
-    from service.manager import policy_for
+    from etrain.service.manager import policy_for
 
     policy = policy_for(_spec())
     import dataclasses

@@ -9,8 +9,8 @@ import threading
 
 import pytest
 
-from service.errors import JobConflict, JobNotFound, ServiceUnavailable
-from service.store import MIGRATIONS, SCHEMA_VERSION, EventRecord, JobRecord, JobStatus, JobStore, StepRecord, migrate
+from etrain.service.errors import JobConflict, JobNotFound, ServiceUnavailable
+from etrain.service.store.job_store import MIGRATIONS, SCHEMA_VERSION, EventRecord, JobRecord, JobStatus, JobStore, StepRecord, migrate
 
 SPEC = {"name": "tiny", "model": {"preset": "gpt-tiny"}, "training": {"steps": 10, "global_batch": 4}}
 

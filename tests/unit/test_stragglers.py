@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from service.stragglers import HISTORY, PEERS, StragglerConfig, StragglerConfigError, StragglerDetector, stage_map
+from etrain.service.decisions.stragglers import HISTORY, PEERS, StragglerConfig, StragglerConfigError, StragglerDetector, stage_map
 
 
 def feed(detector, steps, ranks, slow=None, factor=2.0, jitter=0.0, seed=0, base=0.1, first_step=0):
@@ -190,7 +190,7 @@ class TestStageMap:
         assert stage_map(pp=1, dp=3, tp=2) == dict.fromkeys(range(6), 0)
 
     def test_bad_layout_is_a_topology_error(self):
-        from workers.topology import TopologyError
+        from etrain.workers.topology import TopologyError
 
         with pytest.raises(TopologyError, match="pp"):
             stage_map(pp=0, dp=1, tp=1)

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import pytest
 
-from service.supervisor import (
+from etrain.service.decisions.supervisor import (
     Abort,
     Cancel,
     CapacityChanged,
@@ -231,7 +231,7 @@ class TestValues:
     def test_errors_pickle_and_share_the_project_base(self):
         import pickle
 
-        from workers.errors import EtrainError
+        from etrain.workers.protocol.errors import EtrainError
 
         with pytest.raises(SupervisorConfigError) as info:
             replace(CONFIG, total_steps=0)
@@ -1453,7 +1453,7 @@ def test_random_events_after_the_last_step_export_exactly_once_and_never_relaunc
 
 
 def test_checkpoint_fallback_moves_commit_point_and_progress_back():
-    from service.supervisor import CheckpointFallback
+    from etrain.service.decisions.supervisor import CheckpointFallback
 
     state = launching(status=Status.RECOVERING, attempt=2, last_committed_step=20, step=20)
     decision = decide(state, CheckpointFallback(attempt=2, step=10, reason="sha256 mismatch"), 50.0, CONFIG)
@@ -1468,7 +1468,7 @@ def test_checkpoint_fallback_moves_commit_point_and_progress_back():
 
 
 def test_checkpoint_fallback_to_fresh_start():
-    from service.supervisor import CheckpointFallback
+    from etrain.service.decisions.supervisor import CheckpointFallback
 
     state = launching(status=Status.RECOVERING, attempt=2, last_committed_step=5, step=5)
     decision = decide(state, CheckpointFallback(attempt=2, step=None), 1.0, CONFIG)
@@ -1485,7 +1485,7 @@ def test_checkpoint_fallback_to_fresh_start():
     ],
 )
 def test_checkpoint_fallback_ignored_when_not_launching_or_not_older(state, step, why):
-    from service.supervisor import CheckpointFallback
+    from etrain.service.decisions.supervisor import CheckpointFallback
 
     decision = decide(state, CheckpointFallback(attempt=state.attempt, step=step), 1.0, CONFIG)
     assert decision.ignored and decision.state == state
@@ -1493,7 +1493,7 @@ def test_checkpoint_fallback_ignored_when_not_launching_or_not_older(state, step
 
 
 def test_checkpoint_fallback_from_a_stale_attempt_is_ignored():
-    from service.supervisor import CheckpointFallback
+    from etrain.service.decisions.supervisor import CheckpointFallback
 
     state = launching(attempt=3, last_committed_step=20)
     assert decide(state, CheckpointFallback(attempt=2, step=10), 1.0, CONFIG).ignored

@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from service.spec import JobSpec, check_spec, resolve_paths
+from etrain.service.planning.spec import JobSpec, check_spec, resolve_paths
 from tests.tiny_tokenizers import CORPUS, byte_bpe, wide_word_level, word_level_with_bos
-from workers import tokenized
-from workers.config import DataConfig, ModelConfig
-from workers.data import build_dataset, read_token_file
-from workers.errors import DataError
-from workers.tokenized import CACHE_DIR_SUFFIX, cache_file, load_tokenizer, tokenize_text
+from etrain.workers import tokenized
+from etrain.workers.protocol.run_config import DataConfig, ModelConfig
+from etrain.workers.data import build_dataset, read_token_file
+from etrain.workers.protocol.errors import DataError
+from etrain.workers.tokenized import CACHE_DIR_SUFFIX, cache_file, load_tokenizer, tokenize_text
 
 
 @pytest.fixture(scope="module")

@@ -22,8 +22,8 @@ from functools import cache
 import numpy as np
 import pytest
 
-from workers.errors import ConfigError
-from workers.topology import AXES, Coords, Topology, TopologyError, parse_topology
+from etrain.workers.protocol.errors import ConfigError
+from etrain.workers.topology import AXES, Coords, Topology, TopologyError, parse_topology
 
 SMALL_WORLD_MAX = 64
 LARGE_WORLD_SIZES = [128, 256, 512, 1024, 2048, 4096, 96, 384, 768, 1000, 1536, 2310, 3072, 4095]

@@ -2,7 +2,7 @@
 
 ``ETRAIN_TENANT_MAX_JOBS`` caps a tenant's non-terminal jobs (queued ones included) and
 ``ETRAIN_TENANT_MAX_WORKERS`` the ranks (world size) those jobs hold plus the new job's; the admin is
-exempt. Over a quota the submit is refused with :class:`~service.errors.QuotaExceeded` (HTTP 429) and
+exempt. Over a quota the submit is refused with :class:`~etrain.service.errors.QuotaExceeded` (HTTP 429) and
 nothing is created.
 
 The check and the job's row are not one database transaction, so the gate also counts submits it
@@ -17,9 +17,9 @@ import threading
 import time
 from dataclasses import dataclass
 
-from service.errors import QuotaExceeded
-from service.store import JobStore
-from service.tenancy import Principal
+from etrain.service.errors import QuotaExceeded
+from etrain.service.store.job_store import JobStore
+from etrain.service.access.tenancy import Principal
 
 RESERVATION_S = 30.0
 

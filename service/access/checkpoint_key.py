@@ -2,9 +2,9 @@
 
 DCP's ``.metadata`` is unpickled on every rank at restore, so a checkpoint directory written by
 anyone but this service is code that runs on every rank. The supervisor therefore signs each
-manifest with HMAC-SHA256 under this key (``workers.manifest.commit``) and refuses, before any rank
+manifest with HMAC-SHA256 under this key (``etrain.workers.protocol.manifest.commit``) and refuses, before any rank
 reads a byte, a manifest whose signature does not verify. The key never leaves the control plane
-except in a supervisor's :class:`~service.runtime.JobPolicy` (not in the spec, the job's JSON,
+except in a supervisor's :class:`~etrain.service.runtime.supervisor_actor.JobPolicy` (not in the spec, the job's JSON,
 events or logs).
 
 The first start generates 32 random bytes and writes them as hex, with ``O_CREAT | O_EXCL`` and
@@ -22,7 +22,7 @@ import stat
 import time
 from pathlib import Path
 
-from service.errors import SettingsError
+from etrain.service.errors import SettingsError
 
 __all__ = ["KEY_BYTES", "KEY_NAME", "load_or_create_key"]
 

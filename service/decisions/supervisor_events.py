@@ -1,9 +1,9 @@
 """The vocabulary the Ray adapter and the supervisor's state machine share: events in, actions out.
 
-Events are what happens to a job (service/runtime.py builds them from Ray and the clock); actions
-are what :func:`service.supervisor.decide` asks the adapter to do, in order. Both are frozen,
+Events are what happens to a job (service/runtime/supervisor_actor.py builds them from Ray and the clock); actions
+are what :func:`etrain.service.decisions.supervisor.decide` asks the adapter to do, in order. Both are frozen,
 keyword-only dataclasses with plain fields, so they pickle across Ray actors and compare in tests.
-The transition table that maps one to the other is the docstring of service/supervisor.py.
+The transition table that maps one to the other is the docstring of service/decisions/supervisor.py.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Union
 
 if TYPE_CHECKING:  # only an annotation here: supervisor.py imports this module
-    from service.supervisor import Status
+    from etrain.service.decisions.supervisor import Status
 
 __all__ = [
     "Abort", "Action", "Cancel", "CapacityChanged", "CheckpointFallback", "CheckpointReported",

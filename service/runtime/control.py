@@ -2,7 +2,7 @@
 
 ``POST /v1/jobs/{id}/cancel`` and ``/scale`` answer 202 at once: the manager records the request as an
 event and puts it here. One thread, ``etrain-control``, delivers each request (a Ray call with its own
-timeout, see ``service.cluster``), so no request thread ever waits on Ray and a slow or unreachable
+timeout, see ``etrain.service.runtime.cluster``), so no request thread ever waits on Ray and a slow or unreachable
 supervisor delays only other control requests, never reads. A delivery that fails is retried with
 backoff and, when it keeps failing, reported through ``on_give_up`` (the manager records an event the
 user sees).

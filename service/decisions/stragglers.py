@@ -49,8 +49,8 @@ from collections import Counter, deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from workers.errors import EtrainError
-from workers.topology import Topology
+from etrain.workers.protocol.errors import EtrainError
+from etrain.workers.topology import Topology
 
 __all__ = ["StragglerConfig", "StragglerConfigError", "StragglerDetector", "StragglerFinding", "stage_map"]
 

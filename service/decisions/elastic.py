@@ -8,7 +8,7 @@ it divides the number of micro-batches; any other size would change the batch (a
 curve) or skip/repeat samples.
 
 Pure functions over ints; the supervisor calls them with numbers from its config. The legal sizes
-are found among the divisors of the micro-batch count (``service.bounds.divisors``, O(sqrt(n))),
+are found among the divisors of the micro-batch count (``etrain.service.planning.bounds.divisors``, O(sqrt(n))),
 never by scanning ``[min_dp, max_dp]``, so a huge range or batch costs microseconds.
 """
 
@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from service.bounds import divisors
-from workers.errors import EtrainError
+from etrain.service.planning.bounds import divisors
+from etrain.workers.protocol.errors import EtrainError
 
 __all__ = [
     "ElasticPolicy",

@@ -12,7 +12,7 @@ server can read and writes anywhere it can write. The fence is a list of directo
 * the verdict depends only on the given string and the resolved path, never on whether the file
   exists, and the message echoes the *given* value (not where a symlink points): an attacker learns
   nothing about files outside the roots from the answer. Callers must check the roots before any
-  existence check (:func:`service.spec.pin_paths` does);
+  existence check (:func:`etrain.service.planning.spec.pin_paths` does);
 * the service's own files in the data directory (database, API token, checkpoint key) are never a
   job's input or output, even though the data directory is a root. A folder that contains them is
   fine: the text walk reads text suffixes only, and these files have none.
@@ -35,7 +35,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from workers.storage import is_url, missing_backend, normalize_url, url_problem
+from etrain.workers.storage import is_url, missing_backend, normalize_url, url_problem
 
 __all__ = [
     "PRIVATE_FILE_NAMES",
@@ -50,7 +50,7 @@ __all__ = [
 ]
 
 #: Files of the data directory no job may read or write: SQLite and its journals, the API token
-#: (``api/``), the tenants' token file, and the checkpoint signing key (``service/checkpoint_key.py``).
+#: (``api/``), the tenants' token file, and the checkpoint signing key (``service/access/checkpoint_key.py``).
 PRIVATE_FILE_NAMES = (
     "etrain.db", "etrain.db-wal", "etrain.db-shm", "etrain.db-journal", "api-token", "api-tokens",
     "checkpoint-key",

@@ -1,18 +1,18 @@
 """Whose checkpoint directory is it: the submit-time rules that keep jobs out of each other's files.
 
-The storage roots (``service/storage_roots.py``) fence jobs off from the rest of the machine; these
+The storage roots (``service/access/storage_roots.py``) fence jobs off from the rest of the machine; these
 rules fence them off from each other inside the roots. Every job checkpoints into a directory of its
 own (default ``<data-dir>/checkpoints/<job-id>``), and at submit:
 
 * ``checkpoint.path`` may not overlap (equal, contain or lie inside) the checkpoint directory of an
   unfinished job: two jobs never write, prune or resume from one directory at once;
 * a ``checkpoint.path`` that already holds checkpoints resumes from them only if this service
-  committed every one (its signature verifies, ``workers.manifest.read_manifest``) for a job the
+  committed every one (its signature verifies, ``etrain.workers.protocol.manifest.read_manifest``) for a job the
   caller may see; anything else is a 422 before a rank could unpickle a stranger's ``.metadata``;
 * a path into ``<data-dir>/checkpoints/<job-id>`` (to fine-tune from a job's export, say) must name a
   job the caller may see, and only the admin may name a folder that contains the whole tree.
 
-What a running job may delete is the supervisor's rule (``workers.manifest.prune(owner=...)``): only
+What a running job may delete is the supervisor's rule (``etrain.workers.protocol.manifest.prune(owner=...)``): only
 step directories whose signed manifests name it.
 
 The same rules hold for object storage: a ``checkpoint.path`` of ``s3://bucket/prefix`` is compared by
@@ -27,13 +27,13 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
-from service.errors import SpecRejected
-from service.spec import JobSpec, SpecProblem
-from service.storage_roots import inside, resolve
-from service.tenancy import Principal
-from workers import storage
-from workers.errors import CheckpointError, EtrainError
-from workers.manifest import MANIFEST_NAME, list_steps, read_manifest
+from etrain.service.errors import SpecRejected
+from etrain.service.planning.spec import JobSpec, SpecProblem
+from etrain.service.access.storage_roots import inside, resolve
+from etrain.service.access.tenancy import Principal
+from etrain.workers import storage
+from etrain.workers.protocol.errors import CheckpointError, EtrainError
+from etrain.workers.protocol.manifest import MANIFEST_NAME, list_steps, read_manifest
 
 __all__ = ["CheckpointDirectories"]
 
@@ -85,7 +85,7 @@ class CheckpointDirectories:
         tenant_of: Callable[[str], str | None],
     ) -> None:
         """Check ``spec``'s ``checkpoint.path`` (pinned; :meth:`check_reach` passed) for ``principal`` and
-        reserve the job's checkpoint directory for ``job_id``; :class:`~service.errors.SpecRejected` (422).
+        reserve the job's checkpoint directory for ``job_id``; :class:`~etrain.service.errors.SpecRejected` (422).
 
         ``unfinished``: (job id, stored spec) of every non-terminal job; ``tenant_of(job_id)``: the
         job's tenant, or None for an unknown job. Check and reservation happen under one lock, so two

@@ -11,7 +11,7 @@ instant leaves either no manifest (the directory is ignored) or a complete one (
 
 Manifests are signed. DCP's ``.metadata`` is unpickled by every rank at restore, so a step directory
 written by anyone but the service is code that runs on every rank. The supervisor commits with the
-service's key (``service/checkpoint_key.py``): the manifest carries ``hmac``, HMAC-SHA256 over the
+service's key (``service/access/checkpoint_key.py``): the manifest carries ``hmac``, HMAC-SHA256 over the
 canonical (sorted-key, compact) JSON of everything else in it, including each file's SHA-256, and
 the job that committed it. Whatever will be *loaded* is first verified with the key
 (:class:`ManifestSignatureError` for an unsigned, edited or foreign manifest); the ranks, which do
@@ -49,8 +49,8 @@ import re
 import time
 from dataclasses import dataclass
 
-from workers import storage
-from workers.errors import CheckpointError
+from etrain.workers import storage
+from etrain.workers.protocol.errors import CheckpointError
 
 __all__ = [
     "MANIFEST_NAME",

@@ -11,12 +11,12 @@ import concurrent.futures
 import logging
 from typing import Any, Protocol
 
-from service.admission import ClusterView, NodeView
-from service.errors import ServiceUnavailable
-from service.runtime import JobPolicy, find_supervisor, run_export, start_supervisor
-from service.settings import Settings
-from service.worker_group import NAMESPACE
-from workers.config import ModelConfig, RunConfig
+from etrain.service.decisions.admission import ClusterView, NodeView
+from etrain.service.errors import ServiceUnavailable
+from etrain.service.runtime.supervisor_actor import JobPolicy, find_supervisor, run_export, start_supervisor
+from etrain.service.settings import Settings
+from etrain.service.runtime.worker_group import NAMESPACE
+from etrain.workers.protocol.run_config import ModelConfig, RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -99,8 +99,8 @@ class RayRuntime:
 
     @staticmethod
     def _start_spares(per_node: int) -> None:
-        """Warm spare ranks for every job on this cluster (service/spares.py); never fatal."""
-        from service.spares import ensure_pool
+        """Warm spare ranks for every job on this cluster (service/runtime/spares.py); never fatal."""
+        from etrain.service.runtime.spares import ensure_pool
 
         try:
             ensure_pool(per_node)
@@ -170,7 +170,7 @@ class RayRuntime:
 
     def export(self, *, step_dir: str, out_dir: str, model: ModelConfig, source_dir: str | None,
                timeout_s: float) -> str:
-        """Run the Hugging Face export task (service.runtime) and wait up to ``timeout_s``."""
+        """Run the Hugging Face export task (etrain.service.runtime.supervisor_actor) and wait up to ``timeout_s``."""
         return run_export(step_dir=step_dir, out_dir=out_dir, model=model, source_dir=source_dir, timeout_s=timeout_s)
 
     def accelerator_memory_gb(self) -> float | None:
@@ -291,7 +291,7 @@ def _plain(resources: dict[str, Any]) -> dict[str, float]:
 
 def job_of_placement_group(name: str) -> str | None:
     """The job of an etrain placement group's name (``etrain/<job-id>/a<attempt>``, see
-    service/worker_group.py), or None for anyone else's."""
+    service/runtime/worker_group.py), or None for anyone else's."""
     prefix, _, rest = name.partition("/")
     job_id, _, attempt = rest.rpartition("/")
     if prefix != "etrain" or not job_id or not attempt.startswith("a"):
@@ -301,11 +301,11 @@ def job_of_placement_group(name: str) -> str | None:
 
 def probe_gpu_memory_gib(accelerator_type: str | None, *, timeout_s: float) -> float | None:
     """Total memory of one GPU (of ``accelerator_type``, when given) in GiB, read by a one-GPU Ray task
-    running ``workers.device_info.gpu_memory_bytes`` (torch lives on the workers, not here); None when
+    running ``etrain.workers.device_info.gpu_memory_bytes`` (torch lives on the workers, not here); None when
     the task cannot be scheduled within ``timeout_s`` (it is then cancelled) or sees no GPU."""
     import ray
 
-    from workers.device_info import gpu_memory_bytes
+    from etrain.workers.device_info import gpu_memory_bytes
 
     options: dict[str, Any] = {"num_gpus": 1, "num_cpus": 0, "max_retries": 0}
     if accelerator_type:

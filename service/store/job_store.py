@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from service.errors import JobConflict, JobNotFound, ServiceUnavailable
-from service.supervisor import Status
+from etrain.service.errors import JobConflict, JobNotFound, ServiceUnavailable
+from etrain.service.decisions.supervisor import Status
 
 
 # One status enum for the whole service: the state machine's.
@@ -59,7 +59,7 @@ class JobRecord:
     attempt: int = 0
     #: What a succeeded job wrote besides checkpoints, by format: ``{"hf": "/abs/path/hf-export"}``.
     artifacts: dict[str, str] = field(default_factory=dict)
-    tenant: str = "default"  # who submitted it (service.tenancy); other tenants never see it
+    tenant: str = "default"  # who submitted it (etrain.service.access.tenancy); other tenants never see it
     priority: int = 0  # the queue starts higher first, then oldest first
 
     @property

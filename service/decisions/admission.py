@@ -10,7 +10,7 @@ The rules, each a test in tests/unit/test_admission.py:
   so a restarted control plane admits the same jobs in the same order from the same rows).
 * **Gang.** A job needs ``dp * tp * pp`` identical ranks (one Ray bundle each) for some legal ``dp``
   of its own (``Gang.dp_sizes``; the first is the elastic minimum). Every tensor-parallel group of
-  ``tp`` ranks must sit on one node (as :mod:`service.capacity` counts for the supervisor's resizes:
+  ``tp`` ranks must sit on one node (as :mod:`etrain.service.decisions.capacity` counts for the supervisor's resizes:
   its all-reduces run every layer), so a node contributes ``rank_slots // tp`` groups and a job fits
   when the nodes' groups add up to ``dp * pp`` of them. For identical bundles this per-node count is
   exactly what Ray's ``PACK``/``SPREAD`` placement needs, never only the cluster's totals. The job
@@ -39,7 +39,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from service.capacity import rank_slots
+from etrain.service.decisions.capacity import rank_slots
 
 __all__ = [
     "Admit",

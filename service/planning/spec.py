@@ -6,7 +6,7 @@ data paths, which layouts this build can run) are in :func:`check_spec`, which r
 at once as :class:`SpecProblem` (field + message + fix) so the API can answer one 422 listing them all.
 
 Downstream code never sees this module's types: :meth:`JobSpec.to_run_config` turns a valid spec into
-the frozen dataclasses of ``workers/config.py``.
+the frozen dataclasses of ``workers/protocol/run_config.py``.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from service import storage_roots
-from service.bounds import (
+from etrain.service.access import storage_roots
+from etrain.service.planning.bounds import (
     MAX_CPUS_PER_WORKER,
     MAX_D_FF,
     MAX_D_MODEL,
@@ -41,7 +41,7 @@ from service.bounds import (
     MIN_RESOURCE,
     NO_NUL,
 )
-from workers.config import (
+from etrain.workers.protocol.run_config import (
     MODEL_PRESETS,
     CheckpointConfig,
     DataConfig,
@@ -50,8 +50,8 @@ from workers.config import (
     RunConfig,
     TrainingConfig,
 )
-from workers.errors import ConfigError
-from workers.hf_config import model_config_from_hf, read_hf_config
+from etrain.workers.protocol.errors import ConfigError
+from etrain.workers.hf_config import model_config_from_hf, read_hf_config
 
 def _integer_only(value: Any) -> Any:
     """JSON integers only. JSON Schema's "integer" includes 3.0, so 3.0 is 3; "3" and true are not."""
@@ -70,7 +70,7 @@ PositiveInt = json_int(1)
 
 
 def _upto(upper: int, lower: int = 1) -> Any:
-    """An integer in ``lower..upper`` (the bounds are service/bounds.py's, shown in the OpenAPI document)."""
+    """An integer in ``lower..upper`` (the bounds are service/planning/bounds.py's, shown in the OpenAPI document)."""
     return json_int(lower, upper)
 
 
@@ -160,7 +160,7 @@ class ModelSpec(_Section):
 
     def to_config(self) -> ModelConfig:
         """The workers' ModelConfig. With ``hf`` this reads ``<hf>/config.json`` (stdlib only) and raises
-        :class:`~workers.errors.ConfigError` naming ``model.hf`` when the folder cannot be trained."""
+        :class:`~etrain.workers.protocol.errors.ConfigError` naming ``model.hf`` when the folder cannot be trained."""
         if self.hf is None:
             return ModelConfig(**self.resolved())
         folder = os.path.abspath(os.path.expanduser(self.hf))
@@ -316,7 +316,7 @@ class JobSpec(_Section):
     def layout(self) -> ParallelismSpec:
         """The explicit layout; an auto spec must be resolved by the planner first."""
         if not isinstance(self.parallelism, ParallelismSpec):
-            raise ValueError("parallelism is 'auto': resolve it with service.planner.resolve_auto first")
+            raise ValueError("parallelism is 'auto': resolve it with etrain.service.planning.planner.resolve_auto first")
         return self.parallelism
 
     @property
@@ -446,7 +446,7 @@ def field_problems(spec: JobSpec) -> list[SpecProblem]:
             given = error.get("input")
             shown = f"={given!r}" if isinstance(given, (int, float, str)) and len(repr(given)) <= 80 else ""
             problems.append(SpecProblem(field=field, message=f"{field}{shown}: {error['msg']}.",
-                                        fix="see the bounds in README's job spec section (service/bounds.py)"))
+                                        fix="see the bounds in README's job spec section (service/planning/bounds.py)"))
         return problems or [SpecProblem(field="spec", message=str(err), fix=None)]
     return []
 
@@ -579,7 +579,7 @@ def _world_problems(spec: JobSpec) -> list[SpecProblem]:
     return problems
 
 
-#: Settings of the supervisor (service/supervisor.py ``SupervisorConfig``, service/elastic.py) -> the
+#: Settings of the supervisor (service/decisions/supervisor.py ``SupervisorConfig``, service/decisions/elastic.py) -> the
 #: spec field they come from.
 _POLICY_FIELDS = {
     "total_steps": "training.steps",
@@ -609,8 +609,8 @@ def _policy_problems(spec: JobSpec, found: list[SpecProblem]) -> list[SpecProble
     reported are not reported twice, and a dp that dp_replicate does not divide is left to the
     planner's rule, whose message says more.
     """
-    from service.stragglers import StragglerConfig, StragglerConfigError
-    from service.supervisor import SupervisorConfig, SupervisorConfigError, initial_state
+    from etrain.service.decisions.stragglers import StragglerConfig, StragglerConfigError
+    from etrain.service.decisions.supervisor import SupervisorConfig, SupervisorConfigError, initial_state
 
     training, tolerance = spec.training, spec.fault_tolerance
     if spec.is_auto:
@@ -664,8 +664,8 @@ def _tokenizer_problems(spec: JobSpec, vocab_size: int | None) -> list[SpecProbl
         return [SpecProblem(field="data.tokenizer",
                             message=f"data.tokenizer applies to data.kind='text' only, not {data.kind!r}.",
                             fix="remove data.tokenizer, or set data.kind: text")]
-    from workers.errors import DataError
-    from workers.tokenized import tokenizer_info
+    from etrain.workers.protocol.errors import DataError
+    from etrain.workers.tokenized import tokenizer_info
 
     try:
         info = tokenizer_info(data.tokenizer)

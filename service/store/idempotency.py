@@ -4,10 +4,10 @@ Pure rules shared by the real manager and the API's fake (no Ray): what a key ma
 says whether two requests are "the same", and what a stored key answers. The store's unique index on
 ``(tenant, idempotency_key)`` is what makes it race-safe: of two concurrent submissions with one key
 exactly one INSERT wins; the loser looks the winner up with :func:`replay` (see
-``service.manager.JobManager.submit``).
+``etrain.service.manager.JobManager.submit``).
 
 "The same request" is the same *spec*, not the same bytes: the hash is over the canonical JSON of the
-parsed :class:`~service.spec.JobSpec` (defaults filled in, keys sorted), so a client that re-serialises
+parsed :class:`~etrain.service.planning.spec.JobSpec` (defaults filled in, keys sorted), so a client that re-serialises
 its body differently (key order, whitespace, an explicit default) still replays, while any change of
 meaning is a 409. Keys are per tenant: two tenants may use the same key for different jobs.
 """
@@ -19,9 +19,9 @@ import hashlib
 import json
 import re
 
-from service.errors import JobConflict, SpecRejected
-from service.spec import JobSpec, SpecProblem
-from service.store import JobRecord, JobStore
+from etrain.service.errors import JobConflict, SpecRejected
+from etrain.service.planning.spec import JobSpec, SpecProblem
+from etrain.service.store.job_store import JobRecord, JobStore
 
 #: Longest key accepted (UUIDs are 36; the IETF draft suggests a UUID, clients sometimes add a prefix).
 MAX_KEY_LENGTH = 200

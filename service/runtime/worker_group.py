@@ -21,9 +21,9 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from service.spares import NAMESPACE, take_spares
-from workers.errors import EtrainError
-from workers.worker import ChaosOrder, LaunchPlan, TrainWorker
+from etrain.service.runtime.spares import NAMESPACE, take_spares
+from etrain.workers.protocol.errors import EtrainError
+from etrain.workers.worker import ChaosOrder, LaunchPlan, TrainWorker
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ RENDEZVOUS_TIMEOUT_S = 60.0
 # Failure classification is immediate on the recovery path and corrected later (issue #9): a rank
 # whose actor died is a process fault at once, unless Ray's own death cause already says its node
 # died; the runtime refunds the restart when the node table confirms a node loss afterwards
-# (``service/runtime.py``, NodeLossConfirmed). Only when no restart is left does the final verdict
+# (``service/runtime/supervisor_actor.py``, NodeLossConfirmed). Only when no restart is left does the final verdict
 # wait, so that a node loss is never mistaken for the job's last allowed fault:
 #
 # A rank whose run() failed with a collective error is usually the *victim* of a peer that died.
@@ -101,7 +101,7 @@ class WorkerGroup:
         self._suspect: tuple[float, GroupOutcome, dict[Any, int]] | None = None
         self._stopped = False
         self._lost: tuple[float, GroupOutcome] | None = None  # a dead rank waiting for its node's verdict
-        self.warm_ranks = 0  # ranks that started from a warm spare (service/spares.py)
+        self.warm_ranks = 0  # ranks that started from a warm spare (service/runtime/spares.py)
 
     # --- start ----------------------------------------------------------------------------------
 
@@ -133,7 +133,7 @@ class WorkerGroup:
 
         A cold rank is created inside its bundle, so Ray accounts its CPUs/GPUs to it; a spare (no
         logical resources) runs on the bundle's node while the bundle's reservation accounts for it,
-        and is pinned to the bundle's GPUs (service/spares.py, workers/spare.py).
+        and is pinned to the bundle's GPUs (service/runtime/spares.py, workers/spare.py).
         """
         bundle_nodes = placement_group_table(self.pg).get("bundles_to_node_id", {})
         spares = take_spares([bundle_nodes.get(rank, "") for rank in range(self.world_size)])

@@ -1,6 +1,6 @@
 """Typed run configuration handed to every rank.
 
-The service validates a user's JobSpec (pydantic, ``service/spec.py``) once at the boundary and turns
+The service validates a user's JobSpec (pydantic, ``service/planning/spec.py``) once at the boundary and turns
 it into a :class:`RunConfig`: frozen, keyword-only dataclasses with no pydantic, Ray or torch
 dependency, so the workers (and ``torchrun`` runs of ``workers/train.py``) can be configured and
 tested without the service. Derived quantities (gradient accumulation, tokens per step) live here as
@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from workers.errors import ConfigError
+from etrain.workers.protocol.errors import ConfigError
 
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 Precision = Literal["fp32", "bf16"]

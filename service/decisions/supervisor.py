@@ -1,6 +1,6 @@
 """The job supervisor as a pure state machine: ``decide(state, event, now, config) -> Decision``.
 
-One supervisor per training job. The Ray adapter (service/runtime.py) turns what happens to the
+One supervisor per training job. The Ray adapter (service/runtime/supervisor_actor.py) turns what happens to the
 job into events, calls :func:`decide` with the wall clock, stores the new state and carries out
 the returned actions in order. Nothing here reads the clock, sleeps, or talks to Ray: every rule
 is a line of the table below and a test in tests/unit/test_supervisor.py.
@@ -82,7 +82,7 @@ any non-terminal status; "fault" and [n] are explained under the table::
       it was (restore keeps the previous checkpoint). The adapter answers before it handles any other
       event; a launch forgets steps still committing (it resumes from what was committed before it).
   [4] "fit dp" = largest legal dp <= min(reported capacity, ScaleRequested target, max_dp), see
-      service/elastic.py. A planned stop (resize, eviction) first saves a checkpoint; the stop
+      service/decisions/elastic.py. A planned stop (resize, eviction) first saves a checkpoint; the stop
       happens when a step >= the step at the request commits.
   [5] Launch when the old group is confirmed stopped, the backoff is over, capacity was reported
       since a node loss/eviction and a legal dp fits: LaunchGroup(dp=fit, attempt+1,
@@ -118,8 +118,8 @@ any non-terminal status; "fault" and [n] are explained under the table::
       bounds the loop). RepairFailed falls back to a full relaunch from the same step without
       spending again; a failure during the repair's launch is an ordinary fault.
 
-Policies are plain values: the resize policy is :class:`service.elastic.ElasticPolicy` built from
-the config; straggler statistics live in service/stragglers.py and arrive as StragglerFlagged.
+Policies are plain values: the resize policy is :class:`etrain.service.decisions.elastic.ElasticPolicy` built from
+the config; straggler statistics live in service/decisions/stragglers.py and arrive as StragglerFlagged.
 """
 
 from __future__ import annotations
@@ -128,8 +128,8 @@ import math
 from dataclasses import dataclass, replace
 from enum import Enum, StrEnum
 
-from service.elastic import ElasticPolicy, ResizeError
-from service.supervisor_events import (
+from etrain.service.decisions.elastic import ElasticPolicy, ResizeError
+from etrain.service.decisions.supervisor_events import (
     Abort,
     Action,
     Cancel,
@@ -164,7 +164,7 @@ from service.supervisor_events import (
     Tick,
     WorkerLost,
 )
-from workers.errors import EtrainError
+from etrain.workers.protocol.errors import EtrainError
 
 __all__ = [
     "Abort", "Action", "Cancel", "CapacityChanged", "CheckpointFallback", "CheckpointReported", "CommitCheckpoint",
@@ -246,7 +246,7 @@ class SupervisorConfig:
 
     def __post_init__(self) -> None:
         # ``field`` names the setting (this config's name) so that spec validation, which builds this
-        # config at submit to run these same rules, can name the spec field (service/spec.py).
+        # config at submit to run these same rules, can name the spec field (service/planning/spec.py).
         def need(ok: bool, message: str, field: str) -> None:
             if not ok:
                 raise SupervisorConfigError(message, field=field)
@@ -353,7 +353,7 @@ def backoff_delay(restarts_used: int, config: SupervisorConfig) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
-# Decision. The events (in) and actions (out) it speaks of live in service/supervisor_events.py.
+# Decision. The events (in) and actions (out) it speaks of live in service/decisions/supervisor_events.py.
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -7,7 +7,7 @@ token), reused on later starts, and refused when group/world can read or write i
 symlink or when another user owns it: a token others could read is not a secret.
 
 No FastAPI here: the server (``api/cli.py`` serve, ``api/auth.py``) and the client (``api/cli.py``)
-both use it. ``service.errors`` is imported only on the error path, so the CLI stays quick to start.
+both use it. ``etrain.service.errors`` is imported only on the error path, so the CLI stays quick to start.
 """
 
 from __future__ import annotations
@@ -126,6 +126,6 @@ def _read_existing(path: Path) -> str:
 
 
 def _error(message: str, fix: str) -> Exception:
-    from service.errors import SettingsError
+    from etrain.service.errors import SettingsError
 
     return SettingsError(message, field="api_token_file", fix=fix)

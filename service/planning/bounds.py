@@ -8,7 +8,7 @@ request into an hour of CPU or an integer SQLite cannot hold. Each bound is set 
 headroom, so the largest models trained today still pass: Llama 3.1 405B has 126 layers, d_model
 16384, 128 query and 8 key/value heads, d_ff 53248, a 128256-token vocabulary and a 131072-token
 context, and was trained on 16384 GPUs with 16M-token batches. The bounds are in the field
-definitions (``service/spec.py``, ``service/ports.py``, ``api/schemas.py``, the routes' query
+definitions (``service/planning/spec.py``, ``service/ports.py``, ``api/schemas.py``, the routes' query
 parameters), so the OpenAPI document states them and a value out of range is a 422 naming the field.
 README's "Bounds" table lists them.
 

@@ -5,7 +5,7 @@ Pure arithmetic over the spec (no torch, no Ray), so the API can answer at submi
 ``POST /v1/plan`` can show its work. Every formula is a documented estimate; the numbers are
 meant to reject what cannot fit and to rank layouts, not to predict the allocator to the byte.
 
-The formulas themselves, with their conventions and sources, live in service/plan_math.py (and are
+The formulas themselves, with their conventions and sources, live in service/planning/plan_math.py (and are
 re-exported here); this module applies them to a spec (``estimate``), holds the rules a layout must
 satisfy (``check_plan``), searches the layouts (``resolve_auto``) and answers ``POST /v1/plan``
 (``plan_report``).
@@ -18,9 +18,9 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from service.bounds import divisors, spread
-from service.errors import SpecRejected
-from service.plan_math import (
+from etrain.service.planning.bounds import divisors, spread
+from etrain.service.errors import SpecRejected
+from etrain.service.planning.plan_math import (
     DDP_BUCKET_BYTES,  # noqa: F401 - re-exported: importable from here as before the split
     MEMORY_COMPONENTS,  # noqa: F401 - re-exported as well
     CommVolume,
@@ -49,8 +49,8 @@ from service.plan_math import (
     stage_memory,
     stage_params,
 )
-from service.spec import JobSpec, ParallelismSpec, SpecProblem, check_spec, field_problems
-from workers.config import ModelConfig, ParallelConfig
+from etrain.service.planning.spec import JobSpec, ParallelismSpec, SpecProblem, check_spec, field_problems
+from etrain.workers.protocol.run_config import ModelConfig, ParallelConfig
 
 __all__ = [
     "GiB",
@@ -92,7 +92,7 @@ AUTO_MEMORY_TARGET = 0.9
 MAX_AUTO_TP = 8  # tensor parallelism stays inside one node (8 GPUs, NVLink)
 #: Auto-planning tries at most this many pipeline depths (divisors of n_layers) and, per (tp, pp), this
 #: many dp sizes (divisors of global_batch / micro_batch within the budget): all of them when there are
-#: no more, else an even spread that keeps the smallest and the largest (``service.bounds.spread``).
+#: no more, else an even spread that keeps the smallest and the largest (``etrain.service.planning.bounds.spread``).
 MAX_AUTO_PP_SIZES = 16
 MAX_AUTO_DP_SIZES = 16
 #: And at most this many layouts in all (each costs ~0.2 ms to estimate), in order of preference
@@ -594,7 +594,7 @@ def _candidates(spec: JobSpec, base: _Case, budget: int) -> Iterator[_Case]:
     n_layers (only pp=1 for a tied model), dp divides the micro-batches per step (global_batch /
     micro_batch) within ``resources.min_dp..max_dp``, interleaving needs n_layers divisible by pp·v and
     micro-batches by pp; sequence parallelism is on whenever tp > 1 divides seq_len. At most MAX_AUTO_PP_SIZES pp
-    and MAX_AUTO_DP_SIZES dp values per (tp, pp) are tried (:func:`service.bounds.spread`).
+    and MAX_AUTO_DP_SIZES dp values per (tp, pp) are tried (:func:`etrain.service.planning.bounds.spread`).
     """
     model, res = base.model, spec.resources
     if spec.training.global_batch % spec.training.micro_batch:

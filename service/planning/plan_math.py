@@ -15,7 +15,7 @@ adapted where this codebase differs, and is tested on its own in tests/unit/test
 * FLOPs per step (``_step_flops``): 6 per matmul parameter per token (forward 2, backward 4) plus
   attention's ``12·L·(heads·head_dim)·s``.
 
-service/planner.py applies them to a spec, checks the rules and chooses layouts.
+service/planning/planner.py applies them to a spec, checks the rules and chooses layouts.
 
 What a rank holds (``stage_memory``), as the engine runs (``workers/parallelize.py``,
 ``workers/train.py``, ``workers/optim.py``, ``workers/init.py``); every byte count is per rank:
@@ -84,7 +84,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from workers.config import ModelConfig
+from etrain.workers.protocol.run_config import ModelConfig
 
 __all__ = [
     "DDP_BUCKET_BYTES",

@@ -1,12 +1,12 @@
-"""The Ray side of a job: the supervisor actor that drives ``service/supervisor.py``.
+"""The Ray side of a job: the supervisor actor that drives ``service/decisions/supervisor.py``.
 
 One detached, named actor per job (``etrain/<job-id>/supervisor``). It outlives the control plane, so
 a restarted API server reattaches to it and loses nothing. Its only job is translation:
 
 * what happens (rank reports, finished or failed ``run`` calls, dead nodes, free capacity, user
   requests) becomes state-machine **events**;
-* :func:`service.supervisor.decide` answers with **actions**, carried out here (launch or stop a
-  :class:`~service.worker_group.WorkerGroup`, commit a checkpoint manifest, record an event);
+* :func:`etrain.service.decisions.supervisor.decide` answers with **actions**, carried out here (launch or stop a
+  :class:`~etrain.service.runtime.worker_group.WorkerGroup`, commit a checkpoint manifest, record an event);
 * everything users see is appended to an in-memory log that the control plane pulls with
   :meth:`JobSupervisor.updates` and persists in SQLite.
 
@@ -29,16 +29,16 @@ from typing import Any
 
 import ray
 
-from service import supervisor as sm
-from service.capacity import rank_slots, replicas_that_fit
-from service.stragglers import StragglerConfig, StragglerDetector, stage_map
-from service.spares import HEAD_NODE_RESOURCE
-from service.worker_group import NAMESPACE, GroupOutcome, PlacementTimeout, WorkerGroup
-from workers import storage
-from workers.config import ModelConfig, RunConfig
-from workers.errors import CheckpointError, EtrainError
-from workers.manifest import ManifestSignatureError, commit, list_steps, prune, resolve_latest, step_dir, verify
-from workers.worker import ChaosOrder, LaunchPlan
+from etrain.service.decisions import supervisor as sm
+from etrain.service.decisions.capacity import rank_slots, replicas_that_fit
+from etrain.service.decisions.stragglers import StragglerConfig, StragglerDetector, stage_map
+from etrain.service.runtime.spares import HEAD_NODE_RESOURCE
+from etrain.service.runtime.worker_group import NAMESPACE, GroupOutcome, PlacementTimeout, WorkerGroup
+from etrain.workers import storage
+from etrain.workers.protocol.run_config import ModelConfig, RunConfig
+from etrain.workers.protocol.errors import CheckpointError, EtrainError
+from etrain.workers.protocol.manifest import ManifestSignatureError, commit, list_steps, prune, resolve_latest, step_dir, verify
+from etrain.workers.worker import ChaosOrder, LaunchPlan
 
 log = logging.getLogger(__name__)
 
@@ -85,14 +85,14 @@ class JobPolicy:
     restarts_used: int = 0  # carried over when a supervisor is recreated after a control-plane loss
     #: The job's last attempt number when this supervisor was created (0 for its first): a supervisor
     #: recreated after a loss reports attempts base+1, base+2, ... so the job's attempts only grow and its
-    #: step rows replace the rows of the steps it recomputes (service/store.py keeps the higher attempt).
+    #: step rows replace the rows of the steps it recomputes (service/store/job_store.py keeps the higher attempt).
     attempt_base: int = 0
     start_timeout_s: float = 300.0
     checkpoint_timeout_s: float = 120.0
     capacity_wait_timeout_s: float = 900.0
     export: bool = False  # checkpoint.export == "hf": write <checkpoint root>/hf-export before SUCCEEDED
     export_timeout_s: float = 3600.0
-    #: The service's checkpoint signing key (service/checkpoint_key.py): manifests are signed with it at
+    #: The service's checkpoint signing key (service/access/checkpoint_key.py): manifests are signed with it at
     #: commit and verified with it before any rank loads one. Only the manager sets it; never printed.
     checkpoint_key: bytes | None = field(default=None, repr=False)
 
@@ -254,7 +254,7 @@ class JobSupervisor:
             steps = [row for row in self._steps if row["seq"] > since_step_seq]
             state = self.state
         # Attempts as the job counts them (JobPolicy.attempt_base). No goodput here: the control plane
-        # computes it from the stored rows (service/goodput.py), across supervisors.
+        # computes it from the stored rows (service/decisions/goodput.py), across supervisors.
         base = self.policy.attempt_base
         if base:
             steps = [row | {"attempt": row["attempt"] + base} for row in steps]
@@ -385,7 +385,7 @@ class JobSupervisor:
             self.state = decision.state
             answers = [answer for action in decision.actions if (answer := self._carry_out(action, now)) is not None]
             # A commit's outcome is decided on before any other event (the inbox waits), so nothing acts
-            # on a checkpoint whose manifest was not written ([3] in service/supervisor.py).
+            # on a checkpoint whose manifest was not written ([3] in service/decisions/supervisor.py).
             for answer in answers:
                 self._apply(answer, time.time())
                 if isinstance(answer, sm.CommitSucceeded):
@@ -461,7 +461,7 @@ class JobSupervisor:
         threading.Thread(target=start, name=f"launch-{self.job_id}-{action.attempt}", daemon=True).start()
 
     def _repair(self, action: sm.RepairGroup) -> None:
-        """Carry out an in-place repair ([9] in service/supervisor.py) on the launch thread's terms:
+        """Carry out an in-place repair ([9] in service/decisions/supervisor.py) on the launch thread's terms:
         any failure becomes RepairFailed, and the state machine relaunches every rank instead."""
         group = self._group
         step = action.resume_step
@@ -863,7 +863,7 @@ def _export_folder(step_dir: str, out_dir: str, model: ModelConfig, source_dir: 
     """
     import shutil
 
-    from workers.hf_io import export_hf
+    from etrain.workers.hf_io import export_hf
 
     if replace_existing and storage.is_url(out_dir):
         storage.rmtree(out_dir)

@@ -1,0 +1,2 @@
+"""Durable state: the SQLite job store and what is built directly on it (idempotent submit).
+"""
