@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from etrain.service.planning.bounds import MAX_PATH, MAX_STEPS, MAX_WORKERS, NO_NUL
 from etrain.service.ports import ChaosRequest
 from etrain.service.planning.spec import json_int
-from etrain.service.store.job_store import EventRecord, JobRecord, JobStatus, StepRecord
+from etrain.service.store.records import EventRecord, JobRecord, JobStatus, StepRecord
 
 __all__ = [
     "ChaosRequest",

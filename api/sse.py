@@ -32,7 +32,7 @@ from starlette.concurrency import run_in_threadpool
 from etrain.api.schemas import EventOut, JobOut, StepOut
 from etrain.service.errors import JobNotFound
 from etrain.service.ports import JobManagerPort
-from etrain.service.store.job_store import EventRecord, StepRecord
+from etrain.service.store.records import EventRecord, StepRecord
 from etrain.service.access.tenancy import Principal
 
 MEDIA_TYPE = "text/event-stream"

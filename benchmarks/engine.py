@@ -81,8 +81,9 @@ def _checkpoint_rank(rank: int, world_size: int, root: str, rounds: int, steps_b
     import torch.distributed as dist
 
     from etrain.workers.checkpoint import AsyncCheckpointer, load_checkpoint, save_checkpoint
-    from etrain.workers.protocol.manifest import commit
+    from etrain.workers.checkpoint_commit import commit
     from etrain.workers.train import Trainer
+    from tests.state_utils import full_state_dict
 
     def barrier_max(seconds: float) -> float:
         value = torch.tensor([seconds], dtype=torch.float64)
@@ -135,7 +136,7 @@ def _checkpoint_rank(rank: int, world_size: int, root: str, rounds: int, steps_b
         commit(directory, step, "dp2", world_size, reports)
     dist.barrier()
     total = sum(f.size for r in reports for f in r.files)
-    saved_digest = _digest(trainer.full_state_dict())
+    saved_digest = _digest(full_state_dict(trainer))
 
     def timed_loads(into: Trainer) -> list[float]:
         """``loads`` loads of the committed checkpoint into ``into``, the slowest rank's seconds each."""
@@ -152,7 +153,7 @@ def _checkpoint_rank(rank: int, world_size: int, root: str, rounds: int, steps_b
     resharded = Trainer(_config(ParallelConfig(dp=2, zero=3)), rank=rank, world_size=world_size,
                         device=torch.device("cpu"))
     other_layout = timed_loads(resharded)
-    restored_equal = _digest(resharded.full_state_dict()) == saved_digest
+    restored_equal = _digest(full_state_dict(resharded)) == saved_digest
     return {"walls": walls, "save_s": save_s, "bytes_written": bytes_written,
             "async_still_writing_after_k_steps": async_pending_at_end, "checkpoint_bytes": total,
             "load_same_s": same_layout, "load_zero3_s": other_layout, "restored_equal": restored_equal}

@@ -236,7 +236,7 @@ def bench_meta_init(runtime_rss: int) -> InitResult:
 
 def planner_estimate(config: RunConfig):
     """The planner's estimate for a RunConfig's layout, through the JobSpec a user would POST."""
-    from etrain.service.planning.planner import estimate
+    from etrain.service.planning.estimate import estimate
     from etrain.service.planning.spec import JobSpec
 
     m, p, t = config.model, config.parallel, config.training

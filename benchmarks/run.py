@@ -117,7 +117,7 @@ def _peer_ddp_rank(rank: int, world_size: int, config: RunConfig) -> dict:
 def planned_mb(config: RunConfig, runtime_bytes: int) -> float | None:
     """The planner's per-rank peak for the same layout, its runtime allowance replaced by the measured one."""
     try:
-        from etrain.service.planning.planner import estimate
+        from etrain.service.planning.estimate import estimate
         from etrain.service.planning.spec import JobSpec
     except ImportError:
         return None

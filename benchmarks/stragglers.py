@@ -3,7 +3,7 @@
 For the benchmark suite's figure 4. Per layout, one short real run (``etrain.workers.train.Trainer`` on gloo
 ranks, ``tests.dist_utils``; no Ray) records every rank's ``compute_s`` on every step (all steps are
 timing-sync steps there): first healthy, then with one rank slowed by the chaos ``slow_rank`` drill
-(``etrain.workers.worker.ChaosCallback`` of a real ``TrainWorker``) at each slowdown in turn. Those measured
+(``etrain.workers.chaos.RankDrills``, the rank's drill plugin) at each slowdown in turn. Those measured
 per-step rows (all ranks of one step together, so a load spike that hits every rank stays one) are then
 replayed through the production :class:`etrain.service.decisions.stragglers.StragglerDetector` with the job defaults
 (window 10, threshold 1.5, patience 2), resampled with replacement:
@@ -89,17 +89,18 @@ def _rank(rank: int, world_size: int, parallel: ParallelConfig, slow_rank: int, 
     """One rank of the measured run: ``(slowdown in force, compute_s, timing_synced)`` per step."""
     import torch
 
+    from etrain.workers.chaos import RankDrills
+    from etrain.workers.protocol.messages import ChaosOrder
     from etrain.workers.train import Trainer
-    from etrain.workers.worker import ChaosCallback, TrainWorker
 
     phases = [1.0] * (WARMUP_STEPS + healthy) + [f for f in slowdowns for _ in range(per_slowdown)]
-    worker = TrainWorker(job_id="bench-stragglers", rank=rank, world_size=world_size, supervisor=None)
+    drills = RankDrills(rank=rank, report=lambda order, step: None)  # no supervisor to tell here
     trainer = Trainer(_config(parallel, len(phases)), rank=rank, world_size=world_size,
-                      device=torch.device("cpu"), callbacks=[ChaosCallback(worker)])
+                      device=torch.device("cpu"), callbacks=[drills.callback])
     rows = []
     for step, factor in enumerate(phases):
-        if rank == slow_rank:
-            worker._chaos.slow_factor = factor  # what a slow_rank drill order with this factor sets
+        if rank == slow_rank and factor != drills.slow_factor:  # a slow_rank order at each new slowdown
+            drills.receive(ChaosOrder(id=step, action="slow_rank", rank=rank, factor=factor))
         metrics = trainer.train_step(step)
         rows.append((factor, metrics.compute_s, metrics.timing_synced))
     return rows

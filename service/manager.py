@@ -1,13 +1,17 @@
 """JobManager: the control plane's one entry point (the API calls nothing else).
 
 ``submit`` validates (spec rules, then the planner's layout and memory rules; a job the cluster can
-never hold is refused) and stores the job ``QUEUED``. The scheduler (:meth:`JobManager.schedule`, run
-at submit and by the ``etrain-scheduler`` thread) starts a queued job's supervisor only when
-:mod:`etrain.service.decisions.admission` says its whole minimum layout fits now, by priority then FIFO. A poller
-thread pulls each live supervisor's updates into SQLite, so REST reads never touch Ray. On start-up
+never hold is refused) and stores the job ``QUEUED``. The scheduler (service/jobs/scheduler.py, run at
+submit and by the ``etrain-scheduler`` thread) admits a queued job only when
+:mod:`etrain.service.decisions.admission` says its whole minimum layout fits now, by priority then FIFO,
+and this manager then starts its supervisor. The poller (service/jobs/poller.py, the ``etrain-poller``
+thread) pulls each live supervisor's updates into SQLite, so REST reads never touch Ray. On start-up
 the manager reattaches to supervisors that outlived a previous control plane, and the queue (rows in
 SQLite) is admitted in the same order; a started job whose supervisor is gone is queued again and
 resumes from its last committed checkpoint.
+
+This module keeps what the API calls (submit and its checks, reads, cancel/scale, logs, export) and the
+wiring; the queue, the poller and the spec -> runtime values live in service/jobs/.
 """
 
 from __future__ import annotations
@@ -15,39 +19,41 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import threading
 import time
 import uuid
 from typing import Any
 
-from etrain.service.decisions import admission
 from etrain.service.store import idempotency
 from etrain.service.planning import planner
 from etrain.service.runtime.cluster import Runtime
 from etrain.service.runtime.control import ControlQueue, ControlRequest, NotYet
+from etrain.service.decisions.admission import Admit
 from etrain.service.decisions.elastic import ElasticPolicy, ResizeError
-from etrain.service.errors import ChaosDisabled, JobConflict, JobNotFound, RankNotFound, ServiceUnavailable, SpecRejected
-from etrain.service.decisions.goodput import ProductiveTally, goodput
-from etrain.service.runtime.supervisor_actor import JobPolicy
+from etrain.service.jobs.checkpoints import committed_step
+from etrain.service.jobs.policy import policy_for
+from etrain.service.jobs.poller import SupervisorPoller
+from etrain.service.jobs.scheduler import Scheduler
+from etrain.service.errors import ChaosDisabled, JobConflict, JobNotFound, RankNotFound, SpecRejected
 from etrain.service.settings import Settings
 from etrain.service.access.checkpoint_dirs import CheckpointDirectories
 from etrain.service.access.checkpoint_key import load_or_create_key
-from etrain.service.planning.spec import JobSpec, SpecProblem, check_spec, pin_paths
+from etrain.service.planning.spec import JobSpec, SpecProblem
+from etrain.service.planning.spec_checks import check_spec
+from etrain.service.planning.spec_paths import pin_paths
 from etrain.service.access.storage_roots import StorageRoots, pin
-from etrain.service.store.job_store import EventRecord, JobRecord, JobStatus, JobStore, StepRecord
+from etrain.service.store.job_store import JobStore
+from etrain.service.store.records import EventRecord, JobRecord, JobStatus, StepRecord
 from etrain.service.access.quotas import TenantQuotas
 from etrain.service.access.tenancy import ADMIN, Principal
-from etrain.service.decisions.stragglers import StragglerConfig
 from etrain.workers import storage
-from etrain.workers.protocol.errors import CheckpointError, ConfigError
-from etrain.workers.protocol.manifest import latest_committed, list_steps, step_dir, verify
+from etrain.workers.protocol.errors import ConfigError
+from etrain.workers.protocol.messages import RANK_CHAOS_ACTIONS
 from etrain.workers.rank_log import rank_log_path, read_lines
 
 log = logging.getLogger(__name__)
 
 #: How long POST /v1/jobs/{id}/export waits for its export task (a 70B model is ~280 GB of fp32 to write).
 EXPORT_TIMEOUT_S = 3600.0
-RANK_ACTIONS = ("kill_rank", "kill_actor", "slow_rank", "hang_rank")
 
 
 class JobManager:
@@ -75,16 +81,13 @@ class JobManager:
             tree=settings.checkpoint_tree, key=self._checkpoint_key,
             default_root=lambda job_id: self.settings.checkpoint_location(job_id),
         )
-        self._step_cursor: dict[str, int] = {}  # job -> seq of the supervisor's last step row stored
-        # job -> its kept step time, rebuilt from the steps table once per control-plane lifetime and then
-        # fed the rows it stores (service/decisions/goodput.py): goodput survives supervisor and server restarts.
-        self._tallies: dict[str, ProductiveTally] = {}
-        self._submitting: set[str] = set()  # jobs whose supervisor is being created: not "lost"
+        self._submitting: set[str] = set()  # jobs whose supervisor is being created: not "lost", not queued
         self._quotas = TenantQuotas(max_jobs=settings.tenant_max_jobs, max_workers=settings.tenant_max_workers)
-        self._stop = threading.Event()
-        self._poll_lock = threading.Lock()
-        self._init_queue()
-        self._poller = threading.Thread(target=self._poll_forever, name="etrain-poller", daemon=True)
+        self._scheduler = Scheduler(store=self.store, runtime=runtime, settings=settings, starting=self._submitting,
+                                    start=self._start_admitted)
+        self._poller = SupervisorPoller(store=self.store, runtime=runtime, settings=settings,
+                                        starting=self._submitting, scheduler=self._scheduler)
+        self._scheduler.start()
         self._poller.start()
         self._control = ControlQueue(self._deliver_control, on_give_up=self._control_failed)
 
@@ -116,7 +119,7 @@ class JobManager:
                 return replayed
         self._check_reach(spec, principal)
         spec = self.validate(spec)
-        self._refuse_beyond_cluster(spec)
+        self._scheduler.refuse_beyond_cluster(spec)
         tokenized = self._prepare_data(spec)
         job_id = f"{spec.name.lower()}-{uuid.uuid4().hex[:8]}"
         self._claim_directories(job_id, spec, principal)
@@ -153,8 +156,8 @@ class JobManager:
         if tokenized is not None:
             self.store.add_events(job_id, [(time.time(), "data_tokenized", {"message": tokenized})])
         self._submitting.discard(job_id)
-        self._announce.add(job_id)
-        self.schedule(submitted=job_id)  # it starts before we answer when it fits now, else waits QUEUED
+        self._scheduler.announce(job_id)
+        self._scheduler.schedule(submitted=job_id)  # it starts before we answer when it fits now, else waits QUEUED
         return self.store.get_job(job_id) or record
 
     def _check_reach(self, spec: JobSpec, principal: Principal) -> None:
@@ -219,7 +222,8 @@ class JobManager:
             raise JobConflict(
                 f"job {job_id} is already {record.status.value}.", job_id=job_id, fix="nothing to cancel"
             )
-        if record.status is JobStatus.QUEUED and self._cancel_queued(job_id):
+        if record.status is JobStatus.QUEUED and self._scheduler.cancel_queued(job_id):
+            self._poller.forget(job_id)
             return self.get(job_id)  # it had no supervisor: nothing to stop
         self.store.add_events(job_id, [(time.time(), "cancel_requested", {"message": "cancel requested via API"})])
         self._control.put(ControlRequest(job_id=job_id, action="cancel"))
@@ -262,16 +266,9 @@ class JobManager:
             return
         if self.runtime.exists(job_id):
             self.runtime.cancel(job_id, "cancelled by user")
-            self.poll_once(job_id)  # the supervisor is CANCELLED now: persist it without waiting a poll
+            self._poller.poll_once(job_id)  # the supervisor is CANCELLED now: persist it without waiting a poll
             return
-        with self._poll_lock:  # no supervisor (never started, or lost): nothing to stop
-            try:
-                self.store.update_job(job_id, status=JobStatus.CANCELLED, error=None,
-                                      expect_status=[s for s in JobStatus if not s.is_terminal])
-            except JobConflict:
-                return  # it reached another end first
-            self.store.add_events(job_id, [(time.time(), "cancelled", {"message": "cancelled (no live supervisor)"})])
-            self._tallies.pop(job_id, None)
+        self._poller.cancel_orphan(job_id)  # no supervisor (never started, or lost): nothing to stop
 
     def _control_failed(self, request: ControlRequest, err: BaseException) -> None:
         """The ControlQueue gave up on a request: say so in the job's events (the user asked for it)."""
@@ -315,7 +312,7 @@ class JobManager:
         record = self.get(job_id, principal=principal)
         if record.is_terminal:
             raise JobConflict(f"job {job_id} is {record.status.value}; nothing to inject into.", job_id=job_id)
-        if request.get("action") in RANK_ACTIONS and not 0 <= int(request.get("rank", -1)) < record.world_size:
+        if request.get("action") in RANK_CHAOS_ACTIONS and not 0 <= int(request.get("rank", -1)) < record.world_size:
             raise SpecRejected([SpecProblem(field="rank", message=f"rank {request.get('rank')} is outside the job's "
                                             f"{record.world_size} ranks.", fix=f"use 0..{record.world_size - 1}")])
         order = self.runtime.chaos(job_id, request)
@@ -346,7 +343,7 @@ class JobManager:
             raise JobConflict(f"out {out_dir} already exists and is not empty.", job_id=job_id, field="out",
                               fix="give a new or empty folder; exports never overwrite")
         root = config.checkpoint.path
-        step, directory = _committed_step(job_id, root, step, key=self._checkpoint_key)
+        step, directory = committed_step(job_id, root, step, key=self._checkpoint_key)
         path = self.runtime.export(step_dir=directory, out_dir=out_dir, model=model, source_dir=model.hf_path,
                                    timeout_s=EXPORT_TIMEOUT_S)
         self.store.add_events(job_id, [(time.time(), "exported",
@@ -378,207 +375,20 @@ class JobManager:
 
         return render_job_metrics(self.store, principal)
 
+    def cluster(self, *, principal: Principal = ADMIN) -> dict[str, Any]:
+        """Nodes, totals, what each started job holds and the queue with its reasons (GET /v1/cluster)."""
+        return self._scheduler.cluster(principal=principal)
+
     def close(self) -> None:
-        self._stop.set()
         self._control.close(timeout_s=5)
-        self._wake.set()
-        self._poller.join(timeout=5)
-        self._scheduler.join(timeout=5)
+        self._poller.close(timeout_s=5)
+        self._scheduler.close(timeout_s=5)
         self.runtime.close()
         self.store.close()
 
-    # --- polling supervisors into the store ------------------------------------------------------
+    # --- starting an admitted job (the scheduler's ``start``) ---------------------------------------
 
-    def _poll_forever(self) -> None:
-        while not self._stop.wait(self.settings.poll_interval_s):
-            for job in self.store.active_jobs():
-                try:
-                    self.poll_once(job.id)
-                except Exception:  # one broken job must not stop the others' updates
-                    log.exception("polling job %s failed", job.id)
-
-    def poll_once(self, job_id: str) -> None:
-        with self._poll_lock:
-            record = self.store.get_job(job_id)
-            if record is not None and record.status is JobStatus.QUEUED and record.goodput is not None:
-                # Queued again after a lost supervisor: the wait counts against goodput, so keep it current.
-                self.store.update_job(job_id, goodput=self._goodput(record, time.time()))
-            if record is None or record.is_terminal or job_id in self._submitting or record.status is JobStatus.QUEUED:
-                return  # (a queued job has no supervisor to ask)
-            update = self.runtime.updates(job_id, self.store.get_cursor(job_id), self._step_cursor.get(job_id, 0))
-            if update is None:
-                self._supervisor_lost(record)
-                return
-            self._persist(record, update)
-
-    def _persist(self, record: JobRecord, update: dict[str, Any]) -> None:
-        job_id = record.id
-        events = update.get("events", [])
-        if events:
-            self.store.add_events(job_id, [(e["ts"], e["kind"], {"message": e["detail"]}) for e in events],
-                                  cursor=max(e["seq"] for e in events))  # one transaction: no duplicates on a kill
-        steps = update.get("steps", [])
-        if steps:
-            tally = self._tally(job_id)  # (built from the table before these rows land in it)
-            records = [
-                StepRecord(job_id=job_id, step=row["step"], loss=row.get("loss"), tokens_per_s=row.get("tokens_per_s"),
-                           step_s=row.get("step_s"), compute_s=row.get("compute_s"),
-                           comm_wait_s=row.get("comm_wait_s"), ts=row["ts"], attempt=row.get("attempt", 0))
-                for row in steps
-            ]
-            self.store.add_steps(job_id, records)
-            for step_record in records:
-                tally.add(step_record)
-            self._step_cursor[job_id] = max(row["seq"] for row in steps)
-        fields = {key: update.get(key) for key in ("step", "loss", "tokens_per_s", "world_size", "restarts",
-                                                   "last_checkpoint_step", "layout", "attempt", "error")}
-        fields["goodput"] = self._goodput(record, time.time())
-        fields["stragglers"] = update.get("stragglers", [])
-        if update.get("artifacts"):
-            fields["artifacts"] = update["artifacts"]
-        fields["status"] = JobStatus(update["status"])
-        if fields["status"] is JobStatus.QUEUED:  # the supervisor's first instant: admitted, about to launch
-            fields["status"] = JobStatus.STARTING
-        fields = {key: value for key, value in fields.items() if value is not None or key == "error"}
-        self.store.update_job(job_id, **fields)
-        if fields["status"].is_terminal:
-            self.runtime.release(job_id)
-            self._step_cursor.pop(job_id, None)
-            self._tallies.pop(job_id, None)  # its goodput is final (measured up to now, its end)
-            self._wake.set()  # what it held may start the next queued job
-
-    def _tally(self, job_id: str) -> ProductiveTally:
-        tally = self._tallies.get(job_id)
-        if tally is None:
-            tally = self._tallies[job_id] = ProductiveTally(self.store.steps(job_id, limit=2**62))
-        return tally
-
-    def _goodput(self, record: JobRecord, now: float) -> float | None:
-        """Kept step time over wall time since the submit (service/decisions/goodput.py), from the store's rows."""
-        return goodput(self._tally(record.id).value, submitted_at=record.created_at, now=now)
-
-    def _supervisor_lost(self, record: JobRecord) -> None:
-        """A started job without a supervisor (its node died, the cluster restarted, or a control plane
-        died between admitting it and starting it): back in the queue, at its priority and original
-        submit time, to resume from its newest committed checkpoint once its gang fits again.
-
-        The loss counts against the restart budget, unless the supervisor never launched anything.
-        """
-        spec = JobSpec.model_validate(record.spec)
-        spent = 0 if record.attempt == 0 else 1
-        if spent and record.restarts >= spec.fault_tolerance.max_restarts:
-            self.store.update_job(record.id, status=JobStatus.FAILED,
-                                  error=f"supervisor lost and restarted {record.restarts} times, "
-                                        f"max_restarts={spec.fault_tolerance.max_restarts}")
-            self.store.add_events(record.id, [(time.time(), "failed", {"message": "supervisor lost; budget spent"})])
-            self._tallies.pop(record.id, None)
-            return
-        # The event first: once QUEUED, the scheduler may admit it (and record "admitted") at once.
-        self.store.add_events(record.id, [(time.time(), "supervisor_lost",
-                                           {"message": "no live supervisor; queued again to resume from the last "
-                                                       "checkpoint"})])
-        self._announce.add(record.id)
-        try:
-            self.store.update_job(record.id, status=JobStatus.QUEUED, restarts=record.restarts + spent,
-                                  expect_status=[record.status])
-        except JobConflict:
-            self._announce.discard(record.id)
-            return  # it ended meanwhile
-        self._wake.set()
-
-    # --- the queue: gang admission by priority ---------------------------------------------------
-
-    #: How old a cluster snapshot GET /v1/cluster may serve while nothing is queued (the scheduler
-    #: reads a fresh one on every pass that has queued jobs).
-    cluster_refresh_s: float = 2.0
-
-    def _init_queue(self) -> None:
-        self._admit_lock = threading.Lock()  # one admission pass at a time
-        self._wake = threading.Event()  # run a pass now (a job ended, was queued or cancelled)
-        self._announce: set[str] = set()  # queued jobs still owed their "queued" event
-        self._requested: list[dict[str, float]] = []  # the autoscaler request in force (admit_beyond_cluster)
-        self._gangs: dict[str, admission.Gang] = {}  # job -> its gang (specs never change)
-        self._view_lock = threading.Lock()  # the snapshot below (never held across a job start)
-        self._view: admission.ClusterView | None = None
-        self._view_at = 0.0
-        self._view_error: str | None = None
-        for job in self.store.active_jobs():
-            # Admitted by a control plane from before the queue (its supervisor runs): follow it.
-            if job.status is JobStatus.QUEUED and self.runtime.exists(job.id):
-                self.store.update_job(job.id, status=JobStatus.STARTING, expect_status=[JobStatus.QUEUED])
-        self._refresh_view(force=True)
-        self._scheduler = threading.Thread(target=self._schedule_forever, name="etrain-scheduler", daemon=True)
-        self._scheduler.start()
-
-    def _schedule_forever(self) -> None:
-        while not self._stop.is_set():
-            self._wake.wait(self.settings.poll_interval_s)
-            self._wake.clear()
-            if self._stop.is_set():
-                return
-            try:
-                self.schedule()
-                self._refresh_view(force=False)  # keeps GET /v1/cluster's snapshot fresh while nothing is queued
-            except Exception:  # the next pass tries again
-                log.exception("admission pass failed")
-
-    def schedule(self, *, submitted: str | None = None) -> list[str]:
-        """One admission pass: start the queued jobs that fit now (service/decisions/admission.py), record why the
-        newly queued ones wait; returns the ids started.
-
-        ``submitted``: called from ``submit`` for that job: only it is started on the caller's thread
-        (the scheduler thread starts any other job this pass admits), and its start failure is raised.
-        """
-        with self._admit_lock:
-            active = self.store.active_jobs()
-            # (a job still in ``submit`` waits for its "submitted" event: submit runs a pass for it)
-            queued = [job for job in active if job.status is JobStatus.QUEUED and job.id not in self._submitting]
-            view = self._refresh_view(force=bool(queued))
-            if not queued or view is None:
-                if not queued and self.settings.admit_beyond_cluster:
-                    self._ask_autoscaler(active, waiting=set())
-                return []
-            plan = admission.decide([self._queued(job) for job in queued], self._admission_nodes(view, active),
-                                    self._claims(active, view))
-            by_id = {job.id: job for job in queued}
-            started = []
-            for admit in plan.admit:
-                if submitted is not None and admit.job_id != submitted:
-                    self._wake.set()
-                    continue
-                if self._start_admitted(by_id[admit.job_id], admit, raise_errors=admit.job_id == submitted):
-                    started.append(admit.job_id)
-            for wait in plan.wait:
-                if wait.job_id in self._announce:
-                    self._announce.discard(wait.job_id)
-                    self.store.add_events(wait.job_id, [(time.time(), "queued", {"message": wait.reason})])
-            if self.settings.admit_beyond_cluster:
-                self._ask_autoscaler(active, waiting={wait.job_id for wait in plan.wait})
-            return started
-
-    def _ask_autoscaler(self, active: list[JobRecord], *, waiting: set[str]) -> None:
-        """On an autoscaling cluster (``ETRAIN_ADMIT_BEYOND_CLUSTER=1``): a queued job has no placement
-        group, so Ray sees no demand for it. Ask the autoscaler for a cluster that holds every started
-        job's ranks and every waiting job's minimum layout at once (Ray counts what runs toward such a
-        request); an empty request once nothing waits, so it may scale down again."""
-        bundles: list[dict[str, float]] = []
-        if waiting:
-            for job in active:
-                gang = self._gang(job)
-                if job.id in waiting:
-                    bundles += [dict(gang.per_rank) for _ in range(gang.min_ranks)]
-                elif job.status not in (JobStatus.QUEUED, JobStatus.EXPORTING):
-                    bundles += [dict(gang.per_rank) for _ in range(job.world_size)]
-        if bundles == self._requested:
-            return
-        try:
-            self.runtime.request_capacity(bundles)
-        except Exception as err:  # a hint only: the next pass asks again
-            log.warning("could not ask the autoscaler for %d bundle(s): %s", len(bundles), err)
-            return
-        self._requested = bundles
-
-    def _start_admitted(self, record: JobRecord, admit: admission.Admit, *, raise_errors: bool) -> bool:
+    def _start_admitted(self, record: JobRecord, admit: Admit, *, raise_errors: bool) -> bool:
         """Start an admitted job's supervisor at the admitted dp (QUEUED -> STARTING first, so a cancel
         that wins the race leaves it cancelled and unstarted)."""
         job_id = record.id
@@ -588,7 +398,7 @@ class JobManager:
         # attempt_base: a supervisor recreated after a loss numbers its attempts on from the job's last one,
         # so its step rows replace the recomputed steps' old rows (service/store/job_store.py keeps the higher attempt).
         policy = dataclasses.replace(policy_for(spec), restarts_used=record.restarts, attempt_base=record.attempt,
-                                     checkpoint_key=self._checkpoint_key)
+                                     checkpoint_key=self._checkpoint_key, chaos_enabled=self.settings.enable_chaos)
         self._submitting.add(job_id)  # before the status change: the poller and cancel wait for the start
         try:
             try:
@@ -596,12 +406,12 @@ class JobManager:
                                       layout=config.parallel.describe(), expect_status=[JobStatus.QUEUED])
             except JobConflict:
                 return False  # cancelled meanwhile
-            self._announce.discard(job_id)
+            self._scheduler.forget(job_id)
             where = ", ".join(f"{ranks} on {node}" for node, ranks in admit.placement.items())
             self.store.add_events(job_id, [(time.time(), "admitted", {
                 "message": f"{admit.ranks} rank(s) at dp={admit.dp} fit now ({where}); starting its supervisor"})])
             self.store.set_cursor(job_id, 0)  # a new supervisor numbers its events from 1
-            self._step_cursor.pop(job_id, None)
+            self._poller.restarted(job_id)
             try:
                 self.runtime.start(job_id, config, policy)
             except Exception as err:
@@ -615,214 +425,4 @@ class JobManager:
             self._submitting.discard(job_id)
         return True
 
-    def _cancel_queued(self, job_id: str) -> bool:
-        """Cancel a job that waits in the queue (no supervisor: done at once); False when it was admitted
-        (or ended) meanwhile and must be cancelled the usual way."""
-        try:
-            self.store.update_job(job_id, status=JobStatus.CANCELLED, error=None, expect_status=[JobStatus.QUEUED])
-        except JobConflict:
-            return False
-        self._announce.discard(job_id)
-        self._tallies.pop(job_id, None)
-        self.store.add_events(job_id, [(time.time(), "cancelled", {"message": "cancelled by user while queued"})])
-        self._wake.set()  # the jobs behind it may start now
-        return True
 
-    def _gang(self, record: JobRecord) -> admission.Gang:
-        gang = self._gangs.get(record.id)
-        if gang is None:
-            gang = self._gangs[record.id] = gang_for(JobSpec.model_validate(record.spec))
-        return gang
-
-    def _queued(self, record: JobRecord) -> admission.QueuedJob:
-        return admission.QueuedJob(id=record.id, priority=record.priority, created_at=record.created_at,
-                                   gang=self._gang(record))
-
-    def _claims(self, active: list[JobRecord], view: admission.ClusterView) -> list[admission.Claim]:
-        """Started jobs whose placement group Ray does not hold (starting, or between attempts)."""
-        claims = []
-        for job in active:
-            if job.status in (JobStatus.QUEUED, JobStatus.EXPORTING) or view.holdings.get(job.id):
-                continue
-            gang = self._gang(job)
-            claims.append(admission.Claim(id=job.id, per_rank=gang.per_rank, ranks=job.world_size, tp=gang.tp))
-        return claims
-
-    def _admission_nodes(self, view: admission.ClusterView, active: list[JobRecord]) -> tuple[admission.NodeView, ...]:
-        """The view's nodes, with what jobs that already ended still hold counted as free: their groups
-        are on their way out (the supervisor stops its group as the job ends, and ``release`` ends the
-        supervisor), so the next job is admitted whole and waits a moment for Ray, instead of starting
-        smaller and resizing a second later."""
-        live = {job.id for job in active}
-        ending: dict[str, dict[str, float]] = {}
-        for job_id, held in view.holdings.items():
-            if job_id in live or not held:
-                continue
-            record = self.store.get_job(job_id)
-            if record is None or not record.is_terminal:
-                continue  # not ours to judge (another control plane's, or unknown)
-            for node, resources in held.items():
-                on_node = ending.setdefault(node, {})
-                for name, amount in resources.items():
-                    on_node[name] = on_node.get(name, 0.0) + amount
-        nodes = []
-        for node in view.nodes:
-            extra = ending.get(node.id) if node.alive else None
-            if extra:
-                node = dataclasses.replace(node, free={name: node.free.get(name, 0.0) + extra.get(name, 0.0)
-                                                       for name in {*node.free, *extra}})
-            nodes.append(node)
-        return tuple(nodes)
-
-    def _refresh_view(self, *, force: bool) -> admission.ClusterView | None:
-        """Read the cluster (forced, or when the snapshot is stale); the fresh view, or None if the read
-        failed (then no admission this pass; GET /v1/cluster reports the error)."""
-        with self._view_lock:
-            if not force and self._view is not None and time.monotonic() - self._view_at < self.cluster_refresh_s:
-                return self._view
-            try:
-                view = self.runtime.cluster()
-            except Exception as err:
-                self._view_error = str(err)
-                log.warning("cannot read the cluster: %s", err)
-                return None
-            self._view, self._view_at, self._view_error = view, time.monotonic(), None
-            return view
-
-    def _refuse_beyond_cluster(self, spec: JobSpec) -> None:
-        """SpecRejected (422) when the job's minimum layout can never fit the cluster's total resources,
-        unless the operator queues such jobs for an autoscaler (``ETRAIN_ADMIT_BEYOND_CLUSTER=1``).
-        Nothing is refused while the cluster cannot be read: the job queues."""
-        if self.settings.admit_beyond_cluster:
-            return
-        view = self._refresh_view(force=False)
-        if view is None:
-            return
-        problem = admission.refusal(gang_for(spec), view.nodes)
-        if problem is not None:
-            raise SpecRejected([SpecProblem(field=problem.field, message=problem.message, fix=problem.fix)])
-
-    def cluster(self, *, principal: Principal = ADMIN) -> dict[str, Any]:
-        """Nodes, totals, what each started job holds and the queue with its reasons (a dry admission
-        pass over the latest snapshot). Another tenant's jobs are left out, but counted in the totals."""
-        view = self._refresh_view(force=False)  # the scheduler thread keeps it fresh: rarely a Ray call here
-        if view is None:
-            raise ServiceUnavailable(f"the cluster's resources cannot be read: {self._view_error}",
-                                     fix="check the cluster (ray status) and retry")
-        active = self.store.active_jobs()
-        queued = [job for job in active if job.status is JobStatus.QUEUED]
-        plan = admission.decide([self._queued(job) for job in queued], self._admission_nodes(view, active),
-                                self._claims(active, view))
-        alive = [node for node in view.nodes if node.alive]
-        total = {name: sum(node.total.get(name, 0.0) for node in alive) for name in ("CPU", "GPU")}
-        free = admission.free_summary(view.nodes)
-        visible = {job.id: job for job in active if principal.can_see(job.tenant)}
-        for job_id in view.holdings:
-            if job_id not in visible:  # a job that just ended may still hold its group for a moment
-                record = self.store.get_job(job_id)
-                if record is not None and principal.can_see(record.tenant):
-                    visible[job_id] = record
-        holders = []
-        for job in sorted(visible.values(), key=lambda j: (j.created_at, j.id)):
-            if job.status is JobStatus.QUEUED:
-                continue
-            held = view.holdings.get(job.id, {})
-            holders.append({
-                "job_id": job.id, "status": job.status.value, "priority": job.priority, "tenant": job.tenant,
-                "world_size": job.world_size,
-                "cpus": _round(sum(r.get("CPU", 0.0) for r in held.values())),
-                "gpus": _round(sum(r.get("GPU", 0.0) for r in held.values())),
-                "nodes": [{"node_id": node, "cpus": _round(r.get("CPU", 0.0)), "gpus": _round(r.get("GPU", 0.0))}
-                          for node, r in sorted(held.items())],
-            })
-        queue = [{"job_id": wait.job_id, "priority": visible[wait.job_id].priority, "position": wait.position,
-                  "reason": wait.reason, "submitted_at": visible[wait.job_id].created_at}
-                 for wait in plan.wait if wait.job_id in visible]
-        return {
-            "nodes": [{"node_id": node.id, "alive": node.alive,
-                       "cpus": _round(node.total.get("CPU", 0.0)), "gpus": _round(node.total.get("GPU", 0.0)),
-                       "free_cpus": _round(node.free.get("CPU", 0.0)), "free_gpus": _round(node.free.get("GPU", 0.0))}
-                      for node in view.nodes],
-            "totals": {"nodes": len(view.nodes), "alive_nodes": len(alive),
-                       "cpus": _round(total["CPU"]), "gpus": _round(total["GPU"]),
-                       "free_cpus": _round(free.get("CPU", 0.0)), "free_gpus": _round(free.get("GPU", 0.0)),
-                       "running_jobs": len(active) - len(queued), "queued_jobs": len(queued)},
-            "jobs": holders,
-            "queue": queue,
-            "observed_at": time.time() - (time.monotonic() - self._view_at),
-        }
-
-def gang_for(spec: JobSpec) -> admission.Gang:
-    """What a (validated, explicit-layout) job must get at once to start: its legal dps up to the planned
-    one (the first is the elastic minimum), tp groups of ranks of the worker resources."""
-    layout = spec.layout
-    legal = ElasticPolicy(global_batch=spec.training.global_batch, micro_batch=spec.training.micro_batch,
-                          min_dp=spec.min_dp, max_dp=spec.max_dp, dp_multiple=layout.dp_replicate).legal_sizes()
-    sizes = tuple(dp for dp in legal if dp <= layout.dp) or (layout.dp,)
-    return admission.Gang(per_rank=policy_for(spec).resources_per_rank, dp_sizes=sizes, tp=layout.tp, pp=layout.pp,
-                          strategy=spec.resources.placement_strategy,
-                          dp_field="resources.min_dp" if spec.resources.min_dp else "parallelism.dp")
-
-
-def _round(amount: float) -> float:
-    """Resource amounts for display: float dust (3 x 0.1 CPU) rounded away."""
-    return round(amount, 4) + 0.0
-
-
-def policy_for(spec: JobSpec) -> JobPolicy:
-    """The supervisor's policy values from a (validated, explicit-layout) spec."""
-    resources: dict[str, float] = {"CPU": spec.resources.cpus_per_worker}
-    if spec.resources.gpus_per_worker:
-        resources["GPU"] = spec.resources.gpus_per_worker
-    stragglers = spec.stragglers
-    return JobPolicy(
-        min_dp=spec.min_dp,
-        max_dp=spec.max_dp,
-        max_restarts=spec.fault_tolerance.max_restarts,
-        heartbeat_timeout_s=spec.fault_tolerance.heartbeat_timeout_s,
-        backoff_base_s=spec.fault_tolerance.backoff_base_s,
-        backoff_max_s=spec.fault_tolerance.backoff_max_s,
-        in_place=spec.fault_tolerance.in_place,
-        elastic_check_interval_s=spec.elastic.check_interval_s,
-        stragglers=StragglerConfig(
-            enabled=stragglers.enabled,
-            window=stragglers.window,
-            threshold=stragglers.threshold,
-            patience=stragglers.patience,
-        ),
-        straggler_action=stragglers.action,
-        resources_per_rank=resources,
-        placement_strategy=spec.resources.placement_strategy,
-        export=spec.export_format == "hf",
-    )
-
-
-def _committed_step(job_id: str, root: str, step: int | None, *, key: bytes) -> tuple[int, str]:
-    """``(step, step_dir)`` of a committed checkpoint of the job (signature and sizes checked here; the
-    export task verifies the checksums as it reads), or JobConflict naming the committed steps there are."""
-    if step is None:
-        found = latest_committed(root, checksums=False, key=key)
-        if found is not None:
-            return found
-    else:
-        directory = step_dir(root, step)
-        try:
-            verify(directory, checksums=False, key=key)
-            return step, directory
-        except CheckpointError:
-            pass
-    committed = []
-    for number, directory in list_steps(root):
-        try:
-            verify(directory, checksums=False, key=key)
-        except CheckpointError:
-            continue
-        committed.append(number)
-    what = "no committed checkpoint" if step is None else f"no committed checkpoint at step {step}"
-    listing = f"committed steps: {committed}" if committed else "nothing is committed yet"
-    raise JobConflict(
-        f"job {job_id} has {what} under {root} ({listing}).",
-        job_id=job_id, field="step",
-        fix=(f"pass one of the committed steps ({committed[-1]} is the newest)" if committed
-             else "wait for the job's first checkpoint (checkpoint.every_steps, or its end)"),
-    )

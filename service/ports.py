@@ -2,7 +2,7 @@
 
 ``api/`` depends on this Protocol, never on the Ray-backed ``etrain.service.manager.JobManager``, so the API
 is tested with a named fake (``tests/fakes.py``) and the manager can change inside freely. Types
-that cross the boundary live here (``ChaosRequest``) or in ``service/store/job_store.py`` (the records).
+that cross the boundary live here (``ChaosRequest``) or in ``service/store/records.py`` (the records).
 """
 
 from __future__ import annotations
@@ -13,13 +13,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from etrain.service.planning.bounds import MAX_STEPS, MAX_WORKERS
 from etrain.service.planning.spec import JobSpec, json_int
-from etrain.service.store.job_store import EventRecord, JobRecord, StepRecord
+from etrain.service.store.records import EventRecord, JobRecord, StepRecord
 from etrain.service.access.tenancy import ADMIN, Principal
+from etrain.workers.protocol.messages import RANK_CHAOS_ACTIONS, ChaosMoment, RankChaosAction
 
-ChaosAction = Literal["kill_rank", "kill_actor", "slow_rank", "hang_rank", "corrupt_checkpoint"]
-RANK_ACTIONS: frozenset[str] = frozenset({"kill_rank", "kill_actor", "slow_rank", "hang_rank"})
-#: When a kill lands: at the start of a step (the default), or inside a checkpoint save (workers/worker.py).
-ChaosMoment = Literal["step", "checkpoint_write", "checkpoint_commit"]
+#: The rank drills (and when a kill lands) are the protocol's; ``corrupt_checkpoint`` is the supervisor's own.
+ChaosAction = Literal[RankChaosAction, "corrupt_checkpoint"]
 KILL_ACTIONS: frozenset[str] = frozenset({"kill_rank", "kill_actor"})
 
 
@@ -58,7 +57,7 @@ class ChaosRequest(BaseModel):
     @classmethod
     def _rank_for_rank_actions(cls, rank: int | None, info: ValidationInfo) -> int | None:
         action = info.data.get("action")
-        if action in RANK_ACTIONS and rank is None:
+        if action in RANK_CHAOS_ACTIONS and rank is None:
             raise ValueError(f"action {action!r} needs a rank (0 .. world_size - 1)")
         if action == "corrupt_checkpoint" and rank is not None:
             raise ValueError("corrupt_checkpoint takes no rank; give the checkpoint step instead")

@@ -14,7 +14,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from etrain.service.store.job_store import JobStatus, JobStore
+from etrain.service.store.job_store import JobStore
+from etrain.service.store.records import JobStatus
 from etrain.service.access.tenancy import Principal
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

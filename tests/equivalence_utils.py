@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from tests.dist_utils import run_distributed
+from tests.state_utils import full_state_dict
 from etrain.workers.protocol.run_config import DataConfig, ModelConfig, ParallelConfig, RunConfig, TrainingConfig
 
 __all__ = [
@@ -98,7 +99,7 @@ def _train(rank: int, world_size: int, config: RunConfig) -> RunResult:
         rank=rank,
         losses=[m.loss for m in history],
         grad_norms=[m.grad_norm for m in history],
-        params=trainer.full_state_dict(),
+        params=full_state_dict(trainer),
     )
 
 

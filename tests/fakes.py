@@ -24,10 +24,14 @@ from typing import Any
 
 from etrain.service.store import idempotency
 from etrain.service.errors import ChaosDisabled, JobConflict, JobNotFound, RankNotFound, SpecRejected
-from etrain.service.ports import RANK_ACTIONS, ChaosRequest
-from etrain.service.planning.spec import JobSpec, SpecProblem, check_spec, pin_paths
+from etrain.service.ports import ChaosRequest
+from etrain.workers.protocol.messages import RANK_CHAOS_ACTIONS
+from etrain.service.planning.spec import JobSpec, SpecProblem
+from etrain.service.planning.spec_checks import check_spec
+from etrain.service.planning.spec_paths import pin_paths
 from etrain.service.access.storage_roots import StorageRoots, pin
-from etrain.service.store.job_store import EventRecord, JobRecord, JobStatus, JobStore, StepRecord
+from etrain.service.store.job_store import JobStore
+from etrain.service.store.records import EventRecord, JobRecord, JobStatus, StepRecord
 from etrain.service.access.tenancy import ADMIN, Principal
 from etrain.workers.protocol.errors import ConfigError
 
@@ -209,7 +213,7 @@ class InMemoryManager:
         job = self._require(job_id, principal)
         if job.is_terminal:
             raise JobConflict(f"job {job_id} is {job.status.value}; nothing to inject into.", job_id=job_id)
-        if order.action in RANK_ACTIONS and not 0 <= (order.rank or 0) < job.world_size:
+        if order.action in RANK_CHAOS_ACTIONS and not 0 <= (order.rank or 0) < job.world_size:
             raise SpecRejected([SpecProblem(field="rank", message=f"rank {order.rank} is outside the job's "
                                             f"{job.world_size} ranks.", fix=f"use 0..{job.world_size - 1}")])
         self.chaos_orders.append((job_id, dict(request)))

@@ -29,12 +29,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from etrain.workers import layout_rules
 from etrain.workers.protocol.run_config import DataConfig, ModelConfig
 from etrain.workers.protocol.errors import ConfigError, DataError
-from etrain.workers.tokenized import TEXT_SUFFIXES, read_text_file, tokenize_text, walk_text_files
+from etrain.workers.text_files import no_text_error, not_utf8_error, read_text_file, text_documents
+from etrain.workers.tokenized import tokenize_text
 
 __all__ = [
-    "TEXT_SUFFIXES",
     "BYTE_VOCAB_SIZE",
     "GlobalSampler",
     "TokenDataset",
@@ -125,25 +126,14 @@ class GlobalSampler:
         """Data-parallel rank ``dp_rank``'s contiguous slice of the global batch of ``step``."""
         if not 0 <= dp_rank < dp:
             raise ValueError(f"dp_rank {dp_rank} out of range for dp={dp}")
-        if self.global_batch % dp:
-            raise ConfigError(
-                f"training.global_batch={self.global_batch} is not divisible by dp={dp}.",
-                field="training.global_batch",
-                fix=f"use a global_batch that is a multiple of {dp}",
-            )
+        layout_rules.check(layout_rules.batch_problems(global_batch=self.global_batch, micro_batch=1, dp=dp))
         share = self.global_batch // dp
         return self.indices(step)[dp_rank * share : (dp_rank + 1) * share]
 
     def local_micro_batches(self, step: int, dp_rank: int, dp: int, micro_batch: int) -> list[list[int]]:
         """The local slice split into consecutive micro-batches of ``micro_batch`` samples."""
+        layout_rules.check(layout_rules.batch_problems(global_batch=self.global_batch, micro_batch=micro_batch, dp=dp))
         local = self.local_indices(step, dp_rank, dp)
-        if micro_batch < 1 or len(local) % micro_batch:
-            raise ConfigError(
-                f"the per-rank batch of {len(local)} samples (global_batch {self.global_batch} / dp {dp}) "
-                f"is not divisible by training.micro_batch={micro_batch}.",
-                field="training.micro_batch",
-                fix="choose micro_batch dividing global_batch / dp",
-            )
         return [local[i : i + micro_batch] for i in range(0, len(local), micro_batch)]
 
 
@@ -155,24 +145,15 @@ def read_text_tokens(path: str) -> np.ndarray:
 
     Files in a folder are joined with a newline so one file's end does not run into the next.
     """
-    root = Path(path)
-    if not root.exists():
-        raise DataError(f"data.path={path!r} does not exist.", field="data.path",
-                        fix="point data.path at a UTF-8 text file or a folder of text files")
-    if root.is_file():
-        data = read_text_file(root)
+    documents = text_documents(path)
+    if Path(path).is_file():
+        data = read_text_file(documents[0])
         if data is None:
-            raise DataError(f"data.path={path!r} is not UTF-8 text.", field="data.path",
-                            fix="use a UTF-8 text file, or data.kind='tokens' for a .bin of token ids")
+            raise not_utf8_error(path)
     else:
-        parts = [d for p in walk_text_files(root) if (d := read_text_file(p))]
-        data = b"\n".join(parts)
+        data = b"\n".join(d for p in documents if (d := read_text_file(p)))
     if not data:
-        raise DataError(
-            f"data.path={path!r} holds no text (looked for {', '.join(sorted(TEXT_SUFFIXES))}, Makefile).",
-            field="data.path",
-            fix="point data.path at a non-empty UTF-8 file or a folder containing text files",
-        )
+        raise no_text_error(path)
     return np.frombuffer(data, dtype=np.uint8)
 
 

@@ -61,16 +61,16 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 
 from etrain.workers import storage
-from etrain.workers.checkpoint import storage_reader
+from etrain.workers.checkpoint_commit import resolve_latest, step_dir, verify
+from etrain.workers.checkpoint_io import storage_reader
 from etrain.workers.protocol.run_config import ModelConfig
 from etrain.workers.protocol.errors import CheckpointError, ConfigError
 from etrain.workers.hf_config import TOKENIZER_FILES, hf_config_dict, hf_name, hf_parameter_names, weight_files
 from etrain.workers.init import canonical_fqn
-from etrain.workers.protocol.manifest import fsync_dir, resolve_latest, step_dir, verify
 
 __all__ = ["HFLoadReport", "expected_shapes", "export_hf", "find_step_dir", "load_hf_weights"]
 
-#: The prefix etrain's checkpoints put before every model FQN (``etrain.workers.checkpoint``: {"model": ...}).
+#: The prefix etrain's checkpoints put before every model FQN (``etrain.workers.checkpoint_state``: {"model": ...}).
 _MODEL_PREFIX = "model."
 #: safetensors dtypes whose values a float parameter can take as they are.
 _FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
@@ -306,11 +306,11 @@ def export_hf(
                 if path.is_file():
                     shutil.copyfile(path, os.path.join(tmp, name))
                     _fsync(os.path.join(tmp, name))
-        fsync_dir(tmp)
+        storage.fsync_dir(tmp)
         if os.path.isdir(out):
             os.rmdir(out)  # empty (checked above); rename needs the name free or an empty dir
         os.rename(tmp, out)
-        fsync_dir(os.path.dirname(out))
+        storage.fsync_dir(os.path.dirname(out))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

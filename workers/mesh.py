@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from etrain.workers.protocol.errors import ConfigError
+from etrain.workers import layout_rules
 from etrain.workers.topology import Topology, TopologyError
 
 __all__ = ["MESH_DIMS", "ParallelMesh", "backend_for", "build_device_mesh", "mesh_group_ranks",
@@ -53,14 +53,9 @@ def backend_for(device_type: str, *, cpu_offload: bool = False) -> str:
 
 
 def validate_dp_replicate(dp: int, dp_replicate: int) -> None:
-    """HSDP splits the dp ranks into ``dp_replicate`` equal replica groups: it must divide ``dp``."""
-    if dp_replicate < 1 or dp % dp_replicate:
-        raise ConfigError(
-            f"parallelism.dp_replicate={dp_replicate} does not divide parallelism.dp={dp} (HSDP splits the "
-            "dp ranks into dp_replicate equal groups that each shard the model).",
-            field="parallelism.dp_replicate",
-            fix=f"choose a dp_replicate that divides {dp} (1 = plain FSDP)",
-        )
+    """HSDP splits the dp ranks into ``dp_replicate`` equal replica groups: it must divide ``dp``
+    (``etrain.workers.layout_rules.dp_replicate_problems``)."""
+    layout_rules.check(layout_rules.dp_replicate_problems(dp, dp_replicate))
 
 
 @dataclass(frozen=True)

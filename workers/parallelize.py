@@ -19,7 +19,8 @@ Three per-run choices shape the FSDP2 step (ZeRO-2/3): ``training.precision="bf1
 ``MixedPrecisionPolicy`` (bf16 compute copies of fp32 master weights, fp32 gradient reduction), in
 place of autocast; ``parallelism.dp_replicate > 1`` runs it as HSDP on the 2-D (replicate, shard)
 mesh; ``parallelism.offload="cpu"`` keeps the shards, gradients and optimizer state in host memory.
-:func:`validate_data_parallel` rejects the combinations that have no meaning.
+:func:`validate_data_parallel` rejects the combinations that have no meaning. Every such rule (and the
+shape rules of tensor parallelism) is ``etrain.workers.layout_rules``'s, which the planner checks too.
 """
 
 from __future__ import annotations
@@ -46,9 +47,10 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
-from etrain.workers.protocol.run_config import ModelConfig, ParallelConfig, RunConfig
-from etrain.workers.protocol.errors import ConfigError
+from etrain.workers import layout_rules
 from etrain.workers.mesh import ParallelMesh, validate_dp_replicate
+from etrain.workers.protocol.errors import ConfigError
+from etrain.workers.protocol.run_config import ParallelConfig, RunConfig
 from etrain.workers.topology import Topology
 
 __all__ = [
@@ -64,7 +66,6 @@ __all__ = [
     "unwrap",
     "uses_fsdp",
     "validate_data_parallel",
-    "validate_tp",
 ]
 
 
@@ -85,13 +86,7 @@ class ParallelDims:
     mesh: ParallelMesh | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.pp * self.dp * self.tp != self.world_size:
-            raise ConfigError(
-                f"parallel degrees pp={self.pp} × dp={self.dp} × tp={self.tp} = "
-                f"{self.pp * self.dp * self.tp}, but the world size is {self.world_size}.",
-                field="parallel",
-                fix=f"choose pp, dp and tp whose product is {self.world_size}",
-            )
+        layout_rules.check(layout_rules.world_size_problems(pp=self.pp, dp=self.dp, tp=self.tp, world=self.world_size))
         validate_dp_replicate(self.dp, self.dp_replicate)
         expected = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
         if self.mesh is not None and self.mesh.shape != expected:
@@ -185,25 +180,6 @@ class ReplicateParallel(ParallelStyle):
         return distribute_module(module, device_mesh, self._replicate_params, input_fn, output_fn)
 
 
-def validate_tp(model: ModelConfig, tp: int, sequence_parallel: bool) -> None:
-    """Shape rules for a Megatron split over ``tp`` ranks; each failure names the fix."""
-    rules = [
-        (model.n_heads, "model.n_heads", "each rank holds n_heads / tp whole attention heads"),
-        (model.kv_heads, "model.n_kv_heads", "each rank holds n_kv_heads / tp whole key/value heads"),
-        (model.ffn_dim, "model.d_ff", "the MLP hidden size is split across tp ranks"),
-        (model.vocab_size, "model.vocab_size", "the embedding and output are split by vocabulary"),
-    ]
-    if sequence_parallel:
-        rules.append((model.seq_len, "model.seq_len", "sequence parallelism splits the sequence"))
-    for value, name, why in rules:
-        if value % tp:
-            raise ConfigError(
-                f"{name}={value} is not divisible by parallel.tp={tp} ({why}).",
-                field=name,
-                fix=f"choose {name} as a multiple of {tp}, or a tp that divides {value}",
-            )
-
-
 def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> None:
     """Megatron tensor parallelism with DTensor: one all-reduce (or reduce-scatter with SP) per block half.
 
@@ -287,34 +263,15 @@ def apply_ac(module: nn.Module) -> None:
 
 
 def validate_data_parallel(parallel: ParallelConfig) -> None:
-    """The engine-side rules for HSDP and CPU offload; each failure names the field and the fix.
-
-    Both are FSDP2 features, so both need ZeRO-2/3 with dp > 1 (with dp = 1 nothing is sharded).
-    HSDP splits the dp ranks into ``dp_replicate`` equal replica groups, so it must divide dp.
-    """
-    fsdp = parallel.zero in (2, 3) and parallel.dp > 1
-    if parallel.dp_replicate != 1:
-        validate_dp_replicate(parallel.dp, parallel.dp_replicate)
-        if not fsdp:
-            raise ConfigError(
-                f"parallelism.dp_replicate={parallel.dp_replicate} (HSDP) needs FSDP2, i.e. "
-                f"parallelism.zero 2 or 3, but zero={parallel.zero}.",
-                field="parallelism.dp_replicate",
-                fix="set parallelism.zero to 2 or 3, or parallelism.dp_replicate=1 (DDP and ZeRO-1 "
-                "already replicate over every dp rank)",
-            )
-    if parallel.offload == "cpu" and not fsdp:
-        raise ConfigError(
-            f"parallelism.offload='cpu' needs FSDP2 (parallelism.zero 2 or 3 with dp > 1), but "
-            f"zero={parallel.zero}, dp={parallel.dp}.",
-            field="parallelism.offload",
-            fix="set parallelism.zero to 2 or 3 with parallelism.dp >= 2, or parallelism.offload='none'",
-        )
+    """The engine-side rules for HSDP and CPU offload (``layout_rules.data_parallel_problems``): both are
+    FSDP2 features, so both need ZeRO-2/3 with dp > 1; HSDP's replica groups divide dp."""
+    layout_rules.check(layout_rules.data_parallel_problems(
+        dp=parallel.dp, zero=parallel.zero, dp_replicate=parallel.dp_replicate, offload=parallel.offload))
 
 
 def uses_fsdp(dims: ParallelDims, parallel: ParallelConfig) -> bool:
     """Whether :func:`apply_dp` wraps with FSDP2 (ZeRO-2/3 over more than one dp rank)."""
-    return dims.dp_enabled and parallel.zero in (2, 3)
+    return layout_rules.uses_fsdp(parallel.zero, dims.dp)
 
 
 def fsdp_policies(config: RunConfig, device: torch.device) -> dict[str, object]:
@@ -381,7 +338,7 @@ def apply_dp(
     """
     if not dims.dp_enabled:
         return module
-    if zero in (2, 3):
+    if layout_rules.uses_fsdp(zero, dims.dp):
         fsdp_mesh = dims.fsdp_mesh
         policies: dict[str, object] = {"reshard_after_forward": zero == 3}
         if mp_policy is not None:
@@ -424,12 +381,11 @@ def parallelize_stage(
     parallel = config.parallel
     validate_data_parallel(parallel)
     materialize = materialize or (lambda m: m)
+    layout_rules.check(layout_rules.sequence_parallel_problems(
+        seq_len=config.model.seq_len, tp=dims.tp, enabled=parallel.sequence_parallel))
     if dims.tp_enabled:
-        validate_tp(config.model, dims.tp, parallel.sequence_parallel)
+        layout_rules.check(layout_rules.tp_problems(config.model, dims.tp))
         apply_tp(module, dims.axis("tp"), sequence_parallel=parallel.sequence_parallel)
-    elif parallel.sequence_parallel:
-        raise ConfigError("parallel.sequence_parallel needs parallel.tp > 1.",
-                          field="parallel.sequence_parallel", fix="set tp > 1 or turn sequence_parallel off")
     if config.training.activation_checkpointing:
         apply_ac(module)
     if uses_fsdp(dims, parallel):

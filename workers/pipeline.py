@@ -8,9 +8,10 @@ Why it looks the way it does:
   ones stay under their *global* keys) and the embeddings / final norm / output set to ``None`` where
   they do not belong. Parameter names (FQNs) are therefore identical to the unsharded model's, so a
   DCP checkpoint saved under one layout loads under any other.
-* **Pure helpers first.** Layer splits, stage ids and schedule rules are plain functions over ints
-  (tested without process groups); :func:`build_pipeline` is the only place that touches torch
-  distributed, and it takes the ``pp`` mesh axis as an argument (no process-group globals).
+* **The rules are elsewhere.** Layer splits, which stages a rank holds and what each schedule needs
+  are plain functions over ints in ``etrain.workers.layout_rules`` (the planner checks the same ones
+  at submit time); :func:`build_pipeline` is the only place that touches torch distributed, and it
+  takes the ``pp`` mesh axis as an argument (no process-group globals).
 * **Exact loss scaling.** The trainer wants the gradient of the *mean* loss over a rank's local batch,
   i.e. of the mean of the micro-batch (mean) losses. Each micro-batch loss is divided by
   ``n_microbatches`` *before* its backward (and the schedule's own ``scale_grads``, which divides
@@ -50,122 +51,23 @@ from torch.distributed.pipelining import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
+from etrain.workers import layout_rules
+from etrain.workers.layout_rules import split_layers, stage_ids_for_rank
 from etrain.workers.protocol.run_config import ParallelConfig
-from etrain.workers.protocol.errors import ConfigError
 
 __all__ = [
-    "PIPELINE_SCHEDULES",
     "PipelineRunner",
     "StepTiming",
     "build_pipeline",
-    "split_layers",
-    "stage_ids_for_rank",
     "stage_module",
-    "validate_schedule",
 ]
 
-#: Schedules that run one stage per rank; the others (interleaved) run ``virtual_stages`` per rank.
-_SINGLE_STAGE_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-_MULTI_STAGE_SCHEDULES = {"interleaved_1f1b": ScheduleInterleaved1F1B}
-PIPELINE_SCHEDULES: tuple[str, ...] = (*_SINGLE_STAGE_SCHEDULES, *_MULTI_STAGE_SCHEDULES)
+#: The torch class of each schedule (which schedules exist, and what each needs, is
+#: ``etrain.workers.layout_rules``'s: ``PIPELINE_SCHEDULES``, ``schedule_problems``).
+_SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 
 
-# -- pure helpers ---------------------------------------------------------------------------------
-
-
-def split_layers(n_layers: int, num_stages: int) -> list[range]:
-    """Contiguous, equal runs of global layer indices, one per stage (stage ``s`` gets ``result[s]``).
-
-    Equal runs keep the stages balanced (the bubble formula assumes equal stage times), which is why
-    an uneven split is an error rather than a best effort.
-    """
-    if num_stages < 1:
-        raise ConfigError(
-            f"the number of pipeline stages must be >= 1, got {num_stages}.",
-            field="parallelism.pp",
-            fix="set parallelism.pp and parallelism.virtual_stages to integers >= 1",
-        )
-    if n_layers % num_stages:
-        raise ConfigError(
-            f"model.n_layers={n_layers} is not divisible by the number of pipeline stages "
-            f"parallelism.pp * parallelism.virtual_stages = {num_stages}.",
-            field="model.n_layers",
-            fix=(
-                f"use a model.n_layers that is a multiple of {num_stages}, or change parallelism.pp / "
-                f"parallelism.virtual_stages so that their product divides {n_layers}"
-            ),
-        )
-    per_stage = n_layers // num_stages
-    return [range(s * per_stage, (s + 1) * per_stage) for s in range(num_stages)]
-
-
-def stage_ids_for_rank(pp_rank: int, pp: int, virtual_stages: int, schedule: str) -> tuple[int, ...]:
-    """The global stage indices that pipeline rank ``pp_rank`` runs, in execution order.
-
-    Loop style (what torch's interleaved schedules expect): rank ``r`` holds stages
-    ``r, r + pp, r + 2*pp, ...``, so activations travel round the ring ``virtual_stages`` times.
-    """
-    _check_schedule_name(schedule)
-    if not 0 <= pp_rank < pp:
-        raise ValueError(f"pp_rank={pp_rank} is out of range for pp={pp}")
-    if schedule in _SINGLE_STAGE_SCHEDULES:
-        return (pp_rank,)
-    return tuple(v * pp + pp_rank for v in range(virtual_stages))
-
-
-def validate_schedule(pp: int, virtual_stages: int, n_microbatches: int, schedule: str) -> None:
-    """Reject a (schedule, stages, micro-batches) combination the torch schedule cannot run.
-
-    The rules mirror what the torch classes check at construction (so a bad spec fails at submit time
-    with a message naming the setting, not deep inside a rank): 1F1B needs at least ``pp``
-    micro-batches; interleaved 1F1B runs in rounds of ``max(1, M // pp)`` and needs ``M`` to be a
-    multiple of the round count (any multiple of ``pp`` is), and at least two virtual stages per rank
-    (with one it is plain 1F1B).
-    """
-    _check_schedule_name(schedule)
-    if pp < 1:
-        raise ConfigError(f"parallelism.pp must be >= 1, got {pp}.", field="parallelism.pp")
-    if n_microbatches < 1:
-        raise ConfigError(
-            f"the pipeline needs >= 1 micro-batch per step, got {n_microbatches}.",
-            field="parallelism.microbatches",
-            fix="raise training.global_batch to at least parallelism.dp * training.micro_batch",
-        )
-    if schedule in _SINGLE_STAGE_SCHEDULES:
-        if virtual_stages != 1:
-            raise ConfigError(
-                f"parallelism.virtual_stages={virtual_stages} needs an interleaved schedule, but "
-                f"parallelism.pp_schedule={schedule!r} runs one stage per rank.",
-                field="parallelism.virtual_stages",
-                fix="set parallelism.virtual_stages=1, or parallelism.pp_schedule='interleaved_1f1b'",
-            )
-        if schedule == "1f1b" and n_microbatches < pp:
-            raise ConfigError(
-                f"parallelism.pp_schedule='1f1b' needs at least parallelism.pp={pp} micro-batches per "
-                f"step, got {n_microbatches} (= global_batch / (dp * micro_batch)).",
-                field="parallelism.microbatches",
-                fix=(
-                    f"raise training.global_batch or lower training.micro_batch so that there are >= {pp} "
-                    "micro-batches, or use parallelism.pp_schedule='gpipe'"
-                ),
-            )
-        return
-    if virtual_stages < 2:
-        raise ConfigError(
-            f"parallelism.pp_schedule={schedule!r} needs parallelism.virtual_stages >= 2, got "
-            f"{virtual_stages}.",
-            field="parallelism.virtual_stages",
-            fix="set parallelism.virtual_stages=2 (or more), or use parallelism.pp_schedule='1f1b'",
-        )
-    rounds = max(1, n_microbatches // pp)
-    if n_microbatches % rounds:
-        raise ConfigError(
-            f"parallelism.pp_schedule={schedule!r} runs micro-batches in rounds of "
-            f"max(1, microbatches // pp) = {rounds}, and {n_microbatches} micro-batches (= global_batch "
-            f"/ (dp * micro_batch)) is not a multiple of {rounds}.",
-            field="parallelism.microbatches",
-            fix=f"use a number of micro-batches that is a multiple of parallelism.pp={pp}",
-        )
+# -- stage modules --------------------------------------------------------------------------------
 
 
 def stage_module(model: nn.Module, stage_index: int, num_stages: int) -> nn.Module:
@@ -195,15 +97,6 @@ def stage_module(model: nn.Module, stage_index: int, num_stages: int) -> nn.Modu
         stage.norm = None
         stage.output = None
     return stage
-
-
-def _check_schedule_name(schedule: str) -> None:
-    if schedule not in PIPELINE_SCHEDULES:
-        raise ConfigError(
-            f"parallelism.pp_schedule={schedule!r} is not a known pipeline schedule.",
-            field="parallelism.pp_schedule",
-            fix=f"use one of {', '.join(PIPELINE_SCHEDULES)}",
-        )
 
 
 # -- timing ---------------------------------------------------------------------------------------
@@ -511,7 +404,10 @@ def build_pipeline(
     ``wait_clock`` (a :class:`etrain.workers.collective_waits.CollectiveWaitClock`): collective waits inside
     the stages' forward / backward (TP, FSDP2) are subtracted from their busy time while it is armed.
     """
-    validate_schedule(parallel.pp, parallel.virtual_stages, n_microbatches, parallel.pp_schedule)
+    layout_rules.check(layout_rules.pipeline_problems(
+        n_layers=model.config.n_layers, tie_embeddings=getattr(model.config, "tie_embeddings", False),
+        pp=parallel.pp, virtual_stages=parallel.virtual_stages, microbatches=n_microbatches,
+        schedule=parallel.pp_schedule))
     group = pp_mesh.get_group()
     if dist.get_world_size(group) != parallel.pp:
         raise ValueError(
@@ -522,13 +418,6 @@ def build_pipeline(
     device = torch.device(device)
     num_stages = parallel.num_stages
     stopwatch = _Stopwatch(device, waits=wait_clock)
-    if getattr(model.config, "tie_embeddings", False) and num_stages > 1:
-        raise ConfigError(
-            "a model with tied input and output embeddings cannot be cut into pipeline stages (the "
-            "embedding and the output would live on different stages).",
-            field="parallelism.pp",
-            fix="use parallelism.pp=1 (shard with ZeRO-3 or tp instead), or a model with untied embeddings",
-        )
 
     def placed(stage: nn.Module) -> nn.Module:
         # A meta-device model is materialised by stage_transform, shard by shard.
@@ -547,16 +436,12 @@ def build_pipeline(
     ]
 
     loss = _MicroBatchLoss(loss_fn, n_microbatches, stopwatch)
-    # scale_grads=False: the loss is already divided by n_microbatches (see _MicroBatchLoss).
-    if parallel.pp_schedule in _SINGLE_STAGE_SCHEDULES:
-        (stage,) = stages
-        schedule = _SINGLE_STAGE_SCHEDULES[parallel.pp_schedule](
-            stage, n_microbatches=n_microbatches, loss_fn=loss, scale_grads=False
-        )
-    else:
-        schedule = _MULTI_STAGE_SCHEDULES[parallel.pp_schedule](
-            stages, n_microbatches=n_microbatches, loss_fn=loss, scale_grads=False
-        )
+    # scale_grads=False: the loss is already divided by n_microbatches (see _MicroBatchLoss). A
+    # single-stage schedule takes its one stage, the interleaved one the list.
+    single = parallel.pp_schedule in layout_rules.SINGLE_STAGE_SCHEDULES
+    schedule = _SCHEDULE_CLASSES[parallel.pp_schedule](
+        stages[0] if single else stages, n_microbatches=n_microbatches, loss_fn=loss, scale_grads=False
+    )
     return PipelineRunner(
         schedule=schedule,
         stages=stages,

@@ -26,6 +26,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from etrain.workers.protocol.messages import StepReport
+
 __all__ = ["DEFAULT_INTERVAL_S", "ReportBatcher"]
 
 DEFAULT_INTERVAL_S = 1.0
@@ -34,7 +36,7 @@ DEFAULT_INTERVAL_S = 1.0
 class ReportBatcher:
     """Buffers step records and hands them to ``send`` in order, in as few calls as the policy allows."""
 
-    def __init__(self, send: Callable[[list[dict[str, Any]]], Any], *, interval_s: float = DEFAULT_INTERVAL_S,
+    def __init__(self, send: Callable[[list[StepReport]], Any], *, interval_s: float = DEFAULT_INTERVAL_S,
                  clock: Callable[[], float] = time.monotonic):
         if not interval_s > 0:
             raise ValueError(f"interval_s={interval_s} must be > 0 seconds")
@@ -43,7 +45,7 @@ class ReportBatcher:
         self._clock = clock
         self._cond = threading.Condition()
         self._send_lock = threading.Lock()  # a batch is taken and sent in one critical section: order kept
-        self._buffer: list[dict[str, Any]] = []
+        self._buffer: list[StepReport] = []
         self._last_sent = -float("inf")
         self._last_result: Any = None
         self._closed = False
@@ -51,7 +53,7 @@ class ReportBatcher:
         self.calls = 0  # sends made (for tests and logs)
         self.records = 0  # records sent
 
-    def add(self, record: dict[str, Any], *, urgent: bool = False) -> None:
+    def add(self, record: StepReport, *, urgent: bool = False) -> None:
         """Queue one step's record; send now when urgent or when nothing was sent for ``interval_s``."""
         with self._cond:
             if self._closed:

@@ -8,7 +8,7 @@ stays the fallback whenever memory cannot serve every rank (no replica of some r
 layout that shards state across data-parallel ranks, a snapshot of another step).
 
 What a snapshot holds is what a DCP checkpoint holds, through the same state-dict code path
-(``etrain.workers.checkpoint.collect_state`` / ``apply_state``): each rank's local model and flattened
+(``etrain.workers.checkpoint_state.collect_state`` / ``apply_state``): each rank's local model and flattened
 optimizer state, copied to host memory, and the checkpoint's ``extra`` (next step, data position,
 RNG). So a restore from memory is bit-identical to a restore from the disk checkpoint of that step
 (``tests/integration/test_snapshot.py``).
@@ -31,7 +31,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from etrain.workers.checkpoint import apply_state, collect_state
+from etrain.workers.checkpoint_state import apply_state, collect_state, restore_rng_state
 
 
 @dataclass
@@ -73,8 +73,6 @@ def restore_snapshot(snapshot: Snapshot, model_parts: list[nn.Module], optimizer
 def resume_from_snapshot(trainer: Any, snapshot: Snapshot) -> int:
     """Restore a Trainer (parameters, optimizer, RNG, data position) like ``Trainer.restore`` does
     from storage; returns the step to run next."""
-    from etrain.workers.checkpoint import restore_rng_state
-
     extra = restore_snapshot(snapshot, trainer.model_parts, trainer.optimizers)
     restore_rng_state(extra.get("rng") or {})
     trainer.next_step = int(extra["step"])

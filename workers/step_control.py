@@ -24,6 +24,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from etrain.workers.protocol.messages import RankTimings, StepReport
+
 __all__ = [
     "FIELDS", "RANK_TIMINGS", "SAVE", "STOP", "Boundary", "ControlRequests", "StepDesyncError",
     "decode", "encode", "scheduled_save", "step_record",
@@ -55,7 +57,7 @@ class Boundary:
     rows: Sequence[Sequence[float]]
 
     @functools.cached_property
-    def timings(self) -> dict[str, list[Any]]:
+    def timings(self) -> RankTimings:
         """Field name (RANK_TIMINGS) -> one value per rank, in rank order. Built on first use: only
         rank 0 reads it (to report), so the other ranks never pay for the table."""
         def column(name: str) -> list[float]:
@@ -123,7 +125,7 @@ def decode(rows: Sequence[Sequence[float]], *, step: int) -> Boundary:
     return Boundary(completed=step + 1, save=bool(flags & SAVE), stop=bool(flags & STOP), rows=rows)
 
 
-def step_record(metrics: Mapping[str, Any], boundary: Boundary) -> dict[str, Any]:
+def step_record(metrics: Mapping[str, Any], boundary: Boundary) -> StepReport:
     """What rank 0 reports for one step: its own metrics plus every rank's timings under ``ranks``."""
     return {**metrics, "ranks": boundary.timings}
 

@@ -12,7 +12,7 @@ file operations it needs go through this module, which takes either a local path
   no directories and no rename, but a single PUT of an object is atomic (readers see the old object,
   none, or the whole new one; S3 is strongly read-after-write consistent). So :func:`atomic_write_bytes`
   is one PUT, and the manifest object *is* the commit point: it is written last, after every shard is
-  checked (``workers/protocol/manifest.py``). A "directory" is a key prefix: :func:`makedirs` is a no-op, a
+  checked (``workers/checkpoint_commit.py``). A "directory" is a key prefix: :func:`makedirs` is a no-op, a
   prefix exists while an object lies under it, and :func:`replace` of a prefix is copy-then-delete
   (used only to move a bad step aside, never on the commit path).
 
@@ -41,6 +41,7 @@ from etrain.workers.protocol.errors import ConfigError
 
 __all__ = [
     "SUPPORTED_SCHEMES",
+    "TMP_SUFFIX",
     "atomic_write_bytes",
     "basename",
     "download",
@@ -75,7 +76,8 @@ __all__ = [
 #: URL schemes the service accepts (one fsspec backend each, an optional extra): scheme -> (module, extra).
 SUPPORTED_SCHEMES = {"s3": ("s3fs", "s3")}
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
-_TMP_SUFFIX = ".tmp"
+#: What :func:`atomic_write_bytes` writes first locally (a leftover one marks an interrupted write).
+TMP_SUFFIX = ".tmp"
 _HASH_CHUNK = 1 << 20
 
 
@@ -300,7 +302,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
         fs.pipe_file(key, data)
         return
     path = os.fspath(path)
-    tmp = path + _TMP_SUFFIX
+    tmp = path + TMP_SUFFIX
     with open(tmp, "wb") as stream:
         stream.write(data)
         stream.flush()

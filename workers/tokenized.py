@@ -3,9 +3,9 @@
 ``data: {kind: text, path: P, tokenizer: T}`` trains on the ids a ``tokenizer.json`` (the
 ``tokenizers`` library: fast, offline) gives for the text under ``P``. Tokenizing is slow next to
 reading a memmap, so it happens once and the result is cached *by content*: the cache file is named
-by the sha256 of the documents' bytes (in the same deterministic order the byte reader uses), the
-tokenizer.json bytes, the EOS id and :data:`FORMAT_VERSION`. Any change to the data or the tokenizer
-gives a new name, so a stale cache can never be read; a copy of the same data shares its cache name.
+by the sha256 of the documents' bytes (in the same deterministic order the byte reader uses,
+``workers/text_files.py``), the tokenizer.json bytes, the EOS id and :data:`FORMAT_VERSION`. Any change
+to the data or the tokenizer gives a new name, so a stale cache can never be read; a copy of the same data shares its cache name.
 
 Where the cache lives: beside the data, so every node that sees the data sees the cache —
 ``<file>.etrain-tokens/<sha256>.bin`` next to a file, ``<folder>/.etrain-tokens/<sha256>.bin`` inside
@@ -47,80 +47,32 @@ from typing import Any
 import numpy as np
 
 from etrain.workers.protocol.errors import DataError
+from etrain.workers.text_files import no_text_error, not_utf8_error, read_text_file, text_documents
 
 __all__ = [
     "CACHE_DIR_SUFFIX",
     "FORMAT_VERSION",
-    "SKIPPED_DIRS",
-    "TEXT_NAMES",
-    "TEXT_SUFFIXES",
     "TokenCache",
     "TokenizerInfo",
     "cache_file",
     "load_tokenizer",
-    "read_text_file",
-    "text_documents",
     "token_dtype_for",
     "tokenize_text",
     "tokenizer_info",
-    "walk_text_files",
 ]
 
 #: Bump when the stream a (data, tokenizer) pair produces changes (piece rule, EOS rule, layout).
 FORMAT_VERSION = 1
 CACHE_DIR_SUFFIX = ".etrain-tokens"
-TEXT_SUFFIXES = frozenset({".py", ".md", ".txt", ".yaml", ".yml", ".toml", ".json", ".cfg", ".sh"})
-TEXT_NAMES = frozenset({"Makefile"})
-SKIPPED_DIRS = frozenset({".venv", "venv", "__pycache__", ".git", "node_modules"})
 #: Longest piece of one document handed to the tokenizer at once (characters).
 PIECE_CHARS = 1 << 20
 #: Characters encoded per batch call: bounds memory (a tokenizers Encoding costs ~100 bytes a token).
 BATCH_CHARS = 4 << 20
 #: Conventional EOS spellings, tried in order when no tokenizer_config.json names one.
 EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "<|im_end|>")
-_BINARY_PROBE_BYTES = 8192
-_HASH_BLOCK = 1 << 20
 
 #: ``progress(stage, done_bytes, total_bytes, tokens)``; stage is "hashing" or "tokenizing".
 Progress = Callable[[str, int, int, int], None]
-
-
-# -- text documents (shared with the byte reader in workers/data.py) ----------------------------------
-
-
-def _is_text_candidate(path: Path) -> bool:
-    return path.suffix in TEXT_SUFFIXES or path.name in TEXT_NAMES
-
-
-def read_text_file(path: Path) -> bytes | None:
-    """The file's bytes if it is UTF-8 text, else ``None`` (binary files are skipped)."""
-    data = path.read_bytes()
-    if b"\x00" in data[:_BINARY_PROBE_BYTES]:
-        return None
-    try:
-        data.decode("utf-8")
-    except UnicodeDecodeError:
-        return None
-    return data
-
-
-def walk_text_files(root: Path) -> Iterator[Path]:
-    """Text-like files under ``root`` in sorted order, skipping hidden and tooling folders."""
-    for directory, subdirs, files in os.walk(root):
-        subdirs[:] = sorted(d for d in subdirs if not d.startswith(".") and d not in SKIPPED_DIRS)
-        for name in sorted(files):
-            path = Path(directory) / name
-            if not name.startswith(".") and _is_text_candidate(path) and path.is_file():
-                yield path
-
-
-def text_documents(path: str | os.PathLike) -> list[Path]:
-    """The candidate documents of ``data.path``: the file itself, or the text files of a folder in order."""
-    root = Path(path)
-    if not root.exists():
-        raise DataError(f"data.path={str(path)!r} does not exist.", field="data.path",
-                        fix="point data.path at a UTF-8 text file or a folder of text files")
-    return [root] if root.is_file() else list(walk_text_files(root))
 
 
 # -- the tokenizer ------------------------------------------------------------------------------------
@@ -357,14 +309,6 @@ def _content_hash(
     return digest.hexdigest(), kept
 
 
-def _no_text(data_path: str) -> DataError:
-    return DataError(
-        f"data.path={data_path!r} holds no text (looked for {', '.join(sorted(TEXT_SUFFIXES))}, Makefile).",
-        field="data.path",
-        fix="point data.path at a non-empty UTF-8 file or a folder containing text files",
-    )
-
-
 def tokenize_text(
     data_path: str | os.PathLike,
     tokenizer_path: str | os.PathLike,
@@ -397,9 +341,8 @@ def tokenize_text(
     sha256, documents = _content_hash(documents, info, clock, progress, total)
     if not documents:
         if Path(data_path).is_file() and read_text_file(Path(data_path)) is None:
-            raise DataError(f"data.path={data_text!r} is not UTF-8 text.", field="data.path",
-                            fix="use a UTF-8 text file, or data.kind='tokens' for a .bin of token ids")
-        raise _no_text(data_text)
+            raise not_utf8_error(data_text)
+        raise no_text_error(data_text)
     target = Path(out).expanduser() if out is not None else cache_file(data_path, sha256)
     cached = _read_cache(target, sha256)
     if cached is not None:  # where it is now (the data may have moved with its cache), not where it was made

@@ -11,7 +11,8 @@ ranks onto a node keeps every TP group on one node. DP (gradient all-reduce once
 next, and PP (point-to-point between neighbouring stages) is the axis most tolerant of crossing
 nodes, so it varies slowest.
 
-Everything here is pure standard-library code (plus the pure ``etrain.workers.protocol.errors``): the planner,
+Everything here is pure standard-library code (plus the pure ``etrain.workers.protocol.errors`` and
+``etrain.workers.layout_rules``, whose degree rule and world size it uses): the planner,
 the supervisor and the placement logic import it without torch or Ray, and ``workers/mesh.py``
 builds the torch ``DeviceMesh`` with the same ``(pp, dp, tp)`` shape so the process groups equal
 the groups computed here.
@@ -24,18 +25,13 @@ import re
 from dataclasses import dataclass
 from typing import Final
 
+from etrain.workers import layout_rules
 from etrain.workers.protocol.errors import ConfigError
 
 __all__ = ["AXES", "Coords", "Topology", "TopologyError", "parse_topology"]
 
 #: Mesh axes, slowest-varying first; also the ``mesh_dim_names`` of the DeviceMesh.
 AXES: Final[tuple[str, str, str]] = ("pp", "dp", "tp")
-
-_AXIS_NAMES: Final[dict[str, str]] = {
-    "pp": "pipeline-parallel",
-    "dp": "data-parallel",
-    "tp": "tensor-parallel",
-}
 
 _SEPARATORS = re.compile(r"[.·]")
 _TOKEN = re.compile(r"^(pp|dp|tp)([0-9]+)$")
@@ -84,19 +80,13 @@ class Topology:
     tp: int
 
     def __post_init__(self) -> None:
-        for axis in AXES:
-            degree = getattr(self, axis)
-            if not _is_int(degree) or degree < 1:
-                raise TopologyError(
-                    f"{axis} (the {_AXIS_NAMES[axis]} degree) must be an integer >= 1, "
-                    f"got {degree!r}"
-                )
+        layout_rules.check(layout_rules.degree_problems(pp=self.pp, dp=self.dp, tp=self.tp), TopologyError)
 
     # -- shape ---------------------------------------------------------------------------------
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
+        return layout_rules.world_size(pp=self.pp, dp=self.dp, tp=self.tp)
 
     @property
     def mesh_shape(self) -> tuple[int, int, int]:

@@ -23,25 +23,17 @@ up before it (all of it under DDP); and the waits *inside* collectives in forwar
 FSDP2) are timed and subtracted from the spans (``workers/collective_waits.py``). There a slow rank
 shows a high ``compute_s`` while its peers show the wait as ``comm_wait_s``.
 
-Run as the reference path::
-
-    torchrun --nproc-per-node 4 -m etrain.workers.train --config cfg.json
+``compute_s`` is measured by ``workers/compute_timer.py``; ``workers/torchrun.py`` runs this Trainer
+under ``torchrun`` without Ray (the reference path).
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import dataclasses
-import json
 import math
-import os
 import resource
-import sys
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from datetime import timedelta
+from collections.abc import Sequence
 from functools import partial
 from typing import Any, Protocol
 
@@ -51,17 +43,12 @@ from torch import nn
 
 from etrain.workers import metrics as throughput
 from etrain.workers.collective_waits import CollectiveWaitClock
-from etrain.workers.protocol.run_config import (
-    CheckpointConfig,
-    DataConfig,
-    ModelConfig,
-    ParallelConfig,
-    RunConfig,
-    TrainingConfig,
-)
+from etrain.workers.compute_timer import ComputeTimer
+from etrain.workers.protocol.run_config import ModelConfig, RunConfig
 from etrain.workers.data import GlobalSampler, build_dataset
 from etrain.workers.protocol.errors import ConfigError, NonFiniteLossError
-from etrain.workers.mesh import backend_for, build_device_mesh
+from etrain.workers.protocol.messages import StepMetrics
+from etrain.workers.mesh import build_device_mesh
 from etrain.workers.init import materialize
 from etrain.workers.model import build_model_skeleton, cross_entropy_loss
 from etrain.workers.optim import build_optimizer, clip_grad_norm_, lr_at, set_lr
@@ -76,27 +63,7 @@ from etrain.workers.parallelize import (
 )
 from etrain.workers.topology import Topology
 
-__all__ = ["StepMetrics", "Trainer", "TrainerCallback", "load_run_config", "main"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class StepMetrics:
-    """What one optimizer step reports; ``loss`` is the global-batch mean, equal on every rank."""
-
-    step: int
-    loss: float
-    lr: float
-    grad_norm: float
-    step_s: float
-    compute_s: float
-    comm_wait_s: float
-    tokens: int  # tokens of the global batch
-    tokens_per_s: float
-    flops_per_s: float
-    mfu: float | None
-    peak_mem_bytes: int
-    #: True on timing-sync steps (and always in one process): compute_s excludes waiting on peers.
-    timing_synced: bool
+__all__ = ["Trainer", "TrainerCallback"]
 
 
 class TrainerCallback(Protocol):
@@ -235,7 +202,7 @@ class Trainer:
             _call(callback, "on_step_start", self, step)
         step_start = time.perf_counter()
         synced = self._is_timing_sync_step(step)
-        timer = _ComputeTimer(self.device, waits=self._waits if synced else None)
+        timer = ComputeTimer(self.device, waits=self._waits if synced else None)
         lr = lr_at(step, training)
         for optimizer in self.optimizers:
             set_lr(optimizer, lr)
@@ -289,7 +256,7 @@ class Trainer:
         return metrics
 
     def _forward_backward(
-        self, step: int, micro_batches: list[list[int]], timer: "_ComputeTimer", synced: bool
+        self, step: int, micro_batches: list[list[int]], timer: ComputeTimer, synced: bool
     ) -> tuple[torch.Tensor, bool]:
         """Micro-steps without a pipeline: loss / grad_accum so the gradients sum to the mean.
 
@@ -317,7 +284,7 @@ class Trainer:
         return loss_sum / num_micro, True
 
     def _pipeline_forward_backward(
-        self, step: int, micro_batches: list[list[int]], timer: "_ComputeTimer", synced: bool
+        self, step: int, micro_batches: list[list[int]], timer: ComputeTimer, synced: bool
     ) -> tuple[torch.Tensor, bool]:
         """The whole pipeline schedule over the local batch (micro-batches = grad_accum steps).
 
@@ -399,7 +366,7 @@ class Trainer:
         a pure function of the step), and the RNG states, all as plain types that
         ``torch.load(weights_only=True)`` reads back.
         """
-        from etrain.workers.checkpoint import capture_rng_state
+        from etrain.workers.checkpoint_state import capture_rng_state
 
         extra = {
             "step": self.next_step,
@@ -429,7 +396,8 @@ class Trainer:
         ``expect_digest``: the digest of the manifest the supervisor verified; the manifest read here
         must be that one (see ``etrain.workers.checkpoint.load_checkpoint``).
         """
-        from etrain.workers.checkpoint import load_checkpoint, restore_rng_state
+        from etrain.workers.checkpoint import load_checkpoint
+        from etrain.workers.checkpoint_state import restore_rng_state
 
         extra = load_checkpoint(step_dir, self.model_parts, self.optimizers, checksums=verify_checksums,
                                 expect_digest=expect_digest)
@@ -437,158 +405,8 @@ class Trainer:
         self.next_step = int(extra["step"])
         return self.next_step
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter, unsharded, of every stage, on every rank (CPU tensors; a collective).
-
-        For tests that compare a layout's parameters with one process'. DCP's state-dict API
-        gathers FSDP and TP shards; stages are then exchanged over the pp group.
-        """
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        state: dict[str, torch.Tensor] = {}
-        for part in self.model_parts:
-            if self.distributed:
-                part_state = get_model_state_dict(part, options=StateDictOptions(full_state_dict=True))
-            else:
-                part_state = part.state_dict()
-            state.update({k: v.detach().cpu().clone() for k, v in part_state.items()})
-        pp_group = self.dims.group("pp")
-        if pp_group is not None:
-            gathered: list[dict[str, torch.Tensor] | None] = [None] * self.dims.pp
-            dist.all_gather_object(gathered, state, group=pp_group)
-            state = {k: v for stage_state in gathered for k, v in stage_state.items()}
-        return state
-
-
-class _ComputeTimer:
-    """The compute time of one step, measured without making the host wait for the device.
-
-    With ``waits`` (a timing-sync step), the collective waits that fell inside a span are subtracted
-    from it, so a rank that only waited for a slow TP / FSDP2 peer does not look slow itself.
-
-    On CPU a span is ``perf_counter`` time: the host runs the work itself, so this is free. On CUDA
-    a span is a pair of events recorded on the current stream; :meth:`seconds` reads them after
-    the step's one host read (``.tolist()``) has already waited for that stream, so they are
-    complete and reading them costs no further synchronisation (the last event's
-    ``synchronize()`` returns at once; it only guards a caller that reads early). A span that
-    contains host work (a chaos sleep in ``on_compute``) still counts on CUDA, as the device idles
-    between the events.
-    """
-
-    def __init__(self, device: torch.device, waits: CollectiveWaitClock | None = None):
-        self._cuda = device.type == "cuda"
-        self._seconds = 0.0
-        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        self._later: list[Any] = []
-        self._waits = waits
-        self._wait_spans: list[tuple[Any, Any]] = []  # clock marks at each span's start and end
-
-    @contextlib.contextmanager
-    def span(self) -> Iterator[None]:
-        first = self._waits.mark() if self._waits is not None else None
-        try:
-            if self._cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                try:
-                    yield
-                finally:
-                    end.record()
-                    self._events.append((start, end))
-            else:
-                started = time.perf_counter()
-                try:
-                    yield
-                finally:
-                    self._seconds += time.perf_counter() - started
-        finally:
-            if first is not None:
-                self._wait_spans.append((first, self._waits.mark()))
-
-    def add(self, seconds: float) -> None:
-        """Compute measured on the host (callbacks run around the pipeline schedule)."""
-        self._seconds += seconds
-
-    def add_later(self, read: Any) -> None:
-        """Compute another timer measured, read (free) when :meth:`seconds` is."""
-        self._later.append(read)
-
-    def seconds(self) -> float:
-        if self._events:
-            self._events[-1][1].synchronize()
-            self._seconds += sum(start.elapsed_time(end) for start, end in self._events) / 1000.0
-            self._events.clear()
-        while self._later:
-            self._seconds += float(self._later.pop(0)())
-        while self._wait_spans:
-            first, last = self._wait_spans.pop(0)
-            self._seconds -= self._waits.between(first, last)
-        return max(0.0, self._seconds)
-
 
 def _call(callback: Any, hook: str, *args: Any) -> None:
     method = getattr(callback, hook, None)
     if method is not None:
         method(*args)
-
-
-# -- torchrun entry point --------------------------------------------------------------------------
-
-
-def load_run_config(path: str) -> RunConfig:
-    """A RunConfig from JSON: ``{"job_id", "model": {...}, "data", "parallel", "training", ...}``."""
-    with open(path) as f:
-        raw = json.load(f)
-    sections = {"model": ModelConfig, "data": DataConfig, "parallel": ParallelConfig,
-                "training": TrainingConfig, "checkpoint": CheckpointConfig}
-    known = {f.name for f in dataclasses.fields(RunConfig)}
-    unknown = set(raw) - known
-    if unknown:
-        raise ConfigError(f"unknown config sections {sorted(unknown)} in {path}.", field=sorted(unknown)[0])
-    kwargs = {k: (sections[k](**v) if k in sections else v) for k, v in raw.items()}
-    kwargs.setdefault("job_id", os.path.splitext(os.path.basename(path))[0])
-    return RunConfig(**kwargs)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``torchrun -m etrain.workers.train --config cfg.json``: train and print one JSON line per step (rank 0)."""
-    parser = argparse.ArgumentParser(prog="etrain.workers.train", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True, help="RunConfig as JSON")
-    parser.add_argument("--steps", type=int, default=None, help="override training.steps")
-    parser.add_argument("--metrics-out", default=None, help="write all ranks' step metrics (rank 0) as JSON")
-    args = parser.parse_args(argv)
-
-    config = load_run_config(args.config)
-    rank = int(os.environ.get("RANK", "0"))
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if config.device == "cuda":
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
-    initialized_here = False
-    if "RANK" in os.environ and not dist.is_initialized():
-        dist.init_process_group(backend_for(device.type, cpu_offload=config.parallel.offload == "cpu"),
-                                timeout=timedelta(seconds=config.collective_timeout_s))
-        initialized_here = True
-    try:
-        trainer = Trainer(config, rank=rank, world_size=world_size, device=device)
-        steps = args.steps if args.steps is not None else config.training.steps
-        history = []
-        for step in range(steps):
-            metrics = trainer.train_step(step)
-            history.append(dataclasses.asdict(metrics))
-            if rank == 0:
-                print(json.dumps(history[-1]), flush=True)
-        if args.metrics_out and rank == 0:
-            with open(args.metrics_out, "w") as f:
-                json.dump(history, f)
-    finally:
-        if initialized_here:
-            dist.destroy_process_group()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

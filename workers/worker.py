@@ -16,8 +16,10 @@ exchange gives rank 0 every rank's timings; only rank 0 reports steps, batched
 (``workers/report_batch.py``). Its reports are the job's heartbeat: a rank that hangs blocks the
 exchange, so rank 0 stops reporting, which is what hang detection needs.
 
-Cross-cutting work is in trainer callbacks, not branches in the loop: :class:`ChaosCallback` makes a
-rank slow or hung for fault drills.
+Cross-cutting work is in trainer callbacks, not branches in the loop. Fault drills are a plugin
+(``workers/chaos.py``), loaded and registered as a callback only when the launch plan enables them
+(``LaunchPlan.chaos_enabled``); otherwise the rank refuses ``chaos`` calls. The messages this actor
+takes and sends are in ``workers/protocol/messages.py``.
 """
 
 from __future__ import annotations
@@ -25,103 +27,14 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
-import signal
 import socket
 import threading
-import time
-from dataclasses import dataclass, field
 from typing import Any
 
+from etrain.workers.protocol.messages import REPORT_TIMEOUT_S, ChaosOrder, LaunchPlan, NodeInfo, RunResult
 from etrain.workers.protocol.run_config import RunConfig
 from etrain.workers.report_batch import ReportBatcher
 from etrain.workers.step_control import ControlRequests, step_record
-
-# How long a rank waits for the supervisor to accept a report it must not lose (checkpoint shards,
-# chaos firings) before giving up on it.
-REPORT_TIMEOUT_S = 30.0
-
-
-@dataclass(frozen=True, kw_only=True)
-class ChaosOrder:
-    """A fault drill for one rank. ``at_step`` None fires at once; otherwise when the rank starts that step.
-
-    ``during`` (kills): ``step``, or inside the first checkpoint save after at least ``at_step`` steps,
-    ``checkpoint_write`` once the rank's shards are written and before it reports them,
-    ``checkpoint_commit`` right after the supervisor accepted its report (``TrainWorker._save``).
-    """
-
-    id: int
-    action: str  # kill_rank | kill_actor | slow_rank | hang_rank
-    rank: int
-    factor: float = 1.0
-    at_step: int | None = None
-    during: str = "step"  # step | checkpoint_write | checkpoint_commit
-
-
-@dataclass(frozen=True, kw_only=True)
-class LaunchPlan:
-    """What one attempt of the group runs: the layout, where to resume, when to stop."""
-
-    attempt: int
-    config: RunConfig
-    start_step: int  # first step to run (0 on a fresh start)
-    resume_dir: str | None  # committed checkpoint directory to load before start_step
-    chaos: tuple[ChaosOrder, ...] = ()
-    #: The digest of resume_dir's manifest as the supervisor verified it with the service's key (ranks
-    #: have no key): the rank loads only that very manifest (etrain.workers.protocol.manifest.verify(expect_digest=)).
-    resume_digest: str | None = None
-    #: An in-place repair: restore start_step from the ranks' in-memory snapshots where every rank can
-    #: get one (its own, or a data-parallel replica's), else from resume_dir (workers/snapshot.py).
-    state_from_memory: bool = False
-    #: Keep in-memory snapshots at each save (``fault_tolerance.in_place``): nothing else reads them.
-    keep_snapshots: bool = True
-
-
-@dataclass
-class _ChaosState:
-    """Mutable per-rank fault state, shared between the control thread and the training thread."""
-
-    slow_factor: float = 1.0
-    hung: threading.Event = field(default_factory=threading.Event)
-    pending: dict[int, ChaosOrder] = field(default_factory=dict)  # by order id: delivered twice, fired once
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-
-class ChaosCallback:
-    """Trainer callback carrying out fault drills inside the timed compute region.
-
-    ``slow_rank`` makes each micro-step take ``factor x`` its normal compute: ``on_compute`` runs
-    at the start of a micro-step's timed region and sleeps ``(factor - 1) x`` the rank's own
-    per-micro-step compute, measured on the previous step without the sleep it added. So the rank's
-    measured compute really grows by ``factor`` (what straggler detection must see) while its
-    peers only wait. ``hang_rank`` blocks the training thread without exiting.
-    """
-
-    def __init__(self, worker: "TrainWorker"):
-        self._worker = worker
-        self._per_micro_s = 0.0  # last step's compute per micro-step, drill sleep excluded
-        self._slept_s = 0.0
-        self._micro_steps = 0
-
-    def on_step_start(self, trainer, step: int) -> None:
-        self._worker._fire_due_chaos(step)
-        self._slept_s = 0.0
-        self._micro_steps = 0
-
-    def on_compute(self, trainer, step: int, micro_step: int) -> None:
-        state = self._worker._chaos
-        self._micro_steps += 1
-        if state.slow_factor > 1.0 and self._per_micro_s > 0:
-            delay = self._per_micro_s * (state.slow_factor - 1.0)
-            time.sleep(delay)
-            self._slept_s += delay
-        while state.hung.is_set():
-            time.sleep(0.5)
-
-    def on_step_end(self, trainer, metrics) -> None:
-        if self._micro_steps:
-            self._per_micro_s = max(0.0, metrics.compute_s - self._slept_s) / self._micro_steps
-
 
 class TrainWorker:
     """One rank of a job's worker group."""
@@ -131,7 +44,7 @@ class TrainWorker:
         self.rank = rank
         self.world_size = world_size
         self._supervisor = supervisor
-        self._chaos = _ChaosState()
+        self._drills = None  # etrain.workers.chaos.RankDrills, once a launch plan enables drills
         self._plan: LaunchPlan | None = None
         self._control = ControlRequests()  # acted on at step boundaries, on rank 0 only
         self._snapshots: dict[int, Any] = {}  # completed step -> this rank's state then (workers/snapshot.py)
@@ -140,7 +53,7 @@ class TrainWorker:
 
     # --- control calls (run concurrently with `run`) -------------------------------------------
 
-    def node_info(self) -> dict[str, Any]:
+    def node_info(self) -> NodeInfo:
         import ray
 
         context = ray.get_runtime_context()
@@ -171,16 +84,18 @@ class TrainWorker:
         self._control.request_stop()
 
     def chaos(self, order: ChaosOrder) -> None:
-        """Arm (``at_step``, or a save to fire in) or fire at once a fault drill on this rank."""
-        if order.at_step is None and order.during == "step":
-            self._fire(order)
-        else:
-            with self._chaos.lock:
-                self._chaos.pending.setdefault(order.id, order)
+        """Arm (``at_step``, or a save to fire in) or fire at once a fault drill on this rank; refused
+        unless a launch plan of this process enabled drills (the supervisor sends none otherwise)."""
+        if self._drills is None:
+            raise RuntimeError(
+                f"rank {self.rank} of job {self.job_id} refuses chaos order {order.id} ({order.action}): fault "
+                "drills are disabled for this job (its launch plan has chaos_enabled=False); they run only on "
+                "servers started with ETRAIN_ENABLE_CHAOS=1 (`etrain serve --enable-chaos`)")
+        self._drills.receive(order)
 
     # --- the attempt ----------------------------------------------------------------------------
 
-    def run(self, plan: LaunchPlan, master_addr: str, master_port: int) -> dict[str, Any]:
+    def run(self, plan: LaunchPlan, master_addr: str, master_port: int) -> RunResult:
         """Rendezvous, build the trainer, restore, and train until the plan's last step.
 
         Returns ``{"final_step", "final_loss", "stopped"}``; raises on any failure (the supervisor
@@ -216,7 +131,7 @@ class TrainWorker:
             if log is not None:
                 log.close()
 
-    def _train(self, plan: LaunchPlan, master_addr: str, master_port: int, log: Any) -> dict[str, Any]:
+    def _train(self, plan: LaunchPlan, master_addr: str, master_port: int, log: Any) -> RunResult:
         import torch
         import torch.distributed as dist
 
@@ -226,10 +141,7 @@ class TrainWorker:
 
         self._plan = plan
         self._control = ControlRequests()  # requests to an earlier attempt of this process do not carry over
-        with self._chaos.lock:
-            for order in plan.chaos:
-                if order.rank == self.rank:
-                    self._chaos.pending.setdefault(order.id, order)
+        callbacks = self._arm_drills(plan)
         config = plan.config
         torch.set_num_threads(max(1, int(os.environ.get("ETRAIN_TORCH_THREADS", "1"))))
         device = self._device(config)
@@ -244,7 +156,7 @@ class TrainWorker:
         )
         try:
             trainer = Trainer(
-                config, rank=self.rank, world_size=self.world_size, device=device, callbacks=[ChaosCallback(self)],
+                config, rank=self.rank, world_size=self.world_size, device=device, callbacks=callbacks,
                 load_pretrained=plan.resume_dir is None,  # a resume overwrites them anyway
             )
             source = self._restore(trainer, plan) if plan.resume_dir else None
@@ -356,7 +268,7 @@ class TrainWorker:
         except Exception:
             pass
 
-    def _result(self, trainer, final_step: int, final_loss: float | None, *, stopped: bool) -> dict[str, Any]:
+    def _result(self, trainer, final_step: int, final_loss: float | None, *, stopped: bool) -> RunResult:
         return {
             "rank": self.rank,
             "final_step": final_step,
@@ -372,18 +284,18 @@ class TrainWorker:
         """
         import ray
 
-        from etrain.workers.protocol.manifest import step_dir
+        from etrain.workers.checkpoint_commit import step_dir
 
         directory = step_dir(self._plan.config.checkpoint.path, completed_steps)  # a path or an s3:// URL
         self._keep_snapshot(trainer, completed_steps)
         if self._async is None:
             report = trainer.save(directory)
-            self._fire_due_chaos(completed_steps, "checkpoint_write")
+            self._drills_due(completed_steps, "checkpoint_write")
             ray.get(
                 self._supervisor.report_checkpoint.remote(attempt, self.rank, completed_steps, report),
                 timeout=REPORT_TIMEOUT_S,
             )
-            self._fire_due_chaos(completed_steps, "checkpoint_commit")
+            self._drills_due(completed_steps, "checkpoint_commit")
             return
         # Async: training goes on once the state is staged in memory; the shard report goes to the
         # supervisor when the files are written (it commits the step only when every rank reported).
@@ -392,50 +304,42 @@ class TrainWorker:
 
         def report_when_written() -> None:
             report = pending.wait(timeout_s=REPORT_TIMEOUT_S * 10)
-            self._fire_due_chaos(completed_steps, "checkpoint_write")
+            self._drills_due(completed_steps, "checkpoint_write")
             ray.get(self._supervisor.report_checkpoint.remote(attempt, self.rank, completed_steps, report),
                     timeout=REPORT_TIMEOUT_S)
-            self._fire_due_chaos(completed_steps, "checkpoint_commit")
+            self._drills_due(completed_steps, "checkpoint_commit")
 
         thread = threading.Thread(target=report_when_written, name=f"ckpt-report-{completed_steps}", daemon=True)
         thread.start()
         self._report_threads.append(thread)
 
-    # --- chaos ----------------------------------------------------------------------------------
+    # --- drills ---------------------------------------------------------------------------------
 
-    def _fire_due_chaos(self, step: int, during: str = "step") -> None:
-        """Fire the armed drills due at this moment: the start of ``step``, or (``during`` a save) the
-        save after ``step`` completed steps, the first at or after their ``at_step``:
-        ``checkpoint_write`` (shards written, not reported: the step never commits) or
-        ``checkpoint_commit`` (reported: the supervisor commits without this rank)."""
-        with self._chaos.lock:
-            due = [order for order in self._chaos.pending.values()
-                   if order.during == during and (order.at_step is None or order.at_step <= step)]
-            for order in due:
-                del self._chaos.pending[order.id]
-        for order in due:
-            self._fire(order, step=step)
+    def _arm_drills(self, plan: LaunchPlan) -> list[Any]:
+        """The trainer callbacks of this attempt: the drill plugin's, loaded only when the plan enables
+        drills (``workers/chaos.py``), with the plan's orders for this rank armed; none otherwise.
+        A process keeps its drills across the attempts it runs (armed orders, a slow factor, a hang)."""
+        if not plan.chaos_enabled:
+            return []
+        if self._drills is None:
+            from etrain.workers.chaos import RankDrills
 
-    def _fire(self, order: ChaosOrder, step: int | None = None) -> None:
+            self._drills = RankDrills(rank=self.rank, report=self._report_chaos)
+        for order in plan.chaos:
+            self._drills.arm(order)
+        return [self._drills.callback]
+
+    def _drills_due(self, completed_steps: int, during: str) -> None:
+        """Fire the drills due inside this save (``checkpoint_write``/``checkpoint_commit``), if any."""
+        if self._drills is not None:
+            self._drills.fire_due(completed_steps, during)
+
+    def _report_chaos(self, order: ChaosOrder, step: int | None) -> None:
+        """Tell the supervisor a drill fired and wait until it accepted (the process may die next)."""
         import ray
 
         attempt = self._plan.attempt if self._plan else -1
-        # The supervisor must know the drill fired before the process disappears, so that a restart
-        # does not fire it again: wait for the acknowledgement.
-        try:
-            ray.get(self._supervisor.report_chaos.remote(attempt, self.rank, order.id, step), timeout=REPORT_TIMEOUT_S)
-        except Exception:  # the drill still fires; the supervisor may re-arm it, which the test will show
-            pass
-        if order.action == "kill_rank":
-            os.kill(os.getpid(), signal.SIGKILL)
-        elif order.action == "kill_actor":
-            ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
-        elif order.action == "slow_rank":
-            self._chaos.slow_factor = float(order.factor)
-        elif order.action == "hang_rank":
-            self._chaos.hung.set()
-        else:  # validated by the API; an unknown action here is a bug
-            raise AssertionError(f"unknown chaos action {order.action!r}")
+        ray.get(self._supervisor.report_chaos.remote(attempt, self.rank, order.id, step), timeout=REPORT_TIMEOUT_S)
 
     @staticmethod
     def _device(config: RunConfig):

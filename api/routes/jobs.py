@@ -35,7 +35,7 @@ from etrain.service.store import idempotency
 from etrain.service.planning.bounds import MAX_CURSOR
 from etrain.service.ports import JobManagerPort
 from etrain.service.planning.spec import JobSpec
-from etrain.service.store.job_store import JobStatus
+from etrain.service.store.records import JobStatus
 from etrain.service.access.tenancy import Principal
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=V1_RESPONSES)

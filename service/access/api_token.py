@@ -6,7 +6,7 @@ and mode 0600 (never a moment readable by others, and two servers starting at on
 token), reused on later starts, and refused when group/world can read or write it, when it is a
 symlink or when another user owns it: a token others could read is not a secret.
 
-No FastAPI here: the server (``api/cli.py`` serve, ``api/auth.py``) and the client (``api/cli.py``)
+No FastAPI here: the server (``api/cli/serve.py``, ``api/auth.py``) and the client (``api/cli/client.py``)
 both use it. ``etrain.service.errors`` is imported only on the error path, so the CLI stays quick to start.
 """
 

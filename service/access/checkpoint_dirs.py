@@ -7,12 +7,12 @@ own (default ``<data-dir>/checkpoints/<job-id>``), and at submit:
 * ``checkpoint.path`` may not overlap (equal, contain or lie inside) the checkpoint directory of an
   unfinished job: two jobs never write, prune or resume from one directory at once;
 * a ``checkpoint.path`` that already holds checkpoints resumes from them only if this service
-  committed every one (its signature verifies, ``etrain.workers.protocol.manifest.read_manifest``) for a job the
+  committed every one (its signature verifies, ``etrain.workers.checkpoint_commit.read_manifest``) for a job the
   caller may see; anything else is a 422 before a rank could unpickle a stranger's ``.metadata``;
 * a path into ``<data-dir>/checkpoints/<job-id>`` (to fine-tune from a job's export, say) must name a
   job the caller may see, and only the admin may name a folder that contains the whole tree.
 
-What a running job may delete is the supervisor's rule (``etrain.workers.protocol.manifest.prune(owner=...)``): only
+What a running job may delete is the supervisor's rule (``etrain.workers.checkpoint_commit.prune(owner=...)``): only
 step directories whose signed manifests name it.
 
 The same rules hold for object storage: a ``checkpoint.path`` of ``s3://bucket/prefix`` is compared by
@@ -33,7 +33,8 @@ from etrain.service.access.storage_roots import inside, resolve
 from etrain.service.access.tenancy import Principal
 from etrain.workers import storage
 from etrain.workers.protocol.errors import CheckpointError, EtrainError
-from etrain.workers.protocol.manifest import MANIFEST_NAME, list_steps, read_manifest
+from etrain.workers.checkpoint_commit import list_steps, read_manifest
+from etrain.workers.protocol.manifest import MANIFEST_NAME
 
 __all__ = ["CheckpointDirectories"]
 

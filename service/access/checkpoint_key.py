@@ -2,9 +2,9 @@
 
 DCP's ``.metadata`` is unpickled on every rank at restore, so a checkpoint directory written by
 anyone but this service is code that runs on every rank. The supervisor therefore signs each
-manifest with HMAC-SHA256 under this key (``etrain.workers.protocol.manifest.commit``) and refuses, before any rank
+manifest with HMAC-SHA256 under this key (``etrain.workers.checkpoint_commit.commit``) and refuses, before any rank
 reads a byte, a manifest whose signature does not verify. The key never leaves the control plane
-except in a supervisor's :class:`~etrain.service.runtime.supervisor_actor.JobPolicy` (not in the spec, the job's JSON,
+except in a supervisor's :class:`~etrain.service.runtime.job_policy.JobPolicy` (not in the spec, the job's JSON,
 events or logs).
 
 The first start generates 32 random bytes and writes them as hex, with ``O_CREAT | O_EXCL`` and
@@ -79,6 +79,6 @@ def _read(path: Path) -> bytes | None:
 def _unusable(path: Path, why: str) -> SettingsError:
     return SettingsError(
         f"the checkpoint signing key {path} is unusable: {why}.", field=KEY_NAME,
-        fix=f"restore the file from a backup, or delete it to generate a new key (checkpoints signed with the "
+        fix="restore the file from a backup, or delete it to generate a new key (checkpoints signed with the "
             "old key are then refused and their jobs start fresh)",
     )

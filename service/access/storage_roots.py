@@ -12,7 +12,7 @@ server can read and writes anywhere it can write. The fence is a list of directo
 * the verdict depends only on the given string and the resolved path, never on whether the file
   exists, and the message echoes the *given* value (not where a symlink points): an attacker learns
   nothing about files outside the roots from the answer. Callers must check the roots before any
-  existence check (:func:`etrain.service.planning.spec.pin_paths` does);
+  existence check (:func:`etrain.service.planning.spec_paths.pin_paths` does);
 * the service's own files in the data directory (database, API token, checkpoint key) are never a
   job's input or output, even though the data directory is a root. A folder that contains them is
   fine: the text walk reads text suffixes only, and these files have none.

@@ -7,23 +7,25 @@ gradients over ``global_batch / (dp * micro_batch)`` of them. A dp is therefore 
 it divides the number of micro-batches; any other size would change the batch (and the loss
 curve) or skip/repeat samples.
 
-Pure functions over ints; the supervisor calls them with numbers from its config. The legal sizes
-are found among the divisors of the micro-batch count (``etrain.service.planning.bounds.divisors``, O(sqrt(n))),
-never by scanning ``[min_dp, max_dp]``, so a huge range or batch costs microseconds.
+Pure functions over ints; the supervisor calls them with numbers from its config. Which sizes are
+legal is a layout rule (``etrain.workers.layout_rules``: ``legal_dp_sizes``, ``is_legal_dp``, found among
+the divisors of the micro-batch count, never by scanning ``[min_dp, max_dp]``); this module is the
+policy on top (the largest legal size that fits) and reports a broken batch or range as
+:class:`ResizeError`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from etrain.service.planning.bounds import divisors
+from etrain.workers import layout_rules
+from etrain.workers.layout_rules import Problem
 from etrain.workers.protocol.errors import EtrainError
 
 __all__ = [
     "ElasticPolicy",
     "ResizeError",
     "choose_dp",
-    "grad_accum_steps",
     "legal_dp_sizes",
     "num_micro_batches",
 ]
@@ -31,30 +33,21 @@ __all__ = [
 
 class ResizeError(EtrainError, ValueError):
     """A batch/size combination that cannot keep the global batch; the message names the numbers and
-    ``field`` the number at fault (``global_batch``, ``micro_batch``, ``min_dp``, ``max_dp`` or ``dp``)."""
+    ``field`` the number at fault (``global_batch``, ``micro_batch``, ``min_dp``, ``max_dp``, ``dp`` or
+    ``dp_replicate``)."""
+
+
+def _raise(problems: list[Problem]) -> None:
+    """The first layout-rule problem as a ResizeError named by the setting alone (``resources.min_dp`` ->
+    ``min_dp``): the supervisor's config speaks in those names."""
+    for problem in problems:
+        raise ResizeError(problem.message, field=problem.field.rsplit(".", 1)[-1], fix=problem.fix)
 
 
 def num_micro_batches(global_batch: int, micro_batch: int) -> int:
     """Micro-batches per optimizer step: ``global_batch / micro_batch``, which must be whole."""
-    if global_batch < 1 or micro_batch < 1:
-        raise ResizeError(
-            f"global_batch={global_batch} and micro_batch={micro_batch} must both be >= 1",
-            field="global_batch" if global_batch < 1 else "micro_batch",
-        )
-    if global_batch % micro_batch:
-        raise ResizeError(
-            f"global_batch={global_batch} is not a multiple of micro_batch={micro_batch}; "
-            f"choose a global_batch that is (e.g. {global_batch - global_batch % micro_batch or micro_batch})",
-            field="global_batch",
-        )
-    return global_batch // micro_batch
-
-
-def _check_range(min_dp: int, max_dp: int) -> None:
-    if min_dp < 1:
-        raise ResizeError(f"min_dp={min_dp} must be >= 1", field="min_dp")
-    if max_dp < min_dp:
-        raise ResizeError(f"max_dp={max_dp} must be >= min_dp={min_dp}", field="max_dp")
+    _raise(layout_rules.micro_batch_count_problems(global_batch, micro_batch))
+    return layout_rules.micro_batch_count(global_batch, micro_batch)
 
 
 def legal_dp_sizes(global_batch: int, micro_batch: int, min_dp: int, max_dp: int, dp_multiple: int = 1) -> list[int]:
@@ -66,30 +59,9 @@ def legal_dp_sizes(global_batch: int, micro_batch: int, min_dp: int, max_dp: int
     Empty when no size in the range keeps the global batch (callers decide whether that is an
     error; :class:`ElasticPolicy` treats it as one).
     """
-    micro_batches = num_micro_batches(global_batch, micro_batch)
-    _check_range(min_dp, max_dp)
-    if dp_multiple < 1:
-        raise ResizeError(f"dp_multiple={dp_multiple} (dp_replicate) must be >= 1", field="dp")
-    return [dp for dp in divisors(micro_batches) if min_dp <= dp <= max_dp and dp % dp_multiple == 0]
-
-
-def _legal(dp: int, micro_batches: int, min_dp: int, max_dp: int, dp_multiple: int) -> bool:
-    return min_dp <= dp <= max_dp and micro_batches % dp == 0 and dp % dp_multiple == 0
-
-
-def grad_accum_steps(global_batch: int, micro_batch: int, dp: int) -> int:
-    """Micro-batches each replica accumulates per step: ``global_batch / (dp * micro_batch)``."""
-    micro_batches = num_micro_batches(global_batch, micro_batch)
-    if dp < 1:
-        raise ResizeError(f"dp={dp} must be >= 1", field="dp")
-    if micro_batches % dp:
-        raise ResizeError(
-            f"dp={dp} does not divide global_batch/micro_batch = {global_batch}/{micro_batch} = "
-            f"{micro_batches} micro-batches, so grad accumulation {global_batch}/({dp}*{micro_batch}) "
-            f"is not whole; use a dp that divides {micro_batches}",
-            field="dp",
-        )
-    return micro_batches // dp
+    _raise(layout_rules.micro_batch_count_problems(global_batch, micro_batch)
+           + layout_rules.dp_range_problems(min_dp, max_dp, dp_multiple))
+    return layout_rules.legal_dp_sizes(global_batch, micro_batch, min_dp, max_dp, dp_multiple)
 
 
 def choose_dp(
@@ -119,8 +91,8 @@ def choose_dp(
         raise ResizeError(f"available_dp={available_dp} must be >= 0", field="dp")
     ceiling = min(available_dp, max_dp)
     if ceiling < min_dp:
-        _check_range(min_dp, max_dp)
-        num_micro_batches(global_batch, micro_batch)
+        _raise(layout_rules.dp_range_problems(min_dp, max_dp) + layout_rules.micro_batch_count_problems(
+            global_batch, micro_batch))
         return None
     fits = legal_dp_sizes(global_batch, micro_batch, min_dp, ceiling, dp_multiple)
     return fits[-1] if fits else None
@@ -154,8 +126,8 @@ class ElasticPolicy:
         return legal_dp_sizes(self.global_batch, self.micro_batch, self.min_dp, self.max_dp, self.dp_multiple)
 
     def is_legal(self, dp: int) -> bool:
-        micro_batches = num_micro_batches(self.global_batch, self.micro_batch)
-        return isinstance(dp, int) and _legal(dp, micro_batches, self.min_dp, self.max_dp, self.dp_multiple)
+        return layout_rules.is_legal_dp(dp, global_batch=self.global_batch, micro_batch=self.micro_batch,
+                                        min_dp=self.min_dp, max_dp=self.max_dp, dp_multiple=self.dp_multiple)
 
     def check(self, dp: int) -> None:
         """Raise :class:`ResizeError` naming the legal sizes unless ``dp`` is one of them."""
@@ -179,6 +151,3 @@ class ElasticPolicy:
             max_dp=self.max_dp,
             dp_multiple=self.dp_multiple,
         )
-
-    def grad_accum(self, dp: int) -> int:
-        return grad_accum_steps(self.global_batch, self.micro_batch, dp)

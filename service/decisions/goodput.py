@@ -36,7 +36,7 @@ __all__ = ["ProductiveTally", "StepTime", "goodput", "productive_seconds"]
 
 @dataclass(frozen=True)
 class StepTime:
-    """What goodput needs of one step record (``etrain.service.store.job_store.StepRecord`` has the same fields)."""
+    """What goodput needs of one step record (``etrain.service.store.records.StepRecord`` has the same fields)."""
 
     step: int
     attempt: int

@@ -4,15 +4,16 @@ Events are what happens to a job (service/runtime/supervisor_actor.py builds the
 are what :func:`etrain.service.decisions.supervisor.decide` asks the adapter to do, in order. Both are frozen,
 keyword-only dataclasses with plain fields, so they pickle across Ray actors and compare in tests.
 The transition table that maps one to the other is the docstring of service/decisions/supervisor.py.
+This module imports nothing of the state machine (``Status`` comes from service/decisions/job_status.py),
+so the state machine's modules import it and never the other way round.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Union
+from typing import Literal, Union
 
-if TYPE_CHECKING:  # only an annotation here: supervisor.py imports this module
-    from etrain.service.decisions.supervisor import Status
+from etrain.service.decisions.job_status import Status
 
 __all__ = [
     "Abort", "Action", "Cancel", "CapacityChanged", "CheckpointFallback", "CheckpointReported",

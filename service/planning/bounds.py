@@ -1,5 +1,5 @@
-"""Upper bounds on every number and string a client sends, and the divisor helper that keeps the
-planner's and the elastic policy's searches small.
+"""Upper bounds on every number and string a client sends, and the cap that keeps the planner's
+searches small.
 
 Why bounds: every size in a job spec feeds arithmetic, searches and storage on the control plane
 (the planner sizes the model layer by layer, the elastic policy lists the data-parallel sizes, SQLite
@@ -12,15 +12,14 @@ definitions (``service/planning/spec.py``, ``service/ports.py``, ``api/schemas.p
 parameters), so the OpenAPI document states them and a value out of range is a 422 naming the field.
 README's "Bounds" table lists them.
 
-Why divisors: every axis the planner searches must divide something (pp divides the layers, dp
+Why a cap: every axis the planner searches must divide something (pp divides the layers, dp
 divides the micro-batches per step, tp divides the heads), so the searches enumerate divisors
-(:func:`divisors`, O(sqrt(n))) instead of ranges, and :func:`spread` caps how many of them a search
-tries, so no spec within the bounds makes a request search more than a few thousand layouts.
+(``etrain.workers.layout_rules.divisors``, O(sqrt(n))) instead of ranges, and :func:`spread` caps how
+many of them a search tries, so no spec within the bounds makes a request search more than a few
+thousand layouts.
 """
 
 from __future__ import annotations
-
-import math
 
 __all__ = [
     "MAX_CPUS_PER_WORKER",
@@ -43,7 +42,6 @@ __all__ = [
     "MAX_WORKERS",
     "MIN_RESOURCE",
     "NO_NUL",
-    "divisors",
     "spread",
 ]
 
@@ -74,19 +72,6 @@ MAX_DEVICE_MEMORY_GB = 16384.0  # GiB per rank; the operator's value (or the det
 MAX_PATH = 4096  # PATH_MAX on Linux
 NO_NUL = r"^[^\x00]*$"  # a NUL byte cannot be in a path (the OS refuses it with ValueError)
 MAX_CURSOR = 1 << 62  # offsets and ?since= cursors: inside SQLite's 64-bit integers with room to add to them
-
-
-def divisors(n: int) -> list[int]:
-    """Every positive divisor of ``n`` (>= 1), ascending, in O(sqrt(n)) steps."""
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ValueError(f"divisors() needs an integer >= 1, got {n!r}")
-    small, large = [], []
-    for d in range(1, math.isqrt(n) + 1):
-        if n % d == 0:
-            small.append(d)
-            if d != n // d:
-                large.append(n // d)
-    return small + large[::-1]
 
 
 def spread(values: list[int], limit: int) -> list[int]:

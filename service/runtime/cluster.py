@@ -13,7 +13,9 @@ from typing import Any, Protocol
 
 from etrain.service.decisions.admission import ClusterView, NodeView
 from etrain.service.errors import ServiceUnavailable
-from etrain.service.runtime.supervisor_actor import JobPolicy, find_supervisor, run_export, start_supervisor
+from etrain.service.runtime.hf_export import run_export
+from etrain.service.runtime.job_policy import JobPolicy
+from etrain.service.runtime.supervisor_actor import find_supervisor, start_supervisor
 from etrain.service.settings import Settings
 from etrain.service.runtime.worker_group import NAMESPACE
 from etrain.workers.protocol.run_config import ModelConfig, RunConfig
@@ -170,7 +172,7 @@ class RayRuntime:
 
     def export(self, *, step_dir: str, out_dir: str, model: ModelConfig, source_dir: str | None,
                timeout_s: float) -> str:
-        """Run the Hugging Face export task (etrain.service.runtime.supervisor_actor) and wait up to ``timeout_s``."""
+        """Run the Hugging Face export task (etrain.service.runtime.hf_export) and wait up to ``timeout_s``."""
         return run_export(step_dir=step_dir, out_dir=out_dir, model=model, source_dir=source_dir, timeout_s=timeout_s)
 
     def accelerator_memory_gb(self) -> float | None:

@@ -24,6 +24,8 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from etrain.workers.protocol.messages import SPARE_ACTOR_CLASS, load_actor_class
+
 log = logging.getLogger(__name__)
 
 POOL_NAME = "etrain/spares"
@@ -138,9 +140,7 @@ def _runs_ranks(node: dict[str, Any]) -> bool:
 
 
 def _start_spare(node: str) -> Any:
-    from etrain.workers.spare import SpareRank
-
-    return ray.remote(SpareRank).options(
+    return ray.remote(load_actor_class(SPARE_ACTOR_CLASS)).options(
         num_cpus=0,
         num_gpus=0,
         max_restarts=0,

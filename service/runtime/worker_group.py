@@ -12,6 +12,7 @@ consecutive ranks, so ``PACK`` keeps a tp group on one node whenever it fits the
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -23,7 +24,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from etrain.service.runtime.spares import NAMESPACE, take_spares
 from etrain.workers.protocol.errors import EtrainError
-from etrain.workers.worker import ChaosOrder, LaunchPlan, TrainWorker
+from etrain.workers.protocol.messages import RANK_ACTOR_CLASS, ChaosOrder, LaunchPlan, load_actor_class
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +150,7 @@ class WorkerGroup:
             gpu_ids = _bundle_gpu_ids(self.pg, rank, num_gpus) if num_gpus else None
             return spare, spare.assign.remote(job_id=self.job_id, rank=rank, world_size=self.world_size,
                                               supervisor=self._supervisor, gpu_ids=gpu_ids)
-        return ray.remote(TrainWorker).options(
+        return _rank_actor_class().options(
             name=rank_actor_name(self.job_id, self.attempt if attempt is None else attempt, rank),
             namespace=NAMESPACE,
             num_cpus=self._resources.get("CPU", 0.0),
@@ -384,6 +385,14 @@ class RepairError(RuntimeError):
 
 class PlacementTimeout(RuntimeError):
     """The cluster could not hold the group's bundles in time."""
+
+
+@functools.cache
+def _rank_actor_class() -> Any:
+    """The rank actor class (``RANK_ACTOR_CLASS``) made a Ray actor class, once per process: named by
+    the protocol and loaded here, where ranks are created, so no service module imports the worker
+    module (it imports torch only inside the actor)."""
+    return ray.remote(load_actor_class(RANK_ACTOR_CLASS))
 
 
 def _node_alive(node_id: str) -> bool:

@@ -1,2 +1,3 @@
-"""Durable state: the SQLite job store and what is built directly on it (idempotent submit).
+"""Durable state: the SQLite job store (queries), its records and its schema migrations, and what is
+built directly on it (idempotent submit).
 """

@@ -21,7 +21,8 @@ import re
 
 from etrain.service.errors import JobConflict, SpecRejected
 from etrain.service.planning.spec import JobSpec, SpecProblem
-from etrain.service.store.job_store import JobRecord, JobStore
+from etrain.service.store.job_store import JobStore
+from etrain.service.store.records import JobRecord
 
 #: Longest key accepted (UUIDs are 36; the IETF draft suggests a UUID, clients sometimes add a prefix).
 MAX_KEY_LENGTH = 200

@@ -9,8 +9,8 @@ Thread safety: one connection guarded by a lock. FastAPI runs sync routes in a t
 manager's poller is another thread; statements are short, so serialising them costs nothing
 measurable and keeps every write transaction (``BEGIN IMMEDIATE``) simple to reason about.
 
-Records come out as frozen dataclasses, never row dicts. Schema changes are appended to
-``MIGRATIONS`` (never edited in place); opening a file applies the ones it has not seen yet.
+Records come out as frozen dataclasses (service/store/records.py), never row dicts. The schema and its
+migrations are service/store/schema.py; opening a file applies the ones it has not seen yet.
 """
 
 from __future__ import annotations
@@ -21,139 +21,15 @@ import math
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from etrain.service.errors import JobConflict, JobNotFound, ServiceUnavailable
-from etrain.service.decisions.supervisor import Status
+from etrain.service.store.records import EventRecord, JobRecord, JobStatus, StepRecord
+from etrain.service.store.schema import migrate, schema_version
 
-
-# One status enum for the whole service: the state machine's.
-JobStatus = Status
-
-
-TERMINAL_STATUSES: frozenset[JobStatus] = frozenset({JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED})
-
-
-@dataclass(frozen=True, kw_only=True)
-class JobRecord:
-    id: str
-    name: str
-    status: JobStatus
-    spec: dict[str, Any]
-    step: int
-    loss: float | None
-    tokens_per_s: float | None
-    world_size: int
-    restarts: int
-    created_at: float  # unix seconds
-    updated_at: float
-    error: str | None
-    layout: str | None  # compact layout string, e.g. "pp1·dp2·tp1 zero=0"
-    last_checkpoint_step: int | None
-    stragglers: list[Any] = field(default_factory=list)
-    goodput: float | None = None  # fraction of wall time spent on steps that were kept
-    attempt: int = 0
-    #: What a succeeded job wrote besides checkpoints, by format: ``{"hf": "/abs/path/hf-export"}``.
-    artifacts: dict[str, str] = field(default_factory=dict)
-    tenant: str = "default"  # who submitted it (etrain.service.access.tenancy); other tenants never see it
-    priority: int = 0  # the queue starts higher first, then oldest first
-
-    @property
-    def is_terminal(self) -> bool:
-        return self.status.is_terminal
-
-
-@dataclass(frozen=True, kw_only=True)
-class EventRecord:
-    seq: int  # per job, 1, 2, 3, ...: "give me what happened after seq N"
-    job_id: str
-    ts: float
-    kind: str
-    detail: dict[str, Any]
-
-
-@dataclass(frozen=True, kw_only=True)
-class StepRecord:
-    job_id: str
-    step: int
-    loss: float | None
-    tokens_per_s: float | None
-    step_s: float | None
-    compute_s: float | None
-    comm_wait_s: float | None
-    ts: float
-    attempt: int = 0  # the run attempt that reported it; a later attempt's report replaces an earlier one
-
-
-# Each entry moves the schema from version i to i + 1. Append; never edit a released entry.
-MIGRATIONS: tuple[tuple[str, ...], ...] = (
-    (
-        """CREATE TABLE jobs (
-            id TEXT PRIMARY KEY,
-            name TEXT NOT NULL,
-            status TEXT NOT NULL,
-            spec TEXT NOT NULL,
-            step INTEGER NOT NULL DEFAULT 0,
-            loss REAL,
-            tokens_per_s REAL,
-            world_size INTEGER NOT NULL,
-            restarts INTEGER NOT NULL DEFAULT 0,
-            created_at REAL NOT NULL,
-            updated_at REAL NOT NULL,
-            error TEXT,
-            layout TEXT,
-            last_checkpoint_step INTEGER,
-            stragglers TEXT NOT NULL DEFAULT '[]',
-            goodput REAL,
-            attempt INTEGER NOT NULL DEFAULT 0
-        )""",
-        "CREATE INDEX jobs_by_status ON jobs (status)",
-        "CREATE INDEX jobs_by_created ON jobs (created_at)",
-        """CREATE TABLE events (
-            job_id TEXT NOT NULL REFERENCES jobs (id) ON DELETE CASCADE,
-            seq INTEGER NOT NULL,
-            ts REAL NOT NULL,
-            kind TEXT NOT NULL,
-            detail TEXT NOT NULL DEFAULT '{}',
-            PRIMARY KEY (job_id, seq)
-        ) WITHOUT ROWID""",
-    ),
-    (
-        """CREATE TABLE steps (
-            job_id TEXT NOT NULL REFERENCES jobs (id) ON DELETE CASCADE,
-            step INTEGER NOT NULL,
-            attempt INTEGER NOT NULL DEFAULT 0,
-            loss REAL,
-            tokens_per_s REAL,
-            step_s REAL,
-            compute_s REAL,
-            comm_wait_s REAL,
-            ts REAL NOT NULL,
-            PRIMARY KEY (job_id, step)
-        ) WITHOUT ROWID""",
-        """CREATE TABLE cursors (
-            job_id TEXT PRIMARY KEY,
-            value INTEGER NOT NULL
-        )""",
-    ),
-    ("ALTER TABLE jobs ADD COLUMN artifacts TEXT NOT NULL DEFAULT '{}'",),
-    (
-        # Tenants (the submitting token's tenant), the queue's priority, idempotent submit.
-        "ALTER TABLE jobs ADD COLUMN tenant TEXT NOT NULL DEFAULT 'default'",
-        "ALTER TABLE jobs ADD COLUMN priority INTEGER NOT NULL DEFAULT 0",
-        "ALTER TABLE jobs ADD COLUMN idempotency_key TEXT",
-        "ALTER TABLE jobs ADD COLUMN request_hash TEXT",
-        "CREATE INDEX jobs_by_tenant ON jobs (tenant, created_at)",
-        "CREATE UNIQUE INDEX jobs_by_idempotency_key ON jobs (tenant, idempotency_key) "
-        "WHERE idempotency_key IS NOT NULL",
-    ),
-)
-
-SCHEMA_VERSION = len(MIGRATIONS)
 
 # Fields update_job may change; id, name, spec origin and created_at are fixed at creation.
 _UPDATABLE = frozenset(
@@ -179,47 +55,6 @@ _JOB_COLUMNS = (
     "id, name, status, spec, step, loss, tokens_per_s, world_size, restarts, created_at, updated_at, "
     "error, layout, last_checkpoint_step, stragglers, goodput, attempt, artifacts, tenant, priority"
 )
-
-
-def schema_version(conn: sqlite3.Connection) -> int:
-    conn.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
-    row = conn.execute("SELECT version FROM schema_version").fetchone()
-    return 0 if row is None else int(row[0])
-
-
-def migrate(conn: sqlite3.Connection, migrations: Sequence[Sequence[str]] = MIGRATIONS) -> int:
-    """Apply the migrations this database has not seen, each in its own transaction; return the version.
-
-    ``conn`` must be in autocommit mode (``isolation_level=None``). A database written by a newer
-    etrain (a higher version than we know) is refused rather than guessed at.
-    """
-    conn.execute("BEGIN IMMEDIATE")
-    try:
-        current = schema_version(conn)
-        if current == 0 and conn.execute("SELECT COUNT(*) FROM schema_version").fetchone()[0] == 0:
-            conn.execute("INSERT INTO schema_version (version) VALUES (0)")
-        conn.execute("COMMIT")
-    except BaseException:
-        conn.execute("ROLLBACK")
-        raise
-    if current > len(migrations):
-        raise ServiceUnavailable(
-            f"the database has schema version {current} but this etrain knows only up to {len(migrations)}.",
-            field="data_dir",
-            fix="run a newer etrain on this data directory, or point ETRAIN_DATA_DIR at another one",
-        )
-    for version in range(current, len(migrations)):
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            if schema_version(conn) == version:  # another process may have migrated meanwhile
-                for statement in migrations[version]:
-                    conn.execute(statement)
-                conn.execute("UPDATE schema_version SET version = ?", (version + 1,))
-            conn.execute("COMMIT")
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
-    return schema_version(conn)
 
 
 class JobStore:

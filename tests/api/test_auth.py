@@ -21,6 +21,7 @@ import uvicorn
 from fastapi.testclient import TestClient
 
 from etrain.api import cli
+from etrain.api.cli.client import client_token
 from etrain.api.app import create_app
 from etrain.service.access.api_token import ensure_api_token, read_api_token, token_path
 from etrain.service.errors import QuotaExceeded, SettingsError
@@ -526,11 +527,11 @@ def test_the_cli_never_sends_the_local_token_to_a_remote_server(tmp_path, monkey
     ensure_api_token(tmp_path)
     monkeypatch.setenv("ETRAIN_DATA_DIR", str(tmp_path))
     local = read_api_token(tmp_path / "api-token")
-    assert cli.client_token("http://127.0.0.1:8000", None) == local
-    assert cli.client_token("http://[::1]:8000", None) == local
-    assert cli.client_token("https://etrain.example.com", None) is None
-    assert cli.client_token("http://10.0.0.7:8000", None) is None
-    assert cli.client_token("http://10.0.0.7:8000", "given") == "given"
+    assert client_token("http://127.0.0.1:8000", None) == local
+    assert client_token("http://[::1]:8000", None) == local
+    assert client_token("https://etrain.example.com", None) is None
+    assert client_token("http://10.0.0.7:8000", None) is None
+    assert client_token("http://10.0.0.7:8000", "given") == "given"
 
 
 def test_serve_generates_the_token_once_and_prints_where_it_is(tmp_path, monkeypatch):

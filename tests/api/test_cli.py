@@ -21,6 +21,7 @@ import uvicorn
 import yaml
 
 from etrain.api import cli
+from etrain.api.cli.client import EXIT_TIMEOUT, EXIT_USAGE
 from etrain.api.app import create_app
 from etrain.service.settings import Settings
 from etrain.service.store.job_store import JobStore
@@ -173,7 +174,7 @@ def test_watch_gives_up_after_max_wait(tmp_path):
             job_id = submitted_id(etrain(url, "submit", str(write_spec(tmp_path))))
             started = time.monotonic()
             result = etrain(url, "watch", job_id, "--interval", "0.05", "--max-wait", "0.3")
-            assert result.code == cli.EXIT_TIMEOUT
+            assert result.code == EXIT_TIMEOUT
             assert time.monotonic() - started < 5
             assert "gave up waiting after 0.3s" in result.err and "still RUNNING" in result.err
 
@@ -204,7 +205,7 @@ def test_export_prints_the_folder_and_its_refusals(url, tmp_path, manager, monke
     assert refused.code == 1 and refused.out == ""
     assert refused.err.splitlines()[0] == "error (HTTP 409, conflict):"
     assert "fix: pass a committed step" in refused.err
-    assert etrain(url, "export", job_id).code == cli.EXIT_USAGE  # --out is required
+    assert etrain(url, "export", job_id).code == EXIT_USAGE  # --out is required
 
 
 def test_status_shows_the_artifacts_of_a_job(url, tmp_path, manager):

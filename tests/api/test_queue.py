@@ -6,6 +6,7 @@ with real Ray and a real ``etrain serve``: tests/e2e/test_queue.py, test_control
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -13,8 +14,11 @@ import pytest
 from fastapi.testclient import TestClient
 
 from etrain.api.app import create_app
+from etrain.service.decisions.admission import ClusterView
+from etrain.service.errors import ServiceUnavailable
+from etrain.service.planning.spec import JobSpec
 from etrain.service.settings import Settings
-from etrain.service.store.job_store import JobStatus
+from etrain.service.store.records import JobStatus
 from etrain.service.access.tenancy import Principal
 from tests.fakes import FakeRuntime
 from tests.service_harness import admin_headers
@@ -191,8 +195,8 @@ def test_a_job_whose_supervisor_is_gone_is_queued_again_in_its_place(tmp_path, p
 def test_tenants_see_their_own_jobs_and_the_cluster_totals(plane):
     manager, _ = plane()
     alice, bob = Principal("alice"), Principal("bob")
-    mine = manager.submit(manager_module.JobSpec.model_validate(spec("mine", steps=100_000)), principal=alice)
-    theirs = manager.submit(manager_module.JobSpec.model_validate(spec("theirs")), principal=bob)
+    mine = manager.submit(JobSpec.model_validate(spec("mine", steps=100_000)), principal=alice)
+    theirs = manager.submit(JobSpec.model_validate(spec("theirs")), principal=bob)
     assert (mine.status, theirs.status) == (JobStatus.STARTING, JobStatus.QUEUED)
     seen_by_bob = manager.cluster(principal=bob)
     assert seen_by_bob["jobs"] == [] and [q["job_id"] for q in seen_by_bob["queue"]] == [theirs.id]
@@ -206,7 +210,7 @@ def test_tenants_see_their_own_jobs_and_the_cluster_totals(plane):
 def test_cluster_route_needs_a_token_and_answers_503_when_the_cluster_cannot_be_read(plane, tmp_path):
     class Unreadable(FakeRuntime):
         def cluster(self):
-            raise manager_module.ServiceUnavailable("Ray is away", fix="retry")
+            raise ServiceUnavailable("Ray is away", fix="retry")
 
     _, client = plane(Unreadable(nodes=TWO_CPUS))
     assert TestClient(client.app).get("/v1/cluster").status_code == 401
@@ -272,8 +276,8 @@ def test_what_an_ended_job_still_holds_is_counted_free(plane):
             if not ended:
                 return view
             held = {ended[0]: {"n1": {"CPU": 2.0, "GPU": 0.0}}}
-            nodes = tuple(manager_module.dataclasses.replace(node, free={"CPU": 0.0, "GPU": 0.0}) for node in view.nodes)
-            return manager_module.admission.ClusterView(nodes=nodes, holdings={**view.holdings, **held})
+            nodes = tuple(dataclasses.replace(node, free={"CPU": 0.0, "GPU": 0.0}) for node in view.nodes)
+            return ClusterView(nodes=nodes, holdings={**view.holdings, **held})
 
     manager, client = plane(Lingering(nodes=TWO_CPUS))
     done = submit(client, spec("done", steps=2))

@@ -17,7 +17,8 @@ from etrain.api.app import create_app
 from etrain.api.routes import get_manager
 from etrain.service.errors import ServiceUnavailable
 from etrain.service.settings import Settings
-from etrain.service.store.job_store import JobStatus, JobStore
+from etrain.service.store.job_store import JobStore
+from etrain.service.store.records import JobStatus
 from tests.fakes import FakeRuntime, InMemoryManager, simulated_loss
 from tests.service_harness import admin_headers
 

@@ -19,7 +19,8 @@ from etrain.service.access.checkpoint_key import load_or_create_key
 from etrain.service.settings import Settings
 from tests.fakes import FakeRuntime
 from tests.service_harness import bearer
-from etrain.workers.protocol.manifest import ShardReport, commit, file_entry, step_dir
+from etrain.workers.checkpoint_commit import commit, file_entry, step_dir
+from etrain.workers.protocol.manifest import ShardReport
 
 ADMIN_TOKEN = "admin-token-0123456789"
 TENANTS = {"alice": "alice-token-0123456789", "bob": "bob-token-0123456789"}

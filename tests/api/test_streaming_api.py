@@ -10,11 +10,13 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
-from etrain.api import cli, sse
+from etrain.api import sse
+from etrain.api.cli import watch as cli_watch
 from etrain.api.app import create_app
-from etrain.api.cli import sse_messages
+from etrain.api.cli.watch import sse_messages
 from etrain.service.settings import Settings
-from etrain.service.store.job_store import JobStatus, JobStore
+from etrain.service.store.job_store import JobStore
+from etrain.service.store.records import JobStatus
 from etrain.service.access.tenancy import ADMIN, Principal
 from tests.api.test_cli import etrain as etrain_as
 from tests.api.test_cli import serving, submitted_id, write_spec
@@ -214,8 +216,8 @@ def test_watch_falls_back_to_polling_a_server_without_a_stream(url, tmp_path, mo
     job_id = submitted_id(etrain(url, "submit", str(write_spec(tmp_path))))
 
     def no_stream(*args, **kwargs):
-        raise cli._NoStream()
+        raise cli_watch._NoStream()
 
-    monkeypatch.setattr(cli, "_follow_stream", no_stream)
+    monkeypatch.setattr(cli_watch, "_follow_stream", no_stream)
     watched = etrain(url, "watch", job_id, "--interval", "0.05")
     assert watched.code == 0 and watched.out.splitlines()[-1].startswith(f"job {job_id} SUCCEEDED at step 10/10")

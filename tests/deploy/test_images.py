@@ -165,7 +165,7 @@ def test_the_last_user_is_not_root(dockerfile):
 
 
 def test_command_is_etrain_serve_with_real_cli_options(dockerfile):
-    from etrain.api.cli import build_parser
+    from etrain.api.cli.parser import build_parser
 
     commands = args_of(dockerfile, "CMD")
     assert len(commands) == 1

@@ -22,8 +22,9 @@ import helm_python as helm
 import pytest
 import yaml
 
-from etrain.api.cli import load_spec
-from etrain.service.planning.spec import JobSpec, check_spec
+from etrain.api.cli.jobs import load_spec
+from etrain.service.planning.spec import JobSpec
+from etrain.service.planning.spec_checks import check_spec
 from tests.deploy import chart
 
 README = chart.ROOT / "README.md"

@@ -18,7 +18,8 @@ import httpx
 import pytest
 
 from etrain.api import cli
-from etrain.api.cli import sse_messages
+from etrain.api.cli.client import EXIT_OK
+from etrain.api.cli.watch import sse_messages
 from tests.service_harness import event_kinds
 
 ray = pytest.importorskip("ray")
@@ -132,7 +133,7 @@ def test_without_follow_events_stay_a_json_list(followed, plane):
 
 def test_etrain_watch_prints_every_step_and_event_from_the_stream(followed):
     code, out, err = followed["watch"]
-    assert code == cli.EXIT_OK, (out, err)
+    assert code == EXIT_OK, (out, err)
     lines = out.splitlines()
     assert [line.split()[1] for line in lines if line.startswith("step ")] == [f"{n}/{STEPS}" for n in range(1, STEPS + 1)]
     printed = [line.split("] ", 1)[1].split(":", 1)[0] for line in lines if line.startswith("[")]

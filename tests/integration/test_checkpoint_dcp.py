@@ -1,7 +1,7 @@
 """A checkpoint saved under one parallel layout restores exactly under another (resharding).
 
 A tiny GPT trains two AdamW steps under a layout, is saved with ``save_checkpoint``, committed with
-``etrain.workers.protocol.manifest.commit`` (the supervisor's job), and loaded into a *differently initialised*
+``etrain.workers.checkpoint_commit.commit`` (the supervisor's job), and loaded into a *differently initialised*
 model under another layout. The full parameters and the optimizer's ``exp_avg`` / ``exp_avg_sq`` /
 ``step`` (gathered to full tensors by an independent helper, not by the checkpoint code) must equal
 the saved ones within 1e-6, and the restored state must train on.
@@ -36,18 +36,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import etrain.workers.checkpoint as checkpoint_module
+import etrain.workers.checkpoint_io as checkpoint_io
 from tests.dist_utils import run_distributed
-from etrain.workers.checkpoint import (
-    AsyncCheckpointer,
-    capture_rng_state,
-    load_checkpoint,
-    restore_rng_state,
-    save_checkpoint,
-)
+from etrain.workers.checkpoint import AsyncCheckpointer, load_checkpoint, save_checkpoint
+from etrain.workers.checkpoint_state import capture_rng_state, restore_rng_state
 from etrain.workers.protocol.run_config import ModelConfig
 from etrain.workers.protocol.errors import CheckpointError
-from etrain.workers.protocol.manifest import ShardReport, commit, step_dir, verify
+from etrain.workers.checkpoint_commit import commit, step_dir, verify
+from etrain.workers.protocol.manifest import ShardReport
 from etrain.workers.model import build_model, cross_entropy_loss
 
 MODEL = ModelConfig(n_layers=4, d_model=16, n_heads=2, vocab_size=32, seq_len=8)
@@ -355,13 +351,13 @@ def _async_and_corruption(rank: int, world_size: int, root: str) -> dict:
     # Hold the background write until the next training step has changed every parameter and
     # moment: what lands on disk must be the state at save() time (staged), not the live tensors.
     gate = threading.Event()
-    write_data = checkpoint_module._RecordingWriter.write_data
+    write_data = checkpoint_io._RecordingWriter.write_data
 
     def gated_write_data(self, plan, planner):
         assert gate.wait(timeout=60.0), "the test never opened the gate"
         return write_data(self, plan, planner)
 
-    checkpoint_module._RecordingWriter.write_data = gated_write_data
+    checkpoint_io._RecordingWriter.write_data = gated_write_data
     checkpointer = AsyncCheckpointer()
     pending = checkpointer.save(directory, parts, optimizers, _extra(TRAIN_STEPS))
     _train("fsdp", parts, optimizers, steps=1, first_step=TRAIN_STEPS)
@@ -591,7 +587,7 @@ def test_resaving_over_a_corrupted_commit_quarantines_it(tmp_path):
     from torch import nn
 
     from etrain.workers.checkpoint import save_checkpoint
-    from etrain.workers.protocol.manifest import commit, list_steps, step_dir, verify
+    from etrain.workers.checkpoint_commit import commit, list_steps, step_dir, verify
 
     model = nn.Linear(4, 4)
     optimizer = torch.optim.AdamW(model.parameters())

@@ -31,6 +31,7 @@ from tests.equivalence_utils import (
     run_reference,
     small_config,
 )
+from tests.state_utils import full_state_dict
 from etrain.workers.protocol.run_config import ParallelConfig
 from etrain.workers.protocol.errors import ConfigError
 
@@ -164,7 +165,7 @@ def _scenarios(rank: int, world_size: int) -> dict:
         "tied": part.output.weight is part.tok_embeddings.weight,
         "losses": [m.loss for m in history],
         "grad_norms": [m.grad_norm for m in history],
-        "params": trainer.full_state_dict(),
+        "params": full_state_dict(trainer),
     }
 
     # CPU offload: host-resident shards and optimizer state, foreach AdamW.

@@ -17,6 +17,7 @@ import torch
 
 from tests.dist_utils import run_distributed
 from tests.equivalence_utils import LOSS_RTOL, MODELS, PARAM_ATOL, run_reference, small_config
+from tests.state_utils import full_state_dict
 from etrain.workers.protocol.run_config import ParallelConfig
 
 STEPS, SAVE_AT = 8, 4
@@ -25,7 +26,7 @@ STEPS, SAVE_AT = 8, 4
 def _train_and_save(rank: int, world_size: int, config, root: str) -> list[float]:
     import torch.distributed as dist
 
-    from etrain.workers.protocol.manifest import commit, step_dir
+    from etrain.workers.checkpoint_commit import commit, step_dir
     from etrain.workers.train import Trainer
 
     trainer = Trainer(config, rank=rank, world_size=world_size, device=torch.device("cpu"))
@@ -41,13 +42,13 @@ def _train_and_save(rank: int, world_size: int, config, root: str) -> list[float
 
 
 def _restore_and_train(rank: int, world_size: int, config, root: str) -> dict:
-    from etrain.workers.protocol.manifest import step_dir
+    from etrain.workers.checkpoint_commit import step_dir
     from etrain.workers.train import Trainer
 
     trainer = Trainer(config, rank=rank, world_size=world_size, device=torch.device("cpu"))
     next_step = trainer.restore(step_dir(root, SAVE_AT))
     losses = [m.loss for m in trainer.run(next_step, STEPS)]
-    return {"next_step": next_step, "losses": losses, "params": trainer.full_state_dict()}
+    return {"next_step": next_step, "losses": losses, "params": full_state_dict(trainer)}
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ def _trainer(rank, world_size, parallel, steps):
 
 
 def _local_state(trainer) -> dict[str, torch.Tensor]:
-    from etrain.workers.checkpoint import collect_state
+    from etrain.workers.checkpoint_state import collect_state
 
     state = collect_state(trainer.model_parts, trainer.optimizers).state
     return {f"{section}/{key}": (value.to_local() if hasattr(value, "to_local") else value).detach().clone()
@@ -30,7 +30,7 @@ def _local_state(trainer) -> dict[str, torch.Tensor]:
 def _save_committed(trainer, rank, world_size, directory, step):
     import torch.distributed as dist
 
-    from etrain.workers.protocol.manifest import commit
+    from etrain.workers.checkpoint_commit import commit
 
     report = trainer.save(directory)
     reports = [None] * world_size

@@ -3,8 +3,8 @@
 Under tensor parallelism and FSDP2 the collectives are inside forward/backward, so a rank waiting
 for a slow peer waits *inside* its compute span. Measured here on timing-sync steps (every step):
 
-* ``drill``: the chaos ``slow_rank`` drill (``etrain.workers.worker.ChaosCallback`` of a real ``TrainWorker``,
-  factor 4) sleeps at the start of each micro-step;
+* ``drill``: the chaos ``slow_rank`` drill (a ``slow_rank`` order, factor 4, fired by the rank's drill
+  plugin ``etrain.workers.chaos.RankDrills``) sleeps at the start of each micro-step;
 * ``layers``: a slow device, modelled as a sleep before every attention and feed-forward block of
   rank 1, i.e. between the collectives (3x its own compute in total): the case a barrier before
   each micro-step would not fix, since the peer waits at every layer;
@@ -60,17 +60,18 @@ class _SlowLayers:
 
 
 def _measure(rank: int, world_size: int, parallel: ParallelConfig) -> dict[str, list[dict]]:
+    from etrain.workers.chaos import RankDrills
+    from etrain.workers.protocol.messages import ChaosOrder
     from etrain.workers.train import Trainer
-    from etrain.workers.worker import ChaosCallback, TrainWorker
 
     # Two micro-steps per rank in both layouts (global batch 4 at tp=2, 8 at dp=2): TP on CPU is slow per op.
     config = small_config(parallel=parallel, steps=BASELINE + SLOWED, timing_sync_every=1,
                           global_batch=4 * parallel.dp, micro_batch=2)
     out: dict[str, list[dict]] = {}
     for variant in ("drill", "layers", "unfixed"):
-        worker = TrainWorker(job_id="stragglers", rank=rank, world_size=world_size, supervisor=None)
+        drills = RankDrills(rank=rank, report=lambda order, step: None)  # no supervisor to tell here
         trainer = Trainer(config, rank=rank, world_size=world_size, device=torch.device("cpu"),
-                          callbacks=[ChaosCallback(worker)])
+                          callbacks=[drills.callback])
         if variant == "unfixed":
             trainer._waits = None  # the measurement before workers/collective_waits.py
         layers = _SlowLayers(trainer, SLOW_RANK, extra=3.0) if variant != "drill" else None
@@ -78,7 +79,7 @@ def _measure(rank: int, world_size: int, parallel: ParallelConfig) -> dict[str, 
         for step in range(BASELINE + SLOWED):
             if step == BASELINE and rank == SLOW_RANK:
                 if variant == "drill":
-                    worker._chaos.slow_factor = 4.0  # what a slow_rank order with factor 4 sets
+                    drills.receive(ChaosOrder(id=1, action="slow_rank", rank=rank, factor=4.0))  # fires at once
                 else:
                     layers.slow_down([row["compute_s"] for row in rows])
             metrics = trainer.train_step(step)

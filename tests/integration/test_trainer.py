@@ -22,6 +22,7 @@ import torch
 
 from tests.dist_utils import run_distributed
 from tests.equivalence_utils import small_config
+from tests.state_utils import full_state_dict
 from etrain.workers.protocol.run_config import ParallelConfig
 from etrain.workers.protocol.errors import NonFiniteLossError
 
@@ -81,7 +82,7 @@ def _resume(rank: int, world_size: int, directory: str) -> dict:
     """Save after 2 steps of ZeRO-3, go on to step 4; restore the save under TP and redo steps 2-3."""
     import torch.distributed as dist
 
-    from etrain.workers.protocol.manifest import commit
+    from etrain.workers.checkpoint_commit import commit
 
     first = _trainer(rank, world_size, ParallelConfig(dp=2, zero=3), steps=4)
     first.run(0, 2)
@@ -92,12 +93,12 @@ def _resume(rank: int, world_size: int, directory: str) -> dict:
         commit(directory, 2, first.config.parallel.describe(), world_size, reports)
     dist.barrier()
     straight = [m.loss for m in first.run(2, 4)]
-    straight_params = first.full_state_dict()
+    straight_params = full_state_dict(first)
 
     second = _trainer(rank, world_size, ParallelConfig(tp=2), steps=4)
     next_step = second.restore(directory)
     resumed = [m.loss for m in second.run(next_step, 4)]
-    resumed_params = second.full_state_dict()
+    resumed_params = full_state_dict(second)
     return {
         "next_step": next_step,
         "straight": straight,

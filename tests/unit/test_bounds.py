@@ -21,19 +21,20 @@ from fastapi.testclient import TestClient
 
 from etrain.api.app import create_app
 from etrain.service.planning import bounds
-from etrain.service.planning.bounds import MAX_GLOBAL_BATCH, MAX_WORKERS, divisors, spread
+from etrain.service.planning.bounds import MAX_GLOBAL_BATCH, MAX_WORKERS, spread
 from etrain.service.decisions.elastic import ElasticPolicy, legal_dp_sizes
+from etrain.workers.layout_rules import divisors
 from etrain.service.errors import SpecRejected
-from etrain.service.planning.planner import MAX_AUTO_LAYOUTS, check_plan, plan_report, resolve_auto
+from etrain.service.planning.plan_search import MAX_AUTO_LAYOUTS
+from etrain.service.planning.planner import check_plan, plan_report, resolve_auto
 from etrain.service.settings import Settings
 from etrain.service.planning.spec import (
     AutoParallelismSpec,
     JobSpec,
     ModelSpec,
     TrainingSpec,
-    check_spec,
-    field_problems,
 )
+from etrain.service.planning.spec_checks import check_spec, field_problems
 from tests.fakes import FakeRuntime
 
 TOKEN = "bounds-token-31c4"
@@ -68,28 +69,7 @@ def fields_of(response) -> list[str]:
     return [item["field"] for item in response.json()["detail"]]
 
 
-# -- the divisor helper -----------------------------------------------------------------------------
-
-
-def test_divisors_are_every_divisor_ascending():
-    for n in range(1, 1500):
-        assert divisors(n) == [d for d in range(1, n + 1) if n % d == 0], n
-    assert divisors(126) == [1, 2, 3, 6, 7, 9, 14, 18, 21, 42, 63, 126]
-    assert divisors(2**24) == [2**k for k in range(25)]
-    assert len(divisors(14414400)) == 504  # a highly composite batch below MAX_GLOBAL_BATCH
-
-
-def test_divisors_cost_grows_with_the_square_root():
-    started = time.perf_counter()
-    assert divisors(MAX_GLOBAL_BATCH)[-1] == MAX_GLOBAL_BATCH  # 4096 trial divisions
-    assert divisors(10**12 + 39)[:2] == [1, 10**12 + 39] or len(divisors(10**12 + 39)) >= 2
-    assert time.perf_counter() - started < 0.5  # 10**12: one million trial divisions, not 10**12
-
-
-@pytest.mark.parametrize("bad", [0, -4, 2.0, True])
-def test_divisors_refuse_what_has_none(bad):
-    with pytest.raises(ValueError, match="integer >= 1"):
-        divisors(bad)
+# -- the search cap -----------------------------------------------------------------------------
 
 
 def test_spread_keeps_both_ends_and_at_most_limit():

@@ -6,10 +6,11 @@ from etrain.service.decisions.elastic import (
     ElasticPolicy,
     ResizeError,
     choose_dp,
-    grad_accum_steps,
     legal_dp_sizes,
     num_micro_batches,
 )
+from etrain.workers.layout_rules import grad_accum_steps
+from etrain.workers.protocol.errors import ConfigError
 
 
 def brute_force_legal(global_batch, micro_batch, min_dp, max_dp):
@@ -64,8 +65,9 @@ class TestErrors:
             legal_dp_sizes(8, 1, 4, 2)
 
     def test_grad_accum_names_the_numbers(self):
-        with pytest.raises(ResizeError, match=r"dp=3 does not divide .* 32/2 = 16 micro-batches"):
+        with pytest.raises(ConfigError, match=r"global_batch=32 is not divisible by .* = 3 \* 2 = 6") as info:
             grad_accum_steps(32, 2, 3)
+        assert info.value.field == "training.global_batch"
 
     def test_resize_error_is_a_value_error(self):
         assert issubclass(ResizeError, ValueError)
@@ -117,7 +119,7 @@ class TestElasticPolicy:
         assert policy.legal_sizes() == [2, 4, 8]
         assert policy.is_legal(4) and not policy.is_legal(3) and not policy.is_legal(16)
         assert policy.choose(6) == 4
-        assert policy.grad_accum(8) == 2
+        assert grad_accum_steps(32, 2, 8) == 2
 
     def test_check_names_the_legal_sizes(self):
         policy = ElasticPolicy(global_batch=32, micro_batch=2, min_dp=2, max_dp=8)

@@ -6,7 +6,9 @@ import pytest
 import yaml
 
 from etrain.service.planning import planner
-from etrain.service.planning.spec import JobSpec, check_spec, resolve_paths
+from etrain.service.planning.spec import JobSpec
+from etrain.service.planning.spec_checks import check_spec
+from etrain.service.planning.spec_paths import resolve_paths
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))

@@ -1,7 +1,8 @@
 """Atomic checkpoint commits (invariant 4): what counts as a checkpoint, and what is skipped.
 
 Pure: fake "DCP" files in temporary directories, no torch. Each test reads as one rule of
-``workers/protocol/manifest.py``.
+``workers/protocol/manifest.py`` (the format) and ``workers/checkpoint_commit.py`` (commit,
+verify, resolve, prune).
 """
 
 from __future__ import annotations
@@ -15,11 +16,7 @@ import pickle
 import pytest
 
 from etrain.workers.protocol.errors import CheckpointError
-from etrain.workers.protocol.manifest import (
-    MANIFEST_NAME,
-    FileEntry,
-    ManifestSignatureError,
-    ShardReport,
+from etrain.workers.checkpoint_commit import (
     checkpoint_files,
     commit,
     file_entry,
@@ -31,6 +28,7 @@ from etrain.workers.protocol.manifest import (
     step_dir,
     verify,
 )
+from etrain.workers.protocol.manifest import MANIFEST_NAME, FileEntry, ManifestSignatureError, ShardReport
 from etrain.workers.protocol.manifest import _canonical  # the one canonical encoding the signature is over
 
 WORLD = 2

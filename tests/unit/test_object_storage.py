@@ -16,8 +16,7 @@ from etrain.service.access.storage_roots import StorageRoots, parse_roots, pin
 from tests.object_store import s3_server
 from etrain.workers import storage
 from etrain.workers.protocol.errors import CheckpointError, ConfigError
-from etrain.workers.protocol.manifest import (
-    ShardReport,
+from etrain.workers.checkpoint_commit import (
     checkpoint_files,
     commit,
     file_entry,
@@ -28,6 +27,7 @@ from etrain.workers.protocol.manifest import (
     step_dir,
     verify,
 )
+from etrain.workers.protocol.manifest import ShardReport
 from etrain.workers.rank_log import RankLog, rank_log_path, read_lines
 
 KEY = b"k" * 32

@@ -11,31 +11,39 @@ import torch
 from tests.equivalence_utils import small_config
 from etrain.workers.protocol.run_config import ModelConfig, ParallelConfig
 from etrain.workers.protocol.errors import ConfigError
-from etrain.workers.parallelize import ParallelDims, validate_tp
-from etrain.workers.train import Trainer, load_run_config, main
+from etrain.workers.layout_rules import sequence_parallel_problems, tp_problems
+from etrain.workers.parallelize import ParallelDims
+from etrain.workers.torchrun import load_run_config, main
+from etrain.workers.train import Trainer
+from tests.state_utils import full_state_dict
 
 
 def test_parallel_dims_must_multiply_to_the_world_and_the_message_prints_every_degree() -> None:
     with pytest.raises(ConfigError) as info:
         ParallelDims(pp=2, dp=3, tp=2, world_size=8)
-    assert "pp=2 × dp=3 × tp=2 = 12, but the world size is 8" in str(info.value)
+    assert "pp=2 × dp=3 × tp=2 = 12 ranks, but the world size is 8" in str(info.value)
     dims = ParallelDims(pp=1, dp=2, tp=2, world_size=4)
     assert (dims.dp_enabled, dims.tp_enabled, dims.pp_enabled) == (True, True, False)
 
 
 @pytest.mark.parametrize(
-    "model, tp, sp, field",
+    "model, tp, sp, field, size",
     [
-        (ModelConfig(n_layers=1, d_model=24, n_heads=3, vocab_size=64, seq_len=8), 2, False, "model.n_heads"),
-        (ModelConfig(n_layers=1, d_model=8, n_heads=2, vocab_size=64, seq_len=8, d_ff=9), 2, False, "model.d_ff"),
-        (ModelConfig(n_layers=1, d_model=8, n_heads=2, vocab_size=63, seq_len=8), 2, False, "model.vocab_size"),
-        (ModelConfig(n_layers=1, d_model=8, n_heads=2, vocab_size=64, seq_len=7), 2, True, "model.seq_len"),
+        (ModelConfig(n_layers=1, d_model=24, n_heads=3, vocab_size=64, seq_len=8), 2, False, "parallelism.tp",
+         "model.n_heads=3"),
+        (ModelConfig(n_layers=1, d_model=8, n_heads=2, vocab_size=64, seq_len=8, d_ff=9), 2, False, "parallelism.tp",
+         "model.ffn_dim=9"),
+        (ModelConfig(n_layers=1, d_model=8, n_heads=2, vocab_size=63, seq_len=8), 2, False, "parallelism.tp",
+         "model.vocab_size=63"),
+        (ModelConfig(n_layers=1, d_model=8, n_heads=2, vocab_size=64, seq_len=7), 2, True,
+         "parallelism.sequence_parallel", "model.seq_len=7"),
     ],
 )
-def test_tensor_parallel_shape_rules_name_the_setting(model, tp, sp, field) -> None:
-    with pytest.raises(ConfigError) as info:
-        validate_tp(model, tp, sp)
-    assert info.value.field == field and "parallel.tp=2" in str(info.value)
+def test_tensor_parallel_shape_rules_name_the_setting(model, tp, sp, field, size) -> None:
+    """The rules parallelize_stage checks (etrain.workers.layout_rules): one problem, naming the size."""
+    problems = tp_problems(model, tp) + sequence_parallel_problems(seq_len=model.seq_len, tp=tp, enabled=sp)
+    assert [p.field for p in problems] == [field]
+    assert size in problems[0].message and "parallelism.tp=2" in problems[0].message
 
 
 def test_trainer_rejects_a_layout_of_another_world_size() -> None:
@@ -46,7 +54,7 @@ def test_trainer_rejects_a_layout_of_another_world_size() -> None:
 
 def test_sequence_parallel_needs_tensor_parallel() -> None:
     config = small_config(parallel=ParallelConfig(sequence_parallel=True))
-    with pytest.raises(ConfigError, match="sequence_parallel needs parallel.tp > 1"):
+    with pytest.raises(ConfigError, match="sequence_parallel=true needs tp > 1"):
         Trainer(config, rank=0, world_size=1, device=torch.device("cpu"))
 
 
@@ -58,7 +66,7 @@ def test_single_process_trainer_learns_and_reports_state() -> None:
     assert [m.step for m in history] == list(range(6))
     parts, optimizers, extra = trainer.state_for_checkpoint()
     assert extra["step"] == 6 and extra["data"]["next_step"] == 6 and "rng" in extra
-    assert set(trainer.full_state_dict()) == {n for n, _ in parts[0].named_parameters()}
+    assert set(full_state_dict(trainer)) == {n for n, _ in parts[0].named_parameters()}
 
 
 def test_torchrun_entry_point_runs_a_config_file(tmp_path, capsys) -> None:

@@ -1,8 +1,9 @@
 """How the pipeline cuts the model: layer splits, stage placement, schedule rules, stage FQNs.
 
 Pure tests (no process group): the stage modules are built with ``stage_module``, the same function
-``build_pipeline`` uses, and the schedule rules are checked against the torch schedule classes
-themselves, constructed over stand-in stages.
+``build_pipeline`` uses, and the schedule rules (``etrain.workers.layout_rules``) are checked against
+the torch schedule classes themselves, constructed over stand-in stages: what they accept, and how
+many micro-batches the planner says a stage holds at its peak.
 """
 
 from __future__ import annotations
@@ -18,14 +19,9 @@ from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 from etrain.workers.protocol.run_config import ModelConfig
 from etrain.workers.protocol.errors import ConfigError
 from etrain.workers.model import build_model
-from etrain.workers.pipeline import (
-    PIPELINE_SCHEDULES,
-    StepTiming,
-    split_layers,
-    stage_ids_for_rank,
-    stage_module,
-    validate_schedule,
-)
+from etrain.service.planning.plan_activations import layer_chunks_in_flight
+from etrain.workers.layout_rules import PIPELINE_SCHEDULES, schedule_problems, split_layers, stage_ids_for_rank
+from etrain.workers.pipeline import StepTiming, stage_module
 
 CONFIG = ModelConfig(n_layers=4, d_model=32, n_heads=4, vocab_size=64, seq_len=16)
 
@@ -52,14 +48,14 @@ def test_split_layers_rejects_an_uneven_split_naming_the_settings() -> None:
     with pytest.raises(ConfigError) as info:
         split_layers(6, 4)
     error = info.value
-    assert error.field == "model.n_layers"
+    assert error.field == "parallelism.pp"
     assert "model.n_layers=6" in error.message
-    assert "parallelism.pp * parallelism.virtual_stages = 4" in error.message
-    assert "multiple of 4" in error.fix and "parallelism.virtual_stages" in error.fix
+    assert "pp·virtual_stages = 4·1 = 4" in error.message
+    assert "multiple of 4" in error.fix and "use pp in [1, 2, 3, 6]" in error.fix
 
 
 def test_split_layers_rejects_zero_stages() -> None:
-    with pytest.raises(ConfigError, match="must be >= 1"):
+    with pytest.raises(ConfigError, match="must be an integer >= 1, got 0"):
         split_layers(4, 0)
 
 
@@ -93,43 +89,41 @@ def test_stage_ids_reject_a_rank_outside_the_pipeline() -> None:
         stage_ids_for_rank(2, 2, 1, "1f1b")
 
 
-# -- validate_schedule ------------------------------------------------------------------------------
+# -- schedule_problems -------------------------------------------------------------------------------
+
+
+def _stage(index: int, rank: int, pp: int, virtual_stages: int) -> SimpleNamespace:
+    """A stand-in for a PipelineStage: what the schedule classes read when they plan (no process group)."""
+    num_stages = pp * virtual_stages
+    return SimpleNamespace(stage_index=index, num_stages=num_stages, group_size=pp, group_rank=rank,
+                           is_first=index == 0, is_last=index == num_stages - 1)
+
+
+def _interleaved(pp: int, virtual_stages: int, n_microbatches: int, rank: int) -> ScheduleInterleaved1F1B:
+    stages = [_stage(v * pp + rank, rank, pp, virtual_stages) for v in range(virtual_stages)]
+    return ScheduleInterleaved1F1B(stages, n_microbatches, loss_fn=lambda output, target: output)
 
 
 def _torch_accepts(pp: int, virtual_stages: int, n_microbatches: int, schedule: str) -> bool:
     """Whether the torch schedule class constructs for every rank (stand-in stages, no process group)."""
-
-    def stage(index: int, rank: int) -> SimpleNamespace:
-        num_stages = pp * virtual_stages
-        return SimpleNamespace(
-            stage_index=index, num_stages=num_stages, group_size=pp, group_rank=rank,
-            is_first=index == 0, is_last=index == num_stages - 1,
-        )
-
-    loss = lambda output, target: output  # noqa: E731
     try:
         for rank in range(pp):
             if schedule == "interleaved_1f1b":
-                stages = [stage(v * pp + rank, rank) for v in range(virtual_stages)]
-                ScheduleInterleaved1F1B(stages, n_microbatches, loss_fn=loss)
+                _interleaved(pp, virtual_stages, n_microbatches, rank)
             else:
                 cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
-                cls(stage(rank, rank), n_microbatches, loss_fn=loss)
+                cls(_stage(rank, rank, pp, virtual_stages), n_microbatches, loss_fn=lambda output, target: output)
     except ValueError:
         return False
     return True
 
 
 def _we_accept(pp: int, virtual_stages: int, n_microbatches: int, schedule: str) -> bool:
-    try:
-        validate_schedule(pp, virtual_stages, n_microbatches, schedule)
-    except ConfigError:
-        return False
-    return True
+    return not schedule_problems(pp, virtual_stages, n_microbatches, schedule)
 
 
 @pytest.mark.parametrize("schedule", PIPELINE_SCHEDULES)
-def test_validate_schedule_accepts_exactly_what_torch_runs(schedule: str) -> None:
+def test_schedule_problems_accept_exactly_what_torch_runs(schedule: str) -> None:
     virtual = (1,) if schedule != "interleaved_1f1b" else (2, 3)
     for pp, v, m in itertools.product(range(2, 6), virtual, range(1, 17)):
         assert _we_accept(pp, v, m, schedule) == _torch_accepts(pp, v, m, schedule), (schedule, pp, v, m)
@@ -143,26 +137,52 @@ def test_validate_schedule_accepts_exactly_what_torch_runs(schedule: str) -> Non
         (2, 1, 4, "interleaved_1f1b", "parallelism.virtual_stages", "needs parallelism.virtual_stages >= 2", "virtual_stages=2"),
         (4, 1, 3, "1f1b", "parallelism.microbatches", "at least parallelism.pp=4 micro-batches", "'gpipe'"),
         (4, 2, 9, "interleaved_1f1b", "parallelism.microbatches", "not a multiple of 2", "multiple of parallelism.pp=4"),
-        (2, 1, 0, "gpipe", "parallelism.microbatches", ">= 1 micro-batch", "training.global_batch"),
+        (2, 1, 0, "gpipe", "parallelism.microbatches", "must be an integer >= 1, got 0", "training.global_batch"),
         (2, 1, 4, "zb", "parallelism.pp_schedule", "'zb' is not a known", "gpipe, 1f1b, interleaved_1f1b"),
     ],
 )
-def test_validate_schedule_errors_name_the_setting_and_the_fix(
+def test_schedule_problems_name_the_setting_and_the_fix(
     pp, virtual_stages, n_microbatches, schedule, field, message, fix
 ) -> None:
-    with pytest.raises(ConfigError) as info:
-        validate_schedule(pp, virtual_stages, n_microbatches, schedule)
-    assert info.value.field == field
-    assert message in info.value.message
-    assert fix in info.value.fix
+    problems = schedule_problems(pp, virtual_stages, n_microbatches, schedule)
+    assert [p.field for p in problems] == [field]
+    assert message in problems[0].message
+    assert fix in problems[0].fix
 
 
-def test_validate_schedule_accepts_the_usual_layouts() -> None:
-    validate_schedule(2, 1, 1, "gpipe")
-    validate_schedule(4, 1, 4, "1f1b")
-    validate_schedule(4, 2, 8, "interleaved_1f1b")
-    validate_schedule(4, 2, 10, "interleaved_1f1b")  # torch's flexible rounds: 2 rounds of 5
-    validate_schedule(4, 2, 3, "interleaved_1f1b")  # fewer micro-batches than ranks: one round
+def test_schedule_problems_accept_the_usual_layouts() -> None:
+    assert schedule_problems(2, 1, 1, "gpipe") == []
+    assert schedule_problems(4, 1, 4, "1f1b") == []
+    assert schedule_problems(4, 2, 8, "interleaved_1f1b") == []
+    assert schedule_problems(4, 2, 10, "interleaved_1f1b") == []  # torch's flexible rounds: 2 rounds of 5
+    assert schedule_problems(4, 2, 3, "interleaved_1f1b") == []  # fewer micro-batches than ranks: one round
+    assert schedule_problems(2, 2, 3, "interleaved_1f1b") == []  # the equivalence tests train this one
+
+
+def _torch_peak_chunks(pp: int, virtual_stages: int, n_microbatches: int, rank: int) -> int:
+    """The most (chunk, micro-batch) forwards whose backward has not run yet, on ``rank``, in the order
+    torch's ScheduleInterleaved1F1B computes (its ``pipeline_order``, built over stand-in stages)."""
+    held = peak = 0
+    for action in _interleaved(pp, virtual_stages, n_microbatches, rank).pipeline_order[rank]:
+        if action is None:
+            continue
+        kind = action.computation_type.value  # "F" forward, "B" full backward (the only kinds it plans)
+        held += {"F": 1, "B": -1}[kind]
+        peak = max(peak, held)
+    return peak
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4])
+def test_the_planners_interleaved_activations_are_torchs_peak(pp: int) -> None:
+    """``layer_chunks_in_flight`` (the planner's activation count) equals what torch's interleaved
+    schedule keeps alive at its peak, for every stage, including micro-batch counts that are not a
+    multiple of pp (torch's flexible rounds), which the planner now accepts."""
+    for v, m in itertools.product((2, 3), range(1, 13)):
+        if schedule_problems(pp, v, m, "interleaved_1f1b"):
+            continue
+        for rank in range(pp):
+            ours = layer_chunks_in_flight("interleaved_1f1b", pp=pp, microbatches=m, virtual_stages=v, stage=rank)
+            assert ours == _torch_peak_chunks(pp, v, m, rank), (pp, v, m, rank)
 
 
 # -- stage modules ----------------------------------------------------------------------------------

@@ -9,27 +9,26 @@ import math
 import pytest
 
 from etrain.service.errors import SpecRejected
-from etrain.service.planning.plan_math import largest_param, rope_table_bytes
-from etrain.service.planning.planner import (
-    RUNTIME_OVERHEAD_GIB,
-    GiB,
-    AutoPlan,
-    bubble_fraction,
-    bytes_per_param,
-    check_plan,
-    device_memory_gb,
-    estimate,
+from etrain.service.planning.estimate import RUNTIME_OVERHEAD_GIB, device_memory_gb, estimate
+from etrain.service.planning.plan_activations import (
     in_flight_microbatches,
     korthikanti_activation_bytes,
     layer_activation_bytes,
-    layer_params,
     llama_layer_activation_bytes,
     logits_bytes,
-    plan_report,
+    rope_table_bytes,
+)
+from etrain.service.planning.plan_comm import bubble_fraction
+from etrain.service.planning.plan_memory import (
+    GiB,
+    bytes_per_param,
+    largest_param,
+    layer_params,
     precision_bytes,
-    resolve_auto,
     stage_params,
 )
+from etrain.service.planning.plan_search import AutoPlan
+from etrain.service.planning.planner import check_plan, plan_report, resolve_auto
 from etrain.service.planning.spec import JobSpec, ParallelismSpec
 from etrain.workers.protocol.run_config import MODEL_PRESETS, ModelConfig
 
@@ -637,7 +636,7 @@ class TestRules:
     def test_hsdp_replicas_divide_dp_and_need_fsdp(self):
         problems = check_plan(gpu_spec("llama3-8b", {"dp": 8, "zero": 3, "dp_replicate": 3}, {"global_batch": 8}))
         assert fields(problems) == ["parallelism.dp_replicate"]
-        assert "dp_replicate=3 must divide parallelism.dp=8" in problems[0].message
+        assert "dp_replicate=3 does not divide parallelism.dp=8" in problems[0].message
         assert "[1, 2, 4, 8]" in problems[0].fix
         problems = check_plan(gpu_spec("llama3-8b", {"dp": 8, "zero": 1, "dp_replicate": 2}))
         assert "parallelism.dp_replicate" in fields(problems)
@@ -672,20 +671,37 @@ class TestRules:
         assert fields(problems) == ["parallelism.virtual_stages"]
         assert "pp·virtual_stages = 2·4 = 8" in problems[0].message
 
-    @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-    def test_too_few_micro_batches_to_fill_the_pipe(self, schedule):
-        spec = make_spec(parallelism={"pp": 4, "pp_schedule": schedule}, n_layers=8,
-                         training={"global_batch": 2})
+    def test_1f1b_needs_a_micro_batch_per_stage(self):
+        spec = make_spec(parallelism={"pp": 4, "pp_schedule": "1f1b"}, n_layers=8, training={"global_batch": 2})
         problems = check_plan(spec)
         assert fields(problems) == ["parallelism.microbatches"]
-        assert "at least 4 micro-batches" in problems[0].message and "= 2" in problems[0].message
+        assert "at least parallelism.pp=4 micro-batches" in problems[0].message and "= 2" in problems[0].message
 
-    def test_interleaved_needs_micro_batches_divisible_by_pp(self):
-        spec = make_spec(parallelism={"pp": 2, "pp_schedule": "interleaved_1f1b", "virtual_stages": 2},
-                         training={"global_batch": 6, "micro_batch": 2})
-        problems = check_plan(spec)
+    def test_gpipe_runs_fewer_micro_batches_than_stages_and_pays_the_bubble(self):
+        # torch's ScheduleGPipe has no minimum (the engine accepts what torch runs): the bubble shows the cost.
+        spec = make_spec(parallelism={"pp": 4, "pp_schedule": "gpipe"}, n_layers=8, training={"global_batch": 2})
+        assert check_plan(spec) == []
+        est = estimate(spec)
+        assert est.microbatches == 2 and est.in_flight_microbatches == 2
+        assert est.bubble_fraction == pytest.approx(3 / (2 + 3))
+
+    def test_interleaved_runs_micro_batches_in_torchs_rounds(self):
+        # pp=2, 3 micro-batches: one round of 3 (torch's flexible interleaving): the engine trains it
+        # exactly like one process (tests/integration/test_pipeline_equivalence.py), so it is accepted.
+        interleaved = {"pp": 2, "pp_schedule": "interleaved_1f1b", "virtual_stages": 2}
+        three = make_spec(parallelism=interleaved, training={"global_batch": 6, "micro_batch": 2})
+        assert check_plan(three) == []
+        est = estimate(three)
+        assert est.microbatches == 3
+        # stage 0 warms up 2·(P-1) + (v-1)·3 = 5 chunk forwards and holds one more: all 3·2 chunks.
+        assert est.in_flight_microbatches == 3.0
+        assert est.bubble_fraction == pytest.approx(1 / (2 * 3 + 1))
+        # 5 micro-batches: two rounds (5 // 2), and 5 is not a multiple of 2: torch refuses it.
+        five = make_spec(parallelism=interleaved, training={"global_batch": 10, "micro_batch": 2})
+        problems = check_plan(five)
         assert fields(problems) == ["parallelism.microbatches"]
-        assert "divisible by pp=2" in problems[0].message and "= 3" in problems[0].message
+        assert "rounds of max(1, microbatches // pp) = 2" in problems[0].message and "= 5" in problems[0].message
+        assert "multiple of parallelism.pp=2" in problems[0].fix
 
     def test_interleaved_needs_virtual_stages(self):
         problems = check_plan(make_spec(parallelism={"pp": 2, "pp_schedule": "interleaved_1f1b"}))

@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from etrain.service.planning.spec import JobSpec, check_spec, resolve_paths
+from etrain.service.planning.spec import JobSpec
+from etrain.service.planning.spec_checks import check_spec
+from etrain.service.planning.spec_paths import resolve_paths
 from etrain.workers.hf_config import DEFAULT_MAX_SEQ_LEN
 
 REPO = Path(__file__).resolve().parents[2]
@@ -133,7 +135,7 @@ def test_reading_a_hf_spec_never_imports_torch(tmp_path):
     write_config(tmp_path / "m")
     code = (
         "import sys, json\n"
-        "from etrain.service.planning.spec import JobSpec, check_spec\n"
+        "from etrain.service.planning.spec import JobSpec\nfrom etrain.service.planning.spec_checks import check_spec\n"
         "from etrain.service.decisions import supervisor\n"
         "from etrain.service.store import job_store\n"
         "from etrain.service import manager\n"

@@ -1,4 +1,4 @@
-"""Storage roots (service/access/storage_roots.py, service/planning/spec.py pin_paths) and the checkpoint key
+"""Storage roots (service/access/storage_roots.py, service/planning/spec_paths.py pin_paths) and the checkpoint key
 (service/access/checkpoint_key.py): pure rules over real temporary directories and real symlinks."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import pytest
 from etrain.service.access.checkpoint_key import KEY_NAME, load_or_create_key
 from etrain.service.errors import SettingsError
 from etrain.service.settings import Settings
-from etrain.service.planning.spec import JobSpec, pin_paths, resolve_paths
+from etrain.service.planning.spec import JobSpec
+from etrain.service.planning.spec_paths import pin_paths, resolve_paths
 from etrain.service.access.storage_roots import PRIVATE_FILE_NAMES, StorageRoots, inside, parse_roots, pin
 
 
@@ -180,7 +181,7 @@ def test_a_damaged_key_file_is_a_settings_error_naming_the_fix(tmp_path):
 
 def test_the_key_is_not_in_the_policys_repr(tmp_path):
     pytest.importorskip("ray")
-    from etrain.service.manager import policy_for
+    from etrain.service.jobs.policy import policy_for
 
     policy = policy_for(_spec())
     import dataclasses

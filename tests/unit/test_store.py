@@ -10,7 +10,9 @@ import threading
 import pytest
 
 from etrain.service.errors import JobConflict, JobNotFound, ServiceUnavailable
-from etrain.service.store.job_store import MIGRATIONS, SCHEMA_VERSION, EventRecord, JobRecord, JobStatus, JobStore, StepRecord, migrate
+from etrain.service.store.job_store import JobStore
+from etrain.service.store.records import EventRecord, JobRecord, JobStatus, StepRecord
+from etrain.service.store.schema import MIGRATIONS, SCHEMA_VERSION, migrate
 
 SPEC = {"name": "tiny", "model": {"preset": "gpt-tiny"}, "training": {"steps": 10, "global_batch": 4}}
 

@@ -12,7 +12,9 @@ from dataclasses import replace
 
 import pytest
 
-from etrain.service.decisions.supervisor import (
+from etrain.service.decisions.job_status import Status
+from etrain.service.decisions.supervisor import decide
+from etrain.service.decisions.supervisor_events import (
     Abort,
     Cancel,
     CapacityChanged,
@@ -25,7 +27,6 @@ from etrain.service.decisions.supervisor import (
     Exported,
     ExportFailed,
     Finished,
-    GroupPhase,
     GroupReady,
     GroupStopped,
     JobError,
@@ -39,17 +40,18 @@ from etrain.service.decisions.supervisor import (
     ScaleRequested,
     ScheduleWake,
     Start,
-    Status,
     StepReported,
     StopGroup,
     StragglerFlagged,
+    Tick,
+    WorkerLost,
+)
+from etrain.service.decisions.supervisor_state import (
+    GroupPhase,
     SupervisorConfig,
     SupervisorConfigError,
     SupervisorState,
-    Tick,
-    WorkerLost,
     backoff_delay,
-    decide,
     initial_state,
 )
 
@@ -1453,7 +1455,7 @@ def test_random_events_after_the_last_step_export_exactly_once_and_never_relaunc
 
 
 def test_checkpoint_fallback_moves_commit_point_and_progress_back():
-    from etrain.service.decisions.supervisor import CheckpointFallback
+    from etrain.service.decisions.supervisor_events import CheckpointFallback
 
     state = launching(status=Status.RECOVERING, attempt=2, last_committed_step=20, step=20)
     decision = decide(state, CheckpointFallback(attempt=2, step=10, reason="sha256 mismatch"), 50.0, CONFIG)
@@ -1468,7 +1470,7 @@ def test_checkpoint_fallback_moves_commit_point_and_progress_back():
 
 
 def test_checkpoint_fallback_to_fresh_start():
-    from etrain.service.decisions.supervisor import CheckpointFallback
+    from etrain.service.decisions.supervisor_events import CheckpointFallback
 
     state = launching(status=Status.RECOVERING, attempt=2, last_committed_step=5, step=5)
     decision = decide(state, CheckpointFallback(attempt=2, step=None), 1.0, CONFIG)
@@ -1485,7 +1487,7 @@ def test_checkpoint_fallback_to_fresh_start():
     ],
 )
 def test_checkpoint_fallback_ignored_when_not_launching_or_not_older(state, step, why):
-    from etrain.service.decisions.supervisor import CheckpointFallback
+    from etrain.service.decisions.supervisor_events import CheckpointFallback
 
     decision = decide(state, CheckpointFallback(attempt=state.attempt, step=step), 1.0, CONFIG)
     assert decision.ignored and decision.state == state
@@ -1493,7 +1495,7 @@ def test_checkpoint_fallback_ignored_when_not_launching_or_not_older(state, step
 
 
 def test_checkpoint_fallback_from_a_stale_attempt_is_ignored():
-    from etrain.service.decisions.supervisor import CheckpointFallback
+    from etrain.service.decisions.supervisor_events import CheckpointFallback
 
     state = launching(attempt=3, last_committed_step=20)
     assert decide(state, CheckpointFallback(attempt=2, step=10), 1.0, CONFIG).ignored

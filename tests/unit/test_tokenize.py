@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from etrain.service.planning.spec import JobSpec, check_spec, resolve_paths
+from etrain.service.planning.spec import JobSpec
+from etrain.service.planning.spec_checks import check_spec
+from etrain.service.planning.spec_paths import resolve_paths
 from tests.tiny_tokenizers import CORPUS, byte_bpe, wide_word_level, word_level_with_bos
 from etrain.workers import tokenized
 from etrain.workers.protocol.run_config import DataConfig, ModelConfig

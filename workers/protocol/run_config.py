@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from etrain.workers.protocol.errors import ConfigError
+from etrain.workers import layout_rules
 
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 Precision = Literal["fp32", "bf16"]
@@ -185,7 +185,7 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
+        return layout_rules.world_size(pp=self.pp, dp=self.dp, tp=self.tp)
 
     @property
     def num_stages(self) -> int:
@@ -221,19 +221,8 @@ class TrainingConfig:
     timing_sync_every: int = 10
 
     def grad_accum_steps(self, dp: int) -> int:
-        """Micro-steps per optimizer step on each dp rank: global_batch / (dp * micro_batch).
-
-        Elastic resizing changes ``dp`` and this absorbs the difference, so the global batch (and the
-        loss the optimizer sees) stays the same whatever the data-parallel degree.
-        """
-        per_step = dp * self.micro_batch
-        if self.global_batch % per_step:
-            raise ConfigError(
-                f"global_batch={self.global_batch} is not divisible by dp*micro_batch={dp}*{self.micro_batch}.",
-                field="training.global_batch",
-                fix=f"use a global_batch that is a multiple of {per_step}, or change dp/micro_batch",
-            )
-        return self.global_batch // per_step
+        """Micro-steps per optimizer step on each dp rank (:func:`etrain.workers.layout_rules.grad_accum_steps`)."""
+        return layout_rules.grad_accum_steps(self.global_batch, self.micro_batch, dp)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,0 +1,81 @@
+"""``etrain prepare-data``: tokenize text here, once, into the cache a ``data: {kind: text}`` job reads.
+
+It runs the same function the server runs at submit (``etrain.workers.tokenized.tokenize_text``), but
+locally, with no server and no time limit, and with a progress bar: the way to prepare a corpus too
+big to tokenize while a submit waits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import TextIO
+
+from etrain.api.cli.client import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, CliError
+from etrain.api.cli.output import print_error, print_json
+
+
+class ProgressBar:
+    """``etrain prepare-data``'s progress: one line on ``stream`` (stderr) redrawn in place, at most every
+    ``interval_s`` seconds and always at 100%; a new stage (hashing, then tokenizing) starts a new line."""
+
+    WIDTH = 30
+
+    def __init__(self, stream: TextIO, *, interval_s: float = 0.2):
+        self.stream = stream
+        self.interval_s = interval_s
+        self._stage: str | None = None
+        self._started = self._drawn = 0.0
+
+    def __call__(self, stage: str, done: int, total: int, tokens: int) -> None:
+        now = time.monotonic()
+        if stage != self._stage:
+            if self._stage is not None:
+                self.stream.write("\n")
+            self._stage, self._started, self._drawn = stage, now, 0.0
+        elif done < total and now - self._drawn < self.interval_s:
+            return
+        self._drawn = now
+        fraction = done / total if total else 1.0
+        filled = min(self.WIDTH, int(fraction * self.WIDTH))
+        mib = 1 << 20
+        rate = done / mib / max(now - self._started, 1e-6)
+        line = (f"{stage:<10} {100 * fraction:5.1f}% |{'#' * filled}{'.' * (self.WIDTH - filled)}| "
+                f"{done / mib:.1f}/{total / mib:.1f} MiB  {rate:.1f} MiB/s")
+        if stage == "tokenizing":
+            line += f"  {tokens:,} tokens"
+        self.stream.write("\r" + line)
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self._stage is not None:
+            self.stream.write("\n")
+            self.stream.flush()
+            self._stage = None
+
+
+def cmd_prepare_data(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    """Tokenize text with a tokenizer.json into the cache a ``data: {kind: text, tokenizer: ...}`` job reads
+    (or into ``--out``), here, with no server and no time limit; print the file and its token count."""
+    from etrain.workers.protocol.errors import EtrainError
+    from etrain.workers.tokenized import tokenize_text
+
+    bar = ProgressBar(err)
+    try:
+        cache = tokenize_text(args.path, args.tokenizer, out=args.out, progress=bar)
+    except EtrainError as error:
+        bar.close()
+        print_error(CliError(error.message, error.fix), err)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        bar.close()
+        return EXIT_INTERRUPTED
+    bar.close()
+    if args.json:
+        print_json({**cache.sidecar(), "reused": cache.reused}, out)
+        return EXIT_OK
+    eos = f"EOS {cache.eos_token!r}" if cache.eos_token else "no EOS"
+    print(f"cache:  {cache.path} ({'reused' if cache.reused else 'written'})", file=out)
+    print(f"tokens: {cache.num_tokens} {cache.dtype} ({cache.documents} documents, {eos}, "
+          f"tokenizer vocab {cache.vocab_size})", file=out)
+    return EXIT_OK

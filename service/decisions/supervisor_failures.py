@@ -1,0 +1,114 @@
+"""The supervisor's handlers for lost ranks and nodes: repair in place, restart, or wait for capacity.
+
+A lost process or actor is the job's fault (a restart from the budget, [9] repairs a single rank in
+place); a lost node is not (no budget, wait for the capacity left); a late node verdict refunds the
+restart it was first charged as ([8]). Rows and notes: the transition table of service/decisions/supervisor.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from etrain.service.decisions.job_status import Status
+from etrain.service.decisions.supervisor_events import (
+    Action,
+    NodeLossConfirmed,
+    RecordEvent,
+    RepairFailed,
+    RepairGroup,
+    WorkerLost,
+)
+from etrain.service.decisions.supervisor_state import Decision, GroupPhase, SupervisorConfig, SupervisorState
+from etrain.service.decisions.supervisor_moves import (
+    clear_pending,
+    decision,
+    fault,
+    fit_dp,
+    ignore,
+    node_lost,
+    stop_group,
+    try_launch,
+)
+
+
+def on_worker_lost(
+    state: SupervisorState,
+    event: WorkerLost,
+    now: float,
+    config: SupervisorConfig,
+) -> Decision:
+    if state.group not in (GroupPhase.LAUNCHING, GroupPhase.UP):
+        return ignore(state, f"WorkerLost while group is {state.group.value} (expected during teardown)")
+    what = f"rank {event.rank} on node {event.node} lost ({event.cause})"
+    if event.detail:
+        what += f": {event.detail}"
+    if event.cause == "node":
+        return node_lost(state, now, config, what)
+    if _can_repair(state, event, config):
+        return _repair(state, now, config, event.rank, what)
+    return fault(state, now, config, "worker_failed", what)
+
+
+def _can_repair(state: SupervisorState, event: WorkerLost, config: SupervisorConfig) -> bool:
+    """[9] One known rank of a running group, a committed step to resume, nothing planned to stop for."""
+    return (config.in_place and state.group is GroupPhase.UP and 0 <= event.rank < config.world_size(state.dp)
+            and state.last_committed_step is not None and state.restarts_used < config.max_restarts
+            and state.pending_evict_node is None and state.pending_resize_dp is None)
+
+
+def _repair(state: SupervisorState, now: float, config: SupervisorConfig, rank: int, what: str) -> Decision:
+    """Spend a restart, keep every other rank's process, replace ``rank``, resume the last commit."""
+    step = state.last_committed_step
+    repaired = replace(
+        clear_pending(state),
+        status=Status.RECOVERING,
+        restarts_used=state.restarts_used + 1,
+        attempt=state.attempt + 1,
+        group=GroupPhase.LAUNCHING,
+        group_since=now,
+        step=step,
+        last_progress_at=None,
+        backoff_until=None,
+        checkpoint_reports=frozenset(),
+        committing=frozenset(),  # a late answer about the old attempt's commit is ignored [3]
+    )
+    detail = (f"restart {repaired.restarts_used}/{config.max_restarts} in place: rank {rank} replaced, the other "
+              f"ranks kept, resuming step {step}")
+    actions: list[Action] = [
+        RecordEvent(kind="worker_failed", detail=what),
+        RecordEvent(kind="restarting", detail=detail),
+        RepairGroup(attempt=repaired.attempt, lost_rank=rank, world_size=config.world_size(state.dp),
+                    resume_step=step),
+    ]
+    return decision(repaired, actions, f"{what}: {detail}")
+
+
+def on_repair_failed(state: SupervisorState, event: RepairFailed, now: float, config: SupervisorConfig) -> Decision:
+    """[9] Fall back to a full relaunch from the same committed step; the restart was already spent."""
+    if state.group is not GroupPhase.LAUNCHING:
+        return ignore(state, f"RepairFailed while group is {state.group.value}")
+    what = f"in-place repair of attempt {state.attempt} failed: {event.reason}; relaunching every rank"
+    stopped, stop_actions = stop_group(state, now, what)
+    return decision(stopped, [RecordEvent(kind="repair_failed", detail=what), *stop_actions], what)
+
+
+def on_node_loss_confirmed(
+    state: SupervisorState,
+    event: NodeLossConfirmed,
+    now: float,
+    config: SupervisorConfig,
+) -> Decision:
+    """A process fault turned out to be a node loss [8]: refund its restart, re-fit to the capacity left."""
+    refunded = replace(state, restarts_used=max(0, state.restarts_used - 1), available_dp=event.available_dp)
+    detail = (f"node {event.node} of the rank lost in attempt {event.failed_attempt} was declared dead: a node "
+              f"loss, not the job's fault; restarts used {refunded.restarts_used}/{config.max_restarts}")
+    actions: list[Action] = [RecordEvent(kind="restart_refunded", detail=detail)]
+    fit = fit_dp(refunded, config)
+    if state.group is GroupPhase.LAUNCHING and fit != state.dp:
+        # The relaunch asked for a size the cluster no longer holds: stop it and re-fit.
+        lost = node_lost(refunded, now, config, f"attempt {state.attempt} cannot be placed at dp={state.dp} "
+                                                 f"without node {event.node}")
+        return decision(lost.state, [*actions, *lost.actions], f"{detail}; {lost.reason}")
+    if state.group is GroupPhase.NONE and state.status in (Status.RECOVERING, Status.RESIZING):
+        return try_launch(replace(refunded, backoff_until=None), now, config, actions, detail)  # no backoff for a node
+    return decision(refunded, actions, detail)

@@ -1,0 +1,176 @@
+"""What the supervisor's state machine holds and answers with: its config, its state, its decision.
+
+Plain frozen values, so a test builds any state in one line and the Ray adapter
+(service/runtime/supervisor_actor.py) keeps the current one as a single field. The rules that move
+between them are :func:`etrain.service.decisions.supervisor.decide` and its handlers; the config's own
+range checks live here because spec validation (service/planning/spec.py) builds this config at submit to
+run them on a spec before any job exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from etrain.service.decisions.elastic import ElasticPolicy, ResizeError
+from etrain.service.decisions.job_status import Status
+from etrain.service.decisions.supervisor_events import Action
+from etrain.workers.protocol.errors import EtrainError
+
+__all__ = [
+    "Decision", "GroupPhase", "SupervisorConfig", "SupervisorConfigError", "SupervisorState", "backoff_delay",
+    "initial_state",
+]
+
+
+class SupervisorConfigError(EtrainError, ValueError):
+    """A supervisor setting out of range; the message names the setting, the value and the fix."""
+
+
+class GroupPhase(str, Enum):
+    """What the adapter's worker group is doing, as far as the supervisor knows."""
+
+    NONE = "none"  # no group: not launched yet, or GroupStopped confirmed
+    LAUNCHING = "launching"  # LaunchGroup sent, GroupReady not yet seen
+    UP = "up"  # GroupReady seen; training
+    STOPPING = "stopping"  # StopGroup sent, GroupStopped not yet seen
+
+
+@dataclass(frozen=True, kw_only=True)
+class SupervisorConfig:
+    total_steps: int
+    global_batch: int
+    micro_batch: int
+    min_dp: int
+    max_dp: int
+    tp: int = 1
+    pp: int = 1
+    dp_multiple: int = 1  # HSDP: every dp the job runs at stays a multiple of dp_replicate
+    max_restarts: int = 3  # faults survived before FAILED (node loss/resize/evict are free)
+    heartbeat_timeout_s: float = 300.0  # RUNNING with no step progress this long = hang
+    start_timeout_s: float = 600.0  # LaunchGroup -> GroupReady
+    stop_timeout_s: float = 120.0  # StopGroup -> GroupStopped
+    checkpoint_timeout_s: float = 300.0  # RequestCheckpoint -> committed
+    capacity_wait_timeout_s: float = 1800.0  # waiting for min_dp replicas / a capacity report
+    backoff_base_s: float = 5.0
+    backoff_max_s: float = 300.0
+    in_place: bool = True  # repair a single lost rank in place [9] instead of relaunching every rank
+    fail_on_nonfinite_loss: bool = True
+    export: bool = False  # write the final checkpoint as a Hugging Face folder before SUCCEEDED
+    export_timeout_s: float = 3600.0  # ExportCheckpoint -> Exported
+    job_id: str = "JOB_ID"  # only for messages (the `etrain export` retry command)
+
+    def __post_init__(self) -> None:
+        # ``field`` names the setting (this config's name) so that spec validation, which builds this
+        # config at submit to run these same rules, can name the spec field (service/planning/spec.py).
+        def need(ok: bool, message: str, field: str) -> None:
+            if not ok:
+                raise SupervisorConfigError(message, field=field)
+
+        need(self.total_steps >= 1, f"total_steps={self.total_steps} must be >= 1", "total_steps")
+        need(self.tp >= 1 and self.pp >= 1, f"tp={self.tp} and pp={self.pp} must be >= 1", "tp")
+        need(self.max_restarts >= 0, f"max_restarts={self.max_restarts} must be >= 0", "max_restarts")
+        for name in ("heartbeat_timeout_s", "start_timeout_s", "stop_timeout_s",
+                     "checkpoint_timeout_s", "capacity_wait_timeout_s", "export_timeout_s"):
+            value = getattr(self, name)
+            need(value > 0, f"{name}={value} must be > 0 seconds (every wait has a timeout)", name)
+        need(self.backoff_base_s >= 0, f"backoff_base_s={self.backoff_base_s} must be >= 0", "backoff_base_s")
+        need(
+            self.backoff_max_s >= self.backoff_base_s,
+            f"backoff_max_s={self.backoff_max_s} must be >= backoff_base_s={self.backoff_base_s}",
+            "backoff_max_s",
+        )
+        try:
+            self.elastic  # noqa: B018 - validates the batch sizes and dp range
+        except ResizeError as err:
+            raise SupervisorConfigError(str(err), field=err.field) from err
+
+    @property
+    def elastic(self) -> ElasticPolicy:
+        return ElasticPolicy(
+            global_batch=self.global_batch,
+            micro_batch=self.micro_batch,
+            min_dp=self.min_dp,
+            max_dp=self.max_dp,
+            dp_multiple=self.dp_multiple,
+        )
+
+    def world_size(self, dp: int) -> int:
+        return self.pp * dp * self.tp
+
+
+@dataclass(frozen=True, kw_only=True)
+class SupervisorState:
+    status: Status
+    dp: int  # dp of the current (or last) group
+    attempt: int = 0  # bumped by every LaunchGroup; events from other attempts are stale
+    group: GroupPhase = GroupPhase.NONE
+    group_since: float | None = None  # when `group` last changed (start/stop timeouts)
+    restarts_used: int = 0
+    last_committed_step: int | None = None
+    step: int = 0  # highest step seen from the current attempt
+    last_progress_at: float | None = None
+    backoff_until: float | None = None
+    # Capacity and elasticity.
+    available_dp: int | None = None  # last CapacityChanged; None = never reported
+    target_dp: int | None = None  # ScaleRequested ceiling; None = as much as capacity allows
+    awaiting_capacity: bool = False  # a node was lost/evicted: wait for a fresh CapacityChanged
+    # When the job began waiting for capacity; cleared only by GroupReady, so launches that keep
+    # failing to place (WorkerLost(node) while LAUNCHING) run into capacity_wait_timeout_s too.
+    capacity_wait_since: float | None = None
+    waiting_for: str | None = None  # what a blocked launch waits for (recorded when it changes)
+    excluded_nodes: frozenset[str] = frozenset()
+    # A change waiting for a checkpoint while RUNNING (one at a time).
+    pending_resize_dp: int | None = None
+    pending_evict_node: str | None = None
+    pending_evict_rank: int | None = None
+    checkpoint_requested_at: float | None = None
+    checkpoint_requested_step: int | None = None
+    # (step, rank) pairs of checkpoint saves reported by the current attempt, not yet committed.
+    checkpoint_reports: frozenset[tuple[int, int]] = frozenset()
+    # Steps every rank reported whose manifest the adapter is writing (CommitCheckpoint sent, no
+    # CommitSucceeded / CommitFailed yet). Not committed: last_committed_step does not include them.
+    committing: frozenset[int] = frozenset()
+    # The end-of-job export (status EXPORTING): which committed step, since when, and where it went.
+    exporting_step: int | None = None
+    export_started_at: float | None = None  # None while the group is still stopping
+    hf_export: str | None = None
+    error: str | None = None
+
+    @property
+    def pending(self) -> bool:
+        return self.checkpoint_requested_at is not None
+
+
+def initial_state(
+    config: SupervisorConfig,
+    *,
+    dp: int,
+    last_committed_step: int | None = None,
+    restarts_used: int = 0,
+) -> SupervisorState:
+    """A QUEUED job that will launch at ``dp`` (the planner's choice; capacity may change it)."""
+    try:
+        config.elastic.check(dp)
+    except ResizeError as err:
+        raise SupervisorConfigError(str(err), field=err.field) from err
+    return SupervisorState(
+        status=Status.QUEUED,
+        dp=dp,
+        last_committed_step=last_committed_step,
+        step=last_committed_step or 0,
+        restarts_used=restarts_used,
+    )
+
+
+def backoff_delay(restarts_used: int, config: SupervisorConfig) -> float:
+    """Seconds before the next restart: ``backoff_base_s * 2**restarts_used``, capped."""
+    return min(config.backoff_max_s, config.backoff_base_s * 2.0 ** min(restarts_used, 64))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Decision:
+    state: SupervisorState
+    actions: tuple[Action, ...] = ()
+    reason: str = ""
+    ignored: bool = False  # the event changed nothing (late, stale or not legal in this state)

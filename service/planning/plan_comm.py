@@ -1,0 +1,242 @@
+"""Communication, FLOPs and time of a step: what ranks layouts (never what rejects one).
+
+Each formula is tested on its own in tests/unit/test_planner.py:
+
+* The collectives of each ZeRO stage (``dp_traffic``): the ZeRO table of
+  ``distributed-training-mathematics`` (Rajbhandari et al. 2020).
+* Pipeline bubble ``(P - 1)/(M + P - 1)`` (``bubble_fraction``): GPipe (Huang et al. 2019), derived
+  in ``distributed-training-mathematics`` and ``data-model-pipeline-parallelism``; the interleaved
+  schedule's ``1/v`` from Megatron-LM (Narayanan et al. 2021).
+* FLOPs per step (``step_flops``): 6 per matmul parameter per token (forward 2, backward 4) plus
+  attention's ``12·L·(heads·head_dim)·s``.
+
+Communication (``CommVolume``): bytes the busiest rank sends per optimizer step, ring algorithms
+(all-reduce ``2(N-1)/N·D``, reduce-scatter and all-gather ``(N-1)/N·D``); gradients are reduced once
+per step, FSDP re-gathers parameters per micro-batch (``dp_traffic``). Step time (``StepTime``, used
+only to rank layouts) is compute at an assumed throughput plus bytes/bandwidth and a per-collective
+latency (``Hardware``), stretched by the bubble; nothing is assumed to overlap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from etrain.service.planning.plan_memory import gib
+from etrain.workers import layout_rules
+from etrain.workers.protocol.run_config import ModelConfig
+
+__all__ = [
+    "DDP_BUCKET_BYTES",
+    "CommVolume",
+    "Hardware",
+    "StepTime",
+    "bubble_fraction",
+    "dp_traffic",
+    "hardware_for",
+    "pp_traffic",
+    "step_flops",
+    "step_time",
+    "tp_traffic",
+]
+
+DDP_BUCKET_BYTES = 25 * 1024**2
+
+
+def bubble_fraction(pp: int, microbatches: int, schedule: str = "1f1b", virtual_stages: int = 1) -> float:
+    """Fraction of a step the pipeline idles: ``(P - 1) / (v·M + P - 1)``.
+
+    GPipe and 1F1B: ``(P - 1)/(M + P - 1)`` (v = 1). Interleaved: Megatron's bubble relative to the
+    ideal time is ``(1/v)(P - 1)/M``; as a fraction of the total step that is ``(P - 1)/(v·M + P - 1)``.
+    """
+    if pp <= 1:
+        return 0.0
+    v = virtual_stages if schedule == "interleaved_1f1b" else 1
+    return (pp - 1) / (v * microbatches + pp - 1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommVolume:
+    """Bytes the busiest rank sends (about as many it receives) per optimizer step, by mesh axis,
+    and how many collectives (or point-to-point sends) carry them."""
+
+    dp: int
+    tp: int
+    pp: int
+    dp_ops: int = 0
+    tp_ops: int = 0
+    pp_ops: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.dp + self.tp + self.pp
+
+    def to_dict(self) -> dict:
+        parts = {"dp": self.dp, "tp": self.tp, "pp": self.pp, "total": self.total}
+        return {"bytes": parts, "gib": {k: gib(v) for k, v in parts.items()},
+                "collectives": {"dp": self.dp_ops, "tp": self.tp_ops, "pp": self.pp_ops}}
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepTime:
+    """Cost model: ``(compute + tp + pp) / (1 - bubble) + dp`` seconds, nothing overlapped."""
+
+    compute_s: float
+    tp_comm_s: float
+    pp_comm_s: float
+    dp_comm_s: float
+    bubble_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.tp_comm_s + self.pp_comm_s + self.dp_comm_s + self.bubble_s
+
+    def to_dict(self) -> dict:
+        fields = dataclasses.asdict(self)
+        return {**{k: float(f"{v:.4g}") for k, v in fields.items()}, "total_s": float(f"{self.total_s:.4g}")}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hardware:
+    """Sustained throughput per rank the step-time model assumes (order of magnitude, not a promise)."""
+
+    flops_per_s: float
+    intra_node_bytes_per_s: float
+    inter_node_bytes_per_s: float
+    intra_node_latency_s: float  # per collective / send: what makes many small ones expensive
+    inter_node_latency_s: float
+    ranks_per_node: int
+
+    def link(self, span: int) -> tuple[float, float]:
+        """(bytes/s, latency) of a group of consecutive ranks spanning ``span`` ranks."""
+        if span <= self.ranks_per_node:
+            return self.intra_node_bytes_per_s, self.intra_node_latency_s
+        return self.inter_node_bytes_per_s, self.inter_node_latency_s
+
+
+def hardware_for(device: str, precision: str, cpus_per_worker: float = 1.0) -> Hardware:
+    """H100-class GPUs at ~40% MFU, NVLink inside an 8-GPU node (~400 GB/s all-reduce bus bandwidth),
+    200 Gb/s InfiniBand per GPU across nodes; CPU workers on one machine talking gloo."""
+    if device == "cuda":
+        return Hardware(flops_per_s=400e12 if precision == "bf16" else 50e12,
+                        intra_node_bytes_per_s=400e9, inter_node_bytes_per_s=25e9,
+                        intra_node_latency_s=10e-6, inter_node_latency_s=30e-6, ranks_per_node=8)
+    return Hardware(flops_per_s=2e10 * cpus_per_worker, intra_node_bytes_per_s=2e9, inter_node_bytes_per_s=1e9,
+                    intra_node_latency_s=200e-6, inter_node_latency_s=500e-6, ranks_per_node=64)
+
+
+def _ring_all_reduce(n: int, nbytes: float) -> float:
+    return 2 * (n - 1) / n * nbytes
+
+
+def _ring_gather_or_scatter(n: int, nbytes: float) -> float:
+    return (n - 1) / n * nbytes
+
+
+def dp_traffic(*, zero: int, dp: int, pp: int, microbatches: int, params: float, param_bytes: int,
+                grad_bytes: int, units: int, tensors: int, dp_replicate: int = 1) -> tuple[float, int]:
+    """(bytes sent, collectives) per step on the dp axis, ring algorithms.
+
+    ZeRO-0: one all-reduce of the gradients, 2(N-1)/N·G, in 25 MiB DDP buckets. ZeRO-1 adds
+    ZeroRedundancyOptimizer's broadcast of the updated parameters, (N-1)/N·P, one per tensor (the
+    seed table's "all-reduce + scatter"). ZeRO-2: one reduce-scatter of the gradients per step plus
+    an all-gather of the parameters per forward, (N-1)/N·(G + P); ZeRO-3 one more all-gather for
+    the backward, (N-1)/N·(G + 2P). FSDP reshards after every backward when no pipeline keeps the
+    parameters gathered, so with M micro-batches per step those all-gathers happen M times (the
+    seed formulas are the M = 1 case); a pipeline gathers ZeRO-2 once and ZeRO-3 once per forward
+    plus once for the backwards. HSDP (``dp_replicate`` R > 1) runs those collectives inside a
+    shard group of N = dp/R ranks and adds an all-reduce of the reduced gradient shard (G/N)
+    across the R replicas.
+    """
+    if dp <= 1:
+        return 0.0, 0
+    grads, weights = params * grad_bytes, params * param_bytes
+    if zero <= 1:
+        volume = _ring_all_reduce(dp, grads)
+        ops = math.ceil(grads / DDP_BUCKET_BYTES)
+        if zero == 1:
+            volume += _ring_gather_or_scatter(dp, weights)
+            ops += tensors
+        return volume, ops
+    m, n, r = microbatches, dp // dp_replicate, dp_replicate
+    if zero == 2:
+        gathers = m if pp == 1 else 1
+    else:
+        gathers = 2 * m if pp == 1 else m + 1
+    volume = _ring_gather_or_scatter(n, grads) + gathers * _ring_gather_or_scatter(n, weights)
+    ops = units * (1 + gathers)
+    if r > 1:
+        volume += _ring_all_reduce(r, grads / n)
+        ops += units
+    return volume, ops
+
+
+def tp_traffic(*, tp: int, microbatches: int, layers: int, first: bool, last: bool, checkpointing: bool,
+                hidden_bytes: float, tokens: int) -> tuple[float, int]:
+    """(bytes sent, collectives) per step on the tp axis of one stage, ring algorithms.
+
+    Per layer per micro-batch 2 all-reduces forward + 2 backward of b·s·d (same volume as
+    all-gather + reduce-scatter under sequence parallelism; +2 forward when recomputed); the
+    vocab-parallel embedding (forward) and head (backward) one each. The logits stay vocab-sharded:
+    ``loss_parallel`` all-reduces three fp32 values per token (max, sum of exponentials, the target's
+    logit) instead of gathering them.
+    """
+    if tp <= 1:
+        return 0.0, 0
+    m = microbatches
+    ar_per_layer = 6 if checkpointing else 4  # 2 fwd + 2 bwd all-reduces, +2 fwd in recompute
+    edge_ops = int(first) + int(last)
+    ops = m * (layers * ar_per_layer + edge_ops + 3 * int(last))
+    volume = m * ((layers * ar_per_layer + edge_ops) * _ring_all_reduce(tp, hidden_bytes)
+                  + int(last) * 3 * _ring_all_reduce(tp, 4 * tokens))
+    return volume, ops
+
+
+def pp_traffic(*, pp: int, virtual_stages: int, microbatches: int, hidden_bytes: float,
+                sp_div: int) -> tuple[float, int]:
+    """(bytes sent, sends) per step by the busiest stage: each micro-batch's activations cross every
+    chunk boundary forward, its gradients backward. ``sp_div`` is tp under sequence parallelism
+    (the hidden states cross sharded), else 1."""
+    v = virtual_stages
+    # Stage i sends v chunks forward (one fewer on the last stage) and v backward (one fewer on the
+    # first): the busiest is a middle stage (2v) when pp > 2; with pp == 2 both send 2v - 1.
+    sends = 0 if pp <= 1 else (2 * v if pp > 2 else 2 * v - 1)
+    return microbatches * sends * hidden_bytes / sp_div, microbatches * sends
+
+
+def step_flops(model: ModelConfig, *, global_batch: int, checkpointing: bool) -> tuple[float, float]:
+    """(FLOPs per step, the same with activation recompute): 6 per matmul parameter per token
+    (forward 2, backward 4) plus attention's 12·L·(n_heads·head_dim)·s per token; recompute runs
+    the forward again. Embedding lookups are not matmuls, but a tied output head multiplies by the
+    embedding's weight, so a tied model's matmul parameters include it."""
+    s, d = model.seq_len, model.d_model
+    tokens = global_batch * s
+    if model.arch == "llama":
+        lookups = 0 if model.tie_embeddings else model.vocab_size * d
+        width = model.n_heads * model.head_dim
+    else:
+        lookups, width = (model.vocab_size + s) * d, d
+    matmul_params = model.num_params - lookups
+    attention = model.n_layers * width * s
+    flops = 6 * matmul_params * tokens + 12 * attention * tokens
+    flops_recompute = flops + (2 * matmul_params + 4 * attention) * tokens if checkpointing else flops
+    return flops, flops_recompute
+
+
+def step_time(hw: Hardware, *, dp: int, tp: int, pp: int, comm: CommVolume, flops: float,
+               bubble: float) -> StepTime:
+    """Seconds per step under the :class:`StepTime` cost model, links chosen by :meth:`Hardware.link`."""
+
+    def seconds(nbytes: float, ops: int, span: int) -> float:  # Megatron order: tp, then dp, then pp
+        bandwidth, latency = hw.link(span)
+        return nbytes / bandwidth + ops * latency
+
+    world = layout_rules.world_size(pp=pp, dp=dp, tp=tp)
+    compute = flops / world / hw.flops_per_s
+    tp_s = seconds(comm.tp, comm.tp_ops, tp)
+    pp_s = seconds(comm.pp, comm.pp_ops, world)
+    dp_s = seconds(comm.dp, comm.dp_ops, tp * dp)
+    busy = compute + tp_s + pp_s
+    return StepTime(compute_s=compute, tp_comm_s=tp_s, pp_comm_s=pp_s, dp_comm_s=dp_s,
+                    bubble_s=busy / (1 - bubble) - busy)

@@ -1,0 +1,241 @@
+"""The automatic choice of a layout: which layouts to try, which one wins, and why.
+
+``parallelism: auto`` (or ``{auto: true, max_workers: N}``) asks the planner to choose ``(dp, tp, pp,
+zero, schedule)`` within a worker budget. :func:`candidate_layouts` enumerates what the layout rules
+(``etrain.workers.layout_rules``) allow, built from divisors and capped
+(``etrain.service.planning.bounds.spread``); :func:`choose_layout` picks by the step-time cost model;
+:func:`explain_choice` says why, one reason per decision. ``planner.resolve_auto`` runs the search.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from etrain.service.planning.bounds import spread
+from etrain.service.planning.estimate import Case, PlanEstimate, evaluate
+from etrain.service.planning.plan_memory import gib
+from etrain.service.planning.spec import JobSpec, ParallelismSpec
+from etrain.workers import layout_rules
+
+__all__ = [
+    "AUTO_MEMORY_TARGET",
+    "AUTO_SCHEDULES",
+    "MAX_AUTO_DP_SIZES",
+    "MAX_AUTO_LAYOUTS",
+    "MAX_AUTO_PP_SIZES",
+    "MAX_AUTO_TP",
+    "STEP_TIME_TOLERANCE",
+    "AutoPlan",
+    "candidate_layouts",
+    "choose_layout",
+    "explain_choice",
+    "fits_after_shrink",
+    "worker_budget",
+]
+
+#: Layouts whose estimated step time is within this fraction of the fastest count as equally fast.
+STEP_TIME_TOLERANCE = 0.05
+
+
+#: Auto-planning first looks for layouts within this share of device memory (estimates are estimates).
+AUTO_MEMORY_TARGET = 0.9
+
+
+MAX_AUTO_TP = 8  # tensor parallelism stays inside one node (8 GPUs, NVLink)
+
+
+#: Auto-planning tries at most this many pipeline depths (divisors of n_layers) and, per (tp, pp), this
+#: many dp sizes (divisors of global_batch / micro_batch within the budget): all of them when there are
+#: no more, else an even spread that keeps the smallest and the largest (``etrain.service.planning.bounds.spread``).
+MAX_AUTO_PP_SIZES = 16
+
+
+MAX_AUTO_DP_SIZES = 16
+
+
+#: And at most this many layouts in all (each costs ~0.2 ms to estimate), in order of preference
+#: (fewest pipeline stages first), so no spec makes POST /v1/plan or /v1/jobs search for long.
+MAX_AUTO_LAYOUTS = 4096
+#: The (schedule, virtual_stages) auto-planning tries for pp > 1 (pp = 1: the first, plain accumulation).
+AUTO_SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4))
+
+
+@dataclass(frozen=True, kw_only=True)
+class AutoPlan:
+    """The layout the planner chose, its estimate, and why (one reason per decision)."""
+
+    layout: ParallelismSpec
+    estimate: PlanEstimate
+    reasons: list[str]
+    candidates_considered: int
+    candidates_fitting: int
+    max_workers: int
+
+    def to_dict(self) -> dict:
+        return {
+            "layout": self.layout.model_dump(), "layout_text": self.estimate.layout, "reasons": list(self.reasons),
+            "candidates_considered": self.candidates_considered, "candidates_fitting": self.candidates_fitting,
+            "max_workers": self.max_workers,
+        }
+
+
+def worker_budget(spec: JobSpec) -> int:
+    """max_workers; for the literal ``"auto"`` the elastic ceiling ``resources.max_dp``, else 1."""
+    if isinstance(spec.parallelism, ParallelismSpec):
+        raise ValueError("resolve_auto needs parallelism: auto or {auto: true, max_workers: N}")
+    if spec.parallelism == "auto":
+        return spec.resources.max_dp or 1
+    return spec.parallelism.max_workers
+
+
+def candidate_layouts(spec: JobSpec, base: Case, budget: int) -> Iterator[Case]:
+    """The (dp, tp, pp, zero, schedule, sp) layouts within the budget that the structural rules allow,
+    fewest pipeline stages first.
+
+    Built from divisors, not ranges, and filtered by the layout rules (``etrain.workers.layout_rules``):
+    tp splits every TP dimension and stays in one node (MAX_AUTO_TP), pp divides n_layers (only pp=1
+    for a tied model), dp is a legal size (it divides the micro-batches per step, global_batch /
+    micro_batch) within ``resources.min_dp..max_dp``, a schedule is one torch runs with those
+    micro-batches (AUTO_SCHEDULES: GPipe has 1F1B's bubble and more memory, so it is never the better
+    choice); sequence parallelism is on whenever it applies. At most MAX_AUTO_PP_SIZES pp and
+    MAX_AUTO_DP_SIZES dp values per (tp, pp) are tried (:func:`etrain.service.planning.bounds.spread`).
+    """
+    model, res, training = base.model, spec.resources, spec.training
+    lo_dp, hi_dp = res.min_dp or 1, res.max_dp or budget
+    if layout_rules.micro_batch_count_problems(training.global_batch, training.micro_batch) or lo_dp > hi_dp:
+        return  # check_spec reports it; no dp keeps the batch whole
+    per_replica = layout_rules.micro_batch_count(training.global_batch, training.micro_batch)
+    dps = layout_rules.legal_dp_sizes(training.global_batch, training.micro_batch, lo_dp, hi_dp)
+    tps = [t for t in layout_rules.valid_tps(model) if t <= min(budget, MAX_AUTO_TP)]
+    pps = [p for p in spread([p for p in layout_rules.divisors(model.n_layers) if p <= budget], MAX_AUTO_PP_SIZES)
+           if not layout_rules.tied_embedding_problems(tie_embeddings=model.tie_embeddings, pp=p)]
+    for pp in pps:
+        for tp in tps:
+            if tp * pp > budget:
+                continue
+            ceiling = budget // (tp * pp)
+            for dp in spread([d for d in dps if d <= ceiling], MAX_AUTO_DP_SIZES):
+                m = per_replica // dp
+                schedules = [(name, v) for name, v in (AUTO_SCHEDULES if pp > 1 else AUTO_SCHEDULES[:1])
+                             if not layout_rules.schedule_problems(pp, v, m, name)
+                             and not layout_rules.layer_problems(model.n_layers, pp, v)]
+                # Sequence parallelism, where it applies, shards activations at no extra traffic: never
+                # slower nor bigger than without it, so the layout without it is not tried.
+                sp = tp > 1 and not layout_rules.sequence_parallel_problems(seq_len=model.seq_len, tp=tp, enabled=True)
+                for zero in range(4) if dp > 1 else (0,):
+                    for schedule, v in schedules:
+                        layout = ParallelismSpec(dp=dp, tp=tp, pp=pp, zero=zero, pp_schedule=schedule,
+                                                 virtual_stages=v, sequence_parallel=sp)
+                        yield dataclasses.replace(base, layout=layout)
+
+
+def choose_layout(fitting: list[PlanEstimate]) -> PlanEstimate:
+    """The cost model's pick among layouts that fit.
+
+    1. Layouts within AUTO_MEMORY_TARGET of device memory, when there are any (headroom for error).
+    2. Pipeline parallelism only when needed, and only as much as needed: only layouts with the
+       smallest pp that fits compete (pp=1 whenever something fits without a pipeline).
+    3. Among layouts whose estimated step time is within STEP_TIME_TOLERANCE of the fastest, the
+       least tensor parallelism (the comm-heavy axis).
+    4. Within that (pp, tp): the fastest step; exact ties (same traffic, e.g. sequence parallelism
+       on or off) go to lower memory. So ZeRO is used when memory needs it or it is faster.
+    """
+    roomy = [e for e in fitting if e.memory.total <= AUTO_MEMORY_TARGET * e.device_memory_bytes]
+    pool = roomy or fitting
+    fewest_stages = min(e.pp for e in pool)
+    pool = [e for e in pool if e.pp == fewest_stages]
+    fastest = min(e.step_time.total_s for e in pool)
+    band = [e for e in pool if e.step_time.total_s <= fastest * (1 + STEP_TIME_TOLERANCE)]
+    tp = min(e.tp for e in band)
+    same_axes = [e for e in pool if e.tp == tp]
+    best = min(e.step_time.total_s for e in same_axes)
+    ties = [e for e in same_axes if e.step_time.total_s <= best * (1 + 1e-9)]
+    return min(ties, key=lambda e: (e.memory.total, e.step_time.total_s, e.layout))
+
+
+def fits_after_shrink(case: Case, min_dp: int | None) -> bool:
+    """An elastic job must also fit after shrinking to ``resources.min_dp`` (ZeRO shards over fewer)."""
+    if not min_dp or min_dp >= case.layout.dp:
+        return True
+    return evaluate(case.replace(layout={"dp": min_dp, "microbatches": None})).fits
+
+
+def _axis_reason(axis: str, label: str, chosen: PlanEstimate, evaluated: list[PlanEstimate],
+                 fitting: list[PlanEstimate], dev: float, *, same_pp: bool = False) -> str:
+    """Why ``axis`` is not 1: the best layout without it is slower, too tight, or does not fit."""
+    value = getattr(chosen, axis)
+    if value == 1:
+        return f"{axis}=1: the model fits without {label}"
+    scope = f" and pp={chosen.pp}" if same_pp and chosen.pp > 1 else ""
+
+    def without(pool: list[PlanEstimate]) -> list[PlanEstimate]:
+        return [e for e in pool if getattr(e, axis) == 1 and (not same_pp or e.pp == chosen.pp)]
+
+    alts = without(fitting)
+    roomy = [e for e in alts if e.memory.total <= AUTO_MEMORY_TARGET * e.device_memory_bytes]
+    if roomy:
+        alt = min(roomy, key=lambda e: e.step_time.total_s)
+        return (f"{axis}={value}: est. step {chosen.step_time.total_s:.3g} s vs {alt.step_time.total_s:.3g} s "
+                f"for the best layout with {axis}=1{scope} ({alt.layout})")
+    if alts:
+        alt = min(alts, key=lambda e: e.memory.total)
+        return (f"{axis}={value}: with {axis}=1{scope} the best fit ({alt.layout}) needs "
+                f"{gib(alt.memory.total):.1f} of {dev:.1f} GiB/rank, above the "
+                f"{AUTO_MEMORY_TARGET:.0%} planning target")
+    pool = without(evaluated)
+    if not pool:
+        return f"{axis}={value}: no valid layout with {axis}=1{scope} within the budget"
+    low = min(pool, key=lambda e: e.memory.total)
+    if low.fits:  # it fits as sized but not after shrinking to resources.min_dp
+        return (f"{axis}={value}: layouts with {axis}=1{scope} fit at their size (the smallest, {low.layout}, "
+                f"{gib(low.memory.total):.1f} GiB/rank) but not after an elastic shrink to resources.min_dp")
+    return (f"{axis}={value}: no layout with {axis}=1{scope} fits; the smallest ({low.layout}) needs "
+            f"{gib(low.memory.total):.1f} GiB/rank > {dev:.1f} GiB "
+            f"({low.memory.biggest.replace('_', ' ')} {gib(getattr(low.memory, low.memory.biggest)):.1f} GiB)")
+
+
+def explain_choice(chosen: PlanEstimate, case: Case, evaluated: list[PlanEstimate], fitting: list[PlanEstimate],
+                   budget: int, dev: float) -> list[str]:
+    """One reason per decision: the budget, tp, pp, the schedule, ZeRO, sequence parallelism, dp, the total."""
+    reasons = [f"budget: at most {budget} workers; {len(evaluated)} valid layouts considered, "
+               f"{len(fitting)} fit in {dev:.1f} GiB/rank",
+               _axis_reason("tp", "tensor parallelism", chosen, evaluated, fitting, dev, same_pp=True),
+               _axis_reason("pp", "pipeline parallelism", chosen, evaluated, fitting, dev)]
+    if chosen.pp > 1:
+        reasons.append(f"pp_schedule={chosen.pp_schedule}"
+                       f"{f' x{chosen.virtual_stages} virtual stages' if chosen.virtual_stages > 1 else ''}: "
+                       f"bubble {chosen.bubble_fraction:.1%} with {chosen.microbatches} micro-batches, "
+                       f"stage {chosen.memory.stage} holds {chosen.in_flight_microbatches:g} in flight")
+    if chosen.zero == 0:
+        reasons.append("zero=0: dp=1, nothing to shard" if chosen.dp == 1 else
+                       f"zero=0: replicated optimizer states fit "
+                       f"({gib(chosen.memory.optimizer_states):.1f} GiB/rank)")
+    else:
+        plain = evaluate(case.replace(layout={"zero": 0}))
+        shards = {1: "optimizer states", 2: "optimizer states and gradients",
+                  3: "optimizer states, gradients and parameters"}[chosen.zero]
+        if not plain.fits:
+            verdict = f"exceeds {dev:.1f} GiB"
+        elif plain.memory.total > AUTO_MEMORY_TARGET * plain.device_memory_bytes:
+            verdict = f"leaves under {1 - AUTO_MEMORY_TARGET:.0%} of {dev:.1f} GiB free"
+        else:
+            verdict = (f"fits, but zero={chosen.zero} is estimated faster ({chosen.step_time.total_s:.4g} s vs "
+                       f"{plain.step_time.total_s:.4g} s per step)")
+        reasons.append(f"zero={chosen.zero}: shards {shards} over dp={chosen.dp}; at zero=0 optimizer states "
+                       f"take {gib(plain.memory.optimizer_states):.1f} GiB/rank and the total "
+                       f"{gib(plain.memory.total):.1f} GiB/rank {verdict}; now {gib(chosen.memory.total):.1f} GiB")
+    if chosen.sequence_parallel:
+        reasons.append(f"sequence_parallel: shards the norms' activations over tp={chosen.tp} at no extra "
+                       "communication volume")
+    used = f"{chosen.world_size} of {budget} workers"
+    limit = "" if chosen.world_size == budget else (
+        f" (dp must divide global_batch/micro_batch = {case.global_batch}/{case.micro_batch} and fit the budget)")
+    reasons.append(f"dp={chosen.dp}: world = dp·tp·pp = {chosen.dp}·{chosen.tp}·{chosen.pp} uses {used}{limit}")
+    st = chosen.step_time
+    comm_s = st.tp_comm_s + st.pp_comm_s + st.dp_comm_s
+    reasons.append(f"chosen {chosen.layout}: {gib(chosen.memory.total):.1f} of {dev:.1f} GiB/rank, est. step "
+                   f"{st.total_s:.3g} s (compute {st.compute_s:.3g}, comm {comm_s:.3g}, "
+                   f"bubble {chosen.bubble_fraction:.1%})")
+    return reasons

@@ -1,0 +1,101 @@
+"""Rank 0's step reports, as the supervisor actor takes them in: step rows, the job's latest fields, the
+gauges, straggler findings, and the state-machine events they mean.
+
+Rank 0 reports a batch of completed steps (workers/report_batch.py) after every rank took part in each
+step's boundary exchange, so a report is every rank's heartbeat and carries every rank's timings. This
+is the one per-step path of a job, kept apart from the actor (service/runtime/supervisor_actor.py) so
+that what a step becomes is read in one place: a row for the control plane (its own sequence, since a
+restarted attempt re-reports step numbers), a StepReported (progress), and, per pipeline stage, the
+stragglers service/decisions/stragglers.py finds (StragglerFlagged).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from etrain.service.decisions.stragglers import StragglerConfig, StragglerDetector, stage_map
+from etrain.service.decisions.supervisor_events import Event, StepReported, StragglerFlagged
+from etrain.service.runtime.job_metrics import JobMetrics
+
+__all__ = ["MAX_STEP_HISTORY", "StepReports"]
+
+#: Step rows kept for the control plane to pull (it stores them; older ones are dropped here).
+MAX_STEP_HISTORY = 100_000
+
+#: The StepMetrics fields a step row keeps.
+_ROW_FIELDS = ("loss", "lr", "grad_norm", "step_s", "compute_s", "comm_wait_s", "tokens_per_s", "flops_per_s", "mfu",
+               "peak_mem_bytes")
+
+
+class StepReports:
+    """The step rows and findings of one supervisor. :meth:`take` runs on the actor's control thread;
+    :meth:`since` and :meth:`stats` on Ray's method threads."""
+
+    def __init__(self, *, stragglers: StragglerConfig, evict: bool, metrics: JobMetrics, parallel: Any):
+        self._config = stragglers
+        self._evict = evict  # straggler_action == "evict"
+        self._metrics = metrics
+        self._lock = threading.Lock()
+        self._rows: list[dict[str, Any]] = []
+        self._seq = 0
+        self._calls = 0  # report_steps calls taken in (one per batch from rank 0, not per rank per step)
+        self._detector = self._new_detector(parallel)
+        #: The job's newest step, loss and throughput (the job's fields in ``updates``).
+        self.latest: dict[str, Any] = {}
+        #: Every straggler found so far, with its node (the job's ``stragglers`` field).
+        self.findings: list[dict[str, Any]] = []
+
+    def new_attempt(self, parallel: Any) -> None:
+        """A launch or repair: a fresh detector, judging ranks within their pipeline stage of ``parallel``."""
+        self._detector = self._new_detector(parallel)
+
+    def _new_detector(self, parallel: Any) -> StragglerDetector:
+        return StragglerDetector(self._config, stages=stage_map(pp=parallel.pp, dp=parallel.dp, tp=parallel.tp))
+
+    def called(self) -> None:
+        """One ``report_steps`` call arrived (counted whatever its attempt)."""
+        self._calls += 1
+
+    def take(self, attempt: int, metrics: dict, *, world_size: int, node_of: Callable[[int], str],
+             now: float) -> list[Event]:
+        """One completed step of the current ``attempt``: its row stored; the events to apply, in order
+        (StragglerFlagged for each rank found slow, then StepReported)."""
+        completed = int(metrics["step"]) + 1
+        events: list[Event] = []
+        # Only timing-sync steps separate a rank's compute from waiting on a slow peer (between
+        # them a fast rank's compute_s includes that wait); every rank agrees which steps they are.
+        compute_s = (metrics.get("ranks") or {}).get("compute_s") or []
+        if self._config.enabled and metrics.get("timing_synced", True) and len(compute_s) == world_size:
+            compute = {rank: float(seconds or 0.0) for rank, seconds in enumerate(compute_s)}
+            for finding in self._detector.observe(completed, compute):
+                node = node_of(finding.rank)
+                self.findings.append(dataclasses.asdict(finding) | {"node": node})
+                self._metrics.straggler(finding.rank, finding.factor)
+                events.append(StragglerFlagged(attempt=attempt, rank=finding.rank, node=node, factor=finding.factor,
+                                               evict=self._evict, evidence=finding.evidence))
+        row = {key: metrics.get(key) for key in _ROW_FIELDS}
+        row.update(step=completed, attempt=attempt, ts=now)
+        with self._lock:
+            self._seq += 1
+            row["seq"] = self._seq
+            self._rows.append(row)
+            if len(self._rows) > MAX_STEP_HISTORY:
+                del self._rows[: len(self._rows) - MAX_STEP_HISTORY]
+        events.append(StepReported(attempt=attempt, step=completed, loss=float(metrics["loss"]), rank=0))
+        return events
+
+    def show(self, last: dict, *, restarts: int) -> None:
+        """A batch was taken in: the job's fields and gauges show its newest step ``last``."""
+        self.latest = {"step": int(last["step"]) + 1, "loss": last.get("loss"), "tokens_per_s": last.get("tokens_per_s")}
+        self._metrics.step(self.latest["step"], last, restarts)
+
+    def since(self, seq: int) -> list[dict[str, Any]]:
+        """Step rows after the caller's cursor ``seq``."""
+        with self._lock:
+            return [row for row in self._rows if row["seq"] > seq]
+
+    def stats(self) -> dict[str, int]:
+        return {"step_report_calls": self._calls, "step_records": self._seq, "step": int(self.latest.get("step") or 0)}

@@ -1,0 +1,103 @@
+"""The pure layers import neither torch nor Ray: a meta-path hook refuses both, then every module loads.
+
+"Pure" is what the design says it is (README, architecture): the service's decisions, planning, access
+rules, store and vocabulary, and the workers' shared protocol and arithmetic. They run in the control
+plane, which never loads torch, and they are unit-tested without a cluster. A module that starts to pull
+either in (directly, through another etrain module, or through a third-party package) fails here with the
+chain that did it. Each check runs in a fresh interpreter, so nothing already imported by the test
+process can hide an import.
+"""
+
+from __future__ import annotations
+
+import json
+import pkgutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+#: Whole sub-packages that are pure: every module found in them is checked (new ones too).
+PURE_PACKAGES = {
+    "etrain.service.decisions": "service/decisions",
+    "etrain.service.planning": "service/planning",
+    "etrain.service.access": "service/access",
+    "etrain.service.store": "service/store",
+    "etrain.workers.protocol": "workers/protocol",
+}
+
+#: Single pure modules outside those packages.
+PURE_MODULES = [
+    "etrain.service.errors",
+    "etrain.service.ports",
+    "etrain.service.settings",
+    "etrain.service.prometheus",
+    "etrain.workers.topology",
+    "etrain.workers.layout_rules",
+    "etrain.workers.hf_config",
+    "etrain.workers.storage",
+    "etrain.workers.checkpoint_commit",
+    "etrain.workers.text_files",
+    "etrain.workers.step_control",
+    "etrain.workers.report_batch",
+    "etrain.workers.metrics",
+]
+
+BLOCKED = ("torch", "ray")
+
+_PROBE = r"""
+import importlib, importlib.abc, json, sys, traceback
+
+BLOCKED = {blocked!r}
+
+class Refuse(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ImportError(f"blocked import of {{name}}")
+        return None
+
+sys.meta_path.insert(0, Refuse())
+try:
+    importlib.import_module({module!r})
+except Exception:
+    print(json.dumps({{"ok": False, "error": traceback.format_exc(limit=30)}}))
+else:
+    print(json.dumps({{"ok": True, "loaded": sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED)}}))
+"""
+
+
+def pure_modules() -> list[str]:
+    names = []
+    for package, folder in PURE_PACKAGES.items():
+        names.append(package)
+        names += [f"{package}.{info.name}" for info in pkgutil.iter_modules([str(REPO / folder)])]
+    names += [name for name in PURE_MODULES if (REPO / (name.removeprefix("etrain.").replace(".", "/") + ".py")).exists()]
+    return sorted(names)
+
+
+def test_the_list_of_pure_modules_is_not_empty_and_names_real_files():
+    names = pure_modules()
+    assert len(names) >= 30, names
+    missing = [n for n in PURE_MODULES if not (REPO / (n.removeprefix("etrain.").replace(".", "/") + ".py")).exists()]
+    assert missing == [], f"PURE_MODULES names modules that do not exist: {missing}"
+
+
+@pytest.mark.parametrize("module", pure_modules())
+def test_a_pure_module_imports_without_torch_or_ray(module, tmp_path):
+    code = _PROBE.format(blocked=BLOCKED, module=module)
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    answer = json.loads(result.stdout.strip().splitlines()[-1])
+    assert answer["ok"], f"{module} pulls in torch or ray:\n{answer['error']}"
+    assert answer["loaded"] == []
+
+
+def test_the_hook_really_blocks(tmp_path):
+    """The probe is not vacuous: a module that does import torch fails it."""
+    code = _PROBE.format(blocked=BLOCKED, module="etrain.workers.model")
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    answer = json.loads(result.stdout.strip().splitlines()[-1])
+    assert not answer["ok"] and "blocked import of torch" in answer["error"]
