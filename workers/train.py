@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from etrain.workers import layout_rules
 from etrain.workers import metrics as throughput
 from etrain.workers.collective_waits import CollectiveWaitClock
 from etrain.workers.compute_timer import ComputeTimer
@@ -94,13 +95,8 @@ class Trainer:
         load_pretrained: bool = True,
     ):
         parallel = config.parallel
-        if parallel.world_size != world_size:
-            raise ConfigError(
-                f"parallel layout pp={parallel.pp} × dp={parallel.dp} × tp={parallel.tp} = "
-                f"{parallel.world_size} ranks, but the world size is {world_size}.",
-                field="parallel",
-                fix=f"choose degrees whose product is {world_size}",
-            )
+        layout_rules.check(layout_rules.world_size_problems(pp=parallel.pp, dp=parallel.dp, tp=parallel.tp,
+                                                            world=world_size))
         self.config = config
         self.rank = rank
         self.world_size = world_size

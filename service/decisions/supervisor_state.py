@@ -3,7 +3,7 @@
 Plain frozen values, so a test builds any state in one line and the Ray adapter
 (service/runtime/supervisor_actor.py) keeps the current one as a single field. The rules that move
 between them are :func:`etrain.service.decisions.supervisor.decide` and its handlers; the config's own
-range checks live here because spec validation (service/planning/spec.py) builds this config at submit to
+range checks live here because spec validation (service/planning/spec_checks.py) builds this config at submit to
 run them on a spec before any job exists.
 """
 
@@ -15,6 +15,7 @@ from enum import Enum
 from etrain.service.decisions.elastic import ElasticPolicy, ResizeError
 from etrain.service.decisions.job_status import Status
 from etrain.service.decisions.supervisor_events import Action
+from etrain.workers import layout_rules
 from etrain.workers.protocol.errors import EtrainError
 
 __all__ = [
@@ -62,7 +63,7 @@ class SupervisorConfig:
 
     def __post_init__(self) -> None:
         # ``field`` names the setting (this config's name) so that spec validation, which builds this
-        # config at submit to run these same rules, can name the spec field (service/planning/spec.py).
+        # config at submit to run these same rules, can name the spec field (service/planning/spec_checks.py).
         def need(ok: bool, message: str, field: str) -> None:
             if not ok:
                 raise SupervisorConfigError(message, field=field)
@@ -96,7 +97,7 @@ class SupervisorConfig:
         )
 
     def world_size(self, dp: int) -> int:
-        return self.pp * dp * self.tp
+        return layout_rules.world_size(pp=self.pp, dp=dp, tp=self.tp)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -2,7 +2,7 @@
 
 The service validates a user's JobSpec (pydantic, ``service/planning/spec.py``) once at the boundary and turns
 it into a :class:`RunConfig`: frozen, keyword-only dataclasses with no pydantic, Ray or torch
-dependency, so the workers (and ``torchrun`` runs of ``workers/train.py``) can be configured and
+dependency, so the workers (and ``torchrun -m etrain.workers.torchrun``) can be configured and
 tested without the service. Derived quantities (gradient accumulation, tokens per step) live here as
 properties so that every component computes them the same way.
 """
