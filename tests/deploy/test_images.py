@@ -154,6 +154,28 @@ def test_etrain_is_installed_from_the_repository_copy(dockerfile):
     assert "etrain --help" in runs
 
 
+def test_the_dependency_layer_builds_from_pyproject_alone(dockerfile, tmp_path):
+    """The dependency layer sees only pyproject.toml and README.md: its stand-in step must create every
+    package pyproject lists, or setuptools refuses to build (run here for real, then a wheel is built)."""
+    import shlex
+    import shutil
+    import subprocess
+    import sys
+
+    steps = [step.strip() for rest in args_of(dockerfile, "RUN") for step in rest.split("&&")]
+    stand_ins = [step for step in steps if step.startswith("python -c") and "package-dir" in step]
+    assert len(stand_ins) == 1, steps
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, tmp_path / name)
+    command = shlex.split(stand_ins[0])
+    subprocess.run([sys.executable, *command[1:]], cwd=tmp_path, check=True, timeout=60)
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+                            "--wheel-dir", str(tmp_path / "wheels"), str(tmp_path)],
+                           capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr[-2000:]
+    assert [wheel.name.split("-")[0] for wheel in (tmp_path / "wheels").iterdir()] == ["etrain"]
+
+
 def test_the_last_user_is_not_root(dockerfile):
     users = args_of(dockerfile, "USER")
     assert users, f"{dockerfile.name} sets no USER: it would run as the base image's last user"
