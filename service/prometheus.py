@@ -18,6 +18,7 @@ from etrain.service.store.job_store import JobStore
 from etrain.service.store.records import JobStatus
 from etrain.service.access.tenancy import Principal
 
+#: The Prometheus text exposition format's media type (served by GET /metrics, api/routes/health.py).
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 

@@ -9,12 +9,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 
 from etrain.api.routes import get_manager, get_optional_principal
 from etrain.api.schemas import COMMON_RESPONSES, ErrorOut
+from etrain.service import prometheus
 from etrain.service.ports import JobManagerPort
 from etrain.service.access.tenancy import Principal
 
 router = APIRouter(tags=["operations"], responses=COMMON_RESPONSES)
 
-PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 Manager = Annotated[JobManagerPort, Depends(get_manager)]
 
@@ -46,4 +46,4 @@ def metrics(
 ) -> PlainTextResponse:
     """Prometheus text exposition of job gauges: aggregates for anyone; with a bearer token (optional)
     also the per-job gauges of the jobs that token may see (the admin: all)."""
-    return PlainTextResponse(manager.metrics_text(principal=viewer), media_type=PROMETHEUS_CONTENT_TYPE)
+    return PlainTextResponse(manager.metrics_text(principal=viewer), media_type=prometheus.CONTENT_TYPE)
