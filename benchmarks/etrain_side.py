@@ -34,6 +34,26 @@ from benchmarks.peers.common import Job, etrain_spec, recovery_measures
 
 NUM_CPUS = 4  # as the e2e tests' local Ray: two 1-CPU ranks plus room for the supervisor
 JOB_TIMEOUT_S = 300.0
+SPARES_READY_TIMEOUT_S = 120.0
+
+
+def wait_for_warm_spares(count: int, timeout_s: float = SPARES_READY_TIMEOUT_S) -> float:
+    """Block until the cluster's spare pool holds ``count`` ready spares (a service at rest between jobs);
+    returns the seconds waited. A service that has been up for a few seconds is in this state; the
+    benchmark waits for it so that every submit finds the same pool, whatever the previous run left."""
+    import ray
+
+    from etrain.service.runtime.spares import find_pool
+
+    started = time.monotonic()
+    pool = find_pool()
+    if pool is None or count <= 0:
+        return 0.0
+    while len(ray.get(pool.stats.remote(), timeout=10)["ready_pids"]) < count:
+        if time.monotonic() - started > timeout_s:
+            raise TimeoutError(f"the spare pool did not hold {count} ready spares within {timeout_s:g}s")
+        time.sleep(0.1)
+    return time.monotonic() - started
 
 
 def all_steps(plane, job_id: str) -> list[dict[str, Any]]:
@@ -60,8 +80,9 @@ def timeline(events: list[dict[str, Any]], origin: float) -> list[dict[str, Any]
             for e in events if e["ts"] >= origin - 1.0]
 
 
-def recovery(plane, job: Job, name: str) -> dict[str, Any]:
+def recovery(plane, job: Job, name: str, *, warm_spares: int) -> dict[str, Any]:
     spec = etrain_spec(job, name)
+    wait_for_warm_spares(warm_spares)
     submit_ts = time.time()
     job_id = plane.submit(spec)["id"]
     if job.kill_at is not None:
@@ -77,9 +98,10 @@ def recovery(plane, job: Job, name: str) -> dict[str, Any]:
             "events": [{"ts": e["ts"], "kind": e["kind"]} for e in events]}
 
 
-def goodput(plane, job: Job, *, interval_s: float, kills: int) -> dict[str, Any]:
+def goodput(plane, job: Job, *, interval_s: float, kills: int, warm_spares: int) -> dict[str, Any]:
     spec = etrain_spec(job, "bench-goodput", training={"steps": 10_000_000},
                        fault_tolerance={"max_restarts": kills + 2})
+    wait_for_warm_spares(warm_spares)
     submit_ts = time.time()
     job_id = plane.submit(spec)["id"]
     fired = []
@@ -107,8 +129,9 @@ def goodput(plane, job: Job, *, interval_s: float, kills: int) -> dict[str, Any]
             "events": [{"ts": e["ts"], "kind": e["kind"]} for e in events]}
 
 
-def hang(plane, job: Job, *, heartbeat_timeout_s: float) -> dict[str, Any]:
+def hang(plane, job: Job, *, heartbeat_timeout_s: float, warm_spares: int) -> dict[str, Any]:
     spec = etrain_spec(job, "bench-hang", fault_tolerance={"heartbeat_timeout_s": heartbeat_timeout_s})
+    wait_for_warm_spares(warm_spares)
     submit_ts = time.time()
     job_id = plane.submit(spec)["id"]
     plane.chaos(job_id, action="hang_rank", rank=job.kill_rank, at_step=job.kill_at)
@@ -132,9 +155,13 @@ def main() -> None:
     parser.add_argument("--kills", type=int, default=4, help="goodput: how many kills")
     parser.add_argument("--heartbeat-timeout", type=float, default=5.0, help="hang: heartbeat_timeout_s")
     parser.add_argument("--hang-repeats", type=int, default=1)
+    parser.add_argument("--warm-spares", type=int, default=None,
+                        help="the service's warm_spares_per_node (default: the job's ranks + 1, so the first launch "
+                             "and a replacement both find a ready spare); each submit waits until they are ready")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     job = Job(**json.loads(args.job))
+    warm = job.dp + 1 if args.warm_spares is None else args.warm_spares
 
     import ray
 
@@ -143,14 +170,15 @@ def main() -> None:
     out: dict[str, Any] = {}
     ray.init(address="local", num_cpus=NUM_CPUS, include_dashboard=False, namespace="etrain", log_to_driver=False)
     try:
-        with tempfile.TemporaryDirectory(prefix="etrain-bench-") as data_dir, control_plane(Path(data_dir)) as plane:
+        with (tempfile.TemporaryDirectory(prefix="etrain-bench-") as data_dir,
+              control_plane(Path(data_dir), warm_spares_per_node=warm) as plane):
             for scenario in args.scenario:
                 if scenario == "recovery":
-                    out["recovery"] = recovery(plane, job, args.name)
+                    out["recovery"] = recovery(plane, job, args.name, warm_spares=warm)
                 elif scenario == "goodput":
-                    out["goodput"] = goodput(plane, job, interval_s=args.interval, kills=args.kills)
+                    out["goodput"] = goodput(plane, job, interval_s=args.interval, kills=args.kills, warm_spares=warm)
                 else:
-                    out["hang"] = [hang(plane, job, heartbeat_timeout_s=args.heartbeat_timeout)
+                    out["hang"] = [hang(plane, job, heartbeat_timeout_s=args.heartbeat_timeout, warm_spares=warm)
                                    for _ in range(args.hang_repeats)]
     finally:
         ray.shutdown()

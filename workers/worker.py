@@ -146,6 +146,7 @@ class TrainWorker:
         torch.set_num_threads(max(1, int(os.environ.get("ETRAIN_TORCH_THREADS", "1"))))
         device = self._device(config)
         batcher = None
+        phases = _Phases()  # where the attempt's start-up goes: one line in the rank log
         _leave_process_groups()  # a kept process (in-place repair) rejoins from a clean slate
         dist.init_process_group(
             backend=backend_for(device.type, cpu_offload=config.parallel.offload == "cpu"),
@@ -154,12 +155,15 @@ class TrainWorker:
             world_size=self.world_size,
             timeout=datetime.timedelta(seconds=config.collective_timeout_s),
         )
+        phases.mark("process group")
         try:
             trainer = Trainer(
                 config, rank=self.rank, world_size=self.world_size, device=device, callbacks=callbacks,
                 load_pretrained=plan.resume_dir is None,  # a resume overwrites them anyway
             )
+            phases.mark("trainer")
             source = self._restore(trainer, plan) if plan.resume_dir else None
+            phases.mark("state")
             if config.checkpoint.async_save:
                 from etrain.workers.checkpoint import AsyncCheckpointer
 
@@ -168,6 +172,9 @@ class TrainWorker:
             exchange = StepExchange(world_size=self.world_size, timeout_s=config.collective_timeout_s)
             if self.rank == 0:
                 batcher = self._report_batcher(plan.attempt)
+            phases.mark("control groups")
+            if log is not None:
+                log.write(f"attempt {plan.attempt}: ready after {phases}")
             self._supervisor.report_ready.remote(plan.attempt, self.rank, self.node_info() | {"state_source": source})
             final_loss = None
             step = plan.start_step
@@ -354,6 +361,25 @@ class TrainWorker:
             torch.cuda.set_device(0)
             return torch.device("cuda", 0)
         return torch.device("cpu")
+
+
+class _Phases:
+    """Seconds per start-up phase of an attempt, so a slow start says where its time went."""
+
+    def __init__(self) -> None:
+        import time
+
+        self._clock = time.monotonic
+        self._started = self._last = self._clock()
+        self._spent: list[tuple[str, float]] = []
+
+    def mark(self, phase: str) -> None:
+        now = self._clock()
+        self._spent.append((phase, now - self._last))
+        self._last = now
+
+    def __str__(self) -> str:
+        return f"{self._last - self._started:.2f}s (" + ", ".join(f"{name} {s:.2f}s" for name, s in self._spent) + ")"
 
 
 def _leave_process_groups() -> None:

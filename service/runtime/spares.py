@@ -32,6 +32,11 @@ POOL_NAME = "etrain/spares"
 NAMESPACE = "etrain"
 HEAD_NODE_RESOURCE = "node:__internal_head__"  # Ray gives the head node this resource
 REFILL_INTERVAL_S = 1.0
+#: A node is refilled this long after a spare was taken from it, not at once: a new spare's start
+#: (interpreter, ``import torch``, a warm-up step: 3-5 s of a core) would otherwise compete for the
+#: node's CPUs with the very launch or repair that took the spare. Measured on the 2-core machine,
+#: an immediate refill made a warm launch's rank hand-over 0.4-0.5 s slower.
+REFILL_DELAY_AFTER_TAKE_S = 5.0
 TAKE_TIMEOUT_S = 5.0
 MAX_HANDED_PIDS = 1000
 
@@ -47,6 +52,7 @@ class SparePool:
         self._handed_pids: deque[int] = deque(maxlen=MAX_HANDED_PIDS)  # the last spares handed out, oldest first
         self._warming: dict[str, list[tuple[Any, Any]]] = {}  # node id -> (spare, its ready() ref)
         self._taken = 0
+        self._taken_at: dict[str, float] = {}  # node id -> monotonic time of its last take
         self._closed = threading.Event()
         self._wake = threading.Event()
         threading.Thread(target=self._refill_loop, name="spare-refill", daemon=True).start()
@@ -67,6 +73,7 @@ class SparePool:
             for node in nodes:
                 spares = self._ready.get(node)
                 if spares:
+                    self._taken_at[node] = time.monotonic()
                     spare, pid = spares.pop(0)
                     self._handed_pids.append(pid)
                     self._taken += 1
@@ -128,6 +135,8 @@ class SparePool:
                                 log.warning("a spare on node %s failed to start: %s", node[:12], err)
                                 continue
                             self._ready.setdefault(node, []).append((spare, pid))
+                if time.monotonic() - self._taken_at.get(node, -REFILL_DELAY_AFTER_TAKE_S) < REFILL_DELAY_AFTER_TAKE_S:
+                    continue  # a launch or repair on this node is starting now: refill after it
                 missing = self.per_node - len(self._ready.get(node, [])) - len(warming)
                 for _ in range(max(0, missing)):
                     spare = _start_spare(node)

@@ -57,3 +57,25 @@ def test_first_launch_and_replacement_run_in_warm_spares_and_end_like_the_clean_
         handed = ray.get(find_pool().stats.remote(), timeout=10)["handed_pids"]
         assert attempts[1][1] in first and attempts[1][1] in handed, (attempts, first, handed)  # a ready spare
         assert losses(plane, final["id"]) == clean.losses  # exact: same data, RNG and state
+
+
+def test_a_node_is_refilled_only_after_the_launch_that_took_its_spare_has_started(local_ray, tmp_path):
+    """A taken spare is replaced REFILL_DELAY_AFTER_TAKE_S later, not at once, so the new spare's start
+    (an interpreter, torch, a warm-up step) does not take CPU from the ranks that are starting now."""
+    from etrain.service.runtime.spares import REFILL_DELAY_AFTER_TAKE_S, take_spares
+
+    with control_plane(tmp_path, warm_spares_per_node=1):
+        (pid,) = ready_spare_pids(1)
+        node = ray.get_runtime_context().get_node_id()
+        taken_at = time.monotonic()
+        (spare,) = take_spares([node])
+        assert spare is not None
+        try:
+            while time.monotonic() - taken_at < REFILL_DELAY_AFTER_TAKE_S - 1.5:  # the refill loop ticks every 1 s
+                stats = ray.get(find_pool().stats.remote(), timeout=10)
+                assert not stats["warming"] and not stats["ready_pids"], stats
+                time.sleep(0.2)
+            refilled = ready_spare_pids(1)
+            assert pid not in refilled
+        finally:
+            ray.kill(spare, no_restart=True)
