@@ -45,6 +45,7 @@ class StepExchange:
         self._local_view = self._local.numpy()
         self._gathered = torch.zeros(world_size, len(FIELDS), dtype=torch.float64)
         self._rows = list(self._gathered.unbind(0))
+        self._pending: tuple[int, Any] | None = None  # (step, its all-gather's Work) begun by start()
 
     def exchange(self, vector: Sequence[float]) -> list[list[float]]:
         """Every rank's vector, in rank order (collective on every rank of the world)."""
@@ -57,3 +58,26 @@ class StepExchange:
     def boundary(self, metrics: Mapping[str, Any], flags: int = 0) -> Boundary:
         """Exchange this rank's timings (and, on rank 0, its decision flags); what every rank then knows."""
         return decode(self.exchange(encode(metrics, flags)), step=int(metrics["step"]))
+
+    # -- overlapped (``etrain.workers.step_control.StepBoundaries``) -------------------------------------
+
+    def start(self, metrics: Mapping[str, Any], flags: int = 0) -> None:
+        """Begin exchanging this rank's vector in the background (gloo runs it on its own thread);
+        :meth:`settle` waits for it. One exchange at a time: the buffers are reused."""
+        if self._pending is not None:
+            raise RuntimeError(f"the exchange of step {self._pending[0]} is still in flight: settle it first")
+        self._local_view[:] = encode(metrics, flags)
+        work = (dist.all_gather(self._rows, self._local, group=self._group, async_op=True)
+                if self._group is not None else None)
+        self._pending = (int(metrics["step"]), work)
+
+    def settle(self) -> Boundary | None:
+        """The boundary of the exchange :meth:`start` began, once every rank's vector is here (None when
+        none is in flight). Bounded: a peer that never joins fails the wait after the group's timeout."""
+        if self._pending is None:
+            return None
+        (step, work), self._pending = self._pending, None
+        if work is None:
+            return decode([self._local.tolist()], step=step)
+        work.wait()
+        return decode(self._gathered.tolist(), step=step)

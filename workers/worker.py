@@ -8,11 +8,11 @@ for the whole attempt while control calls (``chaos``, ``request_checkpoint``, ``
 others. Everything the supervisor needs to know travels as fire-and-forget calls on the supervisor
 handle (``report_ready``, ``report_steps``, ``report_checkpoint``, ``report_chaos``).
 
-Every step ends with the step-boundary control exchange (``workers/step_control.py``, one all-gather
-over a gloo group of its own): rank 0 decides there whether this completed step is saved and whether
-the attempt stops, and every rank acts on rank 0's decision, so all ranks save and stop at the same
-step. Supervisor requests (``request_checkpoint``, ``request_stop``) count on rank 0 only. The same
-exchange gives rank 0 every rank's timings; only rank 0 reports steps, batched
+Every step ends with the step-boundary control exchange (``workers/step_control.StepBoundaries``, one
+all-gather over a gloo group of its own, overlapped with the next step): the schedule's saves are known
+to every rank, and rank 0's requests reach every rank through the exchange, so all ranks save and
+stop at the same step. Supervisor requests (``request_checkpoint``, ``request_stop``) count on rank 0
+only. The same exchange gives rank 0 every rank's timings; only rank 0 reports steps, batched
 (``workers/report_batch.py``). Its reports are the job's heartbeat: a rank that hangs blocks the
 exchange, so rank 0 stops reporting, which is what hang detection needs.
 
@@ -34,7 +34,7 @@ from typing import Any
 from etrain.workers.protocol.messages import REPORT_TIMEOUT_S, ChaosOrder, LaunchPlan, NodeInfo, RunResult
 from etrain.workers.protocol.run_config import RunConfig
 from etrain.workers.report_batch import ReportBatcher
-from etrain.workers.step_control import ControlRequests, step_record
+from etrain.workers.step_control import ControlRequests, StepBoundaries
 
 class TrainWorker:
     """One rank of a job's worker group."""
@@ -179,15 +179,17 @@ class TrainWorker:
             final_loss = None
             step = plan.start_step
             total = config.training.steps
+            # Every rank saves and stops where rank 0's requests and the schedule say, the exchange
+            # overlapped with the next step (workers/step_control.py).
+            boundaries = StepBoundaries(exchange, control=self._control if self.rank == 0 else None,
+                                        total_steps=total, every_steps=config.checkpoint.every_steps)
             for step in range(plan.start_step, total):
                 metrics = dataclasses.asdict(trainer.train_step(step))
                 final_loss = metrics["loss"]
-                # Rank 0 decides (its requests, the schedule); every rank acts on its decision.
-                flags = (self._control.decide(step + 1, total_steps=total, every_steps=config.checkpoint.every_steps)
-                         if self.rank == 0 else 0)
-                boundary = exchange.boundary(metrics, flags)
-                if batcher is not None:  # the last step is always a save, so urgent too
-                    batcher.add(step_record(metrics, boundary), urgent=boundary.urgent)
+                boundary = boundaries.after_step(metrics)
+                if batcher is not None:  # a step that saves or stops is urgent (the last step always saves)
+                    for record, urgent in boundary.reports:
+                        batcher.add(record, urgent=urgent)
                 if log is not None:
                     log.write(f"step {step + 1}/{total} loss {metrics['loss']:.4f} "
                               f"compute {metrics['compute_s']:.3f}s comm_wait {metrics['comm_wait_s']:.3f}s")

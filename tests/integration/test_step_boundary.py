@@ -8,8 +8,12 @@ checkpoint request, and in every other trial a stop request, from a thread at it
 (as a broadcast to all ranks would land), with the target a lagging supervisor would send (the
 rank's last completed step + 1). Only rank 0's view counts.
 
+Both protocols run: the waiting exchange (``StepExchange.boundary``) and the overlapped one the ranks
+use (``etrain.workers.step_control.StepBoundaries``: the exchange begun after a step is settled at the next
+boundary, so a request acts one boundary later).
+
 Asserted: in every trial every rank saved the same steps and stopped at the same step; rank 0's
-request was saved at the first or second boundary after it landed; the deterministic schedule
+request was saved at the first or second boundary after it landed (one more when overlapped); the deterministic schedule
 (every 10 steps and the last) held; rank 0 saw every rank's exact timings at every step. And, so that
 the test has teeth: the ranks' *own* views of the same requests (what each would have done deciding
 alone, as before the exchange) disagreed in some trials.
@@ -25,7 +29,9 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
-from etrain.workers.step_control import SAVE, STOP, ControlRequests
+import pytest
+
+from etrain.workers.step_control import SAVE, STOP, ControlRequests, StepBoundaries
 from etrain.workers.step_exchange import StepExchange
 
 WORLD = 3
@@ -42,7 +48,7 @@ def _check_collective(value: float, world_size: int, what: str) -> None:
     assert tensor.item() == value * world_size, f"{what}: ranks disagree (sum {tensor.item()}, mine {value})"
 
 
-def _run_trials(rank: int, world_size: int, seed: int) -> list[dict]:
+def _run_trials(rank: int, world_size: int, seed: int, overlapped: bool) -> list[dict]:
     exchange = StepExchange(world_size=world_size, timeout_s=TIMEOUT_S)
     out = []
     for trial in range(TRIALS):
@@ -71,20 +77,32 @@ def _run_trials(rank: int, world_size: int, seed: int) -> list[dict]:
         for thread in threads:
             thread.start()
         saves, own_saves, stopped_at, own_stop, timings_checked = [], [], None, None, 0
+        boundaries = StepBoundaries(exchange, control=control if rank == 0 else None, total_steps=STEPS,
+                                    every_steps=EVERY)
         for step in range(STEPS):
             time.sleep(rng.uniform(0.001, 0.004))  # ranks run at different paces
             _check_collective(float(step), world_size, f"training step {step}")
             completed = step + 1
             metrics = {"step": step, "compute_s": rank + completed / 1000, "comm_wait_s": 0.001 * rank,
                        "step_s": 0.004, "timing_synced": True, "peak_mem_bytes": 1000 * rank + completed}
-            flags = control.decide(completed, total_steps=STEPS, every_steps=EVERY) if rank == 0 else 0
-            mine = own_view.decide(completed, total_steps=STEPS, every_steps=EVERY) if rank != 0 else flags
-            boundary = exchange.boundary(metrics, flags)
+            if overlapped:
+                mine = own_view.decide(completed, total_steps=STEPS, every_steps=EVERY) if rank != 0 else 0
+                boundary = boundaries.after_step(metrics)
+                records = [record for record, _ in boundary.reports]
+            else:
+                flags = control.decide(completed, total_steps=STEPS, every_steps=EVERY) if rank == 0 else 0
+                mine = own_view.decide(completed, total_steps=STEPS, every_steps=EVERY) if rank != 0 else flags
+                boundary = exchange.boundary(metrics, flags)
+                records = [{"step": step, "ranks": boundary.timings}] if rank == 0 else []
             last_completed[0] = completed
-            if rank == 0:
-                assert boundary.timings["compute_s"] == [r + completed / 1000 for r in range(world_size)]
-                assert boundary.timings["peak_mem_bytes"] == [1000 * r + completed for r in range(world_size)]
+            for record in records:  # rank 0: every step's record, each with every rank's exact timings
+                done = record["step"] + 1
+                assert done == timings_checked + 1, (done, timings_checked)
+                assert record["ranks"]["compute_s"] == [r + done / 1000 for r in range(world_size)]
+                assert record["ranks"]["peak_mem_bytes"] == [1000 * r + done for r in range(world_size)]
                 timings_checked += 1
+            if rank == 0 and overlapped:
+                mine = (SAVE if boundary.save else 0) | (STOP if boundary.stop else 0)
             if mine & SAVE:
                 own_saves.append(completed)
             if mine & STOP and own_stop is None:
@@ -102,9 +120,11 @@ def _run_trials(rank: int, world_size: int, seed: int) -> list[dict]:
     return out
 
 
-def test_every_rank_saves_and_stops_at_rank_zeros_step_in_20_random_trials():
+@pytest.mark.parametrize("overlapped", [False, True], ids=["waiting", "overlapped"])
+def test_every_rank_saves_and_stops_at_rank_zeros_step_in_20_random_trials(overlapped):
     started = time.monotonic()
-    by_rank = run_distributed(_run_trials, WORLD, 11, timeout_s=TIMEOUT_S)
+    by_rank = run_distributed(_run_trials, WORLD, 11, overlapped, timeout_s=TIMEOUT_S)
+    lag = 1 if overlapped else 0  # an overlapped exchange carries a request one boundary later
     elapsed = time.monotonic() - started
     disagreements_own_view = 0
     acted, stops, saved_at = 0, 0, set()
@@ -120,14 +140,14 @@ def test_every_rank_saves_and_stops_at_rank_zeros_step_in_20_random_trials():
         # Rank 0's checkpoint request: saved at the first or second boundary after it landed.
         landed = zero["delivered"]["checkpoint"]
         if landed + 1 <= end:
-            assert {landed + 1, landed + 2} & set(zero["saves"]), (trial, landed, zero["saves"])
+            assert {landed + 1, landed + 2, landed + 2 + lag} & set(zero["saves"]), (trial, landed, zero["saves"])
             acted += 1
             saved_at.add(landed)
         extra = set(zero["saves"]) - set(scheduled)
         assert len(extra) <= 1, (trial, zero["saves"])
         if trial % 2 == 1 and zero["stopped_at"] is not None:
             stops += 1
-            assert zero["stopped_at"] in (zero["delivered"]["stop"] + 1, zero["delivered"]["stop"] + 2)
+            assert zero["stopped_at"] in range(zero["delivered"]["stop"] + 1, zero["delivered"]["stop"] + 3 + lag)
         if trial % 2 == 0:
             assert zero["stopped_at"] is None
         assert zero["timings_checked"] == end

@@ -12,6 +12,7 @@ from etrain.workers.step_control import (
     SAVE,
     STOP,
     ControlRequests,
+    StepBoundaries,
     StepDesyncError,
     decode,
     encode,
@@ -143,3 +144,87 @@ class TestDecision:
         # Every target was satisfied by some boundary at or past it, and no boundary saved without a target.
         assert decided and len(decided) <= 2000
         assert control.pending() == (frozenset(), False)
+
+
+class LoopbackExchange:
+    """One rank's exchange without peers: ``settle`` gives back what ``start`` sent; counts the waits."""
+
+    def __init__(self):
+        self.in_flight = None
+        self.settled_steps: list[int] = []
+
+    def start(self, metrics, flags=0):
+        assert self.in_flight is None, "one exchange at a time"
+        self.in_flight = (encode(metrics, flags), int(metrics["step"]))
+
+    def settle(self):
+        if self.in_flight is None:
+            return None
+        (vector, step), self.in_flight = self.in_flight, None
+        self.settled_steps.append(step)
+        return decode([vector], step=step)
+
+
+def run_boundaries(steps: int, *, every: int | None, requests: dict[int, str] | None = None, rank0: bool = True):
+    """Drive StepBoundaries over ``steps`` steps; ``requests``: step index -> "checkpoint"/"stop" delivered
+    while that step runs. Returns (saves, stop, reported steps, urgent reported steps, exchange)."""
+    exchange, control = LoopbackExchange(), ControlRequests()
+    boundaries = StepBoundaries(exchange, control=control if rank0 else None, total_steps=steps, every_steps=every)
+    saves, stop, reported, urgent = [], None, [], []
+    for step in range(steps):
+        what = (requests or {}).get(step)
+        if what == "checkpoint":
+            control.request_checkpoint(step + 1)
+        elif what == "stop":
+            control.request_stop()
+        decision = boundaries.after_step(metrics(step))
+        for record, is_urgent in decision.reports:
+            reported.append(record["step"] + 1)
+            if is_urgent:
+                urgent.append(record["step"] + 1)
+        if decision.save:
+            saves.append(step + 1)
+        if decision.stop:
+            stop = step + 1
+            break
+    return saves, stop, reported, urgent, exchange
+
+
+class TestOverlappedBoundaries:
+    def test_the_schedule_saves_on_time_and_every_step_is_reported_once_in_order(self):
+        saves, stop, reported, urgent, exchange = run_boundaries(25, every=10)
+        assert saves == [10, 20, 25] and stop is None
+        assert reported == list(range(1, 26))
+        assert urgent == [10, 20, 25]  # a saving step reaches the supervisor before its checkpoint report
+        assert exchange.in_flight is None  # nothing left in flight when the attempt ends
+
+    def test_a_request_acts_one_boundary_later_than_a_waiting_exchange_would(self):
+        # Delivered while step index 4 runs (target: 5 completed): rank 0 takes it at boundary 5 and
+        # sends it for boundary 6, where every rank reads it.
+        saves, stop, *_ = run_boundaries(12, every=None, requests={4: "checkpoint", 7: "stop"})
+        assert saves == [6]
+        assert stop == 9
+
+    def test_a_stop_settles_its_own_exchange_so_no_rank_leaves_one_in_flight(self):
+        saves, stop, reported, urgent, exchange = run_boundaries(20, every=None, requests={2: "stop"})
+        assert stop == 4 and reported == [1, 2, 3, 4] and urgent == [4]
+        assert exchange.in_flight is None
+
+    def test_a_stop_that_would_land_on_the_last_step_is_no_stop(self):
+        saves, stop, *_ = run_boundaries(6, every=None, requests={4: "stop"})
+        assert stop is None and saves == [6]
+
+    def test_other_ranks_follow_the_same_schedule_and_report_nothing(self):
+        saves, stop, reported, urgent, _ = run_boundaries(25, every=10, rank0=False)
+        assert saves == [10, 20, 25] and reported == [] and urgent == []
+
+    def test_between_saves_a_boundary_does_not_wait_for_its_own_exchange(self):
+        exchange = LoopbackExchange()
+        boundaries = StepBoundaries(exchange, control=ControlRequests(), total_steps=9, every_steps=None)
+        in_flight_after = []
+        for step in range(9):
+            boundaries.after_step(metrics(step))
+            in_flight_after.append(exchange.in_flight is not None)
+        # Steps 1-8 leave their exchange running through the next step; the last one (a save) settles it.
+        assert in_flight_after == [True] * 8 + [False]
+        assert exchange.settled_steps == list(range(9))
