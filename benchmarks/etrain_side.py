@@ -18,6 +18,10 @@ would, and every number is read back from the job's own step records and event l
 * ``hang`` (figure 5): ``hang_rank`` on rank 1 at ``kill_at`` with ``heartbeat_timeout_s`` =
   ``--heartbeat-timeout``: the drill's time, ``hang_detected``, the next completed step.
 
+The service runs as a service does between jobs: its warm spare pool (``--warm-spares``, by default the
+job's ranks + 1: the first launch and one replacement) is full before each submit (the benchmark waits
+for it), so start-up and recovery measure what a user of a running service sees.
+
 Writes one JSON (``--out``) with every run's raw records: step rows, events, the job.
 """
 
@@ -31,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.peers.common import Job, etrain_spec, recovery_measures
+from benchmarks.recovery import GOODPUT_EVERY_STEPS
 
 NUM_CPUS = 4  # as the e2e tests' local Ray: two 1-CPU ranks plus room for the supervisor
 JOB_TIMEOUT_S = 300.0
@@ -98,9 +103,9 @@ def recovery(plane, job: Job, name: str, *, warm_spares: int) -> dict[str, Any]:
             "events": [{"ts": e["ts"], "kind": e["kind"]} for e in events]}
 
 
-def goodput(plane, job: Job, *, interval_s: float, kills: int, warm_spares: int) -> dict[str, Any]:
+def goodput(plane, job: Job, *, interval_s: float, kills: int, every_steps: int, warm_spares: int) -> dict[str, Any]:
     spec = etrain_spec(job, "bench-goodput", training={"steps": 10_000_000},
-                       fault_tolerance={"max_restarts": kills + 2})
+                       fault_tolerance={"max_restarts": kills + 2}, checkpoint={"every_steps": every_steps})
     wait_for_warm_spares(warm_spares)
     submit_ts = time.time()
     job_id = plane.submit(spec)["id"]
@@ -120,7 +125,7 @@ def goodput(plane, job: Job, *, interval_s: float, kills: int, warm_spares: int)
     productive = sum(row["step_s"] or 0.0 for row in kept)
     wall = end_ts - submit_ts
     return {"system": "etrain", "job_id": job_id, "status": final["status"], "start_ts": submit_ts,
-            "end_ts": end_ts, "interval_s": interval_s, "kills_posted": fired,
+            "end_ts": end_ts, "interval_s": interval_s, "every_steps": every_steps, "kills_posted": fired,
             "kills_fired": [e["ts"] for e in events if e["kind"] == "chaos_fired"],
             "failures": [e["ts"] for e in events if e["kind"] == "worker_failed"],
             "restarts": snapshot["restarts"], "steps_kept": len(kept), "productive_s": productive, "wall_s": wall,
@@ -153,6 +158,8 @@ def main() -> None:
     parser.add_argument("--name", default="bench-recovery")
     parser.add_argument("--interval", type=float, default=60.0, help="goodput: seconds between kills")
     parser.add_argument("--kills", type=int, default=4, help="goodput: how many kills")
+    parser.add_argument("--goodput-every", type=int, default=GOODPUT_EVERY_STEPS,
+                        help="goodput: checkpoint every N steps")
     parser.add_argument("--heartbeat-timeout", type=float, default=5.0, help="hang: heartbeat_timeout_s")
     parser.add_argument("--hang-repeats", type=int, default=1)
     parser.add_argument("--warm-spares", type=int, default=None,
@@ -176,7 +183,8 @@ def main() -> None:
                 if scenario == "recovery":
                     out["recovery"] = recovery(plane, job, args.name, warm_spares=warm)
                 elif scenario == "goodput":
-                    out["goodput"] = goodput(plane, job, interval_s=args.interval, kills=args.kills, warm_spares=warm)
+                    out["goodput"] = goodput(plane, job, interval_s=args.interval, kills=args.kills,
+                                            every_steps=args.goodput_every, warm_spares=warm)
                 else:
                     out["hang"] = [hang(plane, job, heartbeat_timeout_s=args.heartbeat_timeout, warm_spares=warm)
                                    for _ in range(args.hang_repeats)]

@@ -9,7 +9,8 @@ regenerated from them by ``benchmarks.readme_table``):
 2. ``recovery``  SIGKILL of rank 1 → next completed step, steps recomputed: vs Ray Train v2 with
    ``FailureConfig`` and torchrun's elastic agent (1 and 2 come from the same alternating runs,
    ``benchmarks/recovery.py``);
-3. ``goodput``   with rank 1 killed every 60 s, 4 kills (quick: every 30 s, 2 kills);
+3. ``goodput``   with rank 1 killed every 60 s, 4 kills (quick: 2 kills), a checkpoint every
+   ``GOODPUT_EVERY_STEPS`` steps (``benchmarks/recovery.py``);
 4. ``stragglers`` detection latency and false positives under DP, TP, PP (and ZeRO-3, PP·DP in the full
    run): ``benchmarks/stragglers.py``'s ``bench_all`` when that module exists; otherwise marked pending;
 5. ``hang``      hang → detected → next step, against the heartbeat timeout;
@@ -18,7 +19,7 @@ regenerated from them by ``benchmarks.readme_table``):
 8. ``steady_state`` step time vs a bare torch DDP loop.
 
 ``--quick`` is sized to finish within 15 minutes on 2 CPU cores (fewer rounds, a 24-step job, a
-90-second goodput window, three straggler layouts); the full run is about three times longer. A figure that fails is written
+180-second goodput window, three straggler layouts); the full run is about three times longer. A figure that fails is written
 with its error as a pending row, and the suite goes on; the exit status is 1 if any figure failed.
 """
 
@@ -73,7 +74,7 @@ class Sizes:
     steady_steps: int
 
 
-QUICK = Sizes(recovery_steps=24, recovery_rounds=2, run_timeout_s=360, goodput_interval_s=30, goodput_kills=2,
+QUICK = Sizes(recovery_steps=24, recovery_rounds=2, run_timeout_s=360, goodput_interval_s=60, goodput_kills=2,
               hang_repeats=1, checkpoint_rounds=3, checkpoint_steps_between=3, checkpoint_loads=3, bubble_steps=4,
               bubble_budget_s=20, steady_reps=2, steady_steps=12)
 FULL = Sizes(recovery_steps=40, recovery_rounds=5, run_timeout_s=600, goodput_interval_s=60, goodput_kills=4,

@@ -130,6 +130,8 @@ class Exchange(Protocol):
 
     def start(self, metrics: Mapping[str, Any], flags: int = 0) -> None: ...
 
+    def done(self) -> bool: ...
+
     def settle(self) -> Boundary | None: ...
 
 
@@ -164,6 +166,11 @@ class StepBoundaries:
     * A boundary that saves, stops or ends the attempt settles its own exchange at once: the
       supervisor must have that step's record before the checkpoint's report (urgent), and no
       exchange may be left in flight when ranks leave the loop.
+    * When a rank settles an exchange never changes what it decides: the flags an exchange carries
+      are for the boundary after the one that began it, so an exchange already complete when it
+      begins (a single rank's, always) is settled at once and its step reported without delay.
+      Otherwise rank 0 reports a step one boundary late, and a step after which a rank hangs is
+      never reported (the hang is detected from the missing reports all the same).
 
     Torch-free: ``exchange`` is the adapter; ``control`` is rank 0's requests (None on other ranks).
     """
@@ -191,6 +198,8 @@ class StepBoundaries:
         self._in_flight = metrics
         if save or stop or completed >= self._total:
             self._settle(reports, urgent=True)
+        elif self._exchange.done():  # already complete (always, for one rank): report the step now, not a step late
+            self._settle(reports, urgent=False)
         return Decision(save=save, stop=stop, reports=reports)
 
     def _settle(self, reports: list[tuple[StepReport, bool]], *, urgent: bool) -> None:

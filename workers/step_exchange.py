@@ -71,6 +71,13 @@ class StepExchange:
                 if self._group is not None else None)
         self._pending = (int(metrics["step"]), work)
 
+    def done(self) -> bool:
+        """Whether the exchange in flight has every rank's vector already (settle would not wait)."""
+        if self._pending is None:
+            return False
+        work = self._pending[1]
+        return work is None or work.is_completed()
+
     def settle(self) -> Boundary | None:
         """The boundary of the exchange :meth:`start` began, once every rank's vector is here (None when
         none is in flight). Bounded: a peer that never joins fails the wait after the group's timeout."""

@@ -149,9 +149,13 @@ class TestDecision:
 class LoopbackExchange:
     """One rank's exchange without peers: ``settle`` gives back what ``start`` sent; counts the waits."""
 
-    def __init__(self):
+    def __init__(self, *, completes_at_once: bool = False):
         self.in_flight = None
         self.settled_steps: list[int] = []
+        self.completes_at_once = completes_at_once  # as a single rank's exchange; False: peers still sending
+
+    def done(self):
+        return self.in_flight is not None and self.completes_at_once
 
     def start(self, metrics, flags=0):
         assert self.in_flight is None, "one exchange at a time"
@@ -228,3 +232,24 @@ class TestOverlappedBoundaries:
         # Steps 1-8 leave their exchange running through the next step; the last one (a save) settles it.
         assert in_flight_after == [True] * 8 + [False]
         assert exchange.settled_steps == list(range(9))
+
+    def test_an_exchange_complete_at_once_reports_its_step_at_once_and_decides_the_same(self):
+        requests = {4: "checkpoint", 7: "stop"}
+        exchange = LoopbackExchange(completes_at_once=True)
+        control = ControlRequests()
+        boundaries = StepBoundaries(exchange, control=control, total_steps=12, every_steps=None)
+        saves, stop, reported = [], None, []
+        for step in range(12):
+            if requests.get(step) == "checkpoint":
+                control.request_checkpoint(step + 1)
+            elif requests.get(step) == "stop":
+                control.request_stop()
+            decision = boundaries.after_step(metrics(step))
+            reported.append([record["step"] + 1 for record, _ in decision.reports])
+            assert exchange.in_flight is None
+            saves += [step + 1] if decision.save else []
+            if decision.stop:
+                stop = step + 1
+                break
+        assert reported == [[n] for n in range(1, 10)]  # each step in its own boundary's report
+        assert (saves, stop) == run_boundaries(12, every=None, requests=requests)[:2] == ([6], 9)
