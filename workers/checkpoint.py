@@ -30,6 +30,7 @@ from torch.optim import Optimizer
 from etrain.workers.checkpoint_io import (
     dcp_writer,
     read_extra,
+    save_planner,
     shard_report,
     start_checkpoint,
     storage_reader,
@@ -63,7 +64,8 @@ def save_checkpoint(
     collected = collect_state(model_parts, optimizers)
     writer = dcp_writer(directory)
     with _single_process_quiet():
-        dcp.save(collected.state, storage_writer=writer, process_group=process_group)
+        dcp.save(collected.state, storage_writer=writer, process_group=process_group,
+                 planner=save_planner(collected.state, process_group))
     return shard_report(directory, writer, process_group)
 
 
@@ -162,7 +164,8 @@ class AsyncCheckpointer:
         collected = collect_state(model_parts, optimizers)
         writer = dcp_writer(directory)
         # The writer is a BlockingAsyncStager: the state is copied to CPU before this returns.
-        written = dcp.async_save(collected.state, storage_writer=writer, process_group=self._group)
+        written = dcp.async_save(collected.state, storage_writer=writer, process_group=self._group,
+                                 planner=save_planner(collected.state, self._group))
         if isinstance(written, AsyncSaveResponse):  # returned when staging itself is asynchronous
             written = written.upload_completion
         report: Future = Future()

@@ -38,8 +38,8 @@ from etrain.workers.checkpoint_commit import file_entry, verify
 from etrain.workers.protocol.errors import CheckpointError, EtrainError
 from etrain.workers.protocol.manifest import MANIFEST_NAME, METADATA_NAME, FileEntry, ShardReport
 
-__all__ = ["EXTRA_NAME", "read_extra", "shard_report", "start_checkpoint", "storage_reader", "verify_together",
-           "dcp_writer"]
+__all__ = ["EXTRA_NAME", "read_extra", "save_planner", "shard_report", "start_checkpoint", "storage_reader",
+           "verify_together", "dcp_writer"]
 
 EXTRA_NAME = "extra.pt"
 
@@ -119,6 +119,41 @@ def _fsspec_writer_classes() -> tuple[type, type]:
 
         _fsspec_classes = (type("_RecordingFsspecWriter", (_Recording, FsspecWriter), {}), _HashingFileSystem)
     return _fsspec_classes
+
+
+def save_planner(state: dict[str, Any], process_group: dist.ProcessGroup | None = None) -> Any:
+    """DCP's default save planner with its plan cache on, keyed by everything a rank's plan depends on.
+
+    Why: without the cache every save exchanges every rank's full plan (a pickled entry per tensor,
+    gathered on rank 0, deduplicated and scattered back) before writing a byte. Measured on two
+    gloo ranks with the gpt-tiny DP2 state (about 500 tensors with AdamW), that planning was ~40% of
+    a 0.2-0.4 s save. With the cache a rank whose plan did not change since its last save sends an
+    empty one, and rank 0 reuses the global plan (``enable_plan_caching``, DCP's own feature).
+
+    DCP keys its class-level cache by a string, the planner class's name by default; here it is the
+    world size, this rank, and a digest of every tensor's name, shape and dtype, so a process that
+    ever saves another state (a test, another layout) never mixes their plans. A rank whose cache is
+    empty (a replacement rank, a fresh process) sends its full plan, and rank 0 merges it in.
+    """
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    digest = hashlib.sha256()
+    for name, value in _flat_items(state):
+        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        digest.update(f"{name}:{shape}:{getattr(value, 'dtype', '')};".encode())
+    world = dist.get_world_size(process_group) if dist.is_initialized() else 1
+    rank = dist.get_rank(process_group) if dist.is_initialized() else 0
+    planner = DefaultSavePlanner(enable_plan_caching=True)
+    planner._cached_plans_key = f"etrain:{world}:{rank}:{digest.hexdigest()}"  # DCP's documented cache key
+    return planner
+
+
+def _flat_items(state: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    if isinstance(state, dict):
+        return [item for key in sorted(state, key=str) for item in _flat_items(state[key], f"{prefix}{key}.")]
+    if isinstance(state, (list, tuple)):
+        return [item for index, value in enumerate(state) for item in _flat_items(value, f"{prefix}{index}.")]
+    return [(prefix, state)]
 
 
 def dcp_writer(directory: str) -> _Recording:

@@ -10,7 +10,9 @@ vector also carries its decision (:data:`SAVE`, :data:`STOP`), taken from its ow
 supervisor's requests (:class:`ControlRequests`) and the deterministic schedule; every rank reads
 the decision from rank 0's row of the same gathered result, so all ranks act at the same step. The
 same exchange gives rank 0 every rank's timings, which it reports to the supervisor in one batched
-call (``workers/report_batch.py``) instead of one call per rank per step.
+call (``workers/report_batch.py``) instead of one call per rank per step. The ranks run the exchange
+overlapped with the next step (:class:`StepBoundaries`): there rank 0's row carries its requests for
+the boundary after, and the schedule's saves are computed by every rank.
 
 Torch-free and Ray-free: unit-tested in ``tests/unit/test_step_control.py``.
 """

@@ -605,3 +605,40 @@ def test_resaving_over_a_corrupted_commit_quarantines_it(tmp_path):
     quarantined = [p.name for p in tmp_path.iterdir() if ".corrupt-" in p.name]
     assert len(quarantined) == 1 and quarantined[0].startswith("step_00000008.corrupt-")
     assert [step for step, _ in list_steps(tmp_path)] == [8]  # the quarantined copy is not a step
+
+
+def _save_twice_with_the_cached_plan_then_load(rank: int, world_size: int, root: str) -> dict:
+    """FSDP2 (ranks hold different shards) trains, saves, trains, saves again: the second save runs on
+    DCP's cached plan. A fresh model loads the second one."""
+    from torch.distributed.checkpoint.planner import SavePlanner
+
+    from etrain.workers.checkpoint_state import collect_state
+
+    parts, optimizers = _build("fsdp", seed=0)
+    _train("fsdp", parts, optimizers, TRAIN_STEPS)
+    first = _gather_reports(save_checkpoint(step_dir(root, 2), parts, optimizers, _extra(2)))
+    key = checkpoint_io.save_planner(collect_state(parts, optimizers).state)._cached_plans_key
+    cached_after_first = key in SavePlanner._cached_save_plan
+    _train("fsdp", parts, optimizers, TRAIN_STEPS, first_step=TRAIN_STEPS)
+    second = _gather_reports(save_checkpoint(step_dir(root, 4), parts, optimizers, _extra(4)))
+    if rank == 0:
+        commit(step_dir(root, 2), 2, "cached", world_size, first)
+        commit(step_dir(root, 4), 4, "cached", world_size, second)
+    dist.barrier()
+    expected = _snapshot(parts, optimizers)
+    fresh_parts, fresh_optimizers = _build("fsdp", seed=1, lr=LR / 2)
+    load_checkpoint(step_dir(root, 4), fresh_parts, fresh_optimizers)
+    return {"key": key, "cached_after_first": cached_after_first, "expected": expected,
+            "loaded": _snapshot(fresh_parts, fresh_optimizers)}
+
+
+def test_a_save_on_dcps_cached_plan_restores_exactly(tmp_path):
+    """save_planner turns DCP's plan cache on (a rank whose plan did not change sends an empty one): the
+    second save of a sharded state, planned from the cache, still restores bit for bit."""
+    results = run_distributed(_save_twice_with_the_cached_plan_then_load, 2, str(tmp_path), timeout_s=TIMEOUT_S)
+    assert all(r["cached_after_first"] for r in results), "the first save filled the plan cache"
+    assert results[0]["key"] != results[1]["key"]  # each rank's own entry (the key names the rank)
+    assert results[0]["key"].startswith("etrain:2:0:") and results[1]["key"].startswith("etrain:2:1:")
+    for r in results:
+        for name, value in r["expected"].items():
+            assert torch.equal(r["loaded"][name], value), name
