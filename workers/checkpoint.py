@@ -29,6 +29,7 @@ from torch.optim import Optimizer
 
 from etrain.workers.checkpoint_io import (
     dcp_writer,
+    new_plan_cache,
     read_extra,
     save_planner,
     shard_report,
@@ -50,8 +51,13 @@ def save_checkpoint(
     extra: dict[str, Any],
     *,
     process_group: dist.ProcessGroup | None = None,
+    plan_cache: str | None = None,
 ) -> ShardReport:
     """Write this rank's shards of a checkpoint into ``step_dir``; return what it wrote.
+
+    ``plan_cache``: a generation from ``checkpoint_io.new_plan_cache`` shared by this group's saves
+    (DCP then plans from its cache after the first one, see ``checkpoint_io.save_planner``); every
+    rank of the group must pass one made for this group. None: plan every save in full.
 
     Collective: every rank of ``process_group`` calls it with its own parts and optimizers. The
     checkpoint is *not* usable until the supervisor commits the reports of all ranks. A partial
@@ -64,8 +70,8 @@ def save_checkpoint(
     collected = collect_state(model_parts, optimizers)
     writer = dcp_writer(directory)
     with _single_process_quiet():
-        dcp.save(collected.state, storage_writer=writer, process_group=process_group,
-                 planner=save_planner(collected.state, process_group))
+        planner = save_planner(collected.state, process_group, plan_cache) if plan_cache else None
+        dcp.save(collected.state, storage_writer=writer, process_group=process_group, planner=planner)
     return shard_report(directory, writer, process_group)
 
 
@@ -146,6 +152,7 @@ class AsyncCheckpointer:
             ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
             self._group = dist.new_group(ranks=ranks, backend="gloo")
         self._pending: PendingCheckpoint | None = None
+        self._plan_cache = new_plan_cache()  # this checkpointer's group (checkpoint_io.save_planner)
 
     def save(
         self,
@@ -165,7 +172,7 @@ class AsyncCheckpointer:
         writer = dcp_writer(directory)
         # The writer is a BlockingAsyncStager: the state is copied to CPU before this returns.
         written = dcp.async_save(collected.state, storage_writer=writer, process_group=self._group,
-                                 planner=save_planner(collected.state, self._group))
+                                 planner=save_planner(collected.state, self._group, self._plan_cache))
         if isinstance(written, AsyncSaveResponse):  # returned when staging itself is asynchronous
             written = written.upload_completion
         report: Future = Future()

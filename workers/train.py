@@ -118,6 +118,7 @@ class Trainer:
                 if self.distributed else None)
         self.dims = ParallelDims.build(self.topology, mesh, world_size, dp_replicate=parallel.dp_replicate)
         self.grad_accum_steps = config.grad_accum_steps
+        self._plan_cache: str | None = None  # DCP's save-plan cache generation (workers/checkpoint_io.py)
         self._sync_tensor = torch.zeros(1, device=self.device)
         #: Times waits inside TP / FSDP2 collectives on timing-sync steps (workers/collective_waits.py).
         self._waits = CollectiveWaitClock(self.device) if self.distributed and world_size > 1 else None
@@ -379,9 +380,12 @@ class Trainer:
         The checkpoint is usable only once the supervisor commits every rank's report.
         """
         from etrain.workers.checkpoint import save_checkpoint
+        from etrain.workers.checkpoint_io import new_plan_cache
 
+        if self._plan_cache is None:  # one per Trainer: every rank builds a new one for each attempt
+            self._plan_cache = new_plan_cache()
         model_parts, optimizers, extra = self.state_for_checkpoint()
-        return save_checkpoint(step_dir, model_parts, optimizers, extra)
+        return save_checkpoint(step_dir, model_parts, optimizers, extra, plan_cache=self._plan_cache)
 
     def restore(self, step_dir: str, *, verify_checksums: bool = True, expect_digest: str | None = None) -> int:
         """Load a committed checkpoint saved under any layout (DCP reshards by FQN).
