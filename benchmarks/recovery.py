@@ -104,7 +104,8 @@ def recovery_figures(*, job: Job, rounds: int, workdir: Path, timeout_s: float,
     last_checkpoint = job.every * (job.kill_at // job.every)
     lost = {system: sum(1 for r in runs[system] if r.get("measures", {}).get("resumed_from") is not None
                         and r["measures"]["resumed_from"] < last_checkpoint) for system in SYSTEMS}
-    note = "0 once peer-memory state resumes at the kill's step."
+    note = ("Peer-memory state restores the last committed step (step 10), as a checkpoint does, so the steps "
+            "since it are recomputed either way; what it saves is the read from storage.")
     if lost["ray_train"]:
         note += (f" Ray Train restarted from step 0 in {lost['ray_train']} of {len(runs['ray_train'])} runs: its "
                  f"step-{last_checkpoint} checkpoint was on storage but not registered, since the controller takes a "
