@@ -70,7 +70,7 @@ def save_checkpoint(
     collected = collect_state(model_parts, optimizers)
     writer = dcp_writer(directory)
     with _single_process_quiet():
-        planner = save_planner(collected.state, process_group, plan_cache) if plan_cache else None
+        planner = save_planner(plan_cache) if plan_cache else None
         dcp.save(collected.state, storage_writer=writer, process_group=process_group, planner=planner)
     return shard_report(directory, writer, process_group)
 
@@ -172,7 +172,7 @@ class AsyncCheckpointer:
         writer = dcp_writer(directory)
         # The writer is a BlockingAsyncStager: the state is copied to CPU before this returns.
         written = dcp.async_save(collected.state, storage_writer=writer, process_group=self._group,
-                                 planner=save_planner(collected.state, self._group, self._plan_cache))
+                                 planner=save_planner(self._plan_cache))
         if isinstance(written, AsyncSaveResponse):  # returned when staging itself is asynchronous
             written = written.upload_completion
         report: Future = Future()

@@ -121,7 +121,7 @@ def _fsspec_writer_classes() -> tuple[type, type]:
     return _fsspec_classes
 
 
-def save_planner(state: dict[str, Any], process_group: dist.ProcessGroup | None, cache: str) -> Any:
+def save_planner(cache: str) -> Any:
     """DCP's default save planner with its plan cache on, for the saves of one group of ranks.
 
     Why: without the cache every save exchanges every rank's full plan (a pickled entry per tensor,
@@ -131,41 +131,26 @@ def save_planner(state: dict[str, Any], process_group: dist.ProcessGroup | None,
     change since its last save sends an empty one, and rank 0 reuses the global plan
     (``enable_plan_caching``, DCP's own feature).
 
-    DCP keeps the cache per process, and rank 0 skips sending a rank the plan it believes that rank
-    has cached. So every rank of the group must start its cache together: a process that joins
-    later (the replacement of an in-place repair, beside survivors that saved before) has none, and
-    DCP fails it with a ``KeyError`` (measured). ``cache`` names one cache generation: the caller
-    makes a new one for every group of ranks (``Trainer`` and ``AsyncCheckpointer`` per instance,
-    i.e. per attempt, on every rank), so the first save of an attempt plans in full everywhere.
-    The key also holds the world size, the rank and a digest of every tensor's name, shape and
-    dtype, so two states saved under one generation never share plans.
+    DCP keeps the cache per process under a key, and rank 0 skips sending a rank the plan it
+    believes that rank has cached. So every rank of the group must start its cache together: a
+    process that joins later (the replacement of an in-place repair, beside survivors that saved
+    before) has none, and DCP fails it with a ``KeyError`` (measured). ``cache`` (from
+    :func:`new_plan_cache`) is the key: the caller makes one per group of ranks and state
+    (``Trainer`` and ``AsyncCheckpointer`` per instance, i.e. per attempt, on every rank), so the first
+    save of an attempt plans in full everywhere.
     """
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-    digest = hashlib.sha256()
-    for name, value in _flat_items(state):
-        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-        digest.update(f"{name}:{shape}:{getattr(value, 'dtype', '')};".encode())
-    world = dist.get_world_size(process_group) if dist.is_initialized() else 1
-    rank = dist.get_rank(process_group) if dist.is_initialized() else 0
     planner = DefaultSavePlanner(enable_plan_caching=True)
-    planner._cached_plans_key = f"etrain:{cache}:{world}:{rank}:{digest.hexdigest()}"  # the key DCP caches under
+    planner._cached_plans_key = cache  # the key DCP caches under (its class name by default)
     return planner
 
 
 def new_plan_cache() -> str:
-    """A fresh plan-cache generation for :func:`save_planner` (one per group of ranks)."""
+    """A fresh plan-cache key for :func:`save_planner` (one per group of ranks and state)."""
     import uuid
 
-    return uuid.uuid4().hex
-
-
-def _flat_items(state: Any, prefix: str = "") -> list[tuple[str, Any]]:
-    if isinstance(state, dict):
-        return [item for key in sorted(state, key=str) for item in _flat_items(state[key], f"{prefix}{key}.")]
-    if isinstance(state, (list, tuple)):
-        return [item for index, value in enumerate(state) for item in _flat_items(value, f"{prefix}{index}.")]
-    return [(prefix, state)]
+    return f"etrain:{uuid.uuid4().hex}"
 
 
 def dcp_writer(directory: str) -> _Recording:

@@ -67,7 +67,7 @@ def _train_one_tiny_step() -> None:
     A first Trainer pays for what torch loads lazily, not at import: building a model under a device
     context imports ``torch._dynamo`` (0.5-0.7 s, measured), and the first forward, backward and
     AdamW step set up their kernels and caches. Measured on the 2-core machine, a rank's Trainer took
-    1.4 s to build without this and 0.04 s after it. It runs on the CPU only (a spare never touches
+    1.4 s to build without this and 0.06-0.18 s after it (the rank log's start-up line). It runs on the CPU only (a spare never touches
     CUDA) in a single process (no process group), and leaves nothing behind: the job's Trainer seeds
     every generator it uses itself.
     """

@@ -3,16 +3,15 @@
 Why one decision: a checkpoint save and a graceful stop are collective. If one rank saves (or stops)
 after step 12 and another after step 13, their collectives pair up wrongly and the job hangs or
 mixes steps. A request delivered asynchronously to every rank (each comparing a target step of its
-own) lands at different moments on different ranks, so ranks can disagree. Instead, at the end of
-every step, every rank contributes one fixed-size vector of floats (:data:`FIELDS`) to ONE
-all-gather over a dedicated gloo group (``workers/step_exchange.py``, the thin torch adapter). Rank 0's
-vector also carries its decision (:data:`SAVE`, :data:`STOP`), taken from its own view of the
-supervisor's requests (:class:`ControlRequests`) and the deterministic schedule; every rank reads
-the decision from rank 0's row of the same gathered result, so all ranks act at the same step. The
-same exchange gives rank 0 every rank's timings, which it reports to the supervisor in one batched
-call (``workers/report_batch.py``) instead of one call per rank per step. The ranks run the exchange
-overlapped with the next step (:class:`StepBoundaries`): there rank 0's row carries its requests for
-the boundary after, and the schedule's saves are computed by every rank.
+own) lands at different moments on different ranks, so ranks can disagree. Instead, after every
+step, every rank contributes one fixed-size vector of floats (:data:`FIELDS`) to ONE all-gather over
+a dedicated gloo group (``workers/step_exchange.py``, the thin torch adapter), which runs in the
+background of the next step (:class:`StepBoundaries`). Rank 0's vector carries its requests for the
+next boundary (:data:`SAVE`, :data:`STOP`), taken from its own view of the supervisor's requests
+(:class:`ControlRequests`); every rank reads them from rank 0's row of the same gathered result, and
+computes the deterministic schedule's saves itself, so all ranks act at the same step. The same
+exchange gives rank 0 every rank's timings, which it reports to the supervisor in one batched call
+(``workers/report_batch.py``) instead of one call per rank per step.
 
 Torch-free and Ray-free: unit-tested in ``tests/unit/test_step_control.py``.
 """
@@ -53,8 +52,8 @@ class Boundary:
     """What every rank learns at the end of one step, identical on all ranks."""
 
     completed: int  # steps completed (the step index + 1)
-    save: bool
-    stop: bool
+    #: Rank 0's flags (SAVE, STOP): its requests for the boundary after this one (:class:`StepBoundaries`).
+    requested: int
     #: Every rank's vector (FIELDS), in rank order, as exchanged.
     rows: Sequence[Sequence[float]]
 
@@ -73,14 +72,6 @@ class Boundary:
             "timing_synced": [value != 0.0 for value in column("timing_synced")],
             "peak_mem_bytes": [int(value) for value in column("peak_mem_bytes")],
         }
-
-    @property
-    def urgent(self) -> bool:
-        """Whether the supervisor must hear about this step at once (a save or a stop follows)."""
-        return self.save or self.stop
-
-    def compute_by_rank(self) -> dict[int, float]:
-        return dict(enumerate(self.timings["compute_s"]))
 
 
 def scheduled_save(completed: int, *, total_steps: int, every_steps: int | None) -> bool:
@@ -124,7 +115,7 @@ def decode(rows: Sequence[Sequence[float]], *, step: int) -> Boundary:
     if flags != int(flags) or not 0 <= flags <= _ALL_FLAGS:
         raise ValueError(f"rank 0's flags {flags} are not a combination of SAVE={SAVE} and STOP={STOP}")
     flags = int(flags)
-    return Boundary(completed=step + 1, save=bool(flags & SAVE), stop=bool(flags & STOP), rows=rows)
+    return Boundary(completed=step + 1, requested=flags, rows=rows)
 
 
 class Exchange(Protocol):
@@ -209,7 +200,7 @@ class StepBoundaries:
         if boundary is None:
             return
         metrics, self._in_flight = self._in_flight, None
-        self._requested = (SAVE if boundary.save else 0) | (STOP if boundary.stop else 0)
+        self._requested = boundary.requested
         if self._control is not None and metrics is not None:
             reports.append((step_record(metrics, boundary), urgent))
 
@@ -223,7 +214,7 @@ class ControlRequests:
     """The supervisor's requests as one rank sees them; only rank 0's view is ever acted on.
 
     Control calls (``request_checkpoint``, ``request_stop``) arrive on the actor's other threads at any
-    moment; the training thread calls :meth:`decide` once per step boundary, which takes a consistent
+    moment; the training thread calls :meth:`decide_requests` once per step boundary, which takes a consistent
     snapshot under a lock and consumes what it acts on.
     """
 
@@ -247,17 +238,12 @@ class ControlRequests:
         with self._lock:
             return frozenset(self._checkpoints), self._stop
 
-    def decide(self, completed: int, *, total_steps: int, every_steps: int | None) -> int:
-        """The flags of the boundary after ``completed`` steps; consumes the requests it satisfies.
+    def decide_requests(self, completed: int, *, total_steps: int) -> int:
+        """The flags the requests give the boundary after ``completed`` steps; consumes what it satisfies.
 
+        The schedule's saves are not among them: every rank computes those itself (:class:`StepBoundaries`).
         A stop at the last step is not a stop: the attempt ends there anyway, as finished.
         """
-        flags = self.decide_requests(completed, total_steps=total_steps)
-        return flags | (SAVE if scheduled_save(completed, total_steps=total_steps, every_steps=every_steps) else 0)
-
-    def decide_requests(self, completed: int, *, total_steps: int) -> int:
-        """The flags the requests alone give the boundary after ``completed`` steps (the schedule is
-        left out: every rank computes it itself, :class:`StepBoundaries`); consumes what it satisfies."""
         with self._lock:
             due = {target for target in self._checkpoints if target <= completed}
             self._checkpoints -= due

@@ -9,13 +9,14 @@ created once per attempt beside the training groups:
 * a group of its own keeps these collectives from ever pairing up with the training step's (or the
   async checkpointer's, which has its own group too).
 
-One collective per step: ``all_gather`` of ``len(FIELDS)`` float64 values per rank (56 bytes). Rank 0's
-row carries the decision, so no broadcast is needed.
+One collective per step: ``all_gather`` of ``len(FIELDS)`` float64 values per rank (56 bytes), begun
+after a step (:meth:`StepExchange.start`) and waited for at a later boundary (:meth:`StepExchange.settle`).
+Rank 0's row carries its requests, so no broadcast is needed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -46,20 +47,6 @@ class StepExchange:
         self._gathered = torch.zeros(world_size, len(FIELDS), dtype=torch.float64)
         self._rows = list(self._gathered.unbind(0))
         self._pending: tuple[int, Any] | None = None  # (step, its all-gather's Work) begun by start()
-
-    def exchange(self, vector: Sequence[float]) -> list[list[float]]:
-        """Every rank's vector, in rank order (collective on every rank of the world)."""
-        self._local_view[:] = vector
-        if self._group is None:
-            return [self._local.tolist()]
-        dist.all_gather(self._rows, self._local, group=self._group)
-        return self._gathered.tolist()
-
-    def boundary(self, metrics: Mapping[str, Any], flags: int = 0) -> Boundary:
-        """Exchange this rank's timings (and, on rank 0, its decision flags); what every rank then knows."""
-        return decode(self.exchange(encode(metrics, flags)), step=int(metrics["step"]))
-
-    # -- overlapped (``etrain.workers.step_control.StepBoundaries``) -------------------------------------
 
     def start(self, metrics: Mapping[str, Any], flags: int = 0) -> None:
         """Begin exchanging this rank's vector in the background (gloo runs it on its own thread);

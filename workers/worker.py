@@ -186,20 +186,20 @@ class TrainWorker:
             for step in range(plan.start_step, total):
                 metrics = dataclasses.asdict(trainer.train_step(step))
                 final_loss = metrics["loss"]
-                boundary = boundaries.after_step(metrics)
+                decision = boundaries.after_step(metrics)
                 if batcher is not None:  # a step that saves or stops is urgent (the last step always saves)
-                    for record, urgent in boundary.reports:
+                    for record, urgent in decision.reports:
                         batcher.add(record, urgent=urgent)
                 if log is not None:
                     log.write(f"step {step + 1}/{total} loss {metrics['loss']:.4f} "
                               f"compute {metrics['compute_s']:.3f}s comm_wait {metrics['comm_wait_s']:.3f}s")
-                if boundary.save:
+                if decision.save:
                     self._save(trainer, step + 1, plan.attempt)
                     if log is not None:
                         log.write(f"checkpoint step {step + 1} "
                                   + ("save started (async)" if config.checkpoint.async_save else "saved"))
                         log.sync()  # an s3:// log is uploaded at each checkpoint (a no-op for a local one)
-                if boundary.stop:
+                if decision.stop:
                     return self._result(trainer, step + 1, final_loss, stopped=True)
             return self._result(trainer, total, final_loss, stopped=False)
         finally:

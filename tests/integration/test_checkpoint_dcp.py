@@ -612,14 +612,12 @@ def _save_twice_with_the_cached_plan_then_load(rank: int, world_size: int, root:
     DCP's cached plan. A fresh model loads the second one."""
     from torch.distributed.checkpoint.planner import SavePlanner
 
-    from etrain.workers.checkpoint_state import collect_state
-
-    cache = checkpoint_io.new_plan_cache() if rank == 0 else f"rank{rank}"  # generations need not agree
+    cache = checkpoint_io.new_plan_cache()  # each rank its own: a key only has to be fresh on every rank
     parts, optimizers = _build("fsdp", seed=0)
     _train("fsdp", parts, optimizers, TRAIN_STEPS)
+    uncached = cache not in SavePlanner._cached_save_plan
     first = _gather_reports(save_checkpoint(step_dir(root, 2), parts, optimizers, _extra(2), plan_cache=cache))
-    key = checkpoint_io.save_planner(collect_state(parts, optimizers).state, None, cache)._cached_plans_key
-    cached_after_first = key in SavePlanner._cached_save_plan
+    cached_after_first = cache in SavePlanner._cached_save_plan
     _train("fsdp", parts, optimizers, TRAIN_STEPS, first_step=TRAIN_STEPS)
     second = _gather_reports(save_checkpoint(step_dir(root, 4), parts, optimizers, _extra(4), plan_cache=cache))
     if rank == 0:
@@ -629,7 +627,7 @@ def _save_twice_with_the_cached_plan_then_load(rank: int, world_size: int, root:
     expected = _snapshot(parts, optimizers)
     fresh_parts, fresh_optimizers = _build("fsdp", seed=1, lr=LR / 2)
     load_checkpoint(step_dir(root, 4), fresh_parts, fresh_optimizers)
-    return {"key": key, "cached_after_first": cached_after_first, "expected": expected,
+    return {"uncached": uncached, "cached_after_first": cached_after_first, "expected": expected,
             "loaded": _snapshot(fresh_parts, fresh_optimizers)}
 
 
@@ -637,8 +635,8 @@ def test_a_save_on_dcps_cached_plan_restores_exactly(tmp_path):
     """A plan_cache turns DCP's plan cache on (a rank whose plan did not change sends an empty one): the
     second save of a sharded state, planned from the cache, still restores bit for bit."""
     results = run_distributed(_save_twice_with_the_cached_plan_then_load, 2, str(tmp_path), timeout_s=TIMEOUT_S)
-    assert all(r["cached_after_first"] for r in results), "the first save filled the plan cache"
-    assert results[0]["key"].startswith("etrain:") and ":2:0:" in results[0]["key"] and ":2:1:" in results[1]["key"]
+    assert all(r["uncached"] and r["cached_after_first"] for r in results), "the first save filled the plan cache"
     for r in results:
+        assert sorted(r["loaded"]) == sorted(r["expected"])
         for name, value in r["expected"].items():
             assert torch.equal(r["loaded"][name], value), name

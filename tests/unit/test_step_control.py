@@ -39,12 +39,11 @@ class TestVector:
                 encode(metrics(4, compute_s=0.2, synced=True, peak=5), 0),
                 encode(metrics(4, compute_s=0.4, synced=True, peak=0), STOP)]  # not rank 0: ignored
         boundary = decode(rows, step=4)
-        assert (boundary.completed, boundary.save, boundary.stop, boundary.urgent) == (5, True, False, True)
+        assert (boundary.completed, boundary.requested) == (5, SAVE)  # rank 0's flags only
         assert boundary.timings == {
             "compute_s": [0.1, 0.2, 0.4], "comm_wait_s": [0.05] * 3, "step_s": [0.3] * 3,
             "timing_synced": [True, True, True], "peak_mem_bytes": [2**40 + 1, 5, 0],
         }
-        assert boundary.compute_by_rank() == {0: 0.1, 1: 0.2, 2: 0.4}
         assert list(boundary.timings) == list(RANK_TIMINGS)
 
     def test_peak_memory_stays_exact_at_80_gib(self):
@@ -90,38 +89,36 @@ class TestDecision:
         assert [c for c in range(1, 31) if scheduled_save(c, total_steps=30, every_steps=None)] == [30]
         assert [c for c in range(1, 31) if scheduled_save(c, total_steps=30, every_steps=0)] == [30]
 
-    def test_no_request_follows_the_schedule(self):
+    def test_no_request_decides_nothing(self):
         control = ControlRequests()
-        flags = [control.decide(c, total_steps=12, every_steps=5) for c in range(1, 13)]
-        assert [c for c, f in zip(range(1, 13), flags) if f] == [5, 10, 12]
-        assert all(f == SAVE for f in flags if f)
+        assert [control.decide_requests(c, total_steps=12) for c in range(1, 13)] == [0] * 12
 
     def test_a_checkpoint_request_saves_the_first_boundary_at_or_past_its_target_once(self):
         control = ControlRequests()
         control.request_checkpoint(7)  # the supervisor knew 6 steps; rank 0 may already be past 7
-        assert control.decide(6, total_steps=100, every_steps=None) == 0
-        assert control.decide(8, total_steps=100, every_steps=None) == SAVE  # target passed: saved at once
-        assert control.decide(9, total_steps=100, every_steps=None) == 0  # consumed
+        assert control.decide_requests(6, total_steps=100) == 0
+        assert control.decide_requests(8, total_steps=100) == SAVE  # target passed: saved at once
+        assert control.decide_requests(9, total_steps=100) == 0  # consumed
         assert control.pending() == (frozenset(), False)
 
     def test_a_request_without_a_target_saves_the_next_boundary(self):
         control = ControlRequests()
         control.request_checkpoint()
-        assert control.decide(3, total_steps=100, every_steps=50) == SAVE
-        assert control.decide(4, total_steps=100, every_steps=50) == 0
+        assert control.decide_requests(3, total_steps=100) == SAVE
+        assert control.decide_requests(4, total_steps=100) == 0
 
     def test_a_stop_is_decided_once_with_the_save_it_comes_with(self):
         control = ControlRequests()
         control.request_checkpoint(5)
         control.request_stop()
         assert control.pending() == (frozenset({5}), True)
-        assert control.decide(5, total_steps=100, every_steps=None) == SAVE | STOP
-        assert control.decide(6, total_steps=100, every_steps=None) == 0  # a new attempt would not stop at once
+        assert control.decide_requests(5, total_steps=100) == SAVE | STOP
+        assert control.decide_requests(6, total_steps=100) == 0  # a new attempt would not stop at once
 
     def test_a_stop_at_the_last_step_is_a_finish_not_a_stop(self):
         control = ControlRequests()
         control.request_stop()
-        assert control.decide(10, total_steps=10, every_steps=None) == SAVE
+        assert control.decide_requests(10, total_steps=10) == 0  # the schedule saves the last step anyway
 
     def test_requests_from_other_threads_land_in_exactly_one_boundary(self):
         control = ControlRequests()
@@ -138,7 +135,7 @@ class TestDecision:
         completed = 0
         while not done.is_set() or control.pending()[0]:
             completed += 1
-            if control.decide(completed, total_steps=10**9, every_steps=None) & SAVE:
+            if control.decide_requests(completed, total_steps=10**9) & SAVE:
                 decided.append(completed)
         thread.join()
         # Every target was satisfied by some boundary at or past it, and no boundary saved without a target.
