@@ -20,6 +20,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
@@ -28,6 +29,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.optim import Optimizer
 
 from etrain.workers.checkpoint_io import (
+    abandon,
     dcp_writer,
     new_plan_cache,
     read_extra,
@@ -40,6 +42,7 @@ from etrain.workers.checkpoint_io import (
 from etrain.workers.checkpoint_state import apply_state, collect_state
 from etrain.workers.protocol.errors import CheckpointError
 from etrain.workers.protocol.manifest import ShardReport
+from etrain.workers.storage_faults import storage_fault
 
 __all__ = ["AsyncCheckpointer", "PendingCheckpoint", "load_checkpoint", "save_checkpoint"]
 
@@ -66,13 +69,45 @@ def save_checkpoint(
     writes through its fsspec storage.
     """
     directory = os.fspath(step_dir)  # a URL string is returned as is
-    start_checkpoint(directory, extra, process_group)
     collected = collect_state(model_parts, optimizers)
+    expected = start_checkpoint(directory, extra, process_group, state_bytes=_local_bytes(collected.state))
     writer = dcp_writer(directory)
-    with _single_process_quiet():
-        planner = save_planner(plan_cache) if plan_cache else None
-        dcp.save(collected.state, storage_writer=writer, process_group=process_group, planner=planner)
+    try:
+        with _single_process_quiet():
+            planner = save_planner(plan_cache) if plan_cache else None
+            dcp.save(collected.state, storage_writer=writer, process_group=process_group, planner=planner)
+    except CheckpointException as exc:  # a rank's writes failed; DCP raised it on every rank
+        raise _abandoned(exc, directory, expected, process_group) from None
     return shard_report(directory, writer, process_group)
+
+
+def _abandoned(error: BaseException, directory: str, expected_bytes: int,
+               group: dist.ProcessGroup | None) -> BaseException:
+    """A failed save's files removed (rank 0), and the error to raise: a ``StorageFault`` that says why
+    in words (``workers/storage_faults.py``), or the error itself when the storage is not the cause."""
+    fault = storage_fault(error, directory, expected_bytes)
+    abandon(directory, group)
+    return fault if fault is not None else error
+
+
+def _local_bytes(state: dict[str, Any]) -> int:
+    """Bytes of this rank's share of ``state`` (DTensors count their local shard)."""
+    total = 0
+
+    def visit(value: Any) -> None:
+        nonlocal total
+        if isinstance(value, dict):
+            for item in value.values():
+                visit(item)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                visit(item)
+        elif isinstance(value, torch.Tensor):
+            local = value.to_local() if hasattr(value, "to_local") else value
+            total += local.numel() * local.element_size()
+
+    visit(state)
+    return total
 
 
 def load_checkpoint(
@@ -136,23 +171,33 @@ class PendingCheckpoint:
 class AsyncCheckpointer:
     """``dcp.async_save`` with one save in flight: staging blocks, the file writes do not.
 
-    :meth:`save` copies the state to CPU memory (the training step may then change parameters at
+    :meth:`save` copies the state to host memory (the training step may then change parameters at
     once) and returns a :class:`PendingCheckpoint`; the write, and the rank's hashing of its files,
     run on a background thread. The background save plans over its *own* gloo group, created here,
     so its collectives never interleave with the training step's on the default group (two threads
     issuing collectives on one group can pair up differently on different ranks and deadlock).
 
+    On CUDA the staging copy goes to **pinned** host buffers that are allocated (and pinned) by the
+    first save and reused by every later one (DCP's ``DefaultStager``, which caches a staged storage
+    per device storage): a device -> pinned copy runs at PCIe/NVLink-C2C speed, where a copy into
+    fresh pageable memory (DCP's default) allocates the whole state again and copies at a fraction of
+    it. The price is host memory the size of the rank's state, held for the attempt. On CPU the
+    state is copied into fresh memory per save (pinning needs CUDA).
+
     Construction is collective over the whole world (``dist.new_group``). The owner calls
     :meth:`close` (waits for the last save) before destroying the process group.
     """
 
-    def __init__(self, *, process_group: dist.ProcessGroup | None = None):
+    def __init__(self, *, process_group: dist.ProcessGroup | None = None, pinned: bool = False,
+                 write_threads: int = 1):
         self._group: dist.ProcessGroup | None = None
         if dist.is_initialized():
             ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
             self._group = dist.new_group(ranks=ranks, backend="gloo")
         self._pending: PendingCheckpoint | None = None
         self._plan_cache = new_plan_cache()  # this checkpointer's group (checkpoint_io.save_planner)
+        self._stager = _pinned_stager() if pinned else None
+        self._write_threads = write_threads
 
     def save(
         self,
@@ -163,16 +208,18 @@ class AsyncCheckpointer:
         *,
         previous_timeout_s: float = 600.0,
     ) -> PendingCheckpoint:
-        """Start saving (collective); waits first for the previous save (its report is the caller's
-        to have collected via its own handle)."""
+        """Start saving (collective); waits first for the previous save (whose outcome, a failure
+        included, is the caller's to have collected through its own handle: the staging buffers are
+        reused, so the previous write must be over)."""
         self.wait_previous(previous_timeout_s)
         directory = os.fspath(step_dir)
-        start_checkpoint(directory, extra, self._group)
         collected = collect_state(model_parts, optimizers)
-        writer = dcp_writer(directory)
-        # The writer is a BlockingAsyncStager: the state is copied to CPU before this returns.
+        expected = start_checkpoint(directory, extra, self._group, state_bytes=_local_bytes(collected.state))
+        writer = dcp_writer(directory, threads=self._write_threads)
+        staging = {"async_stager": self._stager} if self._stager is not None else {}
+        # Staging is synchronous: the state is in host memory when this returns.
         written = dcp.async_save(collected.state, storage_writer=writer, process_group=self._group,
-                                 planner=save_planner(self._plan_cache))
+                                 planner=save_planner(self._plan_cache), **staging)
         if isinstance(written, AsyncSaveResponse):  # returned when staging itself is asynchronous
             written = written.upload_completion
         report: Future = Future()
@@ -182,6 +229,8 @@ class AsyncCheckpointer:
             try:
                 future.result()
                 report.set_result(shard_report(directory, writer, group))
+            except CheckpointException as exc:  # a rank's writes failed: on every rank alike
+                report.set_exception(_abandoned(exc, directory, expected, group))
             except BaseException as exc:  # noqa: BLE001 - delivered to whoever waits
                 report.set_exception(exc)
 
@@ -190,19 +239,38 @@ class AsyncCheckpointer:
         return self._pending
 
     def wait_previous(self, timeout_s: float) -> None:
+        """Wait until the save in flight is over; its failure is not raised here (its handle has it)."""
         if self._pending is not None:
             pending, self._pending = self._pending, None
-            pending.wait(timeout_s)
+            try:
+                pending.wait(timeout_s)
+            except TimeoutError:
+                raise
+            except BaseException:  # noqa: BLE001 - reported by the handle's owner
+                pass
 
     def close(self, timeout_s: float = 600.0) -> None:
-        """Wait for the save in flight (if any) and release the checkpoint group."""
+        """Wait for the save in flight (if any) and release the checkpoint group and staging buffers."""
         try:
             self.wait_previous(timeout_s)
         finally:
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
             if self._group is not None and dist.is_initialized():
                 dist.destroy_process_group(self._group)
             self._group = None
 
+
+def _pinned_stager() -> Any:
+    """DCP's stager into reused pinned host buffers, copying synchronously (the caller blocks only
+    for the device -> host copy); None where this torch has no ``DefaultStager``."""
+    try:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    except ImportError:  # an older torch: DCP's default (fresh pageable copies) still works
+        return None
+    return DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
+                                        use_async_staging=False, use_non_blocking_copy=True))
 
 
 @contextlib.contextmanager

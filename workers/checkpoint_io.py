@@ -34,11 +34,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from etrain.workers import storage
-from etrain.workers.checkpoint_commit import file_entry, verify
+from etrain.workers.checkpoint_commit import file_entry, list_steps, verify
 from etrain.workers.protocol.errors import CheckpointError, EtrainError
 from etrain.workers.protocol.manifest import MANIFEST_NAME, METADATA_NAME, FileEntry, ShardReport
+from etrain.workers.storage_faults import check_room, storage_fault
 
-__all__ = ["EXTRA_NAME", "new_plan_cache", "read_extra", "save_planner", "shard_report", "start_checkpoint", "storage_reader",
+__all__ = ["EXTRA_NAME", "abandon", "last_checkpoint_bytes", "new_plan_cache", "read_extra", "save_planner", "shard_report", "start_checkpoint", "storage_reader",
            "verify_together", "dcp_writer"]
 
 EXTRA_NAME = "extra.pt"
@@ -153,18 +154,18 @@ def new_plan_cache() -> str:
     return f"etrain:{uuid.uuid4().hex}"
 
 
-def dcp_writer(directory: str) -> _Recording:
+def dcp_writer(directory: str, *, threads: int = 1) -> _Recording:
     """DCP's writer for ``directory``: the local file writer, or for a URL DCP's fsspec writer
     (``FsspecWriter``: a ``FileSystemWriter`` over fsspec, so async staging works the same) over a
     hashing file system. On an object store ``sync_files`` is off: an upload is durable once its PUT
     returns, and the file objects have no descriptor to fsync (DCP would fall back to a machine-wide
     ``os.sync()`` per file)."""
     if not storage.is_url(directory):
-        return _RecordingWriter(directory)
+        return _RecordingWriter(directory, thread_count=max(1, threads))
     storage.filesystem(directory)  # ConfigError naming the extra to install, before DCP's ImportError
     writer_class, filesystem_class = _fsspec_writer_classes()
     options = storage.storage_options(directory)
-    writer = writer_class(directory, sync_files=False, **options)
+    writer = writer_class(directory, sync_files=False, thread_count=max(1, threads), **options)
     writer.fs = filesystem_class()
     writer.path = writer.fs.init_path(directory, **options)
     return writer
@@ -205,10 +206,17 @@ def _reported(directory: str, name: str, uploaded: dict[str, tuple[int, str]]) -
     return FileEntry(path=name, size=known[0], sha256=known[1])
 
 
-def start_checkpoint(directory: str, extra: dict[str, Any], group: dist.ProcessGroup | None) -> None:
-    """Rank 0 refuses a committed directory, clears a partial one and writes ``extra.pt``; every
-    rank hears the verdict before any rank writes a shard (stale shards of a crashed attempt must
-    not mix with new ones, and nobody may start DCP's collectives if rank 0 cannot take part)."""
+def start_checkpoint(directory: str, extra: dict[str, Any], group: dist.ProcessGroup | None,
+                     state_bytes: int = 0) -> int:
+    """Rank 0 refuses a committed directory, clears a partial one, checks the room and writes ``extra.pt``;
+    every rank hears the verdict before any rank writes a shard (stale shards of a crashed attempt must
+    not mix with new ones, and nobody may start DCP's collectives if rank 0 cannot take part).
+
+    The room check (``workers/storage_faults.py``): the file system must have the size of the last
+    committed checkpoint free, plus a margin (``state_bytes``, this rank's state, stands in before the
+    first commit); otherwise every rank raises ``StorageFault`` and nothing is written. Returns the
+    checkpoint size the check used (what explains a write that fails later)."""
+    expected = [state_bytes]
 
     def start() -> None:  # a local folder or (URL) an object-store prefix, through workers/storage.py
         if storage.exists(storage.join(directory, MANIFEST_NAME)):
@@ -228,10 +236,36 @@ def start_checkpoint(directory: str, extra: dict[str, Any], group: dist.ProcessG
         else:  # strict locally: a folder that cannot be cleared fails the save, never mixes old shards in
             if os.path.isdir(directory):
                 shutil.rmtree(directory)
+            expected[0] = last_checkpoint_bytes(storage.parent(directory)) or state_bytes
+            check_room(storage.parent(directory), expected[0])
             os.makedirs(directory)
-        storage.atomic_write_bytes(storage.join(directory, EXTRA_NAME), _encode_extra(extra))
+        try:
+            storage.atomic_write_bytes(storage.join(directory, EXTRA_NAME), _encode_extra(extra))
+        except OSError as exc:
+            raise storage_fault(exc, directory, expected[0]) or exc
 
     _agree(start, group, f"cannot save into {directory}")
+    return expected[0]
+
+
+def last_checkpoint_bytes(root: str) -> int:
+    """The size of the newest committed checkpoint under ``root`` (0 when there is none)."""
+    for _, directory in reversed(list_steps(root)):
+        sizes = storage.file_sizes(directory)
+        if MANIFEST_NAME in sizes:
+            return sum(sizes.values())
+    return 0
+
+
+def abandon(directory: str, group: dist.ProcessGroup | None) -> None:
+    """After a failed save (every rank is past its writes): rank 0 removes the step's files, so a
+    failed save leaves no partial step behind to fill the disk further. Never a committed step."""
+    if _rank(group) != 0 or storage.exists(storage.join(directory, MANIFEST_NAME)):
+        return
+    try:
+        storage.rmtree(directory)
+    except Exception:  # noqa: BLE001 - best effort: an uncommitted step is never read, a later save clears it
+        pass
 
 
 def _encode_extra(extra: dict[str, Any]) -> bytes:

@@ -23,6 +23,7 @@ any non-terminal status; "fault" and [n] are explained under the table::
   live       any        CheckpointReported (last rank)        same        CommitCheckpoint         [3]
   live       any        CommitSucceeded(step being committed) same        checkpoint_committed     [3]
   live       any        CommitFailed(step being committed)    same        checkpoint_commit_failed [3]
+  live       any        CheckpointFailed (storage fault)      same        checkpoint_failed        [3]
   RUNNING    UP         Finished(final_step >= total_steps)   SUCCEEDED   StopGroup, MarkTerminal
                           with export, final step committed   EXPORTING   StopGroup                [6]
                           with export, final step uncommitted FAILED      StopGroup, MarkTerminal
@@ -51,6 +52,7 @@ any non-terminal status; "fault" and [n] are explained under the table::
   RUNNING    UP         CommitSucceeded of the pending step   RESIZING    StopGroup (resize)
                                                               RECOVERING  ExcludeNode, StopGroup (evict)
   RUNNING    UP         CommitFailed of the pending step      RUNNING     RequestCheckpoint (retry) [7]
+  RUNNING    UP         CheckpointFailed of the pending step  RUNNING     RequestCheckpoint (retry) [7]
   RUNNING    UP         Tick, pending > checkpoint_timeout_s  RUNNING     resize_abandoned, or
                                                               RECOVERING  evict from the last commit
   live       any        StragglerFlagged(evict=False)         same        RecordEvent(straggler_detected)
@@ -127,7 +129,8 @@ Where each piece lives (this module holds the table and the one entry point; not
   supervisor_state.py        SupervisorConfig, SupervisorState, Decision, initial_state, backoff_delay
   job_status.py              Status
   supervisor_lifecycle.py    Start, GroupReady, StepReported, Finished, JobError, GroupStopped, Tick, Cancel, Abort
-  supervisor_checkpoints.py  CheckpointReported, CommitSucceeded, CommitFailed, CheckpointFallback   [3] [7]
+  supervisor_checkpoints.py  CheckpointReported, CheckpointFailed, CommitSucceeded, CommitFailed,
+                             CheckpointFallback                                                   [3] [7]
   supervisor_failures.py     WorkerLost, RepairFailed, NodeLossConfirmed                          [8] [9]
   supervisor_resize.py       CapacityChanged, ScaleRequested, StragglerFlagged                    [4]
   supervisor_export.py       Exported, ExportFailed and the EXPORTING phase                       [6]
@@ -147,6 +150,7 @@ from etrain.service.decisions.supervisor_events import (
     Abort,
     Cancel,
     CapacityChanged,
+    CheckpointFailed,
     CheckpointFallback,
     CheckpointReported,
     CommitFailed,
@@ -203,6 +207,7 @@ _HANDLERS = {
     CheckpointReported: checkpoints.on_checkpoint,
     CommitSucceeded: checkpoints.on_commit_succeeded,
     CommitFailed: checkpoints.on_commit_failed,
+    CheckpointFailed: checkpoints.on_checkpoint_failed,
     CheckpointFallback: checkpoints.on_checkpoint_fallback,
     WorkerLost: failures.on_worker_lost,
     RepairFailed: failures.on_repair_failed,

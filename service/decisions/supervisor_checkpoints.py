@@ -1,7 +1,8 @@
 """The supervisor's handlers for checkpoints: ranks' reports, the manifest's commit, and a fallback.
 
 A step becomes the job's checkpoint only when every rank reported it and the adapter then wrote its
-manifest ([3]); a failed commit retries a pending resize's checkpoint ([7]); a launch that finds the
+manifest ([3]); a save the storage failed is recorded and training goes on; a failed commit or save
+retries a pending resize's checkpoint ([7]); a launch that finds the
 newest checkpoint rotten moves the commit point back. Rows and notes: service/decisions/supervisor.py.
 """
 
@@ -12,6 +13,7 @@ from dataclasses import replace
 from etrain.service.decisions.job_status import Status
 from etrain.service.decisions.supervisor_events import (
     Action,
+    CheckpointFailed,
     CheckpointFallback,
     CheckpointReported,
     CommitCheckpoint,
@@ -90,23 +92,38 @@ def on_commit_failed(state: SupervisorState, event: CommitFailed, now: float, co
     if event.step not in state.committing:
         return ignore(state, f"CommitFailed(step {event.step}) for a step not being committed")
     failed = replace(state, committing=state.committing - {event.step})
+    return _not_committed(failed, event.step, "checkpoint_commit_failed", event.error, "commit")
+
+
+def on_checkpoint_failed(
+    state: SupervisorState, event: CheckpointFailed, now: float, config: SupervisorConfig
+) -> Decision:
+    """The ranks abandoned a save (a storage fault): say why, forget its reports, keep training; the
+    schedule's next save tries again (a pending resize or eviction asks again at once, [7])."""
+    abandoned = replace(state, checkpoint_reports=frozenset(r for r in state.checkpoint_reports if r[0] != event.step))
+    return _not_committed(abandoned, event.step, "checkpoint_failed", f"{event.reason}; training continues", "save")
+
+
+def _not_committed(state: SupervisorState, step: int, kind: str, why: str, what_failed: str) -> Decision:
+    """A step that will not be a checkpoint (its commit or its save failed): the event, and a retry when a
+    resize or an eviction waits for a checkpoint at or after it."""
     kept = "nothing" if state.last_committed_step is None else f"step {state.last_committed_step}"
-    detail = f"step {event.step}: {event.error}; the last committed checkpoint stays {kept}"
-    actions: list[Action] = [RecordEvent(kind="checkpoint_commit_failed", detail=detail)]
+    detail = f"step {step}: {why}; the last committed checkpoint stays {kept}"
+    actions: list[Action] = [RecordEvent(kind=kind, detail=detail)]
     if (
-        failed.status is Status.RUNNING
-        and failed.group is GroupPhase.UP
-        and failed.pending
-        and event.step >= (failed.checkpoint_requested_step or 0)
+        state.status is Status.RUNNING
+        and state.group is GroupPhase.UP
+        and state.pending
+        and step >= (state.checkpoint_requested_step or 0)
     ):
-        # The change waits for a commit that did not happen: ask again, within the same deadline [7].
-        what = "resize" if failed.pending_resize_dp is not None else "eviction"
-        retry = RequestCheckpoint(attempt=state.attempt, reason=f"retry before the {what}: commit of step "
-                                                               f"{event.step} failed")
+        # The change waits for a checkpoint that did not happen: ask again, within the same deadline [7].
+        what = "resize" if state.pending_resize_dp is not None else "eviction"
+        retry = RequestCheckpoint(attempt=state.attempt, reason=f"retry before the {what}: {what_failed} of step "
+                                                               f"{step} failed")
         actions += [retry, RecordEvent(kind="checkpoint_requested",
-                                       detail=f"again before the {what}: the commit of step {event.step} failed")]
-        return decision(failed, actions, f"{detail}; checkpoint requested again for the pending {what}")
-    return decision(failed, actions, detail)
+                                       detail=f"again before the {what}: the {what_failed} of step {step} failed")]
+        return decision(state, actions, f"{detail}; checkpoint requested again for the pending {what}")
+    return decision(state, actions, detail)
 
 
 def on_checkpoint_fallback(

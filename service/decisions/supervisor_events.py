@@ -16,7 +16,7 @@ from typing import Literal, Union
 from etrain.service.decisions.job_status import Status
 
 __all__ = [
-    "Abort", "Action", "Cancel", "CapacityChanged", "CheckpointFallback", "CheckpointReported",
+    "Abort", "Action", "Cancel", "CapacityChanged", "CheckpointFailed", "CheckpointFallback", "CheckpointReported",
     "CommitCheckpoint", "CommitFailed", "CommitSucceeded", "Event", "ExcludeNode", "ExportCheckpoint",
     "ExportFailed", "Exported", "Finished",
     "GroupReady", "GroupStopped", "JobError", "LaunchGroup", "MarkTerminal", "NodeLossConfirmed",
@@ -56,6 +56,16 @@ class CheckpointReported:
     attempt: int
     step: int
     rank: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointFailed:
+    """The ranks abandoned the save of ``step`` (the storage failed it: full, over quota, an I/O
+    error); ``reason`` says so in words. Nothing of it was committed; training goes on."""
+
+    attempt: int
+    step: int
+    reason: str
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -203,7 +213,7 @@ class ExportFailed:
 
 Event = Union[
     NodeLossConfirmed, RepairFailed,
-    Start, GroupReady, StepReported, CheckpointReported, CommitSucceeded, CommitFailed, WorkerLost,
+    Start, GroupReady, StepReported, CheckpointReported, CheckpointFailed, CommitSucceeded, CommitFailed, WorkerLost,
     JobError, Tick,
     CapacityChanged, ScaleRequested, StragglerFlagged, Cancel, Abort, Finished, GroupStopped,
     CheckpointFallback, Exported, ExportFailed,

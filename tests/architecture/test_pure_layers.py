@@ -42,6 +42,8 @@ PURE_MODULES = [
     "etrain.workers.checkpoint_commit",
     "etrain.workers.text_files",
     "etrain.workers.step_control",
+    "etrain.workers.checkpoint_cadence",
+    "etrain.workers.storage_faults",
     "etrain.workers.report_batch",
     "etrain.workers.metrics",
 ]

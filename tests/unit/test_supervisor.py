@@ -21,6 +21,7 @@ from etrain.service.decisions.supervisor_events import (
     CheckpointReported,
     CommitCheckpoint,
     CommitFailed,
+    CheckpointFailed,
     CommitSucceeded,
     ExcludeNode,
     ExportCheckpoint,
@@ -394,6 +395,35 @@ class TestCheckpointCommit:
         # The save finished before the failure: every rank reported it, so it is safe to use.
         d = commit_all(stopping(), 9)
         assert d.state.last_committed_step == 9 and d.state.status is Status.RECOVERING
+
+
+class TestCheckpointFailed:
+    """A save the storage failed (issue #16): said why, its reports forgotten, training goes on."""
+
+    def test_a_failed_save_is_recorded_and_the_job_keeps_running_from_its_last_commit(self):
+        state = decide(running(step=16, last_committed_step=10), CheckpointReported(attempt=1, step=16, rank=0),
+                       45.0, CONFIG).state
+        reason = "no space left on device at /ckpt: need ~15,360.0 MiB, 900.0 MiB free"
+        d = decide(state, CheckpointFailed(attempt=1, step=16, reason=reason), 46.0, CONFIG)
+        assert d.state.status is Status.RUNNING and d.state.group is GroupPhase.UP
+        assert d.state.last_committed_step == 10 and d.state.checkpoint_reports == frozenset()
+        assert d.actions == (RecordEvent(
+            kind="checkpoint_failed",
+            detail=f"step 16: {reason}; training continues; the last committed checkpoint stays step 10"),)
+        assert not of(d, StopGroup) and not of(d, RequestCheckpoint)
+
+    def test_a_failed_save_of_an_old_attempt_is_ignored(self):
+        d = decide(running(attempt=2), CheckpointFailed(attempt=1, step=16, reason="x"), 46.0, CONFIG)
+        assert d.ignored
+
+    def test_a_failed_save_of_the_requested_checkpoint_asks_again_for_a_pending_resize(self):
+        state = running(step=16, last_committed_step=10, available_dp=8, pending_resize_dp=8,
+                        checkpoint_requested_at=40.0, checkpoint_requested_step=15)
+        d = decide(state, CheckpointFailed(attempt=1, step=16, reason="disk quota exceeded at /ckpt"), 46.0, CONFIG)
+        assert of(d, RequestCheckpoint) == [
+            RequestCheckpoint(attempt=1, reason="retry before the resize: save of step 16 failed")]
+        assert kinds(d) == ["checkpoint_failed", "checkpoint_requested"]
+        assert d.state.checkpoint_requested_at == 40.0  # the same deadline
 
 
 class TestCommitOutcome:

@@ -1,0 +1,88 @@
+"""``checkpoint.every_steps: auto`` (workers/checkpoint_cadence.py): Young-Daly from measured costs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from etrain.workers.checkpoint_cadence import (
+    ASSUMED_BLOCK_S,
+    MIN_INTERVAL_STEPS,
+    AutoCadence,
+    young_daly_interval_s,
+)
+
+
+def test_young_daly_is_the_square_root_of_twice_cost_times_mtbf():
+    assert young_daly_interval_s(1.0, 86_400.0) == pytest.approx(415.69, abs=0.01)  # 1 s save, 24 h MTBF
+    assert young_daly_interval_s(2.0, 3600.0) == pytest.approx(120.0)
+    assert young_daly_interval_s(0.0, 3600.0) == 0.0
+    with pytest.raises(ValueError):
+        young_daly_interval_s(1.0, 0.0)
+    with pytest.raises(ValueError):
+        young_daly_interval_s(-1.0, 10.0)
+
+
+def test_no_interval_before_a_step_time_is_known():
+    cadence = AutoCadence(mtbf_hours=24)
+    assert cadence.interval_steps is None
+    assert not cadence.due(10_000)
+    assert cadence.changed() is None
+
+
+def test_the_interval_in_steps_uses_the_assumed_cost_until_a_save_is_measured():
+    cadence = AutoCadence(mtbf_hours=24)
+    for _ in range(5):
+        cadence.observe_step(0.4)
+    assert not cadence.measured and cadence.block_s == ASSUMED_BLOCK_S
+    expected = round(young_daly_interval_s(ASSUMED_BLOCK_S, 86_400) / 0.4)  # 416 s / 0.4 s = 1039 steps
+    assert cadence.interval_steps == expected == 1039
+    assert not cadence.due(expected - 1) and cadence.due(expected)
+
+
+def test_the_interval_follows_the_mean_measured_save_and_the_median_step():
+    cadence = AutoCadence(mtbf_hours=1)
+    for step_s in (0.5, 0.5, 9.0):  # one slow step does not move the median
+        cadence.observe_step(step_s)
+    cadence.observe_save(100, 2.0)
+    cadence.observe_save(200, 4.0)
+    assert cadence.block_s == pytest.approx(3.0)
+    assert cadence.interval_steps == round(math.sqrt(2 * 3.0 * 3600) / 0.5)  # 147 s / 0.5 s = 294
+    assert not cadence.due(200 + 293) and cadence.due(200 + 294)
+
+
+def test_a_resumed_attempt_counts_from_its_restored_step():
+    cadence = AutoCadence(mtbf_hours=1, start_step=500)
+    cadence.observe_step(1.0)
+    interval = cadence.interval_steps  # sqrt(2 * 1 * 3600) = 84.9 s -> 85 steps
+    assert interval == 85
+    assert not cadence.due(500 + interval - 1) and cadence.due(500 + interval)
+
+
+def test_the_interval_has_bounds_and_ignores_non_finite_measurements():
+    cadence = AutoCadence(mtbf_hours=0.001)  # 3.6 s MTBF: Young-Daly says save every ~2.7 s
+    cadence.observe_step(10.0)
+    cadence.observe_step(float("nan"))
+    cadence.observe_step(-1.0)
+    cadence.observe_save(0, float("nan"))  # a save request, not a measurement
+    assert not cadence.measured
+    assert cadence.interval_steps == MIN_INTERVAL_STEPS
+
+
+def test_a_new_interval_is_announced_once_and_again_only_when_it_moves_by_more_than_a_fifth():
+    cadence = AutoCadence(mtbf_hours=1)
+    cadence.observe_step(1.0)
+    first = cadence.changed()
+    assert first is not None and "every 85 steps" in first and "assumed save blocking 1.00s" in first
+    assert cadence.changed() is None
+    cadence.observe_save(85, 1.3)  # sqrt(2*1.3*3600) = 96.7 s -> 97 steps: +14%, not news
+    assert cadence.changed() is None
+    cadence.observe_save(170, 4.7)  # mean 3.0 s -> 147 steps
+    text = cadence.changed()
+    assert text is not None and "every 147 steps" in text and "over 2 save(s)" in text
+
+
+def test_mtbf_must_be_positive():
+    with pytest.raises(ValueError):
+        AutoCadence(mtbf_hours=0)
