@@ -174,3 +174,50 @@ def test_async_checkpoints_commit_and_restore_like_sync_ones(shared_plane, clean
     first, resumed = resumed_from(events)
     assert first is None and resumed in (4, 8), resumed_from(events)
     assert_same_trajectory(losses(plane, job["id"]), clean, tol=1e-6)
+
+
+def test_a_full_disk_abandons_saves_with_a_clear_event_and_the_job_goes_on_to_succeed(shared_plane, clean, tmp_path):
+    """Issue #16: checkpoint.path on a real 4 MiB tmpfs that a filler file has filled. Under
+    ``every_steps: auto`` (a tiny MTBF, so Young-Daly asks for a save every 10 steps) the first save is
+    refused with a checkpoint_failed event that says why; training goes on; once the filler is gone the
+    next saves commit and the job ends SUCCEEDED on the clean run's losses."""
+    import os
+    import subprocess
+    import time
+
+    plane = shared_plane
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        filler = disk / "filler"
+        stat = os.statvfs(disk)
+        filler.write_bytes(b"\0" * (stat.f_bavail * stat.f_frsize - 64 * 1024))  # 64 KiB left
+        body = spec("full-disk-dp2", checkpoint={"every_steps": "auto", "path": str(disk / "ckpt")},
+                    fault_tolerance={"mtbf_hours": 0.001})
+        job = plane.submit(body)
+        plane.chaos(job["id"], action="slow_rank", rank=0, factor=8.0, at_step=1)  # time to free the disk
+        failed = plane.wait_until(job["id"], lambda _: "checkpoint_failed" in event_kinds(plane.events(job["id"])),
+                                  timeout_s=240, what="a checkpoint_failed event")
+        assert failed["status"] == "RUNNING", failed
+        filler.unlink()
+        final = plane.wait_terminal(job["id"], timeout_s=300)
+    finally:
+        time.sleep(0.5)
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+    assert final["status"] == "SUCCEEDED", final
+    assert final["restarts"] == 0 and final["last_checkpoint_step"] == 24
+    events = plane.events(job["id"])
+    refused = [event_text(e) for e in events if e["kind"] == "checkpoint_failed"]
+    assert refused and all(f"no space left on device at {disk / 'ckpt'}" in text for text in refused), refused
+    assert all("MiB free" in text and "training continues" in text for text in refused), refused
+    assert "the last committed checkpoint stays nothing" in refused[0]
+    interval = [event_text(e) for e in events if e["kind"] == "checkpoint_interval"]
+    assert interval and all(re.match(r"every \d+ steps \(~3s at [0-9.]+s/step\): Young-Daly sqrt\(2 x 1.00s x "
+                                     r"MTBF 0.001h\)", text) for text in interval), interval  # sqrt(2 x 1 x 3.6) s
+    committed = [int(re.search(r"step (\d+)", event_text(e)).group(1)) for e in events
+                 if e["kind"] == "checkpoint_committed"]
+    assert committed[-1] == 24 and len(committed) >= 2, committed  # an auto save after the disk was freed
+    assert_same_trajectory(losses(plane, job["id"]), clean, tol=1e-6)

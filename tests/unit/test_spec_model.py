@@ -147,3 +147,26 @@ def test_reading_a_hf_spec_never_imports_torch(tmp_path):
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+def test_checkpoint_async_defaults_on_for_cuda_and_off_for_cpu_and_is_a_switch():
+    tiny = {"preset": "gpt-tiny"}
+
+    def config(**sections):
+        return spec(tiny, **sections).to_run_config(job_id="j", checkpoint_root="/c").checkpoint
+
+    assert config().async_save is False
+    assert config(resources={"device": "cuda", "gpus_per_worker": 1}).async_save is True
+    assert config(resources={"device": "cuda", "gpus_per_worker": 1}, checkpoint={"async": False}).async_save is False
+    assert config(checkpoint={"async": True}).async_save is True
+
+
+def test_checkpoint_every_steps_auto_and_the_mtbf_reach_the_ranks():
+    auto = spec({"preset": "gpt-tiny"}, checkpoint={"every_steps": "auto"}, fault_tolerance={"mtbf_hours": 6})
+    checkpoint = auto.to_run_config(job_id="j", checkpoint_root="/c").checkpoint
+    assert (checkpoint.every_steps, checkpoint.auto_interval, checkpoint.mtbf_hours) == (0, True, 6.0)
+    fixed = spec({"preset": "gpt-tiny"}, checkpoint={"every_steps": 20}).to_run_config(job_id="j", checkpoint_root="/c")
+    assert (fixed.checkpoint.every_steps, fixed.checkpoint.auto_interval, fixed.checkpoint.mtbf_hours) == (20, False, 24.0)
+    for bad in ({"checkpoint": {"every_steps": "sometimes"}}, {"fault_tolerance": {"mtbf_hours": 0}}):
+        with pytest.raises(ValueError):
+            spec({"preset": "gpt-tiny"}, **bad)
