@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 export ETRAIN_TORCH_THREADS ?= 1
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install run test test-fast test-gpu bench bench-quick lint clean
+.PHONY: install run test test-fast test-gpu gpu-check gpu-wheels bench bench-quick lint clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,6 +40,19 @@ test-fast: $(STAMP)
 ## make test-gpu: the NCCL / CUDA / bf16 tests (needs a GPU).
 test-gpu: $(STAMP)
 	$(PY) -m pytest -m gpu $(PYTEST_ARGS)
+
+## make gpu-check: on a machine with one GPU, within 8 minutes: the engine probe (etrain's Trainer against the
+## same loop in transformers, Llama-3.2-1B shapes), then the whole service on that GPU over REST (a clean job,
+## and one whose rank 0 is SIGKILLed at step 25); figures to benchmarks/results/gpu_*.json and a README table
+## (benchmarks/gpu/run.sh). Without a GPU it says so and exits 0. Needs no .venv and no network: python3 with
+## PyTorch, plus .whl/ (`make gpu-wheels`) where Ray/FastAPI/pydantic are missing. GPU_CHECK_TINY=1: the same
+## run on CPU with a tiny model (.venv's python when there is one).
+gpu-check:
+	bash benchmarks/gpu/run.sh
+
+## make gpu-wheels: fill .whl/ with the cp312 x86-64 wheels gpu-check installs where Ray/FastAPI/pydantic are missing.
+gpu-wheels:
+	bash benchmarks/gpu/make_wheels.sh
 
 ## make bench: the benchmark suite (benchmarks/suite.py: start-up, recovery, goodput, stragglers, hangs,
 ## checkpoints, pipeline bubble, steady state, each against Ray Train v2, torchrun or a formula); raw

@@ -48,7 +48,8 @@ def render_rows(rows: list[Row]) -> list[str]:
 
 def render(results: Path = RESULTS) -> str:
     """The generated README region (without the markers)."""
-    paths = {p.stem: p for p in sorted(results.glob("*.json"))}
+    # gpu_*.json are `make gpu-check`'s records (benchmarks/gpu/table.py renders them), not suite figures.
+    paths = {p.stem: p for p in sorted(results.glob("*.json")) if not p.stem.startswith("gpu_")}
     names = [n for n in ORDER if n in paths] + sorted(n for n in paths if n not in ORDER)
     if not names:
         return "_No results yet: run `make bench QUICK=1`._\n"

@@ -162,19 +162,24 @@ def recovery_measures(steps: list[dict[str, Any]], *, start_ts: float, kill_ts: 
     * ``resumed_from``: the step that attempt started after (its first step - 1);
     * ``recomputed``: ``kill_at - resumed_from``, steps done twice (the kill lands after ``kill_at`` steps);
     * ``progress_s``: the kill to step ``kill_at + 1`` completed, i.e. back where the kill stopped it.
+
+    etrain's step store keeps one row per step, the latest attempt's: a kill before the first checkpoint
+    (the next attempt starts over) leaves no row of the killed attempt. The killed attempt is then the
+    oldest one still seen after the kill when several are, else the one before the only attempt seen,
+    and there is no start-up figure (step 1's row is the next attempt's).
     """
     out: dict[str, float | int | None] = {"startup_s": None, "recovery_s": None, "resumed_from": None,
                                           "recomputed": None, "progress_s": None}
-    firsts = [row for row in steps if row["step"] == 1]
+    firsts = [row for row in steps if row["step"] == 1 and (kill_ts is None or row["ts"] <= kill_ts)]
     if firsts:
         first = min(firsts, key=lambda row: row["ts"])
         out["startup_s"] = first["ts"] - start_ts
-        first_attempt = first["attempt"]
-    else:
-        first_attempt = min((row["attempt"] for row in steps), default=0)
-    if kill_ts is None or kill_at is None:
+    if kill_ts is None or kill_at is None or not steps:
         return out
-    later = [row for row in steps if row["attempt"] > first_attempt and row["ts"] > kill_ts]
+    before = [row["attempt"] for row in steps if row["ts"] <= kill_ts]
+    seen = sorted({row["attempt"] for row in steps})
+    killed = max(before) if before else seen[0] if len(seen) > 1 else seen[0] - 1
+    later = [row for row in steps if row["attempt"] > killed and row["ts"] > kill_ts]
     if not later:
         return out
     resumed = min(later, key=lambda row: row["ts"])

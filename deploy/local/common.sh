@@ -9,10 +9,11 @@ if [[ -z ${RAY_AUTH_MODE:-} ]] && [[ -n ${RAY_AUTH_TOKEN:-} || -s ${RAY_AUTH_TOK
 fi
 
 # A PID is alive while it exists and is not a zombie (exited, not yet reaped: in a container whose
-# PID 1 reaps nothing, a stopped node would otherwise look alive forever).
+# PID 1 reaps nothing, a stopped node would otherwise look alive forever). One read of /proc/PID/stat
+# decides (a zombie reaped between two reads must not look alive); without /proc, kill -0.
 alive_pid() {
-  kill -0 "$1" 2>/dev/null || return 1
-  [[ -r /proc/$1/stat ]] || return 0
-  [[ $(sed 's/.*) //' "/proc/$1/stat" 2>/dev/null | cut -c1) != Z ]]
+  local stat
+  stat=$(cat "/proc/$1/stat" 2>/dev/null) || { [[ ! -d /proc/self ]] && kill -0 "$1" 2>/dev/null; return; }
+  [[ ${stat##*) } != Z* ]]
 }
 alive() { [[ -f $1 ]] && alive_pid "$(cat "$1")"; }

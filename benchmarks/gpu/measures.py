@@ -1,0 +1,203 @@
+"""The GPU check's figures, computed from what the service and the probe hand back: pure functions.
+
+Everything here is a function of plain values (step rows and events as ``GET /v1/jobs/{id}/metrics`` and
+``/events`` return them, rank-log lines as ``/logs`` returns them, step times measured by the probe), so
+``tests/unit/test_gpu_check.py`` checks each figure against hand-computed numbers without torch, Ray or a GPU.
+The formulas are not written again here: MFU is ``etrain.workers.metrics`` (the trainer's own FLOPs per
+token and peak table), start-up and recovery are ``benchmarks.peers.common.recovery_measures`` (the
+benchmark suite's arithmetic), medians are ``benchmarks.figures.median``.
+
+Clocks: step rows carry the supervisor's receive time and events their record time (both
+``time.time()`` on the control plane's machine), and the driver notes ``time.time()`` just before each
+submit, on the same machine; rank-log lines carry the rank's local wall clock (ISO, milliseconds), used
+only for differences between two lines of one rank.
+"""
+
+from __future__ import annotations
+
+import datetime
+import re
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from benchmarks.figures import median
+from benchmarks.peers.common import recovery_measures
+from etrain.workers.metrics import flops_per_token, mfu, peak_flops_per_s
+from etrain.workers.protocol.run_config import MODEL_PRESETS, ModelConfig
+
+__all__ = ["FULL", "TINY", "CheckSizes", "device_peak", "job_figures", "kill_ts", "model_config",
+           "probe_figures", "save_blocking", "startup_phases", "step_median", "timeline"]
+
+
+@dataclass(frozen=True)
+class CheckSizes:
+    """The model and batch of every part of the check: the probe's rows and both service jobs."""
+
+    preset: str
+    seq_len: int
+    micro_batch: int
+    global_batch: int
+    precision: str
+    device: str
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_len
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+#: Issue 16's job: Llama-3.2-1B shapes (16 layers, d 2048, 32 heads, 8 KV heads, d_ff 8192, vocabulary
+#: 128256, tied embeddings), 2048 tokens, micro-batch 4, global batch 8, bf16, one GPU.
+FULL = CheckSizes(preset="llama3-1b", seq_len=2048, micro_batch=4, global_batch=8, precision="bf16", device="cuda")
+#: ``--tiny``: the same code paths on CPU with a model that trains in milliseconds.
+TINY = CheckSizes(preset="llama-tiny", seq_len=64, micro_batch=4, global_batch=8, precision="fp32", device="cpu")
+
+
+def model_config(sizes: CheckSizes) -> ModelConfig:
+    """The preset at the check's sequence length: what the service builds for ``model: {preset, seq_len}``."""
+    return ModelConfig(**{**MODEL_PRESETS[sizes.preset], "seq_len": sizes.seq_len})
+
+
+def device_peak(device_name: str | None, precision: str) -> float | None:
+    """Dense peak FLOP/s of the device (``torch.cuda.get_device_name()``); None on CPU or an unknown part."""
+    if not device_name or device_name == "cpu":
+        return None
+    return peak_flops_per_s(device_name, precision)
+
+
+def probe_figures(times: list[float], *, sizes: CheckSizes, device_name: str | None,
+                  warmup: int = 3) -> dict[str, Any]:
+    """A probe row's figures from its per-step times (seconds, device synchronised): the median after
+    ``warmup`` steps (allocator and kernel autotuning settle there), tokens/s, model FLOP/s and MFU."""
+    step_s = median(times[warmup:] or times)
+    if not step_s == step_s or step_s <= 0:  # NaN: no finite sample
+        return {"step_s_median": None, "tokens_per_s": None, "flops_per_s": None, "mfu": None}
+    tokens = sizes.tokens_per_step / step_s
+    flops = tokens * flops_per_token(model_config(sizes))
+    return {"step_s_median": step_s, "tokens_per_s": tokens, "flops_per_s": flops,
+            "mfu": mfu(flops, 1, device_peak(device_name, sizes.precision))}
+
+
+# -- the service jobs --------------------------------------------------------------------------------------
+
+def _message(event: dict[str, Any]) -> str:
+    detail = event.get("detail") or {}
+    return str(detail.get("message", "")) if isinstance(detail, dict) else str(detail)
+
+
+def kill_ts(events: list[dict[str, Any]]) -> float | None:
+    """When the rank was killed: the first ``chaos_fired`` (the rank waits for the supervisor to record
+    it, then SIGKILLs itself), else the first ``worker_failed`` (the loss as the service saw it)."""
+    for kind in ("chaos_fired", "worker_failed"):
+        stamps = [e["ts"] for e in events if e["kind"] == kind]
+        if stamps:
+            return min(stamps)
+    return None
+
+
+def step_median(steps: list[dict[str, Any]], *, skip: int = 3) -> float | None:
+    """Median ``step_s`` over the rows after the first ``skip`` steps (warm-up); None without rows."""
+    values = [row["step_s"] for row in steps if row.get("step_s") is not None and row["step"] > skip]
+    if not values:
+        values = [row["step_s"] for row in steps if row.get("step_s") is not None]
+    value = median(values)
+    return None if value != value else value
+
+
+_STAMP = r"(?P<ts>\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?)"
+_READY = re.compile(r"attempt (?P<attempt>\d+): ready after (?P<total>[\d.]+)s(?: \((?P<phases>[^)]*)\))?")
+_PHASE = re.compile(r"(?P<name>[A-Za-z][\w -]*?) (?P<s>[\d.]+)s")
+_STEP_LINE = re.compile(_STAMP + r" step (?P<step>\d+)/\d+ ")
+_SAVE_LINE = re.compile(_STAMP + r" checkpoint step (?P<step>\d+) (?P<what>.*)$")
+_BLOCKED = re.compile(r"block(?:ed|ing)[^\d]{0,20}(?P<s>\d+(?:\.\d+)?)\s*(?P<unit>ms|s)\b")
+
+
+def startup_phases(lines: list[str]) -> list[dict[str, Any]]:
+    """Each attempt's start-up line of a rank log (``attempt N: ready after T s (phase s, ...)``):
+    attempt, total seconds, seconds per phase, and the line itself."""
+    out = []
+    for line in lines:
+        found = _READY.search(line)
+        if found is None:
+            continue
+        phases = {m["name"].strip(): float(m["s"]) for m in _PHASE.finditer(found["phases"] or "")}
+        out.append({"attempt": int(found["attempt"]), "total_s": float(found["total"]), "phases": phases,
+                    "line": line[found.start():][:300]})
+    return out
+
+
+def _when(stamp: str) -> float:
+    return datetime.datetime.fromisoformat(stamp).timestamp()
+
+
+def save_blocking(lines: list[str]) -> list[dict[str, Any]]:
+    """Training time each checkpoint blocked, per save, from a rank log: the seconds a save line states
+    (``blocked 1.2s``) when it says, else the time from the step's line to its ``checkpoint step N ...``
+    line (the rank writes the step line, saves, then writes the checkpoint line; with an asynchronous
+    save that is the device -> host copy, the write goes on in the background)."""
+    step_at: dict[int, float] = {}
+    out = []
+    for line in lines:
+        step = _STEP_LINE.match(line)
+        if step:
+            step_at[int(step["step"])] = _when(step["ts"])
+            continue
+        save = _SAVE_LINE.match(line)
+        if save is None:
+            continue
+        number, what = int(save["step"]), save["what"]
+        stated = _BLOCKED.search(what)
+        if stated:
+            seconds = float(stated["s"]) / (1000.0 if stated["unit"] == "ms" else 1.0)
+            source = "stated"
+        elif number in step_at:
+            seconds, source = _when(save["ts"]) - step_at[number], "log lines"
+        else:
+            continue
+        out.append({"step": number, "blocked_s": seconds, "source": source, "what": what[:120]})
+    return out
+
+
+def timeline(events: list[dict[str, Any]], origin: float, *, limit: int = 80) -> list[dict[str, Any]]:
+    """Events as seconds after ``origin`` (the submit, or the kill), with their messages, oldest first."""
+    return [{"t": round(e["ts"] - origin, 3), "kind": e["kind"], "message": _message(e)[:300]}
+            for e in sorted(events, key=lambda e: e["ts"])][:limit]
+
+
+def job_figures(*, submit_ts: float, job: dict[str, Any], steps: list[dict[str, Any]],
+                events: list[dict[str, Any]], log_lines: list[str], kill_at: int | None = None) -> dict[str, Any]:
+    """One service job's figures.
+
+    * ``submit_to_first_step_s``: step 1's row (supervisor receive time) minus the moment before the POST;
+    * ``step_s_median``: the rows' ``step_s`` after warm-up; ``goodput``, ``restarts``: the job's own fields;
+    * ``startup``: the rank-0 start-up line of every attempt (where the seconds before step 1 went);
+    * ``save_blocking``: per save, training time the checkpoint blocked (rank 0's log), and their median;
+    * with ``kill_at``: ``kill_to_next_step_s`` (the kill, see :func:`kill_ts`, to the first row of a
+      later attempt), ``detect_s`` (``chaos_fired`` -> ``worker_failed``), ``resumed_from``, ``recomputed``.
+    """
+    measures = recovery_measures(steps, start_ts=submit_ts, kill_ts=kill_ts(events) if kill_at is not None else None,
+                                 kill_at=kill_at)
+    saves = save_blocking(log_lines)
+    blocked = median([s["blocked_s"] for s in saves])
+    out: dict[str, Any] = {
+        "status": job.get("status"), "error": job.get("error"), "restarts": job.get("restarts"),
+        "attempt": job.get("attempt"), "goodput": job.get("goodput"), "last_step": job.get("step"),
+        "submit_to_first_step_s": measures["startup_s"], "step_s_median": step_median(steps),
+        "steps_recorded": len(steps), "wall_s": (job["updated_at"] - submit_ts) if job.get("updated_at") else None,
+        "startup": startup_phases(log_lines), "save_blocking": saves,
+        "save_blocking_median_s": None if blocked != blocked else blocked,
+        # checkpoint.every_steps: auto re-evaluates its interval as step and save times are measured
+        "checkpoint_intervals": [_message(e)[:300] for e in sorted(events, key=lambda e: e["ts"])
+                                 if e["kind"] == "checkpoint_interval"],
+    }
+    if kill_at is not None:
+        killed = kill_ts(events)
+        fired = [e["ts"] for e in events if e["kind"] == "chaos_fired"]
+        failed = [e["ts"] for e in events if e["kind"] == "worker_failed" and (not fired or e["ts"] >= min(fired))]
+        out.update(kill_at=kill_at, kill_ts=killed, kill_to_next_step_s=measures["recovery_s"],
+                   detect_s=(min(failed) - min(fired)) if fired and failed else None,
+                   resumed_from=measures["resumed_from"], recomputed=measures["recomputed"],
+                   back_at_kill_step_s=measures["progress_s"])
+    return out

@@ -1,0 +1,177 @@
+"""``make gpu-check``'s arithmetic (``benchmarks/gpu/measures.py``, ``table.py``) against hand-computed numbers.
+
+The check itself needs a GPU (or ``--tiny`` and a few minutes: ``GPU_CHECK_TINY=1 make gpu-check``); what it
+computes from the service's step rows, events and rank logs is pure and is checked here, in milliseconds.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.gpu.measures import FULL, TINY, device_peak, job_figures, model_config, probe_figures, save_blocking, \
+    startup_phases
+from benchmarks.gpu.table import passed, render
+from benchmarks.peers.common import recovery_measures
+from tests.architecture.test_pure_layers import BLOCKED, _PROBE
+
+REPO = Path(__file__).resolve().parents[2]
+
+#: Llama-3.2-1B by hand: per layer 2 norms (2 x 2048) + q, o (2 x 2048 x 2048) + k, v (2 x 2048 x 512) + SwiGLU
+#: (3 x 2048 x 8192) = 60,821,504; x 16 layers + embedding 128,256 x 2048 (tied) + final norm 2048.
+LLAMA_1B_PARAMS = 16 * 60_821_504 + 128_256 * 2048 + 2048
+
+
+def test_the_check_model_is_llama_3_2_1b_at_2048_tokens():
+    model = model_config(FULL)
+    assert (model.n_layers, model.d_model, model.n_heads, model.kv_heads, model.ffn_dim, model.vocab_size,
+            model.seq_len, model.tie_embeddings) == (16, 2048, 32, 8, 8192, 128256, 2048, True)
+    assert model.num_params == LLAMA_1B_PARAMS == 1_235_814_400
+    assert FULL.tokens_per_step == 8 * 2048 and FULL.precision == "bf16" and TINY.device == "cpu"
+
+
+def test_the_peak_comes_from_the_device_name():
+    assert device_peak("NVIDIA H100 80GB HBM3", "bf16") == 989e12
+    assert device_peak("NVIDIA H200", "bf16") == 989e12
+    assert device_peak("NVIDIA H100 PCIe", "bf16") == 756e12
+    assert device_peak("cpu", "fp32") is None and device_peak("Some Accelerator", "bf16") is None
+
+
+def test_mfu_of_a_probe_row_by_hand():
+    # 3 warm-up steps ignored; median 0.4 s for 16,384 tokens = 40,960 tokens/s.
+    figures = probe_figures([9.0, 5.0, 2.0, 0.41, 0.40, 0.39, 0.40], sizes=FULL, device_name="NVIDIA H100 80GB HBM3")
+    assert figures["step_s_median"] == 0.40
+    assert figures["tokens_per_s"] == pytest.approx(40_960.0)
+    # 6 N + 12 L d T per token (PaLM appendix B) = 6 x 1,235,814,400 + 12 x 16 x 2048 x 2048 = 8,220,192,768 FLOPs;
+    # x 40,960 tokens/s / 989e12 FLOP/s = 34.04%. etrain.workers.metrics also subtracts seq_len x d_model
+    # "position embeddings", which Llama does not have (-0.31%): hence the tolerance.
+    assert 6 * LLAMA_1B_PARAMS + 12 * 16 * 2048 * 2048 == 8_220_192_768
+    assert figures["mfu"] == pytest.approx(40_960 * 8_220_192_768 / 989e12, rel=4e-3)
+    assert figures["mfu"] == pytest.approx(0.3404, rel=4e-3)
+    assert probe_figures([0.4, 0.4], sizes=TINY, device_name="cpu")["mfu"] is None  # fewer steps than warm-up: all
+    assert probe_figures([], sizes=FULL, device_name="NVIDIA H100")["step_s_median"] is None
+
+
+LOG = [
+    "2026-11-26T10:00:00.000 attempt 1: rank 0/1 on 10.0.0.1 (node ab12, pid 4242), layout pp1·dp1·tp1, from step 0",
+    "2026-11-26T10:00:01.000 attempt 1: ready after 0.84s (process group 0.01s, trainer 0.70s, state 0.00s, "
+    "control groups 0.13s)",
+    "2026-11-26T10:00:09.000 step 20/40 loss 9.1000 compute 0.400s comm_wait 0.000s",
+    "2026-11-26T10:00:10.250 checkpoint step 20 save started (async)",
+    "2026-11-26T10:00:18.000 step 40/40 loss 8.2000 compute 0.400s comm_wait 0.000s",
+    "2026-11-26T10:00:18.900 checkpoint step 40 saved, training blocked 0.68s",
+]
+
+
+def test_start_up_phases_and_save_blocking_from_a_rank_log():
+    [ready] = startup_phases(LOG)
+    assert ready["attempt"] == 1 and ready["total_s"] == 0.84
+    assert ready["phases"] == {"process group": 0.01, "trainer": 0.70, "state": 0.0, "control groups": 0.13}
+    saves = save_blocking(LOG)
+    # step 20: no figure in the line, so the step line -> checkpoint line gap (1.25 s); step 40 says 0.68 s
+    assert [(s["step"], s["source"]) for s in saves] == [(20, "log lines"), (40, "stated")]
+    assert saves[0]["blocked_s"] == pytest.approx(1.25) and saves[1]["blocked_s"] == 0.68
+    assert save_blocking(["2026-11-26T10:00:00.000 checkpoint step 5 saved, training blocked 250ms"])[0]["blocked_s"] == 0.25
+
+
+def _event(ts, kind, message=""):
+    return {"seq": 0, "ts": ts, "kind": kind, "detail": {"message": message}}
+
+
+def test_clean_job_figures_from_rows_and_events():
+    submit = 1000.0
+    steps = [{"step": s, "ts": 1004.5 + 0.4 * (s - 1), "attempt": 1, "step_s": 0.5 if s <= 3 else 0.4}
+             for s in range(1, 41)]
+    steps[19]["step_s"] = 0.42  # median over steps 4..40: 0.4
+    job = {"status": "SUCCEEDED", "error": None, "restarts": 0, "attempt": 1, "goodput": 0.61, "step": 40,
+           "updated_at": 1025.0}
+    events = [_event(1000.01, "submitted"), _event(1003.0, "placed"), _event(1003.1, "checkpoint_interval", "every 50"),
+              _event(1012.0, "checkpoint_interval", "every 90")]
+    f = job_figures(submit_ts=submit, job=job, steps=steps, events=events, log_lines=LOG)
+    assert f["submit_to_first_step_s"] == pytest.approx(4.5)
+    assert f["step_s_median"] == 0.4 and f["goodput"] == 0.61 and f["wall_s"] == 25.0
+    assert f["save_blocking_median_s"] == pytest.approx((1.25 + 0.68) / 2)
+    assert f["checkpoint_intervals"] == ["every 50", "every 90"] and "kill_to_next_step_s" not in f
+
+
+def test_kill_figures_when_the_next_attempt_started_over():
+    """Killed at step 25 before any checkpoint: attempt 2 starts from step 0 and the store keeps only its
+    rows (one row per step, the latest attempt's), so no row of attempt 1 is left."""
+    submit, kill = 1000.0, 1020.0
+    steps = [{"step": s, "ts": 1026.0 + 0.4 * (s - 1), "attempt": 2, "step_s": 0.4} for s in range(1, 201)]
+    events = [_event(kill, "chaos_fired", "kill_rank on rank 0 at step 25 (order 1)"),
+              _event(kill + 0.4, "worker_failed"), _event(kill + 5.0, "placed")]
+    job = {"status": "SUCCEEDED", "restarts": 1, "attempt": 2, "goodput": 0.7, "updated_at": 1110.0}
+    f = job_figures(submit_ts=submit, job=job, steps=steps, events=events, log_lines=[], kill_at=25)
+    assert f["kill_to_next_step_s"] == pytest.approx(6.0) and f["detect_s"] == pytest.approx(0.4)
+    assert (f["resumed_from"], f["recomputed"]) == (0, 25)
+    assert f["back_at_kill_step_s"] == pytest.approx(6.0 + 0.4 * 25)
+    assert f["submit_to_first_step_s"] is None  # step 1's row is the second attempt's
+
+
+def test_kill_figures_with_rows_of_both_attempts_and_a_late_report():
+    steps = [{"step": s, "ts": 1000.0 + s, "attempt": 1} for s in range(1, 21)]  # kept: checkpoint at 20
+    steps += [{"step": s, "ts": 1030.0 + s, "attempt": 2} for s in range(21, 41)]
+    # without chaos_fired, worker_failed is the kill
+    m = job_figures(submit_ts=995.0, job={}, steps=steps, events=[_event(1025.5, "worker_failed")], log_lines=[],
+                    kill_at=25)
+    assert m["kill_ts"] == 1025.5 and m["kill_to_next_step_s"] == pytest.approx(1051.0 - 1025.5)
+    assert (m["resumed_from"], m["recomputed"], m["submit_to_first_step_s"]) == (20, 5, 6.0)
+    late = steps + [{"step": 21, "ts": 1025.7, "attempt": 1}]  # a report of attempt 1 arriving after the kill
+    assert recovery_measures(late, start_ts=995.0, kill_ts=1025.5, kill_at=25)["recovery_s"] == pytest.approx(25.5)
+
+
+def test_the_table_names_the_device_and_judges_the_goals():
+    probe = {"device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0+cu130", "params": LLAMA_1B_PARAMS,
+             "machine": {"cpus": 16, "commit": "abcdef0123456", "date": "2026-11-26"},
+             "rows": [{"row": "etrain", "build_s": 1.2, "step_s_median": 0.4, "tokens_per_s": 40960, "mfu": 0.34,
+                       "peak_gib": 49.2},
+                      {"row": "hf", "build_s": 0.04, "step_s_median": 0.41, "tokens_per_s": 39960, "mfu": 0.33,
+                       "peak_gib": 50.1}]}
+    clean = {"job": "clean", "steps": 40, "every_steps": 20,
+             "figures": {"status": "SUCCEEDED", "submit_to_first_step_s": 4.2, "step_s_median": 0.4, "goodput": 0.8,
+                         "save_blocking": [{"step": 20, "blocked_s": 1.1}], "save_blocking_median_s": 1.1,
+                         "startup": [{"attempt": 1, "total_s": 1.5, "phases": {"trainer": 1.2}}]}}
+    kill = {"job": "kill", "steps": 200, "every_steps": "auto", "kill_at": 25,
+            "figures": {"status": "FAILED", "error": "boom", "restarts": 1, "kill_to_next_step_s": 12.0,
+                        "goodput": 0.9, "startup": [], "save_blocking": []}}
+    service = {"device": "NVIDIA H100 80GB HBM3", "jobs": [clean, kill]}
+    text = render(probe, service)
+    assert text.startswith("Measured by `make gpu-check` on NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, 16 CPU cores")
+    assert "| engine: `Trainer` build (1.24 B parameters; transformers: 0.04 s) | 1.20 s | ≤ 1.5 s | yes |" in text
+    assert "| engine: MFU, etrain / transformers | 34.0% / 33.0% | — | — |" in text
+    assert "| clean job: submit → first step (warm spare pool at rest) | 4.20 s | ≤ 5 s | yes |" in text
+    assert "| clean job: rank 0's start-up (`attempt 1: ready after`) | 1.50 s (trainer 1.20 s) | — | — |" in text
+    assert "| kill job: SIGKILL → next completed step | 12.00 s | ≤ 10 s | no |" in text
+    assert "| kill job: goodput | 90.0% | ≥ 85% | yes |" in text
+    assert passed(probe, service) == ["kill job: FAILED"]
+    assert passed(None, {"jobs": [clean]}) == ["no probe result", "kill job: None"]
+
+
+def test_the_suite_table_leaves_the_gpu_files_alone(tmp_path):
+    from benchmarks.readme_table import render as render_suite
+
+    (tmp_path / "gpu_probe.json").write_text(json.dumps({"rows": []}))
+    assert render_suite(tmp_path).startswith("_No results yet")
+
+
+@pytest.mark.parametrize("module", ["benchmarks.gpu.measures", "benchmarks.gpu.table"])
+def test_the_arithmetic_loads_without_torch_or_ray(module):
+    code = _PROBE.format(blocked=BLOCKED, module=module)
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    answer = json.loads(result.stdout.strip().splitlines()[-1])
+    assert answer["ok"], answer.get("error")
+    assert answer["loaded"] == []
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="this machine has a GPU: the check would run")
+def test_without_a_gpu_the_check_says_so_and_exits_0():
+    result = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu" / "run.sh")], cwd=REPO, capture_output=True,
+                            text=True, timeout=120, env={"PATH": "/usr/bin:/bin", "HOME": str(REPO)})
+    assert result.returncode == 0, result.stderr
+    assert "no GPU on this machine: make gpu-check skipped" in result.stdout
