@@ -127,10 +127,11 @@ class Trainer:
         # parallelize_stage (after FSDP2 sharding), initialised per parameter from its FQN.
         with torch.device("meta"):
             model = build_model_skeleton(config.model)
-        # FSDP2's CPU offload keeps the shards in host memory: allocate them there.
+        # FSDP2's CPU offload keeps the shards in host memory: allocate them there. The initial values
+        # are drawn on the compute device either way, so every layout of a CUDA job starts alike.
         init_device = torch.device("cpu") if parallel.offload == "cpu" else self.device
         materialize_local = partial(materialize, device=init_device, seed=config.training.seed,
-                                    n_layers=config.model.n_layers)
+                                    n_layers=config.model.n_layers, rng_device=self.device)
         transform = partial(parallelize_stage, dims=self.dims, config=config, materialize=materialize_local)
         self.pipeline = None
         if self.dims.pp_enabled:

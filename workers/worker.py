@@ -31,6 +31,7 @@ import socket
 import threading
 from typing import Any
 
+from etrain.workers.device_info import RankGpus, ray_bundle
 from etrain.workers.protocol.messages import REPORT_TIMEOUT_S, ChaosOrder, LaunchPlan, NodeInfo, RunResult
 from etrain.workers.protocol.run_config import RunConfig
 from etrain.workers.report_batch import ReportBatcher
@@ -39,11 +40,17 @@ from etrain.workers.step_control import ControlRequests, StepBoundaries
 class TrainWorker:
     """One rank of a job's worker group."""
 
-    def __init__(self, *, job_id: str, rank: int, world_size: int, supervisor: Any):
+    def __init__(self, *, job_id: str, rank: int, world_size: int, supervisor: Any,
+                 gpu_ids: list[str] | None = None, bundle: str = ""):
+        """``gpu_ids``: the GPUs of this rank's bundle when Ray did not give them to this actor (a warm
+        spare, ``workers/spare.py``); None: Ray's own (a cold rank, created in its bundle with its GPUs).
+        ``bundle`` says which bundle that is (for messages), where the caller knows it."""
         self.job_id = job_id
         self.rank = rank
         self.world_size = world_size
         self._supervisor = supervisor
+        # One source for the rank's GPUs, pinned before CUDA starts, the context made in the background.
+        self._gpus = RankGpus(who=f"rank {rank} of job {job_id}", gpu_ids=gpu_ids, bundle=bundle or ray_bundle(rank))
         self._drills = None  # etrain.workers.chaos.RankDrills, once a launch plan enables drills
         self._plan: LaunchPlan | None = None
         self._control = ControlRequests()  # acted on at step boundaries, on rank 0 only
@@ -350,19 +357,16 @@ class TrainWorker:
         attempt = self._plan.attempt if self._plan else -1
         ray.get(self._supervisor.report_chaos.remote(attempt, self.rank, order.id, step), timeout=REPORT_TIMEOUT_S)
 
-    @staticmethod
-    def _device(config: RunConfig):
-        import torch
+    # --- devices --------------------------------------------------------------------------------
 
-        if config.device == "cuda":
-            import ray
+    def devices(self) -> dict[str, Any]:
+        """The GPUs this rank runs on (a control call, for tests and operators): the ids ``_device`` uses,
+        where they came from, the bundle, ``CUDA_VISIBLE_DEVICES`` and the background CUDA warm-up."""
+        return {"rank": self.rank} | self._gpus.state()
 
-            gpu_ids = ray.get_gpu_ids()
-            # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPUs, so the first visible one is ours.
-            assert gpu_ids, "a cuda rank was scheduled without a GPU"
-            torch.cuda.set_device(0)
-            return torch.device("cuda", 0)
-        return torch.device("cpu")
+    def _device(self, config: RunConfig):
+        """The CPU, or ``cuda:0`` of a process pinned to this rank's own GPUs (``workers/device_info.py``)."""
+        return self._gpus.device(config.device)
 
 
 class _Phases:

@@ -34,9 +34,9 @@ What a rank holds (``stage_memory``), as the engine runs (``workers/parallelize.
   optimizer states live in host memory (``host_bytes``); the device keeps the gathered parameters,
   unsharded gradients, activations and logits.
 * Initialisation builds on the meta device and materialises the rank's shards; each parameter's
-  full fp32 initial value is drawn once on the host and, on a GPU, copied to the device before the
-  rank copies out its slice: shards plus the largest single parameter (and its slice, when
-  sharded) (``init`` phase).
+  full fp32 initial value is drawn once on the rank's device (``workers/init.py``) before the rank
+  copies out its slice: shards plus the largest single parameter (and its slice, when sharded)
+  (``init`` phase).
 * The optimizer step: on CPU parameters (CPU runs, and offload) AdamW's ``foreach`` kernels hold a
   temporary the size of the second moments (4 bytes per parameter the rank steps); fused AdamW on
   CUDA holds none.

@@ -116,7 +116,9 @@ class SparePool:
             self._wake.clear()
 
     def _refill(self) -> None:
-        nodes = [node["NodeID"] for node in ray.nodes() if node.get("Alive") and _runs_ranks(node)]
+        alive = [node for node in ray.nodes() if node.get("Alive") and _runs_ranks(node)]
+        nodes = [node["NodeID"] for node in alive]
+        gpu_nodes = {node["NodeID"] for node in alive if (node.get("Resources") or {}).get("GPU", 0) > 0}
         with self._lock:
             for gone in set(self._ready) | set(self._warming):
                 if gone not in nodes:  # its node died: the spares died with it
@@ -139,7 +141,7 @@ class SparePool:
                     continue  # a launch or repair on this node is starting now: refill after it
                 missing = self.per_node - len(self._ready.get(node, [])) - len(warming)
                 for _ in range(max(0, missing)):
-                    spare = _start_spare(node)
+                    spare = _start_spare(node, gpu_node=node in gpu_nodes)
                     warming.append((spare, spare.ready.remote()))
 
 
@@ -148,14 +150,15 @@ def _runs_ranks(node: dict[str, Any]) -> bool:
     return resources.get("CPU", 0) > 0 or resources.get("GPU", 0) > 0
 
 
-def _start_spare(node: str) -> Any:
+def _start_spare(node: str, *, gpu_node: bool) -> Any:
+    """A spare on ``node``; on a node with GPUs it must not start CUDA before ``assign`` (workers/spare.py)."""
     return ray.remote(load_actor_class(SPARE_ACTOR_CLASS)).options(
         num_cpus=0,
         num_gpus=0,
         max_restarts=0,
         max_concurrency=4,  # as a rank: run() on one thread, control calls on others
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
-    ).remote()
+    ).remote(gpu_node=gpu_node)
 
 
 def _kill(actor: Any) -> None:

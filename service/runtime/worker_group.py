@@ -147,9 +147,12 @@ class WorkerGroup:
         """(actor, its pending ``assign`` call or None): the spare made rank ``rank``, or a cold actor."""
         num_gpus = self._resources.get("GPU", 0.0)
         if spare is not None:
+            # The spare holds no GPU in Ray's books (the bundle's reservation does), so Ray gives it no ids:
+            # it runs on the ones Ray reserved for the bundle, read by a task in the bundle.
             gpu_ids = _bundle_gpu_ids(self.pg, rank, num_gpus) if num_gpus else None
             return spare, spare.assign.remote(job_id=self.job_id, rank=rank, world_size=self.world_size,
-                                              supervisor=self._supervisor, gpu_ids=gpu_ids)
+                                              supervisor=self._supervisor, gpu_ids=gpu_ids,
+                                              bundle=f"bundle {rank} of placement group {self.pg.id.hex()}")
         return _rank_actor_class().options(
             name=rank_actor_name(self.job_id, self.attempt if attempt is None else attempt, rank),
             namespace=NAMESPACE,

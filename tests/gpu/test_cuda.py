@@ -1,8 +1,11 @@
 """The NCCL / CUDA / bf16 paths (`make test-gpu`). Skipped on machines without CUDA.
 
-* one GPU: the fp32 CUDA trainer matches the CPU reference (different kernels: 1e-4 relative), and
-  a bf16 (autocast) run trains and stays close to fp32; the step's timing comes from CUDA events
-  (no per-micro-step synchronisation) and AdamW is the fused kernel;
+* one GPU: the fp32 CUDA trainer matches the CPU reference started from the same weights (different
+  kernels: 1e-4 relative), and a bf16 (autocast) run trains and stays close to fp32; the step's timing
+  comes from CUDA events (no per-micro-step synchronisation) and AdamW is the fused kernel; a
+  mid-sized model initialises on the GPU in well under a second, the same values every build; a warm
+  spare's warm-up leaves CUDA alone, and ``assign`` pins it to the GPU it is given, with the context
+  made in the background;
 * two or more GPUs: DDP, ZeRO-3, TP (vocab-parallel loss) and ZeRO-3 with CPU offload over NCCL
   match one GPU to the equivalence tolerance; bf16 under FSDP2 is its MixedPrecisionPolicy (fp32
   master weights and AdamW state) and follows fp32;
@@ -20,7 +23,7 @@ import pytest
 import torch
 
 from tests.equivalence_utils import small_config
-from etrain.workers.protocol.run_config import ParallelConfig
+from etrain.workers.protocol.run_config import ModelConfig, ParallelConfig
 from etrain.workers.mesh import backend_for
 
 pytestmark = [
@@ -36,10 +39,24 @@ def _losses(config, device: str) -> list[float]:
     return [trainer.train_step(step).loss for step in range(config.training.steps)]
 
 
+def _trainer(config, device: str):
+    from etrain.workers.train import Trainer
+
+    return Trainer(config, rank=0, world_size=1, device=torch.device(device))
+
+
 def test_cuda_fp32_matches_cpu():
+    """A CUDA rank draws its initial weights on the GPU (workers/init.py): other numbers than a CPU
+    rank's. So the CPU run starts from the GPU's weights, and then follows the same curve."""
     config = small_config(steps=6)
-    cpu = _losses(config, "cpu")
-    gpu = _losses(dataclasses.replace(config, device="cuda"), "cuda")
+    cpu_trainer, gpu_trainer = _trainer(config, "cpu"), _trainer(dataclasses.replace(config, device="cuda"), "cuda")
+    with torch.no_grad():
+        for (name, cpu_param), gpu_param in zip(cpu_trainer.model_parts[0].named_parameters(),
+                                                gpu_trainer.model_parts[0].parameters()):
+            assert cpu_param.shape == gpu_param.shape, name
+            cpu_param.copy_(gpu_param.cpu())
+    cpu = [cpu_trainer.train_step(step).loss for step in range(config.training.steps)]
+    gpu = [gpu_trainer.train_step(step).loss for step in range(config.training.steps)]
     for step, (a, b) in enumerate(zip(cpu, gpu), start=1):
         assert abs(a - b) <= 1e-4 * abs(a), f"step {step}: cpu {a} vs cuda {b}"
 
@@ -64,6 +81,96 @@ def test_cuda_step_timing_and_fused_adamw():
         assert metrics.timing_synced  # one process: nothing to wait for
         # Events inside the step, read after its one host read: within the host-timed step.
         assert 0 < metrics.compute_s <= metrics.step_s + 1e-3 and metrics.comm_wait_s >= 0
+
+
+#: A mid-sized Llama (0.78 B parameters, Llama 3's vocabulary): drawn on a CPU core it took seconds.
+MID_LLAMA = ModelConfig(arch="llama", n_layers=4, d_model=2048, n_heads=16, n_kv_heads=8, d_ff=8192,
+                        vocab_size=128256, seq_len=256)
+
+
+def test_a_cuda_trainer_initialises_on_the_gpu_fast_and_the_same_every_time():
+    import time
+
+    from etrain.workers.init import initial_value
+
+    config = dataclasses.replace(small_config(steps=1, model=MID_LLAMA), device="cuda")
+    torch.ones(1, device="cuda").sum().item()  # the CUDA context is not what is measured
+    builds, seconds = [], []
+    for _ in range(2):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        trainer = _trainer(config, "cuda")
+        torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - started)
+        builds.append({name: param.detach().clone() for name, param in trainer.model_parts[0].named_parameters()})
+        del trainer
+    assert max(seconds) < 1.5, f"Trainer builds of {MID_LLAMA.num_params / 1e9:.2f} B parameters took {seconds}"
+    first, second = builds
+    assert first.keys() == second.keys()
+    for name, value in first.items():
+        assert value.is_cuda and torch.equal(value, second[name]), name
+    # Drawn on the GPU by the parameter's own generator; a CPU rank's numbers are others.
+    embedding = first["tok_embeddings.weight"]
+    drawn = initial_value("tok_embeddings.weight", tuple(embedding.shape), seed=config.training.seed,
+                          n_layers=MID_LLAMA.n_layers, device=torch.device("cuda", torch.cuda.current_device()))
+    assert torch.equal(embedding, drawn)
+    cpu = initial_value("tok_embeddings.weight", (16, MID_LLAMA.d_model), seed=config.training.seed, n_layers=4)
+    assert not torch.equal(cpu, drawn[:16].cpu())
+
+
+_SPARE_LEAVES_CUDA_ALONE = r"""
+import json, os, sys, torch
+from etrain.workers.spare import SpareRank
+spare = SpareRank(gpu_node=True)  # what a spare on a GPU node does before any job
+seen = {"initialized": torch.cuda.is_initialized()}
+os.environ["CUDA_VISIBLE_DEVICES"] = sys.argv[1]  # a CUDA driver started before this line would not see it
+print(json.dumps(seen | {"devices_seen": torch._C._cuda_getDeviceCount()}))
+"""
+
+_SPARE_TAKES_ITS_GPU = r"""
+import json, sys, torch
+from etrain.workers.spare import SpareRank
+from tests.equivalence_utils import small_config
+spare = SpareRank(gpu_node=True)
+spare.assign(job_id="gpu-spare", rank=0, world_size=1, supervisor=None, gpu_ids=[sys.argv[1]], bundle="bundle 0 (test)")
+device = spare._device(small_config(steps=1).replace(device="cuda"))
+ones = torch.ones(8, 8, device=device)
+warmup = spare._gpus.warmup.wait(120)
+print(json.dumps(spare.devices() | {"device": str(device), "sum": (ones @ ones).sum().item(), "warmup": warmup,
+                                    "uuid": str(torch.cuda.get_device_properties(0).uuid)}))
+"""
+
+
+def _python(script: str, *args: str) -> dict:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    done = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_spares_warm_up_leaves_cuda_alone():
+    """Before assign, a spare has not started CUDA, so the GPUs it will be given can still be chosen: the
+    first device count after the warm-up follows ``CUDA_VISIBLE_DEVICES`` as set then, whether it hides
+    every GPU (a driver started during the warm-up with every GPU visible would still see them: a CPU
+    training step does that) or shows one (one started with the GPUs hidden would see none)."""
+    assert _python(_SPARE_LEAVES_CUDA_ALONE, "") == {"initialized": False, "devices_seen": 0}
+    shown = _python(_SPARE_LEAVES_CUDA_ALONE, str(torch.cuda.device_count() - 1))
+    assert shown == {"initialized": False, "devices_seen": 1}, shown
+
+
+def test_an_assigned_spare_runs_on_the_gpu_it_was_given():
+    """``assign`` hands the bundle's GPU id to the rank: the process sees that GPU (alone) as device 0,
+    the CUDA context is made in the background, and ``_device`` puts the rank there."""
+    gpu = str(torch.cuda.device_count() - 1)  # the last GPU: on a machine with several, not the default one
+    seen = _python(_SPARE_TAKES_ITS_GPU, gpu)
+    assert seen["gpu_ids"] == [gpu] and seen["cuda_visible_devices"] == gpu, seen
+    assert seen["device"] == "cuda:0" and seen["sum"] == 512.0 and seen["warmup"] == "ready", seen
+    assert seen["uuid"] == str(torch.cuda.get_device_properties(int(gpu)).uuid), seen
 
 
 def _nccl_rank(rank: int, world_size: int, config) -> dict:

@@ -235,3 +235,58 @@ def test_llama_invalid_shapes_are_config_errors() -> None:
         Llama(dataclasses.replace(LLAMA, n_kv_heads=3))
     with pytest.raises(ConfigError, match="head dimension 9 is odd"):
         Llama(dataclasses.replace(LLAMA, head_dim_override=9))
+
+
+# --- where initial values are drawn (workers/init.py) -------------------------------------------------
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def test_cpu_init_draws_the_numbers_it_always_did() -> None:
+    """A CPU rank draws each weight from a CPU generator seeded by (seed, FQN), as before device-side init:
+    the default, an explicit CPU ``rng_device`` and the meta-device path all give those numbers."""
+    from etrain.workers.init import initial_value, initialize_parameters, param_seed
+
+    fqn, shape = "layers.0.attention.wq.weight", (32, 32)
+    drawn = torch.randn(shape, generator=torch.Generator(device="cpu").manual_seed(param_seed(5, fqn))) * 0.02
+    assert torch.equal(initial_value(fqn, shape, seed=5, n_layers=4), drawn)
+    assert torch.equal(initial_value(fqn, shape, seed=5, n_layers=4, device="cpu"), drawn)
+    whole = build_model(CONFIG, seed=5)
+    explicit = build_model_skeleton(CONFIG)
+    initialize_parameters(explicit, seed=5, n_layers=CONFIG.n_layers, rng_device=torch.device("cpu"))
+    with torch.device("meta"):
+        skeleton = build_model_skeleton(CONFIG)
+    materialize(skeleton, device=torch.device("cpu"), seed=5, n_layers=CONFIG.n_layers, rng_device=torch.device("cpu"))
+    for name, value in whole.state_dict().items():
+        assert torch.equal(explicit.state_dict()[name], value), name
+        assert torch.equal(skeleton.state_dict()[name], value), name
+    assert torch.equal(whole.layers["0"].attention.wq.weight, drawn)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_drawn_value_depends_on_seed_fqn_and_device_only(device: str) -> None:
+    """Each parameter has a generator of its own on the drawing device: what else is drawn, and in which
+    order, changes nothing, and the process's own generators are neither read nor advanced."""
+    from etrain.workers.init import initial_value, initialize_parameters
+
+    fqn, other, shape = "layers.1.feed_forward.w2.weight", "layers.1.feed_forward.w1.weight", (48, 16)
+    cpu_state = torch.random.get_rng_state()
+    cuda_state = torch.cuda.get_rng_state() if device == "cuda" else None
+    first = initial_value(fqn, shape, seed=3, n_layers=2, device=device)
+    initial_value(other, shape, seed=3, n_layers=2, device=device)
+    again = initial_value(fqn, shape, seed=3, n_layers=2, device=device)
+    assert first.device.type == device and torch.equal(first, again)
+    assert not torch.equal(first, initial_value(other, shape, seed=3, n_layers=2, device=device))
+    assert not torch.equal(first, initial_value(fqn, shape, seed=4, n_layers=2, device=device))
+    assert torch.equal(torch.random.get_rng_state(), cpu_state)
+    if cuda_state is not None:
+        assert torch.equal(torch.cuda.get_rng_state(), cuda_state)
+    # A part of the model (a pipeline stage's parameters), visited in reverse order: the same values.
+    whole = build_model_skeleton(CONFIG).to(device)
+    initialize_parameters(whole, seed=3, n_layers=CONFIG.n_layers, rng_device=device)
+    part = build_model_skeleton(CONFIG).to(device)
+    params = dict(part.named_parameters())
+    for name in reversed([n for n in params if n.startswith("layers.3.") or n.startswith("output")]):
+        params[name].data.copy_(initial_value(name, tuple(params[name].shape), seed=3, n_layers=CONFIG.n_layers,
+                                              device=device))
+        assert torch.equal(params[name], dict(whole.named_parameters())[name]), name
