@@ -25,8 +25,8 @@ from typing import Any
 
 from etrain.service.store import idempotency
 from etrain.service.planning import planner
-from etrain.service.runtime.cluster import Runtime
-from etrain.service.runtime.control import ControlQueue, ControlRequest, NotYet
+from etrain.service.runtime.cluster import CALL_TIMEOUT_S, Runtime
+from etrain.service.runtime.control import ChaosHandOver, ControlQueue, ControlRequest, NotYet
 from etrain.service.decisions.admission import Admit
 from etrain.service.decisions.elastic import ElasticPolicy, ResizeError
 from etrain.service.jobs.checkpoints import committed_step
@@ -90,6 +90,8 @@ class JobManager:
         self._scheduler.start()
         self._poller.start()
         self._control = ControlQueue(self._deliver_control, on_give_up=self._control_failed)
+        #: Chaos orders for jobs whose supervisor has not started, handed to it with its start (_start_admitted).
+        self._chaos = ChaosHandOver(wait_s=2 * CALL_TIMEOUT_S)
 
     # --- jobs ------------------------------------------------------------------------------------
 
@@ -224,6 +226,7 @@ class JobManager:
             )
         if record.status is JobStatus.QUEUED and self._scheduler.cancel_queued(job_id):
             self._poller.forget(job_id)
+            self._chaos.drop(job_id)
             return self.get(job_id)  # it had no supervisor: nothing to stop
         self.store.add_events(job_id, [(time.time(), "cancel_requested", {"message": "cancel requested via API"})])
         self._control.put(ControlRequest(job_id=job_id, action="cancel"))
@@ -307,16 +310,29 @@ class JobManager:
         return spec.to_run_config(job_id=record.id, checkpoint_root=root).checkpoint.path
 
     def chaos(self, job_id: str, request: dict[str, Any], *, principal: Principal = ADMIN) -> dict[str, Any]:
+        """Deliver a drill to the job's supervisor, or, before it exists (QUEUED, or STARTING before the actor
+        is made), keep it for its start: the answer then says ``pending`` and the supervisor arms it (a
+        ``chaos_armed`` event) before its first launch. Never a 503 for a job that has not started yet."""
         if not self.settings.enable_chaos:
             raise ChaosDisabled()
-        record = self.get(job_id, principal=principal)
+        self._check_chaos(self.get(job_id, principal=principal), request)
+        with self._chaos.settled(job_id) as kept:
+            if not self.runtime.exists(job_id):
+                self._check_chaos(self.get(job_id), request)  # read again: it may have ended (or failed to start)
+                kept.append(dict(request))
+                return {**request, "armed": True, "pending": True,
+                        "message": "kept until the job's supervisor starts; armed before its first launch"}
+        return self.runtime.chaos(job_id, request)
+
+    @staticmethod
+    def _check_chaos(record: JobRecord, request: dict[str, Any]) -> None:
+        """JobConflict for an ended job, SpecRejected (field ``rank``) for a rank the job does not have."""
+        job_id = record.id
         if record.is_terminal:
             raise JobConflict(f"job {job_id} is {record.status.value}; nothing to inject into.", job_id=job_id)
         if request.get("action") in RANK_CHAOS_ACTIONS and not 0 <= int(request.get("rank", -1)) < record.world_size:
             raise SpecRejected([SpecProblem(field="rank", message=f"rank {request.get('rank')} is outside the job's "
                                             f"{record.world_size} ranks.", fix=f"use 0..{record.world_size - 1}")])
-        order = self.runtime.chaos(job_id, request)
-        return order
 
     def export(self, job_id: str, step: int | None, out: str, *, principal: Principal = ADMIN) -> dict[str, Any]:
         """Write committed checkpoint ``step`` (default: the newest) of ``job_id`` as a Hugging Face folder
@@ -413,7 +429,8 @@ class JobManager:
             self.store.set_cursor(job_id, 0)  # a new supervisor numbers its events from 1
             self._poller.restarted(job_id)
             try:
-                self.runtime.start(job_id, config, policy)
+                with self._chaos.handing_over(job_id) as chaos_requests:  # orders posted before it existed
+                    self.runtime.start(job_id, config, dataclasses.replace(policy, chaos_requests=chaos_requests))
             except Exception as err:
                 self.store.update_job(job_id, status=JobStatus.FAILED, error=f"could not start the job: {err}")
                 self.store.add_events(job_id, [(time.time(), "failed", {"message": str(err)})])

@@ -164,7 +164,9 @@ class JobManagerPort(Protocol):
     def chaos(self, job_id: str, request: dict[str, Any], *, principal: Principal = ADMIN) -> dict[str, Any]:
         """Inject a fault. ``request`` is a validated :class:`ChaosRequest` as a dict without unset
         fields (``request.model_dump(exclude_none=True)``): plain data for the supervisor actor.
-        The API checks settings.enable_chaos first. Returns the order as recorded."""
+        The API checks settings.enable_chaos first. Returns the order as recorded; for a job whose
+        supervisor has not started (QUEUED, STARTING) the order is kept and the answer says ``pending``
+        (it is armed before the first launch): never a 503 before the start. JobConflict once terminal."""
 
     def export(self, job_id: str, step: int | None, out: str, *, principal: Principal = ADMIN) -> dict[str, Any]:
         """Write committed checkpoint ``step`` (None: the newest) as a Hugging Face folder at ``out``;

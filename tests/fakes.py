@@ -23,7 +23,8 @@ import uuid
 from typing import Any
 
 from etrain.service.store import idempotency
-from etrain.service.errors import ChaosDisabled, JobConflict, JobNotFound, RankNotFound, SpecRejected
+from etrain.service.errors import (ChaosDisabled, JobConflict, JobNotFound, RankNotFound, ServiceUnavailable,
+                                   SpecRejected)
 from etrain.service.ports import ChaosRequest
 from etrain.workers.protocol.messages import RANK_CHAOS_ACTIONS
 from etrain.service.planning.spec import JobSpec, SpecProblem
@@ -360,10 +361,13 @@ class FakeRuntime:
     def start(self, job_id: str, config: Any, policy: Any) -> None:
         with self._lock:
             self.calls.append(("start", job_id))
-            self.jobs[job_id] = {
+            self.jobs[job_id] = job = {
                 "config": config, "policy": policy, "status": "RUNNING", "step": 0, "dp": config.parallel.dp,
                 "attempt": 1, "events": [], "steps": [], "chaos": [], "error": None,
             }
+            for request in getattr(policy, "chaos_requests", ()):  # armed before the launch, like the supervisor
+                job["chaos"].append(dict(request))
+                self._record(job_id, "chaos_armed", f"{request['action']} (order {len(job['chaos'])})")
             self._record(job_id, "started", "attempt 1 running")
 
     def exists(self, job_id: str) -> bool:
@@ -424,7 +428,9 @@ class FakeRuntime:
     def chaos(self, job_id: str, request: dict[str, Any]) -> dict[str, Any]:
         with self._lock:
             self.calls.append(("chaos", job_id))
-            job = self.jobs[job_id]
+            job = self.jobs.get(job_id)
+            if job is None:  # RayRuntime._require: no supervisor to deliver to
+                raise ServiceUnavailable(f"the supervisor of job {job_id} is not running", fix="retry in a few seconds")
             job["chaos"].append(dict(request))
             return {"id": len(job["chaos"]), **request, "armed": True}
 

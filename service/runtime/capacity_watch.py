@@ -33,11 +33,14 @@ NODE_CHECK_INTERVAL_S = 0.5
 class CapacityWatch:
     """Capacity checks and node watches of one job; used on the actor's control thread only.
 
-    ``held()`` is ``{node: ranks}`` of the job's current group (what it would give back to a relaunch).
+    ``held()`` is ``{node: bundles}`` of the job's current group's placement group, one bundle of
+    ``per_rank`` per rank, counted from the moment Ray reserves it (``WorkerGroup.bundles_per_node``): what
+    it would give back to a relaunch, and what the node's free resources already exclude. None while that
+    reservation is under way: no capacity can be read then, and the check is made again at the next turn.
     """
 
     def __init__(self, *, per_rank: dict[str, float], tp: int, pp: int, interval_s: float,
-                 held: Callable[[], dict[str, int]]):
+                 held: Callable[[], dict[str, int] | None]):
         self._per_rank = per_rank
         self._tp, self._pp = tp, pp
         self._interval_s = interval_s  # elastic.check_interval_s
@@ -65,19 +68,33 @@ class CapacityWatch:
         except Exception as err:  # the GCS may be briefly unreachable after a node loss
             log.warning("capacity check failed: %s", err)
             return None
+        if available is None:  # the job's own placement group is being reserved: read it once it is
+            self._next_check = 0.0
+            return None
         if force or available != self._last or awaiting:
             self._last = available
             return CapacityChanged(available_dp=available)
         return None
 
-    def available_dp(self, excluded: Collection[str]) -> int:
-        """Replicas this job could run now: free resources per live node plus what the job holds there."""
+    def available_dp(self, excluded: Collection[str]) -> int | None:
+        """Replicas this job could run now: free resources per live node plus what the job's own placement
+        group holds there (its own ranks never make the job look short of room).
+
+        None when the job's own holding is not known for the whole read (its group is reserving its
+        placement group, or the reservation completed during the read): free resources read then may or
+        may not exclude the job's bundles, and a guess either way is a false ``capacity_low`` or a false
+        room to grow.
+        """
         from ray._private.state import available_resources_per_node
 
+        before = self._held()
         free_per_node = available_resources_per_node()
+        nodes = ray.nodes()
         held = self._held()
+        if before is None or held is None or held != before:
+            return None
         slots: dict[str, int] = {}
-        for node in ray.nodes():
+        for node in nodes:
             node_id = node["NodeID"]
             if not node.get("Alive") or node_id in excluded:
                 continue
@@ -109,7 +126,8 @@ class CapacityWatch:
                 try:
                     available = self.available_dp(excluded)
                 except Exception:
-                    available = fallback_dp
-                yield NodeLossConfirmed(node=node, failed_attempt=attempt, available_dp=available)
+                    available = None
+                yield NodeLossConfirmed(node=node, failed_attempt=attempt,
+                                        available_dp=fallback_dp if available is None else available)
             elif now > until:
                 del self._unconfirmed[node]  # the node lives: it was the process after all

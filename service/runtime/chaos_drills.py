@@ -90,6 +90,14 @@ class JobDrills:
         if group is not None:
             self._send(order, group)
 
+    def arm_requests(self, requests: tuple[dict[str, Any], ...], *, world_size: int,
+                     committed_step: int | None) -> None:
+        """Arm orders posted before the supervisor existed (``JobPolicy.chaos_requests``), in the order they
+        came: called before the first launch, with no group, so they ride in its plan."""
+        for request in requests:
+            order, _ = self.order(request)
+            self.arm(order, world_size=world_size, group=None, committed_step=committed_step)
+
     def deliver(self, group: Any) -> None:
         """Hand armed drills to a group that just came up (orders that arrived while it launched).
 

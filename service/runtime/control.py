@@ -1,4 +1,4 @@
-"""Control requests (cancel, scale) handed to supervisors off the HTTP threads.
+"""Control requests (cancel, scale, chaos before start) handed to supervisors off the HTTP threads.
 
 ``POST /v1/jobs/{id}/cancel`` and ``/scale`` answer 202 at once: the manager records the request as an
 event and puts it here. One thread, ``etrain-control``, delivers each request (a Ray call with its own
@@ -7,7 +7,13 @@ supervisor delays only other control requests, never reads. A delivery that fail
 backoff and, when it keeps failing, reported through ``on_give_up`` (the manager records an event the
 user sees).
 
-Pure threading, no Ray: the manager supplies ``deliver``.
+A chaos order (``POST /v1/jobs/{id}/chaos``) for a job whose supervisor does not exist yet (QUEUED, or
+STARTING before its actor is created) cannot be delivered and must not be refused either: the
+:class:`ChaosHandOver` keeps it and the manager hands it to the supervisor as part of its start
+(``JobPolicy.chaos_requests``), so it rides in the first launch plan. A request that arrives during that
+hand-over waits for it to end (bounded) and then goes to the supervisor directly: none falls between.
+
+Pure threading, no Ray: the manager supplies ``deliver`` and says whether a supervisor exists.
 """
 
 from __future__ import annotations
@@ -18,9 +24,12 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Any, Literal
+
+from etrain.service.errors import ServiceUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -112,3 +121,57 @@ class ControlQueue:
             self._on_give_up(request, err)
         except Exception:  # reporting must not kill the thread that serves every other job
             log.exception("reporting a failed %s of job %s failed", request.action, request.job_id)
+
+
+class ChaosHandOver:
+    """Chaos requests kept for jobs whose supervisor has not started, handed to it as it starts.
+
+    The manager reads and changes a job's kept requests only inside :meth:`settled` (no hand-over of that
+    job in progress), and starts a supervisor only inside :meth:`handing_over`; both take one lock, so a
+    request is either kept before the hand-over takes the list, or sees the supervisor that the hand-over
+    created. ``wait_s`` bounds how long a request waits for a hand-over (a supervisor's start is itself
+    bounded by the runtime's call timeout).
+    """
+
+    def __init__(self, *, wait_s: float):
+        self._wait_s = wait_s
+        self._changed = threading.Condition()
+        self._kept: dict[str, list[dict[str, Any]]] = {}  # job -> requests, in the order they came
+        self._starting: set[str] = set()  # jobs whose supervisor is being started with their requests
+
+    @contextmanager
+    def settled(self, job_id: str) -> Iterator[list[dict[str, Any]]]:
+        """The job's kept requests (append to keep one), while no hand-over of the job runs or can begin.
+
+        ServiceUnavailable when a hand-over of the job does not end within ``wait_s``.
+        """
+        with self._changed:
+            if not self._changed.wait_for(lambda: job_id not in self._starting, timeout=self._wait_s):
+                raise ServiceUnavailable(
+                    f"the supervisor of job {job_id} is still starting after {self._wait_s:.0f}s; the order was "
+                    "not taken", fix="retry in a few seconds; if it persists, check the cluster (ray status)")
+            kept = self._kept.setdefault(job_id, [])
+            try:
+                yield kept
+            finally:
+                if not kept:
+                    del self._kept[job_id]
+
+    @contextmanager
+    def handing_over(self, job_id: str) -> Iterator[tuple[dict[str, Any], ...]]:
+        """The job's kept requests, taken for its supervisor's start (the block): they are the start's
+        to deliver (or lose with it, when it fails); requests that come meanwhile wait for the block's end."""
+        with self._changed:
+            self._starting.add(job_id)
+            requests = tuple(self._kept.pop(job_id, ()))
+        try:
+            yield requests
+        finally:
+            with self._changed:
+                self._starting.discard(job_id)
+                self._changed.notify_all()
+
+    def drop(self, job_id: str) -> None:
+        """Forget the job's kept requests (it was cancelled before it started)."""
+        with self._changed:
+            self._kept.pop(job_id, None)

@@ -9,6 +9,7 @@ never imports the actor (nor Ray) for it; :func:`supervisor_config` reads it int
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from etrain.service.decisions.stragglers import StragglerConfig
 from etrain.service.decisions.supervisor_state import SupervisorConfig
@@ -36,6 +37,10 @@ class JobPolicy:
     #: The server setting ``enable_chaos``: only then are fault drills loaded (service/runtime/chaos_drills.py,
     #: and on the ranks workers/chaos.py through ``LaunchPlan.chaos_enabled``) and ``chaos`` requests taken.
     chaos_enabled: bool = False
+    #: Chaos requests (``service.ports.ChaosRequest`` dicts) posted before this job's supervisor existed: the
+    #: manager kept them (service/runtime/control.py ``ChaosHandOver``) and the supervisor arms them before its
+    #: first launch, so they ride in that launch plan. Only with ``chaos_enabled``.
+    chaos_requests: tuple[dict[str, Any], ...] = ()
     restarts_used: int = 0  # carried over when a supervisor is recreated after a control-plane loss
     #: The job's last attempt number when this supervisor was created (0 for its first): a supervisor
     #: recreated after a loss reports attempts base+1, base+2, ... so the job's attempts only grow and its

@@ -100,6 +100,8 @@ class JobSupervisor:
             from etrain.service.runtime.chaos_drills import JobDrills
 
             self._drills = JobDrills(root=self.root, record=self._record)
+            self._drills.arm_requests(policy.chaos_requests, world_size=self.sm_config.world_size(self.state.dp),
+                                      committed_step=resume_step)  # posted before this actor existed
         self._capacity = CapacityWatch(per_rank=policy.resources_per_rank, tp=config.parallel.tp, pp=config.parallel.pp,
                                        interval_s=policy.elastic_check_interval_s, held=self._held_per_node)
         self._closed = threading.Event()
@@ -453,8 +455,9 @@ class JobSupervisor:
         if changed is not None:
             self._apply(changed, time.time())
 
-    def _held_per_node(self) -> dict[str, int]:
-        """``{node: ranks}`` the current group holds (a relaunch gets them back)."""
+    def _held_per_node(self) -> dict[str, int] | None:
+        """``{node: bundles}`` the current group's placement group holds (a relaunch gets them back); None
+        while it is being reserved (service/runtime/capacity_watch.py then reads capacity at the next turn)."""
         return self._group.bundles_per_node() if self._group is not None else {}
 
     # --- bookkeeping -----------------------------------------------------------------------------

@@ -96,6 +96,8 @@ class WorkerGroup:
         self.pg = None
         self.actors: list[Any] = []
         self.nodes: dict[int, str] = {}  # rank -> node id
+        self._bundle_nodes: dict[int, str] = {}  # bundle (= rank) -> node id, once the placement group is reserved
+        self._reserving = False  # the placement group is requested and its bundles' nodes not yet recorded
         self._runs: dict[Any, int] = {}  # run ObjectRef -> rank
         self._results: dict[int, dict] = {}
         # A rank's collective failure being explained: (since, its outcome, ping ObjectRef -> rank still out).
@@ -111,23 +113,38 @@ class WorkerGroup:
 
         Raises :class:`PlacementTimeout` when the cluster cannot hold the group.
         """
-        bundles = [dict(self._resources) for _ in range(self.world_size)]
-        kwargs: dict[str, Any] = {}
-        if self._excluded:
-            selector = {"ray.io/node-id": f"!in({','.join(sorted(self._excluded))})"}
-            kwargs["bundle_label_selector"] = [dict(selector) for _ in bundles]
-        self.pg = placement_group(bundles, strategy=self._strategy, name=f"etrain/{self.job_id}/a{self.attempt}", **kwargs)
-        try:
-            ray.get(self.pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
-        except GetTimeoutError as err:
-            raise PlacementTimeout(
-                f"{self.world_size} ranks of {self._resources} could not be placed within {PLACEMENT_TIMEOUT_S:.0f}s"
-            ) from err
+        self._reserve()
         self.actors = self._rank_actors()
         if self._stopped:  # stop() ran while the ranks were being made: they are ours to kill
             self.stop()
             raise RuntimeError("worker group stopped while starting")
         self._rendezvous()
+
+    def _reserve(self) -> None:
+        """Create the placement group, wait until Ray reserves it, and record which node holds each bundle.
+
+        From the request until the nodes are recorded, :meth:`bundles_per_node` says it does not know
+        (None): Ray takes the bundles off the nodes' free resources a few milliseconds before the placement
+        group table names their nodes, and a capacity check in between would count the job's own
+        reservation as someone else's.
+        """
+        bundles = [dict(self._resources) for _ in range(self.world_size)]
+        kwargs: dict[str, Any] = {}
+        if self._excluded:
+            selector = {"ray.io/node-id": f"!in({','.join(sorted(self._excluded))})"}
+            kwargs["bundle_label_selector"] = [dict(selector) for _ in bundles]
+        self._reserving = True
+        try:
+            self.pg = placement_group(bundles, strategy=self._strategy, name=f"etrain/{self.job_id}/a{self.attempt}",
+                                      **kwargs)
+            try:
+                ray.get(self.pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
+            except GetTimeoutError as err:
+                raise PlacementTimeout(f"{self.world_size} ranks of {self._resources} could not be placed within "
+                                       f"{PLACEMENT_TIMEOUT_S:.0f}s") from err
+            self._bundle_nodes = self._reserved_nodes()
+        finally:
+            self._reserving = False
 
     def _rank_actors(self) -> list[Any]:
         """One actor per rank: a warm spare on the bundle's node where the pool has one, else a cold start.
@@ -136,8 +153,7 @@ class WorkerGroup:
         logical resources) runs on the bundle's node while the bundle's reservation accounts for it,
         and is pinned to the bundle's GPUs (service/runtime/spares.py, workers/spare.py).
         """
-        bundle_nodes = placement_group_table(self.pg).get("bundles_to_node_id", {})
-        spares = take_spares([bundle_nodes.get(rank, "") for rank in range(self.world_size)])
+        spares = take_spares([self._bundle_nodes.get(rank, "") for rank in range(self.world_size)])
         actors, assigned = zip(*(self._rank_actor(rank, spare) for rank, spare in enumerate(spares)))
         ray.get([ref for ref in assigned if ref is not None], timeout=RENDEZVOUS_TIMEOUT_S)
         self.warm_ranks = sum(spare is not None for spare in spares)
@@ -355,14 +371,29 @@ class WorkerGroup:
     def node_of(self, rank: int) -> str:
         return self.nodes.get(rank, "")
 
-    def bundles_per_node(self) -> dict[str, int]:
-        """Ranks this group holds per node; nothing once stopped (its placement group is released)."""
+    def bundles_per_node(self) -> dict[str, int] | None:
+        """Bundles (one per rank) this group's placement group holds per node, counted from the moment Ray
+        reserved them; None while the reservation is under way (its nodes are not known yet: ask again);
+        nothing before it, and nothing once stopped (the placement group is released).
+
+        Bundles, not the ranks that rendezvoused: a node's free resources exclude the bundles as soon as
+        they are reserved, while the ranks are still being created (seconds for a cold rank on a GPU), and
+        a capacity check in that window must count them as the job's own, or a job that holds a whole
+        resource sees capacity 0 and reports a spurious ``capacity_low`` once it is up.
+        """
         if self._stopped:
             return {}
+        if self._reserving:
+            return None
         counts: dict[str, int] = {}
-        for node in self.nodes.values():
+        for node in self._bundle_nodes.values():
             counts[node] = counts.get(node, 0) + 1
         return counts
+
+    def _reserved_nodes(self) -> dict[int, str]:
+        """Bundle index -> node id of the placement group's bundles (read once Ray reserved it)."""
+        placed = placement_group_table(self.pg).get("bundles_to_node_id", {}) or {}
+        return {int(index): node for index, node in placed.items() if node}
 
     # --- teardown -------------------------------------------------------------------------------
 

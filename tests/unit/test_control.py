@@ -1,4 +1,5 @@
-"""The control queue (service/runtime/control.py): cancel/scale delivered off the request thread, with retries."""
+"""The control queue (service/runtime/control.py): cancel/scale delivered off the request thread, with retries;
+and the chaos hand-over: orders for a job whose supervisor has not started are kept for its start."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import time
 
 import pytest
 
-from etrain.service.runtime.control import ControlQueue, ControlRequest, NotYet
+from etrain.service.errors import ServiceUnavailable
+from etrain.service.runtime.control import ChaosHandOver, ControlQueue, ControlRequest, NotYet
 
 
 class Recorder:
@@ -110,3 +112,57 @@ def test_close_stops_the_thread(queue_of):
     queue = queue_of(Recorder())
     queue.close(timeout_s=5)
     assert not queue._thread.is_alive()
+
+
+# --- the chaos hand-over ------------------------------------------------------------------------------------------
+
+
+def test_kept_orders_go_to_the_start_in_order_and_only_once():
+    hand_over = ChaosHandOver(wait_s=5)
+    for rank in (1, 0):
+        with hand_over.settled("job") as kept:
+            kept.append({"action": "kill_rank", "rank": rank})
+    with hand_over.handing_over("job") as requests:
+        assert requests == ({"action": "kill_rank", "rank": 1}, {"action": "kill_rank", "rank": 0})
+    with hand_over.handing_over("job") as requests:  # a second start (a lost supervisor's) gets nothing again
+        assert requests == ()
+
+
+def test_an_order_during_the_hand_over_waits_for_its_end():
+    """So it sees the supervisor the start made instead of being kept for a start that already took the list."""
+    hand_over = ChaosHandOver(wait_s=5)
+    seen: list[float] = []
+
+    def post() -> None:
+        with hand_over.settled("job"):
+            seen.append(time.monotonic())
+
+    with hand_over.handing_over("job"):
+        thread = threading.Thread(target=post)
+        thread.start()
+        time.sleep(0.2)
+        assert seen == []  # blocked while the supervisor is being started
+        ended_at = time.monotonic()
+    thread.join(timeout=5)
+    assert len(seen) == 1 and seen[0] >= ended_at
+
+
+def test_a_hand_over_that_does_not_end_is_a_503_that_says_what_to_do():
+    hand_over = ChaosHandOver(wait_s=0.1)
+    with hand_over.handing_over("job"):
+        with hand_over.settled("other-job") as kept:  # other jobs never wait for it
+            assert kept == []
+        with pytest.raises(ServiceUnavailable) as refused:
+            with hand_over.settled("job"):
+                pass
+    assert refused.value.message == "the supervisor of job job is still starting after 0s; the order was not taken"
+    assert refused.value.fix == "retry in a few seconds; if it persists, check the cluster (ray status)"
+
+
+def test_dropped_orders_never_reach_a_start():
+    hand_over = ChaosHandOver(wait_s=5)
+    with hand_over.settled("job") as kept:
+        kept.append({"action": "hang_rank", "rank": 0})
+    hand_over.drop("job")
+    with hand_over.handing_over("job") as requests:
+        assert requests == ()
