@@ -33,7 +33,9 @@ STEP_WINDOW = 50
 MIN_INTERVAL_STEPS = 10
 MAX_INTERVAL_STEPS = 1_000_000
 #: A new interval is announced (an event) when it differs from the last announced one by more than this.
-ANNOUNCE_CHANGE = 0.2
+ANNOUNCE_CHANGE = 0.25
+#: Steps seen before the first interval is announced (it is still used from the first step on).
+SETTLE_STEPS = 10
 
 
 def young_daly_interval_s(block_s: float, mtbf_s: float) -> float:
@@ -99,6 +101,8 @@ class AutoCadence:
         """A sentence for the job's events when the interval moved by more than :data:`ANNOUNCE_CHANGE`
         from the one last announced (step times jitter: a step either way is not news)."""
         interval = self.interval_steps
+        if len(self._steps) < SETTLE_STEPS and not self._blocks:
+            return None  # the first steps (compile, allocator warm-up) say little about the step time
         if interval is None or (self._announced is not None
                                 and abs(interval - self._announced) <= ANNOUNCE_CHANGE * self._announced):
             return None

@@ -50,6 +50,7 @@ __all__ = [
     "SkippedStep",
     "checkpoint_files",
     "commit",
+    "file_entries",
     "file_entry",
     "latest_committed",
     "list_steps",
@@ -114,10 +115,16 @@ def checkpoint_files(step_dir: str | os.PathLike) -> list[str]:
 
 
 def file_entry(step_dir: str | os.PathLike, relative_path: str) -> FileEntry:
-    """Size and SHA-256 of one file as it is on disk (or in the object store) now (ranks call this after
-    their writes)."""
-    path = storage.join(step_dir, relative_path)
-    return FileEntry(path=relative_path, size=storage.getsize(path), sha256=storage.sha256(path))
+    """:func:`file_entries` of one file."""
+    return file_entries(step_dir, [relative_path])[0]
+
+
+def file_entries(step_dir: str | os.PathLike, relative_paths: list[str]) -> list[FileEntry]:
+    """Size and SHA-256 of each file as it is on disk (or in the object store) now (ranks call this after
+    their writes), hashed several at a time (``storage.sha256_many``)."""
+    paths = [storage.join(step_dir, relative) for relative in relative_paths]
+    return [FileEntry(path=relative, size=storage.getsize(path), sha256=digest)
+            for relative, path, digest in zip(relative_paths, paths, storage.sha256_many(paths))]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -266,8 +273,8 @@ def verify(
     hashed = list(manifest.files[index::count]) if checksums else []
     if expect_digest is not None:  # every rank unpickles .metadata: each hashes it itself
         hashed += [entry for entry in manifest.files if entry.path == METADATA_NAME and entry not in hashed]
-    for entry in hashed:
-        actual = storage.sha256(storage.join(directory, entry.path))
+    digests = storage.sha256_many([storage.join(directory, entry.path) for entry in hashed])
+    for entry, actual in zip(hashed, digests):
         if actual != entry.sha256:
             raise CheckpointError(
                 f"{directory}: {entry.path} sha256 mismatch (manifest {entry.sha256[:12]}…, "

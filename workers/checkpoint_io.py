@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from etrain.workers import storage
-from etrain.workers.checkpoint_commit import file_entry, list_steps, verify
+from etrain.workers.checkpoint_commit import file_entries, list_steps, verify
 from etrain.workers.protocol.errors import CheckpointError, EtrainError
 from etrain.workers.protocol.manifest import MANIFEST_NAME, METADATA_NAME, FileEntry, ShardReport
 from etrain.workers.storage_faults import check_room, storage_fault
@@ -195,15 +195,18 @@ def shard_report(directory: str, writer: _Recording, group: dist.ProcessGroup | 
         rank=rank,
         world_size=world_size,
         directory=storage.basename(directory),
-        files=tuple(_reported(directory, name, uploaded) for name in names),
+        files=_reported(directory, names, uploaded),
     )
 
 
-def _reported(directory: str, name: str, uploaded: dict[str, tuple[int, str]]) -> FileEntry:
-    known = uploaded.get(os.path.join(directory, name))
-    if known is None:
-        return file_entry(directory, name)  # local files (and extra.pt): read back from storage
-    return FileEntry(path=name, size=known[0], sha256=known[1])
+def _reported(directory: str, names: list[str], uploaded: dict[str, tuple[int, str]]) -> tuple[FileEntry, ...]:
+    """Each file's entry: as hashed on the way up (object stores), else read back from storage (local
+    files, and ``extra.pt``), several files at a time."""
+    unknown = [name for name in names if os.path.join(directory, name) not in uploaded]
+    read_back = dict(zip(unknown, file_entries(directory, unknown)))
+    return tuple(read_back[name] if name in read_back else
+                 FileEntry(path=name, size=uploaded[os.path.join(directory, name)][0],
+                           sha256=uploaded[os.path.join(directory, name)][1]) for name in names)
 
 
 def start_checkpoint(directory: str, extra: dict[str, Any], group: dist.ProcessGroup | None,

@@ -279,6 +279,22 @@ def sha256(path: str | os.PathLike) -> str:
     return digest.hexdigest()
 
 
+#: Files hashed at once by :func:`sha256_many`. SHA-256 and file reads release the GIL, so threads
+#: hash in parallel: a rank's checkpoint is one file per DCP writer thread (four on CUDA), and one
+#: thread hashes ~1-2 GB/s, i.e. ~10 s for a 1B model's 15 GB of state.
+HASH_THREADS = 8
+
+
+def sha256_many(paths: list[str]) -> list[str]:
+    """:func:`sha256` of each path, in order, several files at a time."""
+    if len(paths) <= 1:
+        return [sha256(path) for path in paths]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=min(HASH_THREADS, len(paths)), thread_name_prefix="sha256") as pool:
+        return list(pool.map(sha256, paths))
+
+
 def write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write a whole file (not atomic on a local disk: use :func:`atomic_write_bytes` for that)."""
     if not is_url(path):

@@ -18,7 +18,9 @@
 # Results: gpu_probe.json, gpu_service.json in benchmarks/results (--tiny: a temporary folder, or
 # $GPU_CHECK_RESULTS) and in $OUT when set; logs in $OUT/gpu-check-logs (else the temporary folder).
 # Then the README table (benchmarks/gpu/table.py); the exit status is 1 unless both jobs SUCCEEDED.
-# Settings: GPU_CHECK_BUDGET_S (470: the whole run), GPU_CHECK_PROBE_S (150: the probe's box), GPU_PYTHON,
+# Settings: GPU_CHECK_BUDGET_S (470: the whole run), GPU_CHECK_PROBE_S (150: the probe's box),
+# GPU_CHECK_PROBE_ROWS (etrain,hf; none skips the probe), GPU_CHECK_JOBS (clean,kill: which jobs, in order),
+# GPU_CHECK_MTBF_HOURS (the auto job's fault_tolerance.mtbf_hours; default the service's), GPU_PYTHON,
 # GPU_WHEELS_DIR (.whl), GPU_CHECK_RESULTS (where the JSON goes), GPU_CHECK_DIR (the work folder: a new /tmp one).
 set -uo pipefail
 
@@ -141,11 +143,16 @@ export PYTHONPATH=$PYPATH${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 log "packages ready"
 
 # -- 3. the engine probe --------------------------------------------------------------------------------
-log "engine probe (time box ${PROBE_S}s)"
-timeout -k 10 "$PROBE_S" "$PY" -m benchmarks.gpu.probe "${TINY_FLAG[@]}" --results-dir "$RESULTS" 2>"$LOGS/probe.err"
-probe_rc=$?
-((probe_rc == 0)) || { log "the probe exited $probe_rc; its stderr:"; tail -n 20 "$LOGS/probe.err"; }
-log "probe done"
+if [[ ${GPU_CHECK_PROBE_ROWS:-etrain,hf} == none ]]; then
+  log "engine probe skipped (GPU_CHECK_PROBE_ROWS=none)"
+else
+  log "engine probe (time box ${PROBE_S}s)"
+  timeout -k 10 "$PROBE_S" "$PY" -m benchmarks.gpu.probe "${TINY_FLAG[@]}" --rows "${GPU_CHECK_PROBE_ROWS:-etrain,hf}" \
+    --results-dir "$RESULTS" 2>"$LOGS/probe.err"
+  probe_rc=$?
+  ((probe_rc == 0)) || { log "the probe exited $probe_rc; its stderr:"; tail -n 20 "$LOGS/probe.err"; }
+  log "probe done"
+fi
 
 # -- 4. Ray head + etrain serve -------------------------------------------------------------------------
 read -r RAY_PORT CLIENT_PORT AGENT_PORT METRICS_PORT API_PORT < <("$PY" -c "

@@ -107,7 +107,8 @@ def wait_for_spares(ray_address: str | None, count: int, timeout_s: float) -> di
                 "error": f"{type(err).__name__}: {err}"[:500]}
 
 
-def job_spec(name: str, sizes: CheckSizes, *, steps: int, every: int | str) -> dict[str, Any]:
+def job_spec(name: str, sizes: CheckSizes, *, steps: int, every: int | str,
+             mtbf_hours: float | None = None) -> dict[str, Any]:
     resources: dict[str, Any] = {"device": sizes.device, "cpus_per_worker": 2 if sizes.device == "cuda" else 1}
     if sizes.device == "cuda":
         resources["gpus_per_worker"] = 1
@@ -120,7 +121,7 @@ def job_spec(name: str, sizes: CheckSizes, *, steps: int, every: int | str) -> d
         "training": {"steps": steps, "global_batch": sizes.global_batch, "micro_batch": sizes.micro_batch,
                      "lr": 3e-4, "precision": sizes.precision},
         "checkpoint": {"every_steps": every, "keep_last": 1},
-        "fault_tolerance": {"max_restarts": 2},
+        "fault_tolerance": {"max_restarts": 2, **({"mtbf_hours": mtbf_hours} if mtbf_hours else {})},
     }
 
 
@@ -151,11 +152,13 @@ def _release_checkpoints(data_dir: Path | None, job_id: str, logs_dir: Path | No
 
 
 def run_job(api: Api, *, label: str, sizes: CheckSizes, steps: int, every: int | str, kill_at: int | None,
-            timeout_s: float, ray_address: str | None, data_dir: Path | None, logs_dir: Path | None) -> dict[str, Any]:
+            timeout_s: float, ray_address: str | None, data_dir: Path | None, logs_dir: Path | None,
+            mtbf_hours: float | None = None) -> dict[str, Any]:
     record: dict[str, Any] = {"job": label, "steps": steps, "every_steps_asked": every, "kill_at": kill_at,
                               "time_box_s": round(timeout_s, 1)}
     record["spares"] = wait_for_spares(ray_address, WARM_SPARES, timeout_s=60.0)
-    spec = job_spec(f"gpu-check-{label}", sizes, steps=steps, every=every)
+    spec = job_spec(f"gpu-check-{label}", sizes, steps=steps, every=every,
+                    mtbf_hours=mtbf_hours if every == "auto" else None)
     submit_ts = time.time()
     status, job = api.call("POST", "/v1/jobs", spec)
     if every == "auto" and _refuses_auto(status, job):
@@ -237,7 +240,10 @@ def main() -> None:
     parser.add_argument("--url", required=True)
     parser.add_argument("--token", default=os.environ.get("ETRAIN_API_TOKEN"))
     parser.add_argument("--tiny", action="store_true")
-    parser.add_argument("--jobs", default="clean,kill")
+    parser.add_argument("--jobs", default=os.environ.get("GPU_CHECK_JOBS") or "clean,kill",
+                        help="which jobs, in order (GPU_CHECK_JOBS)")
+    parser.add_argument("--mtbf-hours", type=float, default=float(os.environ.get("GPU_CHECK_MTBF_HOURS") or 0),
+                        help="fault_tolerance.mtbf_hours of the auto job (GPU_CHECK_MTBF_HOURS; default: the service's)")
     parser.add_argument("--ray-address", help="to wait for the warm spare pool before each submit")
     parser.add_argument("--data-dir", type=Path, help="the server's data directory (checkpoints removed after each job)")
     parser.add_argument("--logs-dir", type=Path, help="where the rank logs are copied")
@@ -273,7 +279,7 @@ def main() -> None:
         document["jobs"].append(run_job(
             api, label=label, sizes=sizes, steps=plan["steps"], every=plan["every"], kill_at=plan["kill_at"],
             timeout_s=min(plan["cap_s"], left), ray_address=args.ray_address, data_dir=args.data_dir,
-            logs_dir=args.logs_dir))
+            logs_dir=args.logs_dir, mtbf_hours=args.mtbf_hours or None))
         document["elapsed_s"] = time.time() - begun
         paths = write_result(document, args.results_dir)
     emit(service_written=paths, elapsed_s=round(time.time() - begun, 1))

@@ -34,8 +34,8 @@ import ray
 from etrain.service.decisions.job_status import Status
 from etrain.service.decisions.supervisor import decide
 from etrain.service.decisions.supervisor_events import (
-    Abort, Action, Cancel, CheckpointFallback, CheckpointReported, CommitCheckpoint, CommitSucceeded, Event,
-    ExcludeNode, ExportCheckpoint, Finished, GroupReady, GroupStopped, JobError, LaunchGroup, MarkTerminal,
+    Abort, Action, Cancel, CheckpointFailed, CheckpointFallback, CheckpointReported, CommitCheckpoint,
+    CommitSucceeded, Event, ExcludeNode, ExportCheckpoint, Finished, GroupReady, GroupStopped, JobError, LaunchGroup, MarkTerminal,
     RecordEvent, RepairFailed, RepairGroup, RequestCheckpoint, ScaleRequested, ScheduleWake, Start, StopGroup, Tick,
     WorkerLost,
 )
@@ -54,6 +54,8 @@ from etrain.workers.protocol.run_config import RunConfig
 log = logging.getLogger(__name__)
 
 TICK_S = 0.2
+#: The event kinds a rank may add to the job's events (``report_note``): a rank's own decisions.
+RANK_NOTES = frozenset({"checkpoint_interval"})
 #: How long ``updates`` of an ended job waits for its last prune (well inside the caller's Ray call timeout).
 END_PRUNE_WAIT_S = 5.0
 
@@ -131,6 +133,15 @@ class JobSupervisor:
 
     def report_checkpoint(self, attempt: int, rank: int, completed_steps: int, report: Any) -> None:
         self._inbox.put(("checkpoint", attempt, rank, completed_steps, report))
+
+    def report_checkpoint_failed(self, attempt: int, rank: int, completed_steps: int, reason: str) -> None:
+        """The ranks abandoned the save of ``completed_steps`` (a storage fault); ``reason`` says why in words."""
+        self._inbox.put(CheckpointFailed(attempt=attempt, step=completed_steps, reason=str(reason)[:2000]))
+
+    def report_note(self, attempt: int, kind: str, detail: str) -> None:
+        """Something a rank decided that users should see as a job event (``checkpoint_interval``)."""
+        if kind in RANK_NOTES:
+            self._inbox.put(("note", attempt, kind, str(detail)[:2000]))
 
     def report_chaos(self, attempt: int, rank: int, order_id: int, step: int | None) -> None:
         self._inbox.put(("chaos_fired", attempt, rank, order_id, step))
@@ -284,6 +295,10 @@ class JobSupervisor:
             group_up = self._group is not None and self.state.group == GroupPhase.UP
             self._drills.arm(item[1], world_size=self.sm_config.world_size(self.state.dp),
                              group=self._group if group_up else None, committed_step=self.state.last_committed_step)
+        elif kind == "note":
+            _, attempt, note, detail = item
+            if attempt == self.state.attempt:
+                self._record(note, detail)
         elif kind == "chaos_fired":
             _, attempt, rank, order_id, step = item
             if self._drills is not None:

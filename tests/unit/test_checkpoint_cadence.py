@@ -9,6 +9,7 @@ import pytest
 from etrain.workers.checkpoint_cadence import (
     ASSUMED_BLOCK_S,
     MIN_INTERVAL_STEPS,
+    SETTLE_STEPS,
     AutoCadence,
     young_daly_interval_s,
 )
@@ -70,15 +71,18 @@ def test_the_interval_has_bounds_and_ignores_non_finite_measurements():
     assert cadence.interval_steps == MIN_INTERVAL_STEPS
 
 
-def test_a_new_interval_is_announced_once_and_again_only_when_it_moves_by_more_than_a_fifth():
+def test_a_new_interval_is_announced_once_settled_and_again_only_when_it_moves_by_more_than_a_quarter():
     cadence = AutoCadence(mtbf_hours=1)
+    for _ in range(SETTLE_STEPS - 1):
+        cadence.observe_step(1.0)
+    assert cadence.changed() is None and cadence.interval_steps == 85  # used, not yet announced
     cadence.observe_step(1.0)
     first = cadence.changed()
     assert first is not None and "every 85 steps" in first and "assumed save blocking 1.00s" in first
     assert cadence.changed() is None
-    cadence.observe_save(85, 1.3)  # sqrt(2*1.3*3600) = 96.7 s -> 97 steps: +14%, not news
+    cadence.observe_save(85, 1.5)  # sqrt(2*1.5*3600) = 103.9 s -> 104 steps: +22%, not news
     assert cadence.changed() is None
-    cadence.observe_save(170, 4.7)  # mean 3.0 s -> 147 steps
+    cadence.observe_save(170, 4.5)  # mean 3.0 s -> 147 steps
     text = cadence.changed()
     assert text is not None and "every 147 steps" in text and "over 2 save(s)" in text
 

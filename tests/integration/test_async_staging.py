@@ -1,0 +1,56 @@
+"""Async saves stage into host buffers that outlive each save (workers/checkpoint.py ``AsyncCheckpointer``).
+
+Found on an H100 by ``make gpu-check``: torch 2.11's ``async_save`` closes the stager it was given after
+each upload, and the job's second save then failed inside the stager (``KeyError: <class 'type'>``).
+Here, in one process on CPU: two saves in a row through one checkpointer, with the stager closed the way
+that torch closes it, each restore the values of its own step (the reused buffers hold the new values,
+never the previous save's).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from etrain.workers.checkpoint import AsyncCheckpointer, load_checkpoint
+from etrain.workers.checkpoint_commit import commit, step_dir
+
+
+def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    model(torch.randn(4, 16)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _saved(tmp_path, checkpointer, step, model, optimizer):
+    report = checkpointer.save(step_dir(tmp_path, step), [model], [optimizer], {"step": step}).wait(timeout_s=60)
+    commit(step_dir(tmp_path, step), step, "single", 1, [report])
+    return {name: value.clone() for name, value in model.state_dict().items()}
+
+
+def _restored(tmp_path, step):
+    torch.manual_seed(99)
+    model = nn.Linear(16, 8)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    assert load_checkpoint(step_dir(tmp_path, step), [model], [optimizer])["step"] == step
+    return model.state_dict()
+
+
+def test_two_async_saves_through_one_stager_survive_dcp_closing_it_and_keep_their_own_values(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Linear(16, 8)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    checkpointer = AsyncCheckpointer()
+    try:
+        _train_step(model, optimizer)
+        first = _saved(tmp_path, checkpointer, 1, model, optimizer)
+        checkpointer._stager.close()  # what torch 2.11's async_save does after every upload
+        _train_step(model, optimizer)
+        second = _saved(tmp_path, checkpointer, 2, model, optimizer)
+    finally:
+        checkpointer.close()
+    assert any(not torch.equal(first[name], second[name]) for name in first)  # the step changed the weights
+    for step, expected in ((1, first), (2, second)):
+        restored = _restored(tmp_path, step)
+        for name, value in expected.items():
+            assert torch.equal(restored[name], value), (step, name)
