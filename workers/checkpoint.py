@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import warnings
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -198,6 +199,38 @@ class AsyncCheckpointer:
         self._plan_cache = new_plan_cache()  # this checkpointer's group (checkpoint_io.save_planner)
         self._stager = _reused_stager(pinned)
         self._write_threads = write_threads
+        self._preparing: threading.Thread | None = None
+
+    def prepare(self, model_parts: list[nn.Module], optimizers: list[Optimizer]) -> None:
+        """Allocate (and pin) the staging buffers now, on a background thread, so the first save blocks
+        training only for its copy. Not collective; call it once the optimizer has its state (after
+        the first step).
+
+        Why: the buffers are allocated by the first staging of each tensor, and allocating and pinning
+        15 GB of host memory made a 1B model's first save block training 6.1-6.8 s on an H100, most of
+        it not the copy. Here a throwaway staging (its values are overwritten by the first real save,
+        which waits for this) pays that while training goes on. Never fatal: a failure leaves it to
+        the first save, as before.
+        """
+        if self._stager is None or self._preparing is not None:
+            return
+        state = collect_state(model_parts, optimizers).state  # on the caller's thread: DSD may touch the optimizer
+
+        def stage() -> None:
+            try:
+                self._stager.stage(state)
+            except Exception as err:  # noqa: BLE001 - the first save allocates instead
+                warnings.warn(f"staging buffers not prepared ahead: {err}", RuntimeWarning, stacklevel=1)
+
+        self._preparing = threading.Thread(target=stage, name="ckpt-stage-ahead", daemon=True)
+        self._preparing.start()
+
+    def _prepared(self, timeout_s: float) -> None:
+        """Wait for :meth:`prepare`'s staging (the stager serves one thread at a time)."""
+        if self._preparing is not None:
+            self._preparing.join(timeout=timeout_s)
+            if self._preparing.is_alive():
+                raise TimeoutError(f"the staging buffers were still being prepared after {timeout_s:g} s")
 
     def save(
         self,
@@ -212,6 +245,7 @@ class AsyncCheckpointer:
         included, is the caller's to have collected through its own handle: the staging buffers are
         reused, so the previous write must be over)."""
         self.wait_previous(previous_timeout_s)
+        self._prepared(previous_timeout_s)
         directory = os.fspath(step_dir)
         collected = collect_state(model_parts, optimizers)
         expected = start_checkpoint(directory, extra, self._group, state_bytes=_local_bytes(collected.state))
@@ -253,6 +287,7 @@ class AsyncCheckpointer:
         """Wait for the save in flight (if any) and release the checkpoint group and staging buffers."""
         try:
             self.wait_previous(timeout_s)
+            self._prepared(timeout_s)
         finally:
             if self._stager is not None:
                 self._stager.release()

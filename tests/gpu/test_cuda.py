@@ -153,6 +153,39 @@ def _python(script: str, *args: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def test_pinned_async_saves_prepared_ahead_restore_each_saves_values(tmp_path):
+    """Async saves of a CUDA state through reused pinned buffers (``AsyncCheckpointer(pinned=True)``):
+    buffers prepared ahead, two saves in a row (torch 2.11 closed the stager after the first: the second
+    failed with ``KeyError: <class 'type'>`` on an H100), each restores its own step's values."""
+    from torch import nn
+
+    from etrain.workers.checkpoint import AsyncCheckpointer, load_checkpoint
+    from etrain.workers.checkpoint_commit import commit, step_dir
+
+    torch.manual_seed(0)
+    model = nn.Linear(256, 256).cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    checkpointer = AsyncCheckpointer(pinned=True, write_threads=4)
+    expected = {}
+    try:
+        for step in (1, 2):
+            model(torch.randn(8, 256, device="cuda")).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if step == 1:
+                checkpointer.prepare([model], [optimizer])
+            report = checkpointer.save(step_dir(tmp_path, step), [model], [optimizer], {"step": step}).wait(60)
+            commit(step_dir(tmp_path, step), step, "single", 1, [report])
+            expected[step] = {name: value.detach().cpu().clone() for name, value in model.state_dict().items()}
+    finally:
+        checkpointer.close()
+    for step, values in expected.items():
+        fresh = nn.Linear(256, 256).cuda()
+        load_checkpoint(step_dir(tmp_path, step), [fresh], [torch.optim.AdamW(fresh.parameters(), lr=0.1)])
+        for name, value in values.items():
+            assert torch.equal(fresh.state_dict()[name].cpu(), value), (step, name)
+
+
 def test_a_spares_warm_up_leaves_cuda_alone():
     """Before assign, a spare has not started CUDA, so the GPUs it will be given can still be chosen: the
     first device count after the warm-up follows ``CUDA_VISIBLE_DEVICES`` as set then, whether it hides

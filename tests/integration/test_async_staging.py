@@ -54,3 +54,24 @@ def test_two_async_saves_through_one_stager_survive_dcp_closing_it_and_keep_thei
         restored = _restored(tmp_path, step)
         for name, value in expected.items():
             assert torch.equal(restored[name], value), (step, name)
+
+
+def test_buffers_prepared_ahead_hold_the_values_of_the_save_not_of_the_preparation(tmp_path):
+    """``prepare`` stages once in the background to allocate the buffers; the save that follows, after
+    more training, must write the state as it is at the save."""
+    torch.manual_seed(0)
+    model = nn.Linear(16, 8)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    checkpointer = AsyncCheckpointer()
+    try:
+        _train_step(model, optimizer)
+        checkpointer.prepare([model], [optimizer])
+        prepared = {name: value.clone() for name, value in model.state_dict().items()}
+        _train_step(model, optimizer)
+        saved = _saved(tmp_path, checkpointer, 2, model, optimizer)
+    finally:
+        checkpointer.close()
+    assert all(not torch.equal(prepared[name], saved[name]) for name in saved)
+    restored = _restored(tmp_path, 2)
+    for name, value in saved.items():
+        assert torch.equal(restored[name], value), name
