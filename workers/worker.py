@@ -28,21 +28,15 @@ import dataclasses
 import datetime
 import os
 import socket
-import threading
 from typing import Any
 
 from etrain.workers.device_info import RankGpus, ray_bundle
 from etrain.workers.protocol.messages import REPORT_TIMEOUT_S, ChaosOrder, LaunchPlan, NodeInfo, RunResult
 from etrain.workers.protocol.run_config import RunConfig
+from etrain.workers.rank_saves import RankSaves
 from etrain.workers.report_batch import ReportBatcher
 from etrain.workers.step_control import ControlRequests, StepBoundaries
 
-#: Writer threads (a file each) per rank for an async save on CUDA: DCP writes one file per thread,
-#: so a rank's 15 GB of a 1B model's state goes to storage in parallel streams.
-CUDA_WRITE_THREADS = 4
-#: How long a save's background write may take before the rank gives up on it (15 GB per rank at
-#: ~100 MB/s of network storage is 150 s; this leaves room for slower).
-FINAL_WRITE_TIMEOUT_S = 1800.0
 #: Threads hashing a rank's final parameters (``local_param_digest``).
 DIGEST_THREADS = 8
 
@@ -65,9 +59,7 @@ class TrainWorker:
         self._plan: LaunchPlan | None = None
         self._control = ControlRequests()  # acted on at step boundaries, on rank 0 only
         self._snapshots: dict[int, Any] = {}  # completed step -> this rank's state then (workers/snapshot.py)
-        self._async = None  # AsyncCheckpointer when checkpoint.async_save
-        self._cadence = None  # AutoCadence on rank 0 when checkpoint.every_steps is auto
-        self._report_threads: list[threading.Thread] = []
+        self._saves = None  # this attempt's RankSaves (workers/rank_saves.py)
 
     # --- control calls (run concurrently with `run`) -------------------------------------------
 
@@ -182,18 +174,10 @@ class TrainWorker:
             phases.mark("trainer")
             source = self._restore(trainer, plan) if plan.resume_dir else None
             phases.mark("state")
-            if config.checkpoint.async_save:
-                from etrain.workers.checkpoint import AsyncCheckpointer
-
-                # Collective: its own gloo group for background writes. On CUDA, pinned staging buffers
-                # reused by every save, and parallel writes (DCP's writer threads, a file each).
-                cuda = device.type == "cuda"
-                self._async = AsyncCheckpointer(pinned=cuda, write_threads=CUDA_WRITE_THREADS if cuda else 1)
-            self._cadence = None
-            if config.checkpoint.auto_interval and self.rank == 0:  # rank 0 decides for every rank
-                from etrain.workers.checkpoint_cadence import AutoCadence
-
-                self._cadence = AutoCadence(mtbf_hours=config.checkpoint.mtbf_hours, start_step=plan.start_step)
+            # Collective when the saves are async (the background writer's gloo group).
+            self._saves = saves = RankSaves(rank=self.rank, plan=plan, device_type=device.type,
+                                            supervisor=self._supervisor, control=self._control,
+                                            drills_due=self._drills_due, keep_snapshot=self._keep_snapshot)
             # Collective too: the step-boundary control exchange's own gloo group (workers/step_exchange.py).
             exchange = StepExchange(world_size=self.world_size, timeout_s=config.collective_timeout_s)
             if self.rank == 0:
@@ -212,8 +196,8 @@ class TrainWorker:
             for step in range(plan.start_step, total):
                 metrics = dataclasses.asdict(trainer.train_step(step))
                 final_loss = metrics["loss"]
-                if step == plan.start_step and self._async is not None and device.type == "cuda":
-                    self._async.prepare(*trainer.state_for_checkpoint()[:2])  # pin the buffers off the path
+                if step == plan.start_step:
+                    saves.after_first_step(trainer)
                 decision = boundaries.after_step(metrics)
                 if batcher is not None:  # a step that saves or stops is urgent (the last step always saves)
                     for record, urgent in decision.reports:
@@ -222,16 +206,11 @@ class TrainWorker:
                     log.write(f"step {step + 1}/{total} loss {metrics['loss']:.4f} "
                               f"compute {metrics['compute_s']:.3f}s comm_wait {metrics['comm_wait_s']:.3f}s")
                 if decision.save:
-                    blocked_s = self._save(trainer, step + 1, plan.attempt, final=step + 1 >= total)
-                    if self._cadence is not None and blocked_s is not None:
-                        self._cadence.observe_save(step + 1, blocked_s)
+                    blocked_s = saves.save(trainer, step + 1, final=step + 1 >= total)
                     if log is not None:
-                        log.write(f"checkpoint step {step + 1} " + (
-                            "abandoned (checkpoint_failed)" if blocked_s is None else
-                            f"save started (async), training blocked {blocked_s:.2f}s" if self._async is not None
-                            else f"saved, training blocked {blocked_s:.2f}s"))
+                        log.write(f"checkpoint step {step + 1} {saves.describe(blocked_s)}")
                         log.sync()  # an s3:// log is uploaded at each checkpoint (a no-op for a local one)
-                self._auto_cadence(metrics, step + 1, total, plan.attempt)
+                saves.after_step(metrics, step + 1, total)
                 if decision.stop:
                     return self._result(trainer, step + 1, final_loss, stopped=True)
             return self._result(trainer, total, final_loss, stopped=False)
@@ -240,16 +219,9 @@ class TrainWorker:
             # process may run the next attempt (an in-place repair), which needs the groups gone.
             if batcher is not None:  # the last steps reach the supervisor before run() returns
                 self._close_reports(batcher)
-            if self._async is not None:
-                try:
-                    self._async.close(timeout_s=REPORT_TIMEOUT_S * 10)  # the last save must land first
-                except Exception as err:
-                    if log is not None:
-                        log.write(f"attempt {plan.attempt}: the last async checkpoint did not land: {err}")
-                self._async = None
-            for thread in self._report_threads:  # every report is acknowledged before run() returns
-                thread.join(timeout=REPORT_TIMEOUT_S)
-            self._report_threads.clear()
+            if self._saves is not None:  # the save in flight lands and every report is acknowledged
+                self._saves.close(log)
+                self._saves = None
             _leave_process_groups()
 
     def _restore(self, trainer, plan: LaunchPlan) -> str:
@@ -318,92 +290,6 @@ class TrainWorker:
             "stopped": stopped,
             "param_digest": local_param_digest(trainer.model_parts),
         }
-
-    def _save(self, trainer, completed_steps: int, attempt: int, *, final: bool) -> float | None:
-        """Write this rank's shards of the checkpoint after ``completed_steps`` and report them; returns the
-        seconds the save blocked training, or None when the storage failed it.
-
-        The supervisor commits the step (writes the manifest) only when every rank has reported. A save
-        the storage fails (full, over quota, I/O error: ``workers/storage_faults.py``) is abandoned on
-        every rank alike (DCP fails it on all of them): rank 0 tells the supervisor why
-        (``checkpoint_failed``) and training goes on; the next save tries again. The *final* save failing
-        fails the attempt with that same message, since the job's result would be lost.
-        """
-        import time
-
-        import ray
-
-        from etrain.workers.checkpoint_commit import step_dir
-        from etrain.workers.storage_faults import StorageFault
-
-        directory = step_dir(self._plan.config.checkpoint.path, completed_steps)  # a path or an s3:// URL
-        started = time.monotonic()
-        self._keep_snapshot(trainer, completed_steps)
-        try:
-            if self._async is None:
-                report = trainer.save(directory)
-            else:  # training goes on once the state is staged in host memory
-                model_parts, optimizers, extra = trainer.state_for_checkpoint()
-                pending = self._async.save(directory, model_parts, optimizers, extra)
-        except StorageFault as fault:
-            if final:
-                raise
-            self._report_save_failed(attempt, completed_steps, fault)
-            return None
-        blocked_s = time.monotonic() - started
-
-        def report_written(report) -> None:
-            self._drills_due(completed_steps, "checkpoint_write")
-            ray.get(self._supervisor.report_checkpoint.remote(attempt, self.rank, completed_steps, report),
-                    timeout=REPORT_TIMEOUT_S)
-            self._drills_due(completed_steps, "checkpoint_commit")
-
-        if self._async is None:
-            report_written(report)
-            return blocked_s
-        if final:  # the job's result: its write must land (or fail the attempt) before run() returns
-            report_written(pending.wait(timeout_s=FINAL_WRITE_TIMEOUT_S))
-            return blocked_s
-
-        def report_when_written() -> None:
-            try:
-                report = pending.wait(timeout_s=FINAL_WRITE_TIMEOUT_S)
-            except StorageFault as fault:
-                self._report_save_failed(attempt, completed_steps, fault)
-                return
-            report_written(report)
-
-        thread = threading.Thread(target=report_when_written, name=f"ckpt-report-{completed_steps}", daemon=True)
-        thread.start()
-        self._report_threads.append(thread)
-        return blocked_s
-
-    def _report_save_failed(self, attempt: int, completed_steps: int, fault: Exception) -> None:
-        """Rank 0 tells the supervisor why the save of ``completed_steps`` was abandoned (every rank saw
-        the same failure: DCP raises it on all of them, the room check is rank 0's verdict for all)."""
-        if self.rank != 0:
-            return
-        import ray
-
-        try:
-            ray.get(self._supervisor.report_checkpoint_failed.remote(attempt, self.rank, completed_steps, str(fault)),
-                    timeout=REPORT_TIMEOUT_S)
-        except Exception:  # noqa: BLE001 - a slow supervisor must not stop training over a lost note
-            pass
-
-    def _auto_cadence(self, metrics: dict, completed: int, total: int, attempt: int) -> None:
-        """``every_steps: auto`` on rank 0: request a save when the Young-Daly interval has passed (every
-        rank saves it at the same boundary), and announce a new interval as a job event."""
-        cadence = self._cadence
-        if cadence is None:
-            return
-        cadence.observe_step(float(metrics.get("step_s") or 0.0))
-        announce = cadence.changed()
-        if announce is not None:
-            self._supervisor.report_note.remote(attempt, "checkpoint_interval", announce)
-        if completed + 1 < total and cadence.due(completed):
-            self._control.request_checkpoint(completed + 1)
-            cadence.observe_save(completed, float("nan"))  # counts from here: one request per interval
 
     # --- drills ---------------------------------------------------------------------------------
 
