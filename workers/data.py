@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from etrain.workers import layout_rules
+from etrain.workers import layout_rules, safe_paths
 from etrain.workers.protocol.run_config import DataConfig, ModelConfig
 from etrain.workers.protocol.errors import ConfigError, DataError
 from etrain.workers.text_files import no_text_error, not_utf8_error, read_text_file, text_documents
@@ -174,7 +174,8 @@ def read_token_file(path: str, token_dtype: str, vocab_size: int) -> np.ndarray:
             field="data.token_dtype",
             fix="set data.token_dtype to the dtype the file was written with (uint16 or uint32)",
         )
-    tokens = np.memmap(file, dtype=dtype, mode="r")
+    with safe_paths.open_file(file, field="data.path") as stream:  # no link on the way (swapped after submit)
+        tokens = np.memmap(stream, dtype=dtype, mode="r")
     probe_max = int(tokens[:_TOKEN_RANGE_PROBE].max())
     if probe_max >= vocab_size:
         raise DataError(

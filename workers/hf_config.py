@@ -2,7 +2,9 @@
 
 Pure (stdlib only): the service reads a ``model.hf`` folder's ``config.json`` at submit time to
 validate and plan the job without importing torch, and the workers use the same functions to build
-the model and to name tensors when they load or export Hugging Face safetensors.
+the model and to name tensors when they load or export Hugging Face safetensors. The folder's files are
+read without following symbolic links (``workers/safe_paths.py``): a link in a ``model.hf`` folder is
+refused, whatever it points at.
 
 etrain's modules keep torchtitan's names (``tok_embeddings``, ``layers.<i>.attention.wq``, ...)
 because the parallel engine cuts models by those names; :func:`hf_name` / :func:`etrain_name` are the
@@ -15,9 +17,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from etrain.workers import safe_paths
 from etrain.workers.protocol.run_config import ModelConfig, RopeScaling
 from etrain.workers.protocol.errors import ConfigError
 
@@ -31,6 +36,8 @@ __all__ = [
     "model_config_from_hf",
     "read_hf_config",
     "TOKENIZER_FILES",
+    "WEIGHTS_INDEX",
+    "weight_file_names",
     "weight_files",
 ]
 
@@ -47,6 +54,8 @@ DEFAULT_MAX_SEQ_LEN = 4096
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
 _MAX_CONFIG_BYTES = 1 << 20  # a config.json is a few KiB; refuse anything absurd before parsing
+#: The index of a sharded save (``save_pretrained``): which file holds each tensor.
+WEIGHTS_INDEX = "model.safetensors.index.json"
 
 
 def _problem(message: str, fix: str) -> ConfigError:
@@ -56,17 +65,27 @@ def _problem(message: str, fix: str) -> ConfigError:
 def read_hf_config(folder: str | os.PathLike) -> dict[str, Any]:
     """``config.json`` of a Hugging Face model folder, as a dict; ``ConfigError`` naming ``model.hf``."""
     path = Path(folder)
-    if not path.is_dir():
+    try:
+        is_dir = stat.S_ISDIR(safe_paths.stat_path(path, field="model.hf").st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        is_dir = False
+    if not is_dir:
         raise _problem(f"model.hf {str(folder)!r} is not a folder.",
                        "give the path of a Hugging Face model folder (with config.json) readable by the workers")
     config_path = path / "config.json"
-    if not config_path.is_file():
-        raise _problem(f"model.hf {str(folder)!r} has no config.json.",
-                       "give a folder written by transformers' save_pretrained (config.json + *.safetensors)")
-    if config_path.stat().st_size > _MAX_CONFIG_BYTES:
-        raise _problem(f"{config_path} is larger than {_MAX_CONFIG_BYTES} bytes.", "point model.hf at a model folder")
     try:
-        raw = json.loads(config_path.read_text())
+        data = safe_paths.read_file(path, "config.json", field="model.hf", limit=_MAX_CONFIG_BYTES)
+    except ValueError:
+        raise _problem(f"{config_path} is larger than {_MAX_CONFIG_BYTES} bytes.",
+                       "point model.hf at a model folder") from None
+    except FileNotFoundError:
+        raise _problem(f"model.hf {str(folder)!r} has no config.json.",
+                       "give a folder written by transformers' save_pretrained (config.json + *.safetensors)") from None
+    except OSError as exc:  # a folder, a special file, unreadable
+        raise _problem(f"model.hf {str(folder)!r}: config.json cannot be read ({exc.strerror or exc}).",
+                       "give a folder written by transformers' save_pretrained (config.json + *.safetensors)") from None
+    try:
+        raw = json.loads(data.decode("utf-8"))
     except (ValueError, UnicodeDecodeError) as exc:
         raise _problem(f"{config_path} is not valid JSON ({exc}).", "restore the config.json of the model") from exc
     if not isinstance(raw, dict):
@@ -290,10 +309,32 @@ def hf_parameter_names(model: ModelConfig) -> list[str]:
 
 
 def weight_files(folder: str | os.PathLike) -> list[Path]:
-    """The ``*.safetensors`` files of a model folder (index-listed or globbed); empty when there are none."""
+    """The ``*.safetensors`` files of a model folder (index-listed or globbed); empty when there are none.
+    The index is read without following links."""
     path = Path(folder)
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        return sorted({path / name for name in weight_map.values()})
-    return sorted(path.glob("*.safetensors"))
+    try:
+        index = safe_paths.read_file(path, WEIGHTS_INDEX, field="model.hf", limit=_MAX_CONFIG_BYTES * 64)
+    except (OSError, ValueError):  # no index (or none readable): the folder's own *.safetensors
+        index = None
+    listing = [] if index is not None else [entry.name for entry in path.glob("*.safetensors")]
+    return [path / name for name in weight_file_names(index, listing, str(folder))]
+
+
+def weight_file_names(index: bytes | None, listing: Iterable[str], folder: str) -> list[str]:
+    """The weight files of a model folder, by name: those its ``model.safetensors.index.json`` (``index``)
+    lists, else the ``*.safetensors`` among ``listing``. An index must name plain files of the folder
+    itself (``ConfigError`` for ``../x`` or ``sub/x``: nothing outside the folder is read)."""
+    if index is None:
+        return sorted(name for name in listing if name.endswith(".safetensors"))
+    try:
+        weight_map = json.loads(index.decode("utf-8")).get("weight_map", {})
+        names = set(weight_map.values())
+    except (ValueError, AttributeError, TypeError) as exc:
+        raise _problem(f"{WEIGHTS_INDEX} of model.hf {folder!r} is not a valid index ({exc}).",
+                       "restore the model's index file, or remove it with a single model.safetensors") from None
+    bad = sorted(str(name) for name in names if not isinstance(name, str) or not name or name in (".", "..")
+                 or "/" in name or os.sep in name)
+    if bad:
+        raise _problem(f"{WEIGHTS_INDEX} of model.hf {folder!r} names files outside the folder: {', '.join(bad[:8])}.",
+                       "list only the folder's own *.safetensors files in the index")
+    return sorted(names)

@@ -25,6 +25,15 @@ ranks alike, rather than a DCP planner error on some. Two kinds of extra tensors
 ``transformers`` itself ignores them: ``lm_head.weight`` of a model with tied embeddings (the
 output shares the embedding), and RoPE ``inv_freq`` buffers written by old versions.
 
+Files are opened without following symbolic links (``workers/safe_paths.py``): the weights are read
+through a :func:`~etrain.workers.safe_paths.file_view` (each ``*.safetensors`` opened here, no link on the
+way, and handed to safetensors and DCP as its descriptor), the tokenizer files are copied into an export
+by contents from descriptors opened the same way, and the export is built and renamed into place through
+its parent folder's descriptor. A link in a ``model.hf`` folder (``tokenizer.json`` pointing at the
+service's checkpoint key, say) is refused with ``UnsafePathError`` rather than skipped: a model folder with
+a link in it is not what its owner thinks it is, and an export silently missing its tokenizer would be
+found out much later.
+
 Exporting (:func:`export_hf`) runs in one process without a process group: it verifies the
 checkpoint's manifest, then loads the parameters group by group (a group is one output file of at
 most ``max_shard_bytes``) as full fp32 tensors with ``dcp.load(..., no_dist=True)`` from DCP's
@@ -46,6 +55,7 @@ import contextlib
 import json
 import os
 import shutil
+import stat
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -60,12 +70,13 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, HuggingFaceStorageR
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from etrain.workers import storage
+from etrain.workers import safe_paths, storage
 from etrain.workers.checkpoint_commit import resolve_latest, step_dir, verify
 from etrain.workers.checkpoint_io import storage_reader
 from etrain.workers.protocol.run_config import ModelConfig
 from etrain.workers.protocol.errors import CheckpointError, ConfigError
-from etrain.workers.hf_config import TOKENIZER_FILES, hf_config_dict, hf_name, hf_parameter_names, weight_files
+from etrain.workers.hf_config import (TOKENIZER_FILES, WEIGHTS_INDEX, hf_config_dict, hf_name, hf_parameter_names,
+                                      weight_file_names)
 from etrain.workers.init import canonical_fqn
 
 __all__ = ["HFLoadReport", "expected_shapes", "export_hf", "find_step_dir", "load_hf_weights"]
@@ -74,7 +85,6 @@ __all__ = ["HFLoadReport", "expected_shapes", "export_hf", "find_step_dir", "loa
 _MODEL_PREFIX = "model."
 #: safetensors dtypes whose values a float parameter can take as they are.
 _FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
-_INDEX_NAME = "model.safetensors.index.json"
 _SINGLE_NAME = "model.safetensors"
 _LISTED = 8  # names listed per kind of problem in an error
 
@@ -118,7 +128,28 @@ def load_hf_weights(
     if model_config.arch != "llama":
         raise ConfigError(f"Hugging Face weights load into Llama-family models, not arch={model_config.arch!r}.",
                           field="model.hf", fix="set model.arch: llama (model.hf sets it for you)")
-    _check_weights(_read_headers(directory), model_config)
+    with _weights_view(directory) as view:
+        return _load_from(view, directory, model_parts, model_config)
+
+
+@contextlib.contextmanager
+def _weights_view(directory: str) -> Iterator[str]:
+    """The folder's weight files and index, each opened without links (:func:`safe_paths.file_view`)."""
+    def weight_entry(name: str) -> bool:
+        return name.endswith(".safetensors") or name == WEIGHTS_INDEX
+
+    with contextlib.ExitStack() as stack:
+        try:
+            view = stack.enter_context(safe_paths.file_view(directory, field="model.hf", select=weight_entry))
+        except (FileNotFoundError, NotADirectoryError):
+            raise ConfigError(f"model.hf {directory!r} is not a folder.", field="model.hf",
+                              fix="give the path of a Hugging Face model folder readable by the workers") from None
+        yield view
+
+
+def _load_from(view: str, directory: str, model_parts: Sequence[nn.Module], model_config: ModelConfig) -> HFLoadReport:
+    """:func:`load_hf_weights` reading the checked files of ``directory`` through ``view``."""
+    _check_weights(_read_headers(view, directory), model_config)
     tied = model_config.tie_embeddings
     state: dict[str, torch.Tensor] = {}
     part_states: list[tuple[nn.Module, dict[str, torch.Tensor]]] = []
@@ -135,7 +166,7 @@ def load_hf_weights(
             state[name] = tensor
     planner = _CountingPlanner()
     with _quiet_single_process():
-        dcp.load(state, storage_reader=HuggingFaceStorageReader(directory), planner=planner,
+        dcp.load(state, storage_reader=HuggingFaceStorageReader(view), planner=planner,
                  no_dist=not _distributed())
     for part, part_state in part_states:
         if not _filled_in_place(part, part_state):
@@ -147,18 +178,23 @@ def load_hf_weights(
                         local_elements=sum(_local(t).numel() for t in state.values()))
 
 
-def _read_headers(directory: str) -> dict[str, tuple[tuple[int, ...], str]]:
-    """``{name: (shape, safetensors dtype)}`` of every tensor in the folder's weight files (headers only)."""
+def _read_headers(view: str, directory: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    """``{name: (shape, safetensors dtype)}`` of every tensor in the folder's weight files (headers only),
+    read through ``view`` (:func:`_weights_view`: its entries are the checked files; errors name ``directory``)."""
     from safetensors import SafetensorError, safe_open
 
-    files = weight_files(directory)
+    try:
+        index = (Path(view) / WEIGHTS_INDEX).read_bytes()  # the view's own link to the checked index
+    except FileNotFoundError:
+        index = None
+    files = [Path(view) / name for name in weight_file_names(index, os.listdir(view), directory)]
     if not files:
         raise ConfigError(f"model.hf {directory!r} has no *.safetensors weight files.", field="model.hf",
                           fix="save the model with save_pretrained(..., safe_serialization=True)")
     found: dict[str, tuple[tuple[int, ...], str]] = {}
     for path in files:
         if not path.is_file():
-            raise ConfigError(f"{path.name} is listed in {_INDEX_NAME} of {directory!r} but missing.",
+            raise ConfigError(f"{path.name} is listed in {WEIGHTS_INDEX} of {directory!r} but missing.",
                               field="model.hf", fix="download the model's weight files completely")
         try:
             with safe_open(str(path), framework="pt") as stream:
@@ -166,7 +202,7 @@ def _read_headers(directory: str) -> dict[str, tuple[tuple[int, ...], str]]:
                     piece = stream.get_slice(name)
                     found[name] = (tuple(piece.get_shape()), str(piece.get_dtype()))
         except (OSError, SafetensorError) as exc:
-            raise ConfigError(f"cannot read {path}: {exc}", field="model.hf",
+            raise ConfigError(f"cannot read {os.path.join(directory, path.name)}: {exc}", field="model.hf",
                               fix="restore the model's safetensors files") from exc
     return found
 
@@ -288,33 +324,64 @@ def export_hf(
         return _export_to_url(directory, storage.normalize_url(out_dir), model_config, config, source_dir,
                               max_shard_bytes)
     out = os.path.abspath(os.fspath(out_dir))
-    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
-        raise ConfigError(f"export destination {out} already exists and is not empty.", field="checkpoint.export",
-                          fix="export into a new or empty folder; exports never overwrite")
+    _check_destination(out)
     verify(directory)
     shapes = _checkpoint_shapes(directory, model_config)
-    tmp = f"{out}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
+    parent, name = os.path.split(out)
+    folder = safe_paths.open_dir(parent, field="checkpoint.export", create=True)
     try:
-        _write_weights(directory, tmp, shapes, max_shard_bytes)
-        _write_json(os.path.join(tmp, "config.json"), config)
-        source = source_dir if source_dir is not None else model_config.hf_path
-        if source is not None:
-            for name in TOKENIZER_FILES:
-                path = Path(source) / name
-                if path.is_file():
-                    shutil.copyfile(path, os.path.join(tmp, name))
-                    _fsync(os.path.join(tmp, name))
-        storage.fsync_dir(tmp)
-        if os.path.isdir(out):
-            os.rmdir(out)  # empty (checked above); rename needs the name free or an empty dir
-        os.rename(tmp, out)
-        storage.fsync_dir(os.path.dirname(out))
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        _export_into(folder, parent, name, directory, shapes, config,
+                     source_dir if source_dir is not None else model_config.hf_path, max_shard_bytes)
+    finally:
+        os.close(folder)
     return out
+
+
+def _check_destination(out: str) -> None:
+    """An export never overwrites: ``out`` must be absent or an empty folder, and no link (refused)."""
+    try:
+        found = safe_paths.stat_path(out, field="checkpoint.export")
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    if not stat.S_ISDIR(found.st_mode) or safe_paths.list_names(out, field="checkpoint.export"):
+        raise ConfigError(f"export destination {out} already exists and is not empty.", field="checkpoint.export",
+                          fix="export into a new or empty folder; exports never overwrite")
+
+
+def _export_into(folder: int, parent: str, name: str, directory: str, shapes: dict[str, tuple[int, ...]],
+                 config: dict[str, Any], source: str | os.PathLike | None, max_shard_bytes: int) -> None:
+    """Build the export in ``<name>.tmp-<pid>`` beside it and rename it into place, all through the
+    parent folder's descriptor ``folder``; the files are written through the temporary folder's own
+    descriptor (:func:`safe_paths.descriptor_path`), so a path swapped meanwhile redirects nothing. The
+    rename replaces an empty folder and fails on anything else (a link put there since the check included)."""
+    tmp_name = f"{name}.tmp-{os.getpid()}"
+    safe_paths.remove_tree_inside(folder, tmp_name, field="checkpoint.export")  # an interrupted try of this process id
+    os.mkdir(tmp_name, dir_fd=folder)
+    try:
+        tmp_fd = safe_paths.open_inside(folder, tmp_name, os.O_RDONLY | os.O_DIRECTORY, field="checkpoint.export")
+        try:
+            tmp = safe_paths.descriptor_path(tmp_fd, os.path.join(parent, tmp_name))
+            _copy_tokenizer_files(source, tmp_fd)
+            _write_weights(directory, tmp, shapes, max_shard_bytes)
+            _write_json(os.path.join(tmp, "config.json"), config)
+            os.fsync(tmp_fd)
+        finally:
+            os.close(tmp_fd)
+        os.rename(tmp_name, name, src_dir_fd=folder, dst_dir_fd=folder)
+        os.fsync(folder)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            safe_paths.remove_tree_inside(folder, tmp_name, field="checkpoint.export")
+        raise
+
+
+def _copy_tokenizer_files(source: str | os.PathLike | None, dest: str | int) -> list[str]:
+    """Copy the :data:`TOKENIZER_FILES` that ``source`` (``model.hf``) has into ``dest`` (a folder's path or
+    descriptor), by contents from descriptors opened without links; first, so a link is refused before
+    any weight is written or uploaded. The names copied."""
+    if source is None:
+        return []
+    return [name for name in TOKENIZER_FILES if safe_paths.copy_file_inside(source, name, dest, name, field="model.hf")]
 
 
 def _export_to_url(directory: str, out: str, model_config: ModelConfig, config: dict[str, Any],
@@ -334,12 +401,9 @@ def _export_to_url(directory: str, out: str, model_config: ModelConfig, config: 
         os.remove(path)
 
     try:
+        for name in _copy_tokenizer_files(source_dir if source_dir is not None else model_config.hf_path, tmp):
+            upload(os.path.join(tmp, name))
         _write_weights(directory, tmp, shapes, max_shard_bytes, on_file=upload)
-        source = source_dir if source_dir is not None else model_config.hf_path
-        if source is not None:
-            for name in TOKENIZER_FILES:
-                if (Path(source) / name).is_file():
-                    storage.upload(Path(source) / name, storage.join(out, name))
         _write_json(os.path.join(tmp, "config.json"), config)
         upload(os.path.join(tmp, "config.json"))
     finally:
@@ -414,9 +478,9 @@ def _write_weights(directory: str, tmp: str, shapes: dict[str, tuple[int, ...]],
         if on_file is not None:
             on_file(path)
     if len(groups) > 1:
-        _write_json(os.path.join(tmp, _INDEX_NAME), {"metadata": {"total_size": total}, "weight_map": weight_map})
+        _write_json(os.path.join(tmp, WEIGHTS_INDEX), {"metadata": {"total_size": total}, "weight_map": weight_map})
         if on_file is not None:
-            on_file(os.path.join(tmp, _INDEX_NAME))
+            on_file(os.path.join(tmp, WEIGHTS_INDEX))
 
 
 def _write_json(path: str, payload: dict[str, Any]) -> None:

@@ -4,14 +4,22 @@
 (``workers/tokenized.py``); both must see the same documents in the same order, skip the same binary
 files and tooling folders, and refuse an empty or missing path with the same error. Torch-free (the
 service runs the tokenizer at submit).
+
+Every file and folder is opened without following symbolic links (``workers/safe_paths.py``): a data
+folder is usually writable by the tenant, and a ``notes.txt`` linked to a file outside the storage roots
+would otherwise be trained on (and its bytes learned). A link the walk would read or enter is refused
+(``UnsafePathError``, field ``data.path``) rather than skipped, so a job never silently trains on less
+than its folder shows; hidden names and tooling folders are passed over as before, links among them too.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
+from etrain.workers import safe_paths
 from etrain.workers.protocol.errors import DataError
 
 __all__ = [
@@ -31,13 +39,18 @@ SKIPPED_DIRS = frozenset({".venv", "venv", "__pycache__", ".git", "node_modules"
 _BINARY_PROBE_BYTES = 8192
 
 
-def _is_text_candidate(path: Path) -> bool:
-    return path.suffix in TEXT_SUFFIXES or path.name in TEXT_NAMES
+def _is_text_name(name: str) -> bool:
+    return not name.startswith(".") and (os.path.splitext(name)[1] in TEXT_SUFFIXES or name in TEXT_NAMES)
+
+
+def _is_walked_dir(name: str) -> bool:
+    return not name.startswith(".") and name not in SKIPPED_DIRS
 
 
 def read_text_file(path: Path) -> bytes | None:
-    """The file's bytes if it is UTF-8 text, else ``None`` (binary files are skipped)."""
-    data = path.read_bytes()
+    """The file's bytes if it is UTF-8 text, else ``None`` (binary files are skipped). Opened without
+    following links (a link on the way is ``UnsafePathError``)."""
+    data = safe_paths.read_file(path, field="data.path")
     if b"\x00" in data[:_BINARY_PROBE_BYTES]:
         return None
     try:
@@ -48,22 +61,21 @@ def read_text_file(path: Path) -> bytes | None:
 
 
 def walk_text_files(root: Path) -> Iterator[Path]:
-    """Text-like files under ``root`` in sorted order, skipping hidden and tooling folders."""
-    for directory, subdirs, files in os.walk(root):
-        subdirs[:] = sorted(d for d in subdirs if not d.startswith(".") and d not in SKIPPED_DIRS)
-        for name in sorted(files):
-            path = Path(directory) / name
-            if not name.startswith(".") and _is_text_candidate(path) and path.is_file():
-                yield path
+    """Text-like files under ``root`` in sorted order (a folder's files, then its sub-folders'), skipping
+    hidden and tooling folders; never through a link (one the walk would read or enter is refused)."""
+    for relative in safe_paths.walk_files(root, field="data.path", keep_dir=_is_walked_dir, keep_file=_is_text_name):
+        yield Path(root) / relative
 
 
 def text_documents(path: str | os.PathLike) -> list[Path]:
     """The candidate documents of ``data.path``: the file itself, or the text files of a folder in order."""
     root = Path(path)
-    if not root.exists():
+    try:
+        found = safe_paths.stat_path(root, field="data.path")
+    except (FileNotFoundError, NotADirectoryError):
         raise DataError(f"data.path={str(path)!r} does not exist.", field="data.path",
-                        fix="point data.path at a UTF-8 text file or a folder of text files")
-    return [root] if root.is_file() else list(walk_text_files(root))
+                        fix="point data.path at a UTF-8 text file or a folder of text files") from None
+    return list(walk_text_files(root)) if stat.S_ISDIR(found.st_mode) else [root]
 
 
 def not_utf8_error(data_path: str) -> DataError:

@@ -46,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from etrain.workers import safe_paths
 from etrain.workers.protocol.errors import DataError
 from etrain.workers.text_files import no_text_error, not_utf8_error, read_text_file, text_documents
 
@@ -107,16 +108,15 @@ def _tokenizer_file(path: str | os.PathLike) -> Path:
 def _eos(tokenizer: Any, file: Path) -> tuple[int | None, str | None]:
     """The EOS token: ``eos_token`` of a tokenizer_config.json beside the file, else a conventional name."""
     names: list[str] = []
-    config = file.parent / "tokenizer_config.json"
-    if config.is_file():
-        try:
-            named = json.loads(config.read_text(encoding="utf-8")).get("eos_token")
-        except (OSError, ValueError, AttributeError):
-            named = None
-        if isinstance(named, dict):
-            named = named.get("content")
-        if isinstance(named, str):
-            names.append(named)
+    try:  # read without following links, like every file of a job (a link is refused, not skipped)
+        raw = safe_paths.read_file(file.parent / "tokenizer_config.json", field="data.tokenizer")
+        named = json.loads(raw.decode("utf-8")).get("eos_token")
+    except (OSError, ValueError, AttributeError):  # none (or unreadable): the conventional names
+        named = None
+    if isinstance(named, dict):
+        named = named.get("content")
+    if isinstance(named, str):
+        names.append(named)
     for name in (*names, *EOS_NAMES):
         token_id = tokenizer.token_to_id(name)
         if token_id is not None:
@@ -133,7 +133,7 @@ def load_tokenizer(path: str | os.PathLike) -> tuple[Any, TokenizerInfo]:
 
     file = _tokenizer_file(path)
     try:
-        raw = file.read_bytes()
+        raw = safe_paths.read_file(file, field="data.tokenizer")  # no link on the way (workers/safe_paths.py)
     except OSError as err:
         raise DataError(f"data.tokenizer={str(path)!r} cannot be read: {err.strerror or err}.",
                         field="data.tokenizer", fix="make the file readable by the server and the workers") from err

@@ -8,6 +8,7 @@ big to tokenize while a submit waits.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from typing import TextIO
 
@@ -62,7 +63,10 @@ def cmd_prepare_data(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
     bar = ProgressBar(err)
     try:
-        cache = tokenize_text(args.path, args.tokenizer, out=args.out, progress=bar)
+        # Resolved here as the server pins them at submit (symlinks followed once, on the user's own say): the
+        # cache lands where the server will look, and the files inside are then opened without links, as there.
+        cache = tokenize_text(os.path.realpath(os.path.expanduser(args.path)),
+                              os.path.realpath(os.path.expanduser(args.tokenizer)), out=args.out, progress=bar)
     except EtrainError as error:
         bar.close()
         print_error(CliError(error.message, error.fix), err)

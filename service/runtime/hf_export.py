@@ -5,6 +5,11 @@ control plane never load torch), reserves one CPU, and any node may run it (chec
 storage). Waiting for it has a timeout; a task that overruns is cancelled. Both the supervisor actor
 (service/runtime/supervisor_actor.py, off its control thread) and the control plane
 (service/runtime/cluster.py ``RayRuntime.export``) start it through :func:`submit_export`.
+
+A job's ``hf-export`` sits in its checkpoint directory, which a tenant may be able to write: it is named
+by :func:`job_export_dir` (never resolved, so a link there is seen as a link), and replaced with
+:func:`etrain.workers.safe_paths.remove_tree`, which refuses a link rather than deleting the folder it
+points at (outside the storage roots, perhaps) and writing the export there.
 """
 
 from __future__ import annotations
@@ -14,12 +19,12 @@ from typing import Any
 
 import ray
 
-from etrain.workers import storage
+from etrain.workers import safe_paths, storage
 from etrain.workers.protocol.errors import EtrainError
 from etrain.workers.protocol.run_config import ModelConfig
 
-__all__ = ["EXPORT_NUM_CPUS", "HF_EXPORT_DIR", "ExportFailedError", "cancel_quietly", "run_export", "submit_export",
-           "wait_export"]
+__all__ = ["EXPORT_NUM_CPUS", "HF_EXPORT_DIR", "ExportFailedError", "cancel_quietly", "job_export_dir", "run_export",
+           "submit_export", "wait_export"]
 
 #: Where a job's end-of-run Hugging Face export goes, inside its checkpoint root.
 HF_EXPORT_DIR = "hf-export"
@@ -31,6 +36,14 @@ class ExportFailedError(EtrainError):
     """An export task failed or timed out; the checkpoint it read from is untouched."""
 
 
+def job_export_dir(checkpoint_root: str) -> str:
+    """Where a job's end-of-run export goes: ``<checkpoint root>/hf-export``, joined, never resolved
+    (resolving would follow a link planted there, and the export would replace what it points at)."""
+    if storage.is_url(checkpoint_root):
+        return storage.join(checkpoint_root, HF_EXPORT_DIR)
+    return os.path.join(os.path.abspath(checkpoint_root), HF_EXPORT_DIR)
+
+
 def _export_folder(step_dir: str, out_dir: str, model: ModelConfig, source_dir: str | None,
                    replace_existing: bool) -> str:
     """The body of the export task: runs in a Ray worker process, the only place torch is imported.
@@ -39,14 +52,12 @@ def _export_folder(step_dir: str, out_dir: str, model: ModelConfig, source_dir: 
     same job (recreated after a control-plane loss); it is that job's output, so it is replaced.
     A user's ``--out`` folder is never replaced (``export_hf`` refuses a non-empty one).
     """
-    import shutil
-
     from etrain.workers.hf_io import export_hf
 
     if replace_existing and storage.is_url(out_dir):
         storage.rmtree(out_dir)
-    elif replace_existing and os.path.isdir(out_dir):
-        shutil.rmtree(out_dir)
+    elif replace_existing:  # a link there is refused (UnsafePathError), never deleted through
+        safe_paths.remove_tree(out_dir, field="checkpoint.path")
     return export_hf(step_dir, out_dir, model, source_dir=source_dir)
 
 

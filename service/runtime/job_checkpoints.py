@@ -8,22 +8,24 @@ export task) run here off the actor's control thread.
 
 Trust: every manifest is signed with the service's key at commit and verified with it before a launch
 resumes from it; a step whose signature does not verify is refused and moved aside, never loaded.
+What this deletes, moves or replaces in a local checkpoint folder (the ``hf-export``, a refused step) is
+reached without following symbolic links (``workers/safe_paths.py``): the folder may be the tenant's.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from etrain.service.decisions.supervisor_events import CommitFailed, CommitSucceeded, Event, Exported, ExportFailed
-from etrain.service.runtime.hf_export import HF_EXPORT_DIR, cancel_quietly, submit_export, wait_export
-from etrain.workers import storage
+from etrain.service.runtime.hf_export import cancel_quietly, job_export_dir, submit_export, wait_export
+from etrain.workers import safe_paths, storage
 from etrain.workers.checkpoint_commit import commit, list_steps, prune, resolve_latest, step_dir, verify
-from etrain.workers.protocol.errors import CheckpointError
+from etrain.workers.protocol.errors import CheckpointError, UnsafePathError
 from etrain.workers.protocol.manifest import ManifestSignatureError
 from etrain.workers.protocol.run_config import ModelConfig
 
@@ -133,8 +135,7 @@ class JobCheckpoints:
         ExportFailed. The task runs off the control thread (and off this process: torch is imported only
         there); its timeout is ``timeout_s``, and the state machine keeps its own as a backstop."""
         directory = step_dir(self.root, step)
-        out = (storage.join(self.root, HF_EXPORT_DIR) if storage.is_url(self.root)
-               else str((Path(self.root) / HF_EXPORT_DIR).resolve()))
+        out = job_export_dir(self.root)  # joined, never resolved: a link planted there is refused by the task
         try:
             ref = submit_export(step_dir=directory, out_dir=out, model=model, source_dir=model.hf_path,
                                 replace_existing=True)
@@ -166,9 +167,13 @@ class JobCheckpoints:
         the job can save that step afresh. It stays inside this job's own checkpoint directory."""
         aside = f"{directory}.refused-{int(time.time())}"
         try:
-            storage.replace(directory, aside)
+            if storage.is_url(directory):
+                storage.replace(directory, aside)
+            else:  # through the checkpoint folder's descriptor, reached without links
+                safe_paths.rename_inside(os.path.dirname(directory), os.path.basename(directory),
+                                         os.path.basename(aside), field="checkpoint.path")
             where = f"moved to {storage.basename(aside)}"
-        except OSError as err:
+        except (OSError, UnsafePathError) as err:
             where = f"could not be moved aside ({err})"
         self._record("checkpoint_refused", f"step {step}: {reason}; not loaded, {where}")
 

@@ -39,6 +39,7 @@ PURE_MODULES = [
     "etrain.workers.layout_rules",
     "etrain.workers.hf_config",
     "etrain.workers.storage",
+    "etrain.workers.safe_paths",
     "etrain.workers.checkpoint_commit",
     "etrain.workers.text_files",
     "etrain.workers.step_control",

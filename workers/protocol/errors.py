@@ -49,6 +49,13 @@ class DataError(EtrainError):
     """The training data cannot be read or is too small for the requested run."""
 
 
+class UnsafePathError(ConfigError, DataError):
+    """A file a job names is reached through a symbolic link, or lies outside its folder: refused where
+    it is opened (``workers/safe_paths.py``). Both a ConfigError and a DataError on purpose: the path can
+    be ``model.hf`` or ``checkpoint.path`` (whose handlers catch ConfigError) or ``data.path`` /
+    ``data.tokenizer`` (DataError), and every one of them must turn it into the same answer naming the field."""
+
+
 class NonFiniteLossError(EtrainError):
     """The loss became NaN or infinite: the job itself is broken, restarting will not help."""
 
