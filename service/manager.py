@@ -35,12 +35,14 @@ from etrain.service.jobs.poller import SupervisorPoller
 from etrain.service.jobs.scheduler import Scheduler
 from etrain.service.errors import ChaosDisabled, JobConflict, JobNotFound, RankNotFound, SpecRejected
 from etrain.service.settings import Settings
-from etrain.service.access.checkpoint_dirs import CheckpointDirectories
+from etrain.service.access.checkpoint_dirs import CheckpointDirectories, taken_conflict
 from etrain.service.access.checkpoint_key import load_or_create_key
 from etrain.service.planning.spec import JobSpec, SpecProblem
 from etrain.service.planning.spec_checks import check_spec
 from etrain.service.planning.spec_paths import pin_paths
+from etrain.service.access.reach import Reach
 from etrain.service.access.storage_roots import StorageRoots, pin
+from etrain.service.store.claims import DirectoryTaken
 from etrain.service.store.job_store import JobStore
 from etrain.service.store.records import EventRecord, JobRecord, JobStatus, StepRecord
 from etrain.service.access.quotas import TenantQuotas
@@ -78,9 +80,11 @@ class JobManager:
         #: Signs and verifies checkpoint manifests; travels only to supervisors, in their JobPolicy.
         self._checkpoint_key = load_or_create_key(settings.data_dir)
         self._directories = CheckpointDirectories(
-            tree=settings.checkpoint_tree, key=self._checkpoint_key,
-            default_root=lambda job_id: self.settings.checkpoint_location(job_id),
+            key=self._checkpoint_key, default_root=lambda job_id: self.settings.checkpoint_location(job_id),
         )
+        #: Which paths a tenant may reach: shared and own roots, own job directories (service/access/reach.py).
+        self._reach = Reach(tree=settings.checkpoint_tree, owners=settings.tenant_roots)
+        self.store.record_checkpoint_dirs(self._directories.root_of)  # jobs stored before directories were
         self._submitting: set[str] = set()  # jobs whose supervisor is being created: not "lost", not queued
         self._quotas = TenantQuotas(max_jobs=settings.tenant_max_jobs, max_workers=settings.tenant_max_workers)
         self._scheduler = Scheduler(store=self.store, runtime=runtime, settings=settings, starting=self._submitting,
@@ -124,13 +128,9 @@ class JobManager:
         self._scheduler.refuse_beyond_cluster(spec)
         tokenized = self._prepare_data(spec)
         job_id = f"{spec.name.lower()}-{uuid.uuid4().hex[:8]}"
-        self._claim_directories(job_id, spec, principal)
+        self._directories.check_resume(spec, principal, tenant_of=self._tenant_of)
         config = spec.to_run_config(job_id=job_id, checkpoint_root=self.settings.checkpoint_location(job_id))
-        try:
-            self._quotas.admit(principal, job_id, config.parallel.world_size, self.store)  # QuotaExceeded: 429
-        except Exception:
-            self._directories.release(job_id)
-            raise
+        self._quotas.admit(principal, job_id, config.parallel.world_size, self.store)  # QuotaExceeded: 429
         self._submitting.add(job_id)
         try:
             record = self.store.create_job(
@@ -143,11 +143,17 @@ class JobManager:
                 priority=spec.priority,
                 idempotency_key=idempotency_key,
                 request_hash=digest,
+                checkpoint_dir=self._directories.root_of(job_id, spec),  # claimed in the same transaction
             )
+        except DirectoryTaken as taken:  # an unfinished job holds an overlapping directory: 409, nothing stored
+            self._submitting.discard(job_id)
+            self._quotas.release(job_id)
+            raise taken_conflict(taken.path, holder=taken.holder, holder_tenant=taken.tenant, held=taken.held,
+                                 principal=principal) from None
         except JobConflict:
             # A concurrent request with the same key won the unique index: answer with its job.
             self._submitting.discard(job_id)
-            self._directories.release(job_id)
+            self._quotas.release(job_id)
             replayed = None
             if idempotency_key is not None:
                 replayed = idempotency.replay(self.store, principal.tenant, idempotency_key, digest)
@@ -162,19 +168,22 @@ class JobManager:
         self._scheduler.schedule(submitted=job_id)  # it starts before we answer when it fits now, else waits QUEUED
         return self.store.get_job(job_id) or record
 
-    def _check_reach(self, spec: JobSpec, principal: Principal) -> None:
-        """The storage roots, then no path into another tenant's checkpoints: both before anything looks at
-        the files (validate's checks say what is missing), so neither answer depends on what exists."""
+    def _check_reach(self, spec: JobSpec, principal: Principal) -> JobSpec:
+        """The spec with its paths pinned, after the storage roots and the reach rule (no other tenant's roots
+        or job directories): both before anything looks at the files (validate's checks say what is
+        missing), so neither answer depends on what exists. Submit and /v1/plan alike."""
         pinned, outside = pin_paths(spec, self._base_dir, self.storage)
         if outside:
             raise SpecRejected(outside)
-        self._directories.check_reach(pinned, principal, tenant_of=self._tenant_of)
+        problems = self._reach.spec_problems(pinned, spec, principal, job_dirs=self._job_dirs(principal),
+                                             tenant_of=self._tenant_of)
+        if problems:
+            raise SpecRejected(problems)
+        return pinned
 
-    def _claim_directories(self, job_id: str, spec: JobSpec, principal: Principal) -> None:
-        """SpecRejected unless the job's checkpoint directory is its own to use (service/access/checkpoint_dirs.py);
-        then it is taken until the job row holds it."""
-        self._directories.claim(job_id, spec, principal, tenant_of=self._tenant_of,
-                                unfinished=[(job.id, job.spec) for job in self.store.active_jobs()])
+    def _job_dirs(self, principal: Principal):
+        """The recorded job directories near a path that ``principal``'s paths must stay out of."""
+        return lambda path: self.store.job_dirs(path, other_than=principal.tenant)
 
     def _tenant_of(self, job_id: str) -> str | None:
         record = self.store.get_job(job_id)
@@ -355,6 +364,10 @@ class JobManager:
         refused = self.storage.check("out", out, out_dir)
         if refused is not None:  # before the existence check below: the answer must not depend on it
             raise SpecRejected([SpecProblem(field=refused.field, message=refused.message, fix=refused.fix)])
+        unreachable = self._reach.problem("out", out_dir, principal, shown=out, job_dirs=self._job_dirs(principal),
+                                          tenant_of=self._tenant_of)
+        if unreachable is not None:  # another tenant's root or job directory
+            raise SpecRejected([unreachable])
         if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
             raise JobConflict(f"out {out_dir} already exists and is not empty.", job_id=job_id, field="out",
                               fix="give a new or empty folder; exports never overwrite")
@@ -366,10 +379,9 @@ class JobManager:
                                         {"message": f"step {step} -> {path} (requested via API)"})])
         return {"hf": path, "step": step}
 
-    def plan(self, spec: JobSpec) -> dict[str, Any]:
-        pinned, outside = pin_paths(spec, self._base_dir, self.storage)
-        if outside:  # the same 422 as a submit: a plan must not probe files outside the roots either
-            raise SpecRejected(outside)
+    def plan(self, spec: JobSpec, *, principal: Principal = ADMIN) -> dict[str, Any]:
+        # The same 422 as a submit: a plan must not probe files outside the roots, or another tenant's, either.
+        pinned = self._check_reach(spec, principal)
         return planner.plan_report(pinned,
                                    available_gb=self.device_memory_gb(spec.resources.device))
 
@@ -413,8 +425,12 @@ class JobManager:
         config = spec.to_run_config(job_id=job_id, checkpoint_root=root).with_dp(admit.dp)
         # attempt_base: a supervisor recreated after a loss numbers its attempts on from the job's last one,
         # so its step rows replace the recomputed steps' old rows (service/store/job_store.py keeps the higher attempt).
+        # The jobs whose signed steps it may resume from: those of its tenant that recorded the same directory.
+        owners = self.store.jobs_in_dir(self._directories.root_of(job_id, spec),
+                                        tenant=Principal.reader_of(record.tenant).tenant_filter)
         policy = dataclasses.replace(policy_for(spec), restarts_used=record.restarts, attempt_base=record.attempt,
-                                     checkpoint_key=self._checkpoint_key, chaos_enabled=self.settings.enable_chaos)
+                                     checkpoint_key=self._checkpoint_key, chaos_enabled=self.settings.enable_chaos,
+                                     resume_owners=frozenset(owners))
         self._submitting.add(job_id)  # before the status change: the poller and cancel wait for the start
         try:
             try:

@@ -174,9 +174,10 @@ class JobManagerPort(Protocol):
         committed step, ``out`` not empty), ConfigError (a model with no Hugging Face format), or
         ServiceUnavailable / EtrainError when the export itself fails or times out."""
 
-    def plan(self, spec: JobSpec) -> dict[str, Any]:
+    def plan(self, spec: JobSpec, *, principal: Principal = ADMIN) -> dict[str, Any]:
         """The planner's report without starting anything; at least ``feasible: bool`` and
-        ``problems: [{field, message, fix}]`` (infeasible is an answer here, not an error)."""
+        ``problems: [{field, message, fix}]`` (infeasible is an answer here, not an error). SpecRejected,
+        like a submit, for a path outside the storage roots or out of the caller's reach."""
 
     def cluster(self, *, principal: Principal = ADMIN) -> dict[str, Any]:
         """The cluster as the scheduler sees it, in the shape of ``etrain.api.schemas.ClusterOut``: ``nodes``

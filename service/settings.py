@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from etrain.service.errors import SettingsError
-from etrain.service.access.tenancy import DEFAULT_TENANT
+from etrain.service.access.tenancy import DEFAULT_TENANT, TENANT_NAME
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"", "0", "false", "no", "off"})
@@ -57,8 +57,13 @@ class Settings:
     #: export's out) may resolve into, ``ETRAIN_STORAGE_ROOTS``: absolute directories and
     #: ``s3://bucket/prefix`` roots (checkpoint.path only), separated by commas or ':' (a ':' that opens
     #: '://' separates nothing, so ``/a:/b`` and ``/data:s3://bucket/ckpt`` both work). Empty: the data
-    #: directory (service/access/storage_roots.py). URLs are kept as strings, folders as Paths.
+    #: directory (service/access/storage_roots.py). URLs are kept as strings, folders as Paths. An entry
+    #: marked ``tenant=root`` is that tenant's (it moves to ``tenant_roots``; its root stays here too); an
+    #: unmarked one is shared by every tenant (service/access/reach.py).
     storage_roots: tuple[Path | str, ...] = ()
+    #: (tenant, root) of the roots only that tenant (and the admin) may reach; every root here is in
+    #: ``storage_roots`` too. Built from ``tenant=root`` entries of ``storage_roots``, or given directly.
+    tenant_roots: tuple[tuple[str, Path | str], ...] = ()
     #: ``ETRAIN_CHECKPOINT_ROOT``: where a job whose spec names no checkpoint.path checkpoints
     #: (``<root>/<job-id>``): an absolute folder every node shares, or ``s3://bucket/prefix`` (needs the
     #: ``s3`` extra; credentials from the AWS environment). None: ``<data_dir>/checkpoints``.
@@ -117,14 +122,14 @@ class Settings:
             raise SettingsError(
                 f"poll_interval_s={self.poll_interval_s} must be positive.", field="poll_interval_s", fix="use e.g. 0.5"
             )
-        from etrain.service.access.storage_roots import parse_root
-
         roots = (self.storage_roots,) if isinstance(self.storage_roots, (str, os.PathLike)) else self.storage_roots
         try:
-            object.__setattr__(self, "storage_roots", tuple(parse_root(root) for root in roots))
+            plain, owned = _owned_roots(roots, self.tenant_roots)
         except ValueError as err:
             raise SettingsError(f"ETRAIN_STORAGE_ROOTS: {err}.", field="storage_roots",
                                 fix=_ROOTS_FIX.format(variable="ETRAIN_STORAGE_ROOTS")) from None
+        object.__setattr__(self, "storage_roots", plain)
+        object.__setattr__(self, "tenant_roots", owned)
 
         if self.checkpoint_base is not None:
             object.__setattr__(self, "checkpoint_base", _checkpoint_base(self.checkpoint_base))
@@ -243,8 +248,6 @@ def _optional_integer(variable: str, raw: str) -> int | None:
     return None if raw.strip() == "" else _integer(variable, raw.strip())
 
 
-#: Tenant names end up in the jobs table, logs and (for the admin) metrics labels: keep them plain.
-TENANT_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 #: Visible ASCII (an HTTP header value), no comma (the ETRAIN_API_TOKENS separator).
 _TOKEN_CHARS = re.compile(r"^[\x21-\x2b\x2d-\x7e]+$")
 _NEW_TOKEN = "python -c 'import secrets; print(secrets.token_urlsafe(32))'"
@@ -309,16 +312,39 @@ def _read_tokens_file(path: Path) -> list[tuple[str, str, str]]:
     return entries
 
 
-def _storage_roots(variable: str, raw: str) -> tuple[Path, ...]:
-    from etrain.service.access.storage_roots import parse_roots
+def _storage_roots(variable: str, raw: str) -> tuple[str, ...]:
+    """The entries as written (``tenant=`` marks kept for ``Settings``), each checked now."""
+    from etrain.service.access.storage_roots import split_roots
 
+    entries = tuple(split_roots(raw))
     try:
-        return parse_roots(raw)
+        _owned_roots(entries, ())
     except ValueError as err:
         raise SettingsError(f"{variable}: {err}.", field=variable, fix=_ROOTS_FIX.format(variable=variable)) from None
+    return entries
 
 
-_ROOTS_FIX = "give absolute directories or s3://bucket/prefix roots, e.g. {variable}=/data,/checkpoints,s3://bucket/ckpt"
+def _owned_roots(entries: tuple[str | os.PathLike, ...], owned: tuple[tuple[str, str | os.PathLike], ...]
+                 ) -> tuple[tuple[Path | str, ...], tuple[tuple[str, Path | str], ...]]:
+    """(every root, the (tenant, root) pairs) from storage-root entries (``tenant=root`` marks split off) and
+    pairs given apart; ValueError for a bad root or mark, or a root marked for two tenants."""
+    from etrain.service.access.reach import split_owner
+    from etrain.service.access.storage_roots import parse_root
+
+    plain: list[Path | str] = []
+    pairs: dict[Path | str, str] = {}
+    for tenant, root in [split_owner(entry) for entry in entries] + [split_owner(f"{t}={r}") for t, r in owned]:
+        parsed = parse_root(root)
+        plain.append(parsed)
+        if tenant is not None:
+            if pairs.setdefault(parsed, tenant) != tenant:
+                raise ValueError(f"storage root {str(parsed)!r} is marked for two tenants, "
+                                 f"{pairs[parsed]!r} and {tenant!r}")
+    return tuple(dict.fromkeys(plain)), tuple((tenant, root) for root, tenant in pairs.items())
+
+
+_ROOTS_FIX = ("give absolute directories or s3://bucket/prefix roots, each shared or marked tenant=root for one "
+              "tenant, e.g. {variable}=/data,/checkpoints,s3://bucket/ckpt,alice=/data/alice")
 
 
 def _is_url(value: Any) -> bool:

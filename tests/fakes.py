@@ -247,7 +247,7 @@ class InMemoryManager:
         self.store.add_events(job_id, [(time.time(), "exported", {"message": f"step {chosen} -> {out_dir}"})])
         return {"hf": out_dir, "step": chosen}
 
-    def plan(self, spec: JobSpec) -> dict[str, Any]:
+    def plan(self, spec: JobSpec, *, principal: Principal = ADMIN) -> dict[str, Any]:
         spec, outside = pin_paths(spec, self.base_dir, self.storage)
         if outside:
             raise SpecRejected(outside)

@@ -61,7 +61,8 @@ _CONFLICT: dict[int | str, dict[str, Any]] = {**_NOT_FOUND, 409: {"model": Error
                                                 "full; the body's quota object has the numbers"},
         200: {"model": JobOut, "description": "an earlier submission with this Idempotency-Key and the same "
                                               "spec created this job; nothing new was created"},
-        409: {"model": ErrorOut, "description": "this Idempotency-Key was used for a different spec"},
+        409: {"model": ErrorOut, "description": "this Idempotency-Key was used for a different spec, or "
+                                                "checkpoint.path overlaps the directory of an unfinished job"},
     },
 )
 def submit_job(

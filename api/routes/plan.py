@@ -11,8 +11,9 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends
 
-from etrain.api.routes import get_manager
+from etrain.api.routes import get_manager, get_principal
 from etrain.api.schemas import V1_RESPONSES, ErrorOut
+from etrain.service.access.tenancy import Principal
 from etrain.service.ports import JobManagerPort
 from etrain.service.planning.spec import JobSpec
 
@@ -21,6 +22,8 @@ router = APIRouter(prefix="/v1", tags=["plan"], responses=V1_RESPONSES)
 
 @router.post("/plan", responses={422: {"model": ErrorOut, "description": "the body is not a job spec (a field out "
                                                                           "of bounds, an unknown field), or a path "
-                                                                          "is outside the storage roots"}})
-def plan(spec: JobSpec, manager: Annotated[JobManagerPort, Depends(get_manager)]) -> dict[str, Any]:
-    return manager.plan(spec)
+                                                                          "is outside the storage roots or the "
+                                                                          "caller's reach"}})
+def plan(spec: JobSpec, manager: Annotated[JobManagerPort, Depends(get_manager)],
+         caller: Annotated[Principal, Depends(get_principal)]) -> dict[str, Any]:
+    return manager.plan(spec, principal=caller)

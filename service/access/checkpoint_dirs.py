@@ -1,16 +1,19 @@
-"""Whose checkpoint directory is it: the submit-time rules that keep jobs out of each other's files.
+"""Whose checkpoint directory it is: the rules that keep jobs out of each other's checkpoints.
 
-The storage roots (``service/access/storage_roots.py``) fence jobs off from the rest of the machine; these
-rules fence them off from each other inside the roots. Every job checkpoints into a directory of its
-own (default ``<data-dir>/checkpoints/<job-id>``), and at submit:
+The storage roots (``service/access/storage_roots.py``) fence jobs off from the rest of the machine, and the
+reach rule (``service/access/reach.py``) tenants off from each other's roots and job directories; these
+rules are about the checkpoint directory itself. Every job checkpoints into a directory of its own
+(default ``<data-dir>/checkpoints/<job-id>``), and:
 
-* ``checkpoint.path`` may not overlap (equal, contain or lie inside) the checkpoint directory of an
-  unfinished job: two jobs never write, prune or resume from one directory at once;
-* a ``checkpoint.path`` that already holds checkpoints resumes from them only if this service
-  committed every one (its signature verifies, ``etrain.workers.checkpoint_commit.read_manifest``) for a job the
-  caller may see; anything else is a 422 before a rank could unpickle a stranger's ``.metadata``;
-* a path into ``<data-dir>/checkpoints/<job-id>`` (to fine-tune from a job's export, say) must name a
-  job the caller may see, and only the admin may name a folder that contains the whole tree.
+* at most one unfinished job holds a directory, and no two unfinished jobs' directories overlap (equal,
+  contain or lie inside): a claim row in SQLite, taken in the transaction that inserts the job
+  (``service/store/claims.py``); :func:`taken_conflict` is the 409 the loser gets;
+* at submit, a ``checkpoint.path`` that already holds checkpoints resumes from them only if this service
+  committed every one (its signature verifies, ``etrain.workers.checkpoint_commit.read_manifest``) for a
+  job the caller may see; anything else is a 422 before a rank could unpickle a stranger's ``.metadata``;
+* when the job runs, its supervisor loads only steps whose signed manifest names the job itself or a job
+  of the same tenant that recorded the same directory (:func:`may_resume`), so a directory shared by
+  mistake (or by a race) never hands one job another's state.
 
 What a running job may delete is the supervisor's rule (``etrain.workers.checkpoint_commit.prune(owner=...)``): only
 step directories whose signed manifests name it.
@@ -22,94 +25,42 @@ key components, and its step "directories" are listed and their manifests read t
 
 from __future__ import annotations
 
-import os
-import threading
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection
 
-from etrain.service.errors import SpecRejected
+from etrain.service.errors import JobConflict, SpecRejected
 from etrain.service.planning.spec import JobSpec, SpecProblem
-from etrain.service.access.storage_roots import inside, resolve
+from etrain.service.access.storage_roots import resolve
 from etrain.service.access.tenancy import Principal
 from etrain.workers import storage
 from etrain.workers.protocol.errors import CheckpointError, EtrainError
 from etrain.workers.checkpoint_commit import list_steps, read_manifest
 from etrain.workers.protocol.manifest import MANIFEST_NAME
 
-__all__ = ["CheckpointDirectories"]
-
-#: A submit claims its directory right before writing its job row (which then holds it): milliseconds.
-#: A claim whose row never came (a later refusal: quota, idempotency race) lapses after this long.
-CLAIM_TTL_S = 10.0
-_PATH_FIELDS = (("model.hf", "model", "hf"), ("data.path", "data", "path"), ("data.tokenizer", "data", "tokenizer"),
-                ("checkpoint.path", "checkpoint", "path"))
+__all__ = ["CheckpointDirectories", "may_resume", "taken_conflict"]
 
 
 class CheckpointDirectories:
     """The rules above, over the job store's view of jobs (passed in as callables: no SQLite here)."""
 
-    def __init__(self, *, tree: str, key: bytes, default_root: Callable[[str], str]):
-        """``tree``: the folder (or ``s3://`` prefix) holding every job's default directory
-        (``Settings.checkpoint_tree``: ``ETRAIN_CHECKPOINT_ROOT``, default ``<data_dir>/checkpoints``)."""
-        self._tree = resolve(tree)
+    def __init__(self, *, key: bytes, default_root: Callable[[str], str]):
+        """``key``: the service's checkpoint signing key; ``default_root(job_id)``: a job's default directory
+        (``Settings.checkpoint_location``: under ``ETRAIN_CHECKPOINT_ROOT``, default ``<data_dir>/checkpoints``)."""
         self._key = key
         self._default_root = default_root
-        self._lock = threading.Lock()
-        self._claims: dict[str, tuple[str, float]] = {}  # job id -> (directory, monotonic time)
 
     def root_of(self, job_id: str, spec: dict | JobSpec) -> str:
         """The resolved checkpoint directory a job uses (its spec's path, else its default)."""
         path = spec.checkpoint.path if isinstance(spec, JobSpec) else (spec.get("checkpoint") or {}).get("path")
         return resolve(path) if path else self._default_root(job_id)
 
-    def check_reach(self, spec: JobSpec, principal: Principal, *, tenant_of: Callable[[str], str | None]) -> None:
-        """SpecRejected when a path of ``spec`` (pinned) reaches into the checkpoint directory of a job the
-        caller cannot see. Called before anything looks at the files, so the answer does not say whether
-        another tenant's files exist."""
-        problems = []
-        for field, section, name in _PATH_FIELDS:
-            value = getattr(getattr(spec, section), name)
-            if value:
-                problem = self._tree_problem(field, resolve(value), principal, tenant_of)
-                if problem is not None:
-                    problems.append(problem)
-        if problems:
-            raise SpecRejected(problems)
-
-    def claim(
-        self,
-        job_id: str,
-        spec: JobSpec,
-        principal: Principal,
-        *,
-        unfinished: Iterable[tuple[str, dict]],
-        tenant_of: Callable[[str], str | None],
-    ) -> None:
-        """Check ``spec``'s ``checkpoint.path`` (pinned; :meth:`check_reach` passed) for ``principal`` and
-        reserve the job's checkpoint directory for ``job_id``; :class:`~etrain.service.errors.SpecRejected` (422).
-
-        ``unfinished``: (job id, stored spec) of every non-terminal job; ``tenant_of(job_id)``: the
-        job's tenant, or None for an unknown job. Check and reservation happen under one lock, so two
-        submits cannot both take a free directory.
-        """
-        problems: list[SpecProblem] = []
-        path = spec.checkpoint.path
-        with self._lock:
-            now = time.monotonic()
-            # A claim lasts until the job's row exists (it then holds the directory while unfinished).
-            self._claims = {job: claim for job, claim in self._claims.items()
-                            if now - claim[1] < CLAIM_TTL_S and tenant_of(job) is None}
-            if path:
-                problems += self._checkpoint_problems(resolve(path), principal, unfinished, tenant_of)
+    def check_resume(self, spec: JobSpec, principal: Principal, *, tenant_of: Callable[[str], str | None]) -> None:
+        """SpecRejected (422) unless ``spec``'s ``checkpoint.path`` (pinned; the reach rule passed) is new, empty,
+        or holds only checkpoints this service committed for jobs ``principal`` may see.
+        ``tenant_of(job_id)``: the job's tenant, or None for an unknown job."""
+        if spec.checkpoint.path:
+            problems = self._checkpoint_problems(resolve(spec.checkpoint.path), principal, tenant_of)
             if problems:
                 raise SpecRejected(problems)
-            self._claims[job_id] = (self.root_of(job_id, spec), now)
-
-    def release(self, job_id: str) -> None:
-        """Drop ``job_id``'s claim: its submit failed after :meth:`claim` (quota, a lost idempotency race),
-        so no row will ever hold the directory."""
-        with self._lock:
-            self._claims.pop(job_id, None)
 
     # --- the rules ----------------------------------------------------------------------------
 
@@ -119,39 +70,9 @@ class CheckpointDirectories:
         tenant = tenant_of(job_id) if job_id else None
         return tenant is not None and principal.can_see(tenant)
 
-    def _tree_problem(self, field: str, path: str, principal: Principal,
-                      tenant_of: Callable[[str], str | None]) -> SpecProblem | None:
-        """A path that reaches into the checkpoint tree: only the caller's jobs' directories."""
-        if inside(self._tree, path) and not principal.admin:
-            return SpecProblem(
-                field=field,
-                message=f"{field}={path!r} contains the service's checkpoint directory {self._tree}, which holds "
-                        "other jobs' checkpoints.",
-                fix=f"point {field} at a folder of your own",
-            )
-        if inside(path, self._tree) and path != self._tree:
-            job_id = (path[len(self._tree) + 1:].split("/")[0] if storage.is_url(path)
-                      else os.path.relpath(path, self._tree).split(os.sep)[0])
-            if not self._visible(job_id, principal, tenant_of):
-                return SpecProblem(
-                    field=field,
-                    message=f"{field}={path!r} is inside the checkpoint directory of a job you cannot access.",
-                    fix=f"point {field} at one of your own jobs' checkpoint directories, or a folder of your own",
-                )
-        return None
-
-    def _checkpoint_problems(self, path: str, principal: Principal, unfinished: Iterable[tuple[str, dict]],
+    def _checkpoint_problems(self, path: str, principal: Principal,
                              tenant_of: Callable[[str], str | None]) -> list[SpecProblem]:
         field = "checkpoint.path"
-        in_use = [self.root_of(job_id, spec) for job_id, spec in unfinished]
-        in_use += [directory for directory, _when in self._claims.values()]
-        if any(inside(path, other) or inside(other, path) for other in in_use):
-            return [SpecProblem(
-                field=field,
-                message=f"checkpoint.path={path!r} overlaps the checkpoint directory of another job that has not "
-                        "finished; a directory belongs to one job at a time.",
-                fix="leave checkpoint.path unset (each job gets <data-dir>/checkpoints/<job-id>), or give a new folder",
-            )]
         try:
             steps = list_steps(path)
         except (OSError, EtrainError) as err:  # an object store that refuses the listing (credentials)
@@ -180,3 +101,22 @@ class CheckpointDirectories:
             )]
         return []
 
+
+def taken_conflict(path: str, *, holder: str, holder_tenant: str, held: str, principal: Principal) -> JobConflict:
+    """The 409 for a submit whose ``checkpoint.path`` overlaps the directory ``held`` of the unfinished job
+    ``holder``: named to its own tenant (and the admin), anonymous to another tenant."""
+    named = principal.can_see(holder_tenant)
+    return JobConflict(
+        f"checkpoint.path={path!r} overlaps the checkpoint directory of another job that has not finished"
+        + (f" ({holder}, in {held!r})" if named else "") + "; a directory belongs to one job at a time.",
+        job_id=holder if named else None, field="checkpoint.path",
+        fix="leave checkpoint.path unset (each job gets <data-dir>/checkpoints/<job-id>), give a new folder, or "
+            + (f"wait until {holder} has finished (or cancel it)" if named else "wait until that job has finished"),
+    )
+
+
+def may_resume(committed_by: str | None, job_id: str, owners: Collection[str]) -> bool:
+    """Whether job ``job_id`` may load a step whose signed manifest names ``committed_by``: its own steps,
+    and those of ``owners`` (the jobs of its tenant that recorded the same directory, the manager's
+    ``JobPolicy.resume_owners``)."""
+    return committed_by is not None and (committed_by == job_id or committed_by in owners)

@@ -61,3 +61,9 @@ class TenantQuotas:
                 raise QuotaExceeded("max_workers", tenant=tenant, limit=self.max_workers, used=used,
                                     requested=workers)
             self._reserved[job_id] = _Reservation(tenant, workers, now + RESERVATION_S)
+
+    def release(self, job_id: str) -> None:
+        """``job_id``'s row will never come (its submit lost a checkpoint-directory claim or an idempotency
+        race): its reservation ends now instead of after ``RESERVATION_S``."""
+        with self._lock:
+            self._reserved.pop(job_id, None)

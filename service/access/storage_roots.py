@@ -51,6 +51,7 @@ __all__ = [
     "resolve",
     "parse_roots",
     "pin",
+    "split_roots",
 ]
 
 #: Files of the data directory no job may read or write: SQLite and its journals, the API token
@@ -94,7 +95,13 @@ def parse_roots(raw: str) -> tuple[Path | str, ...]:
     ``ValueError`` names a relative entry (a root relative to wherever the server happens to start
     would silently change meaning) or a malformed URL.
     """
-    return tuple(parse_root(entry) for part in _SEPARATOR.split(raw) if (entry := part.strip()))
+    return tuple(parse_root(entry) for entry in split_roots(raw))
+
+
+def split_roots(raw: str) -> list[str]:
+    """The entries of ``ETRAIN_STORAGE_ROOTS`` as written (separated as :func:`parse_roots` says; spaces around
+    them and empty ones dropped), tenant marks (``alice=/data/alice``, service/access/reach.py) included."""
+    return [entry for part in _SEPARATOR.split(raw) if (entry := part.strip())]
 
 
 def parse_root(entry: str | os.PathLike) -> Path | str:

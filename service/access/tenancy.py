@@ -8,10 +8,14 @@ it; another tenant gets "no such job" for it (404, never 403, so ids do not leak
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 #: The tenant of jobs submitted with the operator's token, and of rows written before tenants existed.
 DEFAULT_TENANT = "default"
+#: Tenant names end up in the jobs table, logs, storage-root marks and (for the admin) metrics labels: keep
+#: them plain.
+TENANT_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 
 
 @dataclass(frozen=True)
@@ -27,6 +31,12 @@ class Principal:
     def tenant_filter(self) -> str | None:
         """The tenant to filter lists by; None (all tenants) for the admin."""
         return None if self.admin else self.tenant
+
+    @classmethod
+    def reader_of(cls, owner: str) -> "Principal":
+        """Who reads what is written into a job of ``owner`` (its events): that tenant, or for the operator's
+        own jobs (``DEFAULT_TENANT``) the admin."""
+        return cls(tenant=owner, admin=owner == DEFAULT_TENANT)
 
 
 #: The operator: sees and may do everything. Also what in-process callers (tests, the CLI's own

@@ -157,7 +157,9 @@ class Wait:
 
     ``behind``: the higher-ordered job holding it back by head-of-line blocking, when that is why
     (it would fit the free resources otherwise); ``beyond_cluster``: its minimum layout exceeds the
-    cluster's total resources (only queued when the operator allows it).
+    cluster's total resources (only queued when the operator allows it). ``reason`` names ``behind``;
+    ``anonymous_reason`` is the same without naming it, for a reader who may not see that job
+    (:meth:`reason_for`: another tenant's job is "1 job of another tenant").
     """
 
     job_id: str
@@ -165,6 +167,11 @@ class Wait:
     reason: str
     behind: str | None = None
     beyond_cluster: bool = False
+    anonymous_reason: str | None = None
+
+    def reason_for(self, *, sees_behind: bool) -> str:
+        """The reason as a reader sees it: ``behind`` named only if ``sees_behind``."""
+        return self.reason if sees_behind or self.anonymous_reason is None else self.anonymous_reason
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -218,9 +225,10 @@ def decide(queued: Iterable[QueuedJob], nodes: Sequence[NodeView], claims: Itera
             admit.append(Admit(job_id=job.id, dp=dp, ranks=gang.ranks(dp),
                                placement={node: groups * gang.tp for node, groups in sorted(placed.items())}))
             continue
-        reason, behind, beyond = state.remember(("why", shape), lambda: _why(gang, state))
+        reason, anonymous, behind, beyond = state.remember(("why", shape), lambda: _why(gang, state))
+        where = f"; position {position} in the queue"
         wait.append(Wait(job_id=job.id, position=position, behind=behind, beyond_cluster=beyond,
-                         reason=f"{reason}; position {position} in the queue"))
+                         reason=reason + where, anonymous_reason=anonymous + where if anonymous else None))
         state.close(job, state.remember(("usable", shape), lambda: _usable(gang, state.totals), static=True))
     return Plan(admit=tuple(admit), wait=tuple(wait))
 
@@ -393,23 +401,26 @@ def _take(free: dict[str, dict[str, float]], placed: Mapping[str, int], per_rank
             free[node][name] = free[node].get(name, 0.0) - amount * groups * tp
 
 
-def _why(gang: Gang, state: _Pass) -> tuple[str, str | None, bool]:
-    """(reason without the position, the job it waits behind, whether it is beyond the cluster)."""
+def _why(gang: Gang, state: _Pass) -> tuple[str, str | None, str | None, bool]:
+    """(reason without the position, the same without naming the job it waits behind, that job, whether
+    it is beyond the cluster)."""
     need = {name: amount * gang.min_ranks for name, amount in gang.per_rank.items()}
     wanted = (f"{describe(need)} ({gang.min_ranks} rank(s) of {describe(gang.per_rank)}: dp={gang.min_dp} "
               f"tp={gang.tp} pp={gang.pp}{', each tp group on one node' if gang.tp > 1 else ''})")
     too_big = state.remember(("refusal", _shape(gang)), lambda: refusal(gang, state.nodes), static=True)
     if too_big is not None:
-        return f"larger than the cluster today, waiting for nodes to be added: {too_big.message.rstrip('.')}", None, True
+        return (f"larger than the cluster today, waiting for nodes to be added: {too_big.message.rstrip('.')}", None,
+                None, True)
     if _largest_fit(state.free, set(state.free), gang) is not None:
         usable = [node for node in sorted(state.closed)
                   if rank_slots(free=state.totals[node], per_rank=gang.per_rank) >= gang.tp]
         blocker = min((state.closed[node] for node in usable), key=lambda j: (-j.priority, j.created_at, j.id))
-        return (f"fits the free resources but waits behind {blocker.id} (priority {blocker.priority}), which waits "
-                f"for the same nodes: starting this job first could delay it"), blocker.id, False
+        because = "which waits for the same nodes: starting this job first could delay it"
+        return (f"fits the free resources but waits behind {blocker.id} (priority {blocker.priority}), {because}",
+                f"fits the free resources but waits behind 1 job of another tenant, {because}", blocker.id, False)
     have = _sum(state.free.values())
     free_now = {name: max(0.0, have.get(name, 0.0)) for name in gang.per_rank}
-    return f"waiting for {wanted}; free now: {describe(free_now)} on {len(state.free)} node(s)", None, False
+    return f"waiting for {wanted}; free now: {describe(free_now)} on {len(state.free)} node(s)", None, None, False
 
 
 def free_summary(nodes: Sequence[NodeView]) -> dict[str, float]:

@@ -16,7 +16,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from etrain.service.access.tenancy import Principal
@@ -115,7 +115,9 @@ class Scheduler:
             for wait in plan.wait:
                 if wait.job_id in self._announce:
                     self._announce.discard(wait.job_id)
-                    self.store.add_events(wait.job_id, [(time.time(), "queued", {"message": wait.reason})])
+                    reader = Principal.reader_of(by_id[wait.job_id].tenant)  # the job's own events: its tenant's
+                    self.store.add_events(wait.job_id, [(time.time(), "queued",
+                                                         {"message": _reason(wait, reader, by_id)})])
             if self.settings.admit_beyond_cluster:
                 self._ask_autoscaler(active, waiting={wait.job_id for wait in plan.wait})
             return started
@@ -178,8 +180,9 @@ class Scheduler:
                 "nodes": [{"node_id": node, "cpus": _round(r.get("CPU", 0.0)), "gpus": _round(r.get("GPU", 0.0))}
                           for node, r in sorted(held.items())],
             })
+        waiting = {job.id: job for job in queued}
         queue = [{"job_id": wait.job_id, "priority": visible[wait.job_id].priority, "position": wait.position,
-                  "reason": wait.reason, "submitted_at": visible[wait.job_id].created_at}
+                  "reason": _reason(wait, principal, waiting), "submitted_at": visible[wait.job_id].created_at}
                  for wait in plan.wait if wait.job_id in visible]
         return {
             "nodes": [{"node_id": node.id, "alive": node.alive,
@@ -289,6 +292,13 @@ class Scheduler:
                 return None
             self._view, self._view_at, self._view_error = view, time.monotonic(), None
             return view
+
+
+def _reason(wait: admission.Wait, reader: Principal, jobs: Mapping[str, JobRecord]) -> str:
+    """Why ``wait``'s job waits, as ``reader`` may read it: a job of another tenant it waits behind is
+    not named (``jobs``: the queued jobs by id; one missing there is not named either)."""
+    behind = jobs.get(wait.behind) if wait.behind is not None else None
+    return wait.reason_for(sees_behind=wait.behind is None or (behind is not None and reader.can_see(behind.tenant)))
 
 
 def _round(amount: float) -> float:

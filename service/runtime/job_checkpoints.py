@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from etrain.service.access.checkpoint_dirs import may_resume
 from etrain.service.decisions.supervisor_events import CommitFailed, CommitSucceeded, Event, Exported, ExportFailed
 from etrain.service.runtime.hf_export import cancel_quietly, job_export_dir, submit_export, wait_export
 from etrain.workers import safe_paths, storage
@@ -41,8 +42,10 @@ class JobCheckpoints:
     pruning and the export's wait run on threads of their own.
     """
 
-    def __init__(self, *, job_id: str, root: str, key: bytes, keep_last: int, record: Callable[[str, str], None]):
+    def __init__(self, *, job_id: str, root: str, key: bytes, keep_last: int, record: Callable[[str, str], None],
+                 resume_owners: frozenset[str] = frozenset()):
         self.job_id = job_id
+        self._resume_owners = resume_owners  # other jobs whose steps it may load (checkpoint_dirs.may_resume)
         self.root = root  # a resolved local folder or an ``s3://`` URL
         self._key = key
         self._keep_last = keep_last
@@ -96,6 +99,9 @@ class JobCheckpoints:
             except CheckpointError as err:
                 self._record("checkpoint_skipped", f"step {step}: {err}")
             else:
+                if not may_resume(manifest.job_id, self.job_id, self._resume_owners):
+                    self._record("checkpoint_skipped", f"step {step}: committed by a job this one may not resume from")
+                    continue
                 self._digests[step] = manifest.digest
                 return step
         self._record("checkpoint_skipped", f"no verifying checkpoint under {self.root}; starting fresh")

@@ -54,6 +54,9 @@ class JobPolicy:
     #: The service's checkpoint signing key (service/access/checkpoint_key.py): manifests are signed with it at
     #: commit and verified with it before any rank loads one. Only the manager sets it; never printed.
     checkpoint_key: bytes | None = field(default=None, repr=False)
+    #: Besides the job itself, the jobs whose signed steps it may resume from: those of its tenant that
+    #: recorded the same checkpoint directory (service/access/checkpoint_dirs.py ``may_resume``). Empty: its own.
+    resume_owners: frozenset[str] = frozenset()
 
 
 def supervisor_config(policy: JobPolicy, config: RunConfig, *, job_id: str) -> SupervisorConfig:

@@ -80,7 +80,8 @@ class JobSupervisor:
         self._log: list[dict[str, Any]] = []
         self._log_lock = threading.Lock()
         self._checkpoints = JobCheckpoints(job_id=job_id, root=self.root, key=policy.checkpoint_key,
-                                           keep_last=config.checkpoint.keep_last, record=self._record)
+                                           keep_last=config.checkpoint.keep_last, record=self._record,
+                                           resume_owners=policy.resume_owners)
         # Signatures are checked now (the launch re-verifies fully): a forged newest step is never the
         # step this job believes it has, and is moved aside.
         resume_step = self._checkpoints.latest()

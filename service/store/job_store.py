@@ -1,4 +1,5 @@
-"""Durable job state in one SQLite file: jobs, their events, per-step metrics, pump cursors.
+"""Durable job state in one SQLite file: jobs (and the checkpoint directories they claim), their events,
+per-step metrics, pump cursors.
 
 Why SQLite: the control plane is one process, the data is small, and a file on a volume survives a
 restart of the server (invariant 5: nothing lost on control-plane restart). WAL mode lets readers
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from etrain.service.errors import JobConflict, JobNotFound, ServiceUnavailable
+from etrain.service.store import claims
 from etrain.service.store.records import EventRecord, JobRecord, JobStatus, StepRecord
 from etrain.service.store.schema import migrate, schema_version
 
@@ -153,18 +155,23 @@ class JobStore:
         priority: int = 0,
         idempotency_key: str | None = None,
         request_hash: str | None = None,
+        checkpoint_dir: str | None = None,
     ) -> JobRecord:
         """Insert a job. With ``idempotency_key``, a second job of the same tenant and key is a
-        JobConflict (:meth:`find_idempotent` tells the caller which job holds the key)."""
+        JobConflict (:meth:`find_idempotent` tells the caller which job holds the key). With
+        ``checkpoint_dir`` (resolved), the job claims it in the same transaction:
+        :class:`~etrain.service.store.claims.DirectoryTaken`, and no row, when an unfinished job holds an
+        overlapping one."""
         status = JobStatus(status)
         now = self._clock()
         with self._write() as conn:
             try:
                 conn.execute(
                     "INSERT INTO jobs (id, name, status, spec, world_size, created_at, updated_at, layout, "
-                    "tenant, priority, idempotency_key, request_hash) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    "tenant, priority, idempotency_key, request_hash, checkpoint_dir) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (job_id, name, status.value, _dumps(spec), world_size, now, now, layout, tenant, priority,
-                     idempotency_key, request_hash),
+                     idempotency_key, request_hash, checkpoint_dir),
                 )
             except sqlite3.IntegrityError:
                 if idempotency_key is not None and self._idempotent(conn, tenant, idempotency_key) is not None:
@@ -175,7 +182,40 @@ class JobStore:
                 raise JobConflict(
                     f"a job with id {job_id!r} already exists.", job_id=job_id, fix="use a new job id"
                 ) from None
+            if checkpoint_dir is not None and not status.is_terminal:
+                claims.claim(conn, path=checkpoint_dir, job_id=job_id, tenant=tenant)  # DirectoryTaken: rolled back
             return self._get(conn, job_id)
+
+    def record_checkpoint_dirs(self, locate: Callable[[str, dict[str, Any]], str]) -> int:
+        """Fill in the checkpoint directory of jobs written before it was recorded (``locate(job_id, spec)``)
+        and claim it for the unfinished ones (an overlap among those is left as it was); how many."""
+        with self._write() as conn:
+            rows = conn.execute("SELECT id, spec, tenant, status FROM jobs WHERE checkpoint_dir IS NULL").fetchall()
+            for job_id, spec, tenant, status in rows:
+                path = locate(job_id, json.loads(spec))
+                conn.execute("UPDATE jobs SET checkpoint_dir = ? WHERE id = ?", (path, job_id))
+                if not JobStatus(status).is_terminal:
+                    try:
+                        claims.claim(conn, path=path, job_id=job_id, tenant=tenant)
+                    except claims.DirectoryTaken:
+                        pass
+        return len(rows)
+
+    def job_dirs(self, path: str, *, other_than: str | None = None) -> list[tuple[str, str, str]]:
+        """(job id, tenant, checkpoint directory) of every job (any status) whose recorded directory overlaps
+        ``path``; with ``other_than``, only other tenants' jobs."""
+        with self._read() as conn:
+            rows = claims.overlapping(conn, "jobs", "checkpoint_dir, id, tenant", path,
+                                      where="tenant != :tenant" if other_than is not None else "1",
+                                      tenant=other_than)
+        return [(job_id, tenant, directory) for directory, job_id, tenant in rows]
+
+    def jobs_in_dir(self, path: str, *, tenant: str | None) -> list[str]:
+        """The ids of the jobs (of ``tenant``; None: every tenant) that recorded exactly the directory ``path``."""
+        with self._read() as conn:
+            rows = conn.execute("SELECT id FROM jobs WHERE checkpoint_dir = ? AND (? IS NULL OR tenant = ?)",
+                                (path, tenant, tenant)).fetchall()
+        return [row[0] for row in rows]
 
     def find_idempotent(self, tenant: str, key: str) -> tuple[JobRecord, str | None] | None:
         """The job ``tenant`` submitted with Idempotency-Key ``key`` and the hash of that request."""
@@ -255,6 +295,8 @@ class JobStore:
                     status=current[0],
                 )
             conn.execute(f"UPDATE jobs SET {assignments} WHERE id = ?", (*values.values(), job_id))
+            if "status" in fields and JobStatus(fields["status"]).is_terminal:
+                claims.release(conn, job_id)  # its checkpoint directory is free from this commit on
             return self._get(conn, job_id)
 
     def _get(self, conn: sqlite3.Connection, job_id: str) -> JobRecord:

@@ -74,6 +74,18 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         "CREATE UNIQUE INDEX jobs_by_idempotency_key ON jobs (tenant, idempotency_key) "
         "WHERE idempotency_key IS NOT NULL",
     ),
+    (
+        # Every job's resolved checkpoint directory (the reach rule: no tenant reads another's; the rows of
+        # older jobs are filled in by the manager at start, JobStore.record_checkpoint_dirs), and the claims
+        # that let one unfinished job hold a directory (service/store/claims.py).
+        "ALTER TABLE jobs ADD COLUMN checkpoint_dir TEXT",
+        "CREATE INDEX jobs_by_checkpoint_dir ON jobs (checkpoint_dir) WHERE checkpoint_dir IS NOT NULL",
+        """CREATE TABLE checkpoint_claims (
+            path TEXT PRIMARY KEY,
+            job_id TEXT NOT NULL UNIQUE REFERENCES jobs (id) ON DELETE CASCADE,
+            tenant TEXT NOT NULL
+        )""",
+    ),
 )
 
 SCHEMA_VERSION = len(MIGRATIONS)

@@ -123,7 +123,9 @@ def test_s3_checkpoint_directories_follow_the_same_ownership_rules(server, s3, t
     assert runtime.jobs[job_id]["config"].checkpoint.path == f"{ROOT}/run-a"  # pinned without the trailing '/'
     # Two unfinished jobs never share a prefix (equal, inside, or containing).
     for path in (f"{ROOT}/run-a", f"{ROOT}/run-a/sub", ROOT):
-        [problem] = refusal(client, spec(path=path))[1]
+        response = client.post("/v1/jobs", json=spec(path=path))
+        assert response.status_code == 409, response.text  # issue #17: a claim conflict with that job
+        [problem] = response.json()["detail"]
         assert "overlaps the checkpoint directory of another job that has not finished" in problem["message"], path
     # A prefix holding a checkpoint another service (another key) or nobody signed is refused.
     _foreign_checkpoint(f"{ROOT}/stolen", 20, key=b"another-service-key-0123456789ab")
@@ -148,7 +150,7 @@ def test_an_s3_checkpoint_root_setting_gives_each_job_its_prefix(s3, tmp_path):
         assert runtime.jobs[job_id]["config"].checkpoint.path == f"{ROOT}/default/{job_id}"
         # The tree rule: a path into another job's default prefix names that job (visible to the admin) ...
         second = client.post("/v1/jobs", json=spec(path=f"{ROOT}/default/{job_id}"))
-        assert second.status_code == 422 and "overlaps" in second.json()["detail"][0]["message"]
+        assert second.status_code == 409 and "overlaps" in second.json()["detail"][0]["message"]
         # ... and its rank logs are read from the object store.
         storage.write_bytes(f"{ROOT}/default/{job_id}/logs/{job_id}/rank0.log", b"2026-01-01T00:00:00 hello\n")
         logs = client.get(f"/v1/jobs/{job_id}/logs", params={"rank": 0})

@@ -141,7 +141,7 @@ def test_a_checkpoint_directory_belongs_to_one_unfinished_job(world, server):
     _llama_job(client, checkpoint={"path": "ckpt/run"})
     for path in ("ckpt/run", "ckpt/run/nested", "ckpt", str(world / "roots" / "ckpt" / "run" / ".." / "run")):
         response = client.post("/v1/jobs", json=spec(checkpoint={"path": path}))
-        assert response.status_code == 422, path
+        assert response.status_code == 409, path  # issue #17: the claim is a conflict with that job
         [problem] = response.json()["detail"]
         assert problem["field"] == "checkpoint.path"
         assert "overlaps the checkpoint directory of another job that has not finished" in problem["message"]
@@ -194,8 +194,8 @@ def test_a_tenant_cannot_reach_another_tenants_checkpoints(world, server):
     tree = manager.settings.data_dir / "checkpoints" / job_id / "hf-export"
 
     refused = bob.post("/v1/jobs", json=spec(checkpoint={"path": "ckpt/alice"}))
-    assert refused.status_code == 422
-    assert "which you cannot access" in refused.json()["detail"][0]["message"]
+    assert refused.status_code == 422  # issue #17: alice's recorded directory is out of bob's reach
+    assert "checkpoint directory of a job you cannot access" in refused.json()["detail"][0]["message"]
     inside = bob.post("/v1/jobs", json=spec(**text(str(tree))))
     assert inside.status_code == 422
     assert "checkpoint directory of a job you cannot access" in inside.json()["detail"][0]["message"]
