@@ -286,8 +286,9 @@ HASH_THREADS = 8
 
 
 def sha256_many(paths: list[str]) -> list[str]:
-    """:func:`sha256` of each path, in order, several files at a time."""
-    if len(paths) <= 1:
+    """:func:`sha256` of each path, in order, several local files at a time (object-store reads stay on
+    the caller's thread: fsspec's sync calls from many threads onto one event loop gain nothing here)."""
+    if len(paths) <= 1 or any(is_url(path) for path in paths):
         return [sha256(path) for path in paths]
     from concurrent.futures import ThreadPoolExecutor
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import threading
 import time
 from typing import Any
@@ -149,7 +150,9 @@ def test_rank_logs_show_what_each_rank_did(followed, plane):
     text = [line.split(" ", 1)[1] for line in logs["lines"]]  # drop the timestamp
     assert text[0].startswith("attempt 1: rank 0/2 on ") and text[0].endswith(", fresh start")
     assert [line.split()[1] for line in text if line.startswith("step ")] == [f"{n}/{STEPS}" for n in range(1, STEPS + 1)]
-    assert [line for line in text if line.startswith("checkpoint ")] == [f"checkpoint step {s} saved" for s in (4, 8, 12)]
+    saves = [line for line in text if line.startswith("checkpoint ")]  # each says how long it blocked training
+    assert [line.split(",")[0] for line in saves] == [f"checkpoint step {s} saved" for s in (4, 8, 12)]
+    assert all(re.fullmatch(r"checkpoint step \d+ saved, training blocked \d+\.\d\ds", line) for line in saves), saves
     assert text[-1] == f"attempt 1: finished at step {STEPS}"
     rank1 = plane.client.get(f"/v1/jobs/{job_id}/logs", params={"rank": 1, "tail": 2}).json()
     assert len(rank1["lines"]) == 2 and rank1["lines"][-1].endswith(f" attempt 1: finished at step {STEPS}")
