@@ -182,16 +182,12 @@ def test_a_full_disk_abandons_saves_with_a_clear_event_and_the_job_goes_on_to_su
     refused with a checkpoint_failed event that says why; training goes on; once the filler is gone the
     next saves commit and the job ends SUCCEEDED on the clean run's losses."""
     import os
-    import subprocess
-    import time
+
+    from tests.small_disk import tmpfs
 
     plane = shared_plane
     disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
-    try:
+    with tmpfs(disk, "4m"):
         filler = disk / "filler"
         stat = os.statvfs(disk)
         filler.write_bytes(b"\0" * (stat.f_bavail * stat.f_frsize - 64 * 1024))  # 64 KiB left
@@ -206,9 +202,6 @@ def test_a_full_disk_abandons_saves_with_a_clear_event_and_the_job_goes_on_to_su
         assert failed["status"] == "RUNNING", failed
         filler.unlink()
         final = plane.wait_terminal(job["id"], timeout_s=300)
-    finally:
-        time.sleep(0.5)
-        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
     assert final["status"] == "SUCCEEDED", final
     assert final["restarts"] == 0 and final["last_checkpoint_step"] == 24
     events = plane.events(job["id"])
@@ -217,12 +210,16 @@ def test_a_full_disk_abandons_saves_with_a_clear_event_and_the_job_goes_on_to_su
     assert all("MiB free" in text and "training continues" in text for text in refused), refused
     assert "the last committed checkpoint stays nothing" in refused[0]
     interval = [event_text(e) for e in events if e["kind"] == "checkpoint_interval"]
-    # Before any save is measured: sqrt(2 x 1 s assumed x 0.72 s) = 1.2 s; later ones use the measured saves.
-    assert interval and re.match(r"every 10 steps \(~1s at [0-9.]+s/step\): Young-Daly sqrt\(2 x 1.00s x "
+    # Before any save is measured: sqrt(2 x 1 s assumed x 0.72 s) = 1.2 s (at least 10 steps, however fast a
+    # step is); later ones use the measured saves.
+    assert interval and re.match(r"every \d+ steps \(~1s at [0-9.]+s/step\): Young-Daly sqrt\(2 x 1.00s x "
                                  r"MTBF 0.0002h\), assumed save blocking", interval[0]), interval
     assert all(re.match(r"every \d+ steps \(~\d+s at [0-9.]+s/step\): Young-Daly sqrt\(2 x [0-9.]+s x MTBF 0.0002h\)",
                         text) for text in interval), interval
     committed = [int(re.search(r"step (\d+)", event_text(e)).group(1)) for e in events
                  if e["kind"] == "checkpoint_committed"]
-    assert committed[-1] == 24 and len(committed) >= 2, committed  # an auto save after the disk was freed
+    # The refused save was an auto save (the final one, after the disk was freed, committed); whether one
+    # more auto save fits before step 24 depends on the step time (the interval is at least 10 steps).
+    refused_step = int(re.search(r"^step (\d+):", refused[0]).group(1))
+    assert refused_step < 24 and committed[-1] == 24 and all(step > refused_step for step in committed), committed
     assert_same_trajectory(losses(plane, job["id"]), clean, tol=1e-6)

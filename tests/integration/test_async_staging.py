@@ -36,13 +36,18 @@ def _restored(tmp_path, step):
     return model.state_dict()
 
 
-def test_two_async_saves_through_one_stager_survive_dcp_closing_it_and_keep_their_own_values(tmp_path):
+def _trained_once():
+    """A seeded model one AdamW step in (so the optimizer has state), and an async checkpointer."""
     torch.manual_seed(0)
     model = nn.Linear(16, 8)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-    checkpointer = AsyncCheckpointer()
+    _train_step(model, optimizer)
+    return model, optimizer, AsyncCheckpointer()
+
+
+def test_two_async_saves_through_one_stager_survive_dcp_closing_it_and_keep_their_own_values(tmp_path):
+    model, optimizer, checkpointer = _trained_once()
     try:
-        _train_step(model, optimizer)
         first = _saved(tmp_path, checkpointer, 1, model, optimizer)
         checkpointer._stager.close()  # what torch 2.11's async_save does after every upload
         _train_step(model, optimizer)
@@ -59,12 +64,8 @@ def test_two_async_saves_through_one_stager_survive_dcp_closing_it_and_keep_thei
 def test_buffers_prepared_ahead_hold_the_values_of_the_save_not_of_the_preparation(tmp_path):
     """``prepare`` stages once in the background to allocate the buffers; the save that follows, after
     more training, must write the state as it is at the save."""
-    torch.manual_seed(0)
-    model = nn.Linear(16, 8)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-    checkpointer = AsyncCheckpointer()
+    model, optimizer, checkpointer = _trained_once()
     try:
-        _train_step(model, optimizer)
         checkpointer.prepare([model], [optimizer])
         prepared = {name: value.clone() for name, value in model.state_dict().items()}
         _train_step(model, optimizer)

@@ -15,7 +15,6 @@ import contextlib
 import errno
 import os
 import resource
-import subprocess
 
 import pytest
 import torch
@@ -24,6 +23,7 @@ from torch import nn
 from etrain.workers.checkpoint import AsyncCheckpointer, load_checkpoint, save_checkpoint
 from etrain.workers.checkpoint_commit import commit, step_dir, verify
 from etrain.workers.storage_faults import StorageFault, needed_bytes, storage_fault
+from tests.small_disk import tmpfs
 
 KEY = b"k" * 32
 
@@ -57,15 +57,8 @@ def _file_size_limit(limit: int):
 @pytest.fixture
 def small_disk(tmp_path):
     """A 2 MiB tmpfs (a real file system that fills up), or skip where mounting is not allowed."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    try:
+    with tmpfs(tmp_path / "disk", "2m") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
 
 
 def test_a_write_the_kernel_refuses_is_abandoned_and_explained_and_the_committed_step_stays(tmp_path):
