@@ -24,7 +24,6 @@ import asyncio
 import json
 import os
 import platform
-import secrets
 import socket
 import statistics
 import subprocess
@@ -163,13 +162,16 @@ def plan_body() -> bytes:
 
 
 def run(*, clients: int, seconds: float, warmup_s: float, use_ray: bool) -> list[Result]:
-    token = secrets.token_urlsafe(16)
+    from etrain.service.access.api_token import new_api_token
+
+    token = new_api_token(16)
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="etrain-bench-api-") as data_dir:
         server = subprocess.Popen(
             [sys.executable, "-m", "benchmarks.bench_api", "--serve", str(port), "--data-dir", data_dir,
-             "--token", token, *(["--ray"] if use_ray else [])],
-            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+             *(["--ray"] if use_ray else [])],
+            # the token travels in the environment: a command line is readable by every user of the machine
+            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), "ETRAIN_API_TOKEN": token},
         )
         try:
             job_id = asyncio.run(_start(port, token, server, use_ray=use_ray, timeout_s=180 if use_ray else 60))
@@ -263,10 +265,9 @@ def main() -> None:
     parser.add_argument("--ray", action="store_true", help="the server's manager runs over a local Ray")
     parser.add_argument("--serve", type=int, metavar="PORT", help=argparse.SUPPRESS)  # the server process
     parser.add_argument("--data-dir", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--token", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve is not None:
-        serve(args.serve, args.data_dir, args.token, args.ray)
+        serve(args.serve, args.data_dir, os.environ["ETRAIN_API_TOKEN"], args.ray)
         return
     print(f"API: {args.clients} clients, {args.seconds:g} s per endpoint", flush=True)
     results = run(clients=args.clients, seconds=args.seconds, warmup_s=args.warmup, use_ray=args.ray)

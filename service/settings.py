@@ -250,7 +250,7 @@ def _optional_integer(variable: str, raw: str) -> int | None:
 
 #: Visible ASCII (an HTTP header value), no comma (the ETRAIN_API_TOKENS separator).
 _TOKEN_CHARS = re.compile(r"^[\x21-\x2b\x2d-\x7e]+$")
-_NEW_TOKEN = "python -c 'import secrets; print(secrets.token_urlsafe(32))'"
+_NEW_TOKEN = "python -c 'import secrets; print(secrets.token_hex(32))'"  # hex: never starts with '-'
 
 
 def _check_tenant(tenant: str, where: str, variable: str) -> None:

@@ -12,7 +12,6 @@ configured generated into ``<data_dir>/api-token`` (for in-process ``create_app`
 
 from __future__ import annotations
 
-import secrets
 import socket
 import tempfile
 import threading
@@ -127,11 +126,12 @@ def control_plane(
     repository (specs that train on its source).
     """
     from etrain.api.app import create_app
+    from etrain.service.access.api_token import new_api_token
     from etrain.service.settings import Settings
 
     settings_overrides.setdefault("storage_roots", storage_roots_for(data_dir))
     port = free_port()
-    api_token = api_token or secrets.token_urlsafe(16)
+    api_token = api_token or new_api_token(16)
     settings = Settings(host="127.0.0.1", port=port, data_dir=data_dir, enable_chaos=enable_chaos,
                         api_token=api_token, api_tokens=tenant_tokens or {}, poll_interval_s=0.2,
                         **settings_overrides)

@@ -25,7 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="API URL (env ETRAIN_URL; default %(default)s)")
     parser.add_argument("--token", default=os.environ.get("ETRAIN_API_TOKEN"),
                         help="API token (env ETRAIN_API_TOKEN; default for a server on this machine: "
-                             "$ETRAIN_DATA_DIR/api-token, ETRAIN_DATA_DIR default ./.etrain)")
+                             "$ETRAIN_DATA_DIR/api-token, ETRAIN_DATA_DIR default ./.etrain; a token "
+                             "that begins with '-' is given as --token=VALUE)")
     parser.add_argument("--timeout", type=_positive, default=30.0, help="seconds per HTTP request (default 30)")
     parser.add_argument("--json", action="store_true", help="print the server's JSON instead of text")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

@@ -36,6 +36,15 @@ def token_path(data_dir: Path | str) -> Path:
     return Path(data_dir).expanduser() / FILE_NAME
 
 
+def new_api_token(nbytes: int = 32) -> str:
+    """A fresh URL-safe token that never begins with "-": one in 64 of ``secrets.token_urlsafe`` does, and a
+    command line (``etrain --token X``, any argparse flag) then reads it as an option, not a value."""
+    while True:
+        token = secrets.token_urlsafe(nbytes)
+        if not token.startswith("-"):
+            return token
+
+
 def ensure_api_token(data_dir: Path | str) -> ApiTokenFile:
     """The admin token in ``<data_dir>/api-token``: read when the file exists, else generated into it."""
     path = token_path(data_dir)
@@ -47,7 +56,7 @@ def ensure_api_token(data_dir: Path | str) -> ApiTokenFile:
     except OSError as err:
         raise _error(f"cannot create the API token file {path}: {err.strerror or err}.",
                      "make the data directory writable by the server, or set ETRAIN_API_TOKEN") from None
-    token = secrets.token_urlsafe(32)
+    token = new_api_token()
     try:
         with os.fdopen(fd, "w", encoding="ascii") as handle:
             handle.write(token + "\n")

@@ -23,7 +23,7 @@ from fastapi.testclient import TestClient
 from etrain.api import cli
 from etrain.api.cli.client import client_token
 from etrain.api.app import create_app
-from etrain.service.access.api_token import ensure_api_token, read_api_token, token_path
+from etrain.service.access.api_token import ensure_api_token, new_api_token, read_api_token, token_path
 from etrain.service.errors import QuotaExceeded, SettingsError
 from etrain.service.access.quotas import TenantQuotas
 from etrain.service.settings import Settings
@@ -67,6 +67,16 @@ def store(tmp_path):
 
 
 # -- the generated token: no configuration at all ----------------------------------------------------------------
+
+
+def test_a_generated_token_never_begins_with_a_dash_so_a_command_line_takes_it(monkeypatch):
+    """One in 64 of secrets.token_urlsafe begins with "-"; `etrain --token -x...` then fails to parse."""
+    draws = iter(["-starts-like-an-option", "-again", "a-usable-token"])
+    monkeypatch.setattr("etrain.service.access.api_token.secrets.token_urlsafe", lambda nbytes: next(draws))
+    assert new_api_token() == "a-usable-token"
+    monkeypatch.undo()
+    token = new_api_token()
+    assert cli.build_parser().parse_args(["--token", token, "list"]).token == token
 
 
 def test_no_configuration_means_a_generated_token_and_401_without_it(tmp_path, store):
