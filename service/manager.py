@@ -372,9 +372,9 @@ class JobManager:
             raise JobConflict(f"out {out_dir} already exists and is not empty.", job_id=job_id, field="out",
                               fix="give a new or empty folder; exports never overwrite")
         root = config.checkpoint.path
-        step, directory = committed_step(job_id, root, step, key=self._checkpoint_key)
+        step, directory, digest = committed_step(job_id, root, step, key=self._checkpoint_key)
         path = self.runtime.export(step_dir=directory, out_dir=out_dir, model=model, source_dir=model.hf_path,
-                                   timeout_s=EXPORT_TIMEOUT_S)
+                                   expect_digest=digest, timeout_s=EXPORT_TIMEOUT_S)
         self.store.add_events(job_id, [(time.time(), "exported",
                                         {"message": f"step {step} -> {path} (requested via API)"})])
         return {"hf": path, "step": step}

@@ -437,12 +437,13 @@ class FakeRuntime:
     def release(self, job_id: str) -> None:
         self.calls.append(("release", job_id))
 
-    def export(self, *, step_dir: str, out_dir: str, model: Any, source_dir: str | None, timeout_s: float) -> str:
+    def export(self, *, step_dir: str, out_dir: str, model: Any, source_dir: str | None, expect_digest: str,
+               timeout_s: float) -> str:
         """The real export, in this process instead of a Ray task (torch is imported only when called)."""
         self.calls.append(("export", step_dir, out_dir))
         from etrain.workers.hf_io import export_hf
 
-        return export_hf(step_dir, out_dir, model, source_dir=source_dir)
+        return export_hf(step_dir, out_dir, model, source_dir=source_dir, expect_digest=expect_digest)
 
     #: What ``accelerator_memory_gb`` answers: the GPU memory a real cluster's probe would measure.
     gpu_memory_gb: float | None = None

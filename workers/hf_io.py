@@ -306,6 +306,7 @@ def export_hf(
     *,
     source_dir: str | os.PathLike | None = None,
     max_shard_bytes: int = 2 << 30,
+    expect_digest: str | None = None,
 ) -> str:
     """Write the model of a committed checkpoint as a Hugging Face folder; returns its absolute path.
 
@@ -315,6 +316,11 @@ def export_hf(
     Single process; never holds more than one output file's tensors. Refuses a non-empty ``out_dir``
     (``ConfigError``, field ``checkpoint.export``) and an uncommitted or corrupt checkpoint
     (``CheckpointError``).
+
+    ``expect_digest``: the digest of the manifest the service verified with its key (the service always
+    passes it). Whoever can write the checkpoint folder can rewrite an unsigned manifest to list a
+    pickle of their own as ``.metadata``; with the digest, nothing is read unless the manifest is the
+    signed one. ``None`` (a local tool on one's own files) checks the checksums only.
     """
     directory = os.fspath(step_dir)  # a URL string is returned as is
     config = hf_config_dict(model_config)  # refuses what cannot be exported, before any work
@@ -322,10 +328,10 @@ def export_hf(
         raise ValueError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
     if storage.is_url(out_dir):
         return _export_to_url(directory, storage.normalize_url(out_dir), model_config, config, source_dir,
-                              max_shard_bytes)
+                              max_shard_bytes, expect_digest)
     out = os.path.abspath(os.fspath(out_dir))
     _check_destination(out)
-    verify(directory)
+    verify(directory, expect_digest=expect_digest)
     shapes = _checkpoint_shapes(directory, model_config)
     parent, name = os.path.split(out)
     folder = safe_paths.open_dir(parent, field="checkpoint.export", create=True)
@@ -385,14 +391,14 @@ def _copy_tokenizer_files(source: str | os.PathLike | None, dest: str | int) -> 
 
 
 def _export_to_url(directory: str, out: str, model_config: ModelConfig, config: dict[str, Any],
-                   source_dir: str | os.PathLike | None, max_shard_bytes: int) -> str:
+                   source_dir: str | os.PathLike | None, max_shard_bytes: int, expect_digest: str | None) -> str:
     """:func:`export_hf` into an object-store prefix: files built locally, uploaded one by one, config last."""
     import tempfile
 
     if storage.walk_files(out):
         raise ConfigError(f"export destination {out} already holds objects.", field="checkpoint.export",
                           fix="export into a new or empty prefix; exports never overwrite")
-    verify(directory)
+    verify(directory, expect_digest=expect_digest)
     shapes = _checkpoint_shapes(directory, model_config)
     tmp = tempfile.mkdtemp(prefix="etrain-export-")
 

@@ -6,28 +6,34 @@ error lists the steps that are, so the user's next request can succeed.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from etrain.service.errors import JobConflict
-from etrain.workers.checkpoint_commit import latest_committed, list_steps, step_dir, verify
+from etrain.workers.checkpoint_commit import list_steps, step_dir, verify
 from etrain.workers.protocol.errors import CheckpointError
 
-__all__ = ["committed_step"]
+__all__ = ["CommittedStep", "committed_step"]
 
 
-def committed_step(job_id: str, root: str, step: int | None, *, key: bytes) -> tuple[int, str]:
-    """``(step, step_dir)`` of a committed checkpoint of the job (signature and sizes checked here; the
-    export task verifies the checksums as it reads), or JobConflict naming the committed steps there are."""
-    if step is None:
-        found = latest_committed(root, checksums=False, key=key)
-        if found is not None:
-            return found
-    else:
-        directory = step_dir(root, step)
-        try:
-            verify(directory, checksums=False, key=key)
-            return step, directory
-        except CheckpointError:
-            pass
+class CommittedStep(NamedTuple):
+    step: int
+    directory: str
+    #: The digest of the signed manifest verified here: the keyless export task loads only that manifest.
+    digest: str
+
+
+def committed_step(job_id: str, root: str, step: int | None, *, key: bytes) -> CommittedStep:
+    """A committed checkpoint of the job (signature and sizes checked here; the export task checks that
+    the manifest is this one and verifies the checksums as it reads), or JobConflict naming the
+    committed steps there are. ``step`` None: the newest."""
     committed = []
+    candidates = list_steps(root) if step is None else [(step, step_dir(root, step))]
+    for number, directory in reversed(candidates):
+        try:
+            manifest = verify(directory, checksums=False, key=key)
+        except CheckpointError:
+            continue
+        return CommittedStep(number, directory, manifest.digest)
     for number, directory in list_steps(root):
         try:
             verify(directory, checksums=False, key=key)

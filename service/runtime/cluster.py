@@ -40,7 +40,7 @@ class Runtime(Protocol):
     def chaos(self, job_id: str, request: dict[str, Any]) -> dict[str, Any]: ...
     def release(self, job_id: str) -> None: ...
     def export(self, *, step_dir: str, out_dir: str, model: ModelConfig, source_dir: str | None,
-               timeout_s: float) -> str: ...
+               expect_digest: str, timeout_s: float) -> str: ...
     def health(self) -> dict[str, Any]: ...
     def close(self) -> None: ...
 
@@ -178,9 +178,10 @@ class RayRuntime:
                 pass
 
     def export(self, *, step_dir: str, out_dir: str, model: ModelConfig, source_dir: str | None,
-               timeout_s: float) -> str:
+               expect_digest: str, timeout_s: float) -> str:
         """Run the Hugging Face export task (etrain.service.runtime.hf_export) and wait up to ``timeout_s``."""
-        return run_export(step_dir=step_dir, out_dir=out_dir, model=model, source_dir=source_dir, timeout_s=timeout_s)
+        return run_export(step_dir=step_dir, out_dir=out_dir, model=model, source_dir=source_dir,
+                          expect_digest=expect_digest, timeout_s=timeout_s)
 
     def accelerator_memory_gb(self) -> float | None:
         """GiB of memory per GPU the cluster offers, for the planner (``resources.device_memory_gb``).

@@ -45,12 +45,14 @@ def job_export_dir(checkpoint_root: str) -> str:
 
 
 def _export_folder(step_dir: str, out_dir: str, model: ModelConfig, source_dir: str | None,
-                   replace_existing: bool) -> str:
+                   replace_existing: bool, expect_digest: str | None = None) -> str:
     """The body of the export task: runs in a Ray worker process, the only place torch is imported.
 
     ``replace_existing``: the job's own ``hf-export`` folder may be left by an earlier supervisor of the
     same job (recreated after a control-plane loss); it is that job's output, so it is replaced.
     A user's ``--out`` folder is never replaced (``export_hf`` refuses a non-empty one).
+    ``expect_digest``: the digest of the manifest the caller verified with the service's key; this
+    process has no key, so it loads nothing unless the manifest it reads is exactly that one.
     """
     from etrain.workers.hf_io import export_hf
 
@@ -58,17 +60,19 @@ def _export_folder(step_dir: str, out_dir: str, model: ModelConfig, source_dir: 
         storage.rmtree(out_dir)
     elif replace_existing:  # a link there is refused (UnsafePathError), never deleted through
         safe_paths.remove_tree(out_dir, field="checkpoint.path")
-    return export_hf(step_dir, out_dir, model, source_dir=source_dir)
+    return export_hf(step_dir, out_dir, model, source_dir=source_dir, expect_digest=expect_digest)
 
 
 _export_task = ray.remote(num_cpus=EXPORT_NUM_CPUS, max_retries=0)(_export_folder)
 
 
-def submit_export(*, step_dir: str, out_dir: str, model: ModelConfig, source_dir: str | None,
+def submit_export(*, step_dir: str, out_dir: str, model: ModelConfig, source_dir: str | None, expect_digest: str,
                   replace_existing: bool = False):
-    """Start the export task (any node: checkpoints live on shared storage); returns its ObjectRef."""
+    """Start the export task (any node: checkpoints live on shared storage); returns its ObjectRef.
+    ``expect_digest``: the digest of ``step_dir``'s manifest as verified with the key (required: the task
+    unpickles DCP's ``.metadata`` and can check nothing signed by itself)."""
     return _export_task.options(name=f"etrain-export:{storage.basename(out_dir)}").remote(
-        step_dir, out_dir, model, source_dir, replace_existing
+        step_dir, out_dir, model, source_dir, replace_existing, expect_digest
     )
 
 
@@ -94,10 +98,11 @@ def wait_export(ref: Any, *, timeout_s: float) -> str:
         raise ExportFailedError(f"the export task was lost: {err}", fix="retry the export") from None
 
 
-def run_export(*, step_dir: str, out_dir: str, model: ModelConfig, source_dir: str | None,
+def run_export(*, step_dir: str, out_dir: str, model: ModelConfig, source_dir: str | None, expect_digest: str,
                timeout_s: float) -> str:
     """Export one committed checkpoint and wait for it (the control plane's `etrain export`)."""
-    ref = submit_export(step_dir=step_dir, out_dir=out_dir, model=model, source_dir=source_dir)
+    ref = submit_export(step_dir=step_dir, out_dir=out_dir, model=model, source_dir=source_dir,
+                        expect_digest=expect_digest)
     return wait_export(ref, timeout_s=timeout_s)
 
 

@@ -143,8 +143,11 @@ class JobCheckpoints:
         directory = step_dir(self.root, step)
         out = job_export_dir(self.root)  # joined, never resolved: a link planted there is refused by the task
         try:
+            digest = self._digests.get(step) or verify(directory, checksums=False, key=self._key).digest
+            # The task has no key: it exports only the manifest verified here (its digest), so a manifest
+            # swapped in before the task reads it (it may wait for a CPU) is refused, not unpickled.
             ref = submit_export(step_dir=directory, out_dir=out, model=model, source_dir=model.hf_path,
-                                replace_existing=True)
+                                expect_digest=digest, replace_existing=True)
         except Exception as err:
             answer(ExportFailed(step=step, checkpoint_dir=directory, error=f"could not start the export task: {err}"))
             return
