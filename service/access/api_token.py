@@ -14,15 +14,20 @@ from __future__ import annotations
 
 import os
 import secrets
-import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from etrain.service.access.secret_files import Secret, read_secret
+
 FILE_NAME = "api-token"
 #: How long a server waits for another server that created the file a moment ago to write the token.
 _WRITER_WAIT_S = 2.0
-_MAX_BYTES = 4096
+_TOKEN_FILE = Secret(
+    what="the API token file", field="api_token_file",
+    renew="the server writes a new token at its next start, or set ETRAIN_API_TOKEN",
+    unreadable_fix="run as the user that started the server, or pass --token / ETRAIN_API_TOKEN",
+)
 
 
 @dataclass(frozen=True)
@@ -80,34 +85,9 @@ def read_api_token(path: Path | str) -> str:
 
 
 def _read_safely(path: Path) -> str:
-    """The file's stripped text ("" when empty) after the safety checks."""
-    try:
-        # O_NONBLOCK: a FIFO planted at the path must not hang the start-up (no effect on a plain file)
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
-    except FileNotFoundError:
-        raise
-    except OSError as err:
-        if path.is_symlink():
-            raise _error(f"the API token file {path} is a symlink; the server only trusts a plain file.",
-                         f"remove {path} (the server writes a new one at its next start) or set ETRAIN_API_TOKEN") from None
-        raise _error(f"cannot read the API token file {path}: {err.strerror or err}.",
-                     "run as the user that started the server, or pass --token / ETRAIN_API_TOKEN") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise _error(f"the API token file {path} is not a regular file.", f"remove {path}")
-        if info.st_mode & 0o077:
-            mode = stat.filemode(info.st_mode)
-            raise _error(f"the API token file {path} is accessible to other users ({mode}); a token others "
-                         "can read is not a secret.",
-                         f"chmod 600 {path} if nobody else has read it, otherwise delete it (a new token is "
-                         "generated at the next start)")
-        if hasattr(os, "geteuid") and info.st_uid != os.geteuid():
-            raise _error(f"the API token file {path} belongs to user id {info.st_uid}, not to this user "
-                         f"({os.geteuid()}).", f"run as its owner, or delete {path} and restart the server")
-        data = os.read(fd, _MAX_BYTES)
-    finally:
-        os.close(fd)
+    """The file's stripped text ("" when empty) after the checks every secret file gets
+    (:func:`etrain.service.access.secret_files.read_secret`: no link, a regular file, ours, mode 0600)."""
+    data = read_secret(path, _TOKEN_FILE)
     token = data.decode("ascii", errors="replace").strip()
     if any(ch.isspace() for ch in token) or "\ufffd" in token:
         raise _no_token(path)

@@ -9,7 +9,10 @@ events or logs).
 
 The first start generates 32 random bytes and writes them as hex, with ``O_CREAT | O_EXCL`` and
 mode 0600, so two servers starting together never overwrite each other's key (the loser reads the
-winner's); every later start reuses it. Deleting the file makes every existing checkpoint
+winner's); every later start reuses it, after the checks every secret file gets
+(:func:`~etrain.service.access.secret_files.read_secret`): a link, another user's file or one that group
+or others can read is refused and the server does not start (whoever reads the key can sign a manifest
+whose ``.metadata`` every rank unpickles). Deleting the file makes every existing checkpoint
 unverifiable: jobs then refuse them (they are moved aside, not deleted) and start fresh.
 """
 
@@ -18,10 +21,10 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-import stat
 import time
 from pathlib import Path
 
+from etrain.service.access.secret_files import Secret, read_secret
 from etrain.service.errors import SettingsError
 
 __all__ = ["KEY_BYTES", "KEY_NAME", "load_or_create_key"]
@@ -33,6 +36,12 @@ KEY_BYTES = 32
 _HEX_CHARS = 2 * KEY_BYTES
 #: How long a reader waits for a concurrent creator to finish writing the key.
 _CREATE_WAIT_S = 2.0
+_KEY_FILE = Secret(
+    what="the checkpoint signing key", field=KEY_NAME,
+    renew="a new key is generated at the next start (checkpoints signed with the old one are then refused and "
+          "their jobs start fresh)",
+    unreadable_fix="run the server as the user that owns the data directory",
+)
 
 
 def load_or_create_key(data_dir: str | os.PathLike) -> bytes:
@@ -63,17 +72,13 @@ def load_or_create_key(data_dir: str | os.PathLike) -> bytes:
 
 def _read(path: Path) -> bytes | None:
     """The key in ``path``; ``None`` while it is shorter than a key (a creator is still writing)."""
-    text = path.read_text(encoding="ascii", errors="replace").strip()
+    text = read_secret(path, _KEY_FILE).decode("ascii", errors="replace").strip()
     if len(text) < _HEX_CHARS:
         return None
     try:
-        key = bytes.fromhex(text)
+        return bytes.fromhex(text)
     except ValueError:
         raise _unusable(path, "it is not hexadecimal") from None
-    mode = stat.S_IMODE(path.stat().st_mode)
-    if mode & 0o077:
-        log.warning("%s is readable by others (mode %o); chmod 600 it", path, mode)
-    return key
 
 
 def _unusable(path: Path, why: str) -> SettingsError:
