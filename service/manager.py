@@ -172,7 +172,8 @@ class JobManager:
         """The spec with its paths pinned, after the storage roots and the reach rule (no other tenant's roots
         or job directories): both before anything looks at the files (validate's checks say what is
         missing), so neither answer depends on what exists. Submit and /v1/plan alike."""
-        pinned, outside = pin_paths(spec, self._base_dir, self.storage)
+        pinned, outside = pin_paths(spec, self._base_dir, self.storage,
+                                    shown_roots=self._reach.visible_roots(self.storage.roots, principal))
         if outside:
             raise SpecRejected(outside)
         problems = self._reach.spec_problems(pinned, spec, principal, job_dirs=self._job_dirs(principal),
@@ -361,7 +362,8 @@ class JobManager:
                 field="model.kind", fix="export a job that trains a Llama-family model",
             )
         out_dir = pin(out, self._base_dir)
-        refused = self.storage.check("out", out, out_dir)
+        refused = self.storage.check("out", out, out_dir,
+                                     shown=self._reach.visible_roots(self.storage.roots, principal))
         if refused is not None:  # before the existence check below: the answer must not depend on it
             raise SpecRejected([SpecProblem(field=refused.field, message=refused.message, fix=refused.fix)])
         unreachable = self._reach.problem("out", out_dir, principal, shown=out, job_dirs=self._job_dirs(principal),

@@ -61,6 +61,14 @@ class Reach:
         self._tree = resolve(tree)
         self._owners = tuple((tenant, resolve(root)) for tenant, root in owners)
 
+    def visible_roots(self, roots: Iterable[str], principal: Principal) -> tuple[str, ...]:
+        """The storage roots an error message may name to ``principal``: all for the admin, else the shared
+        ones and its own (where another tenant's data lives is not a tenant's business)."""
+        if principal.admin:
+            return tuple(roots)
+        others = {root for tenant, root in self._owners if tenant != principal.tenant}
+        return tuple(root for root in roots if resolve(root) not in others)
+
     def spec_problems(self, spec: JobSpec, given: JobSpec, principal: Principal, *,
                       job_dirs: Callable[[str], Iterable[JobDirectory]],
                       tenant_of: Callable[[str], str | None]) -> list[SpecProblem]:

@@ -160,28 +160,30 @@ class StorageRoots:
             private = tuple(os.path.join(base, name) for name in PRIVATE_FILE_NAMES)
         return cls(roots=resolved, private=private)
 
-    def describe(self) -> str:
-        return ", ".join(self.roots)
+    def describe(self, shown: tuple[str, ...] | None = None) -> str:
+        return ", ".join(self.roots if shown is None else shown) or "none you may use"
 
-    def check(self, field: str, raw: str, pinned: str) -> RootProblem | None:
+    def check(self, field: str, raw: str, pinned: str, *, shown: tuple[str, ...] | None = None) -> RootProblem | None:
         """``None`` when ``pinned`` (the :func:`pin` of ``raw``) may be used, else the problem.
 
         The answer is a function of ``raw`` and ``pinned`` alone (and, for a URL, of whether the
-        service has the backend installed); the message shows ``raw``.
+        service has the backend installed); the message shows ``raw``. ``shown``: the roots the message
+        may name (default all): a tenant is told its own and the shared ones, never where another
+        tenant's root is (``Reach.visible_roots``).
         """
         if "\x00" in raw:
             return RootProblem(field=field, message=f"{field} contains a NUL byte, which no file name can.",
                                fix=f"give {field} as a plain path")
         if is_url(raw):
-            problem = self._url_problem(field, raw, pinned)
+            problem = self._url_problem(field, raw, pinned, shown)
             if problem is not None:
                 return problem
         if not any(inside(pinned, root) for root in self.roots):
             return RootProblem(
                 field=field,
-                message=f"{field}={raw!r} is outside the storage roots ({self.describe()}); paths are resolved "
-                        "(relative to the server's directory, symlinks and '..' followed) before this check.",
-                fix=f"put it under one of the storage roots ({self.describe()}), or ask the operator to add "
+                message=f"{field}={raw!r} is outside the storage roots ({self.describe(shown)}); paths are "
+                        "resolved (relative to the server's directory, symlinks and '..' followed) before this check.",
+                fix=f"put it under one of the storage roots ({self.describe(shown)}), or ask the operator to add "
                     "a root to ETRAIN_STORAGE_ROOTS",
             )
         if is_url(pinned):
@@ -200,14 +202,14 @@ class StorageRoots:
             )
         return None
 
-    def _url_problem(self, field: str, raw: str, pinned: str) -> RootProblem | None:
+    def _url_problem(self, field: str, raw: str, pinned: str, shown: tuple[str, ...] | None) -> RootProblem | None:
         """An object-store URL where the field must be local, or a URL that names no plain key prefix."""
         if field not in URL_FIELDS:
             return RootProblem(
                 field=field,
                 message=f"{field}={raw!r} is an object-store URL; {field} must be a local path (only "
                         f"{', '.join(sorted(URL_FIELDS))} may name object storage).",
-                fix=f"copy the files to a folder under the storage roots ({self.describe()}) and give its path",
+                fix=f"copy the files to a folder under the storage roots ({self.describe(shown)}) and give its path",
             )
         problem = url_problem(raw)
         if problem:

@@ -44,7 +44,8 @@ def resolve_paths(spec: JobSpec, base_dir: str | os.PathLike) -> JobSpec:
 
 
 def pin_paths(
-    spec: JobSpec, base_dir: str | os.PathLike, roots: storage_roots.StorageRoots
+    spec: JobSpec, base_dir: str | os.PathLike, roots: storage_roots.StorageRoots,
+    *, shown_roots: tuple[str, ...] | None = None,
 ) -> tuple[JobSpec, list[SpecProblem]]:
     """:func:`resolve_paths`, then the storage-roots rule on the pinned paths: the spec as it will run
     and the paths it may not use (empty: all inside the roots).
@@ -52,14 +53,15 @@ def pin_paths(
     Call it before anything looks at the files (:func:`~etrain.service.planning.spec_checks.check_spec` reports
     missing ones): a refused
     path's problem depends only on the given string and where it resolves, and echoes the given
-    string, so the answer is the same whether the file exists or not.
+    string, so the answer is the same whether the file exists or not. ``shown_roots``: the roots a
+    refusal may name (the caller's own and the shared ones).
     """
     pinned = resolve_paths(spec, base_dir)
     problems = []
     for field, section, name in PATH_FIELDS:
         raw = getattr(getattr(spec, section), name)
         if raw:
-            problem = roots.check(field, raw, getattr(getattr(pinned, section), name))
+            problem = roots.check(field, raw, getattr(getattr(pinned, section), name), shown=shown_roots)
             if problem is not None:
                 problems.append(SpecProblem(field=problem.field, message=problem.message, fix=problem.fix))
     return pinned, problems

@@ -166,6 +166,26 @@ def test_storage_roots_marked_for_a_tenant_are_only_that_tenants(world, server):
     created(clients["alice"], spec(**text("corpus")))  # the shared root
 
 
+def test_a_path_outside_every_root_is_refused_without_naming_other_tenants_roots(world, server, tmp_path_factory):
+    """The refusal lists the roots the caller may use: alice sees the shared root and hers, never bob's."""
+    _manager, clients = server
+    outside = str(tmp_path_factory.mktemp("elsewhere") / "corpus")
+    seen = {}
+    for who in ("alice", "admin"):
+        for route, body in (("/v1/jobs", spec(**text(outside))), ("/v1/plan", spec(**text(outside)))):
+            refused = clients[who].post(route, json=body)
+            assert refused.status_code == 422, refused.text
+            [problem] = refused.json()["detail"]
+            assert problem["field"] == "data.path" and "is outside the storage roots" in problem["message"]
+            seen[who] = problem["message"] + problem["fix"]
+    shared, alices, bobs = (str(world / name) for name in ("shared", "alice", "bob"))
+    assert shared in seen["alice"] and alices in seen["alice"] and bobs not in seen["alice"]
+    assert all(root in seen["admin"] for root in (shared, alices, bobs))  # the operator sees every root
+    job = created(clients["alice"], spec("leaks", checkpoint={"path": "runs/alice-leak"}))
+    export = clients["alice"].post(f"/v1/jobs/{job}/export", json={"step": None, "out": outside})
+    assert export.status_code == 422 and bobs not in export.text and alices in export.text
+
+
 def test_plan_applies_the_same_reach_rule_and_is_no_oracle(world, server):
     manager, clients = server
     alice = clients["alice"]

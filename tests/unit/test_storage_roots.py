@@ -174,6 +174,7 @@ def test_concurrent_first_starts_agree_on_one_key(tmp_path):
 
 def test_a_damaged_key_file_is_a_settings_error_naming_the_fix(tmp_path):
     (tmp_path / KEY_NAME).write_text("zz" * 32)
+    (tmp_path / KEY_NAME).chmod(0o600)
     with pytest.raises(SettingsError, match="not hexadecimal") as error:
         load_or_create_key(tmp_path)
     assert "delete it to generate a new key" in error.value.fix
