@@ -265,15 +265,25 @@ def test_gang_rejects_nonsense(args):
         Gang(per_rank={"CPU": 0.0}, dp_sizes=(1,))
 
 
-def test_a_long_queue_costs_one_computation_per_job_shape():
+def test_a_long_queue_costs_one_computation_per_job_shape(monkeypatch):
     """GET /v1/cluster and every scheduler pass run decide(): 2,000 queued jobs of two shapes behind a
-    blocked head on 200 busy nodes take milliseconds, not a pass over every node for every job."""
-    import time
+    blocked head on 200 busy nodes cost a few computations per shape, not a pass over every node for
+    every job. Counted, not timed (a timing bound failed on a loaded CI machine); ~0.03 s here."""
+    from etrain.service.decisions import admission
 
+    calls = {"_largest_fit": 0, "_why": 0, "_usable": 0}
+    for name in calls:
+        original = getattr(admission, name)
+
+        def counted(*args, _original=original, _name=name, **kwargs):
+            calls[_name] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(admission, name, counted)
     nodes = [node(f"n{i}", 8, free=1, gpus=8, free_gpus=0) for i in range(200)]
     queued = [job(f"j{i}", i % 7, float(i), ranks=2, gpus=1, tp=1 + i % 2) for i in range(2000)]
-    started = time.perf_counter()
     plan = decide(queued, nodes)
-    elapsed = time.perf_counter() - started
     assert admitted(plan) == [] and [w.position for w in plan.wait] == list(range(1, 2001))
-    assert elapsed < 0.5, elapsed  # ~0.03 s; one decision per job and node would be ~2.5 s
+    # Two shapes: each shape's answers are computed again only when a blocked job closes nodes (a new
+    # version), which happens a few times at the head of the queue; 2,000 per function without memory.
+    assert calls["_usable"] == 2 and calls["_largest_fit"] <= 8 and calls["_why"] <= 8, calls
