@@ -18,10 +18,11 @@ from typing import Any
 
 from fastapi import Depends, FastAPI
 
-from etrain.api.auth import Authenticator, BearerAuthGate, RequestSizeLimitMiddleware
+from etrain.api.auth import Authenticator, BearerAuthGate, ChaosGate, RequestSizeLimitMiddleware
 from etrain.api.errors import install_error_handlers
 from etrain.api.routes import get_principal, cluster, health, jobs, plan
 from etrain.api.schemas import ErrorOut
+from etrain.service.access.quotas import FairUse
 from etrain.service.ports import JobManagerPort
 from etrain.service.settings import Settings
 
@@ -71,9 +72,14 @@ def create_app(
     app.state.settings = settings
     app.state.manager = manager
     app.state.authenticator = authenticator
+    #: Per-tenant concurrency caps (event streams, plans) the routes take slots of; /healthz's cached probe.
+    app.state.fair_use = FairUse.of(settings)
+    app.state.health = health.HealthCache(lambda: health.probe(app), ttl_s=settings.health_cache_s)
     install_error_handlers(app)
-    # Added last = outermost: the token is checked before the size, so strangers learn nothing.
+    # Added last = outermost: the token is checked before anything else, so strangers learn nothing; then
+    # whether the caller may fire drills at all; then the size.
     app.add_middleware(RequestSizeLimitMiddleware, max_bytes=settings.max_request_bytes)
+    app.add_middleware(ChaosGate, authenticator=authenticator, settings=settings)
     app.add_middleware(BearerAuthGate, authenticator=authenticator)
     # Every /v1 router goes here: behind the caller (401 without a known token, declared in OpenAPI).
     for router in (jobs.router, plan.router, cluster.router):

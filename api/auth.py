@@ -15,16 +15,20 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import re
 from collections.abc import Mapping
 from pathlib import Path
 
 from fastapi.security.utils import get_authorization_scheme_param
 from starlette.datastructures import Headers
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from etrain.api.errors import error_response, etrain_error_response
+from etrain.api.routes import check_chaos_allowed
 from etrain.service.errors import NotAuthenticated
+from etrain.workers.protocol.errors import EtrainError
 from etrain.service.settings import Settings
 from etrain.service.access.tenancy import ADMIN, Principal
 
@@ -113,6 +117,39 @@ class BearerAuthGate:
             except NotAuthenticated as refused:
                 await etrain_error_response(refused)(scope, receive, send)
                 return
+        await self.app(scope, receive, send)
+
+
+class ChaosGate:
+    """Refuse ``POST /v1/jobs/{id}/chaos`` to a caller who may not fire drills before the body is read.
+
+    FastAPI parses a JSON body before it runs a route's dependencies, so without this gate a tenant's
+    malformed drill order got a 422 (which teaches the drill API) where a well-formed one got 403. Same
+    rule as the route's own dependency (``etrain.api.routes.check_chaos_allowed``): chaos disabled -> 403,
+    another tenant's job -> 404, a tenant's own job -> 403. The admin passes on to the route.
+    """
+
+    PATH = re.compile(r"^/v1/jobs/([^/]+)/chaos/?$")
+
+    def __init__(self, app: ASGIApp, *, authenticator: Authenticator, settings: Settings):
+        self.app = app
+        self.authenticator = authenticator
+        self.settings = settings
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        match = self.PATH.match(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
+        if match is not None:
+            caller = self.authenticator.principal_for(bearer_token(Headers(scope=scope).get("authorization")))
+            if caller is not None:  # None: BearerAuthGate answers 401
+                manager = getattr(scope["app"].state, "manager", None) if "app" in scope else None
+                try:
+                    if caller.admin or not self.settings.enable_chaos:
+                        check_chaos_allowed(self.settings, None, match.group(1), caller)
+                    else:  # reads the job (SQLite): off the event loop
+                        await run_in_threadpool(check_chaos_allowed, self.settings, manager, match.group(1), caller)
+                except EtrainError as refused:
+                    await etrain_error_response(refused)(scope, receive, send)
+                    return
         await self.app(scope, receive, send)
 
 

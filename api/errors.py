@@ -25,7 +25,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -35,6 +35,7 @@ from etrain.service.errors import (
     JobConflict,
     JobNotFound,
     NotAuthenticated,
+    PriorityNotAllowed,
     QuotaExceeded,
     RankNotFound,
     ServiceUnavailable,
@@ -54,6 +55,7 @@ _ETRAIN_ERRORS: tuple[tuple[type[EtrainError], int, str], ...] = (
     (ChaosDisabled, 403, "chaos_disabled"),
     (NotAuthenticated, 401, "unauthorized"),
     (AdminOnly, 403, "admin_only"),
+    (PriorityNotAllowed, 403, "priority_not_allowed"),
     (QuotaExceeded, 429, "quota_exceeded"),
     (ServiceUnavailable, 503, "service_unavailable"),
     (EtrainError, 400, "bad_request"),
@@ -102,7 +104,12 @@ def etrain_error_response(exc: EtrainError) -> JSONResponse:
         return _validation_response([p.to_dict() for p in exc.problems], code=code)
     detail = [{"field": exc.field, "message": exc.message, "fix": exc.fix}] if exc.field else []
     headers = {"WWW-Authenticate": "Bearer"} if status_code == 401 else None
-    extra = {"quota": exc.to_dict()} if isinstance(exc, QuotaExceeded) else None
+    extra = None
+    if isinstance(exc, QuotaExceeded):  # 429: the cap's numbers, and when to try again
+        headers = {"Retry-After": str(exc.retry_after_s)}
+        extra = {"quota": exc.to_dict(), "retry_after_s": exc.retry_after_s}
+    elif isinstance(exc, PriorityNotAllowed):
+        extra = {"priority": exc.to_dict()}
     return error_response(status_code, code, exc.message, fix=exc.fix, detail=detail, headers=headers, extra=extra)
 
 
@@ -160,11 +167,41 @@ async def _http_exception(request: Request, exc: StarletteHTTPException) -> JSON
         }], code="invalid_spec" if is_spec else "invalid_request")
     code = _HTTP_CODES.get(exc.status_code, "http_error")
     message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+    headers = getattr(exc, "headers", None)
+    if exc.status_code == 405:
+        # Starlette names the methods of the first route whose path matched (POST /v1/jobs, not GET): list
+        # every route's, and answer OPTIONS itself with them.
+        allow = ", ".join(allowed_methods(request))
+        if request.method == "OPTIONS":
+            return Response(status_code=204, headers={"Allow": allow})
+        headers = {**(headers or {}), "Allow": allow}
+        if message == "Method Not Allowed":
+            message = f"{request.method} is not allowed on {request.url.path}; allowed: {allow}"
     if exc.status_code == 404 and message == "Not Found":
         message = f"no such endpoint: {request.method} {request.url.path}"
-    elif exc.status_code == 405 and message == "Method Not Allowed":
-        message = f"{request.method} is not allowed on {request.url.path}"
-    return error_response(exc.status_code, code, message, headers=getattr(exc, "headers", None))
+    return error_response(exc.status_code, code, message, headers=headers)
+
+
+def allowed_methods(request: Request) -> list[str]:
+    """Every method the app answers on this request's path, read from its OpenAPI document (every route the
+    API serves is in it), plus OPTIONS (the handler above answers it), sorted."""
+    methods = {"OPTIONS"}
+    for pattern, verbs in _path_methods(request.app):
+        if pattern.fullmatch(request.url.path):
+            methods |= verbs
+    return sorted(methods)
+
+
+def _path_methods(app: FastAPI) -> list[tuple[re.Pattern[str], set[str]]]:
+    """(path template as a regex, its methods) of the document, built once per app."""
+    cached = getattr(app.state, "path_methods", None)
+    if cached is None:
+        cached = []
+        for path, operations in app.openapi().get("paths", {}).items():
+            pattern = "[^/]+".join(re.escape(part) for part in re.split(r"\{[^}/]+\}", path))  # {job_id}: a segment
+            cached.append((re.compile(pattern), {method.upper() for method in operations}))
+        app.state.path_methods = cached
+    return cached
 
 
 async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:

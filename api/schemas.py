@@ -266,6 +266,21 @@ COMMON_RESPONSES: dict[int | str, dict[str, Any]] = {
     413: {"model": ErrorOut, "description": "the request body is larger than ETRAIN_MAX_REQUEST_BYTES"},
     503: {"model": ErrorOut, "description": "the job service is not running (the server is starting or stopping)"},
 }
+#: The 429 of each per-tenant cap a route can hit (the body's ``quota`` object has the numbers, the
+#: ``Retry-After`` header when to try again).
+TOO_MANY: dict[str, dict[str, Any]] = {
+    name: {"model": ErrorOut, "description": f"{what} (the body's quota object has the numbers; retry after "
+                                             "the Retry-After header's seconds)",
+           "headers": {"Retry-After": {"description": "seconds to wait before trying again",
+                                       "schema": {"type": "integer"}}}}
+    for name, what in (
+        ("max_plans", "the tenant has ETRAIN_TENANT_MAX_PLANS plans computing already"),
+        ("max_streams", "the tenant has ETRAIN_TENANT_MAX_STREAMS event streams open already"),
+        ("max_workers", "the larger job would take the tenant over ETRAIN_TENANT_MAX_WORKERS"),
+        ("submit", "a per-tenant quota (ETRAIN_TENANT_MAX_JOBS / _MAX_WORKERS) is full, or, for parallelism auto, "
+                   "the tenant has ETRAIN_TENANT_MAX_PLANS plans computing already"),
+    )
+}
 #: ... and every operation that takes parameters or a body (all of /v1).
 V1_RESPONSES: dict[int | str, dict[str, Any]] = {
     **COMMON_RESPONSES,

@@ -19,6 +19,7 @@ __all__ = [
     "JobConflict",
     "JobNotFound",
     "NotAuthenticated",
+    "PriorityNotAllowed",
     "QuotaExceeded",
     "RankNotFound",
     "ServiceUnavailable",
@@ -135,35 +136,66 @@ def _rebuild_admin_only(action, tenant):
 
 
 class QuotaExceeded(EtrainError):
-    """A tenant's submit would go over a per-tenant quota (HTTP 429): nothing was created.
+    """A tenant's request would go over a per-tenant cap (HTTP 429 with ``Retry-After``): nothing was done.
 
-    ``quota`` is ``max_jobs`` (unfinished jobs) or ``max_workers`` (ranks those jobs hold); ``limit`` is
-    the operator's setting, ``used`` what the tenant holds now and ``requested`` what this job adds.
+    ``quota`` names the cap: ``max_jobs`` (unfinished jobs) and ``max_workers`` (ranks those jobs hold),
+    checked at submit and, for workers, at scale; ``max_streams`` (open event streams) and ``max_plans``
+    (plan computations running at once). ``limit`` is the operator's setting, ``used`` what the tenant holds
+    now and ``requested`` what this request adds. ``job_id``, ``dp`` and ``dp_fits`` (the largest dp that
+    fits now) are set when a scale was refused. ``retry_after_s`` is the hint the 429 carries in its
+    ``Retry-After`` header.
     """
 
-    SETTINGS = {"max_jobs": "ETRAIN_TENANT_MAX_JOBS", "max_workers": "ETRAIN_TENANT_MAX_WORKERS"}
+    SETTINGS = {"max_jobs": "ETRAIN_TENANT_MAX_JOBS", "max_workers": "ETRAIN_TENANT_MAX_WORKERS",
+                "max_streams": "ETRAIN_TENANT_MAX_STREAMS", "max_plans": "ETRAIN_TENANT_MAX_PLANS"}
+    #: Seconds a client should wait before trying again: a stream or a plan frees its slot within seconds,
+    #: a job or its workers when it ends (the client cannot know when: it polls, every half minute at most).
+    RETRY_AFTER_S = {"max_jobs": 30, "max_workers": 30, "max_streams": 5, "max_plans": 1}
 
-    def __init__(self, quota: str, *, tenant: str, limit: int, used: int, requested: int):
+    def __init__(self, quota: str, *, tenant: str, limit: int, used: int, requested: int,
+                 job_id: str | None = None, dp: int | None = None, dp_fits: int | None = None):
         assert quota in self.SETTINGS, quota
         self.quota, self.tenant, self.limit, self.used, self.requested = quota, tenant, limit, used, requested
+        self.job_id, self.dp, self.dp_fits = job_id, dp, dp_fits
         setting = self.SETTINGS[quota]
+        field = None
         if quota == "max_jobs":
             message = (f"tenant {tenant!r} may have at most {limit} unfinished jobs ({setting}={limit}) and has "
                        f"{used}; this job would make {used + requested}.")
             fix = (f"wait for one of your jobs to finish or cancel one (`etrain list`, `etrain cancel ID`), "
                    f"or ask the operator to raise {setting}")
-            field = None
-        else:
+        elif quota == "max_workers" and job_id is not None:
+            message = (f"tenant {tenant!r} may hold at most {limit} workers ({setting}={limit}); its unfinished jobs "
+                       f"hold {used} and dp={dp} adds {requested} ranks to job {job_id}, {used + requested} in all.")
+            fix = (f"scale to at most dp={dp_fits} (what the quota leaves room for now), wait for or cancel another "
+                   f"of your jobs, or ask the operator to raise {setting}")
+            field = "dp"
+        elif quota == "max_workers":
             message = (f"tenant {tenant!r} may hold at most {limit} workers ({setting}={limit}); its unfinished jobs "
                        f"hold {used} and this job needs {requested}, {used + requested} in all.")
             fix = (f"submit with fewer workers (at most {max(limit - used, 0)} now: lower parallelism.dp, tp or pp), "
                    f"wait for or cancel one of your jobs, or ask the operator to raise {setting}")
             field = "parallelism"
+        elif quota == "max_streams":
+            message = (f"tenant {tenant!r} may follow at most {limit} event streams at once ({setting}={limit}) "
+                       f"and has {used} open.")
+            fix = (f"close a stream you no longer read (one `etrain watch` per job is enough), poll "
+                   f"GET /v1/jobs/{{id}}/events?since=N instead, retry after {self.RETRY_AFTER_S[quota]} s, or ask "
+                   f"the operator to raise {setting}")
+        else:
+            message = (f"tenant {tenant!r} may have at most {limit} plans computed at once ({setting}={limit}) and "
+                       f"has {used} running.")
+            fix = (f"send plans (and submits with parallelism auto) one after another: retry after "
+                   f"{self.RETRY_AFTER_S[quota]} s, or ask the operator to raise {setting}")
         super().__init__(message, field=field, fix=fix)
 
     @property
     def setting(self) -> str:
         return self.SETTINGS[self.quota]
+
+    @property
+    def retry_after_s(self) -> int:
+        return self.RETRY_AFTER_S[self.quota]
 
     def to_dict(self) -> dict[str, int | str]:
         """The numbers, for the 429 body's ``quota`` object."""
@@ -171,11 +203,39 @@ class QuotaExceeded(EtrainError):
                 "used": self.used, "requested": self.requested}
 
     def __reduce__(self):
-        return (_rebuild_quota, (self.quota, self.tenant, self.limit, self.used, self.requested))
+        return (_rebuild_quota, (self.quota, self.tenant, self.limit, self.used, self.requested, self.job_id,
+                                 self.dp, self.dp_fits))
 
 
-def _rebuild_quota(quota, tenant, limit, used, requested):
-    return QuotaExceeded(quota, tenant=tenant, limit=limit, used=used, requested=requested)
+def _rebuild_quota(quota, tenant, limit, used, requested, job_id=None, dp=None, dp_fits=None):
+    return QuotaExceeded(quota, tenant=tenant, limit=limit, used=used, requested=requested, job_id=job_id, dp=dp,
+                         dp_fits=dp_fits)
+
+
+class PriorityNotAllowed(EtrainError):
+    """A tenant asked for a job ``priority`` outside the range the operator allows it (HTTP 403): nothing was
+    created. The admin may use any priority the spec allows."""
+
+    def __init__(self, *, tenant: str, priority: int, low: int, high: int, setting: str):
+        self.tenant, self.priority, self.low, self.high, self.setting = tenant, priority, low, high, setting
+        super().__init__(
+            f"priority={priority} is outside the range tenant {tenant!r} may use: {low}..{high} ({setting}).",
+            field="priority",
+            fix=f"submit with a priority in {low}..{high} (omitted: 0), or ask the operator to widen the range "
+                f"(ETRAIN_TENANT_PRIORITIES={tenant}=MIN..MAX)",
+        )
+
+    def to_dict(self) -> dict[str, int | str]:
+        """For the 403 body's ``priority`` object."""
+        return {"tenant": self.tenant, "requested": self.priority, "min": self.low, "max": self.high,
+                "setting": self.setting}
+
+    def __reduce__(self):
+        return (_rebuild_priority, (self.tenant, self.priority, self.low, self.high, self.setting))
+
+
+def _rebuild_priority(tenant, priority, low, high, setting):
+    return PriorityNotAllowed(tenant=tenant, priority=priority, low=low, high=high, setting=setting)
 
 
 class ServiceUnavailable(EtrainError):

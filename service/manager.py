@@ -45,7 +45,7 @@ from etrain.service.access.storage_roots import StorageRoots, pin
 from etrain.service.store.claims import DirectoryTaken
 from etrain.service.store.job_store import JobStore
 from etrain.service.store.records import EventRecord, JobRecord, JobStatus, StepRecord
-from etrain.service.access.quotas import TenantQuotas
+from etrain.service.access.quotas import TenantQuotas, check_priority
 from etrain.service.access.tenancy import ADMIN, Principal
 from etrain.workers import storage
 from etrain.workers.protocol.errors import ConfigError
@@ -123,6 +123,8 @@ class JobManager:
             replayed = idempotency.replay(self.store, principal.tenant, idempotency.check_key(idempotency_key), digest)
             if replayed is not None:
                 return replayed
+        check_priority(self.settings, principal, spec.priority)  # PriorityNotAllowed: 403
+        self._quotas.precheck(principal, self.store)  # a tenant at its job cap costs no planning: 429
         self._check_reach(spec, principal)
         spec = self.validate(spec)
         self._scheduler.refuse_beyond_cluster(spec)
@@ -243,6 +245,8 @@ class JobManager:
         return self.get(job_id)
 
     def scale(self, job_id: str, dp: int, *, principal: Principal = ADMIN) -> JobRecord:
+        """Ask for ``dp`` (JobConflict once terminal, SpecRejected outside min_dp..max_dp, QuotaExceeded when the
+        larger world would take the tenant over ``ETRAIN_TENANT_MAX_WORKERS``) and return at once."""
         record = self.get(job_id, principal=principal)
         if record.is_terminal:
             raise JobConflict(f"job {job_id} is {record.status.value}; it cannot be resized.", job_id=job_id)
@@ -259,6 +263,8 @@ class JobManager:
             raise SpecRejected([SpecProblem(field="dp", message=str(err),
                                             fix=f"choose dp between resources.min_dp={spec.min_dp} and "
                                                 f"resources.max_dp={spec.max_dp} that divides the global batch")])
+        layout = spec.layout
+        self._quotas.admit_scale(principal, record, dp, layout.tp * layout.pp, self.store)  # QuotaExceeded: 429
         self.store.add_events(job_id, [(time.time(), "scale_requested", {"message": f"dp -> {dp} requested via API"})])
         self._control.put(ControlRequest(job_id=job_id, action="scale", dp=dp))  # delivered off this thread
         return self.get(job_id)

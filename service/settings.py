@@ -43,10 +43,24 @@ class Settings:
     api_tokens: tuple[tuple[str, str], ...] = field(default=(), repr=False)
     #: A file of ``tenant=token`` lines (``#`` comments), read once at start-up and merged with api_tokens.
     api_tokens_file: Path | None = None
-    #: Per-tenant quotas on unfinished (non-terminal) jobs and on the workers (world size) they hold;
-    #: None is unlimited. The admin token is exempt.
-    tenant_max_jobs: int | None = None
+    #: Per-tenant quotas on unfinished (non-terminal) jobs and on the workers (world size) they hold,
+    #: checked at submit (workers at scale too); None is unlimited. The admin token is exempt.
+    tenant_max_jobs: int | None = 20
     tenant_max_workers: int | None = None
+    #: Fair use, per tenant (the admin is exempt): event streams open at once (``follow=true``) and plan
+    #: computations running at once (``POST /v1/plan`` and submits with ``parallelism: auto``); None is
+    #: unlimited. Over a cap a request is a 429 with ``Retry-After`` (service/access/quotas.py).
+    tenant_max_streams: int | None = 8
+    tenant_max_plans: int | None = 2
+    #: The job priorities a tenant may ask for (the admin: any the spec allows, -1000..1000), and per-tenant
+    #: ranges that replace it, ``ETRAIN_TENANT_PRIORITIES="alice=0..500,bob=-10..10"`` ((tenant, min, max)
+    #: triples; a mapping tenant -> (min, max) is accepted too).
+    tenant_min_priority: int = 0
+    tenant_max_priority: int = 100
+    tenant_priorities: tuple[tuple[str, int, int], ...] = ()
+    #: How long /healthz answers from its last probe of the database and Ray (seconds; a background thread
+    #: refreshes it, one probe at a time); 0: every request waits for a fresh probe.
+    health_cache_s: float = 2.0
     enable_chaos: bool = False
     max_request_bytes: int = 1_000_000
     poll_interval_s: float = 0.5
@@ -88,13 +102,19 @@ class Settings:
         if self.api_tokens_file is not None:
             object.__setattr__(self, "api_tokens_file", Path(self.api_tokens_file).expanduser())
         object.__setattr__(self, "token_tenants", self._token_tenants())
-        for name in ("tenant_max_jobs", "tenant_max_workers"):
+        for name in ("tenant_max_jobs", "tenant_max_workers", "tenant_max_streams", "tenant_max_plans"):
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise SettingsError(
                     f"{name}={value} must be 0 or more.", field=name,
-                    fix=f"give a limit per tenant, or unset ETRAIN_{name.upper()} for no limit",
+                    fix=f"give a limit per tenant, or set ETRAIN_{name.upper()}= (empty) for no limit",
                 )
+        self._check_priorities()
+        if not 0 <= self.health_cache_s <= 300:
+            raise SettingsError(
+                f"health_cache_s={self.health_cache_s} must be 0..300 seconds.", field="health_cache_s",
+                fix="use e.g. 2 (ETRAIN_HEALTH_CACHE_S; 0 probes the database and Ray on every /healthz)",
+            )
         if self.ray_address == "":
             object.__setattr__(self, "ray_address", None)
         for name in ("port", "dashboard_port"):
@@ -148,6 +168,41 @@ class Settings:
             raise TypeError(f"unknown settings: {sorted(unknown)}")
         values.update({name: value for name, value in overrides.items() if value is not None})
         return cls(**values)
+
+    def _check_priorities(self) -> None:
+        """The default tenant range and the per-tenant ones: inside the spec's -1000..1000, min <= max, one
+        range per known-looking tenant name."""
+        if isinstance(self.tenant_priorities, Mapping):
+            object.__setattr__(self, "tenant_priorities",
+                               tuple((tenant, *bounds) for tenant, bounds in self.tenant_priorities.items()))
+        ranges = [("ETRAIN_TENANT_MIN_PRIORITY..ETRAIN_TENANT_MAX_PRIORITY", "tenant_max_priority",
+                   self.tenant_min_priority, self.tenant_max_priority)]
+        seen: set[str] = set()
+        for tenant, low, high in self.tenant_priorities:
+            where = f"ETRAIN_TENANT_PRIORITIES entry {tenant!r}"
+            _check_tenant(tenant, "ETRAIN_TENANT_PRIORITIES", "ETRAIN_TENANT_PRIORITIES")
+            if tenant in seen:
+                raise SettingsError(f"ETRAIN_TENANT_PRIORITIES names tenant {tenant!r} twice.",
+                                    field="ETRAIN_TENANT_PRIORITIES", fix="give each tenant one MIN..MAX range")
+            seen.add(tenant)
+            ranges.append((where, "ETRAIN_TENANT_PRIORITIES", low, high))
+        for where, field_name, low, high in ranges:
+            if not -MAX_PRIORITY <= low <= high <= MAX_PRIORITY:
+                raise SettingsError(
+                    f"{where}: the priority range {low}..{high} is not MIN..MAX within "
+                    f"-{MAX_PRIORITY}..{MAX_PRIORITY}.", field=field_name,
+                    fix=f"give MIN <= MAX, both within -{MAX_PRIORITY}..{MAX_PRIORITY} (the job spec's bounds), "
+                        "e.g. 0..100",
+                )
+
+    def priority_range(self, tenant: str) -> tuple[int, int, str]:
+        """(min, max, the setting that says so) of the priorities ``tenant`` may give its jobs."""
+        for name, low, high in self.tenant_priorities:
+            if name == tenant:
+                return low, high, f"ETRAIN_TENANT_PRIORITIES={name}={low}..{high}"
+        return (self.tenant_min_priority, self.tenant_max_priority,
+                f"ETRAIN_TENANT_MIN_PRIORITY={self.tenant_min_priority}, "
+                f"ETRAIN_TENANT_MAX_PRIORITY={self.tenant_max_priority}")
 
     def _token_tenants(self) -> dict[str, str]:
         """Every tenant token (environment, then file) -> its tenant; SettingsError names the source of
@@ -250,6 +305,10 @@ def _optional_integer(variable: str, raw: str) -> int | None:
 
 #: Visible ASCII (an HTTP header value), no comma (the ETRAIN_API_TOKENS separator).
 _TOKEN_CHARS = re.compile(r"^[\x21-\x2b\x2d-\x7e]+$")
+#: The shortest token the server accepts: 16 random URL-safe characters are 96 bits, beyond guessing.
+MIN_TOKEN_LENGTH = 16
+#: The job spec's priority bounds (service/planning/spec.py): the admin may use all of them.
+MAX_PRIORITY = 1000
 _NEW_TOKEN = "python -c 'import secrets; print(secrets.token_hex(32))'"  # hex: never starts with '-'
 
 
@@ -272,6 +331,13 @@ def _check_token(token: str, where: str, variable: str, *, tenant: str | None = 
         raise SettingsError(
             f"{where}: {whose} is empty or holds spaces, commas or non-ASCII characters.", field=variable,
             fix=f"use a random URL-safe token, e.g. {_NEW_TOKEN}",
+        )
+    if len(token) < MIN_TOKEN_LENGTH:
+        whose = "the token" if tenant is None else f"the token of tenant {tenant!r}"
+        raise SettingsError(
+            f"{where}: {whose} has {len(token)} characters; a token needs at least {MIN_TOKEN_LENGTH} (a short "
+            "token can be guessed).", field=variable,
+            fix=f"use a random token of {MIN_TOKEN_LENGTH} or more characters, e.g. {_NEW_TOKEN}",
         )
 
 
@@ -310,6 +376,23 @@ def _read_tokens_file(path: Path) -> list[tuple[str, str, str]]:
             where = f"{path}:{number}"
             entries.append((*_tenant_token(line, where, "ETRAIN_API_TOKENS_FILE"), where))
     return entries
+
+
+def _priority_ranges(variable: str, raw: str) -> tuple[tuple[str, int, int], ...]:
+    """``alice=0..500,bob=-10..10`` (spaces around entries ignored, empty entries skipped)."""
+    ranges = []
+    for number, entry in enumerate((part.strip() for part in raw.split(",")), start=1):
+        if not entry:
+            continue
+        tenant, _, bounds = entry.partition("=")
+        match = re.fullmatch(r"\s*(-?\d+)\s*\.\.\s*(-?\d+)\s*", bounds)
+        if match is None:
+            raise SettingsError(
+                f"{variable} entry {number} is not 'tenant=MIN..MAX'.", field=variable,
+                fix=f"write each entry as tenant=MIN..MAX, e.g. {variable}=alice=0..500,bob=-10..10",
+            )
+        ranges.append((tenant.strip(), int(match.group(1)), int(match.group(2))))
+    return tuple(ranges)
 
 
 def _storage_roots(variable: str, raw: str) -> tuple[str, ...]:
@@ -398,6 +481,12 @@ _ENV = {
     "api_tokens_file": ("ETRAIN_API_TOKENS_FILE", lambda variable, raw: Path(raw) if raw.strip() else None),
     "tenant_max_jobs": ("ETRAIN_TENANT_MAX_JOBS", _optional_integer),
     "tenant_max_workers": ("ETRAIN_TENANT_MAX_WORKERS", _optional_integer),
+    "tenant_max_streams": ("ETRAIN_TENANT_MAX_STREAMS", _optional_integer),
+    "tenant_max_plans": ("ETRAIN_TENANT_MAX_PLANS", _optional_integer),
+    "tenant_min_priority": ("ETRAIN_TENANT_MIN_PRIORITY", _integer),
+    "tenant_max_priority": ("ETRAIN_TENANT_MAX_PRIORITY", _integer),
+    "tenant_priorities": ("ETRAIN_TENANT_PRIORITIES", _priority_ranges),
+    "health_cache_s": ("ETRAIN_HEALTH_CACHE_S", _number),
     "enable_chaos": ("ETRAIN_ENABLE_CHAOS", _flag),
     "max_request_bytes": ("ETRAIN_MAX_REQUEST_BYTES", _integer),
     "poll_interval_s": ("ETRAIN_POLL_INTERVAL_S", _number),

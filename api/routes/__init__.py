@@ -14,6 +14,7 @@ from fastapi import Depends, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from etrain.service.errors import AdminOnly, ChaosDisabled, NotAuthenticated, ServiceUnavailable
+from etrain.service.access.quotas import FairUse
 from etrain.service.ports import JobManagerPort
 from etrain.service.settings import Settings
 from etrain.service.access.tenancy import Principal
@@ -30,6 +31,12 @@ bearer_scheme = HTTPBearer(
 
 def get_settings(request: Request) -> Settings:
     return request.app.state.settings
+
+
+async def get_fair_use(request: Request) -> FairUse:
+    """The per-tenant concurrency caps (event streams, plans): ``create_app`` keeps one per app. ``async``: no
+    thread-pool hop for a lookup."""
+    return request.app.state.fair_use
 
 
 def get_manager(request: Request) -> JobManagerPort:
@@ -69,11 +76,18 @@ def require_chaos(
 ) -> None:
     """Fault injection: only on servers started with ETRAIN_ENABLE_CHAOS=1, only with the admin token.
 
-    Checked before the body. A tenant asking about a job it cannot see gets 404 like on every other
-    route (ids do not leak); on its own job, 403 saying drills are the operator's.
+    Checked before the body: here for the route, and by ``etrain.api.auth.ChaosGate`` before FastAPI even
+    parses it (a tenant's malformed body is a 403 too, never a 422 that teaches the drill API).
     """
-    if not get_settings(request).enable_chaos:
+    check_chaos_allowed(get_settings(request), manager, job_id, caller)
+
+
+def check_chaos_allowed(settings: Settings, manager: JobManagerPort | None, job_id: str, caller: Principal) -> None:
+    """ChaosDisabled unless the server allows drills; for a tenant, JobNotFound (404) for a job it cannot
+    see, like on every other route (ids do not leak), and AdminOnly (403) on its own job. ``manager`` None
+    (not running): the tenant's refusal waits for the route, which answers 503."""
+    if not settings.enable_chaos:
         raise ChaosDisabled()
-    if not caller.admin:
+    if not caller.admin and manager is not None:
         manager.get(job_id, principal=caller)  # JobNotFound for another tenant's job
         raise AdminOnly("fault injection (chaos)", tenant=caller.tenant)

@@ -8,14 +8,17 @@ No handler waits on Ray: cancel and scale are handed to the supervisor off the r
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Callable
+from contextlib import nullcontext
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Query, Response
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
+from starlette.types import Receive, Scope, Send
 
 from etrain.api import sse
-from etrain.api.routes import get_manager, get_principal, require_chaos
+from etrain.api.routes import get_fair_use, get_manager, get_principal, require_chaos
 from etrain.api.schemas import (
     ChaosRequest,
     ErrorOut,
@@ -29,8 +32,10 @@ from etrain.api.schemas import (
     ScaleRequest,
     StepOut,
     StepsOut,
+    TOO_MANY,
     V1_RESPONSES,
 )
+from etrain.service.access.quotas import FairUse
 from etrain.service.store import idempotency
 from etrain.service.planning.bounds import MAX_CURSOR
 from etrain.service.ports import JobManagerPort
@@ -42,6 +47,7 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=V1_RESPONSES)
 
 Manager = Annotated[JobManagerPort, Depends(get_manager)]
 Caller = Annotated[Principal, Depends(get_principal)]
+Fair = Annotated[FairUse, Depends(get_fair_use)]
 #: Largest event/step sequence number a query may name (SQLite integers are 64-bit).
 MAX_SEQ = MAX_CURSOR
 #: Bounds of GET /logs: a rank index no layout reaches, and the most lines one answer carries.
@@ -57,8 +63,10 @@ _CONFLICT: dict[int | str, dict[str, Any]] = {**_NOT_FOUND, 409: {"model": Error
     response_model=JobOut,
     responses={
         422: {"model": ErrorOut, "description": "the spec is invalid or infeasible"},
-        429: {"model": ErrorOut, "description": "a per-tenant quota (ETRAIN_TENANT_MAX_JOBS / _MAX_WORKERS) is "
-                                                "full; the body's quota object has the numbers"},
+        429: TOO_MANY["submit"],
+        403: {"model": ErrorOut, "description": "a tenant asked for a priority outside its range "
+                                                "(ETRAIN_TENANT_MIN_PRIORITY..ETRAIN_TENANT_MAX_PRIORITY, or its "
+                                                "ETRAIN_TENANT_PRIORITIES entry)"},
         200: {"model": JobOut, "description": "an earlier submission with this Idempotency-Key and the same "
                                               "spec created this job; nothing new was created"},
         409: {"model": ErrorOut, "description": "this Idempotency-Key was used for a different spec, or "
@@ -70,6 +78,7 @@ def submit_job(
     response: Response,
     manager: Manager,
     caller: Caller,
+    fair_use: Fair,
     idempotency_key: Annotated[str | None, Header(
         alias=idempotency.HEADER,
         description="makes retries safe: the same key and spec return the job the first request created "
@@ -79,8 +88,12 @@ def submit_job(
                            "pattern": idempotency.KEY_PATTERN},
     )] = None,
 ) -> JobOut:
-    """Validate the spec (fields, cross-field rules, planner), record the job and start it."""
-    job = manager.submit(spec, principal=caller, idempotency_key=idempotency_key)
+    """Validate the spec (fields, cross-field rules, planner), record the job and start it.
+
+    ``parallelism: auto`` makes the planner search layouts: such a submit takes one of the tenant's plan
+    slots (ETRAIN_TENANT_MAX_PLANS) while it runs."""
+    with fair_use.plans.slot(caller) if spec.is_auto else nullcontext():
+        job = manager.submit(spec, principal=caller, idempotency_key=idempotency_key)
     if isinstance(job, idempotency.ReplayedJob):
         response.status_code = 200
     response.headers["Location"] = f"/v1/jobs/{job.id}"
@@ -110,6 +123,7 @@ def get_job(job_id: str, manager: Manager, caller: Caller) -> JobOut:
     response_model=EventsOut,
     responses={
         **_NOT_FOUND,
+        429: TOO_MANY["max_streams"],
         200: {
             "description": "the events (JSON); with follow=true a server-sent event stream (api/sse.py): each "
                            "event as `id: <seq>` + `data: <event JSON>`, `event: status` on status changes, "
@@ -127,6 +141,7 @@ async def job_events(
     job_id: str,
     manager: Manager,
     caller: Caller,
+    fair_use: Fair,
     since: Annotated[int, Query(ge=0, le=MAX_SEQ, description="only events with seq > since")] = 0,
     follow: Annotated[bool, Query(description="stream (text/event-stream) until the job ends")] = False,
     steps: Annotated[bool, Query(description="follow only: also stream each per-step metrics row")] = False,
@@ -140,18 +155,45 @@ async def job_events(
     """The job's events, oldest first; ``follow=true`` streams them as they happen.
 
     ``async``: a stream sleeps on the event loop between reads of the store (through the thread pool),
-    so a following client holds no thread while it waits."""
+    so a following client holds no thread while it waits. A tenant has at most ETRAIN_TENANT_MAX_STREAMS
+    streams open at once (429 with Retry-After beyond); a stream's slot is free again when it ends or its
+    client goes away."""
     if not follow:
         events = await run_in_threadpool(manager.events, job_id, since_seq=since, principal=caller)
         next_since = events[-1].seq if events else since
         return EventsOut(job_id=job_id, events=[EventOut.of(e) for e in events], next_since=next_since)
     await run_in_threadpool(manager.get, job_id, principal=caller)  # 404 now, not inside a 200 stream
+    release = fair_use.streams.acquire(caller)  # 429 when the tenant's streams are all open
     stream = sse.job_event_stream(
         manager, job_id, caller, since=since if last_event_id is None else last_event_id,
         steps=steps, steps_since=steps_since, max_s=timeout_s,
     )
-    return StreamingResponse(stream, media_type=sse.MEDIA_TYPE,
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return _HeldStream(stream, release, media_type=sse.MEDIA_TYPE,
+                       headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+class _HeldStream(StreamingResponse):
+    """A streaming response that gives its tenant's stream slot back when it is over: when the stream ends
+    (before its last chunk goes out, so a client that reconnects at once finds the slot free), when the
+    client goes away (Starlette cancels the stream then) or when sending fails."""
+
+    def __init__(self, content: AsyncIterator[str], release: Callable[[], None], **kwargs: Any):
+        super().__init__(_released_at_end(content, release), **kwargs)
+        self._release = release
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()  # idempotent: a stream that ended released already
+
+
+async def _released_at_end(content: AsyncIterator[str], release: Callable[[], None]) -> AsyncIterator[str]:
+    try:
+        async for chunk in content:
+            yield chunk
+    finally:
+        release()
 
 
 @router.get("/{job_id}/metrics", response_model=StepsOut, responses=_NOT_FOUND)
@@ -179,10 +221,12 @@ def cancel_job(job_id: str, manager: Manager, caller: Caller) -> JobOut:
     "/{job_id}/scale",
     status_code=202,
     response_model=JobOut,
-    responses={**_CONFLICT, 422: {"model": ErrorOut, "description": "dp outside min_dp..max_dp or not legal"}},
+    responses={**_CONFLICT, 422: {"model": ErrorOut, "description": "dp outside min_dp..max_dp or not legal"},
+               429: TOO_MANY["max_workers"]},
 )
 def scale_job(job_id: str, request: ScaleRequest, manager: Manager, caller: Caller) -> JobOut:
-    """Change the data-parallel degree; tp and pp never change and the global batch is kept.
+    """Change the data-parallel degree; tp and pp never change and the global batch is kept. A tenant's
+    larger job counts against ETRAIN_TENANT_MAX_WORKERS as a submit does (429 beyond it).
 
     Answers at once (202): the request is recorded (``scale_requested``) and handed to the supervisor,
     which checkpoints, stops the group and relaunches at the new size (RESIZING, then ``resized``)."""

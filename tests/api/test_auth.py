@@ -375,7 +375,9 @@ def test_a_tenant_over_its_quota_gets_429_with_the_numbers(quota_app):
         "detail": [{"field": "parallelism", "message": workers.json()["message"], "fix": workers.json()["fix"]}],
         "quota": {"name": "max_workers", "setting": "ETRAIN_TENANT_MAX_WORKERS", "tenant": "alice", "limit": 3,
                   "used": 2, "requested": 2},
+        "retry_after_s": 30,
     }
+    assert workers.headers["retry-after"] == "30"
     assert alice.post("/v1/jobs", json=long_spec("two", dp=1)).status_code == 201  # 3 of 3 workers
 
     jobs = alice.post("/v1/jobs", json=long_spec("three", dp=1))
@@ -437,33 +439,35 @@ def test_concurrent_submits_cannot_both_take_the_last_slot(tmp_path, store):
 
 def test_tenant_tokens_from_the_environment_and_a_file(tmp_path):
     tokens_file = tmp_path / "tokens"
-    tokens_file.write_text("# tenant=token, one a line\n\ncarol = carol-token-1\nalice=alice-token-rotated\n")
+    tokens_file.write_text("# tenant=token, one a line\n\ncarol = carol-token-00000001\nalice=alice-token-rotated-001\n")
     settings = Settings.from_env({
-        "ETRAIN_API_TOKENS": " alice=alice-token-1 , bob=b=ob-token=,",
+        "ETRAIN_API_TOKENS": " alice=alice-token-00000001 , bob=b=ob-token=-0123456,",
         "ETRAIN_API_TOKENS_FILE": str(tokens_file),
         "ETRAIN_TENANT_MAX_JOBS": "4",
         "ETRAIN_TENANT_MAX_WORKERS": "",
     })
     assert dict(settings.token_tenants) == {
-        "alice-token-1": "alice", "b=ob-token=": "bob", "carol-token-1": "carol", "alice-token-rotated": "alice"}
+        "alice-token-00000001": "alice", "b=ob-token=-0123456": "bob", "carol-token-00000001": "carol",
+        "alice-token-rotated-001": "alice"}
     assert (settings.tenant_max_jobs, settings.tenant_max_workers) == (4, None)
     assert settings.auth_configured and settings.api_token is None
-    assert "alice-token-1" not in repr(settings)
+    assert "alice-token-00000001" not in repr(settings)
 
 
 @pytest.mark.parametrize(
     ("env", "message", "field"),
     [
         ({"ETRAIN_API_TOKENS": "alice"}, "ETRAIN_API_TOKENS entry 1 is not 'tenant=token'.", "ETRAIN_API_TOKENS"),
-        ({"ETRAIN_API_TOKENS": "Alice=tok-1"}, "ETRAIN_API_TOKENS: 'Alice' is not a tenant name.", "ETRAIN_API_TOKENS"),
-        ({"ETRAIN_API_TOKENS": "a=tok-1,b=tok-1"}, "ETRAIN_API_TOKENS: tenant 'b' has the same token as tenant 'a'.",
+        ({"ETRAIN_API_TOKENS": "Alice=token-0123456789"}, "ETRAIN_API_TOKENS: 'Alice' is not a tenant name.",
          "ETRAIN_API_TOKENS"),
+        ({"ETRAIN_API_TOKENS": "a=token-0123456789,b=token-0123456789"},
+         "ETRAIN_API_TOKENS: tenant 'b' has the same token as tenant 'a'.", "ETRAIN_API_TOKENS"),
         ({"ETRAIN_API_TOKENS": "a=tok 1"},
          "ETRAIN_API_TOKENS: the token of tenant 'a' is empty or holds spaces, commas or non-ASCII characters.",
          "ETRAIN_API_TOKENS"),
-        ({"ETRAIN_API_TOKENS": "a=admin-tok", "ETRAIN_API_TOKEN": "admin-tok"},
+        ({"ETRAIN_API_TOKENS": "a=admin-token-0123456789", "ETRAIN_API_TOKEN": "admin-token-0123456789"},
          "ETRAIN_API_TOKENS: tenant 'a' has the admin token (ETRAIN_API_TOKEN).", "ETRAIN_API_TOKENS"),
-        ({"ETRAIN_API_TOKENS": "default=tok-1"},
+        ({"ETRAIN_API_TOKENS": "default=token-0123456789"},
          "ETRAIN_API_TOKENS: the tenant name 'default' is reserved for the operator's own jobs (those submitted "
          "with ETRAIN_API_TOKEN).", "ETRAIN_API_TOKENS"),
         ({"ETRAIN_TENANT_MAX_WORKERS": "-1"}, "tenant_max_workers=-1 must be 0 or more.", "tenant_max_workers"),

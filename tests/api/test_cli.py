@@ -29,7 +29,7 @@ from tests.fakes import InMemoryManager, simulated_loss
 
 START_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 10.0
-TOKEN = "cli-token"
+TOKEN = "cli-token-0123456789"
 REPO = Path(__file__).resolve().parents[2]
 
 

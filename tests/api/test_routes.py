@@ -22,7 +22,7 @@ from etrain.service.store.records import JobStatus
 from tests.fakes import FakeRuntime, InMemoryManager, simulated_loss
 from tests.service_harness import admin_headers
 
-TOKEN = "test-token-123"
+TOKEN = "test-token-0123456789"
 
 
 def tiny_spec(**overrides: Any) -> dict[str, Any]:
@@ -431,13 +431,16 @@ def test_plan_still_rejects_a_body_that_is_not_a_spec(client):
 # -- health and metrics ------------------------------------------------------------------------------------------
 
 
-def test_healthz_reports_the_database_and_ray(client, store):
+def test_healthz_reports_the_database_and_ray(tmp_path, manager, store):
+    client = make_client(tmp_path, manager, health_cache_s=0)  # every request probes: the change shows at once
     response = client.get("/healthz")
     assert response.status_code == 200
-    assert response.json() == {"db": "ok", "ray": "ok", "runtime": "fake", "ok": True}
+    body = response.json()
+    assert body == {"db": "ok", "ray": "ok", "runtime": "fake", "ok": True, "status": "ok", "age_s": body["age_s"]}
     store.close()
     response = client.get("/healthz")
     assert (response.status_code, response.json()["db"], response.json()["ok"]) == (503, "error", False)
+    assert response.json()["status"] == "unavailable"
 
 
 def test_metrics_are_prometheus_text(client, manager):

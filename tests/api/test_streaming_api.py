@@ -96,9 +96,9 @@ def test_an_idle_stream_sends_keepalives_and_closes_at_its_time_limit(tmp_path, 
 
 def test_another_tenants_job_is_404_for_the_stream_too(tmp_path, store):
     manager = InMemoryManager(store, base_dir=str(tmp_path))
-    app = create_app(Settings(data_dir=tmp_path, api_token=TOKEN, api_tokens={"alice": "alice-token-123"}),
+    app = create_app(Settings(data_dir=tmp_path, api_token=TOKEN, api_tokens={"alice": "alice-token-0123456789"}),
                      manager=manager)
-    alice = TestClient(app, headers={"Authorization": "Bearer alice-token-123"})
+    alice = TestClient(app, headers={"Authorization": "Bearer alice-token-0123456789"})
     job_id = TestClient(app, headers={"Authorization": f"Bearer {TOKEN}"}).post("/v1/jobs", json=SPEC).json()["id"]
     response = alice.get(f"/v1/jobs/{job_id}/events", params={"follow": "true"})
     assert response.status_code == 404 and response.json()["error"] == "job_not_found"
