@@ -159,6 +159,8 @@ class StepOut(BaseModel):
     comm_wait_s: float | None
     ts: float
     attempt: int
+    mfu: float | None = Field(None, description="model FLOPs utilisation, 0..1; null where the device's peak "
+                                                "FLOP/s is unknown (CPU)")
 
     @classmethod
     def of(cls, record: StepRecord) -> "StepOut":
@@ -171,6 +173,7 @@ class StepOut(BaseModel):
             comm_wait_s=_finite(record.comm_wait_s),
             ts=record.ts,
             attempt=record.attempt,
+            mfu=_finite(record.mfu),
         )
 
 

@@ -1,7 +1,9 @@
 """Prometheus exposition of job state for the control plane's ``/metrics``.
 
-Built from the SQLite store (not from Ray), so it answers even while the cluster is unreachable.
-Per-rank and per-step metrics are exported by the supervisors through Ray's own metrics agent.
+Built from the SQLite store (not from Ray), so it answers even while the cluster is unreachable: the
+job's fields, its last step row (``etrain_job_mfu``) and its straggler findings (``etrain_job_stragglers``,
+``etrain_straggler_factor{rank}``). The supervisors also export their live gauges through Ray's own
+metrics agent (``ray_etrain_*``). deploy/grafana/etrain-dashboard.json reads only what is exported here.
 
 ``/metrics`` is open (Prometheus scrapes it without secrets), so what it shows depends on the caller:
 anonymously only aggregates over all jobs (``etrain_jobs{status}``, ``etrain_active_workers``), never a
@@ -46,6 +48,12 @@ class _JobCollector:
             "goodput": GaugeMetricFamily("etrain_goodput", "productive step time / wall time", labels=["job_id", "name"]),
             "world_size": GaugeMetricFamily("etrain_job_world_size", "ranks in the current layout", labels=["job_id", "name"]),
         }
+        mfu = GaugeMetricFamily("etrain_job_mfu", "model FLOPs utilisation of the last step, 0..1 (jobs whose "
+                                "device has a known peak FLOP/s)", labels=["job_id", "name"])
+        stragglers = GaugeMetricFamily("etrain_job_stragglers", "ranks flagged as stragglers so far",
+                                       labels=["job_id", "name"])
+        factor = GaugeMetricFamily("etrain_straggler_factor", "a flagged rank's compute time / its peers' median, "
+                                   "at its latest finding", labels=["job_id", "name", "rank"])
         for job in active:
             if not self._viewer.can_see(job.tenant):
                 continue
@@ -53,7 +61,24 @@ class _JobCollector:
                 value = getattr(job, field)
                 if value is not None:
                     gauge.add_metric([job.id, job.name], float(value))
+            row = self._store.step_at_or_before(job.id, job.step) if job.step else None
+            if row is not None and row.mfu is not None:
+                mfu.add_metric([job.id, job.name], float(row.mfu))
+            latest = _straggler_factors(job.stragglers)
+            stragglers.add_metric([job.id, job.name], float(len(latest)))
+            for rank, value in sorted(latest.items()):
+                factor.add_metric([job.id, job.name, str(rank)], value)
         yield from gauges.values()
+        yield from (mfu, stragglers, factor)
+
+
+def _straggler_factors(findings: list) -> dict[int, float]:
+    """Rank -> factor of its latest finding (the job's ``stragglers`` field, oldest first)."""
+    latest: dict[int, float] = {}
+    for finding in findings:
+        if isinstance(finding, dict) and isinstance(finding.get("rank"), int):
+            latest[finding["rank"]] = float(finding.get("factor") or 0.0)
+    return latest
 
 
 def render_job_metrics(store: JobStore, viewer: Principal | None = None) -> str:

@@ -58,6 +58,7 @@ class InMemoryManager:
     beyond what the store gives; API tests drive it from one client at a time."""
 
     STEP_S = 0.1  # simulated seconds per step
+    MFU: float | None = None  # simulated model FLOPs utilisation of each step (None: a CPU job's)
 
     def __init__(
         self,
@@ -304,7 +305,7 @@ class InMemoryManager:
             records = [
                 StepRecord(job_id=job_id, step=step, loss=simulated_loss(step), tokens_per_s=tokens_per_s,
                            step_s=self.STEP_S, compute_s=0.8 * self.STEP_S, comm_wait_s=0.2 * self.STEP_S,
-                           ts=now, attempt=job.attempt)
+                           ts=now, attempt=job.attempt, mfu=self.MFU)
                 for step in range(first, last + 1)
             ]
             self.store.add_steps(job_id, records)

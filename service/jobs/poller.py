@@ -106,7 +106,8 @@ class SupervisorPoller:
             records = [
                 StepRecord(job_id=job_id, step=row["step"], loss=row.get("loss"), tokens_per_s=row.get("tokens_per_s"),
                            step_s=row.get("step_s"), compute_s=row.get("compute_s"),
-                           comm_wait_s=row.get("comm_wait_s"), ts=row["ts"], attempt=row.get("attempt", 0))
+                           comm_wait_s=row.get("comm_wait_s"), ts=row["ts"], attempt=row.get("attempt", 0),
+                           mfu=row.get("mfu"))
                 for row in steps
             ]
             self.store.add_steps(job_id, records)

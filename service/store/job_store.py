@@ -368,6 +368,7 @@ class JobStore:
                     record.compute_s,
                     record.comm_wait_s,
                     record.ts,
+                    _finite_or_none(record.mfu),
                 )
             )
         if not rows:
@@ -376,11 +377,12 @@ class JobStore:
             self._require_job(conn, job_id)
             before = conn.total_changes
             conn.executemany(
-                "INSERT INTO steps (job_id, step, attempt, loss, tokens_per_s, step_s, compute_s, comm_wait_s, ts) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
+                "INSERT INTO steps (job_id, step, attempt, loss, tokens_per_s, step_s, compute_s, comm_wait_s, ts, mfu) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
                 "ON CONFLICT (job_id, step) DO UPDATE SET attempt = excluded.attempt, loss = excluded.loss, "
                 "tokens_per_s = excluded.tokens_per_s, step_s = excluded.step_s, compute_s = excluded.compute_s, "
-                "comm_wait_s = excluded.comm_wait_s, ts = excluded.ts WHERE excluded.attempt >= steps.attempt",
+                "comm_wait_s = excluded.comm_wait_s, ts = excluded.ts, mfu = excluded.mfu "
+                "WHERE excluded.attempt >= steps.attempt",
                 rows,
             )
             return conn.total_changes - before
@@ -389,17 +391,20 @@ class JobStore:
         """Step metrics with ``step > since_step``, in step order."""
         with self._read() as conn:
             rows = conn.execute(
-                "SELECT job_id, step, loss, tokens_per_s, step_s, compute_s, comm_wait_s, ts, attempt FROM steps "
-                "WHERE job_id = ? AND step > ? ORDER BY step LIMIT ?",
+                f"SELECT {_STEP_COLUMNS} FROM steps WHERE job_id = ? AND step > ? ORDER BY step LIMIT ?",
                 (job_id, since_step, limit),
             ).fetchall()
-        return [
-            StepRecord(
-                job_id=jid, step=step, loss=loss, tokens_per_s=tps, step_s=step_s, compute_s=compute_s,
-                comm_wait_s=comm_wait_s, ts=ts, attempt=attempt,
-            )
-            for jid, step, loss, tps, step_s, compute_s, comm_wait_s, ts, attempt in rows
-        ]
+        return [_step(row) for row in rows]
+
+    def step_at_or_before(self, job_id: str, step: int) -> StepRecord | None:
+        """The stored row of the highest step ``<= step`` (the job's current one: after a restart the
+        rows past its resume point belong to the discarded attempt), or None (one index lookup)."""
+        with self._read() as conn:
+            row = conn.execute(
+                f"SELECT {_STEP_COLUMNS} FROM steps WHERE job_id = ? AND step <= ? ORDER BY step DESC LIMIT 1",
+                (job_id, step),
+            ).fetchone()
+        return None if row is None else _step(row)
 
     # -- cursors ----------------------------------------------------------------------------------
 
@@ -457,6 +462,15 @@ def _status_filter(status: str | Collection[str] | None) -> tuple[str, tuple[str
     if not values:
         return "WHERE 0", ()
     return f"WHERE status IN ({', '.join('?' for _ in values)})", values
+
+
+_STEP_COLUMNS = "job_id, step, loss, tokens_per_s, step_s, compute_s, comm_wait_s, ts, attempt, mfu"
+
+
+def _step(row: tuple) -> StepRecord:
+    jid, step, loss, tps, step_s, compute_s, comm_wait_s, ts, attempt, mfu = row
+    return StepRecord(job_id=jid, step=step, loss=loss, tokens_per_s=tps, step_s=step_s, compute_s=compute_s,
+                      comm_wait_s=comm_wait_s, ts=ts, attempt=attempt, mfu=mfu)
 
 
 def _finite_or_none(value: float | None) -> float | None:

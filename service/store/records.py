@@ -65,3 +65,4 @@ class StepRecord:
     comm_wait_s: float | None
     ts: float
     attempt: int = 0  # the run attempt that reported it; a later attempt's report replaces an earlier one
+    mfu: float | None = None  # model FLOPs utilisation of the step (None where the device's peak is unknown)

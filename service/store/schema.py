@@ -86,6 +86,8 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
             tenant TEXT NOT NULL
         )""",
     ),
+    # The model FLOPs utilisation of each step (etrain plot, the progress bar, etrain_job_mfu); NULL before.
+    ("ALTER TABLE steps ADD COLUMN mfu REAL",),
 )
 
 SCHEMA_VERSION = len(MIGRATIONS)

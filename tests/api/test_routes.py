@@ -142,7 +142,7 @@ def test_events_and_metrics_page_with_since(client, manager):
     assert metrics["steps"][0] == {
         "step": 5, "loss": simulated_loss(5), "tokens_per_s": pytest.approx(5120.0), "step_s": 0.1,
         "compute_s": pytest.approx(0.08), "comm_wait_s": pytest.approx(0.02), "ts": metrics["steps"][0]["ts"],
-        "attempt": 1,
+        "attempt": 1, "mfu": None,
     }
     assert len(client.get(f"/v1/jobs/{job_id}/metrics").json()["steps"]) == 6
 

@@ -212,6 +212,18 @@ def test_steps_are_idempotent_and_a_restarted_attempt_replaces_what_it_re_ran(st
     ]
 
 
+def test_a_steps_mfu_is_kept_with_its_row_and_the_current_row_is_found_by_index(store):
+    make_job(store)
+    store.add_steps("job-1", [dataclasses.replace(step("job-1", n, loss=float(n)), mfu=0.1 * n) for n in (1, 2, 3)])
+    store.add_steps("job-1", [dataclasses.replace(step("job-1", 2, loss=2.5, attempt=2), mfu=math.nan)])
+    assert [(s.step, s.mfu) for s in store.steps("job-1")] == [(1, pytest.approx(0.1)), (2, None),
+                                                              (3, pytest.approx(0.3))]
+    # after a restart that resumed at step 2, the job's step is 2: step 3's row is the discarded attempt's
+    assert store.step_at_or_before("job-1", 2).attempt == 2
+    assert store.step_at_or_before("job-1", 9).step == 3
+    assert store.step_at_or_before("job-1", 0) is None
+
+
 # -- cursors ----------------------------------------------------------------------------------------------
 
 
@@ -304,13 +316,25 @@ def test_a_release_2_file_gains_empty_artifacts_and_stores_new_ones(db_path):
     conn.close()
 
     with JobStore(db_path) as store:
-        assert store.schema_version == SCHEMA_VERSION == 5
+        assert store.schema_version == SCHEMA_VERSION == 6
         assert store.get_job("old").artifacts == {}
         assert (store.get_job("old").tenant, store.get_job("old").priority) == ("default", 0)
         updated = store.update_job("old", artifacts={"hf": "/ckpt/old/hf-export"})
         assert updated.artifacts == {"hf": "/ckpt/old/hf-export"}
     with JobStore(db_path) as store:  # durable across a reopen
         assert store.get_job("old").artifacts == {"hf": "/ckpt/old/hf-export"}
+
+
+def test_a_release_5_file_gains_an_empty_mfu_column(db_path):
+    db_path.parent.mkdir(parents=True)
+    conn = sqlite3.connect(db_path, isolation_level=None)
+    assert migrate(conn, MIGRATIONS[:5]) == 5
+    conn.execute("INSERT INTO jobs (id, name, status, spec, world_size, created_at, updated_at) "
+                 "VALUES ('old', 'old', 'RUNNING', '{}', 1, 1.0, 1.0)")
+    conn.execute("INSERT INTO steps (job_id, step, loss, ts) VALUES ('old', 1, 2.5, 3.0)")
+    conn.close()
+    with JobStore(db_path) as store:
+        assert [(s.step, s.loss, s.mfu) for s in store.steps("old")] == [(1, 2.5, None)]
 
 
 def test_a_file_from_a_newer_etrain_is_refused(db_path):
