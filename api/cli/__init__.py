@@ -12,11 +12,13 @@ Last-Event-ID when the connection drops); ``logs -f`` follows a rank's log file.
 
 Exit codes: 0 success (``watch``: the job SUCCEEDED; ``plan``: feasible; ``cancel``: CANCELLED), 1 an
 error or a job that FAILED / was CANCELLED / an infeasible plan, 2 bad usage, 124 ``watch``, ``logs -f``
-or ``cancel`` gave up waiting, 130 ^C.
+or ``cancel`` gave up waiting, 130 ^C (one line, no traceback; ``watch`` and ``demo`` close their
+progress bar first).
 
 The modules, one job each: ``client`` (HTTP, errors, token, exit codes), ``parser`` (the grammar),
 ``output`` (text formats), ``jobs`` (the commands that are API requests), ``watch`` (following a job),
-``serve``, ``demo`` and ``prepare_data``. This module only dispatches.
+``progress`` (its bar or plain lines), ``plot`` (a job's curves into a PNG), ``serve``, ``demo`` and
+``prepare_data``. This module only dispatches.
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ def main(argv: list[str] | None = None, *, out: TextIO | None = None, err: TextI
     except (ApiError, CliError) as error:
         print_error(error, err)
         return EXIT_FAILED
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # (`watch` says more about what goes on, and returns on its own)
+        print("interrupted", file=err)
         return EXIT_INTERRUPTED
     finally:
         client.close()

@@ -1,9 +1,9 @@
 """The commands that are requests to the REST API: submit, list, status, watch, cancel, logs, scale,
-events, export, chaos, and the cluster and plan views.
+events, export, chaos, plot, and the cluster and plan views.
 
 Each is ``cmd(client, args, out, err) -> exit code``: a request or two through ``client.Client``,
 the answer printed as text (``output.py``) or, with ``--json``, as the server sent it. The waits
-(``cancel``, ``logs -f``) poll with a deadline; ``watch`` is ``watch.py``.
+(``cancel``, ``logs -f``) poll with a deadline; ``watch`` is ``watch.py``, ``plot`` is ``plot.py``.
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ def cmd_submit(client: Client, args: argparse.Namespace, out: TextIO, err: TextI
         print(f"submitted {job['id']}: {job['status']}, layout {job.get('layout') or '-'} "
               f"(world size {job['world_size']})", file=out)
     if args.watch:
-        return watch_job(client, job["id"], interval_s=args.interval, max_wait_s=args.max_wait, out=out, err=err)
+        return watch_job(client, job["id"], interval_s=args.interval, max_wait_s=args.max_wait, out=out, err=err,
+                         plain=args.plain)
     return EXIT_OK
 
 
@@ -72,9 +73,8 @@ def cmd_status(client: Client, args: argparse.Namespace, out: TextIO, err: TextI
 
 
 def cmd_watch(client: Client, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    return watch_job(
-        client, args.job_id, interval_s=args.interval, max_wait_s=args.max_wait, out=out, err=err, every=args.every
-    )
+    return watch_job(client, args.job_id, interval_s=args.interval, max_wait_s=args.max_wait, out=out, err=err,
+                     every=args.every, plain=args.plain)
 
 
 def cmd_cancel(client: Client, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
@@ -231,6 +231,12 @@ def cmd_export(client: Client, args: argparse.Namespace, out: TextIO, err: TextI
     return EXIT_OK
 
 
+def cmd_plot(client: Client, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    from etrain.api.cli.plot import cmd_plot as plot  # matplotlib loads only for this command
+
+    return plot(client, args, out, err)
+
+
 def cmd_chaos(client: Client, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     request = {"action": args.action, "rank": args.rank, "factor": args.factor, "step": args.step,
                "at_step": args.at_step}
@@ -253,4 +259,5 @@ COMMANDS = {
     "plan": cmd_plan,
     "export": cmd_export,
     "chaos": cmd_chaos,
+    "plot": cmd_plot,
 }

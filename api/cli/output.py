@@ -110,7 +110,8 @@ def event_line(event: dict[str, Any]) -> str:
 
 
 def step_line(step: dict[str, Any], total: Any) -> str:
-    return (
+    line = (
         f"step {step['step']}/{total}  loss {_num(step.get('loss'), '.4f')}  "
         f"{_num(step.get('tokens_per_s'), ',.0f')} tokens/s"
     )
+    return line if step.get("mfu") is None else f"{line}  MFU {100 * step['mfu']:.1f}%"

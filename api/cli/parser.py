@@ -47,6 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_argument("--max-wait", type=_positive, default=24 * 3600.0,
                              help="give up (exit 124) after this many seconds (default 86400)")
 
+    def add_display_options(command: argparse.ArgumentParser) -> None:
+        command.add_argument("--plain", action="store_true",
+                             help="plain lines instead of the live progress bar (the default when the output "
+                                  "is not a terminal)")
+
     serve = commands.add_parser("serve", help="run the API server (starts or joins Ray)")
     add_server_options(serve, log_level="info")
 
@@ -54,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("file", help="job spec (YAML or JSON)")
     add_server_options(demo, log_level="warning")
     add_wait_options(demo)
+    add_display_options(demo)
     demo.add_argument("--start-timeout", type=_positive, default=300.0,
                       help="seconds to wait for the server and Ray to come up (default 300)")
     demo.add_argument("--exit-when-done", action="store_true",
@@ -61,8 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     submit = commands.add_parser("submit", help="submit a job spec (YAML or JSON file, '-' for stdin)")
     submit.add_argument("file")
-    submit.add_argument("--watch", action="store_true", help="follow the job until it ends")
+    submit.add_argument("--watch", action="store_true", help="follow the job until it ends (a live progress bar)")
     add_wait_options(submit)
+    add_display_options(submit)
 
     listing = commands.add_parser("list", help="list jobs, newest first")
     listing.add_argument("--status", help="only jobs in this status (e.g. RUNNING)")
@@ -71,10 +78,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     commands.add_parser("status", help="show one job").add_argument("job_id")
 
-    watch = commands.add_parser("watch", help="follow a job: steps, loss, tokens/s, events; exit 0 on success")
+    watch = commands.add_parser("watch", help="follow a job: a live progress bar (step, loss, tokens/s, MFU, ETA, "
+                                              "restarts) under its events; exit 0 on success")
     watch.add_argument("job_id")
-    watch.add_argument("--every", type=int, default=1, help="print every Nth step (default: all)")
+    watch.add_argument("--every", type=int, default=1, help="plain output: print every Nth step (default: all)")
     add_wait_options(watch)
+    add_display_options(watch)
+
+    plot = commands.add_parser("plot", help="draw a job's loss, tokens/s, MFU and goodput over its steps, restarts, "
+                                            "resizes and checkpoints marked, into a PNG")
+    plot.add_argument("job_id")
+    plot.add_argument("-o", "--out", required=True, help="the image to write (PNG; .svg and .pdf also work)")
+    plot.add_argument("--dpi", type=_positive, default=100.0, help="dots per inch (default 100: 1000x1100 pixels)")
 
     cancel = commands.add_parser("cancel", help="cancel a job and wait until it has stopped")
     cancel.add_argument("job_id")
