@@ -139,7 +139,7 @@ def _nan(values: list[float | None], scale: float = 1.0) -> list[float]:
     return [math.nan if value is None else value * scale for value in values]
 
 
-def render(data: Series, path: str | Path, *, title: str = "", dpi: float = 100.0) -> "Figure":
+def render(data: Series, path: str | Path, *, title: str = "", dpi: float = 100.0) -> Figure:
     """Draw ``data`` into ``path`` (format by extension) and return the figure: four panels (:data:`PANELS`)
     sharing the step axis; every mark a vertical line with ``gid`` restart / resize / checkpoint on each."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -150,7 +150,7 @@ def render(data: Series, path: str | Path, *, title: str = "", dpi: float = 100.
     FigureCanvasAgg(figure)
     axes = figure.subplots(len(PANELS), 1, sharex=True)
     curves = (_nan(data.loss), _nan(data.tokens_per_s), _nan(data.mfu, 100.0), _nan(data.goodput, 100.0))
-    for ax, name, values in zip(axes, PANELS, curves):
+    for ax, name, values in zip(axes, PANELS, curves, strict=True):
         ax.set_title(name, loc="left", fontsize=10)
         ax.grid(True, alpha=0.3)
         if all(math.isnan(value) for value in values):

@@ -377,8 +377,8 @@ class JobStore:
             self._require_job(conn, job_id)
             before = conn.total_changes
             conn.executemany(
-                "INSERT INTO steps (job_id, step, attempt, loss, tokens_per_s, step_s, compute_s, comm_wait_s, ts, mfu) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
+                "INSERT INTO steps (job_id, step, attempt, loss, tokens_per_s, step_s, compute_s, comm_wait_s, ts, "
+                "mfu) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
                 "ON CONFLICT (job_id, step) DO UPDATE SET attempt = excluded.attempt, loss = excluded.loss, "
                 "tokens_per_s = excluded.tokens_per_s, step_s = excluded.step_s, compute_s = excluded.compute_s, "
                 "comm_wait_s = excluded.comm_wait_s, ts = excluded.ts, mfu = excluded.mfu "

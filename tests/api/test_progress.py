@@ -43,10 +43,6 @@ def screen_lines(raw: str) -> list[str]:
     return [line.rstrip() for line in re.split(r"[\r\n]+", ANSI.sub("", raw)) if line.strip()]
 
 
-def bar_lines(lines: list[str]) -> list[str]:
-    return [line for line in lines if re.search(r"\bstep \d+/", line) and "  loss " in line or "ETA" in line]
-
-
 @pytest.fixture(autouse=True)
 def a_real_terminal_type(monkeypatch, tmp_path):
     monkeypatch.setenv("TERM", "xterm-256color")

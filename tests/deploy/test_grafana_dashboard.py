@@ -103,7 +103,8 @@ def exported(tmp_path_factory) -> dict[str, set[str]]:
         samples = re.findall(rf"^{name}(?:\{{([^}}]*)\}})? \S+$", text, re.M)
         assert samples, f"{name} is declared but has no sample: the test job misses a field"
         families[name] = {pair.split("=", 1)[0] for labels in samples if labels for pair in labels.split(",")}
-    assert families["etrain_job_mfu"] == {"job_id", "name"} and f'etrain_job_mfu{{job_id="{job_id}",name="full"}} 0.4' in text
+    assert families["etrain_job_mfu"] == {"job_id", "name"}
+    assert f'etrain_job_mfu{{job_id="{job_id}",name="full"}} 0.4' in text
     assert f'etrain_straggler_factor{{job_id="{job_id}",name="full",rank="1"}} 1.9' in text
     assert f'etrain_job_stragglers{{job_id="{job_id}",name="full"}} 1.0' in text
     return families
@@ -152,7 +153,7 @@ def test_panels_do_not_overlap_and_fill_the_grid():
 
 def test_the_chart_carries_the_same_dashboard():
     assert CHART_COPY.read_bytes() == DASHBOARD.read_bytes(), (
-        f"copy {DASHBOARD.relative_to(ROOT)} to {CHART_COPY.relative_to(ROOT)} (Helm reads files inside the chart only)")
+        f"copy {DASHBOARD.relative_to(ROOT)} to {CHART_COPY.relative_to(ROOT)} (Helm reads only the chart's files)")
 
 
 def test_the_dashboard_configmap_is_rendered_only_when_enabled_and_labelled_for_the_sidecar():
