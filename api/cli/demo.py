@@ -26,7 +26,7 @@ from typing import Any, TextIO
 from etrain.api.cli.client import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_TIMEOUT, ApiError, CliError, Client
 from etrain.api.cli.jobs import load_spec
 from etrain.api.cli.output import print_error
-from etrain.api.cli.progress import make_display
+from etrain.api.cli.progress import Display, make_display
 from etrain.api.cli.serve import SHUTDOWN_GRACE_S, server_app
 from etrain.api.cli.watch import WatchControl, watch_job
 
@@ -62,8 +62,17 @@ def cmd_demo(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     spec = load_spec(args.file)  # a broken file fails before Ray starts
     settings, app = server_app(args, out)
     shutdown_log = Path(settings.data_dir) / SHUTDOWN_LOG
-    display = make_display(out, plain=args.plain)
     control = WatchControl()
+    # The bar starts once the server is up (its banner printed, Ray's start-up lines written), and never
+    # after a Ctrl-C: the lock orders its start against the shutdown's close.
+    shown: dict[str, Display] = {}
+    shown_lock = threading.Lock()
+
+    def close_display() -> None:
+        with shown_lock:
+            control.stop()
+            if "display" in shown:
+                shown["display"].close()
 
     class DemoServer(uvicorn.Server):
         """uvicorn's server, told apart: a Ctrl-C (its signal handler) from a stop the job asked for."""
@@ -75,12 +84,11 @@ def cmd_demo(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             super().handle_exit(sig, frame)
 
         async def shutdown(self, sockets: Any = None) -> None:
+            close_display()  # and the watcher lets go of its event stream: nothing for the server to wait out
             if self.interrupted:
-                display.close()
                 print(f"interrupted: stopping the job's server, its API and Ray (their shutdown messages go to "
                       f"{shutdown_log})", file=err)
                 err.flush()
-            control.stop()  # the watcher lets go of its event stream: nothing for the server to wait out
             with stderr_to(shutdown_log):
                 await super().shutdown(sockets)
 
@@ -98,6 +106,10 @@ def cmd_demo(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                     server.should_exit = True
                 return
             time.sleep(0.1)
+        with shown_lock:
+            if control.stopped:
+                return
+            display = shown["display"] = make_display(out, plain=args.plain)
         client = Client(settings.api_url, token=settings.api_token, timeout_s=args.timeout)
         try:
             job = client.post("/v1/jobs", spec)
@@ -114,6 +126,7 @@ def cmd_demo(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                 out.flush()
         except (ApiError, CliError) as error:
             if not server.should_exit:  # errors while shutting down are expected; stay quiet
+                display.close()
                 print_error(error, err)
                 outcome["code"] = EXIT_FAILED
                 server.should_exit = True
@@ -128,8 +141,7 @@ def cmd_demo(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         pass
     finally:
         server.should_exit = True
-        control.stop()
-        display.close()
+        close_display()
         driver.join(timeout=5)
         _close_leftover_manager(app, shutdown_log)
     if server.interrupted:

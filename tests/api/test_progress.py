@@ -140,7 +140,7 @@ def run_cli(*args: str, out: io.StringIO | None = None) -> tuple[int, str, str]:
 @pytest.fixture
 def manager(tmp_path):
     with JobStore(tmp_path / "etrain.db") as store:
-        yield InMemoryManager(store, base_dir=str(tmp_path), steps_per_poll=2)
+        yield InMemoryManager(store, base_dir=str(tmp_path), steps_per_poll=4)
 
 
 def test_watch_on_a_terminal_draws_the_bar_and_prints_only_status_and_events(manager, tmp_path):
@@ -226,8 +226,8 @@ def test_ctrl_c_in_the_demo_says_one_line_and_the_shutdown_noise_goes_to_a_log(m
     monkeypatch.setitem(sys.modules, "etrain.service.manager", module)
     port, data_dir = free_port(), tmp_path / "data"
     spec = write_spec(tmp_path, training={"steps": 100000, "global_batch": 4})
-    out, err = io.StringIO(), io.StringIO()
-    sender = interrupt_when(lambda: "step 2/100000" in out.getvalue())
+    out, err = Terminal(), io.StringIO()
+    sender = interrupt_when(lambda: "step 2/100000" in ANSI.sub("", out.getvalue()))
 
     code = cli.main(["demo", str(spec), "--port", str(port), "--data-dir", str(data_dir), "--interval", "0.05",
                      "--start-timeout", "30"], out=out, err=err)
@@ -243,6 +243,9 @@ def test_ctrl_c_in_the_demo_says_one_line_and_the_shutdown_noise_goes_to_a_log(m
         assert noise not in terminal.err + terminal.out + out.getvalue()
     log = (data_dir / "shutdown.log").read_text()
     assert "*** SIGTERM received at time=1764160000" in log and 'File "ray/_private/worker.py"' in log
-    assert not out.getvalue().rstrip().endswith("Ctrl-C stops everything")  # the job was still running
+    shown = out.getvalue()
+    assert shown.index("etrain API:") < shown.index("━")  # the bar starts under the server's banner
+    assert shown.endswith("\x1b[?25h")  # and was closed before the line on Ctrl-C
+    assert "Ctrl-C stops everything" not in shown  # the job was still running
     with socket.socket() as sock:  # the server is gone
         assert sock.connect_ex(("127.0.0.1", port)) != 0
