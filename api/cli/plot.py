@@ -9,7 +9,8 @@ status), ``GET /v1/jobs/{id}/metrics`` (the per-step rows, paged with ``?since=`
 * :func:`series`: the curves and the marks, pure. Goodput at a step uses the control plane's own
   definition (``service/decisions/goodput.py``): the kept step time reported up to that step's report,
   over the wall time since the submit, so the last point is the job's ``goodput``. A mark sits at the
-  last step reported before its event (a checkpoint at the step its message names);
+  last step (of those the history keeps) reported before its event: a restart at the step it resumed
+  from, since the rows of the steps it re-ran were replaced; a checkpoint at the step its message names;
 * :func:`render`: the figure, drawn with matplotlib's Agg canvas (no display, no pyplot state) and
   saved by extension (PNG; .svg and .pdf work too). matplotlib is the ``plot`` extra.
 """
