@@ -29,9 +29,13 @@ install: $(STAMP)
 run: $(STAMP)
 	ETRAIN_STORAGE_ROOTS="$(CURDIR)" $(VENV)/bin/etrain demo examples/quickstart.yaml --data-dir .etrain
 
-## make test: the whole suite (unit, API, multi-process gloo, Ray integration, chaos).
+## make test: the whole suite (unit, API, multi-process gloo, Ray integration, chaos): two workers, every
+## Ray test on one of them (tests/conftest.py), then the timing tests alone. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadgroup) -m "not timing" $(PYTEST_ARGS) \
+		|| [ $$? -eq 5 ]  # 5: PYTEST_ARGS selected no test of this pass
+	$(PY) -m pytest -m timing $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 ## make test-fast: pure unit, API and chart/image tests only (a few minutes).
 test-fast: $(STAMP)

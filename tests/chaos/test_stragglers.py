@@ -13,7 +13,7 @@ import pytest
 from tests.chaos.conftest import spec
 from tests.service_harness import event_kinds
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timing]  # timing: make test runs it alone (tests/conftest.py)
 
 HEAD_HEAVY = {"n_layers": 2, "d_model": 32, "n_heads": 2, "vocab_size": 4096, "seq_len": 16}
 DETECTOR = {"enabled": True, "window": 4, "threshold": 1.5, "patience": 2}
