@@ -6,11 +6,11 @@ timing-sync steps there): first healthy, then with one rank slowed by the chaos 
 (``etrain.workers.chaos.RankDrills``, the rank's drill plugin) at each slowdown in turn. Those measured
 per-step rows (all ranks of one step together, so a load spike that hits every rank stays one) are then
 replayed through the production :class:`etrain.service.decisions.stragglers.StragglerDetector` with the job defaults
-(window 10, threshold 1.5, patience 2), resampled with replacement:
+(window 4, threshold 1.5, patience 3; every step a timing-sync step), resampled with replacement:
 
 * **false positives**: a healthy stream of ``HEALTHY_OBSERVATIONS`` timing-sync steps; every finding is
-  false; reported per 1,000 training steps at ``timing_sync_every`` (the default 10: one observation
-  per 10 steps);
+  false; reported per 1,000 training steps at ``timing_sync_every`` (the default 1: every step is an
+  observation);
 * **detection latency**: a healthy prefix (two windows plus a random phase, so the slowdown does not
   start on a window boundary), then slowed rows until the slowed rank is reported; latency is the
   number of training steps from the first slowed step to the step whose window reports it (median
@@ -49,7 +49,7 @@ LAYOUTS: dict[str, tuple[ParallelConfig, int]] = {
     "PP ×2 · DP ×2": (ParallelConfig(pp=2, dp=2), 3),
 }
 SLOWDOWNS: tuple[float, ...] = (1.25, 1.5, 2.0, 4.0)
-TIMING_SYNC_EVERY = 10  # training.timing_sync_every's default: training steps per observation
+TIMING_SYNC_EVERY = 1  # training.timing_sync_every's default: training steps per observation
 HEALTHY_OBSERVATIONS = 2000  # 20,000 training steps of healthy replay
 TRIALS = 40
 HORIZON_WINDOWS = 12

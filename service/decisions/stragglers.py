@@ -66,9 +66,9 @@ class StragglerConfigError(EtrainError, ValueError):
 @dataclass(frozen=True, kw_only=True)
 class StragglerConfig:
     enabled: bool = True
-    window: int = 10  # observations (steps) per window
+    window: int = 4  # observations (steps) per window
     threshold: float = 1.5  # flag when window_median / peer_median is above this
-    patience: int = 2  # consecutive windows over threshold before a rank is reported
+    patience: int = 3  # consecutive windows over threshold before a rank is reported
     min_ranks: int = 2  # a stage with fewer ranks reporting in a window is not peer-judged in it
     history: int = 5  # a lone stage's baseline: the median of its last `history` healthy windows
 

@@ -215,10 +215,11 @@ class TrainingConfig:
     seed: int = 0
     precision: Precision = "fp32"
     activation_checkpointing: bool = False
-    #: Every this many steps the ranks meet in a world-wide barrier before the last backward, so
-    #: that step's compute_s excludes waiting on peers (straggler detection reads only those
-    #: steps); the steps between have no barrier. 1 = every step.
-    timing_sync_every: int = 10
+    #: Every this many steps the ranks meet in a world-wide scalar all-reduce before the last
+    #: backward, so that step's compute_s excludes waiting on peers (straggler detection reads only
+    #: those steps); the steps between have none. 1 (the default) = every step: stragglers are
+    #: found in tens of steps (``benchmarks/stragglers.py``).
+    timing_sync_every: int = 1
 
     def grad_accum_steps(self, dp: int) -> int:
         """Micro-steps per optimizer step on each dp rank (:func:`etrain.workers.layout_rules.grad_accum_steps`)."""
