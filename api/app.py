@@ -18,7 +18,7 @@ from typing import Any
 
 from fastapi import Depends, FastAPI
 
-from etrain.api.auth import Authenticator, BearerAuthGate, ChaosGate, RequestSizeLimitMiddleware
+from etrain.api.auth import Authenticator, BearerAuthGate, ChaosGate, PlanGate, RequestSizeLimitMiddleware
 from etrain.api.errors import install_error_handlers
 from etrain.api.routes import get_principal, cluster, health, jobs, plan
 from etrain.api.schemas import ErrorOut
@@ -76,11 +76,14 @@ def create_app(
     app.state.fair_use = FairUse.of(settings)
     app.state.health = health.HealthCache(lambda: health.probe(app), ttl_s=settings.health_cache_s)
     install_error_handlers(app)
-    # Added last = outermost: the token is checked before anything else, so strangers learn nothing; then
-    # whether the caller may fire drills at all; then the size.
+    # Added last = outermost: anonymous health probes are answered first, at the least cost; then the token
+    # is checked before anything else, so strangers learn nothing; then whether the caller may fire drills
+    # at all, and whether it has a plan slot free; then the size.
     app.add_middleware(RequestSizeLimitMiddleware, max_bytes=settings.max_request_bytes)
+    app.add_middleware(PlanGate, authenticator=authenticator, fair_use=app.state.fair_use)
     app.add_middleware(ChaosGate, authenticator=authenticator, settings=settings)
     app.add_middleware(BearerAuthGate, authenticator=authenticator)
+    app.add_middleware(health.AnonymousHealth, fastapi=app)
     # Every /v1 router goes here: behind the caller (401 without a known token, declared in OpenAPI).
     for router in (jobs.router, plan.router, cluster.router):
         app.include_router(router, **_V1)

@@ -27,7 +27,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from etrain.api.errors import error_response, etrain_error_response
 from etrain.api.routes import check_chaos_allowed
-from etrain.service.errors import NotAuthenticated
+from etrain.service.access.quotas import FairUse
+from etrain.service.errors import NotAuthenticated, QuotaExceeded
 from etrain.workers.protocol.errors import EtrainError
 from etrain.service.settings import Settings
 from etrain.service.access.tenancy import ADMIN, Principal
@@ -151,6 +152,42 @@ class ChaosGate:
                     await etrain_error_response(refused)(scope, receive, send)
                     return
         await self.app(scope, receive, send)
+
+
+class PlanGate:
+    """Hold one of the caller's plan slots (``ETRAIN_TENANT_MAX_PLANS``) for the whole of ``POST /v1/plan``,
+    taken before the body is read: a refusal (429 with Retry-After) costs no parsing of the spec (a large
+    spec's validation costs milliseconds; a tenant retrying at once must not buy CPU with it). The admin is
+    not capped. The slot is given back as the answer ends."""
+
+    def __init__(self, app: ASGIApp, *, authenticator: Authenticator, fair_use: FairUse):
+        self.app = app
+        self.authenticator = authenticator
+        self.fair_use = fair_use
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"].rstrip("/") != "/v1/plan":
+            await self.app(scope, receive, send)
+            return
+        caller = self.authenticator.principal_for(bearer_token(Headers(scope=scope).get("authorization")))
+        if caller is None:  # BearerAuthGate answers 401
+            await self.app(scope, receive, send)
+            return
+        try:
+            release = self.fair_use.plans.acquire(caller)
+        except QuotaExceeded as refused:
+            await etrain_error_response(refused)(scope, receive, send)
+            return
+
+        async def send_then_release(message: Message) -> None:
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                release()  # before the answer's end goes out: a client that has it finds the slot free
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_then_release)
+        finally:
+            release()  # idempotent; an app that failed before answering
 
 
 class RequestSizeLimitMiddleware:

@@ -16,12 +16,19 @@ wiring; the queue, the poller and the spec -> runtime values live in service/job
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
+import multiprocessing
 import os
+import threading
 import time
 import uuid
-from typing import Any
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any, TypeVar
 
 from etrain.service.store import idempotency
 from etrain.service.planning import planner
@@ -33,7 +40,8 @@ from etrain.service.jobs.checkpoints import committed_step
 from etrain.service.jobs.policy import policy_for
 from etrain.service.jobs.poller import SupervisorPoller
 from etrain.service.jobs.scheduler import Scheduler
-from etrain.service.errors import ChaosDisabled, JobConflict, JobNotFound, RankNotFound, SpecRejected
+from etrain.service.errors import (ChaosDisabled, JobConflict, JobNotFound, RankNotFound, ServiceUnavailable,
+                                   SpecRejected)
 from etrain.service.settings import Settings
 from etrain.service.access.checkpoint_dirs import CheckpointDirectories, taken_conflict
 from etrain.service.access.checkpoint_key import load_or_create_key
@@ -56,6 +64,80 @@ log = logging.getLogger(__name__)
 
 #: How long POST /v1/jobs/{id}/export waits for its export task (a 70B model is ~280 GB of fp32 to write).
 EXPORT_TIMEOUT_S = 3600.0
+#: How long a request waits for the planner's process (a search within the spec's bounds takes well under this).
+PLAN_TIMEOUT_S = 120.0
+
+_T = TypeVar("_T")
+
+
+class PlannerProcesses:
+    """The planner's searches (``plan_report``, ``resolve_auto``) in worker processes, off the API's process.
+
+    The planner is pure Python: run on the API's threads, a few concurrent auto plans hold the GIL and every
+    other request waits for it (issue #17: 30 plans stalled another tenant's GET for 6.5 s). In a process of
+    its own a plan takes a core, not the API's interpreter. ``ETRAIN_PLAN_WORKERS`` processes (default 1;
+    0: on the calling thread, as before), started on the first plan ("spawn": the API's process has
+    threads, and a fork would copy their locks) and shared by every manager of the process; a pool whose
+    worker died is replaced, and that one call runs here. A worker runs at a lower CPU priority than the API
+    (nice +10) and ends with the process that started it (``planner.worker_init``).
+    """
+
+    _pools: dict[int, ProcessPoolExecutor] = {}
+    _users = 0  # open managers: the last one to close stops the workers
+    _lock = threading.Lock()
+
+    def __init__(self, workers: int):
+        self.workers = workers
+        with self._lock:
+            PlannerProcesses._users += 1
+        self._closed = False
+
+    def close(self) -> None:
+        """This user is done; the last one stops the worker processes (a later plan starts them again)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            PlannerProcesses._users -= 1
+            last = PlannerProcesses._users == 0
+        if last:
+            self._close_all()
+
+    def run(self, function: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+        if self.workers == 0:
+            return function(*args, **kwargs)
+        pool = self._pool()
+        try:
+            return pool.submit(function, *args, **kwargs).result(timeout=PLAN_TIMEOUT_S)
+        except BrokenProcessPool:
+            log.warning("the planner's worker process died; starting another")
+            with self._lock:
+                if self._pools.get(self.workers) is pool:
+                    del self._pools[self.workers]
+            return function(*args, **kwargs)
+        except FutureTimeout:
+            raise ServiceUnavailable(f"the planner did not answer within {PLAN_TIMEOUT_S:.0f} s.",
+                                     fix="retry; a plan that keeps timing out is a bug worth reporting") from None
+
+    def _pool(self) -> ProcessPoolExecutor:
+        with self._lock:
+            pool = self._pools.get(self.workers)
+            if pool is None:
+                if not self._pools:
+                    atexit.register(PlannerProcesses._close_all)
+                pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=multiprocessing.get_context("spawn"),
+                                           initializer=planner.worker_init)
+                self._pools[self.workers] = pool
+            return pool
+
+    @classmethod
+    def _close_all(cls) -> None:
+        """Stop the workers and drop the pools (also at exit), so their queues' semaphores are released (the
+        multiprocessing resource tracker warns of leaked ones otherwise)."""
+        with cls._lock:
+            pools, cls._pools = list(cls._pools.values()), {}
+        for pool in pools:
+            pool.shutdown(wait=True, cancel_futures=True)
 
 
 class JobManager:
@@ -87,6 +169,7 @@ class JobManager:
         self.store.record_checkpoint_dirs(self._directories.root_of)  # jobs stored before directories were
         self._submitting: set[str] = set()  # jobs whose supervisor is being created: not "lost", not queued
         self._quotas = TenantQuotas(max_jobs=settings.tenant_max_jobs, max_workers=settings.tenant_max_workers)
+        self._planner = PlannerProcesses(settings.plan_workers)
         self._scheduler = Scheduler(store=self.store, runtime=runtime, settings=settings, starting=self._submitting,
                                     start=self._start_admitted)
         self._poller = SupervisorPoller(store=self.store, runtime=runtime, settings=settings,
@@ -107,7 +190,7 @@ class JobManager:
         problems: list[SpecProblem] = list(check_spec(spec))
         available = self.device_memory_gb(spec.resources.device) if not problems else None
         if not problems and spec.is_auto:
-            spec = spec.with_layout(planner.resolve_auto(spec, available_gb=available).layout)
+            spec = spec.with_layout(self._planner.run(planner.resolve_auto, spec, available_gb=available).layout)
             problems += check_spec(spec)
         if not problems:
             problems += planner.check_plan(spec, available_gb=available)
@@ -390,8 +473,7 @@ class JobManager:
     def plan(self, spec: JobSpec, *, principal: Principal = ADMIN) -> dict[str, Any]:
         # The same 422 as a submit: a plan must not probe files outside the roots, or another tenant's, either.
         pinned = self._check_reach(spec, principal)
-        return planner.plan_report(pinned,
-                                   available_gb=self.device_memory_gb(spec.resources.device))
+        return self._planner.run(planner.plan_report, pinned, available_gb=self.device_memory_gb(spec.resources.device))
 
     def device_memory_gb(self, device: str) -> float | None:
         """Memory per rank (GiB) this cluster offers for ``device``, for the planner: the operator's
@@ -416,6 +498,7 @@ class JobManager:
         return self._scheduler.cluster(principal=principal)
 
     def close(self) -> None:
+        self._planner.close()
         self._control.close(timeout_s=5)
         self._poller.close(timeout_s=5)
         self._scheduler.close(timeout_s=5)

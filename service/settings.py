@@ -25,6 +25,8 @@ _FALSE = frozenset({"", "0", "false", "no", "off"})
 
 #: Each spare is an idle process with torch imported (~300 MB of host memory).
 MAX_WARM_SPARES_PER_NODE = 16
+#: Each planner process holds the spec models and the planner (~100 MB); more than a few only queue for cores.
+MAX_PLAN_WORKERS = 16
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,6 +60,9 @@ class Settings:
     tenant_min_priority: int = 0
     tenant_max_priority: int = 100
     tenant_priorities: tuple[tuple[str, int, int], ...] = ()
+    #: Worker processes that run the planner's searches (``POST /v1/plan``, submits with ``parallelism: auto``)
+    #: off the API's process, so plans never hold its interpreter; 0: on the API's threads (service/manager.py).
+    plan_workers: int = 1
     #: How long /healthz answers from its last probe of the database and Ray (seconds; a background thread
     #: refreshes it, one probe at a time); 0: every request waits for a fresh probe.
     health_cache_s: float = 2.0
@@ -110,6 +115,11 @@ class Settings:
                     fix=f"give a limit per tenant, or set ETRAIN_{name.upper()}= (empty) for no limit",
                 )
         self._check_priorities()
+        if not 0 <= self.plan_workers <= MAX_PLAN_WORKERS:
+            raise SettingsError(
+                f"plan_workers={self.plan_workers} must be 0..{MAX_PLAN_WORKERS}.", field="plan_workers",
+                fix="use 1 (the default: one planner process) or 0 to plan on the API's threads (ETRAIN_PLAN_WORKERS)",
+            )
         if not 0 <= self.health_cache_s <= 300:
             raise SettingsError(
                 f"health_cache_s={self.health_cache_s} must be 0..300 seconds.", field="health_cache_s",
@@ -487,6 +497,7 @@ _ENV = {
     "tenant_max_priority": ("ETRAIN_TENANT_MAX_PRIORITY", _integer),
     "tenant_priorities": ("ETRAIN_TENANT_PRIORITIES", _priority_ranges),
     "health_cache_s": ("ETRAIN_HEALTH_CACHE_S", _number),
+    "plan_workers": ("ETRAIN_PLAN_WORKERS", _integer),
     "enable_chaos": ("ETRAIN_ENABLE_CHAOS", _flag),
     "max_request_bytes": ("ETRAIN_MAX_REQUEST_BYTES", _integer),
     "poll_interval_s": ("ETRAIN_POLL_INTERVAL_S", _number),

@@ -18,6 +18,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from etrain.api.routes import get_manager, get_optional_principal
 from etrain.api.schemas import COMMON_RESPONSES, ErrorOut
@@ -124,16 +125,41 @@ class HealthCache:
 )
 async def healthz(request: Request) -> JSONResponse:
     """200 when the database and Ray are reachable (as last probed, at most ETRAIN_HEALTH_CACHE_S ago),
-    else 503. Never waits on Ray once the first probe has answered."""
+    else 503. Never waits on Ray once the first probe has answered. (An anonymous request is answered the
+    same way by :class:`AnonymousHealth` before the app's routing: probers are many and must cost little.)"""
     viewer = get_optional_principal(request)  # 401 for a wrong token, as /metrics
     if getattr(request.app.state, "manager", None) is None:
         probe(request.app)  # ServiceUnavailable: 503
-    report, age = await request.app.state.health.get()
+    return await answer(request.app, full=viewer is not None)
+
+
+async def answer(app: FastAPI, *, full: bool) -> JSONResponse:
+    """/healthz's answer from the cache: ``{"ok", "status"}``, and with ``full`` the whole report and its age."""
+    report, age = await app.state.health.get()
     ok = bool(report.get("ok"))
     body: dict[str, Any] = {"ok": ok, "status": "ok" if ok else "unavailable"}
-    if viewer is not None:
+    if full:
         body = {**report, **body, "age_s": round(age, 3)}
     return JSONResponse(body, status_code=200 if ok else 503)
+
+
+class AnonymousHealth:
+    """``GET /healthz`` without an ``Authorization`` header, answered before the app's routing, dependencies
+    and other middleware: the same answer as the route's (:func:`answer`), at a fraction of the cost, for the
+    load balancers and scanners that probe it many times a second. Anything else passes on (a request with
+    a token, or while the job manager is not running: the route answers those)."""
+
+    def __init__(self, app: ASGIApp, *, fastapi: FastAPI):
+        self.app = app
+        self.fastapi = fastapi
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (scope["type"] == "http" and scope["path"] == "/healthz" and scope["method"] == "GET"
+                and getattr(self.fastapi.state, "manager", None) is not None
+                and not any(name == b"authorization" for name, _ in scope["headers"])):
+            await (await answer(self.fastapi, full=False))(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
 
 @router.get(

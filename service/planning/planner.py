@@ -8,6 +8,11 @@ layout for ``parallelism: auto`` (the search is ``plan_search.py``, the estimate
 
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.connection
+import os
+import threading
+
 from etrain.service.errors import SpecRejected
 from etrain.service.planning.estimate import (
     Case,
@@ -38,7 +43,10 @@ from etrain.service.planning.plan_search import (
 from etrain.service.planning.spec import JobSpec, ParallelismSpec, SpecProblem
 from etrain.service.planning.spec_checks import check_spec, field_problems
 
-__all__ = ["check_plan", "plan_report", "resolve_auto"]
+__all__ = ["check_plan", "plan_report", "resolve_auto", "worker_init"]
+
+#: How much lower a planner worker process's CPU priority is than the API's (``os.nice``).
+PLANNER_NICENESS = 10
 
 
 def check_plan(spec: JobSpec, *, available_gb: float | None = None) -> list[SpecProblem]:
@@ -171,3 +179,24 @@ def plan_report(spec: JobSpec, *, available_gb: float | None = None) -> dict:
 
 def _safe_estimate(spec: JobSpec, available_gb: float | None = None) -> PlanEstimate | None:
     return None if degree_problems(spec.layout) else estimate(spec, available_gb=available_gb)
+
+
+def worker_init() -> None:
+    """Initializer of a planner worker process (``etrain.service.manager.PlannerProcesses``). The worker runs
+    at a lower CPU priority (nice +10) than the API it serves, so a flood of plans takes the cores the API
+    leaves idle, not the API's own; and it ends when the process that started it does, however that one
+    ended (a SIGKILL runs no clean-up). Here, not in the manager's module, so a worker imports the planner
+    and nothing else (no Ray)."""
+    try:
+        os.nice(PLANNER_NICENESS)
+    except OSError:  # not allowed here: plans then share the cores evenly with the API
+        pass
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os._exit(0)
+
+    threading.Thread(target=watch, name="etrain-planner-parent", daemon=True).start()

@@ -11,10 +11,15 @@ server (a slot is held by an open connection); quotas and priorities through the
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -97,6 +102,7 @@ def test_the_fair_use_defaults_are_on():
     settings = Settings()
     assert (settings.tenant_max_jobs, settings.tenant_max_streams, settings.tenant_max_plans) == (20, 8, 2)
     assert (settings.tenant_min_priority, settings.tenant_max_priority, settings.health_cache_s) == (0, 100, 2.0)
+    assert settings.plan_workers == 1  # plans run in a process of their own
     assert settings.tenant_max_workers is None  # depends on the cluster: the operator sets it
 
 
@@ -136,6 +142,7 @@ def test_the_caps_come_from_the_environment_and_empty_means_no_limit():
          "ETRAIN_TENANT_MIN_PRIORITY..ETRAIN_TENANT_MAX_PRIORITY: the priority range 0..5000 is not MIN..MAX within "
          "-1000..1000.", "tenant_max_priority"),
         ({"ETRAIN_HEALTH_CACHE_S": "-1"}, "health_cache_s=-1.0 must be 0..300 seconds.", "health_cache_s"),
+        ({"ETRAIN_PLAN_WORKERS": "17"}, "plan_workers=17 must be 0..16.", "plan_workers"),
     ],
 )
 def test_bad_fair_use_settings_are_refused_by_name(env, message, field):
@@ -257,6 +264,9 @@ def test_a_tenant_may_compute_only_its_cap_of_plans_at_once(tmp_path, store):
                                        "limit": 2, "used": 2, "requested": 1}, retry_after=1)
         assert body["message"] == ("tenant 'alice' may have at most 2 plans computed at once "
                                    "(ETRAIN_TENANT_MAX_PLANS=2) and has 2 running.")
+        # refused before the body is read: a refusal costs the server no parsing (this one is not even JSON)
+        unread = alice.post("/v1/plan", content=b"{not json", headers={"content-type": "application/json"})
+        assert unread.status_code == 429 and unread.json()["quota"]["name"] == "max_plans"
         # a submit whose layout the planner must search takes a plan slot too; an explicit layout does not
         auto = alice.post("/v1/jobs", json=spec("auto", parallelism=AUTO, resources={}))
         assert auto.status_code == 429 and auto.json()["quota"]["name"] == "max_plans"
@@ -271,6 +281,49 @@ def test_a_tenant_may_compute_only_its_cap_of_plans_at_once(tmp_path, store):
         assert app.state.fair_use.plans.held("alice") == 0
         assert alice.post("/v1/plan", json=spec()).status_code == 200
         assert alice.post("/v1/jobs", json=spec("auto", parallelism=AUTO, resources={})).status_code == 201
+
+
+def test_plans_run_in_a_planner_process_and_a_dead_one_is_replaced():
+    manager_module = pytest.importorskip("etrain.service.manager")
+    processes = manager_module.PlannerProcesses(1)
+    worker = processes.run(os.getpid)
+    assert worker != os.getpid()  # off the API's process: a plan never holds its interpreter
+    assert processes.run(os.getpid) == worker  # one process, kept
+    os.kill(worker, signal.SIGKILL)  # as the kernel's OOM killer would
+    assert processes.run(os.getpid) == os.getpid()  # the pool is broken: this one call runs here
+    replacement = processes.run(os.getpid)
+    assert replacement not in (worker, os.getpid())
+    processes.close()
+    in_process = manager_module.PlannerProcesses(0)
+    assert in_process.run(os.getpid) == os.getpid()  # ETRAIN_PLAN_WORKERS=0
+    in_process.close()
+
+
+def test_a_planner_process_runs_below_the_api_and_ends_with_the_process_that_started_it(tmp_path):
+    """Its parent SIGKILLed (no clean-up runs), the worker exits too instead of lingering."""
+    code = (
+        "import multiprocessing, os, sys\n"
+        "from concurrent.futures import ProcessPoolExecutor\n"
+        "from etrain.service.planning import planner\n"
+        "context = multiprocessing.get_context('spawn')\n"
+        "pool = ProcessPoolExecutor(1, mp_context=context, initializer=planner.worker_init)\n"
+        "print(pool.submit(os.getpid).result(), pool.submit(os.nice, 0).result(), os.nice(0), flush=True)\n"
+        "os.kill(os.getpid(), 9)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    worker, worker_nice, parent_nice = (int(word) for word in done.stdout.split())
+    assert worker_nice == parent_nice + 10
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{worker}").exists() and "Z" not in _state(worker):
+        assert time.monotonic() < deadline, "the planner process outlived the process that started it"
+        time.sleep(0.05)
+
+
+def _state(pid: int) -> str:
+    try:
+        return next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("State"))
+    except (OSError, StopIteration):
+        return "gone"
 
 
 def test_tenant_slots_are_per_tenant_released_once_and_free_for_the_admin():
@@ -359,10 +412,8 @@ def test_a_tenant_at_its_job_cap_is_refused_before_its_spec_is_planned(real, mon
     alice = clients["alice"]
     for name in ("one", "two"):
         assert alice.post("/v1/jobs", json=spec(name)).status_code == 201
-    from etrain.service.planning import planner
-
     searched: list[Any] = []
-    monkeypatch.setattr(planner, "resolve_auto", lambda *a, **k: searched.append(a) or pytest.fail("planned"))
+    monkeypatch.setattr(manager._planner, "run", lambda *a, **k: searched.append(a) or pytest.fail("planned"))
     refused = alice.post("/v1/jobs", json=spec("three", parallelism=AUTO, resources={}))
     assert_too_many(refused, {"name": "max_jobs", "setting": "ETRAIN_TENANT_MAX_JOBS", "tenant": "alice", "limit": 2,
                               "used": 2, "requested": 1}, retry_after=30)
