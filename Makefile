@@ -61,14 +61,15 @@ gpu-wheels:
 ## make bench: the benchmark suite (benchmarks/suite.py: start-up, recovery, goodput, stragglers, hangs,
 ## checkpoints, pipeline bubble, steady state, each against Ray Train v2, torchrun or a formula); raw
 ## samples to benchmarks/results/*.json, the README table regenerated from them. Then the throughput,
-## memory and API benchmarks (bench-results/). `make bench QUICK=1` (or `make bench-quick`, or
-## ARGS=--quick): the suite alone, under 15 minutes on 2 CPU cores. ARGS passes more suite flags, e.g.
-## ARGS='--only recovery --note "shared machine"'.
+## memory, API and fair-use (one tenant floods, another's reads are timed) benchmarks (bench-results/).
+## `make bench QUICK=1` (or `make bench-quick`, or ARGS=--quick): the suite alone, under 15 minutes on
+## 2 CPU cores. ARGS passes more suite flags, e.g. ARGS='--only recovery --note "shared machine"'.
 BENCH_QUICK = $(or $(QUICK),$(findstring --quick,$(ARGS)))
 bench: $(STAMP)
 	$(PY) -m benchmarks.suite $(if $(QUICK),--quick) $(ARGS)
-	$(if $(BENCH_QUICK),@echo "quick: benchmarks/run.py and benchmarks/bench_api.py skipped",$(PY) -m benchmarks.run --out bench-results)
+	$(if $(BENCH_QUICK),@echo "quick: benchmarks/run.py, bench_api.py and bench_fair_use.py skipped",$(PY) -m benchmarks.run --out bench-results)
 	$(if $(BENCH_QUICK),,$(PY) -m benchmarks.bench_api --out bench-results)
+	$(if $(BENCH_QUICK),,$(PY) -m benchmarks.bench_fair_use --out bench-results)
 
 bench-quick:
 	$(MAKE) bench QUICK=1
