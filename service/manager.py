@@ -55,7 +55,7 @@ from etrain.service.store.job_store import JobStore
 from etrain.service.store.records import EventRecord, JobRecord, JobStatus, StepRecord
 from etrain.service.access.quotas import TenantQuotas, check_priority
 from etrain.service.access.tenancy import ADMIN, Principal
-from etrain.workers import storage
+from etrain.workers import families, storage
 from etrain.workers.protocol.errors import ConfigError
 from etrain.workers.protocol.messages import RANK_CHAOS_ACTIONS
 from etrain.workers.rank_log import rank_log_path, read_lines
@@ -444,11 +444,12 @@ class JobManager:
         spec = JobSpec.model_validate(record.spec)
         config = spec.to_run_config(job_id=job_id, checkpoint_root=self.settings.checkpoint_location(job_id))
         model = config.model
-        if model.arch != "llama":
+        found = families.family(model.arch)
+        if not found.has_hf_format:
             raise ConfigError(
-                f"job {job_id} trains the built-in GPT (model.kind={spec.model.kind!r}), which has no Hugging Face "
-                "format; only Llama-family models (model.hf or a llama preset) export.",
-                field="model.kind", fix="export a job that trains a Llama-family model",
+                f"job {job_id} trains {found.summary.split(':')[0]} (model.kind={model.arch!r}), which has no "
+                "Hugging Face format; only models of a Hugging Face family (model.hf or one of their presets) export.",
+                field="model.kind", fix="export a job that trains a model of a Hugging Face family",
             )
         out_dir = pin(out, self._base_dir)
         refused = self.storage.check("out", out, out_dir,

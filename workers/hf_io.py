@@ -71,6 +71,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 
 from etrain.workers import safe_paths, storage
+from etrain.workers.families import family
 from etrain.workers.checkpoint_commit import resolve_latest, step_dir, verify
 from etrain.workers.checkpoint_io import storage_reader
 from etrain.workers.protocol.run_config import ModelConfig
@@ -125,9 +126,10 @@ def load_hf_weights(
     tensors the model needs, with their shapes.
     """
     directory = os.fspath(folder)
-    if model_config.arch != "llama":
-        raise ConfigError(f"Hugging Face weights load into Llama-family models, not arch={model_config.arch!r}.",
-                          field="model.hf", fix="set model.arch: llama (model.hf sets it for you)")
+    if not family(model_config.arch).has_hf_format:
+        raise ConfigError(f"Hugging Face weights load into models of a Hugging Face family, not "
+                          f"arch={model_config.arch!r}.", field="model.hf",
+                          fix="give model.hf alone: its config.json says which family loads it")
     with _weights_view(directory) as view:
         return _load_from(view, directory, model_parts, model_config)
 
@@ -159,7 +161,7 @@ def _load_from(view: str, directory: str, model_parts: Sequence[nn.Module], mode
         for fqn, tensor in part_state.items():
             if tied and fqn == "output.weight":
                 continue  # the embedding's tensor; the file has no lm_head.weight
-            name = hf_name(fqn)
+            name = hf_name(fqn, model_config.arch)
             if name in state:
                 raise ConfigError(f"two model parts both hold {fqn!r}.", field="model.hf",
                                   fix="pass each pipeline stage's module once")
@@ -212,7 +214,7 @@ def _ignored(name: str, model_config: ModelConfig) -> bool:
 
 
 def _check_weights(found: dict[str, tuple[tuple[int, ...], str]], model_config: ModelConfig) -> None:
-    expected = {hf_name(fqn): shape for fqn, shape in expected_shapes(model_config).items()}
+    expected = {hf_name(fqn, model_config.arch): shape for fqn, shape in expected_shapes(model_config).items()}
     found = {name: entry for name, entry in found.items() if not _ignored(name, model_config)}
     missing = sorted(expected.keys() - found.keys())
     extra = sorted(found.keys() - expected.keys())
@@ -228,7 +230,8 @@ def _check_weights(found: dict[str, tuple[tuple[int, ...], str]], model_config: 
             problems.append(f"{len(names)} tensors {label}: {shown}")
     if problems:
         raise ConfigError(
-            f"model.hf weights do not match the {model_config.hf_architecture or 'Llama'} model its config.json "
+            f"model.hf weights do not match the {model_config.hf_architecture or model_config.arch} model its "
+            "config.json "
             f"describes: {'; '.join(problems)}.",
             field="model.hf",
             fix="point model.hf at an unquantized save_pretrained folder whose config.json and safetensors belong "
@@ -336,7 +339,7 @@ def export_hf(
     parent, name = os.path.split(out)
     folder = safe_paths.open_dir(parent, field="checkpoint.export", create=True)
     try:
-        _export_into(folder, parent, name, directory, shapes, config,
+        _export_into(folder, parent, name, directory, shapes, config, model_config.arch,
                      source_dir if source_dir is not None else model_config.hf_path, max_shard_bytes)
     finally:
         os.close(folder)
@@ -355,7 +358,7 @@ def _check_destination(out: str) -> None:
 
 
 def _export_into(folder: int, parent: str, name: str, directory: str, shapes: dict[str, tuple[int, ...]],
-                 config: dict[str, Any], source: str | os.PathLike | None, max_shard_bytes: int) -> None:
+                 config: dict[str, Any], arch: str, source: str | os.PathLike | None, max_shard_bytes: int) -> None:
     """Build the export in ``<name>.tmp-<pid>`` beside it and rename it into place, all through the
     parent folder's descriptor ``folder``; the files are written through the temporary folder's own
     descriptor (:func:`safe_paths.descriptor_path`), so a path swapped meanwhile redirects nothing. The
@@ -368,7 +371,7 @@ def _export_into(folder: int, parent: str, name: str, directory: str, shapes: di
         try:
             tmp = safe_paths.descriptor_path(tmp_fd, os.path.join(parent, tmp_name))
             _copy_tokenizer_files(source, tmp_fd)
-            _write_weights(directory, tmp, shapes, max_shard_bytes)
+            _write_weights(directory, tmp, shapes, max_shard_bytes, arch)
             _write_json(os.path.join(tmp, "config.json"), config)
             os.fsync(tmp_fd)
         finally:
@@ -409,7 +412,7 @@ def _export_to_url(directory: str, out: str, model_config: ModelConfig, config: 
     try:
         for name in _copy_tokenizer_files(source_dir if source_dir is not None else model_config.hf_path, tmp):
             upload(os.path.join(tmp, name))
-        _write_weights(directory, tmp, shapes, max_shard_bytes, on_file=upload)
+        _write_weights(directory, tmp, shapes, max_shard_bytes, model_config.arch, on_file=upload)
         _write_json(os.path.join(tmp, "config.json"), config)
         upload(os.path.join(tmp, "config.json"))
     finally:
@@ -461,7 +464,7 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def _write_weights(directory: str, tmp: str, shapes: dict[str, tuple[int, ...]], max_shard_bytes: int,
-                   on_file=None) -> None:
+                   arch: str, on_file=None) -> None:
     """``on_file(path)``: called with each file once written (the URL export uploads and deletes it)."""
     from safetensors.torch import save_file
 
@@ -473,7 +476,7 @@ def _write_weights(directory: str, tmp: str, shapes: dict[str, tuple[int, ...]],
         tensors = {fqn: torch.empty(shapes[fqn], dtype=torch.float32) for fqn in group}
         with _quiet_single_process():
             dcp.load({"model": tensors}, storage_reader=storage_reader(directory), no_dist=True)
-        named = {hf_name(fqn): tensor for fqn, tensor in tensors.items()}
+        named = {hf_name(fqn, arch): tensor for fqn, tensor in tensors.items()}
         path = os.path.join(tmp, name)
         save_file(named, path, metadata={"format": "pt"})
         _fsync(path)

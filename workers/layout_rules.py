@@ -21,7 +21,11 @@ offload); and the data-parallel sizes an elastic job may run at. Where ranks sit
 rank order) is :class:`etrain.workers.topology.Topology`'s, which takes its degree rule and world
 size from here.
 
-Pure standard library (plus the error family): the control plane imports it without torch or Ray.
+What tensor parallelism splits is the model family's to say (``etrain.workers.families``: ``tp_dims``);
+the rules here apply it to every family alike.
+
+Pure standard library (plus the error family and the family declarations): the control plane imports
+it without torch or Ray.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
+from etrain.workers.families import family
 from etrain.workers.protocol.errors import ConfigError, EtrainError
 
 __all__ = [
@@ -180,14 +185,10 @@ def world_size_problems(*, pp: int, dp: int, tp: int, world: int) -> list[Proble
 
 
 def tp_dims(model: ModelShape) -> tuple[tuple[str, int], ...]:
-    """The sizes tensor parallelism splits: whole query (and, for Llama, key/value) heads, the MLP
-    width and the vocabulary (embedding and output are vocab-parallel); the GPT also splits d_model
-    (its q/k/v/out are d x d)."""
-    if model.arch == "llama":
-        return (("n_heads", model.n_heads), ("n_kv_heads", model.kv_heads), ("ffn_dim", model.ffn_dim),
-                ("vocab_size", model.vocab_size))
-    return (("n_heads", model.n_heads), ("d_model", model.d_model), ("ffn_dim", model.ffn_dim),
-            ("vocab_size", model.vocab_size))
+    """The sizes tensor parallelism splits, as the model's family declares them: whole query (and, with
+    grouped-query attention, key/value) heads, the MLP width and the vocabulary (embedding and output
+    are vocab-parallel); the GPT also splits d_model (its q/k/v/out are d x d)."""
+    return family(model.arch).tp_dims(model)
 
 
 def valid_tps(model: ModelShape) -> list[int]:
@@ -202,7 +203,8 @@ def tp_problems(model: ModelShape, tp: int, *, context: str = "") -> list[Proble
     """
     problems = []
     fix = f"use tp in {valid_tps(model)}"
-    heads_problem = model.arch == "llama" and bool(model.n_heads % tp or model.kv_heads % tp)
+    dims = dict(tp_dims(model))
+    heads_problem = "n_kv_heads" in dims and bool(dims["n_heads"] % tp or dims["n_kv_heads"] % tp)
     if heads_problem:
         problems.append(Problem(
             field="parallelism.tp",

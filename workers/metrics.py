@@ -8,6 +8,7 @@ recomputation does not inflate it (PaLM appendix B).
 
 from __future__ import annotations
 
+from etrain.workers.families import family
 from etrain.workers.protocol.run_config import ModelConfig
 
 __all__ = ["PEAK_FLOPS", "flops_per_token", "mfu", "peak_flops_per_s", "tokens_per_s"]
@@ -31,13 +32,16 @@ PEAK_FLOPS: dict[str, dict[str, float]] = {
 def flops_per_token(model: ModelConfig) -> float:
     """Training FLOPs per token: 6 N (forward + backward of every weight) + attention.
 
-    N excludes the position embeddings (a lookup, not a matmul); the token embedding is counted
-    because the output projection is a matmul of the same size. The attention term
-    ``12 * n_layers * d_model * seq_len`` is the QK^T and AV matmuls, forward and backward
-    (PaLM, Chowdhery et al. 2022, appendix B; Chinchilla appendix F).
+    N excludes learned position embeddings (a lookup, not a matmul; the family says how many:
+    ``ModelFamily.position_params``, the GPT's, none for rotary families); the token embedding is
+    counted because the output projection is a matmul of the same size. The attention term
+    ``12 * n_layers * width * seq_len`` is the QK^T and AV matmuls, forward and backward, at the
+    family's attention width (``n_heads * head_dim``; d_model for the GPT) (PaLM, Chowdhery et al.
+    2022, appendix B; Chinchilla appendix F).
     """
-    n = model.num_params - model.seq_len * model.d_model
-    return 6.0 * n + 12.0 * model.n_layers * model.d_model * model.seq_len
+    found = family(model.arch)
+    n = model.num_params - found.position_params(model)
+    return 6.0 * n + 12.0 * model.n_layers * found.attention_width(model) * model.seq_len
 
 
 def peak_flops_per_s(device_name: str | None, precision: str) -> float | None:

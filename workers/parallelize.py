@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -48,6 +48,7 @@ from torch.distributed.tensor.parallel import (
 from torch.nn.parallel import DistributedDataParallel
 
 from etrain.workers import layout_rules
+from etrain.workers.families import family
 from etrain.workers.mesh import ParallelMesh, validate_dp_replicate
 from etrain.workers.protocol.errors import ConfigError
 from etrain.workers.protocol.run_config import ParallelConfig, RunConfig
@@ -56,6 +57,7 @@ from etrain.workers.topology import Topology
 __all__ = [
     "ParallelDims",
     "ReplicateParallel",
+    "WidthShardedNorm",
     "apply_ac",
     "apply_dp",
     "apply_tp",
@@ -63,6 +65,7 @@ __all__ = [
     "gradient_sync",
     "loss_context",
     "parallelize_stage",
+    "tp_style",
     "unwrap",
     "uses_fsdp",
     "validate_data_parallel",
@@ -180,10 +183,62 @@ class ReplicateParallel(ParallelStyle):
         return distribute_module(module, device_mesh, self._replicate_params, input_fn, output_fn)
 
 
-def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> None:
-    """Megatron tensor parallelism with DTensor: one all-reduce (or reduce-scatter with SP) per block half.
+class WidthShardedNorm(ParallelStyle):
+    """A norm over a whole width that tensor parallelism shards (q/k norms over all the heads' features):
+    its weights are sharded like the features (``Shard(0)``), the input arrives as the width-sharded
+    DTensor a ``colwise_sharded_output`` projection hands over, DTensor reduces the mean over the width
+    across the tp ranks (one value per token), and the output is returned as the rank's local features
+    (its heads)."""
 
-    ``wq/wk/wv`` and ``w1`` are column-parallel (each rank computes its heads / its slice of the
+    @staticmethod
+    def _shard_params(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        for param_name, param in list(module.named_parameters(recurse=False)):
+            sharded = distribute_tensor(param.data, mesh, [Shard(0)], src_data_rank=None)
+            module.register_parameter(param_name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def output_fn(mod, output, mesh):
+            return output.to_local() if isinstance(output, DTensor) else output
+
+        return distribute_module(module, device_mesh, self._shard_params, None, output_fn)
+
+
+def tp_style(name: str, *, sequence_parallel: bool) -> ParallelStyle | None:
+    """The torch ``ParallelStyle`` of a style a family's plan names (``etrain.workers.families.base.TP_STYLES``);
+    None for ``gather_sequence`` without sequence parallelism (nothing to do)."""
+    residual = Shard(1) if sequence_parallel else Replicate()
+    if name == "vocab_embedding":
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=residual)
+    if name == "position_embedding":  # positions [seq] -> [seq, d]: the sequence is dim 0 here.
+        return ReplicateParallel(output_layout=Shard(0) if sequence_parallel else Replicate())
+    if name == "norm":
+        return SequenceParallel() if sequence_parallel else ReplicateParallel()
+    if name == "colwise":
+        return ColwiseParallel()
+    if name == "colwise_sharded_output":
+        return ColwiseParallel(use_local_output=False)
+    if name == "rowwise":
+        return RowwiseParallel(output_layouts=residual)
+    if name == "head_norm":
+        # [batch, seq, local heads, head_dim]: heads (dim 2) are sharded, the weight is replicated and its
+        # gradient reduced over tp by DTensor.
+        return SequenceParallel(sequence_dim=2, use_local_output=True)
+    if name == "width_norm":
+        return WidthShardedNorm()
+    if name == "vocab_head":
+        return ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False)
+    if name == "gather_sequence":
+        # The norm hands over a sequence shard; attention and MLP need the whole sequence.
+        return PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)) \
+            if sequence_parallel else None
+    raise ValueError(f"unknown tensor-parallel style {name!r}")
+
+
+def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> None:
+    """Megatron tensor parallelism with DTensor: one all-reduce (or reduce-scatter with SP) per block half,
+    as the model family's plan says (``ModelFamily.tp_plan``: a style name per submodule).
+
+    ``wq/wk/wv`` and ``w1`` (``w3``) are column-parallel (each rank computes its heads / its slice of the
     hidden layer), ``wo`` and ``w2`` row-parallel (partial sums reduced once). The embedding is
     split by vocabulary, and so is the output projection, whose logits *stay* split: a DTensor
     ``Shard(-1)`` on the tp mesh (``use_local_output=False``), so no rank ever holds the full
@@ -194,48 +249,17 @@ def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool)
     row-parallel outputs are reduce-scattered instead of all-reduced. Works on a pipeline stage too:
     parts the stage does not own are ``None`` and skipped.
     """
-    residual = Shard(1) if sequence_parallel else Replicate()
-    root_plan: dict[str, ParallelStyle] = {}
-    if getattr(module, "tok_embeddings", None) is not None:
-        root_plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=residual)
-    if getattr(module, "pos_embeddings", None) is not None:
-        # positions [seq] -> [seq, d]: the sequence is dim 0 here.
-        root_plan["pos_embeddings"] = ReplicateParallel(output_layout=Shard(0) if sequence_parallel else Replicate())
-    if getattr(module, "norm", None) is not None:
-        root_plan["norm"] = SequenceParallel() if sequence_parallel else ReplicateParallel()
-    if getattr(module, "output", None) is not None:
-        root_plan["output"] = ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1),
-                                              use_local_output=False)
+    plan = family(module.config.arch).tp_plan(module.config)
+    root_plan: dict[str, ParallelStyle] = {
+        name: tp_style(style, sequence_parallel=sequence_parallel)
+        for name, style in plan.root.items() if getattr(module, name, None) is not None
+    }
     if root_plan:
         parallelize_module(module, tp_mesh, root_plan)
 
     for block in module.layers.values():
-        norm_style = SequenceParallel() if sequence_parallel else ReplicateParallel()
-        block_plan: dict[str, ParallelStyle] = {
-            "attention_norm": norm_style,
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=residual),
-            "ffn_norm": SequenceParallel() if sequence_parallel else ReplicateParallel(),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=residual),
-        }
-        if getattr(block.feed_forward, "w3", None) is not None:  # SwiGLU's up projection
-            block_plan["feed_forward.w3"] = ColwiseParallel()
-        if getattr(block.attention, "q_norm", None) is not None:
-            # Qwen3's per-head norms see [batch, seq, local heads, head_dim]: heads (dim 2) are
-            # sharded, the weight is replicated and its gradient reduced over tp by DTensor.
-            block_plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-            block_plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-        if sequence_parallel:
-            # The norm hands over a sequence shard; attention and MLP need the whole sequence.
-            gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-            block_plan["attention"] = gather
-            block_plan["feed_forward"] = PrepareModuleInput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-            )
-        parallelize_module(block, tp_mesh, block_plan)
+        block_plan = {name: tp_style(style, sequence_parallel=sequence_parallel) for name, style in plan.block.items()}
+        parallelize_module(block, tp_mesh, {name: style for name, style in block_plan.items() if style is not None})
     tie_weights = getattr(module, "tie_weights", None)
     if tie_weights is not None:
         # Each TP style swapped in its own DTensor; a tied output re-shares the embedding's (both

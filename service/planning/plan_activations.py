@@ -4,9 +4,9 @@ Each formula is tested on its own in tests/unit/test_planner.py, the per-layer c
 against the tensors autograd saves:
 
 * Activations per layer (``korthikanti_activation_bytes``): Korthikanti et al. 2022, cited in
-  ``transformer-math-distributed-training``; ``layer_activation_bytes`` adapts it to our GPT block
-  and ``llama_layer_activation_bytes`` derives the same count for the Llama block (SwiGLU, GQA,
-  RMSNorm, RoPE).
+  ``transformer-math-distributed-training``; ``layer_activation_bytes`` asks the model's family
+  (``etrain.workers.families``), whose count adapts it to its block (the GPT's; the Llama block's
+  SwiGLU, GQA, RMSNorm and RoPE; ...), each checked against the tensors autograd saves.
 * How many micro-batches a pipeline stage holds (``in_flight_microbatches``): each schedule's
   warm-up as torch runs it (interleaved 1F1B in torch's rounds, ``etrain.workers.layout_rules``).
 
@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import Literal
 
 from etrain.workers import layout_rules
+from etrain.workers.families import family
 from etrain.workers.protocol.run_config import ModelConfig
 
 __all__ = [
@@ -36,8 +37,6 @@ __all__ = [
     "korthikanti_activation_bytes",
     "layer_activation_bytes",
     "layer_chunks_in_flight",
-    "llama_layer_activation_bytes",
-    "llama_widths",
     "logits_bytes",
     "rope_table_bytes",
 ]
@@ -52,11 +51,6 @@ def compute_regime(precision: str, *, fsdp: bool) -> Regime:
     if precision == "fp32":
         return "fp32"
     return "bf16_params" if fsdp else "autocast"
-
-
-def llama_widths(model: ModelConfig) -> tuple[int, int]:
-    """(query width, key/value width): ``n_heads·head_dim`` and ``n_kv_heads·head_dim``."""
-    return model.n_heads * model.head_dim, model.kv_heads * model.head_dim
 
 
 def korthikanti_activation_bytes(*, seq_len: int, micro_batch: int, d_model: int, n_heads: int,
@@ -76,92 +70,20 @@ def korthikanti_activation_bytes(*, seq_len: int, micro_batch: int, d_model: int
 def layer_activation_bytes(model: ModelConfig, *, micro_batch: int, tp: int = 1,
                            sequence_parallel: bool = False, precision: str = "bf16",
                            checkpointing: bool = False, regime: Regime | None = None) -> float:
-    """Activations one block of OUR model saves for backward, per micro-batch.
-
-    Llama blocks: :func:`llama_layer_activation_bytes` (``regime`` defaults to autocast for bf16).
-    GPT blocks: Korthikanti's count adapted to ``workers/model.py`` (and checked against the tensors
-    autograd saves): no dropout, so no masks, and fused ``scaled_dot_product_attention``, so no
-    s x s scores, only an fp32 log-sum-exp per head and position. Per token it saves, in elements:
-    replicated 4d (both LayerNorm inputs and outputs) plus the LayerNorms' fp32 mean and rstd;
-    TP-sharded 4d + 2f (q, k, v, the attention output that ``wo`` reads, the GELU input and
-    output). At f = 4d and 2 bytes that is Korthikanti's 34 sbh less the 2 sbh of dropout masks:
-    sbh (8 + 24/t). Element size is 2 bytes (bf16) or 4 (fp32). Sequence parallelism shards the
-    replicated part too (Megatron's layout). With activation checkpointing only the block input
-    (s·b·d) is saved.
+    """Activations one block of OUR model saves for backward, per micro-batch: its family's count
+    (``ModelFamily.layer_activation_bytes``). ``regime`` defaults to autocast for bf16 (fp32 for fp32);
+    the GPT's count reads the element size from ``precision`` alone. Korthikanti's count, adapted to
+    the GPT block (no dropout, fused attention): sbh (8 + 24/t) at f = 4d in bf16, plus fp32 stats.
+    With activation checkpointing only the block input is saved.
     """
-    if model.arch == "llama":
-        return llama_layer_activation_bytes(model, micro_batch=micro_batch, tp=tp,
-                                            sequence_parallel=sequence_parallel, checkpointing=checkpointing,
-                                            regime=regime or compute_regime(precision, fsdp=False))
-    elem = 2 if precision == "bf16" else 4
-    s, b, d, f = model.seq_len, micro_batch, model.d_model, model.ffn_dim
-    sp_div = tp if sequence_parallel else 1
-    if checkpointing:
-        return s * b * d * elem / sp_div
-    replicated = (4 * d * elem + 2 * 2 * 4) * s * b / sp_div  # + two LayerNorms' fp32 mean and rstd
-    sharded = s * b * (4 * d + 2 * f) * elem / tp
-    log_sum_exp = 4 * model.n_heads * s * b / tp
-    return replicated + sharded + log_sum_exp
-
-
-def llama_layer_activation_bytes(model: ModelConfig, *, micro_batch: int, tp: int = 1,
-                                 sequence_parallel: bool = False, regime: Regime = "fp32",
-                                 checkpointing: bool = False) -> float:
-    """What one Llama block (``workers/llama.py``) saves for backward, per micro-batch, in bytes.
-
-    Korthikanti-style count for RMSNorm + RoPE + grouped-query attention + SwiGLU, derived from the
-    ops and checked against the tensors autograd saves (tests/unit/test_planner.py). Per token,
-    with q = n_heads·head_dim, kv = n_kv_heads·head_dim, f = ffn_dim, H = n_heads:
-
-    * Each RMSNorm (computed in fp32) saves its fp32 input (a ``.float()`` copy when the residual
-      stream is bf16), ``rsqrt`` (1 fp32), and ``x·rsqrt`` (fp32 when that is the residual dtype,
-      else its cast back to bf16); its output is saved by the projections that read it: once in
-      fp32/bf16_params, but under autocast as one bf16 cast per consumer (wq, wk, wv; w1, w3).
-      Sequence parallelism shards the norm's own tensors; the projections save the gathered output.
-    * Attention saves q (after RoPE), k and v *repeated to n_heads* (``repeat_interleave`` before
-      the fused kernel: grouped-query attention saves no activation memory here), the output
-      (which ``wo`` reads as a view) and an fp32 log-sum-exp per head: 4q + H. RoPE's multiplies
-      save only the cos/sin tables; the bf16 regimes cast them per call (4·s·head_dim, not per token).
-    * SwiGLU saves the gate (silu's input), silu's output, the up projection and their product
-      (``w2``'s input): 4f.
-    * Qwen3's q/k norms save their input, ``rsqrt`` and normalised values: 2(q + kv) + H + n_kv_heads
-      elements in fp32, ``6(q + kv)`` bytes + 4(H + n_kv_heads) in the bf16 regimes.
-
-    Per token in bytes: fp32 ``2(3·4d + 4) + 4·4q + 4H + 4·4f``; autocast ``2(2·4d + 4) + 5·2d +
-    4·2q + 4H + 4·2f``; bf16_params ``2(4d + 2d + 4) + 2·2d + 4·2q + 4H + 4·2f``. Everything but the
-    norms is divided by ``tp`` (heads and the MLP width are sharded). With activation
-    checkpointing only the block input is saved (residual dtype: fp32 unless bf16_params).
-    The per-layer RoPE table cache is module state (:func:`rope_table_bytes`), not counted here.
-    """
-    s, b, d, f = model.seq_len, micro_batch, model.d_model, model.ffn_dim
-    q, kv = llama_widths(model)
-    heads, kv_heads = model.n_heads, model.kv_heads
-    sp_div = tp if sequence_parallel else 1
-    tokens = s * b
-    if checkpointing:
-        return tokens * d * (2 if regime == "bf16_params" else 4) / sp_div
-    if regime == "fp32":
-        norms, norm_outputs, elem, qk_per_elem = 2 * (8 * d + 4), 2 * 4 * d, 4, 8
-    elif regime == "autocast":
-        norms, norm_outputs, elem, qk_per_elem = 2 * (8 * d + 4), 5 * 2 * d, 2, 6
-    elif regime == "bf16_params":
-        norms, norm_outputs, elem, qk_per_elem = 2 * (6 * d + 4), 2 * 2 * d, 2, 6
-    else:
-        raise ValueError(f"regime must be fp32, autocast or bf16_params, got {regime!r}")
-    attention = 4 * q * elem + 4 * heads
-    mlp = 4 * f * elem
-    qk_norms = qk_per_elem * (q + kv) + 4 * (heads + kv_heads) if model.qk_norm else 0
-    per_token = norms / sp_div + norm_outputs + (attention + mlp + qk_norms) / tp
-    # RoPE's cos/sin cast to bf16 for q and for k on every call (not when q/k are fp32 after the
-    # q/k norms under autocast, nor in fp32, where the cached fp32 tables themselves are used).
-    casts_rope = regime == "bf16_params" or (regime == "autocast" and not model.qk_norm)
-    rope = 4 * s * model.head_dim * 2 if casts_rope else 0
-    return tokens * per_token + rope
+    return family(model.arch).layer_activation_bytes(
+        model, micro_batch=micro_batch, tp=tp, sequence_parallel=sequence_parallel, precision=precision,
+        regime=regime or compute_regime(precision, fsdp=False), checkpointing=checkpointing)
 
 
 def rope_table_bytes(model: ModelConfig) -> int:
-    """The fp32 cos and sin tables each Llama attention module caches (``seq_len x head_dim`` each)."""
-    return 2 * model.seq_len * model.head_dim * 4 if model.arch == "llama" else 0
+    """The module state each attention module caches (a rotary family's fp32 cos and sin tables)."""
+    return family(model.arch).rope_table_bytes(model)
 
 
 def logits_bytes(model: ModelConfig, *, micro_batch: int, tp: int = 1, held: int = 1,
@@ -184,12 +106,7 @@ def logits_bytes(model: ModelConfig, *, micro_batch: int, tp: int = 1, held: int
 
 def final_norm_bytes(model: ModelConfig, *, tokens: int, regime: Regime, sp_div: int) -> float:
     """What the final norm saves per micro-batch (its tensors, and its output saved by the head)."""
-    d = model.d_model
-    if model.arch != "llama":
-        return 2 * tokens * d * (4 if regime == "fp32" else 2) / sp_div
-    own = {"fp32": 8 * d + 4, "autocast": 8 * d + 4, "bf16_params": 6 * d + 4}[regime]
-    output = 4 * d if regime == "fp32" else 2 * d
-    return tokens * (own / sp_div + output)
+    return family(model.arch).final_norm_bytes(model, tokens=tokens, regime=regime, sp_div=sp_div)
 
 
 def layer_chunks_in_flight(schedule: str, *, pp: int, microbatches: int, virtual_stages: int,

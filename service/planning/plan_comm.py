@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from etrain.service.planning.plan_memory import gib
 from etrain.workers import layout_rules
+from etrain.workers.families import family
 from etrain.workers.protocol.run_config import ModelConfig
 
 __all__ = [
@@ -210,13 +211,10 @@ def step_flops(model: ModelConfig, *, global_batch: int, checkpointing: bool) ->
     (forward 2, backward 4) plus attention's 12·L·(n_heads·head_dim)·s per token; recompute runs
     the forward again. Embedding lookups are not matmuls, but a tied output head multiplies by the
     embedding's weight, so a tied model's matmul parameters include it."""
-    s, d = model.seq_len, model.d_model
+    s = model.seq_len
     tokens = global_batch * s
-    if model.arch == "llama":
-        lookups = 0 if model.tie_embeddings else model.vocab_size * d
-        width = model.n_heads * model.head_dim
-    else:
-        lookups, width = (model.vocab_size + s) * d, d
+    found = family(model.arch)  # which parameters are lookups, and attention's width, are the family's
+    lookups, width = found.lookup_params(model), found.attention_width(model)
     matmul_params = model.num_params - lookups
     attention = model.n_layers * width * s
     flops = 6 * matmul_params * tokens + 12 * attention * tokens

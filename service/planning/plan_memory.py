@@ -46,6 +46,10 @@ What a rank holds (``stage_memory``), as the engine runs (``workers/parallelize.
   (CUDA context and communicator buffers; on CPU the Python + torch process, measured by
   ``make bench`` as an empty rank's RSS). Memory is in bytes and GiB; ``device_memory_gb`` is GiB.
 
+Every count that depends on the model's architecture (a block's parameters, the embeddings and head,
+the largest parameter, the matmul weights) is its family's (``etrain.workers.families``), checked
+against the family's modules in tests/unit/test_families.py.
+
 What a rank's layers hold under TP (Megatron/torchtitan sharding): column-parallel ``wq/wk/wv/w1``
 (and SwiGLU's ``w3``) shard weight and bias by ``tp``; row-parallel ``wo/w2`` shard the weight but
 keep any bias whole; norms are replicated; the token embedding and the output head are
@@ -65,11 +69,11 @@ from etrain.service.planning.plan_activations import (
     compute_regime,
     final_norm_bytes,
     layer_activation_bytes,
-    llama_widths,
     logits_bytes,
     rope_table_bytes,
 )
 from etrain.workers import layout_rules
+from etrain.workers.families import family
 from etrain.workers.protocol.run_config import ModelConfig
 
 __all__ = [
@@ -126,41 +130,21 @@ def precision_bytes(precision: str) -> tuple[int, int, int]:
 
 
 def layer_params(model: ModelConfig, tp: int = 1) -> float:
-    """Parameters of one transformer block held by one tensor-parallel rank.
-
-    GPT: sharded by tp are q/k/v/out and MLP weights, q/k/v and up-projection biases; replicated
-    are both LayerNorms (2 x 2d) and the biases of the row-parallel ``wo`` and ``w2`` (d each).
-    Llama: sharded are ``wq`` (d x n_heads·head_dim), ``wk``/``wv`` (d x n_kv_heads·head_dim each:
-    grouped-query attention), ``wo`` and SwiGLU's three d x ffn matrices, plus the q/k/v biases
-    (Qwen2, ``attention_bias``); replicated are the two RMSNorm weights (no bias), Qwen3's per-head
-    q/k norm weights (head_dim each) and ``wo``'s bias when ``attention_bias == "all"``.
-    """
-    d, f = model.d_model, model.ffn_dim
-    if model.arch == "llama":
-        q, kv = llama_widths(model)
-        sharded = d * q + 2 * d * kv + q * d + 3 * d * f
-        if model.attention_bias != "none":
-            sharded += q + 2 * kv
-        replicated = 2 * d + (2 * model.head_dim if model.qk_norm else 0)
-        replicated += d if model.attention_bias == "all" else 0
-        return sharded / tp + replicated
-    sharded = 4 * d * d + 3 * d + 2 * d * f + f
-    replicated = 2 * d + 2 * d + d + d
-    return sharded / tp + replicated
+    """Parameters of one transformer block held by one tensor-parallel rank (its family's count:
+    column- and row-parallel weights and the column-parallel biases divided by ``tp``, norms and the
+    row-parallel biases replicated)."""
+    return family(model.arch).layer_params(model, tp)
 
 
 def _embedding_params(model: ModelConfig, tp: int) -> float:
-    """The token embedding (vocab-parallel) and, for the GPT, the replicated position embedding."""
-    positions = 0 if model.arch == "llama" else model.seq_len * model.d_model
-    return model.vocab_size * model.d_model / tp + positions
+    """The token embedding (vocab-parallel) and any replicated position embedding (the GPT's)."""
+    return family(model.arch).embedding_params(model, tp)
 
 
 def _head_params(model: ModelConfig, tp: int, *, with_embedding: bool = False) -> float:
-    """The final norm (replicated; a LayerNorm has a bias, an RMSNorm none) and the output head
-    (vocab-parallel). A tied head on the embedding's stage is the embedding's weight: not counted again."""
-    norm = model.d_model if model.arch == "llama" else 2 * model.d_model
-    tied = model.arch == "llama" and model.tie_embeddings and with_embedding
-    return norm + (0 if tied else model.vocab_size * model.d_model / tp)
+    """The final norm (replicated) and the output head (vocab-parallel). A tied head on the embedding's
+    stage is the embedding's weight: not counted again."""
+    return family(model.arch).head_params(model, tp, with_embedding=with_embedding)
 
 
 def stage_params(model: ModelConfig, *, tp: int = 1, layers: int, first: bool, last: bool) -> float:
@@ -181,28 +165,15 @@ def largest_param(model: ModelConfig, *, first: bool = True, last: bool = True) 
 
     Initialisation draws each parameter's full value (``workers/init.py``) before a rank keeps its
     slice, so this is the transient on top of the rank's shards while it materialises."""
-    d, f = model.d_model, model.ffn_dim
-    if model.arch == "llama":
-        q, kv = llama_widths(model)
-        candidates = [d * q, d * kv, d * f]
-    else:
-        candidates = [d * d, d * f, model.seq_len * d if first else 0]
-    if first or last:
-        candidates.append(model.vocab_size * d)
-    return max(candidates)
+    return family(model.arch).largest_param(model, first=first, last=last)
 
 
 def _matmul_params(model: ModelConfig, *, tp: int, layers: int, last: bool) -> float:
     """Weights a stage multiplies by (autocast keeps a bf16 cast of each until the backward): every
     projection weight of its layers and the output head's; not biases (``addmm`` keeps no cast of
     them), norms or the embedding lookup."""
-    d, f = model.d_model, model.ffn_dim
-    if model.arch == "llama":
-        q, kv = llama_widths(model)
-        per_layer = (2 * d * q + 2 * d * kv + 3 * d * f) / tp
-    else:
-        per_layer = (4 * d * d + 2 * d * f) / tp
-    head = model.vocab_size * d / tp if last else 0.0
+    per_layer = family(model.arch).matmul_params_per_layer(model, tp)
+    head = model.vocab_size * model.d_model / tp if last else 0.0
     return layers * per_layer + head
 
 

@@ -53,7 +53,7 @@ from etrain.workers.protocol.run_config import (
     RunConfig,
     TrainingConfig,
 )
-from etrain.workers import layout_rules
+from etrain.workers import families, layout_rules
 from etrain.workers.hf_config import model_config_from_hf, read_hf_config
 
 def _integer_only(value: Any) -> Any:
@@ -94,10 +94,11 @@ _MODEL_SIZE_FIELDS = ("n_layers", "d_model", "n_heads", "vocab_size", "seq_len")
 class ModelSpec(_Section):
     """The model: a Hugging Face folder (``hf``), or a ``preset`` and/or explicit sizes (explicit sizes win).
 
-    ``kind`` is ``gpt`` (the built-in GPT decoder) or ``llama`` (the Llama family); a llama preset or
-    ``hf`` implies ``llama``, anything else ``gpt``. With ``hf`` the sizes come from the folder's
-    ``config.json`` (and its safetensors are the step-0 weights), so only ``seq_len`` may be given:
-    default ``min(max_position_embeddings, 4096)``.
+    ``kind`` is a registered model family (``etrain.workers.families``), e.g. ``gpt`` (the built-in GPT
+    decoder) or ``llama`` (the Llama family). A preset implies its family, explicit
+    sizes ``gpt``; with ``hf`` the folder's ``config.json`` says (``pin_paths`` pins it once the path is
+    allowed). With ``hf`` the sizes come from the folder's ``config.json`` (and its safetensors are the
+    step-0 weights), so only ``seq_len`` may be given: default ``min(max_position_embeddings, 4096)``.
     """
 
     # The document states the rule _sizes_known enforces: model.hf, a preset, or all five sizes.
@@ -108,8 +109,9 @@ class ModelSpec(_Section):
          "properties": {name: {"type": "integer"} for name in _MODEL_SIZE_FIELDS}},
     ]})
 
-    kind: Literal["gpt", "llama"] | None = Field(
-        default=None, description="default: llama for model.hf and llama presets, else gpt"
+    kind: Literal[families.family_names()] | None = Field(  # type: ignore[valid-type]
+        default=None, description="the model family; default: the family of model.hf's config.json or of the "
+        "preset, else gpt"
     )
     hf: PathText | None = Field(default=None, description="Hugging Face model folder (config.json + *.safetensors)")
     preset: str | None = Field(default=None, description=f"one of {sorted(MODEL_PRESETS)}",
@@ -126,12 +128,12 @@ class ModelSpec(_Section):
     @model_validator(mode="before")
     @classmethod
     def _default_kind(cls, data: object) -> object:
-        """Pin ``kind`` when it is not given, so the stored spec says which model family runs."""
-        if isinstance(data, dict) and data.get("kind") is None:
+        """Pin ``kind`` when it is not given, so the stored spec says which model family runs (with ``hf``,
+        :func:`~etrain.service.planning.spec_paths.pin_paths` pins it from the folder)."""
+        if isinstance(data, dict) and data.get("kind") is None and data.get("hf") is None:
             name = data.get("preset")  # not validated yet: a list or a dict here is the field's error, not ours
             preset = MODEL_PRESETS.get(name, {}) if isinstance(name, str) else {}
-            llama = data.get("hf") is not None or preset.get("arch") == "llama"
-            data = {**data, "kind": "llama" if llama else "gpt"}
+            data = {**data, "kind": preset.get("arch", "gpt")}
         return data
 
     @model_validator(mode="after")
@@ -157,8 +159,8 @@ class ModelSpec(_Section):
             value = getattr(self, name)
             if value is not None:
                 sizes[name] = value
-        if self.kind == "llama":
-            sizes["arch"] = "llama"
+        if self.kind is not None:
+            sizes["arch"] = self.kind
         return sizes
 
     def to_config(self) -> ModelConfig:

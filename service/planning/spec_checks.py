@@ -17,7 +17,7 @@ from pydantic import BaseModel
 
 from etrain.service.planning.bounds import MAX_WORKERS
 from etrain.service.planning.spec import _HF_EXCLUSIVE_FIELDS, JobSpec, SpecProblem
-from etrain.workers import layout_rules
+from etrain.workers import families, layout_rules
 from etrain.workers.protocol.errors import ConfigError
 from etrain.workers.protocol.run_config import MODEL_PRESETS
 
@@ -259,9 +259,10 @@ def _tokenizer_problems(spec: JobSpec, vocab_size: int | None) -> list[SpecProbl
 
 
 def _model_problems(spec: JobSpec) -> list[SpecProblem]:
-    """``model`` (and ``checkpoint.export``, which depends on it): exclusive fields, kind vs preset, and
-    what the ``model.hf`` folder's config.json allows. Reading the folder happens here, after
-    :func:`resolve_paths`, so a bad folder is one 422 naming ``model.hf``, never a 500."""
+    """``model`` (and ``checkpoint.export``, which depends on it): exclusive fields, kind vs preset or folder,
+    and what the ``model.hf`` folder's config.json allows. Reading the folder happens here, after
+    :func:`resolve_paths`, so a bad folder is one 422 naming ``model.hf``, never a 500. What each kind
+    allows is its family's declaration (``etrain.workers.families``)."""
     model = spec.model
     problems: list[SpecProblem] = []
     if model.hf is not None:
@@ -273,27 +274,23 @@ def _model_problems(spec: JobSpec) -> list[SpecProblem]:
                             f"{model.hf}/config.json.",
                     fix=f"remove model.{name} (only model.seq_len may be given with model.hf)",
                 ))
-        if model.kind != "llama":
-            problems.append(SpecProblem(
-                field="model.kind",
-                message=f"model.kind={model.kind!r} but model.hf loads a Llama-family model.",
-                fix="remove model.kind (or set it to 'llama')",
-            ))
         if problems:
             return problems
     elif model.preset is not None:
-        preset_kind = MODEL_PRESETS[model.preset].get("arch", "gpt")
+        preset_kind = MODEL_PRESETS[model.preset]["arch"]
         if preset_kind != model.kind:
             problems.append(SpecProblem(
                 field="model.kind",
                 message=f"model.kind={model.kind!r} but model.preset={model.preset!r} is a {preset_kind} model.",
                 fix=f"remove model.kind, or choose a {model.kind} preset",
             ))
-    if model.kind == "gpt" and model.n_kv_heads is not None:
+    kind = families.family(model.kind) if model.kind is not None else None
+    if model.n_kv_heads is not None and kind is not None and not kind.grouped_query_attention:
+        grouped = [f.name for f in families.FAMILIES.values() if f.grouped_query_attention]
         problems.append(SpecProblem(
             field="model.n_kv_heads",
-            message="model.n_kv_heads (grouped-query attention) applies to model.kind='llama' only.",
-            fix="remove model.n_kv_heads, or set model.kind: llama",
+            message=f"model.n_kv_heads (grouped-query attention) does not apply to model.kind={model.kind!r}.",
+            fix=f"remove model.n_kv_heads, or set model.kind to one of {', '.join(grouped)}",
         ))
     if problems:
         return problems
@@ -301,11 +298,21 @@ def _model_problems(spec: JobSpec) -> list[SpecProblem]:
         config = model.to_config()
     except ConfigError as err:
         return [SpecProblem(field=err.field or "model", message=err.message, fix=err.fix)]
-    if spec.export_format == "hf" and config.arch != "llama":
+    if model.hf is not None and model.kind is not None and model.kind != config.arch:
+        problems.append(SpecProblem(
+            field="model.kind",
+            message=f"model.kind={model.kind!r} but model.hf holds a {config.hf_architecture} "
+                    f"(model.kind={config.arch!r}).",
+            fix=f"remove model.kind (or set it to {config.arch!r})",
+        ))
+    found = families.family(config.arch)
+    if spec.export_format == "hf" and not found.has_hf_format:
+        with_hf = [f.name for f in families.FAMILIES.values() if f.has_hf_format]
         problems.append(SpecProblem(
             field="checkpoint.export",
-            message="checkpoint.export='hf' writes a transformers LlamaForCausalLM-family folder; "
-                    "the built-in GPT (model.kind='gpt') has no Hugging Face equivalent.",
-            fix="set checkpoint.export: none, or train a Llama-family model (model.hf or a llama preset)",
+            message=f"checkpoint.export='hf' writes a transformers model folder; model.kind={config.arch!r} "
+                    f"({found.summary.split(':')[0]}) has no Hugging Face equivalent.",
+            fix=f"set checkpoint.export: none, or train a model of a Hugging Face family ({', '.join(with_hf)}: "
+                "model.hf or one of their presets)",
         ))
     return problems

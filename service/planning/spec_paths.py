@@ -12,8 +12,9 @@ import os
 
 from etrain.service.access import storage_roots
 from etrain.service.planning.spec import JobSpec, SpecProblem
+from etrain.workers.protocol.errors import ConfigError
 
-__all__ = ["PATH_FIELDS", "pin_paths", "resolve_paths"]
+__all__ = ["PATH_FIELDS", "pin_model_kind", "pin_paths", "resolve_paths"]
 
 
 #: The spec's path fields, as (dotted field, section, attribute): every one is pinned and fenced.
@@ -48,7 +49,8 @@ def pin_paths(
     *, shown_roots: tuple[str, ...] | None = None,
 ) -> tuple[JobSpec, list[SpecProblem]]:
     """:func:`resolve_paths`, then the storage-roots rule on the pinned paths: the spec as it will run
-    and the paths it may not use (empty: all inside the roots).
+    and the paths it may not use (empty: all inside the roots). A ``model.hf`` the roots allow also pins
+    ``model.kind`` (:func:`pin_model_kind`).
 
     Call it before anything looks at the files (:func:`~etrain.service.planning.spec_checks.check_spec` reports
     missing ones): a refused
@@ -64,4 +66,21 @@ def pin_paths(
             problem = roots.check(field, raw, getattr(getattr(pinned, section), name), shown=shown_roots)
             if problem is not None:
                 problems.append(SpecProblem(field=problem.field, message=problem.message, fix=problem.fix))
+    if not any(p.field == "model.hf" for p in problems):
+        pinned = pin_model_kind(pinned)
     return pinned, problems
+
+
+def pin_model_kind(spec: JobSpec) -> JobSpec:
+    """With ``model.hf`` and no ``model.kind``: the kind its ``config.json`` holds (the family that loads its
+    ``architectures``), so the stored spec says which family runs. A folder that cannot be read, or holds
+    no supported architecture, is left as it is: :func:`~etrain.service.planning.spec_checks.check_spec`
+    names the problem. Call it only for a ``model.hf`` the storage roots allow."""
+    model = spec.model
+    if model.hf is None or model.kind is not None:
+        return spec
+    try:
+        kind = model.to_config().arch
+    except ConfigError:
+        return spec
+    return spec.model_copy(update={"model": model.model_copy(update={"kind": kind})})

@@ -37,6 +37,10 @@ PURE_MODULES = [
     "etrain.service.prometheus",
     "etrain.workers.topology",
     "etrain.workers.layout_rules",
+    "etrain.workers.families",  # the registry and each family's declaration; their *_model modules are torch
+    "etrain.workers.families.base",
+    "etrain.workers.families.gpt",
+    "etrain.workers.families.llama",
     "etrain.workers.hf_config",
     "etrain.workers.storage",
     "etrain.workers.safe_paths",
@@ -72,19 +76,25 @@ else:
 """
 
 
+def _exists(name: str) -> bool:
+    """A module's file, or a package's ``__init__.py``, is in the repository."""
+    path = REPO / name.removeprefix("etrain.").replace(".", "/")
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+
+
 def pure_modules() -> list[str]:
     names = []
     for package, folder in PURE_PACKAGES.items():
         names.append(package)
         names += [f"{package}.{info.name}" for info in pkgutil.iter_modules([str(REPO / folder)])]
-    names += [name for name in PURE_MODULES if (REPO / (name.removeprefix("etrain.").replace(".", "/") + ".py")).exists()]
+    names += [name for name in PURE_MODULES if _exists(name)]
     return sorted(names)
 
 
 def test_the_list_of_pure_modules_is_not_empty_and_names_real_files():
     names = pure_modules()
     assert len(names) >= 30, names
-    missing = [n for n in PURE_MODULES if not (REPO / (n.removeprefix("etrain.").replace(".", "/") + ".py")).exists()]
+    missing = [n for n in PURE_MODULES if not _exists(n)]
     assert missing == [], f"PURE_MODULES names modules that do not exist: {missing}"
 
 
@@ -96,6 +106,14 @@ def test_a_pure_module_imports_without_torch_or_ray(module, tmp_path):
     answer = json.loads(result.stdout.strip().splitlines()[-1])
     assert answer["ok"], f"{module} pulls in torch or ray:\n{answer['error']}"
     assert answer["loaded"] == []
+
+
+def test_every_registered_family_declaration_is_listed_as_pure():
+    """A family added to the registry is declared in a pure module (the control plane imports it)."""
+    from etrain.workers.families import FAMILIES
+
+    declared = {type(found).__module__ for found in FAMILIES.values()}
+    assert declared <= set(PURE_MODULES), sorted(declared - set(PURE_MODULES))
 
 
 def test_the_hook_really_blocks(tmp_path):

@@ -31,7 +31,7 @@ transformers = pytest.importorskip("transformers")
 from tests.dist_utils import run_distributed  # noqa: E402
 from etrain.workers.protocol.run_config import DataConfig, ModelConfig, ParallelConfig, RunConfig, TrainingConfig  # noqa: E402
 from etrain.workers.protocol.errors import CheckpointError, ConfigError  # noqa: E402
-from etrain.workers.hf_config import model_config_from_hf, read_hf_config  # noqa: E402
+from etrain.workers.hf_config import hf_name, model_config_from_hf, read_hf_config  # noqa: E402
 from etrain.workers.hf_io import export_hf, find_step_dir, load_hf_weights  # noqa: E402
 from etrain.workers.checkpoint_commit import commit, step_dir  # noqa: E402
 from etrain.workers.model import cross_entropy_loss  # noqa: E402
@@ -290,9 +290,10 @@ def _with_tokenizer(folder: str) -> None:
     transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(folder)
 
 
-def test_export_round_trip(tmp_path):
+@pytest.mark.parametrize(("arch", "hf_class"), [("llama", "LlamaForCausalLM")])
+def test_export_round_trip(tmp_path, arch, hf_class):
     source = str(tmp_path / "source")
-    original = _hf_model("llama")
+    original = _hf_model(arch)
     original.save_pretrained(source, safe_serialization=True)
     _with_tokenizer(source)
     config = _run_config(source)
@@ -312,18 +313,19 @@ def test_export_round_trip(tmp_path):
     # the export is the trained model, bit for bit, and transformers computes the same loss with it
     (model,) = trainer.model_parts
     exported = transformers.AutoModelForCausalLM.from_pretrained(out1).eval()
-    assert type(exported).__name__ == "LlamaForCausalLM" and exported.dtype == torch.float32
+    assert type(exported).__name__ == hf_class and exported.dtype == torch.float32
     ours = dict(model.named_parameters())
     theirs = exported.state_dict()
     assert torch.equal(theirs["model.layers.1.self_attn.o_proj.bias"], ours["layers.1.attention.wo.bias"])
     assert torch.equal(theirs["lm_head.weight"], ours["output.weight"])
+    assert all(torch.equal(theirs[hf_name(name, arch)], param) for name, param in ours.items())
     trained_away = (theirs["model.embed_tokens.weight"] - original.state_dict()["model.embed_tokens.weight"]).abs()
     assert trained_away.max().item() > 1e-3  # two steps at lr 1e-2 moved the weights
     inputs, targets = trainer.dataset.batch([0, 1, 2, 3])
     with torch.no_grad():
         want = cross_entropy_loss(model(inputs), targets).item()
         got = cross_entropy_loss(exported(inputs).logits, targets).item()
-    print(f"export: trainer loss {want:.6f}, transformers loss {got:.6f}, diff {abs(got - want):.3g}")
+    print(f"export {arch}: trainer loss {want:.6f}, transformers loss {got:.6f}, diff {abs(got - want):.3g}")
     assert abs(got - want) <= TOL
 
     # export -> Trainer loading the export -> export again: bit-identical
@@ -331,7 +333,8 @@ def test_export_round_trip(tmp_path):
     second = _trainer(config2)
     out2 = export_hf(_save_committed(second, str(tmp_path / "ckpt2"), 0), str(tmp_path / "export2"), config2.model)
     first_tensors, second_tensors = _tensors(out1), _tensors(out2)
-    assert first_tensors.keys() == second_tensors.keys() and len(first_tensors) == 3 + 2 * 13
+    per_layer = {"llama": 13}[arch]  # with biases on q, k, v and o
+    assert first_tensors.keys() == second_tensors.keys() and len(first_tensors) == 3 + 2 * per_layer
     assert all(torch.equal(first_tensors[k], second_tensors[k]) for k in first_tensors)
     assert json.load(open(os.path.join(out1, "config.json"))) == json.load(open(os.path.join(out2, "config.json")))
 

@@ -3,7 +3,7 @@
 * ``model_config_from_hf`` reads each supported architecture's config to the sizes and features
   etrain builds (Llama 3.1 rope scaling and biases, Mistral, tied Qwen2 with q/k/v biases, Qwen3
   with ``head_dim != hidden / heads`` and q/k norms), and refuses what it cannot train exactly;
-* the name map is a bijection onto ``transformers``' own state-dict keys;
+* each family's name map is a bijection onto ``transformers``' own state-dict keys;
 * ``hf_config_dict`` is read back by ``transformers.AutoConfig`` to the same sizes, and by
   ``model_config_from_hf`` to the same ``ModelConfig``.
 """
@@ -146,8 +146,8 @@ def test_names_map_onto_transformers_state_dict_and_back(arch):
     ours = model_config_from_hf(_raw(arch), seq_len=16)
     names = hf_parameter_names(ours)
     assert len(set(names)) == len(names)
-    mapped = [hf_name(name) for name in names]
-    assert [etrain_name(name) for name in mapped] == names
+    mapped = [hf_name(name, ours.arch) for name in names]
+    assert [etrain_name(name, ours.arch) for name in mapped] == names
     with torch.device("meta"):
         theirs = set(cls(config).state_dict())
     if ours.tie_embeddings:
@@ -159,9 +159,9 @@ def test_names_map_onto_transformers_state_dict_and_back(arch):
 
 def test_unknown_names_raise_key_error():
     with pytest.raises(KeyError):
-        hf_name("layers.0.attention.rotary.weight")
+        hf_name("layers.0.attention.rotary.weight", "llama")
     with pytest.raises(KeyError):
-        etrain_name("model.layers.0.self_attn.rotary_emb.inv_freq")
+        etrain_name("model.layers.0.self_attn.rotary_emb.inv_freq", "llama")
 
 
 # -- config.json out -------------------------------------------------------------------------------

@@ -12,8 +12,9 @@ import torch
 from etrain.workers.protocol.run_config import MODEL_PRESETS, ModelConfig
 from etrain.workers.protocol.errors import ConfigError
 from etrain.workers.init import materialize
-from etrain.workers.llama import Llama
-from etrain.workers.model import GPT, build_model, build_model_skeleton, cross_entropy_loss
+from etrain.workers.families.gpt_model import GPT
+from etrain.workers.families.llama_model import Llama
+from etrain.workers.model import build_model, build_model_skeleton, cross_entropy_loss
 
 CONFIG = ModelConfig(n_layers=4, d_model=32, n_heads=4, vocab_size=64, seq_len=16)
 

@@ -14,7 +14,6 @@ from etrain.service.planning.plan_activations import (
     in_flight_microbatches,
     korthikanti_activation_bytes,
     layer_activation_bytes,
-    llama_layer_activation_bytes,
     logits_bytes,
     rope_table_bytes,
 )
@@ -30,7 +29,10 @@ from etrain.service.planning.plan_memory import (
 from etrain.service.planning.plan_search import AutoPlan
 from etrain.service.planning.planner import check_plan, plan_report, resolve_auto
 from etrain.service.planning.spec import JobSpec, ParallelismSpec
+from etrain.workers.families.llama import FAMILY as LLAMA_FAMILY
 from etrain.workers.protocol.run_config import MODEL_PRESETS, ModelConfig
+
+llama_layer_activation_bytes = LLAMA_FAMILY.layer_activation_bytes
 
 GB = 1e9
 
@@ -130,7 +132,7 @@ class TestParameterCounts:
     def test_tensor_parallel_shards_match_the_module(self):
         """Column-parallel weights+biases and row-parallel weights are split; norms and row biases are not."""
         pytest.importorskip("torch")
-        from etrain.workers.model import TransformerBlock
+        from etrain.workers.families.gpt_model import TransformerBlock
 
         model = ModelConfig(**MODEL_PRESETS["gpt-mini"])
         block = TransformerBlock(model)
@@ -146,7 +148,7 @@ class TestParameterCounts:
         """wq/wk/wv (GQA widths), w1/w3 column-parallel with their biases; wo/w2 row-parallel; the RMSNorms,
         Qwen3's per-head q/k norms and wo's bias replicated."""
         pytest.importorskip("torch")
-        from etrain.workers.llama import LlamaBlock
+        from etrain.workers.families.llama_model import LlamaBlock
 
         model = ModelConfig(arch="llama", n_layers=1, d_model=96, n_heads=4, n_kv_heads=2, d_ff=160,
                             vocab_size=256, seq_len=16, **variant)
@@ -258,7 +260,7 @@ class TestActivations:
     def test_count_matches_what_autograd_saves(self, d_ff):
         """Sum the distinct non-parameter storages autograd saves for one block's backward (fp32, CPU)."""
         torch = pytest.importorskip("torch")
-        from etrain.workers.model import TransformerBlock
+        from etrain.workers.families.gpt_model import TransformerBlock
 
         model = ModelConfig(n_layers=1, d_model=128, n_heads=4, vocab_size=256, seq_len=64, d_ff=d_ff)
         block = TransformerBlock(model)
@@ -278,7 +280,7 @@ class TestActivations:
         weight casts autograd keeps are the planner's ``weight_casts`` buffer, not activations) and with
         bf16 weights and input (what FSDP2's MixedPrecisionPolicy runs)."""
         torch = pytest.importorskip("torch")
-        from etrain.workers.llama import LlamaBlock
+        from etrain.workers.families.llama_model import LlamaBlock
 
         model = ModelConfig(arch="llama", n_layers=1, d_model=128, n_heads=4, vocab_size=256, seq_len=64,
                             **{"d_ff": 176, **variant})
@@ -533,7 +535,7 @@ class TestEstimate:
         spec = gpu_spec(preset, {"dp": 8})
         model = ModelConfig(**MODEL_PRESETS[preset])
         tokens = 512 * model.seq_len
-        if model.arch == "llama":  # the tied head multiplies by the embedding's weight
+        if model.arch != "gpt":  # the tied head multiplies by the embedding's weight
             lookups, width = (0 if model.tie_embeddings else model.vocab_size * model.d_model), 128 * model.n_heads
         else:
             lookups, width = (model.vocab_size + model.seq_len) * model.d_model, model.d_model

@@ -16,7 +16,8 @@ import pytest
 
 from etrain.service.planning.spec import JobSpec
 from etrain.service.planning.spec_checks import check_spec
-from etrain.service.planning.spec_paths import resolve_paths
+from etrain.service.access.storage_roots import StorageRoots
+from etrain.service.planning.spec_paths import pin_paths, resolve_paths
 from etrain.workers.hf_config import DEFAULT_MAX_SEQ_LEN
 
 REPO = Path(__file__).resolve().parents[2]
@@ -48,7 +49,6 @@ class TestKind:
     @pytest.mark.parametrize(("model", "kind"), [
         ({"preset": "gpt-tiny"}, "gpt"),
         ({"preset": "llama-tiny"}, "llama"),
-        ({"hf": "/somewhere"}, "llama"),
         ({"n_layers": 2, "d_model": 32, "n_heads": 4, "vocab_size": 64, "seq_len": 16}, "gpt"),
     ])
     def test_kind_defaults_to_what_the_model_is_and_is_stored(self, model, kind):
@@ -56,6 +56,23 @@ class TestKind:
         assert parsed.model.kind == kind
         assert parsed.model_dump(mode="json", by_alias=True)["model"]["kind"] == kind
         assert JobSpec.model_validate(parsed.model_dump(mode="json", by_alias=True)) == parsed  # round trip
+
+    @pytest.mark.parametrize(("architecture", "kind"), [("LlamaForCausalLM", "llama"), ("Qwen3ForCausalLM", "llama")])
+    def test_with_hf_the_kind_is_the_folders_family_pinned_with_the_paths(self, tmp_path, architecture, kind):
+        write_config(tmp_path / "m", architectures=[architecture])
+        parsed = spec({"hf": "m"})
+        assert parsed.model.kind is None  # unknown until the folder is read
+        pinned, outside = pin_paths(parsed, tmp_path, StorageRoots.of([tmp_path]))
+        assert outside == [] and pinned.model.kind == kind
+        assert pinned.model_dump(mode="json", by_alias=True)["model"]["kind"] == kind
+        assert check_spec(pinned) == [] and pinned.to_run_config(job_id="j", checkpoint_root="/c").model.arch == kind
+        # a folder outside the roots is never read; one that cannot be read is check_spec's to name
+        assert pin_paths(parsed, tmp_path, StorageRoots.of([tmp_path / "elsewhere"]))[0].model.kind is None
+        assert pin_paths(spec({"hf": "nope"}), tmp_path, StorageRoots.of([tmp_path]))[0].model.kind is None
+        other = "gpt" if kind != "gpt" else "llama"
+        wrong = resolve_paths(spec({"hf": "m", "kind": other}), tmp_path)
+        assert fields(check_spec(wrong))["model.kind"] == (f"model.kind={other!r} but model.hf holds a {architecture} "
+                                                           f"(model.kind={kind!r}).")
 
     def test_explicit_llama_sizes_build_a_llama_with_grouped_query_attention(self):
         parsed = spec({"kind": "llama", "n_layers": 2, "d_model": 32, "n_heads": 4, "n_kv_heads": 2,
@@ -67,7 +84,7 @@ class TestKind:
     @pytest.mark.parametrize(("model", "field", "words"), [
         ({"preset": "llama-tiny", "kind": "gpt"}, "model.kind", "is a llama model"),
         ({"preset": "gpt-tiny", "kind": "llama"}, "model.kind", "is a gpt model"),
-        ({"preset": "gpt-tiny", "n_kv_heads": 2}, "model.n_kv_heads", "applies to model.kind='llama' only"),
+        ({"preset": "gpt-tiny", "n_kv_heads": 2}, "model.n_kv_heads", "does not apply to model.kind='gpt'"),
     ])
     def test_conflicting_kinds_are_problems(self, model, field, words):
         assert words in fields(check_spec(spec(model)))[field]

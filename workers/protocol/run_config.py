@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from etrain.workers import layout_rules
+from etrain.workers import families, layout_rules
 
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 Precision = Literal["fp32", "bf16"]
@@ -21,7 +21,8 @@ DataKind = Literal["text", "tokens", "synthetic"]
 Device = Literal["cpu", "cuda"]
 
 
-ModelArch = Literal["gpt", "llama"]
+#: A registered model family's name (``etrain.workers.families``), e.g. ``gpt`` or ``llama``.
+ModelArch = str
 AttentionBias = Literal["none", "qkv", "all"]
 
 
@@ -45,8 +46,9 @@ class RopeScaling:
 class ModelConfig:
     """Sizes and architecture of a decoder-only language model.
 
-    ``arch="gpt"`` is the built-in GPT-2-style decoder (learned positions, LayerNorm, GELU, biases).
-    ``arch="llama"`` is the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3): RoPE, RMSNorm, SwiGLU,
+    ``arch`` names the model family (``etrain.workers.families``, whose declaration says what each field
+    means to it), e.g. ``"gpt"``, the built-in GPT-2-style decoder (learned positions, LayerNorm, GELU,
+    biases), or ``"llama"``, the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3): RoPE, RMSNorm, SwiGLU,
     grouped-query attention (``n_kv_heads``), optional q/k/v bias (Qwen2) or bias everywhere
     (Llama ``attention_bias``), optional per-head q/k RMSNorm (Qwen3), tied or untied embeddings.
     ``seq_len`` is the training context. ``hf_architecture`` remembers the Hugging Face class the
@@ -78,6 +80,7 @@ class ModelConfig:
         # A config read back from JSON (``torchrun`` entry point, Ray) carries rope_scaling as a dict.
         if isinstance(self.rope_scaling, dict):
             object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+        families.family(self.arch)  # ConfigError naming the registered families
 
     @property
     def ffn_dim(self) -> int:
@@ -93,64 +96,12 @@ class ModelConfig:
 
     @property
     def num_params(self) -> int:
-        """Exact parameter count of the model these sizes build (tested against the modules)."""
-        d, f, v, n = self.d_model, self.ffn_dim, self.vocab_size, self.n_layers
-        if self.arch == "llama":
-            q_width, kv_width = self.n_heads * self.head_dim, self.kv_heads * self.head_dim
-            bias = {"none": 0, "qkv": q_width + 2 * kv_width, "all": q_width + 2 * kv_width + d}[self.attention_bias]
-            per_layer = (
-                d  # attention RMSNorm
-                + d * q_width + 2 * d * kv_width + q_width * d + bias  # q, k, v, o
-                + (2 * self.head_dim if self.qk_norm else 0)  # per-head q/k RMSNorm
-                + d  # MLP RMSNorm
-                + 3 * d * f  # SwiGLU: gate, up, down
-            )
-            head = d + (0 if self.tie_embeddings else v * d)  # final norm + output (shared when tied)
-            return n * per_layer + v * d + head
-        per_layer = (
-            2 * d  # attn norm (weight + bias)
-            + 4 * d * d + 4 * d  # q, k, v, out projections with bias
-            + 2 * d  # mlp norm
-            + d * f + f + f * d + d  # mlp up, down with bias
-        )
-        embeddings = v * d + self.seq_len * d
-        head = 2 * d + v * d  # final norm + output projection (no bias)
-        return n * per_layer + embeddings + head
+        """Exact parameter count of the model these sizes build (its family's count, tested against the modules)."""
+        return families.family(self.arch).num_params(self)
 
 
-_LLAMA3_ROPE_8K = RopeScaling(kind="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                              original_max_position_embeddings=8192)
-
-# Named sizes for quick starts; a spec may override the sizes of a preset. The Llama-family presets
-# are the published Hugging Face configs (meta-llama/Llama-3.2-1B, Llama-3.1-8B, Llama-3.1-70B,
-# Qwen/Qwen3-0.6B, mistralai/Mistral-7B-v0.1) with the training context set to 4096.
-MODEL_PRESETS: dict[str, dict[str, Any]] = {
-    "gpt-tiny": dict(n_layers=4, d_model=64, n_heads=4, vocab_size=256, seq_len=64),
-    "gpt-mini": dict(n_layers=6, d_model=192, n_heads=6, vocab_size=256, seq_len=128),
-    "gpt-small": dict(n_layers=12, d_model=768, n_heads=12, vocab_size=50304, seq_len=1024),
-    "gpt-medium": dict(n_layers=24, d_model=1024, n_heads=16, vocab_size=50304, seq_len=1024),
-    "gpt-1b": dict(n_layers=24, d_model=2048, n_heads=16, vocab_size=50304, seq_len=2048),
-    "llama-tiny": dict(arch="llama", n_layers=4, d_model=64, n_heads=4, n_kv_heads=2, d_ff=176, vocab_size=256,
-                       seq_len=64, rope_theta=10000.0, hf_architecture="LlamaForCausalLM"),
-    "llama3-1b": dict(arch="llama", n_layers=16, d_model=2048, n_heads=32, n_kv_heads=8, d_ff=8192,
-                      vocab_size=128256, seq_len=4096, rope_theta=500000.0,
-                      rope_scaling=RopeScaling(kind="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                               original_max_position_embeddings=8192),
-                      tie_embeddings=True, max_position_embeddings=131072, hf_architecture="LlamaForCausalLM"),
-    "llama3-8b": dict(arch="llama", n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, d_ff=14336,
-                      vocab_size=128256, seq_len=4096, rope_theta=500000.0, rope_scaling=_LLAMA3_ROPE_8K,
-                      max_position_embeddings=131072, hf_architecture="LlamaForCausalLM"),
-    "llama3-70b": dict(arch="llama", n_layers=80, d_model=8192, n_heads=64, n_kv_heads=8, d_ff=28672,
-                       vocab_size=128256, seq_len=4096, rope_theta=500000.0, rope_scaling=_LLAMA3_ROPE_8K,
-                       max_position_embeddings=131072, hf_architecture="LlamaForCausalLM"),
-    "qwen3-0.6b": dict(arch="llama", n_layers=28, d_model=1024, n_heads=16, n_kv_heads=8, head_dim_override=128,
-                       d_ff=3072, vocab_size=151936, seq_len=4096, rope_theta=1000000.0, norm_eps=1e-6,
-                       qk_norm=True, tie_embeddings=True, max_position_embeddings=40960,
-                       hf_architecture="Qwen3ForCausalLM"),
-    "mistral-7b": dict(arch="llama", n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, d_ff=14336,
-                       vocab_size=32000, seq_len=4096, rope_theta=10000.0, max_position_embeddings=32768,
-                       hf_architecture="MistralForCausalLM"),
-}
+# Named sizes for quick starts (each family declares its own); a spec may override the sizes of a preset.
+MODEL_PRESETS: dict[str, dict[str, Any]] = families.presets()
 
 
 @dataclass(frozen=True, kw_only=True)

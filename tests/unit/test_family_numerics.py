@@ -1,10 +1,10 @@
-"""The Llama family against ``transformers``: same weights in, same logits out (fp32, unsharded).
+"""Every Hugging Face family against ``transformers``: same weights in, same logits out (fp32, unsharded).
 
 Each case builds a tiny random model with ``transformers`` itself (no download), perturbs its
 weights so no norm is trivially one, reads its config through ``etrain.workers.hf_config`` and copies its
-state dict in through the name map. RoPE scaling (Llama 3.1), q/k/v/o biases (Llama
-``attention_bias``), q/k/v biases and tied embeddings (Qwen2), per-head q/k norms with a
-``head_dim`` unlike ``hidden / heads`` (Qwen3), and GQA are all exercised.
+state dict in through its family's name map. The Llama family: RoPE scaling (Llama 3.1), q/k/v/o biases
+(Llama ``attention_bias``), q/k/v biases and tied embeddings (Qwen2), per-head q/k norms with a
+``head_dim`` unlike ``hidden / heads`` (Qwen3), and GQA.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 from etrain.workers.hf_config import etrain_name, model_config_from_hf  # noqa: E402
 from etrain.workers.init import materialize  # noqa: E402
-from etrain.workers.model import build_model, build_model_skeleton  # noqa: E402
+from etrain.workers.model import build_model, build_model_skeleton, cross_entropy_loss  # noqa: E402
 
 COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
@@ -53,7 +53,7 @@ def test_logits_equal_transformers(arch: str) -> None:
     reference, raw = _hf_model(arch)
     config = model_config_from_hf(raw, seq_len=32)
     ours = build_model(config, seed=0).eval()
-    state = {etrain_name(k): v for k, v in reference.state_dict().items()
+    state = {etrain_name(k, config.arch): v for k, v in reference.state_dict().items()
              if not (config.tie_embeddings and k == "lm_head.weight")}
     result = ours.load_state_dict(state, strict=False)
     assert not result.unexpected_keys
@@ -62,10 +62,21 @@ def test_logits_equal_transformers(arch: str) -> None:
     assert sum(p.numel() for p in ours.parameters()) == config.num_params
 
     tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        want = reference(tokens).logits
-        got = ours(tokens)
-    assert (got - want).abs().max().item() <= 1e-5
+    got = ours(tokens)
+    want = reference(tokens, labels=tokens)  # transformers shifts the labels itself
+    diff = (got - want.logits).abs().max().item()
+    # the loss and every gradient too: the backward of each family's modules is transformers' as well
+    loss = cross_entropy_loss(got[:, :-1], tokens[:, 1:])
+    loss.backward()
+    want.loss.backward()
+    theirs = {etrain_name(k, config.arch): p.grad for k, p in reference.named_parameters()}
+    pad = raw.get("pad_token_id")
+    if pad is not None:  # transformers freezes the pad token's embedding row (padding_idx); etrain trains it
+        ours.tok_embeddings.weight.grad[pad] = theirs["tok_embeddings.weight"][pad]
+    grad_diff = max((p.grad - theirs[name]).abs().max().item() for name, p in ours.named_parameters())
+    print(f"{arch}: max|logit diff| = {diff:.3g}, |loss diff| = {abs(loss.item() - want.loss.item()):.3g}, "
+          f"max|grad diff| = {grad_diff:.3g}")
+    assert diff <= 1e-5 and abs(loss.item() - want.loss.item()) <= 1e-5 and grad_diff <= 1e-5
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])

@@ -1,16 +1,11 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3) as one decoder, cut the same way as the GPT.
+"""The Llama family's modules (declared in ``workers/families/llama.py``): Llama 2/3, Mistral, Qwen2, Qwen3
+as one decoder, cut like every family (``workers/families/layers.py``).
 
 Numerics follow ``transformers``' ``LlamaForCausalLM`` / ``MistralForCausalLM`` / ``Qwen2ForCausalLM`` /
 ``Qwen3ForCausalLM`` (the tests compare logits with tiny random models made by ``transformers``):
 RMSNorm computed in fp32, RoPE in the rotate-half convention on ``[cos, cos]`` / ``[sin, sin]``
 halves, grouped-query attention with each kv head serving ``n_heads / n_kv_heads`` consecutive query
-heads, SwiGLU ``w2(silu(w1 x) * w3 x)``.
-
-Structure is the engine's convention (see ``workers/model.py``): ``tok_embeddings``, ``layers`` (a
-``ModuleDict`` keyed by the global layer index), ``norm``, ``output``; a pipeline stage sets the
-parts it does not own to ``None``. Projections carry Megatron role names (``wq/wk/wv`` and ``w1/w3``
-column-parallel, ``wo`` and ``w2`` row-parallel), so the tensor-parallel plan is a table;
-``workers/hf_config.py`` maps these names to Hugging Face's.
+heads, SwiGLU ``w2(silu(w1 x) * w3 x)``. The family's declaration maps these names to Hugging Face's.
 
 RoPE tables are plain (non-buffer) attributes computed on first use per (length, device): nothing
 positional is in the state dict, and a model built on the ``meta`` device needs no buffer
@@ -19,67 +14,15 @@ re-initialisation after materialisation.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from etrain.workers.protocol.run_config import ModelConfig, RopeScaling
-from etrain.workers.model import run_trunk, validate_model_config
+from etrain.workers.families import check_shape
+from etrain.workers.families.layers import RMSNorm, rope_inverse_frequencies, rotate_half, run_trunk
+from etrain.workers.protocol.run_config import ModelConfig
 
-
-def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
-    """``inv_freq[i] = theta^(-2i/head_dim)``, then the config's scaling (linear or Llama 3.1's)."""
-    dim = config.head_dim
-    # Explicitly on CPU: a model built under ``torch.device('meta')`` still needs real frequencies.
-    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
-    inv_freq = 1.0 / (config.rope_theta ** exponents)
-    scaling = config.rope_scaling
-    if scaling is None:
-        return inv_freq
-    if scaling.kind == "linear":
-        return inv_freq / scaling.factor
-    return _llama3_scaled(inv_freq, scaling)
-
-
-def _llama3_scaled(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
-    """Llama 3.1: long wavelengths divided by ``factor``, short ones kept, a smooth ramp between."""
-    low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
-    high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
-    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor
-    )
-    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
-    is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-class RMSNorm(nn.Module):
-    """``weight * x / rms(x)`` computed in fp32 and cast back (``transformers``' LlamaRMSNorm).
-
-    Written with elementary ops rather than ``nn.RMSNorm`` so that, under tensor/sequence
-    parallelism, DTensor propagates any sharding of the non-normalised dims (the per-head q/k norms
-    run on head-sharded activations).
-    """
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+__all__ = ["Llama", "LlamaAttention", "LlamaBlock", "SwiGLU", "build"]
 
 
 class LlamaAttention(nn.Module):
@@ -110,17 +53,23 @@ class LlamaAttention(nn.Module):
             self._rope_cache[key] = (emb.cos().to(device), emb.sin().to(device))
         return self._rope_cache[key]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v as ``[batch, seq, local heads, head_dim]``, q and k normalised where the model says."""
         batch, seq, _ = x.shape
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
         k = self.wk(x).view(batch, seq, -1, self.head_dim)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q, k, v = self._project(x)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [batch, heads, seq, head_dim]
         cos, sin = self._rope(seq, x.device)
-        q = (q * cos.to(q.dtype)) + (_rotate_half(q) * sin.to(q.dtype))
-        k = (k * cos.to(k.dtype)) + (_rotate_half(k) * sin.to(k.dtype))
+        q = (q * cos.to(q.dtype)) + (rotate_half(q) * sin.to(q.dtype))
+        k = (k * cos.to(k.dtype)) + (rotate_half(k) * sin.to(k.dtype))
         if self.n_rep > 1:
             k = k.repeat_interleave(self.n_rep, dim=1)
             v = v.repeat_interleave(self.n_rep, dim=1)
@@ -157,16 +106,20 @@ class Llama(nn.Module):
 
     With ``tie_embeddings`` the output projection shares the embedding's weight (one parameter,
     reported once by ``named_parameters``); tied models run unpipelined (the planner refuses
-    ``pp > 1`` for them, since the two ends would live on different stages).
+    ``pp > 1`` for them, since the two ends would live on different stages). A family with another
+    block or final norm subclasses it and sets :attr:`block` and :attr:`final_norm`.
     """
+
+    block: type[nn.Module] = LlamaBlock
+    final_norm: type[nn.Module] = RMSNorm
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        validate_model_config(config)
+        check_shape(config)
         self.config = config
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(config.vocab_size, config.d_model)
-        self.layers = nn.ModuleDict({str(i): LlamaBlock(config) for i in range(config.n_layers)})
-        self.norm: RMSNorm | None = RMSNorm(config.d_model, config.norm_eps)
+        self.layers = nn.ModuleDict({str(i): self.block(config) for i in range(config.n_layers)})
+        self.norm: nn.Module | None = self.final_norm(config.d_model, config.norm_eps)
         self.output: nn.Linear | None = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.tie_weights()
 
@@ -182,3 +135,7 @@ class Llama(nn.Module):
         if self.tok_embeddings is not None:
             h = self.tok_embeddings(h)
         return run_trunk(self, h)
+
+
+def build(config: ModelConfig) -> nn.Module:
+    return Llama(config)

@@ -1,0 +1,150 @@
+"""The model-family registry: every family's declaration (pure) agrees with its modules (torch).
+
+What a family declares for the control plane (parameter counts, the tensor-parallel plan as data, the
+largest parameter, the matmul weights, the Hugging Face parameter names) is read here against the
+modules its ``model_module`` builds, for every registered family and a few variants of each, so a new
+family is checked by adding it to the registry (and a variant or two to ``VARIANTS``). The numerics
+against ``transformers`` are tests/unit/test_family_numerics.py; the activation counts against autograd
+tests/unit/test_planner.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from etrain.workers import families
+from etrain.workers.families.base import TP_STYLES, ModelFamily, TPPlan
+from etrain.workers.model import build_model_skeleton
+from etrain.workers.protocol.errors import ConfigError
+from etrain.workers.protocol.run_config import MODEL_PRESETS, ModelConfig
+
+BASE = dict(n_layers=2, d_model=48, n_heads=4, vocab_size=96, seq_len=16, d_ff=80)
+#: A few shapes of each family: every option that changes a count or a name.
+VARIANTS = {
+    "gpt": [{}],
+    "llama": [{"n_kv_heads": 2}, {"n_kv_heads": 2, "attention_bias": "qkv", "tie_embeddings": True},
+              {"n_kv_heads": 1, "attention_bias": "all", "qk_norm": True, "head_dim_override": 16}],
+}
+CASES = [(name, variant) for name, variants in VARIANTS.items() for variant in variants]
+IDS = [f"{name}-{i}" for name, variants in VARIANTS.items() for i in range(len(variants))]
+#: Per style: whether the module's weight and bias are split over the tp ranks (else replicated).
+SHARDS = {"colwise": (True, True), "colwise_sharded_output": (True, True), "rowwise": (True, False),
+          "width_norm": (True, True), "norm": (False, False), "head_norm": (False, False)}
+
+
+def _config(name: str, variant: dict) -> ModelConfig:
+    return ModelConfig(arch=name, **{**BASE, **variant})
+
+
+def _skeleton(config: ModelConfig) -> torch.nn.Module:
+    with torch.device("meta"):
+        return build_model_skeleton(config)
+
+
+def test_every_family_is_registered_once_and_complete():
+    assert list(families.FAMILIES) == ["gpt", "llama"] == list(VARIANTS)
+    for name, found in families.FAMILIES.items():
+        assert isinstance(found, ModelFamily) and found.name == name and found.summary and found.presets
+        assert found.model_module == f"etrain.workers.families.{name}_model"
+    assert set(families.presets()) == set(MODEL_PRESETS)
+    assert all(MODEL_PRESETS[p]["arch"] == f.name for f in families.FAMILIES.values() for p in f.presets)
+    assert {arch: traits["family"] for arch, traits in families.hf_architectures().items()} == {
+        "LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "llama",
+        "Qwen3ForCausalLM": "llama"}
+    assert families.hf_family("Qwen2ForCausalLM") is families.family("llama")
+    assert families.hf_family("GPT2LMHeadModel") is None
+
+
+def test_an_unknown_family_is_a_config_error_naming_the_registered_ones():
+    with pytest.raises(ConfigError) as info:
+        ModelConfig(arch="mamba", **BASE)
+    assert info.value.field == "model.kind" and "gpt, llama" in info.value.fix
+    with pytest.raises(ValueError, match="unknown tensor-parallel styles"):
+        TPPlan(block={"attention.wq": "diagonal"})
+
+
+@pytest.mark.parametrize(("name", "variant"), CASES, ids=IDS)
+def test_the_counts_are_the_modules(name, variant):
+    config = _config(name, variant)
+    found = families.family(name)
+    model = _skeleton(config)
+    assert config.num_params == sum(p.numel() for p in model.parameters())
+    block = model.layers["0"]
+    numel = {n: p.numel() for n, p in model.named_parameters()}
+    weights = [p for n, p in block.named_parameters() if n.endswith("weight") and "norm" not in n]
+    assert found.matmul_params_per_layer(config) == sum(p.numel() for p in weights)
+    assert found.largest_param(config) == max(numel.values())
+    assert found.largest_param(config, first=False, last=False) == max(p.numel() for p in block.parameters())
+    # lookups: the embeddings, but not a tied embedding (the output head multiplies by it)
+    tokens = 0 if config.tie_embeddings else numel["tok_embeddings.weight"]
+    assert found.lookup_params(config) == tokens + numel.get("pos_embeddings.weight", 0)
+    assert found.position_params(config) == numel.get("pos_embeddings.weight", 0)
+    assert found.embedding_params(config, 1) == numel["tok_embeddings.weight"] + numel.get("pos_embeddings.weight", 0)
+    output = model.output.weight.numel()  # reported once (as the embedding's) when tied
+    head = numel["norm.weight"] + numel.get("norm.bias", 0) + output
+    assert found.head_params(config, 1) == head
+    assert found.head_params(config, 1, with_embedding=True) == head - config.tie_embeddings * output
+
+
+@pytest.mark.parametrize(("name", "variant"), CASES, ids=IDS)
+def test_the_tp_plan_names_real_modules_and_shards_what_layer_params_counts(name, variant):
+    """The plan is data: each name is a submodule, each style a known one, and the parameters the plan
+    splits over tp ranks (and those it replicates) are what the planner's ``layer_params`` holds."""
+    config = _config(name, variant)
+    found = families.family(name)
+    model = _skeleton(config)
+    plan = found.tp_plan(config)
+    assert set(plan.root.values()) | set(plan.block.values()) <= set(TP_STYLES)
+    assert {n for n in plan.root if getattr(model, n, None) is not None} == set(plan.root)
+    block = model.layers["0"]
+    modules = dict(block.named_modules())
+    assert set(plan.block) <= set(modules)
+    styled = {n: style for n, style in plan.block.items() if style in SHARDS}
+    covered = {f"{n}.{p}" for n in styled for p, _ in modules[n].named_parameters()}
+    assert covered == {n for n, _ in block.named_parameters()}, "every block parameter has a style"
+    for tp in (1, 2, 4):
+        held = 0.0
+        for module_name, style in styled.items():
+            weight_split, bias_split = SHARDS[style]
+            for param_name, param in modules[module_name].named_parameters():
+                split = weight_split if param_name == "weight" else bias_split
+                held += param.numel() / tp if split else param.numel()
+        assert found.layer_params(config, tp) == pytest.approx(held), tp
+
+
+@pytest.mark.parametrize(("name", "variant"), [case for case in CASES if case[0] != "gpt"],
+                         ids=[i for i, case in zip(IDS, CASES) if case[0] != "gpt"])
+def test_hugging_face_names_cover_the_model_and_map_back(name, variant):
+    config = _config(name, variant)
+    found = families.family(name)
+    names = found.hf_parameter_names(config)
+    own = [n for n, _ in _skeleton(config).named_parameters()]  # a tied output is reported once
+    assert sorted(names) == sorted(own) and len(set(names)) == len(names)
+    mapped = [found.hf_name(n) for n in names]
+    assert len(set(mapped)) == len(mapped) and all(n.startswith(("model.", "lm_head.")) for n in mapped)
+    assert [found.etrain_name(n) for n in mapped] == names
+    with pytest.raises(KeyError):
+        found.hf_name("layers.0.attention.rotary.weight")
+
+
+def test_a_family_without_a_hugging_face_format_says_so():
+    gpt = families.family("gpt")
+    assert not gpt.has_hf_format and families.family("llama").has_hf_format
+    with pytest.raises(ConfigError) as info:
+        gpt.hf_config(_config("gpt", {}))
+    assert info.value.field == "checkpoint.export"
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_shape_rules_are_the_familys(name):
+    found = families.family(name)
+    assert found.shape_errors(_config(name, {})) == []
+    zero = dataclasses.replace(_config(name, {}), n_layers=0)
+    assert [e.field for e in found.shape_errors(zero)] == ["model.n_layers"]
+    if found.grouped_query_attention:
+        assert [e.field for e in found.shape_errors(_config(name, {"n_kv_heads": 3}))] == ["model.n_kv_heads"]
+    else:
+        assert [e.field for e in found.shape_errors(_config(name, {"d_model": 50}))] == ["model.d_model"]

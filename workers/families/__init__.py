@@ -1,0 +1,70 @@
+"""Model families: one declaration per family (pure), one module of torch layers each; the registry here.
+
+Everything that differs between model families is declared once, in ``workers/families/<name>.py`` (a
+:class:`~etrain.workers.families.base.ModelFamily`): presets, Hugging Face architectures, config and
+parameter-name mapping, shape rules, what tensor parallelism splits and how (a plan as data), parameter,
+FLOP and activation counts for the planner and MFU. The run config, the layout rules, the planner, the
+spec checks and the Hugging Face reader and writer ask :func:`family` instead of branching on a name;
+``etrain.workers.model`` builds the modules from ``<name>_model.py`` (torch), imported by name on the ranks
+only.
+
+This package's ``__init__`` and the declarations are pure (no torch): the control plane imports them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from etrain.workers.families import gpt, llama
+from etrain.workers.families.base import ModelFamily
+from etrain.workers.protocol.errors import ConfigError
+
+__all__ = ["FAMILIES", "ModelFamily", "check_shape", "family", "family_names", "hf_architectures", "hf_family",
+           "presets"]
+
+#: Every registered family by name (``ModelConfig.arch``, ``model.kind``), in the order they are listed.
+FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (gpt.FAMILY, llama.FAMILY)}
+
+
+def family(name: str) -> ModelFamily:
+    """The family called ``name``; ``ConfigError`` (field ``model.kind``) naming the registered ones."""
+    try:
+        return FAMILIES[name]
+    except (KeyError, TypeError):
+        raise ConfigError(f"model family {name!r} is not registered.", field="model.kind",
+                          fix=f"use one of {', '.join(FAMILIES)}") from None
+
+
+def check_shape(model: Any) -> None:
+    """Raise the first shape rule ``model`` (a ``ModelConfig``) breaks for its family, as ``ConfigError``."""
+    for error in family(model.arch).shape_errors(model):
+        raise error
+
+
+def family_names() -> tuple[str, ...]:
+    return tuple(FAMILIES)
+
+
+def hf_architectures() -> dict[str, dict[str, Any]]:
+    """Every Hugging Face ``architectures`` entry some family loads, with its traits and family name."""
+    return {arch: {**traits, "family": f.name} for f in FAMILIES.values()
+            for arch, traits in f.hf_architectures.items()}
+
+
+def hf_family(architecture: str) -> ModelFamily | None:
+    """The family that loads Hugging Face ``architecture`` (``LlamaForCausalLM``), or None."""
+    for f in FAMILIES.values():
+        if architecture in f.hf_architectures:
+            return f
+    return None
+
+
+def presets() -> dict[str, dict[str, Any]]:
+    """Every family's presets, each with its ``arch``; a name is one family's only."""
+    found: dict[str, dict[str, Any]] = {}
+    for f in FAMILIES.values():
+        for name, sizes in f.presets.items():
+            if name in found:
+                raise ValueError(f"preset {name!r} is declared by two families")
+            found[name] = {"arch": f.name, **sizes}
+    return found

@@ -1,0 +1,310 @@
+"""What a model family declares: the :class:`ModelFamily` base class, the tensor-parallel style names a
+plan is written in, and the Hugging Face ``config.json`` helpers decoder families share.
+
+Pure (stdlib and the error family only): the control plane imports every family's declaration to
+validate and plan a job without torch. A family's *modules* (torch) live in the module its
+:attr:`ModelFamily.model_module` names, which ``etrain.workers.model`` imports by name when a rank
+builds the model. The sizes a family reads are those of
+:class:`~etrain.workers.protocol.run_config.ModelConfig` (typed here by :class:`Sizes`, so that this
+package does not depend on the run config: the run config asks the registry for presets and
+parameter counts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol
+
+from etrain.workers.protocol.errors import ConfigError
+
+__all__ = [
+    "DEFAULT_MAX_SEQ_LEN",
+    "TP_STYLES",
+    "ModelFamily",
+    "Sizes",
+    "TPPlan",
+    "hf_problem",
+    "hf_rope",
+    "hf_sizes",
+    "rope_parameters",
+]
+
+#: ``seq_len`` when a spec gives none for a ``model.hf`` folder: ``min(max_position_embeddings, 4096)``.
+DEFAULT_MAX_SEQ_LEN = 4096
+
+
+class Sizes(Protocol):
+    """The fields of ``ModelConfig`` a family reads (its derived ``ffn_dim``, ``head_dim``, ``kv_heads`` too)."""
+
+    arch: str
+    n_layers: int
+    d_model: int
+    n_heads: int
+    vocab_size: int
+    seq_len: int
+    n_kv_heads: int | None
+    rope_theta: float
+    rope_scaling: Any
+    norm_eps: float
+    attention_bias: str
+    qk_norm: bool
+    tie_embeddings: bool
+    max_position_embeddings: int | None
+    hf_architecture: str | None
+
+    @property
+    def ffn_dim(self) -> int: ...
+
+    @property
+    def head_dim(self) -> int: ...
+
+    @property
+    def kv_heads(self) -> int: ...
+
+
+#: The tensor-parallel styles a :class:`TPPlan` names, and what each does; ``workers/parallelize.py``
+#: turns each into a torch ``ParallelStyle`` (so a plan is data the control plane can read too).
+TP_STYLES: dict[str, str] = {
+    "vocab_embedding": "token embedding split by vocabulary; output in the residual layout",
+    "position_embedding": "learned positions, replicated (sliced by sequence under sequence parallelism)",
+    "norm": "a norm over d_model: weights replicated; runs on a sequence shard under sequence parallelism",
+    "colwise": "column-parallel projection (each rank its heads or its slice of the MLP width)",
+    "colwise_sharded_output": "column-parallel projection whose output stays a width-sharded DTensor, for a "
+                              "following width_norm",
+    "rowwise": "row-parallel projection; partial sums reduced into the residual layout",
+    "head_norm": "a per-head norm on head-sharded activations (weights replicated)",
+    "width_norm": "a norm over the whole tp-sharded width (weights sharded with it; the mean is all-reduced)",
+    "vocab_head": "output projection split by vocabulary; the logits stay sharded for loss_parallel",
+    "gather_sequence": "with sequence parallelism, gathers the sequence-sharded input (nothing otherwise)",
+}
+
+
+@dataclass(frozen=True)
+class TPPlan:
+    """Which style (a :data:`TP_STYLES` name) each submodule gets: ``root`` names the model's own parts
+    (skipped where a pipeline stage does not hold them), ``block`` the parts of each transformer block,
+    applied in this order."""
+
+    root: dict[str, str] = field(default_factory=dict)
+    block: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        unknown = sorted({*self.root.values(), *self.block.values()} - TP_STYLES.keys())
+        if unknown:
+            raise ValueError(f"unknown tensor-parallel styles {unknown}; use names of TP_STYLES")
+
+
+class ModelFamily:
+    """Everything one model family declares. Subclass it in ``workers/families/<name>.py``, set the class
+    attributes, implement the counts, and register the instance in ``workers/families/__init__.py``.
+
+    The methods receive a ``ModelConfig`` (:class:`Sizes`). Every count here is tested against the
+    family's real modules (tests/unit/test_families.py), so the planner's numbers are the engine's.
+    """
+
+    #: ``ModelConfig.arch`` and the job spec's ``model.kind``.
+    name: ClassVar[str]
+    #: One line for listings and the spec's documentation.
+    summary: ClassVar[str]
+    #: The torch module that builds it: ``build(config) -> nn.Module`` (loaded by name, only on the ranks).
+    model_module: ClassVar[str]
+    #: Named sizes (``model.preset``), each a dict of ``ModelConfig`` fields (``arch`` is added).
+    presets: ClassVar[dict[str, dict[str, Any]]] = {}
+    #: Hugging Face ``architectures`` entries this family loads and exports, each with its ``model_type``
+    #: and any ``ModelConfig`` fields the architecture implies. Empty: no Hugging Face format.
+    hf_architectures: ClassVar[dict[str, dict[str, Any]]] = {}
+    #: Whether ``n_kv_heads`` (grouped-query attention) applies.
+    grouped_query_attention: ClassVar[bool] = False
+    #: etrain ↔ Hugging Face parameter names: the model's own (``tok_embeddings.weight``) and those inside
+    #: a block (``attention.wq.weight`` ↔ ``self_attn.q_proj.weight``, under ``model.layers.<i>.``).
+    hf_top_names: ClassVar[dict[str, str]] = {}
+    hf_layer_names: ClassVar[dict[str, str]] = {}
+
+    # -- shape -------------------------------------------------------------------------------------
+
+    def shape_errors(self, model: Sizes) -> list[ConfigError]:
+        """The shape rules the model itself needs (the layout rules add the parallel ones)."""
+        errors = [ConfigError(f"model.{name} must be >= 1, got {getattr(model, name)}.", field=f"model.{name}")
+                  for name in ("n_layers", "d_model", "n_heads", "vocab_size", "seq_len") if getattr(model, name) < 1]
+        return errors
+
+    def tp_dims(self, model: Sizes) -> tuple[tuple[str, int], ...]:
+        """The sizes tensor parallelism splits, each of which ``tp`` must divide. ``n_heads`` and
+        ``n_kv_heads`` together are reported as one rule (each rank holds whole heads)."""
+        raise NotImplementedError
+
+    def tp_plan(self, model: Sizes) -> TPPlan:
+        """The tensor-parallel style of each submodule (:class:`TPPlan`)."""
+        raise NotImplementedError
+
+    # -- counts for the planner and MFU ------------------------------------------------------------
+
+    def num_params(self, model: Sizes) -> int:
+        """Exact parameter count of the model these sizes build (a tied weight once)."""
+        raise NotImplementedError
+
+    def layer_params(self, model: Sizes, tp: int = 1) -> float:
+        """Parameters of one transformer block held by one tensor-parallel rank."""
+        raise NotImplementedError
+
+    def embedding_params(self, model: Sizes, tp: int) -> float:
+        """What the first stage holds besides its blocks: the token embedding (vocab-parallel) and any
+        position embedding."""
+        return model.vocab_size * model.d_model / tp
+
+    def head_params(self, model: Sizes, tp: int, *, with_embedding: bool = False) -> float:
+        """What the last stage holds besides its blocks: the final norm and the output head (a tied head
+        on the embedding's stage is the embedding's weight, not counted again)."""
+        raise NotImplementedError
+
+    def largest_param(self, model: Sizes, *, first: bool = True, last: bool = True) -> int:
+        """Elements of the largest single parameter a stage owns, whole (the init transient)."""
+        raise NotImplementedError
+
+    def matmul_params_per_layer(self, model: Sizes, tp: int = 1) -> float:
+        """Weights one block multiplies by (autocast keeps a bf16 cast of each): not biases, not norms."""
+        raise NotImplementedError
+
+    def lookup_params(self, model: Sizes) -> int:
+        """Parameters used only by lookups (embeddings, not the output head), excluded from FLOPs."""
+        raise NotImplementedError
+
+    def position_params(self, model: Sizes) -> int:
+        """Learned position-embedding parameters (MFU's 6N leaves them out); 0 for rotary models."""
+        return 0
+
+    def attention_width(self, model: Sizes) -> int:
+        """The width attention's QK^T and AV matmuls run at (``n_heads·head_dim``)."""
+        return model.n_heads * model.head_dim
+
+    def layer_activation_bytes(self, model: Sizes, *, micro_batch: int, tp: int, sequence_parallel: bool,
+                               precision: str, regime: str, checkpointing: bool) -> float:
+        """What one block saves for its backward, per micro-batch, in bytes (``regime``: ``fp32``,
+        ``autocast`` or ``bf16_params``; see ``service/planning/plan_activations.py``)."""
+        raise NotImplementedError
+
+    def final_norm_bytes(self, model: Sizes, *, tokens: int, regime: str, sp_div: int) -> float:
+        """What the final norm saves per micro-batch (its tensors, and its output saved by the head)."""
+        raise NotImplementedError
+
+    def rope_table_bytes(self, model: Sizes) -> int:
+        """Module state each block's attention caches (RoPE cos/sin tables); 0 without."""
+        return 0
+
+    # -- Hugging Face ------------------------------------------------------------------------------
+
+    def config_from_hf(self, raw: dict[str, Any], architecture: str, *, seq_len: int) -> dict[str, Any]:
+        """``ModelConfig`` fields of a parsed ``config.json`` of ``architecture`` (one of
+        :attr:`hf_architectures`), trained at ``seq_len``; refuses what etrain cannot train exactly."""
+        raise ConfigError(f"the {self.name} family has no Hugging Face format.", field="model.hf")
+
+    def hf_config(self, model: Sizes) -> dict[str, Any]:
+        """A ``config.json`` that ``transformers.AutoConfig`` reads back to the same model."""
+        raise ConfigError(f"model.kind={self.name!r} has no Hugging Face format to export to.",
+                          field="checkpoint.export", fix="set checkpoint.export: none")
+
+    def hf_parameter_names(self, model: Sizes) -> list[str]:
+        """Every etrain FQN of the model, in Hugging Face's order (a tied output excluded)."""
+        raise NotImplementedError
+
+    @property
+    def has_hf_format(self) -> bool:
+        return bool(self.hf_architectures)
+
+    def default_hf_architecture(self) -> str:
+        return next(iter(self.hf_architectures))
+
+    def hf_name(self, fqn: str) -> str:
+        """The ``transformers`` name of an etrain parameter (``layers.3.attention.wq.weight`` →
+        ``model.layers.3.self_attn.q_proj.weight``); ``KeyError`` for a name the family does not map."""
+        if fqn in self.hf_top_names:
+            return self.hf_top_names[fqn]
+        index, _, rest = fqn.removeprefix("layers.").partition(".")
+        if fqn.startswith("layers.") and index.isdigit() and rest in self.hf_layer_names:
+            return f"model.layers.{index}.{self.hf_layer_names[rest]}"
+        raise KeyError(f"no Hugging Face name for parameter {fqn!r}")
+
+    def etrain_name(self, name: str) -> str:
+        """The inverse of :meth:`hf_name`."""
+        top = {v: k for k, v in self.hf_top_names.items()}
+        if name in top:
+            return top[name]
+        layer = {v: k for k, v in self.hf_layer_names.items()}
+        index, _, rest = name.removeprefix("model.layers.").partition(".")
+        if name.startswith("model.layers.") and index.isdigit() and rest in layer:
+            return f"layers.{index}.{layer[rest]}"
+        raise KeyError(f"no etrain name for Hugging Face tensor {name!r}")
+
+    def __repr__(self) -> str:
+        return f"<model family {self.name}>"
+
+
+# -- Hugging Face config.json helpers --------------------------------------------------------------
+
+
+def hf_problem(message: str, fix: str) -> ConfigError:
+    return ConfigError(message, field="model.hf", fix=fix)
+
+
+def hf_sizes(raw: dict[str, Any], *, seq_len: int | None) -> dict[str, Any]:
+    """The sizes every decoder ``config.json`` states (``hidden_size``, ``num_attention_heads``, ...),
+    as ``ModelConfig`` fields, with the training context: ``seq_len`` or ``min(max_position_embeddings,
+    4096)``, never more than the model's context."""
+    try:
+        d_model = int(raw["hidden_size"])
+        n_heads = int(raw["num_attention_heads"])
+        sizes = dict(
+            n_layers=int(raw["num_hidden_layers"]),
+            d_model=d_model,
+            n_heads=n_heads,
+            n_kv_heads=int(raw.get("num_key_value_heads") or n_heads),
+            d_ff=int(raw["intermediate_size"]),
+            vocab_size=int(raw["vocab_size"]),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise hf_problem(f"model.hf config.json lacks or mangles a size ({exc}).",
+                         "restore the config.json written by transformers") from exc
+    max_positions = int(raw.get("max_position_embeddings") or DEFAULT_MAX_SEQ_LEN)
+    seq = seq_len if seq_len is not None else min(max_positions, DEFAULT_MAX_SEQ_LEN)
+    if seq > max_positions:
+        raise ConfigError(f"model.seq_len={seq} exceeds the model's max_position_embeddings={max_positions}.",
+                          field="model.seq_len", fix=f"use model.seq_len <= {max_positions}")
+    head_dim = raw.get("head_dim")
+    return dict(sizes, seq_len=seq, max_position_embeddings=max_positions,
+                head_dim_override=int(head_dim) if head_dim and int(head_dim) != d_model // n_heads else None)
+
+
+def hf_rope(raw: dict[str, Any]) -> dict[str, Any]:
+    """``rope_theta`` and ``rope_scaling`` (a ``RopeScaling`` as a dict, or None) from either transformers
+    v4 (``rope_theta`` + ``rope_scaling``) or v5 (``rope_parameters``) configs."""
+    params = dict(raw.get("rope_parameters") or {})
+    legacy = raw.get("rope_scaling") or {}
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    scaling = {**legacy, **params}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind in (None, "default"):
+        return dict(rope_theta=theta, rope_scaling=None)
+    if kind == "linear":
+        return dict(rope_theta=theta, rope_scaling=dict(kind="linear", factor=float(scaling["factor"])))
+    if kind == "llama3":
+        return dict(rope_theta=theta, rope_scaling=dict(
+            kind="llama3",
+            factor=float(scaling["factor"]),
+            low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(scaling.get("original_max_position_embeddings", 8192)),
+        ))
+    raise hf_problem(f"model.hf uses rope scaling {kind!r}, which etrain does not implement.",
+                     "use a model with default, linear or llama3 RoPE scaling")
+
+
+def rope_parameters(model: Sizes) -> dict[str, Any]:
+    """The ``rope_parameters`` of a ``config.json`` (transformers v5; also ``rope_scaling`` for v4 readers)."""
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": model.rope_theta}
+    if model.rope_scaling is not None:
+        scaling = model.rope_scaling
+        rope.update(rope_type=scaling.kind, factor=scaling.factor)
+        if scaling.kind == "llama3":
+            rope.update(low_freq_factor=scaling.low_freq_factor, high_freq_factor=scaling.high_freq_factor,
+                        original_max_position_embeddings=scaling.original_max_position_embeddings)
+    return rope

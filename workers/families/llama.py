@@ -1,0 +1,347 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3): its declaration (pure; the modules are
+``workers/families/llama_model.py``).
+
+RoPE (with Llama 3.1's or linear scaling), RMSNorm, SwiGLU, grouped-query attention (``n_kv_heads``),
+optional q/k/v bias (Qwen2) or bias everywhere (Llama ``attention_bias``), optional per-head q/k
+RMSNorm (Qwen3), tied or untied embeddings. Numerics follow ``transformers``' ``LlamaForCausalLM``,
+``MistralForCausalLM``, ``Qwen2ForCausalLM`` and ``Qwen3ForCausalLM`` (tests/unit/test_family_numerics.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from etrain.workers.families.base import (
+    ModelFamily,
+    Sizes,
+    TPPlan,
+    hf_problem,
+    hf_rope,
+    hf_sizes,
+    rope_parameters,
+)
+from etrain.workers.protocol.errors import ConfigError
+
+__all__ = ["FAMILY", "Llama", "llama_widths", "refuse_sliding_window"]
+
+_LLAMA3_ROPE_8K = dict(kind="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                       original_max_position_embeddings=8192)
+
+
+def llama_widths(model: Sizes) -> tuple[int, int]:
+    """(query width, key/value width): ``n_heads·head_dim`` and ``n_kv_heads·head_dim``."""
+    return model.n_heads * model.head_dim, model.kv_heads * model.head_dim
+
+
+def refuse_sliding_window(raw: dict[str, Any], seq_len: int, *, always: bool = False) -> None:
+    """etrain runs full causal attention, which equals sliding-window attention only up to the window."""
+    window = raw.get("sliding_window")
+    uses_window = always or raw.get("use_sliding_window") or any(
+        t == "sliding_attention" for t in raw.get("layer_types") or [])
+    if uses_window and window and seq_len > int(window):
+        raise ConfigError(
+            f"model.seq_len={seq_len} exceeds the model's sliding_window={window}; etrain runs full causal "
+            "attention, which equals sliding-window attention only up to the window.",
+            field="model.seq_len", fix=f"use model.seq_len <= {window}")
+
+
+class Llama(ModelFamily):
+    name = "llama"
+    summary = "the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3): RoPE, RMSNorm, SwiGLU, grouped-query attention"
+    model_module = "etrain.workers.families.llama_model"
+    grouped_query_attention = True
+    # The published Hugging Face configs (meta-llama/Llama-3.2-1B, Llama-3.1-8B, Llama-3.1-70B,
+    # Qwen/Qwen3-0.6B, mistralai/Mistral-7B-v0.1) with the training context set to 4096.
+    presets = {
+        "llama-tiny": dict(n_layers=4, d_model=64, n_heads=4, n_kv_heads=2, d_ff=176, vocab_size=256,
+                           seq_len=64, rope_theta=10000.0, hf_architecture="LlamaForCausalLM"),
+        "llama3-1b": dict(n_layers=16, d_model=2048, n_heads=32, n_kv_heads=8, d_ff=8192,
+                          vocab_size=128256, seq_len=4096, rope_theta=500000.0,
+                          rope_scaling=dict(kind="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                            original_max_position_embeddings=8192),
+                          tie_embeddings=True, max_position_embeddings=131072, hf_architecture="LlamaForCausalLM"),
+        "llama3-8b": dict(n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, d_ff=14336,
+                          vocab_size=128256, seq_len=4096, rope_theta=500000.0, rope_scaling=_LLAMA3_ROPE_8K,
+                          max_position_embeddings=131072, hf_architecture="LlamaForCausalLM"),
+        "llama3-70b": dict(n_layers=80, d_model=8192, n_heads=64, n_kv_heads=8, d_ff=28672,
+                           vocab_size=128256, seq_len=4096, rope_theta=500000.0, rope_scaling=_LLAMA3_ROPE_8K,
+                           max_position_embeddings=131072, hf_architecture="LlamaForCausalLM"),
+        "qwen3-0.6b": dict(n_layers=28, d_model=1024, n_heads=16, n_kv_heads=8, head_dim_override=128,
+                           d_ff=3072, vocab_size=151936, seq_len=4096, rope_theta=1000000.0, norm_eps=1e-6,
+                           qk_norm=True, tie_embeddings=True, max_position_embeddings=40960,
+                           hf_architecture="Qwen3ForCausalLM"),
+        "mistral-7b": dict(n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, d_ff=14336,
+                           vocab_size=32000, seq_len=4096, rope_theta=10000.0, max_position_embeddings=32768,
+                           hf_architecture="MistralForCausalLM"),
+    }
+    hf_architectures = {
+        "LlamaForCausalLM": {"model_type": "llama"},
+        "MistralForCausalLM": {"model_type": "mistral"},
+        "Qwen2ForCausalLM": {"model_type": "qwen2", "attention_bias": "qkv"},
+        "Qwen3ForCausalLM": {"model_type": "qwen3", "qk_norm": True},
+    }
+    hf_top_names = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+                    "output.weight": "lm_head.weight"}
+    hf_layer_names = {
+        "attention_norm.weight": "input_layernorm.weight",
+        "attention.wq.weight": "self_attn.q_proj.weight",
+        "attention.wq.bias": "self_attn.q_proj.bias",
+        "attention.wk.weight": "self_attn.k_proj.weight",
+        "attention.wk.bias": "self_attn.k_proj.bias",
+        "attention.wv.weight": "self_attn.v_proj.weight",
+        "attention.wv.bias": "self_attn.v_proj.bias",
+        "attention.wo.weight": "self_attn.o_proj.weight",
+        "attention.wo.bias": "self_attn.o_proj.bias",
+        "attention.q_norm.weight": "self_attn.q_norm.weight",
+        "attention.k_norm.weight": "self_attn.k_norm.weight",
+        "ffn_norm.weight": "post_attention_layernorm.weight",
+        "feed_forward.w1.weight": "mlp.gate_proj.weight",
+        "feed_forward.w2.weight": "mlp.down_proj.weight",
+        "feed_forward.w3.weight": "mlp.up_proj.weight",
+    }
+
+    # -- shape -------------------------------------------------------------------------------------
+
+    def shape_errors(self, model: Sizes) -> list[ConfigError]:
+        errors = super().shape_errors(model)
+        if errors:
+            return errors
+        if model.n_heads % model.kv_heads:
+            errors.append(ConfigError(
+                f"model.n_heads={model.n_heads} is not divisible by model.n_kv_heads={model.kv_heads}.",
+                field="model.n_kv_heads",
+                fix="grouped-query attention shares each kv head among n_heads / n_kv_heads query heads: "
+                "pick n_kv_heads dividing n_heads",
+            ))
+        if model.head_dim % 2:
+            errors.append(ConfigError(f"the head dimension {model.head_dim} is odd; RoPE rotates pairs.",
+                                      field="model.d_model", fix="use an even head_dim (d_model / n_heads)"))
+        return errors
+
+    def tp_dims(self, model: Sizes) -> tuple[tuple[str, int], ...]:
+        """Whole query and key/value heads, the MLP width and the vocabulary."""
+        return (("n_heads", model.n_heads), ("n_kv_heads", model.kv_heads), ("ffn_dim", model.ffn_dim),
+                ("vocab_size", model.vocab_size))
+
+    def tp_plan(self, model: Sizes) -> TPPlan:
+        """Megatron's: ``wq/wk/wv`` and ``w1/w3`` column-parallel, ``wo/w2`` row-parallel; Qwen3's per-head
+        q/k norms see ``[batch, seq, local heads, head_dim]`` (heads sharded, weights replicated)."""
+        block = {
+            "attention_norm": "norm",
+            "attention.wq": "colwise",
+            "attention.wk": "colwise",
+            "attention.wv": "colwise",
+            "attention.wo": "rowwise",
+            "ffn_norm": "norm",
+            "feed_forward.w1": "colwise",
+            "feed_forward.w2": "rowwise",
+            "feed_forward.w3": "colwise",
+        }
+        if model.qk_norm:
+            block.update({"attention.q_norm": "head_norm", "attention.k_norm": "head_norm"})
+        block.update({"attention": "gather_sequence", "feed_forward": "gather_sequence"})
+        return TPPlan(root={"tok_embeddings": "vocab_embedding", "norm": "norm", "output": "vocab_head"},
+                      block=block)
+
+    # -- counts ------------------------------------------------------------------------------------
+
+    def _attention_bias(self, model: Sizes) -> int:
+        q_width, kv_width = llama_widths(model)
+        return {"none": 0, "qkv": q_width + 2 * kv_width, "all": q_width + 2 * kv_width + model.d_model}[
+            model.attention_bias]
+
+    def num_params(self, model: Sizes) -> int:
+        d, f, v, n = model.d_model, model.ffn_dim, model.vocab_size, model.n_layers
+        q_width, kv_width = llama_widths(model)
+        per_layer = (
+            d  # attention RMSNorm
+            + d * q_width + 2 * d * kv_width + q_width * d + self._attention_bias(model)  # q, k, v, o
+            + (2 * model.head_dim if model.qk_norm else 0)  # per-head q/k RMSNorm
+            + d  # MLP RMSNorm
+            + 3 * d * f  # SwiGLU: gate, up, down
+        )
+        head = d + (0 if model.tie_embeddings else v * d)  # final norm + output (shared when tied)
+        return n * per_layer + v * d + head
+
+    def layer_params(self, model: Sizes, tp: int = 1) -> float:
+        """Sharded are ``wq`` (d x n_heads·head_dim), ``wk``/``wv`` (d x n_kv_heads·head_dim each:
+        grouped-query attention), ``wo`` and SwiGLU's three d x ffn matrices, plus the q/k/v biases
+        (Qwen2, ``attention_bias``); replicated are the two RMSNorm weights (no bias), Qwen3's per-head
+        q/k norm weights (head_dim each) and ``wo``'s bias when ``attention_bias == "all"``."""
+        d, f = model.d_model, model.ffn_dim
+        q, kv = llama_widths(model)
+        sharded = d * q + 2 * d * kv + q * d + 3 * d * f
+        if model.attention_bias != "none":
+            sharded += q + 2 * kv
+        replicated = 2 * d + (2 * model.head_dim if model.qk_norm else 0)
+        replicated += d if model.attention_bias == "all" else 0
+        return sharded / tp + replicated
+
+    def head_params(self, model: Sizes, tp: int, *, with_embedding: bool = False) -> float:
+        """The final RMSNorm (no bias) and the vocab-parallel head; a tied head on the embedding's stage
+        shares the embedding's vocab shard."""
+        tied = model.tie_embeddings and with_embedding
+        return model.d_model + (0 if tied else model.vocab_size * model.d_model / tp)
+
+    def largest_param(self, model: Sizes, *, first: bool = True, last: bool = True) -> int:
+        d, f = model.d_model, model.ffn_dim
+        q, kv = llama_widths(model)
+        candidates = [d * q, d * kv, d * f]
+        if first or last:
+            candidates.append(model.vocab_size * d)
+        return max(candidates)
+
+    def matmul_params_per_layer(self, model: Sizes, tp: int = 1) -> float:
+        d, f = model.d_model, model.ffn_dim
+        q, kv = llama_widths(model)
+        return (2 * d * q + 2 * d * kv + 3 * d * f) / tp
+
+    def lookup_params(self, model: Sizes) -> int:
+        """The token embedding, unless the output head multiplies by it (tied)."""
+        return 0 if model.tie_embeddings else model.vocab_size * model.d_model
+
+    def layer_activation_bytes(self, model: Sizes, *, micro_batch: int, tp: int = 1, sequence_parallel: bool = False,
+                               precision: str = "fp32", regime: str = "fp32", checkpointing: bool = False) -> float:
+        """What one Llama block (``workers/families/llama_model.py``) saves for backward, per micro-batch,
+        in bytes.
+
+        Korthikanti-style count for RMSNorm + RoPE + grouped-query attention + SwiGLU, derived from the
+        ops and checked against the tensors autograd saves (tests/unit/test_planner.py). Per token,
+        with q = n_heads·head_dim, kv = n_kv_heads·head_dim, f = ffn_dim, H = n_heads:
+
+        * Each RMSNorm (computed in fp32) saves its fp32 input (a ``.float()`` copy when the residual
+          stream is bf16), ``rsqrt`` (1 fp32), and ``x·rsqrt`` (fp32 when that is the residual dtype,
+          else its cast back to bf16); its output is saved by the projections that read it: once in
+          fp32/bf16_params, but under autocast as one bf16 cast per consumer (wq, wk, wv; w1, w3).
+          Sequence parallelism shards the norm's own tensors; the projections save the gathered output.
+        * Attention saves q (after RoPE), k and v *repeated to n_heads* (``repeat_interleave`` before
+          the fused kernel: grouped-query attention saves no activation memory here), the output
+          (which ``wo`` reads as a view) and an fp32 log-sum-exp per head: 4q + H. RoPE's multiplies
+          save only the cos/sin tables; the bf16 regimes cast them per call (4·s·head_dim, not per token).
+        * SwiGLU saves the gate (silu's input), silu's output, the up projection and their product
+          (``w2``'s input): 4f.
+        * Qwen3's q/k norms save their input, ``rsqrt`` and normalised values: 2(q + kv) + H + n_kv_heads
+          elements in fp32, ``6(q + kv)`` bytes + 4(H + n_kv_heads) in the bf16 regimes.
+
+        Per token in bytes: fp32 ``2(3·4d + 4) + 4·4q + 4H + 4·4f``; autocast ``2(2·4d + 4) + 5·2d +
+        4·2q + 4H + 4·2f``; bf16_params ``2(4d + 2d + 4) + 2·2d + 4·2q + 4H + 4·2f``. Everything but the
+        norms is divided by ``tp`` (heads and the MLP width are sharded). With activation
+        checkpointing only the block input is saved (residual dtype: fp32 unless bf16_params).
+        The per-layer RoPE table cache is module state (:meth:`rope_table_bytes`), not counted here.
+        """
+        s, b, d, f = model.seq_len, micro_batch, model.d_model, model.ffn_dim
+        q, kv = llama_widths(model)
+        heads, kv_heads = model.n_heads, model.kv_heads
+        sp_div = tp if sequence_parallel else 1
+        tokens = s * b
+        if checkpointing:
+            return tokens * d * (2 if regime == "bf16_params" else 4) / sp_div
+        if regime == "fp32":
+            norms, norm_outputs, elem, qk_per_elem = 2 * (8 * d + 4), 2 * 4 * d, 4, 8
+        elif regime == "autocast":
+            norms, norm_outputs, elem, qk_per_elem = 2 * (8 * d + 4), 5 * 2 * d, 2, 6
+        elif regime == "bf16_params":
+            norms, norm_outputs, elem, qk_per_elem = 2 * (6 * d + 4), 2 * 2 * d, 2, 6
+        else:
+            raise ValueError(f"regime must be fp32, autocast or bf16_params, got {regime!r}")
+        attention = 4 * q * elem + 4 * heads
+        mlp = 4 * f * elem
+        qk_norms = qk_per_elem * (q + kv) + 4 * (heads + kv_heads) if model.qk_norm else 0
+        per_token = norms / sp_div + norm_outputs + (attention + mlp + qk_norms) / tp
+        # RoPE's cos/sin cast to bf16 for q and for k on every call (not when q/k are fp32 after the
+        # q/k norms under autocast, nor in fp32, where the cached fp32 tables themselves are used).
+        casts_rope = regime == "bf16_params" or (regime == "autocast" and not model.qk_norm)
+        rope = 4 * s * model.head_dim * 2 if casts_rope else 0
+        return tokens * per_token + rope
+
+    def final_norm_bytes(self, model: Sizes, *, tokens: int, regime: str, sp_div: int) -> float:
+        d = model.d_model
+        own = {"fp32": 8 * d + 4, "autocast": 8 * d + 4, "bf16_params": 6 * d + 4}[regime]
+        output = 4 * d if regime == "fp32" else 2 * d
+        return tokens * (own / sp_div + output)
+
+    def rope_table_bytes(self, model: Sizes) -> int:
+        """The fp32 cos and sin tables each attention module caches (``seq_len x head_dim`` each)."""
+        return 2 * model.seq_len * model.head_dim * 4
+
+    # -- Hugging Face ------------------------------------------------------------------------------
+
+    def config_from_hf(self, raw: dict[str, Any], architecture: str, *, seq_len: int | None) -> dict[str, Any]:
+        traits = self.hf_architectures[architecture]
+        sizes = hf_sizes(raw, seq_len=seq_len)
+        if raw.get("hidden_act", "silu") != "silu":
+            raise hf_problem(f"model.hf uses hidden_act={raw.get('hidden_act')!r}; etrain's SwiGLU uses silu.",
+                             "use a model with hidden_act 'silu'")
+        if raw.get("mlp_bias"):
+            raise hf_problem("model.hf has mlp_bias=true, which etrain's SwiGLU does not implement.",
+                             "use a model without MLP biases")
+        refuse_sliding_window(raw, sizes["seq_len"], always=architecture == "MistralForCausalLM")
+        if architecture == "LlamaForCausalLM":
+            bias = "all" if raw.get("attention_bias") else "none"
+        else:
+            bias = traits.get("attention_bias", "none")
+        return dict(
+            sizes,
+            **hf_rope(raw),
+            norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            attention_bias=bias,
+            qk_norm=bool(traits.get("qk_norm", False)),
+            tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        )
+
+    def hf_config(self, model: Sizes) -> dict[str, Any]:
+        arch = model.hf_architecture or "LlamaForCausalLM"
+        if arch not in self.hf_architectures:
+            raise ConfigError(f"the llama family does not export to {arch}.", field="checkpoint.export",
+                              fix=f"use one of {', '.join(self.hf_architectures)}")
+        rope = rope_parameters(model)
+        config: dict[str, Any] = {
+            "architectures": [arch],
+            "model_type": self.hf_architectures[arch]["model_type"],
+            "hidden_size": model.d_model,
+            "intermediate_size": model.ffn_dim,
+            "num_hidden_layers": model.n_layers,
+            "num_attention_heads": model.n_heads,
+            "num_key_value_heads": model.kv_heads,
+            "head_dim": model.head_dim,
+            "vocab_size": model.vocab_size,
+            "max_position_embeddings": model.max_position_embeddings or model.seq_len,
+            "rms_norm_eps": model.norm_eps,
+            "hidden_act": "silu",
+            "tie_word_embeddings": model.tie_embeddings,
+            "rope_theta": model.rope_theta,  # transformers v4 readers
+            "rope_parameters": rope,  # transformers v5 readers
+            "torch_dtype": "float32",
+        }
+        if model.rope_scaling is not None:
+            config["rope_scaling"] = dict(rope)
+        if arch == "LlamaForCausalLM":
+            config["attention_bias"] = model.attention_bias == "all"
+            config["mlp_bias"] = False
+        if arch == "MistralForCausalLM":
+            # etrain trains full causal attention; without this key transformers would apply its
+            # default 4096-token sliding window to longer inputs.
+            config["sliding_window"] = None
+        return config
+
+    def hf_parameter_names(self, model: Sizes) -> list[str]:
+        names = ["tok_embeddings.weight"]
+        biased = {"none": (), "qkv": ("wq", "wk", "wv"), "all": ("wq", "wk", "wv", "wo")}[model.attention_bias]
+        for i in range(model.n_layers):
+            layer = [f"layers.{i}.attention_norm.weight"]
+            for proj in ("wq", "wk", "wv", "wo"):
+                layer.append(f"layers.{i}.attention.{proj}.weight")
+                if proj in biased:
+                    layer.append(f"layers.{i}.attention.{proj}.bias")
+            if model.qk_norm:
+                layer += [f"layers.{i}.attention.q_norm.weight", f"layers.{i}.attention.k_norm.weight"]
+            layer += [f"layers.{i}.ffn_norm.weight", f"layers.{i}.feed_forward.w1.weight",
+                      f"layers.{i}.feed_forward.w2.weight", f"layers.{i}.feed_forward.w3.weight"]
+            names += layer
+        names.append("norm.weight")
+        if not model.tie_embeddings:
+            names.append("output.weight")
+        return names
+
+
+FAMILY = Llama()
