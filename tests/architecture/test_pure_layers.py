@@ -41,6 +41,7 @@ PURE_MODULES = [
     "etrain.workers.families.base",
     "etrain.workers.families.gpt",
     "etrain.workers.families.llama",
+    "etrain.workers.families.olmo2",
     "etrain.workers.hf_config",
     "etrain.workers.storage",
     "etrain.workers.safe_paths",

@@ -1,6 +1,6 @@
 """Hugging Face weights in and out of the torch engine, against ``transformers`` itself.
 
-In: tiny random Llama / Mistral / Qwen2 / Qwen3 models are made by ``transformers`` (fp32, weights
+In: tiny random Llama / Mistral / Qwen2 / Qwen3 / OLMo 2 models are made by ``transformers`` (fp32, weights
 perturbed with N(0, 0.1) so no norm is trivially one), saved with ``save_pretrained``, and a
 ``Trainer`` whose ``model.hf_path`` points at the folder must give the same logits (1e-5) in one
 process, on DP2×TP2 (DDP-style replicate and ZeRO-3 with activation checkpointing) and on PP2 (the
@@ -9,7 +9,7 @@ owns (elements read == elements of its shards, fewer than the model's), and DCP 
 parameters in place. One 4-rank and one 2-rank spawn cover every model; the 4 ranks also save their
 ZeRO-3×TP shards, and that checkpoint exports back to tensors bit-equal to the source files.
 
-Out: a Llama trained two steps is saved and committed like the supervisor does, exported, loaded by
+Out: a Llama and an OLMo 2 trained two steps are saved and committed like the supervisor does, exported, loaded by
 ``AutoModelForCausalLM.from_pretrained`` (loss on a fixed batch equal within 1e-5, weights bit-equal
 to the trainer's); exporting again through a Trainer that loads the export gives bit-identical
 tensors and the same config.json; a sharded export (index + several files) loads the same.
@@ -41,7 +41,7 @@ COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_att
 SEQ = 16
 TOL = 1e-5
 TIMEOUT_S = 300.0
-ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "olmo2")
 
 
 def _hf_model(arch: str, *, tied: bool | None = None):
@@ -56,6 +56,9 @@ def _hf_model(arch: str, *, tied: bool | None = None):
     elif arch == "qwen2":
         config = transformers.Qwen2Config(**COMMON, tie_word_embeddings=True if tied is None else tied)
         cls = transformers.Qwen2ForCausalLM
+    elif arch == "olmo2":  # post-norms and q/k norms over the whole (tp-sharded) width; biases everywhere
+        config = transformers.Olmo2Config(**COMMON, attention_bias=True, rope_theta=500000.0, rms_norm_eps=1e-6)
+        cls = transformers.Olmo2ForCausalLM
     else:
         config, cls = transformers.Qwen3Config(**COMMON, head_dim=32), transformers.Qwen3ForCausalLM
     torch.manual_seed(0)
@@ -144,12 +147,16 @@ def test_a_trainer_about_to_resume_does_not_read_the_hf_weights(hf_folders):
 
 def _logits_dp2_tp2(rank: int, world_size: int, folders: dict[str, str], ckpt_root: str) -> dict:
     """Every model under replicate×TP (zero=0) and ZeRO-3×TP with activation checkpointing; the
-    ZeRO-3 ones are also saved (step 0) for the parent to commit and export."""
+    ZeRO-3 ones are also saved (step 0) for the parent to commit and export. OLMo 2 (its q/k norms over
+    the tp-sharded width) runs under ZeRO-3×TP only, the layout that also shards those norms' weights
+    with FSDP2 and recomputes them (the suite's time: replicate×TP adds nothing that one does not test)."""
     results = {}
     layouts = {"zero0": (ParallelConfig(dp=2, tp=2, zero=0), False),
                "zero3+ac": (ParallelConfig(dp=2, tp=2, zero=3), True)}
     for layout, (parallel, ac) in layouts.items():
         for arch, folder in folders.items():
+            if arch == "olmo2" and layout == "zero0":
+                continue
             config = _run_config(folder, parallel, activation_checkpointing=ac)
             trainer = _trainer(config, rank, world_size)
             (module,) = trainer.modules
@@ -219,7 +226,7 @@ def test_dp2_tp2_replicate_and_zero3_load_hf_weights(hf_folders, tmp_path):
 
 
 def test_pp2_loads_hf_weights_per_stage(hf_folders):
-    cases = ("llama", "mistral", "qwen2-untied", "qwen3")
+    cases = ("llama", "mistral", "qwen2-untied", "qwen3", "olmo2")
     folders = {case: hf_folders[case][0] for case in cases}
     stage0, stage1 = run_distributed(_logits_pp2, 2, folders, timeout_s=TIMEOUT_S)
     for case in cases:
@@ -290,7 +297,7 @@ def _with_tokenizer(folder: str) -> None:
     transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(folder)
 
 
-@pytest.mark.parametrize(("arch", "hf_class"), [("llama", "LlamaForCausalLM")])
+@pytest.mark.parametrize(("arch", "hf_class"), [("llama", "LlamaForCausalLM"), ("olmo2", "Olmo2ForCausalLM")])
 def test_export_round_trip(tmp_path, arch, hf_class):
     source = str(tmp_path / "source")
     original = _hf_model(arch)
@@ -333,7 +340,7 @@ def test_export_round_trip(tmp_path, arch, hf_class):
     second = _trainer(config2)
     out2 = export_hf(_save_committed(second, str(tmp_path / "ckpt2"), 0), str(tmp_path / "export2"), config2.model)
     first_tensors, second_tensors = _tensors(out1), _tensors(out2)
-    per_layer = {"llama": 13}[arch]  # with biases on q, k, v and o
+    per_layer = {"llama": 13, "olmo2": 15}[arch]  # with biases on q, k, v and o
     assert first_tensors.keys() == second_tensors.keys() and len(first_tensors) == 3 + 2 * per_layer
     assert all(torch.equal(first_tensors[k], second_tensors[k]) for k in first_tensors)
     assert json.load(open(os.path.join(out1, "config.json"))) == json.load(open(os.path.join(out2, "config.json")))

@@ -27,6 +27,8 @@ VARIANTS = {
     "gpt": [{}],
     "llama": [{"n_kv_heads": 2}, {"n_kv_heads": 2, "attention_bias": "qkv", "tie_embeddings": True},
               {"n_kv_heads": 1, "attention_bias": "all", "qk_norm": True, "head_dim_override": 16}],
+    "olmo2": [{"n_kv_heads": 2}, {"n_kv_heads": 2, "attention_bias": "all", "tie_embeddings": True},
+              {"n_kv_heads": 4, "head_dim_override": 8}],
 }
 CASES = [(name, variant) for name, variants in VARIANTS.items() for variant in variants]
 IDS = [f"{name}-{i}" for name, variants in VARIANTS.items() for i in range(len(variants))]
@@ -45,7 +47,7 @@ def _skeleton(config: ModelConfig) -> torch.nn.Module:
 
 
 def test_every_family_is_registered_once_and_complete():
-    assert list(families.FAMILIES) == ["gpt", "llama"] == list(VARIANTS)
+    assert list(families.FAMILIES) == ["gpt", "llama", "olmo2"] == list(VARIANTS)
     for name, found in families.FAMILIES.items():
         assert isinstance(found, ModelFamily) and found.name == name and found.summary and found.presets
         assert found.model_module == f"etrain.workers.families.{name}_model"
@@ -53,15 +55,15 @@ def test_every_family_is_registered_once_and_complete():
     assert all(MODEL_PRESETS[p]["arch"] == f.name for f in families.FAMILIES.values() for p in f.presets)
     assert {arch: traits["family"] for arch, traits in families.hf_architectures().items()} == {
         "LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "llama",
-        "Qwen3ForCausalLM": "llama"}
-    assert families.hf_family("Qwen2ForCausalLM") is families.family("llama")
+        "Qwen3ForCausalLM": "llama", "Olmo2ForCausalLM": "olmo2"}
+    assert families.hf_family("Olmo2ForCausalLM") is families.family("olmo2")
     assert families.hf_family("GPT2LMHeadModel") is None
 
 
 def test_an_unknown_family_is_a_config_error_naming_the_registered_ones():
     with pytest.raises(ConfigError) as info:
         ModelConfig(arch="mamba", **BASE)
-    assert info.value.field == "model.kind" and "gpt, llama" in info.value.fix
+    assert info.value.field == "model.kind" and "gpt, llama, olmo2" in info.value.fix
     with pytest.raises(ValueError, match="unknown tensor-parallel styles"):
         TPPlan(block={"attention.wq": "diagonal"})
 
@@ -132,7 +134,7 @@ def test_hugging_face_names_cover_the_model_and_map_back(name, variant):
 
 def test_a_family_without_a_hugging_face_format_says_so():
     gpt = families.family("gpt")
-    assert not gpt.has_hf_format and families.family("llama").has_hf_format
+    assert not gpt.has_hf_format and families.family("olmo2").has_hf_format
     with pytest.raises(ConfigError) as info:
         gpt.hf_config(_config("gpt", {}))
     assert info.value.field == "checkpoint.export"

@@ -4,7 +4,8 @@ Each case builds a tiny random model with ``transformers`` itself (no download),
 weights so no norm is trivially one, reads its config through ``etrain.workers.hf_config`` and copies its
 state dict in through its family's name map. The Llama family: RoPE scaling (Llama 3.1), q/k/v/o biases
 (Llama ``attention_bias``), q/k/v biases and tied embeddings (Qwen2), per-head q/k norms with a
-``head_dim`` unlike ``hidden / heads`` (Qwen3), and GQA.
+``head_dim`` unlike ``hidden / heads`` (Qwen3), and GQA. OLMo 2: norms after attention and MLP, q/k
+norms over the whole projection width, with and without biases and tied embeddings.
 """
 
 from __future__ import annotations
@@ -36,6 +37,13 @@ def _hf_model(arch: str):
     elif arch == "qwen2":
         config = transformers.Qwen2Config(**COMMON, tie_word_embeddings=True)
         model = transformers.Qwen2ForCausalLM(config)
+    elif arch == "olmo2":
+        config = transformers.Olmo2Config(**COMMON, rope_theta=500000.0, rms_norm_eps=1e-6)
+        model = transformers.Olmo2ForCausalLM(config)
+    elif arch == "olmo2-bias-tied":
+        config = transformers.Olmo2Config(**COMMON, attention_bias=True, tie_word_embeddings=True, rope_scaling={
+            "rope_type": "linear", "factor": 2.0})
+        model = transformers.Olmo2ForCausalLM(config)
     else:
         config = transformers.Qwen3Config(**COMMON, head_dim=32)
         model = transformers.Qwen3ForCausalLM(config)
@@ -48,7 +56,7 @@ def _hf_model(arch: str):
     return model.float().eval(), raw
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "olmo2", "olmo2-bias-tied"])
 def test_logits_equal_transformers(arch: str) -> None:
     reference, raw = _hf_model(arch)
     config = model_config_from_hf(raw, seq_len=32)
@@ -79,7 +87,7 @@ def test_logits_equal_transformers(arch: str) -> None:
     assert diff <= 1e-5 and abs(loss.item() - want.loss.item()) <= 1e-5 and grad_diff <= 1e-5
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "olmo2", "olmo2-bias-tied"])
 def test_meta_device_build_materialises_the_same_weights(arch: str) -> None:
     _, raw = _hf_model(arch)
     config = model_config_from_hf(raw, seq_len=16)

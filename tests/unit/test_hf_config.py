@@ -43,6 +43,8 @@ def _configs() -> dict[str, tuple[object, type]]:
         "qwen2": (transformers.Qwen2Config(**COMMON, tie_word_embeddings=True, rope_theta=1e6),
                   transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config(**COMMON, head_dim=32), transformers.Qwen3ForCausalLM),
+        "olmo2": (transformers.Olmo2Config(**COMMON, attention_bias=True, rope_theta=500000.0, rms_norm_eps=1e-6),
+                  transformers.Olmo2ForCausalLM),
     }
 
 
@@ -89,12 +91,20 @@ def test_qwen3_head_dim_unlike_hidden_over_heads():
     assert config.qk_norm and config.attention_bias == "none"
 
 
+def test_olmo2_is_its_own_family_with_biases_when_attention_bias():
+    config = model_config_from_hf(_raw("olmo2"), seq_len=16)
+    assert (config.arch, config.hf_architecture) == ("olmo2", "Olmo2ForCausalLM")
+    assert (config.attention_bias, config.tie_embeddings, config.rope_theta) == ("all", False, 5e5)
+    assert config.norm_eps == 1e-6
+    assert config.head_dim == 16 and config.head_dim_override is None
+
+
 def test_seq_len_defaults_to_the_model_context():
     assert model_config_from_hf(_raw("llama")).seq_len == 64
     assert model_config_from_hf(_raw("llama", max_position_embeddings=131072)).seq_len == 4096
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "olmo2"])
 def test_parameter_count_equals_the_transformers_model(arch):
     config, cls = _configs()[arch]
     with torch.device("meta"):
@@ -140,7 +150,7 @@ def test_activation_other_than_silu_is_refused():
 # -- names -----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "olmo2"])
 def test_names_map_onto_transformers_state_dict_and_back(arch):
     config, cls = _configs()[arch]
     ours = model_config_from_hf(_raw(arch), seq_len=16)
@@ -153,7 +163,7 @@ def test_names_map_onto_transformers_state_dict_and_back(arch):
     if ours.tie_embeddings:
         theirs.discard("lm_head.weight")  # one tensor, saved once, under the embedding's name
     assert set(mapped) == theirs
-    per_layer = {"llama": 13, "mistral": 9, "qwen2": 12, "qwen3": 11}[arch]
+    per_layer = {"llama": 13, "mistral": 9, "qwen2": 12, "qwen3": 11, "olmo2": 15}[arch]
     assert len(names) == 2 * per_layer + (2 if ours.tie_embeddings else 3)
 
 
@@ -161,13 +171,13 @@ def test_unknown_names_raise_key_error():
     with pytest.raises(KeyError):
         hf_name("layers.0.attention.rotary.weight", "llama")
     with pytest.raises(KeyError):
-        etrain_name("model.layers.0.self_attn.rotary_emb.inv_freq", "llama")
+        etrain_name("model.layers.0.self_attn.rotary_emb.inv_freq", "olmo2")
 
 
 # -- config.json out -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "olmo2"])
 def test_hf_config_dict_reads_back_to_the_same_sizes(arch):
     ours = model_config_from_hf(_raw(arch), seq_len=16)
     written = hf_config_dict(ours)
@@ -187,8 +197,9 @@ def test_hf_config_dict_reads_back_to_the_same_sizes(arch):
     assert model_config_from_hf(back, seq_len=16) == ours
     if arch == "mistral":
         assert config.sliding_window is None  # etrain's full causal attention, not transformers' 4096 default
-    if arch == "llama":
+    if arch in ("llama", "olmo2"):
         assert config.attention_bias is True
+    if arch == "llama":
         assert config.rope_parameters["rope_type"] == "llama3" and config.rope_parameters["factor"] == 8.0
 
 

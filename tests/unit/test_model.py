@@ -1,4 +1,4 @@
-"""The built-in GPT and the Llama family: exact parameter count, causal, deterministic (whole or
+"""The built-in GPT, the Llama family and OLMo 2: exact parameter count, causal, deterministic (whole or
 meta-device built), and cut into stages by FQN."""
 
 from __future__ import annotations
@@ -236,6 +236,38 @@ def test_llama_invalid_shapes_are_config_errors() -> None:
         Llama(dataclasses.replace(LLAMA, n_kv_heads=3))
     with pytest.raises(ConfigError, match="head dimension 9 is odd"):
         Llama(dataclasses.replace(LLAMA, head_dim_override=9))
+
+
+# -- OLMo 2 (workers/families/olmo2_model.py) --------------------------------------------------------
+
+OLMO2 = ModelConfig(arch="olmo2", n_layers=4, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=64, seq_len=16,
+                    attention_bias="all")
+
+
+def test_olmo2_is_causal_and_cut_into_stages_like_every_family() -> None:
+    from etrain.workers.pipeline import stage_module
+
+    model = build_model(OLMO2, seed=0)
+    assert torch.equal(model.layers["0"].attention.q_norm.weight, torch.ones(4 * 8))  # a norm: initialised to 1
+    assert model.layers["0"].attention.k_norm.weight.shape == (2 * 8,)  # over the whole key width
+    _perturb_norms_and_biases(model)
+    tokens = torch.randint(0, OLMO2.vocab_size, (2, OLMO2.seq_len), generator=torch.Generator().manual_seed(1))
+    changed = tokens.clone()
+    changed[:, 10:] = (changed[:, 10:] + 1) % OLMO2.vocab_size
+    with torch.no_grad():
+        a, b = model(tokens), model(changed)
+    torch.testing.assert_close(a[:, :10], b[:, :10], rtol=0, atol=0)
+    assert (a[:, 10:] - b[:, 10:]).abs().max() > 1e-3
+    stages = [stage_module(model, index, 2) for index in range(2)]
+    names0, names1 = (dict(stage.named_parameters()) for stage in stages)
+    assert names0.keys() | names1.keys() == dict(model.named_parameters()).keys()
+    assert "layers.1.post_ffn_norm.weight" in names0 and "layers.2.attention.q_norm.weight" in names1
+    with torch.no_grad():
+        torch.testing.assert_close(stages[1](stages[0](tokens)), a, rtol=0, atol=0)
+
+
+def test_olmo2_preset_parameter_count_is_the_published_one() -> None:
+    assert ModelConfig(**MODEL_PRESETS["olmo2-1b"]).num_params == 1_484_916_736  # allenai/OLMo-2-0425-1B: 1.48B
 
 
 # --- where initial values are drawn (workers/init.py) -------------------------------------------------

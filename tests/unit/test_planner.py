@@ -11,6 +11,7 @@ import pytest
 from etrain.service.errors import SpecRejected
 from etrain.service.planning.estimate import RUNTIME_OVERHEAD_GIB, device_memory_gb, estimate
 from etrain.service.planning.plan_activations import (
+    final_norm_bytes,
     in_flight_microbatches,
     korthikanti_activation_bytes,
     layer_activation_bytes,
@@ -297,6 +298,42 @@ class TestActivations:
         weight_casts = casts if regime == "autocast" else 0
         assert saved == llama_layer_activation_bytes(model, micro_batch=2, regime=regime) + rope + weight_casts
 
+    @pytest.mark.parametrize("regime", ["fp32", "autocast", "bf16_params"])
+    @pytest.mark.parametrize("variant", [
+        {"n_kv_heads": 2},
+        {"n_kv_heads": 2, "attention_bias": "all", "d_ff": 96},
+        {"n_kv_heads": 4, "head_dim_override": 16},
+    ], ids=["gqa", "bias", "head_dim"])
+    def test_olmo2_count_matches_what_autograd_saves(self, regime, variant):
+        """OLMo 2's block (post-norms, q/k norms over the whole width) and final norm against autograd. The
+        block input is not a leaf, as in a model (autocast caches a leaf's cast once for all its readers)."""
+        torch = pytest.importorskip("torch")
+        from etrain.workers.families.olmo2_model import Olmo2Block, Olmo2RMSNorm
+
+        model = ModelConfig(arch="olmo2", n_layers=1, d_model=128, n_heads=4, vocab_size=256, seq_len=64,
+                            **{"d_ff": 176, **variant})
+        dtype = torch.bfloat16 if regime == "bf16_params" else torch.float32
+        block = Olmo2Block(model).to(dtype)
+        head = torch.nn.Sequential(Olmo2RMSNorm(model.d_model, 1e-6), torch.nn.Linear(128, 256, bias=False)).to(dtype)
+        x = torch.randn(2, model.seq_len, model.d_model, requires_grad=True, dtype=dtype)
+
+        class NotALeaf(torch.nn.Module):
+            def __init__(self, inner):
+                super().__init__()
+                self.inner = inner
+
+            def forward(self, h):
+                return self.inner(h * 1)
+
+        autocast = regime == "autocast"
+        saved = _saved_bytes(torch, NotALeaf(block), x, autocast=autocast)
+        rope = rope_table_bytes(model) if regime == "fp32" else 0  # q and k leave their norms in the compute dtype
+        weights = [p for name, p in block.named_parameters() if "norm" not in name and name.endswith("weight")]
+        weight_casts = 2 * sum(p.numel() for p in weights) if autocast else 0
+        assert saved == layer_activation_bytes(model, micro_batch=2, regime=regime) + rope + weight_casts
+        final = _saved_bytes(torch, NotALeaf(head), x, autocast=autocast) - (2 * 128 * 256 if autocast else 0)
+        assert final == final_norm_bytes(model, tokens=2 * model.seq_len, regime=regime, sp_div=1)
+
     def test_logits_without_and_with_loss_parallel(self):
         model = ModelConfig(**MODEL_PRESETS["llama3-8b"])
         full = 2 * model.seq_len * model.vocab_size
@@ -530,7 +567,7 @@ class TestEstimate:
         sp = estimate(gpu_spec("llama3-8b", {"tp": 4, "pp": 4, "sequence_parallel": True}))
         assert sp.comm.pp == pytest.approx(sp.microbatches * 2 * hidden / 4)  # middle stages send both ways
 
-    @pytest.mark.parametrize("preset", ["llama3-8b", "qwen3-0.6b", "gpt-1b"])
+    @pytest.mark.parametrize("preset", ["llama3-8b", "qwen3-0.6b", "olmo2-1b", "gpt-1b"])
     def test_flops_per_step(self, preset):
         spec = gpu_spec(preset, {"dp": 8})
         model = ModelConfig(**MODEL_PRESETS[preset])

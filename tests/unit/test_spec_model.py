@@ -49,6 +49,7 @@ class TestKind:
     @pytest.mark.parametrize(("model", "kind"), [
         ({"preset": "gpt-tiny"}, "gpt"),
         ({"preset": "llama-tiny"}, "llama"),
+        ({"preset": "olmo2-tiny"}, "olmo2"),
         ({"n_layers": 2, "d_model": 32, "n_heads": 4, "vocab_size": 64, "seq_len": 16}, "gpt"),
     ])
     def test_kind_defaults_to_what_the_model_is_and_is_stored(self, model, kind):
@@ -57,7 +58,8 @@ class TestKind:
         assert parsed.model_dump(mode="json", by_alias=True)["model"]["kind"] == kind
         assert JobSpec.model_validate(parsed.model_dump(mode="json", by_alias=True)) == parsed  # round trip
 
-    @pytest.mark.parametrize(("architecture", "kind"), [("LlamaForCausalLM", "llama"), ("Qwen3ForCausalLM", "llama")])
+    @pytest.mark.parametrize(("architecture", "kind"), [("LlamaForCausalLM", "llama"), ("Qwen3ForCausalLM", "llama"),
+                                                        ("Olmo2ForCausalLM", "olmo2")])
     def test_with_hf_the_kind_is_the_folders_family_pinned_with_the_paths(self, tmp_path, architecture, kind):
         write_config(tmp_path / "m", architectures=[architecture])
         parsed = spec({"hf": "m"})
@@ -85,6 +87,7 @@ class TestKind:
         ({"preset": "llama-tiny", "kind": "gpt"}, "model.kind", "is a llama model"),
         ({"preset": "gpt-tiny", "kind": "llama"}, "model.kind", "is a gpt model"),
         ({"preset": "gpt-tiny", "n_kv_heads": 2}, "model.n_kv_heads", "does not apply to model.kind='gpt'"),
+        ({"preset": "olmo2-tiny", "kind": "llama"}, "model.kind", "is a olmo2 model"),
     ])
     def test_conflicting_kinds_are_problems(self, model, field, words):
         assert words in fields(check_spec(spec(model)))[field]
@@ -113,7 +116,7 @@ class TestHfFolder:
         assert problem.field == "model.hf"
         assert problem.message == "model.hf architecture GPT2LMHeadModel is not supported."
         assert problem.fix == ("use a model of one of the supported architectures: LlamaForCausalLM, "
-                               "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM")
+                               "MistralForCausalLM, Olmo2ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM")
 
     def test_preset_and_sizes_are_exclusive_with_hf_but_seq_len_is_not(self, tmp_path):
         write_config(tmp_path / "m")
@@ -142,6 +145,7 @@ class TestExport:
         assert spec({"preset": "llama-tiny"}).export_format == "none"
         assert spec({"preset": "llama-tiny"}, checkpoint={"export": "hf"}).export_format == "hf"
         assert check_spec(spec({"preset": "llama-tiny"}, checkpoint={"export": "hf"})) == []
+        assert check_spec(spec({"preset": "olmo2-tiny"}, checkpoint={"export": "hf"})) == []
 
     def test_a_gpt_cannot_export_to_hugging_face_format(self):
         problems = check_spec(spec({"preset": "gpt-tiny"}, checkpoint={"export": "hf"}))

@@ -6,7 +6,7 @@ parameter-name mapping, shape rules, what tensor parallelism splits and how (a p
 FLOP and activation counts for the planner and MFU. The run config, the layout rules, the planner, the
 spec checks and the Hugging Face reader and writer ask :func:`family` instead of branching on a name;
 ``etrain.workers.model`` builds the modules from ``<name>_model.py`` (torch), imported by name on the ranks
-only.
+only. Adding a family: ``docs/adding-a-model-family.md``.
 
 This package's ``__init__`` and the declarations are pure (no torch): the control plane imports them.
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from etrain.workers.families import gpt, llama
+from etrain.workers.families import gpt, llama, olmo2
 from etrain.workers.families.base import ModelFamily
 from etrain.workers.protocol.errors import ConfigError
 
@@ -23,7 +23,7 @@ __all__ = ["FAMILIES", "ModelFamily", "check_shape", "family", "family_names", "
            "presets"]
 
 #: Every registered family by name (``ModelConfig.arch``, ``model.kind``), in the order they are listed.
-FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (gpt.FAMILY, llama.FAMILY)}
+FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (gpt.FAMILY, llama.FAMILY, olmo2.FAMILY)}
 
 
 def family(name: str) -> ModelFamily:

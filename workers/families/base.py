@@ -7,7 +7,7 @@ validate and plan a job without torch. A family's *modules* (torch) live in the 
 builds the model. The sizes a family reads are those of
 :class:`~etrain.workers.protocol.run_config.ModelConfig` (typed here by :class:`Sizes`, so that this
 package does not depend on the run config: the run config asks the registry for presets and
-parameter counts).
+parameter counts). ``docs/adding-a-model-family.md`` walks through a family from start to finish.
 """
 
 from __future__ import annotations
