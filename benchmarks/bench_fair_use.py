@@ -17,8 +17,9 @@ each answer is recorded. Phases: ``quiet`` (bob alone), ``flood`` (alice's refus
 once: what caps cannot stop, since each refusal still costs the server a request; reported, not the
 target). Target: bob's p99 under 50 ms in the flood on a 2-core machine.
 
-The load generator is one asyncio process with a minimal HTTP/1.1 client (bench_api.py's approach), on
-the same cores as the server; loopback only, every wait bounded. Writes ``<out>/fair_use.md`` (the
+The flood is one asyncio process with a minimal HTTP/1.1 client (bench_api.py's approach) and bob's client
+another (sharing the flood's event loop, his timings would include the client's own delays), both on the
+same cores as the server; loopback only, every wait bounded. Writes ``<out>/fair_use.md`` (the
 table) and ``<out>/fair_use.json``.
 """
 
@@ -41,6 +42,7 @@ from pathlib import Path
 from benchmarks.bench_api import HOST, REPO, free_port
 
 REQUEST_TIMEOUT_S = 30.0
+VICTIM_TOKEN = "ETRAIN_BENCH_TOKEN"  # how the measuring client gets bob's token (never on a command line)
 TARGET_P99_MS = 50.0
 TENANTS = ("alice", "bob")  # alice floods, bob is measured
 
@@ -67,6 +69,7 @@ class Phase:
     name: str
     seconds: float
     victim: Latencies
+    load_average: float = 0.0  # the machine's 1-minute load average at the end of the phase
     streams_accepted: int = 0
     streams_refused: int = 0  # 429 with a Retry-After header
     streams_other: int = 0  # anything else (a 429 without Retry-After counts here)
@@ -172,6 +175,28 @@ async def _victim(port: int, token: str, path: str, *, measure_from: float, stop
     return Latencies.of(latencies, errors)
 
 
+async def _victim_process(port: int, token: str, path: str, *, warmup_s: float, seconds: float) -> Latencies:
+    """Bob's client in a process of its own: sharing the flood's event loop, his answers would wait for the
+    flood's (hundreds of connections) to be read, and the client's delay would count as the server's."""
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "benchmarks.bench_fair_use", "--victim", str(port), "--path", path,
+        "--warmup", str(warmup_s), "--seconds", str(seconds), cwd=REPO, stdout=asyncio.subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+             VICTIM_TOKEN: token})
+    out, _ = await asyncio.wait_for(child.communicate(), warmup_s + seconds + 2 * REQUEST_TIMEOUT_S)
+    if child.returncode != 0:
+        raise RuntimeError(f"the measuring client exited with {child.returncode}")
+    return Latencies(**json.loads(out))
+
+
+def _measure_victim(port: int, path: str, warmup_s: float, seconds: float) -> None:
+    """``--victim``: measure ``GET path`` from this process; the numbers as JSON on stdout."""
+    start = time.perf_counter()
+    latencies = asyncio.run(_victim(port, os.environ[VICTIM_TOKEN], path, measure_from=start + warmup_s,
+                                    stop_at=start + warmup_s + seconds))
+    print(json.dumps(asdict(latencies)), flush=True)
+
+
 async def _streams(port: int, token: str, path: str, count: int, phase: Phase, stop: asyncio.Event) -> None:
     """Open ``count`` streams at once; hold the accepted ones (reading what they send) until ``stop``."""
 
@@ -254,8 +279,6 @@ async def _health(port: int, count: int, stop: asyncio.Event) -> Latencies:
 async def _phase(port: int, tokens: dict[str, str], jobs: dict[str, str], name: str, *, flood: bool, polite: bool,
                  streams: int, plans: int, health: int, seconds: float, warmup_s: float) -> Phase:
     """One phase: the floods (none when not ``flood``; a count of 0 leaves that one out), bob measured."""
-    start = time.perf_counter()
-    measure_from, stop_at = start + warmup_s, start + warmup_s + seconds
     phase = Phase(name=name, seconds=seconds, victim=Latencies())
     stop = asyncio.Event()
     floods = []
@@ -266,13 +289,14 @@ async def _phase(port: int, tokens: dict[str, str], jobs: dict[str, str], name: 
                                              polite=polite))]
         prober = asyncio.create_task(_health(port, health, stop))
         await asyncio.sleep(0)  # the floods' connections go out before bob's first request
-    phase.victim = await _victim(port, tokens["bob"], f"/v1/jobs/{jobs['bob']}", measure_from=measure_from,
-                                 stop_at=stop_at)
+    phase.victim = await _victim_process(port, tokens["bob"], f"/v1/jobs/{jobs['bob']}", warmup_s=warmup_s,
+                                         seconds=seconds)
     stop.set()
     if flood:
         await asyncio.wait_for(asyncio.gather(*floods), REQUEST_TIMEOUT_S + 5)
         phase.health = await asyncio.wait_for(prober, REQUEST_TIMEOUT_S + 5)
         await asyncio.sleep(0.5)  # the server notices the closed streams and frees their slots
+    phase.load_average = os.getloadavg()[0]
     return phase
 
 
@@ -353,11 +377,12 @@ def table(phases: list[Phase], *, streams: int, plans: int, health: int, ray_hea
         f"`/healthz` once a second each; tenant bob reads `GET /v1/jobs/{{id}}` (one closed-loop client). One uvicorn "
         f"worker, the real JobManager (Ray replaced by FakeRuntime, its health report taking {ray_health_ms:g} ms), "
         f"the server's default caps. {os.cpu_count()} CPU cores ({platform.processor() or platform.machine()}), "
-        f"shared by the server and the load generator; {phases[0].seconds:g} s measured per phase.",
+        f"shared by the server, the flood and bob's client (and whatever else runs: the machine's load average "
+        f"is in the last column); {phases[0].seconds:g} s measured per phase.",
         "",
         "| phase | bob's GETs | not 200 | p50 (ms) | p99 (ms) | max (ms) | streams accepted / refused (429) | "
-        "plans 200 / refused (429) | `/healthz` answers | `/healthz` p50 / p99 (ms) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "plans 200 / refused (429) | `/healthz` answers | `/healthz` p50 / p99 (ms) | load average |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in phases:
         flood = p.streams_accepted + p.streams_refused + p.streams_other > 0
@@ -369,7 +394,7 @@ def table(phases: list[Phase], *, streams: int, plans: int, health: int, ray_hea
         health_ms = f"{p.health.p50_ms:.1f} / {p.health.p99_ms:.1f}" if flood else "–"
         lines.append(f"| {p.name} | {p.victim.answers} | {p.victim.errors} | {p.victim.p50_ms:.1f} | "
                      f"{p.victim.p99_ms:.1f} | {p.victim.max_ms:.1f} | {streams_cell} | {plans_cell} | {health_cell} | "
-                     f"{health_ms} |")
+                     f"{health_ms} | {p.load_average:.1f} |")
     flood = next((p for p in phases if p.name == "flood"), None)
     if flood is not None:
         met = ("met" if flood.victim.answers and flood.victim.p99_ms < TARGET_P99_MS and flood.victim.errors == 0
@@ -391,7 +416,12 @@ def main() -> None:
     parser.add_argument("--no-hostile", action="store_true", help="skip the phase whose clients ignore Retry-After")
     parser.add_argument("--serve", type=int, metavar="PORT", help=argparse.SUPPRESS)  # the server process
     parser.add_argument("--data-dir", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--victim", type=int, metavar="PORT", help=argparse.SUPPRESS)  # bob's measuring client
+    parser.add_argument("--path", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.victim is not None:
+        _measure_victim(args.victim, args.path, args.warmup, args.seconds)
+        return
     if args.serve is not None:
         serve(args.serve, args.data_dir, args.ray_health_ms / 1e3)
         return
