@@ -29,13 +29,10 @@ install: $(STAMP)
 run: $(STAMP)
 	ETRAIN_STORAGE_ROOTS="$(CURDIR)" $(VENV)/bin/etrain demo examples/quickstart.yaml --data-dir .etrain
 
-## make test: the whole suite (unit, API, multi-process gloo, Ray integration, chaos): two workers, every
-## Ray test on one of them (tests/conftest.py), then the timing tests alone. TEST_WORKERS=0: one process.
-TEST_WORKERS ?= 2
+## make test: the whole suite (unit, API, multi-process gloo, Ray integration, chaos) in two lanes side by
+## side, the Ray tests in one, then the timing tests alone (tests/run_suite.sh says why).
 test: $(STAMP)
-	$(PY) -m pytest $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadgroup) -m "not timing" $(PYTEST_ARGS) \
-		|| [ $$? -eq 5 ]  # 5: PYTEST_ARGS selected no test of this pass
-	$(PY) -m pytest -m timing $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	PY=$(PY) bash tests/run_suite.sh $(PYTEST_ARGS)
 
 ## make test-fast: pure unit, API and chart/image tests only (a few minutes).
 test-fast: $(STAMP)
