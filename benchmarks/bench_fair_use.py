@@ -104,6 +104,7 @@ def serve(port: int, data_dir: Path, ray_health_s: float) -> None:
 
     runtime.health = ray_health
     manager = JobManager(settings, runtime=runtime, base_dir=str(REPO))
+    manager.warm_planner()  # as `etrain serve` does: plans are measured, not the planner process's start
     try:
         uvicorn.run(create_app(settings, manager=manager), host=HOST, port=port, log_level="warning",
                     timeout_graceful_shutdown=5)

@@ -92,6 +92,12 @@ class PlannerProcesses:
             PlannerProcesses._users += 1
         self._closed = False
 
+    def warm(self) -> None:
+        """Start the worker processes now, without waiting for them: the first plan then does not wait the
+        second or so a new interpreter takes to import the planner."""
+        if self.workers:
+            self._pool().submit(os.getpid)
+
     def close(self) -> None:
         """This user is done; the last one stops the worker processes (a later plan starts them again)."""
         with self._lock:
@@ -475,6 +481,10 @@ class JobManager:
         # The same 422 as a submit: a plan must not probe files outside the roots, or another tenant's, either.
         pinned = self._check_reach(spec, principal)
         return self._planner.run(planner.plan_report, pinned, available_gb=self.device_memory_gb(spec.resources.device))
+
+    def warm_planner(self) -> None:
+        """Start the planner's worker processes in the background (``etrain serve`` does, at start-up)."""
+        self._planner.warm()
 
     def device_memory_gb(self, device: str) -> float | None:
         """Memory per rank (GiB) this cluster offers for ``device``, for the planner: the operator's

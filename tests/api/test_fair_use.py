@@ -286,6 +286,7 @@ def test_a_tenant_may_compute_only_its_cap_of_plans_at_once(tmp_path, store):
 def test_plans_run_in_a_planner_process_and_a_dead_one_is_replaced():
     manager_module = pytest.importorskip("etrain.service.manager")
     processes = manager_module.PlannerProcesses(1)
+    processes.warm()  # started without waiting (`etrain serve` does it at start-up)
     worker = processes.run(os.getpid)
     assert worker != os.getpid()  # off the API's process: a plan never holds its interpreter
     assert processes.run(os.getpid) == worker  # one process, kept
