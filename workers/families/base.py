@@ -193,9 +193,10 @@ class ModelFamily:
 
     # -- Hugging Face ------------------------------------------------------------------------------
 
-    def config_from_hf(self, raw: dict[str, Any], architecture: str, *, seq_len: int) -> dict[str, Any]:
+    def config_from_hf(self, raw: dict[str, Any], architecture: str, *, seq_len: int | None) -> dict[str, Any]:
         """``ModelConfig`` fields of a parsed ``config.json`` of ``architecture`` (one of
-        :attr:`hf_architectures`), trained at ``seq_len``; refuses what etrain cannot train exactly."""
+        :attr:`hf_architectures`), trained at ``seq_len`` (None: the model's context, at most 4096:
+        :func:`hf_sizes`); refuses what etrain cannot train exactly."""
         raise ConfigError(f"the {self.name} family has no Hugging Face format.", field="model.hf")
 
     def hf_config(self, model: Sizes) -> dict[str, Any]:
