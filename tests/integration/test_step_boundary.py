@@ -130,8 +130,9 @@ def test_every_rank_saves_and_stops_at_rank_zeros_step_in_20_random_trials():
         assert set(scheduled) <= set(zero["saves"]), (trial, zero["saves"])
         # Rank 0's checkpoint request: saved at the first or second boundary after it landed.
         landed = zero["delivered"]["checkpoint"]
-        if landed + 1 <= end:
+        if landed + 3 <= end:
             # Taken by rank 0 at the first or second boundary after it landed, acted on at the next one.
+            # (A trial a stop ends before landed + 3 may end first: the stop is not held for the save.)
             assert {landed + 2, landed + 3} & set(zero["saves"]), (trial, landed, zero["saves"])
             acted += 1
             saved_at.add(landed)
