@@ -88,25 +88,34 @@ def free_port() -> int:
 
 
 class Connection:
-    """One keep-alive connection; ``request`` sends and reads one answer (Content-Length bodies)."""
+    """One keep-alive connection (bench_fair_use's too); ``token`` None sends no Authorization header (an
+    anonymous caller). ``request`` sends and reads one answer (Content-Length bodies)."""
 
-    def __init__(self, port: int, token: str):
+    def __init__(self, port: int, token: str | None):
         self.port, self.token = port, token
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
 
-    async def request(self, method: str, path: str, body: bytes = b"") -> tuple[int, bytes]:
+    async def send(self, method: str, path: str, body: bytes = b"") -> tuple[int, dict[str, str]]:
+        """Send a request and read the answer's status and headers (the body is left to the caller: an
+        event stream's never ends)."""
         if self.writer is None:
             self.reader, self.writer = await asyncio.open_connection(HOST, self.port)
-        head = (f"{method} {path} HTTP/1.1\r\nHost: {HOST}:{self.port}\r\nAuthorization: Bearer {self.token}\r\n"
-                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
-        self.writer.write(head + body)
+        auth = f"Authorization: Bearer {self.token}\r\n" if self.token else ""
+        self.writer.write((f"{method} {path} HTTP/1.1\r\nHost: {HOST}:{self.port}\r\n{auth}"
+                           f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body)
         await self.writer.drain()
-        header = await self.reader.readuntil(b"\r\n\r\n")
-        lines = header.decode("latin-1").split("\r\n")
-        status = int(lines[0].split()[1])
-        length = next(int(line.split(":", 1)[1]) for line in lines if line.lower().startswith("content-length:"))
-        return status, await self.reader.readexactly(length)
+        lines = (await self.reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+        headers = {}
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            if name:
+                headers[name.strip().lower()] = value.strip()
+        return int(lines[0].split()[1]), headers
+
+    async def request(self, method: str, path: str, body: bytes = b"") -> tuple[int, dict[str, str], bytes]:
+        status, headers = await self.send(method, path, body)
+        return status, headers, await self.reader.readexactly(int(headers.get("content-length", "0")))
 
     async def close(self) -> None:
         if self.writer is not None:
@@ -115,6 +124,27 @@ class Connection:
                 await self.writer.wait_closed()
             except OSError:
                 pass
+            self.writer = None
+
+
+async def wait_healthy(port: int, server: subprocess.Popen, timeout_s: float) -> None:
+    """Until the benchmark server answers an anonymous /healthz with 200; RuntimeError when it exits first
+    or ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if server.poll() is not None:
+            raise RuntimeError(f"the benchmark server exited with {server.returncode}")
+        connection = Connection(port, None)
+        try:
+            if (await connection.request("GET", "/healthz"))[0] == 200:
+                return
+        except OSError:
+            pass
+        finally:
+            await connection.close()
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the benchmark server did not become healthy within {timeout_s:g}s")
+        await asyncio.sleep(0.2)
 
 
 async def measure(port: int, token: str, endpoint: str, method: str, path: str, body: bytes, *, clients: int,
@@ -133,7 +163,7 @@ async def measure(port: int, token: str, endpoint: str, method: str, path: str, 
                 sent = time.perf_counter()
                 if sent >= stop_at and latencies:  # past the window once it holds an answer (a slow one may not)
                     return
-                status, _ = await asyncio.wait_for(connection.request(method, path, body), REQUEST_TIMEOUT_S)
+                status, _, _ = await asyncio.wait_for(connection.request(method, path, body), REQUEST_TIMEOUT_S)
                 done = time.perf_counter()
                 if sent >= measure_from:
                     latencies.append(done - sent)
@@ -156,10 +186,15 @@ async def measure(port: int, token: str, endpoint: str, method: str, path: str, 
 # -- the benchmark ----------------------------------------------------------------------------------------
 
 
-def plan_body() -> bytes:
+def example_body(name: str) -> bytes:
+    """``examples/<name>`` (YAML) as a JSON request body."""
     import yaml
 
-    return json.dumps(yaml.safe_load((REPO / "examples" / "3d.yaml").read_text())).encode()
+    return json.dumps(yaml.safe_load((REPO / "examples" / name).read_text())).encode()
+
+
+def plan_body() -> bytes:
+    return example_body("3d.yaml")
 
 
 def run(*, clients: int, seconds: float, warmup_s: float, use_ray: bool) -> list[Result]:
@@ -199,27 +234,12 @@ def run(*, clients: int, seconds: float, warmup_s: float, use_ray: bool) -> list
 async def _start(port: int, token: str, server: subprocess.Popen, *, use_ray: bool, timeout_s: float) -> str:
     """Wait for /healthz, then submit the job the GETs read; its id. Over Ray the job really trains (8
     ranks), so it is cancelled once it runs: its ranks would otherwise take the cores being measured."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if server.poll() is not None:
-            raise RuntimeError(f"the benchmark server exited with {server.returncode}")
-        connection = Connection(port, token)
-        try:
-            status, _ = await connection.request("GET", "/healthz")
-            if status == 200:
-                break
-        except OSError:
-            pass
-        finally:
-            await connection.close()
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the benchmark server did not become healthy within {timeout_s:g}s")
-        await asyncio.sleep(0.2)
+    await wait_healthy(port, server, timeout_s)
     spec = json.loads(plan_body())
     spec["training"]["steps"] = 10**6  # keeps running (and the poller writing) through the measurement
     connection = Connection(port, token)
     try:
-        status, body = await connection.request("POST", "/v1/jobs", json.dumps(spec).encode())
+        status, _, body = await connection.request("POST", "/v1/jobs", json.dumps(spec).encode())
     finally:
         await connection.close()
     if status != 201:
@@ -229,7 +249,7 @@ async def _start(port: int, token: str, server: subprocess.Popen, *, use_ray: bo
         connection = Connection(port, token)
         try:
             await connection.request("POST", f"/v1/jobs/{job_id}/cancel")
-            while json.loads((await connection.request("GET", f"/v1/jobs/{job_id}"))[1])["status"] != "CANCELLED":
+            while json.loads((await connection.request("GET", f"/v1/jobs/{job_id}"))[2])["status"] != "CANCELLED":
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"the benchmark job was not CANCELLED within {timeout_s:g}s")
                 await asyncio.sleep(0.2)

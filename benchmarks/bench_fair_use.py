@@ -39,7 +39,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from benchmarks.bench_api import HOST, REPO, free_port
+from benchmarks.bench_api import HOST, REPO, Connection, example_body, free_port, wait_healthy
 
 REQUEST_TIMEOUT_S = 30.0
 VICTIM_TOKEN = "ETRAIN_BENCH_TOKEN"  # how the measuring client gets bob's token (never on a command line)
@@ -113,50 +113,6 @@ def serve(port: int, data_dir: Path, ray_health_s: float) -> None:
 
 
 # -- a minimal HTTP/1.1 client ---------------------------------------------------------------------------
-
-
-class Connection:
-    """One keep-alive connection; ``token`` None sends no Authorization header (an anonymous caller)."""
-
-    def __init__(self, port: int, token: str | None):
-        self.port, self.token = port, token
-        self.reader: asyncio.StreamReader | None = None
-        self.writer: asyncio.StreamWriter | None = None
-
-    async def send(self, method: str, path: str, body: bytes = b"") -> tuple[int, dict[str, str]]:
-        """Send a request and read the answer's status and headers (the body is left to the caller)."""
-        if self.writer is None:
-            self.reader, self.writer = await asyncio.open_connection(HOST, self.port)
-        auth = f"Authorization: Bearer {self.token}\r\n" if self.token else ""
-        self.writer.write((f"{method} {path} HTTP/1.1\r\nHost: {HOST}:{self.port}\r\n{auth}"
-                           f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body)
-        await self.writer.drain()
-        lines = (await self.reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
-        headers = {}
-        for line in lines[1:]:
-            name, _, value = line.partition(":")
-            if name:
-                headers[name.strip().lower()] = value.strip()
-        return int(lines[0].split()[1]), headers
-
-    async def request(self, method: str, path: str, body: bytes = b"") -> tuple[int, dict[str, str], bytes]:
-        status, headers = await self.send(method, path, body)
-        return status, headers, await self.reader.readexactly(int(headers.get("content-length", "0")))
-
-    async def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-            try:
-                await self.writer.wait_closed()
-            except OSError:
-                pass
-            self.writer = None
-
-
-def _spec(name: str) -> bytes:
-    import yaml
-
-    return json.dumps(yaml.safe_load((REPO / "examples" / name).read_text())).encode()
 
 
 # -- the load --------------------------------------------------------------------------------------------
@@ -286,7 +242,7 @@ async def _phase(port: int, tokens: dict[str, str], jobs: dict[str, str], name: 
     if flood:
         follow = f"/v1/jobs/{jobs['alice']}/events?follow=true"
         floods = [asyncio.create_task(_streams(port, tokens["alice"], follow, streams, phase, stop)),
-                  asyncio.create_task(_plans(port, tokens["alice"], _spec("llama-70b-plan.yaml"), plans, phase, stop,
+                  asyncio.create_task(_plans(port, tokens["alice"], example_body("llama-70b-plan.yaml"), plans, phase, stop,
                                              polite=polite))]
         prober = asyncio.create_task(_health(port, health, stop))
         await asyncio.sleep(0)  # the floods' connections go out before bob's first request
@@ -303,22 +259,8 @@ async def _phase(port: int, tokens: dict[str, str], jobs: dict[str, str], name: 
 
 async def _start(port: int, tokens: dict[str, str], server: subprocess.Popen, timeout_s: float = 60) -> dict[str, str]:
     """Wait for /healthz; then each tenant submits a long job (bob's is read, alice's is streamed)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if server.poll() is not None:
-            raise RuntimeError(f"the benchmark server exited with {server.returncode}")
-        connection = Connection(port, None)
-        try:
-            if (await connection.request("GET", "/healthz"))[0] == 200:
-                break
-        except OSError:
-            pass
-        finally:
-            await connection.close()
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the benchmark server did not become healthy within {timeout_s:g}s")
-        await asyncio.sleep(0.2)
-    spec = json.loads(_spec("3d.yaml"))
+    await wait_healthy(port, server, timeout_s)
+    spec = json.loads(example_body("3d.yaml"))
     spec["training"]["steps"] = 10**6  # keeps running (and the poller writing) through the measurement
     jobs = {}
     for tenant in TENANTS:
