@@ -249,6 +249,7 @@ async def _start(port: int, token: str, server: subprocess.Popen, *, use_ray: bo
         connection = Connection(port, token)
         try:
             await connection.request("POST", f"/v1/jobs/{job_id}/cancel")
+            deadline = time.monotonic() + timeout_s
             while json.loads((await connection.request("GET", f"/v1/jobs/{job_id}"))[2])["status"] != "CANCELLED":
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"the benchmark job was not CANCELLED within {timeout_s:g}s")

@@ -33,6 +33,30 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+@contextmanager
+def serve_app(app: Any, port: int | None = None, *, start_timeout_s: float = 10.0,
+              stop_timeout_s: float = 10.0) -> Iterator[str]:
+    """``app`` on a real uvicorn server on loopback (``port``, default a free one) until the block ends;
+    yields its URL. Open event streams get 2 s at shutdown; a server that does not stop fails the test."""
+    port = port or free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + start_timeout_s
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            server.should_exit = True
+            raise RuntimeError(f"uvicorn did not start on port {port} within {start_timeout_s:g}s")
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=stop_timeout_s)
+        assert not thread.is_alive(), "uvicorn did not stop"
+
+
 def bearer(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
 

@@ -8,11 +8,8 @@ import json
 import socket
 import subprocess
 import sys
-import threading
 import time
 import types
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +23,7 @@ from etrain.api.app import create_app
 from etrain.service.settings import Settings
 from etrain.service.store.job_store import JobStore
 from tests.fakes import InMemoryManager, simulated_loss
+from tests.service_harness import serve_app
 
 START_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 10.0
@@ -39,25 +37,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-@contextmanager
-def serving(manager: InMemoryManager, data_dir: Path, **settings: Any) -> Iterator[str]:
+def serving(manager: InMemoryManager, data_dir: Path, **settings: Any):
     port = free_port()
     app = create_app(Settings(data_dir=data_dir, port=port, **settings), manager=manager)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            server.should_exit = True
-            raise RuntimeError(f"uvicorn did not start on port {port} within {START_TIMEOUT_S}s")
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=STOP_TIMEOUT_S)
-        assert not thread.is_alive(), "uvicorn did not stop"
+    return serve_app(app, port, start_timeout_s=START_TIMEOUT_S, stop_timeout_s=STOP_TIMEOUT_S)
 
 
 @pytest.fixture(autouse=True)

@@ -17,14 +17,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from fastapi.testclient import TestClient
 
 from etrain.api.app import create_app
@@ -36,7 +34,7 @@ from etrain.service.planning.spec import JobSpec
 from etrain.service.settings import Settings
 from etrain.service.store.job_store import JobStore
 from tests.fakes import FakeRuntime, InMemoryManager
-from tests.service_harness import bearer, free_port
+from tests.service_harness import bearer, serve_app
 
 ADMIN_TOKEN = "admin-token-fair-0123456789"
 ALICE = "alice-token-fair-0123456789"
@@ -59,25 +57,6 @@ AUTO = {"auto": True, "max_workers": 4}
 def store(tmp_path):
     with JobStore(tmp_path / "etrain.db") as store:
         yield store
-
-
-@contextmanager
-def serving(app) -> Iterator[str]:
-    """The app on a real uvicorn server (a free loopback port) until the block ends."""
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           timeout_graceful_shutdown=2))
-    thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start within 10 s"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
 
 
 def client(url: str, token: str | None) -> httpx.Client:
@@ -171,7 +150,7 @@ def stream_server(tmp_path, store):
     manager = InMemoryManager(store, base_dir=str(tmp_path))  # no simulated progress: streams stay open
     app = create_app(Settings(data_dir=tmp_path, api_token=ADMIN_TOKEN, api_tokens=TENANTS, tenant_max_streams=2),
                      manager=manager)
-    with serving(app) as url:
+    with serve_app(app) as url:
         yield url, app
 
 
@@ -218,7 +197,7 @@ def test_a_stream_that_ends_gives_its_slot_back(tmp_path, store):
     manager = InMemoryManager(store, base_dir=str(tmp_path))
     app = create_app(Settings(data_dir=tmp_path, api_token=ADMIN_TOKEN, api_tokens=TENANTS, tenant_max_streams=1),
                      manager=manager)
-    with serving(app) as url, client(url, ALICE) as alice:
+    with serve_app(app) as url, client(url, ALICE) as alice:
         job_id = alice.post("/v1/jobs", json=spec("short")).json()["id"]
         for _ in range(3):  # each stream closes itself at its time limit; the next one is accepted
             response = alice.get(f"/v1/jobs/{job_id}/events", params={"follow": "true", "timeout_s": 0.2})
@@ -249,7 +228,7 @@ def test_a_tenant_may_compute_only_its_cap_of_plans_at_once(tmp_path, store):
     manager = SlowPlans(store, base_dir=str(tmp_path))
     app = create_app(Settings(data_dir=tmp_path, api_token=ADMIN_TOKEN, api_tokens=TENANTS, tenant_max_plans=2),
                      manager=manager)
-    with serving(app) as url, client(url, ALICE) as alice, client(url, BOB) as bob, client(url, ADMIN_TOKEN) as admin:
+    with serve_app(app) as url, client(url, ALICE) as alice, client(url, BOB) as bob, client(url, ADMIN_TOKEN) as admin:
         answers: list[httpx.Response] = []
         threads = [threading.Thread(target=lambda: answers.append(alice.post("/v1/plan", json=spec())))
                    for _ in range(2)]
@@ -501,7 +480,7 @@ def test_healthz_probes_once_per_interval_however_many_ask(tmp_path, store):
     manager = CountingHealth(store, base_dir=str(tmp_path))
     manager.delay_s = 0.2  # a slow Ray
     app = create_app(Settings(data_dir=tmp_path, api_token=ADMIN_TOKEN, health_cache_s=0.5), manager=manager)
-    with serving(app) as url, httpx.Client(base_url=url, timeout=5) as anonymous:
+    with serve_app(app) as url, httpx.Client(base_url=url, timeout=5) as anonymous:
         answers: list[int] = []
         threads = [threading.Thread(target=lambda: answers.append(anonymous.get("/healthz").status_code))
                    for _ in range(20)]  # they all wait for the first probe, and share it

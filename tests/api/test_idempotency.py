@@ -6,21 +6,18 @@ from __future__ import annotations
 import json
 import socket
 import threading
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
 from etrain.api.app import create_app
 from etrain.service.store.idempotency import MAX_KEY_LENGTH, ReplayedJob, request_hash
 from etrain.service.settings import Settings
 from etrain.service.planning.spec import JobSpec
 from tests.fakes import FakeRuntime
+from tests.service_harness import serve_app
 
 manager_module = pytest.importorskip("etrain.service.manager")  # imports Ray (never started here)
 
@@ -51,22 +48,8 @@ def manager(tmp_path):
     manager.close()
 
 
-@contextmanager
-def serving(manager, data_dir: Path) -> Iterator[str]:
-    port = free_port()
-    app = create_app(manager.settings, manager=manager)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start within 10s"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
+def serving(manager, data_dir: Path):
+    return serve_app(create_app(manager.settings, manager=manager))
 
 
 @pytest.fixture
