@@ -33,15 +33,14 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Protocol
 
 from etrain.workers.families import family
+from etrain.workers.families.base import Sizes
 from etrain.workers.protocol.errors import ConfigError, EtrainError
 
 __all__ = [
     "PIPELINE_SCHEDULES",
     "SINGLE_STAGE_SCHEDULES",
-    "ModelShape",
     "Problem",
     "batch_problems",
     "check",
@@ -98,24 +97,6 @@ class Problem:
     field: str
     message: str
     fix: str | None = None
-
-
-class ModelShape(Protocol):
-    """The sizes of a model the rules read (``etrain.workers.protocol.run_config.ModelConfig`` has them)."""
-
-    arch: str
-    n_layers: int
-    d_model: int
-    n_heads: int
-    vocab_size: int
-    seq_len: int
-    tie_embeddings: bool
-
-    @property
-    def kv_heads(self) -> int: ...
-
-    @property
-    def ffn_dim(self) -> int: ...
 
 
 def check(problems: Iterable[Problem], error: type[EtrainError] = ConfigError) -> None:
@@ -184,19 +165,19 @@ def world_size_problems(*, pp: int, dp: int, tp: int, world: int) -> list[Proble
 # -- tensor parallelism -------------------------------------------------------------------------
 
 
-def tp_dims(model: ModelShape) -> tuple[tuple[str, int], ...]:
+def tp_dims(model: Sizes) -> tuple[tuple[str, int], ...]:
     """The sizes tensor parallelism splits, as the model's family declares them: whole query (and, with
     grouped-query attention, key/value) heads, the MLP width and the vocabulary (embedding and output
     are vocab-parallel); the GPT also splits d_model (its q/k/v/out are d x d)."""
     return family(model.arch).tp_dims(model)
 
 
-def valid_tps(model: ModelShape) -> list[int]:
+def valid_tps(model: Sizes) -> list[int]:
     """Every tensor-parallel degree that splits all of :func:`tp_dims` evenly: the divisors of their gcd."""
     return divisors(math.gcd(*(size for _, size in tp_dims(model))))
 
 
-def tp_problems(model: ModelShape, tp: int, *, context: str = "") -> list[Problem]:
+def tp_problems(model: Sizes, tp: int, *, context: str = "") -> list[Problem]:
     """``tp`` divides every size tensor parallelism splits (one problem per size that it does not).
 
     ``context`` is appended to each message (the planner adds the world, ``(world = dp·tp·pp = ...)``).
@@ -530,7 +511,7 @@ def legal_dp_sizes(global_batch: int, micro_batch: int, min_dp: int, max_dp: int
 # -- a whole layout -----------------------------------------------------------------------------
 
 
-def layout_problems(model: ModelShape, *, dp: int, tp: int, pp: int, zero: int = 0, pp_schedule: str = "1f1b",
+def layout_problems(model: Sizes, *, dp: int, tp: int, pp: int, zero: int = 0, pp_schedule: str = "1f1b",
                     virtual_stages: int = 1, sequence_parallel: bool = False, dp_replicate: int = 1,
                     offload: str = "none", microbatches: int = 1, microbatch_source: str | None = None,
                     max_dp: int | None = None) -> list[Problem]:

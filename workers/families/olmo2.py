@@ -42,21 +42,11 @@ class Olmo2(Llama):
                          hf_architecture="Olmo2ForCausalLM"),
     }
     hf_architectures = {"Olmo2ForCausalLM": {"model_type": "olmo2"}}
+    # Llama's attention and MLP names; its two pre-norms give way to the post-norms.
     hf_layer_names = {
-        "attention.wq.weight": "self_attn.q_proj.weight",
-        "attention.wq.bias": "self_attn.q_proj.bias",
-        "attention.wk.weight": "self_attn.k_proj.weight",
-        "attention.wk.bias": "self_attn.k_proj.bias",
-        "attention.wv.weight": "self_attn.v_proj.weight",
-        "attention.wv.bias": "self_attn.v_proj.bias",
-        "attention.wo.weight": "self_attn.o_proj.weight",
-        "attention.wo.bias": "self_attn.o_proj.bias",
-        "attention.q_norm.weight": "self_attn.q_norm.weight",
-        "attention.k_norm.weight": "self_attn.k_norm.weight",
+        **{name: hf for name, hf in Llama.hf_layer_names.items() if name not in ("attention_norm.weight",
+                                                                                   "ffn_norm.weight")},
         "post_attention_norm.weight": "post_attention_layernorm.weight",
-        "feed_forward.w1.weight": "mlp.gate_proj.weight",
-        "feed_forward.w2.weight": "mlp.down_proj.weight",
-        "feed_forward.w3.weight": "mlp.up_proj.weight",
         "post_ffn_norm.weight": "post_feedforward_layernorm.weight",
     }
 
