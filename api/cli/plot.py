@@ -69,24 +69,20 @@ class Series:
 
 def fetch_history(client: Client, job_id: str) -> History:
     """The job, every step row (in step order) and every event (in order), page by page."""
-    job = client.get(f"/v1/jobs/{job_id}")
-    steps: list[dict[str, Any]] = []
-    since = -1
+    return History(job=client.get(f"/v1/jobs/{job_id}"),
+                   steps=_all_pages(client, f"/v1/jobs/{job_id}/metrics", "steps", since=-1),
+                   events=_all_pages(client, f"/v1/jobs/{job_id}/events", "events", since=0))
+
+
+def _all_pages(client: Client, path: str, key: str, *, since: int) -> list[dict[str, Any]]:
+    """Every ``key`` row of a ``?since=N`` route, following ``next_since`` until a page is empty."""
+    rows: list[dict[str, Any]] = []
     while True:
-        page = client.get(f"/v1/jobs/{job_id}/metrics", since=since)
-        if not page["steps"] or page["next_since"] <= since:
-            break
-        steps += page["steps"]
+        page = client.get(path, since=since)
+        if not page[key] or page["next_since"] <= since:
+            return rows
+        rows += page[key]
         since = page["next_since"]
-    events: list[dict[str, Any]] = []
-    since = 0
-    while True:
-        page = client.get(f"/v1/jobs/{job_id}/events", since=since)
-        if not page["events"] or page["next_since"] <= since:
-            break
-        events += page["events"]
-        since = page["next_since"]
-    return History(job=job, steps=steps, events=events)
 
 
 def series(history: History) -> Series:

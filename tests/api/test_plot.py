@@ -148,3 +148,31 @@ def test_a_job_without_steps_has_nothing_to_plot(tmp_path, monkeypatch):
                             err=err) == 1
     assert f"job {job_id} has no step metrics yet (RUNNING)" in err.getvalue()
     assert not (tmp_path / "x.png").exists()
+
+
+def test_the_history_follows_next_since_over_every_page():
+    """Metrics and events come in pages (``?since=N`` -> ``next_since``); a plot needs all of them."""
+    from etrain.api.cli.plot import fetch_history
+
+    steps = [{"step": n, "loss": 1.0 / (n + 1)} for n in range(7)]
+    events = [{"id": n + 1, "kind": "checkpoint_committed"} for n in range(5)]
+
+    class PagedClient:
+        calls: list[tuple[str, int]] = []
+
+        def get(self, path: str, **params):
+            if path.endswith("/metrics"):
+                self.calls.append(("metrics", params["since"]))
+                page = [row for row in steps if row["step"] > params["since"]][:3]
+                return {"steps": page, "next_since": page[-1]["step"] if page else params["since"]}
+            if path.endswith("/events"):
+                self.calls.append(("events", params["since"]))
+                page = [row for row in events if row["id"] > params["since"]][:2]
+                return {"events": page, "next_since": page[-1]["id"] if page else params["since"]}
+            return {"id": "job-1", "status": "SUCCEEDED"}
+
+    client = PagedClient()
+    history = fetch_history(client, "job-1")
+    assert history.steps == steps and history.events == events and history.job["id"] == "job-1"
+    assert client.calls == [("metrics", -1), ("metrics", 2), ("metrics", 5), ("metrics", 6),
+                            ("events", 0), ("events", 2), ("events", 4), ("events", 5)]
