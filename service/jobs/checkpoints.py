@@ -26,7 +26,6 @@ def committed_step(job_id: str, root: str, step: int | None, *, key: bytes) -> C
     """A committed checkpoint of the job (signature and sizes checked here; the export task checks that
     the manifest is this one and verifies the checksums as it reads), or JobConflict naming the
     committed steps there are. ``step`` None: the newest."""
-    committed = []
     candidates = list_steps(root) if step is None else [(step, step_dir(root, step))]
     for number, directory in reversed(candidates):
         try:
@@ -34,12 +33,8 @@ def committed_step(job_id: str, root: str, step: int | None, *, key: bytes) -> C
         except CheckpointError:
             continue
         return CommittedStep(number, directory, manifest.digest)
-    for number, directory in list_steps(root):
-        try:
-            verify(directory, checksums=False, key=key)
-        except CheckpointError:
-            continue
-        committed.append(number)
+    committed = [] if step is None else [  # step None: none of them verified just now
+        number for number, directory in list_steps(root) if _verifies(directory, key)]
     what = "no committed checkpoint" if step is None else f"no committed checkpoint at step {step}"
     listing = f"committed steps: {committed}" if committed else "nothing is committed yet"
     raise JobConflict(
@@ -48,3 +43,11 @@ def committed_step(job_id: str, root: str, step: int | None, *, key: bytes) -> C
         fix=(f"pass one of the committed steps ({committed[-1]} is the newest)" if committed
              else "wait for the job's first checkpoint (checkpoint.every_steps, or its end)"),
     )
+
+
+def _verifies(directory: str, key: bytes) -> bool:
+    try:
+        verify(directory, checksums=False, key=key)
+    except CheckpointError:
+        return False
+    return True
