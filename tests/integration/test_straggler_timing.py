@@ -27,8 +27,6 @@ from tests.dist_utils import run_distributed
 from tests.equivalence_utils import small_config
 from etrain.workers.protocol.run_config import ParallelConfig
 
-pytestmark = pytest.mark.timing  # a measured time ratio: make test runs it alone (tests/conftest.py)
-
 BASELINE, SLOWED = 4, 4
 SLOW_RANK = 1
 THRESHOLD = 1.5
