@@ -526,7 +526,7 @@ def test_notes_say_how_to_reach_the_api_and_the_dashboard():
 @pytest.mark.parametrize(
     ("values", "error", "message"),
     [
-        # the README's old GPU key and the old checkpoint section no longer exist
+        # the deployment guide's old GPU key and the old checkpoint section no longer exist
         ({"rayCluster": {"gpuWorkers": {"enabled": True}}}, helm.HelmValuesError, "gpuWorkers"),
         ({"checkpoints": {"existingClaim": "x"}}, helm.HelmValuesError, "checkpoints"),
         ({"controlPlane": {"replicas": 2}}, helm.HelmValuesError, "replicas"),  # SQLite: one control plane

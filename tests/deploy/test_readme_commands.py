@@ -1,6 +1,6 @@
-"""Every command of the README's deployment guide works verbatim against the chart.
+"""Every command of the deployment guide works verbatim against the chart.
 
-The guide ("## Deploying on Kubernetes" in README.md) is walked in order, the way a new user runs it:
+The guide ("## Kubernetes (`helm/etrain`)" in deploy/README.md) is walked in order, the way a new user runs it:
 each ``helm install|upgrade|template|lint|uninstall`` of ``helm/etrain`` is mapped to the real Helm
 engine with the values its ``--set``/``-f`` flags give (an upgrade with ``--reset-then-reuse-values``
 or ``--reuse-values`` starts from the release's previous values, as Helm does), rendered and linted.
@@ -8,7 +8,7 @@ The ``kubectl`` lines must name objects those renders produce (the Service and t
 they port-forward, the Secret and key they read the token from, the Secret a release expects), and the
 job the guide submits must be a valid spec that fits the default CPU worker. The KubeRay operator
 lines cannot render offline (they install a chart from the network): they must be exactly the
-commands KubeRay documents.
+commands KubeRay documents. No other page shows a ``helm`` or ``kubectl`` command the walk does not run.
 """
 
 from __future__ import annotations
@@ -27,7 +27,11 @@ from etrain.service.planning.spec import JobSpec
 from etrain.service.planning.spec_checks import check_spec
 from tests.deploy import chart
 
-README = chart.ROOT / "README.md"
+README = chart.ROOT / "deploy" / "README.md"
+GUIDE_HEADING = "## Kubernetes (`helm/etrain`)\n"
+#: every page that may show commands: the top README, docs/, deploy/ and benchmarks/
+PAGES = [chart.ROOT / "README.md", *sorted((chart.ROOT / "docs").glob("*.md")), README,
+         chart.ROOT / "benchmarks" / "README.md", chart.ROOT / "CONTRIBUTING.md"]
 CHART_REF = "helm/etrain"
 #: The KubeRay operator install as KubeRay documents it (Helm method), verbatim:
 #: https://docs.ray.io/en/master/cluster/kubernetes/getting-started/kuberay-operator-installation.html
@@ -43,20 +47,25 @@ HEAD_SERVICE_PORTS = {6379, 8265, 10001}
 
 def guide() -> str:
     text = README.read_text()
-    start = text.index("## Deploying on Kubernetes\n")
-    end = text.index("\n## ", start + 1)
-    return text[start:end]
+    start = text.index(GUIDE_HEADING)
+    end = text.find("\n## ", start + 1)
+    return text[start:] if end == -1 else text[start:end]
 
 
-def guide_commands() -> list[str]:
-    """Every command line of the guide's shell blocks, continuation lines joined, comments dropped."""
+def shell_commands(text: str) -> list[str]:
+    """Every command line of the text's shell blocks, continuation lines joined, comments dropped."""
     commands = []
-    for block in re.findall(r"```(?:bash|sh)\n(.*?)```", guide(), re.S):
+    for block in re.findall(r"```(?:bash|sh)\n(.*?)```", text, re.S):
         for line in block.replace("\\\n", " ").splitlines():
             line = line.strip()
             if line and not line.startswith("#"):
                 commands.append(line)
     return commands
+
+
+def guide_commands() -> list[str]:
+    """Every command line of the guide's shell blocks."""
+    return shell_commands(guide())
 
 
 @dataclass
@@ -106,7 +115,7 @@ def parse_helm(words: list[str]) -> tuple[list[str], dict[str, Any], dict[str, A
         elif name in ("--version", "--timeout"):
             flags[name] = value
         else:
-            raise AssertionError(f"the README uses a helm flag this test does not model: {word}")
+            raise AssertionError(f"the guide uses a helm flag this test does not model: {word}")
     values: dict[str, Any] = {}
     for path in files:
         values = chart.deep_merge(values, helm.values_from_yaml((chart.ROOT / path).read_text()))
@@ -193,7 +202,7 @@ def run_kubectl(walk: Walk, line: str, words: list[str]) -> None:
                          if var["name"] == "ETRAIN_API_TOKEN")
         assert token_ref["valueFrom"]["secretKeyRef"] == {"name": name, "key": key}, line
         return
-    raise AssertionError(f"the README uses a kubectl command this test does not model: {line}")
+    raise AssertionError(f"the guide uses a kubectl command this test does not model: {line}")
 
 
 def shell_words(line: str) -> list[str]:
@@ -211,6 +220,17 @@ def test_the_guide_covers_install_submit_dashboard_scaling_upgrade_and_uninstall
     assert re.search(r"^helm upgrade etrain helm/etrain .*--set image\.tag=", text, re.M)
     assert re.search(r"^helm uninstall etrain ", text, re.M)
     assert "rayCluster.gpuWorkers" not in guide()
+
+
+def test_every_helm_and_kubectl_command_shown_anywhere_is_walked():
+    """A helm or kubectl line on any page (the top README, docs/, deploy/, benchmarks/) is one the walk
+    below runs, so no command a reader may copy escapes the test."""
+    walked = set(guide_commands())
+    shown = {(page.relative_to(chart.ROOT).as_posix(), line) for page in PAGES
+             for line in shell_commands(page.read_text()) if line.split()[0] in ("helm", "kubectl")}
+    tools = {line for line in walked if line.split()[0] in ("helm", "kubectl")}
+    assert {line for page, line in shown if page == "deploy/README.md"} == tools  # the scan sees the guide
+    assert sorted(item for item in shown if item[1] not in walked) == []
 
 
 def test_the_kuberay_lines_are_exactly_the_documented_commands():
