@@ -44,7 +44,7 @@ test-gpu: $(STAMP)
 
 ## make gpu-check: on a machine with one GPU, within 8 minutes: the engine probe (etrain's Trainer against the
 ## same loop in transformers, Llama-3.2-1B shapes), then the whole service on that GPU over REST (a clean job,
-## and one whose rank 0 is SIGKILLed at step 25); figures to benchmarks/results/gpu_*.json and a README table
+## and one whose rank 0 is SIGKILLed at step 25); figures to benchmarks/results/gpu_*.json and docs/gpu.md's table
 ## (benchmarks/gpu/run.sh). Without a GPU it says so and exits 0. Needs no .venv and no network: python3 with
 ## PyTorch, plus .whl/ (`make gpu-wheels`) where Ray/FastAPI/pydantic are missing. GPU_CHECK_TINY=1: the same
 ## run on CPU with a tiny model (.venv's python when there is one).
@@ -57,7 +57,7 @@ gpu-wheels:
 
 ## make bench: the benchmark suite (benchmarks/suite.py: start-up, recovery, goodput, stragglers, hangs,
 ## checkpoints, pipeline bubble, steady state, each against Ray Train v2, torchrun or a formula); raw
-## samples to benchmarks/results/*.json, the README table regenerated from them. Then the throughput,
+## samples to benchmarks/results/*.json, benchmarks/README.md's table regenerated from them. Then the throughput,
 ## memory, API and fair-use (one tenant floods, another's reads are timed) benchmarks (bench-results/).
 ## `make bench QUICK=1` (or `make bench-quick`, or ARGS=--quick): the suite alone, under 15 minutes on
 ## 2 CPU cores. ARGS passes more suite flags, e.g. ARGS='--only recovery --note "shared machine"'.

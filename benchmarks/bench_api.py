@@ -14,7 +14,7 @@ HTTP client so the load generator costs little CPU next to the server on the sam
 endpoint gets a warm-up, then ``--seconds`` of measurement; every answer must be 200. Bounded: the
 loop stops at the deadline and every request has a timeout; only loopback addresses are used.
 
-Writes ``<out>/api.md`` (the README table) and ``<out>/api.json``.
+Writes ``<out>/api.md`` (the table in benchmarks/README.md) and ``<out>/api.json``.
 """
 
 from __future__ import annotations

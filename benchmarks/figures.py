@@ -3,7 +3,7 @@
 A figure (``benchmarks/results/<figure>.json``) holds one or more *rows*. A row is one comparison:
 etrain's raw samples against a reference measured in the same run (a peer: Ray Train, torchrun, a bare
 DDP loop) or against a formula (the pipeline bubble, the heartbeat timeout). Nothing derived is stored
-as the truth: the README table recomputes medians and ratios from the samples (:func:`row_summary`), so
+as the truth: benchmarks/README.md's table recomputes medians and ratios from the samples (:func:`row_summary`), so
 a hand-edited median cannot drift from its samples, and a test can check the arithmetic.
 
 Why the ratio of medians (not the median of per-pair ratios): runs alternate etrain / peer, but a

@@ -12,7 +12,7 @@ Three benchmarks, each a few minutes at most on 2 CPU cores (``--only`` runs a s
   whole model; the planner's per-rank peak against measured peak RSS for six layouts).
 
 Writes ``<out>/results.json`` and one markdown table per benchmark (``throughput.md``, ``init.md``,
-``planner.md``; the tables pasted into the README) and prints them. On a 2-core CPU machine,
+``planner.md``; the tables pasted into benchmarks/README.md) and prints them. On a 2-core CPU machine,
 absolute speeds are small; what the throughput table shows is the relative cost of each layout.
 """
 

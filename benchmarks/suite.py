@@ -2,8 +2,8 @@
 
     python -m benchmarks.suite [--quick] [--only FIGURE ...] [--note TEXT]     # make bench [QUICK=1]
 
-Figures (``benchmarks/results/<figure>.json``, raw samples + the machine; then the README table is
-regenerated from them by ``benchmarks.readme_table``):
+Figures (``benchmarks/results/<figure>.json``, raw samples + the machine; then the table in
+``benchmarks/README.md`` is regenerated from them by ``benchmarks.readme_table``):
 
 1. ``startup``   submit → first step: etrain vs Ray Train v2 ``TorchTrainer.fit`` (and torchrun);
 2. ``recovery``  SIGKILL of rank 1 → next completed step, steps recomputed: vs Ray Train v2 with
@@ -199,7 +199,7 @@ def main() -> None:
     parser.add_argument("--only", action="append", choices=FIGURES, help="measure only this figure (repeatable)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where the result files go")
     parser.add_argument("--note", default="", help="recorded with the machine, e.g. 'shared with 6 test runs'")
-    parser.add_argument("--no-readme", action="store_true", help="do not regenerate the README table")
+    parser.add_argument("--no-readme", action="store_true", help="do not regenerate the table in benchmarks/README.md")
     parser.add_argument("--keep", action="store_true", help="keep the runs' working directories (logs)")
     args = parser.parse_args()
     sizes = QUICK if args.quick else FULL
@@ -225,7 +225,7 @@ def main() -> None:
         from benchmarks.readme_table import update_readme
 
         update_readme(results=args.out)
-        log("README.md benchmark table regenerated")
+        log("benchmarks/README.md: the suite's table regenerated")
     log(f"done in {(time.monotonic() - started) / 60:.1f} min" + (f"; FAILED: {', '.join(failed)}" if failed else ""))
     sys.exit(1 if failed else 0)
 

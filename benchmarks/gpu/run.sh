@@ -17,7 +17,7 @@
 # 5. Always (trap): the server and exactly the Ray head this started are stopped, checkpoints removed.
 # Results: gpu_probe.json, gpu_service.json in benchmarks/results (--tiny: a temporary folder, or
 # $GPU_CHECK_RESULTS) and in $OUT when set; logs in $OUT/gpu-check-logs (else the temporary folder).
-# Then the README table (benchmarks/gpu/table.py); the exit status is 1 unless both jobs SUCCEEDED.
+# Then the table of docs/gpu.md (benchmarks/gpu/table.py); the exit status is 1 unless both jobs SUCCEEDED.
 # Settings: GPU_CHECK_BUDGET_S (470: the whole run), GPU_CHECK_PROBE_S (150: the probe's box),
 # GPU_CHECK_PROBE_ROWS (etrain,hf; none skips the probe), GPU_CHECK_JOBS (clean,kill: which jobs, in order),
 # GPU_CHECK_MTBF_HOURS (the auto job's fault_tolerance.mtbf_hours; default the service's), GPU_PYTHON,

@@ -1,4 +1,4 @@
-"""The README table of ``make gpu-check``, from ``gpu_probe.json`` and ``gpu_service.json``.
+"""The table of ``make gpu-check`` (docs/gpu.md), from ``gpu_probe.json`` and ``gpu_service.json``.
 
     python -m benchmarks.gpu.table [--results-dir benchmarks/results] [--check]
 
