@@ -10,7 +10,7 @@ headroom, so the largest models trained today still pass: Llama 3.1 405B has 126
 context, and was trained on 16384 GPUs with 16M-token batches. The bounds are in the field
 definitions (``service/planning/spec.py``, ``service/ports.py``, ``api/schemas.py``, the routes' query
 parameters), so the OpenAPI document states them and a value out of range is a 422 naming the field.
-README's "Bounds" table lists them.
+docs/job-spec.md's "Bounds" table lists them.
 
 Why a cap: every axis the planner searches must divide something (pp divides the layers, dp
 divides the micro-batches per step, tp divides the heads), so the searches enumerate divisors

@@ -42,7 +42,7 @@ def field_problems(spec: JobSpec) -> list[SpecProblem]:
             given = error.get("input")
             shown = f"={given!r}" if isinstance(given, (int, float, str)) and len(repr(given)) <= 80 else ""
             problems.append(SpecProblem(field=field, message=f"{field}{shown}: {error['msg']}.",
-                                        fix="see the bounds in README's job spec section (service/planning/bounds.py)"))
+                                        fix="see the bounds in docs/job-spec.md (service/planning/bounds.py)"))
         return problems or [SpecProblem(field="spec", message=str(err), fix=None)]
     return []
 

@@ -1,6 +1,7 @@
-"""The README's module table and CONTRIBUTING.md name the modules that exist, and every module is named.
+"""The module map (docs/architecture.md) and CONTRIBUTING.md name the modules that exist, and every module
+is named.
 
-The table is the map a newcomer reads first (README, Architecture); a module that is moved, split or
+The map is what a newcomer reads first (the README's picture links it); a module that is moved, split or
 added without updating it makes the map lie. Cells name files by path (``service/jobs/poller.py``), a
 package by its folder (``api/cli/``, ``api/routes/*``), or, after a first path in the same cell, a sibling
 by its bare name (``spec_paths.py``) or by the shared prefix's tail (``_checkpoints.py`` after
@@ -16,16 +17,17 @@ REPO = Path(__file__).resolve().parents[2]
 FOLDERS = ("api", "service", "workers")
 
 
-def _architecture_section() -> str:
-    text = (REPO / "README.md").read_text(encoding="utf-8")
-    start = text.index("## Architecture\n")
-    return text[start:text.index("\n## ", start + 1)]
+def _module_map() -> str:
+    text = (REPO / "docs" / "architecture.md").read_text(encoding="utf-8")
+    start = text.index("## Module map\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:] if end == -1 else text[start:end]
 
 
 def _table_names() -> set[str]:
     """Every path the module table's first column names, with siblings and folders expanded."""
     named: set[str] = set()
-    for line in _architecture_section().splitlines():
+    for line in _module_map().splitlines():
         if not line.startswith("| `"):
             continue
         cell = line.split("|")[1]

@@ -1,6 +1,6 @@
 """The pure layers import neither torch nor Ray: a meta-path hook refuses both, then every module loads.
 
-"Pure" is what the design says it is (README, architecture): the service's decisions, planning, access
+"Pure" is what the design says it is (docs/architecture.md): the service's decisions, planning, access
 rules, store and vocabulary, and the workers' shared protocol and arithmetic. They run in the control
 plane, which never loads torch, and they are unit-tested without a cluster. A module that starts to pull
 either in (directly, through another etrain module, or through a third-party package) fails here with the

@@ -1,15 +1,17 @@
-"""The benchmark suite's pure parts: ratios of medians, goals, the recovery arithmetic, the README table."""
+"""The benchmark suite's pure parts: ratios of medians, goals, the recovery arithmetic, the table in
+benchmarks/README.md."""
 
 from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
 from benchmarks.figures import Goal, Row, figure_document, load_figure, median, ratio_of_medians, row_summary, write_figure
 from benchmarks.peers.common import Job, etrain_spec, recovery_measures
-from benchmarks.readme_table import BEGIN, END, render, update_readme
+from benchmarks.readme_table import BEGIN, END, README, render, update_readme
 
 MACHINE = {"cpus": 2, "cpu_model": "Test CPU", "memory_gib": 8.0, "versions": {"torch": "2.13.0", "ray": "2.60.0"},
            "commit": "0123456789abcdef", "dirty": False, "date": "2026-11-23 10:00:00 +0000", "note": "shared machine",
@@ -146,6 +148,15 @@ def test_the_readme_region_is_replaced_between_the_markers(tmp_path):
     readme.write_text("no markers")
     with pytest.raises(SystemExit, match="no benchmark-suite region"):
         update_readme(readme, tmp_path)
+
+
+def test_the_table_lives_in_the_benchmarks_readme():
+    """The suite's table is in benchmarks/README.md (the top README only links it), once."""
+    assert README == Path(__file__).resolve().parents[2] / "benchmarks" / "README.md"
+    text = README.read_text()
+    assert text.count(BEGIN) == text.count(END) == 1
+    assert text.index(BEGIN) < text.index(END)
+    assert BEGIN not in (README.parents[1] / "README.md").read_text()
 
 
 def test_the_straggler_grid_becomes_notes():
