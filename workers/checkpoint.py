@@ -40,6 +40,7 @@ from etrain.workers.checkpoint_io import (
     storage_reader,
     verify_together,
 )
+from etrain.workers import storage
 from etrain.workers.checkpoint_state import apply_state, collect_state
 from etrain.workers.protocol.errors import CheckpointError
 from etrain.workers.protocol.manifest import ShardReport
@@ -72,14 +73,15 @@ def save_checkpoint(
     directory = os.fspath(step_dir)  # a URL string is returned as is
     collected = collect_state(model_parts, optimizers)
     expected = start_checkpoint(directory, extra, process_group, state_bytes=_local_bytes(collected.state))
-    writer = dcp_writer(directory)
-    try:
-        with _single_process_quiet():
-            planner = save_planner(plan_cache) if plan_cache else None
-            dcp.save(collected.state, storage_writer=writer, process_group=process_group, planner=planner)
-    except CheckpointException as exc:  # a rank's writes failed; DCP raised it on every rank
-        raise _abandoned(exc, directory, expected, process_group) from None
-    return shard_report(directory, writer, process_group)
+    with storage.hold_dir(directory) as step:  # DCP writes into the folder that passed, by its descriptor
+        writer = dcp_writer(step.path)
+        try:
+            with _single_process_quiet():
+                planner = save_planner(plan_cache) if plan_cache else None
+                dcp.save(collected.state, storage_writer=writer, process_group=process_group, planner=planner)
+        except CheckpointException as exc:  # a rank's writes failed; DCP raised it on every rank
+            raise _abandoned(exc, directory, expected, process_group) from None
+        return shard_report(step.path, writer, process_group)
 
 
 def _abandoned(error: BaseException, directory: str, expected_bytes: int,
@@ -249,11 +251,16 @@ class AsyncCheckpointer:
         directory = os.fspath(step_dir)
         collected = collect_state(model_parts, optimizers)
         expected = start_checkpoint(directory, extra, self._group, state_bytes=_local_bytes(collected.state))
-        writer = dcp_writer(directory, threads=self._write_threads)
-        staging = {"async_stager": self._stager} if self._stager is not None else {}
-        # Staging is synchronous: the state is in host memory when this returns.
-        written = dcp.async_save(collected.state, storage_writer=writer, process_group=self._group,
-                                 planner=save_planner(self._plan_cache), **staging)
+        step = storage.hold_dir(directory)  # written by its descriptor (as in save_checkpoint) until the write ends
+        try:
+            writer = dcp_writer(step.path, threads=self._write_threads)
+            staging = {"async_stager": self._stager} if self._stager is not None else {}
+            # Staging is synchronous: the state is in host memory when this returns.
+            written = dcp.async_save(collected.state, storage_writer=writer, process_group=self._group,
+                                     planner=save_planner(self._plan_cache), **staging)
+        except BaseException:
+            step.close()
+            raise
         if isinstance(written, AsyncSaveResponse):  # returned when staging itself is asynchronous
             written = written.upload_completion
         report: Future = Future()
@@ -262,11 +269,13 @@ class AsyncCheckpointer:
         def on_written(future: Future) -> None:
             try:
                 future.result()
-                report.set_result(shard_report(directory, writer, group))
+                report.set_result(shard_report(step.path, writer, group))
             except CheckpointException as exc:  # a rank's writes failed: on every rank alike
                 report.set_exception(_abandoned(exc, directory, expected, group))
             except BaseException as exc:  # noqa: BLE001 - delivered to whoever waits
                 report.set_exception(exc)
+            finally:
+                step.close()
 
         written.add_done_callback(on_written)
         self._pending = PendingCheckpoint(directory, report)

@@ -30,7 +30,7 @@ import os
 import time
 from dataclasses import dataclass
 
-from etrain.workers import storage
+from etrain.workers import safe_paths, storage
 from etrain.workers.protocol.errors import CheckpointError
 from etrain.workers.protocol.manifest import (
     MANIFEST_NAME,
@@ -417,6 +417,10 @@ def _committed_by(directory: str, owner: str, key: bytes) -> bool:
 
 
 def _delete_step_dir(directory: str) -> None:
+    # A link at the step's name is refused (UnsafePathError), never deleted through: the folder is the tenant's.
+    local = not storage.is_url(directory)
+    if local:
+        safe_paths.stat_path(directory, field="checkpoint.path")
     # The manifest first (made durable locally): never a "committed" directory with missing shards.
     try:
         storage.remove(storage.join(directory, MANIFEST_NAME))
@@ -424,4 +428,7 @@ def _delete_step_dir(directory: str) -> None:
         pass
     else:
         storage.fsync_dir(directory)  # a no-op for a URL
-    storage.rmtree(directory)
+    if local:
+        safe_paths.remove_tree(directory, field="checkpoint.path")
+    else:
+        storage.rmtree(directory)

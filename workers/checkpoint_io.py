@@ -25,7 +25,6 @@ import contextlib
 import hashlib
 import io
 import os
-import shutil
 import time
 from typing import Any
 
@@ -33,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from etrain.workers import storage
+from etrain.workers import safe_paths, storage
 from etrain.workers.checkpoint_commit import file_entries, list_steps, verify
 from etrain.workers.protocol.errors import CheckpointError, EtrainError
 from etrain.workers.protocol.manifest import MANIFEST_NAME, METADATA_NAME, FileEntry, ShardReport
@@ -194,7 +193,7 @@ def shard_report(directory: str, writer: _Recording, group: dist.ProcessGroup | 
     return ShardReport(
         rank=rank,
         world_size=world_size,
-        directory=storage.basename(directory),
+        directory=storage.basename(safe_paths.display(directory)),  # step_N, also when written by descriptor
         files=_reported(directory, names, uploaded),
     )
 
@@ -236,18 +235,19 @@ def start_checkpoint(directory: str, extra: dict[str, Any], group: dist.ProcessG
                 )
         if storage.is_url(directory):
             storage.rmtree(directory)  # every object under the prefix (a prefix needs no creating)
-        else:  # strict locally: a folder that cannot be cleared fails the save, never mixes old shards in
-            if os.path.isdir(directory):
-                shutil.rmtree(directory)
+        else:  # strict locally: a folder that cannot be cleared fails the save, never mixes old shards in;
+            # a link at the step's name is refused (UnsafePathError), never cleared or written through
+            os.close(safe_paths.open_dir(storage.parent(directory), field="checkpoint.path", create=True))
+            safe_paths.remove_tree(directory, field="checkpoint.path")
             expected[0] = last_checkpoint_bytes(storage.parent(directory)) or state_bytes
             check_room(storage.parent(directory), expected[0])
-            os.makedirs(directory)
+            os.close(safe_paths.open_dir(directory, field="checkpoint.path", create=True))
         try:
             storage.atomic_write_bytes(storage.join(directory, EXTRA_NAME), _encode_extra(extra))
         except OSError as exc:
             raise storage_fault(exc, directory, expected[0]) or exc
 
-    _agree(start, group, f"cannot save into {directory}")
+    _agree(start, group, f"cannot save into {safe_paths.display(directory)}")
     return expected[0]
 
 

@@ -39,7 +39,8 @@ import threading
 from dataclasses import dataclass
 from typing import TextIO
 
-from etrain.workers import storage
+from etrain.workers import safe_paths, storage
+from etrain.workers.protocol.errors import UnsafePathError
 
 LOG_DIR = "logs"
 #: A file is rotated (to ``.1``) when it grows past this; readers see the current file only.
@@ -173,13 +174,18 @@ class RankLog:
             if self.remote is not None and not self._fetched:
                 self._fetch()
             try:
-                os.makedirs(os.path.dirname(self.path), exist_ok=True)
-                self._file = open(self.path, "a", encoding="utf-8", errors="replace")
-            except OSError as err:
+                if self.remote is not None:  # a private local copy of the object-store log
+                    os.makedirs(os.path.dirname(self.path), exist_ok=True)
+                    self._file = open(self.path, "a", encoding="utf-8", errors="replace")
+                else:  # in the job's checkpoint folder: no link on the way, nor at the file (made if missing)
+                    fd = safe_paths.open_path(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT,
+                                              field="checkpoint.path", create_dirs=True)
+                    self._file = os.fdopen(fd, "a", encoding="utf-8", errors="replace")
+            except (OSError, UnsafePathError) as err:
                 self._give_up(err)
         return self._file
 
-    def _give_up(self, err: OSError) -> None:
+    def _give_up(self, err: Exception) -> None:
         self._broken = True
         self._file = None
         print(f"etrain: cannot write the rank log {self.path}: {err}; logging to it stops", file=sys.__stderr__)

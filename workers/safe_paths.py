@@ -46,8 +46,10 @@ from typing import IO
 from etrain.workers.protocol.errors import UnsafePathError
 
 __all__ = [
+    "HeldDir",
     "copy_file_inside",
     "descriptor_path",
+    "display",
     "file_view",
     "list_names",
     "open_dir",
@@ -74,13 +76,13 @@ def _refused(field: str, shown: str, component: str | None = None) -> UnsafePath
     """``component``: the link's name when it is a folder on the way, not ``shown`` itself."""
     where = "is" if component is None else f"reaches {component!r}, which is"
     return UnsafePathError(
-        f"{field}={shown!r} {where} a symbolic link; symlinks are refused inside the storage roots (a job's "
+        f"{field}={display(shown)!r} {where} a symbolic link; symlinks are refused inside the storage roots (a job's "
         "files are opened without following links, so none can lead outside the roots).",
         field=field, fix=_FIX)
 
 
 def _outside(field: str, shown: str) -> UnsafePathError:
-    return UnsafePathError(f"{field}={shown!r} names a file outside its folder ('..' or an absolute name).",
+    return UnsafePathError(f"{field}={display(shown)!r} names a file outside its folder ('..' or an absolute name).",
                            field=field, fix="name files inside the folder by plain relative names")
 
 
@@ -139,11 +141,37 @@ def open_path(path: str | os.PathLike[str], flags: int = os.O_RDONLY, *, field: 
     absolute first, lexically: with no link allowed, ``..`` means what it says). The caller closes the
     descriptor. ``create_dirs`` makes missing folders on the way (and the last one, with ``O_DIRECTORY``)."""
     shown = os.fspath(path)
-    parts = [part for part in os.path.abspath(shown).split(os.sep) if part]
-    top = os.open(os.sep, _DIR_FLAGS)
+    held = _held_prefix(os.path.abspath(shown))
+    if held is not None:  # under a folder this process holds open (HeldDir): walked from its descriptor
+        top, rest = held
+        parts = [part for part in rest.split(os.sep) if part]
+    else:
+        parts = [part for part in os.path.abspath(shown).split(os.sep) if part]
+        top = os.open(os.sep, _DIR_FLAGS)
     if not parts:
         return top
     return _descend(top, parts, flags, mode, field, shown, create_dirs=create_dirs)
+
+
+def _held_prefix(path: str) -> tuple[int, str] | None:
+    """``(a duplicate of N, the rest)`` for ``/proc/self/fd/N/rest`` when N is a folder this process has
+    open (a :class:`HeldDir`'s :func:`descriptor_path`), else None. ``/proc/self`` is itself a link, so
+    such a path would be refused by the walk from ``/``; its prefix names the held folder exactly, so
+    the walk starts at that descriptor instead (what follows it is walked without links as usual)."""
+    prefix = _PROC_FD + os.sep
+    if not path.startswith(prefix):
+        return None
+    number, _, rest = path[len(prefix):].partition(os.sep)
+    if not number.isdigit():
+        return None
+    try:
+        top = os.dup(int(number))
+    except OSError:
+        return None
+    if not stat.S_ISDIR(os.fstat(top).st_mode):
+        os.close(top)
+        return None
+    return top, rest
 
 
 def open_dir(path: str | os.PathLike[str] | int, *, field: str, create: bool = False) -> int:
@@ -347,6 +375,65 @@ def rename_inside(root: str | os.PathLike[str] | int, name: str, new_name: str, 
         os.rename(name, new_name, src_dir_fd=fd, dst_dir_fd=fd)
     finally:
         os.close(fd)
+
+
+class HeldDir:
+    """A folder opened once, with no link on the way (made if missing), and named from then on by its
+    descriptor: every file a job writes, reads or deletes under its checkpoint folder goes through
+    :attr:`path` (``/proc/self/fd/N``), so the folder swapped for a link after submit changes nothing:
+    the kernel maps the descriptor to the folder that passed the check, and the names below it are
+    walked without links by this module's functions (:func:`open_path` starts at the descriptor).
+
+    Held for a process's work on the folder (a rank's attempt, a supervisor's life); :meth:`close`
+    releases it. Without ``/proc`` :attr:`path` is the checked path (a check-then-use window,
+    documented above). ``given`` stays the name to show and to hand to other processes, which hold
+    the folder themselves."""
+
+    def __init__(self, path: str | os.PathLike[str], *, field: str, create: bool = True):
+        self.given = os.fspath(path)
+        self._fd: int | None = open_dir(self.given, field=field, create=create)
+        self.path = descriptor_path(self._fd, self.given)
+
+    def inside(self, path: str | None) -> str | None:
+        """``path`` (a name under :attr:`given`, or None) as the same name under the held folder; a path
+        not under it is returned as it is."""
+        if path is None:
+            return None
+        relative = os.path.relpath(os.path.abspath(path), os.path.abspath(self.given))
+        if relative == os.curdir:
+            return self.path
+        if relative == os.pardir or relative.startswith(os.pardir + os.sep):
+            return path
+        return os.path.join(self.path, relative)
+
+    def shown(self, text: str) -> str:
+        """``text`` (a message, a path) with the held folder's descriptor name put back as ``given``."""
+        return text.replace(self.path, self.given) if self.path != self.given else text
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> HeldDir:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+
+def display(path: str) -> str:
+    """``path`` as a person should read it: a held folder's descriptor name (``/proc/self/fd/N/rest``)
+    becomes the folder's own path as the kernel knows it now; anything else is returned as it is."""
+    prefix = _PROC_FD + os.sep
+    if not isinstance(path, str) or not path.startswith(prefix):
+        return path
+    number, _, rest = path[len(prefix):].partition(os.sep)
+    try:
+        folder = os.readlink(_PROC_FD + os.sep + number)
+    except OSError:
+        return path
+    return os.path.join(folder, rest) if rest else folder
 
 
 def descriptor_path(fd: int, fallback: str | os.PathLike[str]) -> str:

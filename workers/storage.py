@@ -37,6 +37,7 @@ import re
 import shutil
 from typing import IO, Any
 
+from etrain.workers import safe_paths
 from etrain.workers.protocol.errors import ConfigError
 
 __all__ = [
@@ -50,6 +51,7 @@ __all__ = [
     "filesystem",
     "fsync_dir",
     "getsize",
+    "hold_dir",
     "isdir",
     "is_url",
     "join",
@@ -181,6 +183,36 @@ def _fs(path: str):
 
 
 # -- operations ----------------------------------------------------------------------------------
+
+
+class _HeldUrl:
+    """An object-store prefix "held" as :func:`hold_dir` holds a folder: it is its own name (an object
+    store has no links to swap in)."""
+
+    def __init__(self, url: str):
+        self.given = self.path = url
+
+    def inside(self, path: str | None) -> str | None:
+        return path
+
+    def shown(self, text: str) -> str:
+        return text
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> _HeldUrl:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        pass
+
+
+def hold_dir(path: str, *, field: str = "checkpoint.path") -> safe_paths.HeldDir | _HeldUrl:
+    """A job's checkpoint folder held open for a process's work on it (``safe_paths.HeldDir``: made if
+    missing, no link on the way, named by its descriptor from then on), or a URL as it is. Every path
+    under ``.path`` goes through the held folder; ``.given`` is the name to show and to send to others."""
+    return _HeldUrl(path) if is_url(path) else safe_paths.HeldDir(path, field=field)
 
 
 def exists(path: str | os.PathLike) -> bool:

@@ -19,7 +19,7 @@ import errno
 import os
 import shutil
 
-from etrain.workers import storage
+from etrain.workers import safe_paths, storage
 from etrain.workers.protocol.errors import CheckpointError
 
 __all__ = ["MARGIN_BYTES", "MARGIN_FRACTION", "StorageFault", "check_room", "free_bytes", "storage_fault"]
@@ -70,7 +70,7 @@ def needed_bytes(last_checkpoint_bytes: int) -> int:
 
 
 def _fix(directory: str) -> str:
-    return (f"free space on the storage that holds {directory} (or lower checkpoint.keep_last, or point "
+    return (f"free space on the storage that holds {safe_paths.display(directory)} (or lower checkpoint.keep_last, or point "
             "checkpoint.path at a larger volume); the job keeps training and the next save tries again")
 
 
@@ -79,7 +79,7 @@ def check_room(directory: str, last_checkpoint_bytes: int) -> None:
     free = free_bytes(directory)
     need = needed_bytes(last_checkpoint_bytes)
     if free is not None and free < need:
-        raise StorageFault(f"no space left on device at {directory}: need ~{_mib(need)}, {_mib(free)} free",
+        raise StorageFault(f"no space left on device at {safe_paths.display(directory)}: need ~{_mib(need)}, {_mib(free)} free",
                            fix=_fix(directory))
 
 
@@ -108,14 +108,16 @@ def storage_fault(error: BaseException, directory: str, last_checkpoint_bytes: i
     any other failure of DCP's writes (``CheckpointException``) is still the storage's, said as is.
     """
     found = next((err for err in _os_errors(error) if err.errno in STORAGE_ERRNOS), None)
+    shown = safe_paths.display(directory)  # a held folder's descriptor name is no name for a person
     free = free_bytes(directory)
     need = needed_bytes(last_checkpoint_bytes)
     room = f": need ~{_mib(need)}, {_mib(free)} free" if free is not None else ""
     if found is not None:
-        return StorageFault(f"{STORAGE_ERRNOS[found.errno]} at {directory}{room}", fix=_fix(directory))
+        return StorageFault(f"{STORAGE_ERRNOS[found.errno]} at {shown}{room}", fix=_fix(directory))
     if free is not None and free < need:
-        return StorageFault(f"no space left on device at {directory}{room}", fix=_fix(directory))
+        return StorageFault(f"no space left on device at {shown}{room}", fix=_fix(directory))
     if type(error).__name__ == "CheckpointException":
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        return StorageFault(f"writing the checkpoint to {directory} failed: {first[:300]}", fix=_fix(directory))
+        return StorageFault(f"writing the checkpoint to {shown} failed: {first.replace(directory, shown)[:300]}",
+                            fix=_fix(directory))
     return None

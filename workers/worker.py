@@ -116,21 +116,32 @@ class TrainWorker:
 
         from etrain.workers.rank_log import RankLog, rank_log_path
 
-        root = plan.config.checkpoint.path
-        log = RankLog(rank_log_path(root, self.job_id, self.rank)) if root else None
+        from etrain.workers import storage
+
+        given = plan
+        # The checkpoint folder is opened once, without links, and everything the attempt writes under it
+        # (shards, extra state, the rank log) goes through that descriptor: the folder swapped for a link
+        # after submit redirects nothing (workers/safe_paths.py HeldDir). UnsafePathError fails the attempt.
+        held = storage.hold_dir(plan.config.checkpoint.path) if plan.config.checkpoint.path else None
+        if held is not None:
+            plan = dataclasses.replace(
+                plan, resume_dir=held.inside(plan.resume_dir),
+                config=dataclasses.replace(plan.config, checkpoint=dataclasses.replace(plan.config.checkpoint,
+                                                                                       path=held.path)))
+        log = RankLog(rank_log_path(held.path, self.job_id, self.rank)) if held is not None else None
         if log is not None:
             info = self.node_info()
             log.write(f"attempt {plan.attempt}: rank {self.rank}/{self.world_size} on {info['ip']} (node "
                       f"{info['node_id'][:12]}, pid {info['pid']}), layout {plan.config.parallel.describe()}, "
-                      + (f"resuming step {plan.start_step} from {plan.resume_dir}" if plan.resume_dir
+                      + (f"resuming step {plan.start_step} from {given.resume_dir}" if given.resume_dir
                          else "fresh start"))
             log.capture()
         try:
             result = self._train(plan, master_addr, master_port, log)
         except BaseException as err:
             if log is not None:
-                log.write(f"attempt {plan.attempt}: failed: {type(err).__name__}: {err}\n"
-                          + traceback.format_exc().rstrip())
+                log.write(held.shown(f"attempt {plan.attempt}: failed: {type(err).__name__}: {err}\n"
+                                     + traceback.format_exc().rstrip()))
             raise
         else:
             if log is not None:
@@ -140,6 +151,8 @@ class TrainWorker:
         finally:
             if log is not None:
                 log.close()
+            if held is not None:
+                held.close()
 
     def _train(self, plan: LaunchPlan, master_addr: str, master_port: int, log: Any) -> RunResult:
         import torch

@@ -46,11 +46,14 @@ class JobCheckpoints:
                  resume_owners: frozenset[str] = frozenset()):
         self.job_id = job_id
         self._resume_owners = resume_owners  # other jobs whose steps it may load (checkpoint_dirs.may_resume)
-        self.root = root  # a resolved local folder or an ``s3://`` URL
+        self.root = root  # a resolved local folder or an ``s3://`` URL: the name shown and sent to other processes
+        # Opened once, without links (made if missing): every file this reads, commits, moves or prunes goes
+        # through the folder that passed, so the folder swapped for a link after submit redirects nothing.
+        self._held = storage.hold_dir(root)
+        self._io = self._held.path  # root itself for a URL
         self._key = key
         self._keep_last = keep_last
         self._record = record
-        storage.makedirs(root)
         self._digests: dict[int, str] = {}  # step -> digest of the manifest verified (or written) here
         self._reports: dict[int, dict[int, Any]] = {}  # step -> rank -> ShardReport
         self._pruner: threading.Thread | None = None
@@ -61,7 +64,7 @@ class JobCheckpoints:
     def latest(self) -> int | None:
         """The newest committed step at start-up (signatures checked; the launch re-verifies fully), after
         refusing the forged or unsigned ones newer than it: a step this job never believes it has."""
-        found = resolve_latest(self.root, checksums=False, key=self._key)
+        found = resolve_latest(self._io, checksums=False, key=self._key)
         for skipped in found.skipped:
             if skipped.refused:
                 self._refuse(skipped.step, skipped.step_dir, skipped.reason)
@@ -89,15 +92,15 @@ class JobCheckpoints:
         """
         if wanted is None:
             return None
-        for step, directory in reversed(list_steps(self.root)):
+        for step, directory in reversed(list_steps(self._io)):
             if step > wanted:
                 continue
             try:
                 manifest = verify(directory, key=self._key)
             except ManifestSignatureError as err:
-                self._refuse(step, directory, str(err))
+                self._refuse(step, directory, self._held.shown(str(err)))
             except CheckpointError as err:
-                self._record("checkpoint_skipped", f"step {step}: {err}")
+                self._record("checkpoint_skipped", self._held.shown(f"step {step}: {err}"))
             else:
                 if not may_resume(manifest.job_id, self.job_id, self._resume_owners):
                     self._record("checkpoint_skipped", f"step {step}: committed by a job this one may not resume from")
@@ -111,7 +114,7 @@ class JobCheckpoints:
         """Write the manifest of ``step`` (atomically, last) for the layout ``parallel``; the outcome is the
         state machine's next event: only CommitSucceeded makes the step a checkpoint anything resumes from."""
         reports = self._reports.pop(step, {})
-        directory = step_dir(self.root, step)
+        directory = step_dir(self._io, step)
         try:
             manifest = commit(
                 directory,
@@ -123,7 +126,7 @@ class JobCheckpoints:
                 job_id=self.job_id,
             )
         except Exception as err:  # the step does not count; restore uses the previous one
-            return CommitFailed(step=step, error=f"{type(err).__name__}: {err}")
+            return CommitFailed(step=step, error=self._held.shown(f"{type(err).__name__}: {err}"))
         self._digests[step] = manifest.digest  # written and signed here: its digest is known
         for stale in [s for s in self._reports if s < step]:
             self._reports.pop(stale)
@@ -143,13 +146,14 @@ class JobCheckpoints:
         directory = step_dir(self.root, step)
         out = job_export_dir(self.root)  # joined, never resolved: a link planted there is refused by the task
         try:
-            digest = self._digests.get(step) or verify(directory, checksums=False, key=self._key).digest
+            digest = self._digests.get(step) or verify(step_dir(self._io, step), checksums=False, key=self._key).digest
             # The task has no key: it exports only the manifest verified here (its digest), so a manifest
             # swapped in before the task reads it (it may wait for a CPU) is refused, not unpickled.
             ref = submit_export(step_dir=directory, out_dir=out, model=model, source_dir=model.hf_path,
                                 expect_digest=digest, replace_existing=True)
         except Exception as err:
-            answer(ExportFailed(step=step, checkpoint_dir=directory, error=f"could not start the export task: {err}"))
+            answer(ExportFailed(step=step, checkpoint_dir=directory,
+                                error=self._held.shown(f"could not start the export task: {err}")))
             return
         self._export_ref = ref
 
@@ -183,7 +187,7 @@ class JobCheckpoints:
                                          os.path.basename(aside), field="checkpoint.path")
             where = f"moved to {storage.basename(aside)}"
         except (OSError, UnsafePathError) as err:
-            where = f"could not be moved aside ({err})"
+            where = self._held.shown(f"could not be moved aside ({err})")
         self._record("checkpoint_refused", f"step {step}: {reason}; not loaded, {where}")
 
     def _prune_in_background(self) -> None:
@@ -209,7 +213,7 @@ class JobCheckpoints:
                         self._prune_wanted = False
                     try:
                         # Only step directories whose signed manifests name this job are ever deleted.
-                        prune(self.root, keep_last=self._keep_last, key=self._key, owner=self.job_id)
+                        prune(self._io, keep_last=self._keep_last, key=self._key, owner=self.job_id)
                     except Exception as err:  # never fatal: old checkpoints just stay on disk a while longer
                         log.warning("pruning %s failed: %s", self.root, err)
 

@@ -28,7 +28,7 @@ from etrain.workers.checkpoint import save_checkpoint
 from etrain.workers.checkpoint_commit import commit, step_dir
 from etrain.workers.hf_io import export_hf, load_hf_weights
 from etrain.workers.model import build_model
-from etrain.workers.protocol.errors import UnsafePathError
+from etrain.workers.protocol.errors import CheckpointError, UnsafePathError
 from etrain.workers.protocol.run_config import ModelConfig
 
 LLAMA = ModelConfig(arch="llama", n_layers=2, d_model=16, n_heads=4, n_kv_heads=2, d_ff=32, vocab_size=32, seq_len=8)
@@ -139,3 +139,44 @@ def test_an_hf_export_link_in_a_checkpoint_folder_is_refused_and_its_target_surv
         assert sorted(os.listdir(root / HF_EXPORT_DIR)) == ["config.json", "model.safetensors"]
     finally:
         storage.rmtree(root / HF_EXPORT_DIR)
+
+
+def test_a_checkpoint_folder_swapped_for_a_link_after_start_gets_no_write_commit_or_prune(tmp_path):
+    """(c) the checkpoint folder is swapped for a link to another tenant's folder after the job started.
+    Before, every save, commit and prune went by name, so they went through the link: shards and a signed
+    manifest written into the victim's folder, its old steps pruned. Now the rank and the supervisor each
+    hold the folder by descriptor (``storage.hold_dir``): the four saves, their commits and the prunes all
+    land in the folder that passed, and the victim's folder is byte-for-byte what it was."""
+    from etrain.service.runtime.job_checkpoints import JobCheckpoints
+    from etrain.service.decisions.supervisor_events import CommitSucceeded
+    from etrain.workers.protocol.run_config import ParallelConfig
+
+    root, moved, victim = tmp_path / "runs" / "job", tmp_path / "runs" / "job-real", tmp_path / "bob"
+    victim.mkdir()
+    (victim / "step_1").mkdir()
+    (victim / "step_1" / "manifest.json").write_text("bob's")
+    before = {str(p): p.read_bytes() for p in victim.rglob("*") if p.is_file()}
+    events: list[tuple[str, str]] = []
+    key = b"k" * 32
+    checkpoints = JobCheckpoints(job_id="job", root=str(root), key=key, keep_last=1,
+                                 record=lambda kind, detail: events.append((kind, detail)))
+    rank_root = storage.hold_dir(str(root))  # what the rank's attempt holds (workers/worker.py)
+    os.rename(root, moved)
+    os.symlink(victim, root)
+    model = build_model(LLAMA, seed=0)
+    optimizer = torch.optim.AdamW(model.parameters())
+    for step in (2, 4, 6, 8):
+        report = save_checkpoint(rank_root.inside(step_dir(str(root), step)), [model], [optimizer], {"step": step})
+        checkpoints.reported(step, 0, report)
+        assert isinstance(checkpoints.commit(step, parallel=ParallelConfig(), world_size=1), CommitSucceeded)
+        checkpoints.wait_for_prune(30)
+    rank_root.close()
+    assert {str(p): p.read_bytes() for p in victim.rglob("*") if p.is_file()} == before
+    assert sorted(os.listdir(moved)) == [os.path.basename(step_dir(str(moved), 8))]  # committed and pruned there
+    assert checkpoints.resume_from(8)[0] == step_dir(str(root), 8)  # what other processes are told: the name
+    # A link planted at a step's name is refused where the step is cleared, never written through.
+    os.symlink(victim, moved / "step_10")
+    with pytest.raises(CheckpointError, match="is a symbolic link") as err:  # the save's refusal, on every rank
+        save_checkpoint(os.path.join(checkpoints._io, "step_10"), [model], [optimizer], {"step": 10})
+    assert f"checkpoint.path='{moved / 'step_10'}'" in str(err.value) and "/proc/" not in str(err.value)
+    assert {str(p): p.read_bytes() for p in victim.rglob("*") if p.is_file()} == before

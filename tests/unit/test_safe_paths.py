@@ -214,3 +214,39 @@ def test_a_weights_index_may_name_only_files_of_its_own_folder(layout):
     (model / "model.safetensors.index.json").symlink_to(layout["secret"])
     with pytest.raises(UnsafePathError):
         weight_files(model)
+
+
+def test_a_held_folder_swapped_for_a_link_keeps_every_write_in_the_folder_that_passed(tmp_path):
+    """Issue #17, item (a) of the session notes: the checkpoint folder is held by descriptor. Swapped for a
+    link to another folder after it was opened, writes, listings and deletes under the held name still
+    reach the folder that passed; the link's target sees nothing. Links *below* it are refused as ever."""
+    root, outside = tmp_path / "runs" / "mine", tmp_path / "victim"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("victim's")
+    with safe_paths.HeldDir(root, field="checkpoint.path") as held:  # made: it did not exist
+        assert root.is_dir() and held.given == str(root)
+        assert held.path.startswith("/proc/self/fd/") and held.path != str(root)
+        (root / "step_1").mkdir()
+        os.rename(root, tmp_path / "runs" / "moved")  # the attacker swaps the name for a link
+        os.symlink(outside, root)
+        step = held.inside(str(root / "step_1"))
+        assert step == os.path.join(held.path, "step_1") and held.inside(str(outside)) == str(outside)
+        fd = safe_paths.open_path(os.path.join(step, "shard.bin"), os.O_WRONLY | os.O_CREAT, field="checkpoint.path")
+        os.write(fd, b"shard")
+        os.close(fd)
+        os.close(safe_paths.open_dir(os.path.join(held.path, "logs", "job"), field="checkpoint.path", create=True))
+        assert safe_paths.list_names(held.path, field="checkpoint.path") == ["logs", "step_1"]
+        assert safe_paths.remove_tree(step, field="checkpoint.path")
+        assert sorted(os.listdir(outside)) == ["keep.txt"]  # nothing written, listed or deleted there
+        assert sorted(os.listdir(tmp_path / "runs" / "moved")) == ["logs"]
+        # What a person reads is the folder's real name, wherever it is now.
+        assert safe_paths.display(os.path.join(held.path, "step_2")) == str(tmp_path / "runs" / "moved" / "step_2")
+        assert held.shown(f"no space at {held.path}/step_2") == f"no space at {root}/step_2"
+        os.symlink(outside, tmp_path / "runs" / "moved" / "step_3")  # a link planted below the held folder
+        with pytest.raises(UnsafePathError, match="checkpoint.path"):
+            safe_paths.open_dir(os.path.join(held.path, "step_3"), field="checkpoint.path", create=True)
+        with pytest.raises(UnsafePathError):
+            safe_paths.remove_tree(os.path.join(held.path, "step_3"), field="checkpoint.path")
+        assert (outside / "keep.txt").read_text() == "victim's"
+    with pytest.raises(UnsafePathError, match="checkpoint.path"):  # a held folder is never reached through a link
+        safe_paths.HeldDir(root, field="checkpoint.path")
