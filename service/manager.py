@@ -37,7 +37,7 @@ from etrain.service.runtime.control import ChaosHandOver, ControlQueue, ControlR
 from etrain.service.decisions.admission import Admit
 from etrain.service.decisions.elastic import ElasticPolicy, ResizeError
 from etrain.service.jobs.checkpoints import committed_step
-from etrain.service.jobs.policy import policy_for
+from etrain.service.decisions.job_policy import policy_for
 from etrain.service.jobs.poller import SupervisorPoller
 from etrain.service.jobs.scheduler import Scheduler
 from etrain.service.errors import (ChaosDisabled, JobConflict, JobNotFound, RankNotFound, ServiceUnavailable,

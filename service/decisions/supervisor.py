@@ -92,7 +92,7 @@ any non-terminal status; "fault" and [n] are explained under the table::
       While blocked on capacity it records waiting_for_capacity (again whenever what it waits for
       changes) and fails once capacity_wait_timeout_s passed without a group becoming ready (so
       launches that keep failing to place cannot loop for free).
-  [6] Export (``config.export``): a job that trained every step stops its group first (the ranks'
+  [6] Export (``config.policy.export``): a job that trained every step stops its group first (the ranks'
       memory and devices are freed before the export reads the checkpoint), then writes the final
       committed checkpoint as a Hugging Face folder. It is SUCCEEDED only once that folder exists
       (``state.hf_export``); a failed or timed-out export fails the job but leaves the checkpoint,

@@ -49,7 +49,7 @@ def start_export(state: SupervisorState, now: float, config: SupervisorConfig, r
         started,
         [*actions, RecordEvent(kind="exporting", detail=f"checkpoint step {step} to Hugging Face format"),
          ExportCheckpoint(step=step)],
-        f"{reason}; export of step {step} started (export_timeout_s={config.export_timeout_s:g})",
+        f"{reason}; export of step {step} started (export_timeout_s={config.policy.export_timeout_s:g})",
     )
 
 
@@ -62,8 +62,8 @@ def export_tick(state: SupervisorState, now: float, config: SupervisorConfig) ->
                     f"stop_timeout_s={config.stop_timeout_s:g}; exporting anyway")
             return start_export(state, now, config, what, (RecordEvent(kind="stop_timeout", detail=what),))
         return decision(state, [], "tick: waiting for the group to stop before the export")
-    if now - state.export_started_at > config.export_timeout_s:
-        why = (f"did not finish within export_timeout_s={config.export_timeout_s:g} "
+    if now - state.export_started_at > config.policy.export_timeout_s:
+        why = (f"did not finish within export_timeout_s={config.policy.export_timeout_s:g} "
                f"({now - state.export_started_at:.0f}s)")
         return terminal(state, now, Status.FAILED, _export_error(state.exporting_step, None, why, config), [])
     return decision(state, [], "tick: exporting")

@@ -51,8 +51,9 @@ def on_worker_lost(
 
 def _can_repair(state: SupervisorState, event: WorkerLost, config: SupervisorConfig) -> bool:
     """[9] One known rank of a running group, a committed step to resume, nothing planned to stop for."""
-    return (config.in_place and state.group is GroupPhase.UP and 0 <= event.rank < config.world_size(state.dp)
-            and state.last_committed_step is not None and state.restarts_used < config.max_restarts
+    return (config.policy.in_place and state.group is GroupPhase.UP
+            and 0 <= event.rank < config.world_size(state.dp)
+            and state.last_committed_step is not None and state.restarts_used < config.policy.max_restarts
             and state.pending_evict_node is None and state.pending_resize_dp is None)
 
 
@@ -72,7 +73,7 @@ def _repair(state: SupervisorState, now: float, config: SupervisorConfig, rank: 
         checkpoint_reports=frozenset(),
         committing=frozenset(),  # a late answer about the old attempt's commit is ignored [3]
     )
-    detail = (f"restart {repaired.restarts_used}/{config.max_restarts} in place: rank {rank} replaced, the other "
+    detail = (f"restart {repaired.restarts_used}/{config.policy.max_restarts} in place: rank {rank} replaced, the other "
               f"ranks kept, resuming step {step}")
     actions: list[Action] = [
         RecordEvent(kind="worker_failed", detail=what),
@@ -101,7 +102,7 @@ def on_node_loss_confirmed(
     """A process fault turned out to be a node loss [8]: refund its restart, re-fit to the capacity left."""
     refunded = replace(state, restarts_used=max(0, state.restarts_used - 1), available_dp=event.available_dp)
     detail = (f"node {event.node} of the rank lost in attempt {event.failed_attempt} was declared dead: a node "
-              f"loss, not the job's fault; restarts used {refunded.restarts_used}/{config.max_restarts}")
+              f"loss, not the job's fault; restarts used {refunded.restarts_used}/{config.policy.max_restarts}")
     actions: list[Action] = [RecordEvent(kind="restart_refunded", detail=detail)]
     fit = fit_dp(refunded, config)
     if state.group is GroupPhase.LAUNCHING and fit != state.dp:

@@ -93,7 +93,7 @@ def on_finished(state: SupervisorState, event: Finished, now: float, config: Sup
     if state.status is not Status.RUNNING:
         return ignore(state, f"Finished in {state.status.value}")
     done = replace(state, step=max(state.step, event.final_step))
-    if event.final_step >= config.total_steps and config.export:
+    if event.final_step >= config.total_steps and config.policy.export:
         return begin_export(done, now, config, event.final_step)
     if event.final_step >= config.total_steps:
         detail = f"finished {event.final_step}/{config.total_steps} steps"
@@ -139,13 +139,13 @@ def on_tick(state: SupervisorState, event: Tick, now: float, config: SupervisorC
     since = state.group_since if state.group_since is not None else now
     if state.group is GroupPhase.UP:
         idle = now - (state.last_progress_at if state.last_progress_at is not None else now)
-        if idle > config.heartbeat_timeout_s:
+        if idle > config.policy.heartbeat_timeout_s:
             return fault(
                 state, now, config, "hang_detected",
-                f"no step progress for {idle:.0f}s (heartbeat_timeout_s={config.heartbeat_timeout_s:g}), "
+                f"no step progress for {idle:.0f}s (heartbeat_timeout_s={config.policy.heartbeat_timeout_s:g}), "
                 f"stuck at step {state.step}",
             )
-        if state.pending and now - state.checkpoint_requested_at > config.checkpoint_timeout_s:
+        if state.pending and now - state.checkpoint_requested_at > config.policy.checkpoint_timeout_s:
             return pending_checkpoint_timed_out(state, now, config)
         return decision(state, [], "tick: running")
     if state.group is GroupPhase.LAUNCHING:

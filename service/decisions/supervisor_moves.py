@@ -87,8 +87,8 @@ def terminal(
 def fault(state: SupervisorState, now: float, config: SupervisorConfig, kind: str, what: str) -> Decision:
     """A group failure the job may survive: restart after backoff, spending one restart."""
     actions: list[Action] = [RecordEvent(kind=kind, detail=what)]
-    if state.restarts_used >= config.max_restarts:
-        error = f"{what}; restarted {state.restarts_used} times, max_restarts={config.max_restarts}"
+    if state.restarts_used >= config.policy.max_restarts:
+        error = f"{what}; restarted {state.restarts_used} times, max_restarts={config.policy.max_restarts}"
         return terminal(state, now, Status.FAILED, error, actions)
     delay = backoff_delay(state.restarts_used, config)
     stopped, stop_actions = stop_group(state, now, what)
@@ -104,11 +104,11 @@ def fault(state: SupervisorState, now: float, config: SupervisorConfig, kind: st
     actions += [
         RecordEvent(
             kind="restarting",
-            detail=f"restart {state.restarts_used + 1}/{config.max_restarts} from {resume} in {delay:g}s",
+            detail=f"restart {state.restarts_used + 1}/{config.policy.max_restarts} from {resume} in {delay:g}s",
         ),
         ScheduleWake(at=now + delay),
     ]
-    reason = f"{what}: restart {state.restarts_used + 1}/{config.max_restarts} after {delay:g}s backoff"
+    reason = f"{what}: restart {state.restarts_used + 1}/{config.policy.max_restarts} after {delay:g}s backoff"
     if recovering.group is GroupPhase.NONE:
         return try_launch(recovering, now, config, actions, reason)
     return decision(recovering, actions, reason)
@@ -155,7 +155,7 @@ def maybe_resize(
     fit = fit_dp(state, config)
     if fit is None:
         detail = (
-            f"capacity {state.available_dp} replica(s) is below min_dp={config.min_dp}; "
+            f"capacity {state.available_dp} replica(s) is below min_dp={config.policy.min_dp}; "
             f"keeping dp={state.dp} while the group runs"
         )
         low = RecordEvent(kind="capacity_low", detail=detail)
@@ -226,7 +226,7 @@ def carry_out_pending(
 
 def pending_checkpoint_timed_out(state: SupervisorState, now: float, config: SupervisorConfig) -> Decision:
     waited = f"no checkpoint committed {now - state.checkpoint_requested_at:.0f}s after the request " \
-             f"(checkpoint_timeout_s={config.checkpoint_timeout_s:g})"
+             f"(checkpoint_timeout_s={config.policy.checkpoint_timeout_s:g})"
     if state.pending_evict_node is not None:
         # A straggler slows every step from now on: losing the steps since the last commit is cheaper.
         timeout = RecordEvent(kind="checkpoint_timeout", detail=waited)
@@ -288,19 +288,19 @@ def wait_for_capacity(
         waiting_for = "a capacity report after losing or excluding a node"
     else:
         waiting_for = (
-            f"capacity for min_dp={config.min_dp} legal replica(s) "
+            f"capacity for min_dp={config.policy.min_dp} legal replica(s) "
             f"(the cluster can place {state.available_dp})"
         )
     since = state.capacity_wait_since if state.capacity_wait_since is not None else now
-    if now - since > config.capacity_wait_timeout_s:
+    if now - since > config.policy.capacity_wait_timeout_s:
         return terminal(
             state, now, Status.FAILED,
             f"gave up after {now - since:.0f}s waiting for {waiting_for} "
-            f"(capacity_wait_timeout_s={config.capacity_wait_timeout_s:g})",
+            f"(capacity_wait_timeout_s={config.policy.capacity_wait_timeout_s:g})",
             actions,
         )
     waiting = replace(state, capacity_wait_since=since, waiting_for=waiting_for)
     if waiting_for != state.waiting_for:
-        detail = f"waiting for {waiting_for}; failing after {config.capacity_wait_timeout_s:g}s"
+        detail = f"waiting for {waiting_for}; failing after {config.policy.capacity_wait_timeout_s:g}s"
         actions = [*actions, RecordEvent(kind="waiting_for_capacity", detail=detail)]
     return decision(waiting, actions, f"{reason}; waiting for {waiting_for} ({now - since:.0f}s so far)")

@@ -58,7 +58,7 @@ def on_scale(
     if not policy.is_legal(event.dp):
         why = (
             f"dp={event.dp} rejected: legal sizes for global_batch={config.global_batch}, "
-            f"micro_batch={config.micro_batch} in [min_dp={config.min_dp}, max_dp={config.max_dp}] "
+            f"micro_batch={config.micro_batch} in [min_dp={config.policy.min_dp}, max_dp={config.policy.max_dp}] "
             f"are {policy.legal_sizes()}"
         )
         return decision(state, [RecordEvent(kind="scale_rejected", detail=why)], why)

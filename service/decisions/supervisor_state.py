@@ -11,12 +11,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from etrain.service.decisions.elastic import ElasticPolicy, ResizeError
+from etrain.service.decisions.job_policy import JobPolicy
 from etrain.service.decisions.job_status import Status
 from etrain.service.decisions.supervisor_events import Action
 from etrain.workers import layout_rules
 from etrain.workers.protocol.errors import EtrainError
+
+if TYPE_CHECKING:
+    from etrain.workers.protocol.run_config import RunConfig
 
 __all__ = [
     "Decision", "GroupPhase", "SupervisorConfig", "SupervisorConfigError", "SupervisorState", "backoff_delay",
@@ -39,46 +44,60 @@ class GroupPhase(str, Enum):
 
 @dataclass(frozen=True, kw_only=True)
 class SupervisorConfig:
+    """The job's sizes (from its run config) and its policy, held whole (service/decisions/job_policy.py):
+    restarts, timeouts, backoff, the elastic range and export are read as ``config.policy.<name>``."""
+
     total_steps: int
     global_batch: int
     micro_batch: int
-    min_dp: int
-    max_dp: int
+    policy: JobPolicy
     tp: int = 1
     pp: int = 1
     dp_multiple: int = 1  # HSDP: every dp the job runs at stays a multiple of dp_replicate
-    max_restarts: int = 3  # faults survived before FAILED (node loss/resize/evict are free)
-    heartbeat_timeout_s: float = 300.0  # RUNNING with no step progress this long = hang
-    start_timeout_s: float = 600.0  # LaunchGroup -> GroupReady
     stop_timeout_s: float = 120.0  # StopGroup -> GroupStopped
-    checkpoint_timeout_s: float = 300.0  # RequestCheckpoint -> committed
-    capacity_wait_timeout_s: float = 1800.0  # waiting for min_dp replicas / a capacity report
-    backoff_base_s: float = 5.0
-    backoff_max_s: float = 300.0
-    in_place: bool = True  # repair a single lost rank in place [9] instead of relaunching every rank
     fail_on_nonfinite_loss: bool = True
-    export: bool = False  # write the final checkpoint as a Hugging Face folder before SUCCEEDED
-    export_timeout_s: float = 3600.0  # ExportCheckpoint -> Exported
     job_id: str = "JOB_ID"  # only for messages (the `etrain export` retry command)
 
+    @classmethod
+    def of(cls, policy: JobPolicy, config: RunConfig, *, job_id: str) -> "SupervisorConfig":
+        """The state machine's config for a job: the sizes of its run config, the limits of its policy."""
+        return cls(
+            total_steps=config.training.steps,
+            global_batch=config.training.global_batch,
+            micro_batch=config.training.micro_batch,
+            policy=policy,
+            tp=config.parallel.tp,
+            pp=config.parallel.pp,
+            dp_multiple=config.parallel.dp_replicate,
+            job_id=job_id,
+        )
+
+    @property
+    def start_timeout_s(self) -> float:
+        """LaunchGroup -> GroupReady: the policy's, never shorter than its heartbeat timeout."""
+        return max(self.policy.start_timeout_s, self.policy.heartbeat_timeout_s)
+
     def __post_init__(self) -> None:
-        # ``field`` names the setting (this config's name) so that spec validation, which builds this
-        # config at submit to run these same rules, can name the spec field (service/planning/spec_checks.py).
+        # ``field`` names the setting (the policy's or this config's name) so that spec validation, which
+        # builds this config at submit to run these same rules, can name the spec field
+        # (service/planning/spec_checks.py).
         def need(ok: bool, message: str, field: str) -> None:
             if not ok:
                 raise SupervisorConfigError(message, field=field)
 
+        policy = self.policy
         need(self.total_steps >= 1, f"total_steps={self.total_steps} must be >= 1", "total_steps")
         need(self.tp >= 1 and self.pp >= 1, f"tp={self.tp} and pp={self.pp} must be >= 1", "tp")
-        need(self.max_restarts >= 0, f"max_restarts={self.max_restarts} must be >= 0", "max_restarts")
-        for name in ("heartbeat_timeout_s", "start_timeout_s", "stop_timeout_s",
-                     "checkpoint_timeout_s", "capacity_wait_timeout_s", "export_timeout_s"):
-            value = getattr(self, name)
+        need(policy.max_restarts >= 0, f"max_restarts={policy.max_restarts} must be >= 0", "max_restarts")
+        for owner, name in ((policy, "heartbeat_timeout_s"), (self, "start_timeout_s"), (self, "stop_timeout_s"),
+                            (policy, "checkpoint_timeout_s"), (policy, "capacity_wait_timeout_s"),
+                            (policy, "export_timeout_s")):
+            value = getattr(owner, name)
             need(value > 0, f"{name}={value} must be > 0 seconds (every wait has a timeout)", name)
-        need(self.backoff_base_s >= 0, f"backoff_base_s={self.backoff_base_s} must be >= 0", "backoff_base_s")
+        need(policy.backoff_base_s >= 0, f"backoff_base_s={policy.backoff_base_s} must be >= 0", "backoff_base_s")
         need(
-            self.backoff_max_s >= self.backoff_base_s,
-            f"backoff_max_s={self.backoff_max_s} must be >= backoff_base_s={self.backoff_base_s}",
+            policy.backoff_max_s >= policy.backoff_base_s,
+            f"backoff_max_s={policy.backoff_max_s} must be >= backoff_base_s={policy.backoff_base_s}",
             "backoff_max_s",
         )
         try:
@@ -91,8 +110,8 @@ class SupervisorConfig:
         return ElasticPolicy(
             global_batch=self.global_batch,
             micro_batch=self.micro_batch,
-            min_dp=self.min_dp,
-            max_dp=self.max_dp,
+            min_dp=self.policy.min_dp,
+            max_dp=self.policy.max_dp,
             dp_multiple=self.dp_multiple,
         )
 
@@ -166,7 +185,8 @@ def initial_state(
 
 def backoff_delay(restarts_used: int, config: SupervisorConfig) -> float:
     """Seconds before the next restart: ``backoff_base_s * 2**restarts_used``, capped."""
-    return min(config.backoff_max_s, config.backoff_base_s * 2.0 ** min(restarts_used, 64))
+    policy = config.policy
+    return min(policy.backoff_max_s, policy.backoff_base_s * 2.0 ** min(restarts_used, 64))
 
 
 @dataclass(frozen=True, kw_only=True)

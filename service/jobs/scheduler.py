@@ -21,8 +21,8 @@ from typing import Any
 
 from etrain.service.access.tenancy import Principal
 from etrain.service.decisions import admission
+from etrain.service.decisions.job_policy import gang_for
 from etrain.service.errors import JobConflict, ServiceUnavailable, SpecRejected
-from etrain.service.jobs.policy import gang_for
 from etrain.service.planning.spec import JobSpec, SpecProblem
 from etrain.service.runtime.cluster import Runtime
 from etrain.service.settings import Settings

@@ -10,13 +10,14 @@ engine applies), warm-up, the elastic range and the world size, and the supervis
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
 from pydantic import BaseModel
 
 from etrain.service.planning.bounds import MAX_WORKERS
-from etrain.service.planning.spec import _HF_EXCLUSIVE_FIELDS, JobSpec, SpecProblem
+from etrain.service.planning.spec import _HF_EXCLUSIVE_FIELDS, JobSpec, ParallelismSpec, SpecProblem
 from etrain.workers import families, layout_rules
 from etrain.workers.protocol.errors import ConfigError
 from etrain.workers.protocol.run_config import MODEL_PRESETS
@@ -154,67 +155,66 @@ def _world_problems(spec: JobSpec) -> list[SpecProblem]:
     return problems
 
 
-#: Settings of the supervisor (service/decisions/supervisor_state.py ``SupervisorConfig``, service/decisions/elastic.py) -> the
-#: spec field they come from.
-_POLICY_FIELDS = {
-    "total_steps": "training.steps",
-    "global_batch": "training.global_batch",
-    "micro_batch": "training.micro_batch",
-    "min_dp": "resources.min_dp",
-    "max_dp": "resources.max_dp",
-    "dp": "parallelism.dp",
-    "dp_replicate": "parallelism.dp_replicate",
-    "tp": "parallelism.tp",
-    "max_restarts": "fault_tolerance.max_restarts",
-    "heartbeat_timeout_s": "fault_tolerance.heartbeat_timeout_s",
-    "backoff_base_s": "fault_tolerance.backoff_base_s",
-    "backoff_max_s": "fault_tolerance.backoff_max_s",
-}
+def _policy_fields() -> dict[str, str]:
+    """Settings of the supervisor (service/decisions/supervisor_state.py ``SupervisorConfig``, its policy
+    service/decisions/job_policy.py, service/decisions/elastic.py) -> the spec field they come from."""
+    from etrain.service.decisions.job_policy import FROM_SPEC
+
+    return {
+        "total_steps": "training.steps",
+        "global_batch": "training.global_batch",
+        "micro_batch": "training.micro_batch",
+        "dp": "parallelism.dp",
+        "dp_replicate": "parallelism.dp_replicate",
+        "tp": "parallelism.tp",
+        **{name: fields[0] for name, fields in FROM_SPEC.items()},
+    }
+
+
 _BATCH_FIELDS = frozenset({"training.global_batch", "training.micro_batch", "resources.min_dp", "resources.max_dp",
                            "parallelism.dp", "parallelism"})
 
 
 def _policy_problems(spec: JobSpec, found: list[SpecProblem]) -> list[SpecProblem]:
     """The rules the job's supervisor enforces when it is created, run here, at submit, by building the
-    same objects: ``SupervisorConfig`` (steps, restarts, timeouts, ``backoff_max_s >= backoff_base_s``,
-    the elastic dp range: ``ElasticPolicy`` and the initial dp) and ``StragglerConfig``. A spec they
-    refuse is a 422 naming the field, never a job that is recorded and then fails to start.
+    same objects: its policy (``policy_for``: ``StragglerConfig``) and ``SupervisorConfig`` (steps,
+    restarts, timeouts, ``backoff_max_s >= backoff_base_s``, the elastic dp range: ``ElasticPolicy`` and
+    the initial dp). A spec they refuse is a 422 naming the field, never a job that is recorded and then
+    fails to start.
 
     An auto spec is checked with one rank (min_dp = max_dp = dp = 1) until the planner has chosen its
     layout (the manager checks the resolved spec again). Batch/dp problems ``check_spec`` already
     reported are not reported twice, and a dp that dp_replicate does not divide is left to the
     planner's rule, whose message says more.
     """
-    from etrain.service.decisions.stragglers import StragglerConfig, StragglerConfigError
+    from etrain.service.decisions.job_policy import policy_for
+    from etrain.service.decisions.stragglers import StragglerConfigError
     from etrain.service.decisions.supervisor_state import SupervisorConfig, SupervisorConfigError, initial_state
 
-    training, tolerance = spec.training, spec.fault_tolerance
-    if spec.is_auto:
-        tp = pp = dp = min_dp = max_dp = multiple = 1
-    else:
-        layout = spec.layout
-        tp, pp, dp, min_dp, max_dp = layout.tp, layout.pp, layout.dp, spec.min_dp, spec.max_dp
-        multiple = 1 if layout_rules.dp_replicate_problems(dp, layout.dp_replicate) else layout.dp_replicate
+    training = spec.training
+    try:
+        if spec.is_auto:
+            tp = pp = dp = multiple = 1
+            policy = dataclasses.replace(policy_for(spec.with_layout(ParallelismSpec())), min_dp=1, max_dp=1)
+        else:
+            layout = spec.layout
+            tp, pp, dp = layout.tp, layout.pp, layout.dp
+            multiple = 1 if layout_rules.dp_replicate_problems(dp, layout.dp_replicate) else layout.dp_replicate
+            policy = policy_for(spec)
+    except StragglerConfigError as err:  # the spec's bounds are as tight; a rule StragglerConfig adds is still a 422
+        return [SpecProblem(field="stragglers", message=f"stragglers: {err.message}.", fix=err.fix)]
     problems: list[SpecProblem] = []
     try:
         config = SupervisorConfig(
             total_steps=training.steps, global_batch=training.global_batch, micro_batch=training.micro_batch,
-            min_dp=min_dp, max_dp=max_dp, tp=tp, pp=pp, dp_multiple=multiple,
-            max_restarts=tolerance.max_restarts, heartbeat_timeout_s=tolerance.heartbeat_timeout_s,
-            backoff_base_s=tolerance.backoff_base_s, backoff_max_s=tolerance.backoff_max_s,
+            policy=policy, tp=tp, pp=pp, dp_multiple=multiple,
         )
         initial_state(config, dp=dp)
     except SupervisorConfigError as err:
-        field = _POLICY_FIELDS.get(err.field or "", "fault_tolerance")
+        field = _policy_fields().get(err.field or "", "fault_tolerance")
         if not (field in _BATCH_FIELDS and any(p.field in _BATCH_FIELDS for p in found)):
             problems.append(SpecProblem(field=field, message=f"{field}: {err.message}.",
                                         fix=err.fix or _POLICY_FIX.get(field)))
-    stragglers = spec.stragglers
-    try:
-        StragglerConfig(enabled=stragglers.enabled, window=stragglers.window, threshold=stragglers.threshold,
-                        patience=stragglers.patience)
-    except StragglerConfigError as err:
-        problems.append(SpecProblem(field="stragglers", message=f"stragglers: {err.message}.", fix=err.fix))
     return problems
 
 

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 from etrain.service.decisions.admission import ClusterView, NodeView
 from etrain.service.errors import ServiceUnavailable
 from etrain.service.runtime.hf_export import run_export
-from etrain.service.runtime.job_policy import JobPolicy
+from etrain.service.decisions.job_policy import JobPolicy
 from etrain.service.runtime.supervisor_actor import find_supervisor, start_supervisor
 from etrain.service.settings import Settings
 from etrain.service.runtime.worker_group import NAMESPACE

@@ -13,10 +13,11 @@ a restarted API server reattaches to it and loses nothing. Its only job is trans
 All decisions happen on one control thread (``_loop``); other threads (Ray method calls, group
 launch/stop workers) only enqueue events, so the state is never touched concurrently.
 
-The actor's parts with a job of their own live beside it: its policy (job_policy.py), its checkpoints on
-storage (job_checkpoints.py: verify, commit, prune, export), rank 0's step reports (step_reports.py), the
-cluster's capacity and node verdicts (capacity_watch.py), its gauges (job_metrics.py), the export task
-(hf_export.py) and, only when enabled, its drills (chaos_drills.py).
+It runs by the job's policy (``JobPolicy``, service/decisions/job_policy.py), handed over whole at its start.
+The actor's parts with a job of their own live beside it: its checkpoints on storage (job_checkpoints.py:
+verify, commit, prune, export), rank 0's step reports (step_reports.py), the cluster's capacity and node
+verdicts (capacity_watch.py), its gauges (job_metrics.py), the export task (hf_export.py) and, only when
+enabled, its drills (chaos_drills.py).
 """
 
 from __future__ import annotations
@@ -39,12 +40,12 @@ from etrain.service.decisions.supervisor_events import (
     RecordEvent, RepairFailed, RepairGroup, RequestCheckpoint, ScaleRequested, ScheduleWake, Start, StopGroup, Tick,
     WorkerLost,
 )
-from etrain.service.decisions.supervisor_state import GroupPhase, initial_state
+from etrain.service.decisions.job_policy import JobPolicy
+from etrain.service.decisions.supervisor_state import GroupPhase, SupervisorConfig, initial_state
 from etrain.service.errors import ChaosDisabled
 from etrain.service.runtime.capacity_watch import CapacityWatch
 from etrain.service.runtime.job_checkpoints import JobCheckpoints
 from etrain.service.runtime.job_metrics import JobMetrics
-from etrain.service.runtime.job_policy import JobPolicy, supervisor_config
 from etrain.service.runtime.spares import HEAD_NODE_RESOURCE
 from etrain.service.runtime.step_reports import StepReports
 from etrain.service.runtime.worker_group import NAMESPACE, GroupOutcome, PlacementTimeout, WorkerGroup
@@ -71,7 +72,7 @@ class JobSupervisor:
         self.job_id = job_id
         self.config = config
         self.policy = policy
-        self.sm_config = supervisor_config(policy, config, job_id=job_id)
+        self.sm_config = SupervisorConfig.of(policy, config, job_id=job_id)
         if policy.checkpoint_key is None:  # fail closed: an unsigned commit or an unverified load is never right
             raise ValueError(f"job {job_id}: the supervisor needs the service's checkpoint key (JobPolicy.checkpoint_key)")
         #: A resolved local folder or an ``s3://`` URL (workers/storage.py): manifests, verification, pruning,
@@ -233,7 +234,7 @@ class JobSupervisor:
         self._drain(now)
         group = self._group
         if group is not None and group.attempt == self.state.attempt:
-            outcome = group.poll(now, restarts_left=self.state.restarts_used < self.sm_config.max_restarts)
+            outcome = group.poll(now, restarts_left=self.state.restarts_used < self.policy.max_restarts)
             if outcome is not None:
                 # Ranks have their reports acknowledged before run() returns: take them in first,
                 # so a final checkpoint is committed before the group's end is acted on.

@@ -181,8 +181,7 @@ def test_a_damaged_key_file_is_a_settings_error_naming_the_fix(tmp_path):
 
 
 def test_the_key_is_not_in_the_policys_repr(tmp_path):
-    pytest.importorskip("ray")
-    from etrain.service.jobs.policy import policy_for
+    from etrain.service.decisions.job_policy import policy_for
 
     policy = policy_for(_spec())
     import dataclasses

@@ -8,11 +8,13 @@ Every test passes the clock explicitly. The config used throughout:
 
 import math
 import random
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import pytest
 
+from etrain.service.decisions.job_policy import JobPolicy
 from etrain.service.decisions.job_status import Status
+from etrain.service.decisions.stragglers import StragglerConfig
 from etrain.service.decisions.supervisor import decide
 from etrain.service.decisions.supervisor_events import (
     Abort,
@@ -56,25 +58,36 @@ from etrain.service.decisions.supervisor_state import (
     initial_state,
 )
 
-CONFIG = SupervisorConfig(
-    total_steps=100,
-    global_batch=32,
-    micro_batch=2,
+POLICY = JobPolicy(
     min_dp=2,
     max_dp=8,
-    tp=2,
-    pp=1,
     max_restarts=2,
     heartbeat_timeout_s=60,
     start_timeout_s=120,
-    stop_timeout_s=30,
     checkpoint_timeout_s=100,
     capacity_wait_timeout_s=600,
     backoff_base_s=10,
     backoff_max_s=25,
     in_place=False,  # the relaunch path; the in-place repair [9] has its own tests (IN_PLACE)
+    elastic_check_interval_s=30,
+    stragglers=StragglerConfig(),
+    straggler_action="report",
+    resources_per_rank={"CPU": 1.0},
+    placement_strategy="PACK",
+    export=False,
 )
-IN_PLACE = replace(CONFIG, in_place=True)
+CONFIG = SupervisorConfig(total_steps=100, global_batch=32, micro_batch=2, tp=2, pp=1, stop_timeout_s=30, policy=POLICY)
+_POLICY_FIELDS = {f.name for f in fields(JobPolicy)}
+
+
+def configured(base: SupervisorConfig = CONFIG, **changes) -> SupervisorConfig:
+    """``base`` with ``changes``; the policy's settings (max_restarts, export, ...) change its policy."""
+    policy = {name: value for name, value in changes.items() if name in _POLICY_FIELDS}
+    own = {name: value for name, value in changes.items() if name not in _POLICY_FIELDS}
+    return replace(base, policy=replace(base.policy, **policy), **own)
+
+
+IN_PLACE = configured(in_place=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -199,7 +212,7 @@ class TestConfig:
     )
     def test_bad_settings_name_the_setting(self, change, match):
         with pytest.raises(SupervisorConfigError, match=match):
-            replace(CONFIG, **change)
+            configured(**change)
 
     def test_world_size(self):
         assert CONFIG.world_size(4) == 8
@@ -517,7 +530,7 @@ class TestCommitOutcome:
         assert d.state.pending
 
     def test_an_uncommitted_final_checkpoint_is_not_exported(self):
-        config = replace(CONFIG, export=True)
+        config = configured(export=True)
         state = report_all(running(step=100, last_committed_step=90), 100, config=config).state
         state = decide(state, CommitFailed(step=100, error="disk full"), 51.0, config).state
         d = decide(state, Finished(attempt=1, final_step=100), 52.0, config)
@@ -588,7 +601,7 @@ class TestWorkerLost:
         assert "from scratch" in of(d, RecordEvent)[1].detail
 
     def test_backoff_is_capped(self):
-        config = replace(CONFIG, max_restarts=10)
+        config = configured(max_restarts=10)
         d = decide(running(restarts_used=5), WorkerLost(attempt=1, rank=0, node="n1", cause="process"), 100.0, config)
         assert d.state.backoff_until == 125.0
 
@@ -600,7 +613,7 @@ class TestWorkerLost:
         assert kinds(d) == ["worker_failed", "failed"]
 
     def test_zero_restarts_allowed_fails_on_first_loss(self):
-        config = replace(CONFIG, max_restarts=0)
+        config = configured(max_restarts=0)
         d = decide(running(), WorkerLost(attempt=1, rank=1, node="n1", cause="process"), 1.0, config)
         assert d.state.error.endswith("restarted 0 times, max_restarts=0")
 
@@ -664,7 +677,7 @@ class TestNodeLossConfirmed:
     def test_a_loss_that_would_have_failed_the_job_is_refunded_too_late(self):
         """The adapter waits for the node's verdict when no restart is left (worker_group.poll), because
         a refund cannot revive a job the last charged fault already failed."""
-        config = replace(CONFIG, max_restarts=1)
+        config = configured(max_restarts=1)
         d = decide(running(restarts_used=1), WorkerLost(attempt=1, rank=1, node="n4", cause="process"), 1.0, config)
         assert d.state.status is Status.FAILED
         assert decide(d.state, self.confirmed(available_dp=4), 2.0, config).ignored
@@ -1004,7 +1017,7 @@ class TestCancel:
         assert d.state.status is Status.CANCELLED and of(d, StopGroup) == []
 
 
-EXPORT_CONFIG = replace(CONFIG, export=True, export_timeout_s=300, job_id="demo-1234")
+EXPORT_CONFIG = configured(export=True, export_timeout_s=300, job_id="demo-1234")
 
 
 def exporting(**changes) -> SupervisorState:
@@ -1372,7 +1385,7 @@ class TestStories:
 # invariants under random event streams
 
 
-FUZZ_CONFIG = replace(CONFIG, max_restarts=8)
+FUZZ_CONFIG = configured(max_restarts=8)
 TERMINAL_STATUSES = (Status.SUCCEEDED, Status.FAILED, Status.CANCELLED)
 
 
@@ -1428,8 +1441,8 @@ def test_random_event_streams_keep_the_invariants(seed):
         assert d.reason
         assert (state.status is Status.RUNNING) == (state.group is GroupPhase.UP) or state.status.terminal
         assert state.attempt >= before.attempt
-        assert state.restarts_used <= config.max_restarts
-        assert config.min_dp <= state.dp <= config.max_dp and config.elastic.is_legal(state.dp)
+        assert state.restarts_used <= config.policy.max_restarts
+        assert config.policy.min_dp <= state.dp <= config.policy.max_dp and config.elastic.is_legal(state.dp)
         if before.last_committed_step is not None:
             assert state.last_committed_step >= before.last_committed_step
         if state.last_committed_step != before.last_committed_step:  # only the manifest's answer commits
@@ -1457,7 +1470,7 @@ def test_random_events_after_the_last_step_export_exactly_once_and_never_relaunc
     capacity, scale requests, stops, ticks, export answers, cancels), the job never launches again,
     exports at most once, and is SUCCEEDED only with the folder it exported."""
     rng = random.Random(seed)
-    config = replace(FUZZ_CONFIG, export=True, total_steps=100, export_timeout_s=300)
+    config = configured(FUZZ_CONFIG, export=True, total_steps=100, export_timeout_s=300)
     state = decide(running(step=100, last_committed_step=100), Finished(attempt=1, final_step=100), 70.0,
                    config).state
     now, exports = 70.0, 0
