@@ -12,9 +12,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from etrain.service.planning.bounds import MAX_PATH, MAX_STEPS, MAX_WORKERS, NO_NUL
+from etrain.service.planning.bounds import MAX_STEPS
 from etrain.service.ports import ChaosRequest
-from etrain.service.planning.spec import json_int
+from etrain.service.planning.spec import DataParallel, PathText, json_int
 from etrain.service.store.records import EventRecord, JobRecord, JobStatus, StepRecord
 
 __all__ = [
@@ -56,7 +56,7 @@ _REQUEST = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 class ScaleRequest(BaseModel):
     model_config = _REQUEST
 
-    dp: json_int(1, MAX_WORKERS) = Field(description="the new data-parallel degree (within resources.min_dp .. max_dp)")
+    dp: DataParallel = Field(description="the new data-parallel degree (within resources.min_dp .. max_dp)")
 
 
 class ExportRequest(BaseModel):
@@ -64,8 +64,7 @@ class ExportRequest(BaseModel):
 
     step: json_int(0, MAX_STEPS) | None = Field(default=None,
                                                 description="a committed checkpoint step; null: the newest")
-    out: str = Field(min_length=1, max_length=MAX_PATH, pattern=NO_NUL,
-                     description="a new or empty folder (relative paths: the server's directory)")
+    out: PathText = Field(description="a new or empty folder (relative paths: the server's directory)")
 
 
 class ExportOut(BaseModel):

@@ -79,6 +79,8 @@ def _upto(upper: int, lower: int = 1) -> Any:
 
 #: A filesystem path as a client may give it: not empty, at most PATH_MAX, no NUL byte.
 PathText = Annotated[str, Field(min_length=1, max_length=MAX_PATH, pattern=NO_NUL)]
+#: A data-parallel degree: ``parallelism.dp``, the elastic range, a scale request's dp (api/schemas.py).
+DataParallel = _upto(MAX_WORKERS)
 Seed = json_int(0, MAX_SEED)
 
 
@@ -190,7 +192,7 @@ class DataSpec(_Section):
 
 
 class ParallelismSpec(_Section):
-    dp: _upto(MAX_WORKERS) = 1
+    dp: DataParallel = 1
     tp: _upto(MAX_HEADS) = Field(default=1, description="divides the heads (and kv heads, d_ff, vocab)")
     pp: _upto(MAX_LAYERS) = Field(default=1, description="divides model.n_layers (with virtual_stages)")
     zero: Literal[0, 1, 2, 3] = 0
@@ -233,8 +235,8 @@ class ResourcesSpec(_Section):
         "memory its Ray nodes report, or the operator's ETRAIN_DEVICE_MEMORY_GB), else 80 (cuda) / 8 (cpu); "
         "a job may lower it, never raise it"
     )
-    min_dp: _upto(MAX_WORKERS) | None = Field(default=None, description="elastic floor; default: parallelism.dp")
-    max_dp: _upto(MAX_WORKERS) | None = Field(default=None, description="elastic ceiling; default: parallelism.dp")
+    min_dp: DataParallel | None = Field(default=None, description="elastic floor; default: parallelism.dp")
+    max_dp: DataParallel | None = Field(default=None, description="elastic ceiling; default: parallelism.dp")
     placement_strategy: Literal["PACK", "SPREAD"] = "PACK"
 
     @field_validator("gpus_per_worker")
