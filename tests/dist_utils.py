@@ -18,6 +18,7 @@ value must be picklable (tensors are copied by value). Children run with one int
 from __future__ import annotations
 
 import multiprocessing
+import os
 import pickle
 import queue
 import time
@@ -85,7 +86,7 @@ def run_distributed(
     store = dist.TCPStore(
         _HOST, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
     )
-    ctx = multiprocessing.get_context("spawn")
+    ctx = _context()
     reports = ctx.Queue()
     processes = [
         ctx.Process(
@@ -103,6 +104,36 @@ def run_distributed(
         _stop(processes)
         reports.close()
         reports.join_thread()
+
+
+#: Imported once by the fork server, so every rank starts with them loaded: a spawned rank imported torch and
+#: its distributed packages afresh (5-9 s of CPU each on the 2-core CI machine, most of the suite's
+#: multi-process time). Names that do not exist are skipped by multiprocessing.
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.distributed.checkpoint",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor",
+    "torch.distributed.tensor.parallel",
+    "torch.distributed.pipelining",
+    "tests.dist_utils",
+    "tests.equivalence_utils",
+    "tests.state_utils",
+    "etrain.workers.engine.train",
+    "etrain.workers.train",
+]
+
+
+def _context() -> Any:
+    """``forkserver`` with torch preloaded: each rank is a fork of a process that has imported torch and
+    started no threads (so forking it is safe, unlike forking the test process), not a fresh interpreter.
+    ``ETRAIN_TEST_START_METHOD=spawn`` restores fresh interpreters."""
+    method = os.environ.get("ETRAIN_TEST_START_METHOD", "forkserver")
+    ctx = multiprocessing.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
 
 
 def _child_main(
