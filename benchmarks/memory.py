@@ -5,7 +5,7 @@ each rank's peak resident memory (``ru_maxrss``) — on a CPU run the planner's 
 
 * :func:`bench_meta_init`: a Llama large enough that its parameters dominate the runtime, built by the
   Trainer as ZeRO-3 over 2 ranks (meta device, then only each rank's shards materialised), against
-  ``etrain.workers.model.build_model`` building the whole model in one process (what every rank did before).
+  ``etrain.workers.init.build_model`` building the whole model in one process (what every rank did before).
 * :func:`bench_planner_accuracy`: six layouts of a ~67M-parameter Llama (fp32 state ~1 GiB a rank,
   several times the runtime), trained a few steps; the planner's peak per rank, with its runtime
   allowance replaced by an empty rank's measured RSS, against the measured peak.
@@ -174,7 +174,7 @@ def _trainer_init_rank(rank: int, world_size: int, config: RunConfig) -> int:
 
 def _full_build_rank(rank: int, world_size: int, model: ModelConfig) -> int:
     import etrain.workers.train  # noqa: F401 - the same imports as a Trainer rank
-    from etrain.workers.model import build_model
+    from etrain.workers.init import build_model
 
     build_model(model, seed=0)
     return _max_rss()

@@ -83,7 +83,8 @@ def _peer_ddp_rank(rank: int, world_size: int, config: RunConfig) -> dict:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from etrain.workers.model import build_model, cross_entropy_loss
+    from etrain.workers.init import build_model
+    from etrain.workers.model import cross_entropy_loss
 
     model = build_model(config.model, seed=0)
     if world_size > 1:

@@ -78,7 +78,7 @@ from etrain.workers.protocol.run_config import ModelConfig
 from etrain.workers.protocol.errors import CheckpointError, ConfigError
 from etrain.workers.hf_config import (TOKENIZER_FILES, WEIGHTS_INDEX, hf_config_dict, hf_name, hf_parameter_names,
                                       weight_file_names)
-from etrain.workers.init import canonical_fqn
+from etrain.workers.model import canonical_fqn
 
 __all__ = ["HFLoadReport", "expected_shapes", "export_hf", "find_step_dir", "load_hf_weights"]
 

@@ -43,19 +43,12 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-__all__ = ["canonical_fqn", "initial_value", "initialize_parameters", "materialize", "param_seed"]
+from etrain.workers.model import build_model_skeleton, canonical_fqn
+from etrain.workers.protocol.run_config import ModelConfig
 
-#: Wrapper segments that torch inserts into parameter paths; checkpoints and init ignore them.
-_WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
+__all__ = ["build_model", "initial_value", "initialize_parameters", "materialize", "param_seed"]
+
 _STD = 0.02
-
-
-def canonical_fqn(name: str) -> str:
-    """A parameter path with wrapper segments (activation checkpointing, compile, DDP) removed."""
-    parts = [p for p in name.split(".") if p not in _WRAPPER_SEGMENTS]
-    if parts and parts[0] == "module":  # DistributedDataParallel
-        parts = parts[1:]
-    return ".".join(parts)
 
 
 def param_seed(seed: int, fqn: str) -> int:
@@ -116,3 +109,10 @@ def materialize(module: nn.Module, *, device: torch.device, seed: int, n_layers:
         initialize_parameters(module, seed=seed, n_layers=n_layers,
                               rng_device=device if rng_device is None else rng_device)
     return module
+
+
+def build_model(config: ModelConfig, seed: int) -> nn.Module:
+    """Full model on CPU with deterministic weights (the same values the meta-device path gives)."""
+    model = build_model_skeleton(config)
+    initialize_parameters(model, seed=seed, n_layers=config.n_layers)
+    return model

@@ -23,7 +23,10 @@ from torch.distributed.tensor import DTensor
 from etrain.workers.families import check_shape, family
 from etrain.workers.protocol.run_config import ModelConfig
 
-__all__ = ["build_model", "build_model_skeleton", "cross_entropy_loss", "validate_model_config"]
+__all__ = ["build_model_skeleton", "canonical_fqn", "cross_entropy_loss", "validate_model_config"]
+
+#: Wrapper segments that torch inserts into parameter paths; checkpoints and init ignore them.
+_WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
 
 
 def validate_model_config(config: ModelConfig) -> None:
@@ -40,13 +43,12 @@ def build_model_skeleton(config: ModelConfig) -> nn.Module:
     return importlib.import_module(family(config.arch).model_module).build(config)
 
 
-def build_model(config: ModelConfig, seed: int) -> nn.Module:
-    """Full model on CPU with deterministic weights (the same values the meta-device path gives)."""
-    from etrain.workers.init import initialize_parameters
-
-    model = build_model_skeleton(config)
-    initialize_parameters(model, seed=seed, n_layers=config.n_layers)
-    return model
+def canonical_fqn(name: str) -> str:
+    """A parameter path with wrapper segments (activation checkpointing, compile, DDP) removed."""
+    parts = [p for p in name.split(".") if p not in _WRAPPER_SEGMENTS]
+    if parts and parts[0] == "module":  # DistributedDataParallel
+        parts = parts[1:]
+    return ".".join(parts)
 
 
 def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

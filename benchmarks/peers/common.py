@@ -1,7 +1,7 @@
 """The job every recovery/startup run trains, and the arithmetic that turns a run into samples.
 
 One :class:`Job` describes it for all three systems: etrain gets it as a JobSpec over HTTP
-(:func:`etrain_spec`); the peers run :class:`PlainDDP` on the same model (``etrain.workers.model.build_model``
+(:func:`etrain_spec`); the peers run :class:`PlainDDP` on the same model (``etrain.workers.init.build_model``
 of the ``gpt-tiny`` preset, same seed), the same synthetic token stream and the same global sampler
 (``etrain.workers.data``), the same global batch split the same way over the same DP2 world, the same AdamW,
 and checkpoint at the same cadence. What differs is only what is being compared: who launches the
@@ -81,7 +81,7 @@ class PlainDDP:
 
         from etrain.workers.protocol.run_config import DataConfig
         from etrain.workers.data import GlobalSampler, build_dataset
-        from etrain.workers.model import build_model
+        from etrain.workers.init import build_model
 
         torch.set_num_threads(int(os.environ.get("ETRAIN_TORCH_THREADS", "1")))
         config = job.model_config()

@@ -128,7 +128,7 @@ def test_single_process_trainer_loads_hf_weights(hf_folders, arch):
 def test_a_trainer_about_to_resume_does_not_read_the_hf_weights(hf_folders):
     """The worker builds with load_pretrained=False when it restores a checkpoint next: the weights
     stay the seeded initialisation (identical to an HF-less build), not the folder's."""
-    from etrain.workers.model import build_model
+    from etrain.workers.init import build_model
     from etrain.workers.train import Trainer
 
     folder, want = hf_folders["llama"]

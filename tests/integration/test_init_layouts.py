@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from etrain.workers.model import build_model
+from etrain.workers.init import build_model
 from etrain.workers.protocol.run_config import ParallelConfig
 from tests.dist_utils import run_distributed
 from tests.equivalence_utils import TINY_LLAMA, small_config
