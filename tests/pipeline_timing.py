@@ -20,7 +20,7 @@ from etrain.workers.mesh import build_device_mesh
 from etrain.workers.init import build_model
 from etrain.workers.model import cross_entropy_loss
 from etrain.workers.pipeline import StepTiming, build_pipeline
-from etrain.workers.topology import Topology
+from etrain.workers.protocol.topology import Topology
 
 MODEL = ModelConfig(n_layers=8, d_model=256, n_heads=4, vocab_size=64, seq_len=64)
 MICRO_BATCH = 4

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from etrain.workers import layout_rules, safe_paths
+from etrain.workers.protocol import layout_rules, safe_paths
 from etrain.workers.protocol.run_config import DataConfig, ModelConfig
 from etrain.workers.protocol.errors import ConfigError, DataError
 from etrain.workers.text_files import no_text_error, not_utf8_error, read_text_file, text_documents

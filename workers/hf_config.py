@@ -3,7 +3,7 @@
 Pure (stdlib only): the service reads a ``model.hf`` folder's ``config.json`` at submit time to
 validate and plan the job without importing torch, and the workers use the same functions to build
 the model and to name tensors when they load or export Hugging Face safetensors. The folder's files are
-read without following symbolic links (``workers/safe_paths.py``): a link in a ``model.hf`` folder is
+read without following symbolic links (``workers/protocol/safe_paths.py``): a link in a ``model.hf`` folder is
 refused, whatever it points at.
 
 What is particular to an architecture (which family loads it, its config keys, its parameter names) is
@@ -23,7 +23,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from etrain.workers import families, safe_paths
+from etrain.workers import families
+from etrain.workers.protocol import safe_paths
 from etrain.workers.families.base import DEFAULT_MAX_SEQ_LEN, hf_problem
 from etrain.workers.protocol.run_config import ModelConfig
 from etrain.workers.protocol.errors import ConfigError

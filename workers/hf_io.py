@@ -25,8 +25,8 @@ ranks alike, rather than a DCP planner error on some. Two kinds of extra tensors
 ``transformers`` itself ignores them: ``lm_head.weight`` of a model with tied embeddings (the
 output shares the embedding), and RoPE ``inv_freq`` buffers written by old versions.
 
-Files are opened without following symbolic links (``workers/safe_paths.py``): the weights are read
-through a :func:`~etrain.workers.safe_paths.file_view` (each ``*.safetensors`` opened here, no link on the
+Files are opened without following symbolic links (``workers/protocol/safe_paths.py``): the weights are read
+through a :func:`~etrain.workers.protocol.safe_paths.file_view` (each ``*.safetensors`` opened here, no link on the
 way, and handed to safetensors and DCP as its descriptor), the tokenizer files are copied into an export
 by contents from descriptors opened the same way, and the export is built and renamed into place through
 its parent folder's descriptor. A link in a ``model.hf`` folder (``tokenizer.json`` pointing at the
@@ -70,7 +70,8 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, HuggingFaceStorageR
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from etrain.workers import safe_paths, storage
+from etrain.workers.protocol import safe_paths
+from etrain.workers import storage
 from etrain.workers.families import family
 from etrain.workers.checkpoint_commit import resolve_latest, step_dir, verify
 from etrain.workers.checkpoint_io import storage_reader

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from etrain.workers import layout_rules
-from etrain.workers.topology import Topology, TopologyError
+from etrain.workers.protocol import layout_rules
+from etrain.workers.protocol.topology import Topology, TopologyError
 
 __all__ = ["MESH_DIMS", "ParallelMesh", "backend_for", "build_device_mesh", "mesh_group_ranks",
            "validate_dp_replicate"]
@@ -54,7 +54,7 @@ def backend_for(device_type: str, *, cpu_offload: bool = False) -> str:
 
 def validate_dp_replicate(dp: int, dp_replicate: int) -> None:
     """HSDP splits the dp ranks into ``dp_replicate`` equal replica groups: it must divide ``dp``
-    (``etrain.workers.layout_rules.dp_replicate_problems``)."""
+    (``etrain.workers.protocol.layout_rules.dp_replicate_problems``)."""
     layout_rules.check(layout_rules.dp_replicate_problems(dp, dp_replicate))
 
 

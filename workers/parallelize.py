@@ -20,7 +20,7 @@ Three per-run choices shape the FSDP2 step (ZeRO-2/3): ``training.precision="bf1
 place of autocast; ``parallelism.dp_replicate > 1`` runs it as HSDP on the 2-D (replicate, shard)
 mesh; ``parallelism.offload="cpu"`` keeps the shards, gradients and optimizer state in host memory.
 :func:`validate_data_parallel` rejects the combinations that have no meaning. Every such rule (and the
-shape rules of tensor parallelism) is ``etrain.workers.layout_rules``'s, which the planner checks too.
+shape rules of tensor parallelism) is ``etrain.workers.protocol.layout_rules``'s, which the planner checks too.
 """
 
 from __future__ import annotations
@@ -47,12 +47,12 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
-from etrain.workers import layout_rules
+from etrain.workers.protocol import layout_rules
 from etrain.workers.families import family
 from etrain.workers.mesh import ParallelMesh, validate_dp_replicate
 from etrain.workers.protocol.errors import ConfigError
 from etrain.workers.protocol.run_config import ParallelConfig, RunConfig
-from etrain.workers.topology import Topology
+from etrain.workers.protocol.topology import Topology
 
 __all__ = [
     "ParallelDims",
@@ -78,7 +78,7 @@ class ParallelDims:
 
     ``dp`` is split as ``dp_replicate × dp_shard`` for HSDP (``dp_replicate = 1``: plain FSDP / DDP).
     Built once per rank from the run's :class:`~etrain.workers.protocol.run_config.ParallelConfig`, the
-    :class:`~etrain.workers.topology.Topology` and the mesh; every ``apply_*`` step reads it.
+    :class:`~etrain.workers.protocol.topology.Topology` and the mesh; every ``apply_*`` step reads it.
     """
 
     pp: int

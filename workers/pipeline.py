@@ -9,7 +9,7 @@ Why it looks the way it does:
   they do not belong. Parameter names (FQNs) are therefore identical to the unsharded model's, so a
   DCP checkpoint saved under one layout loads under any other.
 * **The rules are elsewhere.** Layer splits, which stages a rank holds and what each schedule needs
-  are plain functions over ints in ``etrain.workers.layout_rules`` (the planner checks the same ones
+  are plain functions over ints in ``etrain.workers.protocol.layout_rules`` (the planner checks the same ones
   at submit time); :func:`build_pipeline` is the only place that touches torch distributed, and it
   takes the ``pp`` mesh axis as an argument (no process-group globals).
 * **Exact loss scaling.** The trainer wants the gradient of the *mean* loss over a rank's local batch,
@@ -51,8 +51,8 @@ from torch.distributed.pipelining import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
-from etrain.workers import layout_rules
-from etrain.workers.layout_rules import split_layers, stage_ids_for_rank
+from etrain.workers.protocol import layout_rules
+from etrain.workers.protocol.layout_rules import split_layers, stage_ids_for_rank
 from etrain.workers.protocol.run_config import ParallelConfig
 
 __all__ = [
@@ -63,7 +63,7 @@ __all__ = [
 ]
 
 #: The torch class of each schedule (which schedules exist, and what each needs, is
-#: ``etrain.workers.layout_rules``'s: ``PIPELINE_SCHEDULES``, ``schedule_problems``).
+#: ``etrain.workers.protocol.layout_rules``'s: ``PIPELINE_SCHEDULES``, ``schedule_problems``).
 _SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 
 

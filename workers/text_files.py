@@ -5,7 +5,7 @@
 files and tooling folders, and refuse an empty or missing path with the same error. Torch-free (the
 service runs the tokenizer at submit).
 
-Every file and folder is opened without following symbolic links (``workers/safe_paths.py``): a data
+Every file and folder is opened without following symbolic links (``workers/protocol/safe_paths.py``): a data
 folder is usually writable by the tenant, and a ``notes.txt`` linked to a file outside the storage roots
 would otherwise be trained on (and its bytes learned). A link the walk would read or enter is refused
 (``UnsafePathError``, field ``data.path``) rather than skipped, so a job never silently trains on less
@@ -19,7 +19,7 @@ import stat
 from collections.abc import Iterator
 from pathlib import Path
 
-from etrain.workers import safe_paths
+from etrain.workers.protocol import safe_paths
 from etrain.workers.protocol.errors import DataError
 
 __all__ = [

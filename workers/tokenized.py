@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from etrain.workers import safe_paths
+from etrain.workers.protocol import safe_paths
 from etrain.workers.protocol.errors import DataError
 from etrain.workers.text_files import no_text_error, not_utf8_error, read_text_file, text_documents
 
@@ -133,7 +133,7 @@ def load_tokenizer(path: str | os.PathLike) -> tuple[Any, TokenizerInfo]:
 
     file = _tokenizer_file(path)
     try:
-        raw = safe_paths.read_file(file, field="data.tokenizer")  # no link on the way (workers/safe_paths.py)
+        raw = safe_paths.read_file(file, field="data.tokenizer")  # no link on the way (workers/protocol/safe_paths.py)
     except OSError as err:
         raise DataError(f"data.tokenizer={str(path)!r} cannot be read: {err.strerror or err}.",
                         field="data.tokenizer", fix="make the file readable by the server and the workers") from err

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from etrain.workers import layout_rules
+from etrain.workers.protocol import layout_rules
 from etrain.workers import metrics as throughput
 from etrain.workers.collective_waits import CollectiveWaitClock
 from etrain.workers.compute_timer import ComputeTimer
@@ -62,7 +62,7 @@ from etrain.workers.parallelize import (
     uses_fsdp,
     validate_data_parallel,
 )
-from etrain.workers.topology import Topology
+from etrain.workers.protocol.topology import Topology
 
 __all__ = ["Trainer", "TrainerCallback"]
 

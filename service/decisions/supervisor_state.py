@@ -15,7 +15,7 @@ from enum import Enum
 from etrain.service.decisions.elastic import ElasticPolicy, ResizeError
 from etrain.service.decisions.job_status import Status
 from etrain.service.decisions.supervisor_events import Action
-from etrain.workers import layout_rules
+from etrain.workers.protocol import layout_rules
 from etrain.workers.protocol.errors import EtrainError
 
 __all__ = [

@@ -72,7 +72,7 @@ from etrain.service.planning.plan_activations import (
     logits_bytes,
     rope_table_bytes,
 )
-from etrain.workers import layout_rules
+from etrain.workers.protocol import layout_rules
 from etrain.workers.families import family
 from etrain.workers.protocol.run_config import ModelConfig
 

@@ -2,7 +2,7 @@
 
 :func:`check_spec` runs them in order: the field bounds again (:func:`field_problems`, for a spec that
 skipped validation), the model (``model.hf`` and the preset / kind / sizes that go with it), the data
-paths and tokenizer, the batch (``etrain.workers.layout_rules.batch_problems``: the same rule the
+paths and tokenizer, the batch (``etrain.workers.protocol.layout_rules.batch_problems``: the same rule the
 engine applies), warm-up, the elastic range and the world size, and the supervisor's own settings
 (built here as the supervisor builds them). The layout rules and memory are the planner's
 (``service/planning/planner.py``), which calls the same ``layout_rules``.
@@ -17,7 +17,8 @@ from pydantic import BaseModel
 
 from etrain.service.planning.bounds import MAX_WORKERS
 from etrain.service.planning.spec import _HF_EXCLUSIVE_FIELDS, JobSpec, SpecProblem
-from etrain.workers import families, layout_rules
+from etrain.workers import families
+from etrain.workers.protocol import layout_rules
 from etrain.workers.protocol.errors import ConfigError
 from etrain.workers.protocol.run_config import MODEL_PRESETS
 

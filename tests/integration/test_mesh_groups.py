@@ -19,7 +19,7 @@ import torch.distributed as dist
 from tests.dist_utils import RankFailedError, run_distributed
 from etrain.workers.protocol.errors import ConfigError
 from etrain.workers.mesh import MESH_DIMS, backend_for, build_device_mesh, mesh_group_ranks
-from etrain.workers.topology import AXES, Coords, Topology, TopologyError
+from etrain.workers.protocol.topology import AXES, Coords, Topology, TopologyError
 
 TIMEOUT_S = 90.0
 

@@ -71,7 +71,7 @@ def test_local_micro_batches_split_the_rank_slice_in_order() -> None:
 
 def test_indivisible_batches_are_config_errors() -> None:
     sampler = GlobalSampler(num_samples=100, global_batch=8, seed=0)
-    # The batch rule (etrain.workers.layout_rules.batch_problems), the same message the spec answers with.
+    # The batch rule (etrain.workers.protocol.layout_rules.batch_problems), the same message the spec answers with.
     with pytest.raises(ConfigError, match=r"global_batch=8 is not divisible by parallelism.dp \* training.micro_batch "
                                           r"= 3 \* 1 = 3"):
         sampler.local_indices(0, 0, 3)

@@ -13,7 +13,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from etrain.workers import families, layout_rules
+from etrain.workers import families
+from etrain.workers.protocol import layout_rules
 
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 Precision = Literal["fp32", "bf16"]
@@ -173,7 +174,7 @@ class TrainingConfig:
     timing_sync_every: int = 1
 
     def grad_accum_steps(self, dp: int) -> int:
-        """Micro-steps per optimizer step on each dp rank (:func:`etrain.workers.layout_rules.grad_accum_steps`)."""
+        """Micro-steps per optimizer step on each dp rank (:func:`etrain.workers.protocol.layout_rules.grad_accum_steps`)."""
         return layout_rules.grad_accum_steps(self.global_batch, self.micro_batch, dp)
 
 

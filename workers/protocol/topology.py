@@ -12,7 +12,7 @@ next, and PP (point-to-point between neighbouring stages) is the axis most toler
 nodes, so it varies slowest.
 
 Everything here is pure standard-library code (plus the pure ``etrain.workers.protocol.errors`` and
-``etrain.workers.layout_rules``, whose degree rule and world size it uses): the planner,
+``etrain.workers.protocol.layout_rules``, whose degree rule and world size it uses): the planner,
 the supervisor and the placement logic import it without torch or Ray, and ``workers/mesh.py``
 builds the torch ``DeviceMesh`` with the same ``(pp, dp, tp)`` shape so the process groups equal
 the groups computed here.
@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass
 from typing import Final
 
-from etrain.workers import layout_rules
+from etrain.workers.protocol import layout_rules
 from etrain.workers.protocol.errors import ConfigError
 
 __all__ = ["AXES", "Coords", "Topology", "TopologyError", "parse_topology"]

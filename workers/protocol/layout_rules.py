@@ -18,7 +18,7 @@ sequence parallelism); how a pipeline splits the layers and which stages a pipel
 batch arithmetic (``global_batch = dp · micro_batch · micro-batches``); what each pipeline schedule
 runs (exactly torch's own checks, see :func:`schedule_problems`); the FSDP2 features (HSDP, CPU
 offload); and the data-parallel sizes an elastic job may run at. Where ranks sit on the mesh (the
-rank order) is :class:`etrain.workers.topology.Topology`'s, which takes its degree rule and world
+rank order) is :class:`etrain.workers.protocol.topology.Topology`'s, which takes its degree rule and world
 size from here.
 
 What tensor parallelism splits is the model family's to say (``etrain.workers.families``: ``tp_dims``);
