@@ -84,7 +84,7 @@ def _peer_ddp_rank(rank: int, world_size: int, config: RunConfig) -> dict:
     from torch.nn.parallel import DistributedDataParallel
 
     from etrain.workers.init import build_model
-    from etrain.workers.model import cross_entropy_loss
+    from etrain.workers.families.model import cross_entropy_loss
 
     model = build_model(config.model, seed=0)
     if world_size > 1:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from etrain.workers.protocol.run_config import ModelConfig, ParallelConfig
 from etrain.workers.mesh import build_device_mesh
 from etrain.workers.init import build_model
-from etrain.workers.model import cross_entropy_loss
+from etrain.workers.families.model import cross_entropy_loss
 from etrain.workers.pipeline import StepTiming, build_pipeline
 from etrain.workers.protocol.topology import Topology
 

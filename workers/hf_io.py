@@ -79,7 +79,7 @@ from etrain.workers.protocol.run_config import ModelConfig
 from etrain.workers.protocol.errors import CheckpointError, ConfigError
 from etrain.workers.hf_config import (TOKENIZER_FILES, WEIGHTS_INDEX, hf_config_dict, hf_name, hf_parameter_names,
                                       weight_file_names)
-from etrain.workers.model import canonical_fqn
+from etrain.workers.families.model import canonical_fqn
 
 __all__ = ["HFLoadReport", "expected_shapes", "export_hf", "find_step_dir", "load_hf_weights"]
 
@@ -243,7 +243,7 @@ def _check_weights(found: dict[str, tuple[tuple[int, ...], str]], model_config: 
 def expected_shapes(model_config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """``{etrain FQN: shape}`` of every parameter of the whole model, in Hugging Face's order (tied
     output excluded), from a meta-device build (allocates nothing)."""
-    from etrain.workers.model import build_model_skeleton
+    from etrain.workers.families.model import build_model_skeleton
 
     with torch.device("meta"):
         skeleton = build_model_skeleton(model_config)

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from etrain.workers.model import build_model_skeleton, canonical_fqn
+from etrain.workers.families.model import build_model_skeleton, canonical_fqn
 from etrain.workers.protocol.run_config import ModelConfig
 
 __all__ = ["build_model", "initial_value", "initialize_parameters", "materialize", "param_seed"]

@@ -4,7 +4,7 @@ schedule.
 Why it looks the way it does:
 
 * **A stage is the whole model with parts deleted** (torchtitan's convention). Each stage module is a
-  deep copy of the full :class:`~etrain.workers.model.GPT` with the layers it does not own removed (the kept
+  deep copy of the full :class:`~etrain.workers.families.model.GPT` with the layers it does not own removed (the kept
   ones stay under their *global* keys) and the embeddings / final norm / output set to ``None`` where
   they do not belong. Parameter names (FQNs) are therefore identical to the unsharded model's, so a
   DCP checkpoint saved under one layout loads under any other.

@@ -51,7 +51,7 @@ from etrain.workers.protocol.errors import ConfigError, NonFiniteLossError
 from etrain.workers.protocol.messages import StepMetrics
 from etrain.workers.mesh import build_device_mesh
 from etrain.workers.init import materialize
-from etrain.workers.model import build_model_skeleton, cross_entropy_loss
+from etrain.workers.families.model import build_model_skeleton, cross_entropy_loss
 from etrain.workers.optim import build_optimizer, clip_grad_norm_, lr_at, set_lr
 from etrain.workers.parallelize import (
     ParallelDims,

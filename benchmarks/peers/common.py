@@ -93,7 +93,7 @@ class PlainDDP:
         self.sampler = GlobalSampler(len(self.dataset), job.global_batch, seed=job.seed)
 
     def step(self, step: int) -> float:
-        from etrain.workers.model import cross_entropy_loss
+        from etrain.workers.families.model import cross_entropy_loss
 
         micro = self.sampler.local_micro_batches(step, self.rank, self.world_size, self.job.micro_batch)
         total = 0.0

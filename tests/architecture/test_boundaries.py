@@ -143,7 +143,7 @@ def test_the_module_map_and_the_torch_set_are_real():
     """Not vacuous: the engine is seen to import torch, the protocol is not, and the rules' names exist."""
     names = set(modules())
     assert {"etrain.service.runtime.worker_group", "etrain.workers.protocol.messages", "etrain.api.cli"} <= names
-    assert {"etrain.workers.train", "etrain.workers.checkpoint", "etrain.workers.model"} <= torch_at_load()
+    assert {"etrain.workers.train", "etrain.workers.checkpoint", "etrain.workers.families.model"} <= torch_at_load()
     assert not {"etrain.workers.worker", "etrain.workers.protocol.messages"} & torch_at_load()
     assert SERVICE_NEVER | set(SERVICE_REMOTE_BODIES) | set(API_MAY_IMPORT) <= names
 

@@ -119,7 +119,7 @@ def test_every_registered_family_declaration_is_listed_as_pure():
 
 def test_the_hook_really_blocks(tmp_path):
     """The probe is not vacuous: a module that does import torch fails it."""
-    code = _PROBE.format(blocked=BLOCKED, module="etrain.workers.model")
+    code = _PROBE.format(blocked=BLOCKED, module="etrain.workers.families.model")
     result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     answer = json.loads(result.stdout.strip().splitlines()[-1])
     assert not answer["ok"] and "blocked import of torch" in answer["error"]

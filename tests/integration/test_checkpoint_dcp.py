@@ -45,7 +45,7 @@ from etrain.workers.protocol.errors import CheckpointError
 from etrain.workers.checkpoint_commit import commit, step_dir, verify
 from etrain.workers.protocol.manifest import ShardReport
 from etrain.workers.init import build_model
-from etrain.workers.model import cross_entropy_loss
+from etrain.workers.families.model import cross_entropy_loss
 
 MODEL = ModelConfig(n_layers=4, d_model=16, n_heads=2, vocab_size=32, seq_len=8)
 #: Same vocabulary, context and depth as MODEL, so batches and stages are shared; tied (Qwen2-style).

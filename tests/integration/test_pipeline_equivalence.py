@@ -118,7 +118,7 @@ def test_llama_pipeline_trains_like_one_process(layout: str) -> None:
 def _build_tied_pipeline(rank: int, world_size: int) -> tuple[str, str | None, str | None]:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from etrain.workers.model import build_model_skeleton, cross_entropy_loss
+    from etrain.workers.families.model import build_model_skeleton, cross_entropy_loss
     from etrain.workers.pipeline import build_pipeline
 
     with torch.device("meta"):

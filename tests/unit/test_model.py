@@ -15,7 +15,7 @@ from etrain.workers.init import materialize
 from etrain.workers.families.gpt_model import GPT
 from etrain.workers.families.llama_model import Llama
 from etrain.workers.init import build_model
-from etrain.workers.model import build_model_skeleton, cross_entropy_loss
+from etrain.workers.families.model import build_model_skeleton, cross_entropy_loss
 
 CONFIG = ModelConfig(n_layers=4, d_model=32, n_heads=4, vocab_size=64, seq_len=16)
 

@@ -3,7 +3,7 @@ plan is written in, and the Hugging Face ``config.json`` helpers decoder familie
 
 Pure (stdlib and the error family only): the control plane imports every family's declaration to
 validate and plan a job without torch. A family's *modules* (torch) live in the module its
-:attr:`ModelFamily.model_module` names, which ``etrain.workers.model`` imports by name when a rank
+:attr:`ModelFamily.model_module` names, which ``etrain.workers.families.model`` imports by name when a rank
 builds the model. The sizes a family reads are those of
 :class:`~etrain.workers.protocol.run_config.ModelConfig` (typed here by :class:`Sizes`, so that this
 package does not depend on the run config: the run config asks the registry for presets and
