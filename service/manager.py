@@ -55,7 +55,8 @@ from etrain.service.store.job_store import JobStore
 from etrain.service.store.records import EventRecord, JobRecord, JobStatus, StepRecord
 from etrain.service.access.quotas import TenantQuotas, check_priority
 from etrain.service.access.tenancy import ADMIN, Principal
-from etrain.workers import families, storage
+from etrain.workers import families
+from etrain.workers.checkpoints import storage
 from etrain.workers.protocol.errors import ConfigError
 from etrain.workers.protocol.messages import RANK_CHAOS_ACTIONS
 from etrain.workers.rank_log import rank_log_path, read_lines

@@ -442,7 +442,7 @@ class FakeRuntime:
                timeout_s: float) -> str:
         """The real export, in this process instead of a Ray task (torch is imported only when called)."""
         self.calls.append(("export", step_dir, out_dir))
-        from etrain.workers.hf_io import export_hf
+        from etrain.workers.checkpoints.hf_io import export_hf
 
         return export_hf(step_dir, out_dir, model, source_dir=source_dir, expect_digest=expect_digest)
 

@@ -31,7 +31,7 @@ Scope and limits, honestly:
 
 * On CPU (gloo) a wait blocks the host, so host timers measure it exactly. Only waits on the thread
   that armed the clock count: CPU autograd runs the backward on that thread, and the asynchronous
-  checkpoint's own collectives run on another one (``workers/checkpoint.py``) and are not this
+  checkpoint's own collectives run on another one (``workers/checkpoints/checkpoint.py``) and are not this
   step's.
 * On CUDA a wait makes the current stream wait for the NCCL stream; the clock records a pair of
   CUDA events around it, whose interval is that stall, read after the step's one host read (free).

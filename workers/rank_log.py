@@ -24,7 +24,7 @@ called by the worker) and when the attempt ends (:meth:`RankLog.close`). The con
 object through fsspec with ranged reads. A rank killed outright (SIGKILL, a lost node) loses the lines
 written since its last upload; its checkpoint-time lines and everything of finished attempts are kept.
 
-Stdlib only (fsspec, through ``workers/storage.py``, only for URLs): the torch-free control plane imports it.
+Stdlib only (fsspec, through ``workers/checkpoints/storage.py``, only for URLs): the torch-free control plane imports it.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import threading
 from dataclasses import dataclass
 from typing import TextIO
 
-from etrain.workers import storage
+from etrain.workers.checkpoints import storage
 
 LOG_DIR = "logs"
 #: A file is rotated (to ``.1``) when it grows past this; readers see the current file only.

@@ -11,10 +11,10 @@ decides *how*, and tells the supervisor what came of it.
   buffers on CUDA, prepared in the background after the attempt's first step) and training goes on; the
   shard report follows when the files are written. The final save waits for its write: it is the job's
   result.
-* **Storage faults** (``workers/storage_faults.py``): a save the storage fails is abandoned on every rank
+* **Storage faults** (``workers/checkpoints/storage_faults.py``): a save the storage fails is abandoned on every rank
   alike; rank 0 says why (``checkpoint_failed``) and training goes on; the next save tries again. Only
   the final save failing fails the attempt.
-* **``every_steps: auto``** (``workers/checkpoint_cadence.py``): rank 0 requests a save at the Young-Daly
+* **``every_steps: auto``** (``workers/checkpoints/checkpoint_cadence.py``): rank 0 requests a save at the Young-Daly
   interval (every rank saves it at the same boundary) and announces the interval as a job event.
 """
 
@@ -27,7 +27,7 @@ from typing import Any
 
 from etrain.workers.protocol.messages import REPORT_TIMEOUT_S, LaunchPlan
 from etrain.workers.step_control import ControlRequests
-from etrain.workers.storage_faults import StorageFault
+from etrain.workers.checkpoints.storage_faults import StorageFault
 
 __all__ = ["CUDA_WRITE_THREADS", "FINAL_WRITE_TIMEOUT_S", "RankSaves"]
 
@@ -60,12 +60,12 @@ class RankSaves:
         checkpoint = plan.config.checkpoint
         self.async_save = None
         if checkpoint.async_save:
-            from etrain.workers.checkpoint import AsyncCheckpointer
+            from etrain.workers.checkpoints.checkpoint import AsyncCheckpointer
 
             self.async_save = AsyncCheckpointer(pinned=self._cuda, write_threads=CUDA_WRITE_THREADS if self._cuda else 1)
         self._cadence = None
         if checkpoint.auto_interval and rank == 0:  # rank 0 decides for every rank
-            from etrain.workers.checkpoint_cadence import AutoCadence
+            from etrain.workers.checkpoints.checkpoint_cadence import AutoCadence
 
             self._cadence = AutoCadence(mtbf_hours=checkpoint.mtbf_hours, start_step=plan.start_step)
 
@@ -82,7 +82,7 @@ class RankSaves:
         """
         import ray
 
-        from etrain.workers.checkpoint_commit import step_dir
+        from etrain.workers.checkpoints.checkpoint_commit import step_dir
 
         attempt = self._plan.attempt
         directory = step_dir(self._plan.config.checkpoint.path, completed_steps)  # a path or an s3:// URL

@@ -40,7 +40,7 @@ class SpareRank(TrainWorker):
         import torch  # noqa: F401
         import torch.distributed  # noqa: F401
 
-        import etrain.workers.checkpoint  # noqa: F401
+        import etrain.workers.checkpoints.checkpoint  # noqa: F401
         import etrain.workers.train  # noqa: F401
 
         self.warm_step = not (gpu_node and torch.backends.cuda.is_built())

@@ -118,7 +118,7 @@ class Trainer:
                 if self.distributed else None)
         self.dims = ParallelDims.build(self.topology, mesh, world_size, dp_replicate=parallel.dp_replicate)
         self.grad_accum_steps = config.grad_accum_steps
-        self._plan_cache: str | None = None  # DCP's save-plan cache generation (workers/checkpoint_io.py)
+        self._plan_cache: str | None = None  # DCP's save-plan cache generation (workers/checkpoints/checkpoint_io.py)
         self._sync_tensor = torch.zeros(1, device=self.device)
         #: Times waits inside TP / FSDP2 collectives on timing-sync steps (workers/collective_waits.py).
         self._waits = CollectiveWaitClock(self.device) if self.distributed and world_size > 1 else None
@@ -178,10 +178,10 @@ class Trainer:
         """
         if not model.hf_path:
             return
-        from etrain.workers.hf_config import weight_files
+        from etrain.workers.checkpoints.hf_config import weight_files
 
         if weight_files(model.hf_path):
-            from etrain.workers.hf_io import load_hf_weights
+            from etrain.workers.checkpoints.hf_io import load_hf_weights
 
             load_hf_weights(self.model_parts, model.hf_path, model)
 
@@ -364,7 +364,7 @@ class Trainer:
         a pure function of the step), and the RNG states, all as plain types that
         ``torch.load(weights_only=True)`` reads back.
         """
-        from etrain.workers.checkpoint_state import capture_rng_state
+        from etrain.workers.checkpoints.checkpoint_state import capture_rng_state
 
         extra = {
             "step": self.next_step,
@@ -380,8 +380,8 @@ class Trainer:
 
         The checkpoint is usable only once the supervisor commits every rank's report.
         """
-        from etrain.workers.checkpoint import save_checkpoint
-        from etrain.workers.checkpoint_io import new_plan_cache
+        from etrain.workers.checkpoints.checkpoint import save_checkpoint
+        from etrain.workers.checkpoints.checkpoint_io import new_plan_cache
 
         if self._plan_cache is None:  # one per Trainer: every rank builds a new one for each attempt
             self._plan_cache = new_plan_cache()
@@ -395,10 +395,10 @@ class Trainer:
         file sizes are always checked; ``verify_checksums=False`` skips re-hashing when the caller
         (the supervisor, right before launch) has just verified the checksums itself.
         ``expect_digest``: the digest of the manifest the supervisor verified; the manifest read here
-        must be that one (see ``etrain.workers.checkpoint.load_checkpoint``).
+        must be that one (see ``etrain.workers.checkpoints.checkpoint.load_checkpoint``).
         """
-        from etrain.workers.checkpoint import load_checkpoint
-        from etrain.workers.checkpoint_state import restore_rng_state
+        from etrain.workers.checkpoints.checkpoint import load_checkpoint
+        from etrain.workers.checkpoints.checkpoint_state import restore_rng_state
 
         extra = load_checkpoint(step_dir, self.model_parts, self.optimizers, checksums=verify_checksums,
                                 expect_digest=expect_digest)

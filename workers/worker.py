@@ -58,7 +58,7 @@ class TrainWorker:
         self._drills = None  # etrain.workers.chaos.RankDrills, once a launch plan enables drills
         self._plan: LaunchPlan | None = None
         self._control = ControlRequests()  # acted on at step boundaries, on rank 0 only
-        self._snapshots: dict[int, Any] = {}  # completed step -> this rank's state then (workers/snapshot.py)
+        self._snapshots: dict[int, Any] = {}  # completed step -> this rank's state then (workers/checkpoints/snapshot.py)
         self._saves = None  # this attempt's RankSaves (workers/rank_saves.py)
 
     # --- control calls (run concurrently with `run`) -------------------------------------------
@@ -233,7 +233,7 @@ class TrainWorker:
         of them read storage together, hashing every file (the supervisor did not, this time).
         """
         if plan.state_from_memory:
-            from etrain.workers.snapshot import replicated, resume_from_snapshot, share_snapshots
+            from etrain.workers.checkpoints.snapshot import replicated, resume_from_snapshot, share_snapshots
 
             parallel = plan.config.parallel
             snapshot, origin = share_snapshots(self._snapshots.get(plan.start_step), plan.start_step,
@@ -253,9 +253,9 @@ class TrainWorker:
         Two are kept: the newest may not be committed yet when a rank dies, the one before it is.
         Only where a data-parallel replica holds the same state: the rank a repair replaces is a new
         process with no snapshot, so without a replica to send it one every rank restores from storage
-        (``etrain.workers.snapshot.share_snapshots``) and a copy here would never be read.
+        (``etrain.workers.checkpoints.snapshot.share_snapshots``) and a copy here would never be read.
         """
-        from etrain.workers.snapshot import replicated, take_snapshot
+        from etrain.workers.checkpoints.snapshot import replicated, take_snapshot
 
         parallel = self._plan.config.parallel
         if not self._plan.keep_snapshots or not replicated(parallel.zero, parallel.dp):

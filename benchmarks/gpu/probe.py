@@ -5,7 +5,7 @@ global batch 8; ``--tiny``: ``measures.TINY`` on CPU) from random initialisation
 fp32 master weights, bf16 autocast on CUDA, AdamW (fused on CUDA), gradient clipping at 1.0, gradient
 accumulation over global / micro micro-batches. The transformers row is what a user writes by hand:
 ``AutoModelForCausalLM.from_config`` (SDPA attention) built on the device, ``model(input_ids,
-labels).loss`` per micro-batch. Its config comes from ``etrain.workers.hf_config.hf_config_dict``, so
+labels).loss`` per micro-batch. Its config comes from ``etrain.workers.checkpoints.hf_config.hf_config_dict``, so
 both rows are the same model.
 
 Per row: build seconds (the ``Trainer`` constructor / model + optimizer construction, device
@@ -89,7 +89,7 @@ def hf_row(sizes: CheckSizes, steps: int, device, *, checkpointing: bool = False
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from etrain.workers.hf_config import hf_config_dict
+    from etrain.workers.checkpoints.hf_config import hf_config_dict
 
     raw = hf_config_dict(model_config(sizes))
     config = AutoConfig.for_model(raw.pop("model_type"), **{k: v for k, v in raw.items() if k != "architectures"})

@@ -2,7 +2,7 @@
 
 DCP's ``.metadata`` is unpickled on every rank at restore, so a checkpoint directory written by
 anyone but this service is code that runs on every rank. The supervisor therefore signs each
-manifest with HMAC-SHA256 under this key (``etrain.workers.checkpoint_commit.commit``) and refuses, before any rank
+manifest with HMAC-SHA256 under this key (``etrain.workers.checkpoints.checkpoint_commit.commit``) and refuses, before any rank
 reads a byte, a manifest whose signature does not verify. The key never leaves the control plane
 except in a supervisor's :class:`~etrain.service.runtime.job_policy.JobPolicy` (not in the spec, the job's JSON,
 events or logs).

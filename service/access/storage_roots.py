@@ -39,7 +39,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from etrain.workers.storage import is_url, missing_backend, normalize_url, url_problem
+from etrain.workers.checkpoints.storage import is_url, missing_backend, normalize_url, url_problem
 
 __all__ = [
     "PRIVATE_FILE_NAMES",

@@ -55,7 +55,7 @@ from etrain.workers.protocol.run_config import (
 )
 from etrain.workers import families
 from etrain.workers.protocol import layout_rules
-from etrain.workers.hf_config import model_config_from_hf, read_hf_config
+from etrain.workers.checkpoints.hf_config import model_config_from_hf, read_hf_config
 
 def _integer_only(value: Any) -> Any:
     """JSON integers only. JSON Schema's "integer" includes 3.0, so 3.0 is 3; "3" and true are not."""

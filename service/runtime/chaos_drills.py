@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from etrain.workers import storage
-from etrain.workers.checkpoint_commit import step_dir
+from etrain.workers.checkpoints import storage
+from etrain.workers.checkpoints.checkpoint_commit import step_dir
 from etrain.workers.protocol.manifest import MANIFEST_NAME
 from etrain.workers.protocol.messages import ChaosOrder
 

@@ -20,7 +20,7 @@ from typing import Any
 import ray
 
 from etrain.workers.protocol import safe_paths
-from etrain.workers import storage
+from etrain.workers.checkpoints import storage
 from etrain.workers.protocol.errors import EtrainError
 from etrain.workers.protocol.run_config import ModelConfig
 
@@ -55,7 +55,7 @@ def _export_folder(step_dir: str, out_dir: str, model: ModelConfig, source_dir: 
     ``expect_digest``: the digest of the manifest the caller verified with the service's key; this
     process has no key, so it loads nothing unless the manifest it reads is exactly that one.
     """
-    from etrain.workers.hf_io import export_hf
+    from etrain.workers.checkpoints.hf_io import export_hf
 
     if replace_existing and storage.is_url(out_dir):
         storage.rmtree(out_dir)

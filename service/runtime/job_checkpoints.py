@@ -2,7 +2,7 @@
 
 The state machine (service/decisions/supervisor.py) decides *when* a step is committed, resumed from or
 exported; this is the storage side of those decisions, for a local folder or an ``s3://`` root alike
-(workers/storage.py). It lives apart from the actor (service/runtime/supervisor_actor.py) because it is
+(workers/checkpoints/storage.py). It lives apart from the actor (service/runtime/supervisor_actor.py) because it is
 the one part that touches checkpoint files and signatures, and the parts that take long (pruning, the
 export task) run here off the actor's control thread.
 
@@ -25,8 +25,8 @@ from etrain.service.access.checkpoint_dirs import may_resume
 from etrain.service.decisions.supervisor_events import CommitFailed, CommitSucceeded, Event, Exported, ExportFailed
 from etrain.service.runtime.hf_export import cancel_quietly, job_export_dir, submit_export, wait_export
 from etrain.workers.protocol import safe_paths
-from etrain.workers import storage
-from etrain.workers.checkpoint_commit import commit, list_steps, prune, resolve_latest, step_dir, verify
+from etrain.workers.checkpoints import storage
+from etrain.workers.checkpoints.checkpoint_commit import commit, list_steps, prune, resolve_latest, step_dir, verify
 from etrain.workers.protocol.errors import CheckpointError, UnsafePathError
 from etrain.workers.protocol.manifest import ManifestSignatureError
 from etrain.workers.protocol.run_config import ModelConfig

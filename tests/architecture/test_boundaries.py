@@ -26,11 +26,11 @@ FOLDERS = {"etrain.api": "api", "etrain.service": "service", "etrain.workers": "
 
 #: Worker modules the service must never import, at any level, beyond those that import torch.
 SERVICE_NEVER = {"etrain.workers.worker", "etrain.workers.spare", "etrain.workers.chaos", "etrain.workers.train",
-                 "etrain.workers.checkpoint"}
+                 "etrain.workers.checkpoints.checkpoint"}
 #: Torch-importing worker modules the service may import inside a function, with why that function never
 #: runs in a service process.
 SERVICE_REMOTE_BODIES = {
-    "etrain.workers.hf_io": "the Hugging Face export task's body (supervisor's _export_folder) runs in its own Ray "
+    "etrain.workers.checkpoints.hf_io": "the Hugging Face export task's body (supervisor's _export_folder) runs in its own Ray "
                             "worker process",
 }
 #: Worker modules outside the protocol that api/ may import, with why.
@@ -143,7 +143,7 @@ def test_the_module_map_and_the_torch_set_are_real():
     """Not vacuous: the engine is seen to import torch, the protocol is not, and the rules' names exist."""
     names = set(modules())
     assert {"etrain.service.runtime.worker_group", "etrain.workers.protocol.messages", "etrain.api.cli"} <= names
-    assert {"etrain.workers.train", "etrain.workers.checkpoint", "etrain.workers.families.model"} <= torch_at_load()
+    assert {"etrain.workers.train", "etrain.workers.checkpoints.checkpoint", "etrain.workers.families.model"} <= torch_at_load()
     assert not {"etrain.workers.worker", "etrain.workers.protocol.messages"} & torch_at_load()
     assert SERVICE_NEVER | set(SERVICE_REMOTE_BODIES) | set(API_MAY_IMPORT) <= names
 

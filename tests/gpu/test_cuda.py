@@ -159,8 +159,8 @@ def test_pinned_async_saves_prepared_ahead_restore_each_saves_values(tmp_path):
     failed with ``KeyError: <class 'type'>`` on an H100), each restores its own step's values."""
     from torch import nn
 
-    from etrain.workers.checkpoint import AsyncCheckpointer, load_checkpoint
-    from etrain.workers.checkpoint_commit import commit, step_dir
+    from etrain.workers.checkpoints.checkpoint import AsyncCheckpointer, load_checkpoint
+    from etrain.workers.checkpoints.checkpoint_commit import commit, step_dir
 
     torch.manual_seed(0)
     model = nn.Linear(256, 256).cuda()

@@ -31,9 +31,9 @@ transformers = pytest.importorskip("transformers")
 from tests.dist_utils import run_distributed  # noqa: E402
 from etrain.workers.protocol.run_config import DataConfig, ModelConfig, ParallelConfig, RunConfig, TrainingConfig  # noqa: E402
 from etrain.workers.protocol.errors import CheckpointError, ConfigError  # noqa: E402
-from etrain.workers.hf_config import hf_name, model_config_from_hf, read_hf_config  # noqa: E402
-from etrain.workers.hf_io import export_hf, find_step_dir, load_hf_weights  # noqa: E402
-from etrain.workers.checkpoint_commit import commit, step_dir  # noqa: E402
+from etrain.workers.checkpoints.hf_config import hf_name, model_config_from_hf, read_hf_config  # noqa: E402
+from etrain.workers.checkpoints.hf_io import export_hf, find_step_dir, load_hf_weights  # noqa: E402
+from etrain.workers.checkpoints.checkpoint_commit import commit, step_dir  # noqa: E402
 from etrain.workers.families.model import cross_entropy_loss  # noqa: E402
 
 COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

@@ -26,7 +26,7 @@ STEPS, SAVE_AT = 8, 4
 def _train_and_save(rank: int, world_size: int, config, root: str) -> list[float]:
     import torch.distributed as dist
 
-    from etrain.workers.checkpoint_commit import commit, step_dir
+    from etrain.workers.checkpoints.checkpoint_commit import commit, step_dir
     from etrain.workers.train import Trainer
 
     trainer = Trainer(config, rank=rank, world_size=world_size, device=torch.device("cpu"))
@@ -42,7 +42,7 @@ def _train_and_save(rank: int, world_size: int, config, root: str) -> list[float
 
 
 def _restore_and_train(rank: int, world_size: int, config, root: str) -> dict:
-    from etrain.workers.checkpoint_commit import step_dir
+    from etrain.workers.checkpoints.checkpoint_commit import step_dir
     from etrain.workers.train import Trainer
 
     trainer = Trainer(config, rank=rank, world_size=world_size, device=torch.device("cpu"))

@@ -23,10 +23,10 @@ import torch
 
 from tests.object_store import s3_server
 from etrain.service.runtime.hf_export import HF_EXPORT_DIR, _export_folder, job_export_dir
-from etrain.workers import storage
-from etrain.workers.checkpoint import save_checkpoint
-from etrain.workers.checkpoint_commit import commit, step_dir
-from etrain.workers.hf_io import export_hf, load_hf_weights
+from etrain.workers.checkpoints import storage
+from etrain.workers.checkpoints.checkpoint import save_checkpoint
+from etrain.workers.checkpoints.checkpoint_commit import commit, step_dir
+from etrain.workers.checkpoints.hf_io import export_hf, load_hf_weights
 from etrain.workers.init import build_model
 from etrain.workers.protocol.errors import UnsafePathError
 from etrain.workers.protocol.run_config import ModelConfig

@@ -20,7 +20,7 @@ import pytest
 
 from etrain.service.runtime.chaos_drills import CorruptOrder, JobDrills
 from etrain.workers.chaos import RankDrills
-from etrain.workers.checkpoint_commit import step_dir
+from etrain.workers.checkpoints.checkpoint_commit import step_dir
 from etrain.workers.protocol.messages import ChaosOrder
 
 REPO = Path(__file__).resolve().parents[2]

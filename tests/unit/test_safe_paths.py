@@ -18,7 +18,7 @@ from etrain.service.access.storage_roots import StorageRoots, pin
 from etrain.service.planning.spec import JobSpec
 from etrain.service.planning.spec_checks import check_spec
 from etrain.workers.protocol import safe_paths
-from etrain.workers.hf_config import read_hf_config, weight_files
+from etrain.workers.checkpoints.hf_config import read_hf_config, weight_files
 from etrain.workers.protocol.errors import ConfigError, DataError, UnsafePathError
 from etrain.workers.text_files import read_text_file, text_documents
 from tests.tiny_tokenizers import byte_bpe

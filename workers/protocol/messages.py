@@ -82,7 +82,7 @@ class LaunchPlan:
     #: have no key): the rank loads only that very manifest (``verify(expect_digest=)``).
     resume_digest: str | None = None
     #: An in-place repair: restore start_step from the ranks' in-memory snapshots where every rank can
-    #: get one (its own, or a data-parallel replica's), else from resume_dir (workers/snapshot.py).
+    #: get one (its own, or a data-parallel replica's), else from resume_dir (workers/checkpoints/snapshot.py).
     state_from_memory: bool = False
     #: Keep in-memory snapshots at each save (``fault_tolerance.in_place``): nothing else reads them.
     keep_snapshots: bool = True

@@ -184,7 +184,7 @@ class CheckpointConfig:
     keep_last: int = 3
     path: str | None = None
     async_save: bool = False
-    #: ``every_steps: auto``: rank 0 requests saves at the Young-Daly interval (workers/checkpoint_cadence.py)
+    #: ``every_steps: auto``: rank 0 requests saves at the Young-Daly interval (workers/checkpoints/checkpoint_cadence.py)
     auto_interval: bool = False
     mtbf_hours: float = 24.0  # fault_tolerance.mtbf_hours: what ``auto`` balances the save cost against
 

@@ -14,12 +14,12 @@ get the verified manifest's digest from the supervisor and check that the manife
 one (``verify(expect_digest=...)``), and hash ``.metadata`` before DCP unpickles it.
 
 Checkpoint roots may be local folders or object-store URLs (``s3://bucket/prefix``): every file
-operation goes through ``workers/storage.py``. On an object store the manifest is written with one PUT,
+operation goes through ``workers/checkpoints/storage.py``. On an object store the manifest is written with one PUT,
 which is atomic per object, so the same rule holds: the manifest object, written last after every
 shard's size was checked, is the commit point.
 
-Pure (standard library and ``workers/storage.py``): the supervisor, which must not import torch,
-commits, verifies, resolves and prunes with this module; ``workers/checkpoint.py`` (the torch side)
+Pure (standard library and ``workers/checkpoints/storage.py``): the supervisor, which must not import torch,
+commits, verifies, resolves and prunes with this module; ``workers/checkpoints/checkpoint.py`` (the torch side)
 produces the per-rank ``ShardReport`` objects it consumes and verifies before every load.
 """
 
@@ -30,7 +30,7 @@ import os
 import time
 from dataclasses import dataclass
 
-from etrain.workers import storage
+from etrain.workers.checkpoints import storage
 from etrain.workers.protocol.errors import CheckpointError
 from etrain.workers.protocol.manifest import (
     MANIFEST_NAME,
@@ -98,7 +98,7 @@ def step_dir(root: str | os.PathLike, step: int) -> str:
 
 def list_steps(root: str | os.PathLike) -> list[tuple[int, str]]:
     """Every step directory under ``root`` (committed or not), ascending by step. ``root`` may be a URL
-    (``s3://bucket/prefix``: a step "directory" is the prefix of its objects, ``workers/storage.py``)."""
+    (``s3://bucket/prefix``: a step "directory" is the prefix of its objects, ``workers/checkpoints/storage.py``)."""
     try:
         names = storage.subdirs(root)
     except FileNotFoundError:

@@ -1,7 +1,7 @@
 """What a checkpoint or an in-memory snapshot holds of a rank: FQN-keyed model and optimizer state, and RNG.
 
 :func:`collect_state` gathers every model part's and optimizer's state into one dict that DCP saves or
-fills (``workers/checkpoint.py``) and that ``workers/snapshot.py`` copies to host memory;
+fills (``workers/checkpoints/checkpoint.py``) and that ``workers/checkpoints/snapshot.py`` copies to host memory;
 :func:`apply_state` hands a filled one back. Why it is built this way:
 
 * **FQN-keyed state through torch's state-dict API.** ``get_model_state_dict`` /
@@ -68,7 +68,7 @@ class CollectedState:
 
 def collect_state(model_parts: list[nn.Module], optimizers: list[Optimizer]) -> CollectedState:
     """FQN-keyed model and (flattened) optimizer state of all parts, merged into one dict: what DCP
-    saves and fills (and what the in-memory snapshots of ``workers/snapshot.py`` copy)."""
+    saves and fills (and what the in-memory snapshots of ``workers/checkpoints/snapshot.py`` copy)."""
     model_state: dict[str, Any] = {}
     model_keys = []
     for part in model_parts:

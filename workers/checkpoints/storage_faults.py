@@ -19,7 +19,7 @@ import errno
 import os
 import shutil
 
-from etrain.workers import storage
+from etrain.workers.checkpoints import storage
 from etrain.workers.protocol.errors import CheckpointError
 
 __all__ = ["MARGIN_BYTES", "MARGIN_FRACTION", "StorageFault", "check_room", "free_bytes", "storage_fault"]

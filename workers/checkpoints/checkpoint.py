@@ -3,12 +3,12 @@
 :func:`save_checkpoint` and :func:`load_checkpoint` are collective over ``process_group`` (default: the
 default group); without an initialized process group they work in a single process. A save returns
 this rank's ``ShardReport``; the checkpoint becomes usable only when the supervisor commits every
-rank's report (``workers/checkpoint_commit.py``), and a load verifies that commit before it reads a
+rank's report (``workers/checkpoints/checkpoint_commit.py``), and a load verifies that commit before it reads a
 byte. :class:`AsyncCheckpointer` is the same save with the file writes off the training step.
 
 The pieces each have their own module: what state is saved and how it maps onto the parts and
-optimizers of any layout (``workers/checkpoint_state.py``), and the files, their hashes and ``extra.pt``
-(``workers/checkpoint_io.py``).
+optimizers of any layout (``workers/checkpoints/checkpoint_state.py``), and the files, their hashes and ``extra.pt``
+(``workers/checkpoints/checkpoint_io.py``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.optim import Optimizer
 
-from etrain.workers.checkpoint_io import (
+from etrain.workers.checkpoints.checkpoint_io import (
     abandon,
     dcp_writer,
     new_plan_cache,
@@ -40,10 +40,10 @@ from etrain.workers.checkpoint_io import (
     storage_reader,
     verify_together,
 )
-from etrain.workers.checkpoint_state import apply_state, collect_state
+from etrain.workers.checkpoints.checkpoint_state import apply_state, collect_state
 from etrain.workers.protocol.errors import CheckpointError
 from etrain.workers.protocol.manifest import ShardReport
-from etrain.workers.storage_faults import storage_fault
+from etrain.workers.checkpoints.storage_faults import storage_fault
 
 __all__ = ["AsyncCheckpointer", "PendingCheckpoint", "load_checkpoint", "save_checkpoint"]
 
@@ -85,7 +85,7 @@ def save_checkpoint(
 def _abandoned(error: BaseException, directory: str, expected_bytes: int,
                group: dist.ProcessGroup | None) -> BaseException:
     """A failed save's files removed (rank 0), and the error to raise: a ``StorageFault`` that says why
-    in words (``workers/storage_faults.py``), or the error itself when the storage is not the cause."""
+    in words (``workers/checkpoints/storage_faults.py``), or the error itself when the storage is not the cause."""
     fault = storage_fault(error, directory, expected_bytes)
     abandon(directory, group)
     return fault if fault is not None else error

@@ -4,7 +4,7 @@
 Loading (:func:`load_hf_weights`) uses torch's own ``HuggingFaceStorageReader`` with ``dcp.load``
 on the model parts' *sharded* state dicts (``get_model_state_dict``: DTensor shards under TP and
 FSDP2, plain tensors otherwise), renamed to Hugging Face's names with
-:func:`etrain.workers.hf_config.hf_name`. Why DCP rather than reading the files ourselves: DCP's planner
+:func:`etrain.workers.checkpoints.hf_config.hf_name`. Why DCP rather than reading the files ourselves: DCP's planner
 turns each local shard (FSDP2-over-TP 2-D placements and uneven splits included) into read
 requests for exactly the rows and columns a rank owns, and the reader serves each one with
 ``safe_open(...).get_slice(name)[slices]``, a memory-mapped read of that slice only; no rank ever
@@ -71,19 +71,19 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 
 from etrain.workers.protocol import safe_paths
-from etrain.workers import storage
+from etrain.workers.checkpoints import storage
 from etrain.workers.families import family
-from etrain.workers.checkpoint_commit import resolve_latest, step_dir, verify
-from etrain.workers.checkpoint_io import storage_reader
+from etrain.workers.checkpoints.checkpoint_commit import resolve_latest, step_dir, verify
+from etrain.workers.checkpoints.checkpoint_io import storage_reader
 from etrain.workers.protocol.run_config import ModelConfig
 from etrain.workers.protocol.errors import CheckpointError, ConfigError
-from etrain.workers.hf_config import (TOKENIZER_FILES, WEIGHTS_INDEX, hf_config_dict, hf_name, hf_parameter_names,
+from etrain.workers.checkpoints.hf_config import (TOKENIZER_FILES, WEIGHTS_INDEX, hf_config_dict, hf_name, hf_parameter_names,
                                       weight_file_names)
 from etrain.workers.families.model import canonical_fqn
 
 __all__ = ["HFLoadReport", "expected_shapes", "export_hf", "find_step_dir", "load_hf_weights"]
 
-#: The prefix etrain's checkpoints put before every model FQN (``etrain.workers.checkpoint_state``: {"model": ...}).
+#: The prefix etrain's checkpoints put before every model FQN (``etrain.workers.checkpoints.checkpoint_state``: {"model": ...}).
 _MODEL_PREFIX = "model."
 #: safetensors dtypes whose values a float parameter can take as they are.
 _FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}

@@ -8,7 +8,7 @@ stays the fallback whenever memory cannot serve every rank (no replica of some r
 layout that shards state across data-parallel ranks, a snapshot of another step).
 
 What a snapshot holds is what a DCP checkpoint holds, through the same state-dict code path
-(``etrain.workers.checkpoint_state.collect_state`` / ``apply_state``): each rank's local model and flattened
+(``etrain.workers.checkpoints.checkpoint_state.collect_state`` / ``apply_state``): each rank's local model and flattened
 optimizer state, copied to host memory, and the checkpoint's ``extra`` (next step, data position,
 RNG). So a restore from memory is bit-identical to a restore from the disk checkpoint of that step
 (``tests/integration/test_snapshot.py``).
@@ -31,7 +31,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from etrain.workers.checkpoint_state import apply_state, collect_state, restore_rng_state
+from etrain.workers.checkpoints.checkpoint_state import apply_state, collect_state, restore_rng_state
 
 
 @dataclass

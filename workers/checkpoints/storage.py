@@ -12,7 +12,7 @@ file operations it needs go through this module, which takes either a local path
   no directories and no rename, but a single PUT of an object is atomic (readers see the old object,
   none, or the whole new one; S3 is strongly read-after-write consistent). So :func:`atomic_write_bytes`
   is one PUT, and the manifest object *is* the commit point: it is written last, after every shard is
-  checked (``workers/checkpoint_commit.py``). A "directory" is a key prefix: :func:`makedirs` is a no-op, a
+  checked (``workers/checkpoints/checkpoint_commit.py``). A "directory" is a key prefix: :func:`makedirs` is a no-op, a
   prefix exists while an object lies under it, and :func:`replace` of a prefix is copy-then-delete
   (used only to move a bad step aside, never on the commit path).
 

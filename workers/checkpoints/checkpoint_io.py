@@ -1,18 +1,18 @@
 """A checkpoint's files on storage, as a rank sees them: DCP's writers and readers, the rank's report of
 what it wrote, ``extra.pt``, and the checks every rank agrees on before it writes or reads a shard.
 
-``workers/checkpoint.py`` drives a save or a load; this module is everything it does to storage.
+``workers/checkpoints/checkpoint.py`` drives a save or a load; this module is everything it does to storage.
 Why it is built this way:
 
 * **A rank reports, the supervisor commits.** Every rank returns a ``ShardReport`` (the files it
-  wrote, with size and SHA-256, :func:`shard_report`); ``etrain.workers.checkpoint_commit.commit``
+  wrote, with size and SHA-256, :func:`shard_report`); ``etrain.workers.checkpoints.checkpoint_commit.commit``
   writes ``manifest.json`` last once all ranks reported. Loading verifies the manifest first
   (:func:`verify_together`, each rank hashing a share of the files): a step directory that never
   committed, or was corrupted afterwards, is never read (invariant 4).
 * **Local folders or object storage.** A step directory may be an ``s3://`` URL: shards and
   ``.metadata`` then go through DCP's fsspec storage (``FsspecWriter``/``FsspecReader``, async saves
   included), hashed on the way up, and ``extra.pt`` and the rank's file listing through
-  ``workers/storage.py``.
+  ``workers/checkpoints/storage.py``.
 * **Non-tensor state** (step, data position, RNG) goes to ``extra.pt``, written by rank 0 and
   readable with ``torch.load(weights_only=True)``; it is global, not per rank.
 * **Every rank hears rank 0's verdict** (:func:`start_checkpoint`) before any rank writes a shard,
@@ -33,11 +33,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from etrain.workers import storage
-from etrain.workers.checkpoint_commit import file_entries, list_steps, verify
+from etrain.workers.checkpoints import storage
+from etrain.workers.checkpoints.checkpoint_commit import file_entries, list_steps, verify
 from etrain.workers.protocol.errors import CheckpointError, EtrainError
 from etrain.workers.protocol.manifest import MANIFEST_NAME, METADATA_NAME, FileEntry, ShardReport
-from etrain.workers.storage_faults import check_room, storage_fault
+from etrain.workers.checkpoints.storage_faults import check_room, storage_fault
 
 __all__ = ["EXTRA_NAME", "abandon", "last_checkpoint_bytes", "new_plan_cache", "read_extra", "save_planner", "shard_report", "start_checkpoint", "storage_reader",
            "verify_together", "dcp_writer"]
@@ -172,7 +172,7 @@ def dcp_writer(directory: str, *, threads: int = 1) -> _Recording:
 
 
 def storage_reader(directory: str):
-    """DCP's reader for ``directory`` (a local path or a URL: ``FsspecReader``); ``workers/hf_io.py`` uses
+    """DCP's reader for ``directory`` (a local path or a URL: ``FsspecReader``); ``workers/checkpoints/hf_io.py`` uses
     it to export a checkpoint from either."""
     if not storage.is_url(directory):
         return dcp.FileSystemReader(directory)
@@ -215,13 +215,13 @@ def start_checkpoint(directory: str, extra: dict[str, Any], group: dist.ProcessG
     every rank hears the verdict before any rank writes a shard (stale shards of a crashed attempt must
     not mix with new ones, and nobody may start DCP's collectives if rank 0 cannot take part).
 
-    The room check (``workers/storage_faults.py``): the file system must have the size of the last
+    The room check (``workers/checkpoints/storage_faults.py``): the file system must have the size of the last
     committed checkpoint free, plus a margin (``state_bytes``, this rank's state, stands in before the
     first commit); otherwise every rank raises ``StorageFault`` and nothing is written. Returns the
     checkpoint size the check used (what explains a write that fails later)."""
     expected = [state_bytes]
 
-    def start() -> None:  # a local folder or (URL) an object-store prefix, through workers/storage.py
+    def start() -> None:  # a local folder or (URL) an object-store prefix, through workers/checkpoints/storage.py
         if storage.exists(storage.join(directory, MANIFEST_NAME)):
             try:
                 verify(directory)
