@@ -1,6 +1,6 @@
 """Straggler detection latency and false positives under DP, TP, ZeRO-3 and PP, on measured compute times.
 
-For the benchmark suite's figure 4. Per layout, one short real run (``etrain.workers.train.Trainer`` on gloo
+For the benchmark suite's figure 4. Per layout, one short real run (``etrain.workers.engine.train.Trainer`` on gloo
 ranks, ``tests.dist_utils``; no Ray) records every rank's ``compute_s`` on every step (all steps are
 timing-sync steps there): first healthy, then with one rank slowed by the chaos ``slow_rank`` drill
 (``etrain.workers.chaos.RankDrills``, the rank's drill plugin) at each slowdown in turn. Those measured
@@ -91,7 +91,7 @@ def _rank(rank: int, world_size: int, parallel: ParallelConfig, slow_rank: int, 
 
     from etrain.workers.chaos import RankDrills
     from etrain.workers.protocol.messages import ChaosOrder
-    from etrain.workers.train import Trainer
+    from etrain.workers.engine.train import Trainer
 
     phases = [1.0] * (WARMUP_STEPS + healthy) + [f for f in slowdowns for _ in range(per_slowdown)]
     drills = RankDrills(rank=rank, report=lambda order, step: None)  # no supervisor to tell here

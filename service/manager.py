@@ -289,7 +289,7 @@ class JobManager:
         if data.kind != "text" or not data.tokenizer or not data.path:
             return None
         from etrain.workers.protocol.errors import DataError
-        from etrain.workers.tokenized import tokenize_text
+        from etrain.workers.engine.tokenized import tokenize_text
 
         try:
             cache = tokenize_text(data.path, data.tokenizer, max_bytes=self.submit_tokenize_max_bytes,

@@ -41,7 +41,7 @@ class SpareRank(TrainWorker):
         import torch.distributed  # noqa: F401
 
         import etrain.workers.checkpoints.checkpoint  # noqa: F401
-        import etrain.workers.train  # noqa: F401
+        import etrain.workers.engine.train  # noqa: F401
 
         self.warm_step = not (gpu_node and torch.backends.cuda.is_built())
         _warm_up(train_step=self.warm_step)
@@ -95,7 +95,7 @@ def _warm_up(*, train_step: bool) -> None:
     import torch
 
     from etrain.workers.protocol.run_config import DataConfig, ModelConfig, ParallelConfig, RunConfig, TrainingConfig
-    from etrain.workers.train import Trainer
+    from etrain.workers.engine.train import Trainer
 
     config = RunConfig(job_id="spare-warmup", model=ModelConfig(**WARMUP_MODEL), data=DataConfig(kind="synthetic"),
                        parallel=ParallelConfig(), training=TrainingConfig(steps=1, global_batch=1, micro_batch=1))

@@ -1,4 +1,4 @@
-"""The Ray actor around one rank's :class:`etrain.workers.train.Trainer`.
+"""The Ray actor around one rank's :class:`etrain.workers.engine.train.Trainer`.
 
 One ``TrainWorker`` per rank, placed in its placement-group bundle by ``service/runtime/supervisor_actor.py``. The class
 is plain Python (the runtime wraps it with ``ray.remote``), so it stays importable without a cluster.
@@ -145,9 +145,9 @@ class TrainWorker:
         import torch
         import torch.distributed as dist
 
-        from etrain.workers.mesh import backend_for
+        from etrain.workers.engine.mesh import backend_for
         from etrain.workers.step_exchange import StepExchange
-        from etrain.workers.train import Trainer
+        from etrain.workers.engine.train import Trainer
 
         self._plan = plan
         self._control = ControlRequests()  # requests to an earlier attempt of this process do not carry over

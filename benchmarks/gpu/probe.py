@@ -57,7 +57,7 @@ def _peak_gib(device) -> float | None:
 def etrain_row(sizes: CheckSizes, steps: int, device, *, checkpointing: bool = False) -> dict[str, Any]:
     """etrain's ``Trainer`` in one process (world size 1, no process group), as a rank builds it."""
     from etrain.workers.protocol.run_config import DataConfig, ParallelConfig, RunConfig, TrainingConfig
-    from etrain.workers.train import Trainer
+    from etrain.workers.engine.train import Trainer
 
     config = RunConfig(
         job_id="gpu-probe", model=model_config(sizes), data=DataConfig(kind="synthetic", seed=0),

@@ -4,8 +4,8 @@ Why compute time and not step time: data/tensor/pipeline parallel ranks meet in 
 step, so one slow rank makes every other rank wait for it. Their *step* times rise to the slow
 rank's, and step time alone cannot say who is slow. The time a rank spends in its own forward /
 backward / optimizer math (``compute_s`` in the worker's step report, collective waits excluded:
-the timing-sync point and the timed waits inside TP / FSDP2 collectives, see ``workers/train.py``
-and ``workers/collective_waits.py``) is what separates them: the slow rank's compute is long, its
+the timing-sync point and the timed waits inside TP / FSDP2 collectives, see ``workers/engine/train.py``
+and ``workers/engine/collective_waits.py``) is what separates them: the slow rank's compute is long, its
 peers' compute is normal and their extra time shows up as ``comm_wait_s`` instead.
 
 Why per stage: pipeline stages do different work by design. The last stage carries the vocabulary

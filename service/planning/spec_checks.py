@@ -242,7 +242,7 @@ def _tokenizer_problems(spec: JobSpec, vocab_size: int | None) -> list[SpecProbl
                             message=f"data.tokenizer applies to data.kind='text' only, not {data.kind!r}.",
                             fix="remove data.tokenizer, or set data.kind: text")]
     from etrain.workers.protocol.errors import DataError
-    from etrain.workers.tokenized import tokenizer_info
+    from etrain.workers.engine.tokenized import tokenizer_info
 
     try:
         info = tokenizer_info(data.tokenizer)

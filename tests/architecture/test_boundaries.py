@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 FOLDERS = {"etrain.api": "api", "etrain.service": "service", "etrain.workers": "workers"}
 
 #: Worker modules the service must never import, at any level, beyond those that import torch.
-SERVICE_NEVER = {"etrain.workers.worker", "etrain.workers.spare", "etrain.workers.chaos", "etrain.workers.train",
+SERVICE_NEVER = {"etrain.workers.worker", "etrain.workers.spare", "etrain.workers.chaos", "etrain.workers.engine.train",
                  "etrain.workers.checkpoints.checkpoint"}
 #: Torch-importing worker modules the service may import inside a function, with why that function never
 #: runs in a service process.
@@ -35,7 +35,7 @@ SERVICE_REMOTE_BODIES = {
 }
 #: Worker modules outside the protocol that api/ may import, with why.
 API_MAY_IMPORT = {
-    "etrain.workers.tokenized": "`etrain prepare-data` tokenizes text locally, without a server (pure: no torch)",
+    "etrain.workers.engine.tokenized": "`etrain prepare-data` tokenizes text locally, without a server (pure: no torch)",
 }
 
 
@@ -143,7 +143,7 @@ def test_the_module_map_and_the_torch_set_are_real():
     """Not vacuous: the engine is seen to import torch, the protocol is not, and the rules' names exist."""
     names = set(modules())
     assert {"etrain.service.runtime.worker_group", "etrain.workers.protocol.messages", "etrain.api.cli"} <= names
-    assert {"etrain.workers.train", "etrain.workers.checkpoints.checkpoint", "etrain.workers.families.model"} <= torch_at_load()
+    assert {"etrain.workers.engine.train", "etrain.workers.checkpoints.checkpoint", "etrain.workers.families.model"} <= torch_at_load()
     assert not {"etrain.workers.worker", "etrain.workers.protocol.messages"} & torch_at_load()
     assert SERVICE_NEVER | set(SERVICE_REMOTE_BODIES) | set(API_MAY_IMPORT) <= names
 

@@ -46,12 +46,12 @@ PURE_MODULES = [
     "etrain.workers.checkpoints.storage",
     "etrain.workers.protocol.safe_paths",
     "etrain.workers.checkpoints.checkpoint_commit",
-    "etrain.workers.text_files",
+    "etrain.workers.engine.text_files",
     "etrain.workers.step_control",
     "etrain.workers.checkpoints.checkpoint_cadence",
     "etrain.workers.checkpoints.storage_faults",
     "etrain.workers.report_batch",
-    "etrain.workers.metrics",
+    "etrain.workers.engine.metrics",
 ]
 
 BLOCKED = ("torch", "ray")

@@ -44,7 +44,7 @@ from etrain.workers.protocol.run_config import ModelConfig
 from etrain.workers.protocol.errors import CheckpointError
 from etrain.workers.checkpoints.checkpoint_commit import commit, step_dir, verify
 from etrain.workers.protocol.manifest import ShardReport
-from etrain.workers.init import build_model
+from etrain.workers.engine.init import build_model
 from etrain.workers.families.model import cross_entropy_loss
 
 MODEL = ModelConfig(n_layers=4, d_model=16, n_heads=2, vocab_size=32, seq_len=8)

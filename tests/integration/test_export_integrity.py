@@ -24,7 +24,7 @@ from etrain.service.jobs.checkpoints import committed_step
 from etrain.service.runtime.hf_export import _export_folder
 from etrain.workers.checkpoints.checkpoint import save_checkpoint
 from etrain.workers.checkpoints.checkpoint_commit import commit, file_entries, step_dir, verify
-from etrain.workers.init import build_model
+from etrain.workers.engine.init import build_model
 from etrain.workers.protocol.errors import CheckpointError
 from etrain.workers.protocol.run_config import ModelConfig
 

@@ -100,7 +100,7 @@ def _run_config(folder: str, parallel: ParallelConfig = ParallelConfig(), **trai
 
 
 def _trainer(config: RunConfig, rank: int = 0, world_size: int = 1):
-    from etrain.workers.train import Trainer
+    from etrain.workers.engine.train import Trainer
 
     return Trainer(config, rank=rank, world_size=world_size, device=torch.device("cpu"))
 
@@ -128,8 +128,8 @@ def test_single_process_trainer_loads_hf_weights(hf_folders, arch):
 def test_a_trainer_about_to_resume_does_not_read_the_hf_weights(hf_folders):
     """The worker builds with load_pretrained=False when it restores a checkpoint next: the weights
     stay the seeded initialisation (identical to an HF-less build), not the folder's."""
-    from etrain.workers.init import build_model
-    from etrain.workers.train import Trainer
+    from etrain.workers.engine.init import build_model
+    from etrain.workers.engine.train import Trainer
 
     folder, want = hf_folders["llama"]
     config = _run_config(folder)

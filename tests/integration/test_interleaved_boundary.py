@@ -72,9 +72,9 @@ def _build_with(rank: int, world_size: int, counts: tuple[int, ...]) -> dict[int
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
 
-    from etrain.workers.init import build_model
+    from etrain.workers.engine.init import build_model
     from etrain.workers.families.model import cross_entropy_loss
-    from etrain.workers.pipeline import build_pipeline, stage_module
+    from etrain.workers.engine.pipeline import build_pipeline, stage_module
 
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("pp",))
     model = build_model(TINY_GPT, seed=0)

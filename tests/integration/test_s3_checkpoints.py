@@ -30,7 +30,7 @@ from etrain.workers.checkpoints.checkpoint import AsyncCheckpointer, load_checkp
 from etrain.workers.protocol.run_config import ModelConfig
 from etrain.workers.protocol.errors import CheckpointError, ConfigError
 from etrain.workers.checkpoints.checkpoint_commit import commit, list_steps, prune, resolve_latest, step_dir, verify
-from etrain.workers.init import build_model
+from etrain.workers.engine.init import build_model
 from etrain.workers.families.model import cross_entropy_loss
 
 MODEL = ModelConfig(n_layers=2, d_model=16, n_heads=2, vocab_size=32, seq_len=8)

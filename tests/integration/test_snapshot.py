@@ -13,7 +13,7 @@ from etrain.workers.protocol.run_config import ParallelConfig
 
 
 def _trainer(rank, world_size, parallel, steps):
-    from etrain.workers.train import Trainer
+    from etrain.workers.engine.train import Trainer
 
     return Trainer(small_config(parallel=parallel, steps=steps), rank=rank, world_size=world_size,
                    device=torch.device("cpu"))

@@ -27,7 +27,7 @@ from etrain.workers.checkpoints import storage
 from etrain.workers.checkpoints.checkpoint import save_checkpoint
 from etrain.workers.checkpoints.checkpoint_commit import commit, step_dir
 from etrain.workers.checkpoints.hf_io import export_hf, load_hf_weights
-from etrain.workers.init import build_model
+from etrain.workers.engine.init import build_model
 from etrain.workers.protocol.errors import UnsafePathError
 from etrain.workers.protocol.run_config import ModelConfig
 

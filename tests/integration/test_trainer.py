@@ -72,7 +72,7 @@ class _PoisonOnRank0:
 
 
 def _trainer(rank, world_size, parallel, callbacks=(), **training):
-    from etrain.workers.train import Trainer
+    from etrain.workers.engine.train import Trainer
 
     config = small_config(parallel=parallel, **{"steps": 3, **training})
     return Trainer(config, rank=rank, world_size=world_size, device=torch.device("cpu"), callbacks=callbacks)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from etrain.workers.protocol.run_config import DataConfig, ModelConfig
-from etrain.workers.data import GlobalSampler, TokenDataset, build_dataset, read_text_tokens, synthetic_tokens
+from etrain.workers.engine.data import GlobalSampler, TokenDataset, build_dataset, read_text_tokens, synthetic_tokens
 from etrain.workers.protocol.errors import ConfigError, DataError
 
 MODEL = ModelConfig(n_layers=1, d_model=8, n_heads=2, vocab_size=256, seq_len=8)

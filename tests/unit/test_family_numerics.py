@@ -18,8 +18,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from etrain.workers.checkpoints.hf_config import etrain_name, model_config_from_hf  # noqa: E402
-from etrain.workers.init import materialize  # noqa: E402
-from etrain.workers.init import build_model  # noqa: E402
+from etrain.workers.engine.init import materialize  # noqa: E402
+from etrain.workers.engine.init import build_model  # noqa: E402
 from etrain.workers.families.model import build_model_skeleton, cross_entropy_loss  # noqa: E402
 
 COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

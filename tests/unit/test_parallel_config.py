@@ -12,9 +12,9 @@ from tests.equivalence_utils import small_config
 from etrain.workers.protocol.run_config import ModelConfig, ParallelConfig
 from etrain.workers.protocol.errors import ConfigError
 from etrain.workers.protocol.layout_rules import sequence_parallel_problems, tp_problems
-from etrain.workers.parallelize import ParallelDims
-from etrain.workers.torchrun import load_run_config, main
-from etrain.workers.train import Trainer
+from etrain.workers.engine.parallelize import ParallelDims
+from etrain.workers.engine.torchrun import load_run_config, main
+from etrain.workers.engine.train import Trainer
 from tests.state_utils import full_state_dict
 
 

@@ -18,10 +18,10 @@ from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 
 from etrain.workers.protocol.run_config import ModelConfig
 from etrain.workers.protocol.errors import ConfigError
-from etrain.workers.init import build_model
+from etrain.workers.engine.init import build_model
 from etrain.service.planning.plan_activations import layer_chunks_in_flight
 from etrain.workers.protocol.layout_rules import PIPELINE_SCHEDULES, schedule_problems, split_layers, stage_ids_for_rank
-from etrain.workers.pipeline import StepTiming, stage_module
+from etrain.workers.engine.pipeline import StepTiming, stage_module
 
 CONFIG = ModelConfig(n_layers=4, d_model=32, n_heads=4, vocab_size=64, seq_len=16)
 

@@ -62,7 +62,7 @@ class Sizes(Protocol):
     def kv_heads(self) -> int: ...
 
 
-#: The tensor-parallel styles a :class:`TPPlan` names, and what each does; ``workers/parallelize.py``
+#: The tensor-parallel styles a :class:`TPPlan` names, and what each does; ``workers/engine/parallelize.py``
 #: turns each into a torch ``ParallelStyle`` (so a plan is data the control plane can read too).
 TP_STYLES: dict[str, str] = {
     "vocab_embedding": "token embedding split by vocabulary; output in the residual layout",

@@ -6,7 +6,7 @@ family is cut the same way (``workers/families/layers.py``): ``layers`` is a ``M
 *global* layer index, a pipeline stage is the same model with the parts it does not own set to
 ``None``, so parameter names (FQNs) are identical under every layout and DCP checkpoints reshard.
 
-Weights are initialised per parameter from a seed derived from its FQN (``workers/init.py``), so
+Weights are initialised per parameter from a seed derived from its FQN (``workers/engine/init.py``), so
 every layout starts from identical parameters whether the model is built whole or on the meta
 device and materialised shard by shard.
 """
@@ -38,7 +38,7 @@ def build_model_skeleton(config: ModelConfig) -> nn.Module:
     """The model of the family ``config.arch`` names, with uninitialised weights.
 
     Call it under ``torch.device("meta")`` to allocate nothing: the engine parallelises the meta
-    model first and then materialises only each rank's shards (``workers/init.py``).
+    model first and then materialises only each rank's shards (``workers/engine/init.py``).
     """
     return importlib.import_module(family(config.arch).model_module).build(config)
 
@@ -55,8 +55,8 @@ def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
     """Mean token cross-entropy over a micro-batch (fp32 for the reduction), as a plain tensor.
 
     Under tensor parallelism ``logits`` is a DTensor sharded by vocabulary (``Shard(-1)`` on the tp
-    mesh, ``etrain.workers.parallelize.apply_tp``) and this must run, with its backward, inside
-    ``torch.distributed.tensor.parallel.loss_parallel()`` (``etrain.workers.parallelize.loss_context``):
+    mesh, ``etrain.workers.engine.parallelize.apply_tp``) and this must run, with its backward, inside
+    ``torch.distributed.tensor.parallel.loss_parallel()`` (``etrain.workers.engine.parallelize.loss_context``):
     there ``cross_entropy`` all-reduces the per-token max, sum of exponentials and target logit over
     the tp ranks, so no rank materialises the full logits. The result is a replicated scalar
     DTensor; its local value (the same on every tp rank) is returned, and ``to_local``'s backward

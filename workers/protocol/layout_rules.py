@@ -1,8 +1,8 @@
 """Every rule a parallel layout must satisfy, written once (over 500 lines because one home for them all is the point).
 
 The spec validation (``service/planning/spec_checks.py``), the planner (``service/planning/``), the
-elastic policy (``service/decisions/elastic.py``) and the engine (``workers/pipeline.py``,
-``workers/parallelize.py``, ``workers/mesh.py``, ``workers/data.py``, the run config) all ask this
+elastic policy (``service/decisions/elastic.py``) and the engine (``workers/engine/pipeline.py``,
+``workers/engine/parallelize.py``, ``workers/engine/mesh.py``, ``workers/engine/data.py``, the run config) all ask this
 module, so a layout the service accepts is exactly a layout the engine runs, and a message never
 says one thing at submit time and another inside a rank.
 

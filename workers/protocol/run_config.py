@@ -2,7 +2,7 @@
 
 The service validates a user's JobSpec (pydantic, ``service/planning/spec.py``) once at the boundary and turns
 it into a :class:`RunConfig`: frozen, keyword-only dataclasses with no pydantic, Ray or torch
-dependency, so the workers (and ``torchrun -m etrain.workers.torchrun``) can be configured and
+dependency, so the workers (and ``torchrun -m etrain.workers.engine.torchrun``) can be configured and
 tested without the service. Derived quantities (gradient accumulation, tokens per step) live here as
 properties so that every component computes them the same way.
 """
@@ -114,7 +114,7 @@ class DataConfig:
     seed: int = 0
     token_dtype: Literal["uint16", "uint32"] = "uint16"
     #: ``kind="text"`` only: a Hugging Face tokenizer.json (or its folder). The text is tokenized once
-    #: into a content-addressed ``.bin`` beside the data (``workers/tokenized.py``); without it, bytes.
+    #: into a content-addressed ``.bin`` beside the data (``workers/engine/tokenized.py``); without it, bytes.
     tokenizer: str | None = None
 
 

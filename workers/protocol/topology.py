@@ -13,7 +13,7 @@ nodes, so it varies slowest.
 
 Everything here is pure standard-library code (plus the pure ``etrain.workers.protocol.errors`` and
 ``etrain.workers.protocol.layout_rules``, whose degree rule and world size it uses): the planner,
-the supervisor and the placement logic import it without torch or Ray, and ``workers/mesh.py``
+the supervisor and the placement logic import it without torch or Ray, and ``workers/engine/mesh.py``
 builds the torch ``DeviceMesh`` with the same ``(pp, dp, tp)`` shape so the process groups equal
 the groups computed here.
 """

@@ -1,9 +1,9 @@
-"""``torchrun -m etrain.workers.torchrun --config cfg.json``: one rank's Trainer without Ray or the service.
+"""``torchrun -m etrain.workers.engine.torchrun --config cfg.json``: one rank's Trainer without Ray or the service.
 
 The reference path: the same ``Trainer`` the Ray rank actors run, started by torchrun's environment
 (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``) from a ``RunConfig`` JSON file, printing one JSON line per
 step on rank 0. It is how a layout is checked against plain torch.distributed, and kept out of
-``workers/train.py`` so that module holds only the training step.
+``workers/engine/train.py`` so that module holds only the training step.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from etrain.workers.mesh import backend_for
+from etrain.workers.engine.mesh import backend_for
 from etrain.workers.protocol.errors import ConfigError
 from etrain.workers.protocol.run_config import (
     CheckpointConfig,
@@ -29,7 +29,7 @@ from etrain.workers.protocol.run_config import (
     RunConfig,
     TrainingConfig,
 )
-from etrain.workers.train import Trainer
+from etrain.workers.engine.train import Trainer
 
 __all__ = ["load_run_config", "main"]
 
@@ -50,8 +50,8 @@ def load_run_config(path: str) -> RunConfig:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``torchrun -m etrain.workers.torchrun --config cfg.json``: train and print one JSON line per step (rank 0)."""
-    parser = argparse.ArgumentParser(prog="etrain.workers.torchrun", description=__doc__.splitlines()[0])
+    """``torchrun -m etrain.workers.engine.torchrun --config cfg.json``: train and print one JSON line per step (rank 0)."""
+    parser = argparse.ArgumentParser(prog="etrain.workers.engine.torchrun", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="RunConfig as JSON")
     parser.add_argument("--steps", type=int, default=None, help="override training.steps")
     parser.add_argument("--metrics-out", default=None, help="write all ranks' step metrics (rank 0) as JSON")

@@ -1,7 +1,7 @@
 """Which files of ``data.path`` are text, read in one fixed order: shared by both text readers.
 
-``data.kind: text`` trains on bytes (``workers/data.py``) or, with ``data.tokenizer``, on token ids
-(``workers/tokenized.py``); both must see the same documents in the same order, skip the same binary
+``data.kind: text`` trains on bytes (``workers/engine/data.py``) or, with ``data.tokenizer``, on token ids
+(``workers/engine/tokenized.py``); both must see the same documents in the same order, skip the same binary
 files and tooling folders, and refuse an empty or missing path with the same error. Torch-free (the
 service runs the tokenizer at submit).
 

@@ -45,7 +45,7 @@ def build_optimizer(
 
     ZeRO-1 uses ``torch.distributed.optim.ZeroRedundancyOptimizer``: each dp rank keeps the Adam
     state of about 1/dp of the parameters, steps them, and broadcasts the updated values to its
-    peers. Gradients are still all-reduced by DDP (see ``etrain.workers.parallelize.apply_dp``).
+    peers. Gradients are still all-reduced by DDP (see ``etrain.workers.engine.parallelize.apply_dp``).
     Checkpoints: its ``state_dict()`` needs a consolidation to one rank, which DCP cannot use;
     ``.optim`` is the plain AdamW over this rank's partition, whose FQN-keyed state DCP can save.
     ``ZeroRedundancyOptimizer`` passes ``foreach`` / ``fused`` on to that AdamW (``**defaults``).

@@ -4,7 +4,7 @@
 ``tokenizers`` library: fast, offline) gives for the text under ``P``. Tokenizing is slow next to
 reading a memmap, so it happens once and the result is cached *by content*: the cache file is named
 by the sha256 of the documents' bytes (in the same deterministic order the byte reader uses,
-``workers/text_files.py``), the tokenizer.json bytes, the EOS id and :data:`FORMAT_VERSION`. Any change
+``workers/engine/text_files.py``), the tokenizer.json bytes, the EOS id and :data:`FORMAT_VERSION`. Any change
 to the data or the tokenizer gives a new name, so a stale cache can never be read; a copy of the same data shares its cache name.
 
 Where the cache lives: beside the data, so every node that sees the data sees the cache —
@@ -48,7 +48,7 @@ import numpy as np
 
 from etrain.workers.protocol import safe_paths
 from etrain.workers.protocol.errors import DataError
-from etrain.workers.text_files import no_text_error, not_utf8_error, read_text_file, text_documents
+from etrain.workers.engine.text_files import no_text_error, not_utf8_error, read_text_file, text_documents
 
 __all__ = [
     "CACHE_DIR_SUFFIX",

@@ -132,7 +132,7 @@ class _Stopwatch:
     end of the step either: the trainer asks after its one host read of the step, when the events
     are complete and reading them is free); on CPU they are ``perf_counter`` spans.
 
-    With ``waits`` (``etrain.workers.collective_waits.CollectiveWaitClock``), the collective waits inside a
+    With ``waits`` (``etrain.workers.engine.collective_waits.CollectiveWaitClock``), the collective waits inside a
     compute interval (TP all-reduces, FSDP2 all-gathers, while the trainer has the clock armed) are
     subtracted from it: waiting for a slow TP / FSDP2 peer is not this stage's compute.
     """
@@ -401,7 +401,7 @@ def build_pipeline(
     backpropagates ``loss / n_microbatches`` per micro-batch, so ``.grad`` ends as the gradient of the
     mean over the local batch (DP averaging is the DP wrapper's). ``stage_transform`` is the engine's per-stage
     TP → activation checkpointing → DP/FSDP step; the modules it returns are the ``model_parts``.
-    ``wait_clock`` (a :class:`etrain.workers.collective_waits.CollectiveWaitClock`): collective waits inside
+    ``wait_clock`` (a :class:`etrain.workers.engine.collective_waits.CollectiveWaitClock`): collective waits inside
     the stages' forward / backward (TP, FSDP2) are subtracted from their busy time while it is armed.
     """
     layout_rules.check(layout_rules.pipeline_problems(

@@ -20,10 +20,10 @@ cannot tell apart. So every ``training.timing_sync_every`` steps (a *timing-sync
 those steps: every rank enters a scalar all-reduce over the world just before the last micro-step's
 backward (after the schedule under PP), outside the compute spans, which absorbs the wait that built
 up before it (all of it under DDP); and the waits *inside* collectives in forward/backward (TP,
-FSDP2) are timed and subtracted from the spans (``workers/collective_waits.py``). There a slow rank
+FSDP2) are timed and subtracted from the spans (``workers/engine/collective_waits.py``). There a slow rank
 shows a high ``compute_s`` while its peers show the wait as ``comm_wait_s``.
 
-``compute_s`` is measured by ``workers/compute_timer.py``; ``workers/torchrun.py`` runs this Trainer
+``compute_s`` is measured by ``workers/engine/compute_timer.py``; ``workers/engine/torchrun.py`` runs this Trainer
 under ``torchrun`` without Ray (the reference path).
 """
 
@@ -42,18 +42,18 @@ import torch.distributed as dist
 from torch import nn
 
 from etrain.workers.protocol import layout_rules
-from etrain.workers import metrics as throughput
-from etrain.workers.collective_waits import CollectiveWaitClock
-from etrain.workers.compute_timer import ComputeTimer
+from etrain.workers.engine import metrics as throughput
+from etrain.workers.engine.collective_waits import CollectiveWaitClock
+from etrain.workers.engine.compute_timer import ComputeTimer
 from etrain.workers.protocol.run_config import ModelConfig, RunConfig
-from etrain.workers.data import GlobalSampler, build_dataset
+from etrain.workers.engine.data import GlobalSampler, build_dataset
 from etrain.workers.protocol.errors import ConfigError, NonFiniteLossError
 from etrain.workers.protocol.messages import StepMetrics
-from etrain.workers.mesh import build_device_mesh
-from etrain.workers.init import materialize
+from etrain.workers.engine.mesh import build_device_mesh
+from etrain.workers.engine.init import materialize
 from etrain.workers.families.model import build_model_skeleton, cross_entropy_loss
-from etrain.workers.optim import build_optimizer, clip_grad_norm_, lr_at, set_lr
-from etrain.workers.parallelize import (
+from etrain.workers.engine.optim import build_optimizer, clip_grad_norm_, lr_at, set_lr
+from etrain.workers.engine.parallelize import (
     ParallelDims,
     gradient_sync,
     loss_context,
@@ -120,7 +120,7 @@ class Trainer:
         self.grad_accum_steps = config.grad_accum_steps
         self._plan_cache: str | None = None  # DCP's save-plan cache generation (workers/checkpoints/checkpoint_io.py)
         self._sync_tensor = torch.zeros(1, device=self.device)
-        #: Times waits inside TP / FSDP2 collectives on timing-sync steps (workers/collective_waits.py).
+        #: Times waits inside TP / FSDP2 collectives on timing-sync steps (workers/engine/collective_waits.py).
         self._waits = CollectiveWaitClock(self.device) if self.distributed and world_size > 1 else None
 
         # Meta-device init: nothing is allocated until each rank's shards are materialised inside
@@ -135,7 +135,7 @@ class Trainer:
         transform = partial(parallelize_stage, dims=self.dims, config=config, materialize=materialize_local)
         self.pipeline = None
         if self.dims.pp_enabled:
-            from etrain.workers.pipeline import build_pipeline
+            from etrain.workers.engine.pipeline import build_pipeline
 
             self.pipeline = build_pipeline(
                 model,
@@ -311,7 +311,7 @@ class Trainer:
         Autocast keeps the master weights fp32, so the optimizer and the gradient reductions are
         unchanged; the loss reduction is done in fp32 by ``cross_entropy_loss``. Under FSDP2
         (ZeRO-2/3 with dp > 1) it is off: FSDP2's ``MixedPrecisionPolicy`` already computes with
-        bf16 copies of the fp32 shards (``etrain.workers.parallelize.fsdp_policies``), and autocast on top
+        bf16 copies of the fp32 shards (``etrain.workers.engine.parallelize.fsdp_policies``), and autocast on top
         would only re-cast what is already bf16.
         """
         enabled = self.config.training.precision == "bf16" and not uses_fsdp(self.dims, self.config.parallel)

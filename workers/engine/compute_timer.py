@@ -1,10 +1,10 @@
 """The compute time of one training step (``StepMetrics.compute_s``), measured without a host-device sync.
 
 Straggler detection reads ``compute_s`` (and ``comm_wait_s``, the rest of the step), so it must be
-measured, not estimated, and measuring must not slow the step: ``workers/train.py`` opens a span around
+measured, not estimated, and measuring must not slow the step: ``workers/engine/train.py`` opens a span around
 each forward and backward, and this timer reads them only after the step's one host read. On
 timing-sync steps it also subtracts the waits inside TP / FSDP2 collectives
-(``workers/collective_waits.py``) that fell inside a span.
+(``workers/engine/collective_waits.py``) that fell inside a span.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from etrain.workers.collective_waits import CollectiveWaitClock
+from etrain.workers.engine.collective_waits import CollectiveWaitClock
 
 __all__ = ["ComputeTimer"]
 

@@ -15,7 +15,7 @@ Kinds:
 * ``text``      a UTF-8 file, or a folder of text-like files walked in sorted order; bytes are
                 tokens (vocabulary 256). With ``data.tokenizer`` (a Hugging Face tokenizer.json) the
                 text is tokenized once into a cached ``.bin`` beside the data and read like
-                ``tokens`` (``workers/tokenized.py``; the service usually writes it at submit).
+                ``tokens`` (``workers/engine/tokenized.py``; the service usually writes it at submit).
 * ``tokens``    a nanoGPT-style ``.bin``: a raw array of ``uint16``/``uint32`` token ids, memory-mapped.
 * ``synthetic`` a deterministic, learnable stream built from a seed (random "words" of distinct
                 tokens repeated in a random order), so a loss curve falls clearly without any file.
@@ -32,8 +32,8 @@ import torch
 from etrain.workers.protocol import layout_rules, safe_paths
 from etrain.workers.protocol.run_config import DataConfig, ModelConfig
 from etrain.workers.protocol.errors import ConfigError, DataError
-from etrain.workers.text_files import no_text_error, not_utf8_error, read_text_file, text_documents
-from etrain.workers.tokenized import tokenize_text
+from etrain.workers.engine.text_files import no_text_error, not_utf8_error, read_text_file, text_documents
+from etrain.workers.engine.tokenized import tokenize_text
 
 __all__ = [
     "BYTE_VOCAB_SIZE",

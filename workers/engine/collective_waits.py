@@ -5,7 +5,7 @@ backward: every TP layer all-reduces its output, every FSDP2 unit all-gathers it
 whose peer is slow blocks in those collectives, inside its compute span, so span time alone makes
 the waiting peers look exactly as slow as the slow rank (measured on two gloo ranks at tp=2 and at
 ZeRO-3 dp=2: both ranks report the same ``compute_s``) and the straggler detector cannot tell who
-is slow. The one world-wide sync point of a timing-sync step (``workers/train.py``) only absorbs a
+is slow. The one world-wide sync point of a timing-sync step (``workers/engine/train.py``) only absorbs a
 wait that builds up *before* it, which is enough for DDP (its only collective is the gradient
 all-reduce of the last backward, after that point) but not for collectives spread through the
 forward pass: a slow device is slow in every kernel, so its peers wait at every layer.
@@ -40,7 +40,7 @@ Scope and limits, honestly:
   seen here and still count as compute (a ZeRO-2/3 peer of a slow GPU may then look slow too).
 * Collectives waited inside C++ (DDP's reducer) are not seen. Without a pipeline, DDP's all-reduce
   comes after the timing-sync point, which has already absorbed the wait. Under a pipeline the
-  stage's DP ranks meet first in the last backward chunk; ``workers/pipeline.py`` aligns them with a
+  stage's DP ranks meet first in the last backward chunk; ``workers/engine/pipeline.py`` aligns them with a
   scalar all-reduce just before it, outside the timed chunk, so what remains inside is at most the
   slow rank's extra time in that one chunk.
 """

@@ -9,7 +9,7 @@ The order is torchtitan's and matters:
 3. ``apply_dp``  — data parallelism last (DDP, ZeRO-1, FSDP2 ZeRO-2/3), because FSDP2 shards the
    DTensors TP produced along the ``dp`` axis, and DDP must see the final parameters.
 
-Pipeline parallelism splits the model before any of this; ``workers/pipeline.py`` calls
+Pipeline parallelism splits the model before any of this; ``workers/engine/pipeline.py`` calls
 :func:`parallelize_stage` on each stage module, so a stage gets exactly the same steps.
 
 Everything is driven by one :class:`ParallelDims` (degrees + the named DeviceMesh); no process group
@@ -49,7 +49,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from etrain.workers.protocol import layout_rules
 from etrain.workers.families import family
-from etrain.workers.mesh import ParallelMesh, validate_dp_replicate
+from etrain.workers.engine.mesh import ParallelMesh, validate_dp_replicate
 from etrain.workers.protocol.errors import ConfigError
 from etrain.workers.protocol.run_config import ParallelConfig, RunConfig
 from etrain.workers.protocol.topology import Topology
@@ -346,7 +346,7 @@ def apply_dp(
       DCP paths need no special case (the older DDP-based ``replicate`` flattens DTensors into local
       tensors, losing the sharding DCP needs).
     * 1 — ZeRO-1: DDP for gradients as in stage 0; the optimizer state is sharded by
-      ``etrain.workers.optim.build_optimizer`` (``ZeroRedundancyOptimizer`` over the dp group).
+      ``etrain.workers.engine.optim.build_optimizer`` (``ZeroRedundancyOptimizer`` over the dp group).
     * 2 — FSDP2 ``fully_shard(reshard_after_forward=False)``: gradients and optimizer state sharded;
       parameters are gathered once per step and kept through backward (ZeRO-2's communication
       volume: one all-gather + one reduce-scatter). Unlike DeepSpeed's ZeRO-2 they are also sharded
@@ -399,7 +399,7 @@ def parallelize_stage(
     parameters, and hold them whole anyway).
 
     The returned module may be a DDP wrapper; its ``.module`` (or the module itself) keeps the
-    original FQNs. Passed as ``stage_transform`` to ``etrain.workers.pipeline.build_pipeline``. With CPU
+    original FQNs. Passed as ``stage_transform`` to ``etrain.workers.engine.pipeline.build_pipeline``. With CPU
     offload the caller's ``materialize`` must allocate on the CPU (the shards live there).
     """
     parallel = config.parallel
