@@ -157,7 +157,7 @@ def main() -> None:
     device = torch.device(sizes.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --tiny, or on a GPU machine")
-    # as a rank sets it (workers/worker.py), so the build time is the one a job's rank pays
+    # as a rank sets it (workers/rank/worker.py), so the build time is the one a job's rank pays
     torch.set_num_threads(max(1, int(os.environ.get("ETRAIN_TORCH_THREADS", "1"))))
     started = time.perf_counter()
     torch.zeros(1, device=device)

@@ -35,7 +35,7 @@ class JobPolicy:
     placement_strategy: str = "PACK"
     in_place: bool = True  # fault_tolerance.in_place: repair a single lost rank in place
     #: The server setting ``enable_chaos``: only then are fault drills loaded (service/runtime/chaos_drills.py,
-    #: and on the ranks workers/chaos.py through ``LaunchPlan.chaos_enabled``) and ``chaos`` requests taken.
+    #: and on the ranks workers/rank/chaos.py through ``LaunchPlan.chaos_enabled``) and ``chaos`` requests taken.
     chaos_enabled: bool = False
     #: Chaos requests (``service.ports.ChaosRequest`` dicts) posted before this job's supervisor existed: the
     #: manager kept them (service/runtime/control.py ``ChaosHandOver``) and the supervisor arms them before its

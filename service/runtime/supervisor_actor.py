@@ -122,7 +122,7 @@ class JobSupervisor:
         self._inbox.put(("ready", attempt, rank, node_info.get("state_source")))
 
     def report_steps(self, attempt: int, records: list[dict]) -> None:
-        """Rank 0's batch of completed steps (``workers/report_batch.py``), each its ``StepMetrics`` plus
+        """Rank 0's batch of completed steps (``workers/rank/report_batch.py``), each its ``StepMetrics`` plus
         every rank's timings under ``ranks`` (from the step-boundary exchange): the only per-step call a
         job makes, so one actor keeps up with any number of ranks. It is also the job's heartbeat."""
         self._inbox.put(("steps", attempt, records))
@@ -337,7 +337,7 @@ class JobSupervisor:
         elif isinstance(action, RequestCheckpoint):
             if self._group is not None:
                 # Rank 0 decides at a step boundary, for every rank, to save the first step past the one
-                # the supervisor knows (workers/step_control.py): all ranks save the same step.
+                # the supervisor knows (workers/rank/step_control.py): all ranks save the same step.
                 self._group.call(0, "request_checkpoint", self.state.step + 1)
         elif isinstance(action, ExcludeNode):
             self._check_capacity(force=True)

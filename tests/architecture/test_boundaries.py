@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 FOLDERS = {"etrain.api": "api", "etrain.service": "service", "etrain.workers": "workers"}
 
 #: Worker modules the service must never import, at any level, beyond those that import torch.
-SERVICE_NEVER = {"etrain.workers.worker", "etrain.workers.spare", "etrain.workers.chaos", "etrain.workers.engine.train",
+SERVICE_NEVER = {"etrain.workers.rank.worker", "etrain.workers.rank.spare", "etrain.workers.rank.chaos", "etrain.workers.engine.train",
                  "etrain.workers.checkpoints.checkpoint"}
 #: Torch-importing worker modules the service may import inside a function, with why that function never
 #: runs in a service process.
@@ -144,7 +144,7 @@ def test_the_module_map_and_the_torch_set_are_real():
     names = set(modules())
     assert {"etrain.service.runtime.worker_group", "etrain.workers.protocol.messages", "etrain.api.cli"} <= names
     assert {"etrain.workers.engine.train", "etrain.workers.checkpoints.checkpoint", "etrain.workers.families.model"} <= torch_at_load()
-    assert not {"etrain.workers.worker", "etrain.workers.protocol.messages"} & torch_at_load()
+    assert not {"etrain.workers.rank.worker", "etrain.workers.protocol.messages"} & torch_at_load()
     assert SERVICE_NEVER | set(SERVICE_REMOTE_BODIES) | set(API_MAY_IMPORT) <= names
 
 

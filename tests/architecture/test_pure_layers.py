@@ -47,10 +47,10 @@ PURE_MODULES = [
     "etrain.workers.protocol.safe_paths",
     "etrain.workers.checkpoints.checkpoint_commit",
     "etrain.workers.engine.text_files",
-    "etrain.workers.step_control",
+    "etrain.workers.rank.step_control",
     "etrain.workers.checkpoints.checkpoint_cadence",
     "etrain.workers.checkpoints.storage_faults",
-    "etrain.workers.report_batch",
+    "etrain.workers.rank.report_batch",
     "etrain.workers.engine.metrics",
 ]
 

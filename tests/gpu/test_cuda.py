@@ -120,7 +120,7 @@ def test_a_cuda_trainer_initialises_on_the_gpu_fast_and_the_same_every_time():
 
 _SPARE_LEAVES_CUDA_ALONE = r"""
 import json, os, sys, torch
-from etrain.workers.spare import SpareRank
+from etrain.workers.rank.spare import SpareRank
 spare = SpareRank(gpu_node=True)  # what a spare on a GPU node does before any job
 seen = {"initialized": torch.cuda.is_initialized()}
 os.environ["CUDA_VISIBLE_DEVICES"] = sys.argv[1]  # a CUDA driver started before this line would not see it
@@ -129,7 +129,7 @@ print(json.dumps(seen | {"devices_seen": torch._C._cuda_getDeviceCount()}))
 
 _SPARE_TAKES_ITS_GPU = r"""
 import json, sys, torch
-from etrain.workers.spare import SpareRank
+from etrain.workers.rank.spare import SpareRank
 from tests.equivalence_utils import small_config
 spare = SpareRank(gpu_node=True)
 spare.assign(job_id="gpu-spare", rank=0, world_size=1, supervisor=None, gpu_ids=[sys.argv[1]], bundle="bundle 0 (test)")

@@ -4,7 +4,7 @@ Under tensor parallelism and FSDP2 the collectives are inside forward/backward, 
 for a slow peer waits *inside* its compute span. Measured here on timing-sync steps (every step):
 
 * ``drill``: the chaos ``slow_rank`` drill (a ``slow_rank`` order, factor 4, fired by the rank's drill
-  plugin ``etrain.workers.chaos.RankDrills``) sleeps at the start of each micro-step;
+  plugin ``etrain.workers.rank.chaos.RankDrills``) sleeps at the start of each micro-step;
 * ``layers``: a slow device, modelled as a sleep before every attention and feed-forward block of
   rank 1, i.e. between the collectives (3x its own compute in total): the case a barrier before
   each micro-step would not fix, since the peer waits at every layer;
@@ -60,7 +60,7 @@ class _SlowLayers:
 
 
 def _measure(rank: int, world_size: int, parallel: ParallelConfig) -> dict[str, list[dict]]:
-    from etrain.workers.chaos import RankDrills
+    from etrain.workers.rank.chaos import RankDrills
     from etrain.workers.protocol.messages import ChaosOrder
     from etrain.workers.engine.train import Trainer
 

@@ -28,7 +28,7 @@ from etrain.workers.checkpoints.checkpoint_commit import (
     verify,
 )
 from etrain.workers.protocol.manifest import ShardReport
-from etrain.workers.rank_log import RankLog, rank_log_path, read_lines
+from etrain.workers.rank.rank_log import RankLog, rank_log_path, read_lines
 
 KEY = b"k" * 32
 

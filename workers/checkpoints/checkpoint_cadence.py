@@ -12,7 +12,7 @@ pins host memory for the staging buffers that later saves reuse). Until a save w
 interval uses :data:`ASSUMED_BLOCK_S`. The interval in seconds becomes steps through the median of the
 step times seen (steps are what the ranks count, and every rank must save at the same step).
 
-Rank 0 alone decides (``workers/worker.py``): its requests reach every rank through the step-boundary
+Rank 0 alone decides (``workers/rank/worker.py``): its requests reach every rank through the step-boundary
 exchange, so all ranks save the same step. Torch-free and Ray-free: ``tests/unit/test_checkpoint_cadence.py``.
 """
 

@@ -20,7 +20,7 @@ H100: about 5 GB of normal samples from one CPU core (~0.5 GB/s), then copied to
 the same draw is bound by memory bandwidth: 5 GB of writes at ~2-3 TB/s is a few milliseconds, plus a
 few small launches per parameter (~150 of them). Measured on an H100 (torch 2.11): drawing all 1.24 B
 values 12 ms; the whole Trainer build 0.10-0.12 s against 13.0 s with the host draw, a warm spare's
-first build included (its CUDA context made in the background by then, ``workers/device_info.py``;
+first build included (its CUDA context made in the background by then, ``workers/rank/device_info.py``;
 a bare process's first build, context and kernels' loading included, 2.5 s). tests/gpu/test_cuda.py
 holds a 0.78 B model's build under 1.5 s.
 

@@ -10,7 +10,7 @@ with a lost node, exactly when a user wants to read them) and are keyed by an ac
 with every attempt. The job id is in the path because a checkpoint folder can be shared by jobs
 (resuming a finished job's folder).
 
-The writer (:class:`RankLog`, used by ``workers/worker.py``) appends timestamped lines, tees the
+The writer (:class:`RankLog`, used by ``workers/rank/worker.py``) appends timestamped lines, tees the
 rank's ``sys.stdout``/``sys.stderr`` (prints, warnings, tracebacks) into the file while a run is in
 progress, and rotates once at :data:`MAX_BYTES` (one ``.1`` file kept), so a file never grows without
 bound. The reader (:func:`read_lines`, used by the control plane) returns whole lines only, from the

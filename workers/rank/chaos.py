@@ -3,7 +3,7 @@
 Why a plugin: drills (kill, slow down or hang a rank on purpose) exist to test recovery, never to train.
 A rank imports this module only when :attr:`LaunchPlan.chaos_enabled` is set (the server setting
 ``enable_chaos``, ``ETRAIN_ENABLE_CHAOS``); otherwise nothing of it is on the training path: no callback
-in the trainer, no state, and the rank refuses ``chaos`` calls (``workers/worker.py``).
+in the trainer, no state, and the rank refuses ``chaos`` calls (``workers/rank/worker.py``).
 
 The orders themselves are messages (:class:`~etrain.workers.protocol.messages.ChaosOrder`); here is the
 code that fires them. One :class:`RankDrills` per rank process, kept across the attempts that process

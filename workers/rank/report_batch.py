@@ -2,7 +2,7 @@
 
 Why: one supervisor actor per job, written in Python, handles every report. One call per rank per
 step is ``world_size x steps/s`` calls (10,000/s for 1,000 ranks at 10 steps/s) and saturates it. The
-step-boundary exchange (``workers/step_control.py``) already gives rank 0 every rank's timings, so only
+step-boundary exchange (``workers/rank/step_control.py``) already gives rank 0 every rank's timings, so only
 rank 0 reports, and it batches:
 
 * a step that comes after a quiet period (nothing sent for ``interval_s``) goes at once, so jobs whose

@@ -13,11 +13,11 @@ all-gather over a gloo group of its own, overlapped with the next step): the sch
 to every rank, and rank 0's requests reach every rank through the exchange, so all ranks save and
 stop at the same step. Supervisor requests (``request_checkpoint``, ``request_stop``) count on rank 0
 only. The same exchange gives rank 0 every rank's timings; only rank 0 reports steps, batched
-(``workers/report_batch.py``). Its reports are the job's heartbeat: a rank that hangs blocks the
+(``workers/rank/report_batch.py``). Its reports are the job's heartbeat: a rank that hangs blocks the
 exchange, so rank 0 stops reporting, which is what hang detection needs.
 
 Cross-cutting work is in trainer callbacks, not branches in the loop. Fault drills are a plugin
-(``workers/chaos.py``), loaded and registered as a callback only when the launch plan enables them
+(``workers/rank/chaos.py``), loaded and registered as a callback only when the launch plan enables them
 (``LaunchPlan.chaos_enabled``); otherwise the rank refuses ``chaos`` calls. The messages this actor
 takes and sends are in ``workers/protocol/messages.py``.
 """
@@ -30,12 +30,12 @@ import os
 import socket
 from typing import Any
 
-from etrain.workers.device_info import RankGpus, ray_bundle
+from etrain.workers.rank.device_info import RankGpus, ray_bundle
 from etrain.workers.protocol.messages import REPORT_TIMEOUT_S, ChaosOrder, LaunchPlan, NodeInfo, RunResult
 from etrain.workers.protocol.run_config import RunConfig
-from etrain.workers.rank_saves import RankSaves
-from etrain.workers.report_batch import ReportBatcher
-from etrain.workers.step_control import ControlRequests, StepBoundaries
+from etrain.workers.rank.rank_saves import RankSaves
+from etrain.workers.rank.report_batch import ReportBatcher
+from etrain.workers.rank.step_control import ControlRequests, StepBoundaries
 
 #: Threads hashing a rank's final parameters (``local_param_digest``).
 DIGEST_THREADS = 8
@@ -47,7 +47,7 @@ class TrainWorker:
     def __init__(self, *, job_id: str, rank: int, world_size: int, supervisor: Any,
                  gpu_ids: list[str] | None = None, bundle: str = ""):
         """``gpu_ids``: the GPUs of this rank's bundle when Ray did not give them to this actor (a warm
-        spare, ``workers/spare.py``); None: Ray's own (a cold rank, created in its bundle with its GPUs).
+        spare, ``workers/rank/spare.py``); None: Ray's own (a cold rank, created in its bundle with its GPUs).
         ``bundle`` says which bundle that is (for messages), where the caller knows it."""
         self.job_id = job_id
         self.rank = rank
@@ -55,11 +55,11 @@ class TrainWorker:
         self._supervisor = supervisor
         # One source for the rank's GPUs, pinned before CUDA starts, the context made in the background.
         self._gpus = RankGpus(who=f"rank {rank} of job {job_id}", gpu_ids=gpu_ids, bundle=bundle or ray_bundle(rank))
-        self._drills = None  # etrain.workers.chaos.RankDrills, once a launch plan enables drills
+        self._drills = None  # etrain.workers.rank.chaos.RankDrills, once a launch plan enables drills
         self._plan: LaunchPlan | None = None
         self._control = ControlRequests()  # acted on at step boundaries, on rank 0 only
         self._snapshots: dict[int, Any] = {}  # completed step -> this rank's state then (workers/checkpoints/snapshot.py)
-        self._saves = None  # this attempt's RankSaves (workers/rank_saves.py)
+        self._saves = None  # this attempt's RankSaves (workers/rank/rank_saves.py)
 
     # --- control calls (run concurrently with `run`) -------------------------------------------
 
@@ -110,11 +110,11 @@ class TrainWorker:
 
         Returns ``{"final_step", "final_loss", "stopped"}``; raises on any failure (the supervisor
         classifies it). Everything the attempt prints, each step and any error go to the rank's log
-        file (``workers/rank_log.py``: what ``etrain logs`` shows).
+        file (``workers/rank/rank_log.py``: what ``etrain logs`` shows).
         """
         import traceback
 
-        from etrain.workers.rank_log import RankLog, rank_log_path
+        from etrain.workers.rank.rank_log import RankLog, rank_log_path
 
         root = plan.config.checkpoint.path
         log = RankLog(rank_log_path(root, self.job_id, self.rank)) if root else None
@@ -146,7 +146,7 @@ class TrainWorker:
         import torch.distributed as dist
 
         from etrain.workers.engine.mesh import backend_for
-        from etrain.workers.step_exchange import StepExchange
+        from etrain.workers.rank.step_exchange import StepExchange
         from etrain.workers.engine.train import Trainer
 
         self._plan = plan
@@ -178,7 +178,7 @@ class TrainWorker:
             self._saves = saves = RankSaves(rank=self.rank, plan=plan, device_type=device.type,
                                             supervisor=self._supervisor, control=self._control,
                                             drills_due=self._drills_due, keep_snapshot=self._keep_snapshot)
-            # Collective too: the step-boundary control exchange's own gloo group (workers/step_exchange.py).
+            # Collective too: the step-boundary control exchange's own gloo group (workers/rank/step_exchange.py).
             exchange = StepExchange(world_size=self.world_size, timeout_s=config.collective_timeout_s)
             if self.rank == 0:
                 batcher = self._report_batcher(plan.attempt)
@@ -190,7 +190,7 @@ class TrainWorker:
             step = plan.start_step
             total = config.training.steps
             # Every rank saves and stops where rank 0's requests and the schedule say, the exchange
-            # overlapped with the next step (workers/step_control.py).
+            # overlapped with the next step (workers/rank/step_control.py).
             boundaries = StepBoundaries(exchange, control=self._control if self.rank == 0 else None,
                                         total_steps=total, every_steps=config.checkpoint.every_steps)
             for step in range(plan.start_step, total):
@@ -295,12 +295,12 @@ class TrainWorker:
 
     def _arm_drills(self, plan: LaunchPlan) -> list[Any]:
         """The trainer callbacks of this attempt: the drill plugin's, loaded only when the plan enables
-        drills (``workers/chaos.py``), with the plan's orders for this rank armed; none otherwise.
+        drills (``workers/rank/chaos.py``), with the plan's orders for this rank armed; none otherwise.
         A process keeps its drills across the attempts it runs (armed orders, a slow factor, a hang)."""
         if not plan.chaos_enabled:
             return []
         if self._drills is None:
-            from etrain.workers.chaos import RankDrills
+            from etrain.workers.rank.chaos import RankDrills
 
             self._drills = RankDrills(rank=self.rank, report=self._report_chaos)
         for order in plan.chaos:
@@ -327,7 +327,7 @@ class TrainWorker:
         return {"rank": self.rank} | self._gpus.state()
 
     def _device(self, config: RunConfig):
-        """The CPU, or ``cuda:0`` of a process pinned to this rank's own GPUs (``workers/device_info.py``)."""
+        """The CPU, or ``cuda:0`` of a process pinned to this rank's own GPUs (``workers/rank/device_info.py``)."""
         return self._gpus.device(config.device)
 
 

@@ -5,13 +5,13 @@ after step 12 and another after step 13, their collectives pair up wrongly and t
 mixes steps. A request delivered asynchronously to every rank (each comparing a target step of its
 own) lands at different moments on different ranks, so ranks can disagree. Instead, after every
 step, every rank contributes one fixed-size vector of floats (:data:`FIELDS`) to ONE all-gather over
-a dedicated gloo group (``workers/step_exchange.py``, the thin torch adapter), which runs in the
+a dedicated gloo group (``workers/rank/step_exchange.py``, the thin torch adapter), which runs in the
 background of the next step (:class:`StepBoundaries`). Rank 0's vector carries its requests for the
 next boundary (:data:`SAVE`, :data:`STOP`), taken from its own view of the supervisor's requests
 (:class:`ControlRequests`); every rank reads them from rank 0's row of the same gathered result, and
 computes the deterministic schedule's saves itself, so all ranks act at the same step. The same
 exchange gives rank 0 every rank's timings, which it reports to the supervisor in one batched call
-(``workers/report_batch.py``) instead of one call per rank per step.
+(``workers/rank/report_batch.py``) instead of one call per rank per step.
 
 Torch-free and Ray-free: unit-tested in ``tests/unit/test_step_control.py``.
 """

@@ -3,7 +3,7 @@
 Why a module of its own: a save is a protocol with the supervisor of its own (a shard report per rank,
 or rank 0's ``checkpoint_failed``), with its own threads (an async save reports when its files are
 written) and its own clock (how long a save blocked training, which ``every_steps: auto`` feeds on).
-The rank actor (``workers/worker.py``) decides *when* a step saves (the step-boundary exchange); this
+The rank actor (``workers/rank/worker.py``) decides *when* a step saves (the step-boundary exchange); this
 decides *how*, and tells the supervisor what came of it.
 
 * **Sync** (CPU default): ``Trainer.save`` blocks until the files are written and hashed.
@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from etrain.workers.protocol.messages import REPORT_TIMEOUT_S, LaunchPlan
-from etrain.workers.step_control import ControlRequests
+from etrain.workers.rank.step_control import ControlRequests
 from etrain.workers.checkpoints.storage_faults import StorageFault
 
 __all__ = ["CUDA_WRITE_THREADS", "FINAL_WRITE_TIMEOUT_S", "RankSaves"]

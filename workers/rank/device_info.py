@@ -70,7 +70,7 @@ def cuda_started() -> bool:
 
     Only torch's own flag: the driver can also be started behind torch's back (a device count, a stream
     query), which no cheap probe tells apart (torch loads the driver's library at import, measured), so
-    the ways into it are closed instead (``workers/spare.py``)."""
+    the ways into it are closed instead (``workers/rank/spare.py``)."""
     torch = sys.modules.get("torch")
     return torch is not None and torch.cuda.is_initialized()
 

@@ -1,7 +1,7 @@
 """The step-boundary control exchange over torch.distributed: one all-gather per step, on its own gloo group.
 
 The pure part (what the vector holds, how rank 0 decides, how the result is read) is
-``workers/step_control.py``; this adapter only moves the vectors. Why a dedicated CPU gloo group,
+``workers/rank/step_control.py``; this adapter only moves the vectors. Why a dedicated CPU gloo group,
 created once per attempt beside the training groups:
 
 * the vectors are host floats (the step's metrics were read from the device by the step's one host
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from etrain.workers.step_control import FIELDS, Boundary, decode, encode
+from etrain.workers.rank.step_control import FIELDS, Boundary, decode, encode
 
 __all__ = ["StepExchange"]
 

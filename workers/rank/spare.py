@@ -10,7 +10,7 @@ reservation is what accounts for the rank's CPUs and GPUs, so Ray gives the spar
 (``ray.get_gpu_ids()`` is empty in it) and leaves its ``CUDA_VISIBLE_DEVICES`` alone. ``assign`` hands the
 bundle's GPU ids to the rank, which takes them as its only source, pins the process to them and
 starts the CUDA context on them in the background (``TrainWorker._init_gpus``,
-``workers/device_info.py``). That works only because nothing before ``assign`` starts CUDA, which
+``workers/rank/device_info.py``). That works only because nothing before ``assign`` starts CUDA, which
 would fix the visible GPUs for good: ``PYTORCH_NVML_BASED_CUDA_CHECK`` makes ``torch.cuda.is_available()``
 answer from NVML, and on a node with GPUs the warm-up stops short of a training step
 (:func:`_warm_up` says why).
@@ -22,7 +22,7 @@ import os
 import time
 from typing import Any
 
-from etrain.workers.worker import TrainWorker
+from etrain.workers.rank.worker import TrainWorker
 
 #: torch's switch for answering ``torch.cuda.is_available()`` from NVML instead of starting CUDA.
 NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
