@@ -29,29 +29,33 @@ PURE_PACKAGES = {
     "etrain.workers.protocol": "workers/protocol",
 }
 
-#: Single pure modules outside those packages.
+#: Single pure modules outside those packages (the workers' by room: tests/architecture/test_rooms.py).
 PURE_MODULES = [
     "etrain.service.errors",
     "etrain.service.ports",
     "etrain.service.settings",
     "etrain.service.prometheus",
-    "etrain.workers.protocol.topology",
-    "etrain.workers.protocol.layout_rules",
+    "etrain.workers",
     "etrain.workers.families",  # the registry and each family's declaration; their *_model modules are torch
     "etrain.workers.families.base",
     "etrain.workers.families.gpt",
     "etrain.workers.families.llama",
     "etrain.workers.families.olmo2",
+    "etrain.workers.checkpoints",
+    "etrain.workers.checkpoints.checkpoint_commit",
+    "etrain.workers.checkpoints.checkpoint_cadence",
     "etrain.workers.checkpoints.hf_config",
     "etrain.workers.checkpoints.storage",
-    "etrain.workers.protocol.safe_paths",
-    "etrain.workers.checkpoints.checkpoint_commit",
-    "etrain.workers.engine.text_files",
-    "etrain.workers.rank.step_control",
-    "etrain.workers.checkpoints.checkpoint_cadence",
     "etrain.workers.checkpoints.storage_faults",
-    "etrain.workers.rank.report_batch",
+    "etrain.workers.engine",
     "etrain.workers.engine.metrics",
+    "etrain.workers.engine.text_files",
+    "etrain.workers.engine.tokenized",
+    "etrain.workers.rank",
+    "etrain.workers.rank.device_info",
+    "etrain.workers.rank.rank_log",
+    "etrain.workers.rank.report_batch",
+    "etrain.workers.rank.step_control",
 ]
 
 BLOCKED = ("torch", "ray")
