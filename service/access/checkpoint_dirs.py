@@ -15,8 +15,9 @@ rules are about the checkpoint directory itself. Every job checkpoints into a di
   of the same tenant that recorded the same directory (:func:`may_resume`), so a directory shared by
   mistake (or by a race) never hands one job another's state.
 
-What a running job may delete is the supervisor's rule (``etrain.workers.checkpoints.checkpoint_commit.prune(owner=...)``): only
-step directories whose signed manifests name it.
+What a running job may delete is the supervisor's rule
+(``etrain.workers.checkpoints.checkpoint_commit.prune(owner=...)``): only step directories whose signed
+manifests name it.
 
 The same rules hold for object storage: a ``checkpoint.path`` of ``s3://bucket/prefix`` is compared by
 key components, and its step "directories" are listed and their manifests read through

@@ -74,8 +74,8 @@ class JobSupervisor:
         self.sm_config = supervisor_config(policy, config, job_id=job_id)
         if policy.checkpoint_key is None:  # fail closed: an unsigned commit or an unverified load is never right
             raise ValueError(f"job {job_id}: the supervisor needs the service's checkpoint key (JobPolicy.checkpoint_key)")
-        #: A resolved local folder or an ``s3://`` URL (workers/checkpoints/storage.py): manifests, verification, pruning,
-        #: fallback and the corruption drill work the same on both.
+        #: A resolved local folder or an ``s3://`` URL (workers/checkpoints/storage.py): manifests,
+        #: verification, pruning, fallback and the corruption drill work the same on both.
         self.root: str = config.checkpoint.path
         self._log: list[dict[str, Any]] = []
         self._log_lock = threading.Lock()

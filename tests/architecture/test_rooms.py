@@ -155,7 +155,8 @@ def test_the_service_imports_only_the_pure_rooms_and_the_modules_named():
 
 def test_the_api_imports_only_the_protocol_and_the_modules_named():
     bad = _outside_violations("etrain.api", API_ROOMS, API_MAY_IMPORT)
-    assert bad == [], "api/ may import from workers/ only etrain.workers.protocol and API_MAY_IMPORT:\n" + "\n".join(bad)
+    assert bad == [], "api/ may import from workers/ only etrain.workers.protocol and API_MAY_IMPORT:\n" + \
+        "\n".join(bad)
 
 
 def test_the_modules_named_for_the_service_and_the_api_exist_and_are_used():

@@ -1,10 +1,10 @@
 """A checkpoint saved under one parallel layout restores exactly under another (resharding).
 
 A tiny GPT trains two AdamW steps under a layout, is saved with ``save_checkpoint``, committed with
-``etrain.workers.checkpoints.checkpoint_commit.commit`` (the supervisor's job), and loaded into a *differently initialised*
-model under another layout. The full parameters and the optimizer's ``exp_avg`` / ``exp_avg_sq`` /
-``step`` (gathered to full tensors by an independent helper, not by the checkpoint code) must equal
-the saved ones within 1e-6, and the restored state must train on.
+``etrain.workers.checkpoints.checkpoint_commit.commit`` (the supervisor's job), and loaded into a
+*differently initialised* model under another layout. The full parameters and the optimizer's
+``exp_avg`` / ``exp_avg_sq`` / ``step`` (gathered to full tensors by an independent helper, not by the
+checkpoint code) must equal the saved ones within 1e-6, and the restored state must train on.
 
 Layouts are built here, not by the engine: DDP, FSDP2 ``fully_shard`` (ZeRO-3), TP via
 ``parallelize_module``, ZeRO-1 (DDP + ``ZeroRedundancyOptimizer``), pipeline stages (the model with

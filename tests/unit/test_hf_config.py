@@ -1,4 +1,5 @@
-"""``etrain.workers.checkpoints.hf_config`` against configs and models made by ``transformers`` itself (no weights read).
+"""``etrain.workers.checkpoints.hf_config`` against configs and models made by ``transformers`` itself
+(no weights read).
 
 * ``model_config_from_hf`` reads each supported architecture's config to the sizes and features
   etrain builds (Llama 3.1 rope scaling and biases, Mistral, tied Qwen2 with q/k/v biases, Qwen3

@@ -77,13 +77,14 @@ from etrain.workers.checkpoints.checkpoint_commit import resolve_latest, step_di
 from etrain.workers.checkpoints.checkpoint_io import storage_reader
 from etrain.workers.protocol.run_config import ModelConfig
 from etrain.workers.protocol.errors import CheckpointError, ConfigError
-from etrain.workers.checkpoints.hf_config import (TOKENIZER_FILES, WEIGHTS_INDEX, hf_config_dict, hf_name, hf_parameter_names,
-                                      weight_file_names)
+from etrain.workers.checkpoints.hf_config import (TOKENIZER_FILES, WEIGHTS_INDEX, hf_config_dict, hf_name,
+                                                  hf_parameter_names, weight_file_names)
 from etrain.workers.families.model import canonical_fqn
 
 __all__ = ["HFLoadReport", "expected_shapes", "export_hf", "find_step_dir", "load_hf_weights"]
 
-#: The prefix etrain's checkpoints put before every model FQN (``etrain.workers.checkpoints.checkpoint_state``: {"model": ...}).
+#: The prefix etrain's checkpoints put before every model FQN
+#: (``etrain.workers.checkpoints.checkpoint_state``: {"model": ...}).
 _MODEL_PREFIX = "model."
 #: safetensors dtypes whose values a float parameter can take as they are.
 _FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}

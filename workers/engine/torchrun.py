@@ -50,7 +50,8 @@ def load_run_config(path: str) -> RunConfig:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``torchrun -m etrain.workers.engine.torchrun --config cfg.json``: train and print one JSON line per step (rank 0)."""
+    """``torchrun -m etrain.workers.engine.torchrun --config cfg.json``: train and print one JSON line per
+    step (rank 0)."""
     parser = argparse.ArgumentParser(prog="etrain.workers.engine.torchrun", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="RunConfig as JSON")
     parser.add_argument("--steps", type=int, default=None, help="override training.steps")

@@ -174,7 +174,8 @@ class TrainingConfig:
     timing_sync_every: int = 1
 
     def grad_accum_steps(self, dp: int) -> int:
-        """Micro-steps per optimizer step on each dp rank (:func:`etrain.workers.protocol.layout_rules.grad_accum_steps`)."""
+        """Micro-steps per optimizer step on each dp rank
+        (:func:`etrain.workers.protocol.layout_rules.grad_accum_steps`)."""
         return layout_rules.grad_accum_steps(self.global_batch, self.micro_batch, dp)
 
 
@@ -184,7 +185,8 @@ class CheckpointConfig:
     keep_last: int = 3
     path: str | None = None
     async_save: bool = False
-    #: ``every_steps: auto``: rank 0 requests saves at the Young-Daly interval (workers/checkpoints/checkpoint_cadence.py)
+    #: ``every_steps: auto``: rank 0 requests saves at the Young-Daly interval
+    #: (workers/checkpoints/checkpoint_cadence.py)
     auto_interval: bool = False
     mtbf_hours: float = 24.0  # fault_tolerance.mtbf_hours: what ``auto`` balances the save cost against
 

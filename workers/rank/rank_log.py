@@ -24,7 +24,8 @@ called by the worker) and when the attempt ends (:meth:`RankLog.close`). The con
 object through fsspec with ranged reads. A rank killed outright (SIGKILL, a lost node) loses the lines
 written since its last upload; its checkpoint-time lines and everything of finished attempts are kept.
 
-Stdlib only (fsspec, through ``workers/checkpoints/storage.py``, only for URLs): the torch-free control plane imports it.
+Stdlib only (fsspec, through ``workers/checkpoints/storage.py``, only for URLs): the torch-free control
+plane imports it.
 """
 
 from __future__ import annotations

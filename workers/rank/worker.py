@@ -58,7 +58,8 @@ class TrainWorker:
         self._drills = None  # etrain.workers.rank.chaos.RankDrills, once a launch plan enables drills
         self._plan: LaunchPlan | None = None
         self._control = ControlRequests()  # acted on at step boundaries, on rank 0 only
-        self._snapshots: dict[int, Any] = {}  # completed step -> this rank's state then (workers/checkpoints/snapshot.py)
+        # completed step -> this rank's state then (workers/checkpoints/snapshot.py)
+        self._snapshots: dict[int, Any] = {}
         self._saves = None  # this attempt's RankSaves (workers/rank/rank_saves.py)
 
     # --- control calls (run concurrently with `run`) -------------------------------------------
