@@ -80,9 +80,9 @@ def _checkpoint_rank(rank: int, world_size: int, root: str, rounds: int, steps_b
     import torch
     import torch.distributed as dist
 
-    from etrain.workers.checkpoint import AsyncCheckpointer, load_checkpoint, save_checkpoint
-    from etrain.workers.checkpoint_commit import commit
-    from etrain.workers.train import Trainer
+    from etrain.workers.checkpoints.checkpoint import AsyncCheckpointer, load_checkpoint, save_checkpoint
+    from etrain.workers.checkpoints.checkpoint_commit import commit
+    from etrain.workers.engine.train import Trainer
     from tests.state_utils import full_state_dict
 
     def barrier_max(seconds: float) -> float:

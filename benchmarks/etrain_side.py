@@ -8,7 +8,7 @@ and what the end-to-end tests use (``tests/service_harness.control_plane``): uvi
 would, and every number is read back from the job's own step records and event log:
 
 * ``recovery`` (figures 1 and 2): submit the job, arm ``kill_rank`` on rank ``kill_rank`` at
-  ``kill_at`` (SIGKILL of the rank's process, ``workers/worker.py``), wait for the end. Startup is
+  ``kill_at`` (SIGKILL of the rank's process, ``workers/rank/worker.py``), wait for the end. Startup is
   the step-1 record's time minus the moment before the POST; the kill time is the ``chaos_fired``
   event (the rank waits for the supervisor to log it, then kills itself).
 * ``goodput`` (figure 3): a long job; ``kill_rank`` rank 1 every ``interval`` seconds from submit,

@@ -1,11 +1,11 @@
 """Memory benchmarks: meta-device initialisation, and the planner's per-rank peak against measured RSS.
 
-Both run the production ``etrain.workers.train.Trainer`` on real gloo ranks (``tests.dist_utils``) and read
+Both run the production ``etrain.workers.engine.train.Trainer`` on real gloo ranks (``tests.dist_utils``) and read
 each rank's peak resident memory (``ru_maxrss``) — on a CPU run the planner's "device memory".
 
 * :func:`bench_meta_init`: a Llama large enough that its parameters dominate the runtime, built by the
   Trainer as ZeRO-3 over 2 ranks (meta device, then only each rank's shards materialised), against
-  ``etrain.workers.model.build_model`` building the whole model in one process (what every rank did before).
+  ``etrain.workers.engine.init.build_model`` building the whole model in one process (what every rank did before).
 * :func:`bench_planner_accuracy`: six layouts of a ~67M-parameter Llama (fp32 state ~1 GiB a rank,
   several times the runtime), trained a few steps; the planner's peak per rank, with its runtime
   allowance replaced by an empty rank's measured RSS, against the measured peak.
@@ -157,7 +157,7 @@ def _empty_rank(rank: int, world_size: int) -> int:
     import torch
     import torch.distributed as dist
 
-    import etrain.workers.train  # noqa: F401 - the imports a real rank has
+    import etrain.workers.engine.train  # noqa: F401 - the imports a real rank has
 
     dist.all_reduce(torch.zeros(1))
     return _max_rss()
@@ -166,15 +166,15 @@ def _empty_rank(rank: int, world_size: int) -> int:
 def _trainer_init_rank(rank: int, world_size: int, config: RunConfig) -> int:
     import torch
 
-    from etrain.workers.train import Trainer
+    from etrain.workers.engine.train import Trainer
 
     Trainer(config, rank=rank, world_size=world_size, device=torch.device("cpu"))
     return _max_rss()
 
 
 def _full_build_rank(rank: int, world_size: int, model: ModelConfig) -> int:
-    import etrain.workers.train  # noqa: F401 - the same imports as a Trainer rank
-    from etrain.workers.model import build_model
+    import etrain.workers.engine.train  # noqa: F401 - the same imports as a Trainer rank
+    from etrain.workers.engine.init import build_model
 
     build_model(model, seed=0)
     return _max_rss()
@@ -183,7 +183,7 @@ def _full_build_rank(rank: int, world_size: int, model: ModelConfig) -> int:
 def _train_rank(rank: int, world_size: int, config: RunConfig) -> int:
     import torch
 
-    from etrain.workers.train import Trainer
+    from etrain.workers.engine.train import Trainer
 
     trainer = Trainer(config, rank=rank, world_size=world_size, device=torch.device("cpu"))
     for step in range(config.training.steps):

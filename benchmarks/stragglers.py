@@ -1,9 +1,9 @@
 """Straggler detection latency and false positives under DP, TP, ZeRO-3 and PP, on measured compute times.
 
-For the benchmark suite's figure 4. Per layout, one short real run (``etrain.workers.train.Trainer`` on gloo
+For the benchmark suite's figure 4. Per layout, one short real run (``etrain.workers.engine.train.Trainer`` on gloo
 ranks, ``tests.dist_utils``; no Ray) records every rank's ``compute_s`` on every step (all steps are
 timing-sync steps there): first healthy, then with one rank slowed by the chaos ``slow_rank`` drill
-(``etrain.workers.chaos.RankDrills``, the rank's drill plugin) at each slowdown in turn. Those measured
+(``etrain.workers.rank.chaos.RankDrills``, the rank's drill plugin) at each slowdown in turn. Those measured
 per-step rows (all ranks of one step together, so a load spike that hits every rank stays one) are then
 replayed through the production :class:`etrain.service.decisions.stragglers.StragglerDetector` with the job defaults
 (window 4, threshold 1.5, patience 3; every step a timing-sync step), resampled with replacement:
@@ -89,9 +89,9 @@ def _rank(rank: int, world_size: int, parallel: ParallelConfig, slow_rank: int, 
     """One rank of the measured run: ``(slowdown in force, compute_s, timing_synced)`` per step."""
     import torch
 
-    from etrain.workers.chaos import RankDrills
+    from etrain.workers.rank.chaos import RankDrills
     from etrain.workers.protocol.messages import ChaosOrder
-    from etrain.workers.train import Trainer
+    from etrain.workers.engine.train import Trainer
 
     phases = [1.0] * (WARMUP_STEPS + healthy) + [f for f in slowdowns for _ in range(per_slowdown)]
     drills = RankDrills(rank=rank, report=lambda order, step: None)  # no supervisor to tell here

@@ -55,10 +55,11 @@ from etrain.service.store.job_store import JobStore
 from etrain.service.store.records import EventRecord, JobRecord, JobStatus, StepRecord
 from etrain.service.access.quotas import TenantQuotas, check_priority
 from etrain.service.access.tenancy import ADMIN, Principal
-from etrain.workers import families, storage
+from etrain.workers import families
+from etrain.workers.checkpoints import storage
 from etrain.workers.protocol.errors import ConfigError
 from etrain.workers.protocol.messages import RANK_CHAOS_ACTIONS
-from etrain.workers.rank_log import rank_log_path, read_lines
+from etrain.workers.rank.rank_log import rank_log_path, read_lines
 
 log = logging.getLogger(__name__)
 
@@ -288,7 +289,7 @@ class JobManager:
         if data.kind != "text" or not data.tokenizer or not data.path:
             return None
         from etrain.workers.protocol.errors import DataError
-        from etrain.workers.tokenized import tokenize_text
+        from etrain.workers.engine.tokenized import tokenize_text
 
         try:
             cache = tokenize_text(data.path, data.tokenizer, max_bytes=self.submit_tokenize_max_bytes,
@@ -389,7 +390,7 @@ class JobManager:
 
     def logs(self, job_id: str, rank: int, tail: int = 200, offset: int | None = None, *,
              principal: Principal = ADMIN) -> dict[str, Any]:
-        """Recent lines of rank ``rank``'s log file (``workers/rank_log.py``: in the job's checkpoint folder,
+        """Recent lines of rank ``rank``'s log file (``workers/rank/rank_log.py``: in the job's checkpoint folder,
         shared by every node and the control plane), read here without Ray. ``offset`` None: the last
         ``tail`` lines; else up to ``tail`` lines from that byte offset (``next_offset`` of the previous
         answer: how ``etrain logs -f`` follows). RankNotFound for a rank the job never had, JobConflict

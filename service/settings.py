@@ -441,14 +441,14 @@ _ROOTS_FIX = ("give absolute directories or s3://bucket/prefix roots, each share
 
 
 def _is_url(value: Any) -> bool:
-    from etrain.workers.storage import is_url
+    from etrain.workers.checkpoints.storage import is_url
 
     return is_url(value)
 
 
 def _checkpoint_base(raw: str | os.PathLike) -> str:
     """ETRAIN_CHECKPOINT_ROOT checked: an s3:// URL whose backend is installed, or an absolute folder."""
-    from etrain.workers.storage import missing_backend, normalize_url, url_problem
+    from etrain.workers.checkpoints.storage import missing_backend, normalize_url, url_problem
 
     if _is_url(raw):
         problem = url_problem(raw)

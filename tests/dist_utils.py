@@ -121,7 +121,6 @@ _PRELOAD = [
     "tests.equivalence_utils",
     "tests.state_utils",
     "etrain.workers.engine.train",
-    "etrain.workers.train",
 ]
 
 

@@ -90,7 +90,7 @@ def small_config(
 
 def _train(rank: int, world_size: int, config: RunConfig) -> RunResult:
     """Runs in each rank: train ``config.training.steps`` steps and report."""
-    from etrain.workers.train import Trainer
+    from etrain.workers.engine.train import Trainer
 
     torch.manual_seed(0)
     trainer = Trainer(config, rank=rank, world_size=world_size, device=torch.device("cpu"))

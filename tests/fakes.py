@@ -191,7 +191,7 @@ class InMemoryManager:
     def logs(self, job_id: str, rank: int, tail: int = 200, offset: int | None = None, *,
              principal: Principal = ADMIN) -> dict[str, Any]:
         """Simulated like the training: rank ``rank``'s lines are a start line and one line per step
-        trained so far (the real format of ``workers/worker.py``); ``next_offset`` counts lines."""
+        trained so far (the real format of ``workers/rank/worker.py``); ``next_offset`` counts lines."""
         job = self._require(job_id, principal)
         if rank >= job.world_size:
             raise RankNotFound(job_id, rank, job.world_size)
@@ -442,7 +442,7 @@ class FakeRuntime:
                timeout_s: float) -> str:
         """The real export, in this process instead of a Ray task (torch is imported only when called)."""
         self.calls.append(("export", step_dir, out_dir))
-        from etrain.workers.hf_io import export_hf
+        from etrain.workers.checkpoints.hf_io import export_hf
 
         return export_hf(step_dir, out_dir, model, source_dir=source_dir, expect_digest=expect_digest)
 

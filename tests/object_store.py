@@ -32,8 +32,8 @@ class S3Server:
 
     @property
     def fs(self):
-        """The s3fs filesystem the service itself uses (workers/storage.py), for the test's own looks."""
-        from etrain.workers.storage import filesystem
+        """The s3fs filesystem the service itself uses (workers/checkpoints/storage.py), for the test's own looks."""
+        from etrain.workers.checkpoints.storage import filesystem
 
         return filesystem(self.url())[0]
 

@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 
 def full_state_dict(trainer) -> dict[str, torch.Tensor]:
-    """Every parameter of ``trainer`` (an ``etrain.workers.train.Trainer``), unsharded, of every stage, on
+    """Every parameter of ``trainer`` (an ``etrain.workers.engine.train.Trainer``), unsharded, of every stage, on
     every rank (CPU tensors; a collective). DCP's state-dict API gathers FSDP and TP shards; stages are
     then exchanged over the pp group."""
     state: dict[str, torch.Tensor] = {}

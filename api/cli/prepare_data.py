@@ -1,6 +1,6 @@
 """``etrain prepare-data``: tokenize text here, once, into the cache a ``data: {kind: text}`` job reads.
 
-It runs the same function the server runs at submit (``etrain.workers.tokenized.tokenize_text``), but
+It runs the same function the server runs at submit (``etrain.workers.engine.tokenized.tokenize_text``), but
 locally, with no server and no time limit, and with a progress bar: the way to prepare a corpus too
 big to tokenize while a submit waits.
 """
@@ -59,7 +59,7 @@ def cmd_prepare_data(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     """Tokenize text with a tokenizer.json into the cache a ``data: {kind: text, tokenizer: ...}`` job reads
     (or into ``--out``), here, with no server and no time limit; print the file and its token count."""
     from etrain.workers.protocol.errors import EtrainError
-    from etrain.workers.tokenized import tokenize_text
+    from etrain.workers.engine.tokenized import tokenize_text
 
     bar = ProgressBar(err)
     try:

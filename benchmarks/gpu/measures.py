@@ -3,7 +3,7 @@
 Everything here is a function of plain values (step rows and events as ``GET /v1/jobs/{id}/metrics`` and
 ``/events`` return them, rank-log lines as ``/logs`` returns them, step times measured by the probe), so
 ``tests/unit/test_gpu_check.py`` checks each figure against hand-computed numbers without torch, Ray or a GPU.
-The formulas are not written again here: MFU is ``etrain.workers.metrics`` (the trainer's own FLOPs per
+The formulas are not written again here: MFU is ``etrain.workers.engine.metrics`` (the trainer's own FLOPs per
 token and peak table), start-up and recovery are ``benchmarks.peers.common.recovery_measures`` (the
 benchmark suite's arithmetic), medians are ``benchmarks.figures.median``.
 
@@ -22,7 +22,7 @@ from typing import Any
 
 from benchmarks.figures import median
 from benchmarks.peers.common import recovery_measures
-from etrain.workers.metrics import flops_per_token, mfu, peak_flops_per_s
+from etrain.workers.engine.metrics import flops_per_token, mfu, peak_flops_per_s
 from etrain.workers.protocol.run_config import MODEL_PRESETS, ModelConfig
 
 __all__ = ["FULL", "TINY", "CheckSizes", "device_peak", "job_figures", "kill_ts", "model_config",

@@ -5,7 +5,7 @@ global batch 8; ``--tiny``: ``measures.TINY`` on CPU) from random initialisation
 fp32 master weights, bf16 autocast on CUDA, AdamW (fused on CUDA), gradient clipping at 1.0, gradient
 accumulation over global / micro micro-batches. The transformers row is what a user writes by hand:
 ``AutoModelForCausalLM.from_config`` (SDPA attention) built on the device, ``model(input_ids,
-labels).loss`` per micro-batch. Its config comes from ``etrain.workers.hf_config.hf_config_dict``, so
+labels).loss`` per micro-batch. Its config comes from ``etrain.workers.checkpoints.hf_config.hf_config_dict``, so
 both rows are the same model.
 
 Per row: build seconds (the ``Trainer`` constructor / model + optimizer construction, device
@@ -57,7 +57,7 @@ def _peak_gib(device) -> float | None:
 def etrain_row(sizes: CheckSizes, steps: int, device, *, checkpointing: bool = False) -> dict[str, Any]:
     """etrain's ``Trainer`` in one process (world size 1, no process group), as a rank builds it."""
     from etrain.workers.protocol.run_config import DataConfig, ParallelConfig, RunConfig, TrainingConfig
-    from etrain.workers.train import Trainer
+    from etrain.workers.engine.train import Trainer
 
     config = RunConfig(
         job_id="gpu-probe", model=model_config(sizes), data=DataConfig(kind="synthetic", seed=0),
@@ -89,7 +89,7 @@ def hf_row(sizes: CheckSizes, steps: int, device, *, checkpointing: bool = False
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from etrain.workers.hf_config import hf_config_dict
+    from etrain.workers.checkpoints.hf_config import hf_config_dict
 
     raw = hf_config_dict(model_config(sizes))
     config = AutoConfig.for_model(raw.pop("model_type"), **{k: v for k, v in raw.items() if k != "architectures"})
@@ -157,7 +157,7 @@ def main() -> None:
     device = torch.device(sizes.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --tiny, or on a GPU machine")
-    # as a rank sets it (workers/worker.py), so the build time is the one a job's rank pays
+    # as a rank sets it (workers/rank/worker.py), so the build time is the one a job's rank pays
     torch.set_num_threads(max(1, int(os.environ.get("ETRAIN_TORCH_THREADS", "1"))))
     started = time.perf_counter()
     torch.zeros(1, device=device)

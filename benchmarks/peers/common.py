@@ -1,9 +1,9 @@
 """The job every recovery/startup run trains, and the arithmetic that turns a run into samples.
 
 One :class:`Job` describes it for all three systems: etrain gets it as a JobSpec over HTTP
-(:func:`etrain_spec`); the peers run :class:`PlainDDP` on the same model (``etrain.workers.model.build_model``
+(:func:`etrain_spec`); the peers run :class:`PlainDDP` on the same model (``etrain.workers.engine.init.build_model``
 of the ``gpt-tiny`` preset, same seed), the same synthetic token stream and the same global sampler
-(``etrain.workers.data``), the same global batch split the same way over the same DP2 world, the same AdamW,
+(``etrain.workers.engine.data``), the same global batch split the same way over the same DP2 world, the same AdamW,
 and checkpoint at the same cadence. What differs is only what is being compared: who launches the
 ranks, notices a death, and brings training back.
 
@@ -80,8 +80,8 @@ class PlainDDP:
         import torch
 
         from etrain.workers.protocol.run_config import DataConfig
-        from etrain.workers.data import GlobalSampler, build_dataset
-        from etrain.workers.model import build_model
+        from etrain.workers.engine.data import GlobalSampler, build_dataset
+        from etrain.workers.engine.init import build_model
 
         torch.set_num_threads(int(os.environ.get("ETRAIN_TORCH_THREADS", "1")))
         config = job.model_config()
@@ -93,7 +93,7 @@ class PlainDDP:
         self.sampler = GlobalSampler(len(self.dataset), job.global_batch, seed=job.seed)
 
     def step(self, step: int) -> float:
-        from etrain.workers.model import cross_entropy_loss
+        from etrain.workers.families.model import cross_entropy_loss
 
         micro = self.sampler.local_micro_batches(step, self.rank, self.world_size, self.job.micro_batch)
         total = 0.0

@@ -9,18 +9,19 @@ rules are about the checkpoint directory itself. Every job checkpoints into a di
   contain or lie inside): a claim row in SQLite, taken in the transaction that inserts the job
   (``service/store/claims.py``); :func:`taken_conflict` is the 409 the loser gets;
 * at submit, a ``checkpoint.path`` that already holds checkpoints resumes from them only if this service
-  committed every one (its signature verifies, ``etrain.workers.checkpoint_commit.read_manifest``) for a
+  committed every one (its signature verifies, ``etrain.workers.checkpoints.checkpoint_commit.read_manifest``) for a
   job the caller may see; anything else is a 422 before a rank could unpickle a stranger's ``.metadata``;
 * when the job runs, its supervisor loads only steps whose signed manifest names the job itself or a job
   of the same tenant that recorded the same directory (:func:`may_resume`), so a directory shared by
   mistake (or by a race) never hands one job another's state.
 
-What a running job may delete is the supervisor's rule (``etrain.workers.checkpoint_commit.prune(owner=...)``): only
-step directories whose signed manifests name it.
+What a running job may delete is the supervisor's rule
+(``etrain.workers.checkpoints.checkpoint_commit.prune(owner=...)``): only step directories whose signed
+manifests name it.
 
 The same rules hold for object storage: a ``checkpoint.path`` of ``s3://bucket/prefix`` is compared by
 key components, and its step "directories" are listed and their manifests read through
-``workers/storage.py``; the checkpoint tree is ``ETRAIN_CHECKPOINT_ROOT`` when the operator set one.
+``workers/checkpoints/storage.py``; the checkpoint tree is ``ETRAIN_CHECKPOINT_ROOT`` when the operator set one.
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ from etrain.service.errors import JobConflict, SpecRejected
 from etrain.service.planning.spec import JobSpec, SpecProblem
 from etrain.service.access.storage_roots import resolve
 from etrain.service.access.tenancy import Principal
-from etrain.workers import storage
+from etrain.workers.checkpoints import storage
 from etrain.workers.protocol.errors import CheckpointError, EtrainError
-from etrain.workers.checkpoint_commit import list_steps, read_manifest
+from etrain.workers.checkpoints.checkpoint_commit import list_steps, read_manifest
 from etrain.workers.protocol.manifest import MANIFEST_NAME
 
 __all__ = ["CheckpointDirectories", "may_resume", "taken_conflict"]

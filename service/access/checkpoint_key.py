@@ -2,10 +2,10 @@
 
 DCP's ``.metadata`` is unpickled on every rank at restore, so a checkpoint directory written by
 anyone but this service is code that runs on every rank. The supervisor therefore signs each
-manifest with HMAC-SHA256 under this key (``etrain.workers.checkpoint_commit.commit``) and refuses, before any rank
-reads a byte, a manifest whose signature does not verify. The key never leaves the control plane
-except in a supervisor's :class:`~etrain.service.decisions.job_policy.JobPolicy` (not in the spec, the job's JSON,
-events or logs).
+manifest with HMAC-SHA256 under this key (``etrain.workers.checkpoints.checkpoint_commit.commit``) and
+refuses, before any rank reads a byte, a manifest whose signature does not verify. The key never leaves
+the control plane except in a supervisor's :class:`~etrain.service.decisions.job_policy.JobPolicy` (not in
+the spec, the job's JSON, events or logs).
 
 The first start generates 32 random bytes and writes them as hex, with ``O_CREAT | O_EXCL`` and
 mode 0600, so two servers starting together never overwrite each other's key (the loser reads the

@@ -29,7 +29,7 @@ from etrain.service.access.storage_roots import inside, resolve
 from etrain.service.access.tenancy import TENANT_NAME, Principal
 from etrain.service.planning.spec import JobSpec, SpecProblem
 from etrain.service.planning.spec_paths import PATH_FIELDS
-from etrain.workers import storage
+from etrain.workers.checkpoints import storage
 
 __all__ = ["JobDirectory", "Reach", "split_owner"]
 

@@ -21,7 +21,7 @@ The pinned (resolved) path is what the job then uses. It is a realpath, so it ha
 it; but it is a string, which the OS resolves again at every open, so a folder swapped for a link after
 submission, or a link planted inside a folder that passed, would be followed. Hence the second half of
 the fence: every file the service or a rank opens, copies or deletes under a pinned path is opened one
-component at a time without following links (``workers/safe_paths.py``), and a link met then is refused
+component at a time without following links (``workers/protocol/safe_paths.py``), and a link met then is refused
 (``UnsafePathError`` naming the field). This module judges the spec's paths; that one every file below them.
 
 Object storage: a root may also be an ``s3://bucket/prefix`` URL. Only ``checkpoint.path``
@@ -39,7 +39,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from etrain.workers.storage import is_url, missing_backend, normalize_url, url_problem
+from etrain.workers.checkpoints.storage import is_url, missing_backend, normalize_url, url_problem
 
 __all__ = [
     "PRIVATE_FILE_NAMES",
@@ -69,7 +69,7 @@ _SEPARATOR = re.compile(r",|:(?!//)") if os.pathsep == ":" else re.compile(r",|"
 def pin(raw: str, base_dir: str | os.PathLike) -> str:
     """``raw`` as the job will use it: ``~`` expanded, joined with ``base_dir`` when relative, then
     :func:`os.path.realpath` (symlinks and ``..`` resolved; a missing tail is kept as written). The result has
-    no link on it, and is re-checked at every open: :mod:`etrain.workers.safe_paths` refuses a link that
+    no link on it, and is re-checked at every open: :mod:`etrain.workers.protocol.safe_paths` refuses a link that
     appears on it later (a folder swapped after submit) instead of resolving the string again.
     A value with a NUL byte names no file; it is returned as given, and :meth:`StorageRoots.check` refuses it.
     A URL (``s3://...``) is pinned without its trailing ``/``; a malformed one is returned as given (refused

@@ -8,7 +8,7 @@ it divides the number of micro-batches; any other size would change the batch (a
 curve) or skip/repeat samples.
 
 Pure functions over ints; the supervisor calls them with numbers from its config. Which sizes are
-legal is a layout rule (``etrain.workers.layout_rules``: ``legal_dp_sizes``, ``is_legal_dp``, found among
+legal is a layout rule (``etrain.workers.protocol.layout_rules``: ``legal_dp_sizes``, ``is_legal_dp``, found among
 the divisors of the micro-batch count, never by scanning ``[min_dp, max_dp]``); this module is the
 policy on top (the largest legal size that fits) and reports a broken batch or range as
 :class:`ResizeError`.
@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from etrain.workers import layout_rules
-from etrain.workers.layout_rules import Problem
+from etrain.workers.protocol import layout_rules
+from etrain.workers.protocol.layout_rules import Problem
 from etrain.workers.protocol.errors import EtrainError
 
 __all__ = [

@@ -53,7 +53,7 @@ class JobPolicy:
     capacity_wait_timeout_s: float = 900.0  # waiting for min_dp replicas / a capacity report
     export_timeout_s: float = 3600.0  # ExportCheckpoint -> Exported
     #: The server setting ``enable_chaos``: only then are fault drills loaded (service/runtime/chaos_drills.py,
-    #: and on the ranks workers/chaos.py through ``LaunchPlan.chaos_enabled``) and ``chaos`` requests taken.
+    #: and on the ranks workers/rank/chaos.py through ``LaunchPlan.chaos_enabled``) and ``chaos`` requests taken.
     chaos_enabled: bool = False
     #: Chaos requests (``service.ports.ChaosRequest`` dicts) posted before this job's supervisor existed: the
     #: manager kept them (service/runtime/control.py ``ChaosHandOver``) and the supervisor arms them before its

@@ -4,8 +4,8 @@ Why compute time and not step time: data/tensor/pipeline parallel ranks meet in 
 step, so one slow rank makes every other rank wait for it. Their *step* times rise to the slow
 rank's, and step time alone cannot say who is slow. The time a rank spends in its own forward /
 backward / optimizer math (``compute_s`` in the worker's step report, collective waits excluded:
-the timing-sync point and the timed waits inside TP / FSDP2 collectives, see ``workers/train.py``
-and ``workers/collective_waits.py``) is what separates them: the slow rank's compute is long, its
+the timing-sync point and the timed waits inside TP / FSDP2 collectives, see ``workers/engine/train.py``
+and ``workers/engine/collective_waits.py``) is what separates them: the slow rank's compute is long, its
 peers' compute is normal and their extra time shows up as ``comm_wait_s`` instead.
 
 Why per stage: pipeline stages do different work by design. The last stage carries the vocabulary
@@ -13,7 +13,7 @@ head and the loss (with a large vocabulary, several times a middle stage's compu
 embeddings; comparing ranks across stages would flag the last stage on every healthy run. So a rank
 is compared only with its **peers in the same stage** (its data- and tensor-parallel partners,
 which run the same layers on other data or other shards). The stage of each rank comes from the
-run's layout (:func:`stage_map`, Megatron rank order from ``workers/topology.py``). Without a stage
+run's layout (:func:`stage_map`, Megatron rank order from ``workers/protocol/topology.py``). Without a stage
 map every rank is in one stage (plain DP / TP / ZeRO).
 
 A stage with **one rank** (pure pipeline parallelism, ``dp = tp = 1``) has no peer. It is compared
@@ -50,7 +50,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from etrain.workers.protocol.errors import EtrainError
-from etrain.workers.topology import Topology
+from etrain.workers.protocol.topology import Topology
 
 __all__ = ["StragglerConfig", "StragglerConfigError", "StragglerDetector", "StragglerFinding", "stage_map"]
 
@@ -113,7 +113,7 @@ class _Streak:
 
 
 def stage_map(*, pp: int, dp: int, tp: int) -> dict[int, int]:
-    """``{rank: pipeline stage}`` of a ``pp × dp × tp`` layout (Megatron order, ``workers/topology.py``).
+    """``{rank: pipeline stage}`` of a ``pp × dp × tp`` layout (Megatron order, ``workers/protocol/topology.py``).
 
     A rank's stage is its pp coordinate: with interleaved schedules it holds several virtual stages
     (``s, s + pp, ...``), the same ones as every rank of equal pp coordinate, so those ranks are

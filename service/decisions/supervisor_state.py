@@ -17,7 +17,7 @@ from etrain.service.decisions.elastic import ElasticPolicy, ResizeError
 from etrain.service.decisions.job_policy import JobPolicy
 from etrain.service.decisions.job_status import Status
 from etrain.service.decisions.supervisor_events import Action
-from etrain.workers import layout_rules
+from etrain.workers.protocol import layout_rules
 from etrain.workers.protocol.errors import EtrainError
 
 if TYPE_CHECKING:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from etrain.service.errors import JobConflict
-from etrain.workers.checkpoint_commit import list_steps, step_dir, verify
+from etrain.workers.checkpoints.checkpoint_commit import list_steps, step_dir, verify
 from etrain.workers.protocol.errors import CheckpointError
 
 __all__ = ["CommittedStep", "committed_step"]

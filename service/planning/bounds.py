@@ -14,7 +14,7 @@ docs/job-spec.md's "Bounds" table lists them.
 
 Why a cap: every axis the planner searches must divide something (pp divides the layers, dp
 divides the micro-batches per step, tp divides the heads), so the searches enumerate divisors
-(``etrain.workers.layout_rules.divisors``, O(sqrt(n))) instead of ranges, and :func:`spread` caps how
+(``etrain.workers.protocol.layout_rules.divisors``, O(sqrt(n))) instead of ranges, and :func:`spread` caps how
 many of them a search tries, so no spec within the bounds makes a request search more than a few
 thousand layouts.
 """

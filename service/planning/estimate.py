@@ -36,7 +36,7 @@ from etrain.service.planning.plan_comm import (
 from etrain.service.planning.plan_memory import GiB, MemoryBreakdown, gib, precision_bytes, stage_memory, stage_params
 from etrain.service.planning.spec import JobSpec, ParallelismSpec
 from etrain.service.planning.spec_checks import field_problems
-from etrain.workers import layout_rules
+from etrain.workers.protocol import layout_rules
 from etrain.workers.protocol.run_config import ModelConfig, ParallelConfig
 
 __all__ = [

@@ -8,7 +8,7 @@ against the tensors autograd saves:
   (``etrain.workers.families``), whose count adapts it to its block (the GPT's; the Llama block's
   SwiGLU, GQA, RMSNorm and RoPE; ...), each checked against the tensors autograd saves.
 * How many micro-batches a pipeline stage holds (``in_flight_microbatches``): each schedule's
-  warm-up as torch runs it (interleaved 1F1B in torch's rounds, ``etrain.workers.layout_rules``).
+  warm-up as torch runs it (interleaved 1F1B in torch's rounds, ``etrain.workers.protocol.layout_rules``).
 
 Activations (``layer_activation_bytes``, ``in_flight_microbatches``): per-layer counts times the
 layers of a stage, times the micro-batches the schedule keeps in flight on that stage; activation
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from etrain.workers import layout_rules
+from etrain.workers.protocol import layout_rules
 from etrain.workers.families import family
 from etrain.workers.protocol.run_config import ModelConfig
 
@@ -131,7 +131,7 @@ def in_flight_microbatches(schedule: str, *, pp: int, microbatches: int, virtual
     any backward (M). 1F1B warms up ``pp - stage`` forwards, so stage 0 holds ``min(P, M)``.
     Interleaved 1F1B (Megatron/torch) warms up ``2(P - stage - 1) + (v - 1)R + 1`` chunk forwards of
     ``1/v`` of the stage's layers each, where ``R`` is torch's micro-batches per round (``P`` when
-    ``M`` is a multiple of ``P``; :func:`etrain.workers.layout_rules.interleaved_rounds`): then
+    ``M`` is a multiple of ``P``; :func:`etrain.workers.protocol.layout_rules.interleaved_rounds`): then
     ``P + (P - 1)/v`` micro-batches' worth on stage 0. Never more than all ``M·v`` chunks.
     """
     chunks = layer_chunks_in_flight(schedule, pp=pp, microbatches=microbatches,

@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass
 
 from etrain.service.planning.plan_memory import gib
-from etrain.workers import layout_rules
+from etrain.workers.protocol import layout_rules
 from etrain.workers.families import family
 from etrain.workers.protocol.run_config import ModelConfig
 

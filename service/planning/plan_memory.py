@@ -9,8 +9,8 @@ Each formula is tested on its own in tests/unit/test_planner.py:
 
 service/planning/estimate.py applies them to a spec's layout.
 
-What a rank holds (``stage_memory``), as the engine runs (``workers/parallelize.py``,
-``workers/train.py``, ``workers/optim.py``, ``workers/init.py``); every byte count is per rank:
+What a rank holds (``stage_memory``), as the engine runs (``workers/engine/parallelize.py``,
+``workers/engine/train.py``, ``workers/engine/optim.py``, ``workers/engine/init.py``); every byte count is per rank:
 
 * Master weights, gradients and AdamW's two moments are fp32 in every precision mode
   (``precision_bytes``: 4 + 4 + 8). ``training.precision: bf16`` adds bf16 *compute copies*: under
@@ -34,7 +34,7 @@ What a rank holds (``stage_memory``), as the engine runs (``workers/parallelize.
   optimizer states live in host memory (``host_bytes``); the device keeps the gathered parameters,
   unsharded gradients, activations and logits.
 * Initialisation builds on the meta device and materialises the rank's shards; each parameter's
-  full fp32 initial value is drawn once on the rank's device (``workers/init.py``) before the rank
+  full fp32 initial value is drawn once on the rank's device (``workers/engine/init.py``) before the rank
   copies out its slice: shards plus the largest single parameter (and its slice, when sharded)
   (``init`` phase).
 * The optimizer step: on CPU parameters (CPU runs, and offload) AdamW's ``foreach`` kernels hold a
@@ -72,7 +72,7 @@ from etrain.service.planning.plan_activations import (
     logits_bytes,
     rope_table_bytes,
 )
-from etrain.workers import layout_rules
+from etrain.workers.protocol import layout_rules
 from etrain.workers.families import family
 from etrain.workers.protocol.run_config import ModelConfig
 
@@ -163,7 +163,7 @@ def stage_params(model: ModelConfig, *, tp: int = 1, layers: int, first: bool, l
 def largest_param(model: ModelConfig, *, first: bool = True, last: bool = True) -> int:
     """Elements of the largest single parameter a stage owns, whole (not sharded).
 
-    Initialisation draws each parameter's full value (``workers/init.py``) before a rank keeps its
+    Initialisation draws each parameter's full value (``workers/engine/init.py``) before a rank keeps its
     slice, so this is the transient on top of the rank's shards while it materialises."""
     return family(model.arch).largest_param(model, first=first, last=last)
 

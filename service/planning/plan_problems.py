@@ -1,6 +1,6 @@
 """Why a layout cannot run, in the spec's words: its layout rules and its memory, each with the fix.
 
-The layout rules themselves are ``etrain.workers.layout_rules`` (the engine checks the same ones);
+The layout rules themselves are ``etrain.workers.protocol.layout_rules`` (the engine checks the same ones);
 this module hands them a planner :class:`~etrain.service.planning.estimate.Case` and turns what they
 find into :class:`~etrain.service.planning.spec.SpecProblem`. Memory problems name the biggest
 component and the single changes that would help, each with the memory it would need.
@@ -12,7 +12,7 @@ from etrain.service.planning.estimate import DEFAULT_DEVICE_MEMORY_GB, Case, Pla
 from etrain.service.planning.plan_memory import gib
 from etrain.service.planning.plan_search import MAX_AUTO_TP
 from etrain.service.planning.spec import JobSpec, ParallelismSpec, SpecProblem
-from etrain.workers import layout_rules
+from etrain.workers.protocol import layout_rules
 
 __all__ = ["degree_problems", "device_memory_problems", "layout_problems", "memory_problem"]
 

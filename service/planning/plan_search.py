@@ -2,7 +2,7 @@
 
 ``parallelism: auto`` (or ``{auto: true, max_workers: N}``) asks the planner to choose ``(dp, tp, pp,
 zero, schedule)`` within a worker budget. :func:`candidate_layouts` enumerates what the layout rules
-(``etrain.workers.layout_rules``) allow, built from divisors and capped
+(``etrain.workers.protocol.layout_rules``) allow, built from divisors and capped
 (``etrain.service.planning.bounds.spread``); :func:`choose_layout` picks by the step-time cost model;
 :func:`explain_choice` says why, one reason per decision. ``planner.resolve_auto`` runs the search.
 """
@@ -17,7 +17,7 @@ from etrain.service.planning.bounds import spread
 from etrain.service.planning.estimate import Case, PlanEstimate, evaluate
 from etrain.service.planning.plan_memory import gib
 from etrain.service.planning.spec import JobSpec, ParallelismSpec
-from etrain.workers import layout_rules
+from etrain.workers.protocol import layout_rules
 
 __all__ = [
     "AUTO_MEMORY_TARGET",
@@ -94,7 +94,7 @@ def candidate_layouts(spec: JobSpec, base: Case, budget: int) -> Iterator[Case]:
     """The (dp, tp, pp, zero, schedule, sp) layouts within the budget that the structural rules allow,
     fewest pipeline stages first.
 
-    Built from divisors, not ranges, and filtered by the layout rules (``etrain.workers.layout_rules``):
+    Built from divisors, not ranges, and filtered by the layout rules (``etrain.workers.protocol.layout_rules``):
     tp splits every TP dimension and stays in one node (MAX_AUTO_TP), pp divides n_layers (only pp=1
     for a tied model), dp is a legal size (it divides the micro-batches per step, global_batch /
     micro_batch) within ``resources.min_dp..max_dp``, a schedule is one torch runs with those

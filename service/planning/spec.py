@@ -3,7 +3,7 @@
 Pydantic v2 models with unknown fields rejected (a typo must not silently fall back to a default).
 Field-level rules (types, ranges) live on the fields here; rules that tie fields together (the batch,
 data paths, the model folder, the supervisor's settings) are in ``service/planning/spec_checks.py``
-(``check_spec``), the layout rules in ``etrain.workers.layout_rules`` (through the planner), and the
+(``check_spec``), the layout rules in ``etrain.workers.protocol.layout_rules`` (through the planner), and the
 path pinning in ``service/planning/spec_paths.py``. Every problem is a :class:`SpecProblem` (field +
 message + fix) so the API can answer one 422 listing them all.
 
@@ -53,8 +53,9 @@ from etrain.workers.protocol.run_config import (
     RunConfig,
     TrainingConfig,
 )
-from etrain.workers import families, layout_rules
-from etrain.workers.hf_config import model_config_from_hf, read_hf_config
+from etrain.workers import families
+from etrain.workers.protocol import layout_rules
+from etrain.workers.checkpoints.hf_config import model_config_from_hf, read_hf_config
 
 def _integer_only(value: Any) -> Any:
     """JSON integers only. JSON Schema's "integer" includes 3.0, so 3.0 is 3; "3" and true are not."""
@@ -412,5 +413,5 @@ class SpecProblem:
 
     @classmethod
     def of(cls, problems: Iterable[layout_rules.Problem]) -> list["SpecProblem"]:
-        """The layout rules' problems (``etrain.workers.layout_rules``) as spec problems."""
+        """The layout rules' problems (``etrain.workers.protocol.layout_rules``) as spec problems."""
         return [cls(field=p.field, message=p.message, fix=p.fix) for p in problems]

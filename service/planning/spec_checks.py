@@ -2,7 +2,7 @@
 
 :func:`check_spec` runs them in order: the field bounds again (:func:`field_problems`, for a spec that
 skipped validation), the model (``model.hf`` and the preset / kind / sizes that go with it), the data
-paths and tokenizer, the batch (``etrain.workers.layout_rules.batch_problems``: the same rule the
+paths and tokenizer, the batch (``etrain.workers.protocol.layout_rules.batch_problems``: the same rule the
 engine applies), warm-up, the elastic range and the world size, and the supervisor's own settings
 (built here as the supervisor builds them). The layout rules and memory are the planner's
 (``service/planning/planner.py``), which calls the same ``layout_rules``.
@@ -18,7 +18,8 @@ from pydantic import BaseModel
 
 from etrain.service.planning.bounds import MAX_WORKERS
 from etrain.service.planning.spec import _HF_EXCLUSIVE_FIELDS, JobSpec, ParallelismSpec, SpecProblem
-from etrain.workers import families, layout_rules
+from etrain.workers import families
+from etrain.workers.protocol import layout_rules
 from etrain.workers.protocol.errors import ConfigError
 from etrain.workers.protocol.run_config import MODEL_PRESETS
 
@@ -241,7 +242,7 @@ def _tokenizer_problems(spec: JobSpec, vocab_size: int | None) -> list[SpecProbl
                             message=f"data.tokenizer applies to data.kind='text' only, not {data.kind!r}.",
                             fix="remove data.tokenizer, or set data.kind: text")]
     from etrain.workers.protocol.errors import DataError
-    from etrain.workers.tokenized import tokenizer_info
+    from etrain.workers.engine.tokenized import tokenizer_info
 
     try:
         info = tokenizer_info(data.tokenizer)

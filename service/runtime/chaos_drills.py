@@ -3,7 +3,7 @@
 Why a module of its own: drills exist to test recovery, never to train. The supervisor imports this
 module only for a job whose policy enables them (``JobPolicy.chaos_enabled``, from the server setting
 ``enable_chaos`` / ``ETRAIN_ENABLE_CHAOS``); otherwise it refuses drill requests and nothing here is
-loaded. What a rank does with an order is the rank's plugin (``workers/chaos.py``); the order itself
+loaded. What a rank does with an order is the rank's plugin (``workers/rank/chaos.py``); the order itself
 is a message (``etrain.workers.protocol.messages.ChaosOrder``).
 
 Here: turning a request into an order, keeping the orders armed until their rank reports them fired
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from etrain.workers import storage
-from etrain.workers.checkpoint_commit import step_dir
+from etrain.workers.checkpoints import storage
+from etrain.workers.checkpoints.checkpoint_commit import step_dir
 from etrain.workers.protocol.manifest import MANIFEST_NAME
 from etrain.workers.protocol.messages import ChaosOrder
 

@@ -311,11 +311,11 @@ def job_of_placement_group(name: str) -> str | None:
 
 def probe_gpu_memory_gib(accelerator_type: str | None, *, timeout_s: float) -> float | None:
     """Total memory of one GPU (of ``accelerator_type``, when given) in GiB, read by a one-GPU Ray task
-    running ``etrain.workers.device_info.gpu_memory_bytes`` (torch lives on the workers, not here); None when
+    running ``etrain.workers.rank.device_info.gpu_memory_bytes`` (torch lives on the workers, not here); None when
     the task cannot be scheduled within ``timeout_s`` (it is then cancelled) or sees no GPU."""
     import ray
 
-    from etrain.workers.device_info import gpu_memory_bytes
+    from etrain.workers.rank.device_info import gpu_memory_bytes
 
     options: dict[str, Any] = {"num_gpus": 1, "num_cpus": 0, "max_retries": 0}
     if accelerator_type:

@@ -8,7 +8,7 @@ storage). Waiting for it has a timeout; a task that overruns is cancelled. Both 
 
 A job's ``hf-export`` sits in its checkpoint directory, which a tenant may be able to write: it is named
 by :func:`job_export_dir` (never resolved, so a link there is seen as a link), and replaced with
-:func:`etrain.workers.safe_paths.remove_tree`, which refuses a link rather than deleting the folder it
+:func:`etrain.workers.protocol.safe_paths.remove_tree`, which refuses a link rather than deleting the folder it
 points at (outside the storage roots, perhaps) and writing the export there.
 """
 
@@ -19,7 +19,8 @@ from typing import Any
 
 import ray
 
-from etrain.workers import safe_paths, storage
+from etrain.workers.protocol import safe_paths
+from etrain.workers.checkpoints import storage
 from etrain.workers.protocol.errors import EtrainError
 from etrain.workers.protocol.run_config import ModelConfig
 
@@ -54,7 +55,7 @@ def _export_folder(step_dir: str, out_dir: str, model: ModelConfig, source_dir: 
     ``expect_digest``: the digest of the manifest the caller verified with the service's key; this
     process has no key, so it loads nothing unless the manifest it reads is exactly that one.
     """
-    from etrain.workers.hf_io import export_hf
+    from etrain.workers.checkpoints.hf_io import export_hf
 
     if replace_existing and storage.is_url(out_dir):
         storage.rmtree(out_dir)

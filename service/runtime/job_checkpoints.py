@@ -2,14 +2,14 @@
 
 The state machine (service/decisions/supervisor.py) decides *when* a step is committed, resumed from or
 exported; this is the storage side of those decisions, for a local folder or an ``s3://`` root alike
-(workers/storage.py). It lives apart from the actor (service/runtime/supervisor_actor.py) because it is
+(workers/checkpoints/storage.py). It lives apart from the actor (service/runtime/supervisor_actor.py) because it is
 the one part that touches checkpoint files and signatures, and the parts that take long (pruning, the
 export task) run here off the actor's control thread.
 
 Trust: every manifest is signed with the service's key at commit and verified with it before a launch
 resumes from it; a step whose signature does not verify is refused and moved aside, never loaded.
 What this deletes, moves or replaces in a local checkpoint folder (the ``hf-export``, a refused step) is
-reached without following symbolic links (``workers/safe_paths.py``): the folder may be the tenant's.
+reached without following symbolic links (``workers/protocol/safe_paths.py``): the folder may be the tenant's.
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ from typing import Any
 from etrain.service.access.checkpoint_dirs import may_resume
 from etrain.service.decisions.supervisor_events import CommitFailed, CommitSucceeded, Event, Exported, ExportFailed
 from etrain.service.runtime.hf_export import cancel_quietly, job_export_dir, submit_export, wait_export
-from etrain.workers import safe_paths, storage
-from etrain.workers.checkpoint_commit import commit, list_steps, prune, resolve_latest, step_dir, verify
+from etrain.workers.protocol import safe_paths
+from etrain.workers.checkpoints import storage
+from etrain.workers.checkpoints.checkpoint_commit import commit, list_steps, prune, resolve_latest, step_dir, verify
 from etrain.workers.protocol.errors import CheckpointError, UnsafePathError
 from etrain.workers.protocol.manifest import ManifestSignatureError
 from etrain.workers.protocol.run_config import ModelConfig

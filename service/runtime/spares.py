@@ -2,7 +2,7 @@
 
 One detached actor per Ray cluster (``etrain/spares``, on the head node, no CPUs), created by the
 control plane at start (``ensure_pool``) and shared by every job. It keeps ``per_node`` ready
-:class:`etrain.workers.spare.SpareRank` actors on each alive node that can run ranks (a node with CPUs or
+:class:`etrain.workers.rank.spare.SpareRank` actors on each alive node that can run ranks (a node with CPUs or
 GPUs), refills a node as soon as one of its spares is taken, and forgets spares whose node died.
 A worker group whose placement group is ready asks for one spare per bundle on that bundle's node
 (``take``); where none is ready it starts the rank cold, as before, so the pool only ever makes a
@@ -151,7 +151,7 @@ def _runs_ranks(node: dict[str, Any]) -> bool:
 
 
 def _start_spare(node: str, *, gpu_node: bool) -> Any:
-    """A spare on ``node``; on a node with GPUs it must not start CUDA before ``assign`` (workers/spare.py)."""
+    """A spare on ``node``; on a node with GPUs it must not start CUDA before ``assign`` (workers/rank/spare.py)."""
     return ray.remote(load_actor_class(SPARE_ACTOR_CLASS)).options(
         num_cpus=0,
         num_gpus=0,

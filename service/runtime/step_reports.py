@@ -1,7 +1,7 @@
 """Rank 0's step reports, as the supervisor actor takes them in: step rows, the job's latest fields, the
 gauges, straggler findings, and the state-machine events they mean.
 
-Rank 0 reports a batch of completed steps (workers/report_batch.py) after every rank took part in each
+Rank 0 reports a batch of completed steps (workers/rank/report_batch.py) after every rank took part in each
 step's boundary exchange, so a report is every rank's heartbeat and carries every rank's timings. This
 is the one per-step path of a job, kept apart from the actor (service/runtime/supervisor_actor.py) so
 that what a step becomes is read in one place: a row for the control plane (its own sequence, since a

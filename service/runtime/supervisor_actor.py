@@ -75,8 +75,8 @@ class JobSupervisor:
         self.sm_config = SupervisorConfig.of(policy, config, job_id=job_id)
         if policy.checkpoint_key is None:  # fail closed: an unsigned commit or an unverified load is never right
             raise ValueError(f"job {job_id}: the supervisor needs the service's checkpoint key (JobPolicy.checkpoint_key)")
-        #: A resolved local folder or an ``s3://`` URL (workers/storage.py): manifests, verification, pruning,
-        #: fallback and the corruption drill work the same on both.
+        #: A resolved local folder or an ``s3://`` URL (workers/checkpoints/storage.py): manifests,
+        #: verification, pruning, fallback and the corruption drill work the same on both.
         self.root: str = config.checkpoint.path
         self._log: list[dict[str, Any]] = []
         self._log_lock = threading.Lock()
@@ -123,7 +123,7 @@ class JobSupervisor:
         self._inbox.put(("ready", attempt, rank, node_info.get("state_source")))
 
     def report_steps(self, attempt: int, records: list[dict]) -> None:
-        """Rank 0's batch of completed steps (``workers/report_batch.py``), each its ``StepMetrics`` plus
+        """Rank 0's batch of completed steps (``workers/rank/report_batch.py``), each its ``StepMetrics`` plus
         every rank's timings under ``ranks`` (from the step-boundary exchange): the only per-step call a
         job makes, so one actor keeps up with any number of ranks. It is also the job's heartbeat."""
         self._inbox.put(("steps", attempt, records))
@@ -338,7 +338,7 @@ class JobSupervisor:
         elif isinstance(action, RequestCheckpoint):
             if self._group is not None:
                 # Rank 0 decides at a step boundary, for every rank, to save the first step past the one
-                # the supervisor knows (workers/step_control.py): all ranks save the same step.
+                # the supervisor knows (workers/rank/step_control.py): all ranks save the same step.
                 self._group.call(0, "request_checkpoint", self.state.step + 1)
         elif isinstance(action, ExcludeNode):
             self._check_capacity(force=True)

@@ -151,7 +151,7 @@ class WorkerGroup:
 
         A cold rank is created inside its bundle, so Ray accounts its CPUs/GPUs to it; a spare (no
         logical resources) runs on the bundle's node while the bundle's reservation accounts for it,
-        and is pinned to the bundle's GPUs (service/runtime/spares.py, workers/spare.py).
+        and is pinned to the bundle's GPUs (service/runtime/spares.py, workers/rank/spare.py).
         """
         spares = take_spares([self._bundle_nodes.get(rank, "") for rank in range(self.world_size)])
         actors, assigned = zip(*(self._rank_actor(rank, spare) for rank, spare in enumerate(spares)))

@@ -22,7 +22,7 @@ from etrain.service.settings import Settings
 from tests.fakes import FakeRuntime
 from tests.service_harness import admin_headers
 from tests.tiny_tokenizers import CORPUS, byte_bpe
-from etrain.workers.tokenized import CACHE_DIR_SUFFIX
+from etrain.workers.engine.tokenized import CACHE_DIR_SUFFIX
 
 REPO = Path(__file__).resolve().parents[2]
 

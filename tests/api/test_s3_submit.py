@@ -24,8 +24,8 @@ from etrain.service.settings import Settings
 from tests.fakes import FakeRuntime
 from tests.object_store import s3_server
 from tests.service_harness import bearer
-from etrain.workers import storage
-from etrain.workers.checkpoint_commit import commit, file_entry, step_dir
+from etrain.workers.checkpoints import storage
+from etrain.workers.checkpoints.checkpoint_commit import commit, file_entry, step_dir
 from etrain.workers.protocol.manifest import ShardReport
 
 ADMIN_TOKEN = "admin-token-0123456789"

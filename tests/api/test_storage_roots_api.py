@@ -19,7 +19,7 @@ from etrain.service.access.checkpoint_key import load_or_create_key
 from etrain.service.settings import Settings
 from tests.fakes import FakeRuntime
 from tests.service_harness import bearer
-from etrain.workers.checkpoint_commit import commit, file_entry, step_dir
+from etrain.workers.checkpoints.checkpoint_commit import commit, file_entry, step_dir
 from etrain.workers.protocol.manifest import ShardReport
 
 ADMIN_TOKEN = "admin-token-0123456789"

@@ -21,7 +21,7 @@ from etrain.service.access.tenancy import ADMIN, Principal
 from tests.api.test_cli import etrain as etrain_as
 from tests.api.test_cli import serving, submitted_id, write_spec
 from tests.fakes import FakeRuntime, InMemoryManager, simulated_loss
-from etrain.workers.rank_log import RankLog, rank_log_path
+from etrain.workers.rank.rank_log import RankLog, rank_log_path
 
 TOKEN = "stream-test-token"
 SPEC = {"name": "tiny", "model": {"preset": "gpt-tiny"}, "parallelism": {"dp": 2},

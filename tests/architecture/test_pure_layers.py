@@ -29,29 +29,33 @@ PURE_PACKAGES = {
     "etrain.workers.protocol": "workers/protocol",
 }
 
-#: Single pure modules outside those packages.
+#: Single pure modules outside those packages (the workers' by room: tests/architecture/test_rooms.py).
 PURE_MODULES = [
     "etrain.service.errors",
     "etrain.service.ports",
     "etrain.service.settings",
     "etrain.service.prometheus",
-    "etrain.workers.topology",
-    "etrain.workers.layout_rules",
+    "etrain.workers",
     "etrain.workers.families",  # the registry and each family's declaration; their *_model modules are torch
     "etrain.workers.families.base",
     "etrain.workers.families.gpt",
     "etrain.workers.families.llama",
     "etrain.workers.families.olmo2",
-    "etrain.workers.hf_config",
-    "etrain.workers.storage",
-    "etrain.workers.safe_paths",
-    "etrain.workers.checkpoint_commit",
-    "etrain.workers.text_files",
-    "etrain.workers.step_control",
-    "etrain.workers.checkpoint_cadence",
-    "etrain.workers.storage_faults",
-    "etrain.workers.report_batch",
-    "etrain.workers.metrics",
+    "etrain.workers.checkpoints",
+    "etrain.workers.checkpoints.checkpoint_commit",
+    "etrain.workers.checkpoints.checkpoint_cadence",
+    "etrain.workers.checkpoints.hf_config",
+    "etrain.workers.checkpoints.storage",
+    "etrain.workers.checkpoints.storage_faults",
+    "etrain.workers.engine",
+    "etrain.workers.engine.metrics",
+    "etrain.workers.engine.text_files",
+    "etrain.workers.engine.tokenized",
+    "etrain.workers.rank",
+    "etrain.workers.rank.device_info",
+    "etrain.workers.rank.rank_log",
+    "etrain.workers.rank.report_batch",
+    "etrain.workers.rank.step_control",
 ]
 
 BLOCKED = ("torch", "ray")
@@ -119,7 +123,7 @@ def test_every_registered_family_declaration_is_listed_as_pure():
 
 def test_the_hook_really_blocks(tmp_path):
     """The probe is not vacuous: a module that does import torch fails it."""
-    code = _PROBE.format(blocked=BLOCKED, module="etrain.workers.model")
+    code = _PROBE.format(blocked=BLOCKED, module="etrain.workers.families.model")
     result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     answer = json.loads(result.stdout.strip().splitlines()[-1])
     assert not answer["ok"] and "blocked import of torch" in answer["error"]

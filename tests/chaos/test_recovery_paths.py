@@ -2,7 +2,7 @@
 
 A kill during a checkpoint write, a kill during the commit, two failures in a row and a failure of the
 replacement itself, each on a real multi-node Ray cluster through the chaos API (``during`` moves a kill
-into a save: workers/worker.py ``TrainWorker._save``). Every run is repaired in place (the default) and
+into a save: workers/rank/worker.py ``TrainWorker._save``). Every run is repaired in place (the default) and
 must end exactly where the uninterrupted run ends: the same loss at every step (fp32, deterministic)
 and the same final parameters on every rank (the ``ranks_finished`` digests). Each test also pins the
 number of restarts, the step every attempt resumed from and where each rank's state came from.

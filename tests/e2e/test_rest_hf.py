@@ -61,8 +61,8 @@ def loss_of(model, inputs, targets) -> float:
 def reference_run(folder, config, fixed_batch):
     """transformers' model trained on the job's batches: per-step losses and gradient norms, and the
     fixed batch's loss after every step (index = optimizer steps done)."""
-    from etrain.workers.data import GlobalSampler, build_dataset
-    from etrain.workers.optim import build_optimizer, lr_at, set_lr
+    from etrain.workers.engine.data import GlobalSampler, build_dataset
+    from etrain.workers.engine.optim import build_optimizer, lr_at, set_lr
 
     training = config.training
     dataset = build_dataset(config.data, config.model)
@@ -92,7 +92,7 @@ def reference_run(folder, config, fixed_batch):
 def test_fine_tune_a_transformers_llama_through_rest_and_load_the_result(plane, tmp_path):
     from etrain.api import cli
     from etrain.service.planning.spec import JobSpec
-    from etrain.workers.data import build_dataset
+    from etrain.workers.engine.data import build_dataset
 
     source = tmp_path / "tiny-llama"
     make_hf_model(source)

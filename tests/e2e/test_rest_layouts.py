@@ -37,7 +37,7 @@ def reference_losses(body: dict) -> list[float]:
 
     from etrain.service.planning.spec import JobSpec
     from etrain.workers.protocol.run_config import ParallelConfig
-    from etrain.workers.train import Trainer
+    from etrain.workers.engine.train import Trainer
 
     config = JobSpec.model_validate(body).to_run_config(job_id="reference", checkpoint_root="/unused")
     config = dataclasses.replace(config, parallel=ParallelConfig())

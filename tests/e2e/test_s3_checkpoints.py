@@ -23,8 +23,8 @@ from tests.chaos.conftest import losses, resumed_from, spec
 from tests.e2e.conftest import owned_ray
 from tests.object_store import s3_server
 from tests.service_harness import control_plane, event_kinds, event_text, storage_roots_for
-from etrain.workers import storage
-from etrain.workers.checkpoint_commit import list_steps, step_dir
+from etrain.workers.checkpoints import storage
+from etrain.workers.checkpoints.checkpoint_commit import list_steps, step_dir
 
 ray = pytest.importorskip("ray")
 

@@ -24,7 +24,7 @@ import torch
 
 from tests.equivalence_utils import small_config
 from etrain.workers.protocol.run_config import ModelConfig, ParallelConfig
-from etrain.workers.mesh import backend_for
+from etrain.workers.engine.mesh import backend_for
 
 pytestmark = [
     pytest.mark.gpu,
@@ -33,20 +33,20 @@ pytestmark = [
 
 
 def _losses(config, device: str) -> list[float]:
-    from etrain.workers.train import Trainer
+    from etrain.workers.engine.train import Trainer
 
     trainer = Trainer(config, rank=0, world_size=1, device=torch.device(device))
     return [trainer.train_step(step).loss for step in range(config.training.steps)]
 
 
 def _trainer(config, device: str):
-    from etrain.workers.train import Trainer
+    from etrain.workers.engine.train import Trainer
 
     return Trainer(config, rank=0, world_size=1, device=torch.device(device))
 
 
 def test_cuda_fp32_matches_cpu():
-    """A CUDA rank draws its initial weights on the GPU (workers/init.py): other numbers than a CPU
+    """A CUDA rank draws its initial weights on the GPU (workers/engine/init.py): other numbers than a CPU
     rank's. So the CPU run starts from the GPU's weights, and then follows the same curve."""
     config = small_config(steps=6)
     cpu_trainer, gpu_trainer = _trainer(config, "cpu"), _trainer(dataclasses.replace(config, device="cuda"), "cuda")
@@ -71,7 +71,7 @@ def test_bf16_trains_close_to_fp32():
 
 
 def test_cuda_step_timing_and_fused_adamw():
-    from etrain.workers.train import Trainer
+    from etrain.workers.engine.train import Trainer
 
     config = dataclasses.replace(small_config(steps=3), device="cuda")
     trainer = Trainer(config, rank=0, world_size=1, device=torch.device("cuda"))
@@ -91,7 +91,7 @@ MID_LLAMA = ModelConfig(arch="llama", n_layers=4, d_model=2048, n_heads=16, n_kv
 def test_a_cuda_trainer_initialises_on_the_gpu_fast_and_the_same_every_time():
     import time
 
-    from etrain.workers.init import initial_value
+    from etrain.workers.engine.init import initial_value
 
     config = dataclasses.replace(small_config(steps=1, model=MID_LLAMA), device="cuda")
     torch.ones(1, device="cuda").sum().item()  # the CUDA context is not what is measured
@@ -120,7 +120,7 @@ def test_a_cuda_trainer_initialises_on_the_gpu_fast_and_the_same_every_time():
 
 _SPARE_LEAVES_CUDA_ALONE = r"""
 import json, os, sys, torch
-from etrain.workers.spare import SpareRank
+from etrain.workers.rank.spare import SpareRank
 spare = SpareRank(gpu_node=True)  # what a spare on a GPU node does before any job
 seen = {"initialized": torch.cuda.is_initialized()}
 os.environ["CUDA_VISIBLE_DEVICES"] = sys.argv[1]  # a CUDA driver started before this line would not see it
@@ -129,7 +129,7 @@ print(json.dumps(seen | {"devices_seen": torch._C._cuda_getDeviceCount()}))
 
 _SPARE_TAKES_ITS_GPU = r"""
 import json, sys, torch
-from etrain.workers.spare import SpareRank
+from etrain.workers.rank.spare import SpareRank
 from tests.equivalence_utils import small_config
 spare = SpareRank(gpu_node=True)
 spare.assign(job_id="gpu-spare", rank=0, world_size=1, supervisor=None, gpu_ids=[sys.argv[1]], bundle="bundle 0 (test)")
@@ -159,8 +159,8 @@ def test_pinned_async_saves_prepared_ahead_restore_each_saves_values(tmp_path):
     failed with ``KeyError: <class 'type'>`` on an H100), each restores its own step's values."""
     from torch import nn
 
-    from etrain.workers.checkpoint import AsyncCheckpointer, load_checkpoint
-    from etrain.workers.checkpoint_commit import commit, step_dir
+    from etrain.workers.checkpoints.checkpoint import AsyncCheckpointer, load_checkpoint
+    from etrain.workers.checkpoints.checkpoint_commit import commit, step_dir
 
     torch.manual_seed(0)
     model = nn.Linear(256, 256).cuda()
@@ -207,7 +207,7 @@ def test_an_assigned_spare_runs_on_the_gpu_it_was_given():
 
 
 def _nccl_rank(rank: int, world_size: int, config) -> dict:
-    from etrain.workers.train import Trainer
+    from etrain.workers.engine.train import Trainer
 
     torch.cuda.set_device(rank)
     trainer = Trainer(config, rank=rank, world_size=world_size, device=torch.device("cuda", rank))

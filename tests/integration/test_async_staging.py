@@ -1,4 +1,4 @@
-"""Async saves stage into host buffers that outlive each save (workers/checkpoint.py ``AsyncCheckpointer``).
+"""Async saves stage into host buffers that outlive each save (workers/checkpoints/checkpoint.py ``AsyncCheckpointer``).
 
 Found on an H100 by ``make gpu-check``: torch 2.11's ``async_save`` closes the stager it was given after
 each upload, and the job's second save then failed inside the stager (``KeyError: <class 'type'>``).
@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from etrain.workers.checkpoint import AsyncCheckpointer, load_checkpoint
-from etrain.workers.checkpoint_commit import commit, step_dir
+from etrain.workers.checkpoints.checkpoint import AsyncCheckpointer, load_checkpoint
+from etrain.workers.checkpoints.checkpoint_commit import commit, step_dir
 
 
 def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

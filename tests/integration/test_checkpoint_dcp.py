@@ -1,10 +1,10 @@
 """A checkpoint saved under one parallel layout restores exactly under another (resharding).
 
 A tiny GPT trains two AdamW steps under a layout, is saved with ``save_checkpoint``, committed with
-``etrain.workers.checkpoint_commit.commit`` (the supervisor's job), and loaded into a *differently initialised*
-model under another layout. The full parameters and the optimizer's ``exp_avg`` / ``exp_avg_sq`` /
-``step`` (gathered to full tensors by an independent helper, not by the checkpoint code) must equal
-the saved ones within 1e-6, and the restored state must train on.
+``etrain.workers.checkpoints.checkpoint_commit.commit`` (the supervisor's job), and loaded into a
+*differently initialised* model under another layout. The full parameters and the optimizer's
+``exp_avg`` / ``exp_avg_sq`` / ``step`` (gathered to full tensors by an independent helper, not by the
+checkpoint code) must equal the saved ones within 1e-6, and the restored state must train on.
 
 Layouts are built here, not by the engine: DDP, FSDP2 ``fully_shard`` (ZeRO-3), TP via
 ``parallelize_module``, ZeRO-1 (DDP + ``ZeroRedundancyOptimizer``), pipeline stages (the model with
@@ -36,15 +36,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import etrain.workers.checkpoint_io as checkpoint_io
+import etrain.workers.checkpoints.checkpoint_io as checkpoint_io
 from tests.dist_utils import run_distributed
-from etrain.workers.checkpoint import AsyncCheckpointer, load_checkpoint, save_checkpoint
-from etrain.workers.checkpoint_state import capture_rng_state, restore_rng_state
+from etrain.workers.checkpoints.checkpoint import AsyncCheckpointer, load_checkpoint, save_checkpoint
+from etrain.workers.checkpoints.checkpoint_state import capture_rng_state, restore_rng_state
 from etrain.workers.protocol.run_config import ModelConfig
 from etrain.workers.protocol.errors import CheckpointError
-from etrain.workers.checkpoint_commit import commit, step_dir, verify
+from etrain.workers.checkpoints.checkpoint_commit import commit, step_dir, verify
 from etrain.workers.protocol.manifest import ShardReport
-from etrain.workers.model import build_model, cross_entropy_loss
+from etrain.workers.engine.init import build_model
+from etrain.workers.families.model import cross_entropy_loss
 
 MODEL = ModelConfig(n_layers=4, d_model=16, n_heads=2, vocab_size=32, seq_len=8)
 #: Same vocabulary, context and depth as MODEL, so batches and stages are shared; tied (Qwen2-style).
@@ -586,8 +587,8 @@ def test_resaving_over_a_corrupted_commit_quarantines_it(tmp_path):
     import torch
     from torch import nn
 
-    from etrain.workers.checkpoint import save_checkpoint
-    from etrain.workers.checkpoint_commit import commit, list_steps, step_dir, verify
+    from etrain.workers.checkpoints.checkpoint import save_checkpoint
+    from etrain.workers.checkpoints.checkpoint_commit import commit, list_steps, step_dir, verify
 
     model = nn.Linear(4, 4)
     optimizer = torch.optim.AdamW(model.parameters())

@@ -1,4 +1,4 @@
-"""The collective-wait clock (workers/collective_waits.py) on two real gloo ranks: rank 1 arrives late at
+"""The collective-wait clock (workers/engine/collective_waits.py) on two real gloo ranks: rank 1 arrives late at
 each collective, so rank 0 waits; the clock times exactly those waits while armed, on the arming
 thread, through both wait points (``Work.wait`` and the functional collectives' ``wait_tensor``)."""
 
@@ -19,7 +19,7 @@ def _waits(rank: int, world_size: int) -> dict:
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
 
-    from etrain.workers.collective_waits import CollectiveWaitClock
+    from etrain.workers.engine.collective_waits import CollectiveWaitClock
 
     clock = CollectiveWaitClock(torch.device("cpu"))
     tensor = torch.ones(4)

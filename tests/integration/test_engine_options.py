@@ -116,7 +116,7 @@ class _WorldAllReduces:
 
 
 def _trainer(rank, world_size, config, callbacks=()):
-    from etrain.workers.train import Trainer
+    from etrain.workers.engine.train import Trainer
 
     return Trainer(config, rank=rank, world_size=world_size, device=torch.device("cpu"), callbacks=callbacks)
 
@@ -274,7 +274,7 @@ def test_the_world_barrier_runs_only_on_timing_sync_steps(reports) -> None:
     ids=["hsdp-zero1", "hsdp-not-dividing", "offload-ddp", "offload-dp1"],
 )
 def test_hsdp_and_offload_config_errors_name_the_field(parallel, field, message) -> None:
-    from etrain.workers.parallelize import validate_data_parallel
+    from etrain.workers.engine.parallelize import validate_data_parallel
 
     with pytest.raises(ConfigError) as info:
         validate_data_parallel(parallel)
@@ -283,7 +283,7 @@ def test_hsdp_and_offload_config_errors_name_the_field(parallel, field, message)
 
 
 def test_timing_sync_every_must_be_positive() -> None:
-    from etrain.workers.train import Trainer
+    from etrain.workers.engine.train import Trainer
 
     config = small_config(timing_sync_every=0)
     with pytest.raises(ConfigError) as info:

@@ -22,9 +22,9 @@ import torch
 from etrain.service.errors import JobConflict
 from etrain.service.jobs.checkpoints import committed_step
 from etrain.service.runtime.hf_export import _export_folder
-from etrain.workers.checkpoint import save_checkpoint
-from etrain.workers.checkpoint_commit import commit, file_entries, step_dir, verify
-from etrain.workers.model import build_model
+from etrain.workers.checkpoints.checkpoint import save_checkpoint
+from etrain.workers.checkpoints.checkpoint_commit import commit, file_entries, step_dir, verify
+from etrain.workers.engine.init import build_model
 from etrain.workers.protocol.errors import CheckpointError
 from etrain.workers.protocol.run_config import ModelConfig
 

@@ -31,10 +31,10 @@ transformers = pytest.importorskip("transformers")
 from tests.dist_utils import run_distributed  # noqa: E402
 from etrain.workers.protocol.run_config import DataConfig, ModelConfig, ParallelConfig, RunConfig, TrainingConfig  # noqa: E402
 from etrain.workers.protocol.errors import CheckpointError, ConfigError  # noqa: E402
-from etrain.workers.hf_config import hf_name, model_config_from_hf, read_hf_config  # noqa: E402
-from etrain.workers.hf_io import export_hf, find_step_dir, load_hf_weights  # noqa: E402
-from etrain.workers.checkpoint_commit import commit, step_dir  # noqa: E402
-from etrain.workers.model import cross_entropy_loss  # noqa: E402
+from etrain.workers.checkpoints.hf_config import hf_name, model_config_from_hf, read_hf_config  # noqa: E402
+from etrain.workers.checkpoints.hf_io import export_hf, find_step_dir, load_hf_weights  # noqa: E402
+from etrain.workers.checkpoints.checkpoint_commit import commit, step_dir  # noqa: E402
+from etrain.workers.families.model import cross_entropy_loss  # noqa: E402
 
 COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
@@ -100,7 +100,7 @@ def _run_config(folder: str, parallel: ParallelConfig = ParallelConfig(), **trai
 
 
 def _trainer(config: RunConfig, rank: int = 0, world_size: int = 1):
-    from etrain.workers.train import Trainer
+    from etrain.workers.engine.train import Trainer
 
     return Trainer(config, rank=rank, world_size=world_size, device=torch.device("cpu"))
 
@@ -128,8 +128,8 @@ def test_single_process_trainer_loads_hf_weights(hf_folders, arch):
 def test_a_trainer_about_to_resume_does_not_read_the_hf_weights(hf_folders):
     """The worker builds with load_pretrained=False when it restores a checkpoint next: the weights
     stay the seeded initialisation (identical to an HF-less build), not the folder's."""
-    from etrain.workers.model import build_model
-    from etrain.workers.train import Trainer
+    from etrain.workers.engine.init import build_model
+    from etrain.workers.engine.train import Trainer
 
     folder, want = hf_folders["llama"]
     config = _run_config(folder)

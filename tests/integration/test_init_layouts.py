@@ -1,5 +1,5 @@
 """Every layout starts from the same numbers: a rank's shards of the initial weights, gathered, are the
-one-process model's, bit for bit (``workers/init.py``: a generator per parameter on the rank's device,
+one-process model's, bit for bit (``workers/engine/init.py``: a generator per parameter on the rank's device,
 the full parameter drawn and the rank's slice kept).
 
 Real gloo ranks build the real Trainer (meta device, TP / FSDP2 / pipeline stage, then materialised with
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from etrain.workers.model import build_model
+from etrain.workers.engine.init import build_model
 from etrain.workers.protocol.run_config import ParallelConfig
 from tests.dist_utils import run_distributed
 from tests.equivalence_utils import TINY_LLAMA, small_config
@@ -24,7 +24,7 @@ LAYOUTS = {"tp2": ParallelConfig(tp=2), "zero3-dp2": ParallelConfig(dp=2, zero=3
 
 def _initial_states(rank: int, world_size: int, configs: dict) -> dict[str, dict[str, torch.Tensor]] | None:
     """Each layout's Trainer in turn on the same two ranks (one spawn for all), gathered on rank 0."""
-    from etrain.workers.train import Trainer
+    from etrain.workers.engine.train import Trainer
 
     states = {}
     for layout, config in configs.items():

@@ -1,7 +1,7 @@
 """Interleaved 1F1B at the edge of its rule, on the real engine: the planner accepts what trains, and
 what it refuses, torch itself refuses.
 
-The rule (``etrain.workers.layout_rules.schedule_problems``) is torch 2.13's own: the interleaved
+The rule (``etrain.workers.protocol.layout_rules.schedule_problems``) is torch 2.13's own: the interleaved
 schedule runs ``max(1, M // pp)`` rounds, so M must be a multiple of the round count. Any M below
 ``2·pp`` is a single round: pp=2 with 3 micro-batches (``pp2-interleaved_1f1b-v2-M3`` in
 test_pipeline_equivalence.py) and with 1 (here) train exactly like one process. pp=2 with 5 is two
@@ -22,7 +22,7 @@ from tests.equivalence_utils import TINY_GPT, assert_equivalent, reference_key, 
 from etrain.service.planning.planner import check_plan
 from etrain.service.planning.spec import JobSpec
 from etrain.service.planning.spec_checks import check_spec
-from etrain.workers import layout_rules
+from etrain.workers.protocol import layout_rules
 from etrain.workers.protocol.errors import ConfigError
 from etrain.workers.protocol.run_config import ParallelConfig, RunConfig
 
@@ -72,8 +72,9 @@ def _build_with(rank: int, world_size: int, counts: tuple[int, ...]) -> dict[int
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
 
-    from etrain.workers.model import build_model, cross_entropy_loss
-    from etrain.workers.pipeline import build_pipeline, stage_module
+    from etrain.workers.engine.init import build_model
+    from etrain.workers.families.model import cross_entropy_loss
+    from etrain.workers.engine.pipeline import build_pipeline, stage_module
 
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("pp",))
     model = build_model(TINY_GPT, seed=0)

@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 from tests.dist_utils import RankFailedError, run_distributed
 from etrain.workers.protocol.errors import ConfigError
-from etrain.workers.mesh import MESH_DIMS, backend_for, build_device_mesh, mesh_group_ranks
-from etrain.workers.topology import AXES, Coords, Topology, TopologyError
+from etrain.workers.engine.mesh import MESH_DIMS, backend_for, build_device_mesh, mesh_group_ranks
+from etrain.workers.protocol.topology import AXES, Coords, Topology, TopologyError
 
 TIMEOUT_S = 90.0
 
@@ -101,7 +101,7 @@ def test_device_mesh_groups_equal_topology_groups(layout: tuple[Topology, int]) 
 
 
 def test_dp_replicate_must_divide_dp() -> None:
-    from etrain.workers.mesh import validate_dp_replicate
+    from etrain.workers.engine.mesh import validate_dp_replicate
 
     validate_dp_replicate(4, 2)
     with pytest.raises(ConfigError) as info:

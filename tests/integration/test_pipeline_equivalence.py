@@ -1,7 +1,7 @@
 """Pipeline-parallel training equals one process (correctness invariant 1, PP part).
 
 Each layout trains the built-in GPT (4 layers, d_model 32, 4 heads, vocab 64, seq 16) for 8 steps
-through the production path, ``etrain.workers.train.Trainer`` (which calls ``build_pipeline`` when pp > 1),
+through the production path, ``etrain.workers.engine.train.Trainer`` (which calls ``build_pipeline`` when pp > 1),
 on real gloo ranks: AdamW in fp32, clipping at a norm that binds, grad accumulation of 4 micro-batches
 (2 per dp replica at dp=2). It must match the same Trainer in one process: every step's loss within
 1e-5 relative and every final parameter within 1e-4 absolute (``tests/equivalence_utils``).
@@ -118,8 +118,8 @@ def test_llama_pipeline_trains_like_one_process(layout: str) -> None:
 def _build_tied_pipeline(rank: int, world_size: int) -> tuple[str, str | None, str | None]:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from etrain.workers.model import build_model_skeleton, cross_entropy_loss
-    from etrain.workers.pipeline import build_pipeline
+    from etrain.workers.families.model import build_model_skeleton, cross_entropy_loss
+    from etrain.workers.engine.pipeline import build_pipeline
 
     with torch.device("meta"):
         model = build_model_skeleton(TINY_LLAMA_TIED)

@@ -26,8 +26,8 @@ STEPS, SAVE_AT = 8, 4
 def _train_and_save(rank: int, world_size: int, config, root: str) -> list[float]:
     import torch.distributed as dist
 
-    from etrain.workers.checkpoint_commit import commit, step_dir
-    from etrain.workers.train import Trainer
+    from etrain.workers.checkpoints.checkpoint_commit import commit, step_dir
+    from etrain.workers.engine.train import Trainer
 
     trainer = Trainer(config, rank=rank, world_size=world_size, device=torch.device("cpu"))
     losses = [m.loss for m in trainer.run(0, SAVE_AT)]
@@ -42,8 +42,8 @@ def _train_and_save(rank: int, world_size: int, config, root: str) -> list[float
 
 
 def _restore_and_train(rank: int, world_size: int, config, root: str) -> dict:
-    from etrain.workers.checkpoint_commit import step_dir
-    from etrain.workers.train import Trainer
+    from etrain.workers.checkpoints.checkpoint_commit import step_dir
+    from etrain.workers.engine.train import Trainer
 
     trainer = Trainer(config, rank=rank, world_size=world_size, device=torch.device("cpu"))
     next_step = trainer.restore(step_dir(root, SAVE_AT))

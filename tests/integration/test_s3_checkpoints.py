@@ -25,12 +25,13 @@ import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
 from tests.object_store import s3_server
-from etrain.workers import storage
-from etrain.workers.checkpoint import AsyncCheckpointer, load_checkpoint, save_checkpoint
+from etrain.workers.checkpoints import storage
+from etrain.workers.checkpoints.checkpoint import AsyncCheckpointer, load_checkpoint, save_checkpoint
 from etrain.workers.protocol.run_config import ModelConfig
 from etrain.workers.protocol.errors import CheckpointError, ConfigError
-from etrain.workers.checkpoint_commit import commit, list_steps, prune, resolve_latest, step_dir, verify
-from etrain.workers.model import build_model, cross_entropy_loss
+from etrain.workers.checkpoints.checkpoint_commit import commit, list_steps, prune, resolve_latest, step_dir, verify
+from etrain.workers.engine.init import build_model
+from etrain.workers.families.model import cross_entropy_loss
 
 MODEL = ModelConfig(n_layers=2, d_model=16, n_heads=2, vocab_size=32, seq_len=8)
 LLAMA = ModelConfig(arch="llama", n_layers=2, d_model=16, n_heads=4, n_kv_heads=2, d_ff=32, vocab_size=32, seq_len=8)
@@ -228,7 +229,7 @@ def test_prune_keeps_the_last_checkpoints_on_s3(saved, s3):
 
 
 def test_a_llama_checkpoint_on_s3_exports_like_a_local_one(s3, tmp_path):
-    from etrain.workers.hf_io import export_hf
+    from etrain.workers.checkpoints.hf_io import export_hf
 
     model = build_model(LLAMA, seed=0)
     optimizer = torch.optim.AdamW(model.parameters())

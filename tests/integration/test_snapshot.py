@@ -1,4 +1,4 @@
-"""In-memory snapshots (workers/snapshot.py) on two real gloo ranks: a restore from memory, and a
+"""In-memory snapshots (workers/checkpoints/snapshot.py) on two real gloo ranks: a restore from memory, and a
 replacement rank's state received from its data-parallel replica, are bit-identical to the restore of
 the same step's checkpoint from storage, and continue the run exactly. Layouts that shard state
 across dp (ZeRO-3) have no replica, and every rank falls back to storage together."""
@@ -13,14 +13,14 @@ from etrain.workers.protocol.run_config import ParallelConfig
 
 
 def _trainer(rank, world_size, parallel, steps):
-    from etrain.workers.train import Trainer
+    from etrain.workers.engine.train import Trainer
 
     return Trainer(small_config(parallel=parallel, steps=steps), rank=rank, world_size=world_size,
                    device=torch.device("cpu"))
 
 
 def _local_state(trainer) -> dict[str, torch.Tensor]:
-    from etrain.workers.checkpoint_state import collect_state
+    from etrain.workers.checkpoints.checkpoint_state import collect_state
 
     state = collect_state(trainer.model_parts, trainer.optimizers).state
     return {f"{section}/{key}": (value.to_local() if hasattr(value, "to_local") else value).detach().clone()
@@ -30,7 +30,7 @@ def _local_state(trainer) -> dict[str, torch.Tensor]:
 def _save_committed(trainer, rank, world_size, directory, step):
     import torch.distributed as dist
 
-    from etrain.workers.checkpoint_commit import commit
+    from etrain.workers.checkpoints.checkpoint_commit import commit
 
     report = trainer.save(directory)
     reports = [None] * world_size
@@ -41,7 +41,7 @@ def _save_committed(trainer, rank, world_size, directory, step):
 
 
 def _scenarios(rank: int, world_size: int, root: str) -> dict:
-    from etrain.workers.snapshot import replicated, resume_from_snapshot, share_snapshots, take_snapshot
+    from etrain.workers.checkpoints.snapshot import replicated, resume_from_snapshot, share_snapshots, take_snapshot
 
     directory = f"{root}/step_00000003"
     first = _trainer(rank, world_size, ParallelConfig(dp=2), steps=6)

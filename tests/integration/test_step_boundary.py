@@ -2,13 +2,13 @@
 
 Three spawned ranks run 20 trials in one process group. Each step is a real collective on the default
 group (standing in for the training step, and checking that every rank is on the same step) followed
-by the step-boundary exchange (``etrain.workers.step_exchange.StepExchange``) on its own gloo group. A save is
+by the step-boundary exchange (``etrain.workers.rank.step_exchange.StepExchange``) on its own gloo group. A save is
 another collective (as a DCP save is); a stop ends the trial. In every trial, every rank receives a
 checkpoint request, and in every other trial a stop request, from a thread at its own random moment
 (as a broadcast to all ranks would land), with the target a lagging supervisor would send (the
 rank's last completed step + 1). Only rank 0's view counts.
 
-The ranks follow ``etrain.workers.step_control.StepBoundaries``, as the workers do: the exchange begun
+The ranks follow ``etrain.workers.rank.step_control.StepBoundaries``, as the workers do: the exchange begun
 after a step is settled at the next boundary, so a request acts one boundary after rank 0 takes it.
 
 Asserted: in every trial every rank saved the same steps and stopped at the same step; rank 0's
@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
-from etrain.workers.step_control import SAVE, STOP, ControlRequests, StepBoundaries, scheduled_save
-from etrain.workers.step_exchange import StepExchange
+from etrain.workers.rank.step_control import SAVE, STOP, ControlRequests, StepBoundaries, scheduled_save
+from etrain.workers.rank.step_exchange import StepExchange
 
 WORLD = 3
 TRIALS = 20

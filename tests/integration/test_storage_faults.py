@@ -20,9 +20,9 @@ import pytest
 import torch
 from torch import nn
 
-from etrain.workers.checkpoint import AsyncCheckpointer, load_checkpoint, save_checkpoint
-from etrain.workers.checkpoint_commit import commit, step_dir, verify
-from etrain.workers.storage_faults import StorageFault, needed_bytes, storage_fault
+from etrain.workers.checkpoints.checkpoint import AsyncCheckpointer, load_checkpoint, save_checkpoint
+from etrain.workers.checkpoints.checkpoint_commit import commit, step_dir, verify
+from etrain.workers.checkpoints.storage_faults import StorageFault, needed_bytes, storage_fault
 from tests.small_disk import tmpfs
 
 KEY = b"k" * 32

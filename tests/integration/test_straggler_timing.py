@@ -4,7 +4,7 @@ Under tensor parallelism and FSDP2 the collectives are inside forward/backward, 
 for a slow peer waits *inside* its compute span. Measured here on timing-sync steps (every step):
 
 * ``drill``: the chaos ``slow_rank`` drill (a ``slow_rank`` order, factor 4, fired by the rank's drill
-  plugin ``etrain.workers.chaos.RankDrills``) sleeps at the start of each micro-step;
+  plugin ``etrain.workers.rank.chaos.RankDrills``) sleeps at the start of each micro-step;
 * ``layers``: a slow device, modelled as a sleep before every attention and feed-forward block of
   rank 1, i.e. between the collectives (3x its own compute in total): the case a barrier before
   each micro-step would not fix, since the peer waits at every layer;
@@ -60,9 +60,9 @@ class _SlowLayers:
 
 
 def _measure(rank: int, world_size: int, parallel: ParallelConfig) -> dict[str, list[dict]]:
-    from etrain.workers.chaos import RankDrills
+    from etrain.workers.rank.chaos import RankDrills
     from etrain.workers.protocol.messages import ChaosOrder
-    from etrain.workers.train import Trainer
+    from etrain.workers.engine.train import Trainer
 
     # Two micro-steps per rank in both layouts (global batch 4 at tp=2, 8 at dp=2): TP on CPU is slow per op.
     config = small_config(parallel=parallel, steps=BASELINE + SLOWED, timing_sync_every=1,
@@ -73,7 +73,7 @@ def _measure(rank: int, world_size: int, parallel: ParallelConfig) -> dict[str, 
         trainer = Trainer(config, rank=rank, world_size=world_size, device=torch.device("cpu"),
                           callbacks=[drills.callback])
         if variant == "unfixed":
-            trainer._waits = None  # the measurement before workers/collective_waits.py
+            trainer._waits = None  # the measurement before workers/engine/collective_waits.py
         layers = _SlowLayers(trainer, SLOW_RANK, extra=3.0) if variant != "drill" else None
         rows = []
         for step in range(BASELINE + SLOWED):

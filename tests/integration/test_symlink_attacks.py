@@ -23,11 +23,11 @@ import torch
 
 from tests.object_store import s3_server
 from etrain.service.runtime.hf_export import HF_EXPORT_DIR, _export_folder, job_export_dir
-from etrain.workers import storage
-from etrain.workers.checkpoint import save_checkpoint
-from etrain.workers.checkpoint_commit import commit, step_dir
-from etrain.workers.hf_io import export_hf, load_hf_weights
-from etrain.workers.model import build_model
+from etrain.workers.checkpoints import storage
+from etrain.workers.checkpoints.checkpoint import save_checkpoint
+from etrain.workers.checkpoints.checkpoint_commit import commit, step_dir
+from etrain.workers.checkpoints.hf_io import export_hf, load_hf_weights
+from etrain.workers.engine.init import build_model
 from etrain.workers.protocol.errors import CheckpointError, UnsafePathError
 from etrain.workers.protocol.run_config import ModelConfig
 
@@ -160,7 +160,7 @@ def test_a_checkpoint_folder_swapped_for_a_link_after_start_gets_no_write_commit
     key = b"k" * 32
     checkpoints = JobCheckpoints(job_id="job", root=str(root), key=key, keep_last=1,
                                  record=lambda kind, detail: events.append((kind, detail)))
-    rank_root = storage.hold_dir(str(root))  # what the rank's attempt holds (workers/worker.py)
+    rank_root = storage.hold_dir(str(root))  # what the rank's attempt holds (workers/rank/worker.py)
     os.rename(root, moved)
     os.symlink(victim, root)
     model = build_model(LLAMA, seed=0)

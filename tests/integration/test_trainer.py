@@ -72,7 +72,7 @@ class _PoisonOnRank0:
 
 
 def _trainer(rank, world_size, parallel, callbacks=(), **training):
-    from etrain.workers.train import Trainer
+    from etrain.workers.engine.train import Trainer
 
     config = small_config(parallel=parallel, **{"steps": 3, **training})
     return Trainer(config, rank=rank, world_size=world_size, device=torch.device("cpu"), callbacks=callbacks)
@@ -82,7 +82,7 @@ def _resume(rank: int, world_size: int, directory: str) -> dict:
     """Save after 2 steps of ZeRO-3, go on to step 4; restore the save under TP and redo steps 2-3."""
     import torch.distributed as dist
 
-    from etrain.workers.checkpoint_commit import commit
+    from etrain.workers.checkpoints.checkpoint_commit import commit
 
     first = _trainer(rank, world_size, ParallelConfig(dp=2, zero=3), steps=4)
     first.run(0, 2)

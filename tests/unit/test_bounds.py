@@ -23,7 +23,7 @@ from etrain.api.app import create_app
 from etrain.service.planning import bounds
 from etrain.service.planning.bounds import MAX_GLOBAL_BATCH, MAX_WORKERS, spread
 from etrain.service.decisions.elastic import ElasticPolicy, legal_dp_sizes
-from etrain.workers.layout_rules import divisors
+from etrain.workers.protocol.layout_rules import divisors
 from etrain.service.errors import SpecRejected
 from etrain.service.planning.plan_search import MAX_AUTO_LAYOUTS
 from etrain.service.planning.planner import check_plan, plan_report, resolve_auto

@@ -1,6 +1,6 @@
 """Fault drills are an opt-in plugin: loaded only when the launch plan enables them, and then exact.
 
-Rank side: ``etrain.workers.chaos.RankDrills`` (arming by id, firing at a step or inside a save, the slow
+Rank side: ``etrain.workers.rank.chaos.RankDrills`` (arming by id, firing at a step or inside a save, the slow
 and hang drills) and the worker's gate (``TrainWorker._arm_drills``: no plugin, no callback and a refused
 ``chaos`` call without ``LaunchPlan.chaos_enabled``). Service side: ``etrain.service.runtime.chaos_drills``
 (orders from requests, arming, the checkpoint corruption on real files). The import checks run in a fresh
@@ -19,8 +19,8 @@ from types import SimpleNamespace
 import pytest
 
 from etrain.service.runtime.chaos_drills import CorruptOrder, JobDrills
-from etrain.workers.chaos import RankDrills
-from etrain.workers.checkpoint_commit import step_dir
+from etrain.workers.rank.chaos import RankDrills
+from etrain.workers.checkpoints.checkpoint_commit import step_dir
 from etrain.workers.protocol.messages import ChaosOrder
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,10 +31,10 @@ from etrain.workers.protocol.messages import ChaosOrder, LaunchPlan
 from etrain.workers.protocol.run_config import DataConfig, ModelConfig, ParallelConfig, RunConfig, TrainingConfig
 import etrain.service.runtime.supervisor_actor, etrain.service.runtime.worker_group  # the service's side
 answer = {"service_loaded": sorted(m for m in sys.modules if m in (
-    "etrain.workers.worker", "etrain.workers.chaos", "etrain.service.runtime.chaos_drills", "torch"))}
-import etrain.workers.spare  # what a warm spare loads before its job: the drill plugin is not part of it
-from etrain.workers.worker import TrainWorker
-answer["rank_loaded"] = sorted(m for m in sys.modules if m in ("etrain.workers.chaos", "torch"))
+    "etrain.workers.rank.worker", "etrain.workers.rank.chaos", "etrain.service.runtime.chaos_drills", "torch"))}
+import etrain.workers.rank.spare  # what a warm spare loads before its job: the drill plugin is not part of it
+from etrain.workers.rank.worker import TrainWorker
+answer["rank_loaded"] = sorted(m for m in sys.modules if m in ("etrain.workers.rank.chaos", "torch"))
 
 config = RunConfig(job_id="gate", model=ModelConfig(n_layers=2, d_model=32, n_heads=2, vocab_size=64, seq_len=16),
                    data=DataConfig(), parallel=ParallelConfig(), training=TrainingConfig(steps=4, global_batch=2, micro_batch=2))
@@ -42,7 +42,7 @@ order = ChaosOrder(id=7, action="slow_rank", rank=0, factor=2.0, at_step=3)
 worker = TrainWorker(job_id="gate", rank=0, world_size=1, supervisor=None)
 answer["callbacks_off"] = len(worker._arm_drills(LaunchPlan(attempt=1, config=config, start_step=0, resume_dir=None,
                                                             chaos=(order,))))
-answer["chaos_loaded_off"] = "etrain.workers.chaos" in sys.modules
+answer["chaos_loaded_off"] = "etrain.workers.rank.chaos" in sys.modules
 try:
     worker.chaos(order)
 except RuntimeError as err:
@@ -50,7 +50,7 @@ except RuntimeError as err:
 on = LaunchPlan(attempt=2, config=config, start_step=0, resume_dir=None, chaos=(order,), chaos_enabled=True)
 callbacks = worker._arm_drills(on)
 answer["callbacks_on"] = [type(cb).__name__ for cb in callbacks]
-answer["chaos_loaded_on"] = "etrain.workers.chaos" in sys.modules
+answer["chaos_loaded_on"] = "etrain.workers.rank.chaos" in sys.modules
 answer["same_drills_next_attempt"] = worker._arm_drills(on)[0] is callbacks[0]
 print(json.dumps(answer))
 """

@@ -1,4 +1,4 @@
-"""``checkpoint.every_steps: auto`` (workers/checkpoint_cadence.py): Young-Daly from measured costs."""
+"""``checkpoint.every_steps: auto`` (workers/checkpoints/checkpoint_cadence.py): Young-Daly from measured costs."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from etrain.workers.checkpoint_cadence import (
+from etrain.workers.checkpoints.checkpoint_cadence import (
     ASSUMED_BLOCK_S,
     MIN_INTERVAL_STEPS,
     SETTLE_STEPS,

@@ -9,7 +9,7 @@ from etrain.service.decisions.elastic import (
     legal_dp_sizes,
     num_micro_batches,
 )
-from etrain.workers.layout_rules import grad_accum_steps
+from etrain.workers.protocol.layout_rules import grad_accum_steps
 from etrain.workers.protocol.errors import ConfigError
 
 

@@ -17,7 +17,7 @@ import torch
 
 from etrain.workers import families
 from etrain.workers.families.base import TP_STYLES, ModelFamily, TPPlan
-from etrain.workers.model import build_model_skeleton
+from etrain.workers.families.model import build_model_skeleton
 from etrain.workers.protocol.errors import ConfigError
 from etrain.workers.protocol.run_config import MODEL_PRESETS, ModelConfig
 

@@ -1,7 +1,7 @@
 """Every Hugging Face family against ``transformers``: same weights in, same logits out (fp32, unsharded).
 
 Each case builds a tiny random model with ``transformers`` itself (no download), perturbs its
-weights so no norm is trivially one, reads its config through ``etrain.workers.hf_config`` and copies its
+weights so no norm is trivially one, reads its config through ``etrain.workers.checkpoints.hf_config`` and copies its
 state dict in through its family's name map. The Llama family: RoPE scaling (Llama 3.1), q/k/v/o biases
 (Llama ``attention_bias``), q/k/v biases and tied embeddings (Qwen2), per-head q/k norms with a
 ``head_dim`` unlike ``hidden / heads`` (Qwen3), and GQA. OLMo 2: norms after attention and MLP, q/k
@@ -17,9 +17,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from etrain.workers.hf_config import etrain_name, model_config_from_hf  # noqa: E402
-from etrain.workers.init import materialize  # noqa: E402
-from etrain.workers.model import build_model, build_model_skeleton, cross_entropy_loss  # noqa: E402
+from etrain.workers.checkpoints.hf_config import etrain_name, model_config_from_hf  # noqa: E402
+from etrain.workers.engine.init import materialize  # noqa: E402
+from etrain.workers.engine.init import build_model  # noqa: E402
+from etrain.workers.families.model import build_model_skeleton, cross_entropy_loss  # noqa: E402
 
 COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)

@@ -48,7 +48,7 @@ def test_mfu_of_a_probe_row_by_hand():
     assert figures["step_s_median"] == 0.40
     assert figures["tokens_per_s"] == pytest.approx(40_960.0)
     # 6 N + 12 L d T per token (PaLM appendix B) = 6 x 1,235,814,400 + 12 x 16 x 2048 x 2048 = 8,220,192,768 FLOPs;
-    # x 40,960 tokens/s / 989e12 FLOP/s = 34.04%. etrain.workers.metrics also subtracts seq_len x d_model
+    # x 40,960 tokens/s / 989e12 FLOP/s = 34.04%. etrain.workers.engine.metrics also subtracts seq_len x d_model
     # "position embeddings", which Llama does not have (-0.31%): hence the tolerance.
     assert 6 * LLAMA_1B_PARAMS + 12 * 16 * 2048 * 2048 == 8_220_192_768
     assert figures["mfu"] == pytest.approx(40_960 * 8_220_192_768 / 989e12, rel=4e-3)

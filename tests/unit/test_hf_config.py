@@ -1,4 +1,5 @@
-"""``etrain.workers.hf_config`` against configs and models made by ``transformers`` itself (no weights read).
+"""``etrain.workers.checkpoints.hf_config`` against configs and models made by ``transformers`` itself
+(no weights read).
 
 * ``model_config_from_hf`` reads each supported architecture's config to the sizes and features
   etrain builds (Llama 3.1 rope scaling and biases, Mistral, tied Qwen2 with q/k/v biases, Qwen3
@@ -19,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 
 from etrain.workers.protocol.run_config import ModelConfig, RopeScaling  # noqa: E402
 from etrain.workers.protocol.errors import ConfigError  # noqa: E402
-from etrain.workers.hf_config import (  # noqa: E402
+from etrain.workers.checkpoints.hf_config import (  # noqa: E402
     SUPPORTED_ARCHITECTURES,
     etrain_name,
     hf_config_dict,

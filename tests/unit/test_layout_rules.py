@@ -1,4 +1,4 @@
-"""The layout rules (etrain.workers.layout_rules), each against an independent brute-force formulation,
+"""The layout rules (etrain.workers.protocol.layout_rules), each against an independent brute-force formulation,
 exhaustively over small degree ranges: what the spec, the planner, the elastic policy and the engine
 all accept is exactly what these say.
 
@@ -17,11 +17,11 @@ import time
 import pytest
 
 from etrain.service.planning.bounds import MAX_GLOBAL_BATCH
-from etrain.workers import layout_rules as rules
-from etrain.workers.layout_rules import divisors
+from etrain.workers.protocol import layout_rules as rules
+from etrain.workers.protocol.layout_rules import divisors
 from etrain.workers.protocol.errors import ConfigError
 from etrain.workers.protocol.run_config import ModelConfig, ParallelConfig, PipelineSchedule, TrainingConfig
-from etrain.workers.topology import Topology, TopologyError
+from etrain.workers.protocol.topology import Topology, TopologyError
 
 GPT = ModelConfig(n_layers=12, d_model=48, n_heads=6, vocab_size=96, seq_len=18, d_ff=72)
 LLAMA = ModelConfig(arch="llama", n_layers=8, d_model=32, n_heads=8, n_kv_heads=2, d_ff=40, vocab_size=64,

@@ -1,7 +1,7 @@
 """Atomic checkpoint commits (invariant 4): what counts as a checkpoint, and what is skipped.
 
 Pure: fake "DCP" files in temporary directories, no torch. Each test reads as one rule of
-``workers/protocol/manifest.py`` (the format) and ``workers/checkpoint_commit.py`` (commit,
+``workers/protocol/manifest.py`` (the format) and ``workers/checkpoints/checkpoint_commit.py`` (commit,
 verify, resolve, prune).
 """
 
@@ -16,7 +16,7 @@ import pickle
 import pytest
 
 from etrain.workers.protocol.errors import CheckpointError
-from etrain.workers.checkpoint_commit import (
+from etrain.workers.checkpoints.checkpoint_commit import (
     checkpoint_files,
     commit,
     file_entry,

@@ -11,10 +11,11 @@ import torch
 
 from etrain.workers.protocol.run_config import MODEL_PRESETS, ModelConfig
 from etrain.workers.protocol.errors import ConfigError
-from etrain.workers.init import materialize
+from etrain.workers.engine.init import materialize
 from etrain.workers.families.gpt_model import GPT
 from etrain.workers.families.llama_model import Llama
-from etrain.workers.model import build_model, build_model_skeleton, cross_entropy_loss
+from etrain.workers.engine.init import build_model
+from etrain.workers.families.model import build_model_skeleton, cross_entropy_loss
 
 CONFIG = ModelConfig(n_layers=4, d_model=32, n_heads=4, vocab_size=64, seq_len=16)
 
@@ -63,7 +64,7 @@ def test_initial_loss_is_near_uniform() -> None:
 
 
 def _cut(model: GPT, layers: range, *, first: bool, last: bool) -> GPT:
-    """A pipeline stage as workers/pipeline.py makes it: unowned parts deleted or set to None."""
+    """A pipeline stage as workers/engine/pipeline.py makes it: unowned parts deleted or set to None."""
     stage = copy.deepcopy(model)
     for key in list(stage.layers.keys()):
         if int(key) not in layers:
@@ -211,7 +212,7 @@ def test_llama_initial_loss_is_near_uniform() -> None:
 
 
 def test_llama_stages_keep_the_full_models_fqns_and_chain_to_its_output() -> None:
-    from etrain.workers.pipeline import stage_module
+    from etrain.workers.engine.pipeline import stage_module
 
     model = build_model(LLAMA, seed=0)
     _perturb_norms_and_biases(model)
@@ -245,7 +246,7 @@ OLMO2 = ModelConfig(arch="olmo2", n_layers=4, d_model=32, n_heads=4, n_kv_heads=
 
 
 def test_olmo2_is_causal_and_cut_into_stages_like_every_family() -> None:
-    from etrain.workers.pipeline import stage_module
+    from etrain.workers.engine.pipeline import stage_module
 
     model = build_model(OLMO2, seed=0)
     assert torch.equal(model.layers["0"].attention.q_norm.weight, torch.ones(4 * 8))  # a norm: initialised to 1
@@ -270,7 +271,7 @@ def test_olmo2_preset_parameter_count_is_the_published_one() -> None:
     assert ModelConfig(**MODEL_PRESETS["olmo2-1b"]).num_params == 1_484_916_736  # allenai/OLMo-2-0425-1B: 1.48B
 
 
-# --- where initial values are drawn (workers/init.py) -------------------------------------------------
+# --- where initial values are drawn (workers/engine/init.py) -------------------------------------------------
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -278,7 +279,7 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 def test_cpu_init_draws_the_numbers_it_always_did() -> None:
     """A CPU rank draws each weight from a CPU generator seeded by (seed, FQN), as before device-side init:
     the default, an explicit CPU ``rng_device`` and the meta-device path all give those numbers."""
-    from etrain.workers.init import initial_value, initialize_parameters, param_seed
+    from etrain.workers.engine.init import initial_value, initialize_parameters, param_seed
 
     fqn, shape = "layers.0.attention.wq.weight", (32, 32)
     drawn = torch.randn(shape, generator=torch.Generator(device="cpu").manual_seed(param_seed(5, fqn))) * 0.02
@@ -300,7 +301,7 @@ def test_cpu_init_draws_the_numbers_it_always_did() -> None:
 def test_a_drawn_value_depends_on_seed_fqn_and_device_only(device: str) -> None:
     """Each parameter has a generator of its own on the drawing device: what else is drawn, and in which
     order, changes nothing, and the process's own generators are neither read nor advanced."""
-    from etrain.workers.init import initial_value, initialize_parameters
+    from etrain.workers.engine.init import initial_value, initialize_parameters
 
     fqn, other, shape = "layers.1.feed_forward.w2.weight", "layers.1.feed_forward.w1.weight", (48, 16)
     cpu_state = torch.random.get_rng_state()

@@ -1,4 +1,4 @@
-"""Object-store checkpoints, the pure and storage-level parts (issue #7): ``workers/storage.py`` against
+"""Object-store checkpoints, the pure and storage-level parts (issue #7): ``workers/checkpoints/storage.py`` against
 a real S3-compatible server on loopback (moto's, ``tests/object_store.py``), the manifest rules on
 ``s3://`` roots, rank logs uploaded to and read from S3, and the settings / storage-roots grammar
 (``ETRAIN_STORAGE_ROOTS`` with ``s3://`` entries, ``ETRAIN_CHECKPOINT_ROOT``)."""
@@ -14,9 +14,9 @@ from etrain.service.errors import SettingsError
 from etrain.service.settings import Settings
 from etrain.service.access.storage_roots import StorageRoots, parse_roots, pin
 from tests.object_store import s3_server
-from etrain.workers import storage
+from etrain.workers.checkpoints import storage
 from etrain.workers.protocol.errors import CheckpointError, ConfigError
-from etrain.workers.checkpoint_commit import (
+from etrain.workers.checkpoints.checkpoint_commit import (
     checkpoint_files,
     commit,
     file_entry,
@@ -28,7 +28,7 @@ from etrain.workers.checkpoint_commit import (
     verify,
 )
 from etrain.workers.protocol.manifest import ShardReport
-from etrain.workers.rank_log import RankLog, rank_log_path, read_lines
+from etrain.workers.rank.rank_log import RankLog, rank_log_path, read_lines
 
 KEY = b"k" * 32
 

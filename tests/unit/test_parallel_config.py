@@ -11,10 +11,10 @@ import torch
 from tests.equivalence_utils import small_config
 from etrain.workers.protocol.run_config import ModelConfig, ParallelConfig
 from etrain.workers.protocol.errors import ConfigError
-from etrain.workers.layout_rules import sequence_parallel_problems, tp_problems
-from etrain.workers.parallelize import ParallelDims
-from etrain.workers.torchrun import load_run_config, main
-from etrain.workers.train import Trainer
+from etrain.workers.protocol.layout_rules import sequence_parallel_problems, tp_problems
+from etrain.workers.engine.parallelize import ParallelDims
+from etrain.workers.engine.torchrun import load_run_config, main
+from etrain.workers.engine.train import Trainer
 from tests.state_utils import full_state_dict
 
 
@@ -40,7 +40,7 @@ def test_parallel_dims_must_multiply_to_the_world_and_the_message_prints_every_d
     ],
 )
 def test_tensor_parallel_shape_rules_name_the_setting(model, tp, sp, field, size) -> None:
-    """The rules parallelize_stage checks (etrain.workers.layout_rules): one problem, naming the size."""
+    """The rules parallelize_stage checks (etrain.workers.protocol.layout_rules): one problem, naming the size."""
     problems = tp_problems(model, tp) + sequence_parallel_problems(seq_len=model.seq_len, tp=tp, enabled=sp)
     assert [p.field for p in problems] == [field]
     assert size in problems[0].message and "parallelism.tp=2" in problems[0].message

@@ -1,7 +1,7 @@
 """How the pipeline cuts the model: layer splits, stage placement, schedule rules, stage FQNs.
 
 Pure tests (no process group): the stage modules are built with ``stage_module``, the same function
-``build_pipeline`` uses, and the schedule rules (``etrain.workers.layout_rules``) are checked against
+``build_pipeline`` uses, and the schedule rules (``etrain.workers.protocol.layout_rules``) are checked against
 the torch schedule classes themselves, constructed over stand-in stages: what they accept, and how
 many micro-batches the planner says a stage holds at its peak.
 """
@@ -18,10 +18,10 @@ from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 
 from etrain.workers.protocol.run_config import ModelConfig
 from etrain.workers.protocol.errors import ConfigError
-from etrain.workers.model import build_model
+from etrain.workers.engine.init import build_model
 from etrain.service.planning.plan_activations import layer_chunks_in_flight
-from etrain.workers.layout_rules import PIPELINE_SCHEDULES, schedule_problems, split_layers, stage_ids_for_rank
-from etrain.workers.pipeline import StepTiming, stage_module
+from etrain.workers.protocol.layout_rules import PIPELINE_SCHEDULES, schedule_problems, split_layers, stage_ids_for_rank
+from etrain.workers.engine.pipeline import StepTiming, stage_module
 
 CONFIG = ModelConfig(n_layers=4, d_model=32, n_heads=4, vocab_size=64, seq_len=16)
 

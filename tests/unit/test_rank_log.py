@@ -1,4 +1,4 @@
-"""Rank log files (workers/rank_log.py): the writer's lines, tee, rotation, and the reader's tail/offset."""
+"""Rank log files (workers/rank/rank_log.py): the writer's lines, tee, rotation, and the reader's tail/offset."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from etrain.workers.rank_log import MAX_LINE_CHARS, RankLog, rank_log_path, read_lines
+from etrain.workers.rank.rank_log import MAX_LINE_CHARS, RankLog, rank_log_path, read_lines
 
 
 def test_the_path_is_per_job_and_rank_inside_the_checkpoint_root(tmp_path):

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from etrain.workers.report_batch import ReportBatcher
+from etrain.workers.rank.report_batch import ReportBatcher
 
 
 class Clock:

@@ -17,10 +17,10 @@ import pytest
 from etrain.service.access.storage_roots import StorageRoots, pin
 from etrain.service.planning.spec import JobSpec
 from etrain.service.planning.spec_checks import check_spec
-from etrain.workers import safe_paths
-from etrain.workers.hf_config import read_hf_config, weight_files
+from etrain.workers.protocol import safe_paths
+from etrain.workers.checkpoints.hf_config import read_hf_config, weight_files
 from etrain.workers.protocol.errors import ConfigError, DataError, UnsafePathError
-from etrain.workers.text_files import read_text_file, text_documents
+from etrain.workers.engine.text_files import read_text_file, text_documents
 from tests.tiny_tokenizers import byte_bpe
 
 SECRET = b"hmac-key-0123456789abcdef"
@@ -156,7 +156,7 @@ def test_a_folder_swapped_for_a_link_after_pin_is_refused_at_open(layout):
 
 
 def test_the_text_walk_refuses_links_to_files_and_folders_and_never_reads_them(layout):
-    from etrain.workers.data import read_text_tokens
+    from etrain.workers.engine.data import read_text_tokens
 
     data = layout["root"] / "data"
     (data / "sub").mkdir(parents=True)

@@ -18,7 +18,7 @@ from etrain.service.planning.spec import JobSpec
 from etrain.service.planning.spec_checks import check_spec
 from etrain.service.access.storage_roots import StorageRoots
 from etrain.service.planning.spec_paths import pin_paths, resolve_paths
-from etrain.workers.hf_config import DEFAULT_MAX_SEQ_LEN
+from etrain.workers.checkpoints.hf_config import DEFAULT_MAX_SEQ_LEN
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from etrain.workers.step_control import (
+from etrain.workers.rank.step_control import (
     FIELDS,
     RANK_TIMINGS,
     SAVE,

@@ -202,7 +202,7 @@ class TestStageMap:
         assert stage_map(pp=1, dp=3, tp=2) == dict.fromkeys(range(6), 0)
 
     def test_bad_layout_is_a_topology_error(self):
-        from etrain.workers.topology import TopologyError
+        from etrain.workers.protocol.topology import TopologyError
 
         with pytest.raises(TopologyError, match="pp"):
             stage_map(pp=0, dp=1, tp=1)

@@ -18,11 +18,11 @@ from etrain.service.planning.spec import JobSpec
 from etrain.service.planning.spec_checks import check_spec
 from etrain.service.planning.spec_paths import resolve_paths
 from tests.tiny_tokenizers import CORPUS, byte_bpe, wide_word_level, word_level_with_bos
-from etrain.workers import tokenized
+from etrain.workers.engine import tokenized
 from etrain.workers.protocol.run_config import DataConfig, ModelConfig
-from etrain.workers.data import build_dataset, read_token_file
+from etrain.workers.engine.data import build_dataset, read_token_file
 from etrain.workers.protocol.errors import DataError
-from etrain.workers.tokenized import CACHE_DIR_SUFFIX, cache_file, load_tokenizer, tokenize_text
+from etrain.workers.engine.tokenized import CACHE_DIR_SUFFIX, cache_file, load_tokenizer, tokenize_text
 
 
 @pytest.fixture(scope="module")

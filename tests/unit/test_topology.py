@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from etrain.workers.protocol.errors import ConfigError
-from etrain.workers.topology import AXES, Coords, Topology, TopologyError, parse_topology
+from etrain.workers.protocol.topology import AXES, Coords, Topology, TopologyError, parse_topology
 
 SMALL_WORLD_MAX = 64
 LARGE_WORLD_SIZES = [128, 256, 512, 1024, 2048, 4096, 96, 384, 768, 1000, 1536, 2310, 3072, 4095]
@@ -209,7 +209,8 @@ def test_parse_topology_rejects(text: str, message: str) -> None:
 @pytest.mark.parametrize("bad", [0, -1, 1.5, 2.0, "2", None, True])
 def test_degree_must_be_a_positive_int(axis: str, bad: object) -> None:
     degrees = {"pp": 1, "dp": 1, "tp": 1, axis: bad}
-    fix = rf"Fix: set parallelism\.{axis} to an integer >= 1"  # the rule and its fix: etrain.workers.layout_rules
+    # the rule and its fix: etrain.workers.protocol.layout_rules
+    fix = rf"Fix: set parallelism\.{axis} to an integer >= 1"
     with pytest.raises(TopologyError, match=rf"^{axis} \(the .* degree\) .* got {bad!r} {fix}$"):
         Topology(**degrees)
 

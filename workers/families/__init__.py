@@ -1,12 +1,13 @@
-"""Model families: one declaration per family (pure), one module of torch layers each; the registry here.
+"""Model families: one declaration per family (pure), one module of torch layers each, the builder; the registry.
 
 Everything that differs between model families is declared once, in ``workers/families/<name>.py`` (a
 :class:`~etrain.workers.families.base.ModelFamily`): presets, Hugging Face architectures, config and
 parameter-name mapping, shape rules, what tensor parallelism splits and how (a plan as data), parameter,
 FLOP and activation counts for the planner and MFU. The run config, the layout rules, the planner, the
 spec checks and the Hugging Face reader and writer ask :func:`family` instead of branching on a name;
-``etrain.workers.model`` builds the modules from ``<name>_model.py`` (torch), imported by name on the ranks
-only. Adding a family: ``docs/adding-a-model-family.md``.
+``etrain.workers.families.model`` builds the modules from ``<name>_model.py`` (torch), imported by name on
+the ranks only, and holds the loss and the canonical parameter names. Adding a family:
+``docs/adding-a-model-family.md``.
 
 This package's ``__init__`` and the declarations are pure (no torch): the control plane imports them.
 """

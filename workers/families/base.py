@@ -3,7 +3,7 @@ plan is written in, and the Hugging Face ``config.json`` helpers decoder familie
 
 Pure (stdlib and the error family only): the control plane imports every family's declaration to
 validate and plan a job without torch. A family's *modules* (torch) live in the module its
-:attr:`ModelFamily.model_module` names, which ``etrain.workers.model`` imports by name when a rank
+:attr:`ModelFamily.model_module` names, which ``etrain.workers.families.model`` imports by name when a rank
 builds the model. The sizes a family reads are those of
 :class:`~etrain.workers.protocol.run_config.ModelConfig` (typed here by :class:`Sizes`, so that this
 package does not depend on the run config: the run config asks the registry for presets and
@@ -62,7 +62,7 @@ class Sizes(Protocol):
     def kv_heads(self) -> int: ...
 
 
-#: The tensor-parallel styles a :class:`TPPlan` names, and what each does; ``workers/parallelize.py``
+#: The tensor-parallel styles a :class:`TPPlan` names, and what each does; ``workers/engine/parallelize.py``
 #: turns each into a torch ``ParallelStyle`` (so a plan is data the control plane can read too).
 TP_STYLES: dict[str, str] = {
     "vocab_embedding": "token embedding split by vocabulary; output in the residual layout",

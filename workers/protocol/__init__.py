@@ -1,3 +1,4 @@
-"""What the service and the ranks share (pure: no torch, no Ray): the run config, the error family,
-the checkpoint manifest format, and the messages between the supervisor and the ranks.
+"""What the service and the ranks share and both apply (pure: no torch, no Ray): the run config, the error
+family, the checkpoint manifest format, the messages between the supervisor and the ranks, the layout rules,
+the rank arithmetic (topology) and the one way to open a job's files (safe paths).
 """

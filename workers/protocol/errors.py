@@ -51,7 +51,7 @@ class DataError(EtrainError):
 
 class UnsafePathError(ConfigError, DataError):
     """A file a job names is reached through a symbolic link, or lies outside its folder: refused where
-    it is opened (``workers/safe_paths.py``). Both a ConfigError and a DataError on purpose: the path can
+    it is opened (``workers/protocol/safe_paths.py``). Both a ConfigError and a DataError on purpose: the path can
     be ``model.hf`` or ``checkpoint.path`` (whose handlers catch ConfigError) or ``data.path`` /
     ``data.tokenizer`` (DataError), and every one of them must turn it into the same answer naming the field."""
 

@@ -4,7 +4,7 @@ A step directory counts as a checkpoint only once ``manifest.json`` exists in it
 every file with its size and SHA-256 and carries a checksum of itself. This module is the format both
 sides share: the ranks build :class:`ShardReport` objects in it, the supervisor turns them into a
 :class:`Manifest`, and whoever loads a checkpoint decodes one. The operations over storage (commit,
-verify, resolve the newest, prune) are ``workers/checkpoint_commit.py``; this module touches no file.
+verify, resolve the newest, prune) are ``workers/checkpoints/checkpoint_commit.py``; this module touches no file.
 
 Manifests are signed. DCP's ``.metadata`` is unpickled by every rank at restore, so a step directory
 written by anyone but the service is code that runs on every rank. The supervisor commits with the

@@ -1,6 +1,6 @@
 """The messages between a job's supervisor and its ranks, and the calls that carry them (pure: no torch, no Ray).
 
-Why a module of its own: the supervisor (``service/runtime/``) and the ranks (``workers/worker.py``) are
+Why a module of its own: the supervisor (``service/runtime/``) and the ranks (``workers/rank/worker.py``) are
 two programs talking over Ray actor calls. What they say to each other is the contract between them, so
 it lives here, where both sides import it, instead of inside the rank actor module, which the service
 would otherwise have to import (and with it the engine) just to name a message.
@@ -9,12 +9,12 @@ Supervisor -> ranks (methods of :class:`RankActor`):
 
 * :class:`LaunchPlan`, the argument of ``run``: one attempt's layout, where to resume, drills;
 * :class:`ChaosOrder`, the argument of ``chaos``: a fault drill (only when the plan enables drills);
-* ``request_checkpoint`` / ``request_stop``, acted on at a step boundary (``workers/step_control.py``).
+* ``request_checkpoint`` / ``request_stop``, acted on at a step boundary (``workers/rank/step_control.py``).
 
 Ranks -> supervisor (methods of :class:`SupervisorReports`, fire-and-forget unless said otherwise):
 
 * ``report_ready``: a rank is set up and restored (:class:`ReadyInfo`);
-* ``report_steps``: rank 0's batch of :data:`StepReport` (``workers/report_batch.py``), the job's heartbeat;
+* ``report_steps``: rank 0's batch of :data:`StepReport` (``workers/rank/report_batch.py``), the job's heartbeat;
 * ``report_checkpoint``: one rank's shards of a save (``etrain.workers.protocol.manifest.ShardReport``),
   awaited for up to :data:`REPORT_TIMEOUT_S`;
 * ``report_chaos``: a drill fired, awaited for up to :data:`REPORT_TIMEOUT_S` (the process may die next).
@@ -55,7 +55,7 @@ class ChaosOrder:
     ``during`` (kills): ``step``, or inside the first checkpoint save after at least ``at_step`` steps,
     ``checkpoint_write`` once the rank's shards are written and before it reports them,
     ``checkpoint_commit`` right after the supervisor accepted its report. An order is only a message:
-    the code that fires it is the rank's drill plugin (``workers/chaos.py``).
+    the code that fires it is the rank's drill plugin (``workers/rank/chaos.py``).
     """
 
     id: int
@@ -75,14 +75,14 @@ class LaunchPlan:
     start_step: int  # first step to run (0 on a fresh start)
     resume_dir: str | None  # committed checkpoint directory to load before start_step
     chaos: tuple[ChaosOrder, ...] = ()
-    #: Whether the rank loads its drill plugin (``workers/chaos.py``): the server setting ``enable_chaos``
+    #: Whether the rank loads its drill plugin (``workers/rank/chaos.py``): the server setting ``enable_chaos``
     #: (``ETRAIN_ENABLE_CHAOS``). Off, nothing of it is imported and ``chaos`` calls are refused.
     chaos_enabled: bool = False
     #: The digest of resume_dir's manifest as the supervisor verified it with the service's key (ranks
     #: have no key): the rank loads only that very manifest (``verify(expect_digest=)``).
     resume_digest: str | None = None
     #: An in-place repair: restore start_step from the ranks' in-memory snapshots where every rank can
-    #: get one (its own, or a data-parallel replica's), else from resume_dir (workers/snapshot.py).
+    #: get one (its own, or a data-parallel replica's), else from resume_dir (workers/checkpoints/snapshot.py).
     state_from_memory: bool = False
     #: Keep in-memory snapshots at each save (``fault_tolerance.in_place``): nothing else reads them.
     keep_snapshots: bool = True
@@ -147,12 +147,12 @@ class RunResult(TypedDict):
     final_step: int
     final_loss: float | None
     stopped: bool  # True: a graceful stop (request_stop) ended it before the last step
-    #: SHA-256 of the rank's local parameters: data-parallel replicas must agree (workers/worker.py).
+    #: SHA-256 of the rank's local parameters: data-parallel replicas must agree (workers/rank/worker.py).
     param_digest: str
 
 
 class RankActor(Protocol):
-    """The calls the service makes on a rank actor (``workers/worker.py`` ``TrainWorker``)."""
+    """The calls the service makes on a rank actor (``workers/rank/worker.py`` ``TrainWorker``)."""
 
     def node_info(self) -> NodeInfo: ...
 
@@ -170,7 +170,7 @@ class RankActor(Protocol):
 
 
 class SpareActor(RankActor, Protocol):
-    """A warm spare (``workers/spare.py`` ``SpareRank``): a rank actor whose job comes later."""
+    """A warm spare (``workers/rank/spare.py`` ``SpareRank``): a rank actor whose job comes later."""
 
     def ready(self) -> dict[str, Any]: ...
 
@@ -192,9 +192,9 @@ class SupervisorReports(Protocol):
 
 #: The rank actor class, by dotted name: the service creates rank actors from it without importing the
 #: worker module into its own modules (it is loaded only in the process that creates the actors).
-RANK_ACTOR_CLASS = "etrain.workers.worker.TrainWorker"
+RANK_ACTOR_CLASS = "etrain.workers.rank.worker.TrainWorker"
 #: The warm spare actor class (``service/runtime/spares.py`` starts them).
-SPARE_ACTOR_CLASS = "etrain.workers.spare.SpareRank"
+SPARE_ACTOR_CLASS = "etrain.workers.rank.spare.SpareRank"
 
 
 def load_actor_class(dotted: str) -> type:

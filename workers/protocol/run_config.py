@@ -2,7 +2,7 @@
 
 The service validates a user's JobSpec (pydantic, ``service/planning/spec.py``) once at the boundary and turns
 it into a :class:`RunConfig`: frozen, keyword-only dataclasses with no pydantic, Ray or torch
-dependency, so the workers (and ``torchrun -m etrain.workers.torchrun``) can be configured and
+dependency, so the workers (and ``torchrun -m etrain.workers.engine.torchrun``) can be configured and
 tested without the service. Derived quantities (gradient accumulation, tokens per step) live here as
 properties so that every component computes them the same way.
 """
@@ -13,7 +13,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from etrain.workers import families, layout_rules
+from etrain.workers import families
+from etrain.workers.protocol import layout_rules
 
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 Precision = Literal["fp32", "bf16"]
@@ -113,7 +114,7 @@ class DataConfig:
     seed: int = 0
     token_dtype: Literal["uint16", "uint32"] = "uint16"
     #: ``kind="text"`` only: a Hugging Face tokenizer.json (or its folder). The text is tokenized once
-    #: into a content-addressed ``.bin`` beside the data (``workers/tokenized.py``); without it, bytes.
+    #: into a content-addressed ``.bin`` beside the data (``workers/engine/tokenized.py``); without it, bytes.
     tokenizer: str | None = None
 
 
@@ -173,7 +174,8 @@ class TrainingConfig:
     timing_sync_every: int = 1
 
     def grad_accum_steps(self, dp: int) -> int:
-        """Micro-steps per optimizer step on each dp rank (:func:`etrain.workers.layout_rules.grad_accum_steps`)."""
+        """Micro-steps per optimizer step on each dp rank
+        (:func:`etrain.workers.protocol.layout_rules.grad_accum_steps`)."""
         return layout_rules.grad_accum_steps(self.global_batch, self.micro_batch, dp)
 
 
@@ -183,7 +185,8 @@ class CheckpointConfig:
     keep_last: int = 3
     path: str | None = None
     async_save: bool = False
-    #: ``every_steps: auto``: rank 0 requests saves at the Young-Daly interval (workers/checkpoint_cadence.py)
+    #: ``every_steps: auto``: rank 0 requests saves at the Young-Daly interval
+    #: (workers/checkpoints/checkpoint_cadence.py)
     auto_interval: bool = False
     mtbf_hours: float = 24.0  # fault_tolerance.mtbf_hours: what ``auto`` balances the save cost against
 

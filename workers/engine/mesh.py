@@ -1,0 +1,129 @@
+"""Build the torch ``DeviceMesh`` (and so the process groups) from a ``Topology``.
+
+The root mesh has shape ``(pp, dp_replicate, dp_shard, tp)`` with those dimension names: the data
+parallel axis is split into HSDP's replica groups and the ranks that shard the model inside one
+replica (``dp = dp_replicate × dp_shard``; ``dp_replicate = 1`` is plain FSDP / DDP, a size-1
+dimension). The two data-parallel dimensions are then flattened into one ``dp`` mesh, so everything
+that means "all data-parallel ranks" — the sampler's dp coordinate, the loss average, DDP, ZeRO-1,
+plain FSDP — keeps using one ``dp`` axis whatever the HSDP split, and only FSDP2 under HSDP sees the
+2-D ``(dp_replicate, dp_shard)`` mesh.
+
+DeviceMesh lays ranks out row-major (last dimension fastest), which is exactly Megatron order:
+``rank = ((pp·R + r)·S + s)·tp + t = (pp·dp + (r·S + s))·tp + t``, so the flattened ``dp`` index is
+``r·S + s`` = ``Topology``'s dp coordinate and each axis's process group equals the group
+``Topology`` computes for it; ``tests/integration/test_mesh_groups.py`` checks that on real gloo
+process groups.
+
+torch 2.13 deprecates slicing a flattened dimension out of the root mesh (``root["dp"]``) and asks
+callers to keep the mesh ``_flatten`` returns; :class:`ParallelMesh` is that bookkeeping: one object
+that hands out every named sub-mesh. Nothing is cached here: callers hold the ``ParallelMesh`` and
+pass it (or one of its sub-meshes) to whatever needs a group, so a restart or an elastic resize
+simply builds a new one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from etrain.workers.protocol import layout_rules
+from etrain.workers.protocol.topology import Topology, TopologyError
+
+__all__ = ["MESH_DIMS", "ParallelMesh", "backend_for", "build_device_mesh", "mesh_group_ranks",
+           "validate_dp_replicate"]
+
+#: The root mesh's dimensions, slowest-varying first.
+MESH_DIMS: tuple[str, str, str, str] = ("pp", "dp_replicate", "dp_shard", "tp")
+#: Every name :meth:`ParallelMesh.__getitem__` accepts.
+_NAMES = (*MESH_DIMS, "dp")
+
+
+def backend_for(device_type: str, *, cpu_offload: bool = False) -> str:
+    """The collective backend for a device type: NCCL on CUDA, gloo everywhere else (CPU).
+
+    With FSDP2's CPU offload on CUDA the gradient shards live in host memory, and the gradient
+    norm's reductions over them run on CPU tensors, which NCCL cannot carry: the group then gets
+    gloo for CPU tensors beside NCCL for CUDA ones (``"cuda:nccl,cpu:gloo"``, as torchtitan does).
+    """
+    if device_type != "cuda":
+        return "gloo"
+    return "cuda:nccl,cpu:gloo" if cpu_offload else "nccl"
+
+
+def validate_dp_replicate(dp: int, dp_replicate: int) -> None:
+    """HSDP splits the dp ranks into ``dp_replicate`` equal replica groups: it must divide ``dp``
+    (``etrain.workers.protocol.layout_rules.dp_replicate_problems``)."""
+    layout_rules.check(layout_rules.dp_replicate_problems(dp, dp_replicate))
+
+
+@dataclass(frozen=True)
+class ParallelMesh:
+    """The root ``(pp, dp_replicate, dp_shard, tp)`` mesh and its flattened ``dp`` mesh.
+
+    ``mesh[name]`` is the sub-mesh of ``name`` holding this rank: ``"pp"``, ``"dp"``, ``"tp"``,
+    ``"dp_replicate"`` or ``"dp_shard"`` (1-D each). :attr:`fsdp` is the mesh FSDP2 runs on.
+    """
+
+    root: DeviceMesh
+    dp: DeviceMesh
+
+    def __getitem__(self, name: str) -> DeviceMesh:
+        if name == "dp":
+            return self.dp
+        if name not in MESH_DIMS:
+            raise TopologyError(f"mesh axis must be one of {_NAMES}, got {name!r}")
+        return self.root[name]
+
+    @property
+    def fsdp(self) -> DeviceMesh:
+        """FSDP2's mesh: the 1-D ``dp`` mesh (shard over every dp rank), or for HSDP the 2-D
+        ``(dp_replicate, dp_shard)`` mesh (replicate over dim 0, shard over dim 1)."""
+        if self.root.size(MESH_DIMS.index("dp_replicate")) == 1:
+            return self.dp
+        return self.root["dp_replicate", "dp_shard"]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The root mesh's shape, in :data:`MESH_DIMS` order."""
+        return tuple(self.root.mesh.shape)
+
+    def get_group(self, name: str) -> dist.ProcessGroup:
+        """The process group of axis ``name`` that holds this rank."""
+        return self[name].get_group()
+
+    def get_coordinate(self) -> tuple[int, ...]:
+        """This rank's coordinate on the root mesh, in :data:`MESH_DIMS` order."""
+        return tuple(self.root.get_coordinate())
+
+
+def build_device_mesh(topology: Topology, device_type: str, *, dp_replicate: int = 1) -> ParallelMesh:
+    """The ``(pp, dp_replicate, dp_shard, tp)`` mesh of ``topology``, with ``dp`` flattened.
+
+    The caller owns the default process group: it must already be initialized (with
+    ``backend_for(device_type)``) and span exactly ``topology.world_size`` ranks. Every rank
+    must call this collectively, since creating the per-axis groups is a collective.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "build_device_mesh needs an initialized default process group; call "
+            "torch.distributed.init_process_group first"
+        )
+    world_size = dist.get_world_size()
+    if world_size != topology.world_size:
+        raise TopologyError(
+            f"topology {topology} needs {topology.world_size} ranks but the process group has "
+            f"{world_size}; choose degrees whose product is {world_size}"
+        )
+    validate_dp_replicate(topology.dp, dp_replicate)
+    shape = (topology.pp, dp_replicate, topology.dp // dp_replicate, topology.tp)
+    root = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+    return ParallelMesh(root=root, dp=root["dp_replicate", "dp_shard"]._flatten("dp"))
+
+
+def mesh_group_ranks(mesh: ParallelMesh, axis: str) -> tuple[int, ...]:
+    """Global ranks of this rank's process group along ``axis``, in group-rank order."""
+    if axis not in _NAMES:
+        raise TopologyError(f"axis must be one of {_NAMES}, got {axis!r}")
+    return tuple(dist.get_process_group_ranks(mesh.get_group(axis)))

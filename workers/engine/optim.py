@@ -1,0 +1,143 @@
+"""Optimizer, learning-rate schedule and the true global gradient norm.
+
+* AdamW in fp32: ``fused=True`` (one kernel for all parameters) when they live on CUDA,
+  ``foreach=True`` (a few multi-tensor ops instead of a Python loop per parameter) otherwise, CPU
+  and FSDP2's CPU offload alike. The choice depends only on where the parameters live, never on
+  the layout, so a sharded run performs the same per-element arithmetic as one process on the same
+  device: every AdamW update is element-wise, and a shard's elements see the same operations as
+  the whole tensor's (DTensor parameters work with both).
+* The learning rate is a pure function of the step (:func:`lr_at`), set before each step: a
+  restored run needs no scheduler state, only the step number.
+* :func:`clip_grad_norm_` computes the norm over *all* gradient shards — TP and FSDP shards
+  (DTensors) and pipeline stages (an all-reduce over the pp group) — as torchtitan does;
+  ``torch.nn.utils.clip_grad_norm_`` alone sees only this rank's stage and cannot mix DTensors
+  that live on different meshes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
+
+from etrain.workers.protocol.run_config import TrainingConfig
+
+__all__ = ["ADAM_BETAS", "build_optimizer", "clip_grad_norm_", "lr_at", "set_lr"]
+
+ADAM_BETAS = (0.9, 0.95)
+MIN_LR_FRACTION = 0.1  # cosine decays to 10% of the peak learning rate
+
+
+def build_optimizer(
+    params: Iterable[nn.Parameter],
+    training: TrainingConfig,
+    *,
+    zero: int = 0,
+    dp_group: dist.ProcessGroup | None = None,
+) -> torch.optim.Optimizer:
+    """AdamW over ``params``; with ``zero == 1`` and a dp group, its state sharded over the group.
+
+    ZeRO-1 uses ``torch.distributed.optim.ZeroRedundancyOptimizer``: each dp rank keeps the Adam
+    state of about 1/dp of the parameters, steps them, and broadcasts the updated values to its
+    peers. Gradients are still all-reduced by DDP (see ``etrain.workers.engine.parallelize.apply_dp``).
+    Checkpoints: its ``state_dict()`` needs a consolidation to one rank, which DCP cannot use;
+    ``.optim`` is the plain AdamW over this rank's partition, whose FQN-keyed state DCP can save.
+    ``ZeroRedundancyOptimizer`` passes ``foreach`` / ``fused`` on to that AdamW (``**defaults``).
+    """
+    params = list(params)
+    on_cuda = bool(params) and all(p.device.type == "cuda" for p in params)
+    kwargs = dict(lr=training.lr, betas=ADAM_BETAS, weight_decay=training.weight_decay, eps=1e-8,
+                  foreach=not on_cuda, fused=on_cuda)
+    if zero == 1 and dp_group is not None:
+        return _ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW,
+                                        process_group=dp_group, **kwargs)
+    return torch.optim.AdamW(params, **kwargs)
+
+
+class _ZeroRedundancyOptimizer(ZeroRedundancyOptimizer):
+    """``ZeroRedundancyOptimizer`` that also works when parameters are DTensors (TP, or TP + DP).
+
+    Why: after its local step ZeRO broadcasts each updated parameter from its owner over the dp
+    group with ``dist.broadcast(param.data)``, and DTensor has no sharding rule for c10d broadcast
+    ("c10d.broadcast_.default does not have a sharding strategy"). Broadcasting the local shard is
+    what is meant anyway: dp peers hold the same TP shard of the same parameter. Only the
+    per-parameter path (``parameters_as_bucket_view=False``, the default) is overridden.
+    """
+
+    def _broadcast_params_from_rank(self, rank: int):
+        assert not self.parameters_as_bucket_view, "bucket views are not DTensor-aware"
+        src = dist.get_global_rank(self.process_group, rank)
+        return [
+            dist.broadcast(_local(param.data), src=src, group=self.process_group, async_op=True)
+            for group in self._partition_parameters()[rank]
+            for param in group["params"]
+        ]
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The storage a collective must write into: a DTensor's local shard, else the tensor."""
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+def lr_at(step: int, training: TrainingConfig) -> float:
+    """Linear warmup over ``warmup_steps``, then cosine decay to 10% of ``lr`` at ``steps``."""
+    if training.warmup_steps > 0 and step < training.warmup_steps:
+        return training.lr * (step + 1) / training.warmup_steps
+    decay_steps = max(1, training.steps - training.warmup_steps)
+    progress = min(1.0, (step - training.warmup_steps) / decay_steps)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return training.lr * (MIN_LR_FRACTION + (1.0 - MIN_LR_FRACTION) * cosine)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def _squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Sum of squares of ``grads`` (all on one mesh, or all plain) as a plain fp32 scalar.
+
+    For DTensors the local computation runs on shards and ``full_tensor()`` reduces the partial
+    sums over exactly the mesh axes the gradients are sharded on (replicated axes are not summed
+    twice), which is what makes the TP/FSDP norm equal the single-process norm.
+    """
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=False)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    return norm.float() ** 2
+
+
+def clip_grad_norm_(
+    params: Iterable[nn.Parameter],
+    max_norm: float | None,
+    *,
+    pp_group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """Clip gradients in place to a global L2 norm of ``max_norm``; return the norm before clipping.
+
+    The norm is the one the single-process model would have: squared norms are summed per mesh
+    (gradients on different meshes, e.g. FSDP on ``dp`` vs ``dp×tp``, cannot be stacked), then
+    over pipeline stages. ``max_norm=None`` only measures. Every rank returns the same value.
+    """
+    params = [p for p in params if p.grad is not None]
+    by_mesh: dict[object, list[torch.Tensor]] = defaultdict(list)
+    for p in params:
+        g = p.grad
+        by_mesh[g.device_mesh if isinstance(g, DTensor) else None].append(g)
+    device = params[0].grad.device if params else torch.device("cpu")
+    total_sq = torch.zeros((), dtype=torch.float32, device=device)
+    for grads in by_mesh.values():
+        total_sq = total_sq + _squared_norm(grads).to(device)
+    if pp_group is not None:
+        dist.all_reduce(total_sq, group=pp_group)
+    total = total_sq.sqrt()
+    if max_norm is not None and params:
+        # Same arithmetic as torch.nn.utils.clip_grads_with_norm_ (which handles DTensor grads).
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=False)
+    return total

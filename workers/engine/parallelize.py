@@ -1,0 +1,441 @@
+"""Parallelise a model (or one pipeline stage): an ordered list of ``apply_*`` steps.
+
+The order is torchtitan's and matters:
+
+1. ``apply_tp``  — tensor parallelism first, because it turns parameters into DTensors on the
+   ``tp`` axis and the later steps must see (and keep) that sharding;
+2. ``apply_ac``  — activation checkpointing wraps whole blocks, after TP has rewritten their
+   projections, so recomputation replays the TP collectives too;
+3. ``apply_dp``  — data parallelism last (DDP, ZeRO-1, FSDP2 ZeRO-2/3), because FSDP2 shards the
+   DTensors TP produced along the ``dp`` axis, and DDP must see the final parameters.
+
+Pipeline parallelism splits the model before any of this; ``workers/engine/pipeline.py`` calls
+:func:`parallelize_stage` on each stage module, so a stage gets exactly the same steps.
+
+Everything is driven by one :class:`ParallelDims` (degrees + the named DeviceMesh); no process group
+is stored in a module global.
+
+Three per-run choices shape the FSDP2 step (ZeRO-2/3): ``training.precision="bf16"`` gives FSDP2 a
+``MixedPrecisionPolicy`` (bf16 compute copies of fp32 master weights, fp32 gradient reduction), in
+place of autocast; ``parallelism.dp_replicate > 1`` runs it as HSDP on the 2-D (replicate, shard)
+mesh; ``parallelism.offload="cpu"`` keeps the shards, gradients and optimizer state in host memory.
+:func:`validate_data_parallel` rejects the combinations that have no meaning. Every such rule (and the
+shape rules of tensor parallelism) is ``etrain.workers.protocol.layout_rules``'s, which the planner checks too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+from torch.nn.parallel import DistributedDataParallel
+
+from etrain.workers.protocol import layout_rules
+from etrain.workers.families import family
+from etrain.workers.engine.mesh import ParallelMesh, validate_dp_replicate
+from etrain.workers.protocol.errors import ConfigError
+from etrain.workers.protocol.run_config import ParallelConfig, RunConfig
+from etrain.workers.protocol.topology import Topology
+
+__all__ = [
+    "ParallelDims",
+    "ReplicateParallel",
+    "WidthShardedNorm",
+    "apply_ac",
+    "apply_dp",
+    "apply_tp",
+    "fsdp_policies",
+    "gradient_sync",
+    "loss_context",
+    "parallelize_stage",
+    "tp_style",
+    "unwrap",
+    "uses_fsdp",
+    "validate_data_parallel",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelDims:
+    """The degrees of a ``pp × dp × tp`` layout and the DeviceMesh whose axes carry them.
+
+    ``dp`` is split as ``dp_replicate × dp_shard`` for HSDP (``dp_replicate = 1``: plain FSDP / DDP).
+    Built once per rank from the run's :class:`~etrain.workers.protocol.run_config.ParallelConfig`, the
+    :class:`~etrain.workers.protocol.topology.Topology` and the mesh; every ``apply_*`` step reads it.
+    """
+
+    pp: int
+    dp: int
+    tp: int
+    world_size: int
+    dp_replicate: int = 1
+    mesh: ParallelMesh | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        layout_rules.check(layout_rules.world_size_problems(pp=self.pp, dp=self.dp, tp=self.tp, world=self.world_size))
+        validate_dp_replicate(self.dp, self.dp_replicate)
+        expected = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+        if self.mesh is not None and self.mesh.shape != expected:
+            raise ConfigError(
+                f"DeviceMesh shape {self.mesh.shape} does not match "
+                f"(pp, dp_replicate, dp_shard, tp) = {expected}.",
+                field="parallel",
+            )
+
+    @classmethod
+    def build(
+        cls, topology: Topology, mesh: ParallelMesh | None, world_size: int, *, dp_replicate: int = 1
+    ) -> "ParallelDims":
+        return cls(pp=topology.pp, dp=topology.dp, tp=topology.tp, world_size=world_size,
+                   dp_replicate=dp_replicate, mesh=mesh)
+
+    @property
+    def dp_shard(self) -> int:
+        """Ranks that shard the model inside one HSDP replica (all dp ranks without HSDP)."""
+        return self.dp // self.dp_replicate
+
+    def axis(self, name: str) -> DeviceMesh:
+        """The 1-D sub-mesh of axis ``name`` (``"pp"``, ``"dp"``, ``"tp"``, ``"dp_replicate"`` or
+        ``"dp_shard"``) holding this rank."""
+        assert self.mesh is not None, "ParallelDims has no DeviceMesh (single process without a group)"
+        return self.mesh[name]
+
+    def group(self, name: str) -> dist.ProcessGroup | None:
+        """The process group of axis ``name``, or None when that axis has degree 1."""
+        if getattr(self, name) == 1 or self.mesh is None:
+            return None
+        return self.mesh.get_group(name)
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh:
+        """The mesh FSDP2 runs on: 1-D ``dp`` (FSDP), or 2-D ``(dp_replicate, dp_shard)`` (HSDP)."""
+        assert self.mesh is not None, "ParallelDims has no DeviceMesh (single process without a group)"
+        return self.mesh.fsdp
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+
+# -- tensor parallelism ----------------------------------------------------------------------------
+
+
+class ReplicateParallel(ParallelStyle):
+    """Replicate a module's parameters as DTensors on the TP mesh; no compute is sharded.
+
+    Why: modules outside the Megatron plan (position embedding, and layer norms when sequence
+    parallelism is off) would otherwise keep plain-tensor parameters next to DTensor ones. Making
+    every parameter a DTensor gives the gradient-norm, FSDP2 and DCP paths one kind of tensor to
+    handle. The input is taken as replicated; the output is redistributed to ``output_layout``
+    (e.g. ``Shard(0)`` slices the position embedding along the sequence for sequence parallelism,
+    a local chunk with no communication) and returned as a local tensor.
+    """
+
+    def __init__(self, *, output_layout=None):
+        super().__init__()
+        self.output_layout = output_layout or Replicate()
+
+    @staticmethod
+    def _replicate_params(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        for param_name, param in list(module.named_parameters(recurse=False)):
+            # Every rank holds identical weights (one seed), so from_local needs no broadcast.
+            dtensor = DTensor.from_local(param.data, mesh, [Replicate()], run_check=False)
+            module.register_parameter(param_name, nn.Parameter(dtensor, requires_grad=param.requires_grad))
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        output_layout = self.output_layout
+
+        def input_fn(mod, inputs, mesh):
+            return tuple(
+                DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+                if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x
+                for x in inputs
+            )
+
+        def output_fn(mod, output, mesh):
+            return output.redistribute(placements=[output_layout]).to_local()
+
+        return distribute_module(module, device_mesh, self._replicate_params, input_fn, output_fn)
+
+
+class WidthShardedNorm(ParallelStyle):
+    """A norm over a whole width that tensor parallelism shards (q/k norms over all the heads' features):
+    its weights are sharded like the features (``Shard(0)``), the input arrives as the width-sharded
+    DTensor a ``colwise_sharded_output`` projection hands over, DTensor reduces the mean over the width
+    across the tp ranks (one value per token), and the output is returned as the rank's local features
+    (its heads)."""
+
+    @staticmethod
+    def _shard_params(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        for param_name, param in list(module.named_parameters(recurse=False)):
+            sharded = distribute_tensor(param.data, mesh, [Shard(0)], src_data_rank=None)
+            module.register_parameter(param_name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def output_fn(mod, output, mesh):
+            return output.to_local() if isinstance(output, DTensor) else output
+
+        return distribute_module(module, device_mesh, self._shard_params, None, output_fn)
+
+
+def tp_style(name: str, *, sequence_parallel: bool) -> ParallelStyle | None:
+    """The torch ``ParallelStyle`` of a style a family's plan names (``etrain.workers.families.base.TP_STYLES``);
+    None for ``gather_sequence`` without sequence parallelism (nothing to do)."""
+    residual = Shard(1) if sequence_parallel else Replicate()
+    if name == "vocab_embedding":
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=residual)
+    if name == "position_embedding":  # positions [seq] -> [seq, d]: the sequence is dim 0 here.
+        return ReplicateParallel(output_layout=Shard(0) if sequence_parallel else Replicate())
+    if name == "norm":
+        return SequenceParallel() if sequence_parallel else ReplicateParallel()
+    if name == "colwise":
+        return ColwiseParallel()
+    if name == "colwise_sharded_output":
+        return ColwiseParallel(use_local_output=False)
+    if name == "rowwise":
+        return RowwiseParallel(output_layouts=residual)
+    if name == "head_norm":
+        # [batch, seq, local heads, head_dim]: heads (dim 2) are sharded, the weight is replicated and its
+        # gradient reduced over tp by DTensor.
+        return SequenceParallel(sequence_dim=2, use_local_output=True)
+    if name == "width_norm":
+        return WidthShardedNorm()
+    if name == "vocab_head":
+        return ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False)
+    if name == "gather_sequence":
+        # The norm hands over a sequence shard; attention and MLP need the whole sequence.
+        return PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)) \
+            if sequence_parallel else None
+    raise ValueError(f"unknown tensor-parallel style {name!r}")
+
+
+def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> None:
+    """Megatron tensor parallelism with DTensor: one all-reduce (or reduce-scatter with SP) per block half,
+    as the model family's plan says (``ModelFamily.tp_plan``: a style name per submodule).
+
+    ``wq/wk/wv`` and ``w1`` (``w3``) are column-parallel (each rank computes its heads / its slice of the
+    hidden layer), ``wo`` and ``w2`` row-parallel (partial sums reduced once). The embedding is
+    split by vocabulary, and so is the output projection, whose logits *stay* split: a DTensor
+    ``Shard(-1)`` on the tp mesh (``use_local_output=False``), so no rank ever holds the full
+    ``[batch, seq, vocab]`` logits. The loss then runs vocab-parallel inside :func:`loss_context`
+    (``loss_parallel``: the softmax max / sum-exp and the target logit are reduced over tp ranks,
+    not the logits). With sequence parallelism the residual
+    stream between blocks is sharded on the sequence dim: norms run on a sequence shard and the
+    row-parallel outputs are reduce-scattered instead of all-reduced. Works on a pipeline stage too:
+    parts the stage does not own are ``None`` and skipped.
+    """
+    plan = family(module.config.arch).tp_plan(module.config)
+    root_plan: dict[str, ParallelStyle] = {
+        name: tp_style(style, sequence_parallel=sequence_parallel)
+        for name, style in plan.root.items() if getattr(module, name, None) is not None
+    }
+    if root_plan:
+        parallelize_module(module, tp_mesh, root_plan)
+
+    for block in module.layers.values():
+        block_plan = {name: tp_style(style, sequence_parallel=sequence_parallel) for name, style in plan.block.items()}
+        parallelize_module(block, tp_mesh, {name: style for name, style in block_plan.items() if style is not None})
+    tie_weights = getattr(module, "tie_weights", None)
+    if tie_weights is not None:
+        # Each TP style swapped in its own DTensor; a tied output re-shares the embedding's (both
+        # are sharded by vocabulary, Shard(0), so one parameter serves both).
+        tie_weights()
+
+
+# -- activation checkpointing --------------------------------------------------------------------
+
+
+def apply_ac(module: nn.Module) -> None:
+    """Recompute each block's activations in backward (non-reentrant checkpoint_wrapper).
+
+    Per block: the memory of one block's activations instead of all of them, for ~1/3 more compute.
+    The wrapper adds ``_checkpoint_wrapped_module`` to parameter paths; ``state_dict()`` and DCP's
+    ``get_model_state_dict`` strip it, so checkpoint FQNs stay layout-independent.
+    """
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for key in list(module.layers.keys()):
+        module.layers[key] = checkpoint_wrapper(module.layers[key], preserve_rng_state=False)
+
+
+# -- data parallelism ----------------------------------------------------------------------------
+
+
+def validate_data_parallel(parallel: ParallelConfig) -> None:
+    """The engine-side rules for HSDP and CPU offload (``layout_rules.data_parallel_problems``): both are
+    FSDP2 features, so both need ZeRO-2/3 with dp > 1; HSDP's replica groups divide dp."""
+    layout_rules.check(layout_rules.data_parallel_problems(
+        dp=parallel.dp, zero=parallel.zero, dp_replicate=parallel.dp_replicate, offload=parallel.offload))
+
+
+def uses_fsdp(dims: ParallelDims, parallel: ParallelConfig) -> bool:
+    """Whether :func:`apply_dp` wraps with FSDP2 (ZeRO-2/3 over more than one dp rank)."""
+    return layout_rules.uses_fsdp(parallel.zero, dims.dp)
+
+
+def fsdp_policies(config: RunConfig, device: torch.device) -> dict[str, object]:
+    """``fully_shard`` keyword arguments for the run's precision and offload settings.
+
+    * bf16: ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``. FSDP2 keeps the sharded
+      fp32 parameters as the master weights (the optimizer and its state stay fp32), all-gathers
+      bf16 copies for compute (half the all-gather bytes), and reduce-scatters gradients in fp32
+      before casting them onto the fp32 shards, so gradient accumulation over dp ranks loses
+      nothing. The trainer then does not autocast (``Trainer._autocast``): FSDP already casts.
+    * offload cpu: ``CPUOffloadPolicy``; the optimizer then steps the host-resident shards. Pinned
+      memory speeds the host-device copies on CUDA; a CPU-only run cannot pin (no accelerator),
+      and there the policy only exercises the same code path.
+    """
+    kwargs: dict[str, object] = {}
+    if config.training.precision == "bf16":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if config.parallel.offload == "cpu":
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    return kwargs
+
+
+def loss_context(dims: ParallelDims) -> AbstractContextManager:
+    """The context the forward, the loss *and* its backward run in.
+
+    Under TP the logits are vocab-sharded DTensors (see :func:`apply_tp`); ``loss_parallel()``
+    makes ``F.cross_entropy`` on them reduce across tp ranks instead of gathering the logits, and
+    its backward must run inside the same context (torch's rule for ``loss_parallel``). Without TP
+    it is a no-op.
+    """
+    return loss_parallel() if dims.tp_enabled else contextlib.nullcontext()
+
+
+def apply_dp(
+    module: nn.Module,
+    dims: ParallelDims,
+    *,
+    zero: int,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    offload_policy: OffloadPolicy | None = None,
+) -> nn.Module:
+    """Data parallelism over the ``dp`` axis by ZeRO stage; returns the module to call.
+
+    * 0 — DDP. Plain ``DistributedDataParallel`` over the dp group when parameters are plain
+      tensors. With TP the parameters are DTensors, which DDP cannot bucket; the composable
+      ``replicate`` built on FSDP2 (``torch.distributed._composable.replicate_with_fsdp``) all-reduces
+      DTensor gradients over the dp axis and keeps parameters DTensors, so the clip-norm and
+      DCP paths need no special case (the older DDP-based ``replicate`` flattens DTensors into local
+      tensors, losing the sharding DCP needs).
+    * 1 — ZeRO-1: DDP for gradients as in stage 0; the optimizer state is sharded by
+      ``etrain.workers.engine.optim.build_optimizer`` (``ZeroRedundancyOptimizer`` over the dp group).
+    * 2 — FSDP2 ``fully_shard(reshard_after_forward=False)``: gradients and optimizer state sharded;
+      parameters are gathered once per step and kept through backward (ZeRO-2's communication
+      volume: one all-gather + one reduce-scatter). Unlike DeepSpeed's ZeRO-2 they are also sharded
+      between steps, which only saves memory; FSDP2 has no mode that keeps them replicated.
+    * 3 — FSDP2 ``fully_shard(reshard_after_forward=True)``: parameters sharded too (ZeRO-3).
+
+    FSDP2 wraps each block, then the root, so each block's all-gather overlaps the previous
+    block's compute. With dp=1 there is nothing to replicate or shard and nothing is wrapped.
+    With ``dims.dp_replicate > 1`` FSDP2 runs on the 2-D ``(dp_replicate, dp_shard)`` mesh (HSDP):
+    parameters are sharded within a replica group, and gradients are reduce-scattered there and
+    then all-reduced across replicas. ``mp_policy`` / ``offload_policy`` (:func:`fsdp_policies`)
+    go to every ``fully_shard`` call, so blocks and root agree.
+    """
+    if not dims.dp_enabled:
+        return module
+    if layout_rules.uses_fsdp(zero, dims.dp):
+        fsdp_mesh = dims.fsdp_mesh
+        policies: dict[str, object] = {"reshard_after_forward": zero == 3}
+        if mp_policy is not None:
+            policies["mp_policy"] = mp_policy
+        if offload_policy is not None:
+            policies["offload_policy"] = offload_policy
+        for key, block in module.layers.items():
+            fully_shard(block, mesh=fsdp_mesh, **policies)
+        fully_shard(module, mesh=fsdp_mesh, **policies)
+        return module
+    if _has_dtensor_params(module):
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        replicate(module, mesh=dims.axis("dp"))
+        return module
+    return DistributedDataParallel(module, process_group=dims.group("dp"))
+
+
+def _has_dtensor_params(module: nn.Module) -> bool:
+    return any(isinstance(p, DTensor) for p in module.parameters())
+
+
+def parallelize_stage(
+    module: nn.Module,
+    dims: ParallelDims,
+    config: RunConfig,
+    materialize: Callable[[nn.Module], nn.Module] | None = None,
+) -> nn.Module:
+    """TP → AC → DP on a whole model or one pipeline stage; returns the module to run.
+
+    ``module`` may live on the ``meta`` device; ``materialize`` then allocates and initialises its
+    local shards at the latest point that is legal: after FSDP2 has sharded it (ZeRO-2/3, so a rank
+    only ever allocates its shards), or before DDP / ``replicate`` / ZeRO-1 wrap it (they need real
+    parameters, and hold them whole anyway).
+
+    The returned module may be a DDP wrapper; its ``.module`` (or the module itself) keeps the
+    original FQNs. Passed as ``stage_transform`` to ``etrain.workers.engine.pipeline.build_pipeline``. With CPU
+    offload the caller's ``materialize`` must allocate on the CPU (the shards live there).
+    """
+    parallel = config.parallel
+    validate_data_parallel(parallel)
+    materialize = materialize or (lambda m: m)
+    layout_rules.check(layout_rules.sequence_parallel_problems(
+        seq_len=config.model.seq_len, tp=dims.tp, enabled=parallel.sequence_parallel))
+    if dims.tp_enabled:
+        layout_rules.check(layout_rules.tp_problems(config.model, dims.tp))
+        apply_tp(module, dims.axis("tp"), sequence_parallel=parallel.sequence_parallel)
+    if config.training.activation_checkpointing:
+        apply_ac(module)
+    if uses_fsdp(dims, parallel):
+        device = torch.device(dims.fsdp_mesh.device_type)
+        return materialize(apply_dp(module, dims, zero=parallel.zero, **fsdp_policies(config, device)))
+    return apply_dp(materialize(module), dims, zero=parallel.zero)
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """The model inside a DDP wrapper (FQNs as in the original model)."""
+    return module.module if isinstance(module, DistributedDataParallel) else module
+
+
+@contextlib.contextmanager
+def gradient_sync(modules: Iterable[nn.Module], enabled: bool) -> Iterator[None]:
+    """Run a micro-step with gradient synchronisation on (last micro-step) or off (the others).
+
+    Accumulating micro-steps locally and reducing once per optimizer step is what makes gradient
+    accumulation cheap: DDP's ``no_sync()``; FSDP2's ``set_requires_gradient_sync(False)``
+    (unsharded gradients accumulate locally, one reduce-scatter on the last micro-step).
+    """
+    with contextlib.ExitStack() as stack:
+        for module in modules:
+            if isinstance(module, DistributedDataParallel):
+                if not enabled:
+                    stack.enter_context(module.no_sync())
+            elif isinstance(module, FSDPModule):
+                module.set_requires_gradient_sync(enabled)
+        yield

@@ -1,0 +1,93 @@
+"""Which files of ``data.path`` are text, read in one fixed order: shared by both text readers.
+
+``data.kind: text`` trains on bytes (``workers/engine/data.py``) or, with ``data.tokenizer``, on token ids
+(``workers/engine/tokenized.py``); both must see the same documents in the same order, skip the same binary
+files and tooling folders, and refuse an empty or missing path with the same error. Torch-free (the
+service runs the tokenizer at submit).
+
+Every file and folder is opened without following symbolic links (``workers/protocol/safe_paths.py``): a data
+folder is usually writable by the tenant, and a ``notes.txt`` linked to a file outside the storage roots
+would otherwise be trained on (and its bytes learned). A link the walk would read or enter is refused
+(``UnsafePathError``, field ``data.path``) rather than skipped, so a job never silently trains on less
+than its folder shows; hidden names and tooling folders are passed over as before, links among them too.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+from etrain.workers.protocol import safe_paths
+from etrain.workers.protocol.errors import DataError
+
+__all__ = [
+    "SKIPPED_DIRS",
+    "TEXT_NAMES",
+    "TEXT_SUFFIXES",
+    "no_text_error",
+    "not_utf8_error",
+    "read_text_file",
+    "text_documents",
+    "walk_text_files",
+]
+
+TEXT_SUFFIXES = frozenset({".py", ".md", ".txt", ".yaml", ".yml", ".toml", ".json", ".cfg", ".sh"})
+TEXT_NAMES = frozenset({"Makefile"})
+SKIPPED_DIRS = frozenset({".venv", "venv", "__pycache__", ".git", "node_modules"})
+_BINARY_PROBE_BYTES = 8192
+
+
+def _is_text_name(name: str) -> bool:
+    return not name.startswith(".") and (os.path.splitext(name)[1] in TEXT_SUFFIXES or name in TEXT_NAMES)
+
+
+def _is_walked_dir(name: str) -> bool:
+    return not name.startswith(".") and name not in SKIPPED_DIRS
+
+
+def read_text_file(path: Path) -> bytes | None:
+    """The file's bytes if it is UTF-8 text, else ``None`` (binary files are skipped). Opened without
+    following links (a link on the way is ``UnsafePathError``)."""
+    data = safe_paths.read_file(path, field="data.path")
+    if b"\x00" in data[:_BINARY_PROBE_BYTES]:
+        return None
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    return data
+
+
+def walk_text_files(root: Path) -> Iterator[Path]:
+    """Text-like files under ``root`` in sorted order (a folder's files, then its sub-folders'), skipping
+    hidden and tooling folders; never through a link (one the walk would read or enter is refused)."""
+    for relative in safe_paths.walk_files(root, field="data.path", keep_dir=_is_walked_dir, keep_file=_is_text_name):
+        yield Path(root) / relative
+
+
+def text_documents(path: str | os.PathLike) -> list[Path]:
+    """The candidate documents of ``data.path``: the file itself, or the text files of a folder in order."""
+    root = Path(path)
+    try:
+        found = safe_paths.stat_path(root, field="data.path")
+    except (FileNotFoundError, NotADirectoryError):
+        raise DataError(f"data.path={str(path)!r} does not exist.", field="data.path",
+                        fix="point data.path at a UTF-8 text file or a folder of text files") from None
+    return list(walk_text_files(root)) if stat.S_ISDIR(found.st_mode) else [root]
+
+
+def not_utf8_error(data_path: str) -> DataError:
+    """``data.path`` is one file, and not UTF-8 text."""
+    return DataError(f"data.path={data_path!r} is not UTF-8 text.", field="data.path",
+                     fix="use a UTF-8 text file, or data.kind='tokens' for a .bin of token ids")
+
+
+def no_text_error(data_path: str) -> DataError:
+    """``data.path`` holds no non-empty text document."""
+    return DataError(
+        f"data.path={data_path!r} holds no text (looked for {', '.join(sorted(TEXT_SUFFIXES))}, Makefile).",
+        field="data.path",
+        fix="point data.path at a non-empty UTF-8 file or a folder containing text files",
+    )

@@ -1,0 +1,464 @@
+"""Tokenized text: a corpus encoded ONCE with a Hugging Face tokenizer into a nanoGPT token memmap.
+
+``data: {kind: text, path: P, tokenizer: T}`` trains on the ids a ``tokenizer.json`` (the
+``tokenizers`` library: fast, offline) gives for the text under ``P``. Tokenizing is slow next to
+reading a memmap, so it happens once and the result is cached *by content*: the cache file is named
+by the sha256 of the documents' bytes (in the same deterministic order the byte reader uses,
+``workers/engine/text_files.py``), the tokenizer.json bytes, the EOS id and :data:`FORMAT_VERSION`. Any change
+to the data or the tokenizer gives a new name, so a stale cache can never be read; a copy of the same data shares its cache name.
+
+Where the cache lives: beside the data, so every node that sees the data sees the cache —
+``<file>.etrain-tokens/<sha256>.bin`` next to a file, ``<folder>/.etrain-tokens/<sha256>.bin`` inside
+a folder (a hidden folder, so the text walk skips it). Each ``.bin`` (raw ``uint16`` ids when the
+tokenizer's id space fits, else ``uint32``: exactly what ``data.kind: tokens`` reads) has a JSON
+sidecar ``<sha256>.bin.json`` (token count, dtype, vocabulary, EOS, tokenizer path). Both are written
+to a temporary name and renamed into place (sidecar first), so racing writers (two submits, the ranks
+of one node) never leave a torn file and a reader that finds the ``.bin`` finds its sidecar.
+
+The stream: each document (one file) is ``Tokenizer.encode(text).ids`` — the tokenizer's own special
+tokens included, e.g. a BOS its post-processor adds — and documents are joined with the tokenizer's
+EOS token when it has one (``eos_token`` of a ``tokenizer_config.json`` beside the tokenizer, else a
+conventional name such as ``<|endoftext|>`` or ``</s>``). Truncation and padding settings stored in
+the tokenizer.json are switched off: training wants every token.
+
+Bounded memory: a document longer than :data:`PIECE_CHARS` is encoded in pieces cut after a newline
+between two non-space characters, which is a pre-token boundary for byte-level BPE tokenizers
+(GPT-2, Llama 3, Qwen), so their ids equal a whole-document encode. Tokenizers that prepend a space
+marker to every encode call (SentencePiece-style ``Metaspace``) can differ by a token at each cut:
+at most one per :data:`PIECE_CHARS` characters.
+
+Torch-free on purpose (numpy and tokenizers only): the service runs the same function at submit,
+``etrain prepare-data`` runs it locally, and a worker runs it when the cache is missing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from etrain.workers.protocol import safe_paths
+from etrain.workers.protocol.errors import DataError
+from etrain.workers.engine.text_files import no_text_error, not_utf8_error, read_text_file, text_documents
+
+__all__ = [
+    "CACHE_DIR_SUFFIX",
+    "FORMAT_VERSION",
+    "TokenCache",
+    "TokenizerInfo",
+    "cache_file",
+    "load_tokenizer",
+    "token_dtype_for",
+    "tokenize_text",
+    "tokenizer_info",
+]
+
+#: Bump when the stream a (data, tokenizer) pair produces changes (piece rule, EOS rule, layout).
+FORMAT_VERSION = 1
+CACHE_DIR_SUFFIX = ".etrain-tokens"
+#: Longest piece of one document handed to the tokenizer at once (characters).
+PIECE_CHARS = 1 << 20
+#: Characters encoded per batch call: bounds memory (a tokenizers Encoding costs ~100 bytes a token).
+BATCH_CHARS = 4 << 20
+#: Conventional EOS spellings, tried in order when no tokenizer_config.json names one.
+EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "<|im_end|>")
+
+#: ``progress(stage, done_bytes, total_bytes, tokens)``; stage is "hashing" or "tokenizing".
+Progress = Callable[[str, int, int, int], None]
+
+
+# -- the tokenizer ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    """What the cache and the spec check need to know about a tokenizer.json."""
+
+    path: str  # the tokenizer.json file itself (a folder given as data.tokenizer resolves to its file)
+    vocab_size: int  # the id space: every id the tokenizer can emit is < vocab_size
+    eos_id: int | None
+    eos_token: str | None
+    sha256: str  # of the tokenizer.json bytes
+
+
+def _tokenizer_file(path: str | os.PathLike) -> Path:
+    file = Path(path).expanduser()
+    if file.is_dir():
+        file = file / "tokenizer.json"
+    if not file.is_file():
+        raise DataError(
+            f"data.tokenizer={str(path)!r} is not a file"
+            + (" (the folder holds no tokenizer.json)" if Path(path).is_dir() else "") + ".",
+            field="data.tokenizer",
+            fix="point data.tokenizer at a Hugging Face tokenizer.json, or at the folder holding one "
+                "(relative paths are relative to the server's directory)",
+        )
+    return file
+
+
+def _eos(tokenizer: Any, file: Path) -> tuple[int | None, str | None]:
+    """The EOS token: ``eos_token`` of a tokenizer_config.json beside the file, else a conventional name."""
+    names: list[str] = []
+    try:  # read without following links, like every file of a job (a link is refused, not skipped)
+        raw = safe_paths.read_file(file.parent / "tokenizer_config.json", field="data.tokenizer")
+        named = json.loads(raw.decode("utf-8")).get("eos_token")
+    except (OSError, ValueError, AttributeError):  # none (or unreadable): the conventional names
+        named = None
+    if isinstance(named, dict):
+        named = named.get("content")
+    if isinstance(named, str):
+        names.append(named)
+    for name in (*names, *EOS_NAMES):
+        token_id = tokenizer.token_to_id(name)
+        if token_id is not None:
+            return int(token_id), name
+    return None, None
+
+
+def load_tokenizer(path: str | os.PathLike) -> tuple[Any, TokenizerInfo]:
+    """A ``tokenizers.Tokenizer`` ready to encode whole documents (no truncation, no padding) and its info.
+
+    Errors are :class:`DataError` naming ``data.tokenizer``: missing, unreadable or not a tokenizer.json.
+    """
+    from tokenizers import Tokenizer
+
+    file = _tokenizer_file(path)
+    try:
+        raw = safe_paths.read_file(file, field="data.tokenizer")  # no link on the way (workers/protocol/safe_paths.py)
+    except OSError as err:
+        raise DataError(f"data.tokenizer={str(path)!r} cannot be read: {err.strerror or err}.",
+                        field="data.tokenizer", fix="make the file readable by the server and the workers") from err
+    try:
+        tokenizer = Tokenizer.from_str(raw.decode("utf-8"))
+    except Exception as err:  # tokenizers raises plain Exception for a malformed file
+        raise DataError(
+            f"data.tokenizer={str(path)!r} is not a Hugging Face tokenizer.json: {str(err)[:200]}",
+            field="data.tokenizer",
+            fix="use the tokenizer.json of a Hugging Face model (the `tokenizers` format, not a "
+                "sentencepiece .model or a vocab.txt)",
+        ) from err
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    vocab_size = max(tokenizer.get_vocab_size(with_added_tokens=True), max(vocab.values(), default=-1) + 1)
+    eos_id, eos_token = _eos(tokenizer, file)
+    info = TokenizerInfo(path=str(file.resolve()), vocab_size=vocab_size, eos_id=eos_id, eos_token=eos_token,
+                         sha256=hashlib.sha256(raw).hexdigest())
+    return tokenizer, info
+
+
+def tokenizer_info(path: str | os.PathLike) -> TokenizerInfo:
+    """Vocabulary size and EOS of a tokenizer.json (what ``check_spec`` compares with model.vocab_size)."""
+    return load_tokenizer(path)[1]
+
+
+def token_dtype_for(vocab_size: int) -> str:
+    """``uint16`` when every id fits (vocab <= 65536), else ``uint32`` — nanoGPT's convention."""
+    return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
+def _special_affixes(tokenizer: Any) -> tuple[list[int], list[int]]:
+    """The ids the post-processor puts before and after a single sequence (e.g. BOS; T5's EOS).
+
+    Pieces are encoded without special tokens and a document gets ``prefix + ids + suffix``, which is
+    what ``encode(text)`` gives for template post-processors, without a BOS at every piece.
+    """
+    for probe in ("a", "hello", "0", "x", " "):
+        plain = tokenizer.encode(probe, add_special_tokens=False).ids
+        full = tokenizer.encode(probe).ids
+        for start in range(len(full) - len(plain) + 1) if plain else ():
+            if full[start : start + len(plain)] == plain:
+                return full[:start], full[start + len(plain):]
+    return tokenizer.encode("").ids, []
+
+
+def _pieces(text: str, limit: int) -> list[str]:
+    """``text`` cut into pieces of at most ``limit`` characters, preferably right after a newline that
+    sits between two non-space characters (a pre-token boundary for byte-level BPE regexes)."""
+    pieces, start = [], 0
+    while len(text) - start > limit:
+        end = start + limit
+        cut, search_end = -1, end
+        while (newline := text.rfind("\n", start + 1, search_end)) >= 0:
+            if not text[newline - 1].isspace() and not text[newline + 1].isspace():
+                cut = newline + 1
+                break
+            search_end = newline
+        if cut < 0:  # no clean boundary: any line end, else a hard cut
+            newline = text.rfind("\n", start + 1, end)
+            cut = newline + 1 if newline >= 0 else end
+        pieces.append(text[start:cut])
+        start = cut
+    pieces.append(text[start:])
+    return pieces
+
+
+# -- the cache ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TokenCache:
+    """A tokenized corpus on disk: ``path`` is a raw ``dtype`` array of ``num_tokens`` ids."""
+
+    path: str
+    num_tokens: int
+    dtype: str
+    vocab_size: int
+    sha256: str
+    tokenizer: str
+    data: str
+    documents: int
+    eos_id: int | None
+    eos_token: str | None
+    reused: bool = False  # found on disk instead of written by this call
+
+    def sidecar(self) -> dict[str, Any]:
+        body = asdict(self)
+        body.pop("reused")
+        return {"format": FORMAT_VERSION, **body}
+
+
+def cache_file(data_path: str | os.PathLike, sha256: str) -> Path:
+    """Where the cache of ``data_path`` with content hash ``sha256`` lives (beside the data)."""
+    root = Path(data_path)
+    folder = root / CACHE_DIR_SUFFIX if root.is_dir() else root.with_name(root.name + CACHE_DIR_SUFFIX)
+    return folder / f"{sha256}.bin"
+
+
+def _sidecar_path(target: Path) -> Path:
+    return target.with_name(target.name + ".json")
+
+
+def _read_cache(target: Path, sha256: str) -> TokenCache | None:
+    """The cache at ``target`` if it is complete and of this content hash, else ``None``."""
+    try:
+        meta = json.loads(_sidecar_path(target).read_text(encoding="utf-8"))
+        size = target.stat().st_size
+    except (OSError, ValueError):
+        return None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION or meta.get("sha256") != sha256:
+        return None
+    fields = {name: meta.get(name) for name in TokenCache.__dataclass_fields__ if name != "reused"}
+    try:
+        cache = TokenCache(**fields, reused=True)
+        expected = int(cache.num_tokens) * np.dtype(cache.dtype).itemsize
+    except (TypeError, ValueError):
+        return None
+    return cache if size == expected else None
+
+
+class _Clock:
+    """The optional deadline of a submit-time run: the HTTP request must not wait without bound."""
+
+    def __init__(self, timeout_s: float | None, data_path: str, tokenizer_path: str):
+        self.timeout_s = timeout_s
+        self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self.data_path, self.tokenizer_path = data_path, tokenizer_path
+
+    def check(self, stage: str, done: int, total: int) -> None:
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            raise DataError(
+                f"{stage} data.path={self.data_path!r} did not finish within {self.timeout_s:g} s "
+                f"({_mib(done)} of {_mib(total)} done).",
+                field="data.path",
+                fix=_prepare_fix(self.data_path, self.tokenizer_path),
+            )
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+def _prepare_fix(data_path: str, tokenizer_path: str) -> str:
+    return (f"tokenize it once ahead of the submit, where the data is: `etrain prepare-data --tokenizer "
+            f"{tokenizer_path} {data_path}` (the cache it writes beside the data is reused), then submit again")
+
+
+def _new_digest(info: TokenizerInfo) -> Any:
+    digest = hashlib.sha256()
+    digest.update(f"etrain-tokens/{FORMAT_VERSION}\0{info.sha256}\0{info.eos_id}\0".encode())
+    return digest
+
+
+def _content_hash(
+    documents: list[Path], info: TokenizerInfo, clock: _Clock, progress: Progress | None, total: int
+) -> tuple[str, list[Path]]:
+    """sha256 over the format version, the tokenizer, the EOS id and every text document (length-prefixed,
+    in order); also the documents that are UTF-8 text and not empty (the ones tokenized)."""
+    digest = _new_digest(info)
+    kept, done = [], 0
+    for path in documents:
+        data = read_text_file(path)
+        done += path.stat().st_size if data is None else len(data)
+        if data:
+            digest.update(len(data).to_bytes(8, "little"))
+            digest.update(data)
+            kept.append(path)
+        if progress:
+            progress("hashing", done, total, 0)
+        clock.check("hashing", done, total)
+    return digest.hexdigest(), kept
+
+
+def tokenize_text(
+    data_path: str | os.PathLike,
+    tokenizer_path: str | os.PathLike,
+    *,
+    out: str | os.PathLike | None = None,
+    progress: Progress | None = None,
+    max_bytes: int | None = None,
+    timeout_s: float | None = None,
+    model_vocab_size: int | None = None,
+) -> TokenCache:
+    """The token cache of ``data_path`` under ``tokenizer_path``: reused when present, else written once.
+
+    ``out`` writes (or reuses) the ``.bin`` there instead of beside the data. ``max_bytes`` and
+    ``timeout_s`` bound a run that someone waits on (a submit): more text than ``max_bytes`` to
+    tokenize, or a run past ``timeout_s``, is a :class:`DataError` whose fix is ``etrain prepare-data``.
+    ``model_vocab_size`` refuses (``data.tokenizer``) a tokenizer whose ids the model cannot embed.
+    """
+    data_text, tokenizer_text = str(data_path), str(tokenizer_path)
+    tokenizer, info = load_tokenizer(tokenizer_path)
+    if model_vocab_size is not None and info.vocab_size > model_vocab_size:
+        raise DataError(
+            f"data.tokenizer={tokenizer_text!r} has {info.vocab_size} token ids but model.vocab_size="
+            f"{model_vocab_size}.",
+            field="data.tokenizer",
+            fix=f"set model.vocab_size >= {info.vocab_size}, or use a tokenizer with at most {model_vocab_size} ids",
+        )
+    clock = _Clock(timeout_s, data_text, tokenizer_text)
+    documents = text_documents(data_path)
+    total = sum(path.stat().st_size for path in documents)
+    sha256, documents = _content_hash(documents, info, clock, progress, total)
+    if not documents:
+        if Path(data_path).is_file() and read_text_file(Path(data_path)) is None:
+            raise not_utf8_error(data_text)
+        raise no_text_error(data_text)
+    target = Path(out).expanduser() if out is not None else cache_file(data_path, sha256)
+    cached = _read_cache(target, sha256)
+    if cached is not None:  # where it is now (the data may have moved with its cache), not where it was made
+        return replace(cached, path=str(target.resolve()), tokenizer=info.path,
+                                   data=str(Path(data_text).resolve()))
+    if max_bytes is not None and total > max_bytes:
+        raise DataError(
+            f"data.path={data_text!r} holds {_mib(total)} of text to tokenize, more than the "
+            f"{_mib(max_bytes)} tokenized while a submit waits.",
+            field="data.path",
+            fix=_prepare_fix(data_text, tokenizer_text),
+        )
+    return _write_cache(tokenizer, info, documents, sha256, target, data_text, clock, progress, total)
+
+
+def _token_batches(tokenizer: Any, info: TokenizerInfo, documents: list[Path], sha256: str,
+                   data_text: str) -> Iterator[tuple[np.ndarray, int]]:
+    """The stream in order, one batch at a time: ``(ids, text bytes they cover)``.
+
+    Each document is ``prefix + ids of its pieces + suffix`` (= ``encode(text).ids``); documents are
+    joined with EOS (unless the post-processor already ends each with it). The documents are hashed
+    again on the way: text that changed since :func:`_content_hash` must not be cached under its name.
+    """
+    prefix, suffix = _special_affixes(tokenizer)
+    separator = [] if info.eos_id is None or (suffix and suffix[-1] == info.eos_id) else [info.eos_id]
+    digest = _new_digest(info)
+    pieces: list[str] = []
+    marks: list[tuple[bool, bool, int]] = []  # per piece: first of its document, last of it, its bytes
+    started = chars = 0
+
+    def encode() -> tuple[np.ndarray, int]:
+        nonlocal started, chars
+        parts: list[list[int]] = []
+        for encoding, (first, last, _) in zip(tokenizer.encode_batch_fast(pieces, add_special_tokens=False), marks):
+            if first:
+                parts.append((separator if started else []) + prefix)
+                started += 1
+            parts.append(encoding.ids)
+            if last:
+                parts.append(suffix)
+        covered = sum(size for *_, size in marks)
+        pieces.clear()
+        marks.clear()
+        chars = 0
+        return np.concatenate([np.asarray(part, dtype=np.int64) for part in parts]), covered
+
+    for path in documents:
+        data = read_text_file(path)
+        if not data:
+            raise _changed(data_text)
+        digest.update(len(data).to_bytes(8, "little"))
+        digest.update(data)
+        cut = _pieces(data.decode("utf-8"), PIECE_CHARS)
+        for index, piece in enumerate(cut):
+            pieces.append(piece)
+            marks.append((index == 0, index == len(cut) - 1, len(data) if len(cut) == 1 else len(piece.encode())))
+            chars += len(piece)
+            if chars >= BATCH_CHARS:
+                yield encode()
+    if pieces:
+        yield encode()
+    if digest.hexdigest() != sha256:
+        raise _changed(data_text)
+
+
+def _write_cache(
+    tokenizer: Any,
+    info: TokenizerInfo,
+    documents: list[Path],
+    sha256: str,
+    target: Path,
+    data_text: str,
+    clock: _Clock,
+    progress: Progress | None,
+    total: int,
+) -> TokenCache:
+    """Stream the ids into a temporary file beside ``target``, then rename sidecar and ``.bin`` into place."""
+    dtype = np.dtype(token_dtype_for(info.vocab_size))
+    tag = f"{os.getpid()}-{threading.get_ident()}-{uuid.uuid4().hex[:8]}"
+    tmp = target.with_name(f".{target.name}.tmp-{tag}")
+    sidecar_tmp = target.with_name(f".{target.name}.json.tmp-{tag}")
+    num_tokens, done = 0, 0
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as sink:
+            for ids, covered in _token_batches(tokenizer, info, documents, sha256, data_text):
+                ids.astype(dtype).tofile(sink)
+                num_tokens, done = num_tokens + len(ids), done + covered
+                if progress:
+                    progress("tokenizing", done, total, num_tokens)
+                clock.check("tokenizing", done, total)
+            sink.flush()
+            os.fsync(sink.fileno())
+        if num_tokens == 0:
+            raise DataError(f"tokenizing data.path={data_text!r} gave no tokens.", field="data.path",
+                            fix="check that data.tokenizer fits this text (a word-level vocabulary may drop it all)")
+        cache = TokenCache(path=str(target.resolve()), num_tokens=num_tokens, dtype=dtype.name,
+                           vocab_size=info.vocab_size, sha256=sha256, tokenizer=info.path,
+                           data=str(Path(data_text).resolve()), documents=len(documents),
+                           eos_id=info.eos_id, eos_token=info.eos_token)
+        sidecar_tmp.write_text(json.dumps(cache.sidecar(), indent=2) + "\n", encoding="utf-8")
+        os.replace(sidecar_tmp, _sidecar_path(target))  # sidecar first: a visible .bin always has one
+        os.replace(tmp, target)
+        return cache
+    except OSError as err:
+        raise DataError(
+            f"cannot write the token cache {str(target)!r}: {err.strerror or err}.",
+            field="data.path",
+            fix="make the data's folder writable (or free space), or run `etrain prepare-data --out FILE` "
+                "elsewhere and train on FILE with data.kind: tokens",
+        ) from err
+    finally:
+        for leftover in (tmp, sidecar_tmp):
+            leftover.unlink(missing_ok=True)
+
+
+def _changed(data_text: str) -> DataError:
+    return DataError(f"data.path={data_text!r} changed while it was being tokenized.", field="data.path",
+                     fix="tokenize again once the data no longer changes")

@@ -1,0 +1,178 @@
+"""One rank's checkpoint saves during one attempt: synchronous or async, storage faults, ``every_steps: auto``.
+
+Why a module of its own: a save is a protocol with the supervisor of its own (a shard report per rank,
+or rank 0's ``checkpoint_failed``), with its own threads (an async save reports when its files are
+written) and its own clock (how long a save blocked training, which ``every_steps: auto`` feeds on).
+The rank actor (``workers/rank/worker.py``) decides *when* a step saves (the step-boundary exchange); this
+decides *how*, and tells the supervisor what came of it.
+
+* **Sync** (CPU default): ``Trainer.save`` blocks until the files are written and hashed.
+* **Async** (CUDA default, ``checkpoint.async``): the state is staged in host memory (pinned, reused
+  buffers on CUDA, prepared in the background after the attempt's first step) and training goes on; the
+  shard report follows when the files are written. The final save waits for its write: it is the job's
+  result.
+* **Storage faults** (``workers/checkpoints/storage_faults.py``): a save the storage fails is abandoned on every rank
+  alike; rank 0 says why (``checkpoint_failed``) and training goes on; the next save tries again. Only
+  the final save failing fails the attempt.
+* **``every_steps: auto``** (``workers/checkpoints/checkpoint_cadence.py``): rank 0 requests a save at the Young-Daly
+  interval (every rank saves it at the same boundary) and announces the interval as a job event.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from etrain.workers.protocol.messages import REPORT_TIMEOUT_S, LaunchPlan
+from etrain.workers.rank.step_control import ControlRequests
+from etrain.workers.checkpoints.storage_faults import StorageFault
+
+__all__ = ["CUDA_WRITE_THREADS", "FINAL_WRITE_TIMEOUT_S", "RankSaves"]
+
+#: Writer threads (a file each) per rank for an async save on CUDA: DCP writes one file per thread, so a
+#: rank's 15 GB of a 1B model's state goes to storage in parallel streams (chosen, not yet measured).
+CUDA_WRITE_THREADS = 4
+#: How long a save's background write may take before the rank gives up on it (15 GB per rank at
+#: ~100 MB/s of network storage is 150 s; this leaves room for slower).
+FINAL_WRITE_TIMEOUT_S = 1800.0
+
+
+class RankSaves:
+    """The saves of one attempt on one rank. Construction is collective when the save is async (the
+    background writer's gloo group): every rank builds one at the same point of the attempt.
+
+    ``drills_due(step, moment)`` fires the fault drills due inside a save; ``keep_snapshot(trainer, step)``
+    keeps the in-memory copy an in-place repair restores from.
+    """
+
+    def __init__(self, *, rank: int, plan: LaunchPlan, device_type: str, supervisor: Any, control: ControlRequests,
+                 drills_due: Callable[[int, str], None], keep_snapshot: Callable[[Any, int], None]):
+        self.rank = rank
+        self._plan = plan
+        self._supervisor = supervisor
+        self._control = control
+        self._drills_due = drills_due
+        self._keep_snapshot = keep_snapshot
+        self._cuda = device_type == "cuda"
+        self._threads: list[threading.Thread] = []
+        checkpoint = plan.config.checkpoint
+        self.async_save = None
+        if checkpoint.async_save:
+            from etrain.workers.checkpoints.checkpoint import AsyncCheckpointer
+
+            self.async_save = AsyncCheckpointer(pinned=self._cuda, write_threads=CUDA_WRITE_THREADS if self._cuda else 1)
+        self._cadence = None
+        if checkpoint.auto_interval and rank == 0:  # rank 0 decides for every rank
+            from etrain.workers.checkpoints.checkpoint_cadence import AutoCadence
+
+            self._cadence = AutoCadence(mtbf_hours=checkpoint.mtbf_hours, start_step=plan.start_step)
+
+    def after_first_step(self, trainer) -> None:
+        """On CUDA, pin the async staging buffers in the background (the optimizer has its state now)."""
+        if self.async_save is not None and self._cuda:
+            self.async_save.prepare(*trainer.state_for_checkpoint()[:2])
+
+    def save(self, trainer, completed_steps: int, *, final: bool) -> float | None:
+        """Write this rank's shards of the checkpoint after ``completed_steps`` and report them; returns the
+        seconds the save blocked training, or None when the storage failed it (reported; training goes
+        on). The supervisor commits the step only when every rank has reported. The *final* save failing
+        raises: the job's result would be lost.
+        """
+        import ray
+
+        from etrain.workers.checkpoints.checkpoint_commit import step_dir
+
+        attempt = self._plan.attempt
+        directory = step_dir(self._plan.config.checkpoint.path, completed_steps)  # a path or an s3:// URL
+        started = time.monotonic()
+        self._keep_snapshot(trainer, completed_steps)
+        try:
+            if self.async_save is None:
+                report = trainer.save(directory)
+            else:  # training goes on once the state is staged in host memory
+                model_parts, optimizers, extra = trainer.state_for_checkpoint()
+                pending = self.async_save.save(directory, model_parts, optimizers, extra)
+        except StorageFault as fault:
+            if final:
+                raise
+            self._report_failed(completed_steps, fault)
+            return None
+        blocked_s = time.monotonic() - started
+        if self._cadence is not None:
+            self._cadence.observe_save(completed_steps, blocked_s)
+
+        def report_written(report) -> None:
+            self._drills_due(completed_steps, "checkpoint_write")
+            ray.get(self._supervisor.report_checkpoint.remote(attempt, self.rank, completed_steps, report),
+                    timeout=REPORT_TIMEOUT_S)
+            self._drills_due(completed_steps, "checkpoint_commit")
+
+        if self.async_save is None:
+            report_written(report)
+        elif final:  # the job's result: its write must land (or fail the attempt) before run() returns
+            report_written(pending.wait(timeout_s=FINAL_WRITE_TIMEOUT_S))
+        else:
+            def report_when_written() -> None:
+                try:
+                    report = pending.wait(timeout_s=FINAL_WRITE_TIMEOUT_S)
+                except StorageFault as fault:
+                    self._report_failed(completed_steps, fault)
+                    return
+                report_written(report)
+
+            thread = threading.Thread(target=report_when_written, name=f"ckpt-report-{completed_steps}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        return blocked_s
+
+    def describe(self, blocked_s: float | None) -> str:
+        """The rank log's words for a save's outcome."""
+        if blocked_s is None:
+            return "abandoned (checkpoint_failed)"
+        if self.async_save is not None:
+            return f"save started (async), training blocked {blocked_s:.2f}s"
+        return f"saved, training blocked {blocked_s:.2f}s"
+
+    def after_step(self, metrics: dict, completed: int, total: int) -> None:
+        """``every_steps: auto`` on rank 0: request a save once the Young-Daly interval has passed (every
+        rank saves it at the same boundary), and announce a new interval as a job event."""
+        cadence = self._cadence
+        if cadence is None:
+            return
+        cadence.observe_step(float(metrics.get("step_s") or 0.0))
+        announce = cadence.changed()
+        if announce is not None:
+            self._supervisor.report_note.remote(self._plan.attempt, "checkpoint_interval", announce)
+        if completed + 1 < total and cadence.due(completed):
+            self._control.request_checkpoint(completed + 1)
+            cadence.observe_save(completed, float("nan"))  # counts from here: one request per interval
+
+    def close(self, log: Any) -> None:
+        """Wait for the save in flight and every report (each acknowledged before ``run`` returns). Never
+        raises: after a peer died the async writer's close can fail, and this process may run the next
+        attempt (an in-place repair)."""
+        if self.async_save is not None:
+            try:
+                self.async_save.close(timeout_s=REPORT_TIMEOUT_S * 10)  # the last save must land first
+            except Exception as err:
+                if log is not None:
+                    log.write(f"attempt {self._plan.attempt}: the last async checkpoint did not land: {err}")
+            self.async_save = None
+        for thread in self._threads:
+            thread.join(timeout=REPORT_TIMEOUT_S)
+        self._threads.clear()
+
+    def _report_failed(self, completed_steps: int, fault: Exception) -> None:
+        """Rank 0 tells the supervisor why the save of ``completed_steps`` was abandoned (every rank saw
+        the same failure: DCP raises it on all of them, the room check is rank 0's verdict for all)."""
+        if self.rank != 0:
+            return
+        import ray
+
+        try:
+            ray.get(self._supervisor.report_checkpoint_failed.remote(self._plan.attempt, self.rank, completed_steps,
+                                                                     str(fault)), timeout=REPORT_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - a slow supervisor must not stop training over a lost note
+            pass

@@ -1,0 +1,108 @@
+"""A warm spare rank: a Ray actor process with torch and the engine already imported, no job yet.
+
+Starting a rank cold costs a new Python interpreter, ``import torch`` and the engine's modules
+(3-7 s on a 2-core machine, measured), on every first launch and every replacement. A spare pays
+that once, ahead of time, while it holds nothing: it is created with ``num_cpus=0`` and no GPUs, so
+it never counts against any job's resources, and it does not touch CUDA, so it holds no GPU memory.
+When a job's placement group is ready, the worker group takes a spare on the node of each bundle
+(``service/runtime/spares.py``) and :meth:`SpareRank.assign` turns it into that job's rank: the bundle's
+reservation is what accounts for the rank's CPUs and GPUs, so Ray gives the spare no GPU ids
+(``ray.get_gpu_ids()`` is empty in it) and leaves its ``CUDA_VISIBLE_DEVICES`` alone. ``assign`` hands the
+bundle's GPU ids to the rank, which takes them as its only source, pins the process to them and
+starts the CUDA context on them in the background (``TrainWorker._init_gpus``,
+``workers/rank/device_info.py``). That works only because nothing before ``assign`` starts CUDA, which
+would fix the visible GPUs for good: ``PYTORCH_NVML_BASED_CUDA_CHECK`` makes ``torch.cuda.is_available()``
+answer from NVML, and on a node with GPUs the warm-up stops short of a training step
+(:func:`_warm_up` says why).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from etrain.workers.rank.worker import TrainWorker
+
+#: torch's switch for answering ``torch.cuda.is_available()`` from NVML instead of starting CUDA.
+NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
+
+
+class SpareRank(TrainWorker):
+    """A :class:`TrainWorker` whose process starts before its job exists."""
+
+    def __init__(self, *, gpu_node: bool = False) -> None:
+        """``gpu_node``: whether the node has GPUs (the pool knows it from Ray); the job comes in assign()."""
+        started = time.monotonic()
+        # Before torch loads: an availability check answers from NVML, not by starting CUDA.
+        os.environ.setdefault(NVML_CHECK, "1")
+        # What a rank needs before its first step; imported now so a replacement pays none of it.
+        import torch  # noqa: F401
+        import torch.distributed  # noqa: F401
+
+        import etrain.workers.checkpoints.checkpoint  # noqa: F401
+        import etrain.workers.engine.train  # noqa: F401
+
+        self.warm_step = not (gpu_node and torch.backends.cuda.is_built())
+        _warm_up(train_step=self.warm_step)
+        self.warmup_s = time.monotonic() - started
+        self.assigned = False
+
+    def ready(self) -> dict[str, Any]:
+        """Where the spare runs and what its warm-up cost (answers once ``__init__`` is done)."""
+        import ray
+
+        return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
+                "warmup_s": round(self.warmup_s, 3), "warm_step": self.warm_step}
+
+    def assign(self, *, job_id: str, rank: int, world_size: int, supervisor: Any,
+               gpu_ids: list[str] | None = None, bundle: str = "") -> int:
+        """Become rank ``rank`` of ``job_id``; ``gpu_ids``: the GPU ids Ray reserved for the bundle (none
+        for a bundle without GPUs), ``bundle``: which bundle it is. Returns the rank.
+
+        A spare is assigned once: a rank's process is never reused for another job or attempt.
+        """
+        if self.assigned:
+            raise RuntimeError("this spare already serves a job")
+        TrainWorker.__init__(self, job_id=job_id, rank=rank, world_size=world_size, supervisor=supervisor,
+                             gpu_ids=list(gpu_ids or []), bundle=bundle)
+        self.assigned = True
+        return rank
+
+
+#: The warm-up model: the smallest GPT the engine builds (one layer, 8 wide), trained for one step.
+WARMUP_MODEL = dict(n_layers=1, d_model=8, n_heads=2, vocab_size=16, seq_len=4)
+
+
+def _warm_up(*, train_step: bool) -> None:
+    """Build a one-process :class:`Trainer` on a tiny GPT on the CPU and, with ``train_step``, train it one step.
+
+    A first Trainer pays for what torch loads lazily, not at import: building a model under a device
+    context imports ``torch._dynamo`` (0.5-0.7 s, measured), and the first forward, backward and
+    AdamW step set up their kernels and caches. Measured on the 2-core machine, a rank's Trainer took
+    1.4 s to build without this and 0.06-0.18 s after it (the rank log's start-up line). It runs on the
+    CPU only, in a single process (no process group), and leaves nothing behind: the job's Trainer
+    seeds every generator it uses itself.
+
+    On a node with GPUs (and a torch built with CUDA) the step is left out: the first training step
+    starts the CUDA driver even on the CPU (below Python: none of torch's Python CUDA calls is made; the
+    autograd engine counts every device type's devices when it starts its threads), and a driver
+    started before ``assign`` keeps the GPUs it saw then. Measured on an H100 (torch 2.11): after the
+    step, a spare saw every GPU whatever ``CUDA_VISIBLE_DEVICES`` said later (so every spare of a node
+    would have run on GPU 0), and with the GPUs hidden during the step, none. Building the Trainer
+    (the larger part of the saving) starts nothing.
+    """
+    import torch
+
+    from etrain.workers.protocol.run_config import DataConfig, ModelConfig, ParallelConfig, RunConfig, TrainingConfig
+    from etrain.workers.engine.train import Trainer
+
+    config = RunConfig(job_id="spare-warmup", model=ModelConfig(**WARMUP_MODEL), data=DataConfig(kind="synthetic"),
+                       parallel=ParallelConfig(), training=TrainingConfig(steps=1, global_batch=1, micro_batch=1))
+    threads = torch.get_num_threads()
+    try:
+        trainer = Trainer(config, rank=0, world_size=1, device=torch.device("cpu"))
+        if train_step:
+            trainer.train_step(0)
+    finally:
+        torch.set_num_threads(threads)

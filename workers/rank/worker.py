@@ -1,0 +1,406 @@
+"""The Ray actor around one rank's :class:`etrain.workers.engine.train.Trainer`.
+
+One ``TrainWorker`` per rank, placed in its placement-group bundle by ``service/runtime/supervisor_actor.py``. The class
+is plain Python (the runtime wraps it with ``ray.remote``), so it stays importable without a cluster.
+
+The actor is *threaded* (the runtime gives it ``max_concurrency > 1``): ``run`` occupies one thread
+for the whole attempt while control calls (``chaos``, ``request_checkpoint``, ``ping``) land on
+others. Everything the supervisor needs to know travels as fire-and-forget calls on the supervisor
+handle (``report_ready``, ``report_steps``, ``report_checkpoint``, ``report_chaos``).
+
+Every step ends with the step-boundary control exchange (``workers/step_control.StepBoundaries``, one
+all-gather over a gloo group of its own, overlapped with the next step): the schedule's saves are known
+to every rank, and rank 0's requests reach every rank through the exchange, so all ranks save and
+stop at the same step. Supervisor requests (``request_checkpoint``, ``request_stop``) count on rank 0
+only. The same exchange gives rank 0 every rank's timings; only rank 0 reports steps, batched
+(``workers/rank/report_batch.py``). Its reports are the job's heartbeat: a rank that hangs blocks the
+exchange, so rank 0 stops reporting, which is what hang detection needs.
+
+Cross-cutting work is in trainer callbacks, not branches in the loop. Fault drills are a plugin
+(``workers/rank/chaos.py``), loaded and registered as a callback only when the launch plan enables them
+(``LaunchPlan.chaos_enabled``); otherwise the rank refuses ``chaos`` calls. The messages this actor
+takes and sends are in ``workers/protocol/messages.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import socket
+from typing import Any
+
+from etrain.workers.rank.device_info import RankGpus, ray_bundle
+from etrain.workers.protocol.messages import REPORT_TIMEOUT_S, ChaosOrder, LaunchPlan, NodeInfo, RunResult
+from etrain.workers.protocol.run_config import RunConfig
+from etrain.workers.rank.rank_saves import RankSaves
+from etrain.workers.rank.report_batch import ReportBatcher
+from etrain.workers.rank.step_control import ControlRequests, StepBoundaries
+
+#: Threads hashing a rank's final parameters (``local_param_digest``).
+DIGEST_THREADS = 8
+
+
+class TrainWorker:
+    """One rank of a job's worker group."""
+
+    def __init__(self, *, job_id: str, rank: int, world_size: int, supervisor: Any,
+                 gpu_ids: list[str] | None = None, bundle: str = ""):
+        """``gpu_ids``: the GPUs of this rank's bundle when Ray did not give them to this actor (a warm
+        spare, ``workers/rank/spare.py``); None: Ray's own (a cold rank, created in its bundle with its GPUs).
+        ``bundle`` says which bundle that is (for messages), where the caller knows it."""
+        self.job_id = job_id
+        self.rank = rank
+        self.world_size = world_size
+        self._supervisor = supervisor
+        # One source for the rank's GPUs, pinned before CUDA starts, the context made in the background.
+        self._gpus = RankGpus(who=f"rank {rank} of job {job_id}", gpu_ids=gpu_ids, bundle=bundle or ray_bundle(rank))
+        self._drills = None  # etrain.workers.rank.chaos.RankDrills, once a launch plan enables drills
+        self._plan: LaunchPlan | None = None
+        self._control = ControlRequests()  # acted on at step boundaries, on rank 0 only
+        # completed step -> this rank's state then (workers/checkpoints/snapshot.py)
+        self._snapshots: dict[int, Any] = {}
+        self._saves = None  # this attempt's RankSaves (workers/rank/rank_saves.py)
+
+    # --- control calls (run concurrently with `run`) -------------------------------------------
+
+    def node_info(self) -> NodeInfo:
+        import ray
+
+        context = ray.get_runtime_context()
+        return {
+            "rank": self.rank,
+            "node_id": context.get_node_id(),
+            "ip": ray.util.get_node_ip_address(),
+            "pid": os.getpid(),
+        }
+
+    def free_port(self) -> int:
+        """A free TCP port on this node for the rendezvous (asked of rank 0 only)."""
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("", 0))
+            return sock.getsockname()[1]
+
+    def ping(self) -> int:
+        return self.rank
+
+    def request_checkpoint(self, completed_steps: int | None = None) -> None:
+        """Save a checkpoint at the first step boundary with at least ``completed_steps`` steps done
+        (None: the next one). Only rank 0's requests count: it decides for every rank at the boundary."""
+        self._control.request_checkpoint(completed_steps)
+
+    def request_stop(self) -> None:
+        """Finish the current step (and its save, if any) and return from ``run``; counts on rank 0 only,
+        which stops every rank at the same boundary."""
+        self._control.request_stop()
+
+    def chaos(self, order: ChaosOrder) -> None:
+        """Arm (``at_step``, or a save to fire in) or fire at once a fault drill on this rank; refused
+        unless a launch plan of this process enabled drills (the supervisor sends none otherwise)."""
+        if self._drills is None:
+            raise RuntimeError(
+                f"rank {self.rank} of job {self.job_id} refuses chaos order {order.id} ({order.action}): fault "
+                "drills are disabled for this job (its launch plan has chaos_enabled=False); they run only on "
+                "servers started with ETRAIN_ENABLE_CHAOS=1 (`etrain serve --enable-chaos`)")
+        self._drills.receive(order)
+
+    # --- the attempt ----------------------------------------------------------------------------
+
+    def run(self, plan: LaunchPlan, master_addr: str, master_port: int) -> RunResult:
+        """Rendezvous, build the trainer, restore, and train until the plan's last step.
+
+        Returns ``{"final_step", "final_loss", "stopped"}``; raises on any failure (the supervisor
+        classifies it). Everything the attempt prints, each step and any error go to the rank's log
+        file (``workers/rank/rank_log.py``: what ``etrain logs`` shows).
+        """
+        import traceback
+
+        from etrain.workers.rank.rank_log import RankLog, rank_log_path
+
+        from etrain.workers.checkpoints import storage
+
+        given = plan
+        # The checkpoint folder is opened once, without links, and everything the attempt writes under it
+        # (shards, extra state, the rank log) goes through that descriptor: the folder swapped for a link
+        # after submit redirects nothing (workers/protocol/safe_paths.py HeldDir). UnsafePathError fails the attempt.
+        held = storage.hold_dir(plan.config.checkpoint.path) if plan.config.checkpoint.path else None
+        if held is not None:
+            plan = dataclasses.replace(
+                plan, resume_dir=held.inside(plan.resume_dir),
+                config=dataclasses.replace(plan.config, checkpoint=dataclasses.replace(plan.config.checkpoint,
+                                                                                       path=held.path)))
+        log = RankLog(rank_log_path(held.path, self.job_id, self.rank)) if held is not None else None
+        if log is not None:
+            info = self.node_info()
+            log.write(f"attempt {plan.attempt}: rank {self.rank}/{self.world_size} on {info['ip']} (node "
+                      f"{info['node_id'][:12]}, pid {info['pid']}), layout {plan.config.parallel.describe()}, "
+                      + (f"resuming step {plan.start_step} from {given.resume_dir}" if given.resume_dir
+                         else "fresh start"))
+            log.capture()
+        try:
+            result = self._train(plan, master_addr, master_port, log)
+        except BaseException as err:
+            if log is not None:
+                log.write(held.shown(f"attempt {plan.attempt}: failed: {type(err).__name__}: {err}\n"
+                                     + traceback.format_exc().rstrip()))
+            raise
+        else:
+            if log is not None:
+                log.write(f"attempt {plan.attempt}: {'stopped' if result['stopped'] else 'finished'} at step "
+                          f"{result['final_step']}")
+            return result
+        finally:
+            if log is not None:
+                log.close()
+            if held is not None:
+                held.close()
+
+    def _train(self, plan: LaunchPlan, master_addr: str, master_port: int, log: Any) -> RunResult:
+        import torch
+        import torch.distributed as dist
+
+        from etrain.workers.engine.mesh import backend_for
+        from etrain.workers.rank.step_exchange import StepExchange
+        from etrain.workers.engine.train import Trainer
+
+        self._plan = plan
+        self._control = ControlRequests()  # requests to an earlier attempt of this process do not carry over
+        callbacks = self._arm_drills(plan)
+        config = plan.config
+        torch.set_num_threads(max(1, int(os.environ.get("ETRAIN_TORCH_THREADS", "1"))))
+        device = self._device(config)
+        batcher = None
+        phases = _Phases()  # where the attempt's start-up goes: one line in the rank log
+        _leave_process_groups()  # a kept process (in-place repair) rejoins from a clean slate
+        dist.init_process_group(
+            backend=backend_for(device.type, cpu_offload=config.parallel.offload == "cpu"),
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=datetime.timedelta(seconds=config.collective_timeout_s),
+        )
+        phases.mark("process group")
+        try:
+            trainer = Trainer(
+                config, rank=self.rank, world_size=self.world_size, device=device, callbacks=callbacks,
+                load_pretrained=plan.resume_dir is None,  # a resume overwrites them anyway
+            )
+            phases.mark("trainer")
+            source = self._restore(trainer, plan) if plan.resume_dir else None
+            phases.mark("state")
+            # Collective when the saves are async (the background writer's gloo group).
+            self._saves = saves = RankSaves(rank=self.rank, plan=plan, device_type=device.type,
+                                            supervisor=self._supervisor, control=self._control,
+                                            drills_due=self._drills_due, keep_snapshot=self._keep_snapshot)
+            # Collective too: the step-boundary control exchange's own gloo group (workers/rank/step_exchange.py).
+            exchange = StepExchange(world_size=self.world_size, timeout_s=config.collective_timeout_s)
+            if self.rank == 0:
+                batcher = self._report_batcher(plan.attempt)
+            phases.mark("control groups")
+            if log is not None:
+                log.write(f"attempt {plan.attempt}: ready after {phases}")
+            self._supervisor.report_ready.remote(plan.attempt, self.rank, self.node_info() | {"state_source": source})
+            final_loss = None
+            step = plan.start_step
+            total = config.training.steps
+            # Every rank saves and stops where rank 0's requests and the schedule say, the exchange
+            # overlapped with the next step (workers/rank/step_control.py).
+            boundaries = StepBoundaries(exchange, control=self._control if self.rank == 0 else None,
+                                        total_steps=total, every_steps=config.checkpoint.every_steps)
+            for step in range(plan.start_step, total):
+                metrics = dataclasses.asdict(trainer.train_step(step))
+                final_loss = metrics["loss"]
+                if step == plan.start_step:
+                    saves.after_first_step(trainer)
+                decision = boundaries.after_step(metrics)
+                if batcher is not None:  # a step that saves or stops is urgent (the last step always saves)
+                    for record, urgent in decision.reports:
+                        batcher.add(record, urgent=urgent)
+                if log is not None:
+                    log.write(f"step {step + 1}/{total} loss {metrics['loss']:.4f} "
+                              f"compute {metrics['compute_s']:.3f}s comm_wait {metrics['comm_wait_s']:.3f}s")
+                if decision.save:
+                    blocked_s = saves.save(trainer, step + 1, final=step + 1 >= total)
+                    if log is not None:
+                        log.write(f"checkpoint step {step + 1} {saves.describe(blocked_s)}")
+                        log.sync()  # an s3:// log is uploaded at each checkpoint (a no-op for a local one)
+                saves.after_step(metrics, step + 1, total)
+                if decision.stop:
+                    return self._result(trainer, step + 1, final_loss, stopped=True)
+            return self._result(trainer, total, final_loss, stopped=False)
+        finally:
+            # Each step on its own: after a peer died, the async writer's close can raise, and this
+            # process may run the next attempt (an in-place repair), which needs the groups gone.
+            if batcher is not None:  # the last steps reach the supervisor before run() returns
+                self._close_reports(batcher)
+            if self._saves is not None:  # the save in flight lands and every report is acknowledged
+                self._saves.close(log)
+                self._saves = None
+            _leave_process_groups()
+
+    def _restore(self, trainer, plan: LaunchPlan) -> str:
+        """Load committed step ``plan.start_step``; returns where the state came from.
+
+        A relaunch reads the checkpoint from storage (the supervisor verified its checksums just
+        before). An in-place repair first offers memory: every rank restores its own snapshot of that
+        step, or receives one from a data-parallel replica; when memory cannot serve every rank, all
+        of them read storage together, hashing every file (the supervisor did not, this time).
+        """
+        if plan.state_from_memory:
+            from etrain.workers.checkpoints.snapshot import replicated, resume_from_snapshot, share_snapshots
+
+            parallel = plan.config.parallel
+            snapshot, origin = share_snapshots(self._snapshots.get(plan.start_step), plan.start_step,
+                                               list(trainer.topology.dp_groups()),
+                                               replicas=replicated(parallel.zero, parallel.dp))
+            if snapshot is not None:
+                resume_from_snapshot(trainer, snapshot)
+                return origin
+            trainer.restore(plan.resume_dir, verify_checksums=True, expect_digest=plan.resume_digest)
+            return "storage (no replica in memory for every rank)"
+        trainer.restore(plan.resume_dir, verify_checksums=False, expect_digest=plan.resume_digest)
+        return "storage"
+
+    def _keep_snapshot(self, trainer, completed_steps: int) -> None:
+        """Copy this rank's state at a checkpointed step to host memory, for an in-place repair.
+
+        Two are kept: the newest may not be committed yet when a rank dies, the one before it is.
+        Only where a data-parallel replica holds the same state: the rank a repair replaces is a new
+        process with no snapshot, so without a replica to send it one every rank restores from storage
+        (``etrain.workers.checkpoints.snapshot.share_snapshots``) and a copy here would never be read.
+        """
+        from etrain.workers.checkpoints.snapshot import replicated, take_snapshot
+
+        parallel = self._plan.config.parallel
+        if not self._plan.keep_snapshots or not replicated(parallel.zero, parallel.dp):
+            return
+        self._snapshots[completed_steps] = take_snapshot(completed_steps, *trainer.state_for_checkpoint())
+        for old in sorted(self._snapshots)[:-2]:
+            del self._snapshots[old]
+
+    def _report_batcher(self, attempt: int) -> ReportBatcher:
+        """Rank 0's batched step reports: ``report_steps(attempt, records)``, fire-and-forget."""
+        supervisor = self._supervisor
+        return ReportBatcher(lambda records: supervisor.report_steps.remote(attempt, records)).start()
+
+    @staticmethod
+    def _close_reports(batcher: ReportBatcher) -> None:
+        """Send what is buffered and wait until the supervisor accepted the last report (it takes calls
+        from one caller in order); a supervisor that is gone or slow does not fail the attempt."""
+        import ray
+
+        try:
+            last = batcher.close()
+            if last is not None:
+                ray.get(last, timeout=REPORT_TIMEOUT_S)
+        except Exception:
+            pass
+
+    def _result(self, trainer, final_step: int, final_loss: float | None, *, stopped: bool) -> RunResult:
+        return {
+            "rank": self.rank,
+            "final_step": final_step,
+            "final_loss": final_loss,
+            "stopped": stopped,
+            "param_digest": local_param_digest(trainer.model_parts),
+        }
+
+    # --- drills ---------------------------------------------------------------------------------
+
+    def _arm_drills(self, plan: LaunchPlan) -> list[Any]:
+        """The trainer callbacks of this attempt: the drill plugin's, loaded only when the plan enables
+        drills (``workers/rank/chaos.py``), with the plan's orders for this rank armed; none otherwise.
+        A process keeps its drills across the attempts it runs (armed orders, a slow factor, a hang)."""
+        if not plan.chaos_enabled:
+            return []
+        if self._drills is None:
+            from etrain.workers.rank.chaos import RankDrills
+
+            self._drills = RankDrills(rank=self.rank, report=self._report_chaos)
+        for order in plan.chaos:
+            self._drills.arm(order)
+        return [self._drills.callback]
+
+    def _drills_due(self, completed_steps: int, during: str) -> None:
+        """Fire the drills due inside this save (``checkpoint_write``/``checkpoint_commit``), if any."""
+        if self._drills is not None:
+            self._drills.fire_due(completed_steps, during)
+
+    def _report_chaos(self, order: ChaosOrder, step: int | None) -> None:
+        """Tell the supervisor a drill fired and wait until it accepted (the process may die next)."""
+        import ray
+
+        attempt = self._plan.attempt if self._plan else -1
+        ray.get(self._supervisor.report_chaos.remote(attempt, self.rank, order.id, step), timeout=REPORT_TIMEOUT_S)
+
+    # --- devices --------------------------------------------------------------------------------
+
+    def devices(self) -> dict[str, Any]:
+        """The GPUs this rank runs on (a control call, for tests and operators): the ids ``_device`` uses,
+        where they came from, the bundle, ``CUDA_VISIBLE_DEVICES`` and the background CUDA warm-up."""
+        return {"rank": self.rank} | self._gpus.state()
+
+    def _device(self, config: RunConfig):
+        """The CPU, or ``cuda:0`` of a process pinned to this rank's own GPUs (``workers/rank/device_info.py``)."""
+        return self._gpus.device(config.device)
+
+
+class _Phases:
+    """Seconds per start-up phase of an attempt, so a slow start says where its time went."""
+
+    def __init__(self) -> None:
+        import time
+
+        self._clock = time.monotonic
+        self._started = self._last = self._clock()
+        self._spent: list[tuple[str, float]] = []
+
+    def mark(self, phase: str) -> None:
+        now = self._clock()
+        self._spent.append((phase, now - self._last))
+        self._last = now
+
+    def __str__(self) -> str:
+        return f"{self._last - self._started:.2f}s (" + ", ".join(f"{name} {s:.2f}s" for name, s in self._spent) + ")"
+
+
+def _leave_process_groups() -> None:
+    """Destroy the default group and every group made from it (the exchange's, the async writer's)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def local_param_digest(model_parts) -> str:
+    """SHA-256 over this rank's local parameters, in name order: of each parameter's name and the
+    SHA-256 of its bytes.
+
+    Ranks holding the same parameters (data-parallel replicas with zero <= 1) must report the same
+    digest after training; a mismatch means the replicas diverged (gradients were not averaged).
+
+    Why per parameter, on threads: a 1B model's fp32 parameters are 5 GB. Hashed as one stream, with a
+    copy to a ``bytes`` object per parameter, the end of an H100 attempt took 11.6 s (the digest and the
+    release of the staging buffers together). Each parameter's device -> host copy and SHA-256 release the
+    GIL, so parameters are hashed in parallel, straight from the host tensor's buffer.
+    """
+    import hashlib
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    named = [(name, param) for part in model_parts
+             for name, param in sorted(part.named_parameters(), key=lambda item: item[0])]
+
+    def one(param) -> bytes:
+        local = param.to_local() if hasattr(param, "to_local") else param
+        host = local.detach().contiguous().view(torch.uint8).cpu()
+        return hashlib.sha256(host.numpy()).digest()
+
+    with ThreadPoolExecutor(max_workers=DIGEST_THREADS, thread_name_prefix="param-digest") as pool:
+        digests = list(pool.map(one, [param for _, param in named]))
+    digest = hashlib.sha256()
+    for (name, _), each in zip(named, digests):
+        digest.update(name.encode())
+        digest.update(each)
+    return digest.hexdigest()
