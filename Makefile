@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 export ETRAIN_TORCH_THREADS ?= 1
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install run test test-fast test-gpu gpu-check gpu-wheels bench bench-quick lint clean
+.PHONY: install run test test-fast test-gpu gpu-check gpu-wheels bench bench-quick lint format clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -70,6 +70,16 @@ bench: $(STAMP)
 
 bench-quick:
 	$(MAKE) bench QUICK=1
+
+## make lint: ruff check and ruff format --check over the whole tree (rules in pyproject.toml); .ci/run runs it
+## before make test. `make format` applies the formatter and ruff's safe fixes.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
 
 clean:
 	rm -rf $(VENV) .etrain bench-results .pytest_cache

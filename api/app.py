@@ -20,7 +20,7 @@ from fastapi import Depends, FastAPI
 
 from etrain.api.auth import Authenticator, BearerAuthGate, ChaosGate, PlanGate, RequestSizeLimitMiddleware
 from etrain.api.errors import install_error_handlers
-from etrain.api.routes import get_principal, cluster, health, jobs, plan
+from etrain.api.routes import cluster, get_principal, health, jobs, plan
 from etrain.api.schemas import ErrorOut
 from etrain.service.access.quotas import FairUse
 from etrain.service.ports import JobManagerPort

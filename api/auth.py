@@ -20,18 +20,18 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from fastapi.security.utils import get_authorization_scheme_param
-from starlette.datastructures import Headers
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from etrain.api.errors import error_response, etrain_error_response
 from etrain.api.routes import check_chaos_allowed
 from etrain.service.access.quotas import FairUse
-from etrain.service.errors import NotAuthenticated, QuotaExceeded
-from etrain.workers.protocol.errors import EtrainError
-from etrain.service.settings import Settings
 from etrain.service.access.tenancy import ADMIN, Principal
+from etrain.service.errors import NotAuthenticated, QuotaExceeded
+from etrain.service.settings import Settings
+from etrain.workers.protocol.errors import EtrainError
 
 log = logging.getLogger("etrain.api")
 
@@ -53,7 +53,7 @@ class Authenticator:
         self.token_file = token_file
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> "Authenticator":
+    def from_settings(cls, settings: Settings) -> Authenticator:
         """The admin token (ETRAIN_API_TOKEN, else the generated file when no token at all is set) and
         every tenant token."""
         tokens: dict[str, Principal] = {token: Principal(tenant) for token, tenant in settings.token_tenants.items()}
@@ -64,8 +64,11 @@ class Authenticator:
 
             provisioned = ensure_api_token(settings.data_dir)
             admin, token_file = provisioned.token, provisioned.path
-            log.warning("no API token configured: the admin token is in %s (%s)", provisioned.path,
-                        "generated now" if provisioned.created else "kept from an earlier start")
+            log.warning(
+                "no API token configured: the admin token is in %s (%s)",
+                provisioned.path,
+                "generated now" if provisioned.created else "kept from an earlier start",
+            )
         if admin is not None:
             tokens[admin] = ADMIN
         return cls(tokens, token_file=token_file)

@@ -160,11 +160,17 @@ async def _http_exception(request: Request, exc: StarletteHTTPException) -> JSON
         # FastAPI answers a JSON body that is not UTF-8 with a bare 400; any other unparsable body is a
         # 422 naming ``body`` (json_invalid), so this one is too: one answer for "not JSON".
         is_spec = _body_model(request) is JobSpec
-        return _validation_response([{
-            "field": "body", "message": f"the request body is not UTF-8 text: {exc.__cause__.reason} at byte "
-                                       f"{exc.__cause__.start}.",
-            "fix": "send a JSON object encoded as UTF-8 with Content-Type: application/json",
-        }], code="invalid_spec" if is_spec else "invalid_request")
+        return _validation_response(
+            [
+                {
+                    "field": "body",
+                    "message": f"the request body is not UTF-8 text: {exc.__cause__.reason} at byte "
+                    f"{exc.__cause__.start}.",
+                    "fix": "send a JSON object encoded as UTF-8 with Content-Type: application/json",
+                }
+            ],
+            code="invalid_spec" if is_spec else "invalid_request",
+        )
     code = _HTTP_CODES.get(exc.status_code, "http_error")
     message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
     headers = getattr(exc, "headers", None)

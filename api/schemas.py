@@ -13,8 +13,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from etrain.service.planning.bounds import MAX_STEPS
-from etrain.service.ports import ChaosRequest
 from etrain.service.planning.spec import DataParallel, PathText, json_int
+from etrain.service.ports import ChaosRequest
 from etrain.service.store.records import EventRecord, JobRecord, JobStatus, StepRecord
 
 __all__ = [
@@ -62,8 +62,9 @@ class ScaleRequest(BaseModel):
 class ExportRequest(BaseModel):
     model_config = _REQUEST
 
-    step: json_int(0, MAX_STEPS) | None = Field(default=None,
-                                                description="a committed checkpoint step; null: the newest")
+    step: json_int(0, MAX_STEPS) | None = Field(
+        default=None, description="a committed checkpoint step; null: the newest"
+    )
     out: PathText = Field(description="a new or empty folder (relative paths: the server's directory)")
 
 
@@ -89,9 +90,10 @@ class JobOut(BaseModel):
     last_checkpoint_step: int | None
     stragglers: list[Any]
     goodput: float | None = Field(
-        ge=0.0, le=1.0,
+        ge=0.0,
+        le=1.0,
         description="kept step time / wall time since submit, 0..1 (service/decisions/goodput.py: a recomputed step counts "
-                    "once, queued time counts against it); null before the first step",
+        "once, queued time counts against it); null before the first step",
     )
     attempt: int
     artifacts: dict[str, str] = Field(
@@ -101,7 +103,7 @@ class JobOut(BaseModel):
     priority: int = Field(default=0, description="queue order: higher first, then oldest first")
 
     @classmethod
-    def of(cls, job: JobRecord) -> "JobOut":
+    def of(cls, job: JobRecord) -> JobOut:
         return cls(
             id=job.id,
             name=job.name,
@@ -139,7 +141,7 @@ class EventOut(BaseModel):
     detail: dict[str, Any]
 
     @classmethod
-    def of(cls, event: EventRecord) -> "EventOut":
+    def of(cls, event: EventRecord) -> EventOut:
         return cls(seq=event.seq, ts=event.ts, kind=event.kind, detail=_clean(event.detail))
 
 
@@ -158,11 +160,12 @@ class StepOut(BaseModel):
     comm_wait_s: float | None
     ts: float
     attempt: int
-    mfu: float | None = Field(None, description="model FLOPs utilisation, 0..1; null where the device's peak "
-                                                "FLOP/s is unknown (CPU)")
+    mfu: float | None = Field(
+        None, description="model FLOPs utilisation, 0..1; null where the device's peak FLOP/s is unknown (CPU)"
+    )
 
     @classmethod
-    def of(cls, record: StepRecord) -> "StepOut":
+    def of(cls, record: StepRecord) -> StepOut:
         return cls(
             step=record.step,
             loss=_finite(record.loss),
@@ -271,21 +274,30 @@ COMMON_RESPONSES: dict[int | str, dict[str, Any]] = {
 #: The 429 of each per-tenant cap a route can hit (the body's ``quota`` object has the numbers, the
 #: ``Retry-After`` header when to try again).
 TOO_MANY: dict[str, dict[str, Any]] = {
-    name: {"model": ErrorOut, "description": f"{what} (the body's quota object has the numbers; retry after "
-                                             "the Retry-After header's seconds)",
-           "headers": {"Retry-After": {"description": "seconds to wait before trying again",
-                                       "schema": {"type": "integer"}}}}
+    name: {
+        "model": ErrorOut,
+        "description": f"{what} (the body's quota object has the numbers; retry after "
+        "the Retry-After header's seconds)",
+        "headers": {
+            "Retry-After": {"description": "seconds to wait before trying again", "schema": {"type": "integer"}}
+        },
+    }
     for name, what in (
         ("max_plans", "the tenant has ETRAIN_TENANT_MAX_PLANS plans computing already"),
         ("max_streams", "the tenant has ETRAIN_TENANT_MAX_STREAMS event streams open already"),
         ("max_workers", "the larger job would take the tenant over ETRAIN_TENANT_MAX_WORKERS"),
-        ("submit", "a per-tenant quota (ETRAIN_TENANT_MAX_JOBS / _MAX_WORKERS) is full, or, for parallelism auto, "
-                   "the tenant has ETRAIN_TENANT_MAX_PLANS plans computing already"),
+        (
+            "submit",
+            "a per-tenant quota (ETRAIN_TENANT_MAX_JOBS / _MAX_WORKERS) is full, or, for parallelism auto, "
+            "the tenant has ETRAIN_TENANT_MAX_PLANS plans computing already",
+        ),
     )
 }
 #: ... and every operation that takes parameters or a body (all of /v1).
 V1_RESPONSES: dict[int | str, dict[str, Any]] = {
     **COMMON_RESPONSES,
-    422: {"model": ErrorOut, "description": "a parameter or the body is invalid or out of bounds; each problem "
-                                            "names its field and the fix"},
+    422: {
+        "model": ErrorOut,
+        "description": "a parameter or the body is invalid or out of bounds; each problem names its field and the fix",
+    },
 }

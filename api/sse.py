@@ -30,10 +30,10 @@ from typing import Any
 from starlette.concurrency import run_in_threadpool
 
 from etrain.api.schemas import EventOut, JobOut, StepOut
+from etrain.service.access.tenancy import Principal
 from etrain.service.errors import JobNotFound
 from etrain.service.ports import JobManagerPort
 from etrain.service.store.records import EventRecord, StepRecord
-from etrain.service.access.tenancy import Principal
 
 MEDIA_TYPE = "text/event-stream"
 POLL_S = 0.5  # how often the store is read for news

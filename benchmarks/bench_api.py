@@ -72,8 +72,13 @@ def serve(port: int, data_dir: Path, token: str, use_ray: bool) -> None:
     manager = JobManager(settings, runtime=runtime, base_dir=str(REPO))
     manager.warm_planner()  # as `etrain serve` does: plans are measured, not the planner process's start
     try:
-        uvicorn.run(create_app(settings, manager=manager), host=HOST, port=port, log_level="warning",
-                    timeout_graceful_shutdown=5)
+        uvicorn.run(
+            create_app(settings, manager=manager),
+            host=HOST,
+            port=port,
+            log_level="warning",
+            timeout_graceful_shutdown=5,
+        )
     finally:
         manager.close()
 
@@ -102,8 +107,13 @@ class Connection:
         if self.writer is None:
             self.reader, self.writer = await asyncio.open_connection(HOST, self.port)
         auth = f"Authorization: Bearer {self.token}\r\n" if self.token else ""
-        self.writer.write((f"{method} {path} HTTP/1.1\r\nHost: {HOST}:{self.port}\r\n{auth}"
-                           f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body)
+        self.writer.write(
+            (
+                f"{method} {path} HTTP/1.1\r\nHost: {HOST}:{self.port}\r\n{auth}"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+            ).encode()
+            + body
+        )
         await self.writer.drain()
         lines = (await self.reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
         headers = {}
@@ -147,8 +157,18 @@ async def wait_healthy(port: int, server: subprocess.Popen, timeout_s: float) ->
         await asyncio.sleep(0.2)
 
 
-async def measure(port: int, token: str, endpoint: str, method: str, path: str, body: bytes, *, clients: int,
-                  warmup_s: float, seconds: float) -> Result:
+async def measure(
+    port: int,
+    token: str,
+    endpoint: str,
+    method: str,
+    path: str,
+    body: bytes,
+    *,
+    clients: int,
+    warmup_s: float,
+    seconds: float,
+) -> Result:
     """``clients`` closed-loop connections on one endpoint; latencies of the answers after the warm-up."""
     latencies: list[float] = []
     errors = 0
@@ -178,9 +198,17 @@ async def measure(port: int, token: str, endpoint: str, method: str, path: str, 
     def pct(q: float) -> float:
         return 1e3 * latencies[min(len(latencies) - 1, int(q * len(latencies)))]
 
-    return Result(endpoint=endpoint, clients=clients, requests=len(latencies), errors=errors, seconds=window,
-                  throughput=len(latencies) / window, p50_ms=1e3 * statistics.median(latencies), p99_ms=pct(0.99),
-                  max_ms=1e3 * latencies[-1])
+    return Result(
+        endpoint=endpoint,
+        clients=clients,
+        requests=len(latencies),
+        errors=errors,
+        seconds=window,
+        throughput=len(latencies) / window,
+        p50_ms=1e3 * statistics.median(latencies),
+        p99_ms=pct(0.99),
+        max_ms=1e3 * latencies[-1],
+    )
 
 
 # -- the benchmark ----------------------------------------------------------------------------------------
@@ -204,10 +232,19 @@ def run(*, clients: int, seconds: float, warmup_s: float, use_ray: bool) -> list
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="etrain-bench-api-") as data_dir:
         server = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.bench_api", "--serve", str(port), "--data-dir", data_dir,
-             *(["--ray"] if use_ray else [])],
+            [
+                sys.executable,
+                "-m",
+                "benchmarks.bench_api",
+                "--serve",
+                str(port),
+                "--data-dir",
+                data_dir,
+                *(["--ray"] if use_ray else []),
+            ],
             # the token travels in the environment: a command line is readable by every user of the machine
-            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), "ETRAIN_API_TOKEN": token},
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO), "ETRAIN_API_TOKEN": token},
         )
         try:
             job_id = asyncio.run(_start(port, token, server, use_ray=use_ray, timeout_s=180 if use_ray else 60))
@@ -216,10 +253,14 @@ def run(*, clients: int, seconds: float, warmup_s: float, use_ray: bool) -> list
                 ("GET /v1/jobs/{id}", "GET", f"/v1/jobs/{job_id}", b""),
                 ("POST /v1/plan (examples/3d.yaml)", "POST", "/v1/plan", plan_body()),
             ):
-                result = asyncio.run(measure(port, token, name, method, path, body, clients=clients,
-                                             warmup_s=warmup_s, seconds=seconds))
-                print(f"  {name:<34} {result.throughput:8.0f} req/s  p50 {result.p50_ms:6.1f} ms  "
-                      f"p99 {result.p99_ms:6.1f} ms  ({result.requests} answers, {result.errors} errors)", flush=True)
+                result = asyncio.run(
+                    measure(port, token, name, method, path, body, clients=clients, warmup_s=warmup_s, seconds=seconds)
+                )
+                print(
+                    f"  {name:<34} {result.throughput:8.0f} req/s  p50 {result.p50_ms:6.1f} ms  "
+                    f"p99 {result.p99_ms:6.1f} ms  ({result.requests} answers, {result.errors} errors)",
+                    flush=True,
+                )
                 results.append(result)
             return results
         finally:
@@ -260,9 +301,12 @@ async def _start(port: int, token: str, server: subprocess.Popen, *, use_ray: bo
 
 
 def table(results: list[Result], *, use_ray: bool) -> str:
-    manager = ("the real JobManager over a local Ray (its daemons running), the job cancelled before the "
-               "measurement" if use_ray else "the real JobManager (Ray replaced by FakeRuntime), one running job "
-               "whose updates the poller writes every 0.5 s")
+    manager = (
+        "the real JobManager over a local Ray (its daemons running), the job cancelled before the measurement"
+        if use_ray
+        else "the real JobManager (Ray replaced by FakeRuntime), one running job "
+        "whose updates the poller writes every 0.5 s"
+    )
     lines = [
         f"{results[0].clients} concurrent keep-alive clients (closed loop) against one uvicorn worker: bearer auth, "
         f"{manager}, SQLite in WAL mode. "
@@ -273,8 +317,10 @@ def table(results: list[Result], *, use_ray: bool) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        lines.append(f"| `{r.endpoint}` | {r.clients} | {r.requests} | {r.errors} | {r.throughput:.0f} | "
-                     f"{r.p50_ms:.1f} | {r.p99_ms:.1f} | {r.max_ms:.1f} |")
+        lines.append(
+            f"| `{r.endpoint}` | {r.clients} | {r.requests} | {r.errors} | {r.throughput:.0f} | "
+            f"{r.p50_ms:.1f} | {r.p99_ms:.1f} | {r.max_ms:.1f} |"
+        )
     return "\n".join(lines) + "\n"
 
 

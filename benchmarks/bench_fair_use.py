@@ -56,12 +56,17 @@ class Latencies:
     max_ms: float = 0.0
 
     @classmethod
-    def of(cls, seconds: list[float], errors: int) -> "Latencies":
+    def of(cls, seconds: list[float], errors: int) -> Latencies:
         if not seconds:
             return cls(errors=errors)
         ordered = sorted(seconds)
-        return cls(answers=len(ordered), errors=errors, p50_ms=1e3 * statistics.median(ordered),
-                   p99_ms=1e3 * ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))], max_ms=1e3 * ordered[-1])
+        return cls(
+            answers=len(ordered),
+            errors=errors,
+            p50_ms=1e3 * statistics.median(ordered),
+            p99_ms=1e3 * ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))],
+            max_ms=1e3 * ordered[-1],
+        )
 
 
 @dataclass
@@ -93,8 +98,12 @@ def serve(port: int, data_dir: Path, ray_health_s: float) -> None:
     sys.path.insert(0, str(REPO))
     from tests.fakes import FakeRuntime
 
-    settings = Settings.from_env({name: os.environ[name] for name in ("ETRAIN_API_TOKEN", "ETRAIN_API_TOKENS")},
-                                 host=HOST, port=port, data_dir=data_dir)
+    settings = Settings.from_env(
+        {name: os.environ[name] for name in ("ETRAIN_API_TOKEN", "ETRAIN_API_TOKENS")},
+        host=HOST,
+        port=port,
+        data_dir=data_dir,
+    )
     runtime = FakeRuntime(steps_per_update=1)
     fake_health = runtime.health
 
@@ -106,8 +115,13 @@ def serve(port: int, data_dir: Path, ray_health_s: float) -> None:
     manager = JobManager(settings, runtime=runtime, base_dir=str(REPO))
     manager.warm_planner()  # as `etrain serve` does: plans are measured, not the planner process's start
     try:
-        uvicorn.run(create_app(settings, manager=manager), host=HOST, port=port, log_level="warning",
-                    timeout_graceful_shutdown=5)
+        uvicorn.run(
+            create_app(settings, manager=manager),
+            host=HOST,
+            port=port,
+            log_level="warning",
+            timeout_graceful_shutdown=5,
+        )
     finally:
         manager.close()
 
@@ -136,10 +150,25 @@ async def _victim_process(port: int, token: str, path: str, *, warmup_s: float, 
     """Bob's client in a process of its own: sharing the flood's event loop, his answers would wait for the
     flood's (hundreds of connections) to be read, and the client's delay would count as the server's."""
     child = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "benchmarks.bench_fair_use", "--victim", str(port), "--path", path,
-        "--warmup", str(warmup_s), "--seconds", str(seconds), cwd=REPO, stdout=asyncio.subprocess.PIPE,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-             VICTIM_TOKEN: token})
+        sys.executable,
+        "-m",
+        "benchmarks.bench_fair_use",
+        "--victim",
+        str(port),
+        "--path",
+        path,
+        "--warmup",
+        str(warmup_s),
+        "--seconds",
+        str(seconds),
+        cwd=REPO,
+        stdout=asyncio.subprocess.PIPE,
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+            VICTIM_TOKEN: token,
+        },
+    )
     out, _ = await asyncio.wait_for(child.communicate(), warmup_s + seconds + 2 * REQUEST_TIMEOUT_S)
     if child.returncode != 0:
         raise RuntimeError(f"the measuring client exited with {child.returncode}")
@@ -149,8 +178,9 @@ async def _victim_process(port: int, token: str, path: str, *, warmup_s: float, 
 def _measure_victim(port: int, path: str, warmup_s: float, seconds: float) -> None:
     """``--victim``: measure ``GET path`` from this process; the numbers as JSON on stdout."""
     start = time.perf_counter()
-    latencies = asyncio.run(_victim(port, os.environ[VICTIM_TOKEN], path, measure_from=start + warmup_s,
-                                    stop_at=start + warmup_s + seconds))
+    latencies = asyncio.run(
+        _victim(port, os.environ[VICTIM_TOKEN], path, measure_from=start + warmup_s, stop_at=start + warmup_s + seconds)
+    )
     print(json.dumps(asdict(latencies)), flush=True)
 
 
@@ -166,7 +196,7 @@ async def _streams(port: int, token: str, path: str, count: int, phase: Phase, s
                 while not stop.is_set():  # read the stream (keepalives, events) so the server never blocks
                     try:
                         await asyncio.wait_for(connection.reader.read(65536), 0.25)
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         pass
                 return
             await connection.reader.readexactly(int(headers.get("content-length", "0")))
@@ -180,16 +210,18 @@ async def _streams(port: int, token: str, path: str, count: int, phase: Phase, s
     await asyncio.gather(*(one() for _ in range(count)))
 
 
-async def _plans(port: int, token: str, body: bytes, count: int, phase: Phase, stop: asyncio.Event,
-                 *, polite: bool) -> None:
+async def _plans(
+    port: int, token: str, body: bytes, count: int, phase: Phase, stop: asyncio.Event, *, polite: bool
+) -> None:
     """``count`` closed-loop clients asking for plans; a refused one waits Retry-After when ``polite``."""
 
     async def one() -> None:
         connection = Connection(port, token)
         try:
             while not stop.is_set():
-                status, headers, _ = await asyncio.wait_for(connection.request("POST", "/v1/plan", body),
-                                                            REQUEST_TIMEOUT_S)
+                status, headers, _ = await asyncio.wait_for(
+                    connection.request("POST", "/v1/plan", body), REQUEST_TIMEOUT_S
+                )
                 if status == 200:
                     phase.plans_ok += 1
                 elif status == 429 and headers.get("retry-after", "").isdigit():
@@ -197,7 +229,7 @@ async def _plans(port: int, token: str, body: bytes, count: int, phase: Phase, s
                     if polite:
                         try:
                             await asyncio.wait_for(stop.wait(), float(headers["retry-after"]))
-                        except asyncio.TimeoutError:
+                        except TimeoutError:
                             pass
                 else:
                     phase.plans_other += 1
@@ -224,7 +256,7 @@ async def _health(port: int, count: int, stop: asyncio.Event) -> Latencies:
                 errors += status != 200
                 try:
                     await asyncio.wait_for(stop.wait(), max(0.0, 1.0 - (time.perf_counter() - sent)))
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
         finally:
             await connection.close()
@@ -233,21 +265,37 @@ async def _health(port: int, count: int, stop: asyncio.Event) -> Latencies:
     return Latencies.of(latencies, errors)
 
 
-async def _phase(port: int, tokens: dict[str, str], jobs: dict[str, str], name: str, *, flood: bool, polite: bool,
-                 streams: int, plans: int, health: int, seconds: float, warmup_s: float) -> Phase:
+async def _phase(
+    port: int,
+    tokens: dict[str, str],
+    jobs: dict[str, str],
+    name: str,
+    *,
+    flood: bool,
+    polite: bool,
+    streams: int,
+    plans: int,
+    health: int,
+    seconds: float,
+    warmup_s: float,
+) -> Phase:
     """One phase: the floods (none when not ``flood``; a count of 0 leaves that one out), bob measured."""
     phase = Phase(name=name, seconds=seconds, victim=Latencies())
     stop = asyncio.Event()
     floods = []
     if flood:
         follow = f"/v1/jobs/{jobs['alice']}/events?follow=true"
-        floods = [asyncio.create_task(_streams(port, tokens["alice"], follow, streams, phase, stop)),
-                  asyncio.create_task(_plans(port, tokens["alice"], example_body("llama-70b-plan.yaml"), plans, phase, stop,
-                                             polite=polite))]
+        floods = [
+            asyncio.create_task(_streams(port, tokens["alice"], follow, streams, phase, stop)),
+            asyncio.create_task(
+                _plans(port, tokens["alice"], example_body("llama-70b-plan.yaml"), plans, phase, stop, polite=polite)
+            ),
+        ]
         prober = asyncio.create_task(_health(port, health, stop))
         await asyncio.sleep(0)  # the floods' connections go out before bob's first request
-    phase.victim = await _victim_process(port, tokens["bob"], f"/v1/jobs/{jobs['bob']}", warmup_s=warmup_s,
-                                         seconds=seconds)
+    phase.victim = await _victim_process(
+        port, tokens["bob"], f"/v1/jobs/{jobs['bob']}", warmup_s=warmup_s, seconds=seconds
+    )
     stop.set()
     if flood:
         await asyncio.wait_for(asyncio.gather(*floods), REQUEST_TIMEOUT_S + 5)
@@ -276,19 +324,44 @@ async def _start(port: int, tokens: dict[str, str], server: subprocess.Popen, ti
     return jobs
 
 
-def run(*, seconds: float, warmup_s: float, streams: int, plans: int, health: int, ray_health_ms: float,
-        hostile: bool = True) -> list[Phase]:
+def run(
+    *,
+    seconds: float,
+    warmup_s: float,
+    streams: int,
+    plans: int,
+    health: int,
+    ray_health_ms: float,
+    hostile: bool = True,
+) -> list[Phase]:
     from etrain.service.access.api_token import new_api_token
 
     tokens = {name: new_api_token(24) for name in ("admin", *TENANTS)}
     port = free_port()
     pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "PYTHONPATH": pythonpath, "ETRAIN_API_TOKEN": tokens["admin"],
-           "ETRAIN_API_TOKENS": ",".join(f"{tenant}={tokens[tenant]}" for tenant in TENANTS)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": pythonpath,
+        "ETRAIN_API_TOKEN": tokens["admin"],
+        "ETRAIN_API_TOKENS": ",".join(f"{tenant}={tokens[tenant]}" for tenant in TENANTS),
+    }
     with tempfile.TemporaryDirectory(prefix="etrain-bench-fair-") as data_dir:
         # tokens travel in the environment: a command line is readable by every user of the machine
-        server = subprocess.Popen([sys.executable, "-m", "benchmarks.bench_fair_use", "--serve", str(port),
-                                   "--data-dir", data_dir, "--ray-health-ms", str(ray_health_ms)], cwd=REPO, env=env)
+        server = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "benchmarks.bench_fair_use",
+                "--serve",
+                str(port),
+                "--data-dir",
+                data_dir,
+                "--ray-health-ms",
+                str(ray_health_ms),
+            ],
+            cwd=REPO,
+            env=env,
+        )
         try:
             jobs = asyncio.run(_start(port, tokens, server))
             kinds = [("quiet (bob alone)", False, True), ("flood", True, True)]
@@ -296,12 +369,28 @@ def run(*, seconds: float, warmup_s: float, streams: int, plans: int, health: in
                 kinds.append(("flood, Retry-After ignored", True, False))
             phases = []
             for name, flood, polite in kinds:
-                phase = asyncio.run(_phase(port, tokens, jobs, name, flood=flood, polite=polite, streams=streams,
-                                           plans=plans, health=health, seconds=seconds, warmup_s=warmup_s))
-                print(f"  {name:<28} bob's GET p50 {phase.victim.p50_ms:6.1f} ms  p99 {phase.victim.p99_ms:6.1f} ms "
-                      f"({phase.victim.answers} answers, {phase.victim.errors} not 200); streams "
-                      f"{phase.streams_accepted} accepted / {phase.streams_refused} refused; plans {phase.plans_ok} "
-                      f"/ {phase.plans_refused} refused; /healthz p99 {phase.health.p99_ms:.1f} ms", flush=True)
+                phase = asyncio.run(
+                    _phase(
+                        port,
+                        tokens,
+                        jobs,
+                        name,
+                        flood=flood,
+                        polite=polite,
+                        streams=streams,
+                        plans=plans,
+                        health=health,
+                        seconds=seconds,
+                        warmup_s=warmup_s,
+                    )
+                )
+                print(
+                    f"  {name:<28} bob's GET p50 {phase.victim.p50_ms:6.1f} ms  p99 {phase.victim.p99_ms:6.1f} ms "
+                    f"({phase.victim.answers} answers, {phase.victim.errors} not 200); streams "
+                    f"{phase.streams_accepted} accepted / {phase.streams_refused} refused; plans {phase.plans_ok} "
+                    f"/ {phase.plans_refused} refused; /healthz p99 {phase.health.p99_ms:.1f} ms",
+                    flush=True,
+                )
                 phases.append(phase)
             return phases
         finally:
@@ -329,21 +418,35 @@ def table(phases: list[Phase], *, streams: int, plans: int, health: int, ray_hea
     ]
     for p in phases:
         flood = p.streams_accepted + p.streams_refused + p.streams_other > 0
-        streams_cell = (f"{p.streams_accepted} / {p.streams_refused}"
-                        + (f" ({p.streams_other} other)" if p.streams_other else "")) if flood else "–"
-        plans_cell = (f"{p.plans_ok} / {p.plans_refused}" + (f" ({p.plans_other} other)" if p.plans_other else "")
-                      ) if flood else "–"
+        streams_cell = (
+            (f"{p.streams_accepted} / {p.streams_refused}" + (f" ({p.streams_other} other)" if p.streams_other else ""))
+            if flood
+            else "–"
+        )
+        plans_cell = (
+            (f"{p.plans_ok} / {p.plans_refused}" + (f" ({p.plans_other} other)" if p.plans_other else ""))
+            if flood
+            else "–"
+        )
         health_cell = f"{p.health.answers} ({p.health.errors} not 200)" if flood else "–"
         health_ms = f"{p.health.p50_ms:.1f} / {p.health.p99_ms:.1f}" if flood else "–"
-        lines.append(f"| {p.name} | {p.victim.answers} | {p.victim.errors} | {p.victim.p50_ms:.1f} | "
-                     f"{p.victim.p99_ms:.1f} | {p.victim.max_ms:.1f} | {streams_cell} | {plans_cell} | {health_cell} | "
-                     f"{health_ms} | {p.load_average:.1f} |")
+        lines.append(
+            f"| {p.name} | {p.victim.answers} | {p.victim.errors} | {p.victim.p50_ms:.1f} | "
+            f"{p.victim.p99_ms:.1f} | {p.victim.max_ms:.1f} | {streams_cell} | {plans_cell} | {health_cell} | "
+            f"{health_ms} | {p.load_average:.1f} |"
+        )
     flood = next((p for p in phases if p.name == "flood"), None)
     if flood is not None:
-        met = ("met" if flood.victim.answers and flood.victim.p99_ms < TARGET_P99_MS and flood.victim.errors == 0
-               else "NOT met")
-        lines += ["", f"Target (bob's p99 < {TARGET_P99_MS:g} ms under the flood, every answer 200): **{met}** "
-                      f"({flood.victim.p99_ms:.1f} ms)."]
+        met = (
+            "met"
+            if flood.victim.answers and flood.victim.p99_ms < TARGET_P99_MS and flood.victim.errors == 0
+            else "NOT met"
+        )
+        lines += [
+            "",
+            f"Target (bob's p99 < {TARGET_P99_MS:g} ms under the flood, every answer 200): **{met}** "
+            f"({flood.victim.p99_ms:.1f} ms).",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -368,10 +471,20 @@ def main() -> None:
     if args.serve is not None:
         serve(args.serve, args.data_dir, args.ray_health_ms / 1e3)
         return
-    print(f"fair use: {args.streams} streams, {args.plans} plan clients, {args.health} /healthz probers; "
-          f"{args.seconds:g} s per phase", flush=True)
-    phases = run(seconds=args.seconds, warmup_s=args.warmup, streams=args.streams, plans=args.plans,
-                 health=args.health, ray_health_ms=args.ray_health_ms, hostile=not args.no_hostile)
+    print(
+        f"fair use: {args.streams} streams, {args.plans} plan clients, {args.health} /healthz probers; "
+        f"{args.seconds:g} s per phase",
+        flush=True,
+    )
+    phases = run(
+        seconds=args.seconds,
+        warmup_s=args.warmup,
+        streams=args.streams,
+        plans=args.plans,
+        health=args.health,
+        ray_health_ms=args.ray_health_ms,
+        hostile=not args.no_hostile,
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     text = table(phases, streams=args.streams, plans=args.plans, health=args.health, ray_health_ms=args.ray_health_ms)
     (args.out / "fair_use.md").write_text(text)

@@ -47,12 +47,15 @@ def steady_state_figure(*, reps: int, steps: int, log=print) -> tuple[list[Row],
             samples[side].append(1e3 * max(r["step_s"] for r in ranks))  # the slower rank sets the pace
             log(f"  steady state rep {rep + 1}/{reps} {side:<6} {samples[side][-1]:7.1f} ms/step")
     row = Row(
-        label="8. steady-state step time, DDP ×2 (speed vs a bare torch DDP loop)", unit="ms",
-        etrain=samples["etrain"], reference_name="bare torch DDP loop (benchmarks/run.py)",
-        reference=samples["peer"], ratio="reference/etrain",
+        label="8. steady-state step time, DDP ×2 (speed vs a bare torch DDP loop)",
+        unit="ms",
+        etrain=samples["etrain"],
+        reference_name="bare torch DDP loop (benchmarks/run.py)",
+        reference=samples["peer"],
+        ratio="reference/etrain",
         goal=Goal(on="ratio", op=">=", value=0.97, text="≥ 0.97× the DDP loop's speed"),
         note=f"model 4×128, seq 64, global batch 16, micro 4; median of {steps - throughput.WARMUP_STEPS} steps "
-             "after warm-up per run",
+        "after warm-up per run",
     )
     return [row], {"config": {"steps": steps, "model": "4x128 d, vocab 256, seq 64"}, "samples_ms": samples}
 
@@ -63,8 +66,13 @@ CHECKPOINT_MODEL = ModelConfig(n_layers=4, d_model=256, n_heads=4, vocab_size=40
 
 
 def _config(parallel: ParallelConfig) -> RunConfig:
-    return RunConfig(job_id="bench-ckpt", model=CHECKPOINT_MODEL, data=DataConfig(kind="synthetic", seed=0),
-                     parallel=parallel, training=TrainingConfig(steps=10_000, global_batch=8, micro_batch=4, seed=0))
+    return RunConfig(
+        job_id="bench-ckpt",
+        model=CHECKPOINT_MODEL,
+        data=DataConfig(kind="synthetic", seed=0),
+        parallel=parallel,
+        training=TrainingConfig(steps=10_000, global_batch=8, micro_batch=4, seed=0),
+    )
 
 
 def _digest(state: dict) -> str:
@@ -75,8 +83,9 @@ def _digest(state: dict) -> str:
     return h.hexdigest()
 
 
-def _checkpoint_rank(rank: int, world_size: int, root: str, rounds: int, steps_between: int,
-                     loads: int) -> dict[str, Any]:
+def _checkpoint_rank(
+    rank: int, world_size: int, root: str, rounds: int, steps_between: int, loads: int
+) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
@@ -102,7 +111,7 @@ def _checkpoint_rank(rank: int, world_size: int, root: str, rounds: int, steps_b
     async_pending_at_end: list[bool] = []
     modes = ["none", "sync", "async"]
     for round_index in range(rounds):
-        for mode in modes[round_index % 3:] + modes[: round_index % 3]:  # rotate who goes first
+        for mode in modes[round_index % 3 :] + modes[: round_index % 3]:  # rotate who goes first
             directory = os.path.join(root, f"r{round_index}-{mode}")
             dist.barrier()
             started = time.perf_counter()
@@ -150,13 +159,21 @@ def _checkpoint_rank(rank: int, world_size: int, root: str, rounds: int, steps_b
 
     same_layout = timed_loads(trainer)
     del trainer
-    resharded = Trainer(_config(ParallelConfig(dp=2, zero=3)), rank=rank, world_size=world_size,
-                        device=torch.device("cpu"))
+    resharded = Trainer(
+        _config(ParallelConfig(dp=2, zero=3)), rank=rank, world_size=world_size, device=torch.device("cpu")
+    )
     other_layout = timed_loads(resharded)
     restored_equal = _digest(full_state_dict(resharded)) == saved_digest
-    return {"walls": walls, "save_s": save_s, "bytes_written": bytes_written,
-            "async_still_writing_after_k_steps": async_pending_at_end, "checkpoint_bytes": total,
-            "load_same_s": same_layout, "load_zero3_s": other_layout, "restored_equal": restored_equal}
+    return {
+        "walls": walls,
+        "save_s": save_s,
+        "bytes_written": bytes_written,
+        "async_still_writing_after_k_steps": async_pending_at_end,
+        "checkpoint_bytes": total,
+        "load_same_s": same_layout,
+        "load_zero3_s": other_layout,
+        "restored_equal": restored_equal,
+    }
 
 
 def checkpoint_figure(*, rounds: int, steps_between: int, loads: int, log=print) -> tuple[list[Row], dict[str, Any]]:
@@ -171,24 +188,41 @@ def checkpoint_figure(*, rounds: int, steps_between: int, loads: int, log=print)
     save_rates = [b / 1e6 / s for b, s in zip(r["bytes_written"], r["save_s"]["sync"])]
     load_same = [mb / s for s in r["load_same_s"]]
     load_zero3 = [mb / s for s in r["load_zero3_s"]]
-    log(f"  checkpoint {mb:.0f} MB: overhead sync {statistics.median(overhead['sync']):.0f} ms, async "
+    log(
+        f"  checkpoint {mb:.0f} MB: overhead sync {statistics.median(overhead['sync']):.0f} ms, async "
         f"{statistics.median(overhead['async']):.0f} ms per save; save {statistics.median(save_rates):.0f} MB/s, "
         f"load {statistics.median(load_same):.0f} MB/s, into ZeRO-3 {statistics.median(load_zero3):.0f} MB/s, "
-        f"bit-equal {r['restored_equal']}")
+        f"bit-equal {r['restored_equal']}"
+    )
     every = f"{steps_between} steps between saves"
     rows = [
-        Row(label="6a. checkpoint overhead per save, async vs sync", unit="ms", etrain=overhead["async"],
-            reference_name="etrain sync save", reference=overhead["sync"],
+        Row(
+            label="6a. checkpoint overhead per save, async vs sync",
+            unit="ms",
+            etrain=overhead["async"],
+            reference_name="etrain sync save",
+            reference=overhead["sync"],
             note=f"{mb:.0f} MB checkpoint (GPT 4×256, vocab 4096, AdamW), DP2; {every}; per training step at "
-                 f"that cadence: divide by {steps_between}"),
+            f"that cadence: divide by {steps_between}",
+        ),
         Row(label="6b. checkpoint save (sync), all ranks", unit="MB/s", etrain=save_rates),
         Row(label="6c. checkpoint load into the same layout (SHA-256 verified)", unit="MB/s", etrain=load_same),
-        Row(label="6d. restore DP2 → ZeRO-3 ×2 (resharded) vs same-layout load", unit="MB/s", etrain=load_zero3,
-            reference_name="same-layout load", reference=load_same,
-            note="parameters bit-equal after the reshard: " + ("yes" if r["restored_equal"] else "NO")),
+        Row(
+            label="6d. restore DP2 → ZeRO-3 ×2 (resharded) vs same-layout load",
+            unit="MB/s",
+            etrain=load_zero3,
+            reference_name="same-layout load",
+            reference=load_same,
+            note="parameters bit-equal after the reshard: " + ("yes" if r["restored_equal"] else "NO"),
+        ),
     ]
-    raw = {"rank0": r, "baseline_round_s": baseline, "steps_between": steps_between,
-           "model": "GPT 4x256, vocab 4096, seq 64", "filesystem": _filesystem(tempfile.gettempdir())}
+    raw = {
+        "rank0": r,
+        "baseline_round_s": baseline,
+        "steps_between": steps_between,
+        "model": "GPT 4x256, vocab 4096, seq 64",
+        "filesystem": _filesystem(tempfile.gettempdir()),
+    }
     return rows, raw
 
 
@@ -217,9 +251,11 @@ def _bubble_rank(rank: int, world_size: int, ms: tuple[int, ...], wanted: int, b
     from tests.pipeline_timing import time_pipeline_steps
 
     timed = time_pipeline_steps(rank, world_size, [("gpipe", 1, m) for m in ms], wanted, budget_s)
-    return {"clean": {m: [t.idle_fraction for t in timed["clean"][("gpipe", 1, m)]] for m in ms},
-            "all": {m: timed["all"][("gpipe", 1, m)] for m in ms},
-            "steps_seen": sum(len(steps) for steps in timed["all"].values())}
+    return {
+        "clean": {m: [t.idle_fraction for t in timed["clean"][("gpipe", 1, m)]] for m in ms},
+        "all": {m: timed["all"][("gpipe", 1, m)] for m in ms},
+        "steps_seen": sum(len(steps) for steps in timed["all"].values()),
+    }
 
 
 def bubble_figure(*, wanted: int, budget_s: float, log=print) -> tuple[list[Row], dict[str, Any]]:
@@ -238,19 +274,33 @@ def bubble_figure(*, wanted: int, budget_s: float, log=print) -> tuple[list[Row]
             pairs = list(zip(*(r["all"][m] for r in per_rank)))
             steps = [statistics.mean(idle for idle, _ in pair) for pair in pairs]
             worst = statistics.median(max(d for _, d in pair) for pair in pairs) if pairs else float("nan")
-            note = (f"machine too loaded for clean steps (median step: a rank descheduled {worst:.0%} of its compute); "
-                    f"all {len(steps)} steps, unreliable: descheduled time lands in both busy and wait time")
+            note = (
+                f"machine too loaded for clean steps (median step: a rank descheduled {worst:.0%} of its compute); "
+                f"all {len(steps)} steps, unreliable: descheduled time lands in both busy and wait time"
+            )
         formula = bubble(m)
-        rows.append(Row(label=f"7. pipeline bubble, GPipe P=2, M={m}", unit="fraction", etrain=steps,
-                        reference_name="(P-1)/(M+P-1)", reference=[formula],
-                        goal=Goal(on="difference", op="<=", value=0.12,
-                                  text="within ±0.12 of the formula (the test's band)"), note=note))
-        log(f"  bubble M={m:<2} measured {statistics.median(steps) if steps else float('nan'):.3f} "
-            f"formula {formula:.3f} ({note})")
-    raw = {"clean_idle_fractions": {str(m): [r["clean"][m] for r in per_rank] for m in BUBBLE_MS},
-           "all_steps_idle_descheduled": {str(m): [r["all"][m] for r in per_rank] for m in BUBBLE_MS},
-           "steps_seen": per_rank[0]["steps_seen"], "model": "GPT 8x256, seq 64, micro-batch 4",
-           "max_descheduled": MAX_DESCHEDULED}
+        rows.append(
+            Row(
+                label=f"7. pipeline bubble, GPipe P=2, M={m}",
+                unit="fraction",
+                etrain=steps,
+                reference_name="(P-1)/(M+P-1)",
+                reference=[formula],
+                goal=Goal(on="difference", op="<=", value=0.12, text="within ±0.12 of the formula (the test's band)"),
+                note=note,
+            )
+        )
+        log(
+            f"  bubble M={m:<2} measured {statistics.median(steps) if steps else float('nan'):.3f} "
+            f"formula {formula:.3f} ({note})"
+        )
+    raw = {
+        "clean_idle_fractions": {str(m): [r["clean"][m] for r in per_rank] for m in BUBBLE_MS},
+        "all_steps_idle_descheduled": {str(m): [r["all"][m] for r in per_rank] for m in BUBBLE_MS},
+        "steps_seen": per_rank[0]["steps_seen"],
+        "model": "GPT 8x256, seq 64, micro-batch 4",
+        "max_descheduled": MAX_DESCHEDULED,
+    }
     return rows, raw
 
 

@@ -81,8 +81,15 @@ def event_ts(events: list[dict[str, Any]], kind: str, after: float = 0.0) -> flo
 
 def timeline(events: list[dict[str, Any]], origin: float) -> list[dict[str, Any]]:
     """The event log relative to ``origin`` (the kill): where the recovery's seconds go."""
-    return [{"t": round(e["ts"] - origin, 3), "kind": e["kind"], "detail": str(e.get("detail", {}).get("message", ""))[:300]}
-            for e in events if e["ts"] >= origin - 1.0]
+    return [
+        {
+            "t": round(e["ts"] - origin, 3),
+            "kind": e["kind"],
+            "detail": str(e.get("detail", {}).get("message", ""))[:300],
+        }
+        for e in events
+        if e["ts"] >= origin - 1.0
+    ]
 
 
 def recovery(plane, job: Job, name: str, *, warm_spares: int) -> dict[str, Any]:
@@ -96,16 +103,28 @@ def recovery(plane, job: Job, name: str, *, warm_spares: int) -> dict[str, Any]:
     steps, events = all_steps(plane, job_id), plane.events(job_id)
     kill_ts = event_ts(events, "chaos_fired")
     measures = recovery_measures(steps, start_ts=submit_ts, kill_ts=kill_ts, kill_at=job.kill_at)
-    return {"system": "etrain", "job_id": job_id, "status": final["status"], "start_ts": submit_ts,
-            "kill_ts": kill_ts, "measures": measures, "job": final,
-            "timeline": timeline(events, kill_ts) if kill_ts else [],
-            "steps": [{k: row[k] for k in ("step", "ts", "attempt", "step_s")} for row in steps],
-            "events": [{"ts": e["ts"], "kind": e["kind"]} for e in events]}
+    return {
+        "system": "etrain",
+        "job_id": job_id,
+        "status": final["status"],
+        "start_ts": submit_ts,
+        "kill_ts": kill_ts,
+        "measures": measures,
+        "job": final,
+        "timeline": timeline(events, kill_ts) if kill_ts else [],
+        "steps": [{k: row[k] for k in ("step", "ts", "attempt", "step_s")} for row in steps],
+        "events": [{"ts": e["ts"], "kind": e["kind"]} for e in events],
+    }
 
 
 def goodput(plane, job: Job, *, interval_s: float, kills: int, every_steps: int, warm_spares: int) -> dict[str, Any]:
-    spec = etrain_spec(job, "bench-goodput", training={"steps": 10_000_000},
-                       fault_tolerance={"max_restarts": kills + 2}, checkpoint={"every_steps": every_steps})
+    spec = etrain_spec(
+        job,
+        "bench-goodput",
+        training={"steps": 10_000_000},
+        fault_tolerance={"max_restarts": kills + 2},
+        checkpoint={"every_steps": every_steps},
+    )
     wait_for_warm_spares(warm_spares)
     submit_ts = time.time()
     job_id = plane.submit(spec)["id"]
@@ -124,14 +143,26 @@ def goodput(plane, job: Job, *, interval_s: float, kills: int, every_steps: int,
     kept = [row for row in steps if row["ts"] <= end_ts]
     productive = sum(row["step_s"] or 0.0 for row in kept)
     wall = end_ts - submit_ts
-    return {"system": "etrain", "job_id": job_id, "status": final["status"], "start_ts": submit_ts,
-            "end_ts": end_ts, "interval_s": interval_s, "every_steps": every_steps, "kills_posted": fired,
-            "kills_fired": [e["ts"] for e in events if e["kind"] == "chaos_fired"],
-            "failures": [e["ts"] for e in events if e["kind"] == "worker_failed"],
-            "restarts": snapshot["restarts"], "steps_kept": len(kept), "productive_s": productive, "wall_s": wall,
-            "goodput": productive / wall if wall > 0 else None, "job_goodput": snapshot.get("goodput"),
-            "steps": [{k: row[k] for k in ("step", "ts", "attempt", "step_s")} for row in steps],
-            "events": [{"ts": e["ts"], "kind": e["kind"]} for e in events]}
+    return {
+        "system": "etrain",
+        "job_id": job_id,
+        "status": final["status"],
+        "start_ts": submit_ts,
+        "end_ts": end_ts,
+        "interval_s": interval_s,
+        "every_steps": every_steps,
+        "kills_posted": fired,
+        "kills_fired": [e["ts"] for e in events if e["kind"] == "chaos_fired"],
+        "failures": [e["ts"] for e in events if e["kind"] == "worker_failed"],
+        "restarts": snapshot["restarts"],
+        "steps_kept": len(kept),
+        "productive_s": productive,
+        "wall_s": wall,
+        "goodput": productive / wall if wall > 0 else None,
+        "job_goodput": snapshot.get("goodput"),
+        "steps": [{k: row[k] for k in ("step", "ts", "attempt", "step_s")} for row in steps],
+        "events": [{"ts": e["ts"], "kind": e["kind"]} for e in events],
+    }
 
 
 def hang(plane, job: Job, *, heartbeat_timeout_s: float, warm_spares: int) -> dict[str, Any]:
@@ -145,10 +176,18 @@ def hang(plane, job: Job, *, heartbeat_timeout_s: float, warm_spares: int) -> di
     fired = event_ts(events, "chaos_fired")
     detected = event_ts(events, "hang_detected", after=fired or 0.0)
     measures = recovery_measures(steps, start_ts=submit_ts, kill_ts=fired, kill_at=job.kill_at)
-    return {"system": "etrain", "job_id": job_id, "status": final["status"], "start_ts": submit_ts,
-            "hang_ts": fired, "detected_ts": detected, "heartbeat_timeout_s": heartbeat_timeout_s,
-            "detect_s": None if fired is None or detected is None else detected - fired,
-            "measures": measures, "timeline": timeline(events, fired) if fired else []}
+    return {
+        "system": "etrain",
+        "job_id": job_id,
+        "status": final["status"],
+        "start_ts": submit_ts,
+        "hang_ts": fired,
+        "detected_ts": detected,
+        "heartbeat_timeout_s": heartbeat_timeout_s,
+        "detect_s": None if fired is None or detected is None else detected - fired,
+        "measures": measures,
+        "timeline": timeline(events, fired) if fired else [],
+    }
 
 
 def main() -> None:
@@ -158,13 +197,18 @@ def main() -> None:
     parser.add_argument("--name", default="bench-recovery")
     parser.add_argument("--interval", type=float, default=60.0, help="goodput: seconds between kills")
     parser.add_argument("--kills", type=int, default=4, help="goodput: how many kills")
-    parser.add_argument("--goodput-every", type=int, default=GOODPUT_EVERY_STEPS,
-                        help="goodput: checkpoint every N steps")
+    parser.add_argument(
+        "--goodput-every", type=int, default=GOODPUT_EVERY_STEPS, help="goodput: checkpoint every N steps"
+    )
     parser.add_argument("--heartbeat-timeout", type=float, default=5.0, help="hang: heartbeat_timeout_s")
     parser.add_argument("--hang-repeats", type=int, default=1)
-    parser.add_argument("--warm-spares", type=int, default=None,
-                        help="the service's warm_spares_per_node (default: the job's ranks + 1, so the first launch "
-                             "and a replacement both find a ready spare); each submit waits until they are ready")
+    parser.add_argument(
+        "--warm-spares",
+        type=int,
+        default=None,
+        help="the service's warm_spares_per_node (default: the job's ranks + 1, so the first launch "
+        "and a replacement both find a ready spare); each submit waits until they are ready",
+    )
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     job = Job(**json.loads(args.job))
@@ -177,17 +221,27 @@ def main() -> None:
     out: dict[str, Any] = {}
     ray.init(address="local", num_cpus=NUM_CPUS, include_dashboard=False, namespace="etrain", log_to_driver=False)
     try:
-        with (tempfile.TemporaryDirectory(prefix="etrain-bench-") as data_dir,
-              control_plane(Path(data_dir), warm_spares_per_node=warm) as plane):
+        with (
+            tempfile.TemporaryDirectory(prefix="etrain-bench-") as data_dir,
+            control_plane(Path(data_dir), warm_spares_per_node=warm) as plane,
+        ):
             for scenario in args.scenario:
                 if scenario == "recovery":
                     out["recovery"] = recovery(plane, job, args.name, warm_spares=warm)
                 elif scenario == "goodput":
-                    out["goodput"] = goodput(plane, job, interval_s=args.interval, kills=args.kills,
-                                            every_steps=args.goodput_every, warm_spares=warm)
+                    out["goodput"] = goodput(
+                        plane,
+                        job,
+                        interval_s=args.interval,
+                        kills=args.kills,
+                        every_steps=args.goodput_every,
+                        warm_spares=warm,
+                    )
                 else:
-                    out["hang"] = [hang(plane, job, heartbeat_timeout_s=args.heartbeat_timeout, warm_spares=warm)
-                                   for _ in range(args.hang_repeats)]
+                    out["hang"] = [
+                        hang(plane, job, heartbeat_timeout_s=args.heartbeat_timeout, warm_spares=warm)
+                        for _ in range(args.hang_repeats)
+                    ]
     finally:
         ray.shutdown()
     args.out.write_text(json.dumps(out))

@@ -95,7 +95,7 @@ class Goal:
         return {"on": self.on, "op": self.op, "value": self.value, "text": self.text}
 
     @classmethod
-    def of(cls, raw: dict[str, Any] | None) -> "Goal | None":
+    def of(cls, raw: dict[str, Any] | None) -> Goal | None:
         return None if raw is None else cls(on=raw["on"], op=raw["op"], value=float(raw["value"]), text=raw["text"])
 
 
@@ -116,20 +116,30 @@ class Row:
 
     def as_dict(self) -> dict[str, Any]:
         return {
-            "label": self.label, "unit": self.unit, "etrain": list(self.etrain),
+            "label": self.label,
+            "unit": self.unit,
+            "etrain": list(self.etrain),
             "reference_name": self.reference_name,
             "reference": None if self.reference is None else list(self.reference),
-            "ratio": self.ratio, "goal": None if self.goal is None else self.goal.as_dict(),
-            "pending": self.pending, "note": self.note,
+            "ratio": self.ratio,
+            "goal": None if self.goal is None else self.goal.as_dict(),
+            "pending": self.pending,
+            "note": self.note,
         }
 
     @classmethod
-    def of(cls, raw: dict[str, Any]) -> "Row":
-        return cls(label=raw["label"], unit=raw["unit"], etrain=[float(x) for x in raw.get("etrain") or []],
-                   reference_name=raw.get("reference_name"),
-                   reference=None if raw.get("reference") is None else [float(x) for x in raw["reference"]],
-                   ratio=raw.get("ratio", "etrain/reference"), goal=Goal.of(raw.get("goal")),
-                   pending=raw.get("pending"), note=raw.get("note"))
+    def of(cls, raw: dict[str, Any]) -> Row:
+        return cls(
+            label=raw["label"],
+            unit=raw["unit"],
+            etrain=[float(x) for x in raw.get("etrain") or []],
+            reference_name=raw.get("reference_name"),
+            reference=None if raw.get("reference") is None else [float(x) for x in raw["reference"]],
+            ratio=raw.get("ratio", "etrain/reference"),
+            goal=Goal.of(raw.get("goal")),
+            pending=raw.get("pending"),
+            note=raw.get("note"),
+        )
 
 
 @dataclass(frozen=True)
@@ -174,8 +184,14 @@ def _count(samples: list[float]) -> int:
 
 
 #: unit -> how a median of it is written in the table
-_FORMATS = {"fraction": "{:.1%}", "×": "{:.2f}×", "s": "{:.2f} s", "steps": "{:g} steps", "ms": "{:.1f} ms",
-            "MB/s": "{:.0f} MB/s"}
+_FORMATS = {
+    "fraction": "{:.1%}",
+    "×": "{:.2f}×",
+    "s": "{:.2f} s",
+    "steps": "{:g} steps",
+    "ms": "{:.1f} ms",
+    "MB/s": "{:.0f} MB/s",
+}
 
 
 def format_value(value: float, unit: str) -> str:
@@ -188,12 +204,28 @@ def format_value(value: float, unit: str) -> str:
 # -- files -------------------------------------------------------------------------------------------------
 
 
-def figure_document(figure: str, title: str, rows: list[Row], *, quick: bool, machine: dict[str, Any],
-                    seconds: float, raw: dict[str, Any] | None = None, notes: list[str] | None = None) -> dict:
+def figure_document(
+    figure: str,
+    title: str,
+    rows: list[Row],
+    *,
+    quick: bool,
+    machine: dict[str, Any],
+    seconds: float,
+    raw: dict[str, Any] | None = None,
+    notes: list[str] | None = None,
+) -> dict:
     """The JSON of one figure: its rows (samples), the raw per-run records behind them, the machine."""
     return {
-        "format": FORMAT_VERSION, "figure": figure, "title": title, "quick": quick, "seconds": round(seconds, 1),
-        "rows": [row.as_dict() for row in rows], "notes": notes or [], "raw": raw or {}, "machine": machine,
+        "format": FORMAT_VERSION,
+        "figure": figure,
+        "title": title,
+        "quick": quick,
+        "seconds": round(seconds, 1),
+        "rows": [row.as_dict() for row in rows],
+        "notes": notes or [],
+        "raw": raw or {},
+        "machine": machine,
     }
 
 
@@ -241,8 +273,12 @@ def machine_info(note: str = "", load_samples: list[float] | None = None) -> dic
         "note": note,
     }
     if load_samples:
-        info["load_1min"] = {"min": min(load_samples), "median": statistics.median(load_samples),
-                             "max": max(load_samples), "samples": len(load_samples)}
+        info["load_1min"] = {
+            "min": min(load_samples),
+            "median": statistics.median(load_samples),
+            "max": max(load_samples),
+            "samples": len(load_samples),
+        }
     return info
 
 
@@ -280,8 +316,9 @@ def _versions() -> dict[str, str]:
 
 def _git(*args: str) -> str:
     try:
-        return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
-                              cwd=Path(__file__).resolve().parents[1]).stdout.strip()
+        return subprocess.run(
+            ["git", *args], capture_output=True, text=True, timeout=10, cwd=Path(__file__).resolve().parents[1]
+        ).stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         return ""
 

@@ -48,11 +48,13 @@ ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
 #: ~790M parameters (3 GiB fp32), so the parameters dominate the ~270 MiB runtime both builds carry,
 #: and an 8k vocabulary, so no single parameter (the init transient) is large next to the model:
 #: 32 blocks of d 1280, SwiGLU 5120, 20 query / 4 key-value heads.
-INIT_MODEL = ModelConfig(arch="llama", n_layers=32, d_model=1280, n_heads=20, n_kv_heads=4, d_ff=5120,
-                         vocab_size=8192, seq_len=64)
+INIT_MODEL = ModelConfig(
+    arch="llama", n_layers=32, d_model=1280, n_heads=20, n_kv_heads=4, d_ff=5120, vocab_size=8192, seq_len=64
+)
 #: ~67M parameters: 6 blocks of d 640 (10 heads, 2 kv heads), SwiGLU 1728, a 32k vocabulary, seq 64.
-ACCURACY_MODEL = ModelConfig(arch="llama", n_layers=6, d_model=640, n_heads=10, n_kv_heads=2, d_ff=1728,
-                             vocab_size=32000, seq_len=64)
+ACCURACY_MODEL = ModelConfig(
+    arch="llama", n_layers=6, d_model=640, n_heads=10, n_kv_heads=2, d_ff=1728, vocab_size=32000, seq_len=64
+)
 ACCURACY_LAYOUTS = [
     ("DDP ×2", ParallelConfig(dp=2)),
     ("ZeRO-1 ×2", ParallelConfig(dp=2, zero=1)),
@@ -137,8 +139,10 @@ def accuracy_table(rows: list[AccuracyRow], runtime_bytes: int, params: int) -> 
         "|---|---|---|---|---|---|",
     ]
     for r in rows:
-        lines.append(f"| {r.layout} | {r.ranks} | {r.phase.replace('_', ' ')} | {r.predicted / MiB:.0f} | "
-                     f"{r.measured / MiB:.0f} | {r.ratio:.2f} |")
+        lines.append(
+            f"| {r.layout} | {r.ranks} | {r.phase.replace('_', ' ')} | {r.predicted / MiB:.0f} | "
+            f"{r.measured / MiB:.0f} | {r.ratio:.2f} |"
+        )
     worst = max(rows, key=lambda r: abs(r.ratio - 1))
     verdict = "all within" if all(within(r.ratio, 0.15) for r in rows) else "NOT all within"
     lines += ["", f"Largest deviation: {worst.layout}, {worst.ratio - 1:+.0%}; {verdict} the ±15% target."]
@@ -217,8 +221,13 @@ def measure_runtime_rss() -> int:
 
 
 def _config(model: ModelConfig, parallel: ParallelConfig, training: TrainingConfig) -> RunConfig:
-    return RunConfig(job_id="bench-memory", model=model, data=DataConfig(kind="synthetic", seed=0),
-                     parallel=parallel, training=training)
+    return RunConfig(
+        job_id="bench-memory",
+        model=model,
+        data=DataConfig(kind="synthetic", seed=0),
+        parallel=parallel,
+        training=training,
+    )
 
 
 def bench_meta_init(runtime_rss: int) -> InitResult:
@@ -230,8 +239,13 @@ def bench_meta_init(runtime_rss: int) -> InitResult:
         (full,) = run_distributed(_full_build_rank, 1, INIT_MODEL, timeout_s=600)
     memory = planner_estimate(config).memory
     planned = predicted_peak_bytes(memory.phases["init"], memory.overhead, runtime_rss)
-    return InitResult(params=INIT_MODEL.num_params, meta_zero3_rss=tuple(meta), full_build_rss=full,
-                      runtime_rss=runtime_rss, planned_init=planned)
+    return InitResult(
+        params=INIT_MODEL.num_params,
+        meta_zero3_rss=tuple(meta),
+        full_build_rss=full,
+        runtime_rss=runtime_rss,
+        planned_init=planned,
+    )
 
 
 def planner_estimate(config: RunConfig):
@@ -240,15 +254,35 @@ def planner_estimate(config: RunConfig):
     from etrain.service.planning.spec import JobSpec
 
     m, p, t = config.model, config.parallel, config.training
-    spec = JobSpec.model_validate({
-        "name": "bench",
-        "model": {"kind": "llama", "n_layers": m.n_layers, "d_model": m.d_model, "n_heads": m.n_heads,
-                  "n_kv_heads": m.kv_heads, "vocab_size": m.vocab_size, "seq_len": m.seq_len, "d_ff": m.ffn_dim},
-        "parallelism": {"dp": p.dp, "tp": p.tp, "pp": p.pp, "zero": p.zero, "pp_schedule": p.pp_schedule,
-                        "virtual_stages": p.virtual_stages},
-        "training": {"steps": t.steps, "global_batch": t.global_batch, "micro_batch": t.micro_batch,
-                     "precision": t.precision},
-    })
+    spec = JobSpec.model_validate(
+        {
+            "name": "bench",
+            "model": {
+                "kind": "llama",
+                "n_layers": m.n_layers,
+                "d_model": m.d_model,
+                "n_heads": m.n_heads,
+                "n_kv_heads": m.kv_heads,
+                "vocab_size": m.vocab_size,
+                "seq_len": m.seq_len,
+                "d_ff": m.ffn_dim,
+            },
+            "parallelism": {
+                "dp": p.dp,
+                "tp": p.tp,
+                "pp": p.pp,
+                "zero": p.zero,
+                "pp_schedule": p.pp_schedule,
+                "virtual_stages": p.virtual_stages,
+            },
+            "training": {
+                "steps": t.steps,
+                "global_batch": t.global_batch,
+                "micro_batch": t.micro_batch,
+                "precision": t.precision,
+            },
+        }
+    )
     return estimate(spec)
 
 
@@ -262,11 +296,18 @@ def bench_planner_accuracy(runtime_rss: int, *, log=print) -> list[AccuracyRow]:
         start = time.perf_counter()
         with allocator_env():
             measured = run_distributed(_train_rank, parallel.world_size, config, timeout_s=600)
-        rows.append(AccuracyRow(
-            layout=name, ranks=parallel.world_size, phase=memory.phase,
-            predicted=predicted_peak_bytes(memory.total, memory.overhead, runtime_rss), measured=max(measured),
-            seconds=time.perf_counter() - start,
-        ))
-        log(f"  {name:<14} planner {rows[-1].predicted / MiB:7.0f} MiB  measured {rows[-1].measured / MiB:7.0f} MiB"
-            f"  ratio {rows[-1].ratio:.2f}  ({rows[-1].seconds:.0f} s)")
+        rows.append(
+            AccuracyRow(
+                layout=name,
+                ranks=parallel.world_size,
+                phase=memory.phase,
+                predicted=predicted_peak_bytes(memory.total, memory.overhead, runtime_rss),
+                measured=max(measured),
+                seconds=time.perf_counter() - start,
+            )
+        )
+        log(
+            f"  {name:<14} planner {rows[-1].predicted / MiB:7.0f} MiB  measured {rows[-1].measured / MiB:7.0f} MiB"
+            f"  ratio {rows[-1].ratio:.2f}  ({rows[-1].seconds:.0f} s)"
+        )
     return rows

@@ -56,8 +56,9 @@ def run_group(command: list[str], *, timeout_s: float, log_path: Path, env: dict
     started = time.monotonic()
     timed_out = False
     with open(log_path, "wb") as log:
-        child = subprocess.Popen(command, cwd=REPO, env=env or child_env(), stdout=log, stderr=subprocess.STDOUT,
-                                 start_new_session=True)
+        child = subprocess.Popen(
+            command, cwd=REPO, env=env or child_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             child.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -108,15 +109,19 @@ def _tail(path: Path, lines: int = 25) -> str:
         return ""
 
 
-def run_json(module: str, args: list[str], *, out: Path, timeout_s: float, log_path: Path,
-             env: dict[str, str] | None = None) -> Any:
+def run_json(
+    module: str, args: list[str], *, out: Path, timeout_s: float, log_path: Path, env: dict[str, str] | None = None
+) -> Any:
     """``python -m module args --out out`` in its own group; the JSON it wrote to ``out``."""
     out.unlink(missing_ok=True)
-    finished = run_group([sys.executable, "-m", module, *args, "--out", str(out)], timeout_s=timeout_s,
-                         log_path=log_path, env=env)
+    finished = run_group(
+        [sys.executable, "-m", module, *args, "--out", str(out)], timeout_s=timeout_s, log_path=log_path, env=env
+    )
     if finished.returncode != 0 or not out.exists():
-        raise RunFailed(f"{module} exited with {finished.returncode} and {'a' if out.exists() else 'no'} result; "
-                        f"log {log_path}:\n{finished.output_tail}")
+        raise RunFailed(
+            f"{module} exited with {finished.returncode} and {'a' if out.exists() else 'no'} result; "
+            f"log {log_path}:\n{finished.output_tail}"
+        )
     return json.loads(out.read_text())
 
 
@@ -128,7 +133,7 @@ class LoadSampler:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(period_s,), name="load-sampler", daemon=True)
 
-    def __enter__(self) -> "LoadSampler":
+    def __enter__(self) -> LoadSampler:
         self._thread.start()
         return self
 

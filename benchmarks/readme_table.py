@@ -41,8 +41,10 @@ def render_rows(rows: list[Row]) -> list[str]:
         if row.reference is not None:
             reference = f"{row.reference_name}: {format_value(s.reference_median, row.unit)}"
         goal = row.goal.text if row.goal else "—"
-        lines.append(f"| {row.label} | {format_value(s.etrain_median, row.unit)} | {reference} | "
-                     f"{_ratio_text(row, s.ratio)} | {goal} | {s.verdict} | {s.n} |")
+        lines.append(
+            f"| {row.label} | {format_value(s.etrain_median, row.unit)} | {reference} | "
+            f"{_ratio_text(row, s.ratio)} | {goal} | {s.verdict} | {s.n} |"
+        )
     return lines
 
 
@@ -60,9 +62,13 @@ def render(results: Path = RESULTS) -> str:
     ]
     for name in names:
         lines += render_rows(documents[name][1])
-    lines += ["", "Ratios are ratios of medians: etrain / peer for times (lower is better); for 8, peer step / "
-              "etrain step, i.e. etrain's speed relative to the peer's. A ratio row's goal is on the ratio; goodput "
-              "and recomputed steps are etrain's own median; the bubble is |measured − formula|.", ""]
+    lines += [
+        "",
+        "Ratios are ratios of medians: etrain / peer for times (lower is better); for 8, peer step / "
+        "etrain step, i.e. etrain's speed relative to the peer's. A ratio row's goal is on the ratio; goodput "
+        "and recomputed steps are etrain's own median; the bubble is |measured − formula|.",
+        "",
+    ]
     lines += _machine_lines(documents)
     notes = [row for _, rows in documents.values() for row in rows if row.note]
     if notes:
@@ -84,13 +90,17 @@ def _machine_lines(documents: dict) -> list[str]:
     loads = [m["load_1min"] for _, m, _ in machines if m.get("load_1min")]
     quick = {d["quick"] for _, _, d in machines}
     mode = "`--quick`" if quick == {True} else "full" if quick == {False} else "mixed quick and full"
-    line = (f"Measured ({mode}) on {first.get('cpus')} CPU cores ({first.get('cpu_model')}), "
-            f"{first.get('memory_gib')} GiB, torch {first.get('versions', {}).get('torch')}, ray "
-            f"{first.get('versions', {}).get('ray')}, commit {first.get('commit', '')[:10]}"
-            f"{' + local changes' if first.get('dirty') else ''}, {dates[0]} to {dates[-1]}.")
+    line = (
+        f"Measured ({mode}) on {first.get('cpus')} CPU cores ({first.get('cpu_model')}), "
+        f"{first.get('memory_gib')} GiB, torch {first.get('versions', {}).get('torch')}, ray "
+        f"{first.get('versions', {}).get('ray')}, commit {first.get('commit', '')[:10]}"
+        f"{' + local changes' if first.get('dirty') else ''}, {dates[0]} to {dates[-1]}."
+    )
     if loads:
-        line += (f" 1-minute load average during the figures: median {min(l['median'] for l in loads):.1f}–"
-                 f"{max(l['median'] for l in loads):.1f}, max {max(l['max'] for l in loads):.1f}.")
+        line += (
+            f" 1-minute load average during the figures: median {min(load['median'] for load in loads):.1f}–"
+            f"{max(load['median'] for load in loads):.1f}, max {max(load['max'] for load in loads):.1f}."
+        )
     notes = sorted({m.get("note") for _, m, _ in machines if m.get("note")})
     if notes:
         line += " " + " ".join(notes)
@@ -101,8 +111,10 @@ def update_readme(readme: Path = README, results: Path = RESULTS) -> bool:
     """Replace the region between the markers; True if the file changed."""
     text = readme.read_text()
     if BEGIN not in text or END not in text:
-        raise SystemExit(f"{readme} has no benchmark-suite region: add the two lines\n{BEGIN}\n{END}\n"
-                         "where the suite's table belongs, then run this again.")
+        raise SystemExit(
+            f"{readme} has no benchmark-suite region: add the two lines\n{BEGIN}\n{END}\n"
+            "where the suite's table belongs, then run this again."
+        )
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
     new = f"{head}{BEGIN}\n{render(results)}{END}{tail}"
@@ -115,14 +127,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", type=Path, default=RESULTS)
     parser.add_argument("--readme", type=Path, default=README)
-    parser.add_argument("--check", action="store_true", help="exit 1 if the table in benchmarks/README.md is out of date")
+    parser.add_argument(
+        "--check", action="store_true", help="exit 1 if the table in benchmarks/README.md is out of date"
+    )
     args = parser.parse_args()
     if args.check:
         text = args.readme.read_text()
         expected = f"{BEGIN}\n{render(args.results)}{END}"
         if expected not in text:
-            print(f"{args.readme}: the benchmark table is not what {args.results} gives; run "
-                  "`python -m benchmarks.readme_table`", file=sys.stderr)
+            print(
+                f"{args.readme}: the benchmark table is not what {args.results} gives; run "
+                "`python -m benchmarks.readme_table`",
+                file=sys.stderr,
+            )
             sys.exit(1)
         return
     changed = update_readme(args.readme, args.results)

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from benchmarks.figures import Goal, Row, median
 from benchmarks.peers.common import Job, recovery_measures
@@ -39,41 +40,56 @@ def run_system(system: str, job: Job, workdir: Path, *, timeout_s: float, name: 
     workdir.mkdir(parents=True, exist_ok=True)
     job_json = json.dumps(job.as_dict())
     if system == "etrain":
-        record = run_json("benchmarks.etrain_side", ["--scenario", "recovery", "--job", job_json, "--name", name],
-                          out=workdir / "result.json", timeout_s=timeout_s, log_path=workdir / "run.log")["recovery"]
+        record = run_json(
+            "benchmarks.etrain_side",
+            ["--scenario", "recovery", "--job", job_json, "--name", name],
+            out=workdir / "result.json",
+            timeout_s=timeout_s,
+            log_path=workdir / "run.log",
+        )["recovery"]
         if record["status"] != "SUCCEEDED":
             record["error"] = f"etrain job ended {record['status']}: {record['job'].get('error')}"
         return record
     if system == "ray_train":
-        record = run_json("benchmarks.peers.ray_train", ["--job", job_json, "--workdir", str(workdir)],
-                          out=workdir / "result.json", timeout_s=timeout_s, log_path=workdir / "run.log")
+        record = run_json(
+            "benchmarks.peers.ray_train",
+            ["--job", job_json, "--workdir", str(workdir)],
+            out=workdir / "result.json",
+            timeout_s=timeout_s,
+            log_path=workdir / "run.log",
+        )
     else:
         from benchmarks.peers.torchrun_elastic import run
 
         record = run(job, workdir, timeout_s=timeout_s)
     kill_ts = record["kill"]["ts"] if record.get("kill") else None
-    record["measures"] = recovery_measures(record["steps"], start_ts=record["start_ts"], kill_ts=kill_ts,
-                                           kill_at=job.kill_at)
+    record["measures"] = recovery_measures(
+        record["steps"], start_ts=record["start_ts"], kill_ts=kill_ts, kill_at=job.kill_at
+    )
     return record
 
 
-def recovery_figures(*, job: Job, rounds: int, workdir: Path, timeout_s: float,
-                     log: Callable[[str], None] = print) -> dict[str, tuple[list[Row], dict[str, Any]]]:
+def recovery_figures(
+    *, job: Job, rounds: int, workdir: Path, timeout_s: float, log: Callable[[str], None] = print
+) -> dict[str, tuple[list[Row], dict[str, Any]]]:
     """``{"startup": (rows, raw), "recovery": (rows, raw)}`` from ``rounds`` alternating rounds."""
     runs: dict[str, list[dict[str, Any]]] = {system: [] for system in SYSTEMS}
     for index in range(rounds):
         order = SYSTEMS if index % 2 == 0 else tuple(reversed(SYSTEMS))
         for system in order:
             try:
-                record = run_system(system, job, workdir / f"round{index}-{system}", timeout_s=timeout_s,
-                                    name=f"bench-recovery-{index}")
+                record = run_system(
+                    system, job, workdir / f"round{index}-{system}", timeout_s=timeout_s, name=f"bench-recovery-{index}"
+                )
             except RunFailed as exc:
                 record = {"system": system, "error": str(exc)[-3000:], "measures": {}}
             runs[system].append(record)
             m = record.get("measures", {})
-            log(f"  round {index + 1}/{rounds} {system:<9} startup {_s(m.get('startup_s'))}  recovery "
+            log(
+                f"  round {index + 1}/{rounds} {system:<9} startup {_s(m.get('startup_s'))}  recovery "
                 f"{_s(m.get('recovery_s'))}  recomputed {m.get('recomputed')}  back at step {job.kill_at + 1} "
-                f"{_s(m.get('progress_s'))}{'  ERROR ' + record['error'][:200] if record.get('error') else ''}")
+                f"{_s(m.get('progress_s'))}{'  ERROR ' + record['error'][:200] if record.get('error') else ''}"
+            )
 
     def samples(system: str, key: str) -> list[float]:
         return [float(r["measures"][key]) for r in runs[system] if r.get("measures", {}).get(key) is not None]
@@ -81,51 +97,101 @@ def recovery_figures(*, job: Job, rounds: int, workdir: Path, timeout_s: float,
     peer_recovery = {peer: median(samples(peer, "recovery_s")) for peer in ("ray_train", "torchrun")}
     measured = {peer: value for peer, value in peer_recovery.items() if value == value}
     best = min(measured, key=measured.get) if measured else "ray_train"
-    setup = (f"DP2 gpt-tiny, {job.steps} steps, checkpoint every {job.every}, rank {job.kill_rank} SIGKILLed at "
-             f"step {job.kill_at}; {rounds} alternating rounds")
+    setup = (
+        f"DP2 gpt-tiny, {job.steps} steps, checkpoint every {job.every}, rank {job.kill_rank} SIGKILLed at "
+        f"step {job.kill_at}; {rounds} alternating rounds"
+    )
     startup_rows = [
-        Row(label="1. startup: submit → first step, vs Ray Train v2", unit="s", etrain=samples("etrain", "startup_s"),
-            reference_name=PEER_NAMES["ray_train"], reference=samples("ray_train", "startup_s"),
+        Row(
+            label="1. startup: submit → first step, vs Ray Train v2",
+            unit="s",
+            etrain=samples("etrain", "startup_s"),
+            reference_name=PEER_NAMES["ray_train"],
+            reference=samples("ray_train", "startup_s"),
             goal=Goal(on="ratio", op="<=", value=0.15, text="≤ 0.15×"),
             note="etrain: HTTP submit → step 1's record (the supervisor's receive time); Ray Train: fit() → rank 0 "
-                 "logs step 1; " + setup),
-        Row(label="1. startup: submit → first step, vs torchrun", unit="s", etrain=samples("etrain", "startup_s"),
-            reference_name=PEER_NAMES["torchrun"], reference=samples("torchrun", "startup_s"),
-            note="torchrun: process launch → rank 0 logs step 1 (no scheduler, no service: a floor, not a goal)"),
+            "logs step 1; " + setup,
+        ),
+        Row(
+            label="1. startup: submit → first step, vs torchrun",
+            unit="s",
+            etrain=samples("etrain", "startup_s"),
+            reference_name=PEER_NAMES["torchrun"],
+            reference=samples("torchrun", "startup_s"),
+            note="torchrun: process launch → rank 0 logs step 1 (no scheduler, no service: a floor, not a goal)",
+        ),
     ]
     recovery_rows = []
     for peer in ("ray_train", "torchrun"):
-        recovery_rows.append(Row(
-            label=f"2. recovery: SIGKILL → next completed step, vs {'Ray Train v2' if peer == 'ray_train' else 'torchrun'}",
-            unit="s", etrain=samples("etrain", "recovery_s"), reference_name=PEER_NAMES[peer],
-            reference=samples(peer, "recovery_s"),
-            goal=Goal(on="ratio", op="<=", value=0.3, text="≤ 0.3× of the best peer") if peer == best else None,
-            note=None if peer == best else "not the best peer: the goal applies to the other row"))
+        recovery_rows.append(
+            Row(
+                label=f"2. recovery: SIGKILL → next completed step, vs {'Ray Train v2' if peer == 'ray_train' else 'torchrun'}",
+                unit="s",
+                etrain=samples("etrain", "recovery_s"),
+                reference_name=PEER_NAMES[peer],
+                reference=samples(peer, "recovery_s"),
+                goal=Goal(on="ratio", op="<=", value=0.3, text="≤ 0.3× of the best peer") if peer == best else None,
+                note=None if peer == best else "not the best peer: the goal applies to the other row",
+            )
+        )
     last_checkpoint = job.every * (job.kill_at // job.every)
-    lost = {system: sum(1 for r in runs[system] if r.get("measures", {}).get("resumed_from") is not None
-                        and r["measures"]["resumed_from"] < last_checkpoint) for system in SYSTEMS}
-    note = ("Peer-memory state restores the last committed step (step 10), as a checkpoint does, so the steps "
-            "since it are recomputed either way; what it saves is the read from storage.")
+    lost = {
+        system: sum(
+            1
+            for r in runs[system]
+            if r.get("measures", {}).get("resumed_from") is not None and r["measures"]["resumed_from"] < last_checkpoint
+        )
+        for system in SYSTEMS
+    }
+    note = (
+        "Peer-memory state restores the last committed step (step 10), as a checkpoint does, so the steps "
+        "since it are recomputed either way; what it saves is the read from storage."
+    )
     if lost["ray_train"]:
-        note += (f" Ray Train restarted from step 0 in {lost['ray_train']} of {len(runs['ray_train'])} runs: its "
-                 f"step-{last_checkpoint} checkpoint was on storage but not registered, since the controller takes a "
-                 "worker's reports (a one-slot queue) once per RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (2 s) and the kill "
-                 f"came {job.kill_at - last_checkpoint} short steps after the report.")
-    recovery_rows.append(Row(
-        label="2. recovery: steps recomputed", unit="steps", etrain=samples("etrain", "recomputed"),
-        reference_name=PEER_NAMES[best], reference=samples(best, "recomputed"),
-        goal=Goal(on="etrain", op="<=", value=job.every, text=f"≤ {job.every} (one checkpoint interval)"),
-        note=note))
+        note += (
+            f" Ray Train restarted from step 0 in {lost['ray_train']} of {len(runs['ray_train'])} runs: its "
+            f"step-{last_checkpoint} checkpoint was on storage but not registered, since the controller takes a "
+            "worker's reports (a one-slot queue) once per RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (2 s) and the kill "
+            f"came {job.kill_at - last_checkpoint} short steps after the report."
+        )
+    recovery_rows.append(
+        Row(
+            label="2. recovery: steps recomputed",
+            unit="steps",
+            etrain=samples("etrain", "recomputed"),
+            reference_name=PEER_NAMES[best],
+            reference=samples(best, "recomputed"),
+            goal=Goal(on="etrain", op="<=", value=job.every, text=f"≤ {job.every} (one checkpoint interval)"),
+            note=note,
+        )
+    )
     for peer in ("ray_train", "torchrun"):
         if peer != best:
-            recovery_rows.append(Row(
-                label=f"2. recovery: steps recomputed, vs {'Ray Train v2' if peer == 'ray_train' else 'torchrun'}",
-                unit="steps", etrain=samples("etrain", "recomputed"), reference_name=PEER_NAMES[peer],
-                reference=samples(peer, "recomputed")))
-    recovery_rows.append(Row(
-        label=f"2. recovery: SIGKILL → step {job.kill_at + 1} done again", unit="s",
-        etrain=samples("etrain", "progress_s"), reference_name=PEER_NAMES[best], reference=samples(best, "progress_s")))
-    raw = {"job": job.as_dict(), "rounds": rounds, "best_peer": best, "runs": runs, "resumed_before_last_checkpoint": lost}
+            recovery_rows.append(
+                Row(
+                    label=f"2. recovery: steps recomputed, vs {'Ray Train v2' if peer == 'ray_train' else 'torchrun'}",
+                    unit="steps",
+                    etrain=samples("etrain", "recomputed"),
+                    reference_name=PEER_NAMES[peer],
+                    reference=samples(peer, "recomputed"),
+                )
+            )
+    recovery_rows.append(
+        Row(
+            label=f"2. recovery: SIGKILL → step {job.kill_at + 1} done again",
+            unit="s",
+            etrain=samples("etrain", "progress_s"),
+            reference_name=PEER_NAMES[best],
+            reference=samples(best, "progress_s"),
+        )
+    )
+    raw = {
+        "job": job.as_dict(),
+        "rounds": rounds,
+        "best_peer": best,
+        "runs": runs,
+        "resumed_before_last_checkpoint": lost,
+    }
     return {"startup": (startup_rows, raw), "recovery": (recovery_rows, raw)}
 
 
@@ -136,8 +202,10 @@ def recovery_profile(raw: dict[str, Any]) -> list[str]:
         return []
     timed.sort(key=lambda r: r["measures"]["recovery_s"])
     run = timed[(len(timed) - 1) // 2]  # the lower median of an even count
-    lines = [f"etrain's median recovery run ({run['measures']['recovery_s']:.2f} s to the next step), its event log "
-             "in seconds after the kill:"]
+    lines = [
+        f"etrain's median recovery run ({run['measures']['recovery_s']:.2f} s to the next step), its event log "
+        "in seconds after the kill:"
+    ]
     for event in run.get("timeline", []):
         if event["t"] < 0 or event["kind"].startswith("checkpoint"):
             continue
@@ -157,8 +225,10 @@ def startup_profile(raw: dict[str, Any]) -> list[str]:
     timed.sort(key=lambda r: r["measures"]["startup_s"])
     run = timed[(len(timed) - 1) // 2]
     startup = run["measures"]["startup_s"]
-    lines = [f"etrain's median start-up run ({startup:.2f} s from submit to step 1), its event log in seconds "
-             "after the HTTP submit:"]
+    lines = [
+        f"etrain's median start-up run ({startup:.2f} s from submit to step 1), its event log in seconds "
+        "after the HTTP submit:"
+    ]
     for event in run.get("events", []):
         t = event["ts"] - run["start_ts"]
         if t > startup:
@@ -176,38 +246,79 @@ def startup_profile(raw: dict[str, Any]) -> list[str]:
 GOODPUT_EVERY_STEPS = 150
 
 
-def fault_figures(*, job: Job, interval_s: float, kills: int, heartbeat_timeout_s: float, hang_repeats: int,
-                  workdir: Path, timeout_s: float, log: Callable[[str], None] = print
-                  ) -> dict[str, tuple[list[Row], dict[str, Any]]]:
+def fault_figures(
+    *,
+    job: Job,
+    interval_s: float,
+    kills: int,
+    heartbeat_timeout_s: float,
+    hang_repeats: int,
+    workdir: Path,
+    timeout_s: float,
+    log: Callable[[str], None] = print,
+) -> dict[str, tuple[list[Row], dict[str, Any]]]:
     """``{"goodput": ..., "hang": ...}`` from one etrain session."""
     workdir.mkdir(parents=True, exist_ok=True)
     result = run_json(
         "benchmarks.etrain_side",
-        ["--scenario", "goodput", "--scenario", "hang", "--job", json.dumps(job.as_dict()),
-         "--interval", str(interval_s), "--kills", str(kills), "--heartbeat-timeout", str(heartbeat_timeout_s),
-         "--hang-repeats", str(hang_repeats), "--goodput-every", str(GOODPUT_EVERY_STEPS)],
-        out=workdir / "result.json", timeout_s=timeout_s, log_path=workdir / "run.log")
+        [
+            "--scenario",
+            "goodput",
+            "--scenario",
+            "hang",
+            "--job",
+            json.dumps(job.as_dict()),
+            "--interval",
+            str(interval_s),
+            "--kills",
+            str(kills),
+            "--heartbeat-timeout",
+            str(heartbeat_timeout_s),
+            "--hang-repeats",
+            str(hang_repeats),
+            "--goodput-every",
+            str(GOODPUT_EVERY_STEPS),
+        ],
+        out=workdir / "result.json",
+        timeout_s=timeout_s,
+        log_path=workdir / "run.log",
+    )
     good = result["goodput"]
-    log(f"  goodput {good['goodput']:.3f} (job field {good['job_goodput']}) over {good['wall_s']:.0f} s, "
-        f"{len(good.get('failures', []))} rank failures seen, {good['restarts']} restarts")
-    goodput_rows = [Row(
-        label=f"3. goodput, rank 1 killed every {interval_s:g} s ({kills} kills)", unit="fraction",
-        etrain=[good["goodput"]] if good["goodput"] is not None else [],
-        goal=Goal(on="etrain", op=">=", value=0.9, text="≥ 90%"),
-        note=f"kept steps' step time / wall time since submit over {good['wall_s']:.0f} s, from the step records; "
-             f"the job's own goodput field read {_pct(good['job_goodput'])}; a checkpoint every "
-             f"{good.get('every_steps', GOODPUT_EVERY_STEPS)} steps; {good['restarts']} restarts")]
+    log(
+        f"  goodput {good['goodput']:.3f} (job field {good['job_goodput']}) over {good['wall_s']:.0f} s, "
+        f"{len(good.get('failures', []))} rank failures seen, {good['restarts']} restarts"
+    )
+    goodput_rows = [
+        Row(
+            label=f"3. goodput, rank 1 killed every {interval_s:g} s ({kills} kills)",
+            unit="fraction",
+            etrain=[good["goodput"]] if good["goodput"] is not None else [],
+            goal=Goal(on="etrain", op=">=", value=0.9, text="≥ 90%"),
+            note=f"kept steps' step time / wall time since submit over {good['wall_s']:.0f} s, from the step records; "
+            f"the job's own goodput field read {_pct(good['job_goodput'])}; a checkpoint every "
+            f"{good.get('every_steps', GOODPUT_EVERY_STEPS)} steps; {good['restarts']} restarts",
+        )
+    ]
     hangs = result["hang"]
     detect = [h["detect_s"] for h in hangs if h.get("detect_s") is not None]
     next_step = [h["measures"]["recovery_s"] for h in hangs if h["measures"].get("recovery_s") is not None]
     for h in hangs:
         log(f"  hang: detected after {_s(h.get('detect_s'))}, next step after {_s(h['measures'].get('recovery_s'))}")
     hang_rows = [
-        Row(label="5. hang → detected", unit="s", etrain=detect,
-            reference_name=f"heartbeat_timeout_s = {heartbeat_timeout_s:g}", reference=[heartbeat_timeout_s],
-            note="hang_rank drill at step " + str(job.kill_at)),
-        Row(label="5. hang → next completed step", unit="s", etrain=next_step,
-            note="detection + relaunch + the first step of the new attempt"),
+        Row(
+            label="5. hang → detected",
+            unit="s",
+            etrain=detect,
+            reference_name=f"heartbeat_timeout_s = {heartbeat_timeout_s:g}",
+            reference=[heartbeat_timeout_s],
+            note="hang_rank drill at step " + str(job.kill_at),
+        ),
+        Row(
+            label="5. hang → next completed step",
+            unit="s",
+            etrain=next_step,
+            note="detection + relaunch + the first step of the new attempt",
+        ),
     ]
     return {"goodput": (goodput_rows, good), "hang": (hang_rows, {"runs": hangs})}
 

@@ -24,12 +24,12 @@ import os
 import platform
 import statistics
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from benchmarks import memory
-from tests.dist_utils import run_distributed
 from etrain.workers.protocol.run_config import DataConfig, ModelConfig, ParallelConfig, RunConfig, TrainingConfig
+from tests.dist_utils import run_distributed
 
 BENCHMARKS = ("throughput", "init", "planner")
 
@@ -96,8 +96,9 @@ def _peer_ddp_rank(rank: int, world_size: int, config: RunConfig) -> dict:
     for _ in range(config.training.steps):
         start = time.perf_counter()
         for _ in range(accum):
-            tokens = torch.randint(0, config.model.vocab_size, (config.training.micro_batch, config.model.seq_len + 1),
-                                   generator=generator)
+            tokens = torch.randint(
+                0, config.model.vocab_size, (config.training.micro_batch, config.model.seq_len + 1), generator=generator
+            )
             loss = cross_entropy_loss(model(tokens[:, :-1]), tokens[:, 1:]) / accum
             loss.backward()
         optimizer.step()
@@ -123,15 +124,34 @@ def planned_mb(config: RunConfig, runtime_bytes: int) -> float | None:
     except ImportError:
         return None
     p, m = config.parallel, config.model
-    spec = JobSpec.model_validate({
-        "name": "bench",
-        "model": {"kind": m.arch, "n_layers": m.n_layers, "d_model": m.d_model, "n_heads": m.n_heads,
-                  "vocab_size": m.vocab_size, "seq_len": m.seq_len, "d_ff": m.ffn_dim},
-        "parallelism": {"dp": p.dp, "tp": p.tp, "pp": p.pp, "zero": p.zero, "pp_schedule": p.pp_schedule,
-                        "virtual_stages": p.virtual_stages, "sequence_parallel": p.sequence_parallel},
-        "training": {"steps": config.training.steps, "global_batch": config.training.global_batch,
-                     "micro_batch": config.training.micro_batch},
-    })
+    spec = JobSpec.model_validate(
+        {
+            "name": "bench",
+            "model": {
+                "kind": m.arch,
+                "n_layers": m.n_layers,
+                "d_model": m.d_model,
+                "n_heads": m.n_heads,
+                "vocab_size": m.vocab_size,
+                "seq_len": m.seq_len,
+                "d_ff": m.ffn_dim,
+            },
+            "parallelism": {
+                "dp": p.dp,
+                "tp": p.tp,
+                "pp": p.pp,
+                "zero": p.zero,
+                "pp_schedule": p.pp_schedule,
+                "virtual_stages": p.virtual_stages,
+                "sequence_parallel": p.sequence_parallel,
+            },
+            "training": {
+                "steps": config.training.steps,
+                "global_batch": config.training.global_batch,
+                "micro_batch": config.training.micro_batch,
+            },
+        }
+    )
     mem = estimate(spec).memory
     return memory.predicted_peak_bytes(mem.total, mem.overhead, runtime_bytes) / 2**20
 
@@ -155,16 +175,18 @@ def run(steps: int, runtime_bytes: int) -> list[Row]:
 
     def record(name: str, results: list[dict], config: RunConfig) -> None:
         worst = max(results, key=lambda r: r["step_s"])
-        rows.append(Row(
-            layout=name,
-            ranks=config.parallel.world_size,
-            step_ms=1e3 * worst["step_s"],
-            tokens_per_s=config.training.global_batch * config.model.seq_len / worst["step_s"],
-            compute_ms=1e3 * worst["compute_s"],
-            comm_wait_ms=1e3 * worst["comm_wait_s"],
-            peak_rss_mb=max(r["peak_rss"] for r in results) / 2**20,
-            planned_mb=planned_mb(config, runtime_bytes),
-        ))
+        rows.append(
+            Row(
+                layout=name,
+                ranks=config.parallel.world_size,
+                step_ms=1e3 * worst["step_s"],
+                tokens_per_s=config.training.global_batch * config.model.seq_len / worst["step_s"],
+                compute_ms=1e3 * worst["compute_s"],
+                comm_wait_ms=1e3 * worst["comm_wait_s"],
+                peak_rss_mb=max(r["peak_rss"] for r in results) / 2**20,
+                planned_mb=planned_mb(config, runtime_bytes),
+            )
+        )
         print(f"  {name:<22} {rows[-1].step_ms:8.1f} ms/step  {rows[-1].tokens_per_s:9.0f} tok/s", flush=True)
 
     for name, parallel in LAYOUTS:
@@ -193,8 +215,10 @@ def table(rows: list[Row], runtime_bytes: int) -> str:
     ]
     for r in rows:
         planned = "–" if r.planned_mb is None else f"{r.planned_mb:.0f}"
-        lines.append(f"| {r.layout} | {r.ranks} | {ms(r.step_ms)} | {r.tokens_per_s:.0f} | {ms(r.compute_ms)} | "
-                     f"{ms(r.comm_wait_ms)} | {r.peak_rss_mb:.0f} | {planned} |")
+        lines.append(
+            f"| {r.layout} | {r.ranks} | {ms(r.step_ms)} | {r.tokens_per_s:.0f} | {ms(r.compute_ms)} | "
+            f"{ms(r.comm_wait_ms)} | {r.peak_rss_mb:.0f} | {planned} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -202,8 +226,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
     parser.add_argument("--steps", type=int, default=15)
-    parser.add_argument("--only", action="append", choices=BENCHMARKS,
-                        help="run only this benchmark (repeatable); default: all")
+    parser.add_argument(
+        "--only", action="append", choices=BENCHMARKS, help="run only this benchmark (repeatable); default: all"
+    )
     args = parser.parse_args()
     selected = args.only or list(BENCHMARKS)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -79,24 +79,37 @@ def _config(parallel: ParallelConfig, steps: int) -> RunConfig:
         data=DataConfig(kind="synthetic", seed=0),
         parallel=parallel,
         # 2 micro-batches of 2 per dp replica; every step a timing-sync step (each one is measured)
-        training=TrainingConfig(steps=steps, global_batch=4 * parallel.dp, micro_batch=2, lr=1e-3, seed=0,
-                                timing_sync_every=1),
+        training=TrainingConfig(
+            steps=steps, global_batch=4 * parallel.dp, micro_batch=2, lr=1e-3, seed=0, timing_sync_every=1
+        ),
     )
 
 
-def _rank(rank: int, world_size: int, parallel: ParallelConfig, slow_rank: int, healthy: int, per_slowdown: int,
-          slowdowns: tuple[float, ...]) -> list[tuple[float, float, bool]]:
+def _rank(
+    rank: int,
+    world_size: int,
+    parallel: ParallelConfig,
+    slow_rank: int,
+    healthy: int,
+    per_slowdown: int,
+    slowdowns: tuple[float, ...],
+) -> list[tuple[float, float, bool]]:
     """One rank of the measured run: ``(slowdown in force, compute_s, timing_synced)`` per step."""
     import torch
 
-    from etrain.workers.rank.chaos import RankDrills
-    from etrain.workers.protocol.messages import ChaosOrder
     from etrain.workers.engine.train import Trainer
+    from etrain.workers.protocol.messages import ChaosOrder
+    from etrain.workers.rank.chaos import RankDrills
 
     phases = [1.0] * (WARMUP_STEPS + healthy) + [f for f in slowdowns for _ in range(per_slowdown)]
     drills = RankDrills(rank=rank, report=lambda order, step: None)  # no supervisor to tell here
-    trainer = Trainer(_config(parallel, len(phases)), rank=rank, world_size=world_size,
-                      device=torch.device("cpu"), callbacks=[drills.callback])
+    trainer = Trainer(
+        _config(parallel, len(phases)),
+        rank=rank,
+        world_size=world_size,
+        device=torch.device("cpu"),
+        callbacks=[drills.callback],
+    )
     rows = []
     for step, factor in enumerate(phases):
         if rank == slow_rank and factor != drills.slow_factor:  # a slow_rank order at each new slowdown
@@ -106,15 +119,16 @@ def _rank(rank: int, world_size: int, parallel: ParallelConfig, slow_rank: int, 
     return rows
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def measure(layout: str, *, quick: bool = False, slowdowns: tuple[float, ...] = SLOWDOWNS) -> Trace:
     """Run ``layout`` once on real gloo ranks and return its measured rows (cached per process)."""
     from tests.dist_utils import run_distributed
 
     parallel, slow_rank = LAYOUTS[layout]
     healthy, per_slowdown = (10, 6) if quick else (20, 12)
-    ranks = run_distributed(_rank, parallel.world_size, parallel, slow_rank, healthy, per_slowdown, slowdowns,
-                            timeout_s=900.0)
+    ranks = run_distributed(
+        _rank, parallel.world_size, parallel, slow_rank, healthy, per_slowdown, slowdowns, timeout_s=900.0
+    )
     by_phase: dict[float, list[dict[int, float]]] = {}
     previous = None
     for index in range(WARMUP_STEPS, len(ranks[0])):
@@ -124,21 +138,34 @@ def measure(layout: str, *, quick: bool = False, slowdowns: tuple[float, ...] = 
         if synced and factor == previous:
             by_phase.setdefault(factor, []).append({rank: rows[index][1] for rank, rows in enumerate(ranks)})
         previous = factor
-    return Trace(layout=layout, parallel=parallel, slow_rank=slow_rank, healthy=tuple(by_phase.get(1.0, ())),
-                 slowed={f: tuple(by_phase.get(f, ())) for f in slowdowns})
+    return Trace(
+        layout=layout,
+        parallel=parallel,
+        slow_rank=slow_rank,
+        healthy=tuple(by_phase.get(1.0, ())),
+        slowed={f: tuple(by_phase.get(f, ())) for f in slowdowns},
+    )
 
 
-def replay(trace: Trace, slowdown: float, *, config: StragglerConfig | None = None,
-           timing_sync_every: int = TIMING_SYNC_EVERY, healthy_observations: int = HEALTHY_OBSERVATIONS,
-           trials: int = TRIALS, seed: int = 0) -> dict[str, Any]:
+def replay(
+    trace: Trace,
+    slowdown: float,
+    *,
+    config: StragglerConfig | None = None,
+    timing_sync_every: int = TIMING_SYNC_EVERY,
+    healthy_observations: int = HEALTHY_OBSERVATIONS,
+    trials: int = TRIALS,
+    seed: int = 0,
+) -> dict[str, Any]:
     """Detection latency and false positives of ``trace``'s rows replayed through the detector."""
     config = config or StragglerConfig()
     rng = random.Random(seed)
     stages = trace.stages
     healthy, slowed = list(trace.healthy), list(trace.slowed[slowdown])
     if not healthy or not slowed:
-        raise ValueError(f"{trace.layout}: no measured rows for slowdown {slowdown} (healthy {len(healthy)}, "
-                         f"slowed {len(slowed)})")
+        raise ValueError(
+            f"{trace.layout}: no measured rows for slowdown {slowdown} (healthy {len(healthy)}, slowed {len(slowed)})"
+        )
 
     detector = StragglerDetector(config, stages=stages)
     false_positives = sum(len(detector.observe(i, rng.choice(healthy))) for i in range(healthy_observations))
@@ -175,6 +202,7 @@ def replay(trace: Trace, slowdown: float, *, config: StragglerConfig | None = No
         """The slowed rank's compute as the detector sees it: over its stage peers', or (a lone stage)
         its cost relative to the other stages over that relative cost when healthy; median of rows."""
         return relative(rows) if peers else relative(rows) / relative(healthy)
+
     return {
         "layout": trace.layout,
         "slowdown": slowdown,
@@ -201,8 +229,13 @@ def bench_stragglers(layout: str, slowdown: float, *, quick: bool = False, seed:
     return replay(measure(layout, quick=quick), slowdown, seed=seed)
 
 
-def bench_all(layouts: tuple[str, ...] = tuple(LAYOUTS), slowdowns: tuple[float, ...] = SLOWDOWNS, *,
-              quick: bool = False, seed: int = 0) -> list[dict[str, Any]]:
+def bench_all(
+    layouts: tuple[str, ...] = tuple(LAYOUTS),
+    slowdowns: tuple[float, ...] = SLOWDOWNS,
+    *,
+    quick: bool = False,
+    seed: int = 0,
+) -> list[dict[str, Any]]:
     """The grid: every layout at every slowdown (one measured run per layout)."""
     return [bench_stragglers(layout, slowdown, quick=quick, seed=seed) for layout in layouts for slowdown in slowdowns]
 

@@ -27,14 +27,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import inspect
 import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from benchmarks.figures import Goal, Row, figure_document, machine_info, write_figure
 from benchmarks.peers.common import Job
@@ -74,12 +74,36 @@ class Sizes:
     steady_steps: int
 
 
-QUICK = Sizes(recovery_steps=24, recovery_rounds=2, run_timeout_s=360, goodput_interval_s=60, goodput_kills=2,
-              hang_repeats=1, checkpoint_rounds=3, checkpoint_steps_between=3, checkpoint_loads=3, bubble_steps=4,
-              bubble_budget_s=20, steady_reps=2, steady_steps=12)
-FULL = Sizes(recovery_steps=40, recovery_rounds=5, run_timeout_s=600, goodput_interval_s=60, goodput_kills=4,
-             hang_repeats=3, checkpoint_rounds=8, checkpoint_steps_between=5, checkpoint_loads=5, bubble_steps=8,
-             bubble_budget_s=90, steady_reps=5, steady_steps=30)
+QUICK = Sizes(
+    recovery_steps=24,
+    recovery_rounds=2,
+    run_timeout_s=360,
+    goodput_interval_s=60,
+    goodput_kills=2,
+    hang_repeats=1,
+    checkpoint_rounds=3,
+    checkpoint_steps_between=3,
+    checkpoint_loads=3,
+    bubble_steps=4,
+    bubble_budget_s=20,
+    steady_reps=2,
+    steady_steps=12,
+)
+FULL = Sizes(
+    recovery_steps=40,
+    recovery_rounds=5,
+    run_timeout_s=600,
+    goodput_interval_s=60,
+    goodput_kills=4,
+    hang_repeats=3,
+    checkpoint_rounds=8,
+    checkpoint_steps_between=5,
+    checkpoint_loads=5,
+    bubble_steps=8,
+    bubble_budget_s=90,
+    steady_reps=5,
+    steady_steps=30,
+)
 HEARTBEAT_TIMEOUT_S = 5.0
 
 
@@ -96,8 +120,14 @@ def stragglers_figure(quick: bool, log: Callable[[str], None]) -> tuple[list[Row
     except ModuleNotFoundError as exc:
         if exc.name != "benchmarks.stragglers":
             raise
-        return [Row(label="4. straggler detection latency / false positives", unit="steps", etrain=[],
-                    pending="benchmarks/stragglers.py does not exist yet")], {}
+        return [
+            Row(
+                label="4. straggler detection latency / false positives",
+                unit="steps",
+                etrain=[],
+                pending="benchmarks/stragglers.py does not exist yet",
+            )
+        ], {}
     layouts = STRAGGLER_LAYOUTS_QUICK if quick else tuple(module.LAYOUTS)
     grid = module.bench_all(layouts=layouts, quick=quick)
     rows: list[Row] = []
@@ -106,19 +136,34 @@ def stragglers_figure(quick: bool, log: Callable[[str], None]) -> tuple[list[Row
         cell = cells[STRAGGLER_SLOWDOWN]
         latencies = [v for v in cell["latency_samples_steps"] if v is not None]
         found = cell["detection_latency_steps"] is not None
-        rows.append(Row(
-            label=f"4. stragglers, {layout}: detection latency at {STRAGGLER_SLOWDOWN:g}× (steps)", unit="steps",
-            etrain=latencies if found else [],
-            note=(f"detected in {cell['detected_fraction']:.0%} of {len(cell['latency_samples_steps'])} replays "
-                  f"(compared with {cell['basis']}); the drill measured {cell['measured_factor']:.2f}× against "
-                  f"{cell['healthy_factor']:.2f}× healthy noise")))
-        rows.append(Row(
-            label=f"4. stragglers, {layout}: false positives per 1,000 healthy steps", unit="per 1,000 steps",
-            etrain=[cell["false_positives_per_1000_steps"]],
-            goal=Goal(on="etrain", op="<=", value=0.0, text="0")))
-        log(f"  stragglers {layout}: " + ", ".join(
-            f"{f:g}× {'–' if c['detection_latency_steps'] is None else c['detection_latency_steps']}"
-            for f, c in sorted(cells.items())) + f" steps; false positives {cell['false_positives_per_1000_steps']:g}/1000")
+        rows.append(
+            Row(
+                label=f"4. stragglers, {layout}: detection latency at {STRAGGLER_SLOWDOWN:g}× (steps)",
+                unit="steps",
+                etrain=latencies if found else [],
+                note=(
+                    f"detected in {cell['detected_fraction']:.0%} of {len(cell['latency_samples_steps'])} replays "
+                    f"(compared with {cell['basis']}); the drill measured {cell['measured_factor']:.2f}× against "
+                    f"{cell['healthy_factor']:.2f}× healthy noise"
+                ),
+            )
+        )
+        rows.append(
+            Row(
+                label=f"4. stragglers, {layout}: false positives per 1,000 healthy steps",
+                unit="per 1,000 steps",
+                etrain=[cell["false_positives_per_1000_steps"]],
+                goal=Goal(on="etrain", op="<=", value=0.0, text="0"),
+            )
+        )
+        log(
+            f"  stragglers {layout}: "
+            + ", ".join(
+                f"{f:g}× {'–' if c['detection_latency_steps'] is None else c['detection_latency_steps']}"
+                for f, c in sorted(cells.items())
+            )
+            + f" steps; false positives {cell['false_positives_per_1000_steps']:g}/1000"
+        )
     return rows, {"grid": grid, "layouts": list(layouts)}
 
 
@@ -128,28 +173,51 @@ def stragglers_notes(raw: dict[str, Any]) -> list[str]:
     if not grid:
         return []
     slowdowns = sorted({cell["slowdown"] for cell in grid})
-    lines = ["Straggler detection latency in training steps (–: not reported in most replays), per slowdown "
-             + " / ".join(f"{f:g}×" for f in slowdowns) + ":"]
+    lines = [
+        "Straggler detection latency in training steps (–: not reported in most replays), per slowdown "
+        + " / ".join(f"{f:g}×" for f in slowdowns)
+        + ":"
+    ]
     for layout in raw["layouts"]:
         cells = {cell["slowdown"]: cell for cell in grid if cell["layout"] == layout}
-        lines.append(f"{layout}: " + " / ".join(
-            "–" if cells[f]["detection_latency_steps"] is None else f"{cells[f]['detection_latency_steps']:g}"
-            for f in slowdowns) + f" (basis: {cells[slowdowns[0]]['basis']})")
+        lines.append(
+            f"{layout}: "
+            + " / ".join(
+                "–" if cells[f]["detection_latency_steps"] is None else f"{cells[f]['detection_latency_steps']:g}"
+                for f in slowdowns
+            )
+            + f" (basis: {cells[slowdowns[0]]['basis']})"
+        )
     return lines
 
 
-def measure(selected: list[str], sizes: Sizes, quick: bool, workdir: Path, out: Path, note: str,
-            log: Callable[[str], None]) -> list[str]:
+def measure(
+    selected: list[str], sizes: Sizes, quick: bool, workdir: Path, out: Path, note: str, log: Callable[[str], None]
+) -> list[str]:
     """Measure the ``selected`` figures, writing each result file as soon as it exists; the failed ones."""
     from benchmarks import engine, recovery
 
     failed: list[str] = []
     job = Job(steps=sizes.recovery_steps)
 
-    def emit(name: str, rows: list[Row], raw: dict[str, Any], started: float, sampler: LoadSampler,
-             notes: list[str] | None = None) -> None:
-        document = figure_document(name, TITLES[name], rows, quick=quick, seconds=time.monotonic() - started,
-                                   raw=raw, notes=notes, machine=machine_info(note, list(sampler.samples)))
+    def emit(
+        name: str,
+        rows: list[Row],
+        raw: dict[str, Any],
+        started: float,
+        sampler: LoadSampler,
+        notes: list[str] | None = None,
+    ) -> None:
+        document = figure_document(
+            name,
+            TITLES[name],
+            rows,
+            quick=quick,
+            seconds=time.monotonic() - started,
+            raw=raw,
+            notes=notes,
+            machine=machine_info(note, list(sampler.samples)),
+        )
         log(f"  -> {write_figure(out, document)}")
 
     def group(names: list[str], produce: Callable[[], dict[str, tuple[list[Row], dict[str, Any]]]]) -> None:
@@ -165,31 +233,72 @@ def measure(selected: list[str], sizes: Sizes, quick: bool, workdir: Path, out: 
                 log(traceback.format_exc())
                 failed.extend(wanted)
                 for name in wanted:
-                    emit(name, [Row(label=TITLES[name], unit="", etrain=[],
-                                    pending=f"failed: {type(exc).__name__}: {str(exc)[:300]}")],
-                         {"error": traceback.format_exc()[-5000:]}, started, sampler)
+                    emit(
+                        name,
+                        [
+                            Row(
+                                label=TITLES[name],
+                                unit="",
+                                etrain=[],
+                                pending=f"failed: {type(exc).__name__}: {str(exc)[:300]}",
+                            )
+                        ],
+                        {"error": traceback.format_exc()[-5000:]},
+                        started,
+                        sampler,
+                    )
                 return
         for name in wanted:
             rows, raw = produced[name]
-            notes = {"startup": recovery.startup_profile, "recovery": recovery.recovery_profile,
-                     "stragglers": stragglers_notes}.get(name, lambda _: None)(raw)
+            notes = {
+                "startup": recovery.startup_profile,
+                "recovery": recovery.recovery_profile,
+                "stragglers": stragglers_notes,
+            }.get(name, lambda _: None)(raw)
             emit(name, rows, raw, started, sampler, notes)
         log(f"   ({time.monotonic() - started:.0f} s)")
 
-    group(["startup", "recovery"], lambda: recovery.recovery_figures(
-        job=job, rounds=sizes.recovery_rounds, workdir=workdir / "recovery", timeout_s=sizes.run_timeout_s, log=log))
-    group(["goodput", "hang"], lambda: recovery.fault_figures(
-        job=job, interval_s=sizes.goodput_interval_s, kills=sizes.goodput_kills,
-        heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S, hang_repeats=sizes.hang_repeats, workdir=workdir / "faults",
-        timeout_s=sizes.goodput_interval_s * (sizes.goodput_kills + 1) + 300 + 150 * sizes.hang_repeats, log=log))
+    group(
+        ["startup", "recovery"],
+        lambda: recovery.recovery_figures(
+            job=job, rounds=sizes.recovery_rounds, workdir=workdir / "recovery", timeout_s=sizes.run_timeout_s, log=log
+        ),
+    )
+    group(
+        ["goodput", "hang"],
+        lambda: recovery.fault_figures(
+            job=job,
+            interval_s=sizes.goodput_interval_s,
+            kills=sizes.goodput_kills,
+            heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
+            hang_repeats=sizes.hang_repeats,
+            workdir=workdir / "faults",
+            timeout_s=sizes.goodput_interval_s * (sizes.goodput_kills + 1) + 300 + 150 * sizes.hang_repeats,
+            log=log,
+        ),
+    )
     group(["stragglers"], lambda: {"stragglers": stragglers_figure(quick, log)})
-    group(["checkpoint"], lambda: {"checkpoint": engine.checkpoint_figure(
-        rounds=sizes.checkpoint_rounds, steps_between=sizes.checkpoint_steps_between, loads=sizes.checkpoint_loads,
-        log=log)})
-    group(["pipeline_bubble"], lambda: {"pipeline_bubble": engine.bubble_figure(
-        wanted=sizes.bubble_steps, budget_s=sizes.bubble_budget_s, log=log)})
-    group(["steady_state"], lambda: {"steady_state": engine.steady_state_figure(
-        reps=sizes.steady_reps, steps=sizes.steady_steps, log=log)})
+    group(
+        ["checkpoint"],
+        lambda: {
+            "checkpoint": engine.checkpoint_figure(
+                rounds=sizes.checkpoint_rounds,
+                steps_between=sizes.checkpoint_steps_between,
+                loads=sizes.checkpoint_loads,
+                log=log,
+            )
+        },
+    )
+    group(
+        ["pipeline_bubble"],
+        lambda: {
+            "pipeline_bubble": engine.bubble_figure(wanted=sizes.bubble_steps, budget_s=sizes.bubble_budget_s, log=log)
+        },
+    )
+    group(
+        ["steady_state"],
+        lambda: {"steady_state": engine.steady_state_figure(reps=sizes.steady_reps, steps=sizes.steady_steps, log=log)},
+    )
     return failed
 
 
@@ -207,8 +316,9 @@ def main() -> None:
     started = time.monotonic()
 
     def log(message: str) -> None:
-        print(f"[{time.monotonic() - started:6.0f} s] {message}" if not message.startswith("\n") else message,
-              flush=True)
+        print(
+            f"[{time.monotonic() - started:6.0f} s] {message}" if not message.startswith("\n") else message, flush=True
+        )
 
     log(f"benchmark suite ({'quick' if args.quick else 'full'}): {', '.join(selected)}")
     workdir = Path(tempfile.mkdtemp(prefix="etrain-bench-suite-"))

@@ -104,7 +104,7 @@ class NotAuthenticated(EtrainError):
         super().__init__(
             "the API token is not valid." if token_given else "this server requires an API token.",
             fix="send 'Authorization: Bearer <token>' (the CLI takes --token or ETRAIN_API_TOKEN, or reads "
-                "the api-token file in a local server's data directory, ETRAIN_DATA_DIR)",
+            "the api-token file in a local server's data directory, ETRAIN_DATA_DIR)",
         )
 
     def __reduce__(self):
@@ -146,47 +146,81 @@ class QuotaExceeded(EtrainError):
     ``Retry-After`` header.
     """
 
-    SETTINGS = {"max_jobs": "ETRAIN_TENANT_MAX_JOBS", "max_workers": "ETRAIN_TENANT_MAX_WORKERS",
-                "max_streams": "ETRAIN_TENANT_MAX_STREAMS", "max_plans": "ETRAIN_TENANT_MAX_PLANS"}
+    SETTINGS = {
+        "max_jobs": "ETRAIN_TENANT_MAX_JOBS",
+        "max_workers": "ETRAIN_TENANT_MAX_WORKERS",
+        "max_streams": "ETRAIN_TENANT_MAX_STREAMS",
+        "max_plans": "ETRAIN_TENANT_MAX_PLANS",
+    }
     #: Seconds a client should wait before trying again: a stream or a plan frees its slot within seconds,
     #: a job or its workers when it ends (the client cannot know when: it polls, every half minute at most).
     RETRY_AFTER_S = {"max_jobs": 30, "max_workers": 30, "max_streams": 5, "max_plans": 1}
 
-    def __init__(self, quota: str, *, tenant: str, limit: int, used: int, requested: int,
-                 job_id: str | None = None, dp: int | None = None, dp_fits: int | None = None):
+    def __init__(
+        self,
+        quota: str,
+        *,
+        tenant: str,
+        limit: int,
+        used: int,
+        requested: int,
+        job_id: str | None = None,
+        dp: int | None = None,
+        dp_fits: int | None = None,
+    ):
         assert quota in self.SETTINGS, quota
         self.quota, self.tenant, self.limit, self.used, self.requested = quota, tenant, limit, used, requested
         self.job_id, self.dp, self.dp_fits = job_id, dp, dp_fits
         setting = self.SETTINGS[quota]
         field = None
         if quota == "max_jobs":
-            message = (f"tenant {tenant!r} may have at most {limit} unfinished jobs ({setting}={limit}) and has "
-                       f"{used}; this job would make {used + requested}.")
-            fix = (f"wait for one of your jobs to finish or cancel one (`etrain list`, `etrain cancel ID`), "
-                   f"or ask the operator to raise {setting}")
+            message = (
+                f"tenant {tenant!r} may have at most {limit} unfinished jobs ({setting}={limit}) and has "
+                f"{used}; this job would make {used + requested}."
+            )
+            fix = (
+                f"wait for one of your jobs to finish or cancel one (`etrain list`, `etrain cancel ID`), "
+                f"or ask the operator to raise {setting}"
+            )
         elif quota == "max_workers" and job_id is not None:
-            message = (f"tenant {tenant!r} may hold at most {limit} workers ({setting}={limit}); its unfinished jobs "
-                       f"hold {used} and dp={dp} adds {requested} ranks to job {job_id}, {used + requested} in all.")
-            fix = (f"scale to at most dp={dp_fits} (what the quota leaves room for now), wait for or cancel another "
-                   f"of your jobs, or ask the operator to raise {setting}")
+            message = (
+                f"tenant {tenant!r} may hold at most {limit} workers ({setting}={limit}); its unfinished jobs "
+                f"hold {used} and dp={dp} adds {requested} ranks to job {job_id}, {used + requested} in all."
+            )
+            fix = (
+                f"scale to at most dp={dp_fits} (what the quota leaves room for now), wait for or cancel another "
+                f"of your jobs, or ask the operator to raise {setting}"
+            )
             field = "dp"
         elif quota == "max_workers":
-            message = (f"tenant {tenant!r} may hold at most {limit} workers ({setting}={limit}); its unfinished jobs "
-                       f"hold {used} and this job needs {requested}, {used + requested} in all.")
-            fix = (f"submit with fewer workers (at most {max(limit - used, 0)} now: lower parallelism.dp, tp or pp), "
-                   f"wait for or cancel one of your jobs, or ask the operator to raise {setting}")
+            message = (
+                f"tenant {tenant!r} may hold at most {limit} workers ({setting}={limit}); its unfinished jobs "
+                f"hold {used} and this job needs {requested}, {used + requested} in all."
+            )
+            fix = (
+                f"submit with fewer workers (at most {max(limit - used, 0)} now: lower parallelism.dp, tp or pp), "
+                f"wait for or cancel one of your jobs, or ask the operator to raise {setting}"
+            )
             field = "parallelism"
         elif quota == "max_streams":
-            message = (f"tenant {tenant!r} may follow at most {limit} event streams at once ({setting}={limit}) "
-                       f"and has {used} open.")
-            fix = (f"close a stream you no longer read (one `etrain watch` per job is enough), poll "
-                   f"GET /v1/jobs/{{id}}/events?since=N instead, retry after {self.RETRY_AFTER_S[quota]} s, or ask "
-                   f"the operator to raise {setting}")
+            message = (
+                f"tenant {tenant!r} may follow at most {limit} event streams at once ({setting}={limit}) "
+                f"and has {used} open."
+            )
+            fix = (
+                f"close a stream you no longer read (one `etrain watch` per job is enough), poll "
+                f"GET /v1/jobs/{{id}}/events?since=N instead, retry after {self.RETRY_AFTER_S[quota]} s, or ask "
+                f"the operator to raise {setting}"
+            )
         else:
-            message = (f"tenant {tenant!r} may have at most {limit} plans computed at once ({setting}={limit}) and "
-                       f"has {used} running.")
-            fix = (f"send plans (and submits with parallelism auto) one after another: retry after "
-                   f"{self.RETRY_AFTER_S[quota]} s, or ask the operator to raise {setting}")
+            message = (
+                f"tenant {tenant!r} may have at most {limit} plans computed at once ({setting}={limit}) and "
+                f"has {used} running."
+            )
+            fix = (
+                f"send plans (and submits with parallelism auto) one after another: retry after "
+                f"{self.RETRY_AFTER_S[quota]} s, or ask the operator to raise {setting}"
+            )
         super().__init__(message, field=field, fix=fix)
 
     @property
@@ -199,17 +233,26 @@ class QuotaExceeded(EtrainError):
 
     def to_dict(self) -> dict[str, int | str]:
         """The numbers, for the 429 body's ``quota`` object."""
-        return {"name": self.quota, "setting": self.setting, "tenant": self.tenant, "limit": self.limit,
-                "used": self.used, "requested": self.requested}
+        return {
+            "name": self.quota,
+            "setting": self.setting,
+            "tenant": self.tenant,
+            "limit": self.limit,
+            "used": self.used,
+            "requested": self.requested,
+        }
 
     def __reduce__(self):
-        return (_rebuild_quota, (self.quota, self.tenant, self.limit, self.used, self.requested, self.job_id,
-                                 self.dp, self.dp_fits))
+        return (
+            _rebuild_quota,
+            (self.quota, self.tenant, self.limit, self.used, self.requested, self.job_id, self.dp, self.dp_fits),
+        )
 
 
 def _rebuild_quota(quota, tenant, limit, used, requested, job_id=None, dp=None, dp_fits=None):
-    return QuotaExceeded(quota, tenant=tenant, limit=limit, used=used, requested=requested, job_id=job_id, dp=dp,
-                         dp_fits=dp_fits)
+    return QuotaExceeded(
+        quota, tenant=tenant, limit=limit, used=used, requested=requested, job_id=job_id, dp=dp, dp_fits=dp_fits
+    )
 
 
 class PriorityNotAllowed(EtrainError):
@@ -222,13 +265,18 @@ class PriorityNotAllowed(EtrainError):
             f"priority={priority} is outside the range tenant {tenant!r} may use: {low}..{high} ({setting}).",
             field="priority",
             fix=f"submit with a priority in {low}..{high} (omitted: 0), or ask the operator to widen the range "
-                f"(ETRAIN_TENANT_PRIORITIES={tenant}=MIN..MAX)",
+            f"(ETRAIN_TENANT_PRIORITIES={tenant}=MIN..MAX)",
         )
 
     def to_dict(self) -> dict[str, int | str]:
         """For the 403 body's ``priority`` object."""
-        return {"tenant": self.tenant, "requested": self.priority, "min": self.low, "max": self.high,
-                "setting": self.setting}
+        return {
+            "tenant": self.tenant,
+            "requested": self.priority,
+            "min": self.low,
+            "max": self.high,
+            "setting": self.setting,
+        }
 
     def __reduce__(self):
         return (_rebuild_priority, (self.tenant, self.priority, self.low, self.high, self.setting))

@@ -30,31 +30,37 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, TypeVar
 
-from etrain.service.store import idempotency
-from etrain.service.planning import planner
-from etrain.service.runtime.cluster import CALL_TIMEOUT_S, Runtime
-from etrain.service.runtime.control import ChaosHandOver, ControlQueue, ControlRequest, NotYet
-from etrain.service.decisions.admission import Admit
-from etrain.service.decisions.elastic import ElasticPolicy, ResizeError
-from etrain.service.jobs.checkpoints import committed_step
-from etrain.service.decisions.job_policy import policy_for
-from etrain.service.jobs.poller import SupervisorPoller
-from etrain.service.jobs.scheduler import Scheduler
-from etrain.service.errors import (ChaosDisabled, JobConflict, JobNotFound, RankNotFound, ServiceUnavailable,
-                                   SpecRejected)
-from etrain.service.settings import Settings
 from etrain.service.access.checkpoint_dirs import CheckpointDirectories, taken_conflict
 from etrain.service.access.checkpoint_key import load_or_create_key
+from etrain.service.access.quotas import TenantQuotas, check_priority
+from etrain.service.access.reach import Reach
+from etrain.service.access.storage_roots import StorageRoots, pin
+from etrain.service.access.tenancy import ADMIN, Principal
+from etrain.service.decisions.admission import Admit
+from etrain.service.decisions.elastic import ElasticPolicy, ResizeError
+from etrain.service.decisions.job_policy import policy_for
+from etrain.service.errors import (
+    ChaosDisabled,
+    JobConflict,
+    JobNotFound,
+    RankNotFound,
+    ServiceUnavailable,
+    SpecRejected,
+)
+from etrain.service.jobs.checkpoints import committed_step
+from etrain.service.jobs.poller import SupervisorPoller
+from etrain.service.jobs.scheduler import Scheduler
+from etrain.service.planning import planner
 from etrain.service.planning.spec import JobSpec, SpecProblem
 from etrain.service.planning.spec_checks import check_spec
 from etrain.service.planning.spec_paths import pin_paths
-from etrain.service.access.reach import Reach
-from etrain.service.access.storage_roots import StorageRoots, pin
+from etrain.service.runtime.cluster import CALL_TIMEOUT_S, Runtime
+from etrain.service.runtime.control import ChaosHandOver, ControlQueue, ControlRequest, NotYet
+from etrain.service.settings import Settings
+from etrain.service.store import idempotency
 from etrain.service.store.claims import DirectoryTaken
 from etrain.service.store.job_store import JobStore
 from etrain.service.store.records import EventRecord, JobRecord, JobStatus, StepRecord
-from etrain.service.access.quotas import TenantQuotas, check_priority
-from etrain.service.access.tenancy import ADMIN, Principal
 from etrain.workers import families
 from etrain.workers.checkpoints import storage
 from etrain.workers.protocol.errors import ConfigError
@@ -123,8 +129,10 @@ class PlannerProcesses:
                     del self._pools[self.workers]
             return function(*args, **kwargs)
         except FutureTimeout:
-            raise ServiceUnavailable(f"the planner did not answer within {PLAN_TIMEOUT_S:.0f} s.",
-                                     fix="retry; a plan that keeps timing out is a bug worth reporting") from None
+            raise ServiceUnavailable(
+                f"the planner did not answer within {PLAN_TIMEOUT_S:.0f} s.",
+                fix="retry; a plan that keeps timing out is a bug worth reporting",
+            ) from None
 
     def _pool(self) -> ProcessPoolExecutor:
         with self._lock:
@@ -132,8 +140,11 @@ class PlannerProcesses:
             if pool is None:
                 if not self._pools:
                     atexit.register(PlannerProcesses._close_all)
-                pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=multiprocessing.get_context("spawn"),
-                                           initializer=planner.worker_init)
+                pool = ProcessPoolExecutor(
+                    max_workers=self.workers,
+                    mp_context=multiprocessing.get_context("spawn"),
+                    initializer=planner.worker_init,
+                )
                 self._pools[self.workers] = pool
             return pool
 
@@ -169,7 +180,8 @@ class JobManager:
         #: Signs and verifies checkpoint manifests; travels only to supervisors, in their JobPolicy.
         self._checkpoint_key = load_or_create_key(settings.data_dir)
         self._directories = CheckpointDirectories(
-            key=self._checkpoint_key, default_root=lambda job_id: self.settings.checkpoint_location(job_id),
+            key=self._checkpoint_key,
+            default_root=lambda job_id: self.settings.checkpoint_location(job_id),
         )
         #: Which paths a tenant may reach: shared and own roots, own job directories (service/access/reach.py).
         self._reach = Reach(tree=settings.checkpoint_tree, owners=settings.tenant_roots)
@@ -177,10 +189,12 @@ class JobManager:
         self._submitting: set[str] = set()  # jobs whose supervisor is being created: not "lost", not queued
         self._quotas = TenantQuotas(max_jobs=settings.tenant_max_jobs, max_workers=settings.tenant_max_workers)
         self._planner = PlannerProcesses(settings.plan_workers)
-        self._scheduler = Scheduler(store=self.store, runtime=runtime, settings=settings, starting=self._submitting,
-                                    start=self._start_admitted)
-        self._poller = SupervisorPoller(store=self.store, runtime=runtime, settings=settings,
-                                        starting=self._submitting, scheduler=self._scheduler)
+        self._scheduler = Scheduler(
+            store=self.store, runtime=runtime, settings=settings, starting=self._submitting, start=self._start_admitted
+        )
+        self._poller = SupervisorPoller(
+            store=self.store, runtime=runtime, settings=settings, starting=self._submitting, scheduler=self._scheduler
+        )
         self._scheduler.start()
         self._poller.start()
         self._control = ControlQueue(self._deliver_control, on_give_up=self._control_failed)
@@ -240,8 +254,9 @@ class JobManager:
         except DirectoryTaken as taken:  # an unfinished job holds an overlapping directory: 409, nothing stored
             self._submitting.discard(job_id)
             self._quotas.release(job_id)
-            raise taken_conflict(taken.path, holder=taken.holder, holder_tenant=taken.tenant, held=taken.held,
-                                 principal=principal) from None
+            raise taken_conflict(
+                taken.path, holder=taken.holder, holder_tenant=taken.tenant, held=taken.held, principal=principal
+            ) from None
         except JobConflict:
             # A concurrent request with the same key won the unique index: answer with its job.
             self._submitting.discard(job_id)
@@ -264,12 +279,14 @@ class JobManager:
         """The spec with its paths pinned, after the storage roots and the reach rule (no other tenant's roots
         or job directories): both before anything looks at the files (validate's checks say what is
         missing), so neither answer depends on what exists. Submit and /v1/plan alike."""
-        pinned, outside = pin_paths(spec, self._base_dir, self.storage,
-                                    shown_roots=self._reach.visible_roots(self.storage.roots, principal))
+        pinned, outside = pin_paths(
+            spec, self._base_dir, self.storage, shown_roots=self._reach.visible_roots(self.storage.roots, principal)
+        )
         if outside:
             raise SpecRejected(outside)
-        problems = self._reach.spec_problems(pinned, spec, principal, job_dirs=self._job_dirs(principal),
-                                             tenant_of=self._tenant_of)
+        problems = self._reach.spec_problems(
+            pinned, spec, principal, job_dirs=self._job_dirs(principal), tenant_of=self._tenant_of
+        )
         if problems:
             raise SpecRejected(problems)
         return pinned
@@ -288,16 +305,21 @@ class JobManager:
         data = spec.data
         if data.kind != "text" or not data.tokenizer or not data.path:
             return None
-        from etrain.workers.protocol.errors import DataError
         from etrain.workers.engine.tokenized import tokenize_text
+        from etrain.workers.protocol.errors import DataError
 
         try:
-            cache = tokenize_text(data.path, data.tokenizer, max_bytes=self.submit_tokenize_max_bytes,
-                                  timeout_s=self.submit_tokenize_timeout_s)
+            cache = tokenize_text(
+                data.path,
+                data.tokenizer,
+                max_bytes=self.submit_tokenize_max_bytes,
+                timeout_s=self.submit_tokenize_timeout_s,
+            )
         except DataError as err:
             raise SpecRejected([SpecProblem(field=err.field or "data.path", message=err.message, fix=err.fix)]) from err
-        return (f"{cache.num_tokens} tokens ({cache.dtype}) {'reused from' if cache.reused else 'written to'} "
-                f"{cache.path}")
+        return (
+            f"{cache.num_tokens} tokens ({cache.dtype}) {'reused from' if cache.reused else 'written to'} {cache.path}"
+        )
 
     def get(self, job_id: str, *, principal: Principal = ADMIN) -> JobRecord:
         """The job, if it exists *for this caller*: another tenant's job is JobNotFound, like a missing one."""
@@ -306,8 +328,9 @@ class JobManager:
             raise JobNotFound(job_id)
         return record
 
-    def list(self, status: str | None = None, limit: int = 100, offset: int = 0, *,
-             principal: Principal = ADMIN) -> list[JobRecord]:
+    def list(
+        self, status: str | None = None, limit: int = 100, offset: int = 0, *, principal: Principal = ADMIN
+    ) -> list[JobRecord]:
         return self.store.list_jobs(status=status, limit=limit, offset=offset, tenant=principal.tenant_filter)
 
     def events(self, job_id: str, since_seq: int = 0, *, principal: Principal = ADMIN) -> list[EventRecord]:
@@ -323,9 +346,7 @@ class JobManager:
         request to the supervisor, and the job reaches CANCELLED through the poller like any status."""
         record = self.get(job_id, principal=principal)
         if record.is_terminal:
-            raise JobConflict(
-                f"job {job_id} is already {record.status.value}.", job_id=job_id, fix="nothing to cancel"
-            )
+            raise JobConflict(f"job {job_id} is already {record.status.value}.", job_id=job_id, fix="nothing to cancel")
         if record.status is JobStatus.QUEUED and self._scheduler.cancel_queued(job_id):
             self._poller.forget(job_id)
             self._chaos.drop(job_id)
@@ -350,9 +371,16 @@ class JobManager:
                 dp_multiple=spec.layout.dp_replicate,
             ).check(dp)
         except ResizeError as err:
-            raise SpecRejected([SpecProblem(field="dp", message=str(err),
-                                            fix=f"choose dp between resources.min_dp={spec.min_dp} and "
-                                                f"resources.max_dp={spec.max_dp} that divides the global batch")])
+            raise SpecRejected(
+                [
+                    SpecProblem(
+                        field="dp",
+                        message=str(err),
+                        fix=f"choose dp between resources.min_dp={spec.min_dp} and "
+                        f"resources.max_dp={spec.max_dp} that divides the global batch",
+                    )
+                ]
+            ) from None
         layout = spec.layout
         self._quotas.admit_scale(principal, record, dp, layout.tp * layout.pp, self.store)  # QuotaExceeded: 429
         self.store.add_events(job_id, [(time.time(), "scale_requested", {"message": f"dp -> {dp} requested via API"})])
@@ -384,12 +412,23 @@ class JobManager:
         if self.store.get_job(request.job_id) is None:
             return
         what = "cancel" if request.action == "cancel" else f"scale to dp={request.dp}"
-        self.store.add_events(request.job_id, [(time.time(), f"{request.action}_failed", {
-            "message": f"{what} could not be delivered to the job's supervisor: {err}; send it again "
-                       "(`etrain cancel` / `etrain scale`) once `etrain status` shows the job running"})])
+        self.store.add_events(
+            request.job_id,
+            [
+                (
+                    time.time(),
+                    f"{request.action}_failed",
+                    {
+                        "message": f"{what} could not be delivered to the job's supervisor: {err}; send it again "
+                        "(`etrain cancel` / `etrain scale`) once `etrain status` shows the job running"
+                    },
+                )
+            ],
+        )
 
-    def logs(self, job_id: str, rank: int, tail: int = 200, offset: int | None = None, *,
-             principal: Principal = ADMIN) -> dict[str, Any]:
+    def logs(
+        self, job_id: str, rank: int, tail: int = 200, offset: int | None = None, *, principal: Principal = ADMIN
+    ) -> dict[str, Any]:
         """Recent lines of rank ``rank``'s log file (``workers/rank/rank_log.py``: in the job's checkpoint folder,
         shared by every node and the control plane), read here without Ray. ``offset`` None: the last
         ``tail`` lines; else up to ``tail`` lines from that byte offset (``next_offset`` of the previous
@@ -403,7 +442,9 @@ class JobManager:
             if record.attempt == 0:
                 raise JobConflict(
                     f"job {job_id} has not started yet ({record.status.value}): no rank has written a log.",
-                    job_id=job_id, status=record.status.value, field="rank",
+                    job_id=job_id,
+                    status=record.status.value,
+                    field="rank",
                     fix=f"wait until it runs (`etrain watch {job_id}`)",
                 )
         chunk = read_lines(path, tail=tail, offset=offset)
@@ -426,8 +467,12 @@ class JobManager:
             if not self.runtime.exists(job_id):
                 self._check_chaos(self.get(job_id), request)  # read again: it may have ended (or failed to start)
                 kept.append(dict(request))
-                return {**request, "armed": True, "pending": True,
-                        "message": "kept until the job's supervisor starts; armed before its first launch"}
+                return {
+                    **request,
+                    "armed": True,
+                    "pending": True,
+                    "message": "kept until the job's supervisor starts; armed before its first launch",
+                }
         return self.runtime.chaos(job_id, request)
 
     @staticmethod
@@ -437,8 +482,15 @@ class JobManager:
         if record.is_terminal:
             raise JobConflict(f"job {job_id} is {record.status.value}; nothing to inject into.", job_id=job_id)
         if request.get("action") in RANK_CHAOS_ACTIONS and not 0 <= int(request.get("rank", -1)) < record.world_size:
-            raise SpecRejected([SpecProblem(field="rank", message=f"rank {request.get('rank')} is outside the job's "
-                                            f"{record.world_size} ranks.", fix=f"use 0..{record.world_size - 1}")])
+            raise SpecRejected(
+                [
+                    SpecProblem(
+                        field="rank",
+                        message=f"rank {request.get('rank')} is outside the job's {record.world_size} ranks.",
+                        fix=f"use 0..{record.world_size - 1}",
+                    )
+                ]
+            )
 
     def export(self, job_id: str, step: int | None, out: str, *, principal: Principal = ADMIN) -> dict[str, Any]:
         """Write committed checkpoint ``step`` (default: the newest) of ``job_id`` as a Hugging Face folder
@@ -456,26 +508,40 @@ class JobManager:
             raise ConfigError(
                 f"job {job_id} trains {found.summary.split(':')[0]} (model.kind={model.arch!r}), which has no "
                 "Hugging Face format; only models of a Hugging Face family (model.hf or one of their presets) export.",
-                field="model.kind", fix="export a job that trains a model of a Hugging Face family",
+                field="model.kind",
+                fix="export a job that trains a model of a Hugging Face family",
             )
         out_dir = pin(out, self._base_dir)
-        refused = self.storage.check("out", out, out_dir,
-                                     shown=self._reach.visible_roots(self.storage.roots, principal))
+        refused = self.storage.check(
+            "out", out, out_dir, shown=self._reach.visible_roots(self.storage.roots, principal)
+        )
         if refused is not None:  # before the existence check below: the answer must not depend on it
             raise SpecRejected([SpecProblem(field=refused.field, message=refused.message, fix=refused.fix)])
-        unreachable = self._reach.problem("out", out_dir, principal, shown=out, job_dirs=self._job_dirs(principal),
-                                          tenant_of=self._tenant_of)
+        unreachable = self._reach.problem(
+            "out", out_dir, principal, shown=out, job_dirs=self._job_dirs(principal), tenant_of=self._tenant_of
+        )
         if unreachable is not None:  # another tenant's root or job directory
             raise SpecRejected([unreachable])
         if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
-            raise JobConflict(f"out {out_dir} already exists and is not empty.", job_id=job_id, field="out",
-                              fix="give a new or empty folder; exports never overwrite")
+            raise JobConflict(
+                f"out {out_dir} already exists and is not empty.",
+                job_id=job_id,
+                field="out",
+                fix="give a new or empty folder; exports never overwrite",
+            )
         root = config.checkpoint.path
         step, directory, digest = committed_step(job_id, root, step, key=self._checkpoint_key)
-        path = self.runtime.export(step_dir=directory, out_dir=out_dir, model=model, source_dir=model.hf_path,
-                                   expect_digest=digest, timeout_s=EXPORT_TIMEOUT_S)
-        self.store.add_events(job_id, [(time.time(), "exported",
-                                        {"message": f"step {step} -> {path} (requested via API)"})])
+        path = self.runtime.export(
+            step_dir=directory,
+            out_dir=out_dir,
+            model=model,
+            source_dir=model.hf_path,
+            expect_digest=digest,
+            timeout_s=EXPORT_TIMEOUT_S,
+        )
+        self.store.add_events(
+            job_id, [(time.time(), "exported", {"message": f"step {step} -> {path} (requested via API)"})]
+        )
         return {"hf": path, "step": step}
 
     def plan(self, spec: JobSpec, *, principal: Principal = ADMIN) -> dict[str, Any]:
@@ -529,22 +595,43 @@ class JobManager:
         # attempt_base: a supervisor recreated after a loss numbers its attempts on from the job's last one,
         # so its step rows replace the recomputed steps' old rows (service/store/job_store.py keeps the higher attempt).
         # The jobs whose signed steps it may resume from: those of its tenant that recorded the same directory.
-        owners = self.store.jobs_in_dir(self._directories.root_of(job_id, spec),
-                                        tenant=Principal.reader_of(record.tenant).tenant_filter)
-        policy = dataclasses.replace(policy_for(spec), restarts_used=record.restarts, attempt_base=record.attempt,
-                                     checkpoint_key=self._checkpoint_key, chaos_enabled=self.settings.enable_chaos,
-                                     resume_owners=frozenset(owners))
+        owners = self.store.jobs_in_dir(
+            self._directories.root_of(job_id, spec), tenant=Principal.reader_of(record.tenant).tenant_filter
+        )
+        policy = dataclasses.replace(
+            policy_for(spec),
+            restarts_used=record.restarts,
+            attempt_base=record.attempt,
+            checkpoint_key=self._checkpoint_key,
+            chaos_enabled=self.settings.enable_chaos,
+            resume_owners=frozenset(owners),
+        )
         self._submitting.add(job_id)  # before the status change: the poller and cancel wait for the start
         try:
             try:
-                self.store.update_job(job_id, status=JobStatus.STARTING, world_size=config.parallel.world_size,
-                                      layout=config.parallel.describe(), expect_status=[JobStatus.QUEUED])
+                self.store.update_job(
+                    job_id,
+                    status=JobStatus.STARTING,
+                    world_size=config.parallel.world_size,
+                    layout=config.parallel.describe(),
+                    expect_status=[JobStatus.QUEUED],
+                )
             except JobConflict:
                 return False  # cancelled meanwhile
             self._scheduler.forget(job_id)
             where = ", ".join(f"{ranks} on {node}" for node, ranks in admit.placement.items())
-            self.store.add_events(job_id, [(time.time(), "admitted", {
-                "message": f"{admit.ranks} rank(s) at dp={admit.dp} fit now ({where}); starting its supervisor"})])
+            self.store.add_events(
+                job_id,
+                [
+                    (
+                        time.time(),
+                        "admitted",
+                        {
+                            "message": f"{admit.ranks} rank(s) at dp={admit.dp} fit now ({where}); starting its supervisor"
+                        },
+                    )
+                ],
+            )
             self.store.set_cursor(job_id, 0)  # a new supervisor numbers its events from 1
             self._poller.restarted(job_id)
             try:
@@ -560,5 +647,3 @@ class JobManager:
         finally:
             self._submitting.discard(job_id)
         return True
-
-

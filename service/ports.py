@@ -11,10 +11,10 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from etrain.service.access.tenancy import ADMIN, Principal
 from etrain.service.planning.bounds import MAX_STEPS, MAX_WORKERS
 from etrain.service.planning.spec import JobSpec, json_int
 from etrain.service.store.records import EventRecord, JobRecord, StepRecord
-from etrain.service.access.tenancy import ADMIN, Principal
 from etrain.workers.protocol.messages import RANK_CHAOS_ACTIONS, ChaosMoment, RankChaosAction
 
 #: The rank drills (and when a kill lands) are the protocol's; ``corrupt_checkpoint`` is the supervisor's own.
@@ -42,14 +42,20 @@ class ChaosRequest(BaseModel):
 
     # The document states the per-action rules the validators below enforce (one shape per action), so
     # a client (or a fuzzer) reading it knows which fields each action takes; strict and finite as the spec.
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False,
-                              json_schema_extra=lambda schema: schema.update(oneOf=_CHAOS_SHAPES))
+    model_config = ConfigDict(
+        extra="forbid",
+        frozen=True,
+        strict=True,
+        allow_inf_nan=False,
+        json_schema_extra=lambda schema: schema.update(oneOf=_CHAOS_SHAPES),
+    )
 
     action: ChaosAction
     rank: json_int(0, MAX_WORKERS - 1) | None = Field(default=None, validate_default=True)
     factor: float | None = Field(default=None, le=1000.0, validate_default=True, description="slow_rank only; > 1")
-    step: json_int(0, MAX_STEPS) | None = Field(default=None, validate_default=True,
-                                                description="corrupt_checkpoint only")
+    step: json_int(0, MAX_STEPS) | None = Field(
+        default=None, validate_default=True, description="corrupt_checkpoint only"
+    )
     at_step: json_int(0, MAX_STEPS) | None = None
     during: ChaosMoment | None = Field(default=None, description="kill_rank and kill_actor only; omitted: step")
 
@@ -136,8 +142,9 @@ class JobManagerPort(Protocol):
     def get(self, job_id: str, *, principal: Principal = ADMIN) -> JobRecord:
         """Raises JobNotFound."""
 
-    def list(self, status: str | None = None, limit: int = 100, offset: int = 0, *,
-             principal: Principal = ADMIN) -> list[JobRecord]:
+    def list(
+        self, status: str | None = None, limit: int = 100, offset: int = 0, *, principal: Principal = ADMIN
+    ) -> list[JobRecord]:
         """Newest first."""
 
     def events(self, job_id: str, since_seq: int = 0, *, principal: Principal = ADMIN) -> list[EventRecord]:
@@ -155,8 +162,9 @@ class JobManagerPort(Protocol):
         through RESIZING to the new size. JobConflict when terminal, SpecRejected (field ``dp``) when out
         of range."""
 
-    def logs(self, job_id: str, rank: int, tail: int = 200, offset: int | None = None, *,
-             principal: Principal = ADMIN) -> dict[str, Any]:
+    def logs(
+        self, job_id: str, rank: int, tail: int = 200, offset: int | None = None, *, principal: Principal = ADMIN
+    ) -> dict[str, Any]:
         """``{"job_id", "rank", "lines": [str], "next_offset": int}``: the last ``tail`` lines of the rank's
         log, or (``offset`` = a previous ``next_offset``) up to ``tail`` lines written after it. Raises
         JobNotFound, RankNotFound (a rank the job never had), JobConflict (the job has not started)."""

@@ -16,9 +16,9 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
+from etrain.service.access.tenancy import Principal
 from etrain.service.store.job_store import JobStore
 from etrain.service.store.records import JobStatus
-from etrain.service.access.tenancy import Principal
 
 #: The Prometheus text exposition format's media type (served by GET /metrics, api/routes/health.py).
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -36,24 +36,40 @@ class _JobCollector:
             counts.add_metric([status.value], by_status.get(status, 0))
         yield counts
         active = self._store.active_jobs()
-        yield GaugeMetricFamily("etrain_active_workers", "ranks of unfinished jobs, queued ones included (all tenants)",
-                                value=float(sum(job.world_size for job in active)))
+        yield GaugeMetricFamily(
+            "etrain_active_workers",
+            "ranks of unfinished jobs, queued ones included (all tenants)",
+            value=float(sum(job.world_size for job in active)),
+        )
         if self._viewer is None:
             return  # anonymous: aggregates only
         gauges = {
             "step": GaugeMetricFamily("etrain_job_step", "optimizer steps completed", labels=["job_id", "name"]),
             "loss": GaugeMetricFamily("etrain_job_loss", "loss at the last step", labels=["job_id", "name"]),
-            "tokens_per_s": GaugeMetricFamily("etrain_tokens_per_second", "training throughput", labels=["job_id", "name"]),
+            "tokens_per_s": GaugeMetricFamily(
+                "etrain_tokens_per_second", "training throughput", labels=["job_id", "name"]
+            ),
             "restarts": GaugeMetricFamily("etrain_restarts_total", "restarts spent", labels=["job_id", "name"]),
-            "goodput": GaugeMetricFamily("etrain_goodput", "productive step time / wall time", labels=["job_id", "name"]),
-            "world_size": GaugeMetricFamily("etrain_job_world_size", "ranks in the current layout", labels=["job_id", "name"]),
+            "goodput": GaugeMetricFamily(
+                "etrain_goodput", "productive step time / wall time", labels=["job_id", "name"]
+            ),
+            "world_size": GaugeMetricFamily(
+                "etrain_job_world_size", "ranks in the current layout", labels=["job_id", "name"]
+            ),
         }
-        mfu = GaugeMetricFamily("etrain_job_mfu", "model FLOPs utilisation of the last step, 0..1 (jobs whose "
-                                "device has a known peak FLOP/s)", labels=["job_id", "name"])
-        stragglers = GaugeMetricFamily("etrain_job_stragglers", "ranks flagged as stragglers so far",
-                                       labels=["job_id", "name"])
-        factor = GaugeMetricFamily("etrain_straggler_factor", "a flagged rank's compute time / its peers' median, "
-                                   "at its latest finding", labels=["job_id", "name", "rank"])
+        mfu = GaugeMetricFamily(
+            "etrain_job_mfu",
+            "model FLOPs utilisation of the last step, 0..1 (jobs whose device has a known peak FLOP/s)",
+            labels=["job_id", "name"],
+        )
+        stragglers = GaugeMetricFamily(
+            "etrain_job_stragglers", "ranks flagged as stragglers so far", labels=["job_id", "name"]
+        )
+        factor = GaugeMetricFamily(
+            "etrain_straggler_factor",
+            "a flagged rank's compute time / its peers' median, at its latest finding",
+            labels=["job_id", "name", "rank"],
+        )
         for job in active:
             if not self._viewer.can_see(job.tenant):
                 continue

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from etrain.service.errors import SettingsError
 from etrain.service.access.tenancy import DEFAULT_TENANT, TENANT_NAME
+from etrain.service.errors import SettingsError
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"", "0", "false", "no", "off"})
@@ -111,18 +111,21 @@ class Settings:
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise SettingsError(
-                    f"{name}={value} must be 0 or more.", field=name,
+                    f"{name}={value} must be 0 or more.",
+                    field=name,
                     fix=f"give a limit per tenant, or set ETRAIN_{name.upper()}= (empty) for no limit",
                 )
         self._check_priorities()
         if not 0 <= self.plan_workers <= MAX_PLAN_WORKERS:
             raise SettingsError(
-                f"plan_workers={self.plan_workers} must be 0..{MAX_PLAN_WORKERS}.", field="plan_workers",
+                f"plan_workers={self.plan_workers} must be 0..{MAX_PLAN_WORKERS}.",
+                field="plan_workers",
                 fix="use 1 (the default: one planner process) or 0 to plan on the API's threads (ETRAIN_PLAN_WORKERS)",
             )
         if not 0 <= self.health_cache_s <= 300:
             raise SettingsError(
-                f"health_cache_s={self.health_cache_s} must be 0..300 seconds.", field="health_cache_s",
+                f"health_cache_s={self.health_cache_s} must be 0..300 seconds.",
+                field="health_cache_s",
                 fix="use e.g. 2 (ETRAIN_HEALTH_CACHE_S; 0 probes the database and Ray on every /healthz)",
             )
         if self.ray_address == "":
@@ -145,7 +148,8 @@ class Settings:
             )
         if self.device_memory_gb is not None and not self.device_memory_gb > 0:
             raise SettingsError(
-                f"device_memory_gb={self.device_memory_gb} must be positive.", field="device_memory_gb",
+                f"device_memory_gb={self.device_memory_gb} must be positive.",
+                field="device_memory_gb",
                 fix="give the memory per rank in GiB, e.g. 79 (or unset ETRAIN_DEVICE_MEMORY_GB to detect it)",
             )
         if self.poll_interval_s <= 0:
@@ -156,8 +160,11 @@ class Settings:
         try:
             plain, owned = _owned_roots(roots, self.tenant_roots)
         except ValueError as err:
-            raise SettingsError(f"ETRAIN_STORAGE_ROOTS: {err}.", field="storage_roots",
-                                fix=_ROOTS_FIX.format(variable="ETRAIN_STORAGE_ROOTS")) from None
+            raise SettingsError(
+                f"ETRAIN_STORAGE_ROOTS: {err}.",
+                field="storage_roots",
+                fix=_ROOTS_FIX.format(variable="ETRAIN_STORAGE_ROOTS"),
+            ) from None
         object.__setattr__(self, "storage_roots", plain)
         object.__setattr__(self, "tenant_roots", owned)
 
@@ -165,7 +172,7 @@ class Settings:
             object.__setattr__(self, "checkpoint_base", _checkpoint_base(self.checkpoint_base))
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> "Settings":
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
         """Defaults, then ``ETRAIN_*`` variables from ``env`` (default ``os.environ``), then overrides."""
         env = os.environ if env is None else env
         values: dict[str, Any] = {}
@@ -183,26 +190,37 @@ class Settings:
         """The default tenant range and the per-tenant ones: inside the spec's -1000..1000, min <= max, one
         range per known-looking tenant name."""
         if isinstance(self.tenant_priorities, Mapping):
-            object.__setattr__(self, "tenant_priorities",
-                               tuple((tenant, *bounds) for tenant, bounds in self.tenant_priorities.items()))
-        ranges = [("ETRAIN_TENANT_MIN_PRIORITY..ETRAIN_TENANT_MAX_PRIORITY", "tenant_max_priority",
-                   self.tenant_min_priority, self.tenant_max_priority)]
+            object.__setattr__(
+                self, "tenant_priorities", tuple((tenant, *bounds) for tenant, bounds in self.tenant_priorities.items())
+            )
+        ranges = [
+            (
+                "ETRAIN_TENANT_MIN_PRIORITY..ETRAIN_TENANT_MAX_PRIORITY",
+                "tenant_max_priority",
+                self.tenant_min_priority,
+                self.tenant_max_priority,
+            )
+        ]
         seen: set[str] = set()
         for tenant, low, high in self.tenant_priorities:
             where = f"ETRAIN_TENANT_PRIORITIES entry {tenant!r}"
             _check_tenant(tenant, "ETRAIN_TENANT_PRIORITIES", "ETRAIN_TENANT_PRIORITIES")
             if tenant in seen:
-                raise SettingsError(f"ETRAIN_TENANT_PRIORITIES names tenant {tenant!r} twice.",
-                                    field="ETRAIN_TENANT_PRIORITIES", fix="give each tenant one MIN..MAX range")
+                raise SettingsError(
+                    f"ETRAIN_TENANT_PRIORITIES names tenant {tenant!r} twice.",
+                    field="ETRAIN_TENANT_PRIORITIES",
+                    fix="give each tenant one MIN..MAX range",
+                )
             seen.add(tenant)
             ranges.append((where, "ETRAIN_TENANT_PRIORITIES", low, high))
         for where, field_name, low, high in ranges:
             if not -MAX_PRIORITY <= low <= high <= MAX_PRIORITY:
                 raise SettingsError(
                     f"{where}: the priority range {low}..{high} is not MIN..MAX within "
-                    f"-{MAX_PRIORITY}..{MAX_PRIORITY}.", field=field_name,
+                    f"-{MAX_PRIORITY}..{MAX_PRIORITY}.",
+                    field=field_name,
                     fix=f"give MIN <= MAX, both within -{MAX_PRIORITY}..{MAX_PRIORITY} (the job spec's bounds), "
-                        "e.g. 0..100",
+                    "e.g. 0..100",
                 )
 
     def priority_range(self, tenant: str) -> tuple[int, int, str]:
@@ -210,28 +228,35 @@ class Settings:
         for name, low, high in self.tenant_priorities:
             if name == tenant:
                 return low, high, f"ETRAIN_TENANT_PRIORITIES={name}={low}..{high}"
-        return (self.tenant_min_priority, self.tenant_max_priority,
-                f"ETRAIN_TENANT_MIN_PRIORITY={self.tenant_min_priority}, "
-                f"ETRAIN_TENANT_MAX_PRIORITY={self.tenant_max_priority}")
+        return (
+            self.tenant_min_priority,
+            self.tenant_max_priority,
+            f"ETRAIN_TENANT_MIN_PRIORITY={self.tenant_min_priority}, "
+            f"ETRAIN_TENANT_MAX_PRIORITY={self.tenant_max_priority}",
+        )
 
     def _token_tenants(self) -> dict[str, str]:
         """Every tenant token (environment, then file) -> its tenant; SettingsError names the source of
         a bad entry (never the token itself: error messages end up in logs)."""
         entries = [(tenant, token, "ETRAIN_API_TOKENS", "ETRAIN_API_TOKENS") for tenant, token in self.api_tokens]
         if self.api_tokens_file is not None:
-            entries += [(*pair, where, "ETRAIN_API_TOKENS_FILE") for *pair, where in _read_tokens_file(self.api_tokens_file)]
+            entries += [
+                (*pair, where, "ETRAIN_API_TOKENS_FILE") for *pair, where in _read_tokens_file(self.api_tokens_file)
+            ]
         tenants: dict[str, str] = {}
         for tenant, token, where, variable in entries:
             _check_tenant(tenant, where, variable)
             _check_token(token, where, variable, tenant=tenant)
             if token == self.api_token:
                 raise SettingsError(
-                    f"{where}: tenant {tenant!r} has the admin token (ETRAIN_API_TOKEN).", field=variable,
+                    f"{where}: tenant {tenant!r} has the admin token (ETRAIN_API_TOKEN).",
+                    field=variable,
                     fix=f"give every tenant its own token, e.g. {_NEW_TOKEN}",
                 )
             if token in tenants:
                 raise SettingsError(
-                    f"{where}: tenant {tenant!r} has the same token as tenant {tenants[token]!r}.", field=variable,
+                    f"{where}: tenant {tenant!r} has the same token as tenant {tenants[token]!r}.",
+                    field=variable,
                     fix="a token must name one tenant: give each entry its own token",
                 )
             tenants[token] = tenant
@@ -325,13 +350,16 @@ _NEW_TOKEN = "python -c 'import secrets; print(secrets.token_hex(32))'"  # hex: 
 def _check_tenant(tenant: str, where: str, variable: str) -> None:
     if not TENANT_NAME.match(tenant):
         raise SettingsError(
-            f"{where}: {tenant!r} is not a tenant name.", field=variable,
+            f"{where}: {tenant!r} is not a tenant name.",
+            field=variable,
             fix="use 1-63 characters of a-z, 0-9, '_' and '-', starting with a letter or digit",
         )
     if tenant == DEFAULT_TENANT:
         raise SettingsError(
             f"{where}: the tenant name {DEFAULT_TENANT!r} is reserved for the operator's own jobs "
-            "(those submitted with ETRAIN_API_TOKEN).", field=variable, fix="pick another tenant name",
+            "(those submitted with ETRAIN_API_TOKEN).",
+            field=variable,
+            fix="pick another tenant name",
         )
 
 
@@ -339,14 +367,16 @@ def _check_token(token: str, where: str, variable: str, *, tenant: str | None = 
     if not _TOKEN_CHARS.match(token):
         whose = "the token" if tenant is None else f"the token of tenant {tenant!r}"
         raise SettingsError(
-            f"{where}: {whose} is empty or holds spaces, commas or non-ASCII characters.", field=variable,
+            f"{where}: {whose} is empty or holds spaces, commas or non-ASCII characters.",
+            field=variable,
             fix=f"use a random URL-safe token, e.g. {_NEW_TOKEN}",
         )
     if len(token) < MIN_TOKEN_LENGTH:
         whose = "the token" if tenant is None else f"the token of tenant {tenant!r}"
         raise SettingsError(
             f"{where}: {whose} has {len(token)} characters; a token needs at least {MIN_TOKEN_LENGTH} (a short "
-            "token can be guessed).", field=variable,
+            "token can be guessed).",
+            field=variable,
             fix=f"use a random token of {MIN_TOKEN_LENGTH} or more characters, e.g. {_NEW_TOKEN}",
         )
 
@@ -364,7 +394,8 @@ def _tenant_token(entry: str, where: str, variable: str) -> tuple[str, str]:
     tenant, equals, token = entry.partition("=")
     if not equals:
         raise SettingsError(
-            f"{where} is not 'tenant=token'.", field=variable,
+            f"{where} is not 'tenant=token'.",
+            field=variable,
             fix="write each entry as tenant=token, e.g. ETRAIN_API_TOKENS=alice=TOKEN1,bob=TOKEN2",
         )
     return tenant.strip(), token.strip()
@@ -377,7 +408,8 @@ def _read_tokens_file(path: Path) -> list[tuple[str, str, str]]:
     except (OSError, UnicodeDecodeError) as err:
         raise SettingsError(
             f"cannot read the tenant tokens file {path}: {getattr(err, 'strerror', None) or err}.",
-            field="ETRAIN_API_TOKENS_FILE", fix="point ETRAIN_API_TOKENS_FILE at a readable UTF-8 file of tenant=token lines",
+            field="ETRAIN_API_TOKENS_FILE",
+            fix="point ETRAIN_API_TOKENS_FILE at a readable UTF-8 file of tenant=token lines",
         ) from None
     entries = []
     for number, line in enumerate(text.splitlines(), start=1):
@@ -398,7 +430,8 @@ def _priority_ranges(variable: str, raw: str) -> tuple[tuple[str, int, int], ...
         match = re.fullmatch(r"\s*(-?\d+)\s*\.\.\s*(-?\d+)\s*", bounds)
         if match is None:
             raise SettingsError(
-                f"{variable} entry {number} is not 'tenant=MIN..MAX'.", field=variable,
+                f"{variable} entry {number} is not 'tenant=MIN..MAX'.",
+                field=variable,
                 fix=f"write each entry as tenant=MIN..MAX, e.g. {variable}=alice=0..500,bob=-10..10",
             )
         ranges.append((tenant.strip(), int(match.group(1)), int(match.group(2))))
@@ -417,8 +450,9 @@ def _storage_roots(variable: str, raw: str) -> tuple[str, ...]:
     return entries
 
 
-def _owned_roots(entries: tuple[str | os.PathLike, ...], owned: tuple[tuple[str, str | os.PathLike], ...]
-                 ) -> tuple[tuple[Path | str, ...], tuple[tuple[str, Path | str], ...]]:
+def _owned_roots(
+    entries: tuple[str | os.PathLike, ...], owned: tuple[tuple[str, str | os.PathLike], ...]
+) -> tuple[tuple[Path | str, ...], tuple[tuple[str, Path | str], ...]]:
     """(every root, the (tenant, root) pairs) from storage-root entries (``tenant=root`` marks split off) and
     pairs given apart; ValueError for a bad root or mark, or a root marked for two tenants."""
     from etrain.service.access.reach import split_owner
@@ -431,13 +465,16 @@ def _owned_roots(entries: tuple[str | os.PathLike, ...], owned: tuple[tuple[str,
         plain.append(parsed)
         if tenant is not None:
             if pairs.setdefault(parsed, tenant) != tenant:
-                raise ValueError(f"storage root {str(parsed)!r} is marked for two tenants, "
-                                 f"{pairs[parsed]!r} and {tenant!r}")
+                raise ValueError(
+                    f"storage root {str(parsed)!r} is marked for two tenants, {pairs[parsed]!r} and {tenant!r}"
+                )
     return tuple(dict.fromkeys(plain)), tuple((tenant, root) for root, tenant in pairs.items())
 
 
-_ROOTS_FIX = ("give absolute directories or s3://bucket/prefix roots, each shared or marked tenant=root for one "
-              "tenant, e.g. {variable}=/data,/checkpoints,s3://bucket/ckpt,alice=/data/alice")
+_ROOTS_FIX = (
+    "give absolute directories or s3://bucket/prefix roots, each shared or marked tenant=root for one "
+    "tenant, e.g. {variable}=/data,/checkpoints,s3://bucket/ckpt,alice=/data/alice"
+)
 
 
 def _is_url(value: Any) -> bool:
@@ -453,18 +490,27 @@ def _checkpoint_base(raw: str | os.PathLike) -> str:
     if _is_url(raw):
         problem = url_problem(raw)
         if problem:
-            raise SettingsError(f"ETRAIN_CHECKPOINT_ROOT: {problem}.", field="checkpoint_base",
-                                fix="give s3://bucket/prefix with plain key components")
+            raise SettingsError(
+                f"ETRAIN_CHECKPOINT_ROOT: {problem}.",
+                field="checkpoint_base",
+                fix="give s3://bucket/prefix with plain key components",
+            )
         url = normalize_url(raw)
         missing = missing_backend(url)
         if missing:
-            raise SettingsError(f"ETRAIN_CHECKPOINT_ROOT={url!r}: {missing}.", field="checkpoint_base",
-                                fix="install it where the service and the ranks run: pip install 'etrain[s3]'")
+            raise SettingsError(
+                f"ETRAIN_CHECKPOINT_ROOT={url!r}: {missing}.",
+                field="checkpoint_base",
+                fix="install it where the service and the ranks run: pip install 'etrain[s3]'",
+            )
         return url
     path = Path(raw).expanduser()
     if not path.is_absolute():
-        raise SettingsError(f"ETRAIN_CHECKPOINT_ROOT={str(raw)!r} is not an absolute path.", field="checkpoint_base",
-                            fix="give an absolute folder every Ray node and the server share, or s3://bucket/prefix")
+        raise SettingsError(
+            f"ETRAIN_CHECKPOINT_ROOT={str(raw)!r} is not an absolute path.",
+            field="checkpoint_base",
+            fix="give an absolute folder every Ray node and the server share, or s3://bucket/prefix",
+        )
     return str(path)
 
 

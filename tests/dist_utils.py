@@ -44,9 +44,7 @@ class RankFailedError(RuntimeError):
     ``failures`` maps every failed rank to its traceback; the message carries them all.
     """
 
-    def __init__(
-        self, message: str, *, rank: int | None = None, failures: dict[int, str] | None = None
-    ) -> None:
+    def __init__(self, message: str, *, rank: int | None = None, failures: dict[int, str] | None = None) -> None:
         super().__init__(message)
         self.rank = rank
         self.failures = failures or {}
@@ -78,14 +76,10 @@ def run_distributed(
     try:
         pickle.dumps((fn, args))
     except Exception as exc:
-        raise TypeError(
-            f"run_distributed needs a module-level function and picklable args, got {fn!r}: {exc}"
-        ) from exc
+        raise TypeError(f"run_distributed needs a module-level function and picklable args, got {fn!r}: {exc}") from exc
 
     # The parent hosts the rendezvous store on a port the OS picks: no free-port race.
-    store = dist.TCPStore(
-        _HOST, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
-    )
+    store = dist.TCPStore(_HOST, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
     ctx = _context()
     reports = ctx.Queue()
     processes = [
@@ -151,9 +145,7 @@ def _child_main(
         store = dist.TCPStore(_HOST, store_port, is_master=False, timeout=timeout)
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(
-            backend, store=store, rank=rank, world_size=world_size, timeout=timeout
-        )
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     except BaseException:
         reports.put(_Report(rank, False, traceback.format_exc(), time.time()))
         return
@@ -229,9 +221,7 @@ def _failure_error(failures: dict[int, _Report], world_size: int) -> RankFailedE
     first, *rest = ordered
     parts = [f"rank {first.rank} of {world_size} failed first:\n{first.payload}"]
     parts += [
-        f"then rank {report.rank} failed (often only a consequence of the first):\n"
-        f"{report.payload}"
-        for report in rest
+        f"then rank {report.rank} failed (often only a consequence of the first):\n{report.payload}" for report in rest
     ]
     return RankFailedError(
         "\n".join(parts),

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
+from etrain.workers.protocol.run_config import DataConfig, ModelConfig, ParallelConfig, RunConfig, TrainingConfig
 from tests.dist_utils import run_distributed
 from tests.state_utils import full_state_dict
-from etrain.workers.protocol.run_config import DataConfig, ModelConfig, ParallelConfig, RunConfig, TrainingConfig
 
 __all__ = [
     "LOSS_RTOL",
@@ -49,8 +49,18 @@ TINY_GPT = ModelConfig(n_layers=4, d_model=32, n_heads=4, vocab_size=64, seq_len
 #: attention (4 query heads on 2 kv heads, so tp=2 leaves one kv head per rank), Qwen2's q/k/v
 #: biases, Qwen3's per-head q/k RMSNorms (their TP plan is the head-sharded one), SwiGLU's third
 #: projection (w3), RoPE; untied, so it also runs pipelined.
-TINY_LLAMA = ModelConfig(arch="llama", n_layers=4, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=64,
-                         seq_len=16, attention_bias="qkv", qk_norm=True)
+TINY_LLAMA = ModelConfig(
+    arch="llama",
+    n_layers=4,
+    d_model=32,
+    n_heads=4,
+    n_kv_heads=2,
+    d_ff=64,
+    vocab_size=64,
+    seq_len=16,
+    attention_bias="qkv",
+    qk_norm=True,
+)
 #: The same with tied input/output embeddings (one parameter used at both ends): non-pipelined
 #: layouts only, since ``build_pipeline`` refuses to cut a tied model into stages.
 TINY_LLAMA_TIED = dataclasses.replace(TINY_LLAMA, tie_embeddings=True)
@@ -76,8 +86,9 @@ def small_config(
     any of ``MODELS`` for another), global batch 8 in micro-batches of 2 (grad accumulation 4 on
     one process, 2 at dp=2), AdamW with clipping at a norm that binds.
     """
-    training_kwargs = dict(steps=steps, global_batch=8, micro_batch=2, lr=3e-3, warmup_steps=2,
-                           grad_clip=0.5, weight_decay=0.1, seed=7)
+    training_kwargs = dict(
+        steps=steps, global_batch=8, micro_batch=2, lr=3e-3, warmup_steps=2, grad_clip=0.5, weight_decay=0.1, seed=7
+    )
     training_kwargs.update(training)
     return RunConfig(
         job_id="equivalence",
@@ -152,9 +163,7 @@ def assert_equivalent(reference: RunResult, results: list[RunResult], *, layout:
             got = result.params[name]
             assert got.shape == want.shape, f"{layout} rank {result.rank} {name}: shape {got.shape} vs {want.shape}"
             diff = (got - want).abs().max().item()
-            assert diff <= PARAM_ATOL, (
-                f"{layout} rank {result.rank} {name}: max |Δ| = {diff:.3g} > {PARAM_ATOL}"
-            )
+            assert diff <= PARAM_ATOL, f"{layout} rank {result.rank} {name}: max |Δ| = {diff:.3g} > {PARAM_ATOL}"
 
 
 def assert_replicas_identical(results: list[RunResult], *, layout: str) -> None:

@@ -22,19 +22,25 @@ import time
 import uuid
 from typing import Any
 
-from etrain.service.store import idempotency
-from etrain.service.errors import (ChaosDisabled, JobConflict, JobNotFound, RankNotFound, ServiceUnavailable,
-                                   SpecRejected)
-from etrain.service.ports import ChaosRequest
-from etrain.workers.protocol.messages import RANK_CHAOS_ACTIONS
+from etrain.service.access.storage_roots import StorageRoots, pin
+from etrain.service.access.tenancy import ADMIN, Principal
+from etrain.service.errors import (
+    ChaosDisabled,
+    JobConflict,
+    JobNotFound,
+    RankNotFound,
+    ServiceUnavailable,
+    SpecRejected,
+)
 from etrain.service.planning.spec import JobSpec, SpecProblem
 from etrain.service.planning.spec_checks import check_spec
 from etrain.service.planning.spec_paths import pin_paths
-from etrain.service.access.storage_roots import StorageRoots, pin
+from etrain.service.ports import ChaosRequest
+from etrain.service.store import idempotency
 from etrain.service.store.job_store import JobStore
 from etrain.service.store.records import EventRecord, JobRecord, JobStatus, StepRecord
-from etrain.service.access.tenancy import ADMIN, Principal
 from etrain.workers.protocol.errors import ConfigError
+from etrain.workers.protocol.messages import RANK_CHAOS_ACTIONS
 
 try:  # the planner is written alongside; until it lands the fake checks the spec rules only
     from etrain.service.planning import planner as _planner
@@ -142,7 +148,9 @@ class InMemoryManager:
             job = self.advance(job_id, self.steps_per_poll)
         return job
 
-    def list(self, status: str | None = None, limit: int = 100, offset: int = 0, *, principal: Principal = ADMIN) -> list[JobRecord]:
+    def list(
+        self, status: str | None = None, limit: int = 100, offset: int = 0, *, principal: Principal = ADMIN
+    ) -> list[JobRecord]:
         return self.store.list_jobs(status=status, limit=limit, offset=offset, tenant=principal.tenant_filter)
 
     def events(self, job_id: str, since_seq: int = 0, *, principal: Principal = ADMIN) -> list[EventRecord]:
@@ -156,8 +164,12 @@ class InMemoryManager:
     def cancel(self, job_id: str, *, principal: Principal = ADMIN) -> JobRecord:
         job = self._require(job_id, principal)
         if job.is_terminal:
-            raise JobConflict(f"job {job_id} is already {job.status.value}.", job_id=job_id, status=job.status,
-                              fix="nothing to cancel")
+            raise JobConflict(
+                f"job {job_id} is already {job.status.value}.",
+                job_id=job_id,
+                status=job.status,
+                fix="nothing to cancel",
+            )
         # Like the real manager, the request is an event; the simulated supervisor then stops at once.
         self.store.add_events(job_id, [(time.time(), "cancel_requested", {"message": "cancel requested via API"})])
         job = self.store.update_job(job_id, status=JobStatus.CANCELLED, expect_status=LIVE)
@@ -167,18 +179,23 @@ class InMemoryManager:
     def scale(self, job_id: str, dp: int, *, principal: Principal = ADMIN) -> JobRecord:
         job = self._require(job_id, principal)
         if job.is_terminal:
-            raise JobConflict(f"job {job_id} is {job.status.value}; it cannot be resized.", job_id=job_id,
-                              status=job.status)
+            raise JobConflict(
+                f"job {job_id} is {job.status.value}; it cannot be resized.", job_id=job_id, status=job.status
+            )
         spec = JobSpec.model_validate(job.spec)
         layout = spec.layout
         per_step = dp * spec.training.micro_batch
         if not spec.min_dp <= dp <= spec.max_dp or spec.training.global_batch % per_step:
-            raise SpecRejected([SpecProblem(
-                field="dp",
-                message=f"dp={dp} is outside resources.min_dp..max_dp = {spec.min_dp}..{spec.max_dp} or does not "
+            raise SpecRejected(
+                [
+                    SpecProblem(
+                        field="dp",
+                        message=f"dp={dp} is outside resources.min_dp..max_dp = {spec.min_dp}..{spec.max_dp} or does not "
                         f"divide training.global_batch={spec.training.global_batch}.",
-                fix=f"choose dp between {spec.min_dp} and {spec.max_dp} that divides the global batch",
-            )])
+                        fix=f"choose dp between {spec.min_dp} and {spec.max_dp} that divides the global batch",
+                    )
+                ]
+            )
         self.store.add_events(job_id, [(time.time(), "scale_requested", {"message": f"dp -> {dp}"})])
         job = self.store.update_job(
             job_id,
@@ -188,24 +205,32 @@ class InMemoryManager:
         self.store.add_events(job_id, [(time.time(), "resized", {"message": f"running at dp={dp}"})])
         return job
 
-    def logs(self, job_id: str, rank: int, tail: int = 200, offset: int | None = None, *,
-             principal: Principal = ADMIN) -> dict[str, Any]:
+    def logs(
+        self, job_id: str, rank: int, tail: int = 200, offset: int | None = None, *, principal: Principal = ADMIN
+    ) -> dict[str, Any]:
         """Simulated like the training: rank ``rank``'s lines are a start line and one line per step
         trained so far (the real format of ``workers/rank/worker.py``); ``next_offset`` counts lines."""
         job = self._require(job_id, principal)
         if rank >= job.world_size:
             raise RankNotFound(job_id, rank, job.world_size)
         if job.attempt == 0:
-            raise JobConflict(f"job {job_id} has not started yet ({job.status.value}): no rank has written a log.",
-                              job_id=job_id, field="rank", fix=f"wait until it runs (`etrain watch {job_id}`)")
+            raise JobConflict(
+                f"job {job_id} has not started yet ({job.status.value}): no rank has written a log.",
+                job_id=job_id,
+                field="rank",
+                fix=f"wait until it runs (`etrain watch {job_id}`)",
+            )
         total = JobSpec.model_validate(job.spec).training.steps
         lines = [f"attempt 1: rank {rank}/{job.world_size} on 127.0.0.1, layout {job.layout}, fresh start"]
-        lines += [f"step {s}/{total} loss {simulated_loss(s):.4f} compute {0.8 * self.STEP_S:.3f}s "
-                  f"comm_wait {0.2 * self.STEP_S:.3f}s" for s in range(1, job.step + 1)]
+        lines += [
+            f"step {s}/{total} loss {simulated_loss(s):.4f} compute {0.8 * self.STEP_S:.3f}s "
+            f"comm_wait {0.2 * self.STEP_S:.3f}s"
+            for s in range(1, job.step + 1)
+        ]
         if offset is None:
             return {"job_id": job_id, "rank": rank, "lines": lines[-tail:], "next_offset": len(lines)}
         start = 0 if offset > len(lines) else offset
-        chunk = lines[start:start + tail]
+        chunk = lines[start : start + tail]
         return {"job_id": job_id, "rank": rank, "lines": chunk, "next_offset": start + len(chunk)}
 
     def chaos(self, job_id: str, request: dict[str, Any], *, principal: Principal = ADMIN) -> dict[str, Any]:
@@ -216,8 +241,15 @@ class InMemoryManager:
         if job.is_terminal:
             raise JobConflict(f"job {job_id} is {job.status.value}; nothing to inject into.", job_id=job_id)
         if order.action in RANK_CHAOS_ACTIONS and not 0 <= (order.rank or 0) < job.world_size:
-            raise SpecRejected([SpecProblem(field="rank", message=f"rank {order.rank} is outside the job's "
-                                            f"{job.world_size} ranks.", fix=f"use 0..{job.world_size - 1}")])
+            raise SpecRejected(
+                [
+                    SpecProblem(
+                        field="rank",
+                        message=f"rank {order.rank} is outside the job's {job.world_size} ranks.",
+                        fix=f"use 0..{job.world_size - 1}",
+                    )
+                ]
+            )
         self.chaos_orders.append((job_id, dict(request)))
         self.store.add_events(job_id, [(time.time(), "chaos_armed", {"message": f"{order.action} armed"})])
         return {"id": len(self.chaos_orders), **request, "armed": True}
@@ -229,20 +261,31 @@ class InMemoryManager:
         job = self._require(job_id, principal)
         spec = JobSpec.model_validate(job.spec)
         if spec.model.kind != "llama":
-            raise ConfigError(f"job {job_id} trains the built-in GPT, which has no Hugging Face format.",
-                              field="model.kind", fix="export a job that trains a Llama-family model")
+            raise ConfigError(
+                f"job {job_id} trains the built-in GPT, which has no Hugging Face format.",
+                field="model.kind",
+                fix="export a job that trains a Llama-family model",
+            )
         out_dir = pin(out, self.base_dir)
         refused = self.storage.check("out", out, out_dir)
         if refused is not None:
             raise SpecRejected([SpecProblem(field=refused.field, message=refused.message, fix=refused.fix)])
         if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
-            raise JobConflict(f"out {out_dir} already exists and is not empty.", job_id=job_id, field="out",
-                              fix="give a new or empty folder; exports never overwrite")
+            raise JobConflict(
+                f"out {out_dir} already exists and is not empty.",
+                job_id=job_id,
+                field="out",
+                fix="give a new or empty folder; exports never overwrite",
+            )
         every = self.checkpoint_every
         committed = [s for s in range(1, job.step + 1) if every and s % every == 0]
         if (step is None and not committed) or (step is not None and step not in committed):
-            raise JobConflict(f"job {job_id} has no committed checkpoint at step {step} (committed: {committed}).",
-                              job_id=job_id, field="step", fix="pass a committed step")
+            raise JobConflict(
+                f"job {job_id} has no committed checkpoint at step {step} (committed: {committed}).",
+                job_id=job_id,
+                field="step",
+                fix="pass a committed step",
+            )
         chosen = committed[-1] if step is None else step
         self.exports.append((job_id, chosen, out_dir))
         self.store.add_events(job_id, [(time.time(), "exported", {"message": f"step {chosen} -> {out_dir}"})])
@@ -269,13 +312,29 @@ class InMemoryManager:
             cpus, gpus = job.world_size * resources.cpus_per_worker, job.world_size * resources.gpus_per_worker
             used_cpus, used_gpus = used_cpus + cpus, used_gpus + gpus
             if principal.can_see(job.tenant):
-                holders.append({"job_id": job.id, "status": job.status.value, "priority": job.priority,
-                                "tenant": job.tenant, "world_size": job.world_size, "cpus": cpus, "gpus": gpus,
-                                "nodes": [{"node_id": self.NODE["node_id"], "cpus": cpus, "gpus": gpus}]})
+                holders.append(
+                    {
+                        "job_id": job.id,
+                        "status": job.status.value,
+                        "priority": job.priority,
+                        "tenant": job.tenant,
+                        "world_size": job.world_size,
+                        "cpus": cpus,
+                        "gpus": gpus,
+                        "nodes": [{"node_id": self.NODE["node_id"], "cpus": cpus, "gpus": gpus}],
+                    }
+                )
         node = {**self.NODE, "free_cpus": self.NODE["cpus"] - used_cpus, "free_gpus": self.NODE["gpus"] - used_gpus}
-        totals = {"nodes": 1, "alive_nodes": 1, "cpus": node["cpus"], "gpus": node["gpus"],
-                  "free_cpus": node["free_cpus"], "free_gpus": node["free_gpus"], "running_jobs": len(live),
-                  "queued_jobs": 0}
+        totals = {
+            "nodes": 1,
+            "alive_nodes": 1,
+            "cpus": node["cpus"],
+            "gpus": node["gpus"],
+            "free_cpus": node["free_cpus"],
+            "free_gpus": node["free_gpus"],
+            "running_jobs": len(live),
+            "queued_jobs": 0,
+        }
         return {"nodes": [node], "totals": totals, "jobs": holders, "queue": [], "observed_at": time.time()}
 
     def health(self) -> dict[str, Any]:
@@ -303,9 +362,18 @@ class InMemoryManager:
             first, last = job.step + 1, min(total, job.step + num_steps)
             now = time.time()
             records = [
-                StepRecord(job_id=job_id, step=step, loss=simulated_loss(step), tokens_per_s=tokens_per_s,
-                           step_s=self.STEP_S, compute_s=0.8 * self.STEP_S, comm_wait_s=0.2 * self.STEP_S,
-                           ts=now, attempt=job.attempt, mfu=self.MFU)
+                StepRecord(
+                    job_id=job_id,
+                    step=step,
+                    loss=simulated_loss(step),
+                    tokens_per_s=tokens_per_s,
+                    step_s=self.STEP_S,
+                    compute_s=0.8 * self.STEP_S,
+                    comm_wait_s=0.2 * self.STEP_S,
+                    ts=now,
+                    attempt=job.attempt,
+                    mfu=self.MFU,
+                )
                 for step in range(first, last + 1)
             ]
             self.store.add_steps(job_id, records)
@@ -348,8 +416,9 @@ class FakeRuntime:
     #: The simulated cluster (``cluster()``): one node big enough that every test job fits at once.
     DEFAULT_NODES: dict[str, dict[str, float]] = {"fake-node-1": {"CPU": 1024.0, "GPU": 64.0}}
 
-    def __init__(self, *, steps_per_update: int = 1, step_s: float = 0.1,
-                 nodes: dict[str, dict[str, float]] | None = None):
+    def __init__(
+        self, *, steps_per_update: int = 1, step_s: float = 0.1, nodes: dict[str, dict[str, float]] | None = None
+    ):
         self.steps_per_update = steps_per_update
         self.step_s = step_s
         self.nodes = {name: dict(total) for name, total in (nodes or self.DEFAULT_NODES).items()}
@@ -363,8 +432,16 @@ class FakeRuntime:
         with self._lock:
             self.calls.append(("start", job_id))
             self.jobs[job_id] = job = {
-                "config": config, "policy": policy, "status": "RUNNING", "step": 0, "dp": config.parallel.dp,
-                "attempt": 1, "events": [], "steps": [], "chaos": [], "error": None,
+                "config": config,
+                "policy": policy,
+                "status": "RUNNING",
+                "step": 0,
+                "dp": config.parallel.dp,
+                "attempt": 1,
+                "events": [],
+                "steps": [],
+                "chaos": [],
+                "error": None,
             }
             for request in getattr(policy, "chaos_requests", ()):  # armed before the launch, like the supervisor
                 job["chaos"].append(dict(request))
@@ -385,13 +462,20 @@ class FakeRuntime:
                     if job["step"] >= config.training.steps:
                         break
                     job["step"] += 1
-                    job["steps"].append({
-                        "seq": len(job["steps"]) + 1, "step": job["step"], "loss": simulated_loss(job["step"]),
-                        "tokens_per_s": config.tokens_per_step / self.step_s, "step_s": self.step_s,
-                        "compute_s": 0.8 * self.step_s, "comm_wait_s": 0.2 * self.step_s, "ts": time.time(),
-                        # numbered on from the job's last attempt, like the real supervisor (JobPolicy.attempt_base)
-                        "attempt": job["attempt"] + getattr(job["policy"], "attempt_base", 0),
-                    })
+                    job["steps"].append(
+                        {
+                            "seq": len(job["steps"]) + 1,
+                            "step": job["step"],
+                            "loss": simulated_loss(job["step"]),
+                            "tokens_per_s": config.tokens_per_step / self.step_s,
+                            "step_s": self.step_s,
+                            "compute_s": 0.8 * self.step_s,
+                            "comm_wait_s": 0.2 * self.step_s,
+                            "ts": time.time(),
+                            # numbered on from the job's last attempt, like the real supervisor (JobPolicy.attempt_base)
+                            "attempt": job["attempt"] + getattr(job["policy"], "attempt_base", 0),
+                        }
+                    )
                 if job["step"] >= config.training.steps:
                     job["status"] = "SUCCEEDED"
                     if getattr(job["policy"], "export", False):  # the supervisor's export, simulated
@@ -401,12 +485,18 @@ class FakeRuntime:
             latest = job["steps"][-1] if job["steps"] else {}
             parallel = config.parallel
             return {
-                "status": job["status"], "attempt": job["attempt"] + getattr(job["policy"], "attempt_base", 0),
+                "status": job["status"],
+                "attempt": job["attempt"] + getattr(job["policy"], "attempt_base", 0),
                 "dp": job["dp"],
                 "world_size": parallel.pp * job["dp"] * parallel.tp,
                 "layout": _layout_text(parallel.pp, job["dp"], parallel.tp, parallel.zero),
-                "restarts": getattr(job["policy"], "restarts_used", 0), "last_checkpoint_step": None, "error": job["error"], "step": job["step"],
-                "loss": latest.get("loss"), "tokens_per_s": latest.get("tokens_per_s"), "stragglers": [],
+                "restarts": getattr(job["policy"], "restarts_used", 0),
+                "last_checkpoint_step": None,
+                "error": job["error"],
+                "step": job["step"],
+                "loss": latest.get("loss"),
+                "tokens_per_s": latest.get("tokens_per_s"),
+                "stragglers": [],
                 "artifacts": job.get("artifacts", {}),
                 "events": [e for e in job["events"] if e["seq"] > since_seq],
                 "steps": [row for row in job["steps"] if row["seq"] > since_step],
@@ -438,8 +528,9 @@ class FakeRuntime:
     def release(self, job_id: str) -> None:
         self.calls.append(("release", job_id))
 
-    def export(self, *, step_dir: str, out_dir: str, model: Any, source_dir: str | None, expect_digest: str,
-               timeout_s: float) -> str:
+    def export(
+        self, *, step_dir: str, out_dir: str, model: Any, source_dir: str | None, expect_digest: str, timeout_s: float
+    ) -> str:
         """The real export, in this process instead of a Ray task (torch is imported only when called)."""
         self.calls.append(("export", step_dir, out_dir))
         from etrain.workers.checkpoints.hf_io import export_hf

@@ -41,7 +41,9 @@ class S3Server:
 @contextmanager
 def s3_server(bucket: str = "etrain-test") -> Iterator[S3Server]:
     pytest.importorskip("s3fs", reason="the s3 tests need the s3 extra (pip install -e '.[dev]')")
-    server_module = pytest.importorskip("moto.server", reason="the s3 tests need moto[server] (pip install -e '.[dev]')")
+    server_module = pytest.importorskip(
+        "moto.server", reason="the s3 tests need moto[server] (pip install -e '.[dev]')"
+    )
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one INFO line per request otherwise
     server = server_module.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()

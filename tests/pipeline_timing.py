@@ -15,11 +15,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from etrain.workers.protocol.run_config import ModelConfig, ParallelConfig
-from etrain.workers.engine.mesh import build_device_mesh
 from etrain.workers.engine.init import build_model
-from etrain.workers.families.model import cross_entropy_loss
+from etrain.workers.engine.mesh import build_device_mesh
 from etrain.workers.engine.pipeline import StepTiming, build_pipeline
+from etrain.workers.families.model import cross_entropy_loss
+from etrain.workers.protocol.run_config import ModelConfig, ParallelConfig
 from etrain.workers.protocol.topology import Topology
 
 MODEL = ModelConfig(n_layers=8, d_model=256, n_heads=4, vocab_size=64, seq_len=64)

@@ -16,10 +16,11 @@ import socket
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import uvicorn
@@ -34,13 +35,15 @@ def free_port() -> int:
 
 
 @contextmanager
-def serve_app(app: Any, port: int | None = None, *, start_timeout_s: float = 10.0,
-              stop_timeout_s: float = 10.0) -> Iterator[str]:
+def serve_app(
+    app: Any, port: int | None = None, *, start_timeout_s: float = 10.0, stop_timeout_s: float = 10.0
+) -> Iterator[str]:
     """``app`` on a real uvicorn server on loopback (``port``, default a free one) until the block ends;
     yields its URL. Open event streams get 2 s at shutdown; a server that does not stop fails the test."""
     port = port or free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           timeout_graceful_shutdown=2))
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=2)
+    )
     thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
     thread.start()
     deadline = time.monotonic() + start_timeout_s
@@ -76,7 +79,7 @@ class ControlPlane:
     token: str = ""  # the admin token the client sends
 
     @contextmanager
-    def as_token(self, token: str | None) -> Iterator["ControlPlane"]:
+    def as_token(self, token: str | None) -> Iterator[ControlPlane]:
         """This server through a client that sends ``token`` (None: no Authorization header)."""
         with httpx.Client(base_url=self.url, timeout=30.0, headers=bearer(token) if token else {}) as client:
             yield ControlPlane(url=self.url, data_dir=self.data_dir, client=client, token=token or "")
@@ -119,10 +122,14 @@ class ControlPlane:
                 break
             time.sleep(0.25)
         kinds = [f"{e['kind']}: {e.get('detail')}" for e in self.events(job_id)]
-        raise AssertionError(f"timed out after {timeout_s}s waiting for {what}; job={job}\nevents:\n" + "\n".join(kinds))
+        raise AssertionError(
+            f"timed out after {timeout_s}s waiting for {what}; job={job}\nevents:\n" + "\n".join(kinds)
+        )
 
     def wait_terminal(self, job_id: str, *, timeout_s: float) -> dict[str, Any]:
-        return self.wait_until(job_id, lambda job: job["status"] in TERMINAL, timeout_s=timeout_s, what="a terminal status")
+        return self.wait_until(
+            job_id, lambda job: job["status"] in TERMINAL, timeout_s=timeout_s, what="a terminal status"
+        )
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -156,9 +163,16 @@ def control_plane(
     settings_overrides.setdefault("storage_roots", storage_roots_for(data_dir))
     port = free_port()
     api_token = api_token or new_api_token(16)
-    settings = Settings(host="127.0.0.1", port=port, data_dir=data_dir, enable_chaos=enable_chaos,
-                        api_token=api_token, api_tokens=tenant_tokens or {}, poll_interval_s=0.2,
-                        **settings_overrides)
+    settings = Settings(
+        host="127.0.0.1",
+        port=port,
+        data_dir=data_dir,
+        enable_chaos=enable_chaos,
+        api_token=api_token,
+        api_tokens=tenant_tokens or {},
+        poll_interval_s=0.2,
+        **settings_overrides,
+    )
     server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, name="etrain-test-server", daemon=True)
     thread.start()

@@ -26,7 +26,7 @@ from __future__ import annotations
 import sys
 from typing import TextIO
 
-from etrain.api.cli.client import EXIT_FAILED, EXIT_INTERRUPTED, ApiError, CliError, Client, client_token
+from etrain.api.cli.client import EXIT_FAILED, EXIT_INTERRUPTED, ApiError, Client, CliError, client_token
 from etrain.api.cli.jobs import COMMANDS
 from etrain.api.cli.output import print_error
 from etrain.api.cli.parser import build_parser

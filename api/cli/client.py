@@ -51,14 +51,23 @@ class Client:
     def close(self) -> None:
         self._http.close()
 
-    def request(self, method: str, path: str, *, json_body: Any = None, params: dict | None = None,
-                timeout_s: float | None = None) -> Any:
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json_body: Any = None,
+        params: dict | None = None,
+        timeout_s: float | None = None,
+    ) -> Any:
         extra = {} if timeout_s is None else {"timeout": timeout_s}
         try:
             response = self._http.request(method, path, json=json_body, params=params, **extra)
         except httpx.TimeoutException as err:
-            raise CliError(f"the server at {self.url} did not answer in time ({type(err).__name__}).",
-                           fix="retry, or raise --timeout") from err
+            raise CliError(
+                f"the server at {self.url} did not answer in time ({type(err).__name__}).",
+                fix="retry, or raise --timeout",
+            ) from err
         except httpx.TransportError as err:
             raise self._unreachable(err) from err
         if response.status_code >= 400:
@@ -71,8 +80,9 @@ class Client:
         return self.request("GET", path, params={k: v for k, v in params.items() if v is not None} or None)
 
     @contextmanager
-    def stream(self, path: str, *, params: dict[str, Any], headers: dict[str, str],
-               read_timeout_s: float) -> Iterator[httpx.Response]:
+    def stream(
+        self, path: str, *, params: dict[str, Any], headers: dict[str, str], read_timeout_s: float
+    ) -> Iterator[httpx.Response]:
         """GET a streaming response (server-sent events); ``read_timeout_s`` bounds each wait for data."""
         timeout = httpx.Timeout(self.timeout_s, read=read_timeout_s)
         try:
@@ -88,8 +98,10 @@ class Client:
         return self.request("POST", path, json_body=body, timeout_s=timeout_s)
 
     def _unreachable(self, err: Exception) -> CliError:
-        return CliError(f"cannot reach the etrain server at {self.url}: {err}",
-                        fix="start it with `etrain serve`, or set ETRAIN_URL / --url")
+        return CliError(
+            f"cannot reach the etrain server at {self.url}: {err}",
+            fix="start it with `etrain serve`, or set ETRAIN_URL / --url",
+        )
 
 
 def _api_error(response: httpx.Response) -> ApiError:

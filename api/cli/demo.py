@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
-from etrain.api.cli.client import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_TIMEOUT, ApiError, CliError, Client
+from etrain.api.cli.client import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_TIMEOUT, ApiError, Client, CliError
 from etrain.api.cli.jobs import load_spec
 from etrain.api.cli.output import print_error
 from etrain.api.cli.progress import Display, make_display
@@ -86,14 +86,24 @@ def cmd_demo(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         async def shutdown(self, sockets: Any = None) -> None:
             close_display()  # and the watcher lets go of its event stream: nothing for the server to wait out
             if self.interrupted:
-                print(f"interrupted: stopping the job's server, its API and Ray (their shutdown messages go to "
-                      f"{shutdown_log})", file=err)
+                print(
+                    f"interrupted: stopping the job's server, its API and Ray (their shutdown messages go to "
+                    f"{shutdown_log})",
+                    file=err,
+                )
                 err.flush()
             with stderr_to(shutdown_log):
                 await super().shutdown(sockets)
 
-    server = DemoServer(uvicorn.Config(app, host=settings.host, port=settings.port, log_level=args.log_level,
-                                       timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
+    server = DemoServer(
+        uvicorn.Config(
+            app,
+            host=settings.host,
+            port=settings.port,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+        )
+    )
     outcome: dict[str, int] = {}
 
     def drive() -> None:
@@ -114,15 +124,22 @@ def cmd_demo(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         try:
             job = client.post("/v1/jobs", spec)
             display.line(f"submitted {job['id']}: layout {job.get('layout') or '-'} (world size {job['world_size']})")
-            outcome["code"] = watch_job(client, job["id"], interval_s=args.interval, max_wait_s=args.max_wait,
-                                        out=out, err=err, display=display, control=control)
+            outcome["code"] = watch_job(
+                client,
+                job["id"],
+                interval_s=args.interval,
+                max_wait_s=args.max_wait,
+                out=out,
+                err=err,
+                display=display,
+                control=control,
+            )
             if control.stopped:
                 return
             if args.exit_when_done:
                 server.should_exit = True
             else:
-                print(f"the API ({settings.api_url}) and the Ray dashboard stay up; Ctrl-C stops everything",
-                      file=out)
+                print(f"the API ({settings.api_url}) and the Ray dashboard stay up; Ctrl-C stops everything", file=out)
                 out.flush()
         except (ApiError, CliError) as error:
             if not server.should_exit:  # errors while shutting down are expected; stay quiet

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from etrain.api.cli.client import EXIT_FAILED, EXIT_OK, EXIT_TIMEOUT, TERMINAL, ApiError, CliError, Client
+from etrain.api.cli.client import EXIT_FAILED, EXIT_OK, EXIT_TIMEOUT, TERMINAL, ApiError, Client, CliError
 from etrain.api.cli.output import event_line, print_job, print_job_table, print_json
 from etrain.api.cli.watch import watch_job
 
@@ -46,11 +46,15 @@ def cmd_submit(client: Client, args: argparse.Namespace, out: TextIO, err: TextI
     if args.json:
         print_json(job, out)
     else:
-        print(f"submitted {job['id']}: {job['status']}, layout {job.get('layout') or '-'} "
-              f"(world size {job['world_size']})", file=out)
+        print(
+            f"submitted {job['id']}: {job['status']}, layout {job.get('layout') or '-'} "
+            f"(world size {job['world_size']})",
+            file=out,
+        )
     if args.watch:
-        return watch_job(client, job["id"], interval_s=args.interval, max_wait_s=args.max_wait, out=out, err=err,
-                         plain=args.plain)
+        return watch_job(
+            client, job["id"], interval_s=args.interval, max_wait_s=args.max_wait, out=out, err=err, plain=args.plain
+        )
     return EXIT_OK
 
 
@@ -73,8 +77,16 @@ def cmd_status(client: Client, args: argparse.Namespace, out: TextIO, err: TextI
 
 
 def cmd_watch(client: Client, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    return watch_job(client, args.job_id, interval_s=args.interval, max_wait_s=args.max_wait, out=out, err=err,
-                     every=args.every, plain=args.plain)
+    return watch_job(
+        client,
+        args.job_id,
+        interval_s=args.interval,
+        max_wait_s=args.max_wait,
+        out=out,
+        err=err,
+        every=args.every,
+        plain=args.plain,
+    )
 
 
 def cmd_cancel(client: Client, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
@@ -85,8 +97,7 @@ def cmd_cancel(client: Client, args: argparse.Namespace, out: TextIO, err: TextI
         print_json(job, out)
         return EXIT_OK
     if job["status"] in TERMINAL or args.no_wait:
-        print(f"{job['id']}: {job['status']}" + ("" if job["status"] in TERMINAL else " (cancel requested)"),
-              file=out)
+        print(f"{job['id']}: {job['status']}" + ("" if job["status"] in TERMINAL else " (cancel requested)"), file=out)
         return EXIT_OK
     if not args.json:
         print(f"{job['id']}: cancel requested ({job['status']})", file=out)
@@ -96,8 +107,11 @@ def cmd_cancel(client: Client, args: argparse.Namespace, out: TextIO, err: TextI
     while job["status"] not in TERMINAL:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            print(f"gave up waiting after {args.wait:g}s; job {job['id']} is still {job['status']} "
-                  f"(the cancel stays requested: `etrain status {job['id']}`)", file=err)
+            print(
+                f"gave up waiting after {args.wait:g}s; job {job['id']} is still {job['status']} "
+                f"(the cancel stays requested: `etrain status {job['id']}`)",
+                file=err,
+            )
             return EXIT_TIMEOUT
         time.sleep(min(args.interval, remaining))
         job = client.get(f"/v1/jobs/{args.job_id}")
@@ -115,8 +129,11 @@ def cmd_scale(client: Client, args: argparse.Namespace, out: TextIO, err: TextIO
     if args.json:
         print_json(job, out)
     else:
-        print(f"{job['id']}: resize to dp={args.dp} requested; now {job['status']}, "
-              f"layout {job.get('layout') or '-'} (world size {job['world_size']})", file=out)
+        print(
+            f"{job['id']}: resize to dp={args.dp} requested; now {job['status']}, "
+            f"layout {job.get('layout') or '-'} (world size {job['world_size']})",
+            file=out,
+        )
     return EXIT_OK
 
 
@@ -174,22 +191,33 @@ def cmd_cluster(client: Client, args: argparse.Namespace, out: TextIO, err: Text
         print_json(body, out)
         return EXIT_OK
     totals = body["totals"]
-    print(f"nodes {totals['alive_nodes']}/{totals['nodes']} alive   CPUs {totals['free_cpus']:g} free of "
-          f"{totals['cpus']:g}   GPUs {totals['free_gpus']:g} free of {totals['gpus']:g}   "
-          f"jobs {totals['running_jobs']} started, {totals['queued_jobs']} queued", file=out)
+    print(
+        f"nodes {totals['alive_nodes']}/{totals['nodes']} alive   CPUs {totals['free_cpus']:g} free of "
+        f"{totals['cpus']:g}   GPUs {totals['free_gpus']:g} free of {totals['gpus']:g}   "
+        f"jobs {totals['running_jobs']} started, {totals['queued_jobs']} queued",
+        file=out,
+    )
     for node in body["nodes"]:
-        print(f"  node {node['node_id'][:12]}  {'alive' if node['alive'] else 'DEAD '}  CPUs {node['free_cpus']:g}/"
-              f"{node['cpus']:g} free  GPUs {node['free_gpus']:g}/{node['gpus']:g} free", file=out)
+        print(
+            f"  node {node['node_id'][:12]}  {'alive' if node['alive'] else 'DEAD '}  CPUs {node['free_cpus']:g}/"
+            f"{node['cpus']:g} free  GPUs {node['free_gpus']:g}/{node['gpus']:g} free",
+            file=out,
+        )
     if body["jobs"]:
         print("holding:", file=out)
         for job in body["jobs"]:
-            print(f"  {job['job_id']:<28} {job['status']:<10} prio {job['priority']:>4}  {job['world_size']} ranks  "
-                  f"{job['cpus']:g} CPUs  {job['gpus']:g} GPUs", file=out)
+            print(
+                f"  {job['job_id']:<28} {job['status']:<10} prio {job['priority']:>4}  {job['world_size']} ranks  "
+                f"{job['cpus']:g} CPUs  {job['gpus']:g} GPUs",
+                file=out,
+            )
     if body["queue"]:
         print("queue:", file=out)
         for entry in body["queue"]:
-            print(f"  {entry['position']:>3}. {entry['job_id']:<28} prio {entry['priority']:>4}  {entry['reason']}",
-                  file=out)
+            print(
+                f"  {entry['position']:>3}. {entry['job_id']:<28} prio {entry['priority']:>4}  {entry['reason']}",
+                file=out,
+            )
     return EXIT_OK
 
 
@@ -238,8 +266,13 @@ def cmd_plot(client: Client, args: argparse.Namespace, out: TextIO, err: TextIO)
 
 
 def cmd_chaos(client: Client, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    request = {"action": args.action, "rank": args.rank, "factor": args.factor, "step": args.step,
-               "at_step": args.at_step}
+    request = {
+        "action": args.action,
+        "rank": args.rank,
+        "factor": args.factor,
+        "step": args.step,
+        "at_step": args.at_step,
+    }
     order = client.post(f"/v1/jobs/{args.job_id}/chaos", {k: v for k, v in request.items() if v is not None})
     print_json(order, out)
     return EXIT_OK

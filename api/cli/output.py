@@ -92,8 +92,14 @@ def print_job_table(jobs: list[dict[str, Any]], out: TextIO) -> None:
     header = ("ID", "NAME", "STATUS", "STEP", "LOSS", "TOKENS/S", "WORLD", "RESTARTS", "CREATED")
     rows = [
         (
-            job["id"], job["name"], job["status"], f"{job['step']}/{total_steps(job)}", _num(job.get("loss"), ".4f"),
-            _num(job.get("tokens_per_s"), ",.0f"), str(job["world_size"]), str(job["restarts"]),
+            job["id"],
+            job["name"],
+            job["status"],
+            f"{job['step']}/{total_steps(job)}",
+            _num(job.get("loss"), ".4f"),
+            _num(job.get("tokens_per_s"), ",.0f"),
+            str(job["world_size"]),
+            str(job["restarts"]),
             _when(job.get("created_at")),
         )
         for job in jobs

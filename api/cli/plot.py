@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from etrain.api.cli.client import EXIT_OK, CliError, Client
+from etrain.api.cli.client import EXIT_OK, Client, CliError
 from etrain.api.cli.output import total_steps
 from etrain.service.decisions.goodput import ProductiveTally, StepTime, goodput
 
@@ -69,9 +69,11 @@ class Series:
 
 def fetch_history(client: Client, job_id: str) -> History:
     """The job, every step row (in step order) and every event (in order), page by page."""
-    return History(job=client.get(f"/v1/jobs/{job_id}"),
-                   steps=_all_pages(client, f"/v1/jobs/{job_id}/metrics", "steps", since=-1),
-                   events=_all_pages(client, f"/v1/jobs/{job_id}/events", "events", since=0))
+    return History(
+        job=client.get(f"/v1/jobs/{job_id}"),
+        steps=_all_pages(client, f"/v1/jobs/{job_id}/metrics", "steps", since=-1),
+        events=_all_pages(client, f"/v1/jobs/{job_id}/events", "events", since=0),
+    )
 
 
 def _all_pages(client: Client, path: str, key: str, *, since: int) -> list[dict[str, Any]]:
@@ -152,8 +154,9 @@ def render(data: Series, path: str | Path, *, title: str = "", dpi: float = 100.
         ax.grid(True, alpha=0.3)
         if all(math.isnan(value) for value in values):
             why = "no peak FLOP/s known for this device (CPU)" if name.startswith("MFU") else "no data"
-            ax.text(0.5, 0.5, f"{name.split(' ')[0]}: {why}", transform=ax.transAxes, ha="center", va="center",
-                    color="0.4")
+            ax.text(
+                0.5, 0.5, f"{name.split(' ')[0]}: {why}", transform=ax.transAxes, ha="center", va="center", color="0.4"
+            )
         ax.plot(data.steps, values, color="C0", linewidth=1.2, gid=name)
     axes[1].ticklabel_format(axis="y", style="plain")
     axes[3].set_ylim(0, 105)
@@ -165,8 +168,9 @@ def render(data: Series, path: str | Path, *, title: str = "", dpi: float = 100.
             for ax in axes:
                 ax.axvline(step, color=color, linestyle=style, linewidth=width, gid=kind)
         if steps:
-            handles.append(Line2D([], [], color=color, linestyle=style, linewidth=width,
-                                  label=f"{kind} ({len(steps)})"))
+            handles.append(
+                Line2D([], [], color=color, linestyle=style, linewidth=width, label=f"{kind} ({len(steps)})")
+            )
     if handles:
         axes[0].legend(handles=handles, loc="upper right", fontsize=8)
     if title:
@@ -179,24 +183,32 @@ def cmd_plot(client: Client, args: argparse.Namespace, out: TextIO, err: TextIO)
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise CliError("`etrain plot` needs matplotlib, which is not installed.",
-                       fix="pip install 'etrain[plot]' (`make install` has it)") from None
+        raise CliError(
+            "`etrain plot` needs matplotlib, which is not installed.",
+            fix="pip install 'etrain[plot]' (`make install` has it)",
+        ) from None
     path = Path(args.out).expanduser()
     if not path.parent.is_dir():
         raise CliError(f"cannot write {path}: the folder {path.parent} does not exist.", fix="create it first")
     history = fetch_history(client, args.job_id)
     if not history.steps:
-        raise CliError(f"job {args.job_id} has no step metrics yet ({history.job['status']}).",
-                       fix=f"plot it once it has run a step (`etrain watch {args.job_id}`)")
+        raise CliError(
+            f"job {args.job_id} has no step metrics yet ({history.job['status']}).",
+            fix=f"plot it once it has run a step (`etrain watch {args.job_id}`)",
+        )
     data = series(history)
     job = history.job
-    title = (f"{job['name']} ({job['id']}): {job['status']}, step {job['step']}/{total_steps(job)}, "
-             f"restarts {job['restarts']}")
+    title = (
+        f"{job['name']} ({job['id']}): {job['status']}, step {job['step']}/{total_steps(job)}, "
+        f"restarts {job['restarts']}"
+    )
     try:
         render(data, path, title=title, dpi=args.dpi)
     except (ValueError, OSError) as error:  # an unknown extension, an unwritable file
         raise CliError(f"cannot write {path}: {error}", fix="give a writable .png (or .svg, .pdf) path") from error
-    print(f"wrote {path}: steps {data.steps[0]}..{data.steps[-1]} ({len(data.steps)} reported), "
-          f"{len(data.restarts)} restarts, {len(data.resizes)} resizes, {len(data.checkpoints)} checkpoints marked",
-          file=out)
+    print(
+        f"wrote {path}: steps {data.steps[0]}..{data.steps[-1]} ({len(data.steps)} reported), "
+        f"{len(data.restarts)} restarts, {len(data.resizes)} resizes, {len(data.checkpoints)} checkpoints marked",
+        file=out,
+    )
     return EXIT_OK

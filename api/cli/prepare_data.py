@@ -41,8 +41,10 @@ class ProgressBar:
         filled = min(self.WIDTH, int(fraction * self.WIDTH))
         mib = 1 << 20
         rate = done / mib / max(now - self._started, 1e-6)
-        line = (f"{stage:<10} {100 * fraction:5.1f}% |{'#' * filled}{'.' * (self.WIDTH - filled)}| "
-                f"{done / mib:.1f}/{total / mib:.1f} MiB  {rate:.1f} MiB/s")
+        line = (
+            f"{stage:<10} {100 * fraction:5.1f}% |{'#' * filled}{'.' * (self.WIDTH - filled)}| "
+            f"{done / mib:.1f}/{total / mib:.1f} MiB  {rate:.1f} MiB/s"
+        )
         if stage == "tokenizing":
             line += f"  {tokens:,} tokens"
         self.stream.write("\r" + line)
@@ -58,15 +60,19 @@ class ProgressBar:
 def cmd_prepare_data(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     """Tokenize text with a tokenizer.json into the cache a ``data: {kind: text, tokenizer: ...}`` job reads
     (or into ``--out``), here, with no server and no time limit; print the file and its token count."""
-    from etrain.workers.protocol.errors import EtrainError
     from etrain.workers.engine.tokenized import tokenize_text
+    from etrain.workers.protocol.errors import EtrainError
 
     bar = ProgressBar(err)
     try:
         # Resolved here as the server pins them at submit (symlinks followed once, on the user's own say): the
         # cache lands where the server will look, and the files inside are then opened without links, as there.
-        cache = tokenize_text(os.path.realpath(os.path.expanduser(args.path)),
-                              os.path.realpath(os.path.expanduser(args.tokenizer)), out=args.out, progress=bar)
+        cache = tokenize_text(
+            os.path.realpath(os.path.expanduser(args.path)),
+            os.path.realpath(os.path.expanduser(args.tokenizer)),
+            out=args.out,
+            progress=bar,
+        )
     except EtrainError as error:
         bar.close()
         print_error(CliError(error.message, error.fix), err)
@@ -80,6 +86,9 @@ def cmd_prepare_data(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         return EXIT_OK
     eos = f"EOS {cache.eos_token!r}" if cache.eos_token else "no EOS"
     print(f"cache:  {cache.path} ({'reused' if cache.reused else 'written'})", file=out)
-    print(f"tokens: {cache.num_tokens} {cache.dtype} ({cache.documents} documents, {eos}, "
-          f"tokenizer vocab {cache.vocab_size})", file=out)
+    print(
+        f"tokens: {cache.num_tokens} {cache.dtype} ({cache.documents} documents, {eos}, "
+        f"tokenizer vocab {cache.vocab_size})",
+        file=out,
+    )
     return EXIT_OK

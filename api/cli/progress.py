@@ -159,8 +159,13 @@ class BarDisplay:
         status = TextColumn("{task.description}", table_column=Column(no_wrap=True))
         detail = TextColumn("{task.fields[detail]}", table_column=Column(no_wrap=True, overflow="ellipsis"))
         self._columns = {True: (status, self._bar_column, detail), False: (status, detail)}
-        self._bar = Progress(*self._columns[True], console=self.console, refresh_per_second=4,
-                             redirect_stdout=False, redirect_stderr=False)
+        self._bar = Progress(
+            *self._columns[True],
+            console=self.console,
+            refresh_per_second=4,
+            redirect_stdout=False,
+            redirect_stderr=False,
+        )
         self._task = self._bar.add_task("", total=None, detail="waiting for the job ...")
         self._bar.start()
 
@@ -170,8 +175,14 @@ class BarDisplay:
         room = self.console.width - len(numbers.status) - len(detail) - 3
         self._bar_column.bar_width = min(BAR_WIDTH, room)
         self._bar.columns = self._columns[room >= 5]  # too narrow: no bar, the numbers only
-        self._bar.update(self._task, description=numbers.status, total=numbers.total, completed=numbers.step,
-                         detail=detail, refresh=True)
+        self._bar.update(
+            self._task,
+            description=numbers.status,
+            total=numbers.total,
+            completed=numbers.step,
+            detail=detail,
+            refresh=True,
+        )
 
     def job(self, job: dict[str, Any], *, changed: bool) -> None:
         with self._lock:

@@ -21,8 +21,13 @@ def cmd_serve(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     import uvicorn
 
     settings, app = server_app(args, out)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level,
-                timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+    uvicorn.run(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+    )
     return EXIT_OK
 
 
@@ -53,9 +58,12 @@ def _server_settings(args: argparse.Namespace, out: TextIO):
     from etrain.service.access.api_token import ensure_api_token
 
     provisioned = ensure_api_token(settings.data_dir)
-    print(f"API token:      {provisioned.path.resolve()} ({'generated' if provisioned.created else 'existing'}, "
-          "mode 0600; the admin token: `etrain` reads it for a server on this machine when ETRAIN_DATA_DIR "
-          "points at this data directory, other clients send it as 'Authorization: Bearer <token>')", file=out)
+    print(
+        f"API token:      {provisioned.path.resolve()} ({'generated' if provisioned.created else 'existing'}, "
+        "mode 0600; the admin token: `etrain` reads it for a server on this machine when ETRAIN_DATA_DIR "
+        "points at this data directory, other clients send it as 'Authorization: Bearer <token>')",
+        file=out,
+    )
     return dataclasses.replace(settings, api_token=provisioned.token)
 
 
@@ -77,7 +85,8 @@ def _announce(settings: Any, out: TextIO):
             print("fault injection (chaos) is ENABLED", file=out)
         out.flush()
 
-    print(f"starting etrain on {settings.api_url} (Ray: {settings.ray_address or 'a new local instance'}) ...",
-          file=out)
+    print(
+        f"starting etrain on {settings.api_url} (Ray: {settings.ray_address or 'a new local instance'}) ...", file=out
+    )
     out.flush()
     return ready

@@ -133,8 +133,9 @@ def sse_messages(lines: Iterator[str]) -> Iterator[tuple[str, str | None, str]]:
                 event_id = value
 
 
-def _follow_stream(client: Client, job_id: str, watch: _Watch, deadline: float,
-                   control: WatchControl) -> dict[str, Any] | None:
+def _follow_stream(
+    client: Client, job_id: str, watch: _Watch, deadline: float, control: WatchControl
+) -> dict[str, Any] | None:
     """Show what one event-stream connection brings; the final job once the stream says ``end``,
     None when it closed or went silent first (the caller reconnects where it left off)."""
     params = {"follow": "true", "steps": "true", "steps_since": watch.since_step}
@@ -191,45 +192,84 @@ def watch_job(
         return _watch(client, job_id, watch, control, interval_s=interval_s, max_wait_s=max_wait_s, err=err)
     except KeyboardInterrupt:
         display.close()
-        print(f"interrupted: stopped following job {job_id}; the job goes on (`etrain watch {job_id}` follows it "
-              f"again, `etrain cancel {job_id}` stops it)", file=err)
+        print(
+            f"interrupted: stopped following job {job_id}; the job goes on (`etrain watch {job_id}` follows it "
+            f"again, `etrain cancel {job_id}` stops it)",
+            file=err,
+        )
         return EXIT_INTERRUPTED
     finally:
         display.close()
 
 
-def _watch(client: Client, job_id: str, watch: _Watch, control: WatchControl, *, interval_s: float,
-           max_wait_s: float, err: TextIO) -> int:
+def _watch(
+    client: Client,
+    job_id: str,
+    watch: _Watch,
+    control: WatchControl,
+    *,
+    interval_s: float,
+    max_wait_s: float,
+    err: TextIO,
+) -> int:
     deadline = time.monotonic() + max_wait_s
     while True:
         try:
             final = _follow_stream(client, job_id, watch, deadline, control)
         except _NoStream:
-            return _watch_polling(client, job_id, watch, control, interval_s=interval_s, deadline=deadline,
-                                  max_wait_s=max_wait_s, err=err)
+            return _watch_polling(
+                client, job_id, watch, control, interval_s=interval_s, deadline=deadline, max_wait_s=max_wait_s, err=err
+            )
         if control.stopped:
             return EXIT_INTERRUPTED
         if final is not None:
             watch.on_job(final)
             return watch.finish(job_id, final)
-        if not _wait_a_little(job_id, watch.status, deadline=deadline, interval_s=interval_s,
-                              max_wait_s=max_wait_s, err=err, control=control):
+        if not _wait_a_little(
+            job_id,
+            watch.status,
+            deadline=deadline,
+            interval_s=interval_s,
+            max_wait_s=max_wait_s,
+            err=err,
+            control=control,
+        ):
             return EXIT_INTERRUPTED if control.stopped else EXIT_TIMEOUT
 
 
-def _wait_a_little(job_id: str, status: str, *, deadline: float, interval_s: float, max_wait_s: float,
-                   err: TextIO, control: WatchControl) -> bool:
+def _wait_a_little(
+    job_id: str,
+    status: str,
+    *,
+    deadline: float,
+    interval_s: float,
+    max_wait_s: float,
+    err: TextIO,
+    control: WatchControl,
+) -> bool:
     """Sleep until the next poll; False once ``deadline`` has passed (after saying so) or the watch was stopped."""
     remaining = deadline - time.monotonic()
     if remaining <= 0:
-        print(f"gave up waiting after {max_wait_s:g}s; job {job_id} is still {status} "
-              f"(`etrain watch {job_id}` to keep following)", file=err)
+        print(
+            f"gave up waiting after {max_wait_s:g}s; job {job_id} is still {status} "
+            f"(`etrain watch {job_id}` to keep following)",
+            file=err,
+        )
         return False
     return not control.wait(min(interval_s, remaining))
 
 
-def _watch_polling(client: Client, job_id: str, watch: _Watch, control: WatchControl, *, interval_s: float,
-                   deadline: float, max_wait_s: float, err: TextIO) -> int:
+def _watch_polling(
+    client: Client,
+    job_id: str,
+    watch: _Watch,
+    control: WatchControl,
+    *,
+    interval_s: float,
+    deadline: float,
+    max_wait_s: float,
+    err: TextIO,
+) -> int:
     """``watch`` against a server without an event stream: poll the job, its metrics and events."""
     while True:
         job = client.get(f"/v1/jobs/{job_id}")
@@ -244,6 +284,13 @@ def _watch_polling(client: Client, job_id: str, watch: _Watch, control: WatchCon
             show(item)
         if job["status"] in TERMINAL:
             return watch.finish(job_id, job)
-        if not _wait_a_little(job_id, job["status"], deadline=deadline, interval_s=interval_s,
-                              max_wait_s=max_wait_s, err=err, control=control):
+        if not _wait_a_little(
+            job_id,
+            job["status"],
+            deadline=deadline,
+            interval_s=interval_s,
+            max_wait_s=max_wait_s,
+            err=err,
+            control=control,
+        ):
             return EXIT_INTERRUPTED if control.stopped else EXIT_TIMEOUT

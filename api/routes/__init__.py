@@ -13,11 +13,11 @@ from typing import Annotated
 from fastapi import Depends, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from etrain.service.errors import AdminOnly, ChaosDisabled, NotAuthenticated, ServiceUnavailable
 from etrain.service.access.quotas import FairUse
+from etrain.service.access.tenancy import Principal
+from etrain.service.errors import AdminOnly, ChaosDisabled, NotAuthenticated, ServiceUnavailable
 from etrain.service.ports import JobManagerPort
 from etrain.service.settings import Settings
-from etrain.service.access.tenancy import Principal
 
 #: The OpenAPI security scheme. ``auto_error=False``: a missing token is answered by
 #: :func:`get_principal` in the one error shape (and by ``etrain.api.auth.BearerAuthGate`` before that).
@@ -25,7 +25,7 @@ bearer_scheme = HTTPBearer(
     auto_error=False,
     scheme_name="bearer",
     description="ETRAIN_API_TOKEN (the admin), a tenant's token (ETRAIN_API_TOKENS), or the token the server "
-                "generated into <data-dir>/api-token when none is configured.",
+    "generated into <data-dir>/api-token when none is configured.",
 )
 
 

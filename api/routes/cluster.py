@@ -13,8 +13,8 @@ from fastapi import APIRouter, Depends
 
 from etrain.api.routes import get_manager, get_principal
 from etrain.api.schemas import V1_RESPONSES, ClusterOut, ErrorOut
-from etrain.service.ports import JobManagerPort
 from etrain.service.access.tenancy import Principal
+from etrain.service.ports import JobManagerPort
 
 router = APIRouter(prefix="/v1/cluster", tags=["cluster"], responses=V1_RESPONSES)
 

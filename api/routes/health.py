@@ -23,9 +23,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from etrain.api.routes import get_manager, get_optional_principal
 from etrain.api.schemas import COMMON_RESPONSES, ErrorOut
 from etrain.service import prometheus
+from etrain.service.access.tenancy import Principal
 from etrain.service.errors import ServiceUnavailable
 from etrain.service.ports import JobManagerPort
-from etrain.service.access.tenancy import Principal
 
 router = APIRouter(tags=["operations"], responses=COMMON_RESPONSES)
 
@@ -41,8 +41,9 @@ def probe(app: FastAPI) -> dict[str, Any]:
     entry it reports must be "ok". ServiceUnavailable when the manager is not running."""
     manager = getattr(app.state, "manager", None)
     if manager is None:
-        raise ServiceUnavailable("the job manager is not running.",
-                                 fix="the server is starting or stopping; retry in a few seconds")
+        raise ServiceUnavailable(
+            "the job manager is not running.", fix="the server is starting or stopping; retry in a few seconds"
+        )
     report = dict(manager.health())
     if "ok" not in report:
         report["ok"] = all(report[key] in ("ok", True) for key in ("db", "ray") if key in report)
@@ -58,8 +59,14 @@ class HealthCache:
     means the probe itself hangs (Ray does not answer): it is served as a failure (``ok`` false, 503).
     """
 
-    def __init__(self, probe: Callable[[], dict[str, Any]], *, ttl_s: float, stuck_s: float | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        probe: Callable[[], dict[str, Any]],
+        *,
+        ttl_s: float,
+        stuck_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self._probe = probe
         self.ttl_s = ttl_s
         self.stuck_s = stuck_s if stuck_s is not None else max(30.0, 10 * ttl_s)
@@ -81,12 +88,15 @@ class HealthCache:
             flight = self._start()
             if report is not None and self.ttl_s > 0:
                 if age > self.stuck_s:
-                    report = {**report, "ok": False,
-                              "health": f"no answer from the health probe for {age:.0f} s (the database or Ray hangs)"}
+                    report = {
+                        **report,
+                        "ok": False,
+                        "health": f"no answer from the health probe for {age:.0f} s (the database or Ray hangs)",
+                    }
                 return report, age
         try:
             fresh = await asyncio.wait_for(asyncio.wrap_future(flight), FIRST_PROBE_WAIT_S)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return {"ok": False, "health": f"the health probe did not answer within {FIRST_PROBE_WAIT_S:g} s"}, 0.0
         return fresh, 0.0
 
@@ -114,13 +124,17 @@ class HealthCache:
 @router.get(
     "/healthz",
     responses={
-        200: {"description": "the service is ok. Anonymously `{\"ok\": true, \"status\": \"ok\"}`; with a token the "
-                             "whole report (db, ray, Ray's nodes and resources, age_s: how old the cached probe is)",
-              "content": {"application/json": {"schema": {"type": "object"}}}},
+        200: {
+            "description": 'the service is ok. Anonymously `{"ok": true, "status": "ok"}`; with a token the '
+            "whole report (db, ray, Ray's nodes and resources, age_s: how old the cached probe is)",
+            "content": {"application/json": {"schema": {"type": "object"}}},
+        },
         401: {"model": ErrorOut, "description": "an Authorization header with a token this server does not know"},
-        503: {"description": "a dependency (database, Ray) is not ok: the same body as 200 with ok=false and "
-                             "status \"unavailable\", or the error body when the job service is not running",
-              "content": {"application/json": {"schema": {"type": "object"}}}},
+        503: {
+            "description": "a dependency (database, Ray) is not ok: the same body as 200 with ok=false and "
+            'status "unavailable", or the error body when the job service is not running',
+            "content": {"application/json": {"schema": {"type": "object"}}},
+        },
     },
 )
 async def healthz(request: Request) -> JSONResponse:
@@ -154,9 +168,13 @@ class AnonymousHealth:
         self.fastapi = fastapi
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (scope["type"] == "http" and scope["path"] == "/healthz" and scope["method"] == "GET"
-                and getattr(self.fastapi.state, "manager", None) is not None
-                and not any(name == b"authorization" for name, _ in scope["headers"])):
+        if (
+            scope["type"] == "http"
+            and scope["path"] == "/healthz"
+            and scope["method"] == "GET"
+            and getattr(self.fastapi.state, "manager", None) is not None
+            and not any(name == b"authorization" for name, _ in scope["headers"])
+        ):
             await (await answer(self.fastapi, full=False))(scope, receive, send)
             return
         await self.app(scope, receive, send)
@@ -165,7 +183,9 @@ class AnonymousHealth:
 @router.get(
     "/metrics",
     response_class=PlainTextResponse,
-    responses={401: {"model": ErrorOut, "description": "an Authorization header with a token this server does not know"}},
+    responses={
+        401: {"model": ErrorOut, "description": "an Authorization header with a token this server does not know"}
+    },
 )
 def metrics(
     manager: Manager, viewer: Annotated[Principal | None, Depends(get_optional_principal)]

@@ -20,6 +20,8 @@ from starlette.types import Receive, Scope, Send
 from etrain.api import sse
 from etrain.api.routes import get_fair_use, get_manager, get_principal, require_chaos
 from etrain.api.schemas import (
+    TOO_MANY,
+    V1_RESPONSES,
     ChaosRequest,
     ErrorOut,
     EventOut,
@@ -32,16 +34,14 @@ from etrain.api.schemas import (
     ScaleRequest,
     StepOut,
     StepsOut,
-    TOO_MANY,
-    V1_RESPONSES,
 )
 from etrain.service.access.quotas import FairUse
-from etrain.service.store import idempotency
-from etrain.service.planning.bounds import MAX_CURSOR
-from etrain.service.ports import JobManagerPort
-from etrain.service.planning.spec import JobSpec
-from etrain.service.store.records import JobStatus
 from etrain.service.access.tenancy import Principal
+from etrain.service.planning.bounds import MAX_CURSOR
+from etrain.service.planning.spec import JobSpec
+from etrain.service.ports import JobManagerPort
+from etrain.service.store import idempotency
+from etrain.service.store.records import JobStatus
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=V1_RESPONSES)
 
@@ -64,13 +64,22 @@ _CONFLICT: dict[int | str, dict[str, Any]] = {**_NOT_FOUND, 409: {"model": Error
     responses={
         422: {"model": ErrorOut, "description": "the spec is invalid or infeasible"},
         429: TOO_MANY["submit"],
-        403: {"model": ErrorOut, "description": "a tenant asked for a priority outside its range "
-                                                "(ETRAIN_TENANT_MIN_PRIORITY..ETRAIN_TENANT_MAX_PRIORITY, or its "
-                                                "ETRAIN_TENANT_PRIORITIES entry)"},
-        200: {"model": JobOut, "description": "an earlier submission with this Idempotency-Key and the same "
-                                              "spec created this job; nothing new was created"},
-        409: {"model": ErrorOut, "description": "this Idempotency-Key was used for a different spec, or "
-                                                "checkpoint.path overlaps the directory of an unfinished job"},
+        403: {
+            "model": ErrorOut,
+            "description": "a tenant asked for a priority outside its range "
+            "(ETRAIN_TENANT_MIN_PRIORITY..ETRAIN_TENANT_MAX_PRIORITY, or its "
+            "ETRAIN_TENANT_PRIORITIES entry)",
+        },
+        200: {
+            "model": JobOut,
+            "description": "an earlier submission with this Idempotency-Key and the same "
+            "spec created this job; nothing new was created",
+        },
+        409: {
+            "model": ErrorOut,
+            "description": "this Idempotency-Key was used for a different spec, or "
+            "checkpoint.path overlaps the directory of an unfinished job",
+        },
     },
 )
 def submit_job(
@@ -79,14 +88,20 @@ def submit_job(
     manager: Manager,
     caller: Caller,
     fair_use: Fair,
-    idempotency_key: Annotated[str | None, Header(
-        alias=idempotency.HEADER,
-        description="makes retries safe: the same key and spec return the job the first request created "
-                    "(200); the same key with another spec is 409. Per tenant. A UUID per logical submission.",
-        # Checked by etrain.service.store.idempotency.check_key (a 422 naming the header and the fix); declared here.
-        json_schema_extra={"minLength": 1, "maxLength": idempotency.MAX_KEY_LENGTH,
-                           "pattern": idempotency.KEY_PATTERN},
-    )] = None,
+    idempotency_key: Annotated[
+        str | None,
+        Header(
+            alias=idempotency.HEADER,
+            description="makes retries safe: the same key and spec return the job the first request created "
+            "(200); the same key with another spec is 409. Per tenant. A UUID per logical submission.",
+            # Checked by etrain.service.store.idempotency.check_key (a 422 naming the header and the fix); declared here.
+            json_schema_extra={
+                "minLength": 1,
+                "maxLength": idempotency.MAX_KEY_LENGTH,
+                "pattern": idempotency.KEY_PATTERN,
+            },
+        ),
+    ] = None,
 ) -> JobOut:
     """Validate the spec (fields, cross-field rules, planner), record the job and start it.
 
@@ -126,14 +141,23 @@ def get_job(job_id: str, manager: Manager, caller: Caller) -> JobOut:
         429: TOO_MANY["max_streams"],
         200: {
             "description": "the events (JSON); with follow=true a server-sent event stream (api/sse.py): each "
-                           "event as `id: <seq>` + `data: <event JSON>`, `event: status` on status changes, "
-                           "`event: step` per step with steps=true, `: keepalive` comments, `event: end` last",
+            "event as `id: <seq>` + `data: <event JSON>`, `event: status` on status changes, "
+            "`event: step` per step with steps=true, `: keepalive` comments, `event: end` last",
             # One event of the stream (OpenAPI 3.1: the schema of an event-stream describes each event).
-            "content": {sse.MEDIA_TYPE: {"schema": {
-                "type": "object", "required": ["event", "data"],
-                "properties": {"event": {"enum": ["message", "status", "step", "end"]},
-                               "data": {"type": "string", "description": "JSON: an event, the job or a step row"},
-                               "id": {"type": "string"}, "retry": {"type": "integer"}}}}},
+            "content": {
+                sse.MEDIA_TYPE: {
+                    "schema": {
+                        "type": "object",
+                        "required": ["event", "data"],
+                        "properties": {
+                            "event": {"enum": ["message", "status", "step", "end"]},
+                            "data": {"type": "string", "description": "JSON: an event, the job or a step row"},
+                            "id": {"type": "string"},
+                            "retry": {"type": "integer"},
+                        },
+                    }
+                }
+            },
         },
     },
 )
@@ -146,11 +170,15 @@ async def job_events(
     follow: Annotated[bool, Query(description="stream (text/event-stream) until the job ends")] = False,
     steps: Annotated[bool, Query(description="follow only: also stream each per-step metrics row")] = False,
     steps_since: Annotated[int, Query(ge=-1, le=MAX_SEQ, description="follow only: steps > this")] = -1,
-    timeout_s: Annotated[float, Query(gt=0, le=sse.MAX_STREAM_S,
-                                      description="follow only: close the stream after this long")] = sse.MAX_STREAM_S,
-    last_event_id: Annotated[int, Header(alias="Last-Event-ID", ge=0, le=MAX_SEQ,
-                                                description="follow only: resume after this seq "
-                                                            "(overrides since)")] = None,  # type: ignore[assignment]
+    timeout_s: Annotated[
+        float, Query(gt=0, le=sse.MAX_STREAM_S, description="follow only: close the stream after this long")
+    ] = sse.MAX_STREAM_S,
+    last_event_id: Annotated[
+        int,
+        Header(
+            alias="Last-Event-ID", ge=0, le=MAX_SEQ, description="follow only: resume after this seq (overrides since)"
+        ),
+    ] = None,  # type: ignore[assignment]
 ) -> Any:
     """The job's events, oldest first; ``follow=true`` streams them as they happen.
 
@@ -165,11 +193,17 @@ async def job_events(
     await run_in_threadpool(manager.get, job_id, principal=caller)  # 404 now, not inside a 200 stream
     release = fair_use.streams.acquire(caller)  # 429 when the tenant's streams are all open
     stream = sse.job_event_stream(
-        manager, job_id, caller, since=since if last_event_id is None else last_event_id,
-        steps=steps, steps_since=steps_since, max_s=timeout_s,
+        manager,
+        job_id,
+        caller,
+        since=since if last_event_id is None else last_event_id,
+        steps=steps,
+        steps_since=steps_since,
+        max_s=timeout_s,
     )
-    return _HeldStream(stream, release, media_type=sse.MEDIA_TYPE,
-                       headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return _HeldStream(
+        stream, release, media_type=sse.MEDIA_TYPE, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    )
 
 
 class _HeldStream(StreamingResponse):
@@ -221,8 +255,11 @@ def cancel_job(job_id: str, manager: Manager, caller: Caller) -> JobOut:
     "/{job_id}/scale",
     status_code=202,
     response_model=JobOut,
-    responses={**_CONFLICT, 422: {"model": ErrorOut, "description": "dp outside min_dp..max_dp or not legal"},
-               429: TOO_MANY["max_workers"]},
+    responses={
+        **_CONFLICT,
+        422: {"model": ErrorOut, "description": "dp outside min_dp..max_dp or not legal"},
+        429: TOO_MANY["max_workers"],
+    },
 )
 def scale_job(job_id: str, request: ScaleRequest, manager: Manager, caller: Caller) -> JobOut:
     """Change the data-parallel degree; tp and pp never change and the global batch is kept. A tenant's
@@ -247,8 +284,9 @@ def job_logs(
     caller: Caller,
     rank: Annotated[int, Query(ge=0, le=MAX_RANK, description="the rank (0 .. world_size - 1)")] = 0,
     tail: Annotated[int, Query(ge=1, le=MAX_LOG_TAIL, description="at most this many lines")] = 200,
-    offset: Annotated[int, Query(ge=0, le=MAX_SEQ, description="next_offset of the previous answer: only "
-                                 "lines written after it")] = None,  # type: ignore[assignment]
+    offset: Annotated[
+        int, Query(ge=0, le=MAX_SEQ, description="next_offset of the previous answer: only lines written after it")
+    ] = None,  # type: ignore[assignment]
 ) -> LogsOut:
     """The rank's recent log lines (what it printed, one line per step, errors with tracebacks), read
     from its log file in the job's checkpoint folder; ``offset`` follows the file (``etrain logs -f``)."""
@@ -277,8 +315,10 @@ def export_job(job_id: str, request: ExportRequest, manager: Manager, caller: Ca
 @router.post(
     "/{job_id}/chaos",
     dependencies=[Depends(require_chaos)],
-    responses={**_CONFLICT, 403: {"model": ErrorOut,
-                                   "description": "chaos is disabled on this server, or the caller is not the admin"}},
+    responses={
+        **_CONFLICT,
+        403: {"model": ErrorOut, "description": "chaos is disabled on this server, or the caller is not the admin"},
+    },
 )
 def inject_fault(job_id: str, request: ChaosRequest, manager: Manager, caller: Caller) -> dict[str, Any]:
     """Inject a fault into a running job (servers started with ETRAIN_ENABLE_CHAOS=1 only).

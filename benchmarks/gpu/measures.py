@@ -25,8 +25,20 @@ from benchmarks.peers.common import recovery_measures
 from etrain.workers.engine.metrics import flops_per_token, mfu, peak_flops_per_s
 from etrain.workers.protocol.run_config import MODEL_PRESETS, ModelConfig
 
-__all__ = ["FULL", "TINY", "CheckSizes", "device_peak", "job_figures", "kill_ts", "model_config",
-           "probe_figures", "save_blocking", "startup_phases", "step_median", "timeline"]
+__all__ = [
+    "FULL",
+    "TINY",
+    "CheckSizes",
+    "device_peak",
+    "job_figures",
+    "kill_ts",
+    "model_config",
+    "probe_figures",
+    "save_blocking",
+    "startup_phases",
+    "step_median",
+    "timeline",
+]
 
 
 @dataclass(frozen=True)
@@ -67,8 +79,7 @@ def device_peak(device_name: str | None, precision: str) -> float | None:
     return peak_flops_per_s(device_name, precision)
 
 
-def probe_figures(times: list[float], *, sizes: CheckSizes, device_name: str | None,
-                  warmup: int = 3) -> dict[str, Any]:
+def probe_figures(times: list[float], *, sizes: CheckSizes, device_name: str | None, warmup: int = 3) -> dict[str, Any]:
     """A probe row's figures from its per-step times (seconds, device synchronised): the median after
     ``warmup`` steps (allocator and kernel autotuning settle there), tokens/s, model FLOP/s and MFU."""
     step_s = median(times[warmup:] or times)
@@ -76,11 +87,16 @@ def probe_figures(times: list[float], *, sizes: CheckSizes, device_name: str | N
         return {"step_s_median": None, "tokens_per_s": None, "flops_per_s": None, "mfu": None}
     tokens = sizes.tokens_per_step / step_s
     flops = tokens * flops_per_token(model_config(sizes))
-    return {"step_s_median": step_s, "tokens_per_s": tokens, "flops_per_s": flops,
-            "mfu": mfu(flops, 1, device_peak(device_name, sizes.precision))}
+    return {
+        "step_s_median": step_s,
+        "tokens_per_s": tokens,
+        "flops_per_s": flops,
+        "mfu": mfu(flops, 1, device_peak(device_name, sizes.precision)),
+    }
 
 
 # -- the service jobs --------------------------------------------------------------------------------------
+
 
 def _message(event: dict[str, Any]) -> str:
     detail = event.get("detail") or {}
@@ -123,8 +139,14 @@ def startup_phases(lines: list[str]) -> list[dict[str, Any]]:
         if found is None:
             continue
         phases = {m["name"].strip(): float(m["s"]) for m in _PHASE.finditer(found["phases"] or "")}
-        out.append({"attempt": int(found["attempt"]), "total_s": float(found["total"]), "phases": phases,
-                    "line": line[found.start():][:300]})
+        out.append(
+            {
+                "attempt": int(found["attempt"]),
+                "total_s": float(found["total"]),
+                "phases": phases,
+                "line": line[found.start() :][:300],
+            }
+        )
     return out
 
 
@@ -162,12 +184,21 @@ def save_blocking(lines: list[str]) -> list[dict[str, Any]]:
 
 def timeline(events: list[dict[str, Any]], origin: float, *, limit: int = 80) -> list[dict[str, Any]]:
     """Events as seconds after ``origin`` (the submit, or the kill), with their messages, oldest first."""
-    return [{"t": round(e["ts"] - origin, 3), "kind": e["kind"], "message": _message(e)[:300]}
-            for e in sorted(events, key=lambda e: e["ts"])][:limit]
+    return [
+        {"t": round(e["ts"] - origin, 3), "kind": e["kind"], "message": _message(e)[:300]}
+        for e in sorted(events, key=lambda e: e["ts"])
+    ][:limit]
 
 
-def job_figures(*, submit_ts: float, job: dict[str, Any], steps: list[dict[str, Any]],
-                events: list[dict[str, Any]], log_lines: list[str], kill_at: int | None = None) -> dict[str, Any]:
+def job_figures(
+    *,
+    submit_ts: float,
+    job: dict[str, Any],
+    steps: list[dict[str, Any]],
+    events: list[dict[str, Any]],
+    log_lines: list[str],
+    kill_at: int | None = None,
+) -> dict[str, Any]:
     """One service job's figures.
 
     * ``submit_to_first_step_s``: step 1's row (supervisor receive time) minus the moment before the POST;
@@ -177,27 +208,41 @@ def job_figures(*, submit_ts: float, job: dict[str, Any], steps: list[dict[str, 
     * with ``kill_at``: ``kill_to_next_step_s`` (the kill, see :func:`kill_ts`, to the first row of a
       later attempt), ``detect_s`` (``chaos_fired`` -> ``worker_failed``), ``resumed_from``, ``recomputed``.
     """
-    measures = recovery_measures(steps, start_ts=submit_ts, kill_ts=kill_ts(events) if kill_at is not None else None,
-                                 kill_at=kill_at)
+    measures = recovery_measures(
+        steps, start_ts=submit_ts, kill_ts=kill_ts(events) if kill_at is not None else None, kill_at=kill_at
+    )
     saves = save_blocking(log_lines)
     blocked = median([s["blocked_s"] for s in saves])
     out: dict[str, Any] = {
-        "status": job.get("status"), "error": job.get("error"), "restarts": job.get("restarts"),
-        "attempt": job.get("attempt"), "goodput": job.get("goodput"), "last_step": job.get("step"),
-        "submit_to_first_step_s": measures["startup_s"], "step_s_median": step_median(steps),
-        "steps_recorded": len(steps), "wall_s": (job["updated_at"] - submit_ts) if job.get("updated_at") else None,
-        "startup": startup_phases(log_lines), "save_blocking": saves,
+        "status": job.get("status"),
+        "error": job.get("error"),
+        "restarts": job.get("restarts"),
+        "attempt": job.get("attempt"),
+        "goodput": job.get("goodput"),
+        "last_step": job.get("step"),
+        "submit_to_first_step_s": measures["startup_s"],
+        "step_s_median": step_median(steps),
+        "steps_recorded": len(steps),
+        "wall_s": (job["updated_at"] - submit_ts) if job.get("updated_at") else None,
+        "startup": startup_phases(log_lines),
+        "save_blocking": saves,
         "save_blocking_median_s": None if blocked != blocked else blocked,
         # checkpoint.every_steps: auto re-evaluates its interval as step and save times are measured
-        "checkpoint_intervals": [_message(e)[:300] for e in sorted(events, key=lambda e: e["ts"])
-                                 if e["kind"] == "checkpoint_interval"],
+        "checkpoint_intervals": [
+            _message(e)[:300] for e in sorted(events, key=lambda e: e["ts"]) if e["kind"] == "checkpoint_interval"
+        ],
     }
     if kill_at is not None:
         killed = kill_ts(events)
         fired = [e["ts"] for e in events if e["kind"] == "chaos_fired"]
         failed = [e["ts"] for e in events if e["kind"] == "worker_failed" and (not fired or e["ts"] >= min(fired))]
-        out.update(kill_at=kill_at, kill_ts=killed, kill_to_next_step_s=measures["recovery_s"],
-                   detect_s=(min(failed) - min(fired)) if fired and failed else None,
-                   resumed_from=measures["resumed_from"], recomputed=measures["recomputed"],
-                   back_at_kill_step_s=measures["progress_s"])
+        out.update(
+            kill_at=kill_at,
+            kill_ts=killed,
+            kill_to_next_step_s=measures["recovery_s"],
+            detect_s=(min(failed) - min(fired)) if fired and failed else None,
+            resumed_from=measures["resumed_from"],
+            recomputed=measures["recomputed"],
+            back_at_kill_step_s=measures["progress_s"],
+        )
     return out

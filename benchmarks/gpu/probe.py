@@ -56,15 +56,24 @@ def _peak_gib(device) -> float | None:
 
 def etrain_row(sizes: CheckSizes, steps: int, device, *, checkpointing: bool = False) -> dict[str, Any]:
     """etrain's ``Trainer`` in one process (world size 1, no process group), as a rank builds it."""
-    from etrain.workers.protocol.run_config import DataConfig, ParallelConfig, RunConfig, TrainingConfig
     from etrain.workers.engine.train import Trainer
+    from etrain.workers.protocol.run_config import DataConfig, ParallelConfig, RunConfig, TrainingConfig
 
     config = RunConfig(
-        job_id="gpu-probe", model=model_config(sizes), data=DataConfig(kind="synthetic", seed=0),
+        job_id="gpu-probe",
+        model=model_config(sizes),
+        data=DataConfig(kind="synthetic", seed=0),
         parallel=ParallelConfig(),
-        training=TrainingConfig(steps=steps, global_batch=sizes.global_batch, micro_batch=sizes.micro_batch,
-                                lr=3e-4, precision=sizes.precision, activation_checkpointing=checkpointing),
-        device=device.type)
+        training=TrainingConfig(
+            steps=steps,
+            global_batch=sizes.global_batch,
+            micro_batch=sizes.micro_batch,
+            lr=3e-4,
+            precision=sizes.precision,
+            activation_checkpointing=checkpointing,
+        ),
+        device=device.type,
+    )
     _reset_peak(device)
     started = time.perf_counter()
     trainer = Trainer(config, rank=0, world_size=1, device=device)
@@ -80,8 +89,7 @@ def etrain_row(sizes: CheckSizes, steps: int, device, *, checkpointing: bool = F
         own_mfu.append(metrics.mfu)
     peak = _peak_gib(device)
     del trainer
-    return {"build_s": build_s, "times": times, "losses": losses, "peak_gib": peak,
-            "trainer_reported_mfu": own_mfu[-1]}
+    return {"build_s": build_s, "times": times, "losses": losses, "peak_gib": peak, "trainer_reported_mfu": own_mfu[-1]}
 
 
 def hf_row(sizes: CheckSizes, steps: int, device, *, checkpointing: bool = False) -> dict[str, Any]:
@@ -172,15 +180,39 @@ def main() -> None:
     except ImportError:
         hf_version = None
     document: dict[str, Any] = {
-        "file": RESULT_NAME, "kind": "engine probe", "tiny": args.tiny, "device": name, "torch": torch.__version__,
-        "transformers": hf_version, "sizes": sizes.as_dict(), "params": model.num_params,
-        "model": {k: getattr(model, k) for k in ("n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_dim",
-                                                    "vocab_size", "seq_len", "tie_embeddings")},
-        "peak_flops_per_s": device_peak(name, sizes.precision), "device_init_s": cuda_init_s, "steps": args.steps,
-        "rows": [], "machine": machine_info(note="make gpu-check" + (" --tiny" if args.tiny else "")),
+        "file": RESULT_NAME,
+        "kind": "engine probe",
+        "tiny": args.tiny,
+        "device": name,
+        "torch": torch.__version__,
+        "transformers": hf_version,
+        "sizes": sizes.as_dict(),
+        "params": model.num_params,
+        "model": {
+            k: getattr(model, k)
+            for k in (
+                "n_layers",
+                "d_model",
+                "n_heads",
+                "n_kv_heads",
+                "ffn_dim",
+                "vocab_size",
+                "seq_len",
+                "tie_embeddings",
+            )
+        },
+        "peak_flops_per_s": device_peak(name, sizes.precision),
+        "device_init_s": cuda_init_s,
+        "steps": args.steps,
+        "rows": [],
+        "machine": machine_info(note="make gpu-check" + (" --tiny" if args.tiny else "")),
     }
-    print(json.dumps({k: document[k] for k in ("device", "torch", "sizes", "params", "peak_flops_per_s",
-                                                "device_init_s")}), flush=True)
+    print(
+        json.dumps(
+            {k: document[k] for k in ("device", "torch", "sizes", "params", "peak_flops_per_s", "device_init_s")}
+        ),
+        flush=True,
+    )
     for row in args.rows.split(","):
         build = etrain_row if row.startswith("etrain") else hf_row
         try:
@@ -193,9 +225,17 @@ def main() -> None:
             torch.cuda.empty_cache()
         document["rows"].append(record)
         document["elapsed_s"] = time.time() - begun
-        print(json.dumps({k: v for k, v in record.items() if k not in ("times", "losses", "traceback")}
-                         | ({"first_loss": record["losses"][0], "last_loss": record["losses"][-1]}
-                            if record.get("losses") else {})), flush=True)
+        print(
+            json.dumps(
+                {k: v for k, v in record.items() if k not in ("times", "losses", "traceback")}
+                | (
+                    {"first_loss": record["losses"][0], "last_loss": record["losses"][-1]}
+                    if record.get("losses")
+                    else {}
+                )
+            ),
+            flush=True,
+        )
         paths = write_result(document, args.results_dir)
     print(json.dumps({"probe_written": paths, "elapsed_s": round(time.time() - begun, 1)}), flush=True)
 

@@ -52,8 +52,11 @@ class Api:
     def call(self, method: str, path: str, body: Any = None, **params: Any) -> tuple[int, Any]:
         query = ("?" + urllib.parse.urlencode(params)) if params else ""
         request = urllib.request.Request(
-            self.url + path + query, method=method, data=None if body is None else json.dumps(body).encode(),
-            headers={"authorization": f"Bearer {self.token}", "content-type": "application/json"})
+            self.url + path + query,
+            method=method,
+            data=None if body is None else json.dumps(body).encode(),
+            headers={"authorization": f"Bearer {self.token}", "content-type": "application/json"},
+        )
         try:
             with urllib.request.urlopen(request, timeout=30) as answer:
                 raw = answer.read()
@@ -103,12 +106,16 @@ def wait_for_spares(ray_address: str | None, count: int, timeout_s: float) -> di
         finally:
             ray.shutdown()
     except Exception as err:
-        return {"waited_s": round(time.monotonic() - started, 2), "ready": False,
-                "error": f"{type(err).__name__}: {err}"[:500]}
+        return {
+            "waited_s": round(time.monotonic() - started, 2),
+            "ready": False,
+            "error": f"{type(err).__name__}: {err}"[:500],
+        }
 
 
-def job_spec(name: str, sizes: CheckSizes, *, steps: int, every: int | str,
-             mtbf_hours: float | None = None) -> dict[str, Any]:
+def job_spec(
+    name: str, sizes: CheckSizes, *, steps: int, every: int | str, mtbf_hours: float | None = None
+) -> dict[str, Any]:
     resources: dict[str, Any] = {"device": sizes.device, "cpus_per_worker": 2 if sizes.device == "cuda" else 1}
     if sizes.device == "cuda":
         resources["gpus_per_worker"] = 1
@@ -118,8 +125,13 @@ def job_spec(name: str, sizes: CheckSizes, *, steps: int, every: int | str,
         "data": {"kind": "synthetic"},
         "parallelism": {"dp": 1},
         "resources": resources,
-        "training": {"steps": steps, "global_batch": sizes.global_batch, "micro_batch": sizes.micro_batch,
-                     "lr": 3e-4, "precision": sizes.precision},
+        "training": {
+            "steps": steps,
+            "global_batch": sizes.global_batch,
+            "micro_batch": sizes.micro_batch,
+            "lr": 3e-4,
+            "precision": sizes.precision,
+        },
         "checkpoint": {"every_steps": every, "keep_last": 1},
         "fault_tolerance": {"max_restarts": 2, **({"mtbf_hours": mtbf_hours} if mtbf_hours else {})},
     }
@@ -151,19 +163,37 @@ def _release_checkpoints(data_dir: Path | None, job_id: str, logs_dir: Path | No
     return {"checkpoint_folder_bytes": size}
 
 
-def run_job(api: Api, *, label: str, sizes: CheckSizes, steps: int, every: int | str, kill_at: int | None,
-            timeout_s: float, ray_address: str | None, data_dir: Path | None, logs_dir: Path | None,
-            mtbf_hours: float | None = None) -> dict[str, Any]:
-    record: dict[str, Any] = {"job": label, "steps": steps, "every_steps_asked": every, "kill_at": kill_at,
-                              "time_box_s": round(timeout_s, 1)}
+def run_job(
+    api: Api,
+    *,
+    label: str,
+    sizes: CheckSizes,
+    steps: int,
+    every: int | str,
+    kill_at: int | None,
+    timeout_s: float,
+    ray_address: str | None,
+    data_dir: Path | None,
+    logs_dir: Path | None,
+    mtbf_hours: float | None = None,
+) -> dict[str, Any]:
+    record: dict[str, Any] = {
+        "job": label,
+        "steps": steps,
+        "every_steps_asked": every,
+        "kill_at": kill_at,
+        "time_box_s": round(timeout_s, 1),
+    }
     record["spares"] = wait_for_spares(ray_address, WARM_SPARES, timeout_s=60.0)
-    spec = job_spec(f"gpu-check-{label}", sizes, steps=steps, every=every,
-                    mtbf_hours=mtbf_hours if every == "auto" else None)
+    spec = job_spec(
+        f"gpu-check-{label}", sizes, steps=steps, every=every, mtbf_hours=mtbf_hours if every == "auto" else None
+    )
     submit_ts = time.time()
     status, job = api.call("POST", "/v1/jobs", spec)
     if every == "auto" and _refuses_auto(status, job):
-        record["every_steps_note"] = f"the server refused every_steps: auto (422: {json.dumps(job)[:300]}); used " \
-                                     f"{FALLBACK_EVERY}"
+        record["every_steps_note"] = (
+            f"the server refused every_steps: auto (422: {json.dumps(job)[:300]}); used {FALLBACK_EVERY}"
+        )
         spec["checkpoint"]["every_steps"] = FALLBACK_EVERY
         submit_ts = time.time()
         status, job = api.call("POST", "/v1/jobs", spec)
@@ -178,13 +208,18 @@ def run_job(api: Api, *, label: str, sizes: CheckSizes, steps: int, every: int |
         tries, deadline = 0, time.monotonic() + CHAOS_RETRY_S
         while True:
             tries += 1
-            chaos_status, answer = api.call("POST", f"/v1/jobs/{job_id}/chaos",
-                                            {"action": "kill_rank", "rank": 0, "at_step": kill_at})
+            chaos_status, answer = api.call(
+                "POST", f"/v1/jobs/{job_id}/chaos", {"action": "kill_rank", "rank": 0, "at_step": kill_at}
+            )
             if chaos_status != 503 or time.monotonic() > deadline:
                 break
             time.sleep(0.5)
-        record["chaos"] = {"status": chaos_status, "tries": tries, "answer": str(answer)[:500],
-                           "posted_after_submit_s": round(time.time() - submit_ts, 3)}
+        record["chaos"] = {
+            "status": chaos_status,
+            "tries": tries,
+            "answer": str(answer)[:500],
+            "posted_after_submit_s": round(time.time() - submit_ts, 3),
+        }
         emit(job=label, chaos=record["chaos"])
     ends = time.monotonic() + timeout_s
     last_print = 0.0
@@ -193,8 +228,10 @@ def run_job(api: Api, *, label: str, sizes: CheckSizes, steps: int, every: int |
         if status == 200 and job["status"] in TERMINAL:
             break
         if time.monotonic() > ends:
-            record["timed_out"] = {"status": job.get("status") if isinstance(job, dict) else status,
-                                   "step": job.get("step") if isinstance(job, dict) else None}
+            record["timed_out"] = {
+                "status": job.get("status") if isinstance(job, dict) else status,
+                "step": job.get("step") if isinstance(job, dict) else None,
+            }
             api.call("POST", f"/v1/jobs/{job_id}/cancel")
             for _ in range(30):
                 status, job = api.call("GET", f"/v1/jobs/{job_id}")
@@ -204,34 +241,70 @@ def run_job(api: Api, *, label: str, sizes: CheckSizes, steps: int, every: int |
             break
         if time.monotonic() - last_print > 15 and status == 200:
             last_print = time.monotonic()
-            emit(job=label, t=round(time.time() - submit_ts, 1), status=job["status"], step=job["step"],
-                 restarts=job["restarts"])
+            emit(
+                job=label,
+                t=round(time.time() - submit_ts, 1),
+                status=job["status"],
+                step=job["step"],
+                restarts=job["restarts"],
+            )
         time.sleep(0.5)
     steps_rows = api.pages(f"/v1/jobs/{job_id}/metrics", "steps", -1)
     events = api.pages(f"/v1/jobs/{job_id}/events", "events", 0)
     log_status, logs = api.call("GET", f"/v1/jobs/{job_id}/logs", rank=0, tail=5000)
     lines = logs.get("lines", []) if log_status == 200 and isinstance(logs, dict) else []
     final = job if isinstance(job, dict) else {"status": f"unreadable: {status}"}
-    record["figures"] = job_figures(submit_ts=submit_ts, job=final, steps=steps_rows, events=events,
-                                    log_lines=lines, kill_at=kill_at)
+    record["figures"] = job_figures(
+        submit_ts=submit_ts, job=final, steps=steps_rows, events=events, log_lines=lines, kill_at=kill_at
+    )
     if record.get("timed_out"):
         record["figures"]["status"] = f"TIMED OUT at {record['timed_out']} (then {final.get('status')})"
     record["checkpoint_async"] = (final.get("spec") or {}).get("checkpoint", {}).get("async")
     record["timeline"] = timeline(events, submit_ts)
     if kill_at is not None and record["figures"].get("kill_ts"):
-        record["timeline_after_kill"] = timeline([e for e in events if e["ts"] >= record["figures"]["kill_ts"] - 1],
-                                                 record["figures"]["kill_ts"])
+        record["timeline_after_kill"] = timeline(
+            [e for e in events if e["ts"] >= record["figures"]["kill_ts"] - 1], record["figures"]["kill_ts"]
+        )
     record["steps_rows"] = [{k: row.get(k) for k in ("step", "ts", "attempt", "step_s", "loss")} for row in steps_rows]
     record["rank0_log"] = [line for line in lines if "attempt" in line or "checkpoint" in line][-60:] + lines[-20:]
-    record["job_final"] = {k: final.get(k) for k in ("id", "status", "error", "restarts", "attempt", "goodput",
-                                                     "step", "created_at", "updated_at", "last_checkpoint_step")}
+    record["job_final"] = {
+        k: final.get(k)
+        for k in (
+            "id",
+            "status",
+            "error",
+            "restarts",
+            "attempt",
+            "goodput",
+            "step",
+            "created_at",
+            "updated_at",
+            "last_checkpoint_step",
+        )
+    }
     record.update(_release_checkpoints(data_dir, job_id, logs_dir))
     figures = record["figures"]
-    emit(job=label, **{k: figures.get(k) for k in (
-        "status", "error", "submit_to_first_step_s", "step_s_median", "goodput", "restarts",
-        "save_blocking_median_s", "kill_to_next_step_s", "detect_s", "resumed_from") if k in figures},
-        startup=[s["line"] for s in figures["startup"]], saves=[(s["step"], round(s["blocked_s"], 3))
-                                                              for s in figures["save_blocking"]])
+    emit(
+        job=label,
+        **{
+            k: figures.get(k)
+            for k in (
+                "status",
+                "error",
+                "submit_to_first_step_s",
+                "step_s_median",
+                "goodput",
+                "restarts",
+                "save_blocking_median_s",
+                "kill_to_next_step_s",
+                "detect_s",
+                "resumed_from",
+            )
+            if k in figures
+        },
+        startup=[s["line"] for s in figures["startup"]],
+        saves=[(s["step"], round(s["blocked_s"], 3)) for s in figures["save_blocking"]],
+    )
     return record
 
 
@@ -240,12 +313,19 @@ def main() -> None:
     parser.add_argument("--url", required=True)
     parser.add_argument("--token", default=os.environ.get("ETRAIN_API_TOKEN"))
     parser.add_argument("--tiny", action="store_true")
-    parser.add_argument("--jobs", default=os.environ.get("GPU_CHECK_JOBS") or "clean,kill",
-                        help="which jobs, in order (GPU_CHECK_JOBS)")
-    parser.add_argument("--mtbf-hours", type=float, default=float(os.environ.get("GPU_CHECK_MTBF_HOURS") or 0),
-                        help="fault_tolerance.mtbf_hours of the auto job (GPU_CHECK_MTBF_HOURS; default: the service's)")
+    parser.add_argument(
+        "--jobs", default=os.environ.get("GPU_CHECK_JOBS") or "clean,kill", help="which jobs, in order (GPU_CHECK_JOBS)"
+    )
+    parser.add_argument(
+        "--mtbf-hours",
+        type=float,
+        default=float(os.environ.get("GPU_CHECK_MTBF_HOURS") or 0),
+        help="fault_tolerance.mtbf_hours of the auto job (GPU_CHECK_MTBF_HOURS; default: the service's)",
+    )
     parser.add_argument("--ray-address", help="to wait for the warm spare pool before each submit")
-    parser.add_argument("--data-dir", type=Path, help="the server's data directory (checkpoints removed after each job)")
+    parser.add_argument(
+        "--data-dir", type=Path, help="the server's data directory (checkpoints removed after each job)"
+    )
     parser.add_argument("--logs-dir", type=Path, help="where the rank logs are copied")
     parser.add_argument("--deadline", type=float, help="unix time by which everything must have ended")
     parser.add_argument("--device-name", default=os.environ.get("GPU_CHECK_DEVICE", ""))
@@ -261,13 +341,21 @@ def main() -> None:
     deadline = args.deadline or begun + 420
     _, cluster = api.call("GET", "/v1/cluster")
     document: dict[str, Any] = {
-        "file": RESULT_NAME, "kind": "service on one device", "tiny": args.tiny, "device": args.device_name,
-        "torch": args.torch_version, "sizes": sizes.as_dict(), "cluster": cluster, "jobs": [],
+        "file": RESULT_NAME,
+        "kind": "service on one device",
+        "tiny": args.tiny,
+        "device": args.device_name,
+        "torch": args.torch_version,
+        "sizes": sizes.as_dict(),
+        "cluster": cluster,
+        "jobs": [],
         "machine": machine_info(note="make gpu-check" + (" --tiny" if args.tiny else "")),
     }
     emit(cluster_nodes=(cluster or {}).get("nodes") if isinstance(cluster, dict) else cluster)
-    plans = {"clean": dict(steps=40, every=20, kill_at=None, cap_s=150.0),
-             "kill": dict(steps=200 if not args.tiny else 120, every="auto", kill_at=25, cap_s=300.0)}
+    plans = {
+        "clean": dict(steps=40, every=20, kill_at=None, cap_s=150.0),
+        "kill": dict(steps=200 if not args.tiny else 120, every="auto", kill_at=25, cap_s=300.0),
+    }
     paths: list[str] = []
     for label in args.jobs.split(","):
         plan = plans[label]
@@ -276,10 +364,21 @@ def main() -> None:
             document["jobs"].append({"job": label, "skipped": f"only {left:.0f} s left in the time box"})
             emit(job=label, skipped="no time left")
             continue
-        document["jobs"].append(run_job(
-            api, label=label, sizes=sizes, steps=plan["steps"], every=plan["every"], kill_at=plan["kill_at"],
-            timeout_s=min(plan["cap_s"], left), ray_address=args.ray_address, data_dir=args.data_dir,
-            logs_dir=args.logs_dir, mtbf_hours=args.mtbf_hours or None))
+        document["jobs"].append(
+            run_job(
+                api,
+                label=label,
+                sizes=sizes,
+                steps=plan["steps"],
+                every=plan["every"],
+                kill_at=plan["kill_at"],
+                timeout_s=min(plan["cap_s"], left),
+                ray_address=args.ray_address,
+                data_dir=args.data_dir,
+                logs_dir=args.logs_dir,
+                mtbf_hours=args.mtbf_hours or None,
+            )
+        )
         document["elapsed_s"] = time.time() - begun
         paths = write_result(document, args.results_dir)
     emit(service_written=paths, elapsed_s=round(time.time() - begun, 1))

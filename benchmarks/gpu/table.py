@@ -64,17 +64,28 @@ def _probe_rows(probe: dict[str, Any]) -> list[str]:
         if row.get("error"):
             lines.append(_row(f"engine, {name}", f"failed: {row['error'][:160]}"))
     lines += [
-        _row(f"engine: `Trainer` build ({size}; transformers: {_s(hf.get('build_s'))})", _s(etrain.get("build_s")),
-             "build", etrain.get("build_s")),
-        _row("engine: step, etrain / transformers",
-             f"{_s(etrain.get('step_s_median'))} / {_s(hf.get('step_s_median'))}"),
-        _row("engine: tokens/s, etrain / transformers",
-             f"{etrain.get('tokens_per_s') or 0:,.0f} / {hf.get('tokens_per_s') or 0:,.0f}"),
+        _row(
+            f"engine: `Trainer` build ({size}; transformers: {_s(hf.get('build_s'))})",
+            _s(etrain.get("build_s")),
+            "build",
+            etrain.get("build_s"),
+        ),
+        _row(
+            "engine: step, etrain / transformers", f"{_s(etrain.get('step_s_median'))} / {_s(hf.get('step_s_median'))}"
+        ),
+        _row(
+            "engine: tokens/s, etrain / transformers",
+            f"{etrain.get('tokens_per_s') or 0:,.0f} / {hf.get('tokens_per_s') or 0:,.0f}",
+        ),
         _row("engine: MFU, etrain / transformers", f"{_pct(etrain.get('mfu'))} / {_pct(hf.get('mfu'))}"),
     ]
     if etrain.get("peak_gib") is not None or hf.get("peak_gib") is not None:
-        lines.append(_row("engine: peak device memory, etrain / transformers",
-                          f"{etrain.get('peak_gib') or 0:.1f} / {hf.get('peak_gib') or 0:.1f} GiB"))
+        lines.append(
+            _row(
+                "engine: peak device memory, etrain / transformers",
+                f"{etrain.get('peak_gib') or 0:.1f} / {hf.get('peak_gib') or 0:.1f} GiB",
+            )
+        )
     return lines
 
 
@@ -95,14 +106,24 @@ def _service_rows(service: dict[str, Any]) -> list[str]:
         saves = f.get("save_blocking", [])
         each = ", ".join(f"{s['blocked_s']:.2f}" for s in saves)
         lines += [
-            _row(f"clean job ({clean['steps']} steps, a checkpoint every {clean['every_steps']}): status",
-                 f"{f.get('status')}" + (f": {str(f.get('error'))[:160]}" if f.get("error") else "")),
-            _row("clean job: submit → first step (warm spare pool at rest)", _s(f.get("submit_to_first_step_s")),
-                 "first_step", f.get("submit_to_first_step_s")),
+            _row(
+                f"clean job ({clean['steps']} steps, a checkpoint every {clean['every_steps']}): status",
+                f"{f.get('status')}" + (f": {str(f.get('error'))[:160]}" if f.get("error") else ""),
+            ),
+            _row(
+                "clean job: submit → first step (warm spare pool at rest)",
+                _s(f.get("submit_to_first_step_s")),
+                "first_step",
+                f.get("submit_to_first_step_s"),
+            ),
             _row("clean job: rank 0's start-up (`attempt 1: ready after`)", _startup(f, 1)),
             _row("clean job: median step", _s(f.get("step_s_median"))),
-            _row(f"clean job: training blocked per save ({len(saves)} saves: {each or '–'} s)",
-                 _s(f.get("save_blocking_median_s")), "save_blocking", f.get("save_blocking_median_s")),
+            _row(
+                f"clean job: training blocked per save ({len(saves)} saves: {each or '–'} s)",
+                _s(f.get("save_blocking_median_s")),
+                "save_blocking",
+                f.get("save_blocking_median_s"),
+            ),
             _row("clean job: goodput", _pct(f.get("goodput"))),
         ]
     elif clean:
@@ -111,20 +132,35 @@ def _service_rows(service: dict[str, Any]) -> list[str]:
         f = kill["figures"]
         every = kill.get("every_steps")
         chosen = f.get("checkpoint_intervals") or []
-        interval = f"`{every}`" + (f", last of {len(chosen)} `checkpoint_interval` events: {chosen[-1][:160]}"
-                                   if chosen else "") + (" (`auto` refused: 422)" if kill.get("every_steps_note") else "")
+        interval = (
+            f"`{every}`"
+            + (f", last of {len(chosen)} `checkpoint_interval` events: {chosen[-1][:160]}" if chosen else "")
+            + (" (`auto` refused: 422)" if kill.get("every_steps_note") else "")
+        )
         lines += [
-            _row(f"kill job ({kill['steps']} steps, rank 0 SIGKILLed at step {kill['kill_at']}): status",
-                 f"{f.get('status')}, {f.get('restarts')} restart(s)"
-                 + (f": {str(f.get('error'))[:160]}" if f.get("error") else "")),
+            _row(
+                f"kill job ({kill['steps']} steps, rank 0 SIGKILLed at step {kill['kill_at']}): status",
+                f"{f.get('status')}, {f.get('restarts')} restart(s)"
+                + (f": {str(f.get('error'))[:160]}" if f.get("error") else ""),
+            ),
             _row("kill job: checkpoint interval", interval),
-            _row("kill job: SIGKILL → next completed step", _s(f.get("kill_to_next_step_s")),
-                 "recovery", f.get("kill_to_next_step_s")),
-            _row("kill job: kill → `worker_failed`; resumed from step",
-                 f"{_s(f.get('detect_s'))}; {f.get('resumed_from')}"),
+            _row(
+                "kill job: SIGKILL → next completed step",
+                _s(f.get("kill_to_next_step_s")),
+                "recovery",
+                f.get("kill_to_next_step_s"),
+            ),
+            _row(
+                "kill job: kill → `worker_failed`; resumed from step",
+                f"{_s(f.get('detect_s'))}; {f.get('resumed_from')}",
+            ),
             _row("kill job: replacement's start-up (`attempt 2: ready after`)", _startup(f, 2)),
-            _row("kill job: training blocked per save (median)", _s(f.get("save_blocking_median_s")),
-                 "save_blocking", f.get("save_blocking_median_s")),
+            _row(
+                "kill job: training blocked per save (median)",
+                _s(f.get("save_blocking_median_s")),
+                "save_blocking",
+                f.get("save_blocking_median_s"),
+            ),
             _row("kill job: goodput", _pct(f.get("goodput")), "goodput_kill", f.get("goodput")),
         ]
     elif kill:
@@ -138,9 +174,11 @@ def render(probe: dict[str, Any] | None, service: dict[str, Any] | None) -> str:
     machine = first.get("machine", {})
     device = (probe or {}).get("device") or (service or {}).get("device") or "an unnamed device"
     tiny = " (`--tiny`: the tiny model on CPU, a test of the check, not a measurement)" if first.get("tiny") else ""
-    head = (f"Measured by `make gpu-check` on {device}{tiny}, torch {first.get('torch')}, "
-            f"{machine.get('cpus')} CPU cores, commit {str(machine.get('commit') or 'unknown')[:10]}, "
-            f"{machine.get('date', '')}.")
+    head = (
+        f"Measured by `make gpu-check` on {device}{tiny}, torch {first.get('torch')}, "
+        f"{machine.get('cpus')} CPU cores, commit {str(machine.get('commit') or 'unknown')[:10]}, "
+        f"{machine.get('date', '')}."
+    )
     lines = [head, "", "| figure | measured | goal (issue 16) | met? |", "|---|---|---|---|"]
     if probe:
         lines += _probe_rows(probe)
@@ -161,7 +199,9 @@ def passed(probe: dict[str, Any] | None, service: dict[str, Any] | None) -> list
     else:
         for label in ("clean", "kill"):
             job = _job(service, label)
-            status = (job or {}).get("figures", {}).get("status") or (job or {}).get("status") or (job or {}).get("skipped")
+            status = (
+                (job or {}).get("figures", {}).get("status") or (job or {}).get("status") or (job or {}).get("skipped")
+            )
             if status != "SUCCEEDED":
                 problems.append(f"{label} job: {status}")
     return problems

@@ -20,10 +20,11 @@ import json
 import os
 import signal
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 __all__ = ["Job", "PlainDDP", "StepLog", "etrain_spec", "maybe_kill", "recovery_measures"]
 
@@ -62,8 +63,13 @@ def etrain_spec(job: Job, name: str, **sections: Any) -> dict[str, Any]:
         "data": {"kind": "synthetic", "seed": job.data_seed},
         "parallelism": {"dp": job.dp},
         "resources": {"cpus_per_worker": 1},
-        "training": {"steps": job.steps, "global_batch": job.global_batch, "micro_batch": job.micro_batch,
-                     "lr": job.lr, "seed": job.seed},
+        "training": {
+            "steps": job.steps,
+            "global_batch": job.global_batch,
+            "micro_batch": job.micro_batch,
+            "lr": job.lr,
+            "seed": job.seed,
+        },
         "checkpoint": {"every_steps": job.every, "keep_last": 3},
     }
     for key, value in sections.items():
@@ -79,9 +85,9 @@ class PlainDDP:
     def __init__(self, job: Job, rank: int, world_size: int, wrap: Callable[[Any], Any]):
         import torch
 
-        from etrain.workers.protocol.run_config import DataConfig
         from etrain.workers.engine.data import GlobalSampler, build_dataset
         from etrain.workers.engine.init import build_model
+        from etrain.workers.protocol.run_config import DataConfig
 
         torch.set_num_threads(int(os.environ.get("ETRAIN_TORCH_THREADS", "1")))
         config = job.model_config()
@@ -151,8 +157,9 @@ def maybe_kill(job: Job, rank: int, step: int, marker: str | os.PathLike) -> Non
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def recovery_measures(steps: list[dict[str, Any]], *, start_ts: float, kill_ts: float | None,
-                      kill_at: int | None) -> dict[str, float | int | None]:
+def recovery_measures(
+    steps: list[dict[str, Any]], *, start_ts: float, kill_ts: float | None, kill_at: int | None
+) -> dict[str, float | int | None]:
     """Startup and recovery of one run from its step rows (``{"step", "ts", "attempt"}``; step = completed
     steps, 1-based) — the same arithmetic for etrain and every peer.
 
@@ -168,8 +175,13 @@ def recovery_measures(steps: list[dict[str, Any]], *, start_ts: float, kill_ts: 
     oldest one still seen after the kill when several are, else the one before the only attempt seen,
     and there is no start-up figure (step 1's row is the next attempt's).
     """
-    out: dict[str, float | int | None] = {"startup_s": None, "recovery_s": None, "resumed_from": None,
-                                          "recomputed": None, "progress_s": None}
+    out: dict[str, float | int | None] = {
+        "startup_s": None,
+        "recovery_s": None,
+        "resumed_from": None,
+        "recomputed": None,
+        "progress_s": None,
+    }
     firsts = [row for row in steps if row["step"] == 1 and (kill_ts is None or row["ts"] <= kill_ts)]
     if firsts:
         first = min(firsts, key=lambda row: row["ts"])

@@ -41,8 +41,8 @@ def _attempt(directory: Path, rank: int) -> int:
 
 
 def train_func(config: dict) -> None:
-    import torch
     import ray.train
+    import torch
     from ray.train import Checkpoint
     from ray.train.torch import prepare_model
 

@@ -55,10 +55,22 @@ def run(job: Job, workdir: Path, *, timeout_s: float) -> dict:
     from benchmarks.procs import RunFailed, child_env, run_group
 
     workdir.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-               f"--nproc-per-node={job.dp}", "--max-restarts=1",
-               "-m", "benchmarks.peers.torchrun_elastic", "--worker", "--job", json.dumps(job.as_dict()),
-               "--workdir", str(workdir)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nnodes=1",
+        f"--nproc-per-node={job.dp}",
+        "--max-restarts=1",
+        "-m",
+        "benchmarks.peers.torchrun_elastic",
+        "--worker",
+        "--job",
+        json.dumps(job.as_dict()),
+        "--workdir",
+        str(workdir),
+    ]
     # Without it the ranks of a restart share the rendezvous' TCP store with the previous round and can
     # read a dead rank's gloo address from it ("Connection refused"; pytorch/pytorch#135712).
     env = child_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
@@ -72,8 +84,14 @@ def run(job: Job, workdir: Path, *, timeout_s: float) -> dict:
     steps = StepLog(workdir / "steps.jsonl").rows()
     if not steps and error:
         raise RunFailed(error)
-    return {"system": "torchrun_elastic", "start_ts": start_ts, "end_ts": end_ts, "error": error,
-            "kill": json.loads(killed.read_text()) if killed.exists() else None, "steps": steps}
+    return {
+        "system": "torchrun_elastic",
+        "start_ts": start_ts,
+        "end_ts": end_ts,
+        "error": error,
+        "kill": json.loads(killed.read_text()) if killed.exists() else None,
+        "steps": steps,
+    }
 
 
 def main() -> None:

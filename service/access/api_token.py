@@ -24,7 +24,8 @@ FILE_NAME = "api-token"
 #: How long a server waits for another server that created the file a moment ago to write the token.
 _WRITER_WAIT_S = 2.0
 _TOKEN_FILE = Secret(
-    what="the API token file", field="api_token_file",
+    what="the API token file",
+    field="api_token_file",
     renew="the server writes a new token at its next start, or set ETRAIN_API_TOKEN",
     unreadable_fix="run as the user that started the server, or pass --token / ETRAIN_API_TOKEN",
 )
@@ -59,8 +60,10 @@ def ensure_api_token(data_dir: Path | str) -> ApiTokenFile:
     except FileExistsError:
         return ApiTokenFile(path, _read_existing(path), created=False)
     except OSError as err:
-        raise _error(f"cannot create the API token file {path}: {err.strerror or err}.",
-                     "make the data directory writable by the server, or set ETRAIN_API_TOKEN") from None
+        raise _error(
+            f"cannot create the API token file {path}: {err.strerror or err}.",
+            "make the data directory writable by the server, or set ETRAIN_API_TOKEN",
+        ) from None
     token = new_api_token()
     try:
         with os.fdopen(fd, "w", encoding="ascii") as handle:
@@ -69,8 +72,10 @@ def ensure_api_token(data_dir: Path | str) -> ApiTokenFile:
             os.fsync(handle.fileno())
     except OSError as err:
         path.unlink(missing_ok=True)  # never leave an empty token file behind: the next start regenerates
-        raise _error(f"cannot write the API token file {path}: {err.strerror or err}.",
-                     "free space in the data directory, or set ETRAIN_API_TOKEN") from None
+        raise _error(
+            f"cannot write the API token file {path}: {err.strerror or err}.",
+            "free space in the data directory, or set ETRAIN_API_TOKEN",
+        ) from None
     return ApiTokenFile(path, token, created=True)
 
 
@@ -95,8 +100,10 @@ def _read_safely(path: Path) -> str:
 
 
 def _no_token(path: Path) -> Exception:
-    return _error(f"the API token file {path} holds no valid token.",
-                  f"delete {path}; the server writes a new one at its next start")
+    return _error(
+        f"the API token file {path} holds no valid token.",
+        f"delete {path}; the server writes a new one at its next start",
+    )
 
 
 def _read_existing(path: Path) -> str:

@@ -28,13 +28,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 
-from etrain.service.errors import JobConflict, SpecRejected
-from etrain.service.planning.spec import JobSpec, SpecProblem
 from etrain.service.access.storage_roots import resolve
 from etrain.service.access.tenancy import Principal
+from etrain.service.errors import JobConflict, SpecRejected
+from etrain.service.planning.spec import JobSpec, SpecProblem
 from etrain.workers.checkpoints import storage
-from etrain.workers.protocol.errors import CheckpointError, EtrainError
 from etrain.workers.checkpoints.checkpoint_commit import list_steps, read_manifest
+from etrain.workers.protocol.errors import CheckpointError, EtrainError
 from etrain.workers.protocol.manifest import MANIFEST_NAME
 
 __all__ = ["CheckpointDirectories", "may_resume", "taken_conflict"]
@@ -71,18 +71,21 @@ class CheckpointDirectories:
         tenant = tenant_of(job_id) if job_id else None
         return tenant is not None and principal.can_see(tenant)
 
-    def _checkpoint_problems(self, path: str, principal: Principal,
-                             tenant_of: Callable[[str], str | None]) -> list[SpecProblem]:
+    def _checkpoint_problems(
+        self, path: str, principal: Principal, tenant_of: Callable[[str], str | None]
+    ) -> list[SpecProblem]:
         field = "checkpoint.path"
         try:
             steps = list_steps(path)
         except (OSError, EtrainError) as err:  # an object store that refuses the listing (credentials)
-            return [SpecProblem(
-                field=field,
-                message=f"checkpoint.path={path!r} cannot be listed: {getattr(err, 'message', None) or err}",
-                fix="check that the service can read it (for s3://: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and "
+            return [
+                SpecProblem(
+                    field=field,
+                    message=f"checkpoint.path={path!r} cannot be listed: {getattr(err, 'message', None) or err}",
+                    fix="check that the service can read it (for s3://: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and "
                     "AWS_ENDPOINT_URL of the server), or give another folder",
-            )]
+                )
+            ]
         for step, directory in steps:
             if not storage.exists(storage.join(directory, MANIFEST_NAME)):
                 continue  # an interrupted save: not a checkpoint, never loaded (replaced if the step is saved)
@@ -94,12 +97,14 @@ class CheckpointDirectories:
                 if self._visible(manifest.job_id, principal, tenant_of):
                     continue
                 reason = f"it was committed by job {manifest.job_id!r}, which you cannot access"
-            return [SpecProblem(
-                field=field,
-                message=f"checkpoint.path={path!r} holds step {step}, which this service did not commit for you, so "
-                        f"the job may not resume from it: {reason}",
-                fix="give a new or empty folder, or the checkpoint directory of one of your jobs on this service",
-            )]
+            return [
+                SpecProblem(
+                    field=field,
+                    message=f"checkpoint.path={path!r} holds step {step}, which this service did not commit for you, so "
+                    f"the job may not resume from it: {reason}",
+                    fix="give a new or empty folder, or the checkpoint directory of one of your jobs on this service",
+                )
+            ]
         return []
 
 
@@ -109,10 +114,12 @@ def taken_conflict(path: str, *, holder: str, holder_tenant: str, held: str, pri
     named = principal.can_see(holder_tenant)
     return JobConflict(
         f"checkpoint.path={path!r} overlaps the checkpoint directory of another job that has not finished"
-        + (f" ({holder}, in {held!r})" if named else "") + "; a directory belongs to one job at a time.",
-        job_id=holder if named else None, field="checkpoint.path",
+        + (f" ({holder}, in {held!r})" if named else "")
+        + "; a directory belongs to one job at a time.",
+        job_id=holder if named else None,
+        field="checkpoint.path",
         fix="leave checkpoint.path unset (each job gets <data-dir>/checkpoints/<job-id>), give a new folder, or "
-            + (f"wait until {holder} has finished (or cancel it)" if named else "wait until that job has finished"),
+        + (f"wait until {holder} has finished (or cancel it)" if named else "wait until that job has finished"),
     )
 
 

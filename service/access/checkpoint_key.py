@@ -37,9 +37,10 @@ _HEX_CHARS = 2 * KEY_BYTES
 #: How long a reader waits for a concurrent creator to finish writing the key.
 _CREATE_WAIT_S = 2.0
 _KEY_FILE = Secret(
-    what="the checkpoint signing key", field=KEY_NAME,
+    what="the checkpoint signing key",
+    field=KEY_NAME,
     renew="a new key is generated at the next start (checkpoints signed with the old one are then refused and "
-          "their jobs start fresh)",
+    "their jobs start fresh)",
     unreadable_fix="run the server as the user that owns the data directory",
 )
 
@@ -56,7 +57,7 @@ def load_or_create_key(data_dir: str | os.PathLike) -> bytes:
             if key is not None:
                 return key
             if time.monotonic() > deadline:  # still short: not a creator mid-write, a damaged file
-                raise _unusable(path, "it holds fewer than 64 hex digits")
+                raise _unusable(path, "it holds fewer than 64 hex digits") from None
             time.sleep(0.05)
             continue
         key = secrets.token_bytes(KEY_BYTES)
@@ -83,7 +84,8 @@ def _read(path: Path) -> bytes | None:
 
 def _unusable(path: Path, why: str) -> SettingsError:
     return SettingsError(
-        f"the checkpoint signing key {path} is unusable: {why}.", field=KEY_NAME,
+        f"the checkpoint signing key {path} is unusable: {why}.",
+        field=KEY_NAME,
         fix="restore the file from a backup, or delete it to generate a new key (checkpoints signed with the "
-            "old key are then refused and their jobs start fresh)",
+        "old key are then refused and their jobs start fresh)",
     )

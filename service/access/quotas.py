@@ -35,10 +35,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from etrain.service.access.tenancy import Principal
 from etrain.service.errors import PriorityNotAllowed, QuotaExceeded
 from etrain.service.store.job_store import JobStore
 from etrain.service.store.records import JobRecord
-from etrain.service.access.tenancy import Principal
 
 if TYPE_CHECKING:
     from etrain.service.settings import Settings
@@ -86,12 +86,10 @@ class TenantQuotas:
             if self.max_jobs is not None and jobs + 1 > self.max_jobs:
                 raise QuotaExceeded("max_jobs", tenant=tenant, limit=self.max_jobs, used=jobs, requested=1)
             if self.max_workers is not None and used + workers > self.max_workers:
-                raise QuotaExceeded("max_workers", tenant=tenant, limit=self.max_workers, used=used,
-                                    requested=workers)
+                raise QuotaExceeded("max_workers", tenant=tenant, limit=self.max_workers, used=used, requested=workers)
             self._reserved[job_id] = _Reservation(tenant, workers, now + RESERVATION_S)
 
-    def admit_scale(self, principal: Principal, record: JobRecord, dp: int, ranks_per_dp: int,
-                    store: JobStore) -> None:
+    def admit_scale(self, principal: Principal, record: JobRecord, dp: int, ranks_per_dp: int, store: JobStore) -> None:
         """Let job ``record`` grow to ``dp`` (``dp * ranks_per_dp`` ranks) or raise QuotaExceeded: a scale counts
         against ``max_workers`` like a submit. Shrinking is always allowed (even over a lowered quota)."""
         if principal.admin or self.max_workers is None:
@@ -105,9 +103,16 @@ class TenantQuotas:
                 used = self._workers(held) + sum(seat.workers for seat in pending)
                 if used - current + world > self.max_workers:
                     room = self.max_workers - (used - current)
-                    raise QuotaExceeded("max_workers", tenant=tenant, limit=self.max_workers, used=used,
-                                        requested=world - current, job_id=record.id, dp=dp,
-                                        dp_fits=max(room // ranks_per_dp, 0))
+                    raise QuotaExceeded(
+                        "max_workers",
+                        tenant=tenant,
+                        limit=self.max_workers,
+                        used=used,
+                        requested=world - current,
+                        job_id=record.id,
+                        dp=dp,
+                        dp_fits=max(room // ranks_per_dp, 0),
+                    )
             self._scaling[record.id] = _Reservation(tenant, world, now + RESERVATION_S)
 
     def release(self, job_id: str) -> None:
@@ -122,13 +127,16 @@ class TenantQuotas:
         held = [job for job in store.active_jobs() if job.tenant == tenant]
         stored = {job.id for job in held}
         self._reserved = {
-            other: seat for other, seat in self._reserved.items()
+            other: seat
+            for other, seat in self._reserved.items()
             if seat.expires > now and other not in stored and store.get_job(other) is None
         }
         sizes = {job.id: job.world_size for job in held}
         self._scaling = {
-            job_id: seat for job_id, seat in self._scaling.items()
-            if seat.expires > now and (job_id in sizes or seat.tenant != tenant)
+            job_id: seat
+            for job_id, seat in self._scaling.items()
+            if seat.expires > now
+            and (job_id in sizes or seat.tenant != tenant)
             and sizes.get(job_id, -1) != seat.workers
         }
         return held, [seat for seat in self._reserved.values() if seat.tenant == tenant]
@@ -142,7 +150,7 @@ class TenantQuotas:
         return sum(self._size(job) for job in held)
 
 
-def check_priority(settings: "Settings", principal: Principal, priority: int) -> None:
+def check_priority(settings: Settings, principal: Principal, priority: int) -> None:
     """PriorityNotAllowed (403) when a tenant asks for a priority outside its range; the admin may use any."""
     if principal.admin:
         return
@@ -213,6 +221,8 @@ class FairUse:
     plans: TenantSlots
 
     @classmethod
-    def of(cls, settings: "Settings") -> "FairUse":
-        return cls(streams=TenantSlots("max_streams", settings.tenant_max_streams),
-                   plans=TenantSlots("max_plans", settings.tenant_max_plans))
+    def of(cls, settings: Settings) -> FairUse:
+        return cls(
+            streams=TenantSlots("max_streams", settings.tenant_max_streams),
+            plans=TenantSlots("max_plans", settings.tenant_max_plans),
+        )

@@ -49,8 +49,10 @@ def split_owner(entry: str | os.PathLike) -> tuple[str | None, str | os.PathLike
     tenant, _, root = entry.partition("=")
     tenant = tenant.strip()
     if not TENANT_NAME.match(tenant):
-        raise ValueError(f"storage root {entry!r}: {tenant!r} is not a tenant name (1-63 characters of a-z, 0-9, "
-                         "'_' and '-'); mark a tenant's root as tenant=/absolute/dir")
+        raise ValueError(
+            f"storage root {entry!r}: {tenant!r} is not a tenant name (1-63 characters of a-z, 0-9, "
+            "'_' and '-'); mark a tenant's root as tenant=/absolute/dir"
+        )
     return tenant, root.strip()
 
 
@@ -69,9 +71,15 @@ class Reach:
         others = {root for tenant, root in self._owners if tenant != principal.tenant}
         return tuple(root for root in roots if resolve(root) not in others)
 
-    def spec_problems(self, spec: JobSpec, given: JobSpec, principal: Principal, *,
-                      job_dirs: Callable[[str], Iterable[JobDirectory]],
-                      tenant_of: Callable[[str], str | None]) -> list[SpecProblem]:
+    def spec_problems(
+        self,
+        spec: JobSpec,
+        given: JobSpec,
+        principal: Principal,
+        *,
+        job_dirs: Callable[[str], Iterable[JobDirectory]],
+        tenant_of: Callable[[str], str | None],
+    ) -> list[SpecProblem]:
         """Every path field of ``spec`` (pinned, inside the roots) that ``principal`` may not reach; messages
         echo the value as ``given`` (before pinning: never where a symlink points).
         ``job_dirs(path)``: the recorded job directories that may overlap ``path`` (a superset is fine);
@@ -80,15 +88,28 @@ class Reach:
         for field, section, name in PATH_FIELDS:
             value = getattr(getattr(spec, section), name)
             if value:
-                problem = self.problem(field, value, principal, shown=getattr(getattr(given, section), name),
-                                       job_dirs=job_dirs, tenant_of=tenant_of)
+                problem = self.problem(
+                    field,
+                    value,
+                    principal,
+                    shown=getattr(getattr(given, section), name),
+                    job_dirs=job_dirs,
+                    tenant_of=tenant_of,
+                )
                 if problem is not None:
                     problems.append(problem)
         return problems
 
-    def problem(self, field: str, path: str, principal: Principal, *, shown: str | None = None,
-                job_dirs: Callable[[str], Iterable[JobDirectory]],
-                tenant_of: Callable[[str], str | None]) -> SpecProblem | None:
+    def problem(
+        self,
+        field: str,
+        path: str,
+        principal: Principal,
+        *,
+        shown: str | None = None,
+        job_dirs: Callable[[str], Iterable[JobDirectory]],
+        tenant_of: Callable[[str], str | None],
+    ) -> SpecProblem | None:
         """Why ``principal`` may not use ``path`` (pinned) for ``field``, or None; the message shows ``shown``
         (the value as given; default ``path``)."""
         if principal.admin:
@@ -99,31 +120,39 @@ class Reach:
         for tenant, root in self._owners:
             if tenant != principal.tenant and (inside(path, root) or inside(root, path)):
                 where = "is in" if inside(path, root) else "contains"
-                return SpecProblem(field=field, fix=fix,
-                                   message=f"{value} {where} a storage root reserved for another tenant.")
+                return SpecProblem(
+                    field=field, fix=fix, message=f"{value} {where} a storage root reserved for another tenant."
+                )
         tree = self._tree_problem(field, path, value, principal, tenant_of)
         if tree is not None:
             return tree
-        for job_id, tenant, directory in job_dirs(path):
+        for _job_id, tenant, directory in job_dirs(path):
             if not principal.can_see(tenant) and (inside(path, directory) or inside(directory, path)):
                 where = "is inside" if inside(path, directory) else "contains"
-                return SpecProblem(field=field, fix=fix,
-                                   message=f"{value} {where} the checkpoint directory of a job you cannot access.")
+                return SpecProblem(
+                    field=field,
+                    fix=fix,
+                    message=f"{value} {where} the checkpoint directory of a job you cannot access.",
+                )
         return None
 
-    def _tree_problem(self, field: str, path: str, value: str, principal: Principal,
-                      tenant_of: Callable[[str], str | None]) -> SpecProblem | None:
+    def _tree_problem(
+        self, field: str, path: str, value: str, principal: Principal, tenant_of: Callable[[str], str | None]
+    ) -> SpecProblem | None:
         """A path that reaches into the checkpoint tree: only the caller's jobs' directories."""
         if inside(self._tree, path):
             return SpecProblem(
                 field=field,
                 message=f"{value} contains the service's checkpoint directory {self._tree}, which holds "
-                        "other jobs' checkpoints.",
+                "other jobs' checkpoints.",
                 fix=f"point {field} at a folder of your own",
             )
         if inside(path, self._tree):
-            job_id = (path[len(self._tree) + 1:].split("/")[0] if storage.is_url(path)
-                      else os.path.relpath(path, self._tree).split(os.sep)[0])
+            job_id = (
+                path[len(self._tree) + 1 :].split("/")[0]
+                if storage.is_url(path)
+                else os.path.relpath(path, self._tree).split(os.sep)[0]
+            )
             tenant = tenant_of(job_id)
             if tenant is None or not principal.can_see(tenant):
                 return SpecProblem(

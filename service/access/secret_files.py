@@ -44,21 +44,31 @@ def read_secret(path: Path, secret: Secret) -> bytes:
         raise
     except OSError as err:
         if path.is_symlink():
-            raise _refuse(secret, f"{secret.what} {path} is a symlink; the server only trusts a plain file.",
-                          f"remove {path}: {secret.renew}") from None
-        raise _refuse(secret, f"cannot read {secret.what} {path}: {err.strerror or err}.",
-                      secret.unreadable_fix) from None
+            raise _refuse(
+                secret,
+                f"{secret.what} {path} is a symlink; the server only trusts a plain file.",
+                f"remove {path}: {secret.renew}",
+            ) from None
+        raise _refuse(
+            secret, f"cannot read {secret.what} {path}: {err.strerror or err}.", secret.unreadable_fix
+        ) from None
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise _refuse(secret, f"{secret.what} {path} is not a regular file.", f"remove {path}: {secret.renew}")
         if info.st_mode & 0o077:
-            raise _refuse(secret, f"{secret.what} {path} is accessible to other users "
-                                  f"({stat.filemode(info.st_mode)}); a secret others can read is not a secret.",
-                          f"chmod 600 {path} if nobody else has read it, otherwise delete it: {secret.renew}")
+            raise _refuse(
+                secret,
+                f"{secret.what} {path} is accessible to other users "
+                f"({stat.filemode(info.st_mode)}); a secret others can read is not a secret.",
+                f"chmod 600 {path} if nobody else has read it, otherwise delete it: {secret.renew}",
+            )
         if hasattr(os, "geteuid") and info.st_uid != os.geteuid():
-            raise _refuse(secret, f"{secret.what} {path} belongs to user id {info.st_uid}, not to this user "
-                                  f"({os.geteuid()}).", f"run as its owner, or delete {path}: {secret.renew}")
+            raise _refuse(
+                secret,
+                f"{secret.what} {path} belongs to user id {info.st_uid}, not to this user ({os.geteuid()}).",
+                f"run as its owner, or delete {path}: {secret.renew}",
+            )
         return os.read(fd, secret.max_bytes)
     finally:
         os.close(fd)

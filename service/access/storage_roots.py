@@ -57,7 +57,12 @@ __all__ = [
 #: Files of the data directory no job may read or write: SQLite and its journals, the API token
 #: (``api/``), the tenants' token file, and the checkpoint signing key (``service/access/checkpoint_key.py``).
 PRIVATE_FILE_NAMES = (
-    "etrain.db", "etrain.db-wal", "etrain.db-shm", "etrain.db-journal", "api-token", "api-tokens",
+    "etrain.db",
+    "etrain.db-wal",
+    "etrain.db-shm",
+    "etrain.db-journal",
+    "api-token",
+    "api-tokens",
     "checkpoint-key",
 )
 #: The only spec fields that may name object storage (``s3://...``); every other path is local-only.
@@ -145,8 +150,12 @@ class StorageRoots:
     private: tuple[str, ...] = ()
 
     @classmethod
-    def of(cls, roots: tuple[str | os.PathLike, ...] | list[str | os.PathLike],
-           *, data_dir: str | os.PathLike | None = None) -> "StorageRoots":
+    def of(
+        cls,
+        roots: tuple[str | os.PathLike, ...] | list[str | os.PathLike],
+        *,
+        data_dir: str | os.PathLike | None = None,
+    ) -> StorageRoots:
         """Roots resolved now (relative ones against the current directory; URLs as given, without a
         trailing ``/``); with ``data_dir``, its private files (:data:`PRIVATE_FILE_NAMES`) are fenced off,
         and it is the root when none is given."""
@@ -172,8 +181,11 @@ class StorageRoots:
         tenant's root is (``Reach.visible_roots``).
         """
         if "\x00" in raw:
-            return RootProblem(field=field, message=f"{field} contains a NUL byte, which no file name can.",
-                               fix=f"give {field} as a plain path")
+            return RootProblem(
+                field=field,
+                message=f"{field} contains a NUL byte, which no file name can.",
+                fix=f"give {field} as a plain path",
+            )
         if is_url(raw):
             problem = self._url_problem(field, raw, pinned, shown)
             if problem is not None:
@@ -182,22 +194,25 @@ class StorageRoots:
             return RootProblem(
                 field=field,
                 message=f"{field}={raw!r} is outside the storage roots ({self.describe(shown)}); paths are "
-                        "resolved (relative to the server's directory, symlinks and '..' followed) before this check.",
+                "resolved (relative to the server's directory, symlinks and '..' followed) before this check.",
                 fix=f"put it under one of the storage roots ({self.describe(shown)}), or ask the operator to add "
-                    "a root to ETRAIN_STORAGE_ROOTS",
+                "a root to ETRAIN_STORAGE_ROOTS",
             )
         if is_url(pinned):
             missing = missing_backend(pinned)
             if missing:
-                return RootProblem(field=field, message=f"{field}={raw!r}: {missing}.",
-                                   fix="ask the operator to install the extra where the service and the ranks run "
-                                       "(pip install 'etrain[s3]'), or use a local checkpoint.path")
+                return RootProblem(
+                    field=field,
+                    message=f"{field}={raw!r}: {missing}.",
+                    fix="ask the operator to install the extra where the service and the ranks run "
+                    "(pip install 'etrain[s3]'), or use a local checkpoint.path",
+                )
             return None
         if any(inside(pinned, private) for private in self.private):
             return RootProblem(
                 field=field,
                 message=f"{field}={raw!r} is one of the service's own files (database, API token or "
-                        "checkpoint key), which no job may read or write.",
+                "checkpoint key), which no job may read or write.",
                 fix=f"point {field} at your own files",
             )
         return None
@@ -208,11 +223,14 @@ class StorageRoots:
             return RootProblem(
                 field=field,
                 message=f"{field}={raw!r} is an object-store URL; {field} must be a local path (only "
-                        f"{', '.join(sorted(URL_FIELDS))} may name object storage).",
+                f"{', '.join(sorted(URL_FIELDS))} may name object storage).",
                 fix=f"copy the files to a folder under the storage roots ({self.describe(shown)}) and give its path",
             )
         problem = url_problem(raw)
         if problem:
-            return RootProblem(field=field, message=f"{field}: {problem}.",
-                               fix=f"give {field} as s3://bucket/prefix with plain key components")
+            return RootProblem(
+                field=field,
+                message=f"{field}: {problem}.",
+                fix=f"give {field} as s3://bucket/prefix with plain key components",
+            )
         return None

@@ -33,7 +33,7 @@ class Principal:
         return None if self.admin else self.tenant
 
     @classmethod
-    def reader_of(cls, owner: str) -> "Principal":
+    def reader_of(cls, owner: str) -> Principal:
         """Who reads what is written into a job of ``owner`` (its events): that tenant, or for the operator's
         own jobs (``DEFAULT_TENANT``) the admin."""
         return cls(tenant=owner, admin=owner == DEFAULT_TENANT)

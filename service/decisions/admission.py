@@ -222,13 +222,27 @@ def decide(queued: Iterable[QueuedJob], nodes: Sequence[NodeView], claims: Itera
             assert placed is not None  # _largest_fit counted the same groups
             _take(state.free, placed, gang.per_rank, gang.tp)
             state.changed()
-            admit.append(Admit(job_id=job.id, dp=dp, ranks=gang.ranks(dp),
-                               placement={node: groups * gang.tp for node, groups in sorted(placed.items())}))
+            admit.append(
+                Admit(
+                    job_id=job.id,
+                    dp=dp,
+                    ranks=gang.ranks(dp),
+                    placement={node: groups * gang.tp for node, groups in sorted(placed.items())},
+                )
+            )
             continue
         reason, anonymous, behind, beyond = state.remember(("why", shape), lambda: _why(gang, state))
         where = f"; position {position} in the queue"
-        wait.append(Wait(job_id=job.id, position=position, behind=behind, beyond_cluster=beyond,
-                         reason=reason + where, anonymous_reason=anonymous + where if anonymous else None))
+        wait.append(
+            Wait(
+                job_id=job.id,
+                position=position,
+                behind=behind,
+                beyond_cluster=beyond,
+                reason=reason + where,
+                anonymous_reason=anonymous + where if anonymous else None,
+            )
+        )
         state.close(job, state.remember(("usable", shape), lambda: _usable(gang, state.totals), static=True))
     return Plan(admit=tuple(admit), wait=tuple(wait))
 
@@ -272,8 +286,9 @@ def _shape(gang: Gang) -> tuple:
 
 def _usable(gang: Gang, totals: Mapping[str, Mapping[str, float]]) -> frozenset[str]:
     """Nodes that could ever hold one of ``gang``'s tp groups (judged on their total resources)."""
-    return frozenset(node for node, total in totals.items()
-                     if rank_slots(free=total, per_rank=gang.per_rank) >= gang.tp)
+    return frozenset(
+        node for node, total in totals.items() if rank_slots(free=total, per_rank=gang.per_rank) >= gang.tp
+    )
 
 
 def refusal(gang: Gang, nodes: Sequence[NodeView]) -> Refusal | None:
@@ -288,13 +303,16 @@ def refusal(gang: Gang, nodes: Sequence[NodeView]) -> Refusal | None:
     slots = {node.id: rank_slots(free=node.total, per_rank=gang.per_rank) for node in alive}
     best = max(slots.values())
     if best == 0:
-        short = [(name, amount) for name, amount in sorted(gang.per_rank.items())
-                 if amount > 0 and max(node.total.get(name, 0.0) for node in alive) + _EPS < amount]
+        short = [
+            (name, amount)
+            for name, amount in sorted(gang.per_rank.items())
+            if amount > 0 and max(node.total.get(name, 0.0) for node in alive) + _EPS < amount
+        ]
         if not short:  # each resource exists somewhere, never all of them on one node
             return Refusal(
                 field="resources",
                 message=f"one rank needs {describe(gang.per_rank)} on one node, but none of the {len(alive)} "
-                        f"node(s) has all of it (for example: {describe(alive[0].total)}).",
+                f"node(s) has all of it (for example: {describe(alive[0].total)}).",
                 fix=f"lower resources.cpus_per_worker / gpus_per_worker, or add such nodes ({beyond})",
             )
         name, amount = short[0]
@@ -303,7 +321,7 @@ def refusal(gang: Gang, nodes: Sequence[NodeView]) -> Refusal | None:
         return Refusal(
             field=spec_field,
             message=f"one rank needs {describe(gang.per_rank)}, but no node has {_amount(amount, name)}: "
-                    f"the most any of the {len(alive)} node(s) has is {_amount(most, name)}.",
+            f"the most any of the {len(alive)} node(s) has is {_amount(most, name)}.",
             fix=f"lower {spec_field} to at most {most:g}, or add nodes with {_amount(amount, name)} ({beyond})",
         )
     if best < gang.tp:
@@ -311,7 +329,7 @@ def refusal(gang: Gang, nodes: Sequence[NodeView]) -> Refusal | None:
         return Refusal(
             field="parallelism.tp",
             message=f"a tensor-parallel group of tp={gang.tp} ranks ({describe(group)}) must sit on one node, "
-                    f"but the largest node holds {best} rank(s) of {describe(gang.per_rank)}.",
+            f"but the largest node holds {best} rank(s) of {describe(gang.per_rank)}.",
             fix=f"lower parallelism.tp to at most {best}, or use nodes that hold {gang.tp} ranks ({beyond})",
         )
     groups = sum(count // gang.tp for count in slots.values())
@@ -320,14 +338,17 @@ def refusal(gang: Gang, nodes: Sequence[NodeView]) -> Refusal | None:
         need = {name: amount * gang.min_ranks for name, amount in gang.per_rank.items()}
         total = _sum(node.total for node in alive)
         have = {name: total.get(name, 0.0) for name in gang.per_rank}
-        lower = (f"lower {gang.dp_field} to at most {replicas}" if replicas >= 1
-                 else "lower parallelism.tp * parallelism.pp or the resources per worker")
+        lower = (
+            f"lower {gang.dp_field} to at most {replicas}"
+            if replicas >= 1
+            else "lower parallelism.tp * parallelism.pp or the resources per worker"
+        )
         return Refusal(
             field=gang.dp_field,
             message=f"the minimum layout needs {gang.min_ranks} ranks (dp={gang.min_dp} x tp={gang.tp} x "
-                    f"pp={gang.pp}) of {describe(gang.per_rank)} = {describe(need)}, but the cluster has "
-                    f"{describe(have)} on {len(alive)} node(s), room for at most {replicas} replica(s) of "
-                    f"{gang.tp * gang.pp} rank(s) (tp groups node-local).",
+            f"pp={gang.pp}) of {describe(gang.per_rank)} = {describe(need)}, but the cluster has "
+            f"{describe(have)} on {len(alive)} node(s), room for at most {replicas} replica(s) of "
+            f"{gang.tp * gang.pp} rank(s) (tp groups node-local).",
             fix=f"{lower}, or add nodes ({beyond})",
         )
     return None
@@ -365,8 +386,14 @@ def _largest_fit(free: Mapping[str, Mapping[str, float]], nodes: set[str], gang:
     return fitting[-1] if fitting else None
 
 
-def _place(free: Mapping[str, Mapping[str, float]], per_rank: Mapping[str, float], tp: int, groups: int,
-           strategy: str, nodes: set[str]) -> dict[str, int] | None:
+def _place(
+    free: Mapping[str, Mapping[str, float]],
+    per_rank: Mapping[str, float],
+    tp: int,
+    groups: int,
+    strategy: str,
+    nodes: set[str],
+) -> dict[str, int] | None:
     """node -> tp groups for ``groups`` groups on ``nodes``, or None when they do not fit.
 
     PACK fills the roomiest node first (fewest nodes used); SPREAD deals one group per node in turn.
@@ -394,8 +421,7 @@ def _place(free: Mapping[str, Mapping[str, float]], per_rank: Mapping[str, float
     return placed
 
 
-def _take(free: dict[str, dict[str, float]], placed: Mapping[str, int], per_rank: Mapping[str, float],
-          tp: int) -> None:
+def _take(free: dict[str, dict[str, float]], placed: Mapping[str, int], per_rank: Mapping[str, float], tp: int) -> None:
     for node, groups in placed.items():
         for name, amount in per_rank.items():
             free[node][name] = free[node].get(name, 0.0) - amount * groups * tp
@@ -405,19 +431,32 @@ def _why(gang: Gang, state: _Pass) -> tuple[str, str | None, str | None, bool]:
     """(reason without the position, the same without naming the job it waits behind, that job, whether
     it is beyond the cluster)."""
     need = {name: amount * gang.min_ranks for name, amount in gang.per_rank.items()}
-    wanted = (f"{describe(need)} ({gang.min_ranks} rank(s) of {describe(gang.per_rank)}: dp={gang.min_dp} "
-              f"tp={gang.tp} pp={gang.pp}{', each tp group on one node' if gang.tp > 1 else ''})")
+    wanted = (
+        f"{describe(need)} ({gang.min_ranks} rank(s) of {describe(gang.per_rank)}: dp={gang.min_dp} "
+        f"tp={gang.tp} pp={gang.pp}{', each tp group on one node' if gang.tp > 1 else ''})"
+    )
     too_big = state.remember(("refusal", _shape(gang)), lambda: refusal(gang, state.nodes), static=True)
     if too_big is not None:
-        return (f"larger than the cluster today, waiting for nodes to be added: {too_big.message.rstrip('.')}", None,
-                None, True)
+        return (
+            f"larger than the cluster today, waiting for nodes to be added: {too_big.message.rstrip('.')}",
+            None,
+            None,
+            True,
+        )
     if _largest_fit(state.free, set(state.free), gang) is not None:
-        usable = [node for node in sorted(state.closed)
-                  if rank_slots(free=state.totals[node], per_rank=gang.per_rank) >= gang.tp]
+        usable = [
+            node
+            for node in sorted(state.closed)
+            if rank_slots(free=state.totals[node], per_rank=gang.per_rank) >= gang.tp
+        ]
         blocker = min((state.closed[node] for node in usable), key=lambda j: (-j.priority, j.created_at, j.id))
         because = "which waits for the same nodes: starting this job first could delay it"
-        return (f"fits the free resources but waits behind {blocker.id} (priority {blocker.priority}), {because}",
-                f"fits the free resources but waits behind 1 job of another tenant, {because}", blocker.id, False)
+        return (
+            f"fits the free resources but waits behind {blocker.id} (priority {blocker.priority}), {because}",
+            f"fits the free resources but waits behind 1 job of another tenant, {because}",
+            blocker.id,
+            False,
+        )
     have = _sum(state.free.values())
     free_now = {name: max(0.0, have.get(name, 0.0)) for name in gang.per_rank}
     return f"waiting for {wanted}; free now: {describe(free_now)} on {len(state.free)} node(s)", None, None, False
@@ -426,4 +465,3 @@ def _why(gang: Gang, state: _Pass) -> tuple[str, str | None, str | None, bool]:
 def free_summary(nodes: Sequence[NodeView]) -> dict[str, float]:
     """Free resources summed over the alive nodes (for the API's totals)."""
     return _sum(node.free for node in nodes if node.alive)
-

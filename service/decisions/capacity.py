@@ -17,9 +17,7 @@ from collections.abc import Mapping
 
 def rank_slots(*, free: Mapping[str, float], per_rank: Mapping[str, float]) -> int:
     """Ranks a node can host: the tightest resource decides (``per_rank`` entries of 0 are ignored)."""
-    limits = [
-        math.floor(free.get(name, 0.0) / amount + 1e-9) for name, amount in per_rank.items() if amount > 0
-    ]
+    limits = [math.floor(free.get(name, 0.0) / amount + 1e-9) for name, amount in per_rank.items() if amount > 0]
     return max(0, min(limits)) if limits else 0
 
 

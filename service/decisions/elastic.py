@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from etrain.workers.protocol import layout_rules
-from etrain.workers.protocol.layout_rules import Problem
 from etrain.workers.protocol.errors import EtrainError
+from etrain.workers.protocol.layout_rules import Problem
 
 __all__ = [
     "ElasticPolicy",
@@ -59,8 +59,10 @@ def legal_dp_sizes(global_batch: int, micro_batch: int, min_dp: int, max_dp: int
     Empty when no size in the range keeps the global batch (callers decide whether that is an
     error; :class:`ElasticPolicy` treats it as one).
     """
-    _raise(layout_rules.micro_batch_count_problems(global_batch, micro_batch)
-           + layout_rules.dp_range_problems(min_dp, max_dp, dp_multiple))
+    _raise(
+        layout_rules.micro_batch_count_problems(global_batch, micro_batch)
+        + layout_rules.dp_range_problems(min_dp, max_dp, dp_multiple)
+    )
     return layout_rules.legal_dp_sizes(global_batch, micro_batch, min_dp, max_dp, dp_multiple)
 
 
@@ -91,8 +93,10 @@ def choose_dp(
         raise ResizeError(f"available_dp={available_dp} must be >= 0", field="dp")
     ceiling = min(available_dp, max_dp)
     if ceiling < min_dp:
-        _raise(layout_rules.dp_range_problems(min_dp, max_dp) + layout_rules.micro_batch_count_problems(
-            global_batch, micro_batch))
+        _raise(
+            layout_rules.dp_range_problems(min_dp, max_dp)
+            + layout_rules.micro_batch_count_problems(global_batch, micro_batch)
+        )
         return None
     fits = legal_dp_sizes(global_batch, micro_batch, min_dp, ceiling, dp_multiple)
     return fits[-1] if fits else None
@@ -126,8 +130,14 @@ class ElasticPolicy:
         return legal_dp_sizes(self.global_batch, self.micro_batch, self.min_dp, self.max_dp, self.dp_multiple)
 
     def is_legal(self, dp: int) -> bool:
-        return layout_rules.is_legal_dp(dp, global_batch=self.global_batch, micro_batch=self.micro_batch,
-                                        min_dp=self.min_dp, max_dp=self.max_dp, dp_multiple=self.dp_multiple)
+        return layout_rules.is_legal_dp(
+            dp,
+            global_batch=self.global_batch,
+            micro_batch=self.micro_batch,
+            min_dp=self.min_dp,
+            max_dp=self.max_dp,
+            dp_multiple=self.dp_multiple,
+        )
 
     def check(self, dp: int) -> None:
         """Raise :class:`ResizeError` naming the legal sizes unless ``dp`` is one of them."""

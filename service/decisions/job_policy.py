@@ -142,9 +142,19 @@ def gang_for(spec: JobSpec) -> admission.Gang:
     (service/jobs/scheduler.py)."""
     layout = spec.layout
     policy = policy_for(spec)
-    legal = ElasticPolicy(global_batch=spec.training.global_batch, micro_batch=spec.training.micro_batch,
-                          min_dp=policy.min_dp, max_dp=policy.max_dp, dp_multiple=layout.dp_replicate).legal_sizes()
+    legal = ElasticPolicy(
+        global_batch=spec.training.global_batch,
+        micro_batch=spec.training.micro_batch,
+        min_dp=policy.min_dp,
+        max_dp=policy.max_dp,
+        dp_multiple=layout.dp_replicate,
+    ).legal_sizes()
     sizes = tuple(dp for dp in legal if dp <= layout.dp) or (layout.dp,)
-    return admission.Gang(per_rank=policy.resources_per_rank, dp_sizes=sizes, tp=layout.tp, pp=layout.pp,
-                          strategy=policy.placement_strategy,
-                          dp_field="resources.min_dp" if spec.resources.min_dp else "parallelism.dp")
+    return admission.Gang(
+        per_rank=policy.resources_per_rank,
+        dp_sizes=sizes,
+        tp=layout.tp,
+        pp=layout.pp,
+        strategy=policy.placement_strategy,
+        dp_field="resources.min_dp" if spec.resources.min_dp else "parallelism.dp",
+    )

@@ -33,6 +33,6 @@ class Status(StrEnum):
     is_terminal = terminal
 
     @classmethod
-    def _missing_(cls, value: object) -> "Status | None":
+    def _missing_(cls, value: object) -> Status | None:
         """Accept any case ("running"): statuses arrive from query strings and command lines."""
         return cls.__members__.get(value.upper()) if isinstance(value, str) else None

@@ -82,9 +82,7 @@ class StragglerConfig:
         if self.patience < 1:
             raise StragglerConfigError(f"patience={self.patience} must be >= 1 window")
         if self.min_ranks < 2:
-            raise StragglerConfigError(
-                f"min_ranks={self.min_ranks} must be >= 2: a rank needs at least one peer"
-            )
+            raise StragglerConfigError(f"min_ranks={self.min_ranks} must be >= 2: a rank needs at least one peer")
         if self.history < 1:
             raise StragglerConfigError(f"history={self.history} must be >= 1 window")
 
@@ -249,8 +247,10 @@ class StragglerDetector:
         if basis == PEERS:
             compared = f"peer median {reference:.4f}s" + (f" in stage {stage}" if self._stages is not None else "")
         else:
-            compared = (f"{reference:.4f}s expected from its own earlier windows relative to the other stages "
-                        f"(stage {stage} has no peer)")
+            compared = (
+                f"{reference:.4f}s expected from its own earlier windows relative to the other stages "
+                f"(stage {stage} has no peer)"
+            )
         evidence = (
             f"rank {rank} median compute {window_median:.4f}s vs {compared} "
             f"({factor:.2f}x > threshold {self.config.threshold}x) for {streak.windows} consecutive "

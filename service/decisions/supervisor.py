@@ -141,9 +141,17 @@ from __future__ import annotations
 
 from etrain.service.decisions import (
     supervisor_checkpoints as checkpoints,
+)
+from etrain.service.decisions import (
     supervisor_export as export,
+)
+from etrain.service.decisions import (
     supervisor_failures as failures,
+)
+from etrain.service.decisions import (
     supervisor_lifecycle as lifecycle,
+)
+from etrain.service.decisions import (
     supervisor_resize as resize,
 )
 from etrain.service.decisions.supervisor_events import (

@@ -22,8 +22,8 @@ from etrain.service.decisions.supervisor_events import (
     RecordEvent,
     RequestCheckpoint,
 )
-from etrain.service.decisions.supervisor_state import Decision, GroupPhase, SupervisorConfig, SupervisorState
 from etrain.service.decisions.supervisor_moves import carry_out_pending, decision, ignore
+from etrain.service.decisions.supervisor_state import Decision, GroupPhase, SupervisorConfig, SupervisorState
 
 
 def on_checkpoint(
@@ -45,7 +45,8 @@ def on_checkpoint(
     reported = sum(1 for step, _ in reports if step == event.step)
     if reported < world:
         return decision(
-            replace(state, checkpoint_reports=reports), [],
+            replace(state, checkpoint_reports=reports),
+            [],
             f"checkpoint step {event.step}: {reported}/{world} ranks reported",
         )
     # Every rank saved its shards; the step counts only once the adapter wrote its manifest ([3]).
@@ -55,7 +56,8 @@ def on_checkpoint(
         checkpoint_reports=frozenset(r for r in reports if r[0] != event.step),
     )
     return decision(
-        committing, [CommitCheckpoint(step=event.step)],
+        committing,
+        [CommitCheckpoint(step=event.step)],
         f"checkpoint step {event.step}: {world}/{world} ranks reported; writing its manifest",
     )
 
@@ -118,10 +120,15 @@ def _not_committed(state: SupervisorState, step: int, kind: str, why: str, what_
     ):
         # The change waits for a checkpoint that did not happen: ask again, within the same deadline [7].
         what = "resize" if state.pending_resize_dp is not None else "eviction"
-        retry = RequestCheckpoint(attempt=state.attempt, reason=f"retry before the {what}: {what_failed} of step "
-                                                               f"{step} failed")
-        actions += [retry, RecordEvent(kind="checkpoint_requested",
-                                       detail=f"again before the {what}: the {what_failed} of step {step} failed")]
+        retry = RequestCheckpoint(
+            attempt=state.attempt, reason=f"retry before the {what}: {what_failed} of step {step} failed"
+        )
+        actions += [
+            retry,
+            RecordEvent(
+                kind="checkpoint_requested", detail=f"again before the {what}: the {what_failed} of step {step} failed"
+            ),
+        ]
         return decision(state, actions, f"{detail}; checkpoint requested again for the pending {what}")
     return decision(state, actions, detail)
 

@@ -16,13 +16,40 @@ from typing import Literal, Union
 from etrain.service.decisions.job_status import Status
 
 __all__ = [
-    "Abort", "Action", "Cancel", "CapacityChanged", "CheckpointFailed", "CheckpointFallback", "CheckpointReported",
-    "CommitCheckpoint", "CommitFailed", "CommitSucceeded", "Event", "ExcludeNode", "ExportCheckpoint",
-    "ExportFailed", "Exported", "Finished",
-    "GroupReady", "GroupStopped", "JobError", "LaunchGroup", "MarkTerminal", "NodeLossConfirmed",
-    "RecordEvent", "RepairFailed", "RepairGroup",
-    "RequestCheckpoint", "ScaleRequested", "ScheduleWake", "Start", "StepReported", "StopGroup",
-    "StragglerFlagged", "Tick", "WorkerLost",
+    "Abort",
+    "Action",
+    "Cancel",
+    "CapacityChanged",
+    "CheckpointFailed",
+    "CheckpointFallback",
+    "CheckpointReported",
+    "CommitCheckpoint",
+    "CommitFailed",
+    "CommitSucceeded",
+    "Event",
+    "ExcludeNode",
+    "ExportCheckpoint",
+    "ExportFailed",
+    "Exported",
+    "Finished",
+    "GroupReady",
+    "GroupStopped",
+    "JobError",
+    "LaunchGroup",
+    "MarkTerminal",
+    "NodeLossConfirmed",
+    "RecordEvent",
+    "RepairFailed",
+    "RepairGroup",
+    "RequestCheckpoint",
+    "ScaleRequested",
+    "ScheduleWake",
+    "Start",
+    "StepReported",
+    "StopGroup",
+    "StragglerFlagged",
+    "Tick",
+    "WorkerLost",
 ]
 
 
@@ -211,12 +238,29 @@ class ExportFailed:
     error: str
 
 
-Event = Union[
-    NodeLossConfirmed, RepairFailed,
-    Start, GroupReady, StepReported, CheckpointReported, CheckpointFailed, CommitSucceeded, CommitFailed, WorkerLost,
-    JobError, Tick,
-    CapacityChanged, ScaleRequested, StragglerFlagged, Cancel, Abort, Finished, GroupStopped,
-    CheckpointFallback, Exported, ExportFailed,
+Event = Union[  # noqa: UP007 - a runtime alias of many classes, read as one line per group
+    NodeLossConfirmed,
+    RepairFailed,
+    Start,
+    GroupReady,
+    StepReported,
+    CheckpointReported,
+    CheckpointFailed,
+    CommitSucceeded,
+    CommitFailed,
+    WorkerLost,
+    JobError,
+    Tick,
+    CapacityChanged,
+    ScaleRequested,
+    StragglerFlagged,
+    Cancel,
+    Abort,
+    Finished,
+    GroupStopped,
+    CheckpointFallback,
+    Exported,
+    ExportFailed,
 ]
 
 
@@ -302,7 +346,15 @@ class MarkTerminal:
     error: str | None
 
 
-Action = Union[
-    LaunchGroup, RepairGroup, StopGroup, CommitCheckpoint, RequestCheckpoint, ExcludeNode, ScheduleWake,
-    RecordEvent, ExportCheckpoint, MarkTerminal,
+Action = Union[  # noqa: UP007 - a runtime alias of many classes, read as one line per group
+    LaunchGroup,
+    RepairGroup,
+    StopGroup,
+    CommitCheckpoint,
+    RequestCheckpoint,
+    ExcludeNode,
+    ScheduleWake,
+    RecordEvent,
+    ExportCheckpoint,
+    MarkTerminal,
 ]

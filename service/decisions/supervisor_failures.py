@@ -18,7 +18,6 @@ from etrain.service.decisions.supervisor_events import (
     RepairGroup,
     WorkerLost,
 )
-from etrain.service.decisions.supervisor_state import Decision, GroupPhase, SupervisorConfig, SupervisorState
 from etrain.service.decisions.supervisor_moves import (
     clear_pending,
     decision,
@@ -29,6 +28,7 @@ from etrain.service.decisions.supervisor_moves import (
     stop_group,
     try_launch,
 )
+from etrain.service.decisions.supervisor_state import Decision, GroupPhase, SupervisorConfig, SupervisorState
 
 
 def on_worker_lost(
@@ -51,10 +51,15 @@ def on_worker_lost(
 
 def _can_repair(state: SupervisorState, event: WorkerLost, config: SupervisorConfig) -> bool:
     """[9] One known rank of a running group, a committed step to resume, nothing planned to stop for."""
-    return (config.policy.in_place and state.group is GroupPhase.UP
-            and 0 <= event.rank < config.world_size(state.dp)
-            and state.last_committed_step is not None and state.restarts_used < config.policy.max_restarts
-            and state.pending_evict_node is None and state.pending_resize_dp is None)
+    return (
+        config.policy.in_place
+        and state.group is GroupPhase.UP
+        and 0 <= event.rank < config.world_size(state.dp)
+        and state.last_committed_step is not None
+        and state.restarts_used < config.policy.max_restarts
+        and state.pending_evict_node is None
+        and state.pending_resize_dp is None
+    )
 
 
 def _repair(state: SupervisorState, now: float, config: SupervisorConfig, rank: int, what: str) -> Decision:
@@ -73,13 +78,14 @@ def _repair(state: SupervisorState, now: float, config: SupervisorConfig, rank: 
         checkpoint_reports=frozenset(),
         committing=frozenset(),  # a late answer about the old attempt's commit is ignored [3]
     )
-    detail = (f"restart {repaired.restarts_used}/{config.policy.max_restarts} in place: rank {rank} replaced, the other "
-              f"ranks kept, resuming step {step}")
+    detail = (
+        f"restart {repaired.restarts_used}/{config.policy.max_restarts} in place: rank {rank} replaced, the other "
+        f"ranks kept, resuming step {step}"
+    )
     actions: list[Action] = [
         RecordEvent(kind="worker_failed", detail=what),
         RecordEvent(kind="restarting", detail=detail),
-        RepairGroup(attempt=repaired.attempt, lost_rank=rank, world_size=config.world_size(state.dp),
-                    resume_step=step),
+        RepairGroup(attempt=repaired.attempt, lost_rank=rank, world_size=config.world_size(state.dp), resume_step=step),
     ]
     return decision(repaired, actions, f"{what}: {detail}")
 
@@ -101,14 +107,20 @@ def on_node_loss_confirmed(
 ) -> Decision:
     """A process fault turned out to be a node loss [8]: refund its restart, re-fit to the capacity left."""
     refunded = replace(state, restarts_used=max(0, state.restarts_used - 1), available_dp=event.available_dp)
-    detail = (f"node {event.node} of the rank lost in attempt {event.failed_attempt} was declared dead: a node "
-              f"loss, not the job's fault; restarts used {refunded.restarts_used}/{config.policy.max_restarts}")
+    detail = (
+        f"node {event.node} of the rank lost in attempt {event.failed_attempt} was declared dead: a node "
+        f"loss, not the job's fault; restarts used {refunded.restarts_used}/{config.policy.max_restarts}"
+    )
     actions: list[Action] = [RecordEvent(kind="restart_refunded", detail=detail)]
     fit = fit_dp(refunded, config)
     if state.group is GroupPhase.LAUNCHING and fit != state.dp:
         # The relaunch asked for a size the cluster no longer holds: stop it and re-fit.
-        lost = node_lost(refunded, now, config, f"attempt {state.attempt} cannot be placed at dp={state.dp} "
-                                                 f"without node {event.node}")
+        lost = node_lost(
+            refunded,
+            now,
+            config,
+            f"attempt {state.attempt} cannot be placed at dp={state.dp} without node {event.node}",
+        )
         return decision(lost.state, [*actions, *lost.actions], f"{detail}; {lost.reason}")
     if state.group is GroupPhase.NONE and state.status in (Status.RECOVERING, Status.RESIZING):
         return try_launch(replace(refunded, backoff_until=None), now, config, actions, detail)  # no backoff for a node

@@ -24,7 +24,7 @@ from etrain.service.decisions.supervisor_events import (
     StepReported,
     Tick,
 )
-from etrain.service.decisions.supervisor_state import Decision, GroupPhase, SupervisorConfig, SupervisorState
+from etrain.service.decisions.supervisor_export import begin_export, export_tick, start_export
 from etrain.service.decisions.supervisor_moves import (
     decision,
     fault,
@@ -34,7 +34,7 @@ from etrain.service.decisions.supervisor_moves import (
     terminal,
     try_launch,
 )
-from etrain.service.decisions.supervisor_export import begin_export, export_tick, start_export
+from etrain.service.decisions.supervisor_state import Decision, GroupPhase, SupervisorConfig, SupervisorState
 
 
 def on_start(state: SupervisorState, event: Start, now: float, config: SupervisorConfig) -> Decision:
@@ -57,7 +57,9 @@ def on_group_ready(
     expected = config.world_size(state.dp)
     if event.world_size != expected:
         return terminal(
-            state, now, Status.FAILED,
+            state,
+            now,
+            Status.FAILED,
             f"worker group reported world_size={event.world_size}, expected "
             f"pp*dp*tp = {config.pp}*{state.dp}*{config.tp} = {expected}",
             [],
@@ -66,8 +68,13 @@ def on_group_ready(
     resumed = "fresh start" if state.last_committed_step is None else f"from step {state.last_committed_step}"
     detail = f"attempt {state.attempt}: dp={state.dp} world_size={expected}, {resumed}"
     up = replace(
-        state, status=Status.RUNNING, group=GroupPhase.UP, group_since=now, last_progress_at=now,
-        capacity_wait_since=None, waiting_for=None,
+        state,
+        status=Status.RUNNING,
+        group=GroupPhase.UP,
+        group_since=now,
+        last_progress_at=now,
+        capacity_wait_since=None,
+        waiting_for=None,
     )
     return maybe_resize(up, now, config, [RecordEvent(kind=kind, detail=detail)], f"group ready ({kind})")
 
@@ -76,9 +83,7 @@ def on_step(state: SupervisorState, event: StepReported, now: float, config: Sup
     if state.status is not Status.RUNNING:
         return ignore(state, f"StepReported in {state.status.value}")
     if config.fail_on_nonfinite_loss and not math.isfinite(event.loss):
-        return terminal(
-            state, now, Status.FAILED, f"loss is {event.loss} at step {event.step} (rank {event.rank})", []
-        )
+        return terminal(state, now, Status.FAILED, f"loss is {event.loss} at step {event.step} (rank {event.rank})", [])
     return _progress(state, event.step, now, "step")
 
 
@@ -99,8 +104,11 @@ def on_finished(state: SupervisorState, event: Finished, now: float, config: Sup
         detail = f"finished {event.final_step}/{config.total_steps} steps"
         return terminal(done, now, Status.SUCCEEDED, None, [], detail=detail)
     return terminal(
-        done, now, Status.FAILED,
-        f"workers exited at step {event.final_step} before total_steps={config.total_steps}", [],
+        done,
+        now,
+        Status.FAILED,
+        f"workers exited at step {event.final_step} before total_steps={config.total_steps}",
+        [],
     )
 
 
@@ -141,7 +149,10 @@ def on_tick(state: SupervisorState, event: Tick, now: float, config: SupervisorC
         idle = now - (state.last_progress_at if state.last_progress_at is not None else now)
         if idle > config.policy.heartbeat_timeout_s:
             return fault(
-                state, now, config, "hang_detected",
+                state,
+                now,
+                config,
+                "hang_detected",
                 f"no step progress for {idle:.0f}s (heartbeat_timeout_s={config.policy.heartbeat_timeout_s:g}), "
                 f"stuck at step {state.step}",
             )
@@ -151,7 +162,10 @@ def on_tick(state: SupervisorState, event: Tick, now: float, config: SupervisorC
     if state.group is GroupPhase.LAUNCHING:
         if now - since > config.start_timeout_s:
             return fault(
-                state, now, config, "start_timeout",
+                state,
+                now,
+                config,
+                "start_timeout",
                 f"worker group of attempt {state.attempt} not ready after {now - since:.0f}s "
                 f"(start_timeout_s={config.start_timeout_s:g})",
             )
@@ -159,9 +173,11 @@ def on_tick(state: SupervisorState, event: Tick, now: float, config: SupervisorC
     if state.group is GroupPhase.STOPPING:
         if now - since > config.stop_timeout_s:
             return terminal(
-                state, now, Status.FAILED,
-                f"worker group of attempt {state.attempt} did not stop within "
-                f"stop_timeout_s={config.stop_timeout_s:g}", [],
+                state,
+                now,
+                Status.FAILED,
+                f"worker group of attempt {state.attempt} did not stop within stop_timeout_s={config.stop_timeout_s:g}",
+                [],
             )
         return decision(state, [], "tick: waiting for the group to stop")
     if state.status is Status.QUEUED:

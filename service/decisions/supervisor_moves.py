@@ -60,8 +60,12 @@ def stop_group(state: SupervisorState, now: float, reason: str) -> tuple[Supervi
 
 def clear_pending(state: SupervisorState) -> SupervisorState:
     return replace(
-        state, pending_resize_dp=None, pending_evict_node=None, pending_evict_rank=None,
-        checkpoint_requested_at=None, checkpoint_requested_step=None,
+        state,
+        pending_resize_dp=None,
+        pending_evict_node=None,
+        pending_evict_rank=None,
+        checkpoint_requested_at=None,
+        checkpoint_requested_step=None,
     )
 
 
@@ -117,11 +121,11 @@ def fault(state: SupervisorState, now: float, config: SupervisorConfig, kind: st
 def node_lost(state: SupervisorState, now: float, config: SupervisorConfig, what: str) -> Decision:
     """Capacity went away (not the job's fault): stop, wait for the new capacity, no budget spent."""
     stopped, stop_actions = stop_group(state, now, what)
-    recovering = replace(
-        carry_evict(stopped), status=Status.RECOVERING, awaiting_capacity=True, backoff_until=None
-    )
+    recovering = replace(carry_evict(stopped), status=Status.RECOVERING, awaiting_capacity=True, backoff_until=None)
     actions: list[Action] = [
-        RecordEvent(kind="node_lost", detail=what), *stop_actions, *evict_actions(state),
+        RecordEvent(kind="node_lost", detail=what),
+        *stop_actions,
+        *evict_actions(state),
     ]
     return decision(recovering, actions, f"{what}: stopping the group, waiting for a capacity report")
 
@@ -186,8 +190,11 @@ def begin_pending(
     asked = replace(state, checkpoint_requested_at=now, checkpoint_requested_step=state.step)
     return decision(
         asked,
-        [*actions, RequestCheckpoint(attempt=state.attempt, reason=what),
-         RecordEvent(kind="checkpoint_requested", detail=f"before {what}, at step {state.step}")],
+        [
+            *actions,
+            RequestCheckpoint(attempt=state.attempt, reason=what),
+            RecordEvent(kind="checkpoint_requested", detail=f"before {what}, at step {state.step}"),
+        ],
         f"{what}: checkpoint requested at step {state.step}",
     )
 
@@ -225,8 +232,10 @@ def carry_out_pending(
 
 
 def pending_checkpoint_timed_out(state: SupervisorState, now: float, config: SupervisorConfig) -> Decision:
-    waited = f"no checkpoint committed {now - state.checkpoint_requested_at:.0f}s after the request " \
-             f"(checkpoint_timeout_s={config.policy.checkpoint_timeout_s:g})"
+    waited = (
+        f"no checkpoint committed {now - state.checkpoint_requested_at:.0f}s after the request "
+        f"(checkpoint_timeout_s={config.policy.checkpoint_timeout_s:g})"
+    )
     if state.pending_evict_node is not None:
         # A straggler slows every step from now on: losing the steps since the last commit is cheaper.
         timeout = RecordEvent(kind="checkpoint_timeout", detail=waited)
@@ -288,13 +297,14 @@ def wait_for_capacity(
         waiting_for = "a capacity report after losing or excluding a node"
     else:
         waiting_for = (
-            f"capacity for min_dp={config.policy.min_dp} legal replica(s) "
-            f"(the cluster can place {state.available_dp})"
+            f"capacity for min_dp={config.policy.min_dp} legal replica(s) (the cluster can place {state.available_dp})"
         )
     since = state.capacity_wait_since if state.capacity_wait_since is not None else now
     if now - since > config.policy.capacity_wait_timeout_s:
         return terminal(
-            state, now, Status.FAILED,
+            state,
+            now,
+            Status.FAILED,
             f"gave up after {now - since:.0f}s waiting for {waiting_for} "
             f"(capacity_wait_timeout_s={config.policy.capacity_wait_timeout_s:g})",
             actions,

@@ -16,7 +16,6 @@ from etrain.service.decisions.supervisor_events import (
     ScaleRequested,
     StragglerFlagged,
 )
-from etrain.service.decisions.supervisor_state import Decision, GroupPhase, SupervisorConfig, SupervisorState
 from etrain.service.decisions.supervisor_moves import (
     begin_pending,
     decision,
@@ -24,6 +23,7 @@ from etrain.service.decisions.supervisor_moves import (
     maybe_resize,
     try_launch,
 )
+from etrain.service.decisions.supervisor_state import Decision, GroupPhase, SupervisorConfig, SupervisorState
 
 
 def on_capacity(

@@ -24,7 +24,12 @@ if TYPE_CHECKING:
     from etrain.workers.protocol.run_config import RunConfig
 
 __all__ = [
-    "Decision", "GroupPhase", "SupervisorConfig", "SupervisorConfigError", "SupervisorState", "backoff_delay",
+    "Decision",
+    "GroupPhase",
+    "SupervisorConfig",
+    "SupervisorConfigError",
+    "SupervisorState",
+    "backoff_delay",
     "initial_state",
 ]
 
@@ -59,7 +64,7 @@ class SupervisorConfig:
     job_id: str = "JOB_ID"  # only for messages (the `etrain export` retry command)
 
     @classmethod
-    def of(cls, policy: JobPolicy, config: RunConfig, *, job_id: str) -> "SupervisorConfig":
+    def of(cls, policy: JobPolicy, config: RunConfig, *, job_id: str) -> SupervisorConfig:
         """The state machine's config for a job: the sizes of its run config, the limits of its policy."""
         return cls(
             total_steps=config.training.steps,
@@ -89,9 +94,14 @@ class SupervisorConfig:
         need(self.total_steps >= 1, f"total_steps={self.total_steps} must be >= 1", "total_steps")
         need(self.tp >= 1 and self.pp >= 1, f"tp={self.tp} and pp={self.pp} must be >= 1", "tp")
         need(policy.max_restarts >= 0, f"max_restarts={policy.max_restarts} must be >= 0", "max_restarts")
-        for owner, name in ((policy, "heartbeat_timeout_s"), (self, "start_timeout_s"), (self, "stop_timeout_s"),
-                            (policy, "checkpoint_timeout_s"), (policy, "capacity_wait_timeout_s"),
-                            (policy, "export_timeout_s")):
+        for owner, name in (
+            (policy, "heartbeat_timeout_s"),
+            (self, "start_timeout_s"),
+            (self, "stop_timeout_s"),
+            (policy, "checkpoint_timeout_s"),
+            (policy, "capacity_wait_timeout_s"),
+            (policy, "export_timeout_s"),
+        ):
             value = getattr(owner, name)
             need(value > 0, f"{name}={value} must be > 0 seconds (every wait has a timeout)", name)
         need(policy.backoff_base_s >= 0, f"backoff_base_s={policy.backoff_base_s} must be >= 0", "backoff_base_s")

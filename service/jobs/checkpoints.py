@@ -33,15 +33,24 @@ def committed_step(job_id: str, root: str, step: int | None, *, key: bytes) -> C
         except CheckpointError:
             continue
         return CommittedStep(number, directory, manifest.digest)
-    committed = [] if step is None else [  # step None: none of them verified just now
-        number for number, directory in list_steps(root) if _verifies(directory, key)]
+    committed = (
+        []
+        if step is None
+        else [  # step None: none of them verified just now
+            number for number, directory in list_steps(root) if _verifies(directory, key)
+        ]
+    )
     what = "no committed checkpoint" if step is None else f"no committed checkpoint at step {step}"
     listing = f"committed steps: {committed}" if committed else "nothing is committed yet"
     raise JobConflict(
         f"job {job_id} has {what} under {root} ({listing}).",
-        job_id=job_id, field="step",
-        fix=(f"pass one of the committed steps ({committed[-1]} is the newest)" if committed
-             else "wait for the job's first checkpoint (checkpoint.every_steps, or its end)"),
+        job_id=job_id,
+        field="step",
+        fix=(
+            f"pass one of the committed steps ({committed[-1]} is the newest)"
+            if committed
+            else "wait for the job's first checkpoint (checkpoint.every_steps, or its end)"
+        ),
     )
 
 

@@ -29,8 +29,9 @@ log = logging.getLogger(__name__)
 class SupervisorPoller:
     """Pulls supervisors' updates into the store, one job at a time, under one lock."""
 
-    def __init__(self, *, store: JobStore, runtime: Runtime, settings: Settings, starting: set[str],
-                 scheduler: Scheduler):
+    def __init__(
+        self, *, store: JobStore, runtime: Runtime, settings: Settings, starting: set[str], scheduler: Scheduler
+    ):
         self.store = store
         self.runtime = runtime
         self.settings = settings
@@ -64,8 +65,12 @@ class SupervisorPoller:
         store, under the poll lock so that a poll in flight cannot write another status over it."""
         with self._lock:
             try:
-                self.store.update_job(job_id, status=JobStatus.CANCELLED, error=None,
-                                      expect_status=[s for s in JobStatus if not s.is_terminal])
+                self.store.update_job(
+                    job_id,
+                    status=JobStatus.CANCELLED,
+                    error=None,
+                    expect_status=[s for s in JobStatus if not s.is_terminal],
+                )
             except JobConflict:
                 return  # it reached another end first
             self.store.add_events(job_id, [(time.time(), "cancelled", {"message": "cancelled (no live supervisor)"})])
@@ -98,24 +103,47 @@ class SupervisorPoller:
         job_id = record.id
         events = update.get("events", [])
         if events:
-            self.store.add_events(job_id, [(e["ts"], e["kind"], {"message": e["detail"]}) for e in events],
-                                  cursor=max(e["seq"] for e in events))  # one transaction: no duplicates on a kill
+            self.store.add_events(
+                job_id,
+                [(e["ts"], e["kind"], {"message": e["detail"]}) for e in events],
+                cursor=max(e["seq"] for e in events),
+            )  # one transaction: no duplicates on a kill
         steps = update.get("steps", [])
         if steps:
             tally = self._tally(job_id)  # (built from the table before these rows land in it)
             records = [
-                StepRecord(job_id=job_id, step=row["step"], loss=row.get("loss"), tokens_per_s=row.get("tokens_per_s"),
-                           step_s=row.get("step_s"), compute_s=row.get("compute_s"),
-                           comm_wait_s=row.get("comm_wait_s"), ts=row["ts"], attempt=row.get("attempt", 0),
-                           mfu=row.get("mfu"))
+                StepRecord(
+                    job_id=job_id,
+                    step=row["step"],
+                    loss=row.get("loss"),
+                    tokens_per_s=row.get("tokens_per_s"),
+                    step_s=row.get("step_s"),
+                    compute_s=row.get("compute_s"),
+                    comm_wait_s=row.get("comm_wait_s"),
+                    ts=row["ts"],
+                    attempt=row.get("attempt", 0),
+                    mfu=row.get("mfu"),
+                )
                 for row in steps
             ]
             self.store.add_steps(job_id, records)
             for step_record in records:
                 tally.add(step_record)
             self._step_cursor[job_id] = max(row["seq"] for row in steps)
-        fields = {key: update.get(key) for key in ("step", "loss", "tokens_per_s", "world_size", "restarts",
-                                                   "last_checkpoint_step", "layout", "attempt", "error")}
+        fields = {
+            key: update.get(key)
+            for key in (
+                "step",
+                "loss",
+                "tokens_per_s",
+                "world_size",
+                "restarts",
+                "last_checkpoint_step",
+                "layout",
+                "attempt",
+                "error",
+            )
+        }
         fields["goodput"] = self._goodput(record, time.time())
         fields["stragglers"] = update.get("stragglers", [])
         if update.get("artifacts"):
@@ -151,20 +179,31 @@ class SupervisorPoller:
         spec = JobSpec.model_validate(record.spec)
         spent = 0 if record.attempt == 0 else 1
         if spent and record.restarts >= spec.fault_tolerance.max_restarts:
-            self.store.update_job(record.id, status=JobStatus.FAILED,
-                                  error=f"supervisor lost and restarted {record.restarts} times, "
-                                        f"max_restarts={spec.fault_tolerance.max_restarts}")
+            self.store.update_job(
+                record.id,
+                status=JobStatus.FAILED,
+                error=f"supervisor lost and restarted {record.restarts} times, "
+                f"max_restarts={spec.fault_tolerance.max_restarts}",
+            )
             self.store.add_events(record.id, [(time.time(), "failed", {"message": "supervisor lost; budget spent"})])
             self._tallies.pop(record.id, None)
             return
         # The event first: once QUEUED, the scheduler may admit it (and record "admitted") at once.
-        self.store.add_events(record.id, [(time.time(), "supervisor_lost",
-                                           {"message": "no live supervisor; queued again to resume from the last "
-                                                       "checkpoint"})])
+        self.store.add_events(
+            record.id,
+            [
+                (
+                    time.time(),
+                    "supervisor_lost",
+                    {"message": "no live supervisor; queued again to resume from the last checkpoint"},
+                )
+            ],
+        )
         self._scheduler.announce(record.id)
         try:
-            self.store.update_job(record.id, status=JobStatus.QUEUED, restarts=record.restarts + spent,
-                                  expect_status=[record.status])
+            self.store.update_job(
+                record.id, status=JobStatus.QUEUED, restarts=record.restarts + spent, expect_status=[record.status]
+            )
         except JobConflict:
             self._scheduler.forget(record.id)
             return  # it ended meanwhile

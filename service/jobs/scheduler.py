@@ -42,8 +42,7 @@ class Scheduler:
     #: reads a fresh one on every pass that has queued jobs).
     cluster_refresh_s: float = 2.0
 
-    def __init__(self, *, store: JobStore, runtime: Runtime, settings: Settings, starting: set[str],
-                 start: StartJob):
+    def __init__(self, *, store: JobStore, runtime: Runtime, settings: Settings, starting: set[str], start: StartJob):
         self.store = store
         self.runtime = runtime
         self.settings = settings
@@ -102,8 +101,9 @@ class Scheduler:
                 if not queued and self.settings.admit_beyond_cluster:
                     self._ask_autoscaler(active, waiting=set())
                 return []
-            plan = admission.decide([self._queued(job) for job in queued], self._admission_nodes(view, active),
-                                    self._claims(active, view))
+            plan = admission.decide(
+                [self._queued(job) for job in queued], self._admission_nodes(view, active), self._claims(active, view)
+            )
             by_id = {job.id: job for job in queued}
             started = []
             for admit in plan.admit:
@@ -116,8 +116,9 @@ class Scheduler:
                 if wait.job_id in self._announce:
                     self._announce.discard(wait.job_id)
                     reader = Principal.reader_of(by_id[wait.job_id].tenant)  # the job's own events: its tenant's
-                    self.store.add_events(wait.job_id, [(time.time(), "queued",
-                                                         {"message": _reason(wait, reader, by_id)})])
+                    self.store.add_events(
+                        wait.job_id, [(time.time(), "queued", {"message": _reason(wait, reader, by_id)})]
+                    )
             if self.settings.admit_beyond_cluster:
                 self._ask_autoscaler(active, waiting={wait.job_id for wait in plan.wait})
             return started
@@ -152,12 +153,15 @@ class Scheduler:
         pass over the latest snapshot). Another tenant's jobs are left out, but counted in the totals."""
         view = self._refresh_view(force=False)  # the scheduler thread keeps it fresh: rarely a Ray call here
         if view is None:
-            raise ServiceUnavailable(f"the cluster's resources cannot be read: {self._view_error}",
-                                     fix="check the cluster (ray status) and retry")
+            raise ServiceUnavailable(
+                f"the cluster's resources cannot be read: {self._view_error}",
+                fix="check the cluster (ray status) and retry",
+            )
         active = self.store.active_jobs()
         queued = [job for job in active if job.status is JobStatus.QUEUED]
-        plan = admission.decide([self._queued(job) for job in queued], self._admission_nodes(view, active),
-                                self._claims(active, view))
+        plan = admission.decide(
+            [self._queued(job) for job in queued], self._admission_nodes(view, active), self._claims(active, view)
+        )
         alive = [node for node in view.nodes if node.alive]
         total = {name: sum(node.total.get(name, 0.0) for node in alive) for name in ("CPU", "GPU")}
         free = admission.free_summary(view.nodes)
@@ -172,27 +176,55 @@ class Scheduler:
             if job.status is JobStatus.QUEUED:
                 continue
             held = view.holdings.get(job.id, {})
-            holders.append({
-                "job_id": job.id, "status": job.status.value, "priority": job.priority, "tenant": job.tenant,
-                "world_size": job.world_size,
-                "cpus": _round(sum(r.get("CPU", 0.0) for r in held.values())),
-                "gpus": _round(sum(r.get("GPU", 0.0) for r in held.values())),
-                "nodes": [{"node_id": node, "cpus": _round(r.get("CPU", 0.0)), "gpus": _round(r.get("GPU", 0.0))}
-                          for node, r in sorted(held.items())],
-            })
+            holders.append(
+                {
+                    "job_id": job.id,
+                    "status": job.status.value,
+                    "priority": job.priority,
+                    "tenant": job.tenant,
+                    "world_size": job.world_size,
+                    "cpus": _round(sum(r.get("CPU", 0.0) for r in held.values())),
+                    "gpus": _round(sum(r.get("GPU", 0.0) for r in held.values())),
+                    "nodes": [
+                        {"node_id": node, "cpus": _round(r.get("CPU", 0.0)), "gpus": _round(r.get("GPU", 0.0))}
+                        for node, r in sorted(held.items())
+                    ],
+                }
+            )
         waiting = {job.id: job for job in queued}
-        queue = [{"job_id": wait.job_id, "priority": visible[wait.job_id].priority, "position": wait.position,
-                  "reason": _reason(wait, principal, waiting), "submitted_at": visible[wait.job_id].created_at}
-                 for wait in plan.wait if wait.job_id in visible]
+        queue = [
+            {
+                "job_id": wait.job_id,
+                "priority": visible[wait.job_id].priority,
+                "position": wait.position,
+                "reason": _reason(wait, principal, waiting),
+                "submitted_at": visible[wait.job_id].created_at,
+            }
+            for wait in plan.wait
+            if wait.job_id in visible
+        ]
         return {
-            "nodes": [{"node_id": node.id, "alive": node.alive,
-                       "cpus": _round(node.total.get("CPU", 0.0)), "gpus": _round(node.total.get("GPU", 0.0)),
-                       "free_cpus": _round(node.free.get("CPU", 0.0)), "free_gpus": _round(node.free.get("GPU", 0.0))}
-                      for node in view.nodes],
-            "totals": {"nodes": len(view.nodes), "alive_nodes": len(alive),
-                       "cpus": _round(total["CPU"]), "gpus": _round(total["GPU"]),
-                       "free_cpus": _round(free.get("CPU", 0.0)), "free_gpus": _round(free.get("GPU", 0.0)),
-                       "running_jobs": len(active) - len(queued), "queued_jobs": len(queued)},
+            "nodes": [
+                {
+                    "node_id": node.id,
+                    "alive": node.alive,
+                    "cpus": _round(node.total.get("CPU", 0.0)),
+                    "gpus": _round(node.total.get("GPU", 0.0)),
+                    "free_cpus": _round(node.free.get("CPU", 0.0)),
+                    "free_gpus": _round(node.free.get("GPU", 0.0)),
+                }
+                for node in view.nodes
+            ],
+            "totals": {
+                "nodes": len(view.nodes),
+                "alive_nodes": len(alive),
+                "cpus": _round(total["CPU"]),
+                "gpus": _round(total["GPU"]),
+                "free_cpus": _round(free.get("CPU", 0.0)),
+                "free_gpus": _round(free.get("GPU", 0.0)),
+                "running_jobs": len(active) - len(queued),
+                "queued_jobs": len(queued),
+            },
             "jobs": holders,
             "queue": queue,
             "observed_at": time.time() - (time.monotonic() - self._view_at),
@@ -239,8 +271,9 @@ class Scheduler:
         return gang
 
     def _queued(self, record: JobRecord) -> admission.QueuedJob:
-        return admission.QueuedJob(id=record.id, priority=record.priority, created_at=record.created_at,
-                                   gang=self._gang(record))
+        return admission.QueuedJob(
+            id=record.id, priority=record.priority, created_at=record.created_at, gang=self._gang(record)
+        )
 
     def _claims(self, active: list[JobRecord], view: admission.ClusterView) -> list[admission.Claim]:
         """Started jobs whose placement group Ray does not hold (starting, or between attempts)."""
@@ -273,8 +306,9 @@ class Scheduler:
         for node in view.nodes:
             extra = ending.get(node.id) if node.alive else None
             if extra:
-                node = dataclasses.replace(node, free={name: node.free.get(name, 0.0) + extra.get(name, 0.0)
-                                                       for name in {*node.free, *extra}})
+                node = dataclasses.replace(
+                    node, free={name: node.free.get(name, 0.0) + extra.get(name, 0.0) for name in {*node.free, *extra}}
+                )
             nodes.append(node)
         return tuple(nodes)
 

@@ -109,23 +109,38 @@ class PlanEstimate:
             "layout": self.layout,
             "world_size": self.world_size,
             "parallelism": {
-                "dp": self.dp, "tp": self.tp, "pp": self.pp, "zero": self.zero,
-                "pp_schedule": self.pp_schedule, "virtual_stages": self.virtual_stages,
-                "sequence_parallel": self.sequence_parallel, "microbatches": self.microbatches,
-                "dp_replicate": self.dp_replicate, "offload": self.offload,
+                "dp": self.dp,
+                "tp": self.tp,
+                "pp": self.pp,
+                "zero": self.zero,
+                "pp_schedule": self.pp_schedule,
+                "virtual_stages": self.virtual_stages,
+                "sequence_parallel": self.sequence_parallel,
+                "microbatches": self.microbatches,
+                "dp_replicate": self.dp_replicate,
+                "offload": self.offload,
             },
-            "training": {"micro_batch": self.micro_batch, "precision": self.precision, "compute": self.regime,
-                         "activation_checkpointing": self.activation_checkpointing},
-            "params": {"total": self.num_params, "per_rank": self.params_per_rank,
-                       "layers_per_stage": self.layers_per_stage},
+            "training": {
+                "micro_batch": self.micro_batch,
+                "precision": self.precision,
+                "compute": self.regime,
+                "activation_checkpointing": self.activation_checkpointing,
+            },
+            "params": {
+                "total": self.num_params,
+                "per_rank": self.params_per_rank,
+                "layers_per_stage": self.layers_per_stage,
+            },
             "memory": {
                 **self.memory.to_dict(),
                 "device_gib": gib(self.device_memory_bytes),
                 "headroom_gib": gib(self.headroom_bytes),
                 "fits": self.fits,
             },
-            "activations": {"in_flight_microbatches": self.in_flight_microbatches,
-                            "bytes_per_layer_per_microbatch": self.activation_bytes_per_layer},
+            "activations": {
+                "in_flight_microbatches": self.in_flight_microbatches,
+                "bytes_per_layer_per_microbatch": self.activation_bytes_per_layer,
+            },
             "bubble_fraction": round(self.bubble_fraction, 6),
             "comm_per_step": {**self.comm.to_dict(), "group_sizes": {"dp": self.dp, "tp": self.tp, "pp": self.pp}},
             "flops_per_step": self.flops_per_step,
@@ -153,7 +168,7 @@ class Case:
         derived = max(1, self.global_batch // (self.layout.dp * self.micro_batch))
         return self.layout.microbatches or derived
 
-    def replace(self, *, layout: dict | None = None, **fields) -> "Case":
+    def replace(self, *, layout: dict | None = None, **fields) -> Case:
         if layout:
             fields["layout"] = self.layout.model_copy(update=layout)
         return dataclasses.replace(self, **fields)
@@ -175,18 +190,28 @@ def device_memory_gb(spec: JobSpec, available_gb: float | None = None) -> float:
 
 def case_for(spec: JobSpec, layout: ParallelismSpec, available_gb: float | None = None) -> Case:
     return Case(
-        model=spec.model.to_config(), layout=layout, global_batch=spec.training.global_batch,
-        micro_batch=spec.training.micro_batch, precision=spec.training.precision,
-        checkpointing=spec.training.activation_checkpointing, device=spec.resources.device,
+        model=spec.model.to_config(),
+        layout=layout,
+        global_batch=spec.training.global_batch,
+        micro_batch=spec.training.micro_batch,
+        precision=spec.training.precision,
+        checkpointing=spec.training.activation_checkpointing,
+        device=spec.resources.device,
         device_memory_bytes=int(device_memory_gb(spec, available_gb) * GiB),
         cpus_per_worker=spec.resources.cpus_per_worker,
     )
 
 
 def describe_layout(layout: ParallelismSpec) -> str:
-    text = ParallelConfig(dp=layout.dp, tp=layout.tp, pp=layout.pp, zero=layout.zero,
-                          pp_schedule=layout.pp_schedule, virtual_stages=layout.virtual_stages,
-                          sequence_parallel=layout.sequence_parallel).describe()
+    text = ParallelConfig(
+        dp=layout.dp,
+        tp=layout.tp,
+        pp=layout.pp,
+        zero=layout.zero,
+        pp_schedule=layout.pp_schedule,
+        virtual_stages=layout.virtual_stages,
+        sequence_parallel=layout.sequence_parallel,
+    ).describe()
     if layout.dp_replicate > 1:
         text += f" hsdp={layout.dp_replicate}x{layout.dp // layout.dp_replicate}"
     if layout.offload != "none":
@@ -206,8 +231,15 @@ def evaluate(case: Case) -> PlanEstimate:
     pb, gb, _ = precision_bytes(case.precision)
     param_comm_bytes = 2 if regime == "bf16_params" else pb  # FSDP2 all-gathers bf16 copies
     layers = math.ceil(model.n_layers / (pp * v)) * v
-    per_layer_act = layer_activation_bytes(model, micro_batch=b, tp=tp, sequence_parallel=lay.sequence_parallel,
-                                           precision=case.precision, checkpointing=case.checkpointing, regime=regime)
+    per_layer_act = layer_activation_bytes(
+        model,
+        micro_batch=b,
+        tp=tp,
+        sequence_parallel=lay.sequence_parallel,
+        precision=case.precision,
+        checkpointing=case.checkpointing,
+        regime=regime,
+    )
     hidden = s * b * d * act_elem  # one micro-batch's hidden states
     sp_div = tp if lay.sequence_parallel else 1
     overhead = RUNTIME_OVERHEAD_GIB[case.device] * GiB
@@ -219,41 +251,104 @@ def evaluate(case: Case) -> PlanEstimate:
         params = stage_params(model, tp=tp, layers=layers, first=first, last=last)
         held = layer_chunks_in_flight(lay.pp_schedule, pp=pp, microbatches=m, virtual_stages=v, stage=stage)
         memories[stage] = stage_memory(
-            model, stage=stage, pp=pp, layers=layers, virtual_stages=v, held=held, dp=dp, tp=tp, zero=zero,
-            micro_batch=b, microbatches=m, precision=case.precision, checkpointing=case.checkpointing,
-            device=case.device, overhead=overhead, dp_replicate=replicate, offload=lay.offload,
+            model,
+            stage=stage,
+            pp=pp,
+            layers=layers,
+            virtual_stages=v,
+            held=held,
+            dp=dp,
+            tp=tp,
+            zero=zero,
+            micro_batch=b,
+            microbatches=m,
+            precision=case.precision,
+            checkpointing=case.checkpointing,
+            device=case.device,
+            overhead=overhead,
+            dp_replicate=replicate,
+            offload=lay.offload,
             sequence_parallel=lay.sequence_parallel,
         )
         params_of[stage] = params
-        volume, ops = dp_traffic(zero=zero, dp=dp, pp=pp, microbatches=m, params=params,
-                                  param_bytes=param_comm_bytes, grad_bytes=gb, units=layers + int(first or last),
-                                  tensors=16 * layers + 2 * int(first) + 3 * int(last), dp_replicate=replicate)
+        volume, ops = dp_traffic(
+            zero=zero,
+            dp=dp,
+            pp=pp,
+            microbatches=m,
+            params=params,
+            param_bytes=param_comm_bytes,
+            grad_bytes=gb,
+            units=layers + int(first or last),
+            tensors=16 * layers + 2 * int(first) + 3 * int(last),
+            dp_replicate=replicate,
+        )
         dp_bytes.append(volume)
         dp_ops.append(ops)
-        volume, ops = tp_traffic(tp=tp, microbatches=m, layers=layers, first=first, last=last,
-                                  checkpointing=case.checkpointing, hidden_bytes=hidden, tokens=b * s)
+        volume, ops = tp_traffic(
+            tp=tp,
+            microbatches=m,
+            layers=layers,
+            first=first,
+            last=last,
+            checkpointing=case.checkpointing,
+            hidden_bytes=hidden,
+            tokens=b * s,
+        )
         tp_ops.append(ops)
         tp_bytes.append(volume)
     worst = max(stages, key=lambda st: memories[st].total)
     pp_bytes, pp_ops = pp_traffic(pp=pp, virtual_stages=v, microbatches=m, hidden_bytes=hidden, sp_div=sp_div)
     flops, flops_recompute = step_flops(model, global_batch=case.global_batch, checkpointing=case.checkpointing)
     bubble = bubble_fraction(pp, m, lay.pp_schedule, v)
-    comm = CommVolume(dp=math.ceil(max(dp_bytes)), tp=math.ceil(max(tp_bytes)), pp=math.ceil(pp_bytes),
-                      dp_ops=max(dp_ops), tp_ops=max(tp_ops), pp_ops=pp_ops)
-    step = step_time(hardware_for(case.device, case.precision, case.cpus_per_worker), dp=dp, tp=tp, pp=pp,
-                      comm=comm, flops=flops_recompute, bubble=bubble)
+    comm = CommVolume(
+        dp=math.ceil(max(dp_bytes)),
+        tp=math.ceil(max(tp_bytes)),
+        pp=math.ceil(pp_bytes),
+        dp_ops=max(dp_ops),
+        tp_ops=max(tp_ops),
+        pp_ops=pp_ops,
+    )
+    step = step_time(
+        hardware_for(case.device, case.precision, case.cpus_per_worker),
+        dp=dp,
+        tp=tp,
+        pp=pp,
+        comm=comm,
+        flops=flops_recompute,
+        bubble=bubble,
+    )
     return PlanEstimate(
-        layout=describe_layout(lay), world_size=layout_rules.world_size(pp=pp, dp=dp, tp=tp), dp=dp, tp=tp, pp=pp, zero=zero,
-        pp_schedule=lay.pp_schedule, virtual_stages=lay.virtual_stages, sequence_parallel=lay.sequence_parallel,
-        dp_replicate=lay.dp_replicate, offload=lay.offload,
-        microbatches=m, micro_batch=b, precision=case.precision, regime=regime,
+        layout=describe_layout(lay),
+        world_size=layout_rules.world_size(pp=pp, dp=dp, tp=tp),
+        dp=dp,
+        tp=tp,
+        pp=pp,
+        zero=zero,
+        pp_schedule=lay.pp_schedule,
+        virtual_stages=lay.virtual_stages,
+        sequence_parallel=lay.sequence_parallel,
+        dp_replicate=lay.dp_replicate,
+        offload=lay.offload,
+        microbatches=m,
+        micro_batch=b,
+        precision=case.precision,
+        regime=regime,
         activation_checkpointing=case.checkpointing,
-        num_params=model.num_params, params_per_rank=math.ceil(params_of[worst]), layers_per_stage=layers,
-        in_flight_microbatches=in_flight_microbatches(lay.pp_schedule, pp=pp, microbatches=m, virtual_stages=v,
-                                                      stage=worst),
-        activation_bytes_per_layer=math.ceil(per_layer_act), memory=memories[worst],
-        device_memory_bytes=case.device_memory_bytes, bubble_fraction=bubble, comm=comm,
-        flops_per_step=float(flops), flops_per_step_with_recompute=float(flops_recompute), step_time=step,
+        num_params=model.num_params,
+        params_per_rank=math.ceil(params_of[worst]),
+        layers_per_stage=layers,
+        in_flight_microbatches=in_flight_microbatches(
+            lay.pp_schedule, pp=pp, microbatches=m, virtual_stages=v, stage=worst
+        ),
+        activation_bytes_per_layer=math.ceil(per_layer_act),
+        memory=memories[worst],
+        device_memory_bytes=case.device_memory_bytes,
+        bubble_fraction=bubble,
+        comm=comm,
+        flops_per_step=float(flops),
+        flops_per_step_with_recompute=float(flops_recompute),
+        step_time=step,
     )
 
 

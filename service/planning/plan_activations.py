@@ -25,8 +25,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-from etrain.workers.protocol import layout_rules
 from etrain.workers.families import family
+from etrain.workers.protocol import layout_rules
 from etrain.workers.protocol.run_config import ModelConfig
 
 __all__ = [
@@ -53,8 +53,9 @@ def compute_regime(precision: str, *, fsdp: bool) -> Regime:
     return "bf16_params" if fsdp else "autocast"
 
 
-def korthikanti_activation_bytes(*, seq_len: int, micro_batch: int, d_model: int, n_heads: int,
-                                 tp: int = 1, sequence_parallel: bool = False) -> float:
+def korthikanti_activation_bytes(
+    *, seq_len: int, micro_batch: int, d_model: int, n_heads: int, tp: int = 1, sequence_parallel: bool = False
+) -> float:
     """Activations one layer saves per micro-batch, half precision (Korthikanti et al. 2022).
 
     ``sbh(34 + 5as/h)`` without TP; ``sbh(10 + 24/t + 5as/(ht))`` with TP; ``sbh/t (34 + 5as/h)``
@@ -67,9 +68,16 @@ def korthikanti_activation_bytes(*, seq_len: int, micro_batch: int, d_model: int
     return sbh * (10 + 24 / tp) + scores / tp
 
 
-def layer_activation_bytes(model: ModelConfig, *, micro_batch: int, tp: int = 1,
-                           sequence_parallel: bool = False, precision: str = "bf16",
-                           checkpointing: bool = False, regime: Regime | None = None) -> float:
+def layer_activation_bytes(
+    model: ModelConfig,
+    *,
+    micro_batch: int,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    precision: str = "bf16",
+    checkpointing: bool = False,
+    regime: Regime | None = None,
+) -> float:
     """Activations one block of OUR model saves for backward, per micro-batch: its family's count
     (``ModelFamily.layer_activation_bytes``). ``regime`` defaults to autocast for bf16 (fp32 for fp32);
     the GPT's count reads the element size from ``precision`` alone. Korthikanti's count, adapted to
@@ -77,8 +85,14 @@ def layer_activation_bytes(model: ModelConfig, *, micro_batch: int, tp: int = 1,
     With activation checkpointing only the block input is saved.
     """
     return family(model.arch).layer_activation_bytes(
-        model, micro_batch=micro_batch, tp=tp, sequence_parallel=sequence_parallel, precision=precision,
-        regime=regime or compute_regime(precision, fsdp=False), checkpointing=checkpointing)
+        model,
+        micro_batch=micro_batch,
+        tp=tp,
+        sequence_parallel=sequence_parallel,
+        precision=precision,
+        regime=regime or compute_regime(precision, fsdp=False),
+        checkpointing=checkpointing,
+    )
 
 
 def rope_table_bytes(model: ModelConfig) -> int:
@@ -86,8 +100,9 @@ def rope_table_bytes(model: ModelConfig) -> int:
     return family(model.arch).rope_table_bytes(model)
 
 
-def logits_bytes(model: ModelConfig, *, micro_batch: int, tp: int = 1, held: int = 1,
-                 logits_elem: int = 4, pipeline: bool = False) -> float:
+def logits_bytes(
+    model: ModelConfig, *, micro_batch: int, tp: int = 1, held: int = 1, logits_elem: int = 4, pipeline: bool = False
+) -> float:
     """Peak bytes of the logits and the loss on the last stage, ``L = micro_batch·seq·vocab/tp`` each.
 
     Without TP (``F.cross_entropy`` on full logits): the fp32 log-softmax is saved for every
@@ -109,8 +124,7 @@ def final_norm_bytes(model: ModelConfig, *, tokens: int, regime: Regime, sp_div:
     return family(model.arch).final_norm_bytes(model, tokens=tokens, regime=regime, sp_div=sp_div)
 
 
-def layer_chunks_in_flight(schedule: str, *, pp: int, microbatches: int, virtual_stages: int,
-                            stage: int) -> int:
+def layer_chunks_in_flight(schedule: str, *, pp: int, microbatches: int, virtual_stages: int, stage: int) -> int:
     """Model chunks x micro-batches whose activations ``stage`` holds at its peak."""
     m, v = microbatches, virtual_stages
     if pp <= 1:
@@ -123,8 +137,9 @@ def layer_chunks_in_flight(schedule: str, *, pp: int, microbatches: int, virtual
     return min(pp - stage, m) * v
 
 
-def in_flight_microbatches(schedule: str, *, pp: int, microbatches: int, virtual_stages: int = 1,
-                           stage: int = 0) -> float:
+def in_flight_microbatches(
+    schedule: str, *, pp: int, microbatches: int, virtual_stages: int = 1, stage: int = 0
+) -> float:
     """Micro-batches of a full stage's layers whose activations a stage holds at its peak.
 
     Assumptions: ``pp == 1`` runs plain gradient accumulation (1). GPipe runs every forward before
@@ -134,6 +149,7 @@ def in_flight_microbatches(schedule: str, *, pp: int, microbatches: int, virtual
     ``M`` is a multiple of ``P``; :func:`etrain.workers.protocol.layout_rules.interleaved_rounds`): then
     ``P + (P - 1)/v`` micro-batches' worth on stage 0. Never more than all ``M·v`` chunks.
     """
-    chunks = layer_chunks_in_flight(schedule, pp=pp, microbatches=microbatches,
-                                     virtual_stages=virtual_stages, stage=stage)
+    chunks = layer_chunks_in_flight(
+        schedule, pp=pp, microbatches=microbatches, virtual_stages=virtual_stages, stage=stage
+    )
     return chunks / (virtual_stages if pp > 1 else 1)

@@ -24,8 +24,8 @@ import math
 from dataclasses import dataclass
 
 from etrain.service.planning.plan_memory import gib
-from etrain.workers.protocol import layout_rules
 from etrain.workers.families import family
+from etrain.workers.protocol import layout_rules
 from etrain.workers.protocol.run_config import ModelConfig
 
 __all__ = [
@@ -75,8 +75,11 @@ class CommVolume:
 
     def to_dict(self) -> dict:
         parts = {"dp": self.dp, "tp": self.tp, "pp": self.pp, "total": self.total}
-        return {"bytes": parts, "gib": {k: gib(v) for k, v in parts.items()},
-                "collectives": {"dp": self.dp_ops, "tp": self.tp_ops, "pp": self.pp_ops}}
+        return {
+            "bytes": parts,
+            "gib": {k: gib(v) for k, v in parts.items()},
+            "collectives": {"dp": self.dp_ops, "tp": self.tp_ops, "pp": self.pp_ops},
+        }
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,11 +123,22 @@ def hardware_for(device: str, precision: str, cpus_per_worker: float = 1.0) -> H
     """H100-class GPUs at ~40% MFU, NVLink inside an 8-GPU node (~400 GB/s all-reduce bus bandwidth),
     200 Gb/s InfiniBand per GPU across nodes; CPU workers on one machine talking gloo."""
     if device == "cuda":
-        return Hardware(flops_per_s=400e12 if precision == "bf16" else 50e12,
-                        intra_node_bytes_per_s=400e9, inter_node_bytes_per_s=25e9,
-                        intra_node_latency_s=10e-6, inter_node_latency_s=30e-6, ranks_per_node=8)
-    return Hardware(flops_per_s=2e10 * cpus_per_worker, intra_node_bytes_per_s=2e9, inter_node_bytes_per_s=1e9,
-                    intra_node_latency_s=200e-6, inter_node_latency_s=500e-6, ranks_per_node=64)
+        return Hardware(
+            flops_per_s=400e12 if precision == "bf16" else 50e12,
+            intra_node_bytes_per_s=400e9,
+            inter_node_bytes_per_s=25e9,
+            intra_node_latency_s=10e-6,
+            inter_node_latency_s=30e-6,
+            ranks_per_node=8,
+        )
+    return Hardware(
+        flops_per_s=2e10 * cpus_per_worker,
+        intra_node_bytes_per_s=2e9,
+        inter_node_bytes_per_s=1e9,
+        intra_node_latency_s=200e-6,
+        inter_node_latency_s=500e-6,
+        ranks_per_node=64,
+    )
 
 
 def _ring_all_reduce(n: int, nbytes: float) -> float:
@@ -135,8 +149,19 @@ def _ring_gather_or_scatter(n: int, nbytes: float) -> float:
     return (n - 1) / n * nbytes
 
 
-def dp_traffic(*, zero: int, dp: int, pp: int, microbatches: int, params: float, param_bytes: int,
-                grad_bytes: int, units: int, tensors: int, dp_replicate: int = 1) -> tuple[float, int]:
+def dp_traffic(
+    *,
+    zero: int,
+    dp: int,
+    pp: int,
+    microbatches: int,
+    params: float,
+    param_bytes: int,
+    grad_bytes: int,
+    units: int,
+    tensors: int,
+    dp_replicate: int = 1,
+) -> tuple[float, int]:
     """(bytes sent, collectives) per step on the dp axis, ring algorithms.
 
     ZeRO-0: one all-reduce of the gradients, 2(N-1)/N·G, in 25 MiB DDP buckets. ZeRO-1 adds
@@ -173,8 +198,17 @@ def dp_traffic(*, zero: int, dp: int, pp: int, microbatches: int, params: float,
     return volume, ops
 
 
-def tp_traffic(*, tp: int, microbatches: int, layers: int, first: bool, last: bool, checkpointing: bool,
-                hidden_bytes: float, tokens: int) -> tuple[float, int]:
+def tp_traffic(
+    *,
+    tp: int,
+    microbatches: int,
+    layers: int,
+    first: bool,
+    last: bool,
+    checkpointing: bool,
+    hidden_bytes: float,
+    tokens: int,
+) -> tuple[float, int]:
     """(bytes sent, collectives) per step on the tp axis of one stage, ring algorithms.
 
     Per layer per micro-batch 2 all-reduces forward + 2 backward of b·s·d (same volume as
@@ -189,13 +223,16 @@ def tp_traffic(*, tp: int, microbatches: int, layers: int, first: bool, last: bo
     ar_per_layer = 6 if checkpointing else 4  # 2 fwd + 2 bwd all-reduces, +2 fwd in recompute
     edge_ops = int(first) + int(last)
     ops = m * (layers * ar_per_layer + edge_ops + 3 * int(last))
-    volume = m * ((layers * ar_per_layer + edge_ops) * _ring_all_reduce(tp, hidden_bytes)
-                  + int(last) * 3 * _ring_all_reduce(tp, 4 * tokens))
+    volume = m * (
+        (layers * ar_per_layer + edge_ops) * _ring_all_reduce(tp, hidden_bytes)
+        + int(last) * 3 * _ring_all_reduce(tp, 4 * tokens)
+    )
     return volume, ops
 
 
-def pp_traffic(*, pp: int, virtual_stages: int, microbatches: int, hidden_bytes: float,
-                sp_div: int) -> tuple[float, int]:
+def pp_traffic(
+    *, pp: int, virtual_stages: int, microbatches: int, hidden_bytes: float, sp_div: int
+) -> tuple[float, int]:
     """(bytes sent, sends) per step by the busiest stage: each micro-batch's activations cross every
     chunk boundary forward, its gradients backward. ``sp_div`` is tp under sequence parallelism
     (the hidden states cross sharded), else 1."""
@@ -222,8 +259,7 @@ def step_flops(model: ModelConfig, *, global_batch: int, checkpointing: bool) ->
     return flops, flops_recompute
 
 
-def step_time(hw: Hardware, *, dp: int, tp: int, pp: int, comm: CommVolume, flops: float,
-               bubble: float) -> StepTime:
+def step_time(hw: Hardware, *, dp: int, tp: int, pp: int, comm: CommVolume, flops: float, bubble: float) -> StepTime:
     """Seconds per step under the :class:`StepTime` cost model, links chosen by :meth:`Hardware.link`."""
 
     def seconds(nbytes: float, ops: int, span: int) -> float:  # Megatron order: tp, then dp, then pp
@@ -236,5 +272,6 @@ def step_time(hw: Hardware, *, dp: int, tp: int, pp: int, comm: CommVolume, flop
     pp_s = seconds(comm.pp, comm.pp_ops, world)
     dp_s = seconds(comm.dp, comm.dp_ops, tp * dp)
     busy = compute + tp_s + pp_s
-    return StepTime(compute_s=compute, tp_comm_s=tp_s, pp_comm_s=pp_s, dp_comm_s=dp_s,
-                    bubble_s=busy / (1 - bubble) - busy)
+    return StepTime(
+        compute_s=compute, tp_comm_s=tp_s, pp_comm_s=pp_s, dp_comm_s=dp_s, bubble_s=busy / (1 - bubble) - busy
+    )

@@ -72,8 +72,8 @@ from etrain.service.planning.plan_activations import (
     logits_bytes,
     rope_table_bytes,
 )
-from etrain.workers.protocol import layout_rules
 from etrain.workers.families import family
+from etrain.workers.protocol import layout_rules
 from etrain.workers.protocol.run_config import ModelConfig
 
 __all__ = [
@@ -91,8 +91,16 @@ __all__ = [
 ]
 
 GiB = 1024**3
-MEMORY_COMPONENTS = ("parameters", "gradients", "optimizer_states", "activations", "logits", "buffers",
-                     "transient", "overhead")
+MEMORY_COMPONENTS = (
+    "parameters",
+    "gradients",
+    "optimizer_states",
+    "activations",
+    "logits",
+    "buffers",
+    "transient",
+    "overhead",
+)
 PHASES = ("init", "forward_backward", "optimizer_step")
 
 
@@ -101,8 +109,9 @@ def gib(nbytes: float) -> float:
     return round(nbytes / GiB, 3)
 
 
-def bytes_per_param(zero: int, n: int, *, param_bytes: float = 2, grad_bytes: float = 2,
-                    optimizer_bytes: float = 8) -> float:
+def bytes_per_param(
+    zero: int, n: int, *, param_bytes: float = 2, grad_bytes: float = 2, optimizer_bytes: float = 8
+) -> float:
     """Per-GPU bytes per parameter under ZeRO over ``n`` data-parallel ranks (the seed table).
 
     With the defaults (fp16 params and grads, fp32 Adam moments): 12, 4 + 8/N, 2 + 10/N, 12/N.
@@ -232,10 +241,27 @@ class MemoryBreakdown:
         }
 
 
-def stage_memory(model: ModelConfig, *, stage: int, pp: int, layers: int, virtual_stages: int, held: int,
-                 dp: int, tp: int, zero: int, micro_batch: int, microbatches: int, precision: str,
-                 checkpointing: bool, device: str, overhead: float, dp_replicate: int = 1,
-                 offload: str = "none", sequence_parallel: bool = False) -> MemoryBreakdown:
+def stage_memory(
+    model: ModelConfig,
+    *,
+    stage: int,
+    pp: int,
+    layers: int,
+    virtual_stages: int,
+    held: int,
+    dp: int,
+    tp: int,
+    zero: int,
+    micro_batch: int,
+    microbatches: int,
+    precision: str,
+    checkpointing: bool,
+    device: str,
+    overhead: float,
+    dp_replicate: int = 1,
+    offload: str = "none",
+    sequence_parallel: bool = False,
+) -> MemoryBreakdown:
     """Peak bytes of one rank of pipeline stage ``stage`` (see the module docstring for the model).
 
     ``layers`` are the stage's layers (all its chunks), ``held`` the layer chunks x micro-batches
@@ -261,7 +287,8 @@ def stage_memory(model: ModelConfig, *, stage: int, pp: int, layers: int, virtua
 
     layer = layer_params(model, tp) if layers else 0.0
     root = (_embedding_params(model, tp) if first else 0.0) + (
-        _head_params(model, tp, with_embedding=first) if last else 0.0)
+        _head_params(model, tp, with_embedding=first) if last else 0.0
+    )
     buckets = 4 * params if dp > 1 and not fsdp and tp == 1 else 0.0  # DDP: gradient_as_bucket_view off
     gathered = unsharded_grads = 0.0
     if fsdp:
@@ -278,12 +305,20 @@ def stage_memory(model: ModelConfig, *, stage: int, pp: int, layers: int, virtua
     casts = 2 * _matmul_params(model, tp=tp, layers=layers, last=last) if regime == "autocast" else 0.0
     rope = layers * rope_table_bytes(model)
 
-    per_layer = layer_activation_bytes(model, micro_batch=b, tp=tp, sequence_parallel=sequence_parallel,
-                                       precision=precision, checkpointing=checkpointing, regime=regime)
+    per_layer = layer_activation_bytes(
+        model,
+        micro_batch=b,
+        tp=tp,
+        sequence_parallel=sequence_parallel,
+        precision=precision,
+        checkpointing=checkpointing,
+        regime=regime,
+    )
     activations = held * (layers // v) * per_layer
     if checkpointing:  # one block's activations live while it is recomputed
-        activations += layer_activation_bytes(model, micro_batch=b, tp=tp, sequence_parallel=sequence_parallel,
-                                              precision=precision, regime=regime)
+        activations += layer_activation_bytes(
+            model, micro_batch=b, tp=tp, sequence_parallel=sequence_parallel, precision=precision, regime=regime
+        )
     hidden = s * b * d * (2 if regime == "bf16_params" else 4) / sp_div
     if pp > 1 and not last:  # the schedule keeps each in-flight chunk's output for its backward
         activations += held * hidden
@@ -291,8 +326,9 @@ def stage_memory(model: ModelConfig, *, stage: int, pp: int, layers: int, virtua
     if last:
         held_last = math.ceil(held / v)
         activations += held_last * final_norm_bytes(model, tokens=s * b, regime=regime, sp_div=sp_div)
-        logits = logits_bytes(model, micro_batch=b, tp=tp, held=held_last,
-                              logits_elem=4 if regime == "fp32" else 2, pipeline=pp > 1)
+        logits = logits_bytes(
+            model, micro_batch=b, tp=tp, held=held_last, logits_elem=4 if regime == "fp32" else 2, pipeline=pp > 1
+        )
 
     optimizer_temp = 4 * params / state_div if device == "cpu" or offloaded else 0.0  # foreach AdamW on CPU
     # Each parameter's full fp32 value, plus the rank's slice that distribute_tensor cuts from it as a
@@ -302,27 +338,60 @@ def stage_memory(model: ModelConfig, *, stage: int, pp: int, layers: int, virtua
     init_draw = host_draw * (1 + (1 / pieces if pieces > 1 else 0))
     on_device = 0.0 if offloaded else 1.0
     host = parameters + gradients + states
-    host_bytes = max(host + optimizer_temp, parameters + init_draw) if offloaded else (
-        host_draw if device != "cpu" else 0.0)
+    host_bytes = (
+        max(host + optimizer_temp, parameters + init_draw) if offloaded else (host_draw if device != "cpu" else 0.0)
+    )
 
-    fb_buffers = dict(ddp_buckets=buckets, gathered_params=gathered, unsharded_grads=unsharded_grads,
-                      weight_casts=casts, rope_tables=rope)
-    fb = dict(parameters=parameters * on_device, gradients=gradients * on_device,
-              optimizer_states=states * on_device, activations=activations, logits=logits,
-              buffers=sum(fb_buffers.values()), transient=0.0)
-    opt = dict(parameters=parameters * on_device, gradients=gradients * on_device,
-               optimizer_states=states * on_device, activations=0.0, logits=0.0, buffers=buckets + rope,
-               transient=0.0 if offloaded else optimizer_temp)
+    fb_buffers = dict(
+        ddp_buckets=buckets,
+        gathered_params=gathered,
+        unsharded_grads=unsharded_grads,
+        weight_casts=casts,
+        rope_tables=rope,
+    )
+    fb = dict(
+        parameters=parameters * on_device,
+        gradients=gradients * on_device,
+        optimizer_states=states * on_device,
+        activations=activations,
+        logits=logits,
+        buffers=sum(fb_buffers.values()),
+        transient=0.0,
+    )
+    opt = dict(
+        parameters=parameters * on_device,
+        gradients=gradients * on_device,
+        optimizer_states=states * on_device,
+        activations=0.0,
+        logits=0.0,
+        buffers=buckets + rope,
+        transient=0.0 if offloaded else optimizer_temp,
+    )
     init_buffers = buckets if buckets >= init_draw else 0.0
-    buffer_parts = {"forward_backward": fb_buffers, "optimizer_step": dict(ddp_buckets=buckets, rope_tables=rope),
-                    "init": dict(ddp_buckets=init_buffers)}
-    init = dict(parameters=parameters * on_device, gradients=0.0, optimizer_states=0.0, activations=0.0,
-                logits=0.0, buffers=init_buffers, transient=0.0 if offloaded or init_buffers else init_draw)
+    buffer_parts = {
+        "forward_backward": fb_buffers,
+        "optimizer_step": dict(ddp_buckets=buckets, rope_tables=rope),
+        "init": dict(ddp_buckets=init_buffers),
+    }
+    init = dict(
+        parameters=parameters * on_device,
+        gradients=0.0,
+        optimizer_states=0.0,
+        activations=0.0,
+        logits=0.0,
+        buffers=init_buffers,
+        transient=0.0 if offloaded or init_buffers else init_draw,
+    )
     phases = {"init": init, "forward_backward": fb, "optimizer_step": opt}
     rounded = {name: {k: math.ceil(value) for k, value in parts.items()} for name, parts in phases.items()}
     totals = {name: sum(parts.values()) + math.ceil(overhead) for name, parts in rounded.items()}
     peak = max(("forward_backward", "optimizer_step", "init"), key=lambda name: totals[name])
-    return MemoryBreakdown(stage=stage, phase=peak, overhead=math.ceil(overhead), phases=totals,
-                           host_bytes=math.ceil(host_bytes),
-                           buffer_parts={k: math.ceil(v) for k, v in buffer_parts[peak].items() if v},
-                           **rounded[peak])
+    return MemoryBreakdown(
+        stage=stage,
+        phase=peak,
+        overhead=math.ceil(overhead),
+        phases=totals,
+        host_bytes=math.ceil(host_bytes),
+        buffer_parts={k: math.ceil(v) for k, v in buffer_parts[peak].items() if v},
+        **rounded[peak],
+    )

@@ -20,8 +20,9 @@ __all__ = ["degree_problems", "device_memory_problems", "layout_problems", "memo
 def degree_problems(lay: ParallelismSpec) -> list[SpecProblem]:
     """Degrees below 1 (possible only past pydantic, e.g. model_construct): nothing else is computable."""
     explicit = {} if lay.microbatches is None else {"microbatches": lay.microbatches}
-    return SpecProblem.of(layout_rules.degree_problems(dp=lay.dp, tp=lay.tp, pp=lay.pp,
-                                                       virtual_stages=lay.virtual_stages, **explicit))
+    return SpecProblem.of(
+        layout_rules.degree_problems(dp=lay.dp, tp=lay.tp, pp=lay.pp, virtual_stages=lay.virtual_stages, **explicit)
+    )
 
 
 def layout_problems(case: Case, *, max_dp: int) -> list[SpecProblem]:
@@ -31,16 +32,31 @@ def layout_problems(case: Case, *, max_dp: int) -> list[SpecProblem]:
     if problems:
         return problems
     m = case.microbatches
-    source = (f"parallelism.microbatches={m}" if lay.microbatches else
-              f"global_batch/(dp·micro_batch) = {case.global_batch}/({lay.dp}·{case.micro_batch}) = {m}")
-    return SpecProblem.of(layout_rules.layout_problems(
-        case.model, dp=lay.dp, tp=lay.tp, pp=lay.pp, zero=lay.zero, pp_schedule=lay.pp_schedule,
-        virtual_stages=lay.virtual_stages, sequence_parallel=lay.sequence_parallel, dp_replicate=lay.dp_replicate,
-        offload=lay.offload, microbatches=m, microbatch_source=source, max_dp=max_dp))
+    source = (
+        f"parallelism.microbatches={m}"
+        if lay.microbatches
+        else f"global_batch/(dp·micro_batch) = {case.global_batch}/({lay.dp}·{case.micro_batch}) = {m}"
+    )
+    return SpecProblem.of(
+        layout_rules.layout_problems(
+            case.model,
+            dp=lay.dp,
+            tp=lay.tp,
+            pp=lay.pp,
+            zero=lay.zero,
+            pp_schedule=lay.pp_schedule,
+            virtual_stages=lay.virtual_stages,
+            sequence_parallel=lay.sequence_parallel,
+            dp_replicate=lay.dp_replicate,
+            offload=lay.offload,
+            microbatches=m,
+            microbatch_source=source,
+            max_dp=max_dp,
+        )
+    )
 
 
-def memory_problem(case: Case, est: PlanEstimate, *, field: str = "parallelism",
-                   context: str = "") -> SpecProblem:
+def memory_problem(case: Case, est: PlanEstimate, *, field: str = "parallelism", context: str = "") -> SpecProblem:
     """The estimate exceeds the device memory: the components, the biggest, and the fixes."""
     mem = est.memory
     parts = ", ".join(f"{name.replace('_', ' ')} {gib(value):.1f}" for name, value in mem.components().items())
@@ -49,9 +65,11 @@ def memory_problem(case: Case, est: PlanEstimate, *, field: str = "parallelism",
     biggest = f"{mem.biggest.replace('_', ' ')} ({gib(getattr(mem, mem.biggest)):.1f} GiB"
     if mem.biggest == "buffers" and mem.buffer_parts:
         biggest += ": " + ", ".join(f"{k.replace('_', ' ')} {gib(v):.1f}" for k, v in mem.buffer_parts.items())
-    message = (f"{context}estimated memory per rank{phase} {gib(mem.total):.1f} GiB ({where}{parts} GiB) exceeds "
-               f"the device memory {gib(est.device_memory_bytes):.1f} GiB (resources.device_memory_gb) for "
-               f"{est.layout}; the biggest component is {biggest}).")
+    message = (
+        f"{context}estimated memory per rank{phase} {gib(mem.total):.1f} GiB ({where}{parts} GiB) exceeds "
+        f"the device memory {gib(est.device_memory_bytes):.1f} GiB (resources.device_memory_gb) for "
+        f"{est.layout}; the biggest component is {biggest})."
+    )
     return SpecProblem(field=field, message=message, fix=_memory_fixes(case, est))
 
 
@@ -69,19 +87,33 @@ def _memory_fixes(case: Case, est: PlanEstimate) -> str:
         variants.append(("training.activation_checkpointing=true", case.replace(checkpointing=True)))
     if case.micro_batch > 1:
         variants.append(("training.micro_batch=1", case.replace(micro_batch=1, layout={"microbatches": None})))
-    if lay.zero >= 2 and case.microbatches > 1 and not layout_rules.batch_problems(
-            global_batch=case.global_batch, micro_batch=1, dp=lay.dp):
+    if (
+        lay.zero >= 2
+        and case.microbatches > 1
+        and not layout_rules.batch_problems(global_batch=case.global_batch, micro_batch=1, dp=lay.dp)
+    ):
         whole = case.global_batch // lay.dp  # one micro-batch per step: FSDP reduce-scatters at once
-        variants.append((f"training.micro_batch={whole} (no accumulation, so gradients stay sharded)",
-                         case.replace(micro_batch=whole, layout={"microbatches": None})))
+        variants.append(
+            (
+                f"training.micro_batch={whole} (no accumulation, so gradients stay sharded)",
+                case.replace(micro_batch=whole, layout={"microbatches": None}),
+            )
+        )
     if lay.tp * 2 <= MAX_AUTO_TP and not layout_rules.tp_problems(model, lay.tp * 2):
-        variants.append((f"parallelism.tp={lay.tp * 2} (world {est.world_size * 2})",
-                         case.replace(layout={"tp": lay.tp * 2})))
+        variants.append(
+            (f"parallelism.tp={lay.tp * 2} (world {est.world_size * 2})", case.replace(layout={"tp": lay.tp * 2}))
+        )
     deeper = lay.pp * 2
-    if not (layout_rules.layer_problems(model.n_layers, deeper, lay.virtual_stages)
-            or layout_rules.tied_embedding_problems(tie_embeddings=model.tie_embeddings, pp=deeper)):
-        variants.append((f"parallelism.pp={lay.pp * 2} (world {est.world_size * 2})",
-                         case.replace(layout={"pp": lay.pp * 2, "microbatches": None})))
+    if not (
+        layout_rules.layer_problems(model.n_layers, deeper, lay.virtual_stages)
+        or layout_rules.tied_embedding_problems(tie_embeddings=model.tie_embeddings, pp=deeper)
+    ):
+        variants.append(
+            (
+                f"parallelism.pp={lay.pp * 2} (world {est.world_size * 2})",
+                case.replace(layout={"pp": lay.pp * 2, "microbatches": None}),
+            )
+        )
     texts, seen_fit = [], False
     for label, variant in variants:
         if label.startswith("parallelism.zero") and seen_fit:
@@ -93,8 +125,10 @@ def _memory_fixes(case: Case, est: PlanEstimate) -> str:
         seen_fit = seen_fit or (fits and label.startswith("parallelism.zero"))
         texts.append(f"{label} → {gib(total):.1f} GiB/rank{' (fits)' if fits else ''}")
     advice = "; ".join(texts) if texts else "no single change helps"
-    return (f"try {advice}; or combine them, use a device with more memory, or let the planner choose with "
-            "parallelism: {auto: true, max_workers: N}")
+    return (
+        f"try {advice}; or combine them, use a device with more memory, or let the planner choose with "
+        "parallelism: {auto: true, max_workers: N}"
+    )
 
 
 def device_memory_problems(spec: JobSpec, available_gb: float | None) -> list[SpecProblem]:
@@ -106,12 +140,17 @@ def device_memory_problems(spec: JobSpec, available_gb: float | None) -> list[Sp
     if asked is None or asked <= limit:
         return []
     device = "GPU" if spec.resources.device == "cuda" else "CPU worker"
-    source = ("this cluster offers (detected from the Ray nodes' accelerators, or set by the operator with "
-              "ETRAIN_DEVICE_MEMORY_GB)" if available_gb is not None else
-              "the planner assumes: neither the operator (ETRAIN_DEVICE_MEMORY_GB) nor the cluster's GPUs say more")
-    return [SpecProblem(
-        field="resources.device_memory_gb",
-        message=f"resources.device_memory_gb={asked:g} GiB exceeds the {limit:g} GiB per {device} {source}.",
-        fix=f"omit resources.device_memory_gb (the planner uses {limit:g} GiB) or set it at most {limit:g}; "
+    source = (
+        "this cluster offers (detected from the Ray nodes' accelerators, or set by the operator with "
+        "ETRAIN_DEVICE_MEMORY_GB)"
+        if available_gb is not None
+        else "the planner assumes: neither the operator (ETRAIN_DEVICE_MEMORY_GB) nor the cluster's GPUs say more"
+    )
+    return [
+        SpecProblem(
+            field="resources.device_memory_gb",
+            message=f"resources.device_memory_gb={asked:g} GiB exceeds the {limit:g} GiB per {device} {source}.",
+            fix=f"omit resources.device_memory_gb (the planner uses {limit:g} GiB) or set it at most {limit:g}; "
             "only the operator can allow more",
-    )]
+        )
+    ]

@@ -75,8 +75,11 @@ class AutoPlan:
 
     def to_dict(self) -> dict:
         return {
-            "layout": self.layout.model_dump(), "layout_text": self.estimate.layout, "reasons": list(self.reasons),
-            "candidates_considered": self.candidates_considered, "candidates_fitting": self.candidates_fitting,
+            "layout": self.layout.model_dump(),
+            "layout_text": self.estimate.layout,
+            "reasons": list(self.reasons),
+            "candidates_considered": self.candidates_considered,
+            "candidates_fitting": self.candidates_fitting,
             "max_workers": self.max_workers,
         }
 
@@ -109,8 +112,11 @@ def candidate_layouts(spec: JobSpec, base: Case, budget: int) -> Iterator[Case]:
     per_replica = layout_rules.micro_batch_count(training.global_batch, training.micro_batch)
     dps = layout_rules.legal_dp_sizes(training.global_batch, training.micro_batch, lo_dp, hi_dp)
     tps = [t for t in layout_rules.valid_tps(model) if t <= min(budget, MAX_AUTO_TP)]
-    pps = [p for p in spread([p for p in layout_rules.divisors(model.n_layers) if p <= budget], MAX_AUTO_PP_SIZES)
-           if not layout_rules.tied_embedding_problems(tie_embeddings=model.tie_embeddings, pp=p)]
+    pps = [
+        p
+        for p in spread([p for p in layout_rules.divisors(model.n_layers) if p <= budget], MAX_AUTO_PP_SIZES)
+        if not layout_rules.tied_embedding_problems(tie_embeddings=model.tie_embeddings, pp=p)
+    ]
     for pp in pps:
         for tp in tps:
             if tp * pp > budget:
@@ -118,16 +124,20 @@ def candidate_layouts(spec: JobSpec, base: Case, budget: int) -> Iterator[Case]:
             ceiling = budget // (tp * pp)
             for dp in spread([d for d in dps if d <= ceiling], MAX_AUTO_DP_SIZES):
                 m = per_replica // dp
-                schedules = [(name, v) for name, v in (AUTO_SCHEDULES if pp > 1 else AUTO_SCHEDULES[:1])
-                             if not layout_rules.schedule_problems(pp, v, m, name)
-                             and not layout_rules.layer_problems(model.n_layers, pp, v)]
+                schedules = [
+                    (name, v)
+                    for name, v in (AUTO_SCHEDULES if pp > 1 else AUTO_SCHEDULES[:1])
+                    if not layout_rules.schedule_problems(pp, v, m, name)
+                    and not layout_rules.layer_problems(model.n_layers, pp, v)
+                ]
                 # Sequence parallelism, where it applies, shards activations at no extra traffic: never
                 # slower nor bigger than without it, so the layout without it is not tried.
                 sp = tp > 1 and not layout_rules.sequence_parallel_problems(seq_len=model.seq_len, tp=tp, enabled=True)
                 for zero in range(4) if dp > 1 else (0,):
                     for schedule, v in schedules:
-                        layout = ParallelismSpec(dp=dp, tp=tp, pp=pp, zero=zero, pp_schedule=schedule,
-                                                 virtual_stages=v, sequence_parallel=sp)
+                        layout = ParallelismSpec(
+                            dp=dp, tp=tp, pp=pp, zero=zero, pp_schedule=schedule, virtual_stages=v, sequence_parallel=sp
+                        )
                         yield dataclasses.replace(base, layout=layout)
 
 
@@ -162,8 +172,16 @@ def fits_after_shrink(case: Case, min_dp: int | None) -> bool:
     return evaluate(case.replace(layout={"dp": min_dp, "microbatches": None})).fits
 
 
-def _axis_reason(axis: str, label: str, chosen: PlanEstimate, evaluated: list[PlanEstimate],
-                 fitting: list[PlanEstimate], dev: float, *, same_pp: bool = False) -> str:
+def _axis_reason(
+    axis: str,
+    label: str,
+    chosen: PlanEstimate,
+    evaluated: list[PlanEstimate],
+    fitting: list[PlanEstimate],
+    dev: float,
+    *,
+    same_pp: bool = False,
+) -> str:
     """Why ``axis`` is not 1: the best layout without it is slower, too tight, or does not fit."""
     value = getattr(chosen, axis)
     if value == 1:
@@ -177,65 +195,98 @@ def _axis_reason(axis: str, label: str, chosen: PlanEstimate, evaluated: list[Pl
     roomy = [e for e in alts if e.memory.total <= AUTO_MEMORY_TARGET * e.device_memory_bytes]
     if roomy:
         alt = min(roomy, key=lambda e: e.step_time.total_s)
-        return (f"{axis}={value}: est. step {chosen.step_time.total_s:.3g} s vs {alt.step_time.total_s:.3g} s "
-                f"for the best layout with {axis}=1{scope} ({alt.layout})")
+        return (
+            f"{axis}={value}: est. step {chosen.step_time.total_s:.3g} s vs {alt.step_time.total_s:.3g} s "
+            f"for the best layout with {axis}=1{scope} ({alt.layout})"
+        )
     if alts:
         alt = min(alts, key=lambda e: e.memory.total)
-        return (f"{axis}={value}: with {axis}=1{scope} the best fit ({alt.layout}) needs "
-                f"{gib(alt.memory.total):.1f} of {dev:.1f} GiB/rank, above the "
-                f"{AUTO_MEMORY_TARGET:.0%} planning target")
+        return (
+            f"{axis}={value}: with {axis}=1{scope} the best fit ({alt.layout}) needs "
+            f"{gib(alt.memory.total):.1f} of {dev:.1f} GiB/rank, above the "
+            f"{AUTO_MEMORY_TARGET:.0%} planning target"
+        )
     pool = without(evaluated)
     if not pool:
         return f"{axis}={value}: no valid layout with {axis}=1{scope} within the budget"
     low = min(pool, key=lambda e: e.memory.total)
     if low.fits:  # it fits as sized but not after shrinking to resources.min_dp
-        return (f"{axis}={value}: layouts with {axis}=1{scope} fit at their size (the smallest, {low.layout}, "
-                f"{gib(low.memory.total):.1f} GiB/rank) but not after an elastic shrink to resources.min_dp")
-    return (f"{axis}={value}: no layout with {axis}=1{scope} fits; the smallest ({low.layout}) needs "
-            f"{gib(low.memory.total):.1f} GiB/rank > {dev:.1f} GiB "
-            f"({low.memory.biggest.replace('_', ' ')} {gib(getattr(low.memory, low.memory.biggest)):.1f} GiB)")
+        return (
+            f"{axis}={value}: layouts with {axis}=1{scope} fit at their size (the smallest, {low.layout}, "
+            f"{gib(low.memory.total):.1f} GiB/rank) but not after an elastic shrink to resources.min_dp"
+        )
+    return (
+        f"{axis}={value}: no layout with {axis}=1{scope} fits; the smallest ({low.layout}) needs "
+        f"{gib(low.memory.total):.1f} GiB/rank > {dev:.1f} GiB "
+        f"({low.memory.biggest.replace('_', ' ')} {gib(getattr(low.memory, low.memory.biggest)):.1f} GiB)"
+    )
 
 
-def explain_choice(chosen: PlanEstimate, case: Case, evaluated: list[PlanEstimate], fitting: list[PlanEstimate],
-                   budget: int, dev: float) -> list[str]:
+def explain_choice(
+    chosen: PlanEstimate,
+    case: Case,
+    evaluated: list[PlanEstimate],
+    fitting: list[PlanEstimate],
+    budget: int,
+    dev: float,
+) -> list[str]:
     """One reason per decision: the budget, tp, pp, the schedule, ZeRO, sequence parallelism, dp, the total."""
-    reasons = [f"budget: at most {budget} workers; {len(evaluated)} valid layouts considered, "
-               f"{len(fitting)} fit in {dev:.1f} GiB/rank",
-               _axis_reason("tp", "tensor parallelism", chosen, evaluated, fitting, dev, same_pp=True),
-               _axis_reason("pp", "pipeline parallelism", chosen, evaluated, fitting, dev)]
+    reasons = [
+        f"budget: at most {budget} workers; {len(evaluated)} valid layouts considered, "
+        f"{len(fitting)} fit in {dev:.1f} GiB/rank",
+        _axis_reason("tp", "tensor parallelism", chosen, evaluated, fitting, dev, same_pp=True),
+        _axis_reason("pp", "pipeline parallelism", chosen, evaluated, fitting, dev),
+    ]
     if chosen.pp > 1:
-        reasons.append(f"pp_schedule={chosen.pp_schedule}"
-                       f"{f' x{chosen.virtual_stages} virtual stages' if chosen.virtual_stages > 1 else ''}: "
-                       f"bubble {chosen.bubble_fraction:.1%} with {chosen.microbatches} micro-batches, "
-                       f"stage {chosen.memory.stage} holds {chosen.in_flight_microbatches:g} in flight")
+        reasons.append(
+            f"pp_schedule={chosen.pp_schedule}"
+            f"{f' x{chosen.virtual_stages} virtual stages' if chosen.virtual_stages > 1 else ''}: "
+            f"bubble {chosen.bubble_fraction:.1%} with {chosen.microbatches} micro-batches, "
+            f"stage {chosen.memory.stage} holds {chosen.in_flight_microbatches:g} in flight"
+        )
     if chosen.zero == 0:
-        reasons.append("zero=0: dp=1, nothing to shard" if chosen.dp == 1 else
-                       f"zero=0: replicated optimizer states fit "
-                       f"({gib(chosen.memory.optimizer_states):.1f} GiB/rank)")
+        reasons.append(
+            "zero=0: dp=1, nothing to shard"
+            if chosen.dp == 1
+            else f"zero=0: replicated optimizer states fit ({gib(chosen.memory.optimizer_states):.1f} GiB/rank)"
+        )
     else:
         plain = evaluate(case.replace(layout={"zero": 0}))
-        shards = {1: "optimizer states", 2: "optimizer states and gradients",
-                  3: "optimizer states, gradients and parameters"}[chosen.zero]
+        shards = {
+            1: "optimizer states",
+            2: "optimizer states and gradients",
+            3: "optimizer states, gradients and parameters",
+        }[chosen.zero]
         if not plain.fits:
             verdict = f"exceeds {dev:.1f} GiB"
         elif plain.memory.total > AUTO_MEMORY_TARGET * plain.device_memory_bytes:
             verdict = f"leaves under {1 - AUTO_MEMORY_TARGET:.0%} of {dev:.1f} GiB free"
         else:
-            verdict = (f"fits, but zero={chosen.zero} is estimated faster ({chosen.step_time.total_s:.4g} s vs "
-                       f"{plain.step_time.total_s:.4g} s per step)")
-        reasons.append(f"zero={chosen.zero}: shards {shards} over dp={chosen.dp}; at zero=0 optimizer states "
-                       f"take {gib(plain.memory.optimizer_states):.1f} GiB/rank and the total "
-                       f"{gib(plain.memory.total):.1f} GiB/rank {verdict}; now {gib(chosen.memory.total):.1f} GiB")
+            verdict = (
+                f"fits, but zero={chosen.zero} is estimated faster ({chosen.step_time.total_s:.4g} s vs "
+                f"{plain.step_time.total_s:.4g} s per step)"
+            )
+        reasons.append(
+            f"zero={chosen.zero}: shards {shards} over dp={chosen.dp}; at zero=0 optimizer states "
+            f"take {gib(plain.memory.optimizer_states):.1f} GiB/rank and the total "
+            f"{gib(plain.memory.total):.1f} GiB/rank {verdict}; now {gib(chosen.memory.total):.1f} GiB"
+        )
     if chosen.sequence_parallel:
-        reasons.append(f"sequence_parallel: shards the norms' activations over tp={chosen.tp} at no extra "
-                       "communication volume")
+        reasons.append(
+            f"sequence_parallel: shards the norms' activations over tp={chosen.tp} at no extra communication volume"
+        )
     used = f"{chosen.world_size} of {budget} workers"
-    limit = "" if chosen.world_size == budget else (
-        f" (dp must divide global_batch/micro_batch = {case.global_batch}/{case.micro_batch} and fit the budget)")
+    limit = (
+        ""
+        if chosen.world_size == budget
+        else (f" (dp must divide global_batch/micro_batch = {case.global_batch}/{case.micro_batch} and fit the budget)")
+    )
     reasons.append(f"dp={chosen.dp}: world = dp·tp·pp = {chosen.dp}·{chosen.tp}·{chosen.pp} uses {used}{limit}")
     st = chosen.step_time
     comm_s = st.tp_comm_s + st.pp_comm_s + st.dp_comm_s
-    reasons.append(f"chosen {chosen.layout}: {gib(chosen.memory.total):.1f} of {dev:.1f} GiB/rank, est. step "
-                   f"{st.total_s:.3g} s (compute {st.compute_s:.3g}, comm {comm_s:.3g}, "
-                   f"bubble {chosen.bubble_fraction:.1%})")
+    reasons.append(
+        f"chosen {chosen.layout}: {gib(chosen.memory.total):.1f} of {dev:.1f} GiB/rank, est. step "
+        f"{st.total_s:.3g} s (compute {st.compute_s:.3g}, comm {comm_s:.3g}, "
+        f"bubble {chosen.bubble_fraction:.1%})"
+    )
     return reasons

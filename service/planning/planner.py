@@ -18,7 +18,6 @@ from etrain.service.planning.estimate import (
     Case,
     PlanEstimate,
     case_for,
-    device_memory_gb,
     estimate,
     evaluate,
     require_bounds,
@@ -79,8 +78,14 @@ def check_plan(spec: JobSpec, *, available_gb: float | None = None) -> list[Spec
         shrunk = case.replace(layout={"dp": spec.min_dp, "microbatches": None})
         low = evaluate(shrunk)
         if not low.fits:
-            problems.append(memory_problem(shrunk, low, field="resources.min_dp",
-                                           context=f"after an elastic shrink to resources.min_dp={spec.min_dp}: "))
+            problems.append(
+                memory_problem(
+                    shrunk,
+                    low,
+                    field="resources.min_dp",
+                    context=f"after an elastic shrink to resources.min_dp={spec.min_dp}: ",
+                )
+            )
     return problems
 
 
@@ -120,26 +125,41 @@ def resolve_auto(spec: JobSpec, *, available_gb: float | None = None) -> AutoPla
     if not fitting:
         if evaluated:
             smallest = min((est for _, est in evaluated), key=lambda e: e.memory.total)
-            detail = (f"the smallest, {smallest.layout}, needs {gib(smallest.memory.total):.1f} GiB/rank "
-                      f"({smallest.memory.biggest.replace('_', ' ')} "
-                      f"{gib(getattr(smallest.memory, smallest.memory.biggest)):.1f} GiB)")
+            detail = (
+                f"the smallest, {smallest.layout}, needs {gib(smallest.memory.total):.1f} GiB/rank "
+                f"({smallest.memory.biggest.replace('_', ' ')} "
+                f"{gib(getattr(smallest.memory, smallest.memory.biggest)):.1f} GiB)"
+            )
             if capped:
                 detail += f"; the search stopped after {MAX_AUTO_LAYOUTS} layouts"
         else:
             detail = "no layout satisfies the divisibility and batch rules"
-        raise SpecRejected([SpecProblem(
-            field="parallelism.max_workers",
-            message=f"no layout of at most {budget} workers fits in {dev:.1f} GiB/rank: {detail}.",
-            fix=("give an explicit layout (parallelism: {dp, tp, pp, zero}), which POST /v1/plan checks, or "
-                 "fewer choices (lower max_workers, a global_batch with fewer divisors)" if capped else
-                 "raise max_workers, enable training.activation_checkpointing, lower training.micro_batch, "
-                 "or use a device with more memory (resources.device_memory_gb)"),
-        )])
+        raise SpecRejected(
+            [
+                SpecProblem(
+                    field="parallelism.max_workers",
+                    message=f"no layout of at most {budget} workers fits in {dev:.1f} GiB/rank: {detail}.",
+                    fix=(
+                        "give an explicit layout (parallelism: {dp, tp, pp, zero}), which POST /v1/plan checks, or "
+                        "fewer choices (lower max_workers, a global_batch with fewer divisors)"
+                        if capped
+                        else "raise max_workers, enable training.activation_checkpointing, lower training.micro_batch, "
+                        "or use a device with more memory (resources.device_memory_gb)"
+                    ),
+                )
+            ]
+        )
     chosen = choose_layout(fitting)
     case = next(c for c, e in evaluated if e is chosen)
     reasons = explain_choice(chosen, case, [e for _, e in evaluated], fitting, budget, dev)
-    return AutoPlan(layout=case.layout, estimate=chosen, reasons=reasons, candidates_considered=len(evaluated),
-                    candidates_fitting=len(fitting), max_workers=budget)
+    return AutoPlan(
+        layout=case.layout,
+        estimate=chosen,
+        reasons=reasons,
+        candidates_considered=len(evaluated),
+        candidates_fitting=len(fitting),
+        max_workers=budget,
+    )
 
 
 def plan_report(spec: JobSpec, *, available_gb: float | None = None) -> dict:
@@ -153,8 +173,13 @@ def plan_report(spec: JobSpec, *, available_gb: float | None = None) -> dict:
     if field_problems(spec) or any(p.field == "model" or p.field.startswith("model.") for p in problems):
         # Without a model there is nothing to size (a bad model.hf cannot even be read): report
         # the spec's problems as an infeasible plan rather than failing the request.
-        return {"feasible": False, "problems": [p.to_dict() for p in problems], "layout": None,
-                "estimate": None, "auto": None}
+        return {
+            "feasible": False,
+            "problems": [p.to_dict() for p in problems],
+            "layout": None,
+            "estimate": None,
+            "auto": None,
+        }
     resolved = spec
     if spec.is_auto:
         problems += device_memory_problems(spec, available_gb)

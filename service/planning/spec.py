@@ -17,7 +17,7 @@ import dataclasses
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -43,6 +43,9 @@ from etrain.service.planning.bounds import (
     MIN_RESOURCE,
     NO_NUL,
 )
+from etrain.workers import families
+from etrain.workers.checkpoints.hf_config import model_config_from_hf, read_hf_config
+from etrain.workers.protocol import layout_rules
 from etrain.workers.protocol.run_config import (
     MODEL_PRESETS,
     CheckpointConfig,
@@ -53,9 +56,7 @@ from etrain.workers.protocol.run_config import (
     RunConfig,
     TrainingConfig,
 )
-from etrain.workers import families
-from etrain.workers.protocol import layout_rules
-from etrain.workers.checkpoints.hf_config import model_config_from_hf, read_hf_config
+
 
 def _integer_only(value: Any) -> Any:
     """JSON integers only. JSON Schema's "integer" includes 3.0, so 3.0 is 3; "3" and true are not."""
@@ -105,25 +106,35 @@ class ModelSpec(_Section):
     """
 
     # The document states the rule _sizes_known enforces: model.hf, a preset, or all five sizes.
-    model_config = ConfigDict(json_schema_extra={"anyOf": [
-        {"required": ["hf"], "properties": {"hf": {"type": "string"}}},
-        {"required": ["preset"], "properties": {"preset": {"type": "string"}}},
-        {"required": list(_MODEL_SIZE_FIELDS),
-         "properties": {name: {"type": "integer"} for name in _MODEL_SIZE_FIELDS}},
-    ]})
+    model_config = ConfigDict(
+        json_schema_extra={
+            "anyOf": [
+                {"required": ["hf"], "properties": {"hf": {"type": "string"}}},
+                {"required": ["preset"], "properties": {"preset": {"type": "string"}}},
+                {
+                    "required": list(_MODEL_SIZE_FIELDS),
+                    "properties": {name: {"type": "integer"} for name in _MODEL_SIZE_FIELDS},
+                },
+            ]
+        }
+    )
 
     kind: Literal[families.family_names()] | None = Field(  # type: ignore[valid-type]
-        default=None, description="the model family; default: the family of model.hf's config.json or of the "
-        "preset, else gpt"
+        default=None,
+        description="the model family; default: the family of model.hf's config.json or of the preset, else gpt",
     )
     hf: PathText | None = Field(default=None, description="Hugging Face model folder (config.json + *.safetensors)")
-    preset: str | None = Field(default=None, description=f"one of {sorted(MODEL_PRESETS)}",
-                               json_schema_extra={"enum": [*sorted(MODEL_PRESETS), None]})
+    preset: str | None = Field(
+        default=None,
+        description=f"one of {sorted(MODEL_PRESETS)}",
+        json_schema_extra={"enum": [*sorted(MODEL_PRESETS), None]},
+    )
     n_layers: _upto(MAX_LAYERS) | None = None
     d_model: _upto(MAX_D_MODEL) | None = None
     n_heads: _upto(MAX_HEADS) | None = None
-    n_kv_heads: _upto(MAX_HEADS) | None = Field(default=None,
-                                                description="llama: grouped-query attention; default n_heads")
+    n_kv_heads: _upto(MAX_HEADS) | None = Field(
+        default=None, description="llama: grouped-query attention; default n_heads"
+    )
     vocab_size: _upto(MAX_VOCAB) | None = None
     seq_len: _upto(MAX_SEQ_LEN) | None = None
     d_ff: _upto(MAX_D_FF) | None = Field(default=None, description="MLP width; default 4 * d_model")
@@ -140,7 +151,7 @@ class ModelSpec(_Section):
         return data
 
     @model_validator(mode="after")
-    def _sizes_known(self) -> "ModelSpec":
+    def _sizes_known(self) -> ModelSpec:
         if self.preset is not None and self.preset not in MODEL_PRESETS:
             raise ValueError(f"unknown preset {self.preset!r}; use one of {sorted(MODEL_PRESETS)}")
         if self.hf is not None:
@@ -154,9 +165,16 @@ class ModelSpec(_Section):
         """The model's sizes (and, for presets, its other settings); with ``hf`` read from config.json."""
         if self.hf is not None:
             config = self.to_config()
-            return {"n_layers": config.n_layers, "d_model": config.d_model, "n_heads": config.n_heads,
-                    "n_kv_heads": config.kv_heads, "vocab_size": config.vocab_size, "seq_len": config.seq_len,
-                    "d_ff": config.ffn_dim, "arch": config.arch}
+            return {
+                "n_layers": config.n_layers,
+                "d_model": config.d_model,
+                "n_heads": config.n_heads,
+                "n_kv_heads": config.kv_heads,
+                "vocab_size": config.vocab_size,
+                "seq_len": config.seq_len,
+                "d_ff": config.ffn_dim,
+                "arch": config.arch,
+            }
         sizes: dict[str, Any] = dict(MODEL_PRESETS.get(self.preset or "", {}))
         for name in (*_MODEL_SIZE_FIELDS, "d_ff", "n_kv_heads"):
             value = getattr(self, name)
@@ -224,17 +242,26 @@ class AutoParallelismSpec(_Section):
 
 class ResourcesSpec(_Section):
     device: Literal["cpu", "cuda"] = "cpu"
-    cpus_per_worker: float = Field(default=1.0, ge=MIN_RESOURCE, le=MAX_CPUS_PER_WORKER,
-                                   description="may be fractional so ranks share a machine (Ray counts 0.0001s)")
+    cpus_per_worker: float = Field(
+        default=1.0,
+        ge=MIN_RESOURCE,
+        le=MAX_CPUS_PER_WORKER,
+        description="may be fractional so ranks share a machine (Ray counts 0.0001s)",
+    )
     gpus_per_worker: float = Field(
-        default=0.0, ge=0, le=MAX_GPUS_PER_WORKER, description="0, or at least 0.0001 (Ray counts 0.0001s)",
+        default=0.0,
+        ge=0,
+        le=MAX_GPUS_PER_WORKER,
+        description="0, or at least 0.0001 (Ray counts 0.0001s)",
         json_schema_extra={"not": {"exclusiveMinimum": 0, "exclusiveMaximum": MIN_RESOURCE}},
     )
     device_memory_gb: float | None = Field(
-        default=None, gt=0, le=MAX_DEVICE_MEMORY_GB,
+        default=None,
+        gt=0,
+        le=MAX_DEVICE_MEMORY_GB,
         description="memory per rank (GiB) the planner checks against; default: what the cluster offers (the GPU "
         "memory its Ray nodes report, or the operator's ETRAIN_DEVICE_MEMORY_GB), else 80 (cuda) / 8 (cpu); "
-        "a job may lower it, never raise it"
+        "a job may lower it, never raise it",
     )
     min_dp: DataParallel | None = Field(default=None, description="elastic floor; default: parallelism.dp")
     max_dp: DataParallel | None = Field(default=None, description="elastic ceiling; default: parallelism.dp")
@@ -268,7 +295,7 @@ class TrainingSpec(_Section):
 
 
 class CheckpointSpec(_Section):
-    every_steps: Union[_upto(MAX_STEPS, 0), Literal["auto"]] = Field(
+    every_steps: _upto(MAX_STEPS, 0) | Literal["auto"] = Field(
         default=0,
         description="0: only at the end; N: every N steps; auto: the Young-Daly interval "
         "sqrt(2 x measured save blocking time x fault_tolerance.mtbf_hours), re-evaluated as saves are measured",
@@ -276,7 +303,8 @@ class CheckpointSpec(_Section):
     keep_last: _upto(1000) = 3
     path: PathText | None = Field(default=None, description="default: <data-dir>/checkpoints/<job-id>")
     async_save: bool | None = Field(
-        default=None, alias="async",
+        default=None,
+        alias="async",
         description="write checkpoints in the background (training blocks only for the copy to host memory); "
         "default: true for resources.device cuda, false for cpu",
     )
@@ -292,11 +320,18 @@ class FaultToleranceSpec(_Section):
     heartbeat_timeout_s: float = Field(default=60.0, gt=0, le=MAX_SECONDS)
     backoff_base_s: float = Field(default=1.0, ge=0, le=MAX_SECONDS)
     backoff_max_s: float = Field(default=60.0, ge=0, le=MAX_SECONDS, description="at least backoff_base_s")
-    in_place: bool = Field(default=True, description="repair a single lost rank in place: the other ranks keep "
-                           "their processes and state; false relaunches every rank")
-    mtbf_hours: float = Field(default=24.0, gt=0, le=MAX_SECONDS / 3600,
-                              description="mean time between failures the job expects; checkpoint.every_steps: "
-                              "auto balances the cost of a save against the work a failure loses")
+    in_place: bool = Field(
+        default=True,
+        description="repair a single lost rank in place: the other ranks keep "
+        "their processes and state; false relaunches every rank",
+    )
+    mtbf_hours: float = Field(
+        default=24.0,
+        gt=0,
+        le=MAX_SECONDS / 3600,
+        description="mean time between failures the job expects; checkpoint.every_steps: "
+        "auto balances the cost of a save against the work a failure loses",
+    )
 
 
 class StragglerSpec(_Section):
@@ -310,15 +345,16 @@ class StragglerSpec(_Section):
 
 
 class ElasticSpec(_Section):
-    check_interval_s: float = Field(default=30.0, ge=0.1, le=MAX_SECONDS,
-                                    description="how often the supervisor re-checks capacity (at least 0.1 s)")
+    check_interval_s: float = Field(
+        default=30.0, ge=0.1, le=MAX_SECONDS, description="how often the supervisor re-checks capacity (at least 0.1 s)"
+    )
 
 
 class JobSpec(_Section):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     model: ModelSpec
     data: DataSpec = DataSpec()
-    parallelism: Union[ParallelismSpec, AutoParallelismSpec, Literal["auto"]] = ParallelismSpec()
+    parallelism: ParallelismSpec | AutoParallelismSpec | Literal["auto"] = ParallelismSpec()
     resources: ResourcesSpec = ResourcesSpec()
     training: TrainingSpec
     checkpoint: CheckpointSpec = CheckpointSpec()
@@ -338,7 +374,9 @@ class JobSpec(_Section):
     def layout(self) -> ParallelismSpec:
         """The explicit layout; an auto spec must be resolved by the planner first."""
         if not isinstance(self.parallelism, ParallelismSpec):
-            raise ValueError("parallelism is 'auto': resolve it with etrain.service.planning.planner.resolve_auto first")
+            raise ValueError(
+                "parallelism is 'auto': resolve it with etrain.service.planning.planner.resolve_auto first"
+            )
         return self.parallelism
 
     @property
@@ -364,7 +402,7 @@ class JobSpec(_Section):
     def max_dp(self) -> int:
         return self.resources.max_dp or self.layout.dp
 
-    def with_layout(self, layout: ParallelismSpec) -> "JobSpec":
+    def with_layout(self, layout: ParallelismSpec) -> JobSpec:
         return self.model_copy(update={"parallelism": layout})
 
     def to_run_config(self, *, job_id: str, checkpoint_root: str) -> RunConfig:
@@ -373,7 +411,10 @@ class JobSpec(_Section):
             job_id=job_id,
             model=self.model.to_config(),
             data=DataConfig(
-                kind=self.data.kind, path=self.data.path, seed=self.data.seed, token_dtype=self.data.token_dtype,
+                kind=self.data.kind,
+                path=self.data.path,
+                seed=self.data.seed,
+                token_dtype=self.data.token_dtype,
                 tokenizer=self.data.tokenizer,
             ),
             parallel=ParallelConfig(
@@ -412,6 +453,6 @@ class SpecProblem:
         return {"field": self.field, "message": self.message, "fix": self.fix}
 
     @classmethod
-    def of(cls, problems: Iterable[layout_rules.Problem]) -> list["SpecProblem"]:
+    def of(cls, problems: Iterable[layout_rules.Problem]) -> list[SpecProblem]:
         """The layout rules' problems (``etrain.workers.protocol.layout_rules``) as spec problems."""
         return [cls(field=p.field, message=p.message, fix=p.fix) for p in problems]

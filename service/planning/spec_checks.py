@@ -43,8 +43,13 @@ def field_problems(spec: JobSpec) -> list[SpecProblem]:
             field = ".".join(loc) or "spec"
             given = error.get("input")
             shown = f"={given!r}" if isinstance(given, (int, float, str)) and len(repr(given)) <= 80 else ""
-            problems.append(SpecProblem(field=field, message=f"{field}{shown}: {error['msg']}.",
-                                        fix="see the bounds in docs/job-spec.md (service/planning/bounds.py)"))
+            problems.append(
+                SpecProblem(
+                    field=field,
+                    message=f"{field}{shown}: {error['msg']}.",
+                    fix="see the bounds in docs/job-spec.md (service/planning/bounds.py)",
+                )
+            )
         return problems or [SpecProblem(field="spec", message=str(err), fix=None)]
     return []
 
@@ -105,9 +110,14 @@ def check_spec(spec: JobSpec) -> list[SpecProblem]:
         return problems + _policy_problems(spec, problems)
     layout = spec.layout
     training = spec.training
-    problems += SpecProblem.of(layout_rules.batch_problems(
-        global_batch=training.global_batch, micro_batch=training.micro_batch, dp=layout.dp,
-        microbatches=layout.microbatches))
+    problems += SpecProblem.of(
+        layout_rules.batch_problems(
+            global_batch=training.global_batch,
+            micro_batch=training.micro_batch,
+            dp=layout.dp,
+            microbatches=layout.microbatches,
+        )
+    )
     if training.warmup_steps > training.steps:
         problems.append(
             SpecProblem(
@@ -145,13 +155,15 @@ def _world_problems(spec: JobSpec) -> list[SpecProblem]:
     for field, dp in (("parallelism", layout.dp), ("resources.max_dp", spec.max_dp)):
         world = layout_rules.world_size(pp=layout.pp, dp=dp, tp=layout.tp)
         if world > MAX_WORKERS:
-            problems.append(SpecProblem(
-                field=field,
-                message=f"{'dp' if field == 'parallelism' else 'resources.max_dp'}·tp·pp = {dp}·{layout.tp}·"
-                        f"{layout.pp} = {world} ranks, more than this service runs in one job ({MAX_WORKERS}).",
-                fix=f"use at most {MAX_WORKERS} ranks: lower "
+            problems.append(
+                SpecProblem(
+                    field=field,
+                    message=f"{'dp' if field == 'parallelism' else 'resources.max_dp'}·tp·pp = {dp}·{layout.tp}·"
+                    f"{layout.pp} = {world} ranks, more than this service runs in one job ({MAX_WORKERS}).",
+                    fix=f"use at most {MAX_WORKERS} ranks: lower "
                     + ("parallelism.dp, tp or pp" if field == "parallelism" else "resources.max_dp"),
-            ))
+                )
+            )
             break
     return problems
 
@@ -172,8 +184,16 @@ def _policy_fields() -> dict[str, str]:
     }
 
 
-_BATCH_FIELDS = frozenset({"training.global_batch", "training.micro_batch", "resources.min_dp", "resources.max_dp",
-                           "parallelism.dp", "parallelism"})
+_BATCH_FIELDS = frozenset(
+    {
+        "training.global_batch",
+        "training.micro_batch",
+        "resources.min_dp",
+        "resources.max_dp",
+        "parallelism.dp",
+        "parallelism",
+    }
+)
 
 
 def _policy_problems(spec: JobSpec, found: list[SpecProblem]) -> list[SpecProblem]:
@@ -207,23 +227,29 @@ def _policy_problems(spec: JobSpec, found: list[SpecProblem]) -> list[SpecProble
     problems: list[SpecProblem] = []
     try:
         config = SupervisorConfig(
-            total_steps=training.steps, global_batch=training.global_batch, micro_batch=training.micro_batch,
-            policy=policy, tp=tp, pp=pp, dp_multiple=multiple,
+            total_steps=training.steps,
+            global_batch=training.global_batch,
+            micro_batch=training.micro_batch,
+            policy=policy,
+            tp=tp,
+            pp=pp,
+            dp_multiple=multiple,
         )
         initial_state(config, dp=dp)
     except SupervisorConfigError as err:
         field = _policy_fields().get(err.field or "", "fault_tolerance")
         if not (field in _BATCH_FIELDS and any(p.field in _BATCH_FIELDS for p in found)):
-            problems.append(SpecProblem(field=field, message=f"{field}: {err.message}.",
-                                        fix=err.fix or _POLICY_FIX.get(field)))
+            problems.append(
+                SpecProblem(field=field, message=f"{field}: {err.message}.", fix=err.fix or _POLICY_FIX.get(field))
+            )
     return problems
 
 
 _POLICY_FIX = {
     "fault_tolerance.backoff_max_s": "set fault_tolerance.backoff_max_s at least fault_tolerance.backoff_base_s "
-                                     "(the backoff doubles from base up to max)",
+    "(the backoff doubles from base up to max)",
     "resources.min_dp": "widen resources.min_dp..max_dp to include a dp that divides "
-                        "training.global_batch / training.micro_batch",
+    "training.global_batch / training.micro_batch",
     "training.global_batch": "make training.global_batch a multiple of training.micro_batch",
 }
 
@@ -238,24 +264,30 @@ def _tokenizer_problems(spec: JobSpec, vocab_size: int | None) -> list[SpecProbl
     if not data.tokenizer:
         return []
     if data.kind != "text":
-        return [SpecProblem(field="data.tokenizer",
-                            message=f"data.tokenizer applies to data.kind='text' only, not {data.kind!r}.",
-                            fix="remove data.tokenizer, or set data.kind: text")]
-    from etrain.workers.protocol.errors import DataError
+        return [
+            SpecProblem(
+                field="data.tokenizer",
+                message=f"data.tokenizer applies to data.kind='text' only, not {data.kind!r}.",
+                fix="remove data.tokenizer, or set data.kind: text",
+            )
+        ]
     from etrain.workers.engine.tokenized import tokenizer_info
+    from etrain.workers.protocol.errors import DataError
 
     try:
         info = tokenizer_info(data.tokenizer)
     except DataError as err:
         return [SpecProblem(field="data.tokenizer", message=err.message, fix=err.fix)]
     if vocab_size is not None and info.vocab_size > vocab_size:
-        return [SpecProblem(
-            field="data.tokenizer",
-            message=f"data.tokenizer {info.path} has {info.vocab_size} token ids but model.vocab_size={vocab_size}: "
-                    f"ids >= {vocab_size} have no embedding.",
-            fix=f"set model.vocab_size to at least {info.vocab_size} (e.g. {-(-info.vocab_size // 64) * 64}), "
+        return [
+            SpecProblem(
+                field="data.tokenizer",
+                message=f"data.tokenizer {info.path} has {info.vocab_size} token ids but model.vocab_size={vocab_size}: "
+                f"ids >= {vocab_size} have no embedding.",
+                fix=f"set model.vocab_size to at least {info.vocab_size} (e.g. {-(-info.vocab_size // 64) * 64}), "
                 "or use the tokenizer the model was trained with",
-        )]
+            )
+        ]
     return []
 
 
@@ -269,30 +301,36 @@ def _model_problems(spec: JobSpec) -> list[SpecProblem]:
     if model.hf is not None:
         for name in _HF_EXCLUSIVE_FIELDS:
             if getattr(model, name) is not None:
-                problems.append(SpecProblem(
-                    field=f"model.{name}",
-                    message=f"model.hf and model.{name} are exclusive: the model's sizes come from "
-                            f"{model.hf}/config.json.",
-                    fix=f"remove model.{name} (only model.seq_len may be given with model.hf)",
-                ))
+                problems.append(
+                    SpecProblem(
+                        field=f"model.{name}",
+                        message=f"model.hf and model.{name} are exclusive: the model's sizes come from "
+                        f"{model.hf}/config.json.",
+                        fix=f"remove model.{name} (only model.seq_len may be given with model.hf)",
+                    )
+                )
         if problems:
             return problems
     elif model.preset is not None:
         preset_kind = MODEL_PRESETS[model.preset]["arch"]
         if preset_kind != model.kind:
-            problems.append(SpecProblem(
-                field="model.kind",
-                message=f"model.kind={model.kind!r} but model.preset={model.preset!r} is a {preset_kind} model.",
-                fix=f"remove model.kind, or choose a {model.kind} preset",
-            ))
+            problems.append(
+                SpecProblem(
+                    field="model.kind",
+                    message=f"model.kind={model.kind!r} but model.preset={model.preset!r} is a {preset_kind} model.",
+                    fix=f"remove model.kind, or choose a {model.kind} preset",
+                )
+            )
     kind = families.family(model.kind) if model.kind is not None else None
     if model.n_kv_heads is not None and kind is not None and not kind.grouped_query_attention:
         grouped = [f.name for f in families.FAMILIES.values() if f.grouped_query_attention]
-        problems.append(SpecProblem(
-            field="model.n_kv_heads",
-            message=f"model.n_kv_heads (grouped-query attention) does not apply to model.kind={model.kind!r}.",
-            fix=f"remove model.n_kv_heads, or set model.kind to one of {', '.join(grouped)}",
-        ))
+        problems.append(
+            SpecProblem(
+                field="model.n_kv_heads",
+                message=f"model.n_kv_heads (grouped-query attention) does not apply to model.kind={model.kind!r}.",
+                fix=f"remove model.n_kv_heads, or set model.kind to one of {', '.join(grouped)}",
+            )
+        )
     if problems:
         return problems
     try:
@@ -300,20 +338,24 @@ def _model_problems(spec: JobSpec) -> list[SpecProblem]:
     except ConfigError as err:
         return [SpecProblem(field=err.field or "model", message=err.message, fix=err.fix)]
     if model.hf is not None and model.kind is not None and model.kind != config.arch:
-        problems.append(SpecProblem(
-            field="model.kind",
-            message=f"model.kind={model.kind!r} but model.hf holds a {config.hf_architecture} "
-                    f"(model.kind={config.arch!r}).",
-            fix=f"remove model.kind (or set it to {config.arch!r})",
-        ))
+        problems.append(
+            SpecProblem(
+                field="model.kind",
+                message=f"model.kind={model.kind!r} but model.hf holds a {config.hf_architecture} "
+                f"(model.kind={config.arch!r}).",
+                fix=f"remove model.kind (or set it to {config.arch!r})",
+            )
+        )
     found = families.family(config.arch)
     if spec.export_format == "hf" and not found.has_hf_format:
         with_hf = [f.name for f in families.FAMILIES.values() if f.has_hf_format]
-        problems.append(SpecProblem(
-            field="checkpoint.export",
-            message=f"checkpoint.export='hf' writes a transformers model folder; model.kind={config.arch!r} "
-                    f"({found.summary.split(':')[0]}) has no Hugging Face equivalent.",
-            fix=f"set checkpoint.export: none, or train a model of a Hugging Face family ({', '.join(with_hf)}: "
+        problems.append(
+            SpecProblem(
+                field="checkpoint.export",
+                message=f"checkpoint.export='hf' writes a transformers model folder; model.kind={config.arch!r} "
+                f"({found.summary.split(':')[0]}) has no Hugging Face equivalent.",
+                fix=f"set checkpoint.export: none, or train a model of a Hugging Face family ({', '.join(with_hf)}: "
                 "model.hf or one of their presets)",
-        ))
+            )
+        )
     return problems

@@ -45,8 +45,11 @@ def resolve_paths(spec: JobSpec, base_dir: str | os.PathLike) -> JobSpec:
 
 
 def pin_paths(
-    spec: JobSpec, base_dir: str | os.PathLike, roots: storage_roots.StorageRoots,
-    *, shown_roots: tuple[str, ...] | None = None,
+    spec: JobSpec,
+    base_dir: str | os.PathLike,
+    roots: storage_roots.StorageRoots,
+    *,
+    shown_roots: tuple[str, ...] | None = None,
 ) -> tuple[JobSpec, list[SpecProblem]]:
     """:func:`resolve_paths`, then the storage-roots rule on the pinned paths: the spec as it will run
     and the paths it may not use (empty: all inside the roots). A ``model.hf`` the roots allow also pins

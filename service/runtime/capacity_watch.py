@@ -39,8 +39,15 @@ class CapacityWatch:
     reservation is under way: no capacity can be read then, and the check is made again at the next turn.
     """
 
-    def __init__(self, *, per_rank: dict[str, float], tp: int, pp: int, interval_s: float,
-                 held: Callable[[], dict[str, int] | None]):
+    def __init__(
+        self,
+        *,
+        per_rank: dict[str, float],
+        tp: int,
+        pp: int,
+        interval_s: float,
+        held: Callable[[], dict[str, int] | None],
+    ):
         self._per_rank = per_rank
         self._tp, self._pp = tp, pp
         self._interval_s = interval_s  # elastic.check_interval_s
@@ -127,7 +134,8 @@ class CapacityWatch:
                     available = self.available_dp(excluded)
                 except Exception:
                     available = None
-                yield NodeLossConfirmed(node=node, failed_attempt=attempt,
-                                        available_dp=fallback_dp if available is None else available)
+                yield NodeLossConfirmed(
+                    node=node, failed_attempt=attempt, available_dp=fallback_dp if available is None else available
+                )
             elif now > until:
                 del self._unconfirmed[node]  # the node lives: it was the process after all

@@ -54,8 +54,10 @@ class JobDrills:
         order_id = next(self._ids)
         action = request["action"]
         if action == "corrupt_checkpoint":
-            return (CorruptOrder(id=order_id, step=int(request["step"])),
-                    {"id": order_id, "action": action, "step": request["step"], "armed": True})
+            return (
+                CorruptOrder(id=order_id, step=int(request["step"])),
+                {"id": order_id, "action": action, "step": request["step"], "armed": True},
+            )
         during = request.get("during") or "step"
         order = ChaosOrder(
             id=order_id,
@@ -69,8 +71,9 @@ class JobDrills:
         )
         return order, dataclasses.asdict(order) | {"armed": True}
 
-    def arm(self, order: ChaosOrder | CorruptOrder, *, world_size: int, group: Any | None,
-            committed_step: int | None) -> None:
+    def arm(
+        self, order: ChaosOrder | CorruptOrder, *, world_size: int, group: Any | None, committed_step: int | None
+    ) -> None:
         """Take an order in: ``group`` is the worker group when it is up (None while it starts or is down)."""
         if isinstance(order, CorruptOrder):
             self._corrupt[order.id] = order.step
@@ -84,14 +87,18 @@ class JobDrills:
             self._send(order, group)
             return
         self._armed[order.id] = order
-        self._record("chaos_armed", f"{order.action} on rank {order.rank}"
-                     + (f" at step {order.at_step}" if order.at_step is not None else " when the group is up")
-                     + (f" during {order.during}" if order.during != "step" else ""))
+        self._record(
+            "chaos_armed",
+            f"{order.action} on rank {order.rank}"
+            + (f" at step {order.at_step}" if order.at_step is not None else " when the group is up")
+            + (f" during {order.during}" if order.during != "step" else ""),
+        )
         if group is not None:
             self._send(order, group)
 
-    def arm_requests(self, requests: tuple[dict[str, Any], ...], *, world_size: int,
-                     committed_step: int | None) -> None:
+    def arm_requests(
+        self, requests: tuple[dict[str, Any], ...], *, world_size: int, committed_step: int | None
+    ) -> None:
         """Arm orders posted before the supervisor existed (``JobPolicy.chaos_requests``), in the order they
         came: called before the first launch, with no group, so they ride in its plan."""
         for request in requests:
@@ -114,15 +121,22 @@ class JobDrills:
         """A rank reports an order fired (``report_chaos``): it is no longer armed."""
         order = self._armed.pop(order_id, None)
         if order is not None:
-            self._record("chaos_fired", f"{order.action} on rank {rank} at step {step}"
-                         + (f" during {order.during}" if order.during != "step" else "") + f" (order {order_id})")
+            self._record(
+                "chaos_fired",
+                f"{order.action} on rank {rank} at step {step}"
+                + (f" during {order.during}" if order.during != "step" else "")
+                + f" (order {order_id})",
+            )
 
     def corrupt_due(self, committed_step: int | None) -> None:
         """Carry out the corruptions whose step is committed (called after each commit)."""
         for order_id, step in list(self._corrupt.items()):
             directory = step_dir(self._root, step)
-            if (committed_step is None or step > committed_step
-                    or not storage.exists(storage.join(directory, MANIFEST_NAME))):
+            if (
+                committed_step is None
+                or step > committed_step
+                or not storage.exists(storage.join(directory, MANIFEST_NAME))
+            ):
                 continue
             del self._corrupt[order_id]
             victim = _largest_shard(directory)
@@ -130,7 +144,9 @@ class JobDrills:
                 self._record("chaos_rejected", f"corrupt_checkpoint: no shard files in {directory}")
                 continue
             _flip_bytes(victim)
-            self._record("chaos_fired", f"corrupt_checkpoint flipped bytes in {storage.basename(victim)} of step {step}")
+            self._record(
+                "chaos_fired", f"corrupt_checkpoint flipped bytes in {storage.basename(victim)} of step {step}"
+            )
 
     def _send(self, order: ChaosOrder, group: Any) -> None:
         """Give an order to its rank. An immediate actor kill is done from here: a rank cannot
@@ -145,8 +161,11 @@ class JobDrills:
 
 def _largest_shard(directory: str) -> str | None:
     if storage.is_url(directory):
-        sizes = {rel: size for rel, size in storage.file_sizes(directory).items()
-                 if "/" not in rel and rel.endswith(".distcp")}
+        sizes = {
+            rel: size
+            for rel, size in storage.file_sizes(directory).items()
+            if "/" not in rel and rel.endswith(".distcp")
+        }
         return storage.join(directory, max(sizes, key=sizes.get)) if sizes else None
     shards = [path for path in Path(directory).iterdir() if path.is_file() and path.suffix == ".distcp"]
     return str(max(shards, key=lambda path: path.stat().st_size)) if shards else None
@@ -158,7 +177,7 @@ def _flip_bytes(path: str) -> None:
     if storage.is_url(path):
         data = bytearray(storage.read_bytes(path))
         offset = max(0, len(data) // 2 - 32)
-        data[offset:offset + 64] = bytes(b ^ 0xFF for b in data[offset:offset + 64])
+        data[offset : offset + 64] = bytes(b ^ 0xFF for b in data[offset : offset + 64])
         storage.write_bytes(path, bytes(data))
         return
     size = os.path.getsize(path)

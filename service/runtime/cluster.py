@@ -13,12 +13,12 @@ import threading
 from typing import Any, Protocol
 
 from etrain.service.decisions.admission import ClusterView, NodeView
+from etrain.service.decisions.job_policy import JobPolicy
 from etrain.service.errors import ServiceUnavailable
 from etrain.service.runtime.hf_export import run_export
-from etrain.service.decisions.job_policy import JobPolicy
 from etrain.service.runtime.supervisor_actor import find_supervisor, start_supervisor
-from etrain.service.settings import Settings
 from etrain.service.runtime.worker_group import NAMESPACE
+from etrain.service.settings import Settings
 from etrain.workers.protocol.run_config import ModelConfig, RunConfig
 
 log = logging.getLogger(__name__)
@@ -39,8 +39,16 @@ class Runtime(Protocol):
     def scale(self, job_id: str, dp: int) -> None: ...
     def chaos(self, job_id: str, request: dict[str, Any]) -> dict[str, Any]: ...
     def release(self, job_id: str) -> None: ...
-    def export(self, *, step_dir: str, out_dir: str, model: ModelConfig, source_dir: str | None,
-               expect_digest: str, timeout_s: float) -> str: ...
+    def export(
+        self,
+        *,
+        step_dir: str,
+        out_dir: str,
+        model: ModelConfig,
+        source_dir: str | None,
+        expect_digest: str,
+        timeout_s: float,
+    ) -> str: ...
     def health(self) -> dict[str, Any]: ...
     def close(self) -> None: ...
 
@@ -98,6 +106,7 @@ class RayRuntime:
         this probe, of a 9.7 s submit -> first step. Never fatal: a probe that fails is asked again by
         the next submit, as before.
         """
+
         def probe() -> None:
             try:
                 self.accelerator_memory_gb()
@@ -136,8 +145,10 @@ class RayRuntime:
             return "the dashboard asks for Ray's token: it is in $RAY_AUTH_TOKEN"
         token_file = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
         if token_file.exists():
-            return (f"the dashboard asks for Ray's token: paste the contents of {token_file} "
-                    "(or run `.venv/bin/ray get-auth-token`)")
+            return (
+                f"the dashboard asks for Ray's token: paste the contents of {token_file} "
+                "(or run `.venv/bin/ray get-auth-token`)"
+            )
         return None
 
     def start(self, job_id: str, config: RunConfig, policy: JobPolicy) -> None:
@@ -177,11 +188,25 @@ class RayRuntime:
             except Exception:  # already gone
                 pass
 
-    def export(self, *, step_dir: str, out_dir: str, model: ModelConfig, source_dir: str | None,
-               expect_digest: str, timeout_s: float) -> str:
+    def export(
+        self,
+        *,
+        step_dir: str,
+        out_dir: str,
+        model: ModelConfig,
+        source_dir: str | None,
+        expect_digest: str,
+        timeout_s: float,
+    ) -> str:
         """Run the Hugging Face export task (etrain.service.runtime.hf_export) and wait up to ``timeout_s``."""
-        return run_export(step_dir=step_dir, out_dir=out_dir, model=model, source_dir=source_dir,
-                          expect_digest=expect_digest, timeout_s=timeout_s)
+        return run_export(
+            step_dir=step_dir,
+            out_dir=out_dir,
+            model=model,
+            source_dir=source_dir,
+            expect_digest=expect_digest,
+            timeout_s=timeout_s,
+        )
 
     def accelerator_memory_gb(self) -> float | None:
         """GiB of memory per GPU the cluster offers, for the planner (``resources.device_memory_gb``).
@@ -231,10 +256,13 @@ class RayRuntime:
         try:
             return future.result(timeout=CALL_TIMEOUT_S)
         except concurrent.futures.TimeoutError as err:
-            raise ServiceUnavailable(f"Ray did not {what} within {CALL_TIMEOUT_S:.0f}s",
-                                     fix="check the cluster (ray status) and retry") from err
+            raise ServiceUnavailable(
+                f"Ray did not {what} within {CALL_TIMEOUT_S:.0f}s", fix="check the cluster (ray status) and retry"
+            ) from err
         except Exception as err:
-            raise ServiceUnavailable(f"could not {what}: {err}", fix="check the cluster (ray status) and retry") from err
+            raise ServiceUnavailable(
+                f"could not {what}: {err}", fix="check the cluster (ray status) and retry"
+            ) from err
 
     def _read_cluster(self) -> ClusterView:
         from ray._private.state import available_resources_per_node

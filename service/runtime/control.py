@@ -149,7 +149,9 @@ class ChaosHandOver:
             if not self._changed.wait_for(lambda: job_id not in self._starting, timeout=self._wait_s):
                 raise ServiceUnavailable(
                     f"the supervisor of job {job_id} is still starting after {self._wait_s:.0f}s; the order was "
-                    "not taken", fix="retry in a few seconds; if it persists, check the cluster (ray status)")
+                    "not taken",
+                    fix="retry in a few seconds; if it persists, check the cluster (ray status)",
+                )
             kept = self._kept.setdefault(job_id, [])
             try:
                 yield kept

@@ -19,13 +19,21 @@ from typing import Any
 
 import ray
 
-from etrain.workers.protocol import safe_paths
 from etrain.workers.checkpoints import storage
+from etrain.workers.protocol import safe_paths
 from etrain.workers.protocol.errors import EtrainError
 from etrain.workers.protocol.run_config import ModelConfig
 
-__all__ = ["EXPORT_NUM_CPUS", "HF_EXPORT_DIR", "ExportFailedError", "cancel_quietly", "job_export_dir", "run_export",
-           "submit_export", "wait_export"]
+__all__ = [
+    "EXPORT_NUM_CPUS",
+    "HF_EXPORT_DIR",
+    "ExportFailedError",
+    "cancel_quietly",
+    "job_export_dir",
+    "run_export",
+    "submit_export",
+    "wait_export",
+]
 
 #: Where a job's end-of-run Hugging Face export goes, inside its checkpoint root.
 HF_EXPORT_DIR = "hf-export"
@@ -45,8 +53,14 @@ def job_export_dir(checkpoint_root: str) -> str:
     return os.path.join(os.path.abspath(checkpoint_root), HF_EXPORT_DIR)
 
 
-def _export_folder(step_dir: str, out_dir: str, model: ModelConfig, source_dir: str | None,
-                   replace_existing: bool, expect_digest: str | None = None) -> str:
+def _export_folder(
+    step_dir: str,
+    out_dir: str,
+    model: ModelConfig,
+    source_dir: str | None,
+    replace_existing: bool,
+    expect_digest: str | None = None,
+) -> str:
     """The body of the export task: runs in a Ray worker process, the only place torch is imported.
 
     ``replace_existing``: the job's own ``hf-export`` folder may be left by an earlier supervisor of the
@@ -67,8 +81,15 @@ def _export_folder(step_dir: str, out_dir: str, model: ModelConfig, source_dir: 
 _export_task = ray.remote(num_cpus=EXPORT_NUM_CPUS, max_retries=0)(_export_folder)
 
 
-def submit_export(*, step_dir: str, out_dir: str, model: ModelConfig, source_dir: str | None, expect_digest: str,
-                  replace_existing: bool = False):
+def submit_export(
+    *,
+    step_dir: str,
+    out_dir: str,
+    model: ModelConfig,
+    source_dir: str | None,
+    expect_digest: str,
+    replace_existing: bool = False,
+):
     """Start the export task (any node: checkpoints live on shared storage); returns its ObjectRef.
     ``expect_digest``: the digest of ``step_dir``'s manifest as verified with the key (required: the task
     unpickles DCP's ``.metadata`` and can check nothing signed by itself)."""
@@ -93,17 +114,21 @@ def wait_export(ref: Any, *, timeout_s: float) -> str:
         cause = getattr(err, "cause", None)
         if isinstance(cause, EtrainError):
             raise cause from None
-        raise ExportFailedError(f"the export task failed: {type(cause).__name__ if cause else 'error'}: "
-                                f"{cause if cause is not None else err}") from None
+        raise ExportFailedError(
+            f"the export task failed: {type(cause).__name__ if cause else 'error'}: "
+            f"{cause if cause is not None else err}"
+        ) from None
     except ray.exceptions.RayError as err:  # the task's worker or node died
         raise ExportFailedError(f"the export task was lost: {err}", fix="retry the export") from None
 
 
-def run_export(*, step_dir: str, out_dir: str, model: ModelConfig, source_dir: str | None, expect_digest: str,
-               timeout_s: float) -> str:
+def run_export(
+    *, step_dir: str, out_dir: str, model: ModelConfig, source_dir: str | None, expect_digest: str, timeout_s: float
+) -> str:
     """Export one committed checkpoint and wait for it (the control plane's `etrain export`)."""
-    ref = submit_export(step_dir=step_dir, out_dir=out_dir, model=model, source_dir=source_dir,
-                        expect_digest=expect_digest)
+    ref = submit_export(
+        step_dir=step_dir, out_dir=out_dir, model=model, source_dir=source_dir, expect_digest=expect_digest
+    )
     return wait_export(ref, timeout_s=timeout_s)
 
 

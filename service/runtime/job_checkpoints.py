@@ -24,9 +24,9 @@ from typing import Any
 from etrain.service.access.checkpoint_dirs import may_resume
 from etrain.service.decisions.supervisor_events import CommitFailed, CommitSucceeded, Event, Exported, ExportFailed
 from etrain.service.runtime.hf_export import cancel_quietly, job_export_dir, submit_export, wait_export
-from etrain.workers.protocol import safe_paths
 from etrain.workers.checkpoints import storage
 from etrain.workers.checkpoints.checkpoint_commit import commit, list_steps, prune, resolve_latest, step_dir, verify
+from etrain.workers.protocol import safe_paths
 from etrain.workers.protocol.errors import CheckpointError, UnsafePathError
 from etrain.workers.protocol.manifest import ManifestSignatureError
 from etrain.workers.protocol.run_config import ModelConfig
@@ -43,8 +43,16 @@ class JobCheckpoints:
     pruning and the export's wait run on threads of their own.
     """
 
-    def __init__(self, *, job_id: str, root: str, key: bytes, keep_last: int, record: Callable[[str, str], None],
-                 resume_owners: frozenset[str] = frozenset()):
+    def __init__(
+        self,
+        *,
+        job_id: str,
+        root: str,
+        key: bytes,
+        keep_last: int,
+        record: Callable[[str, str], None],
+        resume_owners: frozenset[str] = frozenset(),
+    ):
         self.job_id = job_id
         self._resume_owners = resume_owners  # other jobs whose steps it may load (checkpoint_dirs.may_resume)
         self.root = root  # a resolved local folder or an ``s3://`` URL: the name shown and sent to other processes
@@ -150,11 +158,22 @@ class JobCheckpoints:
             digest = self._digests.get(step) or verify(step_dir(self._io, step), checksums=False, key=self._key).digest
             # The task has no key: it exports only the manifest verified here (its digest), so a manifest
             # swapped in before the task reads it (it may wait for a CPU) is refused, not unpickled.
-            ref = submit_export(step_dir=directory, out_dir=out, model=model, source_dir=model.hf_path,
-                                expect_digest=digest, replace_existing=True)
+            ref = submit_export(
+                step_dir=directory,
+                out_dir=out,
+                model=model,
+                source_dir=model.hf_path,
+                expect_digest=digest,
+                replace_existing=True,
+            )
         except Exception as err:
-            answer(ExportFailed(step=step, checkpoint_dir=directory,
-                                error=self._held.shown(f"could not start the export task: {err}")))
+            answer(
+                ExportFailed(
+                    step=step,
+                    checkpoint_dir=directory,
+                    error=self._held.shown(f"could not start the export task: {err}"),
+                )
+            )
             return
         self._export_ref = ref
 
@@ -184,8 +203,12 @@ class JobCheckpoints:
             if storage.is_url(directory):
                 storage.replace(directory, aside)
             else:  # through the checkpoint folder's descriptor, reached without links
-                safe_paths.rename_inside(os.path.dirname(directory), os.path.basename(directory),
-                                         os.path.basename(aside), field="checkpoint.path")
+                safe_paths.rename_inside(
+                    os.path.dirname(directory),
+                    os.path.basename(directory),
+                    os.path.basename(aside),
+                    field="checkpoint.path",
+                )
             where = f"moved to {storage.basename(aside)}"
         except (OSError, UnsafePathError) as err:
             where = self._held.shown(f"could not be moved aside ({err})")

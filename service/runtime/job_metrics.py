@@ -22,9 +22,12 @@ class JobMetrics:
         self._loss = Gauge("etrain_job_loss", "training loss of the last step", tag_keys=keys)
         self._tokens = Gauge("etrain_tokens_per_second", "training throughput", tag_keys=keys)
         self._restarts = Gauge("etrain_restarts_total", "restarts spent from the budget", tag_keys=keys)
-        self._straggler = Gauge("etrain_straggler_factor", "slow rank's compute / peers' median",
-                                tag_keys=("job_id", "rank"))
-        self._done = Gauge("etrain_job_finished", "1 once the job reached a terminal status", tag_keys=("job_id", "status"))
+        self._straggler = Gauge(
+            "etrain_straggler_factor", "slow rank's compute / peers' median", tag_keys=("job_id", "rank")
+        )
+        self._done = Gauge(
+            "etrain_job_finished", "1 once the job reached a terminal status", tag_keys=("job_id", "status")
+        )
 
     def step(self, step: int, metrics: dict, restarts: int) -> None:
         self._step.set(step, tags=self._tags)

@@ -61,7 +61,7 @@ class SparePool:
         """A restarted control plane may ask for another pool size; extra spares are retired."""
         with self._lock:
             self.per_node = max(0, int(per_node))
-            for node, spares in self._ready.items():
+            for spares in self._ready.values():
                 while len(spares) > self.per_node:
                     _kill(spares.pop()[0])
         self._wake.set()
@@ -85,11 +85,14 @@ class SparePool:
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            return {"per_node": self.per_node, "taken": self._taken,
-                    "ready": {node: len(spares) for node, spares in self._ready.items() if spares},
-                    "handed_pids": list(self._handed_pids),
-                    "ready_pids": sorted(pid for spares in self._ready.values() for _, pid in spares),
-                    "warming": {node: len(spares) for node, spares in self._warming.items() if spares}}
+            return {
+                "per_node": self.per_node,
+                "taken": self._taken,
+                "ready": {node: len(spares) for node, spares in self._ready.items() if spares},
+                "handed_pids": list(self._handed_pids),
+                "ready_pids": sorted(pid for spares in self._ready.values() for _, pid in spares),
+                "warming": {node: len(spares) for node, spares in self._warming.items() if spares},
+            }
 
     def close(self) -> None:
         self._closed.set()
@@ -152,13 +155,17 @@ def _runs_ranks(node: dict[str, Any]) -> bool:
 
 def _start_spare(node: str, *, gpu_node: bool) -> Any:
     """A spare on ``node``; on a node with GPUs it must not start CUDA before ``assign`` (workers/rank/spare.py)."""
-    return ray.remote(load_actor_class(SPARE_ACTOR_CLASS)).options(
-        num_cpus=0,
-        num_gpus=0,
-        max_restarts=0,
-        max_concurrency=4,  # as a rank: run() on one thread, control calls on others
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
-    ).remote(gpu_node=gpu_node)
+    return (
+        ray.remote(load_actor_class(SPARE_ACTOR_CLASS))
+        .options(
+            num_cpus=0,
+            num_gpus=0,
+            max_restarts=0,
+            max_concurrency=4,  # as a rank: run() on one thread, control calls on others
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
+        )
+        .remote(gpu_node=gpu_node)
+    )
 
 
 def _kill(actor: Any) -> None:
@@ -175,15 +182,19 @@ def ensure_pool(per_node: int) -> Any | None:
         if pool is not None:
             pool.configure.remote(0)
         return None
-    pool = ray.remote(SparePool).options(
-        name=POOL_NAME,
-        namespace=NAMESPACE,
-        lifetime="detached",
-        num_cpus=0,
-        resources={HEAD_NODE_RESOURCE: 0.001},
-        max_concurrency=8,
-        get_if_exists=True,
-    ).remote(per_node)
+    pool = (
+        ray.remote(SparePool)
+        .options(
+            name=POOL_NAME,
+            namespace=NAMESPACE,
+            lifetime="detached",
+            num_cpus=0,
+            resources={HEAD_NODE_RESOURCE: 0.001},
+            max_concurrency=8,
+            get_if_exists=True,
+        )
+        .remote(per_node)
+    )
     pool.configure.remote(per_node)
     return pool
 

@@ -26,8 +26,18 @@ __all__ = ["MAX_STEP_HISTORY", "StepReports"]
 MAX_STEP_HISTORY = 100_000
 
 #: The StepMetrics fields a step row keeps.
-_ROW_FIELDS = ("loss", "lr", "grad_norm", "step_s", "compute_s", "comm_wait_s", "tokens_per_s", "flops_per_s", "mfu",
-               "peak_mem_bytes")
+_ROW_FIELDS = (
+    "loss",
+    "lr",
+    "grad_norm",
+    "step_s",
+    "compute_s",
+    "comm_wait_s",
+    "tokens_per_s",
+    "flops_per_s",
+    "mfu",
+    "peak_mem_bytes",
+)
 
 
 class StepReports:
@@ -59,8 +69,9 @@ class StepReports:
         """One ``report_steps`` call arrived (counted whatever its attempt)."""
         self._calls += 1
 
-    def take(self, attempt: int, metrics: dict, *, world_size: int, node_of: Callable[[int], str],
-             now: float) -> list[Event]:
+    def take(
+        self, attempt: int, metrics: dict, *, world_size: int, node_of: Callable[[int], str], now: float
+    ) -> list[Event]:
         """One completed step of the current ``attempt``: its row stored; the events to apply, in order
         (StragglerFlagged for each rank found slow, then StepReported)."""
         completed = int(metrics["step"]) + 1
@@ -74,8 +85,16 @@ class StepReports:
                 node = node_of(finding.rank)
                 self.findings.append(dataclasses.asdict(finding) | {"node": node})
                 self._metrics.straggler(finding.rank, finding.factor)
-                events.append(StragglerFlagged(attempt=attempt, rank=finding.rank, node=node, factor=finding.factor,
-                                               evict=self._evict, evidence=finding.evidence))
+                events.append(
+                    StragglerFlagged(
+                        attempt=attempt,
+                        rank=finding.rank,
+                        node=node,
+                        factor=finding.factor,
+                        evict=self._evict,
+                        evidence=finding.evidence,
+                    )
+                )
         row = {key: metrics.get(key) for key in _ROW_FIELDS}
         row.update(step=completed, attempt=attempt, ts=now)
         with self._lock:
@@ -89,7 +108,11 @@ class StepReports:
 
     def show(self, last: dict, *, restarts: int) -> None:
         """A batch was taken in: the job's fields and gauges show its newest step ``last``."""
-        self.latest = {"step": int(last["step"]) + 1, "loss": last.get("loss"), "tokens_per_s": last.get("tokens_per_s")}
+        self.latest = {
+            "step": int(last["step"]) + 1,
+            "loss": last.get("loss"),
+            "tokens_per_s": last.get("tokens_per_s"),
+        }
         self._metrics.step(self.latest["step"], last, restarts)
 
     def since(self, seq: int) -> list[dict[str, Any]]:

@@ -32,15 +32,38 @@ from typing import Any
 
 import ray
 
+from etrain.service.decisions.job_policy import JobPolicy
 from etrain.service.decisions.job_status import Status
 from etrain.service.decisions.supervisor import decide
 from etrain.service.decisions.supervisor_events import (
-    Abort, Action, Cancel, CheckpointFailed, CheckpointFallback, CheckpointReported, CommitCheckpoint,
-    CommitSucceeded, Event, ExcludeNode, ExportCheckpoint, Finished, GroupReady, GroupStopped, JobError, LaunchGroup, MarkTerminal,
-    RecordEvent, RepairFailed, RepairGroup, RequestCheckpoint, ScaleRequested, ScheduleWake, Start, StopGroup, Tick,
+    Abort,
+    Action,
+    Cancel,
+    CheckpointFailed,
+    CheckpointFallback,
+    CheckpointReported,
+    CommitCheckpoint,
+    CommitSucceeded,
+    Event,
+    ExcludeNode,
+    ExportCheckpoint,
+    Finished,
+    GroupReady,
+    GroupStopped,
+    JobError,
+    LaunchGroup,
+    MarkTerminal,
+    RecordEvent,
+    RepairFailed,
+    RepairGroup,
+    RequestCheckpoint,
+    ScaleRequested,
+    ScheduleWake,
+    Start,
+    StopGroup,
+    Tick,
     WorkerLost,
 )
-from etrain.service.decisions.job_policy import JobPolicy
 from etrain.service.decisions.supervisor_state import GroupPhase, SupervisorConfig, initial_state
 from etrain.service.errors import ChaosDisabled
 from etrain.service.runtime.capacity_watch import CapacityWatch
@@ -74,15 +97,22 @@ class JobSupervisor:
         self.policy = policy
         self.sm_config = SupervisorConfig.of(policy, config, job_id=job_id)
         if policy.checkpoint_key is None:  # fail closed: an unsigned commit or an unverified load is never right
-            raise ValueError(f"job {job_id}: the supervisor needs the service's checkpoint key (JobPolicy.checkpoint_key)")
+            raise ValueError(
+                f"job {job_id}: the supervisor needs the service's checkpoint key (JobPolicy.checkpoint_key)"
+            )
         #: A resolved local folder or an ``s3://`` URL (workers/checkpoints/storage.py): manifests,
         #: verification, pruning, fallback and the corruption drill work the same on both.
         self.root: str = config.checkpoint.path
         self._log: list[dict[str, Any]] = []
         self._log_lock = threading.Lock()
-        self._checkpoints = JobCheckpoints(job_id=job_id, root=self.root, key=policy.checkpoint_key,
-                                           keep_last=config.checkpoint.keep_last, record=self._record,
-                                           resume_owners=policy.resume_owners)
+        self._checkpoints = JobCheckpoints(
+            job_id=job_id,
+            root=self.root,
+            key=policy.checkpoint_key,
+            keep_last=config.checkpoint.keep_last,
+            record=self._record,
+            resume_owners=policy.resume_owners,
+        )
         # Signatures are checked now (the launch re-verifies fully): a forged newest step is never the
         # step this job believes it has, and is moved aside.
         resume_step = self._checkpoints.latest()
@@ -97,17 +127,27 @@ class JobSupervisor:
         self._group: WorkerGroup | None = None
         self._ready: dict[int, dict[int, str | None]] = {}  # attempt -> ready rank -> where its state came from
         self._metrics = JobMetrics(job_id)
-        self._steps = StepReports(stragglers=policy.stragglers, evict=policy.straggler_action == "evict",
-                                  metrics=self._metrics, parallel=config.parallel)
+        self._steps = StepReports(
+            stragglers=policy.stragglers,
+            evict=policy.straggler_action == "evict",
+            metrics=self._metrics,
+            parallel=config.parallel,
+        )
         self._drills = None  # the job's fault drills, loaded only when the policy enables them
         if policy.chaos_enabled:
             from etrain.service.runtime.chaos_drills import JobDrills
 
             self._drills = JobDrills(root=self.root, record=self._record)
-            self._drills.arm_requests(policy.chaos_requests, world_size=self.sm_config.world_size(self.state.dp),
-                                      committed_step=resume_step)  # posted before this actor existed
-        self._capacity = CapacityWatch(per_rank=policy.resources_per_rank, tp=config.parallel.tp, pp=config.parallel.pp,
-                                       interval_s=policy.elastic_check_interval_s, held=self._held_per_node)
+            self._drills.arm_requests(
+                policy.chaos_requests, world_size=self.sm_config.world_size(self.state.dp), committed_step=resume_step
+            )  # posted before this actor existed
+        self._capacity = CapacityWatch(
+            per_rank=policy.resources_per_rank,
+            tp=config.parallel.tp,
+            pp=config.parallel.pp,
+            interval_s=policy.elastic_check_interval_s,
+            held=self._held_per_node,
+        )
         self._closed = threading.Event()
         self._self_handle = ray.get_runtime_context().current_actor
         if resume_step is not None:
@@ -160,8 +200,10 @@ class JobSupervisor:
         """Arm or fire a fault drill (service/runtime/chaos_drills.py); returns the order as recorded.
         Refused for a job whose policy does not enable drills."""
         if self._drills is None:
-            raise ChaosDisabled(f"fault drills are disabled for job {self.job_id}: its supervisor was started "
-                                "by a server without enable_chaos.")
+            raise ChaosDisabled(
+                f"fault drills are disabled for job {self.job_id}: its supervisor was started "
+                "by a server without enable_chaos."
+            )
         order, answer = self._drills.order(request)
         self._inbox.put(("chaos", order))
         return answer
@@ -273,8 +315,11 @@ class JobSupervisor:
             if len(ranks) == self.sm_config.world_size(self.state.dp):
                 nodes = self._group.nodes if self._group is not None else {}
                 warm = self._group.warm_ranks if self._group is not None else 0
-                self._record("placed", " ".join(f"rank{r}={nodes.get(r, '?')}" for r in sorted(ranks))
-                             + f"; {warm} of {len(ranks)} ranks from warm spares")
+                self._record(
+                    "placed",
+                    " ".join(f"rank{r}={nodes.get(r, '?')}" for r in sorted(ranks))
+                    + f"; {warm} of {len(ranks)} ranks from warm spares",
+                )
                 self._record_state_sources(attempt, ranks)
                 if self._drills is not None and self._group is not None:
                     self._drills.deliver(self._group)  # orders that arrived while the group launched
@@ -295,8 +340,12 @@ class JobSupervisor:
                 self._apply(CheckpointReported(attempt=attempt, step=completed, rank=rank), now)
         elif kind == "chaos":  # only with drills (chaos() refuses otherwise)
             group_up = self._group is not None and self.state.group == GroupPhase.UP
-            self._drills.arm(item[1], world_size=self.sm_config.world_size(self.state.dp),
-                             group=self._group if group_up else None, committed_step=self.state.last_committed_step)
+            self._drills.arm(
+                item[1],
+                world_size=self.sm_config.world_size(self.state.dp),
+                group=self._group if group_up else None,
+                committed_step=self.state.last_committed_step,
+            )
         elif kind == "note":
             _, attempt, note, detail = item
             if attempt == self.state.attempt:
@@ -333,8 +382,11 @@ class JobSupervisor:
         elif isinstance(action, StopGroup):
             self._stop(action)
         elif isinstance(action, CommitCheckpoint):
-            return self._checkpoints.commit(action.step, world_size=self.sm_config.world_size(self.state.dp),
-                                            parallel=dataclasses.replace(self.config.parallel, dp=self.state.dp))
+            return self._checkpoints.commit(
+                action.step,
+                world_size=self.sm_config.world_size(self.state.dp),
+                parallel=dataclasses.replace(self.config.parallel, dp=self.state.dp),
+            )
         elif isinstance(action, RequestCheckpoint):
             if self._group is not None:
                 # Rank 0 decides at a step boundary, for every rank, to save the first step past the one
@@ -345,8 +397,9 @@ class JobSupervisor:
         elif isinstance(action, ScheduleWake):
             pass  # the loop ticks every TICK_S anyway
         elif isinstance(action, ExportCheckpoint):
-            self._checkpoints.export(action.step, model=self.config.model, timeout_s=self.policy.export_timeout_s,
-                                     answer=self._inbox.put)
+            self._checkpoints.export(
+                action.step, model=self.config.model, timeout_s=self.policy.export_timeout_s, answer=self._inbox.put
+            )
         elif isinstance(action, MarkTerminal):  # its RecordEvent comes in the same action list
             self._checkpoints.end_export(succeeded=action.status is Status.SUCCEEDED)
             self._metrics.finish(action.status.value)
@@ -358,8 +411,11 @@ class JobSupervisor:
         config = self.config.with_dp(action.dp)
         resume_step = self._checkpoints.verified_resume_step(action.resume_step)
         if resume_step != action.resume_step:
-            self._inbox.put(CheckpointFallback(attempt=action.attempt, step=resume_step,
-                                               reason="newer checkpoint failed verification"))
+            self._inbox.put(
+                CheckpointFallback(
+                    attempt=action.attempt, step=resume_step, reason="newer checkpoint failed verification"
+                )
+            )
         plan = self._attempt_plan(action.attempt, config, resume_step)
         group = WorkerGroup(
             job_id=self.job_id,
@@ -384,8 +440,11 @@ class JobSupervisor:
                 self._inbox.put(WorkerLost(attempt=group.attempt, rank=-1, node="", cause="node", detail=str(err)))
                 self._capacity.check_soon()
             except Exception as err:  # actor creation / rendezvous failure: infrastructure
-                self._inbox.put(WorkerLost(attempt=group.attempt, rank=-1, node="", cause="process",
-                                           detail=f"group start failed: {err}"))
+                self._inbox.put(
+                    WorkerLost(
+                        attempt=group.attempt, rank=-1, node="", cause="process", detail=f"group start failed: {err}"
+                    )
+                )
 
         threading.Thread(target=start, name=f"launch-{self.job_id}-{action.attempt}", daemon=True).start()
 
@@ -397,8 +456,11 @@ class JobSupervisor:
         # The step's digest is known since this supervisor committed it: ranks that must read the checkpoint
         # check that very manifest and hash every file themselves (no full pass here: memory usually serves).
         plan = self._attempt_plan(action.attempt, self.config.with_dp(self.state.dp), step, state_from_memory=True)
-        self._record("repairing", f"attempt {action.attempt}: rank {action.lost_rank} replaced in place, the other "
-                                  f"{action.world_size - 1} ranks kept, resuming from step {step}")
+        self._record(
+            "repairing",
+            f"attempt {action.attempt}: rank {action.lost_rank} replaced in place, the other "
+            f"{action.world_size - 1} ranks kept, resuming from step {step}",
+        )
         if group is None or group.world_size != action.world_size:
             self._inbox.put(RepairFailed(attempt=action.attempt, reason="no running group to repair"))
             return
@@ -411,8 +473,9 @@ class JobSupervisor:
 
         threading.Thread(target=repair, name=f"repair-{self.job_id}-{action.attempt}", daemon=True).start()
 
-    def _attempt_plan(self, attempt: int, config: RunConfig, resume_step: int | None, *,
-                      state_from_memory: bool = False) -> LaunchPlan:
+    def _attempt_plan(
+        self, attempt: int, config: RunConfig, resume_step: int | None, *, state_from_memory: bool = False
+    ) -> LaunchPlan:
         """The plan of a new attempt (a launch or an in-place repair), with a fresh straggler detector
         judging ranks within their pipeline stage of its layout."""
         self._steps.new_attempt(config.parallel)
@@ -437,8 +500,11 @@ class JobSupervisor:
                 by_source.setdefault(source, []).append(rank)
         if not by_source:
             return
-        self._record("state_restored", f"attempt {attempt}, step {self.state.step}: " + "; ".join(
-            f"ranks {','.join(map(str, ranks))} from {source}" for source, ranks in by_source.items()))
+        self._record(
+            "state_restored",
+            f"attempt {attempt}, step {self.state.step}: "
+            + "; ".join(f"ranks {','.join(map(str, ranks))} from {source}" for source, ranks in by_source.items()),
+        )
 
     def _stop(self, action: StopGroup) -> None:
         group = self._group
@@ -457,18 +523,21 @@ class JobSupervisor:
             self._record("ranks_finished", "param digests " + " ".join(f"rank{r}={d}" for r, d in digests.items()))
             return Finished(attempt=group.attempt, final_step=outcome.final_step)
         if outcome.kind == "job_error":
-            return JobError(attempt=group.attempt, rank=outcome.rank, message=outcome.message,
-                            traceback=outcome.traceback)
+            return JobError(
+                attempt=group.attempt, rank=outcome.rank, message=outcome.message, traceback=outcome.traceback
+            )
         if outcome.cause == "node":
             self._capacity.check_soon()
-        return WorkerLost(attempt=group.attempt, rank=outcome.rank, node=outcome.node, cause=outcome.cause,
-                          detail=outcome.message)
+        return WorkerLost(
+            attempt=group.attempt, rank=outcome.rank, node=outcome.node, cause=outcome.cause, detail=outcome.message
+        )
 
     # --- capacity --------------------------------------------------------------------------------
 
     def _check_capacity(self, *, force: bool) -> None:
-        changed = self._capacity.check(force=force, excluded=self.state.excluded_nodes,
-                                       awaiting=self.state.awaiting_capacity)
+        changed = self._capacity.check(
+            force=force, excluded=self.state.excluded_nodes, awaiting=self.state.awaiting_capacity
+        )
         if changed is not None:
             self._apply(changed, time.time())
 

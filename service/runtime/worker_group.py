@@ -135,13 +135,16 @@ class WorkerGroup:
             kwargs["bundle_label_selector"] = [dict(selector) for _ in bundles]
         self._reserving = True
         try:
-            self.pg = placement_group(bundles, strategy=self._strategy, name=f"etrain/{self.job_id}/a{self.attempt}",
-                                      **kwargs)
+            self.pg = placement_group(
+                bundles, strategy=self._strategy, name=f"etrain/{self.job_id}/a{self.attempt}", **kwargs
+            )
             try:
                 ray.get(self.pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
             except GetTimeoutError as err:
-                raise PlacementTimeout(f"{self.world_size} ranks of {self._resources} could not be placed within "
-                                       f"{PLACEMENT_TIMEOUT_S:.0f}s") from err
+                raise PlacementTimeout(
+                    f"{self.world_size} ranks of {self._resources} could not be placed within "
+                    f"{PLACEMENT_TIMEOUT_S:.0f}s"
+                ) from err
             self._bundle_nodes = self._reserved_nodes()
         finally:
             self._reserving = False
@@ -166,9 +169,14 @@ class WorkerGroup:
             # The spare holds no GPU in Ray's books (the bundle's reservation does), so Ray gives it no ids:
             # it runs on the ones Ray reserved for the bundle, read by a task in the bundle.
             gpu_ids = _bundle_gpu_ids(self.pg, rank, num_gpus) if num_gpus else None
-            return spare, spare.assign.remote(job_id=self.job_id, rank=rank, world_size=self.world_size,
-                                              supervisor=self._supervisor, gpu_ids=gpu_ids,
-                                              bundle=f"bundle {rank} of placement group {self.pg.id.hex()}")
+            return spare, spare.assign.remote(
+                job_id=self.job_id,
+                rank=rank,
+                world_size=self.world_size,
+                supervisor=self._supervisor,
+                gpu_ids=gpu_ids,
+                bundle=f"bundle {rank} of placement group {self.pg.id.hex()}",
+            )
         return _rank_actor_class().options(
             name=rank_actor_name(self.job_id, self.attempt if attempt is None else attempt, rank),
             namespace=NAMESPACE,
@@ -205,8 +213,10 @@ class WorkerGroup:
         if old:
             done, late = ray.wait(list(old), num_returns=len(old), timeout=SURVIVOR_EXIT_TIMEOUT_S)
             if late:
-                raise RepairError(f"ranks {sorted(old[ref] for ref in late)} did not leave the failed attempt "
-                                  f"within {SURVIVOR_EXIT_TIMEOUT_S:g}s")
+                raise RepairError(
+                    f"ranks {sorted(old[ref] for ref in late)} did not leave the failed attempt "
+                    f"within {SURVIVOR_EXIT_TIMEOUT_S:g}s"
+                )
             for ref in done:
                 rank = old[ref]
                 try:
@@ -296,8 +306,13 @@ class WorkerGroup:
         since, suspect, probe = self._suspect
         if (dead := self._dead_rank()) is not None:
             self._suspect = None  # the peers failed because a node went away
-            return GroupOutcome(kind="worker_lost", rank=dead[0], node=dead[1], cause="node",
-                                message=f"node {dead[1]} of rank {dead[0]} died")
+            return GroupOutcome(
+                kind="worker_lost",
+                rank=dead[0],
+                node=dead[1],
+                cause="node",
+                message=f"node {dead[1]} of rank {dead[0]} died",
+            )
         answered, _ = ray.wait(list(probe), num_returns=len(probe), timeout=0)
         for ref in answered:
             rank = probe.pop(ref)
@@ -305,9 +320,17 @@ class WorkerGroup:
                 ray.get(ref, timeout=1)
             except RayActorError as err:
                 node = self.nodes.get(rank, "")
-                return self._lost_rank(GroupOutcome(kind="worker_lost", rank=rank, node=node,
-                                                    cause=_death_cause(err, node), message=_first_line(err)),
-                                       now, restarts_left)
+                return self._lost_rank(
+                    GroupOutcome(
+                        kind="worker_lost",
+                        rank=rank,
+                        node=node,
+                        cause=_death_cause(err, node),
+                        message=_first_line(err),
+                    ),
+                    now,
+                    restarts_left,
+                )
             except Exception:  # the ping itself failed some other way: no verdict from this rank
                 pass
         grace = PROBE_TIMEOUT_S if restarts_left else PEER_FAILURE_GRACE_S
@@ -316,13 +339,18 @@ class WorkerGroup:
         self._suspect = None
         if probe:  # silent ranks: gone or wedged, and the collective failed on them
             rank = min(probe.values())
-            return GroupOutcome(kind="worker_lost", rank=rank, node=self.nodes.get(rank, ""), cause="process",
-                                message=f"rank {rank} did not answer within {grace:g}s after rank "
-                                        f"{suspect.rank}'s {suspect.message}")
+            return GroupOutcome(
+                kind="worker_lost",
+                rank=rank,
+                node=self.nodes.get(rank, ""),
+                cause="process",
+                message=f"rank {rank} did not answer within {grace:g}s after rank {suspect.rank}'s {suspect.message}",
+            )
         # Every rank answered: no peer died, the collective failed on its own (network, timeout).
         # Infrastructure, not the job.
-        return GroupOutcome(kind="worker_lost", rank=suspect.rank, node=suspect.node, cause="process",
-                            message=suspect.message)
+        return GroupOutcome(
+            kind="worker_lost", rank=suspect.rank, node=suspect.node, cause="process", message=suspect.message
+        )
 
     def _dead_rank(self) -> tuple[int, str] | None:
         """(rank, node) of the first rank whose node the cluster has declared dead, if any."""
@@ -338,17 +366,28 @@ class WorkerGroup:
             self._results[rank] = ray.get(ref, timeout=10)
             return None
         except RayActorError as err:
-            return GroupOutcome(kind="worker_lost", rank=rank, node=node, cause=_death_cause(err, node),
-                                message=_first_line(err))
+            return GroupOutcome(
+                kind="worker_lost", rank=rank, node=node, cause=_death_cause(err, node), message=_first_line(err)
+            )
         except RayTaskError as err:
             inner = err.cause
             if isinstance(inner, EtrainError):
                 return GroupOutcome(kind="job_error", rank=rank, node=node, message=str(inner), traceback=str(err))
             if _is_collective_failure(inner):
-                return GroupOutcome(kind="job_error", rank=rank, node=node,
-                                    message=f"collective failure on rank {rank}: {_first_line(inner)}", traceback=str(err))
-            return GroupOutcome(kind="job_error", rank=rank, node=node,
-                                message=f"{type(inner).__name__} on rank {rank}: {inner}", traceback=str(err))
+                return GroupOutcome(
+                    kind="job_error",
+                    rank=rank,
+                    node=node,
+                    message=f"collective failure on rank {rank}: {_first_line(inner)}",
+                    traceback=str(err),
+                )
+            return GroupOutcome(
+                kind="job_error",
+                rank=rank,
+                node=node,
+                message=f"{type(inner).__name__} on rank {rank}: {inner}",
+                traceback=str(err),
+            )
 
     # --- control calls --------------------------------------------------------------------------
 
@@ -463,10 +502,20 @@ def _is_collective_failure(error: BaseException | None) -> bool:
     """Errors a rank sees when a *peer* fails: gloo/nccl connection resets, store or PG timeouts."""
     # By name, not isinstance: the service does not import torch (DistError, DistBackendError, ...).
     names = {cls.__name__ for cls in type(error).__mro__} if error is not None else set()
-    if names & {"DistError", "DistBackendError", "DistNetworkError", "DistStoreError", "TimeoutError", "ConnectionError"}:
+    if names & {
+        "DistError",
+        "DistBackendError",
+        "DistNetworkError",
+        "DistStoreError",
+        "TimeoutError",
+        "ConnectionError",
+    }:
         return True
     text = str(error).lower()
-    return any(marker in text for marker in ("gloo", "nccl", "connection reset", "connection closed", "timed out", "broken pipe"))
+    return any(
+        marker in text
+        for marker in ("gloo", "nccl", "connection reset", "connection closed", "timed out", "broken pipe")
+    )
 
 
 def _first_line(error: BaseException) -> str:

@@ -30,21 +30,25 @@ class DirectoryTaken(Exception):
 _NEAR = "(substr(:path, 1, length({column})) = {column} OR substr({column}, 1, length(:path)) = :path)"
 
 
-def overlapping(conn: sqlite3.Connection, table: str, columns: str, path: str, *, where: str = "1",
-                **args: object) -> list[tuple]:
+def overlapping(
+    conn: sqlite3.Connection, table: str, columns: str, path: str, *, where: str = "1", **args: object
+) -> list[tuple]:
     """``columns`` of the rows of ``table`` whose directory (the first column, resolved) overlaps ``path``;
     ``where`` narrows them with named ``args``."""
     column = columns.split(",")[0].strip()
-    rows = conn.execute(f"SELECT {columns} FROM {table} WHERE {column} IS NOT NULL AND ({where}) AND "
-                        + _NEAR.format(column=column), {**args, "path": path}).fetchall()
+    rows = conn.execute(
+        f"SELECT {columns} FROM {table} WHERE {column} IS NOT NULL AND ({where}) AND " + _NEAR.format(column=column),
+        {**args, "path": path},
+    ).fetchall()
     return [row for row in rows if inside(path, row[0]) or inside(row[0], path)]
 
 
 def claim(conn: sqlite3.Connection, *, path: str, job_id: str, tenant: str) -> None:
     """Claim ``path`` for ``job_id``, inside the caller's write transaction; DirectoryTaken when another job
     holds an overlapping directory."""
-    for held, holder, owner in overlapping(conn, "checkpoint_claims", "path, job_id, tenant", path,
-                                           where="job_id != :job", job=job_id):
+    for held, holder, owner in overlapping(
+        conn, "checkpoint_claims", "path, job_id, tenant", path, where="job_id != :job", job=job_id
+    ):
         raise DirectoryTaken(path, holder=holder, tenant=owner, held=held)
     try:
         conn.execute("INSERT INTO checkpoint_claims (path, job_id, tenant) VALUES (?, ?, ?)", (path, job_id, tenant))

@@ -37,7 +37,7 @@ class ReplayedJob(JobRecord):
     """The job an earlier submission with the same key and body created (the API answers 200, not 201)."""
 
     @classmethod
-    def of(cls, record: JobRecord) -> "ReplayedJob":
+    def of(cls, record: JobRecord) -> ReplayedJob:
         return cls(**{field.name: getattr(record, field.name) for field in dataclasses.fields(JobRecord)})
 
 
@@ -45,12 +45,16 @@ def check_key(key: str) -> str:
     """The key as given, or SpecRejected naming the header and the fix."""
     if not 1 <= len(key) <= MAX_KEY_LENGTH or not _KEY.fullmatch(key):
         shown = key if len(key) <= 40 else key[:37] + "..."
-        raise SpecRejected([SpecProblem(
-            field=HEADER,
-            message=f"{HEADER} {shown!r} must be 1..{MAX_KEY_LENGTH} printable ASCII characters, not starting "
+        raise SpecRejected(
+            [
+                SpecProblem(
+                    field=HEADER,
+                    message=f"{HEADER} {shown!r} must be 1..{MAX_KEY_LENGTH} printable ASCII characters, not starting "
                     f"or ending with a space (got {len(key)} characters).",
-            fix="send a UUID (e.g. `uuidgen`) per logical submission, and the same one on retries",
-        )])
+                    fix="send a UUID (e.g. `uuidgen`) per logical submission, and the same one on retries",
+                )
+            ]
+        )
     return key
 
 

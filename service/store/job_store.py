@@ -32,7 +32,6 @@ from etrain.service.store import claims
 from etrain.service.store.records import EventRecord, JobRecord, JobStatus, StepRecord
 from etrain.service.store.schema import migrate, schema_version
 
-
 # Fields update_job may change; id, name, spec origin and created_at are fixed at creation.
 _UPDATABLE = frozenset(
     {
@@ -74,9 +73,7 @@ class JobStore:
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
         self._clock = clock
         self._lock = threading.RLock()
-        self._conn = sqlite3.connect(
-            self.path, timeout=busy_timeout_s, isolation_level=None, check_same_thread=False
-        )
+        self._conn = sqlite3.connect(self.path, timeout=busy_timeout_s, isolation_level=None, check_same_thread=False)
         self._conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000)}")
         if self.path != ":memory:":
             self._conn.execute("PRAGMA journal_mode = WAL")
@@ -134,7 +131,7 @@ class JobStore:
                 self._closed = True
                 self._conn.close()
 
-    def __enter__(self) -> "JobStore":
+    def __enter__(self) -> JobStore:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -170,8 +167,21 @@ class JobStore:
                     "INSERT INTO jobs (id, name, status, spec, world_size, created_at, updated_at, layout, "
                     "tenant, priority, idempotency_key, request_hash, checkpoint_dir) "
                     "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    (job_id, name, status.value, _dumps(spec), world_size, now, now, layout, tenant, priority,
-                     idempotency_key, request_hash, checkpoint_dir),
+                    (
+                        job_id,
+                        name,
+                        status.value,
+                        _dumps(spec),
+                        world_size,
+                        now,
+                        now,
+                        layout,
+                        tenant,
+                        priority,
+                        idempotency_key,
+                        request_hash,
+                        checkpoint_dir,
+                    ),
                 )
             except sqlite3.IntegrityError:
                 if idempotency_key is not None and self._idempotent(conn, tenant, idempotency_key) is not None:
@@ -205,16 +215,22 @@ class JobStore:
         """(job id, tenant, checkpoint directory) of every job (any status) whose recorded directory overlaps
         ``path``; with ``other_than``, only other tenants' jobs."""
         with self._read() as conn:
-            rows = claims.overlapping(conn, "jobs", "checkpoint_dir, id, tenant", path,
-                                      where="tenant != :tenant" if other_than is not None else "1",
-                                      tenant=other_than)
+            rows = claims.overlapping(
+                conn,
+                "jobs",
+                "checkpoint_dir, id, tenant",
+                path,
+                where="tenant != :tenant" if other_than is not None else "1",
+                tenant=other_than,
+            )
         return [(job_id, tenant, directory) for directory, job_id, tenant in rows]
 
     def jobs_in_dir(self, path: str, *, tenant: str | None) -> list[str]:
         """The ids of the jobs (of ``tenant``; None: every tenant) that recorded exactly the directory ``path``."""
         with self._read() as conn:
-            rows = conn.execute("SELECT id FROM jobs WHERE checkpoint_dir = ? AND (? IS NULL OR tenant = ?)",
-                                (path, tenant, tenant)).fetchall()
+            rows = conn.execute(
+                "SELECT id FROM jobs WHERE checkpoint_dir = ? AND (? IS NULL OR tenant = ?)", (path, tenant, tenant)
+            ).fetchall()
         return [row[0] for row in rows]
 
     def find_idempotent(self, tenant: str, key: str) -> tuple[JobRecord, str | None] | None:
@@ -307,8 +323,9 @@ class JobStore:
 
     # -- events -----------------------------------------------------------------------------------
 
-    def add_events(self, job_id: str, events: Iterable[tuple[float, str, dict[str, Any]]], *,
-                   cursor: int | None = None) -> list[EventRecord]:
+    def add_events(
+        self, job_id: str, events: Iterable[tuple[float, str, dict[str, Any]]], *, cursor: int | None = None
+    ) -> list[EventRecord]:
         """Append events in order; each gets the job's next ``seq`` (1-based, gap-free).
 
         ``cursor``: also set the job's event-pump cursor (``set_cursor``) in the same transaction, so
@@ -320,8 +337,11 @@ class JobStore:
         with self._write() as conn:
             self._require_job(conn, job_id)
             if cursor is not None:
-                conn.execute("INSERT INTO cursors (job_id, value) VALUES (?, ?) "
-                             "ON CONFLICT (job_id) DO UPDATE SET value = excluded.value", (job_id, int(cursor)))
+                conn.execute(
+                    "INSERT INTO cursors (job_id, value) VALUES (?, ?) "
+                    "ON CONFLICT (job_id) DO UPDATE SET value = excluded.value",
+                    (job_id, int(cursor)),
+                )
             (last,) = conn.execute("SELECT COALESCE(MAX(seq), 0) FROM events WHERE job_id = ?", (job_id,)).fetchone()
             records, rows = [], []
             for offset, (ts, kind, detail) in enumerate(events, start=1):
@@ -428,8 +448,28 @@ class JobStore:
 
 
 def _job(row: tuple) -> JobRecord:
-    (job_id, name, status, spec, step, loss, tokens_per_s, world_size, restarts, created_at, updated_at,
-     error, layout, last_checkpoint_step, stragglers, goodput, attempt, artifacts, tenant, priority) = row
+    (
+        job_id,
+        name,
+        status,
+        spec,
+        step,
+        loss,
+        tokens_per_s,
+        world_size,
+        restarts,
+        created_at,
+        updated_at,
+        error,
+        layout,
+        last_checkpoint_step,
+        stragglers,
+        goodput,
+        attempt,
+        artifacts,
+        tenant,
+        priority,
+    ) = row
     return JobRecord(
         id=job_id,
         name=name,
@@ -469,8 +509,18 @@ _STEP_COLUMNS = "job_id, step, loss, tokens_per_s, step_s, compute_s, comm_wait_
 
 def _step(row: tuple) -> StepRecord:
     jid, step, loss, tps, step_s, compute_s, comm_wait_s, ts, attempt, mfu = row
-    return StepRecord(job_id=jid, step=step, loss=loss, tokens_per_s=tps, step_s=step_s, compute_s=compute_s,
-                      comm_wait_s=comm_wait_s, ts=ts, attempt=attempt, mfu=mfu)
+    return StepRecord(
+        job_id=jid,
+        step=step,
+        loss=loss,
+        tokens_per_s=tps,
+        step_s=step_s,
+        compute_s=compute_s,
+        comm_wait_s=comm_wait_s,
+        ts=ts,
+        attempt=attempt,
+        mfu=mfu,
+    )
 
 
 def _finite_or_none(value: float | None) -> float | None:

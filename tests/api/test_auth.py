@@ -21,14 +21,14 @@ import uvicorn
 from fastapi.testclient import TestClient
 
 from etrain.api import cli
-from etrain.api.cli.client import client_token
 from etrain.api.app import create_app
+from etrain.api.cli.client import client_token
 from etrain.service.access.api_token import ensure_api_token, new_api_token, read_api_token, token_path
-from etrain.service.errors import QuotaExceeded, SettingsError
 from etrain.service.access.quotas import TenantQuotas
+from etrain.service.access.tenancy import ADMIN, Principal
+from etrain.service.errors import QuotaExceeded, SettingsError
 from etrain.service.settings import Settings
 from etrain.service.store.job_store import JobStore
-from etrain.service.access.tenancy import ADMIN, Principal
 from tests.fakes import FakeRuntime, InMemoryManager
 from tests.service_harness import bearer, free_port
 
@@ -93,7 +93,10 @@ def test_no_configuration_means_a_generated_token_and_401_without_it(tmp_path, s
     assert missing.status_code == 401 and missing.headers["www-authenticate"] == "Bearer"
     body = missing.json()
     assert (body["error"], body["message"], body["detail"]) == (
-        "unauthorized", "this server requires an API token.", [])
+        "unauthorized",
+        "this server requires an API token.",
+        [],
+    )
     assert "ETRAIN_API_TOKEN" in body["fix"] and "api-token" in body["fix"] and str(data_dir) not in body["fix"]
     wrong = client.get("/v1/jobs", headers=bearer(token + "x"))
     assert (wrong.status_code, wrong.json()["message"]) == (401, "the API token is not valid.")
@@ -175,8 +178,9 @@ def test_two_servers_starting_at_once_agree_on_one_token(tmp_path):
 @pytest.fixture
 def tenant_app(tmp_path, store):
     manager = InMemoryManager(store, base_dir=str(tmp_path), enable_chaos=True, checkpoint_every=5)
-    app = create_app(Settings(data_dir=tmp_path, api_token=ADMIN_TOKEN, api_tokens=TENANTS, enable_chaos=True),
-                     manager=manager)
+    app = create_app(
+        Settings(data_dir=tmp_path, api_token=ADMIN_TOKEN, api_tokens=TENANTS, enable_chaos=True), manager=manager
+    )
     return app, manager
 
 
@@ -191,10 +195,17 @@ def test_without_a_token_nothing_about_the_body_leaks(tenant_app):
         response = anonymous.post("/v1/jobs", content=body, headers={"content-type": "application/json"})
         assert response.status_code == 401
         assert response.json() == {
-            "error": "unauthorized", "message": "this server requires an API token.",
-            "fix": response.json()["fix"], "detail": []}
-    assert client_for(app, ALICE).post("/v1/jobs", content=b"{not json",
-                                       headers={"content-type": "application/json"}).status_code == 422
+            "error": "unauthorized",
+            "message": "this server requires an API token.",
+            "fix": response.json()["fix"],
+            "detail": [],
+        }
+    assert (
+        client_for(app, ALICE)
+        .post("/v1/jobs", content=b"{not json", headers={"content-type": "application/json"})
+        .status_code
+        == 422
+    )
 
 
 def test_openapi_declares_bearer_auth_on_every_v1_operation(tenant_app):
@@ -203,8 +214,12 @@ def test_openapi_declares_bearer_auth_on_every_v1_operation(tenant_app):
     document = anonymous.get("/openapi.json").json()
     assert document["components"]["securitySchemes"]["bearer"]["type"] == "http"
     assert document["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
-    v1 = [(path, method, op) for path, ops in document["paths"].items() for method, op in ops.items()
-          if path.startswith("/v1/")]
+    v1 = [
+        (path, method, op)
+        for path, ops in document["paths"].items()
+        for method, op in ops.items()
+        if path.startswith("/v1/")
+    ]
     assert len(v1) >= 10
     for path, method, op in v1:
         assert op["security"] == [{"bearer": []}], (method, path)
@@ -229,8 +244,7 @@ BODIES: dict[str, Any] = {
 def _job_routes(app) -> list[tuple[str, str]]:
     """Every (method, path) of the document that names a job: new routes are covered as they are added."""
     document = app.openapi()
-    return [(method.upper(), path) for path, ops in document["paths"].items() for method in ops
-            if "{job_id}" in path]
+    return [(method.upper(), path) for path, ops in document["paths"].items() for method in ops if "{job_id}" in path]
 
 
 def _call(client: TestClient, method: str, path: str, job_id: str, tmp_path: Path):
@@ -249,7 +263,14 @@ def test_another_tenants_job_is_404_on_every_route(tenant_app, tmp_path):
 
     routes = _job_routes(app)
     assert {path.rsplit("/", 1)[-1] for _, path in routes} >= {
-        "{job_id}", "events", "metrics", "cancel", "scale", "export", "chaos"}
+        "{job_id}",
+        "events",
+        "metrics",
+        "cancel",
+        "scale",
+        "export",
+        "chaos",
+    }
     missing_id = "nosuch-00000000"
     for method, path in routes:
         theirs = _call(bob, method, path, alice_job["id"], tmp_path)
@@ -319,7 +340,7 @@ def test_chaos_is_for_the_admin_only(tenant_app):
     assert refused.json() == {
         "error": "admin_only",
         "message": "fault injection (chaos) is an operator action: only the admin token may use it, and this "
-                   "request comes from tenant 'alice'.",
+        "request comes from tenant 'alice'.",
         "fix": "ask the operator, who holds ETRAIN_API_TOKEN (the server's admin token)",
         "detail": [],
     }
@@ -333,8 +354,9 @@ def test_chaos_is_for_the_admin_only(tenant_app):
 
 
 def test_chaos_stays_off_when_disabled_even_for_the_admin(tmp_path, store):
-    app = create_app(Settings(data_dir=tmp_path, api_token=ADMIN_TOKEN, api_tokens=TENANTS),
-                     manager=InMemoryManager(store))
+    app = create_app(
+        Settings(data_dir=tmp_path, api_token=ADMIN_TOKEN, api_tokens=TENANTS), manager=InMemoryManager(store)
+    )
     job_id = client_for(app, ALICE).post("/v1/jobs", json=tiny_spec()).json()["id"]
     for token in (ADMIN_TOKEN, ALICE, BOB):
         response = client_for(app, token).post(f"/v1/jobs/{job_id}/chaos", json={"action": "kill_rank", "rank": 0})
@@ -347,16 +369,26 @@ def test_chaos_stays_off_when_disabled_even_for_the_admin(tmp_path, store):
 @pytest.fixture
 def quota_app(tmp_path):
     manager_module = pytest.importorskip("etrain.service.manager")  # imports Ray (not started)
-    settings = Settings(data_dir=tmp_path, api_token=ADMIN_TOKEN, api_tokens=TENANTS, tenant_max_jobs=2,
-                        tenant_max_workers=3, poll_interval_s=60)
+    settings = Settings(
+        data_dir=tmp_path,
+        api_token=ADMIN_TOKEN,
+        api_tokens=TENANTS,
+        tenant_max_jobs=2,
+        tenant_max_workers=3,
+        poll_interval_s=60,
+    )
     manager = manager_module.JobManager(settings, runtime=FakeRuntime(steps_per_update=1), base_dir=str(tmp_path))
     yield create_app(settings, manager=manager)
     manager.close()
 
 
 def long_spec(name: str, dp: int) -> dict[str, Any]:
-    return tiny_spec(name, training={"steps": 100_000, "global_batch": 8, "micro_batch": 2},
-                     parallelism={"dp": dp}, resources={"min_dp": 1, "max_dp": 2})
+    return tiny_spec(
+        name,
+        training={"steps": 100_000, "global_batch": 8, "micro_batch": 2},
+        parallelism={"dp": dp},
+        resources={"min_dp": 1, "max_dp": 2},
+    )
 
 
 def test_a_tenant_over_its_quota_gets_429_with_the_numbers(quota_app):
@@ -369,12 +401,18 @@ def test_a_tenant_over_its_quota_gets_429_with_the_numbers(quota_app):
     assert workers.json() == {
         "error": "quota_exceeded",
         "message": "tenant 'alice' may hold at most 3 workers (ETRAIN_TENANT_MAX_WORKERS=3); its unfinished jobs "
-                   "hold 2 and this job needs 2, 4 in all.",
+        "hold 2 and this job needs 2, 4 in all.",
         "fix": "submit with fewer workers (at most 1 now: lower parallelism.dp, tp or pp), wait for or cancel one "
-               "of your jobs, or ask the operator to raise ETRAIN_TENANT_MAX_WORKERS",
+        "of your jobs, or ask the operator to raise ETRAIN_TENANT_MAX_WORKERS",
         "detail": [{"field": "parallelism", "message": workers.json()["message"], "fix": workers.json()["fix"]}],
-        "quota": {"name": "max_workers", "setting": "ETRAIN_TENANT_MAX_WORKERS", "tenant": "alice", "limit": 3,
-                  "used": 2, "requested": 2},
+        "quota": {
+            "name": "max_workers",
+            "setting": "ETRAIN_TENANT_MAX_WORKERS",
+            "tenant": "alice",
+            "limit": 3,
+            "used": 2,
+            "requested": 2,
+        },
         "retry_after_s": 30,
     }
     assert workers.headers["retry-after"] == "30"
@@ -382,10 +420,17 @@ def test_a_tenant_over_its_quota_gets_429_with_the_numbers(quota_app):
 
     jobs = alice.post("/v1/jobs", json=long_spec("three", dp=1))
     assert jobs.status_code == 429
-    assert jobs.json()["quota"] == {"name": "max_jobs", "setting": "ETRAIN_TENANT_MAX_JOBS", "tenant": "alice",
-                                    "limit": 2, "used": 2, "requested": 1}
-    assert jobs.json()["message"] == ("tenant 'alice' may have at most 2 unfinished jobs (ETRAIN_TENANT_MAX_JOBS=2) "
-                                      "and has 2; this job would make 3.")
+    assert jobs.json()["quota"] == {
+        "name": "max_jobs",
+        "setting": "ETRAIN_TENANT_MAX_JOBS",
+        "tenant": "alice",
+        "limit": 2,
+        "used": 2,
+        "requested": 1,
+    }
+    assert jobs.json()["message"] == (
+        "tenant 'alice' may have at most 2 unfinished jobs (ETRAIN_TENANT_MAX_JOBS=2) and has 2; this job would make 3."
+    )
     assert len(alice.get("/v1/jobs").json()["jobs"]) == 2  # nothing was created by the refusals
 
     # quotas are per tenant, and the admin has none
@@ -439,16 +484,23 @@ def test_concurrent_submits_cannot_both_take_the_last_slot(tmp_path, store):
 
 def test_tenant_tokens_from_the_environment_and_a_file(tmp_path):
     tokens_file = tmp_path / "tokens"
-    tokens_file.write_text("# tenant=token, one a line\n\ncarol = carol-token-00000001\nalice=alice-token-rotated-001\n")
-    settings = Settings.from_env({
-        "ETRAIN_API_TOKENS": " alice=alice-token-00000001 , bob=b=ob-token=-0123456,",
-        "ETRAIN_API_TOKENS_FILE": str(tokens_file),
-        "ETRAIN_TENANT_MAX_JOBS": "4",
-        "ETRAIN_TENANT_MAX_WORKERS": "",
-    })
+    tokens_file.write_text(
+        "# tenant=token, one a line\n\ncarol = carol-token-00000001\nalice=alice-token-rotated-001\n"
+    )
+    settings = Settings.from_env(
+        {
+            "ETRAIN_API_TOKENS": " alice=alice-token-00000001 , bob=b=ob-token=-0123456,",
+            "ETRAIN_API_TOKENS_FILE": str(tokens_file),
+            "ETRAIN_TENANT_MAX_JOBS": "4",
+            "ETRAIN_TENANT_MAX_WORKERS": "",
+        }
+    )
     assert dict(settings.token_tenants) == {
-        "alice-token-00000001": "alice", "b=ob-token=-0123456": "bob", "carol-token-00000001": "carol",
-        "alice-token-rotated-001": "alice"}
+        "alice-token-00000001": "alice",
+        "b=ob-token=-0123456": "bob",
+        "carol-token-00000001": "carol",
+        "alice-token-rotated-001": "alice",
+    }
     assert (settings.tenant_max_jobs, settings.tenant_max_workers) == (4, None)
     assert settings.auth_configured and settings.api_token is None
     assert "alice-token-00000001" not in repr(settings)
@@ -458,21 +510,38 @@ def test_tenant_tokens_from_the_environment_and_a_file(tmp_path):
     ("env", "message", "field"),
     [
         ({"ETRAIN_API_TOKENS": "alice"}, "ETRAIN_API_TOKENS entry 1 is not 'tenant=token'.", "ETRAIN_API_TOKENS"),
-        ({"ETRAIN_API_TOKENS": "Alice=token-0123456789"}, "ETRAIN_API_TOKENS: 'Alice' is not a tenant name.",
-         "ETRAIN_API_TOKENS"),
-        ({"ETRAIN_API_TOKENS": "a=token-0123456789,b=token-0123456789"},
-         "ETRAIN_API_TOKENS: tenant 'b' has the same token as tenant 'a'.", "ETRAIN_API_TOKENS"),
-        ({"ETRAIN_API_TOKENS": "a=tok 1"},
-         "ETRAIN_API_TOKENS: the token of tenant 'a' is empty or holds spaces, commas or non-ASCII characters.",
-         "ETRAIN_API_TOKENS"),
-        ({"ETRAIN_API_TOKENS": "a=admin-token-0123456789", "ETRAIN_API_TOKEN": "admin-token-0123456789"},
-         "ETRAIN_API_TOKENS: tenant 'a' has the admin token (ETRAIN_API_TOKEN).", "ETRAIN_API_TOKENS"),
-        ({"ETRAIN_API_TOKENS": "default=token-0123456789"},
-         "ETRAIN_API_TOKENS: the tenant name 'default' is reserved for the operator's own jobs (those submitted "
-         "with ETRAIN_API_TOKEN).", "ETRAIN_API_TOKENS"),
+        (
+            {"ETRAIN_API_TOKENS": "Alice=token-0123456789"},
+            "ETRAIN_API_TOKENS: 'Alice' is not a tenant name.",
+            "ETRAIN_API_TOKENS",
+        ),
+        (
+            {"ETRAIN_API_TOKENS": "a=token-0123456789,b=token-0123456789"},
+            "ETRAIN_API_TOKENS: tenant 'b' has the same token as tenant 'a'.",
+            "ETRAIN_API_TOKENS",
+        ),
+        (
+            {"ETRAIN_API_TOKENS": "a=tok 1"},
+            "ETRAIN_API_TOKENS: the token of tenant 'a' is empty or holds spaces, commas or non-ASCII characters.",
+            "ETRAIN_API_TOKENS",
+        ),
+        (
+            {"ETRAIN_API_TOKENS": "a=admin-token-0123456789", "ETRAIN_API_TOKEN": "admin-token-0123456789"},
+            "ETRAIN_API_TOKENS: tenant 'a' has the admin token (ETRAIN_API_TOKEN).",
+            "ETRAIN_API_TOKENS",
+        ),
+        (
+            {"ETRAIN_API_TOKENS": "default=token-0123456789"},
+            "ETRAIN_API_TOKENS: the tenant name 'default' is reserved for the operator's own jobs (those submitted "
+            "with ETRAIN_API_TOKEN).",
+            "ETRAIN_API_TOKENS",
+        ),
         ({"ETRAIN_TENANT_MAX_WORKERS": "-1"}, "tenant_max_workers=-1 must be 0 or more.", "tenant_max_workers"),
-        ({"ETRAIN_TENANT_MAX_JOBS": "many"}, "ETRAIN_TENANT_MAX_JOBS='many' is not an integer.",
-         "ETRAIN_TENANT_MAX_JOBS"),
+        (
+            {"ETRAIN_TENANT_MAX_JOBS": "many"},
+            "ETRAIN_TENANT_MAX_JOBS='many' is not an integer.",
+            "ETRAIN_TENANT_MAX_JOBS",
+        ),
     ],
 )
 def test_bad_tenant_settings_are_refused_by_name(env, message, field):
@@ -575,15 +644,20 @@ def test_serve_generates_the_token_once_and_prints_where_it_is(tmp_path, monkeyp
     assert code == 1 and "is accessible to other users (-rw----r--)" in err and len(apps) == 3
 
 
-
 def test_the_new_errors_survive_pickling_with_their_fields():
     import pickle
 
     from etrain.service.errors import AdminOnly, NotAuthenticated
 
     quota = pickle.loads(pickle.dumps(QuotaExceeded("max_workers", tenant="alice", limit=8, used=6, requested=4)))
-    assert quota.to_dict() == {"name": "max_workers", "setting": "ETRAIN_TENANT_MAX_WORKERS", "tenant": "alice",
-                               "limit": 8, "used": 6, "requested": 4}
+    assert quota.to_dict() == {
+        "name": "max_workers",
+        "setting": "ETRAIN_TENANT_MAX_WORKERS",
+        "tenant": "alice",
+        "limit": 8,
+        "used": 6,
+        "requested": 4,
+    }
     assert (quota.field, quota.fix.split(":")[0]) == ("parallelism", "submit with fewer workers (at most 2 now")
     refused = pickle.loads(pickle.dumps(AdminOnly("fault injection (chaos)", tenant="bob")))
     assert (refused.action, refused.tenant) == ("fault injection (chaos)", "bob")

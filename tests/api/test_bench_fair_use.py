@@ -6,8 +6,9 @@ from benchmarks import bench_fair_use
 
 
 def test_the_fair_use_benchmark_runs_and_the_flood_is_refused_with_retry_after():
-    quiet, flood = bench_fair_use.run(seconds=0.5, warmup_s=0.5, streams=12, plans=4, health=10, ray_health_ms=5,
-                                      hostile=False)
+    quiet, flood = bench_fair_use.run(
+        seconds=0.5, warmup_s=0.5, streams=12, plans=4, health=10, ray_health_ms=5, hostile=False
+    )
     assert (quiet.name, flood.name) == ("quiet (bob alone)", "flood")
     for phase in (quiet, flood):  # the other tenant's reads: every one answered, and 200
         assert phase.victim.answers > 0 and phase.victim.errors == 0

@@ -30,8 +30,12 @@ KILL = {"action": "kill_rank", "rank": 1, "at_step": 3}
 
 def spec(name: str) -> dict[str, Any]:
     """Two ranks of 1 CPU: one such job holds the whole simulated cluster."""
-    return {"name": name, "model": {"preset": "gpt-tiny"}, "parallelism": {"dp": 2},
-            "training": {"steps": 10, "global_batch": 8, "micro_batch": 2}}
+    return {
+        "name": name,
+        "model": {"preset": "gpt-tiny"},
+        "parallelism": {"dp": 2},
+        "training": {"steps": 10, "global_batch": 8, "micro_batch": 2},
+    }
 
 
 @pytest.fixture
@@ -39,8 +43,11 @@ def plane(tmp_path):
     made = []
 
     def build(runtime: FakeRuntime):
-        manager = manager_module.JobManager(Settings(data_dir=tmp_path, poll_interval_s=0.05, enable_chaos=True),
-                                            runtime=runtime, base_dir=str(tmp_path))
+        manager = manager_module.JobManager(
+            Settings(data_dir=tmp_path, poll_interval_s=0.05, enable_chaos=True),
+            runtime=runtime,
+            base_dir=str(tmp_path),
+        )
         made.append(manager)
         app = create_app(Settings(data_dir=tmp_path, enable_chaos=True), manager=manager)
         return manager, TestClient(app, raise_server_exceptions=False, headers=admin_headers(tmp_path))
@@ -71,8 +78,12 @@ def test_an_order_for_a_queued_job_is_kept_and_armed_by_its_supervisor(plane):
 
     answer = client.post(f"/v1/jobs/{queued['id']}/chaos", json=KILL)
     assert answer.status_code == 200, answer.text  # was 503: no supervisor yet
-    assert answer.json() == {**KILL, "armed": True, "pending": True,
-                             "message": "kept until the job's supervisor starts; armed before its first launch"}
+    assert answer.json() == {
+        **KILL,
+        "armed": True,
+        "pending": True,
+        "message": "kept until the job's supervisor starts; armed before its first launch",
+    }
     assert ("chaos", queued["id"]) not in runtime.calls
 
     client.post(f"/v1/jobs/{holder['id']}/cancel")

@@ -18,8 +18,8 @@ import uvicorn
 import yaml
 
 from etrain.api import cli
-from etrain.api.cli.client import EXIT_TIMEOUT, EXIT_USAGE
 from etrain.api.app import create_app
+from etrain.api.cli.client import EXIT_TIMEOUT, EXIT_USAGE
 from etrain.service.settings import Settings
 from etrain.service.store.job_store import JobStore
 from tests.fakes import InMemoryManager, simulated_loss
@@ -276,7 +276,10 @@ def test_python_m_api_cli_runs_as_a_program(url, tmp_path):
     spec = write_spec(tmp_path)
     completed = subprocess.run(
         [sys.executable, "-m", "etrain.api.cli", "--url", url, "submit", str(spec)],
-        cwd=REPO, capture_output=True, text=True, timeout=60,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert completed.returncode == 0, completed.stderr
     assert completed.stdout.startswith("submitted tiny-")
@@ -297,7 +300,10 @@ def test_serve_builds_settings_from_flags_and_prints_the_urls(monkeypatch, tmp_p
     assert code == 0
     settings: Settings = calls["app"].state.settings
     assert (settings.host, settings.port, settings.data_dir, settings.enable_chaos) == (
-        "127.0.0.2", 8123, tmp_path, True,
+        "127.0.0.2",
+        8123,
+        tmp_path,
+        True,
     )
     assert calls["kwargs"]["host"] == "127.0.0.2" and calls["kwargs"]["port"] == 8123
     assert "starting etrain on http://127.0.0.2:8123" in out.getvalue()
@@ -317,9 +323,21 @@ def test_demo_serves_submits_and_follows_the_job(monkeypatch, tmp_path):
     port = free_port()
 
     code = cli.main(
-        ["demo", str(write_spec(tmp_path)), "--port", str(port), "--data-dir", str(tmp_path / "data"),
-         "--interval", "0.05", "--exit-when-done", "--start-timeout", "30"],
-        out=out, err=err,
+        [
+            "demo",
+            str(write_spec(tmp_path)),
+            "--port",
+            str(port),
+            "--data-dir",
+            str(tmp_path / "data"),
+            "--interval",
+            "0.05",
+            "--exit-when-done",
+            "--start-timeout",
+            "30",
+        ],
+        out=out,
+        err=err,
     )
 
     assert code == 0, (out.getvalue(), err.getvalue())

@@ -9,18 +9,22 @@ from __future__ import annotations
 import pytest
 
 from etrain.service.errors import SettingsError, SpecRejected
-from etrain.service.settings import Settings
 from etrain.service.planning.spec import JobSpec
+from etrain.service.settings import Settings
 from tests.fakes import FakeRuntime
 
 
 def spec(device: str = "cuda", **resources) -> JobSpec:
     gpus = {"gpus_per_worker": 1} if device == "cuda" else {}
-    return JobSpec.model_validate({
-        "name": "mem", "model": {"preset": "llama-tiny"}, "parallelism": {"dp": 2},
-        "resources": {"device": device, **gpus, **resources},
-        "training": {"steps": 2, "global_batch": 4, "micro_batch": 2},
-    })
+    return JobSpec.model_validate(
+        {
+            "name": "mem",
+            "model": {"preset": "llama-tiny"},
+            "parallelism": {"dp": 2},
+            "resources": {"device": device, **gpus, **resources},
+            "training": {"steps": 2, "global_batch": 4, "micro_batch": 2},
+        }
+    )
 
 
 @pytest.fixture
@@ -31,8 +35,9 @@ def make_manager(tmp_path):
     def make(gpu_memory_gb: float | None = None, **settings):
         runtime = FakeRuntime()
         runtime.gpu_memory_gb = gpu_memory_gb
-        manager = manager_module.JobManager(Settings(data_dir=tmp_path, **settings), runtime=runtime,
-                                            base_dir=str(tmp_path))
+        manager = manager_module.JobManager(
+            Settings(data_dir=tmp_path, **settings), runtime=runtime, base_dir=str(tmp_path)
+        )
         made.append(manager)
         return manager
 

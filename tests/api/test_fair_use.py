@@ -43,9 +43,13 @@ TENANTS = {"alice": ALICE, "bob": BOB}
 
 
 def spec(name: str = "fair", **overrides: Any) -> dict[str, Any]:
-    body: dict[str, Any] = {"name": name, "model": {"preset": "gpt-tiny"}, "parallelism": {"dp": 1},
-                            "training": {"steps": 100_000, "global_batch": 8, "micro_batch": 2},
-                            "resources": {"min_dp": 1, "max_dp": 4}}
+    body: dict[str, Any] = {
+        "name": name,
+        "model": {"preset": "gpt-tiny"},
+        "parallelism": {"dp": 1},
+        "training": {"steps": 100_000, "global_batch": 8, "micro_batch": 2},
+        "resources": {"min_dp": 1, "max_dp": 4},
+    }
     body.update(overrides)
     return body
 
@@ -86,11 +90,17 @@ def test_the_fair_use_defaults_are_on():
 
 
 def test_the_caps_come_from_the_environment_and_empty_means_no_limit():
-    settings = Settings.from_env({
-        "ETRAIN_TENANT_MAX_STREAMS": "3", "ETRAIN_TENANT_MAX_PLANS": "", "ETRAIN_TENANT_MAX_JOBS": "",
-        "ETRAIN_TENANT_MIN_PRIORITY": "-5", "ETRAIN_TENANT_MAX_PRIORITY": "50",
-        "ETRAIN_TENANT_PRIORITIES": " alice=0..500 , bob=-10..10,", "ETRAIN_HEALTH_CACHE_S": "0.5",
-    })
+    settings = Settings.from_env(
+        {
+            "ETRAIN_TENANT_MAX_STREAMS": "3",
+            "ETRAIN_TENANT_MAX_PLANS": "",
+            "ETRAIN_TENANT_MAX_JOBS": "",
+            "ETRAIN_TENANT_MIN_PRIORITY": "-5",
+            "ETRAIN_TENANT_MAX_PRIORITY": "50",
+            "ETRAIN_TENANT_PRIORITIES": " alice=0..500 , bob=-10..10,",
+            "ETRAIN_HEALTH_CACHE_S": "0.5",
+        }
+    )
     assert (settings.tenant_max_streams, settings.tenant_max_plans, settings.tenant_max_jobs) == (3, None, None)
     assert settings.tenant_priorities == (("alice", 0, 500), ("bob", -10, 10))
     assert settings.priority_range("alice") == (0, 500, "ETRAIN_TENANT_PRIORITIES=alice=0..500")
@@ -101,25 +111,44 @@ def test_the_caps_come_from_the_environment_and_empty_means_no_limit():
 @pytest.mark.parametrize(
     ("env", "message", "field"),
     [
-        ({"ETRAIN_API_TOKEN": "short-token"},
-         "ETRAIN_API_TOKEN: the token has 11 characters; a token needs at least 16 (a short token can be guessed).",
-         "ETRAIN_API_TOKEN"),
-        ({"ETRAIN_API_TOKENS": "alice=alice-token-ok-012345,bob=bob-short"},
-         "ETRAIN_API_TOKENS: the token of tenant 'bob' has 9 characters; a token needs at least 16 (a short "
-         "token can be guessed).", "ETRAIN_API_TOKENS"),
+        (
+            {"ETRAIN_API_TOKEN": "short-token"},
+            "ETRAIN_API_TOKEN: the token has 11 characters; a token needs at least 16 (a short token can be guessed).",
+            "ETRAIN_API_TOKEN",
+        ),
+        (
+            {"ETRAIN_API_TOKENS": "alice=alice-token-ok-012345,bob=bob-short"},
+            "ETRAIN_API_TOKENS: the token of tenant 'bob' has 9 characters; a token needs at least 16 (a short "
+            "token can be guessed).",
+            "ETRAIN_API_TOKENS",
+        ),
         ({"ETRAIN_TENANT_MAX_STREAMS": "-1"}, "tenant_max_streams=-1 must be 0 or more.", "tenant_max_streams"),
-        ({"ETRAIN_TENANT_MAX_PLANS": "two"}, "ETRAIN_TENANT_MAX_PLANS='two' is not an integer.",
-         "ETRAIN_TENANT_MAX_PLANS"),
-        ({"ETRAIN_TENANT_PRIORITIES": "alice=0-500"}, "ETRAIN_TENANT_PRIORITIES entry 1 is not 'tenant=MIN..MAX'.",
-         "ETRAIN_TENANT_PRIORITIES"),
-        ({"ETRAIN_TENANT_PRIORITIES": "alice=10..5"},
-         "ETRAIN_TENANT_PRIORITIES entry 'alice': the priority range 10..5 is not MIN..MAX within -1000..1000.",
-         "ETRAIN_TENANT_PRIORITIES"),
-        ({"ETRAIN_TENANT_PRIORITIES": "alice=0..1,alice=0..2"}, "ETRAIN_TENANT_PRIORITIES names tenant 'alice' twice.",
-         "ETRAIN_TENANT_PRIORITIES"),
-        ({"ETRAIN_TENANT_MAX_PRIORITY": "5000"},
-         "ETRAIN_TENANT_MIN_PRIORITY..ETRAIN_TENANT_MAX_PRIORITY: the priority range 0..5000 is not MIN..MAX within "
-         "-1000..1000.", "tenant_max_priority"),
+        (
+            {"ETRAIN_TENANT_MAX_PLANS": "two"},
+            "ETRAIN_TENANT_MAX_PLANS='two' is not an integer.",
+            "ETRAIN_TENANT_MAX_PLANS",
+        ),
+        (
+            {"ETRAIN_TENANT_PRIORITIES": "alice=0-500"},
+            "ETRAIN_TENANT_PRIORITIES entry 1 is not 'tenant=MIN..MAX'.",
+            "ETRAIN_TENANT_PRIORITIES",
+        ),
+        (
+            {"ETRAIN_TENANT_PRIORITIES": "alice=10..5"},
+            "ETRAIN_TENANT_PRIORITIES entry 'alice': the priority range 10..5 is not MIN..MAX within -1000..1000.",
+            "ETRAIN_TENANT_PRIORITIES",
+        ),
+        (
+            {"ETRAIN_TENANT_PRIORITIES": "alice=0..1,alice=0..2"},
+            "ETRAIN_TENANT_PRIORITIES names tenant 'alice' twice.",
+            "ETRAIN_TENANT_PRIORITIES",
+        ),
+        (
+            {"ETRAIN_TENANT_MAX_PRIORITY": "5000"},
+            "ETRAIN_TENANT_MIN_PRIORITY..ETRAIN_TENANT_MAX_PRIORITY: the priority range 0..5000 is not MIN..MAX within "
+            "-1000..1000.",
+            "tenant_max_priority",
+        ),
         ({"ETRAIN_HEALTH_CACHE_S": "-1"}, "health_cache_s=-1.0 must be 0..300 seconds.", "health_cache_s"),
         ({"ETRAIN_PLAN_WORKERS": "17"}, "plan_workers=17 must be 0..16.", "plan_workers"),
     ],
@@ -148,15 +177,17 @@ def test_a_short_token_in_the_tokens_file_is_named_by_file_and_line(tmp_path):
 @pytest.fixture
 def stream_server(tmp_path, store):
     manager = InMemoryManager(store, base_dir=str(tmp_path))  # no simulated progress: streams stay open
-    app = create_app(Settings(data_dir=tmp_path, api_token=ADMIN_TOKEN, api_tokens=TENANTS, tenant_max_streams=2),
-                     manager=manager)
+    app = create_app(
+        Settings(data_dir=tmp_path, api_token=ADMIN_TOKEN, api_tokens=TENANTS, tenant_max_streams=2), manager=manager
+    )
     with serve_app(app) as url:
         yield url, app
 
 
 def open_stream(stack: ExitStack, http: httpx.Client, job_id: str) -> httpx.Response:
-    response = stack.enter_context(http.stream("GET", f"/v1/jobs/{job_id}/events",
-                                               params={"follow": "true", "timeout_s": 30}))
+    response = stack.enter_context(
+        http.stream("GET", f"/v1/jobs/{job_id}/events", params={"follow": "true", "timeout_s": 30})
+    )
     if response.status_code == 200:
         response.lines = response.iter_lines()  # kept: a dropped line iterator closes the connection
         assert next(response.lines) == "retry: 2000"  # the stream is running on the server
@@ -172,10 +203,21 @@ def test_a_tenant_may_hold_only_its_cap_of_streams_and_others_are_unaffected(str
         bobs = bob.post("/v1/jobs", json=spec("bobs")).json()["id"]
         assert [open_stream(stack, alice, alices).status_code for _ in range(2)] == [200, 200]
         refused = open_stream(stack, alice, alices)
-        body = assert_too_many(refused, {"name": "max_streams", "setting": "ETRAIN_TENANT_MAX_STREAMS",
-                                         "tenant": "alice", "limit": 2, "used": 2, "requested": 1}, retry_after=5)
-        assert body["message"] == ("tenant 'alice' may follow at most 2 event streams at once "
-                                   "(ETRAIN_TENANT_MAX_STREAMS=2) and has 2 open.")
+        body = assert_too_many(
+            refused,
+            {
+                "name": "max_streams",
+                "setting": "ETRAIN_TENANT_MAX_STREAMS",
+                "tenant": "alice",
+                "limit": 2,
+                "used": 2,
+                "requested": 1,
+            },
+            retry_after=5,
+        )
+        assert body["message"] == (
+            "tenant 'alice' may follow at most 2 event streams at once (ETRAIN_TENANT_MAX_STREAMS=2) and has 2 open."
+        )
         assert app.state.fair_use.streams.held("alice") == 2
         # the cap is alice's: bob streams, the admin streams as much as it likes, alice's plain reads work
         assert open_stream(stack, bob, bobs).status_code == 200
@@ -195,8 +237,9 @@ def test_a_tenant_may_hold_only_its_cap_of_streams_and_others_are_unaffected(str
 
 def test_a_stream_that_ends_gives_its_slot_back(tmp_path, store):
     manager = InMemoryManager(store, base_dir=str(tmp_path))
-    app = create_app(Settings(data_dir=tmp_path, api_token=ADMIN_TOKEN, api_tokens=TENANTS, tenant_max_streams=1),
-                     manager=manager)
+    app = create_app(
+        Settings(data_dir=tmp_path, api_token=ADMIN_TOKEN, api_tokens=TENANTS, tenant_max_streams=1), manager=manager
+    )
     with serve_app(app) as url, client(url, ALICE) as alice:
         job_id = alice.post("/v1/jobs", json=spec("short")).json()["id"]
         for _ in range(3):  # each stream closes itself at its time limit; the next one is accepted
@@ -226,12 +269,14 @@ class SlowPlans(InMemoryManager):
 
 def test_a_tenant_may_compute_only_its_cap_of_plans_at_once(tmp_path, store):
     manager = SlowPlans(store, base_dir=str(tmp_path))
-    app = create_app(Settings(data_dir=tmp_path, api_token=ADMIN_TOKEN, api_tokens=TENANTS, tenant_max_plans=2),
-                     manager=manager)
+    app = create_app(
+        Settings(data_dir=tmp_path, api_token=ADMIN_TOKEN, api_tokens=TENANTS, tenant_max_plans=2), manager=manager
+    )
     with serve_app(app) as url, client(url, ALICE) as alice, client(url, BOB) as bob, client(url, ADMIN_TOKEN) as admin:
         answers: list[httpx.Response] = []
-        threads = [threading.Thread(target=lambda: answers.append(alice.post("/v1/plan", json=spec())))
-                   for _ in range(2)]
+        threads = [
+            threading.Thread(target=lambda: answers.append(alice.post("/v1/plan", json=spec()))) for _ in range(2)
+        ]
         for thread in threads:
             thread.start()
         deadline = time.monotonic() + 10
@@ -239,10 +284,21 @@ def test_a_tenant_may_compute_only_its_cap_of_plans_at_once(tmp_path, store):
             assert time.monotonic() < deadline, "the two plans never started"
             time.sleep(0.01)
         third = alice.post("/v1/plan", json=spec())
-        body = assert_too_many(third, {"name": "max_plans", "setting": "ETRAIN_TENANT_MAX_PLANS", "tenant": "alice",
-                                       "limit": 2, "used": 2, "requested": 1}, retry_after=1)
-        assert body["message"] == ("tenant 'alice' may have at most 2 plans computed at once "
-                                   "(ETRAIN_TENANT_MAX_PLANS=2) and has 2 running.")
+        body = assert_too_many(
+            third,
+            {
+                "name": "max_plans",
+                "setting": "ETRAIN_TENANT_MAX_PLANS",
+                "tenant": "alice",
+                "limit": 2,
+                "used": 2,
+                "requested": 1,
+            },
+            retry_after=1,
+        )
+        assert body["message"] == (
+            "tenant 'alice' may have at most 2 plans computed at once (ETRAIN_TENANT_MAX_PLANS=2) and has 2 running."
+        )
         # refused before the body is read: a refusal costs the server no parsing (this one is not even JSON)
         unread = alice.post("/v1/plan", content=b"{not json", headers={"content-type": "application/json"})
         assert unread.status_code == 429 and unread.json()["quota"]["name"] == "max_plans"
@@ -333,14 +389,22 @@ def real(tmp_path):
     manager_module = pytest.importorskip("etrain.service.manager")  # imports Ray (never started: FakeRuntime)
 
     def make(**settings: Any):
-        values = {"data_dir": tmp_path, "api_token": ADMIN_TOKEN, "api_tokens": TENANTS, "poll_interval_s": 0.05,
-                  **settings}
-        manager = manager_module.JobManager(Settings(**values), runtime=FakeRuntime(steps_per_update=0),
-                                            base_dir=str(tmp_path))
+        values = {
+            "data_dir": tmp_path,
+            "api_token": ADMIN_TOKEN,
+            "api_tokens": TENANTS,
+            "poll_interval_s": 0.05,
+            **settings,
+        }
+        manager = manager_module.JobManager(
+            Settings(**values), runtime=FakeRuntime(steps_per_update=0), base_dir=str(tmp_path)
+        )
         made.append(manager)
         app = create_app(manager.settings, manager=manager)
-        return manager, {who: TestClient(app, headers=bearer(token), raise_server_exceptions=False)
-                         for who, token in {"admin": ADMIN_TOKEN, **TENANTS}.items()}
+        return manager, {
+            who: TestClient(app, headers=bearer(token), raise_server_exceptions=False)
+            for who, token in {"admin": ADMIN_TOKEN, **TENANTS}.items()
+        }
 
     made: list[Any] = []
     yield make
@@ -355,10 +419,22 @@ def test_scale_counts_against_the_worker_quota(real):
     small = alice.post("/v1/jobs", json=spec("small")).json()["id"]  # 3 of 3 workers
 
     refused = alice.post(f"/v1/jobs/{small}/scale", json={"dp": 2})
-    body = assert_too_many(refused, {"name": "max_workers", "setting": "ETRAIN_TENANT_MAX_WORKERS", "tenant": "alice",
-                                     "limit": 3, "used": 3, "requested": 1}, retry_after=30)
-    assert body["message"] == (f"tenant 'alice' may hold at most 3 workers (ETRAIN_TENANT_MAX_WORKERS=3); its "
-                               f"unfinished jobs hold 3 and dp=2 adds 1 ranks to job {small}, 4 in all.")
+    body = assert_too_many(
+        refused,
+        {
+            "name": "max_workers",
+            "setting": "ETRAIN_TENANT_MAX_WORKERS",
+            "tenant": "alice",
+            "limit": 3,
+            "used": 3,
+            "requested": 1,
+        },
+        retry_after=30,
+    )
+    assert body["message"] == (
+        f"tenant 'alice' may hold at most 3 workers (ETRAIN_TENANT_MAX_WORKERS=3); its "
+        f"unfinished jobs hold 3 and dp=2 adds 1 ranks to job {small}, 4 in all."
+    )
     assert body["detail"][0]["field"] == "dp" and body["fix"].startswith("scale to at most dp=1 ")
     assert "scale_requested" not in [e["kind"] for e in alice.get(f"/v1/jobs/{small}/events").json()["events"]]
 
@@ -395,8 +471,18 @@ def test_a_tenant_at_its_job_cap_is_refused_before_its_spec_is_planned(real, mon
     searched: list[Any] = []
     monkeypatch.setattr(manager._planner, "run", lambda *a, **k: searched.append(a) or pytest.fail("planned"))
     refused = alice.post("/v1/jobs", json=spec("three", parallelism=AUTO, resources={}))
-    assert_too_many(refused, {"name": "max_jobs", "setting": "ETRAIN_TENANT_MAX_JOBS", "tenant": "alice", "limit": 2,
-                              "used": 2, "requested": 1}, retry_after=30)
+    assert_too_many(
+        refused,
+        {
+            "name": "max_jobs",
+            "setting": "ETRAIN_TENANT_MAX_JOBS",
+            "tenant": "alice",
+            "limit": 2,
+            "used": 2,
+            "requested": 1,
+        },
+        retry_after=30,
+    )
     # an invalid spec is not even validated: the cap answers first
     bad = alice.post("/v1/jobs", json=spec("bad", training={"steps": 5, "global_batch": 7, "micro_batch": 2}))
     assert bad.status_code == 429
@@ -421,7 +507,7 @@ def test_a_tenant_sets_priority_only_within_its_range(real):
         "error": "priority_not_allowed",
         "message": f"priority=1000 is outside the range tenant 'alice' may use: 0..100 ({setting}).",
         "fix": "submit with a priority in 0..100 (omitted: 0), or ask the operator to widen the range "
-               "(ETRAIN_TENANT_PRIORITIES=alice=MIN..MAX)",
+        "(ETRAIN_TENANT_PRIORITIES=alice=MIN..MAX)",
         "detail": [{"field": "priority", "message": refused.json()["message"], "fix": refused.json()["fix"]}],
         "priority": {"tenant": "alice", "requested": 1000, "min": 0, "max": 100, "setting": setting},
     }
@@ -455,14 +541,19 @@ class CountingHealth(InMemoryManager):
         time.sleep(self.delay_s)
         if self.gate is not None:
             assert self.gate.wait(timeout=20)
-        return {"db": "ok", "ray": "ok" if self.healthy else "unavailable: 10.1.2.3:6379 refused", "nodes": 1,
-                "resources": {"CPU": 4.0, "node:10.1.2.3": 1.0}}
+        return {
+            "db": "ok",
+            "ray": "ok" if self.healthy else "unavailable: 10.1.2.3:6379 refused",
+            "nodes": 1,
+            "resources": {"CPU": 4.0, "node:10.1.2.3": 1.0},
+        }
 
 
 def test_anonymous_healthz_says_only_ok_and_a_token_sees_the_report(tmp_path, store):
     manager = CountingHealth(store, base_dir=str(tmp_path))
-    app = create_app(Settings(data_dir=tmp_path, api_token=ADMIN_TOKEN, api_tokens=TENANTS, health_cache_s=0),
-                     manager=manager)
+    app = create_app(
+        Settings(data_dir=tmp_path, api_token=ADMIN_TOKEN, api_tokens=TENANTS, health_cache_s=0), manager=manager
+    )
     anonymous = TestClient(app).get("/healthz")
     assert (anonymous.status_code, anonymous.json()) == (200, {"ok": True, "status": "ok"})
     for token in (ALICE, ADMIN_TOKEN):
@@ -482,8 +573,9 @@ def test_healthz_probes_once_per_interval_however_many_ask(tmp_path, store):
     app = create_app(Settings(data_dir=tmp_path, api_token=ADMIN_TOKEN, health_cache_s=0.5), manager=manager)
     with serve_app(app) as url, httpx.Client(base_url=url, timeout=5) as anonymous:
         answers: list[int] = []
-        threads = [threading.Thread(target=lambda: answers.append(anonymous.get("/healthz").status_code))
-                   for _ in range(20)]  # they all wait for the first probe, and share it
+        threads = [
+            threading.Thread(target=lambda: answers.append(anonymous.get("/healthz").status_code)) for _ in range(20)
+        ]  # they all wait for the first probe, and share it
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -537,51 +629,63 @@ def test_health_cache_serves_fresh_then_stale_and_reports_a_stuck_probe():
 @pytest.fixture
 def tenant_app(tmp_path, store):
     manager = InMemoryManager(store, base_dir=str(tmp_path), enable_chaos=True)
-    app = create_app(Settings(data_dir=tmp_path, api_token=ADMIN_TOKEN, api_tokens=TENANTS, enable_chaos=True),
-                     manager=manager)
+    app = create_app(
+        Settings(data_dir=tmp_path, api_token=ADMIN_TOKEN, api_tokens=TENANTS, enable_chaos=True), manager=manager
+    )
     return app, manager
 
 
 @pytest.mark.parametrize("body", [b"{not json", b"\xff\xfe", b"[]", b'{"action": 5}'])
 def test_a_tenants_malformed_drill_is_403_before_any_validation(tenant_app, body):
     app, manager = tenant_app
-    alice, bob, admin = (TestClient(app, headers=bearer(t), raise_server_exceptions=False)
-                         for t in (ALICE, BOB, ADMIN_TOKEN))
+    alice, bob, admin = (
+        TestClient(app, headers=bearer(t), raise_server_exceptions=False) for t in (ALICE, BOB, ADMIN_TOKEN)
+    )
     job_id = alice.post("/v1/jobs", json=spec()).json()["id"]
     headers = {"content-type": "application/json"}
     own = alice.post(f"/v1/jobs/{job_id}/chaos", content=body, headers=headers)
     assert (own.status_code, own.json()["error"]) == (403, "admin_only")
     theirs = bob.post(f"/v1/jobs/{job_id}/chaos", content=body, headers=headers)
     assert (theirs.status_code, theirs.json()["error"]) == (404, "job_not_found")
-    assert theirs.text == bob.post("/v1/jobs/nosuch-00000000/chaos", content=body,
-                                   headers=headers).text.replace("nosuch-00000000", job_id)
+    assert theirs.text == bob.post("/v1/jobs/nosuch-00000000/chaos", content=body, headers=headers).text.replace(
+        "nosuch-00000000", job_id
+    )
     assert admin.post(f"/v1/jobs/{job_id}/chaos", content=body, headers=headers).status_code == 422  # validation
     assert manager.chaos_orders == []
 
 
 def test_a_malformed_drill_on_a_server_without_chaos_is_403_for_everyone(tmp_path, store):
-    app = create_app(Settings(data_dir=tmp_path, api_token=ADMIN_TOKEN, api_tokens=TENANTS),
-                     manager=InMemoryManager(store, base_dir=str(tmp_path)))
+    app = create_app(
+        Settings(data_dir=tmp_path, api_token=ADMIN_TOKEN, api_tokens=TENANTS),
+        manager=InMemoryManager(store, base_dir=str(tmp_path)),
+    )
     for token in (ALICE, ADMIN_TOKEN):
-        response = TestClient(app, headers=bearer(token)).post("/v1/jobs/any-job/chaos", content=b"{not json",
-                                                               headers={"content-type": "application/json"})
+        response = TestClient(app, headers=bearer(token)).post(
+            "/v1/jobs/any-job/chaos", content=b"{not json", headers={"content-type": "application/json"}
+        )
         assert (response.status_code, response.json()["error"]) == (403, "chaos_disabled")
 
 
-@pytest.mark.parametrize(("path", "allow"), [
-    ("/v1/jobs", "GET, OPTIONS, POST"),
-    ("/v1/jobs/some-job", "GET, OPTIONS"),
-    ("/v1/jobs/some-job/scale", "OPTIONS, POST"),
-    ("/v1/plan", "OPTIONS, POST"),
-])
+@pytest.mark.parametrize(
+    ("path", "allow"),
+    [
+        ("/v1/jobs", "GET, OPTIONS, POST"),
+        ("/v1/jobs/some-job", "GET, OPTIONS"),
+        ("/v1/jobs/some-job/scale", "OPTIONS, POST"),
+        ("/v1/plan", "OPTIONS, POST"),
+    ],
+)
 def test_options_and_405_name_every_method_of_the_path(tenant_app, path, allow):
     app, _ = tenant_app
     alice = TestClient(app, headers=bearer(ALICE), raise_server_exceptions=False)
     options = alice.options(path)
     assert (options.status_code, options.headers["allow"], options.content) == (204, allow, b"")
     refused = alice.delete(path)
-    assert (refused.status_code, refused.headers["allow"], refused.json()["error"]) == (405, allow,
-                                                                                        "method_not_allowed")
+    assert (refused.status_code, refused.headers["allow"], refused.json()["error"]) == (
+        405,
+        allow,
+        "method_not_allowed",
+    )
     assert refused.json()["message"] == f"DELETE is not allowed on {path}; allowed: {allow}"
     assert TestClient(app).options(path).status_code == 401  # still behind the token
 
@@ -589,8 +693,12 @@ def test_options_and_405_name_every_method_of_the_path(tenant_app, path, allow):
 def test_the_openapi_document_declares_the_new_answers(tenant_app):
     app, _ = tenant_app
     paths = app.openapi()["paths"]
-    for path, method in (("/v1/plan", "post"), ("/v1/jobs/{job_id}/events", "get"),
-                         ("/v1/jobs/{job_id}/scale", "post"), ("/v1/jobs", "post")):
+    for path, method in (
+        ("/v1/plan", "post"),
+        ("/v1/jobs/{job_id}/events", "get"),
+        ("/v1/jobs/{job_id}/scale", "post"),
+        ("/v1/jobs", "post"),
+    ):
         answer = paths[path][method]["responses"]["429"]
         assert "Retry-After" in answer["headers"], (path, method)
     assert "403" in paths["/v1/jobs"]["post"]["responses"] and "401" in paths["/healthz"]["get"]["responses"]
@@ -601,8 +709,11 @@ def test_the_fair_use_errors_survive_pickling():
 
     from etrain.service.errors import PriorityNotAllowed
 
-    scale = pickle.loads(pickle.dumps(QuotaExceeded("max_workers", tenant="alice", limit=4, used=4, requested=2,
-                                                    job_id="job-1", dp=3, dp_fits=1)))
+    scale = pickle.loads(
+        pickle.dumps(
+            QuotaExceeded("max_workers", tenant="alice", limit=4, used=4, requested=2, job_id="job-1", dp=3, dp_fits=1)
+        )
+    )
     assert (scale.job_id, scale.dp, scale.dp_fits, scale.field) == ("job-1", 3, 1, "dp")
     refused = pickle.loads(pickle.dumps(PriorityNotAllowed(tenant="bob", priority=7, low=0, high=5, setting="S")))
     assert refused.to_dict() == {"tenant": "bob", "requested": 7, "min": 0, "max": 5, "setting": "S"}

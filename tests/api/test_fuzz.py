@@ -59,8 +59,14 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 #: Cases per operation and mode; ETRAIN_FUZZ_EXAMPLES=500 ETRAIN_FUZZ_RANDOM=1 hunts longer, with new cases.
 MAX_EXAMPLES = int(os.environ.get("ETRAIN_FUZZ_EXAMPLES", "25"))
 DERANDOMIZE = os.environ.get("ETRAIN_FUZZ_RANDOM", "") != "1"
-CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
-          negative_data_rejection, positive_data_acceptance]
+CHECKS = [
+    not_a_server_error,
+    status_code_conformance,
+    content_type_conformance,
+    response_schema_conformance,
+    negative_data_rejection,
+    positive_data_acceptance,
+]
 #: schemathesis' default statuses for positive_data_acceptance (a 5xx is not_a_server_error's to report).
 ACCEPTED = ["2xx", "3xx", "401", "403", "404", "409", "429", "5xx"]
 #: Statuses a schema-valid request may also get where the answer depends on more than its shape.
@@ -78,8 +84,13 @@ STATE_DEPENDENT = {
     "POST /v1/plan": ["422"],
 }
 
-SPEC = {"name": "fuzz", "model": {"preset": "llama-tiny"}, "parallelism": {"dp": 2},
-        "resources": {"min_dp": 1, "max_dp": 4}, "training": {"micro_batch": 1, "global_batch": 8}}
+SPEC = {
+    "name": "fuzz",
+    "model": {"preset": "llama-tiny"},
+    "parallelism": {"dp": 2},
+    "resources": {"min_dp": 1, "max_dp": 4},
+    "training": {"micro_batch": 1, "global_batch": 8},
+}
 
 
 def _document() -> dict[str, Any]:
@@ -142,7 +153,8 @@ def test_every_operation_conforms(fuzz_env, label: str, mode: str) -> None:
     operation = schema.find_operation_by_label(label)
     assert operation is not None, label
     schema.config.checks.positive_data_acceptance = PositiveDataAcceptanceConfig(
-        expected_statuses=ACCEPTED + STATE_DEPENDENT.get(label, []))
+        expected_statuses=ACCEPTED + STATE_DEPENDENT.get(label, [])
+    )
     # The token is fixed in the strategy (not added at call time), so a negative case never counts a
     # dropped Authorization header as its violation while the call sends one.
     cases = operation.as_strategy(generation_mode=GenerationMode(mode), headers=AUTH)
@@ -151,8 +163,13 @@ def test_every_operation_conforms(fuzz_env, label: str, mode: str) -> None:
     real_job = st.sampled_from([None, *jobs]) if "{job_id}" in label else st.none()
 
     @given(case=cases, job=real_job)
-    @settings(max_examples=MAX_EXAMPLES, derandomize=DERANDOMIZE, deadline=None, database=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=MAX_EXAMPLES,
+        derandomize=DERANDOMIZE,
+        deadline=None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
     def run(case: Any, job: str | None) -> None:
         if job is not None:
             case.path_parameters = {**(case.path_parameters or {}), "job_id": job}

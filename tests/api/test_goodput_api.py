@@ -15,8 +15,13 @@ from etrain.service.decisions.goodput import StepTime, goodput, productive_secon
 from tests.fakes import FakeRuntime
 
 queue_tests = pytest.importorskip("tests.api.test_queue")  # imports etrain.service.manager (Ray never started)
-plane, spec, submit, wait_for, events = (queue_tests.plane, queue_tests.spec, queue_tests.submit,
-                                          queue_tests.wait_for, queue_tests.events)
+plane, spec, submit, wait_for, events = (
+    queue_tests.plane,
+    queue_tests.spec,
+    queue_tests.submit,
+    queue_tests.wait_for,
+    queue_tests.events,
+)
 
 STEP_S = 0.01  # simulated seconds per step; the fake advances one step per 0.05 s poll: goodput ~0.2
 

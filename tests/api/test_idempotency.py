@@ -13,9 +13,9 @@ import httpx
 import pytest
 
 from etrain.api.app import create_app
-from etrain.service.store.idempotency import MAX_KEY_LENGTH, ReplayedJob, request_hash
-from etrain.service.settings import Settings
 from etrain.service.planning.spec import JobSpec
+from etrain.service.settings import Settings
+from etrain.service.store.idempotency import MAX_KEY_LENGTH, ReplayedJob, request_hash
 from tests.fakes import FakeRuntime
 from tests.service_harness import serve_app
 
@@ -41,8 +41,9 @@ def free_port() -> int:
 
 @pytest.fixture
 def manager(tmp_path):
-    settings = Settings(data_dir=tmp_path, api_token=ADMIN, api_tokens=(("alice", ALICE), ("bob", BOB)),
-                        poll_interval_s=0.05)
+    settings = Settings(
+        data_dir=tmp_path, api_token=ADMIN, api_tokens=(("alice", ALICE), ("bob", BOB)), poll_interval_s=0.05
+    )
     manager = manager_module.JobManager(settings, runtime=FakeRuntime(steps_per_update=0), base_dir=str(tmp_path))
     yield manager
     manager.close()
@@ -75,9 +76,16 @@ def test_the_same_key_and_body_return_the_same_job_with_200(url, manager):
     assert first.status_code == 201, first.text
     job_id = first.json()["id"]
     # The same spec written differently (key order, spacing, an explicit default) is the same request.
-    reordered = json.dumps({"parallelism": {"dp": 2}, "training": {"micro_batch": 2, "global_batch": 8,
-                            "steps": 10_000}, "model": {"preset": "gpt-tiny"}, "name": "idem", "priority": 0},
-                           indent=3)
+    reordered = json.dumps(
+        {
+            "parallelism": {"dp": 2},
+            "training": {"micro_batch": 2, "global_batch": 8, "steps": 10_000},
+            "model": {"preset": "gpt-tiny"},
+            "name": "idem",
+            "priority": 0,
+        },
+        indent=3,
+    )
     for body in (spec(), reordered):
         again = post(url, body, key="retry-1")
         assert again.status_code == 200, again.text
@@ -95,11 +103,13 @@ def test_the_same_key_with_another_body_is_409_naming_the_job(url, manager):
         "error": "conflict",
         "message": f"Idempotency-Key 'retry-2' was already used for job {job_id} with a different request body.",
         "fix": f"send the original body to get job {job_id} back, or a new Idempotency-Key for a new job",
-        "detail": [{
-            "field": "Idempotency-Key",
-            "message": f"Idempotency-Key 'retry-2' was already used for job {job_id} with a different request body.",
-            "fix": f"send the original body to get job {job_id} back, or a new Idempotency-Key for a new job",
-        }],
+        "detail": [
+            {
+                "field": "Idempotency-Key",
+                "message": f"Idempotency-Key 'retry-2' was already used for job {job_id} with a different request body.",
+                "fix": f"send the original body to get job {job_id} back, or a new Idempotency-Key for a new job",
+            }
+        ],
     }
     assert job_ids(manager) == [job_id]
 

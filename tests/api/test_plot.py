@@ -13,7 +13,7 @@ from matplotlib.image import imread
 
 from etrain.api import cli
 from etrain.api.cli.plot import MARKS, PANELS, History, render, series
-from etrain.service.decisions.goodput import goodput, productive_seconds, StepTime
+from etrain.service.decisions.goodput import StepTime, goodput, productive_seconds
 from etrain.service.store.job_store import JobStore
 from etrain.service.store.records import JobStatus, StepRecord
 from tests.api.test_cli import serving, write_spec
@@ -23,8 +23,16 @@ T0 = 1_000.0  # the submit time of the synthetic job
 
 
 def row(step: int, ts: float, attempt: int = 1, **fields) -> dict:
-    return {"step": step, "ts": ts, "attempt": attempt, "loss": 5.0 - step / 10, "tokens_per_s": 1000.0 + step,
-            "step_s": 0.5, "mfu": 0.3, **fields}
+    return {
+        "step": step,
+        "ts": ts,
+        "attempt": attempt,
+        "loss": 5.0 - step / 10,
+        "tokens_per_s": 1000.0 + step,
+        "step_s": 0.5,
+        "mfu": 0.3,
+        **fields,
+    }
 
 
 def event(kind: str, ts: float, message: str) -> dict:
@@ -44,8 +52,19 @@ def restarted_job() -> History:
         event("checkpoint", T0 + 60.5, "committed step 20"),  # the in-memory manager's name for it
         event("resized", T0 + 64.5, "attempt 2: dp=1 world_size=1, from step 20"),
     ]
-    return History(job={"id": "tiny-1", "name": "tiny", "status": "RUNNING", "step": 30, "restarts": 1,
-                        "created_at": T0, "spec": {"training": {"steps": 30}}}, steps=rows, events=events)
+    return History(
+        job={
+            "id": "tiny-1",
+            "name": "tiny",
+            "status": "RUNNING",
+            "step": 30,
+            "restarts": 1,
+            "created_at": T0,
+            "spec": {"training": {"steps": 30}},
+        },
+        steps=rows,
+        events=events,
+    )
 
 
 def test_the_series_follow_the_steps_and_the_marks_sit_where_things_happened():
@@ -57,8 +76,11 @@ def test_the_series_follow_the_steps_and_the_marks_sit_where_things_happened():
     # a restart sits at the last step still in the history before it (10: 11-12 were re-run later)
     assert (data.restarts, data.resizes, data.checkpoints) == ([10], [24], [10, 20])
     # goodput: the control plane's definition at each report; the last point is the job's goodput
-    last = goodput(productive_seconds(StepTime(r["step"], r["attempt"], r["step_s"]) for r in history.steps),
-                   submitted_at=T0, now=T0 + 70)
+    last = goodput(
+        productive_seconds(StepTime(r["step"], r["attempt"], r["step_s"]) for r in history.steps),
+        submitted_at=T0,
+        now=T0 + 70,
+    )
     assert data.goodput[-1] == pytest.approx(last) == pytest.approx(15 / 70)
     assert data.goodput[9] == pytest.approx(5 / 20)  # step 10 at T0+20: 10 steps of 0.5 s in 20 s
     assert data.goodput[10] < data.goodput[9]  # the restart's lost time shows as a dip
@@ -71,7 +93,7 @@ def test_a_missing_value_is_a_gap_not_a_zero():
 
 
 def pixels_near(image: np.ndarray, color: str, tolerance: float = 0.09) -> int:
-    rgb = np.array([int(color[i:i + 2], 16) / 255 for i in (1, 3, 5)])
+    rgb = np.array([int(color[i : i + 2], 16) / 255 for i in (1, 3, 5)])
     return int((np.abs(image[..., :3] - rgb).max(axis=-1) < tolerance).sum())
 
 
@@ -79,8 +101,9 @@ def test_the_figure_has_four_panels_with_each_curve_and_every_mark_on_each(tmp_p
     data = series(restarted_job())
     figure = render(data, tmp_path / "job.png", title="tiny")
     assert [ax.get_title(loc="left") for ax in figure.axes] == list(PANELS)
-    curves = {line.get_gid(): list(line.get_ydata()) for ax in figure.axes for line in ax.lines
-              if line.get_gid() in PANELS}
+    curves = {
+        line.get_gid(): list(line.get_ydata()) for ax in figure.axes for line in ax.lines if line.get_gid() in PANELS
+    }
     assert curves["loss"] == pytest.approx(data.loss)
     assert curves["MFU (%)"] == pytest.approx([30.0] * 30)
     assert curves["goodput (%)"] == pytest.approx([100 * g for g in data.goodput])
@@ -100,14 +123,33 @@ def test_etrain_plot_writes_a_png_of_the_jobs_rest_history(tmp_path, monkeypatch
             plain, marked = (_submit(url, tmp_path, name) for name in ("plain", "marked"))
             for job_id, marks in ((plain, False), (marked, True)):
                 created = store.get_job(job_id).created_at
-                store.add_steps(job_id, [
-                    StepRecord(job_id=job_id, step=s, loss=4.0 - s / 20, tokens_per_s=2000.0 + 10 * s, step_s=0.5,
-                               compute_s=0.4, comm_wait_s=0.1, ts=created + s, attempt=1, mfu=0.2 + s / 200)
-                    for s in range(1, 41)])
+                store.add_steps(
+                    job_id,
+                    [
+                        StepRecord(
+                            job_id=job_id,
+                            step=s,
+                            loss=4.0 - s / 20,
+                            tokens_per_s=2000.0 + 10 * s,
+                            step_s=0.5,
+                            compute_s=0.4,
+                            comm_wait_s=0.1,
+                            ts=created + s,
+                            attempt=1,
+                            mfu=0.2 + s / 200,
+                        )
+                        for s in range(1, 41)
+                    ],
+                )
                 if marks:
-                    store.add_events(job_id, [(created + 10.5, "checkpoint_committed", {"message": "step 10"}),
-                                              (created + 20.5, "restarting", {"message": "restart 1/3"}),
-                                              (created + 30.5, "resized", {"message": "dp=1"})])
+                    store.add_events(
+                        job_id,
+                        [
+                            (created + 10.5, "checkpoint_committed", {"message": "step 10"}),
+                            (created + 20.5, "restarting", {"message": "restart 1/3"}),
+                            (created + 30.5, "resized", {"message": "dp=1"}),
+                        ],
+                    )
                 store.update_job(job_id, step=40, status=JobStatus.SUCCEEDED)
             outputs = {}
             for job_id in (plain, marked):
@@ -116,12 +158,19 @@ def test_etrain_plot_writes_a_png_of_the_jobs_rest_history(tmp_path, monkeypatch
                 assert code == 0, err.getvalue()
                 outputs[job_id] = out.getvalue()
             missing = io.StringIO()
-            assert cli.main(["--url", url, "plot", marked, "-o", str(tmp_path / "nope" / "x.png")],
-                            out=io.StringIO(), err=missing) == 1
+            assert (
+                cli.main(
+                    ["--url", url, "plot", marked, "-o", str(tmp_path / "nope" / "x.png")],
+                    out=io.StringIO(),
+                    err=missing,
+                )
+                == 1
+            )
             assert "the folder" in missing.getvalue() and "does not exist" in missing.getvalue()
 
-    assert outputs[marked].strip() == (f"wrote {tmp_path / f'{marked}.png'}: steps 1..40 (40 reported), 1 restarts, "
-                                       "1 resizes, 1 checkpoints marked")
+    assert outputs[marked].strip() == (
+        f"wrote {tmp_path / f'{marked}.png'}: steps 1..40 (40 reported), 1 restarts, 1 resizes, 1 checkpoints marked"
+    )
     images = {job_id: imread(tmp_path / f"{job_id}.png") for job_id in (plain, marked)}
     for image in images.values():
         assert image.shape == (1100, 1000, 4)  # 10 x 11 inches at 100 dpi
@@ -144,8 +193,9 @@ def test_a_job_without_steps_has_nothing_to_plot(tmp_path, monkeypatch):
         with serving(InMemoryManager(store, base_dir=str(tmp_path)), tmp_path) as url:
             job_id = _submit(url, tmp_path, "fresh")
             err = io.StringIO()
-            assert cli.main(["--url", url, "plot", job_id, "-o", str(tmp_path / "x.png")], out=io.StringIO(),
-                            err=err) == 1
+            assert (
+                cli.main(["--url", url, "plot", job_id, "-o", str(tmp_path / "x.png")], out=io.StringIO(), err=err) == 1
+            )
     assert f"job {job_id} has no step metrics yet (RUNNING)" in err.getvalue()
     assert not (tmp_path / "x.png").exists()
 
@@ -174,5 +224,13 @@ def test_the_history_follows_next_since_over_every_page():
     client = PagedClient()
     history = fetch_history(client, "job-1")
     assert history.steps == steps and history.events == events and history.job["id"] == "job-1"
-    assert client.calls == [("metrics", -1), ("metrics", 2), ("metrics", 5), ("metrics", 6),
-                            ("events", 0), ("events", 2), ("events", 4), ("events", 5)]
+    assert client.calls == [
+        ("metrics", -1),
+        ("metrics", 2),
+        ("metrics", 5),
+        ("metrics", 6),
+        ("events", 0),
+        ("events", 2),
+        ("events", 4),
+        ("events", 5),
+    ]

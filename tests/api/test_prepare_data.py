@@ -19,10 +19,10 @@ from tokenizers import Tokenizer
 from etrain.api import cli
 from etrain.api.app import create_app
 from etrain.service.settings import Settings
+from etrain.workers.engine.tokenized import CACHE_DIR_SUFFIX
 from tests.fakes import FakeRuntime
 from tests.service_harness import admin_headers
 from tests.tiny_tokenizers import CORPUS, byte_bpe
-from etrain.workers.engine.tokenized import CACHE_DIR_SUFFIX
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -68,8 +68,7 @@ def test_prepare_data_prints_the_cache_and_its_token_count(bpe, corpus):
     cache_line, tokens_line = out.splitlines()
     path = Path(cache_line.split()[1])
     assert path.parent == corpus / CACHE_DIR_SUFFIX and cache_line.endswith(" (written)")
-    assert tokens_line == (f"tokens: {len(expected)} uint16 (4 documents, EOS '<|endoftext|>', "
-                           "tokenizer vocab 300)")
+    assert tokens_line == (f"tokens: {len(expected)} uint16 (4 documents, EOS '<|endoftext|>', tokenizer vocab 300)")
     assert np.fromfile(path, dtype=np.uint16).tolist() == expected
     # the progress bar: hashing, then tokenizing, each ending at 100% on stderr (stdout stays clean)
     assert "hashing    100.0% |" + "#" * 30 + "|" in err
@@ -106,9 +105,21 @@ def test_prepare_data_errors_name_the_setting_and_the_fix(bpe, corpus, tmp_path)
 
 def test_the_console_command_runs_without_a_server(bpe, corpus):
     result = subprocess.run(
-        [sys.executable, "-m", "etrain.api.cli", "--url", "http://127.0.0.1:9", "prepare-data", "--tokenizer", str(bpe),
-         str(corpus)],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "etrain.api.cli",
+            "--url",
+            "http://127.0.0.1:9",
+            "prepare-data",
+            "--tokenizer",
+            str(bpe),
+            str(corpus),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[1].startswith(f"tokens: {len(expected_ids(bpe, corpus))} uint16")
@@ -121,21 +132,30 @@ def test_the_console_command_runs_without_a_server(bpe, corpus):
 @pytest.fixture
 def manager(tmp_path):
     manager_module = pytest.importorskip("etrain.service.manager")  # imports Ray (not started)
-    manager = manager_module.JobManager(Settings(data_dir=tmp_path / "state", poll_interval_s=60,
-                                                 storage_roots=(tmp_path.parent,)),  # bpe: another tmp dir
-                                        runtime=FakeRuntime(), base_dir=str(tmp_path))
+    manager = manager_module.JobManager(
+        Settings(
+            data_dir=tmp_path / "state", poll_interval_s=60, storage_roots=(tmp_path.parent,)
+        ),  # bpe: another tmp dir
+        runtime=FakeRuntime(),
+        base_dir=str(tmp_path),
+    )
     yield manager
     manager.close()
 
 
 def job(data: dict[str, Any], **model: Any) -> dict[str, Any]:
-    return {"name": "tok", "model": {"preset": "gpt-tiny", "vocab_size": 320, **model}, "data": data,
-            "training": {"steps": 4, "global_batch": 2}}
+    return {
+        "name": "tok",
+        "model": {"preset": "gpt-tiny", "vocab_size": 320, **model},
+        "data": data,
+        "training": {"steps": 4, "global_batch": 2},
+    }
 
 
 def test_submit_tokenizes_once_with_the_same_function(tmp_path, manager, bpe, corpus):
-    client = TestClient(create_app(Settings(data_dir=tmp_path / "state"), manager=manager),
-                        headers=admin_headers(tmp_path / "state"))
+    client = TestClient(
+        create_app(Settings(data_dir=tmp_path / "state"), manager=manager), headers=admin_headers(tmp_path / "state")
+    )
     spec = job({"kind": "text", "path": "corpus", "tokenizer": str(bpe)})  # relative to the server's dir
 
     first = client.post("/v1/jobs", json=spec)
@@ -157,11 +177,13 @@ def test_submit_tokenizes_once_with_the_same_function(tmp_path, manager, bpe, co
 
 
 def test_submit_refuses_a_tokenizer_the_model_cannot_embed(tmp_path, manager, bpe, corpus):
-    client = TestClient(create_app(Settings(data_dir=tmp_path / "state"), manager=manager),
-                        headers=admin_headers(tmp_path / "state"))
+    client = TestClient(
+        create_app(Settings(data_dir=tmp_path / "state"), manager=manager), headers=admin_headers(tmp_path / "state")
+    )
 
-    response = client.post("/v1/jobs", json=job({"kind": "text", "path": str(corpus), "tokenizer": str(bpe)},
-                                                vocab_size=256))
+    response = client.post(
+        "/v1/jobs", json=job({"kind": "text", "path": str(corpus), "tokenizer": str(bpe)}, vocab_size=256)
+    )
 
     assert response.status_code == 422
     [problem] = response.json()["detail"]
@@ -172,8 +194,9 @@ def test_submit_refuses_a_tokenizer_the_model_cannot_embed(tmp_path, manager, bp
 
 
 def test_submit_bounds_the_work_and_points_at_prepare_data(tmp_path, manager, bpe, corpus):
-    client = TestClient(create_app(Settings(data_dir=tmp_path / "state"), manager=manager),
-                        headers=admin_headers(tmp_path / "state"))
+    client = TestClient(
+        create_app(Settings(data_dir=tmp_path / "state"), manager=manager), headers=admin_headers(tmp_path / "state")
+    )
     spec = job({"kind": "text", "path": str(corpus), "tokenizer": str(bpe)})
     manager.submit_tokenize_max_bytes = 1000  # the corpus is ~13 kB
 

@@ -94,8 +94,9 @@ def test_the_bar_redraws_in_place_with_status_and_events_printed_above_it():
     display = BarDisplay(out, width=140)
     display.job({"status": "RUNNING", "step": 0, "restarts": 2, "spec": {"training": {"steps": 10}}}, changed=True)
     for step in range(1, 6):
-        display.step({"step": step, "ts": 10.0 + step, "loss": 3.0 - step / 10, "tokens_per_s": 12345.6,
-                      "mfu": 0.25}, shown=True)
+        display.step(
+            {"step": step, "ts": 10.0 + step, "loss": 3.0 - step / 10, "tokens_per_s": 12345.6, "mfu": 0.25}, shown=True
+        )
     display.event({"ts": 0.0, "kind": "checkpoint", "detail": {"message": "committed step 5"}})
     display.close()
     display.step({"step": 6, "ts": 16.0}, shown=True)  # after close: nothing
@@ -109,7 +110,7 @@ def test_the_bar_redraws_in_place_with_status_and_events_printed_above_it():
     assert lines[-1].endswith("step 5/10  loss 2.5000  12,346 tok/s  MFU 25.0%  ETA 0:05  restarts 2")
     # the event was printed above the bar: the bar is drawn again below it
     event_at = max(i for i, line in enumerate(lines) if "checkpoint: committed" in line)
-    assert any("step 5/10" in line for line in lines[event_at + 1:])
+    assert any("step 5/10" in line for line in lines[event_at + 1 :])
 
 
 def test_a_narrow_terminal_keeps_the_numbers_and_drops_the_bar():
@@ -153,10 +154,13 @@ def test_watch_on_a_terminal_draws_the_bar_and_prints_only_status_and_events(man
     assert not any(line.startswith("step ") for line in lines)  # no line per step: the bar shows them
     assert [line for line in lines if line.startswith("status: ")] == ["status: RUNNING", "status: SUCCEEDED"]
     assert [line.split("] ", 1)[1] for line in lines if line.startswith("[")][-2:] == [
-        "checkpoint: committed step 10", "succeeded: finished 10 steps"]
+        "checkpoint: committed step 10",
+        "succeeded: finished 10 steps",
+    ]
     final_bar = [line for line in lines if line.startswith("SUCCEEDED ")][-1]
-    assert final_bar.endswith(f"step 10/10  loss {simulated_loss(10):.4f}  2,560 tok/s  MFU 37.5%  ETA 0:00  "
-                              "restarts 0")
+    assert final_bar.endswith(
+        f"step 10/10  loss {simulated_loss(10):.4f}  2,560 tok/s  MFU 37.5%  ETA 0:00  restarts 0"
+    )
     assert lines[-1] == f"job {job_id} SUCCEEDED at step 10/10, loss {simulated_loss(10):.4f}"
 
 
@@ -167,7 +171,8 @@ def test_plain_step_lines_show_the_mfu_when_it_is_known(manager, tmp_path):
         code, out, _ = run_cli("--url", url, "watch", job_id, "--every", "5")
     assert code == 0
     assert [line for line in out.splitlines() if line.startswith("step ")] == [
-        f"step {n}/10  loss {simulated_loss(n):.4f}  2,560 tokens/s  MFU 50.0%" for n in (5, 10)]
+        f"step {n}/10  loss {simulated_loss(n):.4f}  2,560 tokens/s  MFU 50.0%" for n in (5, 10)
+    ]
 
 
 def interrupt_when(condition, *, timeout_s: float = 20.0) -> threading.Thread:
@@ -201,7 +206,8 @@ def test_ctrl_c_stops_watching_with_one_line_and_exit_130(tmp_path):
     assert code == 130
     assert err.getvalue().splitlines() == [
         f"interrupted: stopped following job {job_id}; the job goes on (`etrain watch {job_id}` follows it again, "
-        f"`etrain cancel {job_id}` stops it)"]
+        f"`etrain cancel {job_id}` stops it)"
+    ]
     assert "Traceback" not in out.getvalue() + err.getvalue()
     assert out.getvalue().endswith("\x1b[?25h")  # the bar was closed: the cursor is shown again
 
@@ -218,7 +224,7 @@ def test_ctrl_c_in_the_demo_says_one_line_and_the_shutdown_noise_goes_to_a_log(m
 
         def close(self) -> None:
             os.write(2, b"*** SIGTERM received at time=1764160000 on cpu 1 ***\nPC: @ 0x7f00 (unknown) raise\n")
-            print("Traceback (most recent call last):\n  File \"ray/_private/worker.py\"", file=sys.stderr)
+            print('Traceback (most recent call last):\n  File "ray/_private/worker.py"', file=sys.stderr)
             super().close()
 
     module = types.ModuleType("etrain.service.manager")
@@ -229,15 +235,30 @@ def test_ctrl_c_in_the_demo_says_one_line_and_the_shutdown_noise_goes_to_a_log(m
     out, err = Terminal(), io.StringIO()
     sender = interrupt_when(lambda: "step 2/100000" in ANSI.sub("", out.getvalue()))
 
-    code = cli.main(["demo", str(spec), "--port", str(port), "--data-dir", str(data_dir), "--interval", "0.05",
-                     "--start-timeout", "30"], out=out, err=err)
+    code = cli.main(
+        [
+            "demo",
+            str(spec),
+            "--port",
+            str(port),
+            "--data-dir",
+            str(data_dir),
+            "--interval",
+            "0.05",
+            "--start-timeout",
+            "30",
+        ],
+        out=out,
+        err=err,
+    )
     returned = time.monotonic()
 
     assert code == 130, (out.getvalue(), err.getvalue())
     assert sender.sent is not None and returned - sender.sent < SHUTDOWN_GRACE_S  # nothing waited out
     assert err.getvalue().splitlines() == [
         f"interrupted: stopping the job's server, its API and Ray (their shutdown messages go to "
-        f"{data_dir / 'shutdown.log'})"]
+        f"{data_dir / 'shutdown.log'})"
+    ]
     terminal = capfd.readouterr()
     for noise in ("SIGTERM received", "Traceback", "timeout graceful shutdown exceeded", "Exception in ASGI"):
         assert noise not in terminal.err + terminal.out + out.getvalue()

@@ -14,12 +14,12 @@ import pytest
 from fastapi.testclient import TestClient
 
 from etrain.api.app import create_app
+from etrain.service.access.tenancy import Principal
 from etrain.service.decisions.admission import ClusterView
 from etrain.service.errors import ServiceUnavailable
 from etrain.service.planning.spec import JobSpec
 from etrain.service.settings import Settings
 from etrain.service.store.records import JobStatus
-from etrain.service.access.tenancy import Principal
 from tests.fakes import FakeRuntime
 from tests.service_harness import admin_headers
 
@@ -29,13 +29,20 @@ TWO_CPUS = {"n1": {"CPU": 2.0}}
 
 
 def spec(name: str, *, priority: int = 0, steps: int = 10, dp: int = 2, **extra: Any) -> dict[str, Any]:
-    return {"name": name, "priority": priority, "model": {"preset": "gpt-tiny"}, "parallelism": {"dp": dp},
-            "training": {"steps": steps, "global_batch": 8, "micro_batch": 2}, **extra}
+    return {
+        "name": name,
+        "priority": priority,
+        "model": {"preset": "gpt-tiny"},
+        "parallelism": {"dp": dp},
+        "training": {"steps": steps, "global_batch": 8, "micro_batch": 2},
+        **extra,
+    }
 
 
 def make(tmp_path, runtime: FakeRuntime, **settings: Any):
-    manager = manager_module.JobManager(Settings(data_dir=tmp_path, poll_interval_s=0.05, **settings),
-                                        runtime=runtime, base_dir=str(tmp_path))
+    manager = manager_module.JobManager(
+        Settings(data_dir=tmp_path, poll_interval_s=0.05, **settings), runtime=runtime, base_dir=str(tmp_path)
+    )
     app = create_app(Settings(data_dir=tmp_path, **settings), manager=manager)
     return manager, TestClient(app, raise_server_exceptions=False, headers=admin_headers(tmp_path))
 
@@ -83,22 +90,38 @@ def test_queued_jobs_start_one_gang_at_a_time_by_priority(plane):
     jobs = {p: submit(client, spec(f"p{p}", priority=p)) for p in (0, 5, 1)}
     assert {job["status"] for job in jobs.values()} == {"QUEUED"}
     queued = first(client, jobs[1]["id"], "queued")["detail"]["message"]
-    assert queued == ("waiting for 2 CPUs (2 rank(s) of 1 CPU: dp=2 tp=1 pp=1); free now: 0 CPUs on 1 node(s); "
-                      "position 2 in the queue")
+    assert queued == (
+        "waiting for 2 CPUs (2 rank(s) of 1 CPU: dp=2 tp=1 pp=1); free now: 0 CPUs on 1 node(s); "
+        "position 2 in the queue"
+    )
 
     cluster = client.get("/v1/cluster").json()
-    assert cluster["totals"] == {"nodes": 1, "alive_nodes": 1, "cpus": 2.0, "gpus": 0.0, "free_cpus": 0.0,
-                                 "free_gpus": 0.0, "running_jobs": 1, "queued_jobs": 3}
+    assert cluster["totals"] == {
+        "nodes": 1,
+        "alive_nodes": 1,
+        "cpus": 2.0,
+        "gpus": 0.0,
+        "free_cpus": 0.0,
+        "free_gpus": 0.0,
+        "running_jobs": 1,
+        "queued_jobs": 3,
+    }
     assert [(h["job_id"], h["cpus"], h["nodes"]) for h in cluster["jobs"]] == [
-        (blocker["id"], 2.0, [{"node_id": "n1", "cpus": 2.0, "gpus": 0.0}])]
+        (blocker["id"], 2.0, [{"node_id": "n1", "cpus": 2.0, "gpus": 0.0}])
+    ]
     assert [(q["job_id"], q["priority"], q["position"]) for q in cluster["queue"]] == [
-        (jobs[5]["id"], 5, 1), (jobs[1]["id"], 1, 2), (jobs[0]["id"], 0, 3)]
+        (jobs[5]["id"], 5, 1),
+        (jobs[1]["id"], 1, 2),
+        (jobs[0]["id"], 0, 3),
+    ]
 
     assert client.post(f"/v1/jobs/{blocker['id']}/cancel").status_code in (200, 202)
     finished = [wait_for(client, jobs[p]["id"], {"SUCCEEDED"}) for p in (5, 1, 0)]
     assert [job["status"] for job in finished] == ["SUCCEEDED"] * 3
-    spans = sorted((first(client, jobs[p]["id"], "admitted")["ts"], first(client, jobs[p]["id"], "succeeded")["ts"], p)
-                   for p in (0, 1, 5))
+    spans = sorted(
+        (first(client, jobs[p]["id"], "admitted")["ts"], first(client, jobs[p]["id"], "succeeded")["ts"], p)
+        for p in (0, 1, 5)
+    )
     assert [p for _, _, p in spans] == [5, 1, 0]
     assert all(spans[i][1] <= spans[i + 1][0] for i in range(2)), spans  # never two at once
     starts = [call[1] for call in manager.runtime.calls if call[0] == "start"]
@@ -123,14 +146,19 @@ def test_a_job_bigger_than_the_cluster_is_refused_with_the_numbers(plane):
     assert response.status_code == 422
     [problem] = response.json()["detail"]
     assert problem["field"] == "parallelism.dp"
-    assert problem["message"] == ("the minimum layout needs 4 ranks (dp=4 x tp=1 x pp=1) of 1 CPU = 4 CPUs, but the "
-                                  "cluster has 2 CPUs on 1 node(s), room for at most 2 replica(s) of 1 rank(s) "
-                                  "(tp groups node-local).")
+    assert problem["message"] == (
+        "the minimum layout needs 4 ranks (dp=4 x tp=1 x pp=1) of 1 CPU = 4 CPUs, but the "
+        "cluster has 2 CPUs on 1 node(s), room for at most 2 replica(s) of 1 rank(s) "
+        "(tp groups node-local)."
+    )
     assert problem["fix"].startswith("lower parallelism.dp to at most 2, or add nodes")
     fat = client.post("/v1/jobs", json=spec("fat", resources={"cpus_per_worker": 4}))
-    assert [(p["field"], p["message"]) for p in fat.json()["detail"]] == [(
-        "resources.cpus_per_worker",
-        "one rank needs 4 CPUs, but no node has 4 CPUs: the most any of the 1 node(s) has is 2 CPUs.")]
+    assert [(p["field"], p["message"]) for p in fat.json()["detail"]] == [
+        (
+            "resources.cpus_per_worker",
+            "one rank needs 4 CPUs, but no node has 4 CPUs: the most any of the 1 node(s) has is 2 CPUs.",
+        )
+    ]
     assert client.get("/v1/jobs").json()["jobs"] == []  # nothing recorded
 
 
@@ -139,7 +167,8 @@ def test_an_elastic_job_starts_at_the_size_that_fits_now(plane):
     job = submit(client, spec("elastic", dp=4, resources={"min_dp": 1}))
     assert (job["world_size"], job["layout"].split()[0]) == (2, "pp1·dp2·tp1")  # 3 CPUs: dp 2 (dp 3 is not legal)
     assert first(client, job["id"], "admitted")["detail"]["message"] == (
-        "2 rank(s) at dp=2 fit now (2 on n1); starting its supervisor")
+        "2 rank(s) at dp=2 fit now (2 on n1); starting its supervisor"
+    )
     assert manager.runtime.jobs[job["id"]]["config"].parallel.dp == 2
 
 
@@ -148,7 +177,8 @@ def test_beyond_the_cluster_queues_when_the_operator_allows_it(plane):
     job = submit(client, spec("huge", dp=4))
     assert job["status"] == "QUEUED"
     assert first(client, job["id"], "queued")["detail"]["message"].startswith(
-        "larger than the cluster today, waiting for nodes to be added: the minimum layout needs 4 ranks")
+        "larger than the cluster today, waiting for nodes to be added: the minimum layout needs 4 ranks"
+    )
 
 
 def test_the_queue_survives_a_new_control_plane(tmp_path, plane):
@@ -188,8 +218,9 @@ def test_a_job_whose_supervisor_is_gone_is_queued_again_in_its_place(tmp_path, p
     assert kinds[3:6] == ["supervisor_lost", "admitted", "started"]  # it fit at once: no "queued"
     assert wait_for(client, behind["id"], {"SUCCEEDED"})["restarts"] == 0
     assert first(client, behind["id"], "admitted")["ts"] > final["updated_at"] - 60
-    assert [e for e in events(client, running["id"]) if e["kind"] == "admitted"][1]["ts"] < \
-        first(client, behind["id"], "admitted")["ts"]
+    assert [e for e in events(client, running["id"]) if e["kind"] == "admitted"][1]["ts"] < first(
+        client, behind["id"], "admitted"
+    )["ts"]
 
 
 def test_tenants_see_their_own_jobs_and_the_cluster_totals(plane):

@@ -87,8 +87,26 @@ def test_submit_returns_the_new_job(client):
     assert response.headers["location"] == f"/v1/jobs/{job['id']}"
     assert job["id"].startswith("tiny-")
     assert set(job) == {
-        "id", "name", "status", "spec", "step", "loss", "tokens_per_s", "world_size", "restarts", "created_at",
-        "updated_at", "error", "layout", "last_checkpoint_step", "stragglers", "goodput", "attempt", "artifacts", "tenant", "priority",
+        "id",
+        "name",
+        "status",
+        "spec",
+        "step",
+        "loss",
+        "tokens_per_s",
+        "world_size",
+        "restarts",
+        "created_at",
+        "updated_at",
+        "error",
+        "layout",
+        "last_checkpoint_step",
+        "stragglers",
+        "goodput",
+        "attempt",
+        "artifacts",
+        "tenant",
+        "priority",
     }
     assert (job["name"], job["status"], job["step"], job["world_size"]) == ("tiny", "RUNNING", 0, 2)
     assert job["spec"]["training"]["global_batch"] == 8
@@ -140,9 +158,15 @@ def test_events_and_metrics_page_with_since(client, manager):
     metrics = client.get(f"/v1/jobs/{job_id}/metrics?since=4").json()
     assert [s["step"] for s in metrics["steps"]] == [5, 6] and metrics["next_since"] == 6
     assert metrics["steps"][0] == {
-        "step": 5, "loss": simulated_loss(5), "tokens_per_s": pytest.approx(5120.0), "step_s": 0.1,
-        "compute_s": pytest.approx(0.08), "comm_wait_s": pytest.approx(0.02), "ts": metrics["steps"][0]["ts"],
-        "attempt": 1, "mfu": None,
+        "step": 5,
+        "loss": simulated_loss(5),
+        "tokens_per_s": pytest.approx(5120.0),
+        "step_s": 0.1,
+        "compute_s": pytest.approx(0.08),
+        "comm_wait_s": pytest.approx(0.02),
+        "ts": metrics["steps"][0]["ts"],
+        "attempt": 1,
+        "mfu": None,
     }
     assert len(client.get(f"/v1/jobs/{job_id}/metrics").json()["steps"]) == 6
 
@@ -313,10 +337,20 @@ def test_bad_chaos_requests_name_the_field(chaos_client, body, field):
 def hf_folder(path, **config: Any):
     """A model folder as far as the service reads it: config.json only (the workers read the weights)."""
     path.mkdir(parents=True, exist_ok=True)
-    body = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32,
-            "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "vocab_size": 64, "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "hidden_act": "silu",
-            "tie_word_embeddings": False}
+    body = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 64,
+        "max_position_embeddings": 128,
+        "rms_norm_eps": 1e-6,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+    }
     body.update(config)
     (path / "config.json").write_text(json.dumps(body))
     return path
@@ -343,8 +377,9 @@ def test_plan_of_an_unreadable_hf_model_is_an_infeasible_report_naming_model_hf(
 
 def test_a_hf_job_reads_its_sizes_from_the_folder_and_pins_its_path(client, tmp_path):
     hf_folder(tmp_path / "tiny-llama")
-    job = submit(client, model={"hf": "tiny-llama", "seq_len": 16}, training={"steps": 4, "global_batch": 4,
-                                                                              "micro_batch": 2})
+    job = submit(
+        client, model={"hf": "tiny-llama", "seq_len": 16}, training={"steps": 4, "global_batch": 4, "micro_batch": 2}
+    )
     model = job["spec"]["model"]
     assert (model["hf"], model["kind"], model["seq_len"]) == (str(tmp_path / "tiny-llama"), "llama", 16)
     assert job["artifacts"] == {}
@@ -397,8 +432,10 @@ def test_export_writes_a_committed_step_and_refuses_what_it_cannot(client, manag
     assert client.post("/v1/jobs/nope/export", json={"out": "x"}).status_code == 404
 
 
-@pytest.mark.parametrize(("body", "field"), [({}, "out"), ({"out": ""}, "out"), ({"out": "x", "step": -1}, "step"),
-                                             ({"out": "x", "bogus": 1}, "bogus")])
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [({}, "out"), ({"out": ""}, "out"), ({"out": "x", "step": -1}, "step"), ({"out": "x", "bogus": 1}, "bogus")],
+)
 def test_bad_export_requests_name_the_field(client, body, field):
     job_id = submit(client, model={"preset": "llama-tiny"})["id"]
     response = client.post(f"/v1/jobs/{job_id}/export", json=body)
@@ -626,7 +663,7 @@ def test_the_real_manager_fits_the_routes(tmp_path, real_manager):
     assert kinds.index("cancel_requested") < kinds.index("cancelled")
 
     assert client.get("/healthz").status_code == 200
-    assert f'etrain_jobs{{status="SUCCEEDED"}} 1.0' in client.get("/metrics").text
+    assert 'etrain_jobs{status="SUCCEEDED"} 1.0' in client.get("/metrics").text
     assert "training.global_batch" in problems(
         client.post("/v1/jobs", json=tiny_spec(training={"steps": 5, "global_batch": 10, "micro_batch": 4}))
     )

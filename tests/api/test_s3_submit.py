@@ -21,12 +21,12 @@ from fastapi.testclient import TestClient
 from etrain.api.app import create_app
 from etrain.service.access.checkpoint_key import load_or_create_key
 from etrain.service.settings import Settings
-from tests.fakes import FakeRuntime
-from tests.object_store import s3_server
-from tests.service_harness import bearer
 from etrain.workers.checkpoints import storage
 from etrain.workers.checkpoints.checkpoint_commit import commit, file_entry, step_dir
 from etrain.workers.protocol.manifest import ShardReport
+from tests.fakes import FakeRuntime
+from tests.object_store import s3_server
+from tests.service_harness import bearer
 
 ADMIN_TOKEN = "admin-token-0123456789"
 ROOT = "s3://etrain-test/jobs"
@@ -40,8 +40,13 @@ def s3():
 
 def make_server(tmp_path, **settings: Any):
     manager_module = pytest.importorskip("etrain.service.manager")  # imports Ray (not started)
-    settings = Settings(data_dir=tmp_path / "state", storage_roots=(tmp_path, ROOT), api_token=ADMIN_TOKEN,
-                        poll_interval_s=60, **settings)
+    settings = Settings(
+        data_dir=tmp_path / "state",
+        storage_roots=(tmp_path, ROOT),
+        api_token=ADMIN_TOKEN,
+        poll_interval_s=60,
+        **settings,
+    )
     runtime = FakeRuntime()
     manager = manager_module.JobManager(settings, runtime=runtime, base_dir=str(tmp_path))
     return manager, runtime, TestClient(create_app(settings, manager=manager), headers=bearer(ADMIN_TOKEN))
@@ -55,8 +60,13 @@ def server(s3, tmp_path):
 
 
 def spec(**checkpoint: Any) -> dict[str, Any]:
-    return {"name": "s3", "model": {"preset": "gpt-tiny"}, "data": {"kind": "synthetic"},
-            "training": {"steps": 10_000, "global_batch": 2}, "checkpoint": checkpoint}
+    return {
+        "name": "s3",
+        "model": {"preset": "gpt-tiny"},
+        "data": {"kind": "synthetic"},
+        "training": {"steps": 10_000, "global_batch": 2},
+        "checkpoint": checkpoint,
+    }
 
 
 def refusal(client: TestClient, body: dict[str, Any]) -> tuple[bytes, list[dict[str, Any]]]:
@@ -69,8 +79,12 @@ def _foreign_checkpoint(root: str, step: int, key: bytes | None) -> None:
     directory = step_dir(root, step)
     for name in ("__0_0.distcp", ".metadata", "extra.pt"):
         storage.write_bytes(storage.join(directory, name), name.encode() * 10)
-    report = ShardReport(rank=0, world_size=1, directory=f"step_{step:08d}",
-                         files=tuple(file_entry(directory, name) for name in ("__0_0.distcp", ".metadata", "extra.pt")))
+    report = ShardReport(
+        rank=0,
+        world_size=1,
+        directory=f"step_{step:08d}",
+        files=tuple(file_entry(directory, name) for name in ("__0_0.distcp", ".metadata", "extra.pt")),
+    )
     commit(directory, step, "single", 1, [report], key=key, job_id="someone-else")
 
 
@@ -83,11 +97,15 @@ def test_an_s3_checkpoint_path_outside_the_s3_roots_is_one_422_whatever_exists(s
     assert absent == present
     [problem] = detail
     assert problem["field"] == "checkpoint.path"
-    assert problem["message"] == (f"checkpoint.path='{outside}' is outside the storage roots ({tmp_path}, {ROOT}); "
-                                  "paths are resolved (relative to the server's directory, symlinks and '..' "
-                                  "followed) before this check.")
-    assert problem["fix"] == (f"put it under one of the storage roots ({tmp_path}, {ROOT}), or ask the operator to "
-                              "add a root to ETRAIN_STORAGE_ROOTS")
+    assert problem["message"] == (
+        f"checkpoint.path='{outside}' is outside the storage roots ({tmp_path}, {ROOT}); "
+        "paths are resolved (relative to the server's directory, symlinks and '..' "
+        "followed) before this check."
+    )
+    assert problem["fix"] == (
+        f"put it under one of the storage roots ({tmp_path}, {ROOT}), or ask the operator to "
+        "add a root to ETRAIN_STORAGE_ROOTS"
+    )
     for sneaky in ("s3://etrain-test/jobs-evil/x", "s3://etrain-test/jobs/../elsewhere/run"):
         [problem] = refusal(client, spec(path=sneaky))[1]
         assert problem["field"] == "checkpoint.path", problem
@@ -99,8 +117,10 @@ def test_data_and_model_paths_stay_local(server):
     body = {**spec(), "data": {"kind": "text", "path": f"{ROOT}/corpus", "tokenizer": f"{ROOT}/tok.json"}}
     fields = {p["field"]: p for p in refusal(client, body)[1]}
     assert set(fields) == {"data.path", "data.tokenizer"}
-    assert fields["data.path"]["message"] == (f"data.path='{ROOT}/corpus' is an object-store URL; data.path must be a "
-                                              "local path (only checkpoint.path may name object storage).")
+    assert fields["data.path"]["message"] == (
+        f"data.path='{ROOT}/corpus' is an object-store URL; data.path must be a "
+        "local path (only checkpoint.path may name object storage)."
+    )
     body = {**spec(), "model": {"hf": f"{ROOT}/llama"}}
     [problem] = refusal(client, body)[1]
     assert problem["field"] == "model.hf" and "must be a local path" in problem["message"]
@@ -130,8 +150,10 @@ def test_s3_checkpoint_directories_follow_the_same_ownership_rules(server, s3, t
     # A prefix holding a checkpoint another service (another key) or nobody signed is refused.
     _foreign_checkpoint(f"{ROOT}/stolen", 20, key=b"another-service-key-0123456789ab")
     [problem] = refusal(client, spec(path=f"{ROOT}/stolen"))[1]
-    assert problem["message"].startswith(f"checkpoint.path='{ROOT}/stolen' holds step 20, which this service did "
-                                         "not commit for you, so the job may not resume from it: ")
+    assert problem["message"].startswith(
+        f"checkpoint.path='{ROOT}/stolen' holds step 20, which this service did "
+        "not commit for you, so the job may not resume from it: "
+    )
     assert "signature does not verify" in problem["message"]
     # One this service signed (for a job the admin may see) resumes; an uncommitted step is not a checkpoint.
     _foreign_checkpoint(f"{ROOT}/ours", 20, key=key)

@@ -17,10 +17,10 @@ from fastapi.testclient import TestClient
 from etrain.api.app import create_app
 from etrain.service.access.checkpoint_key import load_or_create_key
 from etrain.service.settings import Settings
-from tests.fakes import FakeRuntime
-from tests.service_harness import bearer
 from etrain.workers.checkpoints.checkpoint_commit import commit, file_entry, step_dir
 from etrain.workers.protocol.manifest import ShardReport
+from tests.fakes import FakeRuntime
+from tests.service_harness import bearer
 
 ADMIN_TOKEN = "admin-token-0123456789"
 TENANTS = {"alice": "alice-token-0123456789", "bob": "bob-token-0123456789"}
@@ -43,16 +43,25 @@ def world(tmp_path):
 @pytest.fixture
 def server(world):
     manager_module = pytest.importorskip("etrain.service.manager")  # imports Ray (not started)
-    settings = Settings(data_dir=world / "roots" / "state", storage_roots=(world / "roots",), api_token=ADMIN_TOKEN,
-                        api_tokens=TENANTS, poll_interval_s=60)
+    settings = Settings(
+        data_dir=world / "roots" / "state",
+        storage_roots=(world / "roots",),
+        api_token=ADMIN_TOKEN,
+        api_tokens=TENANTS,
+        poll_interval_s=60,
+    )
     manager = manager_module.JobManager(settings, runtime=FakeRuntime(), base_dir=str(world / "roots"))
     yield manager, TestClient(create_app(settings, manager=manager), headers=bearer(ADMIN_TOKEN))
     manager.close()
 
 
 def spec(**sections: Any) -> dict[str, Any]:
-    return {"name": "roots", "model": {"preset": "llama-tiny"}, "training": {"steps": 10_000, "global_batch": 2},
-            **sections}
+    return {
+        "name": "roots",
+        "model": {"preset": "llama-tiny"},
+        "training": {"steps": 10_000, "global_batch": 2},
+        **sections,
+    }
 
 
 def text(path: str, **data: Any) -> dict[str, Any]:
@@ -85,15 +94,19 @@ def test_outside_the_roots_is_the_same_422_whether_the_file_exists_or_not(world,
         assert [item["field"] for item in detail] == ["data.path"], label
         assert detail[0]["message"] == (
             f"data.path={body['data']['path']!r} is outside the storage roots ({world / 'roots'}); paths are "
-            "resolved (relative to the server's directory, symlinks and '..' followed) before this check.")
+            "resolved (relative to the server's directory, symlinks and '..' followed) before this check."
+        )
         assert str(world / "outside") not in detail[0]["message"] or label == "absolute"  # links are not revealed
     assert client.get("/v1/jobs").json()["jobs"] == []  # nothing was created
 
 
 def test_every_path_field_is_fenced(world, server):
     _manager, client = server
-    body = spec(model={"hf": "link-dir"}, checkpoint={"path": "../outside/dir/ckpt"},
-                **text("corpus", tokenizer=str(world / "outside" / "secret.txt")))
+    body = spec(
+        model={"hf": "link-dir"},
+        checkpoint={"path": "../outside/dir/ckpt"},
+        **text("corpus", tokenizer=str(world / "outside" / "secret.txt")),
+    )
     fields = [item["field"] for item in client.post("/v1/jobs", json=body).json()["detail"]]
     assert fields == ["model.hf", "data.tokenizer", "checkpoint.path"]
     private = client.post("/v1/jobs", json=spec(data={"kind": "tokens", "path": "state/etrain.db"}))
@@ -153,8 +166,12 @@ def _commit_step(root: Path, step: int, *, key: bytes | None, job_id: str | None
     os.makedirs(directory)
     for name in (".metadata", "__0_0.distcp"):
         Path(directory, name).write_bytes(b"x" * 16)
-    report = ShardReport(rank=0, world_size=1, directory=os.path.basename(directory),
-                         files=tuple(file_entry(directory, name) for name in (".metadata", "__0_0.distcp")))
+    report = ShardReport(
+        rank=0,
+        world_size=1,
+        directory=os.path.basename(directory),
+        files=tuple(file_entry(directory, name) for name in (".metadata", "__0_0.distcp")),
+    )
     commit(directory, step, "pp1·dp1·tp1 zero=0", 1, [report], key=key, job_id=job_id)
 
 
@@ -189,8 +206,9 @@ def test_a_tenant_cannot_reach_another_tenants_checkpoints(world, server):
     assert job.status_code == 201, job.text
     job_id = job.json()["id"]
     manager.store.update_job(job_id, status="SUCCEEDED")
-    _commit_step(world / "roots" / "ckpt" / "alice", 10, key=load_or_create_key(manager.settings.data_dir),
-                 job_id=job_id)
+    _commit_step(
+        world / "roots" / "ckpt" / "alice", 10, key=load_or_create_key(manager.settings.data_dir), job_id=job_id
+    )
     tree = manager.settings.data_dir / "checkpoints" / job_id / "hf-export"
 
     refused = bob.post("/v1/jobs", json=spec(checkpoint={"path": "ckpt/alice"}))

@@ -11,21 +11,25 @@ import pytest
 from fastapi.testclient import TestClient
 
 from etrain.api import sse
-from etrain.api.cli import watch as cli_watch
 from etrain.api.app import create_app
+from etrain.api.cli import watch as cli_watch
 from etrain.api.cli.watch import sse_messages
+from etrain.service.access.tenancy import ADMIN
 from etrain.service.settings import Settings
 from etrain.service.store.job_store import JobStore
 from etrain.service.store.records import JobStatus
-from etrain.service.access.tenancy import ADMIN, Principal
+from etrain.workers.rank.rank_log import RankLog, rank_log_path
 from tests.api.test_cli import etrain as etrain_as
 from tests.api.test_cli import serving, submitted_id, write_spec
 from tests.fakes import FakeRuntime, InMemoryManager, simulated_loss
-from etrain.workers.rank.rank_log import RankLog, rank_log_path
 
 TOKEN = "stream-test-token"
-SPEC = {"name": "tiny", "model": {"preset": "gpt-tiny"}, "parallelism": {"dp": 2},
-        "training": {"steps": 10, "global_batch": 8, "micro_batch": 2}}
+SPEC = {
+    "name": "tiny",
+    "model": {"preset": "gpt-tiny"},
+    "parallelism": {"dp": 2},
+    "training": {"steps": 10, "global_batch": 8, "micro_batch": 2},
+}
 
 
 @pytest.fixture
@@ -41,8 +45,9 @@ def client_for(tmp_path, manager) -> TestClient:
 
 def stream(client: TestClient, job_id: str, **params) -> list[tuple[str, str | None, str]]:
     headers = {k.replace("_", "-"): str(v) for k, v in params.pop("headers", {}).items()}
-    with client.stream("GET", f"/v1/jobs/{job_id}/events", params={"follow": "true", **params},
-                       headers=headers) as response:
+    with client.stream(
+        "GET", f"/v1/jobs/{job_id}/events", params={"follow": "true", **params}, headers=headers
+    ) as response:
         assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
         assert response.headers["cache-control"] == "no-cache"
         return list(sse_messages(response.iter_lines()))
@@ -79,7 +84,9 @@ def test_last_event_id_overrides_since_and_a_bad_one_is_422(tmp_path, store):
 
 def test_an_idle_stream_sends_keepalives_and_closes_at_its_time_limit(tmp_path, store):
     manager = InMemoryManager(store, base_dir=str(tmp_path))  # no simulated progress: the job stays RUNNING
-    job_id = manager.submit(__import__("etrain.service.planning.spec", fromlist=["JobSpec"]).JobSpec.model_validate(SPEC)).id
+    job_id = manager.submit(
+        __import__("etrain.service.planning.spec", fromlist=["JobSpec"]).JobSpec.model_validate(SPEC)
+    ).id
 
     async def collect() -> list[str]:
         chunks = []
@@ -96,8 +103,9 @@ def test_an_idle_stream_sends_keepalives_and_closes_at_its_time_limit(tmp_path, 
 
 def test_another_tenants_job_is_404_for_the_stream_too(tmp_path, store):
     manager = InMemoryManager(store, base_dir=str(tmp_path))
-    app = create_app(Settings(data_dir=tmp_path, api_token=TOKEN, api_tokens={"alice": "alice-token-0123456789"}),
-                     manager=manager)
+    app = create_app(
+        Settings(data_dir=tmp_path, api_token=TOKEN, api_tokens={"alice": "alice-token-0123456789"}), manager=manager
+    )
     alice = TestClient(app, headers={"Authorization": "Bearer alice-token-0123456789"})
     job_id = TestClient(app, headers={"Authorization": f"Bearer {TOKEN}"}).post("/v1/jobs", json=SPEC).json()["id"]
     response = alice.get(f"/v1/jobs/{job_id}/events", params={"follow": "true"})
@@ -135,9 +143,13 @@ def test_logs_are_read_from_the_rank_log_file(tmp_path, real_manager):
     client = client_for(tmp_path, real_manager)
     body = client.get(f"/v1/jobs/{job_id}/logs", params={"rank": 1, "tail": 2}).json()
     assert [line.split(" ", 1)[1] for line in body["lines"]] == [
-        f"step 4/10 loss {simulated_loss(4):.4f}", f"step 5/10 loss {simulated_loss(5):.4f}"]
+        f"step 4/10 loss {simulated_loss(4):.4f}",
+        f"step 5/10 loss {simulated_loss(5):.4f}",
+    ]
     assert body["next_offset"] == (tmp_path / "checkpoints" / job_id / "logs" / job_id / "rank1.log").stat().st_size
-    assert client.get(f"/v1/jobs/{job_id}/logs", params={"rank": 1, "offset": body["next_offset"]}).json()["lines"] == []
+    assert (
+        client.get(f"/v1/jobs/{job_id}/logs", params={"rank": 1, "offset": body["next_offset"]}).json()["lines"] == []
+    )
     # rank 0 ran but wrote nothing yet: an empty answer, not an error
     assert client.get(f"/v1/jobs/{job_id}/logs").json() == {"job_id": job_id, "rank": 0, "lines": [], "next_offset": 0}
 
@@ -152,10 +164,17 @@ def test_logs_of_an_unknown_rank_are_404_and_of_a_job_not_started_409(tmp_path, 
     waiting = client.get(f"/v1/jobs/{queued}/logs")
     assert waiting.status_code == 409
     assert waiting.json()["message"] == f"job {queued} has not started yet (QUEUED): no rank has written a log."
-    assert waiting.json()["detail"][0] == {"field": "rank", "message": waiting.json()["message"],
-                                           "fix": f"wait until it runs (`etrain watch {queued}`)"}
-    for params, field in (({"tail": 0}, "tail"), ({"tail": 10_001}, "tail"), ({"rank": -1}, "rank"),
-                          ({"offset": -1}, "offset")):
+    assert waiting.json()["detail"][0] == {
+        "field": "rank",
+        "message": waiting.json()["message"],
+        "fix": f"wait until it runs (`etrain watch {queued}`)",
+    }
+    for params, field in (
+        ({"tail": 0}, "tail"),
+        ({"tail": 10_001}, "tail"),
+        ({"rank": -1}, "rank"),
+        ({"offset": -1}, "offset"),
+    ):
         response = client.get(f"/v1/jobs/{started}/logs", params=params)
         assert response.status_code == 422 and response.json()["detail"][0]["field"] == field
 
@@ -177,16 +196,16 @@ def etrain(url: str, *args: str):
 def test_etrain_logs_prints_the_tail_and_follows_to_the_end(url, tmp_path):
     job_id = submitted_id(etrain(url, "submit", str(write_spec(tmp_path))))
     tail = etrain(url, "logs", job_id, "--tail", "2")
-    assert tail.code == 0 and tail.out.splitlines() == ["attempt 1: rank 0/2 on 127.0.0.1, layout pp1·dp2·tp1 zero=0, "
-                                                        "fresh start"]
+    assert tail.code == 0 and tail.out.splitlines() == [
+        "attempt 1: rank 0/2 on 127.0.0.1, layout pp1·dp2·tp1 zero=0, fresh start"
+    ]
     followed = etrain(url, "logs", job_id, "--rank", "1", "-f", "--interval", "0.05")
     lines = followed.out.splitlines()
     assert followed.code == 0, followed
     assert lines[0].startswith("attempt 1: rank 1/2") and len(lines) == 11
     assert [line.split()[1] for line in lines[1:]] == [f"{n}/10" for n in range(1, 11)]
     missing = etrain(url, "logs", job_id, "--rank", "7")
-    assert missing.code == 1 and missing.err.splitlines()[0] == (
-        f"error (HTTP 404, rank_not_found):")
+    assert missing.code == 1 and missing.err.splitlines()[0] == ("error (HTTP 404, rank_not_found):")
     assert "fix: ask for a rank in 0..1" in missing.err
 
 
@@ -206,8 +225,12 @@ def test_etrain_watch_follows_the_event_stream(url, tmp_path):
     assert lines[0] == "status: RUNNING"
     assert [line.split()[1] for line in lines if line.startswith("step ")] == ["5/10", "10/10"]
     assert [line.split("] ", 1)[1] for line in lines if line.startswith("[")] == [
-        "submitted: accepted", "started: attempt 1 running", "checkpoint: committed step 5",
-        "checkpoint: committed step 10", "succeeded: finished 10 steps"]
+        "submitted: accepted",
+        "started: attempt 1 running",
+        "checkpoint: committed step 5",
+        "checkpoint: committed step 10",
+        "succeeded: finished 10 steps",
+    ]
     assert [line for line in lines if line.startswith("status: ")] == ["status: RUNNING", "status: SUCCEEDED"]
     assert lines[-1] == f"job {job_id} SUCCEEDED at step 10/10, loss {simulated_loss(10):.4f}"
 

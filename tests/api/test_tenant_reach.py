@@ -37,10 +37,20 @@ manager_module = pytest.importorskip("etrain.service.manager")  # imports Ray (n
 ADMIN_TOKEN = "admin-token-17-0123456789"
 TENANTS = {"alice": "alice-token-17-0123456789", "bob": "bob-token-17-0123456789"}
 REACH = "checkpoint directory of a job you cannot access"
-HF_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-             "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
-             "vocab_size": 128, "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-             "tie_word_embeddings": False}
+HF_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "vocab_size": 128,
+    "max_position_embeddings": 64,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+}
 
 
 @pytest.fixture
@@ -54,13 +64,17 @@ def world(tmp_path):
 
 
 def make(world: Path, runtime: FakeRuntime | None = None, **settings: Any):
-    settings = Settings(data_dir=world / "shared" / "state", api_token=ADMIN_TOKEN, api_tokens=TENANTS,
-                        storage_roots=(world / "shared", f"alice={world / 'alice'}", f"bob={world / 'bob'}"),
-                        poll_interval_s=60, **settings)
+    settings = Settings(
+        data_dir=world / "shared" / "state",
+        api_token=ADMIN_TOKEN,
+        api_tokens=TENANTS,
+        storage_roots=(world / "shared", f"alice={world / 'alice'}", f"bob={world / 'bob'}"),
+        poll_interval_s=60,
+        **settings,
+    )
     manager = manager_module.JobManager(settings, runtime=runtime or FakeRuntime(), base_dir=str(world / "shared"))
     app = create_app(settings, manager=manager)
-    clients = {who: TestClient(app, headers=bearer(token))
-               for who, token in {"admin": ADMIN_TOKEN, **TENANTS}.items()}
+    clients = {who: TestClient(app, headers=bearer(token)) for who, token in {"admin": ADMIN_TOKEN, **TENANTS}.items()}
     return manager, clients
 
 
@@ -72,8 +86,12 @@ def server(world):
 
 
 def spec(name: str = "reach", **sections: Any) -> dict[str, Any]:
-    return {"name": name, "model": {"preset": "llama-tiny"}, "training": {"steps": 10_000, "global_batch": 2},
-            **sections}
+    return {
+        "name": name,
+        "model": {"preset": "llama-tiny"},
+        "training": {"steps": 10_000, "global_batch": 2},
+        **sections,
+    }
 
 
 def text(path: str, **data: Any) -> dict[str, Any]:
@@ -120,8 +138,10 @@ def test_another_tenants_custom_checkpoint_directory_is_out_of_reach(world, serv
     assert linked.status_code == 422 and REACH in linked.text and "runs/bob" not in linked.text
     # A folder that contains bob's directory is refused too (the text walk would read his logs) ...
     contains = alice.post("/v1/jobs", json=spec(**text("runs")))
-    assert contains.status_code == 422 and "contains the checkpoint directory of a job you cannot access" in \
-        contains.json()["detail"][0]["message"]
+    assert (
+        contains.status_code == 422
+        and "contains the checkpoint directory of a job you cannot access" in contains.json()["detail"][0]["message"]
+    )
     # ... a directory inside it, whether it exists or not, gets the same bytes ...
     target = spec(checkpoint={"path": "runs/bob/next"})
     (run / "next").mkdir()
@@ -205,8 +225,11 @@ def test_export_out_may_not_reach_another_tenants_directories(world, server):
     _bob_job, _run = bobs_finished_run(manager, clients, world)
     job = created(alice, spec("exporter", checkpoint={"path": "runs/alice"}))
     commit_step(world / "shared" / "runs" / "alice", 10, key=load_or_create_key(manager.settings.data_dir), job_id=job)
-    for out, message in {"runs/bob/stolen": REACH, "runs/bob/hf-export": REACH,
-                         str(world / "bob" / "x"): "storage root reserved for another tenant"}.items():
+    for out, message in {
+        "runs/bob/stolen": REACH,
+        "runs/bob/hf-export": REACH,
+        str(world / "bob" / "x"): "storage root reserved for another tenant",
+    }.items():
         response = alice.post(f"/v1/jobs/{job}/export", json={"step": None, "out": out})
         assert response.status_code == 422, (out, response.text)
         [problem] = response.json()["detail"]
@@ -252,8 +275,11 @@ def _race_one_checkpoint_directory(manager) -> None:
             if not isinstance(outcome, str):
                 assert isinstance(outcome, JobConflict), outcome
                 assert outcome.field == "checkpoint.path" and accepted[0] in outcome.message
-        held = [job for job in manager.store.active_jobs()
-                if ((job.spec.get("checkpoint") or {}).get("path") or "").endswith(f"races/{round_}")]
+        held = [
+            job
+            for job in manager.store.active_jobs()
+            if ((job.spec.get("checkpoint") or {}).get("path") or "").endswith(f"races/{round_}")
+        ]
         assert [job.id for job in held] == accepted
     for round_ in range(2):  # two tenants: exactly one; the other tenant's losers never learn its id
         results = race(f"mixed/{round_}", [alice, bob] * 15)
@@ -268,11 +294,13 @@ def _race_one_checkpoint_directory(manager) -> None:
             else:  # a 409 that names no job, or the reach rule's 422 once the winner's row is visible
                 assert job_id not in str(getattr(outcome, "message", "")) + str(getattr(outcome, "problems", ""))
     # The directory is free again once its job has ended.
-    [first] = manager.store.jobs_in_dir(os.path.realpath(manager.settings.data_dir.parent / "races" / "0"),
-                                        tenant="alice")
+    [first] = manager.store.jobs_in_dir(
+        os.path.realpath(manager.settings.data_dir.parent / "races" / "0"), tenant="alice"
+    )
     manager.store.update_job(first, status="CANCELLED")
-    assert isinstance(manager.submit(JobSpec.model_validate(spec("again", checkpoint={"path": "races/0"})),
-                                     principal=alice).id, str)
+    assert isinstance(
+        manager.submit(JobSpec.model_validate(spec("again", checkpoint={"path": "races/0"})), principal=alice).id, str
+    )
 
 
 def test_a_claim_outlives_a_control_plane_restart(world):
@@ -292,10 +320,18 @@ def test_a_claim_outlives_a_control_plane_restart(world):
 def test_a_queue_reason_never_names_another_tenants_job(world):
     manager, clients = make(world, FakeRuntime(nodes={"n1": {"CPU": 4.0}}))
     try:
+
         def job(client: TestClient, name: str, dp: int, priority: int = 0) -> dict[str, Any]:
-            response = client.post("/v1/jobs", json={
-                "name": name, "priority": priority, "model": {"preset": "gpt-tiny"}, "parallelism": {"dp": dp},
-                "training": {"steps": 100_000, "global_batch": 8, "micro_batch": 2}})
+            response = client.post(
+                "/v1/jobs",
+                json={
+                    "name": name,
+                    "priority": priority,
+                    "model": {"preset": "gpt-tiny"},
+                    "parallelism": {"dp": dp},
+                    "training": {"steps": 100_000, "global_batch": 8, "micro_batch": 2},
+                },
+            )
             assert response.status_code == 201, response.text
             return response.json()
 
@@ -317,4 +353,3 @@ def test_a_queue_reason_never_names_another_tenants_job(world):
         assert f"waits behind {bobq['id']}" in by_bob[bob_small["id"]]
     finally:
         manager.close()
-

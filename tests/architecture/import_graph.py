@@ -54,7 +54,8 @@ def resolve(source: str, node: ast.ImportFrom) -> str:
 
 def is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 @cache
@@ -92,8 +93,7 @@ def top(name: str) -> str:
 @cache
 def torch_at_load() -> frozenset[str]:
     """The etrain modules that import torch when they load, directly or through another etrain module."""
-    result = {name for name in modules()
-              if any(top(imp.target) == "torch" and imp.at_load for imp in imports_of(name))}
+    result = {name for name in modules() if any(top(imp.target) == "torch" and imp.at_load for imp in imports_of(name))}
     changed = True
     while changed:
         changed = False

@@ -21,17 +21,31 @@ import ast
 import inspect
 import re
 
-from tests.architecture.import_graph import (REPO, cycles, imports_of, inside, layer_imports, modules, top,
-                                             torch_at_load, where)
+from tests.architecture.import_graph import (
+    REPO,
+    cycles,
+    imports_of,
+    inside,
+    layer_imports,
+    modules,
+    top,
+    torch_at_load,
+    where,
+)
 
 #: Worker modules the service must never import, at any level, beyond those that import torch.
-SERVICE_NEVER = {"etrain.workers.rank.worker", "etrain.workers.rank.spare", "etrain.workers.rank.chaos",
-                 "etrain.workers.engine.train", "etrain.workers.checkpoints.checkpoint"}
+SERVICE_NEVER = {
+    "etrain.workers.rank.worker",
+    "etrain.workers.rank.spare",
+    "etrain.workers.rank.chaos",
+    "etrain.workers.engine.train",
+    "etrain.workers.checkpoints.checkpoint",
+}
 #: Torch-importing worker modules the service may import inside a function, with why that function never
 #: runs in a service process.
 SERVICE_REMOTE_BODIES = {
     "etrain.workers.checkpoints.hf_io": "the Hugging Face export task's body (supervisor's _export_folder) runs in "
-                                        "its own Ray worker process",
+    "its own Ray worker process",
 }
 
 
@@ -39,8 +53,11 @@ def test_the_module_map_and_the_torch_set_are_real():
     """Not vacuous: the engine is seen to import torch, the protocol is not, and the rules' names exist."""
     names = set(modules())
     assert {"etrain.service.runtime.worker_group", "etrain.workers.protocol.messages", "etrain.api.cli"} <= names
-    assert {"etrain.workers.engine.train", "etrain.workers.checkpoints.checkpoint",
-            "etrain.workers.families.model"} <= torch_at_load()
+    assert {
+        "etrain.workers.engine.train",
+        "etrain.workers.checkpoints.checkpoint",
+        "etrain.workers.families.model",
+    } <= torch_at_load()
     assert not {"etrain.workers.rank.worker", "etrain.workers.protocol.messages"} & torch_at_load()
     assert SERVICE_NEVER | set(SERVICE_REMOTE_BODIES) <= names
 
@@ -73,8 +90,11 @@ def test_the_service_does_not_name_rank_modules_either():
 
 
 def test_the_workers_never_import_the_service_or_the_api():
-    bad = [where(imp) for imp in layer_imports("etrain.workers")
-           if inside("etrain.service", imp.target) or inside("etrain.api", imp.target)]
+    bad = [
+        where(imp)
+        for imp in layer_imports("etrain.workers")
+        if inside("etrain.service", imp.target) or inside("etrain.api", imp.target)
+    ]
     assert bad == []
 
 
@@ -88,8 +108,10 @@ def test_no_import_cycle_among_etrain_modules():
     are one module in two files) and inside a function (a function-level import that closes a loop is a
     cycle put off until the call, not a cycle broken: the two modules still cannot be understood, moved
     or tested apart)."""
-    graph = {name: {imp.target for imp in imports_of(name) if imp.target in modules() and imp.target != name}
-             for name in modules()}
+    graph = {
+        name: {imp.target for imp in imports_of(name) if imp.target in modules() and imp.target != name}
+        for name in modules()
+    }
     assert cycles(graph) == []
 
 
@@ -104,13 +126,20 @@ def test_the_actor_classes_have_the_calls_the_protocol_lists():
     from etrain.service.runtime.supervisor_actor import JobSupervisor
     from etrain.workers.protocol import messages
 
-    pairs = [(messages.RankActor, messages.load_actor_class(messages.RANK_ACTOR_CLASS)),
-             (messages.SpareActor, messages.load_actor_class(messages.SPARE_ACTOR_CLASS)),
-             (messages.SupervisorReports, JobSupervisor)]
+    pairs = [
+        (messages.RankActor, messages.load_actor_class(messages.RANK_ACTOR_CLASS)),
+        (messages.SpareActor, messages.load_actor_class(messages.SPARE_ACTOR_CLASS)),
+        (messages.SupervisorReports, JobSupervisor),
+    ]
     checked = 0
     for protocol, cls in pairs:
-        calls = [name for base in protocol.__mro__ if base.__module__ == messages.__name__
-                 for name, member in vars(base).items() if inspect.isfunction(member) and not name.startswith("_")]
+        calls = [
+            name
+            for base in protocol.__mro__
+            if base.__module__ == messages.__name__
+            for name, member in vars(base).items()
+            if inspect.isfunction(member) and not name.startswith("_")
+        ]
         for name in calls:
             assert _parameters(getattr(cls, name)) == _parameters(getattr(protocol, name)), (cls.__name__, name)
             checked += 1

@@ -46,8 +46,12 @@ def _table_names() -> set[str]:
 
 
 def _modules() -> set[str]:
-    return {path.relative_to(REPO).as_posix() for folder in FOLDERS for path in (REPO / folder).rglob("*.py")
-            if path.name != "__init__.py" and "__pycache__" not in path.parts}
+    return {
+        path.relative_to(REPO).as_posix()
+        for folder in FOLDERS
+        for path in (REPO / folder).rglob("*.py")
+        if path.name != "__init__.py" and "__pycache__" not in path.parts
+    }
 
 
 def _covered(module: str, named: set[str]) -> bool:

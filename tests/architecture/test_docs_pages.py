@@ -18,8 +18,13 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
-PAGES = [README, *sorted((REPO / "docs").glob("*.md")), REPO / "deploy" / "README.md",
-         REPO / "benchmarks" / "README.md", REPO / "CONTRIBUTING.md"]
+PAGES = [
+    README,
+    *sorted((REPO / "docs").glob("*.md")),
+    REPO / "deploy" / "README.md",
+    REPO / "benchmarks" / "README.md",
+    REPO / "CONTRIBUTING.md",
+]
 MAX_README_LINES = 300
 FENCE = re.compile(r"^```.*?^```[^\n]*$", re.S | re.M)
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
@@ -45,8 +50,11 @@ def anchors(page: Path) -> set[str]:
 
 
 def links(page: Path) -> list[str]:
-    return [target for target in LINK.findall(_prose(page.read_text(encoding="utf-8")))
-            if not re.match(r"^[a-z][a-z0-9+.-]*:", target)]  # http:, https:, mailto: are not checked
+    return [
+        target
+        for target in LINK.findall(_prose(page.read_text(encoding="utf-8")))
+        if not re.match(r"^[a-z][a-z0-9+.-]*:", target)
+    ]  # http:, https:, mailto: are not checked
 
 
 def shell_lines(page: Path) -> list[str]:

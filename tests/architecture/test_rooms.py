@@ -23,7 +23,7 @@ WORKERS = "etrain.workers"
 #: Every room, in layering order (a room may import only rooms before it), with its one-line purpose.
 ROOMS = {
     "protocol": "what the service and the ranks share and both apply: run config, errors, manifest format, "
-                "messages, layout rules, topology, safe paths (pure)",
+    "messages, layout rules, topology, safe paths (pure)",
     "families": "the model families: one declaration each (pure), their torch modules, the builder and the loss",
     "checkpoints": "DCP save/load, commit, snapshots, storage and its faults, Hugging Face in and out",
     "engine": "one rank's Trainer: parallelism, pipeline, mesh, init, optimizer, data, timing; torchrun",
@@ -43,12 +43,15 @@ MAY_IMPORT = {
 #: family registry while the families' declarations raise the protocol's errors: the registry and the
 #: declarations are pure, and the torch side of the families is never imported by the protocol.
 AGAINST_THE_LAYERING = {
-    ("etrain.workers.protocol.run_config", "etrain.workers.families"):
-        "a ModelConfig's arch must be a registered family; its parameter count and the presets are the family's",
-    ("etrain.workers.protocol.layout_rules", "etrain.workers.families"):
-        "what tp must divide is the family's (tp_dims), and so are its shape rules",
-    ("etrain.workers.protocol.layout_rules", "etrain.workers.families.base"):
-        "the sizes a family declares (Sizes)",
+    (
+        "etrain.workers.protocol.run_config",
+        "etrain.workers.families",
+    ): "a ModelConfig's arch must be a registered family; its parameter count and the presets are the family's",
+    (
+        "etrain.workers.protocol.layout_rules",
+        "etrain.workers.families",
+    ): "what tp must divide is the family's (tp_dims), and so are its shape rules",
+    ("etrain.workers.protocol.layout_rules", "etrain.workers.families.base"): "the sizes a family declares (Sizes)",
 }
 
 #: The rooms the service may import any module of (the torch modules of the families excepted:
@@ -57,14 +60,14 @@ SERVICE_ROOMS = {"protocol", "families"}
 #: The modules of the other rooms the service may import, with why.
 SERVICE_MAY_IMPORT = {
     "etrain.workers.checkpoints.checkpoint_commit": "the supervisor commits, verifies and prunes step directories; "
-                                                    "the manager reads which steps are committed (pure)",
+    "the manager reads which steps are committed (pure)",
     "etrain.workers.checkpoints.storage": "checkpoint directories and logs on local folders or s3:// (pure)",
     "etrain.workers.checkpoints.hf_config": "a model.hf folder's config.json is read at submit, to check and plan "
-                                            "the job (pure)",
+    "the job (pure)",
     "etrain.workers.checkpoints.hf_io": "inside the Hugging Face export task's body only, a Ray task "
-                                        "(test_boundaries.SERVICE_REMOTE_BODIES)",
+    "(test_boundaries.SERVICE_REMOTE_BODIES)",
     "etrain.workers.engine.tokenized": "inside the submit checks: a text data set with a tokenizer is tokenized "
-                                       "once, at submit (torch-free)",
+    "once, at submit (torch-free)",
     "etrain.workers.rank.rank_log": "GET /logs reads the log files the ranks write (pure)",
     "etrain.workers.rank.device_info": "inside the one-GPU probe task's body only, a Ray task",
 }
@@ -84,21 +87,30 @@ def room_of(module: str) -> str | None:
 
 
 def _workers_imports() -> list[Import]:
-    return [imp for name in modules() if inside(WORKERS, name) for imp in imports_of(name)
-            if inside(WORKERS, imp.target)]
+    return [
+        imp for name in modules() if inside(WORKERS, name) for imp in imports_of(name) if inside(WORKERS, imp.target)
+    ]
 
 
 def room_violations(imports: list[Import]) -> list[Import]:
     """The imports between rooms that ``MAY_IMPORT`` and ``AGAINST_THE_LAYERING`` do not allow."""
-    return [imp for imp in imports
-            if room_of(imp.source) != room_of(imp.target)
-            and room_of(imp.target) not in MAY_IMPORT.get(room_of(imp.source), set())
-            and (imp.source, imp.target) not in AGAINST_THE_LAYERING]
+    return [
+        imp
+        for imp in imports
+        if room_of(imp.source) != room_of(imp.target)
+        and room_of(imp.target) not in MAY_IMPORT.get(room_of(imp.source), set())
+        and (imp.source, imp.target) not in AGAINST_THE_LAYERING
+    ]
 
 
 def _outside_violations(layer: str, rooms: set[str], allowed: dict[str, str]) -> list[str]:
-    return [where(imp) for name in modules() if inside(layer, name) for imp in imports_of(name)
-            if inside(WORKERS, imp.target) and room_of(imp.target) not in rooms and imp.target not in allowed]
+    return [
+        where(imp)
+        for name in modules()
+        if inside(layer, name)
+        for imp in imports_of(name)
+        if inside(WORKERS, imp.target) and room_of(imp.target) not in rooms and imp.target not in allowed
+    ]
 
 
 def _docstring(path) -> str | None:
@@ -109,8 +121,9 @@ def test_workers_holds_the_rooms_and_nothing_else():
     """Every workers module is in a room; every folder under workers/ is a room or inside one."""
     folders = {path.name for path in (REPO / "workers").iterdir() if (path / "__init__.py").exists()}
     assert folders == set(ROOMS)
-    outside = sorted(name for name in modules()
-                     if inside(WORKERS, name) and name != WORKERS and room_of(name) not in ROOMS)
+    outside = sorted(
+        name for name in modules() if inside(WORKERS, name) and name != WORKERS and room_of(name) not in ROOMS
+    )
     assert outside == []
     assert sorted(path.name for path in (REPO / "workers").glob("*.py")) == ["__init__.py"]
 
@@ -129,12 +142,13 @@ def test_the_rooms_are_a_layering():
     order = list(ROOMS)
     assert set(MAY_IMPORT) == set(ROOMS)
     for room, allowed in MAY_IMPORT.items():
-        assert allowed <= set(order[:order.index(room)]), (room, allowed)
+        assert allowed <= set(order[: order.index(room)]), (room, allowed)
 
 
 def test_every_import_between_rooms_is_allowed():
-    bad = [where(imp) + f" ({room_of(imp.source)} -> {room_of(imp.target)})"
-           for imp in room_violations(_workers_imports())]
+    bad = [
+        where(imp) + f" ({room_of(imp.source)} -> {room_of(imp.target)})" for imp in room_violations(_workers_imports())
+    ]
     assert bad == [], "an import between the rooms of workers/ that MAY_IMPORT does not allow:\n" + "\n".join(bad)
 
 
@@ -150,20 +164,29 @@ def test_the_imports_against_the_layering_are_real_and_reach_only_pure_modules()
 
 def test_the_service_imports_only_the_pure_rooms_and_the_modules_named():
     bad = _outside_violations("etrain.service", SERVICE_ROOMS, SERVICE_MAY_IMPORT)
-    assert bad == [], "service/ may import from workers/ only " + ", ".join(sorted(SERVICE_ROOMS)) + \
-        " and SERVICE_MAY_IMPORT:\n" + "\n".join(bad)
+    assert bad == [], (
+        "service/ may import from workers/ only "
+        + ", ".join(sorted(SERVICE_ROOMS))
+        + " and SERVICE_MAY_IMPORT:\n"
+        + "\n".join(bad)
+    )
 
 
 def test_the_api_imports_only_the_protocol_and_the_modules_named():
     bad = _outside_violations("etrain.api", API_ROOMS, API_MAY_IMPORT)
-    assert bad == [], "api/ may import from workers/ only etrain.workers.protocol and API_MAY_IMPORT:\n" + \
-        "\n".join(bad)
+    assert bad == [], "api/ may import from workers/ only etrain.workers.protocol and API_MAY_IMPORT:\n" + "\n".join(
+        bad
+    )
 
 
 def test_the_modules_named_for_the_service_and_the_api_exist_and_are_used():
     """A name left behind by a move, or a reason no longer true, fails here."""
-    used = {imp.target for name in modules() if inside("etrain.service", name) or inside("etrain.api", name)
-            for imp in imports_of(name)}
+    used = {
+        imp.target
+        for name in modules()
+        if inside("etrain.service", name) or inside("etrain.api", name)
+        for imp in imports_of(name)
+    }
     for allowed in (SERVICE_MAY_IMPORT, API_MAY_IMPORT):
         assert set(allowed) <= set(modules()), sorted(set(allowed) - set(modules()))
         assert set(allowed) <= used, sorted(set(allowed) - used)
@@ -180,8 +203,12 @@ def test_what_the_service_imports_from_the_other_rooms_is_pure():
 def test_the_room_rules_are_not_vacuous():
     """The rule sees the imports the layering is made of, and refuses one against it."""
     seen = {(room_of(imp.source), room_of(imp.target)) for imp in _workers_imports()}
-    assert {("rank", "engine"), ("engine", "checkpoints"), ("checkpoints", "families"),
-            ("families", "protocol")} <= seen
+    assert {
+        ("rank", "engine"),
+        ("engine", "checkpoints"),
+        ("checkpoints", "families"),
+        ("families", "protocol"),
+    } <= seen
     upward = Import("etrain.workers.engine.train", "etrain.workers.rank.worker", 1, True, False)
     sideways = Import("etrain.workers.rank.worker", "etrain.workers.engine.train", 1, True, False)
     assert room_violations([upward, sideways]) == [upward]

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -58,8 +58,16 @@ def shared_plane(tmp_path_factory) -> Iterator[ControlPlane]:
 
 #: ``spec(..., model=LLAMA_MODEL)``: the same small job on a Llama (RoPE, RMSNorm, SwiGLU, grouped-query
 #: attention with 4 query heads on 2 kv heads) instead of the built-in GPT.
-LLAMA_MODEL = {"kind": "llama", "n_layers": 2, "d_model": 32, "n_heads": 4, "n_kv_heads": 2, "d_ff": 64,
-               "vocab_size": 64, "seq_len": 16}
+LLAMA_MODEL = {
+    "kind": "llama",
+    "n_layers": 2,
+    "d_model": 32,
+    "n_heads": 4,
+    "n_kv_heads": 2,
+    "d_ff": 64,
+    "vocab_size": 64,
+    "seq_len": 16,
+}
 
 
 def spec(name: str, *, steps: int = 24, dp: int = 2, tp: int = 1, pp: int = 1, every: int = 4, **sections) -> dict:

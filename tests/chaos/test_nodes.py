@@ -28,8 +28,9 @@ def test_node_loss_during_dp2_tp2_restarts_on_the_spare_node(tmp_path):
         body = spec("node-dp2tp2", steps=20, dp=2, tp=2)
         clean = losses(plane, run_clean(plane, body)["id"])
         job = plane.submit(body)
-        plane.wait_until(job["id"], lambda j: j["status"] == "RUNNING" and j["step"] >= 10, timeout_s=240,
-                         what="step 10")
+        plane.wait_until(
+            job["id"], lambda j: j["status"] == "RUNNING" and j["step"] >= 10, timeout_s=240, what="step 10"
+        )
         victim = node_of_rank(plane, job["id"], 3)
         cluster.remove_node(cluster_node(cluster, victim))
         final = plane.wait_terminal(job["id"], timeout_s=300)
@@ -52,23 +53,36 @@ def test_shrinks_when_capacity_is_lost_and_grows_back_when_it_returns(tmp_path, 
     with ray_cluster([2, 2]) as cluster, control_plane(tmp_path) as plane:
         # Long enough that the shrunk job is still running when the re-added node registers.
         sections = {"model": LLAMA_MODEL} if model == "llama" else {}
-        body = spec(f"elastic-{model}-dp4", steps=300, dp=4, every=10, **sections,
-                    resources={"cpus_per_worker": 1, "min_dp": 2, "max_dp": 4},
-                    elastic={"check_interval_s": 1.0})
+        body = spec(
+            f"elastic-{model}-dp4",
+            steps=300,
+            dp=4,
+            every=10,
+            **sections,
+            resources={"cpus_per_worker": 1, "min_dp": 2, "max_dp": 4},
+            elastic={"check_interval_s": 1.0},
+        )
         clean = losses(plane, run_clean(plane, body)["id"])
 
         job = plane.submit(body)
-        plane.wait_until(job["id"], lambda j: j["status"] == "RUNNING" and j["step"] >= 8, timeout_s=240,
-                         what="step 8")
+        plane.wait_until(job["id"], lambda j: j["status"] == "RUNNING" and j["step"] >= 8, timeout_s=240, what="step 8")
         victim = node_of_rank(plane, job["id"], 3)
         cluster.remove_node(cluster_node(cluster, victim))
-        shrunk = plane.wait_until(job["id"], lambda j: j["status"] == "RUNNING" and j["world_size"] == 2,
-                                  timeout_s=180, what="the shrink to dp=2")
+        shrunk = plane.wait_until(
+            job["id"],
+            lambda j: j["status"] == "RUNNING" and j["world_size"] == 2,
+            timeout_s=180,
+            what="the shrink to dp=2",
+        )
         assert shrunk["layout"].startswith("pp1·dp2")
 
         cluster.add_node(num_cpus=2)
-        grown = plane.wait_until(job["id"], lambda j: j["status"] == "RUNNING" and j["world_size"] == 4,
-                                 timeout_s=180, what="the grow back to dp=4")
+        grown = plane.wait_until(
+            job["id"],
+            lambda j: j["status"] == "RUNNING" and j["world_size"] == 4,
+            timeout_s=180,
+            what="the grow back to dp=4",
+        )
         assert grown["layout"].startswith("pp1·dp4")
         final = plane.wait_terminal(job["id"], timeout_s=300)
         assert final["status"] == "SUCCEEDED", final
@@ -86,8 +100,13 @@ def test_shrinks_when_capacity_is_lost_and_grows_back_when_it_returns(tmp_path, 
 
 def test_evict_moves_the_slow_rank_off_its_node_and_finishes(tmp_path):
     with ray_cluster([1, 1, 1]), control_plane(tmp_path) as plane:
-        body = spec("evict-dp2", steps=40, every=4, training={"timing_sync_every": 1},
-                    stragglers={"enabled": True, "window": 4, "threshold": 2.0, "patience": 2, "action": "evict"})
+        body = spec(
+            "evict-dp2",
+            steps=40,
+            every=4,
+            training={"timing_sync_every": 1},
+            stragglers={"enabled": True, "window": 4, "threshold": 2.0, "patience": 2, "action": "evict"},
+        )
         job = plane.submit(body)
         plane.chaos(job["id"], action="slow_rank", rank=1, factor=3.0, at_step=2)
         final = plane.wait_terminal(job["id"], timeout_s=300)

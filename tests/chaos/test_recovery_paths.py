@@ -53,13 +53,14 @@ def test_kill_during_a_checkpoint_write_resumes_from_the_previous_commit(shared_
     plane = shared_plane
     # Rank 1 dies inside step 12's save, its shards written but never reported: rank 0 reported, the
     # step can never commit, so the repair resumes from step 8 and saves step 12 again.
-    final, events = recover(plane, spec("write-kill-dp2"),
-                            {"action": "kill_rank", "rank": 1, "at_step": 10, "during": "checkpoint_write"})
+    final, events = recover(
+        plane, spec("write-kill-dp2"), {"action": "kill_rank", "rank": 1, "at_step": 10, "during": "checkpoint_write"}
+    )
     kinds = assert_repaired_in_place(final, events, times=1)
     assert fired(events) == ["kill_rank on rank 1 at step 12 during checkpoint_write (order 1)"]
     assert resumed_from(events) == [None, 8]
     # Step 12 was committed once, after the repair, by attempt 2 (never from attempt 1's partial save).
-    before = committed(events[:kinds.index("repairing")])
+    before = committed(events[: kinds.index("repairing")])
     assert before == [4, 8], before
     assert committed(events) == [4, 8, 12, 16, 20, 24]
     assert restored(events) == ["attempt 2, step 8: ranks 0 from own memory; ranks 1 from rank 0's memory"]
@@ -71,11 +72,12 @@ def test_kill_during_the_commit_resumes_from_the_step_it_reported(shared_plane, 
     # Rank 0 dies right after the supervisor accepted its report of step 12. Rank 1 (one shard file to
     # hash against rank 0's three) has reported by then, so the report completes the step: the commit
     # happens around a dead rank, and the repair resumes from step 12 with nothing recomputed.
-    final, events = recover(plane, spec("commit-kill-dp2"),
-                            {"action": "kill_rank", "rank": 0, "at_step": 10, "during": "checkpoint_commit"})
+    final, events = recover(
+        plane, spec("commit-kill-dp2"), {"action": "kill_rank", "rank": 0, "at_step": 10, "during": "checkpoint_commit"}
+    )
     kinds = assert_repaired_in_place(final, events, times=1)
     assert fired(events) == ["kill_rank on rank 0 at step 12 during checkpoint_commit (order 1)"]
-    assert committed(events[:kinds.index("repairing")]) == [4, 8, 12]
+    assert committed(events[: kinds.index("repairing")]) == [4, 8, 12]
     assert resumed_from(events) == [None, 12]
     assert committed(events) == [4, 8, 12, 16, 20, 24]
     # The replacement rank 0 gets step 12 from its data-parallel replica's memory.
@@ -88,9 +90,12 @@ def test_kill_during_the_commit_resumes_from_the_step_it_reported(shared_plane, 
 
 def test_two_failures_in_a_row_are_each_repaired_in_place(shared_plane, clean):
     plane = shared_plane
-    final, events = recover(plane, spec("two-kills-dp2"),
-                            {"action": "kill_rank", "rank": 1, "at_step": 10},
-                            {"action": "kill_rank", "rank": 0, "at_step": 18})
+    final, events = recover(
+        plane,
+        spec("two-kills-dp2"),
+        {"action": "kill_rank", "rank": 1, "at_step": 10},
+        {"action": "kill_rank", "rank": 0, "at_step": 18},
+    )
     kinds = assert_repaired_in_place(final, events, times=2)  # never a full relaunch
     assert fired(events) == ["kill_rank on rank 1 at step 10 (order 1)", "kill_rank on rank 0 at step 18 (order 2)"]
     assert kinds.count("worker_failed") == 2
@@ -107,9 +112,12 @@ def test_a_failure_of_the_replacement_itself_is_repaired_again(shared_plane, cle
     plane = shared_plane
     # Both orders armed up front: the first kills rank 1 at step 10; the second, still pending, travels
     # in the repair's launch plan to the replacement and kills it at step 11, three steps after it resumed.
-    final, events = recover(plane, spec("replacement-kill-dp2"),
-                            {"action": "kill_rank", "rank": 1, "at_step": 10},
-                            {"action": "kill_rank", "rank": 1, "at_step": 11})
+    final, events = recover(
+        plane,
+        spec("replacement-kill-dp2"),
+        {"action": "kill_rank", "rank": 1, "at_step": 10},
+        {"action": "kill_rank", "rank": 1, "at_step": 11},
+    )
     kinds = assert_repaired_in_place(final, events, times=2)
     assert fired(events) == ["kill_rank on rank 1 at step 10 (order 1)", "kill_rank on rank 1 at step 11 (order 2)"]
     # The second order fired in the replacement: after the first repair's group was up again.

@@ -137,8 +137,12 @@ def test_restarts_beyond_the_budget_fail_with_a_clear_reason(shared_plane):
 
 def test_slow_rank_is_flagged_within_20_steps_with_its_rank_id(shared_plane):
     plane = shared_plane
-    body = spec("slow-dp2", steps=40, stragglers={"enabled": True, "window": 4, "threshold": 1.5, "patience": 2},
-                training={"timing_sync_every": 1})  # per-step timing: every step a timing-sync step
+    body = spec(
+        "slow-dp2",
+        steps=40,
+        stragglers={"enabled": True, "window": 4, "threshold": 1.5, "patience": 2},
+        training={"timing_sync_every": 1},
+    )  # per-step timing: every step a timing-sync step
     job = plane.submit(body)
     plane.chaos(job["id"], action="slow_rank", rank=1, factor=2.0, at_step=4)
     final = plane.wait_terminal(job["id"], timeout_s=300)
@@ -152,8 +156,13 @@ def test_slow_rank_is_flagged_within_20_steps_with_its_rank_id(shared_plane):
 
 def test_clean_run_of_200_steps_flags_nobody(shared_plane):
     plane = shared_plane
-    body = spec("steady-dp2", steps=200, every=0, training={"timing_sync_every": 1},
-                stragglers={"enabled": True, "window": 10, "threshold": 1.5, "patience": 2})
+    body = spec(
+        "steady-dp2",
+        steps=200,
+        every=0,
+        training={"timing_sync_every": 1},
+        stragglers={"enabled": True, "window": 10, "threshold": 1.5, "patience": 2},
+    )
     final = run_clean(plane, body)
     assert final["stragglers"] == []
     assert "straggler_detected" not in event_kinds(plane.events(final["id"]))
@@ -193,12 +202,19 @@ def test_a_full_disk_abandons_saves_with_a_clear_event_and_the_job_goes_on_to_su
         filler.write_bytes(b"\0" * (stat.f_bavail * stat.f_frsize - 64 * 1024))  # 64 KiB left
         # A 0.72 s MTBF: Young-Daly asks for a save at the floor of every 10 steps, so the first one (refused)
         # comes early and the next ones, after the filler is gone, well before the final save.
-        body = spec("full-disk-dp2", checkpoint={"every_steps": "auto", "path": str(disk / "ckpt")},
-                    fault_tolerance={"mtbf_hours": 0.0002})
+        body = spec(
+            "full-disk-dp2",
+            checkpoint={"every_steps": "auto", "path": str(disk / "ckpt")},
+            fault_tolerance={"mtbf_hours": 0.0002},
+        )
         job = plane.submit(body)
         plane.chaos(job["id"], action="slow_rank", rank=0, factor=8.0, at_step=1)  # time to free the disk
-        failed = plane.wait_until(job["id"], lambda _: "checkpoint_failed" in event_kinds(plane.events(job["id"])),
-                                  timeout_s=240, what="a checkpoint_failed event")
+        failed = plane.wait_until(
+            job["id"],
+            lambda _: "checkpoint_failed" in event_kinds(plane.events(job["id"])),
+            timeout_s=240,
+            what="a checkpoint_failed event",
+        )
         assert failed["status"] == "RUNNING", failed
         filler.unlink()
         final = plane.wait_terminal(job["id"], timeout_s=300)
@@ -212,12 +228,18 @@ def test_a_full_disk_abandons_saves_with_a_clear_event_and_the_job_goes_on_to_su
     interval = [event_text(e) for e in events if e["kind"] == "checkpoint_interval"]
     # Before any save is measured: sqrt(2 x 1 s assumed x 0.72 s) = 1.2 s (at least 10 steps, however fast a
     # step is); later ones use the measured saves.
-    assert interval and re.match(r"every \d+ steps \(~1s at [0-9.]+s/step\): Young-Daly sqrt\(2 x 1.00s x "
-                                 r"MTBF 0.0002h\), assumed save blocking", interval[0]), interval
-    assert all(re.match(r"every \d+ steps \(~\d+s at [0-9.]+s/step\): Young-Daly sqrt\(2 x [0-9.]+s x MTBF 0.0002h\)",
-                        text) for text in interval), interval
-    committed = [int(re.search(r"step (\d+)", event_text(e)).group(1)) for e in events
-                 if e["kind"] == "checkpoint_committed"]
+    assert interval and re.match(
+        r"every \d+ steps \(~1s at [0-9.]+s/step\): Young-Daly sqrt\(2 x 1.00s x "
+        r"MTBF 0.0002h\), assumed save blocking",
+        interval[0],
+    ), interval
+    assert all(
+        re.match(r"every \d+ steps \(~\d+s at [0-9.]+s/step\): Young-Daly sqrt\(2 x [0-9.]+s x MTBF 0.0002h\)", text)
+        for text in interval
+    ), interval
+    committed = [
+        int(re.search(r"step (\d+)", event_text(e)).group(1)) for e in events if e["kind"] == "checkpoint_committed"
+    ]
     # The refused save was an auto save (the final one, after the disk was freed, committed); whether one
     # more auto save fits before step 24 depends on the step time (the interval is at least 10 steps).
     refused_step = int(re.search(r"^step (\d+):", refused[0]).group(1))

@@ -26,10 +26,20 @@ SLOW_AT = 20
 WITHIN = 16
 
 
-def _slowed_job(plane, name: str, *, dp: int, pp: int = 2, slow_rank: int, steps: int = 48, at: int = SLOW_AT,
-                model: dict = HEAD_HEAVY) -> dict:
-    body = spec(name, steps=steps, dp=dp, pp=pp, every=0, model=model, stragglers=DEFAULTS,
-                parallelism={"pp_schedule": "1f1b"})
+def _slowed_job(
+    plane,
+    name: str,
+    *,
+    dp: int,
+    pp: int = 2,
+    slow_rank: int,
+    steps: int = 48,
+    at: int = SLOW_AT,
+    model: dict = HEAD_HEAVY,
+) -> dict:
+    body = spec(
+        name, steps=steps, dp=dp, pp=pp, every=0, model=model, stragglers=DEFAULTS, parallelism={"pp_schedule": "1f1b"}
+    )
     job = plane.submit(body)
     plane.chaos(job["id"], action="slow_rank", rank=slow_rank, factor=3.0, at_step=at)
     final = plane.wait_terminal(job["id"], timeout_s=300)
@@ -38,8 +48,16 @@ def _slowed_job(plane, name: str, *, dp: int, pp: int = 2, slow_rank: int, steps
 
 
 def test_dp2_names_the_rank_slowed_3x_from_step_5(shared_plane):
-    final = _slowed_job(shared_plane, "dp2-slow", dp=2, pp=1, slow_rank=1, steps=80, at=5,
-                        model={"n_layers": 2, "d_model": 32, "n_heads": 2, "vocab_size": 64, "seq_len": 16})
+    final = _slowed_job(
+        shared_plane,
+        "dp2-slow",
+        dp=2,
+        pp=1,
+        slow_rank=1,
+        steps=80,
+        at=5,
+        model={"n_layers": 2, "d_model": 32, "n_heads": 2, "vocab_size": 64, "seq_len": 16},
+    )
     flagged = final["stragglers"]
     assert [(f["rank"], f["basis"]) for f in flagged] == [(1, "peers")], flagged
     assert 5 < flagged[0]["step"] <= 5 + WITHIN, flagged

@@ -32,8 +32,11 @@ KUBE_VERSION = "1.30"
 RELEASE = "etrain"
 NAMESPACE = "etrain"
 #: Kinds that are not core Kubernetes (no schema in kubernetes-validate): checked separately.
-CUSTOM_KINDS = {("ray.io/v1", "RayCluster"), ("monitoring.coreos.com/v1", "ServiceMonitor"),
-                ("monitoring.coreos.com/v1", "PodMonitor")}
+CUSTOM_KINDS = {
+    ("ray.io/v1", "RayCluster"),
+    ("monitoring.coreos.com/v1", "ServiceMonitor"),
+    ("monitoring.coreos.com/v1", "PodMonitor"),
+}
 
 
 def deep_merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
@@ -88,16 +91,15 @@ def _values_key(values: Mapping[str, Any] | None) -> str:
     return json.dumps(values or {}, sort_keys=True)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _chart() -> helm.Chart:
     return helm.Chart.load(CHART)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _render(values_json: str, release: str, namespace: str, upgrade: bool) -> Rendered:
     values = json.loads(values_json)
-    manifests = _chart().render(values, name=release, namespace=namespace,
-                                is_install=not upgrade, is_upgrade=upgrade)
+    manifests = _chart().render(values, name=release, namespace=namespace, is_install=not upgrade, is_upgrade=upgrade)
     objects: list[dict[str, Any]] = []
     notes = ""
     for path, text in sorted(manifests.items()):
@@ -108,17 +110,23 @@ def _render(values_json: str, release: str, namespace: str, upgrade: bool) -> Re
     return Rendered(values=values, objects=tuple(objects), notes=notes, release=release, namespace=namespace)
 
 
-def render(values: Mapping[str, Any] | None = None, *, release: str = RELEASE, namespace: str = NAMESPACE,
-           upgrade: bool = False) -> Rendered:
+def render(
+    values: Mapping[str, Any] | None = None,
+    *,
+    release: str = RELEASE,
+    namespace: str = NAMESPACE,
+    upgrade: bool = False,
+) -> Rendered:
     """The chart rendered by Helm with ``values`` over its defaults (cached). Raises Helm's errors:
     ``helm_python.HelmValuesError`` (schema) or ``HelmRenderError`` (a template's ``fail``)."""
     return _render(_values_key(values), release, namespace, upgrade)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _lint(values_json: str) -> dict[str, Any]:
-    return helm.lint(CHART, json.loads(values_json), strict=True, namespace=NAMESPACE,
-                     kube_version=f"v{KUBE_VERSION}.0")
+    return helm.lint(
+        CHART, json.loads(values_json), strict=True, namespace=NAMESPACE, kube_version=f"v{KUBE_VERSION}.0"
+    )
 
 
 def lint(values: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -142,8 +150,9 @@ def containers(template: Mapping[str, Any]) -> list[dict[str, Any]]:
     return list(spec.get("initContainers") or []) + list(spec["containers"])
 
 
-def resolve_env(container: Mapping[str, Any], rendered: Rendered,
-                secrets: Mapping[str, Mapping[str, str]] = {}) -> dict[str, str]:
+def resolve_env(
+    container: Mapping[str, Any], rendered: Rendered, secrets: Mapping[str, Mapping[str, str]] = {}
+) -> dict[str, str]:
     """The container's environment as the kubelet builds it: ``value``s, and ``secretKeyRef``s read from
     the rendered Secrets or from ``secrets`` (Secrets that exist outside the chart). A missing key of an
     ``optional`` reference is left out; a missing required one fails."""
@@ -167,4 +176,3 @@ def resolve_env(container: Mapping[str, Any], rendered: Rendered,
 
 def labels_match(selector: Mapping[str, str], labels: Mapping[str, str]) -> bool:
     return all(labels.get(key) == value for key, value in selector.items())
-

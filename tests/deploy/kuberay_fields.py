@@ -14,8 +14,15 @@ from collections.abc import Mapping
 from typing import Any
 
 RAYCLUSTER_SPEC = {
-    "suspend", "managedBy", "autoscalerOptions", "headServiceAnnotations", "enableInTreeAutoscaling",
-    "gcsFaultToleranceOptions", "headGroupSpec", "rayVersion", "workerGroupSpecs",
+    "suspend",
+    "managedBy",
+    "autoscalerOptions",
+    "headServiceAnnotations",
+    "enableInTreeAutoscaling",
+    "gcsFaultToleranceOptions",
+    "headGroupSpec",
+    "rayVersion",
+    "workerGroupSpecs",
 }
 RAYCLUSTER_SPEC_REQUIRED = {"headGroupSpec"}
 
@@ -23,14 +30,29 @@ HEAD_GROUP_SPEC = {"template", "headService", "enableIngress", "rayStartParams",
 HEAD_GROUP_SPEC_REQUIRED = {"template", "rayStartParams"}
 
 WORKER_GROUP_SPEC = {
-    "suspend", "groupName", "replicas", "minReplicas", "maxReplicas", "idleTimeoutSeconds",
-    "rayStartParams", "template", "scaleStrategy", "numOfHosts",
+    "suspend",
+    "groupName",
+    "replicas",
+    "minReplicas",
+    "maxReplicas",
+    "idleTimeoutSeconds",
+    "rayStartParams",
+    "template",
+    "scaleStrategy",
+    "numOfHosts",
 }
 WORKER_GROUP_SPEC_REQUIRED = {"groupName", "minReplicas", "maxReplicas", "rayStartParams", "template"}
 
 AUTOSCALER_OPTIONS = {
-    "resources", "image", "imagePullPolicy", "securityContext", "idleTimeoutSeconds", "upscalingMode",
-    "env", "envFrom", "volumeMounts",
+    "resources",
+    "image",
+    "imagePullPolicy",
+    "securityContext",
+    "idleTimeoutSeconds",
+    "upscalingMode",
+    "env",
+    "envFrom",
+    "volumeMounts",
 }
 UPSCALING_MODES = {"Default", "Aggressive", "Conservative"}
 
@@ -57,8 +79,11 @@ def _int32(where: str, value: Any, minimum: int = 0) -> list[str]:
 def _start_params(where: str, params: Any) -> list[str]:
     if not isinstance(params, Mapping):
         return [f"{where}: expected map[string]string"]
-    return [f"{where}.{key}: {value!r} is not a string (map[string]string)"
-            for key, value in params.items() if not isinstance(value, str)]
+    return [
+        f"{where}.{key}: {value!r} is not a string (map[string]string)"
+        for key, value in params.items()
+        if not isinstance(value, str)
+    ]
 
 
 def check_raycluster(obj: Mapping[str, Any]) -> list[str]:
@@ -81,8 +106,12 @@ def check_raycluster(obj: Mapping[str, Any]) -> list[str]:
         if "idleTimeoutSeconds" in options:
             problems += _int32("spec.autoscalerOptions.idleTimeoutSeconds", options["idleTimeoutSeconds"])
     if "gcsFaultToleranceOptions" in spec:
-        problems += _fields("spec.gcsFaultToleranceOptions", spec["gcsFaultToleranceOptions"],
-                            GCS_FAULT_TOLERANCE_OPTIONS, GCS_FAULT_TOLERANCE_OPTIONS_REQUIRED)
+        problems += _fields(
+            "spec.gcsFaultToleranceOptions",
+            spec["gcsFaultToleranceOptions"],
+            GCS_FAULT_TOLERANCE_OPTIONS,
+            GCS_FAULT_TOLERANCE_OPTIONS_REQUIRED,
+        )
     head = spec.get("headGroupSpec") or {}
     problems += _fields("spec.headGroupSpec", head, HEAD_GROUP_SPEC, HEAD_GROUP_SPEC_REQUIRED)
     problems += _start_params("spec.headGroupSpec.rayStartParams", head.get("rayStartParams", {}))

@@ -28,13 +28,47 @@ DASHBOARD = ROOT / "deploy" / "grafana" / "etrain-dashboard.json"
 CHART_COPY = chart.CHART / "dashboards" / "etrain-dashboard.json"
 TOKEN = "dashboard-token-0123456789"
 #: PromQL words that are not metric names.
-PROMQL = {"sum", "min", "max", "avg", "count", "by", "without", "on", "ignoring", "group_left", "group_right",
-          "increase", "rate", "irate", "delta", "changes", "label_values", "and", "or", "unless", "offset",
-          "avg_over_time", "max_over_time", "min_over_time", "topk", "bottomk", "clamp_min", "clamp_max"}
+PROMQL = {
+    "sum",
+    "min",
+    "max",
+    "avg",
+    "count",
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "increase",
+    "rate",
+    "irate",
+    "delta",
+    "changes",
+    "label_values",
+    "and",
+    "or",
+    "unless",
+    "offset",
+    "avg_over_time",
+    "max_over_time",
+    "min_over_time",
+    "topk",
+    "bottomk",
+    "clamp_min",
+    "clamp_max",
+}
 #: What the dashboard must show (the issue's list), as the metrics that carry it.
-REQUIRED = {"jobs by status": "etrain_jobs", "loss": "etrain_job_loss", "tokens/s": "etrain_tokens_per_second",
-            "MFU": "etrain_job_mfu", "goodput": "etrain_goodput", "restarts": "etrain_restarts_total",
-            "stragglers": "etrain_straggler_factor", "straggler count": "etrain_job_stragglers"}
+REQUIRED = {
+    "jobs by status": "etrain_jobs",
+    "loss": "etrain_job_loss",
+    "tokens/s": "etrain_tokens_per_second",
+    "MFU": "etrain_job_mfu",
+    "goodput": "etrain_goodput",
+    "restarts": "etrain_restarts_total",
+    "stragglers": "etrain_straggler_factor",
+    "straggler count": "etrain_job_stragglers",
+}
 
 
 def dashboard() -> dict:
@@ -43,10 +77,16 @@ def dashboard() -> dict:
 
 def queries(board: dict) -> list[tuple[str, str, str]]:
     """(panel title, expr, legendFormat) of every query: panel targets and templating variables."""
-    found = [(panel["title"], target["expr"], target.get("legendFormat", ""))
-             for panel in board["panels"] for target in panel["targets"]]
-    found += [(f"variable {var['name']}", var["definition"], "") for var in board["templating"]["list"]
-              if var["type"] == "query"]
+    found = [
+        (panel["title"], target["expr"], target.get("legendFormat", ""))
+        for panel in board["panels"]
+        for target in panel["targets"]
+    ]
+    found += [
+        (f"variable {var['name']}", var["definition"], "")
+        for var in board["templating"]["list"]
+        if var["type"] == "query"
+    ]
     return found
 
 
@@ -62,8 +102,12 @@ def metric_names(expr: str) -> set[str]:
 
 
 def grouped_labels(expr: str) -> set[str]:
-    return {label.strip() for group in re.findall(r"\b(?:by|without)\s*\(([^)]*)\)", expr)
-            for label in group.split(",") if label.strip()}
+    return {
+        label.strip()
+        for group in re.findall(r"\b(?:by|without)\s*\(([^)]*)\)", expr)
+        for label in group.split(",")
+        if label.strip()
+    }
 
 
 def status_values(expr: str) -> set[str]:
@@ -72,9 +116,12 @@ def status_values(expr: str) -> set[str]:
 
 def test_the_metric_name_reader_finds_names_and_only_names():
     assert metric_names('sum by (job_id) (increase(etrain_restarts_total{job_id=~"$job_id"}[$__rate_interval]))') == {
-        "etrain_restarts_total"}
+        "etrain_restarts_total"
+    }
     assert metric_names('max by (job_id) (ray_etrain_straggler_factor or etrain_straggler_factor{rank="1"})') == {
-        "ray_etrain_straggler_factor", "etrain_straggler_factor"}
+        "ray_etrain_straggler_factor",
+        "etrain_straggler_factor",
+    }
     assert metric_names("label_values(etrain_job_step, job_id)") == {"etrain_job_step", "job_id"}
 
 
@@ -85,18 +132,47 @@ def exported(tmp_path_factory) -> dict[str, set[str]]:
     data_dir = tmp_path_factory.mktemp("metrics")
     with JobStore(data_dir / "etrain.db") as store:
         manager = InMemoryManager(store, base_dir=str(data_dir))
-        client = TestClient(create_app(Settings(data_dir=data_dir, api_token=TOKEN), manager=manager),
-                            headers={"Authorization": f"Bearer {TOKEN}"})
-        spec = {"name": "full", "model": {"preset": "gpt-tiny"}, "parallelism": {"dp": 2},
-                "training": {"steps": 100, "global_batch": 8, "micro_batch": 2}}
+        client = TestClient(
+            create_app(Settings(data_dir=data_dir, api_token=TOKEN), manager=manager),
+            headers={"Authorization": f"Bearer {TOKEN}"},
+        )
+        spec = {
+            "name": "full",
+            "model": {"preset": "gpt-tiny"},
+            "parallelism": {"dp": 2},
+            "training": {"steps": 100, "global_batch": 8, "micro_batch": 2},
+        }
         job_id = client.post("/v1/jobs", json=spec).json()["id"]
         client.post("/v1/jobs", json={**spec, "name": "second"})
         now = time.time()
-        store.add_steps(job_id, [StepRecord(job_id=job_id, step=s, loss=3.0, tokens_per_s=1e4, step_s=0.5,
-                                            compute_s=0.4, comm_wait_s=0.1, ts=now, attempt=1, mfu=0.4)
-                                 for s in (1, 2, 3)])
-        store.update_job(job_id, step=3, loss=3.0, tokens_per_s=1e4, restarts=1, goodput=0.8, last_checkpoint_step=2,
-                         stragglers=[{"rank": 1, "factor": 1.9, "step": 3, "node": "n1"}])
+        store.add_steps(
+            job_id,
+            [
+                StepRecord(
+                    job_id=job_id,
+                    step=s,
+                    loss=3.0,
+                    tokens_per_s=1e4,
+                    step_s=0.5,
+                    compute_s=0.4,
+                    comm_wait_s=0.1,
+                    ts=now,
+                    attempt=1,
+                    mfu=0.4,
+                )
+                for s in (1, 2, 3)
+            ],
+        )
+        store.update_job(
+            job_id,
+            step=3,
+            loss=3.0,
+            tokens_per_s=1e4,
+            restarts=1,
+            goodput=0.8,
+            last_checkpoint_step=2,
+            stragglers=[{"rank": 1, "factor": 1.9, "step": 3, "node": "n1"}],
+        )
         text = client.get("/metrics").text
     families: dict[str, set[str]] = {}
     for name in re.findall(r"^# TYPE (\S+) \w+$", text, re.M):
@@ -133,7 +209,9 @@ def test_active_and_queued_count_the_statuses_they_name():
     assert status_values(panels["Active jobs"][0]["expr"]) == {s.value for s in JobStatus if not s.is_terminal}
     assert status_values(panels["Queued jobs"][0]["expr"]) == {"QUEUED"}
     assert [status_values(t["expr"]) for t in panels["Queue"]][:2] == [
-        {"QUEUED"}, {s.value for s in JobStatus if not s.is_terminal} - {"QUEUED"}]
+        {"QUEUED"},
+        {s.value for s in JobStatus if not s.is_terminal} - {"QUEUED"},
+    ]
 
 
 def test_panels_do_not_overlap_and_fill_the_grid():
@@ -153,27 +231,33 @@ def test_panels_do_not_overlap_and_fill_the_grid():
 
 def test_the_chart_carries_the_same_dashboard():
     assert CHART_COPY.read_bytes() == DASHBOARD.read_bytes(), (
-        f"copy {DASHBOARD.relative_to(ROOT)} to {CHART_COPY.relative_to(ROOT)} (Helm reads only the chart's files)")
+        f"copy {DASHBOARD.relative_to(ROOT)} to {CHART_COPY.relative_to(ROOT)} (Helm reads only the chart's files)"
+    )
 
 
 def test_the_dashboard_configmap_is_rendered_only_when_enabled_and_labelled_for_the_sidecar():
     assert not render().all("ConfigMap")  # default: off
-    rendered = render({"monitoring": {"grafanaDashboard": {"enabled": True,
-                                                           "annotations": {"grafana_folder": "Training"}}}})
+    rendered = render(
+        {"monitoring": {"grafanaDashboard": {"enabled": True, "annotations": {"grafana_folder": "Training"}}}}
+    )
     [config_map] = rendered.all("ConfigMap")
     metadata = config_map["metadata"]
     assert metadata["name"] == "etrain-grafana-dashboard" and metadata["labels"]["grafana_dashboard"] == "1"
     assert metadata["labels"]["app.kubernetes.io/instance"] == "etrain"
     assert metadata["annotations"] == {"grafana_folder": "Training"}
     assert json.loads(config_map["data"]["etrain-dashboard.json"]) == dashboard()
-    relabelled = render({"monitoring": {"grafanaDashboard": {"enabled": True, "label": "team/dashboards",
-                                                             "labelValue": "etrain"}}})
+    relabelled = render(
+        {"monitoring": {"grafanaDashboard": {"enabled": True, "label": "team/dashboards", "labelValue": "etrain"}}}
+    )
     assert relabelled.one("ConfigMap")["metadata"]["labels"]["team/dashboards"] == "etrain"
 
 
 def test_the_dashboard_is_valid_json_for_grafana():
     board = dashboard()
     assert board["uid"] == "etrain-jobs" and board["schemaVersion"] >= 36
-    assert all(target["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
-               for panel in board["panels"] for target in panel["targets"])
+    assert all(
+        target["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
+        for panel in board["panels"]
+        for target in panel["targets"]
+    )
     assert Path(DASHBOARD).read_text().endswith("}\n")

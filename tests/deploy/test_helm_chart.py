@@ -33,29 +33,61 @@ from tests.fakes import InMemoryManager
 #: Secrets the "existing" entries name: created by the operator outside the chart, so the test supplies them.
 EXTERNAL_SECRETS = {
     "etrain-admin": {"token": "Admin-token-from-a-vault-0123456789"},
-    "etrain-s3": {"AWS_ACCESS_KEY_ID": "AKIAEXISTING", "AWS_SECRET_ACCESS_KEY": "existing/secret+key",
-                  "AWS_DEFAULT_REGION": "eu-west-1"},
+    "etrain-s3": {
+        "AWS_ACCESS_KEY_ID": "AKIAEXISTING",
+        "AWS_SECRET_ACCESS_KEY": "existing/secret+key",
+        "AWS_DEFAULT_REGION": "eu-west-1",
+    },
     "etrain-tenants": {"api-tokens": "alice=Alice-token-0123456789\nbob=Bob-token-0123456789\n"},
 }
-S3_INLINE = {"checkpoint": {"path": "s3://etrain-ckpt/team-a", "s3": {
-    "accessKeyId": "AKIAINLINE", "secretAccessKey": "inline/secret+key",
-    "endpointUrl": "http://minio.minio.svc:9000", "region": "us-east-1"}}}
+S3_INLINE = {
+    "checkpoint": {
+        "path": "s3://etrain-ckpt/team-a",
+        "s3": {
+            "accessKeyId": "AKIAINLINE",
+            "secretAccessKey": "inline/secret+key",
+            "endpointUrl": "http://minio.minio.svc:9000",
+            "region": "us-east-1",
+        },
+    }
+}
 
 MATRIX = {
     "cpu-default": {},
-    "gpu": {"image": {"tag": "0.1.0-cuda"},
-            "rayCluster": {"workerGroups": {"gpu": {"enabled": True, "maxReplicas": 3, "gpus": 4}}}},
-    "autoscaling-off": {"rayCluster": {"enableInTreeAutoscaling": False,
-                                       "workerGroups": {"cpu": {"replicas": 3, "maxReplicas": 3}}}},
-    "ingress": {"ingress": {"enabled": True, "host": "etrain.example.com", "className": "nginx",
-                            "annotations": {"cert-manager.io/cluster-issuer": "letsencrypt"}}},
+    "gpu": {
+        "image": {"tag": "0.1.0-cuda"},
+        "rayCluster": {"workerGroups": {"gpu": {"enabled": True, "maxReplicas": 3, "gpus": 4}}},
+    },
+    "autoscaling-off": {
+        "rayCluster": {"enableInTreeAutoscaling": False, "workerGroups": {"cpu": {"replicas": 3, "maxReplicas": 3}}}
+    },
+    "ingress": {
+        "ingress": {
+            "enabled": True,
+            "host": "etrain.example.com",
+            "className": "nginx",
+            "annotations": {"cert-manager.io/cluster-issuer": "letsencrypt"},
+        }
+    },
     "ingress-no-tls": {"ingress": {"enabled": True, "host": "etrain.internal", "tls": {"enabled": False}}},
-    "monitoring": {"monitoring": {"serviceMonitor": {"enabled": True, "scrapeWithToken": True,
-                                                     "labels": {"release": "kube-prometheus-stack"}},
-                                  "podMonitor": {"enabled": True},
-                                  "grafanaDashboard": {"enabled": True, "annotations": {"grafana_folder": "etrain"}}}},
-    "existing-secret": {"auth": {"existingSecret": "etrain-admin", "secretKey": "token",
-                                 "tenantTokens": {"existingSecret": "etrain-tenants"}}},
+    "monitoring": {
+        "monitoring": {
+            "serviceMonitor": {
+                "enabled": True,
+                "scrapeWithToken": True,
+                "labels": {"release": "kube-prometheus-stack"},
+            },
+            "podMonitor": {"enabled": True},
+            "grafanaDashboard": {"enabled": True, "annotations": {"grafana_folder": "etrain"}},
+        }
+    },
+    "existing-secret": {
+        "auth": {
+            "existingSecret": "etrain-admin",
+            "secretKey": "token",
+            "tenantTokens": {"existingSecret": "etrain-tenants"},
+        }
+    },
     "generated-token": {"auth": {"enabled": False}},
     "existing-claim": {"checkpoint": {"existingClaim": "team-nfs", "path": "/mnt/ckpt"}},
     "s3": S3_INLINE,
@@ -67,13 +99,29 @@ MATRIX = {
         "ingress": {"enabled": True, "host": "etrain.example.com"},
         "monitoring": {"serviceMonitor": {"enabled": True}, "podMonitor": {"enabled": True}},
         "checkpoint": {"existingClaim": "team-nfs"},
-        "sharedVolumes": [{"name": "datasets", "mountPath": "/datasets", "readOnly": True,
-                           "volume": {"persistentVolumeClaim": {"claimName": "datasets", "readOnly": True}}}],
-        "rayCluster": {"enableInTreeAutoscaling": False, "autoscalerOptions": {"idleTimeoutSeconds": 120},
-                       "gcsFaultToleranceOptions": {"redisAddress": "redis.etrain.svc:6379"},
-                       "workerGroups": {"gpu": {"enabled": True, "replicas": 2, "gpus": 8},
-                                        "big-cpu": {"enabled": True, "replicas": 1, "minReplicas": 0,
-                                                    "maxReplicas": 2, "resources": {"limits": {"cpu": "32"}}}}},
+        "sharedVolumes": [
+            {
+                "name": "datasets",
+                "mountPath": "/datasets",
+                "readOnly": True,
+                "volume": {"persistentVolumeClaim": {"claimName": "datasets", "readOnly": True}},
+            }
+        ],
+        "rayCluster": {
+            "enableInTreeAutoscaling": False,
+            "autoscalerOptions": {"idleTimeoutSeconds": 120},
+            "gcsFaultToleranceOptions": {"redisAddress": "redis.etrain.svc:6379"},
+            "workerGroups": {
+                "gpu": {"enabled": True, "replicas": 2, "gpus": 8},
+                "big-cpu": {
+                    "enabled": True,
+                    "replicas": 1,
+                    "minReplicas": 0,
+                    "maxReplicas": 2,
+                    "resources": {"limits": {"cpu": "32"}},
+                },
+            },
+        },
     },
 }
 CASES = list(MATRIX)
@@ -146,8 +194,15 @@ def test_raycluster_uses_only_fields_kuberay_documents(case):
     if options:
         # autoscalerOptions' Kubernetes-typed fields, validated as the container KubeRay builds from them
         head = cluster["spec"]["headGroupSpec"]["template"]
-        sidecar = {"name": "autoscaler", "image": "x", **{k: options[k] for k in
-                   ("securityContext", "env", "envFrom", "volumeMounts", "resources") if k in options}}
+        sidecar = {
+            "name": "autoscaler",
+            "image": "x",
+            **{
+                k: options[k]
+                for k in ("securityContext", "env", "envFrom", "volumeMounts", "resources")
+                if k in options
+            },
+        }
         pod = {"metadata": {}, "spec": {"containers": [sidecar], "volumes": head["spec"]["volumes"]}}
         chart.validate(as_pod_template("autoscaler", pod))
         volumes = {volume["name"] for volume in head["spec"]["volumes"]}
@@ -181,8 +236,9 @@ def test_every_pod_mounts_the_same_checkpoint_claim_at_the_root_the_server_uses(
     pods = r.pod_templates()
     expected_roles = {"control-plane"}
     if values["rayCluster"]["enabled"]:
-        expected_roles |= {"ray-head"} | {f"worker/{name}" for name, group in
-                                          values["rayCluster"]["workerGroups"].items() if group["enabled"]}
+        expected_roles |= {"ray-head"} | {
+            f"worker/{name}" for name, group in values["rayCluster"]["workerGroups"].items() if group["enabled"]
+        }
     assert set(pods) == expected_roles
     for role, template in pods.items():
         volumes = {v["name"]: v for v in template["spec"]["volumes"]}
@@ -215,14 +271,19 @@ def test_s3_checkpoints_mount_nothing_and_every_pod_gets_the_credentials(case):
         expected = dict(EXTERNAL_SECRETS[secret])
         assert r.secret_data(secret) is None
     else:
-        expected = {"AWS_ACCESS_KEY_ID": s3["accessKeyId"], "AWS_SECRET_ACCESS_KEY": s3["secretAccessKey"],
-                    "AWS_ENDPOINT_URL": s3["endpointUrl"], "AWS_DEFAULT_REGION": s3["region"]}
+        expected = {
+            "AWS_ACCESS_KEY_ID": s3["accessKeyId"],
+            "AWS_SECRET_ACCESS_KEY": s3["secretAccessKey"],
+            "AWS_ENDPOINT_URL": s3["endpointUrl"],
+            "AWS_DEFAULT_REGION": s3["region"],
+        }
         assert r.secret_data(secret) == {key: expected[key] for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
     pods = r.pod_templates()
     assert set(pods) == {"control-plane", "ray-head", "worker/cpu"}
     for role, template in pods.items():
-        assert not any("persistentVolumeClaim" in v for v in template["spec"]["volumes"]
-                       if v["name"] != "data"), f"{role} mounts a claim besides /data"
+        assert not any("persistentVolumeClaim" in v for v in template["spec"]["volumes"] if v["name"] != "data"), (
+            f"{role} mounts a claim besides /data"
+        )
         env = resolve_env(template["spec"]["containers"][0], r, EXTERNAL_SECRETS)
         assert {key: value for key, value in env.items() if key.startswith("AWS_")} == expected, role
     settings = server_settings(case)
@@ -254,8 +315,11 @@ def test_shared_volumes_are_mounted_at_the_same_path_in_every_pod():
     pods = rendered("everything").pod_templates()
     assert set(pods) == {"control-plane", "ray-head", "worker/cpu", "worker/gpu", "worker/big-cpu"}
     for role, template in pods.items():
-        mounts = [(m["mountPath"], m.get("readOnly")) for m in template["spec"]["containers"][0]["volumeMounts"]
-                  if m["name"] == "datasets"]
+        mounts = [
+            (m["mountPath"], m.get("readOnly"))
+            for m in template["spec"]["containers"][0]["volumeMounts"]
+            if m["name"] == "datasets"
+        ]
         assert mounts == [("/datasets", True)], role
         volume = next(v for v in template["spec"]["volumes"] if v["name"] == "datasets")
         assert volume["persistentVolumeClaim"] == {"claimName": "datasets", "readOnly": True}
@@ -284,8 +348,10 @@ def test_the_token_secret_is_what_the_server_accepts(case, tmp_path):
     assert client.get("/v1/jobs").status_code == 401
     assert client.get("/v1/jobs", headers={"Authorization": f"Bearer {token}"}).status_code == 200
     # NOTES.txt says where the token is, with a command that reads exactly this Secret and key
-    assert (f"kubectl -n {r.namespace} get secret {secret} -o jsonpath='{{.data.{values['auth']['secretKey']}}}'"
-            " | base64 -d" in r.notes)
+    assert (
+        f"kubectl -n {r.namespace} get secret {secret} -o jsonpath='{{.data.{values['auth']['secretKey']}}}'"
+        " | base64 -d" in r.notes
+    )
 
 
 def test_tenant_tokens_are_mounted_read_only_where_the_server_reads_them(tmp_path):
@@ -350,8 +416,10 @@ def test_gpu_groups_request_the_gpus_the_values_ask(gpus):
 
 def test_the_gpu_matrix_entries_give_each_group_its_count():
     groups = {g["groupName"]: g for g in rendered("everything").one("RayCluster")["spec"]["workerGroupSpecs"]}
-    gpus = {name: g["template"]["spec"]["containers"][0]["resources"].get("limits", {}).get("nvidia.com/gpu")
-            for name, g in groups.items()}
+    gpus = {
+        name: g["template"]["spec"]["containers"][0]["resources"].get("limits", {}).get("nvidia.com/gpu")
+        for name, g in groups.items()
+    }
     assert gpus == {"big-cpu": None, "cpu": None, "gpu": 8}
     assert [g["replicas"] for g in rendered("everything").one("RayCluster")["spec"]["workerGroupSpecs"]] == [1, 1, 2]
 
@@ -441,8 +509,10 @@ def test_network_policies_let_only_the_api_and_ray_pods_reach_ray(case):
         assert labels_match(selector, template["metadata"]["labels"]) is (role != "control-plane"), role
     assert ray["policyTypes"] == ["Ingress"]
     from_ray, from_api, *rest = ray["ingress"]
-    assert "ports" not in from_ray and [labels_match(peer["podSelector"]["matchLabels"], pods["ray-head"]["metadata"]["labels"])
-                                        for peer in from_ray["from"]] == [True]
+    assert "ports" not in from_ray and [
+        labels_match(peer["podSelector"]["matchLabels"], pods["ray-head"]["metadata"]["labels"])
+        for peer in from_ray["from"]
+    ] == [True]
     assert [labels_match(peer["podSelector"]["matchLabels"], cp_labels) for peer in from_api["from"]] == [True]
     assert sorted(port["port"] for port in from_api["ports"]) == [6379, 8265, 10001]
     if values["monitoring"]["podMonitor"]["enabled"]:
@@ -492,8 +562,10 @@ def test_monitors_select_the_api_service_and_every_ray_pod(case):
         assert endpoint["port"] == "http" and endpoint["path"] == "/metrics"
         assert labels_match(values["serviceMonitor"]["labels"], monitor["metadata"]["labels"])
         if values["serviceMonitor"]["scrapeWithToken"]:
-            assert endpoint["authorization"] == {"type": "Bearer",
-                                                 "credentials": {"name": r.release, "key": "api-token"}}
+            assert endpoint["authorization"] == {
+                "type": "Bearer",
+                "credentials": {"name": r.release, "key": "api-token"},
+            }
             assert r.secret_data(r.release)["api-token"]
         else:
             assert "authorization" not in endpoint
@@ -536,18 +608,33 @@ def test_notes_say_how_to_reach_the_api_and_the_dashboard():
         ({"checkpoint": {"path": "s3://Bad_Bucket/x"}}, helm.HelmValuesError, "/checkpoint/path"),
         ({"rayCluster": {"workerGroups": {"gpu": {"gpus": -1}}}}, helm.HelmValuesError, "gpus"),
         ({"checkpoint": {"path": "s3://bucket/x"}}, helm.HelmRenderError, "checkpoint.s3.existingSecret"),
-        ({"checkpoint": {"path": "s3://bucket/x", "existingClaim": "nfs",
-                         "s3": {"existingSecret": "s"}}}, helm.HelmRenderError, "checkpoint.existingClaim is set"),
-        ({"rayCluster": {"workerGroups": {"cpu": {"minReplicas": 3, "maxReplicas": 2}}}},
-         helm.HelmRenderError, "minReplicas 3 is above maxReplicas 2"),
-        ({"rayCluster": {"enableInTreeAutoscaling": False, "workerGroups": {"cpu": {"replicas": 9}}}},
-         helm.HelmRenderError, "replicas 9 must lie between minReplicas 1 and maxReplicas 4"),
+        (
+            {"checkpoint": {"path": "s3://bucket/x", "existingClaim": "nfs", "s3": {"existingSecret": "s"}}},
+            helm.HelmRenderError,
+            "checkpoint.existingClaim is set",
+        ),
+        (
+            {"rayCluster": {"workerGroups": {"cpu": {"minReplicas": 3, "maxReplicas": 2}}}},
+            helm.HelmRenderError,
+            "minReplicas 3 is above maxReplicas 2",
+        ),
+        (
+            {"rayCluster": {"enableInTreeAutoscaling": False, "workerGroups": {"cpu": {"replicas": 9}}}},
+            helm.HelmRenderError,
+            "replicas 9 must lie between minReplicas 1 and maxReplicas 4",
+        ),
         ({"ingress": {"enabled": True}}, helm.HelmRenderError, "ingress.host is empty"),
-        ({"sharedVolumes": [{"name": "d", "mountPath": "/checkpoints", "volume": {"emptyDir": {}}}]},
-         helm.HelmRenderError, "mountPath /checkpoints is already used"),
+        (
+            {"sharedVolumes": [{"name": "d", "mountPath": "/checkpoints", "volume": {"emptyDir": {}}}]},
+            helm.HelmRenderError,
+            "mountPath /checkpoints is already used",
+        ),
         ({"rayCluster": {"enabled": False}}, helm.HelmRenderError, "controlPlane.rayAddress is required"),
-        ({"auth": {"enabled": False}, "monitoring": {"serviceMonitor": {"enabled": True, "scrapeWithToken": True}}},
-         helm.HelmRenderError, "scrapeWithToken needs the token Secret"),
+        (
+            {"auth": {"enabled": False}, "monitoring": {"serviceMonitor": {"enabled": True, "scrapeWithToken": True}}},
+            helm.HelmRenderError,
+            "scrapeWithToken needs the token Secret",
+        ),
     ],
 )
 def test_bad_values_are_refused_with_the_field_named(values, error, message):
@@ -558,9 +645,24 @@ def test_bad_values_are_refused_with_the_field_named(values, error, message):
 # ---------------------------------------------------------------- values.yaml itself
 
 #: Maps handed to Kubernetes verbatim: documented as a whole, their inner keys are not chart values.
-PASSTHROUGH = {"resources", "podSecurityContext", "securityContext", "startupProbe", "readinessProbe",
-               "livenessProbe", "rayStartParams", "nodeSelector", "affinity", "annotations", "labels",
-               "podAnnotations", "podLabels", "commonLabels", "autoscalerOptions", "gcsFaultToleranceOptions"}
+PASSTHROUGH = {
+    "resources",
+    "podSecurityContext",
+    "securityContext",
+    "startupProbe",
+    "readinessProbe",
+    "livenessProbe",
+    "rayStartParams",
+    "nodeSelector",
+    "affinity",
+    "annotations",
+    "labels",
+    "podAnnotations",
+    "podLabels",
+    "commonLabels",
+    "autoscalerOptions",
+    "gcsFaultToleranceOptions",
+}
 
 
 def test_every_value_is_preceded_by_a_doc_comment():

@@ -45,9 +45,21 @@ def hadolint() -> str:
 
 def run_hadolint(*args: str, stdin: str | None = None) -> list[dict]:
     result = subprocess.run(
-        [hadolint(), "--config", str(HADOLINT_CONFIG), "--disable-ignore-pragma", "--format", "json",
-         "--no-fail", *args],
-        input=stdin, capture_output=True, text=True, timeout=60, cwd=REPO,
+        [
+            hadolint(),
+            "--config",
+            str(HADOLINT_CONFIG),
+            "--disable-ignore-pragma",
+            "--format",
+            "json",
+            "--no-fail",
+            *args,
+        ],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
     )
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
@@ -100,16 +112,18 @@ def dockerfile(request) -> Path:
 
 def test_hadolint_reports_nothing_at_warning_level_or_above(dockerfile):
     findings = run_hadolint(str(dockerfile.relative_to(REPO)))
-    serious = [f"{f['line']}: {f['code']} {f['level']}: {f['message']}" for f in findings
-               if f["level"] in ("error", "warning")]
+    serious = [
+        f"{f['line']}: {f['code']} {f['level']}: {f['message']}" for f in findings if f["level"] in ("error", "warning")
+    ]
     assert serious == [], f"{dockerfile.name}:\n" + "\n".join(serious)
 
 
 def test_hadolint_with_this_config_still_catches_the_rules_that_matter():
     """The config ignores nothing that guards the images: root, untagged and `latest` bases are findings."""
     bad = "FROM ubuntu\nFROM rayproject/ray:latest\nRUN echo hi\nUSER root\n"
-    codes = sorted({finding["code"] for finding in run_hadolint("-", stdin=bad)
-                    if finding["level"] in ("error", "warning")})
+    codes = sorted(
+        {finding["code"] for finding in run_hadolint("-", stdin=bad) if finding["level"] in ("error", "warning")}
+    )
     assert codes == ["DL3002", "DL3006", "DL3007"], codes
 
 
@@ -169,9 +183,23 @@ def test_the_dependency_layer_builds_from_pyproject_alone(dockerfile, tmp_path):
         shutil.copy(REPO / name, tmp_path / name)
     command = shlex.split(stand_ins[0])
     subprocess.run([sys.executable, *command[1:]], cwd=tmp_path, check=True, timeout=60)
-    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-                            "--wheel-dir", str(tmp_path / "wheels"), str(tmp_path)],
-                           capture_output=True, text=True, timeout=300)
+    built = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--wheel-dir",
+            str(tmp_path / "wheels"),
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert built.returncode == 0, built.stderr[-2000:]
     assert [wheel.name.split("-")[0] for wheel in (tmp_path / "wheels").iterdir()] == ["etrain"]
 
@@ -182,8 +210,9 @@ def test_the_last_user_is_not_root(dockerfile):
     uid, _, gid = users[-1].partition(":")
     assert (uid, gid) == ("1000", "100"), users[-1]  # the Ray images' `ray` user and `users` group
     # Root is taken only for a step and given back: every USER 0 is followed by a non-root USER.
-    assert users.index(users[-1]) > max((i for i, user in enumerate(users) if user.split(":")[0] in ("0", "root")),
-                                        default=-1)
+    assert users.index(users[-1]) > max(
+        (i for i, user in enumerate(users) if user.split(":")[0] in ("0", "root")), default=-1
+    )
 
 
 def test_command_is_etrain_serve_with_real_cli_options(dockerfile):
@@ -202,7 +231,9 @@ def test_command_is_etrain_serve_with_real_cli_options(dockerfile):
 
 
 def test_no_secret_is_baked_in(dockerfile):
-    names = [re.split(r"[=\s]", rest, maxsplit=1)[0] for rest in args_of(dockerfile, "ENV") + args_of(dockerfile, "ARG")]
+    names = [
+        re.split(r"[=\s]", rest, maxsplit=1)[0] for rest in args_of(dockerfile, "ENV") + args_of(dockerfile, "ARG")
+    ]
     names += re.findall(r"\\\s+(\w+)=", dockerfile.read_text(encoding="utf-8"))  # continued ENV lines
     secret = [name for name in names if re.search(r"TOKEN|SECRET|PASSWORD|CREDENTIAL|_KEY", name, re.I)]
     assert secret == [], secret

@@ -30,8 +30,13 @@ from tests.deploy import chart
 README = chart.ROOT / "deploy" / "README.md"
 GUIDE_HEADING = "## Kubernetes (`helm/etrain`)\n"
 #: every page that may show commands: the top README, docs/, deploy/ and benchmarks/
-PAGES = [chart.ROOT / "README.md", *sorted((chart.ROOT / "docs").glob("*.md")), README,
-         chart.ROOT / "benchmarks" / "README.md", chart.ROOT / "CONTRIBUTING.md"]
+PAGES = [
+    chart.ROOT / "README.md",
+    *sorted((chart.ROOT / "docs").glob("*.md")),
+    README,
+    chart.ROOT / "benchmarks" / "README.md",
+    chart.ROOT / "CONTRIBUTING.md",
+]
 CHART_REF = "helm/etrain"
 #: The KubeRay operator install as KubeRay documents it (Helm method), verbatim:
 #: https://docs.ray.io/en/master/cluster/kubernetes/getting-started/kuberay-operator-installation.html
@@ -99,8 +104,16 @@ def parse_helm(words: list[str]) -> tuple[list[str], dict[str, Any], dict[str, A
             positionals.append(word)
             continue
         name, _, inline = word.partition("=")
-        if name in ("--reuse-values", "--reset-then-reuse-values", "--reset-values", "--create-namespace",
-                    "--strict", "--wait", "--atomic", "--install"):
+        if name in (
+            "--reuse-values",
+            "--reset-then-reuse-values",
+            "--reset-values",
+            "--create-namespace",
+            "--strict",
+            "--wait",
+            "--atomic",
+            "--install",
+        ):
             flags[name] = True
             continue
         value = inline or words.pop(0)
@@ -147,11 +160,13 @@ def run_helm(walk: Walk, line: str, words: list[str]) -> None:
     upgrade = verb == "upgrade"
     if verb == "install":
         assert flags.get("--create-namespace") or namespace in walk.namespaces, (
-            f"{line}: namespace {namespace} was never created (add --create-namespace)")
+            f"{line}: namespace {namespace} was never created (add --create-namespace)"
+        )
         walk.namespaces.add(namespace)
     if upgrade:
         assert name in walk.releases and walk.releases[name].namespace == namespace, (
-            f"{line}: upgrades a release the guide has not installed in {namespace}")
+            f"{line}: upgrades a release the guide has not installed in {namespace}"
+        )
         if flags.get("--reuse-values") or flags.get("--reset-then-reuse-values") or not values:
             values = chart.deep_merge(walk.releases[name].values, values)
     rendered = chart.render(values, release=name, namespace=namespace, upgrade=upgrade)
@@ -198,8 +213,11 @@ def run_kubectl(walk: Walk, line: str, words: list[str]) -> None:
         key = re.fullmatch(r"\{\.data\.([\w.-]+)\}", args[args.index("-o") + 1].removeprefix("jsonpath=")).group(1)
         data = rendered.secret_data(name)
         assert data is not None and data.get(key), f"{line}: the release has no Secret {name} with key {key}"
-        token_ref = next(var for var in rendered.pod_templates()["control-plane"]["spec"]["containers"][0]["env"]
-                         if var["name"] == "ETRAIN_API_TOKEN")
+        token_ref = next(
+            var
+            for var in rendered.pod_templates()["control-plane"]["spec"]["containers"][0]["env"]
+            if var["name"] == "ETRAIN_API_TOKEN"
+        )
         assert token_ref["valueFrom"]["secretKeyRef"] == {"name": name, "key": key}, line
         return
     raise AssertionError(f"the guide uses a kubectl command this test does not model: {line}")
@@ -226,8 +244,12 @@ def test_every_helm_and_kubectl_command_shown_anywhere_is_walked():
     """A helm or kubectl line on any page (the top README, docs/, deploy/, benchmarks/) is one the walk
     below runs, so no command a reader may copy escapes the test."""
     walked = set(guide_commands())
-    shown = {(page.relative_to(chart.ROOT).as_posix(), line) for page in PAGES
-             for line in shell_commands(page.read_text()) if line.split()[0] in ("helm", "kubectl")}
+    shown = {
+        (page.relative_to(chart.ROOT).as_posix(), line)
+        for page in PAGES
+        for line in shell_commands(page.read_text())
+        if line.split()[0] in ("helm", "kubectl")
+    }
     tools = {line for line in walked if line.split()[0] in ("helm", "kubectl")}
     assert {line for page, line in shown if page == "deploy/README.md"} == tools  # the scan sees the guide
     assert sorted(item for item in shown if item[1] not in walked) == []
@@ -236,9 +258,12 @@ def test_every_helm_and_kubectl_command_shown_anywhere_is_walked():
 def test_the_kuberay_lines_are_exactly_the_documented_commands():
     commands = guide_commands()
     start = commands.index(KUBERAY_COMMANDS[0])
-    assert commands[start:start + len(KUBERAY_COMMANDS)] == KUBERAY_COMMANDS
-    others = [c for c in commands if c.startswith("helm ") and CHART_REF not in c
-              and not c.startswith("helm uninstall etrain")]
+    assert commands[start : start + len(KUBERAY_COMMANDS)] == KUBERAY_COMMANDS
+    others = [
+        c
+        for c in commands
+        if c.startswith("helm ") and CHART_REF not in c and not c.startswith("helm uninstall etrain")
+    ]
     assert [c for c in others if c not in KUBERAY_COMMANDS] == []
 
 
@@ -278,7 +303,9 @@ def test_every_command_of_the_guide_runs_against_the_chart():
     assert walk.releases == {}, "the guide ends with the release uninstalled"
 
 
-@pytest.mark.parametrize("line", [line for line in guide_commands() if line.startswith(f"helm install etrain {CHART_REF}")])
+@pytest.mark.parametrize(
+    "line", [line for line in guide_commands() if line.startswith(f"helm install etrain {CHART_REF}")]
+)
 def test_every_install_line_mounts_one_checkpoint_store_everywhere(line):
     _, _, values = parse_helm(shell_words(line)[3:])
     rendered = chart.render(values, namespace="etrain")

@@ -17,8 +17,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from etrain.service.runtime.capacity_watch import CapacityWatch
 from etrain.service.runtime import worker_group
+from etrain.service.runtime.capacity_watch import CapacityWatch
 from etrain.service.runtime.worker_group import WorkerGroup
 from tests.chaos.conftest import assert_repaired_in_place, fired, losses, run_clean, spec
 from tests.e2e.conftest import owned_ray
@@ -70,8 +70,15 @@ def test_the_groups_bundles_are_held_from_their_reservation_while_its_ranks_are_
     """Right after the placement group is requested (Ray may already have taken the machine off the free
     resources, a few ms before its table names the nodes) the capacity is not guessed: the check waits for
     the next turn. Once reserved, while the ranks are made, the bundles are the job's own: capacity 2."""
-    group = WorkerGroup(job_id="held-window", plan=SimpleNamespace(attempt=1), world_size=2,
-                        resources_per_rank=PER_RANK, strategy="PACK", excluded_nodes=frozenset(), supervisor=None)
+    group = WorkerGroup(
+        job_id="held-window",
+        plan=SimpleNamespace(attempt=1),
+        world_size=2,
+        resources_per_rank=PER_RANK,
+        strategy="PACK",
+        excluded_nodes=frozenset(),
+        supervisor=None,
+    )
     watch = CapacityWatch(per_rank=PER_RANK, tp=1, pp=1, interval_s=30.0, held=group.bundles_per_node)
     seen: list[tuple[str, int | None, dict[str, int] | None]] = []
 

@@ -42,8 +42,9 @@ def long_spec(name: str) -> dict:
 def test_a_new_control_plane_reattaches_to_the_running_job(local_ray, tmp_path):
     with control_plane(tmp_path) as first:
         job = first.submit(long_spec("reattach"))
-        first.wait_until(job["id"], lambda j: j["status"] == "RUNNING" and j["step"] >= 20, timeout_s=180,
-                         what="step 20")
+        first.wait_until(
+            job["id"], lambda j: j["status"] == "RUNNING" and j["step"] >= 20, timeout_s=180, what="step 20"
+        )
         seen_before = first.job(job["id"])["step"]
     # The first server is gone; the job kept training under its detached supervisor.
     with control_plane(tmp_path) as second:
@@ -64,8 +65,9 @@ def test_a_killed_supervisor_is_recreated_from_the_last_checkpoint(local_ray, tm
 
     with control_plane(tmp_path) as plane:
         job = plane.submit(long_spec("lost-supervisor"))
-        plane.wait_until(job["id"], lambda j: (j["last_checkpoint_step"] or 0) >= 40, timeout_s=180,
-                         what="a checkpoint at step 40")
+        plane.wait_until(
+            job["id"], lambda j: (j["last_checkpoint_step"] or 0) >= 40, timeout_s=180, what="a checkpoint at step 40"
+        )
         ray.kill(find_supervisor(job["id"]), no_restart=True)  # its rank actors die with their owner
         final = plane.wait_terminal(job["id"], timeout_s=300)
         assert final["status"] == "SUCCEEDED", final
@@ -99,9 +101,22 @@ class Server:
         self.port = free_port()
         self.log = data_dir.parent / f"serve-{self.port}.log"
         env = {**os.environ, "ETRAIN_API_TOKEN": token, "ETRAIN_POLL_INTERVAL_S": "0.2"}
-        command = [sys.executable, "-m", "etrain.api.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-                   "--data-dir", str(data_dir), "--ray-address", ray.get_runtime_context().gcs_address,
-                   "--log-level", "warning"]
+        command = [
+            sys.executable,
+            "-m",
+            "etrain.api.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--data-dir",
+            str(data_dir),
+            "--ray-address",
+            ray.get_runtime_context().gcs_address,
+            "--log-level",
+            "warning",
+        ]
         with open(self.log, "wb") as log:
             self.process = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
         self.client = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=30.0, headers=bearer(token))
@@ -153,12 +168,14 @@ def test_a_sigkilled_control_plane_loses_no_queued_or_running_job(local_ray, tmp
             assert len(set(seen)) == len(seen), f"duplicate events: {kinds}"
             assert [e["seq"] for e in events] == list(range(1, len(events) + 1))
             expected_head = ["submitted", "admitted"] if job_id == running else ["submitted", "queued", "admitted"]
-            assert kinds[:len(expected_head)] == expected_head, kinds
+            assert kinds[: len(expected_head)] == expected_head, kinds
             for kind in ("submitted", "admitted", "launching", "started", "succeeded"):
                 assert kinds.count(kind) == 1, (kind, kinds)
             assert kinds[-1] == "succeeded" and "supervisor_lost" not in kinds, kinds
-            spans[job_id] = (next(e["ts"] for e in events if e["kind"] == "started"),
-                             next(e["ts"] for e in events if e["kind"] == "succeeded"))
+            spans[job_id] = (
+                next(e["ts"] for e in events if e["kind"] == "started"),
+                next(e["ts"] for e in events if e["kind"] == "succeeded"),
+            )
             steps = [row["step"] for row in plane.steps(job_id)]
             assert steps == list(range(1, finals[job_id]["step"] + 1)), job_id
         order = sorted(spans, key=lambda job_id: spans[job_id][0])

@@ -36,8 +36,7 @@ RANK = {"CPU": 1.0, "GPU": 1.0}
 @pytest.fixture(scope="module")
 def gpu_node():
     """A local Ray node that declares 2 GPUs (and has none: placement only counts them)."""
-    ray.init(address="local", num_cpus=4, num_gpus=2, include_dashboard=False, namespace="etrain",
-             log_to_driver=False)
+    ray.init(address="local", num_cpus=4, num_gpus=2, include_dashboard=False, namespace="etrain", log_to_driver=False)
     try:
         yield
     finally:
@@ -103,8 +102,15 @@ def _devices(group: WorkerGroup, *, warm: set[int]) -> list[list[str]]:
 
 
 def _group(reports) -> WorkerGroup:
-    return WorkerGroup(job_id="gpu-bundles", plan=_plan(1), world_size=2, resources_per_rank=dict(RANK),
-                       strategy="PACK", excluded_nodes=frozenset(), supervisor=reports)
+    return WorkerGroup(
+        job_id="gpu-bundles",
+        plan=_plan(1),
+        world_size=2,
+        resources_per_rank=dict(RANK),
+        strategy="PACK",
+        excluded_nodes=frozenset(),
+        supervisor=reports,
+    )
 
 
 def _ready_spares(count: int, timeout_s: float = 120) -> None:

@@ -15,8 +15,14 @@ ray = pytest.importorskip("ray")
 
 @pytest.fixture(scope="module")
 def ray_with_a_gpu_node():
-    ray.init(num_cpus=1, num_gpus=1, resources={"accelerator_type:H100": 1}, include_dashboard=False,
-             namespace="etrain", log_to_driver=False)
+    ray.init(
+        num_cpus=1,
+        num_gpus=1,
+        resources={"accelerator_type:H100": 1},
+        include_dashboard=False,
+        namespace="etrain",
+        log_to_driver=False,
+    )
     try:
         yield
     finally:

@@ -11,7 +11,16 @@ from __future__ import annotations
 
 import pytest
 
-from tests.chaos.conftest import assert_repaired_in_place, clean_run, losses, rank_pids, recover, restored, resumed_from, spec
+from tests.chaos.conftest import (
+    assert_repaired_in_place,
+    clean_run,
+    losses,
+    rank_pids,
+    recover,
+    restored,
+    resumed_from,
+    spec,
+)
 from tests.service_harness import event_kinds
 
 pytestmark = pytest.mark.slow

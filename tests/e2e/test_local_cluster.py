@@ -58,8 +58,8 @@ def reference_losses(body: dict) -> list[float]:
     import torch
 
     from etrain.service.planning.spec import JobSpec
-    from etrain.workers.protocol.run_config import ParallelConfig
     from etrain.workers.engine.train import Trainer
+    from etrain.workers.protocol.run_config import ParallelConfig
 
     config = JobSpec.model_validate(body).to_run_config(job_id="reference", checkpoint_root="/unused")
     config = dataclasses.replace(config, parallel=ParallelConfig())
@@ -91,19 +91,32 @@ def free_port_block(width: int) -> int:
 
 
 def cluster_env(state: Path) -> tuple[dict[str, str], int]:
-    env = {name: value for name, value in os.environ.items()
-           if not name.startswith(("ETRAIN_", "RAY_")) or name == "ETRAIN_TORCH_THREADS"}
+    env = {
+        name: value
+        for name, value in os.environ.items()
+        if not name.startswith(("ETRAIN_", "RAY_")) or name == "ETRAIN_TORCH_THREADS"
+    }
     api_port = free_port_block(1)
     env.update(
         PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}",
-        RAY=str(BIN / "ray"), ETRAIN=str(BIN / "etrain"), PYTHON=sys.executable,
-        STATE_DIR=str(state), HEAD_IP="127.0.0.1",
-        HEAD_PORT=str(free_port_block(1)), CLIENT_PORT=str(free_port_block(1)),
-        DASHBOARD_PORT=str(free_port_block(1)), INCLUDE_DASHBOARD="0",
-        METRICS_PORT=str(free_port_block(3)), AGENT_PORT=str(free_port_block(3)),
-        HEAD_CPUS="0", CPUS_PER_WORKER="1", GPUS_PER_WORKER="0",
-        API_HOST="127.0.0.1", API_PORT=str(api_port),
-        START_TIMEOUT_S="150", SERVE_TIMEOUT_S="120",
+        RAY=str(BIN / "ray"),
+        ETRAIN=str(BIN / "etrain"),
+        PYTHON=sys.executable,
+        STATE_DIR=str(state),
+        HEAD_IP="127.0.0.1",
+        HEAD_PORT=str(free_port_block(1)),
+        CLIENT_PORT=str(free_port_block(1)),
+        DASHBOARD_PORT=str(free_port_block(1)),
+        INCLUDE_DASHBOARD="0",
+        METRICS_PORT=str(free_port_block(3)),
+        AGENT_PORT=str(free_port_block(3)),
+        HEAD_CPUS="0",
+        CPUS_PER_WORKER="1",
+        GPUS_PER_WORKER="0",
+        API_HOST="127.0.0.1",
+        API_PORT=str(api_port),
+        START_TIMEOUT_S="150",
+        SERVE_TIMEOUT_S="120",
         ETRAIN_TORCH_THREADS=os.environ.get("ETRAIN_TORCH_THREADS", "1"),
         # No pre-started spare rank processes: on 2 cores they would still be importing torch when the
         # job launches, competing with its ranks (up.sh passes this on to `etrain serve`).
@@ -153,8 +166,9 @@ def test_up_sh_runs_a_dp2_job_across_two_ray_nodes_sharing_only_the_checkpoint_d
     env, api_port = cluster_env(state)
     shared = state / "checkpoints"  # up.sh's CHECKPOINT_DIR default: ETRAIN_CHECKPOINT_ROOT and a storage root
     body = job_spec(shared / "local-dp2")
-    up = subprocess.Popen([str(SCRIPTS / "up.sh"), "2"], env=env, cwd=state, text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    up = subprocess.Popen(
+        [str(SCRIPTS / "up.sh"), "2"], env=env, cwd=state, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
     try:
         expected = reference_losses(body)  # while the nodes start
         try:

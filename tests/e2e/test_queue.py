@@ -60,17 +60,25 @@ def test_whole_machine_jobs_start_one_at_a_time_by_priority(two_cpus, tmp_path):
         assert too_big.status_code == 422, too_big.text
         [problem] = too_big.json()["detail"]
         assert problem["field"] == "parallelism.dp"
-        assert problem["message"] == ("the minimum layout needs 4 ranks (dp=4 x tp=1 x pp=1) of 1 CPU = 4 CPUs, but "
-                                      "the cluster has 2 CPUs on 1 node(s), room for at most 2 replica(s) of 1 "
-                                      "rank(s) (tp groups node-local).")
+        assert problem["message"] == (
+            "the minimum layout needs 4 ranks (dp=4 x tp=1 x pp=1) of 1 CPU = 4 CPUs, but "
+            "the cluster has 2 CPUs on 1 node(s), room for at most 2 replica(s) of 1 "
+            "rank(s) (tp groups node-local)."
+        )
 
         ids = {p: plane.submit(whole_machine(f"p{p}", priority=p))["id"] for p in (0, 5, 1)}
         assert {plane.job(job_id)["status"] for job_id in ids.values()} == {"QUEUED"}
         cluster = plane.client.get("/v1/cluster").json()
-        assert (cluster["totals"]["cpus"], cluster["totals"]["free_cpus"], cluster["totals"]["queued_jobs"]) == (2, 0, 3)
+        assert (cluster["totals"]["cpus"], cluster["totals"]["free_cpus"], cluster["totals"]["queued_jobs"]) == (
+            2,
+            0,
+            3,
+        )
         assert [(q["job_id"], q["position"]) for q in cluster["queue"]] == [(ids[5], 1), (ids[1], 2), (ids[0], 3)]
-        assert cluster["queue"][0]["reason"] == ("waiting for 2 CPUs (2 rank(s) of 1 CPU: dp=2 tp=1 pp=1); free now: "
-                                                 "0 CPUs on 1 node(s); position 1 in the queue")
+        assert cluster["queue"][0]["reason"] == (
+            "waiting for 2 CPUs (2 rank(s) of 1 CPU: dp=2 tp=1 pp=1); free now: "
+            "0 CPUs on 1 node(s); position 1 in the queue"
+        )
 
         ray.kill(holder)
         plane.wait_until(ids[5], lambda job: job["status"] in ("RUNNING", "SUCCEEDED"), timeout_s=60, what="p5 starts")

@@ -20,8 +20,15 @@ def dp2_spec(**training) -> dict:
         "data": {"kind": "text", "path": str(REPO / "workers")},
         "parallelism": {"dp": 2},
         "resources": {"cpus_per_worker": 1},
-        "training": {"steps": 30, "global_batch": 8, "micro_batch": 2, "lr": 0.003, "warmup_steps": 3,
-                     "seed": 7, **training},
+        "training": {
+            "steps": 30,
+            "global_batch": 8,
+            "micro_batch": 2,
+            "lr": 0.003,
+            "warmup_steps": 3,
+            "seed": 7,
+            **training,
+        },
         "checkpoint": {"every_steps": 10, "keep_last": 3},
     }
 
@@ -103,8 +110,11 @@ def test_cancel_stops_workers_and_releases_the_placement_group(plane):
 
     def leftovers():
         alive = [a for a in ray.util.list_named_actors(all_namespaces=True) if job["id"] in a["name"]]
-        pgs = [pg for pg in placement_group_table().values()
-               if job["id"] in (pg.get("name") or "") and pg.get("state") != "REMOVED"]
+        pgs = [
+            pg
+            for pg in placement_group_table().values()
+            if job["id"] in (pg.get("name") or "") and pg.get("state") != "REMOVED"
+        ]
         return alive, pgs
 
     import time
@@ -120,7 +130,10 @@ def test_scale_request_resizes_and_keeps_the_loss_curve(plane):
     body = dp2_spec(steps=120)  # long enough that the resize lands mid-run
     body["resources"] = {"cpus_per_worker": 1, "min_dp": 1, "max_dp": 2}
     body["checkpoint"] = {"every_steps": 5, "keep_last": 3}
-    clean = {row["step"]: row["loss"] for row in plane.steps(plane.wait_terminal(plane.submit(body)["id"], timeout_s=300)["id"])}
+    clean = {
+        row["step"]: row["loss"]
+        for row in plane.steps(plane.wait_terminal(plane.submit(body)["id"], timeout_s=300)["id"])
+    }
 
     job = plane.submit(body)
     plane.wait_until(job["id"], lambda j: j["status"] == "RUNNING" and j["step"] >= 5, timeout_s=180, what="step 5")
@@ -128,8 +141,9 @@ def test_scale_request_resizes_and_keeps_the_loss_curve(plane):
     assert bad.status_code == 422 and bad.json()["detail"][0]["field"] == "dp", bad.text
     response = plane.client.post(f"/v1/jobs/{job['id']}/scale", json={"dp": 1})
     assert response.status_code == 202, response.text
-    resized = plane.wait_until(job["id"], lambda j: j["world_size"] == 1 and j["status"] == "RUNNING",
-                               timeout_s=180, what="the resize to dp=1")
+    resized = plane.wait_until(
+        job["id"], lambda j: j["world_size"] == 1 and j["status"] == "RUNNING", timeout_s=180, what="the resize to dp=1"
+    )
     assert resized["layout"].startswith("pp1·dp1")
     final = plane.wait_terminal(job["id"], timeout_s=300)
     assert final["status"] == "SUCCEEDED" and final["restarts"] == 0, final

@@ -26,16 +26,32 @@ transformers = pytest.importorskip("transformers")
 LOSS_RTOL = 1e-4  # etrain (DP2×TP2, gloo) vs transformers in one process, per step
 SAME_CHECKPOINT_RTOL = 1e-5  # two exports of one checkpoint
 STEPS, CHECKPOINT_EVERY = 6, 3
-TRAINING = {"steps": STEPS, "global_batch": 8, "micro_batch": 2, "lr": 3e-3, "warmup_steps": 2,
-            "grad_clip": 0.5, "weight_decay": 0.1, "seed": 5}
+TRAINING = {
+    "steps": STEPS,
+    "global_batch": 8,
+    "micro_batch": 2,
+    "lr": 3e-3,
+    "warmup_steps": 2,
+    "grad_clip": 0.5,
+    "weight_decay": 0.1,
+    "seed": 5,
+}
 
 
 def make_hf_model(folder) -> None:
     """A random tiny Llama, perturbed so that no weight keeps its structured initial value."""
     config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=10000.0,
-        tie_word_embeddings=False, dtype="float32",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        dtype="float32",
     )
     torch.manual_seed(1234)
     model = transformers.LlamaForCausalLM(config).float()
@@ -118,8 +134,9 @@ def test_fine_tune_a_transformers_llama_through_rest_and_load_the_result(plane, 
     final = plane.wait_terminal(job["id"], timeout_s=240)
     assert final["status"] == "SUCCEEDED", final
     kinds = [event["kind"] for event in plane.events(job["id"])]
-    assert kinds.index("training_finished") < kinds.index("exporting") < kinds.index("exported") < kinds.index(
-        "succeeded")
+    assert (
+        kinds.index("training_finished") < kinds.index("exporting") < kinds.index("exported") < kinds.index("succeeded")
+    )
     losses = [row["loss"] for row in plane.steps(job["id"])]
     assert len(losses) == STEPS
     for step, (got, want) in enumerate(zip(losses, ref_losses), start=1):
@@ -138,8 +155,22 @@ def test_fine_tune_a_transformers_llama_through_rest_and_load_the_result(plane, 
     # `etrain export` of an earlier committed step, and POST /export of the last one, to new folders.
     out = io.StringIO()
     earlier_dir = tmp_path / "exports" / f"step{CHECKPOINT_EVERY}"
-    code = cli.main(["--url", plane.url, "--token", plane.token, "export", job["id"], "--step", str(CHECKPOINT_EVERY),
-                     "--out", str(earlier_dir)], out=out, err=out)
+    code = cli.main(
+        [
+            "--url",
+            plane.url,
+            "--token",
+            plane.token,
+            "export",
+            job["id"],
+            "--step",
+            str(CHECKPOINT_EVERY),
+            "--out",
+            str(earlier_dir),
+        ],
+        out=out,
+        err=out,
+    )
     assert code == 0, out.getvalue()
     assert out.getvalue().strip() == str(earlier_dir)
     earlier_loss = loss_of(load(earlier_dir), *fixed_batch)

@@ -9,13 +9,20 @@ from __future__ import annotations
 
 import pytest
 
-
 ray = pytest.importorskip("ray")
 
 
 GPT_MODEL = {"n_layers": 4, "d_model": 32, "n_heads": 4, "vocab_size": 64, "seq_len": 16}
-LLAMA_MODEL = {"kind": "llama", "n_layers": 4, "d_model": 32, "n_heads": 4, "n_kv_heads": 2, "d_ff": 64,
-               "vocab_size": 64, "seq_len": 16}
+LLAMA_MODEL = {
+    "kind": "llama",
+    "n_layers": 4,
+    "d_model": 32,
+    "n_heads": 4,
+    "n_kv_heads": 2,
+    "d_ff": 64,
+    "vocab_size": 64,
+    "seq_len": 16,
+}
 
 
 def layout_spec(name: str, model: dict | None = None, **parallelism) -> dict:
@@ -36,8 +43,8 @@ def reference_losses(body: dict) -> list[float]:
     import torch
 
     from etrain.service.planning.spec import JobSpec
-    from etrain.workers.protocol.run_config import ParallelConfig
     from etrain.workers.engine.train import Trainer
+    from etrain.workers.protocol.run_config import ParallelConfig
 
     config = JobSpec.model_validate(body).to_run_config(job_id="reference", checkpoint_root="/unused")
     config = dataclasses.replace(config, parallel=ParallelConfig())

@@ -19,12 +19,12 @@ import time
 
 import pytest
 
+from etrain.workers.checkpoints import storage
+from etrain.workers.checkpoints.checkpoint_commit import list_steps, step_dir
 from tests.chaos.conftest import losses, resumed_from, spec
 from tests.e2e.conftest import owned_ray
 from tests.object_store import s3_server
 from tests.service_harness import control_plane, event_kinds, event_text, storage_roots_for
-from etrain.workers.checkpoints import storage
-from etrain.workers.checkpoints.checkpoint_commit import list_steps, step_dir
 
 ray = pytest.importorskip("ray")
 
@@ -35,8 +35,13 @@ STEPS, EVERY, KEEP = 12, 4, 2
 def s3_spec(name: str, path: str) -> dict:
     """The chaos suite's small DP2 job, 12 steps, checkpointing to ``path``. A relaunch, not an in-place
     repair from the surviving ranks' memory: the restart must read S3."""
-    return spec(name, steps=STEPS, every=EVERY, checkpoint={"keep_last": KEEP, "path": path},
-                fault_tolerance={"max_restarts": 2, "backoff_base_s": 0.2, "backoff_max_s": 1, "in_place": False})
+    return spec(
+        name,
+        steps=STEPS,
+        every=EVERY,
+        checkpoint={"keep_last": KEEP, "path": path},
+        fault_tolerance={"max_restarts": 2, "backoff_base_s": 0.2, "backoff_max_s": 1, "in_place": False},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -92,8 +97,9 @@ def test_a_killed_rank_resumes_from_s3_past_a_corrupt_step_to_the_clean_runs_los
 
     # The supervisor verified step 8 on S3, found the flipped shard and fell back to step 4.
     kinds = event_kinds(events)
-    assert {"chaos_fired", "worker_failed", "checkpoint_skipped", "checkpoint_fallback"} <= set(kinds), \
-        [f"{e['kind']}: {event_text(e)}" for e in events]
+    assert {"chaos_fired", "worker_failed", "checkpoint_skipped", "checkpoint_fallback"} <= set(kinds), [
+        f"{e['kind']}: {event_text(e)}" for e in events
+    ]
     fired = [event_text(e) for e in events if e["kind"] == "chaos_fired"]
     assert any(re.fullmatch(r"corrupt_checkpoint flipped bytes in __[01]_0\.distcp of step 8", text) for text in fired)
     skipped = next(event_text(e) for e in events if e["kind"] == "checkpoint_skipped")
@@ -112,8 +118,12 @@ def test_a_killed_rank_resumes_from_s3_past_a_corrupt_step_to_the_clean_runs_los
         for step in (8, 12):
             manifest = json.loads(storage.read_bytes(storage.join(step_dir(root, step), "manifest.json")))
             assert manifest["job_id"] == job["id"] and re.fullmatch(r"[0-9a-f]{64}", manifest["hmac"])
-            assert sorted(f["path"] for f in manifest["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp",
-                                                                     "extra.pt"]
+            assert sorted(f["path"] for f in manifest["files"]) == [
+                ".metadata",
+                "__0_0.distcp",
+                "__1_0.distcp",
+                "extra.pt",
+            ]
     aside = [name for name in storage.listdir(f"{ROOT}/x") if name.startswith("step_00000008.corrupt-")]
     assert len(aside) == 1, storage.listdir(f"{ROOT}/x")
 
@@ -123,7 +133,10 @@ def test_a_killed_rank_resumes_from_s3_past_a_corrupt_step_to_the_clean_runs_los
     starts = [line for line in rank1 if re.match(r"attempt \d+: rank 1/2 on ", line)]
     assert len(starts) == 2 and starts[0].endswith("fresh start") and "resuming step 4 from s3://" in starts[1], starts
     assert [line.split(",")[0] for line in rank1 if line.startswith("checkpoint ")] == [
-        f"checkpoint step {s} saved" for s in (4, 8, 8, 12)]  # "..., training blocked 0.05s"
+        f"checkpoint step {s} saved" for s in (4, 8, 8, 12)
+    ]  # "..., training blocked 0.05s"
     assert rank1[-1].endswith(f": finished at step {STEPS}")
     rank0 = log_text(plane, clean["id"], 0)
-    assert [line.split()[1] for line in rank0 if line.startswith("step ")] == [f"{n}/{STEPS}" for n in range(1, STEPS + 1)]
+    assert [line.split()[1] for line in rank0 if line.startswith("step ")] == [
+        f"{n}/{STEPS}" for n in range(1, STEPS + 1)
+    ]

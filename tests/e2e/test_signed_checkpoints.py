@@ -51,8 +51,12 @@ def test_a_forged_manifest_is_refused_on_resume_and_never_loaded(plane):
     job = plane.submit(spec())
     plane.chaos(job["id"], action="hang_rank", rank=0, at_step=HANG_AT)
     root = plane.data_dir / "checkpoints" / job["id"]
-    plane.wait_until(job["id"], lambda j: j["last_checkpoint_step"] == 10 and j["step"] >= HANG_AT,
-                     timeout_s=120, what="step 10 committed and the rank hanging")
+    plane.wait_until(
+        job["id"],
+        lambda j: j["last_checkpoint_step"] == 10 and j["step"] >= HANG_AT,
+        timeout_s=120,
+        what="step 10 committed and the rank hanging",
+    )
     manifest = root / "step_00000010" / "manifest.json"
     signed = json.loads(manifest.read_text())
     assert signed["format"] == "etrain.checkpoint/2" and signed["job_id"] == job["id"]
@@ -87,9 +91,11 @@ def test_a_forged_manifest_is_refused_on_resume_and_never_loaded(plane):
     resaved = json.loads(manifest.read_text())
     assert resaved["job_id"] == job["id"] and resaved["hmac"] != signed["hmac"]
     assert sorted(p.name for p in root.glob("step_????????") if (p / "manifest.json").exists()) == [
-        f"step_{s:08d}" for s in (5, 10, 15, 20)]
-    assert "checkpoint_key" not in json.dumps(final) and (plane.data_dir / "checkpoint-key").read_text().strip() \
-        not in json.dumps(events)
+        f"step_{s:08d}" for s in (5, 10, 15, 20)
+    ]
+    assert "checkpoint_key" not in json.dumps(final) and (
+        plane.data_dir / "checkpoint-key"
+    ).read_text().strip() not in json.dumps(events)
 
     # A new job may resume from that directory only while every checkpoint in it is signed by this
     # service: once one is forged, the submit is refused (422) and nothing is created.

@@ -40,15 +40,26 @@ def tiny_spec(name: str, *, steps: int, **resources: Any) -> dict[str, Any]:
     }
 
 
-def read_stream(plane, job_id: str, *, headers: dict[str, str] | None = None, params: dict | None = None,
-                stop_after_events: int | None = None, timeout_s: float = 120) -> list[tuple[str, str | None, str]]:
+def read_stream(
+    plane,
+    job_id: str,
+    *,
+    headers: dict[str, str] | None = None,
+    params: dict | None = None,
+    stop_after_events: int | None = None,
+    timeout_s: float = 120,
+) -> list[tuple[str, str | None, str]]:
     """SSE messages of GET /events?follow=true until ``end`` (or ``stop_after_events`` events: then the
     client hangs up, as a dropped connection would)."""
     messages: list[tuple[str, str | None, str]] = []
     deadline = time.monotonic() + timeout_s
-    with httpx.stream("GET", f"{plane.url}/v1/jobs/{job_id}/events", params={"follow": "true", **(params or {})},
-                      headers={"Authorization": f"Bearer {plane.token}", **(headers or {})},
-                      timeout=httpx.Timeout(10, read=30)) as response:
+    with httpx.stream(
+        "GET",
+        f"{plane.url}/v1/jobs/{job_id}/events",
+        params={"follow": "true", **(params or {})},
+        headers={"Authorization": f"Bearer {plane.token}", **(headers or {})},
+        timeout=httpx.Timeout(10, read=30),
+    ) as response:
         assert response.status_code == 200, response.read()
         assert response.headers["content-type"].startswith("text/event-stream")
         for message in sse_messages(response.iter_lines()):
@@ -83,8 +94,9 @@ def followed(plane):
 
     def watch() -> None:
         out, err = io.StringIO(), io.StringIO()
-        code = cli.main(["--url", plane.url, "--token", plane.token, "watch", job["id"], "--max-wait", "120"],
-                        out=out, err=err)
+        code = cli.main(
+            ["--url", plane.url, "--token", plane.token, "watch", job["id"], "--max-wait", "120"], out=out, err=err
+        )
         seen["watch"] = (code, out.getvalue(), err.getvalue())
 
     threads = [threading.Thread(target=target) for target in (full, dropped_then_resumed, watch)]
@@ -136,7 +148,9 @@ def test_etrain_watch_prints_every_step_and_event_from_the_stream(followed):
     code, out, err = followed["watch"]
     assert code == EXIT_OK, (out, err)
     lines = out.splitlines()
-    assert [line.split()[1] for line in lines if line.startswith("step ")] == [f"{n}/{STEPS}" for n in range(1, STEPS + 1)]
+    assert [line.split()[1] for line in lines if line.startswith("step ")] == [
+        f"{n}/{STEPS}" for n in range(1, STEPS + 1)
+    ]
     printed = [line.split("] ", 1)[1].split(":", 1)[0] for line in lines if line.startswith("[")]
     assert printed == event_kinds(followed["events"])
     assert "status: SUCCEEDED" in lines
@@ -149,7 +163,9 @@ def test_rank_logs_show_what_each_rank_did(followed, plane):
     assert logs["job_id"] == job_id and logs["rank"] == 0
     text = [line.split(" ", 1)[1] for line in logs["lines"]]  # drop the timestamp
     assert text[0].startswith("attempt 1: rank 0/2 on ") and text[0].endswith(", fresh start")
-    assert [line.split()[1] for line in text if line.startswith("step ")] == [f"{n}/{STEPS}" for n in range(1, STEPS + 1)]
+    assert [line.split()[1] for line in text if line.startswith("step ")] == [
+        f"{n}/{STEPS}" for n in range(1, STEPS + 1)
+    ]
     saves = [line for line in text if line.startswith("checkpoint ")]  # each says how long it blocked training
     assert [line.split(",")[0] for line in saves] == [f"checkpoint step {s} saved" for s in (4, 8, 12)]
     assert all(re.fullmatch(r"checkpoint step \d+ saved, training blocked \d+\.\d\ds", line) for line in saves), saves
@@ -170,12 +186,17 @@ def test_rank_logs_show_what_each_rank_did(followed, plane):
     assert missing.json()["detail"][0]["fix"] == "ask for a rank in 0..1"
     # The CLI prints the same lines.
     out, err = io.StringIO(), io.StringIO()
-    code = cli.main(["--url", plane.url, "--token", plane.token, "logs", job_id, "--rank", "1", "--tail", "2"],
-                    out=out, err=err)
+    code = cli.main(
+        ["--url", plane.url, "--token", plane.token, "logs", job_id, "--rank", "1", "--tail", "2"], out=out, err=err
+    )
     assert (code, out.getvalue().splitlines()) == (0, rank1["lines"])
     out = io.StringIO()
-    assert cli.main(["--url", plane.url, "--token", plane.token, "logs", job_id, "-f", "--interval", "0.1"],
-                    out=out, err=err) == 0
+    assert (
+        cli.main(
+            ["--url", plane.url, "--token", plane.token, "logs", job_id, "-f", "--interval", "0.1"], out=out, err=err
+        )
+        == 0
+    )
     assert out.getvalue().splitlines() == logs["lines"]
 
 
@@ -188,8 +209,9 @@ def test_scale_and_cancel_answer_202_at_once_and_the_job_still_gets_there(plane)
     scaled = plane.client.post(f"/v1/jobs/{job_id}/scale", json={"dp": 1})
     assert scaled.status_code == 202 and time.monotonic() - started < 1.0, scaled.text
     assert scaled.json()["id"] == job_id and scaled.json()["world_size"] == 2  # as it was when asked
-    resized = plane.wait_until(job_id, lambda j: j["status"] == "RUNNING" and j["world_size"] == 1, timeout_s=60,
-                               what="the resize to dp=1")
+    resized = plane.wait_until(
+        job_id, lambda j: j["status"] == "RUNNING" and j["world_size"] == 1, timeout_s=60, what="the resize to dp=1"
+    )
     assert resized["layout"].startswith("pp1·dp1")
 
     started = time.monotonic()

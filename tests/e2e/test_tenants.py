@@ -38,20 +38,31 @@ BODIES = {"scale": {"dp": 1}, "chaos": {"action": "kill_rank", "rank": 0, "at_st
 def test_a_tenant_sees_only_its_own_jobs_end_to_end(local_ray, tmp_path):
     from tests.service_harness import control_plane
 
-    with control_plane(tmp_path, tenant_tokens={"alice": ALICE, "bob": BOB}, tenant_max_jobs=1) as admin, \
-            admin.as_token(ALICE) as alice, admin.as_token(BOB) as bob, admin.as_token(None) as anonymous:
+    with (
+        control_plane(tmp_path, tenant_tokens={"alice": ALICE, "bob": BOB}, tenant_max_jobs=1) as admin,
+        admin.as_token(ALICE) as alice,
+        admin.as_token(BOB) as bob,
+        admin.as_token(None) as anonymous,
+    ):
         job = alice.submit(spec("alices"))
         assert job["tenant"] == "alice"
 
         over = alice.client.post("/v1/jobs", json=spec("second"))
         assert over.status_code == 429, over.text
-        assert over.json()["quota"] == {"name": "max_jobs", "setting": "ETRAIN_TENANT_MAX_JOBS", "tenant": "alice",
-                                        "limit": 1, "used": 1, "requested": 1}
+        assert over.json()["quota"] == {
+            "name": "max_jobs",
+            "setting": "ETRAIN_TENANT_MAX_JOBS",
+            "tenant": "alice",
+            "limit": 1,
+            "used": 1,
+            "requested": 1,
+        }
 
         alice.wait_until(job["id"], lambda j: j["step"] >= 5, timeout_s=120, what="step 5")
         document = anonymous.client.get("/openapi.json").json()
-        routes = [(method.upper(), path) for path, ops in document["paths"].items() for method in ops
-                  if "{job_id}" in path]
+        routes = [
+            (method.upper(), path) for path, ops in document["paths"].items() for method in ops if "{job_id}" in path
+        ]
         assert len(routes) >= 7
         for method, path in routes:
             verb = path.rsplit("/", 1)[-1]

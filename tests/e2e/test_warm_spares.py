@@ -49,7 +49,9 @@ def test_first_launch_and_replacement_run_in_warm_spares_and_end_like_the_clean_
         placed = [event_text(e) for e in events if e["kind"] == "placed"]
         # The first launch takes a spare per rank; the in-place repair replaces only the killed rank.
         assert [text.rsplit("; ", 1)[-1] for text in placed] == [
-            "2 of 2 ranks from warm spares", "1 of 2 ranks from warm spares"], placed
+            "2 of 2 ranks from warm spares",
+            "1 of 2 ranks from warm spares",
+        ], placed
         attempts = list(zip(rank_pids(plane, final["id"], 0), rank_pids(plane, final["id"], 1)))
         assert len(attempts) == 2, attempts
         assert set(attempts[0]) <= first, (attempts, first)

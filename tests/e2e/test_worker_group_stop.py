@@ -17,9 +17,15 @@ ray = pytest.importorskip("ray")
 
 
 def _group_with_finished_runs(world_size: int) -> WorkerGroup:
-    group = WorkerGroup(job_id="stop-race", plan=SimpleNamespace(attempt=1), world_size=world_size,
-                        resources_per_rank={"CPU": 1.0}, strategy="SPREAD", excluded_nodes=frozenset(),
-                        supervisor=None)
+    group = WorkerGroup(
+        job_id="stop-race",
+        plan=SimpleNamespace(attempt=1),
+        world_size=world_size,
+        resources_per_rank={"CPU": 1.0},
+        strategy="SPREAD",
+        excluded_nodes=frozenset(),
+        supervisor=None,
+    )
     for rank in range(world_size):
         group._runs[ray.put({"final_step": 7 + rank})] = rank
     return group

@@ -22,9 +22,9 @@ import dataclasses
 import pytest
 import torch
 
-from tests.equivalence_utils import small_config
-from etrain.workers.protocol.run_config import ModelConfig, ParallelConfig
 from etrain.workers.engine.mesh import backend_for
+from etrain.workers.protocol.run_config import ModelConfig, ParallelConfig
+from tests.equivalence_utils import small_config
 
 pytestmark = [
     pytest.mark.gpu,
@@ -51,8 +51,9 @@ def test_cuda_fp32_matches_cpu():
     config = small_config(steps=6)
     cpu_trainer, gpu_trainer = _trainer(config, "cpu"), _trainer(dataclasses.replace(config, device="cuda"), "cuda")
     with torch.no_grad():
-        for (name, cpu_param), gpu_param in zip(cpu_trainer.model_parts[0].named_parameters(),
-                                                gpu_trainer.model_parts[0].parameters()):
+        for (name, cpu_param), gpu_param in zip(
+            cpu_trainer.model_parts[0].named_parameters(), gpu_trainer.model_parts[0].parameters()
+        ):
             assert cpu_param.shape == gpu_param.shape, name
             cpu_param.copy_(gpu_param.cpu())
     cpu = [cpu_trainer.train_step(step).loss for step in range(config.training.steps)]
@@ -84,8 +85,9 @@ def test_cuda_step_timing_and_fused_adamw():
 
 
 #: A mid-sized Llama (0.78 B parameters, Llama 3's vocabulary): drawn on a CPU core it took seconds.
-MID_LLAMA = ModelConfig(arch="llama", n_layers=4, d_model=2048, n_heads=16, n_kv_heads=8, d_ff=8192,
-                        vocab_size=128256, seq_len=256)
+MID_LLAMA = ModelConfig(
+    arch="llama", n_layers=4, d_model=2048, n_heads=16, n_kv_heads=8, d_ff=8192, vocab_size=128256, seq_len=256
+)
 
 
 def test_a_cuda_trainer_initialises_on_the_gpu_fast_and_the_same_every_time():
@@ -111,8 +113,13 @@ def test_a_cuda_trainer_initialises_on_the_gpu_fast_and_the_same_every_time():
         assert value.is_cuda and torch.equal(value, second[name]), name
     # Drawn on the GPU by the parameter's own generator; a CPU rank's numbers are others.
     embedding = first["tok_embeddings.weight"]
-    drawn = initial_value("tok_embeddings.weight", tuple(embedding.shape), seed=config.training.seed,
-                          n_layers=MID_LLAMA.n_layers, device=torch.device("cuda", torch.cuda.current_device()))
+    drawn = initial_value(
+        "tok_embeddings.weight",
+        tuple(embedding.shape),
+        seed=config.training.seed,
+        n_layers=MID_LLAMA.n_layers,
+        device=torch.device("cuda", torch.cuda.current_device()),
+    )
     assert torch.equal(embedding, drawn)
     cpu = initial_value("tok_embeddings.weight", (16, MID_LLAMA.d_model), seed=config.training.seed, n_layers=4)
     assert not torch.equal(cpu, drawn[:16].cpu())
@@ -260,8 +267,9 @@ def test_bf16_fsdp_mixed_precision_under_nccl():
     loss follows the one-GPU fp32 curve within 3e-2 (the autocast test's band: bf16 kernels on GPU
     round differently from CPU ones, so the CPU test's tighter band is not assumed here)."""
     base = dataclasses.replace(small_config(steps=8), device="cuda")
-    config = base.replace(parallel=ParallelConfig(dp=2, zero=3),
-                          training=dataclasses.replace(base.training, precision="bf16"))
+    config = base.replace(
+        parallel=ParallelConfig(dp=2, zero=3), training=dataclasses.replace(base.training, precision="bf16")
+    )
     _need_gpus(2)
     fp32 = _losses(base, "cuda")
     for result in _run_nccl(config):

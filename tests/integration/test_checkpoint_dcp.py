@@ -37,20 +37,31 @@ import torch.distributed as dist
 from torch import nn
 
 import etrain.workers.checkpoints.checkpoint_io as checkpoint_io
-from tests.dist_utils import run_distributed
 from etrain.workers.checkpoints.checkpoint import AsyncCheckpointer, load_checkpoint, save_checkpoint
-from etrain.workers.checkpoints.checkpoint_state import capture_rng_state, restore_rng_state
-from etrain.workers.protocol.run_config import ModelConfig
-from etrain.workers.protocol.errors import CheckpointError
 from etrain.workers.checkpoints.checkpoint_commit import commit, step_dir, verify
-from etrain.workers.protocol.manifest import ShardReport
+from etrain.workers.checkpoints.checkpoint_state import capture_rng_state, restore_rng_state
 from etrain.workers.engine.init import build_model
 from etrain.workers.families.model import cross_entropy_loss
+from etrain.workers.protocol.errors import CheckpointError
+from etrain.workers.protocol.manifest import ShardReport
+from etrain.workers.protocol.run_config import ModelConfig
+from tests.dist_utils import run_distributed
 
 MODEL = ModelConfig(n_layers=4, d_model=16, n_heads=2, vocab_size=32, seq_len=8)
 #: Same vocabulary, context and depth as MODEL, so batches and stages are shared; tied (Qwen2-style).
-LLAMA = ModelConfig(arch="llama", n_layers=4, d_model=16, n_heads=4, n_kv_heads=2, d_ff=32, vocab_size=32, seq_len=8,
-                    attention_bias="qkv", qk_norm=True, tie_embeddings=True)
+LLAMA = ModelConfig(
+    arch="llama",
+    n_layers=4,
+    d_model=16,
+    n_heads=4,
+    n_kv_heads=2,
+    d_ff=32,
+    vocab_size=32,
+    seq_len=8,
+    attention_bias="qkv",
+    qk_norm=True,
+    tie_embeddings=True,
+)
 LLAMA_LAYOUTS = ("fsdp", "tp", "zero1")
 LLAMA_PAIRS = (("fsdp", "tp"), ("tp", "zero1"), ("zero1", "fsdp"))
 TRAIN_STEPS = 2
@@ -153,8 +164,11 @@ def _param_groups(modules, lr: float) -> list[dict]:
         for name, param in module.named_parameters():
             kind = "alone" if name.endswith("pos_embeddings.weight") else "matrix" if param.ndim == 2 else "vector"
             groups[kind].append(param)
-    settings = {"matrix": dict(weight_decay=0.01), "vector": dict(weight_decay=0.0),
-                "alone": dict(weight_decay=0.0, lr=lr / 2)}
+    settings = {
+        "matrix": dict(weight_decay=0.01),
+        "vector": dict(weight_decay=0.0),
+        "alone": dict(weight_decay=0.0, lr=lr / 2),
+    }
     return [dict(params=params, **settings[kind]) for kind, params in groups.items() if params]
 
 
@@ -174,9 +188,14 @@ def _apply_tp(model: nn.Module, mesh) -> None:
         parallelize_module,
     )
 
-    plan = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(), "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel()}
+    plan = {
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(),
+    }
     if model.config.arch == "llama":  # SwiGLU's up projection; q/k norms on head-sharded activations
         plan["feed_forward.w3"] = ColwiseParallel()
         if model.config.qk_norm:
@@ -310,8 +329,9 @@ def _save_every_layout(rank: int, world_size: int, root: str) -> dict:
         parts, optimizers = _build(layout, seed=0)
         _train(layout, parts, optimizers, TRAIN_STEPS)
         snapshot = _snapshot(parts, optimizers)
-        report = save_checkpoint(step_dir(os.path.join(root, layout), TRAIN_STEPS), parts, optimizers,
-                                 _extra(TRAIN_STEPS))
+        report = save_checkpoint(
+            step_dir(os.path.join(root, layout), TRAIN_STEPS), parts, optimizers, _extra(TRAIN_STEPS)
+        )
         out[layout] = (snapshot if rank == 0 else None, report)
     return out
 
@@ -391,8 +411,13 @@ def _async_and_corruption(rank: int, world_size: int, root: str) -> dict:
         load_checkpoint(directory, parts, optimizers)
     except CheckpointError as exc:
         errors["corrupt"] = str(exc)
-    return {"saved": saved if rank == 0 else None, "loaded": loaded if rank == 0 else None,
-            "report": report, "errors": errors, "in_flight": in_flight}
+    return {
+        "saved": saved if rank == 0 else None,
+        "loaded": loaded if rank == 0 else None,
+        "report": report,
+        "errors": errors,
+        "in_flight": in_flight,
+    }
 
 
 def _llama_save_and_load(rank: int, world_size: int, root: str) -> tuple[dict, dict] | None:
@@ -628,8 +653,12 @@ def _save_twice_with_the_cached_plan_then_load(rank: int, world_size: int, root:
     expected = _snapshot(parts, optimizers)
     fresh_parts, fresh_optimizers = _build("fsdp", seed=1, lr=LR / 2)
     load_checkpoint(step_dir(root, 4), fresh_parts, fresh_optimizers)
-    return {"uncached": uncached, "cached_after_first": cached_after_first, "expected": expected,
-            "loaded": _snapshot(fresh_parts, fresh_optimizers)}
+    return {
+        "uncached": uncached,
+        "cached_after_first": cached_after_first,
+        "expected": expected,
+        "loaded": _snapshot(fresh_parts, fresh_optimizers),
+    }
 
 
 def test_a_save_on_dcps_cached_plan_restores_exactly(tmp_path):

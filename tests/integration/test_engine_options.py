@@ -23,6 +23,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from etrain.workers.protocol.errors import ConfigError
+from etrain.workers.protocol.run_config import ParallelConfig
 from tests.dist_utils import run_distributed
 from tests.equivalence_utils import (
     LOSS_RTOL,
@@ -32,8 +34,6 @@ from tests.equivalence_utils import (
     small_config,
 )
 from tests.state_utils import full_state_dict
-from etrain.workers.protocol.run_config import ParallelConfig
-from etrain.workers.protocol.errors import ConfigError
 
 BF16_STEPS = 6
 #: bf16 keeps 8 significant bits: one rounding of a value is up to 2^-8 ≈ 3.9e-3 of it. A loss
@@ -78,7 +78,8 @@ class _LogitsProbe:
             self.seen = {
                 "dtensor": is_dtensor,
                 "placements": tuple((type(p).__name__, getattr(p, "dim", None)) for p in output.placements)
-                if is_dtensor else None,
+                if is_dtensor
+                else None,
                 "local_shape": tuple((output.to_local() if is_dtensor else output).shape),
                 "global_shape": tuple(output.shape),
             }
@@ -183,8 +184,9 @@ def _scenarios(rank: int, world_size: int) -> dict:
 
     # Timing-sync steps every 2 steps: the world barrier only there.
     counter = _WorldAllReduces()
-    trainer = _trainer(rank, world_size, small_config(steps=4, parallel=ParallelConfig(dp=2), timing_sync_every=2),
-                       callbacks=[counter])
+    trainer = _trainer(
+        rank, world_size, small_config(steps=4, parallel=ParallelConfig(dp=2), timing_sync_every=2), callbacks=[counter]
+    )
     with counter:
         history = trainer.run(0, 4)
     report["timing"] = {"synced": [m.timing_synced for m in history], "world_all_reduces": counter.per_step}
@@ -199,8 +201,11 @@ def reports() -> list[dict]:
 def test_bf16_fsdp_uses_mixed_precision_policy_not_autocast(reports) -> None:
     for report in reports:
         bf16 = report["bf16_fsdp"]
-        assert bf16["forward"] == {"weight_dtype": "torch.bfloat16", "autocast": False,
-                                   "output_dtype": "torch.bfloat16"}
+        assert bf16["forward"] == {
+            "weight_dtype": "torch.bfloat16",
+            "autocast": False,
+            "output_dtype": "torch.bfloat16",
+        }
         # Master weights and AdamW's moments stay fp32, for every parameter.
         assert bf16["params"] == ["torch.float32"]
         assert bf16["exp_avg"] == ["torch.float32"] and bf16["exp_avg_sq"] == ["torch.float32"]
@@ -220,8 +225,7 @@ def test_bf16_fsdp_loss_follows_fp32(reports) -> None:
 def test_bf16_ddp_keeps_autocast(reports) -> None:
     for report in reports:
         ddp = report["bf16_ddp"]
-        assert ddp["forward"] == {"weight_dtype": "torch.float32", "autocast": True,
-                                  "output_dtype": "torch.bfloat16"}
+        assert ddp["forward"] == {"weight_dtype": "torch.float32", "autocast": True, "output_dtype": "torch.bfloat16"}
         assert ddp["params"] == ["torch.float32"] and ddp["exp_avg"] == ["torch.float32"]
 
 
@@ -251,8 +255,13 @@ def test_tied_llama_under_tp_trains_like_one_process(reports) -> None:
 
 def test_cpu_offload_keeps_shards_and_optimizer_state_on_the_host(reports) -> None:
     for report in reports:
-        assert report["offload"] == {"offload_to_cpu": True, "param_devices": ["cpu"],
-                                     "state_devices": ["cpu"], "foreach": True, "fused": False}
+        assert report["offload"] == {
+            "offload_to_cpu": True,
+            "param_devices": ["cpu"],
+            "state_devices": ["cpu"],
+            "foreach": True,
+            "fused": False,
+        }
 
 
 def test_the_world_barrier_runs_only_on_timing_sync_steps(reports) -> None:

@@ -26,6 +26,7 @@ import dataclasses
 
 import pytest
 
+from etrain.workers.protocol.run_config import ParallelConfig, RunConfig
 from tests.equivalence_utils import (
     MODELS,
     RunResult,
@@ -36,7 +37,6 @@ from tests.equivalence_utils import (
     run_reference,
     small_config,
 )
-from etrain.workers.protocol.run_config import ParallelConfig, RunConfig
 
 BASE = small_config(steps=8)
 

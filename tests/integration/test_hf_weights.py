@@ -28,16 +28,23 @@ from torch.distributed.tensor import DTensor
 
 transformers = pytest.importorskip("transformers")
 
-from tests.dist_utils import run_distributed  # noqa: E402
-from etrain.workers.protocol.run_config import DataConfig, ModelConfig, ParallelConfig, RunConfig, TrainingConfig  # noqa: E402
-from etrain.workers.protocol.errors import CheckpointError, ConfigError  # noqa: E402
+from etrain.workers.checkpoints.checkpoint_commit import commit, step_dir  # noqa: E402
 from etrain.workers.checkpoints.hf_config import hf_name, model_config_from_hf, read_hf_config  # noqa: E402
 from etrain.workers.checkpoints.hf_io import export_hf, find_step_dir, load_hf_weights  # noqa: E402
-from etrain.workers.checkpoints.checkpoint_commit import commit, step_dir  # noqa: E402
 from etrain.workers.families.model import cross_entropy_loss  # noqa: E402
+from etrain.workers.protocol.errors import CheckpointError, ConfigError  # noqa: E402
+from etrain.workers.protocol.run_config import DataConfig, ModelConfig, ParallelConfig, RunConfig, TrainingConfig  # noqa: E402
+from tests.dist_utils import run_distributed  # noqa: E402
 
-COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+COMMON = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=128,
+    max_position_embeddings=64,
+)
 SEQ = 16
 TOL = 1e-5
 TIMEOUT_S = 300.0
@@ -47,9 +54,18 @@ ARCHS = ("llama", "mistral", "qwen2", "qwen3", "olmo2")
 def _hf_model(arch: str, *, tied: bool | None = None):
     """A tiny ``transformers`` model of ``arch`` with perturbed fp32 weights (eval mode)."""
     if arch == "llama":
-        config = transformers.LlamaConfig(**COMMON, attention_bias=True, rope_theta=500000.0, rope_scaling={
-            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 16})
+        config = transformers.LlamaConfig(
+            **COMMON,
+            attention_bias=True,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+        )
         cls = transformers.LlamaForCausalLM
     elif arch == "mistral":
         config, cls = transformers.MistralConfig(**COMMON, sliding_window=64), transformers.MistralForCausalLM
@@ -88,7 +104,8 @@ def hf_folders(tmp_path_factory) -> dict[str, tuple[str, torch.Tensor]]:
     return folders
 
 
-def _run_config(folder: str, parallel: ParallelConfig = ParallelConfig(), **training) -> RunConfig:
+def _run_config(folder: str, parallel: ParallelConfig | None = None, **training) -> RunConfig:
+    parallel = parallel or ParallelConfig()
     model = dataclasses.replace(model_config_from_hf(read_hf_config(folder), seq_len=SEQ), hf_path=folder)
     return RunConfig(
         job_id="hf",
@@ -151,8 +168,10 @@ def _logits_dp2_tp2(rank: int, world_size: int, folders: dict[str, str], ckpt_ro
     the tp-sharded width) runs under ZeRO-3×TP only, the layout that also shards those norms' weights
     with FSDP2 and recomputes them (the suite's time: replicate×TP adds nothing that one does not test)."""
     results = {}
-    layouts = {"zero0": (ParallelConfig(dp=2, tp=2, zero=0), False),
-               "zero3+ac": (ParallelConfig(dp=2, tp=2, zero=3), True)}
+    layouts = {
+        "zero0": (ParallelConfig(dp=2, tp=2, zero=0), False),
+        "zero3+ac": (ParallelConfig(dp=2, tp=2, zero=3), True),
+    }
     for layout, (parallel, ac) in layouts.items():
         for arch, folder in folders.items():
             if arch == "olmo2" and layout == "zero0":
@@ -197,7 +216,7 @@ def _logits_pp2(rank: int, world_size: int, folders: dict[str, str]) -> dict:
 def test_dp2_tp2_replicate_and_zero3_load_hf_weights(hf_folders, tmp_path):
     folders = {arch: hf_folders[arch][0] for arch in ARCHS}
     per_rank = run_distributed(_logits_dp2_tp2, 4, folders, str(tmp_path), timeout_s=TIMEOUT_S)
-    for (layout, arch) in [key for key in per_rank[0] if key[0] != "saved"]:
+    for layout, arch in [key for key in per_rank[0] if key[0] != "saved"]:
         want = hf_folders[arch][1]
         config = _run_config(folders[arch]).model
         diffs = []
@@ -209,8 +228,10 @@ def test_dp2_tp2_replicate_and_zero3_load_hf_weights(hf_folders, tmp_path):
             assert report.local_elements < 0.6 * config.num_params, (layout, arch, rank, report)
             assert tied == config.tie_embeddings, (layout, arch, rank)
         reads = [results[(layout, arch)][1].elements_read for results in per_rank]
-        print(f"dp2·tp2 {layout} {arch}: max|logit diff| = {max(diffs):.3g}; elements read per rank {reads} "
-              f"of {config.num_params}")
+        print(
+            f"dp2·tp2 {layout} {arch}: max|logit diff| = {max(diffs):.3g}; elements read per rank {reads} "
+            f"of {config.num_params}"
+        )
         assert max(diffs) <= TOL, (layout, arch, diffs)
     # ZeRO-3 × TP shards every matrix four ways: a rank holds about a quarter of the model
     zero3 = per_rank[0][("zero3+ac", "llama")][1]
@@ -235,11 +256,13 @@ def test_pp2_loads_hf_weights_per_stage(hf_folders):
         assert (layers0, layers1) == ([0], [1])
         diff = (logits - hf_folders[case][1]).abs().max().item()
         total = _run_config(folders[case]).model.num_params
-        print(f"pp2 {case}: max|logit diff| = {diff:.3g}; elements read per stage "
-              f"{[report0.elements_read, report1.elements_read]} of {total}")
+        print(
+            f"pp2 {case}: max|logit diff| = {diff:.3g}; elements read per stage "
+            f"{[report0.elements_read, report1.elements_read]} of {total}"
+        )
         assert diff <= TOL
         for report in (report0, report1):
-                    assert report.elements_read == report.local_elements < total
+            assert report.elements_read == report.local_elements < total
         assert report0.local_elements + report1.local_elements == total  # stages partition the model
 
 
@@ -312,8 +335,13 @@ def test_export_round_trip(tmp_path, arch, hf_class):
 
     out1 = export_hf(find_step_dir(root), str(tmp_path / "export1"), config.model)
     assert out1 == os.path.abspath(tmp_path / "export1")
-    assert sorted(os.listdir(out1)) == ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                                        "tokenizer_config.json"]
+    assert sorted(os.listdir(out1)) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     assert not [n for n in os.listdir(tmp_path) if ".tmp-" in n]
     assert transformers.AutoTokenizer.from_pretrained(out1)("w1 w5")["input_ids"] == [1, 5]
 

@@ -18,7 +18,6 @@ from tests.dist_utils import run_distributed
 from tests.equivalence_utils import TINY_LLAMA, small_config
 from tests.state_utils import full_state_dict
 
-
 LAYOUTS = {"tp2": ParallelConfig(tp=2), "zero3-dp2": ParallelConfig(dp=2, zero=3), "pp2": ParallelConfig(pp=2)}
 
 
@@ -34,8 +33,9 @@ def _initial_states(rank: int, world_size: int, configs: dict) -> dict[str, dict
 
 
 def test_every_layout_starts_from_the_one_process_weights() -> None:
-    configs = {layout: small_config(steps=1, model=TINY_LLAMA, parallel=parallel)
-               for layout, parallel in LAYOUTS.items()}
+    configs = {
+        layout: small_config(steps=1, model=TINY_LLAMA, parallel=parallel) for layout, parallel in LAYOUTS.items()
+    }
     gathered = run_distributed(_initial_states, 2, configs)[0]
     expected = build_model(TINY_LLAMA, seed=configs["tp2"].training.seed).state_dict()
     for layout, state in gathered.items():

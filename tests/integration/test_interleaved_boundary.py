@@ -17,14 +17,14 @@ import dataclasses
 import torch
 
 import tests.integration.test_pipeline_equivalence as equivalence
-from tests.dist_utils import run_distributed
-from tests.equivalence_utils import TINY_GPT, assert_equivalent, reference_key, run_layout, run_reference, small_config
 from etrain.service.planning.planner import check_plan
 from etrain.service.planning.spec import JobSpec
 from etrain.service.planning.spec_checks import check_spec
 from etrain.workers.protocol import layout_rules
 from etrain.workers.protocol.errors import ConfigError
 from etrain.workers.protocol.run_config import ParallelConfig, RunConfig
+from tests.dist_utils import run_distributed
+from tests.equivalence_utils import TINY_GPT, assert_equivalent, reference_key, run_layout, run_reference, small_config
 
 INTERLEAVED = ParallelConfig(pp=2, pp_schedule="interleaved_1f1b", virtual_stages=2)
 
@@ -35,20 +35,33 @@ def _spec(config: RunConfig) -> JobSpec:
     sizes = {name: getattr(model, name) for name in ("n_layers", "d_model", "n_heads", "vocab_size", "seq_len")}
     if model.arch == "llama":
         sizes.update(kind="llama", n_kv_heads=model.kv_heads, d_ff=model.ffn_dim)
-    layout = {name: getattr(parallel, name) for name in
-              ("dp", "tp", "pp", "zero", "pp_schedule", "virtual_stages", "sequence_parallel")}
-    return JobSpec.model_validate({
-        "name": "boundary", "model": sizes, "parallelism": layout,
-        "training": {"steps": training.steps, "global_batch": training.global_batch,
-                     "micro_batch": training.micro_batch},
-    })
+    layout = {
+        name: getattr(parallel, name)
+        for name in ("dp", "tp", "pp", "zero", "pp_schedule", "virtual_stages", "sequence_parallel")
+    }
+    return JobSpec.model_validate(
+        {
+            "name": "boundary",
+            "model": sizes,
+            "parallelism": layout,
+            "training": {
+                "steps": training.steps,
+                "global_batch": training.global_batch,
+                "micro_batch": training.micro_batch,
+            },
+        }
+    )
 
 
 def test_the_planner_accepts_every_pipeline_layout_the_engine_trains() -> None:
     """Each layout test_pipeline_equivalence.py trains (and matches to one process) is a valid spec."""
-    configs = {**equivalence.ALL_LAYOUTS,
-               **{f"llama {name}": dataclasses.replace(equivalence.ALL_LAYOUTS[name], model=equivalence.TINY_LLAMA)
-                  for name in equivalence.LLAMA_LAYOUTS}}
+    configs = {
+        **equivalence.ALL_LAYOUTS,
+        **{
+            f"llama {name}": dataclasses.replace(equivalence.ALL_LAYOUTS[name], model=equivalence.TINY_LLAMA)
+            for name in equivalence.LLAMA_LAYOUTS
+        },
+    }
     assert "pp2-interleaved_1f1b-v2-M3" in configs
     for name, config in configs.items():
         spec = _spec(config)
@@ -73,15 +86,18 @@ def _build_with(rank: int, world_size: int, counts: tuple[int, ...]) -> dict[int
     from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
 
     from etrain.workers.engine.init import build_model
-    from etrain.workers.families.model import cross_entropy_loss
     from etrain.workers.engine.pipeline import build_pipeline, stage_module
+    from etrain.workers.families.model import cross_entropy_loss
 
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("pp",))
     model = build_model(TINY_GPT, seed=0)
     num_stages = world_size * 2
-    stages = [PipelineStage(stage_module(model, index, num_stages), index, num_stages, torch.device("cpu"),
-                            group=mesh.get_group())
-              for index in layout_rules.stage_ids_for_rank(rank, world_size, 2, "interleaved_1f1b")]
+    stages = [
+        PipelineStage(
+            stage_module(model, index, num_stages), index, num_stages, torch.device("cpu"), group=mesh.get_group()
+        )
+        for index in layout_rules.stage_ids_for_rank(rank, world_size, 2, "interleaved_1f1b")
+    ]
     answers = {}
     for n_microbatches in counts:
         torch_error = ours = None
@@ -90,8 +106,15 @@ def _build_with(rank: int, world_size: int, counts: tuple[int, ...]) -> dict[int
         except ValueError as exc:
             torch_error = str(exc)
         try:
-            build_pipeline(model, pp_mesh=mesh, pp_rank=rank, parallel=INTERLEAVED, n_microbatches=n_microbatches,
-                           loss_fn=cross_entropy_loss, device="cpu")
+            build_pipeline(
+                model,
+                pp_mesh=mesh,
+                pp_rank=rank,
+                parallel=INTERLEAVED,
+                n_microbatches=n_microbatches,
+                loss_fn=cross_entropy_loss,
+                device="cpu",
+            )
         except ConfigError as exc:
             ours = (exc.field, exc.message)
         answers[n_microbatches] = (torch_error, ours)

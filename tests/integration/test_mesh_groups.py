@@ -16,10 +16,10 @@ import time
 import pytest
 import torch.distributed as dist
 
-from tests.dist_utils import RankFailedError, run_distributed
-from etrain.workers.protocol.errors import ConfigError
 from etrain.workers.engine.mesh import MESH_DIMS, backend_for, build_device_mesh, mesh_group_ranks
+from etrain.workers.protocol.errors import ConfigError
 from etrain.workers.protocol.topology import AXES, Coords, Topology, TopologyError
+from tests.dist_utils import RankFailedError, run_distributed
 
 TIMEOUT_S = 90.0
 
@@ -72,7 +72,9 @@ def _hsdp_groups(topology: Topology, dp_replicate: int, rank: int) -> dict[str, 
     }
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: f"pp{l[0].pp}-dp{l[0].dp}-tp{l[0].tp}-rep{l[1]}")
+@pytest.mark.parametrize(
+    "layout", LAYOUTS, ids=lambda case: f"pp{case[0].pp}-dp{case[0].dp}-tp{case[0].tp}-rep{case[1]}"
+)
 def test_device_mesh_groups_equal_topology_groups(layout: tuple[Topology, int]) -> None:
     topology, dp_replicate = layout
     reports = run_distributed(_report_mesh, topology.world_size, topology, dp_replicate, timeout_s=TIMEOUT_S)
@@ -120,10 +122,7 @@ def _build_wrong_size_mesh(rank: int, world_size: int) -> str:
 
 def test_build_device_mesh_rejects_a_topology_of_another_world_size() -> None:
     messages = run_distributed(_build_wrong_size_mesh, 2, timeout_s=TIMEOUT_S)
-    expected = (
-        "topology pp1·dp1·tp4 needs 4 ranks but the process group has 2; "
-        "choose degrees whose product is 2"
-    )
+    expected = "topology pp1·dp1·tp4 needs 4 ranks but the process group has 2; choose degrees whose product is 2"
     assert messages == [expected, expected]
 
 

@@ -50,13 +50,14 @@ CASES = [  # (schedule, virtual_stages, n_microbatches)
 def idle() -> dict[tuple, list[float]]:
     """Median idle fraction over clean steps per case, one entry per stage (rank)."""
     started = time.monotonic()
-    per_rank = run_distributed(time_pipeline_steps, PP, CASES, MEASURED_STEPS, BUDGET_S,
-                               timeout_s=BUDGET_S + 120.0)
+    per_rank = run_distributed(time_pipeline_steps, PP, CASES, MEASURED_STEPS, BUDGET_S, timeout_s=BUDGET_S + 120.0)
     descheduled = [worst for steps in per_rank[0]["all"].values() for _, worst in steps]
     counts = {case: len(per_rank[0]["clean"][case]) for case in CASES}
     medians = {
-        case: [statistics.median(t.idle_fraction for t in rank["clean"][case]) if counts[case] else float("nan")
-               for rank in per_rank]
+        case: [
+            statistics.median(t.idle_fraction for t in rank["clean"][case]) if counts[case] else float("nan")
+            for rank in per_rank
+        ]
         for case in CASES
     }
     report = "\n".join(

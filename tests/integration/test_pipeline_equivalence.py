@@ -26,6 +26,8 @@ import functools
 import pytest
 import torch
 
+from etrain.workers.protocol.errors import ConfigError
+from etrain.workers.protocol.run_config import ParallelConfig, RunConfig
 from tests.dist_utils import run_distributed
 from tests.equivalence_utils import (
     TINY_LLAMA,
@@ -36,8 +38,6 @@ from tests.equivalence_utils import (
     run_reference,
     small_config,
 )
-from etrain.workers.protocol.run_config import ParallelConfig, RunConfig
-from etrain.workers.protocol.errors import ConfigError
 
 TIMEOUT_S = 240.0
 
@@ -66,9 +66,7 @@ COMPOSED_LAYOUTS = {  # PP with the engine's per-stage TP / DP (DDP, FSDP2) via 
     "dp2-tp2-pp2-gpipe": _layout(dp=2, tp=2, pp=2, pp_schedule="gpipe"),
 }
 MORE_COMPOSED_LAYOUTS = {
-    "dp2-zero3-pp2-interleaved_1f1b-v2": _layout(
-        dp=2, zero=3, pp=2, pp_schedule="interleaved_1f1b", virtual_stages=2
-    ),
+    "dp2-zero3-pp2-interleaved_1f1b-v2": _layout(dp=2, zero=3, pp=2, pp_schedule="interleaved_1f1b", virtual_stages=2),
     "tp2-sp-pp2-1f1b": _layout(tp=2, sequence_parallel=True, pp=2, pp_schedule="1f1b"),
     "dp2-zero3-tp2-pp2-1f1b": _layout(dp=2, zero=3, tp=2, pp=2, pp_schedule="1f1b"),
 }
@@ -118,15 +116,21 @@ def test_llama_pipeline_trains_like_one_process(layout: str) -> None:
 def _build_tied_pipeline(rank: int, world_size: int) -> tuple[str, str | None, str | None]:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from etrain.workers.families.model import build_model_skeleton, cross_entropy_loss
     from etrain.workers.engine.pipeline import build_pipeline
+    from etrain.workers.families.model import build_model_skeleton, cross_entropy_loss
 
     with torch.device("meta"):
         model = build_model_skeleton(TINY_LLAMA_TIED)
     try:
-        build_pipeline(model, pp_mesh=init_device_mesh("cpu", (world_size,), mesh_dim_names=("pp",)),
-                       pp_rank=rank, parallel=ParallelConfig(pp=world_size), n_microbatches=4,
-                       loss_fn=cross_entropy_loss, device="cpu")
+        build_pipeline(
+            model,
+            pp_mesh=init_device_mesh("cpu", (world_size,), mesh_dim_names=("pp",)),
+            pp_rank=rank,
+            parallel=ParallelConfig(pp=world_size),
+            n_microbatches=4,
+            loss_fn=cross_entropy_loss,
+            device="cpu",
+        )
     except ConfigError as exc:
         return str(exc), exc.field, exc.fix
     return "built", None, None

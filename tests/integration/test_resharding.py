@@ -15,10 +15,10 @@ import dataclasses
 import pytest
 import torch
 
+from etrain.workers.protocol.run_config import ParallelConfig
 from tests.dist_utils import run_distributed
 from tests.equivalence_utils import LOSS_RTOL, MODELS, PARAM_ATOL, run_reference, small_config
 from tests.state_utils import full_state_dict
-from etrain.workers.protocol.run_config import ParallelConfig
 
 STEPS, SAVE_AT = 8, 4
 
@@ -68,8 +68,11 @@ PAIRS = [
     ("dp4-to-dp2", ParallelConfig(dp=4), ParallelConfig(dp=2)),
     ("tp2-to-tp1", ParallelConfig(tp=2), ParallelConfig()),
     ("zero3-to-zero1", ParallelConfig(dp=2, zero=3), ParallelConfig(dp=2, zero=1)),
-    ("pp2-interleaved-to-zero2", ParallelConfig(pp=2, pp_schedule="interleaved_1f1b", virtual_stages=2),
-     ParallelConfig(dp=2, zero=2)),
+    (
+        "pp2-interleaved-to-zero2",
+        ParallelConfig(pp=2, pp_schedule="interleaved_1f1b", virtual_stages=2),
+        ParallelConfig(dp=2, zero=2),
+    ),
 ]
 
 
@@ -81,10 +84,12 @@ CASES = [("gpt", *pair) for pair in PAIRS] + [("llama", *pair) for pair in PAIRS
 def test_resume_in_another_layout_matches_the_uninterrupted_run(tmp_path, references, model, name, before, after):
     reference = _reference(references, model)
     base = small_config(steps=STEPS, model=MODELS[model])
-    first = run_distributed(_train_and_save, before.world_size, dataclasses.replace(base, parallel=before),
-                            str(tmp_path), timeout_s=240)
-    second = run_distributed(_restore_and_train, after.world_size, dataclasses.replace(base, parallel=after),
-                             str(tmp_path), timeout_s=240)
+    first = run_distributed(
+        _train_and_save, before.world_size, dataclasses.replace(base, parallel=before), str(tmp_path), timeout_s=240
+    )
+    second = run_distributed(
+        _restore_and_train, after.world_size, dataclasses.replace(base, parallel=after), str(tmp_path), timeout_s=240
+    )
 
     for step, got in enumerate(first[0]):
         want = reference.losses[step]

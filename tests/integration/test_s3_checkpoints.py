@@ -23,15 +23,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.dist_utils import run_distributed
-from tests.object_store import s3_server
 from etrain.workers.checkpoints import storage
 from etrain.workers.checkpoints.checkpoint import AsyncCheckpointer, load_checkpoint, save_checkpoint
-from etrain.workers.protocol.run_config import ModelConfig
-from etrain.workers.protocol.errors import CheckpointError, ConfigError
 from etrain.workers.checkpoints.checkpoint_commit import commit, list_steps, prune, resolve_latest, step_dir, verify
 from etrain.workers.engine.init import build_model
 from etrain.workers.families.model import cross_entropy_loss
+from etrain.workers.protocol.errors import CheckpointError, ConfigError
+from etrain.workers.protocol.run_config import ModelConfig
+from tests.dist_utils import run_distributed
+from tests.object_store import s3_server
 
 MODEL = ModelConfig(n_layers=2, d_model=16, n_heads=2, vocab_size=32, seq_len=8)
 LLAMA = ModelConfig(arch="llama", n_layers=2, d_model=16, n_heads=4, n_kv_heads=2, d_ff=32, vocab_size=32, seq_len=8)
@@ -63,8 +63,10 @@ def _state_digest(model, optimizer, *, sharded: bool = True) -> str:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
     options = StateDictOptions(full_state_dict=sharded, flatten_optimizer_state_dict=True)
-    state = {**{f"model.{k}": v for k, v in get_model_state_dict(model, options=options).items()},
-             **{f"optim.{k}": v for k, v in get_optimizer_state_dict(model, optimizer, options=options).items()}}
+    state = {
+        **{f"model.{k}": v for k, v in get_model_state_dict(model, options=options).items()},
+        **{f"optim.{k}": v for k, v in get_optimizer_state_dict(model, optimizer, options=options).items()},
+    }
     digest = hashlib.sha256()
     for name in sorted(state):
         value = state[name]
@@ -108,8 +110,12 @@ def _restore_on_two_ranks(rank: int, world_size: int, directory: str, manifest_d
     model, optimizer = _fsdp_model(seed=1, lr=5e-3)  # other weights, another lr: the checkpoint must win
     before = _state_digest(model, optimizer)
     extra = load_checkpoint(directory, [model], [optimizer], checksums=False, expect_digest=manifest_digest)
-    return {"before": before, "after": _state_digest(model, optimizer), "extra": extra,
-            "next_loss": _train_step(model, optimizer, 4)}
+    return {
+        "before": before,
+        "after": _state_digest(model, optimizer),
+        "extra": extra,
+        "next_loss": _train_step(model, optimizer, 4),
+    }
 
 
 # -- fixtures --------------------------------------------------------------------------------------
@@ -158,7 +164,8 @@ def test_two_ranks_save_to_s3_and_the_supervisor_commits_signed_manifests(saved,
     for step, manifest in manifests.items():
         assert (manifest.step, manifest.world_size, manifest.job_id) == (step, 2, JOB)
         assert {entry.path: entry.size for entry in manifest.files} == {
-            name: size for name, size in storage.file_sizes(step_dir(root, step)).items() if name != "manifest.json"}
+            name: size for name, size in storage.file_sizes(step_dir(root, step)).items() if name != "manifest.json"
+        }
         assert verify(step_dir(root, step), key=KEY).digest == manifest.digest  # signature and every sha256
     # Both ranks hold the same full state, and every step changed it.
     digests = results[0]["digests"]
@@ -193,7 +200,7 @@ def test_a_corrupted_shard_object_falls_back_to_the_previous_step(saved, s3):
     shard = storage.join(step_dir(root, 3), "__1_0.distcp")
     data = bytearray(storage.read_bytes(shard))
     middle = len(data) // 2
-    data[middle:middle + 64] = bytes(b ^ 0xFF for b in data[middle:middle + 64])
+    data[middle : middle + 64] = bytes(b ^ 0xFF for b in data[middle : middle + 64])
     storage.write_bytes(shard, bytes(data))
     assert storage.getsize(shard) == len(data)  # same size: only the checksum can tell
     with pytest.raises(CheckpointError, match=r"step_00000003: __1_0\.distcp sha256 mismatch"):

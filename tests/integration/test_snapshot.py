@@ -7,24 +7,29 @@ from __future__ import annotations
 
 import torch
 
+from etrain.workers.protocol.run_config import ParallelConfig
 from tests.dist_utils import run_distributed
 from tests.equivalence_utils import small_config
-from etrain.workers.protocol.run_config import ParallelConfig
 
 
 def _trainer(rank, world_size, parallel, steps):
     from etrain.workers.engine.train import Trainer
 
-    return Trainer(small_config(parallel=parallel, steps=steps), rank=rank, world_size=world_size,
-                   device=torch.device("cpu"))
+    return Trainer(
+        small_config(parallel=parallel, steps=steps), rank=rank, world_size=world_size, device=torch.device("cpu")
+    )
 
 
 def _local_state(trainer) -> dict[str, torch.Tensor]:
     from etrain.workers.checkpoints.checkpoint_state import collect_state
 
     state = collect_state(trainer.model_parts, trainer.optimizers).state
-    return {f"{section}/{key}": (value.to_local() if hasattr(value, "to_local") else value).detach().clone()
-            for section, values in state.items() for key, value in values.items() if torch.is_tensor(value)}
+    return {
+        f"{section}/{key}": (value.to_local() if hasattr(value, "to_local") else value).detach().clone()
+        for section, values in state.items()
+        for key, value in values.items()
+        if torch.is_tensor(value)
+    }
 
 
 def _save_committed(trainer, rank, world_size, directory, step):
@@ -60,7 +65,8 @@ def _scenarios(rank: int, world_size: int, root: str) -> dict:
     disk_next = from_disk.restore(directory)
     disk_state = _local_state(from_disk)
     same_bits = sorted(memory_state) == sorted(disk_state) and all(
-        torch.equal(memory_state[key], disk_state[key]) for key in disk_state)
+        torch.equal(memory_state[key], disk_state[key]) for key in disk_state
+    )
     resumed = [m.loss for m in from_memory.run(memory_next, 6)]
 
     # Every rank has its own: nobody sends anything.
@@ -69,9 +75,17 @@ def _scenarios(rank: int, world_size: int, root: str) -> dict:
     _, zero3_origin = share_snapshots(snapshot if rank == 0 else None, 3, [(0, 1)], replicas=replicated(3, 2))
     # A snapshot of another step counts as none.
     _, stale_origin = share_snapshots(snapshot, 4, [(0, 1)], replicas=True)
-    return {"origin": origin, "next": (memory_next, disk_next), "same_bits": same_bits, "keys": len(disk_state),
-            "straight": straight, "resumed": resumed, "own": own_origin, "zero3": zero3_origin,
-            "stale": stale_origin}
+    return {
+        "origin": origin,
+        "next": (memory_next, disk_next),
+        "same_bits": same_bits,
+        "keys": len(disk_state),
+        "straight": straight,
+        "resumed": resumed,
+        "own": own_origin,
+        "zero3": zero3_origin,
+        "stale": stale_origin,
+    }
 
 
 def test_memory_restore_and_peer_transfer_equal_the_disk_checkpoint_bit_for_bit(tmp_path):

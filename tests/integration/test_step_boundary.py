@@ -27,9 +27,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from tests.dist_utils import run_distributed
 from etrain.workers.rank.step_control import SAVE, STOP, ControlRequests, StepBoundaries, scheduled_save
 from etrain.workers.rank.step_exchange import StepExchange
+from tests.dist_utils import run_distributed
 
 WORLD = 3
 TRIALS = 20
@@ -74,17 +74,25 @@ def _run_trials(rank: int, world_size: int, seed: int) -> list[dict]:
         for thread in threads:
             thread.start()
         saves, own_saves, stopped_at, own_stop, timings_checked = [], [], None, None, 0
-        boundaries = StepBoundaries(exchange, control=control if rank == 0 else None, total_steps=STEPS,
-                                    every_steps=EVERY)
+        boundaries = StepBoundaries(
+            exchange, control=control if rank == 0 else None, total_steps=STEPS, every_steps=EVERY
+        )
         for step in range(STEPS):
             time.sleep(rng.uniform(0.001, 0.004))  # ranks run at different paces
             _check_collective(float(step), world_size, f"training step {step}")
             completed = step + 1
-            metrics = {"step": step, "compute_s": rank + completed / 1000, "comm_wait_s": 0.001 * rank,
-                       "step_s": 0.004, "timing_synced": True, "peak_mem_bytes": 1000 * rank + completed}
+            metrics = {
+                "step": step,
+                "compute_s": rank + completed / 1000,
+                "comm_wait_s": 0.001 * rank,
+                "step_s": 0.004,
+                "timing_synced": True,
+                "peak_mem_bytes": 1000 * rank + completed,
+            }
             # What this rank would do deciding alone on its own view of the same requests (never acted on).
-            mine = (own_view.decide_requests(completed, total_steps=STEPS)
-                    | (SAVE if scheduled_save(completed, total_steps=STEPS, every_steps=EVERY) else 0))
+            mine = own_view.decide_requests(completed, total_steps=STEPS) | (
+                SAVE if scheduled_save(completed, total_steps=STEPS, every_steps=EVERY) else 0
+            )
             decision = boundaries.after_step(metrics)
             records = [record for record, _ in decision.reports]
             last_completed[0] = completed
@@ -108,8 +116,16 @@ def _run_trials(rank: int, world_size: int, seed: int) -> list[dict]:
                 break
         for thread in threads:
             thread.join()
-        out.append({"saves": saves, "stopped_at": stopped_at, "own_saves": own_saves, "own_stop": own_stop,
-                    "delivered": dict(delivered), "timings_checked": timings_checked})
+        out.append(
+            {
+                "saves": saves,
+                "stopped_at": stopped_at,
+                "own_saves": own_saves,
+                "own_stop": own_stop,
+                "delivered": dict(delivered),
+                "timings_checked": timings_checked,
+            }
+        )
     return out
 
 
@@ -145,8 +161,7 @@ def test_every_rank_saves_and_stops_at_rank_zeros_step_in_20_random_trials():
             assert zero["stopped_at"] is None
         assert zero["timings_checked"] == end
         # What each rank would have done alone, acting on its own view of the same requests.
-        if any(r["own_saves"] != zero["saves"] or r["own_stop"] != zero["stopped_at"]
-               for r in results[1:]):
+        if any(r["own_saves"] != zero["saves"] or r["own_stop"] != zero["stopped_at"] for r in results[1:]):
             disagreements_own_view += 1
     assert acted >= 15, acted  # requests landed mid-run in most trials...
     assert len(saved_at) >= 5, saved_at  # ...at many different steps

@@ -126,8 +126,12 @@ def test_a_disk_that_fills_during_the_write_is_said_to_be_full(small_disk):
 
 
 def test_storage_fault_names_each_errno_and_ignores_what_is_not_the_storage(tmp_path):
-    for code, words in ((errno.ENOSPC, "no space left on device"), (errno.EDQUOT, "disk quota exceeded"),
-                        (errno.EIO, "I/O error"), (errno.EROFS, "read-only file system")):
+    for code, words in (
+        (errno.ENOSPC, "no space left on device"),
+        (errno.EDQUOT, "disk quota exceeded"),
+        (errno.EIO, "I/O error"),
+        (errno.EROFS, "read-only file system"),
+    ):
         wrapped = RuntimeError("the writer failed")
         wrapped.__cause__ = OSError(code, os.strerror(code))
         fault = storage_fault(wrapped, str(tmp_path), 0)

@@ -23,9 +23,9 @@ import pytest
 import torch
 
 from etrain.service.decisions.stragglers import StragglerConfig, StragglerDetector, stage_map
+from etrain.workers.protocol.run_config import ParallelConfig
 from tests.dist_utils import run_distributed
 from tests.equivalence_utils import small_config
-from etrain.workers.protocol.run_config import ParallelConfig
 
 BASELINE, SLOWED = 4, 4
 SLOW_RANK = 1
@@ -60,18 +60,20 @@ class _SlowLayers:
 
 
 def _measure(rank: int, world_size: int, parallel: ParallelConfig) -> dict[str, list[dict]]:
-    from etrain.workers.rank.chaos import RankDrills
-    from etrain.workers.protocol.messages import ChaosOrder
     from etrain.workers.engine.train import Trainer
+    from etrain.workers.protocol.messages import ChaosOrder
+    from etrain.workers.rank.chaos import RankDrills
 
     # Two micro-steps per rank in both layouts (global batch 4 at tp=2, 8 at dp=2): TP on CPU is slow per op.
-    config = small_config(parallel=parallel, steps=BASELINE + SLOWED, timing_sync_every=1,
-                          global_batch=4 * parallel.dp, micro_batch=2)
+    config = small_config(
+        parallel=parallel, steps=BASELINE + SLOWED, timing_sync_every=1, global_batch=4 * parallel.dp, micro_batch=2
+    )
     out: dict[str, list[dict]] = {}
     for variant in ("drill", "layers", "unfixed"):
         drills = RankDrills(rank=rank, report=lambda order, step: None)  # no supervisor to tell here
-        trainer = Trainer(config, rank=rank, world_size=world_size, device=torch.device("cpu"),
-                          callbacks=[drills.callback])
+        trainer = Trainer(
+            config, rank=rank, world_size=world_size, device=torch.device("cpu"), callbacks=[drills.callback]
+        )
         if variant == "unfixed":
             trainer._waits = None  # the measurement before workers/engine/collective_waits.py
         layers = _SlowLayers(trainer, SLOW_RANK, extra=3.0) if variant != "drill" else None
@@ -83,8 +85,14 @@ def _measure(rank: int, world_size: int, parallel: ParallelConfig) -> dict[str, 
                 else:
                     layers.slow_down([row["compute_s"] for row in rows])
             metrics = trainer.train_step(step)
-            rows.append({"compute_s": metrics.compute_s, "comm_wait_s": metrics.comm_wait_s,
-                         "step_s": metrics.step_s, "timing_synced": metrics.timing_synced})
+            rows.append(
+                {
+                    "compute_s": metrics.compute_s,
+                    "comm_wait_s": metrics.comm_wait_s,
+                    "step_s": metrics.step_s,
+                    "timing_synced": metrics.timing_synced,
+                }
+            )
         out[variant] = rows
     return out
 
@@ -103,8 +111,10 @@ BEFORE, AFTER = slice(1, BASELINE), slice(BASELINE + 1, None)  # skip the first 
 
 
 def _detect(results: list[dict], variant: str, layout: ParallelConfig) -> list:
-    detector = StragglerDetector(StragglerConfig(window=SLOWED, patience=1, threshold=THRESHOLD),
-                                 stages=stage_map(pp=layout.pp, dp=layout.dp, tp=layout.tp))
+    detector = StragglerDetector(
+        StragglerConfig(window=SLOWED, patience=1, threshold=THRESHOLD),
+        stages=stage_map(pp=layout.pp, dp=layout.dp, tp=layout.tp),
+    )
     findings = []
     for step in range(BASELINE, BASELINE + SLOWED):
         assert all(r[variant][step]["timing_synced"] for r in results)
@@ -129,7 +139,9 @@ def test_the_slow_rank_is_found_and_its_waiting_peer_is_not(measured, variant):
     # of it at most: the noise of a shared 2-core box).
     added = slow_compute - _median(results, variant, SLOW_RANK, "compute_s", BEFORE)
     peer_rise = peer_compute - _median(results, variant, peer, "compute_s", BEFORE)
-    waited = _median(results, variant, peer, "comm_wait_s", AFTER) - _median(results, variant, SLOW_RANK, "comm_wait_s", AFTER)
+    waited = _median(results, variant, peer, "comm_wait_s", AFTER) - _median(
+        results, variant, SLOW_RANK, "comm_wait_s", AFTER
+    )
     assert waited > 0.5 * added, (name, variant, added, waited)
     assert peer_rise < 0.35 * added, (name, variant, added, peer_rise)
 
@@ -138,12 +150,15 @@ def test_without_timing_the_waits_the_peer_looks_as_slow_as_the_slow_rank(measur
     # The measurement before the fix: the peer's compute absorbs the wait at every layer.
     name, layout, results = measured
     peer = 1 - SLOW_RANK
-    added = (_median(results, "unfixed", SLOW_RANK, "compute_s", AFTER)
-             - _median(results, "unfixed", SLOW_RANK, "compute_s", BEFORE))
-    peer_rise = (_median(results, "unfixed", peer, "compute_s", AFTER)
-                 - _median(results, "unfixed", peer, "compute_s", BEFORE))
-    ratio = (_median(results, "unfixed", SLOW_RANK, "compute_s", AFTER)
-             / _median(results, "unfixed", peer, "compute_s", AFTER))
+    added = _median(results, "unfixed", SLOW_RANK, "compute_s", AFTER) - _median(
+        results, "unfixed", SLOW_RANK, "compute_s", BEFORE
+    )
+    peer_rise = _median(results, "unfixed", peer, "compute_s", AFTER) - _median(
+        results, "unfixed", peer, "compute_s", BEFORE
+    )
+    ratio = _median(results, "unfixed", SLOW_RANK, "compute_s", AFTER) / _median(
+        results, "unfixed", peer, "compute_s", AFTER
+    )
     assert peer_rise > 0.7 * added, (name, added, peer_rise)
     assert ratio < THRESHOLD, (name, ratio)
     assert _detect(results, "unfixed", layout) == []  # the slow rank is not found

@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.object_store import s3_server
 from etrain.service.runtime.hf_export import HF_EXPORT_DIR, _export_folder, job_export_dir
 from etrain.workers.checkpoints import storage
 from etrain.workers.checkpoints.checkpoint import save_checkpoint
@@ -30,6 +29,7 @@ from etrain.workers.checkpoints.hf_io import export_hf, load_hf_weights
 from etrain.workers.engine.init import build_model
 from etrain.workers.protocol.errors import CheckpointError, UnsafePathError
 from etrain.workers.protocol.run_config import ModelConfig
+from tests.object_store import s3_server
 
 LLAMA = ModelConfig(arch="llama", n_layers=2, d_model=16, n_heads=4, n_kv_heads=2, d_ff=32, vocab_size=32, seq_len=8)
 SECRET = b"etrain-checkpoint-key:0f1e2d3c4b5a69788796a5b4c3d2e1f0"
@@ -60,8 +60,11 @@ def planted(tmp_path) -> dict[str, Path]:
 
 
 def _files_holding(folder: Path, needle: bytes) -> list[str]:
-    return sorted(str(path) for path in folder.rglob("*")
-                  if path.is_file() and not path.is_symlink() and needle in path.read_bytes())
+    return sorted(
+        str(path)
+        for path in folder.rglob("*")
+        if path.is_file() and not path.is_symlink() and needle in path.read_bytes()
+    )
 
 
 def _check_refusal(err: pytest.ExceptionInfo, field: str) -> None:
@@ -81,8 +84,12 @@ def test_a_linked_tokenizer_file_never_reaches_a_local_export(checkpoint, plante
     os.remove(planted["model"] / "tokenizer.json")  # the same folder without the link exports its real files
     (planted["model"] / "tokenizer.json").write_text('{"version": "1.0"}')
     exported = Path(export_hf(checkpoint, out, LLAMA, source_dir=planted["model"]))
-    assert sorted(os.listdir(exported)) == ["config.json", "model.safetensors", "tokenizer.json",
-                                            "tokenizer_config.json"]
+    assert sorted(os.listdir(exported)) == [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     assert (exported / "tokenizer.json").read_text() == '{"version": "1.0"}'
     assert not any(p.is_symlink() for p in exported.iterdir())
 
@@ -147,8 +154,8 @@ def test_a_checkpoint_folder_swapped_for_a_link_after_start_gets_no_write_commit
     manifest written into the victim's folder, its old steps pruned. Now the rank and the supervisor each
     hold the folder by descriptor (``storage.hold_dir``): the four saves, their commits and the prunes all
     land in the folder that passed, and the victim's folder is byte-for-byte what it was."""
-    from etrain.service.runtime.job_checkpoints import JobCheckpoints
     from etrain.service.decisions.supervisor_events import CommitSucceeded
+    from etrain.service.runtime.job_checkpoints import JobCheckpoints
     from etrain.workers.protocol.run_config import ParallelConfig
 
     root, moved, victim = tmp_path / "runs" / "job", tmp_path / "runs" / "job-real", tmp_path / "bob"
@@ -158,8 +165,9 @@ def test_a_checkpoint_folder_swapped_for_a_link_after_start_gets_no_write_commit
     before = {str(p): p.read_bytes() for p in victim.rglob("*") if p.is_file()}
     events: list[tuple[str, str]] = []
     key = b"k" * 32
-    checkpoints = JobCheckpoints(job_id="job", root=str(root), key=key, keep_last=1,
-                                 record=lambda kind, detail: events.append((kind, detail)))
+    checkpoints = JobCheckpoints(
+        job_id="job", root=str(root), key=key, keep_last=1, record=lambda kind, detail: events.append((kind, detail))
+    )
     rank_root = storage.hold_dir(str(root))  # what the rank's attempt holds (workers/rank/worker.py)
     os.rename(root, moved)
     os.symlink(victim, root)

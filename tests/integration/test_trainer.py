@@ -20,11 +20,11 @@ import time
 import pytest
 import torch
 
+from etrain.workers.protocol.errors import NonFiniteLossError
+from etrain.workers.protocol.run_config import ParallelConfig
 from tests.dist_utils import run_distributed
 from tests.equivalence_utils import small_config
 from tests.state_utils import full_state_dict
-from etrain.workers.protocol.run_config import ParallelConfig
-from etrain.workers.protocol.errors import NonFiniteLossError
 
 SLOW_S = 0.25
 

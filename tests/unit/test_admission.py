@@ -19,18 +19,40 @@ from etrain.service.decisions.admission import (
 )
 
 
-def node(name: str, cpus: float, free: float | None = None, *, gpus: float = 0, free_gpus: float | None = None,
-         alive: bool = True) -> NodeView:
+def node(
+    name: str,
+    cpus: float,
+    free: float | None = None,
+    *,
+    gpus: float = 0,
+    free_gpus: float | None = None,
+    alive: bool = True,
+) -> NodeView:
     total = {"CPU": float(cpus), "GPU": float(gpus)}
     left = {"CPU": float(cpus if free is None else free), "GPU": float(gpus if free_gpus is None else free_gpus)}
     return NodeView(id=name, alive=alive, total=total, free=left)
 
 
-def gang(ranks: int = 2, *, cpus: float = 1, gpus: float = 0, tp: int = 1, pp: int = 1,
-         dp_sizes: tuple[int, ...] | None = None, strategy: str = "PACK", dp_field: str = "parallelism.dp") -> Gang:
+def gang(
+    ranks: int = 2,
+    *,
+    cpus: float = 1,
+    gpus: float = 0,
+    tp: int = 1,
+    pp: int = 1,
+    dp_sizes: tuple[int, ...] | None = None,
+    strategy: str = "PACK",
+    dp_field: str = "parallelism.dp",
+) -> Gang:
     per_rank = {"CPU": float(cpus), **({"GPU": float(gpus)} if gpus else {})}
-    return Gang(per_rank=per_rank, dp_sizes=dp_sizes or (ranks // (tp * pp),), tp=tp, pp=pp, strategy=strategy,
-                dp_field=dp_field)
+    return Gang(
+        per_rank=per_rank,
+        dp_sizes=dp_sizes or (ranks // (tp * pp),),
+        tp=tp,
+        pp=pp,
+        strategy=strategy,
+        dp_field=dp_field,
+    )
 
 
 def job(name: str, priority: int = 0, created: float = 0.0, **gang_args) -> QueuedJob:
@@ -63,8 +85,10 @@ def test_three_whole_machine_jobs_start_by_priority_one_at_a_time():
     busy = [node("n1", 2, free=0)]
     plan = decide(queued[::2], busy)
     assert admitted(plan) == [] and positions(plan) == {"p1": 1, "p0": 2}
-    assert "waiting for 2 CPUs (2 rank(s) of 1 CPU: dp=2 tp=1 pp=1); free now: 0 CPUs on 1 node(s); " \
-           "position 1 in the queue" == plan.wait[0].reason
+    assert (
+        "waiting for 2 CPUs (2 rank(s) of 1 CPU: dp=2 tp=1 pp=1); free now: 0 CPUs on 1 node(s); "
+        "position 1 in the queue" == plan.wait[0].reason
+    )
     # p5 done: p1 before p0.
     assert admitted(decide(queued[::2], machine)) == ["p1"]
 
@@ -161,8 +185,10 @@ def test_a_lower_priority_job_that_would_fit_waits_behind_the_blocked_head():
     assert admitted(plan) == []
     small = plan.waiting("small")
     assert small.behind == "head" and small.position == 2
-    assert small.reason == ("fits the free resources but waits behind head (priority 5), which waits for the same "
-                            "nodes: starting this job first could delay it; position 2 in the queue")
+    assert small.reason == (
+        "fits the free resources but waits behind head (priority 5), which waits for the same "
+        "nodes: starting this job first could delay it; position 2 in the queue"
+    )
 
 
 def test_backfill_only_on_nodes_the_blocked_job_can_never_use():
@@ -199,7 +225,9 @@ def test_claims_of_started_jobs_are_placed_before_the_queue():
 def test_a_rank_no_node_can_hold_is_refused_naming_the_resource():
     problem = refusal(gang(ranks=1, cpus=8), [node("a", 4), node("b", 4)])
     assert problem.field == "resources.cpus_per_worker"
-    assert problem.message == "one rank needs 8 CPUs, but no node has 8 CPUs: the most any of the 2 node(s) has is 4 CPUs."
+    assert (
+        problem.message == "one rank needs 8 CPUs, but no node has 8 CPUs: the most any of the 2 node(s) has is 4 CPUs."
+    )
     assert problem.fix.startswith("lower resources.cpus_per_worker to at most 4,")
     assert "ETRAIN_ADMIT_BEYOND_CLUSTER=1" in problem.fix
     gpu = refusal(gang(ranks=1, gpus=1), [node("a", 4)])
@@ -210,23 +238,28 @@ def test_a_rank_needing_what_no_single_node_has_at_once_is_refused():
     split = [node("cpus", 8, gpus=0), node("gpus", 0, gpus=4)]
     problem = refusal(gang(ranks=1, cpus=1, gpus=1), split)
     assert problem.field == "resources"
-    assert problem.message == ("one rank needs 1 CPU + 1 GPU on one node, but none of the 2 node(s) has all of it "
-                               "(for example: 8 CPUs).")
+    assert problem.message == (
+        "one rank needs 1 CPU + 1 GPU on one node, but none of the 2 node(s) has all of it (for example: 8 CPUs)."
+    )
 
 
 def test_a_tensor_parallel_group_no_node_can_hold_is_refused():
     problem = refusal(gang(ranks=4, tp=4), [node("a", 2), node("b", 2)])
     assert problem.field == "parallelism.tp"
-    assert problem.message == ("a tensor-parallel group of tp=4 ranks (4 CPUs) must sit on one node, but the largest "
-                               "node holds 2 rank(s) of 1 CPU.")
+    assert problem.message == (
+        "a tensor-parallel group of tp=4 ranks (4 CPUs) must sit on one node, but the largest "
+        "node holds 2 rank(s) of 1 CPU."
+    )
 
 
 def test_a_minimum_layout_beyond_the_cluster_is_refused_with_need_and_have():
     problem = refusal(gang(ranks=3), [node("n1", 2)])
     assert problem.field == "parallelism.dp"
-    assert problem.message == ("the minimum layout needs 3 ranks (dp=3 x tp=1 x pp=1) of 1 CPU = 3 CPUs, but the "
-                               "cluster has 2 CPUs on 1 node(s), room for at most 2 replica(s) of 1 rank(s) "
-                               "(tp groups node-local).")
+    assert problem.message == (
+        "the minimum layout needs 3 ranks (dp=3 x tp=1 x pp=1) of 1 CPU = 3 CPUs, but the "
+        "cluster has 2 CPUs on 1 node(s), room for at most 2 replica(s) of 1 rank(s) "
+        "(tp groups node-local)."
+    )
     assert problem.fix.startswith("lower parallelism.dp to at most 2,")
     elastic = refusal(gang(dp_sizes=(4, 8), dp_field="resources.min_dp"), [node("n1", 2), node("n2", 1)])
     assert elastic.field == "resources.min_dp" and "at most 3 replica(s)" in elastic.message

@@ -30,13 +30,24 @@ def test_the_models_are_the_sizes_the_readme_quotes():
     assert 750e6 < INIT_MODEL.num_params < 800e6  # parameters dominate the runtime
     assert INIT_MODEL.vocab_size * INIT_MODEL.d_model < INIT_MODEL.num_params / 50  # a small init transient
     assert 60e6 < ACCURACY_MODEL.num_params < 70e6
-    assert [name for name, _ in ACCURACY_LAYOUTS] == ["DDP ×2", "ZeRO-1 ×2", "ZeRO-2 ×2", "ZeRO-3 ×2", "TP ×2",
-                                                      "PP ×2 1F1B"]
+    assert [name for name, _ in ACCURACY_LAYOUTS] == [
+        "DDP ×2",
+        "ZeRO-1 ×2",
+        "ZeRO-2 ×2",
+        "ZeRO-3 ×2",
+        "TP ×2",
+        "PP ×2 1F1B",
+    ]
 
 
 def test_init_table():
-    result = InitResult(params=776_029_440, meta_zero3_rss=(1851 * MiB, 1852 * MiB), full_build_rss=3291 * MiB,
-                        runtime_rss=274 * MiB, planned_init=1814 * MiB)
+    result = InitResult(
+        params=776_029_440,
+        meta_zero3_rss=(1851 * MiB, 1852 * MiB),
+        full_build_rss=3291 * MiB,
+        runtime_rss=274 * MiB,
+        planned_init=1814 * MiB,
+    )
     assert result.ratio == 1852 / 3291
     text = init_table(result)
     assert "| `build_model` (whole model, one process) | 1 | 3291 | 3017 |" in text
@@ -45,10 +56,14 @@ def test_init_table():
 
 
 def test_accuracy_table():
-    rows = [AccuracyRow(layout="DDP ×2", ranks=2, phase="optimizer_step", predicted=1000 * MiB, measured=1040 * MiB,
-                        seconds=10.0),
-            AccuracyRow(layout="TP ×2", ranks=2, phase="forward_backward", predicted=800 * MiB, measured=720 * MiB,
-                        seconds=10.0)]
+    rows = [
+        AccuracyRow(
+            layout="DDP ×2", ranks=2, phase="optimizer_step", predicted=1000 * MiB, measured=1040 * MiB, seconds=10.0
+        ),
+        AccuracyRow(
+            layout="TP ×2", ranks=2, phase="forward_backward", predicted=800 * MiB, measured=720 * MiB, seconds=10.0
+        ),
+    ]
     assert rows[0].ratio == 1.04 and rows[1].ratio == 0.9
     text = accuracy_table(rows, runtime_bytes=274 * MiB, params=ACCURACY_MODEL.num_params)
     assert "| DDP ×2 | 2 | optimizer step | 1000 | 1040 | 1.04 |" in text

@@ -9,13 +9,30 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.figures import Goal, Row, figure_document, load_figure, median, ratio_of_medians, row_summary, write_figure
+from benchmarks.figures import (
+    Goal,
+    Row,
+    figure_document,
+    load_figure,
+    median,
+    ratio_of_medians,
+    row_summary,
+    write_figure,
+)
 from benchmarks.peers.common import Job, etrain_spec, recovery_measures
 from benchmarks.readme_table import BEGIN, END, README, render, update_readme
 
-MACHINE = {"cpus": 2, "cpu_model": "Test CPU", "memory_gib": 8.0, "versions": {"torch": "2.13.0", "ray": "2.60.0"},
-           "commit": "0123456789abcdef", "dirty": False, "date": "2026-11-23 10:00:00 +0000", "note": "shared machine",
-           "load_1min": {"min": 1.0, "median": 3.5, "max": 7.25, "samples": 4}}
+MACHINE = {
+    "cpus": 2,
+    "cpu_model": "Test CPU",
+    "memory_gib": 8.0,
+    "versions": {"torch": "2.13.0", "ray": "2.60.0"},
+    "commit": "0123456789abcdef",
+    "dirty": False,
+    "date": "2026-11-23 10:00:00 +0000",
+    "note": "shared machine",
+    "load_1min": {"min": 1.0, "median": 3.5, "max": 7.25, "samples": 4},
+}
 
 
 def test_ratio_of_medians_is_not_the_median_of_ratios():
@@ -40,8 +57,14 @@ def test_ratio_of_medians_ignores_missing_samples_and_refuses_nothing():
 
 
 def test_a_time_goal_says_by_how_much_it_is_missed():
-    row = Row(label="recovery", unit="s", etrain=[6.0, 5.0, 7.0], reference_name="Ray Train", reference=[12.0, 10.0],
-              goal=Goal(on="ratio", op="<=", value=0.3, text="≤ 0.3×"))
+    row = Row(
+        label="recovery",
+        unit="s",
+        etrain=[6.0, 5.0, 7.0],
+        reference_name="Ray Train",
+        reference=[12.0, 10.0],
+        goal=Goal(on="ratio", op="<=", value=0.3, text="≤ 0.3×"),
+    )
     s = row_summary(row)
     assert (s.etrain_median, s.reference_median) == (6.0, 11.0)
     assert s.ratio == pytest.approx(6.0 / 11.0)
@@ -51,19 +74,34 @@ def test_a_time_goal_says_by_how_much_it_is_missed():
 
 
 def test_a_speed_ratio_is_peer_over_etrain():
-    row = Row(label="steady", unit="ms", etrain=[100.0, 104.0], reference=[98.0, 102.0], reference_name="DDP",
-              ratio="reference/etrain", goal=Goal(on="ratio", op=">=", value=0.97, text="≥ 0.97×"))
+    row = Row(
+        label="steady",
+        unit="ms",
+        etrain=[100.0, 104.0],
+        reference=[98.0, 102.0],
+        reference_name="DDP",
+        ratio="reference/etrain",
+        goal=Goal(on="ratio", op=">=", value=0.97, text="≥ 0.97×"),
+    )
     s = row_summary(row)
     assert s.ratio == pytest.approx(100.0 / 102.0)
     assert s.met is True and s.verdict == "yes"
 
 
 def test_goals_on_etrain_alone_and_on_a_difference():
-    goodput = Row(label="goodput", unit="fraction", etrain=[0.8], goal=Goal(on="etrain", op=">=", value=0.9, text="≥ 90%"))
+    goodput = Row(
+        label="goodput", unit="fraction", etrain=[0.8], goal=Goal(on="etrain", op=">=", value=0.9, text="≥ 90%")
+    )
     assert row_summary(goodput).verdict == "no: 10.0 points short"
     assert row_summary(goodput).n == "1"
-    bubble = Row(label="bubble", unit="fraction", etrain=[0.40, 0.36, 0.38], reference=[1 / 3], reference_name="f",
-                 goal=Goal(on="difference", op="<=", value=0.12, text="±0.12"))
+    bubble = Row(
+        label="bubble",
+        unit="fraction",
+        etrain=[0.40, 0.36, 0.38],
+        reference=[1 / 3],
+        reference_name="f",
+        goal=Goal(on="difference", op="<=", value=0.12, text="±0.12"),
+    )
     assert row_summary(bubble).met is True  # |0.38 - 0.333| = 0.047
     pending = Row(label="stragglers", unit="steps", etrain=[], pending="not yet")
     assert row_summary(pending).verdict == "pending: not yet"
@@ -74,8 +112,13 @@ def test_recovery_measures_from_step_rows():
     steps = [{"step": s, "ts": 100.0 + s, "attempt": 0} for s in range(1, 20)]
     steps += [{"step": s, "ts": 130.0 + s, "attempt": 1} for s in range(11, 25)]
     m = recovery_measures(steps, start_ts=95.0, kill_ts=119.5, kill_at=19)
-    assert m == {"startup_s": 6.0, "recovery_s": 141.0 - 119.5, "resumed_from": 10, "recomputed": 9,
-                 "progress_s": 150.0 - 119.5}
+    assert m == {
+        "startup_s": 6.0,
+        "recovery_s": 141.0 - 119.5,
+        "resumed_from": 10,
+        "recomputed": 9,
+        "progress_s": 150.0 - 119.5,
+    }
     # a late report of the first attempt after the kill is not the recovery
     late = steps + [{"step": 19, "ts": 119.7, "attempt": 0}]
     assert recovery_measures(late, start_ts=95.0, kill_ts=119.5, kill_at=19)["recovery_s"] == 141.0 - 119.5
@@ -96,18 +139,38 @@ def test_the_etrain_spec_is_the_job_the_peers_run():
 
 
 def _write(tmp_path, name, rows, quick=True):
-    document = figure_document(name, f"Title {name}", rows, quick=quick, machine=MACHINE, seconds=12.3,
-                               raw={"runs": [1, 2]}, notes=["Where the time goes:", "+0.19 s `worker_failed`"])
+    document = figure_document(
+        name,
+        f"Title {name}",
+        rows,
+        quick=quick,
+        machine=MACHINE,
+        seconds=12.3,
+        raw={"runs": [1, 2]},
+        notes=["Where the time goes:", "+0.19 s `worker_failed`"],
+    )
     return write_figure(tmp_path, document)
 
 
 def test_the_table_is_rendered_from_a_results_file(tmp_path):
     rows = [
-        Row(label="2. recovery vs Ray Train", unit="s", etrain=[6.0, 5.0, 7.0], reference_name="Ray Train v2",
-            reference=[12.0, 10.0, 11.0], goal=Goal(on="ratio", op="<=", value=0.3, text="≤ 0.3× of the best peer"),
-            note="rank 1 killed at step 19"),
-        Row(label="2. recovery: steps recomputed", unit="steps", etrain=[9, 9], reference_name="Ray Train v2",
-            reference=[9, 9], goal=Goal(on="etrain", op="<=", value=10, text="≤ 10")),
+        Row(
+            label="2. recovery vs Ray Train",
+            unit="s",
+            etrain=[6.0, 5.0, 7.0],
+            reference_name="Ray Train v2",
+            reference=[12.0, 10.0, 11.0],
+            goal=Goal(on="ratio", op="<=", value=0.3, text="≤ 0.3× of the best peer"),
+            note="rank 1 killed at step 19",
+        ),
+        Row(
+            label="2. recovery: steps recomputed",
+            unit="steps",
+            etrain=[9, 9],
+            reference_name="Ray Train v2",
+            reference=[9, 9],
+            goal=Goal(on="etrain", op="<=", value=10, text="≤ 10"),
+        ),
     ]
     path = _write(tmp_path, "recovery", rows)
     document, loaded = load_figure(path)
@@ -116,12 +179,16 @@ def test_the_table_is_rendered_from_a_results_file(tmp_path):
     text = render(tmp_path)
     lines = text.splitlines()
     assert lines[0] == "| figure | etrain (median) | peer / formula (median) | ratio | goal | met? | n (etrain/peer) |"
-    assert lines[2] == ("| 2. recovery vs Ray Train | 6.00 s | Ray Train v2: 11.00 s | 0.55× | ≤ 0.3× of the best peer | "
-                        "no: 1.8× over the goal | 3/3 |")
+    assert lines[2] == (
+        "| 2. recovery vs Ray Train | 6.00 s | Ray Train v2: 11.00 s | 0.55× | ≤ 0.3× of the best peer | "
+        "no: 1.8× over the goal | 3/3 |"
+    )
     assert lines[3] == "| 2. recovery: steps recomputed | 9 steps | Ray Train v2: 9 steps | 1.00× | ≤ 10 | yes | 2/2 |"
-    assert ("Measured (`--quick`) on 2 CPU cores (Test CPU), 8.0 GiB, torch 2.13.0, ray 2.60.0, commit 0123456789, "
-            "2026-11-23 10:00:00 +0000 to 2026-11-23 10:00:00 +0000. 1-minute load average during the figures: "
-            "median 3.5–3.5, max 7.2. shared machine") in text
+    assert (
+        "Measured (`--quick`) on 2 CPU cores (Test CPU), 8.0 GiB, torch 2.13.0, ray 2.60.0, commit 0123456789, "
+        "2026-11-23 10:00:00 +0000 to 2026-11-23 10:00:00 +0000. 1-minute load average during the figures: "
+        "median 3.5–3.5, max 7.2. shared machine"
+    ) in text
     assert "- *2. recovery vs Ray Train*: rank 1 killed at step 19" in text
     assert "Where the time goes:\n- +0.19 s `worker_failed`" in text
 
@@ -134,8 +201,18 @@ def test_files_render_in_the_issue_order(tmp_path):
 
 
 def test_the_readme_region_is_replaced_between_the_markers(tmp_path):
-    _write(tmp_path, "goodput", [Row(label="3. goodput", unit="fraction", etrain=[0.75],
-                                     goal=Goal(on="etrain", op=">=", value=0.9, text="≥ 90%"))])
+    _write(
+        tmp_path,
+        "goodput",
+        [
+            Row(
+                label="3. goodput",
+                unit="fraction",
+                etrain=[0.75],
+                goal=Goal(on="etrain", op=">=", value=0.9, text="≥ 90%"),
+            )
+        ],
+    )
     readme = tmp_path / "README.md"
     readme.write_text(f"# x\n\n## Benchmarks\n\nintro\n\n{BEGIN}\nold table\n{END}\n\n## Limits\n")
     assert update_readme(readme, tmp_path) is True
@@ -162,8 +239,9 @@ def test_the_table_lives_in_the_benchmarks_readme():
 def test_the_straggler_grid_becomes_notes():
     from benchmarks.suite import stragglers_notes
 
-    cell = lambda layout, f, latency: {"layout": layout, "slowdown": f, "detection_latency_steps": latency,  # noqa: E731
-                                        "basis": "peers"}
+    def cell(layout, f, latency):
+        return {"layout": layout, "slowdown": f, "detection_latency_steps": latency, "basis": "peers"}
+
     raw = {"layouts": ["DP ×2"], "grid": [cell("DP ×2", 1.5, None), cell("DP ×2", 2.0, 30), cell("DP ×2", 4.0, 20.0)]}
     assert stragglers_notes(raw) == [
         "Straggler detection latency in training steps (–: not reported in most replays), per slowdown 1.5× / 2× / 4×:",

@@ -20,14 +20,12 @@ import pytest
 from fastapi.testclient import TestClient
 
 from etrain.api.app import create_app
+from etrain.service.decisions.elastic import ElasticPolicy, legal_dp_sizes
+from etrain.service.errors import SpecRejected
 from etrain.service.planning import bounds
 from etrain.service.planning.bounds import MAX_GLOBAL_BATCH, MAX_WORKERS, spread
-from etrain.service.decisions.elastic import ElasticPolicy, legal_dp_sizes
-from etrain.workers.protocol.layout_rules import divisors
-from etrain.service.errors import SpecRejected
 from etrain.service.planning.plan_search import MAX_AUTO_LAYOUTS
 from etrain.service.planning.planner import check_plan, plan_report, resolve_auto
-from etrain.service.settings import Settings
 from etrain.service.planning.spec import (
     AutoParallelismSpec,
     JobSpec,
@@ -35,16 +33,30 @@ from etrain.service.planning.spec import (
     TrainingSpec,
 )
 from etrain.service.planning.spec_checks import check_spec, field_problems
+from etrain.service.settings import Settings
+from etrain.workers.protocol.layout_rules import divisors
 from tests.fakes import FakeRuntime
 
 TOKEN = "bounds-token-31c4"
-LLAMA_405B = {"kind": "llama", "n_layers": 126, "d_model": 16384, "n_heads": 128, "n_kv_heads": 8,
-              "d_ff": 53248, "vocab_size": 128256, "seq_len": 131072}
+LLAMA_405B = {
+    "kind": "llama",
+    "n_layers": 126,
+    "d_model": 16384,
+    "n_heads": 128,
+    "n_kv_heads": 8,
+    "d_ff": 53248,
+    "vocab_size": 128256,
+    "seq_len": 131072,
+}
 
 
 def spec_dict(**sections: Any) -> dict[str, Any]:
-    spec: dict[str, Any] = {"name": "bounds", "model": {"preset": "gpt-tiny"}, "parallelism": {"dp": 2},
-                            "training": {"steps": 10, "global_batch": 8, "micro_batch": 2}}
+    spec: dict[str, Any] = {
+        "name": "bounds",
+        "model": {"preset": "gpt-tiny"},
+        "parallelism": {"dp": 2},
+        "training": {"steps": 10, "global_batch": 8, "micro_batch": 2},
+    }
     for name, value in sections.items():  # training is merged (steps and batch are required), the rest replaced
         spec[name] = {**spec[name], **value} if name == "training" else value
     return spec
@@ -58,8 +70,11 @@ def client(tmp_path_factory):
     data_dir = tmp_path_factory.mktemp("bounds")
     settings = Settings(data_dir=data_dir, api_token=TOKEN)
     manager = JobManager(settings, runtime=FakeRuntime(), base_dir=str(data_dir))
-    with TestClient(create_app(settings, manager=manager), headers={"Authorization": f"Bearer {TOKEN}"},
-                    raise_server_exceptions=False) as test_client:
+    with TestClient(
+        create_app(settings, manager=manager),
+        headers={"Authorization": f"Bearer {TOKEN}"},
+        raise_server_exceptions=False,
+    ) as test_client:
         yield test_client
     manager.close()
 
@@ -85,14 +100,24 @@ def test_spread_keeps_both_ends_and_at_most_limit():
 
 
 def test_llama_405b_at_full_context_on_thousands_of_gpus_passes_every_bound():
-    spec = JobSpec.model_validate(spec_dict(
-        model=LLAMA_405B, parallelism={"dp": 128, "tp": 8, "pp": 14, "zero": 1},
-        resources={"device": "cuda", "gpus_per_worker": 1, "min_dp": 64, "max_dp": 128},
-        training={"steps": 1_000_000, "global_batch": 2048, "micro_batch": 1, "precision": "bf16",
-                  "activation_checkpointing": True, "warmup_steps": 8000, "seed": 2**40},
-        checkpoint={"every_steps": 500, "keep_last": 5},
-        fault_tolerance={"max_restarts": 1000, "heartbeat_timeout_s": 3600, "backoff_max_s": 3600},
-    ))
+    spec = JobSpec.model_validate(
+        spec_dict(
+            model=LLAMA_405B,
+            parallelism={"dp": 128, "tp": 8, "pp": 14, "zero": 1},
+            resources={"device": "cuda", "gpus_per_worker": 1, "min_dp": 64, "max_dp": 128},
+            training={
+                "steps": 1_000_000,
+                "global_batch": 2048,
+                "micro_batch": 1,
+                "precision": "bf16",
+                "activation_checkpointing": True,
+                "warmup_steps": 8000,
+                "seed": 2**40,
+            },
+            checkpoint={"every_steps": 500, "keep_last": 5},
+            fault_tolerance={"max_restarts": 1000, "heartbeat_timeout_s": 3600, "backoff_max_s": 3600},
+        )
+    )
     assert field_problems(spec) == [] and check_spec(spec) == []
     assert spec.layout.dp * spec.layout.tp * spec.layout.pp == 14336  # ranks, within MAX_WORKERS
     report = plan_report(spec)  # answered, whether 80 GiB holds a 128k context or not
@@ -101,11 +126,14 @@ def test_llama_405b_at_full_context_on_thousands_of_gpus_passes_every_bound():
 
 
 def test_the_planner_places_the_405b_on_16384_gpus_quickly():
-    spec = JobSpec.model_validate(spec_dict(
-        model={**LLAMA_405B, "seq_len": 8192}, parallelism={"auto": True, "max_workers": 16384},
-        resources={"device": "cuda", "gpus_per_worker": 1},
-        training={"global_batch": 2048, "micro_batch": 1, "precision": "bf16", "activation_checkpointing": True},
-    ))
+    spec = JobSpec.model_validate(
+        spec_dict(
+            model={**LLAMA_405B, "seq_len": 8192},
+            parallelism={"auto": True, "max_workers": 16384},
+            resources={"device": "cuda", "gpus_per_worker": 1},
+            training={"global_batch": 2048, "micro_batch": 1, "precision": "bf16", "activation_checkpointing": True},
+        )
+    )
     started = time.perf_counter()
     plan = resolve_auto(spec)
     elapsed = time.perf_counter() - started
@@ -117,11 +145,19 @@ def test_the_planner_places_the_405b_on_16384_gpus_quickly():
 def test_the_worst_auto_search_within_the_bounds_is_capped():
     """840 layers (32 divisors) x a 14414400-sequence batch (504 divisors) x 65536 workers: the search
     stops at MAX_AUTO_LAYOUTS layouts and says so, instead of the ~270,000 a range search tried."""
-    spec = JobSpec.model_validate(spec_dict(
-        model={**LLAMA_405B, "n_layers": 840, "seq_len": 8192}, parallelism={"auto": True, "max_workers": MAX_WORKERS},
-        resources={"device": "cuda", "gpus_per_worker": 1},
-        training={"global_batch": 14414400, "micro_batch": 1, "precision": "bf16", "activation_checkpointing": True},
-    ))
+    spec = JobSpec.model_validate(
+        spec_dict(
+            model={**LLAMA_405B, "n_layers": 840, "seq_len": 8192},
+            parallelism={"auto": True, "max_workers": MAX_WORKERS},
+            resources={"device": "cuda", "gpus_per_worker": 1},
+            training={
+                "global_batch": 14414400,
+                "micro_batch": 1,
+                "precision": "bf16",
+                "activation_checkpointing": True,
+            },
+        )
+    )
     started = time.perf_counter()
     with pytest.raises(SpecRejected) as rejected:
         resolve_auto(spec)
@@ -219,26 +255,35 @@ def test_the_bounds_are_in_the_openapi_document(client):
     steps = spec_schema["TrainingSpec"]["properties"]["steps"]
     assert (steps["minimum"], steps["maximum"]) == (1, bounds.MAX_STEPS)
     listing = {p["name"]: p["schema"] for p in document["paths"]["/v1/jobs"]["get"]["parameters"]}
-    assert listing["offset"] == {"type": "integer", "minimum": 0, "maximum": bounds.MAX_CURSOR, "default": 0,
-                                 "title": "Offset"}
+    assert listing["offset"] == {
+        "type": "integer",
+        "minimum": 0,
+        "maximum": bounds.MAX_CURSOR,
+        "default": 0,
+        "title": "Offset",
+    }
     assert "null" not in str(listing["status"])  # optional parameters are absent or a value, never null
 
 
 # -- absurd values: answered at once ------------------------------------------------------------------
 
-ABSURD = {"model": {"preset": "gpt-tiny", "n_layers": 10**12},
-          "parallelism": {"auto": True, "max_workers": 10**9},
-          "training": {"global_batch": 10**15, "micro_batch": 1}}
+ABSURD = {
+    "model": {"preset": "gpt-tiny", "n_layers": 10**12},
+    "parallelism": {"auto": True, "max_workers": 10**9},
+    "training": {"global_batch": 10**15, "micro_batch": 1},
+}
 
 
 def _unvalidated_absurd_spec() -> JobSpec:
     """The absurd sizes in a JobSpec built without validation (as code could, with model_construct)."""
     valid = JobSpec.model_validate(spec_dict(parallelism={"auto": True, "max_workers": 8}))
-    return valid.model_copy(update={
-        "model": ModelSpec.model_construct(**{**valid.model.__dict__, "n_layers": 10**12}),
-        "parallelism": AutoParallelismSpec.model_construct(auto=True, max_workers=10**9),
-        "training": TrainingSpec.model_construct(**{**valid.training.__dict__, "global_batch": 10**15}),
-    })
+    return valid.model_copy(
+        update={
+            "model": ModelSpec.model_construct(**{**valid.model.__dict__, "n_layers": 10**12}),
+            "parallelism": AutoParallelismSpec.model_construct(auto=True, max_workers=10**9),
+            "training": TrainingSpec.model_construct(**{**valid.training.__dict__, "global_batch": 10**15}),
+        }
+    )
 
 
 def test_absurd_sizes_are_refused_in_under_100_ms_everywhere(client):
@@ -282,11 +327,17 @@ def test_the_supervisors_rules_are_a_422_at_submit_and_no_job_is_made(client):
     plan = client.post("/v1/plan", json=spec_dict(fault_tolerance={"backoff_base_s": 30, "backoff_max_s": 5})).json()
     assert plan["feasible"] is False and [p["field"] for p in plan["problems"]] == ["fault_tolerance.backoff_max_s"]
     # global_batch / micro_batch = 4 micro-batches: no dp in 3..3 divides it (ElasticPolicy's rule)
-    response = client.post("/v1/jobs", json=spec_dict(parallelism={"dp": 4}, resources={"min_dp": 3, "max_dp": 4},
-                                                      training={"global_batch": 8, "micro_batch": 2}))
+    response = client.post(
+        "/v1/jobs",
+        json=spec_dict(
+            parallelism={"dp": 4}, resources={"min_dp": 3, "max_dp": 4}, training={"global_batch": 8, "micro_batch": 2}
+        ),
+    )
     assert response.status_code == 201, response.text  # dp=4 is legal, 3 is skipped: fine
-    response = client.post("/v1/jobs", json=spec_dict(parallelism={"auto": True, "max_workers": 4},
-                                                      training={"global_batch": 9, "micro_batch": 2}))
+    response = client.post(
+        "/v1/jobs",
+        json=spec_dict(parallelism={"auto": True, "max_workers": 4}, training={"global_batch": 9, "micro_batch": 2}),
+    )
     assert fields_of(response) == ["training.global_batch"]
     assert "global_batch=9 is not a multiple of micro_batch=2" in response.json()["detail"][0]["message"]
     after = client.get("/v1/jobs").json()["jobs"]

@@ -19,9 +19,9 @@ from types import SimpleNamespace
 import pytest
 
 from etrain.service.runtime.chaos_drills import CorruptOrder, JobDrills
-from etrain.workers.rank.chaos import RankDrills
 from etrain.workers.checkpoints.checkpoint_commit import step_dir
 from etrain.workers.protocol.messages import ChaosOrder
+from etrain.workers.rank.chaos import RankDrills
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -67,7 +67,8 @@ def test_the_default_path_never_loads_the_drill_plugin(tmp_path):
     assert answer["refused"] == (
         "rank 0 of job gate refuses chaos order 7 (slow_rank): fault drills are disabled for this job (its launch "
         "plan has chaos_enabled=False); they run only on servers started with ETRAIN_ENABLE_CHAOS=1 "
-        "(`etrain serve --enable-chaos`)")
+        "(`etrain serve --enable-chaos`)"
+    )
     assert (answer["callbacks_on"], answer["chaos_loaded_on"]) == (["ChaosCallback"], True)
     assert answer["same_drills_next_attempt"] is True  # a kept process keeps its drills (in-place repair)
 
@@ -143,12 +144,21 @@ def test_job_drills_turn_requests_into_orders_and_arm_them():
     later, _ = drills.order({"action": "slow_rank", "rank": 2, "factor": 3, "at_step": 6})
     corrupt, answer_corrupt = drills.order({"action": "corrupt_checkpoint", "step": 4})
     assert now == ChaosOrder(id=1, action="kill_rank", rank=1)
-    assert answer_now == {"id": 1, "action": "kill_rank", "rank": 1, "factor": 1.0, "at_step": None,
-                          "during": "step", "armed": True}
+    assert answer_now == {
+        "id": 1,
+        "action": "kill_rank",
+        "rank": 1,
+        "factor": 1.0,
+        "at_step": None,
+        "during": "step",
+        "armed": True,
+    }
     assert save == ChaosOrder(id=2, action="kill_actor", rank=0, at_step=0, during="checkpoint_commit")
     assert later == ChaosOrder(id=3, action="slow_rank", rank=2, factor=3.0, at_step=6)
-    assert (corrupt, answer_corrupt) == (CorruptOrder(id=4, step=4),
-                                         {"id": 4, "action": "corrupt_checkpoint", "step": 4, "armed": True})
+    assert (corrupt, answer_corrupt) == (
+        CorruptOrder(id=4, step=4),
+        {"id": 4, "action": "corrupt_checkpoint", "step": 4, "armed": True},
+    )
 
     for order in (now, save, later):  # the group is not up: every order waits, armed
         drills.arm(order, world_size=4, group=None, committed_step=None)
@@ -186,7 +196,9 @@ def test_job_drills_corrupt_a_checkpoint_only_once_it_is_committed(tmp_path):
     after = (directory / "__1_0.distcp").read_bytes()
     offset = 300 // 2 - 32
     assert len(after) == 300 and (directory / "__0_0.distcp").read_bytes() == small  # the largest shard only
-    assert after[:offset] == large[:offset] and after[offset + 64:] == large[offset + 64:]
-    assert after[offset:offset + 64] == bytes(b ^ 0xFF for b in large[offset:offset + 64])
-    assert events == [("chaos_armed", "corrupt_checkpoint step 4 (order 1)"),
-                      ("chaos_fired", "corrupt_checkpoint flipped bytes in __1_0.distcp of step 4")]
+    assert after[:offset] == large[:offset] and after[offset + 64 :] == large[offset + 64 :]
+    assert after[offset : offset + 64] == bytes(b ^ 0xFF for b in large[offset : offset + 64])
+    assert events == [
+        ("chaos_armed", "corrupt_checkpoint step 4 (order 1)"),
+        ("chaos_fired", "corrupt_checkpoint flipped bytes in __1_0.distcp of step 4"),
+    ]

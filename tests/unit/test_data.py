@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from etrain.workers.protocol.run_config import DataConfig, ModelConfig
 from etrain.workers.engine.data import GlobalSampler, TokenDataset, build_dataset, read_text_tokens, synthetic_tokens
 from etrain.workers.protocol.errors import ConfigError, DataError
+from etrain.workers.protocol.run_config import DataConfig, ModelConfig
 
 MODEL = ModelConfig(n_layers=1, d_model=8, n_heads=2, vocab_size=256, seq_len=8)
 
@@ -72,8 +72,11 @@ def test_local_micro_batches_split_the_rank_slice_in_order() -> None:
 def test_indivisible_batches_are_config_errors() -> None:
     sampler = GlobalSampler(num_samples=100, global_batch=8, seed=0)
     # The batch rule (etrain.workers.protocol.layout_rules.batch_problems), the same message the spec answers with.
-    with pytest.raises(ConfigError, match=r"global_batch=8 is not divisible by parallelism.dp \* training.micro_batch "
-                                          r"= 3 \* 1 = 3"):
+    with pytest.raises(
+        ConfigError,
+        match=r"global_batch=8 is not divisible by parallelism.dp \* training.micro_batch "
+        r"= 3 \* 1 = 3",
+    ):
         sampler.local_indices(0, 0, 3)
     with pytest.raises(ConfigError, match=r"= 2 \* 3 = 6") as info:
         sampler.local_micro_batches(0, 0, 2, micro_batch=3)

@@ -9,16 +9,12 @@ from etrain.service.decisions.elastic import (
     legal_dp_sizes,
     num_micro_batches,
 )
-from etrain.workers.protocol.layout_rules import grad_accum_steps
 from etrain.workers.protocol.errors import ConfigError
+from etrain.workers.protocol.layout_rules import grad_accum_steps
 
 
 def brute_force_legal(global_batch, micro_batch, min_dp, max_dp):
-    return [
-        dp
-        for dp in range(min_dp, max_dp + 1)
-        if global_batch % (dp * micro_batch) == 0
-    ]
+    return [dp for dp in range(min_dp, max_dp + 1) if global_batch % (dp * micro_batch) == 0]
 
 
 class TestLegalSizes:

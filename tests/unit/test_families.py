@@ -25,16 +25,28 @@ BASE = dict(n_layers=2, d_model=48, n_heads=4, vocab_size=96, seq_len=16, d_ff=8
 #: A few shapes of each family: every option that changes a count or a name.
 VARIANTS = {
     "gpt": [{}],
-    "llama": [{"n_kv_heads": 2}, {"n_kv_heads": 2, "attention_bias": "qkv", "tie_embeddings": True},
-              {"n_kv_heads": 1, "attention_bias": "all", "qk_norm": True, "head_dim_override": 16}],
-    "olmo2": [{"n_kv_heads": 2}, {"n_kv_heads": 2, "attention_bias": "all", "tie_embeddings": True},
-              {"n_kv_heads": 4, "head_dim_override": 8}],
+    "llama": [
+        {"n_kv_heads": 2},
+        {"n_kv_heads": 2, "attention_bias": "qkv", "tie_embeddings": True},
+        {"n_kv_heads": 1, "attention_bias": "all", "qk_norm": True, "head_dim_override": 16},
+    ],
+    "olmo2": [
+        {"n_kv_heads": 2},
+        {"n_kv_heads": 2, "attention_bias": "all", "tie_embeddings": True},
+        {"n_kv_heads": 4, "head_dim_override": 8},
+    ],
 }
 CASES = [(name, variant) for name, variants in VARIANTS.items() for variant in variants]
 IDS = [f"{name}-{i}" for name, variants in VARIANTS.items() for i in range(len(variants))]
 #: Per style: whether the module's weight and bias are split over the tp ranks (else replicated).
-SHARDS = {"colwise": (True, True), "colwise_sharded_output": (True, True), "rowwise": (True, False),
-          "width_norm": (True, True), "norm": (False, False), "head_norm": (False, False)}
+SHARDS = {
+    "colwise": (True, True),
+    "colwise_sharded_output": (True, True),
+    "rowwise": (True, False),
+    "width_norm": (True, True),
+    "norm": (False, False),
+    "head_norm": (False, False),
+}
 
 
 def _config(name: str, variant: dict) -> ModelConfig:
@@ -54,8 +66,12 @@ def test_every_family_is_registered_once_and_complete():
     assert set(families.presets()) == set(MODEL_PRESETS)
     assert all(MODEL_PRESETS[p]["arch"] == f.name for f in families.FAMILIES.values() for p in f.presets)
     assert {arch: traits["family"] for arch, traits in families.hf_architectures().items()} == {
-        "LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "llama",
-        "Qwen3ForCausalLM": "llama", "Olmo2ForCausalLM": "olmo2"}
+        "LlamaForCausalLM": "llama",
+        "MistralForCausalLM": "llama",
+        "Qwen2ForCausalLM": "llama",
+        "Qwen3ForCausalLM": "llama",
+        "Olmo2ForCausalLM": "olmo2",
+    }
     assert families.hf_family("Olmo2ForCausalLM") is families.family("olmo2")
     assert families.hf_family("GPT2LMHeadModel") is None
 
@@ -117,8 +133,11 @@ def test_the_tp_plan_names_real_modules_and_shards_what_layer_params_counts(name
         assert found.layer_params(config, tp) == pytest.approx(held), tp
 
 
-@pytest.mark.parametrize(("name", "variant"), [case for case in CASES if case[0] != "gpt"],
-                         ids=[i for i, case in zip(IDS, CASES) if case[0] != "gpt"])
+@pytest.mark.parametrize(
+    ("name", "variant"),
+    [case for case in CASES if case[0] != "gpt"],
+    ids=[i for i, case in zip(IDS, CASES) if case[0] != "gpt"],
+)
 def test_hugging_face_names_cover_the_model_and_map_back(name, variant):
     config = _config(name, variant)
     found = families.family(name)

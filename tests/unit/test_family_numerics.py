@@ -18,19 +18,34 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from etrain.workers.checkpoints.hf_config import etrain_name, model_config_from_hf  # noqa: E402
-from etrain.workers.engine.init import materialize  # noqa: E402
-from etrain.workers.engine.init import build_model  # noqa: E402
+from etrain.workers.engine.init import build_model, materialize  # noqa: E402
 from etrain.workers.families.model import build_model_skeleton, cross_entropy_loss  # noqa: E402
 
-COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+COMMON = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=128,
+    max_position_embeddings=64,
+)
 
 
 def _hf_model(arch: str):
     if arch == "llama":
-        config = transformers.LlamaConfig(**COMMON, attention_bias=True, rope_theta=500000.0, rope_scaling={
-            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 16})
+        config = transformers.LlamaConfig(
+            **COMMON,
+            attention_bias=True,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+        )
         model = transformers.LlamaForCausalLM(config)
     elif arch == "mistral":
         config = transformers.MistralConfig(**COMMON, sliding_window=64)
@@ -42,8 +57,9 @@ def _hf_model(arch: str):
         config = transformers.Olmo2Config(**COMMON, rope_theta=500000.0, rms_norm_eps=1e-6)
         model = transformers.Olmo2ForCausalLM(config)
     elif arch == "olmo2-bias-tied":
-        config = transformers.Olmo2Config(**COMMON, attention_bias=True, tie_word_embeddings=True, rope_scaling={
-            "rope_type": "linear", "factor": 2.0})
+        config = transformers.Olmo2Config(
+            **COMMON, attention_bias=True, tie_word_embeddings=True, rope_scaling={"rope_type": "linear", "factor": 2.0}
+        )
         model = transformers.Olmo2ForCausalLM(config)
     else:
         config = transformers.Qwen3Config(**COMMON, head_dim=32)
@@ -62,8 +78,11 @@ def test_logits_equal_transformers(arch: str) -> None:
     reference, raw = _hf_model(arch)
     config = model_config_from_hf(raw, seq_len=32)
     ours = build_model(config, seed=0).eval()
-    state = {etrain_name(k, config.arch): v for k, v in reference.state_dict().items()
-             if not (config.tie_embeddings and k == "lm_head.weight")}
+    state = {
+        etrain_name(k, config.arch): v
+        for k, v in reference.state_dict().items()
+        if not (config.tie_embeddings and k == "lm_head.weight")
+    }
     result = ours.load_state_dict(state, strict=False)
     assert not result.unexpected_keys
     assert result.missing_keys == (["output.weight"] if config.tie_embeddings else [])
@@ -83,8 +102,10 @@ def test_logits_equal_transformers(arch: str) -> None:
     if pad is not None:  # transformers freezes the pad token's embedding row (padding_idx); etrain trains it
         ours.tok_embeddings.weight.grad[pad] = theirs["tok_embeddings.weight"][pad]
     grad_diff = max((p.grad - theirs[name]).abs().max().item() for name, p in ours.named_parameters())
-    print(f"{arch}: max|logit diff| = {diff:.3g}, |loss diff| = {abs(loss.item() - want.loss.item()):.3g}, "
-          f"max|grad diff| = {grad_diff:.3g}")
+    print(
+        f"{arch}: max|logit diff| = {diff:.3g}, |loss diff| = {abs(loss.item() - want.loss.item()):.3g}, "
+        f"max|grad diff| = {grad_diff:.3g}"
+    )
     assert diff <= 1e-5 and abs(loss.item() - want.loss.item()) <= 1e-5 and grad_diff <= 1e-5
 
 

@@ -14,11 +14,19 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.gpu.measures import FULL, TINY, device_peak, job_figures, model_config, probe_figures, save_blocking, \
-    startup_phases
+from benchmarks.gpu.measures import (
+    FULL,
+    TINY,
+    device_peak,
+    job_figures,
+    model_config,
+    probe_figures,
+    save_blocking,
+    startup_phases,
+)
 from benchmarks.gpu.table import passed, render
 from benchmarks.peers.common import recovery_measures
-from tests.architecture.test_pure_layers import BLOCKED, _PROBE
+from tests.architecture.test_pure_layers import _PROBE, BLOCKED
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -29,8 +37,16 @@ LLAMA_1B_PARAMS = 16 * 60_821_504 + 128_256 * 2048 + 2048
 
 def test_the_check_model_is_llama_3_2_1b_at_2048_tokens():
     model = model_config(FULL)
-    assert (model.n_layers, model.d_model, model.n_heads, model.kv_heads, model.ffn_dim, model.vocab_size,
-            model.seq_len, model.tie_embeddings) == (16, 2048, 32, 8, 8192, 128256, 2048, True)
+    assert (
+        model.n_layers,
+        model.d_model,
+        model.n_heads,
+        model.kv_heads,
+        model.ffn_dim,
+        model.vocab_size,
+        model.seq_len,
+        model.tie_embeddings,
+    ) == (16, 2048, 32, 8, 8192, 128256, 2048, True)
     assert model.num_params == LLAMA_1B_PARAMS == 1_235_814_400
     assert FULL.tokens_per_step == 8 * 2048 and FULL.precision == "bf16" and TINY.device == "cpu"
 
@@ -76,7 +92,10 @@ def test_start_up_phases_and_save_blocking_from_a_rank_log():
     # step 20: no figure in the line, so the step line -> checkpoint line gap (1.25 s); step 40 says 0.68 s
     assert [(s["step"], s["source"]) for s in saves] == [(20, "log lines"), (40, "stated")]
     assert saves[0]["blocked_s"] == pytest.approx(1.25) and saves[1]["blocked_s"] == 0.68
-    assert save_blocking(["2026-11-26T10:00:00.000 checkpoint step 5 saved, training blocked 250ms"])[0]["blocked_s"] == 0.25
+    assert (
+        save_blocking(["2026-11-26T10:00:00.000 checkpoint step 5 saved, training blocked 250ms"])[0]["blocked_s"]
+        == 0.25
+    )
 
 
 def _event(ts, kind, message=""):
@@ -85,13 +104,25 @@ def _event(ts, kind, message=""):
 
 def test_clean_job_figures_from_rows_and_events():
     submit = 1000.0
-    steps = [{"step": s, "ts": 1004.5 + 0.4 * (s - 1), "attempt": 1, "step_s": 0.5 if s <= 3 else 0.4}
-             for s in range(1, 41)]
+    steps = [
+        {"step": s, "ts": 1004.5 + 0.4 * (s - 1), "attempt": 1, "step_s": 0.5 if s <= 3 else 0.4} for s in range(1, 41)
+    ]
     steps[19]["step_s"] = 0.42  # median over steps 4..40: 0.4
-    job = {"status": "SUCCEEDED", "error": None, "restarts": 0, "attempt": 1, "goodput": 0.61, "step": 40,
-           "updated_at": 1025.0}
-    events = [_event(1000.01, "submitted"), _event(1003.0, "placed"), _event(1003.1, "checkpoint_interval", "every 50"),
-              _event(1012.0, "checkpoint_interval", "every 90")]
+    job = {
+        "status": "SUCCEEDED",
+        "error": None,
+        "restarts": 0,
+        "attempt": 1,
+        "goodput": 0.61,
+        "step": 40,
+        "updated_at": 1025.0,
+    }
+    events = [
+        _event(1000.01, "submitted"),
+        _event(1003.0, "placed"),
+        _event(1003.1, "checkpoint_interval", "every 50"),
+        _event(1012.0, "checkpoint_interval", "every 90"),
+    ]
     f = job_figures(submit_ts=submit, job=job, steps=steps, events=events, log_lines=LOG)
     assert f["submit_to_first_step_s"] == pytest.approx(4.5)
     assert f["step_s_median"] == 0.4 and f["goodput"] == 0.61 and f["wall_s"] == 25.0
@@ -104,8 +135,11 @@ def test_kill_figures_when_the_next_attempt_started_over():
     rows (one row per step, the latest attempt's), so no row of attempt 1 is left."""
     submit, kill = 1000.0, 1020.0
     steps = [{"step": s, "ts": 1026.0 + 0.4 * (s - 1), "attempt": 2, "step_s": 0.4} for s in range(1, 201)]
-    events = [_event(kill, "chaos_fired", "kill_rank on rank 0 at step 25 (order 1)"),
-              _event(kill + 0.4, "worker_failed"), _event(kill + 5.0, "placed")]
+    events = [
+        _event(kill, "chaos_fired", "kill_rank on rank 0 at step 25 (order 1)"),
+        _event(kill + 0.4, "worker_failed"),
+        _event(kill + 5.0, "placed"),
+    ]
     job = {"status": "SUCCEEDED", "restarts": 1, "attempt": 2, "goodput": 0.7, "updated_at": 1110.0}
     f = job_figures(submit_ts=submit, job=job, steps=steps, events=events, log_lines=[], kill_at=25)
     assert f["kill_to_next_step_s"] == pytest.approx(6.0) and f["detect_s"] == pytest.approx(0.4)
@@ -118,8 +152,9 @@ def test_kill_figures_with_rows_of_both_attempts_and_a_late_report():
     steps = [{"step": s, "ts": 1000.0 + s, "attempt": 1} for s in range(1, 21)]  # kept: checkpoint at 20
     steps += [{"step": s, "ts": 1030.0 + s, "attempt": 2} for s in range(21, 41)]
     # without chaos_fired, worker_failed is the kill
-    m = job_figures(submit_ts=995.0, job={}, steps=steps, events=[_event(1025.5, "worker_failed")], log_lines=[],
-                    kill_at=25)
+    m = job_figures(
+        submit_ts=995.0, job={}, steps=steps, events=[_event(1025.5, "worker_failed")], log_lines=[], kill_at=25
+    )
     assert m["kill_ts"] == 1025.5 and m["kill_to_next_step_s"] == pytest.approx(1051.0 - 1025.5)
     assert (m["resumed_from"], m["recomputed"], m["submit_to_first_step_s"]) == (20, 5, 6.0)
     late = steps + [{"step": 21, "ts": 1025.7, "attempt": 1}]  # a report of attempt 1 arriving after the kill
@@ -127,19 +162,52 @@ def test_kill_figures_with_rows_of_both_attempts_and_a_late_report():
 
 
 def test_the_table_names_the_device_and_judges_the_goals():
-    probe = {"device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0+cu130", "params": LLAMA_1B_PARAMS,
-             "machine": {"cpus": 16, "commit": "abcdef0123456", "date": "2026-11-26"},
-             "rows": [{"row": "etrain", "build_s": 1.2, "step_s_median": 0.4, "tokens_per_s": 40960, "mfu": 0.34,
-                       "peak_gib": 49.2},
-                      {"row": "hf", "build_s": 0.04, "step_s_median": 0.41, "tokens_per_s": 39960, "mfu": 0.33,
-                       "peak_gib": 50.1}]}
-    clean = {"job": "clean", "steps": 40, "every_steps": 20,
-             "figures": {"status": "SUCCEEDED", "submit_to_first_step_s": 4.2, "step_s_median": 0.4, "goodput": 0.8,
-                         "save_blocking": [{"step": 20, "blocked_s": 1.1}], "save_blocking_median_s": 1.1,
-                         "startup": [{"attempt": 1, "total_s": 1.5, "phases": {"trainer": 1.2}}]}}
-    kill = {"job": "kill", "steps": 200, "every_steps": "auto", "kill_at": 25,
-            "figures": {"status": "FAILED", "error": "boom", "restarts": 1, "kill_to_next_step_s": 12.0,
-                        "goodput": 0.9, "startup": [], "save_blocking": []}}
+    probe = {
+        "device": "NVIDIA H100 80GB HBM3",
+        "torch": "2.11.0+cu130",
+        "params": LLAMA_1B_PARAMS,
+        "machine": {"cpus": 16, "commit": "abcdef0123456", "date": "2026-11-26"},
+        "rows": [
+            {
+                "row": "etrain",
+                "build_s": 1.2,
+                "step_s_median": 0.4,
+                "tokens_per_s": 40960,
+                "mfu": 0.34,
+                "peak_gib": 49.2,
+            },
+            {"row": "hf", "build_s": 0.04, "step_s_median": 0.41, "tokens_per_s": 39960, "mfu": 0.33, "peak_gib": 50.1},
+        ],
+    }
+    clean = {
+        "job": "clean",
+        "steps": 40,
+        "every_steps": 20,
+        "figures": {
+            "status": "SUCCEEDED",
+            "submit_to_first_step_s": 4.2,
+            "step_s_median": 0.4,
+            "goodput": 0.8,
+            "save_blocking": [{"step": 20, "blocked_s": 1.1}],
+            "save_blocking_median_s": 1.1,
+            "startup": [{"attempt": 1, "total_s": 1.5, "phases": {"trainer": 1.2}}],
+        },
+    }
+    kill = {
+        "job": "kill",
+        "steps": 200,
+        "every_steps": "auto",
+        "kill_at": 25,
+        "figures": {
+            "status": "FAILED",
+            "error": "boom",
+            "restarts": 1,
+            "kill_to_next_step_s": 12.0,
+            "goodput": 0.9,
+            "startup": [],
+            "save_blocking": [],
+        },
+    }
     service = {"device": "NVIDIA H100 80GB HBM3", "jobs": [clean, kill]}
     text = render(probe, service)
     assert text.startswith("Measured by `make gpu-check` on NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, 16 CPU cores")
@@ -171,7 +239,13 @@ def test_the_arithmetic_loads_without_torch_or_ray(module):
 
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="this machine has a GPU: the check would run")
 def test_without_a_gpu_the_check_says_so_and_exits_0():
-    result = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu" / "run.sh")], cwd=REPO, capture_output=True,
-                            text=True, timeout=120, env={"PATH": "/usr/bin:/bin", "HOME": str(REPO)})
+    result = subprocess.run(
+        ["bash", str(REPO / "benchmarks" / "gpu" / "run.sh")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin", "HOME": str(REPO)},
+    )
     assert result.returncode == 0, result.stderr
     assert "no GPU on this machine: make gpu-check skipped" in result.stdout

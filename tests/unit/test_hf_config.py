@@ -18,8 +18,6 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from etrain.workers.protocol.run_config import ModelConfig, RopeScaling  # noqa: E402
-from etrain.workers.protocol.errors import ConfigError  # noqa: E402
 from etrain.workers.checkpoints.hf_config import (  # noqa: E402
     SUPPORTED_ARCHITECTURES,
     etrain_name,
@@ -28,24 +26,45 @@ from etrain.workers.checkpoints.hf_config import (  # noqa: E402
     hf_parameter_names,
     model_config_from_hf,
 )
+from etrain.workers.protocol.errors import ConfigError  # noqa: E402
+from etrain.workers.protocol.run_config import ModelConfig, RopeScaling  # noqa: E402
 
-COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 16}
+COMMON = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=128,
+    max_position_embeddings=64,
+)
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
 
 
 def _configs() -> dict[str, tuple[object, type]]:
     return {
-        "llama": (transformers.LlamaConfig(**COMMON, attention_bias=True, rope_theta=500000.0,
-                                           rope_scaling=LLAMA3_ROPE, rms_norm_eps=1e-5),
-                  transformers.LlamaForCausalLM),
+        "llama": (
+            transformers.LlamaConfig(
+                **COMMON, attention_bias=True, rope_theta=500000.0, rope_scaling=LLAMA3_ROPE, rms_norm_eps=1e-5
+            ),
+            transformers.LlamaForCausalLM,
+        ),
         "mistral": (transformers.MistralConfig(**COMMON, sliding_window=32), transformers.MistralForCausalLM),
-        "qwen2": (transformers.Qwen2Config(**COMMON, tie_word_embeddings=True, rope_theta=1e6),
-                  transformers.Qwen2ForCausalLM),
+        "qwen2": (
+            transformers.Qwen2Config(**COMMON, tie_word_embeddings=True, rope_theta=1e6),
+            transformers.Qwen2ForCausalLM,
+        ),
         "qwen3": (transformers.Qwen3Config(**COMMON, head_dim=32), transformers.Qwen3ForCausalLM),
-        "olmo2": (transformers.Olmo2Config(**COMMON, attention_bias=True, rope_theta=500000.0, rms_norm_eps=1e-6),
-                  transformers.Olmo2ForCausalLM),
+        "olmo2": (
+            transformers.Olmo2Config(**COMMON, attention_bias=True, rope_theta=500000.0, rms_norm_eps=1e-6),
+            transformers.Olmo2ForCausalLM,
+        ),
     }
 
 
@@ -61,11 +80,18 @@ def test_llama_with_llama3_rope_and_attention_bias():
     config = model_config_from_hf(_raw("llama"), seq_len=32)
     assert (config.arch, config.hf_architecture) == ("llama", "LlamaForCausalLM")
     assert (config.n_layers, config.d_model, config.n_heads, config.kv_heads, config.ffn_dim, config.vocab_size) == (
-        2, 64, 4, 2, 96, 128)
+        2,
+        64,
+        4,
+        2,
+        96,
+        128,
+    )
     assert (config.seq_len, config.max_position_embeddings, config.head_dim) == (32, 64, 16)
     assert config.rope_theta == 500000.0
-    assert config.rope_scaling == RopeScaling(kind="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                              original_max_position_embeddings=16)
+    assert config.rope_scaling == RopeScaling(
+        kind="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16
+    )
     assert config.attention_bias == "all" and not config.qk_norm and not config.tie_embeddings
     assert config.norm_eps == 1e-5
 
@@ -73,8 +99,12 @@ def test_llama_with_llama3_rope_and_attention_bias():
 def test_mistral():
     config = model_config_from_hf(_raw("mistral"), seq_len=32)
     assert config.hf_architecture == "MistralForCausalLM"
-    assert (config.attention_bias, config.qk_norm, config.tie_embeddings, config.rope_scaling) == ("none", False, False,
-                                                                                                  None)
+    assert (config.attention_bias, config.qk_norm, config.tie_embeddings, config.rope_scaling) == (
+        "none",
+        False,
+        False,
+        None,
+    )
     assert (config.kv_heads, config.head_dim, config.rope_theta, config.norm_eps) == (2, 16, 10000.0, 1e-6)
 
 
@@ -186,10 +216,25 @@ def test_hf_config_dict_reads_back_to_the_same_sizes(arch):
     assert type(config) is type(_configs()[arch][0])
     again = type(config).from_dict(written)
     for read in (config, again):
-        assert (read.hidden_size, read.intermediate_size, read.num_hidden_layers, read.num_attention_heads,
-                read.num_key_value_heads, read.head_dim, read.vocab_size, read.max_position_embeddings) == (
-            ours.d_model, ours.ffn_dim, ours.n_layers, ours.n_heads, ours.kv_heads, ours.head_dim, ours.vocab_size,
-            64)
+        assert (
+            read.hidden_size,
+            read.intermediate_size,
+            read.num_hidden_layers,
+            read.num_attention_heads,
+            read.num_key_value_heads,
+            read.head_dim,
+            read.vocab_size,
+            read.max_position_embeddings,
+        ) == (
+            ours.d_model,
+            ours.ffn_dim,
+            ours.n_layers,
+            ours.n_heads,
+            ours.kv_heads,
+            ours.head_dim,
+            ours.vocab_size,
+            64,
+        )
         assert read.tie_word_embeddings == ours.tie_embeddings
         assert read.rms_norm_eps == ours.norm_eps and read.hidden_act == "silu"
         assert read.rope_parameters["rope_theta"] == ours.rope_theta

@@ -94,8 +94,11 @@ def test_policy_for_leaves_the_other_values_at_their_defaults():
 def test_every_supervisor_setting_of_the_spec_reaches_the_policy(section):
     read = {path for paths in FROM_SPEC.values() for path in paths}
     model = type(getattr(_spec(BASE), section))
-    lost = [f"{section}.{name}" for name in model.model_fields
-            if f"{section}.{name}" not in read and f"{section}.{name}" not in ELSEWHERE]
+    lost = [
+        f"{section}.{name}"
+        for name in model.model_fields
+        if f"{section}.{name}" not in read and f"{section}.{name}" not in ELSEWHERE
+    ]
     assert lost == [], "add each to JobPolicy, FROM_SPEC and policy_for (or to ELSEWHERE, saying where it goes)"
 
 
@@ -115,7 +118,9 @@ def test_the_supervisor_config_holds_the_policy_whole():
 
 
 def test_the_gang_is_read_from_the_policy():
-    spec = _spec({**BASE, "resources": {"min_dp": 1, "max_dp": 4, "gpus_per_worker": 1, "placement_strategy": "SPREAD"}})
+    spec = _spec(
+        {**BASE, "resources": {"min_dp": 1, "max_dp": 4, "gpus_per_worker": 1, "placement_strategy": "SPREAD"}}
+    )
     gang = gang_for(spec)
     assert gang.per_rank == {"CPU": 1.0, "GPU": 1.0} and gang.strategy == "SPREAD"
     assert gang.dp_sizes == (1, 2) and gang.dp_field == "resources.min_dp"

@@ -18,14 +18,13 @@ import pytest
 
 from etrain.service.planning.bounds import MAX_GLOBAL_BATCH
 from etrain.workers.protocol import layout_rules as rules
-from etrain.workers.protocol.layout_rules import divisors
 from etrain.workers.protocol.errors import ConfigError
+from etrain.workers.protocol.layout_rules import divisors
 from etrain.workers.protocol.run_config import ModelConfig, ParallelConfig, PipelineSchedule, TrainingConfig
 from etrain.workers.protocol.topology import Topology, TopologyError
 
 GPT = ModelConfig(n_layers=12, d_model=48, n_heads=6, vocab_size=96, seq_len=18, d_ff=72)
-LLAMA = ModelConfig(arch="llama", n_layers=8, d_model=32, n_heads=8, n_kv_heads=2, d_ff=40, vocab_size=64,
-                    seq_len=16)
+LLAMA = ModelConfig(arch="llama", n_layers=8, d_model=32, n_heads=8, n_kv_heads=2, d_ff=40, vocab_size=64, seq_len=16)
 LLAMA_TIED = dataclasses.replace(LLAMA, tie_embeddings=True)
 
 
@@ -106,8 +105,16 @@ def test_tensor_parallel_degrees_split_every_sharded_size(arch):
     for heads, kv, d_ff, vocab in itertools.product((1, 2, 3, 4, 6, 8), (1, 2, 3, 4), (8, 12, 18, 24), (16, 24, 30)):
         if arch == "llama" and heads % kv:
             continue
-        model = ModelConfig(arch=arch, n_layers=2, d_model=heads * 4, n_heads=heads, d_ff=d_ff, vocab_size=vocab,
-                            seq_len=8, n_kv_heads=kv if arch == "llama" else None)
+        model = ModelConfig(
+            arch=arch,
+            n_layers=2,
+            d_model=heads * 4,
+            n_heads=heads,
+            d_ff=d_ff,
+            vocab_size=vocab,
+            seq_len=8,
+            n_kv_heads=kv if arch == "llama" else None,
+        )
         valid = [tp for tp in range(1, 13) if _tp_splits(model, tp)]
         assert rules.valid_tps(model) == valid, model
         for tp in range(1, 13):
@@ -179,8 +186,9 @@ def _torch_runs(pp: int, v: int, m: int, schedule: str) -> bool:
 
 
 def test_schedules_accept_exactly_what_torch_runs():
-    for pp, v, m, schedule in itertools.product(range(1, 7), range(1, 5), range(0, 30),
-                                                ("gpipe", "1f1b", "interleaved_1f1b", "zb")):
+    for pp, v, m, schedule in itertools.product(
+        range(1, 7), range(1, 5), range(0, 30), ("gpipe", "1f1b", "interleaved_1f1b", "zb")
+    ):
         problems = rules.schedule_problems(pp, v, m, schedule)
         assert (problems == []) == _torch_runs(pp, v, m, schedule), (pp, v, m, schedule)
 
@@ -192,7 +200,9 @@ def test_interleaved_rounds_are_torchs():
     (problem,) = rules.schedule_problems(2, 2, 5, "interleaved_1f1b")
     assert problem.field == "parallelism.microbatches"
     assert "rounds of max(1, microbatches // pp) = 2" in problem.message and "5 micro-batches" in problem.message
-    assert problem.fix == "use a number of micro-batches that is a multiple of parallelism.pp=2 (e.g. 4), or fewer than 4"
+    assert (
+        problem.fix == "use a number of micro-batches that is a multiple of parallelism.pp=2 (e.g. 4), or fewer than 4"
+    )
 
 
 def test_pipeline_schedule_names_are_the_run_configs():
@@ -208,11 +218,15 @@ def test_the_batch_splits_into_whole_micro_batches_per_replica():
         problems = rules.batch_problems(global_batch=gb, micro_batch=mb, dp=dp)
         assert (problems == []) == bool(whole), (gb, mb, dp)
         if whole:
-            assert rules.grad_accum_steps(gb, mb, dp) == whole[0] == TrainingConfig(
-                steps=1, global_batch=gb, micro_batch=mb).grad_accum_steps(dp)
+            assert (
+                rules.grad_accum_steps(gb, mb, dp)
+                == whole[0]
+                == TrainingConfig(steps=1, global_batch=gb, micro_batch=mb).grad_accum_steps(dp)
+            )
             assert rules.batch_problems(global_batch=gb, micro_batch=mb, dp=dp, microbatches=whole[0]) == []
-            assert fields(rules.batch_problems(global_batch=gb, micro_batch=mb, dp=dp, microbatches=whole[0] + 1)) \
-                == {"parallelism.microbatches"}
+            assert fields(rules.batch_problems(global_batch=gb, micro_batch=mb, dp=dp, microbatches=whole[0] + 1)) == {
+                "parallelism.microbatches"
+            }
         else:
             assert fields(problems) == {"training.global_batch"}
             with pytest.raises(ConfigError, match=f"= {dp} \\* {mb} = {dp * mb}"):
@@ -221,8 +235,9 @@ def test_the_batch_splits_into_whole_micro_batches_per_replica():
 
 def test_the_batch_message_names_the_numbers_and_a_multiple():
     (problem,) = rules.batch_problems(global_batch=10, micro_batch=4, dp=2)
-    assert problem.message == ("training.global_batch=10 is not divisible by parallelism.dp * training.micro_batch "
-                               "= 2 * 4 = 8.")
+    assert problem.message == (
+        "training.global_batch=10 is not divisible by parallelism.dp * training.micro_batch = 2 * 4 = 8."
+    )
     assert problem.fix == "use a multiple of 8 (e.g. 8), or change dp/micro_batch"
     assert fields(rules.batch_problems(global_batch=8, micro_batch=0, dp=2)) == {"training.micro_batch"}
 
@@ -261,12 +276,16 @@ def test_legal_dp_sizes_are_the_range_scanned_for_whole_accumulation():
         for lo, hi, multiple in itertools.product((1, 2, 3), (3, 8, 64), (1, 2, 3)):
             if hi < lo:
                 continue
-            scanned = [dp for dp in range(lo, hi + 1)
-                       if any(dp * mb * k == gb for k in range(1, gb + 1)) and dp % multiple == 0]
+            scanned = [
+                dp
+                for dp in range(lo, hi + 1)
+                if any(dp * mb * k == gb for k in range(1, gb + 1)) and dp % multiple == 0
+            ]
             assert rules.legal_dp_sizes(gb, mb, lo, hi, multiple) == scanned, (gb, mb, lo, hi, multiple)
             for dp in range(0, hi + 2):
-                assert rules.is_legal_dp(dp, global_batch=gb, micro_batch=mb, min_dp=lo, max_dp=hi,
-                                         dp_multiple=multiple) == (dp in scanned)
+                assert rules.is_legal_dp(
+                    dp, global_batch=gb, micro_batch=mb, min_dp=lo, max_dp=hi, dp_multiple=multiple
+                ) == (dp in scanned)
 
 
 def test_a_range_must_be_a_range():
@@ -316,15 +335,32 @@ def _expected_fields(model: ModelConfig, *, dp, tp, pp, zero, schedule, v, sp, r
 @pytest.mark.parametrize("model", [GPT, LLAMA, LLAMA_TIED], ids=["gpt", "llama", "llama-tied"])
 def test_layout_problems_are_exactly_the_failing_rules(model):
     checked = 0
-    for dp, tp, pp, v, schedule, zero in itertools.product((1, 2, 4), (1, 2, 3, 4), (1, 2, 3, 4), (1, 2, 3),
-                                                            ("gpipe", "1f1b", "interleaved_1f1b"), range(4)):
-        for sp, replicate, offload, m, max_dp in ((False, 1, "none", 4, dp), (True, 2, "cpu", 3, 8),
-                                                   (tp > 1, 1, "none", 1, 1), (False, 4, "none", 5, dp)):
-            layout = dict(dp=dp, tp=tp, pp=pp, zero=zero, v=v, sp=sp, replicate=replicate, offload=offload,
-                          m=m, max_dp=max_dp)
+    for dp, tp, pp, v, schedule, zero in itertools.product(
+        (1, 2, 4), (1, 2, 3, 4), (1, 2, 3, 4), (1, 2, 3), ("gpipe", "1f1b", "interleaved_1f1b"), range(4)
+    ):
+        for sp, replicate, offload, m, max_dp in (
+            (False, 1, "none", 4, dp),
+            (True, 2, "cpu", 3, 8),
+            (tp > 1, 1, "none", 1, 1),
+            (False, 4, "none", 5, dp),
+        ):
+            layout = dict(
+                dp=dp, tp=tp, pp=pp, zero=zero, v=v, sp=sp, replicate=replicate, offload=offload, m=m, max_dp=max_dp
+            )
             problems = rules.layout_problems(
-                model, dp=dp, tp=tp, pp=pp, zero=zero, pp_schedule=schedule, virtual_stages=v,
-                sequence_parallel=sp, dp_replicate=replicate, offload=offload, microbatches=m, max_dp=max_dp)
+                model,
+                dp=dp,
+                tp=tp,
+                pp=pp,
+                zero=zero,
+                pp_schedule=schedule,
+                virtual_stages=v,
+                sequence_parallel=sp,
+                dp_replicate=replicate,
+                offload=offload,
+                microbatches=m,
+                max_dp=max_dp,
+            )
             assert fields(problems) == _expected_fields(model, schedule=schedule, **layout), (schedule, layout)
             checked += 1
     assert checked == 3 * 4 * 4 * 3 * 3 * 4 * 4

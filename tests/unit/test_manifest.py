@@ -15,7 +15,6 @@ import pickle
 
 import pytest
 
-from etrain.workers.protocol.errors import CheckpointError
 from etrain.workers.checkpoints.checkpoint_commit import (
     checkpoint_files,
     commit,
@@ -28,8 +27,14 @@ from etrain.workers.checkpoints.checkpoint_commit import (
     step_dir,
     verify,
 )
-from etrain.workers.protocol.manifest import MANIFEST_NAME, FileEntry, ManifestSignatureError, ShardReport
-from etrain.workers.protocol.manifest import _canonical  # the one canonical encoding the signature is over
+from etrain.workers.protocol.errors import CheckpointError
+from etrain.workers.protocol.manifest import (
+    MANIFEST_NAME,
+    FileEntry,
+    ManifestSignatureError,
+    ShardReport,
+    _canonical,  # the one canonical encoding the signature is over
+)
 
 WORLD = 2
 
@@ -102,8 +107,9 @@ def test_commit_then_verify_round_trip(tmp_path):
 
 
 def test_reports_pickle_with_plain_types():
-    report = ShardReport(rank=1, world_size=2, directory="step_00000001",
-                         files=(FileEntry(path="__1_0.distcp", size=3, sha256="ab"),))
+    report = ShardReport(
+        rank=1, world_size=2, directory="step_00000001", files=(FileEntry(path="__1_0.distcp", size=3, sha256="ab"),)
+    )
     assert pickle.loads(pickle.dumps(report)) == report
 
 
@@ -138,8 +144,12 @@ def test_commit_refuses_a_reported_file_that_is_not_on_disk(tmp_path):
 
 def test_commit_refuses_paths_outside_the_step_directory(tmp_path):
     directory, reports = _fake_save(tmp_path, 100)
-    evil = ShardReport(rank=1, world_size=2, directory=reports[1].directory,
-                       files=(FileEntry(path="../step_00000050/x", size=1, sha256="00"),))
+    evil = ShardReport(
+        rank=1,
+        world_size=2,
+        directory=reports[1].directory,
+        files=(FileEntry(path="../step_00000050/x", size=1, sha256="00"),),
+    )
     with pytest.raises(CheckpointError, match="not a plain relative path"):
         commit(directory, 100, "dp2", WORLD, [reports[0], evil])
 

@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from etrain.workers.protocol.run_config import ModelConfig, TrainingConfig
 from etrain.workers.engine.metrics import PEAK_FLOPS, flops_per_token, mfu, peak_flops_per_s, tokens_per_s
 from etrain.workers.engine.optim import lr_at
+from etrain.workers.protocol.run_config import ModelConfig, TrainingConfig
 
 
 def test_flops_per_token_is_6n_plus_the_attention_term() -> None:

@@ -9,13 +9,12 @@ import dataclasses
 import pytest
 import torch
 
-from etrain.workers.protocol.run_config import MODEL_PRESETS, ModelConfig
-from etrain.workers.protocol.errors import ConfigError
-from etrain.workers.engine.init import materialize
+from etrain.workers.engine.init import build_model, materialize
 from etrain.workers.families.gpt_model import GPT
 from etrain.workers.families.llama_model import Llama
-from etrain.workers.engine.init import build_model
 from etrain.workers.families.model import build_model_skeleton, cross_entropy_loss
+from etrain.workers.protocol.errors import ConfigError
+from etrain.workers.protocol.run_config import MODEL_PRESETS, ModelConfig
 
 CONFIG = ModelConfig(n_layers=4, d_model=32, n_heads=4, vocab_size=64, seq_len=16)
 
@@ -48,7 +47,7 @@ def test_future_tokens_do_not_change_past_logits() -> None:
 
 def test_init_is_deterministic_per_seed() -> None:
     a, b, c = build_model(CONFIG, seed=5), build_model(CONFIG, seed=5), build_model(CONFIG, seed=6)
-    for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
         assert torch.equal(pa, pb), name
     assert not torch.equal(a.layers["0"].attention.wq.weight, c.layers["0"].attention.wq.weight)
     # GPT-2 residual scaling: output projections start smaller than the others.
@@ -101,32 +100,97 @@ def test_invalid_shapes_are_config_errors() -> None:
 
 # -- the Llama family ------------------------------------------------------------------------------
 
-LLAMA = ModelConfig(arch="llama", n_layers=4, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=64,
-                    seq_len=16, attention_bias="qkv", qk_norm=True)
+LLAMA = ModelConfig(
+    arch="llama",
+    n_layers=4,
+    d_model=32,
+    n_heads=4,
+    n_kv_heads=2,
+    d_ff=64,
+    vocab_size=64,
+    seq_len=16,
+    attention_bias="qkv",
+    qk_norm=True,
+)
 LLAMA_CONFIGS = {
     "mha": ModelConfig(arch="llama", n_layers=2, d_model=32, n_heads=4, vocab_size=50, seq_len=8),
-    "gqa": ModelConfig(arch="llama", n_layers=3, d_model=48, n_heads=6, n_kv_heads=2, d_ff=80, vocab_size=70,
-                       seq_len=8),
-    "mqa-default-ffn": ModelConfig(arch="llama", n_layers=1, d_model=16, n_heads=4, n_kv_heads=1, vocab_size=20,
-                                   seq_len=4),
-    "head-dim-override": ModelConfig(arch="llama", n_layers=2, d_model=32, n_heads=4, n_kv_heads=2,
-                                     head_dim_override=12, d_ff=40, vocab_size=50, seq_len=8),
-    "qkv-bias": ModelConfig(arch="llama", n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, d_ff=40,
-                            vocab_size=50, seq_len=8, attention_bias="qkv"),
-    "all-bias": ModelConfig(arch="llama", n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, d_ff=40,
-                            vocab_size=50, seq_len=8, attention_bias="all"),
-    "qk-norm-head-dim": ModelConfig(arch="llama", n_layers=2, d_model=32, n_heads=4, n_kv_heads=2,
-                                    head_dim_override=16, d_ff=40, vocab_size=50, seq_len=8, qk_norm=True),
-    "tied": ModelConfig(arch="llama", n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, d_ff=40, vocab_size=50,
-                        seq_len=8, tie_embeddings=True),
+    "gqa": ModelConfig(
+        arch="llama", n_layers=3, d_model=48, n_heads=6, n_kv_heads=2, d_ff=80, vocab_size=70, seq_len=8
+    ),
+    "mqa-default-ffn": ModelConfig(
+        arch="llama", n_layers=1, d_model=16, n_heads=4, n_kv_heads=1, vocab_size=20, seq_len=4
+    ),
+    "head-dim-override": ModelConfig(
+        arch="llama",
+        n_layers=2,
+        d_model=32,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim_override=12,
+        d_ff=40,
+        vocab_size=50,
+        seq_len=8,
+    ),
+    "qkv-bias": ModelConfig(
+        arch="llama",
+        n_layers=2,
+        d_model=32,
+        n_heads=4,
+        n_kv_heads=2,
+        d_ff=40,
+        vocab_size=50,
+        seq_len=8,
+        attention_bias="qkv",
+    ),
+    "all-bias": ModelConfig(
+        arch="llama",
+        n_layers=2,
+        d_model=32,
+        n_heads=4,
+        n_kv_heads=2,
+        d_ff=40,
+        vocab_size=50,
+        seq_len=8,
+        attention_bias="all",
+    ),
+    "qk-norm-head-dim": ModelConfig(
+        arch="llama",
+        n_layers=2,
+        d_model=32,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim_override=16,
+        d_ff=40,
+        vocab_size=50,
+        seq_len=8,
+        qk_norm=True,
+    ),
+    "tied": ModelConfig(
+        arch="llama",
+        n_layers=2,
+        d_model=32,
+        n_heads=4,
+        n_kv_heads=2,
+        d_ff=40,
+        vocab_size=50,
+        seq_len=8,
+        tie_embeddings=True,
+    ),
     "everything": dataclasses.replace(LLAMA, tie_embeddings=True, head_dim_override=10),
 }
 
 
 def _hand_count(config: ModelConfig) -> int:
     """The parameter count written out term by term, independently of ``ModelConfig.num_params``."""
-    d, hd, h, kv, f, v, n = (config.d_model, config.head_dim, config.n_heads, config.kv_heads, config.ffn_dim,
-                             config.vocab_size, config.n_layers)
+    d, hd, h, kv, f, v, n = (
+        config.d_model,
+        config.head_dim,
+        config.n_heads,
+        config.kv_heads,
+        config.ffn_dim,
+        config.vocab_size,
+        config.n_layers,
+    )
     attention = d * h * hd + 2 * d * kv * hd + h * hd * d
     if config.attention_bias in ("qkv", "all"):
         attention += h * hd + 2 * kv * hd
@@ -241,8 +305,17 @@ def test_llama_invalid_shapes_are_config_errors() -> None:
 
 # -- OLMo 2 (workers/families/olmo2_model.py) --------------------------------------------------------
 
-OLMO2 = ModelConfig(arch="olmo2", n_layers=4, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=64, seq_len=16,
-                    attention_bias="all")
+OLMO2 = ModelConfig(
+    arch="olmo2",
+    n_layers=4,
+    d_model=32,
+    n_heads=4,
+    n_kv_heads=2,
+    d_ff=64,
+    vocab_size=64,
+    seq_len=16,
+    attention_bias="all",
+)
 
 
 def test_olmo2_is_causal_and_cut_into_stages_like_every_family() -> None:
@@ -321,6 +394,7 @@ def test_a_drawn_value_depends_on_seed_fqn_and_device_only(device: str) -> None:
     part = build_model_skeleton(CONFIG).to(device)
     params = dict(part.named_parameters())
     for name in reversed([n for n in params if n.startswith("layers.3.") or n.startswith("output")]):
-        params[name].data.copy_(initial_value(name, tuple(params[name].shape), seed=3, n_layers=CONFIG.n_layers,
-                                              device=device))
+        params[name].data.copy_(
+            initial_value(name, tuple(params[name].shape), seed=3, n_layers=CONFIG.n_layers, device=device)
+        )
         assert torch.equal(params[name], dict(whole.named_parameters())[name]), name

@@ -10,12 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from etrain.service.access.storage_roots import StorageRoots, parse_roots, pin
 from etrain.service.errors import SettingsError
 from etrain.service.settings import Settings
-from etrain.service.access.storage_roots import StorageRoots, parse_roots, pin
-from tests.object_store import s3_server
 from etrain.workers.checkpoints import storage
-from etrain.workers.protocol.errors import CheckpointError, ConfigError
 from etrain.workers.checkpoints.checkpoint_commit import (
     checkpoint_files,
     commit,
@@ -27,8 +25,10 @@ from etrain.workers.checkpoints.checkpoint_commit import (
     step_dir,
     verify,
 )
+from etrain.workers.protocol.errors import CheckpointError, ConfigError
 from etrain.workers.protocol.manifest import ShardReport
 from etrain.workers.rank.rank_log import RankLog, rank_log_path, read_lines
+from tests.object_store import s3_server
 
 KEY = b"k" * 32
 
@@ -58,8 +58,10 @@ def test_urls_are_told_from_paths_and_taken_literally():
     assert step_dir("s3://b/ckpt", 12) == "s3://b/ckpt/step_00000012"
     assert step_dir(Path("/x"), 5) == "/x/step_00000005"
     assert storage.url_problem("s3://bucket/ok/prefix") is None
-    problems = {url: storage.url_problem(url) for url in
-                ("gs://b/p", "s3:///p", "s3://b/../p", "s3://b/./p", "s3://b//p", "s3://b/p q", "s3://b/p*")}
+    problems = {
+        url: storage.url_problem(url)
+        for url in ("gs://b/p", "s3:///p", "s3://b/../p", "s3://b/./p", "s3://b//p", "s3://b/p q", "s3://b/p*")
+    }
     assert "scheme 'gs'" in problems["gs://b/p"] and "names no bucket" in problems["s3:///p"]
     for url in ("s3://b/../p", "s3://b/./p", "s3://b//p"):
         assert "empty, '.' or '..' path component" in problems[url], url
@@ -69,8 +71,12 @@ def test_urls_are_told_from_paths_and_taken_literally():
 def test_storage_roots_take_s3_entries_beside_the_old_colon_and_comma_forms():
     assert parse_roots("/a:/b") == (Path("/a"), Path("/b"))
     assert parse_roots("/a:s3://bucket/ckpt/:/b") == (Path("/a"), "s3://bucket/ckpt", Path("/b"))
-    assert parse_roots("/data,s3://bucket/ckpt, s3://other ,/c") == (Path("/data"), "s3://bucket/ckpt", "s3://other",
-                                                                      Path("/c"))
+    assert parse_roots("/data,s3://bucket/ckpt, s3://other ,/c") == (
+        Path("/data"),
+        "s3://bucket/ckpt",
+        "s3://other",
+        Path("/c"),
+    )
     with pytest.raises(ValueError, match=r"'s3://b/\.\./x' has an empty, '\.' or '\.\.' path component"):
         parse_roots("/a,s3://b/../x")
     settings = Settings.from_env({"ETRAIN_STORAGE_ROOTS": "/data:s3://bucket/ckpt", "ETRAIN_DATA_DIR": "/state"})
@@ -100,7 +106,9 @@ def test_the_checkpoint_root_setting_gives_each_job_its_own_folder_or_prefix(tmp
 
 def test_a_missing_backend_is_named_with_the_extra_to_install(monkeypatch):
     monkeypatch.setitem(storage.SUPPORTED_SCHEMES, "s3", ("etrain_no_such_backend", "s3"))
-    message = "s3:// storage needs the 'etrain_no_such_backend' package, which is not installed (pip install 'etrain[s3]')"
+    message = (
+        "s3:// storage needs the 'etrain_no_such_backend' package, which is not installed (pip install 'etrain[s3]')"
+    )
     assert storage.missing_backend("s3://b/p") == message
     with pytest.raises(ConfigError) as raised:
         storage.exists("s3://b/p")
@@ -121,20 +129,27 @@ def test_only_checkpoint_path_may_name_object_storage_and_only_inside_an_s3_root
         assert roots.check("checkpoint.path", url, pin(url, "/srv")) is None, url
     for url in ("s3://bucket/jobs-evil/x", "s3://bucket/other", "s3://bucket2/jobs/x"):
         problem = roots.check("checkpoint.path", url, pin(url, "/srv"))
-        assert problem.message.startswith(f"checkpoint.path={url!r} is outside the storage roots "
-                                          "(/data, s3://bucket/jobs)"), problem
+        assert problem.message.startswith(
+            f"checkpoint.path={url!r} is outside the storage roots (/data, s3://bucket/jobs)"
+        ), problem
     dotted = roots.check("checkpoint.path", "s3://bucket/jobs/../x", pin("s3://bucket/jobs/../x", "/srv"))
     assert "'..' path component" in dotted.message and dotted.field == "checkpoint.path"
     for field in ("data.path", "data.tokenizer", "model.hf", "out"):
         problem = roots.check(field, "s3://bucket/jobs/corpus", pin("s3://bucket/jobs/corpus", "/srv"))
         assert problem.field == field
-        assert problem.message == (f"{field}='s3://bucket/jobs/corpus' is an object-store URL; {field} must be a "
-                                   "local path (only checkpoint.path may name object storage).")
-        assert problem.fix == "copy the files to a folder under the storage roots (/data, s3://bucket/jobs) and give its path"
+        assert problem.message == (
+            f"{field}='s3://bucket/jobs/corpus' is an object-store URL; {field} must be a "
+            "local path (only checkpoint.path may name object storage)."
+        )
+        assert (
+            problem.fix
+            == "copy the files to a folder under the storage roots (/data, s3://bucket/jobs) and give its path"
+        )
     # A local path never lies inside a URL root, nor a URL inside a local root.
     local = roots.check("checkpoint.path", "/s3:/bucket/jobs/x", "/s3:/bucket/jobs/x")
-    assert local.message.startswith("checkpoint.path='/s3:/bucket/jobs/x' is outside the storage roots "
-                                    "(/data, s3://bucket/jobs)"), local
+    assert local.message.startswith(
+        "checkpoint.path='/s3:/bucket/jobs/x' is outside the storage roots (/data, s3://bucket/jobs)"
+    ), local
     url = StorageRoots.of(["/data"]).check("checkpoint.path", "s3://bucket/jobs", "s3://bucket/jobs")
     assert url.message.startswith("checkpoint.path='s3://bucket/jobs' is outside the storage roots (/data)"), url
 
@@ -166,8 +181,10 @@ def test_files_prefixes_and_atomic_writes_on_s3(s3, root):
     storage.rmtree(storage.join(root, "step_00000002.refused-9"))
     storage.rmtree(storage.join(root, "never-was"))  # absent is fine
     assert sorted(storage.listdir(root)) == ["notes.txt", "step_00000003.corrupt-1", "step_00000010"]
-    assert storage.sha256(storage.join(root, "notes.txt")) == \
-        "1b16b1df538ba12dc3f97edbb85caa7050d46c148134290feba80f8236c83db9"  # sha256(b"n")
+    assert (
+        storage.sha256(storage.join(root, "notes.txt"))
+        == "1b16b1df538ba12dc3f97edbb85caa7050d46c148134290feba80f8236c83db9"
+    )  # sha256(b"n")
 
 
 def _fake_step(root: str, step: int, *, world_size: int = 2) -> list[ShardReport]:
@@ -178,8 +195,14 @@ def _fake_step(root: str, step: int, *, world_size: int = 2) -> list[ShardReport
         names = [f"__{rank}_0.distcp"] + ([".metadata", "extra.pt"] if rank == 0 else [])
         for name in names:
             storage.write_bytes(storage.join(directory, name), f"{name} of step {step} ".encode() * (rank + 3))
-        reports.append(ShardReport(rank=rank, world_size=world_size, directory=f"step_{step:08d}",
-                                   files=tuple(file_entry(directory, name) for name in names)))
+        reports.append(
+            ShardReport(
+                rank=rank,
+                world_size=world_size,
+                directory=f"step_{step:08d}",
+                files=tuple(file_entry(directory, name) for name in names),
+            )
+        )
     return reports
 
 
@@ -247,8 +270,13 @@ def test_rank_logs_are_uploaded_to_s3_and_read_back_by_range(s3, root):
     assert chunk.offset == chunk.size == storage.getsize(remote)
     first = read_lines(remote, tail=2, offset=0)
     assert [line.split(" ", 1)[1] for line in first.lines] == ["line 0", "line 1"]
-    assert [line.split(" ", 1)[1] for line in read_lines(remote, tail=100, offset=first.offset).lines] == \
-        ["line 2", "line 3", "line 4", "line 5", "attempt 2"]
+    assert [line.split(" ", 1)[1] for line in read_lines(remote, tail=100, offset=first.offset).lines] == [
+        "line 2",
+        "line 3",
+        "line 4",
+        "line 5",
+        "attempt 2",
+    ]
     assert read_lines(f"{root}/logs/job-1/rank7.log", tail=5).lines == []
 
 

@@ -8,13 +8,13 @@ import json
 import pytest
 import torch
 
-from tests.equivalence_utils import small_config
-from etrain.workers.protocol.run_config import ModelConfig, ParallelConfig
-from etrain.workers.protocol.errors import ConfigError
-from etrain.workers.protocol.layout_rules import sequence_parallel_problems, tp_problems
 from etrain.workers.engine.parallelize import ParallelDims
 from etrain.workers.engine.torchrun import load_run_config, main
 from etrain.workers.engine.train import Trainer
+from etrain.workers.protocol.errors import ConfigError
+from etrain.workers.protocol.layout_rules import sequence_parallel_problems, tp_problems
+from etrain.workers.protocol.run_config import ModelConfig, ParallelConfig
+from tests.equivalence_utils import small_config
 from tests.state_utils import full_state_dict
 
 
@@ -29,14 +29,34 @@ def test_parallel_dims_must_multiply_to_the_world_and_the_message_prints_every_d
 @pytest.mark.parametrize(
     "model, tp, sp, field, size",
     [
-        (ModelConfig(n_layers=1, d_model=24, n_heads=3, vocab_size=64, seq_len=8), 2, False, "parallelism.tp",
-         "model.n_heads=3"),
-        (ModelConfig(n_layers=1, d_model=8, n_heads=2, vocab_size=64, seq_len=8, d_ff=9), 2, False, "parallelism.tp",
-         "model.ffn_dim=9"),
-        (ModelConfig(n_layers=1, d_model=8, n_heads=2, vocab_size=63, seq_len=8), 2, False, "parallelism.tp",
-         "model.vocab_size=63"),
-        (ModelConfig(n_layers=1, d_model=8, n_heads=2, vocab_size=64, seq_len=7), 2, True,
-         "parallelism.sequence_parallel", "model.seq_len=7"),
+        (
+            ModelConfig(n_layers=1, d_model=24, n_heads=3, vocab_size=64, seq_len=8),
+            2,
+            False,
+            "parallelism.tp",
+            "model.n_heads=3",
+        ),
+        (
+            ModelConfig(n_layers=1, d_model=8, n_heads=2, vocab_size=64, seq_len=8, d_ff=9),
+            2,
+            False,
+            "parallelism.tp",
+            "model.ffn_dim=9",
+        ),
+        (
+            ModelConfig(n_layers=1, d_model=8, n_heads=2, vocab_size=63, seq_len=8),
+            2,
+            False,
+            "parallelism.tp",
+            "model.vocab_size=63",
+        ),
+        (
+            ModelConfig(n_layers=1, d_model=8, n_heads=2, vocab_size=64, seq_len=7),
+            2,
+            True,
+            "parallelism.sequence_parallel",
+            "model.seq_len=7",
+        ),
     ],
 )
 def test_tensor_parallel_shape_rules_name_the_setting(model, tp, sp, field, size) -> None:

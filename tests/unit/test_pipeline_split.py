@@ -16,12 +16,12 @@ import torch
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 
-from etrain.workers.protocol.run_config import ModelConfig
-from etrain.workers.protocol.errors import ConfigError
-from etrain.workers.engine.init import build_model
 from etrain.service.planning.plan_activations import layer_chunks_in_flight
-from etrain.workers.protocol.layout_rules import PIPELINE_SCHEDULES, schedule_problems, split_layers, stage_ids_for_rank
+from etrain.workers.engine.init import build_model
 from etrain.workers.engine.pipeline import StepTiming, stage_module
+from etrain.workers.protocol.errors import ConfigError
+from etrain.workers.protocol.layout_rules import PIPELINE_SCHEDULES, schedule_problems, split_layers, stage_ids_for_rank
+from etrain.workers.protocol.run_config import ModelConfig
 
 CONFIG = ModelConfig(n_layers=4, d_model=32, n_heads=4, vocab_size=64, seq_len=16)
 
@@ -77,9 +77,7 @@ def test_interleaved_stage_placement_equals_torchs_loop_mapping(pp: int, virtual
     num_stages = pp * virtual_stages
     torch_mapping = generate_stage_to_rank_mapping(pp, num_stages, style="loop")
     ours = {
-        stage: rank
-        for rank in range(pp)
-        for stage in stage_ids_for_rank(rank, pp, virtual_stages, "interleaved_1f1b")
+        stage: rank for rank in range(pp) for stage in stage_ids_for_rank(rank, pp, virtual_stages, "interleaved_1f1b")
     }
     assert ours == torch_mapping
 
@@ -95,8 +93,14 @@ def test_stage_ids_reject_a_rank_outside_the_pipeline() -> None:
 def _stage(index: int, rank: int, pp: int, virtual_stages: int) -> SimpleNamespace:
     """A stand-in for a PipelineStage: what the schedule classes read when they plan (no process group)."""
     num_stages = pp * virtual_stages
-    return SimpleNamespace(stage_index=index, num_stages=num_stages, group_size=pp, group_rank=rank,
-                           is_first=index == 0, is_last=index == num_stages - 1)
+    return SimpleNamespace(
+        stage_index=index,
+        num_stages=num_stages,
+        group_size=pp,
+        group_rank=rank,
+        is_first=index == 0,
+        is_last=index == num_stages - 1,
+    )
 
 
 def _interleaved(pp: int, virtual_stages: int, n_microbatches: int, rank: int) -> ScheduleInterleaved1F1B:
@@ -134,9 +138,25 @@ def test_schedule_problems_accept_exactly_what_torch_runs(schedule: str) -> None
     [
         (2, 2, 4, "gpipe", "parallelism.virtual_stages", "virtual_stages=2 needs an interleaved", "virtual_stages=1"),
         (2, 2, 4, "1f1b", "parallelism.virtual_stages", "runs one stage per rank", "'interleaved_1f1b'"),
-        (2, 1, 4, "interleaved_1f1b", "parallelism.virtual_stages", "needs parallelism.virtual_stages >= 2", "virtual_stages=2"),
+        (
+            2,
+            1,
+            4,
+            "interleaved_1f1b",
+            "parallelism.virtual_stages",
+            "needs parallelism.virtual_stages >= 2",
+            "virtual_stages=2",
+        ),
         (4, 1, 3, "1f1b", "parallelism.microbatches", "at least parallelism.pp=4 micro-batches", "'gpipe'"),
-        (4, 2, 9, "interleaved_1f1b", "parallelism.microbatches", "not a multiple of 2", "multiple of parallelism.pp=4"),
+        (
+            4,
+            2,
+            9,
+            "interleaved_1f1b",
+            "parallelism.microbatches",
+            "not a multiple of 2",
+            "multiple of parallelism.pp=4",
+        ),
         (2, 1, 0, "gpipe", "parallelism.microbatches", "must be an integer >= 1, got 0", "training.global_batch"),
         (2, 1, 4, "zb", "parallelism.pp_schedule", "'zb' is not a known", "gpipe, 1f1b, interleaved_1f1b"),
     ],
@@ -214,7 +234,10 @@ def test_stage_modules_own_their_layers_embeddings_and_head() -> None:
     assert first.norm is None and first.output is None
     assert middle.tok_embeddings is None and middle.norm is None and middle.output is None
     assert last.tok_embeddings is None and last.norm is not None and last.output is not None
-    assert sorted(name for name, _ in last.named_parameters())[:2] == ["layers.3.attention.wk.bias", "layers.3.attention.wk.weight"]
+    assert sorted(name for name, _ in last.named_parameters())[:2] == [
+        "layers.3.attention.wk.bias",
+        "layers.3.attention.wk.weight",
+    ]
     assert list(full.layers.keys()) == ["0", "1", "2", "3"] and full.norm is not None  # untouched
 
 

@@ -122,10 +122,17 @@ class TestParameterCounts:
 
     def test_llama_counts_are_the_published_sizes(self):
         """Exact counts (GQA k/v widths, SwiGLU, RMSNorm without bias, no position embedding, tied once)."""
-        counts = {name: ModelConfig(**MODEL_PRESETS[name]).num_params for name in
-                  ("llama3-1b", "llama3-8b", "llama3-70b", "qwen3-0.6b", "mistral-7b")}
-        assert counts == {"llama3-1b": 1_235_814_400, "llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496,
-                          "qwen3-0.6b": 596_049_920, "mistral-7b": 7_241_732_096}
+        counts = {
+            name: ModelConfig(**MODEL_PRESETS[name]).num_params
+            for name in ("llama3-1b", "llama3-8b", "llama3-70b", "qwen3-0.6b", "mistral-7b")
+        }
+        assert counts == {
+            "llama3-1b": 1_235_814_400,
+            "llama3-8b": 8_030_261_248,
+            "llama3-70b": 70_553_706_496,
+            "qwen3-0.6b": 596_049_920,
+            "mistral-7b": 7_241_732_096,
+        }
         model = ModelConfig(**MODEL_PRESETS["llama3-8b"])
         d, f, kv = model.d_model, model.ffn_dim, model.kv_heads * model.head_dim
         assert layer_params(model) == d * d + 2 * d * kv + d * d + 3 * d * f + 2 * d
@@ -137,25 +144,46 @@ class TestParameterCounts:
 
         model = ModelConfig(**MODEL_PRESETS["gpt-mini"])
         block = TransformerBlock(model)
-        replicated = {"attention_norm.weight", "attention_norm.bias", "ffn_norm.weight", "ffn_norm.bias",
-                      "attention.wo.bias", "feed_forward.w2.bias"}
+        replicated = {
+            "attention_norm.weight",
+            "attention_norm.bias",
+            "ffn_norm.weight",
+            "ffn_norm.bias",
+            "attention.wo.bias",
+            "feed_forward.w2.bias",
+        }
         for tp in (1, 2, 3, 6):
             expected = sum(p.numel() if name in replicated else p.numel() / tp for name, p in block.named_parameters())
             assert layer_params(model, tp) == pytest.approx(expected)
 
-    @pytest.mark.parametrize("variant", [{}, {"attention_bias": "qkv"}, {"attention_bias": "all", "qk_norm": True,
-                                                                        "head_dim_override": 24}])
+    @pytest.mark.parametrize(
+        "variant", [{}, {"attention_bias": "qkv"}, {"attention_bias": "all", "qk_norm": True, "head_dim_override": 24}]
+    )
     def test_llama_tensor_parallel_shards_match_the_module(self, variant):
         """wq/wk/wv (GQA widths), w1/w3 column-parallel with their biases; wo/w2 row-parallel; the RMSNorms,
         Qwen3's per-head q/k norms and wo's bias replicated."""
         pytest.importorskip("torch")
         from etrain.workers.families.llama_model import LlamaBlock
 
-        model = ModelConfig(arch="llama", n_layers=1, d_model=96, n_heads=4, n_kv_heads=2, d_ff=160,
-                            vocab_size=256, seq_len=16, **variant)
+        model = ModelConfig(
+            arch="llama",
+            n_layers=1,
+            d_model=96,
+            n_heads=4,
+            n_kv_heads=2,
+            d_ff=160,
+            vocab_size=256,
+            seq_len=16,
+            **variant,
+        )
         block = LlamaBlock(model)
-        replicated = {"attention_norm.weight", "ffn_norm.weight", "attention.q_norm.weight", "attention.k_norm.weight",
-                      "attention.wo.bias"}
+        replicated = {
+            "attention_norm.weight",
+            "ffn_norm.weight",
+            "attention.q_norm.weight",
+            "attention.k_norm.weight",
+            "attention.wo.bias",
+        }
         for tp in (1, 2):
             expected = sum(p.numel() if name in replicated else p.numel() / tp for name, p in block.named_parameters())
             assert layer_params(model, tp) == pytest.approx(expected)
@@ -210,9 +238,11 @@ class TestActivations:
         kw = dict(seq_len=s, micro_batch=b, d_model=h, n_heads=a)
         assert korthikanti_activation_bytes(**kw) == pytest.approx(s * b * h * (34 + 5 * a * s / h))
         assert korthikanti_activation_bytes(**kw, tp=8) == pytest.approx(
-            s * b * h * (10 + 24 / 8 + 5 * a * s / (h * 8)))
+            s * b * h * (10 + 24 / 8 + 5 * a * s / (h * 8))
+        )
         assert korthikanti_activation_bytes(**kw, tp=8, sequence_parallel=True) == pytest.approx(
-            s * b * h / 8 * (34 + 5 * a * s / h))
+            s * b * h / 8 * (34 + 5 * a * s / h)
+        )
 
     def test_our_model_is_32_sbh_without_scores(self):
         """No dropout and fused attention: Korthikanti's 34 sbh less 2 sbh of masks, plus small fp32 stats."""
@@ -222,15 +252,19 @@ class TestActivations:
         bf16 = layer_activation_bytes(model, micro_batch=self.B, precision="bf16")
         assert bf16 == pytest.approx(32 * sbd + lse + ln_stats)
         assert layer_activation_bytes(model, micro_batch=self.B, precision="fp32") == pytest.approx(
-            64 * sbd + lse + ln_stats)
+            64 * sbd + lse + ln_stats
+        )
         assert layer_activation_bytes(model, micro_batch=self.B, tp=4) == pytest.approx(
-            sbd * (8 + 24 / 4) + lse / 4 + ln_stats)
+            sbd * (8 + 24 / 4) + lse / 4 + ln_stats
+        )
         assert layer_activation_bytes(model, micro_batch=self.B, tp=4, sequence_parallel=True) == pytest.approx(
-            (32 * sbd + lse + ln_stats) / 4)
+            (32 * sbd + lse + ln_stats) / 4
+        )
         ac = layer_activation_bytes(model, micro_batch=self.B, checkpointing=True)
         assert ac == pytest.approx(2 * sbd)  # only the block input
-        assert layer_activation_bytes(model, micro_batch=self.B, tp=4, sequence_parallel=True,
-                                      checkpointing=True) == pytest.approx(2 * sbd / 4)
+        assert layer_activation_bytes(
+            model, micro_batch=self.B, tp=4, sequence_parallel=True, checkpointing=True
+        ) == pytest.approx(2 * sbd / 4)
 
     def test_llama_block_per_token(self):
         """The Llama count, written out for an 8B-shaped block (GQA 32/8 heads, SwiGLU 14336)."""
@@ -240,8 +274,7 @@ class TestActivations:
         tokens = s * b
 
         def per_token(regime, tp=1, sp=1):
-            return llama_layer_activation_bytes(model, micro_batch=b, tp=tp, sequence_parallel=sp > 1,
-                                                regime=regime)
+            return llama_layer_activation_bytes(model, micro_batch=b, tp=tp, sequence_parallel=sp > 1, regime=regime)
 
         # fp32: norms 2·(x, x·rsqrt, rsqrt) + their outputs; q, k, v (repeated to 32 heads), out, lse; 4 MLP tensors.
         assert per_token("fp32") == tokens * (2 * (8 * d + 4) + 8 * d + 16 * q + 4 * h + 16 * f)
@@ -253,8 +286,10 @@ class TestActivations:
         assert per_token("fp32", tp=8) == tokens * (2 * (8 * d + 4) + 8 * d + (16 * q + 4 * h + 16 * f) / 8)
         assert per_token("fp32", tp=8, sp=8) == tokens * (2 * (8 * d + 4) / 8 + 8 * d + (16 * q + 4 * h + 16 * f) / 8)
         assert llama_layer_activation_bytes(model, micro_batch=b, checkpointing=True) == tokens * d * 4
-        assert llama_layer_activation_bytes(model, micro_batch=b, checkpointing=True,
-                                            regime="bf16_params") == tokens * d * 2
+        assert (
+            llama_layer_activation_bytes(model, micro_batch=b, checkpointing=True, regime="bf16_params")
+            == tokens * d * 2
+        )
         assert rope_table_bytes(model) == 2 * s * hd * 4
 
     @pytest.mark.parametrize("d_ff", [None, 96])
@@ -267,15 +302,20 @@ class TestActivations:
         block = TransformerBlock(model)
         x = torch.randn(2, model.seq_len, model.d_model, requires_grad=True)
         assert _saved_bytes(torch, block, x, autocast=False) == layer_activation_bytes(
-            model, micro_batch=2, precision="fp32")
+            model, micro_batch=2, precision="fp32"
+        )
 
     @pytest.mark.parametrize("regime", ["fp32", "autocast", "bf16_params"])
-    @pytest.mark.parametrize("variant", [
-        {"n_kv_heads": 2},  # grouped-query attention: k/v repeated to n_heads before the kernel
-        {"n_kv_heads": 4},  # plain multi-head
-        {"n_kv_heads": 2, "attention_bias": "all", "d_ff": 96},
-        {"n_kv_heads": 2, "qk_norm": True, "head_dim_override": 16},  # Qwen3
-    ], ids=["gqa", "mha", "bias", "qk_norm"])
+    @pytest.mark.parametrize(
+        "variant",
+        [
+            {"n_kv_heads": 2},  # grouped-query attention: k/v repeated to n_heads before the kernel
+            {"n_kv_heads": 4},  # plain multi-head
+            {"n_kv_heads": 2, "attention_bias": "all", "d_ff": 96},
+            {"n_kv_heads": 2, "qk_norm": True, "head_dim_override": 16},  # Qwen3
+        ],
+        ids=["gqa", "mha", "bias", "qk_norm"],
+    )
     def test_llama_count_matches_what_autograd_saves(self, regime, variant):
         """The Llama block's count against autograd, in fp32, under bf16 autocast (fp32 weights; the bf16
         weight casts autograd keeps are the planner's ``weight_casts`` buffer, not activations) and with
@@ -283,8 +323,9 @@ class TestActivations:
         torch = pytest.importorskip("torch")
         from etrain.workers.families.llama_model import LlamaBlock
 
-        model = ModelConfig(arch="llama", n_layers=1, d_model=128, n_heads=4, vocab_size=256, seq_len=64,
-                            **{"d_ff": 176, **variant})
+        model = ModelConfig(
+            arch="llama", n_layers=1, d_model=128, n_heads=4, vocab_size=256, seq_len=64, **{"d_ff": 176, **variant}
+        )
         block = LlamaBlock(model)
         dtype = torch.bfloat16 if regime == "bf16_params" else torch.float32
         block = block.to(dtype)
@@ -299,19 +340,24 @@ class TestActivations:
         assert saved == llama_layer_activation_bytes(model, micro_batch=2, regime=regime) + rope + weight_casts
 
     @pytest.mark.parametrize("regime", ["fp32", "autocast", "bf16_params"])
-    @pytest.mark.parametrize("variant", [
-        {"n_kv_heads": 2},
-        {"n_kv_heads": 2, "attention_bias": "all", "d_ff": 96},
-        {"n_kv_heads": 4, "head_dim_override": 16},
-    ], ids=["gqa", "bias", "head_dim"])
+    @pytest.mark.parametrize(
+        "variant",
+        [
+            {"n_kv_heads": 2},
+            {"n_kv_heads": 2, "attention_bias": "all", "d_ff": 96},
+            {"n_kv_heads": 4, "head_dim_override": 16},
+        ],
+        ids=["gqa", "bias", "head_dim"],
+    )
     def test_olmo2_count_matches_what_autograd_saves(self, regime, variant):
         """OLMo 2's block (post-norms, q/k norms over the whole width) and final norm against autograd. The
         block input is not a leaf, as in a model (autocast caches a leaf's cast once for all its readers)."""
         torch = pytest.importorskip("torch")
         from etrain.workers.families.olmo2_model import Olmo2Block, Olmo2RMSNorm
 
-        model = ModelConfig(arch="olmo2", n_layers=1, d_model=128, n_heads=4, vocab_size=256, seq_len=64,
-                            **{"d_ff": 176, **variant})
+        model = ModelConfig(
+            arch="olmo2", n_layers=1, d_model=128, n_heads=4, vocab_size=256, seq_len=64, **{"d_ff": 176, **variant}
+        )
         dtype = torch.bfloat16 if regime == "bf16_params" else torch.float32
         block = Olmo2Block(model).to(dtype)
         head = torch.nn.Sequential(Olmo2RMSNorm(model.d_model, 1e-6), torch.nn.Linear(128, 256, bias=False)).to(dtype)
@@ -353,7 +399,8 @@ class TestActivations:
         # Megatron: interleaving holds P(1 + (P-1)/(P v)) micro-batches on stage 0.
         p, v = 4, 2
         assert in_flight_microbatches("interleaved_1f1b", pp=p, microbatches=16, virtual_stages=v) == pytest.approx(
-            p * (1 + (p - 1) / (p * v)))
+            p * (1 + (p - 1) / (p * v))
+        )
 
 
 class TestBubble:
@@ -408,8 +455,7 @@ class TestEstimate:
 
     def test_memory_falls_with_zero_stage(self):
         one_micro_batch = {"global_batch": 8}  # dp=8 x micro_batch=1: no accumulation
-        totals = [estimate(gpu_spec("llama3-8b", {"dp": 8, "zero": z}, one_micro_batch)).memory.total
-                  for z in range(4)]
+        totals = [estimate(gpu_spec("llama3-8b", {"dp": 8, "zero": z}, one_micro_batch)).memory.total for z in range(4)]
         assert totals == sorted(totals, reverse=True) and len(set(totals)) == 4
 
     @pytest.mark.parametrize("precision, gathered", [("fp32", 4), ("bf16", 2)])
@@ -423,21 +469,26 @@ class TestEstimate:
         rope = model.n_layers * rope_table_bytes(model)
 
         def buffers(zero, global_batch, **layout):
-            spec = gpu_spec("llama3-8b", {"dp": 8, "zero": zero, **layout},
-                            {"global_batch": global_batch, "precision": precision})
+            spec = gpu_spec(
+                "llama3-8b", {"dp": 8, "zero": zero, **layout}, {"global_batch": global_batch, "precision": precision}
+            )
             return estimate(spec).memory.buffer_parts
 
         for gb in (8, 64):
             for zero in (0, 1):
                 assert buffers(zero, gb)["ddp_buckets"] == 4 * n
-        assert buffers(2, 8) == pytest.approx({"gathered_params": gathered * n, "unsharded_grads": 2 * 4 * root,
-                                               "rope_tables": rope}, rel=1e-6)
-        assert buffers(3, 8) == pytest.approx({"gathered_params": gathered * (root + 2 * block),
-                                               "unsharded_grads": 2 * 4 * root, "rope_tables": rope}, rel=1e-6)
+        assert buffers(2, 8) == pytest.approx(
+            {"gathered_params": gathered * n, "unsharded_grads": 2 * 4 * root, "rope_tables": rope}, rel=1e-6
+        )
+        assert buffers(3, 8) == pytest.approx(
+            {"gathered_params": gathered * (root + 2 * block), "unsharded_grads": 2 * 4 * root, "rope_tables": rope},
+            rel=1e-6,
+        )
         assert buffers(2, 64)["unsharded_grads"] == buffers(3, 64)["unsharded_grads"] == pytest.approx(4 * n)
         # A pipeline keeps ZeRO-3's parameters gathered until the stage's last backward.
-        piped = estimate(gpu_spec("llama3-8b", {"dp": 4, "pp": 2, "zero": 3},
-                                  {"global_batch": 64, "precision": precision})).memory
+        piped = estimate(
+            gpu_spec("llama3-8b", {"dp": 4, "pp": 2, "zero": 3}, {"global_batch": 64, "precision": precision})
+        ).memory
         stage = stage_params(model, layers=16, first=True, last=False)
         assert piped.buffer_parts["gathered_params"] == pytest.approx(gathered * stage, rel=1e-6)
 
@@ -477,16 +528,23 @@ class TestEstimate:
 
     def test_on_cpu_the_optimizer_step_can_be_the_peak(self):
         """foreach AdamW on CPU holds a temporary as large as the second moments; DDP keeps its buckets."""
-        spec = make_spec(model="llama-tiny", parallelism={"dp": 2}, training={"global_batch": 2}, d_model=256,
-                         d_ff=704, seq_len=16)
+        spec = make_spec(
+            model="llama-tiny", parallelism={"dp": 2}, training={"global_batch": 2}, d_model=256, d_ff=704, seq_len=16
+        )
         model = spec.model.to_config()
         est = estimate(spec)
         n = est.num_params
         assert est.memory.phase == "optimizer_step"
         assert est.memory.components() == {
-            "parameters": 4 * n, "gradients": 4 * n, "optimizer_states": 8 * n, "activations": 0, "logits": 0,
-            "buffers": 4 * n + model.n_layers * rope_table_bytes(model), "transient": 4 * n,
-            "overhead": math.ceil(RUNTIME_OVERHEAD_GIB["cpu"] * GiB)}
+            "parameters": 4 * n,
+            "gradients": 4 * n,
+            "optimizer_states": 8 * n,
+            "activations": 0,
+            "logits": 0,
+            "buffers": 4 * n + model.n_layers * rope_table_bytes(model),
+            "transient": 4 * n,
+            "overhead": math.ceil(RUNTIME_OVERHEAD_GIB["cpu"] * GiB),
+        }
         assert est.memory.phases["forward_backward"] < est.memory.total
 
     def test_logits_are_vocab_sharded_under_tp(self):
@@ -534,8 +592,11 @@ class TestEstimate:
 
     def test_dp_communication_per_zero_stage(self):
         dp = 8
-        vols = {(zero, gb): estimate(gpu_spec("llama3-1b", {"dp": dp, "zero": zero}, {"global_batch": gb})).comm.dp
-                for zero in range(4) for gb in (8, 32)}
+        vols = {
+            (zero, gb): estimate(gpu_spec("llama3-1b", {"dp": dp, "zero": zero}, {"global_batch": gb})).comm.dp
+            for zero in range(4)
+            for gb in (8, 32)
+        }
         n = estimate(gpu_spec("llama3-1b", {"dp": dp})).params_per_rank
         grads, params, gathered = 4 * n, 4 * n, 2 * n  # fp32 reduction; FSDP2 gathers bf16 copies
         ring = (dp - 1) / dp
@@ -560,8 +621,9 @@ class TestEstimate:
         layers = model.n_layers // 2
         # 4 all-reduces per layer per micro-batch + the vocab-parallel embedding (stage 0) or the head
         # plus loss_parallel's three per-token fp32 reductions (last stage, the busier one).
-        assert est.comm.tp == pytest.approx(m * ((4 * layers + 1) * 2 * 3 / 4 * hidden + 3 * 2 * 3 / 4 * 4 * tokens),
-                                            rel=1e-9)
+        assert est.comm.tp == pytest.approx(
+            m * ((4 * layers + 1) * 2 * 3 / 4 * hidden + 3 * 2 * 3 / 4 * 4 * tokens), rel=1e-9
+        )
         # Two stages: each sends one activation (or gradient) per micro-batch.
         assert est.comm.pp == pytest.approx(m * hidden)
         sp = estimate(gpu_spec("llama3-8b", {"tp": 4, "pp": 4, "sequence_parallel": True}))
@@ -597,7 +659,8 @@ class TestEstimate:
         # Nothing known: the default (80 GiB per GPU) is the limit too; only the operator can raise it.
         assert device_memory_gb(gpu_spec("llama3-8b", device_memory_gb=100)) == 80
         assert fields(check_plan(gpu_spec("llama3-8b", {"dp": 8, "zero": 3}, device_memory_gb=100)))[0] == (
-            "resources.device_memory_gb")
+            "resources.device_memory_gb"
+        )
         assert check_plan(h200, available_gb=139.8) == []
         asks_more = gpu_spec("llama3-8b", {"dp": 8, "zero": 3}, device_memory_gb=100)
         problems = check_plan(asks_more, available_gb=79.1)
@@ -611,10 +674,16 @@ class TestEstimate:
     def test_to_dict_is_json(self):
         data = json.loads(json.dumps(estimate(gpu_spec("llama3-8b", {"dp": 2, "tp": 2, "pp": 2})).to_dict()))
         assert data["layout"] == "pp2·dp2·tp2 zero=0 1f1b"
-        assert set(data["memory"]["gib"]) >= {"parameters", "gradients", "optimizer_states", "activations",
-                                              "logits", "buffers", "total"}
-        assert data["memory"]["bytes"]["total"] == sum(
-            v for k, v in data["memory"]["bytes"].items() if k != "total")
+        assert set(data["memory"]["gib"]) >= {
+            "parameters",
+            "gradients",
+            "optimizer_states",
+            "activations",
+            "logits",
+            "buffers",
+            "total",
+        }
+        assert data["memory"]["bytes"]["total"] == sum(v for k, v in data["memory"]["bytes"].items() if k != "total")
         assert set(data["memory"]["phases_gib"]) == {"init", "forward_backward", "optimizer_step"}
         assert data["memory"]["phase"] == "forward_backward" and data["training"]["compute"] == "autocast"
         assert data["world_size"] == 8

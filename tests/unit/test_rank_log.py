@@ -48,7 +48,9 @@ def test_following_by_offset_reads_each_line_once_and_never_a_half_line(tmp_path
     assert [line.split(" ", 1)[1] for line in seen] == [f"line {n}" for n in range(7)]
     with open(path, "a") as handle:
         handle.write("half a line")  # still being written: not returned, the offset stays
-    assert read_lines(path, tail=3, offset=offset).lines == [] and read_lines(path, tail=3, offset=offset).offset == offset
+    assert (
+        read_lines(path, tail=3, offset=offset).lines == [] and read_lines(path, tail=3, offset=offset).offset == offset
+    )
     with open(path, "a") as handle:
         handle.write(" and the rest\n")
     assert read_lines(path, tail=3, offset=offset).lines == ["half a line and the rest"]

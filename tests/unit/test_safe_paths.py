@@ -17,10 +17,10 @@ import pytest
 from etrain.service.access.storage_roots import StorageRoots, pin
 from etrain.service.planning.spec import JobSpec
 from etrain.service.planning.spec_checks import check_spec
-from etrain.workers.protocol import safe_paths
 from etrain.workers.checkpoints.hf_config import read_hf_config, weight_files
-from etrain.workers.protocol.errors import ConfigError, DataError, UnsafePathError
 from etrain.workers.engine.text_files import read_text_file, text_documents
+from etrain.workers.protocol import safe_paths
+from etrain.workers.protocol.errors import ConfigError, DataError, UnsafePathError
 from tests.tiny_tokenizers import byte_bpe
 
 SECRET = b"hmac-key-0123456789abcdef"
@@ -197,8 +197,12 @@ def test_submit_names_the_field_of_a_linked_file_in_the_model_and_tokenizer_fold
     tokenizer = byte_bpe(root / "tok")
     (root / "tok" / "tokenizer_config.json").symlink_to(layout["secret"])
     (root / "data.txt").write_text("hello world")
-    body = {"name": "t", "model": {"preset": "gpt-tiny"}, "data": {"kind": "text", "path": str(root / "data.txt"), "tokenizer": str(tokenizer)},
-            "training": {"steps": 2, "global_batch": 2, "micro_batch": 1}}
+    body = {
+        "name": "t",
+        "model": {"preset": "gpt-tiny"},
+        "data": {"kind": "text", "path": str(root / "data.txt"), "tokenizer": str(tokenizer)},
+        "training": {"steps": 2, "global_batch": 2, "micro_batch": 1},
+    }
     problems = {p.field: p.message for p in check_spec(JobSpec.model_validate(body))}
     assert REFUSED in problems["data.tokenizer"]
 

@@ -17,9 +17,9 @@ from etrain.service.errors import (
     SettingsError,
     SpecRejected,
 )
+from etrain.service.planning.spec import SpecProblem
 from etrain.service.ports import ChaosRequest
 from etrain.service.settings import Settings
-from etrain.service.planning.spec import SpecProblem
 from etrain.workers.protocol.errors import EtrainError
 
 # -- settings -----------------------------------------------------------------------------------------
@@ -37,15 +37,21 @@ def test_defaults_bind_to_loopback_with_no_token_and_no_chaos():
 
 def test_environment_then_overrides_and_none_means_not_given():
     env = {
-        "ETRAIN_HOST": "0.0.0.0", "ETRAIN_PORT": "9000", "ETRAIN_DATA_DIR": "/srv/etrain",
-        "ETRAIN_RAY_ADDRESS": "ray://head:10001", "ETRAIN_API_TOKEN": "s3cret-0123456789",
+        "ETRAIN_HOST": "0.0.0.0",
+        "ETRAIN_PORT": "9000",
+        "ETRAIN_DATA_DIR": "/srv/etrain",
+        "ETRAIN_RAY_ADDRESS": "ray://head:10001",
+        "ETRAIN_API_TOKEN": "s3cret-0123456789",
         "ETRAIN_ENABLE_CHAOS": "1",
     }
     settings = Settings.from_env(env, port=9100, host=None)
     assert (settings.host, settings.port) == ("0.0.0.0", 9100)
     assert settings.data_dir == Path("/srv/etrain") and settings.db_path == Path("/srv/etrain/etrain.db")
     assert (settings.ray_address, settings.api_token, settings.enable_chaos) == (
-        "ray://head:10001", "s3cret-0123456789", True)
+        "ray://head:10001",
+        "s3cret-0123456789",
+        True,
+    )
 
 
 def test_the_token_never_shows_in_repr_and_empty_means_unset():

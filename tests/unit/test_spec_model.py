@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from etrain.service.access.storage_roots import StorageRoots
 from etrain.service.planning.spec import JobSpec
 from etrain.service.planning.spec_checks import check_spec
-from etrain.service.access.storage_roots import StorageRoots
 from etrain.service.planning.spec_paths import pin_paths, resolve_paths
 from etrain.workers.checkpoints.hf_config import DEFAULT_MAX_SEQ_LEN
 
@@ -25,18 +25,33 @@ REPO = Path(__file__).resolve().parents[2]
 
 def write_config(folder: Path, **overrides) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-              "intermediate_size": 176, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "vocab_size": 256, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "hidden_act": "silu",
-              "rope_theta": 10000.0, "tie_word_embeddings": False}
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 176,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 256,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5,
+        "hidden_act": "silu",
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+    }
     config.update(overrides)
     (folder / "config.json").write_text(json.dumps(config))
     return folder
 
 
 def spec(model: dict, **sections) -> JobSpec:
-    body = {"name": "hf", "model": model, "training": {"steps": 4, "global_batch": 4, "micro_batch": 1},
-            "parallelism": {"dp": 2}}
+    body = {
+        "name": "hf",
+        "model": model,
+        "training": {"steps": 4, "global_batch": 4, "micro_batch": 1},
+        "parallelism": {"dp": 2},
+    }
     body.update(sections)
     return JobSpec.model_validate(body)
 
@@ -46,20 +61,25 @@ def fields(problems) -> dict[str, str]:
 
 
 class TestKind:
-    @pytest.mark.parametrize(("model", "kind"), [
-        ({"preset": "gpt-tiny"}, "gpt"),
-        ({"preset": "llama-tiny"}, "llama"),
-        ({"preset": "olmo2-tiny"}, "olmo2"),
-        ({"n_layers": 2, "d_model": 32, "n_heads": 4, "vocab_size": 64, "seq_len": 16}, "gpt"),
-    ])
+    @pytest.mark.parametrize(
+        ("model", "kind"),
+        [
+            ({"preset": "gpt-tiny"}, "gpt"),
+            ({"preset": "llama-tiny"}, "llama"),
+            ({"preset": "olmo2-tiny"}, "olmo2"),
+            ({"n_layers": 2, "d_model": 32, "n_heads": 4, "vocab_size": 64, "seq_len": 16}, "gpt"),
+        ],
+    )
     def test_kind_defaults_to_what_the_model_is_and_is_stored(self, model, kind):
         parsed = spec(model)
         assert parsed.model.kind == kind
         assert parsed.model_dump(mode="json", by_alias=True)["model"]["kind"] == kind
         assert JobSpec.model_validate(parsed.model_dump(mode="json", by_alias=True)) == parsed  # round trip
 
-    @pytest.mark.parametrize(("architecture", "kind"), [("LlamaForCausalLM", "llama"), ("Qwen3ForCausalLM", "llama"),
-                                                        ("Olmo2ForCausalLM", "olmo2")])
+    @pytest.mark.parametrize(
+        ("architecture", "kind"),
+        [("LlamaForCausalLM", "llama"), ("Qwen3ForCausalLM", "llama"), ("Olmo2ForCausalLM", "olmo2")],
+    )
     def test_with_hf_the_kind_is_the_folders_family_pinned_with_the_paths(self, tmp_path, architecture, kind):
         write_config(tmp_path / "m", architectures=[architecture])
         parsed = spec({"hf": "m"})
@@ -73,22 +93,35 @@ class TestKind:
         assert pin_paths(spec({"hf": "nope"}), tmp_path, StorageRoots.of([tmp_path]))[0].model.kind is None
         other = "gpt" if kind != "gpt" else "llama"
         wrong = resolve_paths(spec({"hf": "m", "kind": other}), tmp_path)
-        assert fields(check_spec(wrong))["model.kind"] == (f"model.kind={other!r} but model.hf holds a {architecture} "
-                                                           f"(model.kind={kind!r}).")
+        assert fields(check_spec(wrong))["model.kind"] == (
+            f"model.kind={other!r} but model.hf holds a {architecture} (model.kind={kind!r})."
+        )
 
     def test_explicit_llama_sizes_build_a_llama_with_grouped_query_attention(self):
-        parsed = spec({"kind": "llama", "n_layers": 2, "d_model": 32, "n_heads": 4, "n_kv_heads": 2,
-                       "vocab_size": 64, "seq_len": 16})
+        parsed = spec(
+            {
+                "kind": "llama",
+                "n_layers": 2,
+                "d_model": 32,
+                "n_heads": 4,
+                "n_kv_heads": 2,
+                "vocab_size": 64,
+                "seq_len": 16,
+            }
+        )
         assert check_spec(parsed) == []
         config = parsed.model.to_config()
         assert (config.arch, config.kv_heads, config.hf_path) == ("llama", 2, None)
 
-    @pytest.mark.parametrize(("model", "field", "words"), [
-        ({"preset": "llama-tiny", "kind": "gpt"}, "model.kind", "is a llama model"),
-        ({"preset": "gpt-tiny", "kind": "llama"}, "model.kind", "is a gpt model"),
-        ({"preset": "gpt-tiny", "n_kv_heads": 2}, "model.n_kv_heads", "does not apply to model.kind='gpt'"),
-        ({"preset": "olmo2-tiny", "kind": "llama"}, "model.kind", "is a olmo2 model"),
-    ])
+    @pytest.mark.parametrize(
+        ("model", "field", "words"),
+        [
+            ({"preset": "llama-tiny", "kind": "gpt"}, "model.kind", "is a llama model"),
+            ({"preset": "gpt-tiny", "kind": "llama"}, "model.kind", "is a gpt model"),
+            ({"preset": "gpt-tiny", "n_kv_heads": 2}, "model.n_kv_heads", "does not apply to model.kind='gpt'"),
+            ({"preset": "olmo2-tiny", "kind": "llama"}, "model.kind", "is a olmo2 model"),
+        ],
+    )
     def test_conflicting_kinds_are_problems(self, model, field, words):
         assert words in fields(check_spec(spec(model)))[field]
 
@@ -115,25 +148,31 @@ class TestHfFolder:
         [problem] = check_spec(spec({"hf": str(tmp_path / "gpt2")}))
         assert problem.field == "model.hf"
         assert problem.message == "model.hf architecture GPT2LMHeadModel is not supported."
-        assert problem.fix == ("use a model of one of the supported architectures: LlamaForCausalLM, "
-                               "MistralForCausalLM, Olmo2ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM")
+        assert problem.fix == (
+            "use a model of one of the supported architectures: LlamaForCausalLM, "
+            "MistralForCausalLM, Olmo2ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
+        )
 
     def test_preset_and_sizes_are_exclusive_with_hf_but_seq_len_is_not(self, tmp_path):
         write_config(tmp_path / "m")
-        problems = check_spec(spec({"hf": str(tmp_path / "m"), "preset": "llama-tiny", "n_layers": 8,
-                                    "vocab_size": 300, "seq_len": 64}))
+        problems = check_spec(
+            spec({"hf": str(tmp_path / "m"), "preset": "llama-tiny", "n_layers": 8, "vocab_size": 300, "seq_len": 64})
+        )
         assert sorted(fields(problems)) == ["model.n_layers", "model.preset", "model.vocab_size"]
         assert fields(problems)["model.preset"].startswith("model.hf and model.preset are exclusive")
 
     def test_a_missing_folder_and_a_too_long_context_are_named(self, tmp_path):
         assert "is not a folder" in fields(check_spec(spec({"hf": str(tmp_path / "nope")})))["model.hf"]
         write_config(tmp_path / "m", max_position_embeddings=128)
-        assert "max_position_embeddings=128" in fields(check_spec(spec({"hf": str(tmp_path / "m"), "seq_len": 129})))[
-            "model.seq_len"]
+        assert (
+            "max_position_embeddings=128"
+            in fields(check_spec(spec({"hf": str(tmp_path / "m"), "seq_len": 129})))["model.seq_len"]
+        )
 
     def test_model_problems_do_not_hide_the_other_rules(self, tmp_path):
-        problems = check_spec(spec({"hf": str(tmp_path / "nope")},
-                                   training={"steps": 4, "global_batch": 5, "micro_batch": 1}))
+        problems = check_spec(
+            spec({"hf": str(tmp_path / "nope")}, training={"steps": 4, "global_batch": 5, "micro_batch": 1})
+        )
         assert sorted(fields(problems)) == ["model.hf", "training.global_batch"]
 
 
@@ -187,7 +226,11 @@ def test_checkpoint_every_steps_auto_and_the_mtbf_reach_the_ranks():
     checkpoint = auto.to_run_config(job_id="j", checkpoint_root="/c").checkpoint
     assert (checkpoint.every_steps, checkpoint.auto_interval, checkpoint.mtbf_hours) == (0, True, 6.0)
     fixed = spec({"preset": "gpt-tiny"}, checkpoint={"every_steps": 20}).to_run_config(job_id="j", checkpoint_root="/c")
-    assert (fixed.checkpoint.every_steps, fixed.checkpoint.auto_interval, fixed.checkpoint.mtbf_hours) == (20, False, 24.0)
+    assert (fixed.checkpoint.every_steps, fixed.checkpoint.auto_interval, fixed.checkpoint.mtbf_hours) == (
+        20,
+        False,
+        24.0,
+    )
     for bad in ({"checkpoint": {"every_steps": "sometimes"}}, {"fault_tolerance": {"mtbf_hours": 0}}):
         with pytest.raises(ValueError):
             spec({"preset": "gpt-tiny"}, **bad)

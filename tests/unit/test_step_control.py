@@ -21,28 +21,55 @@ from etrain.workers.rank.step_control import (
 )
 
 
-def metrics(step: int, *, compute_s: float = 0.25, comm_wait_s: float = 0.05, step_s: float = 0.3,
-            synced: bool = True, peak: int = 123_456_789) -> dict:
-    return {"step": step, "loss": 2.5, "lr": 1e-3, "compute_s": compute_s, "comm_wait_s": comm_wait_s,
-            "step_s": step_s, "timing_synced": synced, "peak_mem_bytes": peak}
+def metrics(
+    step: int,
+    *,
+    compute_s: float = 0.25,
+    comm_wait_s: float = 0.05,
+    step_s: float = 0.3,
+    synced: bool = True,
+    peak: int = 123_456_789,
+) -> dict:
+    return {
+        "step": step,
+        "loss": 2.5,
+        "lr": 1e-3,
+        "compute_s": compute_s,
+        "comm_wait_s": comm_wait_s,
+        "step_s": step_s,
+        "timing_synced": synced,
+        "peak_mem_bytes": peak,
+    }
 
 
 class TestVector:
     def test_encode_puts_each_field_in_its_slot(self):
         vector = encode(metrics(7), SAVE | STOP)
         assert len(vector) == len(FIELDS) == 7
-        assert dict(zip(FIELDS, vector)) == {"step": 7.0, "flags": 3.0, "compute_s": 0.25, "comm_wait_s": 0.05,
-                                             "step_s": 0.3, "timing_synced": 1.0, "peak_mem_bytes": 123456789.0}
+        assert dict(zip(FIELDS, vector)) == {
+            "step": 7.0,
+            "flags": 3.0,
+            "compute_s": 0.25,
+            "comm_wait_s": 0.05,
+            "step_s": 0.3,
+            "timing_synced": 1.0,
+            "peak_mem_bytes": 123456789.0,
+        }
 
     def test_round_trip_over_three_ranks_keeps_every_value_and_rank_zeros_flags(self):
-        rows = [encode(metrics(4, compute_s=0.1, synced=True, peak=2**40 + 1), SAVE),
-                encode(metrics(4, compute_s=0.2, synced=True, peak=5), 0),
-                encode(metrics(4, compute_s=0.4, synced=True, peak=0), STOP)]  # not rank 0: ignored
+        rows = [
+            encode(metrics(4, compute_s=0.1, synced=True, peak=2**40 + 1), SAVE),
+            encode(metrics(4, compute_s=0.2, synced=True, peak=5), 0),
+            encode(metrics(4, compute_s=0.4, synced=True, peak=0), STOP),
+        ]  # not rank 0: ignored
         boundary = decode(rows, step=4)
         assert (boundary.completed, boundary.requested) == (5, SAVE)  # rank 0's flags only
         assert boundary.timings == {
-            "compute_s": [0.1, 0.2, 0.4], "comm_wait_s": [0.05] * 3, "step_s": [0.3] * 3,
-            "timing_synced": [True, True, True], "peak_mem_bytes": [2**40 + 1, 5, 0],
+            "compute_s": [0.1, 0.2, 0.4],
+            "comm_wait_s": [0.05] * 3,
+            "step_s": [0.3] * 3,
+            "timing_synced": [True, True, True],
+            "peak_mem_bytes": [2**40 + 1, 5, 0],
         }
         assert list(boundary.timings) == list(RANK_TIMINGS)
 
@@ -80,8 +107,9 @@ class TestVector:
 
 
 class TestDecision:
-    @pytest.mark.parametrize("completed, expected", [(1, False), (9, False), (10, True), (20, True), (25, True),
-                                                     (26, True)])
+    @pytest.mark.parametrize(
+        "completed, expected", [(1, False), (9, False), (10, True), (20, True), (25, True), (26, True)]
+    )
     def test_schedule_is_every_n_and_the_last_step(self, completed, expected):
         assert scheduled_save(completed, total_steps=25, every_steps=10) is expected
 

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from etrain.service.access.checkpoint_key import KEY_NAME, load_or_create_key
+from etrain.service.access.storage_roots import PRIVATE_FILE_NAMES, StorageRoots, inside, parse_roots, pin
 from etrain.service.errors import SettingsError
-from etrain.service.settings import Settings
 from etrain.service.planning.spec import JobSpec
 from etrain.service.planning.spec_paths import pin_paths, resolve_paths
-from etrain.service.access.storage_roots import PRIVATE_FILE_NAMES, StorageRoots, inside, parse_roots, pin
+from etrain.service.settings import Settings
 
 
 @pytest.fixture
@@ -54,15 +54,20 @@ def test_the_prefix_trick_is_outside(layout):
     roots = StorageRoots.of([layout / "data"])
     problem = check(roots, str(layout / "data-evil" / "b.txt"), layout)
     assert problem is not None and problem.field == "data.path"
-    assert problem.message.startswith(f"data.path={str(layout / 'data-evil' / 'b.txt')!r} is outside the storage roots "
-                                      f"({layout / 'data'})")
+    assert problem.message.startswith(
+        f"data.path={str(layout / 'data-evil' / 'b.txt')!r} is outside the storage roots ({layout / 'data'})"
+    )
     assert "ETRAIN_STORAGE_ROOTS" in problem.fix
 
 
 def test_dot_dot_escapes_are_resolved_before_the_check(layout):
     roots = StorageRoots.of([layout / "data"])
-    for raw in (f"{layout}/data/../outside/secret.txt", f"{layout}/data/missing/../../outside/secret.txt",
-                "../outside/secret.txt", "corpus/../../outside/secret.txt"):
+    for raw in (
+        f"{layout}/data/../outside/secret.txt",
+        f"{layout}/data/missing/../../outside/secret.txt",
+        "../outside/secret.txt",
+        "corpus/../../outside/secret.txt",
+    ):
         problem = check(roots, raw, layout / "data")
         assert problem is not None, raw
         assert raw in problem.message
@@ -116,8 +121,9 @@ def test_roots_from_the_environment(tmp_path):
     assert parse_roots(f"/a{os.pathsep}/b, /c ,,") == (Path("/a"), Path("/b"), Path("/c"))
     with pytest.raises(ValueError, match="'relative/dir' is not an absolute path"):
         parse_roots("/a,relative/dir")
-    settings = Settings.from_env({"ETRAIN_STORAGE_ROOTS": f"{tmp_path}/x,{tmp_path}/y",
-                                  "ETRAIN_DATA_DIR": str(tmp_path)})
+    settings = Settings.from_env(
+        {"ETRAIN_STORAGE_ROOTS": f"{tmp_path}/x,{tmp_path}/y", "ETRAIN_DATA_DIR": str(tmp_path)}
+    )
     assert settings.storage_roots == (tmp_path / "x", tmp_path / "y")
     assert Settings(data_dir=tmp_path).storage_roots == ()
     with pytest.raises(SettingsError, match="ETRAIN_STORAGE_ROOTS"):
@@ -127,15 +133,18 @@ def test_roots_from_the_environment(tmp_path):
 
 
 def _spec(**sections) -> JobSpec:
-    return JobSpec.model_validate({"name": "r", "model": {"preset": "gpt-tiny"},
-                                   "training": {"steps": 1, "global_batch": 1}, **sections})
+    return JobSpec.model_validate(
+        {"name": "r", "model": {"preset": "gpt-tiny"}, "training": {"steps": 1, "global_batch": 1}, **sections}
+    )
 
 
 def test_pin_paths_checks_every_path_field_and_echoes_the_given_values(layout):
     roots = StorageRoots.of([layout / "data"])
-    spec = _spec(model={"hf": "../outside"}, data={"kind": "text", "path": "../outside/secret.txt",
-                                                   "tokenizer": f"{layout}/data-evil/tok.json"},
-                 checkpoint={"path": "/"})
+    spec = _spec(
+        model={"hf": "../outside"},
+        data={"kind": "text", "path": "../outside/secret.txt", "tokenizer": f"{layout}/data-evil/tok.json"},
+        checkpoint={"path": "/"},
+    )
     pinned, problems = pin_paths(spec, layout / "data", roots)
     assert [p.field for p in problems] == ["model.hf", "data.path", "data.tokenizer", "checkpoint.path"]
     assert problems[1].message.startswith("data.path='../outside/secret.txt' is outside the storage roots")
@@ -144,8 +153,10 @@ def test_pin_paths_checks_every_path_field_and_echoes_the_given_values(layout):
     ok = _spec(data={"kind": "text", "path": "corpus"}, checkpoint={"path": "ckpt/run"})
     pinned, problems = pin_paths(ok, layout / "data", roots)
     assert problems == []
-    assert (pinned.data.path, pinned.checkpoint.path) == (str(layout / "data" / "corpus"),
-                                                          str(layout / "data" / "ckpt" / "run"))
+    assert (pinned.data.path, pinned.checkpoint.path) == (
+        str(layout / "data" / "corpus"),
+        str(layout / "data" / "ckpt" / "run"),
+    )
     assert resolve_paths(ok, layout / "data") == pinned
     assert pin_paths(_spec(), layout, roots) == (_spec(), [])  # no paths: nothing to check
 

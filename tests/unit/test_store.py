@@ -40,13 +40,27 @@ def store(db_path):
 
 
 def make_job(store: JobStore, job_id: str = "job-1", **kwargs) -> JobRecord:
-    return store.create_job(job_id=job_id, name=kwargs.pop("name", "tiny"), spec=kwargs.pop("spec", SPEC),
-                            world_size=kwargs.pop("world_size", 2), **kwargs)
+    return store.create_job(
+        job_id=job_id,
+        name=kwargs.pop("name", "tiny"),
+        spec=kwargs.pop("spec", SPEC),
+        world_size=kwargs.pop("world_size", 2),
+        **kwargs,
+    )
 
 
 def step(job_id: str, number: int, *, loss: float, attempt: int = 1) -> StepRecord:
-    return StepRecord(job_id=job_id, step=number, loss=loss, tokens_per_s=1000.0, step_s=0.5, compute_s=0.4,
-                      comm_wait_s=0.1, ts=2_000.0 + number, attempt=attempt)
+    return StepRecord(
+        job_id=job_id,
+        step=number,
+        loss=loss,
+        tokens_per_s=1000.0,
+        step_s=0.5,
+        compute_s=0.4,
+        comm_wait_s=0.1,
+        ts=2_000.0 + number,
+        attempt=attempt,
+    )
 
 
 # -- jobs ---------------------------------------------------------------------------------------------
@@ -56,9 +70,23 @@ def test_a_new_job_is_queued_with_its_spec_and_creation_time(store):
     job = make_job(store, layout="pp1·dp2·tp1 zero=0")
 
     assert job == JobRecord(
-        id="job-1", name="tiny", status=JobStatus.QUEUED, spec=SPEC, step=0, loss=None, tokens_per_s=None,
-        world_size=2, restarts=0, created_at=1_001.0, updated_at=1_001.0, error=None,
-        layout="pp1·dp2·tp1 zero=0", last_checkpoint_step=None, stragglers=[], goodput=None, attempt=0,
+        id="job-1",
+        name="tiny",
+        status=JobStatus.QUEUED,
+        spec=SPEC,
+        step=0,
+        loss=None,
+        tokens_per_s=None,
+        world_size=2,
+        restarts=0,
+        created_at=1_001.0,
+        updated_at=1_001.0,
+        error=None,
+        layout="pp1·dp2·tp1 zero=0",
+        last_checkpoint_step=None,
+        stragglers=[],
+        goodput=None,
+        attempt=0,
     )
     assert store.get_job("job-1") == job
     assert not job.is_terminal
@@ -90,8 +118,17 @@ def test_a_duplicate_job_id_is_a_conflict(store):
 def test_update_changes_the_given_fields_and_bumps_updated_at(store):
     make_job(store)
     job = store.update_job(
-        "job-1", status="RUNNING", step=7, loss=2.5, tokens_per_s=1234.5, restarts=1, last_checkpoint_step=5,
-        stragglers=[{"rank": 3, "factor": 2.1}], goodput=0.8, attempt=2, layout="pp1·dp1·tp1 zero=0",
+        "job-1",
+        status="RUNNING",
+        step=7,
+        loss=2.5,
+        tokens_per_s=1234.5,
+        restarts=1,
+        last_checkpoint_step=5,
+        stragglers=[{"rank": 3, "factor": 2.1}],
+        goodput=0.8,
+        attempt=2,
+        layout="pp1·dp1·tp1 zero=0",
         world_size=1,
     )
     assert (job.status, job.step, job.loss, job.tokens_per_s) == (JobStatus.RUNNING, 7, 2.5, 1234.5)
@@ -208,7 +245,12 @@ def test_steps_are_idempotent_and_a_restarted_attempt_replaces_what_it_re_ran(st
 
     history = store.steps("job-1")
     assert [(s.step, s.loss, s.attempt) for s in history] == [
-        (1, 1.0, 1), (2, 2.0, 1), (3, 3.0, 1), (4, 4.5, 2), (5, 5.5, 2), (6, 6.5, 2),
+        (1, 1.0, 1),
+        (2, 2.0, 1),
+        (3, 3.0, 1),
+        (4, 4.5, 2),
+        (5, 5.5, 2),
+        (6, 6.5, 2),
     ]
 
 
@@ -216,8 +258,11 @@ def test_a_steps_mfu_is_kept_with_its_row_and_the_current_row_is_found_by_index(
     make_job(store)
     store.add_steps("job-1", [dataclasses.replace(step("job-1", n, loss=float(n)), mfu=0.1 * n) for n in (1, 2, 3)])
     store.add_steps("job-1", [dataclasses.replace(step("job-1", 2, loss=2.5, attempt=2), mfu=math.nan)])
-    assert [(s.step, s.mfu) for s in store.steps("job-1")] == [(1, pytest.approx(0.1)), (2, None),
-                                                              (3, pytest.approx(0.3))]
+    assert [(s.step, s.mfu) for s in store.steps("job-1")] == [
+        (1, pytest.approx(0.1)),
+        (2, None),
+        (3, pytest.approx(0.3)),
+    ]
     # after a restart that resumed at step 2, the job's step is 2: step 3's row is the discarded attempt's
     assert store.step_at_or_before("job-1", 2).attempt == 2
     assert store.step_at_or_before("job-1", 9).step == 3
@@ -264,8 +309,9 @@ def test_reopening_the_file_keeps_jobs_events_steps_and_cursors(db_path):
 
     with JobStore(db_path) as second:
         assert second.get_job("job-1") == before
-        assert second.events("job-1") == [EventRecord(seq=1, job_id="job-1", ts=1.0, kind="submitted",
-                                                      detail={"message": "hello"})]
+        assert second.events("job-1") == [
+            EventRecord(seq=1, job_id="job-1", ts=1.0, kind="submitted", detail={"message": "hello"})
+        ]
         assert second.steps("job-1") == [step("job-1", 1, loss=4.0)]
         assert second.get_cursor("job-1") == 9
         assert second.add_events("job-1", [(2.0, "restarted", {})])[0].seq == 2  # numbering continues
@@ -329,8 +375,10 @@ def test_a_release_5_file_gains_an_empty_mfu_column(db_path):
     db_path.parent.mkdir(parents=True)
     conn = sqlite3.connect(db_path, isolation_level=None)
     assert migrate(conn, MIGRATIONS[:5]) == 5
-    conn.execute("INSERT INTO jobs (id, name, status, spec, world_size, created_at, updated_at) "
-                 "VALUES ('old', 'old', 'RUNNING', '{}', 1, 1.0, 1.0)")
+    conn.execute(
+        "INSERT INTO jobs (id, name, status, spec, world_size, created_at, updated_at) "
+        "VALUES ('old', 'old', 'RUNNING', '{}', 1, 1.0, 1.0)"
+    )
     conn.execute("INSERT INTO steps (job_id, step, loss, ts) VALUES ('old', 1, 2.5, 3.0)")
     conn.close()
     with JobStore(db_path) as store:
@@ -415,8 +463,9 @@ def test_lists_filter_by_tenant_and_keep_the_priority(store):
 
 
 def test_an_idempotency_key_is_unique_per_tenant(store):
-    store.create_job(job_id="j1", name="j", spec={}, world_size=1, tenant="alice", idempotency_key="k",
-                     request_hash="h1")
+    store.create_job(
+        job_id="j1", name="j", spec={}, world_size=1, tenant="alice", idempotency_key="k", request_hash="h1"
+    )
     found = store.find_idempotent("alice", "k")
     assert found is not None and found[0].id == "j1" and found[1] == "h1"
     assert store.find_idempotent("bob", "k") is None

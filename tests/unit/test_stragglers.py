@@ -5,7 +5,14 @@ import random
 
 import pytest
 
-from etrain.service.decisions.stragglers import HISTORY, PEERS, StragglerConfig, StragglerConfigError, StragglerDetector, stage_map
+from etrain.service.decisions.stragglers import (
+    HISTORY,
+    PEERS,
+    StragglerConfig,
+    StragglerConfigError,
+    StragglerDetector,
+    stage_map,
+)
 
 
 def feed(detector, steps, ranks, slow=None, factor=2.0, jitter=0.0, seed=0, base=0.1, first_step=0):
@@ -161,8 +168,14 @@ class TestConfig:
 
     def test_defaults(self):
         config = StragglerConfig()
-        assert (config.enabled, config.window, config.threshold, config.patience, config.min_ranks,
-                config.history) == (True, 4, 1.5, 3, 2, 5)
+        assert (config.enabled, config.window, config.threshold, config.patience, config.min_ranks, config.history) == (
+            True,
+            4,
+            1.5,
+            3,
+            2,
+            5,
+        )
 
     @pytest.mark.parametrize("onset", range(5, 9))  # every phase of the slowdown against the windows
     @pytest.mark.parametrize("factor", [2.0, 3.0])
@@ -178,6 +191,7 @@ class TestConfig:
 
 
 # --- per pipeline stage ----------------------------------------------------------------------------
+
 
 def feed_stages(detector, steps, stages, *, stage_cost, slow=None, factor=2.0, jitter=0.1, seed=0, first_step=0):
     """Like `feed`, but each rank's base time is its stage's cost (`stage_cost[stage]`)."""
@@ -289,8 +303,15 @@ class TestLoneStagesAgainstTheirHistory:
         # Stage 1 slows 3x: the median of the others for stage 0 rises a little, never past the threshold.
         stages = stage_map(pp=3, dp=1, tp=1)
         detector = StragglerDetector(StragglerConfig(window=10, patience=2), stages=stages)
-        found = feed_stages(detector, 300, stages, stage_cost={0: 0.1, 1: 0.1, 2: 0.3},
-                            slow={1: lambda s: s >= 100}, factor=3.0, jitter=0.05)
+        found = feed_stages(
+            detector,
+            300,
+            stages,
+            stage_cost={0: 0.1, 1: 0.1, 2: 0.3},
+            slow={1: lambda s: s >= 100},
+            factor=3.0,
+            jitter=0.05,
+        )
         assert [(s, f.rank) for s, f in found] == [(119, 1)]
 
     def test_first_window_is_the_baseline_and_is_not_judged(self):

@@ -20,10 +20,10 @@ from etrain.service.decisions.supervisor_events import (
     Abort,
     Cancel,
     CapacityChanged,
+    CheckpointFailed,
     CheckpointReported,
     CommitCheckpoint,
     CommitFailed,
-    CheckpointFailed,
     CommitSucceeded,
     ExcludeNode,
     ExportCheckpoint,
@@ -414,15 +414,19 @@ class TestCheckpointFailed:
     """A save the storage failed (issue #16): said why, its reports forgotten, training goes on."""
 
     def test_a_failed_save_is_recorded_and_the_job_keeps_running_from_its_last_commit(self):
-        state = decide(running(step=16, last_committed_step=10), CheckpointReported(attempt=1, step=16, rank=0),
-                       45.0, CONFIG).state
+        state = decide(
+            running(step=16, last_committed_step=10), CheckpointReported(attempt=1, step=16, rank=0), 45.0, CONFIG
+        ).state
         reason = "no space left on device at /ckpt: need ~15,360.0 MiB, 900.0 MiB free"
         d = decide(state, CheckpointFailed(attempt=1, step=16, reason=reason), 46.0, CONFIG)
         assert d.state.status is Status.RUNNING and d.state.group is GroupPhase.UP
         assert d.state.last_committed_step == 10 and d.state.checkpoint_reports == frozenset()
-        assert d.actions == (RecordEvent(
-            kind="checkpoint_failed",
-            detail=f"step 16: {reason}; training continues; the last committed checkpoint stays step 10"),)
+        assert d.actions == (
+            RecordEvent(
+                kind="checkpoint_failed",
+                detail=f"step 16: {reason}; training continues; the last committed checkpoint stays step 10",
+            ),
+        )
         assert not of(d, StopGroup) and not of(d, RequestCheckpoint)
 
     def test_a_failed_save_of_an_old_attempt_is_ignored(self):
@@ -430,11 +434,18 @@ class TestCheckpointFailed:
         assert d.ignored
 
     def test_a_failed_save_of_the_requested_checkpoint_asks_again_for_a_pending_resize(self):
-        state = running(step=16, last_committed_step=10, available_dp=8, pending_resize_dp=8,
-                        checkpoint_requested_at=40.0, checkpoint_requested_step=15)
+        state = running(
+            step=16,
+            last_committed_step=10,
+            available_dp=8,
+            pending_resize_dp=8,
+            checkpoint_requested_at=40.0,
+            checkpoint_requested_step=15,
+        )
         d = decide(state, CheckpointFailed(attempt=1, step=16, reason="disk quota exceeded at /ckpt"), 46.0, CONFIG)
         assert of(d, RequestCheckpoint) == [
-            RequestCheckpoint(attempt=1, reason="retry before the resize: save of step 16 failed")]
+            RequestCheckpoint(attempt=1, reason="retry before the resize: save of step 16 failed")
+        ]
         assert kinds(d) == ["checkpoint_failed", "checkpoint_requested"]
         assert d.state.checkpoint_requested_at == 40.0  # the same deadline
 
@@ -450,10 +461,12 @@ class TestCommitOutcome:
         assert state.committing == frozenset({16})
         d = decide(state, CommitFailed(step=16, error="shard of rank 3 is missing"), 46.0, CONFIG)
         assert (d.state.last_committed_step, d.state.committing) == (10, frozenset())
-        assert d.actions == (RecordEvent(
-            kind="checkpoint_commit_failed",
-            detail="step 16: shard of rank 3 is missing; the last committed checkpoint stays step 10",
-        ),)
+        assert d.actions == (
+            RecordEvent(
+                kind="checkpoint_commit_failed",
+                detail="step 16: shard of rank 3 is missing; the last committed checkpoint stays step 10",
+            ),
+        )
         # A restart after it resumes from step 10, not from the step that never committed.
         d = decide(d.state, WorkerLost(attempt=1, rank=0, node="n1", cause="process"), 47.0, CONFIG)
         d = decide(replace(d.state, group=GroupPhase.NONE), Tick(), 60.0, CONFIG)
@@ -491,8 +504,9 @@ class TestCommitOutcome:
 
     def test_a_failed_commit_of_the_requested_checkpoint_asks_again_for_a_pending_resize(self):
         # Chosen: retry (the failure may be transient) within the original checkpoint_timeout_s.
-        state = self.committing(available_dp=8, pending_resize_dp=8, checkpoint_requested_at=40.0,
-                                checkpoint_requested_step=15)
+        state = self.committing(
+            available_dp=8, pending_resize_dp=8, checkpoint_requested_at=40.0, checkpoint_requested_step=15
+        )
         d = decide(state, CommitFailed(step=16, error="disk full"), 46.0, CONFIG)
         assert d.state.status is Status.RUNNING and d.state.pending_resize_dp == 8
         assert d.state.checkpoint_requested_at == 40.0 and d.state.last_committed_step == 10
@@ -506,8 +520,13 @@ class TestCommitOutcome:
         assert d.state.status is Status.RESIZING and kinds(d) == ["checkpoint_committed", "resizing"]
 
     def test_a_pending_resize_whose_commits_keep_failing_is_abandoned_at_the_timeout(self):
-        state = self.committing(available_dp=8, pending_resize_dp=8, checkpoint_requested_at=40.0,
-                                checkpoint_requested_step=15, last_progress_at=130.0)
+        state = self.committing(
+            available_dp=8,
+            pending_resize_dp=8,
+            checkpoint_requested_at=40.0,
+            checkpoint_requested_step=15,
+            last_progress_at=130.0,
+        )
         state = decide(state, CommitFailed(step=16, error="disk full"), 46.0, CONFIG).state
         d = decide(state, Tick(), 141.0, CONFIG)  # 101 s after the first request
         assert kinds(d) == ["resize_abandoned"] and d.state.status is Status.RUNNING and d.state.dp == 4
@@ -523,8 +542,17 @@ class TestCommitOutcome:
         assert d.state.last_committed_step == 10
 
     def test_a_failed_commit_of_an_older_step_does_not_retry(self):
-        state = report_all(running(step=16, last_committed_step=10, pending_resize_dp=8, available_dp=8,
-                                   checkpoint_requested_at=40.0, checkpoint_requested_step=15), 12).state
+        state = report_all(
+            running(
+                step=16,
+                last_committed_step=10,
+                pending_resize_dp=8,
+                available_dp=8,
+                checkpoint_requested_at=40.0,
+                checkpoint_requested_step=15,
+            ),
+            12,
+        ).state
         d = decide(state, CommitFailed(step=12, error="x"), 46.0, CONFIG)
         assert kinds(d) == ["checkpoint_commit_failed"] and not of(d, RequestCheckpoint)
         assert d.state.pending
@@ -559,7 +587,9 @@ class TestFinished:
 
 class TestJobError:
     def test_fails_at_once_without_spending_a_restart(self):
-        event = JobError(attempt=1, rank=3, message="ValueError: token id 70000 >= vocab 50257", traceback="Traceback ...")
+        event = JobError(
+            attempt=1, rank=3, message="ValueError: token id 70000 >= vocab 50257", traceback="Traceback ..."
+        )
         d = decide(running(), event, 80.0, CONFIG)
         assert d.state.status is Status.FAILED
         assert d.state.error == "rank 3: ValueError: token id 70000 >= vocab 50257"
@@ -646,10 +676,20 @@ class TestNodeLossConfirmed:
         state = launching(status=Status.RECOVERING, attempt=2, restarts_used=1)
         d = decide(state, self.confirmed(available_dp=4), 5.0, CONFIG)
         assert (d.state.restarts_used, d.state.group, d.state.attempt, d.state.available_dp) == (
-            0, GroupPhase.LAUNCHING, 2, 4)
-        assert d.actions == (RecordEvent(kind="restart_refunded", detail=(
-            "node n4 of the rank lost in attempt 1 was declared dead: a node loss, not the job's fault; "
-            "restarts used 0/2")),)
+            0,
+            GroupPhase.LAUNCHING,
+            2,
+            4,
+        )
+        assert d.actions == (
+            RecordEvent(
+                kind="restart_refunded",
+                detail=(
+                    "node n4 of the rank lost in attempt 1 was declared dead: a node loss, not the job's fault; "
+                    "restarts used 0/2"
+                ),
+            ),
+        )
 
     def test_stops_a_relaunch_the_cluster_can_no_longer_hold(self):
         state = launching(status=Status.RECOVERING, attempt=2, restarts_used=1)
@@ -687,28 +727,45 @@ class TestRepairInPlace:
     """[9] A single lost rank of a running group is replaced; the other ranks' processes are kept."""
 
     def test_one_lost_rank_is_repaired_in_place_from_the_last_commit(self):
-        d = decide(running(last_committed_step=8), WorkerLost(attempt=1, rank=3, node="n2", cause="process"),
-                   60.0, IN_PLACE)
+        d = decide(
+            running(last_committed_step=8), WorkerLost(attempt=1, rank=3, node="n2", cause="process"), 60.0, IN_PLACE
+        )
         assert (d.state.status, d.state.attempt, d.state.group, d.state.restarts_used, d.state.step) == (
-            Status.RECOVERING, 2, GroupPhase.LAUNCHING, 1, 8)
+            Status.RECOVERING,
+            2,
+            GroupPhase.LAUNCHING,
+            1,
+            8,
+        )
         assert d.state.backoff_until is None and d.state.group_since == 60.0
         assert d.actions == (
             RecordEvent(kind="worker_failed", detail="rank 3 on node n2 lost (process)"),
-            RecordEvent(kind="restarting", detail="restart 1/2 in place: rank 3 replaced, the other ranks kept, "
-                                                  "resuming step 8"),
+            RecordEvent(
+                kind="restarting", detail="restart 1/2 in place: rank 3 replaced, the other ranks kept, resuming step 8"
+            ),
             RepairGroup(attempt=2, lost_rank=3, world_size=8, resume_step=8),
         )
         ready = decide(d.state, GroupReady(attempt=2, world_size=8), 63.0, IN_PLACE)
         assert ready.state.status is Status.RUNNING and kinds(ready) == ["restored"]
 
-    @pytest.mark.parametrize("why, state, event", [
-        ("nothing committed yet", running(), WorkerLost(attempt=1, rank=3, node="n2", cause="process")),
-        ("still launching", launching(last_committed_step=8), WorkerLost(attempt=1, rank=3, node="n2", cause="process")),
-        ("rank unknown", running(last_committed_step=8), WorkerLost(attempt=1, rank=-1, node="", cause="process")),
-        ("resize pending", running(last_committed_step=8, pending_resize_dp=2, checkpoint_requested_at=1.0),
-         WorkerLost(attempt=1, rank=3, node="n2", cause="process")),
-        ("node lost", running(last_committed_step=8), WorkerLost(attempt=1, rank=3, node="n2", cause="node")),
-    ])
+    @pytest.mark.parametrize(
+        "why, state, event",
+        [
+            ("nothing committed yet", running(), WorkerLost(attempt=1, rank=3, node="n2", cause="process")),
+            (
+                "still launching",
+                launching(last_committed_step=8),
+                WorkerLost(attempt=1, rank=3, node="n2", cause="process"),
+            ),
+            ("rank unknown", running(last_committed_step=8), WorkerLost(attempt=1, rank=-1, node="", cause="process")),
+            (
+                "resize pending",
+                running(last_committed_step=8, pending_resize_dp=2, checkpoint_requested_at=1.0),
+                WorkerLost(attempt=1, rank=3, node="n2", cause="process"),
+            ),
+            ("node lost", running(last_committed_step=8), WorkerLost(attempt=1, rank=3, node="n2", cause="node")),
+        ],
+    )
     def test_otherwise_the_whole_group_is_relaunched(self, why, state, event):
         d = decide(state, event, 60.0, IN_PLACE)
         assert of(d, RepairGroup) == [], why
@@ -720,8 +777,9 @@ class TestRepairInPlace:
         assert d.state.status is Status.FAILED and of(d, RepairGroup) == []
 
     def test_a_failed_repair_relaunches_every_rank_without_spending_again(self):
-        repairing = decide(running(last_committed_step=8), WorkerLost(attempt=1, rank=3, node="n2", cause="process"),
-                           60.0, IN_PLACE).state
+        repairing = decide(
+            running(last_committed_step=8), WorkerLost(attempt=1, rank=3, node="n2", cause="process"), 60.0, IN_PLACE
+        ).state
         d = decide(repairing, RepairFailed(attempt=2, reason="rank 0 did not come back"), 61.0, IN_PLACE)
         assert kinds(d) == ["repair_failed"] and of(d, StopGroup)[0].attempt == 2
         assert (d.state.group, d.state.restarts_used) == (GroupPhase.STOPPING, 1)
@@ -743,7 +801,10 @@ class TestGroupStopped:
         assert d.state.status is Status.RECOVERING
         assert d.actions == (LaunchGroup(attempt=2, dp=4, world_size=8, resume_step=8),)
         assert (d.state.attempt, d.state.group, d.state.step, d.state.backoff_until) == (
-            2, GroupPhase.LAUNCHING, 8, None,
+            2,
+            GroupPhase.LAUNCHING,
+            8,
+            None,
         )
 
     def test_waits_for_a_capacity_report_after_node_loss(self):
@@ -821,7 +882,9 @@ class TestCapacity:
         d = decide(running(step=15, last_committed_step=10), CapacityChanged(available_dp=8), 40.0, CONFIG)
         assert d.state.status is Status.RUNNING
         assert (d.state.pending_resize_dp, d.state.checkpoint_requested_at, d.state.checkpoint_requested_step) == (
-            8, 40.0, 15,
+            8,
+            40.0,
+            15,
         )
         assert d.actions == (
             RequestCheckpoint(attempt=1, reason="resize dp 4 -> 8"),
@@ -829,8 +892,14 @@ class TestCapacity:
         )
 
     def test_commit_of_the_requested_checkpoint_stops_for_the_resize(self):
-        state = running(step=16, last_committed_step=10, available_dp=8, pending_resize_dp=8,
-                        checkpoint_requested_at=40.0, checkpoint_requested_step=15)
+        state = running(
+            step=16,
+            last_committed_step=10,
+            available_dp=8,
+            pending_resize_dp=8,
+            checkpoint_requested_at=40.0,
+            checkpoint_requested_step=15,
+        )
         reported = report_all(state, 16, now=45.0)
         assert reported.state.status is Status.RUNNING and reported.state.pending  # not before the manifest
         assert types(reported) == ["CommitCheckpoint"]
@@ -841,8 +910,14 @@ class TestCapacity:
         assert d.state.pending_resize_dp is None and not d.state.pending
 
     def test_an_older_in_flight_checkpoint_does_not_trigger_the_resize(self):
-        state = running(step=16, last_committed_step=10, available_dp=8, pending_resize_dp=8,
-                        checkpoint_requested_at=40.0, checkpoint_requested_step=15)
+        state = running(
+            step=16,
+            last_committed_step=10,
+            available_dp=8,
+            pending_resize_dp=8,
+            checkpoint_requested_at=40.0,
+            checkpoint_requested_step=15,
+        )
         d = commit_all(state, 12, now=45.0)
         assert d.state.status is Status.RUNNING and d.state.pending
         assert d.state.last_committed_step == 12
@@ -901,8 +976,7 @@ class TestScaleRequested:
         assert d.state == running()
         assert kinds(d) == ["scale_rejected"]
         assert of(d, RecordEvent)[0].detail == (
-            f"dp={dp} rejected: legal sizes for global_batch=32, micro_batch=2 in "
-            f"[min_dp=2, max_dp=8] are [2, 4, 8]"
+            f"dp={dp} rejected: legal sizes for global_batch=32, micro_batch=2 in [min_dp=2, max_dp=8] are [2, 4, 8]"
         )
 
     def test_more_than_the_cluster_can_place_is_rejected(self):
@@ -942,7 +1016,9 @@ class TestStragglers:
         d = decide(running(), self.flagged(evict=False), 5.0, CONFIG)
         assert d.state == running()
         assert d.actions == (
-            RecordEvent(kind="straggler_detected", detail="rank 6 on node n3 is 2.10x slower than its peers (2 windows)"),
+            RecordEvent(
+                kind="straggler_detected", detail="rank 6 on node n3 is 2.10x slower than its peers (2 windows)"
+            ),
         )
 
     def test_evict_checkpoints_first(self):
@@ -1022,20 +1098,24 @@ EXPORT_CONFIG = configured(export=True, export_timeout_s=300, job_id="demo-1234"
 
 def exporting(**changes) -> SupervisorState:
     """Every step trained and committed at t=70; the group of attempt 1 is stopping before the export."""
-    base = running(status=Status.EXPORTING, group=GroupPhase.STOPPING, group_since=70.0, step=100,
-                   last_committed_step=100, exporting_step=100)
+    base = running(
+        status=Status.EXPORTING,
+        group=GroupPhase.STOPPING,
+        group_since=70.0,
+        step=100,
+        last_committed_step=100,
+        exporting_step=100,
+    )
     return replace(base, **changes)
 
 
 class TestExport:
     def test_finishing_with_export_stops_the_group_first_and_is_not_yet_succeeded(self):
-        d = decide(running(step=100, last_committed_step=100), Finished(attempt=1, final_step=100), 70.0,
-                   EXPORT_CONFIG)
+        d = decide(running(step=100, last_committed_step=100), Finished(attempt=1, final_step=100), 70.0, EXPORT_CONFIG)
         assert d.state.status is Status.EXPORTING and d.state.group is GroupPhase.STOPPING
         assert (d.state.exporting_step, d.state.export_started_at) == (100, None)
         assert d.actions == (
-            RecordEvent(kind="training_finished",
-                        detail="finished 100/100 steps; exporting checkpoint step 100"),
+            RecordEvent(kind="training_finished", detail="finished 100/100 steps; exporting checkpoint step 100"),
             StopGroup(attempt=1, reason="training finished; exporting"),
         )
 
@@ -1061,8 +1141,12 @@ class TestExport:
 
     def test_a_failed_export_fails_the_job_naming_the_checkpoint_and_the_retry(self):
         state = exporting(group=GroupPhase.NONE, export_started_at=72.0)
-        d = decide(state, ExportFailed(step=100, checkpoint_dir="/ckpt/demo/step_00000100", error="disk full"),
-                   90.0, EXPORT_CONFIG)
+        d = decide(
+            state,
+            ExportFailed(step=100, checkpoint_dir="/ckpt/demo/step_00000100", error="disk full"),
+            90.0,
+            EXPORT_CONFIG,
+        )
         assert d.state.status is Status.FAILED and d.state.hf_export is None
         assert d.state.error == (
             "training finished but exporting checkpoint step 100 (/ckpt/demo/step_00000100) to Hugging Face "
@@ -1080,11 +1164,12 @@ class TestExport:
         assert "`etrain export demo-1234 --step 100 --out DIR`" in d.state.error
 
     def test_an_uncommitted_final_checkpoint_fails_at_once(self):
-        d = decide(running(step=100, last_committed_step=96), Finished(attempt=1, final_step=100), 70.0,
-                   EXPORT_CONFIG)
+        d = decide(running(step=100, last_committed_step=96), Finished(attempt=1, final_step=100), 70.0, EXPORT_CONFIG)
         assert d.state.status is Status.FAILED and not of(d, ExportCheckpoint)
-        assert d.state.error == ("finished 100/100 steps but the final checkpoint (step 100) was not committed "
-                                 "(last committed: step 96), so there is no checkpoint to export")
+        assert d.state.error == (
+            "finished 100/100 steps but the final checkpoint (step 100) was not committed "
+            "(last committed: step 96), so there is no checkpoint to export"
+        )
 
     def test_a_group_that_does_not_stop_does_not_block_the_export(self):
         state = exporting()
@@ -1095,8 +1180,9 @@ class TestExport:
         late = decide(d.state, GroupStopped(attempt=1), 120.0, EXPORT_CONFIG)  # the stop lands after all
         assert late.state.group is GroupPhase.NONE and late.actions == ()
 
-    @pytest.mark.parametrize("event", [Tick(), CapacityChanged(available_dp=8), ScaleRequested(dp=8)],
-                             ids=lambda e: type(e).__name__)
+    @pytest.mark.parametrize(
+        "event", [Tick(), CapacityChanged(available_dp=8), ScaleRequested(dp=8)], ids=lambda e: type(e).__name__
+    )
     def test_nothing_is_launched_while_exporting(self, event):
         state = exporting(group=GroupPhase.NONE, export_started_at=72.0, available_dp=2)
         d = decide(state, event, 80.0, EXPORT_CONFIG)
@@ -1106,8 +1192,7 @@ class TestExport:
 
     def test_cancel_while_exporting(self):
         d = decide(exporting(group=GroupPhase.NONE, export_started_at=72.0), Cancel(), 80.0, EXPORT_CONFIG)
-        assert d.state.status is Status.CANCELLED and d.actions[-1] == MarkTerminal(status=Status.CANCELLED,
-                                                                                    error=None)
+        assert d.state.status is Status.CANCELLED and d.actions[-1] == MarkTerminal(status=Status.CANCELLED, error=None)
 
     @pytest.mark.parametrize(
         "state, event",
@@ -1141,8 +1226,11 @@ class TestExport:
 
 
 class TestAbort:
-    @pytest.mark.parametrize("state", [running(), stopping(), launching(), initial_state(CONFIG, dp=4)],
-                             ids=["running", "stopping", "launching", "queued"])
+    @pytest.mark.parametrize(
+        "state",
+        [running(), stopping(), launching(), initial_state(CONFIG, dp=4)],
+        ids=["running", "stopping", "launching", "queued"],
+    )
     def test_fails_from_any_live_state(self, state):
         d = decide(state, Abort(error="supervisor internal error: KeyError 'loss'"), 5.0, CONFIG)
         assert d.state.status is Status.FAILED
@@ -1227,7 +1315,12 @@ class TestStories:
         d = s.at(181, Finished(attempt=2, final_step=100))
         assert s.state.status is Status.SUCCEEDED and s.state.restarts_used == 1
         assert s.all_kinds == [
-            "started", "checkpoint_committed", "worker_failed", "restarting", "restored", "succeeded",
+            "started",
+            "checkpoint_committed",
+            "worker_failed",
+            "restarting",
+            "restored",
+            "succeeded",
         ]
 
     def test_node_lost_shrink_then_capacity_back_grow(self):
@@ -1257,8 +1350,15 @@ class TestStories:
         s.at(70, GroupReady(attempt=3, world_size=16))
         assert s.state.status is Status.RUNNING and s.state.dp == 8 and s.state.restarts_used == 0
         assert s.all_kinds == [
-            "started", "checkpoint_committed", "node_lost", "waiting_for_capacity", "resized",
-            "checkpoint_requested", "checkpoint_committed", "resizing", "resized",
+            "started",
+            "checkpoint_committed",
+            "node_lost",
+            "waiting_for_capacity",
+            "resized",
+            "checkpoint_requested",
+            "checkpoint_committed",
+            "resizing",
+            "resized",
         ]
 
     def test_launches_that_keep_failing_to_place_give_up_at_the_capacity_deadline(self):
@@ -1405,15 +1505,19 @@ def random_event(rng, state, config=FUZZ_CONFIG):
         (5, lambda: Start()),
         (3, lambda: GroupReady(attempt=attempt, world_size=world)),
         (8, lambda: StepReported(attempt=attempt, step=state.step + rng.choice([0, 1, 2]), loss=2.0)),
-                (8, lambda: CheckpointReported(attempt=attempt, step=min(state.step, total), rank=next_rank())),
+        (8, lambda: CheckpointReported(attempt=attempt, step=min(state.step, total), rank=next_rank())),
         (3, lambda: CommitSucceeded(step=rng.choice(sorted(state.committing) or [state.step]))),
         (1, lambda: CommitFailed(step=rng.choice(sorted(state.committing) or [state.step]), error="x")),
         (1, lambda: WorkerLost(attempt=attempt, rank=0, node="n1", cause=rng.choice(["process", "actor", "node"]))),
         (6, lambda: Tick()),
         (2, lambda: CapacityChanged(available_dp=rng.choice([0, 1, 2, 3, 4, 6, 8, 12]))),
         (1, lambda: ScaleRequested(dp=rng.choice([1, 2, 3, 4, 8]))),
-        (1, lambda: StragglerFlagged(attempt=attempt, rank=1, node=rng.choice(["n1", "n2"]), factor=2.0,
-                                     evict=rng.random() < 0.5)),
+        (
+            1,
+            lambda: StragglerFlagged(
+                attempt=attempt, rank=1, node=rng.choice(["n1", "n2"]), factor=2.0, evict=rng.random() < 0.5
+            ),
+        ),
         (3, lambda: GroupStopped(attempt=attempt)),
         (0.3, lambda: Finished(attempt=attempt, final_step=rng.choice([total // 2, total]))),
         (0.5, lambda: Exported(step=rng.choice([state.exporting_step or total, total // 2]), path="/hf")),
@@ -1471,8 +1575,7 @@ def test_random_events_after_the_last_step_export_exactly_once_and_never_relaunc
     exports at most once, and is SUCCEEDED only with the folder it exported."""
     rng = random.Random(seed)
     config = configured(FUZZ_CONFIG, export=True, total_steps=100, export_timeout_s=300)
-    state = decide(running(step=100, last_committed_step=100), Finished(attempt=1, final_step=100), 70.0,
-                   config).state
+    state = decide(running(step=100, last_committed_step=100), Finished(attempt=1, final_step=100), 70.0, config).state
     now, exports = 70.0, 0
     for _ in range(200):
         now += rng.choice([0.0, 1.0, 5.0, 20.0, 60.0])

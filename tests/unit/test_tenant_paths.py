@@ -47,8 +47,11 @@ def test_a_root_is_shared_unless_marked_for_a_tenant():
     assert Settings.from_env({"ETRAIN_STORAGE_ROOTS": "/a:/b"}).tenant_roots == ()  # unmarked: as before
     direct = Settings(storage_roots=("/s",), tenant_roots=(("carol", "/c"),))
     assert direct.storage_roots == (Path("/s"), Path("/c")) and direct.tenant_roots == (("carol", Path("/c")),)
-    for bad, why in {"alice=/x,bob=/x": "marked for two tenants", "Bob=/x": "not a tenant name",
-                     "alice=relative": "not an absolute path"}.items():
+    for bad, why in {
+        "alice=/x,bob=/x": "marked for two tenants",
+        "Bob=/x": "not a tenant name",
+        "alice=relative": "not an absolute path",
+    }.items():
         with pytest.raises(SettingsError, match=why) as raised:
             Settings.from_env({"ETRAIN_STORAGE_ROOTS": bad})
         assert "alice=/data/alice" in raised.value.fix
@@ -58,18 +61,28 @@ def test_a_root_is_shared_unless_marked_for_a_tenant():
 
 
 def test_the_reach_rule_over_every_kind_of_path():
-    reach = Reach(tree="/data/state/checkpoints", owners=[("alice", "/data/alice"), ("bob", "/data/bob"),
-                                                          ("bob", "s3://bkt/bob")])
+    reach = Reach(
+        tree="/data/state/checkpoints", owners=[("alice", "/data/alice"), ("bob", "/data/bob"), ("bob", "s3://bkt/bob")]
+    )
     tenants = {"a1": "alice", "b1": "bob", "d1": "default"}
-    recorded = [("a1", "alice", "/data/shared/runs/alice"), ("b1", "bob", "/data/shared/runs/bob"),
-                ("d1", "default", "/data/shared/ops")]
+    recorded = [
+        ("a1", "alice", "/data/shared/runs/alice"),
+        ("b1", "bob", "/data/shared/runs/bob"),
+        ("d1", "default", "/data/shared/ops"),
+    ]
 
     def verdict(path: str, who: Principal) -> str | None:
         problem = reach.problem("data.path", path, who, job_dirs=lambda _path: recorded, tenant_of=tenants.get)
         return None if problem is None else problem.message.split(" ", 1)[1]
 
-    allowed_for_alice = ["/data/shared/corpus", "/data/alice/x", "/data/shared/runs/alice/hf-export",
-                         "/data/state/checkpoints/a1/hf-export", "/data/shared/runs/bobby", "/data/bob-other"]
+    allowed_for_alice = [
+        "/data/shared/corpus",
+        "/data/alice/x",
+        "/data/shared/runs/alice/hf-export",
+        "/data/state/checkpoints/a1/hf-export",
+        "/data/shared/runs/bobby",
+        "/data/bob-other",
+    ]
     for path in allowed_for_alice:
         assert verdict(path, ALICE) is None, path
     refused = {
@@ -95,8 +108,9 @@ def test_the_reach_rule_over_every_kind_of_path():
 
 
 def create(store: JobStore, job_id: str, directory: str | None, tenant: str = "alice", **extra):
-    return store.create_job(job_id=job_id, name="j", spec={}, world_size=1, tenant=tenant,
-                            checkpoint_dir=directory, **extra)
+    return store.create_job(
+        job_id=job_id, name="j", spec={}, world_size=1, tenant=tenant, checkpoint_dir=directory, **extra
+    )
 
 
 def test_one_unfinished_job_holds_a_directory_even_across_connections(tmp_path):
@@ -141,8 +155,12 @@ def test_claims_overlap_by_components_and_end_with_the_job(tmp_path):
         create(store, "next", "/runs/a/b")
         assert store.jobs_in_dir("/runs/a", tenant="alice") == ["held"]
         assert sorted(store.job_dirs("/runs", other_than="bob")) == [
-            ("dup-1", "alice", "/runs/k1"), ("held", "alice", "/runs/a"), ("k2", "alice", "/runs/k2"),
-            ("next", "alice", "/runs/a/b"), ("sibling", "alice", "/runs/a-2")]
+            ("dup-1", "alice", "/runs/k1"),
+            ("held", "alice", "/runs/a"),
+            ("k2", "alice", "/runs/k2"),
+            ("next", "alice", "/runs/a/b"),
+            ("sibling", "alice", "/runs/a-2"),
+        ]
         assert store.job_dirs("/runs", other_than="alice") == []
 
 
@@ -151,13 +169,17 @@ def test_jobs_stored_before_claims_get_their_directories_at_start(tmp_path):
     conn = sqlite3.connect(db, isolation_level=None)
     assert migrate(conn, MIGRATIONS[:4]) == 4
     for job_id, status, path in (("old-running", "RUNNING", "/runs/old"), ("old-done", "SUCCEEDED", None)):
-        spec = '{"checkpoint": {"path": "%s"}}' % path if path else "{}"
-        conn.execute("INSERT INTO jobs (id, name, status, spec, world_size, created_at, updated_at, tenant) "
-                     "VALUES (?, 'j', ?, ?, 1, 1.0, 1.0, 'alice')", (job_id, status, spec))
+        spec = f'{{"checkpoint": {{"path": "{path}"}}}}' if path else "{}"
+        conn.execute(
+            "INSERT INTO jobs (id, name, status, spec, world_size, created_at, updated_at, tenant) "
+            "VALUES (?, 'j', ?, ?, 1, 1.0, 1.0, 'alice')",
+            (job_id, status, spec),
+        )
     conn.close()
     with JobStore(db) as store:
         located = store.record_checkpoint_dirs(
-            lambda job_id, spec: (spec.get("checkpoint") or {}).get("path") or f"/tree/{job_id}")
+            lambda job_id, spec: (spec.get("checkpoint") or {}).get("path") or f"/tree/{job_id}"
+        )
         assert located == 2 and store.record_checkpoint_dirs(lambda *_: "/never") == 0
         with pytest.raises(DirectoryTaken):
             create(store, "new", "/runs/old/x")
@@ -181,8 +203,14 @@ def test_a_resume_loads_only_its_own_or_its_tenants_steps(tmp_path):
     events: list[tuple[str, str]] = []
 
     def checkpoints(owners: frozenset[str]) -> JobCheckpoints:
-        return JobCheckpoints(job_id="me", root=str(tmp_path), key=key, keep_last=3,
-                              record=lambda kind, detail: events.append((kind, detail)), resume_owners=owners)
+        return JobCheckpoints(
+            job_id="me",
+            root=str(tmp_path),
+            key=key,
+            keep_last=3,
+            record=lambda kind, detail: events.append((kind, detail)),
+            resume_owners=owners,
+        )
 
     assert checkpoints(frozenset({"parent"})).verified_resume_step(15) == 10
     assert events == [("checkpoint_skipped", "step 15: committed by a job this one may not resume from")]
@@ -198,14 +226,20 @@ def test_a_queue_reason_names_the_job_it_waits_behind_only_to_who_may_see_it():
     gang = admission.Gang(per_rank={"CPU": 1.0}, dp_sizes=(4,))
     small = admission.Gang(per_rank={"CPU": 1.0}, dp_sizes=(1,))
     nodes = [admission.NodeView(id="n1", alive=True, total={"CPU": 4.0}, free={"CPU": 2.0})]
-    plan = admission.decide([admission.QueuedJob(id="bobq-1", priority=5, created_at=1.0, gang=gang),
-                             admission.QueuedJob(id="mine", priority=0, created_at=2.0, gang=small)], nodes)
+    plan = admission.decide(
+        [
+            admission.QueuedJob(id="bobq-1", priority=5, created_at=1.0, gang=gang),
+            admission.QueuedJob(id="mine", priority=0, created_at=2.0, gang=small),
+        ],
+        nodes,
+    )
     wait = plan.waiting("mine")
     assert wait.behind == "bobq-1"
     assert wait.reason_for(sees_behind=True) == wait.reason and "bobq-1 (priority 5)" in wait.reason
     assert wait.reason_for(sees_behind=False) == (
         "fits the free resources but waits behind 1 job of another tenant, which waits for the same nodes: "
-        "starting this job first could delay it; position 2 in the queue")
+        "starting this job first could delay it; position 2 in the queue"
+    )
     head = plan.waiting("bobq-1")
     assert head.anonymous_reason is None and head.reason_for(sees_behind=False) == head.reason
     assert Principal.reader_of("default").admin and not Principal.reader_of("alice").admin

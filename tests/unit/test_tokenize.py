@@ -17,12 +17,12 @@ from tokenizers import Tokenizer
 from etrain.service.planning.spec import JobSpec
 from etrain.service.planning.spec_checks import check_spec
 from etrain.service.planning.spec_paths import resolve_paths
-from tests.tiny_tokenizers import CORPUS, byte_bpe, wide_word_level, word_level_with_bos
 from etrain.workers.engine import tokenized
-from etrain.workers.protocol.run_config import DataConfig, ModelConfig
 from etrain.workers.engine.data import build_dataset, read_token_file
+from etrain.workers.engine.tokenized import CACHE_DIR_SUFFIX, cache_file, tokenize_text
 from etrain.workers.protocol.errors import DataError
-from etrain.workers.engine.tokenized import CACHE_DIR_SUFFIX, cache_file, load_tokenizer, tokenize_text
+from etrain.workers.protocol.run_config import DataConfig, ModelConfig
+from tests.tiny_tokenizers import CORPUS, byte_bpe, wide_word_level, word_level_with_bos
 
 
 @pytest.fixture(scope="module")
@@ -69,11 +69,23 @@ def test_a_folder_is_encode_of_each_document_joined_with_eos(tmp_path, bpe):
     # content-addressed, inside the folder in a hidden directory the text walk skips
     assert Path(cache.path) == data / CACHE_DIR_SUFFIX / f"{cache.sha256}.bin" == cache_file(data, cache.sha256)
     sidecar = json.loads(Path(cache.path + ".json").read_text())
-    assert sidecar == {"format": 1, "path": cache.path, "num_tokens": len(expected), "dtype": "uint16",
-                       "vocab_size": 300, "sha256": cache.sha256, "tokenizer": str(bpe), "data": str(data),
-                       "documents": 3, "eos_id": eos, "eos_token": "<|endoftext|>"}
-    assert sorted(p.name for p in (data / CACHE_DIR_SUFFIX).iterdir()) == [f"{cache.sha256}.bin",
-                                                                          f"{cache.sha256}.bin.json"]
+    assert sidecar == {
+        "format": 1,
+        "path": cache.path,
+        "num_tokens": len(expected),
+        "dtype": "uint16",
+        "vocab_size": 300,
+        "sha256": cache.sha256,
+        "tokenizer": str(bpe),
+        "data": str(data),
+        "documents": 3,
+        "eos_id": eos,
+        "eos_token": "<|endoftext|>",
+    }
+    assert sorted(p.name for p in (data / CACHE_DIR_SUFFIX).iterdir()) == [
+        f"{cache.sha256}.bin",
+        f"{cache.sha256}.bin.json",
+    ]
     assert tokenize_text(data, bpe).sha256 == cache.sha256  # the cache folder is not read back as data
 
 
@@ -230,7 +242,9 @@ def test_racing_writers_leave_one_whole_cache(tmp_path, bpe):
     assert len({cache.path for cache in results}) == 1
     assert read_ids(results[0]) == encode(bpe, data.read_text())
     assert sorted(p.name for p in Path(results[0].path).parent.iterdir()) == [
-        Path(results[0].path).name, Path(results[0].path).name + ".json"]  # no temporary files left
+        Path(results[0].path).name,
+        Path(results[0].path).name + ".json",
+    ]  # no temporary files left
 
 
 def test_out_writes_a_tokens_file_that_kind_tokens_reads(tmp_path, bpe):
@@ -254,8 +268,11 @@ def test_bad_tokenizers_name_data_tokenizer(tmp_path, bpe):
     (tmp_path / "t.txt").write_text(CORPUS[0])
     (tmp_path / "broken.json").write_text('{"model": "nope"}')
     (tmp_path / "empty").mkdir()
-    for path, words in [(tmp_path / "missing.json", "is not a file"), (tmp_path / "empty", "holds no tokenizer.json"),
-                        (tmp_path / "broken.json", "is not a Hugging Face tokenizer.json")]:
+    for path, words in [
+        (tmp_path / "missing.json", "is not a file"),
+        (tmp_path / "empty", "holds no tokenizer.json"),
+        (tmp_path / "broken.json", "is not a Hugging Face tokenizer.json"),
+    ]:
         with pytest.raises(DataError, match=words) as raised:
             tokenize_text(tmp_path / "t.txt", path)
         assert raised.value.field == "data.tokenizer" and raised.value.fix
@@ -267,8 +284,11 @@ def test_bad_tokenizers_name_data_tokenizer(tmp_path, bpe):
 def test_bad_data_names_data_path(tmp_path, bpe):
     (tmp_path / "bin.txt").write_bytes(b"\xff\xfe\x00 not utf-8")
     (tmp_path / "nothing").mkdir()
-    for path, words in [(tmp_path / "absent", "does not exist"), (tmp_path / "bin.txt", "is not UTF-8 text"),
-                        (tmp_path / "nothing", "holds no text")]:
+    for path, words in [
+        (tmp_path / "absent", "does not exist"),
+        (tmp_path / "bin.txt", "is not UTF-8 text"),
+        (tmp_path / "nothing", "holds no text"),
+    ]:
         with pytest.raises(DataError, match=words) as raised:
             tokenize_text(path, bpe)
         assert raised.value.field == "data.path"
@@ -279,16 +299,18 @@ def test_a_bounded_run_refuses_big_or_slow_work_with_the_prepare_data_fix(tmp_pa
     data.write_text("".join(CORPUS) * 10)
     size = data.stat().st_size
 
-    with pytest.raises(DataError, match=f"holds 0.0 MiB of text to tokenize, more than the 0.0 MiB") as raised:
+    with pytest.raises(DataError, match="holds 0.0 MiB of text to tokenize, more than the 0.0 MiB") as raised:
         tokenize_text(data, bpe, max_bytes=size - 1)
     assert raised.value.field == "data.path"
-    assert raised.value.fix.startswith(f"tokenize it once ahead of the submit, where the data is: "
-                                       f"`etrain prepare-data --tokenizer {bpe} {data}`")
+    assert raised.value.fix.startswith(
+        f"tokenize it once ahead of the submit, where the data is: `etrain prepare-data --tokenizer {bpe} {data}`"
+    )
     with pytest.raises(DataError, match="did not finish within 0 s") as raised:
         tokenize_text(data, bpe, timeout_s=0)
     assert "etrain prepare-data" in raised.value.fix
     assert not (tmp_path / f"c.txt{CACHE_DIR_SUFFIX}").exists() or not any(
-        (tmp_path / f"c.txt{CACHE_DIR_SUFFIX}").iterdir())
+        (tmp_path / f"c.txt{CACHE_DIR_SUFFIX}").iterdir()
+    )
 
     tokenize_text(data, bpe)  # prepared ahead (no bounds): a bounded run now only reuses it
     assert tokenize_text(data, bpe, max_bytes=1, timeout_s=60).reused
@@ -309,8 +331,10 @@ def test_build_dataset_reads_the_tokenized_stream_and_bytes_stay_the_default(tmp
     assert len(dataset) == (expected.num_tokens - 1) // 8
     assert build_dataset(DataConfig(kind="text", path=str(data)), model).tokens.dtype == np.uint8  # bytes
     with pytest.raises(DataError) as raised:
-        build_dataset(DataConfig(kind="text", path=str(data), tokenizer=str(bpe)),
-                      ModelConfig(n_layers=1, d_model=8, n_heads=2, vocab_size=256, seq_len=8))
+        build_dataset(
+            DataConfig(kind="text", path=str(data), tokenizer=str(bpe)),
+            ModelConfig(n_layers=1, d_model=8, n_heads=2, vocab_size=256, seq_len=8),
+        )
     assert raised.value.field == "data.tokenizer"
 
 
@@ -318,28 +342,36 @@ def test_build_dataset_reads_the_tokenized_stream_and_bytes_stay_the_default(tmp
 
 
 def spec(data: dict, **model) -> JobSpec:
-    return JobSpec.model_validate({
-        "name": "tok", "model": {"preset": "gpt-tiny", **model}, "data": data,
-        "training": {"steps": 2, "global_batch": 2},
-    })
+    return JobSpec.model_validate(
+        {
+            "name": "tok",
+            "model": {"preset": "gpt-tiny", **model},
+            "data": data,
+            "training": {"steps": 2, "global_batch": 2},
+        }
+    )
 
 
 def test_a_spec_with_a_tokenizer_validates_and_reaches_the_workers(tmp_path, bpe):
     (tmp_path / "t.txt").write_text(CORPUS[0])
-    relative = resolve_paths(spec({"kind": "text", "path": "t.txt", "tokenizer": "bpe/tokenizer.json"},
-                                  vocab_size=320), tmp_path)
+    relative = resolve_paths(
+        spec({"kind": "text", "path": "t.txt", "tokenizer": "bpe/tokenizer.json"}, vocab_size=320), tmp_path
+    )
     assert relative.data.tokenizer == str(tmp_path / "bpe" / "tokenizer.json")
     assert relative.data.path == str(tmp_path / "t.txt")
 
-    job = resolve_paths(spec({"kind": "text", "path": str(tmp_path / "t.txt"), "tokenizer": str(bpe)},
-                             vocab_size=320), tmp_path)
+    job = resolve_paths(
+        spec({"kind": "text", "path": str(tmp_path / "t.txt"), "tokenizer": str(bpe)}, vocab_size=320), tmp_path
+    )
     assert check_spec(job) == []
     config = job.to_run_config(job_id="tok-1", checkpoint_root=str(tmp_path / "ckpt"))
     assert config.data == DataConfig(kind="text", path=str(tmp_path / "t.txt"), tokenizer=str(bpe))
 
     small = word_level_with_bos(tmp_path / "wl")  # 35 ids: a model under 256 is fine, no byte rule
-    assert check_spec(spec({"kind": "text", "path": str(tmp_path / "t.txt"), "tokenizer": str(small)},
-                           vocab_size=64)) == []
+    assert (
+        check_spec(spec({"kind": "text", "path": str(tmp_path / "t.txt"), "tokenizer": str(small)}, vocab_size=64))
+        == []
+    )
 
 
 def test_spec_problems_name_data_tokenizer_with_a_fix(tmp_path, bpe):
@@ -348,8 +380,9 @@ def test_spec_problems_name_data_tokenizer_with_a_fix(tmp_path, bpe):
 
     [too_big] = check_spec(spec({**text, "tokenizer": str(bpe)}))  # gpt-tiny: vocab_size 256
     assert too_big.field == "data.tokenizer"
-    assert too_big.message == (f"data.tokenizer {bpe} has 300 token ids but model.vocab_size=256: "
-                               "ids >= 256 have no embedding.")
+    assert too_big.message == (
+        f"data.tokenizer {bpe} has 300 token ids but model.vocab_size=256: ids >= 256 have no embedding."
+    )
     assert too_big.fix.startswith("set model.vocab_size to at least 300 (e.g. 320)")
 
     [missing] = check_spec(spec({**text, "tokenizer": str(tmp_path / "nope.json")}, vocab_size=320))

@@ -34,12 +34,7 @@ ALL_LAYOUTS_WORLD_MAX = 4096
 def _factorizations(world_size: int) -> tuple[tuple[int, int, int], ...]:
     """Every (pp, dp, tp) with pp * dp * tp == world_size."""
     divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-    return tuple(
-        (pp, dp, world_size // (pp * dp))
-        for pp in divisors
-        for dp in divisors
-        if world_size % (pp * dp) == 0
-    )
+    return tuple((pp, dp, world_size // (pp * dp)) for pp in divisors for dp in divisors if world_size % (pp * dp) == 0)
 
 
 def _layouts(world_size: int) -> list[Topology]:
@@ -112,9 +107,7 @@ def test_every_rank_of_every_small_layout_matches_brute_force(world_size: int) -
         for axis in AXES:
             assert list(groups[axis]) == reference.groups[axis], f"{topology} {axis}"
             _assert_partition(groups[axis], world_size, topology.degree(axis))
-        group_of = {
-            axis: {rank: group for group in groups[axis] for rank in group} for axis in AXES
-        }
+        group_of = {axis: {rank: group for group in groups[axis] for rank in group} for axis in AXES}
         for rank, (p, d, t) in enumerate(reference.coords):
             coords = topology.coords(rank)
             assert coords == Coords(pp=p, dp=d, tp=t), f"{topology} rank {rank}"
@@ -242,8 +235,11 @@ def test_out_of_range_rank_names_value_and_range(rank: object) -> None:
 @pytest.mark.parametrize(
     ("coords", "message"),
     [
-        (Coords(pp=2, dp=0, tp=0), r"pp coordinate 2 is out of range for pp2·dp3·tp4: valid pp "
-                                   r"coordinates are 0\.\.1"),
+        (
+            Coords(pp=2, dp=0, tp=0),
+            r"pp coordinate 2 is out of range for pp2·dp3·tp4: valid pp "
+            r"coordinates are 0\.\.1",
+        ),
         (Coords(pp=0, dp=-1, tp=0), r"dp coordinate -1 .* valid dp coordinates are 0\.\.2"),
         (Coords(pp=0, dp=0, tp=4), r"tp coordinate 4 .* valid tp coordinates are 0\.\.3"),
     ],
@@ -320,9 +316,7 @@ def test_with_dp_changes_only_dp() -> None:
         (Topology(pp=1, dp=5, tp=1), 2, [[0, 1], [2, 3], [4]]),
     ],
 )
-def test_bundle_order_examples(
-    topology: Topology, ranks_per_node: int, expected: list[list[int]]
-) -> None:
+def test_bundle_order_examples(topology: Topology, ranks_per_node: int, expected: list[list[int]]) -> None:
     assert topology.bundle_order(ranks_per_node) == expected
 
 

@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.optim import Optimizer
 
+from etrain.workers.checkpoints import storage
 from etrain.workers.checkpoints.checkpoint_io import (
     abandon,
     dcp_writer,
@@ -40,11 +41,10 @@ from etrain.workers.checkpoints.checkpoint_io import (
     storage_reader,
     verify_together,
 )
-from etrain.workers.checkpoints import storage
 from etrain.workers.checkpoints.checkpoint_state import apply_state, collect_state
+from etrain.workers.checkpoints.storage_faults import storage_fault
 from etrain.workers.protocol.errors import CheckpointError
 from etrain.workers.protocol.manifest import ShardReport
-from etrain.workers.checkpoints.storage_faults import storage_fault
 
 __all__ = ["AsyncCheckpointer", "PendingCheckpoint", "load_checkpoint", "save_checkpoint"]
 
@@ -84,8 +84,9 @@ def save_checkpoint(
         return shard_report(step.path, writer, process_group)
 
 
-def _abandoned(error: BaseException, directory: str, expected_bytes: int,
-               group: dist.ProcessGroup | None) -> BaseException:
+def _abandoned(
+    error: BaseException, directory: str, expected_bytes: int, group: dist.ProcessGroup | None
+) -> BaseException:
     """A failed save's files removed (rank 0), and the error to raise: a ``StorageFault`` that says why
     in words (``workers/checkpoints/storage_faults.py``), or the error itself when the storage is not the cause."""
     fault = storage_fault(error, directory, expected_bytes)
@@ -191,8 +192,7 @@ class AsyncCheckpointer:
     :meth:`close` (waits for the last save) before destroying the process group.
     """
 
-    def __init__(self, *, process_group: dist.ProcessGroup | None = None, pinned: bool = False,
-                 write_threads: int = 1):
+    def __init__(self, *, process_group: dist.ProcessGroup | None = None, pinned: bool = False, write_threads: int = 1):
         self._group: dist.ProcessGroup | None = None
         if dist.is_initialized():
             ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
@@ -256,8 +256,13 @@ class AsyncCheckpointer:
             writer = dcp_writer(step.path, threads=self._write_threads)
             staging = {"async_stager": self._stager} if self._stager is not None else {}
             # Staging is synchronous: the state is in host memory when this returns.
-            written = dcp.async_save(collected.state, storage_writer=writer, process_group=self._group,
-                                     planner=save_planner(self._plan_cache), **staging)
+            written = dcp.async_save(
+                collected.state,
+                storage_writer=writer,
+                process_group=self._group,
+                planner=save_planner(self._plan_cache),
+                **staging,
+            )
         except BaseException:
             step.close()
             raise
@@ -330,8 +335,11 @@ def _reused_stager(pinned: bool) -> Any:
         def release(self) -> None:
             DefaultStager.close(self)
 
-    return ReusedStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
-                                       use_async_staging=False, use_non_blocking_copy=pinned))
+    return ReusedStager(
+        StagingOptions(
+            use_pinned_memory=pinned, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=pinned
+        )
+    )
 
 
 @contextlib.contextmanager

@@ -103,11 +103,17 @@ class AutoCadence:
         interval = self.interval_steps
         if len(self._steps) < SETTLE_STEPS and not self._blocks:
             return None  # the first steps (compile, allocator warm-up) say little about the step time
-        if interval is None or (self._announced is not None
-                                and abs(interval - self._announced) <= ANNOUNCE_CHANGE * self._announced):
+        if interval is None or (
+            self._announced is not None and abs(interval - self._announced) <= ANNOUNCE_CHANGE * self._announced
+        ):
             return None
         self._announced = interval
-        source = (f"mean measured save blocking {self.block_s:.2f}s over {len(self._blocks)} save(s)"
-                  if self._blocks else f"assumed save blocking {self.block_s:.2f}s until a save is measured")
-        return (f"every {interval} steps (~{self.interval_s:.0f}s at {statistics.median(self._steps):.3f}s/step): "
-                f"Young-Daly sqrt(2 x {self.block_s:.2f}s x MTBF {self.mtbf_s / 3600:g}h), {source}")
+        source = (
+            f"mean measured save blocking {self.block_s:.2f}s over {len(self._blocks)} save(s)"
+            if self._blocks
+            else f"assumed save blocking {self.block_s:.2f}s until a save is measured"
+        )
+        return (
+            f"every {interval} steps (~{self.interval_s:.0f}s at {statistics.median(self._steps):.3f}s/step): "
+            f"Young-Daly sqrt(2 x {self.block_s:.2f}s x MTBF {self.mtbf_s / 3600:g}h), {source}"
+        )

@@ -104,15 +104,17 @@ def list_steps(root: str | os.PathLike) -> list[tuple[int, str]]:
         names = storage.subdirs(root)
     except FileNotFoundError:
         return []
-    return sorted((step, storage.join(root, name))
-                  for name in names if (step := step_of_dir_name(name)) is not None)
+    return sorted((step, storage.join(root, name)) for name in names if (step := step_of_dir_name(name)) is not None)
 
 
 def checkpoint_files(step_dir: str | os.PathLike) -> list[str]:
     """Relative paths of the data files in a step directory (everything but the manifest and
     leftover ``*.tmp`` files), sorted. Chaos tests pick their victims from this list."""
-    return [rel for rel in storage.walk_files(step_dir)
-            if rel != MANIFEST_NAME and not rel.rsplit("/", 1)[-1].endswith(storage.TMP_SUFFIX)]
+    return [
+        rel
+        for rel in storage.walk_files(step_dir)
+        if rel != MANIFEST_NAME and not rel.rsplit("/", 1)[-1].endswith(storage.TMP_SUFFIX)
+    ]
 
 
 def file_entry(step_dir: str | os.PathLike, relative_path: str) -> FileEntry:
@@ -124,8 +126,10 @@ def file_entries(step_dir: str | os.PathLike, relative_paths: list[str]) -> list
     """Size and SHA-256 of each file as it is on disk (or in the object store) now (ranks call this after
     their writes), hashed several at a time (``storage.sha256_many``)."""
     paths = [storage.join(step_dir, relative) for relative in relative_paths]
-    return [FileEntry(path=relative, size=storage.getsize(path), sha256=digest)
-            for relative, path, digest in zip(relative_paths, paths, storage.sha256_many(paths))]
+    return [
+        FileEntry(path=relative, size=storage.getsize(path), sha256=digest)
+        for relative, path, digest in zip(relative_paths, paths, storage.sha256_many(paths))
+    ]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -259,9 +263,7 @@ def verify(
         )
     named_step = step_of_dir_name(storage.basename(directory))
     if named_step is not None and named_step != manifest.step:
-        raise CheckpointError(
-            f"{directory}: manifest says step {manifest.step}, the directory name says {named_step}"
-        )
+        raise CheckpointError(f"{directory}: manifest says step {manifest.step}, the directory name says {named_step}")
     index, count = share if share is not None else (0, 1)
     if not 0 <= index < count:
         raise ValueError(f"share must be (index, count) with 0 <= index < count, got {share}")
@@ -338,8 +340,11 @@ def resolve_latest(root: str | os.PathLike, *, checksums: bool = True, key: byte
         try:
             manifest = verify(directory, key=key, checksums=checksums)
         except CheckpointError as exc:
-            skipped.append(SkippedStep(step=step, step_dir=directory, reason=str(exc),
-                                       refused=isinstance(exc, ManifestSignatureError)))
+            skipped.append(
+                SkippedStep(
+                    step=step, step_dir=directory, reason=str(exc), refused=isinstance(exc, ManifestSignatureError)
+                )
+            )
             continue
         return Resolution(step=step, step_dir=directory, manifest=manifest, skipped=tuple(skipped))
     return Resolution(step=None, step_dir=None, manifest=None, skipped=tuple(skipped))

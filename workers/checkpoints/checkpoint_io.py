@@ -34,13 +34,24 @@ import torch.distributed.checkpoint as dcp
 
 from etrain.workers.checkpoints import storage
 from etrain.workers.checkpoints.checkpoint_commit import file_entries, list_steps, verify
+from etrain.workers.checkpoints.storage_faults import check_room, storage_fault
 from etrain.workers.protocol import safe_paths
 from etrain.workers.protocol.errors import CheckpointError, EtrainError
 from etrain.workers.protocol.manifest import MANIFEST_NAME, METADATA_NAME, FileEntry, ShardReport
-from etrain.workers.checkpoints.storage_faults import check_room, storage_fault
 
-__all__ = ["EXTRA_NAME", "abandon", "last_checkpoint_bytes", "new_plan_cache", "read_extra", "save_planner", "shard_report", "start_checkpoint", "storage_reader",
-           "verify_together", "dcp_writer"]
+__all__ = [
+    "EXTRA_NAME",
+    "abandon",
+    "last_checkpoint_bytes",
+    "new_plan_cache",
+    "read_extra",
+    "save_planner",
+    "shard_report",
+    "start_checkpoint",
+    "storage_reader",
+    "verify_together",
+    "dcp_writer",
+]
 
 EXTRA_NAME = "extra.pt"
 
@@ -204,13 +215,21 @@ def _reported(directory: str, names: list[str], uploaded: dict[str, tuple[int, s
     files, and ``extra.pt``), several files at a time."""
     unknown = [name for name in names if os.path.join(directory, name) not in uploaded]
     read_back = dict(zip(unknown, file_entries(directory, unknown)))
-    return tuple(read_back[name] if name in read_back else
-                 FileEntry(path=name, size=uploaded[os.path.join(directory, name)][0],
-                           sha256=uploaded[os.path.join(directory, name)][1]) for name in names)
+    return tuple(
+        read_back[name]
+        if name in read_back
+        else FileEntry(
+            path=name,
+            size=uploaded[os.path.join(directory, name)][0],
+            sha256=uploaded[os.path.join(directory, name)][1],
+        )
+        for name in names
+    )
 
 
-def start_checkpoint(directory: str, extra: dict[str, Any], group: dist.ProcessGroup | None,
-                     state_bytes: int = 0) -> int:
+def start_checkpoint(
+    directory: str, extra: dict[str, Any], group: dist.ProcessGroup | None, state_bytes: int = 0
+) -> int:
     """Rank 0 refuses a committed directory, clears a partial one, checks the room and writes ``extra.pt``;
     every rank hears the verdict before any rank writes a shard (stale shards of a crashed attempt must
     not mix with new ones, and nobody may start DCP's collectives if rank 0 cannot take part).
@@ -246,7 +265,7 @@ def start_checkpoint(directory: str, extra: dict[str, Any], group: dist.ProcessG
         try:
             storage.atomic_write_bytes(storage.join(directory, EXTRA_NAME), _encode_extra(extra))
         except OSError as exc:
-            raise storage_fault(exc, directory, expected[0]) or exc
+            raise (storage_fault(exc, directory, expected[0]) or exc) from None
 
     _agree(start, group, f"cannot save into {safe_paths.display(directory)}")
     return expected[0]
@@ -308,8 +327,9 @@ def _world_size(group: dist.ProcessGroup | None) -> int:
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
-def verify_together(directory: str, checksums: bool, group: dist.ProcessGroup | None,
-                    expect_digest: str | None = None) -> None:
+def verify_together(
+    directory: str, checksums: bool, group: dist.ProcessGroup | None, expect_digest: str | None = None
+) -> None:
     """Every rank checks sizes and hashes its share of the files; all raise the first rank's error."""
     rank, world_size = _rank(group), _world_size(group)
     error: CheckpointError | None = None

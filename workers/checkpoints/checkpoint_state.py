@@ -82,8 +82,7 @@ def collect_state(model_parts: list[nn.Module], optimizers: list[Optimizer]) -> 
         binding.sync_back(after_load=False)  # DSD may have initialised empty state on a view
         binding.keys = tuple(part_state)
         _merge(optim_state, part_state, "optimizer")
-    return CollectedState(state={"model": model_state, "optim": optim_state}, model_keys=model_keys,
-                          bindings=bindings)
+    return CollectedState(state={"model": model_state, "optim": optim_state}, model_keys=model_keys, bindings=bindings)
 
 
 def apply_state(collected: CollectedState, model_parts: list[nn.Module], optimizers: list[Optimizer]) -> None:
@@ -265,4 +264,3 @@ def _share_zero_hyperparameters(optimizers: list[Optimizer]) -> None:
             if loaded is not None:
                 outer.update(loaded)
                 inner.update(loaded)
-

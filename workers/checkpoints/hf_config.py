@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from etrain.workers import families
-from etrain.workers.protocol import safe_paths
 from etrain.workers.families.base import DEFAULT_MAX_SEQ_LEN, hf_problem
-from etrain.workers.protocol.run_config import ModelConfig
+from etrain.workers.protocol import safe_paths
 from etrain.workers.protocol.errors import ConfigError
+from etrain.workers.protocol.run_config import ModelConfig
 
 __all__ = [
     "DEFAULT_MAX_SEQ_LEN",
@@ -47,8 +47,16 @@ __all__ = [
 #: Hugging Face ``architectures`` entries etrain trains, with what each implies and the family that loads it.
 SUPPORTED_ARCHITECTURES: dict[str, dict[str, Any]] = families.hf_architectures()
 #: Files copied next to an export so the folder tokenizes like the source.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "generation_config.json",
+    "chat_template.jinja",
+)
 _MAX_CONFIG_BYTES = 1 << 20  # a config.json is a few KiB; refuse anything absurd before parsing
 #: The index of a sharded save (``save_pretrained``): which file holds each tensor.
 WEIGHTS_INDEX = "model.safetensors.index.json"
@@ -65,20 +73,27 @@ def read_hf_config(folder: str | os.PathLike) -> dict[str, Any]:
     except (FileNotFoundError, NotADirectoryError):
         is_dir = False
     if not is_dir:
-        raise _problem(f"model.hf {str(folder)!r} is not a folder.",
-                       "give the path of a Hugging Face model folder (with config.json) readable by the workers")
+        raise _problem(
+            f"model.hf {str(folder)!r} is not a folder.",
+            "give the path of a Hugging Face model folder (with config.json) readable by the workers",
+        )
     config_path = path / "config.json"
     try:
         data = safe_paths.read_file(path, "config.json", field="model.hf", limit=_MAX_CONFIG_BYTES)
     except ValueError:
-        raise _problem(f"{config_path} is larger than {_MAX_CONFIG_BYTES} bytes.",
-                       "point model.hf at a model folder") from None
+        raise _problem(
+            f"{config_path} is larger than {_MAX_CONFIG_BYTES} bytes.", "point model.hf at a model folder"
+        ) from None
     except FileNotFoundError:
-        raise _problem(f"model.hf {str(folder)!r} has no config.json.",
-                       "give a folder written by transformers' save_pretrained (config.json + *.safetensors)") from None
+        raise _problem(
+            f"model.hf {str(folder)!r} has no config.json.",
+            "give a folder written by transformers' save_pretrained (config.json + *.safetensors)",
+        ) from None
     except OSError as exc:  # a folder, a special file, unreadable
-        raise _problem(f"model.hf {str(folder)!r}: config.json cannot be read ({exc.strerror or exc}).",
-                       "give a folder written by transformers' save_pretrained (config.json + *.safetensors)") from None
+        raise _problem(
+            f"model.hf {str(folder)!r}: config.json cannot be read ({exc.strerror or exc}).",
+            "give a folder written by transformers' save_pretrained (config.json + *.safetensors)",
+        ) from None
     try:
         raw = json.loads(data.decode("utf-8"))
     except (ValueError, UnicodeDecodeError) as exc:
@@ -99,8 +114,10 @@ def _architecture(raw: dict[str, Any]) -> str:
         if not names and traits["model_type"] == model_type:
             return name
     found = ", ".join(names) if names else f"model_type={model_type!r}"
-    raise _problem(f"model.hf architecture {found} is not supported.",
-                   f"use a model of one of the supported architectures: {', '.join(supported)}")
+    raise _problem(
+        f"model.hf architecture {found} is not supported.",
+        f"use a model of one of the supported architectures: {', '.join(supported)}",
+    )
 
 
 def model_config_from_hf(raw: dict[str, Any], *, seq_len: int | None = None) -> ModelConfig:
@@ -116,9 +133,11 @@ def hf_config_dict(model: ModelConfig) -> dict[str, Any]:
     ``ConfigError`` (field ``checkpoint.export``) for a family without a Hugging Face format."""
     found = families.family(model.arch)
     if not found.has_hf_format:
-        raise ConfigError(f"only models of a Hugging Face family export to Hugging Face format, not "
-                          f"arch={model.arch!r}.", field="checkpoint.export",
-                          fix="set checkpoint.export: none for the built-in GPT")
+        raise ConfigError(
+            f"only models of a Hugging Face family export to Hugging Face format, not arch={model.arch!r}.",
+            field="checkpoint.export",
+            fix="set checkpoint.export: none for the built-in GPT",
+        )
     return found.hf_config(model)
 
 
@@ -163,11 +182,18 @@ def weight_file_names(index: bytes | None, listing: Iterable[str], folder: str) 
         weight_map = json.loads(index.decode("utf-8")).get("weight_map", {})
         names = set(weight_map.values())
     except (ValueError, AttributeError, TypeError) as exc:
-        raise _problem(f"{WEIGHTS_INDEX} of model.hf {folder!r} is not a valid index ({exc}).",
-                       "restore the model's index file, or remove it with a single model.safetensors") from None
-    bad = sorted(str(name) for name in names if not isinstance(name, str) or not name or name in (".", "..")
-                 or "/" in name or os.sep in name)
+        raise _problem(
+            f"{WEIGHTS_INDEX} of model.hf {folder!r} is not a valid index ({exc}).",
+            "restore the model's index file, or remove it with a single model.safetensors",
+        ) from None
+    bad = sorted(
+        str(name)
+        for name in names
+        if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or os.sep in name
+    )
     if bad:
-        raise _problem(f"{WEIGHTS_INDEX} of model.hf {folder!r} names files outside the folder: {', '.join(bad[:8])}.",
-                       "list only the folder's own *.safetensors files in the index")
+        raise _problem(
+            f"{WEIGHTS_INDEX} of model.hf {folder!r} names files outside the folder: {', '.join(bad[:8])}.",
+            "list only the folder's own *.safetensors files in the index",
+        )
     return sorted(names)

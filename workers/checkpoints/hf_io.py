@@ -70,16 +70,22 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, HuggingFaceStorageR
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from etrain.workers.protocol import safe_paths
 from etrain.workers.checkpoints import storage
-from etrain.workers.families import family
 from etrain.workers.checkpoints.checkpoint_commit import resolve_latest, step_dir, verify
 from etrain.workers.checkpoints.checkpoint_io import storage_reader
-from etrain.workers.protocol.run_config import ModelConfig
-from etrain.workers.protocol.errors import CheckpointError, ConfigError
-from etrain.workers.checkpoints.hf_config import (TOKENIZER_FILES, WEIGHTS_INDEX, hf_config_dict, hf_name,
-                                                  hf_parameter_names, weight_file_names)
+from etrain.workers.checkpoints.hf_config import (
+    TOKENIZER_FILES,
+    WEIGHTS_INDEX,
+    hf_config_dict,
+    hf_name,
+    hf_parameter_names,
+    weight_file_names,
+)
+from etrain.workers.families import family
 from etrain.workers.families.model import canonical_fqn
+from etrain.workers.protocol import safe_paths
+from etrain.workers.protocol.errors import CheckpointError, ConfigError
+from etrain.workers.protocol.run_config import ModelConfig
 
 __all__ = ["HFLoadReport", "expected_shapes", "export_hf", "find_step_dir", "load_hf_weights"]
 
@@ -129,9 +135,11 @@ def load_hf_weights(
     """
     directory = os.fspath(folder)
     if not family(model_config.arch).has_hf_format:
-        raise ConfigError(f"Hugging Face weights load into models of a Hugging Face family, not "
-                          f"arch={model_config.arch!r}.", field="model.hf",
-                          fix="give model.hf alone: its config.json says which family loads it")
+        raise ConfigError(
+            f"Hugging Face weights load into models of a Hugging Face family, not arch={model_config.arch!r}.",
+            field="model.hf",
+            fix="give model.hf alone: its config.json says which family loads it",
+        )
     with _weights_view(directory) as view:
         return _load_from(view, directory, model_parts, model_config)
 
@@ -139,6 +147,7 @@ def load_hf_weights(
 @contextlib.contextmanager
 def _weights_view(directory: str) -> Iterator[str]:
     """The folder's weight files and index, each opened without links (:func:`safe_paths.file_view`)."""
+
     def weight_entry(name: str) -> bool:
         return name.endswith(".safetensors") or name == WEIGHTS_INDEX
 
@@ -146,8 +155,11 @@ def _weights_view(directory: str) -> Iterator[str]:
         try:
             view = stack.enter_context(safe_paths.file_view(directory, field="model.hf", select=weight_entry))
         except (FileNotFoundError, NotADirectoryError):
-            raise ConfigError(f"model.hf {directory!r} is not a folder.", field="model.hf",
-                              fix="give the path of a Hugging Face model folder readable by the workers") from None
+            raise ConfigError(
+                f"model.hf {directory!r} is not a folder.",
+                field="model.hf",
+                fix="give the path of a Hugging Face model folder readable by the workers",
+            ) from None
         yield view
 
 
@@ -165,21 +177,28 @@ def _load_from(view: str, directory: str, model_parts: Sequence[nn.Module], mode
                 continue  # the embedding's tensor; the file has no lm_head.weight
             name = hf_name(fqn, model_config.arch)
             if name in state:
-                raise ConfigError(f"two model parts both hold {fqn!r}.", field="model.hf",
-                                  fix="pass each pipeline stage's module once")
+                raise ConfigError(
+                    f"two model parts both hold {fqn!r}.",
+                    field="model.hf",
+                    fix="pass each pipeline stage's module once",
+                )
             state[name] = tensor
     planner = _CountingPlanner()
     with _quiet_single_process():
-        dcp.load(state, storage_reader=HuggingFaceStorageReader(view), planner=planner,
-                 no_dist=not _distributed())
+        dcp.load(state, storage_reader=HuggingFaceStorageReader(view), planner=planner, no_dist=not _distributed())
     for part, part_state in part_states:
         if not _filled_in_place(part, part_state):
             # get_model_state_dict returns views of the parameters for every wrapper etrain uses;
             # a wrapper that copies would silently leave the seeded weights, so refuse loudly.
-            raise RuntimeError("DCP did not load the Hugging Face weights into the parameters in place "
-                               f"(a {type(part).__name__} state dict that copies); nothing was loaded")
-    return HFLoadReport(tensors=len(state), elements_read=planner.elements_read,
-                        local_elements=sum(_local(t).numel() for t in state.values()))
+            raise RuntimeError(
+                "DCP did not load the Hugging Face weights into the parameters in place "
+                f"(a {type(part).__name__} state dict that copies); nothing was loaded"
+            )
+    return HFLoadReport(
+        tensors=len(state),
+        elements_read=planner.elements_read,
+        local_elements=sum(_local(t).numel() for t in state.values()),
+    )
 
 
 def _read_headers(view: str, directory: str) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -193,21 +212,30 @@ def _read_headers(view: str, directory: str) -> dict[str, tuple[tuple[int, ...],
         index = None
     files = [Path(view) / name for name in weight_file_names(index, os.listdir(view), directory)]
     if not files:
-        raise ConfigError(f"model.hf {directory!r} has no *.safetensors weight files.", field="model.hf",
-                          fix="save the model with save_pretrained(..., safe_serialization=True)")
+        raise ConfigError(
+            f"model.hf {directory!r} has no *.safetensors weight files.",
+            field="model.hf",
+            fix="save the model with save_pretrained(..., safe_serialization=True)",
+        )
     found: dict[str, tuple[tuple[int, ...], str]] = {}
     for path in files:
         if not path.is_file():
-            raise ConfigError(f"{path.name} is listed in {WEIGHTS_INDEX} of {directory!r} but missing.",
-                              field="model.hf", fix="download the model's weight files completely")
+            raise ConfigError(
+                f"{path.name} is listed in {WEIGHTS_INDEX} of {directory!r} but missing.",
+                field="model.hf",
+                fix="download the model's weight files completely",
+            )
         try:
             with safe_open(str(path), framework="pt") as stream:
                 for name in stream.keys():
                     piece = stream.get_slice(name)
                     found[name] = (tuple(piece.get_shape()), str(piece.get_dtype()))
         except (OSError, SafetensorError) as exc:
-            raise ConfigError(f"cannot read {os.path.join(directory, path.name)}: {exc}", field="model.hf",
-                              fix="restore the model's safetensors files") from exc
+            raise ConfigError(
+                f"cannot read {os.path.join(directory, path.name)}: {exc}",
+                field="model.hf",
+                fix="restore the model's safetensors files",
+            ) from exc
     return found
 
 
@@ -220,13 +248,23 @@ def _check_weights(found: dict[str, tuple[tuple[int, ...], str]], model_config: 
     found = {name: entry for name, entry in found.items() if not _ignored(name, model_config)}
     missing = sorted(expected.keys() - found.keys())
     extra = sorted(found.keys() - expected.keys())
-    mismatched = [f"{name} {list(found[name][0])} (model needs {list(expected[name])})"
-                  for name in sorted(expected.keys() & found.keys()) if found[name][0] != expected[name]]
-    odd_dtypes = [f"{name} ({dtype})" for name, (_, dtype) in sorted(found.items())
-                  if name in expected and dtype not in _FLOAT_DTYPES]
+    mismatched = [
+        f"{name} {list(found[name][0])} (model needs {list(expected[name])})"
+        for name in sorted(expected.keys() & found.keys())
+        if found[name][0] != expected[name]
+    ]
+    odd_dtypes = [
+        f"{name} ({dtype})"
+        for name, (_, dtype) in sorted(found.items())
+        if name in expected and dtype not in _FLOAT_DTYPES
+    ]
     problems = []
-    for label, names in (("missing", missing), ("unexpected", extra), ("with the wrong shape", mismatched),
-                         ("not float16/bfloat16/float32 (quantized?)", odd_dtypes)):
+    for label, names in (
+        ("missing", missing),
+        ("unexpected", extra),
+        ("with the wrong shape", mismatched),
+        ("not float16/bfloat16/float32 (quantized?)", odd_dtypes),
+    ):
         if names:
             shown = ", ".join(names[:_LISTED]) + (f" and {len(names) - _LISTED} more" if len(names) > _LISTED else "")
             problems.append(f"{len(names)} tensors {label}: {shown}")
@@ -332,8 +370,9 @@ def export_hf(
     if max_shard_bytes < 1:
         raise ValueError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
     if storage.is_url(out_dir):
-        return _export_to_url(directory, storage.normalize_url(out_dir), model_config, config, source_dir,
-                              max_shard_bytes, expect_digest)
+        return _export_to_url(
+            directory, storage.normalize_url(out_dir), model_config, config, source_dir, max_shard_bytes, expect_digest
+        )
     out = os.path.abspath(os.fspath(out_dir))
     _check_destination(out)
     verify(directory, expect_digest=expect_digest)
@@ -341,8 +380,17 @@ def export_hf(
     parent, name = os.path.split(out)
     folder = safe_paths.open_dir(parent, field="checkpoint.export", create=True)
     try:
-        _export_into(folder, parent, name, directory, shapes, config, model_config.arch,
-                     source_dir if source_dir is not None else model_config.hf_path, max_shard_bytes)
+        _export_into(
+            folder,
+            parent,
+            name,
+            directory,
+            shapes,
+            config,
+            model_config.arch,
+            source_dir if source_dir is not None else model_config.hf_path,
+            max_shard_bytes,
+        )
     finally:
         os.close(folder)
     return out
@@ -355,12 +403,24 @@ def _check_destination(out: str) -> None:
     except (FileNotFoundError, NotADirectoryError):
         return
     if not stat.S_ISDIR(found.st_mode) or safe_paths.list_names(out, field="checkpoint.export"):
-        raise ConfigError(f"export destination {out} already exists and is not empty.", field="checkpoint.export",
-                          fix="export into a new or empty folder; exports never overwrite")
+        raise ConfigError(
+            f"export destination {out} already exists and is not empty.",
+            field="checkpoint.export",
+            fix="export into a new or empty folder; exports never overwrite",
+        )
 
 
-def _export_into(folder: int, parent: str, name: str, directory: str, shapes: dict[str, tuple[int, ...]],
-                 config: dict[str, Any], arch: str, source: str | os.PathLike | None, max_shard_bytes: int) -> None:
+def _export_into(
+    folder: int,
+    parent: str,
+    name: str,
+    directory: str,
+    shapes: dict[str, tuple[int, ...]],
+    config: dict[str, Any],
+    arch: str,
+    source: str | os.PathLike | None,
+    max_shard_bytes: int,
+) -> None:
     """Build the export in ``<name>.tmp-<pid>`` beside it and rename it into place, all through the
     parent folder's descriptor ``folder``; the files are written through the temporary folder's own
     descriptor (:func:`safe_paths.descriptor_path`), so a path swapped meanwhile redirects nothing. The
@@ -395,14 +455,24 @@ def _copy_tokenizer_files(source: str | os.PathLike | None, dest: str | int) -> 
     return [name for name in TOKENIZER_FILES if safe_paths.copy_file_inside(source, name, dest, name, field="model.hf")]
 
 
-def _export_to_url(directory: str, out: str, model_config: ModelConfig, config: dict[str, Any],
-                   source_dir: str | os.PathLike | None, max_shard_bytes: int, expect_digest: str | None) -> str:
+def _export_to_url(
+    directory: str,
+    out: str,
+    model_config: ModelConfig,
+    config: dict[str, Any],
+    source_dir: str | os.PathLike | None,
+    max_shard_bytes: int,
+    expect_digest: str | None,
+) -> str:
     """:func:`export_hf` into an object-store prefix: files built locally, uploaded one by one, config last."""
     import tempfile
 
     if storage.walk_files(out):
-        raise ConfigError(f"export destination {out} already holds objects.", field="checkpoint.export",
-                          fix="export into a new or empty prefix; exports never overwrite")
+        raise ConfigError(
+            f"export destination {out} already holds objects.",
+            field="checkpoint.export",
+            fix="export into a new or empty prefix; exports never overwrite",
+        )
     verify(directory, expect_digest=expect_digest)
     shapes = _checkpoint_shapes(directory, model_config)
     tmp = tempfile.mkdtemp(prefix="etrain-export-")
@@ -426,15 +496,21 @@ def _checkpoint_shapes(directory: str, model_config: ModelConfig) -> dict[str, t
     """``{etrain FQN: shape}`` to export, checked against what the checkpoint holds."""
     metadata = storage_reader(directory).read_metadata().state_dict_metadata
     expected = expected_shapes(model_config)
-    stored = {key[len(_MODEL_PREFIX):]: entry for key, entry in metadata.items() if key.startswith(_MODEL_PREFIX)}
+    stored = {key[len(_MODEL_PREFIX) :]: entry for key, entry in metadata.items() if key.startswith(_MODEL_PREFIX)}
     missing = [fqn for fqn in expected if fqn not in stored]
-    mismatched = [f"{fqn} {list(stored[fqn].size)} (config says {list(shape)})"
-                  for fqn, shape in expected.items() if fqn in stored and tuple(stored[fqn].size) != shape]
+    mismatched = [
+        f"{fqn} {list(stored[fqn].size)} (config says {list(shape)})"
+        for fqn, shape in expected.items()
+        if fqn in stored and tuple(stored[fqn].size) != shape
+    ]
     # A tied model's checkpoint may list output.weight (the embedding's tensor); it is not exported.
     extra = sorted(set(stored) - set(expected) - ({"output.weight"} if model_config.tie_embeddings else set()))
     if missing or mismatched or extra:
-        details = [f"{label}: {', '.join(names[:_LISTED])}" for label, names in
-                   (("missing", missing), ("wrong shape", mismatched), ("unexpected", extra)) if names]
+        details = [
+            f"{label}: {', '.join(names[:_LISTED])}"
+            for label, names in (("missing", missing), ("wrong shape", mismatched), ("unexpected", extra))
+            if names
+        ]
         raise ConfigError(
             f"checkpoint {directory} does not hold the model its config describes ({'; '.join(details)}).",
             field="checkpoint.export",
@@ -465,8 +541,9 @@ def _numel(shape: tuple[int, ...]) -> int:
     return count
 
 
-def _write_weights(directory: str, tmp: str, shapes: dict[str, tuple[int, ...]], max_shard_bytes: int,
-                   arch: str, on_file=None) -> None:
+def _write_weights(
+    directory: str, tmp: str, shapes: dict[str, tuple[int, ...]], max_shard_bytes: int, arch: str, on_file=None
+) -> None:
     """``on_file(path)``: called with each file once written (the URL export uploads and deletes it)."""
     from safetensors.torch import save_file
 

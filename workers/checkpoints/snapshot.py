@@ -43,12 +43,14 @@ class Snapshot:
     extra: dict[str, Any]
 
 
-def take_snapshot(step: int, model_parts: list[nn.Module], optimizers: list[Optimizer],
-                  extra: dict[str, Any]) -> Snapshot:
+def take_snapshot(
+    step: int, model_parts: list[nn.Module], optimizers: list[Optimizer], extra: dict[str, Any]
+) -> Snapshot:
     """Copy this rank's local state to host memory (a device-to-host copy on GPU)."""
     collected = collect_state(model_parts, optimizers)
-    state = {section: {key: _to_host(value) for key, value in values.items()}
-             for section, values in collected.state.items()}
+    state = {
+        section: {key: _to_host(value) for key, value in values.items()} for section, values in collected.state.items()
+    }
     return Snapshot(step=step, state=state, extra=copy.deepcopy(extra))
 
 
@@ -84,8 +86,9 @@ def replicated(zero: int, dp: int) -> bool:
     return zero == 0 and dp > 1
 
 
-def share_snapshots(own: Snapshot | None, step: int, dp_groups: list[tuple[int, ...]], *,
-                    replicas: bool) -> tuple[Snapshot | None, str]:
+def share_snapshots(
+    own: Snapshot | None, step: int, dp_groups: list[tuple[int, ...]], *, replicas: bool
+) -> tuple[Snapshot | None, str]:
     """Collective over the default group: every rank ends with a snapshot of ``step``, or all with None.
 
     Each rank says whether it holds a snapshot of ``step``. If every rank does, each keeps its own

@@ -109,8 +109,10 @@ def url_problem(url: str) -> str | None:
         return f"{url!r} is not a URL"
     kind = scheme(url)
     if kind not in SUPPORTED_SCHEMES:
-        return (f"{url!r} uses the scheme {kind!r}; object storage is supported through "
-                f"{', '.join(f'{name}://' for name in SUPPORTED_SCHEMES)} only")
+        return (
+            f"{url!r} uses the scheme {kind!r}; object storage is supported through "
+            f"{', '.join(f'{name}://' for name in SUPPORTED_SCHEMES)} only"
+        )
     parts = url.split("://", 1)[1].rstrip("/").split("/")
     if not parts[0]:
         return f"{url!r} names no bucket (write {kind}://bucket/prefix)"
@@ -126,7 +128,9 @@ def missing_backend(url: str) -> str | None:
     module, extra = SUPPORTED_SCHEMES.get(scheme(url), (None, None))
     if module is None or importlib.util.find_spec(module) is not None:
         return None
-    return f"{scheme(url)}:// storage needs the '{module}' package, which is not installed (pip install 'etrain[{extra}]')"
+    return (
+        f"{scheme(url)}:// storage needs the '{module}' package, which is not installed (pip install 'etrain[{extra}]')"
+    )
 
 
 def join(base: str | os.PathLike, *names: str) -> str:
@@ -169,9 +173,12 @@ def filesystem(url: str):
     package is missing (the fix says which extra to install)."""
     problem = missing_backend(url)
     if problem is not None:
-        raise ConfigError(problem + ".", field="checkpoint.path",
-                          fix=f"install it where the service and the ranks run: pip install "
-                              f"'etrain[{SUPPORTED_SCHEMES[scheme(url)][1]}]'")
+        raise ConfigError(
+            problem + ".",
+            field="checkpoint.path",
+            fix=f"install it where the service and the ranks run: pip install "
+            f"'etrain[{SUPPORTED_SCHEMES[scheme(url)][1]}]'",
+        )
     from fsspec.core import url_to_fs
 
     return url_to_fs(url, **storage_options(url))
@@ -247,8 +254,11 @@ def subdirs(path: str | os.PathLike) -> list[str]:
 def _entries(url: str) -> list[tuple[str, bool]]:
     fs, key = _fs(url)
     entries = fs.ls(key, detail=True)
-    return [(entry["name"].rstrip("/").rsplit("/", 1)[-1], entry["type"] == "directory") for entry in entries
-            if entry["name"].rstrip("/") != key.rstrip("/")]
+    return [
+        (entry["name"].rstrip("/").rsplit("/", 1)[-1], entry["type"] == "directory")
+        for entry in entries
+        if entry["name"].rstrip("/") != key.rstrip("/")
+    ]
 
 
 def getsize(path: str | os.PathLike) -> int:
@@ -270,8 +280,11 @@ def file_sizes(directory: str | os.PathLike) -> dict[str, int]:
         found = fs.find(key, detail=True)
     except FileNotFoundError:
         return {}
-    return {name[len(prefix):]: int(info["size"]) for name, info in found.items()
-            if name.startswith(prefix) and info.get("type") != "directory"}
+    return {
+        name[len(prefix) :]: int(info["size"])
+        for name, info in found.items()
+        if name.startswith(prefix) and info.get("type") != "directory"
+    }
 
 
 def walk_files(directory: str | os.PathLike) -> list[str]:

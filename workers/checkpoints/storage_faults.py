@@ -71,8 +71,10 @@ def needed_bytes(last_checkpoint_bytes: int) -> int:
 
 
 def _fix(directory: str) -> str:
-    return (f"free space on the storage that holds {safe_paths.display(directory)} (or lower checkpoint.keep_last, or point "
-            "checkpoint.path at a larger volume); the job keeps training and the next save tries again")
+    return (
+        f"free space on the storage that holds {safe_paths.display(directory)} (or lower checkpoint.keep_last, or point "
+        "checkpoint.path at a larger volume); the job keeps training and the next save tries again"
+    )
 
 
 def check_room(directory: str, last_checkpoint_bytes: int) -> None:
@@ -80,8 +82,10 @@ def check_room(directory: str, last_checkpoint_bytes: int) -> None:
     free = free_bytes(directory)
     need = needed_bytes(last_checkpoint_bytes)
     if free is not None and free < need:
-        raise StorageFault(f"no space left on device at {safe_paths.display(directory)}: need ~{_mib(need)}, {_mib(free)} free",
-                           fix=_fix(directory))
+        raise StorageFault(
+            f"no space left on device at {safe_paths.display(directory)}: need ~{_mib(need)}, {_mib(free)} free",
+            fix=_fix(directory),
+        )
 
 
 def _os_errors(error: BaseException):
@@ -119,6 +123,7 @@ def storage_fault(error: BaseException, directory: str, last_checkpoint_bytes: i
         return StorageFault(f"no space left on device at {shown}{room}", fix=_fix(directory))
     if type(error).__name__ == "CheckpointException":
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        return StorageFault(f"writing the checkpoint to {shown} failed: {first.replace(directory, shown)[:300]}",
-                            fix=_fix(directory))
+        return StorageFault(
+            f"writing the checkpoint to {shown} failed: {first.replace(directory, shown)[:300]}", fix=_fix(directory)
+        )
     return None

@@ -60,7 +60,7 @@ import torch.distributed._functional_collectives as funcol
 
 __all__ = ["CollectiveWaitClock", "WaitMark"]
 
-_armed: "CollectiveWaitClock | None" = None  # the clock that counts waits now (one trainer per process)
+_armed: CollectiveWaitClock | None = None  # the clock that counts waits now (one trainer per process)
 _install_lock = threading.Lock()
 _installed = False
 _depth = threading.local()  # nested hooked waits count once (the outermost)
@@ -119,7 +119,7 @@ class CollectiveWaitClock:
     def between(self, start: WaitMark, end: WaitMark) -> float:
         """Seconds of waiting recorded between two marks (on CUDA: reads completed events)."""
         seconds = end.seconds - start.seconds
-        pairs = self._events[start.events:end.events]
+        pairs = self._events[start.events : end.events]
         if pairs:
             pairs[-1][1].synchronize()  # complete once the step's host read has waited for the stream
             seconds += sum(begin.elapsed_time(finish) for begin, finish in pairs) / 1000.0

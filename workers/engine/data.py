@@ -29,11 +29,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from etrain.workers.protocol import layout_rules, safe_paths
-from etrain.workers.protocol.run_config import DataConfig, ModelConfig
-from etrain.workers.protocol.errors import ConfigError, DataError
 from etrain.workers.engine.text_files import no_text_error, not_utf8_error, read_text_file, text_documents
 from etrain.workers.engine.tokenized import tokenize_text
+from etrain.workers.protocol import layout_rules, safe_paths
+from etrain.workers.protocol.errors import ConfigError, DataError
+from etrain.workers.protocol.run_config import DataConfig, ModelConfig
 
 __all__ = [
     "BYTE_VOCAB_SIZE",
@@ -96,8 +96,7 @@ class GlobalSampler:
         if num_samples < 1:
             raise DataError("the dataset has no samples.", field="data.path", fix="use more data")
         if global_batch < 1:
-            raise ConfigError(f"training.global_batch must be >= 1, got {global_batch}.",
-                              field="training.global_batch")
+            raise ConfigError(f"training.global_batch must be >= 1, got {global_batch}.", field="training.global_batch")
         self.num_samples = num_samples
         self.global_batch = global_batch
         self.seed = seed
@@ -161,8 +160,11 @@ def read_token_file(path: str, token_dtype: str, vocab_size: int) -> np.ndarray:
     """Memory-map a raw ``.bin`` of token ids (nanoGPT format: no header, native byte order)."""
     file = Path(path)
     if not file.is_file():
-        raise DataError(f"data.path={path!r} is not a file.", field="data.path",
-                        fix="point data.path at a .bin of token ids (e.g. nanoGPT's train.bin)")
+        raise DataError(
+            f"data.path={path!r} is not a file.",
+            field="data.path",
+            fix="point data.path at a .bin of token ids (e.g. nanoGPT's train.bin)",
+        )
     dtype = np.dtype(token_dtype)
     size = file.stat().st_size
     if size == 0:
@@ -214,11 +216,17 @@ def build_dataset(data: DataConfig, model: ModelConfig) -> TokenDataset:
     """The dataset a run reads; checks the model can represent every token it will see."""
     if data.kind == "synthetic":
         num_tokens = max(SYNTHETIC_NUM_TOKENS, 64 * (model.seq_len + 1))
-        return TokenDataset(synthetic_tokens(model.vocab_size, data.seed, num_tokens),
-                            seq_len=model.seq_len, source=f"synthetic(seed={data.seed})")
+        return TokenDataset(
+            synthetic_tokens(model.vocab_size, data.seed, num_tokens),
+            seq_len=model.seq_len,
+            source=f"synthetic(seed={data.seed})",
+        )
     if data.path is None:
-        raise DataError(f"data.kind={data.kind!r} needs data.path.", field="data.path",
-                        fix="set data.path, or use data.kind='synthetic'")
+        raise DataError(
+            f"data.kind={data.kind!r} needs data.path.",
+            field="data.path",
+            fix="set data.path, or use data.kind='synthetic'",
+        )
     if data.kind == "text" and data.tokenizer:
         cache = tokenize_text(data.path, data.tokenizer, model_vocab_size=model.vocab_size)
         tokens = read_token_file(cache.path, cache.dtype, model.vocab_size)
@@ -226,12 +234,14 @@ def build_dataset(data: DataConfig, model: ModelConfig) -> TokenDataset:
         if model.vocab_size < BYTE_VOCAB_SIZE:
             raise ConfigError(
                 f"data.kind='text' uses byte tokens (256 ids) but model.vocab_size={model.vocab_size}.",
-                field="model.vocab_size", fix="set model.vocab_size >= 256",
+                field="model.vocab_size",
+                fix="set model.vocab_size >= 256",
             )
         tokens = read_text_tokens(data.path)
     elif data.kind == "tokens":
         tokens = read_token_file(data.path, data.token_dtype, model.vocab_size)
     else:
-        raise DataError(f"unknown data.kind={data.kind!r}.", field="data.kind",
-                        fix="use 'text', 'tokens' or 'synthetic'")
+        raise DataError(
+            f"unknown data.kind={data.kind!r}.", field="data.kind", fix="use 'text', 'tokens' or 'synthetic'"
+        )
     return TokenDataset(tokens, seq_len=model.seq_len, source=f"data.path={data.path!r}")

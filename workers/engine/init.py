@@ -57,8 +57,9 @@ def param_seed(seed: int, fqn: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def initial_value(fqn: str, shape: tuple[int, ...], *, seed: int, n_layers: int,
-                  device: torch.device | str = "cpu") -> torch.Tensor:
+def initial_value(
+    fqn: str, shape: tuple[int, ...], *, seed: int, n_layers: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """The full fp32 initial tensor of parameter ``fqn``, drawn on ``device`` with a generator of its own.
 
     GPT-2 / Llama style: biases 0, norm weights 1, every other weight N(0, 0.02), except the
@@ -77,8 +78,9 @@ def initial_value(fqn: str, shape: tuple[int, ...], *, seed: int, n_layers: int,
 
 
 @torch.no_grad()
-def initialize_parameters(module: nn.Module, *, seed: int, n_layers: int,
-                          rng_device: torch.device | str = "cpu") -> None:
+def initialize_parameters(
+    module: nn.Module, *, seed: int, n_layers: int, rng_device: torch.device | str = "cpu"
+) -> None:
     """Set every parameter of ``module`` (plain or DTensor, whole or sharded) to its initial value,
     drawn on ``rng_device`` (the rank's compute device) and copied to where the parameter lives.
 
@@ -89,15 +91,17 @@ def initialize_parameters(module: nn.Module, *, seed: int, n_layers: int,
         fqn = canonical_fqn(name)
         full = initial_value(fqn, tuple(param.shape), seed=seed, n_layers=n_layers, device=rng_device).to(param.dtype)
         if isinstance(param, DTensor):
-            local = distribute_tensor(full.to(param.device_mesh.device_type), param.device_mesh,
-                                      param.placements, src_data_rank=None).to_local()
+            local = distribute_tensor(
+                full.to(param.device_mesh.device_type), param.device_mesh, param.placements, src_data_rank=None
+            ).to_local()
             param.to_local().copy_(local)
         else:
             param.copy_(full)  # copy_ moves it where the parameter lives (a no-op transfer on its device)
 
 
-def materialize(module: nn.Module, *, device: torch.device, seed: int, n_layers: int,
-                rng_device: torch.device | None = None) -> nn.Module:
+def materialize(
+    module: nn.Module, *, device: torch.device, seed: int, n_layers: int, rng_device: torch.device | None = None
+) -> nn.Module:
     """Allocate a meta-device (possibly parallelised) module's local shards on ``device`` and
     initialise them, drawn on ``rng_device`` (default: ``device``; the Trainer passes its compute
     device, which differs under CPU offload); a module that is already real is left as it is."""
@@ -106,8 +110,9 @@ def materialize(module: nn.Module, *, device: torch.device, seed: int, n_layers:
         tie_weights = getattr(module, "tie_weights", None)
         if tie_weights is not None:  # to_empty gives each name its own tensor
             tie_weights()
-        initialize_parameters(module, seed=seed, n_layers=n_layers,
-                              rng_device=device if rng_device is None else rng_device)
+        initialize_parameters(
+            module, seed=seed, n_layers=n_layers, rng_device=device if rng_device is None else rng_device
+        )
     return module
 
 

@@ -31,8 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from etrain.workers.protocol import layout_rules
 from etrain.workers.protocol.topology import Topology, TopologyError
 
-__all__ = ["MESH_DIMS", "ParallelMesh", "backend_for", "build_device_mesh", "mesh_group_ranks",
-           "validate_dp_replicate"]
+__all__ = ["MESH_DIMS", "ParallelMesh", "backend_for", "build_device_mesh", "mesh_group_ranks", "validate_dp_replicate"]
 
 #: The root mesh's dimensions, slowest-varying first.
 MESH_DIMS: tuple[str, str, str, str] = ("pp", "dp_replicate", "dp_shard", "tp")

@@ -52,11 +52,16 @@ def build_optimizer(
     """
     params = list(params)
     on_cuda = bool(params) and all(p.device.type == "cuda" for p in params)
-    kwargs = dict(lr=training.lr, betas=ADAM_BETAS, weight_decay=training.weight_decay, eps=1e-8,
-                  foreach=not on_cuda, fused=on_cuda)
+    kwargs = dict(
+        lr=training.lr,
+        betas=ADAM_BETAS,
+        weight_decay=training.weight_decay,
+        eps=1e-8,
+        foreach=not on_cuda,
+        fused=on_cuda,
+    )
     if zero == 1 and dp_group is not None:
-        return _ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW,
-                                        process_group=dp_group, **kwargs)
+        return _ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, process_group=dp_group, **kwargs)
     return torch.optim.AdamW(params, **kwargs)
 
 

@@ -47,9 +47,9 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
-from etrain.workers.protocol import layout_rules
-from etrain.workers.families import family
 from etrain.workers.engine.mesh import ParallelMesh, validate_dp_replicate
+from etrain.workers.families import family
+from etrain.workers.protocol import layout_rules
 from etrain.workers.protocol.errors import ConfigError
 from etrain.workers.protocol.run_config import ParallelConfig, RunConfig
 from etrain.workers.protocol.topology import Topology
@@ -94,17 +94,17 @@ class ParallelDims:
         expected = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
         if self.mesh is not None and self.mesh.shape != expected:
             raise ConfigError(
-                f"DeviceMesh shape {self.mesh.shape} does not match "
-                f"(pp, dp_replicate, dp_shard, tp) = {expected}.",
+                f"DeviceMesh shape {self.mesh.shape} does not match (pp, dp_replicate, dp_shard, tp) = {expected}.",
                 field="parallel",
             )
 
     @classmethod
     def build(
         cls, topology: Topology, mesh: ParallelMesh | None, world_size: int, *, dp_replicate: int = 1
-    ) -> "ParallelDims":
-        return cls(pp=topology.pp, dp=topology.dp, tp=topology.tp, world_size=world_size,
-                   dp_replicate=dp_replicate, mesh=mesh)
+    ) -> ParallelDims:
+        return cls(
+            pp=topology.pp, dp=topology.dp, tp=topology.tp, world_size=world_size, dp_replicate=dp_replicate, mesh=mesh
+        )
 
     @property
     def dp_shard(self) -> int:
@@ -173,7 +173,8 @@ class ReplicateParallel(ParallelStyle):
         def input_fn(mod, inputs, mesh):
             return tuple(
                 DTensor.from_local(x, mesh, [Replicate()], run_check=False)
-                if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x
+                if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+                else x
                 for x in inputs
             )
 
@@ -229,8 +230,11 @@ def tp_style(name: str, *, sequence_parallel: bool) -> ParallelStyle | None:
         return ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False)
     if name == "gather_sequence":
         # The norm hands over a sequence shard; attention and MLP need the whole sequence.
-        return PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)) \
-            if sequence_parallel else None
+        return (
+            PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+            if sequence_parallel
+            else None
+        )
     raise ValueError(f"unknown tensor-parallel style {name!r}")
 
 
@@ -252,7 +256,8 @@ def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool)
     plan = family(module.config.arch).tp_plan(module.config)
     root_plan: dict[str, ParallelStyle] = {
         name: tp_style(style, sequence_parallel=sequence_parallel)
-        for name, style in plan.root.items() if getattr(module, name, None) is not None
+        for name, style in plan.root.items()
+        if getattr(module, name, None) is not None
     }
     if root_plan:
         parallelize_module(module, tp_mesh, root_plan)
@@ -289,8 +294,11 @@ def apply_ac(module: nn.Module) -> None:
 def validate_data_parallel(parallel: ParallelConfig) -> None:
     """The engine-side rules for HSDP and CPU offload (``layout_rules.data_parallel_problems``): both are
     FSDP2 features, so both need ZeRO-2/3 with dp > 1; HSDP's replica groups divide dp."""
-    layout_rules.check(layout_rules.data_parallel_problems(
-        dp=parallel.dp, zero=parallel.zero, dp_replicate=parallel.dp_replicate, offload=parallel.offload))
+    layout_rules.check(
+        layout_rules.data_parallel_problems(
+            dp=parallel.dp, zero=parallel.zero, dp_replicate=parallel.dp_replicate, offload=parallel.offload
+        )
+    )
 
 
 def uses_fsdp(dims: ParallelDims, parallel: ParallelConfig) -> bool:
@@ -369,7 +377,7 @@ def apply_dp(
             policies["mp_policy"] = mp_policy
         if offload_policy is not None:
             policies["offload_policy"] = offload_policy
-        for key, block in module.layers.items():
+        for block in module.layers.values():
             fully_shard(block, mesh=fsdp_mesh, **policies)
         fully_shard(module, mesh=fsdp_mesh, **policies)
         return module
@@ -405,8 +413,11 @@ def parallelize_stage(
     parallel = config.parallel
     validate_data_parallel(parallel)
     materialize = materialize or (lambda m: m)
-    layout_rules.check(layout_rules.sequence_parallel_problems(
-        seq_len=config.model.seq_len, tp=dims.tp, enabled=parallel.sequence_parallel))
+    layout_rules.check(
+        layout_rules.sequence_parallel_problems(
+            seq_len=config.model.seq_len, tp=dims.tp, enabled=parallel.sequence_parallel
+        )
+    )
     if dims.tp_enabled:
         layout_rules.check(layout_rules.tp_problems(config.model, dims.tp))
         apply_tp(module, dims.axis("tp"), sequence_parallel=parallel.sequence_parallel)

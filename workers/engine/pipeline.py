@@ -258,8 +258,9 @@ class _MicroBatchLoss:
     ``n_microbatches`` entries.
     """
 
-    def __init__(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], n_microbatches: int,
-                 stopwatch: _Stopwatch):
+    def __init__(
+        self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], n_microbatches: int, stopwatch: _Stopwatch
+    ):
         self._loss_fn = loss_fn
         self._n_microbatches = n_microbatches
         self._stopwatch = stopwatch
@@ -279,7 +280,7 @@ class _MicroBatchLoss:
 
     def step_mean(self) -> torch.Tensor:
         """Mean of this step's micro-batch losses, summed in micro-batch order like the trainer."""
-        losses = self.recorded[-self._n_microbatches:]
+        losses = self.recorded[-self._n_microbatches :]
         total = torch.zeros((), dtype=torch.float32, device=losses[0].device)
         for loss in losses:
             total += loss.float()
@@ -375,8 +376,7 @@ class PipelineRunner:
             raise ValueError(f"PipelineRunner.step needs {name} on this rank (stages {self.stage_ids})")
         if batch.shape[0] % self.n_microbatches:
             raise ValueError(
-                f"{name} batch of {batch.shape[0]} rows does not split into {self.n_microbatches} "
-                "equal micro-batches"
+                f"{name} batch of {batch.shape[0]} rows does not split into {self.n_microbatches} equal micro-batches"
             )
 
 
@@ -404,15 +404,19 @@ def build_pipeline(
     ``wait_clock`` (a :class:`etrain.workers.engine.collective_waits.CollectiveWaitClock`): collective waits inside
     the stages' forward / backward (TP, FSDP2) are subtracted from their busy time while it is armed.
     """
-    layout_rules.check(layout_rules.pipeline_problems(
-        n_layers=model.config.n_layers, tie_embeddings=getattr(model.config, "tie_embeddings", False),
-        pp=parallel.pp, virtual_stages=parallel.virtual_stages, microbatches=n_microbatches,
-        schedule=parallel.pp_schedule))
+    layout_rules.check(
+        layout_rules.pipeline_problems(
+            n_layers=model.config.n_layers,
+            tie_embeddings=getattr(model.config, "tie_embeddings", False),
+            pp=parallel.pp,
+            virtual_stages=parallel.virtual_stages,
+            microbatches=n_microbatches,
+            schedule=parallel.pp_schedule,
+        )
+    )
     group = pp_mesh.get_group()
     if dist.get_world_size(group) != parallel.pp:
-        raise ValueError(
-            f"pp_mesh has {dist.get_world_size(group)} ranks but parallelism.pp={parallel.pp}"
-        )
+        raise ValueError(f"pp_mesh has {dist.get_world_size(group)} ranks but parallelism.pp={parallel.pp}")
     if dist.get_rank(group) != pp_rank:
         raise ValueError(f"pp_rank={pp_rank} but this rank is {dist.get_rank(group)} on the pp mesh")
     device = torch.device(device)

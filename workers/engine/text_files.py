@@ -73,15 +73,21 @@ def text_documents(path: str | os.PathLike) -> list[Path]:
     try:
         found = safe_paths.stat_path(root, field="data.path")
     except (FileNotFoundError, NotADirectoryError):
-        raise DataError(f"data.path={str(path)!r} does not exist.", field="data.path",
-                        fix="point data.path at a UTF-8 text file or a folder of text files") from None
+        raise DataError(
+            f"data.path={str(path)!r} does not exist.",
+            field="data.path",
+            fix="point data.path at a UTF-8 text file or a folder of text files",
+        ) from None
     return list(walk_text_files(root)) if stat.S_ISDIR(found.st_mode) else [root]
 
 
 def not_utf8_error(data_path: str) -> DataError:
     """``data.path`` is one file, and not UTF-8 text."""
-    return DataError(f"data.path={data_path!r} is not UTF-8 text.", field="data.path",
-                     fix="use a UTF-8 text file, or data.kind='tokens' for a .bin of token ids")
+    return DataError(
+        f"data.path={data_path!r} is not UTF-8 text.",
+        field="data.path",
+        fix="use a UTF-8 text file, or data.kind='tokens' for a .bin of token ids",
+    )
 
 
 def no_text_error(data_path: str) -> DataError:

@@ -46,9 +46,9 @@ from typing import Any
 
 import numpy as np
 
+from etrain.workers.engine.text_files import no_text_error, not_utf8_error, read_text_file, text_documents
 from etrain.workers.protocol import safe_paths
 from etrain.workers.protocol.errors import DataError
-from etrain.workers.engine.text_files import no_text_error, not_utf8_error, read_text_file, text_documents
 
 __all__ = [
     "CACHE_DIR_SUFFIX",
@@ -97,10 +97,11 @@ def _tokenizer_file(path: str | os.PathLike) -> Path:
     if not file.is_file():
         raise DataError(
             f"data.tokenizer={str(path)!r} is not a file"
-            + (" (the folder holds no tokenizer.json)" if Path(path).is_dir() else "") + ".",
+            + (" (the folder holds no tokenizer.json)" if Path(path).is_dir() else "")
+            + ".",
             field="data.tokenizer",
             fix="point data.tokenizer at a Hugging Face tokenizer.json, or at the folder holding one "
-                "(relative paths are relative to the server's directory)",
+            "(relative paths are relative to the server's directory)",
         )
     return file
 
@@ -135,8 +136,11 @@ def load_tokenizer(path: str | os.PathLike) -> tuple[Any, TokenizerInfo]:
     try:
         raw = safe_paths.read_file(file, field="data.tokenizer")  # no link on the way (workers/protocol/safe_paths.py)
     except OSError as err:
-        raise DataError(f"data.tokenizer={str(path)!r} cannot be read: {err.strerror or err}.",
-                        field="data.tokenizer", fix="make the file readable by the server and the workers") from err
+        raise DataError(
+            f"data.tokenizer={str(path)!r} cannot be read: {err.strerror or err}.",
+            field="data.tokenizer",
+            fix="make the file readable by the server and the workers",
+        ) from err
     try:
         tokenizer = Tokenizer.from_str(raw.decode("utf-8"))
     except Exception as err:  # tokenizers raises plain Exception for a malformed file
@@ -144,15 +148,20 @@ def load_tokenizer(path: str | os.PathLike) -> tuple[Any, TokenizerInfo]:
             f"data.tokenizer={str(path)!r} is not a Hugging Face tokenizer.json: {str(err)[:200]}",
             field="data.tokenizer",
             fix="use the tokenizer.json of a Hugging Face model (the `tokenizers` format, not a "
-                "sentencepiece .model or a vocab.txt)",
+            "sentencepiece .model or a vocab.txt)",
         ) from err
     tokenizer.no_truncation()
     tokenizer.no_padding()
     vocab = tokenizer.get_vocab(with_added_tokens=True)
     vocab_size = max(tokenizer.get_vocab_size(with_added_tokens=True), max(vocab.values(), default=-1) + 1)
     eos_id, eos_token = _eos(tokenizer, file)
-    info = TokenizerInfo(path=str(file.resolve()), vocab_size=vocab_size, eos_id=eos_id, eos_token=eos_token,
-                         sha256=hashlib.sha256(raw).hexdigest())
+    info = TokenizerInfo(
+        path=str(file.resolve()),
+        vocab_size=vocab_size,
+        eos_id=eos_id,
+        eos_token=eos_token,
+        sha256=hashlib.sha256(raw).hexdigest(),
+    )
     return tokenizer, info
 
 
@@ -177,7 +186,7 @@ def _special_affixes(tokenizer: Any) -> tuple[list[int], list[int]]:
         full = tokenizer.encode(probe).ids
         for start in range(len(full) - len(plain) + 1) if plain else ():
             if full[start : start + len(plain)] == plain:
-                return full[:start], full[start + len(plain):]
+                return full[:start], full[start + len(plain) :]
     return tokenizer.encode("").ids, []
 
 
@@ -279,8 +288,10 @@ def _mib(n: int) -> str:
 
 
 def _prepare_fix(data_path: str, tokenizer_path: str) -> str:
-    return (f"tokenize it once ahead of the submit, where the data is: `etrain prepare-data --tokenizer "
-            f"{tokenizer_path} {data_path}` (the cache it writes beside the data is reused), then submit again")
+    return (
+        f"tokenize it once ahead of the submit, where the data is: `etrain prepare-data --tokenizer "
+        f"{tokenizer_path} {data_path}` (the cache it writes beside the data is reused), then submit again"
+    )
 
 
 def _new_digest(info: TokenizerInfo) -> Any:
@@ -346,8 +357,7 @@ def tokenize_text(
     target = Path(out).expanduser() if out is not None else cache_file(data_path, sha256)
     cached = _read_cache(target, sha256)
     if cached is not None:  # where it is now (the data may have moved with its cache), not where it was made
-        return replace(cached, path=str(target.resolve()), tokenizer=info.path,
-                                   data=str(Path(data_text).resolve()))
+        return replace(cached, path=str(target.resolve()), tokenizer=info.path, data=str(Path(data_text).resolve()))
     if max_bytes is not None and total > max_bytes:
         raise DataError(
             f"data.path={data_text!r} holds {_mib(total)} of text to tokenize, more than the "
@@ -358,8 +368,9 @@ def tokenize_text(
     return _write_cache(tokenizer, info, documents, sha256, target, data_text, clock, progress, total)
 
 
-def _token_batches(tokenizer: Any, info: TokenizerInfo, documents: list[Path], sha256: str,
-                   data_text: str) -> Iterator[tuple[np.ndarray, int]]:
+def _token_batches(
+    tokenizer: Any, info: TokenizerInfo, documents: list[Path], sha256: str, data_text: str
+) -> Iterator[tuple[np.ndarray, int]]:
     """The stream in order, one batch at a time: ``(ids, text bytes they cover)``.
 
     Each document is ``prefix + ids of its pieces + suffix`` (= ``encode(text).ids``); documents are
@@ -437,12 +448,23 @@ def _write_cache(
             sink.flush()
             os.fsync(sink.fileno())
         if num_tokens == 0:
-            raise DataError(f"tokenizing data.path={data_text!r} gave no tokens.", field="data.path",
-                            fix="check that data.tokenizer fits this text (a word-level vocabulary may drop it all)")
-        cache = TokenCache(path=str(target.resolve()), num_tokens=num_tokens, dtype=dtype.name,
-                           vocab_size=info.vocab_size, sha256=sha256, tokenizer=info.path,
-                           data=str(Path(data_text).resolve()), documents=len(documents),
-                           eos_id=info.eos_id, eos_token=info.eos_token)
+            raise DataError(
+                f"tokenizing data.path={data_text!r} gave no tokens.",
+                field="data.path",
+                fix="check that data.tokenizer fits this text (a word-level vocabulary may drop it all)",
+            )
+        cache = TokenCache(
+            path=str(target.resolve()),
+            num_tokens=num_tokens,
+            dtype=dtype.name,
+            vocab_size=info.vocab_size,
+            sha256=sha256,
+            tokenizer=info.path,
+            data=str(Path(data_text).resolve()),
+            documents=len(documents),
+            eos_id=info.eos_id,
+            eos_token=info.eos_token,
+        )
         sidecar_tmp.write_text(json.dumps(cache.sidecar(), indent=2) + "\n", encoding="utf-8")
         os.replace(sidecar_tmp, _sidecar_path(target))  # sidecar first: a visible .bin always has one
         os.replace(tmp, target)
@@ -452,7 +474,7 @@ def _write_cache(
             f"cannot write the token cache {str(target)!r}: {err.strerror or err}.",
             field="data.path",
             fix="make the data's folder writable (or free space), or run `etrain prepare-data --out FILE` "
-                "elsewhere and train on FILE with data.kind: tokens",
+            "elsewhere and train on FILE with data.kind: tokens",
         ) from err
     finally:
         for leftover in (tmp, sidecar_tmp):
@@ -460,5 +482,8 @@ def _write_cache(
 
 
 def _changed(data_text: str) -> DataError:
-    return DataError(f"data.path={data_text!r} changed while it was being tokenized.", field="data.path",
-                     fix="tokenize again once the data no longer changes")
+    return DataError(
+        f"data.path={data_text!r} changed while it was being tokenized.",
+        field="data.path",
+        fix="tokenize again once the data no longer changes",
+    )

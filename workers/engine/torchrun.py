@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from etrain.workers.engine.mesh import backend_for
+from etrain.workers.engine.train import Trainer
 from etrain.workers.protocol.errors import ConfigError
 from etrain.workers.protocol.run_config import (
     CheckpointConfig,
@@ -29,7 +30,6 @@ from etrain.workers.protocol.run_config import (
     RunConfig,
     TrainingConfig,
 )
-from etrain.workers.engine.train import Trainer
 
 __all__ = ["load_run_config", "main"]
 
@@ -38,8 +38,13 @@ def load_run_config(path: str) -> RunConfig:
     """A RunConfig from JSON: ``{"job_id", "model": {...}, "data", "parallel", "training", ...}``."""
     with open(path) as f:
         raw = json.load(f)
-    sections = {"model": ModelConfig, "data": DataConfig, "parallel": ParallelConfig,
-                "training": TrainingConfig, "checkpoint": CheckpointConfig}
+    sections = {
+        "model": ModelConfig,
+        "data": DataConfig,
+        "parallel": ParallelConfig,
+        "training": TrainingConfig,
+        "checkpoint": CheckpointConfig,
+    }
     known = {f.name for f in dataclasses.fields(RunConfig)}
     unknown = set(raw) - known
     if unknown:
@@ -69,8 +74,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         device = torch.device("cpu")
     initialized_here = False
     if "RANK" in os.environ and not dist.is_initialized():
-        dist.init_process_group(backend_for(device.type, cpu_offload=config.parallel.offload == "cpu"),
-                                timeout=timedelta(seconds=config.collective_timeout_s))
+        dist.init_process_group(
+            backend_for(device.type, cpu_offload=config.parallel.offload == "cpu"),
+            timeout=timedelta(seconds=config.collective_timeout_s),
+        )
         initialized_here = True
     try:
         trainer = Trainer(config, rank=rank, world_size=world_size, device=device)

@@ -41,17 +41,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from etrain.workers.protocol import layout_rules
 from etrain.workers.engine import metrics as throughput
 from etrain.workers.engine.collective_waits import CollectiveWaitClock
 from etrain.workers.engine.compute_timer import ComputeTimer
-from etrain.workers.protocol.run_config import ModelConfig, RunConfig
 from etrain.workers.engine.data import GlobalSampler, build_dataset
-from etrain.workers.protocol.errors import ConfigError, NonFiniteLossError
-from etrain.workers.protocol.messages import StepMetrics
-from etrain.workers.engine.mesh import build_device_mesh
 from etrain.workers.engine.init import materialize
-from etrain.workers.families.model import build_model_skeleton, cross_entropy_loss
+from etrain.workers.engine.mesh import build_device_mesh
 from etrain.workers.engine.optim import build_optimizer, clip_grad_norm_, lr_at, set_lr
 from etrain.workers.engine.parallelize import (
     ParallelDims,
@@ -62,6 +57,11 @@ from etrain.workers.engine.parallelize import (
     uses_fsdp,
     validate_data_parallel,
 )
+from etrain.workers.families.model import build_model_skeleton, cross_entropy_loss
+from etrain.workers.protocol import layout_rules
+from etrain.workers.protocol.errors import ConfigError, NonFiniteLossError
+from etrain.workers.protocol.messages import StepMetrics
+from etrain.workers.protocol.run_config import ModelConfig, RunConfig
 from etrain.workers.protocol.topology import Topology
 
 __all__ = ["Trainer", "TrainerCallback"]
@@ -70,11 +70,11 @@ __all__ = ["Trainer", "TrainerCallback"]
 class TrainerCallback(Protocol):
     """Hooks for cross-cutting work (metrics, checkpoint triggers, chaos); all optional."""
 
-    def on_step_start(self, trainer: "Trainer", step: int) -> None: ...
+    def on_step_start(self, trainer: Trainer, step: int) -> None: ...
 
-    def on_compute(self, trainer: "Trainer", step: int, micro_step: int) -> None: ...
+    def on_compute(self, trainer: Trainer, step: int, micro_step: int) -> None: ...
 
-    def on_step_end(self, trainer: "Trainer", metrics: StepMetrics) -> None: ...
+    def on_step_end(self, trainer: Trainer, metrics: StepMetrics) -> None: ...
 
 
 class Trainer:
@@ -95,8 +95,9 @@ class Trainer:
         load_pretrained: bool = True,
     ):
         parallel = config.parallel
-        layout_rules.check(layout_rules.world_size_problems(pp=parallel.pp, dp=parallel.dp, tp=parallel.tp,
-                                                            world=world_size))
+        layout_rules.check(
+            layout_rules.world_size_problems(pp=parallel.pp, dp=parallel.dp, tp=parallel.tp, world=world_size)
+        )
         self.config = config
         self.rank = rank
         self.world_size = world_size
@@ -114,8 +115,11 @@ class Trainer:
                 field="training.timing_sync_every",
                 fix="use 1 to separate compute from waiting on every step, or e.g. 10",
             )
-        mesh = (build_device_mesh(self.topology, self.device.type, dp_replicate=parallel.dp_replicate)
-                if self.distributed else None)
+        mesh = (
+            build_device_mesh(self.topology, self.device.type, dp_replicate=parallel.dp_replicate)
+            if self.distributed
+            else None
+        )
         self.dims = ParallelDims.build(self.topology, mesh, world_size, dp_replicate=parallel.dp_replicate)
         self.grad_accum_steps = config.grad_accum_steps
         self._plan_cache: str | None = None  # DCP's save-plan cache generation (workers/checkpoints/checkpoint_io.py)
@@ -130,8 +134,13 @@ class Trainer:
         # FSDP2's CPU offload keeps the shards in host memory: allocate them there. The initial values
         # are drawn on the compute device either way, so every layout of a CUDA job starts alike.
         init_device = torch.device("cpu") if parallel.offload == "cpu" else self.device
-        materialize_local = partial(materialize, device=init_device, seed=config.training.seed,
-                                    n_layers=config.model.n_layers, rng_device=self.device)
+        materialize_local = partial(
+            materialize,
+            device=init_device,
+            seed=config.training.seed,
+            n_layers=config.model.n_layers,
+            rng_device=self.device,
+        )
         transform = partial(parallelize_stage, dims=self.dims, config=config, materialize=materialize_local)
         self.pipeline = None
         if self.dims.pp_enabled:
@@ -158,8 +167,12 @@ class Trainer:
 
         zero_group = self.dims.group("dp") if parallel.zero == 1 else None
         self.optimizers = [
-            build_optimizer([p for m in self.model_parts for p in m.parameters()], config.training,
-                            zero=parallel.zero, dp_group=zero_group)
+            build_optimizer(
+                [p for m in self.model_parts for p in m.parameters()],
+                config.training,
+                zero=parallel.zero,
+                dp_group=zero_group,
+            )
         ]
         self.dataset = build_dataset(config.data, config.model)
         self.sampler = GlobalSampler(len(self.dataset), config.training.global_batch, config.training.seed)
@@ -215,7 +228,8 @@ class Trainer:
 
         loss_t = self._global_loss(loss_sum, has_loss)
         grad_norm_t = clip_grad_norm_(
-            [p for m in self.model_parts for p in m.parameters()], training.grad_clip,
+            [p for m in self.model_parts for p in m.parameters()],
+            training.grad_clip,
             pp_group=self.dims.group("pp"),
         )
         # The step's one host read (CPU offload leaves the norm on the host: bring it over).
@@ -368,8 +382,12 @@ class Trainer:
 
         extra = {
             "step": self.next_step,
-            "data": {"next_step": self.next_step, "sampler_seed": self.sampler.seed,
-                     "num_samples": self.sampler.num_samples, "global_batch": self.sampler.global_batch},
+            "data": {
+                "next_step": self.next_step,
+                "sampler_seed": self.sampler.seed,
+                "num_samples": self.sampler.num_samples,
+                "global_batch": self.sampler.global_batch,
+            },
             "rng": capture_rng_state(),
             "layout": self.config.parallel.describe(),
         }
@@ -400,8 +418,9 @@ class Trainer:
         from etrain.workers.checkpoints.checkpoint import load_checkpoint
         from etrain.workers.checkpoints.checkpoint_state import restore_rng_state
 
-        extra = load_checkpoint(step_dir, self.model_parts, self.optimizers, checksums=verify_checksums,
-                                expect_digest=expect_digest)
+        extra = load_checkpoint(
+            step_dir, self.model_parts, self.optimizers, checksums=verify_checksums, expect_digest=expect_digest
+        )
         restore_rng_state(extra.get("rng") or {})
         self.next_step = int(extra["step"])
         return self.next_step

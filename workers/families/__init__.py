@@ -20,8 +20,16 @@ from etrain.workers.families import gpt, llama, olmo2
 from etrain.workers.families.base import ModelFamily
 from etrain.workers.protocol.errors import ConfigError
 
-__all__ = ["FAMILIES", "ModelFamily", "check_shape", "family", "family_names", "hf_architectures", "hf_family",
-           "presets"]
+__all__ = [
+    "FAMILIES",
+    "ModelFamily",
+    "check_shape",
+    "family",
+    "family_names",
+    "hf_architectures",
+    "hf_family",
+    "presets",
+]
 
 #: Every registered family by name (``ModelConfig.arch``, ``model.kind``), in the order they are listed.
 FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (gpt.FAMILY, llama.FAMILY, olmo2.FAMILY)}
@@ -32,8 +40,9 @@ def family(name: str) -> ModelFamily:
     try:
         return FAMILIES[name]
     except (KeyError, TypeError):
-        raise ConfigError(f"model family {name!r} is not registered.", field="model.kind",
-                          fix=f"use one of {', '.join(FAMILIES)}") from None
+        raise ConfigError(
+            f"model family {name!r} is not registered.", field="model.kind", fix=f"use one of {', '.join(FAMILIES)}"
+        ) from None
 
 
 def check_shape(model: Any) -> None:
@@ -48,8 +57,9 @@ def family_names() -> tuple[str, ...]:
 
 def hf_architectures() -> dict[str, dict[str, Any]]:
     """Every Hugging Face ``architectures`` entry some family loads, with its traits and family name."""
-    return {arch: {**traits, "family": f.name} for f in FAMILIES.values()
-            for arch, traits in f.hf_architectures.items()}
+    return {
+        arch: {**traits, "family": f.name} for f in FAMILIES.values() for arch, traits in f.hf_architectures.items()
+    }
 
 
 def hf_family(architecture: str) -> ModelFamily | None:

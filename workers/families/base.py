@@ -70,7 +70,7 @@ TP_STYLES: dict[str, str] = {
     "norm": "a norm over d_model: weights replicated; runs on a sequence shard under sequence parallelism",
     "colwise": "column-parallel projection (each rank its heads or its slice of the MLP width)",
     "colwise_sharded_output": "column-parallel projection whose output stays a width-sharded DTensor, for a "
-                              "following width_norm",
+    "following width_norm",
     "rowwise": "row-parallel projection; partial sums reduced into the residual layout",
     "head_norm": "a per-head norm on head-sharded activations (weights replicated)",
     "width_norm": "a norm over the whole tp-sharded width (weights sharded with it; the mean is all-reduced)",
@@ -124,8 +124,11 @@ class ModelFamily:
 
     def shape_errors(self, model: Sizes) -> list[ConfigError]:
         """The shape rules the model itself needs (the layout rules add the parallel ones)."""
-        errors = [ConfigError(f"model.{name} must be >= 1, got {getattr(model, name)}.", field=f"model.{name}")
-                  for name in ("n_layers", "d_model", "n_heads", "vocab_size", "seq_len") if getattr(model, name) < 1]
+        errors = [
+            ConfigError(f"model.{name} must be >= 1, got {getattr(model, name)}.", field=f"model.{name}")
+            for name in ("n_layers", "d_model", "n_heads", "vocab_size", "seq_len")
+            if getattr(model, name) < 1
+        ]
         return errors
 
     def tp_dims(self, model: Sizes) -> tuple[tuple[str, int], ...]:
@@ -177,8 +180,17 @@ class ModelFamily:
         """The width attention's QK^T and AV matmuls run at (``n_heads·head_dim``)."""
         return model.n_heads * model.head_dim
 
-    def layer_activation_bytes(self, model: Sizes, *, micro_batch: int, tp: int, sequence_parallel: bool,
-                               precision: str, regime: str, checkpointing: bool) -> float:
+    def layer_activation_bytes(
+        self,
+        model: Sizes,
+        *,
+        micro_batch: int,
+        tp: int,
+        sequence_parallel: bool,
+        precision: str,
+        regime: str,
+        checkpointing: bool,
+    ) -> float:
         """What one block saves for its backward, per micro-batch, in bytes (``regime``: ``fp32``,
         ``autocast`` or ``bf16_params``; see ``service/planning/plan_activations.py``)."""
         raise NotImplementedError
@@ -201,8 +213,11 @@ class ModelFamily:
 
     def hf_config(self, model: Sizes) -> dict[str, Any]:
         """A ``config.json`` that ``transformers.AutoConfig`` reads back to the same model."""
-        raise ConfigError(f"model.kind={self.name!r} has no Hugging Face format to export to.",
-                          field="checkpoint.export", fix="set checkpoint.export: none")
+        raise ConfigError(
+            f"model.kind={self.name!r} has no Hugging Face format to export to.",
+            field="checkpoint.export",
+            fix="set checkpoint.export: none",
+        )
 
     def hf_parameter_names(self, model: Sizes) -> list[str]:
         """Every etrain FQN of the model, in Hugging Face's order (a tied output excluded)."""
@@ -263,16 +278,24 @@ def hf_sizes(raw: dict[str, Any], *, seq_len: int | None) -> dict[str, Any]:
             vocab_size=int(raw["vocab_size"]),
         )
     except (KeyError, TypeError, ValueError) as exc:
-        raise hf_problem(f"model.hf config.json lacks or mangles a size ({exc}).",
-                         "restore the config.json written by transformers") from exc
+        raise hf_problem(
+            f"model.hf config.json lacks or mangles a size ({exc}).", "restore the config.json written by transformers"
+        ) from exc
     max_positions = int(raw.get("max_position_embeddings") or DEFAULT_MAX_SEQ_LEN)
     seq = seq_len if seq_len is not None else min(max_positions, DEFAULT_MAX_SEQ_LEN)
     if seq > max_positions:
-        raise ConfigError(f"model.seq_len={seq} exceeds the model's max_position_embeddings={max_positions}.",
-                          field="model.seq_len", fix=f"use model.seq_len <= {max_positions}")
+        raise ConfigError(
+            f"model.seq_len={seq} exceeds the model's max_position_embeddings={max_positions}.",
+            field="model.seq_len",
+            fix=f"use model.seq_len <= {max_positions}",
+        )
     head_dim = raw.get("head_dim")
-    return dict(sizes, seq_len=seq, max_position_embeddings=max_positions,
-                head_dim_override=int(head_dim) if head_dim and int(head_dim) != d_model // n_heads else None)
+    return dict(
+        sizes,
+        seq_len=seq,
+        max_position_embeddings=max_positions,
+        head_dim_override=int(head_dim) if head_dim and int(head_dim) != d_model // n_heads else None,
+    )
 
 
 def hf_rope(raw: dict[str, Any]) -> dict[str, Any]:
@@ -288,15 +311,20 @@ def hf_rope(raw: dict[str, Any]) -> dict[str, Any]:
     if kind == "linear":
         return dict(rope_theta=theta, rope_scaling=dict(kind="linear", factor=float(scaling["factor"])))
     if kind == "llama3":
-        return dict(rope_theta=theta, rope_scaling=dict(
-            kind="llama3",
-            factor=float(scaling["factor"]),
-            low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(scaling.get("original_max_position_embeddings", 8192)),
-        ))
-    raise hf_problem(f"model.hf uses rope scaling {kind!r}, which etrain does not implement.",
-                     "use a model with default, linear or llama3 RoPE scaling")
+        return dict(
+            rope_theta=theta,
+            rope_scaling=dict(
+                kind="llama3",
+                factor=float(scaling["factor"]),
+                low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
+                high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
+                original_max_position_embeddings=int(scaling.get("original_max_position_embeddings", 8192)),
+            ),
+        )
+    raise hf_problem(
+        f"model.hf uses rope scaling {kind!r}, which etrain does not implement.",
+        "use a model with default, linear or llama3 RoPE scaling",
+    )
 
 
 def rope_parameters(model: Sizes) -> dict[str, Any]:
@@ -306,6 +334,9 @@ def rope_parameters(model: Sizes) -> dict[str, Any]:
         scaling = model.rope_scaling
         rope.update(rope_type=scaling.kind, factor=scaling.factor)
         if scaling.kind == "llama3":
-            rope.update(low_freq_factor=scaling.low_freq_factor, high_freq_factor=scaling.high_freq_factor,
-                        original_max_position_embeddings=scaling.original_max_position_embeddings)
+            rope.update(
+                low_freq_factor=scaling.low_freq_factor,
+                high_freq_factor=scaling.high_freq_factor,
+                original_max_position_embeddings=scaling.original_max_position_embeddings,
+            )
     return rope

@@ -26,35 +26,57 @@ class GPT(ModelFamily):
 
     def shape_errors(self, model: Sizes) -> list[ConfigError]:
         if model.n_heads >= 1 and model.d_model % model.n_heads:
-            return [ConfigError(
-                f"model.d_model={model.d_model} is not divisible by model.n_heads={model.n_heads}.",
-                field="model.d_model",
-                fix="pick d_model as a multiple of n_heads (head_dim = d_model / n_heads)",
-            )]
+            return [
+                ConfigError(
+                    f"model.d_model={model.d_model} is not divisible by model.n_heads={model.n_heads}.",
+                    field="model.d_model",
+                    fix="pick d_model as a multiple of n_heads (head_dim = d_model / n_heads)",
+                )
+            ]
         return super().shape_errors(model)
 
     def tp_dims(self, model: Sizes) -> tuple[tuple[str, int], ...]:
         """Heads, the MLP width and the vocabulary, and d_model too (its q/k/v/out are d x d)."""
-        return (("n_heads", model.n_heads), ("d_model", model.d_model), ("ffn_dim", model.ffn_dim),
-                ("vocab_size", model.vocab_size))
+        return (
+            ("n_heads", model.n_heads),
+            ("d_model", model.d_model),
+            ("ffn_dim", model.ffn_dim),
+            ("vocab_size", model.vocab_size),
+        )
 
     def tp_plan(self, model: Sizes) -> TPPlan:
         return TPPlan(
-            root={"tok_embeddings": "vocab_embedding", "pos_embeddings": "position_embedding", "norm": "norm",
-                  "output": "vocab_head"},
-            block={"attention_norm": "norm", "attention.wq": "colwise", "attention.wk": "colwise",
-                   "attention.wv": "colwise", "attention.wo": "rowwise", "ffn_norm": "norm",
-                   "feed_forward.w1": "colwise", "feed_forward.w2": "rowwise",
-                   "attention": "gather_sequence", "feed_forward": "gather_sequence"},
+            root={
+                "tok_embeddings": "vocab_embedding",
+                "pos_embeddings": "position_embedding",
+                "norm": "norm",
+                "output": "vocab_head",
+            },
+            block={
+                "attention_norm": "norm",
+                "attention.wq": "colwise",
+                "attention.wk": "colwise",
+                "attention.wv": "colwise",
+                "attention.wo": "rowwise",
+                "ffn_norm": "norm",
+                "feed_forward.w1": "colwise",
+                "feed_forward.w2": "rowwise",
+                "attention": "gather_sequence",
+                "feed_forward": "gather_sequence",
+            },
         )
 
     def num_params(self, model: Sizes) -> int:
         d, f, v, n = model.d_model, model.ffn_dim, model.vocab_size, model.n_layers
         per_layer = (
             2 * d  # attn norm (weight + bias)
-            + 4 * d * d + 4 * d  # q, k, v, out projections with bias
+            + 4 * d * d
+            + 4 * d  # q, k, v, out projections with bias
             + 2 * d  # mlp norm
-            + d * f + f + f * d + d  # mlp up, down with bias
+            + d * f
+            + f
+            + f * d
+            + d  # mlp up, down with bias
         )
         embeddings = v * d + model.seq_len * d
         head = 2 * d + v * d  # final norm + output projection (no bias)
@@ -96,9 +118,17 @@ class GPT(ModelFamily):
     def attention_width(self, model: Sizes) -> int:
         return model.d_model
 
-    def layer_activation_bytes(self, model: Sizes, *, micro_batch: int, tp: int = 1, sequence_parallel: bool = False,
-                               precision: str = "bf16", regime: str = "autocast",
-                               checkpointing: bool = False) -> float:
+    def layer_activation_bytes(
+        self,
+        model: Sizes,
+        *,
+        micro_batch: int,
+        tp: int = 1,
+        sequence_parallel: bool = False,
+        precision: str = "bf16",
+        regime: str = "autocast",
+        checkpointing: bool = False,
+    ) -> float:
         """Korthikanti's count adapted to ``workers/families/gpt_model.py`` (and checked against the
         tensors autograd saves): no dropout, so no masks, and fused ``scaled_dot_product_attention``, so
         no s x s scores, only an fp32 log-sum-exp per head and position. Per token it saves, in elements:
@@ -122,8 +152,11 @@ class GPT(ModelFamily):
         return 2 * tokens * model.d_model * (4 if regime == "fp32" else 2) / sp_div
 
     def hf_parameter_names(self, model: Sizes) -> list[str]:
-        raise ConfigError("the built-in GPT has no Hugging Face format.", field="model.hf",
-                          fix="use a Hugging Face family (model.hf or a llama preset)")
+        raise ConfigError(
+            "the built-in GPT has no Hugging Face format.",
+            field="model.hf",
+            fix="use a Hugging Face family (model.hf or a llama preset)",
+        )
 
 
 FAMILY = GPT()

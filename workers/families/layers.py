@@ -61,7 +61,7 @@ def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
     dim = config.head_dim
     # Explicitly on CPU: a model built under ``torch.device('meta')`` still needs real frequencies.
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
-    inv_freq = 1.0 / (config.rope_theta ** exponents)
+    inv_freq = 1.0 / (config.rope_theta**exponents)
     scaling = config.rope_scaling
     if scaling is None:
         return inv_freq

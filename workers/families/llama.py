@@ -24,8 +24,9 @@ from etrain.workers.protocol.errors import ConfigError
 
 __all__ = ["FAMILY", "Llama", "llama_widths", "refuse_sliding_window"]
 
-_LLAMA3_ROPE_8K = dict(kind="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                       original_max_position_embeddings=8192)
+_LLAMA3_ROPE_8K = dict(
+    kind="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+)
 
 
 def llama_widths(model: Sizes) -> tuple[int, int]:
@@ -36,13 +37,16 @@ def llama_widths(model: Sizes) -> tuple[int, int]:
 def refuse_sliding_window(raw: dict[str, Any], seq_len: int, *, always: bool = False) -> None:
     """etrain runs full causal attention, which equals sliding-window attention only up to the window."""
     window = raw.get("sliding_window")
-    uses_window = always or raw.get("use_sliding_window") or any(
-        t == "sliding_attention" for t in raw.get("layer_types") or [])
+    uses_window = (
+        always or raw.get("use_sliding_window") or any(t == "sliding_attention" for t in raw.get("layer_types") or [])
+    )
     if uses_window and window and seq_len > int(window):
         raise ConfigError(
             f"model.seq_len={seq_len} exceeds the model's sliding_window={window}; etrain runs full causal "
             "attention, which equals sliding-window attention only up to the window.",
-            field="model.seq_len", fix=f"use model.seq_len <= {window}")
+            field="model.seq_len",
+            fix=f"use model.seq_len <= {window}",
+        )
 
 
 class Llama(ModelFamily):
@@ -53,26 +57,91 @@ class Llama(ModelFamily):
     # The published Hugging Face configs (meta-llama/Llama-3.2-1B, Llama-3.1-8B, Llama-3.1-70B,
     # Qwen/Qwen3-0.6B, mistralai/Mistral-7B-v0.1) with the training context set to 4096.
     presets = {
-        "llama-tiny": dict(n_layers=4, d_model=64, n_heads=4, n_kv_heads=2, d_ff=176, vocab_size=256,
-                           seq_len=64, rope_theta=10000.0, hf_architecture="LlamaForCausalLM"),
-        "llama3-1b": dict(n_layers=16, d_model=2048, n_heads=32, n_kv_heads=8, d_ff=8192,
-                          vocab_size=128256, seq_len=4096, rope_theta=500000.0,
-                          rope_scaling=dict(kind="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                            original_max_position_embeddings=8192),
-                          tie_embeddings=True, max_position_embeddings=131072, hf_architecture="LlamaForCausalLM"),
-        "llama3-8b": dict(n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, d_ff=14336,
-                          vocab_size=128256, seq_len=4096, rope_theta=500000.0, rope_scaling=_LLAMA3_ROPE_8K,
-                          max_position_embeddings=131072, hf_architecture="LlamaForCausalLM"),
-        "llama3-70b": dict(n_layers=80, d_model=8192, n_heads=64, n_kv_heads=8, d_ff=28672,
-                           vocab_size=128256, seq_len=4096, rope_theta=500000.0, rope_scaling=_LLAMA3_ROPE_8K,
-                           max_position_embeddings=131072, hf_architecture="LlamaForCausalLM"),
-        "qwen3-0.6b": dict(n_layers=28, d_model=1024, n_heads=16, n_kv_heads=8, head_dim_override=128,
-                           d_ff=3072, vocab_size=151936, seq_len=4096, rope_theta=1000000.0, norm_eps=1e-6,
-                           qk_norm=True, tie_embeddings=True, max_position_embeddings=40960,
-                           hf_architecture="Qwen3ForCausalLM"),
-        "mistral-7b": dict(n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, d_ff=14336,
-                           vocab_size=32000, seq_len=4096, rope_theta=10000.0, max_position_embeddings=32768,
-                           hf_architecture="MistralForCausalLM"),
+        "llama-tiny": dict(
+            n_layers=4,
+            d_model=64,
+            n_heads=4,
+            n_kv_heads=2,
+            d_ff=176,
+            vocab_size=256,
+            seq_len=64,
+            rope_theta=10000.0,
+            hf_architecture="LlamaForCausalLM",
+        ),
+        "llama3-1b": dict(
+            n_layers=16,
+            d_model=2048,
+            n_heads=32,
+            n_kv_heads=8,
+            d_ff=8192,
+            vocab_size=128256,
+            seq_len=4096,
+            rope_theta=500000.0,
+            rope_scaling=dict(
+                kind="llama3",
+                factor=32.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=8192,
+            ),
+            tie_embeddings=True,
+            max_position_embeddings=131072,
+            hf_architecture="LlamaForCausalLM",
+        ),
+        "llama3-8b": dict(
+            n_layers=32,
+            d_model=4096,
+            n_heads=32,
+            n_kv_heads=8,
+            d_ff=14336,
+            vocab_size=128256,
+            seq_len=4096,
+            rope_theta=500000.0,
+            rope_scaling=_LLAMA3_ROPE_8K,
+            max_position_embeddings=131072,
+            hf_architecture="LlamaForCausalLM",
+        ),
+        "llama3-70b": dict(
+            n_layers=80,
+            d_model=8192,
+            n_heads=64,
+            n_kv_heads=8,
+            d_ff=28672,
+            vocab_size=128256,
+            seq_len=4096,
+            rope_theta=500000.0,
+            rope_scaling=_LLAMA3_ROPE_8K,
+            max_position_embeddings=131072,
+            hf_architecture="LlamaForCausalLM",
+        ),
+        "qwen3-0.6b": dict(
+            n_layers=28,
+            d_model=1024,
+            n_heads=16,
+            n_kv_heads=8,
+            head_dim_override=128,
+            d_ff=3072,
+            vocab_size=151936,
+            seq_len=4096,
+            rope_theta=1000000.0,
+            norm_eps=1e-6,
+            qk_norm=True,
+            tie_embeddings=True,
+            max_position_embeddings=40960,
+            hf_architecture="Qwen3ForCausalLM",
+        ),
+        "mistral-7b": dict(
+            n_layers=32,
+            d_model=4096,
+            n_heads=32,
+            n_kv_heads=8,
+            d_ff=14336,
+            vocab_size=32000,
+            seq_len=4096,
+            rope_theta=10000.0,
+            max_position_embeddings=32768,
+            hf_architecture="MistralForCausalLM",
+        ),
     }
     hf_architectures = {
         "LlamaForCausalLM": {"model_type": "llama"},
@@ -80,8 +149,11 @@ class Llama(ModelFamily):
         "Qwen2ForCausalLM": {"model_type": "qwen2", "attention_bias": "qkv"},
         "Qwen3ForCausalLM": {"model_type": "qwen3", "qk_norm": True},
     }
-    hf_top_names = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-                    "output.weight": "lm_head.weight"}
+    hf_top_names = {
+        "tok_embeddings.weight": "model.embed_tokens.weight",
+        "norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight",
+    }
     hf_layer_names = {
         "attention_norm.weight": "input_layernorm.weight",
         "attention.wq.weight": "self_attn.q_proj.weight",
@@ -107,21 +179,32 @@ class Llama(ModelFamily):
         if errors:
             return errors
         if model.n_heads % model.kv_heads:
-            errors.append(ConfigError(
-                f"model.n_heads={model.n_heads} is not divisible by model.n_kv_heads={model.kv_heads}.",
-                field="model.n_kv_heads",
-                fix="grouped-query attention shares each kv head among n_heads / n_kv_heads query heads: "
-                "pick n_kv_heads dividing n_heads",
-            ))
+            errors.append(
+                ConfigError(
+                    f"model.n_heads={model.n_heads} is not divisible by model.n_kv_heads={model.kv_heads}.",
+                    field="model.n_kv_heads",
+                    fix="grouped-query attention shares each kv head among n_heads / n_kv_heads query heads: "
+                    "pick n_kv_heads dividing n_heads",
+                )
+            )
         if model.head_dim % 2:
-            errors.append(ConfigError(f"the head dimension {model.head_dim} is odd; RoPE rotates pairs.",
-                                      field="model.d_model", fix="use an even head_dim (d_model / n_heads)"))
+            errors.append(
+                ConfigError(
+                    f"the head dimension {model.head_dim} is odd; RoPE rotates pairs.",
+                    field="model.d_model",
+                    fix="use an even head_dim (d_model / n_heads)",
+                )
+            )
         return errors
 
     def tp_dims(self, model: Sizes) -> tuple[tuple[str, int], ...]:
         """Whole query and key/value heads, the MLP width and the vocabulary."""
-        return (("n_heads", model.n_heads), ("n_kv_heads", model.kv_heads), ("ffn_dim", model.ffn_dim),
-                ("vocab_size", model.vocab_size))
+        return (
+            ("n_heads", model.n_heads),
+            ("n_kv_heads", model.kv_heads),
+            ("ffn_dim", model.ffn_dim),
+            ("vocab_size", model.vocab_size),
+        )
 
     def tp_plan(self, model: Sizes) -> TPPlan:
         """Megatron's: ``wq/wk/wv`` and ``w1/w3`` column-parallel, ``wo/w2`` row-parallel; Qwen3's per-head
@@ -140,22 +223,25 @@ class Llama(ModelFamily):
         if model.qk_norm:
             block.update({"attention.q_norm": "head_norm", "attention.k_norm": "head_norm"})
         block.update({"attention": "gather_sequence", "feed_forward": "gather_sequence"})
-        return TPPlan(root={"tok_embeddings": "vocab_embedding", "norm": "norm", "output": "vocab_head"},
-                      block=block)
+        return TPPlan(root={"tok_embeddings": "vocab_embedding", "norm": "norm", "output": "vocab_head"}, block=block)
 
     # -- counts ------------------------------------------------------------------------------------
 
     def _attention_bias(self, model: Sizes) -> int:
         q_width, kv_width = llama_widths(model)
         return {"none": 0, "qkv": q_width + 2 * kv_width, "all": q_width + 2 * kv_width + model.d_model}[
-            model.attention_bias]
+            model.attention_bias
+        ]
 
     def num_params(self, model: Sizes) -> int:
         d, f, v, n = model.d_model, model.ffn_dim, model.vocab_size, model.n_layers
         q_width, kv_width = llama_widths(model)
         per_layer = (
             d  # attention RMSNorm
-            + d * q_width + 2 * d * kv_width + q_width * d + self._attention_bias(model)  # q, k, v, o
+            + d * q_width
+            + 2 * d * kv_width
+            + q_width * d
+            + self._attention_bias(model)  # q, k, v, o
             + (2 * model.head_dim if model.qk_norm else 0)  # per-head q/k RMSNorm
             + d  # MLP RMSNorm
             + 3 * d * f  # SwiGLU: gate, up, down
@@ -200,8 +286,17 @@ class Llama(ModelFamily):
         """The token embedding, unless the output head multiplies by it (tied)."""
         return 0 if model.tie_embeddings else model.vocab_size * model.d_model
 
-    def layer_activation_bytes(self, model: Sizes, *, micro_batch: int, tp: int = 1, sequence_parallel: bool = False,
-                               precision: str = "fp32", regime: str = "fp32", checkpointing: bool = False) -> float:
+    def layer_activation_bytes(
+        self,
+        model: Sizes,
+        *,
+        micro_batch: int,
+        tp: int = 1,
+        sequence_parallel: bool = False,
+        precision: str = "fp32",
+        regime: str = "fp32",
+        checkpointing: bool = False,
+    ) -> float:
         """What one Llama block (``workers/families/llama_model.py``) saves for backward, per micro-batch,
         in bytes.
 
@@ -270,11 +365,15 @@ class Llama(ModelFamily):
         traits = self.hf_architectures[architecture]
         sizes = hf_sizes(raw, seq_len=seq_len)
         if raw.get("hidden_act", "silu") != "silu":
-            raise hf_problem(f"model.hf uses hidden_act={raw.get('hidden_act')!r}; etrain's SwiGLU uses silu.",
-                             "use a model with hidden_act 'silu'")
+            raise hf_problem(
+                f"model.hf uses hidden_act={raw.get('hidden_act')!r}; etrain's SwiGLU uses silu.",
+                "use a model with hidden_act 'silu'",
+            )
         if raw.get("mlp_bias"):
-            raise hf_problem("model.hf has mlp_bias=true, which etrain's SwiGLU does not implement.",
-                             "use a model without MLP biases")
+            raise hf_problem(
+                "model.hf has mlp_bias=true, which etrain's SwiGLU does not implement.",
+                "use a model without MLP biases",
+            )
         refuse_sliding_window(raw, sizes["seq_len"], always=architecture == "MistralForCausalLM")
         if architecture == "LlamaForCausalLM":
             bias = "all" if raw.get("attention_bias") else "none"
@@ -292,8 +391,11 @@ class Llama(ModelFamily):
     def hf_config(self, model: Sizes) -> dict[str, Any]:
         arch = model.hf_architecture or "LlamaForCausalLM"
         if arch not in self.hf_architectures:
-            raise ConfigError(f"the llama family does not export to {arch}.", field="checkpoint.export",
-                              fix=f"use one of {', '.join(self.hf_architectures)}")
+            raise ConfigError(
+                f"the llama family does not export to {arch}.",
+                field="checkpoint.export",
+                fix=f"use one of {', '.join(self.hf_architectures)}",
+            )
         rope = rope_parameters(model)
         config: dict[str, Any] = {
             "architectures": [arch],
@@ -335,8 +437,12 @@ class Llama(ModelFamily):
                     layer.append(f"layers.{i}.attention.{proj}.bias")
             if model.qk_norm:
                 layer += [f"layers.{i}.attention.q_norm.weight", f"layers.{i}.attention.k_norm.weight"]
-            layer += [f"layers.{i}.ffn_norm.weight", f"layers.{i}.feed_forward.w1.weight",
-                      f"layers.{i}.feed_forward.w2.weight", f"layers.{i}.feed_forward.w3.weight"]
+            layer += [
+                f"layers.{i}.ffn_norm.weight",
+                f"layers.{i}.feed_forward.w1.weight",
+                f"layers.{i}.feed_forward.w2.weight",
+                f"layers.{i}.feed_forward.w3.weight",
+            ]
             names += layer
         names.append("norm.weight")
         if not model.tie_embeddings:

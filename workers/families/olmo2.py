@@ -35,17 +35,40 @@ class Olmo2(Llama):
     model_module = "etrain.workers.families.olmo2_model"
     # allenai/OLMo-2-0425-1B's published config with its 4096-token context.
     presets = {
-        "olmo2-tiny": dict(n_layers=4, d_model=64, n_heads=4, n_kv_heads=2, d_ff=176, vocab_size=256, seq_len=64,
-                           rope_theta=500000.0, norm_eps=1e-6, hf_architecture="Olmo2ForCausalLM"),
-        "olmo2-1b": dict(n_layers=16, d_model=2048, n_heads=16, n_kv_heads=16, d_ff=8192, vocab_size=100352,
-                         seq_len=4096, rope_theta=500000.0, norm_eps=1e-6, max_position_embeddings=4096,
-                         hf_architecture="Olmo2ForCausalLM"),
+        "olmo2-tiny": dict(
+            n_layers=4,
+            d_model=64,
+            n_heads=4,
+            n_kv_heads=2,
+            d_ff=176,
+            vocab_size=256,
+            seq_len=64,
+            rope_theta=500000.0,
+            norm_eps=1e-6,
+            hf_architecture="Olmo2ForCausalLM",
+        ),
+        "olmo2-1b": dict(
+            n_layers=16,
+            d_model=2048,
+            n_heads=16,
+            n_kv_heads=16,
+            d_ff=8192,
+            vocab_size=100352,
+            seq_len=4096,
+            rope_theta=500000.0,
+            norm_eps=1e-6,
+            max_position_embeddings=4096,
+            hf_architecture="Olmo2ForCausalLM",
+        ),
     }
     hf_architectures = {"Olmo2ForCausalLM": {"model_type": "olmo2"}}
     # Llama's attention and MLP names; its two pre-norms give way to the post-norms.
     hf_layer_names = {
-        **{name: hf for name, hf in Llama.hf_layer_names.items() if name not in ("attention_norm.weight",
-                                                                                   "ffn_norm.weight")},
+        **{
+            name: hf
+            for name, hf in Llama.hf_layer_names.items()
+            if name not in ("attention_norm.weight", "ffn_norm.weight")
+        },
         "post_attention_norm.weight": "post_attention_layernorm.weight",
         "post_ffn_norm.weight": "post_feedforward_layernorm.weight",
     }
@@ -76,8 +99,12 @@ class Olmo2(Llama):
         d, f, v, n = model.d_model, model.ffn_dim, model.vocab_size, model.n_layers
         q_width, kv_width = llama_widths(model)
         per_layer = (
-            d * q_width + 2 * d * kv_width + q_width * d + self._attention_bias(model)  # q, k, v, o
-            + q_width + kv_width  # q/k RMSNorm over the whole projections
+            d * q_width
+            + 2 * d * kv_width
+            + q_width * d
+            + self._attention_bias(model)  # q, k, v, o
+            + q_width
+            + kv_width  # q/k RMSNorm over the whole projections
             + 3 * d * f  # SwiGLU
             + 2 * d  # the two post-norms
         )
@@ -95,8 +122,17 @@ class Olmo2(Llama):
         replicated = 2 * d + (d if model.attention_bias == "all" else 0)
         return sharded / tp + replicated
 
-    def layer_activation_bytes(self, model: Sizes, *, micro_batch: int, tp: int = 1, sequence_parallel: bool = False,
-                               precision: str = "fp32", regime: str = "fp32", checkpointing: bool = False) -> float:
+    def layer_activation_bytes(
+        self,
+        model: Sizes,
+        *,
+        micro_batch: int,
+        tp: int = 1,
+        sequence_parallel: bool = False,
+        precision: str = "fp32",
+        regime: str = "fp32",
+        checkpointing: bool = False,
+    ) -> float:
         """What one OLMo 2 block (``workers/families/olmo2_model.py``) saves for backward, per micro-batch,
         in bytes, checked against the tensors autograd saves (tests/unit/test_planner.py). Per token, with
         q, kv, f and H as for Llama:
@@ -148,8 +184,10 @@ class Olmo2(Llama):
     def config_from_hf(self, raw: dict[str, Any], architecture: str, *, seq_len: int | None) -> dict[str, Any]:
         sizes = hf_sizes(raw, seq_len=seq_len)
         if raw.get("hidden_act", "silu") != "silu":
-            raise hf_problem(f"model.hf uses hidden_act={raw.get('hidden_act')!r}; etrain's SwiGLU uses silu.",
-                             "use a model with hidden_act 'silu'")
+            raise hf_problem(
+                f"model.hf uses hidden_act={raw.get('hidden_act')!r}; etrain's SwiGLU uses silu.",
+                "use a model with hidden_act 'silu'",
+            )
         return dict(
             sizes,
             **hf_rope(raw),
@@ -191,10 +229,15 @@ class Olmo2(Llama):
                 names.append(f"layers.{i}.attention.{proj}.weight")
                 if proj in biased:
                     names.append(f"layers.{i}.attention.{proj}.bias")
-            names += [f"layers.{i}.attention.q_norm.weight", f"layers.{i}.attention.k_norm.weight",
-                      f"layers.{i}.post_attention_norm.weight", f"layers.{i}.feed_forward.w1.weight",
-                      f"layers.{i}.feed_forward.w2.weight", f"layers.{i}.feed_forward.w3.weight",
-                      f"layers.{i}.post_ffn_norm.weight"]
+            names += [
+                f"layers.{i}.attention.q_norm.weight",
+                f"layers.{i}.attention.k_norm.weight",
+                f"layers.{i}.post_attention_norm.weight",
+                f"layers.{i}.feed_forward.w1.weight",
+                f"layers.{i}.feed_forward.w2.weight",
+                f"layers.{i}.feed_forward.w3.weight",
+                f"layers.{i}.post_ffn_norm.weight",
+            ]
         names.append("norm.weight")
         if not model.tie_embeddings:
             names.append("output.weight")

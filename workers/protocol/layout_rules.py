@@ -86,7 +86,7 @@ _DEGREE_NAMES = {
 }
 _DEGREE_FIXES = {
     "microbatches": "omit parallelism.microbatches (it is derived as global_batch / (dp * micro_batch)), or "
-                    "raise training.global_batch to at least parallelism.dp * training.micro_batch",
+    "raise training.global_batch to at least parallelism.dp * training.micro_batch",
 }
 
 
@@ -139,10 +139,13 @@ def degree_problems(**degrees: object) -> list[Problem]:
     Nothing else about a layout is computable until this holds, so callers stop at these problems.
     """
     return [
-        Problem(field=f"parallelism.{name}",
-                message=f"{name} (the {_DEGREE_NAMES[name]}) must be an integer >= 1, got {value!r}",
-                fix=_DEGREE_FIXES.get(name, f"set parallelism.{name} to an integer >= 1"))
-        for name, value in degrees.items() if not _is_count(value)
+        Problem(
+            field=f"parallelism.{name}",
+            message=f"{name} (the {_DEGREE_NAMES[name]}) must be an integer >= 1, got {value!r}",
+            fix=_DEGREE_FIXES.get(name, f"set parallelism.{name} to an integer >= 1"),
+        )
+        for name, value in degrees.items()
+        if not _is_count(value)
     ]
 
 
@@ -156,10 +159,13 @@ def world_size_problems(*, pp: int, dp: int, tp: int, world: int) -> list[Proble
     product = world_size(pp=pp, dp=dp, tp=tp)
     if product == world:
         return []
-    return [Problem(field="parallelism",
-                    message=f"parallel layout pp={pp} × dp={dp} × tp={tp} = {product} ranks, but the world size "
-                            f"is {world}.",
-                    fix=f"choose degrees whose product is {world}")]
+    return [
+        Problem(
+            field="parallelism",
+            message=f"parallel layout pp={pp} × dp={dp} × tp={tp} = {product} ranks, but the world size is {world}.",
+            fix=f"choose degrees whose product is {world}",
+        )
+    ]
 
 
 # -- tensor parallelism -------------------------------------------------------------------------
@@ -187,19 +193,26 @@ def tp_problems(model: Sizes, tp: int, *, context: str = "") -> list[Problem]:
     dims = dict(tp_dims(model))
     heads_problem = "n_kv_heads" in dims and bool(dims["n_heads"] % tp or dims["n_kv_heads"] % tp)
     if heads_problem:
-        problems.append(Problem(
-            field="parallelism.tp",
-            message=f"parallelism.tp={tp} must divide both model.n_heads={model.n_heads} and "
-                    f"model.n_kv_heads={model.kv_heads}: each rank holds whole query and key/value heads{context}.",
-            fix=fix))
+        problems.append(
+            Problem(
+                field="parallelism.tp",
+                message=f"parallelism.tp={tp} must divide both model.n_heads={model.n_heads} and "
+                f"model.n_kv_heads={model.kv_heads}: each rank holds whole query and key/value heads{context}.",
+                fix=fix,
+            )
+        )
     for dim, size in tp_dims(model):
         if heads_problem and dim in ("n_heads", "n_kv_heads"):
             continue
         if size % tp:
             why = " (the output head is column-parallel over the vocabulary)" if dim == "vocab_size" else ""
-            problems.append(Problem(field="parallelism.tp",
-                                    message=f"parallelism.tp={tp} does not divide model.{dim}={size}{why}{context}.",
-                                    fix=fix))
+            problems.append(
+                Problem(
+                    field="parallelism.tp",
+                    message=f"parallelism.tp={tp} does not divide model.{dim}={size}{why}{context}.",
+                    fix=fix,
+                )
+            )
     return problems
 
 
@@ -208,14 +221,22 @@ def sequence_parallel_problems(*, seq_len: int, tp: int, enabled: bool) -> list[
     if not enabled:
         return []
     if tp == 1:
-        return [Problem(field="parallelism.sequence_parallel",
-                        message="parallelism.sequence_parallel=true needs tp > 1, got tp=1.",
-                        fix="set tp >= 2 or sequence_parallel=false")]
+        return [
+            Problem(
+                field="parallelism.sequence_parallel",
+                message="parallelism.sequence_parallel=true needs tp > 1, got tp=1.",
+                fix="set tp >= 2 or sequence_parallel=false",
+            )
+        ]
     if seq_len % tp:
-        return [Problem(field="parallelism.sequence_parallel",
-                        message=f"sequence parallelism shards the sequence: model.seq_len={seq_len} is not "
-                                f"divisible by parallelism.tp={tp}.",
-                        fix=f"use a seq_len that is a multiple of {tp}, or sequence_parallel=false")]
+        return [
+            Problem(
+                field="parallelism.sequence_parallel",
+                message=f"sequence parallelism shards the sequence: model.seq_len={seq_len} is not "
+                f"divisible by parallelism.tp={tp}.",
+                fix=f"use a seq_len that is a multiple of {tp}, or sequence_parallel=false",
+            )
+        ]
     return []
 
 
@@ -233,12 +254,15 @@ def layer_problems(n_layers: int, pp: int, virtual_stages: int = 1, *, context: 
         return []
     field = "parallelism.virtual_stages" if virtual_stages > 1 and n_layers % pp == 0 else "parallelism.pp"
     valid_pp = [p for p in divisors(n_layers) if n_layers % (p * virtual_stages) == 0]
-    return [Problem(
-        field=field,
-        message=f"model.n_layers={n_layers} is not divisible by pp·virtual_stages = {pp}·{virtual_stages} = "
-                f"{chunks}{context}.",
-        fix=f"use pp in {valid_pp[:12]} (with virtual_stages={virtual_stages}), or a model.n_layers that is a "
-            f"multiple of {chunks}")]
+    return [
+        Problem(
+            field=field,
+            message=f"model.n_layers={n_layers} is not divisible by pp·virtual_stages = {pp}·{virtual_stages} = "
+            f"{chunks}{context}.",
+            fix=f"use pp in {valid_pp[:12]} (with virtual_stages={virtual_stages}), or a model.n_layers that is a "
+            f"multiple of {chunks}",
+        )
+    ]
 
 
 def split_layers(n_layers: int, num_stages: int) -> list[range]:
@@ -252,21 +276,28 @@ def tied_embedding_problems(*, tie_embeddings: bool, pp: int) -> list[Problem]:
     """A tied model's input embedding (first stage) and output head (last stage) are one weight."""
     if not (tie_embeddings and pp > 1):
         return []
-    return [Problem(
-        field="parallelism.pp",
-        message=f"parallelism.pp={pp} would cut the model into stages, but a model with tied input and output "
-                "embeddings cannot be cut into pipeline stages (tie_embeddings: the embedding and the output "
-                "head are one weight, which cannot live on two stages).",
-        fix="use parallelism.pp=1 (shard with parallelism.zero 3 or parallelism.tp instead), or a model with "
-            "untied embeddings")]
+    return [
+        Problem(
+            field="parallelism.pp",
+            message=f"parallelism.pp={pp} would cut the model into stages, but a model with tied input and output "
+            "embeddings cannot be cut into pipeline stages (tie_embeddings: the embedding and the output "
+            "head are one weight, which cannot live on two stages).",
+            fix="use parallelism.pp=1 (shard with parallelism.zero 3 or parallelism.tp instead), or a model with "
+            "untied embeddings",
+        )
+    ]
 
 
 def _schedule_name_problems(schedule: str) -> list[Problem]:
     if schedule in PIPELINE_SCHEDULES:
         return []
-    return [Problem(field="parallelism.pp_schedule",
-                    message=f"parallelism.pp_schedule={schedule!r} is not a known pipeline schedule.",
-                    fix=f"use one of {', '.join(PIPELINE_SCHEDULES)}")]
+    return [
+        Problem(
+            field="parallelism.pp_schedule",
+            message=f"parallelism.pp_schedule={schedule!r} is not a known pipeline schedule.",
+            fix=f"use one of {', '.join(PIPELINE_SCHEDULES)}",
+        )
+    ]
 
 
 def stage_ids_for_rank(pp_rank: int, pp: int, virtual_stages: int, schedule: str) -> tuple[int, ...]:
@@ -290,8 +321,9 @@ def interleaved_rounds(pp: int, microbatches: int) -> tuple[int, int]:
     return rounds, microbatches // rounds
 
 
-def schedule_problems(pp: int, virtual_stages: int, microbatches: int, schedule: str, *,
-                      source: str | None = None) -> list[Problem]:
+def schedule_problems(
+    pp: int, virtual_stages: int, microbatches: int, schedule: str, *, source: str | None = None
+) -> list[Problem]:
     """What the torch schedule classes accept, checked before any rank builds one.
 
     Exactly torch 2.13's own constructor checks (``torch/distributed/pipelining/schedules.py``), so a
@@ -309,53 +341,73 @@ def schedule_problems(pp: int, virtual_stages: int, microbatches: int, schedule:
 
     ``source`` says where ``M`` came from, for the message (default: the derived count).
     """
-    problems = _schedule_name_problems(schedule) + degree_problems(pp=pp, virtual_stages=virtual_stages,
-                                                                    microbatches=microbatches)
+    problems = _schedule_name_problems(schedule) + degree_problems(
+        pp=pp, virtual_stages=virtual_stages, microbatches=microbatches
+    )
     if problems:
         return problems
     m, v = microbatches, virtual_stages
     got = source or f"{m} micro-batches (= global_batch / (dp * micro_batch))"
     if schedule in SINGLE_STAGE_SCHEDULES:
         if v != 1:
-            problems.append(Problem(
-                field="parallelism.virtual_stages",
-                message=f"parallelism.virtual_stages={v} needs an interleaved schedule, but "
-                        f"parallelism.pp_schedule={schedule!r} runs one stage per rank.",
-                fix="set parallelism.virtual_stages=1, or parallelism.pp_schedule='interleaved_1f1b' (with pp >= 2)"))
+            problems.append(
+                Problem(
+                    field="parallelism.virtual_stages",
+                    message=f"parallelism.virtual_stages={v} needs an interleaved schedule, but "
+                    f"parallelism.pp_schedule={schedule!r} runs one stage per rank.",
+                    fix="set parallelism.virtual_stages=1, or parallelism.pp_schedule='interleaved_1f1b' (with pp >= 2)",
+                )
+            )
         if schedule == "1f1b" and m < pp:
-            problems.append(Problem(
-                field="parallelism.microbatches",
-                message=f"parallelism.pp_schedule='1f1b' needs at least parallelism.pp={pp} micro-batches per "
-                        f"step to fill the pipeline, got {got}.",
-                fix=f"raise training.global_batch or lower training.micro_batch (or dp) so that there are >= {pp} "
-                    "micro-batches, or use parallelism.pp_schedule='gpipe'"))
+            problems.append(
+                Problem(
+                    field="parallelism.microbatches",
+                    message=f"parallelism.pp_schedule='1f1b' needs at least parallelism.pp={pp} micro-batches per "
+                    f"step to fill the pipeline, got {got}.",
+                    fix=f"raise training.global_batch or lower training.micro_batch (or dp) so that there are >= {pp} "
+                    "micro-batches, or use parallelism.pp_schedule='gpipe'",
+                )
+            )
         return problems
     if pp < 2:
-        problems.append(Problem(field="parallelism.pp_schedule",
-                                message=f"parallelism.pp_schedule={schedule!r} needs parallelism.pp >= 2, got pp={pp}.",
-                                fix="use pp >= 2 or pp_schedule='1f1b'"))
+        problems.append(
+            Problem(
+                field="parallelism.pp_schedule",
+                message=f"parallelism.pp_schedule={schedule!r} needs parallelism.pp >= 2, got pp={pp}.",
+                fix="use pp >= 2 or pp_schedule='1f1b'",
+            )
+        )
     if v < 2:
-        problems.append(Problem(field="parallelism.virtual_stages",
-                                message=f"parallelism.pp_schedule={schedule!r} needs parallelism.virtual_stages >= 2, "
-                                        f"got {v}.",
-                                fix="set parallelism.virtual_stages=2 (or more), or use parallelism.pp_schedule='1f1b'"))
+        problems.append(
+            Problem(
+                field="parallelism.virtual_stages",
+                message=f"parallelism.pp_schedule={schedule!r} needs parallelism.virtual_stages >= 2, got {v}.",
+                fix="set parallelism.virtual_stages=2 (or more), or use parallelism.pp_schedule='1f1b'",
+            )
+        )
     rounds, _ = interleaved_rounds(pp, m)
     if m % rounds:
-        problems.append(Problem(
-            field="parallelism.microbatches",
-            message=f"parallelism.pp_schedule={schedule!r} runs micro-batches in rounds of max(1, microbatches // pp) "
-                    f"= {rounds}, and {got} is not a multiple of {rounds}.",
-            fix=f"use a number of micro-batches that is a multiple of parallelism.pp={pp} (e.g. {rounds * pp}), or "
-                f"fewer than {2 * pp}"))
+        problems.append(
+            Problem(
+                field="parallelism.microbatches",
+                message=f"parallelism.pp_schedule={schedule!r} runs micro-batches in rounds of max(1, microbatches // pp) "
+                f"= {rounds}, and {got} is not a multiple of {rounds}.",
+                fix=f"use a number of micro-batches that is a multiple of parallelism.pp={pp} (e.g. {rounds * pp}), or "
+                f"fewer than {2 * pp}",
+            )
+        )
     return problems
 
 
-def pipeline_problems(*, n_layers: int, tie_embeddings: bool, pp: int, virtual_stages: int, microbatches: int,
-                      schedule: str) -> list[Problem]:
+def pipeline_problems(
+    *, n_layers: int, tie_embeddings: bool, pp: int, virtual_stages: int, microbatches: int, schedule: str
+) -> list[Problem]:
     """Everything a pipeline needs before it is cut: equal stages, untied ends, a schedule torch runs."""
-    return (layer_problems(n_layers, pp, virtual_stages)
-            + tied_embedding_problems(tie_embeddings=tie_embeddings, pp=pp)
-            + schedule_problems(pp, virtual_stages, microbatches, schedule))
+    return (
+        layer_problems(n_layers, pp, virtual_stages)
+        + tied_embedding_problems(tie_embeddings=tie_embeddings, pp=pp)
+        + schedule_problems(pp, virtual_stages, microbatches, schedule)
+    )
 
 
 # -- the batch ----------------------------------------------------------------------------------
@@ -369,26 +421,38 @@ def _accumulates_whole(global_batch: int, micro_batch: int, dp: int) -> bool:
 def batch_problems(*, global_batch: int, micro_batch: int, dp: int, microbatches: int | None = None) -> list[Problem]:
     """``global_batch`` splits into ``dp`` replicas of whole micro-batches; an explicit
     ``parallelism.microbatches`` equals the derived count ``global_batch / (dp · micro_batch)``."""
-    for field, value in (("training.global_batch", global_batch), ("training.micro_batch", micro_batch),
-                         ("parallelism.dp", dp)):
+    for field, value in (
+        ("training.global_batch", global_batch),
+        ("training.micro_batch", micro_batch),
+        ("parallelism.dp", dp),
+    ):
         if not _is_count(value):
-            return [Problem(field=field, message=f"{field}={value!r} must be an integer >= 1.",
-                            fix=f"set {field} to at least 1")]
+            return [
+                Problem(
+                    field=field, message=f"{field}={value!r} must be an integer >= 1.", fix=f"set {field} to at least 1"
+                )
+            ]
     per_step = dp * micro_batch
     if not _accumulates_whole(global_batch, micro_batch, dp):
-        return [Problem(
-            field="training.global_batch",
-            message=f"training.global_batch={global_batch} is not divisible by parallelism.dp * training.micro_batch "
-                    f"= {dp} * {micro_batch} = {per_step}.",
-            fix=f"use a multiple of {per_step} (e.g. {per_step * max(1, global_batch // per_step)}), or change "
-                "dp/micro_batch")]
+        return [
+            Problem(
+                field="training.global_batch",
+                message=f"training.global_batch={global_batch} is not divisible by parallelism.dp * training.micro_batch "
+                f"= {dp} * {micro_batch} = {per_step}.",
+                fix=f"use a multiple of {per_step} (e.g. {per_step * max(1, global_batch // per_step)}), or change "
+                "dp/micro_batch",
+            )
+        ]
     derived = global_batch // per_step
     if microbatches is not None and microbatches != derived:
-        return [Problem(
-            field="parallelism.microbatches",
-            message=f"parallelism.microbatches={microbatches} but global_batch / (dp * micro_batch) = "
-                    f"{global_batch} / ({dp} * {micro_batch}) = {derived}.",
-            fix=f"omit parallelism.microbatches or set it to {derived}")]
+        return [
+            Problem(
+                field="parallelism.microbatches",
+                message=f"parallelism.microbatches={microbatches} but global_batch / (dp * micro_batch) = "
+                f"{global_batch} / ({dp} * {micro_batch}) = {derived}.",
+                fix=f"omit parallelism.microbatches or set it to {derived}",
+            )
+        ]
     return []
 
 
@@ -413,11 +477,14 @@ def dp_replicate_problems(dp: int, dp_replicate: int) -> list[Problem]:
     """HSDP splits the dp ranks into ``dp_replicate`` equal replica groups: it must divide ``dp``."""
     if _is_count(dp_replicate) and dp % dp_replicate == 0:
         return []
-    return [Problem(
-        field="parallelism.dp_replicate",
-        message=f"parallelism.dp_replicate={dp_replicate} does not divide parallelism.dp={dp} (HSDP splits the dp "
-                "ranks into dp_replicate equal groups that each shard the model).",
-        fix=f"use dp_replicate in {divisors(dp)[:24] if _is_count(dp) else [1]} (1 = plain FSDP)")]
+    return [
+        Problem(
+            field="parallelism.dp_replicate",
+            message=f"parallelism.dp_replicate={dp_replicate} does not divide parallelism.dp={dp} (HSDP splits the dp "
+            "ranks into dp_replicate equal groups that each shard the model).",
+            fix=f"use dp_replicate in {divisors(dp)[:24] if _is_count(dp) else [1]} (1 = plain FSDP)",
+        )
+    ]
 
 
 def data_parallel_problems(*, dp: int, zero: int, dp_replicate: int = 1, offload: str = "none") -> list[Problem]:
@@ -427,28 +494,38 @@ def data_parallel_problems(*, dp: int, zero: int, dp_replicate: int = 1, offload
     if dp_replicate != 1:
         problems += dp_replicate_problems(dp, dp_replicate)
         if not uses_fsdp(zero, dp):
-            problems.append(Problem(
-                field="parallelism.dp_replicate",
-                message=f"parallelism.dp_replicate={dp_replicate} (HSDP) needs FSDP2 inside each replica group, "
-                        f"i.e. parallelism.zero 2 or 3 with dp > 1, but parallelism.zero={zero} with "
-                        f"parallelism.dp={dp}.",
-                fix=f"{fsdp_fix}, or parallelism.dp_replicate=1 (DDP and ZeRO-1 already replicate over every dp rank)"))
+            problems.append(
+                Problem(
+                    field="parallelism.dp_replicate",
+                    message=f"parallelism.dp_replicate={dp_replicate} (HSDP) needs FSDP2 inside each replica group, "
+                    f"i.e. parallelism.zero 2 or 3 with dp > 1, but parallelism.zero={zero} with "
+                    f"parallelism.dp={dp}.",
+                    fix=f"{fsdp_fix}, or parallelism.dp_replicate=1 (DDP and ZeRO-1 already replicate over every dp rank)",
+                )
+            )
     if offload != "none" and not uses_fsdp(zero, dp):
-        problems.append(Problem(
-            field="parallelism.offload",
-            message=f"parallelism.offload={offload!r} moves FSDP2's shards to host memory and needs FSDP2 "
-                    f"(parallelism.zero 2 or 3 with dp > 1), but parallelism.zero={zero} with parallelism.dp={dp}.",
-            fix=f"{fsdp_fix}, or offload='none'"))
+        problems.append(
+            Problem(
+                field="parallelism.offload",
+                message=f"parallelism.offload={offload!r} moves FSDP2's shards to host memory and needs FSDP2 "
+                f"(parallelism.zero 2 or 3 with dp > 1), but parallelism.zero={zero} with parallelism.dp={dp}.",
+                fix=f"{fsdp_fix}, or offload='none'",
+            )
+        )
     return problems
 
 
 def zero_problems(*, zero: int, dp: int, max_dp: int) -> list[Problem]:
     """ZeRO shards across data-parallel ranks: with one rank now and no room to grow it does nothing."""
     if zero > 0 and dp == 1 and max_dp <= 1:
-        return [Problem(field="parallelism.zero",
-                        message=f"parallelism.zero={zero} shards across data-parallel ranks but dp=1 (and "
-                                "resources.max_dp allows no more).",
-                        fix="set zero=0, or dp >= 2 (or resources.max_dp >= 2)")]
+        return [
+            Problem(
+                field="parallelism.zero",
+                message=f"parallelism.zero={zero} shards across data-parallel ranks but dp=1 (and "
+                "resources.max_dp allows no more).",
+                fix="set zero=0, or dp >= 2 (or resources.max_dp >= 2)",
+            )
+        ]
     return []
 
 
@@ -458,15 +535,22 @@ def zero_problems(*, zero: int, dp: int, max_dp: int) -> list[Problem]:
 def micro_batch_count_problems(global_batch: int, micro_batch: int) -> list[Problem]:
     """``global_batch / micro_batch`` micro-batches per step, a whole number whatever the dp."""
     if global_batch < 1 or micro_batch < 1:
-        return [Problem(field="training.global_batch" if global_batch < 1 else "training.micro_batch",
-                        message=f"global_batch={global_batch} and micro_batch={micro_batch} must both be >= 1",
-                        fix="set training.global_batch and training.micro_batch to at least 1")]
+        return [
+            Problem(
+                field="training.global_batch" if global_batch < 1 else "training.micro_batch",
+                message=f"global_batch={global_batch} and micro_batch={micro_batch} must both be >= 1",
+                fix="set training.global_batch and training.micro_batch to at least 1",
+            )
+        ]
     if global_batch % micro_batch:
-        return [Problem(
-            field="training.global_batch",
-            message=f"global_batch={global_batch} is not a multiple of micro_batch={micro_batch}; choose a "
-                    f"global_batch that is (e.g. {global_batch - global_batch % micro_batch or micro_batch})",
-            fix="make training.global_batch a multiple of training.micro_batch")]
+        return [
+            Problem(
+                field="training.global_batch",
+                message=f"global_batch={global_batch} is not a multiple of micro_batch={micro_batch}; choose a "
+                f"global_batch that is (e.g. {global_batch - global_batch % micro_batch or micro_batch})",
+                fix="make training.global_batch a multiple of training.micro_batch",
+            )
+        ]
     return []
 
 
@@ -481,21 +565,36 @@ def dp_range_problems(min_dp: int, max_dp: int, dp_multiple: int = 1) -> list[Pr
     if min_dp < 1:
         return [Problem(field="resources.min_dp", message=f"min_dp={min_dp} must be >= 1", fix="set min_dp >= 1")]
     if max_dp < min_dp:
-        return [Problem(field="resources.max_dp", message=f"max_dp={max_dp} must be >= min_dp={min_dp}",
-                        fix="set max_dp at least min_dp")]
+        return [
+            Problem(
+                field="resources.max_dp",
+                message=f"max_dp={max_dp} must be >= min_dp={min_dp}",
+                fix="set max_dp at least min_dp",
+            )
+        ]
     if dp_multiple < 1:
-        return [Problem(field="parallelism.dp_replicate",
-                        message=f"dp_multiple={dp_multiple} (dp_replicate) must be >= 1", fix="set dp_replicate >= 1")]
+        return [
+            Problem(
+                field="parallelism.dp_replicate",
+                message=f"dp_multiple={dp_multiple} (dp_replicate) must be >= 1",
+                fix="set dp_replicate >= 1",
+            )
+        ]
     return []
 
 
-def is_legal_dp(dp: int, *, global_batch: int, micro_batch: int, min_dp: int, max_dp: int,
-                dp_multiple: int = 1) -> bool:
+def is_legal_dp(
+    dp: int, *, global_batch: int, micro_batch: int, min_dp: int, max_dp: int, dp_multiple: int = 1
+) -> bool:
     """A dp an elastic job may run at: in range, a multiple of ``dp_multiple``, and it keeps the
     global batch (it divides the micro-batch count: any other size would change the batch or skip
     and repeat samples)."""
-    return (_is_count(dp) and min_dp <= dp <= max_dp and dp % dp_multiple == 0
-            and _accumulates_whole(global_batch, micro_batch, dp))
+    return (
+        _is_count(dp)
+        and min_dp <= dp <= max_dp
+        and dp % dp_multiple == 0
+        and _accumulates_whole(global_batch, micro_batch, dp)
+    )
 
 
 def legal_dp_sizes(global_batch: int, micro_batch: int, min_dp: int, max_dp: int, dp_multiple: int = 1) -> list[int]:
@@ -511,10 +610,22 @@ def legal_dp_sizes(global_batch: int, micro_batch: int, min_dp: int, max_dp: int
 # -- a whole layout -----------------------------------------------------------------------------
 
 
-def layout_problems(model: Sizes, *, dp: int, tp: int, pp: int, zero: int = 0, pp_schedule: str = "1f1b",
-                    virtual_stages: int = 1, sequence_parallel: bool = False, dp_replicate: int = 1,
-                    offload: str = "none", microbatches: int = 1, microbatch_source: str | None = None,
-                    max_dp: int | None = None) -> list[Problem]:
+def layout_problems(
+    model: Sizes,
+    *,
+    dp: int,
+    tp: int,
+    pp: int,
+    zero: int = 0,
+    pp_schedule: str = "1f1b",
+    virtual_stages: int = 1,
+    sequence_parallel: bool = False,
+    dp_replicate: int = 1,
+    offload: str = "none",
+    microbatches: int = 1,
+    microbatch_source: str | None = None,
+    max_dp: int | None = None,
+) -> list[Problem]:
     """Every structural rule of a layout (not the batch: :func:`batch_problems`; not memory: the planner).
 
     In order: degrees (alone, when any is broken), tensor parallelism, sequence parallelism, tied
@@ -535,4 +646,3 @@ def layout_problems(model: Sizes, *, dp: int, tp: int, pp: int, zero: int = 0, p
     problems += data_parallel_problems(dp=dp, zero=zero, dp_replicate=dp_replicate, offload=offload)
     problems += zero_problems(zero=zero, dp=dp, max_dp=dp if max_dp is None else max_dp)
     return problems
-

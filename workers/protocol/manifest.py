@@ -163,8 +163,7 @@ def decode_manifest(raw: bytes, directory: str, key: bytes | None = None) -> Man
             world_size=int(document["world_size"]),
             created_at=float(document["created_at"]),
             files=tuple(
-                FileEntry(path=str(f["path"]), size=int(f["size"]), sha256=str(f["sha256"]))
-                for f in document["files"]
+                FileEntry(path=str(f["path"]), size=int(f["size"]), sha256=str(f["sha256"])) for f in document["files"]
             ),
             job_id=None if job_id is None else str(job_id),
             hmac=None if signed is None else str(signed),

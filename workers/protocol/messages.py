@@ -32,9 +32,24 @@ from typing import Any, Literal, Protocol, TypedDict, get_args
 from etrain.workers.protocol.run_config import RunConfig
 
 __all__ = [
-    "RANK_ACTOR_CLASS", "RANK_CHAOS_ACTIONS", "REPORT_TIMEOUT_S", "SPARE_ACTOR_CLASS", "ChaosMoment", "ChaosOrder",
-    "LaunchPlan", "NodeInfo", "RankActor", "RankChaosAction", "RankTimings", "ReadyInfo", "RunResult",
-    "SpareActor", "StepMetrics", "StepReport", "SupervisorReports", "load_actor_class",
+    "RANK_ACTOR_CLASS",
+    "RANK_CHAOS_ACTIONS",
+    "REPORT_TIMEOUT_S",
+    "SPARE_ACTOR_CLASS",
+    "ChaosMoment",
+    "ChaosOrder",
+    "LaunchPlan",
+    "NodeInfo",
+    "RankActor",
+    "RankChaosAction",
+    "RankTimings",
+    "ReadyInfo",
+    "RunResult",
+    "SpareActor",
+    "StepMetrics",
+    "StepReport",
+    "SupervisorReports",
+    "load_actor_class",
 ]
 
 #: How long a rank waits for the supervisor to accept a report it must not lose (checkpoint shards, chaos
@@ -174,8 +189,16 @@ class SpareActor(RankActor, Protocol):
 
     def ready(self) -> dict[str, Any]: ...
 
-    def assign(self, *, job_id: str, rank: int, world_size: int, supervisor: Any,
-               gpu_ids: list[str] | None = None, bundle: str = "") -> int: ...
+    def assign(
+        self,
+        *,
+        job_id: str,
+        rank: int,
+        world_size: int,
+        supervisor: Any,
+        gpu_ids: list[str] | None = None,
+        bundle: str = "",
+    ) -> int: ...
 
 
 class SupervisorReports(Protocol):

@@ -212,9 +212,9 @@ class RunConfig:
     def tokens_per_step(self) -> int:
         return self.training.global_batch * self.model.seq_len
 
-    def with_dp(self, dp: int) -> "RunConfig":
+    def with_dp(self, dp: int) -> RunConfig:
         """The same run at another data-parallel degree (elastic resize: tp and pp never change)."""
         return dataclasses.replace(self, parallel=dataclasses.replace(self.parallel, dp=dp))
 
-    def replace(self, **sections) -> "RunConfig":
+    def replace(self, **sections) -> RunConfig:
         return dataclasses.replace(self, **sections)

@@ -68,8 +68,10 @@ _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0) | _CLOEXEC
 _PROC_FD = "/proc/self/fd"
-_FIX = ("replace the link with the file or folder itself (cp -L, rsync -L), or name the real location "
-        "inside the storage roots")
+_FIX = (
+    "replace the link with the file or folder itself (cp -L, rsync -L), or name the real location "
+    "inside the storage roots"
+)
 
 
 def _refused(field: str, shown: str, component: str | None = None) -> UnsafePathError:
@@ -78,12 +80,17 @@ def _refused(field: str, shown: str, component: str | None = None) -> UnsafePath
     return UnsafePathError(
         f"{field}={display(shown)!r} {where} a symbolic link; symlinks are refused inside the storage roots (a job's "
         "files are opened without following links, so none can lead outside the roots).",
-        field=field, fix=_FIX)
+        field=field,
+        fix=_FIX,
+    )
 
 
 def _outside(field: str, shown: str) -> UnsafePathError:
-    return UnsafePathError(f"{field}={display(shown)!r} names a file outside its folder ('..' or an absolute name).",
-                           field=field, fix="name files inside the folder by plain relative names")
+    return UnsafePathError(
+        f"{field}={display(shown)!r} names a file outside its folder ('..' or an absolute name).",
+        field=field,
+        fix="name files inside the folder by plain relative names",
+    )
 
 
 def _is_link(dir_fd: int, name: str) -> bool:
@@ -103,8 +110,9 @@ def _open_at(dir_fd: int, name: str, flags: int, mode: int, field: str, shown: s
         raise
 
 
-def _descend(fd: int, parts: list[str], flags: int, mode: int, field: str, shown: str, *,
-             create_dirs: bool = False) -> int:
+def _descend(
+    fd: int, parts: list[str], flags: int, mode: int, field: str, shown: str, *, create_dirs: bool = False
+) -> int:
     """Open ``parts`` below the folder ``fd`` (which this consumes); the last part with ``flags``."""
     try:
         for index, part in enumerate(parts):
@@ -135,8 +143,9 @@ def _parts(relative: str, field: str, shown: str) -> list[str]:
     return parts
 
 
-def open_path(path: str | os.PathLike[str], flags: int = os.O_RDONLY, *, field: str, mode: int = 0o666,
-              create_dirs: bool = False) -> int:
+def open_path(
+    path: str | os.PathLike[str], flags: int = os.O_RDONLY, *, field: str, mode: int = 0o666, create_dirs: bool = False
+) -> int:
     """Open ``path`` with no symbolic link at any component (walked from ``/``; a relative path is made
     absolute first, lexically: with no link allowed, ``..`` means what it says). The caller closes the
     descriptor. ``create_dirs`` makes missing folders on the way (and the last one, with ``O_DIRECTORY``)."""
@@ -161,7 +170,7 @@ def _held_prefix(path: str) -> tuple[int, str] | None:
     prefix = _PROC_FD + os.sep
     if not path.startswith(prefix):
         return None
-    number, _, rest = path[len(prefix):].partition(os.sep)
+    number, _, rest = path[len(prefix) :].partition(os.sep)
     if not number.isdigit():
         return None
     try:
@@ -182,8 +191,9 @@ def open_dir(path: str | os.PathLike[str] | int, *, field: str, create: bool = F
     return open_path(path, _DIR_FLAGS, field=field, create_dirs=create)
 
 
-def open_inside(root: str | os.PathLike[str] | int, relative: str, flags: int = os.O_RDONLY, *, field: str,
-                mode: int = 0o666) -> int:
+def open_inside(
+    root: str | os.PathLike[str] | int, relative: str, flags: int = os.O_RDONLY, *, field: str, mode: int = 0o666
+) -> int:
     """Open ``relative`` under the folder ``root`` (a path, itself walked without links, or an open
     folder's descriptor): no link anywhere, nothing outside ``root``. The caller closes the descriptor."""
     shown = relative if isinstance(root, int) else os.path.join(os.fspath(root), relative)
@@ -222,8 +232,9 @@ def open_file(root: str | os.PathLike[str] | int, relative: str | None = None, *
         yield stream
 
 
-def read_file(root: str | os.PathLike[str] | int, relative: str | None = None, *, field: str,
-              limit: int | None = None) -> bytes:
+def read_file(
+    root: str | os.PathLike[str] | int, relative: str | None = None, *, field: str, limit: int | None = None
+) -> bytes:
     """The bytes of a regular file (see :func:`open_file`); ``ValueError`` past ``limit`` bytes."""
     with open_file(root, relative, field=field) as stream:
         if limit is not None and os.fstat(stream.fileno()).st_size > limit:
@@ -257,8 +268,14 @@ def list_names(path: str | os.PathLike[str] | int, *, field: str) -> list[str]:
         os.close(fd)
 
 
-def copy_file_inside(root: str | os.PathLike[str] | int, relative: str, dest_dir: str | os.PathLike[str] | int,
-                     dest_name: str, *, field: str) -> bool:
+def copy_file_inside(
+    root: str | os.PathLike[str] | int,
+    relative: str,
+    dest_dir: str | os.PathLike[str] | int,
+    dest_name: str,
+    *,
+    field: str,
+) -> bool:
     """Copy the *contents* of regular file ``relative`` under ``root`` to a new file ``dest_name`` in
     ``dest_dir`` (created exclusively, never through a link), fsynced. ``False`` when there is no such
     regular file (optional files); :class:`UnsafePathError` when it is, or passes through, a link."""
@@ -273,8 +290,9 @@ def copy_file_inside(root: str | os.PathLike[str] | int, relative: str, dest_dir
     with os.fdopen(source, "rb") as reader:
         folder = open_dir(dest_dir, field=field)
         try:
-            target = os.open(dest_name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _CLOEXEC, 0o666,
-                             dir_fd=folder)
+            target = os.open(
+                dest_name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _CLOEXEC, 0o666, dir_fd=folder
+            )
         finally:
             os.close(folder)
         with os.fdopen(target, "wb") as writer:
@@ -284,8 +302,9 @@ def copy_file_inside(root: str | os.PathLike[str] | int, relative: str, dest_dir
     return True
 
 
-def walk_files(root: str | os.PathLike[str] | int, *, field: str, keep_dir: Callable[[str], bool],
-               keep_file: Callable[[str], bool]) -> Iterator[str]:
+def walk_files(
+    root: str | os.PathLike[str] | int, *, field: str, keep_dir: Callable[[str], bool], keep_file: Callable[[str], bool]
+) -> Iterator[str]:
     """Relative paths of the regular files under ``root`` whose names ``keep_file`` accepts, in sorted
     order (a folder's files, then its kept sub-folders', like a sorted top-down ``os.walk``), descending
     only into folders ``keep_dir`` accepts. A link the walk would have read or entered (a name either
@@ -296,8 +315,9 @@ def walk_files(root: str | os.PathLike[str] | int, *, field: str, keep_dir: Call
     yield from _walk(top, "", field, shown, keep_dir, keep_file)
 
 
-def _walk(fd: int, prefix: str, field: str, shown: str, keep_dir: Callable[[str], bool],
-          keep_file: Callable[[str], bool]) -> Iterator[str]:
+def _walk(
+    fd: int, prefix: str, field: str, shown: str, keep_dir: Callable[[str], bool], keep_file: Callable[[str], bool]
+) -> Iterator[str]:
     try:
         with os.scandir(fd) as listing:
             entries = sorted(listing, key=lambda entry: entry.name)
@@ -428,7 +448,7 @@ def display(path: str) -> str:
     prefix = _PROC_FD + os.sep
     if not isinstance(path, str) or not path.startswith(prefix):
         return path
-    number, _, rest = path[len(prefix):].partition(os.sep)
+    number, _, rest = path[len(prefix) :].partition(os.sep)
     try:
         folder = os.readlink(_PROC_FD + os.sep + number)
     except OSError:

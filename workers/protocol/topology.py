@@ -110,10 +110,7 @@ class Topology:
 
     def _check_rank(self, rank: int) -> None:
         if not _is_int(rank) or not 0 <= rank < self.world_size:
-            raise TopologyError(
-                f"rank {rank!r} is out of range for {self}: valid ranks are "
-                f"0..{self.world_size - 1}"
-            )
+            raise TopologyError(f"rank {rank!r} is out of range for {self}: valid ranks are 0..{self.world_size - 1}")
 
     def coords(self, rank: int) -> Coords:
         """The (pp, dp, tp) position of ``rank``."""
@@ -138,9 +135,7 @@ class Topology:
         if coords is None:
             missing = [axis for axis, value in keywords.items() if value is None]
             if missing:
-                raise TopologyError(
-                    f"rank() needs a Coords or all of pp=, dp=, tp=; missing {', '.join(missing)}"
-                )
+                raise TopologyError(f"rank() needs a Coords or all of pp=, dp=, tp=; missing {', '.join(missing)}")
             coords = Coords(pp=pp, dp=dp, tp=tp)  # type: ignore[arg-type]
         elif any(value is not None for value in keywords.values()):
             raise TopologyError("rank() takes a Coords or keyword coordinates, not both")
@@ -253,8 +248,7 @@ def parse_topology(text: str) -> Topology:
         match = _TOKEN.match(token)
         if match is None:
             raise TopologyError(
-                f"cannot parse topology {text!r}: expected tokens like 'pp2', 'dp4', 'tp8' joined "
-                f"by '.', got {token!r}"
+                f"cannot parse topology {text!r}: expected tokens like 'pp2', 'dp4', 'tp8' joined by '.', got {token!r}"
             )
         axis, degree = match.group(1), int(match.group(2))
         if axis in degrees:

@@ -61,8 +61,11 @@ class RankDrills:
         ``checkpoint_write`` (shards written, not reported: the step never commits) or
         ``checkpoint_commit`` (reported: the supervisor commits without this rank)."""
         with self._lock:
-            due = [order for order in self._pending.values()
-                   if order.during == during and (order.at_step is None or order.at_step <= step)]
+            due = [
+                order
+                for order in self._pending.values()
+                if order.during == during and (order.at_step is None or order.at_step <= step)
+            ]
             for order in due:
                 del self._pending[order.id]
         for order in due:

@@ -28,8 +28,16 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["CudaWarmup", "RankGpus", "cuda_started", "gpu_memory_bytes", "pin_visible_gpus", "ray_bundle",
-           "ray_gpu_ids", "VISIBLE_DEVICES"]
+__all__ = [
+    "CudaWarmup",
+    "RankGpus",
+    "cuda_started",
+    "gpu_memory_bytes",
+    "pin_visible_gpus",
+    "ray_bundle",
+    "ray_gpu_ids",
+    "VISIBLE_DEVICES",
+]
 
 VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 
@@ -86,8 +94,10 @@ def pin_visible_gpus(gpu_ids: Sequence[str], *, who: str) -> None:
     if current == wanted:
         return
     if cuda_started():
-        raise RuntimeError(f"{who}: cannot pin the process to GPUs {wanted}: CUDA already started in it with "
-                           f"{VISIBLE_DEVICES}={current!r}, which it keeps for the life of the process")
+        raise RuntimeError(
+            f"{who}: cannot pin the process to GPUs {wanted}: CUDA already started in it with "
+            f"{VISIBLE_DEVICES}={current!r}, which it keeps for the life of the process"
+        )
     os.environ[VISIBLE_DEVICES] = wanted
 
 
@@ -158,9 +168,13 @@ class RankGpus:
             self.warmup = CudaWarmup()
 
     def state(self) -> dict[str, Any]:
-        return {"gpu_ids": list(self.ids), "source": self.source, "bundle": self.bundle,
-                "cuda_visible_devices": os.environ.get(VISIBLE_DEVICES),
-                "cuda_warmup": self.warmup.state() if self.warmup is not None else None}
+        return {
+            "gpu_ids": list(self.ids),
+            "source": self.source,
+            "bundle": self.bundle,
+            "cuda_visible_devices": os.environ.get(VISIBLE_DEVICES),
+            "cuda_warmup": self.warmup.state() if self.warmup is not None else None,
+        }
 
     def device(self, kind: str) -> Any:
         """The rank's torch device for a job on ``kind`` ("cpu" or "cuda"): the CPU, or ``cuda:0``.
@@ -174,11 +188,14 @@ class RankGpus:
 
         if kind != "cuda":
             return torch.device("cpu")
-        where = (f"{self.who} ({self.bundle}; GPU ids {self.ids}, {self.source}; "
-                 f"{VISIBLE_DEVICES}={os.environ.get(VISIBLE_DEVICES)!r})")
+        where = (
+            f"{self.who} ({self.bundle}; GPU ids {self.ids}, {self.source}; "
+            f"{VISIBLE_DEVICES}={os.environ.get(VISIBLE_DEVICES)!r})"
+        )
         if not self.ids:
-            raise RuntimeError(f"a cuda rank was scheduled without a GPU: {where}; a cuda job needs "
-                               "resources.gpus_per_worker > 0")
+            raise RuntimeError(
+                f"a cuda rank was scheduled without a GPU: {where}; a cuda job needs resources.gpus_per_worker > 0"
+            )
         pin_visible_gpus(self.ids, who=where)  # still ours: nothing may have re-pinned the process
         if self.warmup is not None and self.warmup.running():
             return torch.device("cuda", 0)

@@ -180,8 +180,9 @@ class RankLog:
                     os.makedirs(os.path.dirname(self.path), exist_ok=True)
                     self._file = open(self.path, "a", encoding="utf-8", errors="replace")
                 else:  # in the job's checkpoint folder: no link on the way, nor at the file (made if missing)
-                    fd = safe_paths.open_path(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT,
-                                              field="checkpoint.path", create_dirs=True)
+                    fd = safe_paths.open_path(
+                        self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, field="checkpoint.path", create_dirs=True
+                    )
                     self._file = os.fdopen(fd, "a", encoding="utf-8", errors="replace")
             except (OSError, UnsafePathError) as err:
                 self._give_up(err)

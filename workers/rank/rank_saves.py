@@ -25,9 +25,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from etrain.workers.checkpoints.storage_faults import StorageFault
 from etrain.workers.protocol.messages import REPORT_TIMEOUT_S, LaunchPlan
 from etrain.workers.rank.step_control import ControlRequests
-from etrain.workers.checkpoints.storage_faults import StorageFault
 
 __all__ = ["CUDA_WRITE_THREADS", "FINAL_WRITE_TIMEOUT_S", "RankSaves"]
 
@@ -47,8 +47,17 @@ class RankSaves:
     keeps the in-memory copy an in-place repair restores from.
     """
 
-    def __init__(self, *, rank: int, plan: LaunchPlan, device_type: str, supervisor: Any, control: ControlRequests,
-                 drills_due: Callable[[int, str], None], keep_snapshot: Callable[[Any, int], None]):
+    def __init__(
+        self,
+        *,
+        rank: int,
+        plan: LaunchPlan,
+        device_type: str,
+        supervisor: Any,
+        control: ControlRequests,
+        drills_due: Callable[[int, str], None],
+        keep_snapshot: Callable[[Any, int], None],
+    ):
         self.rank = rank
         self._plan = plan
         self._supervisor = supervisor
@@ -62,7 +71,9 @@ class RankSaves:
         if checkpoint.async_save:
             from etrain.workers.checkpoints.checkpoint import AsyncCheckpointer
 
-            self.async_save = AsyncCheckpointer(pinned=self._cuda, write_threads=CUDA_WRITE_THREADS if self._cuda else 1)
+            self.async_save = AsyncCheckpointer(
+                pinned=self._cuda, write_threads=CUDA_WRITE_THREADS if self._cuda else 1
+            )
         self._cadence = None
         if checkpoint.auto_interval and rank == 0:  # rank 0 decides for every rank
             from etrain.workers.checkpoints.checkpoint_cadence import AutoCadence
@@ -105,8 +116,10 @@ class RankSaves:
 
         def report_written(report) -> None:
             self._drills_due(completed_steps, "checkpoint_write")
-            ray.get(self._supervisor.report_checkpoint.remote(attempt, self.rank, completed_steps, report),
-                    timeout=REPORT_TIMEOUT_S)
+            ray.get(
+                self._supervisor.report_checkpoint.remote(attempt, self.rank, completed_steps, report),
+                timeout=REPORT_TIMEOUT_S,
+            )
             self._drills_due(completed_steps, "checkpoint_commit")
 
         if self.async_save is None:
@@ -114,6 +127,7 @@ class RankSaves:
         elif final:  # the job's result: its write must land (or fail the attempt) before run() returns
             report_written(pending.wait(timeout_s=FINAL_WRITE_TIMEOUT_S))
         else:
+
             def report_when_written() -> None:
                 try:
                     report = pending.wait(timeout_s=FINAL_WRITE_TIMEOUT_S)
@@ -172,7 +186,11 @@ class RankSaves:
         import ray
 
         try:
-            ray.get(self._supervisor.report_checkpoint_failed.remote(self._plan.attempt, self.rank, completed_steps,
-                                                                     str(fault)), timeout=REPORT_TIMEOUT_S)
+            ray.get(
+                self._supervisor.report_checkpoint_failed.remote(
+                    self._plan.attempt, self.rank, completed_steps, str(fault)
+                ),
+                timeout=REPORT_TIMEOUT_S,
+            )
         except Exception:  # noqa: BLE001 - a slow supervisor must not stop training over a lost note
             pass

@@ -36,8 +36,13 @@ DEFAULT_INTERVAL_S = 1.0
 class ReportBatcher:
     """Buffers step records and hands them to ``send`` in order, in as few calls as the policy allows."""
 
-    def __init__(self, send: Callable[[list[StepReport]], Any], *, interval_s: float = DEFAULT_INTERVAL_S,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        send: Callable[[list[StepReport]], Any],
+        *,
+        interval_s: float = DEFAULT_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         if not interval_s > 0:
             raise ValueError(f"interval_s={interval_s} must be > 0 seconds")
         self._send = send
@@ -93,7 +98,7 @@ class ReportBatcher:
             self._last_result = result
             return result
 
-    def start(self) -> "ReportBatcher":
+    def start(self) -> ReportBatcher:
         """Start the thread that sends buffered records once they are due."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="step-report-batcher", daemon=True)

@@ -52,11 +52,23 @@ class SpareRank(TrainWorker):
         """Where the spare runs and what its warm-up cost (answers once ``__init__`` is done)."""
         import ray
 
-        return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
-                "warmup_s": round(self.warmup_s, 3), "warm_step": self.warm_step}
+        return {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "pid": os.getpid(),
+            "warmup_s": round(self.warmup_s, 3),
+            "warm_step": self.warm_step,
+        }
 
-    def assign(self, *, job_id: str, rank: int, world_size: int, supervisor: Any,
-               gpu_ids: list[str] | None = None, bundle: str = "") -> int:
+    def assign(
+        self,
+        *,
+        job_id: str,
+        rank: int,
+        world_size: int,
+        supervisor: Any,
+        gpu_ids: list[str] | None = None,
+        bundle: str = "",
+    ) -> int:
         """Become rank ``rank`` of ``job_id``; ``gpu_ids``: the GPU ids Ray reserved for the bundle (none
         for a bundle without GPUs), ``bundle``: which bundle it is. Returns the rank.
 
@@ -64,8 +76,15 @@ class SpareRank(TrainWorker):
         """
         if self.assigned:
             raise RuntimeError("this spare already serves a job")
-        TrainWorker.__init__(self, job_id=job_id, rank=rank, world_size=world_size, supervisor=supervisor,
-                             gpu_ids=list(gpu_ids or []), bundle=bundle)
+        TrainWorker.__init__(
+            self,
+            job_id=job_id,
+            rank=rank,
+            world_size=world_size,
+            supervisor=supervisor,
+            gpu_ids=list(gpu_ids or []),
+            bundle=bundle,
+        )
         self.assigned = True
         return rank
 
@@ -94,11 +113,16 @@ def _warm_up(*, train_step: bool) -> None:
     """
     import torch
 
-    from etrain.workers.protocol.run_config import DataConfig, ModelConfig, ParallelConfig, RunConfig, TrainingConfig
     from etrain.workers.engine.train import Trainer
+    from etrain.workers.protocol.run_config import DataConfig, ModelConfig, ParallelConfig, RunConfig, TrainingConfig
 
-    config = RunConfig(job_id="spare-warmup", model=ModelConfig(**WARMUP_MODEL), data=DataConfig(kind="synthetic"),
-                       parallel=ParallelConfig(), training=TrainingConfig(steps=1, global_batch=1, micro_batch=1))
+    config = RunConfig(
+        job_id="spare-warmup",
+        model=ModelConfig(**WARMUP_MODEL),
+        data=DataConfig(kind="synthetic"),
+        parallel=ParallelConfig(),
+        training=TrainingConfig(steps=1, global_batch=1, micro_batch=1),
+    )
     threads = torch.get_num_threads()
     try:
         trainer = Trainer(config, rank=0, world_size=1, device=torch.device("cpu"))

@@ -28,8 +28,20 @@ from typing import Any, Protocol
 from etrain.workers.protocol.messages import RankTimings, StepReport
 
 __all__ = [
-    "FIELDS", "RANK_TIMINGS", "SAVE", "STOP", "Boundary", "ControlRequests", "Decision", "Exchange",
-    "StepBoundaries", "StepDesyncError", "decode", "encode", "scheduled_save", "step_record",
+    "FIELDS",
+    "RANK_TIMINGS",
+    "SAVE",
+    "STOP",
+    "Boundary",
+    "ControlRequests",
+    "Decision",
+    "Exchange",
+    "StepBoundaries",
+    "StepDesyncError",
+    "decode",
+    "encode",
+    "scheduled_save",
+    "step_record",
 ]
 
 #: One rank's vector, in order. ``step`` is the step index the rank just finished (a sanity check that
@@ -61,6 +73,7 @@ class Boundary:
     def timings(self) -> RankTimings:
         """Field name (RANK_TIMINGS) -> one value per rank, in rank order. Built on first use: only
         rank 0 reads it (to report), so the other ranks never pay for the table."""
+
         def column(name: str) -> list[float]:
             index = FIELDS.index(name)
             return [row[index] for row in self.rows]
@@ -106,10 +119,14 @@ def decode(rows: Sequence[Sequence[float]], *, step: int) -> Boundary:
         raise ValueError("decode needs at least one rank's vector")
     for rank, row in enumerate(rows):
         if len(row) != len(FIELDS):
-            raise ValueError(f"rank {rank}'s vector has {len(row)} values, expected {len(FIELDS)} ({', '.join(FIELDS)})")
+            raise ValueError(
+                f"rank {rank}'s vector has {len(row)} values, expected {len(FIELDS)} ({', '.join(FIELDS)})"
+            )
     steps = [row[0] for row in rows]
     if any(value != step for value in steps):
-        at = ", ".join(f"rank {rank}: {int(value) if math.isfinite(value) else value}" for rank, value in enumerate(steps))
+        at = ", ".join(
+            f"rank {rank}: {int(value) if math.isfinite(value) else value}" for rank, value in enumerate(steps)
+        )
         raise StepDesyncError(f"ranks reached the step-boundary exchange at different steps (expected {step}; {at})")
     flags = rows[0][1]
     if flags != int(flags) or not 0 <= flags <= _ALL_FLAGS:
@@ -168,8 +185,9 @@ class StepBoundaries:
     Torch-free: ``exchange`` is the adapter; ``control`` is rank 0's requests (None on other ranks).
     """
 
-    def __init__(self, exchange: Exchange, *, control: ControlRequests | None, total_steps: int,
-                 every_steps: int | None):
+    def __init__(
+        self, exchange: Exchange, *, control: ControlRequests | None, total_steps: int, every_steps: int | None
+    ):
         self._exchange = exchange
         self._control = control
         self._total = total_steps
@@ -185,8 +203,9 @@ class StepBoundaries:
         requested, self._requested = self._requested, 0
         save = bool(requested & SAVE) or scheduled_save(completed, total_steps=self._total, every_steps=self._every)
         stop = bool(requested & STOP) and completed < self._total
-        flags = (self._control.decide_requests(completed + 1, total_steps=self._total)
-                 if self._control is not None else 0)
+        flags = (
+            self._control.decide_requests(completed + 1, total_steps=self._total) if self._control is not None else 0
+        )
         self._exchange.start(metrics, flags)
         self._in_flight = metrics
         if save or stop or completed >= self._total:

@@ -54,8 +54,11 @@ class StepExchange:
         if self._pending is not None:
             raise RuntimeError(f"the exchange of step {self._pending[0]} is still in flight: settle it first")
         self._local_view[:] = encode(metrics, flags)
-        work = (dist.all_gather(self._rows, self._local, group=self._group, async_op=True)
-                if self._group is not None else None)
+        work = (
+            dist.all_gather(self._rows, self._local, group=self._group, async_op=True)
+            if self._group is not None
+            else None
+        )
         self._pending = (int(metrics["step"]), work)
 
     def done(self) -> bool:

@@ -30,9 +30,9 @@ import os
 import socket
 from typing import Any
 
-from etrain.workers.rank.device_info import RankGpus, ray_bundle
 from etrain.workers.protocol.messages import REPORT_TIMEOUT_S, ChaosOrder, LaunchPlan, NodeInfo, RunResult
 from etrain.workers.protocol.run_config import RunConfig
+from etrain.workers.rank.device_info import RankGpus, ray_bundle
 from etrain.workers.rank.rank_saves import RankSaves
 from etrain.workers.rank.report_batch import ReportBatcher
 from etrain.workers.rank.step_control import ControlRequests, StepBoundaries
@@ -44,8 +44,16 @@ DIGEST_THREADS = 8
 class TrainWorker:
     """One rank of a job's worker group."""
 
-    def __init__(self, *, job_id: str, rank: int, world_size: int, supervisor: Any,
-                 gpu_ids: list[str] | None = None, bundle: str = ""):
+    def __init__(
+        self,
+        *,
+        job_id: str,
+        rank: int,
+        world_size: int,
+        supervisor: Any,
+        gpu_ids: list[str] | None = None,
+        bundle: str = "",
+    ):
         """``gpu_ids``: the GPUs of this rank's bundle when Ray did not give them to this actor (a warm
         spare, ``workers/rank/spare.py``); None: Ray's own (a cold rank, created in its bundle with its GPUs).
         ``bundle`` says which bundle that is (for messages), where the caller knows it."""
@@ -101,7 +109,8 @@ class TrainWorker:
             raise RuntimeError(
                 f"rank {self.rank} of job {self.job_id} refuses chaos order {order.id} ({order.action}): fault "
                 "drills are disabled for this job (its launch plan has chaos_enabled=False); they run only on "
-                "servers started with ETRAIN_ENABLE_CHAOS=1 (`etrain serve --enable-chaos`)")
+                "servers started with ETRAIN_ENABLE_CHAOS=1 (`etrain serve --enable-chaos`)"
+            )
         self._drills.receive(order)
 
     # --- the attempt ----------------------------------------------------------------------------
@@ -115,9 +124,8 @@ class TrainWorker:
         """
         import traceback
 
-        from etrain.workers.rank.rank_log import RankLog, rank_log_path
-
         from etrain.workers.checkpoints import storage
+        from etrain.workers.rank.rank_log import RankLog, rank_log_path
 
         given = plan
         # The checkpoint folder is opened once, without links, and everything the attempt writes under it
@@ -126,28 +134,38 @@ class TrainWorker:
         held = storage.hold_dir(plan.config.checkpoint.path) if plan.config.checkpoint.path else None
         if held is not None:
             plan = dataclasses.replace(
-                plan, resume_dir=held.inside(plan.resume_dir),
-                config=dataclasses.replace(plan.config, checkpoint=dataclasses.replace(plan.config.checkpoint,
-                                                                                       path=held.path)))
+                plan,
+                resume_dir=held.inside(plan.resume_dir),
+                config=dataclasses.replace(
+                    plan.config, checkpoint=dataclasses.replace(plan.config.checkpoint, path=held.path)
+                ),
+            )
         log = RankLog(rank_log_path(held.path, self.job_id, self.rank)) if held is not None else None
         if log is not None:
             info = self.node_info()
-            log.write(f"attempt {plan.attempt}: rank {self.rank}/{self.world_size} on {info['ip']} (node "
-                      f"{info['node_id'][:12]}, pid {info['pid']}), layout {plan.config.parallel.describe()}, "
-                      + (f"resuming step {plan.start_step} from {given.resume_dir}" if given.resume_dir
-                         else "fresh start"))
+            log.write(
+                f"attempt {plan.attempt}: rank {self.rank}/{self.world_size} on {info['ip']} (node "
+                f"{info['node_id'][:12]}, pid {info['pid']}), layout {plan.config.parallel.describe()}, "
+                + (f"resuming step {plan.start_step} from {given.resume_dir}" if given.resume_dir else "fresh start")
+            )
             log.capture()
         try:
             result = self._train(plan, master_addr, master_port, log)
         except BaseException as err:
             if log is not None:
-                log.write(held.shown(f"attempt {plan.attempt}: failed: {type(err).__name__}: {err}\n"
-                                     + traceback.format_exc().rstrip()))
+                log.write(
+                    held.shown(
+                        f"attempt {plan.attempt}: failed: {type(err).__name__}: {err}\n"
+                        + traceback.format_exc().rstrip()
+                    )
+                )
             raise
         else:
             if log is not None:
-                log.write(f"attempt {plan.attempt}: {'stopped' if result['stopped'] else 'finished'} at step "
-                          f"{result['final_step']}")
+                log.write(
+                    f"attempt {plan.attempt}: {'stopped' if result['stopped'] else 'finished'} at step "
+                    f"{result['final_step']}"
+                )
             return result
         finally:
             if log is not None:
@@ -160,8 +178,8 @@ class TrainWorker:
         import torch.distributed as dist
 
         from etrain.workers.engine.mesh import backend_for
-        from etrain.workers.rank.step_exchange import StepExchange
         from etrain.workers.engine.train import Trainer
+        from etrain.workers.rank.step_exchange import StepExchange
 
         self._plan = plan
         self._control = ControlRequests()  # requests to an earlier attempt of this process do not carry over
@@ -182,16 +200,26 @@ class TrainWorker:
         phases.mark("process group")
         try:
             trainer = Trainer(
-                config, rank=self.rank, world_size=self.world_size, device=device, callbacks=callbacks,
+                config,
+                rank=self.rank,
+                world_size=self.world_size,
+                device=device,
+                callbacks=callbacks,
                 load_pretrained=plan.resume_dir is None,  # a resume overwrites them anyway
             )
             phases.mark("trainer")
             source = self._restore(trainer, plan) if plan.resume_dir else None
             phases.mark("state")
             # Collective when the saves are async (the background writer's gloo group).
-            self._saves = saves = RankSaves(rank=self.rank, plan=plan, device_type=device.type,
-                                            supervisor=self._supervisor, control=self._control,
-                                            drills_due=self._drills_due, keep_snapshot=self._keep_snapshot)
+            self._saves = saves = RankSaves(
+                rank=self.rank,
+                plan=plan,
+                device_type=device.type,
+                supervisor=self._supervisor,
+                control=self._control,
+                drills_due=self._drills_due,
+                keep_snapshot=self._keep_snapshot,
+            )
             # Collective too: the step-boundary control exchange's own gloo group (workers/rank/step_exchange.py).
             exchange = StepExchange(world_size=self.world_size, timeout_s=config.collective_timeout_s)
             if self.rank == 0:
@@ -205,8 +233,12 @@ class TrainWorker:
             total = config.training.steps
             # Every rank saves and stops where rank 0's requests and the schedule say, the exchange
             # overlapped with the next step (workers/rank/step_control.py).
-            boundaries = StepBoundaries(exchange, control=self._control if self.rank == 0 else None,
-                                        total_steps=total, every_steps=config.checkpoint.every_steps)
+            boundaries = StepBoundaries(
+                exchange,
+                control=self._control if self.rank == 0 else None,
+                total_steps=total,
+                every_steps=config.checkpoint.every_steps,
+            )
             for step in range(plan.start_step, total):
                 metrics = dataclasses.asdict(trainer.train_step(step))
                 final_loss = metrics["loss"]
@@ -217,8 +249,10 @@ class TrainWorker:
                     for record, urgent in decision.reports:
                         batcher.add(record, urgent=urgent)
                 if log is not None:
-                    log.write(f"step {step + 1}/{total} loss {metrics['loss']:.4f} "
-                              f"compute {metrics['compute_s']:.3f}s comm_wait {metrics['comm_wait_s']:.3f}s")
+                    log.write(
+                        f"step {step + 1}/{total} loss {metrics['loss']:.4f} "
+                        f"compute {metrics['compute_s']:.3f}s comm_wait {metrics['comm_wait_s']:.3f}s"
+                    )
                 if decision.save:
                     blocked_s = saves.save(trainer, step + 1, final=step + 1 >= total)
                     if log is not None:
@@ -250,9 +284,12 @@ class TrainWorker:
             from etrain.workers.checkpoints.snapshot import replicated, resume_from_snapshot, share_snapshots
 
             parallel = plan.config.parallel
-            snapshot, origin = share_snapshots(self._snapshots.get(plan.start_step), plan.start_step,
-                                               list(trainer.topology.dp_groups()),
-                                               replicas=replicated(parallel.zero, parallel.dp))
+            snapshot, origin = share_snapshots(
+                self._snapshots.get(plan.start_step),
+                plan.start_step,
+                list(trainer.topology.dp_groups()),
+                replicas=replicated(parallel.zero, parallel.dp),
+            )
             if snapshot is not None:
                 resume_from_snapshot(trainer, snapshot)
                 return origin
@@ -389,8 +426,11 @@ def local_param_digest(model_parts) -> str:
 
     import torch
 
-    named = [(name, param) for part in model_parts
-             for name, param in sorted(part.named_parameters(), key=lambda item: item[0])]
+    named = [
+        (name, param)
+        for part in model_parts
+        for name, param in sorted(part.named_parameters(), key=lambda item: item[0])
+    ]
 
     def one(param) -> bytes:
         local = param.to_local() if hasattr(param, "to_local") else param
