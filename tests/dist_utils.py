@@ -85,7 +85,7 @@ def run_distributed(
     processes = [
         ctx.Process(
             target=_child_main,
-            args=(rank, world_size, fn, args, store.port, backend, timeout_s, reports),
+            args=(rank, world_size, fn, args, store.port, backend, timeout_s, reports, dict(os.environ), os.getcwd()),
             name=f"rank{rank}",
         )
         for rank in range(world_size)
@@ -138,7 +138,14 @@ def _child_main(
     backend: str,
     timeout_s: float,
     reports: Any,
+    environ: dict[str, str],
+    cwd: str,
 ) -> None:
+    # A fork of the fork server has the server's environment and folder, from whenever it started: a rank
+    # gets the test's own (a fixture's AWS endpoint, a monkeypatched variable), as a spawned one did.
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
     try:
         torch.set_num_threads(1)
         timeout = timedelta(seconds=timeout_s)
