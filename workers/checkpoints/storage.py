@@ -192,30 +192,16 @@ def _fs(path: str):
 # -- operations ----------------------------------------------------------------------------------
 
 
-class _HeldUrl:
+class _HeldUrl(safe_paths.HeldDir):
     """An object-store prefix "held" as :func:`hold_dir` holds a folder: it is its own name (an object
-    store has no links to swap in)."""
+    store has no links to swap in), so there is no descriptor to open or close."""
 
     def __init__(self, url: str):
         self.given = self.path = url
-
-    def inside(self, path: str | None) -> str | None:
-        return path
-
-    def shown(self, text: str) -> str:
-        return text
-
-    def close(self) -> None:
-        pass
-
-    def __enter__(self) -> _HeldUrl:
-        return self
-
-    def __exit__(self, *_exc: object) -> None:
-        pass
+        self._fd = None
 
 
-def hold_dir(path: str, *, field: str = "checkpoint.path") -> safe_paths.HeldDir | _HeldUrl:
+def hold_dir(path: str, *, field: str = "checkpoint.path") -> safe_paths.HeldDir:
     """A job's checkpoint folder held open for a process's work on it (``safe_paths.HeldDir``: made if
     missing, no link on the way, named by its descriptor from then on), or a URL as it is. Every path
     under ``.path`` goes through the held folder; ``.given`` is the name to show and to send to others."""

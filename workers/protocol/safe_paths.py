@@ -167,14 +167,12 @@ def _held_prefix(path: str) -> tuple[int, str] | None:
     open (a :class:`HeldDir`'s :func:`descriptor_path`), else None. ``/proc/self`` is itself a link, so
     such a path would be refused by the walk from ``/``; its prefix names the held folder exactly, so
     the walk starts at that descriptor instead (what follows it is walked without links as usual)."""
-    prefix = _PROC_FD + os.sep
-    if not path.startswith(prefix):
+    split = _descriptor_name(path)
+    if split is None:
         return None
-    number, _, rest = path[len(prefix) :].partition(os.sep)
-    if not number.isdigit():
-        return None
+    number, rest = split
     try:
-        top = os.dup(int(number))
+        top = os.dup(number)
     except OSError:
         return None
     if not stat.S_ISDIR(os.fstat(top).st_mode):
@@ -417,8 +415,8 @@ class HeldDir:
     def inside(self, path: str | None) -> str | None:
         """``path`` (a name under :attr:`given`, or None) as the same name under the held folder; a path
         not under it is returned as it is."""
-        if path is None:
-            return None
+        if path is None or self.path == self.given:  # nothing to map (a URL, or no /proc)
+            return path
         relative = os.path.relpath(os.path.abspath(path), os.path.abspath(self.given))
         if relative == os.curdir:
             return self.path
@@ -445,15 +443,24 @@ class HeldDir:
 def display(path: str) -> str:
     """``path`` as a person should read it: a held folder's descriptor name (``/proc/self/fd/N/rest``)
     becomes the folder's own path as the kernel knows it now; anything else is returned as it is."""
-    prefix = _PROC_FD + os.sep
-    if not isinstance(path, str) or not path.startswith(prefix):
+    split = _descriptor_name(path) if isinstance(path, str) else None
+    if split is None:
         return path
-    number, _, rest = path[len(prefix) :].partition(os.sep)
+    number, rest = split
     try:
-        folder = os.readlink(_PROC_FD + os.sep + number)
+        folder = os.readlink(f"{_PROC_FD}/{number}")
     except OSError:
         return path
     return os.path.join(folder, rest) if rest else folder
+
+
+def _descriptor_name(path: str) -> tuple[int, str] | None:
+    """``(N, rest)`` for a :func:`descriptor_path` name ``/proc/self/fd/N[/rest]``, else None."""
+    prefix = _PROC_FD + os.sep
+    if not path.startswith(prefix):
+        return None
+    number, _, rest = path[len(prefix) :].partition(os.sep)
+    return (int(number), rest) if number.isdigit() else None
 
 
 def descriptor_path(fd: int, fallback: str | os.PathLike[str]) -> str:
