@@ -11,6 +11,7 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.connection
 import os
+import signal
 import threading
 
 from etrain.service.errors import SpecRejected
@@ -211,7 +212,10 @@ def worker_init() -> None:
     at a lower CPU priority (nice +10) than the API it serves, so a flood of plans takes the cores the API
     leaves idle, not the API's own; and it ends when the process that started it does, however that one
     ended (a SIGKILL runs no clean-up). Here, not in the manager's module, so a worker imports the planner
-    and nothing else (no Ray)."""
+    and nothing else (no Ray). Ctrl-C at a terminal signals the whole foreground process group: the worker
+    ignores it (its parent stops it, or the watch below ends it), so ``make run`` interrupted prints one
+    line, not a worker's KeyboardInterrupt traceback, and a pool is not broken under the API by a SIGINT."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         os.nice(PLANNER_NICENESS)
     except OSError:  # not allowed here: plans then share the cores evenly with the API

@@ -325,6 +325,9 @@ def test_plans_run_in_a_planner_process_and_a_dead_one_is_replaced():
     worker = processes.run(os.getpid)
     assert worker != os.getpid()  # off the API's process: a plan never holds its interpreter
     assert processes.run(os.getpid) == worker  # one process, kept
+    os.kill(worker, signal.SIGINT)  # Ctrl-C at a terminal reaches the whole process group: ignored
+    time.sleep(0.2)
+    assert processes.run(os.getpid) == worker
     os.kill(worker, signal.SIGKILL)  # as the kernel's OOM killer would
     assert processes.run(os.getpid) == os.getpid()  # the pool is broken: this one call runs here
     replacement = processes.run(os.getpid)
