@@ -51,11 +51,10 @@ def test_node_loss_during_dp2_tp2_restarts_on_the_spare_node(tmp_path):
 @pytest.mark.parametrize("model", ["gpt", "llama"])
 def test_shrinks_when_capacity_is_lost_and_grows_back_when_it_returns(tmp_path, model):
     with ray_cluster([2, 2]) as cluster, control_plane(tmp_path) as plane:
-        # Long enough that the shrunk job is still running when the re-added node registers.
         sections = {"model": LLAMA_MODEL} if model == "llama" else {}
         body = spec(
             f"elastic-{model}-dp4",
-            steps=300,
+            steps=100,
             dp=4,
             every=10,
             **sections,
@@ -75,6 +74,13 @@ def test_shrinks_when_capacity_is_lost_and_grows_back_when_it_returns(tmp_path, 
             what="the shrink to dp=2",
         )
         assert shrunk["layout"].startswith("pp1·dp2")
+        # Hold the shrunk job back so that it is still training when the re-added node registers (unslowed,
+        # a shrunk run has dozens of steps a second and would need hundreds of steps, in this run and in its
+        # clean reference, to outlast the node's start): rank 0 of this attempt now takes 10x its own compute
+        # per micro-step (its peer waits in the all-reduce), a few steps a second, well within the heartbeat
+        # timeout. Sleeps only: the numbers are the same. The grow relaunches every rank in new processes,
+        # which are not slowed.
+        plane.chaos(job["id"], action="slow_rank", rank=0, factor=10.0)
 
         cluster.add_node(num_cpus=2)
         grown = plane.wait_until(
