@@ -25,7 +25,9 @@ pytestmark = pytest.mark.slow
 
 def test_node_loss_during_dp2_tp2_restarts_on_the_spare_node(tmp_path):
     with ray_cluster([2, 2, 2]) as cluster, control_plane(tmp_path) as plane:
-        body = spec("node-dp2tp2", steps=20, dp=2, tp=2)
+        # A capacity read right after the loss may still see no room (the cluster can place 0): the relaunch
+        # comes at the next check, every elastic.check_interval_s (30 s by default).
+        body = spec("node-dp2tp2", steps=20, dp=2, tp=2, elastic={"check_interval_s": 1.0})
         clean = losses(plane, run_clean(plane, body)["id"])
         job = plane.submit(body)
         plane.wait_until(
