@@ -127,7 +127,7 @@ def test_cancel_stops_workers_and_releases_the_placement_group(plane):
 
 def test_scale_request_resizes_and_keeps_the_loss_curve(plane):
     """POST /v1/jobs/{id}/scale: dp 2 -> 1 on demand; global batch and sample order are unchanged."""
-    body = dp2_spec(steps=120)  # long enough that the resize lands mid-run
+    body = dp2_spec(steps=30)
     body["resources"] = {"cpus_per_worker": 1, "min_dp": 1, "max_dp": 2}
     body["checkpoint"] = {"every_steps": 5, "keep_last": 3}
     clean = {
@@ -137,6 +137,10 @@ def test_scale_request_resizes_and_keeps_the_loss_curve(plane):
 
     job = plane.submit(body)
     plane.wait_until(job["id"], lambda j: j["status"] == "RUNNING" and j["step"] >= 5, timeout_s=180, what="step 5")
+    # So that the resize lands mid-run without padding both runs with a hundred steps: from now on rank 0 of
+    # this attempt takes 10x its own compute per micro-step (its peer waits; sleeps only, the numbers are the
+    # same). The resize relaunches in new processes, which are not slowed.
+    plane.chaos(job["id"], action="slow_rank", rank=0, factor=10.0)
     bad = plane.client.post(f"/v1/jobs/{job['id']}/scale", json={"dp": 3})
     assert bad.status_code == 422 and bad.json()["detail"][0]["field"] == "dp", bad.text
     response = plane.client.post(f"/v1/jobs/{job['id']}/scale", json={"dp": 1})
