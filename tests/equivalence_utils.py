@@ -115,13 +115,14 @@ def _train(rank: int, world_size: int, config: RunConfig) -> RunResult:
 
 
 def reference_key(config: RunConfig) -> RunConfig:
-    """The single-process config equivalent to ``config``: one rank, no activation checkpointing.
+    """The single-process config equivalent to ``config``: one rank, eager, whole logits, no activation
+    checkpointing.
 
-    Activation checkpointing only trades memory for recompute, so it must not change a number;
-    the reference runs without it. Use the result as a cache key: every layout of one config
-    shares the same reference run.
+    Activation checkpointing, compiling the blocks and chunking the loss only trade memory or time,
+    so none may change a number; the reference runs without them. Use the result as a cache key:
+    every layout of one config shares the same reference run.
     """
-    training = dataclasses.replace(config.training, activation_checkpointing=False)
+    training = dataclasses.replace(config.training, activation_checkpointing="none", compile=False, loss_chunk_tokens=0)
     return dataclasses.replace(config, parallel=ParallelConfig(), training=training)
 
 

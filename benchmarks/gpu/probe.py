@@ -70,7 +70,7 @@ def etrain_row(sizes: CheckSizes, steps: int, device, *, checkpointing: bool = F
             micro_batch=sizes.micro_batch,
             lr=3e-4,
             precision=sizes.precision,
-            activation_checkpointing=checkpointing,
+            activation_checkpointing="full" if checkpointing else "none",
         ),
         device=device.type,
     )

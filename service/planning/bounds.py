@@ -52,6 +52,7 @@ MAX_HEADS = 1024  # query and key/value heads; also bounds tp (it divides the he
 MAX_D_FF = 262144  # 4 x MAX_D_MODEL (the GPT default); the 405B uses 53248
 MAX_VOCAB = 1 << 21  # 2,097,152: 8x the largest vocabularies in use (256k)
 MAX_SEQ_LEN = 1 << 20  # 1,048,576 tokens: 8x the 405B's 131072 context
+MAX_LOSS_CHUNK_TOKENS = 1 << 24  # training.loss_chunk_tokens: a micro-batch's tokens at most (batch x seq)
 
 # --- the run
 MAX_STEPS = 100_000_000  # the 405B ran ~1M steps; also bounds warmup, checkpoint steps and step cursors

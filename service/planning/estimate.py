@@ -82,7 +82,7 @@ class PlanEstimate:
     micro_batch: int
     precision: str
     regime: str  # how blocks compute: fp32, autocast (bf16 matmuls) or bf16_params (FSDP2 mixed precision)
-    activation_checkpointing: bool
+    activation_checkpointing: str
     num_params: int
     params_per_rank: int  # the worst stage's parameters on one TP rank, before ZeRO sharding
     layers_per_stage: int
@@ -158,10 +158,11 @@ class Case:
     global_batch: int
     micro_batch: int
     precision: str
-    checkpointing: bool
+    checkpointing: str  # training.activation_checkpointing: none, full or selective
     device: str
     device_memory_bytes: int
     cpus_per_worker: float
+    loss_chunk_tokens: int | str = 0  # training.loss_chunk_tokens: tokens, 0 (whole logits) or "auto"
 
     @property
     def microbatches(self) -> int:
@@ -199,6 +200,7 @@ def case_for(spec: JobSpec, layout: ParallelismSpec, available_gb: float | None 
         device=spec.resources.device,
         device_memory_bytes=int(device_memory_gb(spec, available_gb) * GiB),
         cpus_per_worker=spec.resources.cpus_per_worker,
+        loss_chunk_tokens=spec.training.loss_chunk_tokens,
     )
 
 
@@ -244,6 +246,9 @@ def evaluate(case: Case) -> PlanEstimate:
     sp_div = tp if lay.sequence_parallel else 1
     overhead = RUNTIME_OVERHEAD_GIB[case.device] * GiB
 
+    chunk_tokens = case.loss_chunk_tokens
+    if chunk_tokens == "auto":
+        chunk_tokens = layout_rules.auto_loss_chunk_tokens(tokens=b * s, vocab_size=model.vocab_size, tp=tp)
     stages = sorted({0, pp - 1})
     memories, params_of, tp_bytes, dp_bytes, tp_ops, dp_ops = {}, {}, [], [], [], []
     for stage in stages:
@@ -269,6 +274,7 @@ def evaluate(case: Case) -> PlanEstimate:
             dp_replicate=replicate,
             offload=lay.offload,
             sequence_parallel=lay.sequence_parallel,
+            loss_chunk_tokens=chunk_tokens,
         )
         params_of[stage] = params
         volume, ops = dp_traffic(

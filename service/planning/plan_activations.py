@@ -39,6 +39,7 @@ __all__ = [
     "layer_chunks_in_flight",
     "logits_bytes",
     "rope_table_bytes",
+    "selective_activation_bytes",
 ]
 
 #: How a block computes: ``fp32``; ``autocast`` (fp32 weights, bf16 matmuls: DDP, ZeRO-1, TP, PP);
@@ -75,24 +76,53 @@ def layer_activation_bytes(
     tp: int = 1,
     sequence_parallel: bool = False,
     precision: str = "bf16",
-    checkpointing: bool = False,
+    checkpointing: str = "none",
     regime: Regime | None = None,
 ) -> float:
     """Activations one block of OUR model saves for backward, per micro-batch: its family's count
     (``ModelFamily.layer_activation_bytes``). ``regime`` defaults to autocast for bf16 (fp32 for fp32);
     the GPT's count reads the element size from ``precision`` alone. Korthikanti's count, adapted to
     the GPT block (no dropout, fused attention): sbh (8 + 24/t) at f = 4d in bf16, plus fp32 stats.
-    With activation checkpointing only the block input is saved.
+    With full activation checkpointing only the block input is saved; with selective, the block input
+    and what :func:`selective_activation_bytes` counts.
     """
+    regime = regime or compute_regime(precision, fsdp=False)
+    if checkpointing == "selective":
+        return selective_activation_bytes(
+            model, micro_batch=micro_batch, tp=tp, sequence_parallel=sequence_parallel, regime=regime
+        )
     return family(model.arch).layer_activation_bytes(
         model,
         micro_batch=micro_batch,
         tp=tp,
         sequence_parallel=sequence_parallel,
         precision=precision,
-        regime=regime or compute_regime(precision, fsdp=False),
-        checkpointing=checkpointing,
+        regime=regime,
+        checkpointing=checkpointing == "full",
     )
+
+
+def selective_activation_bytes(
+    model: ModelConfig, *, micro_batch: int, tp: int = 1, sequence_parallel: bool = False, regime: Regime = "autocast"
+) -> float:
+    """What one block keeps under selective checkpointing (``etrain.workers.engine.parallelize.apply_ac``),
+    per micro-batch: its input (the residual dtype), and the outputs of the ops the policy saves, in
+    the compute dtype: every matmul (the column-parallel ones ``column_output_width / tp`` wide, the two
+    row-parallel ones a full ``d_model`` partial sum each), attention's output and its fp32 log-sum-exp
+    per head, and under sequence parallelism the two reduce-scattered outputs (``d_model / tp``).
+    Everything else (norms, activations, RoPE, casts) is recomputed.
+    """
+    found = family(model.arch)
+    tokens = model.seq_len * micro_batch
+    d = model.d_model
+    compute = 4 if regime == "fp32" else 2
+    residual = 2 if regime == "bf16_params" else 4
+    sp_div = tp if sequence_parallel else 1
+    block_input = d * residual / sp_div
+    matmuls = compute * (found.column_output_width(model) / tp + 2 * d)
+    attention = compute * found.attention_width(model) / tp + 4 * model.n_heads / tp
+    reduced = compute * 2 * d / tp if sequence_parallel else 0.0
+    return tokens * (block_input + matmuls + attention + reduced)
 
 
 def rope_table_bytes(model: ModelConfig) -> int:
@@ -101,7 +131,14 @@ def rope_table_bytes(model: ModelConfig) -> int:
 
 
 def logits_bytes(
-    model: ModelConfig, *, micro_batch: int, tp: int = 1, held: int = 1, logits_elem: int = 4, pipeline: bool = False
+    model: ModelConfig,
+    *,
+    micro_batch: int,
+    tp: int = 1,
+    held: int = 1,
+    logits_elem: int = 4,
+    pipeline: bool = False,
+    chunk_tokens: int = 0,
 ) -> float:
     """Peak bytes of the logits and the loss on the last stage, ``L = micro_batch·seq·vocab/tp`` each.
 
@@ -113,7 +150,15 @@ def logits_bytes(
     parallel.loss``), whose backward builds the softmax from the saved shard: ``4L·held + 12L``
     (the one-hot gradient, ``exp`` of the log-softmax and their sum). A pipeline stage also keeps
     each in-flight micro-batch's output, the logits (``logits_elem`` bytes, 2 under bf16).
+
+    In chunks (``training.loss_chunk_tokens``, ``etrain.workers.families.head_loss``) nothing of the
+    logits is kept between forward and backward: the peak is one chunk's, recomputed in the backward
+    (its logits, their fp32 copy and the loss backward's buffers): ``L_chunk·(logits_elem + 4 + 8)``,
+    ``+ 12`` under TP, with ``L_chunk = chunk_tokens·vocab/tp``.
     """
+    if 0 < chunk_tokens < micro_batch * model.seq_len:
+        chunk = chunk_tokens * model.vocab_size / tp
+        return chunk * (logits_elem + 4 + (12 if tp > 1 else 8))
     shard = micro_batch * model.seq_len * model.vocab_size / tp
     kept = 4 + (logits_elem if pipeline else 0)
     return shard * (kept * held + (12 if tp > 1 else 8))

@@ -205,7 +205,7 @@ def tp_traffic(
     layers: int,
     first: bool,
     last: bool,
-    checkpointing: bool,
+    checkpointing: str,
     hidden_bytes: float,
     tokens: int,
 ) -> tuple[float, int]:
@@ -220,7 +220,9 @@ def tp_traffic(
     if tp <= 1:
         return 0.0, 0
     m = microbatches
-    ar_per_layer = 6 if checkpointing else 4  # 2 fwd + 2 bwd all-reduces, +2 fwd in recompute
+    # 2 fwd + 2 bwd all-reduces, +2 fwd when full checkpointing recomputes the block (selective keeps the
+    # reduced outputs: etrain.workers.engine.parallelize.apply_ac).
+    ar_per_layer = 6 if checkpointing == "full" else 4
     edge_ops = int(first) + int(last)
     ops = m * (layers * ar_per_layer + edge_ops + 3 * int(last))
     volume = m * (
@@ -243,10 +245,10 @@ def pp_traffic(
     return microbatches * sends * hidden_bytes / sp_div, microbatches * sends
 
 
-def step_flops(model: ModelConfig, *, global_batch: int, checkpointing: bool) -> tuple[float, float]:
+def step_flops(model: ModelConfig, *, global_batch: int, checkpointing: str) -> tuple[float, float]:
     """(FLOPs per step, the same with activation recompute): 6 per matmul parameter per token
-    (forward 2, backward 4) plus attention's 12·L·(n_heads·head_dim)·s per token; recompute runs
-    the forward again. Embedding lookups are not matmuls, but a tied output head multiplies by the
+    (forward 2, backward 4) plus attention's 12·L·(n_heads·head_dim)·s per token; full checkpointing
+    runs the forward again, selective only its element-wise ops (no matmul FLOPs). Embedding lookups are not matmuls, but a tied output head multiplies by the
     embedding's weight, so a tied model's matmul parameters include it."""
     s = model.seq_len
     tokens = global_batch * s
@@ -255,7 +257,8 @@ def step_flops(model: ModelConfig, *, global_batch: int, checkpointing: bool) ->
     matmul_params = model.num_params - lookups
     attention = model.n_layers * width * s
     flops = 6 * matmul_params * tokens + 12 * attention * tokens
-    flops_recompute = flops + (2 * matmul_params + 4 * attention) * tokens if checkpointing else flops
+    recompute = checkpointing == "full"
+    flops_recompute = flops + (2 * matmul_params + 4 * attention) * tokens if recompute else flops
     return flops, flops_recompute
 
 

@@ -255,12 +255,13 @@ def stage_memory(
     micro_batch: int,
     microbatches: int,
     precision: str,
-    checkpointing: bool,
+    checkpointing: str,
     device: str,
     overhead: float,
     dp_replicate: int = 1,
     offload: str = "none",
     sequence_parallel: bool = False,
+    loss_chunk_tokens: int = 0,
 ) -> MemoryBreakdown:
     """Peak bytes of one rank of pipeline stage ``stage`` (see the module docstring for the model).
 
@@ -315,7 +316,7 @@ def stage_memory(
         regime=regime,
     )
     activations = held * (layers // v) * per_layer
-    if checkpointing:  # one block's activations live while it is recomputed
+    if checkpointing != "none":  # one block's activations live while it is recomputed
         activations += layer_activation_bytes(
             model, micro_batch=b, tp=tp, sequence_parallel=sequence_parallel, precision=precision, regime=regime
         )
@@ -327,7 +328,13 @@ def stage_memory(
         held_last = math.ceil(held / v)
         activations += held_last * final_norm_bytes(model, tokens=s * b, regime=regime, sp_div=sp_div)
         logits = logits_bytes(
-            model, micro_batch=b, tp=tp, held=held_last, logits_elem=4 if regime == "fp32" else 2, pipeline=pp > 1
+            model,
+            micro_batch=b,
+            tp=tp,
+            held=held_last,
+            logits_elem=4 if regime == "fp32" else 2,
+            pipeline=pp > 1,
+            chunk_tokens=loss_chunk_tokens,
         )
 
     optimizer_temp = 4 * params / state_div if device == "cpu" or offloaded else 0.0  # foreach AdamW on CPU

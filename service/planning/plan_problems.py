@@ -83,8 +83,10 @@ def _memory_fixes(case: Case, est: PlanEstimate) -> str:
             variants.append((f"parallelism.zero={z}", case.replace(layout={"zero": z, **fsdp_only})))
     if layout_rules.uses_fsdp(lay.zero, lay.dp) and lay.offload == "none" and case.device == "cuda":
         variants.append(("parallelism.offload=cpu (states in host memory)", case.replace(layout={"offload": "cpu"})))
-    if not case.checkpointing:
-        variants.append(("training.activation_checkpointing=true", case.replace(checkpointing=True)))
+    if case.checkpointing == "none":
+        variants.append(("training.activation_checkpointing=selective", case.replace(checkpointing="selective")))
+    if case.checkpointing != "full":
+        variants.append(("training.activation_checkpointing=full", case.replace(checkpointing="full")))
     if case.micro_batch > 1:
         variants.append(("training.micro_batch=1", case.replace(micro_batch=1, layout={"microbatches": None})))
     if (

@@ -31,6 +31,7 @@ from etrain.service.planning.bounds import (
     MAX_GPUS_PER_WORKER,
     MAX_HEADS,
     MAX_LAYERS,
+    MAX_LOSS_CHUNK_TOKENS,
     MAX_LR,
     MAX_PATH,
     MAX_RESTARTS,
@@ -48,6 +49,7 @@ from etrain.workers.checkpoints.hf_config import model_config_from_hf, read_hf_c
 from etrain.workers.protocol import layout_rules
 from etrain.workers.protocol.run_config import (
     MODEL_PRESETS,
+    ActivationCheckpointing,
     CheckpointConfig,
     DataConfig,
     ModelConfig,
@@ -72,6 +74,15 @@ def json_int(lower: int | None = None, upper: int | None = None) -> Any:
 
 
 PositiveInt = json_int(1)
+
+
+def _checkpointing_mode(value: Any) -> Any:
+    """``training.activation_checkpointing`` as it was first spelled, a boolean, stays accepted."""
+    if value is True:
+        return "full"
+    if value is False:
+        return "none"
+    return value
 
 
 def _upto(upper: int, lower: int = 1) -> Any:
@@ -285,7 +296,22 @@ class TrainingSpec(_Section):
     weight_decay: float = Field(default=0.0, ge=0, le=100.0)
     seed: Seed = 0
     precision: Literal["fp32", "bf16"] = "fp32"
-    activation_checkpointing: bool = False
+    activation_checkpointing: Annotated[ActivationCheckpointing, BeforeValidator(_checkpointing_mode)] = Field(
+        default="none",
+        description="none: keep every activation; full: recompute each block in backward (true is accepted "
+        "for full, false for none); selective: keep the matmul and attention outputs, recompute the cheap ops",
+    )
+    compile: bool | None = Field(
+        default=None,
+        description="compile each transformer block with torch.compile (the compile cache stays on the node, "
+        "so a restarted rank reuses it); default: true for resources.device cuda, false for cpu",
+    )
+    loss_chunk_tokens: _upto(MAX_LOSS_CHUNK_TOKENS, 0) | Literal["auto"] = Field(
+        default="auto",
+        description="the output projection and the loss run over this many tokens at a time (forward and "
+        "backward), so the full logits never exist; 0: whole; auto: chunks of about 512 MiB of fp32 logits "
+        "when a micro-batch's logits are larger than that, else whole",
+    )
     timing_sync_every: _upto(MAX_STEPS) = Field(
         default=1,
         description="every this many steps the ranks meet in a scalar all-reduce so that the step's compute "
@@ -395,6 +421,23 @@ class JobSpec(_Section):
         return self.resources.device == "cuda"
 
     @property
+    def compile_blocks(self) -> bool:
+        """``training.compile`` or its default: on for CUDA (measured on an H100, Llama-1B shapes: 44.8%
+        MFU compiled vs 34.0% eager), off on CPU, where compiling costs more than a short job gains."""
+        if self.training.compile is not None:
+            return self.training.compile
+        return self.resources.device == "cuda"
+
+    def loss_chunk_tokens_for(self, tp: int) -> int:
+        """``training.loss_chunk_tokens``, ``auto`` resolved for this model and tensor-parallel degree."""
+        if self.training.loss_chunk_tokens != "auto":
+            return self.training.loss_chunk_tokens
+        model = self.model.to_config()
+        return layout_rules.auto_loss_chunk_tokens(
+            tokens=self.training.micro_batch * model.seq_len, vocab_size=model.vocab_size, tp=tp
+        )
+
+    @property
     def min_dp(self) -> int:
         return self.resources.min_dp or self.layout.dp
 
@@ -428,7 +471,11 @@ class JobSpec(_Section):
                 dp_replicate=layout.dp_replicate,
                 offload=layout.offload,
             ),
-            training=TrainingConfig(**self.training.model_dump()),
+            training=TrainingConfig(
+                **self.training.model_dump(exclude={"compile", "loss_chunk_tokens"}),
+                compile=self.compile_blocks,
+                loss_chunk_tokens=self.loss_chunk_tokens_for(layout.tp),
+            ),
             checkpoint=CheckpointConfig(
                 every_steps=0 if self.checkpoint.every_steps == "auto" else self.checkpoint.every_steps,
                 keep_last=self.checkpoint.keep_last,

@@ -42,21 +42,21 @@ BASE = small_config(steps=8)
 
 LAYOUTS: dict[str, tuple[ParallelConfig, bool]] = {
     # id: (layout, activation checkpointing)
-    "ddp2": (ParallelConfig(dp=2, zero=0), False),
-    "zero1-dp2": (ParallelConfig(dp=2, zero=1), False),
-    "zero2-dp2": (ParallelConfig(dp=2, zero=2), False),
-    "zero3-dp2": (ParallelConfig(dp=2, zero=3), False),
-    "zero3-dp2-ac": (ParallelConfig(dp=2, zero=3), True),
-    "tp2": (ParallelConfig(tp=2), False),
-    "tp2-sp": (ParallelConfig(tp=2, sequence_parallel=True), False),
-    "dp2-tp2": (ParallelConfig(dp=2, tp=2, zero=0), False),
-    "zero1-dp2-tp2": (ParallelConfig(dp=2, tp=2, zero=1), False),
-    "zero3-dp2-tp2-sp": (ParallelConfig(dp=2, tp=2, zero=3, sequence_parallel=True), False),
+    "ddp2": (ParallelConfig(dp=2, zero=0), "none"),
+    "zero1-dp2": (ParallelConfig(dp=2, zero=1), "none"),
+    "zero2-dp2": (ParallelConfig(dp=2, zero=2), "none"),
+    "zero3-dp2": (ParallelConfig(dp=2, zero=3), "none"),
+    "zero3-dp2-ac": (ParallelConfig(dp=2, zero=3), "full"),
+    "tp2": (ParallelConfig(tp=2), "none"),
+    "tp2-sp": (ParallelConfig(tp=2, sequence_parallel=True), "none"),
+    "dp2-tp2": (ParallelConfig(dp=2, tp=2, zero=0), "none"),
+    "zero1-dp2-tp2": (ParallelConfig(dp=2, tp=2, zero=1), "none"),
+    "zero3-dp2-tp2-sp": (ParallelConfig(dp=2, tp=2, zero=3, sequence_parallel=True), "none"),
     # HSDP: FSDP2 on the 2-D (dp_replicate, dp_shard) mesh, 2 replicas of 2 shards (4 ranks).
-    "hsdp-dp4-zero3": (ParallelConfig(dp=4, zero=3, dp_replicate=2), False),
-    "hsdp-dp4-zero2": (ParallelConfig(dp=4, zero=2, dp_replicate=2), False),
+    "hsdp-dp4-zero3": (ParallelConfig(dp=4, zero=3, dp_replicate=2), "none"),
+    "hsdp-dp4-zero2": (ParallelConfig(dp=4, zero=2, dp_replicate=2), "none"),
     # FSDP2 CPUOffloadPolicy: shards, gradients and the optimizer step in host memory.
-    "zero3-dp2-offload": (ParallelConfig(dp=2, zero=3, offload="cpu"), False),
+    "zero3-dp2-offload": (ParallelConfig(dp=2, zero=3, offload="cpu"), "none"),
 }
 
 

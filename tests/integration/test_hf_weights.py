@@ -169,8 +169,8 @@ def _logits_dp2_tp2(rank: int, world_size: int, folders: dict[str, str], ckpt_ro
     with FSDP2 and recomputes them (the suite's time: replicate×TP adds nothing that one does not test)."""
     results = {}
     layouts = {
-        "zero0": (ParallelConfig(dp=2, tp=2, zero=0), False),
-        "zero3+ac": (ParallelConfig(dp=2, tp=2, zero=3), True),
+        "zero0": (ParallelConfig(dp=2, tp=2, zero=0), "none"),
+        "zero3+ac": (ParallelConfig(dp=2, tp=2, zero=3), "full"),
     }
     for layout, (parallel, ac) in layouts.items():
         for arch, folder in folders.items():

@@ -17,6 +17,7 @@ from etrain.service.planning.plan_activations import (
     layer_activation_bytes,
     logits_bytes,
     rope_table_bytes,
+    selective_activation_bytes,
 )
 from etrain.service.planning.plan_comm import bubble_fraction
 from etrain.service.planning.plan_memory import (
@@ -31,6 +32,7 @@ from etrain.service.planning.plan_search import AutoPlan
 from etrain.service.planning.planner import check_plan, plan_report, resolve_auto
 from etrain.service.planning.spec import JobSpec, ParallelismSpec
 from etrain.workers.families.llama import FAMILY as LLAMA_FAMILY
+from etrain.workers.protocol.layout_rules import auto_loss_chunk_tokens
 from etrain.workers.protocol.run_config import MODEL_PRESETS, ModelConfig
 
 llama_layer_activation_bytes = LLAMA_FAMILY.layer_activation_bytes
@@ -260,10 +262,10 @@ class TestActivations:
         assert layer_activation_bytes(model, micro_batch=self.B, tp=4, sequence_parallel=True) == pytest.approx(
             (32 * sbd + lse + ln_stats) / 4
         )
-        ac = layer_activation_bytes(model, micro_batch=self.B, checkpointing=True)
+        ac = layer_activation_bytes(model, micro_batch=self.B, checkpointing="full")
         assert ac == pytest.approx(2 * sbd)  # only the block input
         assert layer_activation_bytes(
-            model, micro_batch=self.B, tp=4, sequence_parallel=True, checkpointing=True
+            model, micro_batch=self.B, tp=4, sequence_parallel=True, checkpointing="full"
         ) == pytest.approx(2 * sbd / 4)
 
     def test_llama_block_per_token(self):
@@ -550,7 +552,7 @@ class TestEstimate:
     def test_logits_are_vocab_sharded_under_tp(self):
         model = ModelConfig(**MODEL_PRESETS["llama3-8b"])
         for tp in (1, 2, 8):
-            est = estimate(gpu_spec("llama3-8b", {"tp": tp}))
+            est = estimate(gpu_spec("llama3-8b", {"tp": tp}, {"loss_chunk_tokens": 0}))
             assert est.memory.logits == math.ceil(logits_bytes(model, micro_batch=1, tp=tp))
 
     def test_tp_embedding_gradient_is_replicated(self):
@@ -840,7 +842,8 @@ class TestRules:
         assert "parallelism.zero=1" in fix and "(fits)" in fix
 
     def test_buffers_name_what_they_hold(self):
-        problems = check_plan(gpu_spec("llama3-8b", {"dp": 8, "zero": 3}))  # 64 micro-batches accumulate
+        # 64 micro-batches accumulate; whole logits (the chunked loss would make it fit).
+        problems = check_plan(gpu_spec("llama3-8b", {"dp": 8, "zero": 3}, {"loss_chunk_tokens": 0}))
         assert "the biggest component is buffers" in problems[0].message
         assert "unsharded grads 29.9" in problems[0].message  # fp32 gradients of the whole model
         assert "parallelism.offload=cpu" in problems[0].fix
@@ -850,7 +853,8 @@ class TestRules:
         problems = check_plan(spec)
         assert fields(problems) == ["parallelism"]
         assert "the biggest component is activations" in problems[0].message
-        assert "training.activation_checkpointing=true" in problems[0].fix
+        assert "training.activation_checkpointing=selective" in problems[0].fix
+        assert "training.activation_checkpointing=full" in problems[0].fix
         assert "training.micro_batch=1" in problems[0].fix
 
     def test_elastic_shrink_must_still_fit(self):
@@ -986,3 +990,78 @@ class TestReport:
     def test_degenerate_layout_reports_without_estimate(self):
         report = plan_report(with_layout(make_spec(), tp=0))
         assert report["feasible"] is False and report["estimate"] is None
+
+
+# ---------------------------------------------------------------------------------------------
+# Throughput options (issue #19): selective checkpointing and the chunked loss
+# ---------------------------------------------------------------------------------------------
+
+
+class TestThroughputOptions:
+    def test_selective_keeps_less_than_none_and_more_than_full(self):
+        for preset in ("llama3-1b", "gpt-small"):
+            model = ModelConfig(**MODEL_PRESETS[preset])
+            for regime, precision in (("autocast", "bf16"), ("fp32", "fp32"), ("bf16_params", "bf16")):
+                kept = {
+                    mode: layer_activation_bytes(
+                        model, micro_batch=4, precision=precision, regime=regime, checkpointing=mode
+                    )
+                    for mode in ("none", "selective", "full")
+                }
+                assert kept["full"] < kept["selective"] < kept["none"], (preset, regime, kept)
+
+    def test_selective_counts_the_block_input_matmul_and_attention_outputs(self):
+        model = ModelConfig(**MODEL_PRESETS["llama3-1b"])
+        d, f, h = model.d_model, model.ffn_dim, model.n_heads
+        q, kv = h * model.head_dim, model.kv_heads * model.head_dim
+        tokens = 2 * model.seq_len
+        got = selective_activation_bytes(model, micro_batch=2, regime="autocast")
+        assert got == tokens * (4 * d + 2 * (q + 2 * kv + 2 * f + 2 * d) + 2 * q + 4 * h)
+        # TP shards the column matmuls and attention; SP also the input and adds the reduce-scatters.
+        tp = selective_activation_bytes(model, micro_batch=2, tp=4, sequence_parallel=True, regime="autocast")
+        assert tp == tokens * (d + 2 * ((q + 2 * kv + 2 * f) / 4 + 2 * d) + 2 * q / 4 + h + 2 * 2 * d / 4)
+
+    def test_selective_costs_no_recompute_flops_and_no_extra_tp_traffic(self):
+        for mode, extra in (("none", False), ("selective", False), ("full", True)):
+            est = estimate(gpu_spec("llama3-8b", {"tp": 4}, {"activation_checkpointing": mode}))
+            assert (est.flops_per_step_with_recompute > est.flops_per_step) is extra, mode
+        full = estimate(gpu_spec("llama3-8b", {"tp": 4}, {"activation_checkpointing": "full"})).comm.tp
+        selective = estimate(gpu_spec("llama3-8b", {"tp": 4}, {"activation_checkpointing": "selective"})).comm.tp
+        assert selective == pytest.approx(full * 4 / 6, rel=0.05)
+
+    def test_the_boolean_form_still_means_full_or_none(self):
+        assert (
+            gpu_spec("llama3-8b", None, {"activation_checkpointing": True}).training.activation_checkpointing == "full"
+        )
+        assert gpu_spec("llama3-8b", None, {"activation_checkpointing": False}).training.activation_checkpointing == (
+            "none"
+        )
+
+    def test_chunked_logits_are_one_chunks_worth(self):
+        model = ModelConfig(**MODEL_PRESETS["llama3-1b"])
+        whole = logits_bytes(model, micro_batch=4, logits_elem=2)
+        chunked = logits_bytes(model, micro_batch=4, logits_elem=2, chunk_tokens=1024)
+        assert chunked == 1024 * model.vocab_size * (2 + 4 + 8)
+        assert chunked < whole / 5
+        # A chunk as large as the micro-batch is the whole logits.
+        assert logits_bytes(model, micro_batch=1, chunk_tokens=model.seq_len) == logits_bytes(model, micro_batch=1)
+
+    def test_auto_chunks_large_vocabularies_and_leaves_small_ones_whole(self):
+        assert auto_loss_chunk_tokens(tokens=8192, vocab_size=128_256) == 1024
+        assert auto_loss_chunk_tokens(tokens=8192, vocab_size=128_256, tp=8) == 0  # 537 MB / 8 fits
+        assert auto_loss_chunk_tokens(tokens=32, vocab_size=64) == 0
+        assert auto_loss_chunk_tokens(tokens=1 << 20, vocab_size=1 << 21) == 256  # never below one tile
+        spec = gpu_spec("llama3-1b", None, {"micro_batch": 4})
+        assert spec.to_run_config(job_id="j", checkpoint_root="/tmp/x").training.loss_chunk_tokens > 0
+        est, whole = (
+            estimate(gpu_spec("llama3-1b", None, {"micro_batch": 4, "loss_chunk_tokens": n})) for n in ("auto", 0)
+        )
+        assert est.memory.logits < whole.memory.logits / 5
+        assert est.memory.total < whole.memory.total
+
+    def test_compile_defaults_on_for_cuda_and_off_for_cpu(self):
+        assert gpu_spec("llama3-1b").to_run_config(job_id="j", checkpoint_root="/x").training.compile is True
+        cpu = make_spec(model="llama3-1b", training={"global_batch": 8})
+        assert cpu.to_run_config(job_id="j", checkpoint_root="/x").training.compile is False
+        off = gpu_spec("llama3-1b", None, {"compile": False})
+        assert off.to_run_config(job_id="j", checkpoint_root="/x").training.compile is False

@@ -6,7 +6,10 @@ The order is torchtitan's and matters:
    ``tp`` axis and the later steps must see (and keep) that sharding;
 2. ``apply_ac``  — activation checkpointing wraps whole blocks, after TP has rewritten their
    projections, so recomputation replays the TP collectives too;
-3. ``apply_dp``  — data parallelism last (DDP, ZeRO-1, FSDP2 ZeRO-2/3), because FSDP2 shards the
+3. ``apply_compile`` — ``training.compile`` compiles each (wrapped) block in place
+   (``workers/engine/compile.py``), so the compiled graph holds the TP collectives and the
+   recomputation, and FSDP2's hooks on the block stay outside it;
+4. ``apply_dp``  — data parallelism last (DDP, ZeRO-1, FSDP2 ZeRO-2/3), because FSDP2 shards the
    DTensors TP produced along the ``dp`` axis, and DDP must see the final parameters.
 
 Pipeline parallelism splits the model before any of this; ``workers/engine/pipeline.py`` calls
@@ -179,7 +182,11 @@ class ReplicateParallel(ParallelStyle):
             )
 
         def output_fn(mod, output, mesh):
-            return output.redistribute(placements=[output_layout]).to_local()
+            # No redistribute when the layout is already right: a no-op Redistribute node is one that
+            # AOTAutograd (training.compile) hands a plain-tensor gradient and that then fails in backward.
+            if tuple(output.placements) != (output_layout,):
+                output = output.redistribute(placements=[output_layout])
+            return output.to_local()
 
         return distribute_module(module, device_mesh, self._replicate_params, input_fn, output_fn)
 
@@ -204,12 +211,29 @@ class WidthShardedNorm(ParallelStyle):
         return distribute_module(module, device_mesh, self._shard_params, None, output_fn)
 
 
+class VocabEmbeddingParallel(RowwiseParallel):
+    """``RowwiseParallel`` for the token embedding, whose output is a settled tensor of its own.
+
+    Why: torch's style hands out the local tensor of an *asynchronous* all-reduce (or reduce-scatter),
+    an ``AsyncCollectiveTensor`` that waits on first use. Fed straight into a compiled block
+    (``training.compile``; measured with torch 2.13), AOTAutograd gives DTensor's backward a plain
+    tensor where it expects a DTensor (``'Tensor' object has no attribute '_local_tensor'``). One copy of
+    the embedding output per micro-batch (batch × seq × d) settles it; the GPT's position-embedding add
+    did the same by accident.
+    """
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        out = RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+        return out.clone() if use_local_output else out
+
+
 def tp_style(name: str, *, sequence_parallel: bool) -> ParallelStyle | None:
     """The torch ``ParallelStyle`` of a style a family's plan names (``etrain.workers.families.base.TP_STYLES``);
     None for ``gather_sequence`` without sequence parallelism (nothing to do)."""
     residual = Shard(1) if sequence_parallel else Replicate()
     if name == "vocab_embedding":
-        return RowwiseParallel(input_layouts=Replicate(), output_layouts=residual)
+        return VocabEmbeddingParallel(input_layouts=Replicate(), output_layouts=residual)
     if name == "position_embedding":  # positions [seq] -> [seq, d]: the sequence is dim 0 here.
         return ReplicateParallel(output_layout=Shard(0) if sequence_parallel else Replicate())
     if name == "norm":
@@ -275,17 +299,63 @@ def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool)
 # -- activation checkpointing --------------------------------------------------------------------
 
 
-def apply_ac(module: nn.Module) -> None:
-    """Recompute each block's activations in backward (non-reentrant checkpoint_wrapper).
+def apply_ac(module: nn.Module, mode: str = "full") -> None:
+    """Activation checkpointing of each block (non-reentrant ``checkpoint_wrapper``), by ``mode``:
 
-    Per block: the memory of one block's activations instead of all of them, for ~1/3 more compute.
+    * ``full``: keep only each block's input and recompute the whole block in backward: the memory of
+      one block's activations instead of all of them, for ~1/3 more compute;
+    * ``selective``: torch's per-op selective checkpointing (torchtitan's ``op`` policy): the outputs of
+      the matmuls, of attention and of the tensor-parallel reduce-scatters are kept, the cheap ops
+      between them (norms, activations, RoPE, residual adds, casts) recomputed. Most of the memory of
+      ``none`` is in those cheap ops' fp32 and element-wise tensors; the recompute costs no matmul.
+    * ``none``: nothing.
+
     The wrapper adds ``_checkpoint_wrapped_module`` to parameter paths; ``state_dict()`` and DCP's
     ``get_model_state_dict`` strip it, so checkpoint FQNs stay layout-independent.
     """
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
+    if mode == "none":
+        return
+    if mode not in ("full", "selective"):
+        raise ConfigError(
+            f"training.activation_checkpointing must be none, full or selective, got {mode!r}",
+            field="training.activation_checkpointing",
+        )
+    extra = {"context_fn": _selective_contexts} if mode == "selective" else {}
     for key in list(module.layers.keys()):
-        module.layers[key] = checkpoint_wrapper(module.layers[key], preserve_rng_state=False)
+        module.layers[key] = checkpoint_wrapper(module.layers[key], preserve_rng_state=False, **extra)
+
+
+def _saved_by_selective() -> frozenset:
+    """The ops whose outputs selective checkpointing keeps (those that exist in this torch build)."""
+    names = [
+        ("aten", "mm"),
+        ("aten", "addmm"),
+        ("aten", "bmm"),
+        ("aten", "_scaled_dot_product_efficient_attention"),
+        ("aten", "_scaled_dot_product_flash_attention"),
+        ("aten", "_scaled_dot_product_cudnn_attention"),
+        ("aten", "_scaled_dot_product_flash_attention_for_cpu"),
+        ("_c10d_functional", "reduce_scatter_tensor"),
+    ]
+    ops = set()
+    for namespace, name in names:
+        packet = getattr(getattr(torch.ops, namespace), name, None)
+        if packet is not None:
+            ops.add(packet.default)
+    return frozenset(ops)
+
+
+def _selective_contexts():
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    saved = _saved_by_selective()
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
 
 
 # -- data parallelism ----------------------------------------------------------------------------
@@ -399,7 +469,7 @@ def parallelize_stage(
     config: RunConfig,
     materialize: Callable[[nn.Module], nn.Module] | None = None,
 ) -> nn.Module:
-    """TP → AC → DP on a whole model or one pipeline stage; returns the module to run.
+    """TP → AC → compile → DP on a whole model or one pipeline stage; returns the module to run.
 
     ``module`` may live on the ``meta`` device; ``materialize`` then allocates and initialises its
     local shards at the latest point that is legal: after FSDP2 has sharded it (ZeRO-2/3, so a rank
@@ -418,11 +488,16 @@ def parallelize_stage(
             seq_len=config.model.seq_len, tp=dims.tp, enabled=parallel.sequence_parallel
         )
     )
+    # The head and loss in chunks of tokens (a stage that owns the output projection; run_trunk).
+    module.loss_chunk_tokens = config.training.loss_chunk_tokens
     if dims.tp_enabled:
         layout_rules.check(layout_rules.tp_problems(config.model, dims.tp))
         apply_tp(module, dims.axis("tp"), sequence_parallel=parallel.sequence_parallel)
-    if config.training.activation_checkpointing:
-        apply_ac(module)
+    apply_ac(module, config.training.activation_checkpointing)
+    if config.training.compile:
+        from etrain.workers.engine.compile import apply_compile
+
+        apply_compile(module)
     if uses_fsdp(dims, parallel):
         device = torch.device(dims.fsdp_mesh.device_type)
         return materialize(apply_dp(module, dims, zero=parallel.zero, **fsdp_policies(config, device)))

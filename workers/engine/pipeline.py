@@ -303,8 +303,10 @@ class PipelineRunner:
         loss: _MicroBatchLoss,
         group: dist.ProcessGroup,
         device: torch.device,
+        targets_to_stage: bool = False,
     ):
         self._schedule = schedule
+        self._targets_to_stage = targets_to_stage
         self._stages = stages
         self._stopwatch = stopwatch
         self._loss = loss
@@ -365,7 +367,10 @@ class PipelineRunner:
         self._loss.recorded.clear()
         args = (inputs,) if self.is_first else ()
         self._stopwatch.begin_step()
-        self._schedule.step(*args, target=targets if self.is_last else None, return_outputs=False)
+        # With targets_to_stage the last stage's forward takes the targets (split per micro-batch like the
+        # inputs) and returns the loss itself: the chunked head + loss (workers/families/head_loss.py).
+        to_stage = {"targets": targets} if self.is_last and self._targets_to_stage else {}
+        self._schedule.step(*args, target=targets if self.is_last else None, return_outputs=False, **to_stage)
         dist.all_reduce(self._step_end, group=self._group)
         self._stopwatch.end_step()
         self._timing_pending = True
@@ -391,6 +396,7 @@ def build_pipeline(
     device: torch.device | str,
     stage_transform: Callable[[nn.Module], nn.Module] = lambda module: module,
     wait_clock: Any = None,
+    targets_to_stage: bool = False,
 ) -> PipelineRunner:
     """Cut ``model`` into this rank's stages, apply ``stage_transform`` to each, build the schedule.
 
@@ -403,6 +409,8 @@ def build_pipeline(
     TP → activation checkpointing → DP/FSDP step; the modules it returns are the ``model_parts``.
     ``wait_clock`` (a :class:`etrain.workers.engine.collective_waits.CollectiveWaitClock`): collective waits inside
     the stages' forward / backward (TP, FSDP2) are subtracted from their busy time while it is armed.
+    ``targets_to_stage``: the last stage's forward is called with ``targets=`` and returns the micro-batch's
+    mean loss, which ``loss_fn(loss, targets)`` then passes on (the trainer's chunked loss).
     """
     layout_rules.check(
         layout_rules.pipeline_problems(
@@ -454,4 +462,5 @@ def build_pipeline(
         loss=loss,
         group=group,
         device=device,
+        targets_to_stage=targets_to_stage,
     )

@@ -57,7 +57,7 @@ from etrain.workers.engine.parallelize import (
     uses_fsdp,
     validate_data_parallel,
 )
-from etrain.workers.families.model import build_model_skeleton, cross_entropy_loss
+from etrain.workers.families.model import build_model_skeleton
 from etrain.workers.protocol import layout_rules
 from etrain.workers.protocol.errors import ConfigError, NonFiniteLossError
 from etrain.workers.protocol.messages import StepMetrics
@@ -152,7 +152,8 @@ class Trainer:
                 pp_rank=self.coords.pp,
                 parallel=parallel,
                 n_microbatches=self.grad_accum_steps,
-                loss_fn=cross_entropy_loss,
+                loss_fn=_loss_from_stage,
+                targets_to_stage=True,
                 device=self.device,
                 stage_transform=transform,
                 wait_clock=self._waits,
@@ -287,7 +288,9 @@ class Trainer:
                     for callback in self.callbacks:
                         _call(callback, "on_compute", self, step, micro_step)
                     with self._autocast():
-                        loss = cross_entropy_loss(module(inputs), targets)
+                        # The model computes its own loss: the head and the loss run in chunks of tokens
+                        # (training.loss_chunk_tokens; workers/families/head_loss.py).
+                        loss = module(inputs, targets=targets)
                 if last and synced:
                     self._sync_point()
                 with timer.span():
@@ -424,6 +427,11 @@ class Trainer:
         restore_rng_state(extra.get("rng") or {})
         self.next_step = int(extra["step"])
         return self.next_step
+
+
+def _loss_from_stage(loss: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The pipeline's loss function when the last stage computes the loss itself (``targets_to_stage``)."""
+    return loss
 
 
 def _call(callback: Any, hook: str, *args: Any) -> None:

@@ -176,6 +176,11 @@ class ModelFamily:
         """Learned position-embedding parameters (MFU's 6N leaves them out); 0 for rotary models."""
         return 0
 
+    def column_output_width(self, model: Sizes) -> int:
+        """Per token, the summed output widths of a block's column-parallel matmuls (what selective
+        checkpointing keeps of them: ``service/planning/plan_activations.selective_activation_bytes``)."""
+        raise NotImplementedError
+
     def attention_width(self, model: Sizes) -> int:
         """The width attention's QK^T and AV matmuls run at (``n_heads·head_dim``)."""
         return model.n_heads * model.head_dim

@@ -109,6 +109,9 @@ class GPT(ModelFamily):
         d, f = model.d_model, model.ffn_dim
         return (4 * d * d + 2 * d * f) / tp
 
+    def column_output_width(self, model: Sizes) -> int:
+        return 3 * model.d_model + model.ffn_dim  # wq, wk, wv; w1
+
     def lookup_params(self, model: Sizes) -> int:
         return (model.vocab_size + model.seq_len) * model.d_model
 

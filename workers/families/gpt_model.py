@@ -81,14 +81,14 @@ class GPT(nn.Module):
         self.norm: nn.LayerNorm | None = nn.LayerNorm(config.d_model)
         self.output: nn.Linear | None = nn.Linear(config.d_model, config.vocab_size, bias=False)
 
-    def forward(self, tokens_or_hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens_or_hidden: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Tokens ``[batch, seq]`` → logits ``[batch, seq, vocab]`` on a whole model; a pipeline stage
-        maps whatever its predecessor produced to what its successor expects."""
+        maps whatever its predecessor produced to what its successor expects; with ``targets``, the last stage returns the mean loss (``run_trunk``)."""
         h = tokens_or_hidden
         if self.tok_embeddings is not None:
             positions = torch.arange(h.shape[1], device=h.device)
             h = self.tok_embeddings(h) + self.pos_embeddings(positions)
-        return run_trunk(self, h)
+        return run_trunk(self, h, targets)
 
 
 def build(config: ModelConfig) -> nn.Module:

@@ -16,21 +16,30 @@ import math
 import torch
 from torch import nn
 
+from etrain.workers.families.head_loss import head_loss
 from etrain.workers.protocol.run_config import ModelConfig, RopeScaling
 
 __all__ = ["RMSNorm", "rope_inverse_frequencies", "rotate_half", "run_trunk"]
 
 
-def run_trunk(model: nn.Module, h: torch.Tensor) -> torch.Tensor:
+def run_trunk(model: nn.Module, h: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
     """The part of a forward every family shares: the stage's blocks, then the final norm and the
-    output projection where this stage owns them."""
+    output projection where this stage owns them.
+
+    With ``targets`` (the trainer's call) a stage that owns the output projection returns the mean loss
+    instead of the logits, computed in chunks of ``model.loss_chunk_tokens`` tokens
+    (``etrain.workers.families.head_loss``); other stages ignore them.
+    """
     for layer in model.layers.values():
         h = layer(h)
     if model.norm is not None:
         h = model.norm(h)
-    if model.output is not None:
-        h = model.output(h)
-    return h
+    if model.output is None:
+        return h
+    if targets is not None:
+        chunk = getattr(model, "loss_chunk_tokens", 0)
+        return head_loss(model.output, h, targets, chunk_tokens=chunk)
+    return model.output(h)
 
 
 class RMSNorm(nn.Module):

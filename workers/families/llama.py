@@ -282,6 +282,10 @@ class Llama(ModelFamily):
         q, kv = llama_widths(model)
         return (2 * d * q + 2 * d * kv + 3 * d * f) / tp
 
+    def column_output_width(self, model: Sizes) -> int:
+        q, kv = llama_widths(model)
+        return q + 2 * kv + 2 * model.ffn_dim  # wq, wk, wv; w1 (gate), w3 (up)
+
     def lookup_params(self, model: Sizes) -> int:
         """The token embedding, unless the output head multiplies by it (tied)."""
         return 0 if model.tie_embeddings else model.vocab_size * model.d_model

@@ -45,6 +45,14 @@ class LlamaAttention(nn.Module):
         self._rope_cache: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _rope(self, seq: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin tables ``[seq, head_dim]``: cached per (length, device) in eager mode; inside a
+        compiled block (``training.compile``) computed in the graph, on the device, because a compiled
+        region may not write to module state (and the compiler fuses the few element-wise ops)."""
+        if torch.compiler.is_compiling():
+            positions = torch.arange(seq, dtype=torch.float32, device=device)
+            freqs = torch.outer(positions, self._inv_freq.to(device))
+            emb = torch.cat((freqs, freqs), dim=-1)
+            return emb.cos(), emb.sin()
         key = (seq, str(device))
         if key not in self._rope_cache:
             positions = torch.arange(seq, dtype=torch.float32, device="cpu")
@@ -130,11 +138,11 @@ class Llama(nn.Module):
         if self.config.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
             self.output.weight = self.tok_embeddings.weight
 
-    def forward(self, tokens_or_hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens_or_hidden: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         h = tokens_or_hidden
         if self.tok_embeddings is not None:
             h = self.tok_embeddings(h)
-        return run_trunk(self, h)
+        return run_trunk(self, h, targets)
 
 
 def build(config: ModelConfig) -> nn.Module:

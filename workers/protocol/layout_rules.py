@@ -39,9 +39,11 @@ from etrain.workers.families.base import Sizes
 from etrain.workers.protocol.errors import ConfigError, EtrainError
 
 __all__ = [
+    "LOSS_CHUNK_BYTES",
     "PIPELINE_SCHEDULES",
     "SINGLE_STAGE_SCHEDULES",
     "Problem",
+    "auto_loss_chunk_tokens",
     "batch_problems",
     "check",
     "data_parallel_problems",
@@ -454,6 +456,28 @@ def batch_problems(*, global_batch: int, micro_batch: int, dp: int, microbatches
             )
         ]
     return []
+
+
+#: ``training.loss_chunk_tokens: auto`` sizes a chunk of the output projection + loss so that its fp32
+#: logits on one rank take about this much memory (Llama-3 vocabulary, tp=1: 1,024 tokens).
+LOSS_CHUNK_BYTES = 512 * 2**20
+#: Chunks are whole multiples of this many tokens (matmul-friendly shapes).
+_LOSS_CHUNK_ALIGN = 256
+
+
+def auto_loss_chunk_tokens(*, tokens: int, vocab_size: int, tp: int = 1) -> int:
+    """Tokens per chunk of the output projection + loss under ``auto``; 0 (whole) when one micro-batch's
+    fp32 logits (``tokens × vocab / tp × 4`` bytes) already fit in :data:`LOSS_CHUNK_BYTES`.
+
+    Why a byte budget: the logits are the largest activation of a large-vocabulary model (8,192 tokens of
+    Llama-3's 128,256-token vocabulary are 4.2 GB in fp32, and the loss's backward holds two more such
+    buffers), while chunks of ~1k tokens still give the output matmul full-size tiles.
+    """
+    per_token = 4 * vocab_size / max(1, tp)
+    if tokens * per_token <= LOSS_CHUNK_BYTES:
+        return 0
+    chunk = int(LOSS_CHUNK_BYTES // per_token) // _LOSS_CHUNK_ALIGN * _LOSS_CHUNK_ALIGN
+    return max(_LOSS_CHUNK_ALIGN, chunk)
 
 
 def grad_accum_steps(global_batch: int, micro_batch: int, dp: int) -> int:

@@ -20,6 +20,9 @@ PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 Precision = Literal["fp32", "bf16"]
 DataKind = Literal["text", "tokens", "synthetic"]
 Device = Literal["cpu", "cuda"]
+#: ``none``: keep every activation; ``full``: recompute each block in backward (keep its input);
+#: ``selective``: keep the matmul and attention outputs, recompute the cheap ops between them.
+ActivationCheckpointing = Literal["none", "full", "selective"]
 
 
 #: A registered model family's name (``etrain.workers.families``), e.g. ``gpt`` or ``llama``.
@@ -166,7 +169,12 @@ class TrainingConfig:
     weight_decay: float = 0.0
     seed: int = 0
     precision: Precision = "fp32"
-    activation_checkpointing: bool = False
+    activation_checkpointing: ActivationCheckpointing = "none"
+    #: Compile each block with ``torch.compile`` (``workers/engine/compile.py``).
+    compile: bool = False
+    #: Tokens per chunk of the output projection + loss (``workers/families/head_loss.py``): the full
+    #: ``[tokens, vocab]`` logits never exist; 0 computes them whole. The service resolves ``auto``.
+    loss_chunk_tokens: int = 0
     #: Every this many steps the ranks meet in a world-wide scalar all-reduce before the last
     #: backward, so that step's compute_s excludes waiting on peers (straggler detection reads only
     #: those steps); the steps between have none. 1 (the default) = every step: stragglers are
