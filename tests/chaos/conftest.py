@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +33,18 @@ FAST_NODE_DEATH = {
 
 @contextmanager
 def ray_cluster(worker_cpus: list[int]) -> Iterator[Cluster]:
+    """A cluster of its own: a head node without CPUs and one worker node per entry of ``worker_cpus``.
+
+    The driver joins one cluster at a time, so the shared cluster (``shared_plane``), if it is up, is
+    shut down first.
+    """
+    _SHARED.close()
+    with _new_cluster(worker_cpus) as cluster:
+        yield cluster
+
+
+@contextmanager
+def _new_cluster(worker_cpus: list[int]) -> Iterator[Cluster]:
     cluster = Cluster(
         initialize_head=True,
         head_node_args={"num_cpus": 0, "include_dashboard": False, "_system_config": FAST_NODE_DEATH},
@@ -48,12 +60,47 @@ def ray_cluster(worker_cpus: list[int]) -> Iterator[Cluster]:
         cluster.shutdown()
 
 
+class _SharedPlane:
+    """The cluster and control plane behind ``shared_plane``, kept from one module to the next.
+
+    Starting a cluster and its control plane (head, three raylets, the server, its warm spares) is 15-20 s
+    of a 2-core machine, and the modules that share one change nothing in it: every test's jobs end before
+    the test does, and no test removes or adds a node. So the first module to ask starts it and the others
+    reuse it; it is shut down when the chaos tests end (``_shut_the_shared_plane_down``) or when a test
+    needs a cluster of its own (``ray_cluster``).
+    """
+
+    def __init__(self) -> None:
+        self._stack: ExitStack | None = None
+        self.plane: ControlPlane | None = None
+
+    def get(self, tmp_path_factory: pytest.TempPathFactory) -> ControlPlane:
+        if self.plane is None:
+            with ExitStack() as stack:
+                stack.enter_context(_new_cluster([2, 2, 2]))
+                self.plane = stack.enter_context(control_plane(tmp_path_factory.mktemp("etrain-chaos")))
+                self._stack = stack.pop_all()
+        return self.plane
+
+    def close(self) -> None:
+        stack, self._stack, self.plane = self._stack, None, None
+        if stack is not None:
+            stack.close()
+
+
+_SHARED = _SharedPlane()
+
+
+@pytest.fixture(scope="package", autouse=True)
+def _shut_the_shared_plane_down() -> Iterator[None]:
+    yield
+    _SHARED.close()
+
+
 @pytest.fixture(scope="module")
-def shared_plane(tmp_path_factory) -> Iterator[ControlPlane]:
-    """Three 2-CPU worker nodes shared by the tests that do not remove nodes."""
-    with ray_cluster([2, 2, 2]):
-        with control_plane(tmp_path_factory.mktemp("etrain-chaos")) as plane:
-            yield plane
+def shared_plane(tmp_path_factory) -> ControlPlane:
+    """Three 2-CPU worker nodes shared by the tests that do not remove nodes (across modules: ``_SharedPlane``)."""
+    return _SHARED.get(tmp_path_factory)
 
 
 #: ``spec(..., model=LLAMA_MODEL)``: the same small job on a Llama (RoPE, RMSNorm, SwiGLU, grouped-query
