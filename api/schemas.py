@@ -101,6 +101,11 @@ class JobOut(BaseModel):
     )
     tenant: str = Field(default="default", description="the tenant that submitted the job")
     priority: int = Field(default=0, description="queue order: higher first, then oldest first")
+    mfu: float | None = Field(
+        default=None,
+        description="model FLOPs utilisation of the latest step, 0..1 (docs/job-spec.md: the formula); null "
+        "before the first step and where the device's peak FLOP/s is unknown (CPU)",
+    )
 
     @classmethod
     def of(cls, job: JobRecord) -> JobOut:
@@ -125,6 +130,7 @@ class JobOut(BaseModel):
             artifacts=dict(job.artifacts),
             tenant=job.tenant,
             priority=job.priority,
+            mfu=_finite(job.mfu),
         )
 
 

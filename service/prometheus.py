@@ -1,7 +1,7 @@
 """Prometheus exposition of job state for the control plane's ``/metrics``.
 
 Built from the SQLite store (not from Ray), so it answers even while the cluster is unreachable: the
-job's fields, its last step row (``etrain_job_mfu``) and its straggler findings (``etrain_job_stragglers``,
+job's fields, its last step row (``etrain_mfu``) and its straggler findings (``etrain_job_stragglers``,
 ``etrain_straggler_factor{rank}``). The supervisors also export their live gauges through Ray's own
 metrics agent (``ray_etrain_*``). deploy/grafana/etrain-dashboard.json reads only what is exported here.
 
@@ -58,7 +58,7 @@ class _JobCollector:
             ),
         }
         mfu = GaugeMetricFamily(
-            "etrain_job_mfu",
+            "etrain_mfu",
             "model FLOPs utilisation of the last step, 0..1 (jobs whose device has a known peak FLOP/s)",
             labels=["job_id", "name"],
         )

@@ -388,7 +388,7 @@ class InMemoryManager:
             if last >= total:
                 fields["status"] = JobStatus.SUCCEEDED
             if records:
-                fields.update(step=last, loss=records[-1].loss, tokens_per_s=tokens_per_s, goodput=0.9)
+                fields.update(step=last, loss=records[-1].loss, tokens_per_s=tokens_per_s, goodput=0.9, mfu=self.MFU)
             job = self.store.update_job(job_id, **fields) if fields else job
             if job.status == JobStatus.SUCCEEDED:
                 self.store.add_events(job_id, [(now, "succeeded", {"message": f"finished {total} steps"})])

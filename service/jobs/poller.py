@@ -136,6 +136,7 @@ class SupervisorPoller:
                 "step",
                 "loss",
                 "tokens_per_s",
+                "mfu",
                 "world_size",
                 "restarts",
                 "last_checkpoint_step",

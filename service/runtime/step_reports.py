@@ -112,6 +112,7 @@ class StepReports:
             "step": int(last["step"]) + 1,
             "loss": last.get("loss"),
             "tokens_per_s": last.get("tokens_per_s"),
+            "mfu": last.get("mfu"),
         }
         self._metrics.step(self.latest["step"], last, restarts)
 

@@ -241,6 +241,7 @@ class JobSupervisor:
             "step": self._steps.latest.get("step", state.step),
             "loss": self._steps.latest.get("loss"),
             "tokens_per_s": self._steps.latest.get("tokens_per_s"),
+            "mfu": self._steps.latest.get("mfu"),
             "stragglers": list(self._steps.findings),
             "artifacts": {"hf": state.hf_export} if state.hf_export else {},
             "events": events,

@@ -40,6 +40,7 @@ _UPDATABLE = frozenset(
         "step",
         "loss",
         "tokens_per_s",
+        "mfu",
         "world_size",
         "restarts",
         "error",
@@ -54,7 +55,7 @@ _UPDATABLE = frozenset(
 _JSON_FIELDS = frozenset({"spec", "stragglers", "artifacts"})
 _JOB_COLUMNS = (
     "id, name, status, spec, step, loss, tokens_per_s, world_size, restarts, created_at, updated_at, "
-    "error, layout, last_checkpoint_step, stragglers, goodput, attempt, artifacts, tenant, priority"
+    "error, layout, last_checkpoint_step, stragglers, goodput, attempt, artifacts, tenant, priority, mfu"
 )
 
 
@@ -469,6 +470,7 @@ def _job(row: tuple) -> JobRecord:
         artifacts,
         tenant,
         priority,
+        mfu,
     ) = row
     return JobRecord(
         id=job_id,
@@ -491,6 +493,7 @@ def _job(row: tuple) -> JobRecord:
         artifacts=json.loads(artifacts),
         tenant=tenant,
         priority=priority,
+        mfu=mfu,
     )
 
 

@@ -39,6 +39,7 @@ class JobRecord:
     artifacts: dict[str, str] = field(default_factory=dict)
     tenant: str = "default"  # who submitted it (etrain.service.access.tenancy); other tenants never see it
     priority: int = 0  # the queue starts higher first, then oldest first
+    mfu: float | None = None  # model FLOPs utilisation of the latest step (None where the peak is unknown)
 
     @property
     def is_terminal(self) -> bool:

@@ -86,8 +86,10 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
             tenant TEXT NOT NULL
         )""",
     ),
-    # The model FLOPs utilisation of each step (etrain plot, the progress bar, etrain_job_mfu); NULL before.
+    # The model FLOPs utilisation of each step (etrain plot, the progress bar, etrain_mfu); NULL before.
     ("ALTER TABLE steps ADD COLUMN mfu REAL",),
+    # The job's latest step's MFU (the job JSON's ``mfu``); NULL before or where the device's peak is unknown.
+    ("ALTER TABLE jobs ADD COLUMN mfu REAL",),
 )
 
 SCHEMA_VERSION = len(MIGRATIONS)

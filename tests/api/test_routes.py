@@ -107,8 +107,10 @@ def test_submit_returns_the_new_job(client):
         "artifacts",
         "tenant",
         "priority",
+        "mfu",
     }
     assert (job["name"], job["status"], job["step"], job["world_size"]) == ("tiny", "RUNNING", 0, 2)
+    assert job["mfu"] is None  # no step yet
     assert job["spec"]["training"]["global_batch"] == 8
     # Stored by alias (it validates again as a JobSpec); unset, it is decided by the device (off on CPU).
     assert "async_save" not in job["spec"]["checkpoint"] and job["spec"]["checkpoint"]["async"] is None
@@ -122,6 +124,13 @@ def test_get_shows_progress(client, manager):
     job = client.get(f"/v1/jobs/{job_id}").json()
     assert (job["step"], job["loss"], job["last_checkpoint_step"]) == (7, simulated_loss(7), 5)
     assert job["tokens_per_s"] == pytest.approx(8 * 64 / 0.1)
+    assert job["mfu"] is None  # a CPU job: no known peak FLOP/s
+
+    manager.MFU = 0.42  # a GPU job's steps report it; the job shows its latest
+    manager.advance(job_id, 1)
+    job = client.get(f"/v1/jobs/{job_id}").json()
+    assert job["mfu"] == 0.42
+    assert client.get(f"/v1/jobs/{job_id}/metrics").json()["steps"][-1]["mfu"] == 0.42
 
 
 def test_list_filters_by_status_and_pages(client, manager):

@@ -63,7 +63,7 @@ REQUIRED = {
     "jobs by status": "etrain_jobs",
     "loss": "etrain_job_loss",
     "tokens/s": "etrain_tokens_per_second",
-    "MFU": "etrain_job_mfu",
+    "MFU": "etrain_mfu",
     "goodput": "etrain_goodput",
     "restarts": "etrain_restarts_total",
     "stragglers": "etrain_straggler_factor",
@@ -179,8 +179,8 @@ def exported(tmp_path_factory) -> dict[str, set[str]]:
         samples = re.findall(rf"^{name}(?:\{{([^}}]*)\}})? \S+$", text, re.M)
         assert samples, f"{name} is declared but has no sample: the test job misses a field"
         families[name] = {pair.split("=", 1)[0] for labels in samples if labels for pair in labels.split(",")}
-    assert families["etrain_job_mfu"] == {"job_id", "name"}
-    assert f'etrain_job_mfu{{job_id="{job_id}",name="full"}} 0.4' in text
+    assert families["etrain_mfu"] == {"job_id", "name"}
+    assert f'etrain_mfu{{job_id="{job_id}",name="full"}} 0.4' in text
     assert f'etrain_straggler_factor{{job_id="{job_id}",name="full",rank="1"}} 1.9' in text
     assert f'etrain_job_stragglers{{job_id="{job_id}",name="full"}} 1.0' in text
     return families

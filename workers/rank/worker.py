@@ -177,6 +177,7 @@ class TrainWorker:
         import torch
         import torch.distributed as dist
 
+        from etrain.workers.engine.compile import compile_seconds
         from etrain.workers.engine.mesh import backend_for
         from etrain.workers.engine.train import Trainer
         from etrain.workers.rank.step_exchange import StepExchange
@@ -189,6 +190,7 @@ class TrainWorker:
         device = self._device(config)
         batcher = None
         phases = _Phases()  # where the attempt's start-up goes: one line in the rank log
+        compiled_before = compile_seconds()  # this process may have compiled in an earlier attempt
         _leave_process_groups()  # a kept process (in-place repair) rejoins from a clean slate
         dist.init_process_group(
             backend=backend_for(device.type, cpu_offload=config.parallel.offload == "cpu"),
@@ -244,6 +246,12 @@ class TrainWorker:
                 final_loss = metrics["loss"]
                 if step == plan.start_step:
                     saves.after_first_step(trainer)
+                    if log is not None and config.training.compile:
+                        # Compiling is lazy (the first step's forward and backward): its own phase.
+                        log.write(
+                            f"attempt {plan.attempt}: compile {compile_seconds() - compiled_before:.1f}s "
+                            f"(first step {metrics['step_s']:.1f}s; cache {os.environ.get('TORCHINDUCTOR_CACHE_DIR')})"
+                        )
                 decision = boundaries.after_step(metrics)
                 if batcher is not None:  # a step that saves or stops is urgent (the last step always saves)
                     for record, urgent in decision.reports:
