@@ -246,19 +246,20 @@ def pp_traffic(
 
 
 def step_flops(model: ModelConfig, *, global_batch: int, checkpointing: str) -> tuple[float, float]:
-    """(FLOPs per step, the same with activation recompute): 6 per matmul parameter per token
-    (forward 2, backward 4) plus attention's 12·L·(n_heads·head_dim)·s per token; full checkpointing
-    runs the forward again, selective only its element-wise ops (no matmul FLOPs). Embedding lookups are not matmuls, but a tied output head multiplies by the
-    embedding's weight, so a tied model's matmul parameters include it."""
+    """(FLOPs per step, the same with activation recompute): the family's FLOPs per token
+    (``ModelFamily.flops_per_token``: 6 per matmul weight, the output head included, plus attention's
+    12·L·(n_heads·head_dim)·s) times the step's tokens; full checkpointing runs each block's forward
+    again, selective only its element-wise ops (no matmul FLOPs)."""
     s = model.seq_len
     tokens = global_batch * s
-    found = family(model.arch)  # which parameters are lookups, and attention's width, are the family's
-    lookups, width = found.lookup_params(model), found.attention_width(model)
-    matmul_params = model.num_params - lookups
-    attention = model.n_layers * width * s
-    flops = 6 * matmul_params * tokens + 12 * attention * tokens
+    found = family(model.arch)  # the one FLOPs formula (MFU uses it too), and attention's width
+    flops = found.flops_per_token(model) * tokens
+    attention = model.n_layers * found.attention_width(model) * s
+    matmul_params = (flops / tokens - 12 * attention) / 6
+    # Full checkpointing runs each block's forward again: 2 per block weight, 4 for attention (not the head).
+    block_weights = matmul_params - model.vocab_size * model.d_model
     recompute = checkpointing == "full"
-    flops_recompute = flops + (2 * matmul_params + 4 * attention) * tokens if recompute else flops
+    flops_recompute = flops + (2 * block_weights + 4 * attention) * tokens if recompute else flops
     return flops, flops_recompute
 
 

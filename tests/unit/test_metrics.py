@@ -11,10 +11,10 @@ from etrain.workers.engine.optim import lr_at
 from etrain.workers.protocol.run_config import ModelConfig, TrainingConfig
 
 
-def test_flops_per_token_is_6n_plus_the_attention_term() -> None:
-    config = ModelConfig(n_layers=2, d_model=8, n_heads=2, vocab_size=16, seq_len=4)
-    n_without_positions = config.num_params - 4 * 8
-    assert flops_per_token(config) == 6 * n_without_positions + 12 * 2 * 8 * 4
+def test_flops_per_token_is_six_per_matmul_weight_plus_the_attention_term() -> None:
+    config = ModelConfig(n_layers=2, d_model=8, n_heads=2, vocab_size=16, seq_len=4)  # the GPT, d_ff 32
+    block = 4 * 8 * 8 + 2 * 8 * 32  # wq wk wv wo; w1 w2
+    assert flops_per_token(config) == 6 * (2 * block + 16 * 8) + 12 * 2 * 8 * 4
 
 
 def test_gpt2_small_flops_per_token_is_about_a_gigaflop() -> None:
@@ -66,3 +66,28 @@ def test_lr_without_warmup_starts_at_the_peak() -> None:
     training = TrainingConfig(steps=4, global_batch=8, micro_batch=2, lr=3e-4)
     assert lr_at(0, training) == pytest.approx(3e-4)
     assert math.isfinite(lr_at(3, training))
+
+
+@pytest.mark.parametrize("arch", ["gpt", "llama", "llama-tied", "olmo2"])
+def test_flops_per_token_is_six_per_matmul_weight_by_hand_plus_attention(arch) -> None:
+    """The formula against a hand count on the real torch modules: every ``nn.Linear`` weight (the output
+    head included, tied or not), no embedding lookup, norm or bias; plus 12·L·(heads·head_dim)·s."""
+    import dataclasses
+
+    import torch
+    from torch import nn
+
+    from etrain.workers.families.model import build_model_skeleton
+    from tests.equivalence_utils import TINY_GPT, TINY_LLAMA
+
+    config = {
+        "gpt": TINY_GPT,
+        "llama": TINY_LLAMA,
+        "llama-tied": dataclasses.replace(TINY_LLAMA, tie_embeddings=True),
+        "olmo2": dataclasses.replace(TINY_LLAMA, arch="olmo2", attention_bias="none"),
+    }[arch]
+    with torch.device("meta"):
+        model = build_model_skeleton(config)
+    linear_weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    attention = 12 * config.n_layers * config.n_heads * config.head_dim * config.seq_len
+    assert flops_per_token(config) == 6 * linear_weights + attention

@@ -7,6 +7,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from etrain.service.errors import SpecRejected
 from etrain.service.planning.estimate import RUNTIME_OVERHEAD_GIB, device_memory_gb, estimate
@@ -32,6 +33,7 @@ from etrain.service.planning.plan_search import AutoPlan
 from etrain.service.planning.planner import check_plan, plan_report, resolve_auto
 from etrain.service.planning.spec import JobSpec, ParallelismSpec
 from etrain.workers.families.llama import FAMILY as LLAMA_FAMILY
+from etrain.workers.families.model import build_model_skeleton
 from etrain.workers.protocol.layout_rules import auto_loss_chunk_tokens
 from etrain.workers.protocol.run_config import MODEL_PRESETS, ModelConfig
 
@@ -636,16 +638,20 @@ class TestEstimate:
         spec = gpu_spec(preset, {"dp": 8})
         model = ModelConfig(**MODEL_PRESETS[preset])
         tokens = 512 * model.seq_len
-        if model.arch != "gpt":  # the tied head multiplies by the embedding's weight
-            lookups, width = (0 if model.tie_embeddings else model.vocab_size * model.d_model), 128 * model.n_heads
-        else:
-            lookups, width = (model.vocab_size + model.seq_len) * model.d_model, model.d_model
-        expected = 6 * (model.num_params - lookups) * tokens + 12 * model.n_layers * width * model.seq_len * tokens
+        # By hand on the real modules (meta device): every nn.Linear weight, the output head included.
+        with torch.device("meta"):
+            skeleton = build_model_skeleton(model)
+        weights = sum(m.weight.numel() for m in skeleton.modules() if isinstance(m, torch.nn.Linear))
+        width = model.n_heads * model.head_dim
+        expected = 6 * weights * tokens + 12 * model.n_layers * width * model.seq_len * tokens
         est = estimate(spec)
         assert est.flops_per_step == pytest.approx(expected)
         assert est.flops_per_step_with_recompute == est.flops_per_step
         ac = estimate(gpu_spec(preset, {"dp": 8}, {"activation_checkpointing": True}))
-        assert ac.flops_per_step_with_recompute == pytest.approx(expected * 8 / 6, rel=2e-2)
+        # Full checkpointing runs each block's forward again (not the head's: only blocks are wrapped).
+        blocks = weights - model.vocab_size * model.d_model
+        recompute = (2 * blocks + 4 * model.n_layers * width * model.seq_len) * tokens
+        assert ac.flops_per_step_with_recompute == pytest.approx(expected + recompute)
 
     def test_device_memory_defaults_and_headroom(self):
         assert estimate(make_spec()).device_memory_bytes == 8 * GiB

@@ -30,18 +30,9 @@ PEAK_FLOPS: dict[str, dict[str, float]] = {
 
 
 def flops_per_token(model: ModelConfig) -> float:
-    """Training FLOPs per token: 6 N (forward + backward of every weight) + attention.
-
-    N excludes learned position embeddings (a lookup, not a matmul; the family says how many:
-    ``ModelFamily.position_params``, the GPT's, none for rotary families); the token embedding is
-    counted because the output projection is a matmul of the same size. The attention term
-    ``12 * n_layers * width * seq_len`` is the QK^T and AV matmuls, forward and backward, at the
-    family's attention width (``n_heads * head_dim``; d_model for the GPT) (PaLM, Chowdhery et al.
-    2022, appendix B; Chinchilla appendix F).
-    """
-    found = family(model.arch)
-    n = model.num_params - found.position_params(model)
-    return 6.0 * n + 12.0 * model.n_layers * found.attention_width(model) * model.seq_len
+    """Training FLOPs per token of ``model``: its family's one formula
+    (``etrain.workers.families.base.ModelFamily.flops_per_token``), which the planner uses too."""
+    return family(model.arch).flops_per_token(model)
 
 
 def peak_flops_per_s(device_name: str | None, precision: str) -> float | None:

@@ -176,6 +176,20 @@ class ModelFamily:
         """Learned position-embedding parameters (MFU's 6N leaves them out); 0 for rotary models."""
         return 0
 
+    def flops_per_token(self, model: Sizes) -> float:
+        """Training FLOPs per token, the one formula behind MFU and the planner's step time:
+        ``6 × matmul weights + 12 × n_layers × attention width × seq_len``.
+
+        Matmul weights are every block's projections (:meth:`matmul_params_per_layer`) and the output
+        head (``vocab × d_model``, tied or not: it is a matmul either way); embedding lookups, norms and
+        biases are not matmuls. 6 = 2 for the forward + 4 for the backward (input and weight gradients).
+        The attention term is QK^T and AV, forward and backward, at full causal length (PaLM,
+        Chowdhery et al. 2022, appendix B; what the issue's and Megatron's MFU count). Recomputation by
+        activation checkpointing is not model FLOPs and is not counted.
+        """
+        weights = model.n_layers * self.matmul_params_per_layer(model) + model.vocab_size * model.d_model
+        return 6.0 * weights + 12.0 * model.n_layers * self.attention_width(model) * model.seq_len
+
     def column_output_width(self, model: Sizes) -> int:
         """Per token, the summed output widths of a block's column-parallel matmuls (what selective
         checkpointing keeps of them: ``service/planning/plan_activations.selective_activation_bytes``)."""
