@@ -112,6 +112,8 @@ def candidate_layouts(spec: JobSpec, base: Case, budget: int) -> Iterator[Case]:
     per_replica = layout_rules.micro_batch_count(training.global_batch, training.micro_batch)
     dps = layout_rules.legal_dp_sizes(training.global_batch, training.micro_batch, lo_dp, hi_dp)
     tps = [t for t in layout_rules.valid_tps(model) if t <= min(budget, MAX_AUTO_TP)]
+    if training.float8:  # float8 composes with dp / ZeRO and pp, not with tp (layout_rules.float8_problems)
+        tps = [1]
     pps = [
         p
         for p in spread([p for p in layout_rules.divisors(model.n_layers) if p <= budget], MAX_AUTO_PP_SIZES)

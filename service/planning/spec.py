@@ -306,6 +306,12 @@ class TrainingSpec(_Section):
         description="compile each transformer block with torch.compile (the compile cache stays on the node, "
         "so a restarted rank reuses it); default: true for resources.device cuda, false for cpu",
     )
+    float8: bool = Field(
+        default=False,
+        description="float8 matmuls in the blocks (torchao, the etrain[float8] extra) with float8 all-gather "
+        "under FSDP2; the output projection and small matmuls stay bf16; needs resources.device cuda with "
+        "H100-class GPUs, training.precision bf16 and parallelism.tp 1",
+    )
     loss_chunk_tokens: _upto(MAX_LOSS_CHUNK_TOKENS, 0) | Literal["auto"] = Field(
         default="auto",
         description="the output projection and the loss run over this many tokens at a time (forward and "

@@ -11,6 +11,7 @@ engine applies), warm-up, the elastic range and the world size, and the supervis
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 from typing import Any
 
@@ -106,6 +107,7 @@ def check_spec(spec: JobSpec) -> list[SpecProblem]:
                 fix="set model.vocab_size to at least 256",
             )
         )
+    problems += _float8_problems(spec)
     if spec.is_auto:
         return problems + _policy_problems(spec, problems)
     layout = spec.layout
@@ -145,6 +147,24 @@ def check_spec(spec: JobSpec) -> list[SpecProblem]:
         )
     problems += _world_problems(spec)
     problems += _policy_problems(spec, problems)
+    return problems
+
+
+def _float8_problems(spec: JobSpec) -> list[SpecProblem]:
+    if not spec.training.float8:
+        return []
+    tp = 1 if spec.is_auto else spec.layout.tp
+    problems = SpecProblem.of(
+        layout_rules.float8_problems(device=spec.resources.device, precision=spec.training.precision, tp=tp)
+    )
+    if importlib.util.find_spec("torchao") is None:
+        problems.append(
+            SpecProblem(
+                field="training.float8",
+                message="training.float8 needs torchao, which is not installed where etrain runs.",
+                fix="pip install 'etrain[float8]' on the server and the Ray workers, or set training.float8: false",
+            )
+        )
     return problems
 
 

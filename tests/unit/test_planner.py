@@ -1071,3 +1071,20 @@ class TestThroughputOptions:
         assert cpu.to_run_config(job_id="j", checkpoint_root="/x").training.compile is False
         off = gpu_spec("llama3-1b", None, {"compile": False})
         assert off.to_run_config(job_id="j", checkpoint_root="/x").training.compile is False
+
+    def test_float8_is_refused_where_it_cannot_run_with_the_field_and_the_fix(self):
+        from etrain.service.planning.spec_checks import check_spec
+
+        cpu = make_spec(model="llama-tiny", training={"global_batch": 8, "precision": "bf16", "float8": True})
+        problems = [p for p in check_spec(cpu) if p.field == "training.float8"]
+        assert len(problems) == 1 and "H100" in problems[0].fix and "'cpu'" in problems[0].message
+        fp32 = check_spec(gpu_spec("llama3-8b", {"dp": 8, "zero": 3}, {"float8": True, "precision": "fp32"}))
+        assert [p.fix for p in fp32 if p.field == "training.float8"] == ["set training.precision: bf16"]
+        tp = check_spec(gpu_spec("llama3-8b", {"tp": 8}, {"float8": True}))
+        assert any(p.field == "training.float8" and "parallelism.tp=8" in p.message for p in tp)
+        assert check_spec(gpu_spec("llama3-8b", {"dp": 8, "zero": 3}, {"float8": True})) == []
+
+    def test_an_auto_layout_with_float8_keeps_tp_at_one(self):
+        spec = gpu_spec("llama3-8b", {"auto": True, "max_workers": 16}, {"float8": True})
+        assert resolve_auto(spec).layout.tp == 1
+        assert resolve_auto(gpu_spec("llama3-8b", {"auto": True, "max_workers": 16})).layout.tp > 1

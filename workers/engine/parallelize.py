@@ -468,8 +468,9 @@ def parallelize_stage(
     dims: ParallelDims,
     config: RunConfig,
     materialize: Callable[[nn.Module], nn.Module] | None = None,
+    device: torch.device | str | None = None,
 ) -> nn.Module:
-    """TP → AC → compile → DP on a whole model or one pipeline stage; returns the module to run.
+    """(float8 →) TP → AC → compile → DP on a whole model or one pipeline stage; returns the module to run.
 
     ``module`` may live on the ``meta`` device; ``materialize`` then allocates and initialises its
     local shards at the latest point that is legal: after FSDP2 has sharded it (ZeRO-2/3, so a rank
@@ -490,6 +491,16 @@ def parallelize_stage(
     )
     # The head and loss in chunks of tokens (a stage that owns the output projection; run_trunk).
     module.loss_chunk_tokens = config.training.loss_chunk_tokens
+    if config.training.float8:  # before TP and FSDP2 wrap the projections (torchtitan's order)
+        from etrain.workers.engine.float8 import apply_float8
+
+        apply_float8(
+            module,
+            device=torch.device(device or "cpu"),
+            fsdp=uses_fsdp(dims, parallel),
+            precision=config.training.precision,
+            tp=dims.tp,
+        )
     if dims.tp_enabled:
         layout_rules.check(layout_rules.tp_problems(config.model, dims.tp))
         apply_tp(module, dims.axis("tp"), sequence_parallel=parallel.sequence_parallel)

@@ -141,7 +141,9 @@ class Trainer:
             n_layers=config.model.n_layers,
             rng_device=self.device,
         )
-        transform = partial(parallelize_stage, dims=self.dims, config=config, materialize=materialize_local)
+        transform = partial(
+            parallelize_stage, dims=self.dims, config=config, materialize=materialize_local, device=self.device
+        )
         self.pipeline = None
         if self.dims.pp_enabled:
             from etrain.workers.engine.pipeline import build_pipeline

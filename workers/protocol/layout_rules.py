@@ -44,6 +44,7 @@ __all__ = [
     "SINGLE_STAGE_SCHEDULES",
     "Problem",
     "auto_loss_chunk_tokens",
+    "float8_problems",
     "batch_problems",
     "check",
     "data_parallel_problems",
@@ -478,6 +479,39 @@ def auto_loss_chunk_tokens(*, tokens: int, vocab_size: int, tp: int = 1) -> int:
         return 0
     chunk = int(LOSS_CHUNK_BYTES // per_token) // _LOSS_CHUNK_ALIGN * _LOSS_CHUNK_ALIGN
     return max(_LOSS_CHUNK_ALIGN, chunk)
+
+
+def float8_problems(*, device: str, precision: str, tp: int, emulate: bool = False) -> list[Problem]:
+    """``training.float8``: float8 matmuls need a GPU with float8 tensor cores (compute capability 8.9+,
+    checked again by the rank on its device), bf16 for everything float8 does not cover, and no tensor
+    parallelism (torchao's float8 TP styles are not wired into etrain's TP plans). ``emulate``: the
+    engine's CPU emulation (tests), which runs anywhere."""
+    problems = []
+    if device != "cuda" and not emulate:
+        problems.append(
+            Problem(
+                field="training.float8",
+                message=f"training.float8 needs a GPU with float8 tensor cores (H100-class); resources.device is {device!r}.",
+                fix="set training.float8: false, or run on resources.device: cuda with H100/H200/L40S-class GPUs",
+            )
+        )
+    if precision != "bf16":
+        problems.append(
+            Problem(
+                field="training.float8",
+                message=f"training.float8 computes the rest in bf16; training.precision is {precision!r}.",
+                fix="set training.precision: bf16",
+            )
+        )
+    if tp > 1:
+        problems.append(
+            Problem(
+                field="training.float8",
+                message=f"training.float8 does not compose with tensor parallelism yet (parallelism.tp={tp}).",
+                fix="use parallelism.tp: 1 (data parallelism and ZeRO-3 with float8 all-gather), or float8: false",
+            )
+        )
+    return problems
 
 
 def grad_accum_steps(global_batch: int, micro_batch: int, dp: int) -> int:

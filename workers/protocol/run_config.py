@@ -175,6 +175,8 @@ class TrainingConfig:
     #: Tokens per chunk of the output projection + loss (``workers/families/head_loss.py``): the full
     #: ``[tokens, vocab]`` logits never exist; 0 computes them whole. The service resolves ``auto``.
     loss_chunk_tokens: int = 0
+    #: float8 linears (torchao; ``workers/engine/float8.py``); bf16 for the rest.
+    float8: bool = False
     #: Every this many steps the ranks meet in a world-wide scalar all-reduce before the last
     #: backward, so that step's compute_s excludes waiting on peers (straggler detection reads only
     #: those steps); the steps between have none. 1 (the default) = every step: stragglers are
