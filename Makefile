@@ -55,6 +55,18 @@ gpu-check:
 gpu-wheels:
 	bash benchmarks/gpu/make_wheels.sh
 
+## make bench-gpu: etrain against transformers on one GPU in one run (benchmarks/gpu/throughput.py): etrain eager,
+## compile, + chunked loss, + selective AC, + float8 (skipped without training.float8), transformers eager and
+## per-block compile, on Llama-3.2-1B shapes and on Llama-3.1-8B widths with 4 layers. Step, tokens/s, MFU, peak
+## memory per row to benchmarks/results/gpu_throughput.json, and the markdown table for docs (also printed, and
+## in gpu_throughput.md beside it). Without a GPU it says so and exits 0. Needs no .venv: python3 (or GPU_PYTHON)
+## with PyTorch and transformers. BENCH_GPU_TINY=1: every row on CPU with the tiny model, in under a minute
+## (.venv's python when there is one). ARGS passes more flags, e.g. ARGS='--shapes 1b --steps 12'.
+.PHONY: bench-gpu
+BENCH_GPU_PY = $(or $(GPU_PYTHON),$(if $(BENCH_GPU_TINY),$(if $(wildcard $(PY)),$(PY),python3),python3))
+bench-gpu:
+	$(BENCH_GPU_PY) -m benchmarks.gpu.throughput $(if $(BENCH_GPU_TINY),--tiny) $(ARGS)
+
 ## make bench: the benchmark suite (benchmarks/suite.py: start-up, recovery, goodput, stragglers, hangs,
 ## checkpoints, pipeline bubble, steady state, each against Ray Train v2, torchrun or a formula); raw
 ## samples to benchmarks/results/*.json, benchmarks/README.md's table regenerated from them. Then the throughput,

@@ -17,23 +17,33 @@ from __future__ import annotations
 
 import datetime
 import re
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from benchmarks.figures import median
 from benchmarks.peers.common import recovery_measures
 from etrain.workers.engine.metrics import flops_per_token, mfu, peak_flops_per_s
+from etrain.workers.protocol.layout_rules import auto_loss_chunk_tokens
 from etrain.workers.protocol.run_config import MODEL_PRESETS, ModelConfig
 
 __all__ = [
+    "BENCH_ROWS",
+    "BENCH_SHAPES",
     "FULL",
+    "LLAMA8B_WIDTHS",
+    "ROWS",
     "TINY",
+    "TINY_WIDE",
     "CheckSizes",
+    "bench_loss_chunk",
     "device_peak",
     "job_figures",
     "kill_ts",
     "model_config",
+    "model_summary",
     "probe_figures",
+    "row_plan",
     "save_blocking",
     "startup_phases",
     "step_median",
@@ -51,6 +61,8 @@ class CheckSizes:
     global_batch: int
     precision: str
     device: str
+    #: Fewer layers than the preset (the 8B widths on one GPU); None: the preset's.
+    n_layers: int | None = None
 
     @property
     def tokens_per_step(self) -> int:
@@ -65,11 +77,115 @@ class CheckSizes:
 FULL = CheckSizes(preset="llama3-1b", seq_len=2048, micro_batch=4, global_batch=8, precision="bf16", device="cuda")
 #: ``--tiny``: the same code paths on CPU with a model that trains in milliseconds.
 TINY = CheckSizes(preset="llama-tiny", seq_len=64, micro_batch=4, global_batch=8, precision="fp32", device="cpu")
+#: ``make bench-gpu``'s second shape: Llama-3.1-8B's widths (d 4096, 32 heads, 8 KV heads, d_ff 14336,
+#: vocabulary 128256, untied embeddings) with 4 of its 32 layers: 1.92 B parameters, 16 bytes each as fp32
+#: weights, gradients and AdamW's two moments (30.7 GB), which leaves room on one 80 GB GPU for the row
+#: that keeps most (transformers eager: every activation and the whole fp32 logits of a micro-batch).
+#: Micro-batch 2 (4,096 tokens), global batch 8, 2048 tokens, bf16.
+LLAMA8B_WIDTHS = CheckSizes(
+    preset="llama3-8b", seq_len=2048, micro_batch=2, global_batch=8, precision="bf16", device="cuda", n_layers=4
+)
+#: ``--tiny``'s second shape: fewer layers and a smaller micro-batch, as the GPU shape has.
+TINY_WIDE = CheckSizes(
+    preset="llama-tiny", seq_len=64, micro_batch=2, global_batch=8, precision="fp32", device="cpu", n_layers=2
+)
+#: ``make bench-gpu``'s shapes: name -> (label, the GPU sizes, the ``--tiny`` sizes).
+BENCH_SHAPES: dict[str, tuple[str, CheckSizes, CheckSizes]] = {
+    "1b": ("Llama-3.2-1B shapes", FULL, TINY),
+    "8b-widths": ("Llama-3.1-8B widths, 4 of its 32 layers", LLAMA8B_WIDTHS, TINY_WIDE),
+}
+
+#: The engine probe's rows: the engine each runs and the options it trains with (none: eager, whole
+#: logits, every activation kept). etrain's options are ``TrainingConfig`` fields (``loss_chunk_tokens:
+#: "auto"``: :func:`bench_loss_chunk`); transformers' are ``compile`` (each ``model.model.layers[i]``
+#: compiled in place, as etrain does its blocks) and ``activation_checkpointing: "full"``
+#: (``gradient_checkpointing_enable``). A row whose option ``TrainingConfig`` does not have (yet) is
+#: skipped with a note (:func:`row_plan`).
+ROWS: dict[str, dict[str, Any]] = {
+    "etrain": {"engine": "etrain", "label": "etrain eager", "options": {}},
+    "etrain-ac": {
+        "engine": "etrain",
+        "label": "etrain eager + full AC",
+        "options": {"activation_checkpointing": "full"},
+    },
+    "etrain-compile": {"engine": "etrain", "label": "etrain compile", "options": {"compile": True}},
+    "etrain-compile-chunked": {
+        "engine": "etrain",
+        "label": "etrain compile + chunked loss",
+        "options": {"compile": True, "loss_chunk_tokens": "auto"},
+    },
+    "etrain-compile-chunked-sac": {
+        "engine": "etrain",
+        "label": "etrain compile + chunked loss + selective AC",
+        "options": {"compile": True, "loss_chunk_tokens": "auto", "activation_checkpointing": "selective"},
+    },
+    "etrain-compile-chunked-float8": {
+        "engine": "etrain",
+        "label": "etrain compile + chunked loss + float8",
+        # float8 runs the rest in bf16 (the GPU shapes' precision; --tiny's model is fp32 otherwise)
+        "options": {"compile": True, "loss_chunk_tokens": "auto", "float8": True, "precision": "bf16"},
+    },
+    "hf": {"engine": "hf", "label": "transformers eager", "options": {}},
+    "hf-ac": {"engine": "hf", "label": "transformers eager + full AC", "options": {"activation_checkpointing": "full"}},
+    "hf-compile": {"engine": "hf", "label": "transformers per-block compile", "options": {"compile": True}},
+}
+#: ``make bench-gpu``'s rows, in order.
+BENCH_ROWS = (
+    "etrain",
+    "etrain-compile",
+    "etrain-compile-chunked",
+    "etrain-compile-chunked-sac",
+    "etrain-compile-chunked-float8",
+    "hf",
+    "hf-compile",
+)
+_HF_OPTIONS = {"compile": (True, False), "activation_checkpointing": ("none", "full")}
 
 
 def model_config(sizes: CheckSizes) -> ModelConfig:
-    """The preset at the check's sequence length: what the service builds for ``model: {preset, seq_len}``."""
-    return ModelConfig(**{**MODEL_PRESETS[sizes.preset], "seq_len": sizes.seq_len})
+    """The preset at the check's sequence length (and layer count): what the service builds for
+    ``model: {preset, seq_len[, n_layers]}``."""
+    layers = {"n_layers": sizes.n_layers} if sizes.n_layers else {}
+    return ModelConfig(**{**MODEL_PRESETS[sizes.preset], "seq_len": sizes.seq_len, **layers})
+
+
+def model_summary(sizes: CheckSizes) -> dict[str, Any]:
+    """The model's shape and parameter count, as the result files record it."""
+    model = model_config(sizes)
+    fields = ("n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "seq_len", "tie_embeddings")
+    return {"params": model.num_params, **{k: getattr(model, k) for k in fields}}
+
+
+def bench_loss_chunk(sizes: CheckSizes) -> int:
+    """``loss_chunk_tokens: auto`` for a micro-batch of ``sizes``, as the service resolves it on one GPU; where
+    ``auto`` keeps the logits whole (the tiny model's fit its budget), a quarter of the micro-batch's tokens,
+    so that the row still runs the chunked path."""
+    tokens = sizes.micro_batch * sizes.seq_len
+    chunk = auto_loss_chunk_tokens(tokens=tokens, vocab_size=model_config(sizes).vocab_size, tp=1)
+    return chunk or max(1, tokens // 4)
+
+
+def row_plan(name: str, sizes: CheckSizes, training_fields: Iterable[str]) -> dict[str, Any]:
+    """What row ``name`` of :data:`ROWS` runs on ``sizes``: ``engine``, ``label``, ``options`` resolved (etrain:
+    ``TrainingConfig`` keywords) and ``skip``, a note when ``TrainingConfig`` (whose field names are
+    ``training_fields``) lacks one of the row's options, else None. Unknown rows and options an engine does
+    not have raise ``ValueError``."""
+    if name not in ROWS:
+        raise ValueError(f"unknown probe row {name!r}; rows: {', '.join(ROWS)}")
+    spec = ROWS[name]
+    options = dict(spec["options"])
+    skip = None
+    if spec["engine"] == "etrain":
+        missing = sorted(set(options) - set(training_fields))
+        if missing:
+            skip = "needs " + ", ".join(f"training.{field}" for field in missing)
+        if options.get("loss_chunk_tokens") == "auto":
+            options["loss_chunk_tokens"] = bench_loss_chunk(sizes)
+    else:
+        wrong = {k: v for k, v in options.items() if v not in _HF_OPTIONS.get(k, ())}
+        if wrong:
+            raise ValueError(f"row {name!r}: transformers runs none of {wrong}")
+    return {"row": name, "engine": spec["engine"], "label": spec["label"], "options": options, "skip": skip}
 
 
 def device_peak(device_name: str | None, precision: str) -> float | None:

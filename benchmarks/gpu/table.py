@@ -1,11 +1,12 @@
-"""The table of ``make gpu-check`` (docs/gpu.md), from ``gpu_probe.json`` and ``gpu_service.json``.
+"""The table of ``make gpu-check`` (docs/gpu.md), from ``gpu_probe.json`` and ``gpu_service.json``; and
+``make bench-gpu``'s (:func:`render_throughput`, from ``gpu_throughput.json``).
 
-    python -m benchmarks.gpu.table [--results-dir benchmarks/results] [--check]
+    python -m benchmarks.gpu.table [--results-dir benchmarks/results] [--check] [--throughput]
 
 Prints markdown: one line naming the device, torch and the date, then a row per figure with issue 16's
 goal beside it where it sets one. ``--check`` also exits 1 unless both jobs SUCCEEDED and every probe
-row ran (what ``make gpu-check`` reports as its exit status). Pure: reads two JSON files, imports nothing
-but the standard library.
+row ran (what ``make gpu-check`` reports as its exit status). ``--throughput``: ``make bench-gpu``'s table
+instead. Pure: reads JSON files, imports nothing but the standard library.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["GOALS", "passed", "render"]
+__all__ = ["GOALS", "passed", "render", "render_throughput"]
 
 #: Issue 16's goals on one H100 (the figures without one are reported as measured).
 GOALS: dict[str, tuple[str, float, str]] = {
@@ -207,6 +208,84 @@ def passed(probe: dict[str, Any] | None, service: dict[str, Any] | None) -> list
     return problems
 
 
+#: The row each other row of ``make bench-gpu`` is compared with (tokens/s, on the same shape).
+THROUGHPUT_BASELINE = "hf"
+
+
+def _step(value: float | None) -> str:
+    return "–" if value is None else f"{value:.3f} s"
+
+
+def _shape_line(shape: dict[str, Any]) -> str:
+    sizes = shape.get("sizes", {})
+    params = shape.get("params") or 0
+    size = f"{params / 1e9:.2f} B parameters" if params >= 1e8 else f"{params:,} parameters"
+    tokens = sizes.get("global_batch", 0) * sizes.get("seq_len", 0)
+    return (
+        f"**{shape.get('label', shape.get('shape'))}**: {shape.get('n_layers')} layers, d_model {shape.get('d_model')}, "
+        f"{shape.get('n_heads')} heads / {shape.get('n_kv_heads')} KV heads, d_ff {shape.get('ffn_dim')}, "
+        f"vocabulary {shape.get('vocab_size') or 0:,}{', tied' if shape.get('tie_embeddings') else ''}; {size}; "
+        f"{sizes.get('seq_len')} tokens × micro-batch {sizes.get('micro_batch')}, global batch "
+        f"{sizes.get('global_batch')} ({tokens:,} tokens per step), {sizes.get('precision')}."
+    )
+
+
+def _options(record: dict[str, Any]) -> str:
+    chunk = (record.get("options") or {}).get("loss_chunk_tokens")
+    return f" ({chunk:,}-token chunks)" if isinstance(chunk, int) and chunk > 0 else ""
+
+
+def _throughput_row(record: dict[str, Any], baseline: dict[str, Any] | None) -> str:
+    label = f"{record.get('label') or record['row']}{_options(record)}"
+    if record.get("skipped"):
+        return f"| {label} | skipped: {record['skipped']} | | | | | | |"
+    if record.get("error"):
+        return f"| {label} | failed: {record['error'][:160]} | | | | | | |"
+    tokens, base = record.get("tokens_per_s"), (baseline or {}).get("tokens_per_s")
+    ratio = f"{tokens / base:.2f}×" if tokens and base else "–"
+    peak = record.get("peak_gib")
+    losses = record.get("losses") or []
+    loss = f"{losses[0]:.3f} → {losses[-1]:.3f}" if losses else "–"
+    return (
+        f"| {label} | {_step(record.get('step_s_median'))} | {tokens or 0:,.0f} | {_pct(record.get('mfu'))} | "
+        f"{'–' if peak is None else f'{peak:.1f} GiB'} | {_step(record.get('first_step_s'))} | {ratio} | {loss} |"
+    )
+
+
+def render_throughput(document: dict[str, Any]) -> str:
+    """``make bench-gpu``'s markdown: a line naming the device and versions, then per shape a line of its
+    sizes and a table, one line per row (skipped and failed rows say why), tokens/s against the
+    transformers-eager row of that shape."""
+    machine = document.get("machine", {})
+    tiny = (
+        " (`--tiny`: the tiny model on CPU, a test of the benchmark, not a measurement)" if document.get("tiny") else ""
+    )
+    peak = document.get("peak_flops_per_s")
+    backend = document.get("compile_backend")
+    lines = [
+        f"Measured by `make bench-gpu` on {document.get('device') or 'an unnamed device'}{tiny}, torch "
+        f"{document.get('torch')}, transformers {document.get('transformers')}, {machine.get('cpus')} CPU cores, "
+        f"commit {str(machine.get('commit') or 'unknown')[:10]}, {machine.get('date', '')}. Median step after "
+        f"{document.get('warmup', 3)} warm-up steps of {document.get('steps')}; the first step includes compilation"
+        + (f" (backend {backend})" if backend and backend != "inductor" else "")
+        + "; MFU against "
+        + (f"{peak / 1e12:,.0f} TFLOP/s dense" if peak else "no known peak (–)")
+        + "; ×: tokens/s against transformers eager.",
+    ]
+    for shape in document.get("shapes", []):
+        records = [r for r in document.get("rows", []) if r.get("shape") == shape.get("shape")]
+        baseline = next((r for r in records if r.get("row") == THROUGHPUT_BASELINE), None)
+        lines += [
+            "",
+            _shape_line(shape),
+            "",
+            "| row | step | tokens/s | MFU | peak memory | first step | × | loss, first → last step |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        lines += [_throughput_row(r, baseline) for r in records]
+    return "\n".join(lines) + "\n"
+
+
 def _load(path: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.exists() else None
 
@@ -215,7 +294,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results-dir", type=Path, default=Path(__file__).resolve().parents[1] / "results")
     parser.add_argument("--check", action="store_true", help="exit 1 unless both jobs SUCCEEDED and the probe ran")
+    parser.add_argument("--throughput", action="store_true", help="make bench-gpu's table (gpu_throughput.json)")
     args = parser.parse_args()
+    if args.throughput:
+        document = _load(args.results_dir / "gpu_throughput.json")
+        if document is None:
+            print(f"no gpu_throughput.json in {args.results_dir}: run make bench-gpu")
+            return 1
+        print(render_throughput(document))
+        return 0
     probe, service = _load(args.results_dir / "gpu_probe.json"), _load(args.results_dir / "gpu_service.json")
     print(render(probe, service))
     problems = passed(probe, service)

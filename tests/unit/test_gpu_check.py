@@ -15,16 +15,22 @@ from pathlib import Path
 import pytest
 
 from benchmarks.gpu.measures import (
+    BENCH_ROWS,
+    BENCH_SHAPES,
     FULL,
+    LLAMA8B_WIDTHS,
+    ROWS,
     TINY,
+    TINY_WIDE,
     device_peak,
     job_figures,
     model_config,
     probe_figures,
+    row_plan,
     save_blocking,
     startup_phases,
 )
-from benchmarks.gpu.table import passed, render
+from benchmarks.gpu.table import passed, render, render_throughput
 from benchmarks.peers.common import recovery_measures
 from tests.architecture.test_pure_layers import _PROBE, BLOCKED
 
@@ -71,6 +77,153 @@ def test_mfu_of_a_probe_row_by_hand():
     assert figures["mfu"] == pytest.approx(0.3404, rel=4e-3)
     assert probe_figures([0.4, 0.4], sizes=TINY, device_name="cpu")["mfu"] is None  # fewer steps than warm-up: all
     assert probe_figures([], sizes=FULL, device_name="NVIDIA H100")["step_s_median"] is None
+
+
+#: Llama-3.1-8B's widths by hand, 4 layers: per layer 2 norms (2 x 4096) + q, o (2 x 4096 x 4096) + k, v
+#: (2 x 4096 x 1024) + SwiGLU (3 x 4096 x 14336) = 218,112,000; + embedding and output head 2 x 128,256 x 4096
+#: (untied) + final norm 4096.
+LLAMA8B_4_LAYERS_PARAMS = 4 * 218_112_000 + 2 * 128_256 * 4096 + 4096
+
+
+def test_bench_gpu_shapes_are_llama_1b_and_four_layers_of_llama_8b_widths():
+    model = model_config(LLAMA8B_WIDTHS)
+    assert (
+        model.n_layers,
+        model.d_model,
+        model.n_heads,
+        model.kv_heads,
+        model.ffn_dim,
+        model.vocab_size,
+        model.seq_len,
+        model.tie_embeddings,
+    ) == (4, 4096, 32, 8, 14336, 128256, 2048, False)
+    assert model.num_params == LLAMA8B_4_LAYERS_PARAMS == 1_923_125_248
+    # fp32 weights + gradients + AdamW's two moments: 30.8 GB, well inside one 80 GB GPU
+    assert 16 * model.num_params < 31e9
+    assert LLAMA8B_WIDTHS.tokens_per_step == 8 * 2048 and LLAMA8B_WIDTHS.micro_batch == 2
+    assert BENCH_SHAPES["1b"][1:] == (FULL, TINY) and BENCH_SHAPES["8b-widths"][1:] == (LLAMA8B_WIDTHS, TINY_WIDE)
+    assert model_config(TINY_WIDE).n_layers == 2 and model_config(TINY).n_layers == 4  # None: the preset's
+
+
+#: ``TrainingConfig``'s fields as the rows need them, without and with ``float8`` (the test imports no torch).
+_FIELDS = ["steps", "precision", "activation_checkpointing", "compile", "loss_chunk_tokens"]
+
+
+def test_a_probe_row_is_its_options_resolved():
+    assert set(BENCH_ROWS) <= set(ROWS) and {"etrain", "hf", "etrain-ac", "hf-ac"} <= set(ROWS)
+    assert row_plan("etrain-ac", FULL, _FIELDS)["options"] == {"activation_checkpointing": "full"}
+    assert row_plan("hf", FULL, _FIELDS) == {
+        "row": "hf",
+        "engine": "hf",
+        "label": "transformers eager",
+        "options": {},
+        "skip": None,
+    }
+    # auto: 512 MiB of fp32 logits / (4 bytes x 128,256) = 1,046 tokens, rounded down to 256s; the micro-batch
+    # of either GPU shape (8,192 and 4,096 tokens) is over the budget, so both chunk by 1,024
+    sac = row_plan("etrain-compile-chunked-sac", FULL, _FIELDS)
+    assert sac["options"] == {"compile": True, "loss_chunk_tokens": 1024, "activation_checkpointing": "selective"}
+    assert sac["skip"] is None and sac["label"] == "etrain compile + chunked loss + selective AC"
+    assert row_plan("etrain-compile-chunked", LLAMA8B_WIDTHS, _FIELDS)["options"]["loss_chunk_tokens"] == 1024
+    # the tiny model's logits fit the budget (auto: whole): a quarter of the micro-batch, so the path still runs
+    assert row_plan("etrain-compile-chunked", TINY, _FIELDS)["options"]["loss_chunk_tokens"] == 4 * 64 // 4
+    assert row_plan("etrain-compile-chunked", TINY_WIDE, _FIELDS)["options"]["loss_chunk_tokens"] == 2 * 64 // 4
+    # float8: skipped until TrainingConfig has the field; then bf16 for the rest, whatever the shape's precision
+    assert row_plan("etrain-compile-chunked-float8", FULL, _FIELDS)["skip"] == "needs training.float8"
+    fp8 = row_plan("etrain-compile-chunked-float8", TINY, [*_FIELDS, "float8"])
+    assert fp8["skip"] is None
+    assert fp8["options"] == {"compile": True, "loss_chunk_tokens": 64, "float8": True, "precision": "bf16"}
+    assert row_plan("hf-compile", FULL, [])["options"] == {"compile": True}  # transformers needs no field
+    with pytest.raises(ValueError, match="unknown probe row 'etrain-fast'"):
+        row_plan("etrain-fast", FULL, _FIELDS)
+
+
+def test_transformers_rows_take_only_what_transformers_runs(monkeypatch):
+    monkeypatch.setitem(ROWS, "hf-chunked", {"engine": "hf", "label": "x", "options": {"loss_chunk_tokens": 1024}})
+    with pytest.raises(ValueError, match="transformers runs none of"):
+        row_plan("hf-chunked", FULL, _FIELDS)
+
+
+def test_the_throughput_table_by_hand():
+    shape = {
+        "shape": "1b",
+        "label": "Llama-3.2-1B shapes",
+        "sizes": FULL.as_dict(),
+        "params": LLAMA_1B_PARAMS,
+        "n_layers": 16,
+        "d_model": 2048,
+        "n_heads": 32,
+        "n_kv_heads": 8,
+        "ffn_dim": 8192,
+        "vocab_size": 128256,
+        "seq_len": 2048,
+        "tie_embeddings": True,
+    }
+    rows = [
+        {
+            "shape": "1b",
+            "row": "etrain-compile-chunked",
+            "label": "etrain compile + chunked loss",
+            "options": {"compile": True, "loss_chunk_tokens": 1024},
+            "step_s_median": 0.3,
+            "tokens_per_s": 54_613.3,
+            "mfu": 0.4539,
+            "peak_gib": 37.04,
+            "first_step_s": 41.5,
+            "losses": [11.93, 9.871],
+        },
+        {
+            "shape": "1b",
+            "row": "etrain-compile-chunked-float8",
+            "label": "etrain + f8",
+            "skipped": "needs training.float8",
+        },
+        {"shape": "1b", "row": "hf-compile", "label": "transformers per-block compile", "error": "RuntimeError: boom"},
+        {
+            "shape": "1b",
+            "row": "hf",
+            "label": "transformers eager",
+            "options": {},
+            "step_s_median": 0.4,
+            "tokens_per_s": 40_960.0,
+            "mfu": 0.3404,
+            "peak_gib": None,
+            "first_step_s": 0.9,
+            "losses": [],
+        },
+        {"shape": "8b-widths", "row": "hf", "tokens_per_s": 1.0},  # another shape: not in this table
+    ]
+    document = {
+        "device": "NVIDIA H100 80GB HBM3",
+        "torch": "2.13.0+cu130",
+        "transformers": "5.24.0",
+        "compile_backend": "inductor",
+        "peak_flops_per_s": 989e12,
+        "steps": 10,
+        "warmup": 3,
+        "machine": {"cpus": 16, "commit": "abcdef0123456", "date": "2026-11-26"},
+        "shapes": [shape],
+        "rows": rows,
+    }
+    text = render_throughput(document)
+    assert text.startswith(
+        "Measured by `make bench-gpu` on NVIDIA H100 80GB HBM3, torch 2.13.0+cu130, transformers 5.24.0, "
+        "16 CPU cores, commit abcdef0123, 2026-11-26. Median step after 3 warm-up steps of 10; the first step "
+        "includes compilation; MFU against 989 TFLOP/s dense; ×: tokens/s against transformers eager."
+    )
+    assert (
+        "**Llama-3.2-1B shapes**: 16 layers, d_model 2048, 32 heads / 8 KV heads, d_ff 8192, vocabulary 128,256, "
+        "tied; 1.24 B parameters; 2048 tokens × micro-batch 4, global batch 8 (16,384 tokens per step), bf16."
+    ) in text
+    # 54,613 / 40,960 tokens/s = 1.33x
+    assert (
+        "| etrain compile + chunked loss (1,024-token chunks) | 0.300 s | 54,613 | 45.4% | 37.0 GiB | 41.500 s "
+        "| 1.33× | 11.930 → 9.871 |"
+    ) in text
+    assert "| etrain + f8 | skipped: needs training.float8 | | | | | | |" in text
+    assert "| transformers per-block compile | failed: RuntimeError: boom | | | | | | |" in text
+    assert "| transformers eager | 0.400 s | 40,960 | 34.0% | – | 0.900 s | 1.00× | – |" in text
+    assert sum(line.startswith("|") for line in text.splitlines()) == 2 + 4  # header, rule, this shape's 4 rows
 
 
 LOG = [

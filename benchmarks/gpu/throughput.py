@@ -1,0 +1,136 @@
+"""``make bench-gpu``: etrain against transformers on one GPU, row by row, on two model shapes.
+
+Rows (``measures.BENCH_ROWS``, each a ``measures.ROWS`` entry: an engine and its options): etrain eager,
+etrain compile, + chunked loss, + selective activation checkpointing, + float8 (compile + chunked loss +
+``training.float8``; skipped, "needs training.float8", where ``TrainingConfig`` has no such field),
+transformers eager, transformers with each decoder layer compiled. Shapes (``measures.BENCH_SHAPES``):
+Llama-3.2-1B (``measures.FULL``) and Llama-3.1-8B's widths with 4 of its 32 layers
+(``measures.LLAMA8B_WIDTHS``: 1.92 B parameters, micro-batch 2, fits one 80 GB GPU). Each row is the engine
+probe's (``benchmarks/gpu/probe.py``): same loop, same synthetic tokens, median step after 3 warm-up steps
+(the first includes compilation), tokens/s, MFU, peak device memory.
+
+Writes ``gpu_throughput.json`` (``--results-dir``, default ``benchmarks/results``; ``--tiny``: a temporary
+folder; and ``$OUT`` when set) after every row, then prints the markdown table
+(``benchmarks.gpu.table.render_throughput``; ``python -m benchmarks.gpu.table --throughput`` prints it again).
+
+    python -m benchmarks.gpu.throughput [--tiny] [--shapes 1b,8b-widths] [--rows ...] [--steps 10]
+
+Without CUDA (and without ``--tiny``) it says so and exits 0. ``--tiny``: every row on CPU with the tiny
+model; compiled rows use ``ETRAIN_COMPILE_BACKEND=aot_eager`` unless set (inductor's C++ build takes ~90 s
+per shape on a 2-core machine). Imports torch, transformers and etrain's ``workers/`` only: where
+``etrain`` is not installed (the GPU machines), a temporary folder links ``etrain/workers`` to this checkout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+RESULT_NAME = "gpu_throughput.json"
+
+
+def _etrain_importable() -> None:
+    """``import etrain.workers`` without an install: pyproject maps ``workers/`` to ``etrain.workers`` (as
+    ``benchmarks/gpu/run.sh`` does it, a temporary folder holds that link)."""
+    try:
+        importlib.import_module("etrain.workers")
+        return
+    except ImportError:
+        pass
+    folder = Path(tempfile.mkdtemp(prefix="etrain-pkg-"))
+    (folder / "etrain").mkdir()
+    (folder / "etrain" / "workers").symlink_to(REPO / "workers")
+    sys.path.insert(0, str(folder))
+    importlib.invalidate_caches()
+    importlib.import_module("etrain.workers")
+
+
+def _no_gpu() -> str | None:
+    """Why this machine cannot run the GPU benchmark, or None."""
+    try:
+        import torch
+    except ImportError:
+        return f"no PyTorch for {sys.executable}"
+    return None if torch.cuda.is_available() else "torch.cuda finds none"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="every row on CPU with the tiny model")
+    parser.add_argument("--shapes", default="1b,8b-widths", help="comma-separated: 1b, 8b-widths")
+    parser.add_argument("--rows", default=None, help="comma-separated rows of measures.ROWS (default: BENCH_ROWS)")
+    parser.add_argument("--steps", type=int, default=10, help="steps per row (the first 3 are warm-up)")
+    parser.add_argument("--results-dir", type=Path, default=None)
+    args = parser.parse_args()
+
+    if not args.tiny:
+        why = _no_gpu()
+        if why:
+            print(f"no GPU on this machine: make bench-gpu skipped ({why})")
+            return 0
+    else:
+        os.environ.setdefault("ETRAIN_COMPILE_BACKEND", "aot_eager")
+    _etrain_importable()
+
+    from benchmarks.figures import machine_info
+    from benchmarks.gpu.measures import BENCH_ROWS, BENCH_SHAPES, device_peak, model_summary
+    from benchmarks.gpu.probe import open_device, row_line, run_row, versions, write_result
+    from benchmarks.gpu.table import render_throughput
+
+    shapes = args.shapes.split(",")
+    rows = args.rows.split(",") if args.rows else list(BENCH_ROWS)
+    unknown = [s for s in shapes if s not in BENCH_SHAPES]
+    if unknown:
+        parser.error(f"unknown shapes {unknown}; shapes: {', '.join(BENCH_SHAPES)}")
+    results_dir = args.results_dir or (
+        Path(tempfile.gettempdir()) / "etrain-bench-gpu-tiny" if args.tiny else REPO / "benchmarks" / "results"
+    )
+
+    begun = time.time()
+    device, name, init_s = open_device(args.tiny)
+    first = BENCH_SHAPES[shapes[0]][2 if args.tiny else 1]
+    document: dict[str, Any] = {
+        "file": RESULT_NAME,
+        "kind": "throughput: etrain vs transformers",
+        "tiny": args.tiny,
+        "device": name,
+        **versions(),
+        "compile_backend": os.environ.get("ETRAIN_COMPILE_BACKEND", "inductor"),
+        "peak_flops_per_s": device_peak(name, first.precision),
+        "device_init_s": init_s,
+        "steps": args.steps,
+        "warmup": 3,
+        "shapes": [],
+        "rows": [],
+        "machine": machine_info(note="make bench-gpu" + (" --tiny" if args.tiny else "")),
+    }
+    print(json.dumps({k: document[k] for k in ("device", "torch", "transformers", "compile_backend")}), flush=True)
+    for shape in shapes:
+        label, gpu_sizes, tiny_sizes = BENCH_SHAPES[shape]
+        sizes = tiny_sizes if args.tiny else gpu_sizes
+        label = f"tiny stand-in for {label}" if args.tiny else label
+        document["shapes"].append({"shape": shape, "label": label, "sizes": sizes.as_dict(), **model_summary(sizes)})
+        for row in rows:
+            record = {"shape": shape, **run_row(row, sizes, args.steps, device, name)}
+            document["rows"].append(record)
+            document["elapsed_s"] = time.time() - begun
+            print(row_line(record), flush=True)
+            paths = write_result(document, results_dir)
+    text = render_throughput(document)
+    for path in paths:
+        Path(path).with_suffix(".md").write_text(text)
+    print(text)
+    print(json.dumps({"written": paths, "elapsed_s": round(time.time() - begun, 1)}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
