@@ -21,13 +21,17 @@ from etrain.service.decisions.supervisor_events import CapacityChanged, NodeLoss
 
 log = logging.getLogger(__name__)
 
-__all__ = ["NODE_CHECK_INTERVAL_S", "UNCONFIRMED_WATCH_S", "CapacityWatch"]
+__all__ = ["AWAITING_CHECK_S", "NODE_CHECK_INTERVAL_S", "UNCONFIRMED_WATCH_S", "CapacityWatch"]
 
 # How long a node whose rank was lost as a process fault is watched for a late death verdict (Ray's
 # health check declares a node dead after period x failure threshold: 5 s x 5 by default), and how
 # often the node table is read meanwhile.
 UNCONFIRMED_WATCH_S = 60.0
 NODE_CHECK_INTERVAL_S = 0.5
+# How often capacity is read while the job waits for it (a lost node, a placement that timed out), whatever
+# elastic.check_interval_s says: right after a node loss Ray frees the dead group's resources a moment
+# after the first read, and a spare node then sat unused until the next check, 30 s by default.
+AWAITING_CHECK_S = 1.0
 
 
 class CapacityWatch:
@@ -69,7 +73,8 @@ class CapacityWatch:
     def check(self, *, force: bool, excluded: Collection[str], awaiting: bool) -> CapacityChanged | None:
         """CapacityChanged when what fits changed since the last report, or ``force`` (a node was excluded),
         or the job waits for a report (``awaiting``); None otherwise or when the cluster cannot be read."""
-        self._next_check = time.time() + self._interval_s
+        interval = min(self._interval_s, AWAITING_CHECK_S) if awaiting else self._interval_s
+        self._next_check = time.time() + interval
         try:
             available = self.available_dp(excluded)
         except Exception as err:  # the GCS may be briefly unreachable after a node loss
