@@ -419,3 +419,25 @@ def test_export_refusals(hf_folders, tmp_path):
     out = export_hf(directory, tmp_path / "empty-is-fine", trainer.config.model)
     assert "lm_head.weight" not in _tensors(out) and len(_tensors(out)) == 1 + 2 * 12 + 1
     assert not [n for n in os.listdir(tmp_path) if ".tmp-" in n]
+
+
+def test_a_compiled_checkpointed_chunked_run_saves_and_exports_the_same_names(tmp_path, monkeypatch):
+    """Issue #19: compile (in place), selective checkpointing and the chunked loss leave the checkpoint's
+    and the export's tensor names as an eager run writes them (no ``_orig_mod``, no wrapper segments)."""
+    monkeypatch.setenv("ETRAIN_COMPILE_BACKEND", "aot_eager")  # see tests/integration/test_throughput_options.py
+    source = str(tmp_path / "source")
+    _hf_model("llama").save_pretrained(source, safe_serialization=True)
+    exports = {}
+    for label, options in {
+        "eager": {},
+        "compiled": {"compile": True, "activation_checkpointing": "selective", "loss_chunk_tokens": 8},
+    }.items():
+        config = _run_config(source, **options)
+        trainer = _trainer(config)
+        trainer.run(0, 2)
+        saved = _save_committed(trainer, str(tmp_path / f"ckpt-{label}"), 2)
+        exports[label] = _tensors(export_hf(saved, str(tmp_path / f"export-{label}"), config.model))
+    assert exports["compiled"].keys() == exports["eager"].keys()
+    assert not [name for name in exports["compiled"] if "_orig_mod" in name or "wrapped" in name]
+    for name, tensor in exports["eager"].items():  # and the same training, to fp32 reordering
+        assert torch.allclose(exports["compiled"][name], tensor, atol=1e-5), name
