@@ -83,14 +83,18 @@ class JobDrills:
         if not 0 <= order.rank < world_size:
             self._record("chaos_rejected", f"rank {order.rank} is outside the world of {world_size} ranks")
             return
-        if order.at_step is None and group is not None:
-            self._send(order, group)
-            return
+        # Armed until its rank reports it fired (``fired`` records chaos_fired then), also when it goes
+        # to a running group at once: an order sent that way used to leave no event at all.
         self._armed[order.id] = order
+        if order.at_step is None and group is not None:
+            when = " now, to the running group"
+        elif order.at_step is not None:
+            when = f" at step {order.at_step}"
+        else:
+            when = " when the group is up"
         self._record(
             "chaos_armed",
-            f"{order.action} on rank {order.rank}"
-            + (f" at step {order.at_step}" if order.at_step is not None else " when the group is up")
+            f"{order.action} on rank {order.rank}{when}"
             + (f" during {order.during}" if order.during != "step" else ""),
         )
         if group is not None:

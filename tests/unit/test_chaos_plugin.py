@@ -176,6 +176,27 @@ def test_job_drills_turn_requests_into_orders_and_arm_them():
     ]
 
 
+def test_an_order_sent_to_a_running_group_is_armed_and_its_firing_recorded():
+    events: list[tuple[str, str]] = []
+    sent: list[ChaosOrder] = []
+    group = SimpleNamespace(chaos=sent.append, kill_actor=lambda rank: sent.append(("kill_actor", rank)))
+    drills = JobDrills(root="/nowhere", record=lambda kind, detail: events.append((kind, detail)))
+    slow, _ = drills.order({"action": "slow_rank", "rank": 1, "factor": 10})
+    drills.arm(slow, world_size=2, group=group, committed_step=None)
+    assert sent == [slow]
+    drills.fired(1, slow.id, 7)  # the rank's report
+    kill, _ = drills.order({"action": "kill_actor", "rank": 0})
+    drills.arm(kill, world_size=2, group=group, committed_step=None)
+    assert sent == [slow, ("kill_actor", 0)]
+    assert events == [
+        ("chaos_armed", "slow_rank on rank 1 now, to the running group"),
+        ("chaos_fired", "slow_rank on rank 1 at step 7 (order 1)"),
+        ("chaos_armed", "kill_actor on rank 0 now, to the running group"),
+        ("chaos_fired", "kill_actor on rank 0 (order 2)"),
+    ]
+    assert drills.plan_orders() == ()
+
+
 def test_job_drills_corrupt_a_checkpoint_only_once_it_is_committed(tmp_path):
     events: list[tuple[str, str]] = []
     drills = JobDrills(root=str(tmp_path), record=lambda kind, detail: events.append((kind, detail)))
