@@ -91,8 +91,9 @@ class Settings:
     #: (422): for autoscaling clusters, where nodes are added on demand (service/decisions/admission.py).
     admit_beyond_cluster: bool = False
     #: Pre-started rank processes (torch imported, no resources held) kept on every node that can run
-    #: ranks, so a first launch or a replacement pays no interpreter start (service/runtime/spares.py); 0: off.
-    warm_spares_per_node: int = 1
+    #: ranks, so a first launch or a replacement pays no interpreter start (service/runtime/spares.py); 0: off;
+    #: None (``auto``, the default): one per GPU on a GPU node, one on a CPU-only node.
+    warm_spares_per_node: int | None = None
     #: token -> tenant, from api_tokens and api_tokens_file (checked: names, duplicates); derived.
     token_tenants: Mapping[str, str] = field(init=False, repr=False, compare=False, default_factory=dict)
 
@@ -134,11 +135,11 @@ class Settings:
             value = getattr(self, name)
             if not 0 <= value <= 65535:
                 raise SettingsError(f"{name}={value} is not a TCP port.", field=name, fix="use 0..65535")
-        if not 0 <= self.warm_spares_per_node <= MAX_WARM_SPARES_PER_NODE:
+        if self.warm_spares_per_node is not None and not 0 <= self.warm_spares_per_node <= MAX_WARM_SPARES_PER_NODE:
             raise SettingsError(
-                f"warm_spares_per_node={self.warm_spares_per_node} must be 0..{MAX_WARM_SPARES_PER_NODE}.",
+                f"warm_spares_per_node={self.warm_spares_per_node} must be 0..{MAX_WARM_SPARES_PER_NODE} or auto.",
                 field="warm_spares_per_node",
-                fix="use 1 (the default: one warm spare per node) or 0 to turn spares off",
+                fix="use auto (the default: one per GPU, one on a CPU-only node), a number per node, or 0 for none",
             )
         if self.max_request_bytes < 1:
             raise SettingsError(
@@ -323,6 +324,11 @@ def _integer(variable: str, raw: str) -> int:
         raise SettingsError(
             f"{variable}={raw!r} is not an integer.", field=variable, fix="give a whole number"
         ) from None
+
+
+def _integer_or_auto(variable: str, raw: str) -> int | None:
+    """A whole number, or ``auto`` (None: the service decides)."""
+    return None if raw.strip().lower() == "auto" else _integer(variable, raw)
 
 
 def _number(variable: str, raw: str) -> float:
@@ -551,5 +557,5 @@ _ENV = {
     "storage_roots": ("ETRAIN_STORAGE_ROOTS", _storage_roots),
     "checkpoint_base": ("ETRAIN_CHECKPOINT_ROOT", lambda variable, raw: raw.strip() or None),
     "admit_beyond_cluster": ("ETRAIN_ADMIT_BEYOND_CLUSTER", _flag),
-    "warm_spares_per_node": ("ETRAIN_WARM_SPARES_PER_NODE", _integer),
+    "warm_spares_per_node": ("ETRAIN_WARM_SPARES_PER_NODE", _integer_or_auto),
 }

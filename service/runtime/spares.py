@@ -1,9 +1,10 @@
 """The warm spare pool: pre-started rank processes per node, handed to worker groups on demand.
 
 One detached actor per Ray cluster (``etrain/spares``, on the head node, no CPUs), created by the
-control plane at start (``ensure_pool``) and shared by every job. It keeps ``per_node`` ready
+control plane at start (``ensure_pool``) and shared by every job. It keeps ready
 :class:`etrain.workers.rank.spare.SpareRank` actors on each alive node that can run ranks (a node with CPUs or
-GPUs), refills a node as soon as one of its spares is taken, and forgets spares whose node died.
+GPUs): ``ETRAIN_WARM_SPARES_PER_NODE`` of them, or by default (``auto``) one per GPU and one on a CPU-only
+node (``etrain.service.decisions.capacity.spares_for_node``), refills a node as soon as one of its spares is taken, and forgets spares whose node died.
 A worker group whose placement group is ready asks for one spare per bundle on that bundle's node
 (``take``); where none is ready it starts the rank cold, as before, so the pool only ever makes a
 launch faster, never blocks it.
@@ -24,6 +25,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from etrain.service.decisions.capacity import spares_for_node
 from etrain.workers.protocol.messages import SPARE_ACTOR_CLASS, load_actor_class
 
 log = logging.getLogger(__name__)
@@ -42,10 +44,10 @@ MAX_HANDED_PIDS = 1000
 
 
 class SparePool:
-    """Keeps ``per_node`` warm spares on every node that can run ranks."""
+    """Keeps warm spares on every node that can run ranks: ``per_node`` each, or ``None`` for ``auto``."""
 
-    def __init__(self, per_node: int):
-        self.per_node = max(0, int(per_node))
+    def __init__(self, per_node: int | None):
+        self.per_node = None if per_node is None else max(0, int(per_node))
         self._lock = threading.Lock()
         # node id -> (warm spare, its process id: what an operator can look up), oldest first
         self._ready: dict[str, list[tuple[Any, int]]] = {}
@@ -57,13 +59,11 @@ class SparePool:
         self._wake = threading.Event()
         threading.Thread(target=self._refill_loop, name="spare-refill", daemon=True).start()
 
-    def configure(self, per_node: int) -> None:
-        """A restarted control plane may ask for another pool size; extra spares are retired."""
+    def configure(self, per_node: int | None) -> None:
+        """A restarted control plane may ask for another pool size; extra spares are retired (at the next
+        refill, which knows each node's target)."""
         with self._lock:
-            self.per_node = max(0, int(per_node))
-            for spares in self._ready.values():
-                while len(spares) > self.per_node:
-                    _kill(spares.pop()[0])
+            self.per_node = None if per_node is None else max(0, int(per_node))
         self._wake.set()
 
     def take(self, nodes: list[str]) -> list[Any]:
@@ -86,7 +86,7 @@ class SparePool:
     def stats(self) -> dict[str, Any]:
         with self._lock:
             return {
-                "per_node": self.per_node,
+                "per_node": "auto" if self.per_node is None else self.per_node,
                 "taken": self._taken,
                 "ready": {node: len(spares) for node, spares in self._ready.items() if spares},
                 "handed_pids": list(self._handed_pids),
@@ -122,6 +122,7 @@ class SparePool:
         alive = [node for node in ray.nodes() if node.get("Alive") and _runs_ranks(node)]
         nodes = [node["NodeID"] for node in alive]
         gpu_nodes = {node["NodeID"] for node in alive if (node.get("Resources") or {}).get("GPU", 0) > 0}
+        targets = {node["NodeID"]: spares_for_node(node.get("Resources") or {}, self.per_node) for node in alive}
         with self._lock:
             for gone in set(self._ready) | set(self._warming):
                 if gone not in nodes:  # its node died: the spares died with it
@@ -142,7 +143,10 @@ class SparePool:
                             self._ready.setdefault(node, []).append((spare, pid))
                 if time.monotonic() - self._taken_at.get(node, -REFILL_DELAY_AFTER_TAKE_S) < REFILL_DELAY_AFTER_TAKE_S:
                     continue  # a launch or repair on this node is starting now: refill after it
-                missing = self.per_node - len(self._ready.get(node, [])) - len(warming)
+                ready = self._ready.get(node, [])
+                while len(ready) > targets[node]:  # the pool was made smaller
+                    _kill(ready.pop()[0])
+                missing = targets[node] - len(ready) - len(warming)
                 for _ in range(max(0, missing)):
                     spare = _start_spare(node, gpu_node=node in gpu_nodes)
                     warming.append((spare, spare.ready.remote()))
@@ -175,9 +179,10 @@ def _kill(actor: Any) -> None:
         pass
 
 
-def ensure_pool(per_node: int) -> Any | None:
-    """Create the cluster's spare pool (or resize the live one); None when spares are off."""
-    if per_node <= 0:
+def ensure_pool(per_node: int | None) -> Any | None:
+    """Create the cluster's spare pool (or resize the live one); None when spares are off. ``per_node``:
+    spares per node, or None for ``auto`` (one per GPU, one on a CPU-only node)."""
+    if per_node is not None and per_node <= 0:
         pool = find_pool()
         if pool is not None:
             pool.configure.remote(0)
