@@ -33,6 +33,7 @@ __all__ = [
     "RunResult",
     "assert_equivalent",
     "assert_replicas_identical",
+    "cached_reference",
     "max_param_diff",
     "reference_key",
     "run_layout",
@@ -134,6 +135,15 @@ def run_reference(config: RunConfig) -> RunResult:
         return _train(0, 1, reference_key(config))
     finally:
         torch.set_num_threads(threads)
+
+
+def cached_reference(cache: dict[RunConfig, RunResult], config: RunConfig) -> RunResult:
+    """:func:`run_reference` of ``config``, run once per distinct reference key and kept in ``cache`` (a
+    module-scoped fixture's dict): every layout of one config shares one single-process run."""
+    key = reference_key(config)
+    if key not in cache:
+        cache[key] = run_reference(key)
+    return cache[key]
 
 
 def run_layout(config: RunConfig, *, timeout_s: float = 150.0) -> list[RunResult]:

@@ -246,9 +246,9 @@ def evaluate(case: Case) -> PlanEstimate:
     sp_div = tp if lay.sequence_parallel else 1
     overhead = RUNTIME_OVERHEAD_GIB[case.device] * GiB
 
-    chunk_tokens = case.loss_chunk_tokens
-    if chunk_tokens == "auto":
-        chunk_tokens = layout_rules.auto_loss_chunk_tokens(tokens=b * s, vocab_size=model.vocab_size, tp=tp)
+    chunk_tokens = layout_rules.loss_chunk_tokens(
+        case.loss_chunk_tokens, tokens=b * s, vocab_size=model.vocab_size, tp=tp
+    )
     stages = sorted({0, pp - 1})
     memories, params_of, tp_bytes, dp_bytes, tp_ops, dp_ops = {}, {}, [], [], [], []
     for stage in stages:

@@ -255,9 +255,8 @@ def step_flops(model: ModelConfig, *, global_batch: int, checkpointing: str) -> 
     found = family(model.arch)  # the one FLOPs formula (MFU uses it too), and attention's width
     flops = found.flops_per_token(model) * tokens
     attention = model.n_layers * found.attention_width(model) * s
-    matmul_params = (flops / tokens - 12 * attention) / 6
     # Full checkpointing runs each block's forward again: 2 per block weight, 4 for attention (not the head).
-    block_weights = matmul_params - model.vocab_size * model.d_model
+    block_weights = model.n_layers * found.matmul_params_per_layer(model)
     recompute = checkpointing == "full"
     flops_recompute = flops + (2 * block_weights + 4 * attention) * tokens if recompute else flops
     return flops, flops_recompute

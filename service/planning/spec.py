@@ -436,11 +436,12 @@ class JobSpec(_Section):
 
     def loss_chunk_tokens_for(self, tp: int) -> int:
         """``training.loss_chunk_tokens``, ``auto`` resolved for this model and tensor-parallel degree."""
-        if self.training.loss_chunk_tokens != "auto":
-            return self.training.loss_chunk_tokens
         model = self.model.to_config()
-        return layout_rules.auto_loss_chunk_tokens(
-            tokens=self.training.micro_batch * model.seq_len, vocab_size=model.vocab_size, tp=tp
+        return layout_rules.loss_chunk_tokens(
+            self.training.loss_chunk_tokens,
+            tokens=self.training.micro_batch * model.seq_len,
+            vocab_size=model.vocab_size,
+            tp=tp,
         )
 
     @property

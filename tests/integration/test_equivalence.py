@@ -32,9 +32,8 @@ from tests.equivalence_utils import (
     RunResult,
     assert_equivalent,
     assert_replicas_identical,
-    reference_key,
+    cached_reference,
     run_layout,
-    run_reference,
     small_config,
 )
 
@@ -79,17 +78,10 @@ def references() -> dict[RunConfig, RunResult]:
     return {}
 
 
-def _reference(references: dict[RunConfig, RunResult], config: RunConfig) -> RunResult:
-    key = reference_key(config)
-    if key not in references:
-        references[key] = run_reference(key)
-    return references[key]
-
-
 @pytest.mark.parametrize("model, layout_id", CASES, ids=[f"{model}-{layout_id}" for model, layout_id in CASES])
 def test_layout_trains_like_one_process(model: str, layout_id: str, references) -> None:
     config = _config(layout_id, model)
-    reference = _reference(references, config)
+    reference = cached_reference(references, config)
     assert reference.losses[-1] < reference.losses[0], "the reference run should learn"
 
     results = run_layout(config)

@@ -33,7 +33,7 @@ from tests.equivalence_utils import (
     RunResult,
     assert_equivalent,
     assert_replicas_identical,
-    reference_key,
+    cached_reference,
     run_layout,
     run_reference,
     small_config,
@@ -68,13 +68,6 @@ def _with_options(config: RunConfig, **options) -> RunConfig:
     return dataclasses.replace(config, training=dataclasses.replace(config.training, **options))
 
 
-def _reference(references, config: RunConfig) -> RunResult:
-    key = reference_key(config)
-    if key not in references:
-        references[key] = run_reference(key)
-    return references[key]
-
-
 ALL_ON = {"compile": True, "loss_chunk_tokens": CHUNK, "activation_checkpointing": "selective"}
 CASES = [(model, layout) for model in ("gpt", "llama") for layout in LAYOUTS]
 
@@ -82,19 +75,12 @@ CASES = [(model, layout) for model in ("gpt", "llama") for layout in LAYOUTS]
 @pytest.mark.parametrize("model, layout", CASES, ids=[f"{m}-{lay}" for m, lay in CASES])
 def test_compile_chunked_loss_and_selective_checkpointing_train_like_one_eager_process(model, layout, references):
     config = _with_options(dataclasses.replace(BASE, model=MODELS[model], parallel=LAYOUTS[layout]), **ALL_ON)
-    reference = _reference(references, config)
+    reference = cached_reference(references, config)
     results = run_layout(config, timeout_s=240)
     label = f"{model} {layout} with {ALL_ON}"
     assert_equivalent(reference, results, layout=label)
-    assert_replicas_identical([r for r in results if r.rank in _dp_replicas_of_rank0(config)], layout=label)
-
-
-def _dp_replicas_of_rank0(config: RunConfig) -> set[int]:
-    """Ranks holding the same parameters as rank 0 (full_state_dict gathers TP and FSDP shards, so every
-    rank of a stage-less layout reports the whole model; a pipeline rank reports its stage only)."""
-    if config.parallel.pp == 1:
-        return set(range(config.parallel.world_size))
-    return {0}
+    if config.parallel.pp == 1:  # every rank reports the whole model (a pipeline rank only its stage)
+        assert_replicas_identical(results, layout=label)
 
 
 @pytest.mark.parametrize("model", ["gpt", "llama"])
@@ -109,7 +95,7 @@ def _dp_replicas_of_rank0(config: RunConfig) -> set[int]:
 )
 def test_each_option_alone_on_one_process_changes_no_number(model, options, references):
     config = _with_options(dataclasses.replace(BASE, model=MODELS[model]), **options)
-    reference = _reference(references, config)
+    reference = cached_reference(references, config)
     # run_reference strips the options: train the configured one in a fresh process.
     (result,) = run_layout(config, timeout_s=240)
     assert_equivalent(reference, [result], layout=f"{model} one process {options}")
@@ -193,7 +179,7 @@ def test_inductor_compiles_once_per_node_and_a_second_process_reuses_the_cache(t
     assert warm["frames_after_last"] == warm["frames_after_first"]
     assert warm["first_step_s"] < 0.5 * cold["first_step_s"], (cold["first_step_s"], warm["first_step_s"])
 
-    reference = run_reference(dataclasses.replace(small_config(steps=4, model=MODELS["llama"])))
+    reference = run_reference(small_config(steps=4, model=MODELS["llama"]))
     for got, want in zip(cold["losses"], reference.losses):
         assert abs(got - want) <= 1e-5 * abs(want), (cold["losses"], reference.losses)
     assert warm["losses"] == cold["losses"]

@@ -41,9 +41,8 @@ REPO = Path(__file__).resolve().parents[2]
 LLAMA_1B_PARAMS = 16 * 60_821_504 + 128_256 * 2048 + 2048
 
 
-def test_the_check_model_is_llama_3_2_1b_at_2048_tokens():
-    model = model_config(FULL)
-    assert (
+def _shape(model) -> tuple:
+    return (
         model.n_layers,
         model.d_model,
         model.n_heads,
@@ -52,7 +51,12 @@ def test_the_check_model_is_llama_3_2_1b_at_2048_tokens():
         model.vocab_size,
         model.seq_len,
         model.tie_embeddings,
-    ) == (16, 2048, 32, 8, 8192, 128256, 2048, True)
+    )
+
+
+def test_the_check_model_is_llama_3_2_1b_at_2048_tokens():
+    model = model_config(FULL)
+    assert _shape(model) == (16, 2048, 32, 8, 8192, 128256, 2048, True)
     assert model.num_params == LLAMA_1B_PARAMS == 1_235_814_400
     assert FULL.tokens_per_step == 8 * 2048 and FULL.precision == "bf16" and TINY.device == "cpu"
 
@@ -87,16 +91,7 @@ LLAMA8B_4_LAYERS_PARAMS = 4 * 218_112_000 + 2 * 128_256 * 4096 + 4096
 
 def test_bench_gpu_shapes_are_llama_1b_and_four_layers_of_llama_8b_widths():
     model = model_config(LLAMA8B_WIDTHS)
-    assert (
-        model.n_layers,
-        model.d_model,
-        model.n_heads,
-        model.kv_heads,
-        model.ffn_dim,
-        model.vocab_size,
-        model.seq_len,
-        model.tie_embeddings,
-    ) == (4, 4096, 32, 8, 14336, 128256, 2048, False)
+    assert _shape(model) == (4, 4096, 32, 8, 14336, 128256, 2048, False)
     assert model.num_params == LLAMA8B_4_LAYERS_PARAMS == 1_923_125_248
     # fp32 weights + gradients + AdamW's two moments: 30.8 GB, well inside one 80 GB GPU
     assert 16 * model.num_params < 31e9

@@ -182,11 +182,7 @@ class ReplicateParallel(ParallelStyle):
             )
 
         def output_fn(mod, output, mesh):
-            # No redistribute when the layout is already right: a no-op Redistribute node is one that
-            # AOTAutograd (training.compile) hands a plain-tensor gradient and that then fails in backward.
-            if tuple(output.placements) != (output_layout,):
-                output = output.redistribute(placements=[output_layout])
-            return output.to_local()
+            return output.redistribute(placements=[output_layout]).to_local()
 
         return distribute_module(module, device_mesh, self._replicate_params, input_fn, output_fn)
 
@@ -219,7 +215,7 @@ class VocabEmbeddingParallel(RowwiseParallel):
     (``training.compile``; measured with torch 2.13), AOTAutograd gives DTensor's backward a plain
     tensor where it expects a DTensor (``'Tensor' object has no attribute '_local_tensor'``). One copy of
     the embedding output per micro-batch (batch × seq × d) settles it; the GPT's position-embedding add
-    did the same by accident.
+    did the same by accident. Used only when the blocks are compiled (``tp_style(compiled=True)``).
     """
 
     @staticmethod
@@ -228,12 +224,14 @@ class VocabEmbeddingParallel(RowwiseParallel):
         return out.clone() if use_local_output else out
 
 
-def tp_style(name: str, *, sequence_parallel: bool) -> ParallelStyle | None:
+def tp_style(name: str, *, sequence_parallel: bool, compiled: bool = False) -> ParallelStyle | None:
     """The torch ``ParallelStyle`` of a style a family's plan names (``etrain.workers.families.base.TP_STYLES``);
     None for ``gather_sequence`` without sequence parallelism (nothing to do)."""
     residual = Shard(1) if sequence_parallel else Replicate()
     if name == "vocab_embedding":
-        return VocabEmbeddingParallel(input_layouts=Replicate(), output_layouts=residual)
+        # Compiled blocks need the embedding output settled (VocabEmbeddingParallel); eager ones do not.
+        style = VocabEmbeddingParallel if compiled else RowwiseParallel
+        return style(input_layouts=Replicate(), output_layouts=residual)
     if name == "position_embedding":  # positions [seq] -> [seq, d]: the sequence is dim 0 here.
         return ReplicateParallel(output_layout=Shard(0) if sequence_parallel else Replicate())
     if name == "norm":
@@ -262,7 +260,7 @@ def tp_style(name: str, *, sequence_parallel: bool) -> ParallelStyle | None:
     raise ValueError(f"unknown tensor-parallel style {name!r}")
 
 
-def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> None:
+def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, compiled: bool = False) -> None:
     """Megatron tensor parallelism with DTensor: one all-reduce (or reduce-scatter with SP) per block half,
     as the model family's plan says (``ModelFamily.tp_plan``: a style name per submodule).
 
@@ -279,7 +277,7 @@ def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool)
     """
     plan = family(module.config.arch).tp_plan(module.config)
     root_plan: dict[str, ParallelStyle] = {
-        name: tp_style(style, sequence_parallel=sequence_parallel)
+        name: tp_style(style, sequence_parallel=sequence_parallel, compiled=compiled)
         for name, style in plan.root.items()
         if getattr(module, name, None) is not None
     }
@@ -503,7 +501,9 @@ def parallelize_stage(
         )
     if dims.tp_enabled:
         layout_rules.check(layout_rules.tp_problems(config.model, dims.tp))
-        apply_tp(module, dims.axis("tp"), sequence_parallel=parallel.sequence_parallel)
+        apply_tp(
+            module, dims.axis("tp"), sequence_parallel=parallel.sequence_parallel, compiled=config.training.compile
+        )
     apply_ac(module, config.training.activation_checkpointing)
     if config.training.compile:
         from etrain.workers.engine.compile import apply_compile

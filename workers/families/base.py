@@ -187,8 +187,11 @@ class ModelFamily:
         Chowdhery et al. 2022, appendix B; what the issue's and Megatron's MFU count). Recomputation by
         activation checkpointing is not model FLOPs and is not counted.
         """
-        weights = model.n_layers * self.matmul_params_per_layer(model) + model.vocab_size * model.d_model
-        return 6.0 * weights + 12.0 * model.n_layers * self.attention_width(model) * model.seq_len
+        return 6.0 * self.matmul_weights(model) + 12.0 * model.n_layers * self.attention_width(model) * model.seq_len
+
+    def matmul_weights(self, model: Sizes) -> float:
+        """Every weight a token is multiplied by: the blocks' projections and the output head."""
+        return model.n_layers * self.matmul_params_per_layer(model) + model.vocab_size * model.d_model
 
     def column_output_width(self, model: Sizes) -> int:
         """Per token, the summed output widths of a block's column-parallel matmuls (what selective

@@ -44,6 +44,7 @@ __all__ = [
     "SINGLE_STAGE_SCHEDULES",
     "Problem",
     "auto_loss_chunk_tokens",
+    "loss_chunk_tokens",
     "float8_problems",
     "batch_problems",
     "check",
@@ -464,6 +465,14 @@ def batch_problems(*, global_batch: int, micro_batch: int, dp: int, microbatches
 LOSS_CHUNK_BYTES = 512 * 2**20
 #: Chunks are whole multiples of this many tokens (matmul-friendly shapes).
 _LOSS_CHUNK_ALIGN = 256
+
+
+def loss_chunk_tokens(setting: int | str, *, tokens: int, vocab_size: int, tp: int = 1) -> int:
+    """``training.loss_chunk_tokens`` as the engine runs it: a number as given, ``auto`` resolved by
+    :func:`auto_loss_chunk_tokens` for a micro-batch of ``tokens`` on ``tp`` ranks."""
+    if setting == "auto":
+        return auto_loss_chunk_tokens(tokens=tokens, vocab_size=vocab_size, tp=tp)
+    return int(setting)
 
 
 def auto_loss_chunk_tokens(*, tokens: int, vocab_size: int, tp: int = 1) -> int:
