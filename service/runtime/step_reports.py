@@ -55,6 +55,7 @@ class StepReports:
         self._detector = self._new_detector(parallel)
         #: The job's newest step, loss and throughput (the job's fields in ``updates``).
         self.latest: dict[str, Any] = {}
+        self._shown_attempt: int | None = None
         #: Every straggler found so far, with its node (the job's ``stragglers`` field).
         self.findings: list[dict[str, Any]] = []
 
@@ -106,8 +107,17 @@ class StepReports:
         events.append(StepReported(attempt=attempt, step=completed, loss=float(metrics["loss"]), rank=0))
         return events
 
-    def show(self, last: dict, *, restarts: int) -> None:
-        """A batch was taken in: the job's fields and gauges show its newest step ``last``."""
+    def show(self, last: dict, *, attempt: int, restarts: int) -> None:
+        """A batch of ``attempt`` was taken in: the job's fields and gauges show its newest step ``last``.
+
+        The supervisor is a threaded actor, so two of rank 0's batches may be taken in out of order (Ray
+        orders one caller's calls only on a single-threaded actor): within an attempt the fields only move
+        forward, or a job could end showing step 11 of its 12. A new attempt (a restore) may go back.
+        """
+        step = int(last["step"]) + 1
+        if attempt == self._shown_attempt and step <= int(self.latest.get("step") or 0):
+            return
+        self._shown_attempt = attempt
         self.latest = {
             "step": int(last["step"]) + 1,
             "loss": last.get("loss"),

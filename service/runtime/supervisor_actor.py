@@ -224,6 +224,7 @@ class JobSupervisor:
             events = [event for event in self._log if event["seq"] > since_seq]
             steps = self._steps.since(since_step_seq)
             state = self.state
+            latest = dict(self._steps.latest)
         # Attempts as the job counts them (JobPolicy.attempt_base). No goodput here: the control plane
         # computes it from the stored rows (service/decisions/goodput.py), across supervisors.
         base = self.policy.attempt_base
@@ -238,10 +239,10 @@ class JobSupervisor:
             "restarts": state.restarts_used,
             "last_checkpoint_step": state.last_committed_step,
             "error": state.error,
-            "step": self._steps.latest.get("step", state.step),
-            "loss": self._steps.latest.get("loss"),
-            "tokens_per_s": self._steps.latest.get("tokens_per_s"),
-            "mfu": self._steps.latest.get("mfu"),
+            "step": latest.get("step", state.step),
+            "loss": latest.get("loss"),
+            "tokens_per_s": latest.get("tokens_per_s"),
+            "mfu": latest.get("mfu"),
             "stragglers": list(self._steps.findings),
             "artifacts": {"hf": state.hf_export} if state.hf_export else {},
             "events": events,
@@ -329,11 +330,14 @@ class JobSupervisor:
             _, attempt, records = item
             self._steps.called()
             if attempt == self.state.attempt and records:
-                for record in records:  # each step is every rank's heartbeat: StepReported is the progress
-                    world = self.sm_config.world_size(self.state.dp)
-                    for event in self._steps.take(attempt, record, world_size=world, node_of=self._node_of, now=now):
-                        self._apply(event, now)
-                self._steps.show(records[-1], restarts=self.state.restarts_used)  # the batch's newest step
+                with self._decide_lock:  # ``updates`` reads the rows and the job's step of one moment
+                    for record in records:  # each step is every rank's heartbeat: StepReported is the progress
+                        world = self.sm_config.world_size(self.state.dp)
+                        for event in self._steps.take(
+                            attempt, record, world_size=world, node_of=self._node_of, now=now
+                        ):
+                            self._apply(event, now)
+                    self._steps.show(records[-1], attempt=attempt, restarts=self.state.restarts_used)
         elif kind == "checkpoint":
             _, attempt, rank, completed, report = item
             if attempt == self.state.attempt:
