@@ -185,7 +185,10 @@ def interrupt_when(condition, *, timeout_s: float = 20.0) -> threading.Thread:
                 return
             time.sleep(0.02)
         thread.sent = time.monotonic()  # type: ignore[attr-defined]
-        os.kill(os.getpid(), signal.SIGINT)
+        # To the main thread, as a terminal's Ctrl-C reaches a one-thread CLI: a process-wide os.kill may be
+        # taken by any of the threads earlier tests left in this process, and then the main thread, blocked
+        # reading the server, is not woken (the test waited out --max-wait and saw exit 124, not 130).
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
 
     thread = threading.Thread(target=run, daemon=True)
     thread.sent = None  # type: ignore[attr-defined]

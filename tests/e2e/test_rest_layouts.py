@@ -32,8 +32,10 @@ def layout_spec(name: str, model: dict | None = None, **parallelism) -> dict:
         "data": {"kind": "synthetic", "seed": 1},
         "parallelism": parallelism,
         "resources": {"cpus_per_worker": 1},
-        "training": {"steps": 8, "global_batch": 8, "micro_batch": 1, "lr": 0.003, "seed": 2, "grad_clip": 0.5},
-        "checkpoint": {"every_steps": 4},
+        # 4 steps of 2 micro-batches per rank, a commit after 2 and 4: every part of a step and a save runs,
+        # and a 4-rank DTensor step is ~1.5 s of a 2-core machine (8 steps of 4 micro-batches were 30-50 s a job).
+        "training": {"steps": 4, "global_batch": 8, "micro_batch": 2, "lr": 0.003, "seed": 2, "grad_clip": 0.5},
+        "checkpoint": {"every_steps": 2},
     }
 
 
@@ -70,7 +72,7 @@ def test_composed_layout_job_matches_one_process(plane, name, model, parallelism
     assert final["layout"].startswith(f"pp{parallelism.get('pp', 1)}·dp2·tp{parallelism.get('tp', 1)}")
     losses = [row["loss"] for row in plane.steps(job["id"])]
     expected = reference_losses(body)
-    assert len(losses) == len(expected) == 8
+    assert len(losses) == len(expected) == 4
     for step, (got, want) in enumerate(zip(losses, expected), start=1):
         assert abs(got - want) <= 1e-5 * abs(want), f"step {step}: job {got} vs one process {want}"
-    assert final["last_checkpoint_step"] == 8
+    assert final["last_checkpoint_step"] == 4

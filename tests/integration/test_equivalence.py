@@ -1,6 +1,6 @@
 """Parallel equivalence: every DP / ZeRO / TP layout trains exactly like one process.
 
-Invariant 1 of the architecture. Each layout trains a tiny model for 8 steps (global batch 8,
+Invariant 1 of the architecture. Each layout trains a tiny model for 4 steps (global batch 8,
 micro-batch 2: gradient accumulation 4 on one process, 2 at dp=2, 1 at dp=4), AdamW fp32 with gradient
 clipping that binds on every step, on real gloo ranks (no Ray). Against the single-process run:
 
@@ -37,7 +37,7 @@ from tests.equivalence_utils import (
     small_config,
 )
 
-BASE = small_config(steps=8)
+BASE = small_config(steps=4)
 
 LAYOUTS: dict[str, tuple[ParallelConfig, bool]] = {
     # id: (layout, activation checkpointing)

@@ -39,7 +39,7 @@ from tests.equivalence_utils import (
     small_config,
 )
 
-BASE = small_config(steps=6)
+BASE = small_config(steps=3)
 
 #: Chunks of 5 tokens: never a divisor of a micro-batch's 32 tokens (2 rows of 16), so chunks are cut
 #: inside rows and the last one is short; under sequence parallelism (tp=2) 2 local positions per shard.
@@ -69,7 +69,11 @@ def _with_options(config: RunConfig, **options) -> RunConfig:
 
 
 ALL_ON = {"compile": True, "loss_chunk_tokens": CHUNK, "activation_checkpointing": "selective"}
-CASES = [(model, layout) for model in ("gpt", "llama") for layout in LAYOUTS]
+#: Every layout on both models, but the 3-D one (8 ranks, the slowest case) only on the Llama: its plan is
+#: the GPT's plus w3, kv heads and RoPE, so the GPT's 3-D run proved nothing the Llama's does not.
+CASES = [
+    (model, layout) for model in ("gpt", "llama") for layout in LAYOUTS if (model, layout) != ("gpt", "dp2-tp2-pp2")
+]
 
 
 @pytest.mark.parametrize("model, layout", CASES, ids=[f"{m}-{lay}" for m, lay in CASES])
