@@ -1,6 +1,6 @@
 """Pipeline-parallel training equals one process (correctness invariant 1, PP part).
 
-Each layout trains the built-in GPT (4 layers, d_model 32, 4 heads, vocab 64, seq 16) for 8 steps
+Each layout trains the built-in GPT (4 layers, d_model 32, 4 heads, vocab 64, seq 16) for 4 steps
 through the production path, ``etrain.workers.engine.train.Trainer`` (which calls ``build_pipeline`` when pp > 1),
 on real gloo ranks: AdamW in fp32, clipping at a norm that binds, grad accumulation of 4 micro-batches
 (2 per dp replica at dp=2). It must match the same Trainer in one process: every step's loss within
@@ -48,7 +48,7 @@ def _reference(config: RunConfig):
 
 
 def _layout(global_batch: int = 8, **parallel) -> RunConfig:
-    return small_config(global_batch=global_batch, parallel=ParallelConfig(**parallel))
+    return small_config(steps=4, global_batch=global_batch, parallel=ParallelConfig(**parallel))
 
 
 LAYOUTS = {
