@@ -175,6 +175,18 @@ def test_plain_step_lines_show_the_mfu_when_it_is_known(manager, tmp_path):
     ]
 
 
+@pytest.fixture(autouse=True)
+def _python_sigint_handler():
+    """Python's own SIGINT handler (KeyboardInterrupt), as an interactive ``etrain`` has it. A pytest started
+    in the background by a non-interactive shell inherits SIGINT ignored, and Python then keeps it ignored:
+    the signal was dropped, and the watch test waited out ``--max-wait`` (exit 124, not 130)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def interrupt_when(condition, *, timeout_s: float = 20.0) -> threading.Thread:
     """Send this process SIGINT (what Ctrl-C sends) once ``condition()`` holds; record when in ``.sent``."""
 
@@ -185,9 +197,7 @@ def interrupt_when(condition, *, timeout_s: float = 20.0) -> threading.Thread:
                 return
             time.sleep(0.02)
         thread.sent = time.monotonic()  # type: ignore[attr-defined]
-        # To the main thread, as a terminal's Ctrl-C reaches a one-thread CLI: a process-wide os.kill may be
-        # taken by any of the threads earlier tests left in this process, and then the main thread, blocked
-        # reading the server, is not woken (the test waited out --max-wait and saw exit 124, not 130).
+        # To the main thread, which a terminal's Ctrl-C reaches in a one-thread CLI (this process has others).
         signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
 
     thread = threading.Thread(target=run, daemon=True)
