@@ -55,7 +55,7 @@ class StepReports:
         self._detector = self._new_detector(parallel)
         #: The job's newest step, loss and throughput (the job's fields in ``updates``).
         self.latest: dict[str, Any] = {}
-        self._shown_attempt: int | None = None
+        self._shown_attempt: int | None = None  # the attempt ``latest`` belongs to
         #: Every straggler found so far, with its node (the job's ``stragglers`` field).
         self.findings: list[dict[str, Any]] = []
 
@@ -119,7 +119,7 @@ class StepReports:
             return
         self._shown_attempt = attempt
         self.latest = {
-            "step": int(last["step"]) + 1,
+            "step": step,
             "loss": last.get("loss"),
             "tokens_per_s": last.get("tokens_per_s"),
             "mfu": last.get("mfu"),
