@@ -76,3 +76,27 @@ def test_buffers_prepared_ahead_hold_the_values_of_the_save_not_of_the_preparati
     restored = _restored(tmp_path, 2)
     for name, value in saved.items():
         assert torch.equal(restored[name], value), name
+
+
+def test_the_stager_keeps_its_buffers_and_copy_table_when_dcp_closes_its_copier_after_each_staging():
+    """torch 2.11's ``DefaultStager._stage`` closes its copier (``_state_dict_stager``) after every
+    staging: that dropped the host buffers and the copy table, and the next staging of a state holding a
+    class object failed with ``KeyError: <class 'type'>`` (an H100 job's first save, its buffers prepared
+    ahead). Emulated here the way that torch does it; the second staging reuses the first's buffers."""
+    from etrain.workers.checkpoints.checkpoint import _reused_stager
+
+    weight = torch.arange(6.0)
+    state = {"model": {"w": weight}, "optim": {"kind": torch.optim.AdamW, "lr": 0.1}}
+    stager = _reused_stager(pinned=False)
+    try:
+        first = stager.stage(state)
+        stager._state_dict_stager.close()  # what torch 2.11 does after every staging
+        stager.close()  # and what its async_save does after every upload
+        weight.add_(1.0)
+        second = stager.stage(state)
+    finally:
+        stager.release()
+    assert second["optim"]["kind"] is torch.optim.AdamW
+    assert torch.equal(second["model"]["w"], torch.arange(6.0) + 1.0)
+    assert second["model"]["w"].data_ptr() == first["model"]["w"].data_ptr()  # the same host buffer, reused
+    assert second["model"]["w"].data_ptr() != weight.data_ptr()  # a copy, not the live tensor

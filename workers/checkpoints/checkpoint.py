@@ -321,18 +321,30 @@ def _reused_stager(pinned: bool) -> Any:
         return None
 
     class ReusedStager(DefaultStager):
-        """A ``DefaultStager`` that only its owner closes (:meth:`release`).
+        """A ``DefaultStager`` whose buffers and copier only its owner closes (:meth:`release`).
 
-        Why: torch 2.11's ``async_save`` closes the stager it is given once the upload is done (2.13
-        leaves that to the caller), and a closed stager has dropped its pinned buffers and its copy
-        table: the next save failed with ``KeyError: <class 'type'>`` inside the stager (found by
-        ``make gpu-check`` on an H100, at a job's second save). Its buffers must outlive every save.
+        Why: torch 2.11 closes the stager twice over where 2.13 leaves it to the caller. Its
+        ``async_save`` closes the stager it is given once the upload is done, and its
+        ``DefaultStager._stage`` closes the inner copier (``_state_dict_stager``) after *every*
+        staging. A closed copier has dropped its host buffers (each save would allocate and pin the
+        whole state again) and cleared its copy table, so the next staging of a state holding a class
+        object failed with ``KeyError: <class 'type'>`` (found by ``make gpu-check`` on an H100: at a
+        job's second save, then, once buffers were prepared ahead, at its first). Here neither close
+        does anything; the buffers live until :meth:`release`.
         """
+
+        def __init__(self, options: Any) -> None:
+            super().__init__(options)
+            self._copier = getattr(self, "_state_dict_stager", None)  # private to DCP: absent, nothing to keep
+            if self._copier is not None:
+                self._copier.close = _keep_open  # this instance's close only; release() calls the class's
 
         def close(self) -> None:  # called by DCP after each upload on some torch versions
             pass
 
         def release(self) -> None:
+            if self._copier is not None:
+                type(self._copier).close(self._copier)
             DefaultStager.close(self)
 
     return ReusedStager(
@@ -340,6 +352,10 @@ def _reused_stager(pinned: bool) -> Any:
             use_pinned_memory=pinned, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=pinned
         )
     )
+
+
+def _keep_open() -> None:
+    """A reused stager's copier ignores DCP's close (:func:`_reused_stager`)."""
 
 
 @contextlib.contextmanager
