@@ -204,7 +204,8 @@ class JobManager:
     # --- jobs ------------------------------------------------------------------------------------
 
     def validate(self, spec: JobSpec) -> JobSpec:
-        """The spec as it will run (paths pinned, auto layout resolved), or SpecRejected with every problem."""
+        """The spec as it will run (paths pinned, auto layout and auto loss chunking resolved), or SpecRejected with
+        every problem."""
         spec, outside = pin_paths(spec, self._base_dir, self.storage)
         if outside:  # before anything looks at the files: the answer must not say whether they exist
             raise SpecRejected(outside)
@@ -217,7 +218,7 @@ class JobManager:
             problems += planner.check_plan(spec, available_gb=available)
         if problems:
             raise SpecRejected(problems)
-        return spec
+        return planner.resolve_loss_chunk(spec, available_gb=available)
 
     def submit(self, spec: JobSpec, *, principal: Principal = ADMIN, idempotency_key: str | None = None) -> JobRecord:
         """``idempotency_key``: a retry with the same key and spec returns the job the first request created

@@ -315,8 +315,9 @@ class TrainingSpec(_Section):
     loss_chunk_tokens: _upto(MAX_LOSS_CHUNK_TOKENS, 0) | Literal["auto"] = Field(
         default="auto",
         description="the output projection and the loss run over this many tokens at a time (forward and "
-        "backward), so the full logits never exist; 0: whole; auto: chunks of about 512 MiB of fp32 logits "
-        "when a micro-batch's logits are larger than that, else whole",
+        "backward), so the full logits never exist; 0: whole; auto: whole where the plan with whole logits fits "
+        "in 90% of each rank's memory (chunking cost 18% of a step on an H100), else chunks of about 512 MiB of "
+        "fp32 logits",
     )
     timing_sync_every: _upto(MAX_STEPS) = Field(
         default=1,
