@@ -38,7 +38,10 @@ any non-terminal status; "fault" and [n] are explained under the table::
   live       LAUNCH/UP  WorkerLost(process | actor)           RECOVERING  fault
   RECOVERING LAUNCHING  RepairFailed                          RECOVERING  StopGroup, then relaunch [9]
   live       LAUNCH/UP  GroupStopped (not asked for)          RECOVERING  fault
-  RUNNING    UP         Tick, no progress > heartbeat_timeout RECOVERING  hang_detected, fault
+  RUNNING    UP         Tick, no progress > heartbeat_timeout RUNNING     DiagnoseHang             [10]
+                          diagnosis asked > HANG_DIAGNOSIS_S  RECOVERING  hang_detected, fault
+  RUNNING    UP         HangDiagnosed(culprit, repairable)    RUNNING     hang_detected, KillRank  [10]
+                          no culprit, or no repair possible   RECOVERING  hang_detected, fault
   STARTING+  LAUNCHING  Tick, not ready > start_timeout_s     RECOVERING  start_timeout, fault
   live       LAUNCH/UP  WorkerLost(node)                      RECOVERING  StopGroup; await capacity
   live       any        NodeLossConfirmed                     same        restart_refunded         [8]
@@ -111,7 +114,7 @@ any non-terminal status; "fault" and [n] are explained under the table::
       re-fits the job to the capacity left; an attempt still launching at a size that no longer fits
       is stopped and the job waits for capacity like any node loss.
 
-  [9] Keep the survivors: a single rank lost from a running group (process or actor, a budget left,
+  [9] Keep the survivors: a single rank lost from a running group of several ranks (process or actor, a budget left,
       a committed step, no resize or eviction pending, ``in_place``) is repaired in place: attempt
       + 1 on the same placement group, every surviving rank process kept (it rejoins a new
       rendezvous and restores the committed step from its own memory), and only the lost rank
@@ -119,6 +122,15 @@ any non-terminal status; "fault" and [n] are explained under the table::
       or else from storage. The restart is spent as for any fault, with no backoff (the budget
       bounds the loop). RepairFailed falls back to a full relaunch from the same step without
       spending again; a failure during the repair's launch is an ordinary fault.
+
+  [10] A hang is diagnosed before anything is stopped: DiagnoseHang asks every rank where its training
+      thread is (step and Python frames, answered from another thread of the rank's process), and
+      HangDiagnosed names the rank the others wait for (service/decisions/hangs.py: the one not
+      inside a collective, or silent). With a culprit that [9] could repair, the event names it (rank,
+      node, its innermost frames) and KillRank kills that rank only: its loss arrives as WorkerLost and
+      is repaired in place, the survivors kept. Without one (every rank waits: a network or device
+      fault), or without a committed step or budget, every rank is relaunched as before. A step
+      reported meanwhile clears the hang; HANG_DIAGNOSIS_S bounds the diagnosis and the kill.
 
 Policies are plain values: the resize policy is :class:`etrain.service.decisions.elastic.ElasticPolicy` built from
 the config; straggler statistics live in service/decisions/stragglers.py and arrive as StragglerFlagged.
@@ -131,7 +143,7 @@ Where each piece lives (this module holds the table and the one entry point; not
   supervisor_lifecycle.py    Start, GroupReady, StepReported, Finished, JobError, GroupStopped, Tick, Cancel, Abort
   supervisor_checkpoints.py  CheckpointReported, CheckpointFailed, CommitSucceeded, CommitFailed,
                              CheckpointFallback                                                   [3] [7]
-  supervisor_failures.py     WorkerLost, RepairFailed, NodeLossConfirmed                          [8] [9]
+  supervisor_failures.py     WorkerLost, RepairFailed, NodeLossConfirmed, HangDiagnosed      [8] [9] [10]
   supervisor_resize.py       CapacityChanged, ScaleRequested, StragglerFlagged                    [4]
   supervisor_export.py       Exported, ExportFailed and the EXPORTING phase                       [6]
   supervisor_moves.py        what the handlers share: stop, fault, launch, wait for capacity, planned stops
@@ -169,6 +181,7 @@ from etrain.service.decisions.supervisor_events import (
     Finished,
     GroupReady,
     GroupStopped,
+    HangDiagnosed,
     JobError,
     NodeLossConfirmed,
     RepairFailed,
@@ -220,6 +233,7 @@ _HANDLERS = {
     WorkerLost: failures.on_worker_lost,
     RepairFailed: failures.on_repair_failed,
     NodeLossConfirmed: failures.on_node_loss_confirmed,
+    HangDiagnosed: failures.on_hang_diagnosed,
     CapacityChanged: resize.on_capacity,
     ScaleRequested: resize.on_scale,
     StragglerFlagged: resize.on_straggler,

@@ -26,6 +26,7 @@ __all__ = [
     "CommitCheckpoint",
     "CommitFailed",
     "CommitSucceeded",
+    "DiagnoseHang",
     "Event",
     "ExcludeNode",
     "ExportCheckpoint",
@@ -34,7 +35,9 @@ __all__ = [
     "Finished",
     "GroupReady",
     "GroupStopped",
+    "HangDiagnosed",
     "JobError",
+    "KillRank",
     "LaunchGroup",
     "MarkTerminal",
     "NodeLossConfirmed",
@@ -122,6 +125,18 @@ class WorkerLost:
     node: str
     cause: Literal["process", "actor", "node"]
     detail: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class HangDiagnosed:
+    """The answer to DiagnoseHang: ``rank`` is the rank the others wait for (None: no single one), on
+    ``node``; ``detail`` says why in words, with the culprit's innermost frames
+    (service/decisions/hangs.py)."""
+
+    attempt: int
+    rank: int | None
+    node: str
+    detail: str
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -249,6 +264,7 @@ Event = Union[  # noqa: UP007 - a runtime alias of many classes, read as one lin
     CommitSucceeded,
     CommitFailed,
     WorkerLost,
+    HangDiagnosed,
     JobError,
     Tick,
     CapacityChanged,
@@ -287,6 +303,24 @@ class RepairGroup:
     lost_rank: int
     world_size: int
     resume_step: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class DiagnoseHang:
+    """Ask every rank of attempt ``attempt`` where its training thread is (with a timeout) and answer
+    with HangDiagnosed."""
+
+    attempt: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class KillRank:
+    """Kill rank ``rank`` of attempt ``attempt`` (the culprit of a hang); its loss then arrives as
+    WorkerLost and is repaired like any lost rank."""
+
+    attempt: int
+    rank: int
+    reason: str
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -349,6 +383,8 @@ class MarkTerminal:
 Action = Union[  # noqa: UP007 - a runtime alias of many classes, read as one line per group
     LaunchGroup,
     RepairGroup,
+    DiagnoseHang,
+    KillRank,
     StopGroup,
     CommitCheckpoint,
     RequestCheckpoint,

@@ -1,7 +1,7 @@
 """The supervisor's handlers for lost ranks and nodes: repair in place, restart, or wait for capacity.
 
 A lost process or actor is the job's fault (a restart from the budget, [9] repairs a single rank in
-place); a lost node is not (no budget, wait for the capacity left); a late node verdict refunds the
+place; a hung rank named by the ranks' diagnosis is killed and repaired the same way, [10]); a lost node is not (no budget, wait for the capacity left); a late node verdict refunds the
 restart it was first charged as ([8]). Rows and notes: the transition table of service/decisions/supervisor.py.
 """
 
@@ -12,6 +12,8 @@ from dataclasses import replace
 from etrain.service.decisions.job_status import Status
 from etrain.service.decisions.supervisor_events import (
     Action,
+    HangDiagnosed,
+    KillRank,
     NodeLossConfirmed,
     RecordEvent,
     RepairFailed,
@@ -44,17 +46,41 @@ def on_worker_lost(
         what += f": {event.detail}"
     if event.cause == "node":
         return node_lost(state, now, config, what)
-    if _can_repair(state, event, config):
+    if _can_repair(state, event.rank, config):
         return _repair(state, now, config, event.rank, what)
     return fault(state, now, config, "worker_failed", what)
 
 
-def _can_repair(state: SupervisorState, event: WorkerLost, config: SupervisorConfig) -> bool:
-    """[9] One known rank of a running group, a committed step to resume, nothing planned to stop for."""
+def on_hang_diagnosed(state: SupervisorState, event: HangDiagnosed, now: float, config: SupervisorConfig) -> Decision:
+    """[10] The ranks said where they are: kill the one the others wait for and repair it in place (its
+    loss comes back as WorkerLost), or, with no single culprit or no repair possible, relaunch every rank."""
+    if state.group is not GroupPhase.UP or state.hang_asked_at is None:
+        return ignore(state, "HangDiagnosed with no hang being diagnosed (progress resumed, or the group went)")
+    idle = now - (state.last_progress_at if state.last_progress_at is not None else now)
+    what = (
+        f"no step progress for {idle:.0f}s (heartbeat_timeout_s={config.policy.heartbeat_timeout_s:g}), stuck at "
+        f"step {state.step}: {event.detail}"
+    )
+    if event.rank is not None and _can_repair(state, event.rank, config):
+        where = f" on node {event.node}" if event.node else ""
+        actions: list[Action] = [
+            RecordEvent(kind="hang_detected", detail=what),
+            KillRank(attempt=state.attempt, rank=event.rank, reason=f"rank {event.rank}{where} hung"),
+        ]
+        # The kill gets its own diagnosis window: no WorkerLost by then, and the tick relaunches.
+        return decision(replace(state, hang_asked_at=now), actions, f"{what}: killing rank {event.rank} to repair it")
+    return fault(replace(state, hang_asked_at=None), now, config, "hang_detected", what)
+
+
+def _can_repair(state: SupervisorState, rank: int, config: SupervisorConfig) -> bool:
+    """[9] One known rank of a running group that has other ranks to keep, a committed step to resume,
+    nothing planned to stop for. (A one-rank job has no survivor: a relaunch is the same work, and its
+    checkpoint is verified by the supervisor first, which moves a refused step aside.)"""
     return (
         config.policy.in_place
         and state.group is GroupPhase.UP
-        and 0 <= event.rank < config.world_size(state.dp)
+        and config.world_size(state.dp) > 1
+        and 0 <= rank < config.world_size(state.dp)
         and state.last_committed_step is not None
         and state.restarts_used < config.policy.max_restarts
         and state.pending_evict_node is None
@@ -74,6 +100,7 @@ def _repair(state: SupervisorState, now: float, config: SupervisorConfig, rank: 
         group_since=now,
         step=step,
         last_progress_at=None,
+        hang_asked_at=None,
         backoff_until=None,
         checkpoint_reports=frozenset(),
         committing=frozenset(),  # a late answer about the old attempt's commit is ignored [3]

@@ -15,6 +15,7 @@ from etrain.service.decisions.job_status import Status
 from etrain.service.decisions.supervisor_events import (
     Abort,
     Cancel,
+    DiagnoseHang,
     Finished,
     GroupReady,
     GroupStopped,
@@ -35,6 +36,10 @@ from etrain.service.decisions.supervisor_moves import (
     try_launch,
 )
 from etrain.service.decisions.supervisor_state import Decision, GroupPhase, SupervisorConfig, SupervisorState
+
+#: How long a hang's diagnosis (the ranks asked where they are, then the culprit's kill) may take before
+#: the job is relaunched as for a hang with no culprit [10].
+HANG_DIAGNOSIS_S = 10.0
 
 
 def on_start(state: SupervisorState, event: Start, now: float, config: SupervisorConfig) -> Decision:
@@ -73,6 +78,7 @@ def on_group_ready(
         group=GroupPhase.UP,
         group_since=now,
         last_progress_at=now,
+        hang_asked_at=None,
         capacity_wait_since=None,
         waiting_for=None,
     )
@@ -91,7 +97,9 @@ def _progress(state: SupervisorState, step: int, now: float, what: str) -> Decis
     """Only a higher step is progress: a report of a step already seen does not reset the hang clock."""
     if step <= state.step:
         return decision(state, [], f"{what} at step {step}: no progress past step {state.step}")
-    return decision(replace(state, step=step, last_progress_at=now), [], f"{what}: progress to step {step}")
+    return decision(
+        replace(state, step=step, last_progress_at=now, hang_asked_at=None), [], f"{what}: progress to step {step}"
+    )
 
 
 def on_finished(state: SupervisorState, event: Finished, now: float, config: SupervisorConfig) -> Decision:
@@ -148,13 +156,23 @@ def on_tick(state: SupervisorState, event: Tick, now: float, config: SupervisorC
     if state.group is GroupPhase.UP:
         idle = now - (state.last_progress_at if state.last_progress_at is not None else now)
         if idle > config.policy.heartbeat_timeout_s:
+            what = (
+                f"no step progress for {idle:.0f}s (heartbeat_timeout_s={config.policy.heartbeat_timeout_s:g}), "
+                f"stuck at step {state.step}"
+            )
+            if state.hang_asked_at is None:  # [10] ask the ranks where they are first
+                asked = replace(state, hang_asked_at=now)
+                return decision(
+                    asked, [DiagnoseHang(attempt=state.attempt)], f"{what}: asking the ranks where they are"
+                )
+            if now - state.hang_asked_at <= HANG_DIAGNOSIS_S:
+                return decision(state, [], "tick: waiting for the hang's diagnosis")
             return fault(
-                state,
+                replace(state, hang_asked_at=None),
                 now,
                 config,
                 "hang_detected",
-                f"no step progress for {idle:.0f}s (heartbeat_timeout_s={config.policy.heartbeat_timeout_s:g}), "
-                f"stuck at step {state.step}",
+                f"{what}; the ranks' diagnosis (or the culprit's loss) did not come within {HANG_DIAGNOSIS_S:g}s",
             )
         if state.pending and now - state.checkpoint_requested_at > config.policy.checkpoint_timeout_s:
             return pending_checkpoint_timed_out(state, now, config)

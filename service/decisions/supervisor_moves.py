@@ -269,6 +269,7 @@ def try_launch(
         group_since=now,
         step=state.last_committed_step or 0,
         last_progress_at=None,
+        hang_asked_at=None,
         backoff_until=None,
         checkpoint_reports=frozenset(),
         committing=frozenset(),  # a late answer about the old group's commit is ignored [3]

@@ -140,6 +140,7 @@ class SupervisorState:
     last_committed_step: int | None = None
     step: int = 0  # highest step seen from the current attempt
     last_progress_at: float | None = None
+    hang_asked_at: float | None = None  # a hang's DiagnoseHang (then its KillRank) went out then
     backoff_until: float | None = None
     # Capacity and elasticity.
     available_dp: int | None = None  # last CapacityChanged; None = never reported

@@ -32,6 +32,7 @@ from typing import Any
 
 import ray
 
+from etrain.service.decisions.hangs import find_culprit
 from etrain.service.decisions.job_policy import JobPolicy
 from etrain.service.decisions.job_status import Status
 from etrain.service.decisions.supervisor import decide
@@ -44,13 +45,16 @@ from etrain.service.decisions.supervisor_events import (
     CheckpointReported,
     CommitCheckpoint,
     CommitSucceeded,
+    DiagnoseHang,
     Event,
     ExcludeNode,
     ExportCheckpoint,
     Finished,
     GroupReady,
     GroupStopped,
+    HangDiagnosed,
     JobError,
+    KillRank,
     LaunchGroup,
     MarkTerminal,
     RecordEvent,
@@ -78,6 +82,8 @@ from etrain.workers.protocol.run_config import RunConfig
 log = logging.getLogger(__name__)
 
 TICK_S = 0.2
+#: How long a hang's diagnosis waits for the ranks' answers (a rank that holds the GIL never answers).
+HANG_ASK_TIMEOUT_S = 3.0
 #: The event kinds a rank may add to the job's events (``report_note``): a rank's own decisions.
 RANK_NOTES = frozenset({"checkpoint_interval"})
 #: How long ``updates`` of an ended job waits for its last prune (well inside the caller's Ray call timeout).
@@ -397,6 +403,11 @@ class JobSupervisor:
                 # Rank 0 decides at a step boundary, for every rank, to save the first step past the one
                 # the supervisor knows (workers/rank/step_control.py): all ranks save the same step.
                 self._group.call(0, "request_checkpoint", self.state.step + 1)
+        elif isinstance(action, DiagnoseHang):
+            self._diagnose_hang(action)
+        elif isinstance(action, KillRank):
+            if self._group is not None and self._group.attempt == action.attempt:
+                self._group.kill_actor(action.rank)
         elif isinstance(action, ExcludeNode):
             self._check_capacity(force=True)
         elif isinstance(action, ScheduleWake):
@@ -411,6 +422,26 @@ class JobSupervisor:
         else:
             raise AssertionError(f"unhandled action {action!r}")
         return None
+
+    def _diagnose_hang(self, action: DiagnoseHang) -> None:
+        """Ask every rank where its training thread is, off the control thread, and answer HangDiagnosed
+        ([10] in service/decisions/supervisor.py; the verdict is service/decisions/hangs.py's)."""
+        group = self._group
+        if group is None or group.attempt != action.attempt:
+            self._inbox.put(HangDiagnosed(attempt=action.attempt, rank=None, node="", detail="no group to ask"))
+            return
+
+        def ask() -> None:
+            try:
+                reports = group.where(timeout_s=HANG_ASK_TIMEOUT_S)
+                verdict = find_culprit(reports)
+                node = group.node_of(verdict.rank) if verdict.rank is not None else ""
+                answer = HangDiagnosed(attempt=action.attempt, rank=verdict.rank, node=node, detail=verdict.detail)
+            except Exception as err:  # noqa: BLE001 - no verdict: the state machine relaunches every rank
+                answer = HangDiagnosed(attempt=action.attempt, rank=None, node="", detail=f"diagnosis failed: {err}")
+            self._inbox.put(answer)
+
+        threading.Thread(target=ask, name=f"hang-{self.job_id}-{action.attempt}", daemon=True).start()
 
     def _launch(self, action: LaunchGroup) -> None:
         config = self.config.with_dp(action.dp)

@@ -22,6 +22,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from etrain.service.decisions.hangs import Frame, RankWhere
 from etrain.service.runtime.spares import NAMESPACE, take_spares
 from etrain.workers.protocol.errors import EtrainError
 from etrain.workers.protocol.messages import RANK_ACTOR_CLASS, ChaosOrder, LaunchPlan, load_actor_class
@@ -398,6 +399,21 @@ class WorkerGroup:
 
     def chaos(self, order: ChaosOrder) -> None:
         self.call(order.rank, "chaos", order)
+
+    def where(self, *, timeout_s: float) -> dict[int, RankWhere | None]:
+        """Every rank's answer to ``where`` (its training thread's step and frames), None for a rank that
+        did not answer within ``timeout_s`` (all asked at once)."""
+        asked = {actor.where.remote(): rank for rank, actor in enumerate(self.actors)}
+        done, _ = ray.wait(list(asked), num_returns=len(asked), timeout=timeout_s)
+        reports: dict[int, RankWhere | None] = dict.fromkeys(asked.values())
+        for ref in done:
+            try:
+                answer = ray.get(ref, timeout=1)
+            except Exception:  # noqa: BLE001 - a dead or failing rank is a silent one here
+                continue
+            frames = tuple(Frame(str(file), int(line), str(name)) for file, line, name in answer.get("frames", []))
+            reports[asked[ref]] = RankWhere(step=answer.get("step"), frames=frames)
+        return reports
 
     def kill_actor(self, rank: int) -> None:
         if 0 <= rank < len(self.actors):

@@ -14,7 +14,16 @@ import re
 import numpy as np
 import pytest
 
-from tests.chaos.conftest import LLAMA_MODEL, clean_run, losses, resumed_from, run_clean, spec
+from tests.chaos.conftest import (
+    LLAMA_MODEL,
+    assert_repaired_in_place,
+    clean_run,
+    losses,
+    rank_pids,
+    resumed_from,
+    run_clean,
+    spec,
+)
 from tests.service_harness import event_kinds, event_text
 
 pytestmark = pytest.mark.slow
@@ -65,7 +74,9 @@ def test_killed_rank_restarts_from_checkpoint_and_ends_where_the_clean_run_ends(
     assert abs(final["loss"] - clean[24]) <= 1e-6
 
 
-def test_hung_rank_is_detected_within_the_heartbeat_timeout_and_recovers(shared_plane, clean):
+def test_hung_rank_is_named_with_its_stack_and_repaired_in_place_within_the_timeout(shared_plane, clean):
+    """Issue #20 item 2: the hang names its culprit (rank, node, a frame of the drill's hang), only that
+    rank is killed and replaced, the survivor keeps its process, and the run ends like the clean run."""
     plane = shared_plane
     timeout = 4.0
     job = plane.submit(spec("hang-dp2", fault_tolerance={"heartbeat_timeout_s": timeout}))
@@ -75,9 +86,19 @@ def test_hung_rank_is_detected_within_the_heartbeat_timeout_and_recovers(shared_
     events = plane.events(job["id"])
     fired = next(e for e in events if e["kind"] == "chaos_fired")
     hang = next(e for e in events if e["kind"] == "hang_detected")
-    # The rank stopped at step 6; detection within the timeout plus a small margin (tick + report lag).
+    # The rank stopped at step 6; detection within the timeout plus a small margin (tick + report lag + asking).
     assert timeout <= hang["ts"] - fired["ts"] <= timeout + 3.0, hang["ts"] - fired["ts"]
+    text = event_text(hang)
+    assert "rank 0 stopped at step 7 outside any collective (1 rank(s) wait in collectives)" in text, text
+    assert "workers/rank/chaos.py" in text and "in on_compute" in text, text  # the drill's own frame
+    assert_repaired_in_place(final, events, times=1)
     assert resumed_from(events) == [None, 4]
+    survivor, culprit = rank_pids(plane, job["id"], 1), rank_pids(plane, job["id"], 0)
+    assert len(survivor) == len(culprit) == 2 and survivor[0] == survivor[1] and culprit[0] != culprit[1]
+    logs = plane.client.get(f"/v1/jobs/{job['id']}/logs", params={"rank": 0}).json()["lines"]
+    assert any("hang diagnosis: the training thread is at step 7" in line and "on_compute" in line for line in logs)
+    repaired = next(e for e in events if e["kind"] == "restored")
+    assert repaired["ts"] - fired["ts"] <= timeout + 3.0 + 3.0, repaired["ts"] - fired["ts"]
     assert_same_trajectory(losses(plane, job["id"]), clean, tol=1e-6)
 
 

@@ -25,6 +25,7 @@ from etrain.service.decisions.supervisor_events import (
     CommitCheckpoint,
     CommitFailed,
     CommitSucceeded,
+    DiagnoseHang,
     ExcludeNode,
     ExportCheckpoint,
     Exported,
@@ -32,7 +33,9 @@ from etrain.service.decisions.supervisor_events import (
     Finished,
     GroupReady,
     GroupStopped,
+    HangDiagnosed,
     JobError,
+    KillRank,
     LaunchGroup,
     MarkTerminal,
     NodeLossConfirmed,
@@ -49,6 +52,7 @@ from etrain.service.decisions.supervisor_events import (
     Tick,
     WorkerLost,
 )
+from etrain.service.decisions.supervisor_lifecycle import HANG_DIAGNOSIS_S
 from etrain.service.decisions.supervisor_state import (
     GroupPhase,
     SupervisorConfig,
@@ -829,16 +833,78 @@ class TestTick:
         d = decide(running(), Tick(), 60.0, CONFIG)
         assert d.state == running() and d.actions == ()
 
-    def test_hang_restarts_and_spends_budget(self):
+    def test_a_hang_first_asks_the_ranks_where_they_are(self):
         d = decide(running(last_committed_step=8), Tick(), 61.0, CONFIG)
-        assert d.state.status is Status.RECOVERING and d.state.restarts_used == 1
+        assert d.state.status is Status.RUNNING and d.state.restarts_used == 0
+        assert d.actions == (DiagnoseHang(attempt=1),) and d.state.hang_asked_at == 61.0
+        assert d.reason.startswith("no step progress for 61s (heartbeat_timeout_s=60), stuck at step 10")
+        waiting = decide(d.state, Tick(), 61.0 + HANG_DIAGNOSIS_S, CONFIG)
+        assert waiting.actions == () and waiting.state == d.state  # nothing asked twice
+
+    def test_a_diagnosis_that_never_comes_relaunches_and_spends_budget(self):
+        asked = decide(running(last_committed_step=8), Tick(), 61.0, CONFIG).state
+        d = decide(asked, Tick(), 61.0 + HANG_DIAGNOSIS_S + 0.5, CONFIG)
+        assert d.state.status is Status.RECOVERING and d.state.restarts_used == 1 and d.state.hang_asked_at is None
         assert kinds(d) == ["hang_detected", "restarting"]
-        assert of(d, RecordEvent)[0].detail == "no step progress for 61s (heartbeat_timeout_s=60), stuck at step 10"
+        assert of(d, RecordEvent)[0].detail == (
+            "no step progress for 72s (heartbeat_timeout_s=60), stuck at step 10; the ranks' diagnosis (or the "
+            "culprit's loss) did not come within 10s"
+        )
         assert of(d, StopGroup)[0].attempt == 1
-        assert of(d, ScheduleWake) == [ScheduleWake(at=71.0)]
+        assert of(d, ScheduleWake) == [ScheduleWake(at=81.5)]
+
+    def test_a_named_culprit_is_killed_and_its_loss_repaired_in_place(self):
+        asked = decide(running(last_committed_step=8), Tick(), 61.0, CONFIG).state
+        answer = HangDiagnosed(attempt=1, rank=3, node="n2", detail="rank 3 stopped at step 11 outside any collective")
+        d = decide(asked, answer, 62.0, IN_PLACE)
+        assert d.state.status is Status.RUNNING and d.state.restarts_used == 0 and d.state.hang_asked_at == 62.0
+        assert kinds(d) == ["hang_detected"]
+        assert of(d, RecordEvent)[0].detail == (
+            "no step progress for 62s (heartbeat_timeout_s=60), stuck at step 10: rank 3 stopped at step 11 "
+            "outside any collective"
+        )
+        assert of(d, KillRank) == [KillRank(attempt=1, rank=3, reason="rank 3 on node n2 hung")]
+        lost = decide(d.state, WorkerLost(attempt=1, rank=3, node="n2", cause="actor"), 62.5, IN_PLACE)
+        assert of(lost, RepairGroup) == [RepairGroup(attempt=2, lost_rank=3, world_size=8, resume_step=8)]
+        assert lost.state.restarts_used == 1 and lost.state.hang_asked_at is None
+
+    @pytest.mark.parametrize(
+        "state,rank",
+        [
+            (running(last_committed_step=8), None),  # every rank waits: no single culprit
+            (running(), 3),  # nothing committed: no repair in place
+            (running(last_committed_step=8), 8),  # not a rank of this world
+        ],
+        ids=["no-culprit", "nothing-committed", "unknown-rank"],
+    )
+    def test_without_a_culprit_to_repair_every_rank_is_relaunched(self, state, rank):
+        asked = decide(state, Tick(), 61.0, IN_PLACE).state
+        d = decide(asked, HangDiagnosed(attempt=1, rank=rank, node="", detail="why"), 62.0, IN_PLACE)
+        assert d.state.status is Status.RECOVERING and d.state.restarts_used == 1
+        assert kinds(d) == ["hang_detected", "restarting"] and of(d, KillRank) == []
+        assert of(d, StopGroup)[0].attempt == 1
+
+    def test_a_one_rank_job_has_no_survivor_to_keep_and_is_relaunched(self):
+        """Its checkpoint is then verified by the supervisor before the launch (a forged step moved aside),
+        where a repair in place would let the replacement refuse it and fail the job."""
+        one = configured(IN_PLACE, tp=1)
+        state = running(dp=1, last_committed_step=8)
+        lost = decide(state, WorkerLost(attempt=1, rank=0, node="n1", cause="actor"), 62.0, one)
+        assert of(lost, RepairGroup) == [] and of(lost, StopGroup)[0].attempt == 1
+        asked = decide(state, Tick(), 61.0, one).state
+        hung = decide(asked, HangDiagnosed(attempt=1, rank=0, node="n1", detail="why"), 62.0, one)
+        assert of(hung, KillRank) == [] and kinds(hung) == ["hang_detected", "restarting"]
+
+    def test_progress_clears_the_hang_and_a_late_diagnosis_is_ignored(self):
+        asked = decide(running(last_committed_step=8), Tick(), 61.0, CONFIG).state
+        moved = decide(asked, StepReported(attempt=1, step=11, loss=2.0), 61.5, CONFIG).state
+        assert moved.hang_asked_at is None
+        late = decide(moved, HangDiagnosed(attempt=1, rank=3, node="n2", detail="why"), 62.0, CONFIG)
+        assert late.ignored and late.actions == ()
 
     def test_hang_with_budget_spent_fails(self):
-        d = decide(running(restarts_used=2), Tick(), 61.0, CONFIG)
+        asked = decide(running(restarts_used=2, last_committed_step=8), Tick(), 61.0, CONFIG).state
+        d = decide(asked, HangDiagnosed(attempt=1, rank=3, node="n2", detail="why"), 62.0, CONFIG)
         assert d.state.status is Status.FAILED
         assert "restarted 2 times, max_restarts=2" in d.state.error
 
@@ -1402,10 +1468,11 @@ class TestStories:
             s.at(t, StepReported(attempt=1, step=1, loss=3.0))  # a stale report while stuck in a collective
             s.at(t, Tick())
         assert s.state.status is Status.RUNNING
-        d = s.at(81, Tick())
+        assert s.at(81, Tick()).actions == (DiagnoseHang(attempt=1),)
+        d = s.at(82, HangDiagnosed(attempt=1, rank=None, node="", detail="all 8 ranks wait in collectives"))
         assert kinds(d) == ["hang_detected", "restarting"] and s.state.restarts_used == 1
         s.at(82, GroupStopped(attempt=1))
-        d = s.at(91, Tick())
+        d = s.at(92, Tick())
         assert of(d, LaunchGroup) == [LaunchGroup(attempt=2, dp=4, world_size=8, resume_step=None)]
 
     def test_max_restarts_exceeded(self):

@@ -28,6 +28,7 @@ import dataclasses
 import datetime
 import os
 import socket
+import threading
 from typing import Any
 
 from etrain.workers.protocol.messages import REPORT_TIMEOUT_S, ChaosOrder, LaunchPlan, NodeInfo, RunResult
@@ -69,6 +70,9 @@ class TrainWorker:
         # completed step -> this rank's state then (workers/checkpoints/snapshot.py)
         self._snapshots: dict[int, Any] = {}
         self._saves = None  # this attempt's RankSaves (workers/rank/rank_saves.py)
+        self._run_thread: int | None = None  # the thread running `run` (its frames answer `where`)
+        self._step: int | None = None  # the step that thread is in
+        self._log: Any = None  # the attempt's RankLog while `run` runs
 
     # --- control calls (run concurrently with `run`) -------------------------------------------
 
@@ -91,6 +95,22 @@ class TrainWorker:
 
     def ping(self) -> int:
         return self.rank
+
+    def where(self) -> dict[str, Any]:
+        """Where this rank's training thread is, for a hang's diagnosis: ``{"step", "frames"}`` (frames
+        outermost first, each ``[file, line, function]``; empty when no attempt runs). Answered from
+        another thread of the actor while the training thread is blocked (in a collective, in I/O)."""
+        import sys
+        import traceback
+
+        ident = self._run_thread
+        frame = sys._current_frames().get(ident) if ident is not None else None
+        frames = [[f.filename, f.lineno or 0, f.name] for f in traceback.extract_stack(frame)] if frame else []
+        log = self._log
+        if log is not None and frames:  # the rank's own log keeps what it answered
+            innermost = "; ".join(f"{file}:{line} in {name}" for file, line, name in reversed(frames[-6:]))
+            log.write(f"hang diagnosis: the training thread is at step {self._step}: {innermost}")
+        return {"step": self._step, "frames": frames[-40:]}
 
     def request_checkpoint(self, completed_steps: int | None = None) -> None:
         """Save a checkpoint at the first step boundary with at least ``completed_steps`` steps done
@@ -128,6 +148,7 @@ class TrainWorker:
         from etrain.workers.rank.rank_log import RankLog, rank_log_path
 
         given = plan
+        self._run_thread, self._step = threading.get_ident(), None
         # The checkpoint folder is opened once, without links, and everything the attempt writes under it
         # (shards, extra state, the rank log) goes through that descriptor: the folder swapped for a link
         # after submit redirects nothing (workers/protocol/safe_paths.py HeldDir). UnsafePathError fails the attempt.
@@ -141,6 +162,7 @@ class TrainWorker:
                 ),
             )
         log = RankLog(rank_log_path(held.path, self.job_id, self.rank)) if held is not None else None
+        self._log = log
         if log is not None:
             info = self.node_info()
             log.write(
@@ -168,6 +190,7 @@ class TrainWorker:
                 )
             return result
         finally:
+            self._log = None
             if log is not None:
                 log.close()
             if held is not None:
@@ -242,6 +265,7 @@ class TrainWorker:
                 every_steps=config.checkpoint.every_steps,
             )
             for step in range(plan.start_step, total):
+                self._step = step + 1  # the step it runs, counted as the logs count it
                 metrics = dataclasses.asdict(trainer.train_step(step))
                 final_loss = metrics["loss"]
                 if step == plan.start_step:
