@@ -317,7 +317,7 @@ def fault_figures(
             label="5. hang → next completed step",
             unit="s",
             etrain=next_step,
-            note="detection + relaunch + the first step of the new attempt",
+            note="detection, the ranks asked where they are, the culprit killed and replaced in place (survivors kept), the first step of the new attempt; goal: heartbeat_timeout_s + 3 s",
         ),
     ]
     return {"goodput": (goodput_rows, good), "hang": (hang_rows, {"runs": hangs})}
