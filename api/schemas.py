@@ -106,6 +106,13 @@ class JobOut(BaseModel):
         description="model FLOPs utilisation of the latest step, 0..1 (docs/job-spec.md: the formula); null "
         "before the first step and where the device's peak FLOP/s is unknown (CPU)",
     )
+    goodput_breakdown: dict[str, float] | None = Field(
+        default=None,
+        description="seconds of wall time since submit by cause, summing to it: queued, startup, productive, "
+        "stragglers, checkpoint, between_steps, recomputed, recovery, resizing, since_last_step "
+        "(docs/rest-api.md; service/decisions/goodput_breakdown.py); refreshed every 10 s while the job runs, "
+        "final at its end; null before the first refresh",
+    )
 
     @classmethod
     def of(cls, job: JobRecord) -> JobOut:
@@ -131,6 +138,9 @@ class JobOut(BaseModel):
             tenant=job.tenant,
             priority=job.priority,
             mfu=_finite(job.mfu),
+            goodput_breakdown=None
+            if job.goodput_breakdown is None
+            else {cause: _finite(value) or 0.0 for cause, value in job.goodput_breakdown.items()},
         )
 
 

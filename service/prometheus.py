@@ -65,6 +65,11 @@ class _JobCollector:
         stragglers = GaugeMetricFamily(
             "etrain_job_stragglers", "ranks flagged as stragglers so far", labels=["job_id", "name"]
         )
+        lost = GaugeMetricFamily(
+            "etrain_goodput_seconds",
+            "wall time since submit by cause (productive included; the causes sum to the wall time)",
+            labels=["job_id", "name", "cause"],
+        )
         factor = GaugeMetricFamily(
             "etrain_straggler_factor",
             "a flagged rank's compute time / its peers' median, at its latest finding",
@@ -80,12 +85,14 @@ class _JobCollector:
             row = self._store.step_at_or_before(job.id, job.step) if job.step else None
             if row is not None and row.mfu is not None:
                 mfu.add_metric([job.id, job.name], float(row.mfu))
+            for cause, seconds in (job.goodput_breakdown or {}).items():
+                lost.add_metric([job.id, job.name, cause], float(seconds))
             latest = _straggler_factors(job.stragglers)
             stragglers.add_metric([job.id, job.name], float(len(latest)))
             for rank, value in sorted(latest.items()):
                 factor.add_metric([job.id, job.name, str(rank)], value)
         yield from gauges.values()
-        yield from (mfu, stragglers, factor)
+        yield from (mfu, stragglers, factor, lost)
 
 
 def _straggler_factors(findings: list) -> dict[int, float]:

@@ -74,6 +74,7 @@ def print_job(job: dict[str, Any], out: TextIO) -> None:
         ("restarts", f"{job['restarts']} (attempt {job.get('attempt', '-')})"),
         ("checkpoint", "-" if job.get("last_checkpoint_step") is None else f"step {job['last_checkpoint_step']}"),
         ("goodput", "-" if job.get("goodput") is None else f"{100 * job['goodput']:.1f}%"),
+        ("time lost", _time_lost(job.get("goodput_breakdown"))),
         ("stragglers", ", ".join(str(s) for s in job.get("stragglers") or []) or "-"),
         ("artifacts", ", ".join(f"{kind}: {path}" for kind, path in (job.get("artifacts") or {}).items()) or "-"),
         ("created", _when(job.get("created_at"))),
@@ -83,6 +84,20 @@ def print_job(job: dict[str, Any], out: TextIO) -> None:
         rows.append(("error", job["error"]))
     for label, value in rows:
         print(f"{label + ':':<12} {value}", file=out)
+
+
+def _time_lost(breakdown: dict[str, float] | None, shown: int = 4) -> str:
+    """The wall time that was not productive, by cause, largest first (the job's ``goodput_breakdown``)."""
+    if not breakdown:
+        return "-"
+    lost = sorted(
+        ((cause, seconds) for cause, seconds in breakdown.items() if cause != "productive" and seconds >= 0.05),
+        key=lambda item: -item[1],
+    )
+    if not lost:
+        return "none"
+    text = ", ".join(f"{cause.replace('_', ' ')} {seconds:.1f}s" for cause, seconds in lost[:shown])
+    return text + (f" (+{len(lost) - shown} more)" if len(lost) > shown else "")
 
 
 def print_job_table(jobs: list[dict[str, Any]], out: TextIO) -> None:

@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from etrain.service.decisions.goodput import ProductiveTally, goodput
+from etrain.service.decisions.goodput_breakdown import BreakdownEvent, BreakdownStep, goodput_breakdown
 from etrain.service.errors import JobConflict
 from etrain.service.jobs.scheduler import Scheduler
 from etrain.service.planning.spec import JobSpec
@@ -24,6 +25,10 @@ from etrain.service.store.job_store import JobStore
 from etrain.service.store.records import JobRecord, JobStatus, StepRecord
 
 log = logging.getLogger(__name__)
+
+#: How often a running job's goodput_breakdown is recomputed (it reads every kept step row; an ended job's is
+#: computed once, at its end).
+BREAKDOWN_EVERY_S = 10.0
 
 
 class SupervisorPoller:
@@ -42,6 +47,7 @@ class SupervisorPoller:
         # job -> its kept step time, rebuilt from the steps table once per control-plane lifetime and then
         # fed the rows it stores (service/decisions/goodput.py): goodput survives supervisor and server restarts.
         self._tallies: dict[str, ProductiveTally] = {}
+        self._breakdown_at: dict[str, float] = {}  # job -> when its goodput_breakdown was last computed
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="etrain-poller", daemon=True)
 
@@ -74,7 +80,11 @@ class SupervisorPoller:
             except JobConflict:
                 return  # it reached another end first
             self.store.add_events(job_id, [(time.time(), "cancelled", {"message": "cancelled (no live supervisor)"})])
+            record = self.store.get_job(job_id)
+            if record is not None:
+                self.store.update_job(job_id, goodput_breakdown=self._breakdown(record, time.time()))
             self._tallies.pop(job_id, None)
+            self._breakdown_at.pop(job_id, None)
 
     def _run(self) -> None:
         while not self._stop.wait(self.settings.poll_interval_s):
@@ -145,19 +155,23 @@ class SupervisorPoller:
                 "error",
             )
         }
-        fields["goodput"] = self._goodput(record, time.time())
+        now = time.time()
+        fields["goodput"] = self._goodput(record, now)
         fields["stragglers"] = update.get("stragglers", [])
         if update.get("artifacts"):
             fields["artifacts"] = update["artifacts"]
         fields["status"] = JobStatus(update["status"])
         if fields["status"] is JobStatus.QUEUED:  # the supervisor's first instant: admitted, about to launch
             fields["status"] = JobStatus.STARTING
+        if fields["status"].is_terminal or now - self._breakdown_at.get(job_id, 0.0) >= BREAKDOWN_EVERY_S:
+            fields["goodput_breakdown"] = self._breakdown(record, now)
         fields = {key: value for key, value in fields.items() if value is not None or key == "error"}
         self.store.update_job(job_id, **fields)
         if fields["status"].is_terminal:
             self.runtime.release(job_id)
             self._step_cursor.pop(job_id, None)
             self._tallies.pop(job_id, None)  # its goodput is final (measured up to now, its end)
+            self._breakdown_at.pop(job_id, None)
             self._scheduler.wake()  # what it held may start the next queued job
 
     def _tally(self, job_id: str) -> ProductiveTally:
@@ -169,6 +183,21 @@ class SupervisorPoller:
     def _goodput(self, record: JobRecord, now: float) -> float | None:
         """Kept step time over wall time since the submit (service/decisions/goodput.py), from the store's rows."""
         return goodput(self._tally(record.id).value, submitted_at=record.created_at, now=now)
+
+    def _breakdown(self, record: JobRecord, now: float) -> dict[str, float]:
+        """Seconds of ``record``'s wall time by cause (service/decisions/goodput_breakdown.py), from the store's
+        kept step rows and events: O(steps), so a running job's is refreshed every BREAKDOWN_EVERY_S only."""
+        self._breakdown_at[record.id] = now
+        rows = [
+            BreakdownStep(step=row.step, attempt=row.attempt, ts=row.ts, step_s=row.step_s)
+            for row in self.store.steps(record.id, limit=2**62)
+        ]
+        events = [
+            BreakdownEvent(ts=event.ts, kind=event.kind, text=str(event.detail.get("message", "")))
+            for event in self.store.events(record.id, limit=2**62)
+        ]
+        seconds = goodput_breakdown(submitted_at=record.created_at, until=now, steps=rows, events=events)
+        return {cause: round(value, 3) for cause, value in seconds.items()}
 
     def _supervisor_lost(self, record: JobRecord) -> None:
         """A started job without a supervisor (its node died, the cluster restarted, or a control plane

@@ -48,14 +48,16 @@ _UPDATABLE = frozenset(
         "last_checkpoint_step",
         "stragglers",
         "goodput",
+        "goodput_breakdown",
         "attempt",
         "artifacts",
     }
 )
-_JSON_FIELDS = frozenset({"spec", "stragglers", "artifacts"})
+_JSON_FIELDS = frozenset({"spec", "stragglers", "artifacts", "goodput_breakdown"})
 _JOB_COLUMNS = (
     "id, name, status, spec, step, loss, tokens_per_s, world_size, restarts, created_at, updated_at, "
-    "error, layout, last_checkpoint_step, stragglers, goodput, attempt, artifacts, tenant, priority, mfu"
+    "error, layout, last_checkpoint_step, stragglers, goodput, attempt, artifacts, tenant, priority, mfu, "
+    "goodput_breakdown"
 )
 
 
@@ -471,6 +473,7 @@ def _job(row: tuple) -> JobRecord:
         tenant,
         priority,
         mfu,
+        breakdown,
     ) = row
     return JobRecord(
         id=job_id,
@@ -494,6 +497,7 @@ def _job(row: tuple) -> JobRecord:
         tenant=tenant,
         priority=priority,
         mfu=mfu,
+        goodput_breakdown=json.loads(breakdown) if breakdown else None,
     )
 
 

@@ -40,6 +40,8 @@ class JobRecord:
     tenant: str = "default"  # who submitted it (etrain.service.access.tenancy); other tenants never see it
     priority: int = 0  # the queue starts higher first, then oldest first
     mfu: float | None = None  # model FLOPs utilisation of the latest step (None where the peak is unknown)
+    #: Seconds of wall time since submit by cause (service/decisions/goodput_breakdown.py); None before.
+    goodput_breakdown: dict[str, float] | None = None
 
     @property
     def is_terminal(self) -> bool:

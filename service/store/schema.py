@@ -90,6 +90,8 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
     ("ALTER TABLE steps ADD COLUMN mfu REAL",),
     # The job's latest step's MFU (the job JSON's ``mfu``); NULL before or where the device's peak is unknown.
     ("ALTER TABLE jobs ADD COLUMN mfu REAL",),
+    # Where the job's wall time went, seconds by cause (service/decisions/goodput_breakdown.py); NULL before.
+    ("ALTER TABLE jobs ADD COLUMN goodput_breakdown TEXT",),
 )
 
 SCHEMA_VERSION = len(MIGRATIONS)

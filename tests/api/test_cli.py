@@ -346,3 +346,22 @@ def test_demo_serves_submits_and_follows_the_job(monkeypatch, tmp_path):
     assert "submitted tiny-" in text and "status: SUCCEEDED" in text
     with socket.socket() as sock:  # the server is gone
         assert sock.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_status_shows_where_the_time_went_largest_first(url, tmp_path, manager):
+    job_id = submitted_id(etrain(url, "submit", str(write_spec(tmp_path))))
+    assert "time lost:   -" in etrain(url, "status", job_id).out
+    breakdown = {
+        "queued": 0.01,
+        "startup": 2.0,
+        "productive": 30.0,
+        "recovery": 4.25,
+        "recomputed": 3.1,
+        "resizing": 0.5,
+    }
+    breakdown |= {"checkpoint": 1.0}
+    manager.store.update_job(job_id, goodput_breakdown=breakdown)
+    assert (
+        "time lost:   recovery 4.2s, recomputed 3.1s, startup 2.0s, checkpoint 1.0s (+1 more)"
+        in etrain(url, "status", job_id).out
+    )

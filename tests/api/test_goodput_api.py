@@ -88,3 +88,56 @@ def test_metrics_export_the_stored_goodput(plane):
             assert 0.0 < before < 1.0
             return
         time.sleep(0.02)
+
+
+def test_the_breakdown_adds_up_to_the_wall_time_across_a_lost_supervisor_and_is_exported(tmp_path, plane):
+    first_manager, client = plane(FakeRuntime(nodes=queue_tests.TWO_CPUS, step_s=STEP_S))
+    job = submit(client, spec("g", steps=40))
+    deadline = time.monotonic() + 30
+    while len(steps(client, job["id"])) < 10:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    first_manager.close()
+    manager, client = plane(FakeRuntime(nodes=queue_tests.TWO_CPUS, step_s=STEP_S))
+    final = wait_for(client, job["id"], {"SUCCEEDED"})
+    seconds = final["goodput_breakdown"]
+    assert set(seconds) == {
+        "queued",
+        "startup",
+        "productive",
+        "stragglers",
+        "checkpoint",
+        "between_steps",
+        "recomputed",
+        "recovery",
+        "resizing",
+        "since_last_step",
+    }
+    wall = final["updated_at"] - final["created_at"]
+    assert sum(seconds.values()) == pytest.approx(wall, abs=0.05)  # computed at the end, rounded to ms
+    assert seconds["productive"] == pytest.approx(40 * STEP_S, abs=0.002)  # each kept step once
+    assert seconds["productive"] / wall == pytest.approx(final["goodput"], abs=0.01)
+    # The first supervisor's steps were thrown away with it; the wait for a new one is lost time too.
+    assert seconds["recomputed"] + seconds["recovery"] + seconds["queued"] > 0.2
+    text = client.get("/metrics").text  # an ended job is no longer exported; a running one is
+    assert f'etrain_goodput_seconds{{cause="productive",job_id="{job["id"]}"' not in text
+
+
+def test_metrics_export_a_running_jobs_breakdown_by_cause(plane, monkeypatch):
+    from etrain.service.jobs import poller
+
+    monkeypatch.setattr(poller, "BREAKDOWN_EVERY_S", 0.0)  # every poll: the test need not wait 10 s
+    _, client = plane(FakeRuntime(nodes=queue_tests.TWO_CPUS, step_s=STEP_S))
+    job = submit(client, spec("g", steps=100_000))
+    deadline = time.monotonic() + 30
+    while True:
+        assert time.monotonic() < deadline
+        seconds = client.get(f"/v1/jobs/{job['id']}").json()["goodput_breakdown"]
+        if seconds and seconds["productive"] > 0:
+            break
+        time.sleep(0.02)
+    text = client.get("/metrics").text
+    found = dict(
+        re.findall(rf'^etrain_goodput_seconds\{{cause="(\w+)",job_id="{job["id"]}",name="g"\}} (\S+)$', text, re.M)
+    )
+    assert set(found) == set(seconds) and float(found["productive"]) > 0

@@ -99,6 +99,11 @@ def test_hung_rank_is_named_with_its_stack_and_repaired_in_place_within_the_time
     assert any("hang diagnosis: the training thread is at step 7" in line and "on_compute" in line for line in logs)
     repaired = next(e for e in events if e["kind"] == "restored")
     assert repaired["ts"] - fired["ts"] <= timeout + 3.0 + 3.0, repaired["ts"] - fired["ts"]
+    # Where the time went (issue #20 item 5): the causes add up to the wall time; the hang's wait and the
+    # thrown-away steps, then the repair, are lost time.
+    seconds = final["goodput_breakdown"]
+    assert sum(seconds.values()) == pytest.approx(final["updated_at"] - final["created_at"], abs=0.1)
+    assert seconds["recomputed"] >= timeout and seconds["recovery"] > 0 and seconds["productive"] > 0
     assert_same_trajectory(losses(plane, job["id"]), clean, tol=1e-6)
 
 

@@ -170,6 +170,7 @@ def exported(tmp_path_factory) -> dict[str, set[str]]:
             tokens_per_s=1e4,
             restarts=1,
             goodput=0.8,
+            goodput_breakdown={"queued": 0.2, "startup": 1.0, "productive": 1.5, "checkpoint": 0.3},
             last_checkpoint_step=2,
             stragglers=[{"rank": 1, "factor": 1.9, "step": 3, "node": "n1"}],
         )

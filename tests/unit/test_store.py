@@ -362,7 +362,7 @@ def test_a_release_2_file_gains_empty_artifacts_and_stores_new_ones(db_path):
     conn.close()
 
     with JobStore(db_path) as store:
-        assert store.schema_version == SCHEMA_VERSION == 7
+        assert store.schema_version == SCHEMA_VERSION == 8
         assert store.get_job("old").artifacts == {}
         assert (store.get_job("old").tenant, store.get_job("old").priority) == ("default", 0)
         updated = store.update_job("old", artifacts={"hf": "/ckpt/old/hf-export"})
