@@ -163,6 +163,7 @@ class Case:
     device_memory_bytes: int
     cpus_per_worker: float
     loss_chunk_tokens: int | str = 0  # training.loss_chunk_tokens: tokens, 0 (whole logits) or "auto"
+    compiled: bool = False  # training.compile as resolved for the device (blocks under torch.compile)
 
     @property
     def microbatches(self) -> int:
@@ -201,6 +202,7 @@ def case_for(spec: JobSpec, layout: ParallelismSpec, available_gb: float | None 
         device_memory_bytes=int(device_memory_gb(spec, available_gb) * GiB),
         cpus_per_worker=spec.resources.cpus_per_worker,
         loss_chunk_tokens=spec.training.loss_chunk_tokens,
+        compiled=spec.compile_blocks,
     )
 
 
@@ -275,6 +277,7 @@ def evaluate(case: Case) -> PlanEstimate:
             offload=lay.offload,
             sequence_parallel=lay.sequence_parallel,
             loss_chunk_tokens=chunk_tokens,
+            compiled=case.compiled,
         )
         params_of[stage] = params
         volume, ops = dp_traffic(

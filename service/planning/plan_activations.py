@@ -78,9 +78,11 @@ def layer_activation_bytes(
     precision: str = "bf16",
     checkpointing: str = "none",
     regime: Regime | None = None,
+    compiled: bool = False,
 ) -> float:
     """Activations one block of OUR model saves for backward, per micro-batch: its family's count
-    (``ModelFamily.layer_activation_bytes``). ``regime`` defaults to autocast for bf16 (fp32 for fp32);
+    (``ModelFamily.layer_activation_bytes``; ``compiled``: under ``training.compile``, where the family
+    has a compiled count). ``regime`` defaults to autocast for bf16 (fp32 for fp32);
     the GPT's count reads the element size from ``precision`` alone. Korthikanti's count, adapted to
     the GPT block (no dropout, fused attention): sbh (8 + 24/t) at f = 4d in bf16, plus fp32 stats.
     With full activation checkpointing only the block input is saved; with selective, the block input
@@ -99,6 +101,7 @@ def layer_activation_bytes(
         precision=precision,
         regime=regime,
         checkpointing=checkpointing == "full",
+        compiled=compiled,
     )
 
 

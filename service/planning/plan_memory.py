@@ -262,6 +262,7 @@ def stage_memory(
     offload: str = "none",
     sequence_parallel: bool = False,
     loss_chunk_tokens: int = 0,
+    compiled: bool = False,
 ) -> MemoryBreakdown:
     """Peak bytes of one rank of pipeline stage ``stage`` (see the module docstring for the model).
 
@@ -314,6 +315,7 @@ def stage_memory(
         precision=precision,
         checkpointing=checkpointing,
         regime=regime,
+        compiled=compiled,
     )
     activations = held * (layers // v) * per_layer
     if checkpointing != "none":  # one block's activations live while it is recomputed

@@ -212,9 +212,13 @@ class ModelFamily:
         precision: str,
         regime: str,
         checkpointing: bool,
+        compiled: bool = False,
     ) -> float:
         """What one block saves for its backward, per micro-batch, in bytes (``regime``: ``fp32``,
-        ``autocast`` or ``bf16_params``; see ``service/planning/plan_activations.py``)."""
+        ``autocast`` or ``bf16_params``; see ``service/planning/plan_activations.py``). ``compiled``: the
+        block runs under ``torch.compile`` (``training.compile``), whose partitioner recomputes the cheap
+        element-wise ops instead of saving them; a family without its own compiled count returns the eager
+        one (an overestimate)."""
         raise NotImplementedError
 
     def final_norm_bytes(self, model: Sizes, *, tokens: int, regime: str, sp_div: int) -> float:

@@ -131,6 +131,7 @@ class GPT(ModelFamily):
         precision: str = "bf16",
         regime: str = "autocast",
         checkpointing: bool = False,
+        compiled: bool = False,  # no compiled count of its own: the eager one (an overestimate)
     ) -> float:
         """Korthikanti's count adapted to ``workers/families/gpt_model.py`` (and checked against the
         tensors autograd saves): no dropout, so no masks, and fused ``scaled_dot_product_attention``, so

@@ -132,6 +132,7 @@ class Olmo2(Llama):
         precision: str = "fp32",
         regime: str = "fp32",
         checkpointing: bool = False,
+        compiled: bool = False,  # no compiled count of its own: the eager one (an overestimate)
     ) -> float:
         """What one OLMo 2 block (``workers/families/olmo2_model.py``) saves for backward, per micro-batch,
         in bytes, checked against the tensors autograd saves (tests/unit/test_planner.py). Per token, with
