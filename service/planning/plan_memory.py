@@ -304,7 +304,10 @@ def stage_memory(
         unsharded_grads = 4 * params if microbatches > 1 else 2 * 4 * max(layer, root)
     elif dp > 1 and tp > 1:  # FSDP-based replicate(): all-reduces one unit's gradients at a time
         unsharded_grads = 4 * max(layer, root)
-    casts = 2 * _matmul_params(model, tp=tp, layers=layers, last=last) if regime == "autocast" else 0.0
+    # Autocast's bf16 weight copies, kept for backward; under compile with selective checkpointing the
+    # partitioner recomputes them (measured: tests/unit/test_planner.py).
+    keeps_casts = regime == "autocast" and not (compiled and checkpointing == "selective")
+    casts = 2 * _matmul_params(model, tp=tp, layers=layers, last=last) if keeps_casts else 0.0
     rope = layers * rope_table_bytes(model)
 
     per_layer = layer_activation_bytes(
@@ -320,7 +323,13 @@ def stage_memory(
     activations = held * (layers // v) * per_layer
     if checkpointing != "none":  # one block's activations live while it is recomputed
         activations += layer_activation_bytes(
-            model, micro_batch=b, tp=tp, sequence_parallel=sequence_parallel, precision=precision, regime=regime
+            model,
+            micro_batch=b,
+            tp=tp,
+            sequence_parallel=sequence_parallel,
+            precision=precision,
+            regime=regime,
+            compiled=compiled,
         )
     hidden = s * b * d * (2 if regime == "bf16_params" else 4) / sp_div
     if pp > 1 and not last:  # the schedule keeps each in-flight chunk's output for its backward
