@@ -371,7 +371,7 @@ class TestActivations:
         weight_casts = 2 * sum(p.numel() for p in weights) if regime == "autocast" else 0
         inv_freq = model.head_dim // 2 * 4  # RoPE's inverse frequencies: a constant the graph keeps
         count = llama_layer_activation_bytes(model, micro_batch=3, regime=regime, compiled=True)
-        assert saved == count + weight_casts + inv_freq
+        assert 0 <= saved - count - weight_casts - inv_freq <= 16  # (a scalar the graph may keep: see below)
         assert count < 0.8 * llama_layer_activation_bytes(model, micro_batch=3, regime=regime)
 
     @pytest.mark.parametrize("regime", ["fp32", "autocast", "bf16_params"])
@@ -397,7 +397,9 @@ class TestActivations:
         saved = _saved_bytes(torch, compiled, x, autocast=regime == "autocast")
         inv_freq = model.head_dim // 2 * 4
         count = selective_activation_bytes(model, micro_batch=3, regime=regime, compiled=True)
-        assert saved == count + inv_freq
+        # Plus at most a scalar or two the graph may keep (an RNG offset after other compiled tests ran: 8 bytes
+        # in the whole suite, none alone); every per-token tensor is 192 tokens x its width, far above that.
+        assert 0 <= saved - count - inv_freq <= 16, saved - count - inv_freq
 
     def test_the_compiled_count_is_what_the_planner_uses_for_a_compiled_job(self):
         """On an H100 (Llama-3.2-1B shapes, seq 2048, micro-batch 4, bf16): peak 49.2 GiB eager, 43.2 GiB

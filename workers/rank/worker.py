@@ -103,14 +103,14 @@ class TrainWorker:
         import sys
         import traceback
 
-        ident = self._run_thread
+        ident = getattr(self, "_run_thread", None)  # a spare not yet assigned has run nothing
         frame = sys._current_frames().get(ident) if ident is not None else None
         frames = [[f.filename, f.lineno or 0, f.name] for f in traceback.extract_stack(frame)] if frame else []
-        log = self._log
+        log = getattr(self, "_log", None)
         if log is not None and frames:  # the rank's own log keeps what it answered
             innermost = "; ".join(f"{file}:{line} in {name}" for file, line, name in reversed(frames[-6:]))
             log.write(f"hang diagnosis: the training thread is at step {self._step}: {innermost}")
-        return {"step": self._step, "frames": frames[-40:]}
+        return {"step": getattr(self, "_step", None), "frames": frames[-40:]}
 
     def request_checkpoint(self, completed_steps: int | None = None) -> None:
         """Save a checkpoint at the first step boundary with at least ``completed_steps`` steps done
