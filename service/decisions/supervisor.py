@@ -37,6 +37,7 @@ any non-terminal status; "fault" and [n] are explained under the table::
   live       UP         WorkerLost(process | actor), one rank RECOVERING  RepairGroup (in place)  [9]
   live       LAUNCH/UP  WorkerLost(process | actor)           RECOVERING  fault
   RECOVERING LAUNCHING  RepairFailed                          RECOVERING  StopGroup, then relaunch [9]
+  RESIZING   LAUNCHING  ResizeFailed                          RESIZING    StopGroup, then relaunch [11]
   live       LAUNCH/UP  GroupStopped (not asked for)          RECOVERING  fault
   RUNNING    UP         Tick, no progress > heartbeat_timeout RUNNING     DiagnoseHang             [10]
                           diagnosis asked > HANG_DIAGNOSIS_S  RECOVERING  hang_detected, fault
@@ -52,7 +53,8 @@ any non-terminal status; "fault" and [n] are explained under the table::
                           fit dp != dp                        (RESIZING   StopGroup, at once when
                                                                at once)   nothing is new to save)
   RUNNING    UP         StragglerFlagged(evict=True)          RUNNING     RequestCheckpoint        [4]
-  RUNNING    UP         CommitSucceeded of the pending step   RESIZING    StopGroup (resize)
+  RUNNING    UP         CommitSucceeded of the pending step   RESIZING    ResizeGroup (in place)  [11]
+                          (resize; in_place off: relaunch)    RESIZING    StopGroup (resize)
                                                               RECOVERING  ExcludeNode, StopGroup (evict)
   RUNNING    UP         CommitFailed of the pending step      RUNNING     RequestCheckpoint (retry) [7]
   RUNNING    UP         CheckpointFailed of the pending step  RUNNING     RequestCheckpoint (retry) [7]
@@ -132,6 +134,15 @@ any non-terminal status; "fault" and [n] are explained under the table::
       fault), or without a committed step or budget, every rank is relaunched as before. A step
       reported meanwhile clears the hang; HANG_DIAGNOSIS_S bounds the diagnosis and the kill.
 
+  [11] Resize without a relaunch: with ``in_place``, the planned stop of a resize [4] becomes
+      ResizeGroup once its checkpoint commits: attempt + 1 at the new dp, from the step just
+      committed, no restart spent. The adapter stops the ranks' runs at a step boundary, keeps
+      every rank whose data-parallel index stays below the new dp (its process, renumbered),
+      releases the others, places the new size (the kept ranks' bundles on their own nodes) and adds
+      ranks from the warm pool; state comes from the kept ranks' memory where DDP replicates it,
+      else from the checkpoint (DCP reshards it). The `resized` event ends with "in place", or with
+      "relaunched: why". ResizeFailed relaunches every rank at the new size, still without budget.
+
 Policies are plain values: the resize policy is :class:`etrain.service.decisions.elastic.ElasticPolicy` built from
 the config; straggler statistics live in service/decisions/stragglers.py and arrive as StragglerFlagged.
 
@@ -144,7 +155,7 @@ Where each piece lives (this module holds the table and the one entry point; not
   supervisor_checkpoints.py  CheckpointReported, CheckpointFailed, CommitSucceeded, CommitFailed,
                              CheckpointFallback                                                   [3] [7]
   supervisor_failures.py     WorkerLost, RepairFailed, NodeLossConfirmed, HangDiagnosed      [8] [9] [10]
-  supervisor_resize.py       CapacityChanged, ScaleRequested, StragglerFlagged                    [4]
+  supervisor_resize.py       CapacityChanged, ScaleRequested, StragglerFlagged, ResizeFailed  [4] [11]
   supervisor_export.py       Exported, ExportFailed and the EXPORTING phase                       [6]
   supervisor_moves.py        what the handlers share: stop, fault, launch, wait for capacity, planned stops
 """
@@ -185,6 +196,7 @@ from etrain.service.decisions.supervisor_events import (
     JobError,
     NodeLossConfirmed,
     RepairFailed,
+    ResizeFailed,
     ScaleRequested,
     Start,
     StepReported,
@@ -236,6 +248,7 @@ _HANDLERS = {
     HangDiagnosed: failures.on_hang_diagnosed,
     CapacityChanged: resize.on_capacity,
     ScaleRequested: resize.on_scale,
+    ResizeFailed: resize.on_resize_failed,
     StragglerFlagged: resize.on_straggler,
     Exported: export.on_exported,
     ExportFailed: export.on_export_failed,

@@ -163,6 +163,16 @@ class RepairFailed:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ResizeFailed:
+    """The in-place resize to attempt ``attempt`` (ResizeGroup) could not be carried out: a rank did not
+    leave the old attempt, the new placement could not be reserved on the kept ranks' nodes (or their
+    GPUs), or the ranks could not rendezvous. The job relaunches every rank at the new size instead."""
+
+    attempt: int
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
 class JobError:
     """The job itself is broken (bad data, NaN loss, model exception): retrying cannot help."""
 
@@ -256,6 +266,7 @@ class ExportFailed:
 Event = Union[  # noqa: UP007 - a runtime alias of many classes, read as one line per group
     NodeLossConfirmed,
     RepairFailed,
+    ResizeFailed,
     Start,
     GroupReady,
     StepReported,
@@ -301,6 +312,21 @@ class RepairGroup:
 
     attempt: int
     lost_rank: int
+    world_size: int
+    resume_step: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResizeGroup:
+    """Change the running group from ``from_dp`` to ``dp`` data-parallel replicas without a relaunch
+    ([11]): every rank whose data-parallel index stays below ``dp`` keeps its process (renumbered for
+    the new world), ranks past it are released, new ones join (warm spares where the pool has them),
+    and attempt ``attempt`` resumes committed step ``resume_step`` (state from the kept ranks' memory
+    where the layout replicates it, else from the checkpoint on storage, resharded)."""
+
+    attempt: int
+    dp: int
+    from_dp: int
     world_size: int
     resume_step: int
 
@@ -383,6 +409,7 @@ class MarkTerminal:
 Action = Union[  # noqa: UP007 - a runtime alias of many classes, read as one line per group
     LaunchGroup,
     RepairGroup,
+    ResizeGroup,
     DiagnoseHang,
     KillRank,
     StopGroup,

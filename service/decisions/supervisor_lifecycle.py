@@ -72,8 +72,11 @@ def on_group_ready(
     kind = _READY_KIND[state.status]
     resumed = "fresh start" if state.last_committed_step is None else f"from step {state.last_committed_step}"
     detail = f"attempt {state.attempt}: dp={state.dp} world_size={expected}, {resumed}"
+    if state.status is Status.RESIZING:
+        detail += f"; {state.resize_note or 'relaunched'}"
     up = replace(
         state,
+        resize_note=None,
         status=Status.RUNNING,
         group=GroupPhase.UP,
         group_since=now,

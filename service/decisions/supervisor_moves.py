@@ -19,6 +19,7 @@ from etrain.service.decisions.supervisor_events import (
     MarkTerminal,
     RecordEvent,
     RequestCheckpoint,
+    ResizeGroup,
     ScheduleWake,
     StopGroup,
 )
@@ -99,6 +100,7 @@ def fault(state: SupervisorState, now: float, config: SupervisorConfig, kind: st
     recovering = replace(
         carry_evict(stopped),
         status=Status.RECOVERING,
+        resize_note=None,
         restarts_used=state.restarts_used + 1,
         backoff_until=now + delay,
     )
@@ -121,7 +123,9 @@ def fault(state: SupervisorState, now: float, config: SupervisorConfig, kind: st
 def node_lost(state: SupervisorState, now: float, config: SupervisorConfig, what: str) -> Decision:
     """Capacity went away (not the job's fault): stop, wait for the new capacity, no budget spent."""
     stopped, stop_actions = stop_group(state, now, what)
-    recovering = replace(carry_evict(stopped), status=Status.RECOVERING, awaiting_capacity=True, backoff_until=None)
+    recovering = replace(
+        carry_evict(stopped), status=Status.RECOVERING, resize_note=None, awaiting_capacity=True, backoff_until=None
+    )
     actions: list[Action] = [
         RecordEvent(kind="node_lost", detail=what),
         *stop_actions,
@@ -223,12 +227,52 @@ def carry_out_pending(
         )
     target = state.pending_resize_dp
     what = f"resize dp {state.dp} -> {target}"
+    if config.policy.in_place and state.group is GroupPhase.UP and state.last_committed_step is not None:
+        return resize_in_place(state, now, config, actions, reason, target)
     stopped, stop_actions = stop_group(state, now, what)
+    note = "relaunched: fault_tolerance.in_place is off" if not config.policy.in_place else "relaunched"
     return decision(
-        replace(clear_pending(stopped), status=Status.RESIZING),
+        replace(clear_pending(stopped), status=Status.RESIZING, resize_note=note),
         [*actions, RecordEvent(kind="resizing", detail=what), *stop_actions],
         f"{reason}; {what}",
     )
+
+
+def resize_in_place(
+    state: SupervisorState,
+    now: float,
+    config: SupervisorConfig,
+    actions: list[Action],
+    reason: str,
+    target: int,
+) -> Decision:
+    """[11] Resize the running group without a relaunch: the next attempt on the kept ranks' processes,
+    from the step just committed. Not the job's fault: no restart spent, no backoff."""
+    step = state.last_committed_step
+    resized = replace(
+        clear_pending(state),
+        status=Status.RESIZING,
+        dp=target,
+        attempt=state.attempt + 1,
+        group=GroupPhase.LAUNCHING,
+        group_since=now,
+        step=step,
+        last_progress_at=None,
+        hang_asked_at=None,
+        backoff_until=None,
+        checkpoint_reports=frozenset(),
+        committing=frozenset(),  # a late answer about the old attempt's commit is ignored [3]
+        resize_note="in place",
+    )
+    what = f"resize dp {state.dp} -> {target} in place, resuming step {step}"
+    resize = ResizeGroup(
+        attempt=resized.attempt,
+        dp=target,
+        from_dp=state.dp,
+        world_size=config.world_size(target),
+        resume_step=step,
+    )
+    return decision(resized, [*actions, RecordEvent(kind="resizing", detail=what), resize], f"{reason}; {what}")
 
 
 def pending_checkpoint_timed_out(state: SupervisorState, now: float, config: SupervisorConfig) -> Decision:
@@ -259,7 +303,9 @@ def try_launch(
         return wait_for_capacity(state, now, config, actions, reason)
     status = state.status
     if state.attempt > 0:
-        status = Status.RESIZING if fit != state.dp else Status.RECOVERING
+        # A failed in-place resize relaunches at the size it already took (ResizeFailed keeps its note).
+        resizing = fit != state.dp or (state.status is Status.RESIZING and state.resize_note is not None)
+        status = Status.RESIZING if resizing else Status.RECOVERING
     launched = replace(
         clear_pending(state),
         status=status,

@@ -1,7 +1,7 @@
 """The supervisor's handlers that change a running job's size: capacity reports, scale requests, stragglers.
 
-All three end in the same planned stop ([4]): save a checkpoint, then relaunch at the best legal dp
-(service/decisions/elastic.py) or without the slow node. Rows and notes: service/decisions/supervisor.py.
+All three end in the same planned stop ([4]): save a checkpoint, then resize at the best legal dp
+(service/decisions/elastic.py), in place where it can ([11]), or relaunch without the slow node. Rows and notes: service/decisions/supervisor.py.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from etrain.service.decisions.supervisor_events import (
     Action,
     CapacityChanged,
     RecordEvent,
+    ResizeFailed,
     ScaleRequested,
     StragglerFlagged,
 )
@@ -21,6 +22,7 @@ from etrain.service.decisions.supervisor_moves import (
     decision,
     ignore,
     maybe_resize,
+    stop_group,
     try_launch,
 )
 from etrain.service.decisions.supervisor_state import Decision, GroupPhase, SupervisorConfig, SupervisorState
@@ -97,3 +99,14 @@ def on_straggler(
         return decision(state, actions, f"node {event.node} is already excluded")
     pending = replace(state, pending_evict_node=event.node, pending_evict_rank=event.rank)
     return begin_pending(pending, now, actions, f"evict node {event.node} (rank {event.rank})", config)
+
+
+def on_resize_failed(state: SupervisorState, event: ResizeFailed, now: float, config: SupervisorConfig) -> Decision:
+    """[11] Fall back to relaunching every rank at the new size from the same committed step (no restart
+    spent: a resize is not the job's fault); the `resized` event says why it was not in place."""
+    if state.group is not GroupPhase.LAUNCHING:
+        return ignore(state, f"ResizeFailed while group is {state.group.value}")
+    what = f"in-place resize of attempt {state.attempt} failed: {event.reason}; relaunching every rank"
+    stopped, stop_actions = stop_group(state, now, what)
+    relaunching = replace(stopped, resize_note=f"relaunched: in place failed ({event.reason})")
+    return decision(relaunching, [RecordEvent(kind="resize_failed", detail=what), *stop_actions], what)

@@ -157,6 +157,8 @@ class SupervisorState:
     pending_evict_rank: int | None = None
     checkpoint_requested_at: float | None = None
     checkpoint_requested_step: int | None = None
+    # How the resize now launching is carried out, for its `resized` event: "in place", or "relaunched: why".
+    resize_note: str | None = None
     # (step, rank) pairs of checkpoint saves reported by the current attempt, not yet committed.
     checkpoint_reports: frozenset[tuple[int, int]] = frozenset()
     # Steps every rank reported whose manifest the adapter is writing (CommitCheckpoint sent, no

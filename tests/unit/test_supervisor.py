@@ -43,6 +43,8 @@ from etrain.service.decisions.supervisor_events import (
     RepairFailed,
     RepairGroup,
     RequestCheckpoint,
+    ResizeFailed,
+    ResizeGroup,
     ScaleRequested,
     ScheduleWake,
     Start,
@@ -1548,6 +1550,77 @@ class TestStories:
         assert s.all_kinds.count("resized") == 2 and s.state.restarts_used == 0
 
 
+class TestResizeInPlace:
+    """[11] With ``in_place`` a resize keeps the ranks' processes: no StopGroup, no relaunch."""
+
+    def _scaled(self, dp=2):
+        s = Story(IN_PLACE, dp=8)
+        s.at(0, Start())
+        s.at(1, GroupReady(attempt=1, world_size=16))
+        s.at(2, StepReported(attempt=1, step=5, loss=2.0))
+        s.at(3, ScaleRequested(dp=dp))
+        return s, s.checkpoint(4, 5)
+
+    def test_scale_down_then_up_resizes_in_place_without_a_stop(self):
+        s, d = self._scaled()
+        assert of(d, StopGroup) == [] and of(d, LaunchGroup) == []
+        assert of(d, ResizeGroup) == [ResizeGroup(attempt=2, dp=2, from_dp=8, world_size=4, resume_step=5)]
+        assert (s.state.status, s.state.group, s.state.dp, s.state.step) == (
+            Status.RESIZING,
+            GroupPhase.LAUNCHING,
+            2,
+            5,
+        )
+        d = s.at(5, GroupReady(attempt=2, world_size=4))
+        (resized,) = [a for a in d.actions if isinstance(a, RecordEvent) and a.kind == "resized"]
+        assert resized.detail.endswith("; in place"), resized.detail
+        assert s.state.resize_note is None and s.state.status is Status.RUNNING
+        d = s.at(7, ScaleRequested(dp=8))  # nothing trained since step 5: at once
+        assert of(d, ResizeGroup) == [ResizeGroup(attempt=3, dp=8, from_dp=2, world_size=16, resume_step=5)]
+        s.at(8, GroupReady(attempt=3, world_size=16))
+        assert (s.state.status, s.state.dp, s.state.restarts_used) == (Status.RUNNING, 8, 0)
+        assert s.all_kinds.count("resized") == 2
+
+    def test_a_failed_in_place_resize_relaunches_at_the_new_size_and_says_why(self):
+        s, _ = self._scaled()
+        d = s.at(5, ResizeFailed(attempt=2, reason="rank 3 did not leave"))
+        assert kinds(d) == ["resize_failed"] and of(d, StopGroup) == [StopGroup(attempt=2, reason=d.reason)]
+        d = s.at(6, GroupStopped(attempt=2))
+        assert of(d, LaunchGroup) == [LaunchGroup(attempt=3, dp=2, world_size=4, resume_step=5)]
+        assert s.state.status is Status.RESIZING
+        d = s.at(7, GroupReady(attempt=3, world_size=4))
+        (resized,) = [a for a in d.actions if isinstance(a, RecordEvent) and a.kind == "resized"]
+        assert "relaunched: in place failed (rank 3 did not leave)" in resized.detail
+        assert s.state.restarts_used == 0
+
+    def test_a_late_resize_failure_is_ignored(self):
+        s, _ = self._scaled()
+        s.at(5, GroupReady(attempt=2, world_size=4))
+        assert s.at(6, ResizeFailed(attempt=2, reason="late")).ignored
+
+    def test_a_fault_while_resizing_in_place_is_an_ordinary_restart(self):
+        s, _ = self._scaled()
+        d = s.at(5, WorkerLost(attempt=2, rank=1, node="n1", cause="process"))
+        assert s.state.status is Status.RECOVERING and s.state.resize_note is None
+        assert s.state.restarts_used == 1 and of(d, StopGroup)
+        s.at(20, GroupStopped(attempt=2))
+        d = s.at(21, GroupReady(attempt=3, world_size=4))
+        assert kinds(d) == ["restored"]
+
+    def test_without_in_place_the_resized_event_says_it_relaunched(self):
+        s = Story(CONFIG, dp=8)
+        s.at(0, Start())
+        s.at(1, GroupReady(attempt=1, world_size=16))
+        s.at(2, StepReported(attempt=1, step=5, loss=2.0))
+        s.at(3, ScaleRequested(dp=2))
+        d = s.checkpoint(4, 5)
+        assert of(d, ResizeGroup) == [] and of(d, StopGroup)
+        s.at(5, GroupStopped(attempt=1))
+        d = s.at(6, GroupReady(attempt=2, world_size=4))
+        (resized,) = [a for a in d.actions if isinstance(a, RecordEvent) and a.kind == "resized"]
+        assert resized.detail.endswith("; relaunched: fault_tolerance.in_place is off"), resized.detail
+
+
 # ---------------------------------------------------------------------------------------------
 # invariants under random event streams
 
@@ -1586,6 +1659,7 @@ def random_event(rng, state, config=FUZZ_CONFIG):
             ),
         ),
         (3, lambda: GroupStopped(attempt=attempt)),
+        (0.5, lambda: ResizeFailed(attempt=attempt, reason="x")),
         (0.3, lambda: Finished(attempt=attempt, final_step=rng.choice([total // 2, total]))),
         (0.5, lambda: Exported(step=rng.choice([state.exporting_step or total, total // 2]), path="/hf")),
         (0.2, lambda: ExportFailed(step=state.exporting_step or total, checkpoint_dir="/c", error="x")),
@@ -1599,7 +1673,7 @@ def random_event(rng, state, config=FUZZ_CONFIG):
 @pytest.mark.parametrize("seed", range(40))
 def test_random_event_streams_keep_the_invariants(seed):
     rng = random.Random(seed)
-    config = FUZZ_CONFIG
+    config = FUZZ_CONFIG if seed % 2 else configured(FUZZ_CONFIG, in_place=True)
     state = initial_state(config, dp=4)
     now = 0.0
     terminal_marks = 0
@@ -1624,6 +1698,10 @@ def test_random_event_streams_keep_the_invariants(seed):
             assert before.group is GroupPhase.NONE or (
                 before.group is GroupPhase.STOPPING and isinstance(event, GroupStopped)
             )
+        for resize in of(d, ResizeGroup):
+            assert before.group is GroupPhase.UP and resize.attempt == before.attempt + 1
+            assert resize.resume_step == state.last_committed_step and resize.from_dp == before.dp != resize.dp
+            assert resize.world_size == config.world_size(resize.dp) and state.status is Status.RESIZING
         for stop in of(d, StopGroup):
             assert stop.attempt == before.attempt and before.group in (GroupPhase.LAUNCHING, GroupPhase.UP)
         if of(d, RequestCheckpoint):
