@@ -109,6 +109,7 @@ def _memory_fixes(case: Case, est: PlanEstimate) -> str:
     if not (
         layout_rules.layer_problems(model.n_layers, deeper, lay.virtual_stages)
         or layout_rules.tied_embedding_problems(tie_embeddings=model.tie_embeddings, pp=deeper)
+        or layout_rules.family_axis_problems(model, pp=deeper)
     ):
         variants.append(
             (

@@ -99,7 +99,7 @@ def candidate_layouts(spec: JobSpec, base: Case, budget: int) -> Iterator[Case]:
 
     Built from divisors, not ranges, and filtered by the layout rules (``etrain.workers.protocol.layout_rules``):
     tp splits every TP dimension and stays in one node (MAX_AUTO_TP), pp divides n_layers (only pp=1
-    for a tied model), dp is a legal size (it divides the micro-batches per step, global_batch /
+    for a tied model or a family that refuses pipelines), dp is a legal size (it divides the micro-batches per step, global_batch /
     micro_batch) within ``resources.min_dp..max_dp``, a schedule is one torch runs with those
     micro-batches (AUTO_SCHEDULES: GPipe has 1F1B's bubble and more memory, so it is never the better
     choice); sequence parallelism is on whenever it applies. At most MAX_AUTO_PP_SIZES pp and
@@ -118,6 +118,7 @@ def candidate_layouts(spec: JobSpec, base: Case, budget: int) -> Iterator[Case]:
         p
         for p in spread([p for p in layout_rules.divisors(model.n_layers) if p <= budget], MAX_AUTO_PP_SIZES)
         if not layout_rules.tied_embedding_problems(tie_embeddings=model.tie_embeddings, pp=p)
+        and not layout_rules.family_axis_problems(model, pp=p)
     ]
     for pp in pps:
         for tp in tps:

@@ -41,6 +41,7 @@ PURE_MODULES = [
     "etrain.workers.families.gpt",
     "etrain.workers.families.llama",
     "etrain.workers.families.olmo2",
+    "etrain.workers.families.qwen3_moe",
     "etrain.workers.checkpoints",
     "etrain.workers.checkpoints.checkpoint_commit",
     "etrain.workers.checkpoints.checkpoint_cadence",

@@ -167,6 +167,7 @@ def _load_from(view: str, directory: str, model_parts: Sequence[nn.Module], mode
     """:func:`load_hf_weights` reading the checked files of ``directory`` through ``view``."""
     _check_weights(_read_headers(view, directory), model_config)
     tied = model_config.tie_embeddings
+    found = family(model_config.arch)
     state: dict[str, torch.Tensor] = {}
     part_states: list[tuple[nn.Module, dict[str, torch.Tensor]]] = []
     for part in model_parts:
@@ -175,14 +176,18 @@ def _load_from(view: str, directory: str, model_parts: Sequence[nn.Module], mode
         for fqn, tensor in part_state.items():
             if tied and fqn == "output.weight":
                 continue  # the embedding's tensor; the file has no lm_head.weight
-            name = hf_name(fqn, model_config.arch)
-            if name in state:
-                raise ConfigError(
-                    f"two model parts both hold {fqn!r}.",
-                    field="model.hf",
-                    fix="pass each pipeline stage's module once",
-                )
-            state[name] = tensor
+            if found.expert_template(fqn) is not None:
+                pieces = _expert_slices(found, fqn, tensor, model_config)
+            else:
+                pieces = {hf_name(fqn, model_config.arch): tensor}
+            for name, piece in pieces.items():
+                if name in state:
+                    raise ConfigError(
+                        f"two model parts both hold {fqn!r}.",
+                        field="model.hf",
+                        fix="pass each pipeline stage's module once",
+                    )
+                state[name] = piece
     planner = _CountingPlanner()
     with _quiet_single_process():
         dcp.load(state, storage_reader=HuggingFaceStorageReader(view), planner=planner, no_dist=not _distributed())
@@ -199,6 +204,39 @@ def _load_from(view: str, directory: str, model_parts: Sequence[nn.Module], mode
         elements_read=planner.elements_read,
         local_elements=sum(_local(t).numel() for t in state.values()),
     )
+
+
+def _expert_slices(found: Any, fqn: str, tensor: torch.Tensor, model_config: ModelConfig) -> dict[str, torch.Tensor]:
+    """The per-expert Hugging Face tensors a rank reads into its part of stacked expert parameter ``fqn``:
+    ``{name of expert e: view of its row e}`` for the experts it holds. The views share the parameter's
+    storage (DCP fills them in place). Whole on one rank, or sharded by experts (FSDP2's ``Shard(0)``, HSDP's
+    ``(Replicate, Shard(0))``): each rank names only its own experts, so it reads only their tensors."""
+    local = _local(tensor)
+    first = 0
+    if isinstance(tensor, DTensor):
+        if any((p.is_shard() and p.dim != 0) or p.is_partial() for p in tensor.placements):
+            raise ConfigError(
+                f"{fqn} is sharded as {tensor.placements}; stacked experts load sharded by experts only (dim 0).",
+                field="model.hf",
+                fix="shard the experts with data parallelism (FSDP2), not tensor parallelism",
+            )
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        _, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+        first = offset[0]
+    names = found.hf_tensors(fqn, tuple(tensor.shape), model_config)
+    return {names[first + i][0]: local[i] for i in range(local.shape[0])}
+
+
+def _hf_shapes(model_config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """``{Hugging Face name: shape}`` of every tensor of the model's files (a stacked expert parameter as
+    one tensor per expert), in Hugging Face's order."""
+    found = family(model_config.arch)
+    return {
+        name: shape
+        for fqn, whole in expected_shapes(model_config).items()
+        for name, shape, _ in found.hf_tensors(fqn, whole, model_config)
+    }
 
 
 def _read_headers(view: str, directory: str) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -244,7 +282,7 @@ def _ignored(name: str, model_config: ModelConfig) -> bool:
 
 
 def _check_weights(found: dict[str, tuple[tuple[int, ...], str]], model_config: ModelConfig) -> None:
-    expected = {hf_name(fqn, model_config.arch): shape for fqn, shape in expected_shapes(model_config).items()}
+    expected = _hf_shapes(model_config)
     found = {name: entry for name, entry in found.items() if not _ignored(name, model_config)}
     missing = sorted(expected.keys() - found.keys())
     extra = sorted(found.keys() - expected.keys())
@@ -387,7 +425,7 @@ def export_hf(
             directory,
             shapes,
             config,
-            model_config.arch,
+            model_config,
             source_dir if source_dir is not None else model_config.hf_path,
             max_shard_bytes,
         )
@@ -417,7 +455,7 @@ def _export_into(
     directory: str,
     shapes: dict[str, tuple[int, ...]],
     config: dict[str, Any],
-    arch: str,
+    model_config: ModelConfig,
     source: str | os.PathLike | None,
     max_shard_bytes: int,
 ) -> None:
@@ -433,7 +471,7 @@ def _export_into(
         try:
             tmp = safe_paths.descriptor_path(tmp_fd, os.path.join(parent, tmp_name))
             _copy_tokenizer_files(source, tmp_fd)
-            _write_weights(directory, tmp, shapes, max_shard_bytes, arch)
+            _write_weights(directory, tmp, shapes, max_shard_bytes, model_config)
             _write_json(os.path.join(tmp, "config.json"), config)
             os.fsync(tmp_fd)
         finally:
@@ -484,7 +522,7 @@ def _export_to_url(
     try:
         for name in _copy_tokenizer_files(source_dir if source_dir is not None else model_config.hf_path, tmp):
             upload(os.path.join(tmp, name))
-        _write_weights(directory, tmp, shapes, max_shard_bytes, model_config.arch, on_file=upload)
+        _write_weights(directory, tmp, shapes, max_shard_bytes, model_config, on_file=upload)
         _write_json(os.path.join(tmp, "config.json"), config)
         upload(os.path.join(tmp, "config.json"))
     finally:
@@ -541,8 +579,24 @@ def _numel(shape: tuple[int, ...]) -> int:
     return count
 
 
+def _hf_tensors(tensors: dict[str, torch.Tensor], model_config: ModelConfig) -> dict[str, torch.Tensor]:
+    """A group of whole etrain parameters under their Hugging Face names: a stacked expert parameter as
+    one tensor per expert (copies: safetensors refuses tensors that share memory), the hub's layout."""
+    found = family(model_config.arch)
+    named: dict[str, torch.Tensor] = {}
+    for fqn, tensor in tensors.items():
+        for name, _, expert in found.hf_tensors(fqn, tuple(tensor.shape), model_config):
+            named[name] = tensor if expert is None else tensor[expert].clone()
+    return named
+
+
 def _write_weights(
-    directory: str, tmp: str, shapes: dict[str, tuple[int, ...]], max_shard_bytes: int, arch: str, on_file=None
+    directory: str,
+    tmp: str,
+    shapes: dict[str, tuple[int, ...]],
+    max_shard_bytes: int,
+    model_config: ModelConfig,
+    on_file=None,
 ) -> None:
     """``on_file(path)``: called with each file once written (the URL export uploads and deletes it)."""
     from safetensors.torch import save_file
@@ -555,7 +609,7 @@ def _write_weights(
         tensors = {fqn: torch.empty(shapes[fqn], dtype=torch.float32) for fqn in group}
         with _quiet_single_process():
             dcp.load({"model": tensors}, storage_reader=storage_reader(directory), no_dist=True)
-        named = {hf_name(fqn, arch): tensor for fqn, tensor in tensors.items()}
+        named = _hf_tensors(tensors, model_config)
         path = os.path.join(tmp, name)
         save_file(named, path, metadata={"format": "pt"})
         _fsync(path)

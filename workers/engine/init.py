@@ -63,7 +63,8 @@ def initial_value(
     """The full fp32 initial tensor of parameter ``fqn``, drawn on ``device`` with a generator of its own.
 
     GPT-2 / Llama style: biases 0, norm weights 1, every other weight N(0, 0.02), except the
-    residual output projections (``wo``, ``w2``), scaled by 1/sqrt(2 · n_layers). The numbers depend
+    residual output projections (``wo``, ``w2``, and the stacked experts' ``w2``), scaled by
+    1/sqrt(2 · n_layers). The numbers depend
     on ``seed``, ``fqn`` and the device type (CPU and CUDA generators differ), nothing else.
     """
     device = torch.device(device)
@@ -72,7 +73,9 @@ def initial_value(
         return torch.zeros(shape, device=device)
     if "norm" in fqn.split(".")[-2]:
         return torch.ones(shape, device=device)
-    std = _STD / math.sqrt(2 * n_layers) if len(leaf) >= 2 and leaf[-2] in ("wo", "w2") else _STD
+    # wo/w2 modules' weights, and a mixture of experts' stacked down projections (a parameter named w2)
+    residual = (len(leaf) >= 2 and leaf[-2] in ("wo", "w2")) or (leaf[-1] == "w2" and len(shape) == 3)
+    std = _STD / math.sqrt(2 * n_layers) if residual else _STD
     generator = torch.Generator(device=device).manual_seed(param_seed(seed, fqn))
     return torch.randn(shape, generator=generator, device=device).mul_(std)  # in place: one full tensor, not two
 

@@ -336,6 +336,10 @@ def _saved_by_selective() -> frozenset:
         ("aten", "_scaled_dot_product_cudnn_attention"),
         ("aten", "_scaled_dot_product_flash_attention_for_cpu"),
         ("_c10d_functional", "reduce_scatter_tensor"),
+        # a mixture of experts' grouped matmuls: torch's kernel, and etrain's loop where torch has none
+        # (registered by etrain.workers.families.qwen3_moe_model, imported before a model is built)
+        ("aten", "_grouped_mm"),
+        ("etrain", "grouped_mm"),
     ]
     ops = set()
     for namespace, name in names:

@@ -420,6 +420,7 @@ def build_pipeline(
             virtual_stages=parallel.virtual_stages,
             microbatches=n_microbatches,
             schedule=parallel.pp_schedule,
+            model=model.config,
         )
     )
     group = pp_mesh.get_group()

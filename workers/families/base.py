@@ -12,6 +12,7 @@ parameter counts). ``docs/adding-a-model-family.md`` walks through a family from
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
@@ -19,6 +20,7 @@ from etrain.workers.protocol.errors import ConfigError
 
 __all__ = [
     "DEFAULT_MAX_SEQ_LEN",
+    "MOE_FIELDS",
     "TP_STYLES",
     "ModelFamily",
     "Sizes",
@@ -50,10 +52,18 @@ class Sizes(Protocol):
     qk_norm: bool
     tie_embeddings: bool
     max_position_embeddings: int | None
+    n_experts: int
+    experts_per_token: int
+    moe_d_ff: int | None
+    norm_topk_prob: bool
+    router_aux_loss_coef: float
     hf_architecture: str | None
 
     @property
     def ffn_dim(self) -> int: ...
+
+    @property
+    def expert_dim(self) -> int: ...
 
     @property
     def head_dim(self) -> int: ...
@@ -61,6 +71,15 @@ class Sizes(Protocol):
     @property
     def kv_heads(self) -> int: ...
 
+
+#: The mixture-of-experts fields of ``ModelConfig`` and their dense defaults (what every other family needs).
+MOE_FIELDS: dict[str, Any] = {
+    "n_experts": 0,
+    "experts_per_token": 0,
+    "moe_d_ff": None,
+    "norm_topk_prob": False,
+    "router_aux_loss_coef": 0.0,
+}
 
 #: The tensor-parallel styles a :class:`TPPlan` names, and what each does; ``workers/engine/parallelize.py``
 #: turns each into a torch ``ParallelStyle`` (so a plan is data the control plane can read too).
@@ -115,10 +134,19 @@ class ModelFamily:
     hf_architectures: ClassVar[dict[str, dict[str, Any]]] = {}
     #: Whether ``n_kv_heads`` (grouped-query attention) applies.
     grouped_query_attention: ClassVar[bool] = False
+    #: Whether the MLP is a mixture of experts (the ``MOE_FIELDS`` of ``ModelConfig`` apply).
+    mixture_of_experts: ClassVar[bool] = False
+    #: Parallel axes the family cannot run on (``"tp"``, ``"pp"``), each with why: the layout rules
+    #: (``workers/protocol/layout_rules.py``) refuse a degree above 1 on them, naming the field.
+    refused_axes: ClassVar[dict[str, str]] = {}
     #: etrain ↔ Hugging Face parameter names: the model's own (``tok_embeddings.weight``) and those inside
     #: a block (``attention.wq.weight`` ↔ ``self_attn.q_proj.weight``, under ``model.layers.<i>.``).
     hf_top_names: ClassVar[dict[str, str]] = {}
     hf_layer_names: ClassVar[dict[str, str]] = {}
+    #: Stacked expert parameters (``[n_experts, ...]``, in a block) and the Hugging Face tensor that holds
+    #: each expert's slice, ``{expert}`` standing for its index (``feed_forward.experts.w1`` ↔
+    #: ``mlp.experts.{expert}.gate_proj.weight``): one etrain parameter, ``n_experts`` tensors.
+    hf_expert_names: ClassVar[dict[str, str]] = {}
 
     # -- shape -------------------------------------------------------------------------------------
 
@@ -129,6 +157,50 @@ class ModelFamily:
             for name in ("n_layers", "d_model", "n_heads", "vocab_size", "seq_len")
             if getattr(model, name) < 1
         ]
+        return errors + self._expert_errors(model)
+
+    def _expert_errors(self, model: Sizes) -> list[ConfigError]:
+        """The mixture-of-experts fields: unset on a dense family; on an MoE family at least one expert,
+        a top-k within the experts, a positive expert width and a finite, non-negative loss weight."""
+        if not self.mixture_of_experts:
+            return [
+                ConfigError(
+                    f"model.{name} applies to a mixture-of-experts model, not model.kind={self.name!r}.",
+                    field=f"model.{name}",
+                    fix=f"remove model.{name}, or use a mixture-of-experts model.kind (e.g. qwen3_moe)",
+                )
+                for name, default in MOE_FIELDS.items()
+                if getattr(model, name) != default
+            ]
+        errors = []
+        if model.n_experts < 1:
+            errors.append(
+                ConfigError(
+                    f"model.n_experts must be >= 1 for model.kind={self.name!r}, got {model.n_experts}.",
+                    field="model.n_experts",
+                    fix="give the number of experts per block (e.g. 128 for Qwen3-30B-A3B)",
+                )
+            )
+        elif not 1 <= model.experts_per_token <= model.n_experts:
+            errors.append(
+                ConfigError(
+                    f"model.experts_per_token={model.experts_per_token} must be between 1 and "
+                    f"model.n_experts={model.n_experts} (the router's top-k).",
+                    field="model.experts_per_token",
+                    fix=f"use experts_per_token in 1..{model.n_experts} (e.g. 8 for Qwen3-30B-A3B)",
+                )
+            )
+        if model.moe_d_ff is not None and model.moe_d_ff < 1:
+            errors.append(ConfigError(f"model.moe_d_ff must be >= 1, got {model.moe_d_ff}.", field="model.moe_d_ff"))
+        coef = model.router_aux_loss_coef
+        if not (isinstance(coef, (int, float)) and math.isfinite(coef) and coef >= 0):
+            errors.append(
+                ConfigError(
+                    f"model.router_aux_loss_coef must be a finite number >= 0, got {coef!r}.",
+                    field="model.router_aux_loss_coef",
+                    fix="use e.g. 0.001 (Qwen3-MoE's), or 0 to train without the load-balancing loss",
+                )
+            )
         return errors
 
     def tp_dims(self, model: Sizes) -> tuple[tuple[str, int], ...]:
@@ -191,7 +263,12 @@ class ModelFamily:
 
     def matmul_weights(self, model: Sizes) -> float:
         """Every weight a token is multiplied by: the blocks' projections and the output head."""
-        return model.n_layers * self.matmul_params_per_layer(model) + model.vocab_size * model.d_model
+        return model.n_layers * self.active_matmul_params_per_layer(model) + model.vocab_size * model.d_model
+
+    def active_matmul_params_per_layer(self, model: Sizes) -> float:
+        """Weights of one block a token is multiplied by (the FLOPs' count): every projection of a dense
+        block; a mixture of experts counts only the router and the ``experts_per_token`` experts it picks."""
+        return self.matmul_params_per_layer(model)
 
     def column_output_width(self, model: Sizes) -> int:
         """Per token, the summed output widths of a block's column-parallel matmuls (what selective
@@ -258,7 +335,8 @@ class ModelFamily:
 
     def hf_name(self, fqn: str) -> str:
         """The ``transformers`` name of an etrain parameter (``layers.3.attention.wq.weight`` →
-        ``model.layers.3.self_attn.q_proj.weight``); ``KeyError`` for a name the family does not map."""
+        ``model.layers.3.self_attn.q_proj.weight``); ``KeyError`` for a name the family does not map
+        one to one (a stacked expert parameter is several tensors: :meth:`hf_tensors`)."""
         if fqn in self.hf_top_names:
             return self.hf_top_names[fqn]
         index, _, rest = fqn.removeprefix("layers.").partition(".")
@@ -266,15 +344,48 @@ class ModelFamily:
             return f"model.layers.{index}.{self.hf_layer_names[rest]}"
         raise KeyError(f"no Hugging Face name for parameter {fqn!r}")
 
+    def expert_template(self, fqn: str) -> str | None:
+        """The per-expert Hugging Face name (``{expert}`` for the index) of a stacked expert parameter, or
+        None for a parameter that is one tensor."""
+        index, _, rest = fqn.removeprefix("layers.").partition(".")
+        if fqn.startswith("layers.") and index.isdigit() and rest in self.hf_expert_names:
+            return f"model.layers.{index}.{self.hf_expert_names[rest]}"
+        return None
+
+    def hf_tensors(
+        self, fqn: str, shape: tuple[int, ...], model: Sizes
+    ) -> list[tuple[str, tuple[int, ...], int | None]]:
+        """The Hugging Face tensors parameter ``fqn`` (of ``shape``) is written as: ``(name, shape, expert)``,
+        one whole tensor (``expert`` None), or one ``shape[1:]`` tensor per expert of a stacked parameter
+        (its slice ``[expert]``), in the experts' order."""
+        template = self.expert_template(fqn)
+        if template is None:
+            return [(self.hf_name(fqn), tuple(shape), None)]
+        if shape[0] != model.n_experts:
+            raise ValueError(f"{fqn} has shape {list(shape)}, not {model.n_experts} experts first")
+        return [(template.format(expert=e), tuple(shape[1:]), e) for e in range(model.n_experts)]
+
     def etrain_name(self, name: str) -> str:
-        """The inverse of :meth:`hf_name`."""
+        """The etrain parameter that holds Hugging Face tensor ``name`` (the inverse of :meth:`hf_name`; a
+        per-expert tensor is a slice of a stacked parameter: :meth:`etrain_slice` says which)."""
+        return self.etrain_slice(name)[0]
+
+    def etrain_slice(self, name: str) -> tuple[str, int | None]:
+        """``(etrain FQN, expert)`` of Hugging Face tensor ``name``: the expert whose slice of a stacked
+        parameter it is, or None for a whole parameter."""
         top = {v: k for k, v in self.hf_top_names.items()}
         if name in top:
-            return top[name]
+            return top[name], None
         layer = {v: k for k, v in self.hf_layer_names.items()}
         index, _, rest = name.removeprefix("model.layers.").partition(".")
-        if name.startswith("model.layers.") and index.isdigit() and rest in layer:
-            return f"layers.{index}.{layer[rest]}"
+        if name.startswith("model.layers.") and index.isdigit():
+            if rest in layer:
+                return f"layers.{index}.{layer[rest]}", None
+            for fqn, template in self.hf_expert_names.items():
+                prefix, _, suffix = template.partition("{expert}")
+                expert = rest.removeprefix(prefix).removesuffix(suffix)
+                if rest.startswith(prefix) and rest.endswith(suffix) and expert.isdigit():
+                    return f"layers.{index}.{fqn}", int(expert)
         raise KeyError(f"no etrain name for Hugging Face tensor {name!r}")
 
     def __repr__(self) -> str:

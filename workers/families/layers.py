@@ -29,16 +29,29 @@ def run_trunk(model: nn.Module, h: torch.Tensor, targets: torch.Tensor | None = 
     With ``targets`` (the trainer's call) a stage that owns the output projection returns the mean loss
     instead of the logits, computed in chunks of ``model.loss_chunk_tokens`` tokens
     (``etrain.workers.families.head_loss``); other stages ignore them.
+
+    The auxiliary-loss hook: a block may return ``(hidden, extra)`` (a mixture of experts' routing
+    statistics); the extras of all the blocks go to ``model.auxiliary_loss(extras, rows=tokens)``, whose
+    result is added to the loss (the logits are returned as they are). Such a model runs on one stage
+    (its family refuses pipeline parallelism): a stage without the output could not pass them on.
     """
+    extras = []
     for layer in model.layers.values():
         h = layer(h)
+        if isinstance(h, tuple):
+            h, extra = h
+            extras.append(extra)
     if model.norm is not None:
         h = model.norm(h)
     if model.output is None:
+        if extras:
+            raise RuntimeError("a pipeline stage cannot pass its blocks' auxiliary outputs on to the loss")
         return h
+    auxiliary = model.auxiliary_loss(extras, rows=h.shape[0] * h.shape[1]) if extras else None
     if targets is not None:
         chunk = getattr(model, "loss_chunk_tokens", 0)
-        return head_loss(model.output, h, targets, chunk_tokens=chunk)
+        loss = head_loss(model.output, h, targets, chunk_tokens=chunk)
+        return loss if auxiliary is None else loss + auxiliary
     return model.output(h)
 
 

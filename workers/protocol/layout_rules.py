@@ -52,6 +52,7 @@ __all__ = [
     "degree_problems",
     "divisors",
     "dp_range_problems",
+    "family_axis_problems",
     "dp_replicate_problems",
     "grad_accum_steps",
     "interleaved_rounds",
@@ -175,6 +176,27 @@ def world_size_problems(*, pp: int, dp: int, tp: int, world: int) -> list[Proble
 # -- tensor parallelism -------------------------------------------------------------------------
 
 
+def family_axis_problems(model: Sizes, *, tp: int = 1, pp: int = 1) -> list[Problem]:
+    """The parallel axes the model's family cannot run on (its ``refused_axes``: a mixture-of-experts
+    family refuses tensor and pipeline parallelism, say), each refused above degree 1 with why."""
+    refused = family(model.arch).refused_axes
+    problems = []
+    for axis, degree, fix in (
+        ("tp", tp, "use parallelism.tp=1 and shard with data parallelism instead (parallelism.dp with zero 3)"),
+        ("pp", pp, "use parallelism.pp=1 and shard with data parallelism instead (parallelism.dp with zero 3)"),
+    ):
+        if degree > 1 and axis in refused:
+            problems.append(
+                Problem(
+                    field=f"parallelism.{axis}",
+                    message=f"parallelism.{axis}={degree}: model.kind={model.arch!r} does not run with "
+                    f"{'tensor' if axis == 'tp' else 'pipeline'} parallelism ({refused[axis]}).",
+                    fix=fix,
+                )
+            )
+    return problems
+
+
 def tp_dims(model: Sizes) -> tuple[tuple[str, int], ...]:
     """The sizes tensor parallelism splits, as the model's family declares them: whole query (and, with
     grouped-query attention, key/value) heads, the MLP width and the vocabulary (embedding and output
@@ -183,7 +205,10 @@ def tp_dims(model: Sizes) -> tuple[tuple[str, int], ...]:
 
 
 def valid_tps(model: Sizes) -> list[int]:
-    """Every tensor-parallel degree that splits all of :func:`tp_dims` evenly: the divisors of their gcd."""
+    """Every tensor-parallel degree that splits all of :func:`tp_dims` evenly: the divisors of their gcd
+    (only 1 for a family that refuses tensor parallelism)."""
+    if "tp" in family(model.arch).refused_axes:
+        return [1]
     return divisors(math.gcd(*(size for _, size in tp_dims(model))))
 
 
@@ -191,7 +216,11 @@ def tp_problems(model: Sizes, tp: int, *, context: str = "") -> list[Problem]:
     """``tp`` divides every size tensor parallelism splits (one problem per size that it does not).
 
     ``context`` is appended to each message (the planner adds the world, ``(world = dp·tp·pp = ...)``).
+    A family that refuses tensor parallelism gets that one problem instead (:func:`family_axis_problems`).
     """
+    refused = family_axis_problems(model, tp=tp)
+    if refused:
+        return refused
     problems = []
     fix = f"use tp in {valid_tps(model)}"
     dims = dict(tp_dims(model))
@@ -404,11 +433,20 @@ def schedule_problems(
 
 
 def pipeline_problems(
-    *, n_layers: int, tie_embeddings: bool, pp: int, virtual_stages: int, microbatches: int, schedule: str
+    *,
+    n_layers: int,
+    tie_embeddings: bool,
+    pp: int,
+    virtual_stages: int,
+    microbatches: int,
+    schedule: str,
+    model: Sizes | None = None,
 ) -> list[Problem]:
-    """Everything a pipeline needs before it is cut: equal stages, untied ends, a schedule torch runs."""
+    """Everything a pipeline needs before it is cut: a family that runs pipelined (``model``, when given),
+    equal stages, untied ends, a schedule torch runs."""
     return (
-        layer_problems(n_layers, pp, virtual_stages)
+        (family_axis_problems(model, pp=pp) if model is not None else [])
+        + layer_problems(n_layers, pp, virtual_stages)
         + tied_embedding_problems(tie_embeddings=tie_embeddings, pp=pp)
         + schedule_problems(pp, virtual_stages, microbatches, schedule)
     )
@@ -695,8 +733,8 @@ def layout_problems(
 ) -> list[Problem]:
     """Every structural rule of a layout (not the batch: :func:`batch_problems`; not memory: the planner).
 
-    In order: degrees (alone, when any is broken), tensor parallelism, sequence parallelism, tied
-    embeddings, the layer split, the schedule (only with pp > 1, or when a virtual stage or the
+    In order: degrees (alone, when any is broken), tensor parallelism, sequence parallelism, the axes
+    the family refuses (pipeline stages), tied embeddings, the layer split, the schedule (only with pp > 1, or when a virtual stage or the
     interleaved schedule asks for a pipeline), HSDP / offload, and ZeRO at dp=1 (``max_dp``: the
     elastic ceiling; default ``dp``).
     """
@@ -706,6 +744,7 @@ def layout_problems(
     context = f" (world = dp·tp·pp = {dp}·{tp}·{pp} = {world_size(pp=pp, dp=dp, tp=tp)})"
     problems += tp_problems(model, tp, context=context)
     problems += sequence_parallel_problems(seq_len=model.seq_len, tp=tp, enabled=sequence_parallel)
+    problems += family_axis_problems(model, pp=pp)
     problems += tied_embedding_problems(tie_embeddings=model.tie_embeddings, pp=pp)
     problems += layer_problems(model.n_layers, pp, virtual_stages, context=context)
     if pp > 1 or virtual_stages != 1 or pp_schedule not in SINGLE_STAGE_SCHEDULES:

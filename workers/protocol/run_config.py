@@ -55,7 +55,14 @@ class ModelConfig:
     biases), or ``"llama"``, the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3): RoPE, RMSNorm, SwiGLU,
     grouped-query attention (``n_kv_heads``), optional q/k/v bias (Qwen2) or bias everywhere
     (Llama ``attention_bias``), optional per-head q/k RMSNorm (Qwen3), tied or untied embeddings.
-    ``seq_len`` is the training context. ``hf_architecture`` remembers the Hugging Face class the
+    ``seq_len`` is the training context.
+
+    Mixture of experts (a family that declares ``mixture_of_experts``, e.g. ``qwen3_moe``): each block's MLP
+    is ``n_experts`` SwiGLU experts of width ``moe_d_ff`` (default ``d_ff``), of which a router picks
+    ``experts_per_token`` per token (top-k of a softmax, renormalised over the k when
+    ``norm_topk_prob``); ``router_aux_loss_coef`` weighs the load-balancing loss added to the training
+    loss. The defaults (0 experts) are a dense model, which every other family requires; each family's
+    ``shape_errors`` checks these fields, naming the one that is wrong. ``hf_architecture`` remembers the Hugging Face class the
     model came from, so an export writes the same one back.
     """
 
@@ -75,6 +82,11 @@ class ModelConfig:
     qk_norm: bool = False
     tie_embeddings: bool = False
     max_position_embeddings: int | None = None
+    n_experts: int = 0  # mixture of experts: experts per block (0: a dense MLP)
+    experts_per_token: int = 0  # mixture of experts: the router's top-k
+    moe_d_ff: int | None = None  # mixture of experts: each expert's SwiGLU width; default d_ff
+    norm_topk_prob: bool = False  # mixture of experts: renormalise the top-k routing weights to sum to 1
+    router_aux_loss_coef: float = 0.0  # mixture of experts: weight of the load-balancing loss
     hf_architecture: str | None = None
     #: The Hugging Face folder the model was read from (``model.hf``): its safetensors, when present,
     #: are the step-0 weights, and its tokenizer files are copied into exports.
@@ -97,6 +109,11 @@ class ModelConfig:
     @property
     def kv_heads(self) -> int:
         return self.n_kv_heads or self.n_heads
+
+    @property
+    def expert_dim(self) -> int:
+        """Each expert's SwiGLU width (mixture of experts): ``moe_d_ff``, default the MLP width."""
+        return self.moe_d_ff if self.moe_d_ff is not None else self.ffn_dim
 
     @property
     def num_params(self) -> int:

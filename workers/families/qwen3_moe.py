@@ -1,0 +1,359 @@
+"""Qwen3-MoE (``Qwen3MoeForCausalLM``): its declaration (pure; the modules are
+``workers/families/qwen3_moe_model.py``).
+
+Qwen3's attention (RoPE, grouped-query attention, per-head q/k RMSNorms, which this family always has)
+with a sparse mixture-of-experts MLP in every block:
+
+* **Router.** ``logits = x Wᵣᵀ`` (``n_experts`` outputs, no bias), a softmax in fp32, the top
+  ``experts_per_token`` experts, their weights renormalised to sum to one when ``norm_topk_prob`` (the
+  published models), then cast to the logits' dtype.
+* **Experts.** ``n_experts`` SwiGLU MLPs of width ``moe_d_ff``, stored stacked (``[n_experts, ...]``, one
+  parameter per projection: ``feed_forward.experts.w1/w3/w2``). Each token runs through its k experts
+  and their outputs are weighted and summed. Capacity is unbounded: every (token, expert) pair the router
+  picks is computed, none is dropped, whatever the balance.
+* **Load-balancing loss.** Switch Transformer's, as ``transformers``' ``load_balancing_loss_func``
+  computes it over the router logits of all layers of one forward: ``n_experts · Σₑ fₑ·Pₑ`` with ``fₑ`` the
+  share of top-k picks and ``Pₑ`` the mean router probability of expert ``e``. The training loss is the
+  language-model loss plus ``router_aux_loss_coef`` times it (``Qwen3MoeForCausalLM(...,
+  output_router_logits=True)``'s loss). It is computed per micro-batch, like the LM loss, and averaged
+  with it over gradient accumulation and data-parallel ranks (so one process and dp=2 train the same).
+
+What this family refuses (``refused_axes``): tensor parallelism (the experts would need their own
+column/row split per expert; expert parallelism, issue #21 item 3, is the way to shard them) and pipeline
+stages (the load-balancing loss sums over every layer's routing, which a pipeline stage cannot carry to
+the last stage with the activations). ``decoder_sparse_step`` other than 1 and ``mlp_only_layers`` (dense
+blocks among the sparse ones; no published Qwen3-MoE uses them) are refused when reading ``model.hf``.
+
+Numerics follow ``transformers``' ``Qwen3MoeForCausalLM`` (tests/unit/test_qwen3_moe.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from etrain.workers.families.base import Sizes, TPPlan, hf_problem, hf_rope, hf_sizes, rope_parameters
+from etrain.workers.families.llama import Llama, llama_widths, refuse_sliding_window
+from etrain.workers.protocol.errors import ConfigError
+
+__all__ = ["FAMILY", "Qwen3Moe"]
+
+_QWEN3_MOE_COMMON = dict(
+    n_kv_heads=4,
+    head_dim_override=128,
+    vocab_size=151936,
+    seq_len=4096,
+    rope_theta=1000000.0,
+    norm_eps=1e-6,
+    qk_norm=True,
+    n_experts=128,
+    experts_per_token=8,
+    norm_topk_prob=True,
+    router_aux_loss_coef=0.001,
+    max_position_embeddings=40960,
+    hf_architecture="Qwen3MoeForCausalLM",
+)
+
+
+class Qwen3Moe(Llama):
+    """Llama's attention counts and names (with q/k norms always), and the mixture-of-experts MLP."""
+
+    name = "qwen3_moe"
+    summary = (
+        "Qwen3-MoE: Qwen3 attention (per-head q/k norms) and a sparse mixture-of-experts MLP (softmax top-k "
+        "router, SwiGLU experts, load-balancing loss)"
+    )
+    model_module = "etrain.workers.families.qwen3_moe_model"
+    mixture_of_experts = True
+    refused_axes = {
+        "tp": "its experts are not split per expert yet; expert parallelism (issue #21 item 3) will shard them",
+        "pp": "the load-balancing loss sums every layer's routing of a micro-batch, which a pipeline stage "
+        "does not pass on to the last stage",
+    }
+    # Qwen/Qwen3-30B-A3B's and Qwen/Qwen3-235B-A22B's published config.json, trained at 4096 tokens
+    # (intermediate_size is the dense MLP width the configs state; every block of theirs is sparse).
+    presets = {
+        "qwen3-moe-tiny": dict(
+            n_layers=2,
+            d_model=64,
+            n_heads=4,
+            n_kv_heads=2,
+            d_ff=96,
+            vocab_size=256,
+            seq_len=64,
+            rope_theta=1000000.0,
+            norm_eps=1e-6,
+            qk_norm=True,
+            n_experts=8,
+            experts_per_token=2,
+            moe_d_ff=32,
+            norm_topk_prob=True,
+            router_aux_loss_coef=0.001,
+            hf_architecture="Qwen3MoeForCausalLM",
+        ),
+        "qwen3-30b-a3b": dict(_QWEN3_MOE_COMMON, n_layers=48, d_model=2048, n_heads=32, d_ff=6144, moe_d_ff=768),
+        "qwen3-235b-a22b": dict(_QWEN3_MOE_COMMON, n_layers=94, d_model=4096, n_heads=64, d_ff=12288, moe_d_ff=1536),
+    }
+    hf_architectures = {"Qwen3MoeForCausalLM": {"model_type": "qwen3_moe"}}
+    # Llama's attention and norm names; the dense MLP gives way to the router and the stacked experts.
+    hf_layer_names = {
+        **{name: hf for name, hf in Llama.hf_layer_names.items() if not name.startswith("feed_forward.")},
+        "feed_forward.router.weight": "mlp.gate.weight",
+    }
+    hf_expert_names = {
+        "feed_forward.experts.w1": "mlp.experts.{expert}.gate_proj.weight",
+        "feed_forward.experts.w2": "mlp.experts.{expert}.down_proj.weight",
+        "feed_forward.experts.w3": "mlp.experts.{expert}.up_proj.weight",
+    }
+
+    # -- parallelism -------------------------------------------------------------------------------
+
+    def tp_dims(self, model: Sizes) -> tuple[tuple[str, int], ...]:
+        """What a tensor-parallel attention would split; the family refuses tp > 1 (``refused_axes``)."""
+        return (("n_heads", model.n_heads), ("n_kv_heads", model.kv_heads), ("vocab_size", model.vocab_size))
+
+    def tp_plan(self, model: Sizes) -> TPPlan:
+        raise ConfigError(
+            f"model.kind={self.name!r} does not run with tensor parallelism ({self.refused_axes['tp']}).",
+            field="parallelism.tp",
+            fix="use parallelism.tp=1 and shard with data parallelism instead (parallelism.dp with zero 3)",
+        )
+
+    # -- counts ------------------------------------------------------------------------------------
+
+    def _attention_sharded(self, model: Sizes) -> int:
+        """q, k, v and o (with their biases when ``attention_bias``): what a Megatron split would shard."""
+        d = model.d_model
+        q, kv = llama_widths(model)
+        return d * q + 2 * d * kv + q * d + self._attention_bias(model)
+
+    def _experts(self, model: Sizes) -> int:
+        """Every expert's three SwiGLU matrices: ``3 · n_experts · d · moe_d_ff``."""
+        return 3 * model.n_experts * model.d_model * model.expert_dim
+
+    def num_params(self, model: Sizes) -> int:
+        d, v, n = model.d_model, model.vocab_size, model.n_layers
+        per_layer = (
+            self._attention_sharded(model)
+            + 2 * model.head_dim  # per-head q/k RMSNorm
+            + 2 * d  # attention and MLP RMSNorms
+            + model.n_experts * d  # router
+            + self._experts(model)
+        )
+        head = d + (0 if model.tie_embeddings else v * d)
+        return n * per_layer + v * d + head
+
+    def layer_params(self, model: Sizes, tp: int = 1) -> float:
+        """Every expert of the block (no expert parallelism: each rank holds them all, and FSDP2 shards
+        them with the rest); the family refuses tp > 1, and a larger ``tp`` divides what a Megatron split
+        would (attention, experts), the norms and the router replicated."""
+        sharded = self._attention_sharded(model) + self._experts(model)
+        if model.attention_bias == "all":
+            sharded -= model.d_model  # wo's bias is replicated
+        replicated = 2 * model.d_model + 2 * model.head_dim + model.n_experts * model.d_model
+        replicated += model.d_model if model.attention_bias == "all" else 0
+        return sharded / tp + replicated
+
+    def largest_param(self, model: Sizes, *, first: bool = True, last: bool = True) -> int:
+        """A stacked expert projection (``n_experts · d · moe_d_ff``) is one parameter, drawn whole."""
+        d = model.d_model
+        q, kv = llama_widths(model)
+        candidates = [d * q, d * kv, model.n_experts * d, model.n_experts * d * model.expert_dim]
+        if first or last:
+            candidates.append(model.vocab_size * d)
+        return max(candidates)
+
+    def matmul_params_per_layer(self, model: Sizes, tp: int = 1) -> float:
+        """Weights the block multiplies by, every expert's included (under autocast each stacked expert
+        weight is cast to bf16 whole, whichever experts the tokens pick)."""
+        d = model.d_model
+        q, kv = llama_widths(model)
+        return (2 * d * q + 2 * d * kv + self._experts(model)) / tp + model.n_experts * d
+
+    def active_matmul_params_per_layer(self, model: Sizes) -> float:
+        """What one token is multiplied by: attention, the router and its ``experts_per_token`` experts
+        (MFU and the planner's step time count these, not the idle experts)."""
+        d = model.d_model
+        q, kv = llama_widths(model)
+        experts = 3 * model.experts_per_token * d * model.expert_dim
+        return 2 * d * q + 2 * d * kv + model.n_experts * d + experts
+
+    def column_output_width(self, model: Sizes) -> int:
+        """Per token, what selective checkpointing keeps of the matmul outputs besides ``wo``'s and one
+        ``d_model``: wq, wk, wv; the router's logits; each picked expert's gate and up projections and
+        its down projection (``k·d``, of which the generic count already has one ``d``)."""
+        q, kv = llama_widths(model)
+        k, f, d = model.experts_per_token, model.expert_dim, model.d_model
+        return q + 2 * kv + model.n_experts + 2 * k * f + (k - 1) * d
+
+    def layer_activation_bytes(
+        self,
+        model: Sizes,
+        *,
+        micro_batch: int,
+        tp: int = 1,
+        sequence_parallel: bool = False,
+        precision: str = "fp32",
+        regime: str = "fp32",
+        checkpointing: bool = False,
+        compiled: bool = False,  # no compiled count of its own: the eager one
+    ) -> float:
+        """What one Qwen3-MoE block (``workers/families/qwen3_moe_model.py``) saves for backward, per
+        micro-batch, in bytes, checked against the tensors autograd saves (tests/unit/test_qwen3_moe.py).
+
+        Attention and its norms save what a Qwen3 (Llama family with q/k norms) block's do. The MLP, per
+        token, with E = n_experts, k = experts_per_token, f = moe_d_ff, ``elem`` the compute dtype's bytes:
+
+        * the router: its fp32 probabilities (the softmax's output, ``4E``) and, for the load-balancing
+          loss, the softmax of the logits in their own dtype (``elem·E``; the same tensor in fp32);
+        * the routing: the top-k weights in fp32 and their sum when renormalised (``4k + 4``), the sort
+          permutation and the token index of every pick (int64, ``2·8k``);
+        * the experts, per pick: the gathered input (``elem·d``), the gate and up projections, silu's
+          output and their product (``4f·elem``), the down projection (``elem·d``, saved to weigh it) and
+          its weighted value's gather (``8``: the inverse permutation);
+        * the casts of the experts' input under autocast are the gathered input itself.
+
+        With activation checkpointing only the block input is saved. The autocast bf16 casts of the
+        stacked expert weights are weights, not activations (``matmul_params_per_layer``).
+        """
+        s, b, d = model.seq_len, micro_batch, model.d_model
+        tokens = s * b
+        if checkpointing:
+            return tokens * d * (2 if regime == "bf16_params" else 4)
+        dense = Llama.layer_activation_bytes(
+            self,
+            _WithQkNorm(model),
+            micro_batch=micro_batch,
+            tp=1,
+            sequence_parallel=False,
+            precision=precision,
+            regime=regime,
+            checkpointing=False,
+        )
+        elem = 4 if regime == "fp32" else 2
+        f_dense = model.ffn_dim
+        dense_mlp = tokens * 4 * f_dense * elem  # Llama's SwiGLU, replaced by the experts
+        # w1/w3 read the MLP norm's output: once in fp32/bf16_params, one bf16 cast each under autocast
+        # (Llama's count); here only the router reads it (the experts read the gathered copy).
+        norm_readers = {"fp32": 0, "autocast": 2 * 2 * d, "bf16_params": 0}[regime]
+        e, k, f = model.n_experts, model.experts_per_token, model.expert_dim
+        router = 4 * e + (elem * e if regime != "fp32" else 0)
+        routing = 4 * k + (4 if model.norm_topk_prob else 0) + 2 * 8 * k
+        experts = k * (elem * d + 4 * f * elem + elem * d + 8)
+        return dense - dense_mlp - tokens * norm_readers + tokens * (router + routing + experts)
+
+    # -- Hugging Face ------------------------------------------------------------------------------
+
+    def config_from_hf(self, raw: dict[str, Any], architecture: str, *, seq_len: int | None) -> dict[str, Any]:
+        sizes = hf_sizes(raw, seq_len=seq_len)
+        if raw.get("hidden_act", "silu") != "silu":
+            raise hf_problem(
+                f"model.hf uses hidden_act={raw.get('hidden_act')!r}; etrain's SwiGLU experts use silu.",
+                "use a model with hidden_act 'silu'",
+            )
+        if int(raw.get("decoder_sparse_step", 1)) != 1:
+            raise hf_problem(
+                f"model.hf has decoder_sparse_step={raw['decoder_sparse_step']}: only every "
+                f"{raw['decoder_sparse_step']}th block is sparse, and etrain's qwen3_moe makes every block sparse.",
+                "use a Qwen3-MoE whose every block is a mixture of experts (decoder_sparse_step 1, as published)",
+            )
+        if raw.get("mlp_only_layers"):
+            raise hf_problem(
+                f"model.hf has mlp_only_layers={raw['mlp_only_layers']} (dense blocks among the sparse ones), "
+                "which etrain's qwen3_moe does not build.",
+                "use a Qwen3-MoE whose every block is a mixture of experts (mlp_only_layers [], as published)",
+            )
+        refuse_sliding_window(raw, sizes["seq_len"])
+        try:
+            experts = int(raw.get("num_experts", raw.get("num_local_experts")))
+            moe = dict(
+                n_experts=experts,
+                experts_per_token=int(raw["num_experts_per_tok"]),
+                moe_d_ff=int(raw["moe_intermediate_size"]),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise hf_problem(
+                f"model.hf config.json lacks or mangles a mixture-of-experts size ({exc}).",
+                "restore the config.json written by transformers (num_experts, num_experts_per_tok, "
+                "moe_intermediate_size)",
+            ) from exc
+        return dict(
+            sizes,
+            **hf_rope(raw),
+            **moe,
+            norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+            router_aux_loss_coef=float(raw.get("router_aux_loss_coef", 0.001)),
+            norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            attention_bias="all" if raw.get("attention_bias") else "none",
+            qk_norm=True,
+            tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        )
+
+    def hf_config(self, model: Sizes) -> dict[str, Any]:
+        rope = rope_parameters(model)
+        config: dict[str, Any] = {
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            "hidden_size": model.d_model,
+            "intermediate_size": model.ffn_dim,
+            "moe_intermediate_size": model.expert_dim,
+            "num_experts": model.n_experts,
+            "num_experts_per_tok": model.experts_per_token,
+            "norm_topk_prob": model.norm_topk_prob,
+            "router_aux_loss_coef": model.router_aux_loss_coef,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "num_hidden_layers": model.n_layers,
+            "num_attention_heads": model.n_heads,
+            "num_key_value_heads": model.kv_heads,
+            "head_dim": model.head_dim,
+            "vocab_size": model.vocab_size,
+            "max_position_embeddings": model.max_position_embeddings or model.seq_len,
+            "rms_norm_eps": model.norm_eps,
+            "hidden_act": "silu",
+            "attention_bias": model.attention_bias == "all",
+            "tie_word_embeddings": model.tie_embeddings,
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "rope_theta": model.rope_theta,  # transformers v4 readers
+            "rope_parameters": rope,  # transformers v5 readers
+            "torch_dtype": "float32",
+        }
+        if model.rope_scaling is not None:
+            config["rope_scaling"] = dict(rope)
+        return config
+
+    def hf_parameter_names(self, model: Sizes) -> list[str]:
+        biased = ("wq", "wk", "wv", "wo") if model.attention_bias == "all" else ()
+        names = ["tok_embeddings.weight"]
+        for i in range(model.n_layers):
+            names.append(f"layers.{i}.attention_norm.weight")
+            for proj in ("wq", "wk", "wv", "wo"):
+                names.append(f"layers.{i}.attention.{proj}.weight")
+                if proj in biased:
+                    names.append(f"layers.{i}.attention.{proj}.bias")
+            names += [
+                f"layers.{i}.attention.q_norm.weight",
+                f"layers.{i}.attention.k_norm.weight",
+                f"layers.{i}.ffn_norm.weight",
+                f"layers.{i}.feed_forward.router.weight",
+                f"layers.{i}.feed_forward.experts.w1",
+                f"layers.{i}.feed_forward.experts.w2",
+                f"layers.{i}.feed_forward.experts.w3",
+            ]
+        names.append("norm.weight")
+        if not model.tie_embeddings:
+            names.append("output.weight")
+        return names
+
+
+class _WithQkNorm:
+    """A view of a model's sizes with ``qk_norm`` on (this family always has the q/k norms)."""
+
+    def __init__(self, model: Sizes):
+        self._model = model
+
+    def __getattr__(self, name: str) -> Any:
+        return True if name == "qk_norm" else getattr(self._model, name)
+
+
+FAMILY = Qwen3Moe()

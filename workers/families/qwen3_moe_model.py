@@ -1,0 +1,284 @@
+"""Qwen3-MoE's modules (declared in ``workers/families/qwen3_moe.py``): the Llama family's attention with
+per-head q/k norms, and a sparse mixture-of-experts MLP in every block.
+
+Numerics follow ``transformers``' ``Qwen3MoeForCausalLM`` (its default ``grouped_mm`` experts path)
+operation for operation:
+
+* the router: ``logits = F.linear(x, W)``, ``softmax(logits, dtype=float32)``, ``topk``, the top-k weights
+  divided by their sum when ``norm_topk_prob``, cast to the logits' dtype;
+* the experts: the (token, pick) pairs sorted by expert, each expert's SwiGLU ``w2(silu(w1 x) * w3 x)`` on
+  its run of rows (a grouped matmul), each output multiplied by its routing weight, put back in token
+  order and summed over the k picks. Capacity is unbounded: no pair is dropped;
+* the load-balancing loss (``load_balancing_loss_func``): per layer, a softmax of the logits in their
+  own dtype, its top-k, a histogram of the picks and the sum of the probabilities per expert; over the
+  layers, ``n_experts · Σₑ (picksₑ / rows) · (probsₑ / rows)``.
+
+Grouped matmuls: ``torch._grouped_mm`` where torch has a kernel for it (CUDA, bf16, compute capability
+8.0+); elsewhere (CPU, fp32) a loop of one matmul per expert, written as a custom op
+(``etrain::grouped_mm``) so that ``torch.compile(fullgraph=True)`` sees one opaque operation instead of
+a data-dependent loop, with its own backward (every expert gets a gradient, zero for an expert no token
+picked, so DDP sees every parameter used). Under autocast both run in the autocast dtype, like every
+other matmul (torch's grouped matmul is not autocast-aware, so the casts are explicit).
+
+A block returns ``(hidden, routing statistics)`` (the statistics only when the loss has a weight for
+them); ``etrain.workers.families.layers.run_trunk`` collects them and asks the model's
+:meth:`Qwen3Moe.auxiliary_loss` for the term it adds to the language-model loss.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from etrain.workers.families.layers import RMSNorm, run_trunk
+from etrain.workers.families.llama_model import Llama, LlamaAttention
+from etrain.workers.protocol.run_config import ModelConfig
+
+__all__ = [
+    "GroupedExperts",
+    "MoE",
+    "Qwen3Moe",
+    "Qwen3MoeAttention",
+    "Qwen3MoeBlock",
+    "Router",
+    "build",
+    "grouped_linear",
+    "load_balancing_loss",
+    "routing_statistics",
+]
+
+
+# -- grouped matmuls -------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("etrain::grouped_mm", mutates_args=())
+def _grouped_mm_loop(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``x[rows of e] @ w[e]ᵀ`` for each expert ``e``, whose rows end at ``offsets[e]`` (cumulative)."""
+    out = x.new_zeros(x.shape[0], w.shape[1])
+    start = 0
+    for expert, end in enumerate(offsets.tolist()):  # one host read for the whole loop
+        if end > start:
+            torch.mm(x[start:end], w[expert].t(), out=out[start:end])
+        start = end
+    return out
+
+
+@_grouped_mm_loop.register_fake
+def _(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], w.shape[1])
+
+
+@torch.library.custom_op("etrain::grouped_mm_backward", mutates_args=())
+def _grouped_mm_loop_backward(
+    grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The input's and the weights' gradients of :func:`_grouped_mm_loop` (zero for an expert without rows)."""
+    grad_x = torch.zeros_like(x)
+    grad_w = torch.zeros_like(w)
+    start = 0
+    for expert, end in enumerate(offsets.tolist()):
+        if end > start:
+            torch.mm(grad[start:end], w[expert], out=grad_x[start:end])
+            torch.mm(grad[start:end].t(), x[start:end], out=grad_w[expert])
+        start = end
+    return grad_x, grad_w
+
+
+@_grouped_mm_loop_backward.register_fake
+def _(grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(x), torch.empty_like(w)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, w, offsets = inputs
+    ctx.save_for_backward(x, w, offsets)
+
+
+def _backward(ctx, grad):
+    x, w, offsets = ctx.saved_tensors
+    grad_x, grad_w = torch.ops.etrain.grouped_mm_backward(grad.contiguous(), x, w, offsets)
+    return grad_x, grad_w, None
+
+
+_grouped_mm_loop.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _has_grouped_kernel(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` has a kernel for these operands: CUDA (compute capability 8.0+), bf16,
+    and rows whose strides are multiples of 16 bytes."""
+    return (
+        x.device.type == "cuda"
+        and x.dtype == torch.bfloat16
+        and hasattr(torch, "_grouped_mm")
+        and torch.cuda.get_device_capability(x.device) >= (8, 0)
+        and x.shape[-1] % 8 == 0
+        and w.shape[-2] % 8 == 0
+    )
+
+
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``[rows, in] × [experts, out, in] → [rows, out]``: each run of rows (sorted by expert, ending at the
+    cumulative ``offsets``, int32) through its expert's weights."""
+    device = x.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else w.dtype
+    x, w = x.to(dtype), w.to(dtype)
+    if _has_grouped_kernel(x, w):
+        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
+    return torch.ops.etrain.grouped_mm(x, w, offsets)
+
+
+# -- the router, the experts, the load-balancing loss -----------------------------------------------
+
+
+class Router(nn.Module):
+    """``n_experts`` logits per token (no bias), softmax in fp32, top-k, optionally renormalised."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.top_k = config.experts_per_token
+        self.norm_topk_prob = config.norm_topk_prob
+        self.weight = nn.Parameter(torch.empty(config.n_experts, config.d_model))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x``: ``[tokens, d]``; returns the logits ``[tokens, n_experts]``, the routing weights and the
+        experts picked (``[tokens, k]`` each, the weights in the logits' dtype)."""
+        logits = F.linear(x, self.weight)
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, picks = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return logits, weights.to(logits.dtype), picks
+
+
+class GroupedExperts(nn.Module):
+    """``n_experts`` SwiGLU MLPs stacked: ``w1`` (gate) and ``w3`` (up) ``[n_experts, moe_d_ff, d]``,
+    ``w2`` (down) ``[n_experts, d, moe_d_ff]`` (each expert's slice is its ``nn.Linear`` weight)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        e, d, f = config.n_experts, config.d_model, config.expert_dim
+        self.w1 = nn.Parameter(torch.empty(e, f, d))
+        self.w2 = nn.Parameter(torch.empty(e, d, f))
+        self.w3 = nn.Parameter(torch.empty(e, f, d))
+
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """``x``: the picked rows sorted by expert; ``offsets``: where each expert's rows end."""
+        hidden = F.silu(grouped_linear(x, self.w1, offsets)) * grouped_linear(x, self.w3, offsets)
+        return grouped_linear(hidden, self.w2, offsets)
+
+
+def _histogram(picks: torch.Tensor, bins: int, top: int) -> torch.Tensor:
+    """How many of ``picks`` fall on each expert, as fp32, by ``histc`` (no host sync, unlike ``bincount``):
+    float input on the CPU, int on CUDA (the dtypes each supports deterministically), as transformers."""
+    values = picks.reshape(-1)
+    values = values.float() if values.device.type in ("cpu", "mps") else values.int()
+    return torch.histc(values, bins=bins, min=0, max=top).float()
+
+
+def routing_statistics(logits: torch.Tensor, n_experts: int, top_k: int) -> torch.Tensor:
+    """``[2, n_experts]`` of one layer for the load-balancing loss: the picks per expert and the summed
+    router probability per expert, as ``load_balancing_loss_func`` computes them (the softmax in the
+    logits' own dtype, its own top-k)."""
+    probs = F.softmax(logits, dim=-1)
+    _, picks = torch.topk(probs, top_k, dim=-1)
+    return torch.stack([_histogram(picks, n_experts, n_experts), probs.float().sum(dim=0)])
+
+
+def load_balancing_loss(statistics: list[torch.Tensor], n_experts: int, rows: int) -> torch.Tensor:
+    """Switch Transformer's loss over every layer's :func:`routing_statistics` (``rows`` tokens each):
+    ``n_experts · Σₑ (picksₑ / R) · (probsₑ / R)`` with ``R = rows · layers``, accumulated layer by layer in
+    transformers' order."""
+    picks = torch.zeros(n_experts, dtype=torch.float32, device=statistics[0].device)
+    probs = torch.zeros_like(picks)
+    for layer in statistics:
+        picks = picks + layer[0]
+        probs = probs + layer[1]
+    total = float(rows * len(statistics))
+    return torch.sum((picks / total) * (probs / total).unsqueeze(0)) * n_experts
+
+
+class MoE(nn.Module):
+    """The sparse MLP: route, run each token through its k experts, weigh and sum. No token is dropped."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.n_experts = config.n_experts
+        self.top_k = config.experts_per_token
+        self.with_statistics = config.router_aux_loss_coef > 0
+        self.router = Router(config)
+        self.experts = GroupedExperts(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        batch, seq, d = x.shape
+        flat = x.reshape(-1, d)
+        logits, weights, picks = self.router(flat)
+        expert_ids = picks.reshape(-1)  # [tokens·k]: token t's picks at t·k ... t·k + k - 1
+        sorted_ids, order = torch.sort(expert_ids, stable=True)
+        counts = _histogram(sorted_ids, self.n_experts, self.n_experts - 1)
+        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        out = self.experts(flat[order // self.top_k], offsets)
+        out = out * weights.reshape(-1)[order].unsqueeze(-1)
+        out = out[torch.argsort(order)]  # back to token order
+        out = out.view(-1, self.top_k, d).sum(dim=1).to(x.dtype).view(batch, seq, d)
+        if not self.with_statistics:
+            return out
+        return out, routing_statistics(logits, self.n_experts, self.top_k)
+
+
+# -- the model ---------------------------------------------------------------------------------------
+
+
+class Qwen3MoeAttention(LlamaAttention):
+    """Qwen3's attention: Llama's with per-head q/k RMSNorms, which Qwen3-MoE always has."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__(config)
+        if self.q_norm is None:
+            self.q_norm = RMSNorm(config.head_dim, config.norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.norm_eps)
+
+
+class Qwen3MoeBlock(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.attention = Qwen3MoeAttention(config)
+        self.ffn_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.feed_forward = MoE(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        x = x + self.attention(self.attention_norm(x))
+        out = self.feed_forward(self.ffn_norm(x))
+        if isinstance(out, tuple):
+            return x + out[0], out[1]
+        return x + out
+
+
+class Qwen3Moe(Llama):
+    """The Llama model with mixture-of-experts blocks; the training loss adds the load-balancing loss.
+
+    ``last_load_balancing_loss``: the (unweighted, detached) load-balancing loss of the latest forward,
+    transformers' ``aux_loss``; None when ``router_aux_loss_coef`` is 0 (nothing is computed for it)."""
+
+    block = Qwen3MoeBlock
+
+    def __init__(self, config: ModelConfig):
+        super().__init__(config)
+        self.last_load_balancing_loss: torch.Tensor | None = None
+
+    def forward(self, tokens_or_hidden: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        h = tokens_or_hidden
+        if self.tok_embeddings is not None:
+            h = self.tok_embeddings(h)
+        return run_trunk(self, h, targets)
+
+    def auxiliary_loss(self, statistics: list[torch.Tensor], rows: int) -> torch.Tensor:
+        """``router_aux_loss_coef`` × the load-balancing loss of this forward's layers (``rows`` tokens)."""
+        loss = load_balancing_loss(statistics, self.config.n_experts, rows)
+        self.last_load_balancing_loss = loss.detach()
+        return self.config.router_aux_loss_coef * loss
+
+
+def build(config: ModelConfig) -> nn.Module:
+    return Qwen3Moe(config)
