@@ -61,6 +61,8 @@ from etrain.service.decisions.supervisor_events import (
     RepairFailed,
     RepairGroup,
     RequestCheckpoint,
+    ResizeFailed,
+    ResizeGroup,
     ScaleRequested,
     ScheduleWake,
     Start,
@@ -390,6 +392,8 @@ class JobSupervisor:
             self._launch(action)
         elif isinstance(action, RepairGroup):
             self._repair(action)
+        elif isinstance(action, ResizeGroup):
+            self._resize(action)
         elif isinstance(action, StopGroup):
             self._stop(action)
         elif isinstance(action, CommitCheckpoint):
@@ -508,6 +512,30 @@ class JobSupervisor:
                 self._inbox.put(RepairFailed(attempt=action.attempt, reason=f"{type(err).__name__}: {err}"))
 
         threading.Thread(target=repair, name=f"repair-{self.job_id}-{action.attempt}", daemon=True).start()
+
+    def _resize(self, action: ResizeGroup) -> None:
+        """Carry out an in-place resize ([11] in service/decisions/supervisor.py) on its own thread: any
+        failure becomes ResizeFailed, and the state machine relaunches every rank at the new size."""
+        group = self._group
+        step = action.resume_step
+        plan = self._attempt_plan(action.attempt, self.config.with_dp(action.dp), step, state_from_memory=True)
+        if group is None or group.world_size != self.sm_config.world_size(action.from_dp):
+            self._inbox.put(ResizeFailed(attempt=action.attempt, reason="no running group to resize"))
+            return
+
+        def resize() -> None:
+            try:
+                done = group.resize(plan, from_dp=action.from_dp)
+            except Exception as err:
+                self._inbox.put(ResizeFailed(attempt=action.attempt, reason=f"{type(err).__name__}: {err}"))
+            else:
+                self._record(
+                    "resize_in_place",
+                    f"attempt {action.attempt}: dp {action.from_dp} -> {action.dp} in place: {done}, "
+                    f"resuming from step {step}",
+                )
+
+        threading.Thread(target=resize, name=f"resize-{self.job_id}-{action.attempt}", daemon=True).start()
 
     def _attempt_plan(
         self, attempt: int, config: RunConfig, resume_step: int | None, *, state_from_memory: bool = False

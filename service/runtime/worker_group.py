@@ -20,12 +20,13 @@ from typing import Any, Literal
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from etrain.service.decisions.hangs import Frame, RankWhere
 from etrain.service.runtime.spares import NAMESPACE, take_spares
 from etrain.workers.protocol.errors import EtrainError
 from etrain.workers.protocol.messages import RANK_ACTOR_CLASS, ChaosOrder, LaunchPlan, load_actor_class
+from etrain.workers.protocol.topology import Topology
 
 log = logging.getLogger(__name__)
 
@@ -121,8 +122,10 @@ class WorkerGroup:
             raise RuntimeError("worker group stopped while starting")
         self._rendezvous()
 
-    def _reserve(self) -> None:
+    def _reserve(self, pinned: dict[int, str] | None = None) -> None:
         """Create the placement group, wait until Ray reserves it, and record which node holds each bundle.
+
+        ``pinned``: bundle -> the node it must be on (the ranks an in-place resize keeps).
 
         From the request until the nodes are recorded, :meth:`bundles_per_node` says it does not know
         (None): Ray takes the bundles off the nodes' free resources a few milliseconds before the placement
@@ -131,9 +134,12 @@ class WorkerGroup:
         """
         bundles = [dict(self._resources) for _ in range(self.world_size)]
         kwargs: dict[str, Any] = {}
-        if self._excluded:
-            selector = {"ray.io/node-id": f"!in({','.join(sorted(self._excluded))})"}
-            kwargs["bundle_label_selector"] = [dict(selector) for _ in bundles]
+        pinned = pinned or {}
+        if self._excluded or pinned:
+            free = {"ray.io/node-id": f"!in({','.join(sorted(self._excluded))})"} if self._excluded else {}
+            kwargs["bundle_label_selector"] = [
+                {"ray.io/node-id": pinned[index]} if index in pinned else dict(free) for index in range(len(bundles))
+            ]
         self._reserving = True
         try:
             self.pg = placement_group(
@@ -153,9 +159,11 @@ class WorkerGroup:
     def _rank_actors(self) -> list[Any]:
         """One actor per rank: a warm spare on the bundle's node where the pool has one, else a cold start.
 
-        A cold rank is created inside its bundle, so Ray accounts its CPUs/GPUs to it; a spare (no
-        logical resources) runs on the bundle's node while the bundle's reservation accounts for it,
-        and is pinned to the bundle's GPUs (service/runtime/spares.py, workers/rank/spare.py).
+        Either way the rank's process holds no logical resources of its own: it runs on its bundle's node
+        while the bundle's reservation accounts for its CPUs and GPUs, and it is pinned to the bundle's
+        GPUs (service/runtime/spares.py, workers/rank/spare.py). So a rank's process does not share the
+        placement group's fate: an in-place resize ([11] in service/decisions/supervisor.py) replaces the
+        placement group under the ranks it keeps (Ray kills the actors created *in* a removed group).
         """
         spares = take_spares([self._bundle_nodes.get(rank, "") for rank in range(self.world_size)])
         actors, assigned = zip(*(self._rank_actor(rank, spare) for rank, spare in enumerate(spares)))
@@ -166,29 +174,36 @@ class WorkerGroup:
     def _rank_actor(self, rank: int, spare: Any | None, attempt: int | None = None) -> tuple[Any, Any | None]:
         """(actor, its pending ``assign`` call or None): the spare made rank ``rank``, or a cold actor."""
         num_gpus = self._resources.get("GPU", 0.0)
+        # The rank holds no GPU in Ray's books (the bundle's reservation does), so Ray gives it no ids:
+        # it runs on the ones Ray reserved for the bundle, read by a task in the bundle.
+        gpu_ids = _bundle_gpu_ids(self.pg, rank, num_gpus) if num_gpus else []
+        bundle = f"bundle {rank} of placement group {self.pg.id.hex()}"
         if spare is not None:
-            # The spare holds no GPU in Ray's books (the bundle's reservation does), so Ray gives it no ids:
-            # it runs on the ones Ray reserved for the bundle, read by a task in the bundle.
-            gpu_ids = _bundle_gpu_ids(self.pg, rank, num_gpus) if num_gpus else None
             return spare, spare.assign.remote(
                 job_id=self.job_id,
                 rank=rank,
                 world_size=self.world_size,
                 supervisor=self._supervisor,
                 gpu_ids=gpu_ids,
-                bundle=f"bundle {rank} of placement group {self.pg.id.hex()}",
+                bundle=bundle,
             )
+        node = self._bundle_nodes.get(rank) or placement_group_table(self.pg).get("bundles_to_node_id", {}).get(rank)
         return _rank_actor_class().options(
             name=rank_actor_name(self.job_id, self.attempt if attempt is None else attempt, rank),
             namespace=NAMESPACE,
-            num_cpus=self._resources.get("CPU", 0.0),
-            num_gpus=num_gpus,
+            num_cpus=0,
+            num_gpus=0,
             max_restarts=0,
             max_concurrency=4,  # run() on one thread; chaos / checkpoint requests on others
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=self.pg, placement_group_bundle_index=rank
-            ),
-        ).remote(job_id=self.job_id, rank=rank, world_size=self.world_size, supervisor=self._supervisor), None
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
+        ).remote(
+            job_id=self.job_id,
+            rank=rank,
+            world_size=self.world_size,
+            supervisor=self._supervisor,
+            gpu_ids=gpu_ids,
+            bundle=bundle,
+        ), None
 
     def _rendezvous(self) -> None:
         """Learn where each rank runs, pick rank 0's address and a free port, start every ``run``."""
@@ -210,30 +225,9 @@ class WorkerGroup:
         failed with the dead peer): one that does not within SURVIVOR_EXIT_TIMEOUT_S, or that died
         too, makes the repair fail (:class:`RepairError`), and the caller relaunches every rank.
         """
-        old = dict(self._runs)  # the failed attempt's runs still out (not the lost rank's, if polled)
-        if old:
-            done, late = ray.wait(list(old), num_returns=len(old), timeout=SURVIVOR_EXIT_TIMEOUT_S)
-            if late:
-                raise RepairError(
-                    f"ranks {sorted(old[ref] for ref in late)} did not leave the failed attempt "
-                    f"within {SURVIVOR_EXIT_TIMEOUT_S:g}s"
-                )
-            for ref in done:
-                rank = old[ref]
-                try:
-                    ray.get(ref, timeout=10)
-                except RayActorError as err:
-                    if rank != lost_rank:
-                        raise RepairError(f"rank {rank} died as well: {_first_line(err)}") from None
-                except Exception:  # the expected collective failure of a survivor
-                    pass
-        self._runs.clear()
-        self._results.clear()
-        self._suspect, self._lost = None, None
-        try:
-            ray.kill(self.actors[lost_rank], no_restart=True)  # dead already, or wedged: gone either way
-        except Exception:
-            pass
+        # the failed attempt's runs still out (not the lost rank's, if polled)
+        self._leave_attempt(lost_rank=lost_rank, error=RepairError)
+        _kill(self.actors[lost_rank])  # dead already, or wedged: gone either way
         node = placement_group_table(self.pg).get("bundles_to_node_id", {}).get(lost_rank, "")
         spare = take_spares([node])[0]
         actor, assigning = self._rank_actor(lost_rank, spare, plan.attempt)
@@ -245,6 +239,107 @@ class WorkerGroup:
         if self._stopped:
             raise RepairError("the group was stopped during the repair")
         self._rendezvous()
+
+    # --- resize in place -------------------------------------------------------------------------
+
+    def resize(self, plan: LaunchPlan, *, from_dp: int) -> str:
+        """Run ``plan`` (the next attempt, at ``plan.config.parallel.dp`` replicas) on the ranks this group
+        keeps: stop the current runs at a step boundary, keep every rank whose data-parallel index stays
+        below the new dp (its process and memory, renumbered for the new world), release the others,
+        replace the placement group (the kept ranks' bundles pinned to their nodes) and add new ranks
+        (warm spares where the pool has them). Returns what it did, in words, for the job's events.
+
+        Raises :class:`ResizeError` (the caller relaunches every rank instead) when a run does not leave
+        the old attempt within SURVIVOR_EXIT_TIMEOUT_S, a rank died, the new size cannot be placed with
+        the kept ranks where they are, or a kept rank's GPUs are not its new bundle's.
+        """
+        parallel = plan.config.parallel
+        old_topology = Topology(pp=parallel.pp, dp=from_dp, tp=parallel.tp)
+        new_topology = Topology(pp=parallel.pp, dp=parallel.dp, tp=parallel.tp)
+        if old_topology.world_size != self.world_size:
+            raise ResizeError(f"the group has {self.world_size} ranks, not {old_topology}'s {old_topology.world_size}")
+        if self._runs and 0 < len(self.actors):
+            self.actors[0].request_stop.remote()  # rank 0 stops every rank at the same step boundary
+        self._leave_attempt(lost_rank=None, error=ResizeError)
+        kept: dict[int, int] = {}  # new rank -> old rank
+        for old_rank in range(self.world_size):
+            coords = old_topology.coords(old_rank)
+            if coords.dp < parallel.dp:
+                kept[new_topology.rank(pp=coords.pp, dp=coords.dp, tp=coords.tp)] = old_rank
+        leaving = [rank for rank in range(self.world_size) if rank not in kept.values()]
+        old_gpus: dict[int, list[str]] = {}
+        if self._resources.get("GPU", 0.0):
+            answers = ray.get(
+                [self.actors[old].devices.remote() for old in kept.values()], timeout=RENDEZVOUS_TIMEOUT_S
+            )
+            old_gpus = {new: list(answer["gpu_ids"]) for new, answer in zip(kept, answers)}
+        for rank in leaving:
+            _kill(self.actors[rank])
+        kept_actors = {new: self.actors[old] for new, old in kept.items()}
+        self.actors = list(kept_actors.values())  # what stop() kills from here on
+        pinned = {new: self.nodes[old] for new, old in kept.items()}
+        old_pg, self.world_size = self.pg, new_topology.world_size
+        self.plan, self.attempt = plan, plan.attempt
+        self._reserving = True  # capacity checks ask again until the new bundles' nodes are known
+        if old_pg is not None:
+            remove_placement_group(old_pg)
+        try:
+            self._reserve(pinned)
+        except PlacementTimeout as err:
+            raise ResizeError(f"the new size could not be placed with the kept ranks on their nodes: {err}") from None
+        for new, ids in old_gpus.items():
+            bundle_ids = _bundle_gpu_ids(self.pg, new, self._resources["GPU"])
+            if sorted(bundle_ids) != sorted(ids):
+                raise ResizeError(
+                    f"rank {new}'s process runs on GPUs {ids}, but its new bundle holds GPUs {bundle_ids} "
+                    "(CUDA keeps a process's GPUs for its life)"
+                )
+        if self._stopped:
+            raise ResizeError("the group was stopped during the resize")
+        ray.get(
+            [actor.renumber.remote(new, self.world_size) for new, actor in kept_actors.items()],
+            timeout=RENDEZVOUS_TIMEOUT_S,
+        )
+        joining = [rank for rank in range(self.world_size) if rank not in kept_actors]
+        spares = take_spares([self._bundle_nodes.get(rank, "") for rank in joining])
+        actors = dict(kept_actors)
+        assigning = []
+        for rank, spare in zip(joining, spares):
+            actors[rank], pending = self._rank_actor(rank, spare, plan.attempt)
+            if pending is not None:
+                assigning.append(pending)
+        self.actors = [actors[rank] for rank in range(self.world_size)]
+        ray.get(assigning, timeout=RENDEZVOUS_TIMEOUT_S)
+        self.warm_ranks = sum(spare is not None for spare in spares)
+        if self._stopped:
+            raise ResizeError("the group was stopped during the resize")
+        self._rendezvous()
+        joined = f"{len(joining)} joined ({self.warm_ranks} from warm spares)" if joining else "none joined"
+        return f"{len(kept)} rank(s) kept, {len(leaving)} released, {joined}"
+
+    def _leave_attempt(self, *, lost_rank: int | None, error: type[Exception]) -> None:
+        """Wait for the runs of the attempt being left to return (a survivor's failed collective, or a
+        stop at a step boundary) and forget them; ``error`` when one does not in time or its rank died."""
+        old = dict(self._runs)
+        if old:
+            done, late = ray.wait(list(old), num_returns=len(old), timeout=SURVIVOR_EXIT_TIMEOUT_S)
+            if late:
+                raise error(
+                    f"ranks {sorted(old[ref] for ref in late)} did not leave attempt {self.attempt} "
+                    f"within {SURVIVOR_EXIT_TIMEOUT_S:g}s"
+                )
+            for ref in done:
+                rank = old[ref]
+                try:
+                    ray.get(ref, timeout=10)
+                except RayActorError as err:
+                    if rank != lost_rank:
+                        raise error(f"rank {rank} died as well: {_first_line(err)}") from None
+                except Exception:  # the expected collective failure of a survivor
+                    pass
+        self._runs.clear()
+        self._results.clear()
+        self._suspect, self._lost = None, None
 
     # --- watch ----------------------------------------------------------------------------------
 
@@ -470,6 +565,17 @@ class WorkerGroup:
 
 class RepairError(RuntimeError):
     """The in-place repair could not be carried out; the message says why (a RepairFailed event)."""
+
+
+class ResizeError(RuntimeError):
+    """The in-place resize could not be carried out; the message says why (a ResizeFailed event)."""
+
+
+def _kill(actor: Any) -> None:
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception:  # already dead
+        pass
 
 
 class PlacementTimeout(RuntimeError):

@@ -107,6 +107,39 @@ def test_hung_rank_is_named_with_its_stack_and_repaired_in_place_within_the_time
     assert_same_trajectory(losses(plane, job["id"]), clean, tol=1e-6)
 
 
+def test_scale_2_to_1_to_2_resizes_in_place_keeping_rank_0s_process(shared_plane, clean):
+    """Issue #20 item 3: ``scale`` down and back up keeps the surviving rank's process (same PID in every
+    attempt), relaunches nothing, says "in place" in both ``resized`` events, and trains the clean run's
+    losses: the global batch and the data order do not change with dp."""
+    plane = shared_plane
+    job = plane.submit(spec("resize-dp2", resources={"min_dp": 1, "max_dp": 2}))
+    plane.wait_until(job["id"], lambda j: j["status"] == "RUNNING" and j["step"] >= 3, timeout_s=180, what="step 3")
+    # Rank 0's process stays through both resizes, and so does its drill: every step is slow enough
+    # (sleeps only, the numbers are the same) for both resizes to land before the last step.
+    plane.chaos(job["id"], action="slow_rank", rank=0, factor=20.0)
+    for dp in (1, 2):
+        response = plane.client.post(f"/v1/jobs/{job['id']}/scale", json={"dp": dp})
+        assert response.status_code == 202, response.text
+        plane.wait_until(
+            job["id"],
+            lambda j, dp=dp: j["world_size"] == dp and j["status"] == "RUNNING",
+            timeout_s=120,
+            what=f"the resize to dp={dp}",
+        )
+    final = plane.wait_terminal(job["id"], timeout_s=300)
+    assert final["status"] == "SUCCEEDED" and final["restarts"] == 0, final
+    events = plane.events(job["id"])
+    kinds = event_kinds(events)
+    resized = [event_text(e) for e in events if e["kind"] == "resized"]
+    assert len(resized) == 2 and all(text.endswith("; in place") for text in resized), resized
+    assert "dp=1 world_size=1" in resized[0] and "dp=2 world_size=2" in resized[1], resized
+    assert kinds.count("launching") == 1 and "resize_failed" not in kinds, kinds
+    kept, replaced = rank_pids(plane, job["id"], 0), rank_pids(plane, job["id"], 1)
+    assert len(kept) == 3 and len(set(kept)) == 1, kept  # attempts 1, 2 (dp=1) and 3: one process
+    assert len(replaced) == 2 and replaced[0] != replaced[1], replaced  # rank 1 left and a new one joined
+    assert_same_trajectory(losses(plane, job["id"]), clean, tol=1e-6)
+
+
 def test_corrupted_newest_checkpoint_is_skipped_for_the_previous_one(shared_plane, clean):
     plane = shared_plane
     # A relaunch restores from storage (an in-place repair would restore step 8 from the ranks' memory,

@@ -77,8 +77,8 @@ def _finish(group: WorkerGroup, timeout_s: float = 120) -> None:
 def _devices(group: WorkerGroup, *, warm: set[int]) -> list[list[str]]:
     """Each rank's GPU ids, checked: one each, distinct (the node's two), pinned, from the right source.
 
-    A cold rank's ids are Ray's own for the actor it created in the bundle: the ground truth. A warm
-    rank's must be what a task in its bundle gets (its GPU is free for one: the spare holds none).
+    Every rank's ids must be what a task in its bundle gets (the bundle's GPU is free for one: no rank
+    holds GPUs in Ray's books, so its process outlives the placement group in an in-place resize).
     """
     devices = ray.get([actor.devices.remote() for actor in group.actors], timeout=60)
     for rank, seen in enumerate(devices):
@@ -86,9 +86,9 @@ def _devices(group: WorkerGroup, *, warm: set[int]) -> list[list[str]]:
         assert seen["cuda_visible_devices"] == ",".join(seen["gpu_ids"]), seen
         assert seen["bundle"] == f"bundle {rank} of placement group {group.pg.id.hex()}", seen
         assert ("warm spare" in seen["source"]) == (rank in warm), seen
+        assert ("cold rank" in seen["source"]) == (rank not in warm), seen
         assert seen["cuda_warmup"]["outcome"] != "running", seen  # no CUDA here: it found none, and said so
-        if rank in warm:
-            assert seen["gpu_ids"] == _bundle_gpu_ids(group.pg, rank, RANK["GPU"]), seen
+        assert seen["gpu_ids"] == _bundle_gpu_ids(group.pg, rank, RANK["GPU"]), seen
     ids = [seen["gpu_ids"] for seen in devices]
     assert sorted(gpu for each in ids for gpu in each) == ["0", "1"], devices
     if not torch.cuda.is_available():
@@ -121,7 +121,7 @@ def _ready_spares(count: int, timeout_s: float = 120) -> None:
 
 
 def test_cold_ranks_run_on_their_bundles_gpus(gpu_node):
-    ensure_pool(0)  # no spares: every rank starts cold, created in its bundle with its GPU
+    ensure_pool(0)  # no spares: every rank starts cold, on its bundle's node with its bundle's GPU
     reports = ReadyReports.remote()
     group = _group(reports)
     try:

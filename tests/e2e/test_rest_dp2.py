@@ -126,8 +126,10 @@ def test_cancel_stops_workers_and_releases_the_placement_group(plane):
 
 
 def test_scale_request_resizes_and_keeps_the_loss_curve(plane):
-    """POST /v1/jobs/{id}/scale: dp 2 -> 1 on demand; global batch and sample order are unchanged."""
+    """POST /v1/jobs/{id}/scale: dp 2 -> 1 on demand; global batch and sample order are unchanged. The
+    relaunch path (``in_place: false``); the in-place resize has its chaos test (tests/chaos/test_restart.py)."""
     body = dp2_spec(steps=30)
+    body["fault_tolerance"] = {**body.get("fault_tolerance", {}), "in_place": False}
     body["resources"] = {"cpus_per_worker": 1, "min_dp": 1, "max_dp": 2}
     body["checkpoint"] = {"every_steps": 5, "keep_last": 3}
     clean = {
@@ -151,7 +153,8 @@ def test_scale_request_resizes_and_keeps_the_loss_curve(plane):
     assert resized["layout"].startswith("pp1·dp1")
     final = plane.wait_terminal(job["id"], timeout_s=300)
     assert final["status"] == "SUCCEEDED" and final["restarts"] == 0, final
-    assert "resized" in event_kinds(plane.events(job["id"]))
+    (resized,) = [event_text(e) for e in plane.events(job["id"]) if e["kind"] == "resized"]
+    assert resized.endswith("; relaunched: fault_tolerance.in_place is off"), resized
     losses = {row["step"]: row["loss"] for row in plane.steps(job["id"])}
     assert sorted(losses) == sorted(clean)
     assert max(abs(losses[s] - clean[s]) for s in clean) <= 1e-4

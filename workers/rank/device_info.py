@@ -7,10 +7,11 @@ functions (the module loads without either: the service ships :func:`gpu_memory_
   node has and their type (``accelerator_type:H100``), not their memory, which is what the planner
   checks a layout against; so the control plane runs it as a one-GPU Ray task
   (``etrain.service.runtime.supervisor_actor.probe_gpu_memory_gib``) once per accelerator type.
-* A rank's GPUs (:class:`RankGpus`, what ``TrainWorker`` asks). A rank learns them from one source: a
-  cold rank from Ray (:func:`ray_gpu_ids`: it was created with ``num_gpus``), a warm spare from its
-  bundle's ids, handed over in ``assign`` (it holds no GPU in Ray's books, so ``ray.get_gpu_ids()`` is
-  empty there: the bundle's reservation accounts for it). :func:`pin_visible_gpus` makes them the
+* A rank's GPUs (:class:`RankGpus`, what ``TrainWorker`` asks). A rank learns them from one source: its
+  bundle's ids, read by a task in the bundle and handed over when the rank is created cold or when a warm
+  spare is assigned (a rank holds no GPU in Ray's books, so ``ray.get_gpu_ids()`` is empty there: the
+  bundle's reservation accounts for it, and the rank's process outlives the placement group when an
+  in-place resize replaces it); an actor created with ``num_gpus`` learns Ray's (:func:`ray_gpu_ids`). :func:`pin_visible_gpus` makes them the
   process's ``CUDA_VISIBLE_DEVICES`` *before* CUDA starts: Ray sets that variable only when it creates
   an actor with GPUs, never for a ``num_gpus=0`` actor nor for an actor's method calls
   (``ray._private.utils.set_visible_accelerator_ids``), and CUDA reads it once, when the driver starts.
@@ -154,13 +155,19 @@ class CudaWarmup:
 class RankGpus:
     """A rank's GPUs: learnt from one source, pinned at once, the CUDA context warmed in the background.
 
-    ``gpu_ids``: the bundle's ids, handed to a warm spare in ``assign``; None: Ray's own for this actor
-    (a cold rank, created in its bundle with its GPUs). ``who`` and ``bundle`` name the rank in messages.
+    ``gpu_ids``: the bundle's ids, handed to a rank at creation or to a warm spare in ``assign``
+    (``spare``); None: Ray's own for this actor (one created with GPUs of its own: a test, a probe). ``who``
+    and ``bundle`` name the rank in messages.
     """
 
-    def __init__(self, *, who: str, gpu_ids: Sequence[str] | None, bundle: str):
+    def __init__(self, *, who: str, gpu_ids: Sequence[str] | None, bundle: str, spare: bool = False):
         self.who, self.bundle = who, bundle
-        self.source = "Ray's, for this actor" if gpu_ids is None else "the bundle's, from assign (a warm spare)"
+        if gpu_ids is None:
+            self.source = "Ray's, for this actor"
+        elif spare:
+            self.source = "the bundle's, from assign (a warm spare)"
+        else:
+            self.source = "the bundle's, read by a task in it (a cold rank)"
         self.ids = [str(gpu) for gpu in (ray_gpu_ids() if gpu_ids is None else gpu_ids)]
         self.warmup: CudaWarmup | None = None
         if self.ids:

@@ -84,6 +84,7 @@ class SpareRank(TrainWorker):
             supervisor=supervisor,
             gpu_ids=list(gpu_ids or []),
             bundle=bundle,
+            spare=True,
         )
         self.assigned = True
         return rank

@@ -54,16 +54,20 @@ class TrainWorker:
         supervisor: Any,
         gpu_ids: list[str] | None = None,
         bundle: str = "",
+        spare: bool = False,
     ):
-        """``gpu_ids``: the GPUs of this rank's bundle when Ray did not give them to this actor (a warm
-        spare, ``workers/rank/spare.py``); None: Ray's own (a cold rank, created in its bundle with its GPUs).
-        ``bundle`` says which bundle that is (for messages), where the caller knows it."""
+        """``gpu_ids``: the GPUs of this rank's bundle, which Ray did not give to this actor (the worker
+        group creates ranks without resources of their own, on the bundle's node; ``spare``: a warm spare,
+        ``workers/rank/spare.py``); None: Ray's own, for an actor created with GPUs. ``bundle`` says which
+        bundle that is (for messages), where the caller knows it."""
         self.job_id = job_id
         self.rank = rank
         self.world_size = world_size
         self._supervisor = supervisor
         # One source for the rank's GPUs, pinned before CUDA starts, the context made in the background.
-        self._gpus = RankGpus(who=f"rank {rank} of job {job_id}", gpu_ids=gpu_ids, bundle=bundle or ray_bundle(rank))
+        self._gpus = RankGpus(
+            who=f"rank {rank} of job {job_id}", gpu_ids=gpu_ids, bundle=bundle or ray_bundle(rank), spare=spare
+        )
         self._drills = None  # etrain.workers.rank.chaos.RankDrills, once a launch plan enables drills
         self._plan: LaunchPlan | None = None
         self._control = ControlRequests()  # acted on at step boundaries, on rank 0 only
@@ -73,6 +77,7 @@ class TrainWorker:
         self._run_thread: int | None = None  # the thread running `run` (its frames answer `where`)
         self._step: int | None = None  # the step that thread is in
         self._log: Any = None  # the attempt's RankLog while `run` runs
+        self._running = False  # an attempt's `run` is under way (a rank is renumbered only between them)
 
     # --- control calls (run concurrently with `run`) -------------------------------------------
 
@@ -116,6 +121,15 @@ class TrainWorker:
         """Save a checkpoint at the first step boundary with at least ``completed_steps`` steps done
         (None: the next one). Only rank 0's requests count: it decides for every rank at the boundary."""
         self._control.request_checkpoint(completed_steps)
+
+    def renumber(self, rank: int, world_size: int) -> int:
+        """Become rank ``rank`` of ``world_size`` for the next attempt (an in-place resize keeps this process
+        at another place in the new world: its data-parallel index stays, the world around it changes).
+        Refused while an attempt runs."""
+        if getattr(self, "_running", False):
+            raise RuntimeError(f"rank {self.rank} of job {self.job_id} cannot be renumbered while it trains")
+        self.rank, self.world_size = int(rank), int(world_size)
+        return self.rank
 
     def request_stop(self) -> None:
         """Finish the current step (and its save, if any) and return from ``run``; counts on rank 0 only,
@@ -171,6 +185,7 @@ class TrainWorker:
                 + (f"resuming step {plan.start_step} from {given.resume_dir}" if given.resume_dir else "fresh start")
             )
             log.capture()
+        self._running = True
         try:
             result = self._train(plan, master_addr, master_port, log)
         except BaseException as err:
@@ -190,7 +205,7 @@ class TrainWorker:
                 )
             return result
         finally:
-            self._log = None
+            self._log, self._running = None, False
             if log is not None:
                 log.close()
             if held is not None:
