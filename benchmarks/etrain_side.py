@@ -17,6 +17,8 @@ would, and every number is read back from the job's own step records and event l
   / the wall time since submit, computed here; the job's own ``goodput`` field is recorded beside it.
 * ``hang`` (figure 5): ``hang_rank`` on rank 1 at ``kill_at`` with ``heartbeat_timeout_s`` =
   ``--heartbeat-timeout``: the drill's time, ``hang_detected``, the next completed step.
+* ``resize`` (figure 9): ``scale`` to dp=1 and back on a running job: each request -> the first step
+  at the new size, and whether the `resized` event says "in place".
 
 The service runs as a service does between jobs: its warm spare pool (``--warm-spares``, by default the
 job's ranks + 1: the first launch and one replacement) is full before each submit (the benchmark waits
@@ -190,9 +192,46 @@ def hang(plane, job: Job, *, heartbeat_timeout_s: float, warm_spares: int) -> di
     }
 
 
+def resize(plane, job: Job, *, warm_spares: int) -> dict[str, Any]:
+    """``scale`` dp -> 1 -> dp on a running job: each request -> the first completed step of the attempt
+    at the new size, and what the `resized` event says (in place or relaunched)."""
+    spec = etrain_spec(job, "bench-resize", resources={"min_dp": 1, "max_dp": job.dp}, training={"steps": 100000})
+    wait_for_warm_spares(warm_spares)
+    job_id = plane.submit(spec)["id"]
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while plane.job(job_id)["step"] < (job.kill_at or 5):
+        assert time.monotonic() < deadline, "the resize job never reached its first steps"
+        time.sleep(0.1)
+    runs: list[dict[str, Any]] = []
+    for dp in (1, job.dp):
+        wait_for_warm_spares(warm_spares)  # the pool refills after a take: a grow finds a spare ready
+        before = max(row["attempt"] for row in all_steps(plane, job_id))
+        asked = time.time()
+        plane.client.post(f"/v1/jobs/{job_id}/scale", json={"dp": dp}).raise_for_status()
+        first = None
+        while first is None:
+            assert time.monotonic() < deadline, f"no step at dp={dp}"
+            time.sleep(0.05)
+            newer = [row["ts"] for row in all_steps(plane, job_id) if row["attempt"] > before]
+            first = min(newer) if newer else None
+        events = plane.events(job_id)
+        said = [e for e in events if e["kind"] == "resized" and e["ts"] >= asked]
+        runs.append(
+            {
+                "dp": dp,
+                "resize_s": first - asked,
+                "resized": str(said[-1].get("detail", {}).get("message", "")) if said else None,
+                "timeline": timeline(events, asked),
+            }
+        )
+    plane.client.post(f"/v1/jobs/{job_id}/cancel")
+    plane.wait_terminal(job_id, timeout_s=JOB_TIMEOUT_S)
+    return {"system": "etrain", "job_id": job_id, "runs": runs}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--scenario", action="append", required=True, choices=["recovery", "goodput", "hang"])
+    parser.add_argument("--scenario", action="append", required=True, choices=["recovery", "goodput", "hang", "resize"])
     parser.add_argument("--job", default="{}", help="benchmarks.peers.common.Job fields as JSON")
     parser.add_argument("--name", default="bench-recovery")
     parser.add_argument("--interval", type=float, default=60.0, help="goodput: seconds between kills")
@@ -237,6 +276,8 @@ def main() -> None:
                         every_steps=args.goodput_every,
                         warm_spares=warm,
                     )
+                elif scenario == "resize":
+                    out["resize"] = resize(plane, job, warm_spares=warm)
                 else:
                     out["hang"] = [
                         hang(plane, job, heartbeat_timeout_s=args.heartbeat_timeout, warm_spares=warm)

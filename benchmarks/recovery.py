@@ -253,19 +253,17 @@ def fault_figures(
     kills: int,
     heartbeat_timeout_s: float,
     hang_repeats: int,
+    scenarios: list[str],
     workdir: Path,
     timeout_s: float,
     log: Callable[[str], None] = print,
 ) -> dict[str, tuple[list[Row], dict[str, Any]]]:
-    """``{"goodput": ..., "hang": ...}`` from one etrain session."""
+    """``{"goodput": ..., "hang": ..., "resize": ...}`` from one etrain session."""
     workdir.mkdir(parents=True, exist_ok=True)
     result = run_json(
         "benchmarks.etrain_side",
         [
-            "--scenario",
-            "goodput",
-            "--scenario",
-            "hang",
+            *(arg for scenario in scenarios for arg in ("--scenario", scenario)),
             "--job",
             json.dumps(job.as_dict()),
             "--interval",
@@ -283,7 +281,17 @@ def fault_figures(
         timeout_s=timeout_s,
         log_path=workdir / "run.log",
     )
-    good = result["goodput"]
+    figures: dict[str, tuple[list[Row], dict[str, Any]]] = {}
+    if "goodput" in result:
+        figures["goodput"] = _goodput_figure(result["goodput"], interval_s=interval_s, kills=kills, log=log)
+    if "hang" in result:
+        figures["hang"] = _hang_figure(result["hang"], job=job, heartbeat_timeout_s=heartbeat_timeout_s, log=log)
+    if "resize" in result:
+        figures["resize"] = _resize_figure(result["resize"], job=job, log=log)
+    return figures
+
+
+def _goodput_figure(good: dict[str, Any], *, interval_s: float, kills: int, log: Callable[[str], None]):
     log(
         f"  goodput {good['goodput']:.3f} (job field {good['job_goodput']}) over {good['wall_s']:.0f} s, "
         f"{len(good.get('failures', []))} rank failures seen, {good['restarts']} restarts"
@@ -299,7 +307,10 @@ def fault_figures(
             f"{good.get('every_steps', GOODPUT_EVERY_STEPS)} steps; {good['restarts']} restarts",
         )
     ]
-    hangs = result["hang"]
+    return goodput_rows, good
+
+
+def _hang_figure(hangs: list[dict[str, Any]], *, job: Job, heartbeat_timeout_s: float, log: Callable[[str], None]):
     detect = [h["detect_s"] for h in hangs if h.get("detect_s") is not None]
     next_step = [h["measures"]["recovery_s"] for h in hangs if h["measures"].get("recovery_s") is not None]
     for h in hangs:
@@ -320,7 +331,25 @@ def fault_figures(
             note="detection, the ranks asked where they are, the culprit killed and replaced in place (survivors kept), the first step of the new attempt; goal: heartbeat_timeout_s + 3 s",
         ),
     ]
-    return {"goodput": (goodput_rows, good), "hang": (hang_rows, {"runs": hangs})}
+    return hang_rows, {"runs": hangs}
+
+
+def _resize_figure(raw: dict[str, Any], *, job: Job, log: Callable[[str], None]):
+    resizes = raw["runs"]
+    for run in resizes:
+        log(f"  resize to dp={run['dp']}: first step after {_s(run['resize_s'])} ({run['resized']})")
+    in_place = sum(bool(run["resized"] and run["resized"].endswith("in place")) for run in resizes)
+    resize_rows = [
+        Row(
+            label="9. scale request → first step at the new size",
+            unit="s",
+            etrain=[run["resize_s"] for run in resizes],
+            goal=Goal(on="etrain", op="<=", value=3.0, text="≤ 3 s"),
+            note=f"dp {job.dp} → 1 → {job.dp} on a running job ({in_place} of {len(resizes)} in place: the kept "
+            "ranks' processes stay, the checkpoint first, a warm spare for the grow)",
+        )
+    ]
+    return resize_rows, raw
 
 
 def _s(value: float | None) -> str:

@@ -16,7 +16,8 @@ Figures (``benchmarks/results/<figure>.json``, raw samples + the machine; then t
 5. ``hang``      hang → detected → next step, against the heartbeat timeout;
 6. ``checkpoint`` sync vs async save overhead, save/load MB/s, restore into another layout;
 7. ``pipeline_bubble`` measured idle fraction vs (P-1)/(M+P-1) at M = 2, 4, 8, 16;
-8. ``steady_state`` step time vs a bare torch DDP loop.
+8. ``steady_state`` step time vs a bare torch DDP loop;
+9. ``resize``    ``scale`` dp 2 → 1 → 2 on a running job → first step at the new size (in place).
 
 ``--quick`` is sized to finish within 15 minutes on 2 CPU cores (fewer rounds, a 24-step job, a
 180-second goodput window, three straggler layouts); the full run is about three times longer. A figure that fails is written
@@ -42,7 +43,17 @@ from benchmarks.procs import LoadSampler
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
-FIGURES = ("startup", "recovery", "goodput", "stragglers", "hang", "checkpoint", "pipeline_bubble", "steady_state")
+FIGURES = (
+    "startup",
+    "recovery",
+    "goodput",
+    "stragglers",
+    "hang",
+    "checkpoint",
+    "pipeline_bubble",
+    "steady_state",
+    "resize",
+)
 TITLES = {
     "startup": "1. Startup: submit → first completed step",
     "recovery": "2. Recovery: SIGKILL of one rank → next completed step",
@@ -52,6 +63,7 @@ TITLES = {
     "checkpoint": "6. Checkpoints: sync vs async overhead, save/load speed, restore into another layout",
     "pipeline_bubble": "7. Pipeline bubble vs (P-1)/(M+P-1)",
     "steady_state": "8. Steady-state step time vs a bare torch DDP loop",
+    "resize": "9. Resize: scale request → first step at the new size",
 }
 
 
@@ -265,15 +277,16 @@ def measure(
         ),
     )
     group(
-        ["goodput", "hang"],
+        ["goodput", "hang", "resize"],
         lambda: recovery.fault_figures(
             job=job,
             interval_s=sizes.goodput_interval_s,
             kills=sizes.goodput_kills,
             heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
             hang_repeats=sizes.hang_repeats,
+            scenarios=[name for name in ("goodput", "hang", "resize") if name in selected],
             workdir=workdir / "faults",
-            timeout_s=sizes.goodput_interval_s * (sizes.goodput_kills + 1) + 300 + 150 * sizes.hang_repeats,
+            timeout_s=sizes.goodput_interval_s * (sizes.goodput_kills + 1) + 400 + 150 * sizes.hang_repeats,
             log=log,
         ),
     )

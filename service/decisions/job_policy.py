@@ -41,7 +41,7 @@ class JobPolicy:
     heartbeat_timeout_s: float  # RUNNING with no step progress this long = hang
     backoff_base_s: float  # the first restart's delay; doubles per restart used ...
     backoff_max_s: float  # ... up to this
-    in_place: bool  # repair a single lost rank in place instead of relaunching every rank
+    in_place: bool  # repair a single lost rank, and resize, in place instead of relaunching every rank
     elastic_check_interval_s: float  # how often the supervisor re-checks capacity
     stragglers: StragglerConfig
     straggler_action: str  # report | evict

@@ -23,10 +23,12 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_valida
 from pydantic_core import PydanticCustomError
 
 from etrain.service.planning.bounds import (
+    MAX_AUX_LOSS_COEF,
     MAX_CPUS_PER_WORKER,
     MAX_D_FF,
     MAX_D_MODEL,
     MAX_DEVICE_MEMORY_GB,
+    MAX_EXPERTS,
     MAX_GLOBAL_BATCH,
     MAX_GPUS_PER_WORKER,
     MAX_HEADS,
@@ -149,6 +151,22 @@ class ModelSpec(_Section):
     vocab_size: _upto(MAX_VOCAB) | None = None
     seq_len: _upto(MAX_SEQ_LEN) | None = None
     d_ff: _upto(MAX_D_FF) | None = Field(default=None, description="MLP width; default 4 * d_model")
+    n_experts: _upto(MAX_EXPERTS) | None = Field(
+        default=None, description="mixture of experts (qwen3_moe): experts per block"
+    )
+    experts_per_token: _upto(MAX_EXPERTS) | None = Field(
+        default=None, description="mixture of experts: experts each token is routed to (the router's top-k)"
+    )
+    moe_d_ff: _upto(MAX_D_FF) | None = Field(
+        default=None, description="mixture of experts: each expert's MLP width; default d_ff"
+    )
+    router_aux_loss_coef: float | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_AUX_LOSS_COEF,
+        description="mixture of experts: weight of the load-balancing loss added to the training loss "
+        "(0: none); also allowed with model.hf, whose config.json gives the default",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -187,7 +205,7 @@ class ModelSpec(_Section):
                 "arch": config.arch,
             }
         sizes: dict[str, Any] = dict(MODEL_PRESETS.get(self.preset or "", {}))
-        for name in (*_MODEL_SIZE_FIELDS, "d_ff", "n_kv_heads"):
+        for name in (*_MODEL_SIZE_FIELDS, "d_ff", "n_kv_heads", *_MOE_FIELDS):
             value = getattr(self, name)
             if value is not None:
                 sizes[name] = value
@@ -202,11 +220,26 @@ class ModelSpec(_Section):
             return ModelConfig(**self.resolved())
         folder = os.path.abspath(os.path.expanduser(self.hf))
         config = model_config_from_hf(read_hf_config(folder), seq_len=self.seq_len)
+        if self.router_aux_loss_coef is not None:  # a training setting, not a size: it may replace the folder's
+            config = dataclasses.replace(config, router_aux_loss_coef=self.router_aux_loss_coef)
         return dataclasses.replace(config, hf_path=folder)
 
 
-#: Fields ``model.hf`` replaces (only ``seq_len`` may be given beside it).
-_HF_EXCLUSIVE_FIELDS = ("preset", "n_layers", "d_model", "n_heads", "n_kv_heads", "vocab_size", "d_ff")
+#: The mixture-of-experts fields a spec may give (with a preset, or sizes of its own).
+_MOE_FIELDS = ("n_experts", "experts_per_token", "moe_d_ff", "router_aux_loss_coef")
+#: Fields ``model.hf`` replaces (only ``seq_len`` and ``router_aux_loss_coef`` may be given beside it).
+_HF_EXCLUSIVE_FIELDS = (
+    "preset",
+    "n_layers",
+    "d_model",
+    "n_heads",
+    "n_kv_heads",
+    "vocab_size",
+    "d_ff",
+    "n_experts",
+    "experts_per_token",
+    "moe_d_ff",
+)
 
 
 class DataSpec(_Section):
@@ -355,7 +388,7 @@ class FaultToleranceSpec(_Section):
     backoff_max_s: float = Field(default=60.0, ge=0, le=MAX_SECONDS, description="at least backoff_base_s")
     in_place: bool = Field(
         default=True,
-        description="repair a single lost rank in place: the other ranks keep "
+        description="repair a single lost rank, and resize, in place: the kept ranks keep "
         "their processes and state; false relaunches every rank",
     )
     mtbf_hours: float = Field(
