@@ -23,10 +23,12 @@ from __future__ import annotations
 
 __all__ = [
     "MAX_CPUS_PER_WORKER",
+    "MAX_AUX_LOSS_COEF",
     "MAX_CURSOR",
     "MAX_D_FF",
     "MAX_D_MODEL",
     "MAX_DEVICE_MEMORY_GB",
+    "MAX_EXPERTS",
     "MAX_GLOBAL_BATCH",
     "MAX_GPUS_PER_WORKER",
     "MAX_HEADS",
@@ -52,6 +54,8 @@ MAX_HEADS = 1024  # query and key/value heads; also bounds tp (it divides the he
 MAX_D_FF = 262144  # 4 x MAX_D_MODEL (the GPT default); the 405B uses 53248
 MAX_VOCAB = 1 << 21  # 2,097,152: 8x the largest vocabularies in use (256k)
 MAX_SEQ_LEN = 1 << 20  # 1,048,576 tokens: 8x the 405B's 131072 context
+MAX_EXPERTS = 4096  # experts per block (and the top-k): 10x the most in use (384; Qwen3-MoE 128, DeepSeek-V3 256)
+MAX_AUX_LOSS_COEF = 1000.0  # model.router_aux_loss_coef (Qwen3-MoE's is 0.001)
 MAX_LOSS_CHUNK_TOKENS = 1 << 24  # training.loss_chunk_tokens: a micro-batch's tokens at most (batch x seq)
 
 # --- the run

@@ -326,7 +326,8 @@ def _model_problems(spec: JobSpec) -> list[SpecProblem]:
                         field=f"model.{name}",
                         message=f"model.hf and model.{name} are exclusive: the model's sizes come from "
                         f"{model.hf}/config.json.",
-                        fix=f"remove model.{name} (only model.seq_len may be given with model.hf)",
+                        fix=f"remove model.{name} (only model.seq_len and model.router_aux_loss_coef may be "
+                        "given with model.hf)",
                     )
                 )
         if problems:
@@ -367,6 +368,11 @@ def _model_problems(spec: JobSpec) -> list[SpecProblem]:
             )
         )
     found = families.family(config.arch)
+    # The family's own shape rules (a mixture of experts' top-k within its experts, MoE fields on a dense
+    # kind, ...), at submit time rather than in the ranks.
+    problems += [
+        SpecProblem(field=e.field or "model", message=e.message, fix=e.fix) for e in found.shape_errors(config)
+    ]
     if spec.export_format == "hf" and not found.has_hf_format:
         with_hf = [f.name for f in families.FAMILIES.values() if f.has_hf_format]
         problems.append(

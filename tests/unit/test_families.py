@@ -35,7 +35,13 @@ VARIANTS = {
         {"n_kv_heads": 2, "attention_bias": "all", "tie_embeddings": True},
         {"n_kv_heads": 4, "head_dim_override": 8},
     ],
+    "qwen3_moe": [
+        {"n_kv_heads": 2, "moe_d_ff": 24, "norm_topk_prob": True, "router_aux_loss_coef": 0.01},
+        {"n_kv_heads": 1, "attention_bias": "all", "tie_embeddings": True, "head_dim_override": 16, "n_experts": 3},
+    ],
 }
+#: What a family needs besides BASE (a mixture of experts: its experts and top-k).
+FAMILY_BASE = {"qwen3_moe": {"n_experts": 4, "experts_per_token": 2}}
 CASES = [(name, variant) for name, variants in VARIANTS.items() for variant in variants]
 IDS = [f"{name}-{i}" for name, variants in VARIANTS.items() for i in range(len(variants))]
 #: Per style: whether the module's weight and bias are split over the tp ranks (else replicated).
@@ -50,7 +56,7 @@ SHARDS = {
 
 
 def _config(name: str, variant: dict) -> ModelConfig:
-    return ModelConfig(arch=name, **{**BASE, **variant})
+    return ModelConfig(arch=name, **{**BASE, **FAMILY_BASE.get(name, {}), **variant})
 
 
 def _skeleton(config: ModelConfig) -> torch.nn.Module:
@@ -59,7 +65,7 @@ def _skeleton(config: ModelConfig) -> torch.nn.Module:
 
 
 def test_every_family_is_registered_once_and_complete():
-    assert list(families.FAMILIES) == ["gpt", "llama", "olmo2"] == list(VARIANTS)
+    assert list(families.FAMILIES) == ["gpt", "llama", "olmo2", "qwen3_moe"] == list(VARIANTS)
     for name, found in families.FAMILIES.items():
         assert isinstance(found, ModelFamily) and found.name == name and found.summary and found.presets
         assert found.model_module == f"etrain.workers.families.{name}_model"
@@ -71,15 +77,17 @@ def test_every_family_is_registered_once_and_complete():
         "Qwen2ForCausalLM": "llama",
         "Qwen3ForCausalLM": "llama",
         "Olmo2ForCausalLM": "olmo2",
+        "Qwen3MoeForCausalLM": "qwen3_moe",
     }
     assert families.hf_family("Olmo2ForCausalLM") is families.family("olmo2")
+    assert families.hf_family("Qwen3MoeForCausalLM") is families.family("qwen3_moe")
     assert families.hf_family("GPT2LMHeadModel") is None
 
 
 def test_an_unknown_family_is_a_config_error_naming_the_registered_ones():
     with pytest.raises(ConfigError) as info:
         ModelConfig(arch="mamba", **BASE)
-    assert info.value.field == "model.kind" and "gpt, llama, olmo2" in info.value.fix
+    assert info.value.field == "model.kind" and "gpt, llama, olmo2, qwen3_moe" in info.value.fix
     with pytest.raises(ValueError, match="unknown tensor-parallel styles"):
         TPPlan(block={"attention.wq": "diagonal"})
 
@@ -92,7 +100,7 @@ def test_the_counts_are_the_modules(name, variant):
     assert config.num_params == sum(p.numel() for p in model.parameters())
     block = model.layers["0"]
     numel = {n: p.numel() for n, p in model.named_parameters()}
-    weights = [p for n, p in block.named_parameters() if n.endswith("weight") and "norm" not in n]
+    weights = [p for p in block.parameters() if p.ndim >= 2]  # projections (stacked experts too), not norms/biases
     assert found.matmul_params_per_layer(config) == sum(p.numel() for p in weights)
     assert found.largest_param(config) == max(numel.values())
     assert found.largest_param(config, first=False, last=False) == max(p.numel() for p in block.parameters())
@@ -113,6 +121,11 @@ def test_the_tp_plan_names_real_modules_and_shards_what_layer_params_counts(name
     splits over tp ranks (and those it replicates) are what the planner's ``layer_params`` holds."""
     config = _config(name, variant)
     found = families.family(name)
+    if "tp" in found.refused_axes:  # no plan to check: tp > 1 is refused, naming the field
+        with pytest.raises(ConfigError) as info:
+            found.tp_plan(config)
+        assert info.value.field == "parallelism.tp"
+        return
     model = _skeleton(config)
     plan = found.tp_plan(config)
     assert set(plan.root.values()) | set(plan.block.values()) <= set(TP_STYLES)
@@ -142,11 +155,18 @@ def test_hugging_face_names_cover_the_model_and_map_back(name, variant):
     config = _config(name, variant)
     found = families.family(name)
     names = found.hf_parameter_names(config)
-    own = [n for n, _ in _skeleton(config).named_parameters()]  # a tied output is reported once
-    assert sorted(names) == sorted(own) and len(set(names)) == len(names)
-    mapped = [found.hf_name(n) for n in names]
+    shapes = {n: tuple(p.shape) for n, p in _skeleton(config).named_parameters()}  # a tied output once
+    assert sorted(names) == sorted(shapes) and len(set(names)) == len(names)
+    # each parameter is one tensor, or (stacked experts) one tensor per expert, each its slice
+    tensors = [(fqn, *t) for fqn in names for t in found.hf_tensors(fqn, shapes[fqn], config)]
+    mapped = [hf for _, hf, _, _ in tensors]
     assert len(set(mapped)) == len(mapped) and all(n.startswith(("model.", "lm_head.")) for n in mapped)
-    assert [found.etrain_name(n) for n in mapped] == names
+    assert [found.etrain_slice(hf) for _, hf, _, _ in tensors] == [(fqn, expert) for fqn, _, _, expert in tensors]
+    for fqn, _, shape, expert in tensors:
+        assert shape == (shapes[fqn] if expert is None else shapes[fqn][1:])
+    stacked = [fqn for fqn in names if found.expert_template(fqn) is not None]
+    assert len(mapped) == len(names) + (config.n_experts - 1) * len(stacked)
+    assert bool(stacked) == found.mixture_of_experts
     with pytest.raises(KeyError):
         found.hf_name("layers.0.attention.rotary.weight")
 

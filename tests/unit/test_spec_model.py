@@ -150,7 +150,7 @@ class TestHfFolder:
         assert problem.message == "model.hf architecture GPT2LMHeadModel is not supported."
         assert problem.fix == (
             "use a model of one of the supported architectures: LlamaForCausalLM, "
-            "MistralForCausalLM, Olmo2ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
+            "MistralForCausalLM, Olmo2ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM"
         )
 
     def test_preset_and_sizes_are_exclusive_with_hf_but_seq_len_is_not(self, tmp_path):

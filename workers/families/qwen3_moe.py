@@ -200,46 +200,42 @@ class Qwen3Moe(Llama):
         """What one Qwen3-MoE block (``workers/families/qwen3_moe_model.py``) saves for backward, per
         micro-batch, in bytes, checked against the tensors autograd saves (tests/unit/test_qwen3_moe.py).
 
-        Attention and its norms save what a Qwen3 (Llama family with q/k norms) block's do. The MLP, per
-        token, with E = n_experts, k = experts_per_token, f = moe_d_ff, ``elem`` the compute dtype's bytes:
+        Attention and its norms save what a Qwen3 block's (the Llama family's with q/k norms) do; the MLP
+        norm's output is read by the router alone (one bf16 cast under autocast, where Llama's SwiGLU keeps
+        two). The MoE MLP, per token, with E = n_experts, k = experts_per_token, f = moe_d_ff and ``elem``
+        the compute dtype's bytes:
 
-        * the router: its fp32 probabilities (the softmax's output, ``4E``) and, for the load-balancing
-          loss, the softmax of the logits in their own dtype (``elem·E``; the same tensor in fp32);
-        * the routing: the top-k weights in fp32 and their sum when renormalised (``4k + 4``), the sort
-          permutation and the token index of every pick (int64, ``2·8k``);
-        * the experts, per pick: the gathered input (``elem·d``), the gate and up projections, silu's
-          output and their product (``4f·elem``), the down projection (``elem·d``, saved to weigh it) and
-          its weighted value's gather (``8``: the inverse permutation);
-        * the casts of the experts' input under autocast are the gathered input itself.
+        * the router's fp32 softmax (``4E``) and, for the load-balancing loss, the softmax in the logits'
+          dtype (``elem·E`` in the bf16 regimes; in fp32 it is the same tensor, and nothing without the loss);
+        * the routing: the top-k indices, the gather index, the weights' gather index and the inverse
+          permutation (int64, ``4·8k``); the top-k weights and their sum when renormalised (``4k + 4``);
+        * per pick: the gathered input in the compute dtype (one copy for ``w1`` and ``w3``), the gate and
+          up projections, silu's output and their product (``4f``), the down projection and its routing
+          weight, all in the compute dtype: ``k·elem·(2d + 4f + 1)``;
+        * per micro-batch, the experts' int32 row offsets (``4E``).
 
-        With activation checkpointing only the block input is saved. The autocast bf16 casts of the
-        stacked expert weights are weights, not activations (``matmul_params_per_layer``).
+        Capacity is unbounded, so the per-pick tensors hold exactly ``k`` rows per token whatever the
+        routing. With activation checkpointing only the block input is saved. The autocast bf16 casts of
+        the stacked expert weights are weights (``matmul_params_per_layer``), not activations.
         """
         s, b, d = model.seq_len, micro_batch, model.d_model
         tokens = s * b
         if checkpointing:
             return tokens * d * (2 if regime == "bf16_params" else 4)
-        dense = Llama.layer_activation_bytes(
+        attention_and_norms = Llama.layer_activation_bytes(
             self,
             _WithQkNorm(model),
             micro_batch=micro_batch,
-            tp=1,
-            sequence_parallel=False,
-            precision=precision,
             regime=regime,
             checkpointing=False,
         )
         elem = 4 if regime == "fp32" else 2
-        f_dense = model.ffn_dim
-        dense_mlp = tokens * 4 * f_dense * elem  # Llama's SwiGLU, replaced by the experts
-        # w1/w3 read the MLP norm's output: once in fp32/bf16_params, one bf16 cast each under autocast
-        # (Llama's count); here only the router reads it (the experts read the gathered copy).
-        norm_readers = {"fp32": 0, "autocast": 2 * 2 * d, "bf16_params": 0}[regime]
+        llama_mlp = 4 * model.ffn_dim * elem + (2 * d if regime == "autocast" else 0)  # and w1/w3's second cast
         e, k, f = model.n_experts, model.experts_per_token, model.expert_dim
-        router = 4 * e + (elem * e if regime != "fp32" else 0)
-        routing = 4 * k + (4 if model.norm_topk_prob else 0) + 2 * 8 * k
-        experts = k * (elem * d + 4 * f * elem + elem * d + 8)
-        return dense - dense_mlp - tokens * norm_readers + tokens * (router + routing + experts)
+        router = 4 * e + (elem * e if regime != "fp32" and model.router_aux_loss_coef > 0 else 0)
+        routing = 4 * 8 * k + (4 * k + 4 if model.norm_topk_prob else 0)
+        experts = k * elem * (2 * d + 4 * f + 1)
+        return attention_and_norms + tokens * (router + routing + experts - llama_mlp) + 4 * e
 
     # -- Hugging Face ------------------------------------------------------------------------------
 

@@ -117,11 +117,17 @@ def _has_grouped_kernel(x: torch.Tensor, w: torch.Tensor) -> bool:
     )
 
 
+def compute_dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype:
+    """The dtype a grouped matmul runs in: autocast's where it is on (torch's grouped matmul is not
+    autocast-aware, so the casts are explicit), else the weights' (bf16 under FSDP2's mixed precision)."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else w.dtype
+
+
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """``[rows, in] × [experts, out, in] → [rows, out]``: each run of rows (sorted by expert, ending at the
-    cumulative ``offsets``, int32) through its expert's weights."""
-    device = x.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else w.dtype
+    cumulative ``offsets``, int32) through its expert's weights, in :func:`compute_dtype`."""
+    dtype = compute_dtype(x, w)
     x, w = x.to(dtype), w.to(dtype)
     if _has_grouped_kernel(x, w):
         return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
@@ -140,15 +146,15 @@ class Router(nn.Module):
         self.norm_topk_prob = config.norm_topk_prob
         self.weight = nn.Parameter(torch.empty(config.n_experts, config.d_model))
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``x``: ``[tokens, d]``; returns the logits ``[tokens, n_experts]``, the routing weights and the
-        experts picked (``[tokens, k]`` each, the weights in the logits' dtype)."""
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x``: ``[tokens, d]``; returns the logits and their fp32 softmax ``[tokens, n_experts]``, the
+        routing weights and the experts picked (``[tokens, k]`` each, the weights in the logits' dtype)."""
         logits = F.linear(x, self.weight)
         probs = F.softmax(logits, dim=-1, dtype=torch.float32)
         weights, picks = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return logits, weights.to(logits.dtype), picks
+        return logits, probs, weights.to(logits.dtype), picks
 
 
 class GroupedExperts(nn.Module):
@@ -164,6 +170,7 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """``x``: the picked rows sorted by expert; ``offsets``: where each expert's rows end."""
+        x = x.to(compute_dtype(x, self.w1))  # once for both projections that read it
         hidden = F.silu(grouped_linear(x, self.w1, offsets)) * grouped_linear(x, self.w3, offsets)
         return grouped_linear(hidden, self.w2, offsets)
 
@@ -176,12 +183,18 @@ def _histogram(picks: torch.Tensor, bins: int, top: int) -> torch.Tensor:
     return torch.histc(values, bins=bins, min=0, max=top).float()
 
 
-def routing_statistics(logits: torch.Tensor, n_experts: int, top_k: int) -> torch.Tensor:
+def routing_statistics(
+    logits: torch.Tensor, n_experts: int, top_k: int, fp32_probs: torch.Tensor | None = None
+) -> torch.Tensor:
     """``[2, n_experts]`` of one layer for the load-balancing loss: the picks per expert and the summed
     router probability per expert, as ``load_balancing_loss_func`` computes them (the softmax in the
-    logits' own dtype, its own top-k)."""
-    probs = F.softmax(logits, dim=-1)
-    _, picks = torch.topk(probs, top_k, dim=-1)
+    logits' own dtype, its own top-k). ``fp32_probs``: the router's fp32 softmax, the same tensor when the
+    logits are fp32 (then reused, not computed and saved twice)."""
+    if fp32_probs is not None and logits.dtype == torch.float32:
+        probs = fp32_probs
+    else:
+        probs = F.softmax(logits, dim=-1)
+    _, picks = torch.topk(probs.detach(), top_k, dim=-1)  # counts only: no gradient flows through the picks
     return torch.stack([_histogram(picks, n_experts, n_experts), probs.float().sum(dim=0)])
 
 
@@ -212,7 +225,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         batch, seq, d = x.shape
         flat = x.reshape(-1, d)
-        logits, weights, picks = self.router(flat)
+        logits, probs, weights, picks = self.router(flat)
         expert_ids = picks.reshape(-1)  # [tokens·k]: token t's picks at t·k ... t·k + k - 1
         sorted_ids, order = torch.sort(expert_ids, stable=True)
         counts = _histogram(sorted_ids, self.n_experts, self.n_experts - 1)
@@ -223,7 +236,7 @@ class MoE(nn.Module):
         out = out.view(-1, self.top_k, d).sum(dim=1).to(x.dtype).view(batch, seq, d)
         if not self.with_statistics:
             return out
-        return out, routing_statistics(logits, self.n_experts, self.top_k)
+        return out, routing_statistics(logits, self.n_experts, self.top_k, probs)
 
 
 # -- the model ---------------------------------------------------------------------------------------
