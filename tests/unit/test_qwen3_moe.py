@@ -1,0 +1,426 @@
+"""Qwen3-MoE (``workers/families/qwen3_moe*.py``): numbers against ``transformers`` and against autograd.
+
+* Numerics: a tiny random ``Qwen3MoeForCausalLM`` built here (never downloaded), its weights copied in;
+  logits, the load-balancing loss (transformers' ``aux_loss``), the training loss (``output_router_logits=
+  True``: LM loss + ``router_aux_loss_coef`` · aux) and every gradient equal within 1e-5 in fp32.
+* The grouped matmul (CPU loop op, compiled whole): equal to a matmul per expert, gradients included, an
+  expert no token picks gets a zero gradient (DDP needs every parameter used); a compiled block equals the
+  eager one.
+* The planner's counts: the published sizes (30.5 B / 235 B parameters, 3.3 B / 22 B active), FLOPs of the
+  active experts only, memory holding every expert, the activation count byte for byte against autograd.
+* What the family reads from and writes to ``config.json``, what it refuses (layouts, configs, fields).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from etrain.service.planning.estimate import estimate  # noqa: E402
+from etrain.service.planning.plan_activations import layer_activation_bytes, rope_table_bytes  # noqa: E402
+from etrain.service.planning.plan_search import AutoPlan  # noqa: E402
+from etrain.service.planning.planner import check_plan, resolve_auto  # noqa: E402
+from etrain.service.planning.spec import JobSpec  # noqa: E402
+from etrain.service.planning.spec_checks import check_spec  # noqa: E402
+from etrain.workers import families  # noqa: E402
+from etrain.workers.checkpoints.hf_config import hf_config_dict, model_config_from_hf  # noqa: E402
+from etrain.workers.engine.init import build_model, initialize_parameters  # noqa: E402
+from etrain.workers.families.qwen3_moe_model import Qwen3MoeBlock, grouped_linear  # noqa: E402
+from etrain.workers.protocol import layout_rules  # noqa: E402
+from etrain.workers.protocol.errors import ConfigError  # noqa: E402
+from etrain.workers.protocol.run_config import MODEL_PRESETS, ModelConfig  # noqa: E402
+
+FAMILY = families.family("qwen3_moe")
+TOL = 1e-5
+SMALL = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_experts=8,
+    num_experts_per_tok=2,
+    max_position_embeddings=64,
+)
+CASES = {
+    "published": dict(head_dim=32, norm_topk_prob=True, router_aux_loss_coef=0.01, rms_norm_eps=1e-6),
+    "unnormalised-bias-tied": dict(
+        norm_topk_prob=False, attention_bias=True, tie_word_embeddings=True, num_experts_per_tok=3, rope_theta=1e6
+    ),
+}
+
+
+def _hf_model(case: str):
+    config = transformers.Qwen3MoeConfig(**{**SMALL, **CASES[case]})
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, 0.1)
+    raw = json.loads(config.to_json_string())
+    raw["architectures"] = ["Qwen3MoeForCausalLM"]
+    return model.float().eval(), raw
+
+
+def _etrain_state(hf_state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """transformers' in-memory state dict (experts fused: ``gate_up_proj`` [E, 2f, d], ``down_proj``
+    [E, d, f]) under etrain's names (``w1``/``w3`` the halves, ``w2`` as is)."""
+    f = config.expert_dim
+    state = {}
+    for name, tensor in hf_state.items():
+        layer = name.removeprefix("model.layers.").split(".")[0]
+        if name.endswith("mlp.experts.gate_up_proj"):
+            state[f"layers.{layer}.feed_forward.experts.w1"] = tensor[:, :f]
+            state[f"layers.{layer}.feed_forward.experts.w3"] = tensor[:, f:]
+        elif name.endswith("mlp.experts.down_proj"):
+            state[f"layers.{layer}.feed_forward.experts.w2"] = tensor
+        elif not (config.tie_embeddings and name == "lm_head.weight"):
+            state[FAMILY.etrain_name(name)] = tensor
+    return state
+
+
+# -- numerics against transformers ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_aux_loss_loss_and_gradients_equal_transformers(case):
+    reference, raw = _hf_model(case)
+    config = model_config_from_hf(raw, seq_len=32)
+    assert (config.arch, config.n_experts, config.qk_norm) == ("qwen3_moe", 8, True)
+    ours = build_model(config, seed=0).eval()
+    ours.load_state_dict(_etrain_state(reference.state_dict(), config), strict=not config.tie_embeddings)
+    assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in reference.parameters())
+    assert sum(p.numel() for p in ours.parameters()) == config.num_params
+
+    tokens = torch.randint(0, 128, (2, 33), generator=torch.Generator().manual_seed(1))
+    inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    # transformers' loss on the same targets etrain trains on (shift_labels: no shift of its own)
+    want = reference(inputs, labels=targets, shift_labels=targets, output_router_logits=True)
+    with torch.no_grad():
+        logits = ours(inputs)
+    aux = ours.last_load_balancing_loss
+    loss = ours(inputs, targets=targets)
+    loss.backward()
+    want.loss.backward()
+    theirs = _etrain_state({n: p.grad for n, p in reference.named_parameters()}, config)
+    logit_diff = (logits - want.logits).abs().max().item()
+    aux_diff = abs(aux.item() - want.aux_loss.item())
+    loss_diff = abs(loss.item() - want.loss.item())
+    grad_diff = max((p.grad - theirs[n]).abs().max().item() for n, p in ours.named_parameters())
+    print(f"{case}: logits {logit_diff:.3g}, aux loss {aux_diff:.3g}, loss {loss_diff:.3g}, grads {grad_diff:.3g}")
+    assert logit_diff <= TOL and aux_diff <= TOL and loss_diff <= TOL and grad_diff <= TOL
+    # the aux loss is really in the loss: it is not small next to the coefficient's share
+    lm_only = torch.nn.functional.cross_entropy(want.logits.flatten(0, 1), targets.flatten())
+    assert loss.item() - lm_only.item() == pytest.approx(config.router_aux_loss_coef * aux.item(), rel=1e-4)
+    assert aux.item() >= 1.0  # Switch's loss is 1 for a perfect balance (times top-k with these counts)
+
+
+def test_without_a_loss_weight_nothing_is_computed_for_it():
+    config = dataclasses.replace(ModelConfig(**MODEL_PRESETS["qwen3-moe-tiny"]), router_aux_loss_coef=0.0)
+    model = build_model(config, seed=1)
+    tokens = torch.randint(0, config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(2))
+    assert not isinstance(model.layers["0"](torch.randn(2, 16, config.d_model)), tuple)
+    loss = model(tokens[:, :-1], targets=tokens[:, 1:])
+    lm = torch.nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+    assert model.last_load_balancing_loss is None and loss.item() == pytest.approx(lm.item(), abs=1e-6)
+
+
+# -- the grouped matmul -----------------------------------------------------------------------------
+
+
+def test_the_grouped_matmul_is_a_matmul_per_expert_with_every_expert_in_the_gradient():
+    generator = torch.Generator().manual_seed(0)
+    counts = [3, 0, 5, 2]  # expert 1 gets no rows
+    x = torch.randn(sum(counts), 8, generator=generator, requires_grad=True)
+    w = torch.randn(4, 6, 8, generator=generator, requires_grad=True)
+    offsets = torch.cumsum(torch.tensor(counts), 0, dtype=torch.int32)
+    out = grouped_linear(x, w, offsets)
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    rows = torch.split(x2, counts)
+    want = torch.cat([rows[e] @ w2[e].t() for e in range(4)])
+    assert torch.allclose(out, want, atol=1e-6)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    want.backward(grad)
+    assert torch.allclose(x.grad, x2.grad, atol=1e-6) and torch.allclose(w.grad, w2.grad, atol=1e-6)
+    assert w.grad is not None and torch.count_nonzero(w.grad[1]) == 0  # present, zero: DDP sees it used
+
+
+def test_a_compiled_block_equals_the_eager_one():
+    """``training.compile`` compiles each block with fullgraph=True: the routing (sort, histogram) and the
+    grouped-matmul op trace as one graph."""
+    config = ModelConfig(**MODEL_PRESETS["qwen3-moe-tiny"])
+    eager = Qwen3MoeBlock(config)
+    initialize_parameters(eager, seed=0, n_layers=2)
+    compiled = Qwen3MoeBlock(config)
+    compiled.load_state_dict(eager.state_dict())
+    compiled.compile(backend="aot_eager", fullgraph=True)
+    x = torch.randn(2, 16, config.d_model, generator=torch.Generator().manual_seed(3))
+    (h1, s1), (h2, s2) = eager(x), compiled(x)
+    assert torch.allclose(h1, h2, atol=1e-6) and torch.equal(s1[0], s2[0]) and torch.allclose(s1[1], s2[1])
+    (h1.square().sum() + s1[1].sum()).backward()
+    (h2.square().sum() + s2[1].sum()).backward()
+    for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
+        assert torch.allclose(a.grad, b.grad, atol=1e-5), name
+
+
+# -- counts for the planner and MFU ------------------------------------------------------------------
+
+
+def test_the_published_sizes():
+    """Qwen3-30B-A3B: 30.5 B parameters, 3.3 B active; Qwen3-235B-A22B: 235 B, 22 B active (the names'
+    numbers); the active count is what a token is multiplied by plus its embedding lookup."""
+    counts = {}
+    for preset in ("qwen3-30b-a3b", "qwen3-235b-a22b"):
+        model = ModelConfig(**MODEL_PRESETS[preset])
+        active = FAMILY.matmul_weights(model) + FAMILY.lookup_params(model)
+        counts[preset] = (model.num_params, active)
+    assert counts["qwen3-30b-a3b"][0] == 30_532_122_624
+    assert counts["qwen3-30b-a3b"][1] == pytest.approx(3.35e9, rel=0.01)
+    assert counts["qwen3-235b-a22b"][0] == 235_093_634_560
+    assert counts["qwen3-235b-a22b"][1] == pytest.approx(22.2e9, rel=0.01)
+    model = ModelConfig(**MODEL_PRESETS["qwen3-30b-a3b"])
+    d, q, kv, e, f = 2048, 32 * 128, 4 * 128, 128, 768
+    per_layer = d * q + 2 * d * kv + q * d + 2 * 128 + 2 * d + e * d + 3 * e * d * f
+    assert FAMILY.layer_params(model) == per_layer  # every expert: no expert parallelism
+    assert FAMILY.largest_param(model, first=False, last=False) == e * f * d  # one stacked projection
+    assert FAMILY.active_matmul_params_per_layer(model) == 2 * d * q + 2 * d * kv + e * d + 3 * 8 * d * f
+
+
+def test_flops_per_token_count_the_active_experts_only():
+    model = ModelConfig(**MODEL_PRESETS["qwen3-moe-tiny"])
+    model_all = dataclasses.replace(model, experts_per_token=model.n_experts)
+    d, q, kv, s = model.d_model, model.n_heads * model.head_dim, model.kv_heads * model.head_dim, model.seq_len
+    block = 2 * d * q + 2 * d * kv + model.n_experts * d + 3 * model.experts_per_token * d * model.expert_dim
+    head = model.vocab_size * d
+    want = 6 * (model.n_layers * block + head) + 12 * model.n_layers * q * s
+    assert FAMILY.flops_per_token(model) == want
+    every = 3 * model.n_experts * d * model.expert_dim
+    assert FAMILY.flops_per_token(model_all) - FAMILY.flops_per_token(model) == 6 * model.n_layers * (
+        every - 3 * model.experts_per_token * d * model.expert_dim
+    )
+
+
+def _gpu_spec(preset: str, parallelism: dict, **training) -> JobSpec:
+    return JobSpec.model_validate(
+        {
+            "name": "moe",
+            "model": {"preset": preset},
+            "parallelism": parallelism,
+            "training": {"steps": 10, "global_batch": 64, "micro_batch": 1, "precision": "bf16", **training},
+            "resources": {"device": "cuda", "gpus_per_worker": 1},
+        }
+    )
+
+
+def test_the_planner_holds_every_expert_and_its_optimizer_state_and_times_the_active_ones():
+    model = ModelConfig(**MODEL_PRESETS["qwen3-30b-a3b"])
+    est = estimate(_gpu_spec("qwen3-30b-a3b", {"dp": 8, "zero": 3}))
+    assert est.params_per_rank == model.num_params  # one stage, tp 1: every expert
+    assert est.memory.parameters == pytest.approx(4 * model.num_params / 8)  # fp32 masters, sharded by FSDP2
+    assert est.memory.optimizer_states == pytest.approx(8 * model.num_params / 8)  # AdamW's two moments
+    assert est.flops_per_step == pytest.approx(FAMILY.flops_per_token(model) * 64 * model.seq_len)
+    assert FAMILY.flops_per_token(model) < 6.5 * 3.35e9 + 12 * 48 * 4096 * 4096  # active, not 30 B
+
+
+@pytest.mark.parametrize("regime", ["fp32", "autocast", "bf16_params"])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {},
+        {"norm_topk_prob": False, "router_aux_loss_coef": 0.0, "n_kv_heads": 4, "moe_d_ff": 48},
+        {"experts_per_token": 3, "attention_bias": "all"},
+    ],
+    ids=["published", "no-loss-mha", "top3-bias"],
+)
+def test_the_activation_count_is_what_autograd_saves(regime, variant):
+    model = ModelConfig(
+        **{
+            **dict(
+                arch="qwen3_moe",
+                n_layers=1,
+                d_model=128,
+                n_heads=4,
+                n_kv_heads=2,
+                vocab_size=256,
+                seq_len=64,
+                d_ff=176,
+                n_experts=8,
+                experts_per_token=2,
+                moe_d_ff=64,
+                norm_topk_prob=True,
+                router_aux_loss_coef=0.01,
+            ),
+            **variant,
+        }
+    )
+    dtype = torch.bfloat16 if regime == "bf16_params" else torch.float32
+    block = Qwen3MoeBlock(model)
+    initialize_parameters(block, seed=0, n_layers=1)
+    block = block.to(dtype)
+    x = torch.randn(2, model.seq_len, model.d_model, requires_grad=True, dtype=dtype)
+    skip = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in skip:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=regime == "autocast"):
+            out = block(x * 1)  # not a leaf, as in a model
+        hidden = out[0] if isinstance(out, tuple) else out
+        loss = hidden.float().sum() + (out[1][1].sum() if isinstance(out, tuple) else 0)
+        loss.backward()
+    # q and k leave their norms in fp32 except in bf16_params: the cached fp32 RoPE tables are saved
+    rope = rope_table_bytes(model) if regime != "bf16_params" else 0
+    weights = sum(p.numel() for p in block.parameters() if p.ndim >= 2)
+    casts = 2 * weights if regime == "autocast" else 0  # autocast's bf16 weight casts: weights, not activations
+    assert sum(saved.values()) - rope - casts == layer_activation_bytes(model, micro_batch=2, regime=regime)
+
+
+# -- layouts: refused with the field named ---------------------------------------------------------
+
+
+def test_tensor_and_pipeline_parallelism_are_refused_naming_the_field():
+    model = ModelConfig(**MODEL_PRESETS["qwen3-30b-a3b"])
+    problems = check_plan(_gpu_spec("qwen3-30b-a3b", {"dp": 2, "tp": 2, "pp": 2, "zero": 3}))
+    refused = [p for p in problems if p.field in ("parallelism.tp", "parallelism.pp")]
+    assert [p.field for p in refused] == ["parallelism.tp", "parallelism.pp"]
+    assert "tensor parallelism" in refused[0].message and "expert parallelism" in refused[0].message
+    assert "pipeline parallelism" in refused[1].message and "load-balancing loss" in refused[1].message
+    assert all("parallelism.dp" in p.fix for p in refused)
+    assert layout_rules.valid_tps(model) == [1]
+    # the engine asks the same rules: parallelize_stage (tp) and build_pipeline (pp)
+    with pytest.raises(ConfigError) as info:
+        layout_rules.check(layout_rules.tp_problems(model, 2))
+    assert info.value.field == "parallelism.tp"
+    pipeline = dict(n_layers=48, tie_embeddings=False, pp=2, virtual_stages=1, microbatches=4, schedule="1f1b")
+    assert [p.field for p in layout_rules.pipeline_problems(**pipeline, model=model)] == ["parallelism.pp"]
+    assert layout_rules.pipeline_problems(**pipeline, model=ModelConfig(**MODEL_PRESETS["llama3-8b"])) == []
+    # dp with ZeRO-3 is fine, and the planner's own search proposes neither tp nor pp
+    assert check_plan(_gpu_spec("qwen3-moe-tiny", {"dp": 8, "zero": 3})) == []
+    auto = _gpu_spec("qwen3-moe-tiny", {"auto": True, "max_workers": 8}, global_batch=8)
+    chosen = resolve_auto(auto)
+    assert isinstance(chosen, AutoPlan) and (chosen.layout.tp, chosen.layout.pp) == (1, 1)
+
+
+# -- the spec and config.json ------------------------------------------------------------------------
+
+
+def _spec(model: dict) -> JobSpec:
+    return JobSpec.model_validate({"name": "moe", "model": model, "training": {"steps": 2, "global_batch": 4}})
+
+
+def test_the_spec_selects_the_family_and_checks_its_fields():
+    tiny = _spec({"preset": "qwen3-moe-tiny"})
+    assert tiny.model.kind == "qwen3_moe" and check_spec(tiny) == []
+    assert tiny.model.to_config() == ModelConfig(**MODEL_PRESETS["qwen3-moe-tiny"])
+    sizes = dict(kind="qwen3_moe", n_layers=2, d_model=64, n_heads=4, vocab_size=256, seq_len=32)
+    explicit = _spec({**sizes, "n_experts": 4, "experts_per_token": 2, "moe_d_ff": 16, "router_aux_loss_coef": 0.02})
+    config = explicit.model.to_config()
+    assert (config.n_experts, config.experts_per_token, config.expert_dim, config.router_aux_loss_coef) == (
+        4,
+        2,
+        16,
+        0.02,
+    )
+    assert check_spec(explicit) == []
+    cases = {
+        "model.n_experts": {**sizes},  # an MoE kind without experts
+        "model.experts_per_token": {**sizes, "n_experts": 4, "experts_per_token": 5},
+    }
+    for field, model in cases.items():
+        assert [(p.field, p.fix is not None) for p in check_spec(_spec(model))] == [(field, True)], field
+    [dense] = check_spec(_spec({"preset": "llama-tiny", "n_experts": 4}))
+    assert dense.field == "model.n_experts" and "mixture-of-experts" in dense.message
+    with pytest.raises(ValueError, match="experts_per_token"):
+        _spec({"preset": "qwen3-moe-tiny", "experts_per_token": 0})
+    with pytest.raises(ValueError, match="router_aux_loss_coef"):
+        _spec({"preset": "qwen3-moe-tiny", "router_aux_loss_coef": -1.0})
+
+
+# Qwen/Qwen3-30B-A3B's config.json as published (transformers 4.51 keys)
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "decoder_sparse_step": 1,
+    "eos_token_id": 151645,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "initializer_range": 0.02,
+    "intermediate_size": 6144,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 48,
+    "mlp_only_layers": [],
+    "model_type": "qwen3_moe",
+    "moe_intermediate_size": 768,
+    "norm_topk_prob": True,
+    "num_attention_heads": 32,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 48,
+    "num_key_value_heads": 4,
+    "output_router_logits": False,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000.0,
+    "router_aux_loss_coef": 0.001,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+
+
+def test_config_json_in_and_out():
+    """The published config reads to the preset; what etrain writes, transformers reads back to the same
+    sizes and etrain to the same ModelConfig; transformers' own config.json (``num_local_experts``) reads too."""
+    assert model_config_from_hf(QWEN3_30B_A3B, seq_len=4096) == ModelConfig(**MODEL_PRESETS["qwen3-30b-a3b"])
+    for preset in ("qwen3-moe-tiny", "qwen3-235b-a22b"):
+        model = ModelConfig(**MODEL_PRESETS[preset])
+        written = hf_config_dict(model)
+        config = transformers.AutoConfig.for_model(**written)
+        assert type(config).__name__ == "Qwen3MoeConfig"
+        assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (
+            model.n_experts,
+            model.experts_per_token,
+            model.expert_dim,
+        )
+        assert (config.norm_topk_prob, config.router_aux_loss_coef) == (True, 0.001)
+        context = dataclasses.replace(model, max_position_embeddings=written["max_position_embeddings"])
+        assert model_config_from_hf(written, seq_len=model.seq_len) == context
+        own = json.loads(config.to_json_string())
+        assert "num_local_experts" in own or "num_experts" in own
+        assert model_config_from_hf({**own, "architectures": ["Qwen3MoeForCausalLM"]}, seq_len=model.seq_len) == context
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        ({"decoder_sparse_step": 2}, "decoder_sparse_step=2"),
+        ({"mlp_only_layers": [0, 47]}, "mlp_only_layers=[0, 47]"),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+        ({"num_experts": None}, "mixture-of-experts size"),
+        ({"use_sliding_window": True, "sliding_window": 1024}, "sliding_window=1024"),
+    ],
+    ids=["sparse-step", "mlp-only-layers", "gelu", "no-experts", "sliding-window"],
+)
+def test_what_etrain_would_compute_differently_is_refused(change, words):
+    with pytest.raises(ConfigError) as info:
+        model_config_from_hf({**QWEN3_30B_A3B, **change}, seq_len=4096)
+    assert info.value.field in ("model.hf", "model.seq_len") and words in info.value.message and info.value.fix
