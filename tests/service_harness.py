@@ -161,6 +161,9 @@ def control_plane(
     from etrain.service.settings import Settings
 
     settings_overrides.setdefault("storage_roots", storage_roots_for(data_dir))
+    # One warm spare per node unless a test says otherwise (None: the service's own ``auto``): the tests'
+    # clusters are 2-CPU nodes, where ``auto`` keeps two, and each spare's warm-up is seconds of a core.
+    settings_overrides.setdefault("warm_spares_per_node", 1)
     port = free_port()
     api_token = api_token or new_api_token(16)
     settings = Settings(

@@ -17,11 +17,13 @@ from etrain.service.settings import Settings, SettingsError
         ({"CPU": 64.0, "GPU": 32.0}, MAX_AUTO_SPARES),
         ({"CPU": 2.0}, AUTO_SPARES_CPU_NODE),
         ({"CPU": 2.0, "GPU": 0.0}, AUTO_SPARES_CPU_NODE),
+        ({"CPU": 64.0}, AUTO_SPARES_CPU_NODE),  # a small number, whatever the node: a DP2 job starts warm
+        ({"CPU": 1.0}, 1),  # never more than the ranks the node can run (one CPU each at least)
         ({"memory": 1e9}, 0),  # runs no ranks
         ({}, 0),
     ],
 )
-def test_auto_keeps_one_spare_per_gpu_and_one_on_a_cpu_node(resources, expected):
+def test_auto_keeps_one_spare_per_gpu_and_two_on_a_cpu_node(resources, expected):
     assert spares_for_node(resources, None) == expected
 
 
