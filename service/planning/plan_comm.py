@@ -256,7 +256,7 @@ def step_flops(model: ModelConfig, *, global_batch: int, checkpointing: str) -> 
     flops = found.flops_per_token(model) * tokens
     attention = model.n_layers * found.attention_width(model) * s
     # Full checkpointing runs each block's forward again: 2 per block weight, 4 for attention (not the head).
-    block_weights = model.n_layers * found.matmul_params_per_layer(model)
+    block_weights = model.n_layers * found.active_matmul_params_per_layer(model)  # a token's (MoE: active experts)
     recompute = checkpointing == "full"
     flops_recompute = flops + (2 * block_weights + 4 * attention) * tokens if recompute else flops
     return flops, flops_recompute

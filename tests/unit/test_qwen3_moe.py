@@ -228,6 +228,12 @@ def test_the_planner_holds_every_expert_and_its_optimizer_state_and_times_the_ac
     assert est.memory.optimizer_states == pytest.approx(8 * model.num_params / 8)  # AdamW's two moments
     assert est.flops_per_step == pytest.approx(FAMILY.flops_per_token(model) * 64 * model.seq_len)
     assert FAMILY.flops_per_token(model) < 6.5 * 3.35e9 + 12 * 48 * 4096 * 4096  # active, not 30 B
+    # full checkpointing runs each block's forward again: its active weights and attention
+    ac = estimate(_gpu_spec("qwen3-30b-a3b", {"dp": 8, "zero": 3}, activation_checkpointing="full"))
+    width = model.n_heads * model.head_dim
+    block_forward = 2 * FAMILY.active_matmul_params_per_layer(model) + 4 * width * model.seq_len
+    recompute = model.n_layers * block_forward * 64 * model.seq_len
+    assert ac.flops_per_step_with_recompute == pytest.approx(est.flops_per_step + recompute)
 
 
 @pytest.mark.parametrize("regime", ["fp32", "autocast", "bf16_params"])
