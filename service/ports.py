@@ -29,6 +29,8 @@ class ChaosRequest(BaseModel):
     * ``kill_actor``: the rank's Ray actor is killed from outside (``ray.kill``), as on node loss;
     * ``slow_rank``: the rank's steps take ``factor`` times longer (a straggler);
     * ``hang_rank``: the rank stops making progress without exiting (heartbeats stop);
+    * ``fail_health_check``: the rank's health check at the start of an attempt reports it broken (the
+      first attempt starting at or after ``at_step``; omitted: the next attempt), so its node is excluded;
     * ``corrupt_checkpoint``: the committed checkpoint of ``step`` is damaged on disk.
 
     ``at_step``: inject when the job reaches this step; omitted: as soon as possible.
@@ -117,6 +119,7 @@ def _chaos_shape(actions: list[str], *, rank: bool, factor: bool, step: bool, du
 _CHAOS_SHAPES = [
     _chaos_shape(sorted(KILL_ACTIONS), rank=True, factor=False, step=False, during=True),
     _chaos_shape(["hang_rank"], rank=True, factor=False, step=False),
+    _chaos_shape(["fail_health_check"], rank=True, factor=False, step=False),
     _chaos_shape(["slow_rank"], rank=True, factor=True, step=False),
     _chaos_shape(["corrupt_checkpoint"], rank=False, factor=False, step=True),
 ]

@@ -38,6 +38,8 @@ any non-terminal status; "fault" and [n] are explained under the table::
   live       LAUNCH/UP  WorkerLost(process | actor)           RECOVERING  fault
   RECOVERING LAUNCHING  RepairFailed                          RECOVERING  StopGroup, then relaunch [9]
   RESIZING   LAUNCHING  ResizeFailed                          RESIZING    StopGroup, then relaunch [11]
+  live       LAUNCH/UP  RankUnhealthy(rank, node)             RECOVERING  health_check_failed,     [12]
+                                                                          ExcludeNode, StopGroup
   live       LAUNCH/UP  GroupStopped (not asked for)          RECOVERING  fault
   RUNNING    UP         Tick, no progress > heartbeat_timeout RUNNING     DiagnoseHang             [10]
                           diagnosis asked > HANG_DIAGNOSIS_S  RECOVERING  hang_detected, fault
@@ -143,6 +145,12 @@ any non-terminal status; "fault" and [n] are explained under the table::
       else from the checkpoint (DCP reshards it). The `resized` event ends with "in place", or with
       "relaunched: why". ResizeFailed relaunches every rank at the new size, still without budget.
 
+  [12] Health checks before trust: every attempt's ranks first check their device (allocate, a
+      matmul against their peers' rate) and the new group (an all-reduce with a deadline)
+      (workers/protocol/health.py). A rank that fails is reported as RankUnhealthy: its node is
+      excluded from the job and every rank relaunched without it, like a straggler's eviction, with
+      no restart spent (excluded nodes only accumulate: the capacity wait bounds it).
+
 Policies are plain values: the resize policy is :class:`etrain.service.decisions.elastic.ElasticPolicy` built from
 the config; straggler statistics live in service/decisions/stragglers.py and arrive as StragglerFlagged.
 
@@ -154,7 +162,8 @@ Where each piece lives (this module holds the table and the one entry point; not
   supervisor_lifecycle.py    Start, GroupReady, StepReported, Finished, JobError, GroupStopped, Tick, Cancel, Abort
   supervisor_checkpoints.py  CheckpointReported, CheckpointFailed, CommitSucceeded, CommitFailed,
                              CheckpointFallback                                                   [3] [7]
-  supervisor_failures.py     WorkerLost, RepairFailed, NodeLossConfirmed, HangDiagnosed      [8] [9] [10]
+  supervisor_failures.py     WorkerLost, RepairFailed, NodeLossConfirmed, HangDiagnosed,
+                             RankUnhealthy                                          [8] [9] [10] [12]
   supervisor_resize.py       CapacityChanged, ScaleRequested, StragglerFlagged, ResizeFailed  [4] [11]
   supervisor_export.py       Exported, ExportFailed and the EXPORTING phase                       [6]
   supervisor_moves.py        what the handlers share: stop, fault, launch, wait for capacity, planned stops
@@ -195,6 +204,7 @@ from etrain.service.decisions.supervisor_events import (
     HangDiagnosed,
     JobError,
     NodeLossConfirmed,
+    RankUnhealthy,
     RepairFailed,
     ResizeFailed,
     ScaleRequested,
@@ -246,6 +256,7 @@ _HANDLERS = {
     RepairFailed: failures.on_repair_failed,
     NodeLossConfirmed: failures.on_node_loss_confirmed,
     HangDiagnosed: failures.on_hang_diagnosed,
+    RankUnhealthy: failures.on_rank_unhealthy,
     CapacityChanged: resize.on_capacity,
     ScaleRequested: resize.on_scale,
     ResizeFailed: resize.on_resize_failed,

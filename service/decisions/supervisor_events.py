@@ -163,6 +163,17 @@ class RepairFailed:
 
 
 @dataclass(frozen=True, kw_only=True)
+class RankUnhealthy:
+    """Rank ``rank`` of attempt ``attempt`` failed the health check every attempt starts with (device not
+    allocatable, a matmul far below its peers', a drill): ``reason`` says which (workers/protocol/health.py)."""
+
+    attempt: int
+    rank: int
+    node: str
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
 class ResizeFailed:
     """The in-place resize to attempt ``attempt`` (ResizeGroup) could not be carried out: a rank did not
     leave the old attempt, the new placement could not be reserved on the kept ranks' nodes (or their
@@ -267,6 +278,7 @@ Event = Union[  # noqa: UP007 - a runtime alias of many classes, read as one lin
     NodeLossConfirmed,
     RepairFailed,
     ResizeFailed,
+    RankUnhealthy,
     Start,
     GroupReady,
     StepReported,

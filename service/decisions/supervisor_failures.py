@@ -12,9 +12,11 @@ from dataclasses import replace
 from etrain.service.decisions.job_status import Status
 from etrain.service.decisions.supervisor_events import (
     Action,
+    ExcludeNode,
     HangDiagnosed,
     KillRank,
     NodeLossConfirmed,
+    RankUnhealthy,
     RecordEvent,
     RepairFailed,
     RepairGroup,
@@ -152,3 +154,30 @@ def on_node_loss_confirmed(
     if state.group is GroupPhase.NONE and state.status in (Status.RECOVERING, Status.RESIZING):
         return try_launch(replace(refunded, backoff_until=None), now, config, actions, detail)  # no backoff for a node
     return decision(refunded, actions, detail)
+
+
+def on_rank_unhealthy(state: SupervisorState, event: RankUnhealthy, now: float, config: SupervisorConfig) -> Decision:
+    """[12] A rank failed its health check: exclude its node from the job and relaunch without it, as a
+    straggler's eviction does (not the job's fault: no restart spent). A node that is not known is an
+    ordinary fault. Excluded nodes only accumulate, so a cluster of failing nodes ends in the capacity wait's
+    timeout, never in a loop."""
+    if state.group not in (GroupPhase.LAUNCHING, GroupPhase.UP):
+        return ignore(state, f"RankUnhealthy while group is {state.group.value}")
+    what = f"rank {event.rank} on node {event.node or 'unknown'} failed its health check: {event.reason}"
+    if not event.node or event.node in state.excluded_nodes:
+        return fault(state, now, config, "health_check_failed", what)
+    stopped, stop_actions = stop_group(state, now, what)
+    excluding = replace(
+        clear_pending(stopped),
+        status=Status.RECOVERING,
+        resize_note=None,
+        excluded_nodes=state.excluded_nodes | {event.node},
+        awaiting_capacity=True,
+        backoff_until=None,
+    )
+    actions: list[Action] = [
+        RecordEvent(kind="health_check_failed", detail=f"{what}; node {event.node} excluded from this job"),
+        ExcludeNode(node=event.node, reason=f"rank {event.rank} failed its health check"),
+        *stop_actions,
+    ]
+    return decision(excluding, actions, f"{what}: excluding node {event.node}, relaunching without it")

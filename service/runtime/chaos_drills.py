@@ -58,7 +58,8 @@ class JobDrills:
                 CorruptOrder(id=order_id, step=int(request["step"])),
                 {"id": order_id, "action": action, "step": request["step"], "armed": True},
             )
-        during = request.get("during") or "step"
+        # fail_health_check fires at an attempt's health check (the first starting at or after at_step).
+        during = "health_check" if action == "fail_health_check" else request.get("during") or "step"
         order = ChaosOrder(
             id=order_id,
             action=action,

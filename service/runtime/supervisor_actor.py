@@ -57,6 +57,7 @@ from etrain.service.decisions.supervisor_events import (
     KillRank,
     LaunchGroup,
     MarkTerminal,
+    RankUnhealthy,
     RecordEvent,
     RepairFailed,
     RepairGroup,
@@ -586,6 +587,8 @@ class JobSupervisor:
             digests = {rank: result.get("param_digest") for rank, result in sorted(group.results().items())}
             self._record("ranks_finished", "param digests " + " ".join(f"rank{r}={d}" for r, d in digests.items()))
             return Finished(attempt=group.attempt, final_step=outcome.final_step)
+        if outcome.kind == "unhealthy":
+            return RankUnhealthy(attempt=group.attempt, rank=outcome.rank, node=outcome.node, reason=outcome.message)
         if outcome.kind == "job_error":
             return JobError(
                 attempt=group.attempt, rank=outcome.rank, message=outcome.message, traceback=outcome.traceback

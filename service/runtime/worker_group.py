@@ -24,7 +24,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from etrain.service.decisions.hangs import Frame, RankWhere
 from etrain.service.runtime.spares import NAMESPACE, take_spares
-from etrain.workers.protocol.errors import EtrainError
+from etrain.workers.protocol.errors import EtrainError, UnhealthyRankError
 from etrain.workers.protocol.messages import RANK_ACTOR_CLASS, ChaosOrder, LaunchPlan, load_actor_class
 from etrain.workers.protocol.topology import Topology
 
@@ -64,7 +64,7 @@ def rank_actor_name(job_id: str, attempt: int, rank: int) -> str:
 class GroupOutcome:
     """What happened to the group since the last poll (at most one per poll)."""
 
-    kind: Literal["finished", "worker_lost", "job_error"]
+    kind: Literal["finished", "worker_lost", "job_error", "unhealthy"]
     rank: int = -1
     node: str = ""
     cause: Literal["process", "actor", "node"] = "process"
@@ -467,6 +467,11 @@ class WorkerGroup:
             )
         except RayTaskError as err:
             inner = err.cause
+            if isinstance(inner, UnhealthyRankError):  # every rank raises it, naming the same failing rank
+                bad = inner.rank
+                return GroupOutcome(
+                    kind="unhealthy", rank=bad, node=self.nodes.get(bad, ""), message=inner.message, traceback=str(err)
+                )
             if isinstance(inner, EtrainError):
                 return GroupOutcome(kind="job_error", rank=rank, node=node, message=str(inner), traceback=str(err))
             if _is_collective_failure(inner):

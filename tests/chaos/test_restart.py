@@ -19,6 +19,7 @@ from tests.chaos.conftest import (
     assert_repaired_in_place,
     clean_run,
     losses,
+    placements,
     rank_pids,
     resumed_from,
     run_clean,
@@ -137,6 +138,27 @@ def test_scale_2_to_1_to_2_resizes_in_place_keeping_rank_0s_process(shared_plane
     kept, replaced = rank_pids(plane, job["id"], 0), rank_pids(plane, job["id"], 1)
     assert len(kept) == 3 and len(set(kept)) == 1, kept  # attempts 1, 2 (dp=1) and 3: one process
     assert len(replaced) == 2 and replaced[0] != replaced[1], replaced  # rank 1 left and a new one joined
+    assert_same_trajectory(losses(plane, job["id"]), clean, tol=1e-6)
+
+
+def test_a_replacement_that_fails_its_health_check_has_its_node_excluded(shared_plane, clean):
+    """Issue #20 item 6: every attempt starts with a health check; the in-place replacement of a killed
+    rank fails it (the drill), so its node is excluded from the job (like an evicted straggler's, no restart
+    spent), every rank is relaunched on the other nodes, and the run still ends like the clean run."""
+    plane = shared_plane
+    job = plane.submit(spec("health-dp2"))
+    plane.chaos(job["id"], action="fail_health_check", rank=1, at_step=1)  # not the first attempt (step 0)
+    plane.chaos(job["id"], action="kill_rank", rank=1, at_step=10)
+    final = plane.wait_terminal(job["id"], timeout_s=300)
+    assert final["status"] == "SUCCEEDED" and final["restarts"] == 1, final  # the kill only
+    events = plane.events(job["id"])
+    kinds = event_kinds(events)
+    (failed,) = [event_text(e) for e in events if e["kind"] == "health_check_failed"]
+    assert "rank 1 on node" in failed and "fail_health_check" in failed and "excluded from this job" in failed
+    bad = re.search(r"node (\S+) excluded", failed).group(1)
+    assert kinds.index("repairing") < kinds.index("health_check_failed"), kinds  # the replacement's check
+    placed = placements(events)
+    assert placed[0][1] == bad and bad not in placed[-1].values(), (bad, placed)
     assert_same_trajectory(losses(plane, job["id"]), clean, tol=1e-6)
 
 

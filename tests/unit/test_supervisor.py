@@ -39,6 +39,7 @@ from etrain.service.decisions.supervisor_events import (
     LaunchGroup,
     MarkTerminal,
     NodeLossConfirmed,
+    RankUnhealthy,
     RecordEvent,
     RepairFailed,
     RepairGroup,
@@ -1550,6 +1551,49 @@ class TestStories:
         assert s.all_kinds.count("resized") == 2 and s.state.restarts_used == 0
 
 
+class TestHealthChecks:
+    """[12] A rank that fails its health check has its node excluded, like an evicted straggler's."""
+
+    def test_a_failed_check_excludes_the_node_and_relaunches_without_it_spending_nothing(self):
+        s = Story(dp=4)
+        s.at(0, Start())
+        d = s.at(1, RankUnhealthy(attempt=1, rank=5, node="n3", reason="cannot allocate on cuda:0"))
+        assert kinds(d) == ["health_check_failed"], kinds(d)
+        assert "rank 5 on node n3 failed its health check: cannot allocate on cuda:0" in d.actions[0].detail
+        assert of(d, ExcludeNode) == [ExcludeNode(node="n3", reason="rank 5 failed its health check")]
+        assert of(d, StopGroup) and s.state.status is Status.RECOVERING and s.state.restarts_used == 0
+        assert s.state.excluded_nodes == frozenset({"n3"}) and s.state.awaiting_capacity
+        d = s.at(2, GroupStopped(attempt=1))
+        assert of(d, LaunchGroup) == []  # waits for the capacity left without n3
+        d = s.at(3, CapacityChanged(available_dp=4))
+        assert of(d, LaunchGroup) == [
+            LaunchGroup(attempt=2, dp=4, world_size=8, resume_step=None, excluded_nodes=frozenset({"n3"}))
+        ]
+
+    def test_a_failed_check_while_running_or_repairing_is_handled_the_same(self):
+        d = decide(
+            running(step=12, last_committed_step=10),
+            RankUnhealthy(attempt=1, rank=0, node="n1", reason="x"),
+            5.0,
+            IN_PLACE,
+        )
+        assert of(d, ExcludeNode) and of(d, StopGroup) and d.state.excluded_nodes == frozenset({"n1"})
+
+    def test_an_unknown_or_already_excluded_node_is_an_ordinary_fault(self):
+        for node, excluded in (("", frozenset()), ("n1", frozenset({"n1"}))):
+            state = running(excluded_nodes=excluded)
+            d = decide(state, RankUnhealthy(attempt=1, rank=0, node=node, reason="x"), 5.0, CONFIG)
+            assert kinds(d)[0] == "health_check_failed" and d.state.restarts_used == 1
+            assert of(d, ExcludeNode) == []
+
+    def test_a_stale_or_late_report_is_ignored(self):
+        assert decide(running(), RankUnhealthy(attempt=0, rank=0, node="n1", reason="x"), 5.0, CONFIG).ignored
+        s = Story(dp=4)
+        s.at(0, Start())
+        s.at(1, RankUnhealthy(attempt=1, rank=0, node="n1", reason="x"))
+        assert s.at(2, RankUnhealthy(attempt=1, rank=1, node="n2", reason="y")).ignored  # the group is stopping
+
+
 class TestResizeInPlace:
     """[11] With ``in_place`` a resize keeps the ranks' processes: no StopGroup, no relaunch."""
 
@@ -1660,6 +1704,7 @@ def random_event(rng, state, config=FUZZ_CONFIG):
         ),
         (3, lambda: GroupStopped(attempt=attempt)),
         (0.5, lambda: ResizeFailed(attempt=attempt, reason="x")),
+        (0.5, lambda: RankUnhealthy(attempt=attempt, rank=0, node=rng.choice(["n1", "n2", ""]), reason="x")),
         (0.3, lambda: Finished(attempt=attempt, final_step=rng.choice([total // 2, total]))),
         (0.5, lambda: Exported(step=rng.choice([state.exporting_step or total, total // 2]), path="/hf")),
         (0.2, lambda: ExportFailed(step=state.exporting_step or total, checkpoint_dir="/c", error="x")),
@@ -1699,7 +1744,9 @@ def test_random_event_streams_keep_the_invariants(seed):
                 before.group is GroupPhase.STOPPING and isinstance(event, GroupStopped)
             )
         for resize in of(d, ResizeGroup):
-            assert before.group is GroupPhase.UP and resize.attempt == before.attempt + 1
+            # From a running group, or one that just became ready (a resize that arrived during its launch).
+            assert before.group is GroupPhase.UP or isinstance(event, GroupReady)
+            assert resize.attempt == before.attempt + 1
             assert resize.resume_step == state.last_committed_step and resize.from_dp == before.dp != resize.dp
             assert resize.world_size == config.world_size(resize.dp) and state.status is Status.RESIZING
         for stop in of(d, StopGroup):

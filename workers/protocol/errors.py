@@ -60,5 +60,22 @@ class NonFiniteLossError(EtrainError):
     """The loss became NaN or infinite: the job itself is broken, restarting will not help."""
 
 
+class UnhealthyRankError(EtrainError):
+    """A rank failed the health check at the start of an attempt (``workers/protocol/health.py``); every
+    rank of the attempt raises it, naming the same ``rank``. Not the job's fault: the supervisor excludes
+    that rank's node and relaunches (RankUnhealthy), it does not fail the job."""
+
+    def __init__(self, message: str, *, rank: int, field: str | None = None, fix: str | None = None):
+        super().__init__(message, field=field, fix=fix)
+        self.rank = rank
+
+    def __reduce__(self):
+        return (_rebuild_unhealthy, (self.message, self.rank))
+
+
+def _rebuild_unhealthy(message, rank):
+    return UnhealthyRankError(message, rank=rank)
+
+
 class CheckpointError(EtrainError):
     """No usable checkpoint where one was required, or a checkpoint that fails verification."""

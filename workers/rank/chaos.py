@@ -38,6 +38,7 @@ class RankDrills:
         self._report = report
         self.slow_factor = 1.0
         self.hung = threading.Event()
+        self._health_failure: str | None = None  # a fired fail_health_check, for the attempt's check
         self._pending: dict[int, ChaosOrder] = {}  # by order id: delivered twice, fired once
         self._lock = threading.Lock()
         self.callback = ChaosCallback(self)
@@ -71,6 +72,13 @@ class RankDrills:
         for order in due:
             self.fire(order, step=step)
 
+    def health_failure(self, start_step: int) -> str | None:
+        """What this attempt's health check must report as failed (a ``fail_health_check`` drill due at an
+        attempt starting at ``start_step``), once; None: nothing, measure for real."""
+        self.fire_due(start_step, during="health_check")
+        failure, self._health_failure = self._health_failure, None
+        return failure
+
     def fire(self, order: ChaosOrder, step: int | None = None) -> None:
         try:
             self._report(order, step)
@@ -86,6 +94,8 @@ class RankDrills:
             self.slow_factor = float(order.factor)
         elif order.action == "hang_rank":
             self.hung.set()
+        elif order.action == "fail_health_check":
+            self._health_failure = f"fault drill {order.id}: fail_health_check (the device answers as a broken one)"
         else:  # validated by the API; an unknown action here is a bug
             raise AssertionError(f"unknown chaos action {order.action!r}")
 

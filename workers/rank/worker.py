@@ -92,6 +92,14 @@ class TrainWorker:
             "pid": os.getpid(),
         }
 
+    def _node_id(self) -> str:
+        try:
+            import ray
+
+            return ray.get_runtime_context().get_node_id()
+        except Exception:  # noqa: BLE001 - outside Ray (a test's process): no node to name
+            return ""
+
     def free_port(self) -> int:
         """A free TCP port on this node for the rendezvous (asked of rank 0 only)."""
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -239,6 +247,16 @@ class TrainWorker:
         )
         phases.mark("process group")
         try:
+            from etrain.workers.rank.health_check import check_health
+
+            drills = self._drills
+            check_health(
+                device,
+                rank=self.rank,
+                node=self._node_id(),
+                drill=(lambda: drills.health_failure(plan.start_step)) if drills is not None else None,
+            )
+            phases.mark("health check")
             trainer = Trainer(
                 config,
                 rank=self.rank,

@@ -1,0 +1,69 @@
+"""Health checks before trust: what each rank measures at the start of an attempt, and the verdict.
+
+Pure (no torch, no Ray): the rank side (``workers/rank/health_check.py``) measures, every rank of the
+attempt gathers every report, and :func:`unhealthy_ranks` decides the same on each of them. Why at the
+start of every attempt, the first launch and every replacement or resize alike: a rank that cannot
+allocate on its device, multiplies far slower than its peers or cannot reach them is cheaper to find
+before training than as a crash, a straggler or a hang dozens of steps later. A failing rank's node is
+excluded from the job, as a straggler's is on eviction ([12] in service/decisions/supervisor.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from statistics import median
+
+#: The whole check (allocation, matmul, the collective among the new group) must finish within this.
+HEALTH_CHECK_TIMEOUT_S = 10.0
+#: A rank whose matmul rate is below this fraction of its peers' median fails: a device running at a
+#: tenth of its peers is broken or throttled, not noisy (CPU ranks sharing a loaded machine vary 2-3x).
+MIN_RATE_FRACTION = 0.1
+#: What the device check allocates and touches (bytes): enough to fail on a device with no memory left.
+ALLOC_BYTES = {"cpu": 8 << 20, "cuda": 256 << 20}
+#: The matmul's side and repetitions per device type (a few milliseconds on a healthy device).
+MATMUL_SIZE = {"cpu": 256, "cuda": 4096}
+MATMUL_REPEATS = 3
+
+
+@dataclass(frozen=True)
+class RankHealth:
+    """One rank's own measurements: ``failure`` says what failed locally (None: allocation and matmul
+    worked); ``gflops`` is its matmul rate (None when it could not run)."""
+
+    rank: int
+    node: str
+    device: str
+    failure: str | None
+    gflops: float | None
+
+
+@dataclass(frozen=True)
+class Unhealthy:
+    rank: int
+    node: str
+    reason: str
+
+
+def unhealthy_ranks(reports: list[RankHealth], *, min_rate_fraction: float = MIN_RATE_FRACTION) -> list[Unhealthy]:
+    """The ranks that fail, lowest rank first: a local failure, or a matmul rate below
+    ``min_rate_fraction`` of the median of the other ranks' rates (peers that measured one)."""
+    failing: list[Unhealthy] = []
+    rates = {report.rank: report.gflops for report in reports if report.failure is None and report.gflops}
+    for report in sorted(reports, key=lambda r: r.rank):
+        if report.failure is not None:
+            failing.append(Unhealthy(report.rank, report.node, report.failure))
+            continue
+        others = [rate for rank, rate in rates.items() if rank != report.rank]
+        if report.gflops is None or not others:
+            continue
+        reference = median(others)
+        if report.gflops < min_rate_fraction * reference:
+            failing.append(
+                Unhealthy(
+                    report.rank,
+                    report.node,
+                    f"matmul at {report.gflops:.3g} GFLOP/s on {report.device}, below {min_rate_fraction:.0%} of "
+                    f"its peers' median {reference:.3g} GFLOP/s",
+                )
+            )
+    return failing
