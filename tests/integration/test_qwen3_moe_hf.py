@@ -8,6 +8,10 @@ bit-equal weights, the same logits, and the same training loss (``output_router_
 the weighted load-balancing loss) on the trainer's batch; a Trainer reading the export exports it again
 bit for bit.
 
+Throughput options (one process): compiled blocks (``fullgraph=True``: the routing and the grouped-matmul
+op trace as one graph) with selective checkpointing (which keeps the grouped matmuls' outputs), and full
+checkpointing with the chunked loss, train the losses of the eager run.
+
 Data parallelism (two gloo ranks, from the same folder): DDP (zero 0) and FSDP2 (zero 3, which shards the
 stacked experts by expert, so each rank reads only its experts' tensors) train the same losses, gradient
 norms and parameters as one process within the equivalence tolerances (1e-5 relative on losses): the
@@ -30,9 +34,16 @@ from etrain.workers.checkpoints.checkpoint_commit import commit, step_dir  # noq
 from etrain.workers.checkpoints.hf_config import model_config_from_hf, read_hf_config  # noqa: E402
 from etrain.workers.checkpoints.hf_io import export_hf, load_hf_weights  # noqa: E402
 from etrain.workers.families import family  # noqa: E402
-from etrain.workers.protocol.run_config import DataConfig, ParallelConfig, RunConfig, TrainingConfig  # noqa: E402
+from etrain.workers.protocol.run_config import (  # noqa: E402
+    MODEL_PRESETS,
+    DataConfig,
+    ModelConfig,
+    ParallelConfig,
+    RunConfig,
+    TrainingConfig,
+)
 from tests.dist_utils import run_distributed  # noqa: E402
-from tests.equivalence_utils import RunResult, assert_equivalent, run_reference  # noqa: E402
+from tests.equivalence_utils import LOSS_RTOL, RunResult, assert_equivalent, run_reference, small_config  # noqa: E402
 from tests.state_utils import full_state_dict  # noqa: E402
 
 SEQ = 16
@@ -181,3 +192,22 @@ def test_data_parallel_trains_like_one_process(hf_folder):
             assert report.elements_read == report.local_elements
             if zero == 3:  # FSDP2 shards every parameter, the stacked experts by expert
                 assert report.local_elements < 0.6 * num_params
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"compile": True, "activation_checkpointing": "selective"},
+        {"activation_checkpointing": "full", "loss_chunk_tokens": 8},
+    ],
+    ids=["compile+selective", "full+chunked"],
+)
+def test_throughput_options_train_the_eager_losses(options, monkeypatch):
+    monkeypatch.setenv("ETRAIN_COMPILE_BACKEND", "aot_eager")  # inductor's graphs, without its C++ build
+    model = dataclasses.replace(ModelConfig(**MODEL_PRESETS["qwen3-moe-tiny"]), seq_len=SEQ, router_aux_loss_coef=0.01)
+    config = small_config(steps=3, model=model)
+    reference = run_reference(config)
+    trainer = _trainer(dataclasses.replace(config, training=dataclasses.replace(config.training, **options)))
+    losses = [m.loss for m in trainer.run(0, 3)]
+    print(f"qwen3_moe {options}: {losses} vs eager {reference.losses}")
+    assert all(abs(a - b) <= LOSS_RTOL * b for a, b in zip(losses, reference.losses))

@@ -18,6 +18,12 @@ is copied back (checked after the load; a copy would be an error, not a silent n
 the copy. (The reader indexes every ``*.safetensors`` file in the folder; only the tensors asked
 for are read.)
 
+A mixture of experts' stacked expert parameters (``[n_experts, ...]``, one per projection) are one tensor per
+expert in Hugging Face's files (the hub's layout, which ``transformers`` 5's ``save_pretrained`` writes too:
+``mlp.experts.<e>.gate_proj.weight``): each rank asks DCP for its experts' tensors only, each read into a view of
+its row of the parameter (whole, or FSDP2's ``Shard(0)`` by expert), and an export writes each row as its own
+tensor (:meth:`etrain.workers.families.base.ModelFamily.hf_tensors`).
+
 Before any collective, every rank reads the safetensors *headers* (names, shapes, dtypes; no
 data) and checks them against the whole model the config describes, so a wrong folder fails with
 one ``ConfigError(field="model.hf")`` listing the missing, unexpected and mis-shaped tensors on all
