@@ -248,10 +248,23 @@ def main() -> None:
         help="the service's warm_spares_per_node (default: the job's ranks + 1, so the first launch "
         "and a replacement both find a ready spare); each submit waits until they are ready",
     )
+    parser.add_argument(
+        "--as-installed",
+        action="store_true",
+        help="the service's own default pool (ETRAIN_WARM_SPARES_PER_NODE=auto), as `etrain serve` starts it: "
+        "no pool sized for the job; each submit waits until that default pool is ready",
+    )
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     job = Job(**json.loads(args.job))
-    warm = job.dp + 1 if args.warm_spares is None else args.warm_spares
+    if args.as_installed:
+        from etrain.service.decisions.capacity import spares_for_node
+
+        warm = spares_for_node({"CPU": NUM_CPUS}, None)  # what auto keeps on this one CPU node
+        pool: dict[str, Any] = {"warm_spares_per_node": None}  # auto, as `etrain serve` starts
+    else:
+        warm = job.dp + 1 if args.warm_spares is None else args.warm_spares
+        pool = {"warm_spares_per_node": warm}
 
     import ray
 
@@ -262,7 +275,7 @@ def main() -> None:
     try:
         with (
             tempfile.TemporaryDirectory(prefix="etrain-bench-") as data_dir,
-            control_plane(Path(data_dir), warm_spares_per_node=warm) as plane,
+            control_plane(Path(data_dir), **pool) as plane,
         ):
             for scenario in args.scenario:
                 if scenario == "recovery":

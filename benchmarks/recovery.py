@@ -31,7 +31,9 @@ from benchmarks.figures import Goal, Row, median
 from benchmarks.peers.common import Job, recovery_measures
 from benchmarks.procs import RunFailed, run_json
 
-SYSTEMS = ("etrain", "ray_train", "torchrun")
+#: ``etrain_installed``: the service as `etrain serve` starts it (its own ``auto`` spare pool); ``etrain``: the
+#: pool sized by the benchmark to the job (its ranks + 1). The goals apply to the first: what a user meets.
+SYSTEMS = ("etrain_installed", "etrain", "ray_train", "torchrun")
 PEER_NAMES = {"ray_train": "Ray Train v2 (TorchTrainer, FailureConfig)", "torchrun": "torchrun elastic agent"}
 
 
@@ -39,10 +41,11 @@ def run_system(system: str, job: Job, workdir: Path, *, timeout_s: float, name: 
     """One run of ``job`` on ``system``: its raw record with ``measures`` (``common.recovery_measures``)."""
     workdir.mkdir(parents=True, exist_ok=True)
     job_json = json.dumps(job.as_dict())
-    if system == "etrain":
+    if system in ("etrain", "etrain_installed"):
         record = run_json(
             "benchmarks.etrain_side",
-            ["--scenario", "recovery", "--job", job_json, "--name", name],
+            ["--scenario", "recovery", "--job", job_json, "--name", name]
+            + (["--as-installed"] if system == "etrain_installed" else []),
             out=workdir / "result.json",
             timeout_s=timeout_s,
             log_path=workdir / "run.log",
@@ -103,19 +106,28 @@ def recovery_figures(
     )
     startup_rows = [
         Row(
-            label="1. startup: submit → first step, vs Ray Train v2",
+            label="1. startup as installed: submit → first step, vs Ray Train v2",
+            unit="s",
+            etrain=samples("etrain_installed", "startup_s"),
+            reference_name=PEER_NAMES["ray_train"],
+            reference=samples("ray_train", "startup_s"),
+            goal=Goal(on="ratio", op="<=", value=0.15, text="≤ 0.15×"),
+            note="a fresh service with its defaults (ETRAIN_WARM_SPARES_PER_NODE=auto: 3 on this CPU node), its "
+            "pool ready; etrain: HTTP submit → step 1's record (the supervisor's receive time); Ray Train: fit() → "
+            "rank 0 logs step 1; " + setup,
+        ),
+        Row(
+            label="1. startup, pool sized to the job: submit → first step, vs Ray Train v2",
             unit="s",
             etrain=samples("etrain", "startup_s"),
             reference_name=PEER_NAMES["ray_train"],
             reference=samples("ray_train", "startup_s"),
-            goal=Goal(on="ratio", op="<=", value=0.15, text="≤ 0.15×"),
-            note="etrain: HTTP submit → step 1's record (the supervisor's receive time); Ray Train: fit() → rank 0 "
-            "logs step 1; " + setup,
+            note="the benchmark sets the pool to the job's ranks + 1 (a tuned service, not the default)",
         ),
         Row(
             label="1. startup: submit → first step, vs torchrun",
             unit="s",
-            etrain=samples("etrain", "startup_s"),
+            etrain=samples("etrain_installed", "startup_s"),
             reference_name=PEER_NAMES["torchrun"],
             reference=samples("torchrun", "startup_s"),
             note="torchrun: process launch → rank 0 logs step 1 (no scheduler, no service: a floor, not a goal)",
@@ -125,15 +137,25 @@ def recovery_figures(
     for peer in ("ray_train", "torchrun"):
         recovery_rows.append(
             Row(
-                label=f"2. recovery: SIGKILL → next completed step, vs {'Ray Train v2' if peer == 'ray_train' else 'torchrun'}",
+                label=f"2. recovery as installed: SIGKILL → next completed step, vs {'Ray Train v2' if peer == 'ray_train' else 'torchrun'}",
                 unit="s",
-                etrain=samples("etrain", "recovery_s"),
+                etrain=samples("etrain_installed", "recovery_s"),
                 reference_name=PEER_NAMES[peer],
                 reference=samples(peer, "recovery_s"),
                 goal=Goal(on="ratio", op="<=", value=0.3, text="≤ 0.3× of the best peer") if peer == best else None,
                 note=None if peer == best else "not the best peer: the goal applies to the other row",
             )
         )
+    recovery_rows.append(
+        Row(
+            label=f"2. recovery, pool sized to the job: SIGKILL → next completed step, vs {PEER_NAMES[best]}",
+            unit="s",
+            etrain=samples("etrain", "recovery_s"),
+            reference_name=PEER_NAMES[best],
+            reference=samples(best, "recovery_s"),
+            note="the benchmark sets the pool to the job's ranks + 1, so the replacement always finds a spare",
+        )
+    )
     last_checkpoint = job.every * (job.kill_at // job.every)
     lost = {
         system: sum(
@@ -158,7 +180,7 @@ def recovery_figures(
         Row(
             label="2. recovery: steps recomputed",
             unit="steps",
-            etrain=samples("etrain", "recomputed"),
+            etrain=samples("etrain_installed", "recomputed"),
             reference_name=PEER_NAMES[best],
             reference=samples(best, "recomputed"),
             goal=Goal(on="etrain", op="<=", value=job.every, text=f"≤ {job.every} (one checkpoint interval)"),
@@ -171,7 +193,7 @@ def recovery_figures(
                 Row(
                     label=f"2. recovery: steps recomputed, vs {'Ray Train v2' if peer == 'ray_train' else 'torchrun'}",
                     unit="steps",
-                    etrain=samples("etrain", "recomputed"),
+                    etrain=samples("etrain_installed", "recomputed"),
                     reference_name=PEER_NAMES[peer],
                     reference=samples(peer, "recomputed"),
                 )
@@ -180,7 +202,7 @@ def recovery_figures(
         Row(
             label=f"2. recovery: SIGKILL → step {job.kill_at + 1} done again",
             unit="s",
-            etrain=samples("etrain", "progress_s"),
+            etrain=samples("etrain_installed", "progress_s"),
             reference_name=PEER_NAMES[best],
             reference=samples(best, "progress_s"),
         )
@@ -197,13 +219,13 @@ def recovery_figures(
 
 def recovery_profile(raw: dict[str, Any]) -> list[str]:
     """Where etrain's recovery time goes: the event timeline (seconds after the kill) of its median run."""
-    timed = [r for r in raw["runs"]["etrain"] if r.get("measures", {}).get("recovery_s") is not None]
+    timed = [r for r in raw["runs"]["etrain_installed"] if r.get("measures", {}).get("recovery_s") is not None]
     if not timed:
         return []
     timed.sort(key=lambda r: r["measures"]["recovery_s"])
     run = timed[(len(timed) - 1) // 2]  # the lower median of an even count
     lines = [
-        f"etrain's median recovery run ({run['measures']['recovery_s']:.2f} s to the next step), its event log "
+        f"etrain's (as installed) median recovery run ({run['measures']['recovery_s']:.2f} s to the next step), its event log "
         "in seconds after the kill:"
     ]
     for event in run.get("timeline", []):
@@ -219,14 +241,14 @@ def recovery_profile(raw: dict[str, Any]) -> list[str]:
 
 def startup_profile(raw: dict[str, Any]) -> list[str]:
     """Where etrain's start-up time goes: the event log (seconds after the submit) of its median run."""
-    timed = [r for r in raw["runs"]["etrain"] if r.get("measures", {}).get("startup_s") is not None]
+    timed = [r for r in raw["runs"]["etrain_installed"] if r.get("measures", {}).get("startup_s") is not None]
     if not timed:
         return []
     timed.sort(key=lambda r: r["measures"]["startup_s"])
     run = timed[(len(timed) - 1) // 2]
     startup = run["measures"]["startup_s"]
     lines = [
-        f"etrain's median start-up run ({startup:.2f} s from submit to step 1), its event log in seconds "
+        f"etrain's (as installed) median start-up run ({startup:.2f} s from submit to step 1), its event log in seconds "
         "after the HTTP submit:"
     ]
     for event in run.get("events", []):

@@ -29,24 +29,28 @@ def replicas_that_fit(slots_per_node: Mapping[str, int], *, tp: int, pp: int) ->
     return tp_groups // pp
 
 
-#: ``ETRAIN_WARM_SPARES_PER_NODE=auto`` on a node without GPUs: two spares (at most one per CPU), so a
-#: DP2 job, the usual CPU job, starts with no cold rank (a cold one is a Python start and ``import torch``:
-#: 3-7 s on a 2-core machine; measured as installed, 7.2 s submit -> first step with one spare, 2.2 s with
-#: both ranks warm). Each spare holds ~300 MB of host memory with torch imported and no CPU while idle.
-AUTO_SPARES_CPU_NODE = 2
+#: ``ETRAIN_WARM_SPARES_PER_NODE=auto`` on a node without GPUs: a DP2 job's two ranks plus one for a
+#: replacement (at most one more than the node's CPUs), so the usual CPU job starts with no cold rank and a
+#: killed rank is replaced warm. A cold rank is a Python start and ``import torch``: 3-7 s on a 2-core
+#: machine. Measured as installed (``make bench``, DP2, 2-core machine): one spare, 7.2 s submit -> first
+#: step; two, 2.0-2.3 s but a replacement started cold, 9.7-17.8 s SIGKILL -> next step (the pool refills
+#: only after the launch); with the replacement's spare, 1.0 s. Each spare holds ~300 MB of host memory
+#: with torch imported and no CPU while idle.
+AUTO_SPARES_CPU_NODE = 3
 #: The most spares ``auto`` keeps on one node (a 16-GPU node's worth).
 MAX_AUTO_SPARES = 16
 
 
 def spares_for_node(resources: Mapping[str, float], per_node: int | None) -> int:
     """Warm spares to keep on a node with Ray ``resources``: the operator's ``per_node``, or under ``auto``
-    (``None``) one per GPU (a whole machine's job starts with no cold rank: 8 on an 8-GPU node),
-    :data:`AUTO_SPARES_CPU_NODE` (at most one per CPU) on a node with only CPUs, none on a node that runs
-    no ranks."""
+    (``None``) one per GPU and one more (a whole machine's job starts with no cold rank and its first
+    replacement is warm too: 9 on an 8-GPU node; a spare holds no GPU memory until it is assigned),
+    :data:`AUTO_SPARES_CPU_NODE` (at most one more than the node's CPUs) on a node with only CPUs, none on a
+    node that runs no ranks."""
     if per_node is not None:
         return max(0, per_node)
     gpus = int(resources.get("GPU", 0) or 0)
     if gpus > 0:
-        return min(gpus, MAX_AUTO_SPARES)
+        return min(gpus + 1, MAX_AUTO_SPARES)
     cpus = int(resources.get("CPU", 0) or 0)
-    return min(AUTO_SPARES_CPU_NODE, cpus) if cpus > 0 else 0
+    return min(AUTO_SPARES_CPU_NODE, cpus + 1) if cpus > 0 else 0

@@ -11,19 +11,19 @@ from etrain.service.settings import Settings, SettingsError
 @pytest.mark.parametrize(
     "resources, expected",
     [
-        ({"CPU": 16.0, "GPU": 8.0, "memory": 1e12}, 8),  # one per GPU: a whole-node job starts with no cold rank
-        ({"CPU": 8.0, "GPU": 1.0}, 1),
-        ({"GPU": 2.0}, 2),
+        ({"CPU": 16.0, "GPU": 8.0, "memory": 1e12}, 9),  # one per GPU + 1: a whole-node job and its first replacement
+        ({"CPU": 8.0, "GPU": 1.0}, 2),
+        ({"GPU": 2.0}, 3),
         ({"CPU": 64.0, "GPU": 32.0}, MAX_AUTO_SPARES),
         ({"CPU": 2.0}, AUTO_SPARES_CPU_NODE),
         ({"CPU": 2.0, "GPU": 0.0}, AUTO_SPARES_CPU_NODE),
-        ({"CPU": 64.0}, AUTO_SPARES_CPU_NODE),  # a small number, whatever the node: a DP2 job starts warm
-        ({"CPU": 1.0}, 1),  # never more than the ranks the node can run (one CPU each at least)
+        ({"CPU": 64.0}, AUTO_SPARES_CPU_NODE),  # a small number, whatever the node: a DP2 job and a replacement
+        ({"CPU": 1.0}, 2),  # the ranks the node can run (one CPU each at least) and one replacement
         ({"memory": 1e9}, 0),  # runs no ranks
         ({}, 0),
     ],
 )
-def test_auto_keeps_one_spare_per_gpu_and_two_on_a_cpu_node(resources, expected):
+def test_auto_keeps_a_spare_per_gpu_plus_one_and_three_on_a_cpu_node(resources, expected):
     assert spares_for_node(resources, None) == expected
 
 
