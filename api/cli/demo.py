@@ -55,6 +55,19 @@ def stderr_to(path: Path) -> Iterator[None]:
             os.close(saved)
 
 
+def quiet_until_exit(path: Path) -> None:
+    """Standard error into ``path`` for the rest of the process, at the descriptor level too: after a
+    Ctrl-C, Ray's core worker still writes a line or two from C++ while the interpreter exits (its GCS
+    connection closing), after the shutdown itself was already quiet. Only for a process about to exit."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for stream in (sys.stderr, sys.__stderr__):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    log = open(path, "a", encoding="utf-8")  # noqa: SIM115 - held open until the process exits
+    os.dup2(log.fileno(), 2)
+    sys.stderr = log
+
+
 def cmd_demo(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     """Serve and run ``args.file``; the job's exit code, the server's failure, or 130 after Ctrl-C."""
     import uvicorn
@@ -162,6 +175,8 @@ def cmd_demo(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         driver.join(timeout=5)
         _close_leftover_manager(app, shutdown_log)
     if server.interrupted:
+        if err is sys.__stderr__:  # a real terminal, not a caller's buffer: the process exits next
+            quiet_until_exit(shutdown_log)
         return EXIT_INTERRUPTED
     if server.started is False and "code" not in outcome:
         return EXIT_FAILED  # the server never came up (uvicorn has logged why)

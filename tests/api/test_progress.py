@@ -283,3 +283,24 @@ def test_ctrl_c_in_the_demo_says_one_line_and_the_shutdown_noise_goes_to_a_log(m
     assert "Ctrl-C stops everything" not in shown  # the job was still running
     with socket.socket() as sock:  # the server is gone
         assert sock.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_after_ctrl_c_the_exiting_process_writes_nothing_more_to_the_terminal(tmp_path):
+    """What Ray's core worker writes from C++ while the interpreter exits (after the quiet shutdown) goes to
+    the shutdown log too: descriptor 2 and ``sys.stderr`` stay redirected until the process is gone."""
+    import subprocess
+
+    log = tmp_path / "data" / "shutdown.log"
+    script = (
+        "import os, sys\n"
+        "from pathlib import Path\n"
+        "from etrain.api.cli.demo import quiet_until_exit\n"
+        "print('before', file=sys.stderr, flush=True)\n"
+        f"quiet_until_exit(Path({str(log)!r}))\n"
+        "os.write(2, b'[gcs_client.cc] Failed to connect to GCS at exit\\n')\n"
+        "import atexit; atexit.register(lambda: print('from atexit', file=sys.stderr))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == "before\n"
+    assert log.read_text().splitlines() == ["[gcs_client.cc] Failed to connect to GCS at exit", "from atexit"]
