@@ -35,7 +35,7 @@ from etrain.service.access.checkpoint_key import load_or_create_key
 from etrain.service.access.quotas import TenantQuotas, check_priority
 from etrain.service.access.reach import Reach
 from etrain.service.access.storage_roots import StorageRoots, pin
-from etrain.service.access.tenancy import ADMIN, Principal
+from etrain.service.access.tenancy import ADMIN, DEFAULT_TENANT, Principal
 from etrain.service.decisions.admission import Admit
 from etrain.service.decisions.elastic import ElasticPolicy, ResizeError
 from etrain.service.decisions.job_policy import policy_for
@@ -251,6 +251,7 @@ class JobManager:
                 idempotency_key=idempotency_key,
                 request_hash=digest,
                 checkpoint_dir=self._directories.root_of(job_id, spec),  # claimed in the same transaction
+                granted_workers=config.parallel.world_size,  # what the tenant's worker quota admitted
             )
         except DirectoryTaken as taken:  # an unfinished job holds an overlapping directory: 409, nothing stored
             self._submitting.discard(job_id)
@@ -384,6 +385,7 @@ class JobManager:
             ) from None
         layout = spec.layout
         self._quotas.admit_scale(principal, record, dp, layout.tp * layout.pp, self.store)  # QuotaExceeded: 429
+        self.store.update_job(job_id, granted_workers=dp * layout.tp * layout.pp)  # what the quota counts it at
         self.store.add_events(job_id, [(time.time(), "scale_requested", {"message": f"dp -> {dp} requested via API"})])
         self._control.put(ControlRequest(job_id=job_id, action="scale", dp=dp))  # delivered off this thread
         return self.get(job_id)
@@ -599,8 +601,11 @@ class JobManager:
         owners = self.store.jobs_in_dir(
             self._directories.root_of(job_id, spec), tenant=Principal.reader_of(record.tenant).tenant_filter
         )
+        granted = record.granted_workers
+        quota = self._quotas.max_workers is not None and record.tenant != DEFAULT_TENANT and granted
         policy = dataclasses.replace(
             policy_for(spec),
+            grow_limit_dp=max(spec.min_dp, granted // (spec.layout.tp * spec.layout.pp)) if quota else None,
             restarts_used=record.restarts,
             attempt_base=record.attempt,
             checkpoint_key=self._checkpoint_key,

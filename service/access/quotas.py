@@ -6,7 +6,11 @@ Holdings, checked by the manager (the admin is exempt from all of them):
   once before the spec is validated (a tenant at its cap costs the server no planning) and again, with the
   reservation below, right before the row is written.
 * ``ETRAIN_TENANT_MAX_WORKERS`` (default: none) caps the ranks (world size) those jobs hold plus the new
-  job's, and a ``scale`` that grows a job: its new world size counts instead of the old one.
+  job's, and a ``scale`` that grows a job: its new world size counts instead of the old one. A job counts
+  at least at the size it was granted (at submit, then by each accepted ``scale``: ``granted_workers``),
+  also while it runs smaller after losing capacity, and with this quota set its supervisor grows back only
+  up to that size by itself (its initial ``scale`` target): so a tenant's jobs never hold more than the
+  quota, whatever their elastic range; growing past the grant is a ``scale``, checked here.
 * ``ETRAIN_TENANT_MIN_PRIORITY`` .. ``ETRAIN_TENANT_MAX_PRIORITY`` (default 0..100), or a tenant's own
   range in ``ETRAIN_TENANT_PRIORITIES``, bound the ``priority`` a tenant may give its jobs.
 
@@ -142,9 +146,11 @@ class TenantQuotas:
         return held, [seat for seat in self._reserved.values() if seat.tenant == tenant]
 
     def _size(self, job: JobRecord) -> int:
-        """A job's ranks as the quota counts them: its world size, or the size a pending scale asked for."""
+        """A job's ranks as the quota counts them: its world size, never less than what it was granted (an
+        elastic job that shrank grows back to that by itself), or the size a pending scale asked for."""
         seat = self._scaling.get(job.id)
-        return job.world_size if seat is None else max(job.world_size, seat.workers)
+        held = max(job.world_size, job.granted_workers or 0)
+        return held if seat is None else max(held, seat.workers)
 
     def _workers(self, held: list[JobRecord]) -> int:
         return sum(self._size(job) for job in held)

@@ -70,6 +70,9 @@ class JobPolicy:
     #: Besides the job itself, the jobs whose signed steps it may resume from: those of its tenant that
     #: recorded the same checkpoint directory (service/access/checkpoint_dirs.py ``may_resume``). Empty: its own.
     resume_owners: frozenset[str] = frozenset()
+    #: The most data-parallel replicas the job grows to by itself (its initial ``scale`` target): the dp of
+    #: the ranks its tenant's worker quota granted it; None: no quota, as far as capacity and max_dp allow.
+    grow_limit_dp: int | None = None
 
 
 #: Each policy value :func:`policy_for` takes from the spec -> the spec fields it reads (the first is the one
@@ -103,6 +106,7 @@ NOT_FROM_SPEC: dict[str, str] = {
     "attempt_base": "the manager, from the job's record",
     "checkpoint_key": "the manager, the service's checkpoint signing key",
     "resume_owners": "the manager, from the store's checkpoint directories",
+    "grow_limit_dp": "the manager, from the ranks the tenant's worker quota granted the job",
 }
 
 

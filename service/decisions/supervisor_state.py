@@ -181,8 +181,10 @@ def initial_state(
     dp: int,
     last_committed_step: int | None = None,
     restarts_used: int = 0,
+    target_dp: int | None = None,
 ) -> SupervisorState:
-    """A QUEUED job that will launch at ``dp`` (the planner's choice; capacity may change it)."""
+    """A QUEUED job that will launch at ``dp`` (the planner's choice; capacity may change it). ``target_dp``:
+    the most it grows to by itself until a ``scale`` says otherwise (the tenant's worker-quota grant)."""
     try:
         config.elastic.check(dp)
     except ResizeError as err:
@@ -193,6 +195,7 @@ def initial_state(
         last_committed_step=last_committed_step,
         step=last_committed_step or 0,
         restarts_used=restarts_used,
+        target_dp=target_dp,
     )
 
 

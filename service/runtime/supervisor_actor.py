@@ -126,7 +126,11 @@ class JobSupervisor:
         # step this job believes it has, and is moved aside.
         resume_step = self._checkpoints.latest()
         self.state = initial_state(
-            self.sm_config, dp=config.parallel.dp, last_committed_step=resume_step, restarts_used=policy.restarts_used
+            self.sm_config,
+            dp=config.parallel.dp,
+            last_committed_step=resume_step,
+            restarts_used=policy.restarts_used,
+            target_dp=policy.grow_limit_dp,
         )
         self._inbox: queue.Queue = queue.Queue()
         # Held while a decision is applied (its new state and its actions, recorded events included), so

@@ -49,6 +49,7 @@ _UPDATABLE = frozenset(
         "stragglers",
         "goodput",
         "goodput_breakdown",
+        "granted_workers",
         "attempt",
         "artifacts",
     }
@@ -57,7 +58,7 @@ _JSON_FIELDS = frozenset({"spec", "stragglers", "artifacts", "goodput_breakdown"
 _JOB_COLUMNS = (
     "id, name, status, spec, step, loss, tokens_per_s, world_size, restarts, created_at, updated_at, "
     "error, layout, last_checkpoint_step, stragglers, goodput, attempt, artifacts, tenant, priority, mfu, "
-    "goodput_breakdown"
+    "goodput_breakdown, granted_workers"
 )
 
 
@@ -156,6 +157,7 @@ class JobStore:
         idempotency_key: str | None = None,
         request_hash: str | None = None,
         checkpoint_dir: str | None = None,
+        granted_workers: int | None = None,
     ) -> JobRecord:
         """Insert a job. With ``idempotency_key``, a second job of the same tenant and key is a
         JobConflict (:meth:`find_idempotent` tells the caller which job holds the key). With
@@ -168,8 +170,8 @@ class JobStore:
             try:
                 conn.execute(
                     "INSERT INTO jobs (id, name, status, spec, world_size, created_at, updated_at, layout, "
-                    "tenant, priority, idempotency_key, request_hash, checkpoint_dir) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    "tenant, priority, idempotency_key, request_hash, checkpoint_dir, granted_workers) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (
                         job_id,
                         name,
@@ -184,6 +186,7 @@ class JobStore:
                         idempotency_key,
                         request_hash,
                         checkpoint_dir,
+                        granted_workers,
                     ),
                 )
             except sqlite3.IntegrityError:
@@ -474,6 +477,7 @@ def _job(row: tuple) -> JobRecord:
         priority,
         mfu,
         breakdown,
+        granted,
     ) = row
     return JobRecord(
         id=job_id,
@@ -498,6 +502,7 @@ def _job(row: tuple) -> JobRecord:
         priority=priority,
         mfu=mfu,
         goodput_breakdown=json.loads(breakdown) if breakdown else None,
+        granted_workers=granted,
     )
 
 

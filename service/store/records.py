@@ -42,6 +42,9 @@ class JobRecord:
     mfu: float | None = None  # model FLOPs utilisation of the latest step (None where the peak is unknown)
     #: Seconds of wall time since submit by cause (service/decisions/goodput_breakdown.py); None before.
     goodput_breakdown: dict[str, float] | None = None
+    #: The ranks the job was granted (its size at submit, then each accepted ``scale``): what the tenant's
+    #: worker quota counts it at while it runs smaller, and the most it grows back to by itself.
+    granted_workers: int | None = None
 
     @property
     def is_terminal(self) -> bool:

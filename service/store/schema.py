@@ -92,6 +92,9 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
     ("ALTER TABLE jobs ADD COLUMN mfu REAL",),
     # Where the job's wall time went, seconds by cause (service/decisions/goodput_breakdown.py); NULL before.
     ("ALTER TABLE jobs ADD COLUMN goodput_breakdown TEXT",),
+    # The ranks the tenant's worker quota granted the job: its size at submit, then each accepted scale's
+    # (service/access/quotas.py counts a job at no less; an elastic job grows back only up to it); NULL before.
+    ("ALTER TABLE jobs ADD COLUMN granted_workers INTEGER",),
 )
 
 SCHEMA_VERSION = len(MIGRATIONS)

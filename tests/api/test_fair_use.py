@@ -452,6 +452,33 @@ def test_scale_counts_against_the_worker_quota(real):
     assert admin.post(f"/v1/jobs/{big}/scale", json={"dp": 4}).status_code == 202
 
 
+def test_an_elastic_job_that_shrank_still_counts_at_its_grant_and_grows_back_only_to_it(real):
+    """A tenant's elastic job that lost capacity runs smaller than it was admitted at: the quota keeps
+    counting its grant (it grows back to it by itself), so another submit cannot take those ranks; and its
+    supervisor starts with the grant as its ceiling, so capacity alone never takes it past the quota."""
+    manager, clients = real(tenant_max_workers=3)
+    alice, admin = clients["alice"], clients["admin"]
+    elastic = alice.post("/v1/jobs", json=spec("elastic", parallelism={"dp": 2})).json()["id"]  # may grow to 4
+    policy = manager.runtime.jobs[elastic]["policy"]
+    assert (policy.max_dp, policy.grow_limit_dp) == (4, 2)  # the quota's grant, not max_dp
+    manager.store.update_job(elastic, world_size=1)  # capacity went: the supervisor shrank it to dp=1
+    refused = alice.post("/v1/jobs", json=spec("more", parallelism={"dp": 2}))
+    assert refused.status_code == 429 and refused.json()["quota"]["used"] == 2, refused.text
+    assert alice.post("/v1/jobs", json=spec("one")).status_code == 201  # 2 granted + 1 = 3 of 3
+    # an accepted scale moves the grant; the supervisor gets the new target with the scale itself
+    assert alice.post(f"/v1/jobs/{elastic}/scale", json={"dp": 1}).status_code == 202
+    assert manager.store.get_job(elastic).granted_workers == 1
+    # the admin's jobs are not held to a tenant's quota: no ceiling below max_dp
+    unlimited = admin.post("/v1/jobs", json=spec("admins", parallelism={"dp": 2})).json()["id"]
+    assert manager.runtime.jobs[unlimited]["policy"].grow_limit_dp is None
+
+
+def test_without_a_worker_quota_an_elastic_job_grows_to_max_dp(real):
+    manager, clients = real()
+    job = clients["alice"].post("/v1/jobs", json=spec("free", parallelism={"dp": 2})).json()["id"]
+    assert manager.runtime.jobs[job]["policy"].grow_limit_dp is None
+
+
 def test_concurrent_scales_cannot_both_take_the_last_workers(tmp_path, store):
     quotas = TenantQuotas(max_jobs=None, max_workers=4)
     for job_id in ("a", "b"):

@@ -362,8 +362,9 @@ def test_a_release_2_file_gains_empty_artifacts_and_stores_new_ones(db_path):
     conn.close()
 
     with JobStore(db_path) as store:
-        assert store.schema_version == SCHEMA_VERSION == 8
+        assert store.schema_version == SCHEMA_VERSION == 9
         assert store.get_job("old").artifacts == {}
+        assert store.get_job("old").granted_workers is None  # older rows: counted at their world size
         assert (store.get_job("old").tenant, store.get_job("old").priority) == ("default", 0)
         updated = store.update_job("old", artifacts={"hf": "/ckpt/old/hf-export"})
         assert updated.artifacts == {"hf": "/ckpt/old/hf-export"}
@@ -476,3 +477,10 @@ def test_an_idempotency_key_is_unique_per_tenant(store):
     store.create_job(job_id="j4", name="j", spec={}, world_size=1, tenant="alice")
     store.create_job(job_id="j5", name="j", spec={}, world_size=1, tenant="alice")
     assert store.get_job("j2") is None
+
+
+def test_a_job_keeps_the_ranks_it_was_granted_and_a_scale_changes_them(store):
+    store.create_job(job_id="j", name="j", spec={}, world_size=4, granted_workers=4)
+    assert store.update_job("j", world_size=2).granted_workers == 4  # it shrank: the grant stays
+    assert store.update_job("j", granted_workers=6).granted_workers == 6
+    assert store.create_job(job_id="k", name="k", spec={}, world_size=1).granted_workers is None

@@ -1551,6 +1551,31 @@ class TestStories:
         assert s.all_kinds.count("resized") == 2 and s.state.restarts_used == 0
 
 
+class TestGrowLimit:
+    """A tenant's worker quota starts a job with its grant as the ``scale`` target: capacity alone never
+    grows it past that, a ``scale`` (checked against the quota by the manager) does."""
+
+    def test_capacity_returning_grows_back_to_the_grant_and_no_further(self):
+        state = initial_state(CONFIG, dp=4, target_dp=4)
+        s = Story(dp=4)
+        s.state = state
+        s.at(0, Start())
+        s.at(1, GroupReady(attempt=1, world_size=8))
+        d = s.at(2, CapacityChanged(available_dp=8))
+        assert of(d, RequestCheckpoint) == [] and s.state.pending_resize_dp is None  # max_dp is 8: capped at 4
+        s.at(3, StepReported(attempt=1, step=5, loss=2.0))
+        d = s.at(4, CapacityChanged(available_dp=2))  # shrinks when capacity goes
+        assert s.state.pending_resize_dp == 2
+        s.checkpoint(5, 5)
+        s.at(6, GroupStopped(attempt=1))
+        s.at(7, GroupReady(attempt=2, world_size=4))
+        s.at(8, StepReported(attempt=2, step=7, loss=2.0))
+        d = s.at(9, CapacityChanged(available_dp=8))  # grows back to the grant, not to max_dp
+        assert s.state.pending_resize_dp == 4
+        s.at(10, ScaleRequested(dp=8))  # a scale the manager let through moves the ceiling
+        assert s.state.target_dp == 8 and s.state.pending_resize_dp == 8
+
+
 class TestHealthChecks:
     """[12] A rank that fails its health check has its node excluded, like an evicted straggler's."""
 
