@@ -47,6 +47,19 @@ __all__ = [
 ]
 
 FORMAT_VERSION = 1
+#: The suite's figures, in the order the suite measures them and the README's table lists them.
+SUITE_FIGURES = (
+    "startup",
+    "recovery",
+    "goodput",
+    "stragglers",
+    "hang",
+    "checkpoint",
+    "pipeline_bubble",
+    "steady_state",
+    "resize",
+)
+
 RatioKind = Literal["etrain/reference", "reference/etrain"]
 GoalOn = Literal["ratio", "etrain", "difference"]
 

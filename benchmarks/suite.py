@@ -37,23 +37,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.figures import Goal, Row, figure_document, machine_info, write_figure
+from benchmarks.figures import SUITE_FIGURES, Goal, Row, figure_document, machine_info, write_figure
 from benchmarks.peers.common import Job
 from benchmarks.procs import LoadSampler
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
-FIGURES = (
-    "startup",
-    "recovery",
-    "goodput",
-    "stragglers",
-    "hang",
-    "checkpoint",
-    "pipeline_bubble",
-    "steady_state",
-    "resize",
-)
+FIGURES = SUITE_FIGURES
 TITLES = {
     "startup": "1. Startup: submit → first completed step",
     "recovery": "2. Recovery: SIGKILL of one rank → next completed step",

@@ -28,6 +28,7 @@ from etrain.service.decisions.supervisor_moves import (
     fault,
     fit_dp,
     ignore,
+    next_attempt_in_place,
     node_lost,
     stop_group,
     try_launch,
@@ -93,20 +94,7 @@ def _can_repair(state: SupervisorState, rank: int, config: SupervisorConfig) -> 
 def _repair(state: SupervisorState, now: float, config: SupervisorConfig, rank: int, what: str) -> Decision:
     """Spend a restart, keep every other rank's process, replace ``rank``, resume the last commit."""
     step = state.last_committed_step
-    repaired = replace(
-        clear_pending(state),
-        status=Status.RECOVERING,
-        restarts_used=state.restarts_used + 1,
-        attempt=state.attempt + 1,
-        group=GroupPhase.LAUNCHING,
-        group_since=now,
-        step=step,
-        last_progress_at=None,
-        hang_asked_at=None,
-        backoff_until=None,
-        checkpoint_reports=frozenset(),
-        committing=frozenset(),  # a late answer about the old attempt's commit is ignored [3]
-    )
+    repaired = next_attempt_in_place(state, now, status=Status.RECOVERING, restarts_used=state.restarts_used + 1)
     detail = (
         f"restart {repaired.restarts_used}/{config.policy.max_restarts} in place: rank {rank} replaced, the other "
         f"ranks kept, resuming step {step}"

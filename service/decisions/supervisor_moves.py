@@ -238,6 +238,25 @@ def carry_out_pending(
     )
 
 
+def next_attempt_in_place(state: SupervisorState, now: float, *, status: Status, **changes) -> SupervisorState:
+    """The next attempt on the processes the group keeps ([9] a repair, [11] a resize): launching from the
+    last committed step, the old attempt's progress, hang and checkpoint bookkeeping forgotten."""
+    return replace(
+        clear_pending(state),
+        status=status,
+        attempt=state.attempt + 1,
+        group=GroupPhase.LAUNCHING,
+        group_since=now,
+        step=state.last_committed_step,
+        last_progress_at=None,
+        hang_asked_at=None,
+        backoff_until=None,
+        checkpoint_reports=frozenset(),
+        committing=frozenset(),  # a late answer about the old attempt's commit is ignored [3]
+        **changes,
+    )
+
+
 def resize_in_place(
     state: SupervisorState,
     now: float,
@@ -249,21 +268,7 @@ def resize_in_place(
     """[11] Resize the running group without a relaunch: the next attempt on the kept ranks' processes,
     from the step just committed. Not the job's fault: no restart spent, no backoff."""
     step = state.last_committed_step
-    resized = replace(
-        clear_pending(state),
-        status=Status.RESIZING,
-        dp=target,
-        attempt=state.attempt + 1,
-        group=GroupPhase.LAUNCHING,
-        group_since=now,
-        step=step,
-        last_progress_at=None,
-        hang_asked_at=None,
-        backoff_until=None,
-        checkpoint_reports=frozenset(),
-        committing=frozenset(),  # a late answer about the old attempt's commit is ignored [3]
-        resize_note="in place",
-    )
+    resized = next_attempt_in_place(state, now, status=Status.RESIZING, dp=target, resize_note="in place")
     what = f"resize dp {state.dp} -> {target} in place, resuming step {step}"
     resize = ResizeGroup(
         attempt=resized.attempt,
