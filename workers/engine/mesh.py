@@ -14,6 +14,13 @@ DeviceMesh lays ranks out row-major (last dimension fastest), which is exactly M
 ``Topology`` computes for it; ``tests/integration/test_mesh_groups.py`` checks that on real gloo
 process groups.
 
+Expert parallelism (``parallelism.ep``, torchtitan's composition) borrows its ranks from ``dp``: a second
+mesh, :attr:`ParallelMesh.expert`, views the same ranks as ``(pp, edp, ep, tp)`` with ``dp = edp × ep``
+(``ep`` fastest, so the flattened dp index is ``edp_index · ep + ep_index``, as on the root mesh, and an
+ep group is a run of consecutive dp ranks, on one node where a node holds them). Its ``(edp, ep)``
+sub-mesh is what the expert weights are DTensors on: ``Shard(0)`` (by expert) over ``ep``, ``Replicate``
+over ``edp``, the ranks that hold the same experts and average their gradients.
+
 torch 2.13 deprecates slicing a flattened dimension out of the root mesh (``root["dp"]``) and asks
 callers to keep the mesh ``_flatten`` returns; :class:`ParallelMesh` is that bookkeeping: one object
 that hands out every named sub-mesh. Nothing is cached here: callers hold the ``ParallelMesh`` and
@@ -31,12 +38,22 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from etrain.workers.protocol import layout_rules
 from etrain.workers.protocol.topology import Topology, TopologyError
 
-__all__ = ["MESH_DIMS", "ParallelMesh", "backend_for", "build_device_mesh", "mesh_group_ranks", "validate_dp_replicate"]
+__all__ = [
+    "EXPERT_MESH_DIMS",
+    "MESH_DIMS",
+    "ParallelMesh",
+    "backend_for",
+    "build_device_mesh",
+    "mesh_group_ranks",
+    "validate_dp_replicate",
+]
 
 #: The root mesh's dimensions, slowest-varying first.
 MESH_DIMS: tuple[str, str, str, str] = ("pp", "dp_replicate", "dp_shard", "tp")
 #: Every name :meth:`ParallelMesh.__getitem__` accepts.
-_NAMES = (*MESH_DIMS, "dp")
+_NAMES = (*MESH_DIMS, "dp", "ep", "edp")
+#: The expert mesh's dimensions (``ep > 1`` only), slowest-varying first.
+EXPERT_MESH_DIMS: tuple[str, str, str, str] = ("pp", "edp", "ep", "tp")
 
 
 def backend_for(device_type: str, *, cpu_offload: bool = False) -> str:
@@ -62,15 +79,22 @@ class ParallelMesh:
     """The root ``(pp, dp_replicate, dp_shard, tp)`` mesh and its flattened ``dp`` mesh.
 
     ``mesh[name]`` is the sub-mesh of ``name`` holding this rank: ``"pp"``, ``"dp"``, ``"tp"``,
-    ``"dp_replicate"`` or ``"dp_shard"`` (1-D each). :attr:`fsdp` is the mesh FSDP2 runs on.
+    ``"dp_replicate"`` or ``"dp_shard"`` (1-D each), and with expert parallelism ``"ep"`` and ``"edp"``.
+    :attr:`fsdp` is the mesh FSDP2 runs on; :attr:`expert` the 2-D ``(edp, ep)`` mesh of the expert
+    weights (None without expert parallelism).
     """
 
     root: DeviceMesh
     dp: DeviceMesh
+    expert_root: DeviceMesh | None = None
 
     def __getitem__(self, name: str) -> DeviceMesh:
         if name == "dp":
             return self.dp
+        if name in ("ep", "edp"):
+            if self.expert_root is None:
+                raise TopologyError(f"mesh axis {name!r} exists only with expert parallelism (parallelism.ep > 1)")
+            return self.expert_root[name]
         if name not in MESH_DIMS:
             raise TopologyError(f"mesh axis must be one of {_NAMES}, got {name!r}")
         return self.root[name]
@@ -82,6 +106,11 @@ class ParallelMesh:
         if self.root.size(MESH_DIMS.index("dp_replicate")) == 1:
             return self.dp
         return self.root["dp_replicate", "dp_shard"]
+
+    @property
+    def expert(self) -> DeviceMesh | None:
+        """The ``(edp, ep)`` mesh the expert weights are sharded on (None when ep = 1)."""
+        return None if self.expert_root is None else self.expert_root["edp", "ep"]
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -97,8 +126,9 @@ class ParallelMesh:
         return tuple(self.root.get_coordinate())
 
 
-def build_device_mesh(topology: Topology, device_type: str, *, dp_replicate: int = 1) -> ParallelMesh:
-    """The ``(pp, dp_replicate, dp_shard, tp)`` mesh of ``topology``, with ``dp`` flattened.
+def build_device_mesh(topology: Topology, device_type: str, *, dp_replicate: int = 1, ep: int = 1) -> ParallelMesh:
+    """The ``(pp, dp_replicate, dp_shard, tp)`` mesh of ``topology``, with ``dp`` flattened, and with
+    ``ep > 1`` the ``(pp, edp, ep, tp)`` expert mesh over the same ranks.
 
     The caller owns the default process group: it must already be initialized (with
     ``backend_for(device_type)``) and span exactly ``topology.world_size`` ranks. Every rank
@@ -118,7 +148,13 @@ def build_device_mesh(topology: Topology, device_type: str, *, dp_replicate: int
     validate_dp_replicate(topology.dp, dp_replicate)
     shape = (topology.pp, dp_replicate, topology.dp // dp_replicate, topology.tp)
     root = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
-    return ParallelMesh(root=root, dp=root["dp_replicate", "dp_shard"]._flatten("dp"))
+    expert_root = None
+    if ep > 1:
+        if topology.dp % ep:
+            raise TopologyError(f"parallelism.ep={ep} does not divide parallelism.dp={topology.dp}")
+        expert_shape = (topology.pp, topology.dp // ep, ep, topology.tp)
+        expert_root = init_device_mesh(device_type, expert_shape, mesh_dim_names=EXPERT_MESH_DIMS)
+    return ParallelMesh(root=root, dp=root["dp_replicate", "dp_shard"]._flatten("dp"), expert_root=expert_root)
 
 
 def mesh_group_ranks(mesh: ParallelMesh, axis: str) -> tuple[int, ...]:

@@ -62,7 +62,22 @@ def build_optimizer(
     )
     if zero == 1 and dp_group is not None:
         return _ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, process_group=dp_group, **kwargs)
-    return torch.optim.AdamW(params, **kwargs)
+    return torch.optim.AdamW(_groups_by_mesh(params), **kwargs)
+
+
+def _groups_by_mesh(params: list[nn.Parameter]) -> list[nn.Parameter] | list[dict[str, list[nn.Parameter]]]:
+    """``params`` as one list, or one parameter group per mesh when they live on several (plain tensors
+    beside DTensors, or DTensors on different meshes: expert parallelism's ``(edp, ep)`` experts beside the
+    rest). Why: a multi-tensor (``foreach``) or fused step runs per group, and one op over tensors of
+    different kinds or meshes is refused ("mixed torch.Tensor and DTensor"). The groups share every
+    hyperparameter, so the update is the same; DCP maps optimizer state by parameter name, whatever the
+    grouping, so a checkpoint restores across layouts that group differently."""
+    by_mesh: dict[object, list[nn.Parameter]] = defaultdict(list)
+    for p in params:
+        by_mesh[p.device_mesh if isinstance(p, DTensor) else None].append(p)
+    if len(by_mesh) <= 1:
+        return params
+    return [{"params": group} for group in by_mesh.values()]
 
 
 class _ZeroRedundancyOptimizer(ZeroRedundancyOptimizer):

@@ -63,6 +63,9 @@ __all__ = [
     "WidthShardedNorm",
     "apply_ac",
     "apply_dp",
+    "apply_ep",
+    "expert_parameters",
+    "reduce_expert_grads",
     "apply_tp",
     "fsdp_policies",
     "gradient_sync",
@@ -89,11 +92,17 @@ class ParallelDims:
     tp: int
     world_size: int
     dp_replicate: int = 1
+    #: expert parallelism: ep ranks of dp split the experts (``dp = edp × ep``)
+    ep: int = 1
     mesh: ParallelMesh | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         layout_rules.check(layout_rules.world_size_problems(pp=self.pp, dp=self.dp, tp=self.tp, world=self.world_size))
         validate_dp_replicate(self.dp, self.dp_replicate)
+        if self.ep < 1 or self.dp % self.ep:
+            raise ConfigError(
+                f"parallelism.ep={self.ep} does not divide parallelism.dp={self.dp}.", field="parallelism.ep"
+            )
         expected = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
         if self.mesh is not None and self.mesh.shape != expected:
             raise ConfigError(
@@ -103,11 +112,22 @@ class ParallelDims:
 
     @classmethod
     def build(
-        cls, topology: Topology, mesh: ParallelMesh | None, world_size: int, *, dp_replicate: int = 1
+        cls, topology: Topology, mesh: ParallelMesh | None, world_size: int, *, dp_replicate: int = 1, ep: int = 1
     ) -> ParallelDims:
         return cls(
-            pp=topology.pp, dp=topology.dp, tp=topology.tp, world_size=world_size, dp_replicate=dp_replicate, mesh=mesh
+            pp=topology.pp,
+            dp=topology.dp,
+            tp=topology.tp,
+            world_size=world_size,
+            dp_replicate=dp_replicate,
+            ep=ep,
+            mesh=mesh,
         )
+
+    @property
+    def edp(self) -> int:
+        """Ranks that hold the same experts (``dp / ep``): their expert gradients are averaged together."""
+        return self.dp // self.ep
 
     @property
     def dp_shard(self) -> int:
@@ -115,8 +135,8 @@ class ParallelDims:
         return self.dp // self.dp_replicate
 
     def axis(self, name: str) -> DeviceMesh:
-        """The 1-D sub-mesh of axis ``name`` (``"pp"``, ``"dp"``, ``"tp"``, ``"dp_replicate"`` or
-        ``"dp_shard"``) holding this rank."""
+        """The 1-D sub-mesh of axis ``name`` (``"pp"``, ``"dp"``, ``"tp"``, ``"dp_replicate"``,
+        ``"dp_shard"``, and with expert parallelism ``"ep"`` and ``"edp"``) holding this rank."""
         assert self.mesh is not None, "ParallelDims has no DeviceMesh (single process without a group)"
         return self.mesh[name]
 
@@ -131,6 +151,10 @@ class ParallelDims:
         """The mesh FSDP2 runs on: 1-D ``dp`` (FSDP), or 2-D ``(dp_replicate, dp_shard)`` (HSDP)."""
         assert self.mesh is not None, "ParallelDims has no DeviceMesh (single process without a group)"
         return self.mesh.fsdp
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
 
     @property
     def tp_enabled(self) -> bool:
@@ -360,6 +384,80 @@ def _selective_contexts():
     return create_selective_checkpoint_contexts(policy)
 
 
+# -- expert parallelism --------------------------------------------------------------------------
+
+
+def _moe_layers(module: nn.Module) -> list[nn.Module]:
+    """The mixture-of-experts layers of ``module``: those with an ``ep_group`` slot and stacked ``experts``."""
+    return [
+        m for m in module.modules() if hasattr(m, "ep_group") and isinstance(getattr(m, "experts", None), nn.Module)
+    ]
+
+
+def expert_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The stacked expert weights of every mixture-of-experts layer of ``module`` (under expert parallelism
+    the ``(edp, ep)`` DTensors that the data-parallel wrappers leave alone)."""
+    return [p for layer in _moe_layers(module) for p in layer.experts.parameters()]
+
+
+def apply_ep(module: nn.Module, dims: ParallelDims) -> None:
+    """Expert parallelism, torchtitan's composition: the ``ep`` ranks are borrowed from ``dp`` (``dp = edp ×
+    ep``). Every MoE layer's stacked expert weights (``[n_experts, ...]``) become DTensors on the ``(edp, ep)``
+    mesh, ``Replicate`` over ``edp`` and ``Shard(0)`` (by expert) over ``ep``: a rank holds ``n_experts / ep``
+    whole experts and DCP saves them by global expert index, so a checkpoint reshards into any other layout
+    (ep = 1 included). The layer gets the ``ep`` process group, over which it exchanges its tokens
+    (``etrain.workers.families.expert_parallel``). Works on a meta-device module (the shards are
+    materialised later, each drawn whole and sliced like every sharded parameter).
+
+    Gradients: the data-parallel wrappers (:func:`apply_dp`) leave these weights out; after the backward,
+    :func:`reduce_expert_grads` sums them over ``edp`` and divides by ``dp``, which is the gradient of the
+    mean loss over the global batch (a rank's expert gradient already sums the tokens every ep peer sent it).
+    """
+    mesh = dims.mesh.expert if dims.mesh is not None else None
+    if mesh is None:
+        raise ConfigError("expert parallelism needs the (edp, ep) expert mesh", field="parallelism.ep")
+    group = dims.mesh.get_group("ep")
+    placements = (Replicate(), Shard(0))
+    for layer in _moe_layers(module):
+        experts = layer.experts
+        for name, param in list(experts.named_parameters(recurse=False)):
+            if param.shape[0] % dims.ep:
+                raise ConfigError(
+                    f"parallelism.ep={dims.ep} does not divide the {param.shape[0]} experts of {name}.",
+                    field="parallelism.ep",
+                )
+            local_shape = (param.shape[0] // dims.ep, *param.shape[1:])
+            if param.is_meta:
+                local = torch.empty(local_shape, dtype=param.dtype, device="meta")
+                sharded = DTensor.from_local(
+                    local, mesh, placements, run_check=False, shape=param.shape, stride=param.stride()
+                )
+            else:
+                sharded = distribute_tensor(param.data, mesh, placements, src_data_rank=None)
+            experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        layer.ep_group = group
+
+
+@torch.no_grad()
+def reduce_expert_grads(modules: Iterable[nn.Module], dims: ParallelDims) -> None:
+    """After the step's backward (every micro-batch): each expert gradient summed over the ``edp`` ranks
+    that hold the same experts, divided by ``dp``. A rank's local expert gradient is the sum over the tokens
+    its ep peers routed to it of their micro-batch losses' gradients (``loss / micro-batches`` on each), so
+    the sum over ``edp`` covers every dp rank once and ``/ dp`` makes it the mean over dp, exactly what
+    DDP's and FSDP2's averages give every other parameter (and one process gives all of them)."""
+    if not dims.ep_enabled:
+        return
+    group = dims.mesh.get_group("edp") if dims.edp > 1 else None
+    for module in modules:
+        for param in expert_parameters(module):
+            if param.grad is None:
+                continue
+            local = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+            if group is not None:
+                dist.all_reduce(local, group=group)
+            local.div_(dims.dp)
+
+
 # -- data parallelism ----------------------------------------------------------------------------
 
 
@@ -442,9 +540,12 @@ def apply_dp(
     """
     if not dims.dp_enabled:
         return module
+    experts = set(expert_parameters(module)) if dims.ep_enabled else set()
     if layout_rules.uses_fsdp(zero, dims.dp):
         fsdp_mesh = dims.fsdp_mesh
         policies: dict[str, object] = {"reshard_after_forward": zero == 3}
+        if experts:  # sharded by expert over ep and reduced by reduce_expert_grads, not FSDP2's
+            policies["ignored_params"] = experts
         if mp_policy is not None:
             policies["mp_policy"] = mp_policy
         if offload_policy is not None:
@@ -453,16 +554,19 @@ def apply_dp(
             fully_shard(block, mesh=fsdp_mesh, **policies)
         fully_shard(module, mesh=fsdp_mesh, **policies)
         return module
-    if _has_dtensor_params(module):
+    if _has_dtensor_params(module, experts):
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
         replicate(module, mesh=dims.axis("dp"))
         return module
+    if experts:  # DDP leaves the expert weights to reduce_expert_grads
+        names = [name for name, p in module.named_parameters() if p in experts]
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)
     return DistributedDataParallel(module, process_group=dims.group("dp"))
 
 
-def _has_dtensor_params(module: nn.Module) -> bool:
-    return any(isinstance(p, DTensor) for p in module.parameters())
+def _has_dtensor_params(module: nn.Module, ignored: set[nn.Parameter] = frozenset()) -> bool:
+    return any(isinstance(p, DTensor) for p in module.parameters() if p not in ignored)
 
 
 def parallelize_stage(
@@ -472,7 +576,7 @@ def parallelize_stage(
     materialize: Callable[[nn.Module], nn.Module] | None = None,
     device: torch.device | str | None = None,
 ) -> nn.Module:
-    """(float8 →) TP → AC → compile → DP on a whole model or one pipeline stage; returns the module to run.
+    """(float8 →) TP → EP → AC → compile → DP on a whole model or one pipeline stage; returns the module to run.
 
     ``module`` may live on the ``meta`` device; ``materialize`` then allocates and initialises its
     local shards at the latest point that is legal: after FSDP2 has sharded it (ZeRO-2/3, so a rank
@@ -508,6 +612,19 @@ def parallelize_stage(
         apply_tp(
             module, dims.axis("tp"), sequence_parallel=parallel.sequence_parallel, compiled=config.training.compile
         )
+    if dims.ep_enabled:
+        layout_rules.check(
+            layout_rules.ep_problems(
+                config.model,
+                ep=dims.ep,
+                dp=dims.dp,
+                zero=parallel.zero,
+                dp_replicate=parallel.dp_replicate,
+                offload=parallel.offload,
+                compile=config.training.compile,
+            )
+        )
+        apply_ep(module, dims)
     apply_ac(module, config.training.activation_checkpointing)
     if config.training.compile:
         from etrain.workers.engine.compile import apply_compile

@@ -53,6 +53,7 @@ from etrain.workers.engine.parallelize import (
     gradient_sync,
     loss_context,
     parallelize_stage,
+    reduce_expert_grads,
     unwrap,
     uses_fsdp,
     validate_data_parallel,
@@ -98,6 +99,17 @@ class Trainer:
         layout_rules.check(
             layout_rules.world_size_problems(pp=parallel.pp, dp=parallel.dp, tp=parallel.tp, world=world_size)
         )
+        layout_rules.check(
+            layout_rules.ep_problems(
+                config.model,
+                ep=parallel.ep,
+                dp=parallel.dp,
+                zero=parallel.zero,
+                dp_replicate=parallel.dp_replicate,
+                offload=parallel.offload,
+                compile=config.training.compile,
+            )
+        )
         self.config = config
         self.rank = rank
         self.world_size = world_size
@@ -116,11 +128,13 @@ class Trainer:
                 fix="use 1 to separate compute from waiting on every step, or e.g. 10",
             )
         mesh = (
-            build_device_mesh(self.topology, self.device.type, dp_replicate=parallel.dp_replicate)
+            build_device_mesh(self.topology, self.device.type, dp_replicate=parallel.dp_replicate, ep=parallel.ep)
             if self.distributed
             else None
         )
-        self.dims = ParallelDims.build(self.topology, mesh, world_size, dp_replicate=parallel.dp_replicate)
+        self.dims = ParallelDims.build(
+            self.topology, mesh, world_size, dp_replicate=parallel.dp_replicate, ep=parallel.ep
+        )
         self.grad_accum_steps = config.grad_accum_steps
         self._plan_cache: str | None = None  # DCP's save-plan cache generation (workers/checkpoints/checkpoint_io.py)
         self._sync_tensor = torch.zeros(1, device=self.device)
@@ -230,6 +244,7 @@ class Trainer:
                 loss_sum, has_loss = self._forward_backward(step, micro_batches, timer, synced)
 
         loss_t = self._global_loss(loss_sum, has_loss)
+        reduce_expert_grads(self.model_parts, self.dims)  # expert parallelism: averaged over their holders
         grad_norm_t = clip_grad_norm_(
             [p for m in self.model_parts for p in m.parameters()],
             training.grad_clip,

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from etrain.workers.families.expert_parallel import exchange_experts, local_tensor
 from etrain.workers.families.layers import RMSNorm, run_trunk
 from etrain.workers.families.llama_model import Llama, LlamaAttention
 from etrain.workers.protocol.run_config import ModelConfig
@@ -169,10 +170,12 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(e, f, d))
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """``x``: the picked rows sorted by expert; ``offsets``: where each expert's rows end."""
-        x = x.to(compute_dtype(x, self.w1))  # once for both projections that read it
-        hidden = F.silu(grouped_linear(x, self.w1, offsets)) * grouped_linear(x, self.w3, offsets)
-        return grouped_linear(hidden, self.w2, offsets)
+        """``x``: the picked rows sorted by expert; ``offsets``: where each expert's rows end. Under expert
+        parallelism the weights are ``Shard(0)`` DTensors and this rank runs its local experts."""
+        w1, w2, w3 = local_tensor(self.w1), local_tensor(self.w2), local_tensor(self.w3)
+        x = x.to(compute_dtype(x, w1))  # once for both projections that read it
+        hidden = F.silu(grouped_linear(x, w1, offsets)) * grouped_linear(x, w3, offsets)
+        return grouped_linear(hidden, w2, offsets)
 
 
 def _histogram(picks: torch.Tensor, bins: int, top: int) -> torch.Tensor:
@@ -212,10 +215,15 @@ def load_balancing_loss(statistics: list[torch.Tensor], n_experts: int, rows: in
 
 
 class MoE(nn.Module):
-    """The sparse MLP: route, run each token through its k experts, weigh and sum. No token is dropped."""
+    """The sparse MLP: route, run each token through its k experts, weigh and sum. No token is dropped.
+
+    ``ep_group``: set by the engine's ``apply_ep`` under expert parallelism (the experts then hold this
+    rank's ``n_experts / ep``): the rows are exchanged with the ranks that hold their experts
+    (``etrain.workers.families.expert_parallel``); None runs every expert here."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
+        self.ep_group = None
         self.n_experts = config.n_experts
         self.top_k = config.experts_per_token
         self.with_statistics = config.router_aux_loss_coef > 0
@@ -229,8 +237,11 @@ class MoE(nn.Module):
         expert_ids = picks.reshape(-1)  # [tokens·k]: token t's picks at t·k ... t·k + k - 1
         sorted_ids, order = torch.sort(expert_ids, stable=True)
         counts = _histogram(sorted_ids, self.n_experts, self.n_experts - 1)
-        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-        out = self.experts(flat[order // self.top_k], offsets)
+        rows = flat[order // self.top_k]
+        if self.ep_group is None:
+            out = self.experts(rows, torch.cumsum(counts, dim=0, dtype=torch.int32))
+        else:
+            out = exchange_experts(rows, counts, self.experts, self.ep_group)
         out = out * weights.reshape(-1)[order].unsqueeze(-1)
         out = out[torch.argsort(order)]  # back to token order
         out = out.view(-1, self.top_k, d).sum(dim=1).to(x.dtype).view(batch, seq, d)

@@ -51,7 +51,9 @@ __all__ = [
     "data_parallel_problems",
     "degree_problems",
     "divisors",
+    "dp_multiple",
     "dp_range_problems",
+    "ep_problems",
     "family_axis_problems",
     "dp_replicate_problems",
     "grad_accum_steps",
@@ -85,6 +87,7 @@ PIPELINE_SCHEDULES: tuple[str, ...] = (*SINGLE_STAGE_SCHEDULES, "interleaved_1f1
 _DEGREE_NAMES = {
     "pp": "pipeline-parallel degree",
     "dp": "data-parallel degree",
+    "ep": "expert-parallel degree",
     "tp": "tensor-parallel degree",
     "virtual_stages": "pipeline stages per rank",
     "microbatches": "pipeline micro-batches per step",
@@ -665,6 +668,13 @@ def micro_batch_count(global_batch: int, micro_batch: int) -> int:
     return global_batch // micro_batch
 
 
+def dp_multiple(*, dp_replicate: int = 1, ep: int = 1) -> int:
+    """What every dp an elastic job runs at must be a multiple of: HSDP's ``dp_replicate`` (its replica
+    groups each shard over ``dp / dp_replicate`` ranks) and expert parallelism's ``ep`` (each run of ``ep``
+    dp ranks splits the experts); their least common multiple."""
+    return math.lcm(max(1, dp_replicate), max(1, ep))
+
+
 def dp_range_problems(min_dp: int, max_dp: int, dp_multiple: int = 1) -> list[Problem]:
     """An elastic range ``1 <= min_dp <= max_dp``; ``dp_multiple`` (HSDP's dp_replicate) >= 1."""
     if min_dp < 1:
@@ -712,6 +722,99 @@ def legal_dp_sizes(global_batch: int, micro_batch: int, min_dp: int, max_dp: int
     return [dp for dp in divisors(count) if min_dp <= dp <= max_dp and dp % dp_multiple == 0]
 
 
+# -- expert parallelism -------------------------------------------------------------------------
+
+
+def ep_problems(
+    model: Sizes,
+    *,
+    ep: int,
+    dp: int,
+    zero: int = 0,
+    dp_replicate: int = 1,
+    offload: str = "none",
+    compile: bool = False,
+) -> list[Problem]:
+    """Expert parallelism (``parallelism.ep``) the way torchtitan composes it: the ``ep`` ranks are borrowed
+    from the data-parallel dimension (world = pp·dp·tp still; each run of ``ep`` consecutive dp ranks
+    splits every mixture-of-experts layer's experts, ``n_experts / ep`` each), so ``ep`` divides ``dp`` and
+    the number of experts, and only a family with experts has any to split. What it does not compose
+    with yet: ZeRO-1 (its optimizer broadcasts each parameter from one owner to every dp rank, which would
+    overwrite the other ranks' experts), HSDP (``dp_replicate``) and CPU offload (FSDP2 features that
+    would leave the expert shards out), and compiled blocks (the exchange's split sizes are read on the
+    host, which a ``fullgraph`` block cannot hold)."""
+    if ep == 1:
+        return []
+    if not _is_count(ep):
+        return degree_problems(ep=ep)
+    problems = []
+    if not family(model.arch).mixture_of_experts:
+        problems.append(
+            Problem(
+                field="parallelism.ep",
+                message=f"parallelism.ep={ep} splits a mixture of experts' experts over ranks, but "
+                f"model.kind={model.arch!r} is a dense model (it has no experts).",
+                fix="use parallelism.ep=1 (the default), or a mixture-of-experts model (model.kind qwen3_moe)",
+            )
+        )
+        return problems
+    if model.n_experts % ep:
+        problems.append(
+            Problem(
+                field="parallelism.ep",
+                message=f"parallelism.ep={ep} does not divide model.n_experts={model.n_experts} (each of the ep "
+                "ranks holds n_experts / ep whole experts).",
+                fix=f"use ep in {[e for e in divisors(model.n_experts) if _is_count(dp) and dp % e == 0][:24]}",
+            )
+        )
+    if _is_count(dp) and dp % ep:
+        problems.append(
+            Problem(
+                field="parallelism.ep",
+                message=f"parallelism.ep={ep} does not divide parallelism.dp={dp}: expert parallelism borrows its "
+                "ranks from the data-parallel dimension (each group of ep consecutive dp ranks splits the experts).",
+                fix=f"use a dp that is a multiple of {ep} (e.g. {ep * max(1, dp // ep)}), or ep in "
+                f"{[e for e in divisors(dp) if model.n_experts % e == 0][:24]}",
+            )
+        )
+    if zero == 1:
+        problems.append(
+            Problem(
+                field="parallelism.ep",
+                message=f"parallelism.ep={ep} does not run with parallelism.zero=1: ZeRO-1's optimizer broadcasts "
+                "every parameter from one owner to all dp ranks, and the ep ranks hold different experts.",
+                fix="use parallelism.zero 0 (DDP) or 2/3 (FSDP2) with ep > 1, or ep=1",
+            )
+        )
+    if dp_replicate != 1:
+        problems.append(
+            Problem(
+                field="parallelism.ep",
+                message=f"parallelism.ep={ep} does not compose with HSDP (parallelism.dp_replicate={dp_replicate}) yet.",
+                fix="use parallelism.dp_replicate=1 (plain FSDP2, zero 2/3) with ep > 1, or ep=1",
+            )
+        )
+    if offload != "none":
+        problems.append(
+            Problem(
+                field="parallelism.ep",
+                message=f"parallelism.ep={ep} does not compose with parallelism.offload={offload!r} yet (the expert "
+                "shards are not FSDP2's and would stay in device memory).",
+                fix="use parallelism.offload='none' with ep > 1, or ep=1",
+            )
+        )
+    if compile:
+        problems.append(
+            Problem(
+                field="training.compile",
+                message=f"training.compile does not run with parallelism.ep={ep} yet: the token exchange reads its "
+                "split sizes on the host, which a compiled (fullgraph) block cannot hold.",
+                fix="set training.compile: false with ep > 1, or ep=1",
+            )
+        )
+    return problems
+
+
 # -- a whole layout -----------------------------------------------------------------------------
 
 
@@ -730,15 +833,16 @@ def layout_problems(
     microbatches: int = 1,
     microbatch_source: str | None = None,
     max_dp: int | None = None,
+    ep: int = 1,
 ) -> list[Problem]:
     """Every structural rule of a layout (not the batch: :func:`batch_problems`; not memory: the planner).
 
     In order: degrees (alone, when any is broken), tensor parallelism, sequence parallelism, the axes
     the family refuses (pipeline stages), tied embeddings, the layer split, the schedule (only with pp > 1, or when a virtual stage or the
-    interleaved schedule asks for a pipeline), HSDP / offload, and ZeRO at dp=1 (``max_dp``: the
-    elastic ceiling; default ``dp``).
+    interleaved schedule asks for a pipeline), HSDP / offload, ZeRO at dp=1 (``max_dp``: the
+    elastic ceiling; default ``dp``), and expert parallelism (``ep``: :func:`ep_problems`).
     """
-    problems = degree_problems(dp=dp, tp=tp, pp=pp, virtual_stages=virtual_stages)
+    problems = degree_problems(dp=dp, tp=tp, pp=pp, virtual_stages=virtual_stages, ep=ep)
     if problems:
         return problems
     context = f" (world = dp·tp·pp = {dp}·{tp}·{pp} = {world_size(pp=pp, dp=dp, tp=tp)})"
@@ -751,4 +855,5 @@ def layout_problems(
         problems += schedule_problems(pp, virtual_stages, microbatches, pp_schedule, source=microbatch_source)
     problems += data_parallel_problems(dp=dp, zero=zero, dp_replicate=dp_replicate, offload=offload)
     problems += zero_problems(zero=zero, dp=dp, max_dp=dp if max_dp is None else max_dp)
+    problems += ep_problems(model, ep=ep, dp=dp, zero=zero, dp_replicate=dp_replicate, offload=offload)
     return problems

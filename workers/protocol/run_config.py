@@ -140,7 +140,7 @@ class DataConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
-    """Degrees of the 3D layout (world = pp * dp * tp) and how each axis is run."""
+    """Degrees of the 3D layout (world = pp * dp * tp) and how each axis is run (``ep`` lives inside ``dp``)."""
 
     dp: int = 1
     tp: int = 1
@@ -154,6 +154,9 @@ class ParallelConfig:
     dp_replicate: int = 1
     #: FSDP2 CPUOffloadPolicy: parameters, gradients and optimizer states live in host memory.
     offload: Literal["none", "cpu"] = "none"
+    #: Expert parallelism (torchtitan's composition): ep ranks borrowed from dp split each mixture-of-experts
+    #: layer's experts (n_experts / ep each); ep divides dp and n_experts (``layout_rules.ep_problems``).
+    ep: int = 1
 
     @property
     def world_size(self) -> int:
@@ -163,9 +166,18 @@ class ParallelConfig:
     def num_stages(self) -> int:
         return self.pp * self.virtual_stages
 
+    @property
+    def dp_multiple(self) -> int:
+        """Every dp this layout may be resized to is a multiple of this (``layout_rules.dp_multiple``)."""
+        return layout_rules.dp_multiple(dp_replicate=self.dp_replicate, ep=self.ep)
+
     def describe(self) -> str:
-        """Compact layout string, e.g. ``dp2·tp2·pp2 zero=3 1f1b``; every degree printed."""
-        text = f"pp{self.pp}·dp{self.dp}·tp{self.tp} zero={self.zero}"
+        """Compact layout string, e.g. ``dp2·tp2·pp2 zero=3 1f1b``; every degree printed (``ep`` when > 1:
+        ``pp1·dp4·tp1 ep2 zero=0``)."""
+        text = f"pp{self.pp}·dp{self.dp}·tp{self.tp}"
+        if self.ep > 1:
+            text += f" ep{self.ep}"
+        text += f" zero={self.zero}"
         if self.pp > 1:
             text += f" {self.pp_schedule}"
             if self.virtual_stages > 1:

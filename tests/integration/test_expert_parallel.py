@@ -1,0 +1,165 @@
+"""Expert parallelism (``parallelism.ep``) on real gloo ranks: equal to one process, and resharded by checkpoints.
+
+The tiny Qwen3-MoE preset (8 experts, top-2, the load-balancing loss weighted 0.01 so that it moves the
+router), at a 16-token context, trained as one process is the reference. On two ranks (one spawn, several
+Trainers on the same process group): ep=2 with DDP (zero 0) and with FSDP2 (zero 3), each rank holding 4
+of the 8 experts of each layer, train the reference's losses, gradient norms and final parameters within
+the equivalence tolerances; ep=2 restored from the reference's step-2 checkpoint trains on to its losses
+(ep=1 -> ep=2). One process restored from the ep=2 run's step-2 checkpoint trains on to the same losses
+(ep=2 -> ep=1). On four ranks: ep=2 × dp=4 (two pairs of ranks, each pair splitting the experts, the
+expert gradients averaged over the pairs) equals one process too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from etrain.workers.protocol.errors import ConfigError
+from etrain.workers.protocol.run_config import MODEL_PRESETS, ModelConfig, ParallelConfig
+from tests.dist_utils import run_distributed
+from tests.equivalence_utils import LOSS_RTOL, RunResult, assert_equivalent, small_config
+from tests.state_utils import full_state_dict
+
+STEPS, SAVE_AT = 4, 2
+MOE = dataclasses.replace(ModelConfig(**MODEL_PRESETS["qwen3-moe-tiny"]), seq_len=16, router_aux_loss_coef=0.01)
+BASE = small_config(steps=STEPS, model=MOE)
+
+
+def _config(parallel: ParallelConfig):
+    return dataclasses.replace(BASE, parallel=parallel)
+
+
+def _save(trainer, root: str, world_size: int) -> None:
+    import torch.distributed as dist
+
+    from etrain.workers.checkpoints.checkpoint_commit import commit, step_dir
+
+    directory = step_dir(root, trainer.next_step)
+    report = trainer.save(directory)
+    reports = [report]
+    if world_size > 1:
+        reports = [None] * world_size
+        dist.all_gather_object(reports, report)
+    if trainer.rank == 0:  # what the supervisor does once every rank has reported
+        commit(
+            directory,
+            step=trainer.next_step,
+            layout=trainer.config.parallel.describe(),
+            world_size=world_size,
+            reports=reports,
+        )
+    if world_size > 1:
+        dist.barrier()
+
+
+def _result(trainer, history) -> RunResult:
+    return RunResult(
+        rank=trainer.rank,
+        losses=[m.loss for m in history],
+        grad_norms=[m.grad_norm for m in history],
+        params=full_state_dict(trainer),
+    )
+
+
+def _train(config, rank: int, world_size: int, *, save_root: str | None = None, restore: str | None = None):
+    from etrain.workers.checkpoints.checkpoint_commit import step_dir
+    from etrain.workers.engine.train import Trainer
+
+    torch.manual_seed(0)
+    trainer = Trainer(config, rank=rank, world_size=world_size, device=torch.device("cpu"))
+    start = trainer.restore(step_dir(restore, SAVE_AT)) if restore else 0
+    history = trainer.run(start, SAVE_AT) if start < SAVE_AT else []
+    if save_root:
+        _save(trainer, save_root, world_size)
+    history += trainer.run(trainer.next_step, STEPS)
+    return _result(trainer, history)
+
+
+def _two_ranks(rank: int, world_size: int, root: str) -> dict:
+    """ep=2 under DDP (saving at step 2) and FSDP2, and ep=2 restored from the one-process checkpoint."""
+    from etrain.workers.engine.train import Trainer
+
+    trainer = Trainer(_config(ParallelConfig(dp=2, ep=2)), rank=rank, world_size=world_size, device=torch.device("cpu"))
+    (model,) = trainer.model_parts
+    experts = model.layers["0"].feed_forward.experts.w1
+    local_experts = experts.to_local().shape[0]
+    del trainer
+    return {
+        "local_experts": local_experts,
+        "ddp": _train(_config(ParallelConfig(dp=2, ep=2)), rank, world_size, save_root=f"{root}/ep2"),
+        "fsdp": _train(_config(ParallelConfig(dp=2, ep=2, zero=3)), rank, world_size),
+        "restored": _train(_config(ParallelConfig(dp=2, ep=2)), rank, world_size, restore=f"{root}/one"),
+    }
+
+
+def _four_ranks(rank: int, world_size: int) -> RunResult:
+    return _train(_config(ParallelConfig(dp=4, ep=2)), rank, world_size)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> tuple[RunResult, str]:
+    """One process (no process group), saving at step 2: the reference, and the ep=1 checkpoint."""
+    root = str(tmp_path_factory.mktemp("ep"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _train(BASE, 0, 1, save_root=f"{root}/one"), root
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _assert_losses(reference: RunResult, losses: list[float], *, first: int, layout: str) -> None:
+    for offset, got in enumerate(losses):
+        want = reference.losses[first + offset]
+        assert abs(got - want) <= LOSS_RTOL * abs(want), f"{layout} step {first + offset}: {got} vs one process {want}"
+
+
+def test_ep2_trains_like_one_process_and_reshards(reference):
+    one, root = reference
+    ranks = run_distributed(_two_ranks, 2, root, timeout_s=240)
+    assert [r["local_experts"] for r in ranks] == [4, 4]  # 8 experts split over 2 ranks
+    print(f"qwen3_moe ep2: losses {ranks[0]['ddp'].losses} vs one process {one.losses}")
+    assert_equivalent(one, [r["ddp"] for r in ranks], layout="qwen3_moe dp2 ep2 zero=0")
+    assert_equivalent(one, [r["fsdp"] for r in ranks], layout="qwen3_moe dp2 ep2 zero=3")
+    # ep=1 (one process) -> ep=2: the steps after the restore are the uninterrupted run's
+    for r in ranks:
+        _assert_losses(one, r["restored"].losses, first=SAVE_AT, layout="ep1 -> ep2")
+    # ep=2 -> ep=1: one process restores the ep=2 checkpoint and trains on to the same losses
+    restored = _train(BASE, 0, 1, restore=f"{root}/ep2")
+    _assert_losses(one, restored.losses, first=SAVE_AT, layout="ep2 -> ep1")
+    assert len(restored.losses) == STEPS - SAVE_AT
+
+
+def test_ep2_dp4_trains_like_one_process(reference):
+    one, _ = reference
+    results = run_distributed(_four_ranks, 4, timeout_s=240)
+    print(f"qwen3_moe dp4 ep2: losses {results[0].losses} vs one process {one.losses}")
+    assert_equivalent(one, results, layout="qwen3_moe dp4 ep2 zero=0")
+
+
+@pytest.mark.parametrize(
+    "parallel, model, field, words",
+    [
+        (ParallelConfig(dp=2, ep=3), MOE, "parallelism.ep", "does not divide model.n_experts=8"),
+        (ParallelConfig(dp=2, ep=4), MOE, "parallelism.ep", "does not divide parallelism.dp=2"),
+        (ParallelConfig(dp=2, ep=2, zero=1), MOE, "parallelism.ep", "zero=1"),
+        (
+            ParallelConfig(dp=2, ep=2),
+            ModelConfig(n_layers=2, d_model=32, n_heads=4, vocab_size=64, seq_len=16),
+            "parallelism.ep",
+            "dense model",
+        ),
+    ],
+    ids=["experts", "dp", "zero1", "dense"],
+)
+def test_bad_expert_layouts_are_refused_before_any_group(parallel, model, field, words):
+    from etrain.workers.engine.train import Trainer
+
+    config = dataclasses.replace(BASE, model=model, parallel=parallel)
+    with pytest.raises(ConfigError) as caught:
+        Trainer(config, rank=0, world_size=parallel.world_size, device=torch.device("cpu"))
+    assert caught.value.field == field and words in str(caught.value), str(caught.value)
+    assert caught.value.fix

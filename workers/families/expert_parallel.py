@@ -1,0 +1,78 @@
+"""Expert parallelism's token exchange: a mixture-of-experts layer whose experts are split over ``ep`` ranks.
+
+The layout (``parallelism.ep``, torchtitan's composition; ``workers/engine/parallelize.py``'s ``apply_ep``):
+the ``ep`` ranks are borrowed from the data-parallel dimension, each holds the experts
+``[r · E/ep, (r + 1) · E/ep)`` of every MoE layer (a ``Shard(0)`` DTensor over the ``ep`` mesh dimension)
+and its own tokens, routed by its own router as without expert parallelism. One layer's forward:
+
+1. **Counts.** The (token, pick) rows arrive sorted by global expert id, with the picks per expert. The
+   per-expert counts go to the ranks that own those experts (one ``all_to_all_single`` of ``E`` integers),
+   and both sides read the split sizes on the host (one read of both, the only host sync).
+2. **Dispatch.** The rows go to their experts' ranks (``all_to_all_single`` with those splits). A rank
+   receives, per source rank, its rows sorted by local expert; it regroups them by local expert (a stable
+   sort of (expert, source) labels), runs its grouped experts, and puts the outputs back in arrival order.
+3. **Combine.** The outputs return to the ranks the rows came from (the reverse ``all_to_all_single``),
+   in the order they were sent; the caller weighs them by the router and sums each token's k picks, as
+   without expert parallelism.
+
+Autograd: both exchanges are ``torch.distributed._functional_collectives.all_to_all_single_autograd``,
+whose backward is the reverse all-to-all, so the gradient of a row flows back to the rank whose token it
+is and the expert weights' gradient is summed over every token they ran, whichever rank sent it (the
+engine then averages it over the ranks that hold the same experts). Checked on gloo (CPU) and NCCL: gloo
+implements ``alltoall_base`` with uneven and zero splits.
+
+Capacity is unbounded: every (token, expert) pair the router picks is sent, computed and returned, none
+is dropped, whatever the balance; a rank's expert batch is as large as the routing makes it (the memory
+of an unbalanced layer is the planner's ``k · tokens`` rows times the imbalance, not bounded here).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.tensor import DTensor
+
+__all__ = ["exchange_experts", "local_tensor"]
+
+
+def local_tensor(weight: torch.Tensor) -> torch.Tensor:
+    """A stacked expert weight as this rank computes with it: its local experts under expert parallelism
+    (a ``Shard(0)`` DTensor's local shard, differentiable), the tensor itself otherwise."""
+    return weight.to_local() if isinstance(weight, DTensor) else weight
+
+
+def _all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
+    return funcol.wait_tensor(funcol.all_to_all_single_autograd(x, output_splits, input_splits, group))
+
+
+def exchange_experts(
+    rows: torch.Tensor,
+    counts: torch.Tensor,
+    run_local: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    group: dist.ProcessGroup,
+) -> torch.Tensor:
+    """The experts' outputs of ``rows`` (``[R, d]``, sorted by global expert id; ``counts``: ``[E]`` rows
+    per expert, any numeric dtype) when the experts are split over ``group``'s ranks in rank order;
+    ``run_local(x, offsets)`` runs this rank's experts on rows sorted by local expert (``offsets``: where
+    each local expert's rows end, int32). Returns ``[R, d_out]`` in the order of ``rows``."""
+    ep = dist.get_world_size(group)
+    n_experts = counts.numel()
+    local = n_experts // ep
+    send = counts.detach().to(torch.int64).reshape(ep, local)  # send[j, e]: my rows for rank j's expert e
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)  # received[i, e]: rank i's rows for my expert e
+    sizes = torch.stack([send.sum(dim=1), received.sum(dim=1)]).tolist()  # the one host read
+    input_splits, output_splits = sizes[0], sizes[1]
+    arrived = _all_to_all(rows, output_splits, input_splits, group)
+    # Regroup by local expert: each arrived row's label is (source, expert); order by (expert, source).
+    labels = torch.arange(ep * local, device=received.device).reshape(ep, local)
+    labels = (labels % local) * ep + labels // local  # expert-major key of (source i, expert e)
+    keys = torch.repeat_interleave(labels.reshape(-1), received.reshape(-1))
+    order = torch.sort(keys, stable=True).indices
+    offsets = torch.cumsum(received.sum(dim=0), dim=0).to(torch.int32)
+    out = run_local(arrived[order], offsets)
+    out = out[torch.argsort(order)]  # back to arrival order
+    return _all_to_all(out, input_splits, output_splits, group)
