@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import logging
+import math
 import multiprocessing
 import os
 import threading
@@ -370,7 +371,7 @@ class JobManager:
                 micro_batch=spec.training.micro_batch,
                 min_dp=spec.min_dp,
                 max_dp=spec.max_dp,
-                dp_multiple=spec.layout.dp_replicate,
+                dp_multiple=math.lcm(spec.layout.dp_replicate, spec.layout.ep),  # HSDP groups, expert parallelism
             ).check(dp)
         except ResizeError as err:
             raise SpecRejected(

@@ -27,13 +27,22 @@ from etrain.service.planning.plan_comm import (
     StepTime,
     bubble_fraction,
     dp_traffic,
+    ep_traffic,
     hardware_for,
     pp_traffic,
     step_flops,
     step_time,
     tp_traffic,
 )
-from etrain.service.planning.plan_memory import GiB, MemoryBreakdown, gib, precision_bytes, stage_memory, stage_params
+from etrain.service.planning.plan_memory import (
+    GiB,
+    MemoryBreakdown,
+    expert_split,
+    gib,
+    precision_bytes,
+    stage_memory,
+    stage_params,
+)
 from etrain.service.planning.spec import JobSpec, ParallelismSpec
 from etrain.service.planning.spec_checks import field_problems
 from etrain.workers.protocol import layout_rules
@@ -78,13 +87,14 @@ class PlanEstimate:
     sequence_parallel: bool
     dp_replicate: int
     offload: str
+    ep: int
     microbatches: int
     micro_batch: int
     precision: str
     regime: str  # how blocks compute: fp32, autocast (bf16 matmuls) or bf16_params (FSDP2 mixed precision)
     activation_checkpointing: str
     num_params: int
-    params_per_rank: int  # the worst stage's parameters on one TP rank, before ZeRO sharding
+    params_per_rank: int  # the worst stage's parameters on one TP rank, before ZeRO sharding (experts / ep)
     layers_per_stage: int
     in_flight_microbatches: float
     activation_bytes_per_layer: int
@@ -119,6 +129,7 @@ class PlanEstimate:
                 "microbatches": self.microbatches,
                 "dp_replicate": self.dp_replicate,
                 "offload": self.offload,
+                "ep": self.ep,
             },
             "training": {
                 "micro_batch": self.micro_batch,
@@ -142,7 +153,10 @@ class PlanEstimate:
                 "bytes_per_layer_per_microbatch": self.activation_bytes_per_layer,
             },
             "bubble_fraction": round(self.bubble_fraction, 6),
-            "comm_per_step": {**self.comm.to_dict(), "group_sizes": {"dp": self.dp, "tp": self.tp, "pp": self.pp}},
+            "comm_per_step": {
+                **self.comm.to_dict(),
+                "group_sizes": {"dp": self.dp, "tp": self.tp, "pp": self.pp, "ep": self.ep},
+            },
             "flops_per_step": self.flops_per_step,
             "flops_per_step_with_recompute": self.flops_per_step_with_recompute,
             "step_time": self.step_time.to_dict(),
@@ -215,6 +229,7 @@ def describe_layout(layout: ParallelismSpec) -> str:
         pp_schedule=layout.pp_schedule,
         virtual_stages=layout.virtual_stages,
         sequence_parallel=layout.sequence_parallel,
+        ep=layout.ep,
     ).describe()
     if layout.dp_replicate > 1:
         text += f" hsdp={layout.dp_replicate}x{layout.dp // layout.dp_replicate}"
@@ -225,7 +240,7 @@ def describe_layout(layout: ParallelismSpec) -> str:
 
 def evaluate(case: Case) -> PlanEstimate:
     model, lay = case.model, case.layout
-    dp, tp, pp, zero = lay.dp, lay.tp, lay.pp, lay.zero
+    dp, tp, pp, zero, ep = lay.dp, lay.tp, lay.pp, lay.zero, lay.ep
     v = lay.virtual_stages if pp > 1 else 1
     m, b, s, d = case.microbatches, case.micro_batch, model.seq_len, model.d_model
     fsdp = layout_rules.uses_fsdp(zero, dp)
@@ -256,6 +271,7 @@ def evaluate(case: Case) -> PlanEstimate:
     for stage in stages:
         first, last = stage == 0, stage == pp - 1
         params = stage_params(model, tp=tp, layers=layers, first=first, last=last)
+        split, experts_local, _ = expert_split(model, layers=layers, ep=ep)
         held = layer_chunks_in_flight(lay.pp_schedule, pp=pp, microbatches=m, virtual_stages=v, stage=stage)
         memories[stage] = stage_memory(
             model,
@@ -278,20 +294,24 @@ def evaluate(case: Case) -> PlanEstimate:
             sequence_parallel=lay.sequence_parallel,
             loss_chunk_tokens=chunk_tokens,
             compiled=case.compiled,
+            ep=ep,
         )
-        params_of[stage] = params
+        params_of[stage] = params - split + experts_local
         volume, ops = dp_traffic(
             zero=zero,
             dp=dp,
             pp=pp,
             microbatches=m,
-            params=params,
+            params=params - split,  # the experts split over ep are left out of DDP / FSDP2
             param_bytes=param_comm_bytes,
             grad_bytes=gb,
             units=layers + int(first or last),
             tensors=16 * layers + 2 * int(first) + 3 * int(last),
             dp_replicate=replicate,
         )
+        if ep > 1 and dp > ep:  # the local experts' gradients, all-reduced over the dp / ep ranks holding them
+            volume += 2 * (dp // ep - 1) / (dp // ep) * experts_local * gb
+            ops += 3 * layers
         dp_bytes.append(volume)
         dp_ops.append(ops)
         volume, ops = tp_traffic(
@@ -307,6 +327,16 @@ def evaluate(case: Case) -> PlanEstimate:
         tp_ops.append(ops)
         tp_bytes.append(volume)
     worst = max(stages, key=lambda st: memories[st].total)
+    ep_bytes, ep_ops = ep_traffic(
+        ep=ep,
+        microbatches=m,
+        moe_layers=layers if model.n_experts else 0,
+        tokens=b * s,
+        top_k=model.experts_per_token,
+        d_model=d,
+        elem_bytes=act_elem,
+        checkpointing=case.checkpointing,
+    )
     pp_bytes, pp_ops = pp_traffic(pp=pp, virtual_stages=v, microbatches=m, hidden_bytes=hidden, sp_div=sp_div)
     flops, flops_recompute = step_flops(model, global_batch=case.global_batch, checkpointing=case.checkpointing)
     bubble = bubble_fraction(pp, m, lay.pp_schedule, v)
@@ -317,6 +347,8 @@ def evaluate(case: Case) -> PlanEstimate:
         dp_ops=max(dp_ops),
         tp_ops=max(tp_ops),
         pp_ops=pp_ops,
+        ep=math.ceil(ep_bytes),
+        ep_ops=ep_ops,
     )
     step = step_time(
         hardware_for(case.device, case.precision, case.cpus_per_worker),
@@ -326,6 +358,7 @@ def evaluate(case: Case) -> PlanEstimate:
         comm=comm,
         flops=flops_recompute,
         bubble=bubble,
+        ep=ep,
     )
     return PlanEstimate(
         layout=describe_layout(lay),
@@ -339,6 +372,7 @@ def evaluate(case: Case) -> PlanEstimate:
         sequence_parallel=lay.sequence_parallel,
         dp_replicate=lay.dp_replicate,
         offload=lay.offload,
+        ep=ep,
         microbatches=m,
         micro_batch=b,
         precision=case.precision,

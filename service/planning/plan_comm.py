@@ -35,6 +35,7 @@ __all__ = [
     "StepTime",
     "bubble_fraction",
     "dp_traffic",
+    "ep_traffic",
     "hardware_for",
     "pp_traffic",
     "step_flops",
@@ -68,33 +69,37 @@ class CommVolume:
     dp_ops: int = 0
     tp_ops: int = 0
     pp_ops: int = 0
+    #: expert parallelism's token all-to-alls (``ep_traffic``); 0 without it
+    ep: int = 0
+    ep_ops: int = 0
 
     @property
     def total(self) -> int:
-        return self.dp + self.tp + self.pp
+        return self.dp + self.tp + self.pp + self.ep
 
     def to_dict(self) -> dict:
-        parts = {"dp": self.dp, "tp": self.tp, "pp": self.pp, "total": self.total}
+        parts = {"dp": self.dp, "tp": self.tp, "pp": self.pp, "ep": self.ep, "total": self.total}
         return {
             "bytes": parts,
             "gib": {k: gib(v) for k, v in parts.items()},
-            "collectives": {"dp": self.dp_ops, "tp": self.tp_ops, "pp": self.pp_ops},
+            "collectives": {"dp": self.dp_ops, "tp": self.tp_ops, "pp": self.pp_ops, "ep": self.ep_ops},
         }
 
 
 @dataclass(frozen=True, kw_only=True)
 class StepTime:
-    """Cost model: ``(compute + tp + pp) / (1 - bubble) + dp`` seconds, nothing overlapped."""
+    """Cost model: ``(compute + tp + ep + pp) / (1 - bubble) + dp`` seconds, nothing overlapped."""
 
     compute_s: float
     tp_comm_s: float
     pp_comm_s: float
     dp_comm_s: float
     bubble_s: float
+    ep_comm_s: float = 0.0  # expert parallelism's all-to-alls, counted with compute (inside the pipeline)
 
     @property
     def total_s(self) -> float:
-        return self.compute_s + self.tp_comm_s + self.pp_comm_s + self.dp_comm_s + self.bubble_s
+        return self.compute_s + self.tp_comm_s + self.pp_comm_s + self.dp_comm_s + self.bubble_s + self.ep_comm_s
 
     def to_dict(self) -> dict:
         fields = dataclasses.asdict(self)
@@ -232,6 +237,37 @@ def tp_traffic(
     return volume, ops
 
 
+def ep_traffic(
+    *,
+    ep: int,
+    microbatches: int,
+    moe_layers: int,
+    tokens: int,
+    top_k: int,
+    d_model: int,
+    elem_bytes: int,
+    checkpointing: str,
+) -> tuple[float, int]:
+    """(bytes sent, collectives) per step of expert parallelism's token exchange on one rank
+    (``etrain.workers.families.expert_parallel``).
+
+    Per MoE layer per micro-batch: 2 all-to-alls forward (dispatch the ``tokens · top_k`` picked rows to
+    their experts' ranks, combine the outputs back) and 2 backward (their reverse), each a buffer of
+    ``tokens · top_k · d_model · elem_bytes``; activation checkpointing (full, and selective, which keeps no
+    collective's output) replays the forward's 2 in the backward. With balanced routing ``(ep - 1) / ep`` of
+    each buffer leaves the rank (what is counted, like the ring formulas' ``(N - 1) / N``). Before each
+    forward exchange the per-expert counts are exchanged too (``n_experts`` integers: counted as a
+    collective, not as bytes). No token is dropped, so the volume is the routing's, unbounded by a capacity.
+    """
+    if ep <= 1 or moe_layers == 0:
+        return 0.0, 0
+    exchanges = 6 if checkpointing != "none" else 4
+    counts = 2 if checkpointing != "none" else 1
+    buffer = tokens * top_k * d_model * elem_bytes
+    volume = microbatches * moe_layers * exchanges * buffer * (ep - 1) / ep
+    return volume, microbatches * moe_layers * (exchanges + counts)
+
+
 def pp_traffic(
     *, pp: int, virtual_stages: int, microbatches: int, hidden_bytes: float, sp_div: int
 ) -> tuple[float, int]:
@@ -262,8 +298,11 @@ def step_flops(model: ModelConfig, *, global_batch: int, checkpointing: str) -> 
     return flops, flops_recompute
 
 
-def step_time(hw: Hardware, *, dp: int, tp: int, pp: int, comm: CommVolume, flops: float, bubble: float) -> StepTime:
-    """Seconds per step under the :class:`StepTime` cost model, links chosen by :meth:`Hardware.link`."""
+def step_time(
+    hw: Hardware, *, dp: int, tp: int, pp: int, comm: CommVolume, flops: float, bubble: float, ep: int = 1
+) -> StepTime:
+    """Seconds per step under the :class:`StepTime` cost model, links chosen by :meth:`Hardware.link` (an ep
+    group is ``ep`` consecutive dp ranks: it spans ``tp · ep`` ranks)."""
 
     def seconds(nbytes: float, ops: int, span: int) -> float:  # Megatron order: tp, then dp, then pp
         bandwidth, latency = hw.link(span)
@@ -274,7 +313,13 @@ def step_time(hw: Hardware, *, dp: int, tp: int, pp: int, comm: CommVolume, flop
     tp_s = seconds(comm.tp, comm.tp_ops, tp)
     pp_s = seconds(comm.pp, comm.pp_ops, world)
     dp_s = seconds(comm.dp, comm.dp_ops, tp * dp)
-    busy = compute + tp_s + pp_s
+    ep_s = seconds(comm.ep, comm.ep_ops, tp * ep) if comm.ep_ops else 0.0
+    busy = compute + tp_s + pp_s + ep_s
     return StepTime(
-        compute_s=compute, tp_comm_s=tp_s, pp_comm_s=pp_s, dp_comm_s=dp_s, bubble_s=busy / (1 - bubble) - busy
+        compute_s=compute,
+        tp_comm_s=tp_s,
+        pp_comm_s=pp_s,
+        dp_comm_s=dp_s,
+        bubble_s=busy / (1 - bubble) - busy,
+        ep_comm_s=ep_s,
     )

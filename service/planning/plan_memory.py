@@ -82,6 +82,7 @@ __all__ = [
     "PHASES",
     "MemoryBreakdown",
     "bytes_per_param",
+    "expert_split",
     "gib",
     "largest_param",
     "layer_params",
@@ -177,6 +178,19 @@ def largest_param(model: ModelConfig, *, first: bool = True, last: bool = True) 
     return family(model.arch).largest_param(model, first=first, last=last)
 
 
+def expert_split(model: ModelConfig, *, layers: int, ep: int = 1) -> tuple[float, float, float]:
+    """Expert parallelism's split of a stage's ``layers`` (``parallelism.ep``): (the expert parameters
+    split over the ep ranks, ``layers`` blocks' worth of every expert; the expert parameters one rank holds,
+    ``1 / ep`` of them; one block's stacked experts, which DDP and FSDP2 leave out), all 0 when ``ep`` is
+    1 (the experts are then parameters like any other). The local experts are neither sharded by FSDP2
+    nor bucketed by DDP: their weights, gradients and AdamW moments are held whole (``4 + 4 + 8`` bytes
+    per element), divided only by ``ep``."""
+    if ep <= 1:
+        return 0.0, 0.0, 0.0
+    per_layer = family(model.arch).expert_params_per_layer(model)
+    return float(layers * per_layer), layers * per_layer / ep, float(per_layer)
+
+
 def _matmul_params(model: ModelConfig, *, tp: int, layers: int, last: bool) -> float:
     """Weights a stage multiplies by (autocast keeps a bf16 cast of each until the backward): every
     projection weight of its layers and the output head's; not biases (``addmm`` keeps no cast of
@@ -263,11 +277,13 @@ def stage_memory(
     sequence_parallel: bool = False,
     loss_chunk_tokens: int = 0,
     compiled: bool = False,
+    ep: int = 1,
 ) -> MemoryBreakdown:
     """Peak bytes of one rank of pipeline stage ``stage`` (see the module docstring for the model).
 
     ``layers`` are the stage's layers (all its chunks), ``held`` the layer chunks x micro-batches
-    whose activations it holds at its peak (:func:`layer_chunks_in_flight`).
+    whose activations it holds at its peak (:func:`layer_chunks_in_flight`). ``ep``: expert parallelism
+    (:func:`expert_split`).
     """
     first, last = stage == 0, stage == pp - 1
     v = virtual_stages if pp > 1 else 1
@@ -280,34 +296,39 @@ def stage_memory(
 
     params = stage_params(model, tp=tp, layers=layers, first=first, last=last)
     state_div = shard if fsdp else (dp if zero >= 1 and dp > 1 else 1)
-    parameters, gradients, states = 4 * params / shard, 4 * params / shard, 8 * params / state_div
+    split, experts_local, layer_experts = expert_split(model, layers=layers, ep=ep)
+    dense = params - split  # the stage's parameters outside the split experts (all of them at ep = 1)
+    held_params = dense / shard + experts_local  # per rank: dense shards, whole local experts
+    parameters, gradients = 4 * held_params, 4 * held_params
+    states = 8 * (dense / state_div + experts_local)
     if tp > 1 and first and not fsdp:
         # Measured (make bench): under TP the token embedding's gradient arrives *replicated* on every tp
         # rank, full vocabulary x d_model, although the weight is a vocab shard (DTensor's embedding
         # backward under RowwiseParallel returns a Replicate gradient for the Shard(0) weight).
         gradients += 4 * model.vocab_size * d * (1 - 1 / tp)
 
-    layer = layer_params(model, tp) if layers else 0.0
+    layer = (layer_params(model, tp) - layer_experts) if layers else 0.0  # what DDP / FSDP2 handle per block
     root = (_embedding_params(model, tp) if first else 0.0) + (
         _head_params(model, tp, with_embedding=first) if last else 0.0
     )
-    buckets = 4 * params if dp > 1 and not fsdp and tp == 1 else 0.0  # DDP: gradient_as_bucket_view off
+    buckets = 4 * dense if dp > 1 and not fsdp and tp == 1 else 0.0  # DDP: gradient_as_bucket_view off
     gathered = unsharded_grads = 0.0
     if fsdp:
         gathered_elem = 2 if regime == "bf16_params" else 4
         if zero == 2 or pp > 1:
-            gathered = params * gathered_elem
+            gathered = dense * gathered_elem
         else:  # the root stays gathered from forward to backward; one block computing, one prefetched
             gathered = (root + 2 * layer) * gathered_elem
         # No gradient sync while accumulating: the stage's gradients stay unsharded (fp32) until the
         # last micro-step; with one micro-batch only the unit being reduced and its reduce-scatter input.
-        unsharded_grads = 4 * params if microbatches > 1 else 2 * 4 * max(layer, root)
+        unsharded_grads = 4 * dense if microbatches > 1 else 2 * 4 * max(layer, root)
     elif dp > 1 and tp > 1:  # FSDP-based replicate(): all-reduces one unit's gradients at a time
         unsharded_grads = 4 * max(layer, root)
     # Autocast's bf16 weight copies, kept for backward; under compile with selective checkpointing the
     # partitioner recomputes them (measured: tests/unit/test_planner.py).
     keeps_casts = regime == "autocast" and not (compiled and checkpointing == "selective")
-    casts = 2 * _matmul_params(model, tp=tp, layers=layers, last=last) if keeps_casts else 0.0
+    matmul = _matmul_params(model, tp=tp, layers=layers, last=last) - (split - experts_local)  # local experts
+    casts = 2 * matmul if keeps_casts else 0.0
     rope = layers * rope_table_bytes(model)
 
     per_layer = layer_activation_bytes(
@@ -320,6 +341,8 @@ def stage_memory(
         regime=regime,
         compiled=compiled,
     )
+    if ep > 1:  # the exchange's regrouping permutation and its inverse, int64 per pick (balanced routing)
+        per_layer += s * b * 16 * model.experts_per_token
     activations = held * (layers // v) * per_layer
     if checkpointing != "none":  # one block's activations live while it is recomputed
         activations += layer_activation_bytes(
@@ -348,7 +371,7 @@ def stage_memory(
             chunk_tokens=loss_chunk_tokens,
         )
 
-    optimizer_temp = 4 * params / state_div if device == "cpu" or offloaded else 0.0  # foreach AdamW on CPU
+    optimizer_temp = 4 * (dense / state_div + experts_local) if device == "cpu" or offloaded else 0.0  # foreach AdamW
     # Each parameter's full fp32 value, plus the rank's slice that distribute_tensor cuts from it as a
     # copy when the parameter is sharded (FSDP2 and/or TP DTensors; a plain parameter is copied into).
     pieces = shard * tp

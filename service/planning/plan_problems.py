@@ -21,7 +21,9 @@ def degree_problems(lay: ParallelismSpec) -> list[SpecProblem]:
     """Degrees below 1 (possible only past pydantic, e.g. model_construct): nothing else is computable."""
     explicit = {} if lay.microbatches is None else {"microbatches": lay.microbatches}
     return SpecProblem.of(
-        layout_rules.degree_problems(dp=lay.dp, tp=lay.tp, pp=lay.pp, virtual_stages=lay.virtual_stages, **explicit)
+        layout_rules.degree_problems(
+            dp=lay.dp, tp=lay.tp, pp=lay.pp, virtual_stages=lay.virtual_stages, ep=lay.ep, **explicit
+        )
     )
 
 
@@ -52,6 +54,7 @@ def layout_problems(case: Case, *, max_dp: int) -> list[SpecProblem]:
             microbatches=m,
             microbatch_source=source,
             max_dp=max_dp,
+            ep=lay.ep,
         )
     )
 
@@ -78,11 +81,18 @@ def _memory_fixes(case: Case, est: PlanEstimate) -> str:
     lay, model = case.layout, case.model
     variants: list[tuple[str, Case]] = []
     if lay.dp > 1:  # lower stages too: with accumulation, ZeRO-2/3 hold unsharded gradients
-        for z in (z for z in range(4) if z != lay.zero):
+        for z in (z for z in range(4) if z != lay.zero and not (z == 1 and lay.ep > 1)):  # ZeRO-1 refuses ep
             fsdp_only = {} if z >= 2 else {"dp_replicate": 1, "offload": "none"}  # HSDP/offload need FSDP2
             variants.append((f"parallelism.zero={z}", case.replace(layout={"zero": z, **fsdp_only})))
-    if layout_rules.uses_fsdp(lay.zero, lay.dp) and lay.offload == "none" and case.device == "cuda":
+    if layout_rules.uses_fsdp(lay.zero, lay.dp) and lay.offload == "none" and case.device == "cuda" and lay.ep == 1:
         variants.append(("parallelism.offload=cpu (states in host memory)", case.replace(layout={"offload": "cpu"})))
+    wider = lay.ep * 2  # split the experts over more of the dp ranks (same world)
+    if model.n_experts and not layout_rules.ep_problems(
+        model, ep=wider, dp=lay.dp, zero=lay.zero, dp_replicate=lay.dp_replicate, offload=lay.offload
+    ):
+        variants.append(
+            (f"parallelism.ep={wider} (experts split over {wider} ranks)", case.replace(layout={"ep": wider}))
+        )
     if case.checkpointing == "none":
         variants.append(("training.activation_checkpointing=selective", case.replace(checkpointing="selective")))
     if case.checkpointing != "full":

@@ -275,6 +275,11 @@ class ParallelismSpec(_Section):
     offload: Literal["none", "cpu"] = Field(
         default="none", description="cpu: FSDP2 keeps parameters, gradients and optimizer states in host memory"
     )
+    ep: _upto(MAX_WORKERS) = Field(
+        default=1,
+        description="expert parallelism (mixture-of-experts models): ep ranks borrowed from dp split each "
+        "layer's experts, n_experts / ep each, tokens exchanged by all-to-all; must divide dp and n_experts",
+    )
 
 
 class AutoParallelismSpec(_Section):
@@ -463,9 +468,12 @@ class JobSpec(_Section):
     @property
     def compile_blocks(self) -> bool:
         """``training.compile`` or its default: on for CUDA (measured on an H100, Llama-1B shapes: 44.8%
-        MFU compiled vs 34.0% eager), off on CPU, where compiling costs more than a short job gains."""
+        MFU compiled vs 34.0% eager), off on CPU, where compiling costs more than a short job gains, and off
+        under expert parallelism (``parallelism.ep > 1``: its token exchange does not compile yet)."""
         if self.training.compile is not None:
             return self.training.compile
+        if not self.is_auto and self.layout.ep > 1:
+            return False
         return self.resources.device == "cuda"
 
     def loss_chunk_tokens_for(self, tp: int) -> int:
@@ -511,6 +519,7 @@ class JobSpec(_Section):
                 sequence_parallel=layout.sequence_parallel,
                 dp_replicate=layout.dp_replicate,
                 offload=layout.offload,
+                ep=layout.ep,
             ),
             training=TrainingConfig(
                 **self.training.model_dump(exclude={"compile", "loss_chunk_tokens"}),

@@ -146,7 +146,48 @@ def check_spec(spec: JobSpec) -> list[SpecProblem]:
             )
         )
     problems += _world_problems(spec)
+    problems += _expert_parallel_problems(spec, problems)
     problems += _policy_problems(spec, problems)
+    return problems
+
+
+def _expert_parallel_problems(spec: JobSpec, found: list[SpecProblem]) -> list[SpecProblem]:
+    """``parallelism.ep > 1`` beside the fields the layout rules do not see (those are the planner's:
+    ``layout_rules.ep_problems``): compiled blocks, and the elastic range. Every dp the job may be resized to
+    must stay a multiple of ep (each run of ep dp ranks splits the experts); until the supervisor's elastic
+    policy keeps dp a multiple of ep by itself, a range that admits another legal dp is refused here."""
+    layout = spec.layout
+    if layout.ep == 1:
+        return []
+    problems = []
+    if spec.training.compile:
+        problems += SpecProblem.of(
+            problem
+            for problem in layout_rules.ep_problems(spec.model.to_config(), ep=layout.ep, dp=layout.dp, compile=True)
+            if problem.field == "training.compile"
+        )
+    if any(p.field in _BATCH_FIELDS or p.field.startswith("resources.") for p in found):
+        return problems
+    try:
+        legal = layout_rules.legal_dp_sizes(
+            spec.training.global_batch, spec.training.micro_batch, spec.min_dp, spec.max_dp
+        )
+    except ConfigError:
+        return problems  # the batch or range itself is wrong: reported by the policy's rules
+    others = [dp for dp in legal if dp % layout.ep]
+    if others:
+        multiples = [dp for dp in legal if dp % layout.ep == 0]
+        problems.append(
+            SpecProblem(
+                field="resources.min_dp",
+                message=f"with parallelism.ep={layout.ep} every dp the job runs at must be a multiple of {layout.ep} "
+                f"(each run of ep dp ranks splits the experts), but resources.min_dp..max_dp = "
+                f"{spec.min_dp}..{spec.max_dp} lets it resize to dp in {others[:12]}.",
+                fix=f"narrow resources.min_dp..max_dp to the multiples of {layout.ep} among the legal sizes"
+                + (f" ({multiples[:12]}, e.g. min_dp={multiples[0]})" if multiples else "")
+                + ", or use parallelism.ep=1",
+            )
+        )
     return problems
 
 
@@ -240,7 +281,9 @@ def _policy_problems(spec: JobSpec, found: list[SpecProblem]) -> list[SpecProble
         else:
             layout = spec.layout
             tp, pp, dp = layout.tp, layout.pp, layout.dp
-            multiple = 1 if layout_rules.dp_replicate_problems(dp, layout.dp_replicate) else layout.dp_replicate
+            replicate = 1 if layout_rules.dp_replicate_problems(dp, layout.dp_replicate) else layout.dp_replicate
+            ep = layout.ep if dp % layout.ep == 0 else 1  # an ep that does not divide dp is the planner's problem
+            multiple = layout_rules.dp_multiple(dp_replicate=replicate, ep=ep)
             policy = policy_for(spec)
     except StragglerConfigError as err:  # the spec's bounds are as tight; a rule StragglerConfig adds is still a 422
         return [SpecProblem(field="stragglers", message=f"stragglers: {err.message}.", fix=err.fix)]

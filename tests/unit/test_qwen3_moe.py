@@ -9,6 +9,9 @@
 * The planner's counts: the published sizes (30.5 B / 235 B parameters, 3.3 B / 22 B active), FLOPs of the
   active experts only, memory holding every expert, the activation count byte for byte against autograd.
 * What the family reads from and writes to ``config.json``, what it refuses (layouts, configs, fields).
+* Expert parallelism's planning (``parallelism.ep``): the experts and their AdamW state divided by ep, the
+  all-to-all volume, the 422s naming ``parallelism.ep``, the elastic range kept to multiples of ep. Its
+  training (equal to one process, checkpoints across ep): tests/integration/test_expert_parallel.py.
 """
 
 from __future__ import annotations
@@ -412,3 +415,77 @@ def test_what_etrain_would_compute_differently_is_refused(change, words):
     with pytest.raises(ConfigError) as info:
         model_config_from_hf({**QWEN3_30B_A3B, **change}, seq_len=4096)
     assert info.value.field in ("model.hf", "model.seq_len") and words in info.value.message and info.value.fix
+
+
+# -- expert parallelism: the planner, the spec and the refusals ---------------------------------------
+
+
+def test_the_planner_divides_the_experts_and_their_state_by_ep_and_counts_the_all_to_alls():
+    model = ModelConfig(**MODEL_PRESETS["qwen3-30b-a3b"])
+    experts = model.n_layers * FAMILY.expert_params_per_layer(model)
+    assert experts == model.n_layers * 3 * 128 * 2048 * 768
+    dense = model.num_params - experts
+    zero3 = estimate(_gpu_spec("qwen3-30b-a3b", {"dp": 8, "zero": 3, "ep": 4}))
+    assert zero3.layout == "pp1·dp8·tp1 ep4 zero=3" and zero3.ep == 4
+    assert zero3.params_per_rank == pytest.approx(dense + experts / 4, abs=1)
+    # FSDP2 shards the rest over dp; the local experts (n_experts / ep) are held whole, with their AdamW state
+    assert zero3.memory.parameters == pytest.approx(4 * (dense / 8 + experts / 4), abs=1)
+    assert zero3.memory.gradients == pytest.approx(4 * (dense / 8 + experts / 4), abs=1)
+    assert zero3.memory.optimizer_states == pytest.approx(8 * (dense / 8 + experts / 4), abs=1)
+    ddp = estimate(_gpu_spec("qwen3-30b-a3b", {"dp": 8, "ep": 8}))
+    assert ddp.memory.parameters == pytest.approx(4 * (dense + experts / 8), abs=1)
+    assert ddp.memory.buffer_parts["ddp_buckets"] == pytest.approx(4 * dense, abs=1)  # DDP leaves experts out
+    # per MoE layer and micro-batch 2 all-to-alls forward and 2 backward of tokens·k·d·bytes, (ep-1)/ep sent
+    tokens, micro = model.seq_len, 64 // 8
+    buffer = tokens * model.experts_per_token * model.d_model * 2  # bf16 activations under FSDP2
+    assert zero3.comm.ep == pytest.approx(micro * model.n_layers * 4 * buffer * 3 / 4, abs=1)
+    assert zero3.comm.ep_ops == micro * model.n_layers * 5  # and the counts exchanged before each forward
+    full = estimate(_gpu_spec("qwen3-30b-a3b", {"dp": 8, "zero": 3, "ep": 4}, activation_checkpointing="full"))
+    assert full.comm.ep == pytest.approx(micro * model.n_layers * 6 * buffer * 3 / 4, abs=1)  # replayed forward
+    assert zero3.step_time.ep_comm_s > 0 and zero3.to_dict()["comm_per_step"]["bytes"]["ep"] == zero3.comm.ep
+    # ep = 1 is the layout of before: every expert, no exchange
+    plain = estimate(_gpu_spec("qwen3-30b-a3b", {"dp": 8, "zero": 3}))
+    assert plain.params_per_rank == model.num_params and plain.comm.ep == 0 and plain.layout == "pp1·dp8·tp1 zero=3"
+    assert zero3.memory.total < plain.memory.total
+
+
+@pytest.mark.parametrize(
+    "preset, parallelism, field, words",
+    [
+        ("qwen3-30b-a3b", {"dp": 6, "ep": 3, "zero": 3}, "parallelism.ep", "does not divide model.n_experts=128"),
+        ("qwen3-30b-a3b", {"dp": 2, "ep": 4, "zero": 3}, "parallelism.ep", "does not divide parallelism.dp=2"),
+        ("qwen3-30b-a3b", {"dp": 4, "ep": 2, "zero": 1}, "parallelism.ep", "zero=1"),
+        ("qwen3-30b-a3b", {"dp": 4, "ep": 2, "zero": 3, "dp_replicate": 2}, "parallelism.ep", "HSDP"),
+        ("llama3-8b", {"dp": 2, "ep": 2, "zero": 3}, "parallelism.ep", "dense model"),
+    ],
+    ids=["experts", "dp", "zero1", "hsdp", "dense"],
+)
+def test_bad_expert_layouts_get_a_422_naming_parallelism_ep(preset, parallelism, field, words):
+    problems = [p for p in check_plan(_gpu_spec(preset, parallelism)) if p.field == field]
+    assert len(problems) == 1 and words in problems[0].message, problems
+    assert problems[0].fix and ("ep" in problems[0].fix or "dp" in problems[0].fix)
+
+
+def test_the_spec_carries_ep_and_keeps_every_elastic_size_a_multiple_of_it():
+    def spec(parallelism: dict, resources: dict | None = None, **training) -> JobSpec:
+        return JobSpec.model_validate(
+            {
+                "name": "moe",
+                "model": {"preset": "qwen3-moe-tiny"},
+                "parallelism": parallelism,
+                "training": {"steps": 2, "global_batch": 8, **training},
+                "resources": resources or {},
+            }
+        )
+
+    ok = spec({"dp": 2, "ep": 2}, {"min_dp": 2, "max_dp": 4})
+    assert check_spec(ok) == [] and check_plan(ok) == []
+    config = ok.to_run_config(job_id="j", checkpoint_root="/tmp")
+    assert config.parallel.ep == 2 and config.parallel.describe() == "pp1·dp2·tp1 ep2 zero=0"
+    assert config.parallel.dp_multiple == 2 and not config.training.compile  # ep does not compile yet
+    elastic = check_spec(spec({"dp": 2, "ep": 2}, {"min_dp": 1, "max_dp": 4}))
+    assert [p.field for p in elastic] == ["resources.min_dp"] and "dp in [1]" in elastic[0].message
+    assert "min_dp=2" in elastic[0].fix
+    compiled = check_spec(spec({"dp": 2, "ep": 2}, compile=True))
+    assert [p.field for p in compiled] == ["training.compile"] and "parallelism.ep=2" in compiled[0].message
+    assert layout_rules.dp_multiple(dp_replicate=2, ep=4) == 4 and layout_rules.dp_multiple(dp_replicate=3, ep=2) == 6

@@ -222,6 +222,11 @@ class ModelFamily:
         """Parameters of one transformer block held by one tensor-parallel rank."""
         raise NotImplementedError
 
+    def expert_params_per_layer(self, model: Sizes) -> int:
+        """The stacked expert weights of one block (every expert; 0 for a dense family): what expert
+        parallelism (``parallelism.ep``) splits over its ranks, and the data-parallel wrappers leave out."""
+        return 0
+
     def embedding_params(self, model: Sizes, tp: int) -> float:
         """What the first stage holds besides its blocks: the token embedding (vocab-parallel) and any
         position embedding."""

@@ -65,7 +65,8 @@ class Qwen3Moe(Llama):
     model_module = "etrain.workers.families.qwen3_moe_model"
     mixture_of_experts = True
     refused_axes = {
-        "tp": "its experts are not split per expert yet; expert parallelism (issue #21 item 3) will shard them",
+        "tp": "its attention and experts have no tensor-parallel plan; split the experts with expert parallelism "
+        "(parallelism.ep) instead",
         "pp": "the load-balancing loss sums every layer's routing of a micro-batch, which a pipeline stage "
         "does not pass on to the last stage",
     }
@@ -130,6 +131,10 @@ class Qwen3Moe(Llama):
         """Every expert's three SwiGLU matrices: ``3 · n_experts · d · moe_d_ff``."""
         return 3 * model.n_experts * model.d_model * model.expert_dim
 
+    def expert_params_per_layer(self, model: Sizes) -> int:
+        """``3 · n_experts · d · moe_d_ff``: what ``parallelism.ep`` splits (``n_experts / ep`` per rank)."""
+        return self._experts(model)
+
     def num_params(self, model: Sizes) -> int:
         d, v, n = model.d_model, model.vocab_size, model.n_layers
         per_layer = (
@@ -143,8 +148,9 @@ class Qwen3Moe(Llama):
         return n * per_layer + v * d + head
 
     def layer_params(self, model: Sizes, tp: int = 1) -> float:
-        """Every expert of the block (no expert parallelism: each rank holds them all, and FSDP2 shards
-        them with the rest); the family refuses tp > 1, and a larger ``tp`` divides what a Megatron split
+        """Every expert of the block (what one rank holds without expert parallelism, FSDP2 sharding them
+        with the rest; under ``parallelism.ep`` the planner divides :meth:`expert_params_per_layer` by ep);
+        the family refuses tp > 1, and a larger ``tp`` divides what a Megatron split
         would (attention, experts), the norms and the router replicated."""
         sharded = self._attention_sharded(model) + self._experts(model)
         if model.attention_bias == "all":
