@@ -2,7 +2,8 @@
 
 The tiny Qwen3-MoE preset (8 experts, top-2, the load-balancing loss weighted 0.01 so that it moves the
 router), at a 16-token context, trained as one process is the reference. On two ranks (one spawn, several
-Trainers on the same process group): ep=2 with DDP (zero 0) and with FSDP2 (zero 3), each rank holding 4
+Trainers on the same process group): the reference's step-2 weights exported to the Hugging Face layout load
+into ep=2, each rank reading the dense weights and its own 4 experts' tensors, bit for bit; ep=2 with DDP (zero 0) and with FSDP2 (zero 3), each rank holding 4
 of the 8 experts of each layer, train the reference's losses, gradient norms and final parameters within
 the equivalence tolerances; ep=2 restored from the reference's step-2 checkpoint trains on to its losses
 (ep=1 -> ep=2). One process restored from the ep=2 run's step-2 checkpoint trains on to the same losses
@@ -79,16 +80,22 @@ def _train(config, rank: int, world_size: int, *, save_root: str | None = None, 
 
 
 def _two_ranks(rank: int, world_size: int, root: str) -> dict:
-    """ep=2 under DDP (saving at step 2) and FSDP2, and ep=2 restored from the one-process checkpoint."""
+    """Hugging Face weights into ep=2; ep=2 under DDP (saving at step 2) and FSDP2; ep=2 restored from the
+    one-process checkpoint."""
+    from etrain.workers.checkpoints.hf_io import load_hf_weights
     from etrain.workers.engine.train import Trainer
 
     trainer = Trainer(_config(ParallelConfig(dp=2, ep=2)), rank=rank, world_size=world_size, device=torch.device("cpu"))
     (model,) = trainer.model_parts
     experts = model.layers["0"].feed_forward.experts.w1
     local_experts = experts.to_local().shape[0]
+    report = load_hf_weights(trainer.model_parts, f"{root}/hf", MOE)  # each rank reads its own experts' tensors
+    loaded = full_state_dict(trainer)
     del trainer
     return {
         "local_experts": local_experts,
+        "hf_read": (report.elements_read, report.local_elements),
+        "hf_loaded": loaded,
         "ddp": _train(_config(ParallelConfig(dp=2, ep=2)), rank, world_size, save_root=f"{root}/ep2"),
         "fsdp": _train(_config(ParallelConfig(dp=2, ep=2, zero=3)), rank, world_size),
         "restored": _train(_config(ParallelConfig(dp=2, ep=2)), rank, world_size, restore=f"{root}/one"),
@@ -118,9 +125,23 @@ def _assert_losses(reference: RunResult, losses: list[float], *, first: int, lay
 
 
 def test_ep2_trains_like_one_process_and_reshards(reference):
+    from etrain.workers.checkpoints.checkpoint_commit import step_dir
+    from etrain.workers.checkpoints.hf_io import export_hf
+    from etrain.workers.engine.train import Trainer
+
     one, root = reference
+    export_hf(step_dir(f"{root}/one", SAVE_AT), f"{root}/hf", MOE)  # the step-2 weights in the hub's layout
     ranks = run_distributed(_two_ranks, 2, root, timeout_s=240)
     assert [r["local_experts"] for r in ranks] == [4, 4]  # 8 experts split over 2 ranks
+    experts = MOE.n_layers * 3 * MOE.n_experts * MOE.d_model * MOE.expert_dim
+    for r in ranks:  # every rank reads the dense weights and its 4 experts' tensors, nothing more
+        assert r["hf_read"][0] == r["hf_read"][1] == MOE.num_params - experts // 2
+    at_save = Trainer(BASE, rank=0, world_size=1, device=torch.device("cpu"))
+    at_save.restore(step_dir(f"{root}/one", SAVE_AT))
+    want = full_state_dict(at_save)
+    for r in ranks:
+        assert r["hf_loaded"].keys() == want.keys()
+        assert all(torch.equal(r["hf_loaded"][k], v) for k, v in want.items())
     print(f"qwen3_moe ep2: losses {ranks[0]['ddp'].losses} vs one process {one.losses}")
     assert_equivalent(one, [r["ddp"] for r in ranks], layout="qwen3_moe dp2 ep2 zero=0")
     assert_equivalent(one, [r["fsdp"] for r in ranks], layout="qwen3_moe dp2 ep2 zero=3")
