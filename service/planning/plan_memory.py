@@ -28,6 +28,11 @@ What a rank holds (``stage_memory``), as the engine runs (``workers/engine/paral
   runs without gradient sync, so with more than one micro-batch per step the stage's unsharded
   gradients (fp32, the reduce dtype) live until the last micro-step's reduce-scatter; with one,
   only the unit being reduced and its reduce-scatter input.
+* Expert parallelism (``ep`` > 1, :func:`expert_split`): a rank holds ``n_experts / ep`` experts of
+  each MoE layer whole (weights, gradients, AdamW moments: 16 bytes per element), replicated over the
+  ``dp / ep`` ranks holding the same ones; DDP's buckets and FSDP2's gathers and shards leave them out,
+  and autocast casts only the local ones. Activations add the exchange's two int64 indexes per pick (the
+  regrouping permutation and its inverse), the routing assumed balanced.
 * Tensor parallelism as measured: the token embedding's gradient arrives replicated (full
   vocabulary) on every tp rank, though its weight is a vocab shard (``gradients`` counts it).
 * CPU offload (``offload: cpu``, FSDP2's ``CPUOffloadPolicy``): sharded parameters, gradients and

@@ -19,7 +19,9 @@ with a sparse mixture-of-experts MLP in every block:
   with it over gradient accumulation and data-parallel ranks (so one process and dp=2 train the same).
 
 What this family refuses (``refused_axes``): tensor parallelism (the experts would need their own
-column/row split per expert; expert parallelism, issue #21 item 3, is the way to shard them) and pipeline
+column/row split per expert; expert parallelism, ``parallelism.ep``, shards them instead: each of ep ranks
+borrowed from dp holds ``n_experts / ep`` of them and the tokens are exchanged by all-to-all,
+``workers/families/expert_parallel.py``) and pipeline
 stages (the load-balancing loss sums over every layer's routing, which a pipeline stage cannot carry to
 the last stage with the activations). ``decoder_sparse_step`` other than 1 and ``mlp_only_layers`` (dense
 blocks among the sparse ones; no published Qwen3-MoE uses them) are refused when reading ``model.hf``.
