@@ -2,13 +2,19 @@
 
 The tiny Qwen3-MoE preset (8 experts, top-2, the load-balancing loss weighted 0.01 so that it moves the
 router), at a 16-token context, trained as one process is the reference. On two ranks (one spawn, several
-Trainers on the same process group): the reference's step-2 weights exported to the Hugging Face layout load
-into ep=2, each rank reading the dense weights and its own 4 experts' tensors, bit for bit; ep=2 with DDP (zero 0) and with FSDP2 (zero 3), each rank holding 4
-of the 8 experts of each layer, train the reference's losses, gradient norms and final parameters within
-the equivalence tolerances; ep=2 restored from the reference's step-2 checkpoint trains on to its losses
-(ep=1 -> ep=2). One process restored from the ep=2 run's step-2 checkpoint trains on to the same losses
-(ep=2 -> ep=1). On four ranks: ep=2 × dp=4 (two pairs of ranks, each pair splitting the experts, the
-expert gradients averaged over the pairs) equals one process too.
+Trainers on the same process group):
+
+* the reference's step-2 weights, exported to the Hugging Face layout, load into ep=2 bit for bit, each
+  rank reading the dense weights and its own 4 experts' tensors;
+* ep=2 with DDP (zero 0), with FSDP2 (zero 3), and with FSDP2 (zero 2) under full activation
+  checkpointing (the backward replays the all-to-alls), each rank holding 4 of the 8 experts of each
+  layer, train the reference's losses, gradient norms and final parameters within the equivalence
+  tolerances (1e-5 relative on losses);
+* ep=2 restored from the reference's step-2 checkpoint trains on to its losses (ep=1 -> ep=2), and one
+  process restored from the ep=2 run's step-2 checkpoint trains on to the same losses (ep=2 -> ep=1).
+
+On four ranks: ep=2 × dp=4 (two pairs of ranks, each pair splitting the experts, the expert gradients
+averaged over the pairs) equals one process too. The refusals are checked before any process group.
 """
 
 from __future__ import annotations
@@ -65,11 +71,12 @@ def _result(trainer, history) -> RunResult:
     )
 
 
-def _train(config, rank: int, world_size: int, *, save_root: str | None = None, restore: str | None = None):
+def _train(config, rank: int, world_size: int, *, save_root: str | None = None, restore: str | None = None, **training):
     from etrain.workers.checkpoints.checkpoint_commit import step_dir
     from etrain.workers.engine.train import Trainer
 
     torch.manual_seed(0)
+    config = dataclasses.replace(config, training=dataclasses.replace(config.training, **training))
     trainer = Trainer(config, rank=rank, world_size=world_size, device=torch.device("cpu"))
     start = trainer.restore(step_dir(restore, SAVE_AT)) if restore else 0
     history = trainer.run(start, SAVE_AT) if start < SAVE_AT else []
@@ -98,6 +105,10 @@ def _two_ranks(rank: int, world_size: int, root: str) -> dict:
         "hf_loaded": loaded,
         "ddp": _train(_config(ParallelConfig(dp=2, ep=2)), rank, world_size, save_root=f"{root}/ep2"),
         "fsdp": _train(_config(ParallelConfig(dp=2, ep=2, zero=3)), rank, world_size),
+        # full checkpointing replays each block's forward in the backward, its all-to-alls included
+        "recompute": _train(
+            _config(ParallelConfig(dp=2, ep=2, zero=2)), rank, world_size, activation_checkpointing="full"
+        ),
         "restored": _train(_config(ParallelConfig(dp=2, ep=2)), rank, world_size, restore=f"{root}/one"),
     }
 
@@ -145,6 +156,7 @@ def test_ep2_trains_like_one_process_and_reshards(reference):
     print(f"qwen3_moe ep2: losses {ranks[0]['ddp'].losses} vs one process {one.losses}")
     assert_equivalent(one, [r["ddp"] for r in ranks], layout="qwen3_moe dp2 ep2 zero=0")
     assert_equivalent(one, [r["fsdp"] for r in ranks], layout="qwen3_moe dp2 ep2 zero=3")
+    assert_equivalent(one, [r["recompute"] for r in ranks], layout="qwen3_moe dp2 ep2 zero=2 full checkpointing")
     # ep=1 (one process) -> ep=2: the steps after the restore are the uninterrupted run's
     for r in ranks:
         _assert_losses(one, r["restored"].losses, first=SAVE_AT, layout="ep1 -> ep2")

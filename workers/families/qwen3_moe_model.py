@@ -120,9 +120,13 @@ def _has_grouped_kernel(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 def compute_dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype:
     """The dtype a grouped matmul runs in: autocast's where it is on (torch's grouped matmul is not
-    autocast-aware, so the casts are explicit), else the weights' (bf16 under FSDP2's mixed precision)."""
+    autocast-aware, so the casts are explicit), else the narrower of the input's and the weights' (the
+    weights' bf16 under FSDP2's mixed precision; under expert parallelism FSDP2 leaves the experts out,
+    fp32, and the input's bf16 is what FSDP2 would have computed in)."""
     device = x.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else w.dtype
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return x.dtype if x.dtype.itemsize < w.dtype.itemsize else w.dtype
 
 
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
