@@ -113,8 +113,15 @@ def _two_ranks(rank: int, world_size: int, root: str) -> dict:
     }
 
 
-def _four_ranks(rank: int, world_size: int) -> RunResult:
-    return _train(_config(ParallelConfig(dp=4, ep=2)), rank, world_size)
+def _four_ranks(rank: int, world_size: int) -> tuple[RunResult, dict]:
+    import torch.distributed as dist
+
+    from etrain.workers.engine.mesh import build_device_mesh
+    from etrain.workers.protocol.topology import Topology
+
+    mesh = build_device_mesh(Topology(pp=1, dp=4, tp=1), "cpu", ep=2)
+    groups = {axis: tuple(dist.get_process_group_ranks(mesh.get_group(axis))) for axis in ("ep", "edp")}
+    return _train(_config(ParallelConfig(dp=4, ep=2)), rank, world_size), groups
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +175,15 @@ def test_ep2_trains_like_one_process_and_reshards(reference):
 
 def test_ep2_dp4_trains_like_one_process(reference):
     one, _ = reference
-    results = run_distributed(_four_ranks, 4, timeout_s=240)
+    ranks = run_distributed(_four_ranks, 4, timeout_s=240)
+    # an ep group is a run of ep consecutive dp ranks; the ranks holding the same experts are ep apart
+    assert [groups for _, groups in ranks] == [
+        {"ep": (0, 1), "edp": (0, 2)},
+        {"ep": (0, 1), "edp": (1, 3)},
+        {"ep": (2, 3), "edp": (0, 2)},
+        {"ep": (2, 3), "edp": (1, 3)},
+    ]
+    results = [result for result, _ in ranks]
     print(f"qwen3_moe dp4 ep2: losses {results[0].losses} vs one process {one.losses}")
     assert_equivalent(one, results, layout="qwen3_moe dp4 ep2 zero=0")
 
