@@ -113,11 +113,15 @@ class ElasticPolicy:
     micro_batch: int
     min_dp: int
     max_dp: int
-    dp_multiple: int = 1  # HSDP's dp_replicate
+    dp_multiple: int = 1  # HSDP's dp_replicate and expert parallelism's ep (their lcm: layout_rules.dp_multiple)
 
     def __post_init__(self) -> None:
         if not self.legal_sizes():
-            multiple = f" and is a multiple of dp_replicate={self.dp_multiple}" if self.dp_multiple > 1 else ""
+            multiple = (
+                f" and is a multiple of {self.dp_multiple} (parallelism.dp_replicate and parallelism.ep)"
+                if self.dp_multiple > 1
+                else ""
+            )
             raise ResizeError(
                 f"no dp in [min_dp={self.min_dp}, max_dp={self.max_dp}] divides "
                 f"global_batch/micro_batch = {self.global_batch}/{self.micro_batch} = "

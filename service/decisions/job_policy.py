@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from etrain.service.decisions import admission
 from etrain.service.decisions.elastic import ElasticPolicy
 from etrain.service.decisions.stragglers import StragglerConfig
+from etrain.workers.protocol import layout_rules
 
 if TYPE_CHECKING:
     from etrain.service.planning.spec import JobSpec
@@ -151,7 +152,7 @@ def gang_for(spec: JobSpec) -> admission.Gang:
         micro_batch=spec.training.micro_batch,
         min_dp=policy.min_dp,
         max_dp=policy.max_dp,
-        dp_multiple=layout.dp_replicate,
+        dp_multiple=layout_rules.dp_multiple(dp_replicate=layout.dp_replicate, ep=layout.ep),
     ).legal_sizes()
     sizes = tuple(dp for dp in legal if dp <= layout.dp) or (layout.dp,)
     return admission.Gang(

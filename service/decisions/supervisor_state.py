@@ -73,7 +73,7 @@ class SupervisorConfig:
             policy=policy,
             tp=config.parallel.tp,
             pp=config.parallel.pp,
-            dp_multiple=config.parallel.dp_replicate,
+            dp_multiple=config.parallel.dp_multiple,  # HSDP groups and expert parallelism
             job_id=job_id,
         )
 

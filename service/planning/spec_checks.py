@@ -153,9 +153,8 @@ def check_spec(spec: JobSpec) -> list[SpecProblem]:
 
 def _expert_parallel_problems(spec: JobSpec, found: list[SpecProblem]) -> list[SpecProblem]:
     """``parallelism.ep > 1`` beside the fields the layout rules do not see (those are the planner's:
-    ``layout_rules.ep_problems``): compiled blocks, and the elastic range. Every dp the job may be resized to
-    must stay a multiple of ep (each run of ep dp ranks splits the experts); until the supervisor's elastic
-    policy keeps dp a multiple of ep by itself, a range that admits another legal dp is refused here."""
+    ``layout_rules.ep_problems``): compiled blocks. The elastic range needs no check here: the supervisor's
+    elastic policy resizes only to multiples of ep (``ParallelConfig.dp_multiple``), like ``scale``."""
     layout = spec.layout
     if layout.ep == 1:
         return []
@@ -165,28 +164,6 @@ def _expert_parallel_problems(spec: JobSpec, found: list[SpecProblem]) -> list[S
             problem
             for problem in layout_rules.ep_problems(spec.model.to_config(), ep=layout.ep, dp=layout.dp, compile=True)
             if problem.field == "training.compile"
-        )
-    if any(p.field in _BATCH_FIELDS or p.field.startswith("resources.") for p in found):
-        return problems
-    try:
-        legal = layout_rules.legal_dp_sizes(
-            spec.training.global_batch, spec.training.micro_batch, spec.min_dp, spec.max_dp
-        )
-    except ConfigError:
-        return problems  # the batch or range itself is wrong: reported by the policy's rules
-    others = [dp for dp in legal if dp % layout.ep]
-    if others:
-        multiples = [dp for dp in legal if dp % layout.ep == 0]
-        problems.append(
-            SpecProblem(
-                field="resources.min_dp",
-                message=f"with parallelism.ep={layout.ep} every dp the job runs at must be a multiple of {layout.ep} "
-                f"(each run of ep dp ranks splits the experts), but resources.min_dp..max_dp = "
-                f"{spec.min_dp}..{spec.max_dp} lets it resize to dp in {others[:12]}.",
-                fix=f"narrow resources.min_dp..max_dp to the multiples of {layout.ep} among the legal sizes"
-                + (f" ({multiples[:12]}, e.g. min_dp={multiples[0]})" if multiples else "")
-                + ", or use parallelism.ep=1",
-            )
         )
     return problems
 

@@ -132,5 +132,5 @@ class TestElasticPolicy:
         assert policy.legal_sizes() == [2, 4, 6, 8, 12]
         assert policy.choose(11) == 8  # 11 replicas fit, but 9..11 are odd or do not divide 48
         assert legal_dp_sizes(48, 1, 2, 12, 4) == [4, 8, 12]
-        with pytest.raises(ResizeError, match="multiple of dp_replicate=4"):
+        with pytest.raises(ResizeError, match=r"multiple of 4 \(parallelism.dp_replicate and parallelism.ep\)"):
             ElasticPolicy(global_batch=48, micro_batch=1, min_dp=5, max_dp=7, dp_multiple=4)

@@ -24,6 +24,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from etrain.service.decisions.job_policy import gang_for, policy_for  # noqa: E402
+from etrain.service.decisions.supervisor_state import SupervisorConfig  # noqa: E402
 from etrain.service.planning.estimate import estimate  # noqa: E402
 from etrain.service.planning.plan_activations import layer_activation_bytes, rope_table_bytes  # noqa: E402
 from etrain.service.planning.plan_search import AutoPlan  # noqa: E402
@@ -483,9 +485,13 @@ def test_the_spec_carries_ep_and_keeps_every_elastic_size_a_multiple_of_it():
     config = ok.to_run_config(job_id="j", checkpoint_root="/tmp")
     assert config.parallel.ep == 2 and config.parallel.describe() == "pp1·dp2·tp1 ep2 zero=0"
     assert config.parallel.dp_multiple == 2 and not config.training.compile  # ep does not compile yet
-    elastic = check_spec(spec({"dp": 2, "ep": 2}, {"min_dp": 1, "max_dp": 4}))
-    assert [p.field for p in elastic] == ["resources.min_dp"] and "dp in [1]" in elastic[0].message
-    assert "min_dp=2" in elastic[0].fix
+    # An elastic range with sizes that are not multiples of ep is fine: the supervisor resizes only to those
+    # that are (and `scale` refuses the others), as for HSDP's dp_replicate.
+    elastic = spec({"dp": 2, "ep": 2}, {"min_dp": 1, "max_dp": 4})
+    assert check_spec(elastic) == []
+    run_config = elastic.to_run_config(job_id="j", checkpoint_root="/tmp")
+    supervised = SupervisorConfig.of(policy_for(elastic), run_config, job_id="j")
+    assert supervised.elastic.legal_sizes() == [2, 4] and gang_for(elastic).dp_sizes == (2,)
     compiled = check_spec(spec({"dp": 2, "ep": 2}, compile=True))
     assert [p.field for p in compiled] == ["training.compile"] and "parallelism.ep=2" in compiled[0].message
     assert layout_rules.dp_multiple(dp_replicate=2, ep=4) == 4 and layout_rules.dp_multiple(dp_replicate=3, ep=2) == 6
