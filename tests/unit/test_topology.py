@@ -264,7 +264,7 @@ def test_rank_needs_exactly_one_form_of_coordinates() -> None:
 
 def test_unknown_axis_is_rejected() -> None:
     topology = Topology(pp=2, dp=2, tp=2)
-    with pytest.raises(TopologyError, match=r"axis must be one of \('pp', 'dp', 'tp'\), got 'ep'"):
+    with pytest.raises(TopologyError, match=r"axis must be one of \('pp', 'dp', 'cp', 'tp'\), got 'ep'"):
         topology.groups("ep")
     with pytest.raises(TopologyError, match="got 'ep'"):
         topology.group(0, "ep")
@@ -343,3 +343,33 @@ def test_bundle_order_rejects_tp_larger_than_a_node() -> None:
         Topology(pp=1, dp=1, tp=8).bundle_order(4)
     with pytest.raises(TopologyError, match="ranks_per_node must be an integer >= 1, got 0"):
         Topology(pp=1, dp=1, tp=1).bundle_order(0)
+
+
+# -- context parallelism: cp between dp and tp -------------------------------------------------
+
+
+@pytest.mark.parametrize("pp, dp, cp, tp", [(1, 1, 2, 1), (1, 2, 2, 1), (2, 3, 2, 2), (1, 2, 4, 2), (3, 1, 3, 1)])
+def test_cp_sits_between_dp_and_tp_in_rank_order(pp: int, dp: int, cp: int, tp: int) -> None:
+    topology = Topology(pp=pp, dp=dp, cp=cp, tp=tp)
+    grid = np.arange(pp * dp * cp * tp).reshape(pp, dp, cp, tp)  # C order, as the DeviceMesh lays it out
+    assert topology.world_size == grid.size
+    assert topology.mesh_shape == (pp, dp, cp, tp)
+    for rank in range(grid.size):
+        p, d, c, t = (int(i) for i in np.unravel_index(rank, grid.shape))
+        coords = topology.coords(rank)
+        assert coords == Coords(pp=p, dp=d, cp=c, tp=t)
+        assert topology.rank(coords) == rank == topology.rank(pp=p, dp=d, cp=c, tp=t)
+        assert topology.cp_group(rank) == tuple(grid[p, d, :, t].tolist())
+        assert topology.dp_group(rank) == tuple(grid[p, :, c, t].tolist())
+        assert topology.tp_group(rank) == tuple(grid[p, d, c, :].tolist())
+        assert topology.pp_group(rank) == tuple(grid[:, d, c, t].tolist())
+    for axis in ("pp", "dp", "cp", "tp"):
+        _assert_partition(topology.groups(axis), grid.size, topology.degree(axis))
+
+
+def test_cp_one_renumbers_nothing_and_prints_only_when_used() -> None:
+    assert Topology(pp=2, dp=2, tp=2) == Topology(pp=2, dp=2, cp=1, tp=2)
+    assert str(Topology(pp=1, dp=2, tp=1)) == "pp1·dp2·tp1"
+    assert str(Topology(pp=1, dp=2, cp=2, tp=1)) == "pp1·dp2·cp2·tp1"
+    assert parse_topology("dp2.cp2") == Topology(pp=1, dp=2, cp=2, tp=1)
+    assert Topology(pp=1, dp=2, tp=1).cp_group(1) == (1,)

@@ -21,6 +21,13 @@ ep group is a run of consecutive dp ranks, on one node where a node holds them).
 sub-mesh is what the expert weights are DTensors on: ``Shard(0)`` (by expert) over ``ep``, ``Replicate``
 over ``edp``, the ranks that hold the same experts and average their gradients.
 
+Context parallelism (``parallelism.cp``) adds a ``cp`` dimension between ``dp_shard`` and ``tp``: the root
+mesh is then ``(pp, dp_replicate, dp_shard, cp, tp)`` (:data:`CP_MESH_DIMS`; Megatron order with cp between
+dp and tp, as ``Topology`` numbers it), and a second flattening, ``dp_cp`` = ``(dp_replicate, dp_shard,
+cp)``, is the group the parameters' gradients are averaged over (DDP, FSDP2): torchtitan's composition,
+where cp ranks are one more data dimension for the parameters. Without cp the root mesh is the 4-D one
+above, so every existing layout keeps its ranks and groups.
+
 torch 2.13 deprecates slicing a flattened dimension out of the root mesh (``root["dp"]``) and asks
 callers to keep the mesh ``_flatten`` returns; :class:`ParallelMesh` is that bookkeeping: one object
 that hands out every named sub-mesh. Nothing is cached here: callers hold the ``ParallelMesh`` and
@@ -39,6 +46,7 @@ from etrain.workers.protocol import layout_rules
 from etrain.workers.protocol.topology import Topology, TopologyError
 
 __all__ = [
+    "CP_MESH_DIMS",
     "EXPERT_MESH_DIMS",
     "MESH_DIMS",
     "ParallelMesh",
@@ -50,8 +58,10 @@ __all__ = [
 
 #: The root mesh's dimensions, slowest-varying first.
 MESH_DIMS: tuple[str, str, str, str] = ("pp", "dp_replicate", "dp_shard", "tp")
+#: The root mesh's dimensions with context parallelism (``cp > 1``), slowest-varying first.
+CP_MESH_DIMS: tuple[str, str, str, str, str] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 #: Every name :meth:`ParallelMesh.__getitem__` accepts.
-_NAMES = (*MESH_DIMS, "dp", "ep", "edp")
+_NAMES = (*MESH_DIMS, "dp", "ep", "edp", "cp", "dp_cp")
 #: The expert mesh's dimensions (``ep > 1`` only), slowest-varying first.
 EXPERT_MESH_DIMS: tuple[str, str, str, str] = ("pp", "edp", "ep", "tp")
 
@@ -87,22 +97,31 @@ class ParallelMesh:
     root: DeviceMesh
     dp: DeviceMesh
     expert_root: DeviceMesh | None = None
+    #: context parallelism: the flattened ``(dp_replicate, dp_shard, cp)`` mesh (None when cp = 1)
+    dp_cp: DeviceMesh | None = None
 
     def __getitem__(self, name: str) -> DeviceMesh:
         if name == "dp":
             return self.dp
+        if name == "dp_cp":
+            return self.dp if self.dp_cp is None else self.dp_cp
+        if name == "cp" and self.dp_cp is None:
+            raise TopologyError("mesh axis 'cp' exists only with context parallelism (parallelism.cp > 1)")
         if name in ("ep", "edp"):
             if self.expert_root is None:
                 raise TopologyError(f"mesh axis {name!r} exists only with expert parallelism (parallelism.ep > 1)")
             return self.expert_root[name]
-        if name not in MESH_DIMS:
+        if name not in CP_MESH_DIMS:
             raise TopologyError(f"mesh axis must be one of {_NAMES}, got {name!r}")
         return self.root[name]
 
     @property
     def fsdp(self) -> DeviceMesh:
         """FSDP2's mesh: the 1-D ``dp`` mesh (shard over every dp rank), or for HSDP the 2-D
-        ``(dp_replicate, dp_shard)`` mesh (replicate over dim 0, shard over dim 1)."""
+        ``(dp_replicate, dp_shard)`` mesh (replicate over dim 0, shard over dim 1). With context
+        parallelism the flattened ``dp_cp`` mesh (HSDP is refused with cp)."""
+        if self.dp_cp is not None:
+            return self.dp_cp
         if self.root.size(MESH_DIMS.index("dp_replicate")) == 1:
             return self.dp
         return self.root["dp_replicate", "dp_shard"]
@@ -122,13 +141,14 @@ class ParallelMesh:
         return self[name].get_group()
 
     def get_coordinate(self) -> tuple[int, ...]:
-        """This rank's coordinate on the root mesh, in :data:`MESH_DIMS` order."""
+        """This rank's coordinate on the root mesh, in :data:`MESH_DIMS` (or :data:`CP_MESH_DIMS`) order."""
         return tuple(self.root.get_coordinate())
 
 
 def build_device_mesh(topology: Topology, device_type: str, *, dp_replicate: int = 1, ep: int = 1) -> ParallelMesh:
     """The ``(pp, dp_replicate, dp_shard, tp)`` mesh of ``topology``, with ``dp`` flattened, and with
-    ``ep > 1`` the ``(pp, edp, ep, tp)`` expert mesh over the same ranks.
+    ``ep > 1`` the ``(pp, edp, ep, tp)`` expert mesh over the same ranks. With ``topology.cp > 1`` the root
+    is ``(pp, dp_replicate, dp_shard, cp, tp)`` and ``dp_cp`` is flattened too.
 
     The caller owns the default process group: it must already be initialized (with
     ``backend_for(device_type)``) and span exactly ``topology.world_size`` ranks. Every rank
@@ -146,6 +166,14 @@ def build_device_mesh(topology: Topology, device_type: str, *, dp_replicate: int
             f"{world_size}; choose degrees whose product is {world_size}"
         )
     validate_dp_replicate(topology.dp, dp_replicate)
+    if topology.cp > 1:
+        if ep > 1:
+            raise TopologyError(f"parallelism.cp={topology.cp} does not compose with parallelism.ep={ep} yet")
+        shape = (topology.pp, dp_replicate, topology.dp // dp_replicate, topology.cp, topology.tp)
+        root = init_device_mesh(device_type, shape, mesh_dim_names=CP_MESH_DIMS)
+        dp = root["dp_replicate", "dp_shard"]._flatten("dp")
+        dp_cp = root["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+        return ParallelMesh(root=root, dp=dp, dp_cp=dp_cp)
     shape = (topology.pp, dp_replicate, topology.dp // dp_replicate, topology.tp)
     root = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
     expert_root = None

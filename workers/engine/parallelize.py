@@ -62,6 +62,7 @@ __all__ = [
     "ReplicateParallel",
     "WidthShardedNorm",
     "apply_ac",
+    "apply_cp",
     "apply_dp",
     "apply_ep",
     "expert_parameters",
@@ -94,19 +95,24 @@ class ParallelDims:
     dp_replicate: int = 1
     #: expert parallelism: ep ranks of dp split the experts (``dp = edp × ep``)
     ep: int = 1
+    #: context parallelism: cp ranks split every sequence; for the parameters one more data dimension
+    cp: int = 1
     mesh: ParallelMesh | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        layout_rules.check(layout_rules.world_size_problems(pp=self.pp, dp=self.dp, tp=self.tp, world=self.world_size))
+        layout_rules.check(
+            layout_rules.world_size_problems(pp=self.pp, dp=self.dp, tp=self.tp, cp=self.cp, world=self.world_size)
+        )
         validate_dp_replicate(self.dp, self.dp_replicate)
         if self.ep < 1 or self.dp % self.ep:
             raise ConfigError(
                 f"parallelism.ep={self.ep} does not divide parallelism.dp={self.dp}.", field="parallelism.ep"
             )
-        expected = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+        expected = (self.pp, self.dp_replicate, self.dp_shard, *((self.cp,) if self.cp > 1 else ()), self.tp)
         if self.mesh is not None and self.mesh.shape != expected:
             raise ConfigError(
-                f"DeviceMesh shape {self.mesh.shape} does not match (pp, dp_replicate, dp_shard, tp) = {expected}.",
+                f"DeviceMesh shape {self.mesh.shape} does not match (pp, dp_replicate, dp_shard[, cp], tp) = "
+                f"{expected}.",
                 field="parallel",
             )
 
@@ -118,6 +124,7 @@ class ParallelDims:
             pp=topology.pp,
             dp=topology.dp,
             tp=topology.tp,
+            cp=topology.cp,
             world_size=world_size,
             dp_replicate=dp_replicate,
             ep=ep,
@@ -128,6 +135,11 @@ class ParallelDims:
     def edp(self) -> int:
         """Ranks that hold the same experts (``dp / ep``): their expert gradients are averaged together."""
         return self.dp // self.ep
+
+    @property
+    def dp_cp(self) -> int:
+        """Ranks the parameters are replicated (or FSDP2-sharded) over and their gradients averaged over."""
+        return self.dp * self.cp
 
     @property
     def dp_shard(self) -> int:
@@ -151,6 +163,10 @@ class ParallelDims:
         """The mesh FSDP2 runs on: 1-D ``dp`` (FSDP), or 2-D ``(dp_replicate, dp_shard)`` (HSDP)."""
         assert self.mesh is not None, "ParallelDims has no DeviceMesh (single process without a group)"
         return self.mesh.fsdp
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
 
     @property
     def ep_enabled(self) -> bool:
@@ -384,6 +400,27 @@ def _selective_contexts():
     return create_selective_checkpoint_contexts(policy)
 
 
+# -- context parallelism -------------------------------------------------------------------------
+
+
+def apply_cp(module: nn.Module, dims: ParallelDims) -> None:
+    """Context parallelism: every attention with a ``cp_group`` slot (the Llama family's) gets the ``cp``
+    process group and runs as a ring over it (``etrain.workers.families.ring_attention``). The parameters
+    are untouched (replicated over cp; :func:`apply_dp` averages their gradients over ``dp · cp``), so a
+    checkpoint holds them as at cp = 1 and restores into any layout. The trainer feeds each rank its two
+    chunks of every sequence (``shard_sequence``)."""
+    group = dims.mesh.get_group("cp")
+    attentions = [m for m in module.modules() if hasattr(m, "cp_group")]
+    if not attentions:
+        raise ConfigError(
+            f"parallelism.cp={dims.cp}: model.kind={module.config.arch!r} has no ring attention.",
+            field="parallelism.cp",
+            fix="use parallelism.cp=1",
+        )
+    for attention in attentions:
+        attention.cp_group = group
+
+
 # -- expert parallelism --------------------------------------------------------------------------
 
 
@@ -472,8 +509,8 @@ def validate_data_parallel(parallel: ParallelConfig) -> None:
 
 
 def uses_fsdp(dims: ParallelDims, parallel: ParallelConfig) -> bool:
-    """Whether :func:`apply_dp` wraps with FSDP2 (ZeRO-2/3 over more than one dp rank)."""
-    return layout_rules.uses_fsdp(parallel.zero, dims.dp)
+    """Whether :func:`apply_dp` wraps with FSDP2 (ZeRO-2/3 over more than one dp·cp rank)."""
+    return layout_rules.uses_fsdp(parallel.zero, dims.dp_cp)
 
 
 def fsdp_policies(config: RunConfig, device: torch.device) -> dict[str, object]:
@@ -537,11 +574,17 @@ def apply_dp(
     parameters are sharded within a replica group, and gradients are reduce-scattered there and
     then all-reduced across replicas. ``mp_policy`` / ``offload_policy`` (:func:`fsdp_policies`)
     go to every ``fully_shard`` call, so blocks and root agree.
+
+    Context parallelism (torchtitan's composition): the cp ranks are one more data dimension for the
+    parameters, so everything above runs over the flattened ``dp_cp`` mesh (``dp · cp`` ranks). Each cp rank's
+    loss is the mean over its ``S / cp`` tokens of every sequence it holds (no token is ever ignored, so the
+    counts are equal), and the average of those means over cp is the mean over the whole sequence: averaging
+    the gradients over ``dp · cp`` is exactly one process's gradient of the global batch's mean loss.
     """
-    if not dims.dp_enabled:
+    if dims.dp_cp == 1:
         return module
     experts = set(expert_parameters(module)) if dims.ep_enabled else set()
-    if layout_rules.uses_fsdp(zero, dims.dp):
+    if layout_rules.uses_fsdp(zero, dims.dp_cp):
         fsdp_mesh = dims.fsdp_mesh
         policies: dict[str, object] = {"reshard_after_forward": zero == 3}
         if experts:  # sharded by expert over ep and reduced by reduce_expert_grads, not FSDP2's
@@ -557,12 +600,13 @@ def apply_dp(
     if _has_dtensor_params(module, experts):
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
-        replicate(module, mesh=dims.axis("dp"))
+        replicate(module, mesh=dims.axis("dp_cp"))
         return module
     if experts:  # DDP leaves the expert weights to reduce_expert_grads
         names = [name for name, p in module.named_parameters() if p in experts]
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)
-    return DistributedDataParallel(module, process_group=dims.group("dp"))
+    group = dims.mesh.get_group("dp_cp") if dims.cp_enabled else dims.group("dp")
+    return DistributedDataParallel(module, process_group=group)
 
 
 def _has_dtensor_params(module: nn.Module, ignored: set[nn.Parameter] = frozenset()) -> bool:
@@ -625,6 +669,20 @@ def parallelize_stage(
             )
         )
         apply_ep(module, dims)
+    if dims.cp_enabled:
+        layout_rules.check(
+            layout_rules.cp_problems(
+                config.model,
+                cp=dims.cp,
+                tp=dims.tp,
+                pp=dims.pp,
+                ep=dims.ep,
+                zero=parallel.zero,
+                dp_replicate=parallel.dp_replicate,
+                compile=config.training.compile,
+            )
+        )
+        apply_cp(module, dims)
     apply_ac(module, config.training.activation_checkpointing)
     if config.training.compile:
         from etrain.workers.engine.compile import apply_compile

@@ -59,6 +59,7 @@ from etrain.workers.engine.parallelize import (
     validate_data_parallel,
 )
 from etrain.workers.families.model import build_model_skeleton
+from etrain.workers.families.ring_attention import shard_sequence
 from etrain.workers.protocol import layout_rules
 from etrain.workers.protocol.errors import ConfigError, NonFiniteLossError
 from etrain.workers.protocol.messages import StepMetrics
@@ -97,7 +98,21 @@ class Trainer:
     ):
         parallel = config.parallel
         layout_rules.check(
-            layout_rules.world_size_problems(pp=parallel.pp, dp=parallel.dp, tp=parallel.tp, world=world_size)
+            layout_rules.world_size_problems(
+                pp=parallel.pp, dp=parallel.dp, tp=parallel.tp, cp=parallel.cp, world=world_size
+            )
+        )
+        layout_rules.check(
+            layout_rules.cp_problems(
+                config.model,
+                cp=parallel.cp,
+                tp=parallel.tp,
+                pp=parallel.pp,
+                ep=parallel.ep,
+                zero=parallel.zero,
+                dp_replicate=parallel.dp_replicate,
+                compile=config.training.compile,
+            )
         )
         layout_rules.check(
             layout_rules.ep_problems(
@@ -115,7 +130,7 @@ class Trainer:
         self.world_size = world_size
         self.device = torch.device(device)
         self.callbacks = list(callbacks)
-        self.topology = Topology(pp=parallel.pp, dp=parallel.dp, tp=parallel.tp)
+        self.topology = Topology(pp=parallel.pp, dp=parallel.dp, tp=parallel.tp, cp=parallel.cp)
         self.coords = self.topology.coords(rank)
         self.distributed = dist.is_available() and dist.is_initialized()
         if not self.distributed and world_size > 1:
@@ -299,6 +314,8 @@ class Trainer:
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         for micro_step, indices in enumerate(micro_batches):
             inputs, targets = (t.to(self.device) for t in self.dataset.batch(indices))
+            if self.dims.cp_enabled:  # every cp rank read the same samples; it keeps its two chunks of each
+                inputs, targets = (shard_sequence(t, self.dims.cp, self.coords.cp) for t in (inputs, targets))
             last = micro_step == num_micro - 1
             with gradient_sync(self.modules, enabled=last), self._loss_context():
                 with timer.span():
@@ -369,11 +386,13 @@ class Trainer:
 
         Ranks that hold a loss (all, or the last pipeline stage) each carry the mean over their
         micro-batches; TP ranks of one dp replica carry the same value, so the world sum divided by
-        the number of holders is the mean over dp replicas.
+        the number of holders is the mean over dp replicas. A cp rank carries the mean over its
+        ``S / cp`` tokens of each sequence (equal counts on every cp rank), so the mean over cp is the
+        mean over every token.
         """
         if not self.distributed or self.world_size == 1:
             return local_mean.detach().float().reshape(())
-        holders = self.dims.dp * self.dims.tp
+        holders = self.dims.dp * self.dims.cp * self.dims.tp
         value = local_mean.detach().float().reshape(1) if has_loss else torch.zeros(1, device=self.device)
         dist.all_reduce(value)
         return value[0] / holders

@@ -139,6 +139,9 @@ class ModelFamily:
     #: Parallel axes the family cannot run on (``"tp"``, ``"pp"``), each with why: the layout rules
     #: (``workers/protocol/layout_rules.py``) refuse a degree above 1 on them, naming the field.
     refused_axes: ClassVar[dict[str, str]] = {}
+    #: Whether the family's attention runs as a ring over context-parallel ranks (``parallelism.cp``,
+    #: ``etrain.workers.families.ring_attention``); the layout rules refuse cp > 1 for the others.
+    context_parallel: ClassVar[bool] = False
     #: etrain ↔ Hugging Face parameter names: the model's own (``tok_embeddings.weight``) and those inside
     #: a block (``attention.wq.weight`` ↔ ``self_attn.q_proj.weight``, under ``model.layers.<i>.``).
     hf_top_names: ClassVar[dict[str, str]] = {}

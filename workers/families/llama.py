@@ -54,6 +54,8 @@ class Llama(ModelFamily):
     summary = "the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3): RoPE, RMSNorm, SwiGLU, grouped-query attention"
     model_module = "etrain.workers.families.llama_model"
     grouped_query_attention = True
+    #: parallelism.cp: LlamaAttention runs as a ring over the cp ranks (workers/families/ring_attention.py).
+    context_parallel = True
     # The published Hugging Face configs (meta-llama/Llama-3.2-1B, Llama-3.1-8B, Llama-3.1-70B,
     # Qwen/Qwen3-0.6B, mistralai/Mistral-7B-v0.1) with the training context set to 4096.
     presets = {

@@ -20,6 +20,7 @@ from torch import nn
 
 from etrain.workers.families import check_shape
 from etrain.workers.families.layers import RMSNorm, rope_inverse_frequencies, rotate_half, run_trunk
+from etrain.workers.families.ring_attention import chunk_positions, ring_attention
 from etrain.workers.protocol.run_config import ModelConfig
 
 __all__ = ["Llama", "LlamaAttention", "LlamaBlock", "SwiGLU", "build"]
@@ -27,7 +28,12 @@ __all__ = ["Llama", "LlamaAttention", "LlamaBlock", "SwiGLU", "build"]
 
 class LlamaAttention(nn.Module):
     """Causal grouped-query attention with RoPE; heads are read from the local projection widths,
-    so the same code runs unsharded and tensor-parallel (n_heads / tp, n_kv_heads / tp per rank)."""
+    so the same code runs unsharded and tensor-parallel (n_heads / tp, n_kv_heads / tp per rank).
+
+    ``cp_group``: set by the engine's ``apply_cp`` under context parallelism. The input is then this rank's
+    two chunks of every sequence (``S / cp`` tokens, ``workers/families/ring_attention.py``): RoPE is applied at
+    their true positions and attention runs as a ring over the group.
+    """
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -43,6 +49,7 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(hd, config.norm_eps) if config.qk_norm else None
         self._inv_freq = rope_inverse_frequencies(config)
         self._rope_cache: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.cp_group = None
 
     def _rope(self, seq: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin tables ``[seq, head_dim]``: cached per (length, device) in eager mode; inside a
@@ -75,6 +82,8 @@ class LlamaAttention(nn.Module):
         batch, seq, _ = x.shape
         q, k, v = self._project(x)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [batch, heads, seq, head_dim]
+        if self.cp_group is not None:
+            return self._context_parallel(q, k, v, batch, seq)
         cos, sin = self._rope(seq, x.device)
         q = (q * cos.to(q.dtype)) + (rotate_half(q) * sin.to(q.dtype))
         k = (k * cos.to(k.dtype)) + (rotate_half(k) * sin.to(k.dtype))
@@ -82,6 +91,20 @@ class LlamaAttention(nn.Module):
             k = k.repeat_interleave(self.n_rep, dim=1)
             v = v.repeat_interleave(self.n_rep, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+    def _context_parallel(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int, seq: int
+    ) -> torch.Tensor:
+        """This rank's ``seq`` tokens of a ``seq · cp`` sequence: RoPE at their true positions, ring attention."""
+        cp = torch.distributed.get_world_size(self.cp_group)
+        full = seq * cp
+        positions = chunk_positions(full, cp, torch.distributed.get_rank(self.cp_group), device=q.device)
+        cos, sin = self._rope(full, q.device)
+        cos, sin = cos[positions], sin[positions]
+        q = (q * cos.to(q.dtype)) + (rotate_half(q) * sin.to(q.dtype))
+        k = (k * cos.to(k.dtype)) + (rotate_half(k) * sin.to(k.dtype))
+        out = ring_attention(q, k, v, group=self.cp_group, seq_len=full)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 

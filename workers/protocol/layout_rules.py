@@ -34,7 +34,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from etrain.workers.families import family
+from etrain.workers.families import family, family_names
 from etrain.workers.families.base import Sizes
 from etrain.workers.protocol.errors import ConfigError, EtrainError
 
@@ -53,6 +53,7 @@ __all__ = [
     "divisors",
     "dp_multiple",
     "dp_range_problems",
+    "cp_problems",
     "ep_problems",
     "family_axis_problems",
     "dp_replicate_problems",
@@ -88,6 +89,7 @@ _DEGREE_NAMES = {
     "pp": "pipeline-parallel degree",
     "dp": "data-parallel degree",
     "ep": "expert-parallel degree",
+    "cp": "context-parallel degree",
     "tp": "tensor-parallel degree",
     "virtual_stages": "pipeline stages per rank",
     "microbatches": "pipeline micro-batches per step",
@@ -157,20 +159,23 @@ def degree_problems(**degrees: object) -> list[Problem]:
     ]
 
 
-def world_size(*, pp: int, dp: int, tp: int) -> int:
-    """Ranks of a ``pp × dp × tp`` layout: one rank per (pipeline stage, replica, tensor shard)."""
-    return pp * dp * tp
+def world_size(*, pp: int, dp: int, tp: int, cp: int = 1) -> int:
+    """Ranks of a ``pp × dp × cp × tp`` layout: one rank per (pipeline stage, replica, sequence slice,
+    tensor shard)."""
+    return pp * dp * cp * tp
 
 
-def world_size_problems(*, pp: int, dp: int, tp: int, world: int) -> list[Problem]:
+def world_size_problems(*, pp: int, dp: int, tp: int, world: int, cp: int = 1) -> list[Problem]:
     """The degrees multiply to the number of ranks there are (the message prints every degree)."""
-    product = world_size(pp=pp, dp=dp, tp=tp)
+    product = world_size(pp=pp, dp=dp, tp=tp, cp=cp)
     if product == world:
         return []
+    cp_text = f" × cp={cp}" if cp != 1 else ""
     return [
         Problem(
             field="parallelism",
-            message=f"parallel layout pp={pp} × dp={dp} × tp={tp} = {product} ranks, but the world size is {world}.",
+            message=f"parallel layout pp={pp} × dp={dp}{cp_text} × tp={tp} = {product} ranks, but the world size "
+            f"is {world}.",
             fix=f"choose degrees whose product is {world}",
         )
     ]
@@ -834,15 +839,17 @@ def layout_problems(
     microbatch_source: str | None = None,
     max_dp: int | None = None,
     ep: int = 1,
+    cp: int = 1,
 ) -> list[Problem]:
     """Every structural rule of a layout (not the batch: :func:`batch_problems`; not memory: the planner).
 
     In order: degrees (alone, when any is broken), tensor parallelism, sequence parallelism, the axes
     the family refuses (pipeline stages), tied embeddings, the layer split, the schedule (only with pp > 1, or when a virtual stage or the
     interleaved schedule asks for a pipeline), HSDP / offload, ZeRO at dp=1 (``max_dp``: the
-    elastic ceiling; default ``dp``), and expert parallelism (``ep``: :func:`ep_problems`).
+    elastic ceiling; default ``dp``), expert parallelism (``ep``: :func:`ep_problems`) and context
+    parallelism (``cp``: :func:`cp_problems`).
     """
-    problems = degree_problems(dp=dp, tp=tp, pp=pp, virtual_stages=virtual_stages, ep=ep)
+    problems = degree_problems(dp=dp, tp=tp, pp=pp, virtual_stages=virtual_stages, ep=ep, cp=cp)
     if problems:
         return problems
     context = f" (world = dp·tp·pp = {dp}·{tp}·{pp} = {world_size(pp=pp, dp=dp, tp=tp)})"
@@ -856,4 +863,96 @@ def layout_problems(
     problems += data_parallel_problems(dp=dp, zero=zero, dp_replicate=dp_replicate, offload=offload)
     problems += zero_problems(zero=zero, dp=dp, max_dp=dp if max_dp is None else max_dp)
     problems += ep_problems(model, ep=ep, dp=dp, zero=zero, dp_replicate=dp_replicate, offload=offload)
+    problems += cp_problems(model, cp=cp, tp=tp, pp=pp, ep=ep, zero=zero, dp_replicate=dp_replicate)
+    return problems
+
+
+# -- context parallelism ------------------------------------------------------------------------
+
+
+def cp_problems(
+    model: Sizes,
+    *,
+    cp: int,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    zero: int = 0,
+    dp_replicate: int = 1,
+    compile: bool = False,
+) -> list[Problem]:
+    """Context parallelism (``parallelism.cp``): every sequence is cut into ``2·cp`` equal chunks and rank
+    ``i`` of a cp group holds chunks ``i`` and ``2·cp − 1 − i`` (the causal load balance of torch's
+    ``context_parallel`` and Megatron), attention runs as a ring over the cp ranks
+    (``etrain.workers.families.ring_attention``). So ``2·cp`` divides ``model.seq_len``, and only a family
+    whose attention has the ring (``ModelFamily.context_parallel``: the Llama family) runs it. What it does
+    not compose with yet, each refused: tensor and pipeline parallelism, expert parallelism, ZeRO-1, HSDP and
+    compiled blocks."""
+    if cp == 1:
+        return []
+    if not _is_count(cp):
+        return degree_problems(cp=cp)
+    problems = []
+    arch = family(model.arch)
+    if not arch.context_parallel:
+        supported = sorted(name for name in family_names() if family(name).context_parallel)
+        problems.append(
+            Problem(
+                field="parallelism.cp",
+                message=f"parallelism.cp={cp}: model.kind={model.arch!r} has no ring attention (context parallelism "
+                f"runs on the families {supported}).",
+                fix=f"use parallelism.cp=1 (the default) with model.kind={model.arch!r}, or a model of kind {supported}",
+            )
+        )
+        return problems
+    if model.seq_len % (2 * cp):
+        good = divisors(model.seq_len // 2)[:24] if model.seq_len % 2 == 0 else [1]
+        problems.append(
+            Problem(
+                field="parallelism.cp",
+                message=f"parallelism.cp={cp} needs model.seq_len divisible by 2·cp = {2 * cp}, but seq_len is "
+                f"{model.seq_len} (each cp rank holds two of 2·cp equal chunks of every sequence, balancing the "
+                "causal mask's work).",
+                fix=f"use cp in {good}, or a seq_len that is a multiple of {2 * cp}",
+            )
+        )
+    for name, degree, why in (
+        ("tp", tp, "tensor parallelism"),
+        ("pp", pp, "pipeline parallelism"),
+        ("ep", ep, "expert parallelism"),
+    ):
+        if degree != 1:
+            problems.append(
+                Problem(
+                    field="parallelism.cp",
+                    message=f"parallelism.cp={cp} does not compose with {why} (parallelism.{name}={degree}) yet.",
+                    fix=f"use parallelism.{name}=1 with cp > 1, or cp=1",
+                )
+            )
+    if zero == 1:
+        problems.append(
+            Problem(
+                field="parallelism.cp",
+                message=f"parallelism.cp={cp} does not run with parallelism.zero=1 yet (its optimizer shards over "
+                "the dp ranks only, while the gradients are averaged over dp·cp).",
+                fix="use parallelism.zero 0 (DDP over dp·cp) or 2/3 (FSDP2 over dp·cp) with cp > 1, or cp=1",
+            )
+        )
+    if dp_replicate != 1:
+        problems.append(
+            Problem(
+                field="parallelism.cp",
+                message=f"parallelism.cp={cp} does not compose with HSDP (parallelism.dp_replicate={dp_replicate}) yet.",
+                fix="use parallelism.dp_replicate=1 (FSDP2 then shards over dp·cp) with cp > 1, or cp=1",
+            )
+        )
+    if compile:
+        problems.append(
+            Problem(
+                field="training.compile",
+                message=f"training.compile does not run with parallelism.cp={cp} yet: the ring's send/recv sit "
+                "inside every attention, which a compiled (fullgraph) block cannot hold.",
+                fix="set training.compile: false with cp > 1, or cp=1",
+            )
+        )
     return problems

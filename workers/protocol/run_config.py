@@ -140,7 +140,7 @@ class DataConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
-    """Degrees of the 3D layout (world = pp * dp * tp) and how each axis is run (``ep`` lives inside ``dp``)."""
+    """Degrees of the layout (world = pp * dp * cp * tp) and how each axis is run (``ep`` lives inside ``dp``)."""
 
     dp: int = 1
     tp: int = 1
@@ -157,10 +157,14 @@ class ParallelConfig:
     #: Expert parallelism (torchtitan's composition): ep ranks borrowed from dp split each mixture-of-experts
     #: layer's experts (n_experts / ep each); ep divides dp and n_experts (``layout_rules.ep_problems``).
     ep: int = 1
+    #: Context parallelism: every sequence split over cp ranks (two of 2·cp chunks each, balanced for the
+    #: causal mask), attention as a ring over them; parameters replicated over cp, gradients averaged over
+    #: dp·cp (``layout_rules.cp_problems``). Fixed for a job's life, like tp and pp.
+    cp: int = 1
 
     @property
     def world_size(self) -> int:
-        return layout_rules.world_size(pp=self.pp, dp=self.dp, tp=self.tp)
+        return layout_rules.world_size(pp=self.pp, dp=self.dp, tp=self.tp, cp=self.cp)
 
     @property
     def num_stages(self) -> int:
@@ -173,8 +177,10 @@ class ParallelConfig:
 
     def describe(self) -> str:
         """Compact layout string, e.g. ``dp2·tp2·pp2 zero=3 1f1b``; every degree printed (``ep`` when > 1:
-        ``pp1·dp4·tp1 ep2 zero=0``)."""
+        ``pp1·dp4·tp1 ep2 zero=0``; ``cp`` when > 1: ``pp1·dp2·tp1 cp2 zero=0``)."""
         text = f"pp{self.pp}·dp{self.dp}·tp{self.tp}"
+        if self.cp > 1:
+            text += f" cp{self.cp}"
         if self.ep > 1:
             text += f" ep{self.ep}"
         text += f" zero={self.zero}"

@@ -1,20 +1,29 @@
 """Rank arithmetic for 3D parallelism: the one home for "which rank is where".
 
-A job's world is ``pp × dp × tp`` ranks laid out in Megatron order: the tensor-parallel (TP)
-coordinate varies fastest, then data-parallel (DP), then pipeline-parallel (PP)::
+A job's world is ``pp × dp × cp × tp`` ranks laid out in Megatron order: the tensor-parallel (TP)
+coordinate varies fastest, then context-parallel (CP), then data-parallel (DP), then pipeline-parallel
+(PP)::
 
-    rank = (pp_idx * dp + dp_idx) * tp + tp_idx
+    rank = ((pp_idx * dp + dp_idx) * cp + cp_idx) * tp + tp_idx
+
+With ``cp = 1`` (every layout but a context-parallel one) this is ``(pp_idx * dp + dp_idx) * tp +
+tp_idx``: adding the axis renumbered no existing layout.
 
 Why this order: TP exchanges activations inside every layer, so its ranks must share a node and
 its fast interconnect (NVLink). Keeping a TP group's ranks adjacent means that packing consecutive
 ranks onto a node keeps every TP group on one node. DP (gradient all-reduce once per step) is
 next, and PP (point-to-point between neighbouring stages) is the axis most tolerant of crossing
-nodes, so it varies slowest.
+nodes, so it varies slowest. Context parallelism (``parallelism.cp``: each rank holds a slice of every
+sequence and ring attention passes K/V blocks around the cp group in every attention layer) talks far
+more often than DP but less than TP, so it sits between them, where torchtitan and Megatron put it
+(``pp, dp, cp, tp``): a cp group is ``cp`` ranks ``tp`` apart, on one node where the node holds them.
+For parameters cp is one more data dimension: they are replicated over cp and their gradients averaged
+over the ``dp · cp`` ranks of one (pp, tp) coordinate.
 
 Everything here is pure standard-library code (plus the pure ``etrain.workers.protocol.errors`` and
 ``etrain.workers.protocol.layout_rules``, whose degree rule and world size it uses): the planner,
 the supervisor and the placement logic import it without torch or Ray, and ``workers/engine/mesh.py``
-builds the torch ``DeviceMesh`` with the same ``(pp, dp, tp)`` shape so the process groups equal
+builds the torch ``DeviceMesh`` with the same ``(pp, dp[, cp], tp)`` shape so the process groups equal
 the groups computed here.
 """
 
@@ -28,13 +37,15 @@ from typing import Final
 from etrain.workers.protocol import layout_rules
 from etrain.workers.protocol.errors import ConfigError
 
-__all__ = ["AXES", "Coords", "Topology", "TopologyError", "parse_topology"]
+__all__ = ["ALL_AXES", "AXES", "Coords", "Topology", "TopologyError", "parse_topology"]
 
-#: Mesh axes, slowest-varying first; also the ``mesh_dim_names`` of the DeviceMesh.
+#: The axes every layout has, slowest-varying first.
 AXES: Final[tuple[str, str, str]] = ("pp", "dp", "tp")
+#: Every axis, context parallelism's included, slowest-varying first (rank order).
+ALL_AXES: Final[tuple[str, str, str, str]] = ("pp", "dp", "cp", "tp")
 
 _SEPARATORS = re.compile(r"[.·]")
-_TOKEN = re.compile(r"^(pp|dp|tp)([0-9]+)$")
+_TOKEN = re.compile(r"^(pp|dp|cp|tp)([0-9]+)$")
 
 
 class TopologyError(ConfigError, ValueError):
@@ -51,25 +62,28 @@ def _is_int(value: object) -> bool:
 
 
 def _check_axis(axis: str) -> None:
-    if axis not in AXES:
-        raise TopologyError(f"axis must be one of {AXES}, got {axis!r}")
+    if axis not in ALL_AXES:
+        raise TopologyError(f"axis must be one of {ALL_AXES}, got {axis!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
 class Coords:
-    """A rank's position on the (pp, dp, tp) mesh; each index counts from 0."""
+    """A rank's position on the (pp, dp, cp, tp) mesh; each index counts from 0 (``cp`` is 0 without
+    context parallelism)."""
 
     pp: int
     dp: int
     tp: int
+    cp: int = 0
 
     def __str__(self) -> str:
-        return f"(pp={self.pp}, dp={self.dp}, tp={self.tp})"
+        cp = f", cp={self.cp}" if self.cp else ""
+        return f"(pp={self.pp}, dp={self.dp}{cp}, tp={self.tp})"
 
 
 @dataclass(frozen=True, kw_only=True)
 class Topology:
-    """A ``pp × dp × tp`` layout of ranks in Megatron order (TP fastest, then DP, then PP).
+    """A ``pp × dp × cp × tp`` layout of ranks in Megatron order (TP fastest, then CP, DP, PP).
 
     Groups are returned as tuples of global ranks in ascending order, which is also the order of
     ranks inside the matching DeviceMesh process group (group rank i is the i-th element).
@@ -78,20 +92,23 @@ class Topology:
     pp: int
     dp: int
     tp: int
+    cp: int = 1
 
     def __post_init__(self) -> None:
-        layout_rules.check(layout_rules.degree_problems(pp=self.pp, dp=self.dp, tp=self.tp), TopologyError)
+        layout_rules.check(layout_rules.degree_problems(pp=self.pp, dp=self.dp, tp=self.tp, cp=self.cp), TopologyError)
 
     # -- shape ---------------------------------------------------------------------------------
 
     @property
     def world_size(self) -> int:
-        return layout_rules.world_size(pp=self.pp, dp=self.dp, tp=self.tp)
+        return layout_rules.world_size(pp=self.pp, dp=self.dp, tp=self.tp, cp=self.cp)
 
     @property
-    def mesh_shape(self) -> tuple[int, int, int]:
-        """The DeviceMesh shape, in ``AXES`` order."""
-        return (self.pp, self.dp, self.tp)
+    def mesh_shape(self) -> tuple[int, ...]:
+        """The layout's shape in rank order: ``(pp, dp, tp)``, or ``(pp, dp, cp, tp)`` with cp > 1."""
+        if self.cp == 1:
+            return (self.pp, self.dp, self.tp)
+        return (self.pp, self.dp, self.cp, self.tp)
 
     def degree(self, axis: str) -> int:
         """The number of ranks in one group along ``axis``."""
@@ -102,9 +119,11 @@ class Topology:
         """Rank distance between neighbours along ``axis`` (the mixed-radix place value)."""
         if axis == "tp":
             return 1
-        if axis == "dp":
+        if axis == "cp":
             return self.tp
-        return self.dp * self.tp
+        if axis == "dp":
+            return self.cp * self.tp
+        return self.dp * self.cp * self.tp
 
     # -- coordinates ---------------------------------------------------------------------------
 
@@ -113,11 +132,12 @@ class Topology:
             raise TopologyError(f"rank {rank!r} is out of range for {self}: valid ranks are 0..{self.world_size - 1}")
 
     def coords(self, rank: int) -> Coords:
-        """The (pp, dp, tp) position of ``rank``."""
+        """The (pp, dp, cp, tp) position of ``rank``."""
         self._check_rank(rank)
         return Coords(
-            pp=rank // (self.dp * self.tp),
-            dp=(rank // self.tp) % self.dp,
+            pp=rank // (self.dp * self.cp * self.tp),
+            dp=(rank // (self.cp * self.tp)) % self.dp,
+            cp=(rank // self.tp) % self.cp,
             tp=rank % self.tp,
         )
 
@@ -129,19 +149,21 @@ class Topology:
         pp: int | None = None,
         dp: int | None = None,
         tp: int | None = None,
+        cp: int | None = None,
     ) -> int:
-        """The global rank at ``coords``, or at the keyword coordinates (all three required)."""
+        """The global rank at ``coords``, or at the keyword coordinates (pp, dp and tp required; cp
+        defaults to 0)."""
         keywords = {"pp": pp, "dp": dp, "tp": tp}
         if coords is None:
             missing = [axis for axis, value in keywords.items() if value is None]
             if missing:
                 raise TopologyError(f"rank() needs a Coords or all of pp=, dp=, tp=; missing {', '.join(missing)}")
-            coords = Coords(pp=pp, dp=dp, tp=tp)  # type: ignore[arg-type]
-        elif any(value is not None for value in keywords.values()):
+            coords = Coords(pp=pp, dp=dp, tp=tp, cp=0 if cp is None else cp)  # type: ignore[arg-type]
+        elif any(value is not None for value in (*keywords.values(), cp)):
             raise TopologyError("rank() takes a Coords or keyword coordinates, not both")
         elif not isinstance(coords, Coords):
             raise TopologyError(f"rank() needs a Coords, got {coords!r}")
-        for axis in AXES:
+        for axis in ALL_AXES:
             index = getattr(coords, axis)
             degree = getattr(self, axis)
             if not _is_int(index) or not 0 <= index < degree:
@@ -149,7 +171,7 @@ class Topology:
                     f"{axis} coordinate {index!r} is out of range for {self}: valid "
                     f"{axis} coordinates are 0..{degree - 1}"
                 )
-        return (coords.pp * self.dp + coords.dp) * self.tp + coords.tp
+        return ((coords.pp * self.dp + coords.dp) * self.cp + coords.cp) * self.tp + coords.tp
 
     # -- groups --------------------------------------------------------------------------------
 
@@ -169,6 +191,9 @@ class Topology:
 
     def pp_group(self, rank: int) -> tuple[int, ...]:
         return self.group(rank, "pp")
+
+    def cp_group(self, rank: int) -> tuple[int, ...]:
+        return self.group(rank, "cp")
 
     def groups(self, axis: str) -> tuple[tuple[int, ...], ...]:
         """Every group along ``axis``: a partition of the world, ordered by first rank."""
@@ -235,7 +260,8 @@ class Topology:
         ]
 
     def __str__(self) -> str:
-        return f"pp{self.pp}·dp{self.dp}·tp{self.tp}"
+        cp = f"·cp{self.cp}" if self.cp > 1 else ""
+        return f"pp{self.pp}·dp{self.dp}{cp}·tp{self.tp}"
 
 
 def parse_topology(text: str) -> Topology:
@@ -254,4 +280,4 @@ def parse_topology(text: str) -> Topology:
         if axis in degrees:
             raise TopologyError(f"cannot parse topology {text!r}: {axis} is given twice")
         degrees[axis] = degree
-    return Topology(**{axis: degrees.get(axis, 1) for axis in AXES})
+    return Topology(**{axis: degrees.get(axis, 1) for axis in ALL_AXES})

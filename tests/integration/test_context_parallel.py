@@ -1,0 +1,201 @@
+"""Context parallelism (``parallelism.cp``) on real gloo ranks: equal to one process, and checkpoints that
+restore across cp.
+
+The tiny Llama of the equivalence tests (grouped-query attention: 4 query heads on 2 kv heads, q/k norms,
+q/k/v bias), 16-token context, trained as one process is the reference. Each cp rank holds two 4-token
+chunks of every sequence (chunks i and 3 − i of 4), attention runs as a ring over the cp ranks.
+
+On two ranks (one spawn, several Trainers on the same process group):
+
+* cp=2 with DDP over the cp ranks (zero 0, saving at step 2), and with FSDP2 over them (zero 3), train the
+  reference's losses, gradient norms and final parameters within the equivalence tolerances (1e-5
+  relative on losses);
+* cp=2 restored from the reference's step-2 checkpoint trains on to its losses (cp=1 -> cp=2), and one
+  process restored from the cp=2 run's step-2 checkpoint trains on to the same losses (cp=2 -> cp=1).
+
+On four ranks: cp=2 × dp=2 (two dp replicas reading different samples, each split over a cp pair, the
+gradients averaged over all four) equals one process too, and its groups are Megatron's order with cp
+between dp and tp. The refusals are checked before any process group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from etrain.workers.protocol.errors import ConfigError
+from etrain.workers.protocol.run_config import ModelConfig, ParallelConfig
+from tests.dist_utils import run_distributed
+from tests.equivalence_utils import LOSS_RTOL, TINY_LLAMA, RunResult, assert_equivalent, small_config
+from tests.state_utils import full_state_dict
+
+STEPS, SAVE_AT = 4, 2
+BASE = small_config(steps=STEPS, model=TINY_LLAMA)
+
+
+def _config(parallel: ParallelConfig):
+    return dataclasses.replace(BASE, parallel=parallel)
+
+
+def _save(trainer, root: str, world_size: int) -> None:
+    import torch.distributed as dist
+
+    from etrain.workers.checkpoints.checkpoint_commit import commit, step_dir
+
+    directory = step_dir(root, trainer.next_step)
+    report = trainer.save(directory)
+    reports = [report]
+    if world_size > 1:
+        reports = [None] * world_size
+        dist.all_gather_object(reports, report)
+    if trainer.rank == 0:  # what the supervisor does once every rank has reported
+        commit(
+            directory,
+            step=trainer.next_step,
+            layout=trainer.config.parallel.describe(),
+            world_size=world_size,
+            reports=reports,
+        )
+    if world_size > 1:
+        dist.barrier()
+
+
+def _train(config, rank: int, world_size: int, *, save_root: str | None = None, restore: str | None = None):
+    from etrain.workers.checkpoints.checkpoint_commit import step_dir
+    from etrain.workers.engine.train import Trainer
+
+    torch.manual_seed(0)
+    trainer = Trainer(config, rank=rank, world_size=world_size, device=torch.device("cpu"))
+    start = trainer.restore(step_dir(restore, SAVE_AT)) if restore else 0
+    history = trainer.run(start, SAVE_AT) if start < SAVE_AT else []
+    if save_root:
+        _save(trainer, save_root, world_size)
+    history += trainer.run(trainer.next_step, STEPS)
+    return RunResult(
+        rank=trainer.rank,
+        losses=[m.loss for m in history],
+        grad_norms=[m.grad_norm for m in history],
+        params=full_state_dict(trainer),
+    )
+
+
+def _ring_against_whole_sequence(rank: int, world_size: int) -> dict[str, float]:
+    """Ring attention at this rank's chunks against causal SDPA over the whole sequence (grouped-query,
+    4 query heads on 2 kv heads, 24 tokens): outputs and the gradients of q, k and v, largest |Δ| each."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from etrain.workers.families.ring_attention import ring_attention, shard_sequence
+
+    generator = torch.Generator().manual_seed(5)
+    q, k, v, grad = (torch.randn(2, heads, 24, 8, generator=generator) for heads in (4, 2, 2, 4))
+    whole = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = F.scaled_dot_product_attention(
+        whole[0], whole[1].repeat_interleave(2, 1), whole[2].repeat_interleave(2, 1), is_causal=True
+    )
+    want.backward(grad)
+    local = [shard_sequence(t, world_size, rank, dim=2).requires_grad_() for t in (q, k, v)]
+    got = ring_attention(*local, group=dist.group.WORLD, seq_len=24)
+    got.backward(shard_sequence(grad, world_size, rank, dim=2))
+    diffs = {"out": (got - shard_sequence(want, world_size, rank, dim=2)).abs().max().item()}
+    for name, mine, full in zip("qkv", local, whole):
+        diffs[f"d{name}"] = (mine.grad - shard_sequence(full.grad, world_size, rank, dim=2)).abs().max().item()
+    return diffs
+
+
+def _two_ranks(rank: int, world_size: int, root: str) -> dict:
+    return {
+        "ring": _ring_against_whole_sequence(rank, world_size),
+        "ddp": _train(_config(ParallelConfig(cp=2)), rank, world_size, save_root=f"{root}/cp2"),
+        "fsdp": _train(_config(ParallelConfig(cp=2, zero=3)), rank, world_size),
+        "restored": _train(_config(ParallelConfig(cp=2)), rank, world_size, restore=f"{root}/one"),
+    }
+
+
+def _four_ranks(rank: int, world_size: int) -> tuple[RunResult, dict]:
+    import torch.distributed as dist
+
+    from etrain.workers.engine.mesh import build_device_mesh
+    from etrain.workers.protocol.topology import Topology
+
+    mesh = build_device_mesh(Topology(pp=1, dp=2, cp=2, tp=1), "cpu")
+    groups = {axis: tuple(dist.get_process_group_ranks(mesh.get_group(axis))) for axis in ("dp", "cp", "dp_cp")}
+    return _train(_config(ParallelConfig(dp=2, cp=2)), rank, world_size), groups
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> tuple[RunResult, str]:
+    """One process (no process group), saving at step 2: the reference, and the cp=1 checkpoint."""
+    root = str(tmp_path_factory.mktemp("cp"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _train(BASE, 0, 1, save_root=f"{root}/one"), root
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _assert_losses(reference: RunResult, losses: list[float], *, first: int, layout: str) -> None:
+    for offset, got in enumerate(losses):
+        want = reference.losses[first + offset]
+        assert abs(got - want) <= LOSS_RTOL * abs(want), f"{layout} step {first + offset}: {got} vs one process {want}"
+
+
+def test_cp2_trains_like_one_process_and_restores_across_cp(reference):
+    one, root = reference
+    ranks = run_distributed(_two_ranks, 2, root, timeout_s=240)
+    for r in ranks:  # the ring itself: forward and the reverse ring's dK/dV against the whole sequence
+        assert max(r["ring"].values()) < 1e-5, r["ring"]
+    print(f"llama cp2: losses {ranks[0]['ddp'].losses} vs one process {one.losses}")
+    assert_equivalent(one, [r["ddp"] for r in ranks], layout="llama cp2 zero=0")
+    assert_equivalent(one, [r["fsdp"] for r in ranks], layout="llama cp2 zero=3")
+    # cp=1 (one process) -> cp=2: the steps after the restore are the uninterrupted run's
+    for r in ranks:
+        _assert_losses(one, r["restored"].losses, first=SAVE_AT, layout="cp1 -> cp2")
+    # cp=2 -> cp=1: one process restores the cp=2 checkpoint and trains on to the same losses
+    restored = _train(BASE, 0, 1, restore=f"{root}/cp2")
+    _assert_losses(one, restored.losses, first=SAVE_AT, layout="cp2 -> cp1")
+    assert len(restored.losses) == STEPS - SAVE_AT
+
+
+def test_cp2_dp2_trains_like_one_process(reference):
+    one, _ = reference
+    ranks = run_distributed(_four_ranks, 4, timeout_s=240)
+    # rank = (dp_index * cp + cp_index) * tp + tp_index: a cp pair is adjacent, dp replicas are cp apart
+    assert [groups for _, groups in ranks] == [
+        {"dp": (0, 2), "cp": (0, 1), "dp_cp": (0, 1, 2, 3)},
+        {"dp": (1, 3), "cp": (0, 1), "dp_cp": (0, 1, 2, 3)},
+        {"dp": (0, 2), "cp": (2, 3), "dp_cp": (0, 1, 2, 3)},
+        {"dp": (1, 3), "cp": (2, 3), "dp_cp": (0, 1, 2, 3)},
+    ]
+    results = [result for result, _ in ranks]
+    print(f"llama dp2 cp2: losses {results[0].losses} vs one process {one.losses}")
+    assert_equivalent(one, results, layout="llama dp2 cp2 zero=0")
+
+
+@pytest.mark.parametrize(
+    "parallel, model, field, words",
+    [
+        (ParallelConfig(cp=3), TINY_LLAMA, "parallelism.cp", "divisible by 2·cp = 6"),
+        (ParallelConfig(cp=2, tp=2), TINY_LLAMA, "parallelism.cp", "tensor parallelism"),
+        (ParallelConfig(cp=2, pp=2), TINY_LLAMA, "parallelism.cp", "pipeline parallelism"),
+        (ParallelConfig(cp=2, dp=2, zero=1), TINY_LLAMA, "parallelism.cp", "zero=1"),
+        (
+            ParallelConfig(cp=2),
+            ModelConfig(n_layers=2, d_model=32, n_heads=4, vocab_size=64, seq_len=16),
+            "parallelism.cp",
+            "has no ring attention",
+        ),
+    ],
+    ids=["seq_len", "tp", "pp", "zero1", "gpt"],
+)
+def test_bad_context_layouts_are_refused_before_any_group(parallel, model, field, words):
+    from etrain.workers.engine.train import Trainer
+
+    config = dataclasses.replace(BASE, model=model, parallel=parallel)
+    with pytest.raises(ConfigError) as caught:
+        Trainer(config, rank=0, world_size=parallel.world_size, device=torch.device("cpu"))
+    assert caught.value.field == field and words in str(caught.value), str(caught.value)
+    assert caught.value.fix
