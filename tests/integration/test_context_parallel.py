@@ -7,13 +7,17 @@ chunks of every sequence (chunks i and 3 − i of 4), attention runs as a ring o
 
 On two ranks (one spawn, several Trainers on the same process group):
 
+* ring attention (grouped-query) at each rank's chunks against causal SDPA over the whole sequence: the
+  output and dQ/dK/dV within 1e-5;
 * cp=2 with DDP over the cp ranks (zero 0, saving at step 2), and with FSDP2 over them (zero 3), train the
-  reference's losses, gradient norms and final parameters within the equivalence tolerances (1e-5
+  reference's losses, gradient norms and final parameters (the FSDP2 run under full activation
+  checkpointing, whose backward replays the ring) within the equivalence tolerances (1e-5
   relative on losses);
 * cp=2 restored from the reference's step-2 checkpoint trains on to its losses (cp=1 -> cp=2), and one
   process restored from the cp=2 run's step-2 checkpoint trains on to the same losses (cp=2 -> cp=1).
 
-On four ranks: cp=2 × dp=2 (two dp replicas reading different samples, each split over a cp pair, the
+On four ranks: the ring alone over all four (cp=4) against whole-sequence SDPA, forward and backward; and
+cp=2 × dp=2 (two dp replicas reading different samples, each split over a cp pair, the
 gradients averaged over all four) equals one process too, and its groups are Megatron's order with cp
 between dp and tp. The refusals are checked before any process group.
 """
@@ -62,11 +66,12 @@ def _save(trainer, root: str, world_size: int) -> None:
         dist.barrier()
 
 
-def _train(config, rank: int, world_size: int, *, save_root: str | None = None, restore: str | None = None):
+def _train(config, rank: int, world_size: int, *, save_root: str | None = None, restore: str | None = None, **training):
     from etrain.workers.checkpoints.checkpoint_commit import step_dir
     from etrain.workers.engine.train import Trainer
 
     torch.manual_seed(0)
+    config = dataclasses.replace(config, training=dataclasses.replace(config.training, **training))
     trainer = Trainer(config, rank=rank, world_size=world_size, device=torch.device("cpu"))
     start = trainer.restore(step_dir(restore, SAVE_AT)) if restore else 0
     history = trainer.run(start, SAVE_AT) if start < SAVE_AT else []
@@ -109,7 +114,8 @@ def _two_ranks(rank: int, world_size: int, root: str) -> dict:
     return {
         "ring": _ring_against_whole_sequence(rank, world_size),
         "ddp": _train(_config(ParallelConfig(cp=2)), rank, world_size, save_root=f"{root}/cp2"),
-        "fsdp": _train(_config(ParallelConfig(cp=2, zero=3)), rank, world_size),
+        # full checkpointing replays each block's forward, its ring included, inside the backward
+        "fsdp": _train(_config(ParallelConfig(cp=2, zero=3)), rank, world_size, activation_checkpointing="full"),
         "restored": _train(_config(ParallelConfig(cp=2)), rank, world_size, restore=f"{root}/one"),
     }
 
@@ -122,6 +128,7 @@ def _four_ranks(rank: int, world_size: int) -> tuple[RunResult, dict]:
 
     mesh = build_device_mesh(Topology(pp=1, dp=2, cp=2, tp=1), "cpu")
     groups = {axis: tuple(dist.get_process_group_ranks(mesh.get_group(axis))) for axis in ("dp", "cp", "dp_cp")}
+    groups["ring"] = _ring_against_whole_sequence(rank, world_size)  # a ring of 4: three hops each way
     return _train(_config(ParallelConfig(dp=2, cp=2)), rank, world_size), groups
 
 
@@ -150,7 +157,7 @@ def test_cp2_trains_like_one_process_and_restores_across_cp(reference):
         assert max(r["ring"].values()) < 1e-5, r["ring"]
     print(f"llama cp2: losses {ranks[0]['ddp'].losses} vs one process {one.losses}")
     assert_equivalent(one, [r["ddp"] for r in ranks], layout="llama cp2 zero=0")
-    assert_equivalent(one, [r["fsdp"] for r in ranks], layout="llama cp2 zero=3")
+    assert_equivalent(one, [r["fsdp"] for r in ranks], layout="llama cp2 zero=3 full checkpointing")
     # cp=1 (one process) -> cp=2: the steps after the restore are the uninterrupted run's
     for r in ranks:
         _assert_losses(one, r["restored"].losses, first=SAVE_AT, layout="cp1 -> cp2")
@@ -163,6 +170,9 @@ def test_cp2_trains_like_one_process_and_restores_across_cp(reference):
 def test_cp2_dp2_trains_like_one_process(reference):
     one, _ = reference
     ranks = run_distributed(_four_ranks, 4, timeout_s=240)
+    for _, groups in ranks:  # the ring over 4 ranks against the whole sequence
+        ring = groups.pop("ring")
+        assert max(ring.values()) < 1e-5, ring
     # rank = (dp_index * cp + cp_index) * tp + tp_index: a cp pair is adjacent, dp replicas are cp apart
     assert [groups for _, groups in ranks] == [
         {"dp": (0, 2), "cp": (0, 1), "dp_cp": (0, 1, 2, 3)},

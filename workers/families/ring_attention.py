@@ -20,11 +20,12 @@ One attention's forward, on a rank holding queries ``q`` and keys/values ``k, v`
    chunk) gets a log-sum-exp near ``-1e30``, so its weight underflows to exactly 0 (a finite mask keeps
    the backward free of ``inf − inf``).
 
-Backward: everything above is ordinary autograd except the ring step, :class:`_RingShift`, whose backward
-sends the gradient of the block it received back to the rank it came from (the reverse ring). So the
-gradients of K and V travel back round the ring, each rank ends with dK/dV of its own chunks summed over
-every query that saw them, and the backward makes the same ``cp − 1`` exchanges per layer as the
-forward. Every rank runs the same graph, so the exchanges pair up in the same order on every rank.
+Backward (:class:`_RingAttention`, an ``autograd.Function``, the scheme of flash ring attention): the
+forward saves only this rank's ``q``, ``k``, ``v``, the output and the merged log-sum-exp. The backward sends
+the K/V blocks round the ring again, each travelling with the dK/dV its earlier holders accumulated for it;
+each rank recomputes a block's probabilities from the saved log-sum-exp (the whole sequence's softmax),
+adds its queries' share of that block's dK/dV and keeps its own dQ; a last step hands every block's
+dK/dV back to its owner. Every rank runs the same steps in the same order, so the exchanges pair up.
 
 Why not torch's ``torch.distributed.tensor.experimental.context_parallel``: its ring is a handler for the
 CUDA attention kernels only (``_scaled_dot_product_flash_attention``, ``_efficient_attention``,
@@ -34,14 +35,16 @@ path, which it does not intercept, so on CPU/gloo (where every layout is proven 
 does not run. This ring is written on ``torch.distributed`` point-to-point ops, which gloo and NCCL both
 carry.
 
-Cost (correctness first): each block's attention is the math path, ``[batch, heads, S/cp, S/cp]`` scores in
-fp32 per block, kept for the backward, so attention memory is ``cp`` such blocks per layer, ``S²/cp`` per
-rank instead of ``S²`` (the planner counts it); half of each off-diagonal block is masked out and computed
-anyway (a block from a later rank is invisible to the rank's early chunk), about 2× the causal FLOPs of a
-kernel that skips them. The exchange is not overlapped with the block's compute. On GPU a flash kernel
-that returns its log-sum-exp (``aten._scaled_dot_product_flash_attention``), per chunk pair, and an
-asynchronous ring would remove both; the communication volume (K and V of ``(cp − 1)/cp`` of the sequence,
-forward and backward, per layer) stays the same.
+Cost (correctness first): each block is the math path, its ``[batch, heads, S/cp, S/cp]`` fp32 scores
+computed, used and dropped (in the forward, and again in the backward), so the activations kept per layer
+are linear in ``S/cp`` (the planner counts them) and the transient is one block's scores; half of each
+off-diagonal block is masked out and computed anyway (a block from a later rank is invisible to the
+rank's early chunk), about 2× the causal FLOPs of a kernel that skips them, plus the backward's
+recomputation of ``q·kᵀ``. The exchanges are blocking and not overlapped with compute. Communication per
+layer: the forward sends K and V ``cp − 1`` times (``(cp − 1)/cp`` of the sequence's K/V), the backward sends
+them again plus their fp32 gradients ``cp`` times. On GPU a flash kernel that returns its log-sum-exp
+(``aten._scaled_dot_product_flash_attention``, per chunk pair) and asynchronous exchanges would remove the
+wasted FLOPs, the transient and the waits.
 """
 
 from __future__ import annotations
@@ -87,37 +90,99 @@ def _exchange(tensor: torch.Tensor, group: dist.ProcessGroup, send_to: int, recv
     return received
 
 
-class _RingShift(torch.autograd.Function):
-    """One step round the ring: send to the next rank, receive from the previous one. Its backward is the
-    reverse step: the gradient of what was received goes back to the rank it came from."""
+def _masked_scores(
+    q: torch.Tensor, k: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """``q·kᵀ·scale`` (fp32) with the causal mask by true position: a key after the query scores :data:`_MASKED`."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    return scores.masked_fill(q_positions[:, None] < k_positions[None, :], _MASKED)
+
+
+def _repeat(t: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """Grouped-query attention: each kv head serves ``n_rep`` consecutive query heads."""
+    return t.repeat_interleave(n_rep, dim=1) if n_rep > 1 else t
+
+
+def _fold(t: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """The gradient of :func:`_repeat`: the ``n_rep`` query heads' gradients summed onto their kv head."""
+    if n_rep == 1:
+        return t
+    batch, heads, seq, dim = t.shape
+    return t.view(batch, heads // n_rep, n_rep, seq, dim).sum(2)
+
+
+class _RingAttention(torch.autograd.Function):
+    """The ring's forward (online softmax over the blocks as they arrive) and its backward (the blocks go
+    round again, each carrying the dK/dV accumulated for it, and a last step hands those to their owner).
+
+    Saves only ``q``, ``k``, ``v`` (this rank's, kv heads unrepeated), the output and the fp32 log-sum-exp
+    per query row, as a fused attention kernel does: a block's scores exist only while it is computed, in
+    the forward and again in the backward (recomputed: one more ``q·kᵀ`` per block). Computes in fp32
+    whatever the input dtype (autocast off inside), and returns the output in ``q``'s dtype.
+    """
 
     @staticmethod
-    def forward(ctx, tensor: torch.Tensor, group: dist.ProcessGroup, rank: int, size: int) -> torch.Tensor:
-        ctx.group, ctx.rank, ctx.size = group, rank, size
-        return _exchange(tensor.contiguous(), group, (rank + 1) % size, (rank - 1) % size)
+    def forward(ctx, q, k, v, group, seq_len):
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        n_rep = q.shape[1] // k.shape[1]
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        with torch.autocast(q.device.type, enabled=False):
+            q32 = q.float()
+            q_positions = chunk_positions(seq_len, size, rank, device=q.device)
+            kv = torch.stack((k, v))
+            out = lse = None
+            for step in range(size):
+                if step > 0:
+                    kv = _exchange(kv, group, (rank + 1) % size, (rank - 1) % size)
+                k_positions = chunk_positions(seq_len, size, (rank - step) % size, device=q.device)
+                scores = _masked_scores(q32, _repeat(kv[0].float(), n_rep), q_positions, k_positions, scale)
+                block_lse = torch.logsumexp(scores, dim=-1)
+                block_out = torch.matmul(torch.exp(scores - block_lse.unsqueeze(-1)), _repeat(kv[1].float(), n_rep))
+                if out is None:
+                    out, lse = block_out, block_lse
+                    continue
+                merged = torch.logaddexp(lse, block_lse)
+                out = out * torch.exp(lse - merged).unsqueeze(-1) + block_out * torch.exp(block_lse - merged).unsqueeze(
+                    -1
+                )
+                lse = merged
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.seq_len = group, seq_len
+        return out
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        back = _exchange(grad.contiguous(), ctx.group, (ctx.rank - 1) % ctx.size, (ctx.rank + 1) % ctx.size)
-        return back, None, None, None
-
-
-def _block_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_positions: torch.Tensor,
-    k_positions: torch.Tensor,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention of ``q`` over one K/V block by true positions: the block's normalised output
-    (fp32) and its log-sum-exp per query row."""
-    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
-    visible = q_positions[:, None] >= k_positions[None, :]
-    scores = scores.masked_fill(~visible, _MASKED)
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse.unsqueeze(-1))
-    return torch.matmul(probs.to(v.dtype), v).float(), lse
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, seq_len = ctx.group, ctx.seq_len
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        n_rep = q.shape[1] // k.shape[1]
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        following, previous = (rank + 1) % size, (rank - 1) % size
+        with torch.autocast(q.device.type, enabled=False):
+            q32, grad32 = q.float(), grad_out.float()
+            q_positions = chunk_positions(seq_len, size, rank, device=q.device)
+            # softmax backward: dS = P ∘ (dP − rowsum(dO ∘ O)), with P the whole sequence's probabilities
+            delta = (grad32 * out.float()).sum(-1, keepdim=True)
+            grad_q = torch.zeros_like(q32)
+            kv = torch.stack((k, v))
+            grad_kv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+            for step in range(size):
+                if step > 0:  # the block moves on with the gradient its earlier holders accumulated for it
+                    kv = _exchange(kv, group, following, previous)
+                    grad_kv = _exchange(grad_kv, group, following, previous)
+                k_block, v_block = _repeat(kv[0].float(), n_rep), _repeat(kv[1].float(), n_rep)
+                k_positions = chunk_positions(seq_len, size, (rank - step) % size, device=q.device)
+                probs = torch.exp(_masked_scores(q32, k_block, q_positions, k_positions, scale) - lse.unsqueeze(-1))
+                grad_v = torch.matmul(probs.transpose(-1, -2), grad32)
+                grad_scores = probs * (torch.matmul(grad32, v_block.transpose(-1, -2)) - delta) * scale
+                grad_q += torch.matmul(grad_scores, k_block)
+                grad_k = torch.matmul(grad_scores.transpose(-1, -2), q32)
+                grad_kv[0] += _fold(grad_k, n_rep)
+                grad_kv[1] += _fold(grad_v, n_rep)
+            if size > 1:  # the block held now is rank + 1's: its gradient goes home
+                grad_kv = _exchange(grad_kv, group, following, previous)
+        return grad_q.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None
 
 
 def ring_attention(
@@ -136,28 +201,4 @@ def ring_attention(
     ``[batch, heads, S/cp, head_dim]`` in ``q``'s dtype, what ``scaled_dot_product_attention(is_causal=True)``
     over the whole sequence gives at this rank's tokens.
     """
-    size = dist.get_world_size(group)
-    rank = dist.get_rank(group)
-    n_rep = q.shape[1] // k.shape[1]
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    q_positions = chunk_positions(seq_len, size, rank, device=q.device)
-    kv = torch.stack((k, v))
-    out: torch.Tensor | None = None
-    lse: torch.Tensor | None = None
-    for step in range(size):
-        if step > 0:
-            kv = _RingShift.apply(kv, group, rank, size)
-        source = (rank - step) % size
-        k_block, v_block = kv[0], kv[1]
-        if n_rep > 1:
-            k_block = k_block.repeat_interleave(n_rep, dim=1)
-            v_block = v_block.repeat_interleave(n_rep, dim=1)
-        k_positions = chunk_positions(seq_len, size, source, device=q.device)
-        block_out, block_lse = _block_attention(q, k_block, v_block, q_positions, k_positions, scale)
-        if out is None:
-            out, lse = block_out, block_lse
-            continue
-        merged = torch.logaddexp(lse, block_lse)
-        out = out * torch.exp(lse - merged).unsqueeze(-1) + block_out * torch.exp(block_lse - merged).unsqueeze(-1)
-        lse = merged
-    return out.to(q.dtype)
+    return _RingAttention.apply(q, k, v, group, seq_len)
