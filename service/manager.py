@@ -53,7 +53,7 @@ from etrain.service.jobs.poller import SupervisorPoller
 from etrain.service.jobs.scheduler import Scheduler
 from etrain.service.planning import planner
 from etrain.service.planning.spec import JobSpec, SpecProblem
-from etrain.service.planning.spec_checks import check_spec
+from etrain.service.planning.spec_checks import check_spec, launch_problems
 from etrain.service.planning.spec_paths import pin_paths
 from etrain.service.runtime.cluster import CALL_TIMEOUT_S, Runtime
 from etrain.service.runtime.control import ChaosHandOver, ControlQueue, ControlRequest, NotYet
@@ -233,6 +233,8 @@ class JobManager:
         self._quotas.precheck(principal, self.store)  # a tenant at its job cap costs no planning: 429
         self._check_reach(spec, principal)
         spec = self.validate(spec)
+        if launch_problems(spec):  # planned, not yet run by the supervisor (context parallelism)
+            raise SpecRejected(launch_problems(spec))
         self._scheduler.refuse_beyond_cluster(spec)
         tokenized = self._prepare_data(spec)
         job_id = f"{spec.name.lower()}-{uuid.uuid4().hex[:8]}"

@@ -26,6 +26,7 @@ from etrain.service.planning.plan_comm import (
     CommVolume,
     StepTime,
     bubble_fraction,
+    cp_traffic,
     dp_traffic,
     ep_traffic,
     hardware_for,
@@ -89,6 +90,7 @@ class PlanEstimate:
     offload: str
     ep: int
     microbatches: int
+    cp: int = 1
     micro_batch: int
     precision: str
     regime: str  # how blocks compute: fp32, autocast (bf16 matmuls) or bf16_params (FSDP2 mixed precision)
@@ -130,6 +132,7 @@ class PlanEstimate:
                 "dp_replicate": self.dp_replicate,
                 "offload": self.offload,
                 "ep": self.ep,
+                "cp": self.cp,
             },
             "training": {
                 "micro_batch": self.micro_batch,
@@ -155,7 +158,7 @@ class PlanEstimate:
             "bubble_fraction": round(self.bubble_fraction, 6),
             "comm_per_step": {
                 **self.comm.to_dict(),
-                "group_sizes": {"dp": self.dp, "tp": self.tp, "pp": self.pp, "ep": self.ep},
+                "group_sizes": {"dp": self.dp, "tp": self.tp, "pp": self.pp, "ep": self.ep, "cp": self.cp},
             },
             "flops_per_step": self.flops_per_step,
             "flops_per_step_with_recompute": self.flops_per_step_with_recompute,
@@ -230,6 +233,7 @@ def describe_layout(layout: ParallelismSpec) -> str:
         virtual_stages=layout.virtual_stages,
         sequence_parallel=layout.sequence_parallel,
         ep=layout.ep,
+        cp=layout.cp,
     ).describe()
     if layout.dp_replicate > 1:
         text += f" hsdp={layout.dp_replicate}x{layout.dp // layout.dp_replicate}"
@@ -240,10 +244,10 @@ def describe_layout(layout: ParallelismSpec) -> str:
 
 def evaluate(case: Case) -> PlanEstimate:
     model, lay = case.model, case.layout
-    dp, tp, pp, zero, ep = lay.dp, lay.tp, lay.pp, lay.zero, lay.ep
+    dp, tp, pp, zero, ep, cp = lay.dp, lay.tp, lay.pp, lay.zero, lay.ep, lay.cp
     v = lay.virtual_stages if pp > 1 else 1
     m, b, s, d = case.microbatches, case.micro_batch, model.seq_len, model.d_model
-    fsdp = layout_rules.uses_fsdp(zero, dp)
+    fsdp = layout_rules.uses_fsdp(zero, dp * cp)  # cp is one more data dimension for the parameters
     replicate = lay.dp_replicate if fsdp and not layout_rules.dp_replicate_problems(dp, lay.dp_replicate) else 1
     regime = compute_regime(case.precision, fsdp=fsdp)
     act_elem = 4 if regime == "fp32" else 2  # what crosses tp and pp links
@@ -258,13 +262,14 @@ def evaluate(case: Case) -> PlanEstimate:
         precision=case.precision,
         checkpointing=case.checkpointing,
         regime=regime,
+        cp=cp,
     )
-    hidden = s * b * d * act_elem  # one micro-batch's hidden states
+    hidden = s // cp * b * d * act_elem  # one micro-batch's hidden states (a cp rank's slice of them)
     sp_div = tp if lay.sequence_parallel else 1
     overhead = RUNTIME_OVERHEAD_GIB[case.device] * GiB
 
     chunk_tokens = layout_rules.loss_chunk_tokens(
-        case.loss_chunk_tokens, tokens=b * s, vocab_size=model.vocab_size, tp=tp
+        case.loss_chunk_tokens, tokens=b * s // cp, vocab_size=model.vocab_size, tp=tp
     )
     stages = sorted({0, pp - 1})
     memories, params_of, tp_bytes, dp_bytes, tp_ops, dp_ops = {}, {}, [], [], [], []
@@ -295,11 +300,12 @@ def evaluate(case: Case) -> PlanEstimate:
             loss_chunk_tokens=chunk_tokens,
             compiled=case.compiled,
             ep=ep,
+            cp=cp,
         )
         params_of[stage] = params - split + experts_local
         volume, ops = dp_traffic(
             zero=zero,
-            dp=dp,
+            dp=dp * cp,  # gradients averaged over dp·cp
             pp=pp,
             microbatches=m,
             params=params - split,  # the experts split over ep are left out of DDP / FSDP2
@@ -322,7 +328,7 @@ def evaluate(case: Case) -> PlanEstimate:
             last=last,
             checkpointing=case.checkpointing,
             hidden_bytes=hidden,
-            tokens=b * s,
+            tokens=b * s // cp,
         )
         tp_ops.append(ops)
         tp_bytes.append(volume)
@@ -334,6 +340,15 @@ def evaluate(case: Case) -> PlanEstimate:
         tokens=b * s,
         top_k=model.experts_per_token,
         d_model=d,
+        elem_bytes=act_elem,
+        checkpointing=case.checkpointing,
+    )
+    cp_bytes, cp_ops = cp_traffic(
+        cp=cp,
+        microbatches=m,
+        layers=layers,
+        tokens=b * s,
+        kv_width=model.kv_heads * model.head_dim,
         elem_bytes=act_elem,
         checkpointing=case.checkpointing,
     )
@@ -349,6 +364,8 @@ def evaluate(case: Case) -> PlanEstimate:
         pp_ops=pp_ops,
         ep=math.ceil(ep_bytes),
         ep_ops=ep_ops,
+        cp=math.ceil(cp_bytes),
+        cp_ops=cp_ops,
     )
     step = step_time(
         hardware_for(case.device, case.precision, case.cpus_per_worker),
@@ -359,10 +376,11 @@ def evaluate(case: Case) -> PlanEstimate:
         flops=flops_recompute,
         bubble=bubble,
         ep=ep,
+        cp=cp,
     )
     return PlanEstimate(
         layout=describe_layout(lay),
-        world_size=layout_rules.world_size(pp=pp, dp=dp, tp=tp),
+        world_size=layout_rules.world_size(pp=pp, dp=dp, tp=tp, cp=cp),
         dp=dp,
         tp=tp,
         pp=pp,
@@ -373,6 +391,7 @@ def evaluate(case: Case) -> PlanEstimate:
         dp_replicate=lay.dp_replicate,
         offload=lay.offload,
         ep=ep,
+        cp=cp,
         microbatches=m,
         micro_batch=b,
         precision=case.precision,

@@ -23,6 +23,7 @@ columns, plus one more for the sharded softmax.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal
 
 from etrain.workers.families import family
@@ -38,6 +39,7 @@ __all__ = [
     "layer_activation_bytes",
     "layer_chunks_in_flight",
     "logits_bytes",
+    "ring_transient_bytes",
     "rope_table_bytes",
     "selective_activation_bytes",
 ]
@@ -79,6 +81,7 @@ def layer_activation_bytes(
     checkpointing: str = "none",
     regime: Regime | None = None,
     compiled: bool = False,
+    cp: int = 1,
 ) -> float:
     """Activations one block of OUR model saves for backward, per micro-batch: its family's count
     (``ModelFamily.layer_activation_bytes``; ``compiled``: under ``training.compile``, where the family
@@ -86,9 +89,27 @@ def layer_activation_bytes(
     the GPT's count reads the element size from ``precision`` alone. Korthikanti's count, adapted to
     the GPT block (no dropout, fused attention): sbh (8 + 24/t) at f = 4d in bf16, plus fp32 stats.
     With full activation checkpointing only the block input is saved; with selective, the block input
-    and what :func:`selective_activation_bytes` counts.
+    and what :func:`selective_activation_bytes` counts. Context parallelism (``cp > 1``): the count at one
+    cp rank's ``seq_len / cp`` tokens, plus what the ring keeps beyond the fused kernel
+    (``ModelFamily.ring_attention_bytes``; nothing extra under full checkpointing, which keeps the input).
     """
     regime = regime or compute_regime(precision, fsdp=False)
+    if cp > 1:
+        local = dataclasses.replace(model, seq_len=model.seq_len // cp)
+        count = layer_activation_bytes(
+            local,
+            micro_batch=micro_batch,
+            tp=tp,
+            sequence_parallel=sequence_parallel,
+            precision=precision,
+            checkpointing=checkpointing,
+            regime=regime,
+            compiled=compiled,
+        )
+        if checkpointing == "full":
+            return count
+        extra, _ = family(model.arch).ring_attention_bytes(local, micro_batch=micro_batch, regime=regime)
+        return count + extra
     if checkpointing == "selective":
         return selective_activation_bytes(
             model, micro_batch=micro_batch, tp=tp, sequence_parallel=sequence_parallel, regime=regime, compiled=compiled
@@ -135,6 +156,15 @@ def selective_activation_bytes(
     attention = compute * found.attention_width(model) / tp + 4 * model.n_heads / tp
     reduced = compute * 2 * d / tp if sequence_parallel else 0.0
     return tokens * (block_input + matmuls + attention + reduced)
+
+
+def ring_transient_bytes(model: ModelConfig, *, micro_batch: int, cp: int, regime: Regime) -> float:
+    """Context parallelism: the ring's largest transient while one block computes (one K/V block's scores
+    and probabilities, and their gradients in the backward; ``ModelFamily.ring_attention_bytes``); 0 at cp=1."""
+    if cp <= 1:
+        return 0.0
+    local = dataclasses.replace(model, seq_len=model.seq_len // cp)
+    return family(model.arch).ring_attention_bytes(local, micro_batch=micro_batch, regime=regime)[1]
 
 
 def rope_table_bytes(model: ModelConfig) -> int:

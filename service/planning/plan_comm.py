@@ -34,6 +34,7 @@ __all__ = [
     "Hardware",
     "StepTime",
     "bubble_fraction",
+    "cp_traffic",
     "dp_traffic",
     "ep_traffic",
     "hardware_for",
@@ -72,23 +73,32 @@ class CommVolume:
     #: expert parallelism's token all-to-alls (``ep_traffic``); 0 without it
     ep: int = 0
     ep_ops: int = 0
+    #: context parallelism's ring exchanges of K/V blocks (``cp_traffic``); 0 without it
+    cp: int = 0
+    cp_ops: int = 0
 
     @property
     def total(self) -> int:
-        return self.dp + self.tp + self.pp + self.ep
+        return self.dp + self.tp + self.pp + self.ep + self.cp
 
     def to_dict(self) -> dict:
-        parts = {"dp": self.dp, "tp": self.tp, "pp": self.pp, "ep": self.ep, "total": self.total}
+        parts = {"dp": self.dp, "tp": self.tp, "pp": self.pp, "ep": self.ep, "cp": self.cp, "total": self.total}
         return {
             "bytes": parts,
             "gib": {k: gib(v) for k, v in parts.items()},
-            "collectives": {"dp": self.dp_ops, "tp": self.tp_ops, "pp": self.pp_ops, "ep": self.ep_ops},
+            "collectives": {
+                "dp": self.dp_ops,
+                "tp": self.tp_ops,
+                "pp": self.pp_ops,
+                "ep": self.ep_ops,
+                "cp": self.cp_ops,
+            },
         }
 
 
 @dataclass(frozen=True, kw_only=True)
 class StepTime:
-    """Cost model: ``(compute + tp + ep + pp) / (1 - bubble) + dp`` seconds, nothing overlapped."""
+    """Cost model: ``(compute + tp + ep + cp + pp) / (1 - bubble) + dp`` seconds, nothing overlapped."""
 
     compute_s: float
     tp_comm_s: float
@@ -96,10 +106,19 @@ class StepTime:
     dp_comm_s: float
     bubble_s: float
     ep_comm_s: float = 0.0  # expert parallelism's all-to-alls, counted with compute (inside the pipeline)
+    cp_comm_s: float = 0.0  # context parallelism's ring, counted with compute (blocking, not overlapped)
 
     @property
     def total_s(self) -> float:
-        return self.compute_s + self.tp_comm_s + self.pp_comm_s + self.dp_comm_s + self.bubble_s + self.ep_comm_s
+        return (
+            self.compute_s
+            + self.tp_comm_s
+            + self.pp_comm_s
+            + self.dp_comm_s
+            + self.bubble_s
+            + self.ep_comm_s
+            + self.cp_comm_s
+        )
 
     def to_dict(self) -> dict:
         fields = dataclasses.asdict(self)
@@ -268,6 +287,34 @@ def ep_traffic(
     return volume, microbatches * moe_layers * (exchanges + counts)
 
 
+def cp_traffic(
+    *,
+    cp: int,
+    microbatches: int,
+    layers: int,
+    tokens: int,
+    kv_width: int,
+    elem_bytes: int,
+    checkpointing: str,
+) -> tuple[float, int]:
+    """(bytes sent, exchanges) per step of context parallelism's ring on one rank
+    (``etrain.workers.families.ring_attention``), ``tokens`` being a micro-batch's whole sequences
+    (``micro_batch · seq_len``) and ``kv_width`` the key (= value) width ``n_kv_heads · head_dim``.
+
+    A rank's K/V block is ``tokens / cp · 2 · kv_width`` elements. Per layer and micro-batch the forward sends
+    it ``cp − 1`` times (K and V of ``(cp − 1)/cp`` of the sequence, ``elem_bytes`` each, the activations'
+    dtype); the backward sends the blocks round again (``cp − 1`` times) and their fp32 gradients ``cp``
+    times (the last step hands them home); activation checkpointing (full or selective) replays the
+    forward in the backward. Each step is one ``batch_isend_irecv`` (counted as one exchange)."""
+    if cp <= 1 or layers == 0:
+        return 0.0, 0
+    block = tokens / cp * 2 * kv_width
+    forwards = 2 if checkpointing != "none" else 1
+    per_layer = forwards * (cp - 1) * block * elem_bytes + (cp - 1) * block * elem_bytes + cp * block * 4
+    exchanges = forwards * (cp - 1) + (cp - 1) + cp
+    return microbatches * layers * per_layer, microbatches * layers * exchanges
+
+
 def pp_traffic(
     *, pp: int, virtual_stages: int, microbatches: int, hidden_bytes: float, sp_div: int
 ) -> tuple[float, int]:
@@ -299,22 +346,33 @@ def step_flops(model: ModelConfig, *, global_batch: int, checkpointing: str) -> 
 
 
 def step_time(
-    hw: Hardware, *, dp: int, tp: int, pp: int, comm: CommVolume, flops: float, bubble: float, ep: int = 1
+    hw: Hardware,
+    *,
+    dp: int,
+    tp: int,
+    pp: int,
+    comm: CommVolume,
+    flops: float,
+    bubble: float,
+    ep: int = 1,
+    cp: int = 1,
 ) -> StepTime:
     """Seconds per step under the :class:`StepTime` cost model, links chosen by :meth:`Hardware.link` (an ep
-    group is ``ep`` consecutive dp ranks: it spans ``tp · ep`` ranks)."""
+    group is ``ep`` consecutive dp ranks: it spans ``tp · ep`` ranks; a cp group spans ``tp · cp`` ranks, and
+    the dp·cp gradient group ``tp · cp · dp``)."""
 
     def seconds(nbytes: float, ops: int, span: int) -> float:  # Megatron order: tp, then dp, then pp
         bandwidth, latency = hw.link(span)
         return nbytes / bandwidth + ops * latency
 
-    world = layout_rules.world_size(pp=pp, dp=dp, tp=tp)
+    world = layout_rules.world_size(pp=pp, dp=dp, tp=tp, cp=cp)
     compute = flops / world / hw.flops_per_s
     tp_s = seconds(comm.tp, comm.tp_ops, tp)
     pp_s = seconds(comm.pp, comm.pp_ops, world)
-    dp_s = seconds(comm.dp, comm.dp_ops, tp * dp)
+    dp_s = seconds(comm.dp, comm.dp_ops, tp * cp * dp)
     ep_s = seconds(comm.ep, comm.ep_ops, tp * ep) if comm.ep_ops else 0.0
-    busy = compute + tp_s + pp_s + ep_s
+    cp_s = seconds(comm.cp, comm.cp_ops, tp * cp) if comm.cp_ops else 0.0
+    busy = compute + tp_s + pp_s + ep_s + cp_s
     return StepTime(
         compute_s=compute,
         tp_comm_s=tp_s,
@@ -322,4 +380,5 @@ def step_time(
         dp_comm_s=dp_s,
         bubble_s=busy / (1 - bubble) - busy,
         ep_comm_s=ep_s,
+        cp_comm_s=cp_s,
     )

@@ -75,6 +75,7 @@ from etrain.service.planning.plan_activations import (
     final_norm_bytes,
     layer_activation_bytes,
     logits_bytes,
+    ring_transient_bytes,
     rope_table_bytes,
 )
 from etrain.workers.families import family
@@ -283,15 +284,22 @@ def stage_memory(
     loss_chunk_tokens: int = 0,
     compiled: bool = False,
     ep: int = 1,
+    cp: int = 1,
 ) -> MemoryBreakdown:
     """Peak bytes of one rank of pipeline stage ``stage`` (see the module docstring for the model).
 
     ``layers`` are the stage's layers (all its chunks), ``held`` the layer chunks x micro-batches
     whose activations it holds at its peak (:func:`layer_chunks_in_flight`). ``ep``: expert parallelism
-    (:func:`expert_split`).
+    (:func:`expert_split`). ``cp``: context parallelism, one more data dimension for the parameters
+    (replicated, or FSDP2-sharded, over ``dp · cp`` ranks), a ``1 / cp`` slice of every sequence for the
+    activations and logits (``layer_activation_bytes(cp=)``), the ring's transient, and RoPE tables cached for
+    the whole sequence.
     """
     first, last = stage == 0, stage == pp - 1
     v = virtual_stages if pp > 1 else 1
+    dp = dp * cp  # the parameters' data-parallel group is dp·cp ranks
+    whole = model
+    model = dataclasses.replace(model, seq_len=model.seq_len // cp) if cp > 1 else model  # one rank's tokens
     fsdp = layout_rules.uses_fsdp(zero, dp)
     shard = dp // dp_replicate if fsdp else 1
     regime = compute_regime(precision, fsdp=fsdp)
@@ -334,10 +342,11 @@ def stage_memory(
     keeps_casts = regime == "autocast" and not (compiled and checkpointing == "selective")
     matmul = _matmul_params(model, tp=tp, layers=layers, last=last) - (split - experts_local)  # local experts
     casts = 2 * matmul if keeps_casts else 0.0
-    rope = layers * rope_table_bytes(model)
+    rope = layers * rope_table_bytes(whole)
 
     per_layer = layer_activation_bytes(
-        model,
+        whole,
+        cp=cp,
         micro_batch=b,
         tp=tp,
         sequence_parallel=sequence_parallel,
@@ -351,7 +360,8 @@ def stage_memory(
     activations = held * (layers // v) * per_layer
     if checkpointing != "none":  # one block's activations live while it is recomputed
         activations += layer_activation_bytes(
-            model,
+            whole,
+            cp=cp,
             micro_batch=b,
             tp=tp,
             sequence_parallel=sequence_parallel,
@@ -402,7 +412,7 @@ def stage_memory(
         activations=activations,
         logits=logits,
         buffers=sum(fb_buffers.values()),
-        transient=0.0,
+        transient=ring_transient_bytes(whole, micro_batch=b, cp=cp, regime=regime),
     )
     opt = dict(
         parameters=parameters * on_device,

@@ -22,7 +22,7 @@ def degree_problems(lay: ParallelismSpec) -> list[SpecProblem]:
     explicit = {} if lay.microbatches is None else {"microbatches": lay.microbatches}
     return SpecProblem.of(
         layout_rules.degree_problems(
-            dp=lay.dp, tp=lay.tp, pp=lay.pp, virtual_stages=lay.virtual_stages, ep=lay.ep, **explicit
+            dp=lay.dp, tp=lay.tp, pp=lay.pp, virtual_stages=lay.virtual_stages, ep=lay.ep, cp=lay.cp, **explicit
         )
     )
 
@@ -55,6 +55,7 @@ def layout_problems(case: Case, *, max_dp: int) -> list[SpecProblem]:
             microbatch_source=source,
             max_dp=max_dp,
             ep=lay.ep,
+            cp=lay.cp,
         )
     )
 

@@ -280,6 +280,13 @@ class ParallelismSpec(_Section):
         description="expert parallelism (mixture-of-experts models): ep ranks borrowed from dp split each "
         "layer's experts, n_experts / ep each, tokens exchanged by all-to-all; must divide dp and n_experts",
     )
+    cp: _upto(MAX_WORKERS) = Field(
+        default=1,
+        description="context parallelism (Llama family): every sequence split over cp ranks (two of 2·cp chunks "
+        "each), attention as a ring over them; world = pp·dp·cp·tp, parameters replicated over cp and their "
+        "gradients averaged over dp·cp; 2·cp must divide model.seq_len; planned by /v1/plan, not yet run by "
+        "the service's supervisor (run it under torchrun)",
+    )
 
 
 class AutoParallelismSpec(_Section):
@@ -469,10 +476,11 @@ class JobSpec(_Section):
     def compile_blocks(self) -> bool:
         """``training.compile`` or its default: on for CUDA (measured on an H100, Llama-1B shapes: 44.8%
         MFU compiled vs 34.0% eager), off on CPU, where compiling costs more than a short job gains, and off
-        under expert parallelism (``parallelism.ep > 1``: its token exchange does not compile yet)."""
+        under expert parallelism (``parallelism.ep > 1``: its token exchange does not compile yet) and context
+        parallelism (``parallelism.cp > 1``: nor does the ring)."""
         if self.training.compile is not None:
             return self.training.compile
-        if not self.is_auto and self.layout.ep > 1:
+        if not self.is_auto and (self.layout.ep > 1 or self.layout.cp > 1):
             return False
         return self.resources.device == "cuda"
 
@@ -520,6 +528,7 @@ class JobSpec(_Section):
                 dp_replicate=layout.dp_replicate,
                 offload=layout.offload,
                 ep=layout.ep,
+                cp=layout.cp,
             ),
             training=TrainingConfig(
                 **self.training.model_dump(exclude={"compile", "loss_chunk_tokens"}),

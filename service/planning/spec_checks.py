@@ -24,7 +24,7 @@ from etrain.workers.protocol import layout_rules
 from etrain.workers.protocol.errors import ConfigError
 from etrain.workers.protocol.run_config import MODEL_PRESETS
 
-__all__ = ["check_spec", "field_problems"]
+__all__ = ["check_spec", "field_problems", "launch_problems"]
 
 
 def field_problems(spec: JobSpec) -> list[SpecProblem]:
@@ -147,6 +147,7 @@ def check_spec(spec: JobSpec) -> list[SpecProblem]:
         )
     problems += _world_problems(spec)
     problems += _expert_parallel_problems(spec, problems)
+    problems += _context_parallel_problems(spec)
     problems += _policy_problems(spec, problems)
     return problems
 
@@ -168,6 +169,36 @@ def _expert_parallel_problems(spec: JobSpec, found: list[SpecProblem]) -> list[S
     return problems
 
 
+def _context_parallel_problems(spec: JobSpec) -> list[SpecProblem]:
+    """``parallelism.cp > 1`` beside the fields the layout rules do not see (those are the planner's:
+    ``layout_rules.cp_problems``): compiled blocks."""
+    layout = spec.layout
+    if layout.cp == 1 or not spec.training.compile:
+        return []
+    return SpecProblem.of(
+        problem
+        for problem in layout_rules.cp_problems(spec.model.to_config(), cp=layout.cp, compile=True)
+        if problem.field == "training.compile"
+    )
+
+
+def launch_problems(spec: JobSpec) -> list[SpecProblem]:
+    """What the service plans but does not run yet (``submit`` refuses it; ``/v1/plan`` answers it): context
+    parallelism, whose ranks (world = pp·dp·cp·tp) the supervisor's gang, repairs and resizes do not count
+    yet. The engine runs it (``Trainer``, ``python -m etrain.workers.engine.torchrun``)."""
+    if spec.is_auto or spec.layout.cp == 1:
+        return []
+    return [
+        SpecProblem(
+            field="parallelism.cp",
+            message=f"parallelism.cp={spec.layout.cp}: the service plans context parallelism (/v1/plan) but its "
+            "supervisor does not launch, repair or resize a pp·dp·cp·tp gang yet.",
+            fix="submit with parallelism.cp=1, or run the job's RunConfig under torchrun "
+            "(python -m etrain.workers.engine.torchrun) where context parallelism runs",
+        )
+    ]
+
+
 def _float8_problems(spec: JobSpec) -> list[SpecProblem]:
     if not spec.training.float8:
         return []
@@ -187,19 +218,21 @@ def _float8_problems(spec: JobSpec) -> list[SpecProblem]:
 
 
 def _world_problems(spec: JobSpec) -> list[SpecProblem]:
-    """dp·tp·pp ranks, now and at the elastic ceiling, within MAX_WORKERS (each degree is bounded alone)."""
+    """dp·cp·tp·pp ranks, now and at the elastic ceiling, within MAX_WORKERS (each degree is bounded alone)."""
     layout = spec.layout
     problems = []
     for field, dp in (("parallelism", layout.dp), ("resources.max_dp", spec.max_dp)):
-        world = layout_rules.world_size(pp=layout.pp, dp=dp, tp=layout.tp)
+        world = layout_rules.world_size(pp=layout.pp, dp=dp, tp=layout.tp, cp=layout.cp)
         if world > MAX_WORKERS:
+            cp = f"·{layout.cp}" if layout.cp > 1 else ""
             problems.append(
                 SpecProblem(
                     field=field,
-                    message=f"{'dp' if field == 'parallelism' else 'resources.max_dp'}·tp·pp = {dp}·{layout.tp}·"
-                    f"{layout.pp} = {world} ranks, more than this service runs in one job ({MAX_WORKERS}).",
+                    message=f"{'dp' if field == 'parallelism' else 'resources.max_dp'}{'·cp' if cp else ''}·tp·pp = "
+                    f"{dp}{cp}·{layout.tp}·{layout.pp} = {world} ranks, more than this service runs in one job "
+                    f"({MAX_WORKERS}).",
                     fix=f"use at most {MAX_WORKERS} ranks: lower "
-                    + ("parallelism.dp, tp or pp" if field == "parallelism" else "resources.max_dp"),
+                    + ("parallelism.dp, cp, tp or pp" if field == "parallelism" else "resources.max_dp"),
                 )
             )
             break

@@ -37,6 +37,15 @@ from tests.state_utils import full_state_dict
 
 STEPS, SAVE_AT = 4, 2
 BASE = small_config(steps=STEPS, model=TINY_LLAMA)
+#: Blocks measured on a cp=2 rank against the planner's count: grouped-query, and multi-head with Qwen3's
+#: q/k norms (q and k then reach the ring in fp32 under autocast).
+_BLOCK = dict(arch="llama", n_layers=1, d_model=64, n_heads=4, vocab_size=256, seq_len=64)
+MEASURED_BLOCKS = {
+    "gqa": ModelConfig(**_BLOCK, n_kv_heads=2),
+    "mha_qk_norm": ModelConfig(**_BLOCK, n_kv_heads=4, qk_norm=True, head_dim_override=16),
+}
+#: A whole model measured on a cp=2 rank against the planner's activations (its memory plan for cp=2).
+MEASURED_MODEL = ModelConfig(**{**_BLOCK, "n_layers": 2, "d_ff": 128, "vocab_size": 512, "seq_len": 128}, n_kv_heads=2)
 
 
 def _config(parallel: ParallelConfig):
@@ -110,8 +119,55 @@ def _ring_against_whole_sequence(rank: int, world_size: int) -> dict[str, float]
     return diffs
 
 
+def _saved_bytes(module, run, *, autocast: bool = False) -> int:
+    """Distinct storages autograd saves for ``run()``'s backward, less the parameters and the RoPE tables
+    each attention caches (module state, the planner's ``rope_tables``)."""
+    skip = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = run()
+        out.float().sum().backward()
+    for attention in (m for m in module.modules() if hasattr(m, "_rope_cache")):
+        skip |= {t.untyped_storage().data_ptr() for pair in attention._rope_cache.values() for t in pair}
+    return sum(nbytes for ptr, nbytes in saved.items() if ptr not in skip)
+
+
+def _measured_activations(rank: int, world_size: int) -> dict:
+    """What autograd saves on one cp=2 rank: each Llama block variant in each compute regime, and a whole
+    two-layer model's forward and loss (fp32), for the planner's counts (test below)."""
+    import torch.distributed as dist
+
+    from etrain.workers.families.llama_model import Llama, LlamaBlock
+    from etrain.workers.families.ring_attention import shard_sequence
+
+    torch.manual_seed(0)
+    blocks = {}
+    for name, model in MEASURED_BLOCKS.items():
+        for regime in ("fp32", "autocast", "bf16_params"):
+            dtype = torch.bfloat16 if regime == "bf16_params" else torch.float32
+            block = LlamaBlock(model).to(dtype)
+            block.attention.cp_group = dist.group.WORLD
+            x = torch.randn(3, model.seq_len // world_size, model.d_model, dtype=dtype, requires_grad=True)
+            blocks[name, regime] = _saved_bytes(block, lambda b=block, x=x: b(x), autocast=regime == "autocast")
+    model = Llama(MEASURED_MODEL)
+    for layer in model.layers.values():
+        layer.attention.cp_group = dist.group.WORLD
+    tokens = torch.randint(0, MEASURED_MODEL.vocab_size, (2, MEASURED_MODEL.seq_len + 1))
+    inputs, targets = (shard_sequence(t, world_size, rank) for t in (tokens[:, :-1], tokens[:, 1:]))
+    whole = _saved_bytes(model, lambda: model(inputs, targets=targets))
+    return {"blocks": blocks, "model": whole}
+
+
 def _two_ranks(rank: int, world_size: int, root: str) -> dict:
     return {
+        "saved": _measured_activations(rank, world_size),
         "ring": _ring_against_whole_sequence(rank, world_size),
         "ddp": _train(_config(ParallelConfig(cp=2)), rank, world_size, save_root=f"{root}/cp2"),
         # full checkpointing replays each block's forward, its ring included, inside the backward
@@ -150,9 +206,16 @@ def _assert_losses(reference: RunResult, losses: list[float], *, first: int, lay
         assert abs(got - want) <= LOSS_RTOL * abs(want), f"{layout} step {first + offset}: {got} vs one process {want}"
 
 
-def test_cp2_trains_like_one_process_and_restores_across_cp(reference):
+@pytest.fixture(scope="module")
+def two_ranks(reference) -> list[dict]:
+    """One spawn of two ranks for the ring, the layouts, the checkpoints and the measured activations."""
+    _, root = reference
+    return run_distributed(_two_ranks, 2, root, timeout_s=240)
+
+
+def test_cp2_trains_like_one_process_and_restores_across_cp(reference, two_ranks):
     one, root = reference
-    ranks = run_distributed(_two_ranks, 2, root, timeout_s=240)
+    ranks = two_ranks
     for r in ranks:  # the ring itself: forward and the reverse ring's dK/dV against the whole sequence
         assert max(r["ring"].values()) < 1e-5, r["ring"]
     print(f"llama cp2: losses {ranks[0]['ddp'].losses} vs one process {one.losses}")
@@ -209,3 +272,40 @@ def test_bad_context_layouts_are_refused_before_any_group(parallel, model, field
         Trainer(config, rank=0, world_size=parallel.world_size, device=torch.device("cpu"))
     assert caught.value.field == field and words in str(caught.value), str(caught.value)
     assert caught.value.fix
+
+
+def test_planned_activations_of_cp2_match_what_a_cp2_rank_saves(two_ranks):
+    """The planner's per-block count at cp=2 equals autograd's saved tensors on a cp rank, byte for byte, in
+    every regime; and its activation plan for a whole two-layer model (``estimate``: the layers, the final
+    norm, and of the logits' plan the fp32 log-softmax the loss saves) is within 15% of what that rank saves
+    for its forward and loss."""
+    from etrain.service.planning.estimate import estimate
+    from etrain.service.planning.plan_activations import layer_activation_bytes
+    from etrain.service.planning.spec import JobSpec
+    from etrain.workers.families.llama_model import LlamaBlock
+
+    measured = two_ranks[0]["saved"]
+    for (name, regime), saved in measured["blocks"].items():
+        model = MEASURED_BLOCKS[name]
+        precision = "fp32" if regime == "fp32" else "bf16"
+        count = layer_activation_bytes(model, micro_batch=3, precision=precision, regime=regime, cp=2)
+        casts = 0  # under autocast autograd also keeps each projection's bf16 weight (the planner's weight_casts)
+        if regime == "autocast":
+            casts = 2 * sum(m.weight.numel() for m in LlamaBlock(model).modules() if isinstance(m, torch.nn.Linear))
+        assert saved == count + casts, (name, regime, saved, count + casts)
+
+    m = MEASURED_MODEL
+    sizes = {k: getattr(m, k) for k in ("n_layers", "d_model", "n_heads", "n_kv_heads", "vocab_size", "seq_len")}
+    spec = JobSpec.model_validate(
+        {
+            "name": "cp-plan",
+            "model": {"kind": "llama", "d_ff": m.d_ff, **sizes},
+            "parallelism": {"dp": 1, "cp": 2},
+            "training": {"steps": 1, "global_batch": 2, "micro_batch": 2, "precision": "fp32"},
+        }
+    )
+    plan = estimate(spec)
+    log_softmax = 4 * 2 * (m.seq_len // 2) * m.vocab_size  # a rank's tokens x vocab, fp32
+    planned = plan.memory.activations + log_softmax
+    print(f"cp2 activations: planned {planned} B, measured {measured['model']} B")
+    assert planned == pytest.approx(measured["model"], rel=0.15)

@@ -503,7 +503,10 @@ def validate_data_parallel(parallel: ParallelConfig) -> None:
     FSDP2 features, so both need ZeRO-2/3 with dp > 1; HSDP's replica groups divide dp."""
     layout_rules.check(
         layout_rules.data_parallel_problems(
-            dp=parallel.dp, zero=parallel.zero, dp_replicate=parallel.dp_replicate, offload=parallel.offload
+            dp=parallel.dp * parallel.cp,  # context parallelism: FSDP2 shards over dp·cp
+            zero=parallel.zero,
+            dp_replicate=parallel.dp_replicate,
+            offload=parallel.offload,
         )
     )
 

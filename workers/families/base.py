@@ -314,6 +314,12 @@ class ModelFamily:
         """Module state each block's attention caches (RoPE cos/sin tables); 0 without."""
         return 0
 
+    def ring_attention_bytes(self, model: Sizes, *, micro_batch: int, regime: str) -> tuple[float, float]:
+        """Context parallelism (a family with :attr:`context_parallel`): ``model`` at one cp rank's
+        ``seq_len / cp`` tokens. Returns (what a block saves beyond :meth:`layer_activation_bytes` at those
+        tokens, the ring's largest transient while one block computes), in bytes per micro-batch."""
+        return 0.0, 0.0
+
     # -- Hugging Face ------------------------------------------------------------------------------
 
     def config_from_hf(self, raw: dict[str, Any], architecture: str, *, seq_len: int | None) -> dict[str, Any]:

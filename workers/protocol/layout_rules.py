@@ -860,8 +860,9 @@ def layout_problems(
     problems += layer_problems(model.n_layers, pp, virtual_stages, context=context)
     if pp > 1 or virtual_stages != 1 or pp_schedule not in SINGLE_STAGE_SCHEDULES:
         problems += schedule_problems(pp, virtual_stages, microbatches, pp_schedule, source=microbatch_source)
-    problems += data_parallel_problems(dp=dp, zero=zero, dp_replicate=dp_replicate, offload=offload)
-    problems += zero_problems(zero=zero, dp=dp, max_dp=dp if max_dp is None else max_dp)
+    # context parallelism is one more data dimension for the parameters: FSDP2 / ZeRO over dp·cp ranks
+    problems += data_parallel_problems(dp=dp * cp, zero=zero, dp_replicate=dp_replicate, offload=offload)
+    problems += zero_problems(zero=zero, dp=dp * cp, max_dp=(dp if max_dp is None else max_dp) * cp)
     problems += ep_problems(model, ep=ep, dp=dp, zero=zero, dp_replicate=dp_replicate, offload=offload)
     problems += cp_problems(model, cp=cp, tp=tp, pp=pp, ep=ep, zero=zero, dp_replicate=dp_replicate)
     return problems
