@@ -171,14 +171,17 @@ def _expert_parallel_problems(spec: JobSpec, found: list[SpecProblem]) -> list[S
 
 def _context_parallel_problems(spec: JobSpec) -> list[SpecProblem]:
     """``parallelism.cp > 1`` beside the fields the layout rules do not see (those are the planner's:
-    ``layout_rules.cp_problems``): compiled blocks."""
+    ``layout_rules.cp_problems``): compiled blocks, selective activation checkpointing."""
     layout = spec.layout
-    if layout.cp == 1 or not spec.training.compile:
+    if layout.cp == 1:
         return []
+    checkpointing = spec.training.activation_checkpointing
     return SpecProblem.of(
         problem
-        for problem in layout_rules.cp_problems(spec.model.to_config(), cp=layout.cp, compile=True)
-        if problem.field == "training.compile"
+        for problem in layout_rules.cp_problems(
+            spec.model.to_config(), cp=layout.cp, compile=bool(spec.training.compile), checkpointing=checkpointing
+        )
+        if problem.field in ("training.compile", "training.activation_checkpointing")
     )
 
 

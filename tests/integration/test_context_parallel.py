@@ -274,6 +274,25 @@ def test_bad_context_layouts_are_refused_before_any_group(parallel, model, field
     assert caught.value.fix
 
 
+@pytest.mark.parametrize(
+    "training, field",
+    [
+        ({"activation_checkpointing": "selective"}, "training.activation_checkpointing"),
+        ({"compile": True}, "training.compile"),
+    ],
+    ids=["selective", "compile"],
+)
+def test_training_options_the_ring_refuses(training, field):
+    from etrain.workers.engine.train import Trainer
+
+    parallel = ParallelConfig(cp=2)
+    config = dataclasses.replace(BASE, parallel=parallel, training=dataclasses.replace(BASE.training, **training))
+    with pytest.raises(ConfigError) as caught:
+        Trainer(config, rank=0, world_size=parallel.world_size, device=torch.device("cpu"))
+    assert caught.value.field == field and "parallelism.cp=2" in str(caught.value), str(caught.value)
+    assert caught.value.fix
+
+
 def test_planned_activations_of_cp2_match_what_a_cp2_rank_saves(two_ranks):
     """The planner's per-block count at cp=2 equals autograd's saved tensors on a cp rank, byte for byte, in
     every regime; and its activation plan for a whole two-layer model (``estimate``: the layers, the final

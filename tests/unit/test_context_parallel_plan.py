@@ -116,10 +116,13 @@ def test_bad_context_layouts_get_a_422_naming_parallelism_cp(spec, words):
     assert all(p["fix"] for p in problems)
 
 
-def test_compiled_blocks_are_refused_with_cp():
+def test_compiled_blocks_and_selective_checkpointing_are_refused_with_cp():
     problems = check_spec(_spec(cp=2, training={"compile": True}))
     assert _fields(problems) == ["training.compile"]
     assert "parallelism.cp=2" in problems[0].message
+    problems = check_spec(_spec(cp=2, training={"activation_checkpointing": "selective"}))
+    assert _fields(problems) == ["training.activation_checkpointing"] and "full" in problems[0].fix
+    assert check_spec(_spec(cp=2, training={"activation_checkpointing": "full"})) == []
 
 
 def test_the_family_rule_names_the_families_with_the_ring():

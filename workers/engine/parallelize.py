@@ -683,6 +683,7 @@ def parallelize_stage(
                 zero=parallel.zero,
                 dp_replicate=parallel.dp_replicate,
                 compile=config.training.compile,
+                checkpointing=config.training.activation_checkpointing,
             )
         )
         apply_cp(module, dims)

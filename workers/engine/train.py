@@ -112,6 +112,7 @@ class Trainer:
                 zero=parallel.zero,
                 dp_replicate=parallel.dp_replicate,
                 compile=config.training.compile,
+                checkpointing=config.training.activation_checkpointing,
             )
         )
         layout_rules.check(

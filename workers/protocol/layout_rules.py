@@ -881,14 +881,16 @@ def cp_problems(
     zero: int = 0,
     dp_replicate: int = 1,
     compile: bool = False,
+    checkpointing: str = "none",
 ) -> list[Problem]:
     """Context parallelism (``parallelism.cp``): every sequence is cut into ``2·cp`` equal chunks and rank
     ``i`` of a cp group holds chunks ``i`` and ``2·cp − 1 − i`` (the causal load balance of torch's
     ``context_parallel`` and Megatron), attention runs as a ring over the cp ranks
     (``etrain.workers.families.ring_attention``). So ``2·cp`` divides ``model.seq_len``, and only a family
     whose attention has the ring (``ModelFamily.context_parallel``: the Llama family) runs it. What it does
-    not compose with yet, each refused: tensor and pipeline parallelism, expert parallelism, ZeRO-1, HSDP and
-    compiled blocks."""
+    not compose with yet, each refused: tensor and pipeline parallelism, expert parallelism, ZeRO-1, HSDP,
+    compiled blocks and selective activation checkpointing (its policy keeps every matmul's output, which
+    inside the ring would be every block's ``(S/cp)²`` scores)."""
     if cp == 1:
         return []
     if not _is_count(cp):
@@ -954,6 +956,16 @@ def cp_problems(
                 message=f"training.compile does not run with parallelism.cp={cp} yet: the ring's send/recv sit "
                 "inside every attention, which a compiled (fullgraph) block cannot hold.",
                 fix="set training.compile: false with cp > 1, or cp=1",
+            )
+        )
+    if checkpointing == "selective":
+        problems.append(
+            Problem(
+                field="training.activation_checkpointing",
+                message=f"training.activation_checkpointing='selective' does not run with parallelism.cp={cp}: its "
+                "policy keeps every matmul's output, which inside the ring would be each K/V block's scores.",
+                fix="use activation_checkpointing 'full' (the ring is replayed in the backward) or 'none' with "
+                "cp > 1, or cp=1",
             )
         )
     return problems
