@@ -298,13 +298,12 @@ def stage_memory(
     first, last = stage == 0, stage == pp - 1
     v = virtual_stages if pp > 1 else 1
     dp = dp * cp  # the parameters' data-parallel group is dp·cp ranks
-    whole = model
-    model = dataclasses.replace(model, seq_len=model.seq_len // cp) if cp > 1 else model  # one rank's tokens
+    local = dataclasses.replace(model, seq_len=model.seq_len // cp) if cp > 1 else model  # one rank's tokens
     fsdp = layout_rules.uses_fsdp(zero, dp)
     shard = dp // dp_replicate if fsdp else 1
     regime = compute_regime(precision, fsdp=fsdp)
     offloaded = fsdp and offload == "cpu" and device != "cpu"  # on a CPU run host memory is the device's
-    s, b, d = model.seq_len, micro_batch, model.d_model
+    s, b, d = local.seq_len, micro_batch, model.d_model
     sp_div = tp if sequence_parallel else 1
 
     params = stage_params(model, tp=tp, layers=layers, first=first, last=last)
@@ -342,10 +341,10 @@ def stage_memory(
     keeps_casts = regime == "autocast" and not (compiled and checkpointing == "selective")
     matmul = _matmul_params(model, tp=tp, layers=layers, last=last) - (split - experts_local)  # local experts
     casts = 2 * matmul if keeps_casts else 0.0
-    rope = layers * rope_table_bytes(whole)
+    rope = layers * rope_table_bytes(model)
 
     per_layer = layer_activation_bytes(
-        whole,
+        model,
         cp=cp,
         micro_batch=b,
         tp=tp,
@@ -360,7 +359,7 @@ def stage_memory(
     activations = held * (layers // v) * per_layer
     if checkpointing != "none":  # one block's activations live while it is recomputed
         activations += layer_activation_bytes(
-            whole,
+            model,
             cp=cp,
             micro_batch=b,
             tp=tp,
@@ -377,7 +376,7 @@ def stage_memory(
         held_last = math.ceil(held / v)
         activations += held_last * final_norm_bytes(model, tokens=s * b, regime=regime, sp_div=sp_div)
         logits = logits_bytes(
-            model,
+            local,
             micro_batch=b,
             tp=tp,
             held=held_last,
@@ -412,7 +411,7 @@ def stage_memory(
         activations=activations,
         logits=logits,
         buffers=sum(fb_buffers.values()),
-        transient=ring_transient_bytes(whole, micro_batch=b, cp=cp, regime=regime),
+        transient=ring_transient_bytes(model, micro_batch=b, cp=cp, regime=regime),
     )
     opt = dict(
         parameters=parameters * on_device,

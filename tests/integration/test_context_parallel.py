@@ -30,19 +30,29 @@ import pytest
 import torch
 
 from etrain.workers.protocol.errors import ConfigError
-from etrain.workers.protocol.run_config import ModelConfig, ParallelConfig
+from etrain.workers.protocol.run_config import MODEL_PRESETS, ModelConfig, ParallelConfig
 from tests.dist_utils import run_distributed
-from tests.equivalence_utils import LOSS_RTOL, TINY_LLAMA, RunResult, assert_equivalent, small_config
+from tests.equivalence_utils import (
+    LOSS_RTOL,
+    TINY_GPT,
+    TINY_LLAMA,
+    RunResult,
+    assert_equivalent,
+    run_reference,
+    small_config,
+)
 from tests.state_utils import full_state_dict
 
 STEPS, SAVE_AT = 4, 2
 BASE = small_config(steps=STEPS, model=TINY_LLAMA)
+GPT_BASE = small_config(steps=STEPS, model=TINY_GPT)  # learned positions: embedded at each token's true one
 #: Blocks measured on a cp=2 rank against the planner's count: grouped-query, and multi-head with Qwen3's
 #: q/k norms (q and k then reach the ring in fp32 under autocast).
 _BLOCK = dict(arch="llama", n_layers=1, d_model=64, n_heads=4, vocab_size=256, seq_len=64)
 MEASURED_BLOCKS = {
     "gqa": ModelConfig(**_BLOCK, n_kv_heads=2),
     "mha_qk_norm": ModelConfig(**_BLOCK, n_kv_heads=4, qk_norm=True, head_dim_override=16),
+    "gpt": ModelConfig(**{**_BLOCK, "arch": "gpt"}),
 }
 #: A whole model measured on a cp=2 rank against the planner's activations (its memory plan for cp=2).
 MEASURED_MODEL = ModelConfig(**{**_BLOCK, "n_layers": 2, "d_ff": 128, "vocab_size": 512, "seq_len": 128}, n_kv_heads=2)
@@ -144,6 +154,7 @@ def _measured_activations(rank: int, world_size: int) -> dict:
     two-layer model's forward and loss (fp32), for the planner's counts (test below)."""
     import torch.distributed as dist
 
+    from etrain.workers.families.gpt_model import TransformerBlock
     from etrain.workers.families.llama_model import Llama, LlamaBlock
     from etrain.workers.families.ring_attention import shard_sequence
 
@@ -152,10 +163,12 @@ def _measured_activations(rank: int, world_size: int) -> dict:
     for name, model in MEASURED_BLOCKS.items():
         for regime in ("fp32", "autocast", "bf16_params"):
             dtype = torch.bfloat16 if regime == "bf16_params" else torch.float32
-            block = LlamaBlock(model).to(dtype)
-            block.attention.cp_group = dist.group.WORLD
+            block = (TransformerBlock if model.arch == "gpt" else LlamaBlock)(model).to(dtype)
             x = torch.randn(3, model.seq_len // world_size, model.d_model, dtype=dtype, requires_grad=True)
-            blocks[name, regime] = _saved_bytes(block, lambda b=block, x=x: b(x), autocast=regime == "autocast")
+            run = lambda b=block, x=x: b(x)  # noqa: E731
+            plain = _saved_bytes(block, run, autocast=regime == "autocast")  # the fused kernel, S/cp tokens
+            block.attention.cp_group = dist.group.WORLD
+            blocks[name, regime] = (_saved_bytes(block, run, autocast=regime == "autocast"), plain)
     model = Llama(MEASURED_MODEL)
     for layer in model.layers.values():
         layer.attention.cp_group = dist.group.WORLD
@@ -173,6 +186,7 @@ def _two_ranks(rank: int, world_size: int, root: str) -> dict:
         # full checkpointing replays each block's forward, its ring included, inside the backward
         "fsdp": _train(_config(ParallelConfig(cp=2, zero=3)), rank, world_size, activation_checkpointing="full"),
         "restored": _train(_config(ParallelConfig(cp=2)), rank, world_size, restore=f"{root}/one"),
+        "gpt": _train(dataclasses.replace(GPT_BASE, parallel=ParallelConfig(cp=2)), rank, world_size),
     }
 
 
@@ -221,6 +235,7 @@ def test_cp2_trains_like_one_process_and_restores_across_cp(reference, two_ranks
     print(f"llama cp2: losses {ranks[0]['ddp'].losses} vs one process {one.losses}")
     assert_equivalent(one, [r["ddp"] for r in ranks], layout="llama cp2 zero=0")
     assert_equivalent(one, [r["fsdp"] for r in ranks], layout="llama cp2 zero=3 full checkpointing")
+    assert_equivalent(run_reference(GPT_BASE), [r["gpt"] for r in ranks], layout="gpt cp2 zero=0")
     # cp=1 (one process) -> cp=2: the steps after the restore are the uninterrupted run's
     for r in ranks:
         _assert_losses(one, r["restored"].losses, first=SAVE_AT, layout="cp1 -> cp2")
@@ -257,12 +272,12 @@ def test_cp2_dp2_trains_like_one_process(reference):
         (ParallelConfig(cp=2, dp=2, zero=1), TINY_LLAMA, "parallelism.cp", "zero=1"),
         (
             ParallelConfig(cp=2),
-            ModelConfig(n_layers=2, d_model=32, n_heads=4, vocab_size=64, seq_len=16),
+            ModelConfig(**{**MODEL_PRESETS["qwen3-moe-tiny"], "seq_len": 16}),
             "parallelism.cp",
             "has no ring attention",
         ),
     ],
-    ids=["seq_len", "tp", "pp", "zero1", "gpt"],
+    ids=["seq_len", "tp", "pp", "zero1", "moe"],
 )
 def test_bad_context_layouts_are_refused_before_any_group(parallel, model, field, words):
     from etrain.workers.engine.train import Trainer
@@ -294,23 +309,34 @@ def test_training_options_the_ring_refuses(training, field):
 
 
 def test_planned_activations_of_cp2_match_what_a_cp2_rank_saves(two_ranks):
-    """The planner's per-block count at cp=2 equals autograd's saved tensors on a cp rank, byte for byte, in
-    every regime; and its activation plan for a whole two-layer model (``estimate``: the layers, the final
+    """What the ring keeps beyond the fused kernel (``ModelFamily.ring_attention_bytes``) is exactly what a
+    cp=2 rank's block saves beyond the same block at ``seq_len / 2`` without cp, for the Llama (grouped-query,
+    and multi-head with q/k norms) and the GPT blocks in every regime; the planner's per-block count at cp=2
+    equals autograd's saved tensors byte for byte (every regime; the GPT's in fp32, where its own count is
+    exact); and its activation plan for a whole two-layer model (``estimate``: the layers, the final
     norm, and of the logits' plan the fp32 log-softmax the loss saves) is within 15% of what that rank saves
     for its forward and loss."""
     from etrain.service.planning.estimate import estimate
     from etrain.service.planning.plan_activations import layer_activation_bytes
     from etrain.service.planning.spec import JobSpec
+    from etrain.workers.families import family
+    from etrain.workers.families.gpt_model import TransformerBlock
     from etrain.workers.families.llama_model import LlamaBlock
 
     measured = two_ranks[0]["saved"]
-    for (name, regime), saved in measured["blocks"].items():
+    for (name, regime), (saved, plain) in measured["blocks"].items():
         model = MEASURED_BLOCKS[name]
         precision = "fp32" if regime == "fp32" else "bf16"
+        local = dataclasses.replace(model, seq_len=model.seq_len // 2)
+        extra, _ = family(model.arch).ring_attention_bytes(local, micro_batch=3, regime=regime)
+        assert saved - plain == extra, (name, regime, saved - plain, extra)  # what the ring keeps beyond the kernel
+        if name == "gpt" and regime != "fp32":
+            continue  # the GPT's own count is exact in fp32 only (its LayerNorms' bf16 tensors are approximated)
         count = layer_activation_bytes(model, micro_batch=3, precision=precision, regime=regime, cp=2)
         casts = 0  # under autocast autograd also keeps each projection's bf16 weight (the planner's weight_casts)
         if regime == "autocast":
-            casts = 2 * sum(m.weight.numel() for m in LlamaBlock(model).modules() if isinstance(m, torch.nn.Linear))
+            block = (TransformerBlock if model.arch == "gpt" else LlamaBlock)(model)
+            casts = 2 * sum(m.weight.numel() for m in block.modules() if isinstance(m, torch.nn.Linear))
         assert saved == count + casts, (name, regime, saved, count + casts)
 
     m = MEASURED_MODEL

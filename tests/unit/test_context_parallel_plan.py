@@ -14,7 +14,7 @@ from etrain.service.planning.planner import plan_report
 from etrain.service.planning.spec import JobSpec
 from etrain.service.planning.spec_checks import check_spec, launch_problems
 from etrain.workers.protocol import layout_rules
-from etrain.workers.protocol.run_config import ModelConfig, ParallelConfig
+from etrain.workers.protocol.run_config import MODEL_PRESETS, ModelConfig, ParallelConfig
 
 LLAMA = {"kind": "llama", "n_layers": 4, "d_model": 64, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 256}
 
@@ -104,9 +104,9 @@ def test_fsdp_shards_over_dp_times_cp():
         (dict(cp=2, pp=2), "does not compose with pipeline parallelism"),
         (dict(cp=2, dp=2, zero=1), "parallelism.zero=1"),
         (dict(cp=2, dp=2, zero=3, dp_replicate=2), "HSDP"),
-        (dict(cp=2, model={**{k: v for k, v in LLAMA.items() if k != "n_kv_heads"}, "kind": "gpt"}), "has no ring"),
+        (dict(cp=2, model={"preset": "qwen3-moe-tiny"}), "has no ring"),
     ],
-    ids=["seq_len", "tp", "pp", "zero1", "hsdp", "gpt"],
+    ids=["seq_len", "tp", "pp", "zero1", "hsdp", "moe"],
 )
 def test_bad_context_layouts_get_a_422_naming_parallelism_cp(spec, words):
     report = plan_report(_spec(**spec))
@@ -126,10 +126,20 @@ def test_compiled_blocks_and_selective_checkpointing_are_refused_with_cp():
 
 
 def test_the_family_rule_names_the_families_with_the_ring():
-    (problem,) = layout_rules.cp_problems(
-        ModelConfig(n_layers=2, d_model=32, n_heads=4, vocab_size=64, seq_len=16), cp=2
+    moe = ModelConfig(**{**MODEL_PRESETS["qwen3-moe-tiny"], "seq_len": 16})
+    (problem,) = layout_rules.cp_problems(moe, cp=2)
+    assert problem.field == "parallelism.cp" and "['gpt', 'llama']" in problem.message
+    assert (
+        layout_rules.cp_problems(ModelConfig(n_layers=2, d_model=32, n_heads=4, vocab_size=64, seq_len=16), cp=2) == []
     )
-    assert problem.field == "parallelism.cp" and "['llama']" in problem.message
+
+
+def test_the_gpt_plan_keeps_its_position_embedding_whole():
+    """cp splits the GPT's activations, not its (seq_len x d_model) position embedding."""
+    gpt = {"kind": "gpt", "n_layers": 2, "d_model": 64, "n_heads": 4, "vocab_size": 256}
+    one, two = estimate(_spec(model=gpt)), estimate(_spec(model=gpt, cp=2))
+    assert two.memory.parameters == one.memory.parameters and two.params_per_rank == one.params_per_rank
+    assert two.memory.activations < 0.6 * one.memory.activations
 
 
 def test_submit_refuses_cp_until_the_supervisor_runs_it_and_plan_answers():

@@ -887,7 +887,7 @@ def cp_problems(
     ``i`` of a cp group holds chunks ``i`` and ``2·cp − 1 − i`` (the causal load balance of torch's
     ``context_parallel`` and Megatron), attention runs as a ring over the cp ranks
     (``etrain.workers.families.ring_attention``). So ``2·cp`` divides ``model.seq_len``, and only a family
-    whose attention has the ring (``ModelFamily.context_parallel``: the Llama family) runs it. What it does
+    whose attention has the ring (``ModelFamily.context_parallel``: the Llama family and the GPT) runs it. What it does
     not compose with yet, each refused: tensor and pipeline parallelism, expert parallelism, ZeRO-1, HSDP,
     compiled blocks and selective activation checkpointing (its policy keeps every matmul's output, which
     inside the ring would be every block's ``(S/cp)²`` scores)."""
