@@ -348,7 +348,7 @@ def evaluate(case: Case) -> PlanEstimate:
         microbatches=m,
         layers=layers,
         tokens=b * s,
-        kv_width=model.kv_heads * model.head_dim,
+        kv_width=model.kv_heads * model.head_dim // tp,  # a tp rank's ring carries its kv heads
         elem_bytes=act_elem,
         checkpointing=case.checkpointing,
     )

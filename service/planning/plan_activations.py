@@ -108,7 +108,7 @@ def layer_activation_bytes(
         )
         if checkpointing == "full":
             return count
-        extra, _ = family(model.arch).ring_attention_bytes(local, micro_batch=micro_batch, regime=regime)
+        extra, _ = family(model.arch).ring_attention_bytes(local, micro_batch=micro_batch, regime=regime, tp=tp)
         return count + extra
     if checkpointing == "selective":
         return selective_activation_bytes(
@@ -158,13 +158,13 @@ def selective_activation_bytes(
     return tokens * (block_input + matmuls + attention + reduced)
 
 
-def ring_transient_bytes(model: ModelConfig, *, micro_batch: int, cp: int, regime: Regime) -> float:
+def ring_transient_bytes(model: ModelConfig, *, micro_batch: int, cp: int, regime: Regime, tp: int = 1) -> float:
     """Context parallelism: the ring's largest transient while one block computes (one K/V block's scores
     and probabilities, and their gradients in the backward; ``ModelFamily.ring_attention_bytes``); 0 at cp=1."""
     if cp <= 1:
         return 0.0
     local = dataclasses.replace(model, seq_len=model.seq_len // cp)
-    return family(model.arch).ring_attention_bytes(local, micro_batch=micro_batch, regime=regime)[1]
+    return family(model.arch).ring_attention_bytes(local, micro_batch=micro_batch, regime=regime, tp=tp)[1]
 
 
 def rope_table_bytes(model: ModelConfig) -> int:

@@ -299,7 +299,8 @@ def cp_traffic(
 ) -> tuple[float, int]:
     """(bytes sent, exchanges) per step of context parallelism's ring on one rank
     (``etrain.workers.families.ring_attention``), ``tokens`` being a micro-batch's whole sequences
-    (``micro_batch · seq_len``) and ``kv_width`` the key (= value) width ``n_kv_heads · head_dim``.
+    (``micro_batch · seq_len``) and ``kv_width`` the key (= value) width a rank holds, ``n_kv_heads · head_dim
+    / tp``.
 
     A rank's K/V block is ``tokens / cp · 2 · kv_width`` elements. Per layer and micro-batch the forward sends
     it ``cp − 1`` times (K and V of ``(cp − 1)/cp`` of the sequence, ``elem_bytes`` each, the activations'

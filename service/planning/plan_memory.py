@@ -411,7 +411,7 @@ def stage_memory(
         activations=activations,
         logits=logits,
         buffers=sum(fb_buffers.values()),
-        transient=ring_transient_bytes(model, micro_batch=b, cp=cp, regime=regime),
+        transient=ring_transient_bytes(model, micro_batch=b, cp=cp, regime=regime, tp=tp),
     )
     opt = dict(
         parameters=parameters * on_device,

@@ -19,7 +19,8 @@ On two ranks (one spawn, several Trainers on the same process group):
 On four ranks: the ring alone over all four (cp=4) against whole-sequence SDPA, forward and backward; and
 cp=2 × dp=2 (two dp replicas reading different samples, each split over a cp pair, the
 gradients averaged over all four) equals one process too, and its groups are Megatron's order with cp
-between dp and tp. The refusals are checked before any process group.
+between dp and tp; cp=2 × tp=2 (each tp rank's ring over its own heads) under DDP, and under FSDP2 with
+sequence parallelism, equal it too. The refusals are checked before any process group.
 """
 
 from __future__ import annotations
@@ -190,7 +191,7 @@ def _two_ranks(rank: int, world_size: int, root: str) -> dict:
     }
 
 
-def _four_ranks(rank: int, world_size: int) -> tuple[RunResult, dict]:
+def _four_ranks(rank: int, world_size: int) -> tuple[dict, dict]:
     import torch.distributed as dist
 
     from etrain.workers.engine.mesh import build_device_mesh
@@ -199,7 +200,13 @@ def _four_ranks(rank: int, world_size: int) -> tuple[RunResult, dict]:
     mesh = build_device_mesh(Topology(pp=1, dp=2, cp=2, tp=1), "cpu")
     groups = {axis: tuple(dist.get_process_group_ranks(mesh.get_group(axis))) for axis in ("dp", "cp", "dp_cp")}
     groups["ring"] = _ring_against_whole_sequence(rank, world_size)  # a ring of 4: three hops each way
-    return _train(_config(ParallelConfig(dp=2, cp=2)), rank, world_size), groups
+    results = {
+        "dp2": _train(_config(ParallelConfig(dp=2, cp=2)), rank, world_size),
+        # each tp rank runs the ring over its own heads (GQA: one kv head each); DTensor grads over (dp_cp, tp)
+        "tp2": _train(_config(ParallelConfig(cp=2, tp=2)), rank, world_size),
+        "tp2_sp_fsdp": _train(_config(ParallelConfig(cp=2, tp=2, zero=3, sequence_parallel=True)), rank, world_size),
+    }
+    return results, groups
 
 
 @pytest.fixture(scope="module")
@@ -259,15 +266,16 @@ def test_cp2_dp2_trains_like_one_process(reference):
         {"dp": (1, 3), "cp": (2, 3), "dp_cp": (0, 1, 2, 3)},
     ]
     results = [result for result, _ in ranks]
-    print(f"llama dp2 cp2: losses {results[0].losses} vs one process {one.losses}")
-    assert_equivalent(one, results, layout="llama dp2 cp2 zero=0")
+    print(f"llama dp2 cp2: losses {results[0]['dp2'].losses} vs one process {one.losses}")
+    assert_equivalent(one, [r["dp2"] for r in results], layout="llama dp2 cp2 zero=0")
+    assert_equivalent(one, [r["tp2"] for r in results], layout="llama cp2 tp2 zero=0")
+    assert_equivalent(one, [r["tp2_sp_fsdp"] for r in results], layout="llama cp2 tp2 sp zero=3")
 
 
 @pytest.mark.parametrize(
     "parallel, model, field, words",
     [
         (ParallelConfig(cp=3), TINY_LLAMA, "parallelism.cp", "divisible by 2·cp = 6"),
-        (ParallelConfig(cp=2, tp=2), TINY_LLAMA, "parallelism.cp", "tensor parallelism"),
         (ParallelConfig(cp=2, pp=2), TINY_LLAMA, "parallelism.cp", "pipeline parallelism"),
         (ParallelConfig(cp=2, dp=2, zero=1), TINY_LLAMA, "parallelism.cp", "zero=1"),
         (
@@ -277,7 +285,7 @@ def test_cp2_dp2_trains_like_one_process(reference):
             "has no ring attention",
         ),
     ],
-    ids=["seq_len", "tp", "pp", "zero1", "moe"],
+    ids=["seq_len", "pp", "zero1", "moe"],
 )
 def test_bad_context_layouts_are_refused_before_any_group(parallel, model, field, words):
     from etrain.workers.engine.train import Trainer

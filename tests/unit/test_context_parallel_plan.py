@@ -100,13 +100,12 @@ def test_fsdp_shards_over_dp_times_cp():
     "spec, words",
     [
         (dict(cp=3), "needs model.seq_len divisible by 2·cp = 6"),
-        (dict(cp=2, tp=2), "does not compose with tensor parallelism"),
         (dict(cp=2, pp=2), "does not compose with pipeline parallelism"),
         (dict(cp=2, dp=2, zero=1), "parallelism.zero=1"),
         (dict(cp=2, dp=2, zero=3, dp_replicate=2), "HSDP"),
         (dict(cp=2, model={"preset": "qwen3-moe-tiny"}), "has no ring"),
     ],
-    ids=["seq_len", "tp", "pp", "zero1", "hsdp", "moe"],
+    ids=["seq_len", "pp", "zero1", "hsdp", "moe"],
 )
 def test_bad_context_layouts_get_a_422_naming_parallelism_cp(spec, words):
     report = plan_report(_spec(**spec))
@@ -147,3 +146,14 @@ def test_submit_refuses_cp_until_the_supervisor_runs_it_and_plan_answers():
     assert problem.field == "parallelism.cp" and "torchrun" in problem.fix
     assert launch_problems(_spec()) == []
     assert plan_report(_spec(cp=2))["feasible"]
+
+
+def test_tensor_parallelism_composes_and_sequence_parallelism_splits_a_cp_rank_s_tokens():
+    tp = estimate(_spec(cp=2, tp=2))
+    assert plan_report(_spec(cp=2, tp=2))["feasible"] and tp.world_size == 4
+    assert tp.comm.cp == estimate(_spec(cp=2)).comm.cp / 2  # a tp rank's ring carries its kv heads
+    mha = {**LLAMA, "n_kv_heads": 4}
+    # seq 12, cp 2: a rank holds 6 tokens, which tp=4 cannot split (12 itself would be)
+    report = plan_report(_spec(seq_len=12, model=mha, cp=2, tp=4, sequence_parallel=True))
+    (problem,) = [p for p in report["problems"] if p["field"] == "parallelism.sequence_parallel"]
+    assert "12 / 2 = 6 is not divisible by parallelism.tp=4" in problem["message"]

@@ -639,7 +639,7 @@ def parallelize_stage(
     materialize = materialize or (lambda m: m)
     layout_rules.check(
         layout_rules.sequence_parallel_problems(
-            seq_len=config.model.seq_len, tp=dims.tp, enabled=parallel.sequence_parallel
+            seq_len=config.model.seq_len, tp=dims.tp, enabled=parallel.sequence_parallel, cp=dims.cp
         )
     )
     # The head and loss in chunks of tokens (a stage that owns the output projection; run_trunk).

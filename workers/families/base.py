@@ -314,10 +314,11 @@ class ModelFamily:
         """Module state each block's attention caches (RoPE cos/sin tables); 0 without."""
         return 0
 
-    def ring_attention_bytes(self, model: Sizes, *, micro_batch: int, regime: str) -> tuple[float, float]:
+    def ring_attention_bytes(self, model: Sizes, *, micro_batch: int, regime: str, tp: int = 1) -> tuple[float, float]:
         """Context parallelism (a family with :attr:`context_parallel`): ``model`` at one cp rank's
         ``seq_len / cp`` tokens. Returns (what a block saves beyond :meth:`layer_activation_bytes` at those
-        tokens, the ring's largest transient while one block computes), in bytes per micro-batch."""
+        tokens, the ring's largest transient while one block computes), in bytes per micro-batch; under tensor
+        parallelism (``tp``) a rank's ring carries its ``n_heads / tp`` heads."""
         return 0.0, 0.0
 
     # -- Hugging Face ------------------------------------------------------------------------------

@@ -157,14 +157,15 @@ class GPT(ModelFamily):
     def final_norm_bytes(self, model: Sizes, *, tokens: int, regime: str, sp_div: int) -> float:
         return 2 * tokens * model.d_model * (4 if regime == "fp32" else 2) / sp_div
 
-    def ring_attention_bytes(self, model: Sizes, *, micro_batch: int, regime: str) -> tuple[float, float]:
+    def ring_attention_bytes(self, model: Sizes, *, micro_batch: int, regime: str, tp: int = 1) -> tuple[float, float]:
         """Context parallelism (``workers/families/ring_attention.py``), ``model.seq_len`` being a cp rank's
         ``c = S / cp`` tokens: the ring keeps what the fused kernel kept (q, k, v, the output, the fp32
         log-sum-exp), but its output is head-major, so ``wo`` reads a copy: ``d`` more elements per token.
         Transient: one block's fp32 scores and probabilities and their gradients, ``4 × batch·n_heads·c²·4``."""
         elem = 4 if regime == "fp32" else 2
         tokens = model.seq_len * micro_batch
-        return float(tokens * model.d_model * elem), float(4 * micro_batch * model.n_heads * model.seq_len**2 * 4)
+        copy = tokens * model.d_model * elem / tp
+        return float(copy), float(4 * micro_batch * model.n_heads * model.seq_len**2 * 4 / tp)
 
     def hf_parameter_names(self, model: Sizes) -> list[str]:
         raise ConfigError(

@@ -368,7 +368,7 @@ class Llama(ModelFamily):
         """The fp32 cos and sin tables each attention module caches (``seq_len x head_dim`` each)."""
         return 2 * model.seq_len * model.head_dim * 4
 
-    def ring_attention_bytes(self, model: Sizes, *, micro_batch: int, regime: str) -> tuple[float, float]:
+    def ring_attention_bytes(self, model: Sizes, *, micro_batch: int, regime: str, tp: int = 1) -> tuple[float, float]:
         """Context parallelism (``workers/families/ring_attention.py``), ``model.seq_len`` being a cp rank's
         ``c = S / cp`` tokens. Saved beyond the block's count at ``c`` tokens: the ring keeps ``q``, ``k`` and
         ``v`` as they arrive (k/v *not* repeated to n_heads; q and k fp32 after the q/k norms under
@@ -387,8 +387,8 @@ class Llama(ModelFamily):
         e_v = e_o = elem
         per_token = 2 * q * e_qk + kv * (e_qk + e_v) + q * e_o - 4 * q * elem
         tables = 2 * model.seq_len * model.head_dim * 4 if fp32_rotation else 0
-        transient = 4 * micro_batch * model.n_heads * model.seq_len**2 * 4
-        return tokens * per_token + tables, float(transient)
+        transient = 4 * micro_batch * model.n_heads * model.seq_len**2 * 4 / tp
+        return tokens * per_token / tp + tables, float(transient)  # the widths and heads are tp-sharded
 
     # -- Hugging Face ------------------------------------------------------------------------------
 

@@ -257,8 +257,9 @@ def tp_problems(model: Sizes, tp: int, *, context: str = "") -> list[Problem]:
     return problems
 
 
-def sequence_parallel_problems(*, seq_len: int, tp: int, enabled: bool) -> list[Problem]:
-    """Sequence parallelism shards the norms' activations along the sequence over the tp ranks."""
+def sequence_parallel_problems(*, seq_len: int, tp: int, enabled: bool, cp: int = 1) -> list[Problem]:
+    """Sequence parallelism shards the norms' activations along the sequence over the tp ranks (under
+    context parallelism, a cp rank's ``seq_len / cp`` tokens)."""
     if not enabled:
         return []
     if tp == 1:
@@ -276,6 +277,15 @@ def sequence_parallel_problems(*, seq_len: int, tp: int, enabled: bool) -> list[
                 message=f"sequence parallelism shards the sequence: model.seq_len={seq_len} is not "
                 f"divisible by parallelism.tp={tp}.",
                 fix=f"use a seq_len that is a multiple of {tp}, or sequence_parallel=false",
+            )
+        ]
+    if cp > 1 and seq_len % cp == 0 and (seq_len // cp) % tp:
+        return [
+            Problem(
+                field="parallelism.sequence_parallel",
+                message=f"sequence parallelism shards each cp rank's tokens: model.seq_len / parallelism.cp = "
+                f"{seq_len} / {cp} = {seq_len // cp} is not divisible by parallelism.tp={tp}.",
+                fix=f"use a seq_len that is a multiple of {cp * tp} (and of 2·cp), or sequence_parallel=false",
             )
         ]
     return []
@@ -854,7 +864,7 @@ def layout_problems(
         return problems
     context = f" (world = dp·tp·pp = {dp}·{tp}·{pp} = {world_size(pp=pp, dp=dp, tp=tp)})"
     problems += tp_problems(model, tp, context=context)
-    problems += sequence_parallel_problems(seq_len=model.seq_len, tp=tp, enabled=sequence_parallel)
+    problems += sequence_parallel_problems(seq_len=model.seq_len, tp=tp, enabled=sequence_parallel, cp=cp)
     problems += family_axis_problems(model, pp=pp)
     problems += tied_embedding_problems(tie_embeddings=model.tie_embeddings, pp=pp)
     problems += layer_problems(model.n_layers, pp, virtual_stages, context=context)
@@ -887,8 +897,10 @@ def cp_problems(
     ``i`` of a cp group holds chunks ``i`` and ``2·cp − 1 − i`` (the causal load balance of torch's
     ``context_parallel`` and Megatron), attention runs as a ring over the cp ranks
     (``etrain.workers.families.ring_attention``). So ``2·cp`` divides ``model.seq_len``, and only a family
-    whose attention has the ring (``ModelFamily.context_parallel``: the Llama family and the GPT) runs it. What it does
-    not compose with yet, each refused: tensor and pipeline parallelism, expert parallelism, ZeRO-1, HSDP,
+    whose attention has the ring (``ModelFamily.context_parallel``: the Llama family and the GPT) runs it.
+    Tensor parallelism composes (each tp rank runs the ring over its own heads; with sequence parallelism
+    tp divides ``seq_len / cp``: :func:`sequence_parallel_problems`). What it does not compose with yet,
+    each refused: pipeline parallelism, expert parallelism, ZeRO-1, HSDP,
     compiled blocks and selective activation checkpointing (its policy keeps every matmul's output, which
     inside the ring would be every block's ``(S/cp)²`` scores)."""
     if cp == 1:
@@ -920,7 +932,6 @@ def cp_problems(
             )
         )
     for name, degree, why in (
-        ("tp", tp, "tensor parallelism"),
         ("pp", pp, "pipeline parallelism"),
         ("ep", ep, "expert parallelism"),
     ):
