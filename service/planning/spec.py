@@ -487,9 +487,10 @@ class JobSpec(_Section):
     def loss_chunk_tokens_for(self, tp: int) -> int:
         """``training.loss_chunk_tokens``, ``auto`` resolved for this model and tensor-parallel degree."""
         model = self.model.to_config()
+        cp = 1 if self.is_auto else self.layout.cp  # a cp rank's loss covers its seq_len / cp tokens
         return layout_rules.loss_chunk_tokens(
             self.training.loss_chunk_tokens,
-            tokens=self.training.micro_batch * model.seq_len,
+            tokens=self.training.micro_batch * model.seq_len // cp,
             vocab_size=model.vocab_size,
             tp=tp,
         )

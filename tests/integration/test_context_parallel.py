@@ -187,7 +187,10 @@ def _two_ranks(rank: int, world_size: int, root: str) -> dict:
         # full checkpointing replays each block's forward, its ring included, inside the backward
         "fsdp": _train(_config(ParallelConfig(cp=2, zero=3)), rank, world_size, activation_checkpointing="full"),
         "restored": _train(_config(ParallelConfig(cp=2)), rank, world_size, restore=f"{root}/one"),
-        "gpt": _train(dataclasses.replace(GPT_BASE, parallel=ParallelConfig(cp=2)), rank, world_size),
+        # and the loss in chunks of a cp rank's tokens (16 per micro-batch, chunks of 8)
+        "gpt": _train(
+            dataclasses.replace(GPT_BASE, parallel=ParallelConfig(cp=2)), rank, world_size, loss_chunk_tokens=8
+        ),
     }
 
 
@@ -242,7 +245,7 @@ def test_cp2_trains_like_one_process_and_restores_across_cp(reference, two_ranks
     print(f"llama cp2: losses {ranks[0]['ddp'].losses} vs one process {one.losses}")
     assert_equivalent(one, [r["ddp"] for r in ranks], layout="llama cp2 zero=0")
     assert_equivalent(one, [r["fsdp"] for r in ranks], layout="llama cp2 zero=3 full checkpointing")
-    assert_equivalent(run_reference(GPT_BASE), [r["gpt"] for r in ranks], layout="gpt cp2 zero=0")
+    assert_equivalent(run_reference(GPT_BASE), [r["gpt"] for r in ranks], layout="gpt cp2 zero=0 chunked loss")
     # cp=1 (one process) -> cp=2: the steps after the restore are the uninterrupted run's
     for r in ranks:
         _assert_losses(one, r["restored"].losses, first=SAVE_AT, layout="cp1 -> cp2")
