@@ -100,12 +100,12 @@ def test_fsdp_shards_over_dp_times_cp():
     "spec, words",
     [
         (dict(cp=3), "needs model.seq_len divisible by 2·cp = 6"),
-        (dict(cp=2, pp=2), "does not compose with pipeline parallelism"),
+        (dict(cp=2, dp=2, ep=2), "does not compose with expert parallelism"),
         (dict(cp=2, dp=2, zero=1), "parallelism.zero=1"),
         (dict(cp=2, dp=2, zero=3, dp_replicate=2), "HSDP"),
         (dict(cp=2, model={"preset": "qwen3-moe-tiny"}), "has no ring"),
     ],
-    ids=["seq_len", "pp", "zero1", "hsdp", "moe"],
+    ids=["seq_len", "ep", "zero1", "hsdp", "moe"],
 )
 def test_bad_context_layouts_get_a_422_naming_parallelism_cp(spec, words):
     report = plan_report(_spec(**spec))
@@ -157,3 +157,9 @@ def test_tensor_parallelism_composes_and_sequence_parallelism_splits_a_cp_rank_s
     report = plan_report(_spec(seq_len=12, model=mha, cp=2, tp=4, sequence_parallel=True))
     (problem,) = [p for p in report["problems"] if p["field"] == "parallelism.sequence_parallel"]
     assert "12 / 2 = 6 is not divisible by parallelism.tp=4" in problem["message"]
+
+
+def test_pipeline_parallelism_composes():
+    pipelined = estimate(_spec(cp=2, pp=2))
+    assert plan_report(_spec(cp=2, pp=2))["feasible"] and pipelined.world_size == 4
+    assert pipelined.comm.pp == estimate(_spec(pp=2)).comm.pp / 2  # the stages pass a cp rank's tokens on

@@ -344,6 +344,8 @@ class Trainer:
         """
         indices = [i for micro in micro_batches for i in micro]
         inputs, targets = (t.to(self.device) for t in self.dataset.batch(indices))
+        if self.dims.cp_enabled:  # every cp rank read the same samples; it keeps its two chunks of each
+            inputs, targets = (shard_sequence(t, self.dims.cp, self.coords.cp) for t in (inputs, targets))
         start = time.perf_counter()
         for callback in self.callbacks:
             _call(callback, "on_compute", self, step, 0)

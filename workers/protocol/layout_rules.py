@@ -899,8 +899,9 @@ def cp_problems(
     (``etrain.workers.families.ring_attention``). So ``2·cp`` divides ``model.seq_len``, and only a family
     whose attention has the ring (``ModelFamily.context_parallel``: the Llama family and the GPT) runs it.
     Tensor parallelism composes (each tp rank runs the ring over its own heads; with sequence parallelism
-    tp divides ``seq_len / cp``: :func:`sequence_parallel_problems`). What it does not compose with yet,
-    each refused: pipeline parallelism, expert parallelism, ZeRO-1, HSDP,
+    tp divides ``seq_len / cp``: :func:`sequence_parallel_problems`), and so does pipeline parallelism (the
+    stages pass a cp rank's chunks on). What it does not compose with yet, each refused: expert
+    parallelism, ZeRO-1, HSDP,
     compiled blocks and selective activation checkpointing (its policy keeps every matmul's output, which
     inside the ring would be every block's ``(S/cp)²`` scores)."""
     if cp == 1:
@@ -931,10 +932,7 @@ def cp_problems(
                 fix=f"use cp in {good}, or a seq_len that is a multiple of {2 * cp}",
             )
         )
-    for name, degree, why in (
-        ("pp", pp, "pipeline parallelism"),
-        ("ep", ep, "expert parallelism"),
-    ):
+    for name, degree, why in (("ep", ep, "expert parallelism"),):
         if degree != 1:
             problems.append(
                 Problem(
