@@ -101,11 +101,10 @@ def test_fsdp_shards_over_dp_times_cp():
     [
         (dict(cp=3), "needs model.seq_len divisible by 2·cp = 6"),
         (dict(cp=2, dp=2, ep=2), "does not compose with expert parallelism"),
-        (dict(cp=2, dp=2, zero=1), "parallelism.zero=1"),
         (dict(cp=2, dp=2, zero=3, dp_replicate=2), "HSDP"),
         (dict(cp=2, model={"preset": "qwen3-moe-tiny"}), "has no ring"),
     ],
-    ids=["seq_len", "ep", "zero1", "hsdp", "moe"],
+    ids=["seq_len", "ep", "hsdp", "moe"],
 )
 def test_bad_context_layouts_get_a_422_naming_parallelism_cp(spec, words):
     report = plan_report(_spec(**spec))
@@ -163,3 +162,9 @@ def test_pipeline_parallelism_composes():
     pipelined = estimate(_spec(cp=2, pp=2))
     assert plan_report(_spec(cp=2, pp=2))["feasible"] and pipelined.world_size == 4
     assert pipelined.comm.pp == estimate(_spec(pp=2)).comm.pp / 2  # the stages pass a cp rank's tokens on
+
+
+def test_zero1_shards_the_optimizer_state_over_dp_times_cp():
+    assert plan_report(_spec(cp=2, zero=1))["feasible"]
+    states = estimate(_spec(cp=2, zero=1)).memory.optimizer_states
+    assert states == pytest.approx(estimate(_spec(cp=2)).memory.optimizer_states / 2, rel=0.01)

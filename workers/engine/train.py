@@ -198,7 +198,8 @@ class Trainer:
         if load_pretrained:
             self._load_pretrained(config.model)
 
-        zero_group = self.dims.group("dp") if parallel.zero == 1 else None
+        # ZeRO-1 shards the optimizer state over the ranks that average the gradients: dp, or dp·cp
+        zero_group = self.dims.group("dp_cp" if self.dims.cp_enabled else "dp") if parallel.zero == 1 else None
         self.optimizers = [
             build_optimizer(
                 [p for m in self.model_parts for p in m.parameters()],
