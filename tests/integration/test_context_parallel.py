@@ -21,7 +21,7 @@ On four ranks: the ring alone over all four (cp=4) against whole-sequence SDPA, 
 cp=2 × dp=2 (two dp replicas reading different samples, each split over a cp pair, the
 gradients averaged over all four) equals one process too, and its groups are Megatron's order with cp
 between dp and tp; cp=2 × tp=2 (each tp rank's ring over its own heads) under DDP, and under FSDP2 with
-sequence parallelism, and cp=2 × pp=2 (1F1B), equal it too. The refusals are checked before any process group.
+sequence parallelism, cp=2 × pp=2 (1F1B), and HSDP (2 replicas of dp_shard·cp = 2 ranks), equal it too. The refusals are checked before any process group.
 """
 
 from __future__ import annotations
@@ -210,6 +210,8 @@ def _four_ranks(rank: int, world_size: int) -> tuple[dict, dict]:
         # each tp rank runs the ring over its own heads (GQA: one kv head each); DTensor grads over (dp_cp, tp)
         "tp2": _train(_config(ParallelConfig(cp=2, tp=2)), rank, world_size),
         "tp2_sp_fsdp": _train(_config(ParallelConfig(cp=2, tp=2, zero=3, sequence_parallel=True)), rank, world_size),
+        # HSDP: two replicas, each FSDP2-sharding over its dp_shard·cp = 2 ranks
+        "hsdp": _train(_config(ParallelConfig(dp=2, cp=2, zero=3, dp_replicate=2)), rank, world_size),
         # the stages pass a cp rank's chunks on (4 micro-batches through 2 stages of 2 layers)
         "pp2": _train(_config(ParallelConfig(cp=2, pp=2)), rank, world_size),
     }
@@ -279,6 +281,7 @@ def test_cp2_dp2_trains_like_one_process(reference):
     assert_equivalent(one, [r["tp2"] for r in results], layout="llama cp2 tp2 zero=0")
     assert_equivalent(one, [r["tp2_sp_fsdp"] for r in results], layout="llama cp2 tp2 sp zero=3")
     assert_equivalent(one, [r["pp2"] for r in results], layout="llama cp2 pp2 1f1b")
+    assert_equivalent(one, [r["hsdp"] for r in results], layout="llama dp2 cp2 zero=3 hsdp=2")
 
 
 @pytest.mark.parametrize(

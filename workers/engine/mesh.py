@@ -99,6 +99,8 @@ class ParallelMesh:
     expert_root: DeviceMesh | None = None
     #: context parallelism: the flattened ``(dp_replicate, dp_shard, cp)`` mesh (None when cp = 1)
     dp_cp: DeviceMesh | None = None
+    #: context parallelism under HSDP: the 2-D ``(dp_replicate, dp_shard_cp)`` mesh FSDP2 runs on
+    hsdp_cp: DeviceMesh | None = None
 
     def __getitem__(self, name: str) -> DeviceMesh:
         if name == "dp":
@@ -119,7 +121,10 @@ class ParallelMesh:
     def fsdp(self) -> DeviceMesh:
         """FSDP2's mesh: the 1-D ``dp`` mesh (shard over every dp rank), or for HSDP the 2-D
         ``(dp_replicate, dp_shard)`` mesh (replicate over dim 0, shard over dim 1). With context
-        parallelism the flattened ``dp_cp`` mesh (HSDP is refused with cp)."""
+        parallelism the flattened ``dp_cp`` mesh, or under HSDP ``(dp_replicate, dp_shard_cp)``: a replica's
+        dp_shard·cp ranks shard the model (torchtitan's composition)."""
+        if self.hsdp_cp is not None:
+            return self.hsdp_cp
         if self.dp_cp is not None:
             return self.dp_cp
         if self.root.size(MESH_DIMS.index("dp_replicate")) == 1:
@@ -173,7 +178,11 @@ def build_device_mesh(topology: Topology, device_type: str, *, dp_replicate: int
         root = init_device_mesh(device_type, shape, mesh_dim_names=CP_MESH_DIMS)
         dp = root["dp_replicate", "dp_shard"]._flatten("dp")
         dp_cp = root["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
-        return ParallelMesh(root=root, dp=dp, dp_cp=dp_cp)
+        hsdp_cp = None
+        if dp_replicate > 1:  # torch warns that slicing a flattened dimension is deprecated; torchtitan does it too
+            root["dp_shard", "cp"]._flatten("dp_shard_cp")
+            hsdp_cp = root["dp_replicate", "dp_shard_cp"]
+        return ParallelMesh(root=root, dp=dp, dp_cp=dp_cp, hsdp_cp=hsdp_cp)
     shape = (topology.pp, dp_replicate, topology.dp // dp_replicate, topology.tp)
     root = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
     expert_root = None

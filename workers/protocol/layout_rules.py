@@ -900,10 +900,11 @@ def cp_problems(
     whose attention has the ring (``ModelFamily.context_parallel``: the Llama family and the GPT) runs it.
     Tensor parallelism composes (each tp rank runs the ring over its own heads; with sequence parallelism
     tp divides ``seq_len / cp``: :func:`sequence_parallel_problems`), and so does pipeline parallelism (the
-    stages pass a cp rank's chunks on); ZeRO-1 shards the optimizer state over ``dp · cp``, FSDP2 the model.
-    What it does not compose with yet, each refused: expert parallelism, HSDP, compiled blocks and selective
-    activation checkpointing (its policy keeps every matmul's output, which inside the ring would be every
-    block's ``(S/cp)²`` scores). ``tp``, ``pp`` and ``zero`` are accepted for the callers' symmetry."""
+    stages pass a cp rank's chunks on); ZeRO-1 shards the optimizer state over ``dp · cp``, FSDP2 the model,
+    HSDP over each replica's ``dp_shard · cp`` ranks. What it does not compose with yet, each refused: expert
+    parallelism, compiled blocks and selective activation checkpointing (its policy keeps every matmul's
+    output, which inside the ring would be every block's ``(S/cp)²`` scores). ``tp``, ``pp``, ``zero`` and
+    ``dp_replicate`` are accepted for the callers' symmetry."""
     if cp == 1:
         return []
     if not _is_count(cp):
@@ -941,14 +942,6 @@ def cp_problems(
                     fix=f"use parallelism.{name}=1 with cp > 1, or cp=1",
                 )
             )
-    if dp_replicate != 1:
-        problems.append(
-            Problem(
-                field="parallelism.cp",
-                message=f"parallelism.cp={cp} does not compose with HSDP (parallelism.dp_replicate={dp_replicate}) yet.",
-                fix="use parallelism.dp_replicate=1 (FSDP2 then shards over dp·cp) with cp > 1, or cp=1",
-            )
-        )
     if compile:
         problems.append(
             Problem(
