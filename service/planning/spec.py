@@ -282,7 +282,7 @@ class ParallelismSpec(_Section):
     )
     cp: _upto(MAX_WORKERS) = Field(
         default=1,
-        description="context parallelism (Llama family, GPT): every sequence split over cp ranks (two of 2·cp chunks "
+        description="context parallelism (Llama family, OLMo 2, GPT): every sequence split over cp ranks (two of 2·cp chunks "
         "each), attention as a ring over them; world = pp·dp·cp·tp, parameters replicated over cp and their "
         "gradients averaged over dp·cp; 2·cp must divide model.seq_len; planned by /v1/plan, not yet run by "
         "the service's supervisor (run it under torchrun)",

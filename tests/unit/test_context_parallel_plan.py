@@ -125,7 +125,7 @@ def test_compiled_blocks_and_selective_checkpointing_are_refused_with_cp():
 def test_the_family_rule_names_the_families_with_the_ring():
     moe = ModelConfig(**{**MODEL_PRESETS["qwen3-moe-tiny"], "seq_len": 16})
     (problem,) = layout_rules.cp_problems(moe, cp=2)
-    assert problem.field == "parallelism.cp" and "['gpt', 'llama']" in problem.message
+    assert problem.field == "parallelism.cp" and "['gpt', 'llama', 'olmo2']" in problem.message
     assert (
         layout_rules.cp_problems(ModelConfig(n_layers=2, d_model=32, n_heads=4, vocab_size=64, seq_len=16), cp=2) == []
     )

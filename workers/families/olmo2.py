@@ -33,7 +33,7 @@ class Olmo2(Llama):
     name = "olmo2"
     summary = "OLMo 2: Llama-shaped with norms after attention and MLP and q/k norms over the whole width"
     model_module = "etrain.workers.families.olmo2_model"
-    context_parallel = False  # its attention (whole-width q/k norms) has no ring yet
+    context_parallel = True  # its attention is LlamaAttention with whole-width q/k norms: the same ring
     # allenai/OLMo-2-0425-1B's published config with its 4096-token context.
     presets = {
         "olmo2-tiny": dict(

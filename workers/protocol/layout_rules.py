@@ -897,7 +897,7 @@ def cp_problems(
     ``i`` of a cp group holds chunks ``i`` and ``2·cp − 1 − i`` (the causal load balance of torch's
     ``context_parallel`` and Megatron), attention runs as a ring over the cp ranks
     (``etrain.workers.families.ring_attention``). So ``2·cp`` divides ``model.seq_len``, and only a family
-    whose attention has the ring (``ModelFamily.context_parallel``: the Llama family and the GPT) runs it.
+    whose attention has the ring (``ModelFamily.context_parallel``: the Llama family, OLMo 2 and the GPT) runs it.
     Tensor parallelism composes (each tp rank runs the ring over its own heads; with sequence parallelism
     tp divides ``seq_len / cp``: :func:`sequence_parallel_problems`), and so does pipeline parallelism (the
     stages pass a cp rank's chunks on); ZeRO-1 shards the optimizer state over ``dp · cp``, FSDP2 the model,
