@@ -146,7 +146,7 @@ any non-terminal status; "fault" and [n] are explained under the table::
       "relaunched: why". ResizeFailed relaunches every rank at the new size, still without budget.
 
   [12] Health checks before trust: every attempt's ranks first check their device (allocate, a
-      matmul against their peers' rate) and the new group (an all-reduce with a deadline)
+      matmul against their peers' rate on GPUs) and the new group (an all-reduce with a deadline)
       (workers/protocol/health.py). A rank that fails is reported as RankUnhealthy: its node is
       excluded from the job and every rank relaunched without it, like a straggler's eviction, with
       no restart spent (excluded nodes only accumulate: the capacity wait bounds it).
