@@ -53,7 +53,7 @@ from etrain.service.jobs.poller import SupervisorPoller
 from etrain.service.jobs.scheduler import Scheduler
 from etrain.service.planning import planner
 from etrain.service.planning.spec import JobSpec, SpecProblem
-from etrain.service.planning.spec_checks import check_spec, launch_problems
+from etrain.service.planning.spec_checks import check_spec
 from etrain.service.planning.spec_paths import pin_paths
 from etrain.service.runtime.cluster import CALL_TIMEOUT_S, Runtime
 from etrain.service.runtime.control import ChaosHandOver, ControlQueue, ControlRequest, NotYet
@@ -233,8 +233,6 @@ class JobManager:
         self._quotas.precheck(principal, self.store)  # a tenant at its job cap costs no planning: 429
         self._check_reach(spec, principal)
         spec = self.validate(spec)
-        if launch_problems(spec):  # planned, not yet run by the supervisor (context parallelism)
-            raise SpecRejected(launch_problems(spec))
         self._scheduler.refuse_beyond_cluster(spec)
         tokenized = self._prepare_data(spec)
         job_id = f"{spec.name.lower()}-{uuid.uuid4().hex[:8]}"
@@ -387,8 +385,9 @@ class JobManager:
                 ]
             ) from None
         layout = spec.layout
-        self._quotas.admit_scale(principal, record, dp, layout.tp * layout.pp, self.store)  # QuotaExceeded: 429
-        self.store.update_job(job_id, granted_workers=dp * layout.tp * layout.pp)  # what the quota counts it at
+        per_replica = layout.tp * layout.pp * layout.cp
+        self._quotas.admit_scale(principal, record, dp, per_replica, self.store)  # QuotaExceeded: 429
+        self.store.update_job(job_id, granted_workers=dp * per_replica)  # what the quota counts it at
         self.store.add_events(job_id, [(time.time(), "scale_requested", {"message": f"dp -> {dp} requested via API"})])
         self._control.put(ControlRequest(job_id=job_id, action="scale", dp=dp))  # delivered off this thread
         return self.get(job_id)
@@ -608,7 +607,9 @@ class JobManager:
         quota = self._quotas.max_workers is not None and record.tenant != DEFAULT_TENANT and granted
         policy = dataclasses.replace(
             policy_for(spec),
-            grow_limit_dp=max(spec.min_dp, granted // (spec.layout.tp * spec.layout.pp)) if quota else None,
+            grow_limit_dp=max(spec.min_dp, granted // (spec.layout.tp * spec.layout.pp * spec.layout.cp))
+            if quota
+            else None,
             restarts_used=record.restarts,
             attempt_base=record.attempt,
             checkpoint_key=self._checkpoint_key,

@@ -86,7 +86,7 @@ class ClusterView:
 
 @dataclass(frozen=True, kw_only=True)
 class Gang:
-    """What a job must get at once: ``dp * pp`` tensor-parallel groups of ``tp`` ranks of ``per_rank``.
+    """What a job must get at once: ``dp * pp * cp`` tensor-parallel groups of ``tp`` ranks of ``per_rank``.
 
     ``dp_sizes``: the legal dps it may start at, ascending (the elastic policy's, capped at the planned
     dp); ``dp_sizes[0]`` is the minimum layout. ``dp_field`` names the spec field that sets that
@@ -97,14 +97,15 @@ class Gang:
     dp_sizes: tuple[int, ...]
     tp: int = 1
     pp: int = 1
+    cp: int = 1  # context parallelism: each replica is pp * cp tensor-parallel groups
     strategy: str = "PACK"
     dp_field: str = "parallelism.dp"
 
     def __post_init__(self) -> None:
         if not self.dp_sizes or any(dp < 1 for dp in self.dp_sizes) or list(self.dp_sizes) != sorted(self.dp_sizes):
             raise ValueError(f"dp_sizes={self.dp_sizes} must be positive and ascending, at least one")
-        if self.tp < 1 or self.pp < 1:
-            raise ValueError(f"tp={self.tp} and pp={self.pp} must be >= 1")
+        if self.tp < 1 or self.pp < 1 or self.cp < 1:
+            raise ValueError(f"tp={self.tp}, pp={self.pp} and cp={self.cp} must be >= 1")
         if not any(amount > 0 for amount in self.per_rank.values()):
             raise ValueError(f"per_rank={dict(self.per_rank)} asks for nothing")
 
@@ -113,7 +114,7 @@ class Gang:
         return self.dp_sizes[0]
 
     def ranks(self, dp: int) -> int:
-        return dp * self.tp * self.pp
+        return dp * self.tp * self.pp * self.cp
 
     @property
     def min_ranks(self) -> int:
@@ -218,7 +219,7 @@ def decide(queued: Iterable[QueuedJob], nodes: Sequence[NodeView], claims: Itera
         gang, shape = job.gang, _shape(job.gang)
         dp = state.remember(("fit", shape), lambda: _largest_fit(state.free, state.open, gang))
         if dp is not None:
-            placed = _place(state.free, gang.per_rank, gang.tp, dp * gang.pp, gang.strategy, state.open)
+            placed = _place(state.free, gang.per_rank, gang.tp, dp * gang.pp * gang.cp, gang.strategy, state.open)
             assert placed is not None  # _largest_fit counted the same groups
             _take(state.free, placed, gang.per_rank, gang.tp)
             state.changed()
@@ -281,7 +282,15 @@ class _Pass:
 
 
 def _shape(gang: Gang) -> tuple:
-    return (tuple(sorted(gang.per_rank.items())), gang.tp, gang.pp, gang.dp_sizes, gang.strategy, gang.dp_field)
+    return (
+        tuple(sorted(gang.per_rank.items())),
+        gang.tp,
+        gang.pp,
+        gang.cp,
+        gang.dp_sizes,
+        gang.strategy,
+        gang.dp_field,
+    )
 
 
 def _usable(gang: Gang, totals: Mapping[str, Mapping[str, float]]) -> frozenset[str]:
@@ -333,7 +342,7 @@ def refusal(gang: Gang, nodes: Sequence[NodeView]) -> Refusal | None:
             fix=f"lower parallelism.tp to at most {best}, or use nodes that hold {gang.tp} ranks ({beyond})",
         )
     groups = sum(count // gang.tp for count in slots.values())
-    replicas = groups // gang.pp
+    replicas = groups // (gang.pp * gang.cp)
     if replicas < gang.min_dp:
         need = {name: amount * gang.min_ranks for name, amount in gang.per_rank.items()}
         total = _sum(node.total for node in alive)
@@ -341,14 +350,14 @@ def refusal(gang: Gang, nodes: Sequence[NodeView]) -> Refusal | None:
         lower = (
             f"lower {gang.dp_field} to at most {replicas}"
             if replicas >= 1
-            else "lower parallelism.tp * parallelism.pp or the resources per worker"
+            else "lower parallelism.tp * parallelism.pp * parallelism.cp or the resources per worker"
         )
         return Refusal(
             field=gang.dp_field,
             message=f"the minimum layout needs {gang.min_ranks} ranks (dp={gang.min_dp} x tp={gang.tp} x "
-            f"pp={gang.pp}) of {describe(gang.per_rank)} = {describe(need)}, but the cluster has "
-            f"{describe(have)} on {len(alive)} node(s), room for at most {replicas} replica(s) of "
-            f"{gang.tp * gang.pp} rank(s) (tp groups node-local).",
+            f"pp={gang.pp}{f' x cp={gang.cp}' if gang.cp > 1 else ''}) of {describe(gang.per_rank)} = "
+            f"{describe(need)}, but the cluster has {describe(have)} on {len(alive)} node(s), room for at most "
+            f"{replicas} replica(s) of {gang.tp * gang.pp * gang.cp} rank(s) (tp groups node-local).",
             fix=f"{lower}, or add nodes ({beyond})",
         )
     return None

@@ -160,6 +160,7 @@ def gang_for(spec: JobSpec) -> admission.Gang:
         dp_sizes=sizes,
         tp=layout.tp,
         pp=layout.pp,
+        cp=layout.cp,
         strategy=policy.placement_strategy,
         dp_field="resources.min_dp" if spec.resources.min_dp else "parallelism.dp",
     )

@@ -110,14 +110,14 @@ class _Streak:
     factors: tuple[float, ...] = ()
 
 
-def stage_map(*, pp: int, dp: int, tp: int) -> dict[int, int]:
-    """``{rank: pipeline stage}`` of a ``pp × dp × tp`` layout (Megatron order, ``workers/protocol/topology.py``).
+def stage_map(*, pp: int, dp: int, tp: int, cp: int = 1) -> dict[int, int]:
+    """``{rank: pipeline stage}`` of a ``pp × dp × cp × tp`` layout (Megatron order, ``workers/protocol/topology.py``).
 
     A rank's stage is its pp coordinate: with interleaved schedules it holds several virtual stages
     (``s, s + pp, ...``), the same ones as every rank of equal pp coordinate, so those ranks are
     still each other's peers (and the rank holding the head is always pp coordinate ``pp - 1``).
     """
-    topology = Topology(pp=pp, dp=dp, tp=tp)
+    topology = Topology(pp=pp, dp=dp, tp=tp, cp=cp)
     return {rank: topology.coords(rank).pp for rank in range(topology.world_size)}
 
 

@@ -58,6 +58,7 @@ class SupervisorConfig:
     policy: JobPolicy
     tp: int = 1
     pp: int = 1
+    cp: int = 1  # context parallelism: fixed for the job's life, like tp and pp
     dp_multiple: int = 1  # HSDP: every dp the job runs at stays a multiple of dp_replicate
     stop_timeout_s: float = 120.0  # StopGroup -> GroupStopped
     fail_on_nonfinite_loss: bool = True
@@ -73,6 +74,7 @@ class SupervisorConfig:
             policy=policy,
             tp=config.parallel.tp,
             pp=config.parallel.pp,
+            cp=config.parallel.cp,
             dp_multiple=config.parallel.dp_multiple,  # HSDP groups and expert parallelism
             job_id=job_id,
         )
@@ -126,7 +128,7 @@ class SupervisorConfig:
         )
 
     def world_size(self, dp: int) -> int:
-        return layout_rules.world_size(pp=self.pp, dp=dp, tp=self.tp)
+        return layout_rules.world_size(pp=self.pp, dp=dp, tp=self.tp, cp=self.cp)
 
 
 @dataclass(frozen=True, kw_only=True)

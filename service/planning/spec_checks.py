@@ -24,7 +24,7 @@ from etrain.workers.protocol import layout_rules
 from etrain.workers.protocol.errors import ConfigError
 from etrain.workers.protocol.run_config import MODEL_PRESETS
 
-__all__ = ["check_spec", "field_problems", "launch_problems"]
+__all__ = ["check_spec", "field_problems"]
 
 
 def field_problems(spec: JobSpec) -> list[SpecProblem]:
@@ -183,23 +183,6 @@ def _context_parallel_problems(spec: JobSpec) -> list[SpecProblem]:
         )
         if problem.field in ("training.compile", "training.activation_checkpointing")
     )
-
-
-def launch_problems(spec: JobSpec) -> list[SpecProblem]:
-    """What the service plans but does not run yet (``submit`` refuses it; ``/v1/plan`` answers it): context
-    parallelism, whose ranks (world = pp·dp·cp·tp) the supervisor's gang, repairs and resizes do not count
-    yet. The engine runs it (``Trainer``, ``python -m etrain.workers.engine.torchrun``)."""
-    if spec.is_auto or spec.layout.cp == 1:
-        return []
-    return [
-        SpecProblem(
-            field="parallelism.cp",
-            message=f"parallelism.cp={spec.layout.cp}: the service plans context parallelism (/v1/plan) but its "
-            "supervisor does not launch, repair or resize a pp·dp·cp·tp gang yet.",
-            fix="submit with parallelism.cp=1, or run the job's RunConfig under torchrun "
-            "(python -m etrain.workers.engine.torchrun) where context parallelism runs",
-        )
-    ]
 
 
 def _float8_problems(spec: JobSpec) -> list[SpecProblem]:

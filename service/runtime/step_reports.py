@@ -64,7 +64,9 @@ class StepReports:
         self._detector = self._new_detector(parallel)
 
     def _new_detector(self, parallel: Any) -> StragglerDetector:
-        return StragglerDetector(self._config, stages=stage_map(pp=parallel.pp, dp=parallel.dp, tp=parallel.tp))
+        return StragglerDetector(
+            self._config, stages=stage_map(pp=parallel.pp, dp=parallel.dp, tp=parallel.tp, cp=parallel.cp)
+        )
 
     def called(self) -> None:
         """One ``report_steps`` call arrived (counted whatever its attempt)."""

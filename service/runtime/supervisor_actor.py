@@ -157,7 +157,7 @@ class JobSupervisor:
         self._capacity = CapacityWatch(
             per_rank=policy.resources_per_rank,
             tp=config.parallel.tp,
-            pp=config.parallel.pp,
+            pp=config.parallel.pp * config.parallel.cp,  # a replica's tp groups: one per (stage, sequence slice)
             interval_s=policy.elastic_check_interval_s,
             held=self._held_per_node,
         )

@@ -254,8 +254,8 @@ class WorkerGroup:
         the kept ranks where they are, or a kept rank's GPUs are not its new bundle's.
         """
         parallel = plan.config.parallel
-        old_topology = Topology(pp=parallel.pp, dp=from_dp, tp=parallel.tp)
-        new_topology = Topology(pp=parallel.pp, dp=parallel.dp, tp=parallel.tp)
+        old_topology = Topology(pp=parallel.pp, dp=from_dp, tp=parallel.tp, cp=parallel.cp)
+        new_topology = Topology(pp=parallel.pp, dp=parallel.dp, tp=parallel.tp, cp=parallel.cp)
         if old_topology.world_size != self.world_size:
             raise ResizeError(f"the group has {self.world_size} ranks, not {old_topology}'s {old_topology.world_size}")
         if self._runs and 0 < len(self.actors):
@@ -265,7 +265,7 @@ class WorkerGroup:
         for old_rank in range(self.world_size):
             coords = old_topology.coords(old_rank)
             if coords.dp < parallel.dp:
-                kept[new_topology.rank(pp=coords.pp, dp=coords.dp, tp=coords.tp)] = old_rank
+                kept[new_topology.rank(coords)] = old_rank  # the same (pp, dp, cp, tp) place
         leaving = [rank for rank in range(self.world_size) if rank not in kept.values()]
         old_gpus: dict[int, list[str]] = {}
         if self._resources.get("GPU", 0.0):

@@ -2,7 +2,9 @@
 
 Each job's per-step losses must equal a single-process run of the same spec (the reference is the
 same Trainer, in this process, at world size 1): the REST/Ray path changes nothing in the numbers.
-DP2×TP2 runs on the built-in GPT and on a Llama given by explicit sizes (``kind: llama``, GQA).
+DP2×TP2 runs on the built-in GPT and on a Llama given by explicit sizes (``kind: llama``, GQA); CP2
+(context parallelism: ring attention over the sequence; cp × dp is tests/integration/test_context_parallel.py's)
+on the Llama.
 """
 
 from __future__ import annotations
@@ -60,16 +62,19 @@ def reference_losses(body: dict) -> list[float]:
         ("dp2-tp2", GPT_MODEL, {"dp": 2, "tp": 2}),
         ("dp2-pp2", GPT_MODEL, {"dp": 2, "pp": 2, "pp_schedule": "1f1b"}),
         ("llama-dp2-tp2", LLAMA_MODEL, {"dp": 2, "tp": 2}),
+        ("llama-cp2", LLAMA_MODEL, {"dp": 1, "cp": 2}),
     ],
-    ids=["dp2-tp2", "dp2-pp2", "llama-dp2-tp2"],
+    ids=["dp2-tp2", "dp2-pp2", "llama-dp2-tp2", "llama-cp2"],
 )
 def test_composed_layout_job_matches_one_process(plane, name, model, parallelism):
     body = layout_spec(name, model, **parallelism)
     job = plane.submit(body)
-    assert job["world_size"] == 4
+    degrees = [parallelism.get(axis, 1) for axis in ("pp", "dp", "tp", "cp")]
+    assert job["world_size"] == degrees[0] * degrees[1] * degrees[2] * degrees[3]
     final = plane.wait_terminal(job["id"], timeout_s=300)
     assert final["status"] == "SUCCEEDED", final
-    assert final["layout"].startswith(f"pp{parallelism.get('pp', 1)}·dp2·tp{parallelism.get('tp', 1)}")
+    pp, dp, tp, cp = degrees
+    assert final["layout"].startswith(f"pp{pp}·dp{dp}·tp{tp}" + (f" cp{cp}" if cp > 1 else ""))
     losses = [row["loss"] for row in plane.steps(job["id"])]
     expected = reference_losses(body)
     assert len(losses) == len(expected) == 4

@@ -12,7 +12,7 @@ from etrain.service.planning.estimate import estimate
 from etrain.service.planning.plan_comm import cp_traffic
 from etrain.service.planning.planner import plan_report
 from etrain.service.planning.spec import JobSpec
-from etrain.service.planning.spec_checks import check_spec, launch_problems
+from etrain.service.planning.spec_checks import check_spec
 from etrain.workers.protocol import layout_rules
 from etrain.workers.protocol.run_config import MODEL_PRESETS, ModelConfig, ParallelConfig
 
@@ -139,11 +139,23 @@ def test_the_gpt_plan_keeps_its_position_embedding_whole():
     assert two.memory.activations < 0.6 * one.memory.activations
 
 
-def test_submit_refuses_cp_until_the_supervisor_runs_it_and_plan_answers():
-    (problem,) = launch_problems(_spec(cp=2))
-    assert problem.field == "parallelism.cp" and "torchrun" in problem.fix
-    assert launch_problems(_spec()) == []
-    assert plan_report(_spec(cp=2))["feasible"]
+def test_the_service_counts_every_cp_rank_in_its_gang_supervisor_and_straggler_stages():
+    """A cp job goes through the service like any layout: admission places pp * cp tp groups per replica,
+    the supervisor expects pp * dp * cp * tp ranks, and every rank of a stage (cp slices included) is a
+    straggler peer of the others."""
+    from etrain.service.decisions.job_policy import gang_for, policy_for
+    from etrain.service.decisions.stragglers import stage_map
+    from etrain.service.decisions.supervisor_state import SupervisorConfig
+
+    spec = _spec(cp=2)
+    assert check_spec(spec) == [] and plan_report(spec)["feasible"]
+    layout = spec.layout
+    config = spec.to_run_config(job_id="j", checkpoint_root="/tmp")
+    supervised = SupervisorConfig.of(policy_for(spec), config, job_id="j")
+    assert supervised.world_size(layout.dp) == config.parallel.world_size == layout.pp * layout.dp * 2 * layout.tp
+    assert gang_for(spec).ranks(layout.dp) == config.parallel.world_size
+    stages = stage_map(pp=2, dp=2, tp=1, cp=2)
+    assert stages == {0: 0, 1: 0, 2: 0, 3: 0, 4: 1, 5: 1, 6: 1, 7: 1}
 
 
 def test_tensor_parallelism_composes_and_sequence_parallelism_splits_a_cp_rank_s_tokens():
