@@ -19,7 +19,7 @@ def _reports() -> StepReports:
         stragglers=StragglerConfig(),
         evict=False,
         metrics=JobMetrics("job-under-test"),
-        parallel=SimpleNamespace(dp=1, tp=1, pp=1),
+        parallel=SimpleNamespace(dp=1, tp=1, pp=1, cp=1),
     )
 
 
