@@ -107,6 +107,7 @@ def recovery(plane, job: Job, name: str, *, warm_spares: int) -> dict[str, Any]:
     measures = recovery_measures(steps, start_ts=submit_ts, kill_ts=kill_ts, kill_at=job.kill_at)
     return {
         "system": "etrain",
+        "warm_spares": warm_spares,  # the pool this run waited for (the service's own under --as-installed)
         "job_id": job_id,
         "status": final["status"],
         "start_ts": submit_ts,

@@ -104,6 +104,8 @@ def recovery_figures(
         f"DP2 gpt-tiny, {job.steps} steps, checkpoint every {job.every}, rank {job.kill_rank} SIGKILLed at "
         f"step {job.kill_at}; {rounds} alternating rounds"
     )
+    pools = sorted({run["warm_spares"] for run in runs["etrain_installed"] if "warm_spares" in run})
+    pool = "/".join(map(str, pools)) or "?"
     startup_rows = [
         Row(
             label="1. startup as installed: submit → first step, vs Ray Train v2",
@@ -112,7 +114,7 @@ def recovery_figures(
             reference_name=PEER_NAMES["ray_train"],
             reference=samples("ray_train", "startup_s"),
             goal=Goal(on="ratio", op="<=", value=0.15, text="≤ 0.15×"),
-            note="a fresh service with its defaults (ETRAIN_WARM_SPARES_PER_NODE=auto: 3 on this CPU node), its "
+            note=f"a fresh service with its defaults (ETRAIN_WARM_SPARES_PER_NODE=auto: {pool} on this CPU node), its "
             "pool ready; etrain: HTTP submit → step 1's record (the supervisor's receive time); Ray Train: fit() → "
             "rank 0 logs step 1; " + setup,
         ),

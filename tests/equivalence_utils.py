@@ -191,3 +191,29 @@ def assert_replicas_identical(results: list[RunResult], *, layout: str) -> None:
 def max_param_diff(reference: RunResult, result: RunResult) -> float:
     """Largest absolute parameter difference (for reports)."""
     return max((result.params[k] - v).abs().max().item() for k, v in reference.params.items())
+
+
+def save_and_commit(trainer, root: str, world_size: int) -> str:
+    """Save the trainer's checkpoint of its next step under ``root`` and commit it as the supervisor does
+    once every rank has reported (collective when ``world_size > 1``); returns the step directory."""
+    import torch.distributed as dist
+
+    from etrain.workers.checkpoints.checkpoint_commit import commit, step_dir
+
+    directory = step_dir(root, trainer.next_step)
+    report = trainer.save(directory)
+    reports = [report]
+    if world_size > 1:
+        reports = [None] * world_size
+        dist.all_gather_object(reports, report)
+    if trainer.rank == 0:
+        commit(
+            directory,
+            step=trainer.next_step,
+            layout=trainer.config.parallel.describe(),
+            world_size=world_size,
+            reports=reports,
+        )
+    if world_size > 1:
+        dist.barrier()
+    return directory

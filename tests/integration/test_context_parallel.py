@@ -41,6 +41,7 @@ from tests.equivalence_utils import (
     RunResult,
     assert_equivalent,
     run_reference,
+    save_and_commit,
     small_config,
 )
 from tests.state_utils import full_state_dict
@@ -69,29 +70,6 @@ def _config(parallel: ParallelConfig):
     return dataclasses.replace(BASE, parallel=parallel)
 
 
-def _save(trainer, root: str, world_size: int) -> None:
-    import torch.distributed as dist
-
-    from etrain.workers.checkpoints.checkpoint_commit import commit, step_dir
-
-    directory = step_dir(root, trainer.next_step)
-    report = trainer.save(directory)
-    reports = [report]
-    if world_size > 1:
-        reports = [None] * world_size
-        dist.all_gather_object(reports, report)
-    if trainer.rank == 0:  # what the supervisor does once every rank has reported
-        commit(
-            directory,
-            step=trainer.next_step,
-            layout=trainer.config.parallel.describe(),
-            world_size=world_size,
-            reports=reports,
-        )
-    if world_size > 1:
-        dist.barrier()
-
-
 def _train(config, rank: int, world_size: int, *, save_root: str | None = None, restore: str | None = None, **training):
     from etrain.workers.checkpoints.checkpoint_commit import step_dir
     from etrain.workers.engine.train import Trainer
@@ -102,7 +80,7 @@ def _train(config, rank: int, world_size: int, *, save_root: str | None = None, 
     start = trainer.restore(step_dir(restore, SAVE_AT)) if restore else 0
     history = trainer.run(start, SAVE_AT) if start < SAVE_AT else []
     if save_root:
-        _save(trainer, save_root, world_size)
+        save_and_commit(trainer, save_root, world_size)
     history += trainer.run(trainer.next_step, STEPS)
     return RunResult(
         rank=trainer.rank,

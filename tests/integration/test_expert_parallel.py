@@ -27,7 +27,7 @@ import torch
 from etrain.workers.protocol.errors import ConfigError
 from etrain.workers.protocol.run_config import MODEL_PRESETS, ModelConfig, ParallelConfig
 from tests.dist_utils import run_distributed
-from tests.equivalence_utils import LOSS_RTOL, RunResult, assert_equivalent, small_config
+from tests.equivalence_utils import LOSS_RTOL, RunResult, assert_equivalent, save_and_commit, small_config
 from tests.state_utils import full_state_dict
 
 STEPS, SAVE_AT = 4, 2
@@ -37,29 +37,6 @@ BASE = small_config(steps=STEPS, model=MOE)
 
 def _config(parallel: ParallelConfig):
     return dataclasses.replace(BASE, parallel=parallel)
-
-
-def _save(trainer, root: str, world_size: int) -> None:
-    import torch.distributed as dist
-
-    from etrain.workers.checkpoints.checkpoint_commit import commit, step_dir
-
-    directory = step_dir(root, trainer.next_step)
-    report = trainer.save(directory)
-    reports = [report]
-    if world_size > 1:
-        reports = [None] * world_size
-        dist.all_gather_object(reports, report)
-    if trainer.rank == 0:  # what the supervisor does once every rank has reported
-        commit(
-            directory,
-            step=trainer.next_step,
-            layout=trainer.config.parallel.describe(),
-            world_size=world_size,
-            reports=reports,
-        )
-    if world_size > 1:
-        dist.barrier()
 
 
 def _result(trainer, history) -> RunResult:
@@ -81,7 +58,7 @@ def _train(config, rank: int, world_size: int, *, save_root: str | None = None, 
     start = trainer.restore(step_dir(restore, SAVE_AT)) if restore else 0
     history = trainer.run(start, SAVE_AT) if start < SAVE_AT else []
     if save_root:
-        _save(trainer, save_root, world_size)
+        save_and_commit(trainer, save_root, world_size)
     history += trainer.run(trainer.next_step, STEPS)
     return _result(trainer, history)
 

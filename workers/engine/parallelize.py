@@ -659,33 +659,9 @@ def parallelize_stage(
         apply_tp(
             module, dims.axis("tp"), sequence_parallel=parallel.sequence_parallel, compiled=config.training.compile
         )
-    if dims.ep_enabled:
-        layout_rules.check(
-            layout_rules.ep_problems(
-                config.model,
-                ep=dims.ep,
-                dp=dims.dp,
-                zero=parallel.zero,
-                dp_replicate=parallel.dp_replicate,
-                offload=parallel.offload,
-                compile=config.training.compile,
-            )
-        )
+    if dims.ep_enabled:  # its rules were checked by the Trainer before any process group
         apply_ep(module, dims)
-    if dims.cp_enabled:
-        layout_rules.check(
-            layout_rules.cp_problems(
-                config.model,
-                cp=dims.cp,
-                tp=dims.tp,
-                pp=dims.pp,
-                ep=dims.ep,
-                zero=parallel.zero,
-                dp_replicate=parallel.dp_replicate,
-                compile=config.training.compile,
-                checkpointing=config.training.activation_checkpointing,
-            )
-        )
+    if dims.cp_enabled:  # likewise
         apply_cp(module, dims)
     apply_ac(module, config.training.activation_checkpointing)
     if config.training.compile:
