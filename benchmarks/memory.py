@@ -26,6 +26,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from etrain.workers.families import num_params
 from etrain.workers.protocol.run_config import DataConfig, ModelConfig, ParallelConfig, RunConfig, TrainingConfig
 
 __all__ = [
@@ -240,7 +241,7 @@ def bench_meta_init(runtime_rss: int) -> InitResult:
     memory = planner_estimate(config).memory
     planned = predicted_peak_bytes(memory.phases["init"], memory.overhead, runtime_rss)
     return InitResult(
-        params=INIT_MODEL.num_params,
+        params=num_params(INIT_MODEL),
         meta_zero3_rss=tuple(meta),
         full_build_rss=full,
         runtime_rss=runtime_rss,

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from benchmarks import memory
+from etrain.workers.families import num_params
 from etrain.workers.protocol.run_config import DataConfig, ModelConfig, ParallelConfig, RunConfig, TrainingConfig
 from tests.dist_utils import run_distributed
 
@@ -254,7 +255,7 @@ def main() -> None:
     if "planner" in selected:
         accuracy = memory.bench_planner_accuracy(runtime_bytes)
         results["planner"] = [{**asdict(r), "ratio": r.ratio} for r in accuracy]
-        emit("planner", memory.accuracy_table(accuracy, runtime_bytes, memory.ACCURACY_MODEL.num_params))
+        emit("planner", memory.accuracy_table(accuracy, runtime_bytes, num_params(memory.ACCURACY_MODEL)))
     (args.out / "results.json").write_text(json.dumps(results, indent=2))
 
 

@@ -23,9 +23,11 @@ from typing import Any
 
 from benchmarks.figures import median
 from benchmarks.peers.common import recovery_measures
+from etrain.workers import families
 from etrain.workers.engine.metrics import flops_per_token, mfu, peak_flops_per_s
+from etrain.workers.families import MODEL_PRESETS
 from etrain.workers.protocol.layout_rules import auto_loss_chunk_tokens
-from etrain.workers.protocol.run_config import MODEL_PRESETS, ModelConfig
+from etrain.workers.protocol.run_config import ModelConfig
 
 __all__ = [
     "BENCH_ROWS",
@@ -153,7 +155,7 @@ def model_summary(sizes: CheckSizes) -> dict[str, Any]:
     """The model's shape and parameter count, as the result files record it."""
     model = model_config(sizes)
     fields = ("n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "seq_len", "tie_embeddings")
-    return {"params": model.num_params, **{k: getattr(model, k) for k in fields}}
+    return {"params": families.num_params(model), **{k: getattr(model, k) for k in fields}}
 
 
 def bench_loss_chunk(sizes: CheckSizes) -> int:

@@ -49,7 +49,8 @@ class Job:
         return asdict(self)
 
     def model_config(self):
-        from etrain.workers.protocol.run_config import MODEL_PRESETS, ModelConfig
+        from etrain.workers.families import MODEL_PRESETS
+        from etrain.workers.protocol.run_config import ModelConfig
 
         return ModelConfig(**MODEL_PRESETS[self.preset])
 

@@ -46,6 +46,7 @@ from etrain.service.planning.plan_memory import (
 )
 from etrain.service.planning.spec import JobSpec, ParallelismSpec
 from etrain.service.planning.spec_checks import field_problems
+from etrain.workers import families
 from etrain.workers.protocol import layout_rules
 from etrain.workers.protocol.run_config import ModelConfig, ParallelConfig
 
@@ -397,7 +398,7 @@ def evaluate(case: Case) -> PlanEstimate:
         precision=case.precision,
         regime=regime,
         activation_checkpointing=case.checkpointing,
-        num_params=model.num_params,
+        num_params=families.num_params(model),
         params_per_rank=math.ceil(params_of[worst]),
         layers_per_stage=layers,
         in_flight_microbatches=in_flight_microbatches(

@@ -1,6 +1,7 @@
 """Why a layout cannot run, in the spec's words: its layout rules and its memory, each with the fix.
 
-The layout rules themselves are ``etrain.workers.protocol.layout_rules`` (the engine checks the same ones);
+The layout rules themselves are ``etrain.workers.protocol.layout_rules`` and, those that ask the model's
+family, ``etrain.workers.families.layout`` (the engine checks the same ones);
 this module hands them a planner :class:`~etrain.service.planning.estimate.Case` and turns what they
 find into :class:`~etrain.service.planning.spec.SpecProblem`. Memory problems name the biggest
 component and the single changes that would help, each with the memory it would need.
@@ -12,6 +13,7 @@ from etrain.service.planning.estimate import DEFAULT_DEVICE_MEMORY_GB, Case, Pla
 from etrain.service.planning.plan_memory import gib
 from etrain.service.planning.plan_search import MAX_AUTO_TP
 from etrain.service.planning.spec import JobSpec, ParallelismSpec, SpecProblem
+from etrain.workers.families import layout as family_layout
 from etrain.workers.protocol import layout_rules
 
 __all__ = ["degree_problems", "device_memory_problems", "layout_problems", "memory_problem"]
@@ -40,7 +42,7 @@ def layout_problems(case: Case, *, max_dp: int) -> list[SpecProblem]:
         else f"global_batch/(dp·micro_batch) = {case.global_batch}/({lay.dp}·{case.micro_batch}) = {m}"
     )
     return SpecProblem.of(
-        layout_rules.layout_problems(
+        family_layout.layout_problems(
             case.model,
             dp=lay.dp,
             tp=lay.tp,
@@ -88,7 +90,7 @@ def _memory_fixes(case: Case, est: PlanEstimate) -> str:
     if layout_rules.uses_fsdp(lay.zero, lay.dp) and lay.offload == "none" and case.device == "cuda" and lay.ep == 1:
         variants.append(("parallelism.offload=cpu (states in host memory)", case.replace(layout={"offload": "cpu"})))
     wider = lay.ep * 2  # split the experts over more of the dp ranks (same world)
-    if model.n_experts and not layout_rules.ep_problems(
+    if model.n_experts and not family_layout.ep_problems(
         model, ep=wider, dp=lay.dp, zero=lay.zero, dp_replicate=lay.dp_replicate, offload=lay.offload
     ):
         variants.append(
@@ -112,7 +114,7 @@ def _memory_fixes(case: Case, est: PlanEstimate) -> str:
                 case.replace(micro_batch=whole, layout={"microbatches": None}),
             )
         )
-    if lay.tp * 2 <= MAX_AUTO_TP and not layout_rules.tp_problems(model, lay.tp * 2):
+    if lay.tp * 2 <= MAX_AUTO_TP and not family_layout.tp_problems(model, lay.tp * 2):
         variants.append(
             (f"parallelism.tp={lay.tp * 2} (world {est.world_size * 2})", case.replace(layout={"tp": lay.tp * 2}))
         )
@@ -120,7 +122,7 @@ def _memory_fixes(case: Case, est: PlanEstimate) -> str:
     if not (
         layout_rules.layer_problems(model.n_layers, deeper, lay.virtual_stages)
         or layout_rules.tied_embedding_problems(tie_embeddings=model.tie_embeddings, pp=deeper)
-        or layout_rules.family_axis_problems(model, pp=deeper)
+        or family_layout.family_axis_problems(model, pp=deeper)
     ):
         variants.append(
             (

@@ -2,8 +2,8 @@
 
 ``parallelism: auto`` (or ``{auto: true, max_workers: N}``) asks the planner to choose ``(dp, tp, pp,
 zero, schedule)`` within a worker budget. :func:`candidate_layouts` enumerates what the layout rules
-(``etrain.workers.protocol.layout_rules``) allow, built from divisors and capped
-(``etrain.service.planning.bounds.spread``); :func:`choose_layout` picks by the step-time cost model;
+(``etrain.workers.protocol.layout_rules``, ``etrain.workers.families.layout``) allow, built from divisors
+and capped (``etrain.service.planning.bounds.spread``); :func:`choose_layout` picks by the step-time cost model;
 :func:`explain_choice` says why, one reason per decision. ``planner.resolve_auto`` runs the search.
 """
 
@@ -17,6 +17,7 @@ from etrain.service.planning.bounds import spread
 from etrain.service.planning.estimate import Case, PlanEstimate, evaluate
 from etrain.service.planning.plan_memory import gib
 from etrain.service.planning.spec import JobSpec, ParallelismSpec
+from etrain.workers.families import layout as family_layout
 from etrain.workers.protocol import layout_rules
 
 __all__ = [
@@ -97,7 +98,8 @@ def candidate_layouts(spec: JobSpec, base: Case, budget: int) -> Iterator[Case]:
     """The (dp, tp, pp, zero, schedule, sp) layouts within the budget that the structural rules allow,
     fewest pipeline stages first.
 
-    Built from divisors, not ranges, and filtered by the layout rules (``etrain.workers.protocol.layout_rules``):
+    Built from divisors, not ranges, and filtered by the layout rules (``etrain.workers.protocol.layout_rules``,
+    ``etrain.workers.families.layout``):
     tp splits every TP dimension and stays in one node (MAX_AUTO_TP), pp divides n_layers (only pp=1
     for a tied model or a family that refuses pipelines), dp is a legal size (it divides the micro-batches per step, global_batch /
     micro_batch) within ``resources.min_dp..max_dp``, a schedule is one torch runs with those
@@ -111,14 +113,14 @@ def candidate_layouts(spec: JobSpec, base: Case, budget: int) -> Iterator[Case]:
         return  # check_spec reports it; no dp keeps the batch whole
     per_replica = layout_rules.micro_batch_count(training.global_batch, training.micro_batch)
     dps = layout_rules.legal_dp_sizes(training.global_batch, training.micro_batch, lo_dp, hi_dp)
-    tps = [t for t in layout_rules.valid_tps(model) if t <= min(budget, MAX_AUTO_TP)]
+    tps = [t for t in family_layout.valid_tps(model) if t <= min(budget, MAX_AUTO_TP)]
     if training.float8:  # float8 composes with dp / ZeRO and pp, not with tp (layout_rules.float8_problems)
         tps = [1]
     pps = [
         p
         for p in spread([p for p in layout_rules.divisors(model.n_layers) if p <= budget], MAX_AUTO_PP_SIZES)
         if not layout_rules.tied_embedding_problems(tie_embeddings=model.tie_embeddings, pp=p)
-        and not layout_rules.family_axis_problems(model, pp=p)
+        and not family_layout.family_axis_problems(model, pp=p)
     ]
     for pp in pps:
         for tp in tps:

@@ -1,7 +1,8 @@
 """The planner's entry points: check a layout, choose one, and answer ``POST /v1/plan``.
 
 :func:`check_plan` says every reason a spec's layout cannot run (the layout rules of
-``etrain.workers.protocol.layout_rules`` and memory, ``plan_problems.py``); :func:`resolve_auto` chooses a
+``etrain.workers.protocol.layout_rules`` and ``etrain.workers.families.layout``, and memory,
+``plan_problems.py``); :func:`resolve_auto` chooses a
 layout for ``parallelism: auto`` (the search is ``plan_search.py``, the estimates ``estimate.py``);
 :func:`plan_report` is check_spec and the planner in one answer. Pure (no torch, no Ray).
 """

@@ -3,9 +3,10 @@
 Pydantic v2 models with unknown fields rejected (a typo must not silently fall back to a default).
 Field-level rules (types, ranges) live on the fields here; rules that tie fields together (the batch,
 data paths, the model folder, the supervisor's settings) are in ``service/planning/spec_checks.py``
-(``check_spec``), the layout rules in ``etrain.workers.protocol.layout_rules`` (through the planner), and the
-path pinning in ``service/planning/spec_paths.py``. Every problem is a :class:`SpecProblem` (field +
-message + fix) so the API can answer one 422 listing them all.
+(``check_spec``), the layout rules in ``etrain.workers.protocol.layout_rules`` and
+``etrain.workers.families.layout`` (through the planner), and the path pinning in
+``service/planning/spec_paths.py``. Every problem is a :class:`SpecProblem` (field + message + fix) so the
+API can answer one 422 listing them all.
 
 Downstream code never sees this module's types: :meth:`JobSpec.to_run_config` turns a valid spec into
 the frozen dataclasses of ``workers/protocol/run_config.py``.
@@ -48,9 +49,9 @@ from etrain.service.planning.bounds import (
 )
 from etrain.workers import families
 from etrain.workers.checkpoints.hf_config import model_config_from_hf, read_hf_config
+from etrain.workers.families import MODEL_PRESETS
 from etrain.workers.protocol import layout_rules
 from etrain.workers.protocol.run_config import (
-    MODEL_PRESETS,
     ActivationCheckpointing,
     CheckpointConfig,
     DataConfig,
@@ -215,9 +216,12 @@ class ModelSpec(_Section):
 
     def to_config(self) -> ModelConfig:
         """The workers' ModelConfig. With ``hf`` this reads ``<hf>/config.json`` (stdlib only) and raises
-        :class:`~etrain.workers.protocol.errors.ConfigError` naming ``model.hf`` when the folder cannot be trained."""
+        :class:`~etrain.workers.protocol.errors.ConfigError` naming ``model.hf`` when the folder cannot be trained;
+        a ``kind`` that is not a registered family is a ``ConfigError`` naming ``model.kind`` (``families.family``)."""
         if self.hf is None:
-            return ModelConfig(**self.resolved())
+            config = ModelConfig(**self.resolved())
+            families.family(config.arch)  # ConfigError naming the registered families
+            return config
         folder = os.path.abspath(os.path.expanduser(self.hf))
         config = model_config_from_hf(read_hf_config(folder), seq_len=self.seq_len)
         if self.router_aux_loss_coef is not None:  # a training setting, not a size: it may replace the folder's

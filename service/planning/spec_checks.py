@@ -20,9 +20,10 @@ from pydantic import BaseModel
 from etrain.service.planning.bounds import MAX_WORKERS
 from etrain.service.planning.spec import _HF_EXCLUSIVE_FIELDS, JobSpec, ParallelismSpec, SpecProblem
 from etrain.workers import families
+from etrain.workers.families import MODEL_PRESETS
+from etrain.workers.families import layout as family_layout
 from etrain.workers.protocol import layout_rules
 from etrain.workers.protocol.errors import ConfigError
-from etrain.workers.protocol.run_config import MODEL_PRESETS
 
 __all__ = ["check_spec", "field_problems"]
 
@@ -154,7 +155,7 @@ def check_spec(spec: JobSpec) -> list[SpecProblem]:
 
 def _expert_parallel_problems(spec: JobSpec, found: list[SpecProblem]) -> list[SpecProblem]:
     """``parallelism.ep > 1`` beside the fields the layout rules do not see (those are the planner's:
-    ``layout_rules.ep_problems``): compiled blocks. The elastic range needs no check here: the supervisor's
+    ``families.layout.ep_problems``): compiled blocks. The elastic range needs no check here: the supervisor's
     elastic policy resizes only to multiples of ep (``ParallelConfig.dp_multiple``), like ``scale``."""
     layout = spec.layout
     if layout.ep == 1:
@@ -163,7 +164,7 @@ def _expert_parallel_problems(spec: JobSpec, found: list[SpecProblem]) -> list[S
     if spec.training.compile:
         problems += SpecProblem.of(
             problem
-            for problem in layout_rules.ep_problems(spec.model.to_config(), ep=layout.ep, dp=layout.dp, compile=True)
+            for problem in family_layout.ep_problems(spec.model.to_config(), ep=layout.ep, dp=layout.dp, compile=True)
             if problem.field == "training.compile"
         )
     return problems
@@ -171,14 +172,14 @@ def _expert_parallel_problems(spec: JobSpec, found: list[SpecProblem]) -> list[S
 
 def _context_parallel_problems(spec: JobSpec) -> list[SpecProblem]:
     """``parallelism.cp > 1`` beside the fields the layout rules do not see (those are the planner's:
-    ``layout_rules.cp_problems``): compiled blocks, selective activation checkpointing."""
+    ``families.layout.cp_problems``): compiled blocks, selective activation checkpointing."""
     layout = spec.layout
     if layout.cp == 1:
         return []
     checkpointing = spec.training.activation_checkpointing
     return SpecProblem.of(
         problem
-        for problem in layout_rules.cp_problems(
+        for problem in family_layout.cp_problems(
             spec.model.to_config(), cp=layout.cp, compile=bool(spec.training.compile), checkpointing=checkpointing
         )
         if problem.field in ("training.compile", "training.activation_checkpointing")

@@ -412,6 +412,15 @@ def test_bad_hf_model_specs_name_the_field(client, tmp_path, model, field, words
     assert words in problem["message"] and problem["fix"]
 
 
+def test_an_unregistered_model_kind_is_refused_at_submit_and_plan(client):
+    """The run config names a family without asking the registry: the spec refuses the name, with the families."""
+    model = {"kind": "mamba", "n_layers": 2, "d_model": 32, "n_heads": 4, "vocab_size": 64, "seq_len": 16}
+    for route in ("/v1/jobs", "/v1/plan"):
+        problem = problems(client.post(route, json=tiny_spec(model=model)))["model.kind"]
+        assert "'gpt', 'llama', 'olmo2' or 'qwen3_moe'" in problem["message"], (route, problem)
+    assert client.get("/v1/jobs").json()["jobs"] == []
+
+
 def test_export_hf_of_a_gpt_is_refused_at_submit(client):
     problem = problems(client.post("/v1/jobs", json=tiny_spec(checkpoint={"export": "hf"})))["checkpoint.export"]
     assert "built-in GPT" in problem["message"]

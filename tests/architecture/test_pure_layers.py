@@ -39,6 +39,7 @@ PURE_MODULES = [
     "etrain.workers.families",  # the registry and each family's declaration; their *_model modules are torch
     "etrain.workers.families.base",
     "etrain.workers.families.gpt",
+    "etrain.workers.families.layout",  # the layout rules that ask a family
     "etrain.workers.families.llama",
     "etrain.workers.families.olmo2",
     "etrain.workers.families.qwen3_moe",

@@ -2,10 +2,12 @@
 
 ``workers/`` holds rooms only (no loose modules). The rooms form a layering: a room may import the rooms
 listed before it in :data:`ROOMS`, never one after it, so the rank process sits on the engine, the engine
-on the checkpoints, and everything on the model families and the protocol. The imports against that
-order are few, each named with its reason in :data:`AGAINST_THE_LAYERING`: the pure protocol asks the
-family registry, and only its pure declarations. The service and the API import the pure rooms
-(:data:`SERVICE_ROOMS`, :data:`API_ROOMS`) and, from the other rooms, only the modules named with a reason.
+on the checkpoints, and everything on the model families and the protocol. There is no import against
+that order: the protocol names a model family (``ModelConfig.arch``) but never asks one, so what depends
+on a family (whether a name is registered, the parameter count, the presets, the layout rules that read
+a family's declaration: ``etrain.workers.families.layout``) lives in the families room, which builds on
+the protocol. The service and the API import the pure rooms (:data:`SERVICE_ROOMS`, :data:`API_ROOMS`)
+and, from the other rooms, only the modules named with a reason.
 
 Every import counts here, wherever it is written (module level, inside a function, under TYPE_CHECKING):
 a function-level import is still a dependency of the room that writes it. ``test_boundaries.py`` adds
@@ -23,8 +25,9 @@ WORKERS = "etrain.workers"
 #: Every room, in layering order (a room may import only rooms before it), with its one-line purpose.
 ROOMS = {
     "protocol": "what the service and the ranks share and both apply: run config, errors, manifest format, "
-    "messages, layout rules, topology, safe paths (pure)",
-    "families": "the model families: one declaration each (pure), their torch modules, the builder and the loss",
+    "messages, the family-free layout rules, topology, safe paths (pure; it asks no model family)",
+    "families": "the model families: one declaration each and the registry (presets, parameter counts), the "
+    "layout rules that ask a family (all pure), their torch modules, the builder and the loss",
     "checkpoints": "DCP save/load, commit, snapshots, storage and its faults, Hugging Face in and out",
     "engine": "one rank's Trainer: parallelism, pipeline, mesh, init, optimizer, data, timing; torchrun",
     "rank": "the rank process: the Ray actor, warm spares, rank log, reports, step control, chaos drills",
@@ -37,21 +40,6 @@ MAY_IMPORT = {
     "checkpoints": {"protocol", "families"},
     "engine": {"protocol", "families", "checkpoints"},
     "rank": {"protocol", "families", "checkpoints", "engine"},
-}
-
-#: The only imports against the layering, each with why. The run config and the layout rules ask the
-#: family registry while the families' declarations raise the protocol's errors: the registry and the
-#: declarations are pure, and the torch side of the families is never imported by the protocol.
-AGAINST_THE_LAYERING = {
-    (
-        "etrain.workers.protocol.run_config",
-        "etrain.workers.families",
-    ): "a ModelConfig's arch must be a registered family; its parameter count and the presets are the family's",
-    (
-        "etrain.workers.protocol.layout_rules",
-        "etrain.workers.families",
-    ): "what tp must divide is the family's (tp_dims), and so are its shape rules",
-    ("etrain.workers.protocol.layout_rules", "etrain.workers.families.base"): "the sizes a family declares (Sizes)",
 }
 
 #: The rooms the service may import any module of (the torch modules of the families excepted:
@@ -93,13 +81,12 @@ def _workers_imports() -> list[Import]:
 
 
 def room_violations(imports: list[Import]) -> list[Import]:
-    """The imports between rooms that ``MAY_IMPORT`` and ``AGAINST_THE_LAYERING`` do not allow."""
+    """The imports between rooms that ``MAY_IMPORT`` does not allow."""
     return [
         imp
         for imp in imports
         if room_of(imp.source) != room_of(imp.target)
         and room_of(imp.target) not in MAY_IMPORT.get(room_of(imp.source), set())
-        and (imp.source, imp.target) not in AGAINST_THE_LAYERING
     ]
 
 
@@ -152,16 +139,6 @@ def test_every_import_between_rooms_is_allowed():
     assert bad == [], "an import between the rooms of workers/ that MAY_IMPORT does not allow:\n" + "\n".join(bad)
 
 
-def test_the_imports_against_the_layering_are_real_and_reach_only_pure_modules():
-    """Each exception is still needed, and none of them reaches a module that loads torch."""
-    seen = {(imp.source, imp.target) for imp in _workers_imports()}
-    assert set(AGAINST_THE_LAYERING) <= seen, sorted(set(AGAINST_THE_LAYERING) - seen)
-    assert not {target for _, target in AGAINST_THE_LAYERING} & torch_at_load()
-    order = list(ROOMS)
-    for source, target in AGAINST_THE_LAYERING:
-        assert order.index(room_of(source)) < order.index(room_of(target)), (source, target)
-
-
 def test_the_service_imports_only_the_pure_rooms_and_the_modules_named():
     bad = _outside_violations("etrain.service", SERVICE_ROOMS, SERVICE_MAY_IMPORT)
     assert bad == [], (
@@ -211,4 +188,5 @@ def test_the_room_rules_are_not_vacuous():
     } <= seen
     upward = Import("etrain.workers.engine.train", "etrain.workers.rank.worker", 1, True, False)
     sideways = Import("etrain.workers.rank.worker", "etrain.workers.engine.train", 1, True, False)
-    assert room_violations([upward, sideways]) == [upward]
+    asks_a_family = Import("etrain.workers.protocol.run_config", "etrain.workers.families", 1, False, False)
+    assert room_violations([upward, sideways, asks_a_family]) == [upward, asks_a_family]

@@ -31,8 +31,9 @@ import dataclasses
 import pytest
 import torch
 
+from etrain.workers.families import MODEL_PRESETS
 from etrain.workers.protocol.errors import ConfigError
-from etrain.workers.protocol.run_config import MODEL_PRESETS, ModelConfig, ParallelConfig
+from etrain.workers.protocol.run_config import ModelConfig, ParallelConfig
 from tests.dist_utils import run_distributed
 from tests.equivalence_utils import (
     LOSS_RTOL,

@@ -24,8 +24,10 @@ import dataclasses
 import pytest
 import torch
 
+from etrain.workers import families
+from etrain.workers.families import MODEL_PRESETS
 from etrain.workers.protocol.errors import ConfigError
-from etrain.workers.protocol.run_config import MODEL_PRESETS, ModelConfig, ParallelConfig
+from etrain.workers.protocol.run_config import ModelConfig, ParallelConfig
 from tests.dist_utils import run_distributed
 from tests.equivalence_utils import LOSS_RTOL, RunResult, assert_equivalent, save_and_commit, small_config
 from tests.state_utils import full_state_dict
@@ -130,7 +132,7 @@ def test_ep2_trains_like_one_process_and_reshards(reference):
     assert [r["local_experts"] for r in ranks] == [4, 4]  # 8 experts split over 2 ranks
     experts = MOE.n_layers * 3 * MOE.n_experts * MOE.d_model * MOE.expert_dim
     for r in ranks:  # every rank reads the dense weights and its 4 experts' tensors, nothing more
-        assert r["hf_read"][0] == r["hf_read"][1] == MOE.num_params - experts // 2
+        assert r["hf_read"][0] == r["hf_read"][1] == families.num_params(MOE) - experts // 2
     at_save = Trainer(BASE, rank=0, world_size=1, device=torch.device("cpu"))
     at_save.restore(step_dir(f"{root}/one", SAVE_AT))
     want = full_state_dict(at_save)

@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 
 transformers = pytest.importorskip("transformers")
 
+from etrain.workers import families  # noqa: E402
 from etrain.workers.checkpoints.checkpoint_commit import commit, step_dir  # noqa: E402
 from etrain.workers.checkpoints.hf_config import hf_name, model_config_from_hf, read_hf_config  # noqa: E402
 from etrain.workers.checkpoints.hf_io import export_hf, find_step_dir, load_hf_weights  # noqa: E402
@@ -139,7 +140,7 @@ def test_single_process_trainer_loads_hf_weights(hf_folders, arch):
     if config.model.tie_embeddings:
         assert model.output.weight is model.tok_embeddings.weight
     report = load_hf_weights(trainer.model_parts, folder, config.model)  # again: in place, everything read once
-    assert report.elements_read == report.local_elements == config.model.num_params
+    assert report.elements_read == report.local_elements == families.num_params(config.model)
 
 
 def test_a_trainer_about_to_resume_does_not_read_the_hf_weights(hf_folders):
@@ -225,17 +226,17 @@ def test_dp2_tp2_replicate_and_zero3_load_hf_weights(hf_folders, tmp_path):
             diffs.append((logits - want).abs().max().item())
             # each rank read exactly its shards, a fraction of the model
             assert report.elements_read == report.local_elements, (layout, arch, rank)
-            assert report.local_elements < 0.6 * config.num_params, (layout, arch, rank, report)
+            assert report.local_elements < 0.6 * families.num_params(config), (layout, arch, rank, report)
             assert tied == config.tie_embeddings, (layout, arch, rank)
         reads = [results[(layout, arch)][1].elements_read for results in per_rank]
         print(
             f"dp2·tp2 {layout} {arch}: max|logit diff| = {max(diffs):.3g}; elements read per rank {reads} "
-            f"of {config.num_params}"
+            f"of {families.num_params(config)}"
         )
         assert max(diffs) <= TOL, (layout, arch, diffs)
     # ZeRO-3 × TP shards every matrix four ways: a rank holds about a quarter of the model
     zero3 = per_rank[0][("zero3+ac", "llama")][1]
-    assert zero3.local_elements < 0.3 * _run_config(folders["llama"]).model.num_params
+    assert zero3.local_elements < 0.3 * families.num_params(_run_config(folders["llama"]).model)
     # a checkpoint saved in shards by the 4 ranks exports back to the very tensors that were loaded
     for arch in ARCHS:
         directory = step_dir(tmp_path / arch, 0)
@@ -255,7 +256,7 @@ def test_pp2_loads_hf_weights_per_stage(hf_folders):
         logits, report1, layers1 = stage1[case]
         assert (layers0, layers1) == ([0], [1])
         diff = (logits - hf_folders[case][1]).abs().max().item()
-        total = _run_config(folders[case]).model.num_params
+        total = families.num_params(_run_config(folders[case]).model)
         print(
             f"pp2 {case}: max|logit diff| = {diff:.3g}; elements read per stage "
             f"{[report0.elements_read, report1.elements_read]} of {total}"
@@ -379,7 +380,7 @@ def test_export_round_trip(tmp_path, arch, hf_class):
     files = sorted(n for n in os.listdir(sharded) if n.endswith(".safetensors"))
     assert len(files) >= 3 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
     assert set(index["weight_map"].values()) == set(files)
-    assert index["metadata"]["total_size"] == 4 * config.model.num_params
+    assert index["metadata"]["total_size"] == 4 * families.num_params(config.model)
     assert all(torch.equal(t, first_tensors[k]) for k, t in _tensors(sharded).items())
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(sharded).eval()
     with torch.no_grad():

@@ -30,12 +30,12 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from etrain.workers import families  # noqa: E402
 from etrain.workers.checkpoints.checkpoint_commit import commit, step_dir  # noqa: E402
 from etrain.workers.checkpoints.hf_config import model_config_from_hf, read_hf_config  # noqa: E402
 from etrain.workers.checkpoints.hf_io import export_hf, load_hf_weights  # noqa: E402
-from etrain.workers.families import family  # noqa: E402
+from etrain.workers.families import MODEL_PRESETS, family  # noqa: E402
 from etrain.workers.protocol.run_config import (  # noqa: E402
-    MODEL_PRESETS,
     DataConfig,
     ModelConfig,
     ParallelConfig,
@@ -124,7 +124,7 @@ def test_hf_weights_in_and_out(hf_folder, tmp_path):
     with torch.no_grad():
         diff = (model(tokens) - reference(tokens).logits).abs().max().item()
     report = load_hf_weights(trainer.model_parts, hf_folder, config.model)
-    assert report.elements_read == report.local_elements == config.model.num_params
+    assert report.elements_read == report.local_elements == families.num_params(config.model)
     assert report.tensors == len(source)  # one per expert and projection
     print(f"qwen3_moe load: max|logit diff| = {diff:.3g}")
     assert diff <= TOL
@@ -183,7 +183,7 @@ _EQUIVALENCE = dict(steps=3, global_batch=8, micro_batch=2, lr=3e-3, warmup_step
 def test_data_parallel_trains_like_one_process(hf_folder):
     reference = run_reference(_run_config(hf_folder, **_EQUIVALENCE))
     per_rank = run_distributed(_train_dp2, 2, hf_folder, timeout_s=240.0)
-    num_params = _run_config(hf_folder).model.num_params
+    num_params = families.num_params(_run_config(hf_folder).model)
     for zero in (0, 3):
         results = [ranks[zero][0] for ranks in per_rank]
         print(f"qwen3_moe dp2 zero={zero}: losses {results[0].losses} vs one process {reference.losses}")

@@ -13,6 +13,7 @@ from benchmarks.memory import (
     predicted_peak_bytes,
     within,
 )
+from etrain.workers import families
 
 MiB = 2**20
 
@@ -27,9 +28,9 @@ def test_within_is_symmetric_around_one():
 
 
 def test_the_models_are_the_sizes_the_readme_quotes():
-    assert 750e6 < INIT_MODEL.num_params < 800e6  # parameters dominate the runtime
-    assert INIT_MODEL.vocab_size * INIT_MODEL.d_model < INIT_MODEL.num_params / 50  # a small init transient
-    assert 60e6 < ACCURACY_MODEL.num_params < 70e6
+    assert 750e6 < families.num_params(INIT_MODEL) < 800e6  # parameters dominate the runtime
+    assert INIT_MODEL.vocab_size * INIT_MODEL.d_model < families.num_params(INIT_MODEL) / 50  # a small init transient
+    assert 60e6 < families.num_params(ACCURACY_MODEL) < 70e6
     assert [name for name, _ in ACCURACY_LAYOUTS] == [
         "DDP ×2",
         "ZeRO-1 ×2",
@@ -65,7 +66,7 @@ def test_accuracy_table():
         ),
     ]
     assert rows[0].ratio == 1.04 and rows[1].ratio == 0.9
-    text = accuracy_table(rows, runtime_bytes=274 * MiB, params=ACCURACY_MODEL.num_params)
+    text = accuracy_table(rows, runtime_bytes=274 * MiB, params=families.num_params(ACCURACY_MODEL))
     assert "| DDP ×2 | 2 | optimizer step | 1000 | 1040 | 1.04 |" in text
     assert "| TP ×2 | 2 | forward backward | 800 | 720 | 0.90 |" in text
     assert "Largest deviation: TP ×2, -10%; all within the ±15% target." in text

@@ -13,8 +13,9 @@ from etrain.service.planning.plan_comm import cp_traffic
 from etrain.service.planning.planner import plan_report
 from etrain.service.planning.spec import JobSpec
 from etrain.service.planning.spec_checks import check_spec
-from etrain.workers.protocol import layout_rules
-from etrain.workers.protocol.run_config import MODEL_PRESETS, ModelConfig, ParallelConfig
+from etrain.workers.families import MODEL_PRESETS
+from etrain.workers.families import layout as family_layout
+from etrain.workers.protocol.run_config import ModelConfig, ParallelConfig
 
 LLAMA = {"kind": "llama", "n_layers": 4, "d_model": 64, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 256}
 
@@ -124,10 +125,10 @@ def test_compiled_blocks_and_selective_checkpointing_are_refused_with_cp():
 
 def test_the_family_rule_names_the_families_with_the_ring():
     moe = ModelConfig(**{**MODEL_PRESETS["qwen3-moe-tiny"], "seq_len": 16})
-    (problem,) = layout_rules.cp_problems(moe, cp=2)
+    (problem,) = family_layout.cp_problems(moe, cp=2)
     assert problem.field == "parallelism.cp" and "['gpt', 'llama', 'olmo2']" in problem.message
     assert (
-        layout_rules.cp_problems(ModelConfig(n_layers=2, d_model=32, n_heads=4, vocab_size=64, seq_len=16), cp=2) == []
+        family_layout.cp_problems(ModelConfig(n_layers=2, d_model=32, n_heads=4, vocab_size=64, seq_len=16), cp=2) == []
     )
 
 

@@ -19,7 +19,7 @@ from etrain.workers import families
 from etrain.workers.families.base import TP_STYLES, ModelFamily, TPPlan
 from etrain.workers.families.model import build_model_skeleton
 from etrain.workers.protocol.errors import ConfigError
-from etrain.workers.protocol.run_config import MODEL_PRESETS, ModelConfig
+from etrain.workers.protocol.run_config import ModelConfig
 
 BASE = dict(n_layers=2, d_model=48, n_heads=4, vocab_size=96, seq_len=16, d_ff=80)
 #: A few shapes of each family: every option that changes a count or a name.
@@ -69,8 +69,8 @@ def test_every_family_is_registered_once_and_complete():
     for name, found in families.FAMILIES.items():
         assert isinstance(found, ModelFamily) and found.name == name and found.summary and found.presets
         assert found.model_module == f"etrain.workers.families.{name}_model"
-    assert set(families.presets()) == set(MODEL_PRESETS)
-    assert all(MODEL_PRESETS[p]["arch"] == f.name for f in families.FAMILIES.values() for p in f.presets)
+    assert families.MODEL_PRESETS == families.presets()
+    assert all(families.MODEL_PRESETS[p]["arch"] == f.name for f in families.FAMILIES.values() for p in f.presets)
     assert {arch: traits["family"] for arch, traits in families.hf_architectures().items()} == {
         "LlamaForCausalLM": "llama",
         "MistralForCausalLM": "llama",
@@ -85,9 +85,15 @@ def test_every_family_is_registered_once_and_complete():
 
 
 def test_an_unknown_family_is_a_config_error_naming_the_registered_ones():
-    with pytest.raises(ConfigError) as info:
-        ModelConfig(arch="mamba", **BASE)
-    assert info.value.field == "model.kind" and "gpt, llama, olmo2, qwen3_moe" in info.value.fix
+    """The run config only names a family (the protocol never asks one): the registry refuses the name
+    wherever a config is used: here the registry, the parameter count and the model builder; the spec at
+    submit and ``/v1/plan`` (tests/unit/test_spec_model.py, tests/api/test_routes.py) and torchrun's config
+    file (tests/unit/test_parallel_config.py)."""
+    mamba = ModelConfig(arch="mamba", **BASE)
+    for ask in (lambda: families.family("mamba"), lambda: families.num_params(mamba), lambda: _skeleton(mamba)):
+        with pytest.raises(ConfigError) as info:
+            ask()
+        assert info.value.field == "model.kind" and "gpt, llama, olmo2, qwen3_moe" in info.value.fix
     with pytest.raises(ValueError, match="unknown tensor-parallel styles"):
         TPPlan(block={"attention.wq": "diagonal"})
 
@@ -97,7 +103,7 @@ def test_the_counts_are_the_modules(name, variant):
     config = _config(name, variant)
     found = families.family(name)
     model = _skeleton(config)
-    assert config.num_params == sum(p.numel() for p in model.parameters())
+    assert families.num_params(config) == sum(p.numel() for p in model.parameters())
     block = model.layers["0"]
     numel = {n: p.numel() for n, p in model.named_parameters()}
     weights = [p for p in block.parameters() if p.ndim >= 2]  # projections (stacked experts too), not norms/biases

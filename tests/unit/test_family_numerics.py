@@ -17,6 +17,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from etrain.workers import families  # noqa: E402
 from etrain.workers.checkpoints.hf_config import etrain_name, model_config_from_hf  # noqa: E402
 from etrain.workers.engine.init import build_model, materialize  # noqa: E402
 from etrain.workers.families.model import build_model_skeleton, cross_entropy_loss  # noqa: E402
@@ -87,7 +88,7 @@ def test_logits_equal_transformers(arch: str) -> None:
     assert not result.unexpected_keys
     assert result.missing_keys == (["output.weight"] if config.tie_embeddings else [])
     assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in reference.parameters())
-    assert sum(p.numel() for p in ours.parameters()) == config.num_params
+    assert sum(p.numel() for p in ours.parameters()) == families.num_params(config)
 
     tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
     got = ours(tokens)

@@ -32,6 +32,7 @@ from benchmarks.gpu.measures import (
 )
 from benchmarks.gpu.table import passed, render, render_throughput
 from benchmarks.peers.common import recovery_measures
+from etrain.workers import families
 from tests.architecture.test_pure_layers import _PROBE, BLOCKED
 
 REPO = Path(__file__).resolve().parents[2]
@@ -57,7 +58,7 @@ def _shape(model) -> tuple:
 def test_the_check_model_is_llama_3_2_1b_at_2048_tokens():
     model = model_config(FULL)
     assert _shape(model) == (16, 2048, 32, 8, 8192, 128256, 2048, True)
-    assert model.num_params == LLAMA_1B_PARAMS == 1_235_814_400
+    assert families.num_params(model) == LLAMA_1B_PARAMS == 1_235_814_400
     assert FULL.tokens_per_step == 8 * 2048 and FULL.precision == "bf16" and TINY.device == "cpu"
 
 
@@ -92,9 +93,9 @@ LLAMA8B_4_LAYERS_PARAMS = 4 * 218_112_000 + 2 * 128_256 * 4096 + 4096
 def test_bench_gpu_shapes_are_llama_1b_and_four_layers_of_llama_8b_widths():
     model = model_config(LLAMA8B_WIDTHS)
     assert _shape(model) == (4, 4096, 32, 8, 14336, 128256, 2048, False)
-    assert model.num_params == LLAMA8B_4_LAYERS_PARAMS == 1_923_125_248
+    assert families.num_params(model) == LLAMA8B_4_LAYERS_PARAMS == 1_923_125_248
     # fp32 weights + gradients + AdamW's two moments: 30.8 GB, well inside one 80 GB GPU
-    assert 16 * model.num_params < 31e9
+    assert 16 * families.num_params(model) < 31e9
     assert LLAMA8B_WIDTHS.tokens_per_step == 8 * 2048 and LLAMA8B_WIDTHS.micro_batch == 2
     assert BENCH_SHAPES["1b"][1:] == (FULL, TINY) and BENCH_SHAPES["8b-widths"][1:] == (LLAMA8B_WIDTHS, TINY_WIDE)
     assert model_config(TINY_WIDE).n_layers == 2 and model_config(TINY).n_layers == 4  # None: the preset's

@@ -1,4 +1,5 @@
-"""The layout rules (etrain.workers.protocol.layout_rules), each against an independent brute-force formulation,
+"""The layout rules (etrain.workers.protocol.layout_rules and, those that ask the model's family,
+etrain.workers.families.layout), each against an independent brute-force formulation,
 exhaustively over small degree ranges: what the spec, the planner, the elastic policy and the engine
 all accept is exactly what these say.
 
@@ -17,6 +18,7 @@ import time
 import pytest
 
 from etrain.service.planning.bounds import MAX_GLOBAL_BATCH
+from etrain.workers.families import layout as family_rules
 from etrain.workers.protocol import layout_rules as rules
 from etrain.workers.protocol.errors import ConfigError
 from etrain.workers.protocol.layout_rules import divisors
@@ -116,18 +118,18 @@ def test_tensor_parallel_degrees_split_every_sharded_size(arch):
             n_kv_heads=kv if arch == "llama" else None,
         )
         valid = [tp for tp in range(1, 13) if _tp_splits(model, tp)]
-        assert rules.valid_tps(model) == valid, model
+        assert family_rules.valid_tps(model) == valid, model
         for tp in range(1, 13):
-            assert (rules.tp_problems(model, tp) == []) == (tp in valid), (model, tp)
+            assert (family_rules.tp_problems(model, tp) == []) == (tp in valid), (model, tp)
             checked += 1
     assert checked > 1000
 
 
 def test_tensor_parallel_problems_name_each_size_and_the_valid_degrees():
-    problems = rules.tp_problems(GPT, 4)  # 6 heads, d_model 48, ffn 72, vocab 96
+    problems = family_rules.tp_problems(GPT, 4)  # 6 heads, d_model 48, ffn 72, vocab 96
     assert [p.message for p in problems] == ["parallelism.tp=4 does not divide model.n_heads=6."]
     assert problems[0].fix == "use tp in [1, 2, 3, 6]"
-    (heads,) = rules.tp_problems(LLAMA, 4)  # 8 heads, 2 kv heads: one problem for both
+    (heads,) = family_rules.tp_problems(LLAMA, 4)  # 8 heads, 2 kv heads: one problem for both
     assert heads.message.startswith("parallelism.tp=4 must divide both model.n_heads=8 and model.n_kv_heads=2")
     assert heads.fix == "use tp in [1, 2]"
 
@@ -347,7 +349,7 @@ def test_layout_problems_are_exactly_the_failing_rules(model):
             layout = dict(
                 dp=dp, tp=tp, pp=pp, zero=zero, v=v, sp=sp, replicate=replicate, offload=offload, m=m, max_dp=max_dp
             )
-            problems = rules.layout_problems(
+            problems = family_rules.layout_problems(
                 model,
                 dp=dp,
                 tp=tp,
@@ -367,5 +369,5 @@ def test_layout_problems_are_exactly_the_failing_rules(model):
 
 
 def test_broken_degrees_stop_the_layout_rules():
-    problems = rules.layout_problems(GPT, dp=0, tp=7, pp=5, virtual_stages=0)
+    problems = family_rules.layout_problems(GPT, dp=0, tp=7, pp=5, virtual_stages=0)
     assert [p.field for p in problems] == ["parallelism.dp", "parallelism.virtual_stages"]

@@ -9,12 +9,14 @@ import dataclasses
 import pytest
 import torch
 
+from etrain.workers import families
 from etrain.workers.engine.init import build_model, materialize
+from etrain.workers.families import MODEL_PRESETS
 from etrain.workers.families.gpt_model import GPT
 from etrain.workers.families.llama_model import Llama
 from etrain.workers.families.model import build_model_skeleton, cross_entropy_loss
 from etrain.workers.protocol.errors import ConfigError
-from etrain.workers.protocol.run_config import MODEL_PRESETS, ModelConfig
+from etrain.workers.protocol.run_config import ModelConfig
 
 CONFIG = ModelConfig(n_layers=4, d_model=32, n_heads=4, vocab_size=64, seq_len=16)
 
@@ -26,12 +28,12 @@ CONFIG = ModelConfig(n_layers=4, d_model=32, n_heads=4, vocab_size=64, seq_len=1
 )
 def test_parameter_count_matches_the_config_formula(config: ModelConfig) -> None:
     model = GPT(config)
-    assert sum(p.numel() for p in model.parameters()) == config.num_params
+    assert sum(p.numel() for p in model.parameters()) == families.num_params(config)
 
 
 def test_preset_parameter_counts_are_plausible() -> None:
     small = ModelConfig(**MODEL_PRESETS["gpt-small"])
-    assert 120e6 < small.num_params < 170e6  # GPT-2 small, untied head
+    assert 120e6 < families.num_params(small) < 170e6  # GPT-2 small, untied head
 
 
 def test_future_tokens_do_not_change_past_logits() -> None:
@@ -181,7 +183,7 @@ LLAMA_CONFIGS = {
 
 
 def _hand_count(config: ModelConfig) -> int:
-    """The parameter count written out term by term, independently of ``ModelConfig.num_params``."""
+    """The parameter count written out term by term, independently of ``etrain.workers.families.num_params``."""
     d, hd, h, kv, f, v, n = (
         config.d_model,
         config.head_dim,
@@ -206,7 +208,7 @@ def _hand_count(config: ModelConfig) -> int:
 def test_llama_parameter_count_matches_the_config_formula(config: ModelConfig) -> None:
     model = Llama(config)
     counted = sum(p.numel() for p in model.parameters())  # a tied weight is reported once
-    assert counted == config.num_params == _hand_count(config)
+    assert counted == families.num_params(config) == _hand_count(config)
     names = dict(model.named_parameters())
     assert ("output.weight" in names) is not config.tie_embeddings
     assert ("layers.0.attention.q_norm.weight" in names) is config.qk_norm
@@ -217,9 +219,9 @@ def test_llama_parameter_count_matches_the_config_formula(config: ModelConfig) -
 
 def test_llama_preset_parameter_counts_are_the_published_ones() -> None:
     # Meta's Llama 3.2 1B (tied) and 3.1 8B, Qwen3 0.6B (tied, head_dim 128, q/k norms): 1.24B, 8.03B, 0.60B.
-    assert ModelConfig(**MODEL_PRESETS["llama3-1b"]).num_params == 1_235_814_400
-    assert ModelConfig(**MODEL_PRESETS["llama3-8b"]).num_params == 8_030_261_248
-    assert ModelConfig(**MODEL_PRESETS["qwen3-0.6b"]).num_params == 596_049_920
+    assert families.num_params(ModelConfig(**MODEL_PRESETS["llama3-1b"])) == 1_235_814_400
+    assert families.num_params(ModelConfig(**MODEL_PRESETS["llama3-8b"])) == 8_030_261_248
+    assert families.num_params(ModelConfig(**MODEL_PRESETS["qwen3-0.6b"])) == 596_049_920
 
 
 def test_llama_future_tokens_do_not_change_past_logits() -> None:
@@ -341,7 +343,8 @@ def test_olmo2_is_causal_and_cut_into_stages_like_every_family() -> None:
 
 
 def test_olmo2_preset_parameter_count_is_the_published_one() -> None:
-    assert ModelConfig(**MODEL_PRESETS["olmo2-1b"]).num_params == 1_484_916_736  # allenai/OLMo-2-0425-1B: 1.48B
+    # allenai/OLMo-2-0425-1B: 1.48B
+    assert families.num_params(ModelConfig(**MODEL_PRESETS["olmo2-1b"])) == 1_484_916_736
 
 
 # --- where initial values are drawn (workers/engine/init.py) -------------------------------------------------

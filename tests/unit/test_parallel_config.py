@@ -11,8 +11,9 @@ import torch
 from etrain.workers.engine.parallelize import ParallelDims
 from etrain.workers.engine.torchrun import load_run_config, main
 from etrain.workers.engine.train import Trainer
+from etrain.workers.families.layout import tp_problems
 from etrain.workers.protocol.errors import ConfigError
-from etrain.workers.protocol.layout_rules import sequence_parallel_problems, tp_problems
+from etrain.workers.protocol.layout_rules import sequence_parallel_problems
 from etrain.workers.protocol.run_config import ModelConfig, ParallelConfig
 from tests.equivalence_utils import small_config
 from tests.state_utils import full_state_dict
@@ -60,7 +61,8 @@ def test_parallel_dims_must_multiply_to_the_world_and_the_message_prints_every_d
     ],
 )
 def test_tensor_parallel_shape_rules_name_the_setting(model, tp, sp, field, size) -> None:
-    """The rules parallelize_stage checks (etrain.workers.protocol.layout_rules): one problem, naming the size."""
+    """The rules parallelize_stage checks (etrain.workers.families.layout, etrain.workers.protocol.layout_rules):
+    one problem, naming the size."""
     problems = tp_problems(model, tp) + sequence_parallel_problems(seq_len=model.seq_len, tp=tp, enabled=sp)
     assert [p.field for p in problems] == [field]
     assert size in problems[0].message and "parallelism.tp=2" in problems[0].message
@@ -100,6 +102,17 @@ def test_torchrun_entry_point_runs_a_config_file(tmp_path, capsys) -> None:
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [line["step"] for line in lines] == [0, 1]
     assert json.loads(metrics_path.read_text()) == lines
+
+
+def test_torchrun_refuses_a_config_file_of_an_unknown_family(tmp_path) -> None:
+    """The run config names a family without asking the registry: the entry point asks it."""
+    raw = dataclasses.asdict(small_config(steps=2))
+    raw["model"]["arch"] = "mamba"
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ConfigError) as info:
+        load_run_config(str(path))
+    assert info.value.field == "model.kind" and "gpt, llama, olmo2, qwen3_moe" in info.value.fix
 
 
 def test_bf16_autocast_trains_close_to_fp32() -> None:

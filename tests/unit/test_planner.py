@@ -32,10 +32,12 @@ from etrain.service.planning.plan_memory import (
 from etrain.service.planning.plan_search import AutoPlan
 from etrain.service.planning.planner import check_plan, plan_report, resolve_auto, resolve_loss_chunk
 from etrain.service.planning.spec import JobSpec, ParallelismSpec
+from etrain.workers import families
+from etrain.workers.families import MODEL_PRESETS
 from etrain.workers.families.llama import FAMILY as LLAMA_FAMILY
 from etrain.workers.families.model import build_model_skeleton
 from etrain.workers.protocol.layout_rules import auto_loss_chunk_tokens
-from etrain.workers.protocol.run_config import MODEL_PRESETS, ModelConfig
+from etrain.workers.protocol.run_config import ModelConfig
 
 llama_layer_activation_bytes = LLAMA_FAMILY.layer_activation_bytes
 
@@ -115,19 +117,19 @@ class TestParameterCounts:
     def test_stages_add_up_to_the_model(self, preset):
         model = ModelConfig(**MODEL_PRESETS[preset])
         whole = stage_params(model, layers=model.n_layers, first=True, last=True)
-        assert whole == model.num_params
+        assert whole == families.num_params(model)
         half = model.n_layers // 2
         split = stage_params(model, layers=half, first=True, last=False) + stage_params(
             model, layers=model.n_layers - half, first=False, last=True
         )
         # A tied model split in two would need the shared weight on both stages (pp > 1 is refused).
         tied = model.vocab_size * model.d_model if model.tie_embeddings else 0
-        assert split == model.num_params + tied
+        assert split == families.num_params(model) + tied
 
     def test_llama_counts_are_the_published_sizes(self):
         """Exact counts (GQA k/v widths, SwiGLU, RMSNorm without bias, no position embedding, tied once)."""
         counts = {
-            name: ModelConfig(**MODEL_PRESETS[name]).num_params
+            name: families.num_params(ModelConfig(**MODEL_PRESETS[name]))
             for name in ("llama3-1b", "llama3-8b", "llama3-70b", "qwen3-0.6b", "mistral-7b")
         }
         assert counts == {
@@ -532,7 +534,7 @@ class TestEstimate:
         ddp = estimate(gpu_spec("llama3-8b", {"dp": 8, "zero": 1}, {"global_batch": 8}))
         assert (fsdp.regime, ddp.regime) == ("bf16_params", "autocast")
         model = ModelConfig(**MODEL_PRESETS["llama3-8b"])
-        n = model.num_params
+        n = families.num_params(model)
         assert fsdp.memory.buffer_parts["gathered_params"] == math.ceil(2 * n)  # bf16, the whole model (ZeRO-2)
         matmul_weights = n - 2 * model.d_model * model.n_layers - model.d_model - model.vocab_size * model.d_model
         assert ddp.memory.buffer_parts["weight_casts"] == math.ceil(2 * matmul_weights)
@@ -548,7 +550,7 @@ class TestEstimate:
         """ZeRO-2 keeps the model gathered through the backward; ZeRO-3 the root unit plus one block and
         the prefetched one; accumulating without gradient sync keeps the gradients unsharded (fp32)."""
         model = ModelConfig(**MODEL_PRESETS["llama3-8b"])
-        n = model.num_params
+        n = families.num_params(model)
         block = layer_params(model)
         root = stage_params(model, layers=0, first=True, last=True)
         rope = model.n_layers * rope_table_bytes(model)
@@ -581,13 +583,13 @@ class TestEstimate:
         model = ModelConfig(**MODEL_PRESETS["llama3-8b"])
         fsdp = estimate(gpu_spec("llama3-8b", {"dp": 8, "zero": 3})).memory
         hsdp = estimate(gpu_spec("llama3-8b", {"dp": 8, "zero": 3, "dp_replicate": 2})).memory
-        assert fsdp.parameters == math.ceil(4 * model.num_params / 8)
-        assert hsdp.parameters == math.ceil(4 * model.num_params / 4)  # 2 replicas of 4 shards
-        assert hsdp.optimizer_states == math.ceil(8 * model.num_params / 4)
+        assert fsdp.parameters == math.ceil(4 * families.num_params(model) / 8)
+        assert hsdp.parameters == math.ceil(4 * families.num_params(model) / 4)  # 2 replicas of 4 shards
+        assert hsdp.optimizer_states == math.ceil(8 * families.num_params(model) / 4)
 
     def test_cpu_offload_moves_the_state_to_host_memory(self):
         model = ModelConfig(**MODEL_PRESETS["llama3-8b"])
-        n = model.num_params
+        n = families.num_params(model)
         spec = gpu_spec("llama3-8b", {"dp": 8, "zero": 3, "offload": "cpu"}, {"global_batch": 8})
         est = estimate(spec)
         mem = est.memory
@@ -604,12 +606,12 @@ class TestEstimate:
         mem = estimate(spec).memory
         # the full draw of the largest parameter (the embedding) and the 1/8 slice cut from it
         draw = 4 * largest_param(model)
-        assert mem.phases["init"] == math.ceil(4 * model.num_params / 8) + math.ceil(draw * (1 + 1 / 8)) + GiB
+        assert mem.phases["init"] == math.ceil(4 * families.num_params(model) / 8) + math.ceil(draw * (1 + 1 / 8)) + GiB
         # On a GPU the draw happens on the host first: the host sees the full tensor too.
         assert mem.host_bytes == draw
         # Plain (DDP) parameters are copied into whole: no slice; the buckets come after the draw.
         ddp = estimate(gpu_spec("llama3-8b", {"dp": 8})).memory
-        assert ddp.phases["init"] == 4 * model.num_params + max(draw, 4 * model.num_params) + GiB
+        assert ddp.phases["init"] == 4 * families.num_params(model) + max(draw, 4 * families.num_params(model)) + GiB
 
     def test_on_cpu_the_optimizer_step_can_be_the_peak(self):
         """foreach AdamW on CPU holds a temporary as large as the second moments; DDP keeps its buckets."""

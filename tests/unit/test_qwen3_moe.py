@@ -35,10 +35,12 @@ from etrain.service.planning.spec_checks import check_spec  # noqa: E402
 from etrain.workers import families  # noqa: E402
 from etrain.workers.checkpoints.hf_config import hf_config_dict, model_config_from_hf  # noqa: E402
 from etrain.workers.engine.init import build_model, initialize_parameters  # noqa: E402
+from etrain.workers.families import MODEL_PRESETS  # noqa: E402
+from etrain.workers.families import layout as family_layout  # noqa: E402
 from etrain.workers.families.qwen3_moe_model import Qwen3MoeBlock, grouped_linear  # noqa: E402
 from etrain.workers.protocol import layout_rules  # noqa: E402
 from etrain.workers.protocol.errors import ConfigError  # noqa: E402
-from etrain.workers.protocol.run_config import MODEL_PRESETS, ModelConfig  # noqa: E402
+from etrain.workers.protocol.run_config import ModelConfig  # noqa: E402
 
 FAMILY = families.family("qwen3_moe")
 TOL = 1e-5
@@ -102,7 +104,7 @@ def test_logits_aux_loss_loss_and_gradients_equal_transformers(case):
     ours = build_model(config, seed=0).eval()
     ours.load_state_dict(_etrain_state(reference.state_dict(), config), strict=not config.tie_embeddings)
     assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in reference.parameters())
-    assert sum(p.numel() for p in ours.parameters()) == config.num_params
+    assert sum(p.numel() for p in ours.parameters()) == families.num_params(config)
 
     tokens = torch.randint(0, 128, (2, 33), generator=torch.Generator().manual_seed(1))
     inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
@@ -168,7 +170,7 @@ def test_the_published_sizes():
     for preset in ("qwen3-30b-a3b", "qwen3-235b-a22b"):
         model = ModelConfig(**MODEL_PRESETS[preset])
         active = FAMILY.matmul_weights(model) + FAMILY.lookup_params(model)
-        counts[preset] = (model.num_params, active)
+        counts[preset] = (families.num_params(model), active)
     assert counts["qwen3-30b-a3b"][0] == 30_532_122_624
     assert counts["qwen3-30b-a3b"][1] == pytest.approx(3.35e9, rel=0.01)
     assert counts["qwen3-235b-a22b"][0] == 235_093_634_560
@@ -210,9 +212,9 @@ def _gpu_spec(preset: str, parallelism: dict, **training) -> JobSpec:
 def test_the_planner_holds_every_expert_and_its_optimizer_state_and_times_the_active_ones():
     model = ModelConfig(**MODEL_PRESETS["qwen3-30b-a3b"])
     est = estimate(_gpu_spec("qwen3-30b-a3b", {"dp": 8, "zero": 3}))
-    assert est.params_per_rank == model.num_params  # one stage, tp 1: every expert
-    assert est.memory.parameters == pytest.approx(4 * model.num_params / 8)  # fp32 masters, sharded by FSDP2
-    assert est.memory.optimizer_states == pytest.approx(8 * model.num_params / 8)  # AdamW's two moments
+    assert est.params_per_rank == families.num_params(model)  # one stage, tp 1: every expert
+    assert est.memory.parameters == pytest.approx(4 * families.num_params(model) / 8)  # fp32 masters, sharded by FSDP2
+    assert est.memory.optimizer_states == pytest.approx(8 * families.num_params(model) / 8)  # AdamW's two moments
     assert est.flops_per_step == pytest.approx(FAMILY.flops_per_token(model) * 64 * model.seq_len)
     assert FAMILY.flops_per_token(model) < 6.5 * 3.35e9 + 12 * 48 * 4096 * 4096  # active, not 30 B
     # full checkpointing runs each block's forward again: its active weights and attention
@@ -292,14 +294,14 @@ def test_tensor_and_pipeline_parallelism_are_refused_naming_the_field():
     assert "tensor parallelism" in refused[0].message and "expert parallelism" in refused[0].message
     assert "pipeline parallelism" in refused[1].message and "load-balancing loss" in refused[1].message
     assert all("parallelism.dp" in p.fix for p in refused)
-    assert layout_rules.valid_tps(model) == [1]
+    assert family_layout.valid_tps(model) == [1]
     # the engine asks the same rules: parallelize_stage (tp) and build_pipeline (pp)
     with pytest.raises(ConfigError) as info:
-        layout_rules.check(layout_rules.tp_problems(model, 2))
+        layout_rules.check(family_layout.tp_problems(model, 2))
     assert info.value.field == "parallelism.tp"
     pipeline = dict(n_layers=48, tie_embeddings=False, pp=2, virtual_stages=1, microbatches=4, schedule="1f1b")
-    assert [p.field for p in layout_rules.pipeline_problems(**pipeline, model=model)] == ["parallelism.pp"]
-    assert layout_rules.pipeline_problems(**pipeline, model=ModelConfig(**MODEL_PRESETS["llama3-8b"])) == []
+    assert [p.field for p in family_layout.pipeline_problems(**pipeline, model=model)] == ["parallelism.pp"]
+    assert family_layout.pipeline_problems(**pipeline, model=ModelConfig(**MODEL_PRESETS["llama3-8b"])) == []
     # dp with ZeRO-3 is fine, and the planner's own search proposes neither tp nor pp
     assert check_plan(_gpu_spec("qwen3-moe-tiny", {"dp": 8, "zero": 3})) == []
     auto = _gpu_spec("qwen3-moe-tiny", {"auto": True, "max_workers": 8}, global_batch=8)
@@ -426,7 +428,7 @@ def test_the_planner_divides_the_experts_and_their_state_by_ep_and_counts_the_al
     model = ModelConfig(**MODEL_PRESETS["qwen3-30b-a3b"])
     experts = model.n_layers * FAMILY.expert_params_per_layer(model)
     assert experts == model.n_layers * 3 * 128 * 2048 * 768
-    dense = model.num_params - experts
+    dense = families.num_params(model) - experts
     zero3 = estimate(_gpu_spec("qwen3-30b-a3b", {"dp": 8, "zero": 3, "ep": 4}))
     assert zero3.layout == "pp1·dp8·tp1 ep4 zero=3" and zero3.ep == 4
     assert zero3.params_per_rank == pytest.approx(dense + experts / 4, abs=1)
@@ -447,7 +449,11 @@ def test_the_planner_divides_the_experts_and_their_state_by_ep_and_counts_the_al
     assert zero3.step_time.ep_comm_s > 0 and zero3.to_dict()["comm_per_step"]["bytes"]["ep"] == zero3.comm.ep
     # ep = 1 is the layout of before: every expert, no exchange
     plain = estimate(_gpu_spec("qwen3-30b-a3b", {"dp": 8, "zero": 3}))
-    assert plain.params_per_rank == model.num_params and plain.comm.ep == 0 and plain.layout == "pp1·dp8·tp1 zero=3"
+    assert (
+        plain.params_per_rank == families.num_params(model)
+        and plain.comm.ep == 0
+        and plain.layout == "pp1·dp8·tp1 zero=3"
+    )
     assert zero3.memory.total < plain.memory.total
 
 

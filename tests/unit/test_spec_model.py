@@ -13,12 +13,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from etrain.service.access.storage_roots import StorageRoots
 from etrain.service.planning.spec import JobSpec
 from etrain.service.planning.spec_checks import check_spec
 from etrain.service.planning.spec_paths import pin_paths, resolve_paths
 from etrain.workers.checkpoints.hf_config import DEFAULT_MAX_SEQ_LEN
+from etrain.workers.protocol.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -124,6 +126,20 @@ class TestKind:
     )
     def test_conflicting_kinds_are_problems(self, model, field, words):
         assert words in fields(check_spec(spec(model)))[field]
+
+    def test_an_unregistered_kind_is_refused_naming_the_registered_families(self):
+        """The run config names a family without asking the registry: the spec asks it. Pydantic refuses the
+        name at parse (and check_spec on a spec changed after it); a spec built past pydantic meets the
+        registry's ConfigError in ``to_config``, which check_spec reports as a problem of ``model.kind``."""
+        sizes = {"n_layers": 2, "d_model": 32, "n_heads": 4, "vocab_size": 64, "seq_len": 16}
+        with pytest.raises(ValidationError, match="model.kind"):
+            spec({"kind": "mamba", **sizes})
+        parsed = spec({"kind": "llama", **sizes})
+        changed = parsed.model_copy(update={"model": parsed.model.model_copy(update={"kind": "mamba"})})
+        assert "'gpt', 'llama', 'olmo2' or 'qwen3_moe'" in fields(check_spec(changed))["model.kind"]
+        with pytest.raises(ConfigError) as info:
+            changed.model.to_config()
+        assert info.value.field == "model.kind" and "gpt, llama, olmo2, qwen3_moe" in info.value.fix
 
 
 class TestHfFolder:

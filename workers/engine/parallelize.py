@@ -22,8 +22,9 @@ Three per-run choices shape the FSDP2 step (ZeRO-2/3): ``training.precision="bf1
 ``MixedPrecisionPolicy`` (bf16 compute copies of fp32 master weights, fp32 gradient reduction), in
 place of autocast; ``parallelism.dp_replicate > 1`` runs it as HSDP on the 2-D (replicate, shard)
 mesh; ``parallelism.offload="cpu"`` keeps the shards, gradients and optimizer state in host memory.
-:func:`validate_data_parallel` rejects the combinations that have no meaning. Every such rule (and the
-shape rules of tensor parallelism) is ``etrain.workers.protocol.layout_rules``'s, which the planner checks too.
+:func:`validate_data_parallel` rejects the combinations that have no meaning. Every such rule is
+``etrain.workers.protocol.layout_rules``'s, and the shape rules of tensor parallelism (what the family says
+it splits) are ``etrain.workers.families.layout``'s; the planner checks both too.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from etrain.workers.engine.mesh import ParallelMesh, validate_dp_replicate
 from etrain.workers.families import family
+from etrain.workers.families.layout import tp_problems
 from etrain.workers.protocol import layout_rules
 from etrain.workers.protocol.errors import ConfigError
 from etrain.workers.protocol.run_config import ParallelConfig, RunConfig
@@ -655,7 +657,7 @@ def parallelize_stage(
             tp=dims.tp,
         )
     if dims.tp_enabled:
-        layout_rules.check(layout_rules.tp_problems(config.model, dims.tp))
+        layout_rules.check(tp_problems(config.model, dims.tp))
         apply_tp(
             module, dims.axis("tp"), sequence_parallel=parallel.sequence_parallel, compiled=config.training.compile
         )

@@ -9,7 +9,8 @@ Why it looks the way it does:
   they do not belong. Parameter names (FQNs) are therefore identical to the unsharded model's, so a
   DCP checkpoint saved under one layout loads under any other.
 * **The rules are elsewhere.** Layer splits, which stages a rank holds and what each schedule needs
-  are plain functions over ints in ``etrain.workers.protocol.layout_rules`` (the planner checks the same ones
+  are plain functions over ints in ``etrain.workers.protocol.layout_rules`` (and whether the model's family
+  runs pipelined, ``etrain.workers.families.layout.pipeline_problems``; the planner checks the same ones
   at submit time); :func:`build_pipeline` is the only place that touches torch distributed, and it
   takes the ``pp`` mesh axis as an argument (no process-group globals).
 * **Exact loss scaling.** The trainer wants the gradient of the *mean* loss over a rank's local batch,
@@ -51,6 +52,7 @@ from torch.distributed.pipelining import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
+from etrain.workers.families.layout import pipeline_problems
 from etrain.workers.protocol import layout_rules
 from etrain.workers.protocol.layout_rules import split_layers, stage_ids_for_rank
 from etrain.workers.protocol.run_config import ParallelConfig
@@ -413,7 +415,7 @@ def build_pipeline(
     mean loss, which ``loss_fn(loss, targets)`` then passes on (the trainer's chunked loss).
     """
     layout_rules.check(
-        layout_rules.pipeline_problems(
+        pipeline_problems(
             n_layers=model.config.n_layers,
             tie_embeddings=getattr(model.config, "tie_embeddings", False),
             pp=parallel.pp,

@@ -19,6 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from etrain.workers import families
 from etrain.workers.engine.mesh import backend_for
 from etrain.workers.engine.train import Trainer
 from etrain.workers.protocol.errors import ConfigError
@@ -35,7 +36,8 @@ __all__ = ["load_run_config", "main"]
 
 
 def load_run_config(path: str) -> RunConfig:
-    """A RunConfig from JSON: ``{"job_id", "model": {...}, "data", "parallel", "training", ...}``."""
+    """A RunConfig from JSON: ``{"job_id", "model": {...}, "data", "parallel", "training", ...}``; a model of
+    an unregistered ``arch`` is a ``ConfigError`` (field ``model.kind``) naming the registered families."""
     with open(path) as f:
         raw = json.load(f)
     sections = {
@@ -50,6 +52,8 @@ def load_run_config(path: str) -> RunConfig:
     if unknown:
         raise ConfigError(f"unknown config sections {sorted(unknown)} in {path}.", field=sorted(unknown)[0])
     kwargs = {k: (sections[k](**v) if k in sections else v) for k, v in raw.items()}
+    if "model" in kwargs:
+        families.family(kwargs["model"].arch)  # ConfigError naming the registered families
     kwargs.setdefault("job_id", os.path.splitext(os.path.basename(path))[0])
     return RunConfig(**kwargs)
 

@@ -58,6 +58,7 @@ from etrain.workers.engine.parallelize import (
     uses_fsdp,
     validate_data_parallel,
 )
+from etrain.workers.families.layout import cp_problems, ep_problems
 from etrain.workers.families.model import build_model_skeleton
 from etrain.workers.families.ring_attention import shard_sequence
 from etrain.workers.protocol import layout_rules
@@ -103,7 +104,7 @@ class Trainer:
             )
         )
         layout_rules.check(
-            layout_rules.cp_problems(
+            cp_problems(
                 config.model,
                 cp=parallel.cp,
                 tp=parallel.tp,
@@ -116,7 +117,7 @@ class Trainer:
             )
         )
         layout_rules.check(
-            layout_rules.ep_problems(
+            ep_problems(
                 config.model,
                 ep=parallel.ep,
                 dp=parallel.dp,

@@ -3,8 +3,11 @@
 Everything that differs between model families is declared once, in ``workers/families/<name>.py`` (a
 :class:`~etrain.workers.families.base.ModelFamily`): presets, Hugging Face architectures, config and
 parameter-name mapping, shape rules, what tensor parallelism splits and how (a plan as data), parameter,
-FLOP and activation counts for the planner and MFU. The run config, the layout rules, the planner, the
-spec checks and the Hugging Face reader and writer ask :func:`family` instead of branching on a name;
+FLOP and activation counts for the planner and MFU. The family-dependent layout rules
+(``etrain.workers.families.layout``), the planner, the spec checks, the entry points that take a run
+config and the Hugging Face reader and writer ask :func:`family` instead of branching on a name; the run
+config (``etrain.workers.protocol.run_config``) names a family but never asks one, so a model's parameter
+count is :func:`num_params` and the presets are :data:`MODEL_PRESETS`, here;
 ``etrain.workers.families.model`` builds the modules from ``<name>_model.py`` (torch), imported by name on
 the ranks only, and holds the loss and the canonical parameter names. Adding a family:
 ``docs/adding-a-model-family.md``.
@@ -22,12 +25,14 @@ from etrain.workers.protocol.errors import ConfigError
 
 __all__ = [
     "FAMILIES",
+    "MODEL_PRESETS",
     "ModelFamily",
     "check_shape",
     "family",
     "family_names",
     "hf_architectures",
     "hf_family",
+    "num_params",
     "presets",
 ]
 
@@ -49,6 +54,12 @@ def check_shape(model: Any) -> None:
     """Raise the first shape rule ``model`` (a ``ModelConfig``) breaks for its family, as ``ConfigError``."""
     for error in family(model.arch).shape_errors(model):
         raise error
+
+
+def num_params(model: Any) -> int:
+    """Exact parameter count of the model ``model`` (a ``ModelConfig``) builds: its family's count, tested
+    against the modules; ``ConfigError`` for an unregistered ``arch``, like :func:`family`."""
+    return family(model.arch).num_params(model)
 
 
 def family_names() -> tuple[str, ...]:
@@ -79,3 +90,8 @@ def presets() -> dict[str, dict[str, Any]]:
                 raise ValueError(f"preset {name!r} is declared by two families")
             found[name] = {"arch": f.name, **sizes}
     return found
+
+
+#: Named sizes for quick starts (each family declares its own, each with its ``arch``); a spec may override
+#: the sizes of a preset.
+MODEL_PRESETS: dict[str, dict[str, Any]] = presets()

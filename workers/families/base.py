@@ -5,9 +5,10 @@ Pure (stdlib and the error family only): the control plane imports every family'
 validate and plan a job without torch. A family's *modules* (torch) live in the module its
 :attr:`ModelFamily.model_module` names, which ``etrain.workers.families.model`` imports by name when a rank
 builds the model. The sizes a family reads are those of
-:class:`~etrain.workers.protocol.run_config.ModelConfig` (typed here by :class:`Sizes`, so that this
-package does not depend on the run config: the run config asks the registry for presets and
-parameter counts). ``docs/adding-a-model-family.md`` walks through a family from start to finish.
+:class:`~etrain.workers.protocol.run_config.ModelConfig` (typed here by :class:`Sizes`, so that the
+declarations need only the protocol's errors; the run config names a family but never asks one: the
+parameter count and the presets are the registry's, ``etrain.workers.families``).
+``docs/adding-a-model-family.md`` walks through a family from start to finish.
 """
 
 from __future__ import annotations
@@ -137,7 +138,7 @@ class ModelFamily:
     #: Whether the MLP is a mixture of experts (the ``MOE_FIELDS`` of ``ModelConfig`` apply).
     mixture_of_experts: ClassVar[bool] = False
     #: Parallel axes the family cannot run on (``"tp"``, ``"pp"``), each with why: the layout rules
-    #: (``workers/protocol/layout_rules.py``) refuse a degree above 1 on them, naming the field.
+    #: (``workers/families/layout.py``) refuse a degree above 1 on them, naming the field.
     refused_axes: ClassVar[dict[str, str]] = {}
     #: Whether the family's attention runs as a ring over context-parallel ranks (``parallelism.cp``,
     #: ``etrain.workers.families.ring_attention``); the layout rules refuse cp > 1 for the others.

@@ -1,4 +1,5 @@
-"""Every rule a parallel layout must satisfy, written once (over 500 lines because one home for them all is the point).
+"""Every rule a parallel layout must satisfy that needs no model family, written once (over 500 lines because
+one home for them all is the point).
 
 The spec validation (``service/planning/spec_checks.py``), the planner (``service/planning/``), the
 elastic policy (``service/decisions/elastic.py``) and the engine (``workers/engine/pipeline.py``,
@@ -12,20 +13,19 @@ message with the numbers, the fix); :func:`check` raises the first as a
 :class:`~etrain.workers.protocol.errors.ConfigError` (or another ``EtrainError`` subclass), and the
 service turns them into its ``SpecProblem``.
 
-What is here: the degrees (each an integer >= 1) and the world they make (``pp·dp·tp``); how tensor
-parallelism splits the model (heads, key/value heads, widths, vocabulary, the sequence under
-sequence parallelism); how a pipeline splits the layers and which stages a pipeline rank holds; the
+What is here: the degrees (each an integer >= 1) and the world they make (``pp·dp·tp``); the sequence
+under sequence parallelism; how a pipeline splits the layers and which stages a pipeline rank holds; the
 batch arithmetic (``global_batch = dp · micro_batch · micro-batches``); what each pipeline schedule
 runs (exactly torch's own checks, see :func:`schedule_problems`); the FSDP2 features (HSDP, CPU
 offload); and the data-parallel sizes an elastic job may run at. Where ranks sit on the mesh (the
 rank order) is :class:`etrain.workers.protocol.topology.Topology`'s, which takes its degree rule and world
 size from here.
 
-What tensor parallelism splits is the model family's to say (``etrain.workers.families``: ``tp_dims``);
-the rules here apply it to every family alike.
+The rules that depend on what a model family declares (what tensor parallelism splits, the axes a family
+refuses, expert and context parallelism, a whole layout: ``layout_problems``) are
+``etrain.workers.families.layout``, which builds on the rules here: the protocol never asks a family.
 
-Pure standard library (plus the error family and the family declarations): the control plane imports
-it without torch or Ray.
+Pure standard library (plus the error family): the control plane imports it without torch or Ray.
 """
 
 from __future__ import annotations
@@ -34,8 +34,6 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from etrain.workers.families import family, family_names
-from etrain.workers.families.base import Sizes
 from etrain.workers.protocol.errors import ConfigError, EtrainError
 
 __all__ = [
@@ -53,28 +51,21 @@ __all__ = [
     "divisors",
     "dp_multiple",
     "dp_range_problems",
-    "cp_problems",
-    "ep_problems",
-    "family_axis_problems",
     "dp_replicate_problems",
     "grad_accum_steps",
     "interleaved_rounds",
+    "is_count",
     "is_legal_dp",
     "layer_problems",
-    "layout_problems",
     "legal_dp_sizes",
     "micro_batch_count",
     "micro_batch_count_problems",
-    "pipeline_problems",
     "schedule_problems",
     "sequence_parallel_problems",
     "split_layers",
     "stage_ids_for_rank",
     "tied_embedding_problems",
-    "tp_dims",
-    "tp_problems",
     "uses_fsdp",
-    "valid_tps",
     "world_size",
     "world_size_problems",
     "zero_problems",
@@ -135,7 +126,8 @@ def divisors(n: int) -> list[int]:
     return small + large[::-1]
 
 
-def _is_count(value: object) -> bool:
+def is_count(value: object) -> bool:
+    """An integer >= 1 (a degree, a count of ranks or micro-batches)."""
     # bool is an int subclass, but `dp=True` is a bug, not a degree of 1.
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
@@ -155,7 +147,7 @@ def degree_problems(**degrees: object) -> list[Problem]:
             fix=_DEGREE_FIXES.get(name, f"set parallelism.{name} to an integer >= 1"),
         )
         for name, value in degrees.items()
-        if not _is_count(value)
+        if not is_count(value)
     ]
 
 
@@ -181,80 +173,7 @@ def world_size_problems(*, pp: int, dp: int, tp: int, world: int, cp: int = 1) -
     ]
 
 
-# -- tensor parallelism -------------------------------------------------------------------------
-
-
-def family_axis_problems(model: Sizes, *, tp: int = 1, pp: int = 1) -> list[Problem]:
-    """The parallel axes the model's family cannot run on (its ``refused_axes``: a mixture-of-experts
-    family refuses tensor and pipeline parallelism, say), each refused above degree 1 with why."""
-    refused = family(model.arch).refused_axes
-    problems = []
-    for axis, degree, fix in (
-        ("tp", tp, "use parallelism.tp=1 and shard with data parallelism instead (parallelism.dp with zero 3)"),
-        ("pp", pp, "use parallelism.pp=1 and shard with data parallelism instead (parallelism.dp with zero 3)"),
-    ):
-        if degree > 1 and axis in refused:
-            problems.append(
-                Problem(
-                    field=f"parallelism.{axis}",
-                    message=f"parallelism.{axis}={degree}: model.kind={model.arch!r} does not run with "
-                    f"{'tensor' if axis == 'tp' else 'pipeline'} parallelism ({refused[axis]}).",
-                    fix=fix,
-                )
-            )
-    return problems
-
-
-def tp_dims(model: Sizes) -> tuple[tuple[str, int], ...]:
-    """The sizes tensor parallelism splits, as the model's family declares them: whole query (and, with
-    grouped-query attention, key/value) heads, the MLP width and the vocabulary (embedding and output
-    are vocab-parallel); the GPT also splits d_model (its q/k/v/out are d x d)."""
-    return family(model.arch).tp_dims(model)
-
-
-def valid_tps(model: Sizes) -> list[int]:
-    """Every tensor-parallel degree that splits all of :func:`tp_dims` evenly: the divisors of their gcd
-    (only 1 for a family that refuses tensor parallelism)."""
-    if "tp" in family(model.arch).refused_axes:
-        return [1]
-    return divisors(math.gcd(*(size for _, size in tp_dims(model))))
-
-
-def tp_problems(model: Sizes, tp: int, *, context: str = "") -> list[Problem]:
-    """``tp`` divides every size tensor parallelism splits (one problem per size that it does not).
-
-    ``context`` is appended to each message (the planner adds the world, ``(world = dp·tp·pp = ...)``).
-    A family that refuses tensor parallelism gets that one problem instead (:func:`family_axis_problems`).
-    """
-    refused = family_axis_problems(model, tp=tp)
-    if refused:
-        return refused
-    problems = []
-    fix = f"use tp in {valid_tps(model)}"
-    dims = dict(tp_dims(model))
-    heads_problem = "n_kv_heads" in dims and bool(dims["n_heads"] % tp or dims["n_kv_heads"] % tp)
-    if heads_problem:
-        problems.append(
-            Problem(
-                field="parallelism.tp",
-                message=f"parallelism.tp={tp} must divide both model.n_heads={model.n_heads} and "
-                f"model.n_kv_heads={model.kv_heads}: each rank holds whole query and key/value heads{context}.",
-                fix=fix,
-            )
-        )
-    for dim, size in tp_dims(model):
-        if heads_problem and dim in ("n_heads", "n_kv_heads"):
-            continue
-        if size % tp:
-            why = " (the output head is column-parallel over the vocabulary)" if dim == "vocab_size" else ""
-            problems.append(
-                Problem(
-                    field="parallelism.tp",
-                    message=f"parallelism.tp={tp} does not divide model.{dim}={size}{why}{context}.",
-                    fix=fix,
-                )
-            )
-    return problems
+# -- sequence parallelism -----------------------------------------------------------------------
 
 
 def sequence_parallel_problems(*, seq_len: int, tp: int, enabled: bool, cp: int = 1) -> list[Problem]:
@@ -450,26 +369,6 @@ def schedule_problems(
     return problems
 
 
-def pipeline_problems(
-    *,
-    n_layers: int,
-    tie_embeddings: bool,
-    pp: int,
-    virtual_stages: int,
-    microbatches: int,
-    schedule: str,
-    model: Sizes | None = None,
-) -> list[Problem]:
-    """Everything a pipeline needs before it is cut: a family that runs pipelined (``model``, when given),
-    equal stages, untied ends, a schedule torch runs."""
-    return (
-        (family_axis_problems(model, pp=pp) if model is not None else [])
-        + layer_problems(n_layers, pp, virtual_stages)
-        + tied_embedding_problems(tie_embeddings=tie_embeddings, pp=pp)
-        + schedule_problems(pp, virtual_stages, microbatches, schedule)
-    )
-
-
 # -- the batch ----------------------------------------------------------------------------------
 
 
@@ -486,7 +385,7 @@ def batch_problems(*, global_batch: int, micro_batch: int, dp: int, microbatches
         ("training.micro_batch", micro_batch),
         ("parallelism.dp", dp),
     ):
-        if not _is_count(value):
+        if not is_count(value):
             return [
                 Problem(
                     field=field, message=f"{field}={value!r} must be an integer >= 1.", fix=f"set {field} to at least 1"
@@ -598,14 +497,14 @@ def uses_fsdp(zero: int, dp: int) -> bool:
 
 def dp_replicate_problems(dp: int, dp_replicate: int) -> list[Problem]:
     """HSDP splits the dp ranks into ``dp_replicate`` equal replica groups: it must divide ``dp``."""
-    if _is_count(dp_replicate) and dp % dp_replicate == 0:
+    if is_count(dp_replicate) and dp % dp_replicate == 0:
         return []
     return [
         Problem(
             field="parallelism.dp_replicate",
             message=f"parallelism.dp_replicate={dp_replicate} does not divide parallelism.dp={dp} (HSDP splits the dp "
             "ranks into dp_replicate equal groups that each shard the model).",
-            fix=f"use dp_replicate in {divisors(dp)[:24] if _is_count(dp) else [1]} (1 = plain FSDP)",
+            fix=f"use dp_replicate in {divisors(dp)[:24] if is_count(dp) else [1]} (1 = plain FSDP)",
         )
     ]
 
@@ -720,7 +619,7 @@ def is_legal_dp(
     global batch (it divides the micro-batch count: any other size would change the batch or skip
     and repeat samples)."""
     return (
-        _is_count(dp)
+        is_count(dp)
         and min_dp <= dp <= max_dp
         and dp % dp_multiple == 0
         and _accumulates_whole(global_batch, micro_batch, dp)
@@ -735,229 +634,3 @@ def legal_dp_sizes(global_batch: int, micro_batch: int, min_dp: int, max_dp: int
     count = micro_batch_count(global_batch, micro_batch)
     check(dp_range_problems(min_dp, max_dp, dp_multiple))
     return [dp for dp in divisors(count) if min_dp <= dp <= max_dp and dp % dp_multiple == 0]
-
-
-# -- expert parallelism -------------------------------------------------------------------------
-
-
-def ep_problems(
-    model: Sizes,
-    *,
-    ep: int,
-    dp: int,
-    zero: int = 0,
-    dp_replicate: int = 1,
-    offload: str = "none",
-    compile: bool = False,
-) -> list[Problem]:
-    """Expert parallelism (``parallelism.ep``) the way torchtitan composes it: the ``ep`` ranks are borrowed
-    from the data-parallel dimension (world = pp·dp·tp still; each run of ``ep`` consecutive dp ranks
-    splits every mixture-of-experts layer's experts, ``n_experts / ep`` each), so ``ep`` divides ``dp`` and
-    the number of experts, and only a family with experts has any to split. What it does not compose
-    with yet: ZeRO-1 (its optimizer broadcasts each parameter from one owner to every dp rank, which would
-    overwrite the other ranks' experts), HSDP (``dp_replicate``) and CPU offload (FSDP2 features that
-    would leave the expert shards out), and compiled blocks (the exchange's split sizes are read on the
-    host, which a ``fullgraph`` block cannot hold)."""
-    if ep == 1:
-        return []
-    if not _is_count(ep):
-        return degree_problems(ep=ep)
-    problems = []
-    if not family(model.arch).mixture_of_experts:
-        problems.append(
-            Problem(
-                field="parallelism.ep",
-                message=f"parallelism.ep={ep} splits a mixture of experts' experts over ranks, but "
-                f"model.kind={model.arch!r} is a dense model (it has no experts).",
-                fix="use parallelism.ep=1 (the default), or a mixture-of-experts model (model.kind qwen3_moe)",
-            )
-        )
-        return problems
-    if model.n_experts % ep:
-        problems.append(
-            Problem(
-                field="parallelism.ep",
-                message=f"parallelism.ep={ep} does not divide model.n_experts={model.n_experts} (each of the ep "
-                "ranks holds n_experts / ep whole experts).",
-                fix=f"use ep in {[e for e in divisors(model.n_experts) if _is_count(dp) and dp % e == 0][:24]}",
-            )
-        )
-    if _is_count(dp) and dp % ep:
-        problems.append(
-            Problem(
-                field="parallelism.ep",
-                message=f"parallelism.ep={ep} does not divide parallelism.dp={dp}: expert parallelism borrows its "
-                "ranks from the data-parallel dimension (each group of ep consecutive dp ranks splits the experts).",
-                fix=f"use a dp that is a multiple of {ep} (e.g. {ep * max(1, dp // ep)}), or ep in "
-                f"{[e for e in divisors(dp) if model.n_experts % e == 0][:24]}",
-            )
-        )
-    if zero == 1:
-        problems.append(
-            Problem(
-                field="parallelism.ep",
-                message=f"parallelism.ep={ep} does not run with parallelism.zero=1: ZeRO-1's optimizer broadcasts "
-                "every parameter from one owner to all dp ranks, and the ep ranks hold different experts.",
-                fix="use parallelism.zero 0 (DDP) or 2/3 (FSDP2) with ep > 1, or ep=1",
-            )
-        )
-    if dp_replicate != 1:
-        problems.append(
-            Problem(
-                field="parallelism.ep",
-                message=f"parallelism.ep={ep} does not compose with HSDP (parallelism.dp_replicate={dp_replicate}) yet.",
-                fix="use parallelism.dp_replicate=1 (plain FSDP2, zero 2/3) with ep > 1, or ep=1",
-            )
-        )
-    if offload != "none":
-        problems.append(
-            Problem(
-                field="parallelism.ep",
-                message=f"parallelism.ep={ep} does not compose with parallelism.offload={offload!r} yet (the expert "
-                "shards are not FSDP2's and would stay in device memory).",
-                fix="use parallelism.offload='none' with ep > 1, or ep=1",
-            )
-        )
-    if compile:
-        problems.append(
-            Problem(
-                field="training.compile",
-                message=f"training.compile does not run with parallelism.ep={ep} yet: the token exchange reads its "
-                "split sizes on the host, which a compiled (fullgraph) block cannot hold.",
-                fix="set training.compile: false with ep > 1, or ep=1",
-            )
-        )
-    return problems
-
-
-# -- a whole layout -----------------------------------------------------------------------------
-
-
-def layout_problems(
-    model: Sizes,
-    *,
-    dp: int,
-    tp: int,
-    pp: int,
-    zero: int = 0,
-    pp_schedule: str = "1f1b",
-    virtual_stages: int = 1,
-    sequence_parallel: bool = False,
-    dp_replicate: int = 1,
-    offload: str = "none",
-    microbatches: int = 1,
-    microbatch_source: str | None = None,
-    max_dp: int | None = None,
-    ep: int = 1,
-    cp: int = 1,
-) -> list[Problem]:
-    """Every structural rule of a layout (not the batch: :func:`batch_problems`; not memory: the planner).
-
-    In order: degrees (alone, when any is broken), tensor parallelism, sequence parallelism, the axes
-    the family refuses (pipeline stages), tied embeddings, the layer split, the schedule (only with pp > 1, or when a virtual stage or the
-    interleaved schedule asks for a pipeline), HSDP / offload, ZeRO at dp=1 (``max_dp``: the
-    elastic ceiling; default ``dp``), expert parallelism (``ep``: :func:`ep_problems`) and context
-    parallelism (``cp``: :func:`cp_problems`).
-    """
-    problems = degree_problems(dp=dp, tp=tp, pp=pp, virtual_stages=virtual_stages, ep=ep, cp=cp)
-    if problems:
-        return problems
-    context = f" (world = dp·tp·pp = {dp}·{tp}·{pp} = {world_size(pp=pp, dp=dp, tp=tp)})"
-    problems += tp_problems(model, tp, context=context)
-    problems += sequence_parallel_problems(seq_len=model.seq_len, tp=tp, enabled=sequence_parallel, cp=cp)
-    problems += family_axis_problems(model, pp=pp)
-    problems += tied_embedding_problems(tie_embeddings=model.tie_embeddings, pp=pp)
-    problems += layer_problems(model.n_layers, pp, virtual_stages, context=context)
-    if pp > 1 or virtual_stages != 1 or pp_schedule not in SINGLE_STAGE_SCHEDULES:
-        problems += schedule_problems(pp, virtual_stages, microbatches, pp_schedule, source=microbatch_source)
-    # context parallelism is one more data dimension for the parameters: FSDP2 / ZeRO over dp·cp ranks
-    problems += data_parallel_problems(dp=dp * cp, zero=zero, dp_replicate=dp_replicate, offload=offload)
-    problems += zero_problems(zero=zero, dp=dp * cp, max_dp=(dp if max_dp is None else max_dp) * cp)
-    problems += ep_problems(model, ep=ep, dp=dp, zero=zero, dp_replicate=dp_replicate, offload=offload)
-    problems += cp_problems(model, cp=cp, tp=tp, pp=pp, ep=ep, zero=zero, dp_replicate=dp_replicate)
-    return problems
-
-
-# -- context parallelism ------------------------------------------------------------------------
-
-
-def cp_problems(
-    model: Sizes,
-    *,
-    cp: int,
-    tp: int = 1,
-    pp: int = 1,
-    ep: int = 1,
-    zero: int = 0,
-    dp_replicate: int = 1,
-    compile: bool = False,
-    checkpointing: str = "none",
-) -> list[Problem]:
-    """Context parallelism (``parallelism.cp``): every sequence is cut into ``2·cp`` equal chunks and rank
-    ``i`` of a cp group holds chunks ``i`` and ``2·cp − 1 − i`` (the causal load balance of torch's
-    ``context_parallel`` and Megatron), attention runs as a ring over the cp ranks
-    (``etrain.workers.families.ring_attention``). So ``2·cp`` divides ``model.seq_len``, and only a family
-    whose attention has the ring (``ModelFamily.context_parallel``: the Llama family, OLMo 2 and the GPT) runs it.
-    Tensor parallelism composes (each tp rank runs the ring over its own heads; with sequence parallelism
-    tp divides ``seq_len / cp``: :func:`sequence_parallel_problems`), and so does pipeline parallelism (the
-    stages pass a cp rank's chunks on); ZeRO-1 shards the optimizer state over ``dp · cp``, FSDP2 the model,
-    HSDP over each replica's ``dp_shard · cp`` ranks. What it does not compose with yet, each refused: expert
-    parallelism, compiled blocks and selective activation checkpointing (its policy keeps every matmul's
-    output, which inside the ring would be every block's ``(S/cp)²`` scores). ``tp``, ``pp``, ``zero`` and
-    ``dp_replicate`` are accepted for the callers' symmetry."""
-    if cp == 1:
-        return []
-    if not _is_count(cp):
-        return degree_problems(cp=cp)
-    problems = []
-    arch = family(model.arch)
-    if not arch.context_parallel:
-        supported = sorted(name for name in family_names() if family(name).context_parallel)
-        problems.append(
-            Problem(
-                field="parallelism.cp",
-                message=f"parallelism.cp={cp}: model.kind={model.arch!r} has no ring attention (context parallelism "
-                f"runs on the families {supported}).",
-                fix=f"use parallelism.cp=1 (the default) with model.kind={model.arch!r}, or a model of kind {supported}",
-            )
-        )
-        return problems
-    if model.seq_len % (2 * cp):
-        good = divisors(model.seq_len // 2)[:24] if model.seq_len % 2 == 0 else [1]
-        problems.append(
-            Problem(
-                field="parallelism.cp",
-                message=f"parallelism.cp={cp} needs model.seq_len divisible by 2·cp = {2 * cp}, but seq_len is "
-                f"{model.seq_len} (each cp rank holds two of 2·cp equal chunks of every sequence, balancing the "
-                "causal mask's work).",
-                fix=f"use cp in {good}, or a seq_len that is a multiple of {2 * cp}",
-            )
-        )
-    if ep != 1:  # (the families with experts have no ring either: their load-balancing loss is per micro-batch)
-        problems.append(
-            Problem(
-                field="parallelism.cp",
-                message=f"parallelism.cp={cp} does not compose with expert parallelism (parallelism.ep={ep}) yet.",
-                fix="use parallelism.ep=1 with cp > 1, or cp=1",
-            )
-        )
-    if compile:
-        problems.append(
-            Problem(
-                field="training.compile",
-                message=f"training.compile does not run with parallelism.cp={cp} yet: the ring's send/recv sit "
-                "inside every attention, which a compiled (fullgraph) block cannot hold.",
-                fix="set training.compile: false with cp > 1, or cp=1",
-            )
-        )
-    if checkpointing == "selective":
-        problems.append(
-            Problem(
-                field="training.activation_checkpointing",
-                message=f"training.activation_checkpointing='selective' does not run with parallelism.cp={cp}: its "
-                "policy keeps every matmul's output, which inside the ring would be each K/V block's scores.",
-                fix="use activation_checkpointing 'full' (the ring is replayed in the backward) or 'none' with "
-                "cp > 1, or cp=1",
-            )
-        )
-    return problems

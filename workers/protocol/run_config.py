@@ -5,15 +5,20 @@ it into a :class:`RunConfig`: frozen, keyword-only dataclasses with no pydantic,
 dependency, so the workers (and ``torchrun -m etrain.workers.engine.torchrun``) can be configured and
 tested without the service. Derived quantities (gradient accumulation, tokens per step) live here as
 properties so that every component computes them the same way.
+
+Family-agnostic: ``ModelConfig.arch`` names a model family, but the protocol never asks one (the families
+import the protocol, not the other way round). Whether ``arch`` is registered, the parameter count
+(``etrain.workers.families.num_params``) and the presets (``etrain.workers.families.MODEL_PRESETS``) are the
+families' to say, asked where a config enters: the spec checks, ``torchrun``'s config file and the model
+builder.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
-from etrain.workers import families
 from etrain.workers.protocol import layout_rules
 
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
@@ -55,7 +60,9 @@ class ModelConfig:
     biases), or ``"llama"``, the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3): RoPE, RMSNorm, SwiGLU,
     grouped-query attention (``n_kv_heads``), optional q/k/v bias (Qwen2) or bias everywhere
     (Llama ``attention_bias``), optional per-head q/k RMSNorm (Qwen3), tied or untied embeddings.
-    ``seq_len`` is the training context.
+    ``seq_len`` is the training context. A config of an unregistered ``arch`` is built but never trained:
+    ``etrain.workers.families.family`` refuses the name where a config enters (the spec checks, ``torchrun``,
+    the model builder).
 
     Mixture of experts (a family that declares ``mixture_of_experts``, e.g. ``qwen3_moe``): each block's MLP
     is ``n_experts`` SwiGLU experts of width ``moe_d_ff`` (default ``d_ff``), of which a router picks
@@ -96,7 +103,6 @@ class ModelConfig:
         # A config read back from JSON (``torchrun`` entry point, Ray) carries rope_scaling as a dict.
         if isinstance(self.rope_scaling, dict):
             object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
-        families.family(self.arch)  # ConfigError naming the registered families
 
     @property
     def ffn_dim(self) -> int:
@@ -114,15 +120,6 @@ class ModelConfig:
     def expert_dim(self) -> int:
         """Each expert's SwiGLU width (mixture of experts): ``moe_d_ff``, default the MLP width."""
         return self.moe_d_ff if self.moe_d_ff is not None else self.ffn_dim
-
-    @property
-    def num_params(self) -> int:
-        """Exact parameter count of the model these sizes build (its family's count, tested against the modules)."""
-        return families.family(self.arch).num_params(self)
-
-
-# Named sizes for quick starts (each family declares its own); a spec may override the sizes of a preset.
-MODEL_PRESETS: dict[str, dict[str, Any]] = families.presets()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -155,11 +152,12 @@ class ParallelConfig:
     #: FSDP2 CPUOffloadPolicy: parameters, gradients and optimizer states live in host memory.
     offload: Literal["none", "cpu"] = "none"
     #: Expert parallelism (torchtitan's composition): ep ranks borrowed from dp split each mixture-of-experts
-    #: layer's experts (n_experts / ep each); ep divides dp and n_experts (``layout_rules.ep_problems``).
+    #: layer's experts (n_experts / ep each); ep divides dp and n_experts
+    #: (``etrain.workers.families.layout.ep_problems``).
     ep: int = 1
     #: Context parallelism: every sequence split over cp ranks (two of 2·cp chunks each, balanced for the
     #: causal mask), attention as a ring over them; parameters replicated over cp, gradients averaged over
-    #: dp·cp (``layout_rules.cp_problems``). Fixed for a job's life, like tp and pp.
+    #: dp·cp (``etrain.workers.families.layout.cp_problems``). Fixed for a job's life, like tp and pp.
     cp: int = 1
 
     @property
