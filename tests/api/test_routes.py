@@ -385,13 +385,21 @@ def test_plan_of_an_unreadable_hf_model_is_an_infeasible_report_naming_model_hf(
     assert [p["field"] for p in report["problems"]] == ["model.hf"]
 
 
-def test_a_hf_job_reads_its_sizes_from_the_folder_and_pins_its_path(client, tmp_path):
-    hf_folder(tmp_path / "tiny-llama")
+@pytest.mark.parametrize(
+    ("config", "kind"),
+    [
+        ({}, "llama"),
+        ({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": 4}, "mixtral"),
+    ],
+    ids=["llama", "mixtral"],
+)
+def test_a_hf_job_reads_its_sizes_from_the_folder_and_pins_its_path(client, tmp_path, config, kind):
+    hf_folder(tmp_path / f"tiny-{kind}", **config)
     job = submit(
-        client, model={"hf": "tiny-llama", "seq_len": 16}, training={"steps": 4, "global_batch": 4, "micro_batch": 2}
+        client, model={"hf": f"tiny-{kind}", "seq_len": 16}, training={"steps": 4, "global_batch": 4, "micro_batch": 2}
     )
     model = job["spec"]["model"]
-    assert (model["hf"], model["kind"], model["seq_len"]) == (str(tmp_path / "tiny-llama"), "llama", 16)
+    assert (model["hf"], model["kind"], model["seq_len"]) == (str(tmp_path / f"tiny-{kind}"), kind, 16)
     assert job["artifacts"] == {}
 
 
@@ -417,7 +425,7 @@ def test_an_unregistered_model_kind_is_refused_at_submit_and_plan(client):
     model = {"kind": "mamba", "n_layers": 2, "d_model": 32, "n_heads": 4, "vocab_size": 64, "seq_len": 16}
     for route in ("/v1/jobs", "/v1/plan"):
         problem = problems(client.post(route, json=tiny_spec(model=model)))["model.kind"]
-        assert "'gpt', 'llama', 'olmo2' or 'qwen3_moe'" in problem["message"], (route, problem)
+        assert "'gpt', 'llama', 'olmo2', 'qwen3_moe' or 'mixtral'" in problem["message"], (route, problem)
     assert client.get("/v1/jobs").json()["jobs"] == []
 
 
@@ -464,11 +472,29 @@ def test_bad_export_requests_name_the_field(client, body, field):
 # -- plan -------------------------------------------------------------------------------------------------------
 
 
-def test_plan_explains_a_feasible_spec_and_starts_nothing(client):
-    response = client.post("/v1/plan", json=tiny_spec())
+@pytest.mark.parametrize(
+    ("model", "feasible", "params"),
+    [
+        ({"preset": "gpt-tiny"}, True, None),
+        # Mixtral, counted through the family registry: its preset (46.7 B parameters: dp=2 without ZeRO does
+        # not fit, which the report says) and its kind with sizes of the spec's own
+        ({"preset": "mixtral-8x7b"}, False, 46_702_792_704),
+        (
+            {"kind": "mixtral", "n_layers": 2, "d_model": 64, "n_heads": 4, "vocab_size": 256, "seq_len": 32}
+            | {"d_ff": 32, "n_experts": 4, "experts_per_token": 2},
+            True,
+            115_520,
+        ),
+    ],
+    ids=["gpt-tiny", "mixtral-8x7b", "mixtral-kind"],
+)
+def test_plan_explains_a_spec_and_starts_nothing(client, model, feasible, params):
+    response = client.post("/v1/plan", json=tiny_spec(model=model))
     assert response.status_code == 200
     report = response.json()
-    assert report["feasible"] is True and report["problems"] == []
+    assert report["feasible"] is feasible
+    assert [problem["field"] for problem in report["problems"]] == ([] if feasible else ["parallelism"])
+    assert params is None or report["estimate"]["params"]["total"] == params
     assert client.get("/v1/jobs").json()["jobs"] == []
 
 

@@ -41,6 +41,7 @@ PURE_MODULES = [
     "etrain.workers.families.gpt",
     "etrain.workers.families.layout",  # the layout rules that ask a family
     "etrain.workers.families.llama",
+    "etrain.workers.families.mixtral",
     "etrain.workers.families.olmo2",
     "etrain.workers.families.qwen3_moe",
     "etrain.workers.checkpoints",

@@ -1,14 +1,15 @@
 """Qwen3-MoE through the engine: Hugging Face weights in and out, and data parallelism equal to one process.
 
-In and out (one process): a tiny random ``Qwen3MoeForCausalLM`` made by ``transformers`` and saved with
-``save_pretrained`` (which writes the hub's layout: one tensor per expert and projection,
-``model.layers.N.mlp.experts.E.gate_proj.weight``) loads into a ``Trainer`` with the same logits; trained two
-steps, saved, committed and exported, the folder has the hub's names, ``from_pretrained`` loads it with
-bit-equal weights, the same logits, and the same training loss (``output_router_logits=True``: LM loss plus
-the weighted load-balancing loss) on the trainer's batch; a Trainer reading the export exports it again
-bit for bit.
+In and out (one process), for Qwen3-MoE and Mixtral: a tiny random ``Qwen3MoeForCausalLM`` /
+``MixtralForCausalLM`` made by ``transformers`` and saved with ``save_pretrained`` (which writes the hub's
+layout: one tensor per expert and projection, ``model.layers.N.mlp.experts.E.gate_proj.weight`` /
+``model.layers.N.block_sparse_moe.experts.E.w1.weight``) loads into a ``Trainer`` with the same logits;
+trained two steps, saved, committed and exported, the folder has the hub's names, ``from_pretrained`` loads
+it with bit-equal weights, the same logits, and the same training loss (``output_router_logits=True``: LM
+loss plus the weighted load-balancing loss) on the trainer's batch; a Trainer reading the export exports it
+again bit for bit.
 
-Throughput options (one process): compiled blocks (``fullgraph=True``: the routing and the grouped-matmul
+Throughput options (one process, both families): compiled blocks (``fullgraph=True``: the routing and the grouped-matmul
 op trace as one graph) with selective checkpointing (which keeps the grouped matmuls' outputs), and full
 checkpointing with the chunked loss, train the losses of the eager run.
 
@@ -63,18 +64,42 @@ CONFIG = dict(
     router_aux_loss_coef=0.01,
     max_position_embeddings=64,
 )
+_QWEN3_MOE_ONLY = ("intermediate_size", "moe_intermediate_size", "num_experts", "norm_topk_prob")
+#: Per family: its transformers model and config, and two of the tensor names the hub's files hold (an
+#: expert's projection, a router).
+MODELS = {
+    "qwen3_moe": (
+        transformers.Qwen3MoeForCausalLM,
+        transformers.Qwen3MoeConfig(**CONFIG),
+        ("model.layers.1.mlp.experts.7.gate_proj.weight", "model.layers.0.mlp.gate.weight"),
+    ),
+    "mixtral": (
+        transformers.MixtralForCausalLM,
+        transformers.MixtralConfig(
+            **{name: value for name, value in CONFIG.items() if name not in _QWEN3_MOE_ONLY},
+            intermediate_size=32,  # each expert's width: Mixtral has no dense MLP
+            num_local_experts=8,
+        ),
+        ("model.layers.1.block_sparse_moe.experts.7.w1.weight", "model.layers.0.block_sparse_moe.gate.weight"),
+    ),
+}
 
 
-@pytest.fixture(scope="module")
-def hf_folder(tmp_path_factory) -> str:
-    folder = str(tmp_path_factory.mktemp("hf") / "qwen3-moe")
+def _save_random(folder: str, arch: str) -> str:
+    """A random model of ``arch``'s family (N(0, 0.1) weights), saved by ``save_pretrained``."""
+    model_class, config, _ = MODELS[arch]
     torch.manual_seed(0)
-    model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**CONFIG))
+    model = model_class(config)
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(0, 0.1)
     model.float().eval().save_pretrained(folder, safe_serialization=True)
     return folder
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory) -> str:
+    return _save_random(str(tmp_path_factory.mktemp("hf") / "qwen3-moe"), "qwen3_moe")
 
 
 def _run_config(folder: str, parallel: ParallelConfig | None = None, **training) -> RunConfig:
@@ -111,10 +136,18 @@ def _save_committed(trainer, root: str, step: int) -> str:
     return directory
 
 
-def test_hf_weights_in_and_out(hf_folder, tmp_path):
+@pytest.mark.parametrize("arch", list(MODELS))
+def test_hf_weights_in_and_out(arch, request, tmp_path):
+    hf_folder = (
+        request.getfixturevalue("hf_folder") if arch == "qwen3_moe" else _save_random(str(tmp_path / "hf"), arch)
+    )
+    found = family(arch)
     source = _tensors(hf_folder)
     # what transformers 5 writes: the hub's per-expert tensors, not its in-memory fused gate_up_proj
-    assert "model.layers.1.mlp.experts.7.gate_proj.weight" in source and "model.layers.0.mlp.gate.weight" in source
+    expert_name, router_name = MODELS[arch][2]
+    assert expert_name in source and router_name in source
+    assert found.etrain_slice(expert_name) == ("layers.1.feed_forward.experts.w1", 7)
+    assert found.etrain_slice(router_name) == ("layers.0.feed_forward.router.weight", None)
     assert not [name for name in source if "gate_up_proj" in name]
     reference = transformers.AutoModelForCausalLM.from_pretrained(hf_folder).eval()
     config = _run_config(hf_folder)
@@ -126,7 +159,7 @@ def test_hf_weights_in_and_out(hf_folder, tmp_path):
     report = load_hf_weights(trainer.model_parts, hf_folder, config.model)
     assert report.elements_read == report.local_elements == families.num_params(config.model)
     assert report.tensors == len(source)  # one per expert and projection
-    print(f"qwen3_moe load: max|logit diff| = {diff:.3g}")
+    print(f"{arch} load: max|logit diff| = {diff:.3g}")
     assert diff <= TOL
 
     trainer.run(0, 2)
@@ -134,22 +167,21 @@ def test_hf_weights_in_and_out(hf_folder, tmp_path):
     out = export_hf(saved, str(tmp_path / "export"), config.model)
     exported_tensors = _tensors(out)
     assert exported_tensors.keys() == source.keys()  # the hub's names, one tensor per expert
-    assert json.load(open(os.path.join(out, "config.json")))["num_experts"] == 8
+    assert json.load(open(os.path.join(out, "config.json")))["architectures"] == [MODELS[arch][0].__name__]
     exported = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-    assert type(exported).__name__ == "Qwen3MoeForCausalLM"
+    assert type(exported) is MODELS[arch][0] and exported.config.num_experts == 8
     ours = dict(model.named_parameters())
-    found = family("qwen3_moe")
     for name, tensor in exported_tensors.items():
         fqn, expert = found.etrain_slice(name)
         assert torch.equal(tensor, ours[fqn] if expert is None else ours[fqn][expert]), name
-    down = "model.layers.0.mlp.experts.3.down_proj.weight"
+    down = found.expert_template("layers.0.feed_forward.experts.w2").format(expert=3)
     assert (exported_tensors[down] - source[down]).abs().max().item() > 1e-4  # two steps at lr 1e-2 moved them
     inputs, targets = trainer.dataset.batch([0, 1, 2, 3])
     with torch.no_grad():
         want = model(inputs, targets=targets).item()
         theirs = exported(inputs, labels=targets, shift_labels=targets, output_router_logits=True)
         logit_diff = (model(inputs) - theirs.logits).abs().max().item()
-    print(f"qwen3_moe export: trainer loss {want:.6f}, transformers {theirs.loss.item():.6f}, logits {logit_diff:.3g}")
+    print(f"{arch} export: trainer loss {want:.6f}, transformers {theirs.loss.item():.6f}, logits {logit_diff:.3g}")
     assert abs(theirs.loss.item() - want) <= TOL and logit_diff <= TOL
 
     # a Trainer that loads the export exports it again, bit for bit
@@ -202,12 +234,13 @@ def test_data_parallel_trains_like_one_process(hf_folder):
     ],
     ids=["compile+selective", "full+chunked"],
 )
-def test_throughput_options_train_the_eager_losses(options, monkeypatch):
+@pytest.mark.parametrize("preset", ["qwen3-moe-tiny", "mixtral-tiny"])
+def test_throughput_options_train_the_eager_losses(preset, options, monkeypatch):
     monkeypatch.setenv("ETRAIN_COMPILE_BACKEND", "aot_eager")  # inductor's graphs, without its C++ build
-    model = dataclasses.replace(ModelConfig(**MODEL_PRESETS["qwen3-moe-tiny"]), seq_len=SEQ, router_aux_loss_coef=0.01)
+    model = dataclasses.replace(ModelConfig(**MODEL_PRESETS[preset]), seq_len=SEQ, router_aux_loss_coef=0.01)
     config = small_config(steps=3, model=model)
     reference = run_reference(config)
     trainer = _trainer(dataclasses.replace(config, training=dataclasses.replace(config.training, **options)))
     losses = [m.loss for m in trainer.run(0, 3)]
-    print(f"qwen3_moe {options}: {losses} vs eager {reference.losses}")
+    print(f"{preset} {options}: {losses} vs eager {reference.losses}")
     assert all(abs(a - b) <= LOSS_RTOL * b for a, b in zip(losses, reference.losses))

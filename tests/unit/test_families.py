@@ -39,9 +39,16 @@ VARIANTS = {
         {"n_kv_heads": 2, "moe_d_ff": 24, "norm_topk_prob": True, "router_aux_loss_coef": 0.01},
         {"n_kv_heads": 1, "attention_bias": "all", "tie_embeddings": True, "head_dim_override": 16, "n_experts": 3},
     ],
+    "mixtral": [
+        {"n_kv_heads": 2, "norm_topk_prob": True, "router_aux_loss_coef": 0.02},
+        {"n_kv_heads": 1, "tie_embeddings": True, "head_dim_override": 16, "n_experts": 3, "experts_per_token": 3},
+    ],
 }
 #: What a family needs besides BASE (a mixture of experts: its experts and top-k).
-FAMILY_BASE = {"qwen3_moe": {"n_experts": 4, "experts_per_token": 2}}
+FAMILY_BASE = {
+    "qwen3_moe": {"n_experts": 4, "experts_per_token": 2},
+    "mixtral": {"n_experts": 4, "experts_per_token": 2},
+}
 CASES = [(name, variant) for name, variants in VARIANTS.items() for variant in variants]
 IDS = [f"{name}-{i}" for name, variants in VARIANTS.items() for i in range(len(variants))]
 #: Per style: whether the module's weight and bias are split over the tp ranks (else replicated).
@@ -65,7 +72,7 @@ def _skeleton(config: ModelConfig) -> torch.nn.Module:
 
 
 def test_every_family_is_registered_once_and_complete():
-    assert list(families.FAMILIES) == ["gpt", "llama", "olmo2", "qwen3_moe"] == list(VARIANTS)
+    assert list(families.FAMILIES) == ["gpt", "llama", "olmo2", "qwen3_moe", "mixtral"] == list(VARIANTS)
     for name, found in families.FAMILIES.items():
         assert isinstance(found, ModelFamily) and found.name == name and found.summary and found.presets
         assert found.model_module == f"etrain.workers.families.{name}_model"
@@ -78,9 +85,11 @@ def test_every_family_is_registered_once_and_complete():
         "Qwen3ForCausalLM": "llama",
         "Olmo2ForCausalLM": "olmo2",
         "Qwen3MoeForCausalLM": "qwen3_moe",
+        "MixtralForCausalLM": "mixtral",
     }
     assert families.hf_family("Olmo2ForCausalLM") is families.family("olmo2")
     assert families.hf_family("Qwen3MoeForCausalLM") is families.family("qwen3_moe")
+    assert families.hf_family("MixtralForCausalLM") is families.family("mixtral")
     assert families.hf_family("GPT2LMHeadModel") is None
 
 
@@ -93,7 +102,7 @@ def test_an_unknown_family_is_a_config_error_naming_the_registered_ones():
     for ask in (lambda: families.family("mamba"), lambda: families.num_params(mamba), lambda: _skeleton(mamba)):
         with pytest.raises(ConfigError) as info:
             ask()
-        assert info.value.field == "model.kind" and "gpt, llama, olmo2, qwen3_moe" in info.value.fix
+        assert info.value.field == "model.kind" and "gpt, llama, olmo2, qwen3_moe, mixtral" in info.value.fix
     with pytest.raises(ValueError, match="unknown tensor-parallel styles"):
         TPPlan(block={"attention.wq": "diagonal"})
 

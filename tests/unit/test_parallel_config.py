@@ -112,7 +112,7 @@ def test_torchrun_refuses_a_config_file_of_an_unknown_family(tmp_path) -> None:
     path.write_text(json.dumps(raw))
     with pytest.raises(ConfigError) as info:
         load_run_config(str(path))
-    assert info.value.field == "model.kind" and "gpt, llama, olmo2, qwen3_moe" in info.value.fix
+    assert info.value.field == "model.kind" and "gpt, llama, olmo2, qwen3_moe, mixtral" in info.value.fix
 
 
 def test_bf16_autocast_trains_close_to_fp32() -> None:

@@ -38,6 +38,7 @@ from etrain.workers.families.llama import FAMILY as LLAMA_FAMILY
 from etrain.workers.families.model import build_model_skeleton
 from etrain.workers.protocol.layout_rules import auto_loss_chunk_tokens
 from etrain.workers.protocol.run_config import ModelConfig
+from tests.autograd_utils import saved_bytes
 
 llama_layer_activation_bytes = LLAMA_FAMILY.layer_activation_bytes
 
@@ -217,25 +218,6 @@ class TestParameterCounts:
         assert largest_param(model, first=False, last=False) == model.d_model * model.ffn_dim  # a SwiGLU matrix
 
 
-def _saved_bytes(torch, block, x, *, autocast: bool, exclude=()) -> int:
-    """Distinct non-parameter storages autograd saves for one block's backward (and the module state
-    in ``exclude``, e.g. RoPE's cached tables)."""
-    skip = {p.untyped_storage().data_ptr() for p in block.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in skip:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            out = block(x)
-        out.float().sum().backward()
-    return sum(nbytes for ptr, nbytes in saved.items() if ptr not in exclude)
-
-
 class TestActivations:
     S, B, D, A = 2048, 2, 4096, 32
 
@@ -307,9 +289,7 @@ class TestActivations:
         model = ModelConfig(n_layers=1, d_model=128, n_heads=4, vocab_size=256, seq_len=64, d_ff=d_ff)
         block = TransformerBlock(model)
         x = torch.randn(2, model.seq_len, model.d_model, requires_grad=True)
-        assert _saved_bytes(torch, block, x, autocast=False) == layer_activation_bytes(
-            model, micro_batch=2, precision="fp32"
-        )
+        assert saved_bytes(block, x, autocast=False) == layer_activation_bytes(model, micro_batch=2, precision="fp32")
 
     @pytest.mark.parametrize("regime", ["fp32", "autocast", "bf16_params"])
     @pytest.mark.parametrize(
@@ -337,7 +317,7 @@ class TestActivations:
         block = block.to(dtype)
         x = torch.randn(2, model.seq_len, model.d_model, requires_grad=True, dtype=dtype)
         x.retain_grad()
-        saved = _saved_bytes(torch, block, x, autocast=regime == "autocast")
+        saved = saved_bytes(block, x, autocast=regime == "autocast")
         # RoPE's cached fp32 tables are module state; autograd saves them where q and k are fp32.
         rope = rope_table_bytes(model) if regime == "fp32" or (regime == "autocast" and model.qk_norm) else 0
         weights = [p for name, p in block.named_parameters() if "norm" not in name and name.endswith("weight")]
@@ -367,8 +347,8 @@ class TestActivations:
         block = LlamaBlock(model).to(dtype)
         compiled = torch.compile(block, backend="aot_eager_decomp_partition", fullgraph=True)
         x = torch.randn(3, model.seq_len, model.d_model, requires_grad=True, dtype=dtype)
-        _saved_bytes(torch, compiled, x, autocast=regime == "autocast")  # compiles
-        saved = _saved_bytes(torch, compiled, x, autocast=regime == "autocast")
+        saved_bytes(compiled, x, autocast=regime == "autocast")  # compiles
+        saved = saved_bytes(compiled, x, autocast=regime == "autocast")
         weights = [p for name, p in block.named_parameters() if "norm" not in name and name.endswith("weight")]
         weight_casts = 2 * sum(p.numel() for p in weights) if regime == "autocast" else 0
         inv_freq = model.head_dim // 2 * 4  # RoPE's inverse frequencies: a constant the graph keeps
@@ -395,8 +375,8 @@ class TestActivations:
         wrapped = checkpoint_wrapper(block, preserve_rng_state=False, context_fn=_selective_contexts)
         compiled = torch.compile(wrapped, backend="aot_eager_decomp_partition", fullgraph=True)
         x = torch.randn(3, model.seq_len, model.d_model, requires_grad=True, dtype=dtype)
-        _saved_bytes(torch, compiled, x, autocast=regime == "autocast")  # compiles
-        saved = _saved_bytes(torch, compiled, x, autocast=regime == "autocast")
+        saved_bytes(compiled, x, autocast=regime == "autocast")  # compiles
+        saved = saved_bytes(compiled, x, autocast=regime == "autocast")
         inv_freq = model.head_dim // 2 * 4
         count = selective_activation_bytes(model, micro_batch=3, regime=regime, compiled=True)
         # Plus at most a scalar or two the graph may keep (an RNG offset after other compiled tests ran: 8 bytes
@@ -459,12 +439,12 @@ class TestActivations:
                 return self.inner(h * 1)
 
         autocast = regime == "autocast"
-        saved = _saved_bytes(torch, NotALeaf(block), x, autocast=autocast)
+        saved = saved_bytes(NotALeaf(block), x, autocast=autocast)
         rope = rope_table_bytes(model) if regime == "fp32" else 0  # q and k leave their norms in the compute dtype
         weights = [p for name, p in block.named_parameters() if "norm" not in name and name.endswith("weight")]
         weight_casts = 2 * sum(p.numel() for p in weights) if autocast else 0
         assert saved == layer_activation_bytes(model, micro_batch=2, regime=regime) + rope + weight_casts
-        final = _saved_bytes(torch, NotALeaf(head), x, autocast=autocast) - (2 * 128 * 256 if autocast else 0)
+        final = saved_bytes(NotALeaf(head), x, autocast=autocast) - (2 * 128 * 256 if autocast else 0)
         assert final == final_norm_bytes(model, tokens=2 * model.seq_len, regime=regime, sp_div=1)
 
     def test_logits_without_and_with_loss_parallel(self):

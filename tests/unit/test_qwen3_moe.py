@@ -27,20 +27,21 @@ transformers = pytest.importorskip("transformers")
 from etrain.service.decisions.job_policy import gang_for, policy_for  # noqa: E402
 from etrain.service.decisions.supervisor_state import SupervisorConfig  # noqa: E402
 from etrain.service.planning.estimate import estimate  # noqa: E402
-from etrain.service.planning.plan_activations import layer_activation_bytes, rope_table_bytes  # noqa: E402
+from etrain.service.planning.plan_activations import layer_activation_bytes  # noqa: E402
 from etrain.service.planning.plan_search import AutoPlan  # noqa: E402
 from etrain.service.planning.planner import check_plan, resolve_auto  # noqa: E402
 from etrain.service.planning.spec import JobSpec  # noqa: E402
 from etrain.service.planning.spec_checks import check_spec  # noqa: E402
 from etrain.workers import families  # noqa: E402
 from etrain.workers.checkpoints.hf_config import hf_config_dict, model_config_from_hf  # noqa: E402
-from etrain.workers.engine.init import build_model, initialize_parameters  # noqa: E402
+from etrain.workers.engine.init import build_model  # noqa: E402
 from etrain.workers.families import MODEL_PRESETS  # noqa: E402
 from etrain.workers.families import layout as family_layout  # noqa: E402
 from etrain.workers.families.qwen3_moe_model import Qwen3MoeBlock, grouped_linear  # noqa: E402
 from etrain.workers.protocol import layout_rules  # noqa: E402
 from etrain.workers.protocol.errors import ConfigError  # noqa: E402
 from etrain.workers.protocol.run_config import ModelConfig  # noqa: E402
+from tests.moe_utils import compare_with_transformers, random_hf_model, saved_activation_bytes  # noqa: E402
 
 FAMILY = families.family("qwen3_moe")
 TOL = 1e-5
@@ -64,69 +65,20 @@ CASES = {
 }
 
 
-def _hf_model(case: str):
-    config = transformers.Qwen3MoeConfig(**{**SMALL, **CASES[case]})
-    torch.manual_seed(0)
-    model = transformers.Qwen3MoeForCausalLM(config)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(0, 0.1)
-    raw = json.loads(config.to_json_string())
-    raw["architectures"] = ["Qwen3MoeForCausalLM"]
-    return model.float().eval(), raw
-
-
-def _etrain_state(hf_state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """transformers' in-memory state dict (experts fused: ``gate_up_proj`` [E, 2f, d], ``down_proj``
-    [E, d, f]) under etrain's names (``w1``/``w3`` the halves, ``w2`` as is)."""
-    f = config.expert_dim
-    state = {}
-    for name, tensor in hf_state.items():
-        layer = name.removeprefix("model.layers.").split(".")[0]
-        if name.endswith("mlp.experts.gate_up_proj"):
-            state[f"layers.{layer}.feed_forward.experts.w1"] = tensor[:, :f]
-            state[f"layers.{layer}.feed_forward.experts.w3"] = tensor[:, f:]
-        elif name.endswith("mlp.experts.down_proj"):
-            state[f"layers.{layer}.feed_forward.experts.w2"] = tensor
-        elif not (config.tie_embeddings and name == "lm_head.weight"):
-            state[FAMILY.etrain_name(name)] = tensor
-    return state
-
-
 # -- numerics against transformers ------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_logits_aux_loss_loss_and_gradients_equal_transformers(case):
-    reference, raw = _hf_model(case)
-    config = model_config_from_hf(raw, seq_len=32)
-    assert (config.arch, config.n_experts, config.qk_norm) == ("qwen3_moe", 8, True)
-    ours = build_model(config, seed=0).eval()
-    ours.load_state_dict(_etrain_state(reference.state_dict(), config), strict=not config.tie_embeddings)
-    assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in reference.parameters())
-    assert sum(p.numel() for p in ours.parameters()) == families.num_params(config)
-
-    tokens = torch.randint(0, 128, (2, 33), generator=torch.Generator().manual_seed(1))
-    inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-    # transformers' loss on the same targets etrain trains on (shift_labels: no shift of its own)
-    want = reference(inputs, labels=targets, shift_labels=targets, output_router_logits=True)
-    with torch.no_grad():
-        logits = ours(inputs)
-    aux = ours.last_load_balancing_loss
-    loss = ours(inputs, targets=targets)
-    loss.backward()
-    want.loss.backward()
-    theirs = _etrain_state({n: p.grad for n, p in reference.named_parameters()}, config)
-    logit_diff = (logits - want.logits).abs().max().item()
-    aux_diff = abs(aux.item() - want.aux_loss.item())
-    loss_diff = abs(loss.item() - want.loss.item())
-    grad_diff = max((p.grad - theirs[n]).abs().max().item() for n, p in ours.named_parameters())
-    print(f"{case}: logits {logit_diff:.3g}, aux loss {aux_diff:.3g}, loss {loss_diff:.3g}, grads {grad_diff:.3g}")
-    assert logit_diff <= TOL and aux_diff <= TOL and loss_diff <= TOL and grad_diff <= TOL
+    config = transformers.Qwen3MoeConfig(**{**SMALL, **CASES[case]})
+    found = compare_with_transformers(*random_hf_model(transformers.Qwen3MoeForCausalLM, config))
+    assert (found.config.arch, found.config.n_experts, found.config.qk_norm) == ("qwen3_moe", 8, True)
+    print(f"{case}: {found}")
+    assert found.within(TOL)
     # the aux loss is really in the loss: it is not small next to the coefficient's share
-    lm_only = torch.nn.functional.cross_entropy(want.logits.flatten(0, 1), targets.flatten())
-    assert loss.item() - lm_only.item() == pytest.approx(config.router_aux_loss_coef * aux.item(), rel=1e-4)
-    assert aux.item() >= 1.0  # Switch's loss is 1 for a perfect balance (times top-k with these counts)
+    coef = found.config.router_aux_loss_coef
+    assert found.ours_loss - found.lm_loss == pytest.approx(coef * found.ours_aux, rel=1e-4)
+    assert found.ours_aux >= 1.0  # Switch's loss is 1 for a perfect balance (times top-k with these counts)
 
 
 def test_without_a_loss_weight_nothing_is_computed_for_it():
@@ -256,31 +208,8 @@ def test_the_activation_count_is_what_autograd_saves(regime, variant):
             **variant,
         }
     )
-    dtype = torch.bfloat16 if regime == "bf16_params" else torch.float32
-    block = Qwen3MoeBlock(model)
-    initialize_parameters(block, seed=0, n_layers=1)
-    block = block.to(dtype)
-    x = torch.randn(2, model.seq_len, model.d_model, requires_grad=True, dtype=dtype)
-    skip = {p.untyped_storage().data_ptr() for p in block.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in skip:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=regime == "autocast"):
-            out = block(x * 1)  # not a leaf, as in a model
-        hidden = out[0] if isinstance(out, tuple) else out
-        loss = hidden.float().sum() + (out[1][1].sum() if isinstance(out, tuple) else 0)
-        loss.backward()
-    # q and k leave their norms in fp32 except in bf16_params: the cached fp32 RoPE tables are saved
-    rope = rope_table_bytes(model) if regime != "bf16_params" else 0
-    weights = sum(p.numel() for p in block.parameters() if p.ndim >= 2)
-    casts = 2 * weights if regime == "autocast" else 0  # autocast's bf16 weight casts: weights, not activations
-    assert sum(saved.values()) - rope - casts == layer_activation_bytes(model, micro_batch=2, regime=regime)
+    saved = saved_activation_bytes(Qwen3MoeBlock(model), model, regime)
+    assert saved == layer_activation_bytes(model, micro_batch=2, regime=regime)
 
 
 # -- layouts: refused with the field named ---------------------------------------------------------

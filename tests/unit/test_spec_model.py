@@ -136,10 +136,10 @@ class TestKind:
             spec({"kind": "mamba", **sizes})
         parsed = spec({"kind": "llama", **sizes})
         changed = parsed.model_copy(update={"model": parsed.model.model_copy(update={"kind": "mamba"})})
-        assert "'gpt', 'llama', 'olmo2' or 'qwen3_moe'" in fields(check_spec(changed))["model.kind"]
+        assert "'gpt', 'llama', 'olmo2', 'qwen3_moe' or 'mixtral'" in fields(check_spec(changed))["model.kind"]
         with pytest.raises(ConfigError) as info:
             changed.model.to_config()
-        assert info.value.field == "model.kind" and "gpt, llama, olmo2, qwen3_moe" in info.value.fix
+        assert info.value.field == "model.kind" and "gpt, llama, olmo2, qwen3_moe, mixtral" in info.value.fix
 
 
 class TestHfFolder:
@@ -165,8 +165,8 @@ class TestHfFolder:
         assert problem.field == "model.hf"
         assert problem.message == "model.hf architecture GPT2LMHeadModel is not supported."
         assert problem.fix == (
-            "use a model of one of the supported architectures: LlamaForCausalLM, "
-            "MistralForCausalLM, Olmo2ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM"
+            "use a model of one of the supported architectures: LlamaForCausalLM, MistralForCausalLM, "
+            "MixtralForCausalLM, Olmo2ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM"
         )
 
     def test_preset_and_sizes_are_exclusive_with_hf_but_seq_len_is_not(self, tmp_path):

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from etrain.workers.families import gpt, llama, olmo2, qwen3_moe
+from etrain.workers.families import gpt, llama, mixtral, olmo2, qwen3_moe
 from etrain.workers.families.base import ModelFamily
 from etrain.workers.protocol.errors import ConfigError
 
@@ -37,7 +37,9 @@ __all__ = [
 ]
 
 #: Every registered family by name (``ModelConfig.arch``, ``model.kind``), in the order they are listed.
-FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (gpt.FAMILY, llama.FAMILY, olmo2.FAMILY, qwen3_moe.FAMILY)}
+FAMILIES: dict[str, ModelFamily] = {
+    f.name: f for f in (gpt.FAMILY, llama.FAMILY, olmo2.FAMILY, qwen3_moe.FAMILY, mixtral.FAMILY)
+}
 
 
 def family(name: str) -> ModelFamily:

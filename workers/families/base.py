@@ -26,9 +26,11 @@ __all__ = [
     "ModelFamily",
     "Sizes",
     "TPPlan",
+    "hf_decoder_config",
     "hf_problem",
     "hf_rope",
     "hf_sizes",
+    "refuse_hidden_act",
     "rope_parameters",
 ]
 
@@ -171,7 +173,7 @@ class ModelFamily:
                 ConfigError(
                     f"model.{name} applies to a mixture-of-experts model, not model.kind={self.name!r}.",
                     field=f"model.{name}",
-                    fix=f"remove model.{name}, or use a mixture-of-experts model.kind (e.g. qwen3_moe)",
+                    fix=f"remove model.{name}, or use a mixture-of-experts model.kind (e.g. qwen3_moe or mixtral)",
                 )
                 for name, default in MOE_FIELDS.items()
                 if getattr(model, name) != default
@@ -415,6 +417,15 @@ def hf_problem(message: str, fix: str) -> ConfigError:
     return ConfigError(message, field="model.hf", fix=fix)
 
 
+def refuse_hidden_act(raw: dict[str, Any]) -> None:
+    """etrain's SwiGLU MLPs (and experts) use silu: a ``config.json`` with another ``hidden_act`` is refused."""
+    if raw.get("hidden_act", "silu") != "silu":
+        raise hf_problem(
+            f"model.hf uses hidden_act={raw.get('hidden_act')!r}; etrain's SwiGLU uses silu.",
+            "use a model with hidden_act 'silu'",
+        )
+
+
 def hf_sizes(raw: dict[str, Any], *, seq_len: int | None) -> dict[str, Any]:
     """The sizes every decoder ``config.json`` states (``hidden_size``, ``num_attention_heads``, ...),
     as ``ModelConfig`` fields, with the training context: ``seq_len`` or ``min(max_position_embeddings,
@@ -478,6 +489,34 @@ def hf_rope(raw: dict[str, Any]) -> dict[str, Any]:
         f"model.hf uses rope scaling {kind!r}, which etrain does not implement.",
         "use a model with default, linear or llama3 RoPE scaling",
     )
+
+
+def hf_decoder_config(model: Sizes, architecture: str, model_type: str, **fields: Any) -> dict[str, Any]:
+    """The ``config.json`` keys every decoder family writes (sizes, RMSNorm, silu, RoPE under transformers
+    v4's and v5's keys, fp32), with the family's own ``fields`` after the MLP width (which they may replace)."""
+    rope = rope_parameters(model)
+    config: dict[str, Any] = {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "hidden_size": model.d_model,
+        "intermediate_size": model.ffn_dim,
+        **fields,
+        "num_hidden_layers": model.n_layers,
+        "num_attention_heads": model.n_heads,
+        "num_key_value_heads": model.kv_heads,
+        "head_dim": model.head_dim,  # read by transformers' attention and rotary embedding when present
+        "vocab_size": model.vocab_size,
+        "max_position_embeddings": model.max_position_embeddings or model.seq_len,
+        "rms_norm_eps": model.norm_eps,
+        "hidden_act": "silu",
+        "tie_word_embeddings": model.tie_embeddings,
+        "rope_theta": model.rope_theta,  # transformers v4 readers
+        "rope_parameters": rope,  # transformers v5 readers
+        "torch_dtype": "float32",
+    }
+    if model.rope_scaling is not None:
+        config["rope_scaling"] = dict(rope)
+    return config
 
 
 def rope_parameters(model: Sizes) -> dict[str, Any]:

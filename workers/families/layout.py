@@ -182,7 +182,9 @@ def ep_problems(
                 field="parallelism.ep",
                 message=f"parallelism.ep={ep} splits a mixture of experts' experts over ranks, but "
                 f"model.kind={model.arch!r} is a dense model (it has no experts).",
-                fix="use parallelism.ep=1 (the default), or a mixture-of-experts model (model.kind qwen3_moe)",
+                fix="use parallelism.ep=1 (the default), or a mixture-of-experts model (model.kind "
+                + " or ".join(name for name in family_names() if family(name).mixture_of_experts)
+                + ")",
             )
         )
         return problems

@@ -15,10 +15,11 @@ from etrain.workers.families.base import (
     ModelFamily,
     Sizes,
     TPPlan,
+    hf_decoder_config,
     hf_problem,
     hf_rope,
     hf_sizes,
-    rope_parameters,
+    refuse_hidden_act,
 )
 from etrain.workers.protocol.errors import ConfigError
 
@@ -395,11 +396,7 @@ class Llama(ModelFamily):
     def config_from_hf(self, raw: dict[str, Any], architecture: str, *, seq_len: int | None) -> dict[str, Any]:
         traits = self.hf_architectures[architecture]
         sizes = hf_sizes(raw, seq_len=seq_len)
-        if raw.get("hidden_act", "silu") != "silu":
-            raise hf_problem(
-                f"model.hf uses hidden_act={raw.get('hidden_act')!r}; etrain's SwiGLU uses silu.",
-                "use a model with hidden_act 'silu'",
-            )
+        refuse_hidden_act(raw)
         if raw.get("mlp_bias"):
             raise hf_problem(
                 "model.hf has mlp_bias=true, which etrain's SwiGLU does not implement.",
@@ -427,27 +424,7 @@ class Llama(ModelFamily):
                 field="checkpoint.export",
                 fix=f"use one of {', '.join(self.hf_architectures)}",
             )
-        rope = rope_parameters(model)
-        config: dict[str, Any] = {
-            "architectures": [arch],
-            "model_type": self.hf_architectures[arch]["model_type"],
-            "hidden_size": model.d_model,
-            "intermediate_size": model.ffn_dim,
-            "num_hidden_layers": model.n_layers,
-            "num_attention_heads": model.n_heads,
-            "num_key_value_heads": model.kv_heads,
-            "head_dim": model.head_dim,
-            "vocab_size": model.vocab_size,
-            "max_position_embeddings": model.max_position_embeddings or model.seq_len,
-            "rms_norm_eps": model.norm_eps,
-            "hidden_act": "silu",
-            "tie_word_embeddings": model.tie_embeddings,
-            "rope_theta": model.rope_theta,  # transformers v4 readers
-            "rope_parameters": rope,  # transformers v5 readers
-            "torch_dtype": "float32",
-        }
-        if model.rope_scaling is not None:
-            config["rope_scaling"] = dict(rope)
+        config = hf_decoder_config(model, arch, self.hf_architectures[arch]["model_type"])
         if arch == "LlamaForCausalLM":
             config["attention_bias"] = model.attention_bias == "all"
             config["mlp_bias"] = False

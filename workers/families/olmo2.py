@@ -20,7 +20,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from etrain.workers.families.base import Sizes, TPPlan, hf_problem, hf_rope, hf_sizes, rope_parameters
+from etrain.workers.families.base import (
+    Sizes,
+    TPPlan,
+    hf_decoder_config,
+    hf_rope,
+    hf_sizes,
+    refuse_hidden_act,
+)
 from etrain.workers.families.llama import Llama, llama_widths
 
 __all__ = ["FAMILY", "Olmo2"]
@@ -185,11 +192,7 @@ class Olmo2(Llama):
 
     def config_from_hf(self, raw: dict[str, Any], architecture: str, *, seq_len: int | None) -> dict[str, Any]:
         sizes = hf_sizes(raw, seq_len=seq_len)
-        if raw.get("hidden_act", "silu") != "silu":
-            raise hf_problem(
-                f"model.hf uses hidden_act={raw.get('hidden_act')!r}; etrain's SwiGLU uses silu.",
-                "use a model with hidden_act 'silu'",
-            )
+        refuse_hidden_act(raw)
         return dict(
             sizes,
             **hf_rope(raw),
@@ -199,29 +202,7 @@ class Olmo2(Llama):
         )
 
     def hf_config(self, model: Sizes) -> dict[str, Any]:
-        rope = rope_parameters(model)
-        config: dict[str, Any] = {
-            "architectures": ["Olmo2ForCausalLM"],
-            "model_type": "olmo2",
-            "hidden_size": model.d_model,
-            "intermediate_size": model.ffn_dim,
-            "num_hidden_layers": model.n_layers,
-            "num_attention_heads": model.n_heads,
-            "num_key_value_heads": model.kv_heads,
-            "head_dim": model.head_dim,  # read by transformers' attention and rotary embedding when present
-            "vocab_size": model.vocab_size,
-            "max_position_embeddings": model.max_position_embeddings or model.seq_len,
-            "rms_norm_eps": model.norm_eps,
-            "hidden_act": "silu",
-            "attention_bias": model.attention_bias == "all",
-            "tie_word_embeddings": model.tie_embeddings,
-            "rope_theta": model.rope_theta,
-            "rope_parameters": rope,
-            "torch_dtype": "float32",
-        }
-        if model.rope_scaling is not None:
-            config["rope_scaling"] = dict(rope)
-        return config
+        return hf_decoder_config(model, "Olmo2ForCausalLM", "olmo2", attention_bias=model.attention_bias == "all")
 
     def hf_parameter_names(self, model: Sizes) -> list[str]:
         biased = ("wq", "wk", "wv", "wo") if model.attention_bias == "all" else ()

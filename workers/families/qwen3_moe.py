@@ -31,9 +31,17 @@ Numerics follow ``transformers``' ``Qwen3MoeForCausalLM`` (tests/unit/test_qwen3
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
-from etrain.workers.families.base import Sizes, TPPlan, hf_problem, hf_rope, hf_sizes, rope_parameters
+from etrain.workers.families.base import (
+    Sizes,
+    TPPlan,
+    hf_decoder_config,
+    hf_problem,
+    hf_rope,
+    hf_sizes,
+    refuse_hidden_act,
+)
 from etrain.workers.families.llama import Llama, llama_widths, refuse_sliding_window
 from etrain.workers.protocol.errors import ConfigError
 
@@ -108,6 +116,12 @@ class Qwen3Moe(Llama):
         "feed_forward.experts.w2": "mlp.experts.{expert}.down_proj.weight",
         "feed_forward.experts.w3": "mlp.experts.{expert}.up_proj.weight",
     }
+    #: ``ModelConfig`` fields the modules fix whatever the config says (the counts read them through
+    #: :meth:`_built`): Qwen3-MoE's attention always has its q/k norms.
+    fixed_fields: ClassVar[dict[str, Any]] = {"qk_norm": True}
+    #: Whether the router keeps its routing weights in fp32 (Mixtral's) instead of casting them to the
+    #: logits' dtype (an activation count's difference in the bf16 regimes).
+    fp32_routing_weights: ClassVar[bool] = False
 
     # -- parallelism -------------------------------------------------------------------------------
 
@@ -123,6 +137,14 @@ class Qwen3Moe(Llama):
         )
 
     # -- counts ------------------------------------------------------------------------------------
+
+    def _built(self, model: Sizes) -> Sizes:
+        """``model`` as the modules build it (:attr:`fixed_fields` in place of the config's)."""
+        return _Fixed(model, self.fixed_fields)
+
+    def _qk_norms(self, model: Sizes) -> int:
+        """The per-head q/k RMSNorms' weights (``2 · head_dim``, replicated), where the attention has them."""
+        return 2 * model.head_dim if self._built(model).qk_norm else 0
 
     def _attention_sharded(self, model: Sizes) -> int:
         """q, k, v and o (with their biases when ``attention_bias``): what a Megatron split would shard."""
@@ -142,7 +164,7 @@ class Qwen3Moe(Llama):
         d, v, n = model.d_model, model.vocab_size, model.n_layers
         per_layer = (
             self._attention_sharded(model)
-            + 2 * model.head_dim  # per-head q/k RMSNorm
+            + self._qk_norms(model)  # per-head q/k RMSNorm
             + 2 * d  # attention and MLP RMSNorms
             + model.n_experts * d  # router
             + self._experts(model)
@@ -158,7 +180,7 @@ class Qwen3Moe(Llama):
         sharded = self._attention_sharded(model) + self._experts(model)
         if model.attention_bias == "all":
             sharded -= model.d_model  # wo's bias is replicated
-        replicated = 2 * model.d_model + 2 * model.head_dim + model.n_experts * model.d_model
+        replicated = 2 * model.d_model + self._qk_norms(model) + model.n_experts * model.d_model
         replicated += model.d_model if model.attention_bias == "all" else 0
         return sharded / tp + replicated
 
@@ -206,21 +228,24 @@ class Qwen3Moe(Llama):
         checkpointing: bool = False,
         compiled: bool = False,  # no compiled count of its own: the eager one
     ) -> float:
-        """What one Qwen3-MoE block (``workers/families/qwen3_moe_model.py``) saves for backward, per
-        micro-batch, in bytes, checked against the tensors autograd saves (tests/unit/test_qwen3_moe.py).
+        """What one Qwen3-MoE block (``workers/families/qwen3_moe_model.py``; Mixtral's too) saves for
+        backward, per micro-batch, in bytes, checked against the tensors autograd saves
+        (tests/unit/test_qwen3_moe.py, tests/unit/test_mixtral.py).
 
-        Attention and its norms save what a Qwen3 block's (the Llama family's with q/k norms) do; the MLP
-        norm's output is read by the router alone (one bf16 cast under autocast, where Llama's SwiGLU keeps
-        two). The MoE MLP, per token, with E = n_experts, k = experts_per_token, f = moe_d_ff and ``elem``
+        Attention and its norms save what a Qwen3 block's (the Llama family's with q/k norms; Mixtral's
+        without them) do; the MLP norm's output is read by the router alone (one bf16 cast under autocast,
+        where Llama's SwiGLU keeps two). The MoE MLP, per token, with E = n_experts, k = experts_per_token, f = moe_d_ff and ``elem``
         the compute dtype's bytes:
 
         * the router's fp32 softmax (``4E``) and, for the load-balancing loss, the softmax in the logits'
           dtype (``elem·E`` in the bf16 regimes; in fp32 it is the same tensor, and nothing without the loss);
         * the routing: the top-k indices, the gather index, the weights' gather index and the inverse
-          permutation (int64, ``4·8k``); the top-k weights and their sum when renormalised (``4k + 4``);
+          permutation (int64, ``4·8k``); the top-k weights and their sum when renormalised (``4k + 4``;
+          Mixtral always renormalises);
         * per pick: the gathered input in the compute dtype (one copy for ``w1`` and ``w3``), the gate and
-          up projections, silu's output and their product (``4f``), the down projection and its routing
-          weight, all in the compute dtype: ``k·elem·(2d + 4f + 1)``;
+          up projections, silu's output and their product (``4f``), the down projection, all in the compute
+          dtype, and its routing weight, in the compute dtype or in fp32 (``fp32_routing_weights``, Mixtral):
+          ``k·elem·(2d + 4f + 1)``, or ``k·(elem·(2d + 4f) + 4)``;
         * per micro-batch, the experts' int32 row offsets (``4E``).
 
         Capacity is unbounded, so the per-pick tensors hold exactly ``k`` rows per token whatever the
@@ -231,9 +256,10 @@ class Qwen3Moe(Llama):
         tokens = s * b
         if checkpointing:
             return tokens * d * (2 if regime == "bf16_params" else 4)
+        built = self._built(model)
         attention_and_norms = Llama.layer_activation_bytes(
             self,
-            _WithQkNorm(model),
+            built,
             micro_batch=micro_batch,
             regime=regime,
             checkpointing=False,
@@ -242,19 +268,15 @@ class Qwen3Moe(Llama):
         llama_mlp = 4 * model.ffn_dim * elem + (2 * d if regime == "autocast" else 0)  # and w1/w3's second cast
         e, k, f = model.n_experts, model.experts_per_token, model.expert_dim
         router = 4 * e + (elem * e if regime != "fp32" and model.router_aux_loss_coef > 0 else 0)
-        routing = 4 * 8 * k + (4 * k + 4 if model.norm_topk_prob else 0)
-        experts = k * elem * (2 * d + 4 * f + 1)
+        routing = 4 * 8 * k + (4 * k + 4 if built.norm_topk_prob else 0)
+        experts = k * (elem * (2 * d + 4 * f) + (4 if self.fp32_routing_weights else elem))
         return attention_and_norms + tokens * (router + routing + experts - llama_mlp) + 4 * e
 
     # -- Hugging Face ------------------------------------------------------------------------------
 
     def config_from_hf(self, raw: dict[str, Any], architecture: str, *, seq_len: int | None) -> dict[str, Any]:
         sizes = hf_sizes(raw, seq_len=seq_len)
-        if raw.get("hidden_act", "silu") != "silu":
-            raise hf_problem(
-                f"model.hf uses hidden_act={raw.get('hidden_act')!r}; etrain's SwiGLU experts use silu.",
-                "use a model with hidden_act 'silu'",
-            )
+        refuse_hidden_act(raw)
         if int(raw.get("decoder_sparse_step", 1)) != 1:
             raise hf_problem(
                 f"model.hf has decoder_sparse_step={raw['decoder_sparse_step']}: only every "
@@ -294,38 +316,21 @@ class Qwen3Moe(Llama):
         )
 
     def hf_config(self, model: Sizes) -> dict[str, Any]:
-        rope = rope_parameters(model)
-        config: dict[str, Any] = {
-            "architectures": ["Qwen3MoeForCausalLM"],
-            "model_type": "qwen3_moe",
-            "hidden_size": model.d_model,
-            "intermediate_size": model.ffn_dim,
-            "moe_intermediate_size": model.expert_dim,
-            "num_experts": model.n_experts,
-            "num_experts_per_tok": model.experts_per_token,
-            "norm_topk_prob": model.norm_topk_prob,
-            "router_aux_loss_coef": model.router_aux_loss_coef,
-            "decoder_sparse_step": 1,
-            "mlp_only_layers": [],
-            "num_hidden_layers": model.n_layers,
-            "num_attention_heads": model.n_heads,
-            "num_key_value_heads": model.kv_heads,
-            "head_dim": model.head_dim,
-            "vocab_size": model.vocab_size,
-            "max_position_embeddings": model.max_position_embeddings or model.seq_len,
-            "rms_norm_eps": model.norm_eps,
-            "hidden_act": "silu",
-            "attention_bias": model.attention_bias == "all",
-            "tie_word_embeddings": model.tie_embeddings,
-            "use_sliding_window": False,
-            "sliding_window": None,
-            "rope_theta": model.rope_theta,  # transformers v4 readers
-            "rope_parameters": rope,  # transformers v5 readers
-            "torch_dtype": "float32",
-        }
-        if model.rope_scaling is not None:
-            config["rope_scaling"] = dict(rope)
-        return config
+        return hf_decoder_config(
+            model,
+            "Qwen3MoeForCausalLM",
+            "qwen3_moe",
+            moe_intermediate_size=model.expert_dim,
+            num_experts=model.n_experts,
+            num_experts_per_tok=model.experts_per_token,
+            norm_topk_prob=model.norm_topk_prob,
+            router_aux_loss_coef=model.router_aux_loss_coef,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            attention_bias=model.attention_bias == "all",
+            use_sliding_window=False,
+            sliding_window=None,
+        )
 
     def hf_parameter_names(self, model: Sizes) -> list[str]:
         biased = ("wq", "wk", "wv", "wo") if model.attention_bias == "all" else ()
@@ -336,9 +341,9 @@ class Qwen3Moe(Llama):
                 names.append(f"layers.{i}.attention.{proj}.weight")
                 if proj in biased:
                     names.append(f"layers.{i}.attention.{proj}.bias")
+            if self._built(model).qk_norm:
+                names += [f"layers.{i}.attention.q_norm.weight", f"layers.{i}.attention.k_norm.weight"]
             names += [
-                f"layers.{i}.attention.q_norm.weight",
-                f"layers.{i}.attention.k_norm.weight",
                 f"layers.{i}.ffn_norm.weight",
                 f"layers.{i}.feed_forward.router.weight",
                 f"layers.{i}.feed_forward.experts.w1",
@@ -351,14 +356,15 @@ class Qwen3Moe(Llama):
         return names
 
 
-class _WithQkNorm:
-    """A view of a model's sizes with ``qk_norm`` on (this family always has the q/k norms)."""
+class _Fixed:
+    """A view of a model's sizes with some fields fixed (a family's ``fixed_fields``)."""
 
-    def __init__(self, model: Sizes):
+    def __init__(self, model: Sizes, fixed: dict[str, Any]):
         self._model = model
+        self._fixed = fixed
 
     def __getattr__(self, name: str) -> Any:
-        return True if name == "qk_norm" else getattr(self._model, name)
+        return self._fixed[name] if name in self._fixed else getattr(self._model, name)
 
 
 FAMILY = Qwen3Moe()

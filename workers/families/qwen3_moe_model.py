@@ -5,10 +5,12 @@ Numerics follow ``transformers``' ``Qwen3MoeForCausalLM`` (its default ``grouped
 operation for operation:
 
 * the router: ``logits = F.linear(x, W)``, ``softmax(logits, dtype=float32)``, ``topk``, the top-k weights
-  divided by their sum when ``norm_topk_prob``, cast to the logits' dtype;
+  divided by their sum when ``norm_topk_prob``, cast to the logits' dtype (Mixtral's router, which
+  ``workers/families/mixtral_model.py`` builds from these modules, always divides and keeps them fp32);
 * the experts: the (token, pick) pairs sorted by expert, each expert's SwiGLU ``w2(silu(w1 x) * w3 x)`` on
-  its run of rows (a grouped matmul), each output multiplied by its routing weight, put back in token
-  order and summed over the k picks. Capacity is unbounded: no pair is dropped;
+  its run of rows (a grouped matmul), each output multiplied by its routing weight and cast to the
+  block input's dtype, put back in token order and summed over the k picks. Capacity is unbounded: no
+  pair is dropped;
 * the load-balancing loss (``load_balancing_loss_func``): per layer, a softmax of the logits in their
   own dtype, its top-k, a histogram of the picks and the sum of the probabilities per expert; over the
   layers, ``n_experts · Σₑ (picksₑ / rows) · (probsₑ / rows)``.
@@ -32,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from etrain.workers.families.expert_parallel import exchange_experts, local_tensor
-from etrain.workers.families.layers import RMSNorm, run_trunk
+from etrain.workers.families.layers import RMSNorm
 from etrain.workers.families.llama_model import Llama, LlamaAttention
 from etrain.workers.protocol.run_config import ModelConfig
 
@@ -143,23 +145,29 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> t
 
 
 class Router(nn.Module):
-    """``n_experts`` logits per token (no bias), softmax in fp32, top-k, optionally renormalised."""
+    """``n_experts`` logits per token (no bias), softmax in fp32, top-k, optionally renormalised.
 
-    def __init__(self, config: ModelConfig):
+    ``renormalise``: divide the top-k weights by their sum (default: the config's ``norm_topk_prob``;
+    Mixtral always does). ``fp32_weights``: keep the routing weights in fp32, as Mixtral's router does,
+    instead of casting them to the logits' dtype (Qwen3-MoE's); the same in fp32, one rounding apart in bf16."""
+
+    def __init__(self, config: ModelConfig, *, renormalise: bool | None = None, fp32_weights: bool = False):
         super().__init__()
         self.top_k = config.experts_per_token
-        self.norm_topk_prob = config.norm_topk_prob
+        self.norm_topk_prob = config.norm_topk_prob if renormalise is None else renormalise
+        self.fp32_weights = fp32_weights
         self.weight = nn.Parameter(torch.empty(config.n_experts, config.d_model))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x``: ``[tokens, d]``; returns the logits and their fp32 softmax ``[tokens, n_experts]``, the
-        routing weights and the experts picked (``[tokens, k]`` each, the weights in the logits' dtype)."""
+        routing weights and the experts picked (``[tokens, k]`` each, the weights in the logits' dtype or
+        fp32)."""
         logits = F.linear(x, self.weight)
         probs = F.softmax(logits, dim=-1, dtype=torch.float32)
         weights, picks = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return logits, probs, weights.to(logits.dtype), picks
+        return logits, probs, weights if self.fp32_weights else weights.to(logits.dtype), picks
 
 
 class GroupedExperts(nn.Module):
@@ -223,15 +231,16 @@ class MoE(nn.Module):
 
     ``ep_group``: set by the engine's ``apply_ep`` under expert parallelism (the experts then hold this
     rank's ``n_experts / ep``): the rows are exchanged with the ranks that hold their experts
-    (``etrain.workers.families.expert_parallel``); None runs every expert here."""
+    (``etrain.workers.families.expert_parallel``); None runs every expert here. ``router_options``: the
+    family's :class:`Router` settings."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, **router_options: bool):
         super().__init__()
         self.ep_group = None
         self.n_experts = config.n_experts
         self.top_k = config.experts_per_token
         self.with_statistics = config.router_aux_loss_coef > 0
-        self.router = Router(config)
+        self.router = Router(config, **router_options)
         self.experts = GroupedExperts(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -246,9 +255,10 @@ class MoE(nn.Module):
             out = self.experts(rows, torch.cumsum(counts, dim=0, dtype=torch.int32))
         else:
             out = exchange_experts(rows, counts, self.experts, self.ep_group)
-        out = out * weights.reshape(-1)[order].unsqueeze(-1)
+        # each pick weighted and cast to the input's dtype, then summed (transformers: index_add_ into it)
+        out = (out * weights.reshape(-1)[order].unsqueeze(-1)).to(x.dtype)
         out = out[torch.argsort(order)]  # back to token order
-        out = out.view(-1, self.top_k, d).sum(dim=1).to(x.dtype).view(batch, seq, d)
+        out = out.view(-1, self.top_k, d).sum(dim=1).view(batch, seq, d)
         if not self.with_statistics:
             return out
         return out, routing_statistics(logits, self.n_experts, self.top_k, probs)
@@ -268,12 +278,18 @@ class Qwen3MoeAttention(LlamaAttention):
 
 
 class Qwen3MoeBlock(nn.Module):
+    """Pre-norm attention, then the sparse MLP. A family with another attention or router (Mixtral's)
+    subclasses it and sets :attr:`attention_class` and :attr:`router_options`."""
+
+    attention_class: type[nn.Module] = Qwen3MoeAttention
+    router_options: dict[str, bool] = {}
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.attention_norm = RMSNorm(config.d_model, config.norm_eps)
-        self.attention = Qwen3MoeAttention(config)
+        self.attention = self.attention_class(config)
         self.ffn_norm = RMSNorm(config.d_model, config.norm_eps)
-        self.feed_forward = MoE(config)
+        self.feed_forward = MoE(config, **self.router_options)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         x = x + self.attention(self.attention_norm(x))
@@ -294,12 +310,6 @@ class Qwen3Moe(Llama):
     def __init__(self, config: ModelConfig):
         super().__init__(config)
         self.last_load_balancing_loss: torch.Tensor | None = None
-
-    def forward(self, tokens_or_hidden: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        h = tokens_or_hidden
-        if self.tok_embeddings is not None:
-            h = self.tok_embeddings(h)
-        return run_trunk(self, h, targets)
 
     def auxiliary_loss(self, statistics: list[torch.Tensor], rows: int) -> torch.Tensor:
         """``router_aux_loss_coef`` × the load-balancing loss of this forward's layers (``rows`` tokens)."""
