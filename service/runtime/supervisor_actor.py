@@ -593,6 +593,13 @@ class JobSupervisor:
             return Finished(attempt=group.attempt, final_step=outcome.final_step)
         if outcome.kind == "unhealthy":
             return RankUnhealthy(attempt=group.attempt, rank=outcome.rank, node=outcome.node, reason=outcome.message)
+        if outcome.kind == "job_error" and outcome.unreadable_checkpoint and group.plan.state_from_memory:
+            # An in-place attempt's supervisor checked only the step's signed manifest (memory usually
+            # serves); a rank that had to read the files found one it cannot use. Not the job's fault:
+            # the relaunch verifies every file and falls back to the newest step that passes.
+            reason = f"rank {outcome.rank} could not read the checkpoint it restores: {outcome.message}"
+            failed = ResizeFailed if self.state.status is Status.RESIZING else RepairFailed
+            return failed(attempt=group.attempt, reason=reason)
         if outcome.kind == "job_error":
             return JobError(
                 attempt=group.attempt, rank=outcome.rank, message=outcome.message, traceback=outcome.traceback

@@ -24,7 +24,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from etrain.service.decisions.hangs import Frame, RankWhere
 from etrain.service.runtime.spares import NAMESPACE, take_spares
-from etrain.workers.protocol.errors import EtrainError, UnhealthyRankError
+from etrain.workers.protocol.errors import CheckpointError, EtrainError, UnhealthyRankError
 from etrain.workers.protocol.messages import RANK_ACTOR_CLASS, ChaosOrder, LaunchPlan, load_actor_class
 from etrain.workers.protocol.topology import Topology
 
@@ -71,6 +71,10 @@ class GroupOutcome:
     final_step: int = 0
     message: str = ""
     traceback: str = ""
+    #: A ``job_error`` raised because a rank could not read or verify the checkpoint it had to restore
+    #: (``CheckpointError``): after an in-place attempt, which checks only the manifest's signature up
+    #: front, the supervisor relaunches with every file verified instead of failing the job.
+    unreadable_checkpoint: bool = False
 
 
 class WorkerGroup:
@@ -473,7 +477,14 @@ class WorkerGroup:
                     kind="unhealthy", rank=bad, node=self.nodes.get(bad, ""), message=inner.message, traceback=str(err)
                 )
             if isinstance(inner, EtrainError):
-                return GroupOutcome(kind="job_error", rank=rank, node=node, message=str(inner), traceback=str(err))
+                return GroupOutcome(
+                    kind="job_error",
+                    rank=rank,
+                    node=node,
+                    message=str(inner),
+                    traceback=str(err),
+                    unreadable_checkpoint=isinstance(inner, CheckpointError),
+                )
             if _is_collective_failure(inner):
                 return GroupOutcome(
                     kind="job_error",

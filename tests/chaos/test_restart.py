@@ -180,6 +180,27 @@ def test_corrupted_newest_checkpoint_is_skipped_for_the_previous_one(shared_plan
     assert_same_trajectory(losses(plane, job["id"]), clean, tol=1e-6)
 
 
+def test_an_in_place_repair_that_meets_a_corrupt_step_relaunches_from_the_previous_one(shared_plane):
+    """Under ZeRO-3 a replacement holds no replica of the lost rank's shard in memory: it reads the step from
+    storage, hashing every file, and refuses the corrupted one. That is not the job's fault: the repair fails
+    over to a relaunch, which verifies every file, skips step 8 and resumes from step 4."""
+    plane = shared_plane
+    zero3 = {"parallelism": {"dp": 2, "zero": 3}}
+    clean = clean_run(plane, spec("clean-zero3-dp2", **zero3)).losses
+    job = plane.submit(spec("corrupt-zero3-dp2", **zero3))
+    plane.chaos(job["id"], action="corrupt_checkpoint", step=8)
+    plane.chaos(job["id"], action="kill_rank", rank=1, at_step=10)
+    final = plane.wait_terminal(job["id"], timeout_s=300)
+    events = plane.events(job["id"])
+    assert final["status"] == "SUCCEEDED", (final, [(e["kind"], event_text(e)) for e in events])
+    failed = next(event_text(e) for e in events if e["kind"] == "repair_failed")
+    assert "could not read the checkpoint it restores" in failed, failed
+    assert "checkpoint_fallback" in event_kinds(events)
+    assert resumed_from(events) == [None, 8, 4]  # the repair tried step 8; the relaunch verified and took 4
+    assert final["restarts"] == 1  # the repair's: its failing over costs none
+    assert_same_trajectory(losses(plane, job["id"]), clean, tol=1e-6)
+
+
 def test_nan_loss_fails_fast_without_restarts(shared_plane):
     plane = shared_plane
     # The largest lr and weight decay the bounds allow, no clipping: AdamW's decoupled decay multiplies every
