@@ -21,6 +21,7 @@ from tests.chaos.conftest import (
     losses,
     placements,
     rank_pids,
+    restored,
     resumed_from,
     run_clean,
     spec,
@@ -34,6 +35,17 @@ pytestmark = pytest.mark.slow
 def clean(shared_plane):
     """The uninterrupted DP2 run every restart test compares against."""
     return clean_run(shared_plane, spec("clean-dp2")).losses
+
+
+#: Fully sharded data parallelism (ZeRO-3): a rank holds only its shard, so a rank that joins or is replaced
+#: restores from storage, resharded (with DDP it copies a replica from memory).
+ZERO3 = {"parallelism": {"dp": 2, "zero": 3}}
+
+
+@pytest.fixture(scope="module")
+def clean_zero3(shared_plane):
+    """The uninterrupted DP2 ZeRO-3 run."""
+    return clean_run(shared_plane, spec("clean-zero3-dp2", **ZERO3)).losses
 
 
 @pytest.fixture(scope="module")
@@ -108,12 +120,16 @@ def test_hung_rank_is_named_with_its_stack_and_repaired_in_place_within_the_time
     assert_same_trajectory(losses(plane, job["id"]), clean, tol=1e-6)
 
 
-def test_scale_2_to_1_to_2_resizes_in_place_keeping_rank_0s_process(shared_plane, clean):
+@pytest.mark.parametrize("layout", ["ddp", "zero3"])
+def test_scale_2_to_1_to_2_resizes_in_place_keeping_rank_0s_process(shared_plane, request, layout):
     """Issue #20 item 3: ``scale`` down and back up keeps the surviving rank's process (same PID in every
     attempt), relaunches nothing, says "in place" in both ``resized`` events, and trains the clean run's
-    losses: the global batch and the data order do not change with dp."""
+    losses: the global batch and the data order do not change with dp. Under ZeRO-3 the kept rank's shard
+    changes with dp, so every rank restores from the checkpoint, resharded; under DDP from memory."""
     plane = shared_plane
-    job = plane.submit(spec("resize-dp2", resources={"min_dp": 1, "max_dp": 2}))
+    clean = request.getfixturevalue("clean_zero3" if layout == "zero3" else "clean")
+    sections = ZERO3 if layout == "zero3" else {}
+    job = plane.submit(spec(f"resize-{layout}-dp2", resources={"min_dp": 1, "max_dp": 2}, **sections))
     plane.wait_until(job["id"], lambda j: j["status"] == "RUNNING" and j["step"] >= 3, timeout_s=180, what="step 3")
     # Rank 0's process stays through both resizes, and so does its drill: every step is slow enough
     # (sleeps only, the numbers are the same) for both resizes to land before the last step.
@@ -138,6 +154,12 @@ def test_scale_2_to_1_to_2_resizes_in_place_keeping_rank_0s_process(shared_plane
     kept, replaced = rank_pids(plane, job["id"], 0), rank_pids(plane, job["id"], 1)
     assert len(kept) == 3 and len(set(kept)) == 1, kept  # attempts 1, 2 (dp=1) and 3: one process
     assert len(replaced) == 2 and replaced[0] != replaced[1], replaced  # rank 1 left and a new one joined
+    sources = restored(events)
+    assert len(sources) == 2, sources  # one per resize
+    if layout == "zero3":
+        assert all("from storage" in text for text in sources), sources
+    else:
+        assert all("from storage" not in text for text in sources), sources
     assert_same_trajectory(losses(plane, job["id"]), clean, tol=1e-6)
 
 
@@ -180,14 +202,12 @@ def test_corrupted_newest_checkpoint_is_skipped_for_the_previous_one(shared_plan
     assert_same_trajectory(losses(plane, job["id"]), clean, tol=1e-6)
 
 
-def test_an_in_place_repair_that_meets_a_corrupt_step_relaunches_from_the_previous_one(shared_plane):
+def test_an_in_place_repair_that_meets_a_corrupt_step_relaunches_from_the_previous_one(shared_plane, clean_zero3):
     """Under ZeRO-3 a replacement holds no replica of the lost rank's shard in memory: it reads the step from
     storage, hashing every file, and refuses the corrupted one. That is not the job's fault: the repair fails
     over to a relaunch, which verifies every file, skips step 8 and resumes from step 4."""
     plane = shared_plane
-    zero3 = {"parallelism": {"dp": 2, "zero": 3}}
-    clean = clean_run(plane, spec("clean-zero3-dp2", **zero3)).losses
-    job = plane.submit(spec("corrupt-zero3-dp2", **zero3))
+    job = plane.submit(spec("corrupt-zero3-dp2", **ZERO3))
     plane.chaos(job["id"], action="corrupt_checkpoint", step=8)
     plane.chaos(job["id"], action="kill_rank", rank=1, at_step=10)
     final = plane.wait_terminal(job["id"], timeout_s=300)
@@ -198,7 +218,7 @@ def test_an_in_place_repair_that_meets_a_corrupt_step_relaunches_from_the_previo
     assert "checkpoint_fallback" in event_kinds(events)
     assert resumed_from(events) == [None, 8, 4]  # the repair tried step 8; the relaunch verified and took 4
     assert final["restarts"] == 1  # the repair's: its failing over costs none
-    assert_same_trajectory(losses(plane, job["id"]), clean, tol=1e-6)
+    assert_same_trajectory(losses(plane, job["id"]), clean_zero3, tol=1e-6)
 
 
 def test_nan_loss_fails_fast_without_restarts(shared_plane):
