@@ -265,11 +265,7 @@ class WorkerGroup:
         if self._runs and 0 < len(self.actors):
             self.actors[0].request_stop.remote()  # rank 0 stops every rank at the same step boundary
         self._leave_attempt(lost_rank=None, error=ResizeError)
-        kept: dict[int, int] = {}  # new rank -> old rank
-        for old_rank in range(self.world_size):
-            coords = old_topology.coords(old_rank)
-            if coords.dp < parallel.dp:
-                kept[new_topology.rank(coords)] = old_rank  # the same (pp, dp, cp, tp) place
+        kept = old_topology.kept_on_resize(parallel.dp)  # new rank -> old rank, at the same (pp, cp, tp) place
         leaving = [rank for rank in range(self.world_size) if rank not in kept.values()]
         old_gpus: dict[int, list[str]] = {}
         if self._resources.get("GPU", 0.0):

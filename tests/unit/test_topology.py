@@ -303,6 +303,31 @@ def test_with_dp_changes_only_dp() -> None:
         topology.with_dp(0)
 
 
+def test_a_resize_keeps_every_rank_below_both_sizes_at_its_place_in_every_layout() -> None:
+    """Exhaustive over small layouts (pp, cp, tp up to 3, dp 1..4 to 1..4): a kept rank keeps its pipeline
+    stage, context chunk and tensor slice (only renumbered), every rank with a dp index below both sizes is
+    kept, no rank twice, and the ranks that join are exactly the new dp indices."""
+    for pp, cp, tp, old_dp, new_dp in itertools.product(
+        range(1, 4), range(1, 4), range(1, 4), range(1, 5), range(1, 5)
+    ):
+        old = Topology(pp=pp, dp=old_dp, tp=tp, cp=cp)
+        new = old.with_dp(new_dp)
+        kept = old.kept_on_resize(new_dp)
+        assert len(set(kept.values())) == len(kept) == pp * cp * tp * min(old_dp, new_dp)
+        for new_rank, old_rank in kept.items():
+            was, now = old.coords(old_rank), new.coords(new_rank)
+            assert (was.pp, was.dp, was.cp, was.tp) == (now.pp, now.dp, now.cp, now.tp)
+        joining = set(range(new.world_size)) - set(kept)
+        assert {new.coords(rank).dp for rank in joining} == set(range(old_dp, new_dp))
+
+
+def test_a_resize_of_a_3d_layout_renumbers_the_kept_ranks() -> None:
+    # pp=2 x dp=2 x tp=2 shrinking to dp=1: the dp=0 replica of each stage stays, renumbered.
+    assert Topology(pp=2, dp=2, tp=2).kept_on_resize(1) == {0: 0, 1: 1, 2: 4, 3: 5}
+    # ... and growing back: the four kept ranks take their old numbers' places again, 2, 3, 6, 7 join.
+    assert Topology(pp=2, dp=1, tp=2).kept_on_resize(2) == {0: 0, 1: 1, 4: 2, 5: 3}
+
+
 # -- placement ---------------------------------------------------------------------------------
 
 

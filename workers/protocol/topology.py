@@ -237,6 +237,22 @@ class Topology:
         """
         return dataclasses.replace(self, dp=new_dp)
 
+    def kept_on_resize(self, new_dp: int) -> dict[int, int]:
+        """Which ranks an in-place resize to ``new_dp`` keeps: new rank -> old rank.
+
+        A rank stays when its data-parallel index is below both sizes, at the same (pp, cp, tp) place, so
+        it keeps the very shard of the model its process holds (pipeline stage, context chunk, tensor
+        slice) and is only renumbered; the other old ranks leave and the other new ranks join. Why not
+        keep more: a rank whose (pp, cp, tp) place changed would hold the wrong slice of the model.
+        """
+        resized = self.with_dp(new_dp)
+        kept: dict[int, int] = {}
+        for old_rank in range(self.world_size):
+            place = self.coords(old_rank)
+            if place.dp < new_dp:
+                kept[resized.rank(place)] = old_rank
+        return kept
+
     def bundle_order(self, ranks_per_node: int) -> list[list[int]]:
         """How to pack ranks onto nodes so that every TP group stays on one node.
 
