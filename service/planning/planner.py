@@ -35,10 +35,12 @@ from etrain.service.planning.plan_search import (
     AUTO_MEMORY_TARGET,
     MAX_AUTO_LAYOUTS,
     AutoPlan,
-    candidate_layouts,
+    candidate_groups,
     choose_layout,
+    context_parallel_sizes,
     explain_choice,
     fits_after_shrink,
+    frugal_layout,
     worker_budget,
 )
 from etrain.service.planning.spec import JobSpec, ParallelismSpec, SpecProblem
@@ -94,12 +96,16 @@ def check_plan(spec: JobSpec, *, available_gb: float | None = None) -> list[Spec
 def resolve_auto(spec: JobSpec, *, available_gb: float | None = None) -> AutoPlan:
     """Choose a layout for ``parallelism: auto`` within the worker budget.
 
-    Enumerates dp·tp·pp <= budget over divisors (:func:`candidate_layouts`; tp <= 8: one node), every ZeRO
-    stage (dp > 1), the schedules of ``AUTO_SCHEDULES`` that torch runs for pp > 1, and sequence
-    parallelism for tp > 1, fewest stages first; stops at the first pp that has a layout within
-    AUTO_MEMORY_TARGET (no deeper pipeline can win) or after MAX_AUTO_LAYOUTS layouts; drops layouts that
-    break a layout rule or do not fit the device memory (also at ``resources.min_dp``); picks by
-    :func:`choose_layout` over the ``StepTime`` cost model. Raises :class:`SpecRejected` when nothing fits.
+    Enumerates pp·dp·cp·tp <= budget over divisors (:func:`candidate_groups`; tp <= 8: one node), every ZeRO
+    stage (dp·cp > 1), the schedules of ``AUTO_SCHEDULES`` that torch runs for pp > 1, sequence
+    parallelism for tp > 1, and expert parallelism for a mixture of experts, fewest stages first; stops at
+    the first pp that has a layout within AUTO_MEMORY_TARGET (no deeper pipeline can win) or after
+    MAX_AUTO_LAYOUTS layouts; drops layouts that break a layout rule or do not fit the device memory (also at
+    ``resources.min_dp``). Only when the whole search without context parallelism found nothing that fits
+    (not stopped by the cap) does it go on to cp > 1 (:func:`context_parallel_sizes`, least first, stopping
+    after the first cp with a fit, within the same MAX_AUTO_LAYOUTS), where each (cp, pp, tp) group is
+    searched only when its :func:`frugal_layout` fits. Picks by :func:`choose_layout` over the ``StepTime``
+    cost model. Raises :class:`SpecRejected` when nothing fits.
     """
     require_bounds(spec)
     budget = worker_budget(spec)
@@ -107,22 +113,52 @@ def resolve_auto(spec: JobSpec, *, available_gb: float | None = None) -> AutoPla
     min_dp = spec.resources.min_dp
     evaluated: list[tuple[Case, PlanEstimate]] = []
     fitting: list[PlanEstimate] = []
-    level, roomy_at_level, capped = None, False, False
-    for case in candidate_layouts(spec, base, budget):
-        if case.layout.pp != level:
-            if roomy_at_level:
-                break  # a roomy layout with fewer stages exists: deeper pipelines can never be chosen (choose_layout)
-            level = case.layout.pp
-        if len(evaluated) >= MAX_AUTO_LAYOUTS:
-            capped = True
-            break
+    capped = False
+    cps = context_parallel_sizes(spec, base, budget)
+
+    def consider(case: Case) -> tuple[PlanEstimate | None, bool]:
+        """(its estimate, whether it fits) for a layout the rules allow, recorded; (None, False) for another."""
         if layout_problems(case, max_dp=case.layout.dp):
-            continue
+            return None, False
         est = evaluate(case)
         evaluated.append((case, est))
-        if est.fits and fits_after_shrink(case, min_dp):
+        fits = est.fits and fits_after_shrink(case, min_dp)
+        if fits:
             fitting.append(est)
-            roomy_at_level = roomy_at_level or est.memory.total <= AUTO_MEMORY_TARGET * est.device_memory_bytes
+        return est, fits
+
+    for cp in cps:
+        if fitting or capped:
+            break  # a layout with less cp fits (more cp is never chosen: choose_layout), or the search ran out
+        level, roomy_at_level = None, False
+        for group in candidate_groups(spec, base, budget, cp=cp):
+            if group[0].layout.pp != level:
+                if roomy_at_level:
+                    break  # a roomy layout with fewer stages exists: deeper pipelines can never be chosen (choose_layout)
+                level = group[0].layout.pp
+            if cp > 1 and len(group) > 1:  # first the group's most frugal layout: when it does not fit, nothing does
+                if len(evaluated) >= MAX_AUTO_LAYOUTS:
+                    capped = True
+                    break
+                probe = frugal_layout(group)
+                est, fits = consider(probe)
+                if est is not None and not fits:
+                    continue
+                group = [case for case in group if case is not probe]
+                roomy_at_level = (
+                    roomy_at_level or fits and est.memory.total <= AUTO_MEMORY_TARGET * est.device_memory_bytes
+                )
+            for case in group:
+                if len(evaluated) >= MAX_AUTO_LAYOUTS:
+                    capped = True
+                    break
+                est, fits = consider(case)
+                roomy_at_level = (
+                    roomy_at_level or fits and est.memory.total <= AUTO_MEMORY_TARGET * est.device_memory_bytes
+                )
+            else:
+                continue
+            break  # the cap
     dev = gib(base.device_memory_bytes)
     if not fitting:
         if evaluated:

@@ -288,13 +288,12 @@ class ParallelismSpec(_Section):
         default=1,
         description="context parallelism (Llama family, OLMo 2, GPT): every sequence split over cp ranks (two of 2·cp chunks "
         "each), attention as a ring over them; world = pp·dp·cp·tp, parameters replicated over cp and their "
-        "gradients averaged over dp·cp; 2·cp must divide model.seq_len; planned by /v1/plan, not yet run by "
-        "the service's supervisor (run it under torchrun)",
+        "gradients averaged over dp·cp; 2·cp must divide model.seq_len",
     )
 
 
 class AutoParallelismSpec(_Section):
-    """Let the planner choose (dp, tp, pp, zero) within a worker budget."""
+    """Let the planner choose (dp, tp, pp, zero, schedule), and cp or ep where they help, within a worker budget."""
 
     auto: Literal[True] = True
     max_workers: _upto(MAX_WORKERS) = Field(description="how many ranks (GPUs or CPU workers) the job may use")
