@@ -148,7 +148,7 @@ def check_spec(spec: JobSpec) -> list[SpecProblem]:
         )
     problems += _world_problems(spec)
     problems += _expert_parallel_problems(spec, problems)
-    problems += _context_parallel_problems(spec)
+    problems += _context_parallel_problems(spec, problems)
     problems += _policy_problems(spec, problems)
     return problems
 
@@ -158,7 +158,7 @@ def _expert_parallel_problems(spec: JobSpec, found: list[SpecProblem]) -> list[S
     ``families.layout.ep_problems``): compiled blocks. The elastic range needs no check here: the supervisor's
     elastic policy resizes only to multiples of ep (``ParallelConfig.dp_multiple``), like ``scale``."""
     layout = spec.layout
-    if layout.ep == 1:
+    if layout.ep == 1 or _model_unreadable(found):
         return []
     problems = []
     if spec.training.compile:
@@ -170,11 +170,11 @@ def _expert_parallel_problems(spec: JobSpec, found: list[SpecProblem]) -> list[S
     return problems
 
 
-def _context_parallel_problems(spec: JobSpec) -> list[SpecProblem]:
+def _context_parallel_problems(spec: JobSpec, found: list[SpecProblem]) -> list[SpecProblem]:
     """``parallelism.cp > 1`` beside the fields the layout rules do not see (those are the planner's:
     ``families.layout.cp_problems``): compiled blocks, selective activation checkpointing."""
     layout = spec.layout
-    if layout.cp == 1:
+    if layout.cp == 1 or _model_unreadable(found):
         return []
     checkpointing = spec.training.activation_checkpointing
     return SpecProblem.of(
@@ -184,6 +184,12 @@ def _context_parallel_problems(spec: JobSpec) -> list[SpecProblem]:
         )
         if problem.field in ("training.compile", "training.activation_checkpointing")
     )
+
+
+def _model_unreadable(found: list[SpecProblem]) -> bool:
+    """Whether ``found`` says the model cannot be resolved (``model.hf`` unreadable, a bad preset or size):
+    the family's layout rules need the model, and its problem is already the answer."""
+    return any(problem.field == "model" or problem.field.startswith("model.") for problem in found)
 
 
 def _float8_problems(spec: JobSpec) -> list[SpecProblem]:

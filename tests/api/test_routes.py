@@ -420,6 +420,20 @@ def test_bad_hf_model_specs_name_the_field(client, tmp_path, model, field, words
     assert words in problem["message"] and problem["fix"]
 
 
+@pytest.mark.parametrize(("parallelism", "compile"), [({"cp": 2}, False), ({"dp": 2, "ep": 2}, True)])
+def test_an_unreadable_model_hf_beside_cp_or_ep_is_its_own_problem_not_a_400(client, parallelism, compile):
+    """The cp and ep rules ask the model's family; with no readable model they wait for it (found by
+    schemathesis: a missing model.hf beside parallelism.cp answered 400 bad_request; ep's rule for
+    training.compile likewise)."""
+    training = {"steps": 20, "global_batch": 8, "micro_batch": 2, "compile": compile}
+    body = tiny_spec(model={"hf": "missing"}, parallelism=parallelism, training=training)
+    problem = problems(client.post("/v1/jobs", json=body))["model.hf"]
+    assert "is not a folder" in problem["message"]
+    plan = client.post("/v1/plan", json=body)
+    assert plan.status_code == 200, plan.text
+    assert [p["field"] for p in plan.json()["problems"]] == ["model.hf"], plan.text
+
+
 def test_an_unregistered_model_kind_is_refused_at_submit_and_plan(client):
     """The run config names a family without asking the registry: the spec refuses the name, with the families."""
     model = {"kind": "mamba", "n_layers": 2, "d_model": 32, "n_heads": 4, "vocab_size": 64, "seq_len": 16}
