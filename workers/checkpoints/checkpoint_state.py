@@ -33,9 +33,10 @@ fills (``workers/checkpoints/checkpoint.py``) and that ``workers/checkpoints/sna
 from __future__ import annotations
 
 import random
+import sys
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -47,10 +48,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 
 from etrain.workers.protocol.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
 
 __all__ = ["CollectedState", "apply_state", "capture_rng_state", "collect_state", "restore_rng_state"]
 
@@ -178,7 +181,7 @@ def _bind(model_parts: list[nn.Module], optimizers: list[Optimizer]) -> list[_Bi
             part_of[param] = index
     bindings = []
     for optimizer in optimizers:
-        zero = optimizer if isinstance(optimizer, ZeroRedundancyOptimizer) else None
+        zero = zero_redundancy(optimizer)
         if zero is not None and zero._overlap_with_ddp:
             raise CheckpointError(
                 "ZeroRedundancyOptimizer(overlap_with_ddp=True) cannot be checkpointed: its local "
@@ -242,6 +245,16 @@ def _merge(into: dict[str, Any], part: dict[str, Any], what: str) -> None:
     into.update(part)
 
 
+def zero_redundancy(optimizer: Optimizer) -> ZeroRedundancyOptimizer | None:
+    """``optimizer`` when it is ZeRO-1's ``ZeroRedundancyOptimizer``, else None.
+
+    Without importing ``torch.distributed.optim`` (0.2 s of every rank process's start-up: it scripts
+    its functional optimizers on import): a process that built a ZeRO-1 optimizer has imported it.
+    """
+    module = sys.modules.get("torch.distributed.optim")
+    return optimizer if module is not None and isinstance(optimizer, module.ZeroRedundancyOptimizer) else None
+
+
 def _share_zero_hyperparameters(optimizers: list[Optimizer]) -> None:
     """Give every ZeRO rank the loaded hyperparameters of every parameter group.
 
@@ -250,8 +263,9 @@ def _share_zero_hyperparameters(optimizers: list[Optimizer]) -> None:
     local step, but its ``param_groups`` would disagree with its peers' (an LR schedule reading
     them, the next save). Each group is taken from a rank that owns part of it.
     """
-    for zero in optimizers:
-        if not isinstance(zero, ZeroRedundancyOptimizer) or zero.world_size == 1:
+    for optimizer in optimizers:
+        zero = zero_redundancy(optimizer)
+        if zero is None or zero.world_size == 1:
             continue
         mine = [
             (bool(inner["params"]), {k: v for k, v in outer.items() if k != "params"})

@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
 from collections.abc import Iterable
@@ -23,7 +24,6 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 from etrain.workers.protocol.run_config import TrainingConfig
@@ -61,7 +61,7 @@ def build_optimizer(
         fused=on_cuda,
     )
     if zero == 1 and dp_group is not None:
-        return _ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, process_group=dp_group, **kwargs)
+        return _zero_redundancy_class()(params, optimizer_class=torch.optim.AdamW, process_group=dp_group, **kwargs)
     return torch.optim.AdamW(_groups_by_mesh(params), **kwargs)
 
 
@@ -80,24 +80,33 @@ def _groups_by_mesh(params: list[nn.Parameter]) -> list[nn.Parameter] | list[dic
     return [{"params": group} for group in by_mesh.values()]
 
 
-class _ZeroRedundancyOptimizer(ZeroRedundancyOptimizer):
-    """``ZeroRedundancyOptimizer`` that also works when parameters are DTensors (TP, or TP + DP).
+@functools.cache
+def _zero_redundancy_class() -> type:
+    """``ZeroRedundancyOptimizer`` that also works when parameters are DTensors, defined on first use: its
+    module (``torch.distributed.optim``, which scripts its functional optimizers on import) costs 0.2 s of
+    every rank process's start-up, and only ZeRO-1 needs it."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    Why: after its local step ZeRO broadcasts each updated parameter from its owner over the dp
-    group with ``dist.broadcast(param.data)``, and DTensor has no sharding rule for c10d broadcast
-    ("c10d.broadcast_.default does not have a sharding strategy"). Broadcasting the local shard is
-    what is meant anyway: dp peers hold the same TP shard of the same parameter. Only the
-    per-parameter path (``parameters_as_bucket_view=False``, the default) is overridden.
-    """
+    class _ZeroRedundancyOptimizer(ZeroRedundancyOptimizer):
+        """``ZeroRedundancyOptimizer`` that also works when parameters are DTensors (TP, or TP + DP).
 
-    def _broadcast_params_from_rank(self, rank: int):
-        assert not self.parameters_as_bucket_view, "bucket views are not DTensor-aware"
-        src = dist.get_global_rank(self.process_group, rank)
-        return [
-            dist.broadcast(_local(param.data), src=src, group=self.process_group, async_op=True)
-            for group in self._partition_parameters()[rank]
-            for param in group["params"]
-        ]
+        Why: after its local step ZeRO broadcasts each updated parameter from its owner over the dp
+        group with ``dist.broadcast(param.data)``, and DTensor has no sharding rule for c10d broadcast
+        ("c10d.broadcast_.default does not have a sharding strategy"). Broadcasting the local shard is
+        what is meant anyway: dp peers hold the same TP shard of the same parameter. Only the
+        per-parameter path (``parameters_as_bucket_view=False``, the default) is overridden.
+        """
+
+        def _broadcast_params_from_rank(self, rank: int):
+            assert not self.parameters_as_bucket_view, "bucket views are not DTensor-aware"
+            src = dist.get_global_rank(self.process_group, rank)
+            return [
+                dist.broadcast(_local(param.data), src=src, group=self.process_group, async_op=True)
+                for group in self._partition_parameters()[rank]
+                for param in group["params"]
+            ]
+
+    return _ZeroRedundancyOptimizer
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
