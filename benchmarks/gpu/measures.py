@@ -242,6 +242,8 @@ def step_median(steps: list[dict[str, Any]], *, skip: int = 3) -> float | None:
 
 _STAMP = r"(?P<ts>\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?)"
 _READY = re.compile(r"attempt (?P<attempt>\d+): ready after (?P<total>[\d.]+)s(?: \((?P<phases>[^)]*)\))?")
+_WOUND_DOWN = re.compile(r"attempt (?P<attempt>\d+): wound down in (?P<total>[\d.]+)s(?: \((?P<phases>[^)]*)\))?")
+_DIGEST = re.compile(r"attempt (?P<attempt>\d+): param digest (?P<s>[\d.]+)s")
 _PHASE = re.compile(r"(?P<name>[A-Za-z][\w -]*?) (?P<s>[\d.]+)s")
 _STEP_LINE = re.compile(_STAMP + r" step (?P<step>\d+)/\d+ ")
 _SAVE_LINE = re.compile(_STAMP + r" checkpoint step (?P<step>\d+) (?P<what>.*)$")
@@ -263,6 +265,29 @@ def startup_phases(lines: list[str]) -> list[dict[str, Any]]:
                 "total_s": float(found["total"]),
                 "phases": phases,
                 "line": line[found.start() :][:300],
+            }
+        )
+    return out
+
+
+def wind_down(lines: list[str]) -> list[dict[str, Any]]:
+    """Where each attempt's end went, from a rank log: the parameter digest (``attempt N: param digest
+    T s``) and the wind-down after it (``attempt N: wound down in T s (reports s, saves closed s, process
+    groups s)``: the last reports, the last async save landing and its host buffers released, the groups)."""
+    digests = {int(m["attempt"]): float(m["s"]) for m in map(_DIGEST.search, lines) if m}
+    out = []
+    for line in lines:
+        found = _WOUND_DOWN.search(line)
+        if found is None:
+            continue
+        attempt = int(found["attempt"])
+        phases = {m["name"].strip(): float(m["s"]) for m in _PHASE.finditer(found["phases"] or "")}
+        out.append(
+            {
+                "attempt": attempt,
+                "param_digest_s": digests.get(attempt),
+                "total_s": float(found["total"]),
+                "phases": phases,
             }
         )
     return out
@@ -322,6 +347,7 @@ def job_figures(
     * ``submit_to_first_step_s``: step 1's row (supervisor receive time) minus the moment before the POST;
     * ``step_s_median``: the rows' ``step_s`` after warm-up; ``goodput``, ``restarts``: the job's own fields;
     * ``startup``: the rank-0 start-up line of every attempt (where the seconds before step 1 went);
+    * ``wind_down``: the same for the seconds after the last step (:func:`wind_down`);
     * ``save_blocking``: per save, training time the checkpoint blocked (rank 0's log), and their median;
     * with ``kill_at``: ``kill_to_next_step_s`` (the kill, see :func:`kill_ts`, to the first row of a
       later attempt), ``detect_s`` (``chaos_fired`` -> ``worker_failed``), ``resumed_from``, ``recomputed``.
@@ -343,6 +369,7 @@ def job_figures(
         "steps_recorded": len(steps),
         "wall_s": (job["updated_at"] - submit_ts) if job.get("updated_at") else None,
         "startup": startup_phases(log_lines),
+        "wind_down": wind_down(log_lines),
         "save_blocking": saves,
         "save_blocking_median_s": None if blocked != blocked else blocked,
         # checkpoint.every_steps: auto re-evaluates its interval as step and save times are measured

@@ -20,7 +20,9 @@
 # Then the table of docs/gpu.md (benchmarks/gpu/table.py); the exit status is 1 unless both jobs SUCCEEDED.
 # Settings: GPU_CHECK_BUDGET_S (470: the whole run), GPU_CHECK_PROBE_S (150: the probe's box),
 # GPU_CHECK_PROBE_ROWS (etrain,hf; none skips the probe), GPU_CHECK_JOBS (clean,kill: which jobs, in order),
-# GPU_CHECK_MTBF_HOURS (the auto job's fault_tolerance.mtbf_hours; default the service's), GPU_PYTHON,
+# GPU_CHECK_MTBF_HOURS (the auto job's fault_tolerance.mtbf_hours; default the service's), GPU_CHECK_EXTRA
+# (tests,writes: first `pytest -m gpu tests/gpu` in the same environment, time box GPU_CHECK_TESTS_S, and the
+# async save's writer threads measured on this disk, GPU_CHECK_WRITE_GIB; off by default: the 8 minutes), GPU_PYTHON,
 # GPU_WHEELS_DIR (.whl), GPU_CHECK_RESULTS (where the JSON goes), GPU_CHECK_DIR (the work folder: a new /tmp one).
 set -uo pipefail
 
@@ -106,8 +108,10 @@ stop_group() {
 cleanup() {
   local rc=$?
   trap - EXIT INT TERM
-  stop_group "$SERVER_PID" "etrain serve" 15 INT
-  stop_group "$RAY_PID" "the Ray head" 30
+  # Short graces (GPU_CHECK_STOP_GRACE_S): on a loaded machine `etrain serve` and `ray start --block` can
+  # take 15-30 s to go, device time that measures nothing; the figures are written by then.
+  stop_group "$SERVER_PID" "etrain serve" "${GPU_CHECK_STOP_GRACE_S:-5}" INT
+  stop_group "$RAY_PID" "the Ray head" "${GPU_CHECK_STOP_GRACE_S:-5}"
   rm -rf "$WORK/data" "$WORK/site" "$WORK/pkg" "$WORK/ray"
   log "logs: $LOGS; results: $RESULTS; total $((SECONDS - T0)) s; exit $rc"
   exit "$rc"
@@ -141,6 +145,24 @@ export PYTHONPATH=$PYPATH${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 "$PY" -c "import ray, fastapi, pydantic, etrain.api.app, etrain.service.manager; print('ray', ray.__version__, \
 'fastapi', fastapi.__version__, 'pydantic', pydantic.__version__)" || exit 1
 log "packages ready"
+
+# -- 3a. on request (GPU_CHECK_EXTRA=tests,writes): the CUDA tests, the async save's writer threads ----------
+EXTRA=,${GPU_CHECK_EXTRA:-},
+if [[ $EXTRA == *,tests,* ]]; then
+  tests_s=${GPU_CHECK_TESTS_S:-150}
+  log "CUDA tests: pytest -m gpu tests/gpu (time box ${tests_s}s)"
+  timeout -k 10 "$tests_s" "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/gpu >"$LOGS/tests.log" 2>&1
+  tests_rc=$?
+  grep -E "passed|failed|error|skipped|FAILED|ERROR" "$LOGS/tests.log" | tail -n 25
+  log "CUDA tests exited $tests_rc (log: $LOGS/tests.log)"
+fi
+if [[ $EXTRA == *,writes,* ]]; then
+  log "writer threads of an async save (benchmarks/gpu/write_threads.py, time box 120s)"
+  rm -f "$RESULTS/gpu_write_threads.json"
+  timeout -k 10 120 "$PY" -m benchmarks.gpu.write_threads "${TINY_FLAG[@]}" --gib "${GPU_CHECK_WRITE_GIB:-4}" \
+    --threads 1,4,8,16 --dir "$WORK" --results-dir "$RESULTS" 2>"$LOGS/write_threads.err"
+  (($? == 0)) || { log "the writer-thread measurement failed:"; tail -n 20 "$LOGS/write_threads.err"; }
+fi
 
 # -- 3. the engine probe --------------------------------------------------------------------------------
 if [[ ${GPU_CHECK_PROBE_ROWS:-etrain,hf} == none ]]; then
@@ -205,4 +227,6 @@ jobs_rc=$?
 ((jobs_rc == 0)) || { log "the service driver exited $jobs_rc; its stderr:"; tail -n 20 "$LOGS/service_jobs.err"; }
 log "service jobs done"
 
-"$PY" -m benchmarks.gpu.table --results-dir "$RESULTS" --check
+no_probe=()
+[[ ${GPU_CHECK_PROBE_ROWS:-etrain,hf} == none ]] && no_probe=(--no-probe)
+"$PY" -m benchmarks.gpu.table --results-dir "$RESULTS" --check "${no_probe[@]}"

@@ -29,6 +29,7 @@ from benchmarks.gpu.measures import (
     row_plan,
     save_blocking,
     startup_phases,
+    wind_down,
 )
 from benchmarks.gpu.table import passed, render, render_throughput
 from benchmarks.peers.common import recovery_measures
@@ -230,6 +231,8 @@ LOG = [
     "2026-11-26T10:00:10.250 checkpoint step 20 save started (async)",
     "2026-11-26T10:00:18.000 step 40/40 loss 8.2000 compute 0.400s comm_wait 0.000s",
     "2026-11-26T10:00:18.900 checkpoint step 40 saved, training blocked 0.68s",
+    "2026-11-26T10:00:19.900 attempt 1: param digest 0.95s",
+    "2026-11-26T10:00:22.000 attempt 1: wound down in 2.10s (reports 0.01s, saves closed 1.84s, process groups 0.25s)",
 ]
 
 
@@ -245,6 +248,13 @@ def test_start_up_phases_and_save_blocking_from_a_rank_log():
         save_blocking(["2026-11-26T10:00:00.000 checkpoint step 5 saved, training blocked 250ms"])[0]["blocked_s"]
         == 0.25
     )
+    [end] = wind_down(LOG)
+    assert end == {
+        "attempt": 1,
+        "param_digest_s": 0.95,
+        "total_s": 2.10,
+        "phases": {"reports": 0.01, "saves closed": 1.84, "process groups": 0.25},
+    }
 
 
 def _event(ts, kind, message=""):
@@ -368,6 +378,7 @@ def test_the_table_names_the_device_and_judges_the_goals():
     assert "| kill job: goodput | 90.0% | ≥ 85% | yes |" in text
     assert passed(probe, service) == ["kill job: FAILED"]
     assert passed(None, {"jobs": [clean]}) == ["no probe result", "kill job: None"]
+    assert passed(None, {"jobs": [clean]}, probe_asked=False) == ["kill job: None"]
 
 
 def test_the_suite_table_leaves_the_gpu_files_alone(tmp_path):

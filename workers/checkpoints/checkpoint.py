@@ -205,8 +205,8 @@ class AsyncCheckpointer:
 
     def prepare(self, model_parts: list[nn.Module], optimizers: list[Optimizer]) -> None:
         """Allocate (and pin) the staging buffers now, on a background thread, so the first save blocks
-        training only for its copy. Not collective; call it once the optimizer has its state (after
-        the first step).
+        training only for its copy. Not collective; call it once the optimizer has its state (made
+        before the first step by ``Trainer.materialize_optimizer_state``, else after that step).
 
         Why: the buffers are allocated by the first staging of each tensor, and allocating and pinning
         15 GB of host memory made a 1B model's first save block training 6.1-6.8 s on an H100, most of

@@ -47,7 +47,7 @@ from etrain.workers.engine.compute_timer import ComputeTimer
 from etrain.workers.engine.data import GlobalSampler, build_dataset
 from etrain.workers.engine.init import materialize
 from etrain.workers.engine.mesh import build_device_mesh
-from etrain.workers.engine.optim import build_optimizer, clip_grad_norm_, lr_at, set_lr
+from etrain.workers.engine.optim import build_optimizer, clip_grad_norm_, lr_at, materialize_state, set_lr
 from etrain.workers.engine.parallelize import (
     ParallelDims,
     gradient_sync,
@@ -414,6 +414,12 @@ class Trainer:
         return [self.train_step(step) for step in range(start_step, end_step)]
 
     # -- state ---------------------------------------------------------------------------------
+
+    def materialize_optimizer_state(self) -> bool:
+        """Give every optimizer its state before the first step (what that step would create, so the
+        training is the same); True when all of them have it. Lets a save's host buffers be sized and
+        pinned while the first step runs (``workers/rank/rank_saves.py``)."""
+        return all([materialize_state(optimizer) for optimizer in self.optimizers])
 
     def state_for_checkpoint(self) -> tuple[list[nn.Module], list[torch.optim.Optimizer], dict[str, Any]]:
         """What a checkpoint holds: stage modules (original FQNs), optimizers, and ``extra``.

@@ -8,7 +8,7 @@ decides *how*, and tells the supervisor what came of it.
 
 * **Sync** (CPU default): ``Trainer.save`` blocks until the files are written and hashed.
 * **Async** (CUDA default, ``checkpoint.async``): the state is staged in host memory (pinned, reused
-  buffers on CUDA, prepared in the background after the attempt's first step) and training goes on; the
+  buffers on CUDA, prepared in the background while the attempt's first step runs) and training goes on; the
   shard report follows when the files are written. The final save waits for its write: it is the job's
   result.
 * **Storage faults** (``workers/checkpoints/storage_faults.py``): a save the storage fails is abandoned on every rank
@@ -66,6 +66,7 @@ class RankSaves:
         self._keep_snapshot = keep_snapshot
         self._cuda = device_type == "cuda"
         self._threads: list[threading.Thread] = []
+        self._final_wait_s: float | None = None  # the final async save: its write and commit, waited for
         checkpoint = plan.config.checkpoint
         self.async_save = None
         if checkpoint.async_save:
@@ -80,8 +81,16 @@ class RankSaves:
 
             self._cadence = AutoCadence(mtbf_hours=checkpoint.mtbf_hours, start_step=plan.start_step)
 
+    def before_first_step(self, trainer) -> None:
+        """On CUDA, pin the async staging buffers in the background while the attempt's first step runs
+        (its compilation, seconds of host work, hides the pinning); the optimizer's state is made first
+        (``Trainer.materialize_optimizer_state``). Where it cannot be, :meth:`after_first_step` does it."""
+        if self.async_save is not None and self._cuda and trainer.materialize_optimizer_state():
+            self.async_save.prepare(*trainer.state_for_checkpoint()[:2])
+
     def after_first_step(self, trainer) -> None:
-        """On CUDA, pin the async staging buffers in the background (the optimizer has its state now)."""
+        """On CUDA, pin the async staging buffers in the background unless :meth:`before_first_step` did
+        (the optimizer has its state now)."""
         if self.async_save is not None and self._cuda:
             self.async_save.prepare(*trainer.state_for_checkpoint()[:2])
 
@@ -126,6 +135,7 @@ class RankSaves:
             report_written(report)
         elif final:  # the job's result: its write must land (or fail the attempt) before run() returns
             report_written(pending.wait(timeout_s=FINAL_WRITE_TIMEOUT_S))
+            self._final_wait_s = time.monotonic() - started - blocked_s
         else:
 
             def report_when_written() -> None:
@@ -146,7 +156,10 @@ class RankSaves:
         if blocked_s is None:
             return "abandoned (checkpoint_failed)"
         if self.async_save is not None:
-            return f"save started (async), training blocked {blocked_s:.2f}s"
+            said = f"save started (async), training blocked {blocked_s:.2f}s"
+            if self._final_wait_s is not None:  # the last save: the attempt waited for its write
+                said += f"; its write and commit took {self._final_wait_s:.2f}s more"
+            return said
         return f"saved, training blocked {blocked_s:.2f}s"
 
     def after_step(self, metrics: dict, completed: int, total: int) -> None:

@@ -29,6 +29,7 @@ import datetime
 import os
 import socket
 import threading
+import time
 from typing import Any
 
 from etrain.workers.protocol.messages import REPORT_TIMEOUT_S, ChaosOrder, LaunchPlan, NodeInfo, RunResult
@@ -297,6 +298,7 @@ class TrainWorker:
                 total_steps=total,
                 every_steps=config.checkpoint.every_steps,
             )
+            saves.before_first_step(trainer)
             for step in range(plan.start_step, total):
                 self._step = step + 1  # the step it runs, counted as the logs count it
                 metrics = dataclasses.asdict(trainer.train_step(step))
@@ -330,12 +332,19 @@ class TrainWorker:
         finally:
             # Each step on its own: after a peer died, the async writer's close can raise, and this
             # process may run the next attempt (an in-place repair), which needs the groups gone.
+            # Timed like the start-up: the seconds between the last step and the job's end, in one line.
+            ending = _Phases()
             if batcher is not None:  # the last steps reach the supervisor before run() returns
                 self._close_reports(batcher)
+                ending.mark("reports")
             if self._saves is not None:  # the save in flight lands and every report is acknowledged
                 self._saves.close(log)
                 self._saves = None
+                ending.mark("saves closed")
             _leave_process_groups()
+            ending.mark("process groups")
+            if log is not None:
+                log.write(f"attempt {plan.attempt}: wound down in {ending}")
 
     def _restore(self, trainer, plan: LaunchPlan) -> str:
         """Load committed step ``plan.start_step``; returns where the state came from.
@@ -399,12 +408,16 @@ class TrainWorker:
             pass
 
     def _result(self, trainer, final_step: int, final_loss: float | None, *, stopped: bool) -> RunResult:
+        started = time.monotonic()
+        digest = local_param_digest(trainer.model_parts)
+        if self._log is not None:
+            self._log.write(f"attempt {self._plan.attempt}: param digest {time.monotonic() - started:.2f}s")
         return {
             "rank": self.rank,
             "final_step": final_step,
             "final_loss": final_loss,
             "stopped": stopped,
-            "param_digest": local_param_digest(trainer.model_parts),
+            "param_digest": digest,
         }
 
     # --- drills ---------------------------------------------------------------------------------
