@@ -4,7 +4,9 @@ Found on an H100 by ``make gpu-check``: torch 2.11's ``async_save`` closes the s
 each upload, and the job's second save then failed inside the stager (``KeyError: <class 'type'>``).
 Here, in one process on CPU: two saves in a row through one checkpointer, with the stager closed the way
 that torch closes it, each restore the values of its own step (the reused buffers hold the new values,
-never the previous save's).
+never the previous save's). And the buffers made ahead of the first save (``ReusedStager.allocate``: the
+way that stalls training least on an H100) are the very ones DCP's copier stages into, for a trainer's
+whole state, plain tensors and FSDP2's DTensor shards alike.
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ from torch import nn
 
 from etrain.workers.checkpoints.checkpoint import AsyncCheckpointer, load_checkpoint
 from etrain.workers.checkpoints.checkpoint_commit import commit, step_dir
+from etrain.workers.protocol.run_config import ParallelConfig
+from tests.dist_utils import run_distributed
+from tests.equivalence_utils import TINY_LLAMA, small_config
 
 
 def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -62,7 +67,7 @@ def test_two_async_saves_through_one_stager_survive_dcp_closing_it_and_keep_thei
 
 
 def test_buffers_prepared_ahead_hold_the_values_of_the_save_not_of_the_preparation(tmp_path):
-    """``prepare`` stages once in the background to allocate the buffers; the save that follows, after
+    """``prepare`` allocates the buffers in the background (nothing copied); the save that follows, after
     more training, must write the state as it is at the save."""
     model, optimizer, checkpointer = _trained_once()
     try:
@@ -100,3 +105,62 @@ def test_the_stager_keeps_its_buffers_and_copy_table_when_dcp_closes_its_copier_
     assert torch.equal(second["model"]["w"], torch.arange(6.0) + 1.0)
     assert second["model"]["w"].data_ptr() == first["model"]["w"].data_ptr()  # the same host buffer, reused
     assert second["model"]["w"].data_ptr() != weight.data_ptr()  # a copy, not the live tensor
+
+
+def _staged_into_buffers_made_ahead(rank: int, world_size: int, config) -> dict:
+    from etrain.workers.checkpoints.checkpoint import _reused_stager
+    from etrain.workers.checkpoints.checkpoint_state import collect_state
+    from etrain.workers.engine.train import Trainer
+
+    def tensors(value) -> list:
+        if isinstance(value, torch.Tensor):
+            return [value.to_local() if hasattr(value, "to_local") else value]
+        if isinstance(value, dict):
+            return [t for item in value.values() for t in tensors(item)]
+        if isinstance(value, (list, tuple)):
+            return [t for item in value for t in tensors(item)]
+        return []
+
+    trainer = Trainer(config, rank=rank, world_size=world_size, device=torch.device("cpu"))
+    assert trainer.materialize_optimizer_state()
+    stager = _reused_stager(pinned=False)
+    try:
+        made = stager.allocate(collect_state(trainer.model_parts, trainer.optimizers).state)
+        cache = stager._copier._cached_storage_mapping
+        buffers = {host.data_ptr() for host in cache.values()}
+        before, bytes_before = len(cache), sum(host.nbytes() for host in cache.values())
+        trainer.train_step(0)  # the values change; the storages stay
+        state = collect_state(trainer.model_parts, trainer.optimizers).state
+        staged = tensors(stager.stage(state))
+        live = tensors(state)
+        return {
+            "made": made,
+            "buffers": before,
+            "after": len(cache),
+            "bytes_after": sum(host.nbytes() for host in cache.values()) - bytes_before,
+            "staged": len(staged),
+            "in_buffers": sum(t.untyped_storage().data_ptr() in buffers for t in staged),
+            "equal": all(torch.equal(a, b) for a, b in zip(staged, live)),
+            "copies": all(a.data_ptr() != b.data_ptr() for a, b in zip(staged, live) if a.numel()),
+        }
+    finally:
+        stager.release()
+
+
+def _assert_staged_ahead(result: dict) -> None:
+    assert result["made"] > 0 and result["buffers"] > 0
+    # The staging allocated nothing of its own but, under FSDP2, one 8-byte tensor outside the state's
+    # dicts (a DTensor's metadata, deep-copied with it): DCP pins such a buffer itself, in no time.
+    assert result["after"] - result["buffers"] <= 1 and result["bytes_after"] <= 8
+    assert result["in_buffers"] == result["staged"] > 0  # every staged tensor is in a buffer made ahead
+    assert result["equal"] and result["copies"]  # the values of the save, in host copies
+
+
+def test_buffers_made_ahead_are_the_ones_a_trainers_whole_state_is_staged_into() -> None:
+    _assert_staged_ahead(_staged_into_buffers_made_ahead(0, 1, small_config(steps=2, model=TINY_LLAMA)))
+
+
+def test_buffers_made_ahead_serve_fsdp2_shards_too() -> None:
+    config = small_config(steps=2, parallel=ParallelConfig(dp=2, zero=3))
+    for result in run_distributed(_staged_into_buffers_made_ahead, 2, config):
+        _assert_staged_ahead(result)

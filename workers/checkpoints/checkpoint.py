@@ -209,22 +209,25 @@ class AsyncCheckpointer:
         before the first step by ``Trainer.materialize_optimizer_state``, else after that step).
 
         Why: the buffers are allocated by the first staging of each tensor, and allocating and pinning
-        15 GB of host memory made a 1B model's first save block training 6.1-6.8 s on an H100, most of
-        it not the copy. Here a throwaway staging (its values are overwritten by the first real save,
-        which waits for this) pays that while training goes on. Never fatal: a failure leaves it to
-        the first save, as before.
+        15 GB of host memory made a 1B model's first save block training 6.1-6.8 s on an H100. Done
+        ahead the way DCP does it (a throwaway staging), it still stalled the step beside it 5.1-6.6 s:
+        ``cudaHostRegister`` of fresh memory faults every page in under the driver's lock, and the
+        training thread's kernel launches wait for that lock. Here each buffer's pages are written
+        first (no lock held), then the buffer is registered whole: the steps beside it lost 0.47 s in
+        all (``benchmarks/gpu/pinning.py``, ``benchmarks/results/gpu_pinning.json``). Nothing is copied
+        from the device. Never fatal: a failure leaves it to the first save, as before.
         """
         if self._stager is None or self._preparing is not None:
             return
         state = collect_state(model_parts, optimizers).state  # on the caller's thread: DSD may touch the optimizer
 
-        def stage() -> None:
+        def allocate() -> None:
             try:
-                self._stager.stage(state)
+                self._stager.allocate(state)
             except Exception as err:  # noqa: BLE001 - the first save allocates instead
                 warnings.warn(f"staging buffers not prepared ahead: {err}", RuntimeWarning, stacklevel=1)
 
-        self._preparing = threading.Thread(target=stage, name="ckpt-stage-ahead", daemon=True)
+        self._preparing = threading.Thread(target=allocate, name="ckpt-stage-ahead", daemon=True)
         self._preparing.start()
 
     def _prepared(self, timeout_s: float) -> None:
@@ -312,16 +315,17 @@ class AsyncCheckpointer:
 
 
 def _reused_stager(pinned: bool) -> Any:
-    """DCP's stager into host buffers allocated by the first save and reused by every later one (pinned
-    for a CUDA state), copying synchronously (the caller blocks only for the copy); None where this
-    torch has no ``DefaultStager``."""
+    """DCP's stager into host buffers allocated by the first save (or ahead of it: ``allocate``) and
+    reused by every later one (pinned for a CUDA state), copying synchronously (the caller blocks only
+    for the copy); None where this torch has no ``DefaultStager``."""
     try:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
     except ImportError:  # an older torch: DCP's default (fresh pageable copies) still works
         return None
 
     class ReusedStager(DefaultStager):
-        """A ``DefaultStager`` whose buffers and copier only its owner closes (:meth:`release`).
+        """A ``DefaultStager`` whose buffers and copier only its owner closes (:meth:`release`), and
+        whose buffers can be made ahead of the first staging (:meth:`allocate`).
 
         Why: torch 2.11 closes the stager twice over where 2.13 leaves it to the caller. Its
         ``async_save`` closes the stager it is given once the upload is done, and its
@@ -339,6 +343,30 @@ def _reused_stager(pinned: bool) -> Any:
             if self._copier is not None:
                 self._copier.close = _keep_open  # this instance's close only; release() calls the class's
 
+        def allocate(self, state: dict[str, Any]) -> int:
+            """Make the host buffer of every storage of ``state`` that has none yet, as DCP's copier
+            would at its first staging, but with its pages written before it is pinned; returns the
+            bytes allocated. The copier finds them in its cache (keyed by the source storage) and
+            copies into them. Where this DCP keeps no such cache, nothing is done (the first staging
+            allocates, as before)."""
+            cache = getattr(self._copier, "_cached_storage_mapping", None)
+            if cache is None:
+                return 0
+            pin_from = getattr(self._copier, "pin_memory_min_bytes", 1)
+            made = 0
+            for source in _source_storages(state):
+                if source in cache:
+                    continue
+                host = type(source)(source.size(), device="cpu")
+                if host.nbytes():
+                    # Write every page now: fault them in off the driver's lock (ATen's fill_ releases the GIL).
+                    torch.empty(0, dtype=torch.uint8).set_(host).fill_(0)
+                if pinned and host.nbytes() >= pin_from:
+                    _pin_whole(host)
+                cache[source] = host
+                made += host.nbytes()
+            return made
+
         def close(self) -> None:  # called by DCP after each upload on some torch versions
             pass
 
@@ -352,6 +380,49 @@ def _reused_stager(pinned: bool) -> Any:
             use_pinned_memory=pinned, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=pinned
         )
     )
+
+
+def _source_storages(state: Any) -> list[Any]:
+    """The storages DCP's copier stages for ``state`` (a DTensor's are its local shard's), each once."""
+    from torch.distributed.tensor import DTensor
+
+    seen: dict[int, Any] = {}
+
+    def walk(value: Any) -> None:
+        if isinstance(value, DTensor):
+            value = value._local_tensor
+        if isinstance(value, torch.Tensor):
+            if value.device.type != "meta":
+                storage = value.untyped_storage()
+                seen.setdefault(id(storage), storage)
+        elif isinstance(value, dict):
+            for item in value.values():
+                walk(item)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                walk(item)
+
+    walk(state)
+    return list(seen.values())
+
+
+def _pin_whole(host: Any) -> None:
+    """Page-lock ``host`` (a CPU storage) as one registration, released when it is freed, as DCP pins its
+    own buffers. One registration per buffer: a copy may not span buffers registered in pieces (an
+    H100 answered ``CUDA error: invalid argument``)."""
+    import weakref
+
+    cudart = torch.cuda.cudart()
+    pointer = host.data_ptr()
+    code = int(cudart.cudaHostRegister(pointer, host.nbytes(), 1))  # 1: cudaHostRegisterPortable, as DCP
+    if code != 0:
+        raise RuntimeError(f"cudaHostRegister of a {host.nbytes()}-byte staging buffer failed: CUDA error {code}")
+    finalizer = weakref.finalize(host, _unpin, pointer)
+    finalizer.atexit = False  # never after the CUDA context is gone
+
+
+def _unpin(pointer: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(pointer)
 
 
 def _keep_open() -> None:
