@@ -39,9 +39,9 @@ from etrain.workers.rank.rank_saves import RankSaves
 from etrain.workers.rank.report_batch import ReportBatcher
 from etrain.workers.rank.step_control import ControlRequests, StepBoundaries
 
-#: Threads hashing a rank's final parameters (``local_param_digest``), and the piece each hashes at a time.
-DIGEST_THREADS = 8
-DIGEST_CHUNK_BYTES = 64 << 20
+#: Words of a parameter fingerprinted at a time on its device (``local_param_digest``): a few int64 copies
+#: of a piece are its temporary memory (here 4 x 256 MiB at most).
+DIGEST_CHUNK_WORDS = 32 << 20
 
 
 class TrainWorker:
@@ -489,19 +489,19 @@ def _leave_process_groups() -> None:
 
 
 def local_param_digest(model_parts) -> str:
-    """SHA-256 over this rank's local parameters, in name order: of each parameter's name and its bytes'
-    digest, which is the SHA-256 of the SHA-256 of each ``DIGEST_CHUNK_BYTES`` piece of them (a hash tree).
+    """A SHA-256 over this rank's local parameters, in name order: of each parameter's name, dtype, size
+    and a 128-bit fingerprint of its bytes computed where the parameter lives (:func:`_fingerprint`).
 
     Ranks holding the same parameters (data-parallel replicas with zero <= 1) must report the same
     digest after training; a mismatch means the replicas diverged (gradients were not averaged).
 
-    Why pieces, on threads: a 1B model's fp32 parameters are 5 GB, and the tied embedding alone is 1 GB.
-    Hashed a parameter per thread, the end of an H100 attempt still spent 4.3-4.6 s here, most of it
-    the embedding's one device -> host copy and hash on one thread. A piece's copy and SHA-256 release
-    the GIL, so with pieces of 64 MiB every thread has work until the end.
+    Why a fingerprint on the device: hashing the bytes on the host means copying them there first. For
+    a 1B model's 5 GB of fp32 parameters that cost the end of every H100 attempt 4.3-4.6 s with SHA-256
+    per parameter on threads, and still 3.6-4.3 s in 64 MiB pieces (``make gpu-check``, 2026-11-27): the
+    device -> pageable host copies were the cost. On the device the fingerprint is a few integer kernels
+    per parameter, and what reaches the host is 16 bytes per parameter.
     """
     import hashlib
-    from concurrent.futures import ThreadPoolExecutor
 
     import torch
 
@@ -510,22 +510,43 @@ def local_param_digest(model_parts) -> str:
         for part in model_parts
         for name, param in sorted(part.named_parameters(), key=lambda item: item[0])
     ]
-    pieces: list[tuple[int, torch.Tensor]] = []  # (parameter index, a flat uint8 view of one piece of it)
-    for index, (_, param) in enumerate(named):
-        local = param.to_local() if hasattr(param, "to_local") else param
-        flat = local.detach().contiguous().view(-1).view(torch.uint8)
-        pieces += [(index, flat[at : at + DIGEST_CHUNK_BYTES]) for at in range(0, flat.numel(), DIGEST_CHUNK_BYTES)]
-
-    def one(piece: torch.Tensor) -> bytes:
-        return hashlib.sha256(piece.cpu().numpy()).digest()
-
-    with ThreadPoolExecutor(max_workers=DIGEST_THREADS, thread_name_prefix="param-digest") as pool:
-        digests = list(pool.map(one, [piece for _, piece in pieces]))
-    per_param = [hashlib.sha256() for _ in named]
-    for (index, _), each in zip(pieces, digests):
-        per_param[index].update(each)
+    locals_ = [param.to_local() if hasattr(param, "to_local") else param for _, param in named]
+    with torch.no_grad():
+        prints = [_fingerprint(local.detach()) for local in locals_]
+    host = [p.cpu() for p in prints]  # 16 bytes each
     digest = hashlib.sha256()
-    for (name, _), each in zip(named, per_param):
-        digest.update(name.encode())
-        digest.update(each.digest())
+    for (name, _), local, fingerprint in zip(named, locals_, host):
+        digest.update(f"{name}|{local.dtype}|{local.numel()}|".encode())
+        digest.update(fingerprint.numpy().tobytes())
     return digest.hexdigest()
+
+
+#: Odd 64-bit mixing constants (splitmix64's), as signed int64; the word sizes a fingerprint reads, widest first.
+_WORDS = (("int32", 4), ("int16", 2), ("uint8", 1))
+_MIX = (0x9E3779B97F4A7C15 - 2**64, 0xBF58476D1CE4E5B9 - 2**64)
+
+
+def _fingerprint(tensor) -> Any:
+    """Two wrapping int64 sums over ``tensor``'s bytes read as words ``w_i`` (32-bit where the size allows,
+    else 16- or 8-bit), on its device: ``sum w_i * (2i + 1)`` and ``sum ((w_i ^ (i * C1)) * C2)``.
+
+    Integer sums wrap modulo 2**64 whatever the order they are added in, so the same bytes give the same
+    fingerprint on any device and with any kernel. Any single changed word changes the first sum (its
+    factor is odd); the second mixes positions and values so that changes do not cancel in the first.
+    Pieces of ``DIGEST_CHUNK_WORDS`` bound the temporary memory (a few int64 copies of a piece).
+    """
+    import torch
+
+    flat = tensor.contiguous().view(-1)
+    nbytes = flat.numel() * flat.element_size()
+    word, size = next((getattr(torch, d), size) for d, size in _WORDS if nbytes % size == 0)
+    if (flat.storage_offset() * flat.element_size()) % size:
+        flat = flat.clone()  # a view at an unaligned offset: words are read from a copy, the same bytes
+    words = flat.view(torch.uint8).view(word) if nbytes else flat.new_zeros(0, dtype=torch.int32)
+    sums = torch.zeros(2, dtype=torch.int64, device=tensor.device)
+    for start in range(0, words.numel(), DIGEST_CHUNK_WORDS):
+        w = words[start : start + DIGEST_CHUNK_WORDS].to(torch.int64)
+        i = torch.arange(start, start + w.numel(), dtype=torch.int64, device=w.device)
+        sums[0] += (w * (2 * i + 1)).sum()
+        sums[1] += ((w ^ (i * _MIX[0])) * _MIX[1]).sum()
+    return sums
