@@ -131,6 +131,7 @@ def policy_for(spec: JobSpec) -> JobPolicy:
             window=stragglers.window,
             threshold=stragglers.threshold,
             patience=stragglers.patience,
+            sustained_windows=stragglers.sustained_windows,
         ),
         straggler_action=stragglers.action,
         resources_per_rank=resources,

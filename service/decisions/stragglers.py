@@ -71,6 +71,16 @@ class StragglerConfig:
     patience: int = 3  # consecutive windows over threshold before a rank is reported
     min_ranks: int = 2  # a stage with fewer ranks reporting in a window is not peer-judged in it
     history: int = 5  # a lone stage's baseline: the median of its last `history` healthy windows
+    #: The slow path: a rank over the lower ``sustained_threshold`` for this many consecutive windows is
+    #: reported too (0: off). It finds a milder slowdown that lasts (1.5x at threshold 1.5, which the
+    #: fast path flags only some of the time) at the price of a longer wait.
+    sustained_windows: int = 8
+    #: How far the slow path's threshold sits between 1 and ``threshold`` (0.6: 1.3 at threshold 1.5).
+    sustained_fraction: float = 0.6
+
+    @property
+    def sustained_threshold(self) -> float:
+        return 1.0 + self.sustained_fraction * (self.threshold - 1.0)
 
     def __post_init__(self) -> None:
         if self.window < 1:
@@ -85,6 +95,10 @@ class StragglerConfig:
             raise StragglerConfigError(f"min_ranks={self.min_ranks} must be >= 2: a rank needs at least one peer")
         if self.history < 1:
             raise StragglerConfigError(f"history={self.history} must be >= 1 window")
+        if self.sustained_windows < 0:
+            raise StragglerConfigError(f"sustained_windows={self.sustained_windows} must be >= 0 (0: off)")
+        if not 0.0 < self.sustained_fraction <= 1.0:
+            raise StragglerConfigError(f"sustained_fraction={self.sustained_fraction} must be in (0, 1]")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,7 +119,8 @@ class StragglerFinding:
 
 @dataclass(frozen=True, kw_only=True)
 class _Streak:
-    windows: int = 0
+    windows: int = 0  # consecutive windows over the threshold
+    sustained: int = 0  # consecutive windows over the sustained (lower) threshold
     reported: bool = False
     factors: tuple[float, ...] = ()
 
@@ -207,10 +222,12 @@ class StragglerDetector:
         usual = statistics.median(history)
         # In seconds: the compute this rank would have now at its usual cost relative to the others.
         finding = self._judge_rank(rank, stage, HISTORY, median, usual * others, step)
-        # Only a window within the threshold either way moves the baseline: a slow one never does, nor
-        # one that looks fast because another stage was slow (with two stages, a slow neighbour halves
-        # this one's relative cost; learning that would flag this stage when the neighbour recovers).
-        if self._streaks.get(rank, _Streak()).windows == 0 and relative * self.config.threshold >= usual:
+        # Only a window within the threshold either way moves the baseline: a slow one (over either path's
+        # threshold) never does, nor one that looks fast because another stage was slow (with two stages, a
+        # slow neighbour halves this one's relative cost; learning that would flag this stage when the
+        # neighbour recovers).
+        streak = self._streaks.get(rank, _Streak())
+        if streak.windows == 0 and streak.sustained == 0 and relative * self.config.threshold >= usual:
             history.append(relative)
         return finding
 
@@ -220,15 +237,24 @@ class StragglerDetector:
         if reference <= 0:
             return None  # the reference is zero compute: no meaningful ratio
         factor = median / reference
-        if factor <= self.config.threshold:
+        config = self.config
+        slow_path = config.sustained_windows > 0
+        if factor <= config.threshold and not (slow_path and factor > config.sustained_threshold):
             self._streaks[rank] = _Streak()  # recovered: may be reported again later
             return None
         streak = self._streaks.get(rank, _Streak())
-        streak = _Streak(windows=streak.windows + 1, reported=streak.reported, factors=streak.factors + (factor,))
+        streak = _Streak(
+            windows=streak.windows + 1 if factor > config.threshold else 0,
+            sustained=streak.sustained + 1 if slow_path and factor > config.sustained_threshold else 0,
+            reported=streak.reported,
+            factors=(streak.factors + (factor,))[-max(config.patience, config.sustained_windows) :],
+        )
         finding = None
-        if streak.windows >= self.config.patience and not streak.reported:
-            finding = self._finding(rank, stage, basis, factor, median, reference, streak, step)
-            streak = _Streak(windows=streak.windows, reported=True, factors=streak.factors)
+        fast = streak.windows >= config.patience
+        sustained = slow_path and streak.sustained >= config.sustained_windows
+        if (fast or sustained) and not streak.reported:
+            finding = self._finding(rank, stage, basis, factor, median, reference, streak, step, sustained=not fast)
+            streak = _Streak(windows=streak.windows, sustained=streak.sustained, reported=True, factors=streak.factors)
         self._streaks[rank] = streak
         return finding
 
@@ -242,8 +268,12 @@ class StragglerDetector:
         reference: float,
         streak: _Streak,
         step: int,
+        *,
+        sustained: bool = False,
     ) -> StragglerFinding:
-        factors = ", ".join(f"{f:.2f}x" for f in streak.factors)
+        windows = streak.sustained if sustained else streak.windows
+        threshold = round(self.config.sustained_threshold, 4) if sustained else self.config.threshold
+        factors = ", ".join(f"{f:.2f}x" for f in streak.factors[-windows:])
         if basis == PEERS:
             compared = f"peer median {reference:.4f}s" + (f" in stage {stage}" if self._stages is not None else "")
         else:
@@ -253,15 +283,15 @@ class StragglerDetector:
             )
         evidence = (
             f"rank {rank} median compute {window_median:.4f}s vs {compared} "
-            f"({factor:.2f}x > threshold {self.config.threshold}x) for {streak.windows} consecutive "
-            f"windows of {self.config.window} steps ending at step {step} [{factors}]"
+            f"({factor:.2f}x > {'sustained threshold ' if sustained else 'threshold '}{threshold}x) for {windows} "
+            f"consecutive windows of {self.config.window} steps ending at step {step} [{factors}]"
         )
         return StragglerFinding(
             rank=rank,
             factor=factor,
             window_median=window_median,
             peer_median=reference,
-            windows_flagged=streak.windows,
+            windows_flagged=windows,
             step=step,
             evidence=evidence,
             stage=stage,

@@ -422,6 +422,11 @@ class StragglerSpec(_Section):
     window: _upto(10_000) = Field(default=4, description="timing-sync steps per window (each rank: the median)")
     threshold: float = Field(default=1.5, gt=1.0, le=1000.0)
     patience: _upto(10_000) = Field(default=3, description="consecutive windows over threshold before a report")
+    sustained_windows: _upto(10_000, 0) = Field(
+        default=8,
+        description="the slow path: consecutive windows over 1 + 0.6 x (threshold - 1) (1.3 at 1.5) before a "
+        "report, for a milder slowdown that lasts (0: off)",
+    )
     action: Literal["report", "evict"] = "report"
 
 

@@ -335,8 +335,9 @@ class TestLoneStagesAgainstTheirHistory:
         stages = stage_map(pp=2, dp=1, tp=1)
         detector = StragglerDetector(StragglerConfig(window=1, patience=1, history=3, threshold=1.5), stages=stages)
         found = []
-        # Healthy windows 1.0, 1.2, 1.4, 1.6 (each <= 1.5x the baseline then): baseline = median(1.2, 1.4, 1.6).
-        for step, t in enumerate([1.0, 1.2, 1.4, 1.6, 2.5]):
+        # Healthy windows 1.0, 1.2, 1.4, 1.5 (each <= 1.3x the baseline then, the sustained threshold: a
+        # window over either threshold is not learned): baseline = median(1.2, 1.4, 1.5).
+        for step, t in enumerate([1.0, 1.2, 1.4, 1.5, 2.5]):
             found += detector.observe(step, {0: 1.0, 1: t})
         assert [(f.rank, f.step) for f in found] == [(1, 4)]
         assert found[0].peer_median == pytest.approx(1.4)
@@ -358,3 +359,70 @@ class TestLoneStagesAgainstTheirHistory:
         # After a relaunch the first window is a new baseline: 0.5 is not judged against 0.1.
         assert detector.observe(3, {0: 0.1, 1: 0.5}) == []
         assert detector.observe(4, {0: 0.1, 1: 0.5}) == []
+
+
+class TestTheSustainedPath:
+    """A milder slowdown that lasts: over ``sustained_threshold`` (1.3 at threshold 1.5) for
+    ``sustained_windows`` (8) consecutive windows, reported once, with the path named in its evidence."""
+
+    def test_a_1_4x_rank_is_reported_after_exactly_the_sustained_windows(self):
+        config = StragglerConfig()  # window 4, threshold 1.5, patience 3, sustained 8 windows over 1.3
+        assert config.sustained_threshold == pytest.approx(1.3)
+        found = feed(StragglerDetector(config), 80, [0, 1], slow={1: ALWAYS}, factor=1.4)
+        assert [(step, f.rank) for step, f in found] == [(8 * 4 - 1, 1)]  # the 8th window closes at step 31
+        finding = found[0][1]
+        assert finding.windows_flagged == 8 and finding.factor == pytest.approx(1.4)
+        assert "(1.40x > sustained threshold 1.3x) for 8 consecutive windows" in finding.evidence
+        assert finding.evidence.endswith("[" + ", ".join(["1.40x"] * 8) + "]")
+
+    def test_a_2x_rank_still_takes_the_fast_path(self):
+        found = feed(StragglerDetector(StragglerConfig()), 80, [0, 1], slow={1: ALWAYS}, factor=2.0)
+        assert [(step, f.rank, f.windows_flagged) for step, f in found] == [(3 * 4 - 1, 1, 3)]
+        assert "(2.00x > threshold 1.5x) for 3 consecutive windows" in found[0][1].evidence
+
+    def test_one_window_under_the_sustained_threshold_starts_the_count_again(self):
+        slowed_except_window_7 = lambda step: step // 4 != 6  # noqa: E731 - the 7th window (steps 24-27) healthy
+        found = feed(StragglerDetector(StragglerConfig()), 80, [0, 1], slow={1: slowed_except_window_7}, factor=1.4)
+        assert [(step, f.rank) for step, f in found] == [((7 + 8) * 4 - 1, 1)]  # 8 more windows from window 8
+
+    def test_a_window_over_the_fast_threshold_does_not_break_the_sustained_count(self):
+        factors = {5: 1.8}  # window 6 of a 1.4x streak is a 1.8x one: still over 1.3
+
+        detector = StragglerDetector(StragglerConfig())
+        found = []
+        for step in range(80):
+            slow = 0.1 * factors.get(step // 4, 1.4)
+            found += [(step, f) for f in detector.observe(step, {0: 0.1, 1: slow})]
+        assert [(step, f.rank) for step, f in found] == [(31, 1)]
+
+    @pytest.mark.parametrize(
+        "config, factor",
+        [
+            (StragglerConfig(sustained_windows=0), 1.4),  # the slow path off: the fast path alone
+            (StragglerConfig(threshold=2.0), 1.5),  # sustained threshold 1.6 at threshold 2.0
+            (StragglerConfig(), 1.25),  # under 1.3
+        ],
+        ids=["off", "scaled-with-threshold", "under"],
+    )
+    def test_nothing_is_reported_under_the_sustained_threshold_or_with_the_path_off(self, config, factor):
+        assert feed(StragglerDetector(config), 400, [0, 1], slow={1: ALWAYS}, factor=factor) == []
+
+    def test_healthy_jitter_is_never_reported(self):
+        # +-15% on every step of every rank, 10,000 steps: window medians stay far under 1.3
+        assert feed(StragglerDetector(StragglerConfig()), 10_000, [0, 1, 2, 3], jitter=0.15, seed=5) == []
+
+    def test_a_lone_stage_slowed_1_4x_is_found_and_its_baseline_does_not_learn_the_slowdown(self):
+        # PP x2: each rank alone in its stage, judged against its own cost relative to the other stage
+        detector = StragglerDetector(StragglerConfig(), stages=stage_map(pp=2, dp=1, tp=1))
+        found = feed(detector, 200, [0, 1], slow={1: lambda step: step >= 40}, factor=1.4)
+        assert [(f.rank, f.basis) for _, f in found] == [(1, HISTORY)]
+        assert found[0][0] == 40 + 8 * 4 - 1  # 8 windows from the first slowed one
+        assert "sustained threshold 1.3x" in found[0][1].evidence
+
+    @pytest.mark.parametrize(
+        "kwargs, message",
+        [({"sustained_windows": -1}, "sustained_windows=-1"), ({"sustained_fraction": 0.0}, "sustained_fraction=0.0")],
+    )
+    def test_the_sustained_settings_are_checked(self, kwargs, message):
+        with pytest.raises(StragglerConfigError, match=message):
+            StragglerConfig(**kwargs)
