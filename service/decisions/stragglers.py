@@ -35,7 +35,12 @@ The statistic is deliberately robust:
   is simply the other rank;
 * a rank is flagged only after ``patience`` consecutive windows over ``threshold``, and then
   reported **once**; it is reported again only after a window at or under the threshold (it
-  recovered) followed by a new streak.
+  recovered) followed by a new streak;
+* beside that fast path, a **slow path** flags a rank over the lower ``sustained_threshold`` (1.3 at a
+  threshold of 1.5) for ``sustained_windows`` consecutive windows: a 1.5x straggler sits right at the
+  fast path's threshold, where noise decides whether three windows in a row clear it, but it clears
+  1.3 every window, while healthy noise does not stay over 1.3 for 32 steps. Like alerting on an error
+  budget at two burn rates: a high bar over a short time, a lower one over a longer time.
 
 The detector knows ranks, not nodes; the adapter maps a finding to a node and turns it into a
 ``StragglerFlagged`` event for the supervisor. Pure Python: no torch, no Ray.
