@@ -14,7 +14,8 @@ Trainers on the same process group):
   process restored from the ep=2 run's step-2 checkpoint trains on to the same losses (ep=2 -> ep=1).
 
 On four ranks: ep=2 × dp=4 (two pairs of ranks, each pair splitting the experts, the expert gradients
-averaged over the pairs) equals one process too. The refusals are checked before any process group.
+averaged over the pairs) equals one process too. The tiny Mixtral preset trains one process's numbers at
+ep=2 under DDP and FSDP2 as well. The refusals are checked before any process group.
 """
 
 from __future__ import annotations
@@ -165,6 +166,32 @@ def test_ep2_dp4_trains_like_one_process(reference):
     results = [result for result, _ in ranks]
     print(f"qwen3_moe dp4 ep2: losses {results[0].losses} vs one process {one.losses}")
     assert_equivalent(one, results, layout="qwen3_moe dp4 ep2 zero=0")
+
+
+MIXTRAL = dataclasses.replace(ModelConfig(**MODEL_PRESETS["mixtral-tiny"]), seq_len=16, router_aux_loss_coef=0.01)
+
+
+def _mixtral_ep2(rank: int, world_size: int) -> dict:
+    base = small_config(steps=STEPS, model=MIXTRAL)
+    return {
+        zero: _train(dataclasses.replace(base, parallel=ParallelConfig(dp=2, ep=2, zero=zero)), rank, world_size)
+        for zero in (0, 3)
+    }
+
+
+def test_mixtral_ep2_trains_like_one_process():
+    """The second family with experts (Mixtral: its own router and block, Qwen3-MoE's expert modules)
+    splits its experts over ep=2 under DDP and FSDP2 and trains one process's numbers."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one = _train(small_config(steps=STEPS, model=MIXTRAL), 0, 1)
+    finally:
+        torch.set_num_threads(threads)
+    ranks = run_distributed(_mixtral_ep2, 2, timeout_s=240)
+    print(f"mixtral ep2: losses {ranks[0][0].losses} vs one process {one.losses}")
+    assert_equivalent(one, [r[0] for r in ranks], layout="mixtral dp2 ep2 zero=0")
+    assert_equivalent(one, [r[3] for r in ranks], layout="mixtral dp2 ep2 zero=3")
 
 
 @pytest.mark.parametrize(
