@@ -129,15 +129,14 @@ def context_parallel_sizes(spec: JobSpec, base: Case, budget: int) -> list[int]:
 
 def _expert_parallel_sizes(spec: JobSpec, model: ModelConfig, *, dp: int, zero: int) -> list[int]:
     """1, and for a mixture of experts the ep degrees ``etrain.workers.families.layout.ep_problems`` allows at
-    this (dp, zero): divisors of gcd(dp, n_experts), not with ZeRO-1 nor compiled blocks asked for (left unset,
-    compile is off under ep), at most MAX_AUTO_EP_SIZES of them (``spread``)."""
+    this (dp, zero): divisors of gcd(dp, n_experts), not with ZeRO-1, at most MAX_AUTO_EP_SIZES of them
+    (``spread``)."""
     if dp == 1 or not family(model.arch).mixture_of_experts:
         return [1]
-    compiled = spec.training.compile is True
     allowed = [
         e
         for e in layout_rules.divisors(math.gcd(dp, model.n_experts))
-        if e > 1 and not family_layout.ep_problems(model, ep=e, dp=dp, zero=zero, compile=compiled)
+        if e > 1 and not family_layout.ep_problems(model, ep=e, dp=dp, zero=zero)
     ]
     return [1, *spread(allowed, MAX_AUTO_EP_SIZES)] if allowed else [1]
 
@@ -165,8 +164,8 @@ def candidate_groups(spec: JobSpec, base: Case, budget: int, *, cp: int | None =
     ``ep_problems`` allows (it comes out of dp: no extra ranks); cp among :func:`context_parallel_sizes`, ep
     only at cp=1 (they do not compose). At most MAX_AUTO_PP_SIZES pp, MAX_AUTO_DP_SIZES dp values per
     (cp, tp, pp) and MAX_AUTO_EP_SIZES ep values per (dp, zero) are tried
-    (:func:`etrain.service.planning.bounds.spread`). A layout with cp or ep > 1 is estimated with eager blocks
-    (``training.compile`` left unset is off under them: ``JobSpec.compile_blocks``).
+    (:func:`etrain.service.planning.bounds.spread`). A layout with cp > 1 is estimated with eager blocks
+    (``training.compile`` left unset is off under it: ``JobSpec.compile_blocks``).
     """
     model, res, training = base.model, spec.resources, spec.training
     lo_dp, hi_dp = res.min_dp or 1, res.max_dp or budget
@@ -204,7 +203,7 @@ def candidate_groups(spec: JobSpec, base: Case, budget: int, *, cp: int | None =
                     ]
                     for zero in range(4) if dp * c > 1 else (0,):  # ZeRO shards over dp·cp ranks
                         for ep in _expert_parallel_sizes(spec, model, dp=dp, zero=zero) if c == 1 else [1]:
-                            eager = c > 1 or ep > 1  # compile is off under cp and ep (JobSpec.compile_blocks)
+                            eager = c > 1  # compile is off under cp (JobSpec.compile_blocks)
                             group += [
                                 dataclasses.replace(
                                     base,

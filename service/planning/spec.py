@@ -484,11 +484,11 @@ class JobSpec(_Section):
     def compile_blocks(self) -> bool:
         """``training.compile`` or its default: on for CUDA (measured on an H100, Llama-1B shapes: 44.8%
         MFU compiled vs 34.0% eager), off on CPU, where compiling costs more than a short job gains, and off
-        under expert parallelism (``parallelism.ep > 1``: its token exchange does not compile yet) and context
-        parallelism (``parallelism.cp > 1``: nor does the ring)."""
+        under context parallelism (``parallelism.cp > 1``: the ring does not compile yet). Under expert
+        parallelism the blocks compile around the token exchange, which runs eagerly."""
         if self.training.compile is not None:
             return self.training.compile
-        if not self.is_auto and (self.layout.ep > 1 or self.layout.cp > 1):
+        if not self.is_auto and self.layout.cp > 1:
             return False
         return self.resources.device == "cuda"
 

@@ -147,26 +147,8 @@ def check_spec(spec: JobSpec) -> list[SpecProblem]:
             )
         )
     problems += _world_problems(spec)
-    problems += _expert_parallel_problems(spec, problems)
     problems += _context_parallel_problems(spec, problems)
     problems += _policy_problems(spec, problems)
-    return problems
-
-
-def _expert_parallel_problems(spec: JobSpec, found: list[SpecProblem]) -> list[SpecProblem]:
-    """``parallelism.ep > 1`` beside the fields the layout rules do not see (those are the planner's:
-    ``families.layout.ep_problems``): compiled blocks. The elastic range needs no check here: the supervisor's
-    elastic policy resizes only to multiples of ep (``ParallelConfig.dp_multiple``), like ``scale``."""
-    layout = spec.layout
-    if layout.ep == 1 or _model_unreadable(found):
-        return []
-    problems = []
-    if spec.training.compile:
-        problems += SpecProblem.of(
-            problem
-            for problem in family_layout.ep_problems(spec.model.to_config(), ep=layout.ep, dp=layout.dp, compile=True)
-            if problem.field == "training.compile"
-        )
     return problems
 
 

@@ -420,11 +420,13 @@ def test_bad_hf_model_specs_name_the_field(client, tmp_path, model, field, words
     assert words in problem["message"] and problem["fix"]
 
 
-@pytest.mark.parametrize(("parallelism", "compile"), [({"cp": 2}, False), ({"dp": 2, "ep": 2}, True)])
+@pytest.mark.parametrize(
+    ("parallelism", "compile"), [({"cp": 2}, False), ({"cp": 2}, True), ({"dp": 2, "ep": 2}, True)]
+)
 def test_an_unreadable_model_hf_beside_cp_or_ep_is_its_own_problem_not_a_400(client, parallelism, compile):
     """The cp and ep rules ask the model's family; with no readable model they wait for it (found by
     schemathesis: a missing model.hf beside parallelism.cp answered 400 bad_request; ep's rule for
-    training.compile likewise)."""
+    training.compile, since lifted, likewise)."""
     training = {"steps": 20, "global_batch": 8, "micro_batch": 2, "compile": compile}
     body = tiny_spec(model={"hf": "missing"}, parallelism=parallelism, training=training)
     problem = problems(client.post("/v1/jobs", json=body))["model.hf"]

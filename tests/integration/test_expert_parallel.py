@@ -15,7 +15,8 @@ Trainers on the same process group):
 
 On four ranks: ep=2 × dp=4 (two pairs of ranks, each pair splitting the experts, the expert gradients
 averaged over the pairs) equals one process too. The tiny Mixtral preset trains one process's numbers at
-ep=2 under DDP and FSDP2 as well. The refusals are checked before any process group.
+ep=2 under DDP and FSDP2 as well, and with compiled blocks (``aot_eager``: the exchange runs eagerly
+between each block's graphs). The refusals are checked before any process group.
 """
 
 from __future__ import annotations
@@ -172,26 +173,47 @@ MIXTRAL = dataclasses.replace(ModelConfig(**MODEL_PRESETS["mixtral-tiny"]), seq_
 
 
 def _mixtral_ep2(rank: int, world_size: int) -> dict:
+    from etrain.workers.engine.compile import compiled_frames
+    from etrain.workers.engine.train import Trainer
+
     base = small_config(steps=STEPS, model=MIXTRAL)
-    return {
+    out = {
         zero: _train(dataclasses.replace(base, parallel=ParallelConfig(dp=2, ep=2, zero=zero)), rank, world_size)
         for zero in (0, 3)
     }
+    # Compiled blocks (aot_eager here): the token exchange runs eagerly between each block's graphs.
+    compiled = dataclasses.replace(
+        base, parallel=ParallelConfig(dp=2, ep=2), training=dataclasses.replace(base.training, compile=True)
+    )
+    torch.manual_seed(0)
+    trainer = Trainer(compiled, rank=rank, world_size=world_size, device=torch.device("cpu"))
+    history = trainer.run(0, 1)
+    frames = compiled_frames()
+    history += trainer.run(1, STEPS)
+    out["compiled"] = _result(trainer, history)
+    out["frames"] = (frames, compiled_frames())
+    return out
 
 
-def test_mixtral_ep2_trains_like_one_process():
+def test_mixtral_ep2_trains_like_one_process_eager_and_compiled(monkeypatch):
     """The second family with experts (Mixtral: its own router and block, Qwen3-MoE's expert modules)
-    splits its experts over ep=2 under DDP and FSDP2 and trains one process's numbers."""
+    splits its experts over ep=2 under DDP and FSDP2 and trains one process's numbers; with compiled
+    blocks too, the exchange running eagerly between their graphs, nothing recompiled after step 1."""
+    monkeypatch.setenv("ETRAIN_COMPILE_BACKEND", "aot_eager")  # the ranks inherit it
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         one = _train(small_config(steps=STEPS, model=MIXTRAL), 0, 1)
     finally:
         torch.set_num_threads(threads)
-    ranks = run_distributed(_mixtral_ep2, 2, timeout_s=240)
+    ranks = run_distributed(_mixtral_ep2, 2, timeout_s=300)
     print(f"mixtral ep2: losses {ranks[0][0].losses} vs one process {one.losses}")
     assert_equivalent(one, [r[0] for r in ranks], layout="mixtral dp2 ep2 zero=0")
     assert_equivalent(one, [r[3] for r in ranks], layout="mixtral dp2 ep2 zero=3")
+    assert_equivalent(one, [r["compiled"] for r in ranks], layout="mixtral dp2 ep2 zero=0 compiled")
+    for r in ranks:
+        after_first, at_end = r["frames"]
+        assert after_first > 0 and at_end == after_first  # compiled at step 1, graph breaks included; no more
 
 
 @pytest.mark.parametrize(

@@ -419,7 +419,7 @@ def test_the_spec_carries_ep_and_keeps_every_elastic_size_a_multiple_of_it():
     assert check_spec(ok) == [] and check_plan(ok) == []
     config = ok.to_run_config(job_id="j", checkpoint_root="/tmp")
     assert config.parallel.ep == 2 and config.parallel.describe() == "pp1·dp2·tp1 ep2 zero=0"
-    assert config.parallel.dp_multiple == 2 and not config.training.compile  # ep does not compile yet
+    assert config.parallel.dp_multiple == 2 and not config.training.compile  # CPU: compile off by default
     # An elastic range with sizes that are not multiples of ep is fine: the supervisor resizes only to those
     # that are (and `scale` refuses the others), as for HSDP's dp_replicate.
     elastic = spec({"dp": 2, "ep": 2}, {"min_dp": 1, "max_dp": 4})
@@ -427,6 +427,8 @@ def test_the_spec_carries_ep_and_keeps_every_elastic_size_a_multiple_of_it():
     run_config = elastic.to_run_config(job_id="j", checkpoint_root="/tmp")
     supervised = SupervisorConfig.of(policy_for(elastic), run_config, job_id="j")
     assert supervised.elastic.legal_sizes() == [2, 4] and gang_for(elastic).dp_sizes == (2,)
-    compiled = check_spec(spec({"dp": 2, "ep": 2}, compile=True))
-    assert [p.field for p in compiled] == ["training.compile"] and "parallelism.ep=2" in compiled[0].message
+    compiled = spec({"dp": 2, "ep": 2}, compile=True)  # the blocks compile around the token exchange
+    assert check_spec(compiled) == [] and compiled.to_run_config(job_id="j", checkpoint_root="/tmp").training.compile
+    on_cuda = spec({"dp": 2, "ep": 2}, resources={"device": "cuda", "gpus_per_worker": 1})
+    assert on_cuda.compile_blocks  # left unset: on for CUDA, under ep too
     assert layout_rules.dp_multiple(dp_replicate=2, ep=4) == 4 and layout_rules.dp_multiple(dp_replicate=3, ep=2) == 6

@@ -49,17 +49,19 @@ def use_node_cache() -> str:
     return folder
 
 
-def apply_compile(module: nn.Module) -> None:
+def apply_compile(module: nn.Module, *, fullgraph: bool = True) -> None:
     """Compile each block of ``module`` (a whole model or one pipeline stage) in place.
 
-    ``fullgraph=True``: a graph break inside a block is a bug to fix, not a silent slowdown. Dynamo's
-    guards see the same code, shapes and dtypes on every step, so nothing recompiles after the first
-    step (tests/integration/test_throughput_options.py counts the compiled frames).
+    ``fullgraph=True`` (the default): a graph break inside a block is a bug to fix, not a silent
+    slowdown. Dynamo's guards see the same code, shapes and dtypes on every step, so nothing recompiles
+    after the first step (tests/integration/test_throughput_options.py counts the compiled frames).
+    ``fullgraph=False`` where a block holds a region that must run eagerly by design (expert
+    parallelism's token exchange, ``workers/families/expert_parallel.py``): the graph breaks exactly there.
     """
     use_node_cache()
     backend = compile_backend()
     for block in module.layers.values():
-        block.compile(backend=backend, fullgraph=True)
+        block.compile(backend=backend, fullgraph=fullgraph)
 
 
 def compile_seconds() -> float:

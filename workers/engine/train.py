@@ -124,7 +124,6 @@ class Trainer:
                 zero=parallel.zero,
                 dp_replicate=parallel.dp_replicate,
                 offload=parallel.offload,
-                compile=config.training.compile,
             )
         )
         self.config = config

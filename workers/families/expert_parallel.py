@@ -21,6 +21,12 @@ is and the expert weights' gradient is summed over every token they ran, whichev
 engine then averages it over the ranks that hold the same experts). Checked on gloo (CPU) and NCCL: gloo
 implements ``alltoall_base`` with uneven and zero splits.
 
+Under ``training.compile`` the exchange (with the local experts it calls) runs eagerly between the
+block's compiled graphs (``torch.compiler.disable``: dynamo breaks the graph around it, and the block is
+compiled without ``fullgraph``): its split sizes are host integers that change every step, which a
+compiled graph would have to specialise on or treat as unbacked symbols. The attention, the norms, the
+router and the shared parts stay compiled.
+
 Capacity is unbounded: every (token, expert) pair the router picks is sent, computed and returned, none
 is dropped, whatever the balance; a rank's expert batch is as large as the routing makes it (the memory
 of an unbalanced layer is the planner's ``k · tokens`` rows times the imbalance, not bounded here).
@@ -48,6 +54,7 @@ def _all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[in
     return funcol.wait_tensor(funcol.all_to_all_single_autograd(x, output_splits, input_splits, group))
 
 
+@torch.compiler.disable(reason="the split sizes are read on the host; compiled blocks run it eagerly")
 def exchange_experts(
     rows: torch.Tensor,
     counts: torch.Tensor,

@@ -161,7 +161,6 @@ def ep_problems(
     zero: int = 0,
     dp_replicate: int = 1,
     offload: str = "none",
-    compile: bool = False,
 ) -> list[Problem]:
     """Expert parallelism (``parallelism.ep``) the way torchtitan composes it: the ``ep`` ranks are borrowed
     from the data-parallel dimension (world = pp·dp·tp still; each run of ``ep`` consecutive dp ranks
@@ -169,8 +168,8 @@ def ep_problems(
     the number of experts, and only a family with experts has any to split. What it does not compose
     with yet: ZeRO-1 (its optimizer broadcasts each parameter from one owner to every dp rank, which would
     overwrite the other ranks' experts), HSDP (``dp_replicate``) and CPU offload (FSDP2 features that
-    would leave the expert shards out), and compiled blocks (the exchange's split sizes are read on the
-    host, which a ``fullgraph`` block cannot hold)."""
+    would leave the expert shards out). Compiled blocks run it: the exchange runs eagerly between the
+    block's graphs (``workers/families/expert_parallel.py``)."""
     if ep == 1:
         return []
     if not is_count(ep):
@@ -231,15 +230,6 @@ def ep_problems(
                 message=f"parallelism.ep={ep} does not compose with parallelism.offload={offload!r} yet (the expert "
                 "shards are not FSDP2's and would stay in device memory).",
                 fix="use parallelism.offload='none' with ep > 1, or ep=1",
-            )
-        )
-    if compile:
-        problems.append(
-            Problem(
-                field="training.compile",
-                message=f"training.compile does not run with parallelism.ep={ep} yet: the token exchange reads its "
-                "split sizes on the host, which a compiled (fullgraph) block cannot hold.",
-                fix="set training.compile: false with ep > 1, or ep=1",
             )
         )
     return problems
