@@ -89,9 +89,11 @@ def layer_activation_bytes(
     the GPT's count reads the element size from ``precision`` alone. Korthikanti's count, adapted to
     the GPT block (no dropout, fused attention): sbh (8 + 24/t) at f = 4d in bf16, plus fp32 stats.
     With full activation checkpointing only the block input is saved; with selective, the block input
-    and what :func:`selective_activation_bytes` counts. Context parallelism (``cp > 1``): the count at one
-    cp rank's ``seq_len / cp`` tokens, plus what the ring keeps beyond the fused kernel
-    (``ModelFamily.ring_attention_bytes``; nothing extra under full checkpointing, which keeps the input).
+    and what :func:`selective_activation_bytes` counts. Context parallelism (``cp > 1``): the eager count at
+    one cp rank's ``seq_len / cp`` tokens (compiled too: the ring, run eagerly, splits the block's graph
+    where the compiled count was measured whole; an overestimate), plus what the ring keeps beyond the
+    fused kernel (``ModelFamily.ring_attention_bytes``; nothing extra under full checkpointing, which keeps
+    the input).
     """
     regime = regime or compute_regime(precision, fsdp=False)
     if cp > 1:
@@ -104,7 +106,7 @@ def layer_activation_bytes(
             precision=precision,
             checkpointing=checkpointing,
             regime=regime,
-            compiled=compiled,
+            compiled=False,
         )
         if checkpointing == "full":
             return count

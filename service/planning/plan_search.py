@@ -112,17 +112,15 @@ def worker_budget(spec: JobSpec) -> int:
 
 def context_parallel_sizes(spec: JobSpec, base: Case, budget: int) -> list[int]:
     """The cp degrees auto-planning tries, least first: 1, then those
-    ``etrain.workers.families.layout.cp_problems`` allows for the spec's model, checkpointing and compile setting
-    (a family with the ring; 2·cp divides seq_len; no compiled blocks asked for, no selective checkpointing)
+    ``etrain.workers.families.layout.cp_problems`` allows for the spec's model and checkpointing
+    (a family with the ring; 2·cp divides seq_len; no selective checkpointing)
     within the budget at ``resources.min_dp``: the MAX_AUTO_CP_SIZES least of them, since the least cp that
     fits is the one chosen (:func:`choose_layout`)."""
     model, lo_dp = base.model, spec.resources.min_dp or 1
-    compiled = spec.training.compile is True  # left unset, compile is off under cp (JobSpec.compile_blocks)
     allowed = [
         c
         for c in layout_rules.divisors(model.seq_len)
-        if 1 < c <= budget // lo_dp
-        and not family_layout.cp_problems(model, cp=c, compile=compiled, checkpointing=base.checkpointing)
+        if 1 < c <= budget // lo_dp and not family_layout.cp_problems(model, cp=c, checkpointing=base.checkpointing)
     ]
     return [1, *allowed[:MAX_AUTO_CP_SIZES]]
 
@@ -164,8 +162,8 @@ def candidate_groups(spec: JobSpec, base: Case, budget: int, *, cp: int | None =
     ``ep_problems`` allows (it comes out of dp: no extra ranks); cp among :func:`context_parallel_sizes`, ep
     only at cp=1 (they do not compose). At most MAX_AUTO_PP_SIZES pp, MAX_AUTO_DP_SIZES dp values per
     (cp, tp, pp) and MAX_AUTO_EP_SIZES ep values per (dp, zero) are tried
-    (:func:`etrain.service.planning.bounds.spread`). A layout with cp > 1 is estimated with eager blocks
-    (``training.compile`` left unset is off under it: ``JobSpec.compile_blocks``).
+    (:func:`etrain.service.planning.bounds.spread`). A layout with cp > 1 is estimated with the eager
+    activation count (``plan_activations``: the ring splits each compiled block's graph).
     """
     model, res, training = base.model, spec.resources, spec.training
     lo_dp, hi_dp = res.min_dp or 1, res.max_dp or budget
@@ -203,7 +201,6 @@ def candidate_groups(spec: JobSpec, base: Case, budget: int, *, cp: int | None =
                     ]
                     for zero in range(4) if dp * c > 1 else (0,):  # ZeRO shards over dp·cp ranks
                         for ep in _expert_parallel_sizes(spec, model, dp=dp, zero=zero) if c == 1 else [1]:
-                            eager = c > 1  # compile is off under cp (JobSpec.compile_blocks)
                             group += [
                                 dataclasses.replace(
                                     base,
@@ -218,7 +215,7 @@ def candidate_groups(spec: JobSpec, base: Case, budget: int, *, cp: int | None =
                                         ep=ep,
                                         cp=c,
                                     ),
-                                    compiled=base.compiled and not eager,
+                                    compiled=base.compiled,
                                 )
                                 for schedule, v in schedules
                             ]

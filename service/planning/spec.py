@@ -483,13 +483,11 @@ class JobSpec(_Section):
     @property
     def compile_blocks(self) -> bool:
         """``training.compile`` or its default: on for CUDA (measured on an H100, Llama-1B shapes: 44.8%
-        MFU compiled vs 34.0% eager), off on CPU, where compiling costs more than a short job gains, and off
-        under context parallelism (``parallelism.cp > 1``: the ring does not compile yet). Under expert
-        parallelism the blocks compile around the token exchange, which runs eagerly."""
+        MFU compiled vs 34.0% eager), off on CPU, where compiling costs more than a short job gains. Under
+        expert and context parallelism the blocks compile around the token exchange and the ring, which run
+        eagerly between their graphs."""
         if self.training.compile is not None:
             return self.training.compile
-        if not self.is_auto and self.layout.cp > 1:
-            return False
         return self.resources.device == "cuda"
 
     def loss_chunk_tokens_for(self, tp: int) -> int:

@@ -154,17 +154,15 @@ def check_spec(spec: JobSpec) -> list[SpecProblem]:
 
 def _context_parallel_problems(spec: JobSpec, found: list[SpecProblem]) -> list[SpecProblem]:
     """``parallelism.cp > 1`` beside the fields the layout rules do not see (those are the planner's:
-    ``families.layout.cp_problems``): compiled blocks, selective activation checkpointing."""
+    ``families.layout.cp_problems``): selective activation checkpointing."""
     layout = spec.layout
     if layout.cp == 1 or _model_unreadable(found):
         return []
     checkpointing = spec.training.activation_checkpointing
     return SpecProblem.of(
         problem
-        for problem in family_layout.cp_problems(
-            spec.model.to_config(), cp=layout.cp, compile=bool(spec.training.compile), checkpointing=checkpointing
-        )
-        if problem.field in ("training.compile", "training.activation_checkpointing")
+        for problem in family_layout.cp_problems(spec.model.to_config(), cp=layout.cp, checkpointing=checkpointing)
+        if problem.field == "training.activation_checkpointing"
     )
 
 

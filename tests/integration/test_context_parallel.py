@@ -301,23 +301,48 @@ def test_bad_context_layouts_are_refused_before_any_group(parallel, model, field
     assert caught.value.fix
 
 
-@pytest.mark.parametrize(
-    "training, field",
-    [
-        ({"activation_checkpointing": "selective"}, "training.activation_checkpointing"),
-        ({"compile": True}, "training.compile"),
-    ],
-    ids=["selective", "compile"],
-)
-def test_training_options_the_ring_refuses(training, field):
+def test_selective_checkpointing_is_refused_by_the_ring():
     from etrain.workers.engine.train import Trainer
 
     parallel = ParallelConfig(cp=2)
-    config = dataclasses.replace(BASE, parallel=parallel, training=dataclasses.replace(BASE.training, **training))
+    training = dataclasses.replace(BASE.training, activation_checkpointing="selective")
+    config = dataclasses.replace(BASE, parallel=parallel, training=training)
     with pytest.raises(ConfigError) as caught:
         Trainer(config, rank=0, world_size=parallel.world_size, device=torch.device("cpu"))
-    assert caught.value.field == field and "parallelism.cp=2" in str(caught.value), str(caught.value)
+    assert caught.value.field == "training.activation_checkpointing" and "parallelism.cp=2" in str(caught.value)
     assert caught.value.fix
+
+
+def _compiled_cp2(rank: int, world_size: int) -> dict:
+    from etrain.workers.engine.compile import compiled_frames
+    from etrain.workers.engine.train import Trainer
+
+    config = _config(ParallelConfig(cp=2))
+    config = dataclasses.replace(config, training=dataclasses.replace(config.training, compile=True))
+    torch.manual_seed(0)
+    trainer = Trainer(config, rank=rank, world_size=world_size, device=torch.device("cpu"))
+    history = trainer.run(0, 1)
+    frames = compiled_frames()
+    history += trainer.run(1, STEPS)
+    result = RunResult(
+        rank=trainer.rank,
+        losses=[m.loss for m in history],
+        grad_norms=[m.grad_norm for m in history],
+        params=full_state_dict(trainer),
+    )
+    return {"result": result, "frames": (frames, compiled_frames())}
+
+
+def test_cp2_with_compiled_blocks_trains_like_one_process(reference, monkeypatch):
+    """Compiled blocks (``aot_eager``) run the ring eagerly between their graphs: one process's numbers,
+    nothing recompiled after the first step."""
+    monkeypatch.setenv("ETRAIN_COMPILE_BACKEND", "aot_eager")  # the ranks inherit it
+    one, _ = reference
+    ranks = run_distributed(_compiled_cp2, 2, timeout_s=300)
+    assert_equivalent(one, [r["result"] for r in ranks], layout="cp2 compiled")
+    for r in ranks:
+        after_first, at_end = r["frames"]
+        assert after_first > 0 and at_end == after_first
 
 
 def test_planned_activations_of_cp2_match_what_a_cp2_rank_saves(two_ranks):

@@ -89,7 +89,9 @@ def test_a_long_context_gets_the_least_cp_that_fits_and_says_why():
     assert "dp=1: world = pp·dp·cp·tp = 1·1·16·2 uses 32 of 32 workers" in plan.reasons
     # The chosen layout is one the service runs: its spec passes every check, compile off under cp.
     chosen = spec.with_layout(plan.layout)
-    assert check_spec(chosen) == [] and check_plan(chosen) == [] and not chosen.compile_blocks  # cp: eager
+    assert (
+        check_spec(chosen) == [] and check_plan(chosen) == [] and chosen.compile_blocks
+    )  # compiled around the ring (CUDA)
     assert plan.candidates_considered <= MAX_AUTO_LAYOUTS
 
 
@@ -124,10 +126,11 @@ def test_cp_is_not_tried_when_the_budget_cannot_hold_it():
 def test_cp_degrees_come_from_the_rules():
     base = case_for(long_context(), ParallelismSpec())
     assert context_parallel_sizes(long_context(), base, 32) == [1, 2, 4, 8, 16, 32]
-    # selective checkpointing and compiled blocks asked for do not run with cp (cp_problems): none is tried
-    for training in ({"activation_checkpointing": "selective"}, {"compile": True}):
-        spec = auto_spec("llama3-8b", 32, seq_len=131072, global_batch=16, **training)
-        assert context_parallel_sizes(spec, case_for(spec, ParallelismSpec()), 32) == [1]
+    # selective checkpointing does not run with cp (cp_problems): none is tried; compiled blocks do
+    spec = auto_spec("llama3-8b", 32, seq_len=131072, global_batch=16, activation_checkpointing="selective")
+    assert context_parallel_sizes(spec, case_for(spec, ParallelismSpec()), 32) == [1]
+    spec = auto_spec("llama3-8b", 32, seq_len=131072, global_batch=16, compile=True)
+    assert context_parallel_sizes(spec, case_for(spec, ParallelismSpec()), 32) == [1, 2, 4, 8, 16, 32]
     # a family without the ring (a mixture of experts) gets none either
     moe = auto_spec("qwen3-30b-a3b", 32)
     assert context_parallel_sizes(moe, case_for(moe, ParallelismSpec()), 32) == [1]
@@ -241,11 +244,9 @@ def test_every_candidate_passes_the_layout_rules_within_the_cap(spec):
     for case in cases:
         assert layout_problems(case, max_dp=case.layout.dp) == [], case.layout
         assert check_spec(spec.with_layout(case.layout)) == [], case.layout
-        assert case.compiled == (spec.compile_blocks and case.layout.cp == 1)
+        assert case.compiled == spec.compile_blocks
     axes = {(case.layout.cp > 1, case.layout.ep > 1) for case in cases}
     assert (True, True) not in axes  # cp and ep do not compose
-    if spec.training.compile:  # compiled blocks asked for: no cp (the ring does not compile); ep compiles
-        assert not any(cp for cp, _ in axes)
 
 
 def test_post_plan_answers_the_cp_layout():

@@ -669,7 +669,8 @@ def parallelize_stage(
     if config.training.compile:
         from etrain.workers.engine.compile import apply_compile
 
-        apply_compile(module, fullgraph=not dims.ep_enabled)  # the ep exchange runs eagerly between graphs
+        # the ep token exchange and the cp ring run eagerly between a block's graphs
+        apply_compile(module, fullgraph=not (dims.ep_enabled or dims.cp_enabled))
     if uses_fsdp(dims, parallel):
         device = torch.device(dims.fsdp_mesh.device_type)
         return materialize(apply_dp(module, dims, zero=parallel.zero, **fsdp_policies(config, device)))

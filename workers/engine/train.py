@@ -112,7 +112,6 @@ class Trainer:
                 ep=parallel.ep,
                 zero=parallel.zero,
                 dp_replicate=parallel.dp_replicate,
-                compile=config.training.compile,
                 checkpointing=config.training.activation_checkpointing,
             )
         )

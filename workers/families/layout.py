@@ -295,7 +295,6 @@ def cp_problems(
     ep: int = 1,
     zero: int = 0,
     dp_replicate: int = 1,
-    compile: bool = False,
     checkpointing: str = "none",
 ) -> list[Problem]:
     """Context parallelism (``parallelism.cp``): every sequence is cut into ``2·cp`` equal chunks and rank
@@ -306,9 +305,10 @@ def cp_problems(
     Tensor parallelism composes (each tp rank runs the ring over its own heads; with sequence parallelism
     tp divides ``seq_len / cp``: :func:`~etrain.workers.protocol.layout_rules.sequence_parallel_problems`), and so does pipeline parallelism (the
     stages pass a cp rank's chunks on); ZeRO-1 shards the optimizer state over ``dp · cp``, FSDP2 the model,
-    HSDP over each replica's ``dp_shard · cp`` ranks. What it does not compose with yet, each refused: expert
-    parallelism, compiled blocks and selective activation checkpointing (its policy keeps every matmul's
-    output, which inside the ring would be every block's ``(S/cp)²`` scores). ``tp``, ``pp``, ``zero`` and
+    HSDP over each replica's ``dp_shard · cp`` ranks; compiled blocks run the ring eagerly between their
+    graphs. What it does not compose with yet, each refused: expert parallelism and selective activation
+    checkpointing (its policy keeps every matmul's output, which inside the ring would be every block's
+    ``(S/cp)²`` scores). ``tp``, ``pp``, ``zero`` and
     ``dp_replicate`` are accepted for the callers' symmetry."""
     if cp == 1:
         return []
@@ -344,15 +344,6 @@ def cp_problems(
                 field="parallelism.cp",
                 message=f"parallelism.cp={cp} does not compose with expert parallelism (parallelism.ep={ep}) yet.",
                 fix="use parallelism.ep=1 with cp > 1, or cp=1",
-            )
-        )
-    if compile:
-        problems.append(
-            Problem(
-                field="training.compile",
-                message=f"training.compile does not run with parallelism.cp={cp} yet: the ring's send/recv sit "
-                "inside every attention, which a compiled (fullgraph) block cannot hold.",
-                fix="set training.compile: false with cp > 1, or cp=1",
             )
         )
     if checkpointing == "selective":

@@ -35,6 +35,10 @@ path, which it does not intercept, so on CPU/gloo (where every layout is proven 
 does not run. This ring is written on ``torch.distributed`` point-to-point ops, which gloo and NCCL both
 carry.
 
+Under ``training.compile`` the ring runs eagerly between the block's compiled graphs
+(``torch.compiler.disable``: dynamo breaks the graph around it, and the block is compiled without
+``fullgraph``); the projections, RoPE, the norms and the MLP stay compiled.
+
 Cost (correctness first): each block is the math path, its ``[batch, heads, S/cp, S/cp]`` fp32 scores
 computed, used and dropped (in the forward, and again in the backward), so the activations kept per layer
 are linear in ``S/cp`` (the planner counts them) and the transient is one block's scores; half of each
@@ -185,6 +189,7 @@ class _RingAttention(torch.autograd.Function):
         return grad_q.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None
 
 
+@torch.compiler.disable(reason="point-to-point exchanges in an autograd.Function: compiled blocks run it eagerly")
 def ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,
