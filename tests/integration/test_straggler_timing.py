@@ -1,4 +1,4 @@
-"""A slow rank under TP and ZeRO-3 is found, and its waiting peer is not (two real gloo ranks, no Ray).
+"""A slow rank under TP, ZeRO-3 and EP is found, and its waiting peer is not (two real gloo ranks, no Ray).
 
 Under tensor parallelism and FSDP2 the collectives are inside forward/backward, so a rank waiting
 for a slow peer waits *inside* its compute span. Measured here on timing-sync steps (every step):
@@ -8,6 +8,8 @@ for a slow peer waits *inside* its compute span. Measured here on timing-sync st
 * ``layers``: a slow device, modelled as a sleep before every attention and feed-forward block of
   rank 1, i.e. between the collectives (3x its own compute in total): the case a barrier before
   each micro-step would not fix, since the peer waits at every layer;
+* ``layers_backward``: the same sleep split between those blocks' forward and backward, so the peer
+  also waits in the backward's collectives (expert parallelism's reverse all-to-alls among them);
 * ``unfixed``: ``layers`` with the collective-wait clock removed, the measurement before the fix.
 
 For each, rank 1 runs ``BASELINE`` steps at normal speed, then ``SLOWED`` steps slow; the per-rank
@@ -16,6 +18,7 @@ For each, rank 1 runs ``BASELINE`` steps at normal speed, then ``SLOWED`` steps 
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 
@@ -23,7 +26,8 @@ import pytest
 import torch
 
 from etrain.service.decisions.stragglers import StragglerConfig, StragglerDetector, stage_map
-from etrain.workers.protocol.run_config import ParallelConfig
+from etrain.workers.families import MODEL_PRESETS
+from etrain.workers.protocol.run_config import ModelConfig, ParallelConfig
 from tests.dist_utils import run_distributed
 from tests.equivalence_utils import small_config
 
@@ -36,8 +40,8 @@ class _SlowLayers:
     """From ``start_step`` on, sleep before each attention / feed-forward block on ``rank``: in total
     ``extra`` times the rank's own median baseline compute per step."""
 
-    def __init__(self, trainer, rank: int, extra: float):
-        self.trainer, self.rank, self.extra = trainer, rank, extra
+    def __init__(self, trainer, rank: int, extra: float, backward: bool = False):
+        self.trainer, self.rank, self.extra, self.backward = trainer, rank, extra, backward
         self.calls_per_step = 0
         self.delay = 0.0
         self.counting = trainer.rank == rank
@@ -46,6 +50,8 @@ class _SlowLayers:
                 for name, module in part.named_modules():
                     if name.endswith(".attention") or name.endswith(".feed_forward"):
                         module.register_forward_pre_hook(self._hook)
+                        if backward:  # slow in the backward too (half the delay each way)
+                            module.register_full_backward_pre_hook(self._backward_hook)
 
     def _hook(self, module, args):
         if self.delay:
@@ -53,30 +59,40 @@ class _SlowLayers:
         else:
             self.calls_per_step += 1
 
+    def _backward_hook(self, module, grad_output):
+        if self.delay:
+            time.sleep(self.delay)
+
     def slow_down(self, baseline_compute: list[float]) -> None:
         if self.counting:
-            calls = self.calls_per_step / BASELINE
+            calls = self.calls_per_step / BASELINE * (2 if self.backward else 1)
             self.delay = self.extra * statistics.median(baseline_compute) / calls
 
 
-def _measure(rank: int, world_size: int, parallel: ParallelConfig) -> dict[str, list[dict]]:
+def _measure(rank: int, world_size: int, parallel: ParallelConfig, model=None) -> dict[str, list[dict]]:
     from etrain.workers.engine.train import Trainer
     from etrain.workers.protocol.messages import ChaosOrder
     from etrain.workers.rank.chaos import RankDrills
 
     # Two micro-steps per rank in both layouts (global batch 4 at tp=2, 8 at dp=2): TP on CPU is slow per op.
     config = small_config(
-        parallel=parallel, steps=BASELINE + SLOWED, timing_sync_every=1, global_batch=4 * parallel.dp, micro_batch=2
+        parallel=parallel,
+        steps=BASELINE + SLOWED,
+        timing_sync_every=1,
+        global_batch=4 * parallel.dp,
+        micro_batch=2,
+        **({"model": model} if model is not None else {}),
     )
     out: dict[str, list[dict]] = {}
-    for variant in ("drill", "layers", "unfixed"):
+    for variant in ("drill", "layers", "layers_backward", "unfixed"):
         drills = RankDrills(rank=rank, report=lambda order, step: None)  # no supervisor to tell here
         trainer = Trainer(
             config, rank=rank, world_size=world_size, device=torch.device("cpu"), callbacks=[drills.callback]
         )
         if variant == "unfixed":
             trainer._waits = None  # the measurement before workers/engine/collective_waits.py
-        layers = _SlowLayers(trainer, SLOW_RANK, extra=3.0) if variant != "drill" else None
+        backward = variant == "layers_backward"
+        layers = _SlowLayers(trainer, SLOW_RANK, extra=3.0, backward=backward) if variant != "drill" else None
         rows = []
         for step in range(BASELINE + SLOWED):
             if step == BASELINE and rank == SLOW_RANK:
@@ -97,10 +113,16 @@ def _measure(rank: int, world_size: int, parallel: ParallelConfig) -> dict[str, 
     return out
 
 
-@pytest.fixture(scope="module", params=["tp2", "zero3"])
+#: The mixture of experts whose experts ep=2 splits (the token exchange's all-to-alls sit in every block).
+MOE = dataclasses.replace(ModelConfig(**MODEL_PRESETS["qwen3-moe-tiny"]), seq_len=16)
+
+
+@pytest.fixture(scope="module", params=["tp2", "zero3", "ep2"])
 def measured(request) -> tuple[str, dict, list[dict]]:
-    parallel = {"tp2": ParallelConfig(tp=2), "zero3": ParallelConfig(dp=2, zero=3)}[request.param]
-    return request.param, parallel, run_distributed(_measure, 2, parallel, timeout_s=300.0)
+    parallel = {"tp2": ParallelConfig(tp=2), "zero3": ParallelConfig(dp=2, zero=3), "ep2": ParallelConfig(dp=2, ep=2)}
+    model = MOE if request.param == "ep2" else None
+    layout = parallel[request.param]
+    return request.param, layout, run_distributed(_measure, 2, layout, model, timeout_s=300.0)
 
 
 def _median(results: list[dict], variant: str, rank: int, key: str, steps: slice) -> float:
@@ -122,7 +144,7 @@ def _detect(results: list[dict], variant: str, layout: ParallelConfig) -> list:
     return findings
 
 
-@pytest.mark.parametrize("variant", ["drill", "layers"])
+@pytest.mark.parametrize("variant", ["drill", "layers", "layers_backward"])
 def test_the_slow_rank_is_found_and_its_waiting_peer_is_not(measured, variant):
     name, layout, results = measured
     peer = 1 - SLOW_RANK
