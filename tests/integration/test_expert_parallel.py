@@ -14,7 +14,8 @@ Trainers on the same process group):
   process restored from the ep=2 run's step-2 checkpoint trains on to the same losses (ep=2 -> ep=1).
 
 On four ranks: ep=2 × dp=4 (two pairs of ranks, each pair splitting the experts, the expert gradients
-averaged over the pairs) equals one process too. The tiny Mixtral preset trains one process's numbers at
+averaged over the pairs) equals one process too, with DDP and with HSDP (dp_replicate=2) for the dense
+weights. The tiny Mixtral preset trains one process's numbers at
 ep=2 under DDP and FSDP2 as well, and with compiled blocks (``aot_eager``: the exchange runs eagerly
 between each block's graphs). The refusals are checked before any process group.
 """
@@ -94,7 +95,7 @@ def _two_ranks(rank: int, world_size: int, root: str) -> dict:
     }
 
 
-def _four_ranks(rank: int, world_size: int) -> tuple[RunResult, dict]:
+def _four_ranks(rank: int, world_size: int) -> tuple[RunResult, dict, RunResult]:
     import torch.distributed as dist
 
     from etrain.workers.engine.mesh import build_device_mesh
@@ -102,7 +103,8 @@ def _four_ranks(rank: int, world_size: int) -> tuple[RunResult, dict]:
 
     mesh = build_device_mesh(Topology(pp=1, dp=4, tp=1), "cpu", ep=2)
     groups = {axis: tuple(dist.get_process_group_ranks(mesh.get_group(axis))) for axis in ("ep", "edp")}
-    return _train(_config(ParallelConfig(dp=4, ep=2)), rank, world_size), groups
+    hsdp = _train(_config(ParallelConfig(dp=4, ep=2, zero=3, dp_replicate=2)), rank, world_size)
+    return _train(_config(ParallelConfig(dp=4, ep=2)), rank, world_size), groups, hsdp
 
 
 @pytest.fixture(scope="module")
@@ -154,19 +156,21 @@ def test_ep2_trains_like_one_process_and_reshards(reference):
     assert len(restored.losses) == STEPS - SAVE_AT
 
 
-def test_ep2_dp4_trains_like_one_process(reference):
+def test_ep2_dp4_trains_like_one_process_with_ddp_and_hsdp(reference):
     one, _ = reference
     ranks = run_distributed(_four_ranks, 4, timeout_s=240)
     # an ep group is a run of ep consecutive dp ranks; the ranks holding the same experts are ep apart
-    assert [groups for _, groups in ranks] == [
+    assert [groups for _, groups, _ in ranks] == [
         {"ep": (0, 1), "edp": (0, 2)},
         {"ep": (0, 1), "edp": (1, 3)},
         {"ep": (2, 3), "edp": (0, 2)},
         {"ep": (2, 3), "edp": (1, 3)},
     ]
-    results = [result for result, _ in ranks]
+    results = [result for result, _, _ in ranks]
     print(f"qwen3_moe dp4 ep2: losses {results[0].losses} vs one process {one.losses}")
     assert_equivalent(one, results, layout="qwen3_moe dp4 ep2 zero=0")
+    # HSDP (2 replicas x 2 shards) for the dense weights, the experts split over ep=2 beside it
+    assert_equivalent(one, [hsdp for _, _, hsdp in ranks], layout="qwen3_moe dp4 ep2 zero=3 dp_replicate=2")
 
 
 MIXTRAL = dataclasses.replace(ModelConfig(**MODEL_PRESETS["mixtral-tiny"]), seq_len=16, router_aux_loss_coef=0.01)

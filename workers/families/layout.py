@@ -167,8 +167,9 @@ def ep_problems(
     splits every mixture-of-experts layer's experts, ``n_experts / ep`` each), so ``ep`` divides ``dp`` and
     the number of experts, and only a family with experts has any to split. What it does not compose
     with yet: ZeRO-1 (its optimizer broadcasts each parameter from one owner to every dp rank, which would
-    overwrite the other ranks' experts), HSDP (``dp_replicate``) and CPU offload (FSDP2 features that
-    would leave the expert shards out). Compiled blocks run it: the exchange runs eagerly between the
+    overwrite the other ranks' experts) and CPU offload (an FSDP2 feature that would leave the expert shards
+    in device memory). HSDP (``dp_replicate``) composes: FSDP2 shards the dense weights over each replica
+    and the experts, outside FSDP2, are averaged over the ranks that hold them. Compiled blocks run it: the exchange runs eagerly between the
     block's graphs (``workers/families/expert_parallel.py``)."""
     if ep == 1:
         return []
@@ -213,14 +214,6 @@ def ep_problems(
                 message=f"parallelism.ep={ep} does not run with parallelism.zero=1: ZeRO-1's optimizer broadcasts "
                 "every parameter from one owner to all dp ranks, and the ep ranks hold different experts.",
                 fix="use parallelism.zero 0 (DDP) or 2/3 (FSDP2) with ep > 1, or ep=1",
-            )
-        )
-    if dp_replicate != 1:
-        problems.append(
-            Problem(
-                field="parallelism.ep",
-                message=f"parallelism.ep={ep} does not compose with HSDP (parallelism.dp_replicate={dp_replicate}) yet.",
-                fix="use parallelism.dp_replicate=1 (plain FSDP2, zero 2/3) with ep > 1, or ep=1",
             )
         )
     if offload != "none":
