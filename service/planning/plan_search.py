@@ -127,8 +127,7 @@ def context_parallel_sizes(spec: JobSpec, base: Case, budget: int) -> list[int]:
 
 def _expert_parallel_sizes(spec: JobSpec, model: ModelConfig, *, dp: int, zero: int) -> list[int]:
     """1, and for a mixture of experts the ep degrees ``etrain.workers.families.layout.ep_problems`` allows at
-    this (dp, zero): divisors of gcd(dp, n_experts), not with ZeRO-1, at most MAX_AUTO_EP_SIZES of them
-    (``spread``)."""
+    this (dp, zero): divisors of gcd(dp, n_experts), at most MAX_AUTO_EP_SIZES of them (``spread``)."""
     if dp == 1 or not family(model.arch).mixture_of_experts:
         return [1]
     allowed = [

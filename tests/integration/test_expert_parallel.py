@@ -11,7 +11,9 @@ Trainers on the same process group):
   layer, train the reference's losses, gradient norms and final parameters within the equivalence
   tolerances (1e-5 relative on losses);
 * ep=2 restored from the reference's step-2 checkpoint trains on to its losses (ep=1 -> ep=2), and one
-  process restored from the ep=2 run's step-2 checkpoint trains on to the same losses (ep=2 -> ep=1).
+  process restored from the ep=2 run's step-2 checkpoint trains on to the same losses (ep=2 -> ep=1);
+* ep=2 with ZeRO-1 (the dense weights' optimizer state sharded over dp, the experts' AdamW beside it)
+  trains the reference's numbers, and its checkpoint reshards both ways as well.
 
 On four ranks: ep=2 × dp=4 (two pairs of ranks, each pair splitting the experts, the expert gradients
 averaged over the pairs) equals one process too, with DDP and with HSDP (dp_replicate=2) for the dense
@@ -92,6 +94,9 @@ def _two_ranks(rank: int, world_size: int, root: str) -> dict:
             _config(ParallelConfig(dp=2, ep=2, zero=2)), rank, world_size, activation_checkpointing="full"
         ),
         "restored": _train(_config(ParallelConfig(dp=2, ep=2)), rank, world_size, restore=f"{root}/one"),
+        # ZeRO-1 over the dense weights, an AdamW of their own for the experts; saved at step 2
+        "zero1": _train(_config(ParallelConfig(dp=2, ep=2, zero=1)), rank, world_size, save_root=f"{root}/ep2z1"),
+        "zero1_restored": _train(_config(ParallelConfig(dp=2, ep=2, zero=1)), rank, world_size, restore=f"{root}/one"),
     }
 
 
@@ -147,12 +152,18 @@ def test_ep2_trains_like_one_process_and_reshards(reference):
     assert_equivalent(one, [r["ddp"] for r in ranks], layout="qwen3_moe dp2 ep2 zero=0")
     assert_equivalent(one, [r["fsdp"] for r in ranks], layout="qwen3_moe dp2 ep2 zero=3")
     assert_equivalent(one, [r["recompute"] for r in ranks], layout="qwen3_moe dp2 ep2 zero=2 full checkpointing")
+    assert_equivalent(one, [r["zero1"] for r in ranks], layout="qwen3_moe dp2 ep2 zero=1")
     # ep=1 (one process) -> ep=2: the steps after the restore are the uninterrupted run's
     for r in ranks:
         _assert_losses(one, r["restored"].losses, first=SAVE_AT, layout="ep1 -> ep2")
+        _assert_losses(one, r["zero1_restored"].losses, first=SAVE_AT, layout="ep1 -> ep2 zero=1")
     # ep=2 -> ep=1: one process restores the ep=2 checkpoint and trains on to the same losses
     restored = _train(BASE, 0, 1, restore=f"{root}/ep2")
     _assert_losses(one, restored.losses, first=SAVE_AT, layout="ep2 -> ep1")
+    assert len(restored.losses) == STEPS - SAVE_AT
+    # ep=2 with ZeRO-1 (two optimizers: the dense weights' sharded, the experts') -> one process
+    restored = _train(BASE, 0, 1, restore=f"{root}/ep2z1")
+    _assert_losses(one, restored.losses, first=SAVE_AT, layout="ep2 zero=1 -> ep1")
     assert len(restored.losses) == STEPS - SAVE_AT
 
 
@@ -225,7 +236,7 @@ def test_mixtral_ep2_trains_like_one_process_eager_and_compiled(monkeypatch):
     [
         (ParallelConfig(dp=2, ep=3), MOE, "parallelism.ep", "does not divide model.n_experts=8"),
         (ParallelConfig(dp=2, ep=4), MOE, "parallelism.ep", "does not divide parallelism.dp=2"),
-        (ParallelConfig(dp=2, ep=2, zero=1), MOE, "parallelism.ep", "zero=1"),
+        (ParallelConfig(dp=2, ep=2, zero=3, offload="cpu"), MOE, "parallelism.ep", "offload"),
         (
             ParallelConfig(dp=2, ep=2),
             ModelConfig(n_layers=2, d_model=32, n_heads=4, vocab_size=64, seq_len=16),
@@ -233,7 +244,7 @@ def test_mixtral_ep2_trains_like_one_process_eager_and_compiled(monkeypatch):
             "dense model",
         ),
     ],
-    ids=["experts", "dp", "zero1", "dense"],
+    ids=["experts", "dp", "offload", "dense"],
 )
 def test_bad_expert_layouts_are_refused_before_any_group(parallel, model, field, words):
     from etrain.workers.engine.train import Trainer

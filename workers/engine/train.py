@@ -50,6 +50,7 @@ from etrain.workers.engine.mesh import build_device_mesh
 from etrain.workers.engine.optim import build_optimizer, clip_grad_norm_, lr_at, materialize_state, set_lr
 from etrain.workers.engine.parallelize import (
     ParallelDims,
+    expert_parameters,
     gradient_sync,
     loss_context,
     parallelize_stage,
@@ -199,14 +200,19 @@ class Trainer:
 
         # ZeRO-1 shards the optimizer state over the ranks that average the gradients: dp, or dp·cp
         zero_group = self.dims.group("dp_cp" if self.dims.cp_enabled else "dp") if parallel.zero == 1 else None
-        self.optimizers = [
-            build_optimizer(
-                [p for m in self.model_parts for p in m.parameters()],
-                config.training,
-                zero=parallel.zero,
-                dp_group=zero_group,
-            )
-        ]
+        params = [p for m in self.model_parts for p in m.parameters()]
+        experts = {p for m in self.model_parts for p in expert_parameters(m)} if self.dims.ep_enabled else set()
+        if zero_group is not None and experts:
+            # ZeRO-1 over the dense weights only: its step broadcasts each parameter from its owner to every
+            # dp rank, and the ep ranks hold different experts. The experts get an AdamW of their own (their
+            # state is already split over ep; their gradients are averaged over edp by reduce_expert_grads).
+            dense = [p for p in params if p not in experts]
+            self.optimizers = [
+                build_optimizer(dense, config.training, zero=1, dp_group=zero_group),
+                build_optimizer([p for p in params if p in experts], config.training),
+            ]
+        else:
+            self.optimizers = [build_optimizer(params, config.training, zero=parallel.zero, dp_group=zero_group)]
         self.dataset = build_dataset(config.data, config.model)
         self.sampler = GlobalSampler(len(self.dataset), config.training.global_batch, config.training.seed)
         self.flops_per_token = throughput.flops_per_token(config.model)

@@ -166,11 +166,12 @@ def ep_problems(
     from the data-parallel dimension (world = pp·dp·tp still; each run of ``ep`` consecutive dp ranks
     splits every mixture-of-experts layer's experts, ``n_experts / ep`` each), so ``ep`` divides ``dp`` and
     the number of experts, and only a family with experts has any to split. What it does not compose
-    with yet: ZeRO-1 (its optimizer broadcasts each parameter from one owner to every dp rank, which would
-    overwrite the other ranks' experts) and CPU offload (an FSDP2 feature that would leave the expert shards
-    in device memory). HSDP (``dp_replicate``) composes: FSDP2 shards the dense weights over each replica
-    and the experts, outside FSDP2, are averaged over the ranks that hold them. Compiled blocks run it: the exchange runs eagerly between the
-    block's graphs (``workers/families/expert_parallel.py``)."""
+    with yet: CPU offload (an FSDP2 feature that would leave the expert shards in device memory). HSDP
+    (``dp_replicate``) composes: FSDP2 shards the dense weights over each replica and the experts, outside
+    FSDP2, are averaged over the ranks that hold them; so does ZeRO-1, over the dense weights only (its
+    step broadcasts each parameter from its owner to every dp rank, and the ep ranks hold different
+    experts: they get an AdamW of their own, ``Trainer``). Compiled blocks run it: the exchange runs
+    eagerly between the block's graphs (``workers/families/expert_parallel.py``)."""
     if ep == 1:
         return []
     if not is_count(ep):
@@ -205,15 +206,6 @@ def ep_problems(
                 "ranks from the data-parallel dimension (each group of ep consecutive dp ranks splits the experts).",
                 fix=f"use a dp that is a multiple of {ep} (e.g. {ep * max(1, dp // ep)}), or ep in "
                 f"{[e for e in divisors(dp) if model.n_experts % e == 0][:24]}",
-            )
-        )
-    if zero == 1:
-        problems.append(
-            Problem(
-                field="parallelism.ep",
-                message=f"parallelism.ep={ep} does not run with parallelism.zero=1: ZeRO-1's optimizer broadcasts "
-                "every parameter from one owner to all dp ranks, and the ep ranks hold different experts.",
-                fix="use parallelism.zero 0 (DDP) or 2/3 (FSDP2) with ep > 1, or ep=1",
             )
         )
     if offload != "none":
