@@ -146,11 +146,11 @@ def main() -> int:
     if not args.tiny and not torch.cuda.is_available():
         print("no GPU on this machine: the pinning measurement skipped")
         return 0
-    from benchmarks.gpu.measures import FULL, TINY, model_config
-    from benchmarks.gpu.probe import open_device
     from benchmarks.gpu.throughput import _etrain_importable
 
-    _etrain_importable()
+    _etrain_importable()  # before measures, which imports etrain (a GPU machine has no install of it)
+    from benchmarks.gpu.measures import FULL, TINY, model_config
+    from benchmarks.gpu.probe import open_device
     from etrain.workers.checkpoints.checkpoint_state import collect_state
     from etrain.workers.engine.train import Trainer
     from etrain.workers.protocol.run_config import DataConfig, ParallelConfig, RunConfig, TrainingConfig

@@ -16,13 +16,15 @@
 #    then the clean and the killed job over REST (benchmarks/gpu/service_jobs.py), time-boxed.
 # 5. Always (trap): the server and exactly the Ray head this started are stopped, checkpoints removed.
 # Results: gpu_probe.json, gpu_service.json in benchmarks/results (--tiny: a temporary folder, or
-# $GPU_CHECK_RESULTS) and in $OUT when set; logs in $OUT/gpu-check-logs (else the temporary folder).
+# $GPU_CHECK_RESULTS) and in $OUT when set; logs in the work folder, and with $OUT set packed into
+# $OUT/gpu-check-logs.tgz (a device call hands back at most 8 files: the JSON files and that one archive).
 # Then the table of docs/gpu.md (benchmarks/gpu/table.py); the exit status is 1 unless both jobs SUCCEEDED.
 # Settings: GPU_CHECK_BUDGET_S (470: the whole run), GPU_CHECK_PROBE_S (150: the probe's box),
 # GPU_CHECK_PROBE_ROWS (etrain,hf; none skips the probe), GPU_CHECK_JOBS (clean,kill: which jobs, in order),
 # GPU_CHECK_MTBF_HOURS (the auto job's fault_tolerance.mtbf_hours; default the service's), GPU_CHECK_EXTRA
-# (tests,writes: first `pytest -m gpu tests/gpu` in the same environment, time box GPU_CHECK_TESTS_S, and the
-# async save's writer threads measured on this disk, GPU_CHECK_WRITE_GIB; off by default: the 8 minutes), GPU_PYTHON,
+# (tests,writes,pinning: first `pytest -m gpu tests/gpu` in the same environment, time box GPU_CHECK_TESTS_S,
+# the async save's writer threads measured on this disk, GPU_CHECK_WRITE_GIB, and the ways of pinning its
+# staging buffers beside training, benchmarks/gpu/pinning.py; off by default: the 8 minutes), GPU_PYTHON,
 # GPU_WHEELS_DIR (.whl), GPU_CHECK_RESULTS (where the JSON goes), GPU_CHECK_DIR (the work folder: a new /tmp one).
 set -uo pipefail
 
@@ -77,8 +79,7 @@ log "device: $GPU_CHECK_DEVICE, torch $GPU_CHECK_TORCH, python $PY$([[ $TINY == 
 
 WORK=${GPU_CHECK_DIR:-$(mktemp -d /tmp/gpu-check.XXXXXX)}
 mkdir -p "$WORK"
-LOGS=${OUT:+$OUT/gpu-check-logs}
-LOGS=${LOGS:-$WORK/logs}
+LOGS=$WORK/logs
 mkdir -p "$LOGS"
 if [[ $TINY == 1 ]]; then RESULTS=${GPU_CHECK_RESULTS:-$WORK/results}; else RESULTS=${GPU_CHECK_RESULTS:-$REPO/benchmarks/results}; fi
 rm -f "$RESULTS/gpu_probe.json" "$RESULTS/gpu_service.json"  # a part that does not finish leaves no stale figures
@@ -113,6 +114,12 @@ cleanup() {
   stop_group "$SERVER_PID" "etrain serve" "${GPU_CHECK_STOP_GRACE_S:-5}" INT
   stop_group "$RAY_PID" "the Ray head" "${GPU_CHECK_STOP_GRACE_S:-5}"
   rm -rf "$WORK/data" "$WORK/site" "$WORK/pkg" "$WORK/ray"
+  if [[ -n ${OUT:-} ]]; then
+    tar czf "$OUT/gpu-check-logs.tgz" -C "$WORK" logs 2>/dev/null
+    for result in gpu_write_threads.json gpu_pinning.json; do  # the probe and the jobs write theirs to $OUT
+      [[ -f $RESULTS/$result ]] && cp "$RESULTS/$result" "$OUT/"
+    done
+  fi
   log "logs: $LOGS; results: $RESULTS; total $((SECONDS - T0)) s; exit $rc"
   exit "$rc"
 }
@@ -146,7 +153,8 @@ export PYTHONPATH=$PYPATH${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 'fastapi', fastapi.__version__, 'pydantic', pydantic.__version__)" || exit 1
 log "packages ready"
 
-# -- 3a. on request (GPU_CHECK_EXTRA=tests,writes): the CUDA tests, the async save's writer threads ----------
+# -- 3a. on request (GPU_CHECK_EXTRA=tests,writes,pinning): the CUDA tests, the async save's writer threads, -
+#    the ways of pinning its staging buffers beside training --------------------------------------------
 EXTRA=,${GPU_CHECK_EXTRA:-},
 if [[ $EXTRA == *,tests,* ]]; then
   tests_s=${GPU_CHECK_TESTS_S:-150}
@@ -162,6 +170,13 @@ if [[ $EXTRA == *,writes,* ]]; then
   timeout -k 10 120 "$PY" -m benchmarks.gpu.write_threads "${TINY_FLAG[@]}" --gib "${GPU_CHECK_WRITE_GIB:-4}" \
     --threads 1,4,8,16 --dir "$WORK" --results-dir "$RESULTS" 2>"$LOGS/write_threads.err"
   (($? == 0)) || { log "the writer-thread measurement failed:"; tail -n 20 "$LOGS/write_threads.err"; }
+fi
+if [[ $EXTRA == *,pinning,* ]]; then
+  log "pinning the staging buffers beside training (benchmarks/gpu/pinning.py, time box 150s)"
+  rm -f "$RESULTS/gpu_pinning.json"
+  timeout -k 10 150 "$PY" -m benchmarks.gpu.pinning "${TINY_FLAG[@]}" --results-dir "$RESULTS" \
+    2>"$LOGS/pinning.err"
+  (($? == 0)) || { log "the pinning measurement failed:"; tail -n 20 "$LOGS/pinning.err"; }
 fi
 
 # -- 3. the engine probe --------------------------------------------------------------------------------
@@ -229,4 +244,4 @@ log "service jobs done"
 
 no_probe=()
 [[ ${GPU_CHECK_PROBE_ROWS:-etrain,hf} == none ]] && no_probe=(--no-probe)
-"$PY" -m benchmarks.gpu.table --results-dir "$RESULTS" --check "${no_probe[@]}"
+"$PY" -m benchmarks.gpu.table --results-dir "$RESULTS" --check "${no_probe[@]}" --jobs "${GPU_CHECK_JOBS:-clean,kill}"

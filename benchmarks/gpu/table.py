@@ -188,9 +188,15 @@ def render(probe: dict[str, Any] | None, service: dict[str, Any] | None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def passed(probe: dict[str, Any] | None, service: dict[str, Any] | None, *, probe_asked: bool = True) -> list[str]:
+def passed(
+    probe: dict[str, Any] | None,
+    service: dict[str, Any] | None,
+    *,
+    probe_asked: bool = True,
+    jobs: tuple[str, ...] = ("clean", "kill"),
+) -> list[str]:
     """What failed the check (empty: it passed): a probe row with an error (or no probe where one was
-    asked for), a job not SUCCEEDED."""
+    asked for), a job of ``jobs`` (those the run was asked for) not SUCCEEDED."""
     problems = []
     if probe is None:
         if probe_asked:
@@ -200,7 +206,7 @@ def passed(probe: dict[str, Any] | None, service: dict[str, Any] | None, *, prob
     if service is None:
         problems.append("no service result")
     else:
-        for label in ("clean", "kill"):
+        for label in jobs:
             job = _job(service, label)
             status = (
                 (job or {}).get("figures", {}).get("status") or (job or {}).get("status") or (job or {}).get("skipped")
@@ -298,6 +304,7 @@ def main() -> int:
     parser.add_argument("--check", action="store_true", help="exit 1 unless both jobs SUCCEEDED and the probe ran")
     parser.add_argument("--throughput", action="store_true", help="make bench-gpu's table (gpu_throughput.json)")
     parser.add_argument("--no-probe", action="store_true", help="the probe was left out: --check does not ask for it")
+    parser.add_argument("--jobs", default="clean,kill", help="the jobs the run was asked for (GPU_CHECK_JOBS)")
     args = parser.parse_args()
     if args.throughput:
         document = _load(args.results_dir / "gpu_throughput.json")
@@ -308,7 +315,8 @@ def main() -> int:
         return 0
     probe, service = _load(args.results_dir / "gpu_probe.json"), _load(args.results_dir / "gpu_service.json")
     print(render(probe, service))
-    problems = passed(probe, service, probe_asked=not args.no_probe)
+    jobs = tuple(job for job in args.jobs.split(",") if job)
+    problems = passed(probe, service, probe_asked=not args.no_probe, jobs=jobs)
     if args.check and problems:
         print("gpu-check FAILED: " + "; ".join(problems))
         return 1

@@ -379,6 +379,7 @@ def test_the_table_names_the_device_and_judges_the_goals():
     assert passed(probe, service) == ["kill job: FAILED"]
     assert passed(None, {"jobs": [clean]}) == ["no probe result", "kill job: None"]
     assert passed(None, {"jobs": [clean]}, probe_asked=False) == ["kill job: None"]
+    assert passed(None, {"jobs": [clean]}, probe_asked=False, jobs=("clean",)) == []  # GPU_CHECK_JOBS=clean
 
 
 def test_the_suite_table_leaves_the_gpu_files_alone(tmp_path):
