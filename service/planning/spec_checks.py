@@ -176,8 +176,11 @@ def _float8_problems(spec: JobSpec) -> list[SpecProblem]:
     if not spec.training.float8:
         return []
     tp = 1 if spec.is_auto else spec.layout.tp
+    sequence_parallel = False if spec.is_auto else spec.layout.sequence_parallel
     problems = SpecProblem.of(
-        layout_rules.float8_problems(device=spec.resources.device, precision=spec.training.precision, tp=tp)
+        layout_rules.float8_problems(
+            device=spec.resources.device, precision=spec.training.precision, tp=tp, sequence_parallel=sequence_parallel
+        )
     )
     if importlib.util.find_spec("torchao") is None:
         problems.append(

@@ -70,3 +70,45 @@ def test_which_projections_convert():
     plain = {name for name, m in model.named_modules() if type(m) is nn.Linear}
     assert converted == len(float8) == 2 * 5  # wq, wo, w1, w2, w3 in each of 2 blocks
     assert plain == {"output"} | {f"layers.{i}.attention.{p}" for i in range(2) for p in ("wk", "wv")}
+
+
+def test_float8_under_tensor_parallelism_uses_torchaos_styles_and_trains_like_bf16(bf16):
+    """tp=2: the float8 projections take torchao's float8 column-/row-wise styles (their weights float8-cast
+    DTensors), the bf16 ones (k, v, the output) etrain's own; both ranks train within the tolerance of one
+    bf16 process, on identical losses."""
+    results = run_layout(_config(float8=True, parallel=ParallelConfig(tp=2)), timeout_s=300)
+    for result in results:
+        _assert_close(result, bf16, f"tp2 rank {result.rank}")
+    assert results[0].losses == results[1].losses
+
+
+def test_float8_with_sequence_parallelism_is_refused_naming_the_fix():
+    from etrain.workers.protocol.layout_rules import float8_problems
+
+    problems = float8_problems(device="cuda", precision="bf16", tp=2, sequence_parallel=True)
+    assert [p.field for p in problems] == ["training.float8"]
+    assert "sequence parallelism" in problems[0].message and "sequence_parallel: false" in problems[0].fix
+    assert float8_problems(device="cuda", precision="bf16", tp=2) == []  # tp alone composes
+
+
+def test_a_float8_projection_gets_torchaos_tp_style_and_a_bf16_one_keeps_etrains():
+    from torch import nn
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+    from etrain.workers.engine.float8 import apply_float8
+    from etrain.workers.engine.parallelize import _float8_style
+    from etrain.workers.families.model import build_model_skeleton
+
+    model = build_model_skeleton(MODEL)
+    apply_float8(model, device=torch.device("cpu"), fsdp=False, precision="bf16", tp=2)
+    block = model.layers["0"]
+    colwise = _float8_style(ColwiseParallel(use_local_output=False), block.get_submodule("attention.wq"))
+    rowwise = _float8_style(RowwiseParallel(output_layouts=Shard(1)), block.get_submodule("attention.wo"))
+    assert type(colwise) is Float8ColwiseParallel and colwise.use_local_output is False
+    assert type(rowwise) is Float8RowwiseParallel and rowwise.output_layouts == (Shard(1),)
+    assert rowwise.input_layouts == (Shard(-1),) and colwise.input_layouts == (Replicate(),)
+    plain = ColwiseParallel()
+    assert _float8_style(plain, block.get_submodule("attention.wk")) is plain  # k stays bf16 (256 -> 128)
+    assert isinstance(block.get_submodule("attention.wk"), nn.Linear)

@@ -1177,11 +1177,15 @@ class TestThroughputOptions:
         assert len(problems) == 1 and "H100" in problems[0].fix and "'cpu'" in problems[0].message
         fp32 = check_spec(gpu_spec("llama3-8b", {"dp": 8, "zero": 3}, {"float8": True, "precision": "fp32"}))
         assert [p.fix for p in fp32 if p.field == "training.float8"] == ["set training.precision: bf16"]
-        tp = check_spec(gpu_spec("llama3-8b", {"tp": 8}, {"float8": True}))
-        assert any(p.field == "training.float8" and "parallelism.tp=8" in p.message for p in tp)
+        sp = check_spec(gpu_spec("llama3-8b", {"tp": 8, "sequence_parallel": True}, {"float8": True}))
+        assert any(p.field == "training.float8" and "sequence parallelism" in p.message for p in sp)
+        assert check_spec(gpu_spec("llama3-8b", {"tp": 8}, {"float8": True})) == []  # tp alone composes
         assert check_spec(gpu_spec("llama3-8b", {"dp": 8, "zero": 3}, {"float8": True})) == []
 
-    def test_an_auto_layout_with_float8_keeps_tp_at_one(self):
+    def test_an_auto_layout_with_float8_has_no_sequence_parallelism(self):
+        from etrain.service.planning.spec_checks import check_spec
+
         spec = gpu_spec("llama3-8b", {"auto": True, "max_workers": 16}, {"float8": True})
-        assert resolve_auto(spec).layout.tp == 1
-        assert resolve_auto(gpu_spec("llama3-8b", {"auto": True, "max_workers": 16})).layout.tp > 1
+        layout = resolve_auto(spec).layout
+        assert not layout.sequence_parallel and check_spec(spec.with_layout(layout)) == []
+        assert resolve_auto(gpu_spec("llama3-8b", {"auto": True, "max_workers": 16})).layout.sequence_parallel

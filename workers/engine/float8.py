@@ -37,12 +37,18 @@ def float8_eligible(module: nn.Module, fqn: str) -> bool:
     return all(size % 16 == 0 and size >= MIN_FEATURES for size in sizes)
 
 
-def apply_float8(module: nn.Module, *, device: torch.device, fsdp: bool, precision: str, tp: int) -> int:
+def apply_float8(
+    module: nn.Module, *, device: torch.device, fsdp: bool, precision: str, tp: int, sequence_parallel: bool = False
+) -> int:
     """Swap the eligible projections of ``module`` (a whole model or a stage) for torchao's float8 linears,
     before any parallelism wraps them; returns how many were converted. ``fsdp``: cast the weights to
     float8 before FSDP2's all-gather."""
     emulate = device.type != "cuda"
-    layout_rules.check(layout_rules.float8_problems(device=device.type, precision=precision, tp=tp, emulate=emulate))
+    layout_rules.check(
+        layout_rules.float8_problems(
+            device=device.type, precision=precision, tp=tp, sequence_parallel=sequence_parallel, emulate=emulate
+        )
+    )
     if not emulate and torch.cuda.get_device_capability(device) < (8, 9):
         raise ConfigError(
             f"training.float8 needs float8 tensor cores (compute capability 8.9+); "

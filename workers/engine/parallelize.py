@@ -302,6 +302,28 @@ def tp_style(name: str, *, sequence_parallel: bool, compiled: bool = False) -> P
     raise ValueError(f"unknown tensor-parallel style {name!r}")
 
 
+def _float8_style(style: ParallelStyle | None, submodule: nn.Module) -> ParallelStyle | None:
+    """``style`` for a projection that ``training.float8`` made a torchao float8 linear: torchao's own
+    column-/row-wise styles (its weights and inputs are cast to float8 as DTensors; torchtitan's
+    composition), the same layouts. Any other module keeps ``style``."""
+    if style is None or type(style) not in (ColwiseParallel, RowwiseParallel):
+        return style
+    try:
+        from torchao.float8.float8_linear import Float8Linear
+    except ImportError:  # no torchao: nothing was converted
+        return style
+    if not isinstance(submodule, Float8Linear):
+        return style
+    from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+    float8 = Float8ColwiseParallel if isinstance(style, ColwiseParallel) else Float8RowwiseParallel
+    return float8(
+        input_layouts=style.input_layouts[0],
+        output_layouts=style.output_layouts[0],
+        use_local_output=style.use_local_output,
+    )
+
+
 def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, compiled: bool = False) -> None:
     """Megatron tensor parallelism with DTensor: one all-reduce (or reduce-scatter with SP) per block half,
     as the model family's plan says (``ModelFamily.tp_plan``: a style name per submodule).
@@ -328,6 +350,7 @@ def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool,
 
     for block in module.layers.values():
         block_plan = {name: tp_style(style, sequence_parallel=sequence_parallel) for name, style in plan.block.items()}
+        block_plan = {name: _float8_style(style, block.get_submodule(name)) for name, style in block_plan.items()}
         parallelize_module(block, tp_mesh, {name: style for name, style in block_plan.items() if style is not None})
     tie_weights = getattr(module, "tie_weights", None)
     if tie_weights is not None:
@@ -655,6 +678,7 @@ def parallelize_stage(
             fsdp=uses_fsdp(dims, parallel),
             precision=config.training.precision,
             tp=dims.tp,
+            sequence_parallel=parallel.sequence_parallel,
         )
     if dims.tp_enabled:
         layout_rules.check(tp_problems(config.model, dims.tp))

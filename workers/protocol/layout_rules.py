@@ -445,11 +445,15 @@ def auto_loss_chunk_tokens(*, tokens: int, vocab_size: int, tp: int = 1) -> int:
     return max(_LOSS_CHUNK_ALIGN, chunk)
 
 
-def float8_problems(*, device: str, precision: str, tp: int, emulate: bool = False) -> list[Problem]:
+def float8_problems(
+    *, device: str, precision: str, tp: int, sequence_parallel: bool = False, emulate: bool = False
+) -> list[Problem]:
     """``training.float8``: float8 matmuls need a GPU with float8 tensor cores (compute capability 8.9+,
-    checked again by the rank on its device), bf16 for everything float8 does not cover, and no tensor
-    parallelism (torchao's float8 TP styles are not wired into etrain's TP plans). ``emulate``: the
-    engine's CPU emulation (tests), which runs anywhere."""
+    checked again by the rank on its device) and bf16 for everything float8 does not cover. Tensor
+    parallelism composes (torchao's float8 column-/row-wise styles, ``parallelize.apply_tp``); sequence
+    parallelism beside it does not yet: its all-gathers would carry float8 tensors, which gloo refuses
+    and which are not proven on NCCL here. ``emulate``: the engine's CPU emulation (tests), which runs
+    anywhere."""
     problems = []
     if device != "cuda" and not emulate:
         problems.append(
@@ -467,12 +471,13 @@ def float8_problems(*, device: str, precision: str, tp: int, emulate: bool = Fal
                 fix="set training.precision: bf16",
             )
         )
-    if tp > 1:
+    if tp > 1 and sequence_parallel:
         problems.append(
             Problem(
                 field="training.float8",
-                message=f"training.float8 does not compose with tensor parallelism yet (parallelism.tp={tp}).",
-                fix="use parallelism.tp: 1 (data parallelism and ZeRO-3 with float8 all-gather), or float8: false",
+                message=f"training.float8 does not compose with sequence parallelism yet (parallelism.tp={tp}, "
+                "sequence_parallel: true).",
+                fix="set parallelism.sequence_parallel: false (float8 runs with tp), or float8: false",
             )
         )
     return problems
