@@ -34,8 +34,8 @@ The statistic is deliberately robust:
   excluded), so a slow rank does not drag its own baseline up. With two ranks in a stage the peer
   is simply the other rank;
 * a rank is flagged only after ``patience`` consecutive windows over ``threshold``, and then
-  reported **once**; it is reported again only after a window at or under the threshold (it
-  recovered) followed by a new streak;
+  reported **once**; it is reported again only after a window at or under the threshold (with the
+  slow path on, under its lower threshold: the rank recovered) followed by a new streak;
 * beside that fast path, a **slow path** flags a rank over the lower ``sustained_threshold`` (1.3 at a
   threshold of 1.5) for ``sustained_windows`` consecutive windows: a 1.5x straggler sits right at the
   fast path's threshold, where noise decides whether three windows in a row clear it, but it clears
