@@ -38,18 +38,6 @@ PIECE_BYTES = 64 << 20
 WAYS = ("dcp", "touch-register", "touch-register-chunks", "cuda-host-alloc")
 
 
-def _tensors(state: Any) -> list[Any]:
-    import torch
-
-    if isinstance(state, torch.Tensor):
-        return [state]
-    if isinstance(state, dict):
-        return [t for value in state.values() for t in _tensors(value)]
-    if isinstance(state, (list, tuple)):
-        return [t for value in state for t in _tensors(value)]
-    return []
-
-
 class _Buffers:
     """Host buffers for ``tensors`` prepared one way; ``copy()`` stages the tensors into them (blocking
     until the copy is done, as a save's staging does); ``release()`` unpins and frees them."""
@@ -149,30 +137,16 @@ def main() -> int:
     from benchmarks.gpu.throughput import _etrain_importable
 
     _etrain_importable()  # before measures, which imports etrain (a GPU machine has no install of it)
-    from benchmarks.gpu.measures import FULL, TINY, model_config
-    from benchmarks.gpu.probe import open_device
+    from benchmarks.gpu.measures import FULL, TINY
+    from benchmarks.gpu.probe import etrain_config, open_device
+    from etrain.workers.checkpoints.checkpoint import local_tensors
     from etrain.workers.checkpoints.checkpoint_state import collect_state
     from etrain.workers.engine.train import Trainer
-    from etrain.workers.protocol.run_config import DataConfig, ParallelConfig, RunConfig, TrainingConfig
 
     sizes = TINY if args.tiny else FULL
     device, name, _ = open_device(args.tiny)
     cuda = device.type == "cuda"
-    config = RunConfig(
-        job_id="gpu-pinning",
-        model=model_config(sizes),
-        data=DataConfig(kind="synthetic", seed=0),
-        parallel=ParallelConfig(),
-        training=TrainingConfig(
-            steps=10_000,
-            global_batch=sizes.global_batch,
-            micro_batch=sizes.micro_batch,
-            lr=3e-4,
-            precision=sizes.precision,
-        ),
-        device=device.type,
-    )
-    trainer = Trainer(config, rank=0, world_size=1, device=device)
+    trainer = Trainer(etrain_config(sizes, 10_000, device, {}), rank=0, world_size=1, device=device)
     trainer.materialize_optimizer_state()
     step = 0
 
@@ -187,7 +161,7 @@ def main() -> int:
         one_step()
     baseline = statistics.median(one_step() for _ in range(6))
     state = collect_state(trainer.model_parts, trainer.optimizers).state
-    tensors = _tensors(state)
+    tensors = local_tensors(state)
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     document: dict[str, Any] = {
         "file": "gpu_pinning.json",

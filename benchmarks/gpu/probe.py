@@ -66,13 +66,12 @@ def _peak_gib(device) -> float | None:
     return torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
 
 
-def etrain_row(sizes: CheckSizes, steps: int, device, options: dict[str, Any]) -> dict[str, Any]:
-    """etrain's ``Trainer`` in one process (world size 1, no process group), as a rank builds it;
-    ``options``: ``TrainingConfig`` fields (``measures.row_plan``)."""
-    from etrain.workers.engine.train import Trainer
+def etrain_config(sizes: CheckSizes, steps: int, device, options: dict[str, Any]) -> Any:
+    """The ``RunConfig`` of the check's model in one process on ``device``; ``options``: ``TrainingConfig``
+    fields (``measures.row_plan``)."""
     from etrain.workers.protocol.run_config import DataConfig, ParallelConfig, RunConfig, TrainingConfig
 
-    config = RunConfig(
+    return RunConfig(
         job_id="gpu-probe",
         model=model_config(sizes),
         data=DataConfig(kind="synthetic", seed=0),
@@ -86,6 +85,14 @@ def etrain_row(sizes: CheckSizes, steps: int, device, options: dict[str, Any]) -
         ),
         device=device.type,
     )
+
+
+def etrain_row(sizes: CheckSizes, steps: int, device, options: dict[str, Any]) -> dict[str, Any]:
+    """etrain's ``Trainer`` in one process (world size 1, no process group), as a rank builds it;
+    ``options``: ``TrainingConfig`` fields (``measures.row_plan``)."""
+    from etrain.workers.engine.train import Trainer
+
+    config = etrain_config(sizes, steps, device, options)
     _reset_peak(device)
     started = time.perf_counter()
     trainer = Trainer(config, rank=0, world_size=1, device=device)

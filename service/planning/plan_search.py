@@ -156,7 +156,7 @@ def candidate_groups(spec: JobSpec, base: Case, budget: int, *, cp: int | None =
     for a tied model or a family that refuses pipelines), dp is a legal size (it divides the micro-batches per step, global_batch /
     micro_batch) within ``resources.min_dp..max_dp``, a schedule is one torch runs with those
     micro-batches (AUTO_SCHEDULES: GPipe has 1F1B's bubble and more memory, so it is never the better
-    choice); sequence parallelism is on whenever it applies. World = pp·dp·cp·tp within the budget; ZeRO
+    choice); sequence parallelism is on whenever it applies (not with ``training.float8``). World = pp·dp·cp·tp within the budget; ZeRO
     shards over dp·cp. For a mixture of experts, ep among the divisors of gcd(dp, n_experts) that
     ``ep_problems`` allows (it comes out of dp: no extra ranks); cp among :func:`context_parallel_sizes`, ep
     only at cp=1 (they do not compose). At most MAX_AUTO_PP_SIZES pp, MAX_AUTO_DP_SIZES dp values per

@@ -109,17 +109,9 @@ def test_the_stager_keeps_its_buffers_and_copy_table_when_dcp_closes_its_copier_
 
 def _staged_into_buffers_made_ahead(rank: int, world_size: int, config) -> dict:
     from etrain.workers.checkpoints.checkpoint import _reused_stager
+    from etrain.workers.checkpoints.checkpoint import local_tensors as tensors
     from etrain.workers.checkpoints.checkpoint_state import collect_state
     from etrain.workers.engine.train import Trainer
-
-    def tensors(value) -> list:
-        if isinstance(value, torch.Tensor):
-            return [value.to_local() if hasattr(value, "to_local") else value]
-        if isinstance(value, dict):
-            return [t for item in value.values() for t in tensors(item)]
-        if isinstance(value, (list, tuple)):
-            return [t for item in value for t in tensors(item)]
-        return []
 
     trainer = Trainer(config, rank=rank, world_size=world_size, device=torch.device("cpu"))
     assert trainer.materialize_optimizer_state()

@@ -46,7 +46,7 @@ from etrain.workers.checkpoints.storage_faults import storage_fault
 from etrain.workers.protocol.errors import CheckpointError
 from etrain.workers.protocol.manifest import ShardReport
 
-__all__ = ["AsyncCheckpointer", "PendingCheckpoint", "load_checkpoint", "save_checkpoint"]
+__all__ = ["AsyncCheckpointer", "PendingCheckpoint", "load_checkpoint", "local_tensors", "save_checkpoint"]
 
 
 def save_checkpoint(
@@ -94,24 +94,22 @@ def _abandoned(
     return fault if fault is not None else error
 
 
+def local_tensors(state: Any) -> list[torch.Tensor]:
+    """Every tensor of ``state`` (nested dicts, lists and tuples: a collected state, a staged one) as this
+    rank holds it: a DTensor's local shard."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._pytree import tree_leaves
+
+    return [
+        leaf._local_tensor if isinstance(leaf, DTensor) else leaf
+        for leaf in tree_leaves(state)
+        if isinstance(leaf, torch.Tensor)
+    ]
+
+
 def _local_bytes(state: dict[str, Any]) -> int:
-    """Bytes of this rank's share of ``state`` (DTensors count their local shard)."""
-    total = 0
-
-    def visit(value: Any) -> None:
-        nonlocal total
-        if isinstance(value, dict):
-            for item in value.values():
-                visit(item)
-        elif isinstance(value, (list, tuple)):
-            for item in value:
-                visit(item)
-        elif isinstance(value, torch.Tensor):
-            local = value.to_local() if hasattr(value, "to_local") else value
-            total += local.numel() * local.element_size()
-
-    visit(state)
-    return total
+    """Bytes of this rank's share of ``state``."""
+    return sum(tensor.numel() * tensor.element_size() for tensor in local_tensors(state))
 
 
 def load_checkpoint(
@@ -384,26 +382,8 @@ def _reused_stager(pinned: bool) -> Any:
 
 def _source_storages(state: Any) -> list[Any]:
     """The storages DCP's copier stages for ``state`` (a DTensor's are its local shard's), each once."""
-    from torch.distributed.tensor import DTensor
-
-    seen: dict[int, Any] = {}
-
-    def walk(value: Any) -> None:
-        if isinstance(value, DTensor):
-            value = value._local_tensor
-        if isinstance(value, torch.Tensor):
-            if value.device.type != "meta":
-                storage = value.untyped_storage()
-                seen.setdefault(id(storage), storage)
-        elif isinstance(value, dict):
-            for item in value.values():
-                walk(item)
-        elif isinstance(value, (list, tuple)):
-            for item in value:
-                walk(item)
-
-    walk(state)
-    return list(seen.values())
+    storages = (tensor.untyped_storage() for tensor in local_tensors(state) if tensor.device.type != "meta")
+    return list({id(storage): storage for storage in storages}.values())
 
 
 def _pin_whole(host: Any) -> None:

@@ -423,7 +423,7 @@ class Trainer:
         """Give every optimizer its state before the first step (what that step would create, so the
         training is the same); True when all of them have it. Lets a save's host buffers be sized and
         pinned while the first step runs (``workers/rank/rank_saves.py``)."""
-        return all([materialize_state(optimizer) for optimizer in self.optimizers])
+        return all([materialize_state(optimizer) for optimizer in self.optimizers])  # a list: each is made
 
     def state_for_checkpoint(self) -> tuple[list[nn.Module], list[torch.optim.Optimizer], dict[str, Any]]:
         """What a checkpoint holds: stage modules (original FQNs), optimizers, and ``extra``.

@@ -513,7 +513,7 @@ def local_param_digest(model_parts) -> str:
     locals_ = [param.to_local() if hasattr(param, "to_local") else param for _, param in named]
     with torch.no_grad():
         prints = [_fingerprint(local.detach()) for local in locals_]
-    host = [p.cpu() for p in prints]  # 16 bytes each
+    host = torch.stack(prints).cpu() if prints else []  # one device -> host copy, 16 bytes per parameter
     digest = hashlib.sha256()
     for (name, _), local, fingerprint in zip(named, locals_, host):
         digest.update(f"{name}|{local.dtype}|{local.numel()}|".encode())
@@ -521,8 +521,9 @@ def local_param_digest(model_parts) -> str:
     return digest.hexdigest()
 
 
-#: Odd 64-bit mixing constants (splitmix64's), as signed int64; the word sizes a fingerprint reads, widest first.
+#: The word sizes a fingerprint reads a parameter's bytes as, widest first.
 _WORDS = (("int32", 4), ("int16", 2), ("uint8", 1))
+#: Odd 64-bit mixing constants (splitmix64's), as signed int64.
 _MIX = (0x9E3779B97F4A7C15 - 2**64, 0xBF58476D1CE4E5B9 - 2**64)
 
 
