@@ -25,6 +25,8 @@ _FALSE = frozenset({"", "0", "false", "no", "off"})
 
 #: Each spare is an idle process with torch imported (~300 MB of host memory).
 MAX_WARM_SPARES_PER_NODE = 16
+#: Each pre-started supervisor is an idle process on the head node with Ray loaded.
+MAX_SUPERVISOR_SPARES = 8
 #: Each planner process holds the spec models and the planner (~100 MB); more than a few only queue for cores.
 MAX_PLAN_WORKERS = 16
 
@@ -94,6 +96,9 @@ class Settings:
     #: ranks, so a first launch or a replacement pays no interpreter start (service/runtime/spares.py); 0: off;
     #: None (``auto``, the default): one per GPU on a GPU node, one on a CPU-only node.
     warm_spares_per_node: int | None = None
+    #: Job supervisors started ahead on the head node, without a job, so a job's start pays no actor start
+    #: (service/runtime/supervisor_spares.py); 0: off.
+    supervisor_spares: int = 1
     #: token -> tenant, from api_tokens and api_tokens_file (checked: names, duplicates); derived.
     token_tenants: Mapping[str, str] = field(init=False, repr=False, compare=False, default_factory=dict)
 
@@ -140,6 +145,12 @@ class Settings:
                 f"warm_spares_per_node={self.warm_spares_per_node} must be 0..{MAX_WARM_SPARES_PER_NODE} or auto.",
                 field="warm_spares_per_node",
                 fix="use auto (the default: one per GPU, one on a CPU-only node), a number per node, or 0 for none",
+            )
+        if not 0 <= self.supervisor_spares <= MAX_SUPERVISOR_SPARES:
+            raise SettingsError(
+                f"supervisor_spares={self.supervisor_spares} must be 0..{MAX_SUPERVISOR_SPARES}.",
+                field="supervisor_spares",
+                fix="use 1 (the default), more for bursts of job starts, or 0 for none",
             )
         if self.max_request_bytes < 1:
             raise SettingsError(
@@ -558,4 +569,5 @@ _ENV = {
     "checkpoint_base": ("ETRAIN_CHECKPOINT_ROOT", lambda variable, raw: raw.strip() or None),
     "admit_beyond_cluster": ("ETRAIN_ADMIT_BEYOND_CLUSTER", _flag),
     "warm_spares_per_node": ("ETRAIN_WARM_SPARES_PER_NODE", _integer_or_auto),
+    "supervisor_spares": ("ETRAIN_SUPERVISOR_SPARES", _integer),
 }

@@ -16,7 +16,8 @@ from etrain.service.decisions.admission import ClusterView, NodeView
 from etrain.service.decisions.job_policy import JobPolicy
 from etrain.service.errors import ServiceUnavailable
 from etrain.service.runtime.hf_export import run_export
-from etrain.service.runtime.supervisor_actor import find_supervisor, start_supervisor
+from etrain.service.runtime.supervisor_actor import find_supervisor, forget_supervisor, start_supervisor
+from etrain.service.runtime.supervisor_spares import SupervisorSpares
 from etrain.service.runtime.worker_group import NAMESPACE
 from etrain.service.settings import Settings
 from etrain.workers.protocol.run_config import ModelConfig, RunConfig
@@ -75,8 +76,9 @@ class RayRuntime:
         self._owns_cluster = False
         self._gpu_memory_gib: dict[str, float] = {}  # accelerator type -> GiB per GPU, measured once
         self._reader: concurrent.futures.ThreadPoolExecutor | None = None  # reads cluster() off the caller
+        self._supervisor_spares: SupervisorSpares | None = None
         if ray.is_initialized():
-            self._start_spares(settings.warm_spares_per_node)
+            self._start_spares(settings)
             return
         try:
             if settings.ray_address:
@@ -95,7 +97,7 @@ class RayRuntime:
                 f"cannot connect to Ray at {settings.ray_address or 'a new local cluster'}: {err}",
                 fix="check ETRAIN_RAY_ADDRESS / --ray-address, or leave it unset to start a local Ray",
             ) from err
-        self._start_spares(settings.warm_spares_per_node)
+        self._start_spares(settings)
         self._probe_gpus_soon()
 
     def _probe_gpus_soon(self) -> None:
@@ -115,15 +117,16 @@ class RayRuntime:
 
         threading.Thread(target=probe, name="etrain-gpu-probe", daemon=True).start()
 
-    @staticmethod
-    def _start_spares(per_node: int) -> None:
-        """Warm spare ranks for every job on this cluster (service/runtime/spares.py); never fatal."""
+    def _start_spares(self, settings: Settings) -> None:
+        """Warm spare ranks for every job on this cluster (service/runtime/spares.py) and pre-started
+        supervisors for this control plane's next jobs (service/runtime/supervisor_spares.py); never fatal."""
         from etrain.service.runtime.spares import ensure_pool
 
         try:
-            ensure_pool(per_node)
+            ensure_pool(settings.warm_spares_per_node)
         except Exception as err:  # ranks then start cold, as they did before spares existed
             log.warning("warm spare pool not started: %s", err)
+        self._supervisor_spares = SupervisorSpares(settings.supervisor_spares)
 
     @property
     def dashboard_url(self) -> str | None:
@@ -152,7 +155,8 @@ class RayRuntime:
         return None
 
     def start(self, job_id: str, config: RunConfig, policy: JobPolicy) -> None:
-        handle = start_supervisor(job_id=job_id, config=config, policy=policy)
+        spare = self._supervisor_spares.take() if self._supervisor_spares is not None else None
+        handle = start_supervisor(job_id=job_id, config=config, policy=policy, spare=spare)
         self._get(handle.updates.remote(0, 10**12))  # surfaces constructor errors now, with a timeout
 
     def exists(self, job_id: str) -> bool:
@@ -187,6 +191,7 @@ class RayRuntime:
                 self._ray.kill(handle, no_restart=True)
             except Exception:  # already gone
                 pass
+        forget_supervisor(job_id)
 
     def export(
         self,
@@ -299,6 +304,8 @@ class RayRuntime:
             return {"ray": f"unavailable: {err}"}
 
     def close(self) -> None:
+        if self._supervisor_spares is not None:
+            self._supervisor_spares.close()
         if self._reader is not None:
             self._reader.shutdown(wait=False, cancel_futures=True)
         if self._owns_cluster and self._ray.is_initialized():

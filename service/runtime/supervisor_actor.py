@@ -93,6 +93,18 @@ RANK_NOTES = frozenset({"checkpoint_interval"})
 END_PRUNE_WAIT_S = 5.0
 
 
+#: Names of pre-started supervisors (``service/runtime/supervisor_spares.py``); a job's own is
+#: :func:`supervisor_name`.
+PRE_STARTED_PREFIX = "etrain/supervisor-spare/"
+#: How long giving a job to a pre-started supervisor may take (its own start included, when still under way).
+BEGIN_TIMEOUT_S = 10.0
+#: How long a pre-started supervisor is given to say which job it keeps.
+ASK_TIMEOUT_S = 2.0
+#: job id -> the pre-started supervisor that took it, as far as this process knows (see find_supervisor).
+_taken: dict[str, str] = {}
+_taken_lock = threading.Lock()
+
+
 def supervisor_name(job_id: str) -> str:
     return f"etrain/{job_id}/supervisor"
 
@@ -100,7 +112,30 @@ def supervisor_name(job_id: str) -> str:
 class JobSupervisor:
     """Keeps one job alive. Wrapped with ``ray.remote`` by :func:`start_supervisor`."""
 
-    def __init__(self, *, job_id: str, config: RunConfig, policy: JobPolicy):
+    def __init__(self, *, job_id: str | None = None, config: RunConfig | None = None, policy: JobPolicy | None = None):
+        """With a job: supervise it now. Without one: a pre-started supervisor (its interpreter, Ray and
+        these modules loaded) waiting for :meth:`begin` (``service/runtime/supervisor_spares.py``)."""
+        self.job_id: str | None = None
+        self._begin_lock = threading.Lock()
+        if job_id is not None:
+            self.begin(job_id, config, policy)
+
+    def job(self) -> str | None:
+        """The job this supervisor keeps alive; None for a pre-started one not yet given a job."""
+        return self.job_id
+
+    def begin(self, job_id: str, config: RunConfig, policy: JobPolicy) -> bool:
+        """Start supervising ``job_id``: True; False if this supervisor already keeps exactly that job
+        (a retried call). A supervisor never changes jobs: another job id is refused."""
+        with self._begin_lock:
+            if self.job_id is not None:
+                if self.job_id != job_id:
+                    raise ValueError(f"this supervisor keeps job {self.job_id}; it cannot take job {job_id}")
+                return False
+            self._begin(job_id, config, policy)
+            return True
+
+    def _begin(self, job_id: str, config: RunConfig, policy: JobPolicy) -> None:
         self.job_id = job_id
         self.config = config
         self.policy = policy
@@ -636,11 +671,10 @@ class JobSupervisor:
         log.info("job %s: %s: %s", self.job_id, kind, detail)
 
 
-def start_supervisor(*, job_id: str, config: RunConfig, policy: JobPolicy):
-    """Create the job's detached supervisor actor (or return the live one of that name)."""
-    actor_cls = ray.remote(JobSupervisor)
-    return actor_cls.options(
-        name=supervisor_name(job_id),
+def supervisor_options(name: str) -> dict[str, Any]:
+    """Ray options of a supervisor actor, a job's or a pre-started one (they must be the same)."""
+    return dict(
+        name=name,
         namespace=NAMESPACE,
         lifetime="detached",
         num_cpus=0,
@@ -649,13 +683,111 @@ def start_supervisor(*, job_id: str, config: RunConfig, policy: JobPolicy):
         resources={HEAD_NODE_RESOURCE: 0.001},
         max_concurrency=64,
         max_restarts=0,
-        get_if_exists=True,
-    ).remote(job_id=job_id, config=config, policy=policy)
+    )
+
+
+def start_supervisor(*, job_id: str, config: RunConfig, policy: JobPolicy, spare: Any = None):
+    """The job's detached supervisor actor: ``spare`` (a pre-started one, ``supervisor_spares.py``) given the
+    job, or a new actor named for the job (or the live one of that name).
+
+    A spare that cannot take the job (it died, or did not answer in time) is killed and the job gets a new
+    actor, as it would without spares; an error of the job's own (its policy) is raised either way.
+    """
+    if spare is not None:
+        try:
+            ray.get(spare.actor.begin.remote(job_id, config, policy), timeout=BEGIN_TIMEOUT_S)
+        except ray.exceptions.RayTaskError:  # the job's own error, raised in begin: the same in a new actor
+            _kill_quietly(spare.actor)
+            raise
+        except Exception as err:
+            _kill_quietly(spare.actor)
+            log.warning(
+                "job %s: pre-started supervisor %s could not take it (%s); starting one", job_id, spare.name, err
+            )
+        else:
+            with _taken_lock:
+                _taken[job_id] = spare.name
+            return spare.actor
+    return (
+        ray.remote(JobSupervisor)
+        .options(**supervisor_options(supervisor_name(job_id)), get_if_exists=True)
+        .remote(job_id=job_id, config=config, policy=policy)
+    )
 
 
 def find_supervisor(job_id: str):
-    """The live supervisor of ``job_id``, or None."""
+    """The live supervisor of ``job_id``, or None: the actor named for the job, or the pre-started one that
+    took it. Which pre-started actor took a job is known in the process that gave it; any other process (a
+    restarted control plane) asks the pre-started actors it has not placed yet (``job()``), once each."""
     try:
         return ray.get_actor(supervisor_name(job_id), namespace=NAMESPACE)
     except ValueError:
+        pass
+    with _taken_lock:
+        name = _taken.get(job_id)
+    if name is None:
+        name = _ask_pre_started(job_id)
+    if name is None:
         return None
+    try:
+        return ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:  # it ended
+        with _taken_lock:
+            _taken.pop(job_id, None)
+        return None
+
+
+def forget_supervisor(job_id: str) -> None:
+    """The job's supervisor was released: this process stops remembering which actor it was."""
+    with _taken_lock:
+        _taken.pop(job_id, None)
+
+
+def pre_started_supervisors() -> list[str]:
+    """Names of the pre-started supervisor actors alive on the cluster, idle or running a job."""
+    return sorted(
+        entry["name"]
+        for entry in ray.util.list_named_actors(all_namespaces=True)
+        if entry.get("namespace") == NAMESPACE and entry["name"].startswith(PRE_STARTED_PREFIX)
+    )
+
+
+def jobs_of_pre_started(names: list[str], timeout_s: float = ASK_TIMEOUT_S) -> dict[str, str | None]:
+    """``{name: job id or None (idle)}`` for the pre-started supervisors among ``names`` that answered in
+    time (all asked at once); a job's answer is remembered, as a supervisor never changes jobs."""
+    handles = {}
+    for name in names:
+        try:
+            handles[name] = ray.get_actor(name, namespace=NAMESPACE)
+        except ValueError:
+            continue
+    refs = {name: handle.job.remote() for name, handle in handles.items()}
+    done, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
+    answers: dict[str, str | None] = {}
+    for name, ref in refs.items():
+        if ref in done:
+            try:
+                answers[name] = ray.get(ref, timeout=0)
+            except Exception:  # it died meanwhile
+                continue
+    with _taken_lock:
+        for name, job in answers.items():
+            if job is not None:
+                _taken[job] = name
+    return answers
+
+
+def _ask_pre_started(job_id: str) -> str | None:
+    with _taken_lock:
+        placed = set(_taken.values())
+    unplaced = [name for name in pre_started_supervisors() if name not in placed]
+    jobs_of_pre_started(unplaced)
+    with _taken_lock:
+        return _taken.get(job_id)
+
+
+def _kill_quietly(actor: Any) -> None:
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception:  # already gone
+        pass

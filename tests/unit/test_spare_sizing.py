@@ -1,4 +1,5 @@
-"""``ETRAIN_WARM_SPARES_PER_NODE``: a fixed number per node, or ``auto`` (the default) sized from each node."""
+"""``ETRAIN_WARM_SPARES_PER_NODE``: a fixed number per node, or ``auto`` (the default) sized from each node;
+``ETRAIN_SUPERVISOR_SPARES``: pre-started job supervisors (default 1)."""
 
 from __future__ import annotations
 
@@ -44,3 +45,14 @@ def test_the_setting_reads_auto_a_number_or_refuses_with_the_fix(monkeypatch):
     with pytest.raises(SettingsError) as refused:
         Settings.from_env()
     assert "auto" in refused.value.fix
+
+
+def test_pre_started_supervisors_default_to_one_and_are_bounded(monkeypatch):
+    monkeypatch.delenv("ETRAIN_SUPERVISOR_SPARES", raising=False)
+    assert Settings.from_env().supervisor_spares == 1
+    monkeypatch.setenv("ETRAIN_SUPERVISOR_SPARES", "0")
+    assert Settings.from_env().supervisor_spares == 0
+    monkeypatch.setenv("ETRAIN_SUPERVISOR_SPARES", "9")
+    with pytest.raises(SettingsError) as refused:
+        Settings.from_env()
+    assert refused.value.field == "supervisor_spares" and "0..8" in str(refused.value)
