@@ -131,9 +131,9 @@ def test_cp_degrees_come_from_the_rules():
     assert context_parallel_sizes(spec, case_for(spec, ParallelismSpec()), 32) == [1]
     spec = auto_spec("llama3-8b", 32, seq_len=131072, global_batch=16, compile=True)
     assert context_parallel_sizes(spec, case_for(spec, ParallelismSpec()), 32) == [1, 2, 4, 8, 16, 32]
-    # a family without the ring (a mixture of experts) gets none either
-    moe = auto_spec("qwen3-30b-a3b", 32)
-    assert context_parallel_sizes(moe, case_for(moe, ParallelismSpec()), 32) == [1]
+    # a mixture of experts has the ring too (Llama's attention; its load-balancing statistics summed over cp)
+    moe = auto_spec("qwen3-30b-a3b", 32, seq_len=32768)
+    assert context_parallel_sizes(moe, case_for(moe, ParallelismSpec()), 32) == [1, 2, 4, 8, 16, 32]
 
 
 def test_the_frugal_layout_of_each_cp_group_needs_the_least_memory():

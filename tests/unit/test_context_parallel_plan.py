@@ -6,6 +6,8 @@ against these counts) is tests/integration/test_context_parallel.py.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from etrain.service.planning.estimate import estimate
@@ -102,9 +104,8 @@ def test_fsdp_shards_over_dp_times_cp():
     [
         (dict(cp=3), "needs model.seq_len divisible by 2·cp = 6"),
         (dict(cp=2, dp=2, ep=2), "does not compose with expert parallelism"),
-        (dict(cp=2, model={"preset": "qwen3-moe-tiny"}), "has no ring"),
     ],
-    ids=["seq_len", "ep", "moe"],
+    ids=["seq_len", "ep"],
 )
 def test_bad_context_layouts_get_a_422_naming_parallelism_cp(spec, words):
     report = plan_report(_spec(**spec))
@@ -121,13 +122,16 @@ def test_selective_checkpointing_is_refused_with_cp_and_compiled_blocks_are_not(
     assert check_spec(_spec(cp=2, training={"activation_checkpointing": "full"})) == []
 
 
-def test_the_family_rule_names_the_families_with_the_ring():
+def test_every_family_has_the_ring_and_the_rule_names_them_for_one_without(monkeypatch):
+    from etrain.workers.families import family
+
     moe = ModelConfig(**{**MODEL_PRESETS["qwen3-moe-tiny"], "seq_len": 16})
+    assert family_layout.cp_problems(moe, cp=2) == []  # a mixture of experts too
+    assert family_layout.cp_problems(dataclasses.replace(moe, arch="mixtral"), cp=2) == []
+    monkeypatch.setattr(family("qwen3_moe"), "context_parallel", False)  # a family without it
     (problem,) = family_layout.cp_problems(moe, cp=2)
-    assert problem.field == "parallelism.cp" and "['gpt', 'llama', 'olmo2']" in problem.message
-    assert (
-        family_layout.cp_problems(ModelConfig(n_layers=2, d_model=32, n_heads=4, vocab_size=64, seq_len=16), cp=2) == []
-    )
+    assert problem.field == "parallelism.cp" and "has no ring attention" in problem.message
+    assert "'qwen3_moe'" not in problem.message.split("runs on the families")[1] and "'llama'" in problem.message
 
 
 def test_the_gpt_plan_keeps_its_position_embedding_whole():

@@ -430,7 +430,8 @@ def _selective_contexts():
 
 def apply_cp(module: nn.Module, dims: ParallelDims) -> None:
     """Context parallelism: every attention with a ``cp_group`` slot (the Llama family's) gets the ``cp``
-    process group and runs as a ring over it (``etrain.workers.families.ring_attention``). The parameters
+    process group and runs as a ring over it (``etrain.workers.families.ring_attention``); a model with a
+    ``statistics_group`` slot (a mixture of experts) sums its routing statistics over it. The parameters
     are untouched (replicated over cp; :func:`apply_dp` averages their gradients over ``dp · cp``), so a
     checkpoint holds them as at cp = 1 and restores into any layout. The trainer feeds each rank its two
     chunks of every sequence (``shard_sequence``)."""
@@ -444,6 +445,9 @@ def apply_cp(module: nn.Module, dims: ParallelDims) -> None:
         )
     for attention in attentions:
         attention.cp_group = group
+    for part in module.modules():  # a mixture of experts' load-balancing loss: its statistics summed over cp
+        if hasattr(part, "statistics_group"):
+            part.statistics_group = group
 
 
 # -- expert parallelism --------------------------------------------------------------------------

@@ -323,7 +323,7 @@ def cp_problems(
                 fix=f"use cp in {good}, or a seq_len that is a multiple of {2 * cp}",
             )
         )
-    if ep != 1:  # (the families with experts have no ring either: their load-balancing loss is per micro-batch)
+    if ep != 1:  # the expert mesh (workers/engine/mesh.py) has no cp axis yet
         problems.append(
             Problem(
                 field="parallelism.cp",

@@ -74,7 +74,7 @@ class Qwen3Moe(Llama):
     )
     model_module = "etrain.workers.families.qwen3_moe_model"
     mixture_of_experts = True
-    context_parallel = False  # a mixture of experts with context parallelism is not built yet
+    context_parallel = True  # its attention is Llama's; the load-balancing loss sums its statistics over cp
     refused_axes = {
         "tp": "its attention and experts have no tensor-parallel plan; split the experts with expert parallelism "
         "(parallelism.ep) instead",

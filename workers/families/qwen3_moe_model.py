@@ -213,6 +213,14 @@ def routing_statistics(
     return torch.stack([_histogram(picks, n_experts, n_experts), probs.float().sum(dim=0)])
 
 
+@torch.compiler.disable  # a collective whose backward is another: run eagerly, as the ring and the exchange
+def _sum_over_group(tensor: torch.Tensor, group) -> torch.Tensor:
+    """``tensor`` summed over ``group``, differentiably (``torch.distributed.nn``'s all-reduce)."""
+    from torch.distributed.nn.functional import all_reduce
+
+    return all_reduce(tensor, group=group)
+
+
 def load_balancing_loss(statistics: list[torch.Tensor], n_experts: int, rows: int) -> torch.Tensor:
     """Switch Transformer's loss over every layer's :func:`routing_statistics` (``rows`` tokens each):
     ``n_experts · Σₑ (picksₑ / R) · (probsₑ / R)`` with ``R = rows · layers``, accumulated layer by layer in
@@ -310,9 +318,23 @@ class Qwen3Moe(Llama):
     def __init__(self, config: ModelConfig):
         super().__init__(config)
         self.last_load_balancing_loss: torch.Tensor | None = None
+        #: Set by the engine's ``apply_cp`` under context parallelism: the cp ranks that hold the other
+        #: tokens of this forward's sequences.
+        self.statistics_group = None
 
     def auxiliary_loss(self, statistics: list[torch.Tensor], rows: int) -> torch.Tensor:
-        """``router_aux_loss_coef`` × the load-balancing loss of this forward's layers (``rows`` tokens)."""
+        """``router_aux_loss_coef`` × the load-balancing loss of this forward's layers (``rows`` tokens).
+
+        Under context parallelism a rank routes ``S / cp`` tokens of each sequence, and the loss is a product
+        of means over all of them (transformers' ``load_balancing_loss_func`` over the whole batch): the
+        per-layer sums are added up over the cp ranks first. The sum is autograd's (its backward sums the
+        cp ranks' identical gradients of the shared loss, which the gradient average over dp·cp turns back
+        into exactly one process's gradient)."""
+        if self.statistics_group is not None:
+            group = self.statistics_group
+            summed = _sum_over_group(torch.stack(statistics), group)
+            statistics = list(summed.unbind(0))
+            rows *= torch.distributed.get_world_size(group)
         loss = load_balancing_loss(statistics, self.config.n_experts, rows)
         self.last_load_balancing_loss = loss.detach()
         return self.config.router_aux_loss_coef * loss
