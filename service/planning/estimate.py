@@ -338,7 +338,7 @@ def evaluate(case: Case) -> PlanEstimate:
         ep=ep,
         microbatches=m,
         moe_layers=layers if model.n_experts else 0,
-        tokens=b * s,
+        tokens=b * s // cp,  # a cp rank routes its slice of each sequence
         top_k=model.experts_per_token,
         d_model=d,
         elem_bytes=act_elem,

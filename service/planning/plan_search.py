@@ -158,8 +158,7 @@ def candidate_groups(spec: JobSpec, base: Case, budget: int, *, cp: int | None =
     micro-batches (AUTO_SCHEDULES: GPipe has 1F1B's bubble and more memory, so it is never the better
     choice); sequence parallelism is on whenever it applies (not with ``training.float8``). World = pp·dp·cp·tp within the budget; ZeRO
     shards over dp·cp. For a mixture of experts, ep among the divisors of gcd(dp, n_experts) that
-    ``ep_problems`` allows (it comes out of dp: no extra ranks); cp among :func:`context_parallel_sizes`, ep
-    only at cp=1 (they do not compose). At most MAX_AUTO_PP_SIZES pp, MAX_AUTO_DP_SIZES dp values per
+    ``ep_problems`` allows (it comes out of dp: no extra ranks); cp among :func:`context_parallel_sizes`. At most MAX_AUTO_PP_SIZES pp, MAX_AUTO_DP_SIZES dp values per
     (cp, tp, pp) and MAX_AUTO_EP_SIZES ep values per (dp, zero) are tried
     (:func:`etrain.service.planning.bounds.spread`). A layout with cp > 1 is estimated with the eager
     activation count (``plan_activations``: the ring splits each compiled block's graph).
@@ -200,7 +199,7 @@ def candidate_groups(spec: JobSpec, base: Case, budget: int, *, cp: int | None =
                         and not layout_rules.layer_problems(model.n_layers, pp, v)
                     ]
                     for zero in range(4) if dp * c > 1 else (0,):  # ZeRO shards over dp·cp ranks
-                        for ep in _expert_parallel_sizes(spec, model, dp=dp, zero=zero) if c == 1 else [1]:
+                        for ep in _expert_parallel_sizes(spec, model, dp=dp, zero=zero):
                             group += [
                                 dataclasses.replace(
                                     base,

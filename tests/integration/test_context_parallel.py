@@ -23,8 +23,9 @@ gradients averaged over all four) equals one process too, and its groups are Meg
 between dp and tp; cp=2 × tp=2 (each tp rank's ring over its own heads) under FSDP2 with sequence
 parallelism, cp=2 × pp=2 (1F1B), and HSDP (2 replicas of dp_shard·cp = 2 ranks), equal it too. A
 mixture of experts (Qwen3-MoE, whose load-balancing loss is a product of means over every token of the
-batch: the cp ranks' routing statistics are summed first) trains one process's losses at cp=2 (DDP) and
-cp=2 × dp=2 (FSDP2). The refusals are checked before any process group.
+batch: the cp ranks' routing statistics are summed first) trains one process's losses at cp=2 (DDP),
+cp=2 × dp=2 (FSDP2) and cp=2 × dp=2 with its experts split over ep=2 (each ep pair one cp index), whose
+checkpoint restores into one process. The refusals are checked before any process group.
 """
 
 from __future__ import annotations
@@ -198,7 +199,7 @@ def _two_ranks(rank: int, world_size: int, root: str) -> dict:
     }
 
 
-def _four_ranks(rank: int, world_size: int) -> tuple[dict, dict]:
+def _four_ranks(rank: int, world_size: int, root: str) -> tuple[dict, dict]:
     import torch.distributed as dist
 
     from etrain.workers.engine.mesh import build_device_mesh
@@ -220,6 +221,13 @@ def _four_ranks(rank: int, world_size: int) -> tuple[dict, dict]:
         # a mixture of experts over two dp replicas of a cp pair, FSDP2 over all four
         "moe_dp2_zero3": _train(
             dataclasses.replace(MOE_BASE, parallel=ParallelConfig(dp=2, cp=2, zero=3)), rank, world_size
+        ),
+        # and its experts split over the two dp replicas (ep=2: each ep pair is one cp index), saved at step 2
+        "moe_ep2": _train(
+            dataclasses.replace(MOE_BASE, parallel=ParallelConfig(dp=2, cp=2, ep=2)),
+            rank,
+            world_size,
+            save_root=f"{root}/ep2cp2",
         ),
     }
     return results, groups
@@ -273,8 +281,8 @@ def test_cp2_trains_like_one_process_and_restores_across_cp(reference, two_ranks
 
 
 def test_cp2_dp2_trains_like_one_process(reference):
-    one, _ = reference
-    ranks = run_distributed(_four_ranks, 4, timeout_s=240)
+    one, root = reference
+    ranks = run_distributed(_four_ranks, 4, root, timeout_s=240)
     for _, groups in ranks:  # the ring over 4 ranks against the whole sequence
         ring = groups.pop("ring")
         assert max(ring.values()) < 1e-5, ring
@@ -291,17 +299,21 @@ def test_cp2_dp2_trains_like_one_process(reference):
     assert_equivalent(one, [r["tp2_sp_fsdp"] for r in results], layout="llama cp2 tp2 sp zero=3")
     assert_equivalent(one, [r["pp2"] for r in results], layout="llama cp2 pp2 1f1b")
     assert_equivalent(one, [r["hsdp"] for r in results], layout="llama dp2 cp2 zero=3 hsdp=2")
-    moe = [r["moe_dp2_zero3"] for r in results]
-    assert_equivalent(run_reference(MOE_BASE), moe, layout="qwen3-moe dp2 cp2 zero=3")
+    moe_one = run_reference(MOE_BASE)
+    assert_equivalent(moe_one, [r["moe_dp2_zero3"] for r in results], layout="qwen3-moe dp2 cp2 zero=3")
+    assert_equivalent(moe_one, [r["moe_ep2"] for r in results], layout="qwen3-moe dp2 cp2 ep2")
+    # the ep2 x cp2 checkpoint (experts sharded over ep, replicated over cp) restores into one process
+    restored = _train(MOE_BASE, 0, 1, restore=f"{root}/ep2cp2")
+    _assert_losses(moe_one, restored.losses, first=SAVE_AT, layout="qwen3-moe ep2 cp2 -> one process")
+    assert len(restored.losses) == STEPS - SAVE_AT
 
 
 @pytest.mark.parametrize(
     "parallel, model, field, words",
     [
         (ParallelConfig(cp=3), TINY_LLAMA, "parallelism.cp", "divisible by 2·cp = 6"),
-        (ParallelConfig(cp=2, dp=2, ep=2), TINY_LLAMA, "parallelism.cp", "expert parallelism"),
     ],
-    ids=["seq_len", "ep"],
+    ids=["seq_len"],
 )
 def test_bad_context_layouts_are_refused_before_any_group(parallel, model, field, words):
     from etrain.workers.engine.train import Trainer

@@ -246,7 +246,8 @@ def test_every_candidate_passes_the_layout_rules_within_the_cap(spec):
         assert check_spec(spec.with_layout(case.layout)) == [], case.layout
         assert case.compiled == spec.compile_blocks
     axes = {(case.layout.cp > 1, case.layout.ep > 1) for case in cases}
-    assert (True, True) not in axes  # cp and ep do not compose
+    if spec.model.preset and "a3b" in spec.model.preset:  # a mixture of experts: cp and ep compose
+        assert (True, True) in axes, axes
 
 
 def test_post_plan_answers_the_cp_layout():

@@ -103,9 +103,9 @@ def test_fsdp_shards_over_dp_times_cp():
     "spec, words",
     [
         (dict(cp=3), "needs model.seq_len divisible by 2·cp = 6"),
-        (dict(cp=2, dp=2, ep=2), "does not compose with expert parallelism"),
+        (dict(cp=2, seq_len=30), "needs model.seq_len divisible by 2·cp = 4"),
     ],
-    ids=["seq_len", "ep"],
+    ids=["seq_len", "seq_len_cp2"],
 )
 def test_bad_context_layouts_get_a_422_naming_parallelism_cp(spec, words):
     report = plan_report(_spec(**spec))

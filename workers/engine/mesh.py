@@ -26,7 +26,9 @@ mesh is then ``(pp, dp_replicate, dp_shard, cp, tp)`` (:data:`CP_MESH_DIMS`; Meg
 dp and tp, as ``Topology`` numbers it), and a second flattening, ``dp_cp`` = ``(dp_replicate, dp_shard,
 cp)``, is the group the parameters' gradients are averaged over (DDP, FSDP2): torchtitan's composition,
 where cp ranks are one more data dimension for the parameters. Without cp the root mesh is the 4-D one
-above, so every existing layout keeps its ranks and groups.
+above, so every existing layout keeps its ranks and groups. With both, the expert mesh is ``(pp, edp, ep,
+cp, tp)`` (:data:`EXPERT_CP_MESH_DIMS`): an ep group is the dp ranks of one cp index, which hold the same
+slice of their sequences, and the expert weights are replicated over cp like every other parameter.
 
 torch 2.13 deprecates slicing a flattened dimension out of the root mesh (``root["dp"]``) and asks
 callers to keep the mesh ``_flatten`` returns; :class:`ParallelMesh` is that bookkeeping: one object
@@ -47,6 +49,7 @@ from etrain.workers.protocol.topology import Topology, TopologyError
 
 __all__ = [
     "CP_MESH_DIMS",
+    "EXPERT_CP_MESH_DIMS",
     "EXPERT_MESH_DIMS",
     "MESH_DIMS",
     "ParallelMesh",
@@ -64,6 +67,8 @@ CP_MESH_DIMS: tuple[str, str, str, str, str] = ("pp", "dp_replicate", "dp_shard"
 _NAMES = (*MESH_DIMS, "dp", "ep", "edp", "cp", "dp_cp")
 #: The expert mesh's dimensions (``ep > 1`` only), slowest-varying first.
 EXPERT_MESH_DIMS: tuple[str, str, str, str] = ("pp", "edp", "ep", "tp")
+#: The expert mesh's dimensions with context parallelism too (cp between dp and tp, as on the root mesh).
+EXPERT_CP_MESH_DIMS: tuple[str, str, str, str, str] = ("pp", "edp", "ep", "cp", "tp")
 
 
 def backend_for(device_type: str, *, cpu_offload: bool = False) -> str:
@@ -171,9 +176,17 @@ def build_device_mesh(topology: Topology, device_type: str, *, dp_replicate: int
             f"{world_size}; choose degrees whose product is {world_size}"
         )
     validate_dp_replicate(topology.dp, dp_replicate)
+    expert_root = None
+    if ep > 1:
+        if topology.dp % ep:
+            raise TopologyError(f"parallelism.ep={ep} does not divide parallelism.dp={topology.dp}")
+        # The same ranks, dp split as (edp, ep): with cp, an ep group is the dp ranks of one cp index (the
+        # ranks that hold the same slice of their sequences), so tokens only ever meet tokens of their slice.
+        cp_dims = (topology.cp,) if topology.cp > 1 else ()
+        expert_shape = (topology.pp, topology.dp // ep, ep, *cp_dims, topology.tp)
+        names = EXPERT_CP_MESH_DIMS if cp_dims else EXPERT_MESH_DIMS
+        expert_root = init_device_mesh(device_type, expert_shape, mesh_dim_names=names)
     if topology.cp > 1:
-        if ep > 1:
-            raise TopologyError(f"parallelism.cp={topology.cp} does not compose with parallelism.ep={ep} yet")
         shape = (topology.pp, dp_replicate, topology.dp // dp_replicate, topology.cp, topology.tp)
         root = init_device_mesh(device_type, shape, mesh_dim_names=CP_MESH_DIMS)
         dp = root["dp_replicate", "dp_shard"]._flatten("dp")
@@ -182,15 +195,9 @@ def build_device_mesh(topology: Topology, device_type: str, *, dp_replicate: int
         if dp_replicate > 1:  # torch warns that slicing a flattened dimension is deprecated; torchtitan does it too
             root["dp_shard", "cp"]._flatten("dp_shard_cp")
             hsdp_cp = root["dp_replicate", "dp_shard_cp"]
-        return ParallelMesh(root=root, dp=dp, dp_cp=dp_cp, hsdp_cp=hsdp_cp)
+        return ParallelMesh(root=root, dp=dp, dp_cp=dp_cp, hsdp_cp=hsdp_cp, expert_root=expert_root)
     shape = (topology.pp, dp_replicate, topology.dp // dp_replicate, topology.tp)
     root = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
-    expert_root = None
-    if ep > 1:
-        if topology.dp % ep:
-            raise TopologyError(f"parallelism.ep={ep} does not divide parallelism.dp={topology.dp}")
-        expert_shape = (topology.pp, topology.dp // ep, ep, topology.tp)
-        expert_root = init_device_mesh(device_type, expert_shape, mesh_dim_names=EXPERT_MESH_DIMS)
     return ParallelMesh(root=root, dp=root["dp_replicate", "dp_shard"]._flatten("dp"), expert_root=expert_root)
 
 

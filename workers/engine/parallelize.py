@@ -507,21 +507,22 @@ def apply_ep(module: nn.Module, dims: ParallelDims) -> None:
 @torch.no_grad()
 def reduce_expert_grads(modules: Iterable[nn.Module], dims: ParallelDims) -> None:
     """After the step's backward (every micro-batch): each expert gradient summed over the ``edp`` ranks
-    that hold the same experts, divided by ``dp``. A rank's local expert gradient is the sum over the tokens
-    its ep peers routed to it of their micro-batch losses' gradients (``loss / micro-batches`` on each), so
-    the sum over ``edp`` covers every dp rank once and ``/ dp`` makes it the mean over dp, exactly what
-    DDP's and FSDP2's averages give every other parameter (and one process gives all of them)."""
+    that hold the same experts (and over ``cp``, whose ranks hold them too), divided by ``dp · cp``. A rank's
+    local expert gradient is the sum over the tokens its ep peers routed to it of their micro-batch losses'
+    gradients (``loss / micro-batches`` on each), so the sum over ``edp`` and ``cp`` covers every (dp, cp)
+    rank once and ``/ dp · cp`` makes it the mean, exactly what DDP's and FSDP2's averages over dp·cp give
+    every other parameter (and one process gives all of them)."""
     if not dims.ep_enabled:
         return
-    group = dims.mesh.get_group("edp") if dims.edp > 1 else None
+    groups = [dims.mesh.get_group(axis) for axis in ("edp", "cp") if getattr(dims, axis) > 1]
     for module in modules:
         for param in expert_parameters(module):
             if param.grad is None:
                 continue
             local = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
-            if group is not None:
+            for group in groups:
                 dist.all_reduce(local, group=group)
-            local.div_(dims.dp)
+            local.div_(dims.dp_cp)
 
 
 # -- data parallelism ----------------------------------------------------------------------------

@@ -286,15 +286,17 @@ def cp_problems(
     ``i`` of a cp group holds chunks ``i`` and ``2·cp − 1 − i`` (the causal load balance of torch's
     ``context_parallel`` and Megatron), attention runs as a ring over the cp ranks
     (``etrain.workers.families.ring_attention``). So ``2·cp`` divides ``model.seq_len``, and only a family
-    whose attention has the ring (``ModelFamily.context_parallel``: the Llama family, OLMo 2 and the GPT) runs it.
+    whose attention has the ring (``ModelFamily.context_parallel``: every family here) runs it.
     Tensor parallelism composes (each tp rank runs the ring over its own heads; with sequence parallelism
     tp divides ``seq_len / cp``: :func:`~etrain.workers.protocol.layout_rules.sequence_parallel_problems`), and so does pipeline parallelism (the
     stages pass a cp rank's chunks on); ZeRO-1 shards the optimizer state over ``dp · cp``, FSDP2 the model,
     HSDP over each replica's ``dp_shard · cp`` ranks; compiled blocks run the ring eagerly between their
-    graphs. What it does not compose with yet, each refused: expert parallelism and selective activation
+    graphs. Expert parallelism composes too: an ep group is dp ranks of one cp index (the expert mesh is
+    ``(pp, edp, ep, cp, tp)``), the expert gradients are averaged over ``edp · cp``, and a mixture of experts
+    sums its routing statistics over cp. What it does not compose with, refused: selective activation
     checkpointing (its policy keeps every matmul's output, which inside the ring would be every block's
-    ``(S/cp)²`` scores). ``tp``, ``pp``, ``zero`` and
-    ``dp_replicate`` are accepted for the callers' symmetry."""
+    ``(S/cp)²`` scores). ``tp``, ``pp``, ``ep``, ``zero`` and ``dp_replicate`` are accepted for the callers'
+    symmetry."""
     if cp == 1:
         return []
     if not is_count(cp):
@@ -321,14 +323,6 @@ def cp_problems(
                 f"{model.seq_len} (each cp rank holds two of 2·cp equal chunks of every sequence, balancing the "
                 "causal mask's work).",
                 fix=f"use cp in {good}, or a seq_len that is a multiple of {2 * cp}",
-            )
-        )
-    if ep != 1:  # the expert mesh (workers/engine/mesh.py) has no cp axis yet
-        problems.append(
-            Problem(
-                field="parallelism.cp",
-                message=f"parallelism.cp={cp} does not compose with expert parallelism (parallelism.ep={ep}) yet.",
-                fix="use parallelism.ep=1 with cp > 1, or cp=1",
             )
         )
     if checkpointing == "selective":
