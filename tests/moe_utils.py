@@ -111,7 +111,7 @@ def compare_with_transformers(reference: torch.nn.Module, raw: dict, *, seq_len:
     )
 
 
-class _Summed(torch.nn.Module):
+class SummedBlock(torch.nn.Module):
     """A mixture-of-experts block as a model runs it: its input not a leaf (autocast caches a leaf's cast once
     for all its readers), its output and routing statistics (``(hidden, statistics)``) reduced to one
     scalar, so the backward reaches both (nothing the reductions add is saved)."""
@@ -137,7 +137,7 @@ def saved_activation_bytes(block: torch.nn.Module, model: ModelConfig, regime: s
     initialize_parameters(block, seed=0, n_layers=1)
     block = block.to(dtype)
     x = torch.randn(micro_batch, model.seq_len, model.d_model, requires_grad=True, dtype=dtype)
-    saved = saved_bytes(_Summed(block), x, autocast=regime == "autocast")
+    saved = saved_bytes(SummedBlock(block), x, autocast=regime == "autocast")
     # the cached fp32 RoPE tables are saved where the rotation runs in fp32: in fp32, and under autocast
     # where q and k leave their norms in fp32 (Qwen3-MoE; Mixtral has none, its q and k are autocast's bf16)
     fp32_rotation = regime == "fp32" or (regime == "autocast" and block.attention.q_norm is not None)

@@ -277,7 +277,7 @@ def evaluate(case: Case) -> PlanEstimate:
     for stage in stages:
         first, last = stage == 0, stage == pp - 1
         params = stage_params(model, tp=tp, layers=layers, first=first, last=last)
-        split, experts_local, _ = expert_split(model, layers=layers, ep=ep)
+        split, experts_local, _ = expert_split(model, layers=layers, ep=ep, tp=tp)
         held = layer_chunks_in_flight(lay.pp_schedule, pp=pp, microbatches=m, virtual_stages=v, stage=stage)
         memories[stage] = stage_memory(
             model,
@@ -330,6 +330,7 @@ def evaluate(case: Case) -> PlanEstimate:
             checkpointing=case.checkpointing,
             hidden_bytes=hidden,
             tokens=b * s // cp,
+            mlp_rows=model.experts_per_token if model.n_experts else 1,
         )
         tp_ops.append(ops)
         tp_bytes.append(volume)

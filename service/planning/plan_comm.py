@@ -232,11 +232,15 @@ def tp_traffic(
     checkpointing: str,
     hidden_bytes: float,
     tokens: int,
+    mlp_rows: int = 1,
 ) -> tuple[float, int]:
     """(bytes sent, collectives) per step on the tp axis of one stage, ring algorithms.
 
     Per layer per micro-batch 2 all-reduces forward + 2 backward of b·s·d (same volume as
-    all-gather + reduce-scatter under sequence parallelism; +2 forward when recomputed); the
+    all-gather + reduce-scatter under sequence parallelism; +2 forward when recomputed), the MLP's
+    ``mlp_rows`` times larger for a mixture of experts (its ``experts_per_token`` picked rows per token are
+    reduced, ``MoEParallel``; under sequence parallelism its sequence gather and re-shard come on top and are
+    not counted); the
     vocab-parallel embedding (forward) and head (backward) one each. The logits stay vocab-sharded:
     ``loss_parallel`` all-reduces three fp32 values per token (max, sum of exponentials, the target's
     logit) instead of gathering them.
@@ -250,7 +254,7 @@ def tp_traffic(
     edge_ops = int(first) + int(last)
     ops = m * (layers * ar_per_layer + edge_ops + 3 * int(last))
     volume = m * (
-        (layers * ar_per_layer + edge_ops) * _ring_all_reduce(tp, hidden_bytes)
+        (layers * ar_per_layer * (1 + mlp_rows) / 2 + edge_ops) * _ring_all_reduce(tp, hidden_bytes)
         + int(last) * 3 * _ring_all_reduce(tp, 4 * tokens)
     )
     return volume, ops

@@ -184,16 +184,17 @@ def largest_param(model: ModelConfig, *, first: bool = True, last: bool = True) 
     return family(model.arch).largest_param(model, first=first, last=last)
 
 
-def expert_split(model: ModelConfig, *, layers: int, ep: int = 1) -> tuple[float, float, float]:
+def expert_split(model: ModelConfig, *, layers: int, ep: int = 1, tp: int = 1) -> tuple[float, float, float]:
     """Expert parallelism's split of a stage's ``layers`` (``parallelism.ep``): (the expert parameters
     split over the ep ranks, ``layers`` blocks' worth of every expert; the expert parameters one rank holds,
     ``1 / ep`` of them; one block's stacked experts, which DDP and FSDP2 leave out), all 0 when ``ep`` is
     1 (the experts are then parameters like any other). The local experts are neither sharded by FSDP2
     nor bucketed by DDP: their weights, gradients and AdamW moments are held whole (``4 + 4 + 8`` bytes
-    per element), divided only by ``ep``."""
+    per element), divided only by ``ep``, and by ``tp``, which splits every expert's width (as it does in
+    the stage's parameter count these are taken out of)."""
     if ep <= 1:
         return 0.0, 0.0, 0.0
-    per_layer = family(model.arch).expert_params_per_layer(model)
+    per_layer = family(model.arch).expert_params_per_layer(model) / tp
     return float(layers * per_layer), layers * per_layer / ep, float(per_layer)
 
 
@@ -308,7 +309,7 @@ def stage_memory(
 
     params = stage_params(model, tp=tp, layers=layers, first=first, last=last)
     state_div = shard if fsdp else (dp if zero >= 1 and dp > 1 else 1)
-    split, experts_local, layer_experts = expert_split(model, layers=layers, ep=ep)
+    split, experts_local, layer_experts = expert_split(model, layers=layers, ep=ep, tp=tp)
     dense = params - split  # the stage's parameters outside the split experts (all of them at ep = 1)
     held_params = dense / shard + experts_local  # per rank: dense shards, whole local experts
     parameters, gradients = 4 * held_params, 4 * held_params

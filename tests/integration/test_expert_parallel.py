@@ -100,7 +100,7 @@ def _two_ranks(rank: int, world_size: int, root: str) -> dict:
     }
 
 
-def _four_ranks(rank: int, world_size: int) -> tuple[RunResult, dict, RunResult]:
+def _four_ranks(rank: int, world_size: int) -> tuple[RunResult, dict, RunResult, dict]:
     import torch.distributed as dist
 
     from etrain.workers.engine.mesh import build_device_mesh
@@ -109,7 +109,20 @@ def _four_ranks(rank: int, world_size: int) -> tuple[RunResult, dict, RunResult]
     mesh = build_device_mesh(Topology(pp=1, dp=4, tp=1), "cpu", ep=2)
     groups = {axis: tuple(dist.get_process_group_ranks(mesh.get_group(axis))) for axis in ("ep", "edp")}
     hsdp = _train(_config(ParallelConfig(dp=4, ep=2, zero=3, dp_replicate=2)), rank, world_size)
-    return _train(_config(ParallelConfig(dp=4, ep=2)), rank, world_size), groups, hsdp
+    return (
+        _train(_config(ParallelConfig(dp=4, ep=2)), rank, world_size),
+        groups,
+        hsdp,
+        {
+            # tensor parallelism with expert parallelism: each expert split by width over tp, the experts by
+            # expert over ep (a (edp, ep, tp) DTensor); DDP-style replicate, then FSDP2 with sequence parallelism
+            "dp2_tp2_ep2": _train(_config(ParallelConfig(dp=2, tp=2, ep=2)), rank, world_size),
+            "dp2_tp2_ep2_zero3_sp": _train(
+                _config(ParallelConfig(dp=2, tp=2, ep=2, zero=3, sequence_parallel=True)), rank, world_size
+            ),
+            "dp2_tp2_zero3": _train(_config(ParallelConfig(dp=2, tp=2, zero=3)), rank, world_size),
+        },
+    )
 
 
 @pytest.fixture(scope="module")
@@ -171,17 +184,133 @@ def test_ep2_dp4_trains_like_one_process_with_ddp_and_hsdp(reference):
     one, _ = reference
     ranks = run_distributed(_four_ranks, 4, timeout_s=240)
     # an ep group is a run of ep consecutive dp ranks; the ranks holding the same experts are ep apart
-    assert [groups for _, groups, _ in ranks] == [
+    assert [groups for _, groups, _, _ in ranks] == [
         {"ep": (0, 1), "edp": (0, 2)},
         {"ep": (0, 1), "edp": (1, 3)},
         {"ep": (2, 3), "edp": (0, 2)},
         {"ep": (2, 3), "edp": (1, 3)},
     ]
-    results = [result for result, _, _ in ranks]
+    results = [result for result, _, _, _ in ranks]
     print(f"qwen3_moe dp4 ep2: losses {results[0].losses} vs one process {one.losses}")
     assert_equivalent(one, results, layout="qwen3_moe dp4 ep2 zero=0")
     # HSDP (2 replicas x 2 shards) for the dense weights, the experts split over ep=2 beside it
-    assert_equivalent(one, [hsdp for _, _, hsdp in ranks], layout="qwen3_moe dp4 ep2 zero=3 dp_replicate=2")
+    assert_equivalent(one, [hsdp for _, _, hsdp, _ in ranks], layout="qwen3_moe dp4 ep2 zero=3 dp_replicate=2")
+    for layout in ("dp2_tp2_ep2", "dp2_tp2_ep2_zero3_sp", "dp2_tp2_zero3"):
+        assert_equivalent(one, [tp[layout] for _, _, _, tp in ranks], layout=f"qwen3_moe {layout}")
+
+
+#: One block measured at tp=2 against the planner's count (``layer_activation_bytes``), as at tp=1 in
+#: tests/unit/test_qwen3_moe.py: Qwen3-MoE widths with room for the split.
+MEASURED = ModelConfig(
+    arch="qwen3_moe",
+    n_layers=1,
+    d_model=128,
+    n_heads=4,
+    n_kv_heads=2,
+    vocab_size=256,
+    seq_len=64,
+    d_ff=176,
+    n_experts=8,
+    experts_per_token=2,
+    moe_d_ff=64,
+    norm_topk_prob=True,
+    router_aux_loss_coef=0.01,
+)
+
+
+def _saved_at_tp2(sequence_parallel: bool, regime: str) -> tuple[int, float]:
+    """(what autograd saves for one block at tp=2 on this rank, what the planner counts), in bytes."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from etrain.service.planning.plan_activations import layer_activation_bytes
+    from etrain.workers.engine.init import initialize_parameters
+    from etrain.workers.engine.parallelize import apply_tp
+    from etrain.workers.families.qwen3_moe_model import Qwen3Moe
+    from tests.moe_utils import SummedBlock
+
+    model = Qwen3Moe(MEASURED)
+    initialize_parameters(model, seed=0, n_layers=1)
+    apply_tp(model, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)), sequence_parallel=sequence_parallel)
+    block = model.layers["0"]
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in block.parameters()]
+    skip = {t.untyped_storage().data_ptr() for t in local}
+    saved: dict[int, int] = {}
+
+    def pack(tensor):
+        plain = tensor._local_tensor if isinstance(tensor, DTensor) else tensor  # noqa: SLF001
+        if plain.untyped_storage().data_ptr() not in skip:
+            saved[plain.untyped_storage().data_ptr()] = plain.untyped_storage().nbytes()
+        return tensor
+
+    tokens = MEASURED.seq_len // 2 if sequence_parallel else MEASURED.seq_len  # a sequence shard under SP
+    x = torch.randn(2, tokens, MEASURED.d_model, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=regime == "autocast"):
+            out = SummedBlock(block)(x)
+        out.backward()
+    # less what is counted elsewhere: the cached fp32 RoPE tables (module state; both regimes rotate in fp32
+    # after Qwen3's q/k norms) and autocast's bf16 weight casts (weights)
+    rope = families.family("qwen3_moe").rope_table_bytes(MEASURED)
+    casts = sum(2 * t.numel() for t in local if t.ndim >= 2) if regime == "autocast" else 0
+    want = layer_activation_bytes(MEASURED, micro_batch=2, tp=2, sequence_parallel=sequence_parallel, regime=regime)
+    return sum(saved.values()) - rope - casts, want
+
+
+def _tensor_parallel_ranks(rank: int, world_size: int, root: str) -> dict:
+    """Hugging Face weights into tp=2; tp=2 training (saving at step 2), with sequence parallelism; one
+    block's saved activations at tp=2 against the planner's count."""
+    from etrain.workers.checkpoints.hf_io import load_hf_weights
+    from etrain.workers.engine.train import Trainer
+
+    trainer = Trainer(_config(ParallelConfig(tp=2)), rank=rank, world_size=world_size, device=torch.device("cpu"))
+    report = load_hf_weights(trainer.model_parts, f"{root}/hf-tp", MOE)
+    loaded = full_state_dict(trainer)
+    experts = trainer.model_parts[0].layers["0"].feed_forward.experts
+    widths = [tuple(getattr(experts, name).to_local().shape) for name in ("w1", "w2")]
+    del trainer
+    return {
+        "hf_loaded": loaded,
+        "hf_read": (report.elements_read, report.local_elements),
+        "local_widths": widths,
+        "tp2": _train(_config(ParallelConfig(tp=2)), rank, world_size, save_root=f"{root}/tp2"),
+        "tp2_sp": _train(_config(ParallelConfig(tp=2, sequence_parallel=True)), rank, world_size),
+        "saved": {(sp, regime): _saved_at_tp2(sp, regime) for sp in (False, True) for regime in ("fp32", "autocast")},
+    }
+
+
+def test_tensor_parallel_experts_train_like_one_process_load_hf_and_reshard(reference):
+    """Expert tensor parallelism (``MoEParallel``): every expert split by width over tp=2 (gate/up by rows of
+    the width, down by its columns), the router replicated, one all-reduce of the rows per layer. It loads
+    Hugging Face weights exactly, trains one process's numbers with and without sequence parallelism
+    (with ep and FSDP2 too: the four-rank test), its checkpoint restores into one process, and the planner's
+    activation count is what a tp=2 block saves, exactly."""
+    from etrain.workers.checkpoints.checkpoint_commit import step_dir
+    from etrain.workers.checkpoints.hf_io import export_hf
+    from etrain.workers.engine.train import Trainer
+
+    one, root = reference
+    export_hf(step_dir(f"{root}/one", SAVE_AT), f"{root}/hf-tp", MOE)
+    ranks = run_distributed(_tensor_parallel_ranks, 2, root, timeout_s=240)
+    e, d, f = MOE.n_experts, MOE.d_model, MOE.expert_dim
+    assert all(r["local_widths"] == [(e, f // 2, d), (e, d, f // 2)] for r in ranks)  # half of each width
+    for r in ranks:  # a rank reads the slices it holds, nothing more (the experts' halves included)
+        assert r["hf_read"][0] == r["hf_read"][1] < families.num_params(MOE), r["hf_read"]
+    at_save = Trainer(BASE, rank=0, world_size=1, device=torch.device("cpu"))
+    at_save.restore(step_dir(f"{root}/one", SAVE_AT))
+    want = full_state_dict(at_save)
+    for r in ranks:
+        assert r["hf_loaded"].keys() == want.keys()
+        assert all(torch.equal(r["hf_loaded"][k], v) for k, v in want.items())
+    print(f"qwen3_moe tp2: losses {ranks[0]['tp2'].losses} vs one process {one.losses}")
+    assert_equivalent(one, [r["tp2"] for r in ranks], layout="qwen3_moe tp2")
+    assert_equivalent(one, [r["tp2_sp"] for r in ranks], layout="qwen3_moe tp2 sequence parallel")
+    restored = _train(BASE, 0, 1, restore=f"{root}/tp2")  # tp=2 -> one process
+    _assert_losses(one, restored.losses, first=SAVE_AT, layout="tp2 -> tp1")
+    assert len(restored.losses) == STEPS - SAVE_AT
+    for r in ranks:
+        for (sp, regime), (got, planned) in r["saved"].items():
+            assert got == planned, f"tp=2 sequence_parallel={sp} {regime}: saved {got} bytes, planned {planned}"
 
 
 MIXTRAL = dataclasses.replace(ModelConfig(**MODEL_PRESETS["mixtral-tiny"]), seq_len=16, router_aux_loss_coef=0.01)
@@ -207,6 +336,9 @@ def _mixtral_ep2(rank: int, world_size: int) -> dict:
     history += trainer.run(1, STEPS)
     out["compiled"] = _result(trainer, history)
     out["frames"] = (frames, compiled_frames())
+    # and under tensor parallelism: the experts' tp collectives run eagerly between the graphs too
+    compiled_tp = dataclasses.replace(compiled, parallel=ParallelConfig(tp=2))
+    out["compiled_tp2"] = _train(compiled_tp, rank, world_size)
     return out
 
 
@@ -226,6 +358,7 @@ def test_mixtral_ep2_trains_like_one_process_eager_and_compiled(monkeypatch):
     assert_equivalent(one, [r[0] for r in ranks], layout="mixtral dp2 ep2 zero=0")
     assert_equivalent(one, [r[3] for r in ranks], layout="mixtral dp2 ep2 zero=3")
     assert_equivalent(one, [r["compiled"] for r in ranks], layout="mixtral dp2 ep2 zero=0 compiled")
+    assert_equivalent(one, [r["compiled_tp2"] for r in ranks], layout="mixtral tp2 compiled")
     for r in ranks:
         after_first, at_end = r["frames"]
         assert after_first > 0 and at_end == after_first  # compiled at step 1, graph breaks included; no more

@@ -186,10 +186,11 @@ def test_ep_stays_1_with_its_reason_where_it_is_slower():
     )
 
 
-def test_mixtral_on_8_gpus_does_not_fit_even_with_ep():
+def test_mixtral_on_8_gpus_does_not_fit_even_with_ep_and_tp():
     with pytest.raises(SpecRejected) as refused:
         resolve_auto(auto_spec("mixtral-8x7b", 8, activation_checkpointing="full"))
-    assert "the smallest, pp1·dp8·tp1 ep8 zero=3, needs 98.7 GiB/rank" in refused.value.problems[0].message
+    # tensor parallelism splits every expert's width too: 91.1 GiB with tp=4 (98.7 GiB at pp1·dp8·tp1 ep8 zero=3)
+    assert "the smallest, pp1·dp2·tp4 ep2 zero=3 sp, needs 91.1 GiB/rank" in refused.value.problems[0].message
 
 
 # -- what does not change, and what every search keeps ----------------------------------------------------------

@@ -59,7 +59,10 @@ SHARDS = {
     "width_norm": (True, True),
     "norm": (False, False),
     "head_norm": (False, False),
+    "moe": (True, True),  # its parameters' names: experts.w1/w2/w3 split by width, router.weight (below) whole
 }
+#: Parameters a splitting style holds whole: the mixture of experts' router.
+REPLICATED_UNDER = {"moe": ("router.weight",)}
 
 
 def _config(name: str, variant: dict) -> ModelConfig:
@@ -157,6 +160,7 @@ def test_the_tp_plan_names_real_modules_and_shards_what_layer_params_counts(name
             weight_split, bias_split = SHARDS[style]
             for param_name, param in modules[module_name].named_parameters():
                 split = weight_split if param_name == "weight" else bias_split
+                split = split and param_name not in REPLICATED_UNDER.get(style, ())
                 held += param.numel() / tp if split else param.numel()
         assert found.layer_params(config, tp) == pytest.approx(held), tp
 

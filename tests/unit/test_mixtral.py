@@ -241,7 +241,7 @@ def test_the_spec_selects_the_family_and_the_planner_counts_it():
 @pytest.mark.parametrize(
     ("parallelism", "fields", "words"),
     [
-        ({"dp": 2, "tp": 2, "zero": 3}, ["parallelism.tp"], "expert parallelism"),
+        ({"dp": 2, "tp": 3, "zero": 3}, ["parallelism.tp"] * 3, "must divide both model.n_heads=32"),
         ({"dp": 2, "pp": 2, "zero": 3}, ["parallelism.pp"], "load-balancing loss"),
         ({"dp": 6, "ep": 3, "zero": 3}, ["parallelism.ep"], "does not divide model.n_experts=8"),
     ],

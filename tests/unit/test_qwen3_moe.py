@@ -215,27 +215,28 @@ def test_the_activation_count_is_what_autograd_saves(regime, variant):
 # -- layouts: refused with the field named ---------------------------------------------------------
 
 
-def test_tensor_and_pipeline_parallelism_are_refused_naming_the_field():
+def test_pipeline_parallelism_is_refused_naming_the_field_and_tensor_parallelism_splits_the_experts():
     model = ModelConfig(**MODEL_PRESETS["qwen3-30b-a3b"])
     problems = check_plan(_gpu_spec("qwen3-30b-a3b", {"dp": 2, "tp": 2, "pp": 2, "zero": 3}))
     refused = [p for p in problems if p.field in ("parallelism.tp", "parallelism.pp")]
-    assert [p.field for p in refused] == ["parallelism.tp", "parallelism.pp"]
-    assert "tensor parallelism" in refused[0].message and "expert parallelism" in refused[0].message
-    assert "pipeline parallelism" in refused[1].message and "load-balancing loss" in refused[1].message
-    assert all("parallelism.dp" in p.fix for p in refused)
-    assert family_layout.valid_tps(model) == [1]
-    # the engine asks the same rules: parallelize_stage (tp) and build_pipeline (pp)
-    with pytest.raises(ConfigError) as info:
-        layout_rules.check(family_layout.tp_problems(model, 2))
+    assert [p.field for p in refused] == ["parallelism.pp"]
+    assert "pipeline parallelism" in refused[0].message and "load-balancing loss" in refused[0].message
+    assert "parallelism.dp" in refused[0].fix
+    # tp splits whole heads (32 query, 4 kv), each expert's width (768) and the vocabulary
+    assert family_layout.valid_tps(model) == [1, 2, 4]
+    assert family_layout.tp_problems(model, 2) == []
+    with pytest.raises(ConfigError) as info:  # the engine asks the same rules (parallelize_stage)
+        layout_rules.check(family_layout.tp_problems(model, 8))
     assert info.value.field == "parallelism.tp"
     pipeline = dict(n_layers=48, tie_embeddings=False, pp=2, virtual_stages=1, microbatches=4, schedule="1f1b")
     assert [p.field for p in family_layout.pipeline_problems(**pipeline, model=model)] == ["parallelism.pp"]
     assert family_layout.pipeline_problems(**pipeline, model=ModelConfig(**MODEL_PRESETS["llama3-8b"])) == []
-    # dp with ZeRO-3 is fine, and the planner's own search proposes neither tp nor pp
+    # dp with ZeRO-3 is fine, and so is tp; the planner's own search never proposes pp
     assert check_plan(_gpu_spec("qwen3-moe-tiny", {"dp": 8, "zero": 3})) == []
+    assert check_plan(_gpu_spec("qwen3-moe-tiny", {"dp": 4, "tp": 2, "zero": 3})) == []
     auto = _gpu_spec("qwen3-moe-tiny", {"auto": True, "max_workers": 8}, global_batch=8)
     chosen = resolve_auto(auto)
-    assert isinstance(chosen, AutoPlan) and (chosen.layout.tp, chosen.layout.pp) == (1, 1)
+    assert isinstance(chosen, AutoPlan) and chosen.layout.pp == 1
 
 
 # -- the spec and config.json ------------------------------------------------------------------------

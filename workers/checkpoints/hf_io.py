@@ -74,7 +74,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner, HuggingFaceStorageReader
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from etrain.workers.checkpoints import storage
 from etrain.workers.checkpoints.checkpoint_commit import resolve_latest, step_dir, verify
@@ -216,22 +216,47 @@ def _expert_slices(found: Any, fqn: str, tensor: torch.Tensor, model_config: Mod
     """The per-expert Hugging Face tensors a rank reads into its part of stacked expert parameter ``fqn``:
     ``{name of expert e: view of its row e}`` for the experts it holds. The views share the parameter's
     storage (DCP fills them in place). Whole on one rank, or sharded by experts (FSDP2's ``Shard(0)``, HSDP's
-    ``(Replicate, Shard(0))``): each rank names only its own experts, so it reads only their tensors."""
+    ``(Replicate, Shard(0))``, expert parallelism's): each rank names only its own experts, so it reads only
+    their tensors. Split by width too (expert tensor parallelism: ``Shard(1)``/``Shard(2)`` over tp), each
+    view is a DTensor of that expert's tensor, sharded the same way one dimension down, so DCP reads only
+    this rank's slice of it."""
     local = _local(tensor)
     first = 0
+    views: list[torch.Tensor] = [local[i] for i in range(local.shape[0])]
     if isinstance(tensor, DTensor):
-        if any((p.is_shard() and p.dim != 0) or p.is_partial() for p in tensor.placements):
+        if any(p.is_partial() for p in tensor.placements):
             raise ConfigError(
-                f"{fqn} is sharded as {tensor.placements}; stacked experts load sharded by experts only (dim 0).",
+                f"{fqn} is a partial sum ({tensor.placements}); stacked experts load whole or sharded.",
                 field="model.hf",
-                fix="shard the experts with data parallelism (FSDP2), not tensor parallelism",
             )
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         _, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
         first = offset[0]
+        if any(p.is_shard() and p.dim != 0 for p in tensor.placements):
+            # one expert's tensor: the experts' split (dim 0) does not apply to it, the width's moves down a dim
+            placements = [
+                Shard(p.dim - 1) if p.is_shard() and p.dim != 0 else Replicate() if p.is_shard() else p
+                for p in tensor.placements
+            ]
+            whole = tuple(tensor.shape[1:])
+            views = [
+                DTensor.from_local(
+                    view, tensor.device_mesh, placements, run_check=False, shape=whole, stride=_strides(whole)
+                )
+                for view in views
+            ]
     names = found.hf_tensors(fqn, tuple(tensor.shape), model_config)
-    return {names[first + i][0]: local[i] for i in range(local.shape[0])}
+    return {names[first + i][0]: view for i, view in enumerate(views)}
+
+
+def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Contiguous strides of ``shape``."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
 
 
 def _hf_shapes(model_config: ModelConfig) -> dict[str, tuple[int, ...]]:

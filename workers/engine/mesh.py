@@ -142,6 +142,12 @@ class ParallelMesh:
         return None if self.expert_root is None else self.expert_root["edp", "ep"]
 
     @property
+    def expert_tp(self) -> DeviceMesh | None:
+        """The ``(edp, ep, tp)`` mesh of expert weights split by expert over ep and by width over tp (None
+        when ep = 1)."""
+        return None if self.expert_root is None else self.expert_root["edp", "ep", "tp"]
+
+    @property
     def shape(self) -> tuple[int, ...]:
         """The root mesh's shape, in :data:`MESH_DIMS` order."""
         return tuple(self.root.mesh.shape)

@@ -266,6 +266,52 @@ class VocabEmbeddingParallel(RowwiseParallel):
         return out.clone() if use_local_output else out
 
 
+class MoEParallel(ParallelStyle):
+    """A mixture-of-experts MLP under tensor parallelism (Megatron's expert tensor parallelism, ETP = tp).
+
+    Every tp rank routes the whole (replicated) set of tokens with the replicated router and runs every picked
+    row through its slice of each expert's width: the stacked ``w1``/``w3`` split by rows of the expert width
+    (column-parallel per expert) and ``w2`` by its columns (row-parallel), the partial outputs summed over tp
+    once per layer, before the router's weights are applied (``GroupedExperts``:
+    ``copy_to_tensor_parallel`` / ``reduce_from_tensor_parallel``). So every tensor after the experts, and
+    so the router's gradient, is the same on every tp rank. Under expert parallelism too the experts are
+    split by expert over ep and by width over tp (:func:`apply_ep` composes the two).
+
+    With sequence parallelism the block hands over a sequence shard: the layer gathers the whole sequence
+    first (its gradient then needs no reduction: it is whole on every rank) and hands back this rank's
+    shard of the output (whose backward gathers the gradient). The router's weight is a replicated DTensor,
+    like every parameter outside the Megatron split (``ReplicateParallel``)."""
+
+    def __init__(self, *, sequence_parallel: bool):
+        super().__init__()
+        self.sequence_parallel = sequence_parallel
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        ReplicateParallel._replicate_params("router", module.router, device_mesh)
+        experts = module.experts
+        for name, dim in experts.tp_shard_dims.items():
+            param = getattr(experts, name)
+            sharded = distribute_tensor(param.data, device_mesh, [Shard(dim)], src_data_rank=None)
+            experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        experts.tp_group = device_mesh.get_group()
+        if self.sequence_parallel:
+
+            def gather(mod, args):
+                x = args[0]
+                x = x if isinstance(x, DTensor) else DTensor.from_local(x, device_mesh, [Shard(1)], run_check=False)
+                return (x.redistribute(device_mesh, [Replicate()]).to_local(), *args[1:])
+
+            def shard(mod, args, out):
+                first = out[0] if isinstance(out, tuple) else out
+                first = DTensor.from_local(first, device_mesh, [Replicate()], run_check=False)
+                first = first.redistribute(device_mesh, [Shard(1)]).to_local()
+                return (first, *out[1:]) if isinstance(out, tuple) else first
+
+            module.register_forward_pre_hook(gather)
+            module.register_forward_hook(shard)
+        return module
+
+
 def tp_style(name: str, *, sequence_parallel: bool, compiled: bool = False) -> ParallelStyle | None:
     """The torch ``ParallelStyle`` of a style a family's plan names (``etrain.workers.families.base.TP_STYLES``);
     None for ``gather_sequence`` without sequence parallelism (nothing to do)."""
@@ -292,6 +338,8 @@ def tp_style(name: str, *, sequence_parallel: bool, compiled: bool = False) -> P
         return WidthShardedNorm()
     if name == "vocab_head":
         return ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False)
+    if name == "moe":
+        return MoEParallel(sequence_parallel=sequence_parallel)
     if name == "gather_sequence":
         # The norm hands over a sequence shard; attention and MLP need the whole sequence.
         return (
@@ -479,11 +527,9 @@ def apply_ep(module: nn.Module, dims: ParallelDims) -> None:
     :func:`reduce_expert_grads` sums them over ``edp`` and divides by ``dp``, which is the gradient of the
     mean loss over the global batch (a rank's expert gradient already sums the tokens every ep peer sent it).
     """
-    mesh = dims.mesh.expert if dims.mesh is not None else None
-    if mesh is None:
+    if dims.mesh is None or dims.mesh.expert is None:
         raise ConfigError("expert parallelism needs the (edp, ep) expert mesh", field="parallelism.ep")
     group = dims.mesh.get_group("ep")
-    placements = (Replicate(), Shard(0))
     for layer in _moe_layers(module):
         experts = layer.experts
         for name, param in list(experts.named_parameters(recurse=False)):
@@ -492,14 +538,23 @@ def apply_ep(module: nn.Module, dims: ParallelDims) -> None:
                     f"parallelism.ep={dims.ep} does not divide the {param.shape[0]} experts of {name}.",
                     field="parallelism.ep",
                 )
-            local_shape = (param.shape[0] // dims.ep, *param.shape[1:])
+            # Under tensor parallelism (MoEParallel) the weight is already split by width over tp: keep that
+            # split as the mesh's last dimension.
+            if isinstance(param, DTensor):
+                mesh, placements = dims.mesh.expert_tp, (Replicate(), Shard(0), *param.placements)
+                local, whole = param.to_local(), param.shape
+            else:
+                mesh, placements = dims.mesh.expert, (Replicate(), Shard(0))
+                local, whole = param.data, param.shape
+            local_shape = (local.shape[0] // dims.ep, *local.shape[1:])
             if param.is_meta:
                 local = torch.empty(local_shape, dtype=param.dtype, device="meta")
                 sharded = DTensor.from_local(
-                    local, mesh, placements, run_check=False, shape=param.shape, stride=param.stride()
+                    local, mesh, placements, run_check=False, shape=whole, stride=param.stride()
                 )
             else:
-                sharded = distribute_tensor(param.data, mesh, placements, src_data_rank=None)
+                full = param.full_tensor() if isinstance(param, DTensor) else param.data
+                sharded = distribute_tensor(full, mesh, placements, src_data_rank=None)
             experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
         layer.ep_group = group
 
@@ -633,7 +688,7 @@ def apply_dp(
     if _has_dtensor_params(module, experts):
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
-        replicate(module, mesh=dims.axis("dp_cp"))
+        replicate(module, mesh=dims.axis("dp_cp"), ignored_params=experts or None)  # experts: as below
         return module
     if experts:  # DDP leaves the expert weights to reduce_expert_grads
         names = [name for name, p in module.named_parameters() if p in experts]
@@ -699,7 +754,9 @@ def parallelize_stage(
         from etrain.workers.engine.compile import apply_compile
 
         # the ep token exchange and the cp ring run eagerly between a block's graphs
-        apply_compile(module, fullgraph=not (dims.ep_enabled or dims.cp_enabled))
+        # (and so do the collectives of tensor-parallel experts)
+        eager_regions = dims.ep_enabled or dims.cp_enabled or (dims.tp_enabled and bool(_moe_layers(module)))
+        apply_compile(module, fullgraph=not eager_regions)
     if uses_fsdp(dims, parallel):
         device = torch.device(dims.fsdp_mesh.device_type)
         return materialize(apply_dp(module, dims, zero=parallel.zero, **fsdp_policies(config, device)))

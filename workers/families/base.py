@@ -98,6 +98,8 @@ TP_STYLES: dict[str, str] = {
     "width_norm": "a norm over the whole tp-sharded width (weights sharded with it; the mean is all-reduced)",
     "vocab_head": "output projection split by vocabulary; the logits stay sharded for loss_parallel",
     "gather_sequence": "with sequence parallelism, gathers the sequence-sharded input (nothing otherwise)",
+    "moe": "a mixture of experts: router replicated, every expert split by width (expert tensor parallelism), "
+    "the partial outputs summed over tp; with sequence parallelism the input gathered and the output re-sharded",
 }
 
 

@@ -41,13 +41,58 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor
 
-__all__ = ["exchange_experts", "local_tensor"]
+__all__ = ["copy_to_tensor_parallel", "exchange_experts", "local_tensor", "reduce_from_tensor_parallel"]
 
 
 def local_tensor(weight: torch.Tensor) -> torch.Tensor:
     """A stacked expert weight as this rank computes with it: its local experts under expert parallelism
     (a ``Shard(0)`` DTensor's local shard, differentiable), the tensor itself otherwise."""
     return weight.to_local() if isinstance(weight, DTensor) else weight
+
+
+class _CopyToTensorParallel(torch.autograd.Function):
+    """Megatron's ``f``: the identity forward; the backward sums the gradient over the tp group (each tp rank's
+    experts saw every row and gave it the gradient of their slice of the expert width only)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromTensorParallel(torch.autograd.Function):
+    """Megatron's ``g``: the forward sums the tp ranks' partial outputs; the backward is the identity (every
+    tp rank computes the same loss from the summed output, so each already holds the whole gradient)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        out = x.contiguous().clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+# Written by hand: torch's differentiable all-reduce (``torch.distributed.nn``) sums in both directions,
+# and DTensor, which would derive these, has no grouped matmul; compiled blocks run them eagerly.
+@torch.compiler.disable(reason="a collective with a hand-written backward")
+def copy_to_tensor_parallel(x: torch.Tensor, group) -> torch.Tensor:
+    """Rows entering tensor-parallel experts (each tp rank holds a slice of every expert's width)."""
+    return _CopyToTensorParallel.apply(x, group)
+
+
+@torch.compiler.disable(reason="a collective with a hand-written backward")
+def reduce_from_tensor_parallel(x: torch.Tensor, group) -> torch.Tensor:
+    """Tensor-parallel experts' partial outputs, summed over the tp group."""
+    return _ReduceFromTensorParallel.apply(x, group)
 
 
 def _all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:

@@ -18,12 +18,12 @@ with a sparse mixture-of-experts MLP in every block:
   output_router_logits=True)``'s loss). It is computed per micro-batch, like the LM loss, and averaged
   with it over gradient accumulation and data-parallel ranks (so one process and dp=2 train the same).
 
-What this family refuses (``refused_axes``): tensor parallelism (the experts would need their own
-column/row split per expert; expert parallelism, ``parallelism.ep``, shards them instead: each of ep ranks
-borrowed from dp holds ``n_experts / ep`` of them and the tokens are exchanged by all-to-all,
-``workers/families/expert_parallel.py``) and pipeline
-stages (the load-balancing loss sums over every layer's routing, which a pipeline stage cannot carry to
-the last stage with the activations). ``decoder_sparse_step`` other than 1 and ``mlp_only_layers`` (dense
+Tensor parallelism splits the attention as Llama's and every expert by its width (Megatron's expert tensor
+parallelism: ``moe`` in :meth:`Qwen3Moe.tp_plan`, ``MoEParallel`` in ``workers/engine/parallelize.py``); expert
+parallelism (``parallelism.ep``) splits the experts themselves: each of ep ranks borrowed from dp holds
+``n_experts / ep`` of them and the tokens are exchanged by all-to-all (``workers/families/expert_parallel.py``).
+What this family refuses (``refused_axes``): pipeline stages (the load-balancing loss sums over every
+layer's routing, which a pipeline stage cannot carry to the last stage with the activations). ``decoder_sparse_step`` other than 1 and ``mlp_only_layers`` (dense
 blocks among the sparse ones; no published Qwen3-MoE uses them) are refused when reading ``model.hf``.
 
 Numerics follow ``transformers``' ``Qwen3MoeForCausalLM`` (tests/unit/test_qwen3_moe.py).
@@ -43,7 +43,6 @@ from etrain.workers.families.base import (
     refuse_hidden_act,
 )
 from etrain.workers.families.llama import Llama, llama_widths, refuse_sliding_window
-from etrain.workers.protocol.errors import ConfigError
 
 __all__ = ["FAMILY", "Qwen3Moe"]
 
@@ -76,8 +75,6 @@ class Qwen3Moe(Llama):
     mixture_of_experts = True
     context_parallel = True  # its attention is Llama's; the load-balancing loss sums its statistics over cp
     refused_axes = {
-        "tp": "its attention and experts have no tensor-parallel plan; split the experts with expert parallelism "
-        "(parallelism.ep) instead",
         "pp": "the load-balancing loss sums every layer's routing of a micro-batch, which a pipeline stage "
         "does not pass on to the last stage",
     }
@@ -126,15 +123,22 @@ class Qwen3Moe(Llama):
     # -- parallelism -------------------------------------------------------------------------------
 
     def tp_dims(self, model: Sizes) -> tuple[tuple[str, int], ...]:
-        """What a tensor-parallel attention would split; the family refuses tp > 1 (``refused_axes``)."""
-        return (("n_heads", model.n_heads), ("n_kv_heads", model.kv_heads), ("vocab_size", model.vocab_size))
+        """Whole query and key/value heads, each expert's width (``moe_d_ff``) and the vocabulary."""
+        return (
+            ("n_heads", model.n_heads),
+            ("n_kv_heads", model.kv_heads),
+            ("moe_d_ff", model.expert_dim),
+            ("vocab_size", model.vocab_size),
+        )
 
     def tp_plan(self, model: Sizes) -> TPPlan:
-        raise ConfigError(
-            f"model.kind={self.name!r} does not run with tensor parallelism ({self.refused_axes['tp']}).",
-            field="parallelism.tp",
-            fix="use parallelism.tp=1 and shard with data parallelism instead (parallelism.dp with zero 3)",
-        )
+        """Llama's attention split, and the MLP as expert tensor parallelism (``moe``: the router replicated,
+        every expert's gate/up column-split and down row-split by width, one all-reduce of the rows)."""
+        block = dict(Llama.tp_plan(self, self._built(model)).block)
+        for name in ("feed_forward.w1", "feed_forward.w2", "feed_forward.w3"):
+            del block[name]
+        block["feed_forward"] = "moe"
+        return TPPlan(root={"tok_embeddings": "vocab_embedding", "norm": "norm", "output": "vocab_head"}, block=block)
 
     # -- counts ------------------------------------------------------------------------------------
 
@@ -249,27 +253,35 @@ class Qwen3Moe(Llama):
         * per micro-batch, the experts' int32 row offsets (``4E``).
 
         Capacity is unbounded, so the per-pick tensors hold exactly ``k`` rows per token whatever the
-        routing. With activation checkpointing only the block input is saved. The autocast bf16 casts of
+        routing. Under tensor parallelism (expert width split, ``MoEParallel``) the attention's count is Llama's
+        at that tp and each pick's ``4f`` is divided by tp; the rows, the summed outputs and the routing stay
+        whole (checked at tp=2 against the saved tensors, tests/integration/test_expert_parallel.py). With
+        activation checkpointing only the block input is saved. The autocast bf16 casts of
         the stacked expert weights are weights (``matmul_params_per_layer``), not activations.
         """
         s, b, d = model.seq_len, micro_batch, model.d_model
         tokens = s * b
         if checkpointing:
-            return tokens * d * (2 if regime == "bf16_params" else 4)
+            return tokens * d * (2 if regime == "bf16_params" else 4) / (tp if sequence_parallel else 1)
         built = self._built(model)
         attention_and_norms = Llama.layer_activation_bytes(
             self,
             built,
             micro_batch=micro_batch,
+            tp=tp,
+            sequence_parallel=sequence_parallel,
             regime=regime,
             checkpointing=False,
         )
         elem = 4 if regime == "fp32" else 2
-        llama_mlp = 4 * model.ffn_dim * elem + (2 * d if regime == "autocast" else 0)  # and w1/w3's second cast
+        # the dense MLP Llama's count has (divided by tp), and w1/w3's second cast under autocast
+        llama_mlp = 4 * model.ffn_dim * elem / tp + (2 * d if regime == "autocast" else 0)
         e, k, f = model.n_experts, model.experts_per_token, model.expert_dim
         router = 4 * e + (elem * e if regime != "fp32" and model.router_aux_loss_coef > 0 else 0)
         routing = 4 * 8 * k + (4 * k + 4 if built.norm_topk_prob else 0)
-        experts = k * (elem * (2 * d + 4 * f) + (4 if self.fp32_routing_weights else elem))
+        # Under tensor parallelism a rank computes its f / tp of every expert's width; the rows and the
+        # summed outputs are whole on every rank (MoEParallel), and so is the routing.
+        experts = k * (elem * (2 * d + 4 * f / tp) + (4 if self.fp32_routing_weights else elem))
         return attention_and_norms + tokens * (router + routing + experts - llama_mlp) + 4 * e
 
     # -- Hugging Face ------------------------------------------------------------------------------

@@ -33,7 +33,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from etrain.workers.families.expert_parallel import exchange_experts, local_tensor
+from etrain.workers.families.expert_parallel import (
+    copy_to_tensor_parallel,
+    exchange_experts,
+    local_tensor,
+    reduce_from_tensor_parallel,
+)
 from etrain.workers.families.layers import RMSNorm
 from etrain.workers.families.llama_model import Llama, LlamaAttention
 from etrain.workers.protocol.run_config import ModelConfig
@@ -162,7 +167,7 @@ class Router(nn.Module):
         """``x``: ``[tokens, d]``; returns the logits and their fp32 softmax ``[tokens, n_experts]``, the
         routing weights and the experts picked (``[tokens, k]`` each, the weights in the logits' dtype or
         fp32)."""
-        logits = F.linear(x, self.weight)
+        logits = F.linear(x, local_tensor(self.weight))  # a replicated DTensor under tensor parallelism
         probs = F.softmax(logits, dim=-1, dtype=torch.float32)
         weights, picks = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
@@ -174,20 +179,33 @@ class GroupedExperts(nn.Module):
     """``n_experts`` SwiGLU MLPs stacked: ``w1`` (gate) and ``w3`` (up) ``[n_experts, moe_d_ff, d]``,
     ``w2`` (down) ``[n_experts, d, moe_d_ff]`` (each expert's slice is its ``nn.Linear`` weight)."""
 
+    #: The dimension of each weight that tensor parallelism splits: the expert width ``moe_d_ff`` (Megatron's
+    #: column split of gate and up, row split of down, per expert).
+    tp_shard_dims = {"w1": 1, "w2": 2, "w3": 1}
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         e, d, f = config.n_experts, config.d_model, config.expert_dim
         self.w1 = nn.Parameter(torch.empty(e, f, d))
         self.w2 = nn.Parameter(torch.empty(e, d, f))
         self.w3 = nn.Parameter(torch.empty(e, f, d))
+        #: Set by the engine under tensor parallelism: the tp group over which each expert's width is split.
+        self.tp_group = None
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """``x``: the picked rows sorted by expert; ``offsets``: where each expert's rows end. Under expert
-        parallelism the weights are ``Shard(0)`` DTensors and this rank runs its local experts."""
+        parallelism the weights are ``Shard(0)`` DTensors and this rank runs its local experts; under tensor
+        parallelism each rank computes its slice of every expert's width and the partial outputs are summed
+        over tp (one all-reduce of the rows, before the router's weights touch them)."""
         w1, w2, w3 = local_tensor(self.w1), local_tensor(self.w2), local_tensor(self.w3)
+        if self.tp_group is not None:
+            x = copy_to_tensor_parallel(x, self.tp_group)
         x = x.to(compute_dtype(x, w1))  # once for both projections that read it
         hidden = F.silu(grouped_linear(x, w1, offsets)) * grouped_linear(x, w3, offsets)
-        return grouped_linear(hidden, w2, offsets)
+        out = grouped_linear(hidden, w2, offsets)
+        if self.tp_group is not None:
+            out = reduce_from_tensor_parallel(out, self.tp_group)
+        return out
 
 
 def _histogram(picks: torch.Tensor, bins: int, top: int) -> torch.Tensor:
