@@ -121,6 +121,9 @@ def _four_ranks(rank: int, world_size: int) -> tuple[RunResult, dict, RunResult,
                 _config(ParallelConfig(dp=2, tp=2, ep=2, zero=3, sequence_parallel=True)), rank, world_size
             ),
             "dp2_tp2_zero3": _train(_config(ParallelConfig(dp=2, tp=2, zero=3)), rank, world_size),
+            # pipeline stages pass the routing statistics on with the activations; with ep, and with tp (3D)
+            "pp2_dp2_ep2": _train(_config(ParallelConfig(pp=2, dp=2, ep=2)), rank, world_size),
+            "pp2_tp2": _train(_config(ParallelConfig(pp=2, tp=2)), rank, world_size),
         },
     )
 
@@ -195,7 +198,7 @@ def test_ep2_dp4_trains_like_one_process_with_ddp_and_hsdp(reference):
     assert_equivalent(one, results, layout="qwen3_moe dp4 ep2 zero=0")
     # HSDP (2 replicas x 2 shards) for the dense weights, the experts split over ep=2 beside it
     assert_equivalent(one, [hsdp for _, _, hsdp, _ in ranks], layout="qwen3_moe dp4 ep2 zero=3 dp_replicate=2")
-    for layout in ("dp2_tp2_ep2", "dp2_tp2_ep2_zero3_sp", "dp2_tp2_zero3"):
+    for layout in ("dp2_tp2_ep2", "dp2_tp2_ep2_zero3_sp", "dp2_tp2_zero3", "pp2_dp2_ep2", "pp2_tp2"):
         assert_equivalent(one, [tp[layout] for _, _, _, tp in ranks], layout=f"qwen3_moe {layout}")
 
 
@@ -259,7 +262,7 @@ def _saved_at_tp2(sequence_parallel: bool, regime: str) -> tuple[int, float]:
 
 def _tensor_parallel_ranks(rank: int, world_size: int, root: str) -> dict:
     """Hugging Face weights into tp=2; tp=2 training (saving at step 2), with sequence parallelism; one
-    block's saved activations at tp=2 against the planner's count."""
+    block's saved activations at tp=2 against the planner's count; pp=2 (saving at step 2) and GPipe."""
     from etrain.workers.checkpoints.hf_io import load_hf_weights
     from etrain.workers.engine.train import Trainer
 
@@ -275,16 +278,21 @@ def _tensor_parallel_ranks(rank: int, world_size: int, root: str) -> dict:
         "local_widths": widths,
         "tp2": _train(_config(ParallelConfig(tp=2)), rank, world_size, save_root=f"{root}/tp2"),
         "tp2_sp": _train(_config(ParallelConfig(tp=2, sequence_parallel=True)), rank, world_size),
+        # two pipeline stages (1F1B), saving at step 2, and GPipe
+        "pp2": _train(_config(ParallelConfig(pp=2)), rank, world_size, save_root=f"{root}/pp2"),
+        "pp2_gpipe": _train(_config(ParallelConfig(pp=2, pp_schedule="gpipe")), rank, world_size),
         "saved": {(sp, regime): _saved_at_tp2(sp, regime) for sp in (False, True) for regime in ("fp32", "autocast")},
     }
 
 
-def test_tensor_parallel_experts_train_like_one_process_load_hf_and_reshard(reference):
+def test_tensor_and_pipeline_parallel_experts_train_like_one_process_load_hf_and_reshard(reference):
     """Expert tensor parallelism (``MoEParallel``): every expert split by width over tp=2 (gate/up by rows of
     the width, down by its columns), the router replicated, one all-reduce of the rows per layer. It loads
     Hugging Face weights exactly, trains one process's numbers with and without sequence parallelism
     (with ep and FSDP2 too: the four-rank test), its checkpoint restores into one process, and the planner's
-    activation count is what a tp=2 block saves, exactly."""
+    activation count is what a tp=2 block saves, exactly. Pipeline parallelism (pp=2, 1F1B and GPipe; with
+    ep and with tp in the four-rank test): the routing statistics ride with the activations to the last
+    stage, whose load-balancing loss is one process's; its checkpoint restores into one process."""
     from etrain.workers.checkpoints.checkpoint_commit import step_dir
     from etrain.workers.checkpoints.hf_io import export_hf
     from etrain.workers.engine.train import Trainer
@@ -308,6 +316,11 @@ def test_tensor_parallel_experts_train_like_one_process_load_hf_and_reshard(refe
     restored = _train(BASE, 0, 1, restore=f"{root}/tp2")  # tp=2 -> one process
     _assert_losses(one, restored.losses, first=SAVE_AT, layout="tp2 -> tp1")
     assert len(restored.losses) == STEPS - SAVE_AT
+    # pipeline stages: the last one's load-balancing loss sums every layer's routing, as one process's
+    assert_equivalent(one, [r["pp2"] for r in ranks], layout="qwen3_moe pp2 1f1b")
+    assert_equivalent(one, [r["pp2_gpipe"] for r in ranks], layout="qwen3_moe pp2 gpipe")
+    restored = _train(BASE, 0, 1, restore=f"{root}/pp2")  # pp=2 -> one process
+    _assert_losses(one, restored.losses, first=SAVE_AT, layout="pp2 -> pp1")
     for r in ranks:
         for (sp, regime), (got, planned) in r["saved"].items():
             assert got == planned, f"tp=2 sequence_parallel={sp} {regime}: saved {got} bytes, planned {planned}"

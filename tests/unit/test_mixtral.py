@@ -242,7 +242,7 @@ def test_the_spec_selects_the_family_and_the_planner_counts_it():
     ("parallelism", "fields", "words"),
     [
         ({"dp": 2, "tp": 3, "zero": 3}, ["parallelism.tp"] * 3, "must divide both model.n_heads=32"),
-        ({"dp": 2, "pp": 2, "zero": 3}, ["parallelism.pp"], "load-balancing loss"),
+        ({"dp": 2, "pp": 3, "zero": 3}, ["parallelism.pp"], "n_layers=32"),
         ({"dp": 6, "ep": 3, "zero": 3}, ["parallelism.ep"], "does not divide model.n_experts=8"),
     ],
     ids=["tp", "pp", "ep"],

@@ -215,28 +215,25 @@ def test_the_activation_count_is_what_autograd_saves(regime, variant):
 # -- layouts: refused with the field named ---------------------------------------------------------
 
 
-def test_pipeline_parallelism_is_refused_naming_the_field_and_tensor_parallelism_splits_the_experts():
+def test_tensor_and_pipeline_parallelism_are_planned_and_a_tp_that_splits_no_expert_width_is_refused():
     model = ModelConfig(**MODEL_PRESETS["qwen3-30b-a3b"])
     problems = check_plan(_gpu_spec("qwen3-30b-a3b", {"dp": 2, "tp": 2, "pp": 2, "zero": 3}))
-    refused = [p for p in problems if p.field in ("parallelism.tp", "parallelism.pp")]
-    assert [p.field for p in refused] == ["parallelism.pp"]
-    assert "pipeline parallelism" in refused[0].message and "load-balancing loss" in refused[0].message
-    assert "parallelism.dp" in refused[0].fix
+    assert [p for p in problems if p.field in ("parallelism.tp", "parallelism.pp")] == []
     # tp splits whole heads (32 query, 4 kv), each expert's width (768) and the vocabulary
     assert family_layout.valid_tps(model) == [1, 2, 4]
     assert family_layout.tp_problems(model, 2) == []
     with pytest.raises(ConfigError) as info:  # the engine asks the same rules (parallelize_stage)
         layout_rules.check(family_layout.tp_problems(model, 8))
     assert info.value.field == "parallelism.tp"
+    # pipeline stages pass the routing statistics on with the activations: the pipeline rules are a dense model's
     pipeline = dict(n_layers=48, tie_embeddings=False, pp=2, virtual_stages=1, microbatches=4, schedule="1f1b")
-    assert [p.field for p in family_layout.pipeline_problems(**pipeline, model=model)] == ["parallelism.pp"]
-    assert family_layout.pipeline_problems(**pipeline, model=ModelConfig(**MODEL_PRESETS["llama3-8b"])) == []
-    # dp with ZeRO-3 is fine, and so is tp; the planner's own search never proposes pp
+    assert family_layout.pipeline_problems(**pipeline, model=model) == []
+    five = family_layout.pipeline_problems(**{**pipeline, "pp": 5, "microbatches": 5}, model=model)
+    assert [p.field for p in five] == ["parallelism.pp"]  # 48 layers do not split into 5 stages
     assert check_plan(_gpu_spec("qwen3-moe-tiny", {"dp": 8, "zero": 3})) == []
-    assert check_plan(_gpu_spec("qwen3-moe-tiny", {"dp": 4, "tp": 2, "zero": 3})) == []
+    assert check_plan(_gpu_spec("qwen3-moe-tiny", {"dp": 2, "tp": 2, "pp": 2, "zero": 3})) == []
     auto = _gpu_spec("qwen3-moe-tiny", {"auto": True, "max_workers": 8}, global_batch=8)
-    chosen = resolve_auto(auto)
-    assert isinstance(chosen, AutoPlan) and chosen.layout.pp == 1
+    assert isinstance(resolve_auto(auto), AutoPlan)
 
 
 # -- the spec and config.json ------------------------------------------------------------------------

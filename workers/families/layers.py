@@ -22,7 +22,9 @@ from etrain.workers.protocol.run_config import ModelConfig, RopeScaling
 __all__ = ["RMSNorm", "rope_inverse_frequencies", "rotate_half", "run_trunk"]
 
 
-def run_trunk(model: nn.Module, h: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+def run_trunk(
+    model: nn.Module, h: torch.Tensor, targets: torch.Tensor | None = None, carried: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The part of a forward every family shares: the stage's blocks, then the final norm and the
     output projection where this stage owns them.
 
@@ -31,9 +33,13 @@ def run_trunk(model: nn.Module, h: torch.Tensor, targets: torch.Tensor | None = 
     (``etrain.workers.families.head_loss``); other stages ignore them.
 
     The auxiliary-loss hook: a block may return ``(hidden, extra)`` (a mixture of experts' routing
-    statistics); the extras of all the blocks go to ``model.auxiliary_loss(extras, rows=tokens)``, whose
-    result is added to the loss (the logits are returned as they are). Such a model runs on one stage
-    (its family refuses pipeline parallelism): a stage without the output could not pass them on.
+    statistics, ``[2, n_experts]`` per layer); the extras of all the blocks go to
+    ``model.auxiliary_loss(extras, rows=tokens)``, whose result is added to the loss (the logits are
+    returned as they are). Under pipeline parallelism they ride with the activations: a stage without the
+    output returns ``(hidden, carried)``, ``carried`` the running sum of every earlier layer's extras (this
+    stage's added, in layer order), and the next stage takes it as its second input; the last stage's loss
+    then sees the sum over all the layers, and the backward brings each stage the gradient of its own
+    (``model.carried_layers`` says how many layers ``carried`` holds: all of them at the last stage).
     """
     extras = []
     for layer in model.layers.values():
@@ -43,11 +49,16 @@ def run_trunk(model: nn.Module, h: torch.Tensor, targets: torch.Tensor | None = 
             extras.append(extra)
     if model.norm is not None:
         h = model.norm(h)
+    if extras and (carried is not None or model.output is None):
+        for extra in extras:  # summed in layer order, as one process sums them (load_balancing_loss)
+            carried = extra if carried is None else carried + extra
+        extras = [carried]
     if model.output is None:
-        if extras:
-            raise RuntimeError("a pipeline stage cannot pass its blocks' auxiliary outputs on to the loss")
-        return h
-    auxiliary = model.auxiliary_loss(extras, rows=h.shape[0] * h.shape[1]) if extras else None
+        return (h, extras[0]) if extras else h
+    auxiliary = None
+    if extras:
+        layers = model.config.n_layers if carried is not None else len(extras)
+        auxiliary = model.auxiliary_loss(extras, rows=h.shape[0] * h.shape[1], layers=layers)
     if targets is not None:
         chunk = getattr(model, "loss_chunk_tokens", 0)
         loss = head_loss(model.output, h, targets, chunk_tokens=chunk)

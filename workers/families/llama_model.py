@@ -161,11 +161,15 @@ class Llama(nn.Module):
         if self.config.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
             self.output.weight = self.tok_embeddings.weight
 
-    def forward(self, tokens_or_hidden: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, tokens_or_hidden: torch.Tensor, carried: torch.Tensor | None = None, targets: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``carried``: a pipeline stage's second input, the earlier stages' routing statistics (a mixture of
+        experts, ``run_trunk``); None on the first stage and without a pipeline."""
         h = tokens_or_hidden
         if self.tok_embeddings is not None:
             h = self.tok_embeddings(h)
-        return run_trunk(self, h, targets)
+        return run_trunk(self, h, targets, carried)
 
 
 def build(config: ModelConfig) -> nn.Module:

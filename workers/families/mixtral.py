@@ -16,8 +16,8 @@ Llama family's attention (RoPE, grouped-query attention, RMSNorm; no q/k norms, 
   in-memory ``mlp.experts.gate_up_proj`` on load and back on save): ``model.layers.N.block_sparse_moe.gate
   .weight`` and one tensor per expert and projection, ``...block_sparse_moe.experts.E.w1/w2/w3.weight``.
 
-Parallelised like Qwen3-MoE (tensor parallelism splits every expert's width; pipeline parallelism is refused,
-``refused_axes``). Refused when reading
+Parallelised like Qwen3-MoE (tensor parallelism splits every expert's width; pipeline stages pass the
+routing statistics on with the activations). Refused when reading
 ``model.hf``: a ``hidden_act`` other than silu, ``router_jitter_noise > 0`` (transformers multiplies each
 block's input by uniform noise while training; etrain does not), and a ``sliding_window`` shorter than
 ``model.seq_len`` (etrain runs full causal attention).

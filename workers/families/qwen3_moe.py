@@ -22,8 +22,10 @@ Tensor parallelism splits the attention as Llama's and every expert by its width
 parallelism: ``moe`` in :meth:`Qwen3Moe.tp_plan`, ``MoEParallel`` in ``workers/engine/parallelize.py``); expert
 parallelism (``parallelism.ep``) splits the experts themselves: each of ep ranks borrowed from dp holds
 ``n_experts / ep`` of them and the tokens are exchanged by all-to-all (``workers/families/expert_parallel.py``).
-What this family refuses (``refused_axes``): pipeline stages (the load-balancing loss sums over every
-layer's routing, which a pipeline stage cannot carry to the last stage with the activations). ``decoder_sparse_step`` other than 1 and ``mlp_only_layers`` (dense
+Pipeline stages pass the running sum of their layers' routing statistics on with the activations (a
+``[2, n_experts]`` tensor beside the hidden states: ``run_trunk``), so the last stage's load-balancing loss
+sums every layer's, as one process's does, and its gradient flows back to each stage's router through the
+pipeline's own backward. ``decoder_sparse_step`` other than 1 and ``mlp_only_layers`` (dense
 blocks among the sparse ones; no published Qwen3-MoE uses them) are refused when reading ``model.hf``.
 
 Numerics follow ``transformers``' ``Qwen3MoeForCausalLM`` (tests/unit/test_qwen3_moe.py).
@@ -74,10 +76,9 @@ class Qwen3Moe(Llama):
     model_module = "etrain.workers.families.qwen3_moe_model"
     mixture_of_experts = True
     context_parallel = True  # its attention is Llama's; the load-balancing loss sums its statistics over cp
-    refused_axes = {
-        "pp": "the load-balancing loss sums every layer's routing of a micro-batch, which a pipeline stage "
-        "does not pass on to the last stage",
-    }
+    # Every parallel axis runs: under pipeline parallelism the routing statistics ride with the activations
+    # to the last stage (workers/families/layers.py run_trunk), so the load-balancing loss is one process's.
+    refused_axes: ClassVar[dict[str, str]] = {}
     # Qwen/Qwen3-30B-A3B's and Qwen/Qwen3-235B-A22B's published config.json, trained at 4096 tokens
     # (intermediate_size is the dense MLP width the configs state; every block of theirs is sparse).
     presets = {

@@ -239,16 +239,19 @@ def _sum_over_group(tensor: torch.Tensor, group) -> torch.Tensor:
     return all_reduce(tensor, group=group)
 
 
-def load_balancing_loss(statistics: list[torch.Tensor], n_experts: int, rows: int) -> torch.Tensor:
+def load_balancing_loss(
+    statistics: list[torch.Tensor], n_experts: int, rows: int, *, layers: int | None = None
+) -> torch.Tensor:
     """Switch Transformer's loss over every layer's :func:`routing_statistics` (``rows`` tokens each):
     ``n_experts · Σₑ (picksₑ / R) · (probsₑ / R)`` with ``R = rows · layers``, accumulated layer by layer in
-    transformers' order."""
+    transformers' order. ``layers``: the layers ``statistics`` sums (default: one per entry; fewer entries
+    when they are already sums over layers, as a pipeline's last stage receives them)."""
     picks = torch.zeros(n_experts, dtype=torch.float32, device=statistics[0].device)
     probs = torch.zeros_like(picks)
     for layer in statistics:
         picks = picks + layer[0]
         probs = probs + layer[1]
-    total = float(rows * len(statistics))
+    total = float(rows * (len(statistics) if layers is None else layers))
     return torch.sum((picks / total) * (probs / total).unsqueeze(0)) * n_experts
 
 
@@ -340,20 +343,21 @@ class Qwen3Moe(Llama):
         #: tokens of this forward's sequences.
         self.statistics_group = None
 
-    def auxiliary_loss(self, statistics: list[torch.Tensor], rows: int) -> torch.Tensor:
+    def auxiliary_loss(self, statistics: list[torch.Tensor], rows: int, layers: int | None = None) -> torch.Tensor:
         """``router_aux_loss_coef`` × the load-balancing loss of this forward's layers (``rows`` tokens).
 
         Under context parallelism a rank routes ``S / cp`` tokens of each sequence, and the loss is a product
         of means over all of them (transformers' ``load_balancing_loss_func`` over the whole batch): the
         per-layer sums are added up over the cp ranks first. The sum is autograd's (its backward sums the
         cp ranks' identical gradients of the shared loss, which the gradient average over dp·cp turns back
-        into exactly one process's gradient)."""
+        into exactly one process's gradient). ``layers``: how many layers ``statistics`` covers (a pipeline's
+        last stage gets one entry, the sum over every layer: ``run_trunk``); by default one per entry."""
         if self.statistics_group is not None:
             group = self.statistics_group
             summed = _sum_over_group(torch.stack(statistics), group)
             statistics = list(summed.unbind(0))
             rows *= torch.distributed.get_world_size(group)
-        loss = load_balancing_loss(statistics, self.config.n_experts, rows)
+        loss = load_balancing_loss(statistics, self.config.n_experts, rows, layers=layers)
         self.last_load_balancing_loss = loss.detach()
         return self.config.router_aux_loss_coef * loss
 
