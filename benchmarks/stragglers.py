@@ -11,8 +11,9 @@ replayed through the production :class:`etrain.service.decisions.stragglers.Stra
 * **false positives**: a healthy stream of ``HEALTHY_OBSERVATIONS`` timing-sync steps; every finding is
   false; reported per 1,000 training steps at ``timing_sync_every`` (the default 1: every step is an
   observation);
-* **detection latency**: a healthy prefix (two windows plus a random phase, so the slowdown does not
-  start on a window boundary), then slowed rows until the slowed rank is reported; latency is the
+* **detection latency**: a healthy prefix (``history`` + 2 windows plus a random phase, so the detector
+  has learned each rank's usual standing among its peers and the slowdown does not start on a window
+  boundary), then slowed rows until the slowed rank is reported; latency is the
   number of training steps from the first slowed step to the step whose window reports it (median
   over ``TRIALS``), None where it is not reported within ``HORIZON_WINDOWS`` windows in most trials
   (a slowdown under the threshold, e.g. 1.25x at 1.5). A finding about any other rank meanwhile is
@@ -102,7 +103,9 @@ def _rank(
     from etrain.workers.rank.chaos import RankDrills
 
     phases = [1.0] * (WARMUP_STEPS + healthy) + [f for f in slowdowns for _ in range(per_slowdown)]
-    drills = RankDrills(rank=rank, report=lambda order, step: None)  # no supervisor to tell here
+    # no supervisor to tell here; four ranks share two cores: the slowed rank spins rather than sleeps, so it
+    # keeps its share of them as a slow device would (ChaosCallback)
+    drills = RankDrills(rank=rank, report=lambda order, step: None, busy_wait=True)
     trainer = Trainer(
         _config(parallel, len(phases)),
         rank=rank,
@@ -174,7 +177,9 @@ def replay(
     wrong_rank = 0
     for _ in range(trials):
         detector = StragglerDetector(config, stages=stages)
-        prefix = 2 * config.window + rng.randrange(config.window)
+        # A job runs healthy for a while before a rank slows down: long enough here for the detector to learn
+        # each rank's usual standing among its peers (`history` windows), and two more, from a random phase.
+        prefix = (config.history + 2) * config.window + rng.randrange(config.window)
         for i in range(prefix):
             wrong_rank += len(detector.observe(i, rng.choice(healthy)))
         latency = None

@@ -36,6 +36,13 @@ The statistic is deliberately robust:
 * a rank is flagged only after ``patience`` consecutive windows over ``threshold``, and then
   reported **once**; it is reported again only after a window at or under the threshold (with the
   slow path on, under its lower threshold: the rank recovered) followed by a new streak;
+* a rank is compared with its peers **as it usually compares with them**: where it is persistently
+  faster than its peers (a usual ratio under 1, the median of its last ``history`` healthy windows, once
+  it has that many), its ratio is divided by that usual one. A rank that usually computes in 0.9 of its
+  peer's time and becomes 1.5x slower is then seen at 1.5x, not 1.35x (measured so on the 2-core machine,
+  four ranks on two cores). Only a usual ratio under 1 is used (a rank slow from its first window is not
+  excused), and only healthy windows within the slow path's band either way teach it (a slow peer makes a
+  rank look fast: learning that would flag it when the peer recovers);
 * beside that fast path, a **slow path** flags a rank over the lower ``sustained_threshold`` (1.3 at a
   threshold of 1.5) for ``sustained_windows`` consecutive windows: a 1.5x straggler sits right at the
   fast path's threshold, where noise decides whether three windows in a row clear it, but it clears
@@ -75,7 +82,9 @@ class StragglerConfig:
     threshold: float = 1.5  # flag when window_median / peer_median is above this
     patience: int = 3  # consecutive windows over threshold before a rank is reported
     min_ranks: int = 2  # a stage with fewer ranks reporting in a window is not peer-judged in it
-    history: int = 5  # a lone stage's baseline: the median of its last `history` healthy windows
+    #: A lone stage's baseline, and a rank's usual ratio to its peers: the median of its last `history`
+    #: healthy windows.
+    history: int = 5
     #: The slow path: a rank over the lower ``sustained_threshold`` for this many consecutive windows is
     #: reported too (0: off). It finds a milder slowdown that lasts (1.5x at threshold 1.5, which the
     #: fast path flags only some of the time) at the price of a longer wait.
@@ -163,6 +172,7 @@ class StragglerDetector:
         self._steps_in_window = 0
         self._streaks: dict[int, _Streak] = {}
         self._history: dict[int, deque[float]] = {}  # lone ranks: medians of their healthy windows
+        self._standing: dict[int, deque[float]] = {}  # ranks with peers: their healthy windows' peer ratios
 
     def stage_of(self, rank: int) -> int | None:
         """The rank's stage (0 without a stage map), None for a rank outside the layout."""
@@ -196,7 +206,7 @@ class StragglerDetector:
             if len(medians) >= self.config.min_ranks:
                 for rank in sorted(medians):
                     peer_median = statistics.median(m for r, m in medians.items() if r != rank)
-                    finding = self._judge_rank(rank, stage, PEERS, medians[rank], peer_median, step)
+                    finding = self._judge_against_peers(rank, stage, medians[rank], peer_median, step)
                     findings += [finding] if finding else []
             elif self._lone(stage):
                 (rank,) = medians
@@ -210,6 +220,22 @@ class StragglerDetector:
     def _lone(self, stage: int) -> bool:
         """A stage with exactly one rank in a layout of several ranks (someone may wait for it)."""
         return self._stages is not None and self._stage_sizes[stage] == 1 and len(self._stages) >= 2
+
+    def _judge_against_peers(
+        self, rank: int, stage: int, median: float, peer_median: float, step: int
+    ) -> StragglerFinding | None:
+        """``median / peer_median`` against the threshold, over the rank's usual ratio where that is under 1
+        (a rank persistently faster than its peers); healthy windows teach the usual ratio."""
+        if peer_median <= 0:
+            return None
+        standing = self._standing.setdefault(rank, deque(maxlen=self.config.history))
+        usual = min(1.0, statistics.median(standing)) if len(standing) == self.config.history else 1.0
+        finding = self._judge_rank(rank, stage, PEERS, median, peer_median * usual, step, usual=usual)
+        ratio, band = median / peer_median, self.config.sustained_threshold
+        streak = self._streaks.get(rank, _Streak())
+        if streak.windows == 0 and streak.sustained == 0 and 1 / band <= ratio <= band:
+            standing.append(ratio)
+        return finding
 
     def _judge_against_history(
         self, rank: int, stage: int, median: float, others: float, step: int
@@ -237,7 +263,7 @@ class StragglerDetector:
         return finding
 
     def _judge_rank(
-        self, rank: int, stage: int, basis: str, median: float, reference: float, step: int
+        self, rank: int, stage: int, basis: str, median: float, reference: float, step: int, *, usual: float = 1.0
     ) -> StragglerFinding | None:
         if reference <= 0:
             return None  # the reference is zero compute: no meaningful ratio
@@ -258,7 +284,9 @@ class StragglerDetector:
         fast = streak.windows >= config.patience
         sustained = slow_path and streak.sustained >= config.sustained_windows
         if (fast or sustained) and not streak.reported:
-            finding = self._finding(rank, stage, basis, factor, median, reference, streak, step, sustained=not fast)
+            finding = self._finding(
+                rank, stage, basis, factor, median, reference, streak, step, sustained=not fast, usual=usual
+            )
             streak = _Streak(windows=streak.windows, sustained=streak.sustained, reported=True, factors=streak.factors)
         self._streaks[rank] = streak
         return finding
@@ -275,12 +303,17 @@ class StragglerDetector:
         step: int,
         *,
         sustained: bool = False,
+        usual: float = 1.0,
     ) -> StragglerFinding:
         windows = streak.sustained if sustained else streak.windows
         threshold = round(self.config.sustained_threshold, 4) if sustained else self.config.threshold
         factors = ", ".join(f"{f:.2f}x" for f in streak.factors[-windows:])
         if basis == PEERS:
-            compared = f"peer median {reference:.4f}s" + (f" in stage {stage}" if self._stages is not None else "")
+            compared = f"peer median {reference / usual:.4f}s" + (
+                f" in stage {stage}" if self._stages is not None else ""
+            )
+            if usual < 1.0:
+                compared += f" times its usual ratio to its peers {usual:.2f} = {reference:.4f}s"
         else:
             compared = (
                 f"{reference:.4f}s expected from its own earlier windows relative to the other stages "

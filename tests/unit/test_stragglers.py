@@ -426,3 +426,58 @@ class TestTheSustainedPath:
     def test_the_sustained_settings_are_checked(self, kwargs, message):
         with pytest.raises(StragglerConfigError, match=message):
             StragglerConfig(**kwargs)
+
+
+def feed_times(detector, rows, first_step=0):
+    """Observe one ``{rank: seconds}`` row per step; return [(step, finding), ...]."""
+    return [(step, f) for step, row in enumerate(rows, first_step) for f in detector.observe(step, row)]
+
+
+class TestAgainstTheirUsualStandingAmongPeers:
+    """A rank persistently faster than its peers is judged against how it usually compares with them: its
+    usual ratio (the median of its last ``history`` healthy windows' ratios), where that is under 1."""
+
+    def test_a_usually_faster_rank_slowed_1_5x_is_found_though_its_peer_ratio_is_1_35(self):
+        # rank 1 computes in 0.9 of rank 0's time for 40 steps (10 windows), then 1.5x its own: 1.35 vs rank 0
+        rows = [{0: 0.1, 1: 0.09}] * 40 + [{0: 0.1, 1: 0.135}] * 80
+        found = feed_times(StragglerDetector(StragglerConfig()), rows)
+        assert [(f.rank, f.basis) for _, f in found] == [(1, PEERS)]
+        step, finding = found[0]
+        assert finding.factor == pytest.approx(1.5)  # 1.35 over its usual 0.9
+        assert step <= 40 + 8 * 4 - 1  # within the slow path's 8 windows (at 1.5 exactly, either path may)
+        assert "times its usual ratio to its peers 0.90" in finding.evidence
+        # judged at its raw ratio (1.35) the fast path never fires: only its usual standing makes it 1.5
+        assert all(f.factor < 1.5 for _, f in feed_times(StragglerDetector(StragglerConfig()), rows[40:]))
+
+    def test_without_history_windows_the_raw_ratio_is_judged(self):
+        # slowed from its 3rd window: fewer than `history` (5) healthy windows, so its standing is not used
+        rows = [{0: 0.1, 1: 0.09}] * 8 + [{0: 0.1, 1: 0.135}] * 80
+        found = feed_times(StragglerDetector(StragglerConfig()), rows)
+        assert [f.factor for _, f in found] == [pytest.approx(1.35)]  # found by the slow path, at its raw ratio
+        assert found[0][0] == 8 + 8 * 4 - 1
+
+    def test_a_usually_slower_rank_is_not_excused(self):
+        # rank 1 at 1.6x its peer from the start: its usual ratio is over 1, which is never used
+        found = feed(StragglerDetector(StragglerConfig()), 80, [0, 1], slow={1: ALWAYS}, factor=1.6)
+        assert [(step, f.rank) for step, f in found] == [(3 * 4 - 1, 1)] and found[0][1].factor == pytest.approx(1.6)
+
+    def test_a_slow_peer_does_not_teach_a_rank_that_it_is_fast(self):
+        # rank 0 is 1.5x slow for 200 steps (reported), then recovers: rank 1 looked 0.67x meanwhile, which it
+        # must not learn as its usual standing, or it would look 1.5x slow once rank 0 recovers
+        rows = [{0: 0.1, 1: 0.1}] * 40 + [{0: 0.15, 1: 0.1}] * 200 + [{0: 0.1, 1: 0.1}] * 200
+        found = feed_times(StragglerDetector(StragglerConfig()), rows)
+        assert {f.rank for _, f in found} == {0}
+
+    def test_a_mildly_slow_peer_moves_the_standing_but_its_recovery_flags_nobody(self):
+        # rank 0 at 1.25x (within the band, so rank 1 learns 0.8 for a while) for 400 steps, then healthy
+        rows = [{0: 0.1, 1: 0.1}] * 40 + [{0: 0.125, 1: 0.1}] * 400 + [{0: 0.1, 1: 0.1}] * 400
+        assert feed_times(StragglerDetector(StragglerConfig()), rows) == []
+
+    @pytest.mark.parametrize("seed", [1, 2, 3])
+    def test_healthy_jitter_around_a_persistent_asymmetry_is_never_reported(self, seed):
+        # rank 1 at 0.9 of its peers, +-15% per step on every rank, 10,000 steps
+        rng = random.Random(seed)
+        rows = [
+            {r: (0.09 if r == 1 else 0.1) * (1 + rng.uniform(-0.15, 0.15)) for r in range(4)} for _ in range(10_000)
+        ]
+        assert feed_times(StragglerDetector(StragglerConfig()), rows) == []

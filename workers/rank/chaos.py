@@ -33,10 +33,12 @@ class RankDrills:
     orders; the lock guards the armed orders.
     """
 
-    def __init__(self, *, rank: int, report: Callable[[ChaosOrder, int | None], None]):
+    def __init__(self, *, rank: int, report: Callable[[ChaosOrder, int | None], None], busy_wait: bool = False):
+        """``busy_wait``: a slowed rank spins instead of sleeping (see :class:`ChaosCallback`)."""
         self.rank = rank
         self._report = report
         self.slow_factor = 1.0
+        self.busy_wait = busy_wait
         self.hung = threading.Event()
         self._health_failure: str | None = None  # a fired fail_health_check, for the attempt's check
         self._pending: dict[int, ChaosOrder] = {}  # by order id: delivered twice, fired once
@@ -108,6 +110,13 @@ class ChaosCallback:
     per-micro-step compute, measured on the previous step without the sleep it added. So the rank's
     measured compute really grows by ``factor`` (what straggler detection must see) while its
     peers only wait. ``hang_rank`` blocks the training thread without exiting.
+
+    With ``RankDrills.busy_wait`` the slowed rank spins on its core for that time instead of sleeping: where
+    ranks outnumber cores (four ranks on the 2-core test machine) a sleeping rank gives its share of the
+    cores to its peers, which then compute faster, so the slowdown they are compared with falls short of
+    ``factor`` (measured: 1.29x of the rank's own healthy time for 1.5x under PP x DP); a slow device keeps
+    its rank's share. The benchmark's measured traces use it (``benchmarks/stragglers.py``); the service's
+    drills sleep, which costs no CPU.
     """
 
     def __init__(self, drills: RankDrills):
@@ -126,7 +135,12 @@ class ChaosCallback:
         self._micro_steps += 1
         if drills.slow_factor > 1.0 and self._per_micro_s > 0:
             delay = self._per_micro_s * (drills.slow_factor - 1.0)
-            time.sleep(delay)
+            if drills.busy_wait:
+                until = time.perf_counter() + delay
+                while time.perf_counter() < until:
+                    pass
+            else:
+                time.sleep(delay)
             self._slept_s += delay
         while drills.hung.is_set():
             time.sleep(0.5)
