@@ -593,7 +593,8 @@ class JobSupervisor:
             chaos=self._drills.plan_orders() if self._drills is not None else (),
             chaos_enabled=self._drills is not None,
             state_from_memory=state_from_memory,
-            keep_snapshots=self.policy.in_place,  # only an in-place repair ever reads them
+            keep_snapshots=self.policy.in_place,  # only an in-place repair or resize ever reads them
+            may_grow=self.policy.max_dp > config.parallel.dp,
         )
 
     def _record_state_sources(self, attempt: int, sources: dict[int, str | None]) -> None:

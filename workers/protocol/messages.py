@@ -102,6 +102,9 @@ class LaunchPlan:
     state_from_memory: bool = False
     #: Keep in-memory snapshots at each save (``fault_tolerance.in_place``): nothing else reads them.
     keep_snapshots: bool = True
+    #: The job may grow past this attempt's dp (its elastic ceiling is higher): at dp=1, where no replica
+    #: would read a snapshot for a repair, rank 0 keeps them anyway for the ranks a grow adds.
+    may_grow: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

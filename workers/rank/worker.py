@@ -380,11 +380,14 @@ class TrainWorker:
         Only where a data-parallel replica holds the same state: the rank a repair replaces is a new
         process with no snapshot, so without a replica to send it one every rank restores from storage
         (``etrain.workers.checkpoints.snapshot.share_snapshots``) and a copy here would never be read.
+        The exception is dp=1 in a job that may grow (``LaunchPlan.may_grow``): an in-place grow resumes
+        from the step committed at dp=1, and the ranks it adds receive this rank's copy of it.
         """
         from etrain.workers.checkpoints.snapshot import replicated, take_snapshot
 
         parallel = self._plan.config.parallel
-        if not self._plan.keep_snapshots or not replicated(parallel.zero, parallel.dp):
+        replica_to_be = self._plan.may_grow and replicated(parallel.zero, 2)  # a grow adds this rank's replicas
+        if not self._plan.keep_snapshots or not (replicated(parallel.zero, parallel.dp) or replica_to_be):
             return
         self._snapshots[completed_steps] = take_snapshot(completed_steps, *trainer.state_for_checkpoint())
         for old in sorted(self._snapshots)[:-2]:
