@@ -91,10 +91,22 @@ LLAMA8B_WIDTHS = CheckSizes(
 TINY_WIDE = CheckSizes(
     preset="llama-tiny", seq_len=64, micro_batch=2, global_batch=8, precision="fp32", device="cpu", n_layers=2
 )
+#: ``--shapes moe`` (issue #21's one-GPU MoE step): Qwen3-30B-A3B's widths (d 2048, 32 heads, 4 KV heads, 128
+#: experts of width 768, 8 picked per token, vocabulary 151936) with 2 of its 48 layers: 1.87 B parameters
+#: (1.21 B of them experts, 0.62 B the embedding and head), 30 GB of fp32 weights, gradients and AdamW moments.
+#: Micro-batch 2, global batch 8, 2048 tokens, bf16. MFU counts the active parameters (8 of 128 experts).
+QWEN3_MOE_WIDTHS = CheckSizes(
+    preset="qwen3-30b-a3b", seq_len=2048, micro_batch=2, global_batch=8, precision="bf16", device="cuda", n_layers=2
+)
+#: ``--tiny``'s MoE shape.
+TINY_MOE = CheckSizes(
+    preset="qwen3-moe-tiny", seq_len=64, micro_batch=2, global_batch=8, precision="fp32", device="cpu"
+)
 #: ``make bench-gpu``'s shapes: name -> (label, the GPU sizes, the ``--tiny`` sizes).
 BENCH_SHAPES: dict[str, tuple[str, CheckSizes, CheckSizes]] = {
     "1b": ("Llama-3.2-1B shapes", FULL, TINY),
     "8b-widths": ("Llama-3.1-8B widths, 4 of its 32 layers", LLAMA8B_WIDTHS, TINY_WIDE),
+    "moe": ("Qwen3-30B-A3B widths, 2 of its 48 layers", QWEN3_MOE_WIDTHS, TINY_MOE),
 }
 
 #: The engine probe's rows: the engine each runs and the options it trains with (none: eager, whole

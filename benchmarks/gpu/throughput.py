@@ -13,7 +13,7 @@ Writes ``gpu_throughput.json`` (``--results-dir``, default ``benchmarks/results`
 folder; and ``$OUT`` when set) after every row, then prints the markdown table
 (``benchmarks.gpu.table.render_throughput``; ``python -m benchmarks.gpu.table --throughput`` prints it again).
 
-    python -m benchmarks.gpu.throughput [--tiny] [--shapes 1b,8b-widths] [--rows ...] [--steps 10]
+    python -m benchmarks.gpu.throughput [--tiny] [--shapes 1b,8b-widths,moe] [--rows ...] [--steps 10]
 
 Without CUDA (and without ``--tiny``) it says so and exits 0. ``--tiny``: every row on CPU with the tiny
 model; compiled rows use ``ETRAIN_COMPILE_BACKEND=aot_eager`` unless set (inductor's C++ build takes ~90 s
@@ -65,7 +65,7 @@ def _no_gpu() -> str | None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="every row on CPU with the tiny model")
-    parser.add_argument("--shapes", default="1b,8b-widths", help="comma-separated: 1b, 8b-widths")
+    parser.add_argument("--shapes", default="1b,8b-widths", help="comma-separated: 1b, 8b-widths, moe")
     parser.add_argument("--rows", default=None, help="comma-separated rows of measures.ROWS (default: BENCH_ROWS)")
     parser.add_argument("--steps", type=int, default=10, help="steps per row (the first 3 are warm-up)")
     parser.add_argument("--results-dir", type=Path, default=None)
