@@ -127,6 +127,26 @@ class SummedBlock(torch.nn.Module):
         return out[0].float().sum() + out[1][1].sum()
 
 
+#: The Qwen3-MoE block whose saved activations are measured against the planner's count (one layer, widths
+#: with room for a tp=2 split): tests/unit/test_qwen3_moe.py at tp=1, tests/integration/test_expert_parallel.py
+#: at tp=2.
+MEASURED_BLOCK = dict(
+    arch="qwen3_moe",
+    n_layers=1,
+    d_model=128,
+    n_heads=4,
+    n_kv_heads=2,
+    vocab_size=256,
+    seq_len=64,
+    d_ff=176,
+    n_experts=8,
+    experts_per_token=2,
+    moe_d_ff=64,
+    norm_topk_prob=True,
+    router_aux_loss_coef=0.01,
+)
+
+
 def saved_activation_bytes(block: torch.nn.Module, model: ModelConfig, regime: str, micro_batch: int = 2) -> int:
     """What autograd saves for one forward and backward of a mixture-of-experts ``block`` (initialised, in
     ``regime``: ``fp32``, ``autocast`` or ``bf16_params``), less what the planner counts elsewhere: the cached

@@ -35,6 +35,7 @@ from etrain.workers.protocol.errors import ConfigError
 from etrain.workers.protocol.run_config import ModelConfig, ParallelConfig
 from tests.dist_utils import run_distributed
 from tests.equivalence_utils import LOSS_RTOL, RunResult, assert_equivalent, save_and_commit, small_config
+from tests.moe_utils import MEASURED_BLOCK
 from tests.state_utils import full_state_dict
 
 STEPS, SAVE_AT = 4, 2
@@ -146,10 +147,23 @@ def _assert_losses(reference: RunResult, losses: list[float], *, first: int, lay
         assert abs(got - want) <= LOSS_RTOL * abs(want), f"{layout} step {first + offset}: {got} vs one process {want}"
 
 
+def _assert_loaded_the_reference_at_save(ranks: list[dict], root: str) -> None:
+    """Every rank's model after loading the exported Hugging Face folder is the reference's at step 2, bit
+    for bit (gathered whole)."""
+    from etrain.workers.checkpoints.checkpoint_commit import step_dir
+    from etrain.workers.engine.train import Trainer
+
+    at_save = Trainer(BASE, rank=0, world_size=1, device=torch.device("cpu"))
+    at_save.restore(step_dir(f"{root}/one", SAVE_AT))
+    want = full_state_dict(at_save)
+    for r in ranks:
+        assert r["hf_loaded"].keys() == want.keys()
+        assert all(torch.equal(r["hf_loaded"][k], v) for k, v in want.items())
+
+
 def test_ep2_trains_like_one_process_and_reshards(reference):
     from etrain.workers.checkpoints.checkpoint_commit import step_dir
     from etrain.workers.checkpoints.hf_io import export_hf
-    from etrain.workers.engine.train import Trainer
 
     one, root = reference
     export_hf(step_dir(f"{root}/one", SAVE_AT), f"{root}/hf", MOE)  # the step-2 weights in the hub's layout
@@ -158,12 +172,7 @@ def test_ep2_trains_like_one_process_and_reshards(reference):
     experts = MOE.n_layers * 3 * MOE.n_experts * MOE.d_model * MOE.expert_dim
     for r in ranks:  # every rank reads the dense weights and its 4 experts' tensors, nothing more
         assert r["hf_read"][0] == r["hf_read"][1] == families.num_params(MOE) - experts // 2
-    at_save = Trainer(BASE, rank=0, world_size=1, device=torch.device("cpu"))
-    at_save.restore(step_dir(f"{root}/one", SAVE_AT))
-    want = full_state_dict(at_save)
-    for r in ranks:
-        assert r["hf_loaded"].keys() == want.keys()
-        assert all(torch.equal(r["hf_loaded"][k], v) for k, v in want.items())
+    _assert_loaded_the_reference_at_save(ranks, root)
     print(f"qwen3_moe ep2: losses {ranks[0]['ddp'].losses} vs one process {one.losses}")
     assert_equivalent(one, [r["ddp"] for r in ranks], layout="qwen3_moe dp2 ep2 zero=0")
     assert_equivalent(one, [r["fsdp"] for r in ranks], layout="qwen3_moe dp2 ep2 zero=3")
@@ -203,22 +212,8 @@ def test_ep2_dp4_trains_like_one_process_with_ddp_and_hsdp(reference):
 
 
 #: One block measured at tp=2 against the planner's count (``layer_activation_bytes``), as at tp=1 in
-#: tests/unit/test_qwen3_moe.py: Qwen3-MoE widths with room for the split.
-MEASURED = ModelConfig(
-    arch="qwen3_moe",
-    n_layers=1,
-    d_model=128,
-    n_heads=4,
-    n_kv_heads=2,
-    vocab_size=256,
-    seq_len=64,
-    d_ff=176,
-    n_experts=8,
-    experts_per_token=2,
-    moe_d_ff=64,
-    norm_topk_prob=True,
-    router_aux_loss_coef=0.01,
-)
+#: tests/unit/test_qwen3_moe.py.
+MEASURED = ModelConfig(**MEASURED_BLOCK)
 
 
 def _saved_at_tp2(sequence_parallel: bool, regime: str) -> tuple[int, float]:
@@ -295,7 +290,6 @@ def test_tensor_and_pipeline_parallel_experts_train_like_one_process_load_hf_and
     stage, whose load-balancing loss is one process's; its checkpoint restores into one process."""
     from etrain.workers.checkpoints.checkpoint_commit import step_dir
     from etrain.workers.checkpoints.hf_io import export_hf
-    from etrain.workers.engine.train import Trainer
 
     one, root = reference
     export_hf(step_dir(f"{root}/one", SAVE_AT), f"{root}/hf-tp", MOE)
@@ -304,12 +298,7 @@ def test_tensor_and_pipeline_parallel_experts_train_like_one_process_load_hf_and
     assert all(r["local_widths"] == [(e, f // 2, d), (e, d, f // 2)] for r in ranks)  # half of each width
     for r in ranks:  # a rank reads the slices it holds, nothing more (the experts' halves included)
         assert r["hf_read"][0] == r["hf_read"][1] < families.num_params(MOE), r["hf_read"]
-    at_save = Trainer(BASE, rank=0, world_size=1, device=torch.device("cpu"))
-    at_save.restore(step_dir(f"{root}/one", SAVE_AT))
-    want = full_state_dict(at_save)
-    for r in ranks:
-        assert r["hf_loaded"].keys() == want.keys()
-        assert all(torch.equal(r["hf_loaded"][k], v) for k, v in want.items())
+    _assert_loaded_the_reference_at_save(ranks, root)
     print(f"qwen3_moe tp2: losses {ranks[0]['tp2'].losses} vs one process {one.losses}")
     assert_equivalent(one, [r["tp2"] for r in ranks], layout="qwen3_moe tp2")
     assert_equivalent(one, [r["tp2_sp"] for r in ranks], layout="qwen3_moe tp2 sequence parallel")

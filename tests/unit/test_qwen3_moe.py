@@ -41,7 +41,12 @@ from etrain.workers.families.qwen3_moe_model import Qwen3MoeBlock, grouped_linea
 from etrain.workers.protocol import layout_rules  # noqa: E402
 from etrain.workers.protocol.errors import ConfigError  # noqa: E402
 from etrain.workers.protocol.run_config import ModelConfig  # noqa: E402
-from tests.moe_utils import compare_with_transformers, random_hf_model, saved_activation_bytes  # noqa: E402
+from tests.moe_utils import (  # noqa: E402
+    MEASURED_BLOCK,
+    compare_with_transformers,
+    random_hf_model,
+    saved_activation_bytes,
+)
 
 FAMILY = families.family("qwen3_moe")
 TOL = 1e-5
@@ -188,26 +193,7 @@ def test_the_planner_holds_every_expert_and_its_optimizer_state_and_times_the_ac
     ids=["published", "no-loss-mha", "top3-bias"],
 )
 def test_the_activation_count_is_what_autograd_saves(regime, variant):
-    model = ModelConfig(
-        **{
-            **dict(
-                arch="qwen3_moe",
-                n_layers=1,
-                d_model=128,
-                n_heads=4,
-                n_kv_heads=2,
-                vocab_size=256,
-                seq_len=64,
-                d_ff=176,
-                n_experts=8,
-                experts_per_token=2,
-                moe_d_ff=64,
-                norm_topk_prob=True,
-                router_aux_loss_coef=0.01,
-            ),
-            **variant,
-        }
-    )
+    model = ModelConfig(**{**MEASURED_BLOCK, **variant})
     saved = saved_activation_bytes(Qwen3MoeBlock(model), model, regime)
     assert saved == layer_activation_bytes(model, micro_batch=2, regime=regime)
 
