@@ -133,7 +133,14 @@ def test_scale_2_to_1_to_2_resizes_in_place_keeping_rank_0s_process(shared_plane
     sections = ZERO3 if layout == "zero3" else {}
     tp = 2 if layout == "tp2" else 1
     job = plane.submit(spec(f"resize-{layout}-dp2", tp=tp, resources={"min_dp": 1, "max_dp": 2}, **sections))
-    plane.wait_until(job["id"], lambda j: j["status"] == "RUNNING" and j["step"] >= 3, timeout_s=180, what="step 3")
+    # At dp=2 first: where the previous test's ranks still held the CPUs at submit, the job starts at its
+    # min_dp and the elastic policy grows it (a relaunch from step 0, before any checkpoint) once they free.
+    plane.wait_until(
+        job["id"],
+        lambda j: j["status"] == "RUNNING" and j["step"] >= 3 and j["world_size"] == 2 * tp,
+        timeout_s=180,
+        what="step 3 at dp=2",
+    )
     # Rank 0's process stays through both resizes, and so does its drill: every step is slow enough
     # (sleeps only, the numbers are the same) for both resizes to land before the last step.
     # Under tp a step is the two ranks' slowest: a 20x rank would make one step outlast the 15 s a resize
@@ -151,16 +158,19 @@ def test_scale_2_to_1_to_2_resizes_in_place_keeping_rank_0s_process(shared_plane
     final = plane.wait_terminal(job["id"], timeout_s=300)
     assert final["status"] == "SUCCEEDED" and final["restarts"] == 0, final
     events = plane.events(job["id"])
+    first_scale = next(i for i, e in enumerate(events) if e["kind"] == "scale_requested")
+    before, events = events[:first_scale], events[first_scale:]  # the resizes asked for, and what followed
     kinds = event_kinds(events)
     resized = [event_text(e) for e in events if e["kind"] == "resized"]
     assert len(resized) == 2 and all(text.endswith("; in place") for text in resized), resized
     assert f"dp=1 world_size={tp}" in resized[0] and f"dp=2 world_size={2 * tp}" in resized[1], resized
-    assert kinds.count("launching") == 1 and "resize_failed" not in kinds, kinds
-    for rank in range(tp):  # the kept replica: attempts 1, 2 (dp=1) and 3 in one process per rank
-        kept = rank_pids(plane, job["id"], rank)
-        assert len(kept) == 3 and len(set(kept)) == 1, (rank, kept)
+    assert "launching" not in kinds and "resize_failed" not in kinds, kinds
+    attempts = 2 + event_kinds(before).count("launching")  # (one more where it started at min_dp and grew)
+    for rank in range(tp):  # the kept replica: the attempt at dp=2, the one at dp=1 and the last, one process
+        pids = rank_pids(plane, job["id"], rank)
+        assert len(pids) == attempts and len(set(pids[-3:])) == 1, (rank, pids)
     for rank in range(tp, 2 * tp):  # the other replica left and a new one joined
-        replaced = rank_pids(plane, job["id"], rank)
+        replaced = rank_pids(plane, job["id"], rank)[-2:]
         assert len(replaced) == 2 and replaced[0] != replaced[1], (rank, replaced)
     sources = restored(events)
     assert len(sources) == 2, sources  # one per resize
