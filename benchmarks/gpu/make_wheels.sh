@@ -23,6 +23,13 @@ plat=(--only-binary=:all: --python-version "$TARGET" --implementation cp --platf
 "$PY" -m pip download -q --no-deps "${plat[@]}" -d . "ray==$RAY_VERSION" fastapi==0.165.0 starlette==1.10.0 \
   uvicorn==0.54.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types typing-inspection jsonschema==4.26.0 \
   jsonschema-specifications referencing rpds-py attrs==26.1.0 prometheus-client==0.26.0 opentelemetry-api==1.45.2
+# torchao for `make bench-gpu`'s float8 rows (training.float8). Not pyproject's 0.18.0: each torchao release
+# is built for one torch, and the GPU machines run torch 2.11, which 0.17.0 is built for (0.18.0 is torch
+# 2.13's). GPU_WHEELS_TORCHAO picks another release for another torch ("" leaves it out).
+TORCHAO=${GPU_WHEELS_TORCHAO-0.17.0}
+if [ -n "$TORCHAO" ]; then
+  "$PY" -m pip download -q --no-deps "${plat[@]}" -d . "torchao==$TORCHAO"
+fi
 
 ray=$(ls ray-"$RAY_VERSION"-*.whl)
 mv "$ray" "$ray.full"

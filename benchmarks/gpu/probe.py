@@ -238,7 +238,13 @@ def versions() -> dict[str, Any]:
         hf_version = transformers.__version__
     except ImportError:
         hf_version = None
-    return {"torch": torch.__version__, "transformers": hf_version}
+    try:
+        import torchao
+
+        torchao_version = torchao.__version__
+    except ImportError:
+        torchao_version = None
+    return {"torch": torch.__version__, "transformers": hf_version, "torchao": torchao_version}
 
 
 def main() -> None:

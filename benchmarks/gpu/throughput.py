@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -35,6 +37,12 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 RESULT_NAME = "gpu_throughput.json"
+
+
+def _bench_rows() -> list[str]:
+    from benchmarks.gpu.measures import BENCH_ROWS
+
+    return list(BENCH_ROWS)
 
 
 def _etrain_importable() -> None:
@@ -51,6 +59,31 @@ def _etrain_importable() -> None:
     sys.path.insert(0, str(folder))
     importlib.invalidate_caches()
     importlib.import_module("etrain.workers")
+
+
+def _torchao_importable(rows: list[str]) -> str | None:
+    """Make ``import torchao`` work for the float8 rows where the machine's Python lacks it: the GPU
+    machines have PyTorch and transformers, no torchao and no network, so ``make gpu-wheels`` brings
+    torchao's wheel in ``.whl/`` (the release built for the GPU machine's torch) and it is installed here
+    into a temporary folder. Returns what was done, or None when nothing was needed."""
+    from benchmarks.gpu.measures import ROWS
+
+    if not any(ROWS.get(row, {}).get("options", {}).get("float8") for row in rows):
+        return None
+    if importlib.util.find_spec("torchao") is not None:
+        return None
+    wheels = sorted((Path(os.environ.get("GPU_WHEELS_DIR") or REPO / ".whl")).glob("torchao-*.whl"))
+    if not wheels:
+        return "torchao is not installed and .whl/ holds no torchao wheel (make gpu-wheels): float8 rows will fail"
+    folder = tempfile.mkdtemp(prefix="etrain-torchao-")
+    command = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile"]
+    command += ["--disable-pip-version-check", "--target", folder, str(wheels[-1])]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    if done.returncode != 0:
+        return f"installing {wheels[-1].name} failed: {done.stderr.strip()[-400:]}"
+    sys.path.insert(0, folder)
+    importlib.invalidate_caches()
+    return f"torchao from {wheels[-1].name}, installed into {folder}"
 
 
 def _no_gpu() -> str | None:
@@ -79,6 +112,10 @@ def main() -> int:
     else:
         os.environ.setdefault("ETRAIN_COMPILE_BACKEND", "aot_eager")
     _etrain_importable()
+    rows = args.rows.split(",") if args.rows else None
+    torchao_note = _torchao_importable(rows or _bench_rows())
+    if torchao_note:
+        print(torchao_note, flush=True)
 
     from benchmarks.figures import machine_info
     from benchmarks.gpu.measures import BENCH_ROWS, BENCH_SHAPES, device_peak, model_summary
@@ -86,7 +123,7 @@ def main() -> int:
     from benchmarks.gpu.table import render_throughput
 
     shapes = args.shapes.split(",")
-    rows = args.rows.split(",") if args.rows else list(BENCH_ROWS)
+    rows = rows or list(BENCH_ROWS)
     unknown = [s for s in shapes if s not in BENCH_SHAPES]
     if unknown:
         parser.error(f"unknown shapes {unknown}; shapes: {', '.join(BENCH_SHAPES)}")

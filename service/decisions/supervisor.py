@@ -75,8 +75,9 @@ any non-terminal status; "fault" and [n] are explained under the table::
 
   fault  A failure of the worker group the job may survive (lost process/actor, hang, start timeout,
          group gone). When restarts_used == max_restarts -> FAILED ("restarted N times,
-         max_restarts=N"). Otherwise StopGroup, restarts_used += 1, backoff_until = now +
-         min(backoff_base_s * 2**restarts_used, backoff_max_s), ScheduleWake(backoff_until).
+         max_restarts=N"). Otherwise StopGroup, restarts_used += 1. Restart 1 launches as soon as
+         the group has stopped; restart k >= 2 sets backoff_until = now +
+         min(backoff_base_s * 2**(k - 2), backoff_max_s), ScheduleWake(backoff_until).
          Node loss, eviction and resizes are not the job's fault: no budget, no backoff; node loss
          and eviction wait for the adapter's next CapacityChanged before launching.
   [1] Start launches at once unless capacity is known to be below min_dp (then it waits, [5]).

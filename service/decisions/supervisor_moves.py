@@ -102,19 +102,17 @@ def fault(state: SupervisorState, now: float, config: SupervisorConfig, kind: st
         status=Status.RECOVERING,
         resize_note=None,
         restarts_used=state.restarts_used + 1,
-        backoff_until=now + delay,
+        backoff_until=now + delay if delay > 0 else None,
     )
     resume = "scratch" if state.last_committed_step is None else f"step {state.last_committed_step}"
+    when = f"in {delay:g}s" if delay > 0 else "at once"
+    restart = f"restart {state.restarts_used + 1}/{config.policy.max_restarts}"
     actions += stop_actions
     actions += evict_actions(state)
-    actions += [
-        RecordEvent(
-            kind="restarting",
-            detail=f"restart {state.restarts_used + 1}/{config.policy.max_restarts} from {resume} in {delay:g}s",
-        ),
-        ScheduleWake(at=now + delay),
-    ]
-    reason = f"{what}: restart {state.restarts_used + 1}/{config.policy.max_restarts} after {delay:g}s backoff"
+    actions.append(RecordEvent(kind="restarting", detail=f"{restart} from {resume} {when}"))
+    if delay > 0:
+        actions.append(ScheduleWake(at=now + delay))
+    reason = f"{what}: {restart} after {delay:g}s backoff" if delay > 0 else f"{what}: {restart} at once"
     if recovering.group is GroupPhase.NONE:
         return try_launch(recovering, now, config, actions, reason)
     return decision(recovering, actions, reason)

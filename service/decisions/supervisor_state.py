@@ -202,9 +202,18 @@ def initial_state(
 
 
 def backoff_delay(restarts_used: int, config: SupervisorConfig) -> float:
-    """Seconds before the next restart: ``backoff_base_s * 2**restarts_used``, capped."""
+    """Seconds before the next restart: none before the first, then ``backoff_base_s * 2**(n - 1)``
+    before the restart that follows ``n`` used ones, capped at ``backoff_max_s``.
+
+    Why the first restart waits for nothing: a lost process, a hang or a preempted worker is usually a
+    one-off, and every second of waiting is a second of the whole job idle (torchelastic and Ray Train
+    restart at once too). A job that fails again right after its restart is what backoff is for: the
+    old group's resources are slow to go, or something on the cluster keeps failing it.
+    """
+    if restarts_used <= 0:
+        return 0.0
     policy = config.policy
-    return min(policy.backoff_max_s, policy.backoff_base_s * 2.0 ** min(restarts_used, 64))
+    return min(policy.backoff_max_s, policy.backoff_base_s * 2.0 ** min(restarts_used - 1, 64))
 
 
 @dataclass(frozen=True, kw_only=True)

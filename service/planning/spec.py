@@ -399,7 +399,12 @@ class CheckpointSpec(_Section):
 class FaultToleranceSpec(_Section):
     max_restarts: _upto(MAX_RESTARTS, 0) = 3
     heartbeat_timeout_s: float = Field(default=60.0, gt=0, le=MAX_SECONDS)
-    backoff_base_s: float = Field(default=1.0, ge=0, le=MAX_SECONDS)
+    backoff_base_s: float = Field(
+        default=1.0,
+        ge=0,
+        le=MAX_SECONDS,
+        description="restart 1 waits for nothing; restart n >= 2 waits min(backoff_base_s * 2^(n-2), backoff_max_s)",
+    )
     backoff_max_s: float = Field(default=60.0, ge=0, le=MAX_SECONDS, description="at least backoff_base_s")
     in_place: bool = Field(
         default=True,

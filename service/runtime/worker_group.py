@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -169,18 +170,44 @@ class WorkerGroup:
         placement group's fate: an in-place resize ([11] in service/decisions/supervisor.py) replaces the
         placement group under the ranks it keeps (Ray kills the actors created *in* a removed group).
         """
-        spares = take_spares([self._bundle_nodes.get(rank, "") for rank in range(self.world_size)])
-        actors, assigned = zip(*(self._rank_actor(rank, spare) for rank, spare in enumerate(spares)))
+        ranks = range(self.world_size)
+        reading = self._read_bundle_gpu_ids(ranks)  # runs beside take_spares' round trip
+        spares = take_spares([self._bundle_nodes.get(rank, "") for rank in ranks])
+        gpu_ids = reading()
+        actors, assigned = zip(*(self._rank_actor(rank, spare, gpu_ids[rank]) for rank, spare in enumerate(spares)))
         ray.get([ref for ref in assigned if ref is not None], timeout=RENDEZVOUS_TIMEOUT_S)
         self.warm_ranks = sum(spare is not None for spare in spares)
         return list(actors)
 
-    def _rank_actor(self, rank: int, spare: Any | None, attempt: int | None = None) -> tuple[Any, Any | None]:
-        """(actor, its pending ``assign`` call or None): the spare made rank ``rank``, or a cold actor."""
+    def _read_bundle_gpu_ids(self, ranks: Iterable[int]) -> Callable[[], dict[int, list[str]]]:
+        """Start reading the GPU ids Ray reserved for the bundles of ``ranks``; the returned call waits
+        for them (rank -> ids; empty lists on a job without GPUs).
+
+        The rank holds no GPU in Ray's books (the bundle's reservation does), so Ray gives it no ids: it
+        runs on the ones Ray reserved for its bundle, which only a task *in* the bundle can read. Each
+        such task needs a Ray worker process of its own (Ray starts one unless an idle one is waiting:
+        0.2-0.6 s each on a 2-core machine), so every bundle's task is sent at once, not one by one.
+        """
+        ranks = list(ranks)
         num_gpus = self._resources.get("GPU", 0.0)
-        # The rank holds no GPU in Ray's books (the bundle's reservation does), so Ray gives it no ids:
-        # it runs on the ones Ray reserved for the bundle, read by a task in the bundle.
-        gpu_ids = _bundle_gpu_ids(self.pg, rank, num_gpus) if num_gpus else []
+        if not num_gpus:
+            return lambda: {rank: [] for rank in ranks}
+        refs = [
+            _gpu_ids_in_bundle.options(
+                num_gpus=num_gpus,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self.pg, placement_group_bundle_index=rank
+                ),
+            ).remote()
+            for rank in ranks
+        ]
+        return lambda: dict(zip(ranks, ray.get(refs, timeout=RENDEZVOUS_TIMEOUT_S)))
+
+    def _rank_actor(
+        self, rank: int, spare: Any | None, gpu_ids: list[str], attempt: int | None = None
+    ) -> tuple[Any, Any | None]:
+        """(actor, its pending ``assign`` call or None): the spare made rank ``rank``, or a cold actor
+        (``gpu_ids``: its bundle's, :meth:`_read_bundle_gpu_ids`)."""
         bundle = f"bundle {rank} of placement group {self.pg.id.hex()}"
         if spare is not None:
             return spare, spare.assign.remote(
@@ -233,8 +260,9 @@ class WorkerGroup:
         self._leave_attempt(lost_rank=lost_rank, error=RepairError)
         _kill(self.actors[lost_rank])  # dead already, or wedged: gone either way
         node = placement_group_table(self.pg).get("bundles_to_node_id", {}).get(lost_rank, "")
+        reading = self._read_bundle_gpu_ids([lost_rank])
         spare = take_spares([node])[0]
-        actor, assigning = self._rank_actor(lost_rank, spare, plan.attempt)
+        actor, assigning = self._rank_actor(lost_rank, spare, reading()[lost_rank], plan.attempt)
         if assigning is not None:
             ray.get(assigning, timeout=RENDEZVOUS_TIMEOUT_S)
         self.actors[lost_rank] = actor
@@ -287,8 +315,10 @@ class WorkerGroup:
             self._reserve(pinned)
         except PlacementTimeout as err:
             raise ResizeError(f"the new size could not be placed with the kept ranks on their nodes: {err}") from None
+        joining = [rank for rank in range(self.world_size) if rank not in kept_actors]
+        bundle_gpu_ids = self._read_bundle_gpu_ids([*old_gpus, *joining])()
         for new, ids in old_gpus.items():
-            bundle_ids = _bundle_gpu_ids(self.pg, new, self._resources["GPU"])
+            bundle_ids = bundle_gpu_ids[new]
             if sorted(bundle_ids) != sorted(ids):
                 raise ResizeError(
                     f"rank {new}'s process runs on GPUs {ids}, but its new bundle holds GPUs {bundle_ids} "
@@ -300,12 +330,11 @@ class WorkerGroup:
             [actor.renumber.remote(new, self.world_size) for new, actor in kept_actors.items()],
             timeout=RENDEZVOUS_TIMEOUT_S,
         )
-        joining = [rank for rank in range(self.world_size) if rank not in kept_actors]
         spares = take_spares([self._bundle_nodes.get(rank, "") for rank in joining])
         actors = dict(kept_actors)
         assigning = []
         for rank, spare in zip(joining, spares):
-            actors[rank], pending = self._rank_actor(rank, spare, plan.attempt)
+            actors[rank], pending = self._rank_actor(rank, spare, bundle_gpu_ids[rank], plan.attempt)
             if pending is not None:
                 assigning.append(pending)
         self.actors = [actors[rank] for rank in range(self.world_size)]
@@ -609,15 +638,10 @@ def _node_alive(node_id: str) -> bool:
     return False
 
 
-def _bundle_gpu_ids(pg: Any, index: int, num_gpus: float) -> list[str]:
-    """The GPU ids Ray reserved for bundle ``index`` (a task in the bundle reads them; the bundle keeps them)."""
-
-    @ray.remote(num_cpus=0, num_gpus=num_gpus)
-    def gpu_ids() -> list[str]:
-        return [str(gpu) for gpu in ray.get_gpu_ids()]
-
-    strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index)
-    return ray.get(gpu_ids.options(scheduling_strategy=strategy).remote(), timeout=RENDEZVOUS_TIMEOUT_S)
+@ray.remote(num_cpus=0)
+def _gpu_ids_in_bundle() -> list[str]:
+    """Run in a bundle with ``num_gpus`` (``.options``): the GPU ids Ray reserved for it, which the bundle keeps."""
+    return [str(gpu) for gpu in ray.get_gpu_ids()]
 
 
 def _death_cause(error: RayActorError, node: str) -> Literal["process", "actor", "node"]:

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from etrain.service.runtime.spares import ensure_pool, find_pool
-from etrain.service.runtime.worker_group import WorkerGroup, _bundle_gpu_ids
+from etrain.service.runtime.worker_group import WorkerGroup
 from etrain.workers.protocol.messages import LaunchPlan
 from etrain.workers.protocol.run_config import ParallelConfig
 from tests.equivalence_utils import small_config
@@ -60,6 +60,19 @@ class ReadyReports:
         return sorted(self.ready)
 
 
+@ray.remote(num_cpus=0, num_gpus=1)
+def _ray_gpu_ids() -> list[str]:
+    """Ray's own answer: the GPU ids a task scheduled in a bundle gets."""
+    return [str(gpu) for gpu in ray.get_gpu_ids()]
+
+
+def _bundle_gpu_ids(group: WorkerGroup, rank: int) -> list[str]:
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    strategy = PlacementGroupSchedulingStrategy(placement_group=group.pg, placement_group_bundle_index=rank)
+    return ray.get(_ray_gpu_ids.options(scheduling_strategy=strategy).remote(), timeout=60)
+
+
 def _plan(attempt: int) -> LaunchPlan:
     # Starts at the last step: each rank rendezvouses, builds its Trainer, reports ready and returns.
     config = small_config(steps=STEPS, parallel=ParallelConfig(dp=2))
@@ -88,7 +101,7 @@ def _devices(group: WorkerGroup, *, warm: set[int]) -> list[list[str]]:
         assert ("warm spare" in seen["source"]) == (rank in warm), seen
         assert ("cold rank" in seen["source"]) == (rank not in warm), seen
         assert seen["cuda_warmup"]["outcome"] != "running", seen  # no CUDA here: it found none, and said so
-        assert seen["gpu_ids"] == _bundle_gpu_ids(group.pg, rank, RANK["GPU"]), seen
+        assert seen["gpu_ids"] == _bundle_gpu_ids(group, rank), seen
     ids = [seen["gpu_ids"] for seen in devices]
     assert sorted(gpu for each in ids for gpu in each) == ["0", "1"], devices
     if not torch.cuda.is_available():

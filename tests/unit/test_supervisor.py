@@ -3,7 +3,7 @@
 Every test passes the clock explicitly. The config used throughout:
   global_batch=32, micro_batch=2 -> 16 micro-batches -> legal dp in [2, 8]: 2, 4, 8
   tp=2, pp=1 -> world_size = 2 * dp (dp=4 -> 8 ranks)
-  backoff 10s, 20s, then capped at 25s; max_restarts=2
+  backoff: none before restart 1, then 10s, 20s, capped at 25s; max_restarts=2
 """
 
 import math
@@ -264,8 +264,8 @@ class TestValues:
 
 
 class TestBackoff:
-    def test_doubles_then_caps(self):
-        assert [backoff_delay(n, CONFIG) for n in range(5)] == [10, 20, 25, 25, 25]
+    def test_the_first_restart_waits_for_nothing_then_doubles_then_caps(self):
+        assert [backoff_delay(n, CONFIG) for n in range(6)] == [0, 10, 20, 25, 25, 25]
 
     def test_huge_restart_counts_do_not_overflow(self):
         assert backoff_delay(10_000, CONFIG) == 25
@@ -617,25 +617,29 @@ class TestJobError:
 
 class TestWorkerLost:
     @pytest.mark.parametrize("cause", ["process", "actor"])
-    def test_restarts_from_the_last_checkpoint_after_backoff(self, cause):
+    def test_restarts_from_the_last_checkpoint_at_once(self, cause):
         state = running(last_committed_step=8)
         d = decide(state, WorkerLost(attempt=1, rank=5, node="n2", cause=cause, detail="exit 137"), 100.0, CONFIG)
         what = f"rank 5 on node n2 lost ({cause}): exit 137"
         assert d.state.status is Status.RECOVERING
         assert d.state.group is GroupPhase.STOPPING and d.state.group_since == 100.0
-        assert (d.state.restarts_used, d.state.backoff_until) == (1, 110.0)
+        assert (d.state.restarts_used, d.state.backoff_until) == (1, None)
         assert d.actions == (
             RecordEvent(kind="worker_failed", detail=what),
             StopGroup(attempt=1, reason=what),
-            RecordEvent(kind="restarting", detail="restart 1/2 from step 8 in 10s"),
-            ScheduleWake(at=110.0),
+            RecordEvent(kind="restarting", detail="restart 1/2 from step 8 at once"),
         )
-        assert d.reason == f"{what}: restart 1/2 after 10s backoff"
+        assert d.reason == f"{what}: restart 1/2 at once"
+        # ... launched the moment the old group has stopped
+        launch = decide(d.state, GroupStopped(attempt=1), 100.5, CONFIG)
+        assert of(launch, LaunchGroup) == [LaunchGroup(attempt=2, dp=4, world_size=8, resume_step=8)]
 
-    def test_second_failure_backs_off_longer(self):
+    def test_second_failure_backs_off(self):
         d = decide(running(restarts_used=1), WorkerLost(attempt=1, rank=0, node="n1", cause="process"), 100.0, CONFIG)
-        assert (d.state.restarts_used, d.state.backoff_until) == (2, 120.0)
-        assert "from scratch" in of(d, RecordEvent)[1].detail
+        assert (d.state.restarts_used, d.state.backoff_until) == (2, 110.0)
+        assert of(d, RecordEvent)[1].detail == "restart 2/2 from scratch in 10s"
+        assert of(d, ScheduleWake) == [ScheduleWake(at=110.0)]
+        assert d.reason.endswith("restart 2/2 after 10s backoff")
 
     def test_backoff_is_capped(self):
         config = configured(max_restarts=10)
@@ -657,7 +661,7 @@ class TestWorkerLost:
     def test_loss_while_launching_is_a_fault(self):
         state = launching(status=Status.RECOVERING, attempt=2, restarts_used=1)
         d = decide(state, WorkerLost(attempt=2, rank=0, node="n1", cause="process"), 5.0, CONFIG)
-        assert (d.state.status, d.state.restarts_used, d.state.backoff_until) == (Status.RECOVERING, 2, 25.0)
+        assert (d.state.status, d.state.restarts_used, d.state.backoff_until) == (Status.RECOVERING, 2, 15.0)
 
     def test_node_loss_spends_no_budget_and_waits_for_capacity(self):
         d = decide(running(), WorkerLost(attempt=1, rank=6, node="n4", cause="node"), 100.0, CONFIG)
@@ -823,8 +827,9 @@ class TestGroupStopped:
 
     def test_unasked_stop_is_a_fault(self):
         d = decide(running(), GroupStopped(attempt=1), 100.0, CONFIG)
-        assert (d.state.status, d.state.group, d.state.restarts_used) == (Status.RECOVERING, GroupPhase.NONE, 1)
+        assert (d.state.status, d.state.group, d.state.restarts_used) == (Status.RECOVERING, GroupPhase.LAUNCHING, 1)
         assert of(d, StopGroup) == []  # nothing left to stop
+        assert of(d, LaunchGroup) == [LaunchGroup(attempt=2, dp=4, world_size=8, resume_step=None)]  # at once
         assert kinds(d) == ["worker_failed", "restarting"]
 
     def test_with_no_group_is_ignored(self):
@@ -854,7 +859,7 @@ class TestTick:
             "culprit's loss) did not come within 10s"
         )
         assert of(d, StopGroup)[0].attempt == 1
-        assert of(d, ScheduleWake) == [ScheduleWake(at=81.5)]
+        assert of(d, ScheduleWake) == []  # the first restart waits only for the group to stop
 
     def test_a_named_culprit_is_killed_and_its_loss_repaired_in_place(self):
         asked = decide(running(last_committed_step=8), Tick(), 61.0, CONFIG).state
@@ -1369,11 +1374,10 @@ class TestStories:
         s.checkpoint(51, 30)
         s.at(55, StepReported(attempt=1, step=31, loss=2.7))
         d = s.at(60, WorkerLost(attempt=1, rank=3, node="n2", cause="process", detail="SIGKILL"))
-        assert of(d, ScheduleWake) == [ScheduleWake(at=70)]
+        assert of(d, ScheduleWake) == []  # no backoff before the first restart
         s.at(61, StepReported(attempt=1, step=32, loss=2.6))  # in flight from the dying group
         assert s.decisions[-1].ignored
-        assert s.at(62, GroupStopped(attempt=1)).actions == ()  # still backing off
-        d = s.at(70, Tick())
+        d = s.at(62, GroupStopped(attempt=1))
         assert of(d, LaunchGroup) == [LaunchGroup(attempt=2, dp=4, world_size=8, resume_step=30)]
         s.at(72, StepReported(attempt=1, step=33, loss=2.5))  # a straggling report from attempt 1
         assert s.decisions[-1].ignored
@@ -1474,8 +1478,7 @@ class TestStories:
         assert s.at(81, Tick()).actions == (DiagnoseHang(attempt=1),)
         d = s.at(82, HangDiagnosed(attempt=1, rank=None, node="", detail="all 8 ranks wait in collectives"))
         assert kinds(d) == ["hang_detected", "restarting"] and s.state.restarts_used == 1
-        s.at(82, GroupStopped(attempt=1))
-        d = s.at(92, Tick())
+        d = s.at(82, GroupStopped(attempt=1))
         assert of(d, LaunchGroup) == [LaunchGroup(attempt=2, dp=4, world_size=8, resume_step=None)]
 
     def test_max_restarts_exceeded(self):
@@ -1488,12 +1491,12 @@ class TestStories:
             if s.state.status.terminal:
                 break
             s.at(now + 3, GroupStopped(attempt=attempt))
-            now = s.state.backoff_until
+            now = s.state.backoff_until or now + 3
             s.at(now, Tick())
         assert s.state.status is Status.FAILED
         assert s.state.error == "rank 1 on node n1 lost (process); restarted 2 times, max_restarts=2"
         backoffs = [a.at for d in s.decisions for a in of(d, ScheduleWake)]
-        assert backoffs == [12.0, 12.0 + 2 + 20]  # 10s then 20s after each loss
+        assert backoffs == [3.0 + 2 + 10]  # none before restart 1, 10s before restart 2
         assert s.decisions[-1].actions[-1] == MarkTerminal(status=Status.FAILED, error=s.state.error)
         assert s.at(1e4, Tick()).ignored
 
@@ -1765,9 +1768,8 @@ def test_random_event_streams_keep_the_invariants(seed):
         for launch in of(d, LaunchGroup):
             assert launch.attempt == before.attempt + 1 and launch.resume_step == before.last_committed_step
             assert launch.world_size == config.world_size(launch.dp)
-            assert before.group is GroupPhase.NONE or (
-                before.group is GroupPhase.STOPPING and isinstance(event, GroupStopped)
-            )
+            # ... only once the old group is known to be gone (it stopped, as asked or not)
+            assert before.group is GroupPhase.NONE or isinstance(event, GroupStopped)
         for resize in of(d, ResizeGroup):
             # From a running group, or one that just became ready (a resize that arrived during its launch).
             assert before.group is GroupPhase.UP or isinstance(event, GroupReady)
