@@ -16,7 +16,8 @@ checkpointing keeps only each block's input plus one block being recomputed. The
 the logits (``logits_bytes``): without TP the fp32 log-softmax kept for the backward plus the
 loss backward's two full-vocabulary gradients; with TP the output layer keeps its logits
 vocab-sharded and the loss runs under ``loss_parallel``, so the same buffers hold ``vocab / tp``
-columns, plus one more for the sharded softmax.
+columns, plus one more for the sharded softmax; compiled (without TP), the logits themselves and
+their gradient, in their own dtype.
 
 ``service/planning/plan_memory.py`` adds them to a rank's memory.
 """
@@ -183,6 +184,7 @@ def logits_bytes(
     logits_elem: int = 4,
     pipeline: bool = False,
     chunk_tokens: int = 0,
+    compiled: bool = False,
 ) -> float:
     """Peak bytes of the logits and the loss on the last stage, ``L = micro_batch·seq·vocab/tp`` each.
 
@@ -199,11 +201,25 @@ def logits_bytes(
     logits is kept between forward and backward: the peak is one chunk's, recomputed in the backward
     (its logits, their fp32 copy and the loss backward's buffers): ``L_chunk·(logits_elem + 4 + 8)``,
     ``+ 12`` under TP, with ``L_chunk = chunk_tokens·vocab/tp``.
+
+    Compiled (``training.compile`` without TP: the cross-entropy under torch.compile, ``etrain.workers.
+    families.head_loss``): the backward keeps the logits as they came (``logits_elem``, not a 4-byte
+    log-softmax), two fp32 numbers and the target per token, and writes the gradient in the logits' dtype
+    with no fp32 buffer: ``L·(logits_elem·held + logits_elem) + 16·tokens·held``, and
+    ``L_chunk·2·logits_elem`` in chunks (what the partitioner saves is measured in
+    tests/unit/test_planner.py). Under TP the loss stays eager.
     """
+    fused = compiled and tp == 1
     if 0 < chunk_tokens < micro_batch * model.seq_len:
         chunk = chunk_tokens * model.vocab_size / tp
+        if fused:
+            return chunk * 2 * logits_elem
         return chunk * (logits_elem + 4 + (12 if tp > 1 else 8))
     shard = micro_batch * model.seq_len * model.vocab_size / tp
+    rows = micro_batch * model.seq_len
+    if fused:
+        kept = logits_elem + (logits_elem if pipeline else 0)
+        return shard * (kept * held + logits_elem) + rows * 16 * held
     kept = 4 + (logits_elem if pipeline else 0)
     return shard * (kept * held + (12 if tp > 1 else 8))
 

@@ -384,6 +384,7 @@ def stage_memory(
             logits_elem=4 if regime == "fp32" else 2,
             pipeline=pp > 1,
             chunk_tokens=loss_chunk_tokens,
+            compiled=compiled,
         )
 
     optimizer_temp = 4 * (dense / state_div + experts_local) if device == "cpu" or offloaded else 0.0  # foreach AdamW

@@ -159,7 +159,8 @@ def _compile_probe(model: str, cache: str, backend: str) -> dict:
 @pytest.mark.parametrize("model", ["gpt", "llama"])
 def test_compiled_blocks_never_recompile_and_keep_their_names(model, tmp_path):
     run = _compile_probe(model, str(tmp_path / "cache"), "aot_eager")
-    assert run["frames_after_first"] > 0, "nothing was compiled"
+    # one graph serves every block (the model has several), one the cross-entropy after the head
+    assert run["frames_after_first"] == 2, run["frames_after_first"]
     assert run["frames_after_last"] == run["frames_after_first"], "a later step recompiled"
     for name in run["names"] + run["state"]:
         assert "_orig_mod" not in name and "_compiled" not in name, name

@@ -383,10 +383,51 @@ class TestActivations:
         # in the whole suite, none alone); every per-token tensor is 192 tokens x its width, far above that.
         assert 0 <= saved - count - inv_freq <= 16, saved - count - inv_freq
 
+    @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+    def test_the_compiled_cross_entropy_keeps_the_logits_not_a_log_softmax(self, dtype):
+        """What the cross-entropy keeps for its backward, eager and under the compiled loss's partitioner
+        (``aot_eager_decomp_partition``, as above), against ``logits_bytes``' kept part (one micro-batch
+        held; the rest of its count is the backward's transient gradient)."""
+        torch = pytest.importorskip("torch")
+        from etrain.workers.families.model import token_cross_entropy
+
+        class Loss(torch.nn.Module):
+            def __init__(self, loss, targets):
+                super().__init__()
+                self.loss, self.targets = loss, targets
+
+            def forward(self, logits):
+                return self.loss(logits, self.targets)
+
+        model = ModelConfig(n_layers=1, d_model=32, n_heads=4, vocab_size=256, seq_len=64)
+        batch, rows = 3, 3 * model.seq_len
+        whole = rows * model.vocab_size
+        torch.manual_seed(0)
+        targets = torch.randint(0, model.vocab_size, (batch, model.seq_len))
+        logits = torch.randn(batch, model.seq_len, model.vocab_size, dtype=getattr(torch, dtype), requires_grad=True)
+        elem = logits.element_size()
+        eager = saved_bytes(Loss(token_cross_entropy, targets), logits, autocast=False)
+        compiled = torch.compile(token_cross_entropy, backend="aot_eager_decomp_partition", fullgraph=True)
+        saved_bytes(Loss(compiled, targets), logits, autocast=False)  # compiles
+        fused = saved_bytes(Loss(compiled, targets), logits, autocast=False)
+        # eager: the fp32 log-softmax and the int64 targets; compiled: the logits, two fp32 numbers and the
+        # target per token (plus, each, the scalar loss's 4 bytes)
+        assert eager - 4 == 4 * whole + 8 * rows
+        assert fused - 4 == elem * whole + 16 * rows
+        kept = logits_bytes(model, micro_batch=batch, logits_elem=elem, compiled=True) - elem * whole
+        assert kept == fused - 4
+        assert logits_bytes(model, micro_batch=batch, logits_elem=elem) - 8 * whole == 4 * whole == eager - 4 - 8 * rows
+
     def test_the_compiled_count_is_what_the_planner_uses_for_a_compiled_job(self):
         """On an H100 (Llama-3.2-1B shapes, seq 2048, micro-batch 4, bf16): peak 49.2 GiB eager, 43.2 GiB
         compiled, 33.5 GiB compiled with the chunked loss, 27.9 GiB with selective checkpointing too
-        (benchmarks/results/gpu_throughput.json); the planner within 2.5% of each, 3% with selective."""
+        (benchmarks/results/gpu_throughput.json); the planner within 2.5% of each, 3% with selective.
+
+        The compiled rows were measured before the cross-entropy was compiled with the blocks: they are
+        checked against the job's count with that eager loss's logits term, and the compiled loss's own
+        term against what its partitioner saves (above). The whole-logits row then predicts 36.3 GiB
+        instead of 43.2, not yet measured on a GPU."""
+        model = ModelConfig(**{**MODEL_PRESETS["llama3-1b"], "seq_len": 2048})
 
         def total(**training):
             spec = make_spec(
@@ -396,7 +437,13 @@ class TestActivations:
                 training={"global_batch": 8, "micro_batch": 4, "precision": "bf16", **training},
                 resources={"device": "cuda", "gpus_per_worker": 1},
             )
-            return estimate(spec, available_gb=80.0).memory.total / GiB
+            memory = estimate(spec, available_gb=80.0).memory
+            if not training.get("compile"):
+                return memory.total / GiB
+            chunk = training.get("loss_chunk_tokens", 0)
+            eager_loss = logits_bytes(model, micro_batch=4, logits_elem=2, chunk_tokens=chunk)
+            assert memory.logits < eager_loss
+            return (memory.total - memory.logits + math.ceil(eager_loss)) / GiB
 
         for training, measured, within in (
             ({"compile": False, "loss_chunk_tokens": 0}, 49.23, 0.025),
@@ -614,11 +661,20 @@ class TestEstimate:
         }
         assert est.memory.phases["forward_backward"] < est.memory.total
 
-    def test_logits_are_vocab_sharded_under_tp(self):
+    @pytest.mark.parametrize("compiled", [False, True])
+    def test_logits_are_vocab_sharded_under_tp(self, compiled):
+        """Under TP the loss is loss_parallel's, eager, compiled or not; without TP a compiled job's
+        cross-entropy is compiled too and keeps the bf16 logits instead of an fp32 log-softmax."""
         model = ModelConfig(**MODEL_PRESETS["llama3-8b"])
         for tp in (1, 2, 8):
-            est = estimate(gpu_spec("llama3-8b", {"tp": tp}, {"loss_chunk_tokens": 0}))
-            assert est.memory.logits == math.ceil(logits_bytes(model, micro_batch=1, tp=tp))
+            est = estimate(gpu_spec("llama3-8b", {"tp": tp}, {"loss_chunk_tokens": 0, "compile": compiled}))
+            count = logits_bytes(model, micro_batch=1, tp=tp, logits_elem=2, compiled=compiled)
+            assert est.memory.logits == math.ceil(count)
+            if tp > 1 or not compiled:
+                assert count == logits_bytes(model, micro_batch=1, tp=tp)
+        whole = model.seq_len * model.vocab_size
+        assert logits_bytes(model, micro_batch=1, logits_elem=2, compiled=True) == whole * 4 + model.seq_len * 16
+        assert logits_bytes(model, micro_batch=1) == whole * 12
 
     def test_tp_embedding_gradient_is_replicated(self):
         """As measured on the engine: the vocab-sharded embedding's gradient is a full-vocabulary Replicate."""

@@ -18,32 +18,52 @@ its parameters are gathered there and its gradient is reduced with the rest) and
 
 The loss is the mean over every token of the micro-batch, the same number ``cross_entropy_loss``
 gives on the whole logits up to the order of the fp32 sums (tests/integration/test_throughput_options.py).
+
+Under ``training.compile`` the cross-entropy itself (the fp32 upcast, log-softmax and target pick, whole
+logits or one chunk's) is compiled too, as torchtitan compiles its loss: eagerly it is four passes over
+fp32 copies of the logits, and it keeps the fp32 log-softmax (4 bytes per logit) for the backward and
+builds two more fp32 buffers there; compiled, the upcast is fused into the reductions, the backward keeps
+the logits as they came (2 bytes under bf16) and two numbers per token, and writes the gradient straight
+in the logits' dtype (counted from what the partitioner saves: tests/unit/test_planner.py). The
+vocab-parallel loss under tensor parallelism (a DTensor under ``loss_parallel``) stays eager.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from etrain.workers.families.model import cross_entropy_loss
+from etrain.workers.families.model import cross_entropy_loss, token_cross_entropy
 
 __all__ = ["head_loss"]
 
+Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
-def head_loss(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, *, chunk_tokens: int) -> torch.Tensor:
+
+def head_loss(
+    head: nn.Module,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    chunk_tokens: int,
+    compile_backend: str | None = None,
+) -> torch.Tensor:
     """Mean cross-entropy of ``head(hidden)`` against ``targets``; in chunks when ``chunk_tokens > 0``.
 
     ``hidden``: ``[batch, seq, d]``, the final norm's output; under sequence parallelism a DTensor
     sharded on the sequence, of which each chunk takes this rank's local positions (the head's
     tensor-parallel style gathers them over the tp ranks). ``targets``: ``[batch, seq]``.
-    ``chunk_tokens`` counts tokens of the whole (gathered) sequence.
+    ``chunk_tokens`` counts tokens of the whole (gathered) sequence. ``compile_backend``: the
+    cross-entropy compiled with this torch.compile backend (``training.compile``), or eager (None).
     """
+    loss_of = _loss_function(compile_backend)
     if chunk_tokens <= 0:
-        return cross_entropy_loss(head(hidden), targets)
+        return loss_of(head(hidden), targets)
     shards = 1
     if isinstance(hidden, DTensor):
         for placement, size in zip(hidden.placements, hidden.device_mesh.shape):
@@ -63,14 +83,41 @@ def head_loss(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, *, c
         tokens = chunk_targets.numel()
         # preserve_rng_state=False: nothing random runs here (no dropout in any family).
         loss = checkpoint(
-            _chunk_loss, head, hidden[rows, cols], chunk_targets, use_reentrant=False, preserve_rng_state=False
+            _chunk_loss,
+            head,
+            hidden[rows, cols],
+            chunk_targets,
+            loss_of,
+            use_reentrant=False,
+            preserve_rng_state=False,
         )
         total = total + loss * tokens
     return total / targets.numel()
 
 
-def _chunk_loss(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return cross_entropy_loss(head(hidden), targets)
+def _chunk_loss(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, loss_of: Loss) -> torch.Tensor:
+    return loss_of(head(hidden), targets)
+
+
+def _loss_function(compile_backend: str | None) -> Loss:
+    """``cross_entropy_loss``, with plain (not vocab-sharded) logits compiled by ``compile_backend``."""
+    if compile_backend is None:
+        return cross_entropy_loss
+    compiled = _compiled_cross_entropy(compile_backend)
+
+    def loss_of(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if isinstance(logits, DTensor):  # vocab-parallel: loss_parallel's own cross-entropy, eager
+            return cross_entropy_loss(logits, targets)
+        return compiled(logits, targets)
+
+    return loss_of
+
+
+@functools.cache
+def _compiled_cross_entropy(backend: str) -> Loss:
+    # fullgraph: the loss is four ops and must not break; dynamic=False: a job sees at most two shapes
+    # (a micro-batch, or a chunk and the last, shorter chunk), each compiled once.
+    return torch.compile(token_cross_entropy, backend=backend, fullgraph=True, dynamic=False)
 
 
 def _chunks(batch: int, seq: int, tokens: int) -> Iterator[tuple[slice, slice]]:

@@ -61,7 +61,8 @@ def run_trunk(
         auxiliary = model.auxiliary_loss(extras, rows=h.shape[0] * h.shape[1], layers=layers)
     if targets is not None:
         chunk = getattr(model, "loss_chunk_tokens", 0)
-        loss = head_loss(model.output, h, targets, chunk_tokens=chunk)
+        compile_backend = getattr(model, "loss_compile_backend", None)  # training.compile (engine/compile.py)
+        loss = head_loss(model.output, h, targets, chunk_tokens=chunk, compile_backend=compile_backend)
         return loss if auxiliary is None else loss + auxiliary
     return model.output(h)
 

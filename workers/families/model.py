@@ -23,7 +23,13 @@ from torch.distributed.tensor import DTensor
 from etrain.workers.families import check_shape, family
 from etrain.workers.protocol.run_config import ModelConfig
 
-__all__ = ["build_model_skeleton", "canonical_fqn", "cross_entropy_loss", "validate_model_config"]
+__all__ = [
+    "build_model_skeleton",
+    "canonical_fqn",
+    "cross_entropy_loss",
+    "token_cross_entropy",
+    "validate_model_config",
+]
 
 #: Wrapper segments that torch inserts into parameter paths; checkpoints and init ignore them.
 _WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
@@ -62,7 +68,12 @@ def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
     DTensor; its local value (the same on every tp rank) is returned, and ``to_local``'s backward
     hands the gradient back to the sharded logits, so callers treat both cases alike.
     """
-    loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1))
+    loss = token_cross_entropy(logits, targets)
     if isinstance(loss, DTensor):
         loss = loss.to_local()
     return loss
+
+
+def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``F.cross_entropy`` of ``[batch, seq, vocab]`` logits (upcast to fp32) against ``[batch, seq]`` targets."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1))
