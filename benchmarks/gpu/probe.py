@@ -4,9 +4,11 @@ Every row trains the check's model (``measures.FULL``: Llama-3.2-1B shapes, 2048
 global batch 8; ``--tiny``: ``measures.TINY`` on CPU) from random initialisation on synthetic tokens:
 fp32 master weights, bf16 autocast on CUDA, AdamW (fused on CUDA), gradient clipping at 1.0, gradient
 accumulation over global / micro micro-batches. The transformers rows are what a user writes by hand:
-``AutoModelForCausalLM.from_config`` (SDPA attention) built on the device, ``model(input_ids,
-labels).loss`` per micro-batch. Its config comes from ``etrain.workers.checkpoints.hf_config.hf_config_dict``, so
-both engines train the same model. A row is data (``measures.ROWS``: the engine and its options, e.g.
+``AutoModelForCausalLM.from_config`` (SDPA attention) built on the device, ``model(input_ids)`` and
+transformers' own loss per micro-batch. Its config comes from
+``etrain.workers.checkpoints.hf_config.hf_config_dict``, and it starts from etrain's initial weights on
+etrain's micro-batches with etrain's optimizer recipe, so both engines train the same numbers and their
+losses check each other step by step (tests/integration/test_bench_gpu_rows.py). A row is data (``measures.ROWS``: the engine and its options, e.g.
 ``etrain-compile-chunked`` = ``compile: true, loss_chunk_tokens: auto``), resolved by ``measures.row_plan``.
 
 Per row: build seconds (the ``Trainer`` constructor / model + optimizer construction, device
@@ -25,6 +27,7 @@ import argparse
 import gc
 import json
 import os
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -111,11 +114,77 @@ def etrain_row(sizes: CheckSizes, steps: int, device, options: dict[str, Any]) -
     return {"build_s": build_s, "times": times, "losses": losses, "peak_gib": peak, "trainer_reported_mfu": own_mfu[-1]}
 
 
+def _start_like_etrain(model: Any, sizes: CheckSizes, steps: int, device) -> tuple[Any, list[list[tuple[Any, Any]]]]:
+    """The transformers ``model`` with etrain's initial weights, and etrain's micro-batches by step.
+
+    So that the two loops train the same numbers from the same start and their losses can be compared
+    step by step: the rows measure speed, and this makes them check each other too. (Before, the
+    transformers loop started from its own random weights on uniformly random tokens, so its losses
+    said nothing about etrain's.) The weights come from an etrain ``Trainer`` built as the etrain row
+    builds it, under transformers' names (``hf_name``), then the Trainer is dropped. Where the model's
+    modules are not laid out as the hub's files (transformers 5 fuses a mixture's experts into one
+    ``gate_up_proj`` per layer), the weights go through the hub's layout: written to a temporary folder,
+    loaded with ``from_pretrained``, which converts them.
+    """
+    from etrain.workers import families
+    from etrain.workers.engine.train import Trainer
+    from etrain.workers.families.model import canonical_fqn
+
+    config = etrain_config(sizes, steps, device, {})
+    trainer = Trainer(config, rank=0, world_size=1, device=device)
+    found = families.family(config.model.arch)
+    weights = {}
+    for fqn, tensor in trainer.model_parts[0].state_dict().items():
+        fqn = canonical_fqn(fqn)
+        if config.model.tie_embeddings and fqn == "output.weight":
+            continue
+        # a stacked expert parameter is one tensor per expert in transformers
+        for name, _, expert in found.hf_tensors(fqn, tuple(tensor.shape), config.model):
+            weights[name] = tensor if expert is None else tensor[expert]
+    outcome = model.load_state_dict(weights, strict=False)
+    missing = [name for name in outcome.missing_keys if not name.endswith("rotary_emb.inv_freq")]
+    if config.model.tie_embeddings:
+        missing = [name for name in missing if name != "lm_head.weight"]
+    if missing or outcome.unexpected_keys:
+        model = _through_the_hub_layout(model, weights, device)
+    micro = sizes.micro_batch
+    batches = [
+        [trainer.dataset.batch(indices) for indices in trainer.sampler.local_micro_batches(step, 0, 1, micro)]
+        for step in range(steps)
+    ]
+    del trainer, weights
+    return model, batches
+
+
+def _through_the_hub_layout(model: Any, weights: dict[str, Any], device) -> Any:
+    """``model``'s class loaded by ``from_pretrained`` from ``weights`` written as the hub's files."""
+    import shutil
+
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    folder = tempfile.mkdtemp(prefix="etrain-probe-hf-")
+    try:
+        # copies: safetensors refuses tensors that share memory (one expert of a stacked parameter)
+        save_file(
+            {name: tensor.detach().cpu().clone() for name, tensor in weights.items()}, f"{folder}/model.safetensors"
+        )
+        model.config.save_pretrained(folder)
+        dtype = next(model.parameters()).dtype
+        del model
+        loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return loaded.to(device)
+
+
 def hf_row(sizes: CheckSizes, steps: int, device, options: dict[str, Any]) -> dict[str, Any]:
-    """The loop a user writes with transformers, on the same model. ``options``: ``compile`` (each decoder
-    layer compiled in place with ``training.compile``'s backend, as etrain compiles its blocks),
+    """The loop a user writes with transformers, on the same model, from etrain's initial weights on
+    etrain's batches (:func:`_start_like_etrain`). ``options``: ``compile`` (each decoder layer compiled
+    in place with ``training.compile``'s backend, as etrain compiles its blocks),
     ``activation_checkpointing: "full"`` (transformers' gradient checkpointing)."""
     import torch
+    import torch.nn.functional as F
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from etrain.workers.checkpoints.hf_config import hf_config_dict
@@ -123,10 +192,13 @@ def hf_row(sizes: CheckSizes, steps: int, device, options: dict[str, Any]) -> di
     raw = hf_config_dict(model_config(sizes))
     config = AutoConfig.for_model(raw.pop("model_type"), **{k: v for k, v in raw.items() if k != "architectures"})
     cuda = device.type == "cuda"
-    _reset_peak(device)
     started = time.perf_counter()
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    creation_s = time.perf_counter() - started
+    model, batches = _start_like_etrain(model, sizes, steps, device)  # not part of the build: etrain's side
+    _reset_peak(device)  # the peak from here: the etrain Trainer that gave the weights is gone
+    started = time.perf_counter() - creation_s
     if options.get("activation_checkpointing", "none") == "full":
         model.gradient_checkpointing_enable()
     if options.get("compile"):
@@ -136,24 +208,45 @@ def hf_row(sizes: CheckSizes, steps: int, device, options: dict[str, Any]) -> di
         for layer in model.model.layers:
             layer.compile(backend=compile_backend())
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.0, fused=cuda, foreach=not cuda)
+    # etrain's recipe written out: AdamW (betas, eps, weight decay), the per-step learning rate (warmup,
+    # cosine), clipping at 1.0
+    from etrain.workers.engine.optim import ADAM_BETAS, lr_at
+
+    training = etrain_config(sizes, steps, device, {}).training
+    optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=training.lr,
+        betas=ADAM_BETAS,
+        eps=1e-8,
+        weight_decay=training.weight_decay,
+        fused=cuda,
+        foreach=not cuda,
+    )
     _sync(device)
     build_s = time.perf_counter() - started
-    accumulation = sizes.global_batch // sizes.micro_batch
-    vocab = config.vocab_size
-    generator = torch.Generator(device="cpu").manual_seed(0)
+    accumulation = len(batches[0])
+    routed = {"output_router_logits": True} if hasattr(config, "router_aux_loss_coef") else {}
     times, losses = [], []
-    for _ in range(steps):
+    for step in range(steps):
         started = time.perf_counter()
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, training)
         total = torch.zeros((), device=device)
-        for _ in range(accumulation):
-            tokens = torch.randint(0, vocab, (sizes.micro_batch, sizes.seq_len), generator=generator)
-            tokens = tokens.to(device, non_blocking=True)
+        for inputs, targets in batches[step]:
+            inputs = inputs.to(device, non_blocking=True)
+            targets = targets.to(device, non_blocking=True)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda and sizes.precision == "bf16"):
-                loss = model(input_ids=tokens, labels=tokens).loss / accumulation
+                out = model(input_ids=inputs, **routed)
+                # what transformers' own loss does (fp32 upcast, mean over tokens, plus a mixture's
+                # load-balancing loss), on etrain's shifted targets
+                loss = F.cross_entropy(out.logits.float().flatten(0, 1), targets.flatten(0, 1))
+                if routed:
+                    loss = loss + config.router_aux_loss_coef * out.aux_loss
+                loss = loss / accumulation
             loss.backward()
             total += loss.detach()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if training.grad_clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), training.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(total))
