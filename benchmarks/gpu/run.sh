@@ -24,7 +24,9 @@
 # GPU_CHECK_MTBF_HOURS (the auto job's fault_tolerance.mtbf_hours; default the service's), GPU_CHECK_EXTRA
 # (tests,writes,pinning: first `pytest -m gpu tests/gpu` in the same environment, time box GPU_CHECK_TESTS_S,
 # the async save's writer threads measured on this disk, GPU_CHECK_WRITE_GIB, and the ways of pinning its
-# staging buffers beside training, benchmarks/gpu/pinning.py; off by default: the 8 minutes), GPU_PYTHON,
+# staging buffers beside training, benchmarks/gpu/pinning.py; off by default: the 8 minutes; and bench:
+# after the jobs, make bench-gpu's rows GPU_CHECK_BENCH_ROWS on GPU_CHECK_BENCH_SHAPES, time box
+# GPU_CHECK_BENCH_S, beyond the 8 minutes), GPU_PYTHON,
 # GPU_WHEELS_DIR (.whl), GPU_CHECK_RESULTS (where the JSON goes), GPU_CHECK_DIR (the work folder: a new /tmp one),
 # GPU_CHECK_STOP_GRACE_S (5: seconds the server and the Ray head get to stop before SIGKILL).
 set -uo pipefail
@@ -245,6 +247,12 @@ ETRAIN_API_TOKEN=$TOKEN timeout -k 10 "$left" "$PY" -m benchmarks.gpu.service_jo
 jobs_rc=$?
 ((jobs_rc == 0)) || { log "the service driver exited $jobs_rc; its stderr:"; tail -n 20 "$LOGS/service_jobs.err"; }
 log "service jobs done"
+
+# -- 4b. on request (GPU_CHECK_EXTRA=bench): make bench-gpu's rows in the same call, after the jobs (the
+#    GPU is free again); torchao for the float8 row from .whl/ where it is missing -----------------------
+[[ $EXTRA == *,bench,* ]] && measure throughput "${GPU_CHECK_BENCH_S:-200}" "make bench-gpu's rows" \
+  --shapes "${GPU_CHECK_BENCH_SHAPES:-1b}" --steps "${GPU_CHECK_BENCH_STEPS:-8}" \
+  --rows "${GPU_CHECK_BENCH_ROWS:-etrain-compile,etrain-compile-chunked-float8,hf}"
 
 no_probe=()
 [[ ${GPU_CHECK_PROBE_ROWS:-etrain,hf} == none ]] && no_probe=(--no-probe)
