@@ -321,9 +321,12 @@ def test_async_checkpoints_commit_and_restore_like_sync_ones(shared_plane, clean
     assert final["last_checkpoint_step"] == 24  # the final async save was committed before the end
     events = plane.events(job["id"])
     # The kill lands ~2 steps after step 8's save began; if its background write had not finished,
-    # step 8 never committed and the restart correctly uses step 4. Either way, the same curve.
-    first, resumed = resumed_from(events)
-    assert first is None and resumed in (4, 8), resumed_from(events)
+    # step 8 never committed and the restart correctly uses step 4. Either way, the same curve. The
+    # repair in place may also fail over to a relaunch of every rank (seen once in a full run on a
+    # loaded 2-core machine), which resumes from a committed step as well.
+    first, *resumed = resumed_from(events)
+    assert first is None and resumed and all(step in (4, 8) for step in resumed), resumed_from(events)
+    assert final["restarts"] <= 2, final
     assert_same_trajectory(losses(plane, job["id"]), clean, tol=1e-6)
 
 
