@@ -114,7 +114,7 @@ def etrain_row(sizes: CheckSizes, steps: int, device, options: dict[str, Any]) -
     return {"build_s": build_s, "times": times, "losses": losses, "peak_gib": peak, "trainer_reported_mfu": own_mfu[-1]}
 
 
-def _start_like_etrain(model: Any, sizes: CheckSizes, steps: int, device) -> tuple[Any, list[list[tuple[Any, Any]]]]:
+def _start_like_etrain(model: Any, config: Any, sizes: CheckSizes, device) -> tuple[Any, list[list[tuple[Any, Any]]]]:
     """The transformers ``model`` with etrain's initial weights, and etrain's micro-batches by step.
 
     So that the two loops train the same numbers from the same start and their losses can be compared
@@ -130,8 +130,8 @@ def _start_like_etrain(model: Any, sizes: CheckSizes, steps: int, device) -> tup
     from etrain.workers.engine.train import Trainer
     from etrain.workers.families.model import canonical_fqn
 
-    config = etrain_config(sizes, steps, device, {})
     trainer = Trainer(config, rank=0, world_size=1, device=device)
+    steps = config.training.steps
     found = families.family(config.model.arch)
     weights = {}
     for fqn, tensor in trainer.model_parts[0].state_dict().items():
@@ -196,7 +196,8 @@ def hf_row(sizes: CheckSizes, steps: int, device, options: dict[str, Any]) -> di
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     creation_s = time.perf_counter() - started
-    model, batches = _start_like_etrain(model, sizes, steps, device)  # not part of the build: etrain's side
+    etrain = etrain_config(sizes, steps, device, {})  # the etrain row's run: its start, batches and recipe
+    model, batches = _start_like_etrain(model, etrain, sizes, device)  # not part of the build: etrain's side
     _reset_peak(device)  # the peak from here: the etrain Trainer that gave the weights is gone
     started = time.perf_counter() - creation_s
     if options.get("activation_checkpointing", "none") == "full":
@@ -212,7 +213,7 @@ def hf_row(sizes: CheckSizes, steps: int, device, options: dict[str, Any]) -> di
     # cosine), clipping at 1.0
     from etrain.workers.engine.optim import ADAM_BETAS, lr_at
 
-    training = etrain_config(sizes, steps, device, {}).training
+    training = etrain.training
     optimizer = torch.optim.AdamW(
         model.parameters(),
         lr=training.lr,

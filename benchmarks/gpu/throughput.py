@@ -39,12 +39,6 @@ REPO = Path(__file__).resolve().parents[2]
 RESULT_NAME = "gpu_throughput.json"
 
 
-def _bench_rows() -> list[str]:
-    from benchmarks.gpu.measures import BENCH_ROWS
-
-    return list(BENCH_ROWS)
-
-
 def _etrain_importable() -> None:
     """``import etrain.workers`` without an install: pyproject maps ``workers/`` to ``etrain.workers`` (as
     ``benchmarks/gpu/run.sh`` does it, a temporary folder holds that link)."""
@@ -112,18 +106,19 @@ def main() -> int:
     else:
         os.environ.setdefault("ETRAIN_COMPILE_BACKEND", "aot_eager")
     _etrain_importable()
-    rows = args.rows.split(",") if args.rows else None
-    torchao_note = _torchao_importable(rows or _bench_rows())
+    from benchmarks.gpu.measures import BENCH_ROWS
+
+    rows = args.rows.split(",") if args.rows else list(BENCH_ROWS)
+    torchao_note = _torchao_importable(rows)  # before anything imports torchao's absence
     if torchao_note:
         print(torchao_note, flush=True)
 
     from benchmarks.figures import machine_info
-    from benchmarks.gpu.measures import BENCH_ROWS, BENCH_SHAPES, device_peak, model_summary
+    from benchmarks.gpu.measures import BENCH_SHAPES, device_peak, model_summary
     from benchmarks.gpu.probe import open_device, row_line, run_row, versions, write_result
     from benchmarks.gpu.table import render_throughput
 
     shapes = args.shapes.split(",")
-    rows = rows or list(BENCH_ROWS)
     unknown = [s for s in shapes if s not in BENCH_SHAPES]
     if unknown:
         parser.error(f"unknown shapes {unknown}; shapes: {', '.join(BENCH_SHAPES)}")
