@@ -23,6 +23,7 @@
 # GPU_CHECK_PROBE_ROWS (etrain,hf; none skips the probe), GPU_CHECK_JOBS (clean,kill: which jobs, in order),
 # GPU_CHECK_MTBF_HOURS (the auto job's fault_tolerance.mtbf_hours; default the service's), GPU_CHECK_EXTRA
 # (tests,writes,pinning: first `pytest -m gpu tests/gpu` in the same environment, time box GPU_CHECK_TESTS_S,
+# only the tests GPU_CHECK_TESTS_K selects (pytest -k) where set,
 # the async save's writer threads measured on this disk, GPU_CHECK_WRITE_GIB, and the ways of pinning its
 # staging buffers beside training, benchmarks/gpu/pinning.py; off by default: the 8 minutes; and bench:
 # after the jobs, make bench-gpu's rows GPU_CHECK_BENCH_ROWS on GPU_CHECK_BENCH_SHAPES, time box
@@ -165,8 +166,10 @@ log "packages ready"
 EXTRA=,${GPU_CHECK_EXTRA:-},
 if [[ $EXTRA == *,tests,* ]]; then
   tests_s=${GPU_CHECK_TESTS_S:-150}
-  log "CUDA tests: pytest -m gpu tests/gpu (time box ${tests_s}s)"
-  timeout -k 10 "$tests_s" "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/gpu >"$LOGS/tests.log" 2>&1
+  only=()
+  [[ -n ${GPU_CHECK_TESTS_K:-} ]] && only=(-k "$GPU_CHECK_TESTS_K")
+  log "CUDA tests: pytest -m gpu tests/gpu ${only[*]} (time box ${tests_s}s)"
+  timeout -k 10 "$tests_s" "$PY" -m pytest -q -m gpu -p no:cacheprovider "${only[@]}" tests/gpu >"$LOGS/tests.log" 2>&1
   tests_rc=$?
   grep -E "passed|failed|error|skipped|FAILED|ERROR" "$LOGS/tests.log" | tail -n 25
   log "CUDA tests exited $tests_rc (log: $LOGS/tests.log)"
