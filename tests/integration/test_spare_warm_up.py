@@ -1,19 +1,24 @@
-"""A warm spare imports, ahead of its job, what the job's first step would otherwise import on the critical path.
+"""A rank process before its job: a warm spare imports what the job's first step would otherwise import on the
+critical path, and every rank process compiles into the node's etrain cache folder.
 
-Measured in a fresh interpreter (``sys.modules`` is the evidence, so the test's own process, which has
-imported everything already, cannot be used): a spare on a CPU node leaves the compiler alone (compile is
-off by default there), a spare on a GPU node imports it, and a compiled Trainer built afterwards imports
-almost nothing more while it wraps its blocks.
+Measured in fresh interpreters (``sys.modules`` and ``os.environ`` are the evidence, so the test's own
+process, which has imported everything already, cannot be used): a spare on a CPU node leaves the compiler
+alone (compile is off by default there), a spare on a GPU node imports it, and a compiled Trainer built
+afterwards imports almost nothing more while it wraps its blocks. ``ETRAIN_COMPILE_CACHE_DIR`` holds in a
+spare and in a cold rank: importing ``torch._dynamo`` (any Trainer build does) sets inductor's default
+folder, which used to be taken for the operator's choice (the H100's ranks compiled into
+``/tmp/torchinductor_root``).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 _SCRIPT = r"""
-import json, sys
+import json, os, sys
 from etrain.workers.rank.spare import SpareRank
 import torch
 seen = {}
@@ -37,14 +42,31 @@ before = set(sys.modules)
 Trainer(config, rank=0, world_size=1, device=torch.device("cpu"))
 seen["trainer_new_modules"] = sorted(set(sys.modules) - before)
 seen["cuda_initialized"] = torch.cuda.is_initialized()
+seen["inductor_cache_dir"] = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
 print(json.dumps(seen))
 """
 
+_COLD_RANK = r"""
+import json, os
+from etrain.workers.rank.worker import TrainWorker
+TrainWorker(job_id="cold-test", rank=0, world_size=1, supervisor=None, bundle="no bundle (test)")
+import torch._dynamo  # what the rank's Trainer build imports first
+print(json.dumps({"inductor_cache_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR")}))
+"""
 
-def test_a_gpu_node_spare_imports_the_compiler_and_a_cpu_node_spare_does_not():
-    done = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=300)
+
+def _fresh_python(script: str, cache: str) -> dict:
+    env = {key: value for key, value in os.environ.items() if key != "TORCHINDUCTOR_CACHE_DIR"}
+    env["ETRAIN_COMPILE_CACHE_DIR"] = cache
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_gpu_node_spare_imports_the_compiler_and_a_cpu_node_spare_does_not(tmp_path):
+    cache = str(tmp_path / "node-compile-cache")
+    seen = _fresh_python(_SCRIPT, cache)
+    assert seen["inductor_cache_dir"] == cache, seen["inductor_cache_dir"]
     assert seen["cpu_node_imported"] is False and seen["cpu_node_has_inductor"] is False, seen
     assert seen["gpu_node_imported"] is True and seen["gpu_node_has_inductor"] is True, seen
     assert seen["cuda_initialized"] is False
@@ -55,3 +77,8 @@ def test_a_gpu_node_spare_imports_the_compiler_and_a_cpu_node_spare_does_not():
     ]
     assert compiler_modules == [], compiler_modules
     assert len(seen["trainer_new_modules"]) < 20, seen["trainer_new_modules"]
+
+
+def test_a_cold_rank_compiles_into_the_nodes_etrain_cache(tmp_path):
+    cache = str(tmp_path / "node-compile-cache")
+    assert _fresh_python(_COLD_RANK, cache) == {"inductor_cache_dir": cache}

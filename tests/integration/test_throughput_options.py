@@ -111,7 +111,7 @@ _COMPILE_PROBE = textwrap.dedent(
     """
     import json, sys, time
     import torch
-    from etrain.workers.engine.compile import compile_seconds, compiled_frames
+    from etrain.workers.engine.compile import CompileProfile, compile_profile, compile_seconds, compiled_frames
     from etrain.workers.engine.train import Trainer
     from etrain.workers.protocol.run_config import RunConfig
     from tests.equivalence_utils import small_config, MODELS
@@ -133,6 +133,7 @@ _COMPILE_PROBE = textwrap.dedent(
         "compile_s": compile_seconds(),
         "frames_after_first": frames_after_first,
         "frames_after_last": compiled_frames(),
+        "cache": compile_profile().counts_since(CompileProfile(spans={}, counters={})),
         "losses": [first.loss] + [m.loss for m in rest],
         "names": names,
         "state": state,
@@ -182,6 +183,10 @@ def test_inductor_compiles_once_per_node_and_a_second_process_reuses_the_cache(t
         f"(process {cold_wall:.1f}s vs {warm_wall:.1f}s)"
     )
     assert warm["frames_after_last"] == warm["frames_after_first"]
+    # The caches' own counters: the first process compiled everything, the second loaded everything.
+    assert cold["cache"]["FX graph cache hits"] == 0 and cold["cache"]["FX graph cache misses"] > 0, cold["cache"]
+    assert warm["cache"]["FX graph cache misses"] == 0 and warm["cache"]["FX graph cache hits"] > 0, warm["cache"]
+    assert warm["cache"]["AOTAutograd cache hits"] > 0 and warm["cache"]["AOTAutograd cache misses"] == 0, warm["cache"]
     assert warm["first_step_s"] < 0.5 * cold["first_step_s"], (cold["first_step_s"], warm["first_step_s"])
 
     reference = run_reference(small_config(steps=4, model=MODELS["llama"]))

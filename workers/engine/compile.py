@@ -20,12 +20,24 @@ with the same guards but skips inductor's C++ code generation, and one test with
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
+from typing import TYPE_CHECKING
 
-from torch import nn
+if TYPE_CHECKING:  # the module loads without torch: rank processes call use_node_cache() before torch loads
+    from torch import nn
 
-__all__ = ["CACHE_ENV", "apply_compile", "compile_backend", "compile_seconds", "compiled_frames", "use_node_cache"]
+__all__ = [
+    "CACHE_ENV",
+    "CompileProfile",
+    "apply_compile",
+    "compile_backend",
+    "compile_profile",
+    "compile_seconds",
+    "compiled_frames",
+    "use_node_cache",
+]
 
 #: Where compiled code is cached on a node (default ``<tmp>/etrain-compile-cache``).
 CACHE_ENV = "ETRAIN_COMPILE_CACHE_DIR"
@@ -39,7 +51,12 @@ def compile_backend() -> str:
 def use_node_cache() -> str:
     """Point inductor's caches at the node's etrain cache folder (unless the operator set one); returns it.
 
-    Must run before the first compile in the process: inductor reads the folder once.
+    Must run before ``torch._dynamo`` is imported: importing it sets ``TORCHINDUCTOR_CACHE_DIR`` to
+    inductor's own default (torch 2.13, ``torch._dynamo.package``), which a later call would take for the
+    operator's choice, and any Trainer build imports it. So rank processes call this first thing
+    (``TrainWorker``, ``SpareRank`` before it imports torch); :func:`apply_compile` calls it again (a no-op
+    then). Before this rule the H100's ranks compiled into ``/tmp/torchinductor_root`` whatever
+    ``ETRAIN_COMPILE_CACHE_DIR`` said (their rank logs name the folder).
     """
     folder = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.environ.get(CACHE_ENV)
     if not folder:
@@ -76,6 +93,50 @@ def compile_seconds() -> float:
         return float(calculate_time_spent().get("total_wall_time", 0.0))
     except (ImportError, AttributeError):  # a torch without the accounting: say nothing rather than fail
         return 0.0
+
+
+#: The compile caches' hit and miss counters worth a line: (dynamo's counter group, its key, the name shown).
+_CACHE_COUNTERS = (
+    ("inductor", "fxgraph_cache_hit", "FX graph cache hits"),
+    ("inductor", "fxgraph_cache_miss", "FX graph cache misses"),
+    ("aot_autograd", "autograd_cache_hit", "AOTAutograd cache hits"),
+    ("aot_autograd", "autograd_cache_miss", "AOTAutograd cache misses"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileProfile:
+    """What this process has spent compiling, by dynamo's timed spans, and its compile caches' counters,
+    at one moment: the difference of two (:meth:`since`) says where one attempt's compile went, the line a
+    rank log needs to tell a cold cache, a warm one and slow loading apart (the H100's warm-cache first
+    step still compiled for 5.1-5.6 s, unexplained)."""
+
+    spans: dict[str, float]
+    counters: dict[str, int]
+
+    def since(self, earlier: CompileProfile, *, top: int = 8, at_least_s: float = 0.05) -> str:
+        """``span s, span s, ...; FX graph cache hits n, misses n, ...``: the ``top`` longest spans (nested:
+        dynamo's outer spans hold the inner ones) of at least ``at_least_s`` since ``earlier``."""
+        grown = {name: seconds - earlier.spans.get(name, 0.0) for name, seconds in self.spans.items()}
+        longest = sorted(((s, n) for n, s in grown.items() if s >= at_least_s), reverse=True)[:top]
+        spans = ", ".join(f"{name} {seconds:.2f}s" for seconds, name in longest) or "no span over 0.05s"
+        counts = ", ".join(f"{shown} {count}" for shown, count in self.counts_since(earlier).items())
+        return f"{spans}; {counts}"
+
+    def counts_since(self, earlier: CompileProfile) -> dict[str, int]:
+        """The compile caches' hits and misses since ``earlier``, by their shown names."""
+        return {shown: self.counters.get(shown, 0) - earlier.counters.get(shown, 0) for _, _, shown in _CACHE_COUNTERS}
+
+
+def compile_profile() -> CompileProfile:
+    """This process's :class:`CompileProfile` now (empty where torch does not keep the accounting)."""
+    try:
+        from torch._dynamo.utils import compilation_time_metrics, counters
+    except ImportError:
+        return CompileProfile(spans={}, counters={})
+    spans = {name: float(sum(values)) for name, values in compilation_time_metrics.items()}
+    cache = {shown: int(counters[group][key]) for group, key, shown in _CACHE_COUNTERS}
+    return CompileProfile(spans=spans, counters=cache)
 
 
 def compiled_frames() -> int:

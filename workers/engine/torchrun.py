@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from etrain.workers import families
+from etrain.workers.engine.compile import use_node_cache
 from etrain.workers.engine.mesh import backend_for
-from etrain.workers.engine.train import Trainer
 from etrain.workers.protocol.errors import ConfigError
 from etrain.workers.protocol.run_config import (
     CheckpointConfig,
@@ -66,6 +66,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=None, help="override training.steps")
     parser.add_argument("--metrics-out", default=None, help="write all ranks' step metrics (rank 0) as JSON")
     args = parser.parse_args(argv)
+    use_node_cache()  # before the Trainer's module imports torch._dynamo (workers/engine/compile.py says why)
+    from etrain.workers.engine.train import Trainer
 
     config = load_run_config(args.config)
     rank = int(os.environ.get("RANK", "0"))

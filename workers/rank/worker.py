@@ -32,6 +32,7 @@ import threading
 import time
 from typing import Any
 
+from etrain.workers.engine.compile import use_node_cache
 from etrain.workers.protocol.messages import REPORT_TIMEOUT_S, ChaosOrder, LaunchPlan, NodeInfo, RunResult
 from etrain.workers.protocol.run_config import RunConfig
 from etrain.workers.rank.device_info import RankGpus, ray_bundle
@@ -62,6 +63,7 @@ class TrainWorker:
         group creates ranks without resources of their own, on the bundle's node; ``spare``: a warm spare,
         ``workers/rank/spare.py``); None: Ray's own, for an actor created with GPUs. ``bundle`` says which
         bundle that is (for messages), where the caller knows it."""
+        use_node_cache()  # before anything imports torch._dynamo (workers/engine/compile.py says why)
         self.job_id = job_id
         self.rank = rank
         self.world_size = world_size
@@ -225,7 +227,7 @@ class TrainWorker:
         import torch
         import torch.distributed as dist
 
-        from etrain.workers.engine.compile import compile_seconds
+        from etrain.workers.engine.compile import compile_profile, compile_seconds
         from etrain.workers.engine.mesh import backend_for
         from etrain.workers.engine.train import Trainer
         from etrain.workers.rank.step_exchange import StepExchange
@@ -239,6 +241,7 @@ class TrainWorker:
         batcher = None
         phases = _Phases()  # where the attempt's start-up goes: one line in the rank log
         compiled_before = compile_seconds()  # this process may have compiled in an earlier attempt
+        profile_before = compile_profile()
         _leave_process_groups()  # a kept process (in-place repair) rejoins from a clean slate
         dist.init_process_group(
             backend=backend_for(device.type, cpu_offload=config.parallel.offload == "cpu"),
@@ -312,6 +315,7 @@ class TrainWorker:
                             f"attempt {plan.attempt}: compile {compile_seconds() - compiled_before:.1f}s "
                             f"(first step {metrics['step_s']:.1f}s; cache {os.environ.get('TORCHINDUCTOR_CACHE_DIR')})"
                         )
+                        log.write(f"attempt {plan.attempt}: compile spans {compile_profile().since(profile_before)}")
                 decision = boundaries.after_step(metrics)
                 if batcher is not None:  # a step that saves or stops is urgent (the last step always saves)
                     for record, urgent in decision.reports:
