@@ -417,9 +417,18 @@ class FakeRuntime:
     DEFAULT_NODES: dict[str, dict[str, float]] = {"fake-node-1": {"CPU": 1024.0, "GPU": 64.0}}
 
     def __init__(
-        self, *, steps_per_update: int = 1, step_s: float = 0.1, nodes: dict[str, dict[str, float]] | None = None
+        self,
+        *,
+        steps_per_update: int = 1,
+        step_s: float = 0.1,
+        nodes: dict[str, dict[str, float]] | None = None,
+        prune_updates: int = 0,
     ):
+        """``prune_updates``: how many updates after its end a job still says it prunes old checkpoints (the
+        supervisor's ``pruning``; -1: for ever)."""
         self.steps_per_update = steps_per_update
+        self.prune_updates = prune_updates
+        self.prune_left: dict[str, int] = {}
         self.step_s = step_s
         self.nodes = {name: dict(total) for name, total in (nodes or self.DEFAULT_NODES).items()}
         self.capacity_requests: list[list[dict[str, float]]] = []
@@ -484,6 +493,11 @@ class FakeRuntime:
                     self._record(job_id, "succeeded", f"finished {config.training.steps} steps")
             latest = job["steps"][-1] if job["steps"] else {}
             parallel = config.parallel
+            pruning = False
+            if job["status"] in ("SUCCEEDED", "FAILED", "CANCELLED"):
+                left = self.prune_left.setdefault(job_id, self.prune_updates)
+                pruning = left != 0
+                self.prune_left[job_id] = left - 1 if left > 0 else left
             return {
                 "status": job["status"],
                 "attempt": job["attempt"] + getattr(job["policy"], "attempt_base", 0),
@@ -500,6 +514,7 @@ class FakeRuntime:
                 "artifacts": job.get("artifacts", {}),
                 "events": [e for e in job["events"] if e["seq"] > since_seq],
                 "steps": [row for row in job["steps"] if row["seq"] > since_step],
+                "pruning": pruning,
             }
 
     def cancel(self, job_id: str, reason: str) -> None:

@@ -29,6 +29,10 @@ log = logging.getLogger(__name__)
 #: How often a running job's goodput_breakdown is recomputed (it reads every kept step row; an ended job's is
 #: computed once, at its end).
 BREAKDOWN_EVERY_S = 10.0
+#: How long an ended job's supervisor is kept while its last prune of old checkpoints runs (the prune hashes the
+#: checkpoints it keeps: 2 x 15.9 GB for a Llama-1B job with keep_last 2, minutes on an object store); past
+#: it the supervisor is released anyway and the checkpoints beyond keep_last stay (said in the server log).
+END_PRUNE_MAX_S = 600.0
 
 
 class SupervisorPoller:
@@ -48,6 +52,8 @@ class SupervisorPoller:
         # fed the rows it stores (service/decisions/goodput.py): goodput survives supervisor and server restarts.
         self._tallies: dict[str, ProductiveTally] = {}
         self._breakdown_at: dict[str, float] = {}  # job -> when its goodput_breakdown was last computed
+        # Ended jobs whose supervisor still prunes old checkpoints -> when it is released whatever it says.
+        self._pruning: dict[str, float] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="etrain-poller", daemon=True)
 
@@ -57,6 +63,8 @@ class SupervisorPoller:
     def close(self, timeout_s: float) -> None:
         self._stop.set()
         self._thread.join(timeout=timeout_s)
+        for job_id in list(self._pruning):  # not left running without a control plane to release them
+            self._release(job_id, why="the control plane stopped")
 
     def restarted(self, job_id: str) -> None:
         """A new supervisor starts for ``job_id``: it numbers its step rows from 1 again."""
@@ -93,6 +101,31 @@ class SupervisorPoller:
                     self.poll_once(job.id)
                 except Exception:  # one broken job must not stop the others' updates
                     log.exception("polling job %s failed", job.id)
+            for job_id in list(self._pruning):
+                try:
+                    self._release_when_pruned(job_id)
+                except Exception:
+                    log.exception("releasing the supervisor of job %s failed", job_id)
+
+    def _release_when_pruned(self, job_id: str) -> None:
+        """Release an ended job's supervisor once its last prune is done, or at :data:`END_PRUNE_MAX_S`."""
+        with self._lock:
+            update = self.runtime.updates(job_id, 2**62, 2**62)  # only the fields: no events or steps
+            if update is not None and update.get("pruning") and time.monotonic() < self._pruning[job_id]:
+                return
+            late = update is not None and update.get("pruning")
+            self._release(job_id, why=f"its last prune ran past {END_PRUNE_MAX_S:.0f}s" if late else None)
+
+    def _release(self, job_id: str, *, why: str | None) -> None:
+        self._pruning.pop(job_id, None)
+        if why is not None:
+            log.warning(
+                "job %s: releasing its supervisor before its last prune of old checkpoints finished (%s); "
+                "checkpoints beyond keep_last may remain",
+                job_id,
+                why,
+            )
+        self.runtime.release(job_id)
 
     def poll_once(self, job_id: str) -> None:
         """Pull ``job_id``'s updates now (a cancel persists its end without waiting for the next poll)."""
@@ -168,7 +201,10 @@ class SupervisorPoller:
         fields = {key: value for key, value in fields.items() if value is not None or key == "error"}
         self.store.update_job(job_id, **fields)
         if fields["status"].is_terminal:
-            self.runtime.release(job_id)
+            if update.get("pruning"):  # released when its last prune is done (_release_when_pruned)
+                self._pruning[job_id] = time.monotonic() + END_PRUNE_MAX_S
+            else:
+                self.runtime.release(job_id)
             self._step_cursor.pop(job_id, None)
             self._tallies.pop(job_id, None)  # its goodput is final (measured up to now, its end)
             self._breakdown_at.pop(job_id, None)

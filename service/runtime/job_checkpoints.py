@@ -148,6 +148,11 @@ class JobCheckpoints:
         if pruner is not None:
             pruner.join(timeout=timeout_s)
 
+    def pruning(self) -> bool:
+        """Whether a prune is under way or asked for (a commit during one makes it prune once more)."""
+        with self._prune_lock:
+            return self._pruner is not None
+
     def export(self, step: int, *, model: ModelConfig, timeout_s: float, answer: Callable[[Event], None]) -> None:
         """Write committed ``step`` as a Hugging Face folder in a Ray task; ``answer`` gets Exported or
         ExportFailed. The task runs off the control thread (and off this process: torch is imported only

@@ -89,8 +89,6 @@ TICK_S = 0.2
 HANG_ASK_TIMEOUT_S = 3.0
 #: The event kinds a rank may add to the job's events (``report_note``): a rank's own decisions.
 RANK_NOTES = frozenset({"checkpoint_interval"})
-#: How long ``updates`` of an ended job waits for its last prune (well inside the caller's Ray call timeout).
-END_PRUNE_WAIT_S = 5.0
 
 
 #: Names of pre-started supervisors (``service/runtime/supervisor_spares.py``); a job's own is
@@ -261,18 +259,20 @@ class JobSupervisor:
 
         Step rows have their own sequence because a restarted attempt re-reports step numbers.
 
-        Once the job has ended, the prune after its last commit is given up to :data:`END_PRUNE_WAIT_S`
-        to finish first (off the locks): the caller releases (kills) a finished supervisor, which would
-        stop a prune half-way (slow on an object store, where it hashes what it keeps) and leave more
-        than ``keep_last`` checkpoints behind.
+        ``pruning``: whether a prune of old checkpoints is still under way. Once the job has ended, the
+        caller keeps the supervisor until its last prune is done (``service/jobs/poller.py``): releasing
+        (killing) it would stop the prune half-way (it hashes what it keeps: slow on an object store and on
+        large checkpoints) and leave more than ``keep_last`` checkpoints behind. Answered at once: this call
+        used to wait up to 5 s for that prune, which held up the poller's updates of every other job and,
+        on a loaded machine, still let a prune on S3 be cut short.
         """
-        if self.state.status.is_terminal:  # read first: the last prune starts before the state turns terminal
-            self._checkpoints.wait_for_prune(END_PRUNE_WAIT_S)
         with self._decide_lock, self._log_lock:
             events = [event for event in self._log if event["seq"] > since_seq]
             steps = self._steps.since(since_step_seq)
             state = self.state
             latest = dict(self._steps.latest)
+        # Read after the state it answers with: an ended job's last prune started before its state turned terminal.
+        pruning = self._checkpoints.pruning()
         # Attempts as the job counts them (JobPolicy.attempt_base). No goodput here: the control plane
         # computes it from the stored rows (service/decisions/goodput.py), across supervisors.
         base = self.policy.attempt_base
@@ -295,6 +295,7 @@ class JobSupervisor:
             "artifacts": {"hf": state.hf_export} if state.hf_export else {},
             "events": events,
             "steps": steps,
+            "pruning": pruning,
         }
 
     def shutdown(self) -> None:
