@@ -39,9 +39,22 @@ __all__ = [
     "use_node_cache",
 ]
 
-#: Where compiled code is cached on a node (default ``<tmp>/etrain-compile-cache``).
+#: Where compiled code is cached on a node (default ``<tmp>/etrain-compile-cache-<user>``).
 CACHE_ENV = "ETRAIN_COMPILE_CACHE_DIR"
 _BACKEND_ENV = "ETRAIN_COMPILE_BACKEND"
+
+
+def _user() -> str:
+    """This process's user name for a folder name (its uid where the name cannot be read, as in a container
+    run under an arbitrary uid)."""
+    import getpass
+    import re
+
+    try:
+        name = getpass.getuser()
+    except (KeyError, OSError):
+        name = str(os.getuid())
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name) or str(os.getuid())
 
 
 def compile_backend() -> str:
@@ -59,8 +72,8 @@ def use_node_cache() -> str:
     ``ETRAIN_COMPILE_CACHE_DIR`` said (their rank logs name the folder).
     """
     folder = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.environ.get(CACHE_ENV)
-    if not folder:
-        folder = os.path.join(tempfile.gettempdir(), "etrain-compile-cache")
+    if not folder:  # one per user, as inductor's own: another user's folder (mode 0700) could not be written
+        folder = os.path.join(tempfile.gettempdir(), f"etrain-compile-cache-{_user()}")
     os.makedirs(folder, mode=0o700, exist_ok=True)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
     os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(folder, "triton"))
