@@ -102,8 +102,9 @@ def _import_the_compiler() -> bool:
     would cost every spare 1.8 s of CPU and ~45 MiB for nothing.
 
     Measured on the 2-core machine with a warm compile cache (a compiled two-block GPT after a spare's
-    warm-up): the Trainer's build 0.54-0.59 s -> 0.07-0.13 s (it imported 401 modules when it wrapped the
-    blocks) and build + first step 4.9-5.1 s -> 2.8-3.3 s. On a GPU node that time is on the path of
+    warm-up, three runs each): the Trainer's build 0.30-0.46 s -> 0.04-0.09 s (it imported 400 modules when
+    it wrapped the blocks) and build + first step 2.9-3.9 s -> 1.2-1.9 s (these imports and the torch key
+    below). On a GPU node that time is on the path of
     every first launch and every recovery from a spare (the rank log's ``trainer`` phase and its first
     step). Importing starts no CUDA: what these modules need of a device they ask when they compile
     (tests/gpu/test_cuda.py checks a spare's warm-up on a GPU node leaves the driver unstarted).
