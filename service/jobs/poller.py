@@ -110,11 +110,17 @@ class SupervisorPoller:
     def _release_when_pruned(self, job_id: str) -> None:
         """Release an ended job's supervisor once its last prune is done, or at :data:`END_PRUNE_MAX_S`."""
         with self._lock:
-            update = self.runtime.updates(job_id, 2**62, 2**62)  # only the fields: no events or steps
-            if update is not None and update.get("pruning") and time.monotonic() < self._pruning[job_id]:
+            try:
+                update = self.runtime.updates(job_id, 2**62, 2**62)  # only the fields: no events or steps
+            except Exception as err:  # a supervisor that does not answer is asked again, until the cap
+                update = {"pruning": True, "unanswered": f"{type(err).__name__}: {err}"}
+            pruning = update is not None and bool(update.get("pruning"))
+            if pruning and time.monotonic() < self._pruning[job_id]:
                 return
-            late = update is not None and update.get("pruning")
-            self._release(job_id, why=f"its last prune ran past {END_PRUNE_MAX_S:.0f}s" if late else None)
+            late = f"its last prune ran past {END_PRUNE_MAX_S:.0f}s" + (
+                f" (last answer: {update['unanswered']})" if update and "unanswered" in update else ""
+            )
+            self._release(job_id, why=late if pruning else None)
 
     def _release(self, job_id: str, *, why: str | None) -> None:
         self._pruning.pop(job_id, None)

@@ -82,3 +82,27 @@ def test_a_control_plane_that_stops_releases_what_it_kept(tmp_path):
     assert ("release", job.id) not in runtime.calls
     manager.close()
     assert ("release", job.id) in runtime.calls
+
+
+def test_a_supervisor_that_stops_answering_after_its_end_is_released_at_the_cap(tmp_path, monkeypatch, caplog):
+    from etrain.service.errors import ServiceUnavailable
+
+    class Silent(FakeRuntime):
+        def updates(self, job_id, since_seq, since_step):
+            if self.prune_left.get(job_id) is not None:  # it has answered once since its end: now it hangs
+                raise ServiceUnavailable("Ray did not answer within 10s", fix="check the cluster")
+            return super().updates(job_id, since_seq, since_step)
+
+    monkeypatch.setattr(poller_module, "END_PRUNE_MAX_S", 0.3)
+    runtime = Silent(steps_per_update=3, prune_updates=-1)
+    manager = _manager(tmp_path, runtime)
+    try:
+        with caplog.at_level(logging.WARNING, logger=poller_module.__name__):
+            job = manager.submit(JobSpec.model_validate(SPEC))
+            _wait(lambda: ("release", job.id) in runtime.calls, "the supervisor was never released")
+        assert manager.get(job.id).status.value == "SUCCEEDED"
+        assert any("last answer: ServiceUnavailable" in record.getMessage() for record in caplog.records), [
+            r.getMessage() for r in caplog.records
+        ]
+    finally:
+        manager.close()
