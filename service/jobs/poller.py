@@ -112,15 +112,12 @@ class SupervisorPoller:
         with self._lock:
             try:
                 update = self.runtime.updates(job_id, 2**62, 2**62)  # only the fields: no events or steps
+                pruning, last = update is not None and bool(update.get("pruning")), ""
             except Exception as err:  # a supervisor that does not answer is asked again, until the cap
-                update = {"pruning": True, "unanswered": f"{type(err).__name__}: {err}"}
-            pruning = update is not None and bool(update.get("pruning"))
+                pruning, last = True, f" (last answer: {type(err).__name__}: {err})"
             if pruning and time.monotonic() < self._pruning[job_id]:
                 return
-            late = f"its last prune ran past {END_PRUNE_MAX_S:.0f}s" + (
-                f" (last answer: {update['unanswered']})" if update and "unanswered" in update else ""
-            )
-            self._release(job_id, why=late if pruning else None)
+            self._release(job_id, why=f"its last prune ran past {END_PRUNE_MAX_S:.0f}s{last}" if pruning else None)
 
     def _release(self, job_id: str, *, why: str | None) -> None:
         self._pruning.pop(job_id, None)

@@ -241,7 +241,7 @@ class TrainWorker:
         batcher = None
         phases = _Phases()  # where the attempt's start-up goes: one line in the rank log
         compiled_before = compile_seconds()  # this process may have compiled in an earlier attempt
-        profile_before = compile_profile()
+        profile_before = compile_profile() if config.training.compile else None
         _leave_process_groups()  # a kept process (in-place repair) rejoins from a clean slate
         dist.init_process_group(
             backend=backend_for(device.type, cpu_offload=config.parallel.offload == "cpu"),
