@@ -68,6 +68,7 @@ class JobCheckpoints:
         self._pruner: threading.Thread | None = None
         self._prune_lock = threading.Lock()
         self._prune_wanted = False  # a commit since the running prune started: it prunes once more
+        self._hashed: dict[str, str] = {}  # prune's memo: directory -> manifest digest its files were hashed against
         self._export_ref: Any = None  # the export task in flight (cancelled if the job ends otherwise)
 
     def latest(self) -> int | None:
@@ -222,9 +223,10 @@ class JobCheckpoints:
     def _prune_in_background(self) -> None:
         """Drop checkpoints beyond ``keep_last`` off the control thread.
 
-        Pruning hashes the checkpoints it keeps (so a rotten newest step never causes the good one
-        before it to be deleted); on large checkpoints that takes long enough to stall heartbeat
-        handling if done there. One prune at a time; a commit during one makes it prune once more when
+        Pruning hashes each checkpoint it keeps once, in the first prune after its commit (so a rotten
+        newest step never causes the good one before it to be deleted; ``prune``'s ``hashed`` memo spares
+        the later ones); on large checkpoints that takes long enough to stall heartbeat handling if done
+        there. One prune at a time; a commit during one makes it prune once more when
         it is done (otherwise the last commit of a job, landing while the previous prune still hashes,
         e.g. on an object store, would never be pruned).
         """
@@ -242,7 +244,9 @@ class JobCheckpoints:
                         self._prune_wanted = False
                     try:
                         # Only step directories whose signed manifests name this job are ever deleted.
-                        prune(self._io, keep_last=self._keep_last, key=self._key, owner=self.job_id)
+                        prune(
+                            self._io, keep_last=self._keep_last, key=self._key, owner=self.job_id, hashed=self._hashed
+                        )
                     except Exception as err:  # never fatal: old checkpoints just stay on disk a while longer
                         log.warning("pruning %s failed: %s", self.root, err)
 

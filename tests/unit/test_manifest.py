@@ -15,6 +15,7 @@ import pickle
 
 import pytest
 
+from etrain.workers.checkpoints import storage
 from etrain.workers.checkpoints.checkpoint_commit import (
     checkpoint_files,
     commit,
@@ -297,6 +298,67 @@ def test_prune_with_nothing_committed_deletes_nothing(tmp_path):
     assert [s for s, _ in list_steps(tmp_path)] == [100]
     with pytest.raises(ValueError, match="keep_last must be >= 1"):
         prune(tmp_path, keep_last=0)
+
+
+@pytest.fixture
+def hashed_files(monkeypatch) -> list[str]:
+    """The paths ``storage.sha256_many`` reads, in order (it still hashes them)."""
+    seen: list[str] = []
+    real = storage.sha256_many
+
+    def counting(paths):
+        seen.extend(os.path.basename(os.path.dirname(path)) for path in paths)
+        return real(paths)
+
+    monkeypatch.setattr(storage, "sha256_many", counting)
+    return seen
+
+
+def test_prune_with_a_memo_hashes_each_checkpoint_once_not_every_kept_one_after_every_commit(tmp_path, hashed_files):
+    memo: dict[str, str] = {}
+    for step in (100, 200, 300, 400):
+        _save_and_commit(tmp_path, step)
+        hashed_files.clear()
+        deleted = prune(tmp_path, keep_last=3, hashed=memo)
+        # Only the new step is read (its 4 files); the kept older ones are checked by signature and size.
+        assert hashed_files == [f"step_{step:08d}"] * 4, hashed_files
+    assert [os.path.basename(d) for d in deleted] == ["step_00000100"]
+    assert sorted(os.path.basename(d) for d in memo) == ["step_00000200", "step_00000300", "step_00000400"]
+
+    hashed_files.clear()
+    prune(tmp_path, keep_last=3)  # without the memo every kept checkpoint is read again
+    assert len(hashed_files) == 3 * 4
+
+
+def test_prune_with_a_memo_still_never_trades_the_good_step_for_a_corrupt_new_one(tmp_path):
+    memo: dict[str, str] = {}
+    good = _save_and_commit(tmp_path, 100)
+    prune(tmp_path, keep_last=1, hashed=memo)
+    corrupt = _save_and_commit(tmp_path, 200)
+    _flip_byte(os.path.join(corrupt, "__1_0.distcp"))
+    assert prune(tmp_path, keep_last=1, hashed=memo) == []
+    assert latest_committed(tmp_path) == (100, good)
+    assert list(memo) == [good]  # the corrupt step never enters it
+
+
+def test_prune_with_a_memo_hashes_again_when_the_manifest_changed_and_a_load_still_checks_everything(
+    tmp_path, hashed_files
+):
+    memo: dict[str, str] = {}
+    directory = _save_and_commit(tmp_path, 100)
+    prune(tmp_path, keep_last=2, hashed=memo)
+    # The same step saved and committed again (new contents, new manifest): hashed against the new one.
+    _write(os.path.join(directory, "__1_0.distcp"), b"resaved " * 11)
+    _directory, reports = _fake_save(tmp_path, 100)
+    commit(directory, 100, "pp1·dp2·tp1 zero=3", WORLD, reports, created_at=5000.0)
+    hashed_files.clear()
+    prune(tmp_path, keep_last=2, hashed=memo)
+    assert hashed_files == ["step_00000100"] * 4
+    # Rot after the one hash, same size: prune trusts its memo; the full check before a load does not.
+    _flip_byte(os.path.join(directory, ".metadata"))
+    assert prune(tmp_path, keep_last=2, hashed=memo) == []
+    with pytest.raises(CheckpointError, match="sha256 mismatch"):
+        verify(directory)
 
 
 # -- signed manifests (issue #8): the key holder loads only what it committed --------------------------
