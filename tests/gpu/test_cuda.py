@@ -150,6 +150,16 @@ print(json.dumps(spare.devices() | {"device": str(device), "sum": (ones @ ones).
                                     "uuid": str(torch.cuda.get_device_properties(0).uuid)}))
 """
 
+_WARM_UP_LEAVES_THE_GIL = r"""
+import json, time, torch
+from etrain.workers.rank.device_info import CudaWarmup
+warmup, ticks = CudaWarmup(), [time.monotonic()]
+while warmup.running():  # what the rank's other threads (its Ray calls, the rendezvous) get meanwhile
+    time.sleep(0.002)
+    ticks.append(time.monotonic())
+print(json.dumps({"state": warmup.state(), "longest_gap_s": max(b - a for a, b in zip(ticks, ticks[1:]))}))
+"""
+
 
 def _python(script: str, *args: str) -> dict:
     import json
@@ -204,6 +214,17 @@ def test_a_spares_warm_up_leaves_cuda_alone():
     assert _python(_SPARE_LEAVES_CUDA_ALONE, "") == {"initialized": False, "devices_seen": 0}
     shown = _python(_SPARE_LEAVES_CUDA_ALONE, str(torch.cuda.device_count() - 1))
     assert shown == {"initialized": False, "devices_seen": 1}, shown
+
+
+def test_a_spare_or_cold_ranks_cuda_warm_up_leaves_the_gil_to_its_other_threads():
+    """The driver's start and the context are made through the driver API without the GIL
+    (``start_cuda_driver``): torch makes them holding it, and the rank's other threads stood still for
+    the whole start. The main thread here must never wait for most of the warm-up."""
+    seen = _python(_WARM_UP_LEAVES_THE_GIL)
+    state, driver = seen["state"], seen["state"]["driver"]
+    print(seen)  # the figures, for docs/gpu.md
+    assert state["outcome"] == "ready" and driver["outcome"] == "ready", seen
+    assert seen["longest_gap_s"] < max(0.25, 0.5 * state["seconds"]), seen
 
 
 def test_an_assigned_spare_runs_on_the_gpu_it_was_given():

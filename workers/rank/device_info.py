@@ -22,6 +22,7 @@ functions (the module loads without either: the service ships :func:`gpu_memory_
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 import threading
@@ -118,12 +119,17 @@ class CudaWarmup:
     def __init__(self) -> None:
         self._started = time.monotonic()
         self._seconds: float | None = None
+        self._driver: dict[str, Any] | None = None
         self.outcome = "running"
         self._thread = threading.Thread(target=self._run, name="cuda-warmup", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         try:
+            # The driver's start and the context first, without the GIL: torch makes both while it holds
+            # the GIL (its lazy CUDA init and ``set_device``), which kept the rank's every Ray call and its
+            # rendezvous waiting on this thread for the whole start (seconds on an H100).
+            self._driver = start_cuda_driver()
             import torch
 
             if not torch.cuda.is_available():
@@ -147,9 +153,49 @@ class CudaWarmup:
         return self.outcome
 
     def state(self) -> dict[str, Any]:
-        """``outcome`` (running, ready, no CUDA device visible, failed: ...) and its seconds so far."""
+        """``outcome`` (running, ready, no CUDA device visible, failed: ...), its seconds so far, and what
+        the GIL-free driver start did (:func:`start_cuda_driver`)."""
         seconds = self._seconds if self._seconds is not None else time.monotonic() - self._started
-        return {"outcome": self.outcome, "seconds": round(seconds, 3)}
+        return {"outcome": self.outcome, "seconds": round(seconds, 3), "driver": self._driver}
+
+
+#: The CUDA driver API's library, as the NVIDIA driver installs it (what the CUDA runtime itself opens).
+CUDA_DRIVER_LIBRARY = "libcuda.so.1"
+
+
+def start_cuda_driver(library: str = CUDA_DRIVER_LIBRARY) -> dict[str, Any]:
+    """Start the CUDA driver and make device 0's primary context, through the driver API, without the GIL.
+
+    ctypes releases the GIL around every foreign call, so the process's other threads (the Ray calls
+    that hand the rank its job, the rendezvous) run while the driver starts and the context is made;
+    torch's own first CUDA calls then find both done. It is the same context torch uses (the runtime
+    API works in each device's primary context); the reference taken here is kept for the process's
+    life, as torch's is. ``CUDA_MODULE_LOADING`` is set first, as torch would before its own start: the
+    driver reads it once, in ``cuInit``, and eager loading would load every kernel of every library.
+
+    Returns what happened, for the rank log: ``{"outcome": "ready" | "no CUDA driver" | "failed: ...",
+    "init_s", "context_s"}``. Any failure is left for torch's own calls to meet and report.
+    """
+    os.environ.setdefault("CUDA_MODULE_LOADING", "LAZY")
+    try:
+        driver = ctypes.CDLL(library)
+        init, device_get, retain = driver.cuInit, driver.cuDeviceGet, driver.cuDevicePrimaryCtxRetain
+    except (OSError, AttributeError):  # no driver installed (a CPU node), or a library without its API
+        return {"outcome": "no CUDA driver"}
+    started = time.monotonic()
+    status = init(0)
+    initialised = time.monotonic()
+    if status != 0:
+        return {"outcome": f"failed: cuInit returned {status}", "init_s": round(initialised - started, 3)}
+    device, context = ctypes.c_int(), ctypes.c_void_p()
+    status = device_get(ctypes.byref(device), 0)
+    if status == 0:
+        status = retain(ctypes.byref(context), device)
+    made = time.monotonic()
+    timings = {"init_s": round(initialised - started, 3), "context_s": round(made - initialised, 3)}
+    if status != 0:
+        return {"outcome": f"failed: the primary context of device 0: CUresult {status}"} | timings
+    return {"outcome": "ready"} | timings
 
 
 class RankGpus:
@@ -182,6 +228,18 @@ class RankGpus:
             "cuda_visible_devices": os.environ.get(VISIBLE_DEVICES),
             "cuda_warmup": self.warmup.state() if self.warmup is not None else None,
         }
+
+    def warmup_summary(self) -> str:
+        """The CUDA warm-up for the rank log's start-up line ("" on a rank without GPUs)."""
+        if self.warmup is None:
+            return ""
+        state = self.warmup.state()
+        driver = state["driver"] or {}
+        split = ", ".join(f"{name[:-2]} {driver[name]:.2f}s" for name in ("init_s", "context_s") if name in driver)
+        return (
+            f"; cuda warm-up {state['outcome']} in {state['seconds']:.2f}s "
+            f"(driver without the GIL: {driver.get('outcome', 'not yet')}{': ' + split if split else ''})"
+        )
 
     def device(self, kind: str) -> Any:
         """The rank's torch device for a job on ``kind`` ("cpu" or "cuda"): the CPU, or ``cuda:0``.

@@ -289,7 +289,7 @@ class TrainWorker:
                 batcher = self._report_batcher(plan.attempt)
             phases.mark("control groups")
             if log is not None:
-                log.write(f"attempt {plan.attempt}: ready after {phases}")
+                log.write(f"attempt {plan.attempt}: ready after {phases}{self._gpus.warmup_summary()}")
             self._supervisor.report_ready.remote(plan.attempt, self.rank, self.node_info() | {"state_source": source})
             final_loss = None
             step = plan.start_step
