@@ -255,6 +255,7 @@ def step_median(steps: list[dict[str, Any]], *, skip: int = 3) -> float | None:
 _STAMP = r"(?P<ts>\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?)"
 _READY = re.compile(r"attempt (?P<attempt>\d+): ready after (?P<total>[\d.]+)s(?: \((?P<phases>[^)]*)\))?")
 _WOUND_DOWN = re.compile(r"attempt (?P<attempt>\d+): wound down in (?P<total>[\d.]+)s(?: \((?P<phases>[^)]*)\))?")
+_WARMUP = re.compile(r"; cuda warm-up (?P<outcome>.+?) in (?P<s>[\d.]+)s \(driver without the GIL: (?P<driver>[^)]*)\)")
 _DIGEST = re.compile(r"attempt (?P<attempt>\d+): param digest (?P<s>[\d.]+)s")
 _PHASE = re.compile(r"(?P<name>[A-Za-z][\w -]*?) (?P<s>[\d.]+)s")
 _STEP_LINE = re.compile(_STAMP + r" step (?P<step>\d+)/\d+ ")
@@ -263,20 +264,25 @@ _BLOCKED = re.compile(r"block(?:ed|ing)[^\d]{0,20}(?P<s>\d+(?:\.\d+)?)\s*(?P<uni
 
 
 def startup_phases(lines: list[str]) -> list[dict[str, Any]]:
-    """Each attempt's start-up line of a rank log (``attempt N: ready after T s (phase s, ...)``):
-    attempt, total seconds, seconds per phase, and the line itself."""
+    """Each attempt's start-up line of a rank log (``attempt N: ready after T s (phase s, ...)``, then on a
+    GPU ``; cuda warm-up OUTCOME in T s (driver without the GIL: ...)``): attempt, total seconds, seconds
+    per phase, the CUDA warm-up (None without one), and the line itself."""
     out = []
     for line in lines:
         found = _READY.search(line)
         if found is None:
             continue
         phases = {m["name"].strip(): float(m["s"]) for m in _PHASE.finditer(found["phases"] or "")}
+        warmup = _WARMUP.search(line, found.end())
         out.append(
             {
                 "attempt": int(found["attempt"]),
                 "total_s": float(found["total"]),
                 "phases": phases,
-                "line": line[found.start() :][:300],
+                "cuda_warmup": None
+                if warmup is None
+                else {"outcome": warmup["outcome"], "s": float(warmup["s"]), "driver": warmup["driver"]},
+                "line": line[found.start() :][:400],
             }
         )
     return out

@@ -96,7 +96,11 @@ def _startup(figures: dict[str, Any], attempt: int | None = None) -> str:
         return "–"
     first = lines[0]
     phases = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in first["phases"].items())
-    return f"{first['total_s']:.2f} s ({phases})" if phases else f"{first['total_s']:.2f} s"
+    shown = f"{first['total_s']:.2f} s ({phases})" if phases else f"{first['total_s']:.2f} s"
+    warmup = first.get("cuda_warmup")
+    if warmup:
+        shown += f"; CUDA warm-up {warmup['outcome']} in {warmup['s']:.2f} s (driver: {warmup['driver']})"
+    return shown
 
 
 def _service_rows(service: dict[str, Any]) -> list[str]:

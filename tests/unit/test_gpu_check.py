@@ -34,6 +34,7 @@ from benchmarks.gpu.measures import (
 from benchmarks.gpu.table import passed, render, render_throughput
 from benchmarks.peers.common import recovery_measures
 from etrain.workers import families
+from etrain.workers.rank.device_info import warmup_summary
 from tests.architecture.test_pure_layers import _PROBE, BLOCKED
 
 REPO = Path(__file__).resolve().parents[2]
@@ -240,6 +241,12 @@ def test_start_up_phases_and_save_blocking_from_a_rank_log():
     [ready] = startup_phases(LOG)
     assert ready["attempt"] == 1 and ready["total_s"] == 0.84
     assert ready["phases"] == {"process group": 0.01, "trainer": 0.70, "state": 0.0, "control groups": 0.13}
+    assert ready["cuda_warmup"] is None  # a CPU rank's line
+    warmed = {"outcome": "ready", "seconds": 2.41, "driver": {"outcome": "ready", "init_s": 0.62, "context_s": 0.35}}
+    line = "2026-11-26T10:00:01.000 attempt 2: ready after 1.20s (process group 0.01s, trainer 0.30s)"
+    [gpu] = startup_phases([line + warmup_summary(warmed)])  # the rank's own words
+    assert gpu["phases"] == {"process group": 0.01, "trainer": 0.30}
+    assert gpu["cuda_warmup"] == {"outcome": "ready", "s": 2.41, "driver": "ready: init 0.62s, context 0.35s"}
     saves = save_blocking(LOG)
     # step 20: no figure in the line, so the step line -> checkpoint line gap (1.25 s); step 40 says 0.68 s
     assert [(s["step"], s["source"]) for s in saves] == [(20, "log lines"), (40, "stated")]

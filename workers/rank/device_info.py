@@ -231,15 +231,17 @@ class RankGpus:
 
     def warmup_summary(self) -> str:
         """The CUDA warm-up for the rank log's start-up line ("" on a rank without GPUs)."""
-        if self.warmup is None:
-            return ""
-        state = self.warmup.state()
-        driver = state["driver"] or {}
-        split = ", ".join(f"{name[:-2]} {driver[name]:.2f}s" for name in ("init_s", "context_s") if name in driver)
-        return (
-            f"; cuda warm-up {state['outcome']} in {state['seconds']:.2f}s "
-            f"(driver without the GIL: {driver.get('outcome', 'not yet')}{': ' + split if split else ''})"
-        )
+        return "" if self.warmup is None else warmup_summary(self.warmup.state())
+
+
+def warmup_summary(state: dict[str, Any]) -> str:
+    """``CudaWarmup.state()`` as the rank log's start-up line ends (``benchmarks/gpu/measures.py`` reads it)."""
+    driver = state.get("driver") or {}
+    split = ", ".join(f"{name[:-2]} {driver[name]:.2f}s" for name in ("init_s", "context_s") if name in driver)
+    return (
+        f"; cuda warm-up {state['outcome']} in {state['seconds']:.2f}s "
+        f"(driver without the GIL: {driver.get('outcome', 'not yet')}{': ' + split if split else ''})"
+    )
 
     def device(self, kind: str) -> Any:
         """The rank's torch device for a job on ``kind`` ("cpu" or "cuda"): the CPU, or ``cuda:0``.
