@@ -34,6 +34,8 @@ __all__ = [
     "CudaWarmup",
     "RankGpus",
     "cuda_started",
+    "start_cuda_driver",
+    "warmup_summary",
     "gpu_memory_bytes",
     "pin_visible_gpus",
     "ray_bundle",
@@ -233,16 +235,6 @@ class RankGpus:
         """The CUDA warm-up for the rank log's start-up line ("" on a rank without GPUs)."""
         return "" if self.warmup is None else warmup_summary(self.warmup.state())
 
-
-def warmup_summary(state: dict[str, Any]) -> str:
-    """``CudaWarmup.state()`` as the rank log's start-up line ends (``benchmarks/gpu/measures.py`` reads it)."""
-    driver = state.get("driver") or {}
-    split = ", ".join(f"{name[:-2]} {driver[name]:.2f}s" for name in ("init_s", "context_s") if name in driver)
-    return (
-        f"; cuda warm-up {state['outcome']} in {state['seconds']:.2f}s "
-        f"(driver without the GIL: {driver.get('outcome', 'not yet')}{': ' + split if split else ''})"
-    )
-
     def device(self, kind: str) -> Any:
         """The rank's torch device for a job on ``kind`` ("cpu" or "cuda"): the CPU, or ``cuda:0``.
 
@@ -270,3 +262,13 @@ def warmup_summary(state: dict[str, Any]) -> str:
             raise RuntimeError(f"{where} cannot use its GPU: {self.warmup.outcome}")
         torch.cuda.set_device(0)
         return torch.device("cuda", 0)
+
+
+def warmup_summary(state: dict[str, Any]) -> str:
+    """``CudaWarmup.state()`` as the rank log's start-up line ends (``benchmarks/gpu/measures.py`` reads it)."""
+    driver = state.get("driver") or {}
+    split = ", ".join(f"{name[:-2]} {driver[name]:.2f}s" for name in ("init_s", "context_s") if name in driver)
+    return (
+        f"; cuda warm-up {state['outcome']} in {state['seconds']:.2f}s "
+        f"(driver without the GIL: {driver.get('outcome', 'not yet')}{': ' + split if split else ''})"
+    )
