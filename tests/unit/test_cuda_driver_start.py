@@ -48,3 +48,7 @@ def test_the_warm_up_on_a_machine_without_cuda_reports_both_answers_and_the_rank
     assert summary.startswith(f"; cuda warm-up {state['outcome']} in "), summary
     assert f"(driver without the GIL: {state['driver']['outcome']})" in summary, summary
     assert RankGpus(who="rank 1 (test)", gpu_ids=[], bundle="bundle 1 (test)").warmup_summary() == ""
+    # What a rank then asks of it: the CPU for a CPU job; for a CUDA job, the warm-up's answer in words.
+    assert gpus.device("cpu") == torch.device("cpu")
+    with pytest.raises(RuntimeError, match=r"rank 0 \(test\) \(bundle 0 \(test\).* cannot use its GPU: no CUDA device"):
+        gpus.device("cuda")
