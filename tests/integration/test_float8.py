@@ -112,3 +112,26 @@ def test_a_float8_projection_gets_torchaos_tp_style_and_a_bf16_one_keeps_etrains
     plain = ColwiseParallel()
     assert _float8_style(plain, block.get_submodule("attention.wk")) is plain  # k stays bf16 (256 -> 128)
     assert isinstance(block.get_submodule("attention.wk"), nn.Linear)
+
+
+def test_a_tensor_parallel_model_without_float8_never_imports_torchao():
+    """Asking whether a projection is a float8 linear must not import torchao to find out: that cost every
+    TP rank 0.7 s of CPU at start-up (and torchao's native-library warnings in its log) in jobs without
+    float8. A fresh interpreter applies a TP plan to a model that was not converted."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel\n"
+        "from etrain.workers.engine.parallelize import _float8_style\n"
+        "from etrain.workers.families.model import build_model_skeleton\n"
+        "from tests.integration.test_float8 import MODEL\n"
+        "block = build_model_skeleton(MODEL).layers['0']\n"
+        "for name, style in (('attention.wq', ColwiseParallel()), ('attention.wo', RowwiseParallel())):\n"
+        "    assert _float8_style(style, block.get_submodule(name)) is style\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torchao'))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout

@@ -30,6 +30,7 @@ it splits) are ``etrain.workers.families.layout``'s; the planner checks both too
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -356,11 +357,10 @@ def _float8_style(style: ParallelStyle | None, submodule: nn.Module) -> Parallel
     composition), the same layouts. Any other module keeps ``style``."""
     if style is None or type(style) not in (ColwiseParallel, RowwiseParallel):
         return style
-    try:
-        from torchao.float8.float8_linear import Float8Linear
-    except ImportError:  # no torchao: nothing was converted
-        return style
-    if not isinstance(submodule, Float8Linear):
+    # A float8 linear exists only where its module was imported: asked without importing torchao, which
+    # cost every TP rank 0.7 s of CPU (and its native libraries' load warnings) in a job without float8.
+    float8_linear = sys.modules.get("torchao.float8.float8_linear")
+    if float8_linear is None or not isinstance(submodule, float8_linear.Float8Linear):
         return style
     from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
 
