@@ -39,6 +39,7 @@ __all__ = [
     "run_layout",
     "run_reference",
     "small_config",
+    "spec_reference_losses",
 ]
 
 LOSS_RTOL = 1e-5
@@ -135,6 +136,16 @@ def run_reference(config: RunConfig) -> RunResult:
         return _train(0, 1, reference_key(config))
     finally:
         torch.set_num_threads(threads)
+
+
+def spec_reference_losses(body: dict) -> list[float]:
+    """Per-step losses of a job spec (a REST body) trained here in one process: the service's own
+    spec -> RunConfig, then :func:`run_reference`. What a job of any layout is compared with."""
+    from etrain.service.planning.spec import JobSpec
+
+    return run_reference(
+        JobSpec.model_validate(body).to_run_config(job_id="reference", checkpoint_root="/unused")
+    ).losses
 
 
 def cached_reference(cache: dict[RunConfig, RunResult], config: RunConfig) -> RunResult:

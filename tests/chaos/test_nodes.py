@@ -1,7 +1,8 @@
 """Issue #4 acceptance 2 (node loss), 3 (shrink and grow) and 4 (evict): nodes really go away.
 
 Each test owns its cluster, since it removes or adds nodes. The head node has no CPUs, so ranks run
-only on worker nodes the test controls. Shrink-and-grow runs on a Llama (``LLAMA_MODEL``; the resharding it
+only on worker nodes the test controls. The losses are compared with the same spec trained in one process
+(computed while the job's ranks start; a clean service run of it took 35-45 s of each test). Shrink-and-grow runs on a Llama (``LLAMA_MODEL``; the resharding it
 relies on is proven per model and layout in tests/integration/test_resharding.py).
 """
 
@@ -16,9 +17,9 @@ from tests.chaos.conftest import (
     node_of_rank,
     placements,
     ray_cluster,
-    run_clean,
     spec,
 )
+from tests.equivalence_utils import spec_reference_losses
 from tests.service_harness import control_plane, event_kinds
 
 pytestmark = pytest.mark.slow
@@ -29,8 +30,8 @@ def test_node_loss_during_dp2_tp2_restarts_on_the_spare_node(tmp_path):
         # A capacity read right after the loss may still see no room (the cluster can place 0): the relaunch
         # comes at the next check, every elastic.check_interval_s (30 s by default).
         body = spec("node-dp2tp2", steps=20, dp=2, tp=2, elastic={"check_interval_s": 1.0})
-        clean = losses(plane, run_clean(plane, body)["id"])
         job = plane.submit(body)
+        clean = dict(enumerate(spec_reference_losses(body), start=1))  # one process, while the ranks start
         plane.wait_until(
             job["id"], lambda j: j["status"] == "RUNNING" and j["step"] >= 10, timeout_s=240, what="step 10"
         )
@@ -48,7 +49,10 @@ def test_node_loss_during_dp2_tp2_restarts_on_the_spare_node(tmp_path):
         assert victim not in last.values() and len(last) == 4
         assert final["world_size"] == 4
         recovered = losses(plane, job["id"])
-        assert max(abs(recovered[s] - clean[s]) for s in clean) <= 1e-6
+        assert sorted(recovered) == sorted(clean)
+        # dp2·tp2 differs from one process only in its reductions' order: 4.8e-7 at most over these 20 steps
+        # (measured), and a resumed run is the uninterrupted one bit for bit (tests/chaos/test_restart.py).
+        assert max(abs(recovered[s] - clean[s]) for s in clean) <= 2e-6
 
 
 def test_shrinks_when_capacity_is_lost_and_grows_back_when_it_returns(tmp_path):
@@ -62,9 +66,8 @@ def test_shrinks_when_capacity_is_lost_and_grows_back_when_it_returns(tmp_path):
             resources={"cpus_per_worker": 1, "min_dp": 2, "max_dp": 4},
             elastic={"check_interval_s": 1.0},
         )
-        clean = losses(plane, run_clean(plane, body)["id"])
-
         job = plane.submit(body)
+        clean = dict(enumerate(spec_reference_losses(body), start=1))  # one process, while the ranks start
         plane.wait_until(job["id"], lambda j: j["status"] == "RUNNING" and j["step"] >= 8, timeout_s=240, what="step 8")
         victim = node_of_rank(plane, job["id"], 3)
         cluster.remove_node(cluster_node(cluster, victim))
@@ -98,7 +101,8 @@ def test_shrinks_when_capacity_is_lost_and_grows_back_when_it_returns(tmp_path):
 
         kinds = event_kinds(events)
         assert kinds.count("resized") >= 2, kinds  # one each way
-        # Elastic exactness: same global batch and sample order at any dp; only reduction order differs.
+        # Elastic exactness: same global batch and sample order at any dp; only reduction order differs
+        # (dp4 against one process: 2.4e-7 at most over the 100 steps, measured).
         recovered = losses(plane, job["id"])
         assert sorted(recovered) == sorted(clean)
         worst = max(abs(recovered[s] - clean[s]) for s in clean)

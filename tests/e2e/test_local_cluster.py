@@ -17,7 +17,6 @@ bytes), so it can run beside other tests' Ray instances.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -32,6 +31,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from tests.equivalence_utils import spec_reference_losses
 
 pytestmark = pytest.mark.slow
 
@@ -51,20 +52,6 @@ def job_spec(checkpoint_path: Path) -> dict:
         "training": {"steps": STEPS, "global_batch": 8, "micro_batch": 2, "lr": 0.003, "seed": 2, "grad_clip": 0.5},
         "checkpoint": {"every_steps": 4, "path": str(checkpoint_path)},
     }
-
-
-def reference_losses(body: dict) -> list[float]:
-    """Per-step losses of the same spec trained here, in one process (world size 1, no process group)."""
-    import torch
-
-    from etrain.service.planning.spec import JobSpec
-    from etrain.workers.engine.train import Trainer
-    from etrain.workers.protocol.run_config import ParallelConfig
-
-    config = JobSpec.model_validate(body).to_run_config(job_id="reference", checkpoint_root="/unused")
-    config = dataclasses.replace(config, parallel=ParallelConfig())
-    trainer = Trainer(config, rank=0, world_size=1, device=torch.device("cpu"))
-    return [trainer.train_step(step).loss for step in range(config.training.steps)]
 
 
 def free_port_block(width: int) -> int:
@@ -170,7 +157,7 @@ def test_up_sh_runs_a_dp2_job_across_two_ray_nodes_sharing_only_the_checkpoint_d
         [str(SCRIPTS / "up.sh"), "2"], env=env, cwd=state, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
     try:
-        expected = reference_losses(body)  # while the nodes start
+        expected = spec_reference_losses(body)  # while the nodes start
         try:
             out, err = up.communicate(timeout=300)
         except subprocess.TimeoutExpired:

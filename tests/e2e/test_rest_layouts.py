@@ -13,6 +13,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+from tests.equivalence_utils import spec_reference_losses  # noqa: E402
 
 GPT_MODEL = {"n_layers": 4, "d_model": 32, "n_heads": 4, "vocab_size": 64, "seq_len": 16}
 LLAMA_MODEL = {
@@ -41,21 +42,6 @@ def layout_spec(name: str, model: dict | None = None, **parallelism) -> dict:
     }
 
 
-def reference_losses(body: dict) -> list[float]:
-    import dataclasses
-
-    import torch
-
-    from etrain.service.planning.spec import JobSpec
-    from etrain.workers.engine.train import Trainer
-    from etrain.workers.protocol.run_config import ParallelConfig
-
-    config = JobSpec.model_validate(body).to_run_config(job_id="reference", checkpoint_root="/unused")
-    config = dataclasses.replace(config, parallel=ParallelConfig())
-    trainer = Trainer(config, rank=0, world_size=1, device=torch.device("cpu"))
-    return [trainer.train_step(step).loss for step in range(config.training.steps)]
-
-
 @pytest.mark.parametrize(
     "name, model, parallelism",
     [
@@ -76,7 +62,7 @@ def test_composed_layout_job_matches_one_process(plane, name, model, parallelism
     pp, dp, tp, cp = degrees
     assert final["layout"].startswith(f"pp{pp}·dp{dp}·tp{tp}" + (f" cp{cp}" if cp > 1 else ""))
     losses = [row["loss"] for row in plane.steps(job["id"])]
-    expected = reference_losses(body)
+    expected = spec_reference_losses(body)
     assert len(losses) == len(expected) == 4
     for step, (got, want) in enumerate(zip(losses, expected), start=1):
         assert abs(got - want) <= 1e-5 * abs(want), f"step {step}: job {got} vs one process {want}"
