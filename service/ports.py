@@ -27,7 +27,8 @@ class ChaosRequest(BaseModel):
 
     * ``kill_rank``: the rank's process exits abruptly (as on a segfault or OOM kill);
     * ``kill_actor``: the rank's Ray actor is killed from outside (``ray.kill``), as on node loss;
-    * ``slow_rank``: the rank's steps take ``factor`` times longer (a straggler);
+    * ``slow_rank``: the rank's steps take ``factor`` times longer (a straggler); ``factor: 1`` ends an
+      earlier slowdown (the straggler recovers);
     * ``hang_rank``: the rank stops making progress without exiting (heartbeats stop);
     * ``fail_health_check``: the rank's health check at the start of an attempt reports it broken (the
       first attempt starting at or after ``at_step``; omitted: the next attempt), so its node is excluded;
@@ -54,7 +55,9 @@ class ChaosRequest(BaseModel):
 
     action: ChaosAction
     rank: json_int(0, MAX_WORKERS - 1) | None = Field(default=None, validate_default=True)
-    factor: float | None = Field(default=None, le=1000.0, validate_default=True, description="slow_rank only; > 1")
+    factor: float | None = Field(
+        default=None, le=1000.0, validate_default=True, description="slow_rank only; >= 1 (1 ends an earlier slow_rank)"
+    )
     step: json_int(0, MAX_STEPS) | None = Field(
         default=None, validate_default=True, description="corrupt_checkpoint only"
     )
@@ -76,8 +79,10 @@ class ChaosRequest(BaseModel):
     def _factor_for_slow_rank(cls, factor: float | None, info: ValidationInfo) -> float | None:
         action = info.data.get("action")
         if action == "slow_rank":
-            if factor is None or not factor > 1:
-                raise ValueError(f"slow_rank needs a factor > 1 (how many times slower), got {factor}")
+            if factor is None or not factor >= 1:
+                raise ValueError(
+                    f"slow_rank needs a factor >= 1 (how many times slower; 1 ends an earlier slow_rank), got {factor}"
+                )
         elif factor is not None and action is not None:
             raise ValueError(f"factor applies only to slow_rank, not {action!r}")
         return factor

@@ -331,7 +331,7 @@ def test_chaos_when_enabled_passes_the_validated_request_on(chaos_client):
     ("body", "field"),
     [
         ({"action": "kill_rank"}, "rank"),
-        ({"action": "slow_rank", "rank": 0, "factor": 1.0}, "factor"),
+        ({"action": "slow_rank", "rank": 0, "factor": 0.5}, "factor"),
         ({"action": "corrupt_checkpoint"}, "step"),
         ({"action": "kill_rank", "rank": 5}, "rank"),  # valid request, but the job has 2 ranks
     ],

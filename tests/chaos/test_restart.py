@@ -155,6 +155,7 @@ def test_scale_2_to_1_to_2_resizes_in_place_keeping_rank_0s_process(shared_plane
             timeout_s=120,
             what=f"the resize to dp={dp}",
         )
+    plane.chaos(job["id"], action="slow_rank", rank=0, factor=1.0)  # both resizes landed: full speed to the end
     final = plane.wait_terminal(job["id"], timeout_s=300)
     assert final["status"] == "SUCCEEDED" and final["restarts"] == 0, final
     events = plane.events(job["id"])

@@ -126,6 +126,7 @@ def test_not_found_names_the_job_and_how_to_list_jobs():
         {"action": "kill_rank", "rank": 0},
         {"action": "kill_actor", "rank": 1, "at_step": 5},
         {"action": "slow_rank", "rank": 2, "factor": 3.0},
+        {"action": "slow_rank", "rank": 2, "factor": 1.0},  # ends an earlier slowdown
         {"action": "hang_rank", "rank": 0, "at_step": 0},
         {"action": "corrupt_checkpoint", "step": 10},
     ],
@@ -138,8 +139,8 @@ def test_valid_chaos_requests(request_body):
     ("request_body", "field", "words"),
     [
         ({"action": "kill_rank"}, "rank", "needs a rank"),
-        ({"action": "slow_rank", "rank": 0}, "factor", "factor > 1"),
-        ({"action": "slow_rank", "rank": 0, "factor": 1.0}, "factor", "factor > 1"),
+        ({"action": "slow_rank", "rank": 0}, "factor", "factor >= 1"),
+        ({"action": "slow_rank", "rank": 0, "factor": 0.5}, "factor", "factor >= 1"),
         ({"action": "kill_rank", "rank": 0, "factor": 2.0}, "factor", "only to slow_rank"),
         ({"action": "corrupt_checkpoint"}, "step", "needs the step"),
         ({"action": "corrupt_checkpoint", "step": 3, "rank": 0}, "rank", "takes no rank"),
