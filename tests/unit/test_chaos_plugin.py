@@ -134,6 +134,12 @@ def test_the_slow_drill_multiplies_the_measured_compute():
     assert callback._slept_s == pytest.approx(0.08)
     callback.on_step_end(None, SimpleNamespace(compute_s=0.04 + 0.08))
     assert callback._per_micro_s == pytest.approx(0.02)  # the next step's sleep is sized on the unslowed compute
+    # factor 1 ends the slowdown: the next step sleeps nothing.
+    drills.receive(ChaosOrder(id=2, action="slow_rank", rank=0, factor=1.0))
+    callback.on_step_start(None, 2)
+    for micro in range(2):
+        callback.on_compute(None, 2, micro)
+    assert drills.slow_factor == 1.0 and callback._slept_s == 0.0
 
 
 def test_job_drills_turn_requests_into_orders_and_arm_them():
