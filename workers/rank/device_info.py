@@ -130,7 +130,7 @@ class CudaWarmup:
         try:
             # The driver's start and the context first, without the GIL: torch makes both while it holds
             # the GIL (its lazy CUDA init and ``set_device``), which kept the rank's every Ray call and its
-            # rendezvous waiting on this thread for the whole start (seconds on an H100).
+            # rendezvous waiting on this thread for the whole start (tenths of a second to seconds).
             self._driver = start_cuda_driver()
             import torch
 
