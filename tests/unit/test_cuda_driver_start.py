@@ -8,6 +8,7 @@ the warm-up goes on to torch's own answer.
 from __future__ import annotations
 
 import ctypes.util
+import os
 
 import pytest
 
@@ -18,8 +19,6 @@ def test_without_a_driver_library_it_says_so_and_sets_lazy_module_loading_first(
     monkeypatch.delenv("CUDA_MODULE_LOADING", raising=False)
     assert start_cuda_driver("libetrain-no-such-driver.so.1") == {"outcome": "no CUDA driver"}
     # Set before the driver could read it: eager loading would load every kernel of every library.
-    import os
-
     assert os.environ["CUDA_MODULE_LOADING"] == "LAZY"
     monkeypatch.setenv("CUDA_MODULE_LOADING", "EAGER")  # an operator's own choice is kept
     start_cuda_driver("libetrain-no-such-driver.so.1")

@@ -429,19 +429,14 @@ def prune(
 
 
 def _verify_kept(directory: str, *, key: bytes | None, checksums: bool, hashed: dict[str, str] | None) -> None:
-    """:func:`verify` for :func:`prune`: hashed only once per manifest when ``hashed`` remembers."""
-    if not checksums or hashed is None:
-        verify(directory, key=key, checksums=checksums)
+    """:func:`verify` for :func:`prune`: a directory ``hashed`` remembers under its current manifest is
+    checked by signature and sizes only; any other is hashed in full, and remembered once it passes."""
+    memo = hashed if checksums else None
+    if memo is not None and directory in memo and verify(directory, key=key, checksums=False).digest == memo[directory]:
         return
-    known = hashed.get(directory)
-    if known is not None:
-        manifest = verify(directory, key=key, checksums=False)
-        if manifest.digest is not None and hmac.compare_digest(manifest.digest, known):
-            return
-        hashed.pop(directory, None)  # a different manifest since: hash it against that one
-    manifest = verify(directory, key=key, checksums=True)
-    if manifest.digest is not None:
-        hashed[directory] = manifest.digest
+    manifest = verify(directory, key=key, checksums=checksums)
+    if memo is not None and manifest.digest is not None:
+        memo[directory] = manifest.digest
 
 
 def _committed_by(directory: str, owner: str, key: bytes) -> bool:
