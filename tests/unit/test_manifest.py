@@ -347,8 +347,7 @@ def test_prune_with_a_memo_hashes_again_when_the_manifest_changed_and_a_load_sti
     memo: dict[str, str] = {}
     directory = _save_and_commit(tmp_path, 100)
     prune(tmp_path, keep_last=2, hashed=memo)
-    # The same step saved and committed again (new contents, new manifest): hashed against the new one.
-    _write(os.path.join(directory, "__1_0.distcp"), b"resaved " * 11)
+    # The same step saved and committed again (a new manifest: another commit time): hashed against it.
     _directory, reports = _fake_save(tmp_path, 100)
     commit(directory, 100, "pp1·dp2·tp1 zero=3", WORLD, reports, created_at=5000.0)
     hashed_files.clear()
