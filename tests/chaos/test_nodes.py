@@ -82,8 +82,7 @@ def test_shrinks_when_capacity_is_lost_and_grows_back_when_it_returns(tmp_path):
         # a shrunk run has dozens of steps a second and would need hundreds of steps, in this run and in its
         # clean reference, to outlast the node's start): rank 0 of this attempt now takes 10x its own compute
         # per micro-step (its peer waits in the all-reduce), a few steps a second, well within the heartbeat
-        # timeout. Sleeps only: the numbers are the same. The grow relaunches every rank in new processes,
-        # which are not slowed.
+        # timeout. Sleeps only: the numbers are the same.
         plane.chaos(job["id"], action="slow_rank", rank=0, factor=10.0)
 
         cluster.add_node(num_cpus=2)
@@ -94,6 +93,9 @@ def test_shrinks_when_capacity_is_lost_and_grows_back_when_it_returns(tmp_path):
             what="the grow back to dp=4",
         )
         assert grown["layout"].startswith("pp1·dp4")
+        # The grow is in place: rank 0 keeps its process, and its slowdown with it (the last 90 steps took 28 s
+        # slowed, measured). Factor 1 ends it.
+        plane.chaos(job["id"], action="slow_rank", rank=0, factor=1.0)
         final = plane.wait_terminal(job["id"], timeout_s=300)
         assert final["status"] == "SUCCEEDED", final
         events = plane.events(job["id"])

@@ -81,3 +81,32 @@ def test_a_node_is_refilled_only_after_the_launch_that_took_its_spare_has_starte
             assert pid not in refilled
         finally:
             ray.kill(spare, no_restart=True)
+
+
+def test_a_launch_takes_a_spare_still_warming_up_rather_than_starting_a_rank_cold(local_ray, tmp_path):
+    """While a node's spare is still importing torch (right after the control plane starts, or after a take), a
+    launch gets that spare (its assign waits behind the warm-up) instead of None, which would start a second,
+    cold process beside it."""
+    from etrain.service.runtime.spares import take_spares
+
+    with control_plane(tmp_path, warm_spares_per_node=1):
+        node = ray.get_runtime_context().get_node_id()
+        pool = find_pool()  # the cluster's, as an earlier test left it: its ready spare is taken first
+        for _ in ready_spare_pids(1):
+            ray.kill(take_spares([node])[0], no_restart=True)
+        deadline = time.monotonic() + 30  # the refill starts a new spare REFILL_DELAY_AFTER_TAKE_S after a take
+        while (stats := ray.get(pool.stats.remote(), timeout=10))["warming"].get(node) != 1:
+            assert time.monotonic() < deadline, f"the pool never started a spare: {stats}"
+            time.sleep(0.05)
+        assert not stats["ready_pids"], stats
+        (spare,) = take_spares([node])
+        assert spare is not None, "a spare still warming up is handed over"
+        try:
+            after = ray.get(pool.stats.remote(), timeout=10)
+            assert not after["warming"] and not after["ready_pids"], after  # the one spare, taken
+            pid = ray.get(spare.ready.remote(), timeout=120)["pid"]  # answers once its warm-up is done
+            while pid not in ray.get(pool.stats.remote(), timeout=10)["handed_pids"]:
+                assert time.monotonic() < deadline + 120, "the handed spare's pid is recorded once it is ready"
+                time.sleep(0.2)
+        finally:
+            ray.kill(spare, no_restart=True)
