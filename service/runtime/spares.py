@@ -2,10 +2,10 @@
 
 One detached actor per Ray cluster (``etrain/spares``, on the head node, no CPUs), created by the
 control plane at start (``ensure_pool``) and shared by every job. It keeps ready
-:class:`etrain.workers.rank.spare.SpareRank` actors on each alive node that can run ranks (a node with CPUs or
-GPUs): ``ETRAIN_WARM_SPARES_PER_NODE`` of them, or by default (``auto``) one per GPU and one on a CPU-only
-node (``etrain.service.decisions.capacity.spares_for_node``), refills a node a few seconds after one of its
-spares is taken, and forgets spares whose node died.
+:class:`etrain.workers.rank.spare.SpareRank` actors on each alive node that can run ranks (a node with CPUs
+or GPUs): ``ETRAIN_WARM_SPARES_PER_NODE`` of them, or by default (``auto``) one per GPU plus one on a GPU
+node and up to three on a CPU-only node (``etrain.service.decisions.capacity.spares_for_node``). It refills
+a node a few seconds after one of its spares is taken, and forgets spares whose node died.
 A worker group whose placement group is ready asks for one spare per bundle on that bundle's node
 (``take``): a ready spare, else one still warming up there (it started before the launch did), else none,
 and the rank starts cold, as before. The pool never holds a launch back for longer than a spare's remaining
