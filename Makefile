@@ -31,13 +31,12 @@ run: $(STAMP)
 
 ## make test: the whole suite, in two phases, and fails if either fails.
 ## 1. The single-process tests (architecture, unit, API, chart and image): one core each, so two pytest-xdist
-##    workers run them side by side (4.1 -> 2.4 min on the 2-core machine, measured).
-## 2. The multi-process, Ray and chaos tests, one at a time: they keep both cores 75-85% busy on their own,
+##    workers run them side by side (4.1 -> 2.2 min on the 2-core machine, measured).
+## 2. The multi-process, Ray and chaos tests, one at a time: they keep both cores 70-88% busy on their own,
 ##    and their timing checks (stragglers, hangs, the pipeline bubble) need the cores they measure.
 ## The project's modules are compiled to bytecode first: where PYTHONDONTWRITEBYTECODE is set (this
-## development machine's image sets it), every rank, spare and supervisor process of the suite otherwise compiled them again
-## (0.25 s of a core per rank process, measured).
-## PYTEST_ARGS (flags such as -x or -k NAME) goes to both phases.
+## development machine's image sets it), every rank, spare and supervisor process compiled them again
+## (0.25 s of a core per rank process, measured). PYTEST_ARGS (flags: -x, -k NAME) goes to both phases.
 FAST_WORKERS ?= 2
 FAST_TESTS := tests/architecture tests/unit tests/api tests/deploy
 SLOW_TESTS := tests/integration tests/e2e tests/chaos tests/gpu
