@@ -76,7 +76,7 @@ class SparePool:
         A spare still warming up is handed over rather than left to finish beside a new cold process: it
         started earlier, so it is ready sooner, and a cold rank beside it would be a second interpreter and
         torch import competing for the same CPUs. The first launch after the control plane starts meets
-        this on every node (one test: 4 ranks on 3 fresh nodes placed in 22.6 s with 0 from spares, and in
+        this on every node (one test: 4 ranks on 3 fresh nodes placed in 22.6 s with the old take, and in
         26.9 s with 2 handed over while warming: on 2 noisy cores one run each does not separate them).
         The rank's ``assign`` waits behind the spare's warm-up, as Ray runs an actor's calls after its
         constructor; a spare whose warm-up fails fails that call, as a cold rank's failed start would.
