@@ -84,7 +84,11 @@ class RayRuntime:
             if settings.ray_address:
                 ray.init(address=settings.ray_address, namespace=NAMESPACE, log_to_driver=False)
             else:
+                # address="local": a new instance even when another Ray runs on this machine. Ray's default
+                # (None) joins any local cluster it finds by its processes, silently ignoring the dashboard
+                # arguments below: a second `etrain serve` would share the first one's named actors.
                 ray.init(
+                    address="local",
                     namespace=NAMESPACE,
                     include_dashboard=True,
                     dashboard_host=settings.dashboard_host,

@@ -13,10 +13,18 @@ ray = pytest.importorskip("ray")
 
 
 @contextmanager
-def owned_ray(num_cpus: int) -> Iterator[None]:
+def owned_ray(num_cpus: int, **resources) -> Iterator[None]:
     """A new local Ray instance of ``num_cpus`` (``address="local"``: never join another cluster running on
-    this machine), shut down on exit."""
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, namespace="etrain", log_to_driver=False)
+    this machine, such as the previous module's whose processes are still exiting), shut down on exit.
+    ``resources``: more ``ray.init`` arguments (``num_gpus``, ``resources``)."""
+    ray.init(
+        address="local",
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        namespace="etrain",
+        log_to_driver=False,
+        **resources,
+    )
     try:
         yield
     finally:

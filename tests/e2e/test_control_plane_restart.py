@@ -12,9 +12,11 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -185,3 +187,43 @@ def test_a_sigkilled_control_plane_loses_no_queued_or_running_job(local_ray, tmp
         assert spans[running][1] <= spans[high][0] and spans[high][1] <= spans[low][0]  # one at a time
     finally:
         second.kill()
+
+
+# --- no --ray-address: a Ray of its own, even beside another ----------------------------------------------
+
+OWN_RAY = """
+import sys
+import ray
+from etrain.service.runtime.cluster import RayRuntime
+from etrain.service.settings import Settings
+
+RayRuntime(Settings(dashboard_port=int(sys.argv[1]), warm_spares_per_node=0, supervisor_spares=0))
+print(ray.get_runtime_context().gcs_address, flush=True)
+ray.shutdown()
+"""
+
+
+def test_a_control_plane_without_a_ray_address_starts_its_own_ray_beside_another(local_ray):
+    """Ray's default ``ray.init()`` joins the cluster the last ``ray start`` on the machine recorded
+    (``<RAY_TMPDIR>/ray/ray_current_cluster``), or fails when that file is stale: a second ``etrain
+    serve`` would share the first one's cluster, named actors and spares. The recorded cluster here is
+    this test's, live; with no ray_address the runtime starts a new local instance anyway."""
+    ours = ray.get_runtime_context().gcs_address
+    temp_root = Path(tempfile.mkdtemp(prefix="er-", dir="/tmp"))  # short: Ray's socket paths fit 107 bytes
+    try:
+        (temp_root / "ray").mkdir()
+        (temp_root / "ray" / "ray_current_cluster").write_text(ours)
+        env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+        done = subprocess.run(
+            [sys.executable, "-c", OWN_RAY, str(free_port())],
+            cwd=REPO,
+            env={**env, "RAY_TMPDIR": str(temp_root)},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        shutil.rmtree(temp_root, ignore_errors=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    theirs = done.stdout.strip().splitlines()[-1]
+    assert theirs and theirs != ours

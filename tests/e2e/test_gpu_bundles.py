@@ -29,6 +29,8 @@ pytestmark = pytest.mark.slow
 
 ray = pytest.importorskip("ray")
 
+from tests.e2e.conftest import owned_ray  # noqa: E402
+
 STEPS = 2
 RANK = {"CPU": 1.0, "GPU": 1.0}
 
@@ -36,11 +38,8 @@ RANK = {"CPU": 1.0, "GPU": 1.0}
 @pytest.fixture(scope="module")
 def gpu_node():
     """A local Ray node that declares 2 GPUs (and has none: placement only counts them)."""
-    ray.init(address="local", num_cpus=4, num_gpus=2, include_dashboard=False, namespace="etrain", log_to_driver=False)
-    try:
+    with owned_ray(4, num_gpus=2):
         yield
-    finally:
-        ray.shutdown()
 
 
 @ray.remote(num_cpus=0)

@@ -12,21 +12,13 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+from tests.e2e.conftest import owned_ray  # noqa: E402
+
 
 @pytest.fixture(scope="module")
 def ray_with_a_gpu_node():
-    ray.init(
-        num_cpus=1,
-        num_gpus=1,
-        resources={"accelerator_type:H100": 1},
-        include_dashboard=False,
-        namespace="etrain",
-        log_to_driver=False,
-    )
-    try:
+    with owned_ray(1, num_gpus=1, resources={"accelerator_type:H100": 1}):
         yield
-    finally:
-        ray.shutdown()
 
 
 def _expected_gib() -> float | None:
