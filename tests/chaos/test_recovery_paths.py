@@ -25,7 +25,7 @@ from tests.chaos.conftest import (
 )
 from tests.service_harness import event_text
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 
 @pytest.fixture(scope="module")
