@@ -22,7 +22,7 @@ from tests.chaos.conftest import (
 from tests.equivalence_utils import spec_reference_losses
 from tests.service_harness import control_plane, event_kinds
 
-pytestmark = [pytest.mark.slow, pytest.mark.serial]
+pytestmark = pytest.mark.slow
 
 
 def test_node_loss_during_dp2_tp2_restarts_on_the_spare_node(tmp_path):

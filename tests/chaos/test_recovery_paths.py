@@ -25,7 +25,7 @@ from tests.chaos.conftest import (
 )
 from tests.service_harness import event_text
 
-pytestmark = [pytest.mark.slow, pytest.mark.serial]
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ from tests.chaos.conftest import (
 )
 from tests.service_harness import event_kinds, event_text
 
-pytestmark = [pytest.mark.slow, pytest.mark.serial]
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import pytest
 from tests.chaos.conftest import spec
 from tests.service_harness import event_kinds
 
-pytestmark = [pytest.mark.slow, pytest.mark.serial]
+pytestmark = pytest.mark.slow
 
 HEAD_HEAVY = {"n_layers": 2, "d_model": 32, "n_heads": 2, "vocab_size": 4096, "seq_len": 16}
 DEFAULTS = {"enabled": True}  # window, threshold, patience and training.timing_sync_every as a user gets them

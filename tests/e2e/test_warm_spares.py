@@ -17,7 +17,7 @@ from etrain.service.runtime.spares import find_pool
 from tests.chaos.conftest import clean_run, losses, rank_pids, recover, spec
 from tests.service_harness import control_plane, event_kinds, event_text
 
-pytestmark = [pytest.mark.slow, pytest.mark.serial]
+pytestmark = pytest.mark.slow
 
 ray = pytest.importorskip("ray")
 

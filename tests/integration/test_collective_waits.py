@@ -11,8 +11,6 @@ import pytest
 
 from tests.dist_utils import run_distributed
 
-pytestmark = pytest.mark.serial  # measures wall time: make test runs it with the machine to itself
-
 LATE_S = 1.0  # long next to the scheduling noise of a shared 2-core machine
 
 

@@ -30,8 +30,6 @@ import pytest
 from tests.dist_utils import run_distributed
 from tests.pipeline_timing import MAX_DESCHEDULED, PP, bubble, time_pipeline_steps
 
-pytestmark = pytest.mark.serial  # measures wall time: make test runs it with the machine to itself
-
 BAND = 0.12  # the mean over stages
 STAGE_BAND = 0.20  # each stage
 MEASURED_STEPS = 4  # clean steps per case, after one warm-up step

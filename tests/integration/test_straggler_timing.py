@@ -31,8 +31,6 @@ from etrain.workers.protocol.run_config import ModelConfig, ParallelConfig
 from tests.dist_utils import run_distributed
 from tests.equivalence_utils import small_config
 
-pytestmark = pytest.mark.serial  # measures wall time: make test runs it with the machine to itself
-
 BASELINE, SLOWED = 4, 4
 SLOW_RANK = 1
 THRESHOLD = 1.5

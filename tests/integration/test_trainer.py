@@ -26,8 +26,6 @@ from tests.dist_utils import run_distributed
 from tests.equivalence_utils import small_config
 from tests.state_utils import full_state_dict
 
-pytestmark = pytest.mark.serial  # measures wall time: make test runs it with the machine to itself
-
 SLOW_S = 0.25
 
 
