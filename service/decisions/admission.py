@@ -56,6 +56,8 @@ __all__ = [
     "free_summary",
     "queue_order",
     "refusal",
+    "tp_group_nodes",
+    "tp_groups_across_nodes",
 ]
 
 #: Set this on an autoscaling cluster to queue jobs larger than the cluster is now (named in fixes).
@@ -428,6 +430,43 @@ def _place(
                 placed[node] = take
                 remaining -= take
     return placed
+
+
+def tp_group_nodes(
+    free: Mapping[str, Mapping[str, float]],
+    per_rank: Mapping[str, float],
+    *,
+    tp: int,
+    groups: int,
+    strategy: str = "PACK",
+    excluded: Iterable[str] = (),
+) -> list[str] | None:
+    """The node for each of ``groups`` tensor-parallel groups, in group order, every group whole on its node
+    (``_place``: the placement admission counted on); None where ``free`` holds no such placement.
+
+    Why: Ray's ``PACK`` places a placement group bundle by bundle, so where a node has room for an odd number
+    of ranks a tp group straddles two nodes and each of its per-layer all-reduces crosses the network.
+    Pinning each bundle to its group's node (``WorkerGroup._reserve``) keeps every group on one.
+    """
+    if tp < 1 or groups < 1:
+        raise ValueError(f"tp={tp} and groups={groups} must be >= 1")
+    nodes = set(free) - set(excluded)
+    placed = _place(free, per_rank, tp, groups, strategy, nodes)
+    if placed is None:
+        return None
+    return [node for node, count in placed.items() for _ in range(count)]
+
+
+def tp_groups_across_nodes(nodes: Mapping[int, str], *, tp: int, ranks: int) -> list[tuple[int, int]]:
+    """The (first, last) ranks of every tp group whose ranks are on more than one node (``nodes``: rank ->
+    node; a rank missing from it counts as on a node of its own): what a job's ``placed`` event names."""
+    if tp <= 1:
+        return []
+    return [
+        (first, first + tp - 1)
+        for first in range(0, ranks - ranks % tp, tp)
+        if len({nodes.get(rank, f"?{rank}") for rank in range(first, first + tp)}) > 1
+    ]
 
 
 def _take(free: dict[str, dict[str, float]], placed: Mapping[str, int], per_rank: Mapping[str, float], tp: int) -> None:

@@ -32,6 +32,7 @@ from typing import Any
 
 import ray
 
+from etrain.service.decisions.admission import tp_groups_across_nodes
 from etrain.service.decisions.hangs import find_culprit
 from etrain.service.decisions.job_policy import JobPolicy
 from etrain.service.decisions.job_status import Status
@@ -366,10 +367,16 @@ class JobSupervisor:
             if len(ranks) == self.sm_config.world_size(self.state.dp):
                 nodes = self._group.nodes if self._group is not None else {}
                 warm = self._group.warm_ranks if self._group is not None else 0
+                # tp groups on two nodes or more: only where pinning them gave way (service/runtime/worker_group.py)
+                straddling = [
+                    f"{first}-{last}"
+                    for first, last in tp_groups_across_nodes(nodes, tp=self.config.parallel.tp, ranks=len(ranks))
+                ]
                 self._record(
                     "placed",
                     " ".join(f"rank{r}={nodes.get(r, '?')}" for r in sorted(ranks))
-                    + f"; {warm} of {len(ranks)} ranks from warm spares",
+                    + f"; {warm} of {len(ranks)} ranks from warm spares"
+                    + (f"; tp group(s) of ranks {', '.join(straddling)} span nodes" if straddling else ""),
                 )
                 self._record_state_sources(attempt, ranks)
                 if self._drills is not None and self._group is not None:

@@ -5,8 +5,10 @@ actors, and turns what Ray reports about them into plain :class:`GroupOutcome` v
 supervisor converts into state-machine events. Nothing here decides *what to do* about a failure.
 
 Placement: one bundle per rank, in rank order (Megatron order puts each tensor-parallel group in
-consecutive ranks, so ``PACK`` keeps a tp group on one node whenever it fits there). Excluded nodes
-(evicted stragglers) are kept out with a per-bundle label selector on ``ray.io/node-id``.
+consecutive ranks). Under tensor parallelism each group's bundles are pinned to one node with room for the
+whole group (a per-bundle label selector on ``ray.io/node-id``): ``PACK`` alone places bundle by bundle and
+splits a group over a node with room for an odd number of ranks. Excluded nodes (evicted stragglers) are
+kept out with the same selector.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
+from etrain.service.decisions.admission import tp_group_nodes
 from etrain.service.decisions.hangs import Frame, RankWhere
 from etrain.service.runtime.spares import NAMESPACE, take_spares
 from etrain.workers.protocol.errors import CheckpointError, EtrainError, UnhealthyRankError
@@ -32,6 +35,8 @@ from etrain.workers.protocol.topology import Topology
 log = logging.getLogger(__name__)
 
 PLACEMENT_TIMEOUT_S = 60.0
+# How long a placement with every tp group pinned to one node may wait before Ray places the bundles itself.
+TP_PIN_GRACE_S = 10.0
 RENDEZVOUS_TIMEOUT_S = 60.0
 # Failure classification is immediate on the recovery path and corrected later (issue #9): a rank
 # whose actor died is a process fault at once, unless Ray's own death cause already says its node
@@ -130,36 +135,88 @@ class WorkerGroup:
     def _reserve(self, pinned: dict[int, str] | None = None) -> None:
         """Create the placement group, wait until Ray reserves it, and record which node holds each bundle.
 
-        ``pinned``: bundle -> the node it must be on (the ranks an in-place resize keeps).
+        ``pinned``: bundle -> the node it must be on (the ranks an in-place resize keeps). Under tensor
+        parallelism the other bundles are pinned too, each tp group's to one node with room for all of it
+        (:meth:`_whole_tp_groups`); where Ray cannot reserve that within TP_PIN_GRACE_S (the free resources
+        read a moment ago were taken since), it is released and Ray places the bundles itself.
 
         From the request until the nodes are recorded, :meth:`bundles_per_node` says it does not know
         (None): Ray takes the bundles off the nodes' free resources a few milliseconds before the placement
         group table names their nodes, and a capacity check in between would count the job's own
         reservation as someone else's.
         """
+        pinned = dict(pinned or {})
+        self._reserving = True
+        try:
+            whole = self._whole_tp_groups(pinned)
+            if whole:
+                try:
+                    self._place_bundles({**pinned, **whole}, timeout_s=min(TP_PIN_GRACE_S, PLACEMENT_TIMEOUT_S))
+                    return
+                except PlacementTimeout:
+                    log.warning(
+                        "job %s: tp groups pinned to %s could not be placed; Ray places them", self.job_id, whole
+                    )
+                    remove_placement_group(self.pg)
+                    self.pg = None
+            self._place_bundles(pinned, timeout_s=PLACEMENT_TIMEOUT_S)
+        finally:
+            self._reserving = False
+
+    def _place_bundles(self, pinned: dict[int, str], *, timeout_s: float) -> None:
+        """One placement group of ``world_size`` bundles, ``pinned`` ones on their nodes and none on an
+        excluded node; raises PlacementTimeout when Ray has not reserved it within ``timeout_s``."""
         bundles = [dict(self._resources) for _ in range(self.world_size)]
         kwargs: dict[str, Any] = {}
-        pinned = pinned or {}
         if self._excluded or pinned:
             free = {"ray.io/node-id": f"!in({','.join(sorted(self._excluded))})"} if self._excluded else {}
             kwargs["bundle_label_selector"] = [
                 {"ray.io/node-id": pinned[index]} if index in pinned else dict(free) for index in range(len(bundles))
             ]
-        self._reserving = True
+        self.pg = placement_group(
+            bundles, strategy=self._strategy, name=f"etrain/{self.job_id}/a{self.attempt}", **kwargs
+        )
         try:
-            self.pg = placement_group(
-                bundles, strategy=self._strategy, name=f"etrain/{self.job_id}/a{self.attempt}", **kwargs
-            )
-            try:
-                ray.get(self.pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
-            except GetTimeoutError as err:
-                raise PlacementTimeout(
-                    f"{self.world_size} ranks of {self._resources} could not be placed within "
-                    f"{PLACEMENT_TIMEOUT_S:.0f}s"
-                ) from err
-            self._bundle_nodes = self._reserved_nodes()
-        finally:
-            self._reserving = False
+            ray.get(self.pg.ready(), timeout=timeout_s)
+        except GetTimeoutError as err:
+            raise PlacementTimeout(
+                f"{self.world_size} ranks of {self._resources} could not be placed within {timeout_s:.0f}s"
+            ) from err
+        self._bundle_nodes = self._reserved_nodes()
+
+    def _whole_tp_groups(self, pinned: dict[int, str]) -> dict[int, str]:
+        """Bundle -> node for every tensor-parallel group with no pinned bundle, each group on one node with
+        room for all of it in the cluster's free resources now; empty without tensor parallelism or where
+        the free resources hold no such placement.
+
+        Why: Ray's PACK places bundle by bundle (one per rank, tp groups consecutive in Megatron order), so
+        where a node has room for an odd number of ranks a tp group straddles two nodes, and each of its
+        per-layer all-reduces crosses the network. Admission counted whole groups per node
+        (service/decisions/admission.py); this places them so.
+        """
+        tp = self.plan.config.parallel.tp
+        if tp <= 1 or self.world_size % tp:
+            return {}
+        open_groups = [g for g in range(self.world_size // tp) if not any(g * tp + i in pinned for i in range(tp))]
+        if not open_groups:
+            return {}
+        try:
+            from ray._private.state import available_resources_per_node
+
+            free = available_resources_per_node()
+        except Exception as err:  # no plan: Ray places the bundles itself, as it did before
+            log.info("job %s: free resources unreadable (%s); Ray places the tp groups", self.job_id, err)
+            return {}
+        room = {node: dict(have) for node, have in free.items()}
+        for node in pinned.values():  # the pinned bundles take their share first (a resize's kept ranks)
+            for name, amount in self._resources.items():
+                room.setdefault(node, {})[name] = room.get(node, {}).get(name, 0.0) - amount
+        nodes = tp_group_nodes(
+            room, self._resources, tp=tp, groups=len(open_groups), strategy=self._strategy, excluded=self._excluded
+        )
+        if nodes is None:
+            return {}
+        return {group * tp + i: node for group, node in zip(open_groups, nodes) for i in range(tp)}
 
     def _rank_actors(self) -> list[Any]:
         """One actor per rank: a warm spare on the bundle's node where the pool has one, else a cold start.

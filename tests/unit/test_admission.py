@@ -16,6 +16,8 @@ from etrain.service.decisions.admission import (
     describe,
     queue_order,
     refusal,
+    tp_group_nodes,
+    tp_groups_across_nodes,
 )
 
 
@@ -320,3 +322,70 @@ def test_a_long_queue_costs_one_computation_per_job_shape(monkeypatch):
     # Two shapes: each shape's answers are computed again only when a blocked job closes nodes (a new
     # version), which happens a few times at the head of the queue; 2,000 per function without memory.
     assert calls["_usable"] == 2 and calls["_largest_fit"] <= 8 and calls["_why"] <= 8, calls
+
+
+# --- tp_group_nodes: where a worker group pins its bundles so that no tp group straddles nodes --------------
+
+
+def _room(free: dict[str, dict[str, float]], per_rank: dict[str, float]) -> dict[str, int]:
+    """Ranks each node can hold (every resource of a rank, counted by hand)."""
+    return {
+        name: min(int(have.get(resource, 0.0) // amount) for resource, amount in per_rank.items())
+        for name, have in free.items()
+    }
+
+
+def test_tp_groups_fill_nodes_with_room_for_whole_groups_only():
+    # Ray's PACK puts ranks 0-2 on the 3-CPU node and rank 3 on the other: group (2, 3) would straddle them.
+    free = {"a": {"CPU": 3.0}, "b": {"CPU": 2.0}}
+    assert tp_group_nodes(free, {"CPU": 1.0}, tp=2, groups=2) == ["a", "b"]
+    assert tp_group_nodes(free, {"CPU": 1.0}, tp=2, groups=3) is None  # 5 CPUs, but only 2 whole groups
+    assert tp_group_nodes(free, {"CPU": 1.0}, tp=2, groups=2, excluded={"b"}) is None
+    assert tp_group_nodes(free, {"CPU": 1.0}, tp=1, groups=5) == ["a", "a", "a", "b", "b"]
+
+
+def test_tp_groups_on_gpu_nodes_pack_the_roomiest_node_first_or_spread():
+    free = {
+        "n1": {"CPU": 16.0, "GPU": 3.0},  # three free GPUs: one group of 2, the third GPU cannot host one
+        "n2": {"CPU": 16.0, "GPU": 8.0},
+        "n3": {"CPU": 2.0, "GPU": 8.0},  # GPUs, but CPUs for one rank only
+    }
+    rank = {"CPU": 2.0, "GPU": 1.0}
+    assert tp_group_nodes(free, rank, tp=2, groups=5) == ["n2"] * 4 + ["n1"]
+    assert tp_group_nodes(free, rank, tp=2, groups=2, strategy="SPREAD") == ["n2", "n1"]
+    assert tp_group_nodes(free, rank, tp=2, groups=6) is None
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_tp_groups_are_whole_within_each_nodes_room_and_found_whenever_they_fit(seed):
+    rng = random.Random(seed)
+    free = {
+        f"n{i}": {"CPU": float(rng.randint(0, 9)), "GPU": float(rng.randint(0, 8))} for i in range(rng.randint(1, 5))
+    }
+    rank = {"CPU": float(rng.choice([1, 2])), "GPU": float(rng.choice([0, 1, 2]))}
+    rank = {name: amount for name, amount in rank.items() if amount}
+    tp, groups = rng.choice([1, 2, 4, 8]), rng.randint(1, 6)
+    strategy = rng.choice(["PACK", "SPREAD"])
+    excluded = {name for name in free if rng.random() < 0.2}
+    nodes = tp_group_nodes(free, rank, tp=tp, groups=groups, strategy=strategy, excluded=excluded)
+    room = _room({name: have for name, have in free.items() if name not in excluded}, rank)
+    fits = sum(slots // tp for slots in room.values()) >= groups
+    assert (nodes is not None) == fits, (free, rank, tp, groups, excluded)
+    if nodes is not None:
+        assert len(nodes) == groups
+        for name in set(nodes):
+            assert name not in excluded
+            assert nodes.count(name) * tp <= room[name]  # every group whole, within what the node has free
+
+
+def test_tp_group_nodes_refuses_a_nonsense_size():
+    with pytest.raises(ValueError, match="tp=0"):
+        tp_group_nodes({"a": {"CPU": 4.0}}, {"CPU": 1.0}, tp=0, groups=1)
+
+
+def test_the_tp_groups_on_several_nodes_are_named_by_their_first_and_last_rank():
+    nodes = {0: "a", 1: "a", 2: "a", 3: "b", 4: "b", 5: "b", 6: "c"}  # rank 7 not placed: a node of its own
+    assert tp_groups_across_nodes(nodes, tp=2, ranks=8) == [(2, 3), (6, 7)]
+    assert tp_groups_across_nodes(nodes, tp=4, ranks=8) == [(0, 3), (4, 7)]
+    assert tp_groups_across_nodes(nodes, tp=1, ranks=8) == []
+    assert tp_groups_across_nodes({0: "a", 1: "a"}, tp=2, ranks=2) == []
