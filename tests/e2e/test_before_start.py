@@ -13,15 +13,17 @@ machine (a 2-CPU local Ray, 2 ranks of 1 CPU), through the real control plane.
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
 
 import pytest
 
 from etrain.service.runtime import worker_group
 from etrain.service.runtime.capacity_watch import CapacityWatch
 from etrain.service.runtime.worker_group import WorkerGroup
+from etrain.workers.protocol.messages import LaunchPlan
+from etrain.workers.protocol.run_config import ParallelConfig
 from tests.chaos.conftest import assert_repaired_in_place, fired, losses, run_clean, spec
 from tests.e2e.conftest import owned_ray
+from tests.equivalence_utils import small_config
 from tests.service_harness import control_plane, event_kinds, event_text
 
 ray = pytest.importorskip("ray")
@@ -72,7 +74,7 @@ def test_the_groups_bundles_are_held_from_their_reservation_while_its_ranks_are_
     the next turn. Once reserved, while the ranks are made, the bundles are the job's own: capacity 2."""
     group = WorkerGroup(
         job_id="held-window",
-        plan=SimpleNamespace(attempt=1),
+        plan=LaunchPlan(attempt=1, config=small_config(parallel=ParallelConfig(dp=2)), start_step=0, resume_dir=None),
         world_size=2,
         resources_per_rank=PER_RANK,
         strategy="PACK",
