@@ -440,9 +440,11 @@ def tp_group_nodes(
     groups: int,
     strategy: str = "PACK",
     excluded: Iterable[str] = (),
+    held: Mapping[str, int] | None = None,
 ) -> list[str] | None:
     """The node for each of ``groups`` tensor-parallel groups, in group order, every group whole on its node
     (``_place``: the placement admission counted on); None where ``free`` holds no such placement.
+    ``held``: node -> ranks that take their share of ``free`` first (a resize's kept ranks, pinned there).
 
     Why: Ray's ``PACK`` places a placement group bundle by bundle, so where a node has room for an odd number
     of ranks a tp group straddles two nodes and each of its per-layer all-reduces crosses the network.
@@ -450,8 +452,9 @@ def tp_group_nodes(
     """
     if tp < 1 or groups < 1:
         raise ValueError(f"tp={tp} and groups={groups} must be >= 1")
-    nodes = set(free) - set(excluded)
-    placed = _place(free, per_rank, tp, groups, strategy, nodes)
+    room = {node: dict(have) for node, have in free.items()}
+    _take(room, {node: count for node, count in (held or {}).items() if node in room}, per_rank, 1)
+    placed = _place(room, per_rank, tp, groups, strategy, set(room) - set(excluded))
     if placed is None:
         return None
     return [node for node, count in placed.items() for _ in range(count)]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -207,12 +208,14 @@ class WorkerGroup:
         except Exception as err:  # no plan: Ray places the bundles itself, as it did before
             log.info("job %s: free resources unreadable (%s); Ray places the tp groups", self.job_id, err)
             return {}
-        room = {node: dict(have) for node, have in free.items()}
-        for node in pinned.values():  # the pinned bundles take their share first (a resize's kept ranks)
-            for name, amount in self._resources.items():
-                room.setdefault(node, {})[name] = room.get(node, {}).get(name, 0.0) - amount
         nodes = tp_group_nodes(
-            room, self._resources, tp=tp, groups=len(open_groups), strategy=self._strategy, excluded=self._excluded
+            free,
+            self._resources,
+            tp=tp,
+            groups=len(open_groups),
+            strategy=self._strategy,
+            excluded=self._excluded,
+            held=Counter(pinned.values()),  # a resize's kept ranks take their share first
         )
         if nodes is None:
             return {}

@@ -389,3 +389,13 @@ def test_the_tp_groups_on_several_nodes_are_named_by_their_first_and_last_rank()
     assert tp_groups_across_nodes(nodes, tp=4, ranks=8) == [(0, 3), (4, 7)]
     assert tp_groups_across_nodes(nodes, tp=1, ranks=8) == []
     assert tp_groups_across_nodes({0: "a", 1: "a"}, tp=2, ranks=2) == []
+
+
+def test_ranks_held_on_a_node_take_their_share_of_it_before_the_tp_groups():
+    # A resize keeps 2 ranks pinned on "a": of its 4 free CPUs, 2 are left for whole groups.
+    free = {"a": {"CPU": 4.0}, "b": {"CPU": 2.0}}
+    assert tp_group_nodes(free, {"CPU": 1.0}, tp=2, groups=2) == ["a", "a"]
+    assert tp_group_nodes(free, {"CPU": 1.0}, tp=2, groups=2, held={"a": 2}) == ["a", "b"]
+    assert tp_group_nodes(free, {"CPU": 1.0}, tp=2, groups=2, held={"a": 3}) is None
+    assert tp_group_nodes(free, {"CPU": 1.0}, tp=2, groups=1, held={"gone": 5}) == ["a"]  # not in free: ignored
+    assert free == {"a": {"CPU": 4.0}, "b": {"CPU": 2.0}}  # the caller's view is left as it was
