@@ -15,7 +15,7 @@ ray = pytest.importorskip("ray")
 @contextmanager
 def owned_ray(num_cpus: int, **resources) -> Iterator[None]:
     """A new local Ray instance of ``num_cpus`` (``address="local"``: never join another cluster running on
-    this machine, such as the previous module's whose processes are still exiting), shut down on exit.
+    this machine, nor the one a ``ray_current_cluster`` file names: CI once had one), shut down on exit.
     ``resources``: more ``ray.init`` arguments (``num_gpus``, ``resources``)."""
     ray.init(
         address="local",
