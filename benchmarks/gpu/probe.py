@@ -220,8 +220,7 @@ def hf_row(sizes: CheckSizes, steps: int, device, options: dict[str, Any]) -> di
         betas=ADAM_BETAS,
         eps=1e-8,
         weight_decay=training.weight_decay,
-        fused=cuda,
-        foreach=not cuda,
+        fused=True,  # as etrain's build_optimizer, on CUDA and CPU alike
     )
     _sync(device)
     build_s = time.perf_counter() - started

@@ -42,9 +42,9 @@ What a rank holds (``stage_memory``), as the engine runs (``workers/engine/paral
   full fp32 initial value is drawn once on the rank's device (``workers/engine/init.py``) before the rank
   copies out its slice: shards plus the largest single parameter (and its slice, when sharded)
   (``init`` phase).
-* The optimizer step: on CPU parameters (CPU runs, and offload) AdamW's ``foreach`` kernels hold a
-  temporary the size of the second moments (4 bytes per parameter the rank steps); fused AdamW on
-  CUDA holds none.
+* The optimizer step: fused AdamW (``workers/engine/optim.py``, on CUDA and on CPU parameters alike: CPU
+  runs and offload) updates the states in place and holds no temporary. (Until 2026-12 a CPU step used
+  ``foreach`` kernels, which held one the size of the second moments; ``make bench`` measured it.)
 * The peak is the largest of three phases (``MemoryBreakdown.phases``): ``init``,
   ``forward_backward`` (states + buffers + activations + logits of the micro-batches in flight) and
   ``optimizer_step`` (states + the optimizer's temporaries). ``overhead`` is the runtime itself
@@ -387,7 +387,6 @@ def stage_memory(
             compiled=compiled,
         )
 
-    optimizer_temp = 4 * (dense / state_div + experts_local) if device == "cpu" or offloaded else 0.0  # foreach AdamW
     # Each parameter's full fp32 value, plus the rank's slice that distribute_tensor cuts from it as a
     # copy when the parameter is sharded (FSDP2 and/or TP DTensors; a plain parameter is copied into).
     pieces = shard * tp
@@ -395,9 +394,7 @@ def stage_memory(
     init_draw = host_draw * (1 + (1 / pieces if pieces > 1 else 0))
     on_device = 0.0 if offloaded else 1.0
     host = parameters + gradients + states
-    host_bytes = (
-        max(host + optimizer_temp, parameters + init_draw) if offloaded else (host_draw if device != "cpu" else 0.0)
-    )
+    host_bytes = max(host, parameters + init_draw) if offloaded else (host_draw if device != "cpu" else 0.0)
 
     fb_buffers = dict(
         ddp_buckets=buckets,
@@ -422,7 +419,7 @@ def stage_memory(
         activations=0.0,
         logits=0.0,
         buffers=buckets + rope,
-        transient=0.0 if offloaded else optimizer_temp,
+        transient=0.0,  # fused AdamW steps in place (module docstring)
     )
     init_buffers = buckets if buckets >= init_draw else 0.0
     buffer_parts = {

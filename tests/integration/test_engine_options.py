@@ -259,8 +259,9 @@ def test_cpu_offload_keeps_shards_and_optimizer_state_on_the_host(reports) -> No
             "offload_to_cpu": True,
             "param_devices": ["cpu"],
             "state_devices": ["cpu"],
-            "foreach": True,
-            "fused": False,
+            # the host's fused AdamW kernel: no temporary, 3-5x faster than foreach (workers/engine/optim.py)
+            "foreach": False,
+            "fused": True,
         }
 
 
