@@ -44,7 +44,10 @@ What a rank holds (``stage_memory``), as the engine runs (``workers/engine/paral
   (``init`` phase).
 * The optimizer step: fused AdamW (``workers/engine/optim.py``, on CUDA and on CPU parameters alike: CPU
   runs and offload) updates the states in place and holds no temporary. (Until 2026-12 a CPU step used
-  ``foreach`` kernels, which held one the size of the second moments; ``make bench`` measured it.)
+  ``foreach`` kernels, which held one the size of the second moments; ``make bench`` measured it.) The
+  ``optimizer_step`` phase is also the end of the last backward, with the same states, gradients and
+  buffers: when micro-batches accumulate without FSDP2, the largest parameter's fresh gradient is held there
+  beside the accumulated one (its ``transient``; measured on CPU, where the embedding is a large part).
 * The peak is the largest of three phases (``MemoryBreakdown.phases``): ``init``,
   ``forward_backward`` (states + buffers + activations + logits of the micro-batches in flight) and
   ``optimizer_step`` (states + the optimizer's temporaries). ``overhead`` is the runtime itself
@@ -412,6 +415,12 @@ def stage_memory(
         buffers=sum(fb_buffers.values()),
         transient=ring_transient_bytes(model, micro_batch=b, cp=cp, regime=regime, tp=tp),
     )
+    # Accumulating micro-batches without FSDP2 (whose unsharded gradients are counted above), each backward
+    # makes every gradient afresh and adds it to the one kept so far: at the end of the last backward, with
+    # the activations freed, the largest (the embedding's, whole: under TP it arrives replicated) is held
+    # twice. Measured on CPU (benchmarks/README.md#planner-accuracy): the peak RSS rose by exactly one
+    # embedding gradient during every micro-batch's backward after the first, for TP, PP and DDP alike.
+    accumulation = 4 * largest_param(model, first=first, last=last) if microbatches > 1 and not fsdp else 0.0
     opt = dict(
         parameters=parameters * on_device,
         gradients=gradients * on_device,
@@ -419,7 +428,7 @@ def stage_memory(
         activations=0.0,
         logits=0.0,
         buffers=buckets + rope,
-        transient=0.0,  # fused AdamW steps in place (module docstring)
+        transient=accumulation,  # fused AdamW itself steps in place (module docstring)
     )
     init_buffers = buckets if buckets >= init_draw else 0.0
     buffer_parts = {

@@ -655,6 +655,30 @@ class TestEstimate:
         assert est.memory.phase == "forward_backward"
         assert est.memory.phases["optimizer_step"] < est.memory.total
 
+    @pytest.mark.parametrize(
+        "parallelism, held_twice",
+        [({"dp": 2}, True), ({"tp": 2}, True), ({"pp": 2}, True), ({"dp": 2, "zero": 3}, False)],
+        ids=["ddp", "tp", "pp", "zero3"],
+    )
+    def test_accumulating_holds_the_largest_gradient_twice_at_the_end_of_the_backward(self, parallelism, held_twice):
+        """With more than one micro-batch per step (and no FSDP2, whose unsharded gradients are counted apart),
+        the last backward's fresh gradient of the largest parameter sits beside the accumulated one: measured on
+        CPU as one embedding gradient above the states and gradients (benchmarks/README.md#planner-accuracy).
+        The vocabulary makes the embedding (and the untied head, a last pipeline stage's) the largest parameter."""
+        sizes = dict(d_model=256, d_ff=704, seq_len=16, vocab_size=4096)
+
+        def after_backward(global_batch: int) -> int:
+            spec = make_spec(
+                model="llama-tiny", parallelism=parallelism, training={"global_batch": global_batch}, **sizes
+            )
+            return estimate(spec).memory.phases["optimizer_step"]
+
+        dp = parallelism.get("dp", 1)
+        one_micro_batch, four = after_backward(dp), after_backward(4 * dp)
+        model = make_spec(model="llama-tiny", **sizes).model.to_config()
+        assert largest_param(model) == 4096 * 256
+        assert four - one_micro_batch == (4 * largest_param(model) if held_twice else 0)
+
     @pytest.mark.parametrize("compiled", [False, True])
     def test_logits_are_vocab_sharded_under_tp(self, compiled):
         """Under TP the loss is loss_parallel's, eager, compiled or not; without TP a compiled job's
