@@ -50,7 +50,8 @@ What a rank holds (``stage_memory``), as the engine runs (``workers/engine/paral
   beside the accumulated one (its ``transient``; measured on CPU, where the embedding is a large part).
 * The peak is the largest of three phases (``MemoryBreakdown.phases``): ``init``,
   ``forward_backward`` (states + buffers + activations + logits of the micro-batches in flight) and
-  ``optimizer_step`` (states + the optimizer's temporaries). ``overhead`` is the runtime itself
+  ``optimizer_step`` (states + gradients + buffers at the end of the last backward, with the fresh
+  gradient held while accumulating; fused AdamW adds nothing). ``overhead`` is the runtime itself
   (CUDA context and communicator buffers; on CPU the Python + torch process, measured by
   ``make bench`` as an empty rank's RSS). Memory is in bytes and GiB; ``device_memory_gb`` is GiB.
 
@@ -418,7 +419,8 @@ def stage_memory(
     # Accumulating micro-batches without FSDP2 (whose unsharded gradients are counted above), each backward
     # makes every gradient afresh and adds it to the one kept so far: at the end of the last backward, with
     # the activations freed, the largest (the embedding's, whole: under TP it arrives replicated) is held
-    # twice. Measured on CPU (benchmarks/README.md#planner-accuracy): the peak RSS rose by exactly one
+    # twice. Counted whole on every stage: a last pipeline stage's vocab-sharded head under TP is overcounted
+    # by its tp (an overestimate, never an underestimate). Measured on CPU (benchmarks/README.md#planner-accuracy): the peak RSS rose by exactly one
     # embedding gradient during every micro-batch's backward after the first, for TP, PP and DDP alike.
     accumulation = 4 * largest_param(model, first=first, last=last) if microbatches > 1 and not fsdp else 0.0
     opt = dict(
