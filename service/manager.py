@@ -615,6 +615,7 @@ class JobManager:
             checkpoint_key=self._checkpoint_key,
             chaos_enabled=self.settings.enable_chaos,
             resume_owners=frozenset(owners),
+            tenant=record.tenant,
         )
         self._submitting.add(job_id)  # before the status change: the poller and cancel wait for the start
         try:

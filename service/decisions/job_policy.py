@@ -74,6 +74,9 @@ class JobPolicy:
     #: The most data-parallel replicas the job grows to by itself (its initial ``scale`` target): the dp of
     #: the ranks its tenant's worker quota granted it; None: no quota, as far as capacity and max_dp allow.
     grow_limit_dp: int | None = None
+    #: The job's tenant: the rank processes of a finished job serve that tenant's later jobs only
+    #: (service/decisions/returned_ranks.py). Empty: none is reused.
+    tenant: str = ""
 
 
 #: Each policy value :func:`policy_for` takes from the spec -> the spec fields it reads (the first is the one
@@ -114,6 +117,7 @@ NOT_FROM_SPEC: dict[str, str] = {
     "checkpoint_key": "the manager, the service's checkpoint signing key",
     "resume_owners": "the manager, from the store's checkpoint directories",
     "grow_limit_dp": "the manager, from the ranks the tenant's worker quota granted the job",
+    "tenant": "the manager, the job's tenant (a finished job's rank processes serve its later jobs only)",
 }
 
 

@@ -52,7 +52,8 @@ class SupervisorPoller:
         # fed the rows it stores (service/decisions/goodput.py): goodput survives supervisor and server restarts.
         self._tallies: dict[str, ProductiveTally] = {}
         self._breakdown_at: dict[str, float] = {}  # job -> when its goodput_breakdown was last computed
-        # Ended jobs whose supervisor still prunes old checkpoints -> when it is released whatever it says.
+        # Ended jobs whose supervisor still winds down (prunes old checkpoints, stops its ranks) -> when it is
+        # released whatever it says.
         self._pruning: dict[str, float] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="etrain-poller", daemon=True)
@@ -108,23 +109,27 @@ class SupervisorPoller:
                     log.exception("releasing the supervisor of job %s failed", job_id)
 
     def _release_when_pruned(self, job_id: str) -> None:
-        """Release an ended job's supervisor once its last prune is done, or at :data:`END_PRUNE_MAX_S`."""
+        """Release an ended job's supervisor once its last prune and its ranks' stop are done, or at
+        :data:`END_PRUNE_MAX_S`."""
         with self._lock:
             try:
                 update = self.runtime.updates(job_id, 2**62, 2**62)  # only the fields: no events or steps
-                pruning, last = update is not None and bool(update.get("pruning")), ""
+                pruning, last = update is not None and _winding_down(update), ""
             except Exception as err:  # a supervisor that does not answer is asked again, until the cap
                 pruning, last = True, f" (last answer: {type(err).__name__}: {err})"
             if pruning and time.monotonic() < self._pruning[job_id]:
                 return
-            self._release(job_id, why=f"its last prune ran past {END_PRUNE_MAX_S:.0f}s{last}" if pruning else None)
+            self._release(
+                job_id,
+                why=f"its last prune or its ranks' stop ran past {END_PRUNE_MAX_S:.0f}s{last}" if pruning else None,
+            )
 
     def _release(self, job_id: str, *, why: str | None) -> None:
         self._pruning.pop(job_id, None)
         if why is not None:
             log.warning(
-                "job %s: releasing its supervisor before its last prune of old checkpoints finished (%s); "
-                "checkpoints beyond keep_last may remain",
+                "job %s: releasing its supervisor before it wound down (%s); checkpoints beyond keep_last may "
+                "remain, and its ranks are stopped rather than kept for its tenant's next job",
                 job_id,
                 why,
             )
@@ -204,7 +209,7 @@ class SupervisorPoller:
         fields = {key: value for key, value in fields.items() if value is not None or key == "error"}
         self.store.update_job(job_id, **fields)
         if fields["status"].is_terminal:
-            if update.get("pruning"):  # released when its last prune is done (_release_when_pruned)
+            if _winding_down(update):  # released when its last prune and stop are done (_release_when_pruned)
                 self._pruning[job_id] = time.monotonic() + END_PRUNE_MAX_S
             else:
                 self.runtime.release(job_id)
@@ -277,3 +282,8 @@ class SupervisorPoller:
             self._scheduler.forget(record.id)
             return  # it ended meanwhile
         self._scheduler.wake()
+
+
+def _winding_down(update: dict) -> bool:
+    """Whether an ended job's supervisor still prunes old checkpoints or stops its ranks (``updates``)."""
+    return bool(update.get("pruning") or update.get("stopping"))

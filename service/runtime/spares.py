@@ -12,8 +12,14 @@ and the rank starts cold, as before. The pool never holds a launch back for long
 warm-up.
 
 Spares are owned by the pool actor (which lives as long as the cluster, detached like the job
-supervisors), so a job's ranks never share fate with a control-plane restart. A spare costs one
-idle process with torch imported (~300 MB of host memory) and no logical resources.
+supervisors), so a job's ranks never share fate with a control-plane restart. The pool keeps no handle to a
+spare it handed out: the worker group's is the last, so a rank from the pool dies with its supervisor as a
+cold rank does with its owner. A spare costs one idle process with torch imported (~300 MB of host memory)
+and no logical resources.
+
+A job that finished cleanly gives its ranks from the pool back (``give_back``): each one that can be reused
+(no GPUs, ``SpareRank.release``) is kept for the same tenant's next job on its node, the first choice of
+``take`` for that tenant (``etrain.service.decisions.returned_ranks`` says why and keeps the bounds).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from etrain.service.decisions.capacity import spares_for_node
+from etrain.service.decisions.returned_ranks import ReturnedRanks, returned_per_node
 from etrain.workers.protocol.messages import SPARE_ACTOR_CLASS, load_actor_class
 
 log = logging.getLogger(__name__)
@@ -57,6 +64,10 @@ class SparePool:
         self._warming: dict[str, list[tuple[Any, Any]]] = {}  # node id -> (spare, its ready() ref)
         self._handed_warming: list[Any] = []  # ready() refs of spares handed over while still warming up
         self._taken = 0
+        self._reused = 0
+        # Ranks of finished jobs, for their tenant's next jobs (service/decisions/returned_ranks.py).
+        self._returned: ReturnedRanks[Any] = ReturnedRanks()
+        self._returned_bounds: dict[str, int] = {}  # node id -> returned ranks it keeps, from its resources
         self._taken_at: dict[str, float] = {}  # node id -> monotonic time of its last take
         self._closed = threading.Event()
         self._wake = threading.Event()
@@ -69,9 +80,10 @@ class SparePool:
             self.per_node = None if per_node is None else max(0, int(per_node))
         self._wake.set()
 
-    def take(self, nodes: list[str]) -> list[Any]:
-        """One spare per entry of ``nodes`` (a node id per rank): a ready one, else the oldest one still
-        warming up on that node, else None (the rank starts cold).
+    def take(self, nodes: list[str], tenant: str = "") -> list[Any]:
+        """One spare per entry of ``nodes`` (a node id per rank): a rank that ``tenant``'s earlier job gave
+        back on that node, else a ready one, else the oldest one still warming up there, else None (the rank
+        starts cold).
 
         A spare still warming up is handed over rather than left to finish beside a new cold process: it
         started earlier, so it is ready sooner, and a cold rank beside it would be a second interpreter and
@@ -84,8 +96,16 @@ class SparePool:
         handed: list[Any] = []
         with self._lock:
             for node in nodes:
+                if self.per_node == 0:
+                    handed.append(None)
+                    continue
+                reused = self._returned.take(node, tenant)
+                if reused is not None:  # no refill: the pool's own spares stay as they were
+                    self._reused += 1
+                    handed.append(reused)
+                    continue
                 ready, warming = self._ready.get(node), self._warming.get(node)
-                if self.per_node == 0 or not (ready or warming):
+                if not (ready or warming):
                     handed.append(None)
                     continue
                 self._taken_at[node] = time.monotonic()
@@ -100,11 +120,32 @@ class SparePool:
         self._wake.set()
         return handed
 
+    def give_back(self, ranks: list[dict[str, Any]], tenant: str) -> int:
+        """Keep the released ranks of ``tenant``'s finished job (each ``{"actor", "node", "pid"}``: its
+        ``SpareRank.release`` said it can be reused) for that tenant's next jobs; stops the ones beyond a
+        node's bound. Returns how many it kept."""
+        now, stop = time.monotonic(), []
+        with self._lock:
+            if self.per_node == 0:
+                stop = [rank["actor"] for rank in ranks]
+            else:
+                for rank in ranks:
+                    bound = self._returned_bounds.get(rank["node"], 0)
+                    stop += self._returned.add(
+                        rank["node"], tenant, rank["actor"], pid=int(rank["pid"]), now=now, per_node=bound
+                    )
+        for actor in stop:
+            _kill(actor)
+        return len(ranks) - len(stop)
+
     def stats(self) -> dict[str, Any]:
         with self._lock:
             return {
                 "per_node": "auto" if self.per_node is None else self.per_node,
                 "taken": self._taken,
+                "reused": self._reused,
+                "returned": self._returned.counts(),
+                "returned_pids": self._returned.pids(),
                 "ready": {node: len(spares) for node, spares in self._ready.items() if spares},
                 "handed_pids": list(self._handed_pids),
                 "ready_pids": sorted(pid for spares in self._ready.values() for _, pid in spares),
@@ -121,6 +162,8 @@ class SparePool:
             for warming in self._warming.values():
                 for spare, _ in warming:
                     _kill(spare)
+            for returned in self._returned.pop_all():
+                _kill(returned)
             self._ready.clear()
             self._warming.clear()
 
@@ -140,8 +183,14 @@ class SparePool:
         nodes = [node["NodeID"] for node in alive]
         gpu_nodes = {node["NodeID"] for node in alive if (node.get("Resources") or {}).get("GPU", 0) > 0}
         targets = {node["NodeID"]: spares_for_node(node.get("Resources") or {}, self.per_node) for node in alive}
+        bounds = {node["NodeID"]: returned_per_node(node.get("Resources") or {}) for node in alive}
         with self._lock:
             self._record_handed_warming()
+            self._returned_bounds = bounds if self.per_node != 0 else {}
+            stale = self._returned.keep_nodes(set(nodes))  # died with their node
+            stale += self._returned.expire(time.monotonic()) + self._returned.trim(self._returned_bounds)
+            for actor in stale:
+                _kill(actor)
             for gone in set(self._ready) | set(self._warming):
                 if gone not in nodes:  # its node died: the spares died with it
                     self._ready.pop(gone, None)
@@ -240,14 +289,29 @@ def find_pool() -> Any | None:
         return None
 
 
-def take_spares(nodes: list[str]) -> list[Any]:
-    """Spares for ranks on ``nodes`` (None where the node has none, or there is no pool); never raises, bounded wait."""
+def take_spares(nodes: list[str], tenant: str = "") -> list[Any]:
+    """Spares for ranks on ``nodes`` (None where the node has none, or there is no pool), ``tenant``'s returned
+    ranks first; never raises, bounded wait."""
     pool = find_pool()
     if pool is None or not nodes:
         return [None] * len(nodes)
     started = time.monotonic()
     try:
-        return ray.get(pool.take.remote(nodes), timeout=TAKE_TIMEOUT_S)
+        return ray.get(pool.take.remote(nodes, tenant), timeout=TAKE_TIMEOUT_S)
     except Exception as err:
         log.warning("no spares after %.1fs: %s", time.monotonic() - started, err)
         return [None] * len(nodes)
+
+
+def give_back_spares(ranks: list[dict[str, Any]], tenant: str) -> bool:
+    """Hand a finished job's released ranks to the pool for ``tenant``'s next jobs; False (the caller stops
+    them) when there is no pool or it did not answer in time. Never raises."""
+    pool = find_pool()
+    if pool is None:
+        return False
+    try:
+        ray.get(pool.give_back.remote(ranks, tenant), timeout=TAKE_TIMEOUT_S)
+        return True
+    except Exception as err:
+        log.warning("the pool did not take back %d rank(s): %s", len(ranks), err)
+        return False

@@ -196,6 +196,7 @@ class JobSupervisor:
             held=self._held_per_node,
         )
         self._closed = threading.Event()
+        self._stop_threads: list[threading.Thread] = []  # group stops under way (updates() says so)
         self._self_handle = ray.get_runtime_context().current_actor
         if resume_step is not None:
             self._record("resuming", f"found committed checkpoint at step {resume_step} in {self.root}")
@@ -266,6 +267,10 @@ class JobSupervisor:
         large checkpoints) and leave more than ``keep_last`` checkpoints behind. Answered at once: this call
         used to wait up to 5 s for that prune, which held up the poller's updates of every other job and,
         on a loaded machine, still let a prune on S3 be cut short.
+
+        ``stopping``: whether the group's stop is still under way. The caller keeps an ended job's supervisor
+        until it is done, for the same reason: a finished group hands its ranks back to the warm pool for
+        the tenant's next job (``WorkerGroup.stop``), and a supervisor killed half-way takes them with it.
         """
         with self._decide_lock, self._log_lock:
             events = [event for event in self._log if event["seq"] > since_seq]
@@ -274,6 +279,7 @@ class JobSupervisor:
             latest = dict(self._steps.latest)
         # Read after the state it answers with: an ended job's last prune started before its state turned terminal.
         pruning = self._checkpoints.pruning()
+        stopping = any(thread.is_alive() for thread in self._stop_threads)
         # Attempts as the job counts them (JobPolicy.attempt_base). No goodput here: the control plane
         # computes it from the stored rows (service/decisions/goodput.py), across supervisors.
         base = self.policy.attempt_base
@@ -297,6 +303,7 @@ class JobSupervisor:
             "events": events,
             "steps": steps,
             "pruning": pruning,
+            "stopping": stopping,
         }
 
     def shutdown(self) -> None:
@@ -513,6 +520,7 @@ class JobSupervisor:
             strategy=self.policy.placement_strategy,
             excluded_nodes=action.excluded_nodes,
             supervisor=self._self_handle,
+            tenant=self.policy.tenant,
         )
         self._group = group
         self._record(
@@ -628,7 +636,9 @@ class JobSupervisor:
                 group.stop()
             self._inbox.put(GroupStopped(attempt=attempt))
 
-        threading.Thread(target=stop, name=f"stop-{self.job_id}-{attempt}", daemon=True).start()
+        thread = threading.Thread(target=stop, name=f"stop-{self.job_id}-{attempt}", daemon=True)
+        self._stop_threads = [*(t for t in self._stop_threads if t.is_alive()), thread]
+        thread.start()
 
     def _outcome_event(self, group: WorkerGroup, outcome: GroupOutcome) -> Event:
         if outcome.kind == "finished":

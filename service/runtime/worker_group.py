@@ -28,7 +28,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from etrain.service.decisions.admission import tp_group_nodes
 from etrain.service.decisions.hangs import Frame, RankWhere
-from etrain.service.runtime.spares import NAMESPACE, take_spares
+from etrain.service.runtime.spares import NAMESPACE, give_back_spares, take_spares
 from etrain.workers.protocol.errors import CheckpointError, EtrainError, UnhealthyRankError
 from etrain.workers.protocol.messages import RANK_ACTOR_CLASS, ChaosOrder, LaunchPlan, load_actor_class
 from etrain.workers.protocol.topology import Topology
@@ -39,6 +39,9 @@ PLACEMENT_TIMEOUT_S = 60.0
 # How long a placement with every tp group pinned to one node may wait before Ray places the bundles itself.
 TP_PIN_GRACE_S = 10.0
 RENDEZVOUS_TIMEOUT_S = 60.0
+# How long a finished group waits for its ranks to leave their job (release: a garbage collection and a
+# memory trim, well under a second) before it kills the ones that have not answered.
+RELEASE_TIMEOUT_S = 10.0
 # Failure classification is immediate on the recovery path and corrected later (issue #9): a rank
 # whose actor died is a process fault at once, unless Ray's own death cause already says its node
 # died; the runtime refunds the restart when the node table confirms a node loss afterwards
@@ -97,7 +100,10 @@ class WorkerGroup:
         strategy: str,
         excluded_nodes: frozenset[str],
         supervisor: Any,
+        tenant: str = "",
     ):
+        """``tenant``: the job's; ranks from the warm pool go back to it for that tenant's next jobs when the
+        group finishes (:meth:`stop`), and the pool hands this group that tenant's returned ranks first."""
         self.job_id = job_id
         self.plan = plan
         self.attempt = plan.attempt
@@ -118,6 +124,10 @@ class WorkerGroup:
         self._stopped = False
         self._lost: tuple[float, GroupOutcome] | None = None  # a dead rank waiting for its node's verdict
         self.warm_ranks = 0  # ranks that started from a warm spare (service/runtime/spares.py)
+        self._tenant = tenant
+        self._from_pool: set[str] = set()  # the actors that came from the pool (it owns their processes)
+        self._finished = False  # every rank's run returned: the ranks are idle and may serve another job
+        self._given_back = False
 
     # --- start ----------------------------------------------------------------------------------
 
@@ -232,12 +242,36 @@ class WorkerGroup:
         """
         ranks = range(self.world_size)
         reading = self._read_bundle_gpu_ids(ranks)  # runs beside take_spares' round trip
-        spares = take_spares([self._bundle_nodes.get(rank, "") for rank in ranks])
+        spares = take_spares([self._bundle_nodes.get(rank, "") for rank in ranks], self._tenant)
         gpu_ids = reading()
         actors, assigned = zip(*(self._rank_actor(rank, spare, gpu_ids[rank]) for rank, spare in enumerate(spares)))
-        ray.get([ref for ref in assigned if ref is not None], timeout=RENDEZVOUS_TIMEOUT_S)
-        self.warm_ranks = sum(spare is not None for spare in spares)
-        return list(actors)
+        actors = list(actors)
+        replaced = self._settle_assignments(
+            actors, {rank: ref for rank, ref in enumerate(assigned) if ref is not None}, gpu_ids
+        )
+        self.warm_ranks = sum(spare is not None for spare in spares) - replaced
+        return actors
+
+    def _settle_assignments(
+        self, actors: list[Any] | dict[int, Any], assigning: dict[int, Any], gpu_ids: dict[int, list[str]], attempt=None
+    ) -> int:
+        """Wait for the spares' ``assign`` calls (rank -> pending call); a spare that died before it could
+        take its rank (stopped while idle, out of memory) is replaced in ``actors`` by a cold rank, as if the
+        pool had had none. Returns how many were replaced. Any other failure raises, as before."""
+        if not assigning:
+            return 0
+        ray.wait(list(assigning.values()), num_returns=len(assigning), timeout=RENDEZVOUS_TIMEOUT_S)
+        replaced = 0
+        for rank, ref in assigning.items():
+            try:
+                ray.get(ref, timeout=1)
+            except RayActorError as err:
+                log.warning(
+                    "job %s: the spare for rank %d is gone (%s); it starts cold", self.job_id, rank, _first_line(err)
+                )
+                actors[rank], _ = self._rank_actor(rank, None, gpu_ids[rank], attempt)
+                replaced += 1
+        return replaced
 
     def _read_bundle_gpu_ids(self, ranks: Iterable[int]) -> Callable[[], dict[int, list[str]]]:
         """Start reading the GPU ids Ray reserved for the bundles of ``ranks``; the returned call waits
@@ -270,6 +304,7 @@ class WorkerGroup:
         (``gpu_ids``: its bundle's, :meth:`_read_bundle_gpu_ids`)."""
         bundle = f"bundle {rank} of placement group {self.pg.id.hex()}"
         if spare is not None:
+            self._from_pool.add(_actor_key(spare))
             return spare, spare.assign.remote(
                 job_id=self.job_id,
                 rank=rank,
@@ -321,12 +356,15 @@ class WorkerGroup:
         _kill(self.actors[lost_rank])  # dead already, or wedged: gone either way
         node = placement_group_table(self.pg).get("bundles_to_node_id", {}).get(lost_rank, "")
         reading = self._read_bundle_gpu_ids([lost_rank])
-        spare = take_spares([node])[0]
-        actor, assigning = self._rank_actor(lost_rank, spare, reading()[lost_rank], plan.attempt)
-        if assigning is not None:
-            ray.get(assigning, timeout=RENDEZVOUS_TIMEOUT_S)
-        self.actors[lost_rank] = actor
-        self.warm_ranks = int(spare is not None)
+        spare = take_spares([node], self._tenant)[0]
+        gpu_ids = reading()
+        actor, assigning = self._rank_actor(lost_rank, spare, gpu_ids[lost_rank], plan.attempt)
+        actors = {lost_rank: actor}
+        replaced = self._settle_assignments(
+            actors, {lost_rank: assigning} if assigning is not None else {}, gpu_ids, plan.attempt
+        )
+        self.actors[lost_rank] = actors[lost_rank]
+        self.warm_ranks = int(spare is not None) - replaced
         self.plan, self.attempt = plan, plan.attempt
         if self._stopped:
             raise RepairError("the group was stopped during the repair")
@@ -390,16 +428,17 @@ class WorkerGroup:
             [actor.renumber.remote(new, self.world_size) for new, actor in kept_actors.items()],
             timeout=RENDEZVOUS_TIMEOUT_S,
         )
-        spares = take_spares([self._bundle_nodes.get(rank, "") for rank in joining])
+        spares = take_spares([self._bundle_nodes.get(rank, "") for rank in joining], self._tenant)
         actors = dict(kept_actors)
-        assigning = []
+        assigning = {}
         for rank, spare in zip(joining, spares):
             actors[rank], pending = self._rank_actor(rank, spare, bundle_gpu_ids[rank], plan.attempt)
             if pending is not None:
-                assigning.append(pending)
+                assigning[rank] = pending
         self.actors = [actors[rank] for rank in range(self.world_size)]
-        ray.get(assigning, timeout=RENDEZVOUS_TIMEOUT_S)
-        self.warm_ranks = sum(spare is not None for spare in spares)
+        replaced = self._settle_assignments(actors, assigning, bundle_gpu_ids, plan.attempt)
+        self.actors = [actors[rank] for rank in range(self.world_size)]
+        self.warm_ranks = sum(spare is not None for spare in spares) - replaced
         if self._stopped:
             raise ResizeError("the group was stopped during the resize")
         self._rendezvous()
@@ -476,6 +515,7 @@ class WorkerGroup:
             return self._explain_collective_failure(now, restarts_left)
         if not self._runs and len(self._results) == self.world_size:
             final_step = min(result["final_step"] for result in self._results.values())
+            self._finished = True
             return GroupOutcome(kind="finished", final_step=final_step)
         return None
 
@@ -649,9 +689,15 @@ class WorkerGroup:
     # --- teardown -------------------------------------------------------------------------------
 
     def stop(self) -> None:
-        """Kill every rank and release the placement group. Idempotent; never raises."""
+        """Stop every rank and release the placement group: a finished group's ranks from the warm pool go
+        back to it for the tenant's next jobs (:meth:`_give_back`), every other rank is killed. Idempotent;
+        never raises."""
         self._stopped = True
+        given_back = self._give_back() if self._finished and not self._given_back else set()
+        self._given_back = True
         for actor in self.actors:
+            if _actor_key(actor) in given_back:
+                continue
             try:
                 ray.kill(actor, no_restart=True)
             except Exception:  # already dead
@@ -663,6 +709,30 @@ class WorkerGroup:
                 pass
         self._runs.clear()
 
+    def _give_back(self) -> set[str]:
+        """Release this finished group's ranks that came from the pool (each says whether it can serve
+        another job: ``SpareRank.release``) and hand the reusable ones back to the pool for this tenant;
+        returns the keys of those the pool took. Bounded waits; never raises."""
+        ranks = [(rank, actor) for rank, actor in enumerate(self.actors) if _actor_key(actor) in self._from_pool]
+        if not self._tenant or not ranks:
+            return set()
+        try:
+            asked = {actor.release.remote(): (rank, actor) for rank, actor in ranks}
+            done, _ = ray.wait(list(asked), num_returns=len(asked), timeout=RELEASE_TIMEOUT_S)
+            back = []
+            for ref in done:
+                rank, actor = asked[ref]
+                answer = ray.get(ref, timeout=1)
+                if answer.get("reusable"):
+                    back.append({"actor": actor, "node": self.nodes.get(rank, ""), "pid": int(answer["pid"])})
+                else:
+                    log.info("job %s: rank %d's process is not reused: %s", self.job_id, rank, answer.get("why"))
+            if back and give_back_spares(back, self._tenant):
+                return {_actor_key(rank["actor"]) for rank in back}
+        except Exception as err:  # noqa: BLE001 - the ranks are killed instead, as before
+            log.warning("job %s: ranks not given back to the pool: %s", self.job_id, err)
+        return set()
+
 
 class RepairError(RuntimeError):
     """The in-place repair could not be carried out; the message says why (a RepairFailed event)."""
@@ -670,6 +740,11 @@ class RepairError(RuntimeError):
 
 class ResizeError(RuntimeError):
     """The in-place resize could not be carried out; the message says why (a ResizeFailed event)."""
+
+
+def _actor_key(actor: Any) -> str:
+    """An actor's id, the same in every handle to it (handles themselves are not comparable)."""
+    return actor._actor_id.hex()
 
 
 def _kill(actor: Any) -> None:

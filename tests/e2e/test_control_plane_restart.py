@@ -63,21 +63,43 @@ def test_a_new_control_plane_reattaches_to_the_running_job(local_ray, tmp_path):
 
 
 def test_a_killed_supervisor_is_recreated_from_the_last_checkpoint(local_ray, tmp_path):
+    from etrain.service.runtime.spares import find_pool
     from etrain.service.runtime.supervisor_actor import find_supervisor
 
     with control_plane(tmp_path) as plane:
+        pool = find_pool()
+        handed_before = set(ray.get(pool.stats.remote(), timeout=10)["handed_pids"])
         # 120 steps (not 400): the kill lands within a second of the commit at step 40 being seen, at most a
         # few dozen steps later, so the job is still training; every step after the resume is only waited for.
         job = plane.submit(long_spec("lost-supervisor", steps=120))
         plane.wait_until(
             job["id"], lambda j: (j["last_checkpoint_step"] or 0) >= 40, timeout_s=180, what="a checkpoint at step 40"
         )
-        ray.kill(find_supervisor(job["id"]), no_restart=True)  # its rank actors die with their owner
+        # The ranks that came from the warm pool: the pool owns their processes, not the supervisor.
+        from_pool = set(ray.get(pool.stats.remote(), timeout=10)["handed_pids"]) - handed_before
+        assert from_pool, "the test wants a rank from a warm spare"
+        ray.kill(find_supervisor(job["id"]), no_restart=True)
+        # Every rank process of the lost supervisor goes: a cold rank with its owner, a rank from the pool with
+        # the last reference to it (the pool keeps none for a spare it handed out). One that stayed would train on,
+        # or idle for good, beside the new attempt.
+        deadline = time.monotonic() + 30
+        while (alive := {pid for pid in from_pool if process_alive(pid)}) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not alive, f"rank processes {sorted(alive)} outlived their supervisor by 30s"
         final = plane.wait_terminal(job["id"], timeout_s=300)
         assert final["status"] == "SUCCEEDED", final
         assert final["restarts"] == 1 and final["step"] == 120
         kinds = event_kinds(plane.events(job["id"]))
         assert "supervisor_lost" in kinds and "resuming" in kinds
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, exited and not yet reaped, does not)."""
+    try:
+        state = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("State"))
+    except (FileNotFoundError, ProcessLookupError, StopIteration):
+        return False
+    return "zombie" not in state and "dead" not in state
 
 
 # --- SIGKILL of a real `etrain serve` with jobs running and queued --------------------------------------

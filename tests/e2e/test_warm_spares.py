@@ -4,7 +4,8 @@ Real local Ray, the real control plane and its spare pool (service/runtime/spare
 process ids: every rank of the first launch, and the rank that replaces a killed one (in place: the
 survivor keeps its own process), runs in a process that was a ready spare before (so it paid no
 interpreter start and no torch import), and the recovered run still ends exactly where the clean run
-ends.
+ends. A finished job's ranks serve its tenant's next job, and no other tenant's, with the numbers a fresh
+process gives.
 """
 
 from __future__ import annotations
@@ -14,22 +15,26 @@ import time
 import pytest
 
 from etrain.service.runtime.spares import find_pool
-from tests.chaos.conftest import clean_run, losses, rank_pids, recover, spec
+from tests.chaos.conftest import clean_run, losses, param_digests, rank_pids, recover, run_clean, spec
 from tests.service_harness import control_plane, event_kinds, event_text
+
+CLEAN = "clean-run-tenant-token-3f9a"
 
 pytestmark = pytest.mark.slow
 
 ray = pytest.importorskip("ray")
 
 
-def ready_spare_pids(count: int, timeout_s: float = 90) -> set[int]:
-    """The pids of the pool's ready spares once there are ``count`` of them."""
+def ready_spare_pids(count: int, timeout_s: float = 90, *, exactly: bool = False) -> set[int]:
+    """The pids of the pool's ready spares once there are ``count`` of them (``exactly``: and no more, none
+    warming up: the pool has settled at that size after an earlier test's)."""
     pool = find_pool()
     assert pool is not None, "the control plane starts the spare pool"
     deadline = time.monotonic() + timeout_s
     while True:
         stats = ray.get(pool.stats.remote(), timeout=10)
-        if len(stats["ready_pids"]) >= count:
+        ready = len(stats["ready_pids"])
+        if ready == count and not stats["warming"] if exactly else ready >= count:
             return set(stats["ready_pids"])
         assert time.monotonic() < deadline, f"the pool never had {count} ready spares: {stats}"
         time.sleep(0.2)
@@ -38,9 +43,14 @@ def ready_spare_pids(count: int, timeout_s: float = 90) -> set[int]:
 def test_first_launch_and_replacement_run_in_warm_spares_and_end_like_the_clean_run(local_ray, tmp_path):
     # Three spares on the one node: a DP2 launch takes two and leaves one ready for the replacement,
     # whatever the refill's pace on a loaded machine.
-    with control_plane(tmp_path, warm_spares_per_node=3) as plane:
+    with (
+        control_plane(tmp_path, warm_spares_per_node=3, tenant_tokens={"clean": CLEAN}) as plane,
+        plane.as_token(CLEAN) as other_tenant,
+    ):
         body = spec("warm-dp2", steps=24)
-        clean = clean_run(plane, body)  # the same spec as tests/chaos' and test_in_place_repair's clean runs
+        # The same spec as tests/chaos' and test_in_place_repair's clean runs, as another tenant: its ranks go back
+        # to the pool for that tenant's next job, not for this one (which then takes ready spares only).
+        clean = clean_run(other_tenant, body)
 
         first = ready_spare_pids(3)
         final, events = recover(plane, body, {"action": "kill_rank", "rank": 1, "at_step": 10})
@@ -67,7 +77,7 @@ def test_a_node_is_refilled_only_after_the_launch_that_took_its_spare_has_starte
     from etrain.service.runtime.spares import REFILL_DELAY_AFTER_TAKE_S, take_spares
 
     with control_plane(tmp_path, warm_spares_per_node=1):
-        (pid,) = ready_spare_pids(1)
+        (pid,) = ready_spare_pids(1, exactly=True)
         node = ray.get_runtime_context().get_node_id()
         taken_at = time.monotonic()
         (spare,) = take_spares([node])
@@ -110,3 +120,47 @@ def test_a_launch_takes_a_spare_still_warming_up_rather_than_starting_a_rank_col
                 time.sleep(0.2)
         finally:
             ray.kill(spare, no_restart=True)
+
+
+ALICE, BOB = "alice-reuse-token-5c1e", "bob-reuse-token-77d0"
+
+
+def wait_returned(pids: set[int], timeout_s: float = 60) -> None:
+    """Wait until the pool holds the processes ``pids`` as returned ranks (the job's end gives them back)."""
+    pool = find_pool()
+    deadline = time.monotonic() + timeout_s
+    while not pids <= (returned := set(ray.get(pool.stats.remote(), timeout=10)["returned_pids"])):
+        assert time.monotonic() < deadline, f"the pool never held {sorted(pids)} as returned ranks: {returned}"
+        time.sleep(0.2)
+
+
+def test_a_finished_jobs_ranks_serve_its_tenants_next_job_exactly_and_no_other_tenants(local_ray, tmp_path):
+    """Bob's job trains Y in fresh spares; Alice's job X gets fresh spares too (never Bob's returned ranks); then
+    Alice's Y runs in X's very processes and ends with Bob's losses and parameters, bit for bit: a reused
+    process carries nothing of its last job into the numbers."""
+    y = spec("y", steps=8)
+    x = spec("x", steps=6, model={"d_model": 16, "n_layers": 1}, data={"seed": 9}, training={"seed": 2})
+    with (
+        control_plane(tmp_path, warm_spares_per_node=2, tenant_tokens={"alice": ALICE, "bob": BOB}) as admin,
+        admin.as_token(ALICE) as alice,
+        admin.as_token(BOB) as bob,
+    ):
+        bobs = run_clean(bob, y)
+        bobs_ranks = {rank_pids(bob, bobs["id"], rank)[0] for rank in (0, 1)}
+        wait_returned(bobs_ranks)  # they came from the pool and went back to it
+
+        ready_spare_pids(2)  # the pool refilled: Alice's first job gets fresh spares, not Bob's ranks
+        xs = run_clean(alice, x)
+        x_ranks = {rank_pids(alice, xs["id"], rank)[0] for rank in (0, 1)}
+        assert not x_ranks & bobs_ranks, (x_ranks, bobs_ranks)
+        wait_returned(x_ranks)
+        reused_before = ray.get(find_pool().stats.remote(), timeout=10)["reused"]
+
+        ys = run_clean(alice, y)
+        y_ranks = [rank_pids(alice, ys["id"], rank)[0] for rank in (0, 1)]
+        assert set(y_ranks) == x_ranks, (y_ranks, x_ranks)  # X's processes, no new one and none of Bob's
+        assert ray.get(find_pool().stats.remote(), timeout=10)["reused"] == reused_before + 2
+        placed = [event_text(e) for e in alice.events(ys["id"]) if e["kind"] == "placed"]
+        assert placed[-1].endswith("2 of 2 ranks from warm spares"), placed
+        assert losses(alice, ys["id"]) == losses(bob, bobs["id"])
+        assert param_digests(alice, ys["id"]) == param_digests(bob, bobs["id"])

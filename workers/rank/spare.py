@@ -19,6 +19,7 @@ answer from NVML, and on a node with GPUs the warm-up stops short of a training 
 from __future__ import annotations
 
 import os
+import sys
 import time
 from typing import Any
 
@@ -49,6 +50,9 @@ class SpareRank(TrainWorker):
         self.warm_step = not (gpu_node and torch.backends.cuda.is_built())
         _warm_up(train_step=self.warm_step)
         self.compiler_imported = gpu_node and _import_the_compiler()
+        # The global generator as a new spare's is after its warm-up: a released one goes back to it, so a
+        # job meets the same numbers in a reused process as in a fresh one.
+        self._fresh_rng = torch.random.get_rng_state()
         self.warmup_s = time.monotonic() - started
         self.assigned = False
 
@@ -77,10 +81,11 @@ class SpareRank(TrainWorker):
         """Become rank ``rank`` of ``job_id``; ``gpu_ids``: the GPU ids Ray reserved for the bundle (none
         for a bundle without GPUs), ``bundle``: which bundle it is. Returns the rank.
 
-        A spare is assigned once: a rank's process is never reused for another job or attempt.
+        A spare serves one job at a time: again only after :meth:`release` (its job finished, and the pool
+        hands it to the same tenant's next job).
         """
         if self.assigned:
-            raise RuntimeError("this spare already serves a job")
+            raise RuntimeError(f"this spare already serves job {self.job_id}")
         TrainWorker.__init__(
             self,
             job_id=job_id,
@@ -93,6 +98,68 @@ class SpareRank(TrainWorker):
         )
         self.assigned = True
         return rank
+
+    def release(self) -> dict[str, Any]:
+        """Leave the finished job, for the same tenant's next one (``service/decisions/returned_ranks.py``):
+        ``{"pid", "reusable", "why"}``. Not reusable while an attempt runs, with GPUs (a CUDA context stays
+        bound to the GPUs it started on), or holding more than :data:`REUSE_MAX_RSS_BYTES` after the job's
+        memory is freed; the pool stops such a process.
+
+        What a job leaves in the process is dropped here; the next ``assign`` sets every per-job field anew
+        (``TrainWorker.__init__``), and the next attempt leaves no process group behind and seeds its own
+        generators as any attempt does. Kept on purpose: the imported modules and torch's per-process caches
+        (DTensor's sharding strategies, the kernels' set-up), which are the reason to reuse the process.
+        Compiled graphs are dropped (``torch._dynamo.reset``): their guards name the last job's modules, and
+        a process that kept them through many jobs would reach dynamo's recompile limit and run eagerly.
+        """
+        import gc
+
+        import torch
+
+        if getattr(self, "_running", False):
+            return self._released(False, "an attempt is running")
+        if getattr(self, "_gpus", None) is not None and self._gpus.ids:
+            return self._released(False, "it runs on GPUs")
+        if torch.cuda.is_initialized():
+            return self._released(False, "it started CUDA")
+        self.assigned = False
+        self._snapshots, self._drills, self._plan, self._saves, self._log = {}, None, None, None, None
+        self._supervisor = None
+        torch.random.set_rng_state(self._fresh_rng)
+        if "torch._dynamo" in sys.modules:
+            torch._dynamo.reset()
+        gc.collect()
+        _return_freed_memory()
+        rss = _resident_bytes()
+        if rss > REUSE_MAX_RSS_BYTES:
+            return self._released(False, f"it holds {rss >> 20} MiB after the job")
+        return self._released(True, "")
+
+    def _released(self, reusable: bool, why: str) -> dict[str, Any]:
+        return {"pid": os.getpid(), "reusable": reusable, "why": why}
+
+
+#: A returned rank holding more host memory than this after its job is stopped rather than kept idle.
+REUSE_MAX_RSS_BYTES = 2 << 30
+
+
+def _return_freed_memory() -> None:
+    """Give the memory the job freed back to the system (glibc keeps freed heap for the process otherwise)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the allocator keeps what it keeps
+        pass
+
+
+def _resident_bytes() -> int:
+    """This process's resident memory (Linux; 0 where /proc is not there)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def _import_the_compiler() -> bool:
