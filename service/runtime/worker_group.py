@@ -128,6 +128,7 @@ class WorkerGroup:
         self._from_pool: set[str] = set()  # the actors that came from the pool (it owns their processes)
         self._finished = False  # every rank's run returned: the ranks are idle and may serve another job
         self._given_back = False
+        self._pg_removed = False
 
     # --- start ----------------------------------------------------------------------------------
 
@@ -691,10 +692,19 @@ class WorkerGroup:
     def stop(self) -> None:
         """Stop every rank and release the placement group: a finished group's ranks from the warm pool go
         back to it for the tenant's next jobs (:meth:`_give_back`), every other rank is killed. Idempotent;
-        never raises."""
+        never raises.
+
+        A finished group releases its placement group first: its ranks are idle and hold none of it (they
+        run beside their bundles), and the job is already SUCCEEDED in the control plane's store, which
+        admits the next job into what this one held; that job pins its tp groups by Ray's free resources
+        (``_whole_tp_groups``), which must not still count this group's bundles while its ranks leave.
+        """
         self._stopped = True
-        given_back = self._give_back() if self._finished and not self._given_back else set()
-        self._given_back = True
+        given_back: set[str] = set()
+        if self._finished and not self._given_back:
+            self._given_back = True
+            self._remove_placement_group()
+            given_back = self._give_back()
         for actor in self.actors:
             if _actor_key(actor) in given_back:
                 continue
@@ -702,19 +712,23 @@ class WorkerGroup:
                 ray.kill(actor, no_restart=True)
             except Exception:  # already dead
                 pass
-        if self.pg is not None:
+        self._remove_placement_group()
+        self._runs.clear()
+
+    def _remove_placement_group(self) -> None:
+        if self.pg is not None and not self._pg_removed:
+            self._pg_removed = True
             try:
                 remove_placement_group(self.pg)
             except Exception:
                 pass
-        self._runs.clear()
 
     def _give_back(self) -> set[str]:
         """Release this finished group's ranks that came from the pool (each says whether it can serve
         another job: ``SpareRank.release``) and hand the reusable ones back to the pool for this tenant;
         returns the keys of those the pool took. Bounded waits; never raises."""
         ranks = [(rank, actor) for rank, actor in enumerate(self.actors) if _actor_key(actor) in self._from_pool]
-        if not self._tenant or not ranks:
+        if not self._tenant or not ranks or self._resources.get("GPU", 0.0):  # ranks on GPUs are never reused
             return set()
         try:
             asked = {actor.release.remote(): (rank, actor) for rank, actor in ranks}

@@ -168,6 +168,9 @@ def test_a_spare_runs_on_its_bundles_gpu_at_launch_and_when_it_replaces_a_rank_i
         assert ray.get(group.actors[1].node_info.remote(), timeout=10)["pid"] != replaced_pid
         assert ray.get(reports.readies.remote(), timeout=10) == [(1, 0), (1, 1), (2, 0), (2, 1)]
         assert _devices(group, warm={0, 1}) == first  # the cold rank's GPU (Ray's id) is its replacement's
+        # A finished job's ranks on GPUs never serve another job: a CUDA context keeps the GPUs it started on.
+        released = ray.get([actor.release.remote() for actor in group.actors], timeout=30)
+        assert [(answer["reusable"], answer["why"]) for answer in released] == [(False, "it runs on GPUs")] * 2
     finally:
         group.stop()
         ray.get(pool.close.remote(), timeout=30)

@@ -10,6 +10,8 @@ process gives.
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import pytest
@@ -164,3 +166,13 @@ def test_a_finished_jobs_ranks_serve_its_tenants_next_job_exactly_and_no_other_t
         assert placed[-1].endswith("2 of 2 ranks from warm spares"), placed
         assert losses(alice, ys["id"]) == losses(bob, bobs["id"])
         assert param_digests(alice, ys["id"]) == param_digests(bob, bobs["id"])
+
+        # A returned rank's process dies while it waits in the pool (SIGKILL: out of memory, an operator): the
+        # next launch that takes it starts that rank cold instead, and the job is none the worse.
+        wait_returned(set(y_ranks))
+        os.kill(y_ranks[0], signal.SIGKILL)
+        again = run_clean(alice, y)
+        placed = [event_text(e) for e in alice.events(again["id"]) if e["kind"] == "placed"]
+        assert placed[-1].endswith("1 of 2 ranks from warm spares"), placed
+        assert y_ranks[1] in {rank_pids(alice, again["id"], rank)[0] for rank in (0, 1)}
+        assert losses(alice, again["id"]) == losses(bob, bobs["id"])
