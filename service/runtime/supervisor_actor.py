@@ -374,6 +374,7 @@ class JobSupervisor:
             if len(ranks) == self.sm_config.world_size(self.state.dp):
                 nodes = self._group.nodes if self._group is not None else {}
                 warm = self._group.warm_ranks if self._group is not None else 0
+                reused = self._group.reused_ranks if self._group is not None else 0
                 # tp groups on two nodes or more: only where pinning them gave way (service/runtime/worker_group.py)
                 straddling = [
                     f"{first}-{last}"
@@ -383,6 +384,7 @@ class JobSupervisor:
                     "placed",
                     " ".join(f"rank{r}={nodes.get(r, '?')}" for r in sorted(ranks))
                     + f"; {warm} of {len(ranks)} ranks from warm spares"
+                    + (f" ({reused} kept from the tenant's earlier jobs)" if reused else "")
                     + (f"; tp group(s) of ranks {', '.join(straddling)} span nodes" if straddling else ""),
                 )
                 self._record_state_sources(attempt, ranks)

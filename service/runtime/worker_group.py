@@ -124,6 +124,7 @@ class WorkerGroup:
         self._stopped = False
         self._lost: tuple[float, GroupOutcome] | None = None  # a dead rank waiting for its node's verdict
         self.warm_ranks = 0  # ranks that started from a warm spare (service/runtime/spares.py)
+        self.reused_ranks = 0  # of those, processes an earlier job of the tenant gave back
         self._tenant = tenant
         self._from_pool: set[str] = set()  # the actors that came from the pool (it owns their processes)
         self._finished = False  # every rank's run returned: the ranks are idle and may serve another job
@@ -258,14 +259,16 @@ class WorkerGroup:
     ) -> int:
         """Wait for the spares' ``assign`` calls (rank -> pending call); a spare that died before it could
         take its rank (stopped while idle, out of memory) is replaced in ``actors`` by a cold rank, as if the
-        pool had had none. Returns how many were replaced. Any other failure raises, as before."""
+        pool had had none. Returns how many were replaced, and sets :attr:`reused_ranks` (the spares that
+        served an earlier job). Any other failure raises, as before."""
+        self.reused_ranks = 0
         if not assigning:
             return 0
         ray.wait(list(assigning.values()), num_returns=len(assigning), timeout=RENDEZVOUS_TIMEOUT_S)
         replaced = 0
         for rank, ref in assigning.items():
             try:
-                ray.get(ref, timeout=1)
+                self.reused_ranks += int(ray.get(ref, timeout=1) > 0)
             except RayActorError as err:
                 log.warning(
                     "job %s: the spare for rank %d is gone (%s); it starts cold", self.job_id, rank, _first_line(err)

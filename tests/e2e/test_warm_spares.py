@@ -163,7 +163,7 @@ def test_a_finished_jobs_ranks_serve_its_tenants_next_job_exactly_and_no_other_t
         assert set(y_ranks) == x_ranks, (y_ranks, x_ranks)  # X's processes, no new one and none of Bob's
         assert ray.get(find_pool().stats.remote(), timeout=10)["reused"] == reused_before + 2
         placed = [event_text(e) for e in alice.events(ys["id"]) if e["kind"] == "placed"]
-        assert placed[-1].endswith("2 of 2 ranks from warm spares"), placed
+        assert placed[-1].endswith("2 of 2 ranks from warm spares (2 kept from the tenant's earlier jobs)"), placed
         assert losses(alice, ys["id"]) == losses(bob, bobs["id"])
         assert param_digests(alice, ys["id"]) == param_digests(bob, bobs["id"])
 
@@ -173,6 +173,6 @@ def test_a_finished_jobs_ranks_serve_its_tenants_next_job_exactly_and_no_other_t
         os.kill(y_ranks[0], signal.SIGKILL)
         again = run_clean(alice, y)
         placed = [event_text(e) for e in alice.events(again["id"]) if e["kind"] == "placed"]
-        assert placed[-1].endswith("1 of 2 ranks from warm spares"), placed
+        assert placed[-1].endswith("1 of 2 ranks from warm spares (1 kept from the tenant's earlier jobs)"), placed
         assert y_ranks[1] in {rank_pids(alice, again["id"], rank)[0] for rank in (0, 1)}
         assert losses(alice, again["id"]) == losses(bob, bobs["id"])

@@ -55,6 +55,7 @@ class SpareRank(TrainWorker):
         self._fresh_rng = torch.random.get_rng_state()
         self.warmup_s = time.monotonic() - started
         self.assigned = False
+        self.jobs_served = 0  # jobs this process has served (a returned rank serves its tenant's next one)
 
     def ready(self) -> dict[str, Any]:
         """Where the spare runs and what its warm-up cost (answers once ``__init__`` is done)."""
@@ -79,7 +80,8 @@ class SpareRank(TrainWorker):
         bundle: str = "",
     ) -> int:
         """Become rank ``rank`` of ``job_id``; ``gpu_ids``: the GPU ids Ray reserved for the bundle (none
-        for a bundle without GPUs), ``bundle``: which bundle it is. Returns the rank.
+        for a bundle without GPUs), ``bundle``: which bundle it is. Returns how many
+        jobs this process served before (0: a fresh spare).
 
         A spare serves one job at a time: again only after :meth:`release` (its job finished, and the pool
         hands it to the same tenant's next job).
@@ -97,7 +99,8 @@ class SpareRank(TrainWorker):
             spare=True,
         )
         self.assigned = True
-        return rank
+        served, self.jobs_served = self.jobs_served, self.jobs_served + 1
+        return served
 
     def release(self) -> dict[str, Any]:
         """Leave the finished job, for the same tenant's next one (``service/decisions/returned_ranks.py``):
