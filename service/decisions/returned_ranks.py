@@ -10,9 +10,9 @@ jobs on the same node.
 Only the same tenant's jobs: a process's memory has held the job's weights and data, and freed memory is
 not cleared. Only processes without GPUs: a CUDA context is bound to the GPUs the process saw when it
 started (``workers/rank/spare.py`` says why), so such a process could not serve a bundle with other GPUs.
-The rank decides it can be reused (``SpareRank.release``); this keeps what it gave back within bounds: at
-most ``per_node`` processes per node (the oldest returned goes first) and none idle longer than
-``idle_s``.
+Only after a plain data-parallel job (``SpareRank.release`` says why). The rank decides it can be reused;
+this keeps what it gave back within bounds: at most ``per_node`` processes per node (the oldest returned
+goes first) and none idle longer than ``idle_s``.
 """
 
 from __future__ import annotations

@@ -82,3 +82,35 @@ def test_a_gpu_node_spare_imports_the_compiler_and_a_cpu_node_spare_does_not(tmp
 def test_a_cold_rank_compiles_into_the_nodes_etrain_cache(tmp_path):
     cache = str(tmp_path / "node-compile-cache")
     assert _fresh_python(_COLD_RANK, cache) == {"inductor_cache_dir": cache}
+
+
+_RELEASE = r"""
+import json
+from etrain.workers.protocol.messages import LaunchPlan
+from etrain.workers.protocol.run_config import ParallelConfig
+from etrain.workers.rank.spare import SpareRank
+from tests.equivalence_utils import small_config
+
+answers = {}
+for name, parallel in {"ddp": ParallelConfig(dp=2), "tp": ParallelConfig(dp=2, tp=2), "zero3": ParallelConfig(dp=2, zero=3),
+                       "pp": ParallelConfig(dp=1, pp=2)}.items():
+    spare = SpareRank(gpu_node=False)
+    served = spare.assign(job_id=f"job-{name}", rank=0, world_size=parallel.world_size, supervisor=None)
+    spare._plan = LaunchPlan(attempt=1, config=small_config(parallel=parallel), start_step=0, resume_dir=None)
+    answers[name] = spare.release() | {"served_before": served}
+    if answers[name]["reusable"]:
+        answers[name]["served_again"] = spare.assign(job_id="next", rank=0, world_size=2, supervisor=None)
+print(json.dumps(answers))
+"""
+
+
+def test_only_a_data_parallel_jobs_rank_is_released_for_reuse_and_it_counts_the_jobs_it_served():
+    """A rank of a DDP job may serve its tenant's next job; one that ran DTensor or pipeline stages may not (a reused
+    rank's second identical dp2·tp2 job failed at its first collective on the earlier job's destroyed groups)."""
+    out = subprocess.run([sys.executable, "-c", _RELEASE], capture_output=True, text=True, timeout=300, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    answers = json.loads(out.stdout.strip().splitlines()[-1])
+    assert answers["ddp"]["reusable"] and answers["ddp"]["why"] == "", answers
+    assert answers["ddp"]["served_before"] == 0 and answers["ddp"]["served_again"] == 1, answers
+    for name in ("tp", "zero3", "pp"):
+        assert not answers[name]["reusable"] and "is not plain data parallel" in answers[name]["why"], answers

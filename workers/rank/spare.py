@@ -125,6 +125,15 @@ class SpareRank(TrainWorker):
             return self._released(False, "it runs on GPUs")
         if torch.cuda.is_initialized():
             return self._released(False, "it started CUDA")
+        parallel = self._plan.config.parallel if getattr(self, "_plan", None) is not None else None
+        if parallel is not None and not _plain_data_parallel(parallel):
+            # Only after a data-parallel job (DDP). A process that ran DTensor or pipeline stages keeps
+            # per-process state keyed by meshes that compare equal from one job to the next but hold the
+            # earlier job's destroyed process groups: a reused rank's second identical dp2·tp2 job failed at
+            # its first collective ("Could not resolve the process group registered under the name 12"),
+            # with DTensor's own sharding caches cleared. Until that state is found and reset, such a
+            # process is not reused.
+            return self._released(False, f"its job's layout ({parallel.describe()}) is not plain data parallel")
         self.assigned = False
         self._snapshots, self._drills, self._plan, self._saves, self._log = {}, None, None, None, None
         self._supervisor = None
@@ -140,6 +149,11 @@ class SpareRank(TrainWorker):
 
     def _released(self, reusable: bool, why: str) -> dict[str, Any]:
         return {"pid": os.getpid(), "reusable": reusable, "why": why}
+
+
+def _plain_data_parallel(parallel: Any) -> bool:
+    """Whether a layout is DDP only: no tensor, pipeline, context or expert parallelism, no ZeRO (FSDP2)."""
+    return (parallel.tp, parallel.pp, parallel.cp, parallel.ep, parallel.zero) == (1, 1, 1, 1, 0)
 
 
 #: A returned rank holding more host memory than this after its job is stopped rather than kept idle.
