@@ -10,8 +10,8 @@ jobs on the same node.
 Only the same tenant's jobs: a process's memory has held the job's weights and data, and freed memory is
 not cleared. Only processes without GPUs: a CUDA context is bound to the GPUs the process saw when it
 started (``workers/rank/spare.py`` says why), so such a process could not serve a bundle with other GPUs.
-Only after a plain data-parallel job (``SpareRank.release`` says why). The rank decides it can be reused;
-this keeps what it gave back within bounds: at most ``per_node`` processes per node (the oldest returned
+Only after a plain data-parallel job (:func:`reusable_layout` says why). The rank decides whether its process
+can be reused (``SpareRank.release``); this keeps what it gave back within bounds: at most ``per_node`` processes per node (the oldest returned
 goes first) and none idle longer than ``idle_s``.
 """
 
@@ -37,6 +37,18 @@ def returned_per_node(resources: dict[str, float]) -> int:
     if (resources.get("GPU", 0) or 0) > 0:
         return 0
     return max(0, min(int(resources.get("CPU", 0) or 0), MAX_RETURNED_PER_NODE))
+
+
+def reusable_layout(*, tp: int, pp: int, cp: int, ep: int, zero: int) -> bool:
+    """Whether a finished job's ranks may serve another job: only after plain data parallelism (DDP).
+
+    A process that ran DTensor (TP, CP, EP, ZeRO through FSDP2) or pipeline stages keeps per-process state keyed
+    by meshes that compare equal from one job to the next but hold the earlier job's destroyed process groups:
+    a reused rank's second identical dp2·tp2 job failed at its first collective ("Could not resolve the
+    process group registered under the name 12"), even with DTensor's sharding caches cleared. Until that
+    state is found and reset, such ranks are stopped as before.
+    """
+    return (tp, pp, cp, ep, zero) == (1, 1, 1, 1, 0)
 
 
 @dataclass

@@ -125,15 +125,12 @@ class SparePool:
         ``SpareRank.release`` said it can be reused) for that tenant's next jobs; stops the ones beyond a
         node's bound. Returns how many it kept."""
         now, stop = time.monotonic(), []
-        with self._lock:
-            if self.per_node == 0:
-                stop = [rank["actor"] for rank in ranks]
-            else:
-                for rank in ranks:
-                    bound = self._returned_bounds.get(rank["node"], 0)
-                    stop += self._returned.add(
-                        rank["node"], tenant, rank["actor"], pid=int(rank["pid"]), now=now, per_node=bound
-                    )
+        with self._lock:  # with the pool off, every node's bound is 0: every rank is stopped
+            for rank in ranks:
+                bound = self._returned_bounds.get(rank["node"], 0)
+                stop += self._returned.add(
+                    rank["node"], tenant, rank["actor"], pid=int(rank["pid"]), now=now, per_node=bound
+                )
         for actor in stop:
             _kill(actor)
         return len(ranks) - len(stop)

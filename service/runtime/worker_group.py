@@ -28,6 +28,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from etrain.service.decisions.admission import tp_group_nodes
 from etrain.service.decisions.hangs import Frame, RankWhere
+from etrain.service.decisions.returned_ranks import reusable_layout
 from etrain.service.runtime.spares import NAMESPACE, give_back_spares, take_spares
 from etrain.workers.protocol.errors import CheckpointError, EtrainError, UnhealthyRankError
 from etrain.workers.protocol.messages import RANK_ACTOR_CLASS, ChaosOrder, LaunchPlan, load_actor_class
@@ -255,7 +256,11 @@ class WorkerGroup:
         return actors
 
     def _settle_assignments(
-        self, actors: list[Any] | dict[int, Any], assigning: dict[int, Any], gpu_ids: dict[int, list[str]], attempt=None
+        self,
+        actors: list[Any] | dict[int, Any],
+        assigning: dict[int, Any],
+        gpu_ids: dict[int, list[str]],
+        attempt: int | None = None,
     ) -> int:
         """Wait for the spares' ``assign`` calls (rank -> pending call); a spare that died before it could
         take its rank (stopped while idle, out of memory) is replaced in ``actors`` by a cold rank, as if the
@@ -439,7 +444,6 @@ class WorkerGroup:
             actors[rank], pending = self._rank_actor(rank, spare, bundle_gpu_ids[rank], plan.attempt)
             if pending is not None:
                 assigning[rank] = pending
-        self.actors = [actors[rank] for rank in range(self.world_size)]
         replaced = self._settle_assignments(actors, assigning, bundle_gpu_ids, plan.attempt)
         self.actors = [actors[rank] for rank in range(self.world_size)]
         self.warm_ranks = sum(spare is not None for spare in spares) - replaced
@@ -731,7 +735,10 @@ class WorkerGroup:
         another job: ``SpareRank.release``) and hand the reusable ones back to the pool for this tenant;
         returns the keys of those the pool took. Bounded waits; never raises."""
         ranks = [(rank, actor) for rank, actor in enumerate(self.actors) if _actor_key(actor) in self._from_pool]
-        if not self._tenant or not ranks or self._resources.get("GPU", 0.0):  # ranks on GPUs are never reused
+        parallel = self.plan.config.parallel
+        layout = dict(tp=parallel.tp, pp=parallel.pp, cp=parallel.cp, ep=parallel.ep, zero=parallel.zero)
+        # Ranks on GPUs are never reused (their CUDA context keeps its GPUs), nor after a layout that is not DDP.
+        if not self._tenant or not ranks or self._resources.get("GPU", 0.0) or not reusable_layout(**layout):
             return set()
         try:
             asked = {actor.release.remote(): (rank, actor) for rank, actor in ranks}

@@ -13,6 +13,7 @@ from etrain.service.decisions.returned_ranks import (
     RETURNED_IDLE_S,
     ReturnedRanks,
     returned_per_node,
+    reusable_layout,
 )
 
 
@@ -143,3 +144,11 @@ def test_against_a_brute_force_model_of_the_rules():
             for entry in model:
                 counts[entry[0]] = counts.get(entry[0], 0) + 1
             assert kept.counts() == counts, (trial, op)
+
+
+def test_only_a_plain_data_parallel_jobs_ranks_are_reused():
+    """Every layout of up to 2 per dimension and each ZeRO stage: reusable exactly when it is DDP (tp, pp, cp and
+    ep all 1, zero 0), whatever its dp (dp is not an argument: replicas of DDP hold plain tensors)."""
+    for tp, pp, cp, ep, zero in itertools.product((1, 2), (1, 2), (1, 2), (1, 2), (0, 1, 2, 3)):
+        want = (tp, pp, cp, ep, zero) == (1, 1, 1, 1, 0)
+        assert reusable_layout(tp=tp, pp=pp, cp=cp, ep=ep, zero=zero) is want, (tp, pp, cp, ep, zero)

@@ -110,8 +110,9 @@ class SpareRank(TrainWorker):
 
         What a job leaves in the process is dropped here; the next ``assign`` sets every per-job field anew
         (``TrainWorker.__init__``), and the next attempt leaves no process group behind and seeds its own
-        generators as any attempt does. Kept on purpose: the imported modules and torch's per-process caches
-        (DTensor's sharding strategies, the kernels' set-up), which are the reason to reuse the process.
+        generators as any attempt does. Kept on purpose: the imported modules and the kernels' set-up, which
+        are the reason to reuse the process. Which jobs' ranks are offered at all (no GPUs, a DDP layout) the
+        worker group decides (``service/decisions/returned_ranks.py``).
         Compiled graphs are dropped (``torch._dynamo.reset``): their guards name the last job's modules, and
         a process that kept them through many jobs would reach dynamo's recompile limit and run eagerly.
         """
@@ -125,15 +126,6 @@ class SpareRank(TrainWorker):
             return self._released(False, "it runs on GPUs")
         if torch.cuda.is_initialized():
             return self._released(False, "it started CUDA")
-        parallel = self._plan.config.parallel if getattr(self, "_plan", None) is not None else None
-        if parallel is not None and not _plain_data_parallel(parallel):
-            # Only after a data-parallel job (DDP). A process that ran DTensor or pipeline stages keeps
-            # per-process state keyed by meshes that compare equal from one job to the next but hold the
-            # earlier job's destroyed process groups: a reused rank's second identical dp2·tp2 job failed at
-            # its first collective ("Could not resolve the process group registered under the name 12"),
-            # with DTensor's own sharding caches cleared. Until that state is found and reset, such a
-            # process is not reused.
-            return self._released(False, f"its job's layout ({parallel.describe()}) is not plain data parallel")
         self.assigned = False
         self._snapshots, self._drills, self._plan, self._saves, self._log = {}, None, None, None, None
         self._supervisor = None
@@ -149,11 +141,6 @@ class SpareRank(TrainWorker):
 
     def _released(self, reusable: bool, why: str) -> dict[str, Any]:
         return {"pid": os.getpid(), "reusable": reusable, "why": why}
-
-
-def _plain_data_parallel(parallel: Any) -> bool:
-    """Whether a layout is DDP only: no tensor, pipeline, context or expert parallelism, no ZeRO (FSDP2)."""
-    return (parallel.tp, parallel.pp, parallel.cp, parallel.ep, parallel.zero) == (1, 1, 1, 1, 0)
 
 
 #: A returned rank holding more host memory than this after its job is stopped rather than kept idle.
