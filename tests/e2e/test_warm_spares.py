@@ -147,7 +147,12 @@ def test_a_finished_jobs_ranks_serve_its_tenants_next_job_exactly_and_no_other_t
         admin.as_token(ALICE) as alice,
         admin.as_token(BOB) as bob,
     ):
+        # The earlier test's take holds the refill back REFILL_DELAY_AFTER_TAKE_S: on a fast machine Bob's job
+        # would start its ranks cold (they are the supervisor's, never returned) before the pool has spares.
+        ready_spare_pids(2)
         bobs = run_clean(bob, y)
+        placed = [event_text(e) for e in bob.events(bobs["id"]) if e["kind"] == "placed"]
+        assert placed[-1].endswith("; 2 of 2 ranks from warm spares"), placed  # fresh spares, no kept ones
         bobs_ranks = {rank_pids(bob, bobs["id"], rank)[0] for rank in (0, 1)}
         wait_returned(bobs_ranks)  # they came from the pool and went back to it
 
