@@ -168,7 +168,8 @@ def build_device_mesh(topology: Topology, device_type: str, *, dp_replicate: int
 
     The caller owns the default process group: it must already be initialized (with
     ``backend_for(device_type)``) and span exactly ``topology.world_size`` ranks. Every rank
-    must call this collectively, since creating the per-axis groups is a collective.
+    must call this collectively, since creating the per-axis groups is a collective. Torch's caches of
+    earlier meshes in this process are dropped first (:func:`forget_mesh_state` says why).
     """
     if not dist.is_initialized():
         raise RuntimeError(
@@ -182,6 +183,7 @@ def build_device_mesh(topology: Topology, device_type: str, *, dp_replicate: int
             f"{world_size}; choose degrees whose product is {world_size}"
         )
     validate_dp_replicate(topology.dp, dp_replicate)
+    forget_mesh_state()  # an earlier job's or attempt's mesh in this process must not answer for this one
     expert_root = None
     if ep > 1:
         if topology.dp % ep:
@@ -212,3 +214,31 @@ def mesh_group_ranks(mesh: ParallelMesh, axis: str) -> tuple[int, ...]:
     if axis not in _NAMES:
         raise TopologyError(f"axis must be one of {_NAMES}, got {axis!r}")
     return tuple(dist.get_process_group_ranks(mesh.get_group(axis)))
+
+
+def forget_mesh_state() -> None:
+    """Drop torch's DTensor caches that hold device meshes, before a process builds a new mesh for a new job
+    or attempt on new process groups (an in-place repair's survivors, a rank process reused by its tenant).
+
+    Why by hand: ``DeviceMesh`` equality is by ranks, layout, dimension names and creating thread, not by the
+    process groups it holds, so the caches below answer a new mesh with objects made for an equal mesh of
+    an earlier job, whose groups were destroyed: the first collective then fails with "Could not resolve
+    the process group registered under the name N" wherever the new groups got other names (another
+    number of groups created before the mesh). Torch offers no single reset (2.13); each cache is cleared
+    where torch exposes it, and a cache torch has moved or renamed is skipped, not an error:
+    ``tests/integration/test_mesh_reuse.py`` fails if one that matters is missed.
+    """
+    import torch
+    from torch.distributed.tensor import DTensor, _redistribute
+
+    _redistribute.clear_redistribute_planner_cache()  # planners keep their mesh and flattened meshes
+    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_native is not None:  # the C++ dispatch fast path's cache of output specs (their meshes)
+        clear_native()
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    for cached in (
+        getattr(getattr(propagator, "propagate_op_sharding", None), "cache", None),  # this thread's
+        getattr(propagator, "_propagate_tensor_meta_cached", None),
+    ):
+        if cached is not None and hasattr(cached, "cache_clear"):
+            cached.cache_clear()
