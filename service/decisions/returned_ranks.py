@@ -1,7 +1,7 @@
 """Rank processes a finished job gave back to the warm pool, kept for its tenant's next jobs (pure).
 
-Why: a rank's process costs a Python start, ``import torch`` and the engine's first-step caches (DTensor's
-sharding propagation, the optimizer's kernels): 4-7 s of a core on a 2-core machine, paid by every rank of
+Why: a rank's process costs a Python start, ``import torch`` and the engine's first-step set-up (the
+optimizer's and the kernels'): 4-7 s of a core on a 2-core machine, paid by every rank of
 every job even where a warm spare hides it from the start-up (the pool refills the spare, which pays it
 again). A tenant's jobs often come one after another (a sweep, a resubmit, CI), so the processes of a job
 that finished cleanly go back to the pool (``service/runtime/spares.py``) and serve that tenant's next
@@ -10,9 +10,9 @@ jobs on the same node.
 Only the same tenant's jobs: a process's memory has held the job's weights and data, and freed memory is
 not cleared. Only processes without GPUs: a CUDA context is bound to the GPUs the process saw when it
 started (``workers/rank/spare.py`` says why), so such a process could not serve a bundle with other GPUs.
-Only after a plain data-parallel job (:func:`reusable_layout` says why). The rank decides whether its process
-can be reused (``SpareRank.release``); this keeps what it gave back within bounds: at most ``per_node`` processes per node (the oldest returned
-goes first) and none idle longer than ``idle_s``.
+Not after context or expert parallelism (:func:`reusable_layout` says why). The rank decides whether its
+process can be reused (``SpareRank.release``); this keeps what it gave back within bounds: at most
+``per_node`` processes per node (the oldest returned goes first) and none idle longer than ``idle_s``.
 """
 
 from __future__ import annotations
@@ -40,15 +40,19 @@ def returned_per_node(resources: dict[str, float]) -> int:
 
 
 def reusable_layout(*, tp: int, pp: int, cp: int, ep: int, zero: int) -> bool:
-    """Whether a finished job's ranks may serve another job: only after plain data parallelism (DDP).
+    """Whether a finished job's ranks may serve another job: after DDP, TP, ZeRO/FSDP2 and pipeline layouts,
+    not after context or expert parallelism.
 
-    A process that ran DTensor (TP, CP, EP, ZeRO through FSDP2) or pipeline stages keeps per-process state keyed
-    by meshes that compare equal from one job to the next but hold the earlier job's destroyed process groups:
-    a reused rank's second identical dp2·tp2 job failed at its first collective ("Could not resolve the
-    process group registered under the name 12"), even with DTensor's sharding caches cleared. Until that
-    state is found and reset, such ranks are stopped as before.
+    TP, FSDP2 and pipeline stages leave torch's DTensor caches keyed by meshes that compare equal from one job
+    to the next but hold the earlier job's destroyed process groups; ``build_device_mesh`` drops them
+    (``workers/engine/mesh.py``: ``forget_mesh_state``), which ``tests/integration/test_mesh_reuse.py`` proves
+    for dp2·tp2·ZeRO-3 and pp2·dp2·ZeRO-3. Context parallelism (torch's ring attention, which swaps the
+    attention function for the job's sequence shards) and expert parallelism (the MoE token exchange) have not
+    been run twice in one process by any test yet, so their ranks are stopped as before. ``tp``, ``pp`` and
+    ``zero`` are arguments so the rule reads as a whole layout.
     """
-    return (tp, pp, cp, ep, zero) == (1, 1, 1, 1, 0)
+    del tp, pp, zero  # reusable at any degree and stage
+    return cp == 1 and ep == 1
 
 
 @dataclass

@@ -737,7 +737,7 @@ class WorkerGroup:
         ranks = [(rank, actor) for rank, actor in enumerate(self.actors) if _actor_key(actor) in self._from_pool]
         parallel = self.plan.config.parallel
         layout = dict(tp=parallel.tp, pp=parallel.pp, cp=parallel.cp, ep=parallel.ep, zero=parallel.zero)
-        # Ranks on GPUs are never reused (their CUDA context keeps its GPUs), nor after a layout that is not DDP.
+        # Ranks on GPUs are never reused (their CUDA context keeps its GPUs), nor after context or expert parallelism.
         if not self._tenant or not ranks or self._resources.get("GPU", 0.0) or not reusable_layout(**layout):
             return set()
         try:
