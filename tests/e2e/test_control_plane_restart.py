@@ -66,7 +66,10 @@ def test_a_killed_supervisor_is_recreated_from_the_last_checkpoint(local_ray, tm
     from etrain.service.runtime.spares import find_pool
     from etrain.service.runtime.supervisor_actor import find_supervisor
 
-    with control_plane(tmp_path) as plane:
+    # A tenant of its own: ranks an earlier test's job gave back (the pool outlives control planes) would
+    # serve the admin's job instead of the warm spares this test follows.
+    token = "lost-supervisor-tenant-token-5d0e"
+    with control_plane(tmp_path, tenant_tokens={"lost": token}) as admin, admin.as_token(token) as plane:
         pool = find_pool()
         handed_before = set(ray.get(pool.stats.remote(), timeout=10)["handed_pids"])
         # 120 steps (not 400): the kill lands within a second of the commit at step 40 being seen, at most a

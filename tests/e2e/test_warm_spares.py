@@ -17,10 +17,11 @@ import time
 import pytest
 
 from etrain.service.runtime.spares import find_pool
-from tests.chaos.conftest import clean_run, losses, param_digests, rank_pids, recover, run_clean, spec
+from tests.chaos.conftest import clean_run, losses, param_digests, rank_pids, run_clean, spec
 from tests.service_harness import control_plane, event_kinds, event_text
 
 CLEAN = "clean-run-tenant-token-3f9a"
+WARM = "warm-spares-tenant-token-81c2"
 
 pytestmark = pytest.mark.slow
 
@@ -45,9 +46,12 @@ def ready_spare_pids(count: int, timeout_s: float = 90, *, exactly: bool = False
 def test_first_launch_and_replacement_run_in_warm_spares_and_end_like_the_clean_run(local_ray, tmp_path):
     # Three spares on the one node: a DP2 launch takes two and leaves one ready for the replacement,
     # whatever the refill's pace on a loaded machine.
+    # The recovered run is a tenant of its own: ranks an earlier test's job gave back within RETURNED_IDLE_S
+    # (the pool outlives control planes) would serve the admin's jobs instead of the ready spares.
     with (
-        control_plane(tmp_path, warm_spares_per_node=3, tenant_tokens={"clean": CLEAN}) as plane,
-        plane.as_token(CLEAN) as other_tenant,
+        control_plane(tmp_path, warm_spares_per_node=3, tenant_tokens={"clean": CLEAN, "warm": WARM}) as admin,
+        admin.as_token(CLEAN) as other_tenant,
+        admin.as_token(WARM) as plane,
     ):
         body = spec("warm-dp2", steps=24)
         # The same spec as tests/chaos' and test_in_place_repair's clean runs, as another tenant: its ranks go back
@@ -55,7 +59,10 @@ def test_first_launch_and_replacement_run_in_warm_spares_and_end_like_the_clean_
         clean = clean_run(other_tenant, body)
 
         first = ready_spare_pids(3)
-        final, events = recover(plane, body, {"action": "kill_rank", "rank": 1, "at_step": 10})
+        job = plane.submit(body)
+        admin.chaos(job["id"], action="kill_rank", rank=1, at_step=10)  # fault injection is the operator's
+        final, events = plane.wait_terminal(job["id"], timeout_s=300), plane.events(job["id"])
+        assert final["status"] == "SUCCEEDED", final
         assert final["restarts"] == 1
         assert "worker_failed" in event_kinds(events) and "restored" in event_kinds(events)
         placed = [event_text(e) for e in events if e["kind"] == "placed"]
