@@ -559,6 +559,11 @@ def apply_ep(module: nn.Module, dims: ParallelDims) -> None:
         layer.ep_group = group
 
 
+#: The most bytes of expert gradients reduced in one collective (:func:`reduce_expert_grads`): few enough
+#: launches that a 48-layer MoE pays a handful, not one per weight per group, and a bounded extra copy.
+EXPERT_GRAD_BUCKET_BYTES = 64 << 20
+
+
 @torch.no_grad()
 def reduce_expert_grads(modules: Iterable[nn.Module], dims: ParallelDims) -> None:
     """After the step's backward (every micro-batch): each expert gradient summed over the ``edp`` ranks
@@ -566,18 +571,48 @@ def reduce_expert_grads(modules: Iterable[nn.Module], dims: ParallelDims) -> Non
     local expert gradient is the sum over the tokens its ep peers routed to it of their micro-batch losses'
     gradients (``loss / micro-batches`` on each), so the sum over ``edp`` and ``cp`` covers every (dp, cp)
     rank once and ``/ dp · cp`` makes it the mean, exactly what DDP's and FSDP2's averages over dp·cp give
-    every other parameter (and one process gives all of them)."""
+    every other parameter (and one process gives all of them).
+
+    Written here because DDP's and FSDP2's reducers leave these weights out (they are DTensors over the expert
+    mesh): the gradients are reduced in flat buckets of at most :data:`EXPERT_GRAD_BUCKET_BYTES` (one dtype
+    and device each), as DDP's reducer does for its own, so a step pays a few collectives per group instead
+    of one per weight."""
     if not dims.ep_enabled:
         return
     groups = [dims.mesh.get_group(axis) for axis in ("edp", "cp") if getattr(dims, axis) > 1]
-    for module in modules:
-        for param in expert_parameters(module):
-            if param.grad is None:
-                continue
-            local = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
-            for group in groups:
-                dist.all_reduce(local, group=group)
-            local.div_(dims.dp_cp)
+    grads = [
+        param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+        for module in modules
+        for param in expert_parameters(module)
+        if param.grad is not None
+    ]
+    for bucket in _buckets(grads, EXPERT_GRAD_BUCKET_BYTES):
+        flat = bucket[0] if len(bucket) == 1 else torch.cat([grad.reshape(-1) for grad in bucket])
+        for group in groups:
+            dist.all_reduce(flat, group=group)
+        flat.div_(dims.dp_cp)
+        if len(bucket) > 1:
+            offset = 0
+            for grad in bucket:
+                grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+                offset += grad.numel()
+
+
+def _buckets(tensors: list[torch.Tensor], cap_bytes: int) -> Iterator[list[torch.Tensor]]:
+    """``tensors`` in order, as runs of one dtype and device of at most ``cap_bytes`` together (a tensor
+    larger than the cap is a run of its own)."""
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        fits = bucket and bucket[0].dtype == tensor.dtype and bucket[0].device == tensor.device
+        if bucket and (not fits or size + nbytes > cap_bytes):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(tensor)
+        size += nbytes
+    if bucket:
+        yield bucket
 
 
 # -- data parallelism ----------------------------------------------------------------------------
