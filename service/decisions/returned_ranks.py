@@ -10,7 +10,9 @@ jobs on the same node.
 Only the same tenant's jobs: a process's memory has held the job's weights and data, and freed memory is
 not cleared. Only processes without GPUs: a CUDA context is bound to the GPUs the process saw when it
 started (``workers/rank/spare.py`` says why), so such a process could not serve a bundle with other GPUs.
-Not after context or expert parallelism (:func:`reusable_layout` says why). The rank decides whether its
+After any layout: nothing a job's parallelism sets up outlives it in the process
+(``tests/integration/test_mesh_reuse.py`` trains every kind of layout twice in the same processes, and ring
+attention and the experts' exchange one after the other, bit for bit). The rank decides whether its
 process can be reused (``SpareRank.release``); this keeps what it gave back within bounds: at most
 ``per_node`` processes per node (the oldest returned goes first) and none idle longer than ``idle_s``.
 """
@@ -37,22 +39,6 @@ def returned_per_node(resources: dict[str, float]) -> int:
     if (resources.get("GPU", 0) or 0) > 0:
         return 0
     return max(0, min(int(resources.get("CPU", 0) or 0), MAX_RETURNED_PER_NODE))
-
-
-def reusable_layout(*, tp: int, pp: int, cp: int, ep: int, zero: int) -> bool:
-    """Whether a finished job's ranks may serve another job: after DDP, TP, ZeRO/FSDP2 and pipeline layouts,
-    not after context or expert parallelism.
-
-    TP, FSDP2 and pipeline stages leave torch's DTensor caches keyed by meshes that compare equal from one job
-    to the next but hold the earlier job's destroyed process groups; ``build_device_mesh`` drops them
-    (``workers/engine/mesh.py``: ``forget_mesh_state``), which ``tests/integration/test_mesh_reuse.py`` proves
-    for dp2·tp2·ZeRO-3 and pp2·dp2·ZeRO-3. Context parallelism (torch's ring attention, which swaps the
-    attention function for the job's sequence shards) and expert parallelism (the MoE token exchange) have not
-    been run twice in one process by any test yet, so their ranks are stopped as before. ``tp``, ``pp`` and
-    ``zero`` are arguments so the rule reads as a whole layout.
-    """
-    del tp, pp, zero  # reusable at any degree and stage
-    return cp == 1 and ep == 1
 
 
 @dataclass

@@ -28,7 +28,6 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from etrain.service.decisions.admission import tp_group_nodes
 from etrain.service.decisions.hangs import Frame, RankWhere
-from etrain.service.decisions.returned_ranks import reusable_layout
 from etrain.service.runtime.spares import NAMESPACE, give_back_spares, take_spares
 from etrain.workers.protocol.errors import CheckpointError, EtrainError, UnhealthyRankError
 from etrain.workers.protocol.messages import RANK_ACTOR_CLASS, ChaosOrder, LaunchPlan, load_actor_class
@@ -735,10 +734,8 @@ class WorkerGroup:
         another job: ``SpareRank.release``) and hand the reusable ones back to the pool for this tenant;
         returns the keys of those the pool took. Bounded waits; never raises."""
         ranks = [(rank, actor) for rank, actor in enumerate(self.actors) if _actor_key(actor) in self._from_pool]
-        parallel = self.plan.config.parallel
-        layout = dict(tp=parallel.tp, pp=parallel.pp, cp=parallel.cp, ep=parallel.ep, zero=parallel.zero)
-        # Ranks on GPUs are never reused (their CUDA context keeps its GPUs), nor after context or expert parallelism.
-        if not self._tenant or not ranks or self._resources.get("GPU", 0.0) or not reusable_layout(**layout):
+        # Ranks on GPUs are never reused (their CUDA context keeps its GPUs); any layout's ranks are.
+        if not self._tenant or not ranks or self._resources.get("GPU", 0.0):
             return set()
         try:
             asked = {actor.release.remote(): (rank, actor) for rank, actor in ranks}

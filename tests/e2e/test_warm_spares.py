@@ -144,12 +144,20 @@ def wait_returned(pids: set[int], timeout_s: float = 60) -> None:
 
 
 def test_a_finished_jobs_ranks_serve_its_tenants_next_job_exactly_and_no_other_tenants(local_ray, tmp_path):
-    """Bob's job trains Y (tp=2) in fresh spares; Alice's job X (DDP) gets fresh spares too (never Bob's
-    returned ranks); then Alice's Y runs in X's very processes and ends with Bob's losses and parameters, bit
+    """Bob's job trains Y (tp=2) in fresh spares; Alice's job X (context parallel: ring attention) gets fresh
+    spares too (never Bob's returned ranks); then Alice's Y runs in X's very processes and ends with Bob's losses and parameters, bit
     for bit: a reused process carries nothing of its last job into the numbers. Y once more, in Y's own
     processes (the same mesh a second time), gives them again."""
     y = spec("y", steps=8, dp=1, tp=2)  # tensor parallel: a second run of one mesh in one process (its DTensor caches)
-    x = spec("x", steps=6, model={"d_model": 16, "n_layers": 1}, data={"seed": 9}, training={"seed": 2})
+    x = spec(
+        "x",
+        steps=6,
+        dp=1,
+        parallelism={"cp": 2},
+        model={"d_model": 16, "n_layers": 1},
+        data={"seed": 9},
+        training={"seed": 2},
+    )
     with (
         control_plane(tmp_path, warm_spares_per_node=2, tenant_tokens={"alice": ALICE, "bob": BOB}) as admin,
         admin.as_token(ALICE) as alice,

@@ -13,7 +13,6 @@ from etrain.service.decisions.returned_ranks import (
     RETURNED_IDLE_S,
     ReturnedRanks,
     returned_per_node,
-    reusable_layout,
 )
 
 
@@ -144,11 +143,3 @@ def test_against_a_brute_force_model_of_the_rules():
             for entry in model:
                 counts[entry[0]] = counts.get(entry[0], 0) + 1
             assert kept.counts() == counts, (trial, op)
-
-
-def test_ranks_are_reused_after_any_layout_but_context_or_expert_parallel_ones():
-    """Every layout of up to 2 per dimension and each ZeRO stage: reusable exactly when it has no context and
-    no expert parallelism, whatever its tp, pp and ZeRO stage (dp is not an argument)."""
-    for tp, pp, cp, ep, zero in itertools.product((1, 2), (1, 2), (1, 2), (1, 2), (0, 1, 2, 3)):
-        want = cp == 1 and ep == 1
-        assert reusable_layout(tp=tp, pp=pp, cp=cp, ep=ep, zero=zero) is want, (tp, pp, cp, ep, zero)

@@ -111,7 +111,7 @@ class SpareRank(TrainWorker):
         What a job leaves in the process is dropped here; the next ``assign`` sets every per-job field anew
         (``TrainWorker.__init__``), and the next attempt leaves no process group behind and seeds its own
         generators as any attempt does. Kept on purpose: the imported modules and the kernels' set-up, which
-        are the reason to reuse the process. Which jobs' ranks are offered at all (no GPUs, a DDP layout) the
+        are the reason to reuse the process. Which jobs' ranks are offered at all (those without GPUs) the
         worker group decides (``service/decisions/returned_ranks.py``).
         Compiled graphs are dropped (``torch._dynamo.reset``): their guards name the last job's modules, and
         a process that kept them through many jobs would reach dynamo's recompile limit and run eagerly.
