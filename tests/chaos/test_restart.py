@@ -333,7 +333,7 @@ def test_async_checkpoints_commit_and_restore_like_sync_ones(shared_plane, clean
 
 def test_a_full_disk_abandons_saves_with_a_clear_event_and_the_job_goes_on_to_succeed(shared_plane, clean, tmp_path):
     """Issue #16: checkpoint.path on a real 4 MiB tmpfs that a filler file has filled. Under
-    ``every_steps: auto`` (a tiny MTBF, so Young-Daly asks for a save every 10 steps) the first save is
+    ``every_steps: auto`` (a tiny MTBF, so Young-Daly asks for a save every 10 steps, its floor) the first save is
     refused with a checkpoint_failed event that says why; training goes on; once the filler is gone the
     next saves commit and the job ends SUCCEEDED on the clean run's losses."""
     import os
@@ -346,12 +346,14 @@ def test_a_full_disk_abandons_saves_with_a_clear_event_and_the_job_goes_on_to_su
         filler = disk / "filler"
         stat = os.statvfs(disk)
         filler.write_bytes(b"\0" * (stat.f_bavail * stat.f_frsize - 64 * 1024))  # 64 KiB left
-        # A 0.72 s MTBF: Young-Daly asks for a save at the floor of every 10 steps, so the first one (refused)
-        # comes early and the next ones, after the filler is gone, well before the final save.
+        # A 0.072 s MTBF: Young-Daly asks for a save at the floor of every 10 steps (sqrt(2 x 1 s x 0.072 s) =
+        # 0.38 s: 10 steps unless a step takes under 38 ms; at 0.72 s, kept ranks' 50 ms steps made it 23, and
+        # the only save was the final one), so the first one (refused) comes early and the next ones, after
+        # the filler is gone, well before the final save.
         body = spec(
             "full-disk-dp2",
             checkpoint={"every_steps": "auto", "path": str(disk / "ckpt")},
-            fault_tolerance={"mtbf_hours": 0.0002},
+            fault_tolerance={"mtbf_hours": 0.00002},
         )
         job = plane.submit(body)
         plane.chaos(job["id"], action="slow_rank", rank=0, factor=8.0, at_step=1)  # time to free the disk
@@ -373,15 +375,15 @@ def test_a_full_disk_abandons_saves_with_a_clear_event_and_the_job_goes_on_to_su
     assert all("MiB free" in text and "training continues" in text for text in refused), refused
     assert "the last committed checkpoint stays nothing" in refused[0]
     interval = [event_text(e) for e in events if e["kind"] == "checkpoint_interval"]
-    # Before any save is measured: sqrt(2 x 1 s assumed x 0.72 s) = 1.2 s (at least 10 steps, however fast a
+    # Before any save is measured: sqrt(2 x 1 s assumed x 0.072 s) = 0.38 s (at least 10 steps, however fast a
     # step is); later ones use the measured saves.
     assert interval and re.match(
-        r"every \d+ steps \(~1s at [0-9.]+s/step\): Young-Daly sqrt\(2 x 1.00s x "
-        r"MTBF 0.0002h\), assumed save blocking",
+        r"every \d+ steps \(~\d+s at [0-9.]+s/step\): Young-Daly sqrt\(2 x 1.00s x "
+        r"MTBF 2e-05h\), assumed save blocking",
         interval[0],
     ), interval
     assert all(
-        re.match(r"every \d+ steps \(~\d+s at [0-9.]+s/step\): Young-Daly sqrt\(2 x [0-9.]+s x MTBF 0.0002h\)", text)
+        re.match(r"every \d+ steps \(~\d+s at [0-9.]+s/step\): Young-Daly sqrt\(2 x [0-9.]+s x MTBF 2e-05h\)", text)
         for text in interval
     ), interval
     committed = [
