@@ -167,10 +167,18 @@ def recovery_figures(
         )
         for system in SYSTEMS
     }
-    note = (
-        "Peer-memory state restores the last committed step (step 10), as a checkpoint does, so the steps "
-        "since it are recomputed either way; what it saves is the read from storage."
-    )
+    etrain_recomputed = samples("etrain_installed", "recomputed")
+    if etrain_recomputed and max(etrain_recomputed) == 0:
+        note = (
+            f"etrain resumes from the survivor's live state at the step of the kill (DDP: its replica serves the "
+            f"replacement), so no step is run twice; the peers restart from their last checkpoint (step "
+            f"{last_checkpoint})."
+        )
+    else:
+        note = (
+            f"etrain's repair resumed from the last committed step (step {last_checkpoint}) in some runs, as a "
+            "checkpoint does, so the steps since it were recomputed there."
+        )
     if lost["ray_train"]:
         note += (
             f" Ray Train restarted from step 0 in {lost['ray_train']} of {len(runs['ray_train'])} runs: its "

@@ -69,6 +69,9 @@ class Start:
 class GroupReady:
     attempt: int
     world_size: int
+    #: The step the ranks resume from: the plan's (the last committed step, 0 fresh) or, after an in-place
+    #: repair, a later one they held in memory (``workers/protocol/memory_resume.py``); None: the plan's.
+    start_step: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

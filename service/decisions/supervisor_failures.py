@@ -92,12 +92,13 @@ def _can_repair(state: SupervisorState, rank: int, config: SupervisorConfig) -> 
 
 
 def _repair(state: SupervisorState, now: float, config: SupervisorConfig, rank: int, what: str) -> Decision:
-    """Spend a restart, keep every other rank's process, replace ``rank``, resume the last commit."""
+    """Spend a restart, keep every other rank's process, replace ``rank``, resume the last commit, or a later
+    step the ranks still hold in memory (they agree on it when they restore: ``workers/protocol/memory_resume.py``)."""
     step = state.last_committed_step
     repaired = next_attempt_in_place(state, now, status=Status.RECOVERING, restarts_used=state.restarts_used + 1)
     detail = (
         f"restart {repaired.restarts_used}/{config.policy.max_restarts} in place: rank {rank} replaced, the other "
-        f"ranks kept, resuming step {step}"
+        f"ranks kept, resuming step {step} or a later step the ranks hold in memory"
     )
     actions: list[Action] = [
         RecordEvent(kind="worker_failed", detail=what),

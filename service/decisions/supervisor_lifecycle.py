@@ -70,7 +70,14 @@ def on_group_ready(
             [],
         )
     kind = _READY_KIND[state.status]
-    resumed = "fresh start" if state.last_committed_step is None else f"from step {state.last_committed_step}"
+    committed = state.last_committed_step
+    start = event.start_step if event.start_step is not None else committed
+    if start is None:
+        resumed = "fresh start"
+    elif committed is not None and start > committed:  # the survivors' memory held a later step: none recomputed
+        resumed = f"from step {start} (in memory; step {committed} committed)"
+    else:
+        resumed = f"from step {start}"
     detail = f"attempt {state.attempt}: dp={state.dp} world_size={expected}, {resumed}"
     if state.status is Status.RESIZING:
         detail += f"; {state.resize_note or 'relaunched'}"
@@ -80,6 +87,7 @@ def on_group_ready(
         status=Status.RUNNING,
         group=GroupPhase.UP,
         group_since=now,
+        step=max(state.step, start or 0),
         last_progress_at=now,
         hang_asked_at=None,
         capacity_wait_since=None,

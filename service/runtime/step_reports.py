@@ -52,6 +52,7 @@ class StepReports:
         self._rows: list[dict[str, Any]] = []
         self._seq = 0
         self._calls = 0  # report_steps calls taken in (one per batch from rank 0, not per rank per step)
+        self._reported: dict[int, int] = {}  # attempt -> the newest step it reported (completed steps)
         self._detector = self._new_detector(parallel)
         #: The job's newest step, loss and throughput (the job's fields in ``updates``).
         self.latest: dict[str, Any] = {}
@@ -71,6 +72,34 @@ class StepReports:
     def called(self) -> None:
         """One ``report_steps`` call arrived (counted whatever its attempt)."""
         self._calls += 1
+
+    def arrived(self, attempt: int, records: list[dict]) -> None:
+        """A batch of ``attempt`` arrived (on Ray's method thread, before the control thread takes it in): so
+        :meth:`reported_through` counts it at once. Rank 0 sends its batches in order, one caller, so what
+        arrived of an attempt is every step from its start to the newest."""
+        if records:
+            newest = max(int(record["step"]) + 1 for record in records)
+            with self._lock:
+                self._reported[attempt] = max(newest, self._reported.get(attempt, 0))
+
+    def reported_through(self, attempt: int) -> int | None:
+        """The newest step ``attempt`` reported (completed steps), or None if it reported none."""
+        with self._lock:
+            return self._reported.get(attempt)
+
+    def keep_late(self, attempt: int, metrics: dict, *, now: float) -> None:
+        """A step of an attempt the job has left, reported after it ended (rank 0 sends what it still held
+        when its attempt failed): its row is kept, since an in-place repair may resume after it from the
+        ranks' memory and never run it again (a later attempt's row of the same step replaces it). It is
+        not progress of the current attempt, and no straggler is judged on it."""
+        row = {key: metrics.get(key) for key in _ROW_FIELDS}
+        row.update(step=int(metrics["step"]) + 1, attempt=attempt, ts=now)
+        with self._lock:
+            self._seq += 1
+            row["seq"] = self._seq
+            self._rows.append(row)
+            if len(self._rows) > MAX_STEP_HISTORY:
+                del self._rows[: len(self._rows) - MAX_STEP_HISTORY]
 
     def take(
         self, attempt: int, metrics: dict, *, world_size: int, node_of: Callable[[int], str], now: float

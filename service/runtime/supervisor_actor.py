@@ -172,7 +172,9 @@ class JobSupervisor:
         # before its "cancelled" event is recorded would end the job (and its supervisor) without it.
         self._decide_lock = threading.RLock()
         self._group: WorkerGroup | None = None
-        self._ready: dict[int, dict[int, str | None]] = {}  # attempt -> ready rank -> where its state came from
+        # attempt -> ready rank -> (where its state came from, the step it resumes from)
+        self._ready: dict[int, dict[int, tuple[str | None, int | None]]] = {}
+        self._attempt_starts: dict[int, int] = {}  # attempt -> the step its ranks resumed from (once all ready)
         self._metrics = JobMetrics(job_id)
         self._steps = StepReports(
             stragglers=policy.stragglers,
@@ -207,13 +209,15 @@ class JobSupervisor:
     # --- reports from ranks (any thread) ---------------------------------------------------------
 
     def report_ready(self, attempt: int, rank: int, node_info: dict) -> None:
-        """A rank of ``attempt`` is set up and restored; ``node_info["state_source"]`` says from where."""
-        self._inbox.put(("ready", attempt, rank, node_info.get("state_source")))
+        """A rank of ``attempt`` is set up and restored; ``node_info["state_source"]`` says from where and
+        ``node_info["start_step"]`` at which step."""
+        self._inbox.put(("ready", attempt, rank, node_info.get("state_source"), node_info.get("start_step")))
 
     def report_steps(self, attempt: int, records: list[dict]) -> None:
         """Rank 0's batch of completed steps (``workers/rank/report_batch.py``), each its ``StepMetrics`` plus
         every rank's timings under ``ranks`` (from the step-boundary exchange): the only per-step call a
         job makes, so one actor keeps up with any number of ranks. It is also the job's heartbeat."""
+        self._steps.arrived(attempt, records)
         self._inbox.put(("steps", attempt, records))
 
     def report_stats(self) -> dict[str, int]:
@@ -366,11 +370,11 @@ class JobSupervisor:
             return
         kind = item[0]
         if kind == "ready":
-            _, attempt, rank, source = item
+            _, attempt, rank, source, start_step = item
             if attempt != self.state.attempt:
                 return
             ranks = self._ready.setdefault(attempt, {})
-            ranks[rank] = source
+            ranks[rank] = (source, start_step)
             if len(ranks) == self.sm_config.world_size(self.state.dp):
                 nodes = self._group.nodes if self._group is not None else {}
                 warm = self._group.warm_ranks if self._group is not None else 0
@@ -387,10 +391,14 @@ class JobSupervisor:
                     + (f" ({reused} kept from the tenant's earlier jobs)" if reused else "")
                     + (f"; tp group(s) of ranks {', '.join(straddling)} span nodes" if straddling else ""),
                 )
-                self._record_state_sources(attempt, ranks)
+                starts = {start for _, start in ranks.values() if start is not None}
+                start = max(starts) if starts else None  # the ranks agreed on it: one value
+                if start is not None:
+                    self._attempt_starts[attempt] = start
+                self._record_state_sources(attempt, {r: source for r, (source, _) in ranks.items()}, start)
                 if self._drills is not None and self._group is not None:
                     self._drills.deliver(self._group)  # orders that arrived while the group launched
-                self._apply(GroupReady(attempt=attempt, world_size=len(ranks)), now)
+                self._apply(GroupReady(attempt=attempt, world_size=len(ranks), start_step=start), now)
         elif kind == "steps":
             _, attempt, records = item
             self._steps.called()
@@ -403,6 +411,9 @@ class JobSupervisor:
                         ):
                             self._apply(event, now)
                     self._steps.show(records[-1], attempt=attempt, restarts=self.state.restarts_used)
+            elif records and attempt < self.state.attempt:  # the failed attempt's last steps, sent as it ended
+                for record in records:
+                    self._steps.keep_late(attempt, record, now=now)
         elif kind == "checkpoint":
             _, attempt, rank, completed, report = item
             if attempt == self.state.attempt:
@@ -557,15 +568,24 @@ class JobSupervisor:
         self._record(
             "repairing",
             f"attempt {action.attempt}: rank {action.lost_rank} replaced in place, the other "
-            f"{action.world_size - 1} ranks kept, resuming from step {step}",
+            f"{action.world_size - 1} ranks kept, resuming from step {step} or a later step held in memory",
         )
         if group is None or group.world_size != action.world_size:
             self._inbox.put(RepairFailed(attempt=action.attempt, reason="no running group to repair"))
             return
 
+        failed = action.attempt - 1
+        started = self._attempt_starts.get(failed)
+
+        def memory_limit() -> int:
+            """The newest step the ranks may resume at from memory: the failed attempt's last reported step
+            (its start where it reported none), never before the committed one."""
+            reported = self._steps.reported_through(failed)
+            return max(step or 0, reported if reported is not None else -1, started if started is not None else -1)
+
         def repair() -> None:
             try:
-                group.repair(action.lost_rank, plan)
+                group.repair(action.lost_rank, plan, memory_limit=memory_limit)
             except Exception as err:
                 self._inbox.put(RepairFailed(attempt=action.attempt, reason=f"{type(err).__name__}: {err}"))
 
@@ -615,7 +635,7 @@ class JobSupervisor:
             may_grow=self.policy.max_dp > config.parallel.dp,
         )
 
-    def _record_state_sources(self, attempt: int, sources: dict[int, str | None]) -> None:
+    def _record_state_sources(self, attempt: int, sources: dict[int, str | None], start: int | None) -> None:
         """One event saying where every rank's restored state came from (a resume only)."""
         by_source: dict[str, list[int]] = {}
         for rank, source in sorted(sources.items()):
@@ -625,7 +645,7 @@ class JobSupervisor:
             return
         self._record(
             "state_restored",
-            f"attempt {attempt}, step {self.state.step}: "
+            f"attempt {attempt}, step {self.state.step if start is None else start}: "
             + "; ".join(f"ranks {','.join(map(str, ranks))} from {source}" for source, ranks in by_source.items()),
         )
 

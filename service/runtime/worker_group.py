@@ -350,7 +350,7 @@ class WorkerGroup:
 
     # --- repair in place ------------------------------------------------------------------------
 
-    def repair(self, lost_rank: int, plan: LaunchPlan) -> None:
+    def repair(self, lost_rank: int, plan: LaunchPlan, *, memory_limit: Callable[[], int] | None = None) -> None:
         """Run ``plan`` (the next attempt) on the same placement group: every rank but ``lost_rank``
         keeps its actor (its process, its memory: it restores the committed step it saved itself),
         and ``lost_rank`` gets a new one (a warm spare where the pool has one).
@@ -358,9 +358,14 @@ class WorkerGroup:
         The survivors' ``run`` of the failed attempt must have returned first (their collectives
         failed with the dead peer): one that does not within SURVIVOR_EXIT_TIMEOUT_S, or that died
         too, makes the repair fail (:class:`RepairError`), and the caller relaunches every rank.
+
+        ``memory_limit`` is asked once the survivors' runs returned (their last step reports are in by
+        then): the newest step the ranks may resume at from memory (``LaunchPlan.memory_resume_limit``).
         """
         # the failed attempt's runs still out (not the lost rank's, if polled)
         self._leave_attempt(lost_rank=lost_rank, error=RepairError)
+        if memory_limit is not None:
+            plan = dataclasses.replace(plan, memory_resume_limit=memory_limit())
         _kill(self.actors[lost_rank])  # dead already, or wedged: gone either way
         node = placement_group_table(self.pg).get("bundles_to_node_id", {}).get(lost_rank, "")
         reading = self._read_bundle_gpu_ids([lost_rank])

@@ -5,10 +5,14 @@ replacement itself, each on a real multi-node Ray cluster through the chaos API 
 into a save: workers/rank/worker.py ``TrainWorker._save``). Every run is repaired in place (the default) and
 must end exactly where the uninterrupted run ends: the same loss at every step (fp32, deterministic)
 and the same final parameters on every rank (the ``ranks_finished`` digests). Each test also pins the
-number of restarts, the step every attempt resumed from and where each rank's state came from.
+number of restarts, the step every attempt resumed from and where each rank's state came from: the
+survivor's live state at the step it completed last (DDP: nothing recomputed), which the replacement
+receives from it.
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -49,21 +53,23 @@ def committed(events: list[dict]) -> list[int]:
     return [int(event_text(e).split()[1].rstrip(",")) for e in events if e["kind"] == "checkpoint_committed"]
 
 
-def test_kill_during_a_checkpoint_write_resumes_from_the_previous_commit(shared_plane, clean):
+def test_kill_during_a_checkpoint_write_resumes_from_memory_and_saves_that_step_again(shared_plane, clean):
     plane = shared_plane
     # Rank 1 dies inside step 12's save, its shards written but never reported: rank 0 reported, the
-    # step can never commit, so the repair resumes from step 8 and saves step 12 again.
+    # step can never commit. Rank 0 holds step 12 in memory, so the repair resumes there (the last
+    # commit, step 8, is only the floor) and the new attempt makes step 12's save again first.
     final, events = recover(
         plane, spec("write-kill-dp2"), {"action": "kill_rank", "rank": 1, "at_step": 10, "during": "checkpoint_write"}
     )
     kinds = assert_repaired_in_place(final, events, times=1)
     assert fired(events) == ["kill_rank on rank 1 at step 12 during checkpoint_write (order 1)"]
-    assert resumed_from(events) == [None, 8]
+    assert resumed_from(events) == [None, 8]  # the floor the repair was planned from
     # Step 12 was committed once, after the repair, by attempt 2 (never from attempt 1's partial save).
     before = committed(events[: kinds.index("repairing")])
     assert before == [4, 8], before
     assert committed(events) == [4, 8, 12, 16, 20, 24]
-    assert restored(events) == ["attempt 2, step 8: ranks 0 from own memory; ranks 1 from rank 0's memory"]
+    assert restored(events) == ["attempt 2, step 12: ranks 0 from own memory; ranks 1 from rank 0's memory"]
+    assert [row["step"] for row in plane.steps(final["id"])] == list(range(1, 25))  # none run twice
     assert_ends_like_clean(plane, final, clean)
 
 
@@ -100,18 +106,22 @@ def test_two_failures_in_a_row_are_each_repaired_in_place(shared_plane, clean):
     assert fired(events) == ["kill_rank on rank 1 at step 10 (order 1)", "kill_rank on rank 0 at step 18 (order 2)"]
     assert kinds.count("worker_failed") == 2
     assert resumed_from(events) == [None, 8, 16]
-    # The second repair draws on the first one's replacement: rank 0 is restored from rank 1's memory.
-    assert restored(events) == [
-        "attempt 2, step 8: ranks 0 from own memory; ranks 1 from rank 0's memory",
-        "attempt 3, step 16: ranks 0 from rank 1's memory; ranks 1 from own memory",
-    ]
+    # The first repair resumes where the kill stopped the survivor (step 10, past the commit at 8). The second
+    # kill takes rank 0, which reports the steps: the survivor holds step 18, but the repair resumes no later
+    # than the last step whose report reached the supervisor (16 to 18: rank 0 sends its reports in batches),
+    # so no step goes unrecorded. It draws on the first repair's replacement: rank 0 is restored from rank 1.
+    first, second = restored(events)
+    assert first == "attempt 2, step 10: ranks 0 from own memory; ranks 1 from rank 0's memory"
+    assert re.fullmatch(r"attempt 3, step 1[678]: ranks 0 from rank 1's memory; ranks 1 from own memory", second), (
+        second
+    )
     assert_ends_like_clean(plane, final, clean)
 
 
 def test_a_failure_of_the_replacement_itself_is_repaired_again(shared_plane, clean):
     plane = shared_plane
     # Both orders armed up front: the first kills rank 1 at step 10; the second, still pending, travels
-    # in the repair's launch plan to the replacement and kills it at step 11, three steps after it resumed.
+    # in the repair's launch plan to the replacement and kills it at step 11, one step after it resumed.
     final, events = recover(
         plane,
         spec("replacement-kill-dp2"),
@@ -125,7 +135,7 @@ def test_a_failure_of_the_replacement_itself_is_repaired_again(shared_plane, cle
     assert kinds.index("restored") < second_fired, kinds
     assert resumed_from(events) == [None, 8, 8]  # no commit after step 8 before the replacement died
     assert restored(events) == [
-        "attempt 2, step 8: ranks 0 from own memory; ranks 1 from rank 0's memory",
-        "attempt 3, step 8: ranks 0 from own memory; ranks 1 from rank 0's memory",
+        "attempt 2, step 10: ranks 0 from own memory; ranks 1 from rank 0's memory",
+        "attempt 3, step 11: ranks 0 from own memory; ranks 1 from rank 0's memory",
     ]
     assert_ends_like_clean(plane, final, clean)

@@ -1,5 +1,6 @@
 """Issue #9, keep the survivors: a SIGKILLed rank is replaced in place, the other ranks keep their
-processes, and the replacement's state comes from a data-parallel replica's memory.
+processes, and the replacement's state comes from a data-parallel replica's memory: the survivor's live
+state at the step of the kill, so nothing is recomputed.
 
 Real local Ray, the real control plane, a real SIGKILL (chaos ``kill_rank``). Process ids come from
 the ranks' own logs ("attempt N: rank R ... pid P"); where each rank's state came from, from the
@@ -45,7 +46,9 @@ def test_killed_rank_is_replaced_in_place_and_the_run_ends_like_the_clean_run(pl
     if in_place:
         assert_repaired_in_place(final, events, times=1)
         assert survivor[0] == survivor[1]  # the survivor's process was not restarted
-        assert restored(events) == ["attempt 2, step 8: ranks 0 from own memory; ranks 1 from rank 0's memory"]
+        # The survivor's live state at step 10 (past the commit at 8): steps 9 and 10 are not run again.
+        assert restored(events) == ["attempt 2, step 10: ranks 0 from own memory; ranks 1 from rank 0's memory"]
+        assert [row["attempt"] for row in plane.steps(final["id"])][8:11] == [1, 1, 2]
     else:
         kinds = event_kinds(events)
         assert final["restarts"] == 1

@@ -53,10 +53,15 @@ def _scenarios(rank: int, world_size: int, root: str) -> dict:
     first.run(0, 3)
     _save_committed(first, rank, world_size, directory, 3)
     snapshot = take_snapshot(3, *first.state_for_checkpoint())
-    straight = [m.loss for m in first.run(3, 6)]  # the state moves on past the snapshot
+    straight = [m.loss for m in first.run(3, 5)]  # the state moves on past the snapshot
+    live = take_snapshot(5, *first.state_for_checkpoint())  # what a survivor keeps when step 6 fails
+    straight += [m.loss for m in first.run(5, 6)]
+    pair = [(0, 1)]
 
     # Rank 1 is a replacement: it has no snapshot and receives rank 0's.
-    received, origin = share_snapshots(snapshot if rank == 0 else None, 3, [(0, 1)], replicas=replicated(0, 2))
+    received, origin = share_snapshots(
+        {3: snapshot} if rank == 0 else {}, pair, replicas=replicated(0, 2), floor=3, below=6
+    )
     from_memory = _trainer(rank, world_size, ParallelConfig(dp=2), steps=6)
     memory_next = resume_from_snapshot(from_memory, received)
     memory_state = _local_state(from_memory)
@@ -70,11 +75,23 @@ def _scenarios(rank: int, world_size: int, root: str) -> dict:
     resumed = [m.loss for m in from_memory.run(memory_next, 6)]
 
     # Every rank has its own: nobody sends anything.
-    _, own_origin = share_snapshots(snapshot, 3, [(0, 1)], replicas=True)
+    _, own_origin = share_snapshots({3: snapshot}, pair, replicas=True, floor=3, below=6)
     # ZeRO-3 shards state across dp: no replica, so both ranks go to storage.
-    _, zero3_origin = share_snapshots(snapshot if rank == 0 else None, 3, [(0, 1)], replicas=replicated(3, 2))
-    # A snapshot of another step counts as none.
-    _, stale_origin = share_snapshots(snapshot, 4, [(0, 1)], replicas=True)
+    _, zero3_origin = share_snapshots(
+        {3: snapshot} if rank == 0 else {}, pair, replicas=replicated(3, 2), floor=3, below=6
+    )
+    # A snapshot of a step before the commit counts as none.
+    _, stale_origin = share_snapshots({3: snapshot}, pair, replicas=True, floor=4, below=6)
+
+    # The survivor's live state at step 5 is newer than the commit at 3: the replacement receives it, and the
+    # run goes on from step 5 exactly as if it had never stopped.
+    held = {3: snapshot, 5: live} if rank == 0 else {}
+    newest, newest_origin = share_snapshots(held, pair, replicas=True, floor=3, below=6)
+    from_live = _trainer(rank, world_size, ParallelConfig(dp=2), steps=6)
+    live_next = resume_from_snapshot(from_live, newest)
+    after_live = [m.loss for m in from_live.run(live_next, 6)]
+    # The last step is never skipped (its final save is still to come): below=5 leaves step 3.
+    capped, _ = share_snapshots(held if rank == 0 else {3: snapshot}, pair, replicas=True, floor=3, below=5)
     return {
         "origin": origin,
         "next": (memory_next, disk_next),
@@ -85,6 +102,7 @@ def _scenarios(rank: int, world_size: int, root: str) -> dict:
         "own": own_origin,
         "zero3": zero3_origin,
         "stale": stale_origin,
+        "live": (newest.step, newest_origin, live_next, after_live, capped.step),
     }
 
 
@@ -96,3 +114,7 @@ def test_memory_restore_and_peer_transfer_equal_the_disk_checkpoint_bit_for_bit(
         assert report["same_bits"] and report["keys"] > 10, report["keys"]
         assert report["resumed"] == report["straight"]  # exact: the same continuation as never stopping
         assert (report["own"], report["zero3"], report["stale"]) == ("own memory", "storage", "storage")
+    assert [r["live"][:3] for r in reports] == [(5, "own memory", 5), (5, "rank 0's memory", 5)]
+    for report in reports:
+        assert report["live"][3] == report["straight"][-1:]  # step 6 from the live state: the same loss, exactly
+        assert report["live"][4] == 3

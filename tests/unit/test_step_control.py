@@ -278,3 +278,42 @@ class TestOverlappedBoundaries:
                 break
         assert reported == [[n] for n in range(1, 10)]  # each step in its own boundary's report
         assert (saves, stop) == run_boundaries(12, every=None, requests=requests)[:2] == ([6], 9)
+
+    def test_when_an_attempt_fails_rank_0_still_has_the_last_completed_steps_record(self):
+        """The step whose exchange never settled (a peer died during the next step) is handed over without
+        the peers' timings, so every step the survivors completed reaches the supervisor."""
+        for completed in (1, 4, 7):
+            exchange = LoopbackExchange()
+            boundaries = StepBoundaries(exchange, control=ControlRequests(), total_steps=9, every_steps=None)
+            reported = []
+            for step in range(completed):
+                reported += [record["step"] + 1 for record, _ in boundaries.after_step(metrics(step)).reports]
+            assert reported == list(range(1, completed))  # one boundary late
+            (last,) = boundaries.unreported()
+            assert last["step"] + 1 == completed and last["ranks"] is None
+        other = StepBoundaries(LoopbackExchange(), control=None, total_steps=9, every_steps=None)
+        other.after_step(metrics(0))
+        assert other.unreported() == []  # only rank 0 reports
+        saving = StepBoundaries(LoopbackExchange(), control=ControlRequests(), total_steps=9, every_steps=2)
+        saving.after_step(metrics(0))
+        saving.after_step(metrics(1))  # a save settles its own exchange: nothing left unreported
+        assert saving.unreported() == []
+
+    def test_a_boundary_that_fails_half_way_loses_no_record(self):
+        """A save's boundary settles the step before it, then waits for its own exchange, which fails (a peer
+        died): both steps are still handed over, in order."""
+
+        class FailingAtStep(LoopbackExchange):
+            def settle(self):
+                if self.in_flight is not None and self.in_flight[1] == 3:
+                    raise RuntimeError("Connection reset by peer")
+                return super().settle()
+
+        boundaries = StepBoundaries(FailingAtStep(), control=ControlRequests(), total_steps=9, every_steps=4)
+        reported = []
+        for step in range(3):
+            reported += [record["step"] + 1 for record, _ in boundaries.after_step(metrics(step)).reports]
+        with pytest.raises(RuntimeError):
+            boundaries.after_step(metrics(3))  # step 4 saves: it settles step 3, then its own exchange fails
+        assert reported == [1, 2]
+        assert [record["step"] + 1 for record in boundaries.unreported()] == [3, 4]

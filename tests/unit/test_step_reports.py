@@ -52,3 +52,23 @@ def test_a_new_attempt_may_report_an_earlier_step():
     assert reports.latest["step"] == 3
     _take_batch(reports, 1, [1])  # ... and within that attempt only forward again
     assert reports.latest["step"] == 3
+
+
+def test_a_failed_attempts_last_steps_are_kept_and_counted_as_reported():
+    """Rank 0 sends its last steps as its attempt fails, after the supervisor moved to the repair's attempt:
+    their rows are kept (a repair may resume after them from memory), not taken as the new attempt's progress,
+    and the newest step each attempt reported bounds where that repair may resume."""
+    reports = _reports()
+    assert reports.reported_through(1) is None
+    reports.arrived(1, [_metrics(0), _metrics(1)])
+    _take_batch(reports, 1, [0, 1])
+    late = [_metrics(2), _metrics(3)]
+    reports.arrived(1, late)
+    for record in late:
+        reports.keep_late(1, record, now=5.0)
+    assert reports.reported_through(1) == 4 and reports.reported_through(2) is None
+    rows = reports.since(0)
+    assert [(row["step"], row["attempt"]) for row in rows] == [(1, 1), (2, 1), (3, 1), (4, 1)]
+    assert reports.latest["step"] == 2  # the job's fields follow the current attempt only
+    reports.arrived(1, [_metrics(1)])  # an older batch arriving late does not lower it
+    assert reports.reported_through(1) == 4

@@ -752,12 +752,19 @@ class TestRepairInPlace:
         assert d.actions == (
             RecordEvent(kind="worker_failed", detail="rank 3 on node n2 lost (process)"),
             RecordEvent(
-                kind="restarting", detail="restart 1/2 in place: rank 3 replaced, the other ranks kept, resuming step 8"
+                kind="restarting",
+                detail="restart 1/2 in place: rank 3 replaced, the other ranks kept, resuming step 8 or a later step "
+                "the ranks hold in memory",
             ),
             RepairGroup(attempt=2, lost_rank=3, world_size=8, resume_step=8),
         )
         ready = decide(d.state, GroupReady(attempt=2, world_size=8), 63.0, IN_PLACE)
         assert ready.state.status is Status.RUNNING and kinds(ready) == ["restored"]
+        assert ready.state.step == 8 and of(ready, RecordEvent)[0].detail.endswith(", from step 8")
+        # The ranks resumed from step 13, which the survivors held in memory: nothing before it is recomputed.
+        later = decide(d.state, GroupReady(attempt=2, world_size=8, start_step=13), 63.0, IN_PLACE)
+        assert later.state.step == 13
+        assert of(later, RecordEvent)[0].detail.endswith(", from step 13 (in memory; step 8 committed)")
 
     @pytest.mark.parametrize(
         "why, state, event",

@@ -1,4 +1,5 @@
-"""In-memory copies of a rank's state at a checkpointed step, and handing them to a replacement rank.
+"""In-memory copies of a rank's state at a checkpointed step (or where a failed attempt left it), and handing
+them to a replacement rank.
 
 Why: when one rank dies, the others still hold, in memory, exactly what the last checkpoint holds
 on storage, if they kept a copy when they saved it. Restoring from that copy (and sending it to the
@@ -6,6 +7,11 @@ replacement from a data-parallel replica over the new process group) skips readi
 back from storage, which at scale is the slowest part of a recovery. The checkpoint on storage
 stays the fallback whenever memory cannot serve every rank (no replica of some rank's state, a
 layout that shards state across data-parallel ranks, a snapshot of another step).
+
+A rank whose attempt failed also keeps its live state, at the step it completed last: its collectives with
+the dead rank failed before any rank could apply the next update, so that state is exactly the run's at
+that step, and a repair that resumes there recomputes nothing (``workers/protocol/memory_resume.py`` picks
+the newest step memory can serve to every rank, never one before the last commit).
 
 What a snapshot holds is what a DCP checkpoint holds, through the same state-dict code path
 (``etrain.workers.checkpoints.checkpoint_state.collect_state`` / ``apply_state``): each rank's local model and flattened
@@ -87,34 +93,41 @@ def replicated(zero: int, dp: int) -> bool:
 
 
 def share_snapshots(
-    own: Snapshot | None, step: int, dp_groups: list[tuple[int, ...]], *, replicas: bool
+    held: dict[int, Snapshot], dp_groups: list[tuple[int, ...]], *, replicas: bool, floor: int, below: int
 ) -> tuple[Snapshot | None, str]:
-    """Collective over the default group: every rank ends with a snapshot of ``step``, or all with None.
+    """Collective over the default group: every rank ends with a snapshot of one agreed step, or all with None.
 
-    Each rank says whether it holds a snapshot of ``step``. If every rank does, each keeps its own
-    ("own memory"). Otherwise, with ``replicas``, a rank without one receives it from the lowest
-    rank of its dp group that has one ("rank R's memory"); if some dp group has none, or the layout
-    has no replicas, every rank returns None and the caller restores from storage, together (DCP's
-    load is collective). Returns (snapshot or None, where it came from).
+    Each rank says which steps it holds (``held``: its checkpoint copies and, after a failed attempt, its
+    live state). They agree on the newest step in ``[floor, below)`` that memory can serve to every rank
+    (``workers/protocol/memory_resume.py``): with ``replicas`` a dp group is served when one member holds
+    it, without them every rank must hold it itself. A rank that holds it keeps its own ("own memory"); one
+    that does not receives it from the lowest rank of its dp group that has it ("rank R's memory"). With no
+    such step every rank returns None and the caller restores from storage, together (DCP's load is
+    collective). Returns (snapshot or None, where it came from).
     """
-    has = own is not None and own.step == step
-    flags: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(flags, has)
+    from etrain.workers.protocol.memory_resume import memory_resume_step
+
+    world = dist.get_world_size()
+    offers: list[Any] = [None] * world
+    dist.all_gather_object(offers, sorted(held))
+    groups = dp_groups if replicas else [(rank,) for rank in range(world)]
+    step = memory_resume_step(offers, groups, floor=floor, below=below)
+    if step is None:
+        return None, "storage"
+    flags = [step in offer for offer in offers]
+    own = held.get(step)
     if all(flags):
         return own, "own memory"
-    sources = {group: next((rank for rank in group if flags[rank]), None) for group in dp_groups}
-    if not replicas or any(source is None for source in sources.values()):
-        return None, "storage"
     me = dist.get_rank()
-    received: Snapshot | None = own if has else None
-    origin = "own memory"
+    sources = {group: next(rank for rank in group if flags[rank]) for group in dp_groups}
+    received, origin = own, "own memory"
     for group, source in sources.items():  # every rank creates every group, in the same order
         process_group = dist.new_group(list(group), backend="gloo")
         if all(flags[rank] for rank in group) or me not in group:
             continue
         payload = [own if me == source else None]
         dist.broadcast_object_list(payload, src=source, group=process_group)
-        if not has:
+        if own is None:
             received, origin = payload[0], f"rank {source}'s memory"
     return received, origin
 

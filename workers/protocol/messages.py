@@ -99,7 +99,11 @@ class LaunchPlan:
     resume_digest: str | None = None
     #: An in-place repair: restore start_step from the ranks' in-memory snapshots where every rank can
     #: get one (its own, or a data-parallel replica's), else from resume_dir (workers/checkpoints/snapshot.py).
+    #: A later step the ranks hold in memory may serve instead (``workers/protocol/memory_resume.py``).
     state_from_memory: bool = False
+    #: The newest step the ranks may resume at from memory: the last step whose record the supervisor holds
+    #: (a step run but never reported, rank 0 having died with it, is run again so that it is). None: any.
+    memory_resume_limit: int | None = None
     #: Keep in-memory snapshots at each save (``fault_tolerance.in_place``): nothing else reads them.
     keep_snapshots: bool = True
     #: The job may grow past this attempt's dp (its elastic ceiling is higher): at dp=1, where no replica
@@ -153,10 +157,12 @@ class NodeInfo(TypedDict):
 
 
 class ReadyInfo(NodeInfo):
-    """``report_ready``'s payload: where the rank runs and where its restored state came from (None on
-    a fresh start; else ``storage``, ``memory``, or a replica's memory)."""
+    """``report_ready``'s payload: where the rank runs, where its restored state came from (None on
+    a fresh start; else ``storage``, ``memory``, or a replica's memory) and the step it resumes from (an
+    in-place repair may resume after the plan's committed step, from state the ranks held in memory)."""
 
     state_source: str | None
+    start_step: int
 
 
 class RunResult(TypedDict):

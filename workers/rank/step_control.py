@@ -194,11 +194,11 @@ class StepBoundaries:
         self._every = every_steps
         self._in_flight: Mapping[str, Any] | None = None  # the metrics whose exchange is not settled yet
         self._requested = 0  # rank 0's requests for the coming boundary, as every rank read them
+        self._settled: list[tuple[StepReport, bool]] = []  # records settled by the boundary under way
 
     def after_step(self, metrics: Mapping[str, Any]) -> Decision:
         """The boundary after the step ``metrics`` describes (collective: every rank calls it each step)."""
-        reports: list[tuple[StepReport, bool]] = []
-        self._settle(reports, urgent=False)
+        self._settle(urgent=False)
         completed = int(metrics["step"]) + 1
         requested, self._requested = self._requested, 0
         save = bool(requested & SAVE) or scheduled_save(completed, total_steps=self._total, every_steps=self._every)
@@ -209,19 +209,31 @@ class StepBoundaries:
         self._exchange.start(metrics, flags)
         self._in_flight = metrics
         if save or stop or completed >= self._total:
-            self._settle(reports, urgent=True)
+            self._settle(urgent=True)
         elif self._exchange.done():  # already complete (always, for one rank): report the step now, not a step late
-            self._settle(reports, urgent=False)
+            self._settle(urgent=False)
+        reports, self._settled = self._settled, []
         return Decision(save=save, stop=stop, reports=reports)
 
-    def _settle(self, reports: list[tuple[StepReport, bool]], *, urgent: bool) -> None:
+    def unreported(self) -> list[StepReport]:
+        """Rank 0's records of the completed steps it has not handed out, once the attempt failed: those a
+        boundary that failed half-way had settled, and the step whose exchange never settled (without the
+        other ranks' timings, which that exchange would have brought). Sent as the attempt ends, so the
+        supervisor holds every step the survivors completed, and an in-place repair may resume after them
+        without running them again."""
+        if self._control is None:
+            return []
+        settled = [record for record, _ in self._settled]  # a boundary that failed half-way settled these
+        return settled + ([{**self._in_flight, "ranks": None}] if self._in_flight is not None else [])
+
+    def _settle(self, *, urgent: bool) -> None:
         boundary = self._exchange.settle()
         if boundary is None:
             return
         metrics, self._in_flight = self._in_flight, None
         self._requested = boundary.requested
         if self._control is not None and metrics is not None:
-            reports.append((step_record(metrics, boundary), urgent))
+            self._settled.append((step_record(metrics, boundary), urgent))
 
 
 def step_record(metrics: Mapping[str, Any], boundary: Boundary) -> StepReport:

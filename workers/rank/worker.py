@@ -38,7 +38,7 @@ from etrain.workers.protocol.run_config import RunConfig
 from etrain.workers.rank.device_info import RankGpus, ray_bundle
 from etrain.workers.rank.rank_saves import RankSaves
 from etrain.workers.rank.report_batch import ReportBatcher
-from etrain.workers.rank.step_control import ControlRequests, StepBoundaries
+from etrain.workers.rank.step_control import ControlRequests, StepBoundaries, scheduled_save
 
 #: Words of a parameter fingerprinted at a time on its device (``local_param_digest``): a few int64 copies
 #: of a piece are its temporary memory (here 4 x 256 MiB at most).
@@ -251,6 +251,8 @@ class TrainWorker:
             timeout=datetime.timedelta(seconds=config.collective_timeout_s),
         )
         phases.mark("process group")
+        restored = None  # the Trainer once its state is whole (after the restore): a failure keeps that state
+        boundaries = None
         try:
             from etrain.workers.rank.health_check import check_health
 
@@ -271,8 +273,13 @@ class TrainWorker:
                 load_pretrained=plan.resume_dir is None,  # a resume overwrites them anyway
             )
             phases.mark("trainer")
-            source = self._restore(trainer, plan) if plan.resume_dir else None
+            source, committed = None, plan.start_step
+            if plan.resume_dir:
+                source, start = self._restore(trainer, plan)
+                if start != plan.start_step:  # a later step the ranks held in memory (an in-place repair)
+                    plan = self._plan = dataclasses.replace(plan, start_step=start)
             phases.mark("state")
+            restored = trainer
             # Collective when the saves are async (the background writer's gloo group).
             self._saves = saves = RankSaves(
                 rank=self.rank,
@@ -290,7 +297,9 @@ class TrainWorker:
             phases.mark("control groups")
             if log is not None:
                 log.write(f"attempt {plan.attempt}: ready after {phases}{self._gpus.warmup_summary()}")
-            self._supervisor.report_ready.remote(plan.attempt, self.rank, self.node_info() | {"state_source": source})
+            self._supervisor.report_ready.remote(
+                plan.attempt, self.rank, self.node_info() | {"state_source": source, "start_step": plan.start_step}
+            )
             final_loss = None
             step = plan.start_step
             total = config.training.steps
@@ -303,6 +312,15 @@ class TrainWorker:
                 every_steps=config.checkpoint.every_steps,
             )
             saves.before_first_step(trainer)
+            every = config.checkpoint.every_steps
+            if plan.start_step > committed and scheduled_save(plan.start_step, total_steps=total, every_steps=every):
+                # Resumed from memory at a step whose scheduled save never committed (the failure came during
+                # it): make that save again, from the very state it would have written.
+                blocked_s = saves.save(trainer, plan.start_step, final=False)
+                if log is not None:
+                    log.write(
+                        f"checkpoint step {plan.start_step} {saves.describe(blocked_s)} (again, after the repair)"
+                    )
             for step in range(plan.start_step, total):
                 self._step = step + 1  # the step it runs, counted as the logs count it
                 metrics = dataclasses.asdict(trainer.train_step(step))
@@ -334,6 +352,13 @@ class TrainWorker:
                 if decision.stop:
                     return self._result(trainer, step + 1, final_loss, stopped=True)
             return self._result(trainer, total, final_loss, stopped=False)
+        except Exception as err:
+            if restored is not None:
+                self._keep_live_state(restored, err, log)
+            if batcher is not None and boundaries is not None:  # the last step completed, reported as it ends
+                for record in boundaries.unreported():
+                    batcher.add(record)
+            raise
         finally:
             # Each step on its own: after a peer died, the async writer's close can raise, and this
             # process may run the next attempt (an in-place repair), which needs the groups gone.
@@ -351,31 +376,81 @@ class TrainWorker:
             if log is not None:
                 log.write(f"attempt {plan.attempt}: wound down in {ending}")
 
-    def _restore(self, trainer, plan: LaunchPlan) -> str:
-        """Load committed step ``plan.start_step``; returns where the state came from.
+    def _restore(self, trainer, plan: LaunchPlan) -> tuple[str, int]:
+        """Load the state to resume from; returns where it came from and the step to run next.
 
-        A relaunch reads the checkpoint from storage (the supervisor verified its checksums just
-        before). An in-place repair first offers memory: every rank restores its own snapshot of that
-        step, or receives one from a data-parallel replica; when memory cannot serve every rank, all
-        of them read storage together, hashing every file (the supervisor did not, this time).
+        A relaunch reads committed step ``plan.start_step`` from storage (the supervisor verified its
+        checksums just before). An in-place repair first offers memory: the ranks agree on the newest step
+        from the last commit on that memory serves to every rank (each its own copy, or one received from a
+        data-parallel replica): the survivors' live state after a failure, else a checkpointed step's copy.
+        When memory cannot serve every rank, all of them read the committed step from storage together,
+        hashing every file (the supervisor did not, this time).
         """
         if plan.state_from_memory:
             from etrain.workers.checkpoints.snapshot import replicated, resume_from_snapshot, share_snapshots
 
-            parallel = plan.config.parallel
+            parallel, total, limit = plan.config.parallel, plan.config.training.steps, plan.memory_resume_limit
             snapshot, origin = share_snapshots(
-                self._snapshots.get(plan.start_step),
-                plan.start_step,
+                self._snapshots,
                 list(trainer.topology.dp_groups()),
                 replicas=replicated(parallel.zero, parallel.dp),
+                floor=plan.start_step,
+                below=total if limit is None else min(total, limit + 1),
             )
             if snapshot is not None:
-                resume_from_snapshot(trainer, snapshot)
-                return origin
+                start = resume_from_snapshot(trainer, snapshot)
+                self._forget_snapshots_after(start)
+                return origin, start
             trainer.restore(plan.resume_dir, verify_checksums=True, expect_digest=plan.resume_digest)
-            return "storage (no replica in memory for every rank)"
+            self._forget_snapshots_after(plan.start_step)
+            return "storage (no replica in memory for every rank)", plan.start_step
         trainer.restore(plan.resume_dir, verify_checksums=False, expect_digest=plan.resume_digest)
-        return "storage"
+        return "storage", plan.start_step
+
+    def _forget_snapshots_after(self, step: int) -> None:
+        """Drop the copies of steps after the one this attempt resumed from: they belong to a history the
+        job left, and must never be offered again as its state."""
+        for later in [kept for kept in self._snapshots if kept > step]:
+            del self._snapshots[later]
+
+    def _keep_live_state(self, trainer, err: BaseException, log: Any) -> None:
+        """After this attempt failed: keep this rank's state at the step it completed last, for the in-place
+        repair that may follow (``workers/checkpoints/snapshot.py`` says why that state is exact; nothing in
+        a step draws random numbers, so the generators are as that step left them). Only where a replica
+        can serve the lost rank the same step (DDP), not after a job error (no repair follows), and on a GPU
+        only if the device has nothing left to run: a collective that a dead peer never joined leaves it
+        busy, and a copy queued behind it would never finish. Never raises: the attempt's own error is
+        what the caller reports."""
+        import time
+
+        import torch
+
+        from etrain.workers.checkpoints.snapshot import replicated, take_snapshot
+        from etrain.workers.protocol.errors import EtrainError
+
+        plan = self._plan
+        parallel = plan.config.parallel if plan is not None else None
+        if parallel is None or isinstance(err, EtrainError) or not plan.keep_snapshots:
+            return
+        step = trainer.next_step
+        if not replicated(parallel.zero, parallel.dp) or step in self._snapshots:
+            return
+        try:
+            started = time.monotonic()
+            if trainer.device.type == "cuda" and not _device_idle(torch.cuda.current_stream(trainer.device)):
+                if log is not None:
+                    log.write(f"attempt {plan.attempt}: step {step}'s state not kept: the GPU is still busy")
+                return
+            self._snapshots[step] = take_snapshot(step, *trainer.state_for_checkpoint())
+            for old in sorted(self._snapshots)[:-2]:
+                del self._snapshots[old]
+            if log is not None:
+                log.write(
+                    f"attempt {plan.attempt}: kept step {step}'s state in memory ({time.monotonic() - started:.2f}s)"
+                )
+        except Exception as copy_err:  # noqa: BLE001 - the repair falls back to the committed step
+            if log is not None:
+                log.write(f"attempt {plan.attempt}: step {step}'s state not kept: {copy_err}")
 
     def _keep_snapshot(self, trainer, completed_steps: int) -> None:
         """Copy this rank's state at a checkpointed step to host memory, for an in-place repair.
@@ -466,6 +541,18 @@ class TrainWorker:
     def _device(self, config: RunConfig):
         """The CPU, or ``cuda:0`` of a process pinned to this rank's own GPUs (``workers/rank/device_info.py``)."""
         return self._gpus.device(config.device)
+
+
+def _device_idle(stream: Any, wait_s: float = 2.0) -> bool:
+    """Whether ``stream`` finishes what it was given within ``wait_s`` (polled: a wait could hang)."""
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while not stream.query():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 class _Phases:
