@@ -69,17 +69,15 @@ class StepReports:
             self._config, stages=stage_map(pp=parallel.pp, dp=parallel.dp, tp=parallel.tp, cp=parallel.cp)
         )
 
-    def called(self) -> None:
-        """One ``report_steps`` call arrived (counted whatever its attempt)."""
-        self._calls += 1
-
     def arrived(self, attempt: int, records: list[dict]) -> None:
-        """A batch of ``attempt`` arrived (on Ray's method thread, before the control thread takes it in): so
-        :meth:`reported_through` counts it at once. Rank 0 sends its batches in order, one caller, so what
-        arrived of an attempt is every step from its start to the newest."""
-        if records:
-            newest = max(int(record["step"]) + 1 for record in records)
-            with self._lock:
+        """One ``report_steps`` call of ``attempt`` arrived (counted whatever its attempt), on Ray's method
+        thread, before the control thread takes it in: so :meth:`reported_through` counts it at once. Rank 0
+        sends its batches in order, one caller, so what arrived of an attempt is every step from its start
+        to the newest (records come oldest first)."""
+        with self._lock:
+            self._calls += 1
+            if records:
+                newest = int(records[-1]["step"]) + 1
                 self._reported[attempt] = max(newest, self._reported.get(attempt, 0))
 
     def reported_through(self, attempt: int) -> int | None:
@@ -92,6 +90,10 @@ class StepReports:
         when its attempt failed): its row is kept, since an in-place repair may resume after it from the
         ranks' memory and never run it again (a later attempt's row of the same step replaces it). It is
         not progress of the current attempt, and no straggler is judged on it."""
+        self._keep_row(attempt, metrics, now=now)
+
+    def _keep_row(self, attempt: int, metrics: dict, *, now: float) -> None:
+        """Store a step's row for the control plane to pull (its own sequence number; the oldest dropped)."""
         row = {key: metrics.get(key) for key in _ROW_FIELDS}
         row.update(step=int(metrics["step"]) + 1, attempt=attempt, ts=now)
         with self._lock:
@@ -127,14 +129,7 @@ class StepReports:
                         evidence=finding.evidence,
                     )
                 )
-        row = {key: metrics.get(key) for key in _ROW_FIELDS}
-        row.update(step=completed, attempt=attempt, ts=now)
-        with self._lock:
-            self._seq += 1
-            row["seq"] = self._seq
-            self._rows.append(row)
-            if len(self._rows) > MAX_STEP_HISTORY:
-                del self._rows[: len(self._rows) - MAX_STEP_HISTORY]
+        self._keep_row(attempt, metrics, now=now)
         events.append(StepReported(attempt=attempt, step=completed, loss=float(metrics["loss"]), rank=0))
         return events
 

@@ -174,7 +174,7 @@ class JobSupervisor:
         self._group: WorkerGroup | None = None
         # attempt -> ready rank -> (where its state came from, the step it resumes from)
         self._ready: dict[int, dict[int, tuple[str | None, int | None]]] = {}
-        self._attempt_starts: dict[int, int] = {}  # attempt -> the step its ranks resumed from (once all ready)
+        self._last_start: int | None = None  # the step the newest attempt whose ranks were all ready resumed from
         self._metrics = JobMetrics(job_id)
         self._steps = StepReports(
             stragglers=policy.stragglers,
@@ -394,14 +394,13 @@ class JobSupervisor:
                 starts = {start for _, start in ranks.values() if start is not None}
                 start = max(starts) if starts else None  # the ranks agreed on it: one value
                 if start is not None:
-                    self._attempt_starts[attempt] = start
+                    self._last_start = start
                 self._record_state_sources(attempt, {r: source for r, (source, _) in ranks.items()}, start)
                 if self._drills is not None and self._group is not None:
                     self._drills.deliver(self._group)  # orders that arrived while the group launched
                 self._apply(GroupReady(attempt=attempt, world_size=len(ranks), start_step=start), now)
         elif kind == "steps":
             _, attempt, records = item
-            self._steps.called()
             if attempt == self.state.attempt and records:
                 with self._decide_lock:  # ``updates`` reads the rows and the job's step of one moment
                     for record in records:  # each step is every rank's heartbeat: StepReported is the progress
@@ -574,14 +573,14 @@ class JobSupervisor:
             self._inbox.put(RepairFailed(attempt=action.attempt, reason="no running group to repair"))
             return
 
-        failed = action.attempt - 1
-        started = self._attempt_starts.get(failed)
+        failed, started = action.attempt - 1, self._last_start  # the failed attempt's start, or an earlier one's
 
         def memory_limit() -> int:
             """The newest step the ranks may resume at from memory: the failed attempt's last reported step
-            (its start where it reported none), never before the committed one."""
+            (where it reported none, the newest start: every step up to it was reported), never before the
+            committed one."""
             reported = self._steps.reported_through(failed)
-            return max(step or 0, reported if reported is not None else -1, started if started is not None else -1)
+            return max(step or 0, reported or 0, started or 0)
 
         def repair() -> None:
             try:

@@ -303,16 +303,13 @@ class TrainWorker:
             final_loss = None
             step = plan.start_step
             total = config.training.steps
+            every = config.checkpoint.every_steps
             # Every rank saves and stops where rank 0's requests and the schedule say, the exchange
             # overlapped with the next step (workers/rank/step_control.py).
             boundaries = StepBoundaries(
-                exchange,
-                control=self._control if self.rank == 0 else None,
-                total_steps=total,
-                every_steps=config.checkpoint.every_steps,
+                exchange, control=self._control if self.rank == 0 else None, total_steps=total, every_steps=every
             )
             saves.before_first_step(trainer)
-            every = config.checkpoint.every_steps
             if plan.start_step > committed and scheduled_save(plan.start_step, total_steps=total, every_steps=every):
                 # Resumed from memory at a step whose scheduled save never committed (the failure came during
                 # it): make that save again, from the very state it would have written.
@@ -425,7 +422,7 @@ class TrainWorker:
 
         import torch
 
-        from etrain.workers.checkpoints.snapshot import replicated, take_snapshot
+        from etrain.workers.checkpoints.snapshot import replicated
         from etrain.workers.protocol.errors import EtrainError
 
         plan = self._plan
@@ -441,9 +438,7 @@ class TrainWorker:
                 if log is not None:
                     log.write(f"attempt {plan.attempt}: step {step}'s state not kept: the GPU is still busy")
                 return
-            self._snapshots[step] = take_snapshot(step, *trainer.state_for_checkpoint())
-            for old in sorted(self._snapshots)[:-2]:
-                del self._snapshots[old]
+            self._store_snapshot(trainer, step)
             if log is not None:
                 log.write(
                     f"attempt {plan.attempt}: kept step {step}'s state in memory ({time.monotonic() - started:.2f}s)"
@@ -462,13 +457,19 @@ class TrainWorker:
         The exception is dp=1 in a job that may grow (``LaunchPlan.may_grow``): an in-place grow resumes
         from the step committed at dp=1, and the ranks it adds receive this rank's copy of it.
         """
-        from etrain.workers.checkpoints.snapshot import replicated, take_snapshot
+        from etrain.workers.checkpoints.snapshot import replicated
 
         parallel = self._plan.config.parallel
         replica_to_be = self._plan.may_grow and replicated(parallel.zero, 2)  # a grow adds this rank's replicas
         if not self._plan.keep_snapshots or not (replicated(parallel.zero, parallel.dp) or replica_to_be):
             return
-        self._snapshots[completed_steps] = take_snapshot(completed_steps, *trainer.state_for_checkpoint())
+        self._store_snapshot(trainer, completed_steps)
+
+    def _store_snapshot(self, trainer, step: int) -> None:
+        """Copy this rank's state after ``step`` completed steps to host memory; the newest two are kept."""
+        from etrain.workers.checkpoints.snapshot import take_snapshot
+
+        self._snapshots[step] = take_snapshot(step, *trainer.state_for_checkpoint())
         for old in sorted(self._snapshots)[:-2]:
             del self._snapshots[old]
 
