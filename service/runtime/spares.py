@@ -120,6 +120,17 @@ class SparePool:
         self._wake.set()
         return handed
 
+    def start_cold(self, nodes: list[str]) -> list[Any]:
+        """A rank process started now on each of ``nodes``, for ranks no spare or returned rank could serve
+        (None for each where the pool is off). It starts without the spare's warm-up, since a launch waits
+        for it, and the pool does not keep it: it is made here only so that the pool owns it, as it owns
+        the spares. A cold rank that a job's supervisor made dies with that supervisor, so it could never
+        serve the tenant's next job (``give_back``); one made here can."""
+        with self._lock:
+            if self.per_node == 0:
+                return [None] * len(nodes)
+        return [_start_spare(node, gpu_node=False, warm_up=False) for node in nodes]
+
     def give_back(self, ranks: list[dict[str, Any]], tenant: str) -> int:
         """Keep the released ranks of ``tenant``'s finished job (each ``{"actor", "node", "pid"}``: its
         ``SpareRank.release`` said it can be reused) for that tenant's next jobs; stops the ones beyond a
@@ -232,8 +243,9 @@ def _runs_ranks(node: dict[str, Any]) -> bool:
     return resources.get("CPU", 0) > 0 or resources.get("GPU", 0) > 0
 
 
-def _start_spare(node: str, *, gpu_node: bool) -> Any:
-    """A spare on ``node``; on a node with GPUs it must not start CUDA before ``assign`` (workers/rank/spare.py)."""
+def _start_spare(node: str, *, gpu_node: bool, warm_up: bool = True) -> Any:
+    """A spare on ``node``; on a node with GPUs it must not start CUDA before ``assign`` (workers/rank/spare.py).
+    ``warm_up``: False for a rank a launch waits for (``SparePool.start_cold``)."""
     return (
         ray.remote(load_actor_class(SPARE_ACTOR_CLASS))
         .options(
@@ -243,7 +255,7 @@ def _start_spare(node: str, *, gpu_node: bool) -> Any:
             max_concurrency=4,  # as a rank: run() on one thread, control calls on others
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
         )
-        .remote(gpu_node=gpu_node)
+        .remote(gpu_node=gpu_node, warm_up=warm_up)
     )
 
 
@@ -297,6 +309,19 @@ def take_spares(nodes: list[str], tenant: str = "") -> list[Any]:
         return ray.get(pool.take.remote(nodes, tenant), timeout=TAKE_TIMEOUT_S)
     except Exception as err:
         log.warning("no spares after %.1fs: %s", time.monotonic() - started, err)
+        return [None] * len(nodes)
+
+
+def start_cold_ranks(nodes: list[str]) -> list[Any]:
+    """Rank processes the pool starts now on ``nodes`` (``SparePool.start_cold``); None for each where there
+    is no pool, it is off or it did not answer in time (the caller starts those ranks itself). Never raises."""
+    pool = find_pool()
+    if pool is None or not nodes:
+        return [None] * len(nodes)
+    try:
+        return ray.get(pool.start_cold.remote(nodes), timeout=TAKE_TIMEOUT_S)
+    except Exception as err:
+        log.warning("the pool did not start %d cold rank(s): %s", len(nodes), err)
         return [None] * len(nodes)
 
 

@@ -28,7 +28,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from etrain.service.decisions.admission import tp_group_nodes
 from etrain.service.decisions.hangs import Frame, RankWhere
-from etrain.service.runtime.spares import NAMESPACE, give_back_spares, take_spares
+from etrain.service.runtime.spares import NAMESPACE, give_back_spares, start_cold_ranks, take_spares
 from etrain.workers.protocol.errors import CheckpointError, EtrainError, UnhealthyRankError
 from etrain.workers.protocol.messages import RANK_ACTOR_CLASS, ChaosOrder, LaunchPlan, load_actor_class
 from etrain.workers.protocol.topology import Topology
@@ -244,9 +244,16 @@ class WorkerGroup:
         """
         ranks = range(self.world_size)
         reading = self._read_bundle_gpu_ids(ranks)  # runs beside take_spares' round trip
-        spares = take_spares([self._bundle_nodes.get(rank, "") for rank in ranks], self._tenant)
+        nodes = [self._bundle_nodes.get(rank, "") for rank in ranks]
+        spares = take_spares(nodes, self._tenant)
+        cold = self._cold_from_pool({rank: nodes[rank] for rank, spare in enumerate(spares) if spare is None})
         gpu_ids = reading()
-        actors, assigned = zip(*(self._rank_actor(rank, spare, gpu_ids[rank]) for rank, spare in enumerate(spares)))
+        actors, assigned = zip(
+            *(
+                self._rank_actor(rank, _either(spare, cold.get(rank)), gpu_ids[rank])
+                for rank, spare in enumerate(spares)
+            )
+        )
         actors = list(actors)
         replaced = self._settle_assignments(
             actors, {rank: ref for rank, ref in enumerate(assigned) if ref is not None}, gpu_ids
@@ -305,11 +312,31 @@ class WorkerGroup:
         ]
         return lambda: dict(zip(ranks, ray.get(refs, timeout=RENDEZVOUS_TIMEOUT_S)))
 
+    @property
+    def _gives_back(self) -> bool:
+        """Whether this group's ranks can serve the tenant's next job once it finished (:meth:`_give_back`):
+        a tenant's, and without GPUs (a CUDA context keeps the GPUs it started on)."""
+        return bool(self._tenant) and not self._resources.get("GPU", 0.0)
+
+    def _cold_from_pool(self, nodes: dict[int, str]) -> dict[int, Any]:
+        """rank -> a rank process the pool started now on ``nodes[rank]``, for ranks that no spare serves.
+
+        The pool owns it, as it owns its spares, so it outlives this job's supervisor and can serve the
+        tenant's next job (:meth:`_give_back`); a cold rank the supervisor started itself dies with it. Only
+        where this group gives its ranks back; elsewhere (and where the pool is off) the ranks start cold here.
+        """
+        nodes = {rank: node for rank, node in nodes.items() if node}
+        if not nodes or not self._gives_back:
+            return {}
+        started = start_cold_ranks(list(nodes.values()))
+        return {rank: actor for rank, actor in zip(nodes, started) if actor is not None}
+
     def _rank_actor(
         self, rank: int, spare: Any | None, gpu_ids: list[str], attempt: int | None = None
     ) -> tuple[Any, Any | None]:
-        """(actor, its pending ``assign`` call or None): the spare made rank ``rank``, or a cold actor
-        (``gpu_ids``: its bundle's, :meth:`_read_bundle_gpu_ids`)."""
+        """(actor, its pending ``assign`` call or None): the pool's process (a spare, a returned rank or one it
+        started cold for this rank) made rank ``rank``, or a cold actor started here (``gpu_ids``: its
+        bundle's, :meth:`_read_bundle_gpu_ids`)."""
         bundle = f"bundle {rank} of placement group {self.pg.id.hex()}"
         if spare is not None:
             self._from_pool.add(_actor_key(spare))
@@ -370,8 +397,11 @@ class WorkerGroup:
         node = placement_group_table(self.pg).get("bundles_to_node_id", {}).get(lost_rank, "")
         reading = self._read_bundle_gpu_ids([lost_rank])
         spare = take_spares([node], self._tenant)[0]
+        cold = self._cold_from_pool({lost_rank: node} if spare is None else {})
         gpu_ids = reading()
-        actor, assigning = self._rank_actor(lost_rank, spare, gpu_ids[lost_rank], plan.attempt)
+        actor, assigning = self._rank_actor(
+            lost_rank, _either(spare, cold.get(lost_rank)), gpu_ids[lost_rank], plan.attempt
+        )
         actors = {lost_rank: actor}
         replaced = self._settle_assignments(
             actors, {lost_rank: assigning} if assigning is not None else {}, gpu_ids, plan.attempt
@@ -441,11 +471,15 @@ class WorkerGroup:
             [actor.renumber.remote(new, self.world_size) for new, actor in kept_actors.items()],
             timeout=RENDEZVOUS_TIMEOUT_S,
         )
-        spares = take_spares([self._bundle_nodes.get(rank, "") for rank in joining], self._tenant)
+        nodes = {rank: self._bundle_nodes.get(rank, "") for rank in joining}
+        spares = take_spares(list(nodes.values()), self._tenant)
+        cold = self._cold_from_pool({rank: nodes[rank] for rank, spare in zip(joining, spares) if spare is None})
         actors = dict(kept_actors)
         assigning = {}
         for rank, spare in zip(joining, spares):
-            actors[rank], pending = self._rank_actor(rank, spare, bundle_gpu_ids[rank], plan.attempt)
+            actors[rank], pending = self._rank_actor(
+                rank, _either(spare, cold.get(rank)), bundle_gpu_ids[rank], plan.attempt
+            )
             if pending is not None:
                 assigning[rank] = pending
         replaced = self._settle_assignments(actors, assigning, bundle_gpu_ids, plan.attempt)
@@ -740,7 +774,7 @@ class WorkerGroup:
         returns the keys of those the pool took. Bounded waits; never raises."""
         ranks = [(rank, actor) for rank, actor in enumerate(self.actors) if _actor_key(actor) in self._from_pool]
         # Ranks on GPUs are never reused (their CUDA context keeps its GPUs); any layout's ranks are.
-        if not self._tenant or not ranks or self._resources.get("GPU", 0.0):
+        if not ranks or not self._gives_back:
             return set()
         try:
             asked = {actor.release.remote(): (rank, actor) for rank, actor in ranks}
@@ -766,6 +800,11 @@ class RepairError(RuntimeError):
 
 class ResizeError(RuntimeError):
     """The in-place resize could not be carried out; the message says why (a ResizeFailed event)."""
+
+
+def _either(spare: Any | None, cold: Any | None) -> Any | None:
+    """The spare where there is one, else the pool's cold rank (actor handles have no truth value to rely on)."""
+    return spare if spare is not None else cold
 
 
 def _actor_key(actor: Any) -> str:

@@ -164,7 +164,7 @@ def test_a_finished_jobs_ranks_serve_its_tenants_next_job_exactly_and_no_other_t
         admin.as_token(BOB) as bob,
     ):
         # The earlier test's take holds the refill back REFILL_DELAY_AFTER_TAKE_S: on a fast machine Bob's job
-        # would start its ranks cold (they are the supervisor's, never returned) before the pool has spares.
+        # would start its ranks cold (in the pool, and returned too, but not from warm spares) before it has spares.
         ready_spare_pids(2)
         bobs = run_clean(bob, y)
         placed = [event_text(e) for e in bob.events(bobs["id"]) if e["kind"] == "placed"]
@@ -197,3 +197,27 @@ def test_a_finished_jobs_ranks_serve_its_tenants_next_job_exactly_and_no_other_t
         assert placed[-1].endswith("1 of 2 ranks from warm spares (1 kept from the tenant's earlier jobs)"), placed
         assert y_ranks[1] in {rank_pids(alice, again["id"], rank)[0] for rank in (0, 1)}
         assert losses(alice, again["id"]) == losses(bob, bobs["id"])
+
+
+CAROL = "carol-cold-ranks-token-2b7e"
+
+
+def test_ranks_started_cold_go_back_to_the_pool_and_serve_the_tenants_next_job(local_ray, tmp_path):
+    """A launch with more ranks than the node has spares starts the others cold in the pool
+    (``SparePool.start_cold``), which owns them as it owns its spares: so they outlive the job's supervisor and,
+    once the job finished, serve its tenant's next job with the spare's rank, every process kept."""
+    body = spec("cold-dp3", steps=6, dp=3, training={"global_batch": 6})
+    with control_plane(tmp_path, warm_spares_per_node=1, tenant_tokens={"carol": CAROL}) as admin:
+        with admin.as_token(CAROL) as carol:
+            ready_spare_pids(1)
+            first = run_clean(carol, body)
+            placed = [event_text(e) for e in carol.events(first["id"]) if e["kind"] == "placed"]
+            assert placed[-1].endswith("; 1 of 3 ranks from warm spares"), placed  # two started cold
+            pids = {rank_pids(carol, first["id"], rank)[0] for rank in range(3)}
+            wait_returned(pids)  # all three, the cold ones included
+
+            second = run_clean(carol, body)
+            placed = [event_text(e) for e in carol.events(second["id"]) if e["kind"] == "placed"]
+            assert placed[-1].endswith("3 of 3 ranks from warm spares (3 kept from the tenant's earlier jobs)"), placed
+            assert {rank_pids(carol, second["id"], rank)[0] for rank in range(3)} == pids
+            assert losses(carol, second["id"]) == losses(carol, first["id"])

@@ -170,13 +170,17 @@ def test_compiled_blocks_never_recompile_and_keep_their_names(model, tmp_path):
 @pytest.mark.slow
 def test_inductor_compiles_once_per_node_and_a_second_process_reuses_the_cache(tmp_path):
     """Real inductor (C++ code generation on CPU): the losses equal eager's, and a second process on the
-    same node (a restarted or replacement rank) compiles from the cache in a fraction of the time."""
+    same node (a restarted or replacement rank) compiles from the cache in a fraction of the time.
+
+    On the GPT: the cache is the same code for both families, and the Llama's first inductor compile takes
+    twice as long on the 2-core machine (34 s against 17 s, measured); the Llama's compiled numerics are
+    checked with aot_eager above and in the layout tests."""
     cache = str(tmp_path / "inductor-cache")
     started = time.perf_counter()
-    cold = _compile_probe("llama", cache, "inductor")
+    cold = _compile_probe("gpt", cache, "inductor")
     cold_wall = time.perf_counter() - started
     started = time.perf_counter()
-    warm = _compile_probe("llama", cache, "inductor")
+    warm = _compile_probe("gpt", cache, "inductor")
     warm_wall = time.perf_counter() - started
     print(
         f"inductor first step: cold {cold['first_step_s']:.1f}s, warm {warm['first_step_s']:.1f}s "
@@ -189,7 +193,7 @@ def test_inductor_compiles_once_per_node_and_a_second_process_reuses_the_cache(t
     assert warm["cache"]["AOTAutograd cache hits"] > 0 and warm["cache"]["AOTAutograd cache misses"] == 0, warm["cache"]
     assert warm["first_step_s"] < 0.5 * cold["first_step_s"], (cold["first_step_s"], warm["first_step_s"])
 
-    reference = run_reference(small_config(steps=4, model=MODELS["llama"]))
+    reference = run_reference(small_config(steps=4, model=MODELS["gpt"]))
     for got, want in zip(cold["losses"], reference.losses):
         assert abs(got - want) <= 1e-5 * abs(want), (cold["losses"], reference.losses)
     assert warm["losses"] == cold["losses"]

@@ -33,8 +33,10 @@ NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
 class SpareRank(TrainWorker):
     """A :class:`TrainWorker` whose process starts before its job exists."""
 
-    def __init__(self, *, gpu_node: bool = False) -> None:
-        """``gpu_node``: whether the node has GPUs (the pool knows it from Ray); the job comes in assign()."""
+    def __init__(self, *, gpu_node: bool = False, warm_up: bool = True) -> None:
+        """``gpu_node``: whether the node has GPUs (the pool knows it from Ray); the job comes in assign().
+        ``warm_up``: False for a rank process the pool starts for a launch that waits for it
+        (``SparePool.start_cold``): the warm-up would only move the first step's set-up ahead of the job's."""
         started = time.monotonic()
         # Before torch loads: an availability check answers from NVML, not by starting CUDA; the compile
         # cache is the node's etrain folder (importing torch._dynamo would fix inductor's default).
@@ -47,9 +49,10 @@ class SpareRank(TrainWorker):
         import etrain.workers.checkpoints.checkpoint  # noqa: F401
         import etrain.workers.engine.train  # noqa: F401
 
-        self.warm_step = not (gpu_node and torch.backends.cuda.is_built())
-        _warm_up(train_step=self.warm_step)
-        self.compiler_imported = gpu_node and _import_the_compiler()
+        self.warm_step = warm_up and not (gpu_node and torch.backends.cuda.is_built())
+        if warm_up:
+            _warm_up(train_step=self.warm_step)
+        self.compiler_imported = warm_up and gpu_node and _import_the_compiler()
         # The global generator as a new spare's is after its warm-up: a released one goes back to it, so a
         # job meets the same numbers in a reused process as in a fresh one.
         self._fresh_rng = torch.random.get_rng_state()
