@@ -8,7 +8,8 @@ node and up to three on a CPU-only node (``etrain.service.decisions.capacity.spa
 a node a few seconds after one of its spares is taken, and forgets spares whose node died.
 A worker group whose placement group is ready asks for one spare per bundle on that bundle's node
 (``take``): a ready spare, else one still warming up there (it started before the launch did), else none,
-and the rank starts cold, as before. The pool never holds a launch back for longer than a spare's remaining
+and the rank starts cold: for a tenant's job without GPUs, in a process the pool starts then (``start_cold``),
+so that it can come back like a spare (below). The pool never holds a launch back for longer than a spare's remaining
 warm-up.
 
 Spares are owned by the pool actor (which lives as long as the cluster, detached like the job
@@ -17,7 +18,8 @@ spare it handed out: the worker group's is the last, so a rank from the pool die
 cold rank does with its owner. A spare costs one idle process with torch imported (~300 MB of host memory)
 and no logical resources.
 
-A job that finished cleanly gives its ranks from the pool back (``give_back``): each one that can be reused
+A job that finished cleanly gives its ranks from the pool back (``give_back``: spares and the cold ranks the
+pool started for it): each one that can be reused
 (no GPUs, ``SpareRank.release``) is kept for the same tenant's next job on its node, the first choice of
 ``take`` for that tenant (``etrain.service.decisions.returned_ranks`` says why and keeps the bounds).
 """

@@ -17,6 +17,7 @@ from etrain.service.runtime import worker_group
 from etrain.service.runtime.worker_group import WorkerGroup
 from etrain.workers.protocol.messages import LaunchPlan
 from etrain.workers.protocol.run_config import ParallelConfig
+from tests.e2e.conftest import release_shared_ray
 from tests.equivalence_utils import small_config
 
 pytestmark = pytest.mark.slow
@@ -29,6 +30,7 @@ from ray.util.placement_group import placement_group, remove_placement_group  # 
 @pytest.fixture(scope="module")
 def two_uneven_nodes():
     """A head without CPUs, a 3-CPU node and a 2-CPU node: (roomy node id, small node id)."""
+    release_shared_ray()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
     try:
         roomy, small = cluster.add_node(num_cpus=3), cluster.add_node(num_cpus=2)
