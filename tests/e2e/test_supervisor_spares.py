@@ -18,11 +18,21 @@ from etrain.service.runtime import supervisor_actor
 from etrain.service.runtime.supervisor_actor import find_supervisor, jobs_of_pre_started, pre_started_supervisors
 from etrain.service.runtime.supervisor_spares import REFILL_DELAY_S, SupervisorSpares
 from tests.chaos.conftest import spec
+from tests.e2e.conftest import owned_ray
 from tests.service_harness import control_plane, event_kinds
 
 pytestmark = pytest.mark.slow
 
 ray = pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module")
+def own_ray():
+    """A 4-CPU local Ray of this module's own: the tests count every pre-started supervisor in the cluster, so
+    none may be left by another module's control plane (on the shared instance, one that an earlier module's
+    job had taken was still there in one whole run out of two)."""
+    with owned_ray(4):
+        yield
 
 
 def idle_pre_started(count: int, *, timeout_s: float = 60, exclude: frozenset[str] = frozenset()) -> list[str]:
@@ -37,7 +47,7 @@ def idle_pre_started(count: int, *, timeout_s: float = 60, exclude: frozenset[st
         time.sleep(0.2)
 
 
-def test_a_job_is_kept_by_the_supervisor_started_before_it_and_a_replacement_is_started(local_ray, tmp_path):
+def test_a_job_is_kept_by_the_supervisor_started_before_it_and_a_replacement_is_started(own_ray, tmp_path):
     # (Every other e2e and chaos test runs through pre-started supervisors too, the service default, and
     # checks its losses against one process or the clean run.)
     with control_plane(tmp_path, supervisor_spares=1) as plane:
@@ -66,7 +76,7 @@ def test_a_job_is_kept_by_the_supervisor_started_before_it_and_a_replacement_is_
     assert pre_started_supervisors() == [], after
 
 
-def test_idle_ones_are_adopted_by_the_next_control_plane_and_a_refused_job_leaks_none(local_ray, tmp_path):
+def test_idle_ones_are_adopted_by_the_next_control_plane_and_a_refused_job_leaks_none(own_ray, tmp_path):
     from etrain.service.decisions.job_policy import policy_for
     from etrain.service.planning.spec import JobSpec
     from etrain.service.runtime.supervisor_actor import start_supervisor
