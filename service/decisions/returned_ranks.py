@@ -4,8 +4,8 @@ Why: a rank's process costs a Python start, ``import torch`` and the engine's fi
 optimizer's and the kernels'): 4-7 s of a core on a 2-core machine, paid by every rank of
 every job even where a warm spare hides it from the start-up (the pool refills the spare, which pays it
 again). A tenant's jobs often come one after another (a sweep, a resubmit, CI), so the processes of a job
-that finished cleanly (its warm spares, and the ranks the pool started cold for it) go back to the pool (``service/runtime/spares.py``) and serve that tenant's next
-jobs on the same node.
+that finished cleanly (its warm spares, and the ranks the pool started cold for it) go back to the pool
+(``service/runtime/spares.py``) and serve that tenant's next jobs on the same node.
 
 Only the same tenant's jobs: a process's memory has held the job's weights and data, and freed memory is
 not cleared. Only processes without GPUs: a CUDA context is bound to the GPUs the process saw when it

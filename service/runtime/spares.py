@@ -8,9 +8,9 @@ node and up to three on a CPU-only node (``etrain.service.decisions.capacity.spa
 a node a few seconds after one of its spares is taken, and forgets spares whose node died.
 A worker group whose placement group is ready asks for one spare per bundle on that bundle's node
 (``take``): a ready spare, else one still warming up there (it started before the launch did), else none,
-and the rank starts cold: for a tenant's job without GPUs, in a process the pool starts then (``start_cold``),
-so that it can come back like a spare (below). The pool never holds a launch back for longer than a spare's remaining
-warm-up.
+and the rank starts cold: for a tenant's job without GPUs, in a process the pool starts then
+(``start_cold``), so that it can come back like a spare (below). The pool never holds a launch back for
+longer than a spare's remaining warm-up.
 
 Spares are owned by the pool actor (which lives as long as the cluster, detached like the job
 supervisors), so a job's ranks never share fate with a control-plane restart. The pool keeps no handle to a
