@@ -244,21 +244,14 @@ class WorkerGroup:
         """
         ranks = range(self.world_size)
         reading = self._read_bundle_gpu_ids(ranks)  # runs beside take_spares' round trip
-        nodes = [self._bundle_nodes.get(rank, "") for rank in ranks]
-        spares = take_spares(nodes, self._tenant)
-        cold = self._cold_from_pool({rank: nodes[rank] for rank, spare in enumerate(spares) if spare is None})
+        pooled, warm = self._pool_processes({rank: self._bundle_nodes.get(rank, "") for rank in ranks})
         gpu_ids = reading()
-        actors, assigned = zip(
-            *(
-                self._rank_actor(rank, _either(spare, cold.get(rank)), gpu_ids[rank])
-                for rank, spare in enumerate(spares)
-            )
-        )
+        actors, assigned = zip(*(self._rank_actor(rank, pooled.get(rank), gpu_ids[rank]) for rank in ranks))
         actors = list(actors)
         replaced = self._settle_assignments(
             actors, {rank: ref for rank, ref in enumerate(assigned) if ref is not None}, gpu_ids
         )
-        self.warm_ranks = sum(spare is not None for spare in spares) - replaced
+        self.warm_ranks = warm - replaced
         return actors
 
     def _settle_assignments(
@@ -318,18 +311,22 @@ class WorkerGroup:
         a tenant's, and without GPUs (a CUDA context keeps the GPUs it started on)."""
         return bool(self._tenant) and not self._resources.get("GPU", 0.0)
 
-    def _cold_from_pool(self, nodes: dict[int, str]) -> dict[int, Any]:
-        """rank -> a rank process the pool started now on ``nodes[rank]``, for ranks that no spare serves.
+    def _pool_processes(self, nodes: dict[int, str]) -> tuple[dict[int, Any], int]:
+        """(rank -> the pool's process for it, how many of those were warm) for ranks on ``nodes`` (rank -> node).
 
-        The pool owns it, as it owns its spares, so it outlives this job's supervisor and can serve the
-        tenant's next job (:meth:`_give_back`); a cold rank the supervisor started itself dies with it. Only
-        where this group gives its ranks back; elsewhere (and where the pool is off) the ranks start cold here.
+        Warm: a returned rank of the tenant or a spare (``take_spares``). For the other ranks, where this group
+        gives its ranks back, a process the pool starts now (``start_cold_ranks``): the pool owns it as it owns
+        its spares, so it outlives this job's supervisor and can serve the tenant's next job
+        (:meth:`_give_back`). A rank missing from the answer starts cold here, owned by the supervisor.
         """
-        nodes = {rank: node for rank, node in nodes.items() if node}
-        if not nodes or not self._gives_back:
-            return {}
-        started = start_cold_ranks(list(nodes.values()))
-        return {rank: actor for rank, actor in zip(nodes, started) if actor is not None}
+        taken = take_spares(list(nodes.values()), self._tenant)
+        pooled = {rank: spare for rank, spare in zip(nodes, taken) if spare is not None}
+        warm = len(pooled)
+        missing = {rank: node for rank, node in nodes.items() if rank not in pooled and node}
+        if missing and self._gives_back:
+            started = start_cold_ranks(list(missing.values()))
+            pooled.update({rank: actor for rank, actor in zip(missing, started) if actor is not None})
+        return pooled, warm
 
     def _rank_actor(
         self, rank: int, spare: Any | None, gpu_ids: list[str], attempt: int | None = None
@@ -396,18 +393,15 @@ class WorkerGroup:
         _kill(self.actors[lost_rank])  # dead already, or wedged: gone either way
         node = placement_group_table(self.pg).get("bundles_to_node_id", {}).get(lost_rank, "")
         reading = self._read_bundle_gpu_ids([lost_rank])
-        spare = take_spares([node], self._tenant)[0]
-        cold = self._cold_from_pool({lost_rank: node} if spare is None else {})
+        pooled, warm = self._pool_processes({lost_rank: node})
         gpu_ids = reading()
-        actor, assigning = self._rank_actor(
-            lost_rank, _either(spare, cold.get(lost_rank)), gpu_ids[lost_rank], plan.attempt
-        )
+        actor, assigning = self._rank_actor(lost_rank, pooled.get(lost_rank), gpu_ids[lost_rank], plan.attempt)
         actors = {lost_rank: actor}
         replaced = self._settle_assignments(
             actors, {lost_rank: assigning} if assigning is not None else {}, gpu_ids, plan.attempt
         )
         self.actors[lost_rank] = actors[lost_rank]
-        self.warm_ranks = int(spare is not None) - replaced
+        self.warm_ranks = warm - replaced
         self.plan, self.attempt = plan, plan.attempt
         if self._stopped:
             raise RepairError("the group was stopped during the repair")
@@ -471,20 +465,16 @@ class WorkerGroup:
             [actor.renumber.remote(new, self.world_size) for new, actor in kept_actors.items()],
             timeout=RENDEZVOUS_TIMEOUT_S,
         )
-        nodes = {rank: self._bundle_nodes.get(rank, "") for rank in joining}
-        spares = take_spares(list(nodes.values()), self._tenant)
-        cold = self._cold_from_pool({rank: nodes[rank] for rank, spare in zip(joining, spares) if spare is None})
+        pooled, warm = self._pool_processes({rank: self._bundle_nodes.get(rank, "") for rank in joining})
         actors = dict(kept_actors)
         assigning = {}
-        for rank, spare in zip(joining, spares):
-            actors[rank], pending = self._rank_actor(
-                rank, _either(spare, cold.get(rank)), bundle_gpu_ids[rank], plan.attempt
-            )
+        for rank in joining:
+            actors[rank], pending = self._rank_actor(rank, pooled.get(rank), bundle_gpu_ids[rank], plan.attempt)
             if pending is not None:
                 assigning[rank] = pending
         replaced = self._settle_assignments(actors, assigning, bundle_gpu_ids, plan.attempt)
         self.actors = [actors[rank] for rank in range(self.world_size)]
-        self.warm_ranks = sum(spare is not None for spare in spares) - replaced
+        self.warm_ranks = warm - replaced
         if self._stopped:
             raise ResizeError("the group was stopped during the resize")
         self._rendezvous()
@@ -800,11 +790,6 @@ class RepairError(RuntimeError):
 
 class ResizeError(RuntimeError):
     """The in-place resize could not be carried out; the message says why (a ResizeFailed event)."""
-
-
-def _either(spare: Any | None, cold: Any | None) -> Any | None:
-    """The spare where there is one, else the pool's cold rank (actor handles have no truth value to rely on)."""
-    return spare if spare is not None else cold
 
 
 def _actor_key(actor: Any) -> str:
