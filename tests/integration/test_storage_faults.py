@@ -138,3 +138,32 @@ def test_storage_fault_names_each_errno_and_ignores_what_is_not_the_storage(tmp_
         assert fault is not None and str(fault).startswith(f"{words} at {tmp_path}: need ~")
     assert storage_fault(ValueError("a bug"), str(tmp_path), 0) is None
     assert storage_fault(OSError(errno.ECONNRESET, "reset"), str(tmp_path), 0) is None
+
+
+def test_a_save_that_starts_while_the_step_before_commits_is_not_failed_by_its_room_check(tmp_path, monkeypatch):
+    """Seen in the chaos suite under ``checkpoint.async``: rank 0's room check for step 8 listed step 4's files
+    while the supervisor committed step 4, whose ``manifest.json.tmp`` was renamed away before the check read
+    its size, and the job FAILED with "No such file or directory: .../step_00000004/manifest.json.tmp".
+    Here the supervisor's rename lands exactly there, between the listing and the sizes."""
+    from etrain.workers.checkpoints import storage
+
+    model, optimizer = _model()
+    committing = _save_and_commit(tmp_path, 4, model, optimizer)
+    manifest = os.path.join(committing, "manifest.json")
+    os.replace(manifest, manifest + ".tmp")  # the commit half-way: written, not yet renamed into place
+    listing = storage.walk_files
+
+    def list_then_commit(directory):
+        names = listing(directory)
+        if os.path.exists(manifest + ".tmp"):
+            os.replace(manifest + ".tmp", manifest)  # the supervisor's rename, right after this listing
+        return names
+
+    monkeypatch.setattr(storage, "walk_files", list_then_commit)
+    directory = step_dir(tmp_path, 8)
+    report = save_checkpoint(directory, [model], [optimizer], {"step": 8})
+    monkeypatch.undo()
+    commit(directory, 8, "single", 1, [report], key=KEY, job_id="job")
+    assert verify(committing, key=KEY).step == 4 and verify(directory, key=KEY).step == 8
+    other, other_optimizer = _model(seed=1)
+    assert load_checkpoint(directory, [other], [other_optimizer])["step"] == 8

@@ -256,10 +256,20 @@ def getsize(path: str | os.PathLike) -> int:
 
 
 def file_sizes(directory: str | os.PathLike) -> dict[str, int]:
-    """``{relative path: size}`` of every file below ``directory`` (one listing on an object store)."""
+    """``{relative path: size}`` of every file below ``directory`` (one listing on an object store).
+
+    Locally a file removed between the listing and its ``stat`` is left out, as a listing an instant later
+    would leave it out: a rank's room check reads the newest step while the supervisor commits it (its
+    ``manifest.json.tmp`` renamed away) or prunes another, and that must not fail the save."""
     if not is_url(directory):
         root = os.fspath(directory)
-        return {rel: os.path.getsize(os.path.join(root, rel)) for rel in walk_files(root)}
+        sizes = {}
+        for rel in walk_files(root):
+            try:
+                sizes[rel] = os.path.getsize(os.path.join(root, rel))
+            except FileNotFoundError:
+                continue
+        return sizes
     fs, key = _fs(directory)
     prefix = key.rstrip("/") + "/"
     try:
