@@ -248,3 +248,17 @@ def resumed_from(events: list[dict]) -> list[int | None]:
 
 def data_dir(plane: ControlPlane) -> Path:
     return plane.data_dir
+
+
+def assert_only_committed_steps_left(plane: ControlPlane, job_id: str) -> list[int]:
+    """Every step directory under the job's checkpoint directory is a commit of the job's own (a partial
+    save that a kill interrupted was deleted by the prune after a later commit); returns their steps.
+    Each names the job in its manifest and in the ``writer.json`` its rank 0 wrote."""
+    root = plane.data_dir / "checkpoints" / job_id
+    steps = []
+    for directory in sorted(root.glob("step_*")):
+        assert (directory / "manifest.json").is_file(), f"{directory.name} never committed and is still there"
+        assert json.loads((directory / "manifest.json").read_text())["job_id"] == job_id, directory
+        assert json.loads((directory / "writer.json").read_text())["job_id"] == job_id, directory
+        steps.append(int(directory.name.split("_")[1]))
+    return steps

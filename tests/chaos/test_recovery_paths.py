@@ -17,6 +17,7 @@ import re
 import pytest
 
 from tests.chaos.conftest import (
+    assert_only_committed_steps_left,
     assert_repaired_in_place,
     clean_run,
     fired,
@@ -71,6 +72,7 @@ def test_kill_during_a_checkpoint_write_resumes_from_memory_and_saves_that_step_
     assert restored(events) == ["attempt 2, step 12: ranks 0 from own memory; ranks 1 from rank 0's memory"]
     assert [row["step"] for row in plane.steps(final["id"])] == list(range(1, 25))  # none run twice
     assert_ends_like_clean(plane, final, clean)
+    assert assert_only_committed_steps_left(plane, final["id"]) == [16, 20, 24]  # keep_last 3
 
 
 def test_kill_during_the_commit_resumes_from_the_step_it_reported(shared_plane, clean):

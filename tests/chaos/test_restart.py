@@ -16,6 +16,7 @@ import pytest
 
 from tests.chaos.conftest import (
     LLAMA_MODEL,
+    assert_only_committed_steps_left,
     assert_repaired_in_place,
     clean_run,
     losses,
@@ -329,6 +330,9 @@ def test_async_checkpoints_commit_and_restore_like_sync_ones(shared_plane, clean
     assert first is None and resumed and all(step in (4, 8) for step in resumed), resumed_from(events)
     assert final["restarts"] <= 2, final
     assert_same_trajectory(losses(plane, job["id"]), clean, tol=1e-6)
+    # Step 8's write may have been cut short by the kill, and a repair from the survivor's memory resume past
+    # it: that partial directory is the job's own (its writer.json), deleted by the prune after a later commit.
+    assert assert_only_committed_steps_left(plane, job["id"]) == [16, 20, 24]
 
 
 def test_a_full_disk_abandons_saves_with_a_clear_event_and_the_job_goes_on_to_succeed(shared_plane, clean, tmp_path):

@@ -38,7 +38,7 @@ from torch import nn
 
 import etrain.workers.checkpoints.checkpoint_io as checkpoint_io
 from etrain.workers.checkpoints.checkpoint import AsyncCheckpointer, load_checkpoint, save_checkpoint
-from etrain.workers.checkpoints.checkpoint_commit import commit, step_dir, verify
+from etrain.workers.checkpoints.checkpoint_commit import commit, list_steps, prune, step_dir, verify
 from etrain.workers.checkpoints.checkpoint_state import capture_rng_state, restore_rng_state
 from etrain.workers.engine.init import build_model
 from etrain.workers.families.model import cross_entropy_loss
@@ -595,6 +595,29 @@ def test_partial_directory_is_cleared_before_saving(tmp_path):
     assert [entry.path for entry in report.files] == ["__0_0.distcp", ".metadata", "extra.pt"]
     commit(directory, 4, "single", 1, [report])
     assert load_checkpoint(directory, *_build("single", seed=1))["step"] == 4
+
+
+def test_a_save_killed_mid_write_is_deleted_by_its_jobs_next_prune_and_no_other_jobs(tmp_path):
+    """A save names its job in ``writer.json`` (in the manifest once it commits): a step directory left by
+    a kill before the commit is then the job's own, and the prune after its next commit deletes it. The
+    same leftover of another job, in a directory this job has been given, stays."""
+    key = b"k" * 32
+    parts, optimizers = _build("single", seed=0)
+    killed = save_checkpoint(step_dir(tmp_path, 4), parts, optimizers, {"step": 4}, owner="job-a")  # never committed
+    assert [entry.path for entry in killed.files] == ["__0_0.distcp", ".metadata", "extra.pt", "writer.json"]
+    async_killed = AsyncCheckpointer()
+    async_killed.save(step_dir(tmp_path, 5), parts, optimizers, {"step": 5}, owner="job-a").wait(timeout_s=60)
+    async_killed.close()
+    save_checkpoint(step_dir(tmp_path, 6), parts, optimizers, {"step": 6}, owner="job-b")
+    report = save_checkpoint(step_dir(tmp_path, 8), parts, optimizers, {"step": 8}, owner="job-a")
+    manifest = commit(step_dir(tmp_path, 8), 8, "single", 1, [report], key=key, job_id="job-a")
+    assert "writer.json" in {entry.path for entry in manifest.files}
+
+    deleted = prune(tmp_path, keep_last=3, key=key, owner="job-a")
+
+    assert deleted == [step_dir(tmp_path, 4), step_dir(tmp_path, 5)]
+    assert [step for step, _ in list_steps(tmp_path)] == [6, 8]
+    assert load_checkpoint(step_dir(tmp_path, 8), *_build("single", seed=1))["step"] == 8
 
 
 def test_async_save_snapshot_survives_training_and_corruption_is_refused_on_every_rank(tmp_path):

@@ -31,10 +31,13 @@ from etrain.workers.checkpoints.checkpoint_commit import (
 from etrain.workers.protocol.errors import CheckpointError
 from etrain.workers.protocol.manifest import (
     MANIFEST_NAME,
+    WRITER_NAME,
     FileEntry,
     ManifestSignatureError,
     ShardReport,
     _canonical,  # the one canonical encoding the signature is over
+    encode_writer,
+    writer_of,
 )
 
 WORLD = 2
@@ -524,3 +527,63 @@ def test_prune_keeps_by_signature_so_a_forged_newest_step_never_evicts_the_good_
     forged = _signed(tmp_path, 200, key=OTHER_KEY)
     assert prune(tmp_path, keep_last=1, key=KEY, owner="job-a") == []
     assert os.path.isdir(good) and os.path.isdir(forged)
+
+
+def _partial(root, step: int, writer: bytes | None) -> str:
+    """A save that never committed (a kill mid-write), with ``writer.json`` as rank 0 writes it first."""
+    directory, _reports = _fake_save(root, step)
+    if writer is not None:
+        _write(os.path.join(directory, WRITER_NAME), writer)
+    return directory
+
+
+def test_prune_with_an_owner_deletes_the_partial_saves_its_own_ranks_wrote_below_the_newest_commit(tmp_path):
+    """A save a kill interrupted leaves a directory without a manifest; a resume from memory past it (or a
+    changed cadence) never saves that step again, so only pruning can clear it: it is the job's own when its
+    ``writer.json`` names the job. Another job's, an unattributed one and one newer than the newest commit
+    (an in-flight write) stay."""
+    kept = [_signed(tmp_path, step, job_id="job-a") for step in (100, 300)]
+    own = [_partial(tmp_path, step, encode_writer("job-a")) for step in (120, 250)]
+    theirs = _partial(tmp_path, 150, encode_writer("job-b"))
+    unattributed = _partial(tmp_path, 160, None)
+    not_a_writer = _partial(tmp_path, 170, b'{"job_id": "job-a"}')  # no format: not a writer file
+    in_flight = _partial(tmp_path, 400, encode_writer("job-a"))
+
+    deleted = prune(tmp_path, keep_last=2, key=KEY, owner="job-a")
+
+    assert deleted == own
+    assert [step for step, _ in list_steps(tmp_path)] == [100, 150, 160, 170, 300, 400]
+    assert all(os.path.isdir(path) for path in [*kept, theirs, unattributed, not_a_writer, in_flight])
+
+
+def test_a_committed_directory_is_never_deleted_for_its_writer_file_alone(tmp_path):
+    """``writer.json`` is unsigned: it attributes only directories with no manifest. One of another job's
+    committed steps (or a forgery) carrying a writer file naming this job stays."""
+    _signed(tmp_path, 300, job_id="job-a")
+    theirs = _signed(tmp_path, 200, job_id="job-b")
+    forged = _signed(tmp_path, 100, key=OTHER_KEY, job_id="job-a")
+    for directory in (theirs, forged):
+        _write(os.path.join(directory, WRITER_NAME), encode_writer("job-a"))
+    assert prune(tmp_path, keep_last=1, key=KEY, owner="job-a") == []
+    assert os.path.isdir(theirs) and os.path.isdir(forged)
+
+
+def test_a_writer_file_that_is_a_link_a_fifo_or_too_large_attributes_nothing(tmp_path):
+    """Read without following links, a regular file of a few KiB at most: a planted link or FIFO is never
+    opened (a FIFO would block the supervisor's prune), and a huge file is not read."""
+    _signed(tmp_path, 300, job_id="job-a")
+    elsewhere = tmp_path.parent / f"{tmp_path.name}-elsewhere.json"
+    elsewhere.write_bytes(encode_writer("job-a"))
+    linked = _partial(tmp_path, 100, None)
+    os.symlink(elsewhere, os.path.join(linked, WRITER_NAME))
+    fifo = _partial(tmp_path, 110, None)
+    os.mkfifo(os.path.join(fifo, WRITER_NAME))
+    large = _partial(tmp_path, 120, encode_writer("job-a") + b" " * 8192)
+    assert prune(tmp_path, keep_last=1, key=KEY, owner="job-a") == []
+    assert all(os.path.isdir(path) for path in (linked, fifo, large))
+
+
+def test_writer_files_round_trip_and_anything_else_names_no_job():
+    assert writer_of(encode_writer("job-a")) == "job-a"
+    for raw in (b"", b"not json", b"[]", b'{"format": "etrain.checkpoint-writer/1"}', b'{"job_id": "job-a"}', b"\xff"):
+        assert writer_of(raw) is None, raw

@@ -57,12 +57,14 @@ def save_checkpoint(
     *,
     process_group: dist.ProcessGroup | None = None,
     plan_cache: str | None = None,
+    owner: str | None = None,
 ) -> ShardReport:
     """Write this rank's shards of a checkpoint into ``step_dir``; return what it wrote.
 
     ``plan_cache``: a generation from ``checkpoint_io.new_plan_cache`` shared by this group's saves
     (DCP then plans from its cache after the first one, see ``checkpoint_io.save_planner``); every
     rank of the group must pass one made for this group. None: plan every save in full.
+    ``owner``: the job's id, written to ``writer.json`` (``checkpoint_io.start_checkpoint``).
 
     Collective: every rank of ``process_group`` calls it with its own parts and optimizers. The
     checkpoint is *not* usable until the supervisor commits the reports of all ranks. A partial
@@ -72,7 +74,7 @@ def save_checkpoint(
     """
     directory = os.fspath(step_dir)  # a URL string is returned as is
     collected = collect_state(model_parts, optimizers)
-    expected = start_checkpoint(directory, extra, process_group, state_bytes=_local_bytes(collected.state))
+    expected = start_checkpoint(directory, extra, process_group, state_bytes=_local_bytes(collected.state), owner=owner)
     with storage.hold_dir(directory) as step:  # DCP writes into the folder that passed, by its descriptor
         writer = dcp_writer(step.path)
         try:
@@ -243,6 +245,7 @@ class AsyncCheckpointer:
         extra: dict[str, Any],
         *,
         previous_timeout_s: float = 600.0,
+        owner: str | None = None,
     ) -> PendingCheckpoint:
         """Start saving (collective); waits first for the previous save (whose outcome, a failure
         included, is the caller's to have collected through its own handle: the staging buffers are
@@ -251,7 +254,9 @@ class AsyncCheckpointer:
         self._prepared(previous_timeout_s)
         directory = os.fspath(step_dir)
         collected = collect_state(model_parts, optimizers)
-        expected = start_checkpoint(directory, extra, self._group, state_bytes=_local_bytes(collected.state))
+        expected = start_checkpoint(
+            directory, extra, self._group, state_bytes=_local_bytes(collected.state), owner=owner
+        )
         step = storage.hold_dir(directory)  # written by its descriptor (as in save_checkpoint) until the write ends
         try:
             writer = dcp_writer(step.path, threads=self._write_threads)

@@ -32,10 +32,12 @@ from dataclasses import dataclass
 
 from etrain.workers.checkpoints import storage
 from etrain.workers.protocol import safe_paths
-from etrain.workers.protocol.errors import CheckpointError
+from etrain.workers.protocol.errors import CheckpointError, EtrainError
 from etrain.workers.protocol.manifest import (
     MANIFEST_NAME,
     METADATA_NAME,
+    WRITER_MAX_BYTES,
+    WRITER_NAME,
     FileEntry,
     Manifest,
     ManifestSignatureError,
@@ -44,6 +46,7 @@ from etrain.workers.protocol.manifest import (
     encode_manifest,
     step_dir_name,
     step_of_dir_name,
+    writer_of,
 )
 
 __all__ = [
@@ -379,9 +382,11 @@ def prune(
     checkpoint at all nothing is deleted.
 
     ``owner`` (with ``key``, as the supervisor calls it): only directories whose manifest carries this
-    job id under a valid signature are deleted, so a job never deletes what it did not commit (another
-    job's steps in a shared directory, forgeries, partial directories it cannot attribute); only
-    checkpoints that verify under ``key`` count as kept.
+    job id under a valid signature are deleted, and partial ones (no manifest at all) whose ``writer.json``
+    names it (a save of this job's that a kill interrupted, or whose asynchronous write died with its rank:
+    a resume from memory may never save that step again, so nothing else would ever clear it). A job never
+    deletes what it did not write (another job's steps in a shared directory, forgeries, partial
+    directories it cannot attribute); only checkpoints that verify under ``key`` count as kept.
 
     ``checksums=True`` (default) hashes the kept checkpoints: with size-only checks a bit-flipped
     newest step could be "kept" while the truly usable previous one is deleted.
@@ -417,7 +422,7 @@ def prune(
         for step, directory in steps:
             if step in kept or step > newest:
                 continue
-            if owner is not None and not _committed_by(directory, owner, key):
+            if owner is not None and not (_committed_by(directory, owner, key) or _partial_of(directory, owner)):
                 continue
             _delete_step_dir(directory)
             deleted.append(directory)
@@ -444,6 +449,25 @@ def _committed_by(directory: str, owner: str, key: bytes) -> bool:
         return read_manifest(directory, key=key).job_id == owner
     except CheckpointError:
         return False
+
+
+def _partial_of(directory: str, owner: str) -> bool:
+    """Whether ``directory`` never committed (no manifest, not even one of another job's) and its
+    ``writer.json`` names ``owner``. Locally the file is read without following links, a regular file of
+    at most ``WRITER_MAX_BYTES`` (a FIFO or a link planted there is not read)."""
+    if storage.exists(storage.join(directory, MANIFEST_NAME)):
+        return False
+    path = storage.join(directory, WRITER_NAME)
+    try:
+        if storage.is_url(directory):
+            if storage.getsize(path) > WRITER_MAX_BYTES:
+                return False
+            raw = storage.read_bytes(path)
+        else:
+            raw = safe_paths.read_file(directory, WRITER_NAME, field="checkpoint.path", limit=WRITER_MAX_BYTES)
+    except (OSError, ValueError, EtrainError):  # absent, a link (UnsafePathError), not a regular file, too large
+        return False
+    return writer_of(raw) == owner
 
 
 def _delete_step_dir(directory: str) -> None:

@@ -37,7 +37,14 @@ from etrain.workers.checkpoints.checkpoint_commit import file_entries, list_step
 from etrain.workers.checkpoints.storage_faults import check_room, storage_fault
 from etrain.workers.protocol import safe_paths
 from etrain.workers.protocol.errors import CheckpointError, EtrainError
-from etrain.workers.protocol.manifest import MANIFEST_NAME, METADATA_NAME, FileEntry, ShardReport
+from etrain.workers.protocol.manifest import (
+    MANIFEST_NAME,
+    METADATA_NAME,
+    WRITER_NAME,
+    FileEntry,
+    ShardReport,
+    encode_writer,
+)
 
 __all__ = [
     "EXTRA_NAME",
@@ -220,13 +227,14 @@ def storage_reader(directory: str):
 
 
 def shard_report(directory: str, writer: _Recording, group: dist.ProcessGroup | None) -> ShardReport:
-    """What this rank wrote into ``directory`` (its ``.distcp`` files; rank 0 also ``.metadata`` and
-    ``extra.pt``), each with size and SHA-256: the report the supervisor commits."""
+    """What this rank wrote into ``directory`` (its ``.distcp`` files; rank 0 also ``.metadata``,
+    ``extra.pt`` and ``writer.json``), each with size and SHA-256: the report the supervisor commits."""
     rank, world_size = _rank(group), _world_size(group)
     assert writer.prefix is not None, "DCP finished without planning this rank's writes"
-    names = sorted(n for n in storage.listdir(directory) if n.startswith(writer.prefix) and n.endswith(".distcp"))
+    listing = storage.listdir(directory)
+    names = sorted(n for n in listing if n.startswith(writer.prefix) and n.endswith(".distcp"))
     if rank == 0:
-        names += [METADATA_NAME, EXTRA_NAME]
+        names += [METADATA_NAME, EXTRA_NAME] + ([WRITER_NAME] if WRITER_NAME in listing else [])
     uploaded = getattr(writer.fs, "written", {})  # hashed on the way to storage (:func:`_hashing`)
     return ShardReport(
         rank=rank,
@@ -254,11 +262,20 @@ def _reported(directory: str, names: list[str], uploaded: dict[str, tuple[int, s
 
 
 def start_checkpoint(
-    directory: str, extra: dict[str, Any], group: dist.ProcessGroup | None, state_bytes: int = 0
+    directory: str,
+    extra: dict[str, Any],
+    group: dist.ProcessGroup | None,
+    state_bytes: int = 0,
+    *,
+    owner: str | None = None,
 ) -> int:
     """Rank 0 refuses a committed directory, clears a partial one, checks the room and writes ``extra.pt``;
     every rank hears the verdict before any rank writes a shard (stale shards of a crashed attempt must
     not mix with new ones, and nobody may start DCP's collectives if rank 0 cannot take part).
+
+    ``owner`` (the job's id): rank 0 first writes ``writer.json`` naming it, so that if this save never
+    commits (a kill mid-write), the job's later prunes can tell the partial directory is its own and delete
+    it (``checkpoint_commit.prune``).
 
     The room check (``workers/checkpoints/storage_faults.py``): the file system must have the size of the last
     committed checkpoint free, plus a margin (``state_bytes``, this rank's state, stands in before the
@@ -289,6 +306,8 @@ def start_checkpoint(
             check_room(storage.parent(directory), expected[0])
             os.close(safe_paths.open_dir(directory, field="checkpoint.path", create=True))
         try:
+            if owner is not None:
+                storage.atomic_write_bytes(storage.join(directory, WRITER_NAME), encode_writer(owner))
             storage.atomic_write_bytes(storage.join(directory, EXTRA_NAME), _encode_extra(extra))
         except OSError as exc:
             raise (storage_fault(exc, directory, expected[0]) or exc) from None

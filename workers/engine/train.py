@@ -458,7 +458,9 @@ class Trainer:
         if self._plan_cache is None:  # one per Trainer: every rank builds a new one for each attempt
             self._plan_cache = new_plan_cache()
         model_parts, optimizers, extra = self.state_for_checkpoint()
-        return save_checkpoint(step_dir, model_parts, optimizers, extra, plan_cache=self._plan_cache)
+        return save_checkpoint(
+            step_dir, model_parts, optimizers, extra, plan_cache=self._plan_cache, owner=self.config.job_id
+        )
 
     def restore(self, step_dir: str, *, verify_checksums: bool = True, expect_digest: str | None = None) -> int:
         """Load a committed checkpoint saved under any layout (DCP reshards by FQN).

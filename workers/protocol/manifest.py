@@ -23,7 +23,13 @@ On-disk layout::
         __0_0.distcp __1_0.distcp ...   DCP shards, one file per rank (named by the rank's prefix)
         .metadata                       DCP's global index (rank 0)
         extra.pt                        non-tensor state: step, data position, RNG (rank 0)
+        writer.json                     the job whose ranks write the directory (rank 0, first)
         manifest.json                   written last, atomically; absent = not a checkpoint
+
+``writer.json`` is what lets a job delete the partial step directories it left itself (a save that a
+kill interrupted, an asynchronous write whose rank died): nothing in an uncommitted directory is
+signed, so without it a directory with no manifest could not be told from another job's or the
+tenant's own, and pruning kept it forever (:func:`encode_writer`, :func:`writer_of`).
 """
 
 from __future__ import annotations
@@ -45,19 +51,27 @@ __all__ = [
     "Manifest",
     "ManifestSignatureError",
     "ShardReport",
+    "WRITER_NAME",
     "decode_manifest",
     "encode_manifest",
+    "encode_writer",
     "step_dir_name",
     "step_of_dir_name",
+    "writer_of",
 ]
 
 MANIFEST_NAME = "manifest.json"
 #: Version 2 added ``hmac`` and ``job_id``. Version 1 manifests are unsigned: still readable without a
 #: key (tools), refused with a key.
 FORMAT = "etrain.checkpoint/2"
+WRITER_FORMAT = "etrain.checkpoint-writer/1"
 _UNSIGNED_FORMAT = "etrain.checkpoint/1"
 #: DCP's global index: the one file of a checkpoint that is unpickled (ranks hash it before loading).
 METADATA_NAME = ".metadata"
+#: Written by rank 0 when it opens a step directory for a save: the job that writes it (``encode_writer``).
+WRITER_NAME = "writer.json"
+#: A writer file is a few dozen bytes; anything larger is not one (read no further).
+WRITER_MAX_BYTES = 4096
 _STEP_DIR_RE = re.compile(r"^step_(\d+)$")
 
 
@@ -72,6 +86,30 @@ def step_of_dir_name(name: str) -> int | None:
     """The step a step directory's base name stands for; ``None`` for any other name."""
     match = _STEP_DIR_RE.match(name)
     return int(match.group(1)) if match else None
+
+
+def encode_writer(job_id: str) -> bytes:
+    """``writer.json``'s bytes for a save by ``job_id``."""
+    return json.dumps({"format": WRITER_FORMAT, "job_id": job_id}, sort_keys=True).encode()
+
+
+def writer_of(raw: bytes) -> str | None:
+    """The job named by a ``writer.json``'s bytes; None for anything that is not one.
+
+    Unsigned (the ranks that write it hold no key): it attributes a directory *without* a manifest to
+    the job whose ranks wrote it, for pruning only. A forged one can make a job delete an uncommitted
+    directory in its own checkpoint directory, which no job holds but that one (``service/access/
+    checkpoint_dirs.py``); it never makes anything load, and never deletes a committed step."""
+    if len(raw) > WRITER_MAX_BYTES:
+        return None
+    try:
+        document = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(document, dict) or document.get("format") != WRITER_FORMAT:
+        return None
+    job_id = document.get("job_id")
+    return job_id if isinstance(job_id, str) and job_id else None
 
 
 class ManifestSignatureError(CheckpointError):

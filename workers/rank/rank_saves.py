@@ -114,7 +114,9 @@ class RankSaves:
                 report = trainer.save(directory)
             else:  # training goes on once the state is staged in host memory
                 model_parts, optimizers, extra = trainer.state_for_checkpoint()
-                pending = self.async_save.save(directory, model_parts, optimizers, extra)
+                pending = self.async_save.save(
+                    directory, model_parts, optimizers, extra, owner=self._plan.config.job_id
+                )
         except StorageFault as fault:
             if final:
                 raise
