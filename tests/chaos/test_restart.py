@@ -22,6 +22,7 @@ from tests.chaos.conftest import (
     losses,
     placements,
     rank_pids,
+    recover,
     restored,
     resumed_from,
     run_clean,
@@ -239,6 +240,24 @@ def test_an_in_place_repair_that_meets_a_corrupt_step_relaunches_from_the_previo
     assert resumed_from(events) == [None, 8, 4]  # the repair tried step 8; the relaunch verified and took 4
     assert final["restarts"] == 1  # the repair's: its failing over costs none
     assert_same_trajectory(losses(plane, job["id"]), clean_zero3, tol=1e-6)
+
+
+def test_under_hsdp_a_killed_rank_gets_its_shard_from_the_other_replica_group_and_nothing_is_recomputed(
+    shared_plane, clean_zero3
+):
+    """HSDP (ZeRO-3 within each replica group, ``dp_replicate: 2``): the other replica group holds the lost
+    rank's shard, so the repair resumes from the survivor's live state at the kill, as under DDP (before, every
+    ZeRO layout restored the commit from storage and ran steps 9-10 again). Here each group is one rank (the
+    shard index in a larger one: tests/integration/test_snapshot.py). The same curve as plain ZeRO-3's, within
+    the tolerance of another reduction order."""
+    plane = shared_plane
+    body = spec("repair-hsdp-dp2", parallelism={"dp": 2, "zero": 3, "dp_replicate": 2})
+    final, events = recover(plane, body, {"action": "kill_rank", "rank": 1, "at_step": 10})
+    assert_repaired_in_place(final, events, times=1)
+    assert resumed_from(events) == [None, 8]  # the floor: the last commit
+    assert restored(events) == ["attempt 2, step 10: ranks 0 from own memory; ranks 1 from rank 0's memory"]
+    assert [row["step"] for row in plane.steps(final["id"])] == list(range(1, 25))  # none run twice
+    assert_same_trajectory(losses(plane, final["id"]), clean_zero3, tol=1e-5)
 
 
 def test_nan_loss_fails_fast_without_restarts(shared_plane):

@@ -1,7 +1,9 @@
 """In-memory snapshots (workers/checkpoints/snapshot.py) on two real gloo ranks: a restore from memory, and a
 replacement rank's state received from its data-parallel replica, are bit-identical to the restore of
 the same step's checkpoint from storage, and continue the run exactly. Layouts that shard state
-across dp (ZeRO-3) have no replica, and every rank falls back to storage together."""
+across dp (ZeRO-3) have no replica, and every rank falls back to storage together; under HSDP a shard's
+replica is the same shard in another replica group, and under expert parallelism a rank that holds other
+experts is no replica."""
 
 from __future__ import annotations
 
@@ -12,12 +14,14 @@ from tests.dist_utils import run_distributed
 from tests.equivalence_utils import small_config
 
 
-def _trainer(rank, world_size, parallel, steps):
+def _trainer_of(config, rank, world_size):
     from etrain.workers.engine.train import Trainer
 
-    return Trainer(
-        small_config(parallel=parallel, steps=steps), rank=rank, world_size=world_size, device=torch.device("cpu")
-    )
+    return Trainer(config, rank=rank, world_size=world_size, device=torch.device("cpu"))
+
+
+def _trainer(rank, world_size, parallel, steps):
+    return _trainer_of(small_config(parallel=parallel, steps=steps), rank, world_size)
 
 
 def _local_state(trainer) -> dict[str, torch.Tensor]:
@@ -46,7 +50,12 @@ def _save_committed(trainer, rank, world_size, directory, step):
 
 
 def _scenarios(rank: int, world_size: int, root: str) -> dict:
-    from etrain.workers.checkpoints.snapshot import replicated, resume_from_snapshot, share_snapshots, take_snapshot
+    from etrain.workers.checkpoints.snapshot import (
+        replica_holder_groups,
+        resume_from_snapshot,
+        share_snapshots,
+        take_snapshot,
+    )
 
     directory = f"{root}/step_00000003"
     first = _trainer(rank, world_size, ParallelConfig(dp=2), steps=6)
@@ -56,12 +65,10 @@ def _scenarios(rank: int, world_size: int, root: str) -> dict:
     straight = [m.loss for m in first.run(3, 5)]  # the state moves on past the snapshot
     live = take_snapshot(5, *first.state_for_checkpoint())  # what a survivor keeps when step 6 fails
     straight += [m.loss for m in first.run(5, 6)]
-    pair = [(0, 1)]
+    pair = replica_holder_groups(ParallelConfig(dp=2), first.topology)  # DDP: both ranks hold the same state
 
     # Rank 1 is a replacement: it has no snapshot and receives rank 0's.
-    received, origin = share_snapshots(
-        {3: snapshot} if rank == 0 else {}, pair, replicas=replicated(0, 2), floor=3, below=6
-    )
+    received, origin = share_snapshots({3: snapshot} if rank == 0 else {}, pair, floor=3, below=6)
     from_memory = _trainer(rank, world_size, ParallelConfig(dp=2), steps=6)
     memory_next = resume_from_snapshot(from_memory, received)
     memory_state = _local_state(from_memory)
@@ -75,23 +82,22 @@ def _scenarios(rank: int, world_size: int, root: str) -> dict:
     resumed = [m.loss for m in from_memory.run(memory_next, 6)]
 
     # Every rank has its own: nobody sends anything.
-    _, own_origin = share_snapshots({3: snapshot}, pair, replicas=True, floor=3, below=6)
+    _, own_origin = share_snapshots({3: snapshot}, pair, floor=3, below=6)
     # ZeRO-3 shards state across dp: no replica, so both ranks go to storage.
-    _, zero3_origin = share_snapshots(
-        {3: snapshot} if rank == 0 else {}, pair, replicas=replicated(3, 2), floor=3, below=6
-    )
+    alone = replica_holder_groups(ParallelConfig(dp=2, zero=3), first.topology)
+    _, zero3_origin = share_snapshots({3: snapshot} if rank == 0 else {}, alone, floor=3, below=6)
     # A snapshot of a step before the commit counts as none.
-    _, stale_origin = share_snapshots({3: snapshot}, pair, replicas=True, floor=4, below=6)
+    _, stale_origin = share_snapshots({3: snapshot}, pair, floor=4, below=6)
 
     # The survivor's live state at step 5 is newer than the commit at 3: the replacement receives it, and the
     # run goes on from step 5 exactly as if it had never stopped.
     held = {3: snapshot, 5: live} if rank == 0 else {}
-    newest, newest_origin = share_snapshots(held, pair, replicas=True, floor=3, below=6)
+    newest, newest_origin = share_snapshots(held, pair, floor=3, below=6)
     from_live = _trainer(rank, world_size, ParallelConfig(dp=2), steps=6)
     live_next = resume_from_snapshot(from_live, newest)
     after_live = [m.loss for m in from_live.run(live_next, 6)]
     # The last step is never skipped (its final save is still to come): below=5 leaves step 3.
-    capped, _ = share_snapshots(held if rank == 0 else {3: snapshot}, pair, replicas=True, floor=3, below=5)
+    capped, _ = share_snapshots(held if rank == 0 else {3: snapshot}, pair, floor=3, below=5)
     return {
         "origin": origin,
         "next": (memory_next, disk_next),
@@ -103,6 +109,7 @@ def _scenarios(rank: int, world_size: int, root: str) -> dict:
         "zero3": zero3_origin,
         "stale": stale_origin,
         "live": (newest.step, newest_origin, live_next, after_live, capped.step),
+        "groups": (pair, alone),
     }
 
 
@@ -118,3 +125,97 @@ def test_memory_restore_and_peer_transfer_equal_the_disk_checkpoint_bit_for_bit(
     for report in reports:
         assert report["live"][3] == report["straight"][-1:]  # step 6 from the live state: the same loss, exactly
         assert report["live"][4] == 3
+        assert report["groups"] == ([(0, 1)], [(0,), (1,)])
+
+
+def _expert_parallel(rank: int, world_size: int) -> dict:
+    """DDP with the experts split over ep=2: the two dp ranks hold different experts, so neither's state is a
+    replica of the other's. Before the holder groups counted experts, a replacement for rank 1 received rank
+    0's snapshot (the same keys and shapes, the other half of the experts) and trained on silently wrong
+    weights; now both ranks restore from storage."""
+    import dataclasses
+    import hashlib
+
+    import torch.distributed as dist
+
+    from etrain.workers.checkpoints.snapshot import has_replicas, replica_holder_groups, share_snapshots, take_snapshot
+    from etrain.workers.families import MODEL_PRESETS
+    from etrain.workers.protocol.run_config import ModelConfig
+
+    moe = dataclasses.replace(ModelConfig(**MODEL_PRESETS["qwen3-moe-tiny"]), seq_len=16)
+    parallel = ParallelConfig(dp=2, ep=2)
+    trainer = _trainer_of(small_config(parallel=parallel, steps=2, model=moe), rank, world_size)
+    trainer.run(0, 2)
+    state = _local_state(trainer)
+    digests = {key: hashlib.sha256(value.numpy().tobytes()).hexdigest() for key, value in state.items()}
+    everyone: list = [None] * world_size
+    dist.all_gather_object(everyone, digests)
+    differing = sorted(key for key in digests if everyone[0].get(key) != everyone[1].get(key))
+    groups = replica_holder_groups(parallel, trainer.topology)
+    snapshot = take_snapshot(2, *trainer.state_for_checkpoint())
+    received, origin = share_snapshots({2: snapshot} if rank == 0 else {}, groups, floor=2, below=4)
+    return {
+        "differing": differing,
+        "keys": len(digests),
+        "groups": groups,
+        "replicas": has_replicas(parallel),
+        "origin": origin,
+        "received": received is not None,
+    }
+
+
+def test_under_expert_parallelism_a_rank_holding_other_experts_is_no_replica():
+    reports = run_distributed(_expert_parallel, 2, timeout_s=240)
+    for report in reports:
+        # The experts (and their AdamW moments) differ between the two dp ranks; the dense weights do not.
+        assert report["differing"] and all("expert" in key for key in report["differing"]), report["differing"]
+        assert len(report["differing"]) < report["keys"]
+        assert report["groups"] == [(0,), (1,)] and report["replicas"] is False
+        assert (report["origin"], report["received"]) == ("storage", False)
+
+
+def _hsdp(rank: int, world_size: int, root: str) -> dict:
+    """HSDP (ZeRO-3 over pairs, two replica groups): rank 3 is replaced and receives the state of rank 1, the
+    same shard in the other replica group, bit-identical to the committed step on storage."""
+    from etrain.workers.checkpoints.snapshot import (
+        replica_holder_groups,
+        resume_from_snapshot,
+        share_snapshots,
+        take_snapshot,
+    )
+
+    parallel = ParallelConfig(dp=4, zero=3, dp_replicate=2)
+    directory = f"{root}/step_00000002"
+    first = _trainer(rank, world_size, parallel, steps=4)
+    first.run(0, 2)
+    _save_committed(first, rank, world_size, directory, 2)
+    snapshot = take_snapshot(2, *first.state_for_checkpoint())
+    straight = [m.loss for m in first.run(2, 4)]
+    groups = replica_holder_groups(parallel, first.topology)
+    received, origin = share_snapshots({} if rank == 3 else {2: snapshot}, groups, floor=2, below=4)
+    from_memory = _trainer(rank, world_size, parallel, steps=4)
+    start = resume_from_snapshot(from_memory, received)
+    memory_state = _local_state(from_memory)
+    from_disk = _trainer(rank, world_size, parallel, steps=4)
+    from_disk.restore(directory)
+    disk_state = _local_state(from_disk)
+    same_bits = sorted(memory_state) == sorted(disk_state) and all(
+        torch.equal(memory_state[key], disk_state[key]) for key in disk_state
+    )
+    return {
+        "groups": groups,
+        "origin": origin,
+        "start": start,
+        "same_bits": same_bits,
+        "resumed": [m.loss for m in from_memory.run(start, 4)],
+        "straight": straight,
+    }
+
+
+def test_under_hsdp_a_replacement_receives_its_shard_from_the_other_replica_group(tmp_path):
+    reports = run_distributed(_hsdp, 4, str(tmp_path), timeout_s=300)
+    assert [r["origin"] for r in reports] == ["own memory", "own memory", "own memory", "rank 1's memory"]
+    for report in reports:
+        assert report["groups"] == [(0, 2), (1, 3)]  # the same shard index in each replica group
+        assert report["start"] == 2 and report["same_bits"]
+        assert report["resumed"] == report["straight"]  # exact: the same continuation as never stopping

@@ -6,7 +6,9 @@ from __future__ import annotations
 import itertools
 import random
 
-from etrain.workers.protocol.memory_resume import memory_resume_step
+import pytest
+
+from etrain.workers.protocol.memory_resume import holder_groups, memory_resume_step, replica_period
 
 
 def _brute(held, groups, floor, below):
@@ -61,3 +63,65 @@ def test_against_a_brute_force_over_small_worlds():
     for world, dp in itertools.product((2, 4, 8), (1, 2, 4)):  # every rank holding a step: that step
         if world % dp == 0:
             assert memory_resume_step([{5}] * world, _dp_groups(world, dp), floor=5, below=6) == 5
+
+
+# -- which ranks hold the same state --------------------------------------------------------------------------
+
+
+def _state_of(dp_index: int, *, dp: int, zero: int, dp_replicate: int, ep: int) -> tuple:
+    """What a dp rank holds, from the mesh coordinates (``workers/engine/mesh.py``): the dense weights' shard
+    and optimizer shard, and its experts. Two ranks are replicas exactly when these are equal."""
+    dp_shard = dp // dp_replicate
+    if zero == 0:
+        dense = ("whole",)
+    elif zero == 1:
+        dense = ("weights whole, optimizer shard", dp_index)  # ZeRO-1 shards the optimizer over every dp rank
+    else:
+        dense = ("shard", dp_index % dp_shard)  # dp index = replicate · dp_shard + shard
+    experts = dp_index % ep  # dp index = edp · ep + ep index
+    return dense, experts
+
+
+def _layouts():
+    for dp in range(1, 13):
+        for zero in (0, 1, 2, 3):
+            for dp_replicate in [r for r in range(1, dp + 1) if dp % r == 0] if zero in (2, 3) else [1]:
+                for ep in [e for e in range(1, dp + 1) if dp % e == 0]:
+                    yield dp, zero, dp_replicate, ep
+
+
+def test_replica_holder_groups_are_the_ranks_whose_mesh_coordinates_give_the_same_state():
+    """Every layout of up to 12 dp ranks, in a world of two dp groups (tp=2, dp slowest)."""
+    for dp, zero, dp_replicate, ep in _layouts():
+        layout = {"dp": dp, "zero": zero, "dp_replicate": dp_replicate, "ep": ep}
+        period = replica_period(**layout)
+        dp_groups = _dp_groups(2 * dp, dp)
+        got = sorted(holder_groups(dp_groups, period))
+        expected = sorted(
+            tuple(rank for index, rank in enumerate(group) if _state_of(index, **layout) == state)
+            for group in dp_groups
+            for state in dict.fromkeys(_state_of(index, **layout) for index in range(dp))
+        )
+        assert got == expected, (layout, period)
+        assert (period is None) == all(len(group) == 1 for group in got), layout
+
+
+def test_the_layouts_that_have_replicas():
+    assert replica_period(dp=2, zero=0) == 1  # DDP
+    assert replica_period(dp=1, zero=0) is None  # one rank: nobody to hold a copy
+    assert replica_period(dp=4, zero=1) is None  # ZeRO-1: the optimizer state is sharded
+    assert replica_period(dp=4, zero=3) is None  # plain FSDP2
+    assert replica_period(dp=4, zero=3, dp_replicate=2) == 2  # HSDP: shard s is held by ranks s and s + 2
+    assert replica_period(dp=2, zero=0, ep=2) is None  # DDP, experts split in two: rank 1's are not rank 0's
+    assert replica_period(dp=4, zero=0, ep=2) == 2
+    assert replica_period(dp=8, zero=2, dp_replicate=2, ep=8) is None
+    assert holder_groups([(0, 1, 2, 3), (4, 5, 6, 7)], 2) == [(0, 2), (1, 3), (4, 6), (5, 7)]
+    assert holder_groups([(0, 1)], None) == [(0,), (1,)]
+
+
+@pytest.mark.parametrize(
+    "layout", [{"dp": 0, "zero": 0}, {"dp": 4, "zero": 3, "dp_replicate": 3}, {"dp": 4, "zero": 0, "ep": 3}]
+)
+def test_a_layout_that_cannot_exist_is_refused(layout):
+    with pytest.raises(ValueError, match="not a data-parallel layout"):
+        replica_period(**layout)

@@ -9,7 +9,9 @@ stays the fallback whenever memory cannot serve every rank (no replica of some r
 layout that shards state across data-parallel ranks, a snapshot of another step).
 
 A rank whose attempt failed also keeps its live state, at the step it completed last: its collectives with
-the dead rank failed before any rank could apply the next update, so that state is exactly the run's at
+the dead rank failed before any rank could apply the next update (every rank's update waits for gradient
+reductions that, through the dp mesh's groups, depend on the dead rank's; the update itself runs no
+collective, so a rank has applied all of it or none), so that state is exactly the run's at
 that step, and a repair that resumes there recomputes nothing (``workers/protocol/memory_resume.py`` picks
 the newest step memory can serve to every rank, never one before the last commit).
 
@@ -19,10 +21,13 @@ optimizer state, copied to host memory, and the checkpoint's ``extra`` (next ste
 RNG). So a restore from memory is bit-identical to a restore from the disk checkpoint of that step
 (``tests/integration/test_snapshot.py``).
 
-Which layouts have replicas: with ``zero=0`` (DDP) every rank of a data-parallel group holds the same
-model and optimizer state (its tensor/pipeline shard of them), so any surviving member of the dead
-rank's dp group can serve it. With ZeRO-1/2/3 the state is sharded across dp, so a dead rank's share
-exists nowhere else: those layouts restore from storage (the survivors still keep their processes).
+Which layouts have replicas (``workers/protocol/memory_resume.py``: ``replica_period``): with ``zero=0``
+(DDP) every rank of a data-parallel group holds the same model and optimizer state (its tensor/pipeline
+shard of them), so any surviving member of the dead rank's dp group can serve it; under HSDP (ZeRO-2/3
+with ``dp_replicate > 1``) the ranks of the same shard index in the other replica groups can; under expert
+parallelism only those that also hold the same experts. With ZeRO-1 and plain FSDP2 the state is sharded
+across dp, so a dead rank's share exists nowhere else: those layouts restore from storage (the survivors
+still keep their processes).
 """
 
 from __future__ import annotations
@@ -87,30 +92,45 @@ def resume_from_snapshot(trainer: Any, snapshot: Snapshot) -> int:
     return trainer.next_step
 
 
-def replicated(zero: int, dp: int) -> bool:
-    """Whether every rank's state has a copy on the other ranks of its data-parallel group."""
-    return zero == 0 and dp > 1
+def _period(parallel: Any) -> int | None:
+    from etrain.workers.protocol.memory_resume import replica_period
+
+    return replica_period(dp=parallel.dp, zero=parallel.zero, dp_replicate=parallel.dp_replicate, ep=parallel.ep)
+
+
+def has_replicas(parallel: Any) -> bool:
+    """Whether every rank of this layout (a ``ParallelConfig``) has a copy of its state on another rank:
+    DDP, or HSDP's replica groups, with the same experts under expert parallelism
+    (``workers/protocol/memory_resume.py``: ``replica_period``)."""
+    return _period(parallel) is not None
+
+
+def replica_holder_groups(parallel: Any, topology: Any) -> list[tuple[int, ...]]:
+    """The sets of ranks of ``topology`` that hold the same state under ``parallel`` (each rank alone where
+    nothing is replicated): the groups :func:`share_snapshots` serves."""
+    from etrain.workers.protocol.memory_resume import holder_groups
+
+    return holder_groups(topology.dp_groups(), _period(parallel))
 
 
 def share_snapshots(
-    held: dict[int, Snapshot], dp_groups: list[tuple[int, ...]], *, replicas: bool, floor: int, below: int
+    held: dict[int, Snapshot], groups: list[tuple[int, ...]], *, floor: int, below: int
 ) -> tuple[Snapshot | None, str]:
     """Collective over the default group: every rank ends with a snapshot of one agreed step, or all with None.
 
     Each rank says which steps it holds (``held``: its checkpoint copies and, after a failed attempt, its
     live state). They agree on the newest step in ``[floor, below)`` that memory can serve to every rank
-    (``workers/protocol/memory_resume.py``): with ``replicas`` a dp group is served when one member holds
-    it, without them every rank must hold it itself. A rank that holds it keeps its own ("own memory"); one
-    that does not receives it from the lowest rank of its dp group that has it ("rank R's memory"). With no
-    such step every rank returns None and the caller restores from storage, together (DCP's load is
-    collective). Returns (snapshot or None, where it came from).
+    (``workers/protocol/memory_resume.py``): a holder group (``groups``, ranks holding the same state:
+    :func:`replica_holder_groups`) is served when one member holds it. A rank that holds it keeps its own
+    ("own memory"); one that does not receives it from the lowest rank of its holder group that has it
+    ("rank R's memory"). With no such step every rank returns None and the caller restores from storage,
+    together (DCP's load is collective). Returns (snapshot or None, where it came from).
     """
     from etrain.workers.protocol.memory_resume import memory_resume_step
 
     world = dist.get_world_size()
     offers: list[Any] = [None] * world
     dist.all_gather_object(offers, sorted(held))
-    groups = dp_groups if replicas else [(rank,) for rank in range(world)]
     step = memory_resume_step(offers, groups, floor=floor, below=below)
     if step is None:
         return None, "storage"
@@ -119,11 +139,15 @@ def share_snapshots(
     if all(flags):
         return own, "own memory"
     me = dist.get_rank()
-    sources = {group: next(rank for rank in group if flags[rank]) for group in dp_groups}
+    # Only the groups with a member to serve: every rank computes the same list from the same offers, and
+    # creates each of their process groups in the same order (``new_group`` is collective over the world).
+    sources = {
+        group: next(rank for rank in group if flags[rank]) for group in groups if not all(flags[rank] for rank in group)
+    }
     received, origin = own, "own memory"
-    for group, source in sources.items():  # every rank creates every group, in the same order
+    for group, source in sources.items():
         process_group = dist.new_group(list(group), backend="gloo")
-        if all(flags[rank] for rank in group) or me not in group:
+        if me not in group:
             continue
         payload = [own if me == source else None]
         dist.broadcast_object_list(payload, src=source, group=process_group)

@@ -9,14 +9,62 @@ committed checkpoint stays the floor and the fallback: it is what storage holds,
 Each rank offers the steps it holds in memory: the copies it kept at its last checkpoints and, after a
 failed attempt, its live state at the step it completed last. The ranks agree on the newest step that every
 *holder group* can serve: a group is a set of ranks with the same state (a rank's data-parallel replicas
-under DDP; the rank alone where no replica exists), and a group is served when one member holds the step.
+under DDP, the ranks of the same shard under HSDP, narrowed to those holding the same experts under expert
+parallelism; the rank alone where no replica exists: :func:`holder_groups`), and a group is served when
+one member holds the step.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 
-__all__ = ["memory_resume_step"]
+__all__ = ["holder_groups", "memory_resume_step", "replica_period"]
+
+
+def replica_period(*, dp: int, zero: int, dp_replicate: int = 1, ep: int = 1) -> int | None:
+    """Two ranks of one data-parallel group hold the same state exactly when their dp indices agree modulo
+    this period; None when no two do (every rank's state is its own).
+
+    Why each layout gives its period (the dp index is ``replicate · dp_shard + shard`` under HSDP and
+    ``edp · ep + ep_index`` under expert parallelism, ``workers/engine/mesh.py``):
+
+    * DDP (``zero: 0``): the dense weights and their optimizer state are whole on every dp rank (period 1).
+    * ZeRO-1 shards the optimizer state over every dp rank, plain FSDP2 (ZeRO-2/3) the weights too: no
+      replica (period dp).
+    * HSDP (ZeRO-2/3 with ``dp_replicate > 1``): each replica group of ``dp / dp_replicate`` ranks shards
+      the model, so a shard's replicas are the ranks of the same shard index in the other groups (period
+      ``dp_shard``).
+    * Expert parallelism splits the experts over ``ep`` consecutive dp ranks and replicates them over the
+      ``dp / ep`` ranks of the same ``ep`` index (whole, under every ZeRO stage): a rank's replica must hold
+      the same experts as well as the same dense shard (period ``lcm(dense period, ep)``). Under DDP with
+      ``ep = 2``, rank 1 holds the other half of the experts from rank 0: rank 0's state is no replica of it.
+    """
+    if dp < 1 or dp_replicate < 1 or ep < 1 or dp % dp_replicate or dp % ep:
+        raise ValueError(f"not a data-parallel layout: dp={dp}, dp_replicate={dp_replicate}, ep={ep}")
+    if zero == 0:
+        dense = 1
+    elif zero in (2, 3):
+        dense = dp // dp_replicate
+    else:  # ZeRO-1: the optimizer state is sharded over every dp rank
+        dense = dp
+    period = math.lcm(dense, ep)
+    return period if period < dp else None
+
+
+def holder_groups(dp_groups: Iterable[Sequence[int]], period: int | None) -> list[tuple[int, ...]]:
+    """The sets of ranks that hold the same state: each data-parallel group (its ranks in dp-index order,
+    as ``Topology.dp_groups`` lists them) split by dp index modulo ``period`` (:func:`replica_period`);
+    every rank alone when ``period`` is None. What :func:`memory_resume_step` serves, and from whom a
+    replacement rank receives its state."""
+    groups: list[tuple[int, ...]] = []
+    for dp_group in dp_groups:
+        ranks = tuple(dp_group)
+        if period is None:
+            groups.extend((rank,) for rank in ranks)
+        else:
+            groups.extend(ranks[first::period] for first in range(min(period, len(ranks))))
+    return groups
 
 
 def memory_resume_step(

@@ -384,13 +384,12 @@ class TrainWorker:
         hashing every file (the supervisor did not, this time).
         """
         if plan.state_from_memory:
-            from etrain.workers.checkpoints.snapshot import replicated, resume_from_snapshot, share_snapshots
+            from etrain.workers.checkpoints.snapshot import replica_holder_groups, resume_from_snapshot, share_snapshots
 
             parallel, total, limit = plan.config.parallel, plan.config.training.steps, plan.memory_resume_limit
             snapshot, origin = share_snapshots(
                 self._snapshots,
-                list(trainer.topology.dp_groups()),
-                replicas=replicated(parallel.zero, parallel.dp),
+                replica_holder_groups(parallel, trainer.topology),
                 floor=plan.start_step,
                 below=total if limit is None else min(total, limit + 1),
             )
@@ -414,7 +413,8 @@ class TrainWorker:
         """After this attempt failed: keep this rank's state at the step it completed last, for the in-place
         repair that may follow (``workers/checkpoints/snapshot.py`` says why that state is exact; nothing in
         a step draws random numbers, so the generators are as that step left them). Only where a replica
-        can serve the lost rank the same step (DDP), not after a job error (no repair follows), and on a GPU
+        can serve the lost rank the same step (DDP, HSDP: ``snapshot.has_replicas``), not after a job error
+        (no repair follows), and on a GPU
         only if the device has nothing left to run: a collective that a dead peer never joined leaves it
         busy, and a copy queued behind it would never finish. Never raises: the attempt's own error is
         what the caller reports."""
@@ -422,7 +422,7 @@ class TrainWorker:
 
         import torch
 
-        from etrain.workers.checkpoints.snapshot import replicated
+        from etrain.workers.checkpoints.snapshot import has_replicas
         from etrain.workers.protocol.errors import EtrainError
 
         plan = self._plan
@@ -430,7 +430,7 @@ class TrainWorker:
         if parallel is None or isinstance(err, EtrainError) or not plan.keep_snapshots:
             return
         step = trainer.next_step
-        if not replicated(parallel.zero, parallel.dp) or step in self._snapshots:
+        if not has_replicas(parallel) or step in self._snapshots:
             return
         try:
             started = time.monotonic()
@@ -451,17 +451,19 @@ class TrainWorker:
         """Copy this rank's state at a checkpointed step to host memory, for an in-place repair.
 
         Two are kept: the newest may not be committed yet when a rank dies, the one before it is.
-        Only where a data-parallel replica holds the same state: the rank a repair replaces is a new
+        Only where a data-parallel replica holds the same state (``snapshot.has_replicas``: DDP, HSDP's other
+        replica groups, with the same experts under expert parallelism): the rank a repair replaces is a new
         process with no snapshot, so without a replica to send it one every rank restores from storage
         (``etrain.workers.checkpoints.snapshot.share_snapshots``) and a copy here would never be read.
         The exception is dp=1 in a job that may grow (``LaunchPlan.may_grow``): an in-place grow resumes
         from the step committed at dp=1, and the ranks it adds receive this rank's copy of it.
         """
-        from etrain.workers.checkpoints.snapshot import replicated
+        from etrain.workers.checkpoints.snapshot import has_replicas
 
         parallel = self._plan.config.parallel
-        replica_to_be = self._plan.may_grow and replicated(parallel.zero, 2)  # a grow adds this rank's replicas
-        if not self._plan.keep_snapshots or not (replicated(parallel.zero, parallel.dp) or replica_to_be):
+        # A grow from dp=1 adds this rank's replicas (ep and dp_replicate divide dp: both are 1 here).
+        replica_to_be = self._plan.may_grow and parallel.dp == 1 and has_replicas(dataclasses.replace(parallel, dp=2))
+        if not self._plan.keep_snapshots or not (has_replicas(parallel) or replica_to_be):
             return
         self._store_snapshot(trainer, completed_steps)
 
