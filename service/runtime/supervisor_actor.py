@@ -566,8 +566,8 @@ class JobSupervisor:
         plan = self._attempt_plan(action.attempt, self.config.with_dp(self.state.dp), step, state_from_memory=True)
         self._record(
             "repairing",
-            f"attempt {action.attempt}: rank {action.lost_rank} replaced in place, the other "
-            f"{action.world_size - 1} ranks kept, resuming from step {step} or a later step held in memory",
+            f"attempt {action.attempt}: rank {action.lost_rank} replaced in place (with any rank whose process "
+            f"died beside it), the other ranks kept, resuming from step {step} or a later step held in memory",
         )
         if group is None or group.world_size != action.world_size:
             self._inbox.put(RepairFailed(attempt=action.attempt, reason="no running group to repair"))
@@ -582,9 +582,18 @@ class JobSupervisor:
             reported = self._steps.reported_through(failed)
             return max(step or 0, reported or 0, started or 0)
 
+        def also_lost(others: dict[int, str]) -> None:
+            """Ranks whose processes died in the same fault (their nodes up): each said, then replaced too."""
+            for rank, why in others.items():
+                where = group.nodes.get(rank, "?")
+                self._record(
+                    "worker_failed",
+                    f"rank {rank} on node {where} lost as well ({why}): replaced in the same in-place repair",
+                )
+
         def repair() -> None:
             try:
-                group.repair(action.lost_rank, plan, memory_limit=memory_limit)
+                group.repair(action.lost_rank, plan, memory_limit=memory_limit, also_lost=also_lost)
             except Exception as err:
                 self._inbox.put(RepairFailed(attempt=action.attempt, reason=f"{type(err).__name__}: {err}"))
 

@@ -374,38 +374,62 @@ class WorkerGroup:
 
     # --- repair in place ------------------------------------------------------------------------
 
-    def repair(self, lost_rank: int, plan: LaunchPlan, *, memory_limit: Callable[[], int] | None = None) -> None:
-        """Run ``plan`` (the next attempt) on the same placement group: every rank but ``lost_rank``
-        keeps its actor (its process, its memory: it restores the committed step it saved itself),
-        and ``lost_rank`` gets a new one (a warm spare where the pool has one).
+    def repair(
+        self,
+        lost_rank: int,
+        plan: LaunchPlan,
+        *,
+        memory_limit: Callable[[], int] | None = None,
+        also_lost: Callable[[dict[int, str]], None] | None = None,
+    ) -> list[int]:
+        """Run ``plan`` (the next attempt) on the same placement group: every rank but the lost ones keeps
+        its actor (its process, its memory: it restores the committed step it saved itself), and each lost
+        rank gets a new one (a warm spare where the pool has one). Returns the ranks replaced.
+
+        The lost ranks are ``lost_rank`` and any other whose process died in the same fault while its node
+        stays up: a GPU fault, the OOM killer or a crashed host agent often takes several ranks of one node
+        at once, and their replicas elsewhere still hold their state. ``also_lost`` hears of those (rank ->
+        why) before they are replaced. A rank lost with its node, or every rank lost, makes the repair fail
+        (:class:`RepairError`): the caller relaunches every rank, on the capacity left.
 
         The survivors' ``run`` of the failed attempt must have returned first (their collectives
-        failed with the dead peer): one that does not within SURVIVOR_EXIT_TIMEOUT_S, or that died
-        too, makes the repair fail (:class:`RepairError`), and the caller relaunches every rank.
+        failed with the dead peer): one that does not within SURVIVOR_EXIT_TIMEOUT_S makes the repair fail.
 
         ``memory_limit`` is asked once the survivors' runs returned (their last step reports are in by
         then): the newest step the ranks may resume at from memory (``LaunchPlan.memory_resume_limit``).
         """
         # the failed attempt's runs still out (not the lost rank's, if polled)
-        self._leave_attempt(lost_rank=lost_rank, error=RepairError)
+        others = self._leave_attempt(lost_rank=lost_rank, error=RepairError, keep_lost=True)
+        for rank, err in sorted(others.items()):
+            if _death_cause(err, self.nodes.get(rank, "")) == "node":
+                raise RepairError(f"rank {rank} died as well, with its node: {_first_line(err)}")
+        lost = sorted({lost_rank, *others})
+        if len(lost) == self.world_size:
+            raise RepairError(f"every rank of attempt {self.attempt} died: no process to keep")
+        if others and also_lost is not None:
+            also_lost({rank: _first_line(err) for rank, err in sorted(others.items())})
         if memory_limit is not None:
             plan = dataclasses.replace(plan, memory_resume_limit=memory_limit())
-        _kill(self.actors[lost_rank])  # dead already, or wedged: gone either way
-        node = placement_group_table(self.pg).get("bundles_to_node_id", {}).get(lost_rank, "")
-        reading = self._read_bundle_gpu_ids([lost_rank])
-        pooled, warm = self._pool_processes({lost_rank: node})
+        for rank in lost:
+            _kill(self.actors[rank])  # dead already, or wedged: gone either way
+        bundle_nodes = placement_group_table(self.pg).get("bundles_to_node_id", {})
+        reading = self._read_bundle_gpu_ids(lost)
+        pooled, warm = self._pool_processes({rank: bundle_nodes.get(rank, "") for rank in lost})
         gpu_ids = reading()
-        actor, assigning = self._rank_actor(lost_rank, pooled.get(lost_rank), gpu_ids[lost_rank], plan.attempt)
-        actors = {lost_rank: actor}
-        replaced = self._settle_assignments(
-            actors, {lost_rank: assigning} if assigning is not None else {}, gpu_ids, plan.attempt
-        )
-        self.actors[lost_rank] = actors[lost_rank]
+        actors, assigning = {}, {}
+        for rank in lost:
+            actors[rank], pending = self._rank_actor(rank, pooled.get(rank), gpu_ids[rank], plan.attempt)
+            if pending is not None:
+                assigning[rank] = pending
+        replaced = self._settle_assignments(actors, assigning, gpu_ids, plan.attempt)
+        for rank in lost:
+            self.actors[rank] = actors[rank]
         self.warm_ranks = warm - replaced
         self.plan, self.attempt = plan, plan.attempt
         if self._stopped:
             raise RepairError("the group was stopped during the repair")
         self._rendezvous()
+        return lost
 
     # --- resize in place -------------------------------------------------------------------------
 
@@ -481,10 +505,14 @@ class WorkerGroup:
         joined = f"{len(joining)} joined ({self.warm_ranks} from warm spares)" if joining else "none joined"
         return f"{len(kept)} rank(s) kept, {len(leaving)} released, {joined}"
 
-    def _leave_attempt(self, *, lost_rank: int | None, error: type[Exception]) -> None:
+    def _leave_attempt(
+        self, *, lost_rank: int | None, error: type[Exception], keep_lost: bool = False
+    ) -> dict[int, RayActorError]:
         """Wait for the runs of the attempt being left to return (a survivor's failed collective, or a
-        stop at a step boundary) and forget them; ``error`` when one does not in time or its rank died."""
+        stop at a step boundary) and forget them; ``error`` when one does not in time or its rank died.
+        ``keep_lost``: a rank other than ``lost_rank`` that died is returned (rank -> its error) instead."""
         old = dict(self._runs)
+        died: dict[int, RayActorError] = {}
         if old:
             done, late = ray.wait(list(old), num_returns=len(old), timeout=SURVIVOR_EXIT_TIMEOUT_S)
             if late:
@@ -497,13 +525,16 @@ class WorkerGroup:
                 try:
                     ray.get(ref, timeout=10)
                 except RayActorError as err:
-                    if rank != lost_rank:
+                    if rank != lost_rank and not keep_lost:
                         raise error(f"rank {rank} died as well: {_first_line(err)}") from None
+                    if rank != lost_rank:
+                        died[rank] = err
                 except Exception:  # the expected collective failure of a survivor
                     pass
         self._runs.clear()
         self._results.clear()
         self._suspect, self._lost = None, None
+        return died
 
     # --- watch ----------------------------------------------------------------------------------
 

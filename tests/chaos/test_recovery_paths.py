@@ -1,7 +1,7 @@
 """Issue #9 acceptance: the chaos suite on the new recovery paths ends where the clean run ends.
 
-A kill during a checkpoint write, a kill during the commit, two failures in a row and a failure of the
-replacement itself, each on a real multi-node Ray cluster through the chaos API (``during`` moves a kill
+A kill during a checkpoint write, a kill during the commit, two failures in a row, a failure of the
+replacement itself and the processes of a whole replica dying at once, each on a real multi-node Ray cluster through the chaos API (``during`` moves a kill
 into a save: workers/rank/worker.py ``TrainWorker._save``). Every run is repaired in place (the default) and
 must end exactly where the uninterrupted run ends: the same loss at every step (fp32, deterministic)
 and the same final parameters on every rank (the ``ranks_finished`` digests). Each test also pins the
@@ -118,6 +118,38 @@ def test_two_failures_in_a_row_are_each_repaired_in_place(shared_plane, clean):
         second
     )
     assert_ends_like_clean(plane, final, clean)
+
+
+def test_the_processes_of_a_whole_replica_dying_at_once_are_all_replaced_in_one_repair(shared_plane, clean):
+    """A GPU fault, the OOM killer or a crashed host agent takes several processes of a node at once while the
+    node stays up: here both ranks of one replica of a dp2·tp2 job (ranks 2 and 3, one tp group, one node) die
+    at the same step. Both are replaced in the same in-place repair, each from the memory of its replica in
+    the other tp group (rank 0 serves rank 2, rank 1 serves rank 3), and nothing is recomputed. Before, the
+    second death failed the repair over to a relaunch of every rank from the last commit."""
+    plane = shared_plane
+    final, events = recover(
+        plane,
+        spec("replica-dies-dp2-tp2", tp=2),
+        {"action": "kill_rank", "rank": 2, "at_step": 10},
+        {"action": "kill_rank", "rank": 3, "at_step": 10},
+    )
+    kinds = assert_repaired_in_place(final, events, times=1)  # one restart for the one fault, no relaunch
+    assert "repair_failed" not in kinds, kinds
+    assert sorted(fired(events)) == [
+        "kill_rank on rank 2 at step 10 (order 1)",
+        "kill_rank on rank 3 at step 10 (order 2)",
+    ]
+    failed = [event_text(e) for e in events if e["kind"] == "worker_failed"]
+    assert len(failed) == 2 and "lost as well" in failed[1] and "replaced in the same in-place repair" in failed[1]
+    assert {int(re.match(r"rank (\d+)", text).group(1)) for text in failed} == {2, 3}, failed
+    assert restored(events) == [
+        "attempt 2, step 10: ranks 0,1 from own memory; ranks 2 from rank 0's memory; ranks 3 from rank 1's memory"
+    ]
+    assert [row["step"] for row in plane.steps(final["id"])] == list(range(1, 25))  # none run twice
+    recovered = losses(plane, final["id"])
+    assert sorted(recovered) == sorted(clean.losses)
+    worst = max(abs(recovered[s] - clean.losses[s]) for s in clean.losses)
+    assert worst <= 1e-5, f"max |loss - clean loss| = {worst:.3g}"  # tp2 against DDP: another reduction order
 
 
 def test_a_failure_of_the_replacement_itself_is_repaired_again(shared_plane, clean):
