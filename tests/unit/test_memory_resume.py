@@ -8,7 +8,12 @@ import random
 
 import pytest
 
-from etrain.workers.protocol.memory_resume import holder_groups, memory_resume_step, replica_period
+from etrain.workers.protocol.memory_resume import (
+    holder_groups,
+    memory_resume_step,
+    replica_period,
+    state_still_fits,
+)
 
 
 def _brute(held, groups, floor, below):
@@ -125,3 +130,14 @@ def test_the_layouts_that_have_replicas():
 def test_a_layout_that_cannot_exist_is_refused(layout):
     with pytest.raises(ValueError, match="not a data-parallel layout"):
         replica_period(**layout)
+
+
+def test_a_copy_serves_another_size_only_where_state_is_not_sharded_over_dp():
+    """An in-place resize changes dp: a DDP rank's state is whole at any size; a ZeRO/HSDP shard is of other
+    tensors at another size (HSDP dp 4 -> 2 halves its shard groups), so only a copy from the same size fits."""
+    assert state_still_fits(taken_at_dp=2, dp=1, zero=0) and state_still_fits(taken_at_dp=1, dp=4, zero=0)
+    for zero in (1, 2, 3):
+        assert state_still_fits(taken_at_dp=4, dp=4, zero=zero)
+        assert not state_still_fits(taken_at_dp=4, dp=2, zero=zero)
+        assert not state_still_fits(taken_at_dp=2, dp=4, zero=zero)
+    assert not state_still_fits(taken_at_dp=None, dp=2, zero=0)  # unknown: never

@@ -52,17 +52,26 @@ class Snapshot:
     step: int
     state: dict[str, dict[str, Any]]  # {"model": {fqn: tensor}, "optim": {flat key: tensor or value}}
     extra: dict[str, Any]
+    #: The data-parallel size it was taken at: under ZeRO/HSDP a copy fits only that size
+    #: (``workers/protocol/memory_resume.py``: ``state_still_fits``).
+    dp: int | None = None
 
 
 def take_snapshot(
-    step: int, model_parts: list[nn.Module], optimizers: list[Optimizer], extra: dict[str, Any]
+    step: int,
+    model_parts: list[nn.Module],
+    optimizers: list[Optimizer],
+    extra: dict[str, Any],
+    *,
+    dp: int | None = None,
 ) -> Snapshot:
-    """Copy this rank's local state to host memory (a device-to-host copy on GPU)."""
+    """Copy this rank's local state to host memory (a device-to-host copy on GPU); ``dp``: the layout's
+    data-parallel size, which a later restore checks (``Snapshot.dp``)."""
     collected = collect_state(model_parts, optimizers)
     state = {
         section: {key: _to_host(value) for key, value in values.items()} for section, values in collected.state.items()
     }
-    return Snapshot(step=step, state=state, extra=copy.deepcopy(extra))
+    return Snapshot(step=step, state=state, extra=copy.deepcopy(extra), dp=dp)
 
 
 def restore_snapshot(snapshot: Snapshot, model_parts: list[nn.Module], optimizers: list[Optimizer]) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 
-__all__ = ["holder_groups", "memory_resume_step", "replica_period"]
+__all__ = ["holder_groups", "memory_resume_step", "replica_period", "state_still_fits"]
 
 
 def replica_period(*, dp: int, zero: int, dp_replicate: int = 1, ep: int = 1) -> int | None:
@@ -50,6 +50,15 @@ def replica_period(*, dp: int, zero: int, dp_replicate: int = 1, ep: int = 1) ->
         dense = dp
     period = math.lcm(dense, ep)
     return period if period < dp else None
+
+
+def state_still_fits(*, taken_at_dp: int | None, dp: int, zero: int) -> bool:
+    """Whether a rank's state kept at ``taken_at_dp`` data-parallel ranks can be restored at ``dp`` (an in-place
+    resize changes dp and nothing else). Under DDP a rank's state is whole whatever dp is (and under expert
+    parallelism a kept rank keeps its ep index, so its experts), so a copy serves any size; wherever state is
+    sharded over dp (ZeRO, HSDP: ``dp / dp_replicate`` ranks per shard group) each shard changes with dp, and
+    a copy from another size is of other tensors: only the same dp. Unknown (None): never."""
+    return taken_at_dp is not None and (zero == 0 or taken_at_dp == dp)
 
 
 def holder_groups(dp_groups: Iterable[Sequence[int]], period: int | None) -> list[tuple[int, ...]]:

@@ -387,6 +387,7 @@ class TrainWorker:
             from etrain.workers.checkpoints.snapshot import replica_holder_groups, resume_from_snapshot, share_snapshots
 
             parallel, total, limit = plan.config.parallel, plan.config.training.steps, plan.memory_resume_limit
+            self._forget_snapshots_unfit(parallel)
             snapshot, origin = share_snapshots(
                 self._snapshots,
                 replica_holder_groups(parallel, trainer.topology),
@@ -402,6 +403,15 @@ class TrainWorker:
             return "storage (no replica in memory for every rank)", plan.start_step
         trainer.restore(plan.resume_dir, verify_checksums=False, expect_digest=plan.resume_digest)
         return "storage", plan.start_step
+
+    def _forget_snapshots_unfit(self, parallel) -> None:
+        """Drop the copies taken at another data-parallel size where state is sharded over dp (an in-place
+        resize of a ZeRO/HSDP job): their shards are of other tensors than this layout's."""
+        from etrain.workers.protocol.memory_resume import state_still_fits
+
+        for step, kept in list(self._snapshots.items()):
+            if not state_still_fits(taken_at_dp=kept.dp, dp=parallel.dp, zero=parallel.zero):
+                del self._snapshots[step]
 
     def _forget_snapshots_after(self, step: int) -> None:
         """Drop the copies of steps after the one this attempt resumed from: they belong to a history the
@@ -471,7 +481,7 @@ class TrainWorker:
         """Copy this rank's state after ``step`` completed steps to host memory; the newest two are kept."""
         from etrain.workers.checkpoints.snapshot import take_snapshot
 
-        self._snapshots[step] = take_snapshot(step, *trainer.state_for_checkpoint())
+        self._snapshots[step] = take_snapshot(step, *trainer.state_for_checkpoint(), dp=trainer.config.parallel.dp)
         for old in sorted(self._snapshots)[:-2]:
             del self._snapshots[old]
 
