@@ -219,3 +219,33 @@ def test_under_hsdp_a_replacement_receives_its_shard_from_the_other_replica_grou
         assert report["groups"] == [(0, 2), (1, 3)]  # the same shard index in each replica group
         assert report["start"] == 2 and report["same_bits"]
         assert report["resumed"] == report["straight"]  # exact: the same continuation as never stopping
+
+
+def _another_layout(rank: int, world_size: int) -> dict:
+    """A copy whose shapes are not this rank's (taken under another layout) is refused before anything is
+    copied: the rank's state stays exactly what it was."""
+    import dataclasses
+
+    from etrain.workers.checkpoints.snapshot import restore_snapshot, take_snapshot
+    from tests.equivalence_utils import TINY_GPT
+
+    wide = _trainer_of(small_config(model=dataclasses.replace(TINY_GPT, d_model=64)), rank, world_size)
+    narrow = _trainer_of(small_config(), rank, world_size)
+    narrow.run(0, 1)
+    before = _local_state(narrow)
+    copy = take_snapshot(1, *wide.state_for_checkpoint())
+    try:
+        restore_snapshot(copy, narrow.model_parts, narrow.optimizers)
+    except ValueError as err:
+        error = str(err)
+    else:
+        error = None
+    after = _local_state(narrow)
+    return {"error": error, "unchanged": all(torch.equal(before[key], after[key]) for key in before)}
+
+
+def test_a_copy_from_another_layout_is_refused_before_anything_is_copied():
+    (report,) = run_distributed(_another_layout, 1, timeout_s=120)
+    assert report["error"] and "was taken under another layout" in report["error"], report
+    assert "on this rank" in report["error"] and "in the copy" in report["error"]
+    assert report["unchanged"]

@@ -75,13 +75,26 @@ def take_snapshot(
 
 
 def restore_snapshot(snapshot: Snapshot, model_parts: list[nn.Module], optimizers: list[Optimizer]) -> dict[str, Any]:
-    """Load ``snapshot`` into the parts and optimizers (the same layout); returns its ``extra``."""
+    """Load ``snapshot`` into the parts and optimizers (the same layout); returns its ``extra``. Every key and
+    shape is checked before anything is copied (``ValueError``): a copy from another layout never leaves
+    the rank half-overwritten."""
     collected = collect_state(model_parts, optimizers)
     for section, values in collected.state.items():
-        saved = snapshot.state[section]
+        saved = snapshot.state.get(section, {})
         missing = values.keys() - saved.keys()
         if missing:
             raise ValueError(f"the snapshot of step {snapshot.step} lacks {section} keys {sorted(missing)[:3]}")
+        for key, current in values.items():
+            if torch.is_tensor(current):
+                here = (current.to_local() if isinstance(current, DTensor) else current).shape
+                if not torch.is_tensor(saved[key]) or saved[key].shape != here:
+                    kept = tuple(saved[key].shape) if torch.is_tensor(saved[key]) else type(saved[key]).__name__
+                    raise ValueError(
+                        f"the snapshot of step {snapshot.step} was taken under another layout: {section} {key} is "
+                        f"{tuple(here)} on this rank, {kept} in the copy"
+                    )
+    for section, values in collected.state.items():
+        saved = snapshot.state[section]
         for key, current in values.items():
             if torch.is_tensor(current):
                 local = current.to_local() if isinstance(current, DTensor) else current
