@@ -435,6 +435,8 @@ class FakeRuntime:
         self.jobs: dict[str, dict[str, Any]] = {}
         self.calls: list[tuple[str, ...]] = []
         self.closed = False
+        #: While set, running jobs take no step (a test reads a job before its first step without racing the poller).
+        self.hold = False
         self._lock = threading.Lock()
 
     def start(self, job_id: str, config: Any, policy: Any) -> None:
@@ -466,7 +468,7 @@ class FakeRuntime:
             if job is None:
                 return None
             config = job["config"]
-            if job["status"] == "RUNNING":
+            if job["status"] == "RUNNING" and not self.hold:
                 for _ in range(self.steps_per_update):
                     if job["step"] >= config.training.steps:
                         break

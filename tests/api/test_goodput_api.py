@@ -32,9 +32,16 @@ def steps(client, job_id: str) -> list[dict[str, Any]]:
 
 
 def test_goodput_is_null_before_the_first_step_and_in_0_1_after(plane):
-    _, client = plane(FakeRuntime(nodes=queue_tests.TWO_CPUS, step_s=STEP_S))
+    runtime = FakeRuntime(nodes=queue_tests.TWO_CPUS, step_s=STEP_S)
+    runtime.hold = True  # no step until the job was read (the poller would race the submit's answer)
+    _, client = plane(runtime)
     job = submit(client, spec("g", steps=20))
     assert job["goodput"] is None
+    wait_for(client, job["id"], {"RUNNING"})
+    time.sleep(0.2)  # several polls, still no step
+    running = client.get(f"/v1/jobs/{job['id']}").json()
+    assert (running["step"], running["goodput"]) == (0, None), running
+    runtime.hold = False
     final = wait_for(client, job["id"], {"SUCCEEDED"})
     rows = steps(client, job["id"])
     assert len(rows) == 20
