@@ -244,19 +244,29 @@ class WorkerGroup:
         """
         ranks = range(self.world_size)
         reading = self._read_bundle_gpu_ids(ranks)  # runs beside take_spares' round trip
-        pooled, warm = self._pool_processes({rank: self._bundle_nodes.get(rank, "") for rank in ranks})
-        gpu_ids = reading()
-        actors, assigned = zip(*(self._rank_actor(rank, pooled.get(rank), gpu_ids[rank]) for rank in ranks))
-        actors = list(actors)
-        replaced = self._settle_assignments(
-            actors, {rank: ref for rank, ref in enumerate(assigned) if ref is not None}, gpu_ids
-        )
-        self.warm_ranks = warm - replaced
+        actors = self._start_ranks({rank: self._bundle_nodes.get(rank, "") for rank in ranks}, reading)
+        return [actors[rank] for rank in ranks]
+
+    def _start_ranks(
+        self, nodes: dict[int, str], gpu_ids: Callable[[], dict[int, list[str]]], attempt: int | None = None
+    ) -> dict[int, Any]:
+        """rank -> its actor for the ranks on ``nodes`` (rank -> its bundle's node), for a launch, a repair or a
+        resize: the pool's processes where it has them (:meth:`_pool_processes`), else cold actors, every spare's
+        ``assign`` settled. ``gpu_ids`` waits for the bundles' GPU ids (:meth:`_read_bundle_gpu_ids`, started
+        beforehand so that it runs beside the pool's round trip). Sets :attr:`warm_ranks`."""
+        pooled, warm = self._pool_processes(nodes)
+        ids = gpu_ids()
+        actors, assigning = {}, {}
+        for rank in nodes:
+            actors[rank], pending = self._rank_actor(rank, pooled.get(rank), ids[rank], attempt)
+            if pending is not None:
+                assigning[rank] = pending
+        self.warm_ranks = warm - self._settle_assignments(actors, assigning, ids, attempt)
         return actors
 
     def _settle_assignments(
         self,
-        actors: list[Any] | dict[int, Any],
+        actors: dict[int, Any],
         assigning: dict[int, Any],
         gpu_ids: dict[int, list[str]],
         attempt: int | None = None,
@@ -381,10 +391,10 @@ class WorkerGroup:
         *,
         memory_limit: Callable[[], int] | None = None,
         also_lost: Callable[[dict[int, str]], None] | None = None,
-    ) -> list[int]:
+    ) -> None:
         """Run ``plan`` (the next attempt) on the same placement group: every rank but the lost ones keeps
         its actor (its process, its memory: it restores the committed step it saved itself), and each lost
-        rank gets a new one (a warm spare where the pool has one). Returns the ranks replaced.
+        rank gets a new one (a warm spare where the pool has one).
 
         The lost ranks are ``lost_rank`` and any other whose process died in the same fault while its node
         stays up: a GPU fault, the OOM killer or a crashed host agent often takes several ranks of one node
@@ -399,7 +409,7 @@ class WorkerGroup:
         then): the newest step the ranks may resume at from memory (``LaunchPlan.memory_resume_limit``).
         """
         # the failed attempt's runs still out (not the lost rank's, if polled)
-        others = self._leave_attempt(lost_rank=lost_rank, error=RepairError, keep_lost=True)
+        others = self._leave_attempt(lost_rank=lost_rank, error=RepairError)
         for rank, err in sorted(others.items()):
             if _death_cause(err, self.nodes.get(rank, "")) == "node":
                 raise RepairError(f"rank {rank} died as well, with its node: {_first_line(err)}")
@@ -414,22 +424,13 @@ class WorkerGroup:
             _kill(self.actors[rank])  # dead already, or wedged: gone either way
         bundle_nodes = placement_group_table(self.pg).get("bundles_to_node_id", {})
         reading = self._read_bundle_gpu_ids(lost)
-        pooled, warm = self._pool_processes({rank: bundle_nodes.get(rank, "") for rank in lost})
-        gpu_ids = reading()
-        actors, assigning = {}, {}
-        for rank in lost:
-            actors[rank], pending = self._rank_actor(rank, pooled.get(rank), gpu_ids[rank], plan.attempt)
-            if pending is not None:
-                assigning[rank] = pending
-        replaced = self._settle_assignments(actors, assigning, gpu_ids, plan.attempt)
-        for rank in lost:
-            self.actors[rank] = actors[rank]
-        self.warm_ranks = warm - replaced
+        replacements = self._start_ranks({rank: bundle_nodes.get(rank, "") for rank in lost}, reading, plan.attempt)
+        for rank, actor in replacements.items():
+            self.actors[rank] = actor
         self.plan, self.attempt = plan, plan.attempt
         if self._stopped:
             raise RepairError("the group was stopped during the repair")
         self._rendezvous()
-        return lost
 
     # --- resize in place -------------------------------------------------------------------------
 
@@ -451,7 +452,10 @@ class WorkerGroup:
             raise ResizeError(f"the group has {self.world_size} ranks, not {old_topology}'s {old_topology.world_size}")
         if self._runs and 0 < len(self.actors):
             self.actors[0].request_stop.remote()  # rank 0 stops every rank at the same step boundary
-        self._leave_attempt(lost_rank=None, error=ResizeError)
+        died = self._leave_attempt(lost_rank=None, error=ResizeError)
+        if died:
+            rank, err = min(died.items())
+            raise ResizeError(f"rank {rank} died as well: {_first_line(err)}")
         kept = old_topology.kept_on_resize(parallel.dp)  # new rank -> old rank, at the same (pp, cp, tp) place
         leaving = [rank for rank in range(self.world_size) if rank not in kept.values()]
         old_gpus: dict[int, list[str]] = {}
@@ -489,28 +493,23 @@ class WorkerGroup:
             [actor.renumber.remote(new, self.world_size) for new, actor in kept_actors.items()],
             timeout=RENDEZVOUS_TIMEOUT_S,
         )
-        pooled, warm = self._pool_processes({rank: self._bundle_nodes.get(rank, "") for rank in joining})
         actors = dict(kept_actors)
-        assigning = {}
-        for rank in joining:
-            actors[rank], pending = self._rank_actor(rank, pooled.get(rank), bundle_gpu_ids[rank], plan.attempt)
-            if pending is not None:
-                assigning[rank] = pending
-        replaced = self._settle_assignments(actors, assigning, bundle_gpu_ids, plan.attempt)
+        actors.update(
+            self._start_ranks(
+                {rank: self._bundle_nodes.get(rank, "") for rank in joining}, lambda: bundle_gpu_ids, plan.attempt
+            )
+        )
         self.actors = [actors[rank] for rank in range(self.world_size)]
-        self.warm_ranks = warm - replaced
         if self._stopped:
             raise ResizeError("the group was stopped during the resize")
         self._rendezvous()
         joined = f"{len(joining)} joined ({self.warm_ranks} from warm spares)" if joining else "none joined"
         return f"{len(kept)} rank(s) kept, {len(leaving)} released, {joined}"
 
-    def _leave_attempt(
-        self, *, lost_rank: int | None, error: type[Exception], keep_lost: bool = False
-    ) -> dict[int, RayActorError]:
+    def _leave_attempt(self, *, lost_rank: int | None, error: type[Exception]) -> dict[int, RayActorError]:
         """Wait for the runs of the attempt being left to return (a survivor's failed collective, or a
-        stop at a step boundary) and forget them; ``error`` when one does not in time or its rank died.
-        ``keep_lost``: a rank other than ``lost_rank`` that died is returned (rank -> its error) instead."""
+        stop at a step boundary) and forget them; ``error`` when one does not in time. Returns the ranks
+        other than ``lost_rank`` whose actors died meanwhile (rank -> the error): the caller decides."""
         old = dict(self._runs)
         died: dict[int, RayActorError] = {}
         if old:
@@ -525,8 +524,6 @@ class WorkerGroup:
                 try:
                     ray.get(ref, timeout=10)
                 except RayActorError as err:
-                    if rank != lost_rank and not keep_lost:
-                        raise error(f"rank {rank} died as well: {_first_line(err)}") from None
                     if rank != lost_rank:
                         died[rank] = err
                 except Exception:  # the expected collective failure of a survivor

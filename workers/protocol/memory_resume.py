@@ -72,7 +72,7 @@ def holder_groups(dp_groups: Iterable[Sequence[int]], period: int | None) -> lis
         if period is None:
             groups.extend((rank,) for rank in ranks)
         else:
-            groups.extend(ranks[first::period] for first in range(min(period, len(ranks))))
+            groups.extend(ranks[first::period] for first in range(period))  # period < dp: none empty
     return groups
 
 
