@@ -139,6 +139,12 @@ ROWS: dict[str, dict[str, Any]] = {
         # float8 runs the rest in bf16 (the GPU shapes' precision; --tiny's model is fp32 otherwise)
         "options": {"compile": True, "loss_chunk_tokens": "auto", "float8": True, "precision": "bf16"},
     },
+    "etrain-compile-float8": {
+        "engine": "etrain",
+        "label": "etrain compile + float8",
+        # the float8 row to set beside "etrain-compile": the same options but the linears' float8
+        "options": {"compile": True, "float8": True, "precision": "bf16"},
+    },
     "hf": {"engine": "hf", "label": "transformers eager", "options": {}},
     "hf-ac": {"engine": "hf", "label": "transformers eager + full AC", "options": {"activation_checkpointing": "full"}},
     "hf-compile": {"engine": "hf", "label": "transformers per-block compile", "options": {"compile": True}},
