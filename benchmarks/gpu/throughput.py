@@ -24,6 +24,7 @@ per shape on a 2-core machine). Imports torch, transformers and etrain's ``worke
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import importlib.util
 import json
@@ -96,6 +97,12 @@ def main() -> int:
     parser.add_argument("--rows", default=None, help="comma-separated rows of measures.ROWS (default: BENCH_ROWS)")
     parser.add_argument("--steps", type=int, default=10, help="steps per row (the first 3 are warm-up)")
     parser.add_argument("--results-dir", type=Path, default=None)
+    parser.add_argument(
+        "--micro-batch",
+        type=int,
+        default=None,
+        help="every shape's micro-batch (the global batch, so the tokens per step, stay the shape's)",
+    )
     args = parser.parse_args()
 
     if not args.tiny:
@@ -148,6 +155,12 @@ def main() -> int:
     for shape in shapes:
         label, gpu_sizes, tiny_sizes = BENCH_SHAPES[shape]
         sizes = tiny_sizes if args.tiny else gpu_sizes
+        if args.micro_batch:
+            if sizes.global_batch % args.micro_batch:
+                parser.error(
+                    f"--micro-batch {args.micro_batch} does not divide {shape}'s global batch {sizes.global_batch}"
+                )
+            sizes = dataclasses.replace(sizes, micro_batch=args.micro_batch)
         label = f"tiny stand-in for {label}" if args.tiny else label
         document["shapes"].append({"shape": shape, "label": label, "sizes": sizes.as_dict(), **model_summary(sizes)})
         for row in rows:
