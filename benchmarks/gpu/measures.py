@@ -349,12 +349,33 @@ def save_blocking(lines: list[str]) -> list[dict[str, Any]]:
     return out
 
 
+def first_step_logged_ts(lines: list[str]) -> float | None:
+    """When the rank log says its first attempt's step 1 ended (its first ``step 1/N`` line), or None. The
+    job's step rows keep one row per step, the latest attempt's: after a kill before any checkpoint, step 1's
+    row is the replacement's and the first attempt's start-up is read here instead."""
+    for line in lines:
+        step = _STEP_LINE.match(line)
+        if step and step["step"] == "1":
+            return _when(step["ts"])
+    return None
+
+
 def timeline(events: list[dict[str, Any]], origin: float, *, limit: int = 80) -> list[dict[str, Any]]:
     """Events as seconds after ``origin`` (the submit, or the kill), with their messages, oldest first."""
     return [
         {"t": round(e["ts"] - origin, 3), "kind": e["kind"], "message": _message(e)[:300]}
         for e in sorted(events, key=lambda e: e["ts"])
     ][:limit]
+
+
+def _submit_to_first_step(
+    from_rows: float | None, steps: list[dict[str, Any]], log_lines: list[str], submit_ts: float
+) -> float | None:
+    first_row = next((row for row in steps if row.get("step") == 1), None)
+    if first_row is not None and first_row.get("attempt", 1) == 1:
+        return from_rows
+    logged = first_step_logged_ts(log_lines)
+    return None if logged is None else logged - submit_ts
 
 
 def job_figures(
@@ -369,6 +390,7 @@ def job_figures(
     """One service job's figures.
 
     * ``submit_to_first_step_s``: step 1's row (supervisor receive time) minus the moment before the POST;
+      where that row is a later attempt's, the first attempt's ``step 1/N`` line in the rank log;
     * ``step_s_median``: the rows' ``step_s`` after warm-up; ``goodput``, ``restarts``: the job's own fields;
     * ``startup``: the rank-0 start-up line of every attempt (where the seconds before step 1 went);
     * ``wind_down``: the same for the seconds after the last step (:func:`wind_down`);
@@ -388,7 +410,7 @@ def job_figures(
         "attempt": job.get("attempt"),
         "goodput": job.get("goodput"),
         "last_step": job.get("step"),
-        "submit_to_first_step_s": measures["startup_s"],
+        "submit_to_first_step_s": _submit_to_first_step(measures["startup_s"], steps, log_lines, submit_ts),
         "step_s_median": step_median(steps),
         "steps_recorded": len(steps),
         "wall_s": (job["updated_at"] - submit_ts) if job.get("updated_at") else None,

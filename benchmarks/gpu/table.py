@@ -116,7 +116,7 @@ def _service_rows(service: dict[str, Any]) -> list[str]:
                 f"{f.get('status')}" + (f": {str(f.get('error'))[:160]}" if f.get("error") else ""),
             ),
             _row(
-                "clean job: submit → first step (warm spare pool at rest)",
+                "clean job: submit → first step (warm spare pool at rest; on a GPU, the node's compile cache cold)",
                 _s(f.get("submit_to_first_step_s")),
                 "first_step",
                 f.get("submit_to_first_step_s"),
@@ -147,6 +147,12 @@ def _service_rows(service: dict[str, Any]) -> list[str]:
                 f"kill job ({kill['steps']} steps, rank 0 SIGKILLed at step {kill['kill_at']}): status",
                 f"{f.get('status')}, {f.get('restarts')} restart(s)"
                 + (f": {str(f.get('error'))[:160]}" if f.get("error") else ""),
+            ),
+            _row(
+                "kill job: submit → first step (after the clean job: on a GPU, the node's compile cache warm)",
+                _s(f.get("submit_to_first_step_s")),
+                "first_step",
+                f.get("submit_to_first_step_s"),
             ),
             _row("kill job: checkpoint interval", interval),
             _row(

@@ -6,6 +6,7 @@ computes from the service's step rows, events and rank logs is pure and is check
 
 from __future__ import annotations
 
+import datetime
 import json
 import shutil
 import subprocess
@@ -311,7 +312,15 @@ def test_kill_figures_when_the_next_attempt_started_over():
     assert f["kill_to_next_step_s"] == pytest.approx(6.0) and f["detect_s"] == pytest.approx(0.4)
     assert (f["resumed_from"], f["recomputed"]) == (0, 25)
     assert f["back_at_kill_step_s"] == pytest.approx(6.0 + 0.4 * 25)
-    assert f["submit_to_first_step_s"] is None  # step 1's row is the second attempt's
+    assert f["submit_to_first_step_s"] is None  # step 1's row is the second attempt's, and no rank log
+    # the rank log's first attempt says when its step 1 ended (what the H200's kill job needed)
+    log = [
+        datetime.datetime.fromtimestamp(ts).isoformat(timespec="milliseconds") + line
+        for ts, line in ((1003.0, " attempt 1: rank 0/1 ..."), (1004.35, " step 1/200 loss 12.2 compute 1.8s"))
+    ]
+    log.append(datetime.datetime.fromtimestamp(1027.0).isoformat(timespec="milliseconds") + " step 1/200 loss 12.2")
+    f = job_figures(submit_ts=submit, job=job, steps=steps, events=events, log_lines=log, kill_at=25)
+    assert f["submit_to_first_step_s"] == pytest.approx(4.35)
 
 
 def test_kill_figures_with_rows_of_both_attempts_and_a_late_report():
