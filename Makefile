@@ -70,7 +70,8 @@ gpu-wheels:
 
 ## make bench-gpu: etrain against transformers on one GPU in one run (benchmarks/gpu/throughput.py): etrain eager,
 ## compile, + chunked loss, + selective AC, + float8 (skipped without training.float8), transformers eager and
-## per-block compile, on Llama-3.2-1B shapes and on Llama-3.1-8B widths with 4 layers. Step, tokens/s, MFU, peak
+## per-block compile, on Llama-3.2-1B shapes and on Llama-3.1-8B widths with as many layers as fit the GPU
+## (ARGS='--layers N' sets them). Step, tokens/s, MFU, peak
 ## memory per row to benchmarks/results/gpu_throughput.json, and the markdown table for docs (also printed, and
 ## in gpu_throughput.md beside it). Without a GPU it says so and exits 0. Needs no .venv: python3 (or GPU_PYTHON)
 ## with PyTorch and transformers. BENCH_GPU_TINY=1: every row on CPU with the tiny model, in under a minute

@@ -4,8 +4,9 @@ Rows (``measures.BENCH_ROWS``, each a ``measures.ROWS`` entry: an engine and its
 etrain compile, + chunked loss, + selective activation checkpointing, + float8 (compile + chunked loss +
 ``training.float8``; skipped, "needs training.float8", where ``TrainingConfig`` has no such field),
 transformers eager, transformers with each decoder layer compiled. Shapes (``measures.BENCH_SHAPES``):
-Llama-3.2-1B (``measures.FULL``) and Llama-3.1-8B's widths with 4 of its 32 layers
-(``measures.LLAMA8B_WIDTHS``: 1.92 B parameters, micro-batch 2, fits one 80 GB GPU). Each row is the engine
+Llama-3.2-1B (``measures.FULL``) and Llama-3.1-8B's widths with as many of its 32 layers as fit the GPU
+(``measures.LLAMA8B_WIDTHS``, ``measures.layers_that_fit``: 9 on an 80 GB H100, 20 on an H200; ``--layers``
+sets the count; micro-batch 2). Each row is the engine
 probe's (``benchmarks/gpu/probe.py``): same loop, same synthetic tokens, median step after 3 warm-up steps
 (the first includes compilation), tokens/s, MFU, peak device memory.
 
@@ -41,8 +42,9 @@ RESULT_NAME = "gpu_throughput.json"
 
 
 def _etrain_importable() -> None:
-    """``import etrain.workers`` without an install: pyproject maps ``workers/`` to ``etrain.workers`` (as
-    ``benchmarks/gpu/run.sh`` does it, a temporary folder holds that link)."""
+    """``import etrain.workers`` (and the planner in ``etrain.service.planning``) without an install: pyproject
+    maps ``workers/`` to ``etrain.workers`` (as ``benchmarks/gpu/run.sh`` does it, a temporary folder holds
+    the links)."""
     try:
         importlib.import_module("etrain.workers")
         return
@@ -51,9 +53,19 @@ def _etrain_importable() -> None:
     folder = Path(tempfile.mkdtemp(prefix="etrain-pkg-"))
     (folder / "etrain").mkdir()
     (folder / "etrain" / "workers").symlink_to(REPO / "workers")
+    (folder / "etrain" / "service").symlink_to(REPO / "service")  # the planner (layers_that_fit): pure Python
     sys.path.insert(0, str(folder))
     importlib.invalidate_caches()
     importlib.import_module("etrain.workers")
+
+
+def device_bytes(device) -> int:
+    """The GPU's whole memory (``--tiny``: the machine's, which no tiny model comes near)."""
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _torchao_importable(rows: list[str]) -> str | None:
@@ -98,6 +110,12 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=10, help="steps per row (the first 3 are warm-up)")
     parser.add_argument("--results-dir", type=Path, default=None)
     parser.add_argument(
+        "--layers",
+        default="fit",
+        help="layers of the shapes that run fewer than their preset (8b-widths): a number, or 'fit' (default: "
+        "as many as fit the GPU's memory, measures.layers_that_fit; --tiny keeps its tiny model's)",
+    )
+    parser.add_argument(
         "--micro-batch",
         type=int,
         default=None,
@@ -121,7 +139,14 @@ def main() -> int:
         print(torchao_note, flush=True)
 
     from benchmarks.figures import machine_info
-    from benchmarks.gpu.measures import BENCH_SHAPES, device_peak, model_summary
+    from benchmarks.gpu.measures import (
+        BENCH_SHAPES,
+        FIT_SHAPES,
+        device_peak,
+        layers_that_fit,
+        model_summary,
+        shape_label,
+    )
     from benchmarks.gpu.probe import open_device, row_line, run_row, versions, write_result
     from benchmarks.gpu.table import render_throughput
 
@@ -161,6 +186,10 @@ def main() -> int:
                     f"--micro-batch {args.micro_batch} does not divide {shape}'s global batch {sizes.global_batch}"
                 )
             sizes = dataclasses.replace(sizes, micro_batch=args.micro_batch)
+        if shape in FIT_SHAPES and (args.layers != "fit" or not args.tiny):
+            layers = layers_that_fit(sizes, device_bytes(device)) if args.layers == "fit" else int(args.layers)
+            sizes = dataclasses.replace(sizes, n_layers=layers)
+        label = shape_label(label, sizes)
         label = f"tiny stand-in for {label}" if args.tiny else label
         document["shapes"].append({"shape": shape, "label": label, "sizes": sizes.as_dict(), **model_summary(sizes)})
         for row in rows:

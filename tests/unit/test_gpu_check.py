@@ -6,6 +6,7 @@ computes from the service's step rows, events and rank logs is pure and is check
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import shutil
@@ -25,10 +26,13 @@ from benchmarks.gpu.measures import (
     TINY_WIDE,
     device_peak,
     job_figures,
+    layers_that_fit,
     model_config,
+    planned_eager_peak,
     probe_figures,
     row_plan,
     save_blocking,
+    shape_label,
     startup_phases,
     wind_down,
 )
@@ -429,3 +433,23 @@ def test_without_a_gpu_the_check_says_so_and_exits_0():
     )
     assert result.returncode == 0, result.stderr
     assert "no GPU on this machine: make gpu-check skipped" in result.stdout
+
+
+def test_the_8b_widths_run_as_many_layers_as_fit_the_gpu():
+    """Issue #19: "as many layers as fit one GPU", by the planner's eager peak, which was within 1% of
+    transformers eager at 4 layers on the H200 (42.1 GiB measured)."""
+    gib = 2**30
+    assert planned_eager_peak(LLAMA8B_WIDTHS) / gib == pytest.approx(42.1, rel=0.01)
+    assert planned_eager_peak(FULL) / gib == pytest.approx(50.2, abs=0.05)  # the 1B eager plan, measured 49.2
+    h100, h200 = 81_559 * 2**20, 143_771 * 2**20  # nvidia-smi's memory.total
+    assert (layers_that_fit(LLAMA8B_WIDTHS, h100), layers_that_fit(LLAMA8B_WIDTHS, h200)) == (9, 20)
+    for device_bytes in (h100, h200):
+        fit = layers_that_fit(LLAMA8B_WIDTHS, device_bytes)
+        at = lambda n: planned_eager_peak(dataclasses.replace(LLAMA8B_WIDTHS, n_layers=n))  # noqa: E731
+        assert at(fit) <= 0.85 * device_bytes < at(fit + 1)
+    assert layers_that_fit(LLAMA8B_WIDTHS, 10 * gib) == 1  # never fewer than one layer
+    assert layers_that_fit(LLAMA8B_WIDTHS, 10_000 * gib) == 32  # never more than the model has
+    assert shape_label("Llama-3.1-8B widths", dataclasses.replace(LLAMA8B_WIDTHS, n_layers=20)) == (
+        "Llama-3.1-8B widths, 20 of its 32 layers"
+    )
+    assert shape_label("Llama-3.2-1B shapes", FULL) == "Llama-3.2-1B shapes"
