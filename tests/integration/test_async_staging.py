@@ -156,3 +156,27 @@ def test_buffers_made_ahead_serve_fsdp2_shards_too() -> None:
     config = small_config(steps=2, parallel=ParallelConfig(dp=2, zero=3))
     for result in run_distributed(_staged_into_buffers_made_ahead, 2, config):
         _assert_staged_ahead(result)
+
+
+def test_a_save_that_comes_before_the_previous_write_landed_measures_its_wait(tmp_path):
+    """The staging buffers are reused, so a save must wait for the write before it: that wait blocks
+    training, and the rank tells the user when saves come faster than writes land
+    (``checkpoint_cadence.queued_save_note``). ~200 MB of state, so a write takes a measurable time."""
+    torch.manual_seed(0)
+    model = nn.Linear(4096, 4096)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(2, 4096)).sum().backward()
+    optimizer.step()
+    checkpointer = AsyncCheckpointer()
+    try:
+        first = checkpointer.save(step_dir(tmp_path, 1), [model], [optimizer], {"step": 1})
+        assert checkpointer.waited_for_previous_s < 0.05  # nothing was in flight
+        assert not first.done()  # its ~200 MB are still being written and hashed
+        second = checkpointer.save(step_dir(tmp_path, 2), [model], [optimizer], {"step": 2})
+        assert first.done() and checkpointer.waited_for_previous_s >= 0.05  # it waited for the first write
+        second.wait(timeout_s=60)
+        checkpointer.save(step_dir(tmp_path, 3), [model], [optimizer], {"step": 3}).wait(timeout_s=60)
+        assert checkpointer.waited_for_previous_s < 0.05  # the second write had landed
+    finally:
+        checkpointer.close()
+    assert first.wait(timeout_s=1).files  # the first save wrote its files and reported them

@@ -9,8 +9,10 @@ import pytest
 from etrain.workers.checkpoints.checkpoint_cadence import (
     ASSUMED_BLOCK_S,
     MIN_INTERVAL_STEPS,
+    QUEUED_NOTE_MIN_S,
     SETTLE_STEPS,
     AutoCadence,
+    queued_save_note,
     young_daly_interval_s,
 )
 
@@ -90,3 +92,25 @@ def test_a_new_interval_is_announced_once_settled_and_again_only_when_it_moves_b
 def test_mtbf_must_be_positive():
     with pytest.raises(ValueError):
         AutoCadence(mtbf_hours=0)
+
+
+def test_a_save_queued_behind_the_previous_write_is_explained_with_the_cadence_that_fits():
+    """The H200's clean job: saves every 20 steps of 0.27 s (5.4 s apart, 5.75 s from start to start)
+    against a write of ~8 s, so step 40's save waited 2.4 s for step 20's write."""
+    note = queued_save_note(step=40, previous_step=20, waited_s=2.4, since_previous_s=5.75, every_steps=20)
+    assert note == (
+        "step 40's save waited 2.40s for step 20's write: saves 20 steps (5.8s) apart come faster than a "
+        "write lands (~8.2s), and the wait blocks training; set checkpoint.every_steps >= 32 (or auto)"
+    )
+    # the advice leaves room for one write: 32 steps of 5.75/20 s are 9.2 s > 8.15 s
+    assert 32 * 5.75 / 20 > 5.75 + 2.4
+    auto = queued_save_note(step=900, previous_step=20, waited_s=1.0, since_previous_s=250.0, every_steps=None)
+    assert auto is not None and auto.endswith("the auto interval counts this wait as save blocking time and lengthens")
+    assert (
+        queued_save_note(
+            step=40, previous_step=20, waited_s=QUEUED_NOTE_MIN_S - 0.01, since_previous_s=5.75, every_steps=20
+        )
+        is None
+    )
+    assert queued_save_note(step=20, previous_step=20, waited_s=3.0, since_previous_s=5.75, every_steps=20) is None
+    assert queued_save_note(step=40, previous_step=20, waited_s=3.0, since_previous_s=0.0, every_steps=20) is None

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 import warnings
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -202,6 +203,8 @@ class AsyncCheckpointer:
         self._stager = _reused_stager(pinned)
         self._write_threads = write_threads
         self._preparing: threading.Thread | None = None
+        #: Seconds the last :meth:`save` waited for the write before it (0.0: none was in flight).
+        self.waited_for_previous_s = 0.0
 
     def prepare(self, model_parts: list[nn.Module], optimizers: list[Optimizer]) -> None:
         """Allocate (and pin) the staging buffers now, on a background thread, so the first save blocks
@@ -249,8 +252,11 @@ class AsyncCheckpointer:
     ) -> PendingCheckpoint:
         """Start saving (collective); waits first for the previous save (whose outcome, a failure
         included, is the caller's to have collected through its own handle: the staging buffers are
-        reused, so the previous write must be over)."""
+        reused, so the previous write must be over). :attr:`waited_for_previous_s` says how long that wait
+        took: saves that come faster than writes land block training for it."""
+        waiting = time.monotonic()
         self.wait_previous(previous_timeout_s)
+        self.waited_for_previous_s = time.monotonic() - waiting
         self._prepared(previous_timeout_s)
         directory = os.fspath(step_dir)
         collected = collect_state(model_parts, optimizers)

@@ -22,7 +22,7 @@ import math
 import statistics
 from collections import deque
 
-__all__ = ["ASSUMED_BLOCK_S", "AutoCadence", "young_daly_interval_s"]
+__all__ = ["ASSUMED_BLOCK_S", "QUEUED_NOTE_MIN_S", "AutoCadence", "queued_save_note", "young_daly_interval_s"]
 
 #: The blocking time assumed before any save of the job was measured (an async save's staging on a
 #: GPU: ~1 s for a 1B model's 15 GB of state, measured on an H100; a CPU job's small saves are faster).
@@ -36,6 +36,35 @@ MAX_INTERVAL_STEPS = 1_000_000
 ANNOUNCE_CHANGE = 0.25
 #: Steps seen before the first interval is announced (it is still used from the first step on).
 SETTLE_STEPS = 10
+
+
+#: A save that waited at least this long for the write before it is worth telling the user about.
+QUEUED_NOTE_MIN_S = 0.5
+
+
+def queued_save_note(
+    *, step: int, previous_step: int, waited_s: float, since_previous_s: float, every_steps: int | None
+) -> str | None:
+    """The words for a save that had to wait for the previous save's write (an async save reuses one set
+    of host buffers, so a save cannot start staging before the write before it has landed), or None where
+    the wait is too small to matter. Saves then come faster than their writes land, and each save's wait
+    blocks training: the note says by how much, how long a write takes (about the time between the two
+    saves plus the wait), and the fixed ``every_steps`` that would leave room for one write."""
+    if waited_s < QUEUED_NOTE_MIN_S or step <= previous_step or since_previous_s <= 0:
+        return None
+    gap = step - previous_step
+    write_s = since_previous_s + waited_s  # the previous save's staging was inside since_previous_s: an upper bound
+    fits = math.ceil(gap * write_s / since_previous_s * 1.1)  # 10% of room for a write slower than this one
+    advice = (
+        f"set checkpoint.every_steps >= {fits} (or auto)"
+        if every_steps is not None
+        else "the auto interval counts this wait as save blocking time and lengthens"
+    )
+    return (
+        f"step {step}'s save waited {waited_s:.2f}s for step {previous_step}'s write: saves {gap} steps "
+        f"({since_previous_s:.1f}s) apart come faster than a write lands (~{write_s:.1f}s), and the wait "
+        f"blocks training; {advice}"
+    )
 
 
 def young_daly_interval_s(block_s: float, mtbf_s: float) -> float:

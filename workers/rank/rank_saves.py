@@ -68,6 +68,9 @@ class RankSaves:
         self._cuda = device_type == "cuda"
         self._threads: list[threading.Thread] = []
         self._final_wait_s: float | None = None  # the final async save: its write and commit, waited for
+        self._queued_s = 0.0  # the last async save: how long it waited for the write before it
+        self._last_save: tuple[int, float] | None = None  # (step, monotonic start) of the last save
+        self._queued_noted = False  # the queued-saves note is made once per attempt
         checkpoint = plan.config.checkpoint
         self.async_save = None
         if checkpoint.async_save:
@@ -125,6 +128,10 @@ class RankSaves:
         blocked_s = time.monotonic() - started
         if self._cadence is not None:
             self._cadence.observe_save(completed_steps, blocked_s)
+        if self.async_save is not None:
+            self._queued_s = self.async_save.waited_for_previous_s
+            self._note_queued(completed_steps, started, final=final)
+        self._last_save = (completed_steps, started)
 
         def report_written(report) -> None:
             self._drills_due(completed_steps, "checkpoint_write")
@@ -154,12 +161,35 @@ class RankSaves:
             self._threads.append(thread)
         return blocked_s
 
+    def _note_queued(self, step: int, started: float, *, final: bool) -> None:
+        """Rank 0, once per attempt: a mid-job save that waited for the previous save's write becomes a
+        ``checkpoint_interval`` event saying so and what cadence would leave room for a write
+        (``checkpoint_cadence.queued_save_note``). The final save's wait is the job's end, not training's."""
+        from etrain.workers.checkpoints.checkpoint_cadence import queued_save_note
+
+        if self.rank != 0 or final or self._queued_noted or self._last_save is None:
+            return
+        previous_step, previous_started = self._last_save
+        checkpoint = self._plan.config.checkpoint
+        note = queued_save_note(
+            step=step,
+            previous_step=previous_step,
+            waited_s=self._queued_s,
+            since_previous_s=started - previous_started,
+            every_steps=None if checkpoint.auto_interval else checkpoint.every_steps,
+        )
+        if note is not None:
+            self._queued_noted = True
+            self._supervisor.report_note.remote(self._plan.attempt, "checkpoint_interval", note)
+
     def describe(self, blocked_s: float | None) -> str:
         """The rank log's words for a save's outcome."""
         if blocked_s is None:
             return "abandoned (checkpoint_failed)"
         if self.async_save is not None:
             said = f"save started (async), training blocked {blocked_s:.2f}s"
+            if self._queued_s >= 0.01:
+                said += f" ({self._queued_s:.2f}s of it waiting for the previous save's write)"
             if self._final_wait_s is not None:  # the last save: the attempt waited for its write
                 said += f"; its write and commit took {self._final_wait_s:.2f}s more"
             return said
