@@ -125,8 +125,9 @@ any non-terminal status; "fault" and [n] are explained under the table::
       rendezvous and restores the committed step from its own memory), and only the lost rank
       replaced (a warm spare where there is one), which gets its state from a data-parallel replica
       or else from storage. The adapter (``WorkerGroup.repair``) replaces with it every other rank
-      whose process died in the same fault on a node that is still up (a ``worker_failed`` event each,
-      the same restart); one lost with its node fails the repair (RepairFailed, below). The restart is
+      whose process died in the same fault on a node that is still up, and every survivor still stuck in
+      the failed attempt after the others left it (a ``worker_failed`` event each, the same restart); one
+      lost with its node fails the repair (RepairFailed, below). The restart is
       spent as for any fault, with no backoff (the budget bounds the loop). RepairFailed falls back to a full relaunch from the same step without
       spending again; a failure during the repair's launch is an ordinary fault.
 

@@ -12,6 +12,7 @@ stragglers service/decisions/stragglers.py finds (StragglerFlagged).
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -84,6 +85,13 @@ class StepReports:
         """The newest step ``attempt`` reported (completed steps), or None if it reported none."""
         with self._lock:
             return self._reported.get(attempt)
+
+    def recent_step_s(self, last: int = 20) -> float | None:
+        """The median step time of the newest ``last`` rows (None before any): how long a survivor may
+        still be computing when a peer dies (``WorkerGroup.repair``'s grace for stuck survivors)."""
+        with self._lock:
+            times = [float(row["step_s"]) for row in self._rows[-last:] if row.get("step_s")]
+        return statistics.median(times) if times else None
 
     def keep_late(self, attempt: int, metrics: dict, *, now: float) -> None:
         """A step of an attempt the job has left, reported after it ended (rank 0 sends what it still held

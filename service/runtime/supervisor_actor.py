@@ -593,7 +593,13 @@ class JobSupervisor:
 
         def repair() -> None:
             try:
-                group.repair(action.lost_rank, plan, memory_limit=memory_limit, also_lost=also_lost)
+                group.repair(
+                    action.lost_rank,
+                    plan,
+                    memory_limit=memory_limit,
+                    also_lost=also_lost,
+                    step_s=self._steps.recent_step_s(),
+                )
             except Exception as err:
                 self._inbox.put(RepairFailed(attempt=action.attempt, reason=f"{type(err).__name__}: {err}"))
 

@@ -55,12 +55,28 @@ RELEASE_TIMEOUT_S = 10.0
 PROBE_TIMEOUT_S = 2.0
 # An in-place repair waits this long for the survivors' failed ``run`` calls to return.
 SURVIVOR_EXIT_TIMEOUT_S = 15.0
+# Once one survivor's run of the failed attempt has returned, an in-place repair gives the others this long
+# more (or two steps: stuck_survivor_grace_s), then counts those still out as stuck and replaces them too. Why: on gloo a pending collective fails
+# only when a peer's process is gone, not when a live peer has left the attempt (measured with three gloo
+# processes: neither the peer's destroy_process_group() nor ProcessGroup.abort() unblocked it, only its
+# exit, 21 s later). In a 2-D layout a survivor can wait on such a peer (HSDP with shard groups of two:
+# rank 0 waits on ranks 1 and 2, which left after their own collectives with the dead rank 3 failed), and
+# it would wait for good. The survivors of one fault return within a second of each other (their
+# collectives with the dead rank fail at once), so this is seconds of margin, not of waiting.
+STUCK_SURVIVOR_GRACE_S = 5.0
 # With no restart left, wait this long for the dead peer to surface before blaming the rank itself...
 PEER_FAILURE_GRACE_S = 6.0
 # ... and this long for the node's verdict before calling a loss a process fault (which would fail
 # the job). Ray's node health check must be faster than this for node loss to be free (the tests
 # use a 1 s period x 3 failures; production clusters tune health_check_* likewise).
 NODE_DEATH_GRACE_S = 6.0
+
+
+def stuck_survivor_grace_s(step_s: float | None) -> float:
+    """How long an in-place repair gives the survivors after the first one left the failed attempt before it
+    replaces those still inside: STUCK_SURVIVOR_GRACE_S, or two steps where steps are longer (a survivor in
+    the middle of a long step's compute reaches its failing collective only at the end of it)."""
+    return max(STUCK_SURVIVOR_GRACE_S, 2.0 * step_s) if step_s else STUCK_SURVIVOR_GRACE_S
 
 
 def rank_actor_name(job_id: str, attempt: int, rank: int) -> str:
@@ -391,6 +407,7 @@ class WorkerGroup:
         *,
         memory_limit: Callable[[], int] | None = None,
         also_lost: Callable[[dict[int, str]], None] | None = None,
+        step_s: float | None = None,
     ) -> None:
         """Run ``plan`` (the next attempt) on the same placement group: every rank but the lost ones keeps
         its actor (its process, its memory: it restores the committed step it saved itself), and each lost
@@ -403,21 +420,38 @@ class WorkerGroup:
         (:class:`RepairError`): the caller relaunches every rank, on the capacity left.
 
         The survivors' ``run`` of the failed attempt must have returned first (their collectives
-        failed with the dead peer): one that does not within SURVIVOR_EXIT_TIMEOUT_S makes the repair fail.
+        failed with the dead peer). One still out :func:`stuck_survivor_grace_s` after the first survivor
+        returned (``step_s``: the job's recent step time; it waits in a collective on a live peer that left
+        the attempt, which gloo never fails) is replaced as well: its state comes from a replica's memory
+        or, with every other rank, from storage. When no survivor returns within SURVIVOR_EXIT_TIMEOUT_S
+        the repair fails.
 
         ``memory_limit`` is asked once the survivors' runs returned (their last step reports are in by
         then): the newest step the ranks may resume at from memory (``LaunchPlan.memory_resume_limit``).
         """
         # the failed attempt's runs still out (not the lost rank's, if polled)
-        others = self._leave_attempt(lost_rank=lost_rank, error=RepairError)
+        grace_s = stuck_survivor_grace_s(step_s)
+        others, stuck = self._leave_attempt(lost_rank=lost_rank, stuck_after_s=grace_s)
         for rank, err in sorted(others.items()):
             if _death_cause(err, self.nodes.get(rank, "")) == "node":
                 raise RepairError(f"rank {rank} died as well, with its node: {_first_line(err)}")
-        lost = sorted({lost_rank, *others})
+        lost = sorted({lost_rank, *others, *stuck})
         if len(lost) == self.world_size:
-            raise RepairError(f"every rank of attempt {self.attempt} died: no process to keep")
-        if others and also_lost is not None:
-            also_lost({rank: _first_line(err) for rank, err in sorted(others.items())})
+            raise RepairError(
+                f"every rank of attempt {self.attempt} died or did not leave it "
+                f"(stuck: {stuck or 'none'}; waited {SURVIVOR_EXIT_TIMEOUT_S:g}s for a first survivor): "
+                "no process to keep"
+            )
+        why = {rank: _first_line(err) for rank, err in others.items()}
+        why.update(
+            {
+                rank: f"stuck: still inside attempt {self.attempt} {grace_s:.0f}s after another survivor left it, "
+                "in a collective waiting on a live peer that left"
+                for rank in stuck
+            }
+        )
+        if why and also_lost is not None:
+            also_lost(dict(sorted(why.items())))
         if memory_limit is not None:
             plan = dataclasses.replace(plan, memory_resume_limit=memory_limit())
         for rank in lost:
@@ -452,7 +486,9 @@ class WorkerGroup:
             raise ResizeError(f"the group has {self.world_size} ranks, not {old_topology}'s {old_topology.world_size}")
         if self._runs and 0 < len(self.actors):
             self.actors[0].request_stop.remote()  # rank 0 stops every rank at the same step boundary
-        died = self._leave_attempt(lost_rank=None, error=ResizeError)
+        died, late = self._leave_attempt(lost_rank=None)
+        if late:
+            raise ResizeError(f"ranks {late} did not leave attempt {self.attempt} within {SURVIVOR_EXIT_TIMEOUT_S:g}s")
         if died:
             rank, err = min(died.items())
             raise ResizeError(f"rank {rank} died as well: {_first_line(err)}")
@@ -506,19 +542,31 @@ class WorkerGroup:
         joined = f"{len(joining)} joined ({self.warm_ranks} from warm spares)" if joining else "none joined"
         return f"{len(kept)} rank(s) kept, {len(leaving)} released, {joined}"
 
-    def _leave_attempt(self, *, lost_rank: int | None, error: type[Exception]) -> dict[int, RayActorError]:
+    def _leave_attempt(
+        self, *, lost_rank: int | None, stuck_after_s: float | None = None
+    ) -> tuple[dict[int, RayActorError], list[int]]:
         """Wait for the runs of the attempt being left to return (a survivor's failed collective, or a
-        stop at a step boundary) and forget them; ``error`` when one does not in time. Returns the ranks
-        other than ``lost_rank`` whose actors died meanwhile (rank -> the error): the caller decides."""
+        stop at a step boundary) and forget them. Returns the ranks other than ``lost_rank`` whose actors
+        died meanwhile (rank -> the error) and the ranks whose runs had not returned: by
+        SURVIVOR_EXIT_TIMEOUT_S, or ``stuck_after_s`` after the first survivor's returned. The caller decides."""
         old = dict(self._runs)
         died: dict[int, RayActorError] = {}
+        late: list[int] = []
         if old:
-            done, late = ray.wait(list(old), num_returns=len(old), timeout=SURVIVOR_EXIT_TIMEOUT_S)
-            if late:
-                raise error(
-                    f"ranks {sorted(old[ref] for ref in late)} did not leave attempt {self.attempt} "
-                    f"within {SURVIVOR_EXIT_TIMEOUT_S:g}s"
-                )
+            refs = list(old)
+            if stuck_after_s is None:
+                done, pending = ray.wait(refs, num_returns=len(refs), timeout=SURVIVOR_EXIT_TIMEOUT_S)
+            else:
+                # The grace starts when a survivor's run returns, not the lost rank's own (it fails at once,
+                # and its outcome is known: nothing to wait for).
+                survivors = [ref for ref in refs if old[ref] != lost_rank]
+                done, pending = [], survivors
+                if survivors:
+                    done, pending = ray.wait(survivors, num_returns=1, timeout=SURVIVOR_EXIT_TIMEOUT_S)
+                if done and pending:
+                    more, pending = ray.wait(pending, num_returns=len(pending), timeout=stuck_after_s)
+                    done += more
+            late = sorted(old[ref] for ref in pending)
             for ref in done:
                 rank = old[ref]
                 try:
@@ -531,7 +579,7 @@ class WorkerGroup:
         self._runs.clear()
         self._results.clear()
         self._suspect, self._lost = None, None
-        return died
+        return died, late
 
     # --- watch ----------------------------------------------------------------------------------
 

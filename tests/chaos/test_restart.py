@@ -260,6 +260,28 @@ def test_under_hsdp_a_killed_rank_gets_its_shard_from_the_other_replica_group_an
     assert_same_trajectory(losses(plane, final["id"]), clean_zero3, tol=1e-5)
 
 
+def test_under_hsdp_with_shard_groups_of_two_a_survivor_stuck_on_a_peer_that_left_is_replaced_in_the_repair(
+    shared_plane, clean_zero3
+):
+    """HSDP at dp=4 (``dp_replicate: 2``: shard groups {0,1} and {2,3}, replica pairs {0,2} and {1,3}), rank 3
+    killed. Ranks 1 and 2 fail their collectives with rank 3 at once and leave the attempt; a survivor whose
+    pending collective is with them instead (rank 0: its shard group's rank 1, its replica rank 2) waits on
+    live peers, which gloo never fails. Before, the repair waited 15 s for it, then relaunched every rank
+    from storage. Now such a survivor is replaced in the same repair, with its state from its replica's
+    memory (or, with every rank, from storage): one restart, the same curve as plain ZeRO-3's."""
+    plane = shared_plane
+    body = spec("repair-hsdp-dp4", dp=4, parallelism={"zero": 3, "dp_replicate": 2})
+    final, events = recover(plane, body, {"action": "kill_rank", "rank": 3, "at_step": 10})
+    texts = [(e["kind"], event_text(e)) for e in events]
+    assert "repair_failed" not in event_kinds(events), texts
+    assert_repaired_in_place(final, events, times=1)
+    failed = [text for kind, text in texts if kind == "worker_failed"]
+    assert failed[0].startswith("rank 3 "), failed
+    stuck = [text for text in failed[1:] if "stuck: still inside attempt 1" in text]
+    assert len(stuck) == len(failed) - 1 and len(failed) < 4, failed  # the others replaced were stuck; one was kept
+    assert_same_trajectory(losses(plane, final["id"]), clean_zero3, tol=1e-5)
+
+
 def test_an_hsdp_job_shrunk_in_place_restores_its_new_shards_from_storage(shared_plane, clean_zero3):
     """HSDP's shards change with dp (``dp / dp_replicate`` ranks per shard group: 2 at dp=4, 1 at dp=2), so the
     copies the kept ranks hold in memory from dp=4 are of other tensors than dp=2's. They are dropped and both
