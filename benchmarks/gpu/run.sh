@@ -253,9 +253,11 @@ log "service jobs done"
 
 # -- 4b. on request (GPU_CHECK_EXTRA=bench): make bench-gpu's rows in the same call, after the jobs (the
 #    GPU is free again); torchao for the float8 row from .whl/ where it is missing -----------------------
-[[ $EXTRA == *,bench,* ]] && measure throughput "${GPU_CHECK_BENCH_S:-200}" "make bench-gpu's rows" \
-  --shapes "${GPU_CHECK_BENCH_SHAPES:-1b}" --steps "${GPU_CHECK_BENCH_STEPS:-8}" \
-  --rows "${GPU_CHECK_BENCH_ROWS:-etrain-compile,etrain-compile-chunked-float8,hf}"
+# The default rows are issue #19's goals: etrain compile against transformers, and float8 against it, at
+# 1B shapes and at the 8B widths with as many layers as fit (20 on an H200: ~1 s steps, hence 300 s).
+[[ $EXTRA == *,bench,* ]] && measure throughput "${GPU_CHECK_BENCH_S:-300}" "make bench-gpu's rows" \
+  --shapes "${GPU_CHECK_BENCH_SHAPES:-1b,8b-widths}" --steps "${GPU_CHECK_BENCH_STEPS:-8}" \
+  --rows "${GPU_CHECK_BENCH_ROWS:-etrain-compile,etrain-compile-float8,hf}"
 
 no_probe=()
 [[ ${GPU_CHECK_PROBE_ROWS:-etrain,hf} == none ]] && no_probe=(--no-probe)
