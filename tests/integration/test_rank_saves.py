@@ -1,0 +1,103 @@
+"""One rank's saves (workers/rank/rank_saves.py) tell the user when an async save waited for the write before it.
+
+Real ``AsyncCheckpointer`` saves of ~50 MB of state (a 2048 x 2048 linear layer and its AdamW moments) to a
+real folder, back to back, so the second waits for the first's write; the supervisor is a recorder of the
+calls the rank makes on it (its Ray handle's ``.remote``), ``ray.get`` the identity on what it returns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ray
+import torch
+from torch import nn
+
+from etrain.workers.checkpoints import checkpoint_cadence
+from etrain.workers.protocol.messages import LaunchPlan
+from etrain.workers.rank.rank_saves import RankSaves
+from etrain.workers.rank.step_control import ControlRequests
+from tests.equivalence_utils import small_config
+
+
+class _Recorder:
+    """A supervisor handle: ``handle.method.remote(*args)`` is recorded as (method, args)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple]] = []
+
+    def __getattr__(self, method: str):
+        calls = self.calls
+
+        class _Method:
+            @staticmethod
+            def remote(*args):
+                calls.append((method, args))
+                return None
+
+        return _Method()
+
+
+class _Trainer:
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        self.model = nn.Linear(2048, 2048)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.1)
+        self.model(torch.randn(2, 2048)).sum().backward()
+        self.optimizer.step()
+
+    def state_for_checkpoint(self):
+        return [self.model], [self.optimizer], {"step": 0}
+
+
+def _saves(tmp_path, supervisor, **checkpoint) -> RankSaves:
+    config = small_config()
+    config = dataclasses.replace(
+        config, checkpoint=dataclasses.replace(config.checkpoint, path=str(tmp_path), async_save=True, **checkpoint)
+    )
+    return RankSaves(
+        rank=0,
+        plan=LaunchPlan(attempt=1, config=config, start_step=0, resume_dir=None),
+        device_type="cpu",
+        supervisor=supervisor,
+        control=ControlRequests(),
+        drills_due=lambda step, moment: None,
+        keep_snapshot=lambda trainer, step: None,
+    )
+
+
+def test_a_save_queued_behind_the_previous_write_is_said_once_with_the_cadence_that_fits(tmp_path, monkeypatch):
+    monkeypatch.setattr(ray, "get", lambda ref, timeout=None: ref)
+    monkeypatch.setattr(checkpoint_cadence, "QUEUED_NOTE_MIN_S", 0.01)  # any measurable wait: this is the plumbing
+    supervisor, trainer = _Recorder(), _Trainer()
+    saves = _saves(tmp_path, supervisor, every_steps=2)
+    try:
+        first = saves.save(trainer, 2, final=False)
+        assert "waiting for the previous" not in saves.describe(first)
+        second = saves.save(trainer, 4, final=False)  # the first's ~50 MB are still being written and hashed
+        said = saves.describe(second)
+        saves.save(trainer, 6, final=False)  # waits again: no second note in the attempt
+    finally:
+        saves.close(None)
+    assert "s of it waiting for the previous save's write)" in said, said
+    notes = [args for method, args in supervisor.calls if method == "report_note"]
+    assert len(notes) == 1, supervisor.calls
+    attempt, kind, text = notes[0]
+    assert (attempt, kind) == (1, "checkpoint_interval")
+    assert text.startswith("step 4's save waited ") and "for step 2's write" in text, text
+    assert "set checkpoint.every_steps >= " in text and text.endswith("(or auto)"), text
+    reported = sorted(args[2] for method, args in supervisor.calls if method == "report_checkpoint")
+    assert reported == [2, 4, 6]  # every save's shards were reported once written
+
+
+def test_the_final_save_and_a_save_with_nothing_in_flight_make_no_note(tmp_path, monkeypatch):
+    monkeypatch.setattr(ray, "get", lambda ref, timeout=None: ref)
+    monkeypatch.setattr(checkpoint_cadence, "QUEUED_NOTE_MIN_S", 0.01)
+    supervisor, trainer = _Recorder(), _Trainer()
+    saves = _saves(tmp_path, supervisor, every_steps=2)
+    try:
+        saves.save(trainer, 2, final=False)
+        saves.save(trainer, 4, final=True)  # waits for step 2's write, but it is the job's end, not training's
+    finally:
+        saves.close(None)
+    assert [method for method, _ in supervisor.calls if method == "report_note"] == []
