@@ -101,3 +101,19 @@ def test_the_final_save_and_a_save_with_nothing_in_flight_make_no_note(tmp_path,
     finally:
         saves.close(None)
     assert [method for method, _ in supervisor.calls if method == "report_note"] == []
+
+
+def test_saves_only_on_request_make_no_cadence_advice(tmp_path, monkeypatch):
+    """``every_steps: 0`` saves only at the end and when asked (before a resize, ``checkpoint`` requests):
+    there is no cadence to advise on."""
+    monkeypatch.setattr(ray, "get", lambda ref, timeout=None: ref)
+    monkeypatch.setattr(checkpoint_cadence, "QUEUED_NOTE_MIN_S", 0.01)
+    supervisor, trainer = _Recorder(), _Trainer()
+    saves = _saves(tmp_path, supervisor, every_steps=0)
+    try:
+        saves.save(trainer, 2, final=False)
+        said = saves.describe(saves.save(trainer, 4, final=False))
+    finally:
+        saves.close(None)
+    assert "waiting for the previous save's write" in said  # the rank log still splits the wait out
+    assert [method for method, _ in supervisor.calls if method == "report_note"] == []

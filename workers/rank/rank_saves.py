@@ -167,10 +167,11 @@ class RankSaves:
         (``checkpoint_cadence.queued_save_note``). The final save's wait is the job's end, not training's."""
         from etrain.workers.checkpoints.checkpoint_cadence import queued_save_note
 
-        if self.rank != 0 or final or self._queued_noted or self._last_save is None:
+        checkpoint = self._plan.config.checkpoint
+        on_schedule = checkpoint.auto_interval or checkpoint.every_steps > 0  # not only requested saves
+        if self.rank != 0 or final or self._queued_noted or self._last_save is None or not on_schedule:
             return
         previous_step, previous_started = self._last_save
-        checkpoint = self._plan.config.checkpoint
         note = queued_save_note(
             step=step,
             previous_step=previous_step,
