@@ -85,6 +85,7 @@ WORK=${GPU_CHECK_DIR:-$(mktemp -d /tmp/gpu-check.XXXXXX)}
 mkdir -p "$WORK"
 LOGS=$WORK/logs
 mkdir -p "$LOGS"
+touch "$WORK/.started"  # results newer than this were written by this run (the cleanup hands back only those)
 if [[ $TINY == 1 ]]; then RESULTS=${GPU_CHECK_RESULTS:-$WORK/results}; else RESULTS=${GPU_CHECK_RESULTS:-$REPO/benchmarks/results}; fi
 rm -f "$RESULTS/gpu_probe.json" "$RESULTS/gpu_service.json"  # a part that does not finish leaves no stale figures
 TINY_FLAG=()
@@ -124,8 +125,10 @@ cleanup() {
   rm -rf "$WORK/data" "$WORK/site" "$WORK/pkg" "$WORK/ray"
   if [[ -n ${OUT:-} ]]; then
     tar czf "$OUT/gpu-check-logs.tgz" -C "$WORK" logs 2>/dev/null
-    for result in gpu_write_threads.json gpu_pinning.json; do  # the probe and the jobs write theirs to $OUT
-      [[ -f $RESULTS/$result ]] && cp "$RESULTS/$result" "$OUT/"
+    # The probe and the jobs write theirs to $OUT; these two only where this run measured them (the
+    # checkout's own copies are older runs' and would take two of a device call's 8 files).
+    for result in gpu_write_threads.json gpu_pinning.json; do
+      [[ $RESULTS/$result -nt $WORK/.started ]] && cp "$RESULTS/$result" "$OUT/"
     done
   fi
   log "logs: $LOGS; results: $RESULTS; total $((SECONDS - T0)) s; exit $rc"
