@@ -136,7 +136,7 @@ def planned_eager_peak(sizes: CheckSizes) -> int:
     kept (``service/planning/plan_memory.py``): the peak of the hungriest rows (etrain and transformers
     eager)."""
     from etrain.service.planning.plan_activations import layer_chunks_in_flight
-    from etrain.service.planning.plan_memory import stage_memory
+    from etrain.service.planning.plan_memory import RUNTIME_OVERHEAD_GIB, GiB, stage_memory
 
     model = model_config(sizes)
     microbatches = sizes.global_batch // sizes.micro_batch
@@ -155,13 +155,9 @@ def planned_eager_peak(sizes: CheckSizes) -> int:
         precision=sizes.precision,
         checkpointing="none",
         device=sizes.device,
-        overhead=_RUNTIME_OVERHEAD_BYTES,
+        overhead=RUNTIME_OVERHEAD_GIB[sizes.device] * GiB,
     )
     return memory.total
-
-
-#: The CUDA runtime's own memory, as the planner counts it (``service/planning/estimate.py``).
-_RUNTIME_OVERHEAD_BYTES = 2**30
 
 
 def layers_that_fit(sizes: CheckSizes, device_bytes: int, *, fraction: float = FIT_FRACTION) -> int:

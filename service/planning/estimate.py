@@ -36,6 +36,7 @@ from etrain.service.planning.plan_comm import (
     tp_traffic,
 )
 from etrain.service.planning.plan_memory import (
+    RUNTIME_OVERHEAD_GIB,
     GiB,
     MemoryBreakdown,
     expert_split,
@@ -66,12 +67,6 @@ __all__ = [
 #: Memory per rank when neither the cluster (detected GPU memory) nor the operator
 #: (``ETRAIN_DEVICE_MEMORY_GB``) says: 80 GiB per GPU, 8 GiB per CPU worker.
 DEFAULT_DEVICE_MEMORY_GB = {"cuda": 80.0, "cpu": 8.0}
-
-
-#: Memory a rank uses before holding any tensor. CUDA: context, NCCL buffers, allocator slack.
-#: CPU: the Python + torch + gloo process of a rank, measured by ``make bench`` as an empty rank's
-#: peak RSS (274 MiB on x86_64 Linux, torch 2.13), rounded up.
-RUNTIME_OVERHEAD_GIB = {"cuda": 1.0, "cpu": 0.27}
 
 
 @dataclass(frozen=True, kw_only=True)

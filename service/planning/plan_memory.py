@@ -87,6 +87,7 @@ from etrain.workers.protocol import layout_rules
 from etrain.workers.protocol.run_config import ModelConfig
 
 __all__ = [
+    "RUNTIME_OVERHEAD_GIB",
     "GiB",
     "MEMORY_COMPONENTS",
     "PHASES",
@@ -102,6 +103,10 @@ __all__ = [
 ]
 
 GiB = 1024**3
+#: Memory a rank uses before holding any tensor. CUDA: context, NCCL buffers, allocator slack.
+#: CPU: the Python + torch + gloo process of a rank, measured by ``make bench`` as an empty rank's
+#: peak RSS (274 MiB on x86_64 Linux, torch 2.13), rounded up.
+RUNTIME_OVERHEAD_GIB = {"cuda": 1.0, "cpu": 0.27}
 MEMORY_COMPONENTS = (
     "parameters",
     "gradients",

@@ -8,7 +8,9 @@ calls the rank makes on it (its Ray handle's ``.remote``), ``ray.get`` the ident
 from __future__ import annotations
 
 import dataclasses
+import re
 
+import pytest
 import ray
 import torch
 from torch import nn
@@ -66,6 +68,21 @@ def _saves(tmp_path, supervisor, **checkpoint) -> RankSaves:
     )
 
 
+def _two_saves(tmp_path, monkeypatch, *, every_steps: int, final: bool) -> tuple[_Recorder, str]:
+    """Steps 2 and 4 saved back to back (the second waits for the first's write), with any measurable wait
+    worth a note; the supervisor's recorded calls and the rank log's words for the second save."""
+    monkeypatch.setattr(ray, "get", lambda ref, timeout=None: ref)
+    monkeypatch.setattr(checkpoint_cadence, "QUEUED_NOTE_MIN_S", 0.01)
+    supervisor, trainer = _Recorder(), _Trainer()
+    saves = _saves(tmp_path, supervisor, every_steps=every_steps)
+    try:
+        saves.save(trainer, 2, final=False)
+        said = saves.describe(saves.save(trainer, 4, final=final))
+    finally:
+        saves.close(None)
+    return supervisor, said
+
+
 def test_a_save_queued_behind_the_previous_write_is_said_once_with_the_cadence_that_fits(tmp_path, monkeypatch):
     monkeypatch.setattr(ray, "get", lambda ref, timeout=None: ref)
     monkeypatch.setattr(checkpoint_cadence, "QUEUED_NOTE_MIN_S", 0.01)  # any measurable wait: this is the plumbing
@@ -90,30 +107,13 @@ def test_a_save_queued_behind_the_previous_write_is_said_once_with_the_cadence_t
     assert reported == [2, 4, 6]  # every save's shards were reported once written
 
 
-def test_the_final_save_and_a_save_with_nothing_in_flight_make_no_note(tmp_path, monkeypatch):
-    monkeypatch.setattr(ray, "get", lambda ref, timeout=None: ref)
-    monkeypatch.setattr(checkpoint_cadence, "QUEUED_NOTE_MIN_S", 0.01)
-    supervisor, trainer = _Recorder(), _Trainer()
-    saves = _saves(tmp_path, supervisor, every_steps=2)
-    try:
-        saves.save(trainer, 2, final=False)
-        saves.save(trainer, 4, final=True)  # waits for step 2's write, but it is the job's end, not training's
-    finally:
-        saves.close(None)
-    assert [method for method, _ in supervisor.calls if method == "report_note"] == []
-
-
-def test_saves_only_on_request_make_no_cadence_advice(tmp_path, monkeypatch):
-    """``every_steps: 0`` saves only at the end and when asked (before a resize, ``checkpoint`` requests):
-    there is no cadence to advise on."""
-    monkeypatch.setattr(ray, "get", lambda ref, timeout=None: ref)
-    monkeypatch.setattr(checkpoint_cadence, "QUEUED_NOTE_MIN_S", 0.01)
-    supervisor, trainer = _Recorder(), _Trainer()
-    saves = _saves(tmp_path, supervisor, every_steps=0)
-    try:
-        saves.save(trainer, 2, final=False)
-        said = saves.describe(saves.save(trainer, 4, final=False))
-    finally:
-        saves.close(None)
-    assert "waiting for the previous save's write" in said  # the rank log still splits the wait out
+@pytest.mark.parametrize(
+    ("every_steps", "final"),
+    [(2, True), (0, False)],
+    ids=["the final save: the job's end, not training's", "saves only on request: no cadence to advise on"],
+)
+def test_a_queued_save_with_no_cadence_to_advise_on_makes_no_note(tmp_path, monkeypatch, every_steps, final):
+    supervisor, said = _two_saves(tmp_path, monkeypatch, every_steps=every_steps, final=final)
+    waited = float(re.search(r"\(([0-9.]+)s of it waiting for the previous save's write\)", said).group(1))
+    assert waited >= 0.01, said  # the rank log still splits the wait out
     assert [method for method, _ in supervisor.calls if method == "report_note"] == []
