@@ -80,6 +80,8 @@ from etrain.service.runtime.job_metrics import JobMetrics
 from etrain.service.runtime.spares import HEAD_NODE_RESOURCE
 from etrain.service.runtime.step_reports import StepReports
 from etrain.service.runtime.worker_group import NAMESPACE, GroupOutcome, PlacementTimeout, WorkerGroup
+from etrain.workers.protocol import compile_sharing
+from etrain.workers.protocol.compile_sharing import CompileArtifacts
 from etrain.workers.protocol.messages import LaunchPlan
 from etrain.workers.protocol.run_config import RunConfig
 
@@ -182,6 +184,10 @@ class JobSupervisor:
             metrics=self._metrics,
             parallel=config.parallel,
         )
+        # Each pipeline stage's compiled code as its writer reported it: named in every later plan, so a rank
+        # started on a new node loads it instead of compiling (workers/protocol/compile_sharing.py).
+        self._compile_artifacts: tuple[CompileArtifacts, ...] = ()
+        self._compile_lock = threading.Lock()
         self._drills = None  # the job's fault drills, loaded only when the policy enables them
         if policy.chaos_enabled:
             from etrain.service.runtime.chaos_drills import JobDrills
@@ -236,6 +242,17 @@ class JobSupervisor:
         """Something a rank decided that users should see as a job event (``checkpoint_interval``)."""
         if kind in RANK_NOTES:
             self._inbox.put(("note", attempt, kind, str(detail)[:2000]))
+
+    def report_compile_artifacts(self, attempt: int, rank: int, report: dict) -> None:
+        """A stage's first rank wrote its compiled code to the checkpoint folder: later plans name the set with
+        the digest reported here, the only one a rank will load (``workers/protocol/compile_sharing.py``)."""
+        try:
+            record = compile_sharing.parse_report(report, stages=self.config.parallel.pp)
+        except ValueError as err:
+            log.warning("job %s: rank %s's compile artifacts ignored: %s", self.job_id, rank, err)
+            return
+        with self._compile_lock:  # stages report from their own calls; _attempt_plan reads one whole tuple
+            self._compile_artifacts = compile_sharing.replace_stage(self._compile_artifacts, record)
 
     def report_chaos(self, attempt: int, rank: int, order_id: int, step: int | None) -> None:
         self._inbox.put(("chaos_fired", attempt, rank, order_id, step))
@@ -647,6 +664,7 @@ class JobSupervisor:
             state_from_memory=state_from_memory,
             keep_snapshots=self.policy.in_place,  # only an in-place repair or resize ever reads them
             may_grow=self.policy.max_dp > config.parallel.dp,
+            compile_artifacts=self._compile_artifacts,
         )
 
     def _record_state_sources(self, attempt: int, sources: dict[int, str | None], start: int | None) -> None:

@@ -30,6 +30,10 @@ FAST_NODE_DEATH = {
     "health_check_timeout_ms": 1000,
 }
 
+#: The worker nodes' environment, which their rank processes inherit: a job with ``training.compile`` traces
+#: its blocks with ``aot_eager`` (the graphs and guards of inductor, without minutes of C++ builds on 2 cores).
+RANK_ENV = {"ETRAIN_COMPILE_BACKEND": "aot_eager"}
+
 
 @contextmanager
 def ray_cluster(worker_cpus: list[int]) -> Iterator[Cluster]:
@@ -51,7 +55,7 @@ def _new_cluster(worker_cpus: list[int]) -> Iterator[Cluster]:
     )
     try:
         for cpus in worker_cpus:
-            cluster.add_node(num_cpus=cpus)
+            cluster.add_node(num_cpus=cpus, env_vars=RANK_ENV)
         cluster.wait_for_nodes(timeout=120)
         ray.init(address=cluster.address, namespace="etrain", log_to_driver=False)
         yield cluster

@@ -13,6 +13,7 @@ receives from it.
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 
@@ -173,3 +174,45 @@ def test_a_failure_of_the_replacement_itself_is_repaired_again(shared_plane, cle
         "attempt 3, step 11: ranks 0 from own memory; ranks 1 from rank 0's memory",
     ]
     assert_ends_like_clean(plane, final, clean)
+
+
+def test_a_replacement_loads_shared_compiled_code_only_as_its_writer_reported_it(shared_plane, clean):
+    """``training.compile``: the supervisor names each stage's compiled code, as its writer reported it, in
+    every later plan, and a replacement rank reads it before its first step. Here the set named for stage 0
+    was replaced in the checkpoint folder after it was reported: the replacement refuses it (a file only the
+    job's tenant can write there is never run), compiles instead, and the job ends like the clean run. The
+    sharing with real inductor code is in tests/integration/test_throughput_options.py; the rank and
+    supervisor ends are joined here."""
+    import hashlib
+
+    import ray
+
+    from etrain.service.runtime.supervisor_actor import find_supervisor
+
+    plane = shared_plane
+    job = plane.submit(spec("compile-share-dp2", training={"compile": True}))
+    plane.chaos(job["id"], action="kill_rank", rank=1, at_step=12)
+    deadline = time.monotonic() + 60
+    # The supervisor exists once the job is admitted, seconds before its ranks start.
+    while (supervisor := find_supervisor(job["id"])) is None:
+        assert time.monotonic() < deadline, "no supervisor within 60 s"
+        time.sleep(0.05)
+    reported, planted = b"the set rank 0 wrote", b"what the tenant put in its place"
+    digest = hashlib.sha256(reported).hexdigest()
+    folder = plane.data_dir / "checkpoints" / job["id"] / "compile-cache"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{digest}.bin").write_bytes(planted)
+    ray.get(supervisor.report_compile_artifacts.remote(1, 0, {"stage": 0, "sha256": digest, "size": len(reported)}))
+    # A malformed report is dropped, not kept for a later plan.
+    ray.get(supervisor.report_compile_artifacts.remote(1, 0, {"stage": 0, "sha256": "../x", "size": 1}))
+
+    final = plane.wait_terminal(job["id"], timeout_s=300)
+    assert final["status"] == "SUCCEEDED" and final["restarts"] == 1, final
+    lines = plane.client.get(f"/v1/jobs/{job['id']}/logs", params={"rank": 1, "tail": 1000}).json()["lines"]
+    refused = [line for line in lines if "attempt 2: compile cache not loaded (compiling instead)" in line]
+    assert len(refused) == 1 and "is not the set its writer reported" in refused[0], lines
+    assert digest[:12] in refused[0] and hashlib.sha256(planted).hexdigest()[:12] in refused[0], refused
+    recovered = losses(plane, job["id"])
+    assert sorted(recovered) == list(range(1, 25))
+    worst = max(abs(recovered[s] - clean.losses[s]) for s in clean.losses)
+    assert worst <= 1e-5, f"max |loss - clean loss| = {worst:.3g}"  # aot_eager runs eager's aten ops

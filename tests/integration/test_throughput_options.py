@@ -109,22 +109,57 @@ def test_each_option_alone_on_one_process_changes_no_number(model, options, refe
 
 _COMPILE_PROBE = textwrap.dedent(
     """
-    import json, sys, time
+    import dataclasses, json, sys, time
     import torch
     from etrain.workers.engine.compile import CompileProfile, compile_profile, compile_seconds, compiled_frames
     from etrain.workers.engine.train import Trainer
-    from etrain.workers.protocol.run_config import RunConfig
+    from etrain.workers.protocol.compile_sharing import CompileArtifacts
+    from etrain.workers.protocol.messages import LaunchPlan
+    from etrain.workers.rank.compiled_code import CompiledCode
     from tests.equivalence_utils import small_config, MODELS
-    import dataclasses
 
+    class Calls:  # the supervisor's handle and the rank log, as the rank uses them
+        def __init__(self):
+            self.reports, self.lines = [], []
+            self.report_compile_artifacts = self
+        def remote(self, attempt, rank, report):
+            self.reports.append(report)
+        def write(self, line):
+            self.lines.append(line)
+
+    def sharing(folder, records):
+        checkpoint = dataclasses.replace(config.checkpoint, path=folder)
+        plan = LaunchPlan(
+            attempt=1, config=dataclasses.replace(config, checkpoint=checkpoint), start_step=0, resume_dir=None,
+            compile_artifacts=tuple(CompileArtifacts(**r) for r in records),
+        )
+        calls = Calls()
+        return CompiledCode(plan, rank=0, coords=trainer.topology.coords(0), supervisor=calls, log=calls), calls
+
+    share = json.loads(sys.argv[2]) if len(sys.argv) > 2 else None
     config = small_config(steps=4, model=MODELS[sys.argv[1]])
     config = dataclasses.replace(config, training=dataclasses.replace(config.training, compile=True))
     torch.manual_seed(0)
     trainer = Trainer(config, rank=0, world_size=1, device=torch.device("cpu"))
+    if share:
+        code, calls = sharing(share["checkpoint"], share["records"])
+        code.load()
     started = time.perf_counter()
     first = trainer.train_step(0)
     first_s = time.perf_counter() - started
     frames_after_first = compiled_frames()
+    cache = compile_profile().counts_since(CompileProfile(spans={}, counters={}))
+    shared = {}
+    if share:
+        code.after_first_step(cache["FX graph cache misses"] + cache["AOTAutograd cache misses"] > 0)
+        if code.thread is not None:
+            code.thread.join(60)
+        shared = {"reports": calls.reports, "lines": calls.lines}
+        if share.get("linked_checkpoint"):  # a folder whose compile-cache is a link: nothing written through it
+            linked, linked_calls = sharing(share["linked_checkpoint"], [])
+            linked.after_first_step(True)
+            linked.thread.join(60)
+            shared["linked"] = {"reports": linked_calls.reports, "lines": linked_calls.lines}
     rest = [trainer.train_step(step) for step in range(1, 4)]
     names = [name for part in trainer.model_parts for name, _ in part.named_parameters()]
     state = list(trainer.model_parts[0].state_dict().keys())
@@ -133,19 +168,20 @@ _COMPILE_PROBE = textwrap.dedent(
         "compile_s": compile_seconds(),
         "frames_after_first": frames_after_first,
         "frames_after_last": compiled_frames(),
-        "cache": compile_profile().counts_since(CompileProfile(spans={}, counters={})),
+        "cache": cache,
         "losses": [first.loss] + [m.loss for m in rest],
         "names": names,
         "state": state,
+        "shared": shared,
     }))
     """
 )
 
 
-def _compile_probe(model: str, cache: str, backend: str) -> dict:
+def _compile_probe(model: str, cache: str, backend: str, share: dict | None = None) -> dict:
     env = {**os.environ, "ETRAIN_COMPILE_BACKEND": backend, "TORCHINDUCTOR_CACHE_DIR": cache}
     out = subprocess.run(
-        [sys.executable, "-c", _COMPILE_PROBE, model],
+        [sys.executable, "-c", _COMPILE_PROBE, model, *([json.dumps(share)] if share else [])],
         env=env,
         capture_output=True,
         text=True,
@@ -168,32 +204,61 @@ def test_compiled_blocks_never_recompile_and_keep_their_names(model, tmp_path):
 
 
 @pytest.mark.slow
-def test_inductor_compiles_once_per_node_and_a_second_process_reuses_the_cache(tmp_path):
-    """Real inductor (C++ code generation on CPU): the losses equal eager's, and a second process on the
-    same node (a restarted or replacement rank) compiles from the cache in a fraction of the time.
+def test_inductor_compiles_once_and_other_nodes_load_it_from_the_checkpoint_folder(tmp_path):
+    """Real inductor (C++ code generation on CPU): the losses equal eager's; the first process (node A) shares
+    what it compiled through the job's checkpoint folder; a process on node B, which never compiled this
+    model, loads that set and compiles nothing (every FX-graph and AOTAutograd lookup hits); a second process
+    on node B (a restarted or replacement rank) finds the set on its node already and compiles from the
+    node's cache in a fraction of the time.
 
+    On CPU, node B's first process still builds the kernels' C++ (inductor keeps the built libraries out of
+    the portable set; on a GPU the Triton kernels are bundled in it), so only its cache counters are asserted.
     On the GPT: the cache is the same code for both families, and the Llama's first inductor compile takes
     twice as long on the 2-core machine (34 s against 17 s, measured); the Llama's compiled numerics are
     checked with aot_eager above and in the layout tests."""
-    cache = str(tmp_path / "inductor-cache")
+    import hashlib
+
+    checkpoint, elsewhere, linked = tmp_path / "checkpoints", tmp_path / "another-job", tmp_path / "linked"
+    elsewhere.mkdir()
+    linked.mkdir()
+    (linked / "compile-cache").symlink_to(elsewhere)  # planted by whoever can write that checkpoint folder
+    node_a, node_b = str(tmp_path / "node-a-cache"), str(tmp_path / "node-b-cache")
     started = time.perf_counter()
-    cold = _compile_probe("gpt", cache, "inductor")
+    cold = _compile_probe(
+        "gpt", node_a, "inductor", {"checkpoint": str(checkpoint), "records": [], "linked_checkpoint": str(linked)}
+    )
     cold_wall = time.perf_counter() - started
+    (report,) = cold["shared"]["reports"]
+    assert report["stage"] == 0, report
+    written = (checkpoint / "compile-cache" / f"{report['sha256']}.bin").read_bytes()
+    assert len(written) == report["size"] and hashlib.sha256(written).hexdigest() == report["sha256"]
+    assert any("compile cache shared: stage 0" in line for line in cold["shared"]["lines"]), cold["shared"]
+    refused = cold["shared"]["linked"]
+    assert refused["reports"] == [] and list(elsewhere.iterdir()) == [], refused
+    assert any("not shared" in line and "UnsafePathError" in line for line in refused["lines"]), refused
+
+    share = {"checkpoint": str(checkpoint), "records": [report]}
+    new_node = _compile_probe("gpt", node_b, "inductor", share)
+    assert any("compile cache loaded: stage 0's set" in line for line in new_node["shared"]["lines"]), new_node
+    assert new_node["shared"]["reports"] == []  # nothing compiled that the folder lacks: nothing written again
     started = time.perf_counter()
-    warm = _compile_probe("gpt", cache, "inductor")
+    warm = _compile_probe("gpt", node_b, "inductor", share)
     warm_wall = time.perf_counter() - started
+    assert any("on this node already" in line for line in warm["shared"]["lines"]), warm["shared"]
     print(
-        f"inductor first step: cold {cold['first_step_s']:.1f}s, warm {warm['first_step_s']:.1f}s "
-        f"(process {cold_wall:.1f}s vs {warm_wall:.1f}s)"
+        f"inductor first step: cold {cold['first_step_s']:.1f}s, a new node with the set "
+        f"{new_node['first_step_s']:.1f}s, warm {warm['first_step_s']:.1f}s "
+        f"(process {cold_wall:.1f}s vs {warm_wall:.1f}s); the set {report['size'] / 2**20:.1f} MiB"
     )
     assert warm["frames_after_last"] == warm["frames_after_first"]
-    # The caches' own counters: the first process compiled everything, the second loaded everything.
+    # The caches' own counters: the first process compiled everything, the others loaded everything.
     assert cold["cache"]["FX graph cache hits"] == 0 and cold["cache"]["FX graph cache misses"] > 0, cold["cache"]
-    assert warm["cache"]["FX graph cache misses"] == 0 and warm["cache"]["FX graph cache hits"] > 0, warm["cache"]
-    assert warm["cache"]["AOTAutograd cache hits"] > 0 and warm["cache"]["AOTAutograd cache misses"] == 0, warm["cache"]
+    for run in (new_node, warm):
+        assert run["cache"]["FX graph cache misses"] == 0 and run["cache"]["FX graph cache hits"] > 0, run["cache"]
+        assert run["cache"]["AOTAutograd cache hits"] > 0 and run["cache"]["AOTAutograd cache misses"] == 0, run
     assert warm["first_step_s"] < 0.5 * cold["first_step_s"], (cold["first_step_s"], warm["first_step_s"])
 
     reference = run_reference(small_config(steps=4, model=MODELS["gpt"]))
     for got, want in zip(cold["losses"], reference.losses):
         assert abs(got - want) <= 1e-5 * abs(want), (cold["losses"], reference.losses)
-    assert warm["losses"] == cold["losses"]
+    assert warm["losses"] == new_node["losses"] == cold["losses"]

@@ -29,6 +29,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, TypedDict, get_args
 
+from etrain.workers.protocol.compile_sharing import CompileArtifacts
 from etrain.workers.protocol.run_config import RunConfig
 
 __all__ = [
@@ -109,6 +110,10 @@ class LaunchPlan:
     #: The job may grow past this attempt's dp (its elastic ceiling is higher): at dp=1, where no replica
     #: would read a snapshot for a repair, rank 0 keeps them anyway for the ranks a grow adds.
     may_grow: bool = False
+    #: The compiled code each pipeline stage's first rank wrote next to the checkpoints, as it reported it
+    #: (``workers/protocol/compile_sharing.py``): a rank started on a node without it loads its stage's set
+    #: before its first step instead of compiling (``training.compile``), if the file still has that digest.
+    compile_artifacts: tuple[CompileArtifacts, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -35,6 +35,7 @@ from typing import Any
 from etrain.workers.engine.compile import use_node_cache
 from etrain.workers.protocol.messages import REPORT_TIMEOUT_S, ChaosOrder, LaunchPlan, NodeInfo, RunResult
 from etrain.workers.protocol.run_config import RunConfig
+from etrain.workers.rank.compiled_code import CompiledCode
 from etrain.workers.rank.device_info import RankGpus, ray_bundle
 from etrain.workers.rank.rank_saves import RankSaves
 from etrain.workers.rank.report_batch import ReportBatcher
@@ -273,6 +274,11 @@ class TrainWorker:
                 load_pretrained=plan.resume_dir is None,  # a resume overwrites them anyway
             )
             phases.mark("trainer")
+            compiled = CompiledCode(
+                plan, rank=self.rank, coords=trainer.topology.coords(self.rank), supervisor=self._supervisor, log=log
+            )
+            if compiled.load():  # before the first step compiles: its graphs then come from the node's cache
+                phases.mark("compile cache")
             source, committed = None, plan.start_step
             if plan.resume_dir:
                 source, start = self._restore(trainer, plan)
@@ -331,6 +337,11 @@ class TrainWorker:
                             f"(first step {metrics['step_s']:.1f}s; cache {os.environ.get('TORCHINDUCTOR_CACHE_DIR')})"
                         )
                         log.write(f"attempt {plan.attempt}: compile spans {compile_profile().since(profile_before)}")
+                    if config.training.compile:
+                        misses = compile_profile().counts_since(profile_before)
+                        compiled.after_first_step(
+                            misses["FX graph cache misses"] + misses["AOTAutograd cache misses"] > 0
+                        )
                 decision = boundaries.after_step(metrics)
                 if batcher is not None:  # a step that saves or stops is urgent (the last step always saves)
                     for record, urgent in decision.reports:
