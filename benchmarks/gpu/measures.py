@@ -41,6 +41,7 @@ __all__ = [
     "FIT_SHAPES",
     "CheckSizes",
     "bench_loss_chunk",
+    "compile_lines",
     "device_peak",
     "job_figures",
     "kill_ts",
@@ -333,6 +334,25 @@ _SAVE_LINE = re.compile(_STAMP + r" checkpoint step (?P<step>\d+) (?P<what>.*)$"
 _BLOCKED = re.compile(r"block(?:ed|ing)[^\d]{0,20}(?P<s>\d+(?:\.\d+)?)\s*(?P<unit>ms|s)\b")
 
 
+_COMPILE = re.compile(r"attempt (?P<attempt>\d+): compile (?P<s>[\d.]+)s \(first step (?P<first>[\d.]+)s")
+_COMPILE_SHARING = re.compile(r"attempt (?P<attempt>\d+): (?P<what>compile cache .*)$")
+
+
+def compile_lines(lines: list[str]) -> list[dict[str, Any]]:
+    """Each attempt's compile figures from a rank log: the seconds compiling and the first step
+    (``attempt N: compile X s (first step Y s; ...)``), and what the attempt did with the job's shared
+    compiled code (``attempt N: compile cache loaded|shared|not loaded ...``, in order)."""
+    by_attempt: dict[int, dict[str, Any]] = {}
+    for line in lines:
+        if (found := _COMPILE.search(line)) is not None:
+            entry = by_attempt.setdefault(int(found["attempt"]), {"attempt": int(found["attempt"]), "sharing": []})
+            entry.update(compile_s=float(found["s"]), first_step_s=float(found["first"]))
+        elif (found := _COMPILE_SHARING.search(line)) is not None:
+            entry = by_attempt.setdefault(int(found["attempt"]), {"attempt": int(found["attempt"]), "sharing": []})
+            entry["sharing"].append(found["what"][:300])
+    return [by_attempt[attempt] for attempt in sorted(by_attempt)]
+
+
 def startup_phases(lines: list[str]) -> list[dict[str, Any]]:
     """Each attempt's start-up line of a rank log (``attempt N: ready after T s (phase s, ...)``, then on a
     GPU ``; cuda warm-up OUTCOME in T s (driver without the GIL: ...)``): attempt, total seconds, seconds
@@ -479,6 +499,7 @@ def job_figures(
         "steps_recorded": len(steps),
         "wall_s": (job["updated_at"] - submit_ts) if job.get("updated_at") else None,
         "startup": startup_phases(log_lines),
+        "compile": compile_lines(log_lines),
         "wind_down": wind_down(log_lines),
         "save_blocking": saves,
         "save_blocking_median_s": None if blocked != blocked else blocked,

@@ -20,7 +20,8 @@
 # $OUT/gpu-check-logs.tgz (a device call hands back at most 8 files: the JSON files and that one archive).
 # Then the table of docs/gpu.md (benchmarks/gpu/table.py); the exit status is 1 unless the jobs asked for SUCCEEDED.
 # Settings: GPU_CHECK_BUDGET_S (470: the whole run), GPU_CHECK_PROBE_S (150: the probe's box),
-# GPU_CHECK_PROBE_ROWS (etrain,hf; none skips the probe), GPU_CHECK_JOBS (clean,kill: which jobs, in order),
+# GPU_CHECK_PROBE_ROWS (etrain,hf; none skips the probe), GPU_CHECK_JOBS (clean,kill: which jobs, in order;
+# kill-new-node adds a kill whose replacement finds the node compile cache deleted),
 # GPU_CHECK_MTBF_HOURS (the auto job's fault_tolerance.mtbf_hours; default the service's), GPU_CHECK_EXTRA
 # (tests,writes,pinning: first `pytest -m gpu tests/gpu` in the same environment, time box GPU_CHECK_TESTS_S,
 # only the tests GPU_CHECK_TESTS_K selects (pytest -k) where set,

@@ -9,7 +9,12 @@ at rest between jobs), notes the time, and submits:
 * **kill**: the same model, 200 steps, ``checkpoint.every_steps: auto`` (a ``422`` for ``auto`` falls back
   to 50 and says so), and right after the submit a ``kill_rank`` order for rank 0 at step 25 (a ``503``
   before the supervisor runs is retried for up to 30 s, and counted): the rank SIGKILLs itself, the
-  service repairs it in place from a warm spare.
+  service repairs it in place from a warm spare;
+* **kill-new-node** (not in the default ``GPU_CHECK_JOBS``): 60 steps, a checkpoint every 20, rank 0
+  SIGKILLed at step 25 as above, but at step 10 the node's compile cache folder is deleted, so the
+  replacement starts as on a node that never compiled this model: it loads the set the job's first rank
+  shared through the checkpoint folder (``workers/engine/compile_artifacts.py``) instead of compiling.
+  Its SIGKILL → next step beside the kill job's is what that sharing saves a rank on a new node.
 
 Each job is polled to a terminal status within its time box (a job still running at its box's end is
 cancelled and recorded as it stood); then its step rows (``/metrics``), events (``/events``) and rank 0's
@@ -163,6 +168,17 @@ def _release_checkpoints(data_dir: Path | None, job_id: str, logs_dir: Path | No
     return {"checkpoint_folder_bytes": size}
 
 
+def _forget_node_cache(step: int) -> dict[str, Any]:
+    """Delete the node's compile cache folder (the ranks' and the spares': the check runs them all on
+    this machine, as this user), so the next rank to start compiles as on a new node."""
+    from etrain.workers.engine.compile import node_cache_folder
+
+    folder = Path(node_cache_folder())
+    size = _folder_bytes(folder) if folder.is_dir() else 0
+    shutil.rmtree(folder, ignore_errors=True)
+    return {"at_step": step, "folder": str(folder), "bytes": size, "gone": not folder.exists()}
+
+
 def run_job(
     api: Api,
     *,
@@ -176,6 +192,7 @@ def run_job(
     data_dir: Path | None,
     logs_dir: Path | None,
     mtbf_hours: float | None = None,
+    forget_cache_at: int | None = None,
 ) -> dict[str, Any]:
     record: dict[str, Any] = {
         "job": label,
@@ -239,6 +256,10 @@ def run_job(
                     break
                 time.sleep(1)
             break
+        if forget_cache_at is not None and "forgot_node_cache" not in record and status == 200:
+            if job["step"] >= forget_cache_at:
+                record["forgot_node_cache"] = _forget_node_cache(job["step"])
+                emit(job=label, forgot_node_cache=record["forgot_node_cache"])
         if time.monotonic() - last_print > 15 and status == 200:
             last_print = time.monotonic()
             emit(
@@ -355,6 +376,7 @@ def main() -> None:
     plans = {
         "clean": dict(steps=40, every=20, kill_at=None, cap_s=150.0),
         "kill": dict(steps=200 if not args.tiny else 120, every="auto", kill_at=25, cap_s=300.0),
+        "kill-new-node": dict(steps=60, every=20, kill_at=25, cap_s=150.0, forget_cache_at=10),
     }
     paths: list[str] = []
     for label in args.jobs.split(","):
@@ -377,6 +399,7 @@ def main() -> None:
                 data_dir=args.data_dir,
                 logs_dir=args.logs_dir,
                 mtbf_hours=args.mtbf_hours or None,
+                forget_cache_at=plan.get("forget_cache_at"),
             )
         )
         document["elapsed_s"] = time.time() - begun

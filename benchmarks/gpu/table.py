@@ -176,7 +176,49 @@ def _service_rows(service: dict[str, Any]) -> list[str]:
         ]
     elif kill:
         lines.append(_row("kill job", str(kill.get("status") or kill.get("skipped"))))
+    if kill and "figures" in kill:
+        lines.append(_row("kill job: the replacement's compile (the node's cache warm)", _compile(kill["figures"], 2)))
+    lines += _new_node_rows(_job(service, "kill-new-node"))
     return lines
+
+
+def _compile(figures: dict[str, Any], attempt: int) -> str:
+    """An attempt's compile seconds and first step, and what it did with the job's shared compiled code."""
+    found = [entry for entry in figures.get("compile", []) if entry["attempt"] == attempt]
+    if not found:
+        return "–"
+    entry = found[0]
+    shown = (
+        f"compile {entry['compile_s']:.2f} s, first step {entry['first_step_s']:.2f} s"
+        if "compile_s" in entry
+        else "no compile line"
+    )
+    return "; ".join([shown, *entry["sharing"]])
+
+
+def _new_node_rows(job: dict[str, Any] | None) -> list[str]:
+    """The kill-new-node job: the replacement starts after the node's compile cache was deleted."""
+    if not job:
+        return []
+    if "figures" not in job:
+        return [_row("kill-new-node job", str(job.get("status") or job.get("skipped")))]
+    f = job["figures"]
+    forgot = job.get("forgot_node_cache") or {}
+    return [
+        _row(
+            f"kill-new-node job ({job['steps']} steps, the node's compile cache deleted at step "
+            f"{forgot.get('at_step', '–')}, rank 0 SIGKILLed at step {job['kill_at']}): status",
+            f"{f.get('status')}, {f.get('restarts')} restart(s)"
+            + (f": {str(f.get('error'))[:160]}" if f.get("error") else ""),
+        ),
+        _row("kill-new-node job: what the first rank shared", _compile(f, 1)),
+        _row(
+            "kill-new-node job: SIGKILL → next completed step (the set loaded from the checkpoint folder)",
+            _s(f.get("kill_to_next_step_s")),
+        ),
+        _row("kill-new-node job: the replacement's compile", _compile(f, 2)),
+        _row("kill-new-node job: replacement's start-up (`attempt 2: ready after`)", _startup(f, 2)),
+    ]
 
 
 def render(probe: dict[str, Any] | None, service: dict[str, Any] | None) -> str:

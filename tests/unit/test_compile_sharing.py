@@ -21,7 +21,9 @@ def _record(stage: int, digest: str = SHA) -> CompileArtifacts:
 @pytest.mark.parametrize(("pp", "dp", "tp", "cp"), list(itertools.product([1, 2, 3], [1, 2, 4], [1, 2], [1, 2])))
 def test_exactly_one_writer_per_pipeline_stage_and_it_is_the_stages_first_rank(pp, dp, tp, cp):
     topology = Topology(pp=pp, dp=dp, tp=tp, cp=cp)
-    writers = [rank for rank in range(topology.world_size) if compile_sharing.writes_for_its_stage(topology.coords(rank))]
+    writers = [
+        rank for rank in range(topology.world_size) if compile_sharing.writes_for_its_stage(topology.coords(rank))
+    ]
     assert [topology.coords(rank).pp for rank in writers] == list(range(pp))
     assert writers == [stage * dp * tp * cp for stage in range(pp)]
 

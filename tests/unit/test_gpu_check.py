@@ -24,6 +24,7 @@ from benchmarks.gpu.measures import (
     ROWS,
     TINY,
     TINY_WIDE,
+    compile_lines,
     device_peak,
     job_figures,
     layers_that_fit,
@@ -403,6 +404,57 @@ def test_the_table_names_the_device_and_judges_the_goals():
     assert passed(None, {"jobs": [clean]}) == ["no probe result", "kill job: None"]
     assert passed(None, {"jobs": [clean]}, probe_asked=False) == ["kill job: None"]
     assert passed(None, {"jobs": [clean]}, probe_asked=False, jobs=("clean",)) == []  # GPU_CHECK_JOBS=clean
+
+
+def test_compile_lines_and_the_kill_new_node_rows():
+    """The rank log's compile lines by attempt, and the kill-new-node job's rows: what the first rank shared,
+    what the replacement loaded after the node's cache was deleted, and its compile beside it."""
+    lines = [
+        "2026-12-04T10:00:01.000 attempt 1: compile 12.04s (first step 14.8s; cache /tmp/c)",
+        "2026-12-04T10:00:01.001 attempt 1: compile spans a 1.00s; FX graph cache hits 0",
+        "2026-12-04T10:00:01.500 attempt 1: compile cache shared: stage 0, 6 entries, 8.0 MiB (0123456789ab) in 0.20s",
+        "2026-12-04T10:00:09.000 attempt 2: compile cache loaded: stage 0's set, 6 entries, 8.0 MiB (0123456789ab) in 0.31s",
+        "2026-12-04T10:00:10.000 attempt 2: compile 1.10s (first step 1.8s; cache /tmp/c)",
+    ]
+    found = compile_lines(lines)
+    assert found == [
+        {
+            "attempt": 1,
+            "compile_s": 12.04,
+            "first_step_s": 14.8,
+            "sharing": ["compile cache shared: stage 0, 6 entries, 8.0 MiB (0123456789ab) in 0.20s"],
+        },
+        {
+            "attempt": 2,
+            "compile_s": 1.1,
+            "first_step_s": 1.8,
+            "sharing": ["compile cache loaded: stage 0's set, 6 entries, 8.0 MiB (0123456789ab) in 0.31s"],
+        },
+    ]
+    job = {
+        "job": "kill-new-node",
+        "steps": 60,
+        "kill_at": 25,
+        "forgot_node_cache": {"at_step": 11},
+        "figures": {"status": "SUCCEEDED", "restarts": 1, "kill_to_next_step_s": 5.25, "compile": found, "startup": []},
+    }
+    text = render(None, {"device": "NVIDIA H200", "jobs": [job]})
+    assert (
+        "| kill-new-node job (60 steps, the node's compile cache deleted at step 11, rank 0 SIGKILLed at step 25): "
+        "status | SUCCEEDED, 1 restart(s) | — | — |"
+    ) in text
+    assert (
+        "| kill-new-node job: the replacement's compile | compile 1.10 s, first step 1.80 s; compile cache loaded: "
+        "stage 0's set, 6 entries, 8.0 MiB (0123456789ab) in 0.31s | — | — |"
+    ) in text
+    assert (
+        "| kill-new-node job: SIGKILL → next completed step (the set loaded from the checkpoint folder) | 5.25 s |"
+        in (text)
+    )
+    assert (
+        "| kill-new-node job: what the first rank shared | compile 12.04 s, first step 14.80 s; compile cache" in text
+    )
+    assert passed(None, {"jobs": [job]}, probe_asked=False, jobs=("kill-new-node",)) == []
 
 
 def test_the_suite_table_leaves_the_gpu_files_alone(tmp_path):

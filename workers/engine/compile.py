@@ -36,6 +36,7 @@ __all__ = [
     "compile_profile",
     "compile_seconds",
     "compiled_frames",
+    "node_cache_folder",
     "use_node_cache",
 ]
 
@@ -61,6 +62,15 @@ def compile_backend() -> str:
     return os.environ.get(_BACKEND_ENV, "inductor")
 
 
+def node_cache_folder() -> str:
+    """The folder this process's ranks compile into (nothing is made or set): ``TORCHINDUCTOR_CACHE_DIR``
+    where the operator (or :func:`use_node_cache`) set it, else ``ETRAIN_COMPILE_CACHE_DIR``, else
+    ``<tmp>/etrain-compile-cache-<user>``, one per user as inductor's own (another user's folder, mode 0700,
+    could not be written)."""
+    folder = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.environ.get(CACHE_ENV)
+    return folder or os.path.join(tempfile.gettempdir(), f"etrain-compile-cache-{_user()}")
+
+
 def use_node_cache() -> str:
     """Point inductor's caches at the node's etrain cache folder (unless the operator set one); returns it.
 
@@ -71,9 +81,7 @@ def use_node_cache() -> str:
     then). Before this rule the H100's ranks compiled into ``/tmp/torchinductor_root`` whatever
     ``ETRAIN_COMPILE_CACHE_DIR`` said (their rank logs name the folder).
     """
-    folder = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.environ.get(CACHE_ENV)
-    if not folder:  # one per user, as inductor's own: another user's folder (mode 0700) could not be written
-        folder = os.path.join(tempfile.gettempdir(), f"etrain-compile-cache-{_user()}")
+    folder = node_cache_folder()
     os.makedirs(folder, mode=0o700, exist_ok=True)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
     os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(folder, "triton"))
