@@ -75,3 +75,73 @@ def test_a_set_over_the_bound_is_not_read(tmp_path):
         sparse.truncate(compile_sharing.MAX_BYTES + 1)
     line = compile_artifacts.load(str(tmp_path / "ckpt"), record, cache_dir=str(tmp_path / "cache"))
     assert "not loaded (compiling instead)" in line and "larger than" in line, line
+
+
+class _Calls:
+    """The supervisor's handle and the rank log as :class:`CompiledCode` uses them."""
+
+    def __init__(self):
+        self.reports, self.lines = [], []
+        self.report_compile_artifacts = self
+
+    def remote(self, attempt, rank, report):
+        self.reports.append(report)
+
+    def write(self, line):
+        self.lines.append(line)
+
+
+def _code(tmp_path, *, compile=True, path=True, records=(), coords=None):
+    import dataclasses
+
+    from etrain.workers.protocol.messages import LaunchPlan
+    from etrain.workers.protocol.topology import Coords
+    from etrain.workers.rank.compiled_code import CompiledCode
+    from tests.equivalence_utils import small_config
+
+    config = small_config(steps=2)
+    config = dataclasses.replace(
+        config,
+        training=dataclasses.replace(config.training, compile=compile),
+        checkpoint=dataclasses.replace(config.checkpoint, path=str(tmp_path / "ckpt") if path else None),
+    )
+    plan = LaunchPlan(attempt=3, config=config, start_step=0, resume_dir=None, compile_artifacts=tuple(records))
+    calls = _Calls()
+    code = CompiledCode(plan, rank=0, coords=coords or Coords(pp=0, dp=0, tp=0), supervisor=calls, log=calls)
+    return code, calls
+
+
+def test_who_shares_after_the_first_step(tmp_path):
+    """Only a stage's first rank, only with compile on and a checkpoint folder, and only when the plan lacks
+    its stage's set or the first step still compiled something the set did not hold."""
+    from etrain.workers.protocol.topology import Coords
+
+    own = CompileArtifacts(stage=0, sha256="a" * 64, size=10)
+    other_stage = CompileArtifacts(stage=1, sha256="b" * 64, size=10)
+    cases = {
+        "no set for its stage": (dict(records=[other_stage]), False, True),
+        "its stage's set, nothing compiled": (dict(records=[own]), False, False),
+        "its stage's set, but the step compiled": (dict(records=[own]), True, True),
+        "not its stage's first rank": (dict(coords=Coords(pp=0, dp=1, tp=0)), True, False),
+        "a tensor-parallel peer": (dict(coords=Coords(pp=0, dp=0, tp=1)), True, False),
+        "compile off": (dict(compile=False), True, False),
+        "no checkpoint folder": (dict(path=False), True, False),
+    }
+    for what, (settings, compiled_anything, shares) in cases.items():
+        code, calls = _code(tmp_path, **settings)
+        code.after_first_step(compiled_anything)
+        assert (code.thread is not None) == shares, what
+        if code.thread is not None:
+            code.thread.join(30)
+            assert len(calls.lines) == 1 and calls.lines[0].startswith("attempt 3: compile cache "), (what, calls.lines)
+
+
+def test_a_rank_loads_its_stages_set_and_says_so(tmp_path):
+    from etrain.workers.protocol.topology import Coords
+
+    first = CompileArtifacts(stage=0, sha256="a" * 64, size=10)
+    code, calls = _code(tmp_path, records=[first], coords=Coords(pp=1, dp=0, tp=0))
+    assert code.load() is True  # stage 1 has no set of its own: the first stage's blocks are the same graphs
+    assert calls.lines[0].startswith("attempt 3: compile cache not loaded (compiling instead): reading"), calls.lines
+    assert _code(tmp_path, records=[])[0].load() is False
+    assert _code(tmp_path, records=[first], compile=False)[0].load() is False
