@@ -37,6 +37,7 @@ any non-terminal status; "fault" and [n] are explained under the table::
   live       UP         WorkerLost(process | actor), one rank RECOVERING  RepairGroup (in place)  [9]
   live       LAUNCH/UP  WorkerLost(process | actor)           RECOVERING  fault
   RECOVERING LAUNCHING  RepairFailed                          RECOVERING  StopGroup, then relaunch [9]
+                          (after a node loss)                 RECOVERING  StopGroup; await capacity
   RESIZING   LAUNCHING  ResizeFailed                          RESIZING    StopGroup, then relaunch [11]
   live       LAUNCH/UP  RankUnhealthy(rank, node)             RECOVERING  health_check_failed,     [12]
                                                                           ExcludeNode, StopGroup
@@ -46,6 +47,8 @@ any non-terminal status; "fault" and [n] are explained under the table::
   RUNNING    UP         HangDiagnosed(culprit, repairable)    RUNNING     hang_detected, KillRank  [10]
                           no culprit, or no repair possible   RECOVERING  hang_detected, fault
   STARTING+  LAUNCHING  Tick, not ready > start_timeout_s     RECOVERING  start_timeout, fault
+  live       UP         WorkerLost(node), one rank            RECOVERING  node_lost, RepairGroup    [9]
+                                                                          (in place, no restart spent)
   live       LAUNCH/UP  WorkerLost(node)                      RECOVERING  StopGroup; await capacity
   live       any        NodeLossConfirmed                     same        restart_refunded         [8]
                           group LAUNCHING, fit dp != dp       RECOVERING  StopGroup; await capacity
@@ -125,11 +128,16 @@ any non-terminal status; "fault" and [n] are explained under the table::
       rendezvous and restores the committed step from its own memory), and only the lost rank
       replaced (a warm spare where there is one), which gets its state from a data-parallel replica
       or else from storage. The adapter (``WorkerGroup.repair``) replaces with it every other rank
-      whose process died in the same fault on a node that is still up, and every survivor still stuck in
-      the failed attempt after the others left it (a ``worker_failed`` event each, the same restart); one
-      lost with its node fails the repair (RepairFailed, below). The restart is
-      spent as for any fault, with no backoff (the budget bounds the loop). RepairFailed falls back to a full relaunch from the same step without
-      spending again; a failure during the repair's launch is an ordinary fault.
+      whose process died in the same fault, and every survivor still stuck in the failed attempt after
+      the others left it (a ``worker_failed`` event each, the same restart). Where a lost rank's node died,
+      the placement group is reserved again (the kept ranks' bundles on their own nodes) and the lost
+      ranks start on the nodes left; with no room there the repair fails (RepairFailed). The restart is spent as for any fault, with no
+      backoff (the budget bounds the loop). RepairFailed falls back to a full relaunch from the same step
+      without spending again; a failure during the repair's launch is an ordinary fault.
+      A rank reported lost with its node (Ray had declared the node dead) is repaired the same way under
+      the same conditions but a budget: no restart is spent, and a failed repair waits for a capacity
+      report and fits the job to it (a shrink where the node's ranks have nowhere to go), as any node
+      loss does.
 
   [10] A hang is diagnosed before anything is stopped: DiagnoseHang asks every rank where its training
       thread is (step and Python frames, answered from another thread of the rank's process), and

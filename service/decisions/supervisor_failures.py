@@ -48,6 +48,8 @@ def on_worker_lost(
     if event.detail:
         what += f": {event.detail}"
     if event.cause == "node":
+        if _can_repair(state, event.rank, config, spends=False):
+            return _repair(state, now, config, event.rank, what, node_loss=True)
         return node_lost(state, now, config, what)
     if _can_repair(state, event.rank, config):
         return _repair(state, now, config, event.rank, what)
@@ -75,33 +77,48 @@ def on_hang_diagnosed(state: SupervisorState, event: HangDiagnosed, now: float, 
     return fault(replace(state, hang_asked_at=None), now, config, "hang_detected", what)
 
 
-def _can_repair(state: SupervisorState, rank: int, config: SupervisorConfig) -> bool:
+def _can_repair(state: SupervisorState, rank: int, config: SupervisorConfig, *, spends: bool = True) -> bool:
     """[9] One known rank of a running group that has other ranks to keep, a committed step to resume,
-    nothing planned to stop for. (A one-rank job has no survivor: a relaunch is the same work, and its
-    checkpoint is verified by the supervisor first, which moves a refused step aside.)"""
+    nothing planned to stop for, and (``spends``: a process fault, not a node loss) a restart left. (A
+    one-rank job has no survivor: a relaunch is the same work, and its checkpoint is verified by the
+    supervisor first, which moves a refused step aside.)"""
     return (
         config.policy.in_place
         and state.group is GroupPhase.UP
         and config.world_size(state.dp) > 1
         and 0 <= rank < config.world_size(state.dp)
         and state.last_committed_step is not None
-        and state.restarts_used < config.policy.max_restarts
+        and (not spends or state.restarts_used < config.policy.max_restarts)
         and state.pending_evict_node is None
         and state.pending_resize_dp is None
     )
 
 
-def _repair(state: SupervisorState, now: float, config: SupervisorConfig, rank: int, what: str) -> Decision:
-    """Spend a restart, keep every other rank's process, replace ``rank``, resume the last commit, or a later
-    step the ranks still hold in memory (they agree on it when they restore: ``workers/protocol/memory_resume.py``)."""
+def _repair(
+    state: SupervisorState, now: float, config: SupervisorConfig, rank: int, what: str, *, node_loss: bool = False
+) -> Decision:
+    """Keep every other rank's process, replace ``rank``, resume the last commit, or a later step the ranks
+    still hold in memory (they agree on it when they restore: ``workers/protocol/memory_resume.py``). A
+    process fault spends a restart; a node loss does not (the ranks lost with the node are placed on the
+    nodes left, where Ray re-reserves their bundles, and a repair that cannot place them waits for capacity)."""
     step = state.last_committed_step
-    repaired = next_attempt_in_place(state, now, status=Status.RECOVERING, restarts_used=state.restarts_used + 1)
-    detail = (
-        f"restart {repaired.restarts_used}/{config.policy.max_restarts} in place: rank {rank} replaced, the other "
-        f"ranks kept, resuming step {step} or a later step the ranks hold in memory"
-    )
+    if node_loss:
+        repaired = next_attempt_in_place(state, now, status=Status.RECOVERING, node_loss_repair=True)
+        detail = (
+            f"in place after a node loss (not the job's fault: restarts used {repaired.restarts_used}/"
+            f"{config.policy.max_restarts}): rank {rank} and any rank lost with it replaced on the nodes left, "
+            f"the other ranks kept, resuming step {step} or a later step the ranks hold in memory"
+        )
+        first = RecordEvent(kind="node_lost", detail=what)
+    else:
+        repaired = next_attempt_in_place(state, now, status=Status.RECOVERING, restarts_used=state.restarts_used + 1)
+        detail = (
+            f"restart {repaired.restarts_used}/{config.policy.max_restarts} in place: rank {rank} replaced, the "
+            f"other ranks kept, resuming step {step} or a later step the ranks hold in memory"
+        )
+        first = RecordEvent(kind="worker_failed", detail=what)
     actions: list[Action] = [
-        RecordEvent(kind="worker_failed", detail=what),
+        first,
         RecordEvent(kind="restarting", detail=detail),
         RepairGroup(attempt=repaired.attempt, lost_rank=rank, world_size=config.world_size(state.dp), resume_step=step),
     ]
@@ -109,9 +126,14 @@ def _repair(state: SupervisorState, now: float, config: SupervisorConfig, rank: 
 
 
 def on_repair_failed(state: SupervisorState, event: RepairFailed, now: float, config: SupervisorConfig) -> Decision:
-    """[9] Fall back to a full relaunch from the same committed step; the restart was already spent."""
+    """[9] Fall back to a full relaunch from the same committed step; the restart was already spent. After
+    a node loss, the relaunch waits for a capacity report and fits the job to what is left."""
     if state.group is not GroupPhase.LAUNCHING:
         return ignore(state, f"RepairFailed while group is {state.group.value}")
+    if state.node_loss_repair:
+        what = f"in-place repair of attempt {state.attempt} after a node loss failed: {event.reason}"
+        lost = node_lost(replace(state, node_loss_repair=False), now, config, what)
+        return decision(lost.state, [RecordEvent(kind="repair_failed", detail=what), *lost.actions[1:]], lost.reason)
     what = f"in-place repair of attempt {state.attempt} failed: {event.reason}; relaunching every rank"
     stopped, stop_actions = stop_group(state, now, what)
     return decision(stopped, [RecordEvent(kind="repair_failed", detail=what), *stop_actions], what)

@@ -92,6 +92,7 @@ def on_group_ready(
         hang_asked_at=None,
         capacity_wait_since=None,
         waiting_for=None,
+        node_loss_repair=False,
     )
     return maybe_resize(up, now, config, [RecordEvent(kind=kind, detail=detail)], f"group ready ({kind})")
 

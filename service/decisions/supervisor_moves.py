@@ -54,7 +54,7 @@ def fit_dp(state: SupervisorState, config: SupervisorConfig) -> int | None:
 def stop_group(state: SupervisorState, now: float, reason: str) -> tuple[SupervisorState, list[Action]]:
     """Stop the group if one exists or is starting; NONE/STOPPING need nothing new."""
     if state.group in (GroupPhase.LAUNCHING, GroupPhase.UP):
-        stopped = replace(state, group=GroupPhase.STOPPING, group_since=now)
+        stopped = replace(state, group=GroupPhase.STOPPING, group_since=now, node_loss_repair=False)
         return stopped, [StopGroup(attempt=state.attempt, reason=reason)]
     return state, []
 
@@ -251,7 +251,7 @@ def next_attempt_in_place(state: SupervisorState, now: float, *, status: Status,
         backoff_until=None,
         checkpoint_reports=frozenset(),
         committing=frozenset(),  # a late answer about the old attempt's commit is ignored [3]
-        **changes,
+        **{"node_loss_repair": False, **changes},
     )
 
 

@@ -153,6 +153,9 @@ class SupervisorState:
     capacity_wait_since: float | None = None
     waiting_for: str | None = None  # what a blocked launch waits for (recorded when it changes)
     excluded_nodes: frozenset[str] = frozenset()
+    # The in-place repair now launching replaces ranks lost with their node ([9]): if it fails, the job
+    # waits for the capacity left, as for any node loss, rather than relaunching at a size that may be gone.
+    node_loss_repair: bool = False
     # A change waiting for a checkpoint while RUNNING (one at a time).
     pending_resize_dp: int | None = None
     pending_evict_node: str | None = None

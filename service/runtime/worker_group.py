@@ -413,10 +413,11 @@ class WorkerGroup:
         its actor (its process, its memory: it restores the committed step it saved itself), and each lost
         rank gets a new one (a warm spare where the pool has one).
 
-        The lost ranks are ``lost_rank`` and any other whose process died in the same fault while its node
-        stays up: a GPU fault, the OOM killer or a crashed host agent often takes several ranks of one node
-        at once, and their replicas elsewhere still hold their state. ``also_lost`` hears of those (rank ->
-        why) before they are replaced. A rank lost with its node, or every rank lost, makes the repair fail
+        The lost ranks are ``lost_rank`` and any other whose process died in the same fault: a GPU fault, the
+        OOM killer or a crashed host agent often takes several ranks of one node at once, a dead node all of
+        its ranks, and their replicas elsewhere still hold their state. ``also_lost`` hears of those (rank ->
+        why) before they are replaced. A rank whose node died is replaced on a node left, where its bundle is
+        reserved again (:meth:`_replacement_nodes`). No room for it, or every rank lost, makes the repair fail
         (:class:`RepairError`): the caller relaunches every rank, on the capacity left.
 
         The survivors' ``run`` of the failed attempt must have returned first (their collectives
@@ -432,9 +433,6 @@ class WorkerGroup:
         # the failed attempt's runs still out (not the lost rank's, if polled)
         grace_s = stuck_survivor_grace_s(step_s)
         others, stuck = self._leave_attempt(lost_rank=lost_rank, stuck_after_s=grace_s)
-        for rank, err in sorted(others.items()):
-            if _death_cause(err, self.nodes.get(rank, "")) == "node":
-                raise RepairError(f"rank {rank} died as well, with its node: {_first_line(err)}")
         lost = sorted({lost_rank, *others, *stuck})
         if len(lost) == self.world_size:
             raise RepairError(
@@ -442,7 +440,11 @@ class WorkerGroup:
                 f"(stuck: {stuck or 'none'}; waited {SURVIVOR_EXIT_TIMEOUT_S:g}s for a first survivor): "
                 "no process to keep"
             )
-        why = {rank: _first_line(err) for rank, err in others.items()}
+        why = {
+            rank: ("with its node: " if _death_cause(err, self.nodes.get(rank, "")) == "node" else "")
+            + _first_line(err)
+            for rank, err in others.items()
+        }
         why.update(
             {
                 rank: f"stuck: still inside attempt {self.attempt} {grace_s:.0f}s after another survivor left it, "
@@ -456,15 +458,80 @@ class WorkerGroup:
             plan = dataclasses.replace(plan, memory_resume_limit=memory_limit())
         for rank in lost:
             _kill(self.actors[rank])  # dead already, or wedged: gone either way
-        bundle_nodes = placement_group_table(self.pg).get("bundles_to_node_id", {})
+        bundle_nodes = self._replacement_nodes(lost)
         reading = self._read_bundle_gpu_ids(lost)
-        replacements = self._start_ranks({rank: bundle_nodes.get(rank, "") for rank in lost}, reading, plan.attempt)
+        replacements = self._start_ranks(bundle_nodes, reading, plan.attempt)
         for rank, actor in replacements.items():
             self.actors[rank] = actor
         self.plan, self.attempt = plan, plan.attempt
         if self._stopped:
             raise RepairError("the group was stopped during the repair")
         self._rendezvous()
+
+    def _replacement_nodes(self, lost: list[int]) -> dict[int, str]:
+        """rank -> the node of its bundle, for the ranks a repair replaces.
+
+        A bundle on a live node stays where it is. Where a lost rank's node died, its bundle is reserved
+        again: Ray does not move a bundle pinned to a node (each tp group is pinned to one,
+        :meth:`_whole_tp_groups`), so the placement group is replaced, as a resize replaces it: the kept
+        ranks' bundles on their own nodes, the lost ranks' tp groups whole on nodes with room. Raises
+        :class:`RepairError` when the live nodes' free resources cannot hold the lost ranks (the job then
+        waits for the capacity left), when the new group is not reserved in time, or when a kept rank's GPUs
+        are not its new bundle's.
+        """
+        placed = placement_group_table(self.pg).get("bundles_to_node_id", {}) or {}
+        alive = {node["NodeID"] for node in ray.nodes() if node.get("Alive")}
+        nodes = {rank: placed.get(rank) or "" for rank in lost}
+        if all(node in alive for node in nodes.values()):  # Ray may have moved an unpinned bundle by itself
+            self._bundle_nodes.update(nodes)
+            return nodes
+        kept = {rank: self.nodes[rank] for rank in range(self.world_size) if rank not in lost}
+        room = self._room_for_bundles(alive)
+        if room < len(lost):
+            raise RepairError(
+                f"the live nodes have room for {room} of the {len(lost)} rank(s) lost with their node "
+                f"({', '.join(map(str, lost))})"
+            )
+        old_gpus = self._kept_gpu_ids({rank: rank for rank in kept})
+        self._reserving = True  # capacity checks ask again until the new bundles' nodes are known
+        remove_placement_group(self.pg)
+        try:
+            self._reserve(kept)
+        except PlacementTimeout as err:
+            raise RepairError(f"the lost ranks could not be placed with the kept ranks on their nodes: {err}") from None
+        self._check_kept_gpus(old_gpus, RepairError)
+        return {rank: self._bundle_nodes.get(rank, "") for rank in lost}
+
+    def _room_for_bundles(self, alive: set[str]) -> int:
+        """How many more bundles (one rank's resources) the live, not excluded nodes' free resources hold."""
+        from ray._private.state import available_resources_per_node
+
+        need = {key: value for key, value in self._resources.items() if value > 0}
+        room = 0
+        for node, free in available_resources_per_node().items():
+            if node in alive and node not in self._excluded and need:
+                room += int(min(free.get(key, 0.0) // value for key, value in need.items()))
+        return room
+
+    def _kept_gpu_ids(self, kept: dict[int, int]) -> dict[int, list[str]]:
+        """new rank -> the GPU ids the process of kept old rank runs on (a job without GPUs: none). CUDA keeps
+        a process's GPUs for its life, so a kept rank's new bundle must hold exactly these."""
+        if not self._resources.get("GPU", 0.0):
+            return {}
+        answers = ray.get([self.actors[old].devices.remote() for old in kept.values()], timeout=RENDEZVOUS_TIMEOUT_S)
+        return {new: list(answer["gpu_ids"]) for new, answer in zip(kept, answers)}
+
+    def _check_kept_gpus(self, old_gpus: dict[int, list[str]], error: type[Exception]) -> None:
+        """Raise ``error`` where a kept rank's new bundle holds other GPUs than its process runs on."""
+        if not old_gpus:
+            return
+        bundle_gpu_ids = self._read_bundle_gpu_ids(list(old_gpus))()
+        for rank, ids in old_gpus.items():
+            if sorted(bundle_gpu_ids[rank]) != sorted(ids):
+                raise error(
+                    f"rank {rank}'s process runs on GPUs {ids}, but its new bundle holds GPUs {bundle_gpu_ids[rank]} "
+                    "(CUDA keeps a process's GPUs for its life)"
+                )
 
     # --- resize in place -------------------------------------------------------------------------
 
@@ -494,12 +561,7 @@ class WorkerGroup:
             raise ResizeError(f"rank {rank} died as well: {_first_line(err)}")
         kept = old_topology.kept_on_resize(parallel.dp)  # new rank -> old rank, at the same (pp, cp, tp) place
         leaving = [rank for rank in range(self.world_size) if rank not in kept.values()]
-        old_gpus: dict[int, list[str]] = {}
-        if self._resources.get("GPU", 0.0):
-            answers = ray.get(
-                [self.actors[old].devices.remote() for old in kept.values()], timeout=RENDEZVOUS_TIMEOUT_S
-            )
-            old_gpus = {new: list(answer["gpu_ids"]) for new, answer in zip(kept, answers)}
+        old_gpus = self._kept_gpu_ids(kept)
         for rank in leaving:
             _kill(self.actors[rank])
         kept_actors = {new: self.actors[old] for new, old in kept.items()}
@@ -515,14 +577,8 @@ class WorkerGroup:
         except PlacementTimeout as err:
             raise ResizeError(f"the new size could not be placed with the kept ranks on their nodes: {err}") from None
         joining = [rank for rank in range(self.world_size) if rank not in kept_actors]
-        bundle_gpu_ids = self._read_bundle_gpu_ids([*old_gpus, *joining])()
-        for new, ids in old_gpus.items():
-            bundle_ids = bundle_gpu_ids[new]
-            if sorted(bundle_ids) != sorted(ids):
-                raise ResizeError(
-                    f"rank {new}'s process runs on GPUs {ids}, but its new bundle holds GPUs {bundle_ids} "
-                    "(CUDA keeps a process's GPUs for its life)"
-                )
+        joining_gpu_ids = self._read_bundle_gpu_ids(joining)  # started first: it runs beside the check
+        self._check_kept_gpus(old_gpus, ResizeError)
         if self._stopped:
             raise ResizeError("the group was stopped during the resize")
         ray.get(
@@ -532,7 +588,7 @@ class WorkerGroup:
         actors = dict(kept_actors)
         actors.update(
             self._start_ranks(
-                {rank: self._bundle_nodes.get(rank, "") for rank in joining}, lambda: bundle_gpu_ids, plan.attempt
+                {rank: self._bundle_nodes.get(rank, "") for rank in joining}, joining_gpu_ids, plan.attempt
             )
         )
         self.actors = [actors[rank] for rank in range(self.world_size)]

@@ -16,7 +16,9 @@ from tests.chaos.conftest import (
     losses,
     node_of_rank,
     placements,
+    rank_pids,
     ray_cluster,
+    restored,
     spec,
 )
 from tests.equivalence_utils import spec_reference_losses
@@ -25,7 +27,7 @@ from tests.service_harness import control_plane, event_kinds
 pytestmark = pytest.mark.slow
 
 
-def test_node_loss_during_dp2_tp2_restarts_on_the_spare_node(tmp_path):
+def test_node_loss_during_dp2_tp2_is_repaired_in_place_on_the_spare_node(tmp_path):
     with ray_cluster([2, 2, 2]) as cluster, control_plane(tmp_path) as plane:
         # A capacity read right after the loss may still see no room (the cluster can place 0): the relaunch
         # comes at the next check, every elastic.check_interval_s (30 s by default).
@@ -36,18 +38,34 @@ def test_node_loss_during_dp2_tp2_restarts_on_the_spare_node(tmp_path):
             job["id"], lambda j: j["status"] == "RUNNING" and j["step"] >= 10, timeout_s=240, what="step 10"
         )
         victim = node_of_rank(plane, job["id"], 3)
+        lost = sorted(rank for rank, node in placements(plane.events(job["id"]))[-1].items() if node == victim)
         cluster.remove_node(cluster_node(cluster, victim))
         final = plane.wait_terminal(job["id"], timeout_s=300)
         assert final["status"] == "SUCCEEDED", final
         events = plane.events(job["id"])
+        kinds = event_kinds(events)
         assert final["restarts"] == 0, [(e["kind"], e["detail"]) for e in events]  # node loss is not the job's fault
         # Either Ray had declared the node dead when the rank's death reached the supervisor (node_lost at
         # once), or the loss was classified a process fault at once and refunded when the node was
         # declared dead ([8] in service/decisions/supervisor.py).
-        assert {"node_lost", "restart_refunded"} & set(event_kinds(events)), event_kinds(events)
+        assert {"node_lost", "restart_refunded"} & set(kinds), kinds
+        # Repaired in place: the node's ranks were placed on the spare node, where Ray re-reserved their
+        # bundles, and the other tp group kept its processes (one launch, one repair).
+        assert (kinds.count("launching"), kinds.count("repairing"), kinds.count("repair_failed")) == (1, 1, 0), (
+            "\n".join(f"{e['kind']}: {e['detail']}" for e in events)
+        )
+        assert lost == [2, 3], lost  # one tp group per node
+        for rank in range(4):
+            pids = rank_pids(plane, job["id"], rank)
+            assert len(pids) == 2 and (pids[0] != pids[1]) == (rank in lost), (rank, pids)
         last = placements(events)[-1]
         assert victim not in last.values() and len(last) == 4
         assert final["world_size"] == 4
+        # DDP: the survivors resume from their own memory, the node's ranks from their replicas'.
+        (sources,) = restored(events)
+        assert sources.endswith(
+            ": ranks 0,1 from own memory; ranks 2 from rank 0's memory; ranks 3 from rank 1's memory"
+        )
         recovered = losses(plane, job["id"])
         assert sorted(recovered) == sorted(clean)
         # dp2·tp2 differs from one process only in its reductions' order: 4.8e-7 at most over these 20 steps

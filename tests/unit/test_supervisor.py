@@ -781,11 +781,16 @@ class TestRepairInPlace:
                 running(last_committed_step=8, pending_resize_dp=2, checkpoint_requested_at=1.0),
                 WorkerLost(attempt=1, rank=3, node="n2", cause="process"),
             ),
-            ("node lost", running(last_committed_step=8), WorkerLost(attempt=1, rank=3, node="n2", cause="node")),
+            ("node lost, nothing committed", running(), WorkerLost(attempt=1, rank=3, node="n2", cause="node")),
+            (
+                "node lost, in_place off",
+                running(last_committed_step=8),
+                WorkerLost(attempt=1, rank=3, node="n2", cause="node"),
+            ),
         ],
     )
     def test_otherwise_the_whole_group_is_relaunched(self, why, state, event):
-        d = decide(state, event, 60.0, IN_PLACE)
+        d = decide(state, event, 60.0, CONFIG if "in_place off" in why else IN_PLACE)
         assert of(d, RepairGroup) == [], why
         assert of(d, StopGroup), why
 
@@ -805,6 +810,63 @@ class TestRepairInPlace:
         assert of(relaunch, LaunchGroup) == [LaunchGroup(attempt=3, dp=4, world_size=8, resume_step=8)]
         assert relaunch.state.restarts_used == 1
         assert decide(relaunch.state, RepairFailed(attempt=2, reason="late"), 63.0, IN_PLACE).ignored
+
+    def test_ranks_lost_with_their_node_are_repaired_in_place_without_spending_a_restart(self):
+        """Even with no restart left: a node loss is not the job's fault."""
+        state = running(last_committed_step=8, restarts_used=2)
+        d = decide(state, WorkerLost(attempt=1, rank=3, node="n2", cause="node"), 60.0, IN_PLACE)
+        assert (d.state.status, d.state.attempt, d.state.group, d.state.restarts_used, d.state.step) == (
+            Status.RECOVERING,
+            2,
+            GroupPhase.LAUNCHING,
+            2,
+            8,
+        )
+        assert d.state.node_loss_repair and d.state.backoff_until is None and not d.state.awaiting_capacity
+        assert d.actions == (
+            RecordEvent(kind="node_lost", detail="rank 3 on node n2 lost (node)"),
+            RecordEvent(
+                kind="restarting",
+                detail="in place after a node loss (not the job's fault: restarts used 2/2): rank 3 and any rank "
+                "lost with it replaced on the nodes left, the other ranks kept, resuming step 8 or a later step "
+                "the ranks hold in memory",
+            ),
+            RepairGroup(attempt=2, lost_rank=3, world_size=8, resume_step=8),
+        )
+        ready = decide(d.state, GroupReady(attempt=2, world_size=8, start_step=11), 63.0, IN_PLACE)
+        assert ready.state.status is Status.RUNNING and not ready.state.node_loss_repair
+        assert (ready.state.restarts_used, ready.state.step) == (2, 11)
+
+    def test_a_failed_repair_after_a_node_loss_waits_for_the_capacity_left(self):
+        """No room for the lost node's ranks: stop, wait for a capacity report, fit the job to it (here a
+        shrink), never relaunch at the old size first; still no restart spent."""
+        repairing = decide(
+            running(last_committed_step=8), WorkerLost(attempt=1, rank=3, node="n2", cause="node"), 60.0, IN_PLACE
+        ).state
+        d = decide(repairing, RepairFailed(attempt=2, reason="no room for rank 3"), 66.0, IN_PLACE)
+        assert kinds(d) == ["repair_failed"] and of(d, StopGroup)[0].attempt == 2
+        assert of(d, RecordEvent)[0].detail == (
+            "in-place repair of attempt 2 after a node loss failed: no room for rank 3"
+        )
+        assert (d.state.group, d.state.restarts_used, d.state.awaiting_capacity) == (GroupPhase.STOPPING, 0, True)
+        assert not d.state.node_loss_repair
+        stopped = decide(d.state, GroupStopped(attempt=2), 67.0, IN_PLACE)
+        assert of(stopped, LaunchGroup) == []  # a capacity report first
+        shrunk = decide(stopped.state, CapacityChanged(available_dp=2), 68.0, IN_PLACE)
+        assert of(shrunk, LaunchGroup) == [LaunchGroup(attempt=3, dp=2, world_size=4, resume_step=8)]
+        assert shrunk.state.restarts_used == 0
+
+    def test_a_process_fault_repair_that_fails_still_relaunches_at_once(self):
+        """The flag belongs to the node-loss repair only: a later process-fault repair relaunches as before."""
+        after_node = decide(
+            running(last_committed_step=8), WorkerLost(attempt=1, rank=3, node="n2", cause="node"), 60.0, IN_PLACE
+        ).state
+        up = decide(after_node, GroupReady(attempt=2, world_size=8), 61.0, IN_PLACE).state
+        repairing = decide(up, WorkerLost(attempt=2, rank=1, node="n1", cause="process"), 70.0, IN_PLACE).state
+        assert not repairing.node_loss_repair and repairing.restarts_used == 1
+        failed = decide(repairing, RepairFailed(attempt=3, reason="x"), 71.0, IN_PLACE)
+        assert not failed.state.awaiting_capacity
+        assert of(decide(failed.state, GroupStopped(attempt=3), 72.0, IN_PLACE), LaunchGroup)
 
 
 class TestGroupStopped:
