@@ -58,6 +58,7 @@ SUITE_FIGURES = (
     "pipeline_bubble",
     "steady_state",
     "resize",
+    "node_loss",
 )
 
 RatioKind = Literal["etrain/reference", "reference/etrain"]

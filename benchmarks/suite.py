@@ -17,7 +17,9 @@ Figures (``benchmarks/results/<figure>.json``, raw samples + the machine; then t
 6. ``checkpoint`` sync vs async save overhead, save/load MB/s, restore into another layout;
 7. ``pipeline_bubble`` measured idle fraction vs (P-1)/(M+P-1) at M = 2, 4, 8, 16;
 8. ``steady_state`` step time vs a bare torch DDP loop;
-9. ``resize``    ``scale`` dp 2 → 1 → 2 on a running job → first step at the new size (in place).
+9. ``resize``    ``scale`` dp 2 → 1 → 2 on a running job → first step at the new size (in place);
+10. ``node_loss`` a node of a DP ×2 · TP ×2 job removed → next completed step, repaired in place vs every
+   rank relaunched (``in_place: false``), on a three-node local cluster (``benchmarks/node_loss.py``).
 
 ``--quick`` is sized to finish within 15 minutes on 2 CPU cores (fewer rounds, a 24-step job, a
 180-second goodput window, three straggler layouts); the full run is about three times longer. A figure that fails is written
@@ -54,6 +56,7 @@ TITLES = {
     "pipeline_bubble": "7. Pipeline bubble vs (P-1)/(M+P-1)",
     "steady_state": "8. Steady-state step time vs a bare torch DDP loop",
     "resize": "9. Resize: scale request → first step at the new size",
+    "node_loss": "10. Node loss → next completed step: in place vs every rank relaunched",
 }
 
 
@@ -74,6 +77,7 @@ class Sizes:
     bubble_budget_s: float
     steady_reps: int
     steady_steps: int
+    node_loss_rounds: int
 
 
 QUICK = Sizes(
@@ -90,6 +94,7 @@ QUICK = Sizes(
     bubble_budget_s=20,
     steady_reps=2,
     steady_steps=12,
+    node_loss_rounds=1,
 )
 FULL = Sizes(
     recovery_steps=40,
@@ -105,6 +110,7 @@ FULL = Sizes(
     bubble_budget_s=90,
     steady_reps=5,
     steady_steps=30,
+    node_loss_rounds=3,
 )
 HEARTBEAT_TIMEOUT_S = 5.0
 
@@ -207,7 +213,7 @@ def measure(
     selected: list[str], sizes: Sizes, quick: bool, workdir: Path, out: Path, note: str, log: Callable[[str], None]
 ) -> list[str]:
     """Measure the ``selected`` figures, writing each result file as soon as it exists; the failed ones."""
-    from benchmarks import engine, recovery
+    from benchmarks import engine, node_loss, recovery
 
     failed: list[str] = []
     job = Job(steps=sizes.recovery_steps)
@@ -311,6 +317,14 @@ def measure(
     group(
         ["steady_state"],
         lambda: {"steady_state": engine.steady_state_figure(reps=sizes.steady_reps, steps=sizes.steady_steps, log=log)},
+    )
+    group(
+        ["node_loss"],
+        lambda: {
+            "node_loss": node_loss.node_loss_figure(
+                rounds=sizes.node_loss_rounds, workdir=workdir / "node_loss", timeout_s=sizes.run_timeout_s, log=log
+            )
+        },
     )
     return failed
 

@@ -1,0 +1,190 @@
+"""Figure 10, node loss: a node of a running job's cluster goes away → the job's next completed step.
+
+etrain as installed (``fault_tolerance.in_place``, its default: the node's ranks placed on the nodes
+left, every other rank kept with its memory) against the same service relaunching every rank
+(``in_place: false``: a restart of the whole group from the last checkpoint, which is what Ray Train
+and torchrun do after a failure), in the same run, alternating. A "node" is a raylet of a
+``ray.cluster_utils.Cluster`` on this machine (a head without CPUs and three 2-CPU nodes, the chaos
+tests' cluster, with their fast node-death settings); removing it stops its processes, as a machine
+that goes away would. The job: DP ×2 · TP ×2 (one tp group per node, the third node free), the small
+GPT, a checkpoint every 4 steps, the node of rank 3 removed once the job passed step 10.
+
+Each run is a child process in its own process group with a timeout (``benchmarks.procs``):
+``python -m benchmarks.node_loss --in-place true|false --out run.json``. The service has its default
+warm spare pool (``auto``) and the benchmark waits for it before the submit. Measured: the time from
+the node's removal to the first step row of a later attempt (the supervisor's receive time), and what
+the job did (repaired in place or relaunched, where each rank's state came from).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from benchmarks.figures import Goal, Row, median
+
+#: Ray's node-death settings of the chaos tests: a node that stops answering is declared dead in ~3 s.
+FAST_NODE_DEATH = {
+    "health_check_initial_delay_ms": 0,
+    "health_check_period_ms": 1000,
+    "health_check_failure_threshold": 3,
+    "health_check_timeout_ms": 1000,
+}
+WORKER_NODES = (2, 2, 2)
+REMOVE_AFTER_STEP = 10
+JOB_TIMEOUT_S = 240.0
+
+SPEC: dict[str, Any] = {
+    "name": "bench-node-loss",
+    "model": {"n_layers": 2, "d_model": 32, "n_heads": 2, "vocab_size": 64, "seq_len": 16},
+    "data": {"kind": "synthetic", "seed": 3},
+    "parallelism": {"dp": 2, "tp": 2, "pp": 1},
+    "resources": {"cpus_per_worker": 1},
+    "training": {"steps": 40, "global_batch": 8, "micro_batch": 2, "lr": 0.01, "seed": 5},
+    "checkpoint": {"every_steps": 4, "keep_last": 3},
+    "fault_tolerance": {"max_restarts": 3, "backoff_base_s": 0.5, "backoff_max_s": 2},
+    "stragglers": {"enabled": False},
+    # the capacity check after a loss that cannot be repaired in place (the relaunch's, and a no-room repair's)
+    "elastic": {"check_interval_s": 1.0},
+}
+
+
+def one_run(in_place: bool) -> dict[str, Any]:
+    """A fresh cluster and control plane; the job; the node removed past step 10; the raw record."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from benchmarks.etrain_side import all_steps, timeline, wait_for_warm_spares
+    from etrain.service.decisions.capacity import spares_for_node
+    from tests.service_harness import control_plane
+
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 0, "include_dashboard": False, "_system_config": FAST_NODE_DEATH},
+    )
+    try:
+        nodes = [cluster.add_node(num_cpus=cpus) for cpus in WORKER_NODES]
+        cluster.wait_for_nodes(timeout=120)
+        ray.init(address=cluster.address, namespace="etrain", log_to_driver=False)
+        pool = sum(spares_for_node({"CPU": float(cpus)}, None) for cpus in WORKER_NODES)
+        with (
+            tempfile.TemporaryDirectory(prefix="etrain-bench-node-") as data_dir,
+            control_plane(Path(data_dir), warm_spares_per_node=None) as plane,
+        ):
+            waited = wait_for_warm_spares(pool)
+            spec = {**SPEC, "fault_tolerance": {**SPEC["fault_tolerance"], "in_place": in_place}}
+            submitted = time.time()
+            job_id = plane.submit(spec)["id"]
+            deadline = time.monotonic() + JOB_TIMEOUT_S
+            while (job := plane.job(job_id))["step"] < REMOVE_AFTER_STEP:
+                assert time.monotonic() < deadline, f"the job never reached step {REMOVE_AFTER_STEP}: {job}"
+                time.sleep(0.05)
+            attempt = max(row["attempt"] for row in all_steps(plane, job_id))
+            placed = [e for e in plane.events(job_id) if e["kind"] == "placed"][-1]
+            victim = _node_of(placed, rank=3)
+            pool_before = _pool_ready()
+            removed = time.time()
+            cluster.remove_node(next(node for node in nodes if node.node_id == victim))
+            final = plane.wait_terminal(job_id, timeout_s=JOB_TIMEOUT_S)
+            steps = all_steps(plane, job_id)
+            events = plane.events(job_id)
+            later = [row["ts"] for row in steps if row["attempt"] > attempt]
+            kinds = [e["kind"] for e in events]
+            return {
+                "in_place": in_place,
+                "status": final["status"],
+                "restarts": final["restarts"],
+                "spares_waited_s": waited,
+                "submitted": submitted,
+                "removed_at_step": job["step"],
+                "next_step_s": (min(later) - removed) if later else None,
+                "repaired_in_place": "repairing" in kinds and kinds.count("launching") == 1,
+                "state_sources": [_text(e) for e in events if e["kind"] == "state_restored"],
+                "spares_ready_before_removal": pool_before,  # node -> ready spares (the free node's serve the repair)
+                "timeline": timeline([e for e in events if e["ts"] >= removed - 1], removed),
+                "steps": [{k: row.get(k) for k in ("step", "ts", "attempt", "loss")} for row in steps],
+            }
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def _pool_ready() -> dict[str, int]:
+    import ray
+
+    from etrain.service.runtime.spares import find_pool
+
+    pool = find_pool()
+    return {} if pool is None else dict(ray.get(pool.stats.remote(), timeout=10)["ready"])
+
+
+def _text(event: dict[str, Any]) -> str:
+    detail = event.get("detail")
+    return str(detail.get("message", detail) if isinstance(detail, dict) else detail)
+
+
+def _node_of(placed: dict[str, Any], *, rank: int) -> str:
+    for item in _text(placed).split(";")[0].split():
+        name, _, node = item.partition("=")
+        if name == f"rank{rank}":
+            return node
+    raise AssertionError(f"rank {rank} is not in the placed event: {_text(placed)}")
+
+
+def node_loss_figure(
+    *, rounds: int, workdir: Path, timeout_s: float, log: Callable[[str], None]
+) -> tuple[list[Row], dict[str, Any]]:
+    """``rounds`` runs each way, alternating (in place first, then the relaunch, then the reverse)."""
+    from benchmarks.procs import run_json
+
+    runs: list[dict[str, Any]] = []
+    for index in range(rounds):
+        order = (True, False) if index % 2 == 0 else (False, True)
+        for in_place in order:
+            name = f"round{index}-{'in-place' if in_place else 'relaunch'}"
+            record = run_json(
+                "benchmarks.node_loss",
+                ["--in-place", str(in_place).lower()],
+                out=workdir / name / "result.json",
+                timeout_s=timeout_s,
+                log_path=workdir / name / "run.log",
+            )
+            runs.append(record)
+            log(
+                f"  {name}: node removed at step {record['removed_at_step']} → next step after "
+                f"{record['next_step_s']:.2f} s; {record['status']}, in place {record['repaired_in_place']}"
+            )
+    kept = [r["next_step_s"] for r in runs if r["in_place"] and r["status"] == "SUCCEEDED"]
+    relaunched = [r["next_step_s"] for r in runs if not r["in_place"] and r["status"] == "SUCCEEDED"]
+    in_place_count = sum(r["repaired_in_place"] for r in runs if r["in_place"])
+    row = Row(
+        label="10. node lost → next completed step",
+        unit="s",
+        etrain=kept,
+        reference_name="etrain, every rank relaunched (in_place: false; as Ray Train and torchrun restart)",
+        reference=relaunched,
+        goal=Goal(on="ratio", op="<=", value=0.75, text="≤ 0.75× the relaunch"),
+        note=f"DP ×2 · TP ×2 on three 2-CPU nodes, the node of rank 3 removed past step {REMOVE_AFTER_STEP}; "
+        f"{in_place_count} of {len(kept)} runs repaired in place (the node's tp group placed on the free node, "
+        f"its state from the replicas' memory), the relaunches restore every rank from the checkpoint "
+        f"(median in place {median(kept):.2f} s, relaunch {median(relaunched):.2f} s)",
+    )
+    return [row], {"runs": runs}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--in-place", choices=["true", "false"], required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(one_run(args.in_place == "true")))
+
+
+if __name__ == "__main__":
+    main()
