@@ -131,7 +131,8 @@ any non-terminal status; "fault" and [n] are explained under the table::
       whose process died in the same fault, and every survivor still stuck in the failed attempt after
       the others left it (a ``worker_failed`` event each, the same restart). Where a lost rank's node died,
       the placement group is reserved again (the kept ranks' bundles on their own nodes) and the lost
-      ranks start on the nodes left; with no room there the repair fails (RepairFailed). The restart is spent as for any fault, with no
+      ranks start on the nodes left (once more if the node is declared dead only during the repair, as
+      a crashed node is); with no room there the repair fails (RepairFailed). The restart is spent as for any fault, with no
       backoff (the budget bounds the loop). RepairFailed falls back to a full relaunch from the same step
       without spending again; a failure during the repair's launch is an ordinary fault.
       A rank reported lost with its node (Ray had declared the node dead) is repaired the same way under

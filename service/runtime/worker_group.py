@@ -456,17 +456,48 @@ class WorkerGroup:
             also_lost(dict(sorted(why.items())))
         if memory_limit is not None:
             plan = dataclasses.replace(plan, memory_resume_limit=memory_limit())
-        for rank in lost:
-            _kill(self.actors[rank])  # dead already, or wedged: gone either way
-        bundle_nodes = self._replacement_nodes(lost)
-        reading = self._read_bundle_gpu_ids(lost)
-        replacements = self._start_ranks(bundle_nodes, reading, plan.attempt)
-        for rank, actor in replacements.items():
-            self.actors[rank] = actor
-        self.plan, self.attempt = plan, plan.attempt
-        if self._stopped:
-            raise RepairError("the group was stopped during the repair")
-        self._rendezvous()
+        failed_attempt, self.plan, self.attempt = self.attempt, plan, plan.attempt
+        for retry in (False, True):
+            # A rank on a node declared dead is lost whatever its run said (a crashed node's ranks may fail
+            # their calls as "temporarily unavailable", not as dead actors).
+            gone = self._on_dead_nodes(rank for rank in range(self.world_size) if rank not in lost)
+            if gone:
+                lost = sorted({*lost, *gone})
+                if len(lost) == self.world_size:
+                    raise RepairError(f"every rank of attempt {failed_attempt} died: no process to keep")
+                if also_lost is not None:
+                    also_lost({rank: f"with its node: {node} was declared dead" for rank, node in gone.items()})
+            for rank in lost:
+                _kill(self.actors[rank])  # dead already, or wedged (or a replacement that never started): gone
+            bundle_nodes = self._replacement_nodes(lost)
+            reading = self._read_bundle_gpu_ids(lost)
+            replacements = self._start_ranks(bundle_nodes, reading, plan.attempt)
+            for rank, actor in replacements.items():
+                self.actors[rank] = actor
+            if self._stopped:
+                raise RepairError("the group was stopped during the repair")
+            try:
+                self._rendezvous()
+                return
+            except Exception as err:
+                # A node that crashed is declared dead only after Ray's health checks (seconds), so a rank lost
+                # with it was reported as a process fault and first replaced on that node. That start fails
+                # once the node is declared dead: the lost ranks are placed again, on the nodes left (once).
+                alive = {node["NodeID"] for node in ray.nodes() if node.get("Alive")}
+                gone = sorted({node for node in bundle_nodes.values() if node not in alive})
+                if retry or not gone:
+                    raise
+                log.warning(
+                    "job %s: the replacements' node %s died during the repair (%s); placing them again",
+                    self.job_id,
+                    ", ".join(gone),
+                    _first_line(err),
+                )
+
+    def _on_dead_nodes(self, ranks: Iterable[int]) -> dict[int, str]:
+        """rank -> its node, for the ``ranks`` whose node the cluster has declared dead."""
+        alive = {node["NodeID"] for node in ray.nodes() if node.get("Alive")}
+        return {rank: node for rank in ranks if (node := self.nodes.get(rank, "")) and node not in alive}
 
     def _replacement_nodes(self, lost: list[int]) -> dict[int, str]:
         """rank -> the node of its bundle, for the ranks a repair replaces.

@@ -27,7 +27,12 @@ from tests.service_harness import control_plane, event_kinds
 pytestmark = pytest.mark.slow
 
 
-def test_node_loss_during_dp2_tp2_is_repaired_in_place_on_the_spare_node(tmp_path):
+@pytest.mark.parametrize("how", ["drained", "crashed"])
+def test_node_loss_during_dp2_tp2_is_repaired_in_place_on_the_spare_node(tmp_path, how):
+    """``drained``: the node's raylet shuts down cleanly and Ray declares it dead at once, so the ranks' loss
+    arrives as a node loss. ``crashed``: its processes are killed; Ray declares the node dead only after
+    its health checks (3 s here), so the loss arrives as a process fault, the repair first replaces the
+    ranks on the dead node, and places them again once it is declared dead."""
     with ray_cluster([2, 2, 2]) as cluster, control_plane(tmp_path) as plane:
         # A capacity read right after the loss may still see no room (the cluster can place 0): the relaunch
         # comes at the next check, every elastic.check_interval_s (30 s by default).
@@ -39,7 +44,7 @@ def test_node_loss_during_dp2_tp2_is_repaired_in_place_on_the_spare_node(tmp_pat
         )
         victim = node_of_rank(plane, job["id"], 3)
         lost = sorted(rank for rank, node in placements(plane.events(job["id"]))[-1].items() if node == victim)
-        cluster.remove_node(cluster_node(cluster, victim))
+        cluster.remove_node(cluster_node(cluster, victim), allow_graceful=how == "drained")
         final = plane.wait_terminal(job["id"], timeout_s=300)
         assert final["status"] == "SUCCEEDED", final
         events = plane.events(job["id"])
