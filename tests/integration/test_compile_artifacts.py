@@ -11,6 +11,7 @@ import os
 from etrain.workers.engine import compile_artifacts
 from etrain.workers.protocol import compile_sharing
 from etrain.workers.protocol.compile_sharing import CompileArtifacts
+from tests.rank_stubs import LogLines, SupervisorRecorder
 
 
 def _set_in(checkpoint, data: bytes, *, reported: bytes | None = None) -> CompileArtifacts:
@@ -77,20 +78,6 @@ def test_a_set_over_the_bound_is_not_read(tmp_path):
     assert "not loaded (compiling instead)" in line and "larger than" in line, line
 
 
-class _Calls:
-    """The supervisor's handle and the rank log as :class:`CompiledCode` uses them."""
-
-    def __init__(self):
-        self.reports, self.lines = [], []
-        self.report_compile_artifacts = self
-
-    def remote(self, attempt, rank, report):
-        self.reports.append(report)
-
-    def write(self, line):
-        self.lines.append(line)
-
-
 def _code(tmp_path, *, compile=True, path=True, records=(), coords=None):
     import dataclasses
 
@@ -106,9 +93,11 @@ def _code(tmp_path, *, compile=True, path=True, records=(), coords=None):
         checkpoint=dataclasses.replace(config.checkpoint, path=str(tmp_path / "ckpt") if path else None),
     )
     plan = LaunchPlan(attempt=3, config=config, start_step=0, resume_dir=None, compile_artifacts=tuple(records))
-    calls = _Calls()
-    code = CompiledCode(plan, rank=0, coords=coords or Coords(pp=0, dp=0, tp=0), supervisor=calls, log=calls)
-    return code, calls
+    log = LogLines()
+    code = CompiledCode(
+        plan, rank=0, coords=coords or Coords(pp=0, dp=0, tp=0), supervisor=SupervisorRecorder(), log=log
+    )
+    return code, log
 
 
 def test_who_shares_after_the_first_step(tmp_path):
@@ -128,20 +117,20 @@ def test_who_shares_after_the_first_step(tmp_path):
         "no checkpoint folder": (dict(path=False), True, False),
     }
     for what, (settings, compiled_anything, shares) in cases.items():
-        code, calls = _code(tmp_path, **settings)
+        code, log = _code(tmp_path, **settings)
         code.after_first_step(compiled_anything)
         assert (code.thread is not None) == shares, what
         if code.thread is not None:
             code.thread.join(30)
-            assert len(calls.lines) == 1 and calls.lines[0].startswith("attempt 3: compile cache "), (what, calls.lines)
+            assert len(log.lines) == 1 and log.lines[0].startswith("attempt 3: compile cache "), (what, log.lines)
 
 
 def test_a_rank_loads_its_stages_set_and_says_so(tmp_path):
     from etrain.workers.protocol.topology import Coords
 
     first = CompileArtifacts(stage=0, sha256="a" * 64, size=10)
-    code, calls = _code(tmp_path, records=[first], coords=Coords(pp=1, dp=0, tp=0))
+    code, log = _code(tmp_path, records=[first], coords=Coords(pp=1, dp=0, tp=0))
     assert code.load() is True  # stage 1 has no set of its own: the first stage's blocks are the same graphs
-    assert calls.lines[0].startswith("attempt 3: compile cache not loaded (compiling instead): reading"), calls.lines
+    assert log.lines[0].startswith("attempt 3: compile cache not loaded (compiling instead): reading"), log.lines
     assert _code(tmp_path, records=[])[0].load() is False
     assert _code(tmp_path, records=[first], compile=False)[0].load() is False

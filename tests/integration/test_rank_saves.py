@@ -20,24 +20,7 @@ from etrain.workers.protocol.messages import LaunchPlan
 from etrain.workers.rank.rank_saves import RankSaves
 from etrain.workers.rank.step_control import ControlRequests
 from tests.equivalence_utils import small_config
-
-
-class _Recorder:
-    """A supervisor handle: ``handle.method.remote(*args)`` is recorded as (method, args)."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, tuple]] = []
-
-    def __getattr__(self, method: str):
-        calls = self.calls
-
-        class _Method:
-            @staticmethod
-            def remote(*args):
-                calls.append((method, args))
-                return None
-
-        return _Method()
+from tests.rank_stubs import SupervisorRecorder
 
 
 class _Trainer:
@@ -68,12 +51,12 @@ def _saves(tmp_path, supervisor, **checkpoint) -> RankSaves:
     )
 
 
-def _two_saves(tmp_path, monkeypatch, *, every_steps: int, final: bool) -> tuple[_Recorder, str]:
+def _two_saves(tmp_path, monkeypatch, *, every_steps: int, final: bool) -> tuple[SupervisorRecorder, str]:
     """Steps 2 and 4 saved back to back (the second waits for the first's write), with any measurable wait
     worth a note; the supervisor's recorded calls and the rank log's words for the second save."""
     monkeypatch.setattr(ray, "get", lambda ref, timeout=None: ref)
     monkeypatch.setattr(checkpoint_cadence, "QUEUED_NOTE_MIN_S", 0.01)
-    supervisor, trainer = _Recorder(), _Trainer()
+    supervisor, trainer = SupervisorRecorder(), _Trainer()
     saves = _saves(tmp_path, supervisor, every_steps=every_steps)
     try:
         saves.save(trainer, 2, final=False)
@@ -86,7 +69,7 @@ def _two_saves(tmp_path, monkeypatch, *, every_steps: int, final: bool) -> tuple
 def test_a_save_queued_behind_the_previous_write_is_said_once_with_the_cadence_that_fits(tmp_path, monkeypatch):
     monkeypatch.setattr(ray, "get", lambda ref, timeout=None: ref)
     monkeypatch.setattr(checkpoint_cadence, "QUEUED_NOTE_MIN_S", 0.01)  # any measurable wait: this is the plumbing
-    supervisor, trainer = _Recorder(), _Trainer()
+    supervisor, trainer = SupervisorRecorder(), _Trainer()
     saves = _saves(tmp_path, supervisor, every_steps=2)
     try:
         first = saves.save(trainer, 2, final=False)

@@ -117,15 +117,7 @@ _COMPILE_PROBE = textwrap.dedent(
     from etrain.workers.protocol.messages import LaunchPlan
     from etrain.workers.rank.compiled_code import CompiledCode
     from tests.equivalence_utils import small_config, MODELS
-
-    class Calls:  # the supervisor's handle and the rank log, as the rank uses them
-        def __init__(self):
-            self.reports, self.lines = [], []
-            self.report_compile_artifacts = self
-        def remote(self, attempt, rank, report):
-            self.reports.append(report)
-        def write(self, line):
-            self.lines.append(line)
+    from tests.rank_stubs import LogLines, SupervisorRecorder
 
     def sharing(folder, records):
         checkpoint = dataclasses.replace(config.checkpoint, path=folder)
@@ -133,8 +125,13 @@ _COMPILE_PROBE = textwrap.dedent(
             attempt=1, config=dataclasses.replace(config, checkpoint=checkpoint), start_step=0, resume_dir=None,
             compile_artifacts=tuple(CompileArtifacts(**r) for r in records),
         )
-        calls = Calls()
-        return CompiledCode(plan, rank=0, coords=trainer.topology.coords(0), supervisor=calls, log=calls), calls
+        supervisor, log = SupervisorRecorder(), LogLines()
+        code = CompiledCode(plan, rank=0, coords=trainer.topology.coords(0), supervisor=supervisor, log=log)
+        return code, (supervisor, log)
+
+    def said(calls):
+        supervisor, log = calls
+        return {"reports": [args[2] for args in supervisor.args_of("report_compile_artifacts")], "lines": log.lines}
 
     share = json.loads(sys.argv[2]) if len(sys.argv) > 2 else None
     config = small_config(steps=4, model=MODELS[sys.argv[1]])
@@ -154,12 +151,12 @@ _COMPILE_PROBE = textwrap.dedent(
         code.after_first_step(cache["FX graph cache misses"] + cache["AOTAutograd cache misses"] > 0)
         if code.thread is not None:
             code.thread.join(60)
-        shared = {"reports": calls.reports, "lines": calls.lines}
+        shared = said(calls)
         if share.get("linked_checkpoint"):  # a folder whose compile-cache is a link: nothing written through it
             linked, linked_calls = sharing(share["linked_checkpoint"], [])
             linked.after_first_step(True)
             linked.thread.join(60)
-            shared["linked"] = {"reports": linked_calls.reports, "lines": linked_calls.lines}
+            shared["linked"] = said(linked_calls)
     rest = [trainer.train_step(step) for step in range(1, 4)]
     names = [name for part in trainer.model_parts for name, _ in part.named_parameters()]
     state = list(trainer.model_parts[0].state_dict().keys())
