@@ -538,9 +538,11 @@ class WorkerGroup:
         from ray._private.state import available_resources_per_node
 
         need = {key: value for key, value in self._resources.items() if value > 0}
+        if not need:  # a bundle of nothing fits anywhere
+            return self.world_size
         room = 0
         for node, free in available_resources_per_node().items():
-            if node in alive and node not in self._excluded and need:
+            if node in alive and node not in self._excluded:
                 room += int(min(free.get(key, 0.0) // value for key, value in need.items()))
         return room
 
