@@ -154,8 +154,7 @@ _COMPILE_PROBE = textwrap.dedent(
         shared = said(calls)
         if share.get("linked_checkpoint"):  # a folder whose compile-cache is a link: nothing written through it
             linked, linked_calls = sharing(share["linked_checkpoint"], [])
-            linked.after_first_step(True)
-            linked.thread.join(60)
+            linked.after_first_step(True)  # refused before any thread starts
             shared["linked"] = said(linked_calls)
     rest = [trainer.train_step(step) for step in range(1, 4)]
     names = [name for part in trainer.model_parts for name, _ in part.named_parameters()]

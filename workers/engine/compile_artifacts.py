@@ -22,7 +22,7 @@ from etrain.workers.checkpoints import storage
 from etrain.workers.protocol import compile_sharing, safe_paths
 from etrain.workers.protocol.compile_sharing import CompileArtifacts
 
-__all__ = ["load", "save"]
+__all__ = ["load", "open_folder", "save"]
 
 _MARKERS = "etrain-artifacts"  # under the node's compile cache folder: one empty file per set it holds
 
@@ -46,10 +46,32 @@ def _node_holds(cache_dir: str | None, sha256: str) -> bool:
     return bool(cache_dir) and os.path.exists(os.path.join(cache_dir, _MARKERS, sha256))
 
 
-def save(checkpoint_path: str, *, stage: int, cache_dir: str | None) -> tuple[CompileArtifacts | None, str]:
-    """Serialise what this process has compiled and write it under ``checkpoint_path`` (a held folder's
-    path or a URL); returns the set to report (None when there is nothing to share or the write failed)
-    and the rank log's line."""
+def open_folder(checkpoint_path: str) -> tuple[int | str | None, str | None]:
+    """The sets' folder opened for a write in the background: a descriptor of the local folder, opened now
+    without links (made if missing), so the write never resolves the attempt's held folder by name after
+    the attempt closed it; or the URL. ``(None, the rank log's line)`` when it cannot be opened."""
+    folder = _folder(checkpoint_path)
+    if storage.is_url(checkpoint_path):
+        return folder, None
+    try:
+        return safe_paths.open_dir(folder, field="checkpoint.path", create=True), None
+    except Exception as err:  # a link planted by the tenant, a read-only volume: the next node compiles
+        shown = safe_paths.display(folder)
+        return None, f"compile cache not shared: opening {shown} failed: {type(err).__name__}: {err}"
+
+
+def save(folder: int | str, *, stage: int, cache_dir: str | None) -> tuple[CompileArtifacts | None, str]:
+    """Serialise what this process has compiled and write it into ``folder`` (:func:`open_folder`'s; a
+    descriptor is closed here); returns the set to report (None when there is nothing to share or the
+    write failed) and the rank log's line."""
+    try:
+        return _save(folder, stage=stage, cache_dir=cache_dir)
+    finally:
+        if isinstance(folder, int):
+            os.close(folder)
+
+
+def _save(folder: int | str, *, stage: int, cache_dir: str | None) -> tuple[CompileArtifacts | None, str]:
     import torch
 
     started = time.monotonic()
@@ -63,13 +85,14 @@ def save(checkpoint_path: str, *, stage: int, cache_dir: str | None) -> tuple[Co
     if len(data) > compile_sharing.MAX_BYTES:
         return None, f"compile cache not shared: {len(data)} bytes is over {compile_sharing.MAX_BYTES}"
     digest = hashlib.sha256(data).hexdigest()
-    path = storage.join(_folder(checkpoint_path), compile_sharing.file_name(digest))
+    name = compile_sharing.file_name(digest)
     try:
-        if not storage.is_url(checkpoint_path):  # the folder itself must not be a link planted by the tenant
-            os.close(safe_paths.open_dir(_folder(checkpoint_path), field="checkpoint.path", create=True))
-        storage.atomic_write_bytes(path, data)
+        if isinstance(folder, str):
+            storage.atomic_write_bytes(storage.join(folder, name), data)
+        else:
+            _write_inside(folder, name, data)
     except Exception as err:  # a full or read-only volume: the next node compiles, training goes on
-        return None, f"compile cache not shared: writing {safe_paths.display(path)} failed: {type(err).__name__}: {err}"
+        return None, f"compile cache not shared: writing {name} failed: {type(err).__name__}: {err}"
     _mark_node(cache_dir, digest)
     entries = sum(len(keys) for keys in info.artifacts.values())
     return (
@@ -77,6 +100,19 @@ def save(checkpoint_path: str, *, stage: int, cache_dir: str | None) -> tuple[Co
         f"compile cache shared: stage {stage}, {entries} entries, {len(data) / 2**20:.1f} MiB "
         f"({digest[:12]}) in {time.monotonic() - started:.2f}s",
     )
+
+
+def _write_inside(folder: int, name: str, data: bytes) -> None:
+    """``name`` in the folder open as ``folder``, atomically (a temporary file renamed over it, both through
+    the descriptor, never following a link), as ``storage.atomic_write_bytes`` writes a path."""
+    temporary = name + storage.TMP_SUFFIX
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644, dir_fd=folder)
+    with os.fdopen(fd, "wb") as stream:
+        stream.write(data)
+        stream.flush()
+        os.fsync(stream.fileno())
+    os.rename(temporary, name, src_dir_fd=folder, dst_dir_fd=folder)
+    os.fsync(folder)
 
 
 def load(checkpoint_path: str, record: CompileArtifacts, *, cache_dir: str | None) -> str:

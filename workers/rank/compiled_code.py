@@ -47,13 +47,21 @@ class CompiledCode:
         own = {record.stage for record in self._plan.compile_artifacts}
         if not (self.active and self._writer and (self._stage not in own or compiled_anything)):
             return
-        self.thread = threading.Thread(target=self._share, name=f"compile-cache-{self._rank}", daemon=True)
+        from etrain.workers.engine.compile_artifacts import open_folder
+
+        folder, why = open_folder(self._plan.config.checkpoint.path)  # now, while the attempt holds its folder
+        if folder is None:
+            self._write(why)
+            return
+        self.thread = threading.Thread(
+            target=self._share, args=(folder,), name=f"compile-cache-{self._rank}", daemon=True
+        )
         self.thread.start()
 
-    def _share(self) -> None:
+    def _share(self, folder: int | str) -> None:
         from etrain.workers.engine.compile_artifacts import save
 
-        record, line = save(self._plan.config.checkpoint.path, stage=self._stage, cache_dir=_cache_dir())
+        record, line = save(folder, stage=self._stage, cache_dir=_cache_dir())
         self._write(line)
         if record is not None:
             self._supervisor.report_compile_artifacts.remote(self._plan.attempt, self._rank, dataclasses.asdict(record))
