@@ -517,11 +517,14 @@ class WorkerGroup:
             self._bundle_nodes.update(nodes)
             return nodes
         kept = {rank: self.nodes[rank] for rank in range(self.world_size) if rank not in lost}
+        # Only the dead nodes' bundles need new room: a lost rank on a live node (a stuck survivor) gets its
+        # own bundle's room back when the old group is released.
+        homeless = [rank for rank, node in nodes.items() if node not in alive]
         room = self._room_for_bundles(alive)
-        if room < len(lost):
+        if room < len(homeless):
             raise RepairError(
-                f"the live nodes have room for {room} of the {len(lost)} rank(s) lost with their node "
-                f"({', '.join(map(str, lost))})"
+                f"the live nodes have room for {room} of the {len(homeless)} rank(s) lost with their node "
+                f"({', '.join(map(str, homeless))})"
             )
         old_gpus = self._kept_gpu_ids({rank: rank for rank in kept})
         self._reserving = True  # capacity checks ask again until the new bundles' nodes are known

@@ -22,7 +22,7 @@ from tests.chaos.conftest import (
     spec,
 )
 from tests.equivalence_utils import spec_reference_losses
-from tests.service_harness import control_plane, event_kinds
+from tests.service_harness import control_plane, event_kinds, event_text
 
 pytestmark = pytest.mark.slow
 
@@ -60,15 +60,19 @@ def test_node_loss_during_dp2_tp2_is_repaired_in_place_on_the_spare_node(tmp_pat
             "\n".join(f"{e['kind']}: {e['detail']}" for e in events)
         )
         assert lost == [2, 3], lost  # one tp group per node
+        # A crashed node leaves no closed connections behind: a survivor whose collective waits on it can
+        # still be inside the failed attempt after the grace, and is replaced in the same repair (stuck).
+        stuck = {int(event_text(e).split()[1]) for e in events if "(stuck: " in event_text(e)}
+        assert how == "crashed" or not stuck, stuck
         for rank in range(4):
             pids = rank_pids(plane, job["id"], rank)
-            assert len(pids) == 2 and (pids[0] != pids[1]) == (rank in lost), (rank, pids)
+            assert len(pids) == 2 and (pids[0] != pids[1]) == (rank in lost or rank in stuck), (rank, pids)
         last = placements(events)[-1]
         assert victim not in last.values() and len(last) == 4
         assert final["world_size"] == 4
         # DDP: the survivors resume from their own memory, the node's ranks from their replicas'.
         (sources,) = restored(events)
-        assert sources.endswith(
+        assert stuck or sources.endswith(
             ": ranks 0,1 from own memory; ranks 2 from rank 0's memory; ranks 3 from rank 1's memory"
         )
         recovered = losses(plane, job["id"])
