@@ -12,6 +12,7 @@ configured generated into ``<data_dir>/api-token`` (for in-process ``create_app`
 
 from __future__ import annotations
 
+import re
 import socket
 import tempfile
 import threading
@@ -208,3 +209,22 @@ def event_text(event: dict[str, Any]) -> str:
     if isinstance(detail, dict):
         return str(detail.get("message", detail))
     return str(detail)
+
+
+def placements(events: list[dict]) -> list[dict[int, str]]:
+    """Rank -> node id of every launch, from the job's ``placed`` events (what an operator sees)."""
+    return [
+        {int(rank): node for rank, node in re.findall(r"rank(\d+)=([^\s;]+)", event_text(event))}
+        for event in events
+        if event["kind"] == "placed"
+    ]
+
+
+#: Ray's node health checks for local multi-node clusters (``ray.cluster_utils.Cluster``): a node that
+#: stops answering is declared dead in ~3 s (the chaos tests and the node-loss benchmark).
+FAST_NODE_DEATH = {
+    "health_check_initial_delay_ms": 0,
+    "health_check_period_ms": 1000,
+    "health_check_failure_threshold": 3,
+    "health_check_timeout_ms": 1000,
+}

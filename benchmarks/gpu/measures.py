@@ -344,12 +344,15 @@ def compile_lines(lines: list[str]) -> list[dict[str, Any]]:
     compiled code (``attempt N: compile cache loaded|shared|not loaded ...``, in order)."""
     by_attempt: dict[int, dict[str, Any]] = {}
     for line in lines:
-        if (found := _COMPILE.search(line)) is not None:
-            entry = by_attempt.setdefault(int(found["attempt"]), {"attempt": int(found["attempt"]), "sharing": []})
-            entry.update(compile_s=float(found["s"]), first_step_s=float(found["first"]))
-        elif (found := _COMPILE_SHARING.search(line)) is not None:
-            entry = by_attempt.setdefault(int(found["attempt"]), {"attempt": int(found["attempt"]), "sharing": []})
-            entry["sharing"].append(found["what"][:300])
+        timed, sharing = _COMPILE.search(line), _COMPILE_SHARING.search(line)
+        found = timed or sharing
+        if found is None:
+            continue
+        entry = by_attempt.setdefault(int(found["attempt"]), {"attempt": int(found["attempt"]), "sharing": []})
+        if timed is not None:
+            entry.update(compile_s=float(timed["s"]), first_step_s=float(timed["first"]))
+        else:
+            entry["sharing"].append(sharing["what"][:300])
     return [by_attempt[attempt] for attempt in sorted(by_attempt)]
 
 

@@ -132,8 +132,7 @@ def on_repair_failed(state: SupervisorState, event: RepairFailed, now: float, co
         return ignore(state, f"RepairFailed while group is {state.group.value}")
     if state.node_loss_repair:
         what = f"in-place repair of attempt {state.attempt} after a node loss failed: {event.reason}"
-        lost = node_lost(replace(state, node_loss_repair=False), now, config, what)
-        return decision(lost.state, [RecordEvent(kind="repair_failed", detail=what), *lost.actions[1:]], lost.reason)
+        return node_lost(state, now, config, what, kind="repair_failed")
     what = f"in-place repair of attempt {state.attempt} failed: {event.reason}; relaunching every rank"
     stopped, stop_actions = stop_group(state, now, what)
     return decision(stopped, [RecordEvent(kind="repair_failed", detail=what), *stop_actions], what)

@@ -118,14 +118,18 @@ def fault(state: SupervisorState, now: float, config: SupervisorConfig, kind: st
     return decision(recovering, actions, reason)
 
 
-def node_lost(state: SupervisorState, now: float, config: SupervisorConfig, what: str) -> Decision:
-    """Capacity went away (not the job's fault): stop, wait for the new capacity, no budget spent."""
+def node_lost(
+    state: SupervisorState, now: float, config: SupervisorConfig, what: str, *, kind: str = "node_lost"
+) -> Decision:
+    """Capacity went away (not the job's fault): stop, wait for the new capacity, no budget spent. ``kind``:
+    the event that says so (``repair_failed`` where an in-place repair after the node loss could not place
+    its ranks, the ``node_lost`` event having come with that repair)."""
     stopped, stop_actions = stop_group(state, now, what)
     recovering = replace(
         carry_evict(stopped), status=Status.RECOVERING, resize_note=None, awaiting_capacity=True, backoff_until=None
     )
     actions: list[Action] = [
-        RecordEvent(kind="node_lost", detail=what),
+        RecordEvent(kind=kind, detail=what),
         *stop_actions,
         *evict_actions(state),
     ]

@@ -27,6 +27,7 @@ from ray.util.placement_group import placement_group, placement_group_table, rem
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from etrain.service.decisions.admission import tp_group_nodes
+from etrain.service.decisions.capacity import rank_slots
 from etrain.service.decisions.hangs import Frame, RankWhere
 from etrain.service.runtime.spares import NAMESPACE, give_back_spares, start_cold_ranks, take_spares
 from etrain.workers.protocol.errors import CheckpointError, EtrainError, UnhealthyRankError
@@ -483,7 +484,7 @@ class WorkerGroup:
                 # A node that crashed is declared dead only after Ray's health checks (seconds), so a rank lost
                 # with it was reported as a process fault and first replaced on that node. That start fails
                 # once the node is declared dead: the lost ranks are placed again, on the nodes left (once).
-                alive = {node["NodeID"] for node in ray.nodes() if node.get("Alive")}
+                alive = _live_nodes()
                 gone = sorted({node for node in bundle_nodes.values() if node not in alive})
                 if retry or not gone:
                     raise
@@ -496,7 +497,7 @@ class WorkerGroup:
 
     def _on_dead_nodes(self, ranks: Iterable[int]) -> dict[int, str]:
         """rank -> its node, for the ``ranks`` whose node the cluster has declared dead."""
-        alive = {node["NodeID"] for node in ray.nodes() if node.get("Alive")}
+        alive = _live_nodes()
         return {rank: node for rank in ranks if (node := self.nodes.get(rank, "")) and node not in alive}
 
     def _replacement_nodes(self, lost: list[int]) -> dict[int, str]:
@@ -511,7 +512,7 @@ class WorkerGroup:
         are not its new bundle's.
         """
         placed = placement_group_table(self.pg).get("bundles_to_node_id", {}) or {}
-        alive = {node["NodeID"] for node in ray.nodes() if node.get("Alive")}
+        alive = _live_nodes()
         nodes = {rank: placed.get(rank) or "" for rank in lost}
         if all(node in alive for node in nodes.values()):  # Ray may have moved an unpinned bundle by itself
             self._bundle_nodes.update(nodes)
@@ -540,14 +541,13 @@ class WorkerGroup:
         """How many more bundles (one rank's resources) the live, not excluded nodes' free resources hold."""
         from ray._private.state import available_resources_per_node
 
-        need = {key: value for key, value in self._resources.items() if value > 0}
-        if not need:  # a bundle of nothing fits anywhere
+        if not any(amount > 0 for amount in self._resources.values()):  # a bundle of nothing fits anywhere
             return self.world_size
-        room = 0
-        for node, free in available_resources_per_node().items():
-            if node in alive and node not in self._excluded:
-                room += int(min(free.get(key, 0.0) // value for key, value in need.items()))
-        return room
+        return sum(
+            rank_slots(free=free, per_rank=self._resources)
+            for node, free in available_resources_per_node().items()
+            if node in alive and node not in self._excluded
+        )
 
     def _kept_gpu_ids(self, kept: dict[int, int]) -> dict[int, list[str]]:
         """new rank -> the GPU ids the process of kept old rank runs on (a job without GPUs: none). CUDA keeps
@@ -783,11 +783,8 @@ class WorkerGroup:
 
     def _dead_rank(self) -> tuple[int, str] | None:
         """(rank, node) of the first rank whose node the cluster has declared dead, if any."""
-        alive = {node["NodeID"]: bool(node.get("Alive")) for node in ray.nodes()}
-        for rank, node in sorted(self.nodes.items()):
-            if not alive.get(node, False):
-                return rank, node
-        return None
+        dead = self._on_dead_nodes(self.nodes)
+        return min(dead.items()) if dead else None
 
     def _classify(self, ref, rank: int) -> GroupOutcome | None:
         node = self.nodes.get(rank, "")
@@ -984,11 +981,13 @@ def _rank_actor_class() -> Any:
     return ray.remote(load_actor_class(RANK_ACTOR_CLASS))
 
 
+def _live_nodes() -> set[str]:
+    """The ids of the nodes the cluster holds alive now."""
+    return {node["NodeID"] for node in ray.nodes() if node.get("Alive")}
+
+
 def _node_alive(node_id: str) -> bool:
-    for node in ray.nodes():
-        if node.get("NodeID") == node_id:
-            return bool(node.get("Alive"))
-    return False
+    return node_id in _live_nodes()
 
 
 @ray.remote(num_cpus=0)

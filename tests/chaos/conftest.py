@@ -16,19 +16,20 @@ from pathlib import Path
 
 import pytest
 
-from tests.service_harness import ControlPlane, control_plane, event_kinds, event_text
+from tests.service_harness import (  # noqa: F401 - the chaos tests import placements from here
+    FAST_NODE_DEATH,
+    ControlPlane,
+    control_plane,
+    event_kinds,
+    event_text,
+    placements,
+)
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-FAST_NODE_DEATH = {
-    "health_check_initial_delay_ms": 0,
-    "health_check_period_ms": 1000,
-    "health_check_failure_threshold": 3,
-    "health_check_timeout_ms": 1000,
-}
 
 #: The worker nodes' environment, which their rank processes inherit: a job with ``training.compile`` traces
 #: its blocks with ``aot_eager`` (the graphs and guards of inductor, without minutes of C++ builds on 2 cores).
@@ -215,15 +216,6 @@ def rank_pids(plane: ControlPlane, job_id: str, rank: int) -> list[int]:
     """The pid of the rank's process in every attempt, from its log ('... (node N, pid P) ...')."""
     lines = plane.client.get(f"/v1/jobs/{job_id}/logs", params={"rank": rank}).json()["lines"]
     return [int(pid) for line in lines for pid in re.findall(r"pid (\d+)\)", line)]
-
-
-def placements(events: list[dict]) -> list[dict[int, str]]:
-    """Rank -> node id of every launch, from the job's ``placed`` events (what an operator sees)."""
-    return [
-        {int(rank): node for rank, node in re.findall(r"rank(\d+)=([^\s;]+)", event_text(event))}
-        for event in events
-        if event["kind"] == "placed"
-    ]
 
 
 def node_of_rank(plane: ControlPlane, job_id: str, rank: int) -> str:

@@ -330,17 +330,18 @@ class TrainWorker:
                 final_loss = metrics["loss"]
                 if step == plan.start_step:
                     saves.after_first_step(trainer)
-                    if log is not None and config.training.compile:
-                        # Compiling is lazy (the first step's forward and backward): its own phase.
-                        log.write(
-                            f"attempt {plan.attempt}: compile {compile_seconds() - compiled_before:.1f}s "
-                            f"(first step {metrics['step_s']:.1f}s; cache {os.environ.get('TORCHINDUCTOR_CACHE_DIR')})"
-                        )
-                        log.write(f"attempt {plan.attempt}: compile spans {compile_profile().since(profile_before)}")
                     if config.training.compile:
-                        misses = compile_profile().counts_since(profile_before)
+                        compiled_now = compile_profile()
+                        if log is not None:  # compiling is lazy (the first step's forward and backward): its own phase
+                            log.write(
+                                f"attempt {plan.attempt}: compile {compile_seconds() - compiled_before:.1f}s "
+                                f"(first step {metrics['step_s']:.1f}s; "
+                                f"cache {os.environ.get('TORCHINDUCTOR_CACHE_DIR')})"
+                            )
+                            log.write(f"attempt {plan.attempt}: compile spans {compiled_now.since(profile_before)}")
+                        counts = compiled_now.counts_since(profile_before)
                         compiled.after_first_step(
-                            misses["FX graph cache misses"] + misses["AOTAutograd cache misses"] > 0
+                            counts["FX graph cache misses"] + counts["AOTAutograd cache misses"] > 0
                         )
                 decision = boundaries.after_step(metrics)
                 if batcher is not None:  # a step that saves or stops is urgent (the last step always saves)
