@@ -71,6 +71,12 @@ def test_kill_during_a_checkpoint_write_resumes_from_memory_and_saves_that_step_
     assert before == [4, 8], before
     assert committed(events) == [4, 8, 12, 16, 20, 24]
     assert restored(events) == ["attempt 2, step 12: ranks 0 from own memory; ranks 1 from rank 0's memory"]
+    # Both ranks write step 12 again from the copy they resumed from, in the background (the replacement from
+    # the copy it received), not from a blocking save of the live state.
+    for rank in (0, 1):
+        lines = plane.client.get(f"/v1/jobs/{final['id']}/logs", params={"rank": rank, "tail": 1000}).json()["lines"]
+        again = [line for line in lines if "checkpoint step 12 " in line and "(again, after the repair)" in line]
+        assert len(again) == 1 and "save started from the copy in memory" in again[0], (rank, again)
     assert [row["step"] for row in plane.steps(final["id"])] == list(range(1, 25))  # none run twice
     assert_ends_like_clean(plane, final, clean)
     assert assert_only_committed_steps_left(plane, final["id"]) == [16, 20, 24]  # keep_last 3

@@ -34,11 +34,17 @@ class _Trainer:
     def state_for_checkpoint(self):
         return [self.model], [self.optimizer], {"step": 0}
 
+    def save(self, directory: str):  # a synchronous save, as ``Trainer.save``
+        from etrain.workers.checkpoints.checkpoint import save_checkpoint
+
+        return save_checkpoint(directory, *self.state_for_checkpoint())
+
 
 def _saves(tmp_path, supervisor, **checkpoint) -> RankSaves:
     config = small_config()
     config = dataclasses.replace(
-        config, checkpoint=dataclasses.replace(config.checkpoint, path=str(tmp_path), async_save=True, **checkpoint)
+        config,
+        checkpoint=dataclasses.replace(config.checkpoint, path=str(tmp_path), **({"async_save": True} | checkpoint)),
     )
     return RankSaves(
         rank=0,
@@ -100,3 +106,39 @@ def test_a_queued_save_with_no_cadence_to_advise_on_makes_no_note(tmp_path, monk
     waited = float(re.search(r"\(([0-9.]+)s of it waiting for the previous save's write\)", said).group(1))
     assert waited >= 0.01, said  # the rank log still splits the wait out
     assert [method for method, _ in supervisor.calls if method == "report_note"] == []
+
+
+def test_a_held_save_writes_the_copy_in_the_background_and_lands_before_the_next_save(tmp_path, monkeypatch):
+    """The save an in-place repair makes again (``RankSaves.save_held``), where saves are otherwise synchronous:
+    it blocks training for less than a synchronous save of the same state, writes the snapshot's values (not the
+    live ones, which moved on), and its report reaches the supervisor before the next save's."""
+    import torch.distributed.checkpoint as dcp
+
+    from etrain.workers.checkpoints.checkpoint_commit import step_dir
+    from etrain.workers.checkpoints.checkpoint_state import collect_state
+    from etrain.workers.checkpoints.snapshot import take_snapshot
+
+    monkeypatch.setattr(ray, "get", lambda ref, timeout=None: ref)
+    supervisor, trainer = SupervisorRecorder(), _Trainer()
+    snapshot = take_snapshot(2, [trainer.model], [trainer.optimizer], {"step": 2})
+    trainer.model(torch.randn(2, 2048)).sum().backward()
+    trainer.optimizer.step()  # the live state moves on; the held save must not write it
+    trainer.state_for_checkpoint = lambda: ([trainer.model], [trainer.optimizer], {"step": 2})
+    saves = _saves(tmp_path, supervisor, async_save=False, every_steps=2)
+    try:
+        held_blocked = saves.save_held(trainer, snapshot)
+        said = saves.describe(held_blocked, held=True)
+        trainer.state_for_checkpoint = lambda: ([trainer.model], [trainer.optimizer], {"step": 4})
+        sync_blocked = saves.save(trainer, 4, final=False)
+    finally:
+        saves.close(None)
+    assert said.startswith("save started from the copy in memory"), said
+    assert held_blocked < sync_blocked, (held_blocked, sync_blocked)
+    assert [args[2] for args in supervisor.args_of("report_checkpoint")] == [2, 4]  # in order: 2 landed first
+    fresh = _Trainer()
+    loaded = collect_state([fresh.model], [fresh.optimizer]).state
+    dcp.load(loaded, checkpoint_id=step_dir(str(tmp_path), 2))
+    for key, value in snapshot.state["model"].items():
+        assert torch.equal(loaded["model"][key], value), key
+    live = collect_state([trainer.model], [trainer.optimizer]).state["model"]
+    assert not all(torch.equal(loaded["model"][key], live[key]) for key in live)

@@ -8,6 +8,7 @@ experts is no replica."""
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from etrain.workers.protocol.run_config import ParallelConfig
 from tests.dist_utils import run_distributed
@@ -249,3 +250,64 @@ def test_a_copy_from_another_layout_is_refused_before_anything_is_copied():
     assert report["error"] and "was taken under another layout" in report["error"], report
     assert "on this rank" in report["error"] and "in the copy" in report["error"]
     assert report["unchanged"]
+
+
+def _held_saves(rank: int, world_size: int, root: str) -> dict:
+    """For DDP (plain tensors), ZeRO-3 and TP (DTensors): the step-3 snapshot written by
+    ``AsyncCheckpointer.save_held`` after the trainer moved on two steps equals the step-3 checkpoint that
+    ``Trainer.save`` wrote from the live state, loaded back bit for bit; a held state of another layout is refused."""
+    from etrain.workers.checkpoints.checkpoint import AsyncCheckpointer
+    from etrain.workers.checkpoints.checkpoint_commit import commit
+    from etrain.workers.checkpoints.snapshot import take_snapshot
+
+    found = {}
+    for name, parallel in (
+        ("ddp", ParallelConfig(dp=2)),
+        ("zero3", ParallelConfig(dp=2, zero=3)),
+        ("tp", ParallelConfig(tp=2)),
+    ):
+        live_dir, held_dir = f"{root}/{name}-live/step_00000003", f"{root}/{name}-held/step_00000003"
+        trainer = _trainer(rank, world_size, parallel, steps=6)
+        trainer.run(0, 3)
+        _save_committed(trainer, rank, world_size, live_dir, 3)
+        snapshot = take_snapshot(3, *trainer.state_for_checkpoint())
+        trainer.run(3, 5)  # the live state moves on: the held save must write the copy, not it
+        writer = AsyncCheckpointer()
+        report = writer.save_held(
+            held_dir, trainer.model_parts, trainer.optimizers, snapshot.state, snapshot.extra
+        ).wait(timeout_s=120)
+        reports = [None] * world_size
+        dist.all_gather_object(reports, report)
+        if rank == 0:
+            commit(held_dir, 3, parallel.describe(), world_size, reports)
+        dist.barrier()
+        wrong = dict(snapshot.state, model=dict(list(snapshot.state["model"].items())[1:]))
+        try:
+            writer.save_held(f"{root}/{name}-wrong", trainer.model_parts, trainer.optimizers, wrong, snapshot.extra)
+            refused = ""
+        except ValueError as err:
+            refused = str(err)
+        writer.close()
+        states, nexts = [], []
+        for directory in (live_dir, held_dir):
+            loaded = _trainer(rank, world_size, parallel, steps=6)
+            nexts.append(loaded.restore(directory))
+            states.append(_local_state(loaded))
+        found[name] = {
+            "keys": len(states[0]),
+            "same_bits": sorted(states[0]) == sorted(states[1])
+            and all(torch.equal(states[0][key], states[1][key]) for key in states[0]),
+            "next": nexts,
+            "moved_on": not all(torch.equal(states[0][key], value) for key, value in _local_state(trainer).items()),
+            "refused": refused,
+        }
+    return found
+
+
+def test_a_held_snapshot_is_saved_exactly_as_the_live_state_was(tmp_path):
+    reports = run_distributed(_held_saves, 2, str(tmp_path), timeout_s=300)
+    for report in reports:
+        for name, found in report.items():
+            assert found["keys"] > 10 and found["same_bits"], (name, found)
+            assert found["next"] == [3, 3] and found["moved_on"], (name, found)
+            assert "not this layout's" in found["refused"], (name, found)

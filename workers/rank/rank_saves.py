@@ -73,6 +73,9 @@ class RankSaves:
         self._queued_noted = False  # the queued-saves note is made once per attempt
         checkpoint = plan.config.checkpoint
         self.async_save = None
+        #: Writes a held save (:meth:`save_held`) where saves are synchronous (CPU): made by that save.
+        self._held_writer = None
+        self._held_report: threading.Thread | None = None  # the held save's write and report, until they land
         if checkpoint.async_save:
             from etrain.workers.checkpoints.checkpoint import AsyncCheckpointer
 
@@ -104,13 +107,11 @@ class RankSaves:
         on). The supervisor commits the step only when every rank has reported. The *final* save failing
         raises: the job's result would be lost.
         """
-        import ray
-
         from etrain.workers.checkpoints.checkpoint_commit import step_dir
 
-        attempt = self._plan.attempt
         directory = step_dir(self._plan.config.checkpoint.path, completed_steps)  # a path or an s3:// URL
         started = time.monotonic()
+        self._held_landed()
         self._keep_snapshot(trainer, completed_steps)
         try:
             if self.async_save is None:
@@ -125,41 +126,99 @@ class RankSaves:
                 raise
             self._report_failed(completed_steps, fault)
             return None
-        blocked_s = time.monotonic() - started
-        if self._cadence is not None:
-            self._cadence.observe_save(completed_steps, blocked_s)
+        blocked_s = self._blocked(completed_steps, started)
         if self.async_save is not None:
             self._queued_s = self.async_save.waited_for_previous_s
             self._note_queued(completed_steps, started, final=final)
         self._last_save = (completed_steps, started)
 
-        def report_written(report) -> None:
-            self._drills_due(completed_steps, "checkpoint_write")
-            ray.get(
-                self._supervisor.report_checkpoint.remote(attempt, self.rank, completed_steps, report),
-                timeout=REPORT_TIMEOUT_S,
-            )
-            self._drills_due(completed_steps, "checkpoint_commit")
-
         if self.async_save is None:
-            report_written(report)
+            self._report_written(completed_steps, report)
         elif final:  # the job's result: its write must land (or fail the attempt) before run() returns
-            report_written(pending.wait(timeout_s=FINAL_WRITE_TIMEOUT_S))
+            self._report_written(completed_steps, pending.wait(timeout_s=FINAL_WRITE_TIMEOUT_S))
             self._final_wait_s = time.monotonic() - started - blocked_s
         else:
-
-            def report_when_written() -> None:
-                try:
-                    report = pending.wait(timeout_s=FINAL_WRITE_TIMEOUT_S)
-                except StorageFault as fault:
-                    self._report_failed(completed_steps, fault)
-                    return
-                report_written(report)
-
-            thread = threading.Thread(target=report_when_written, name=f"ckpt-report-{completed_steps}", daemon=True)
-            thread.start()
-            self._threads.append(thread)
+            self._report_when_written(completed_steps, pending)
         return blocked_s
+
+    def save_held(self, trainer, snapshot) -> float | None:
+        """Save ``snapshot`` (``workers/checkpoints/snapshot.py``: the state this attempt resumed from, equal to
+        the trainer's now, at a step whose scheduled save never committed) with its write in the background,
+        whatever ``checkpoint.async`` says; returns the seconds it blocked training, or None when the storage
+        refused it (reported, as :meth:`save`). Collective, like :meth:`save`.
+
+        Why: the copy in host memory is what a save would stage, so nothing needs copying, and nothing
+        changes it while it is written. Made from the live state instead, this save blocked every rank
+        before the repaired attempt's first step: on CPU for the whole write (1.0-1.5 s of a 2.6 s node-loss
+        repair of the small GPT), on a GPU for the staging copy, in a new process with its buffers allocated
+        and pinned first (6.1-6.8 s for a 1B model on an H100). The next save waits until this one's write
+        and report have landed, so the supervisor commits the steps in order.
+        """
+        from etrain.workers.checkpoints.checkpoint import AsyncCheckpointer
+        from etrain.workers.checkpoints.checkpoint_commit import step_dir
+
+        step = snapshot.step
+        directory = step_dir(self._plan.config.checkpoint.path, step)
+        started = time.monotonic()
+        writer = self.async_save
+        if writer is None:  # collective: every rank makes this save at the same point of the attempt
+            writer = self._held_writer = AsyncCheckpointer(write_threads=1)
+        model_parts, optimizers, extra = trainer.state_for_checkpoint()
+        if extra.get("step") != step:
+            raise ValueError(f"the held copy is of step {step}, the trainer is at step {extra.get('step')}")
+        try:
+            pending = writer.save_held(
+                directory, model_parts, optimizers, snapshot.state, extra, owner=self._plan.config.job_id
+            )
+        except StorageFault as fault:
+            self._report_failed(step, fault)
+            return None
+        blocked_s = self._blocked(step, started)
+        self._last_save = (step, started)
+        self._held_report = self._report_when_written(step, pending)
+        return blocked_s
+
+    def _blocked(self, step: int, started: float) -> float:
+        """A save of ``step`` begun at ``started`` has released training: the seconds it blocked it (the
+        ``every_steps: auto`` cadence hears of them)."""
+        blocked_s = time.monotonic() - started
+        if self._cadence is not None:
+            self._cadence.observe_save(step, blocked_s)
+        return blocked_s
+
+    def _report_written(self, step: int, report: Any) -> None:
+        """Tell the supervisor this rank's shards of ``step`` are written (the fault drills due around it fire)."""
+        import ray
+
+        self._drills_due(step, "checkpoint_write")
+        ray.get(
+            self._supervisor.report_checkpoint.remote(self._plan.attempt, self.rank, step, report),
+            timeout=REPORT_TIMEOUT_S,
+        )
+        self._drills_due(step, "checkpoint_commit")
+
+    def _report_when_written(self, step: int, pending: Any) -> threading.Thread:
+        """Report ``step`` from a thread once its background write landed (a storage fault: rank 0 says why)."""
+
+        def report_when_written() -> None:
+            try:
+                report = pending.wait(timeout_s=FINAL_WRITE_TIMEOUT_S)
+            except StorageFault as fault:
+                self._report_failed(step, fault)
+                return
+            self._report_written(step, report)
+
+        thread = threading.Thread(target=report_when_written, name=f"ckpt-report-{step}", daemon=True)
+        thread.start()
+        self._threads.append(thread)
+        return thread
+
+    def _held_landed(self) -> None:
+        """Wait until a held save's write and report are over (the supervisor then commits the steps in order:
+        a later step committed first would leave the held one refused as older)."""
+        if self._held_report is not None:
+            self._held_report.join(timeout=FINAL_WRITE_TIMEOUT_S + REPORT_TIMEOUT_S)
+            self._held_report = None
 
     def _note_queued(self, step: int, started: float, *, final: bool) -> None:
         """Rank 0, once per attempt: a mid-job save that waited for the previous save's write becomes a
@@ -183,10 +242,14 @@ class RankSaves:
             self._queued_noted = True
             self._supervisor.report_note.remote(self._plan.attempt, "checkpoint_interval", note)
 
-    def describe(self, blocked_s: float | None) -> str:
-        """The rank log's words for a save's outcome."""
+    def describe(self, blocked_s: float | None, *, held: bool = False) -> str:
+        """The rank log's words for a save's outcome (``held``: :meth:`save_held`'s)."""
         if blocked_s is None:
             return "abandoned (checkpoint_failed)"
+        if held:
+            return (
+                f"save started from the copy in memory (written in the background), training blocked {blocked_s:.2f}s"
+            )
         if self.async_save is not None:
             said = f"save started (async), training blocked {blocked_s:.2f}s"
             if self._queued_s >= 0.01:
@@ -214,13 +277,15 @@ class RankSaves:
         """Wait for the save in flight and every report (each acknowledged before ``run`` returns). Never
         raises: after a peer died the async writer's close can fail, and this process may run the next
         attempt (an in-place repair)."""
-        if self.async_save is not None:
+        for writer in (self.async_save, self._held_writer):
+            if writer is None:
+                continue
             try:
-                self.async_save.close(timeout_s=REPORT_TIMEOUT_S * 10)  # the last save must land first
+                writer.close(timeout_s=REPORT_TIMEOUT_S * 10)  # the last save must land first
             except Exception as err:
                 if log is not None:
                     log.write(f"attempt {self._plan.attempt}: the last async checkpoint did not land: {err}")
-            self.async_save = None
+        self.async_save = self._held_writer = None
         for thread in self._threads:
             thread.join(timeout=REPORT_TIMEOUT_S)
         self._threads.clear()

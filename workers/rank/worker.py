@@ -279,9 +279,9 @@ class TrainWorker:
             )
             if compiled.load():  # before the first step compiles: its graphs then come from the node's cache
                 phases.mark("compile cache")
-            source, committed = None, plan.start_step
+            source, committed, resumed = None, plan.start_step, None
             if plan.resume_dir:
-                source, start = self._restore(trainer, plan)
+                source, start, resumed = self._restore(trainer, plan)
                 if start != plan.start_step:  # a later step the ranks held in memory (an in-place repair)
                     plan = self._plan = dataclasses.replace(plan, start_step=start)
             phases.mark("state")
@@ -318,11 +318,13 @@ class TrainWorker:
             saves.before_first_step(trainer)
             if plan.start_step > committed and scheduled_save(plan.start_step, total_steps=total, every_steps=every):
                 # Resumed from memory at a step whose scheduled save never committed (the failure came during
-                # it): make that save again, from the very state it would have written.
-                blocked_s = saves.save(trainer, plan.start_step, final=False)
+                # it): make that save again, from the very copy the ranks resumed from, written in the background.
+                self._keep_snapshot(trainer, plan.start_step, held=resumed)
+                blocked_s = saves.save_held(trainer, resumed)
                 if log is not None:
                     log.write(
-                        f"checkpoint step {plan.start_step} {saves.describe(blocked_s)} (again, after the repair)"
+                        f"checkpoint step {plan.start_step} {saves.describe(blocked_s, held=True)} "
+                        "(again, after the repair)"
                     )
             for step in range(plan.start_step, total):
                 self._step = step + 1  # the step it runs, counted as the logs count it
@@ -385,8 +387,9 @@ class TrainWorker:
             if log is not None:
                 log.write(f"attempt {plan.attempt}: wound down in {ending}")
 
-    def _restore(self, trainer, plan: LaunchPlan) -> tuple[str, int]:
-        """Load the state to resume from; returns where it came from and the step to run next.
+    def _restore(self, trainer, plan: LaunchPlan) -> tuple[str, int, Any]:
+        """Load the state to resume from; returns where it came from, the step to run next and the snapshot
+        it came from (None: from storage).
 
         A relaunch reads committed step ``plan.start_step`` from storage (the supervisor verified its
         checksums just before). An in-place repair first offers memory: the ranks agree on the newest step
@@ -409,12 +412,12 @@ class TrainWorker:
             if snapshot is not None:
                 start = resume_from_snapshot(trainer, snapshot)
                 self._forget_snapshots_after(start)
-                return origin, start
+                return origin, start, snapshot
             trainer.restore(plan.resume_dir, verify_checksums=True, expect_digest=plan.resume_digest)
             self._forget_snapshots_after(plan.start_step)
-            return "storage (no replica in memory for every rank)", plan.start_step
+            return "storage (no replica in memory for every rank)", plan.start_step, None
         trainer.restore(plan.resume_dir, verify_checksums=False, expect_digest=plan.resume_digest)
-        return "storage", plan.start_step
+        return "storage", plan.start_step, None
 
     def _forget_snapshots_unfit(self, parallel) -> None:
         """Drop the copies taken at another data-parallel size where state is sharded over dp (an in-place
@@ -469,8 +472,9 @@ class TrainWorker:
             if log is not None:
                 log.write(f"attempt {plan.attempt}: step {step}'s state not kept: {copy_err}")
 
-    def _keep_snapshot(self, trainer, completed_steps: int) -> None:
-        """Copy this rank's state at a checkpointed step to host memory, for an in-place repair.
+    def _keep_snapshot(self, trainer, completed_steps: int, *, held: Any = None) -> None:
+        """Copy this rank's state at a checkpointed step to host memory, for an in-place repair (``held``: a
+        snapshot of that step this rank holds already, kept instead of a new copy).
 
         Two are kept: the newest may not be committed yet when a rank dies, the one before it is.
         Only where a data-parallel replica holds the same state (``snapshot.has_replicas``: DDP, HSDP's other
@@ -487,13 +491,16 @@ class TrainWorker:
         replica_to_be = self._plan.may_grow and parallel.dp == 1 and has_replicas(dataclasses.replace(parallel, dp=2))
         if not self._plan.keep_snapshots or not (has_replicas(parallel) or replica_to_be):
             return
-        self._store_snapshot(trainer, completed_steps)
+        self._store_snapshot(trainer, completed_steps, held=held)
 
-    def _store_snapshot(self, trainer, step: int) -> None:
-        """Copy this rank's state after ``step`` completed steps to host memory; the newest two are kept."""
+    def _store_snapshot(self, trainer, step: int, *, held: Any = None) -> None:
+        """Copy this rank's state after ``step`` completed steps to host memory (or keep ``held``, a copy of
+        it); the newest two are kept."""
         from etrain.workers.checkpoints.snapshot import take_snapshot
 
-        self._snapshots[step] = take_snapshot(step, *trainer.state_for_checkpoint(), dp=trainer.config.parallel.dp)
+        if held is None:
+            held = take_snapshot(step, *trainer.state_for_checkpoint(), dp=trainer.config.parallel.dp)
+        self._snapshots[step] = held
         for old in sorted(self._snapshots)[:-2]:
             del self._snapshots[old]
 
