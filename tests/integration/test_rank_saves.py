@@ -108,10 +108,13 @@ def test_a_queued_save_with_no_cadence_to_advise_on_makes_no_note(tmp_path, monk
     assert [method for method, _ in supervisor.calls if method == "report_note"] == []
 
 
-def test_a_held_save_writes_the_copy_in_the_background_and_lands_before_the_next_save(tmp_path, monkeypatch):
-    """The save an in-place repair makes again (``RankSaves.save_held``), where saves are otherwise synchronous:
-    it blocks training for less than a synchronous save of the same state, writes the snapshot's values (not the
-    live ones, which moved on), and its report reaches the supervisor before the next save's."""
+@pytest.mark.parametrize("async_save", [False, True], ids=["saves otherwise synchronous (CPU)", "async saves (CUDA)"])
+def test_a_held_save_writes_the_copy_in_the_background_and_lands_before_the_next_save(
+    tmp_path, monkeypatch, async_save
+):
+    """The save an in-place repair makes again (``RankSaves.save_held``): it blocks training for less than the
+    next save of the same state, writes the snapshot's values (not the live ones, which moved on), and its
+    report reaches the supervisor before the next save's."""
     import torch.distributed.checkpoint as dcp
 
     from etrain.workers.checkpoints.checkpoint_commit import step_dir
@@ -124,16 +127,16 @@ def test_a_held_save_writes_the_copy_in_the_background_and_lands_before_the_next
     trainer.model(torch.randn(2, 2048)).sum().backward()
     trainer.optimizer.step()  # the live state moves on; the held save must not write it
     trainer.state_for_checkpoint = lambda: ([trainer.model], [trainer.optimizer], {"step": 2})
-    saves = _saves(tmp_path, supervisor, async_save=False, every_steps=2)
+    saves = _saves(tmp_path, supervisor, async_save=async_save, every_steps=2)
     try:
         held_blocked = saves.save_held(trainer, snapshot)
         said = saves.describe(held_blocked, held=True)
         trainer.state_for_checkpoint = lambda: ([trainer.model], [trainer.optimizer], {"step": 4})
-        sync_blocked = saves.save(trainer, 4, final=False)
+        next_blocked = saves.save(trainer, 4, final=False)  # waits for the held write (async: and stages a copy)
     finally:
         saves.close(None)
     assert said.startswith("save started from the copy in memory"), said
-    assert held_blocked < sync_blocked, (held_blocked, sync_blocked)
+    assert held_blocked < next_blocked, (held_blocked, next_blocked)
     assert [args[2] for args in supervisor.args_of("report_checkpoint")] == [2, 4]  # in order: 2 landed first
     fresh = _Trainer()
     loaded = collect_state([fresh.model], [fresh.optimizer]).state
