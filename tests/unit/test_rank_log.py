@@ -110,3 +110,39 @@ def test_an_unwritable_log_never_breaks_the_rank(tmp_path, capfd):
     log.write("also lost")
     log.close()
     assert capfd.readouterr().err.count("cannot write the rank log") == 1
+
+
+def _warn_from_the_model() -> None:
+    import warnings
+
+    warnings.warn("a view tensor was returned", UserWarning, stacklevel=1)
+
+
+def test_each_capture_shows_again_the_warnings_an_earlier_attempt_of_the_process_showed(tmp_path):
+    """A rank kept by an in-place repair runs its next attempt in the same process: the warning Python showed
+    in the first attempt appears in the second attempt's lines too, once each, and the filters stay."""
+    import warnings
+
+    path = rank_log_path(tmp_path, "job", 0)
+    log = RankLog(path)
+
+    def to_stderr(message, category, filename, lineno, file=None, line=None):  # as Python shows them (pytest records)
+        sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+    with warnings.catch_warnings():
+        warnings.showwarning = to_stderr
+        warnings.simplefilter("default")  # as Python's own: once per place
+        warnings.filterwarnings("ignore", message="an ignored one")
+        for attempt in (1, 2):
+            log.capture()
+            log.write(f"attempt {attempt}: starts")
+            _warn_from_the_model()
+            _warn_from_the_model()  # the same place: once per attempt
+            warnings.warn("an ignored one", UserWarning, stacklevel=1)
+            log.release()
+    log.close()
+    text = [line.split(" ", 1)[1] for line in read_lines(path, tail=20).lines]
+    shown = [at for at, line in enumerate(text) if "UserWarning: a view tensor was returned" in line]
+    assert len(shown) == 2, text
+    assert shown[0] < text.index("attempt 2: starts") < shown[1], text
+    assert not any("an ignored one" in line for line in text)

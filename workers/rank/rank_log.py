@@ -200,6 +200,7 @@ class RankLog:
             self._saved = (sys.stdout, sys.stderr)
             sys.stdout = _Tee(sys.stdout, self)
             sys.stderr = _Tee(sys.stderr, self)
+            forget_shown_warnings()
 
     def release(self) -> None:
         if self._saved is not None:
@@ -247,6 +248,27 @@ class RankLog:
             if self._local_dir is not None:
                 shutil.rmtree(self._local_dir, ignore_errors=True)
             self._fetched = False  # written again after this (not done today): fetch the uploaded lines first
+
+
+def forget_shown_warnings() -> None:
+    """Let Python show again, once, each warning it has already shown in this process.
+
+    Why: Python shows a warning once per place it comes from (each module's ``__warningregistry__``, and the
+    "once" registry) for the life of the process. A rank kept by an in-place repair runs its next attempt in
+    the same process, and the attempt's section of the rank log would miss every warning the first attempt
+    showed (FSDP2's note on view outputs, a deprecation): the log of the attempt being read looks clean when
+    the code still warns. Filters are left as they are (``warnings.resetwarnings`` would drop the ones
+    libraries set)."""
+    import warnings
+
+    warnings.onceregistry.clear()
+    for module in list(sys.modules.values()):
+        try:
+            registry = vars(module).get("__warningregistry__")
+        except TypeError:  # an object in sys.modules without a __dict__
+            continue
+        if isinstance(registry, dict):
+            registry.clear()
 
 
 class _Tee:
