@@ -254,11 +254,12 @@ def forget_shown_warnings() -> None:
     """Let Python show again, once, each warning it has already shown in this process.
 
     Why: Python shows a warning once per place it comes from (each module's ``__warningregistry__``, and the
-    "once" registry) for the life of the process. A rank kept by an in-place repair runs its next attempt in
-    the same process, and the attempt's section of the rank log would miss every warning the first attempt
-    showed (FSDP2's note on view outputs, a deprecation): the log of the attempt being read looks clean when
-    the code still warns. Filters are left as they are (``warnings.resetwarnings`` would drop the ones
-    libraries set)."""
+    "once" registry) until something resets the registries (any ``warnings.catch_warnings`` block does on its
+    way out, as a checkpoint save's). A rank kept by an in-place repair runs its next attempt in the same
+    process, and the attempt's section of the rank log would miss the warnings the first attempt showed until
+    then (FSDP2's note on view outputs, a deprecation): the log of the attempt being read looks clean when the
+    code still warns. Filters are left as they are (``warnings.resetwarnings`` would drop the ones libraries
+    set)."""
     import warnings
 
     warnings.onceregistry.clear()
