@@ -52,7 +52,9 @@ def test_a_job_is_kept_by_the_supervisor_started_before_it_and_a_replacement_is_
     # checks its losses against one process or the clean run.)
     with control_plane(tmp_path, supervisor_spares=1) as plane:
         (before,) = idle_pre_started(1)
-        job_id = plane.submit(spec("pre-started", steps=400, dp=1, every=50))["id"]
+        # Long enough to outlive the wait for the replacement below (REFILL_DELAY_S and an actor start): it is
+        # cancelled. 400 steps (~6 s) once ended first on a loaded machine, and the cancel answered 409.
+        job_id = plane.submit(spec("pre-started", steps=20_000, dp=1, every=500))["id"]
         plane.wait_until(job_id, lambda job: (job.get("step") or 0) >= 2, timeout_s=120, what="step 2")
         # The pre-started actor says it keeps the job, and a process that did not give it finds it by asking.
         assert jobs_of_pre_started([before]) == {before: job_id}
