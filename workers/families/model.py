@@ -67,10 +67,15 @@ def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
     the tp ranks, so no rank materialises the full logits. The result is a replicated scalar
     DTensor; its local value (the same on every tp rank) is returned, and ``to_local``'s backward
     hands the gradient back to the sharded logits, so callers treat both cases alike.
+
+    ``to_local`` returns a *view* of the local tensor, and a view as the output of a module wrapped by
+    FSDP2 or ``replicate`` (dp × tp) makes torch warn on every forward that an in-place op on it would skip
+    the pre-backward hook (it printed in every DP·TP rank log after each checkpoint); the copy of one
+    number is free, and nothing in-place may then drop the hook.
     """
     loss = token_cross_entropy(logits, targets)
     if isinstance(loss, DTensor):
-        loss = loss.to_local()
+        loss = loss.to_local().clone()
     return loss
 
 
