@@ -22,9 +22,9 @@ from etrain.workers.checkpoints import storage
 from etrain.workers.protocol import compile_sharing, safe_paths
 from etrain.workers.protocol.compile_sharing import CompileArtifacts
 
-__all__ = ["load", "open_folder", "save"]
+__all__ = ["MARKERS", "forget_node_sets", "load", "open_folder", "save"]
 
-_MARKERS = "etrain-artifacts"  # under the node's compile cache folder: one empty file per set it holds
+MARKERS = "etrain-artifacts"  # under the node's compile cache folder: one empty file per set it holds
 
 
 def _folder(checkpoint_path: str) -> str:
@@ -35,15 +35,31 @@ def _mark_node(cache_dir: str | None, sha256: str) -> None:
     if not cache_dir:
         return
     try:
-        os.makedirs(os.path.join(cache_dir, _MARKERS), mode=0o700, exist_ok=True)
-        with open(os.path.join(cache_dir, _MARKERS, sha256), "wb"):
+        os.makedirs(os.path.join(cache_dir, MARKERS), mode=0o700, exist_ok=True)
+        with open(os.path.join(cache_dir, MARKERS, sha256), "wb"):
             pass
     except OSError:  # the next rank on this node reads the set again: slower, never wrong
         pass
 
 
 def _node_holds(cache_dir: str | None, sha256: str) -> bool:
-    return bool(cache_dir) and os.path.exists(os.path.join(cache_dir, _MARKERS, sha256))
+    return bool(cache_dir) and os.path.exists(os.path.join(cache_dir, MARKERS, sha256))
+
+
+def forget_node_sets(cache_dir: str) -> None:
+    """Remove every marker of a set this node holds (the cache's bound removed files, perhaps of a marked
+    set: a rank that trusted the marker would skip loading the set and compile cold). The next rank loads its
+    stage's set again, a few seconds at most."""
+    folder = os.path.join(cache_dir, MARKERS)
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in names:
+        try:
+            os.unlink(os.path.join(folder, name))
+        except OSError:  # removed by another rank's pass meanwhile
+            pass
 
 
 def open_folder(checkpoint_path: str) -> tuple[int | str | None, str | None]:

@@ -342,9 +342,10 @@ class TrainWorker:
                             )
                             log.write(f"attempt {plan.attempt}: compile spans {compiled_now.since(profile_before)}")
                         counts = compiled_now.counts_since(profile_before)
-                        compiled.after_first_step(
-                            counts["FX graph cache misses"] + counts["AOTAutograd cache misses"] > 0
-                        )
+                        grew = counts["FX graph cache misses"] + counts["AOTAutograd cache misses"] > 0
+                        compiled.after_first_step(grew)
+                        if grew:  # the node's cache grew: keep it within its bound, in the background
+                            self._bound_node_cache(plan, log)
                 decision = boundaries.after_step(metrics)
                 if batcher is not None:  # a step that saves or stops is urgent (the last step always saves)
                     for record, urgent in decision.reports:
@@ -386,6 +387,19 @@ class TrainWorker:
             ending.mark("process groups")
             if log is not None:
                 log.write(f"attempt {plan.attempt}: wound down in {ending}")
+
+    @staticmethod
+    def _bound_node_cache(plan: LaunchPlan, log: Any) -> threading.Thread | None:
+        """One pass of the node's compile-cache bound in the background (``workers/engine/node_cache_bound.py``);
+        its thread, or None where no cache folder is set."""
+        from etrain.workers.engine.node_cache_bound import bound_in_background
+
+        def write(line: str) -> None:
+            if log is not None:  # as compiled_code.py's background share writes its line
+                log.write(f"attempt {plan.attempt}: {line}")
+
+        folder = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+        return bound_in_background(folder, write) if folder else None
 
     def _restore(self, trainer, plan: LaunchPlan) -> tuple[str, int, Any]:
         """Load the state to resume from; returns where it came from, the step to run next and the snapshot
