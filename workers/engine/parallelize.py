@@ -449,6 +449,9 @@ def _saved_by_selective() -> frozenset:
         ("aten", "_scaled_dot_product_cudnn_attention"),
         ("aten", "_scaled_dot_product_flash_attention_for_cpu"),
         ("_c10d_functional", "reduce_scatter_tensor"),
+        # training.float8: the absolute maxima torchao's casts scale by (a number per tensor), as torchtitan
+        # keeps them: the recomputed casts then skip the reductions (a pass over each input and weight)
+        ("aten", "max"),
         # a mixture of experts' grouped matmuls: torch's kernel, and etrain's loop where torch has none
         # (registered by etrain.workers.families.qwen3_moe_model, imported before a model is built)
         ("aten", "_grouped_mm"),
