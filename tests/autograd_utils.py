@@ -23,3 +23,22 @@ def saved_bytes(block: torch.nn.Module, x: torch.Tensor, *, autocast: bool, excl
             out = block(x)
         out.float().sum().backward()
     return sum(nbytes for ptr, nbytes in saved.items() if ptr not in exclude)
+
+
+def record_local_storage(saved: dict[int, int], weights: set[int]):
+    """A saved-tensor pack hook for a tensor-parallel rank: records in ``saved`` (storage address → bytes)
+    the local storage of every tensor autograd keeps, unwrapping a DTensor to its shard and a collective's
+    pending result (``AsyncCollectiveTensor``) to its tensor, except the storages in ``weights``."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.distributed.tensor import DTensor
+
+    def pack(tensor):
+        plain = tensor._local_tensor if isinstance(tensor, DTensor) else tensor  # noqa: SLF001
+        if isinstance(plain, AsyncCollectiveTensor):  # a collective's result, still a wrapper
+            plain = plain.elem
+        storage = plain.untyped_storage()
+        if storage.data_ptr() not in weights:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    return pack

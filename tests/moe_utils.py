@@ -147,21 +147,34 @@ MEASURED_BLOCK = dict(
 )
 
 
-def saved_activation_bytes(block: torch.nn.Module, model: ModelConfig, regime: str, micro_batch: int = 2) -> int:
+def saved_activation_bytes(
+    block: torch.nn.Module, model: ModelConfig, regime: str, micro_batch: int = 2, *, compiled: bool = False
+) -> int:
     """What autograd saves for one forward and backward of a mixture-of-experts ``block`` (initialised, in
     ``regime``: ``fp32``, ``autocast`` or ``bf16_params``), less what the planner counts elsewhere: the cached
-    fp32 RoPE tables (module state) and autocast's bf16 weight casts (weights, not activations)."""
+    fp32 RoPE tables (module state) and autocast's bf16 weight casts (weights, not activations). ``compiled``:
+    the block under inductor's min-cut partitioner (``aot_eager_decomp_partition``, no code generation)."""
     from etrain.workers.engine.init import initialize_parameters
 
     dtype = torch.bfloat16 if regime == "bf16_params" else torch.float32
     initialize_parameters(block, seed=0, n_layers=1)
     block = block.to(dtype)
+    run = block
+    if compiled:
+        torch._dynamo.reset()  # a case each: more than dynamo's recompile limit
+        run = torch.compile(block, backend="aot_eager_decomp_partition", fullgraph=True)
     x = torch.randn(micro_batch, model.seq_len, model.d_model, requires_grad=True, dtype=dtype)
-    saved = saved_bytes(SummedBlock(block), x, autocast=regime == "autocast")
+    if compiled:
+        saved_bytes(SummedBlock(run), x, autocast=regime == "autocast")  # compiles
+    saved = saved_bytes(SummedBlock(run), x, autocast=regime == "autocast")
     # the cached fp32 RoPE tables are saved where the rotation runs in fp32: in fp32, and under autocast
-    # where q and k leave their norms in fp32 (Qwen3-MoE; Mixtral has none, its q and k are autocast's bf16)
+    # where q and k leave their norms in fp32 (Qwen3-MoE; Mixtral has none, its q and k are autocast's bf16);
+    # a compiled graph keeps only the inverse frequencies, a constant
     fp32_rotation = regime == "fp32" or (regime == "autocast" and block.attention.q_norm is not None)
-    rope = rope_table_bytes(model) if fp32_rotation else 0
+    if compiled:
+        rope = model.head_dim // 2 * 4
+    else:
+        rope = rope_table_bytes(model) if fp32_rotation else 0
     weights = sum(p.numel() for p in block.parameters() if p.ndim >= 2)
     casts = 2 * weights if regime == "autocast" else 0
     return saved - rope - casts

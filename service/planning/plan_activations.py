@@ -143,10 +143,16 @@ def selective_activation_bytes(
     the compute dtype: every matmul (the column-parallel ones ``column_output_width / tp`` wide, the two
     row-parallel ones a full ``d_model`` partial sum each), attention's output and its fp32 log-sum-exp
     per head, and under sequence parallelism the two reduce-scattered outputs (``d_model / tp``).
-    Everything else (norms, activations, RoPE, casts) is recomputed. ``compiled`` (``training.compile``):
-    the partitioner drops the second row-parallel output (the block's last matmul feeds only the
-    residual sum; measured on CPU, and within 2% of the H100's peak), and keeps no weight casts
-    (``plan_memory.stage_memory``).
+    Everything else (norms, activations, RoPE, casts) is recomputed. ``compiled`` (``training.compile``;
+    measured on CPU for each dense family at tp=1 and on a tp=2 rank, and within 2% of the H100's peak for
+    Llama at tp=1) keeps no weight casts (``plan_memory.stage_memory``), and of the two row-parallel
+    outputs (``wo``'s and the MLP's last matmul's, each ``d`` wide):
+
+    * at tp=1 it drops the last one where it feeds only the residual sum
+      (``ModelFamily.last_matmul_feeds_the_residual``: every pre-norm family; OLMo 2's post-norm reads it);
+    * under tp without sequence parallelism it keeps both partial sums (their all-reduce is not recomputed);
+    * under sequence parallelism it keeps none of the partial sums, only the reduce-scattered outputs that a
+      later op reads (``d / tp`` each: one where the last feeds only the residual sum, else both).
     """
     found = family(model.arch)
     tokens = model.seq_len * micro_batch
@@ -155,10 +161,18 @@ def selective_activation_bytes(
     residual = 2 if regime == "bf16_params" else 4
     sp_div = tp if sequence_parallel else 1
     block_input = d * residual / sp_div
-    matmuls = compute * (found.column_output_width(model) / tp + (1 if compiled else 2) * d)
+    read_later = 1 if found.last_matmul_feeds_the_residual else 2  # of the two row-parallel outputs
+    if not compiled:  # torch's policy keeps every matmul and reduce-scatter output
+        row_outputs, reduced = 2 * d, 2 * d / tp if sequence_parallel else 0.0
+    elif tp == 1:
+        row_outputs, reduced = read_later * d, 0.0
+    elif sequence_parallel:
+        row_outputs, reduced = 0.0, read_later * d / tp
+    else:
+        row_outputs, reduced = 2 * d, 0.0
+    matmuls = compute * (found.column_output_width(model) / tp + row_outputs + reduced)
     attention = compute * found.attention_width(model) / tp + 4 * model.n_heads / tp
-    reduced = compute * 2 * d / tp if sequence_parallel else 0.0
-    return tokens * (block_input + matmuls + attention + reduced)
+    return tokens * (block_input + matmuls + attention)
 
 
 def ring_transient_bytes(model: ModelConfig, *, micro_batch: int, cp: int, regime: Regime, tp: int = 1) -> float:

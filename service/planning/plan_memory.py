@@ -353,6 +353,9 @@ def stage_memory(
     casts = 2 * matmul if keeps_casts else 0.0
     rope = layers * rope_table_bytes(model)
 
+    # Under ep > 1 the token exchange and the experts it calls run eagerly between a block's graphs
+    # (parallelize_stage): their eager count, an overestimate for the rest of the block.
+    compiled_count = compiled and ep == 1
     per_layer = layer_activation_bytes(
         model,
         cp=cp,
@@ -362,7 +365,7 @@ def stage_memory(
         precision=precision,
         checkpointing=checkpointing,
         regime=regime,
-        compiled=compiled,
+        compiled=compiled_count,
     )
     if ep > 1:  # the exchange's regrouping permutation and its inverse, int64 per pick (balanced routing)
         per_layer += s * b * 16 * model.experts_per_token
@@ -376,7 +379,7 @@ def stage_memory(
             sequence_parallel=sequence_parallel,
             precision=precision,
             regime=regime,
-            compiled=compiled,
+            compiled=compiled_count,
         )
     hidden = s * b * d * (2 if regime == "bf16_params" else 4) / sp_div
     if pp > 1 and not last:  # the schedule keeps each in-flight chunk's output for its backward

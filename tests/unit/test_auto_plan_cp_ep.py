@@ -160,7 +160,7 @@ def test_a_mixture_of_experts_gets_ep_when_nothing_fits_without_it():
     assert plan.estimate.layout == "pp1·dp8·tp1 ep8 zero=2" and gib(plan.estimate.memory.total) == 68.7
     ep_reason = next(r for r in plan.reasons if r.startswith("ep="))
     assert ep_reason.startswith(
-        "ep=8: no layout with ep=1 fits; the smallest (pp1·dp8·tp1 zero=3) needs 177.3 GiB/rank > 80.0 GiB "
+        "ep=8: no layout with ep=1 fits; the smallest (pp1·dp8·tp1 zero=3) needs 177.1 GiB/rank > 80.0 GiB "
         "(buffers 117.4 GiB); each of the ep=8 ranks of a dp group holds 1/8 of the experts"
     )
     chosen = spec.with_layout(plan.layout)
@@ -257,3 +257,24 @@ def test_post_plan_answers_the_cp_layout():
     assert report["layout"] == "pp1·dp1·tp2 cp16 zero=3 sp"
     assert report["auto"]["layout"]["cp"] == 16 and report["estimate"]["parallelism"]["cp"] == 16
     assert report["estimate"]["comm_per_step"]["bytes"]["cp"] > 0
+
+
+def test_under_ep_a_compiled_mixture_of_experts_keeps_its_eager_activation_count():
+    """With ep > 1 the token exchange and the experts it calls run eagerly between a block's graphs, so the
+    planner counts the block's activations eagerly (an overestimate for the rest of it); at ep=1 the compiled
+    count applies, and is smaller."""
+    from etrain.service.planning.plan_memory import stage_memory
+    from etrain.workers.families import MODEL_PRESETS
+    from etrain.workers.protocol.run_config import ModelConfig
+
+    model = ModelConfig(**MODEL_PRESETS["qwen3-30b-a3b"])
+    common = dict(
+        stage=0, pp=1, layers=model.n_layers, virtual_stages=1, held=1, dp=8, tp=1, zero=3, micro_batch=1,
+        microbatches=1, precision="bf16", checkpointing="none", device="cuda", overhead=0,
+    )  # fmt: skip
+    for ep in (1, 2, 8):
+        eager = stage_memory(model, **common, ep=ep).activations
+        compiled = stage_memory(model, **common, ep=ep, compiled=True).activations
+        assert (compiled == eager) is (ep > 1), (ep, compiled, eager)
+        if ep == 1:
+            assert compiled < 0.8 * eager

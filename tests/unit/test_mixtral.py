@@ -110,12 +110,13 @@ def test_the_published_sizes():
     [{}, {"router_aux_loss_coef": 0.0, "n_kv_heads": 4, "experts_per_token": 3, "norm_topk_prob": False}],
     ids=["published", "no-loss-mha-top3"],
 )
-def test_the_activation_count_is_what_autograd_saves(regime, variant):
-    """Qwen3-MoE's count without the q/k norms and with the routing weights in fp32."""
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_the_activation_count_is_what_autograd_saves(regime, variant, compiled):
+    """Qwen3-MoE's count without the q/k norms and with the routing weights in fp32, eager and compiled."""
     sizes = dict(n_layers=1, d_model=128, n_heads=4, n_kv_heads=2, vocab_size=256, seq_len=64, d_ff=64)
     model = ModelConfig(**{**MODEL_PRESETS["mixtral-tiny"], **sizes, **variant})
-    saved = saved_activation_bytes(MixtralBlock(model), model, regime)
-    assert saved == layer_activation_bytes(model, micro_batch=2, regime=regime)
+    saved = saved_activation_bytes(MixtralBlock(model), model, regime, compiled=compiled)
+    assert saved == layer_activation_bytes(model, micro_batch=2, regime=regime, compiled=compiled)
 
 
 # -- config.json in and out, refusals --------------------------------------------------------------

@@ -218,6 +218,54 @@ class TestParameterCounts:
         assert largest_param(model, first=False, last=False) == model.d_model * model.ffn_dim  # a SwiGLU matrix
 
 
+def _dense_block(family: str, dtype):
+    """One block of a dense family (d_model 128, 4 heads, d_ff 176, seq 64) in ``dtype``, and its config."""
+    import torch
+
+    from etrain.workers.families.gpt_model import TransformerBlock
+    from etrain.workers.families.llama_model import LlamaBlock
+    from etrain.workers.families.olmo2_model import Olmo2Block
+
+    block_class, fields = {
+        "llama": (LlamaBlock, {"arch": "llama", "n_kv_heads": 2}),
+        "qwen3": (LlamaBlock, {"arch": "llama", "n_kv_heads": 2, "qk_norm": True}),
+        "olmo2": (Olmo2Block, {"arch": "olmo2", "n_kv_heads": 2}),
+        "gpt": (TransformerBlock, {"arch": "gpt"}),
+    }[family]
+    model = ModelConfig(n_layers=1, d_model=128, n_heads=4, vocab_size=256, seq_len=64, d_ff=176, **fields)
+    torch.manual_seed(0)
+    return block_class(model).to(dtype), model
+
+
+def _kept_for_backward(block, model: ModelConfig, regime: str, *, compiled: bool) -> int:
+    """What ``block`` keeps for its backward on a micro-batch of 3 (token-by-width tensors apart from
+    weight-sized ones), less autocast's bf16 weight casts (``plan_memory`` counts those): eagerly, or under
+    inductor's min-cut partitioner (``aot_eager_decomp_partition``: the same saved tensors as inductor, in
+    seconds instead of a C++ build). The block input is not a leaf, as in a model."""
+    import torch
+
+    run = block
+    if compiled:
+        torch._dynamo.reset()  # each case compiles its block anew: more cases than dynamo's recompile limit
+        run = torch.compile(block, backend="aot_eager_decomp_partition", fullgraph=True)
+
+    class NotALeaf(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = run
+
+        def forward(self, h):
+            return self.inner(h * 1)
+
+    dtype = next(block.parameters()).dtype
+    x = torch.randn(3, model.seq_len, model.d_model, requires_grad=True, dtype=dtype)
+    autocast = regime == "autocast"
+    saved_bytes(NotALeaf(), x, autocast=autocast)  # compiles (and warms the eager block alike)
+    saved = saved_bytes(NotALeaf(), x, autocast=autocast)
+    weights = [p for name, p in block.named_parameters() if "norm" not in name and name.endswith("weight")]
+    return saved - (2 * sum(p.numel() for p in weights) if autocast else 0)
+
+
 class TestActivations:
     S, B, D, A = 2048, 2, 4096, 32
 
@@ -232,27 +280,35 @@ class TestActivations:
             s * b * h / 8 * (34 + 5 * a * s / h)
         )
 
-    def test_our_model_is_32_sbh_without_scores(self):
-        """No dropout and fused attention: Korthikanti's 34 sbh less 2 sbh of masks, plus small fp32 stats."""
+    def test_our_model_is_korthikantis_count_without_masks_or_scores(self):
+        """No dropout and fused attention: in bf16 weights (``bf16_params``) Korthikanti's 34 sbh less 2 sbh of
+        masks, plus small stats; under autocast 8 sbh more (LayerNorm runs in fp32, and each of wq, wk, wv
+        and w1 saves its own bf16 cast of the norm's output). Sequence parallelism shards the norms' inputs
+        and stats, not the gathered outputs the projections save (torch's SP, not Megatron's re-gather)."""
         model = ModelConfig(n_layers=2, d_model=self.D, n_heads=self.A, vocab_size=256, seq_len=self.S)
         sbd, sb = self.S * self.B * self.D, self.S * self.B
         lse, ln_stats = 4 * self.A * sb, 16 * sb
-        bf16 = layer_activation_bytes(model, micro_batch=self.B, precision="bf16")
-        assert bf16 == pytest.approx(32 * sbd + lse + ln_stats)
+        bf16 = layer_activation_bytes(model, micro_batch=self.B, precision="bf16", regime="bf16_params")
+        assert bf16 == pytest.approx(32 * sbd + lse + ln_stats / 2)
+        autocast = layer_activation_bytes(model, micro_batch=self.B, precision="bf16")  # the default regime
+        assert autocast == pytest.approx(40 * sbd + lse + ln_stats)
         assert layer_activation_bytes(model, micro_batch=self.B, precision="fp32") == pytest.approx(
             64 * sbd + lse + ln_stats
         )
         assert layer_activation_bytes(model, micro_batch=self.B, tp=4) == pytest.approx(
-            sbd * (8 + 24 / 4) + lse / 4 + ln_stats
+            sbd * (8 + 8 + 24 / 4) + lse / 4 + ln_stats
         )
         assert layer_activation_bytes(model, micro_batch=self.B, tp=4, sequence_parallel=True) == pytest.approx(
-            (32 * sbd + lse + ln_stats) / 4
+            sbd * (8 / 4 + 8 + 24 / 4) + lse / 4 + ln_stats / 4
         )
+        assert layer_activation_bytes(model, micro_batch=self.B, compiled=True) == pytest.approx(autocast - 6 * sbd)
         ac = layer_activation_bytes(model, micro_batch=self.B, checkpointing="full")
-        assert ac == pytest.approx(2 * sbd)  # only the block input
+        assert ac == pytest.approx(4 * sbd)  # only the block input: the fp32 residual stream under autocast
         assert layer_activation_bytes(
             model, micro_batch=self.B, tp=4, sequence_parallel=True, checkpointing="full"
-        ) == pytest.approx(2 * sbd / 4)
+        ) == pytest.approx(4 * sbd / 4)
+        bf16_ac = layer_activation_bytes(model, micro_batch=self.B, regime="bf16_params", checkpointing="full")
+        assert bf16_ac == pytest.approx(2 * sbd)
 
     def test_llama_block_per_token(self):
         """The Llama count, written out for an 8B-shaped block (GQA 32/8 heads, SwiGLU 14336)."""
@@ -280,16 +336,46 @@ class TestActivations:
         )
         assert rope_table_bytes(model) == 2 * s * hd * 4
 
-    @pytest.mark.parametrize("d_ff", [None, 96])
-    def test_count_matches_what_autograd_saves(self, d_ff):
-        """Sum the distinct non-parameter storages autograd saves for one block's backward (fp32, CPU)."""
+    @pytest.mark.parametrize("regime", ["fp32", "autocast", "bf16_params"])
+    def test_full_checkpointing_keeps_the_block_input_in_the_residual_dtype(self, regime):
+        """Under full activation checkpointing a GPT block keeps only its input: fp32 under autocast."""
+        torch = pytest.importorskip("torch")
+        from torch.utils.checkpoint import checkpoint
+
+        from etrain.workers.families.gpt_model import TransformerBlock
+
+        model = ModelConfig(n_layers=1, d_model=128, n_heads=4, vocab_size=256, seq_len=64)
+        dtype = torch.bfloat16 if regime == "bf16_params" else torch.float32
+        block = TransformerBlock(model).to(dtype)
+
+        class Checkpointed(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.block = block
+
+            def forward(self, h):
+                return checkpoint(self.block, h * 1, use_reentrant=False)
+
+        x = torch.randn(3, model.seq_len, model.d_model, requires_grad=True, dtype=dtype)
+        saved = saved_bytes(Checkpointed(), x, autocast=regime == "autocast")
+        precision = "fp32" if regime == "fp32" else "bf16"
+        count = layer_activation_bytes(model, micro_batch=3, precision=precision, regime=regime, checkpointing="full")
+        assert saved == count
+
+    @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+    @pytest.mark.parametrize("regime", ["fp32", "autocast", "bf16_params"])
+    @pytest.mark.parametrize("shape", [{}, {"d_ff": 96}, {"d_model": 96, "n_heads": 2, "d_ff": 160}])
+    def test_count_matches_what_autograd_saves(self, shape, regime, compiled):
+        """The GPT block's count, eagerly and compiled, in every regime (:func:`_kept_for_backward`)."""
         torch = pytest.importorskip("torch")
         from etrain.workers.families.gpt_model import TransformerBlock
 
-        model = ModelConfig(n_layers=1, d_model=128, n_heads=4, vocab_size=256, seq_len=64, d_ff=d_ff)
-        block = TransformerBlock(model)
-        x = torch.randn(2, model.seq_len, model.d_model, requires_grad=True)
-        assert saved_bytes(block, x, autocast=False) == layer_activation_bytes(model, micro_batch=2, precision="fp32")
+        model = ModelConfig(n_layers=1, vocab_size=256, seq_len=64, **{"d_model": 128, "n_heads": 4, **shape})
+        torch.manual_seed(0)
+        block = TransformerBlock(model).to(torch.bfloat16 if regime == "bf16_params" else torch.float32)
+        precision = "fp32" if regime == "fp32" else "bf16"
+        count = layer_activation_bytes(model, micro_batch=3, precision=precision, regime=regime, compiled=compiled)
+        assert _kept_for_backward(block, model, regime, compiled=compiled) == count
 
     @pytest.mark.parametrize("regime", ["fp32", "autocast", "bf16_params"])
     @pytest.mark.parametrize(
@@ -327,57 +413,98 @@ class TestActivations:
 
     @pytest.mark.parametrize("regime", ["fp32", "autocast", "bf16_params"])
     @pytest.mark.parametrize(
-        "variant",
-        [{"n_kv_heads": 2}, {"n_kv_heads": 4, "head_dim_override": 16}],
-        ids=["gqa", "mha-head_dim"],
+        ("arch", "variant"),
+        [
+            ("llama", {"n_kv_heads": 2}),
+            ("llama", {"n_kv_heads": 4, "head_dim_override": 16}),
+            ("llama", {"n_kv_heads": 2, "qk_norm": True}),  # Qwen3's per-head q/k norms
+            ("llama", {"n_heads": 2, "n_kv_heads": 1, "head_dim_override": 40, "qk_norm": True}),
+            ("olmo2", {"n_kv_heads": 2}),
+            ("olmo2", {"n_heads": 8, "n_kv_heads": 2, "d_ff": 256}),
+            ("olmo2", {"n_heads": 2, "n_kv_heads": 1, "head_dim_override": 40}),
+        ],
+        ids=["gqa", "mha-head_dim", "qk_norm-gqa", "qk_norm-head_dim", "olmo2-gqa", "olmo2-wide", "olmo2-head_dim"],
     )
-    def test_compiled_llama_count_matches_what_autograd_saves(self, regime, variant):
-        """``training.compile``: the block under torch.compile with the partitioner inductor uses
-        (``aot_eager_decomp_partition`` runs the same min-cut partitioning without generating code: the
-        same saved tensors as inductor, measured, in seconds instead of a C++ build). A micro-batch of 3
-        keeps token-by-width tensors apart from the weight casts."""
+    def test_compiled_rotary_count_matches_what_autograd_saves(self, regime, arch, variant):
+        """``training.compile``: a Llama-family block (with and without Qwen3's q/k norms) and OLMo 2's, under
+        inductor's partitioner (:func:`_kept_for_backward`), counted exactly, and well under the eager count."""
         torch = pytest.importorskip("torch")
         from etrain.workers.families.llama_model import LlamaBlock
+        from etrain.workers.families.olmo2_model import Olmo2Block
 
         model = ModelConfig(
-            arch="llama", n_layers=1, d_model=128, n_heads=4, vocab_size=256, seq_len=64, **{"d_ff": 176, **variant}
+            arch=arch, n_layers=1, vocab_size=256, seq_len=64, **{"d_model": 128, "n_heads": 4, "d_ff": 176, **variant}
         )
         torch.manual_seed(0)
-        dtype = torch.bfloat16 if regime == "bf16_params" else torch.float32
-        block = LlamaBlock(model).to(dtype)
-        compiled = torch.compile(block, backend="aot_eager_decomp_partition", fullgraph=True)
-        x = torch.randn(3, model.seq_len, model.d_model, requires_grad=True, dtype=dtype)
-        saved_bytes(compiled, x, autocast=regime == "autocast")  # compiles
-        saved = saved_bytes(compiled, x, autocast=regime == "autocast")
-        weights = [p for name, p in block.named_parameters() if "norm" not in name and name.endswith("weight")]
-        weight_casts = 2 * sum(p.numel() for p in weights) if regime == "autocast" else 0
+        block_class = Olmo2Block if arch == "olmo2" else LlamaBlock
+        block = block_class(model).to(torch.bfloat16 if regime == "bf16_params" else torch.float32)
+        kept = _kept_for_backward(block, model, regime, compiled=True)
         inv_freq = model.head_dim // 2 * 4  # RoPE's inverse frequencies: a constant the graph keeps
-        count = llama_layer_activation_bytes(model, micro_batch=3, regime=regime, compiled=True)
-        assert 0 <= saved - count - weight_casts - inv_freq <= 16  # (a scalar the graph may keep: see below)
-        assert count < 0.8 * llama_layer_activation_bytes(model, micro_batch=3, regime=regime)
+        count = layer_activation_bytes(model, micro_batch=3, regime=regime, compiled=True)
+        assert 0 <= kept - count - inv_freq <= 16  # (a scalar the graph may keep: see below)
+        assert count < 0.8 * layer_activation_bytes(model, micro_batch=3, regime=regime)
 
     @pytest.mark.parametrize("regime", ["fp32", "autocast", "bf16_params"])
-    def test_compiled_selective_count_matches_what_autograd_saves(self, regime):
-        """Selective checkpointing under compile: the policy's saved outputs less the block's last matmul
-        output, and no weight casts (the partitioner recomputes them)."""
+    @pytest.mark.parametrize("family", ["llama", "qwen3", "olmo2", "gpt"])
+    def test_eager_selective_count_matches_what_the_policy_keeps(self, family, regime):
+        """Selective checkpointing, eagerly: what the block keeps between its forward and backward is the
+        policy's cache of saved op outputs (torch's ``_CachingTorchDispatchMode.storage``, which no
+        saved-tensor hook sees) plus the checkpoint's input; both are summed here, by distinct storage."""
+        torch = pytest.importorskip("torch")
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+        from torch.utils import _pytree
+        from torch.utils.checkpoint import _RECOMPUTE
+
+        from etrain.workers.engine.parallelize import _selective_contexts
+
+        block, model = _dense_block(family, torch.bfloat16 if regime == "bf16_params" else torch.float32)
+        caches = []
+
+        def contexts():
+            forward, recompute = _selective_contexts()
+            caches.append(forward.storage)
+            return forward, recompute
+
+        weights = {p.untyped_storage().data_ptr() for p in block.parameters()}
+        kept: dict[int, int] = {}
+
+        def keep(tensor):
+            if tensor.untyped_storage().data_ptr() not in weights:
+                kept[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+            return tensor
+
+        wrapped = checkpoint_wrapper(block, preserve_rng_state=False, context_fn=contexts)
+        x = torch.randn(3, model.seq_len, model.d_model, requires_grad=True, dtype=next(block.parameters()).dtype)
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=regime == "autocast"):
+                out = wrapped(x * 1)
+        for cache in caches:
+            for outputs in (o for per_op in cache.values() for o in per_op.values() if o is not _RECOMPUTE):
+                for leaf in _pytree.tree_leaves(outputs):
+                    keep(getattr(leaf, "val", leaf))
+        out.float().sum().backward()
+        assert sum(kept.values()) == selective_activation_bytes(model, micro_batch=3, regime=regime)
+
+    @pytest.mark.parametrize("regime", ["fp32", "autocast", "bf16_params"])
+    @pytest.mark.parametrize("family", ["llama", "qwen3", "olmo2", "gpt"])
+    def test_compiled_selective_count_matches_what_autograd_saves(self, family, regime):
+        """Selective checkpointing under compile, for every dense family: the policy's saved outputs less the
+        block's last matmul output where only the residual sum reads it (not OLMo 2's, which its post-norm
+        reads), and no weight casts (the partitioner recomputes them)."""
         torch = pytest.importorskip("torch")
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
         from etrain.workers.engine.parallelize import _selective_contexts
-        from etrain.workers.families.llama_model import LlamaBlock
 
-        model = ModelConfig(
-            arch="llama", n_layers=1, d_model=128, n_heads=4, vocab_size=256, seq_len=64, d_ff=176, n_kv_heads=2
-        )
-        torch.manual_seed(0)
         dtype = torch.bfloat16 if regime == "bf16_params" else torch.float32
-        block = LlamaBlock(model).to(dtype)
+        block, model = _dense_block(family, dtype)
         wrapped = checkpoint_wrapper(block, preserve_rng_state=False, context_fn=_selective_contexts)
+        torch._dynamo.reset()  # a case per family and regime: more than dynamo's recompile limit
         compiled = torch.compile(wrapped, backend="aot_eager_decomp_partition", fullgraph=True)
         x = torch.randn(3, model.seq_len, model.d_model, requires_grad=True, dtype=dtype)
         saved_bytes(compiled, x, autocast=regime == "autocast")  # compiles
         saved = saved_bytes(compiled, x, autocast=regime == "autocast")
-        inv_freq = model.head_dim // 2 * 4
+        inv_freq = 0 if family == "gpt" else model.head_dim // 2 * 4  # RoPE's inverse frequencies: a constant
         count = selective_activation_bytes(model, micro_batch=3, regime=regime, compiled=True)
         # Plus at most a scalar or two the graph may keep (an RNG offset after other compiled tests ran: 8 bytes
         # in the whole suite, none alone); every per-token tensor is 192 tokens x its width, far above that.

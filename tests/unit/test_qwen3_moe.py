@@ -192,10 +192,11 @@ def test_the_planner_holds_every_expert_and_its_optimizer_state_and_times_the_ac
     ],
     ids=["published", "no-loss-mha", "top3-bias"],
 )
-def test_the_activation_count_is_what_autograd_saves(regime, variant):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_the_activation_count_is_what_autograd_saves(regime, variant, compiled):
     model = ModelConfig(**{**MEASURED_BLOCK, **variant})
-    saved = saved_activation_bytes(Qwen3MoeBlock(model), model, regime)
-    assert saved == layer_activation_bytes(model, micro_batch=2, regime=regime)
+    saved = saved_activation_bytes(Qwen3MoeBlock(model), model, regime, compiled=compiled)
+    assert saved == layer_activation_bytes(model, micro_batch=2, regime=regime, compiled=compiled)
 
 
 # -- layouts: refused with the field named ---------------------------------------------------------

@@ -144,6 +144,10 @@ class ModelFamily:
     #: Parallel axes the family cannot run on (``"tp"``, ``"pp"``), each with why: the layout rules
     #: (``workers/families/layout.py``) refuse a degree above 1 on them, naming the field.
     refused_axes: ClassVar[dict[str, str]] = {}
+    #: Whether a block's last matmul (the MLP's down projection) feeds only the residual sum (pre-norm
+    #: blocks). Under ``training.compile`` with selective checkpointing the partitioner then keeps the sum,
+    #: not that output (``plan_activations.selective_activation_bytes``); a post-norm (OLMo 2) reads it.
+    last_matmul_feeds_the_residual: ClassVar[bool] = True
     #: Whether the family's attention runs as a ring over context-parallel ranks (``parallelism.cp``,
     #: ``etrain.workers.families.ring_attention``); the layout rules refuse cp > 1 for the others.
     context_parallel: ClassVar[bool] = False

@@ -133,26 +133,47 @@ class GPT(ModelFamily):
         precision: str = "bf16",
         regime: str = "autocast",
         checkpointing: bool = False,
-        compiled: bool = False,  # no compiled count of its own: the eager one (an overestimate)
+        compiled: bool = False,
     ) -> float:
-        """Korthikanti's count adapted to ``workers/families/gpt_model.py`` (and checked against the
-        tensors autograd saves): no dropout, so no masks, and fused ``scaled_dot_product_attention``, so
-        no s x s scores, only an fp32 log-sum-exp per head and position. Per token it saves, in elements:
-        replicated 4d (both LayerNorm inputs and outputs) plus the LayerNorms' fp32 mean and rstd;
-        TP-sharded 4d + 2f (q, k, v, the attention output that ``wo`` reads, the GELU input and
-        output). At f = 4d and 2 bytes that is Korthikanti's 34 sbh less the 2 sbh of dropout masks:
-        sbh (8 + 24/t). Element size is 2 bytes (bf16) or 4 (fp32), from ``precision``. Sequence
-        parallelism shards the replicated part too (Megatron's layout). With activation checkpointing
-        only the block input (s·b·d) is saved."""
-        elem = 2 if precision == "bf16" else 4
+        """Korthikanti's count adapted to ``workers/families/gpt_model.py``, checked against the tensors
+        autograd saves in every regime, eager and compiled (tests/unit/test_planner.py): no dropout, so no
+        masks, and fused ``scaled_dot_product_attention``, so no s x s scores, only an fp32 log-sum-exp per
+        head and position. Per token, with ``r`` the residual stream's bytes (4, or 2 under
+        ``bf16_params``) and ``e`` the compute dtype's (4 in fp32, else 2):
+
+        * Each LayerNorm saves its input (``r·d``) and its mean and rstd (fp32; bf16 under ``bf16_params``).
+          Its output is saved by the projections that read it: once in fp32 and ``bf16_params``, but under
+          autocast (LayerNorm runs in fp32 there) as one bf16 cast per consumer: wq, wk, wv and w1, ``4·2d``.
+          That per-consumer cast is 8d of autocast's 24d + 4f + 4H; the count once read the element size
+          from ``precision`` alone and left it out (25% under for GPT-2 small's widths).
+        * Tensor-parallel (sharded by ``tp``): q, k, v, the attention output ``wo`` reads, the GELU input
+          and output, ``(4d + 2f)·e``, and the log-sum-exp, ``4H``.
+        * Compiled (``training.compile``: inductor's partitioner, measured with its min-cut partitioning on
+          CPU): each LayerNorm output once in the compute dtype, and ``wo``'s output (``e·d``) instead of the
+          mid-block residual (recomputed from it); the same count as eager in fp32 and ``bf16_params``, 6d
+          less under autocast.
+
+        At f = 4d in ``bf16_params`` that is Korthikanti's 34 sbh less the 2 sbh of dropout masks: sbh
+        (8 + 24/t). Sequence parallelism shards the norms' inputs and statistics; the projections save the
+        gathered output (as for Llama). With activation checkpointing only the block input (s·b·d) is saved,
+        in the residual stream's dtype (fp32 under autocast: the count once took bf16 from ``precision``)."""
         s, b, d, f = model.seq_len, micro_batch, model.d_model, model.ffn_dim
         sp_div = tp if sequence_parallel else 1
+        if regime not in ("fp32", "autocast", "bf16_params"):
+            raise ValueError(f"regime must be fp32, autocast or bf16_params, got {regime!r}")
+        residual = 2 if regime == "bf16_params" else 4
         if checkpointing:
-            return s * b * d * elem / sp_div
-        replicated = (4 * d * elem + 2 * 2 * 4) * s * b / sp_div  # + two LayerNorms' fp32 mean and rstd
-        sharded = s * b * (4 * d + 2 * f) * elem / tp
-        log_sum_exp = 4 * model.n_heads * s * b / tp
-        return replicated + sharded + log_sum_exp
+            return s * b * d * residual / sp_div
+        elem = 4 if regime == "fp32" else 2
+        stats = 2 * 2 * (2 if regime == "bf16_params" else 4)  # two LayerNorms' mean and rstd
+        if compiled:
+            norm_inputs = residual * d + elem * d  # the block input and wo's output
+            norm_outputs = 2 * elem * d
+        else:
+            norm_inputs = 2 * residual * d
+            norm_outputs = 4 * 2 * d if regime == "autocast" else 2 * elem * d
+        sharded = (4 * d + 2 * f) * elem + 4 * model.n_heads
+        return s * b * ((norm_inputs + stats) / sp_div + norm_outputs + sharded / tp)
 
     def final_norm_bytes(self, model: Sizes, *, tokens: int, regime: str, sp_div: int) -> float:
         return 2 * tokens * model.d_model * (4 if regime == "fp32" else 2) / sp_div

@@ -339,8 +339,10 @@ class Llama(ModelFamily):
         tokens = s * b
         if checkpointing:
             return tokens * d * (2 if regime == "bf16_params" else 4) / sp_div
-        if compiled and not model.qk_norm:
-            return tokens * _compiled_per_token(d=d, q=q, f=f, heads=heads, regime=regime, tp=tp, sp_div=sp_div)
+        if compiled:
+            return tokens * _compiled_per_token(
+                d=d, q=q, f=f, heads=heads, regime=regime, tp=tp, sp_div=sp_div, qk_norm_widths=_qk(model, kv)
+            )
         if regime == "fp32":
             norms, norm_outputs, elem, qk_per_elem = 2 * (8 * d + 4), 2 * 4 * d, 4, 8
         elif regime == "autocast":
@@ -461,11 +463,26 @@ class Llama(ModelFamily):
 FAMILY = Llama()
 
 
-def _compiled_per_token(*, d: int, q: int, f: int, heads: int, regime: str, tp: int, sp_div: int) -> float:
-    """Bytes per token a compiled Llama block (no q/k norms) saves: measured on CPU by the tensors autograd
-    saves under inductor's partitioner (tests/unit/test_planner.py), and within 2.5% of the peaks measured
-    on an H100 (Llama-3.2-1B shapes: 43.2 GiB compiled, 33.5 GiB with the chunked loss; the planner 44.2,
-    34.1).
+def _qk(model: Sizes, kv: int) -> tuple[int, int] | None:
+    """``(kv width, n_kv_heads)`` of a block with Qwen3's per-head q/k norms, else None."""
+    return (kv, model.kv_heads) if model.qk_norm else None
+
+
+def _compiled_per_token(
+    *,
+    d: int,
+    q: int,
+    f: int,
+    heads: int,
+    regime: str,
+    tp: int,
+    sp_div: int,
+    qk_norm_widths: tuple[int, int] | None = None,
+) -> float:
+    """Bytes per token a compiled Llama block saves: measured on CPU by the tensors autograd saves under
+    inductor's partitioner (tests/unit/test_planner.py), and within 2.5% of the peaks measured on an H100
+    without q/k norms (Llama-3.2-1B shapes: 43.2 GiB compiled, 33.5 GiB with the chunked loss; the planner
+    44.2, 34.1).
 
     The partitioner keeps the block input (residual dtype), each norm's ``rsqrt`` (fp32) and output
     (compute dtype, once: the projections' shared input), ``wo``'s output (to recompute the mid-block
@@ -473,10 +490,18 @@ def _compiled_per_token(*, d: int, q: int, f: int, heads: int, regime: str, tp: 
     and log-sum-exp, and of SwiGLU the gate, the up projection and their product; it recomputes silu, the
     norms' scaling, the residual sum and the casts (where eager saves a bf16 cast per consumer). Heads and
     the MLP are sharded by ``tp``; the block input, ``rsqrt`` and ``wo``'s output by sequence parallelism.
+
+    With Qwen3's per-head q/k norms (``qk_norm_widths``: the kv width and ``n_kv_heads``) the
+    partitioner also keeps q and k as projected, before their norms (compute dtype, ``q + kv``), and each
+    head's ``rsqrt`` (fp32), and recomputes the normalised q and k: ``elem·(q + kv) + 4·(H + H_kv)`` more,
+    sharded by ``tp`` (measured exactly in the three regimes; eager keeps about twice that, in fp32).
     """
     residual = 2 if regime == "bf16_params" else 4
     elem = 4 if regime == "fp32" else 2
     own = residual * d + 2 * 4 + elem * d
     norm_outputs = 2 * elem * d
     sharded = 4 * elem * q + 4 * heads + 3 * elem * f
+    if qk_norm_widths is not None:
+        kv, kv_heads = qk_norm_widths
+        sharded += elem * (q + kv) + 4 * (heads + kv_heads)
     return own / sp_div + norm_outputs + sharded / tp

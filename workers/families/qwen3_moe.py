@@ -231,7 +231,7 @@ class Qwen3Moe(Llama):
         precision: str = "fp32",
         regime: str = "fp32",
         checkpointing: bool = False,
-        compiled: bool = False,  # no compiled count of its own: the eager one
+        compiled: bool = False,
     ) -> float:
         """What one Qwen3-MoE block (``workers/families/qwen3_moe_model.py``; Mixtral's too) saves for
         backward, per micro-batch, in bytes, checked against the tensors autograd saves
@@ -259,12 +259,27 @@ class Qwen3Moe(Llama):
         whole (checked at tp=2 against the saved tensors, tests/integration/test_expert_parallel.py). With
         activation checkpointing only the block input is saved. The autocast bf16 casts of
         the stacked expert weights are weights (``matmul_params_per_layer``), not activations.
+
+        Compiled (``training.compile``; measured exactly at tp=1 under inductor's min-cut partitioner on
+        CPU, where the experts run as one matmul each, in the three regimes, both families, with and without
+        renormalisation and the load-balancing loss): attention and the norms as a compiled Qwen3 (or Llama)
+        block keeps them, and per pick the gathered input, the gate and up projections and their product,
+        and the down projection (``elem·(2d + 3f)``: silu's output is recomputed), the routing's int64
+        indexes (``32``), the renormalised weight (``4``, where renormalised) and the routing weight
+        (``elem``, or ``4`` in fp32); per token the router's fp32 softmax and the loss's copy, as eagerly.
+        Under tensor parallelism (compiled with graph breaks at the experts' collectives) each pick's ``3f``
+        is divided by tp, and autocast keeps a bf16 copy of the MLP's input at the break (measured at tp=2,
+        with and without sequence parallelism).
         """
         s, b, d = model.seq_len, micro_batch, model.d_model
         tokens = s * b
         if checkpointing:
             return tokens * d * (2 if regime == "bf16_params" else 4) / (tp if sequence_parallel else 1)
         built = self._built(model)
+        if compiled:
+            return self._compiled_bytes(
+                model, built, micro_batch=micro_batch, tp=tp, sp=sequence_parallel, regime=regime
+            )
         attention_and_norms = Llama.layer_activation_bytes(
             self,
             built,
@@ -284,6 +299,27 @@ class Qwen3Moe(Llama):
         # summed outputs are whole on every rank (MoEParallel), and so is the routing.
         experts = k * (elem * (2 * d + 4 * f / tp) + (4 if self.fp32_routing_weights else elem))
         return attention_and_norms + tokens * (router + routing + experts - llama_mlp) + 4 * e
+
+    def _compiled_bytes(self, model: Sizes, built: Sizes, *, micro_batch: int, tp: int, sp: bool, regime: str) -> float:
+        """:meth:`layer_activation_bytes` under ``training.compile`` (its docstring says what is kept)."""
+        tokens, d = model.seq_len * micro_batch, model.d_model
+        elem = 4 if regime == "fp32" else 2
+        # the compiled Llama (or Qwen3) block less its dense MLP's compiled tensors (3·elem·f, sharded by tp)
+        attention_and_norms = (
+            Llama.layer_activation_bytes(
+                self, built, micro_batch=micro_batch, tp=tp, sequence_parallel=sp, regime=regime, compiled=True
+            )
+            - tokens * 3 * elem * built.ffn_dim / tp
+        )
+        e, k, f = model.n_experts, model.experts_per_token, model.expert_dim
+        router = 4 * e + (elem * e if regime != "fp32" and model.router_aux_loss_coef > 0 else 0)
+        pick = elem * (2 * d + 3 * f / tp) + 32 + (4 if built.norm_topk_prob else 0)
+        pick += 4 if self.fp32_routing_weights else elem
+        # Under tp the experts' collectives run eagerly between the block's graphs (parallelize_stage), and
+        # under autocast a bf16 copy of the MLP's input (d wide, on a sequence shard under sp) is kept at
+        # that break (measured at tp=2: tests/integration/test_expert_parallel.py)
+        at_break = 2 * d / (tp if sp else 1) if tp > 1 and regime == "autocast" else 0
+        return attention_and_norms + tokens * (router + k * pick + at_break) + 4 * e
 
     # -- Hugging Face ------------------------------------------------------------------------------
 
