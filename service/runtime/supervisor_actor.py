@@ -634,7 +634,7 @@ class JobSupervisor:
 
         def resize() -> None:
             try:
-                done = group.resize(plan, from_dp=action.from_dp)
+                done = group.resize(plan, from_dp=action.from_dp, step_s=self._steps.recent_step_s())
             except Exception as err:
                 self._inbox.put(ResizeFailed(attempt=action.attempt, reason=f"{type(err).__name__}: {err}"))
             else:

@@ -54,7 +54,8 @@ RELEASE_TIMEOUT_S = 10.0
 # live); the first rank whose ping fails with an actor death is the culprit. A rank that does not
 # answer within PROBE_TIMEOUT_S is called lost (its process or node is gone or wedged).
 PROBE_TIMEOUT_S = 2.0
-# An in-place repair waits this long for the survivors' failed ``run`` calls to return.
+# An in-place repair waits this long for the survivors' failed ``run`` calls to return, and a resize for every
+# run to stop at a step boundary, plus two of the job's steps (survivor_exit_timeout_s).
 SURVIVOR_EXIT_TIMEOUT_S = 15.0
 # Once one survivor's run of the failed attempt has returned, an in-place repair gives the others this long
 # more (or two steps: stuck_survivor_grace_s), then counts those still out as stuck and replaces them too. Why: on gloo a pending collective fails
@@ -71,6 +72,16 @@ PEER_FAILURE_GRACE_S = 6.0
 # the job). Ray's node health check must be faster than this for node loss to be free (the tests
 # use a 1 s period x 3 failures; production clusters tune health_check_* likewise).
 NODE_DEATH_GRACE_S = 6.0
+
+
+def survivor_exit_timeout_s(step_s: float | None) -> float:
+    """How long a resize waits for every run to stop at a step boundary, and an in-place repair for a first
+    survivor to leave the failed attempt: SURVIVOR_EXIT_TIMEOUT_S plus two steps (``step_s``: the job's recent
+    step time). Why two steps: a run stops, or reaches the collective that fails with a dead peer, only where
+    its current step ends, and rank 0 asks the others to stop at the boundary after the one it is in. A fixed
+    wait failed every resize of a job whose steps outlast it (an 8B model's, tens of seconds), and each
+    failure relaunches every rank cold."""
+    return SURVIVOR_EXIT_TIMEOUT_S + 2.0 * step_s if step_s else SURVIVOR_EXIT_TIMEOUT_S
 
 
 def stuck_survivor_grace_s(step_s: float | None) -> float:
@@ -425,20 +436,20 @@ class WorkerGroup:
         failed with the dead peer). One still out :func:`stuck_survivor_grace_s` after the first survivor
         returned (``step_s``: the job's recent step time; it waits in a collective on a live peer that left
         the attempt, which gloo never fails) is replaced as well: its state comes from a replica's memory
-        or, with every other rank, from storage. When no survivor returns within SURVIVOR_EXIT_TIMEOUT_S
-        the repair fails.
+        or, with every other rank, from storage. When no survivor returns within
+        :func:`survivor_exit_timeout_s` the repair fails.
 
         ``memory_limit`` is asked once the survivors' runs returned (their last step reports are in by
         then): the newest step the ranks may resume at from memory (``LaunchPlan.memory_resume_limit``).
         """
         # the failed attempt's runs still out (not the lost rank's, if polled)
-        grace_s = stuck_survivor_grace_s(step_s)
-        others, stuck = self._leave_attempt(lost_rank=lost_rank, stuck_after_s=grace_s)
+        grace_s, exit_s = stuck_survivor_grace_s(step_s), survivor_exit_timeout_s(step_s)
+        others, stuck = self._leave_attempt(lost_rank=lost_rank, exit_s=exit_s, stuck_after_s=grace_s)
         lost = sorted({lost_rank, *others, *stuck})
         if len(lost) == self.world_size:
             raise RepairError(
                 f"every rank of attempt {self.attempt} died or did not leave it "
-                f"(stuck: {stuck or 'none'}; waited {SURVIVOR_EXIT_TIMEOUT_S:g}s for a first survivor): "
+                f"(stuck: {stuck or 'none'}; waited {exit_s:.0f}s for a first survivor): "
                 "no process to keep"
             )
         why = {
@@ -571,7 +582,7 @@ class WorkerGroup:
 
     # --- resize in place -------------------------------------------------------------------------
 
-    def resize(self, plan: LaunchPlan, *, from_dp: int) -> str:
+    def resize(self, plan: LaunchPlan, *, from_dp: int, step_s: float | None = None) -> str:
         """Run ``plan`` (the next attempt, at ``plan.config.parallel.dp`` replicas) on the ranks this group
         keeps: stop the current runs at a step boundary, keep every rank whose data-parallel index stays
         below the new dp (its process and memory, renumbered for the new world), release the others,
@@ -579,7 +590,7 @@ class WorkerGroup:
         (warm spares where the pool has them). Returns what it did, in words, for the job's events.
 
         Raises :class:`ResizeError` (the caller relaunches every rank instead) when a run does not leave
-        the old attempt within SURVIVOR_EXIT_TIMEOUT_S, a rank died, the new size cannot be placed with
+        the old attempt within :func:`survivor_exit_timeout_s` (``step_s``: the job's recent step time), a rank died, the new size cannot be placed with
         the kept ranks where they are, or a kept rank's GPUs are not its new bundle's.
         """
         parallel = plan.config.parallel
@@ -589,9 +600,10 @@ class WorkerGroup:
             raise ResizeError(f"the group has {self.world_size} ranks, not {old_topology}'s {old_topology.world_size}")
         if self._runs and 0 < len(self.actors):
             self.actors[0].request_stop.remote()  # rank 0 stops every rank at the same step boundary
-        died, late = self._leave_attempt(lost_rank=None)
+        exit_s = survivor_exit_timeout_s(step_s)
+        died, late = self._leave_attempt(lost_rank=None, exit_s=exit_s)
         if late:
-            raise ResizeError(f"ranks {late} did not leave attempt {self.attempt} within {SURVIVOR_EXIT_TIMEOUT_S:g}s")
+            raise ResizeError(f"ranks {late} did not leave attempt {self.attempt} within {exit_s:.0f}s")
         if died:
             rank, err = min(died.items())
             raise ResizeError(f"rank {rank} died as well: {_first_line(err)}")
@@ -635,26 +647,26 @@ class WorkerGroup:
         return f"{len(kept)} rank(s) kept, {len(leaving)} released, {joined}"
 
     def _leave_attempt(
-        self, *, lost_rank: int | None, stuck_after_s: float | None = None
+        self, *, lost_rank: int | None, exit_s: float, stuck_after_s: float | None = None
     ) -> tuple[dict[int, RayActorError], list[int]]:
         """Wait for the runs of the attempt being left to return (a survivor's failed collective, or a
         stop at a step boundary) and forget them. Returns the ranks other than ``lost_rank`` whose actors
-        died meanwhile (rank -> the error) and the ranks whose runs had not returned: by
-        SURVIVOR_EXIT_TIMEOUT_S, or ``stuck_after_s`` after the first survivor's returned. The caller decides."""
+        died meanwhile (rank -> the error) and the ranks whose runs had not returned: by ``exit_s``, or
+        ``stuck_after_s`` after the first survivor's returned. The caller decides."""
         old = dict(self._runs)
         died: dict[int, RayActorError] = {}
         late: list[int] = []
         if old:
             refs = list(old)
             if stuck_after_s is None:
-                done, pending = ray.wait(refs, num_returns=len(refs), timeout=SURVIVOR_EXIT_TIMEOUT_S)
+                done, pending = ray.wait(refs, num_returns=len(refs), timeout=exit_s)
             else:
                 # The grace starts when a survivor's run returns, not the lost rank's own (it fails at once,
                 # and its outcome is known: nothing to wait for).
                 survivors = [ref for ref in refs if old[ref] != lost_rank]
                 done, pending = [], survivors
                 if survivors:
-                    done, pending = ray.wait(survivors, num_returns=1, timeout=SURVIVOR_EXIT_TIMEOUT_S)
+                    done, pending = ray.wait(survivors, num_returns=1, timeout=exit_s)
                 if done and pending:
                     more, pending = ray.wait(pending, num_returns=len(pending), timeout=stuck_after_s)
                     done += more
