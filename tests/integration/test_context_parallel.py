@@ -8,7 +8,8 @@ chunks of every sequence (chunks i and 3 − i of 4), attention runs as a ring o
 On two ranks (one spawn, several Trainers on the same process group):
 
 * ring attention (grouped-query) at each rank's chunks against causal SDPA over the whole sequence: the
-  output and dQ/dK/dV within 1e-5;
+  output and dQ/dK/dV within 1e-5, and the FLOPs it multiplies (its own block whole, every other block
+  half: the rows that see each other) exact;
 * cp=2 with DDP over the cp ranks (zero 0, saving at step 2), with ZeRO-1 sharding AdamW over them, and
   with FSDP2 over them (zero 3), train the
   reference's losses, gradient norms and final parameters (the FSDP2 run under full activation
@@ -101,11 +102,13 @@ def _train(config, rank: int, world_size: int, *, save_root: str | None = None, 
     )
 
 
-def _ring_against_whole_sequence(rank: int, world_size: int) -> dict[str, float]:
+def _ring_against_whole_sequence(rank: int, world_size: int) -> tuple[dict[str, float], int]:
     """Ring attention at this rank's chunks against causal SDPA over the whole sequence (grouped-query,
-    4 query heads on 2 kv heads, 24 tokens): outputs and the gradients of q, k and v, largest |Δ| each."""
+    4 query heads on 2 kv heads, 24 tokens): outputs and the gradients of q, k and v, largest |Δ| each; and
+    the FLOPs of the ring's forward and backward on this rank (torch's ``FlopCounterMode``)."""
     import torch.distributed as dist
     import torch.nn.functional as F
+    from torch.utils.flop_counter import FlopCounterMode
 
     from etrain.workers.families.ring_attention import ring_attention, shard_sequence
 
@@ -117,12 +120,23 @@ def _ring_against_whole_sequence(rank: int, world_size: int) -> dict[str, float]
     )
     want.backward(grad)
     local = [shard_sequence(t, world_size, rank, dim=2).requires_grad_() for t in (q, k, v)]
-    got = ring_attention(*local, group=dist.group.WORLD, seq_len=24)
-    got.backward(shard_sequence(grad, world_size, rank, dim=2))
+    with FlopCounterMode(display=False) as counter:
+        got = ring_attention(*local, group=dist.group.WORLD, seq_len=24)
+        got.backward(shard_sequence(grad, world_size, rank, dim=2))
     diffs = {"out": (got - shard_sequence(want, world_size, rank, dim=2)).abs().max().item()}
     for name, mine, full in zip("qkv", local, whole):
         diffs[f"d{name}"] = (mine.grad - shard_sequence(full.grad, world_size, rank, dim=2)).abs().max().item()
-    return diffs
+    return diffs, counter.get_total_flops()
+
+
+def _ring_flops(cp: int, *, batch: int = 2, heads: int = 4, seq_len: int = 24, head_dim: int = 8) -> int:
+    """What a ring rank multiplies (:func:`_ring_against_whole_sequence`'s shapes): per K/V block two matmuls
+    forward (q·kᵀ, P·v) and five backward (q·kᵀ again, Pᵀ·dO, dO·vᵀ, dS·k, dSᵀ·q), each ``2·rows·keys·head_dim``
+    per head; its own block all ``c × c`` rows and keys (``c = S/cp``), every other block half of them, the
+    rows that see each other."""
+    c = seq_len // cp
+    pairs = c * c + (cp - 1) * c * c // 2
+    return 7 * 2 * batch * heads * head_dim * pairs
 
 
 def _block_classes() -> dict:
@@ -262,7 +276,9 @@ def test_cp2_trains_like_one_process_and_restores_across_cp(reference, two_ranks
     one, root = reference
     ranks = two_ranks
     for r in ranks:  # the ring itself: forward and the reverse ring's dK/dV against the whole sequence
-        assert max(r["ring"].values()) < 1e-5, r["ring"]
+        diffs, flops = r["ring"]
+        assert max(diffs.values()) < 1e-5, diffs
+        assert flops == _ring_flops(2), (flops, _ring_flops(2))  # 3/4 of a ring computing every block whole
     print(f"llama cp2: losses {ranks[0]['ddp'].losses} vs one process {one.losses}")
     assert_equivalent(one, [r["ddp"] for r in ranks], layout="llama cp2 zero=0")
     assert_equivalent(one, [r["fsdp"] for r in ranks], layout="llama cp2 zero=3 full checkpointing")
@@ -284,8 +300,9 @@ def test_cp2_dp2_trains_like_one_process(reference):
     one, root = reference
     ranks = run_distributed(_four_ranks, 4, root, timeout_s=240)
     for _, groups in ranks:  # the ring over 4 ranks against the whole sequence
-        ring = groups.pop("ring")
-        assert max(ring.values()) < 1e-5, ring
+        diffs, flops = groups.pop("ring")
+        assert max(diffs.values()) < 1e-5, diffs
+        assert flops == _ring_flops(4), (flops, _ring_flops(4))  # 5/8 of a ring computing every block whole
     # rank = (dp_index * cp + cp_index) * tp + tp_index: a cp pair is adjacent, dp replicas are cp apart
     assert [groups for _, groups in ranks] == [
         {"dp": (0, 2), "cp": (0, 1), "dp_cp": (0, 1, 2, 3)},
