@@ -259,6 +259,7 @@ def evaluate(case: Case) -> PlanEstimate:
         checkpointing=case.checkpointing,
         regime=regime,
         cp=cp,
+        device=case.device,
     )
     hidden = s // cp * b * d * act_elem  # one micro-batch's hidden states (a cp rank's slice of them)
     sp_div = tp if lay.sequence_parallel else 1

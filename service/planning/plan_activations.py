@@ -83,6 +83,7 @@ def layer_activation_bytes(
     regime: Regime | None = None,
     compiled: bool = False,
     cp: int = 1,
+    device: str = "cuda",
 ) -> float:
     """Activations one block of OUR model saves for backward, per micro-batch: its family's count
     (``ModelFamily.layer_activation_bytes``; ``compiled``: under ``training.compile``, where the family
@@ -93,8 +94,8 @@ def layer_activation_bytes(
     and what :func:`selective_activation_bytes` counts. Context parallelism (``cp > 1``): the eager count at
     one cp rank's ``seq_len / cp`` tokens (compiled too: the ring, run eagerly, splits the block's graph
     where the compiled count was measured whole; an overestimate), plus what the ring keeps beyond the
-    fused kernel (``ModelFamily.ring_attention_bytes``; nothing extra under full checkpointing, which keeps
-    the input).
+    fused kernel (``ModelFamily.ring_attention_bytes``, which depends on whether ``device`` runs the ring's
+    blocks in a kernel; nothing extra under full checkpointing, which keeps the input).
     """
     regime = regime or compute_regime(precision, fsdp=False)
     if cp > 1:
@@ -111,7 +112,9 @@ def layer_activation_bytes(
         )
         if checkpointing == "full":
             return count
-        extra, _ = family(model.arch).ring_attention_bytes(local, micro_batch=micro_batch, regime=regime, tp=tp)
+        extra, _ = family(model.arch).ring_attention_bytes(
+            local, micro_batch=micro_batch, regime=regime, tp=tp, device=device
+        )
         return count + extra
     if checkpointing == "selective":
         return selective_activation_bytes(
@@ -175,13 +178,18 @@ def selective_activation_bytes(
     return tokens * (block_input + matmuls + attention)
 
 
-def ring_transient_bytes(model: ModelConfig, *, micro_batch: int, cp: int, regime: Regime, tp: int = 1) -> float:
-    """Context parallelism: the ring's largest transient while one block computes (one K/V block's scores
-    and probabilities, and their gradients in the backward; ``ModelFamily.ring_attention_bytes``); 0 at cp=1."""
+def ring_transient_bytes(
+    model: ModelConfig, *, micro_batch: int, cp: int, regime: Regime, tp: int = 1, device: str = "cuda"
+) -> float:
+    """Context parallelism: the ring's largest transient while one block computes (on the math path one K/V
+    block's scores and probabilities, and their gradients in the backward; with a kernel, a few copies of the
+    rank's tokens: ``ModelFamily.ring_attention_bytes``); 0 at cp=1."""
     if cp <= 1:
         return 0.0
     local = dataclasses.replace(model, seq_len=model.seq_len // cp)
-    return family(model.arch).ring_attention_bytes(local, micro_batch=micro_batch, regime=regime, tp=tp)[1]
+    return family(model.arch).ring_attention_bytes(local, micro_batch=micro_batch, regime=regime, tp=tp, device=device)[
+        1
+    ]
 
 
 def rope_table_bytes(model: ModelConfig) -> int:

@@ -366,6 +366,7 @@ def stage_memory(
         checkpointing=checkpointing,
         regime=regime,
         compiled=compiled_count,
+        device=device,
     )
     if ep > 1:  # the exchange's regrouping permutation and its inverse, int64 per pick (balanced routing)
         per_layer += s * b * 16 * model.experts_per_token
@@ -380,6 +381,7 @@ def stage_memory(
             precision=precision,
             regime=regime,
             compiled=compiled_count,
+            device=device,
         )
     hidden = s * b * d * (2 if regime == "bf16_params" else 4) / sp_div
     if pp > 1 and not last:  # the schedule keeps each in-flight chunk's output for its backward
@@ -422,7 +424,7 @@ def stage_memory(
         activations=activations,
         logits=logits,
         buffers=sum(fb_buffers.values()),
-        transient=ring_transient_bytes(model, micro_batch=b, cp=cp, regime=regime, tp=tp),
+        transient=ring_transient_bytes(model, micro_batch=b, cp=cp, regime=regime, tp=tp, device=device),
     )
     # Accumulating micro-batches without FSDP2 (whose unsharded gradients are counted above), each backward
     # makes every gradient afresh and adds it to the one kept so far: at the end of the last backward, with

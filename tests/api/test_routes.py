@@ -515,7 +515,7 @@ def test_plan_explains_a_spec_and_starts_nothing(client, model, feasible, params
 
 
 def test_plan_with_auto_answers_context_parallelism_for_a_long_context(client):
-    """Llama 3 8B at 131072 tokens on 32 GPUs: no layout fits without cp, cp=16 does (test_auto_plan_cp_ep.py)."""
+    """Llama 3 8B at 131072 tokens on 32 GPUs: no layout fits without cp, cp=4 does (test_auto_plan_cp_ep.py)."""
     spec = tiny_spec(
         model={"preset": "llama3-8b", "seq_len": 131072},
         parallelism={"auto": True, "max_workers": 32},
@@ -525,9 +525,9 @@ def test_plan_with_auto_answers_context_parallelism_for_a_long_context(client):
     response = client.post("/v1/plan", json=spec)
     assert response.status_code == 200
     report = response.json()
-    assert report["feasible"] is True and report["layout"] == "pp1·dp1·tp2 cp16 zero=3 sp"
-    assert report["auto"]["layout"]["cp"] == 16
-    assert any(reason.startswith("cp=16: ") for reason in report["auto"]["reasons"])
+    assert report["feasible"] is True and report["layout"] == "pp1·dp1·tp8 cp4 zero=2 sp"
+    assert report["auto"]["layout"]["cp"] == 4
+    assert any(reason.startswith("cp=4: ") for reason in report["auto"]["reasons"])
 
 
 def test_plan_answers_an_infeasible_spec_with_its_problems(client):

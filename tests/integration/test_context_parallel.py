@@ -8,8 +8,8 @@ chunks of every sequence (chunks i and 3 − i of 4), attention runs as a ring o
 On two ranks (one spawn, several Trainers on the same process group):
 
 * ring attention (grouped-query) at each rank's chunks against causal SDPA over the whole sequence: the
-  output and dQ/dK/dV within 1e-5, and the FLOPs it multiplies (its own block whole, every other block
-  half: the rows that see each other) exact;
+  output and dQ/dK/dV within 1e-5, its blocks in the CPU flash kernel and on the math path, and the FLOPs
+  it multiplies (its own block whole, every other block half: the rows that see each other) exact;
 * cp=2 with DDP over the cp ranks (zero 0, saving at step 2), with ZeRO-1 sharding AdamW over them, and
   with FSDP2 over them (zero 3), train the
   reference's losses, gradient norms and final parameters (the FSDP2 run under full activation
@@ -102,13 +102,27 @@ def _train(config, rank: int, world_size: int, *, save_root: str | None = None, 
     )
 
 
-def _ring_against_whole_sequence(rank: int, world_size: int) -> tuple[dict[str, float], int]:
+def _ring_against_whole_sequence(rank: int, world_size: int) -> dict[str, tuple[dict[str, float], int]]:
     """Ring attention at this rank's chunks against causal SDPA over the whole sequence (grouped-query,
-    4 query heads on 2 kv heads, 24 tokens): outputs and the gradients of q, k and v, largest |Δ| each; and
+    4 query heads on 2 kv heads, 24 tokens), its blocks in the CPU flash kernel and, forced, on the math path
+    (which CUDA runs in fp32): per path, the outputs' and the gradients of q, k and v's largest |Δ| each, and
     the FLOPs of the ring's forward and backward on this rank (torch's ``FlopCounterMode``)."""
+    from etrain.workers.families import ring_attention
+
+    paths = {"kernel": _ring_check(rank, world_size)}
+    chosen = ring_attention.block_kernel
+    ring_attention.block_kernel = lambda *_: "math"
+    try:
+        paths["math"] = _ring_check(rank, world_size)
+    finally:
+        ring_attention.block_kernel = chosen
+    return paths
+
+
+def _ring_check(rank: int, world_size: int) -> tuple[dict[str, float], int]:
     import torch.distributed as dist
     import torch.nn.functional as F
-    from torch.utils.flop_counter import FlopCounterMode
+    from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
     from etrain.workers.families.ring_attention import ring_attention, shard_sequence
 
@@ -120,7 +134,16 @@ def _ring_against_whole_sequence(rank: int, world_size: int) -> tuple[dict[str, 
     )
     want.backward(grad)
     local = [shard_sequence(t, world_size, rank, dim=2).requires_grad_() for t in (q, k, v)]
-    with FlopCounterMode(display=False) as counter:
+    # torch counts its CUDA attention kernels (two matmuls forward, five backward, causal or not); the CPU
+    # flash kernel the ring runs here is the same computation
+    aten = torch.ops.aten
+    cpu_kernels = {
+        aten._scaled_dot_product_flash_attention_for_cpu: lambda q, k, v, *_, **__: sdpa_flop_count(q, k, v),
+        aten._scaled_dot_product_flash_attention_for_cpu_backward: lambda grad, q, k, v, *_, **__: (
+            sdpa_backward_flop_count(grad, q, k, v)
+        ),
+    }
+    with FlopCounterMode(display=False, custom_mapping=cpu_kernels) as counter:
         got = ring_attention(*local, group=dist.group.WORLD, seq_len=24)
         got.backward(shard_sequence(grad, world_size, rank, dim=2))
     diffs = {"out": (got - shard_sequence(want, world_size, rank, dim=2)).abs().max().item()}
@@ -276,9 +299,9 @@ def test_cp2_trains_like_one_process_and_restores_across_cp(reference, two_ranks
     one, root = reference
     ranks = two_ranks
     for r in ranks:  # the ring itself: forward and the reverse ring's dK/dV against the whole sequence
-        diffs, flops = r["ring"]
-        assert max(diffs.values()) < 1e-5, diffs
-        assert flops == _ring_flops(2), (flops, _ring_flops(2))  # 3/4 of a ring computing every block whole
+        for path, (diffs, flops) in r["ring"].items():
+            assert max(diffs.values()) < 1e-5, (path, diffs)
+            assert flops == _ring_flops(2), (path, flops, _ring_flops(2))  # 3/4 of every block computed whole
     print(f"llama cp2: losses {ranks[0]['ddp'].losses} vs one process {one.losses}")
     assert_equivalent(one, [r["ddp"] for r in ranks], layout="llama cp2 zero=0")
     assert_equivalent(one, [r["fsdp"] for r in ranks], layout="llama cp2 zero=3 full checkpointing")
@@ -300,9 +323,9 @@ def test_cp2_dp2_trains_like_one_process(reference):
     one, root = reference
     ranks = run_distributed(_four_ranks, 4, root, timeout_s=240)
     for _, groups in ranks:  # the ring over 4 ranks against the whole sequence
-        diffs, flops = groups.pop("ring")
-        assert max(diffs.values()) < 1e-5, diffs
-        assert flops == _ring_flops(4), (flops, _ring_flops(4))  # 5/8 of a ring computing every block whole
+        for path, (diffs, flops) in groups.pop("ring").items():
+            assert max(diffs.values()) < 1e-5, (path, diffs)
+            assert flops == _ring_flops(4), (path, flops, _ring_flops(4))  # 5/8 of every block computed whole
     # rank = (dp_index * cp + cp_index) * tp + tp_index: a cp pair is adjacent, dp replicas are cp apart
     assert [groups for _, groups in ranks] == [
         {"dp": (0, 2), "cp": (0, 1), "dp_cp": (0, 1, 2, 3)},
@@ -404,11 +427,11 @@ def test_planned_activations_of_cp2_match_what_a_cp2_rank_saves(two_ranks):
         model = MEASURED_BLOCKS[name]
         precision = "fp32" if regime == "fp32" else "bf16"
         local = dataclasses.replace(model, seq_len=model.seq_len // 2)
-        extra, _ = family(model.arch).ring_attention_bytes(local, micro_batch=3, regime=regime)
+        extra, _ = family(model.arch).ring_attention_bytes(local, micro_batch=3, regime=regime, device="cpu")
         assert saved - plain == extra, (name, regime, saved - plain, extra)  # what the ring keeps beyond the kernel
         if name in ("gpt", "olmo2") and regime != "fp32":
             continue  # these families' own counts are exact in fp32 only (checked against the ring's part above)
-        count = layer_activation_bytes(model, micro_batch=3, precision=precision, regime=regime, cp=2)
+        count = layer_activation_bytes(model, micro_batch=3, precision=precision, regime=regime, cp=2, device="cpu")
         casts = 0  # under autocast autograd also keeps each projection's bf16 weight (the planner's weight_casts)
         if regime == "autocast":
             block = _block_classes()[model.arch](model)

@@ -31,6 +31,7 @@ __all__ = [
     "hf_rope",
     "hf_sizes",
     "refuse_hidden_act",
+    "ring_block_kernel",
     "rope_parameters",
 ]
 
@@ -116,6 +117,19 @@ class TPPlan:
         unknown = sorted({*self.root.values(), *self.block.values()} - TP_STYLES.keys())
         if unknown:
             raise ValueError(f"unknown tensor-parallel styles {unknown}; use names of TP_STYLES")
+
+
+def ring_block_kernel(device: str, *, fp32: bool, head_dim: int) -> str:
+    """What computes one block of context parallelism's ring (``workers/families/ring_attention.py``):
+    ``"cpu_flash"`` (torch's CPU flash kernel), ``"cuda_flash"`` (torch's CUDA flash kernel, which runs bf16
+    or fp16 with a head_dim that is a multiple of 8 up to 256) or ``"math"`` (fp32 matmuls, the block's
+    scores materialised). ``fp32``: whether the block computes in fp32 (an fp32 run, or q and k in fp32).
+    Pure, so the planner counts what the ranks run."""
+    if device == "cpu":
+        return "cpu_flash"
+    if device == "cuda" and not fp32 and head_dim % 8 == 0 and head_dim <= 256:
+        return "cuda_flash"
+    return "math"
 
 
 class ModelFamily:
@@ -323,11 +337,14 @@ class ModelFamily:
         """Module state each block's attention caches (RoPE cos/sin tables); 0 without."""
         return 0
 
-    def ring_attention_bytes(self, model: Sizes, *, micro_batch: int, regime: str, tp: int = 1) -> tuple[float, float]:
+    def ring_attention_bytes(
+        self, model: Sizes, *, micro_batch: int, regime: str, tp: int = 1, device: str = "cuda"
+    ) -> tuple[float, float]:
         """Context parallelism (a family with :attr:`context_parallel`): ``model`` at one cp rank's
         ``seq_len / cp`` tokens. Returns (what a block saves beyond :meth:`layer_activation_bytes` at those
         tokens, the ring's largest transient while one block computes), in bytes per micro-batch; under tensor
-        parallelism (``tp``) a rank's ring carries its ``n_heads / tp`` heads."""
+        parallelism (``tp``) a rank's ring carries its ``n_heads / tp`` heads. ``device``: where the ring
+        runs, which decides whether its blocks run in a fused kernel (:func:`ring_block_kernel`)."""
         return 0.0, 0.0
 
     # -- Hugging Face ------------------------------------------------------------------------------

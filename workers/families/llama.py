@@ -20,6 +20,7 @@ from etrain.workers.families.base import (
     hf_rope,
     hf_sizes,
     refuse_hidden_act,
+    ring_block_kernel,
 )
 from etrain.workers.protocol.errors import ConfigError
 
@@ -371,26 +372,38 @@ class Llama(ModelFamily):
         """The fp32 cos and sin tables each attention module caches (``seq_len x head_dim`` each)."""
         return 2 * model.seq_len * model.head_dim * 4
 
-    def ring_attention_bytes(self, model: Sizes, *, micro_batch: int, regime: str, tp: int = 1) -> tuple[float, float]:
+    def ring_attention_bytes(
+        self, model: Sizes, *, micro_batch: int, regime: str, tp: int = 1, device: str = "cuda"
+    ) -> tuple[float, float]:
         """Context parallelism (``workers/families/ring_attention.py``), ``model.seq_len`` being a cp rank's
         ``c = S / cp`` tokens. Saved beyond the block's count at ``c`` tokens: the ring keeps ``q``, ``k`` and
         ``v`` as they arrive (k/v *not* repeated to n_heads; q and k fp32 after the q/k norms under
         autocast), its output, and ``wo`` reads a copy of the output (the ring's is head-major), where the
         fused kernel kept ``q``, repeated ``k``/``v`` and one output: per token ``2q·e_qk + kv·(e_qk + e_v) +
-        q·e_o − 4q·elem``; RoPE's tables indexed at the rank's positions (``2·c·head_dim`` fp32) are kept
-        when the rotation runs in fp32 (fp32, or autocast with q/k norms), while the bf16 casts are counted
-        already. Measured against autograd's saved tensors (tests/integration/test_context_parallel.py).
-        Transient: one block's fp32 scores and probabilities, and in the backward their gradients,
-        ``4 × batch·n_heads·c²·4`` bytes (the math path; a flash kernel per chunk would not materialise them)."""
+        copy − 4q·elem``, where ``copy = q·e_o`` is what ``wo`` reads when it is not a view of the ring's
+        output: on the math path (a head-major output, copied), and under autocast with q/k norms (an fp32
+        output, cast to bf16); where a kernel computes the blocks (:func:`ring_block_kernel`) in the
+        input's dtype, the output is laid out as the kernel's and ``wo`` reads a view. RoPE's tables indexed
+        at the rank's positions (``2·c·head_dim`` fp32) are kept when the rotation runs in fp32 (fp32, or
+        autocast with q/k norms), while the bf16 casts are counted already. Measured against autograd's
+        saved tensors on CPU (tests/integration/test_context_parallel.py). Transient: on the math path (CUDA
+        in fp32) the rank's own block's fp32 scores and probabilities, and in the backward their gradients,
+        ``4 × batch·n_heads·c²·4`` bytes; with a kernel about four fp32 copies of the rank's q-wide tokens (a
+        block's output and its merge, dQ, the repeated K/V)."""
         q, kv = llama_widths(model)
         tokens = model.seq_len * micro_batch
         fp32_rotation = regime == "fp32" or (regime == "autocast" and model.qk_norm)
         elem = 4 if regime == "fp32" else 2
         e_qk = 4 if fp32_rotation else 2
         e_v = e_o = elem
-        per_token = 2 * q * e_qk + kv * (e_qk + e_v) + q * e_o - 4 * q * elem
+        kernel = ring_block_kernel(device, fp32=fp32_rotation, head_dim=model.head_dim)
+        copy = q * e_o if kernel == "math" or (regime == "autocast" and fp32_rotation) else 0
+        per_token = 2 * q * e_qk + kv * (e_qk + e_v) + copy - 4 * q * elem
         tables = 2 * model.seq_len * model.head_dim * 4 if fp32_rotation else 0
-        transient = 4 * micro_batch * model.n_heads * model.seq_len**2 * 4 / tp
+        if kernel == "math":
+            transient = 4 * micro_batch * model.n_heads * model.seq_len**2 * 4 / tp
+        else:
+            transient = 4 * tokens * q * 4 / tp
         return tokens * per_token / tp + tables, float(transient)  # the widths and heads are tp-sharded
 
     # -- Hugging Face ------------------------------------------------------------------------------

@@ -17,18 +17,20 @@ One attention's forward, on a rank holding queries ``q`` and keys/values ``k, v`
 2. Only the rows that see each other are computed (:func:`_visible`): the rank's own block whole, under the
    causal mask by true position (query position >= key position); an earlier rank's block, every query
    against the first half of its keys; a later rank's, the second half of the queries against all its keys,
-   both unmasked: each block after the first costs half of a whole one. Each block's attention comes
-   with its log-sum-exp, and the blocks are merged by the online softmax (``lse = logaddexp(lse, lse_b)``,
-   outputs reweighed by ``exp(lse_old − lse)`` and ``exp(lse_b − lse)``) on the rows the block reached,
-   which equals the softmax over the whole sequence. The causal mask is finite (``-1e30``), which keeps the
-   backward free of ``inf − inf``.
+   both unmasked: each block after the first costs half of a whole one. A rank's two chunks are in true
+   order, so its own block's mask is the plain causal one over local indices. Each block's attention
+   comes with its log-sum-exp from torch's flash kernel for the device (:func:`block_kernel`; the math
+   path where none runs), and the blocks are merged in fp32 by the online softmax (``lse = logaddexp(lse,
+   lse_b)``, outputs reweighed by ``exp(lse_old − lse)`` and ``exp(lse_b − lse)``) on the rows the block
+   reached, which equals the softmax over the whole sequence.
 
 Backward (:class:`_RingAttention`, an ``autograd.Function``, the scheme of flash ring attention): the
 forward saves only this rank's ``q``, ``k``, ``v``, the output and the merged log-sum-exp. The backward sends
 the K/V blocks round the ring again (the next one travelling while the current one computes), each with the
 dK/dV its earlier holders accumulated for it (sent on once this rank added its share: that exchange waits);
-each rank recomputes a block's probabilities from the saved log-sum-exp (the whole sequence's softmax) on
-the same rows as the forward, adds its queries' share of that block's dK/dV and keeps its own dQ; a last
+each rank runs the block's kernel backward on the same rows as the forward with the saved output and
+log-sum-exp (the whole sequence's softmax, so the kernel's probabilities are the whole softmax's), adds its
+queries' share of that block's dK/dV and keeps its own dQ; a last
 step hands every block's dK/dV back to its owner. Every rank runs the same steps in the same order, so the
 exchanges pair up.
 
@@ -44,16 +46,15 @@ Under ``training.compile`` the ring runs eagerly between the block's compiled gr
 (``torch.compiler.disable``: dynamo breaks the graph around it, and the block is compiled without
 ``fullgraph``); the projections, RoPE, the norms and the MLP stay compiled.
 
-Cost: each block is the math path, its fp32 scores computed, used and dropped (in the forward, and again
-in the backward), so the activations kept per layer are linear in ``S/cp`` (the planner counts them) and the
-transient is the largest block's scores, the rank's own ``[batch, heads, S/cp, S/cp]`` (the others are half
-of that). A rank multiplies ``c² + (cp − 1)·c²/2`` query-key pairs per head (``c = S/cp``; computing every
-block whole was ``cp·c²``: 5/8 of it at cp=4, tested with torch's FLOP counter); of those, half of the own
-block's are masked. Communication per layer: the forward sends K and V ``cp − 1`` times (``(cp − 1)/cp`` of the
-sequence's K/V), overlapped with the compute; the backward sends them again, overlapped too, plus their fp32
-gradients ``cp`` times, which wait. On GPU a flash kernel that returns its log-sum-exp
-(``aten._scaled_dot_product_flash_attention``, per block) would remove the scores' transient and the masked
-half of the own block.
+Cost: the activations kept per layer are linear in ``S/cp`` (the planner counts them). In a kernel a block's
+scores never exist whole (the kernel's causal path also skips its masked tiles); on the math path (CUDA in
+fp32, or fp32 q/k beside a bf16 v) the rank's own block's ``[batch, heads, S/cp, S/cp]`` fp32 scores are
+the transient. A rank multiplies ``c² + (cp − 1)·c²/2`` query-key pairs per head (``c = S/cp``; computing
+every block whole was ``cp·c²``: 5/8 of it at cp=4, counted in the tests with torch's FLOP counter).
+Communication per layer: the forward sends K and V ``cp − 1`` times (``(cp − 1)/cp`` of the sequence's K/V),
+overlapped with the compute; the backward sends them again, overlapped too, plus their fp32 gradients
+``cp`` times, which wait. The CUDA kernel path is checked against the math path by
+``tests/gpu/test_ring_kernels.py``, not yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -63,10 +64,11 @@ import math
 import torch
 import torch.distributed as dist
 
+from etrain.workers.families.base import ring_block_kernel
+
 __all__ = ["chunk_positions", "ring_attention", "shard_sequence"]
 
-#: The score of a masked (query, key) pair: finite, so that a row with no visible key in a block has a
-#: finite log-sum-exp (about this value) whose weight underflows to 0, and no ``inf - inf`` appears.
+#: The math path's score of a masked (query, key) pair: finite, so no ``inf - inf`` appears in its backward.
 _MASKED = -1e30
 
 
@@ -113,15 +115,6 @@ def _exchange(tensor: torch.Tensor, group: dist.ProcessGroup, send_to: int, recv
     return _finish(_start_exchange(tensor, group, send_to, recv_from))
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, positions: torch.Tensor | None) -> torch.Tensor:
-    """``q·kᵀ·scale`` (fp32); with ``positions`` (the rank's own block: queries and keys at the same true
-    positions) under the causal mask, a key after the query scoring :data:`_MASKED`."""
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if positions is None:
-        return scores
-    return scores.masked_fill(positions[:, None] < positions[None, :], _MASKED)
-
-
 def _repeat(t: torch.Tensor, n_rep: int) -> torch.Tensor:
     """Grouped-query attention: each kv head serves ``n_rep`` consecutive query heads."""
     return t.repeat_interleave(n_rep, dim=1) if n_rep > 1 else t
@@ -137,7 +130,7 @@ def _fold(t: torch.Tensor, n_rep: int) -> torch.Tensor:
 
 def _visible(step: int, rank: int, half: int, length: int) -> tuple[slice, slice, bool]:
     """Which of this rank's query rows see which of the block's key rows at ring step ``step``, and whether
-    the causal mask is needed: (query rows, key rows, masked), rows being local indices along the sequence
+    the causal mask is needed: (query rows, key rows, causal), rows being local indices along the sequence
     (a rank holds chunk ``rank`` in rows ``:half`` and chunk ``2·cp − 1 − rank`` in rows ``half:``).
 
     The block of step ``s`` is rank ``j = rank − s``'s (mod cp). Step 0 is the rank's own block: every row
@@ -154,16 +147,87 @@ def _visible(step: int, rank: int, half: int, length: int) -> tuple[slice, slice
     return slice(half, length), slice(0, length), False
 
 
+def block_kernel(device_type: str, dtype: torch.dtype, head_dim: int) -> str:
+    """What computes a block of ``dtype`` on ``device_type`` (:func:`~etrain.workers.families.base.ring_block_kernel`,
+    which the planner reads too): a fused kernel takes a block in tiles, so its scores never exist whole; the
+    math path materialises them (the planner's ring transient)."""
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return "math"
+    return ring_block_kernel(device_type, fp32=dtype == torch.float32, head_dim=head_dim)
+
+
+def _math_forward(q, k, v, *, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if causal:  # the rank's own block: its local order is its true order (two chunks, the earlier first)
+        scores = scores.masked_fill(_above_diagonal(scores), _MASKED)
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.float()), lse
+
+
+def _math_backward(grad, q, k, v, out, lse, *, causal: bool, scale: float):
+    q32, k32, v32, grad32 = q.float(), k.float(), v.float(), grad.float()
+    scores = torch.matmul(q32, k32.transpose(-1, -2)) * scale
+    if causal:
+        scores = scores.masked_fill(_above_diagonal(scores), _MASKED)
+    probs = torch.exp(scores - lse.unsqueeze(-1))  # the whole sequence's probabilities (its log-sum-exp)
+    # softmax backward: dS = P ∘ (dP − rowsum(dO ∘ O))
+    delta = (grad32 * out.float()).sum(-1, keepdim=True)
+    grad_scores = probs * (torch.matmul(grad32, v32.transpose(-1, -2)) - delta) * scale
+    return (
+        torch.matmul(grad_scores, k32),
+        torch.matmul(grad_scores.transpose(-1, -2), q32),
+        torch.matmul(probs.transpose(-1, -2), grad32),
+    )
+
+
+def _above_diagonal(scores: torch.Tensor) -> torch.Tensor:
+    rows, keys = scores.shape[-2:]
+    return torch.ones(rows, keys, dtype=torch.bool, device=scores.device).triu(1)
+
+
+def _block_forward(kernel: str, q, k, v, *, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """One block's attention: (output, fp32 log-sum-exp per query row, what the CUDA kernel's backward
+    needs back)."""
+    aten = torch.ops.aten
+    if kernel == "cpu_flash":
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        return out, lse, ()
+    if kernel == "cuda_flash":
+        out, lse, cum_q, cum_k, _, _, seed, offset, _ = aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, causal, False, scale=scale
+        )
+        return out, lse, (cum_q, cum_k, seed, offset)
+    out, lse = _math_forward(q, k, v, causal=causal, scale=scale)
+    return out, lse, ()
+
+
+def _block_backward(kernel: str, extras: tuple, grad, q, k, v, out, lse, *, causal: bool, scale: float):
+    """One block's dQ, dK, dV given the *whole sequence's* output and log-sum-exp (flash ring attention: a
+    block's probabilities are ``exp(q·kᵀ·scale − lse)`` with the merged log-sum-exp, so each block's share
+    of the gradients comes out of the kernel's own backward)."""
+    aten = torch.ops.aten
+    if kernel == "cpu_flash":
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad, q, k, v, out, lse, 0.0, causal, scale=scale
+        )
+    if kernel == "cuda_flash":
+        cum_q, cum_k, seed, offset = extras
+        return aten._scaled_dot_product_flash_attention_backward(
+            grad, q, k, v, out, lse, cum_q, cum_k, q.shape[2], k.shape[2], 0.0, causal, seed, offset, scale=scale
+        )
+    return _math_backward(grad, q, k, v, out, lse, causal=causal, scale=scale)
+
+
 class _RingAttention(torch.autograd.Function):
     """The ring's forward (online softmax over the blocks as they arrive) and its backward (the blocks go
     round again, each carrying the dK/dV accumulated for it, and a last step hands those to their owner).
 
     Saves only ``q``, ``k``, ``v`` (this rank's, kv heads unrepeated), the output and the fp32 log-sum-exp
-    per query row, as a fused attention kernel does: a block's scores exist only while it is computed, in
-    the forward and again in the backward (recomputed: one more ``q·kᵀ`` per block). Computes in fp32
-    whatever the input dtype (autocast off inside), and returns the output in ``q``'s dtype. Each step
-    computes only the rows that see each other (:func:`_visible`), and the next block's K/V travels while
-    the current one computes (the exchange is started before, waited on after).
+    per query row, as a fused attention kernel does. Each step computes only the rows that see each other
+    (:func:`_visible`) in a fused kernel where one runs (:func:`block_kernel`): in ``q``, ``k`` and ``v``'s
+    dtype where they share one, in fp32 otherwise (Qwen3's q/k norms hand over fp32 q and k under autocast),
+    and the math path in fp32. The blocks merge in fp32; the output is returned in ``q``'s dtype. The next
+    block's K/V travels while the current one computes (the exchange is started before, waited on after).
     """
 
     @staticmethod
@@ -172,18 +236,24 @@ class _RingAttention(torch.autograd.Function):
         n_rep = q.shape[1] // k.shape[1]
         scale = 1.0 / math.sqrt(q.shape[-1])
         length = q.shape[2]
+        if length * size != seq_len:
+            raise ValueError(f"a cp rank holds {length} tokens of a {seq_len}-token sequence over {size} ranks")
+        dtype = q.dtype if q.dtype == k.dtype == v.dtype else torch.float32
+        kernel = block_kernel(q.device.type, dtype, q.shape[-1])
+        extras: tuple = ()
         with torch.autocast(q.device.type, enabled=False):
-            q32 = q.float()
-            positions = chunk_positions(seq_len, size, rank, device=q.device)
+            query = q.to(dtype)
             kv = torch.stack((k, v))
             out = lse = None
             for step in range(size):
                 arriving = _start_exchange(kv, group, (rank + 1) % size, (rank - 1) % size) if step < size - 1 else None
-                rows, keys, masked = _visible(step, rank, length // 2, length)
-                k_block, v_block = _repeat(kv[0, :, :, keys].float(), n_rep), _repeat(kv[1, :, :, keys].float(), n_rep)
-                scores = _scores(q32[:, :, rows], k_block, scale, positions if masked else None)
-                block_lse = torch.logsumexp(scores, dim=-1)
-                block_out = torch.matmul(torch.exp(scores - block_lse.unsqueeze(-1)), v_block)
+                rows, keys, causal = _visible(step, rank, length // 2, length)
+                k_block, v_block = (_repeat(kv[i, :, :, keys].to(dtype), n_rep) for i in (0, 1))
+                block_out, block_lse, found = _block_forward(
+                    kernel, query[:, :, rows], k_block, v_block, causal=causal, scale=scale
+                )
+                extras = extras or found
+                block_out = block_out.float()
                 if out is None:
                     out, lse = block_out, block_lse
                 else:
@@ -196,40 +266,43 @@ class _RingAttention(torch.autograd.Function):
                     kv = _finish(arriving)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.seq_len = group, seq_len
+        ctx.group, ctx.kernel, ctx.dtype, ctx.extras = group, kernel, dtype, extras
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        group, seq_len = ctx.group, ctx.seq_len
+        group, kernel, dtype = ctx.group, ctx.kernel, ctx.dtype
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         n_rep = q.shape[1] // k.shape[1]
         scale = 1.0 / math.sqrt(q.shape[-1])
         length = q.shape[2]
         following, previous = (rank + 1) % size, (rank - 1) % size
         with torch.autocast(q.device.type, enabled=False):
-            q32, grad32 = q.float(), grad_out.float()
-            positions = chunk_positions(seq_len, size, rank, device=q.device)
-            # softmax backward: dS = P ∘ (dP − rowsum(dO ∘ O)), with P the whole sequence's probabilities
-            delta = (grad32 * out.float()).sum(-1, keepdim=True)
-            grad_q = torch.zeros_like(q32)
+            query, grad, output = q.to(dtype), grad_out.to(dtype), out.to(dtype)
+            grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
             kv = torch.stack((k, v))
             grad_kv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
             for step in range(size):
                 # the next block's K/V travels while this one computes; its gradient follows once accumulated
                 arriving = _start_exchange(kv, group, following, previous) if step < size - 1 else None
-                rows, keys, masked = _visible(step, rank, length // 2, length)
-                k_block, v_block = _repeat(kv[0, :, :, keys].float(), n_rep), _repeat(kv[1, :, :, keys].float(), n_rep)
-                q_rows, grad_rows = q32[:, :, rows], grad32[:, :, rows]
-                scores = _scores(q_rows, k_block, scale, positions if masked else None)
-                probs = torch.exp(scores - lse[:, :, rows].unsqueeze(-1))
-                grad_v = torch.matmul(probs.transpose(-1, -2), grad_rows)
-                grad_scores = probs * (torch.matmul(grad_rows, v_block.transpose(-1, -2)) - delta[:, :, rows]) * scale
-                grad_q[:, :, rows] += torch.matmul(grad_scores, k_block)
-                grad_k = torch.matmul(grad_scores.transpose(-1, -2), q_rows)
-                grad_kv[0, :, :, keys] += _fold(grad_k, n_rep)
-                grad_kv[1, :, :, keys] += _fold(grad_v, n_rep)
+                rows, keys, causal = _visible(step, rank, length // 2, length)
+                k_block, v_block = (_repeat(kv[i, :, :, keys].to(dtype), n_rep) for i in (0, 1))
+                block_q, block_k, block_v = _block_backward(
+                    kernel,
+                    ctx.extras,
+                    grad[:, :, rows],
+                    query[:, :, rows],
+                    k_block,
+                    v_block,
+                    output[:, :, rows],
+                    lse[:, :, rows],
+                    causal=causal,
+                    scale=scale,
+                )
+                grad_q[:, :, rows] += block_q.float()
+                grad_kv[0, :, :, keys] += _fold(block_k.float(), n_rep)
+                grad_kv[1, :, :, keys] += _fold(block_v.float(), n_rep)
                 if size > 1:  # on to the block's next holder; after the last step, home to its owner
                     grad_kv = _exchange(grad_kv, group, following, previous)
                 if arriving is not None:
