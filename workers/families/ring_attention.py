@@ -206,6 +206,8 @@ def _block_backward(kernel: str, extras: tuple, grad, q, k, v, out, lse, *, caus
     block's probabilities are ``exp(q·kᵀ·scale − lse)`` with the merged log-sum-exp, so each block's share
     of the gradients comes out of the kernel's own backward)."""
     aten = torch.ops.aten
+    if kernel != "math":  # as torch's own backward hands them over (derivatives.yaml: grad.contiguous()), and a
+        grad, lse = grad.contiguous(), lse.contiguous()  # slice of the rows' log-sum-exp as the forward made it
     if kernel == "cpu_flash":
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad, q, k, v, out, lse, 0.0, causal, scale=scale
