@@ -27,7 +27,8 @@ One attention's forward, on a rank holding queries ``q`` and keys/values ``k, v`
 Backward (:class:`_RingAttention`, an ``autograd.Function``, the scheme of flash ring attention): the
 forward saves only this rank's ``q``, ``k``, ``v``, the output and the merged log-sum-exp. The backward sends
 the K/V blocks round the ring again (the next one travelling while the current one computes), each with the
-dK/dV its earlier holders accumulated for it (sent on once this rank added its share: that exchange waits);
+dK/dV its earlier holders accumulated for it (in flight while this rank computes its share of the block,
+added to it after, and sent on);
 each rank runs the block's kernel backward on the same rows as the forward with the saved output and
 log-sum-exp (the whole sequence's softmax, so the kernel's probabilities are the whole softmax's), adds its
 queries' share of that block's dK/dV and keeps its own dQ; a last
@@ -52,8 +53,8 @@ fp32, or fp32 q/k beside a bf16 v) the rank's own block's ``[batch, heads, S/cp,
 the transient. A rank multiplies ``c² + (cp − 1)·c²/2`` query-key pairs per head (``c = S/cp``; computing
 every block whole was ``cp·c²``: 5/8 of it at cp=4, counted in the tests with torch's FLOP counter).
 Communication per layer: the forward sends K and V ``cp − 1`` times (``(cp − 1)/cp`` of the sequence's K/V),
-overlapped with the compute; the backward sends them again, overlapped too, plus their fp32 gradients
-``cp`` times, which wait. The CUDA kernel path is checked against the math path by
+overlapped with the compute; the backward sends them again plus their fp32 gradients ``cp`` times, each
+overlapped with a block's compute (only the last gradient exchange, home, waits). The CUDA kernel path is checked against the math path by
 ``tests/gpu/test_ring_kernels.py``, not yet run on a GPU.
 """
 
@@ -284,9 +285,10 @@ class _RingAttention(torch.autograd.Function):
             query, grad, output = q.to(dtype), grad_out.to(dtype), out.to(dtype)
             grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
             kv = torch.stack((k, v))
-            grad_kv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+            # the gradient of the block held now, as its earlier holders accumulated it: in flight while this
+            # rank computes its own share, added once both are here, then sent on (after the last step: home)
+            passed_on = None
             for step in range(size):
-                # the next block's K/V travels while this one computes; its gradient follows once accumulated
                 arriving = _start_exchange(kv, group, following, previous) if step < size - 1 else None
                 rows, keys, causal = _visible(step, rank, length // 2, length)
                 k_block, v_block = (_repeat(kv[i, :, :, keys].to(dtype), n_rep) for i in (0, 1))
@@ -303,12 +305,18 @@ class _RingAttention(torch.autograd.Function):
                     scale=scale,
                 )
                 grad_q[:, :, rows] += block_q.float()
+                if passed_on is None:  # the rank's own block, first: nobody held it before
+                    grad_kv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+                else:
+                    grad_kv = _finish(passed_on)
                 grad_kv[0, :, :, keys] += _fold(block_k.float(), n_rep)
                 grad_kv[1, :, :, keys] += _fold(block_v.float(), n_rep)
-                if size > 1:  # on to the block's next holder; after the last step, home to its owner
-                    grad_kv = _exchange(grad_kv, group, following, previous)
+                if size > 1:
+                    passed_on = _start_exchange(grad_kv, group, following, previous)
                 if arriving is not None:
                     kv = _finish(arriving)
+            if passed_on is not None:  # the block held last is rank + 1's: its gradient went home, ours came
+                grad_kv = _finish(passed_on)
         return grad_q.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None
 
 
