@@ -122,7 +122,8 @@ class TPPlan:
 def ring_block_kernel(device: str, *, fp32: bool, head_dim: int) -> str:
     """What computes one block of context parallelism's ring (``workers/families/ring_attention.py``):
     ``"cpu_flash"`` (torch's CPU flash kernel), ``"cuda_flash"`` (torch's CUDA flash kernel, which runs bf16
-    or fp16 with a head_dim that is a multiple of 8 up to 256) or ``"math"`` (fp32 matmuls, the block's
+    or fp16 with a head_dim that is a multiple of 8 up to 256, on an Ampere-class GPU or newer: the rank
+    checks the GPU, the planner assumes one) or ``"math"`` (fp32 matmuls, the block's
     scores materialised). ``fp32``: whether the block computes in fp32 (an fp32 run, or q and k in fp32).
     Pure, so the planner counts what the ranks run."""
     if device == "cpu":

@@ -154,6 +154,8 @@ def block_kernel(device_type: str, dtype: torch.dtype, head_dim: int) -> str:
     math path materialises them (the planner's ring transient)."""
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return "math"
+    if device_type == "cuda" and torch.cuda.get_device_capability() < (8, 0):
+        return "math"  # torch's flash kernel needs an Ampere-class GPU or newer (the planner assumes one)
     return ring_block_kernel(device_type, fp32=dtype == torch.float32, head_dim=head_dim)
 
 
