@@ -27,7 +27,7 @@ def block_errors(device: str, dtype: torch.dtype) -> dict[str, float]:
     reference's largest magnitude; raises if no kernel runs for ``dtype`` on ``device``."""
     from etrain.workers.families.ring_attention import _block_backward, _block_forward, block_kernel
 
-    kernel = block_kernel(device, dtype, HEAD_DIM)
+    kernel = block_kernel(torch.device(device), dtype, HEAD_DIM)
     if kernel == "math":
         raise AssertionError(f"no kernel for {dtype} on {device}")
     scale = 1.0 / math.sqrt(HEAD_DIM)

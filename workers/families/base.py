@@ -32,6 +32,7 @@ __all__ = [
     "hf_sizes",
     "refuse_hidden_act",
     "ring_block_kernel",
+    "ring_block_transient",
     "rope_parameters",
 ]
 
@@ -131,6 +132,17 @@ def ring_block_kernel(device: str, *, fp32: bool, head_dim: int) -> str:
     if device == "cuda" and not fp32 and head_dim % 8 == 0 and head_dim <= 256:
         return "cuda_flash"
     return "math"
+
+
+def ring_block_transient(kernel: str, *, micro_batch: int, n_heads: int, tokens: int, q_width: int, tp: int) -> float:
+    """The ring's largest transient while one block computes, per micro-batch of ``tokens`` (a cp rank's)
+    tokens: on the math path the rank's own block's fp32 scores and probabilities, and in the backward their
+    gradients (``4 × batch·n_heads·tokens²·4``); with a kernel (:func:`ring_block_kernel`) about four fp32
+    copies of the rank's q-wide tokens (a block's output and its merge, dQ, the repeated K/V). A tp rank
+    carries ``n_heads / tp`` heads."""
+    if kernel == "math":
+        return 4 * micro_batch * n_heads * tokens**2 * 4 / tp
+    return 4 * micro_batch * tokens * q_width * 4 / tp
 
 
 class ModelFamily:

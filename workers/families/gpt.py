@@ -6,7 +6,7 @@ projections, an untied output head. No Hugging Face format.
 
 from __future__ import annotations
 
-from etrain.workers.families.base import ModelFamily, Sizes, TPPlan, ring_block_kernel
+from etrain.workers.families.base import ModelFamily, Sizes, TPPlan, ring_block_kernel, ring_block_transient
 from etrain.workers.protocol.errors import ConfigError
 
 __all__ = ["FAMILY", "GPT"]
@@ -185,17 +185,15 @@ class GPT(ModelFamily):
         ``c = S / cp`` tokens: the ring keeps what the fused kernel kept (q, k, v, the output, the fp32
         log-sum-exp). Where its blocks run in a kernel (:func:`ring_block_kernel`) its output is laid out as
         the kernel's, and ``wo`` reads a view of it; on the math path the output is head-major, so ``wo``
-        reads a copy: ``d`` more elements per token. Transient: on the math path the rank's own block's fp32
-        scores and probabilities and their gradients, ``4 × batch·n_heads·c²·4``; with a kernel about four
-        fp32 copies of the rank's ``d``-wide tokens (a block's output and its merge, dQ, repeated K/V).
-        Measured against autograd's saved tensors on CPU (tests/integration/test_context_parallel.py)."""
-        elem = 4 if regime == "fp32" else 2
+        reads a copy: ``d`` more elements per token. Transient: :func:`ring_block_transient`. Measured against
+        autograd's saved tensors on CPU (tests/integration/test_context_parallel.py)."""
         tokens = model.seq_len * micro_batch
         kernel = ring_block_kernel(device, fp32=regime == "fp32", head_dim=model.d_model // model.n_heads)
-        if kernel != "math":
-            return 0.0, float(4 * tokens * model.d_model * 4 / tp)
-        copy = tokens * model.d_model * elem / tp
-        return float(copy), float(4 * micro_batch * model.n_heads * model.seq_len**2 * 4 / tp)
+        copy = 0 if kernel != "math" else tokens * model.d_model * (4 if regime == "fp32" else 2) / tp
+        transient = ring_block_transient(
+            kernel, micro_batch=micro_batch, n_heads=model.n_heads, tokens=model.seq_len, q_width=model.d_model, tp=tp
+        )
+        return float(copy), float(transient)
 
     def hf_parameter_names(self, model: Sizes) -> list[str]:
         raise ConfigError(

@@ -21,6 +21,7 @@ from etrain.workers.families.base import (
     hf_sizes,
     refuse_hidden_act,
     ring_block_kernel,
+    ring_block_transient,
 )
 from etrain.workers.protocol.errors import ConfigError
 
@@ -378,18 +379,15 @@ class Llama(ModelFamily):
         """Context parallelism (``workers/families/ring_attention.py``), ``model.seq_len`` being a cp rank's
         ``c = S / cp`` tokens. Saved beyond the block's count at ``c`` tokens: the ring keeps ``q``, ``k`` and
         ``v`` as they arrive (k/v *not* repeated to n_heads; q and k fp32 after the q/k norms under
-        autocast), its output, and ``wo`` reads a copy of the output (the ring's is head-major), where the
-        fused kernel kept ``q``, repeated ``k``/``v`` and one output: per token ``2q·e_qk + kv·(e_qk + e_v) +
+        autocast) and its output, and ``wo`` may read a copy of it (below), where the fused kernel kept ``q``, repeated ``k``/``v`` and one output: per token ``2q·e_qk + kv·(e_qk + e_v) +
         copy − 4q·elem``, where ``copy = q·e_o`` is what ``wo`` reads when it is not a view of the ring's
         output: on the math path (a head-major output, copied), and under autocast with q/k norms (an fp32
         output, cast to bf16); where a kernel computes the blocks (:func:`ring_block_kernel`) in the
         input's dtype, the output is laid out as the kernel's and ``wo`` reads a view. RoPE's tables indexed
         at the rank's positions (``2·c·head_dim`` fp32) are kept when the rotation runs in fp32 (fp32, or
         autocast with q/k norms), while the bf16 casts are counted already. Measured against autograd's
-        saved tensors on CPU (tests/integration/test_context_parallel.py). Transient: on the math path (CUDA
-        in fp32) the rank's own block's fp32 scores and probabilities, and in the backward their gradients,
-        ``4 × batch·n_heads·c²·4`` bytes; with a kernel about four fp32 copies of the rank's q-wide tokens (a
-        block's output and its merge, dQ, the repeated K/V)."""
+        saved tensors on CPU (tests/integration/test_context_parallel.py). Transient:
+        :func:`ring_block_transient`."""
         q, kv = llama_widths(model)
         tokens = model.seq_len * micro_batch
         fp32_rotation = regime == "fp32" or (regime == "autocast" and model.qk_norm)
@@ -400,10 +398,9 @@ class Llama(ModelFamily):
         copy = q * e_o if kernel == "math" or (regime == "autocast" and fp32_rotation) else 0
         per_token = 2 * q * e_qk + kv * (e_qk + e_v) + copy - 4 * q * elem
         tables = 2 * model.seq_len * model.head_dim * 4 if fp32_rotation else 0
-        if kernel == "math":
-            transient = 4 * micro_batch * model.n_heads * model.seq_len**2 * 4 / tp
-        else:
-            transient = 4 * tokens * q * 4 / tp
+        transient = ring_block_transient(
+            kernel, micro_batch=micro_batch, n_heads=model.n_heads, tokens=model.seq_len, q_width=q, tp=tp
+        )
         return tokens * per_token / tp + tables, float(transient)  # the widths and heads are tp-sharded
 
     # -- Hugging Face ------------------------------------------------------------------------------

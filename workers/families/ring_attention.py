@@ -111,11 +111,6 @@ def _finish(exchange: tuple[torch.Tensor, list]) -> torch.Tensor:
     return received
 
 
-def _exchange(tensor: torch.Tensor, group: dist.ProcessGroup, send_to: int, recv_from: int) -> torch.Tensor:
-    """Send ``tensor`` to group rank ``send_to`` while receiving one like it from ``recv_from``."""
-    return _finish(_start_exchange(tensor, group, send_to, recv_from))
-
-
 def _repeat(t: torch.Tensor, n_rep: int) -> torch.Tensor:
     """Grouped-query attention: each kv head serves ``n_rep`` consecutive query heads."""
     return t.repeat_interleave(n_rep, dim=1) if n_rep > 1 else t
@@ -148,15 +143,15 @@ def _visible(step: int, rank: int, half: int, length: int) -> tuple[slice, slice
     return slice(half, length), slice(0, length), False
 
 
-def block_kernel(device_type: str, dtype: torch.dtype, head_dim: int) -> str:
-    """What computes a block of ``dtype`` on ``device_type`` (:func:`~etrain.workers.families.base.ring_block_kernel`,
+def block_kernel(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+    """What computes a block of ``dtype`` on ``device`` (:func:`~etrain.workers.families.base.ring_block_kernel`,
     which the planner reads too): a fused kernel takes a block in tiles, so its scores never exist whole; the
     math path materialises them (the planner's ring transient)."""
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return "math"
-    if device_type == "cuda" and torch.cuda.get_device_capability() < (8, 0):
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
         return "math"  # torch's flash kernel needs an Ampere-class GPU or newer (the planner assumes one)
-    return ring_block_kernel(device_type, fp32=dtype == torch.float32, head_dim=head_dim)
+    return ring_block_kernel(device.type, fp32=dtype == torch.float32, head_dim=head_dim)
 
 
 def _math_forward(q, k, v, *, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -244,7 +239,7 @@ class _RingAttention(torch.autograd.Function):
         if length * size != seq_len:
             raise ValueError(f"a cp rank holds {length} tokens of a {seq_len}-token sequence over {size} ranks")
         dtype = q.dtype if q.dtype == k.dtype == v.dtype else torch.float32
-        kernel = block_kernel(q.device.type, dtype, q.shape[-1])
+        kernel = block_kernel(q.device, dtype, q.shape[-1])
         extras: tuple = ()
         with torch.autocast(q.device.type, enabled=False):
             query = q.to(dtype)
