@@ -95,7 +95,8 @@ def layer_activation_bytes(
     one cp rank's ``seq_len / cp`` tokens (compiled too: the ring, run eagerly, splits the block's graph
     where the compiled count was measured whole; an overestimate), plus what the ring keeps beyond the
     fused kernel (``ModelFamily.ring_attention_bytes``, which depends on whether ``device`` runs the ring's
-    blocks in a kernel; nothing extra under full checkpointing, which keeps the input).
+    blocks in a kernel; nothing extra under full checkpointing, which keeps the input; under selective, the
+    ring's output and log-sum-exp, as a kernel's, in q's dtype).
     """
     regime = regime or compute_regime(precision, fsdp=False)
     if cp > 1:
@@ -113,7 +114,7 @@ def layer_activation_bytes(
         if checkpointing == "full":
             return count
         extra, _ = family(model.arch).ring_attention_bytes(
-            local, micro_batch=micro_batch, regime=regime, tp=tp, device=device
+            local, micro_batch=micro_batch, regime=regime, tp=tp, device=device, selective=checkpointing == "selective"
         )
         return count + extra
     if checkpointing == "selective":

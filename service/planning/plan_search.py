@@ -112,15 +112,15 @@ def worker_budget(spec: JobSpec) -> int:
 
 def context_parallel_sizes(spec: JobSpec, base: Case, budget: int) -> list[int]:
     """The cp degrees auto-planning tries, least first: 1, then those
-    ``etrain.workers.families.layout.cp_problems`` allows for the spec's model and checkpointing
-    (a family with the ring; 2·cp divides seq_len; no selective checkpointing)
+    ``etrain.workers.families.layout.cp_problems`` allows for the spec's model
+    (a family with the ring; 2·cp divides seq_len)
     within the budget at ``resources.min_dp``: the MAX_AUTO_CP_SIZES least of them, since the least cp that
     fits is the one chosen (:func:`choose_layout`)."""
     model, lo_dp = base.model, spec.resources.min_dp or 1
     allowed = [
         c
         for c in layout_rules.divisors(model.seq_len)
-        if 1 < c <= budget // lo_dp and not family_layout.cp_problems(model, cp=c, checkpointing=base.checkpointing)
+        if 1 < c <= budget // lo_dp and not family_layout.cp_problems(model, cp=c)
     ]
     return [1, *allowed[:MAX_AUTO_CP_SIZES]]
 

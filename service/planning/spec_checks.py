@@ -21,7 +21,6 @@ from etrain.service.planning.bounds import MAX_WORKERS
 from etrain.service.planning.spec import _HF_EXCLUSIVE_FIELDS, JobSpec, ParallelismSpec, SpecProblem
 from etrain.workers import families
 from etrain.workers.families import MODEL_PRESETS
-from etrain.workers.families import layout as family_layout
 from etrain.workers.protocol import layout_rules
 from etrain.workers.protocol.errors import ConfigError
 
@@ -147,29 +146,8 @@ def check_spec(spec: JobSpec) -> list[SpecProblem]:
             )
         )
     problems += _world_problems(spec)
-    problems += _context_parallel_problems(spec, problems)
     problems += _policy_problems(spec, problems)
     return problems
-
-
-def _context_parallel_problems(spec: JobSpec, found: list[SpecProblem]) -> list[SpecProblem]:
-    """``parallelism.cp > 1`` beside the fields the layout rules do not see (those are the planner's:
-    ``families.layout.cp_problems``): selective activation checkpointing."""
-    layout = spec.layout
-    if layout.cp == 1 or _model_unreadable(found):
-        return []
-    checkpointing = spec.training.activation_checkpointing
-    return SpecProblem.of(
-        problem
-        for problem in family_layout.cp_problems(spec.model.to_config(), cp=layout.cp, checkpointing=checkpointing)
-        if problem.field == "training.activation_checkpointing"
-    )
-
-
-def _model_unreadable(found: list[SpecProblem]) -> bool:
-    """Whether ``found`` says the model cannot be resolved (``model.hf`` unreadable, a bad preset or size):
-    the family's layout rules need the model, and its problem is already the answer."""
-    return any(problem.field == "model" or problem.field.startswith("model.") for problem in found)
 
 
 def _float8_problems(spec: JobSpec) -> list[SpecProblem]:

@@ -13,8 +13,10 @@ On two ranks (one spawn, several Trainers on the same process group):
 * cp=2 with DDP over the cp ranks (zero 0, saving at step 2), with ZeRO-1 sharding AdamW over them, and
   with FSDP2 over them (zero 3), train the
   reference's losses, gradient norms and final parameters (the FSDP2 run under full activation
-  checkpointing, whose backward replays the ring) within the equivalence tolerances (1e-5
-  relative on losses);
+  checkpointing, whose backward replays the ring; and DDP under selective checkpointing, which keeps the
+  ring op's outputs) within the equivalence tolerances (1e-5 relative on losses);
+* what each checkpointed block keeps on a cp=2 rank equals the planner's count, and the ring's forward
+  runs once per step under selective checkpointing, twice under full;
 * cp=2 restored from the reference's step-2 checkpoint trains on to its losses (cp=1 -> cp=2), and one
   process restored from the cp=2 run's step-2 checkpoint trains on to the same losses (cp=2 -> cp=1).
 
@@ -32,6 +34,7 @@ checkpoint restores into one process. The refusals are checked before any proces
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -124,6 +127,7 @@ def _ring_check(rank: int, world_size: int) -> tuple[dict[str, float], int]:
     import torch.nn.functional as F
     from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
+    from etrain.workers.families import ring_attention as ring_attention_module
     from etrain.workers.families.ring_attention import ring_attention, shard_sequence
 
     generator = torch.Generator().manual_seed(5)
@@ -143,9 +147,14 @@ def _ring_check(rank: int, world_size: int) -> tuple[dict[str, float], int]:
             sdpa_backward_flop_count(grad, q, k, v)
         ),
     }
+    local_grad = shard_sequence(grad, world_size, rank, dim=2)
+    got = ring_attention(*local, group=dist.group.WORLD, seq_len=24)
+    got.backward(local_grad)
+    # the ring is one op to a dispatch mode: count what its forward and backward run inside, called directly
+    inputs = [t.detach() for t in local]
     with FlopCounterMode(display=False, custom_mapping=cpu_kernels) as counter:
-        got = ring_attention(*local, group=dist.group.WORLD, seq_len=24)
-        got.backward(shard_sequence(grad, world_size, rank, dim=2))
+        out, lse = ring_attention_module._ring_forward(*inputs, dist.group.WORLD, 24)
+        ring_attention_module._ring_backward(local_grad, *inputs, out, lse, dist.group.WORLD)
     diffs = {"out": (got - shard_sequence(want, world_size, rank, dim=2)).abs().max().item()}
     for name, mine, full in zip("qkv", local, whole):
         diffs[f"d{name}"] = (mine.grad - shard_sequence(full.grad, world_size, rank, dim=2)).abs().max().item()
@@ -195,6 +204,7 @@ def _measured_activations(rank: int, world_size: int) -> dict:
     two-layer model's forward and loss (fp32), for the planner's counts (test below)."""
     import torch.distributed as dist
 
+    from etrain.workers.families import ring_attention
     from etrain.workers.families.llama_model import Llama
     from etrain.workers.families.ring_attention import shard_sequence
 
@@ -209,6 +219,12 @@ def _measured_activations(rank: int, world_size: int) -> dict:
             plain = _saved_bytes(block, run, autocast=regime == "autocast")  # the fused kernel, S/cp tokens
             block.attention.cp_group = dist.group.WORLD
             blocks[name, regime] = (_saved_bytes(block, run, autocast=regime == "autocast"), plain)
+            if regime == "fp32":  # and on the math path, as CUDA runs an fp32 ring (a GPU's count, on CPU)
+                chosen, ring_attention.block_kernel = ring_attention.block_kernel, lambda *_: "math"
+                try:
+                    blocks[name, "fp32_math"] = (_saved_bytes(block, run), plain)
+                finally:
+                    ring_attention.block_kernel = chosen
     model = Llama(MEASURED_MODEL)
     for layer in model.layers.values():
         layer.attention.cp_group = dist.group.WORLD
@@ -218,13 +234,81 @@ def _measured_activations(rank: int, world_size: int) -> dict:
     return {"blocks": blocks, "model": whole}
 
 
+def _measured_checkpointing(rank: int, world_size: int) -> dict:
+    """Each measured block on a cp=2 rank under selective and full checkpointing, in each compute regime:
+    ``{(block, regime, mode): (bytes kept for the backward, times the ring's forward ran)}``. Under selective
+    checkpointing what is kept is what autograd saves plus the outputs the policy's cache holds (the ops it
+    saves: the matmuls and the ring op)."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils import _pytree
+    from torch.utils.checkpoint import _RECOMPUTE
+
+    from etrain.workers.engine.parallelize import _selective_contexts
+    from etrain.workers.families import ring_attention
+
+    ring_runs = []
+    ring_forward = ring_attention._ring_forward
+
+    def counted(*args, **kwargs):
+        ring_runs.append(1)
+        return ring_forward(*args, **kwargs)
+
+    ring_attention._ring_forward = counted  # the op's implementation looks it up at each call
+    found = {}
+    try:
+        for (name, model), regime, mode in itertools.product(
+            MEASURED_BLOCKS.items(), ("fp32", "autocast", "bf16_params"), ("selective", "full")
+        ):
+            torch.manual_seed(0)
+            dtype = torch.bfloat16 if regime == "bf16_params" else torch.float32
+            block = _block_classes()[model.arch](model).to(dtype)
+            block.attention.cp_group = dist.group.WORLD
+            weights = {p.untyped_storage().data_ptr() for p in block.parameters()}
+            caches: list = []
+
+            def contexts(caches=caches):
+                forward, recompute = _selective_contexts()
+                caches.append(forward.storage)
+                return forward, recompute
+
+            run = checkpoint_wrapper(
+                block, preserve_rng_state=False, **({"context_fn": contexts} if mode == "selective" else {})
+            )
+            saved: dict[int, int] = {}
+
+            def pack(tensor, saved=saved, weights=weights):
+                storage = tensor.untyped_storage()
+                if storage.data_ptr() not in weights:
+                    saved[storage.data_ptr()] = storage.nbytes()
+                return tensor
+
+            x = torch.randn(3, model.seq_len // world_size, model.d_model, dtype=dtype, requires_grad=True) * 1
+            ring_runs.clear()
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=regime == "autocast"):
+                    out = run(x)
+                for cache in caches:
+                    for outputs in (o for per_op in cache.values() for o in per_op.values() if o is not _RECOMPUTE):
+                        for leaf in _pytree.tree_leaves(outputs):
+                            pack(getattr(leaf, "val", leaf))
+                out.float().sum().backward()
+            found[name, regime, mode] = (sum(saved.values()), len(ring_runs))
+    finally:
+        ring_attention._ring_forward = ring_forward
+    return found
+
+
 def _two_ranks(rank: int, world_size: int, root: str) -> dict:
     return {
         "saved": _measured_activations(rank, world_size),
+        "checkpointing": _measured_checkpointing(rank, world_size),
         "ring": _ring_against_whole_sequence(rank, world_size),
         "ddp": _train(_config(ParallelConfig(cp=2)), rank, world_size, save_root=f"{root}/cp2"),
         # full checkpointing replays each block's forward, its ring included, inside the backward
         "fsdp": _train(_config(ParallelConfig(cp=2, zero=3)), rank, world_size, activation_checkpointing="full"),
+        # selective keeps the ring op's output and log-sum-exp: its recompute runs no ring
+        "selective": _train(_config(ParallelConfig(cp=2)), rank, world_size, activation_checkpointing="selective"),
         "restored": _train(_config(ParallelConfig(cp=2)), rank, world_size, restore=f"{root}/one"),
         "zero1": _train(_config(ParallelConfig(cp=2, zero=1)), rank, world_size),  # AdamW state over dp·cp
         # and the loss in chunks of a cp rank's tokens (16 per micro-batch, chunks of 8)
@@ -305,6 +389,7 @@ def test_cp2_trains_like_one_process_and_restores_across_cp(reference, two_ranks
     print(f"llama cp2: losses {ranks[0]['ddp'].losses} vs one process {one.losses}")
     assert_equivalent(one, [r["ddp"] for r in ranks], layout="llama cp2 zero=0")
     assert_equivalent(one, [r["fsdp"] for r in ranks], layout="llama cp2 zero=3 full checkpointing")
+    assert_equivalent(one, [r["selective"] for r in ranks], layout="llama cp2 zero=0 selective checkpointing")
     assert_equivalent(one, [r["zero1"] for r in ranks], layout="llama cp2 zero=1")
     assert_equivalent(run_reference(GPT_BASE), [r["gpt"] for r in ranks], layout="gpt cp2 zero=0 chunked loss")
     assert_equivalent(run_reference(OLMO_BASE), [r["olmo2"] for r in ranks], layout="olmo2 cp2 zero=0")
@@ -365,16 +450,21 @@ def test_bad_context_layouts_are_refused_before_any_group(parallel, model, field
     assert caught.value.fix
 
 
-def test_selective_checkpointing_is_refused_by_the_ring():
-    from etrain.workers.engine.train import Trainer
+def test_checkpointed_blocks_keep_what_the_planner_counts_and_selective_runs_the_ring_once(two_ranks):
+    """On a cp=2 rank, each measured block (grouped-query Llama, Qwen3-style q/k norms, the GPT, OLMo 2) in each
+    compute regime: what selective and full checkpointing keep equals the planner's per-block count byte for
+    byte, and the ring's forward runs once per step under selective (its recompute takes the op's kept
+    outputs: no exchange again) and twice under full (the backward replays the block)."""
+    from etrain.service.planning.plan_activations import layer_activation_bytes
 
-    parallel = ParallelConfig(cp=2)
-    training = dataclasses.replace(BASE.training, activation_checkpointing="selective")
-    config = dataclasses.replace(BASE, parallel=parallel, training=training)
-    with pytest.raises(ConfigError) as caught:
-        Trainer(config, rank=0, world_size=parallel.world_size, device=torch.device("cpu"))
-    assert caught.value.field == "training.activation_checkpointing" and "parallelism.cp=2" in str(caught.value)
-    assert caught.value.fix
+    for (name, regime, mode), (kept, ring_runs) in two_ranks[0]["checkpointing"].items():
+        precision = "fp32" if regime == "fp32" else "bf16"
+        model = MEASURED_BLOCKS[name]
+        count = layer_activation_bytes(
+            model, micro_batch=3, precision=precision, regime=regime, cp=2, checkpointing=mode, device="cpu"
+        )
+        assert kept == count, (name, regime, mode, kept, count)
+        assert ring_runs == (1 if mode == "selective" else 2), (name, regime, mode, ring_runs)
 
 
 def _compiled_cp2(rank: int, world_size: int) -> dict:
@@ -425,8 +515,12 @@ def test_planned_activations_of_cp2_match_what_a_cp2_rank_saves(two_ranks):
     measured = two_ranks[0]["saved"]
     for (name, regime), (saved, plain) in measured["blocks"].items():
         model = MEASURED_BLOCKS[name]
-        precision = "fp32" if regime == "fp32" else "bf16"
         local = dataclasses.replace(model, seq_len=model.seq_len // 2)
+        if regime == "fp32_math":  # the math path: the count for an fp32 ring on a GPU
+            extra, _ = family(model.arch).ring_attention_bytes(local, micro_batch=3, regime="fp32", device="cuda")
+            assert saved - plain == extra, (name, regime, saved - plain, extra)
+            continue
+        precision = "fp32" if regime == "fp32" else "bf16"
         extra, _ = family(model.arch).ring_attention_bytes(local, micro_batch=3, regime=regime, device="cpu")
         assert saved - plain == extra, (name, regime, saved - plain, extra)  # what the ring keeps beyond the kernel
         if name in ("gpt", "olmo2") and regime != "fp32":

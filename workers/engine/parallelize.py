@@ -456,6 +456,9 @@ def _saved_by_selective() -> frozenset:
         # (registered by etrain.workers.families.qwen3_moe_model, imported before a model is built)
         ("aten", "_grouped_mm"),
         ("etrain", "grouped_mm"),
+        # context parallelism's ring attention, one op (etrain.workers.families.ring_attention): its output and
+        # log-sum-exp, as the fused kernels' above, so the recompute does not run the ring's exchanges again
+        ("etrain", "ring_attention"),
     ]
     ops = set()
     for namespace, name in names:

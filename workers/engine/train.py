@@ -113,7 +113,6 @@ class Trainer:
                 ep=parallel.ep,
                 zero=parallel.zero,
                 dp_replicate=parallel.dp_replicate,
-                checkpointing=config.training.activation_checkpointing,
             )
         )
         layout_rules.check(

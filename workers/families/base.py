@@ -351,13 +351,22 @@ class ModelFamily:
         return 0
 
     def ring_attention_bytes(
-        self, model: Sizes, *, micro_batch: int, regime: str, tp: int = 1, device: str = "cuda"
+        self,
+        model: Sizes,
+        *,
+        micro_batch: int,
+        regime: str,
+        tp: int = 1,
+        device: str = "cuda",
+        selective: bool = False,
     ) -> tuple[float, float]:
         """Context parallelism (a family with :attr:`context_parallel`): ``model`` at one cp rank's
         ``seq_len / cp`` tokens. Returns (what a block saves beyond :meth:`layer_activation_bytes` at those
         tokens, the ring's largest transient while one block computes), in bytes per micro-batch; under tensor
         parallelism (``tp``) a rank's ring carries its ``n_heads / tp`` heads. ``device``: where the ring
-        runs, which decides whether its blocks run in a fused kernel (:func:`ring_block_kernel`)."""
+        runs, which decides whether its blocks run in a fused kernel (:func:`ring_block_kernel`).
+        ``selective``: under selective checkpointing, what the policy keeps of the ring (its output and
+        log-sum-exp) beyond what it keeps of a fused kernel (``plan_activations.selective_activation_bytes``)."""
         return 0.0, 0.0
 
     # -- Hugging Face ------------------------------------------------------------------------------

@@ -179,21 +179,27 @@ class GPT(ModelFamily):
         return 2 * tokens * model.d_model * (4 if regime == "fp32" else 2) / sp_div
 
     def ring_attention_bytes(
-        self, model: Sizes, *, micro_batch: int, regime: str, tp: int = 1, device: str = "cuda"
+        self,
+        model: Sizes,
+        *,
+        micro_batch: int,
+        regime: str,
+        tp: int = 1,
+        device: str = "cuda",
+        selective: bool = False,
     ) -> tuple[float, float]:
         """Context parallelism (``workers/families/ring_attention.py``), ``model.seq_len`` being a cp rank's
         ``c = S / cp`` tokens: the ring keeps what the fused kernel kept (q, k, v, the output, the fp32
-        log-sum-exp). Where its blocks run in a kernel (:func:`ring_block_kernel`) its output is laid out as
-        the kernel's, and ``wo`` reads a view of it; on the math path the output is head-major, so ``wo``
-        reads a copy: ``d`` more elements per token. Transient: :func:`ring_block_transient`. Measured against
-        autograd's saved tensors on CPU (tests/integration/test_context_parallel.py)."""
-        tokens = model.seq_len * micro_batch
+        log-sum-exp), so nothing more (under selective checkpointing too: an output in the compute dtype and
+        its log-sum-exp, as the kernel's): its output is laid out token-major on every path, as the kernel's, and
+        ``wo`` reads a view of it. Where its blocks run on the math path (:func:`ring_block_kernel`) the
+        transient is larger: :func:`ring_block_transient`. Measured against autograd's saved tensors on CPU
+        (tests/integration/test_context_parallel.py)."""
         kernel = ring_block_kernel(device, fp32=regime == "fp32", head_dim=model.d_model // model.n_heads)
-        copy = 0 if kernel != "math" else tokens * model.d_model * (4 if regime == "fp32" else 2) / tp
         transient = ring_block_transient(
             kernel, micro_batch=micro_batch, n_heads=model.n_heads, tokens=model.seq_len, q_width=model.d_model, tp=tp
         )
-        return float(copy), float(transient)
+        return 0.0, float(transient)
 
     def hf_parameter_names(self, model: Sizes) -> list[str]:
         raise ConfigError(

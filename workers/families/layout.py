@@ -280,7 +280,6 @@ def cp_problems(
     ep: int = 1,
     zero: int = 0,
     dp_replicate: int = 1,
-    checkpointing: str = "none",
 ) -> list[Problem]:
     """Context parallelism (``parallelism.cp``): every sequence is cut into ``2·cp`` equal chunks and rank
     ``i`` of a cp group holds chunks ``i`` and ``2·cp − 1 − i`` (the causal load balance of torch's
@@ -293,10 +292,9 @@ def cp_problems(
     HSDP over each replica's ``dp_shard · cp`` ranks; compiled blocks run the ring eagerly between their
     graphs. Expert parallelism composes too: an ep group is dp ranks of one cp index (the expert mesh is
     ``(pp, edp, ep, cp, tp)``), the expert gradients are averaged over ``edp · cp``, and a mixture of experts
-    sums its routing statistics over cp. What it does not compose with, refused: selective activation
-    checkpointing (its policy keeps every matmul's output, which inside the ring would be every block's
-    ``(S/cp)²`` scores). ``tp``, ``pp``, ``ep``, ``zero`` and ``dp_replicate`` are accepted for the callers'
-    symmetry."""
+    sums its routing statistics over cp. Selective activation checkpointing keeps the ring's output and
+    log-sum-exp (the ring is one operator to it). ``tp``, ``pp``, ``ep``, ``zero`` and ``dp_replicate`` are
+    accepted for the callers' symmetry."""
     if cp == 1:
         return []
     if not is_count(cp):
@@ -323,16 +321,6 @@ def cp_problems(
                 f"{model.seq_len} (each cp rank holds two of 2·cp equal chunks of every sequence, balancing the "
                 "causal mask's work).",
                 fix=f"use cp in {good}, or a seq_len that is a multiple of {2 * cp}",
-            )
-        )
-    if checkpointing == "selective":
-        problems.append(
-            Problem(
-                field="training.activation_checkpointing",
-                message=f"training.activation_checkpointing='selective' does not run with parallelism.cp={cp}: its "
-                "policy keeps every matmul's output, which inside the ring would be each K/V block's scores.",
-                fix="use activation_checkpointing 'full' (the ring is replayed in the backward) or 'none' with "
-                "cp > 1, or cp=1",
             )
         )
     return problems

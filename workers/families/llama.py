@@ -374,20 +374,28 @@ class Llama(ModelFamily):
         return 2 * model.seq_len * model.head_dim * 4
 
     def ring_attention_bytes(
-        self, model: Sizes, *, micro_batch: int, regime: str, tp: int = 1, device: str = "cuda"
+        self,
+        model: Sizes,
+        *,
+        micro_batch: int,
+        regime: str,
+        tp: int = 1,
+        device: str = "cuda",
+        selective: bool = False,
     ) -> tuple[float, float]:
         """Context parallelism (``workers/families/ring_attention.py``), ``model.seq_len`` being a cp rank's
         ``c = S / cp`` tokens. Saved beyond the block's count at ``c`` tokens: the ring keeps ``q``, ``k`` and
         ``v`` as they arrive (k/v *not* repeated to n_heads; q and k fp32 after the q/k norms under
         autocast) and its output, and ``wo`` may read a copy of it (below), where the fused kernel kept ``q``, repeated ``k``/``v`` and one output: per token ``2q·e_qk + kv·(e_qk + e_v) +
         copy − 4q·elem``, where ``copy = q·e_o`` is what ``wo`` reads when it is not a view of the ring's
-        output: on the math path (a head-major output, copied), and under autocast with q/k norms (an fp32
-        output, cast to bf16); where a kernel computes the blocks (:func:`ring_block_kernel`) in the
-        input's dtype, the output is laid out as the kernel's and ``wo`` reads a view. RoPE's tables indexed
+        output: under autocast with q/k norms (an fp32 output, cast to bf16). Otherwise ``wo`` reads a view:
+        the ring lays its output out token-major, as the fused kernel does, on every path. RoPE's tables indexed
         at the rank's positions (``2·c·head_dim`` fp32) are kept when the rotation runs in fp32 (fp32, or
         autocast with q/k norms), while the bf16 casts are counted already. Measured against autograd's
         saved tensors on CPU (tests/integration/test_context_parallel.py). Transient:
-        :func:`ring_block_transient`."""
+        :func:`ring_block_transient`. Under selective checkpointing (``selective``) the policy keeps the ring's
+        output and log-sum-exp, as it keeps a fused kernel's, but the ring's output is in q's dtype: fp32 under
+        autocast with q/k norms, ``q·2`` bytes more per token than the kernel's bf16 one."""
         q, kv = llama_widths(model)
         tokens = model.seq_len * micro_batch
         fp32_rotation = regime == "fp32" or (regime == "autocast" and model.qk_norm)
@@ -395,12 +403,14 @@ class Llama(ModelFamily):
         e_qk = 4 if fp32_rotation else 2
         e_v = e_o = elem
         kernel = ring_block_kernel(device, fp32=fp32_rotation, head_dim=model.head_dim)
-        copy = q * e_o if kernel == "math" or (regime == "autocast" and fp32_rotation) else 0
-        per_token = 2 * q * e_qk + kv * (e_qk + e_v) + copy - 4 * q * elem
-        tables = 2 * model.seq_len * model.head_dim * 4 if fp32_rotation else 0
         transient = ring_block_transient(
             kernel, micro_batch=micro_batch, n_heads=model.n_heads, tokens=model.seq_len, q_width=q, tp=tp
         )
+        if selective:
+            return tokens * q * (e_qk - elem) / tp, float(transient)
+        copy = q * e_o if regime == "autocast" and fp32_rotation else 0
+        per_token = 2 * q * e_qk + kv * (e_qk + e_v) + copy - 4 * q * elem
+        tables = 2 * model.seq_len * model.head_dim * 4 if fp32_rotation else 0
         return tokens * per_token / tp + tables, float(transient)  # the widths and heads are tp-sharded
 
     # -- Hugging Face ------------------------------------------------------------------------------

@@ -24,8 +24,8 @@ One attention's forward, on a rank holding queries ``q`` and keys/values ``k, v`
    lse_b)``, outputs reweighed by ``exp(lse_old − lse)`` and ``exp(lse_b − lse)``) on the rows the block
    reached, which equals the softmax over the whole sequence.
 
-Backward (:class:`_RingAttention`, an ``autograd.Function``, the scheme of flash ring attention): the
-forward saves only this rank's ``q``, ``k``, ``v``, the output and the merged log-sum-exp. The backward sends
+Backward (:func:`_ring_backward`, the scheme of flash ring attention): the forward saves only this rank's
+``q``, ``k``, ``v``, the output and the merged log-sum-exp. The backward sends
 the K/V blocks round the ring again (the next one travelling while the current one computes), each with the
 dK/dV its earlier holders accumulated for it (in flight while this rank computes its share of the block,
 added to it after, and sent on);
@@ -43,9 +43,13 @@ path, which it does not intercept, so on CPU/gloo (where every layout is proven 
 does not run. This ring is written on ``torch.distributed`` point-to-point ops, which gloo and NCCL both
 carry.
 
-Under ``training.compile`` the ring runs eagerly between the block's compiled graphs
-(``torch.compiler.disable``: dynamo breaks the graph around it, and the block is compiled without
-``fullgraph``); the projections, RoPE, the norms and the MLP stay compiled.
+The ring is one custom operator, ``etrain::ring_attention`` (returning the output and the log-sum-exp),
+with its backward another, ``etrain::ring_attention_backward``: what works on operators sees it whole.
+Selective activation checkpointing keeps its two outputs, as it keeps a fused attention kernel's, so the
+backward's recompute of a block does not run the ring's exchanges again (full checkpointing does: it
+replays the whole block). Under ``training.compile`` the ring still runs eagerly between the block's
+compiled graphs (``torch.compiler.disable``: dynamo breaks the graph around it, and the block is compiled
+without ``fullgraph``); the projections, RoPE, the norms and the MLP stay compiled.
 
 Cost: the activations kept per layer are linear in ``S/cp`` (the planner counts them). In a kernel a block's
 scores never exist whole (the kernel's causal path also skips its masked tiles); on the math path (CUDA in
@@ -218,103 +222,189 @@ def _block_backward(kernel: str, extras: tuple, grad, q, k, v, out, lse, *, caus
     return _math_backward(grad, q, k, v, out, lse, causal=causal, scale=scale)
 
 
-class _RingAttention(torch.autograd.Function):
-    """The ring's forward (online softmax over the blocks as they arrive) and its backward (the blocks go
-    round again, each carrying the dK/dV accumulated for it, and a last step hands those to their owner).
-
-    Saves only ``q``, ``k``, ``v`` (this rank's, kv heads unrepeated), the output and the fp32 log-sum-exp
-    per query row, as a fused attention kernel does. Each step computes only the rows that see each other
+def _ring_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ring's forward: this rank's attention output (in ``q``'s dtype, laid out ``[batch, S/cp, heads,
+    head_dim]`` in memory so that ``wo`` reads it as a view) and the merged fp32 log-sum-exp per query row
+    (``[batch, heads, S/cp]``, contiguous). Each step computes only the rows that see each other
     (:func:`_visible`) in a fused kernel where one runs (:func:`block_kernel`): in ``q``, ``k`` and ``v``'s
     dtype where they share one, in fp32 otherwise (Qwen3's q/k norms hand over fp32 q and k under autocast),
-    and the math path in fp32. The blocks merge in fp32; the output is returned in ``q``'s dtype. The next
-    block's K/V travels while the current one computes (the exchange is started before, waited on after).
-    """
+    and the math path in fp32. The blocks merge in fp32. The next block's K/V travels while the current one
+    computes (the exchange is started before, waited on after)."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    batch, heads, length, head_dim = q.shape
+    n_rep = heads // k.shape[1]
+    scale = 1.0 / math.sqrt(head_dim)
+    if length * size != seq_len:
+        raise ValueError(f"a cp rank holds {length} tokens of a {seq_len}-token sequence over {size} ranks")
+    dtype = q.dtype if q.dtype == k.dtype == v.dtype else torch.float32
+    kernel = block_kernel(q.device, dtype, head_dim)
+    # the layouts are fixed here, not left to the first block's kernel, because the op's fake (what a
+    # compiled graph plans with) must promise the same strides
+    out = torch.empty((batch, length, heads, head_dim), dtype=torch.float32, device=q.device).transpose(1, 2)
+    lse = torch.empty((batch, heads, length), dtype=torch.float32, device=q.device)
+    with torch.autocast(q.device.type, enabled=False):
+        query = q.to(dtype)
+        kv = torch.stack((k, v))
+        for step in range(size):
+            arriving = _start_exchange(kv, group, (rank + 1) % size, (rank - 1) % size) if step < size - 1 else None
+            rows, keys, causal = _visible(step, rank, length // 2, length)
+            k_block, v_block = (_repeat(kv[i, :, :, keys].to(dtype), n_rep) for i in (0, 1))
+            block_out, block_lse, _ = _block_forward(
+                kernel, query[:, :, rows], k_block, v_block, causal=causal, scale=scale
+            )
+            if step == 0:  # the rank's own block: every row
+                out.copy_(block_out)
+                lse.copy_(block_lse)
+            else:
+                merged = torch.logaddexp(lse[:, :, rows], block_lse)
+                out[:, :, rows] = out[:, :, rows] * torch.exp(lse[:, :, rows] - merged).unsqueeze(
+                    -1
+                ) + block_out.float() * torch.exp(block_lse - merged).unsqueeze(-1)
+                lse[:, :, rows] = merged
+            if arriving is not None:
+                kv = _finish(arriving)
+    return out.to(q.dtype), lse
 
-    @staticmethod
-    def forward(ctx, q, k, v, group, seq_len):
-        size, rank = dist.get_world_size(group), dist.get_rank(group)
-        n_rep = q.shape[1] // k.shape[1]
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        length = q.shape[2]
-        if length * size != seq_len:
-            raise ValueError(f"a cp rank holds {length} tokens of a {seq_len}-token sequence over {size} ranks")
-        dtype = q.dtype if q.dtype == k.dtype == v.dtype else torch.float32
-        kernel = block_kernel(q.device, dtype, q.shape[-1])
-        extras: tuple = ()
-        with torch.autocast(q.device.type, enabled=False):
-            query = q.to(dtype)
-            kv = torch.stack((k, v))
-            out = lse = None
-            for step in range(size):
-                arriving = _start_exchange(kv, group, (rank + 1) % size, (rank - 1) % size) if step < size - 1 else None
-                rows, keys, causal = _visible(step, rank, length // 2, length)
-                k_block, v_block = (_repeat(kv[i, :, :, keys].to(dtype), n_rep) for i in (0, 1))
-                block_out, block_lse, found = _block_forward(
-                    kernel, query[:, :, rows], k_block, v_block, causal=causal, scale=scale
-                )
-                extras = extras or found
-                block_out = block_out.float()
-                if out is None:
-                    out, lse = block_out, block_lse
-                else:
-                    merged = torch.logaddexp(lse[:, :, rows], block_lse)
-                    out[:, :, rows] = out[:, :, rows] * torch.exp(lse[:, :, rows] - merged).unsqueeze(
-                        -1
-                    ) + block_out * torch.exp(block_lse - merged).unsqueeze(-1)
-                    lse[:, :, rows] = merged
-                if arriving is not None:
-                    kv = _finish(arriving)
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.kernel, ctx.dtype, ctx.extras = group, kernel, dtype, extras
-        return out
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
-        group, kernel, dtype = ctx.group, ctx.kernel, ctx.dtype
-        size, rank = dist.get_world_size(group), dist.get_rank(group)
-        n_rep = q.shape[1] // k.shape[1]
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        length = q.shape[2]
-        following, previous = (rank + 1) % size, (rank - 1) % size
-        with torch.autocast(q.device.type, enabled=False):
-            query, grad, output = q.to(dtype), grad_out.to(dtype), out.to(dtype)
-            grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-            kv = torch.stack((k, v))
-            # the gradient of the block held now, as its earlier holders accumulated it: in flight while this
-            # rank computes its own share, added once both are here, then sent on (after the last step: home)
-            passed_on = None
-            for step in range(size):
-                arriving = _start_exchange(kv, group, following, previous) if step < size - 1 else None
-                rows, keys, causal = _visible(step, rank, length // 2, length)
-                k_block, v_block = (_repeat(kv[i, :, :, keys].to(dtype), n_rep) for i in (0, 1))
-                block_q, block_k, block_v = _block_backward(
-                    kernel,
-                    ctx.extras,
-                    grad[:, :, rows],
-                    query[:, :, rows],
-                    k_block,
-                    v_block,
-                    output[:, :, rows],
-                    lse[:, :, rows],
-                    causal=causal,
-                    scale=scale,
-                )
-                grad_q[:, :, rows] += block_q.float()
-                if passed_on is None:  # the rank's own block, first: nobody held it before
-                    grad_kv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-                else:
-                    grad_kv = _finish(passed_on)
-                grad_kv[0, :, :, keys] += _fold(block_k.float(), n_rep)
-                grad_kv[1, :, :, keys] += _fold(block_v.float(), n_rep)
-                if size > 1:
-                    passed_on = _start_exchange(grad_kv, group, following, previous)
-                if arriving is not None:
-                    kv = _finish(arriving)
-            if passed_on is not None:  # the block held last is rank + 1's: its gradient went home, ours came
+def _ring_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    group: dist.ProcessGroup,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ring's backward: the blocks go round again, each carrying the dK/dV its earlier holders
+    accumulated for it, and a last step hands those to their owner. Each block's share comes from its
+    kernel's backward on the forward's rows, given the whole sequence's output and log-sum-exp."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    n_rep = q.shape[1] // k.shape[1]
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    length = q.shape[2]
+    dtype = q.dtype if q.dtype == k.dtype == v.dtype else torch.float32
+    kernel = block_kernel(q.device, dtype, q.shape[-1])
+    extras = _cuda_flash_extras(q.device) if kernel == "cuda_flash" else ()
+    following, previous = (rank + 1) % size, (rank - 1) % size
+    with torch.autocast(q.device.type, enabled=False):
+        query, grad, output = q.to(dtype), grad_out.to(dtype), out.to(dtype)
+        grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        kv = torch.stack((k, v))
+        # the gradient of the block held now, as its earlier holders accumulated it: in flight while this
+        # rank computes its own share, added once both are here, then sent on (after the last step: home)
+        passed_on = None
+        for step in range(size):
+            arriving = _start_exchange(kv, group, following, previous) if step < size - 1 else None
+            rows, keys, causal = _visible(step, rank, length // 2, length)
+            k_block, v_block = (_repeat(kv[i, :, :, keys].to(dtype), n_rep) for i in (0, 1))
+            block_q, block_k, block_v = _block_backward(
+                kernel,
+                extras,
+                grad[:, :, rows],
+                query[:, :, rows],
+                k_block,
+                v_block,
+                output[:, :, rows],
+                lse[:, :, rows],
+                causal=causal,
+                scale=scale,
+            )
+            grad_q[:, :, rows] += block_q.float()
+            if passed_on is None:  # the rank's own block, first: nobody held it before
+                grad_kv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+            else:
                 grad_kv = _finish(passed_on)
-        return grad_q.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None
+            grad_kv[0, :, :, keys] += _fold(block_k.float(), n_rep)
+            grad_kv[1, :, :, keys] += _fold(block_v.float(), n_rep)
+            if size > 1:
+                passed_on = _start_exchange(grad_kv, group, following, previous)
+            if arriving is not None:
+                kv = _finish(arriving)
+        if passed_on is not None:  # the block held last is rank + 1's: its gradient went home, ours came
+            grad_kv = _finish(passed_on)
+    # copies, also where the dtype is already fp32: an op's outputs may not alias one another
+    return grad_q.to(q.dtype), grad_kv[0].to(k.dtype, copy=True), grad_kv[1].to(v.dtype, copy=True)
+
+
+_CUDA_FLASH_EXTRAS: dict[torch.device, tuple] = {}
+
+
+def _cuda_flash_extras(device: torch.device) -> tuple:
+    """What CUDA's flash backward takes back from its forward beyond the output and log-sum-exp: the
+    cumulative sequence lengths (none for dense batches) and the dropout RNG's seed and offset (unused at
+    dropout 0). The ring op returns only tensors its fake can promise, so these come from one tiny forward
+    per device, in the form the kernel itself makes them."""
+    if device not in _CUDA_FLASH_EXTRAS:
+        tiny = torch.zeros(1, 1, 8, 8, dtype=torch.bfloat16, device=device)
+        found = torch.ops.aten._scaled_dot_product_flash_attention(tiny, tiny, tiny, 0.0, True, False)
+        _CUDA_FLASH_EXTRAS[device] = (found[2], found[3], found[6], found[7])
+    return _CUDA_FLASH_EXTRAS[device]
+
+
+# The ring is one custom op (forward and backward), not an autograd.Function, so that what sees operators
+# sees it whole: selective activation checkpointing keeps its output and log-sum-exp (the recompute in the
+# backward does not run the ring's exchanges again), and a compiled block's fake tensors know its outputs.
+# The process group travels by name (an op's arguments are tensors and plain values), as torch's functional
+# collectives pass theirs.
+
+
+@torch.library.custom_op("etrain::ring_attention", mutates_args=())
+def _ring_attention_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _ring_forward(q, k, v, _resolve_group(group_name), seq_len)
+
+
+@_ring_attention_op.register_fake
+def _(q, k, v, group_name, seq_len):
+    batch, heads, length, head_dim = q.shape
+    return (
+        q.new_empty((batch, length, heads, head_dim)).transpose(1, 2),
+        q.new_empty((batch, heads, length), dtype=torch.float32),
+    )
+
+
+@torch.library.custom_op("etrain::ring_attention_backward", mutates_args=())
+def _ring_attention_backward_op(
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    group_name: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _ring_backward(grad, q, k, v, out, lse, _resolve_group(group_name))
+
+
+@_ring_attention_backward_op.register_fake
+def _(grad, q, k, v, out, lse, group_name):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, group_name, _ = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.group_name = group_name
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, grad_out, _grad_lse):
+    q, k, v, out, lse = ctx.saved_tensors
+    grad_q, grad_k, grad_v = torch.ops.etrain.ring_attention_backward(grad_out, q, k, v, out, lse, ctx.group_name)
+    return grad_q, grad_k, grad_v, None, None
+
+
+_ring_attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _resolve_group(name: str) -> dist.ProcessGroup:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
 
 
 @torch.compiler.disable(reason="point-to-point exchanges in an autograd.Function: compiled blocks run it eagerly")
@@ -334,4 +424,5 @@ def ring_attention(
     ``[batch, heads, S/cp, head_dim]`` in ``q``'s dtype, what ``scaled_dot_product_attention(is_causal=True)``
     over the whole sequence gives at this rank's tokens.
     """
-    return _RingAttention.apply(q, k, v, group, seq_len)
+    out, _ = torch.ops.etrain.ring_attention(q, k, v, group.group_name, seq_len)
+    return out
