@@ -25,12 +25,13 @@ CASES = {
 def block_errors(device: str, dtype: torch.dtype) -> dict[str, float]:
     """Largest |kernel − reference| per case and quantity (out, lse, dq, dk, dv), relative to the
     reference's largest magnitude; raises if no kernel runs for ``dtype`` on ``device``."""
-    from etrain.workers.families.ring_attention import _block_backward, _block_forward, block_kernel
+    from etrain.workers.families.ring_attention import _block_backward, _block_forward, _cuda_flash_extras, block_kernel
 
     kernel = block_kernel(torch.device(device), dtype, HEAD_DIM)
     if kernel == "math":
         raise AssertionError(f"no kernel for {dtype} on {device}")
     scale = 1.0 / math.sqrt(HEAD_DIM)
+    extras = _cuda_flash_extras(torch.device(device)) if kernel == "cuda_flash" else ()  # as the ring passes them
     generator = torch.Generator().manual_seed(11)
     errors: dict[str, float] = {}
     for case, (rows, keys, causal) in CASES.items():
@@ -49,8 +50,8 @@ def block_errors(device: str, dtype: torch.dtype) -> dict[str, float]:
         out = torch.matmul(torch.softmax(whole, dim=-1), torch.cat((vr, v2r), dim=2))
         out.backward(inputs[5].float())
         # the block alone, forward: against the math path's block (the same rows and keys)
-        block_out, block_lse, extras = _block_forward(kernel, *inputs[:3], causal=causal, scale=scale)
-        want_out, want_lse, _ = _block_forward("math", *(t.float() for t in inputs[:3]), causal=causal, scale=scale)
+        block_out, block_lse = _block_forward(kernel, *inputs[:3], causal=causal, scale=scale)
+        want_out, want_lse = _block_forward("math", *(t.float() for t in inputs[:3]), causal=causal, scale=scale)
         errors[f"{case} out"] = _relative(block_out, want_out)
         errors[f"{case} lse"] = _relative(block_lse, want_lse)
         # backward: the kernel's share of the gradients given the whole softmax, plus the second block's

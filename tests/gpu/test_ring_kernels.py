@@ -20,3 +20,41 @@ def test_a_block_in_the_cuda_flash_kernel_equals_the_whole_softmaxs_share(dtype)
     errors = block_errors("cuda", dtype)
     worst = max(errors, key=errors.get)
     assert errors[worst] <= 2e-2, (worst, errors[worst], errors)
+
+
+def _whole_ring_on_one_gpu(rank: int, world_size: int) -> dict[str, float]:
+    """The ring op on one rank (its own block alone: no exchange) in bf16 on the GPU, forward and backward
+    through ``etrain::ring_attention`` (the CUDA kernel's backward with ``_cuda_flash_extras``), against
+    causal SDPA on the same bf16 inputs: relative |Δ| of the output and dQ/dK/dV."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from etrain.workers.families.ring_attention import ring_attention
+
+    generator = torch.Generator().manual_seed(3)
+    shapes = [(2, 8, 64, 64), (2, 2, 64, 64), (2, 2, 64, 64), (2, 8, 64, 64)]  # grouped-query: 8 on 2
+    q, k, v, grad = (torch.randn(s, generator=generator).to("cuda", torch.bfloat16) for s in shapes)
+    mine = [t.clone().requires_grad_() for t in (q, k, v)]
+    got = ring_attention(*mine, group=dist.group.WORLD, seq_len=64)
+    got.backward(grad)
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = F.scaled_dot_product_attention(
+        ref[0], ref[1].repeat_interleave(4, 1), ref[2].repeat_interleave(4, 1), is_causal=True
+    )
+    want.backward(grad)
+    errors = {"out": _relative(got, want)}
+    for name, a, b in zip("qkv", mine, ref):
+        errors[f"d{name}"] = _relative(a.grad, b.grad)
+    return errors
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    want = want.detach().float()
+    return ((got.detach().float() - want).abs().max() / want.abs().max().clamp_min(1e-12)).item()
+
+
+def test_the_ring_op_on_a_gpu_equals_sdpa():
+    from tests.dist_utils import run_distributed
+
+    (errors,) = run_distributed(_whole_ring_on_one_gpu, 1, timeout_s=120)
+    assert max(errors.values()) <= 2e-2, errors

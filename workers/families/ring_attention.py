@@ -187,26 +187,23 @@ def _above_diagonal(scores: torch.Tensor) -> torch.Tensor:
     return torch.ones(rows, keys, dtype=torch.bool, device=scores.device).triu(1)
 
 
-def _block_forward(kernel: str, q, k, v, *, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, tuple]:
-    """One block's attention: (output, fp32 log-sum-exp per query row, what the CUDA kernel's backward
-    needs back)."""
+def _block_forward(kernel: str, q, k, v, *, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block's attention: (output, fp32 log-sum-exp per query row)."""
     aten = torch.ops.aten
     if kernel == "cpu_flash":
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-        return out, lse, ()
+        return out, lse
     if kernel == "cuda_flash":
-        out, lse, cum_q, cum_k, _, _, seed, offset, _ = aten._scaled_dot_product_flash_attention(
-            q, k, v, 0.0, causal, False, scale=scale
-        )
-        return out, lse, (cum_q, cum_k, seed, offset)
-    out, lse = _math_forward(q, k, v, causal=causal, scale=scale)
-    return out, lse, ()
+        out, lse, *_ = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+        return out, lse
+    return _math_forward(q, k, v, causal=causal, scale=scale)
 
 
 def _block_backward(kernel: str, extras: tuple, grad, q, k, v, out, lse, *, causal: bool, scale: float):
     """One block's dQ, dK, dV given the *whole sequence's* output and log-sum-exp (flash ring attention: a
     block's probabilities are ``exp(q·kᵀ·scale − lse)`` with the merged log-sum-exp, so each block's share
-    of the gradients comes out of the kernel's own backward)."""
+    of the gradients comes out of the kernel's own backward). ``extras``: :func:`_cuda_flash_extras` for the
+    CUDA kernel, else empty."""
     aten = torch.ops.aten
     if kernel != "math":  # as torch's own backward hands them over (derivatives.yaml: grad.contiguous()), and a
         grad, lse = grad.contiguous(), lse.contiguous()  # slice of the rows' log-sum-exp as the forward made it
@@ -251,7 +248,7 @@ def _ring_forward(
             arriving = _start_exchange(kv, group, (rank + 1) % size, (rank - 1) % size) if step < size - 1 else None
             rows, keys, causal = _visible(step, rank, length // 2, length)
             k_block, v_block = (_repeat(kv[i, :, :, keys].to(dtype), n_rep) for i in (0, 1))
-            block_out, block_lse, _ = _block_forward(
+            block_out, block_lse = _block_forward(
                 kernel, query[:, :, rows], k_block, v_block, causal=causal, scale=scale
             )
             if step == 0:  # the rank's own block: every row
