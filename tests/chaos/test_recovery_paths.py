@@ -1,7 +1,7 @@
 """Issue #9 acceptance: the chaos suite on the new recovery paths ends where the clean run ends.
 
 A kill during a checkpoint write, a kill during the commit, two failures in a row, a failure of the
-replacement itself and the processes of a whole replica dying at once, each on a real multi-node Ray cluster through the chaos API (``during`` moves a kill
+replacement itself, the processes of a whole replica dying at once and a killed rank of a context-parallel job, each on a real multi-node Ray cluster through the chaos API (``during`` moves a kill
 into a save: workers/rank/worker.py ``TrainWorker._save``). Every run is repaired in place (the default) and
 must end exactly where the uninterrupted run ends: the same loss at every step (fp32, deterministic)
 and the same final parameters on every rank (the ``ranks_finished`` digests). Each test also pins the
@@ -157,6 +157,32 @@ def test_the_processes_of_a_whole_replica_dying_at_once_are_all_replaced_in_one_
     assert sorted(recovered) == sorted(clean.losses)
     worst = max(abs(recovered[s] - clean.losses[s]) for s in clean.losses)
     assert worst <= 1e-5, f"max |loss - clean loss| = {worst:.3g}"  # tp2 against DDP: another reduction order
+
+
+def test_a_killed_rank_of_a_context_parallel_job_is_repaired_in_place_from_a_replicas_memory(shared_plane, clean):
+    """Context parallelism (dp2·cp2: each replica's sequences split over a cp pair whose ring runs between
+    them): rank 1, the second cp rank of the first replica, is SIGKILLed. The repair replaces it in place
+    from the memory of a rank with the same state (DDP keeps the parameters whole on every dp·cp rank:
+    before, only its dp peer, rank 3, counted as its replica), nothing is recomputed, and the run ends on the
+    clean run's losses (within the tolerance of another reduction order). A survivor left waiting in the
+    ring on a cp peer that has left the attempt (rank 3 on rank 2: on gloo such a wait never fails) is
+    replaced as stuck in the same repair and gets its state from memory too."""
+    plane = shared_plane
+    final, events = recover(
+        plane, spec("kill-dp2-cp2", parallelism={"cp": 2}), {"action": "kill_rank", "rank": 1, "at_step": 10}
+    )
+    assert_repaired_in_place(final, events, times=1)
+    (source,) = restored(events)
+    found = re.fullmatch(
+        r"attempt 2, step 10: ranks ([\d,]+) from own memory; ranks ([\d,]+) from rank \d's memory", source
+    )
+    assert found, source
+    own, received = ({int(rank) for rank in ranks.split(",")} for ranks in found.groups())
+    assert 1 in received and own | received == {0, 1, 2, 3} and {0, 2} <= own, source
+    assert [row["step"] for row in plane.steps(final["id"])] == list(range(1, 25))  # none run twice
+    recovered = losses(plane, final["id"])
+    worst = max(abs(recovered[s] - clean.losses[s]) for s in clean.losses)
+    assert worst <= 1e-5, f"max |loss - clean loss| = {worst:.3g}"
 
 
 def test_a_failure_of_the_replacement_itself_is_repaired_again(shared_plane, clean):

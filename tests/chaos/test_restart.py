@@ -122,37 +122,39 @@ def test_hung_rank_is_named_with_its_stack_and_repaired_in_place_within_the_time
     assert_same_trajectory(losses(plane, job["id"]), clean, tol=1e-6)
 
 
-@pytest.mark.parametrize("layout", ["ddp", "zero3", "tp2"])
+@pytest.mark.parametrize("layout", ["ddp", "zero3", "tp2", "cp2"])
 def test_scale_2_to_1_to_2_resizes_in_place_keeping_rank_0s_process(shared_plane, request, layout):
     """Issue #20 item 3: ``scale`` down and back up keeps the surviving replica's processes (same PIDs in
     every attempt), relaunches nothing, says "in place" in both ``resized`` events, and trains the clean
     run's losses: the global batch and the data order do not change with dp. Under ZeRO-3 the kept rank's
     shard changes with dp, so every rank restores from the checkpoint, resharded; under DDP from memory.
-    Under tensor parallelism (tp=2) a replica is two ranks, kept or replaced together, and the losses are
-    the DDP clean run's within the tolerance of a tp layout (its reductions run in another order)."""
+    Under tensor parallelism (tp=2) and context parallelism (cp=2) a replica is two ranks, kept or replaced
+    together, and the losses are the DDP clean run's within the tolerance of a tp or cp layout (its
+    reductions run in another order)."""
     plane = shared_plane
     clean = request.getfixturevalue("clean_zero3" if layout == "zero3" else "clean")
-    sections = ZERO3 if layout == "zero3" else {}
+    sections = ZERO3 if layout == "zero3" else {"parallelism": {"cp": 2}} if layout == "cp2" else {}
     tp = 2 if layout == "tp2" else 1
     job = plane.submit(spec(f"resize-{layout}-dp2", tp=tp, resources={"min_dp": 1, "max_dp": 2}, **sections))
+    width = 2 if layout in ("tp2", "cp2") else 1  # one replica's ranks: rank = (dp index·cp + cp index)·tp + tp index
     # At dp=2 first: where the previous test's ranks still held the CPUs at submit, the job starts at its
     # min_dp and the elastic policy grows it (a relaunch from step 0, before any checkpoint) once they free.
     plane.wait_until(
         job["id"],
-        lambda j: j["status"] == "RUNNING" and j["step"] >= 3 and j["world_size"] == 2 * tp,
+        lambda j: j["status"] == "RUNNING" and j["step"] >= 3 and j["world_size"] == 2 * width,
         timeout_s=180,
         what="step 3 at dp=2",
     )
     # Rank 0's process stays through both resizes, and so does its drill: every step is slow enough
     # (sleeps only, the numbers are the same) for both resizes to land before the last step.
-    # Under tp a step is the two ranks' slowest: a 6x rank is slow enough there (the test stays short).
-    plane.chaos(job["id"], action="slow_rank", rank=0, factor=20.0 if tp == 1 else 6.0)
+    # Under tp or cp a step is the two ranks' slowest: a 6x rank is slow enough there (the test stays short).
+    plane.chaos(job["id"], action="slow_rank", rank=0, factor=20.0 if width == 1 else 6.0)
     for dp in (1, 2):
         response = plane.client.post(f"/v1/jobs/{job['id']}/scale", json={"dp": dp})
         assert response.status_code == 202, response.text
         plane.wait_until(
             job["id"],
-            lambda j, dp=dp: j["world_size"] == dp * tp and j["status"] == "RUNNING",
+            lambda j, dp=dp: j["world_size"] == dp * width and j["status"] == "RUNNING",
             timeout_s=120,
             what=f"the resize to dp={dp}",
         )
@@ -165,13 +167,13 @@ def test_scale_2_to_1_to_2_resizes_in_place_keeping_rank_0s_process(shared_plane
     kinds = event_kinds(events)
     resized = [event_text(e) for e in events if e["kind"] == "resized"]
     assert len(resized) == 2 and all(text.endswith("; in place") for text in resized), resized
-    assert f"dp=1 world_size={tp}" in resized[0] and f"dp=2 world_size={2 * tp}" in resized[1], resized
+    assert f"dp=1 world_size={width}" in resized[0] and f"dp=2 world_size={2 * width}" in resized[1], resized
     assert "launching" not in kinds and "resize_failed" not in kinds, kinds
     attempts = 2 + event_kinds(before).count("launching")  # (one more where it started at min_dp and grew)
-    for rank in range(tp):  # the kept replica: the attempt at dp=2, the one at dp=1 and the last, one process
+    for rank in range(width):  # the kept replica: the attempt at dp=2, the one at dp=1 and the last, one process
         pids = rank_pids(plane, job["id"], rank)
         assert len(pids) == attempts and len(set(pids[-3:])) == 1, (rank, pids)
-    for rank in range(tp, 2 * tp):  # the other replica left and a new one joined
+    for rank in range(width, 2 * width):  # the other replica left and a new one joined
         replaced = rank_pids(plane, job["id"], rank)[-2:]
         assert len(replaced) == 2 and replaced[0] != replaced[1], (rank, replaced)
     sources = restored(events)
@@ -180,7 +182,7 @@ def test_scale_2_to_1_to_2_resizes_in_place_keeping_rank_0s_process(shared_plane
         assert all("from storage" in text for text in sources), sources
     else:
         assert all("from storage" not in text for text in sources), sources
-    assert_same_trajectory(losses(plane, job["id"]), clean, tol=1e-5 if tp > 1 else 1e-6)
+    assert_same_trajectory(losses(plane, job["id"]), clean, tol=1e-5 if width > 1 else 1e-6)
 
 
 def test_a_replacement_that_fails_its_health_check_has_its_node_excluded(shared_plane, clean):

@@ -111,6 +111,45 @@ def test_replica_holder_groups_are_the_ranks_whose_mesh_coordinates_give_the_sam
         assert (period is None) == all(len(group) == 1 for group in got), layout
 
 
+def _state_with_cp(index: int, *, dp: int, zero: int, dp_replicate: int, ep: int, cp: int) -> tuple:
+    """What rank ``index`` of a data group (``dp_index · cp + cp_index``) holds under context parallelism: cp
+    splits the sequence, so the parameters are sharded over dp·cp (ZeRO), HSDP's shard group is a replica's
+    dp_shard·cp ranks, and the experts are replicated over cp."""
+    dp_shard = dp // dp_replicate
+    if zero == 0:
+        dense = ("whole",)
+    elif zero == 1:
+        dense = ("weights whole, optimizer shard", index)
+    else:
+        dense = ("shard", index % (dp_shard * cp))
+    return dense, (index // cp) % ep
+
+
+def test_under_context_parallelism_the_holder_groups_hold_the_same_state():
+    """Every layout of up to 12 dp ranks at cp = 2 and 3, in a world of two data groups (tp=2): each holder
+    group's ranks hold the same state; without experts the groups are every rank that does (a dp·cp DDP
+    job: one group), with them a group is those of one cp index (a smaller group, still a true one)."""
+    for (dp, zero, dp_replicate, ep), cp in itertools.product(_layouts(), (2, 3)):
+        layout = {"dp": dp, "zero": zero, "dp_replicate": dp_replicate, "ep": ep, "cp": cp}
+        period = replica_period(**layout)
+        data_groups = _dp_groups(2 * dp * cp, dp * cp)
+        got = holder_groups(data_groups, period)
+        assert sorted(rank for group in got for rank in group) == list(range(2 * dp * cp)), layout
+        for group in got:
+            states = {_state_with_cp(data_groups[group[0] % 2].index(rank), **layout) for rank in group}
+            assert len(states) == 1, (layout, group, states)
+        if ep == 1:
+            whole = sorted(
+                tuple(rank for index, rank in enumerate(group) if _state_with_cp(index, **layout) == state)
+                for group in data_groups
+                for state in dict.fromkeys(_state_with_cp(index, **layout) for index in range(dp * cp))
+            )
+            assert sorted(got) == whole, (layout, period)
+    assert replica_period(dp=1, zero=0, cp=2) == 1  # one replica split over two cp ranks: each holds it whole
+    assert replica_period(dp=1, zero=3, cp=2) is None  # FSDP2 over the two cp ranks
+    assert replica_period(dp=4, zero=3, dp_replicate=2, cp=2) == 4  # a shard group: 2 dp shards x 2 cp ranks
+
+
 def test_the_layouts_that_have_replicas():
     assert replica_period(dp=2, zero=0) == 1  # DDP
     assert replica_period(dp=1, zero=0) is None  # one rank: nobody to hold a copy

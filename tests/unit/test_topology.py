@@ -390,6 +390,10 @@ def test_cp_sits_between_dp_and_tp_in_rank_order(pp: int, dp: int, cp: int, tp: 
         assert topology.pp_group(rank) == tuple(grid[:, d, c, t].tolist())
     for axis in ("pp", "dp", "cp", "tp"):
         _assert_partition(topology.groups(axis), grid.size, topology.degree(axis))
+    # the data groups: each (pp, tp) index's dp·cp ranks in (dp, cp) order, as the dp_cp mesh dimension
+    expected = sorted(tuple(grid[p, :, :, t].reshape(-1).tolist()) for p in range(pp) for t in range(tp))
+    assert sorted(topology.data_groups()) == expected
+    assert Topology(pp=pp, dp=dp, tp=tp).data_groups() == Topology(pp=pp, dp=dp, tp=tp).dp_groups()
 
 
 def test_cp_one_renumbers_nothing_and_prints_only_when_used() -> None:

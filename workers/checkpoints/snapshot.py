@@ -22,8 +22,8 @@ RNG). So a restore from memory is bit-identical to a restore from the disk check
 (``tests/integration/test_snapshot.py``).
 
 Which layouts have replicas (``workers/protocol/memory_resume.py``: ``replica_period``): with ``zero=0``
-(DDP) every rank of a data-parallel group holds the same model and optimizer state (its tensor/pipeline
-shard of them), so any surviving member of the dead rank's dp group can serve it; under HSDP (ZeRO-2/3
+(DDP) every rank of a data group (its dp and cp ranks) holds the same model and optimizer state (its
+tensor/pipeline shard of them), so any surviving member of the dead rank's data group can serve it; under HSDP (ZeRO-2/3
 with ``dp_replicate > 1``) the ranks of the same shard index in the other replica groups can; under expert
 parallelism only those that also hold the same experts. With ZeRO-1 and plain FSDP2 the state is sharded
 across dp, so a dead rank's share exists nowhere else: those layouts restore from storage (the survivors
@@ -117,7 +117,9 @@ def resume_from_snapshot(trainer: Any, snapshot: Snapshot) -> int:
 def _period(parallel: Any) -> int | None:
     from etrain.workers.protocol.memory_resume import replica_period
 
-    return replica_period(dp=parallel.dp, zero=parallel.zero, dp_replicate=parallel.dp_replicate, ep=parallel.ep)
+    return replica_period(
+        dp=parallel.dp, zero=parallel.zero, dp_replicate=parallel.dp_replicate, ep=parallel.ep, cp=parallel.cp
+    )
 
 
 def has_replicas(parallel: Any) -> bool:
@@ -132,7 +134,7 @@ def replica_holder_groups(parallel: Any, topology: Any) -> list[tuple[int, ...]]
     nothing is replicated): the groups :func:`share_snapshots` serves."""
     from etrain.workers.protocol.memory_resume import holder_groups
 
-    return holder_groups(topology.dp_groups(), _period(parallel))
+    return holder_groups(topology.data_groups(), _period(parallel))
 
 
 def share_snapshots(

@@ -8,8 +8,8 @@ committed checkpoint stays the floor and the fallback: it is what storage holds,
 
 Each rank offers the steps it holds in memory: the copies it kept at its last checkpoints and, after a
 failed attempt, its live state at the step it completed last. The ranks agree on the newest step that every
-*holder group* can serve: a group is a set of ranks with the same state (a rank's data-parallel replicas
-under DDP, the ranks of the same shard under HSDP, narrowed to those holding the same experts under expert
+*holder group* can serve: a group is a set of ranks with the same state (a rank's data-parallel and
+context-parallel replicas under DDP, the ranks of the same shard under HSDP, narrowed to those holding the same experts under expert
 parallelism; the rank alone where no replica exists: :func:`holder_groups`), and a group is served when
 one member holds the step.
 """
@@ -22,34 +22,40 @@ from collections.abc import Iterable, Sequence
 __all__ = ["holder_groups", "memory_resume_step", "replica_period", "state_still_fits"]
 
 
-def replica_period(*, dp: int, zero: int, dp_replicate: int = 1, ep: int = 1) -> int | None:
-    """Two ranks of one data-parallel group hold the same state exactly when their dp indices agree modulo
-    this period; None when no two do (every rank's state is its own).
+def replica_period(*, dp: int, zero: int, dp_replicate: int = 1, ep: int = 1, cp: int = 1) -> int | None:
+    """Two ranks of one data group (the ``dp · cp`` ranks of one pipeline stage and tp index, in the order
+    ``Topology.data_groups`` lists them: index ``dp_index · cp + cp_index``) hold the same state when their
+    indices in it agree modulo this period; None when no two do (every rank's state is its own).
 
     Why each layout gives its period (the dp index is ``replicate · dp_shard + shard`` under HSDP and
-    ``edp · ep + ep_index`` under expert parallelism, ``workers/engine/mesh.py``):
+    ``edp · ep + ep_index`` under expert parallelism, ``workers/engine/mesh.py``; context parallelism's cp
+    ranks split the sequence, not the model, so they are one more data dimension for the parameters):
 
-    * DDP (``zero: 0``): the dense weights and their optimizer state are whole on every dp rank (period 1).
-    * ZeRO-1 shards the optimizer state over every dp rank, plain FSDP2 (ZeRO-2/3) the weights too: no
-      replica (period dp).
-    * HSDP (ZeRO-2/3 with ``dp_replicate > 1``): each replica group of ``dp / dp_replicate`` ranks shards
-      the model, so a shard's replicas are the ranks of the same shard index in the other groups (period
-      ``dp_shard``).
-    * Expert parallelism splits the experts over ``ep`` consecutive dp ranks and replicates them over the
-      ``dp / ep`` ranks of the same ``ep`` index (whole, under every ZeRO stage): a rank's replica must hold
-      the same experts as well as the same dense shard (period ``lcm(dense period, ep)``). Under DDP with
-      ``ep = 2``, rank 1 holds the other half of the experts from rank 0: rank 0's state is no replica of it.
+    * DDP (``zero: 0``): the dense weights and their optimizer state are whole on every dp and cp rank
+      (period 1).
+    * ZeRO-1 shards the optimizer state over every dp·cp rank, plain FSDP2 (ZeRO-2/3) the weights too: no
+      replica.
+    * HSDP (ZeRO-2/3 with ``dp_replicate > 1``): each replica group of ``dp_shard · cp`` consecutive ranks
+      shards the model, so a shard's replicas are the ranks of the same index in the other groups (period
+      ``dp_shard · cp``).
+    * Expert parallelism splits the experts over ``ep`` consecutive dp indices and replicates them over the
+      ``dp / ep`` of the same ``ep`` index and over cp (whole, under every ZeRO stage): a rank's replica must
+      hold the same experts as well as the same dense shard. Period ``lcm(dense period, ep · cp)``: the ranks
+      it groups hold the same experts (and the same cp index: a cp peer holding them too is not counted, a
+      smaller group but a true one). Under DDP with ``ep = 2``, rank 1 holds the other half of the experts
+      from rank 0: rank 0's state is no replica of it.
     """
-    if dp < 1 or dp_replicate < 1 or ep < 1 or dp % dp_replicate or dp % ep:
-        raise ValueError(f"not a data-parallel layout: dp={dp}, dp_replicate={dp_replicate}, ep={ep}")
+    if dp < 1 or dp_replicate < 1 or ep < 1 or cp < 1 or dp % dp_replicate or dp % ep:
+        raise ValueError(f"not a data-parallel layout: dp={dp}, dp_replicate={dp_replicate}, ep={ep}, cp={cp}")
+    ranks = dp * cp
     if zero == 0:
         dense = 1
     elif zero in (2, 3):
-        dense = dp // dp_replicate
-    else:  # ZeRO-1: the optimizer state is sharded over every dp rank
-        dense = dp
-    period = math.lcm(dense, ep)
-    return period if period < dp else None
+        dense = dp // dp_replicate * cp
+    else:  # ZeRO-1: the optimizer state is sharded over every dp·cp rank
+        dense = ranks
+    period = math.lcm(dense, ep * cp if ep > 1 else 1)
+    return period if period < ranks else None
 
 
 def state_still_fits(*, taken_at_dp: int | None, dp: int, zero: int) -> bool:
@@ -62,8 +68,8 @@ def state_still_fits(*, taken_at_dp: int | None, dp: int, zero: int) -> bool:
 
 
 def holder_groups(dp_groups: Iterable[Sequence[int]], period: int | None) -> list[tuple[int, ...]]:
-    """The sets of ranks that hold the same state: each data-parallel group (its ranks in dp-index order,
-    as ``Topology.dp_groups`` lists them) split by dp index modulo ``period`` (:func:`replica_period`);
+    """The sets of ranks that hold the same state: each data group (its ranks in (dp, cp) order, as
+    ``Topology.data_groups`` lists them) split by index modulo ``period`` (:func:`replica_period`);
     every rank alone when ``period`` is None. What :func:`memory_resume_step` serves, and from whom a
     replacement rank receives its state."""
     groups: list[tuple[int, ...]] = []

@@ -198,10 +198,12 @@ class Topology:
     def groups(self, axis: str) -> tuple[tuple[int, ...], ...]:
         """Every group along ``axis``: a partition of the world, ordered by first rank."""
         _check_axis(axis)
-        stride = self._stride(axis)
-        span = stride * self.degree(axis)
-        # A group starts at each rank whose coordinate along `axis` is 0: the first `stride`
-        # ranks of every block of `span` consecutive ranks.
+        return self._strided_groups(self._stride(axis), self.degree(axis))
+
+    def _strided_groups(self, stride: int, size: int) -> tuple[tuple[int, ...], ...]:
+        """The groups of ``size`` ranks ``stride`` apart: a group starts at each of the first ``stride`` ranks
+        of every block of ``stride · size`` consecutive ranks."""
+        span = stride * size
         return tuple(
             tuple(range(first, first + span, stride))
             for block in range(0, self.world_size, span)
@@ -216,6 +218,12 @@ class Topology:
 
     def pp_groups(self) -> tuple[tuple[int, ...], ...]:
         return self.groups("pp")
+
+    def data_groups(self) -> tuple[tuple[int, ...], ...]:
+        """The ranks of each pipeline stage and tp index that split the data, dp and cp together (the
+        parameters' data dimension: DDP replicates over it, FSDP2 shards over it), each in (dp, cp) order:
+        index ``dp · cp_degree + cp``. Without context parallelism, the dp groups."""
+        return self._strided_groups(self.tp, self.dp * self.cp)  # dp and cp are adjacent, cp the faster
 
     # -- pipeline stages -----------------------------------------------------------------------
 
