@@ -1,7 +1,7 @@
 """`make bench`: throughput of each layout, meta-device initialisation memory, and the planner's
 memory prediction against measured peaks.
 
-Three benchmarks, each a few minutes at most on 2 CPU cores (``--only`` runs a subset):
+Four benchmarks, each a few minutes at most on 2 CPU cores (``--only`` runs a subset):
 
 * ``throughput``: every row runs the production ``etrain.workers.engine.train.Trainer`` on real gloo process
   groups (no Ray, so the numbers are the engine's, not the scheduler's). The peer row is a bare
@@ -10,9 +10,11 @@ Three benchmarks, each a few minutes at most on 2 CPU cores (``--only`` runs a s
   shards) is visible.
 * ``init`` and ``planner``: ``benchmarks/memory.py`` (meta-device init peak RSS against building the
   whole model; the planner's per-rank peak against measured peak RSS for six layouts).
+* ``ring``: ``benchmarks/ring.py`` (context parallelism: the ring attention at cp = 2 and 4 against the
+  whole sequence's attention in one process, and a cp=2 step under none / selective / full checkpointing).
 
 Writes ``<out>/results.json`` and one markdown table per benchmark (``throughput.md``, ``init.md``,
-``planner.md``; the tables pasted into benchmarks/README.md) and prints them. On a 2-core CPU machine,
+``planner.md``, ``ring.md``; the tables pasted into benchmarks/README.md) and prints them. On a 2-core CPU machine,
 absolute speeds are small; what the throughput table shows is the relative cost of each layout.
 """
 
@@ -27,12 +29,12 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from benchmarks import memory
+from benchmarks import memory, ring
 from etrain.workers.families import num_params
 from etrain.workers.protocol.run_config import DataConfig, ModelConfig, ParallelConfig, RunConfig, TrainingConfig
 from tests.dist_utils import run_distributed
 
-BENCHMARKS = ("throughput", "init", "planner")
+BENCHMARKS = ("throughput", "init", "planner", "ring")
 
 WARMUP_STEPS = 3
 
@@ -256,6 +258,12 @@ def main() -> None:
         accuracy = memory.bench_planner_accuracy(runtime_bytes)
         results["planner"] = [{**asdict(r), "ratio": r.ratio} for r in accuracy]
         emit("planner", memory.accuracy_table(accuracy, runtime_bytes, num_params(memory.ACCURACY_MODEL)))
+    if "ring" in selected:
+        rows = ring.bench_ring()
+        checkpointing = ring.bench_checkpointing()
+        results["ring"] = [{**asdict(r), "ratio": r.ratio, "ideal": r.ideal} for r in rows]
+        results["ring_checkpointing"] = [asdict(r) for r in checkpointing]
+        emit("ring", ring.ring_table(rows) + "\n" + ring.checkpointing_table(checkpointing))
     (args.out / "results.json").write_text(json.dumps(results, indent=2))
 
 
