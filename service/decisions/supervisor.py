@@ -47,6 +47,8 @@ any non-terminal status; "fault" and [n] are explained under the table::
   RUNNING    UP         HangDiagnosed(culprit, repairable)    RUNNING     hang_detected, KillRank  [10]
                           no culprit, or no repair possible   RECOVERING  hang_detected, fault
   STARTING+  LAUNCHING  Tick, not ready > start_timeout_s     RECOVERING  start_timeout, fault
+                          (+ the survivors' leave allowance
+                          for an in-place attempt [9] [11])
   live       UP         WorkerLost(node), one rank            RECOVERING  node_lost, RepairGroup    [9]
                                                                           (in place, no restart spent)
   live       LAUNCH/UP  WorkerLost(node)                      RECOVERING  StopGroup; await capacity

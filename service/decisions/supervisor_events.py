@@ -198,7 +198,10 @@ class JobError:
 
 @dataclass(frozen=True, kw_only=True)
 class Tick:
-    pass
+    """Time passes. ``step_s``: the job's recent median step time (None before any step), which bounds how
+    long an in-place attempt may take to leave the old one (``in_place_waits``)."""
+
+    step_s: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from etrain.service.decisions.in_place_waits import in_place_leave_allowance_s
 from etrain.service.decisions.job_status import Status
 from etrain.service.decisions.supervisor_events import (
     Abort,
@@ -190,14 +191,17 @@ def on_tick(state: SupervisorState, event: Tick, now: float, config: SupervisorC
             return pending_checkpoint_timed_out(state, now, config)
         return decision(state, [], "tick: running")
     if state.group is GroupPhase.LAUNCHING:
-        if now - since > config.start_timeout_s:
+        # an in-place attempt first waits for the survivors to leave the old one: up to two of the job's steps
+        leaving = in_place_leave_allowance_s(event.step_s) if state.launched_in_place else 0.0
+        if now - since > config.start_timeout_s + leaving:
+            allowed = f" + {leaving:.0f}s for the survivors to leave the last attempt" if leaving else ""
             return fault(
                 state,
                 now,
                 config,
                 "start_timeout",
                 f"worker group of attempt {state.attempt} not ready after {now - since:.0f}s "
-                f"(start_timeout_s={config.start_timeout_s:g})",
+                f"(start_timeout_s={config.start_timeout_s:g}{allowed})",
             )
         return decision(state, [], "tick: group launching")
     if state.group is GroupPhase.STOPPING:

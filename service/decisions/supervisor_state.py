@@ -138,6 +138,9 @@ class SupervisorState:
     attempt: int = 0  # bumped by every LaunchGroup; events from other attempts are stale
     group: GroupPhase = GroupPhase.NONE
     group_since: float | None = None  # when `group` last changed (start/stop timeouts)
+    # The attempt now launching keeps the survivors' processes ([9] a repair, [11] a resize): its launch
+    # first waits for them to leave the old attempt, which its start timeout allows for (in_place_waits).
+    launched_in_place: bool = False
     restarts_used: int = 0
     last_committed_step: int | None = None
     step: int = 0  # highest step seen from the current attempt

@@ -370,7 +370,7 @@ class JobSupervisor:
             self._apply(confirmed, now)
         if self._capacity.due(now) and not self.state.status.terminal:
             self._check_capacity(force=False)
-        self._apply(Tick(), time.time())
+        self._apply(Tick(step_s=self._steps.recent_step_s()), time.time())
 
     def _drain(self, now: float) -> None:
         """Handle everything already in the inbox."""

@@ -29,6 +29,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 from etrain.service.decisions.admission import tp_group_nodes
 from etrain.service.decisions.capacity import rank_slots
 from etrain.service.decisions.hangs import Frame, RankWhere
+from etrain.service.decisions.in_place_waits import stuck_survivor_grace_s, survivor_exit_timeout_s
 from etrain.service.runtime.spares import NAMESPACE, give_back_spares, start_cold_ranks, take_spares
 from etrain.workers.protocol.errors import CheckpointError, EtrainError, UnhealthyRankError
 from etrain.workers.protocol.messages import RANK_ACTOR_CLASS, ChaosOrder, LaunchPlan, load_actor_class
@@ -54,41 +55,12 @@ RELEASE_TIMEOUT_S = 10.0
 # live); the first rank whose ping fails with an actor death is the culprit. A rank that does not
 # answer within PROBE_TIMEOUT_S is called lost (its process or node is gone or wedged).
 PROBE_TIMEOUT_S = 2.0
-# An in-place repair waits this long for the survivors' failed ``run`` calls to return, and a resize for every
-# run to stop at a step boundary, plus two of the job's steps (survivor_exit_timeout_s).
-SURVIVOR_EXIT_TIMEOUT_S = 15.0
-# Once one survivor's run of the failed attempt has returned, an in-place repair gives the others this long
-# more (or two steps: stuck_survivor_grace_s), then counts those still out as stuck and replaces them too. Why: on gloo a pending collective fails
-# only when a peer's process is gone, not when a live peer has left the attempt (measured with three gloo
-# processes: neither the peer's destroy_process_group() nor ProcessGroup.abort() unblocked it, only its
-# exit, 21 s later). In a 2-D layout a survivor can wait on such a peer (HSDP with shard groups of two:
-# rank 0 waits on ranks 1 and 2, which left after their own collectives with the dead rank 3 failed), and
-# it would wait for good. The survivors of one fault return within a second of each other (their
-# collectives with the dead rank fail at once), so this is seconds of margin, not of waiting.
-STUCK_SURVIVOR_GRACE_S = 5.0
 # With no restart left, wait this long for the dead peer to surface before blaming the rank itself...
 PEER_FAILURE_GRACE_S = 6.0
 # ... and this long for the node's verdict before calling a loss a process fault (which would fail
 # the job). Ray's node health check must be faster than this for node loss to be free (the tests
 # use a 1 s period x 3 failures; production clusters tune health_check_* likewise).
 NODE_DEATH_GRACE_S = 6.0
-
-
-def survivor_exit_timeout_s(step_s: float | None) -> float:
-    """How long a resize waits for every run to stop at a step boundary, and an in-place repair for a first
-    survivor to leave the failed attempt: SURVIVOR_EXIT_TIMEOUT_S plus two steps (``step_s``: the job's recent
-    step time). Why two steps: a run stops, or reaches the collective that fails with a dead peer, only where
-    its current step ends, and rank 0 asks the others to stop at the boundary after the one it is in. A fixed
-    wait failed every resize of a job whose steps outlast it (an 8B model's, tens of seconds), and each
-    failure relaunches every rank cold."""
-    return SURVIVOR_EXIT_TIMEOUT_S + 2.0 * step_s if step_s else SURVIVOR_EXIT_TIMEOUT_S
-
-
-def stuck_survivor_grace_s(step_s: float | None) -> float:
-    """How long an in-place repair gives the survivors after the first one left the failed attempt before it
-    replaces those still inside: STUCK_SURVIVOR_GRACE_S, or two steps where steps are longer (a survivor in
-    the middle of a long step's compute reaches its failing collective only at the end of it)."""
-    return max(STUCK_SURVIVOR_GRACE_S, 2.0 * step_s) if step_s else STUCK_SURVIVOR_GRACE_S
 
 
 def rank_actor_name(job_id: str, attempt: int, rank: int) -> str:

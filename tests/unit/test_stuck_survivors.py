@@ -1,9 +1,9 @@
 """How long an in-place repair waits for survivors before it replaces the stuck ones, and a resize for every
-rank to stop at a step boundary (service/runtime/worker_group.py)."""
+rank to stop at a step boundary (service/decisions/in_place_waits.py, used by service/runtime/worker_group.py)."""
 
 from __future__ import annotations
 
-from etrain.service.runtime.worker_group import (
+from etrain.service.decisions.in_place_waits import (
     STUCK_SURVIVOR_GRACE_S,
     SURVIVOR_EXIT_TIMEOUT_S,
     stuck_survivor_grace_s,

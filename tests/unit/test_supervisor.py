@@ -766,6 +766,31 @@ class TestRepairInPlace:
         assert later.state.step == 13
         assert of(later, RecordEvent)[0].detail.endswith(", from step 13 (in memory; step 8 committed)")
 
+    @pytest.mark.parametrize("step_s", [None, 0.3, 20.0, 150.0, 500.0])
+    def test_the_start_timeout_of_an_in_place_attempt_allows_for_the_survivors_to_leave_the_last(self, step_s):
+        """A repair's launch first waits for the survivors' runs of the failed attempt to return (up to two
+        steps, then the grace for stuck ones): its start timeout allows for that on top of its own. Before,
+        a job whose steps take minutes had its repair cut off as a failed start while its survivors finished
+        their step. A fresh launch's timeout stays the policy's."""
+        from etrain.service.decisions.in_place_waits import in_place_leave_allowance_s
+
+        lost = WorkerLost(attempt=1, rank=3, node="n2", cause="process")
+        repairing = decide(running(last_committed_step=8), lost, 60.0, IN_PLACE).state
+        assert repairing.launched_in_place and repairing.group is GroupPhase.LAUNCHING
+        limit = IN_PLACE.start_timeout_s + in_place_leave_allowance_s(step_s)
+        assert limit >= IN_PLACE.start_timeout_s + 20.0  # the fixed waits at least
+        if step_s:
+            assert limit >= IN_PLACE.start_timeout_s + 4 * step_s  # two steps for a first survivor, two of grace
+        still = decide(repairing, Tick(step_s=step_s), 60.0 + limit, IN_PLACE)
+        assert still.state.status is Status.RECOVERING and kinds(still) == []
+        late = decide(repairing, Tick(step_s=step_s), 60.0 + limit + 1.0, IN_PLACE)
+        (timed_out,) = [a.detail for a in of(late, RecordEvent) if a.kind == "start_timeout"]
+        assert "for the survivors to leave the last attempt" in timed_out, timed_out
+        fresh = decide(launching(), Tick(step_s=step_s), IN_PLACE.start_timeout_s + 1.0, IN_PLACE)
+        assert kinds(fresh)[0] == "start_timeout"
+        relaunched = decide(fresh.state, Tick(step_s=step_s), IN_PLACE.start_timeout_s + 60.0, IN_PLACE).state
+        assert not relaunched.launched_in_place  # a relaunch of every rank waits for nobody to leave
+
     @pytest.mark.parametrize(
         "why, state, event",
         [
