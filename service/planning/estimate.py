@@ -326,7 +326,8 @@ def evaluate(case: Case) -> PlanEstimate:
             checkpointing=case.checkpointing,
             hidden_bytes=hidden,
             tokens=b * s // cp,
-            mlp_rows=model.experts_per_token if model.n_experts else 1,
+            # a mixture of experts reduces its tokens' summed outputs in the residual stream's dtype (MoE)
+            mlp_factor=(4 if regime == "autocast" else act_elem) / act_elem if model.n_experts else 1.0,
         )
         tp_ops.append(ops)
         tp_bytes.append(volume)

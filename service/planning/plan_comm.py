@@ -232,15 +232,16 @@ def tp_traffic(
     checkpointing: str,
     hidden_bytes: float,
     tokens: int,
-    mlp_rows: int = 1,
+    mlp_factor: float = 1.0,
 ) -> tuple[float, int]:
     """(bytes sent, collectives) per step on the tp axis of one stage, ring algorithms.
 
     Per layer per micro-batch 2 all-reduces forward + 2 backward of b·s·d (same volume as
     all-gather + reduce-scatter under sequence parallelism; +2 forward when recomputed), the MLP's
-    ``mlp_rows`` times larger for a mixture of experts (its ``experts_per_token`` picked rows per token are
-    reduced, ``MoEParallel``; under sequence parallelism its sequence gather and re-shard come on top and are
-    not counted); the
+    ``mlp_factor`` times a dense MLP's for a mixture of experts (``MoE`` reduces its tokens' outputs once
+    summed over their picks, in the residual stream's dtype: fp32 under autocast, twice a bf16 hidden state;
+    its routing weights' gradient, ``experts_per_token`` values a token, is not counted, nor, under sequence
+    parallelism, its sequence gather and re-shard, ``MoEParallel``); the
     vocab-parallel embedding (forward) and head (backward) one each. The logits stay vocab-sharded:
     ``loss_parallel`` all-reduces three fp32 values per token (max, sum of exponentials, the target's
     logit) instead of gathering them.
@@ -254,7 +255,7 @@ def tp_traffic(
     edge_ops = int(first) + int(last)
     ops = m * (layers * ar_per_layer + edge_ops + 3 * int(last))
     volume = m * (
-        (layers * ar_per_layer * (1 + mlp_rows) / 2 + edge_ops) * _ring_all_reduce(tp, hidden_bytes)
+        (layers * ar_per_layer * (1 + mlp_factor) / 2 + edge_ops) * _ring_all_reduce(tp, hidden_bytes)
         + int(last) * 3 * _ring_all_reduce(tp, 4 * tokens)
     )
     return volume, ops

@@ -263,6 +263,35 @@ def _saved_at_tp2(sequence_parallel: bool, regime: str, compiled: bool = False) 
     return sum(saved.values()) - rope - casts, want
 
 
+def _reduced_over_tp() -> list[int]:
+    """The sizes (elements) of the all-reduces one mixture-of-experts block runs over tp=2, forward and backward
+    (fp32, no sequence parallelism, a micro-batch of 2)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from etrain.workers.engine.init import initialize_parameters
+    from etrain.workers.engine.parallelize import apply_tp
+    from etrain.workers.families.qwen3_moe_model import Qwen3Moe
+    from tests.moe_utils import SummedBlock
+
+    model = Qwen3Moe(MEASURED)
+    initialize_parameters(model, seed=0, n_layers=1)
+    apply_tp(model, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)), sequence_parallel=False)
+    sizes: list[int] = []
+    all_reduce = dist.all_reduce
+
+    def counted(tensor, *args, **kwargs):
+        sizes.append(tensor.numel())
+        return all_reduce(tensor, *args, **kwargs)
+
+    dist.all_reduce = counted  # the experts' hand-written collectives call it; DTensor's run elsewhere
+    try:
+        SummedBlock(model.layers["0"])(torch.randn(2, MEASURED.seq_len, MEASURED.d_model)).backward()
+    finally:
+        dist.all_reduce = all_reduce
+    return sizes
+
+
 def _tensor_parallel_ranks(rank: int, world_size: int, root: str) -> dict:
     """Hugging Face weights into tp=2; tp=2 training (saving at step 2), with sequence parallelism; one
     block's saved activations at tp=2 against the planner's count; pp=2 (saving at step 2) and GPipe."""
@@ -284,6 +313,7 @@ def _tensor_parallel_ranks(rank: int, world_size: int, root: str) -> dict:
         # two pipeline stages (1F1B), saving at step 2, and GPipe
         "pp2": _train(_config(ParallelConfig(pp=2)), rank, world_size, save_root=f"{root}/pp2"),
         "pp2_gpipe": _train(_config(ParallelConfig(pp=2, pp_schedule="gpipe")), rank, world_size),
+        "reduced": _reduced_over_tp(),
         "saved": {
             (sp, regime, compiled): _saved_at_tp2(sp, regime, compiled)
             for sp in (False, True)
@@ -295,7 +325,8 @@ def _tensor_parallel_ranks(rank: int, world_size: int, root: str) -> dict:
 
 def test_tensor_and_pipeline_parallel_experts_train_like_one_process_load_hf_and_reshard(reference):
     """Expert tensor parallelism (``MoEParallel``): every expert split by width over tp=2 (gate/up by rows of
-    the width, down by its columns), the router replicated, one all-reduce of the rows per layer. It loads
+    the width, down by its columns), the router replicated, one all-reduce per layer of the tokens' summed
+    outputs (not of the k picked rows per token). It loads
     Hugging Face weights exactly, trains one process's numbers with and without sequence parallelism
     (with ep and FSDP2 too: the four-rank test), its checkpoint restores into one process, and the planner's
     activation count is what a tp=2 block saves, exactly. Pipeline parallelism (pp=2, 1F1B and GPipe; with
@@ -323,6 +354,10 @@ def test_tensor_and_pipeline_parallel_experts_train_like_one_process_load_hf_and
     assert_equivalent(one, [r["pp2_gpipe"] for r in ranks], layout="qwen3_moe pp2 gpipe")
     restored = _train(BASE, 0, 1, restore=f"{root}/pp2")  # pp=2 -> one process
     _assert_losses(one, restored.losses, first=SAVE_AT, layout="pp2 -> pp1")
+    # One all-reduce of the block's [tokens, d] output forward, and backward of its input's gradient and of the
+    # routing weights' ([tokens, k]): not of the tokens·k picked rows, k times as many (before: 2·tokens·k·d).
+    tokens, k = 2 * MEASURED.seq_len, MEASURED.experts_per_token
+    assert sorted(ranks[0]["reduced"]) == sorted([tokens * MEASURED.d_model] * 2 + [tokens * k]), ranks[0]["reduced"]
     for r in ranks:
         wrong = {case: (got, planned) for case, (got, planned) in r["saved"].items() if got != planned}
         assert not wrong, f"tp=2 (sequence_parallel, regime, compiled): (saved, planned) bytes: {wrong}"

@@ -273,9 +273,10 @@ class MoEParallel(ParallelStyle):
     Every tp rank routes the whole (replicated) set of tokens with the replicated router and runs every picked
     row through its slice of each expert's width: the stacked ``w1``/``w3`` split by rows of the expert width
     (column-parallel per expert) and ``w2`` by its columns (row-parallel), the partial outputs summed over tp
-    once per layer, before the router's weights are applied (``GroupedExperts``:
-    ``copy_to_tensor_parallel`` / ``reduce_from_tensor_parallel``). So every tensor after the experts, and
-    so the router's gradient, is the same on every tp rank. Under expert parallelism too the experts are
+    once per layer, after the router's weights and the sum over each token's picks (``MoE``:
+    ``copy_to_tensor_parallel`` on the rows' source and the weights, ``reduce_from_tensor_parallel`` on the
+    ``[tokens, d]`` output). So every tensor after the layer, and the router's gradient, is the same on every
+    tp rank. Under expert parallelism too the experts are
     split by expert over ep and by width over tp (:func:`apply_ep` composes the two).
 
     With sequence parallelism the block hands over a sequence shard: the layer gathers the whole sequence

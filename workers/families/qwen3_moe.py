@@ -134,7 +134,7 @@ class Qwen3Moe(Llama):
 
     def tp_plan(self, model: Sizes) -> TPPlan:
         """Llama's attention split, and the MLP as expert tensor parallelism (``moe``: the router replicated,
-        every expert's gate/up column-split and down row-split by width, one all-reduce of the rows)."""
+        every expert's gate/up column-split and down row-split by width, one all-reduce of the tokens' summed outputs)."""
         block = dict(Llama.tp_plan(self, self._built(model)).block)
         for name in ("feed_forward.w1", "feed_forward.w2", "feed_forward.w3"):
             del block[name]

@@ -195,17 +195,12 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """``x``: the picked rows sorted by expert; ``offsets``: where each expert's rows end. Under expert
         parallelism the weights are ``Shard(0)`` DTensors and this rank runs its local experts; under tensor
-        parallelism each rank computes its slice of every expert's width and the partial outputs are summed
-        over tp (one all-reduce of the rows, before the router's weights touch them)."""
+        parallelism each rank computes its slice of every expert's width, and the outputs are this rank's
+        partial sums (:class:`MoE` sums them over tp once the picks are weighed and summed per token)."""
         w1, w2, w3 = local_tensor(self.w1), local_tensor(self.w2), local_tensor(self.w3)
-        if self.tp_group is not None:
-            x = copy_to_tensor_parallel(x, self.tp_group)
         x = x.to(compute_dtype(x, w1))  # once for both projections that read it
         hidden = F.silu(grouped_linear(x, w1, offsets)) * grouped_linear(x, w3, offsets)
-        out = grouped_linear(hidden, w2, offsets)
-        if self.tp_group is not None:
-            out = reduce_from_tensor_parallel(out, self.tp_group)
-        return out
+        return grouped_linear(hidden, w2, offsets)
 
 
 def _histogram(picks: torch.Tensor, bins: int, top: int) -> torch.Tensor:
@@ -279,6 +274,9 @@ class MoE(nn.Module):
         expert_ids = picks.reshape(-1)  # [tokens·k]: token t's picks at t·k ... t·k + k - 1
         sorted_ids, order = torch.sort(expert_ids, stable=True)
         counts = _histogram(sorted_ids, self.n_experts, self.n_experts - 1)
+        tp_group = self.experts.tp_group
+        if tp_group is not None:  # the experts' slices each see every row and give it a partial gradient
+            flat, weights = copy_to_tensor_parallel(flat, tp_group), copy_to_tensor_parallel(weights, tp_group)
         rows = flat[order // self.top_k]
         if self.ep_group is None:
             out = self.experts(rows, torch.cumsum(counts, dim=0, dtype=torch.int32))
@@ -288,6 +286,11 @@ class MoE(nn.Module):
         out = (out * weights.reshape(-1)[order].unsqueeze(-1)).to(x.dtype)
         out = out[torch.argsort(order)]  # back to token order
         out = out.view(-1, self.top_k, d).sum(dim=1).view(batch, seq, d)
+        if tp_group is not None:
+            # The tp ranks' partial outputs summed once per token, after the weighing and the sum over the k
+            # picks (both linear): one all-reduce of [tokens, d] where summing the picked rows would reduce
+            # k times as many (Megatron's ETP reduces the expert outputs; the order is free, the sum is the same).
+            out = reduce_from_tensor_parallel(out, tp_group)
         if not self.with_statistics:
             return out
         return out, routing_statistics(logits, self.n_experts, self.top_k, probs)
