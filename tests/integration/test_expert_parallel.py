@@ -263,9 +263,9 @@ def _saved_at_tp2(sequence_parallel: bool, regime: str, compiled: bool = False) 
     return sum(saved.values()) - rope - casts, want
 
 
-def _reduced_over_tp() -> list[int]:
-    """The sizes (elements) of the all-reduces one mixture-of-experts block runs over tp=2, forward and backward
-    (fp32, no sequence parallelism, a micro-batch of 2)."""
+def _reduced_over_tp(sequence_parallel: bool) -> tuple[list[int], int]:
+    """The sizes (elements) of the all-reduces one mixture-of-experts block's experts run over tp=2, forward and
+    backward (fp32, a micro-batch of 2), and how many reduce-scatters the block's forward runs."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -276,7 +276,9 @@ def _reduced_over_tp() -> list[int]:
 
     model = Qwen3Moe(MEASURED)
     initialize_parameters(model, seed=0, n_layers=1)
-    apply_tp(model, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)), sequence_parallel=False)
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    apply_tp(model, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)), sequence_parallel=sequence_parallel)
     sizes: list[int] = []
     all_reduce = dist.all_reduce
 
@@ -285,11 +287,15 @@ def _reduced_over_tp() -> list[int]:
         return all_reduce(tensor, *args, **kwargs)
 
     dist.all_reduce = counted  # the experts' hand-written collectives call it; DTensor's run elsewhere
+    tokens = MEASURED.seq_len // 2 if sequence_parallel else MEASURED.seq_len  # a sequence shard under SP
     try:
-        SummedBlock(model.layers["0"])(torch.randn(2, MEASURED.seq_len, MEASURED.d_model)).backward()
+        with CommDebugMode() as comms:
+            out = SummedBlock(model.layers["0"])(torch.randn(2, tokens, MEASURED.d_model))
+        out.backward()
     finally:
         dist.all_reduce = all_reduce
-    return sizes
+    scatters = sum(n for op, n in comms.get_comm_counts().items() if "reduce_scatter" in str(op))
+    return sizes, scatters
 
 
 def _tensor_parallel_ranks(rank: int, world_size: int, root: str) -> dict:
@@ -313,7 +319,7 @@ def _tensor_parallel_ranks(rank: int, world_size: int, root: str) -> dict:
         # two pipeline stages (1F1B), saving at step 2, and GPipe
         "pp2": _train(_config(ParallelConfig(pp=2)), rank, world_size, save_root=f"{root}/pp2"),
         "pp2_gpipe": _train(_config(ParallelConfig(pp=2, pp_schedule="gpipe")), rank, world_size),
-        "reduced": _reduced_over_tp(),
+        "reduced": {sp: _reduced_over_tp(sp) for sp in (False, True)},
         "saved": {
             (sp, regime, compiled): _saved_at_tp2(sp, regime, compiled)
             for sp in (False, True)
@@ -354,10 +360,15 @@ def test_tensor_and_pipeline_parallel_experts_train_like_one_process_load_hf_and
     assert_equivalent(one, [r["pp2_gpipe"] for r in ranks], layout="qwen3_moe pp2 gpipe")
     restored = _train(BASE, 0, 1, restore=f"{root}/pp2")  # pp=2 -> one process
     _assert_losses(one, restored.losses, first=SAVE_AT, layout="pp2 -> pp1")
-    # One all-reduce of the block's [tokens, d] output forward, and backward of its input's gradient and of the
-    # routing weights' ([tokens, k]): not of the tokens·k picked rows, k times as many (before: 2·tokens·k·d).
-    tokens, k = 2 * MEASURED.seq_len, MEASURED.experts_per_token
-    assert sorted(ranks[0]["reduced"]) == sorted([tokens * MEASURED.d_model] * 2 + [tokens * k]), ranks[0]["reduced"]
+    # One all-reduce of the experts' [tokens, d] output forward, and backward of their input's gradient and of
+    # the routing weights' ([tokens, k]): not of the tokens·k picked rows, k times as many (before:
+    # 2·tokens·k·d). Under sequence parallelism the forward's is a reduce-scatter along the sequence instead.
+    tokens, k, d = 2 * MEASURED.seq_len, MEASURED.experts_per_token, MEASURED.d_model
+    reduced, scatters = ranks[0]["reduced"][False]
+    assert sorted(reduced) == sorted([tokens * d, tokens * d, tokens * k]) and scatters == 0, (reduced, scatters)
+    reduced, scatters = ranks[0]["reduced"][True]
+    # (two reduce-scatters: attention's output projection's, as for every SP block, and the experts')
+    assert sorted(reduced) == sorted([tokens * d, tokens * k]) and scatters == 2, (reduced, scatters)
     for r in ranks:
         wrong = {case: (got, planned) for case, (got, planned) in r["saved"].items() if got != planned}
         assert not wrong, f"tp=2 (sequence_parallel, regime, compiled): (saved, planned) bytes: {wrong}"

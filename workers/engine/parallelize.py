@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -281,8 +281,10 @@ class MoEParallel(ParallelStyle):
 
     With sequence parallelism the block hands over a sequence shard: the layer gathers the whole sequence
     first (its gradient then needs no reduction: it is whole on every rank) and hands back this rank's
-    shard of the output (whose backward gathers the gradient). The router's weight is a replicated DTensor,
-    like every parameter outside the Megatron split (``ReplicateParallel``)."""
+    shard of the output: the partial outputs are reduce-scattered along the sequence (``MoE`` leaves them
+    unreduced, ``GroupedExperts.reduce_output``), half the volume of an all-reduce, and the backward gathers
+    the gradient. The router's weight is a replicated DTensor, like every parameter outside the Megatron
+    split (``ReplicateParallel``)."""
 
     def __init__(self, *, sequence_parallel: bool):
         super().__init__()
@@ -305,10 +307,11 @@ class MoEParallel(ParallelStyle):
 
             def shard(mod, args, out):
                 first = out[0] if isinstance(out, tuple) else out
-                first = DTensor.from_local(first, device_mesh, [Replicate()], run_check=False)
-                first = first.redistribute(device_mesh, [Shard(1)]).to_local()
+                first = DTensor.from_local(first, device_mesh, [Partial()], run_check=False)
+                first = first.redistribute(device_mesh, [Shard(1)]).to_local()  # a reduce-scatter
                 return (first, *out[1:]) if isinstance(out, tuple) else first
 
+            experts.reduce_output = False  # the hook below reduce-scatters the partial outputs instead
             module.register_forward_pre_hook(gather)
             module.register_forward_hook(shard)
         return module

@@ -191,6 +191,9 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(e, f, d))
         #: Set by the engine under tensor parallelism: the tp group over which each expert's width is split.
         self.tp_group = None
+        #: Whether :class:`MoE` sums the tp ranks' partial outputs itself (an all-reduce); under sequence
+        #: parallelism the engine reduce-scatters them along the sequence instead (``MoEParallel``).
+        self.reduce_output = True
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """``x``: the picked rows sorted by expert; ``offsets``: where each expert's rows end. Under expert
@@ -286,7 +289,7 @@ class MoE(nn.Module):
         out = (out * weights.reshape(-1)[order].unsqueeze(-1)).to(x.dtype)
         out = out[torch.argsort(order)]  # back to token order
         out = out.view(-1, self.top_k, d).sum(dim=1).view(batch, seq, d)
-        if tp_group is not None:
+        if tp_group is not None and self.experts.reduce_output:
             # The tp ranks' partial outputs summed once per token, after the weighing and the sum over the k
             # picks (both linear): one all-reduce of [tokens, d] where summing the picked rows would reduce
             # k times as many (Megatron's ETP reduces the expert outputs; the order is free, the sum is the same).
