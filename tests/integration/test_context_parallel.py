@@ -467,6 +467,36 @@ def test_checkpointed_blocks_keep_what_the_planner_counts_and_selective_runs_the
         assert ring_runs == (1 if mode == "selective" else 2), (name, regime, mode, ring_runs)
 
 
+def _opchecks(rank: int, world_size: int) -> dict[str, dict[str, str]]:
+    """torch's ``opcheck`` of the ring's two ops on one rank (no exchange: its own block), with contiguous and
+    with strided (token-major) q/k/v: the schema, the autograd registration, the fakes against the real
+    outputs (shapes, dtypes and strides) and tracing forward and backward through AOT dispatch."""
+    import torch.distributed as dist
+
+    from etrain.workers.families import ring_attention  # noqa: F401 - registers the ops
+
+    generator = torch.Generator().manual_seed(0)
+    group, found = dist.group.WORLD.group_name, {}
+    for layout in ("contiguous", "strided"):
+        q, k, v = (torch.randn(2, 16, heads, 8, generator=generator) for heads in (4, 2, 2))
+        q, k, v = (t.transpose(1, 2) if layout == "strided" else t.transpose(1, 2).contiguous() for t in (q, k, v))
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        forward = torch.library.opcheck(torch.ops.etrain.ring_attention.default, (q, k, v, group, 16))
+        out, lse = torch.ops.etrain.ring_attention(q, k, v, group, 16)
+        grad = torch.randn(out.shape, generator=generator)
+        inputs = (grad, *(t.detach() for t in (q, k, v, out, lse)), group)
+        backward = torch.library.opcheck(torch.ops.etrain.ring_attention_backward.default, inputs)
+        for name, results in (("forward", forward), ("backward", backward)):
+            found[f"{layout} {name}"] = {test: str(result) for test, result in results.items()}
+    return found
+
+
+def test_the_ring_ops_pass_torchs_opcheck():
+    (found,) = run_distributed(_opchecks, 1, timeout_s=120)
+    failed = {case: tests for case, tests in found.items() if set(tests.values()) != {"SUCCESS"}}
+    assert len(found) == 4 and not failed, failed
+
+
 def _compiled_cp2(rank: int, world_size: int) -> dict:
     from etrain.workers.engine.compile import compiled_frames
     from etrain.workers.engine.train import Trainer

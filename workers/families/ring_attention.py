@@ -378,7 +378,7 @@ def _ring_attention_backward_op(
 
 @_ring_attention_backward_op.register_fake
 def _(grad, q, k, v, out, lse, group_name):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous, as the real ones
 
 
 def _setup_context(ctx, inputs, output) -> None:
