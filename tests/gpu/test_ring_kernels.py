@@ -1,6 +1,8 @@
 """The ring's blocks in torch's CUDA flash kernel, as ``tests/unit/test_ring_kernels.py`` checks the CPU one:
 each kind of block the ring computes, forward against the math path and backward, given the whole softmax's
-output and log-sum-exp, against autograd in fp32 (``tests/ring_kernel_utils.py``). Skipped without CUDA."""
+output and log-sum-exp, against autograd in fp32 (``tests/ring_kernel_utils.py``); and the whole ring op
+(``etrain::ring_attention``) on one rank in bf16, forward and backward (its CUDA backward's extras from
+``_cuda_flash_extras``), against causal SDPA. Skipped without CUDA."""
 
 from __future__ import annotations
 
