@@ -139,10 +139,12 @@ def test_a_rank_whose_compile_grew_the_cache_runs_a_pass_and_logs_it(tmp_path, m
     pass runs on the folder the rank compiles into, and its line lands in the rank log under the attempt."""
     from types import SimpleNamespace
 
+    from etrain.workers.engine import node_cache_bound
     from etrain.workers.rank.worker import TrainWorker
 
     cache = tmp_path / "cache"
     idle = _write(cache / "ab" / "old.so", 3 << 20, 9)
+    monkeypatch.setattr(node_cache_bound, "inductor_header_folder", lambda: str(tmp_path / "no-headers"))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
     monkeypatch.setenv("ETRAIN_COMPILE_CACHE_MAX_GB", "0.001")
     log = SimpleNamespace(lines=[])
@@ -154,3 +156,28 @@ def test_a_rank_whose_compile_grew_the_cache_runs_a_pass_and_logs_it(tmp_path, m
     )
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
     assert TrainWorker._bound_node_cache(SimpleNamespace(attempt=3), log) is None
+
+
+def test_the_rank_bounds_inductors_precompiled_headers_too(tmp_path, monkeypatch):
+    """inductor keeps its precompiled C++ headers (~150 MB each, one per compiler, flags and include paths)
+    in its default folder whatever ``TORCHINDUCTOR_CACHE_DIR`` says: the rank's pass bounds that folder as
+    well, and names it in its line."""
+    from types import SimpleNamespace
+
+    from torch._inductor import codecache
+
+    from etrain.workers.engine import node_cache_bound
+    from etrain.workers.rank.worker import TrainWorker
+
+    assert node_cache_bound.inductor_header_folder() == codecache._HEADER_DIR  # where torch really puts them
+    headers = tmp_path / "torchinductor_user" / "precompiled_headers"
+    idle = _write(headers / "abc.h.gch", 3 << 20, 9)
+    lock = _write(headers / "locks" / "abc.lock", 1 << 20, 9)
+    monkeypatch.setattr(node_cache_bound, "inductor_header_folder", lambda: str(headers))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("ETRAIN_COMPILE_CACHE_MAX_GB", "0.001")
+    log = SimpleNamespace(lines=[])
+    log.write = log.lines.append
+    TrainWorker._bound_node_cache(SimpleNamespace(attempt=2), log).join(timeout=30)
+    assert not os.path.exists(idle) and os.path.exists(lock)
+    assert len(log.lines) == 1 and log.lines[0].endswith(f"(in {headers})"), log.lines

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from etrain.workers.protocol import cache_bound
 from etrain.workers.protocol.cache_bound import CachedFile
 
-__all__ = ["PASS_EVERY_S", "bound", "bound_in_background", "scan"]
+__all__ = ["PASS_EVERY_S", "bound", "bound_in_background", "inductor_header_folder", "scan"]
 
 #: One pass per node at most this often (the stamp's age), however many ranks compile.
 PASS_EVERY_S = 600.0
@@ -136,20 +136,34 @@ def _size(size: int) -> str:
     return f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
 
 
-def bound_in_background(folder: str, write: Callable[[str], None]) -> threading.Thread:
-    """Start one pass over ``folder`` with the node's bound (``ETRAIN_COMPILE_CACHE_MAX_GB``), in a daemon
-    thread; ``write`` gets the rank log's lines (a bad setting's complaint, the pass's line)."""
+def inductor_header_folder() -> str:
+    """Where inductor keeps its precompiled C++ headers (CPU kernels, ~150 MB each): under its *default*
+    cache folder whatever ``TORCHINDUCTOR_CACHE_DIR`` says (torch 2.13, ``codecache._HEADER_DIR``, global on
+    purpose: a fresh cache must not rebuild them). One header per compiler, flags and include paths, so a node
+    gathers one per install and torch version (eight on this machine's clean clones in a day, 1.2 GB)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    return os.path.join(default_cache_dir(), "precompiled_headers")
+
+
+def bound_in_background(folders: str | list[str], write: Callable[[str], None]) -> threading.Thread:
+    """Start one pass over each of ``folders`` (those that exist) with the node's bound
+    (``ETRAIN_COMPILE_CACHE_MAX_GB``, each folder within it), in one daemon thread; ``write`` gets the rank
+    log's lines (a bad setting's complaint, each pass's line)."""
     max_bytes, complaint = cache_bound.max_bytes_from_env(os.environ.get(cache_bound.ENV))
     if complaint is not None:
         write(complaint)
 
+    listed = [folders] if isinstance(folders, str) else list(folders)
+
     def run() -> None:
-        try:
-            line = bound(folder, max_bytes=max_bytes)
-        except Exception as err:  # a cache's bound is housekeeping: never a failed attempt
-            line = f"compile cache bound not kept: {type(err).__name__}: {err}"
-        if line is not None:
-            write(line)
+        for index, folder in enumerate(listed):
+            try:
+                line = bound(folder, max_bytes=max_bytes) if os.path.isdir(folder) else None
+            except Exception as err:  # a cache's bound is housekeeping: never a failed attempt
+                line = f"compile cache bound not kept: {type(err).__name__}: {err}"
+            if line is not None:
+                write(line if index == 0 else f"{line} (in {folder})")
 
     thread = threading.Thread(target=run, name="compile-cache-bound", daemon=True)
     thread.start()

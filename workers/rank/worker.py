@@ -392,14 +392,15 @@ class TrainWorker:
     def _bound_node_cache(plan: LaunchPlan, log: Any) -> threading.Thread | None:
         """One pass of the node's compile-cache bound in the background (``workers/engine/node_cache_bound.py``);
         its thread, or None where no cache folder is set."""
-        from etrain.workers.engine.node_cache_bound import bound_in_background
+        from etrain.workers.engine.node_cache_bound import bound_in_background, inductor_header_folder
 
         def write(line: str) -> None:
             if log is not None:  # as compiled_code.py's background share writes its line
                 log.write(f"attempt {plan.attempt}: {line}")
 
         folder = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-        return bound_in_background(folder, write) if folder else None
+        # and inductor's precompiled headers, which it keeps in its default folder whatever the cache's is
+        return bound_in_background([folder, inductor_header_folder()], write) if folder else None
 
     def _restore(self, trainer, plan: LaunchPlan) -> tuple[str, int, Any]:
         """Load the state to resume from; returns where it came from, the step to run next and the snapshot
