@@ -370,7 +370,9 @@ class JobSupervisor:
             self._apply(confirmed, now)
         if self._capacity.due(now) and not self.state.status.terminal:
             self._check_capacity(force=False)
-        self._apply(Tick(step_s=self._steps.recent_step_s()), time.time())
+        # the recent step time matters only to an in-place attempt's start timeout: not read on other ticks
+        step_s = self._steps.recent_step_s() if self.state.launched_in_place else None
+        self._apply(Tick(step_s=step_s), time.time())
 
     def _drain(self, now: float) -> None:
         """Handle everything already in the inbox."""

@@ -85,11 +85,11 @@ def test_the_background_pass_reads_the_nodes_setting_and_reports_a_bad_one(tmp_p
     _write(cache / "ab" / "old.so", 3 << 20, 9)
     lines: list[str] = []
     monkeypatch.setenv("ETRAIN_COMPILE_CACHE_MAX_GB", "0.001")  # ~1 MiB
-    bound_in_background(str(cache), lines.append).join(timeout=30)
+    bound_in_background([str(cache)], lines.append).join(timeout=30)
     assert len(lines) == 1 and lines[0].startswith("compile cache over its bound (3.0 MiB > 1.0 MiB"), lines
     monkeypatch.setenv("ETRAIN_COMPILE_CACHE_MAX_GB", "lots")
     lines.clear()
-    bound_in_background(str(cache), lines.append).join(timeout=30)
+    bound_in_background([str(cache)], lines.append).join(timeout=30)
     assert lines == [
         "ETRAIN_COMPILE_CACHE_MAX_GB='lots' is not a positive number of GiB (or 'none'): the default 10 GiB applies"
     ]

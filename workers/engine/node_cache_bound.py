@@ -146,7 +146,7 @@ def inductor_header_folder() -> str:
     return os.path.join(default_cache_dir(), "precompiled_headers")
 
 
-def bound_in_background(folders: str | list[str], write: Callable[[str], None]) -> threading.Thread:
+def bound_in_background(folders: list[str], write: Callable[[str], None]) -> threading.Thread:
     """Start one pass over each of ``folders`` (those that exist) with the node's bound
     (``ETRAIN_COMPILE_CACHE_MAX_GB``, each folder within it), in one daemon thread; ``write`` gets the rank
     log's lines (a bad setting's complaint, each pass's line)."""
@@ -154,10 +154,8 @@ def bound_in_background(folders: str | list[str], write: Callable[[str], None]) 
     if complaint is not None:
         write(complaint)
 
-    listed = [folders] if isinstance(folders, str) else list(folders)
-
     def run() -> None:
-        for index, folder in enumerate(listed):
+        for index, folder in enumerate(folders):
             try:
                 line = bound(folder, max_bytes=max_bytes) if os.path.isdir(folder) else None
             except Exception as err:  # a cache's bound is housekeeping: never a failed attempt
