@@ -91,12 +91,12 @@ def layer_activation_bytes(
     the GPT's count reads the element size from ``precision`` alone. Korthikanti's count, adapted to
     the GPT block (no dropout, fused attention): sbh (8 + 24/t) at f = 4d in bf16, plus fp32 stats.
     With full activation checkpointing only the block input is saved; with selective, the block input
-    and what :func:`selective_activation_bytes` counts. Context parallelism (``cp > 1``): the eager count at
-    one cp rank's ``seq_len / cp`` tokens (compiled too: the ring, run eagerly, splits the block's graph
-    where the compiled count was measured whole; an overestimate), plus what the ring keeps beyond the
-    fused kernel (``ModelFamily.ring_attention_bytes``, which depends on whether ``device`` runs the ring's
-    blocks in a kernel; nothing extra under full checkpointing, which keeps the input; under selective, the
-    ring's output and log-sum-exp, as a kernel's, in q's dtype).
+    and what :func:`selective_activation_bytes` counts. Context parallelism (``cp > 1``): the count at one
+    cp rank's ``seq_len / cp`` tokens (compiled too: the ring op sits inside the block's graph), plus what
+    the ring keeps beyond the fused kernel (``ModelFamily.ring_attention_bytes``, which depends on whether
+    ``device`` runs the ring's blocks in a kernel and on ``compiled``; nothing extra under full
+    checkpointing, which keeps the input; under selective, the ring's output and log-sum-exp, as a kernel's,
+    in q's dtype).
     """
     regime = regime or compute_regime(precision, fsdp=False)
     if cp > 1:
@@ -109,12 +109,18 @@ def layer_activation_bytes(
             precision=precision,
             checkpointing=checkpointing,
             regime=regime,
-            compiled=False,
+            compiled=compiled,
         )
         if checkpointing == "full":
             return count
         extra, _ = family(model.arch).ring_attention_bytes(
-            local, micro_batch=micro_batch, regime=regime, tp=tp, device=device, selective=checkpointing == "selective"
+            local,
+            micro_batch=micro_batch,
+            regime=regime,
+            tp=tp,
+            device=device,
+            selective=checkpointing == "selective",
+            compiled=compiled,
         )
         return count + extra
     if checkpointing == "selective":

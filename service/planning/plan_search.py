@@ -160,8 +160,8 @@ def candidate_groups(spec: JobSpec, base: Case, budget: int, *, cp: int | None =
     shards over dp·cp. For a mixture of experts, ep among the divisors of gcd(dp, n_experts) that
     ``ep_problems`` allows (it comes out of dp: no extra ranks); cp among :func:`context_parallel_sizes`. At most MAX_AUTO_PP_SIZES pp, MAX_AUTO_DP_SIZES dp values per
     (cp, tp, pp) and MAX_AUTO_EP_SIZES ep values per (dp, zero) are tried
-    (:func:`etrain.service.planning.bounds.spread`). A layout with cp > 1 is estimated with the eager
-    activation count (``plan_activations``: the ring splits each compiled block's graph).
+    (:func:`etrain.service.planning.bounds.spread`). A layout with cp > 1 is estimated as compiled where
+    the spec compiles (``plan_activations``: the ring op sits inside each compiled block's graph).
     """
     model, res, training = base.model, spec.resources, spec.training
     lo_dp, hi_dp = res.min_dp or 1, res.max_dp or budget

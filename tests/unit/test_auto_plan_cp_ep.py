@@ -42,9 +42,9 @@ def auto_spec(preset: str, budget: int, *, seq_len: int | None = None, model: di
     return JobSpec.model_validate(body)
 
 
-def long_context(budget: int = 32) -> JobSpec:
+def long_context(budget: int = 32, **training) -> JobSpec:
     """Llama 3 8B at its full 131072-token context, no activation checkpointing, 16 sequences per step."""
-    return auto_spec("llama3-8b", budget, seq_len=131072, global_batch=16)
+    return auto_spec("llama3-8b", budget, seq_len=131072, global_batch=16, **training)
 
 
 def gib(value: int | float) -> float:
@@ -62,19 +62,20 @@ def estimates(spec: JobSpec, *, cp: int) -> list:
 
 
 def test_a_long_context_gets_the_least_cp_that_fits_and_says_why():
-    spec = long_context()
+    """Eager blocks (``training.compile: false``): nothing fits without cp, nor with cp=2; cp=4 does."""
+    spec = long_context(compile=False)
     plan = resolve_auto(spec)
     assert plan.estimate.layout == "pp1·dp1·tp8 cp4 zero=2 sp"
     assert (plan.layout.cp, plan.layout.tp, plan.layout.dp, plan.estimate.world_size) == (4, 8, 1, 32)
     assert plan.estimate.fits and gib(plan.estimate.memory.total) == 56.7
-    # Without cp nothing fits: the smallest layout needs 139.9 GiB, 130.3 of them activations.
+    # Without cp nothing fits: the smallest layout needs 173.9 GiB, 164.3 of them activations.
     without = estimates(spec, cp=1)
     assert without and not any(e.fits for e in without)
     smallest = min(without, key=lambda e: e.memory.total)
     assert (smallest.layout, gib(smallest.memory.total), gib(smallest.memory.activations)) == (
         "pp2·dp2·tp8 zero=2 1f1b sp",
-        139.9,
-        130.3,
+        173.9,
+        164.3,
     )
     # Nor with cp=2: the least cp that fits is 4. The ring's blocks run in torch's flash kernel on CUDA in
     # bf16, so no block's (seq_len/cp)² scores exist whole: the transient is a few copies of a rank's tokens
@@ -83,19 +84,35 @@ def test_a_long_context_gets_the_least_cp_that_fits_and_says_why():
     cp_reason = next(r for r in plan.reasons if r.startswith("cp="))
     assert cp_reason.startswith("cp=4: splits each sequence of 131072 tokens over 4 ranks (32768 each)")
     assert (
-        "without it the activations of seq_len 131072 need 130.3 GiB/rank in the smallest layout "
-        "(pp2·dp2·tp8 zero=2 1f1b sp), 139.9 GiB in all, above the device's 80.0 GiB" in cp_reason
+        "without it the activations of seq_len 131072 need 164.3 GiB/rank in the smallest layout "
+        "(pp2·dp2·tp8 zero=2 1f1b sp), 173.9 GiB in all, above the device's 80.0 GiB" in cp_reason
     )
     assert "with cp=2 the smallest (pp2·dp1·tp8 cp2 zero=3 1f1b sp) needs 89.2 GiB" in cp_reason
     assert "transient 0.2 GiB per rank" in cp_reason
     assert "zero=2: shards optimizer states and gradients over dp·cp = 1·4" in " ".join(plan.reasons)
     assert "dp=1: world = pp·dp·cp·tp = 1·1·4·8 uses 32 of 32 workers" in plan.reasons
-    # The chosen layout is one the service runs: its spec passes every check, compile off under cp.
+    # The chosen layout is one the service runs: its spec passes every check.
     chosen = spec.with_layout(plan.layout)
-    assert (
-        check_spec(chosen) == [] and check_plan(chosen) == [] and chosen.compile_blocks
-    )  # compiled around the ring (CUDA)
+    assert check_spec(chosen) == [] and check_plan(chosen) == [] and not chosen.compile_blocks
     assert plan.candidates_considered <= MAX_AUTO_LAYOUTS
+
+
+def test_compiled_blocks_need_less_cp():
+    """Compiled (the default on CUDA), a block keeps the partitioner's count at a cp rank's tokens (the ring op
+    inside its graph; measured on CPU: tests/integration/test_context_parallel.py), so cp=2 fits where eager
+    blocks need cp=4 (above)."""
+    spec = long_context()
+    plan = resolve_auto(spec)
+    assert spec.compile_blocks and plan.estimate.layout == "pp1·dp2·tp8 cp2 zero=2 sp"
+    assert (gib(plan.estimate.memory.total), gib(plan.estimate.memory.activations)) == (79.8, 62.7)
+    cp_reason = next(r for r in plan.reasons if r.startswith("cp="))
+    assert cp_reason.startswith("cp=2: splits each sequence of 131072 tokens over 2 ranks (65536 each)")
+    assert (
+        "without it the activations of seq_len 131072 need 130.3 GiB/rank in the smallest layout "
+        "(pp2·dp2·tp8 zero=2 1f1b sp), 139.9 GiB in all" in cp_reason
+    )
+    chosen = spec.with_layout(plan.layout)
+    assert check_spec(chosen) == [] and check_plan(chosen) == [] and chosen.compile_blocks
 
 
 def test_context_parallelism_places_the_405b_at_128k_on_16384_gpus():
@@ -120,12 +137,12 @@ def test_context_parallelism_places_the_405b_at_128k_on_16384_gpus():
 
 
 def test_cp_is_not_tried_when_the_budget_cannot_hold_it():
-    """At 16 workers no cp the rules allow fits either: the refusal names the smallest layout, a cp one."""
+    """At 8 workers no cp the rules allow fits either: the refusal names the smallest layout, a cp one."""
     with pytest.raises(SpecRejected) as refused:
-        resolve_auto(long_context(budget=16))
+        resolve_auto(long_context(budget=8))
     message = refused.value.problems[0].message
-    assert "no layout of at most 16 workers fits in 80.0 GiB/rank" in message
-    assert "the smallest, pp1·dp1·tp2 cp8 zero=3 sp, needs 85.4 GiB/rank (activations 53.8 GiB)" in message
+    assert "no layout of at most 8 workers fits in 80.0 GiB/rank" in message
+    assert "the smallest, pp1·dp1·tp2 cp4 zero=3 sp, needs 116.2 GiB/rank (activations 76.7 GiB)" in message
 
 
 def test_cp_degrees_come_from_the_rules():
@@ -259,8 +276,8 @@ def test_every_candidate_passes_the_layout_rules_within_the_cap(spec):
 def test_post_plan_answers_the_cp_layout():
     report = plan_report(long_context())
     assert report["feasible"] is True and report["problems"] == []
-    assert report["layout"] == "pp1·dp1·tp8 cp4 zero=2 sp"
-    assert report["auto"]["layout"]["cp"] == 4 and report["estimate"]["parallelism"]["cp"] == 4
+    assert report["layout"] == "pp1·dp2·tp8 cp2 zero=2 sp"
+    assert report["auto"]["layout"]["cp"] == 2 and report["estimate"]["parallelism"]["cp"] == 2
     assert report["estimate"]["comm_per_step"]["bytes"]["cp"] > 0
 
 

@@ -116,7 +116,7 @@ def test_bad_context_layouts_get_a_422_naming_parallelism_cp(spec, words):
 
 
 def test_cp_runs_with_compiled_blocks_and_every_checkpointing():
-    assert check_spec(_spec(cp=2, training={"compile": True})) == []  # the ring runs eagerly between graphs
+    assert check_spec(_spec(cp=2, training={"compile": True})) == []  # the ring op compiles in the graph
     for mode in ("none", "full", "selective"):  # selective keeps the ring op's outputs
         assert check_spec(_spec(cp=2, training={"activation_checkpointing": mode})) == [], mode
 

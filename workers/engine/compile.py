@@ -95,8 +95,9 @@ def apply_compile(module: nn.Module, *, fullgraph: bool = True) -> None:
     slowdown. Dynamo's guards see the same code, shapes and dtypes on every step, so nothing recompiles
     after the first step (tests/integration/test_throughput_options.py counts the compiled frames).
     ``fullgraph=False`` where a block holds a region that must run eagerly by design (expert
-    parallelism's token exchange, ``workers/families/expert_parallel.py``; context parallelism's ring,
-    ``workers/families/ring_attention.py``): the graph breaks exactly there.
+    parallelism's token exchange, ``workers/families/expert_parallel.py``): the graph breaks exactly
+    there. (Context parallelism's ring is one custom op that compiles inside the block's graph:
+    ``workers/families/ring_attention.py``.)
     """
     use_node_cache()
     backend = compile_backend()

@@ -798,9 +798,9 @@ def parallelize_stage(
     if config.training.compile:
         from etrain.workers.engine.compile import apply_compile
 
-        # the ep token exchange and the cp ring run eagerly between a block's graphs
-        # (and so do the collectives of tensor-parallel experts)
-        eager_regions = dims.ep_enabled or dims.cp_enabled or (dims.tp_enabled and bool(_moe_layers(module)))
+        # the ep token exchange runs eagerly between a block's graphs (and so do the collectives of
+        # tensor-parallel experts); the cp ring is a custom op inside the graph (ring_attention.py)
+        eager_regions = dims.ep_enabled or (dims.tp_enabled and bool(_moe_layers(module)))
         apply_compile(module, fullgraph=not eager_regions)
     if uses_fsdp(dims, parallel):
         device = torch.device(dims.fsdp_mesh.device_type)

@@ -359,6 +359,7 @@ class ModelFamily:
         tp: int = 1,
         device: str = "cuda",
         selective: bool = False,
+        compiled: bool = False,
     ) -> tuple[float, float]:
         """Context parallelism (a family with :attr:`context_parallel`): ``model`` at one cp rank's
         ``seq_len / cp`` tokens. Returns (what a block saves beyond :meth:`layer_activation_bytes` at those
@@ -366,7 +367,9 @@ class ModelFamily:
         parallelism (``tp``) a rank's ring carries its ``n_heads / tp`` heads. ``device``: where the ring
         runs, which decides whether its blocks run in a fused kernel (:func:`ring_block_kernel`).
         ``selective``: under selective checkpointing, what the policy keeps of the ring (its output and
-        log-sum-exp) beyond what it keeps of a fused kernel (``plan_activations.selective_activation_bytes``)."""
+        log-sum-exp) beyond what it keeps of a fused kernel (``plan_activations.selective_activation_bytes``).
+        ``compiled``: under ``training.compile``, beyond the family's compiled count at those tokens (the ring
+        op sits inside the block's graph, and the partitioner may keep other tensors than eager autograd)."""
         return 0.0, 0.0
 
     # -- Hugging Face ------------------------------------------------------------------------------

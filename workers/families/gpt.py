@@ -187,14 +187,16 @@ class GPT(ModelFamily):
         tp: int = 1,
         device: str = "cuda",
         selective: bool = False,
+        compiled: bool = False,
     ) -> tuple[float, float]:
         """Context parallelism (``workers/families/ring_attention.py``), ``model.seq_len`` being a cp rank's
         ``c = S / cp`` tokens: the ring keeps what the fused kernel kept (q, k, v, the output, the fp32
         log-sum-exp), so nothing more (under selective checkpointing too: an output in the compute dtype and
         its log-sum-exp, as the kernel's): its output is laid out token-major on every path, as the kernel's, and
         ``wo`` reads a view of it. Where its blocks run on the math path (:func:`ring_block_kernel`) the
-        transient is larger: :func:`ring_block_transient`. Measured against autograd's saved tensors on CPU
-        (tests/integration/test_context_parallel.py)."""
+        transient is larger: :func:`ring_block_transient`. Compiled (``compiled``) nothing more either: the
+        positions are embedded before the blocks. Measured against autograd's saved tensors on CPU, eager and
+        under the compiled partitioner (tests/integration/test_context_parallel.py)."""
         kernel = ring_block_kernel(device, fp32=regime == "fp32", head_dim=model.d_model // model.n_heads)
         transient = ring_block_transient(
             kernel, micro_batch=micro_batch, n_heads=model.n_heads, tokens=model.seq_len, q_width=model.d_model, tp=tp

@@ -382,6 +382,7 @@ class Llama(ModelFamily):
         tp: int = 1,
         device: str = "cuda",
         selective: bool = False,
+        compiled: bool = False,
     ) -> tuple[float, float]:
         """Context parallelism (``workers/families/ring_attention.py``), ``model.seq_len`` being a cp rank's
         ``c = S / cp`` tokens. Saved beyond the block's count at ``c`` tokens: the ring keeps ``q``, ``k`` and
@@ -395,7 +396,10 @@ class Llama(ModelFamily):
         saved tensors on CPU (tests/integration/test_context_parallel.py). Transient:
         :func:`ring_block_transient`. Under selective checkpointing (``selective``) the policy keeps the ring's
         output and log-sum-exp, as it keeps a fused kernel's, but the ring's output is in q's dtype: fp32 under
-        autocast with q/k norms, ``q·2`` bytes more per token than the kernel's bf16 one."""
+        autocast with q/k norms, ``q·2`` bytes more per token than the kernel's bf16 one. Compiled
+        (``compiled``), the same beyond the compiled count, but in place of RoPE's indexed tables the
+        partitioner keeps the rank's int64 positions (``8·c`` bytes, whatever the rotation's dtype) and
+        recomputes the tables from them in the backward."""
         q, kv = llama_widths(model)
         tokens = model.seq_len * micro_batch
         fp32_rotation = regime == "fp32" or (regime == "autocast" and model.qk_norm)
@@ -410,7 +414,10 @@ class Llama(ModelFamily):
             return tokens * q * (e_qk - elem) / tp, float(transient)
         copy = q * e_o if regime == "autocast" and fp32_rotation else 0
         per_token = 2 * q * e_qk + kv * (e_qk + e_v) + copy - 4 * q * elem
-        tables = 2 * model.seq_len * model.head_dim * 4 if fp32_rotation else 0
+        if compiled:
+            tables = 8 * model.seq_len
+        else:
+            tables = 2 * model.seq_len * model.head_dim * 4 if fp32_rotation else 0
         return tokens * per_token / tp + tables, float(transient)  # the widths and heads are tp-sharded
 
     # -- Hugging Face ------------------------------------------------------------------------------

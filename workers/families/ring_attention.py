@@ -47,9 +47,13 @@ The ring is one custom operator, ``etrain::ring_attention`` (returning the outpu
 with its backward another, ``etrain::ring_attention_backward``: what works on operators sees it whole.
 Selective activation checkpointing keeps its two outputs, as it keeps a fused attention kernel's, so the
 backward's recompute of a block does not run the ring's exchanges again (full checkpointing does: it
-replays the whole block). Under ``training.compile`` the ring still runs eagerly between the block's
-compiled graphs (``torch.compiler.disable``: dynamo breaks the graph around it, and the block is compiled
-without ``fullgraph``); the projections, RoPE, the norms and the MLP stay compiled.
+replays the whole block). Under ``training.compile`` a block with the ring compiles as one graph
+(``fullgraph``): dynamo traces the op through its fake (the group travels by name, a constant of the
+graph) and inductor calls it as an opaque kernel between the fused projections, RoPE, norms and MLP, in
+the same order on every rank. Before, the ring was ``torch.compiler.disable``-d; a graph break inside a
+checkpointed block makes dynamo run that whole block eagerly, so under activation checkpointing nothing
+of the block was compiled (on 2 CPU cores, cp=2, selective: 1.107–1.130 s a step compiled that way against
+1.103 s eager; 0.958–0.964 s in one graph).
 
 Cost: the activations kept per layer are linear in ``S/cp`` (the planner counts them). In a kernel a block's
 scores never exist whole (the kernel's causal path also skips its masked tiles); on the math path (CUDA in
@@ -404,7 +408,6 @@ def _resolve_group(name: str) -> dist.ProcessGroup:
     return _resolve_process_group(name)
 
 
-@torch.compiler.disable(reason="point-to-point exchanges in an autograd.Function: compiled blocks run it eagerly")
 def ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,
