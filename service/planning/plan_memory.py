@@ -84,6 +84,7 @@ from etrain.service.planning.plan_activations import (
 )
 from etrain.workers.families import family
 from etrain.workers.protocol import layout_rules
+from etrain.workers.protocol.compiled_blocks import compiled_block_form
 from etrain.workers.protocol.run_config import ModelConfig
 
 __all__ = [
@@ -354,8 +355,10 @@ def stage_memory(
     rope = layers * rope_table_bytes(model)
 
     # Under ep > 1 the token exchange and the experts it calls run eagerly between a block's graphs
-    # (parallelize_stage): their eager count, an overestimate for the rest of the block.
-    compiled_count = compiled and ep == 1
+    # (parallelize_stage): their eager count, an overestimate for the rest of the block; and a block that
+    # runs eagerly (selective checkpointing around an eager region: compiled_blocks) has its eager count.
+    form = compiled_block_form(ep=ep, tp=tp, moe=model.n_experts > 0, checkpointing=checkpointing)
+    compiled_count = compiled and ep == 1 and form != "eager"
     per_layer = layer_activation_bytes(
         model,
         cp=cp,

@@ -397,6 +397,17 @@ def _mixtral_ep2(rank: int, world_size: int) -> dict:
     history += trainer.run(1, STEPS)
     out["compiled"] = _result(trainer, history)
     out["frames"] = (frames, compiled_frames())
+    # under full checkpointing the blocks compile inside the (eager) checkpoint: the same graphs as without it
+    # (compiled around it, the break would run each whole block eagerly: no graph but the loss's)
+    torch._dynamo.reset()
+    before = compiled_frames()
+    full = dataclasses.replace(
+        compiled, training=dataclasses.replace(compiled.training, activation_checkpointing="full")
+    )
+    torch.manual_seed(0)
+    trainer = Trainer(full, rank=rank, world_size=world_size, device=torch.device("cpu"))
+    out["compiled_full"] = _result(trainer, trainer.run(0, STEPS))
+    out["frames_full"] = compiled_frames() - before
     # and under tensor parallelism: the experts' tp collectives run eagerly between the graphs too
     compiled_tp = dataclasses.replace(compiled, parallel=ParallelConfig(tp=2))
     out["compiled_tp2"] = _train(compiled_tp, rank, world_size)
@@ -406,7 +417,8 @@ def _mixtral_ep2(rank: int, world_size: int) -> dict:
 def test_mixtral_ep2_trains_like_one_process_eager_and_compiled(monkeypatch):
     """The second family with experts (Mixtral: its own router and block, Qwen3-MoE's expert modules)
     splits its experts over ep=2 under DDP and FSDP2 and trains one process's numbers; with compiled
-    blocks too, the exchange running eagerly between their graphs, nothing recompiled after step 1."""
+    blocks too, the exchange running eagerly between their graphs, nothing recompiled after step 1; and
+    under full checkpointing, the same graphs compiled inside each block's checkpoint."""
     monkeypatch.setenv("ETRAIN_COMPILE_BACKEND", "aot_eager")  # the ranks inherit it
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -420,9 +432,11 @@ def test_mixtral_ep2_trains_like_one_process_eager_and_compiled(monkeypatch):
     assert_equivalent(one, [r[3] for r in ranks], layout="mixtral dp2 ep2 zero=3")
     assert_equivalent(one, [r["compiled"] for r in ranks], layout="mixtral dp2 ep2 zero=0 compiled")
     assert_equivalent(one, [r["compiled_tp2"] for r in ranks], layout="mixtral tp2 compiled")
+    assert_equivalent(one, [r["compiled_full"] for r in ranks], layout="mixtral dp2 ep2 compiled full checkpointing")
     for r in ranks:
         after_first, at_end = r["frames"]
         assert after_first > 0 and at_end == after_first  # compiled at step 1, graph breaks included; no more
+        assert r["frames_full"] == after_first, (r["frames_full"], after_first)
 
 
 @pytest.mark.parametrize(

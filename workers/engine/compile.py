@@ -88,21 +88,27 @@ def use_node_cache() -> str:
     return folder
 
 
-def apply_compile(module: nn.Module, *, fullgraph: bool = True) -> None:
-    """Compile each block of ``module`` (a whole model or one pipeline stage) in place.
+def apply_compile(module: nn.Module, *, form: str = "whole") -> None:
+    """Compile each block of ``module`` (a whole model or one pipeline stage) in place, in the ``form`` that
+    ``etrain.workers.protocol.compiled_blocks.compiled_block_form`` gives for the layout.
 
-    ``fullgraph=True`` (the default): a graph break inside a block is a bug to fix, not a silent
-    slowdown. Dynamo's guards see the same code, shapes and dtypes on every step, so nothing recompiles
-    after the first step (tests/integration/test_throughput_options.py counts the compiled frames).
-    ``fullgraph=False`` where a block holds a region that must run eagerly by design (expert
-    parallelism's token exchange, ``workers/families/expert_parallel.py``): the graph breaks exactly
-    there. (Context parallelism's ring is one custom op that compiles inside the block's graph:
-    ``workers/families/ring_attention.py``.)
+    ``"whole"``: ``fullgraph=True``, a graph break inside a block is a bug to fix, not a silent slowdown
+    (context parallelism's ring is one custom op inside the graph: ``workers/families/ring_attention.py``).
+    Dynamo's guards see the same code, shapes and dtypes on every step, so nothing recompiles after the
+    first step (tests/integration/test_throughput_options.py counts the compiled frames). ``"split"``
+    where a block holds a region that must run eagerly by design (expert parallelism's token exchange,
+    ``workers/families/expert_parallel.py``): the graph breaks exactly there. ``"split_inside_checkpoint"``:
+    the same, compiled inside the block's (eager) activation checkpoint, since a break inside a compiled
+    checkpoint would run the whole block eagerly. ``"eager"``: the blocks are not compiled (selective
+    checkpointing around an eager region); the loss still is.
     """
     use_node_cache()
     backend = compile_backend()
-    for block in module.layers.values():
-        block.compile(backend=backend, fullgraph=fullgraph)
+    if form != "eager":
+        for block in module.layers.values():
+            if form == "split_inside_checkpoint":
+                block = block._checkpoint_wrapped_module  # noqa: SLF001 (torch's CheckpointWrapper)
+            block.compile(backend=backend, fullgraph=form == "whole")
     # ... and the cross-entropy after the output projection (workers/families/head_loss.py)
     module.loss_compile_backend = backend
 

@@ -56,6 +56,7 @@ from etrain.workers.engine.mesh import ParallelMesh, validate_dp_replicate
 from etrain.workers.families import family
 from etrain.workers.families.layout import tp_problems
 from etrain.workers.protocol import layout_rules
+from etrain.workers.protocol.compiled_blocks import compiled_block_form
 from etrain.workers.protocol.errors import ConfigError
 from etrain.workers.protocol.run_config import ParallelConfig, RunConfig
 from etrain.workers.protocol.topology import Topology
@@ -798,10 +799,15 @@ def parallelize_stage(
     if config.training.compile:
         from etrain.workers.engine.compile import apply_compile
 
-        # the ep token exchange runs eagerly between a block's graphs (and so do the collectives of
-        # tensor-parallel experts); the cp ring is a custom op inside the graph (ring_attention.py)
-        eager_regions = dims.ep_enabled or (dims.tp_enabled and bool(_moe_layers(module)))
-        apply_compile(module, fullgraph=not eager_regions)
+        # the ep token exchange and tensor-parallel experts' collectives run eagerly, between a block's
+        # graphs; the cp ring is a custom op inside the graph (ring_attention.py)
+        form = compiled_block_form(
+            ep=dims.ep,
+            tp=dims.tp,
+            moe=bool(_moe_layers(module)),
+            checkpointing=config.training.activation_checkpointing,
+        )
+        apply_compile(module, form=form)
     if uses_fsdp(dims, parallel):
         device = torch.device(dims.fsdp_mesh.device_type)
         return materialize(apply_dp(module, dims, zero=parallel.zero, **fsdp_policies(config, device)))

@@ -25,7 +25,8 @@ Under ``training.compile`` the exchange (with the local experts it calls) runs e
 block's compiled graphs (``torch.compiler.disable``: dynamo breaks the graph around it, and the block is
 compiled without ``fullgraph``): its split sizes are host integers that change every step, which a
 compiled graph would have to specialise on or treat as unbacked symbols. The attention, the norms, the
-router and the shared parts stay compiled.
+router and the shared parts stay compiled; under activation checkpointing they compile inside the
+checkpoint, or not at all under selective checkpointing (``etrain.workers.protocol.compiled_blocks``).
 
 Capacity is unbounded: every (token, expert) pair the router picks is sent, computed and returned, none
 is dropped, whatever the balance; a rank's expert batch is as large as the routing makes it (the memory

@@ -229,7 +229,7 @@ def routing_statistics(
     return torch.stack([_histogram(picks, n_experts, n_experts), probs.float().sum(dim=0)])
 
 
-@torch.compiler.disable  # a collective whose backward is another: run eagerly, as the ring and the exchange
+@torch.compiler.disable  # a collective whose backward is another: run eagerly, as the token exchange
 def _sum_over_group(tensor: torch.Tensor, group) -> torch.Tensor:
     """``tensor`` summed over ``group``, differentiably (``torch.distributed.nn``'s all-reduce)."""
     from torch.distributed.nn.functional import all_reduce

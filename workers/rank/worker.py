@@ -33,6 +33,7 @@ import time
 from typing import Any
 
 from etrain.workers.engine.compile import use_node_cache
+from etrain.workers.protocol.compiled_blocks import COMPILED_BLOCK_FORMS, compiled_block_form
 from etrain.workers.protocol.messages import REPORT_TIMEOUT_S, ChaosOrder, LaunchPlan, NodeInfo, RunResult
 from etrain.workers.protocol.run_config import RunConfig
 from etrain.workers.rank.compiled_code import CompiledCode
@@ -335,9 +336,15 @@ class TrainWorker:
                     if config.training.compile:
                         compiled_now = compile_profile()
                         if log is not None:  # compiling is lazy (the first step's forward and backward): its own phase
+                            form = compiled_block_form(
+                                ep=config.parallel.ep,
+                                tp=config.parallel.tp,
+                                moe=config.model.n_experts > 0,
+                                checkpointing=config.training.activation_checkpointing,
+                            )
                             log.write(
                                 f"attempt {plan.attempt}: compile {compile_seconds() - compiled_before:.1f}s "
-                                f"(first step {metrics['step_s']:.1f}s; "
+                                f"(first step {metrics['step_s']:.1f}s; {COMPILED_BLOCK_FORMS[form]}; "
                                 f"cache {os.environ.get('TORCHINDUCTOR_CACHE_DIR')})"
                             )
                             log.write(f"attempt {plan.attempt}: compile spans {compiled_now.since(profile_before)}")
