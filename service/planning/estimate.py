@@ -49,6 +49,7 @@ from etrain.service.planning.spec import JobSpec, ParallelismSpec
 from etrain.service.planning.spec_checks import field_problems
 from etrain.workers import families
 from etrain.workers.protocol import layout_rules
+from etrain.workers.protocol.compiled_blocks import compiled_block_form
 from etrain.workers.protocol.run_config import ModelConfig, ParallelConfig
 
 __all__ = [
@@ -91,6 +92,8 @@ class PlanEstimate:
     precision: str
     regime: str  # how blocks compute: fp32, autocast (bf16 matmuls) or bf16_params (FSDP2 mixed precision)
     activation_checkpointing: str
+    #: under training.compile, how each block compiles (``compiled_blocks.COMPILED_BLOCK_FORMS``); else None
+    compiled_blocks: str | None = None
     num_params: int
     params_per_rank: int  # the worst stage's parameters on one TP rank, before ZeRO sharding (experts / ep)
     layers_per_stage: int
@@ -135,6 +138,7 @@ class PlanEstimate:
                 "precision": self.precision,
                 "compute": self.regime,
                 "activation_checkpointing": self.activation_checkpointing,
+                "compiled_blocks": self.compiled_blocks,
             },
             "params": {
                 "total": self.num_params,
@@ -396,6 +400,11 @@ def evaluate(case: Case) -> PlanEstimate:
         precision=case.precision,
         regime=regime,
         activation_checkpointing=case.checkpointing,
+        compiled_blocks=(
+            compiled_block_form(ep=ep, tp=tp, moe=model.n_experts > 0, checkpointing=case.checkpointing)
+            if case.compiled
+            else None
+        ),
         num_params=families.num_params(model),
         params_per_rank=math.ceil(params_of[worst]),
         layers_per_stage=layers,

@@ -515,7 +515,8 @@ def test_plan_explains_a_spec_and_starts_nothing(client, model, feasible, params
 
 
 def test_plan_with_auto_answers_context_parallelism_for_a_long_context(client):
-    """Llama 3 8B at 131072 tokens on 32 GPUs: no layout fits without cp, cp=4 does (test_auto_plan_cp_ep.py)."""
+    """Llama 3 8B at 131072 tokens on 32 GPUs, compiled (CUDA's default): no layout fits without cp, cp=2 does
+    (test_auto_plan_cp_ep.py), each block one graph with the ring inside."""
     spec = tiny_spec(
         model={"preset": "llama3-8b", "seq_len": 131072},
         parallelism={"auto": True, "max_workers": 32},
@@ -525,9 +526,9 @@ def test_plan_with_auto_answers_context_parallelism_for_a_long_context(client):
     response = client.post("/v1/plan", json=spec)
     assert response.status_code == 200
     report = response.json()
-    assert report["feasible"] is True and report["layout"] == "pp1·dp1·tp8 cp4 zero=2 sp"
-    assert report["auto"]["layout"]["cp"] == 4
-    assert any(reason.startswith("cp=4: ") for reason in report["auto"]["reasons"])
+    assert report["feasible"] is True and report["layout"] == "pp1·dp2·tp8 cp2 zero=2 sp"
+    assert report["auto"]["layout"]["cp"] == 2 and report["estimate"]["training"]["compiled_blocks"] == "whole"
+    assert any(reason.startswith("cp=2: ") for reason in report["auto"]["reasons"])
 
 
 def test_plan_answers_an_infeasible_spec_with_its_problems(client):

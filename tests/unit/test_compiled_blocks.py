@@ -45,3 +45,29 @@ def test_the_planner_counts_a_block_as_it_runs():
             assert compiled == eager
         else:
             assert compiled < eager, (checkpointing, compiled, eager)
+
+
+@pytest.mark.parametrize(
+    "parallelism, training, form",
+    [
+        ({"tp": 2}, {"activation_checkpointing": "selective"}, "eager"),
+        ({"tp": 2}, {"activation_checkpointing": "full"}, "split_inside_checkpoint"),
+        ({"dp": 2, "ep": 2}, {}, "split"),
+        ({"dp": 2}, {"activation_checkpointing": "selective"}, "whole"),
+        ({"dp": 2, "ep": 2}, {"compile": False}, None),
+    ],
+)
+def test_the_plan_says_how_the_blocks_compile(parallelism, training, form):
+    from etrain.service.planning.estimate import estimate
+    from etrain.service.planning.spec import JobSpec
+
+    spec = JobSpec.model_validate(
+        {
+            "name": "moe",
+            "model": {"preset": "qwen3-moe-tiny"},
+            "parallelism": parallelism,
+            "training": {"steps": 1, "global_batch": 4, "micro_batch": 1, "compile": True, **training},
+        }
+    )
+    report = estimate(spec).to_dict()
+    assert report["training"]["compiled_blocks"] == form
