@@ -11,7 +11,8 @@ Two figures, each on real gloo ranks (``tests.dist_utils``), one thread per rank
   and the merges.
 * :func:`bench_checkpointing`: a cp=2 Llama's training step under selective and full activation
   checkpointing (and none), the engine's ``Trainer``: selective keeps the ring op's output, so its backward
-  runs no ring, where full replays every block's forward, its ring included.
+  runs no ring, where full replays every block's forward, its ring included; each eagerly and with
+  ``training.compile`` (inductor, the ring op inside each block's graph), against eager (the peer).
 
 Medians of ``REPEATS`` timed runs after one warm-up. On 2 cores the ranks share the cores with nothing else
 (the peer runs alone); the figures are for the relative costs, not absolute speed.
@@ -132,6 +133,8 @@ class CheckpointingRow:
     mode: str
     step_s: float  # the slowest rank's median step
     peak_rss_mb: float
+    compiled: bool = False
+    first_step_s: float = 0.0  # the slowest rank's first step (compiling, where compiled)
 
 
 CHECKPOINTING_MODEL = ModelConfig(
@@ -139,14 +142,20 @@ CHECKPOINTING_MODEL = ModelConfig(
 )
 
 
-def _checkpointing_config(mode: str, steps: int) -> RunConfig:
+def _checkpointing_config(mode: str, steps: int, compiled: bool = False) -> RunConfig:
     return RunConfig(
         job_id="bench-ring",
         model=CHECKPOINTING_MODEL,
         data=DataConfig(kind="synthetic", seed=0),
         parallel=ParallelConfig(cp=2),
         training=TrainingConfig(
-            steps=steps, global_batch=2, micro_batch=1, lr=1e-3, seed=0, activation_checkpointing=mode
+            steps=steps,
+            global_batch=2,
+            micro_batch=1,
+            lr=1e-3,
+            seed=0,
+            activation_checkpointing=mode,
+            compile=compiled,
         ),
     )
 
@@ -161,36 +170,51 @@ def _checkpointing_rank(rank: int, world_size: int, config: RunConfig) -> dict:
     metrics = [trainer.train_step(step) for step in range(config.training.steps)]
     return {
         "step_s": statistics.median(m.step_s for m in metrics[1:]),
+        "first_s": metrics[0].step_s,
         "peak": max(m.peak_mem_bytes for m in metrics),
     }
 
 
 def bench_checkpointing(steps: int = 6, log=print) -> list[CheckpointingRow]:
     rows = []
-    for mode in ("none", "selective", "full"):
-        results = run_distributed(_checkpointing_rank, 2, _checkpointing_config(mode, steps), timeout_s=600)
-        rows.append(
-            CheckpointingRow(
-                mode=mode,
-                step_s=max(r["step_s"] for r in results),
-                peak_rss_mb=max(r["peak"] for r in results) / 2**20,
+    for compiled in (False, True):
+        for mode in ("none", "selective", "full"):
+            config = _checkpointing_config(mode, steps, compiled)
+            results = run_distributed(_checkpointing_rank, 2, config, timeout_s=600)
+            rows.append(
+                CheckpointingRow(
+                    mode=mode,
+                    step_s=max(r["step_s"] for r in results),
+                    peak_rss_mb=max(r["peak"] for r in results) / 2**20,
+                    compiled=compiled,
+                    first_step_s=max(r["first_s"] for r in results),
+                )
             )
-        )
-        log(f"  cp=2 {mode:<9} {rows[-1].step_s:.3f} s/step, peak RSS {rows[-1].peak_rss_mb:.0f} MiB")
+            row = rows[-1]
+            log(
+                f"  cp=2 {mode:<9} {'compiled' if compiled else 'eager':<8} {row.step_s:.3f} s/step "
+                f"(first {row.first_step_s:.1f} s), peak RSS {row.peak_rss_mb:.0f} MiB"
+            )
     return rows
 
 
 def checkpointing_table(rows: list[CheckpointingRow]) -> str:
     m = CHECKPOINTING_MODEL
-    base = next(r for r in rows if r.mode == "none").step_s
+    base = next(r for r in rows if r.mode == "none" and not r.compiled).step_s
     lines = [
         f"A cp=2 Llama ({m.n_layers} layers of {m.d_model}, {m.n_heads} heads on {m.n_kv_heads} kv heads, "
         f"seq_len {m.seq_len}, two sequences per step in micro-batches of one, fp32), the engine's Trainer on two gloo "
         "ranks, one thread each; the median step after the first.",
         "",
-        "| activation_checkpointing | step (s) | × none | peak RSS/rank (MiB) |",
-        "|---|---|---|---|",
+        "| activation_checkpointing | blocks | step (s) | × none, eager | × eager (same mode) | first step (s) "
+        "| peak RSS/rank (MiB) |",
+        "|---|---|---|---|---|---|---|",
     ]
+    eager = {r.mode: r.step_s for r in rows if not r.compiled}
     for r in rows:
-        lines.append(f"| {r.mode} | {r.step_s:.3f} | {r.step_s / base:.2f}× | {r.peak_rss_mb:.0f} |")
+        blocks = "compiled (inductor)" if r.compiled else "eager"
+        lines.append(
+            f"| {r.mode} | {blocks} | {r.step_s:.3f} | {r.step_s / base:.2f}× | {r.step_s / eager[r.mode]:.2f}× "
+            f"| {r.first_step_s:.1f} | {r.peak_rss_mb:.0f} |"
+        )
     return "\n".join(lines) + "\n"
