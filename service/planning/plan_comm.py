@@ -241,7 +241,8 @@ def tp_traffic(
     ``mlp_factor`` times a dense MLP's for a mixture of experts (``MoE`` reduces its tokens' outputs once
     summed over their picks, in the residual stream's dtype: fp32 under autocast, twice a bf16 hidden state;
     its routing weights' gradient, ``experts_per_token`` values a token, is not counted; under sequence
-    parallelism it gathers the sequence and reduce-scatters its output, as a dense MLP, ``MoEParallel``); the
+    parallelism it gathers the sequence and reduce-scatters its output, as a dense MLP, and its backward
+    gathers the output's gradient and reduce-scatters the input's, ``MoEParallel``); the
     vocab-parallel embedding (forward) and head (backward) one each. The logits stay vocab-sharded:
     ``loss_parallel`` all-reduces three fp32 values per token (max, sum of exponentials, the target's
     logit) instead of gathering them.

@@ -263,9 +263,10 @@ def _saved_at_tp2(sequence_parallel: bool, regime: str, compiled: bool = False) 
     return sum(saved.values()) - rope - casts, want
 
 
-def _reduced_over_tp(sequence_parallel: bool) -> tuple[list[int], int]:
+def _reduced_over_tp(sequence_parallel: bool) -> tuple[list[int], int, list[int]]:
     """The sizes (elements) of the all-reduces one mixture-of-experts block's experts run over tp=2, forward and
-    backward (fp32, a micro-batch of 2), and how many reduce-scatters the block's forward runs."""
+    backward (fp32, a micro-batch of 2), how many reduce-scatters the block's forward runs, and the sizes of
+    the hand-written reduce-scatters (the experts' input gradient under sequence parallelism)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -280,22 +281,28 @@ def _reduced_over_tp(sequence_parallel: bool) -> tuple[list[int], int]:
 
     apply_tp(model, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)), sequence_parallel=sequence_parallel)
     sizes: list[int] = []
-    all_reduce = dist.all_reduce
+    scattered: list[int] = []
+    all_reduce, reduce_scatter = dist.all_reduce, dist.reduce_scatter_tensor
 
     def counted(tensor, *args, **kwargs):
         sizes.append(tensor.numel())
         return all_reduce(tensor, *args, **kwargs)
 
-    dist.all_reduce = counted  # the experts' hand-written collectives call it; DTensor's run elsewhere
+    def counted_scatter(output, tensor, *args, **kwargs):
+        scattered.append(tensor.numel())
+        return reduce_scatter(output, tensor, *args, **kwargs)
+
+    # the experts' hand-written collectives call these; DTensor's run elsewhere
+    dist.all_reduce, dist.reduce_scatter_tensor = counted, counted_scatter
     tokens = MEASURED.seq_len // 2 if sequence_parallel else MEASURED.seq_len  # a sequence shard under SP
     try:
         with CommDebugMode() as comms:
             out = SummedBlock(model.layers["0"])(torch.randn(2, tokens, MEASURED.d_model))
         out.backward()
     finally:
-        dist.all_reduce = all_reduce
+        dist.all_reduce, dist.reduce_scatter_tensor = all_reduce, reduce_scatter
     scatters = sum(n for op, n in comms.get_comm_counts().items() if "reduce_scatter" in str(op))
-    return sizes, scatters
+    return sizes, scatters, scattered
 
 
 def _tensor_parallel_ranks(rank: int, world_size: int, root: str) -> dict:
@@ -364,11 +371,15 @@ def test_tensor_and_pipeline_parallel_experts_train_like_one_process_load_hf_and
     # the routing weights' ([tokens, k]): not of the tokens·k picked rows, k times as many (before:
     # 2·tokens·k·d). Under sequence parallelism the forward's is a reduce-scatter along the sequence instead.
     tokens, k, d = 2 * MEASURED.seq_len, MEASURED.experts_per_token, MEASURED.d_model
-    reduced, scatters = ranks[0]["reduced"][False]
+    reduced, scatters, by_hand = ranks[0]["reduced"][False]
     assert sorted(reduced) == sorted([tokens * d, tokens * d, tokens * k]) and scatters == 0, (reduced, scatters)
-    reduced, scatters = ranks[0]["reduced"][True]
-    # (two reduce-scatters: attention's output projection's, as for every SP block, and the experts')
-    assert sorted(reduced) == sorted([tokens * d, tokens * k]) and scatters == 2, (reduced, scatters)
+    assert by_hand == []
+    reduced, scatters, by_hand = ranks[0]["reduced"][True]
+    # (two reduce-scatters in the forward: attention's output projection's, as for every SP block, and the
+    # experts'); the input's gradient: the experts' partial share reduce-scattered along the sequence
+    # ([tokens, d] in, a shard out: half an all-reduce's bytes), the router's whole share sliced, not reduced
+    assert sorted(reduced) == [tokens * k] and scatters == 2, (reduced, scatters)
+    assert by_hand == [tokens * d], by_hand
     for r in ranks:
         wrong = {case: (got, planned) for case, (got, planned) in r["saved"].items() if got != planned}
         assert not wrong, f"tp=2 (sequence_parallel, regime, compiled): (saved, planned) bytes: {wrong}"

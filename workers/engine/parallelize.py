@@ -281,10 +281,11 @@ class MoEParallel(ParallelStyle):
     split by expert over ep and by width over tp (:func:`apply_ep` composes the two).
 
     With sequence parallelism the block hands over a sequence shard: the layer gathers the whole sequence
-    first (its gradient then needs no reduction: it is whole on every rank) and hands back this rank's
-    shard of the output: the partial outputs are reduce-scattered along the sequence (``MoE`` leaves them
-    unreduced, ``GroupedExperts.reduce_output``), half the volume of an all-reduce, and the backward gathers
-    the gradient. The router's weight is a replicated DTensor, like every parameter outside the Megatron
+    first (``MoE.sequence_group``: the router's copy, whose gradient is whole on every rank and is sliced,
+    and the experts', whose partial gradient is reduce-scattered along the sequence instead of all-reduced)
+    and hands back this rank's shard of the output: the partial outputs are reduce-scattered along the
+    sequence (``MoE`` leaves them unreduced, ``GroupedExperts.reduce_output``), half the volume of an
+    all-reduce, and the backward gathers the gradient. The router's weight is a replicated DTensor, like every parameter outside the Megatron
     split (``ReplicateParallel``)."""
 
     def __init__(self, *, sequence_parallel: bool):
@@ -300,11 +301,7 @@ class MoEParallel(ParallelStyle):
             experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
         experts.tp_group = device_mesh.get_group()
         if self.sequence_parallel:
-
-            def gather(mod, args):
-                x = args[0]
-                x = x if isinstance(x, DTensor) else DTensor.from_local(x, device_mesh, [Shard(1)], run_check=False)
-                return (x.redistribute(device_mesh, [Replicate()]).to_local(), *args[1:])
+            module.sequence_group = device_mesh.get_group()  # MoE gathers the sequence itself
 
             def shard(mod, args, out):
                 first = out[0] if isinstance(out, tuple) else out
@@ -313,7 +310,6 @@ class MoEParallel(ParallelStyle):
                 return (first, *out[1:]) if isinstance(out, tuple) else first
 
             experts.reduce_output = False  # the hook below reduce-scatters the partial outputs instead
-            module.register_forward_pre_hook(gather)
             module.register_forward_hook(shard)
         return module
 

@@ -42,7 +42,13 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor
 
-__all__ = ["copy_to_tensor_parallel", "exchange_experts", "local_tensor", "reduce_from_tensor_parallel"]
+__all__ = [
+    "copy_to_tensor_parallel",
+    "exchange_experts",
+    "gather_sequence_for_experts",
+    "local_tensor",
+    "reduce_from_tensor_parallel",
+]
 
 
 def local_tensor(weight: torch.Tensor) -> torch.Tensor:
@@ -82,12 +88,53 @@ class _ReduceFromTensorParallel(torch.autograd.Function):
         return grad, None
 
 
+class _GatherSequenceForExperts(torch.autograd.Function):
+    """Sequence parallelism into tensor-parallel experts: the tp ranks' sequence shards (``[b, s/tp, d]``)
+    gathered once into the whole sequence, handed out twice. The router's copy gets a gradient that is whole
+    and the same on every tp rank (the router is replicated): the backward keeps this rank's slice of it. The
+    experts' copy gets this rank's partial gradient (its slice of every expert's width): the backward
+    reduce-scatters it along the sequence. So the input's gradient costs one reduce-scatter, where summing
+    the experts' part whole (an all-reduce) and then slicing costs twice the bytes."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+        tp = dist.get_world_size(group)
+        ctx.group, ctx.tp, ctx.rank = group, tp, dist.get_rank(group)
+        batch, shard, d = x.shape
+        gathered = x.new_empty(tp * batch, shard, d)  # rank-major along dim 0, as the collectives lay it out
+        dist.all_gather_into_tensor(gathered, x.contiguous(), group=group)
+        whole = gathered.view(tp, batch, shard, d).permute(1, 0, 2, 3).reshape(batch, tp * shard, d)
+        return whole, whole.clone()
+
+    @staticmethod
+    def backward(ctx, grad_router: torch.Tensor | None, grad_experts: torch.Tensor | None):
+        grad = None
+        if grad_experts is not None:
+            batch, seq, d = grad_experts.shape
+            parts = grad_experts.reshape(batch, ctx.tp, seq // ctx.tp, d).permute(1, 0, 2, 3)
+            parts = parts.reshape(ctx.tp * batch, seq // ctx.tp, d)  # rank-major along dim 0
+            grad = parts.new_empty(batch, seq // ctx.tp, d)
+            dist.reduce_scatter_tensor(grad, parts, group=ctx.group)
+        if grad_router is not None:
+            batch, seq, d = grad_router.shape
+            mine = grad_router.reshape(batch, ctx.tp, seq // ctx.tp, d)[:, ctx.rank]
+            grad = mine.clone() if grad is None else grad + mine
+        return grad, None
+
+
 # Written by hand: torch's differentiable all-reduce (``torch.distributed.nn``) sums in both directions,
 # and DTensor, which would derive these, has no grouped matmul; compiled blocks run them eagerly.
 @torch.compiler.disable(reason="a collective with a hand-written backward")
 def copy_to_tensor_parallel(x: torch.Tensor, group) -> torch.Tensor:
     """Rows entering tensor-parallel experts (each tp rank holds a slice of every expert's width)."""
     return _CopyToTensorParallel.apply(x, group)
+
+
+@torch.compiler.disable(reason="a collective with a hand-written backward")
+def gather_sequence_for_experts(x: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sequence shard ``[b, s/tp, d]`` gathered whole over the tp ``group``: (the router's copy, the
+    experts' copy), whose gradients are sliced and reduce-scattered (:class:`_GatherSequenceForExperts`)."""
+    return _GatherSequenceForExperts.apply(local_tensor(x), group)
 
 
 @torch.compiler.disable(reason="a collective with a hand-written backward")

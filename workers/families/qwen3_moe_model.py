@@ -36,6 +36,7 @@ from torch import nn
 from etrain.workers.families.expert_parallel import (
     copy_to_tensor_parallel,
     exchange_experts,
+    gather_sequence_for_experts,
     local_tensor,
     reduce_from_tensor_parallel,
 )
@@ -258,12 +259,15 @@ class MoE(nn.Module):
 
     ``ep_group``: set by the engine's ``apply_ep`` under expert parallelism (the experts then hold this
     rank's ``n_experts / ep``): the rows are exchanged with the ranks that hold their experts
-    (``etrain.workers.families.expert_parallel``); None runs every expert here. ``router_options``: the
-    family's :class:`Router` settings."""
+    (``etrain.workers.families.expert_parallel``); None runs every expert here. ``sequence_group``: set by
+    the engine under tensor and sequence parallelism (``MoEParallel``): the input is then this rank's
+    sequence shard, gathered whole here (the experts' share of its gradient reduce-scattered back).
+    ``router_options``: the family's :class:`Router` settings."""
 
     def __init__(self, config: ModelConfig, **router_options: bool):
         super().__init__()
         self.ep_group = None
+        self.sequence_group = None
         self.n_experts = config.n_experts
         self.top_k = config.experts_per_token
         self.with_statistics = config.router_aux_loss_coef > 0
@@ -271,16 +275,23 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        tp_group = self.experts.tp_group
+        if self.sequence_group is not None:  # a sequence shard: gathered whole, the experts' copy apart
+            x, source = gather_sequence_for_experts(x, self.sequence_group)
+        else:
+            source = x
         batch, seq, d = x.shape
         flat = x.reshape(-1, d)
         logits, probs, weights, picks = self.router(flat)
         expert_ids = picks.reshape(-1)  # [tokens·k]: token t's picks at t·k ... t·k + k - 1
         sorted_ids, order = torch.sort(expert_ids, stable=True)
         counts = _histogram(sorted_ids, self.n_experts, self.n_experts - 1)
-        tp_group = self.experts.tp_group
+        source = source.reshape(-1, d)
         if tp_group is not None:  # the experts' slices each see every row and give it a partial gradient
-            flat, weights = copy_to_tensor_parallel(flat, tp_group), copy_to_tensor_parallel(weights, tp_group)
-        rows = flat[order // self.top_k]
+            weights = copy_to_tensor_parallel(weights, tp_group)
+            if self.sequence_group is None:  # (under sequence parallelism the gather's backward sums it)
+                source = copy_to_tensor_parallel(source, tp_group)
+        rows = source[order // self.top_k]
         if self.ep_group is None:
             out = self.experts(rows, torch.cumsum(counts, dim=0, dtype=torch.int32))
         else:
