@@ -2,7 +2,8 @@
 each kind of block the ring computes, forward against the math path and backward, given the whole softmax's
 output and log-sum-exp, against autograd in fp32 (``tests/ring_kernel_utils.py``); and the whole ring op
 (``etrain::ring_attention``) on one rank in bf16, forward and backward (its CUDA backward's extras from
-``_cuda_flash_extras``), against causal SDPA. Skipped without CUDA."""
+``_cuda_flash_extras``), against causal SDPA, eagerly and inside a graph compiled by inductor
+(``fullgraph``: the op through its fake, as in a compiled block). Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -24,10 +25,11 @@ def test_a_block_in_the_cuda_flash_kernel_equals_the_whole_softmaxs_share(dtype)
     assert errors[worst] <= 2e-2, (worst, errors[worst], errors)
 
 
-def _whole_ring_on_one_gpu(rank: int, world_size: int) -> dict[str, float]:
+def _whole_ring_on_one_gpu(rank: int, world_size: int, compiled: bool) -> dict[str, float]:
     """The ring op on one rank (its own block alone: no exchange) in bf16 on the GPU, forward and backward
     through ``etrain::ring_attention`` (the CUDA kernel's backward with ``_cuda_flash_extras``), against
-    causal SDPA on the same bf16 inputs: relative |Δ| of the output and dQ/dK/dV."""
+    causal SDPA on the same bf16 inputs: relative |Δ| of the output and dQ/dK/dV. ``compiled``: the op called
+    from a function that inductor compiles whole."""
     import torch.distributed as dist
     import torch.nn.functional as F
 
@@ -37,7 +39,13 @@ def _whole_ring_on_one_gpu(rank: int, world_size: int) -> dict[str, float]:
     shapes = [(2, 8, 64, 64), (2, 2, 64, 64), (2, 2, 64, 64), (2, 8, 64, 64)]  # grouped-query: 8 on 2
     q, k, v, grad = (torch.randn(s, generator=generator).to("cuda", torch.bfloat16) for s in shapes)
     mine = [t.clone().requires_grad_() for t in (q, k, v)]
-    got = ring_attention(*mine, group=dist.group.WORLD, seq_len=64)
+
+    def attend(q, k, v):
+        return ring_attention(q, k, v, group=dist.group.WORLD, seq_len=64)
+
+    if compiled:
+        attend = torch.compile(attend, backend="inductor", fullgraph=True)
+    got = attend(*mine)
     got.backward(grad)
     ref = [t.clone().requires_grad_() for t in (q, k, v)]
     want = F.scaled_dot_product_attention(
@@ -55,8 +63,9 @@ def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.detach().float() - want).abs().max() / want.abs().max().clamp_min(1e-12)).item()
 
 
-def test_the_ring_op_on_a_gpu_equals_sdpa():
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_the_ring_op_on_a_gpu_equals_sdpa(compiled):
     from tests.dist_utils import run_distributed
 
-    (errors,) = run_distributed(_whole_ring_on_one_gpu, 1, timeout_s=120)
+    (errors,) = run_distributed(_whole_ring_on_one_gpu, 1, compiled, timeout_s=240)
     assert max(errors.values()) <= 2e-2, errors
