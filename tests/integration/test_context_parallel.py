@@ -36,6 +36,7 @@ checkpoint restores into one process. The refusals are checked before any proces
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 
@@ -237,6 +238,26 @@ def _measured_activations(rank: int, world_size: int) -> dict:
     return {"blocks": blocks, "model": whole}
 
 
+@contextlib.contextmanager
+def _counting_ring_runs():
+    """A list that grows by one each time the ring's forward runs (the op's implementation looks
+    ``_ring_forward`` up at each call)."""
+    from etrain.workers.families import ring_attention
+
+    runs: list[int] = []
+    ring_forward = ring_attention._ring_forward
+
+    def counted(*args, **kwargs):
+        runs.append(1)
+        return ring_forward(*args, **kwargs)
+
+    ring_attention._ring_forward = counted
+    try:
+        yield runs
+    finally:
+        ring_attention._ring_forward = ring_forward
+
+
 def _measured_checkpointing(rank: int, world_size: int) -> dict:
     """Each measured block on a cp=2 rank under selective and full checkpointing, in each compute regime:
     ``{(block, regime, mode): (bytes kept for the backward, times the ring's forward ran)}``. Under selective
@@ -248,18 +269,9 @@ def _measured_checkpointing(rank: int, world_size: int) -> dict:
     from torch.utils.checkpoint import _RECOMPUTE
 
     from etrain.workers.engine.parallelize import _selective_contexts
-    from etrain.workers.families import ring_attention
 
-    ring_runs = []
-    ring_forward = ring_attention._ring_forward
-
-    def counted(*args, **kwargs):
-        ring_runs.append(1)
-        return ring_forward(*args, **kwargs)
-
-    ring_attention._ring_forward = counted  # the op's implementation looks it up at each call
     found = {}
-    try:
+    with _counting_ring_runs() as ring_runs:
         for (name, model), regime, mode in itertools.product(
             MEASURED_BLOCKS.items(), ("fp32", "autocast", "bf16_params"), ("selective", "full")
         ):
@@ -297,8 +309,6 @@ def _measured_checkpointing(rank: int, world_size: int) -> dict:
                             pack(getattr(leaf, "val", leaf))
                 out.float().sum().backward()
             found[name, regime, mode] = (sum(saved.values()), len(ring_runs))
-    finally:
-        ring_attention._ring_forward = ring_forward
     return found
 
 
@@ -566,18 +576,9 @@ def _compiled_cp2(rank: int, world_size: int) -> dict:
     the frames compiled after the first step and at the end, and the ring's forward runs in the last step."""
     from etrain.workers.engine.compile import compiled_frames
     from etrain.workers.engine.train import Trainer
-    from etrain.workers.families import ring_attention
 
     found = {"kept": _compiled_kept(rank, world_size)}
-    ring_runs = []
-    ring_forward = ring_attention._ring_forward
-
-    def counted(*args, **kwargs):
-        ring_runs.append(1)
-        return ring_forward(*args, **kwargs)
-
-    ring_attention._ring_forward = counted  # the op's implementation looks it up at each call
-    try:
+    with _counting_ring_runs() as ring_runs:
         for mode in ("none", "selective", "full"):
             torch._dynamo.reset()
             config = _config(ParallelConfig(cp=2))
@@ -604,8 +605,6 @@ def _compiled_cp2(rank: int, world_size: int) -> dict:
                 "frames": (before, frames, compiled_frames()),
                 "ring_runs": len(ring_runs),
             }
-    finally:
-        ring_attention._ring_forward = ring_forward
     return found
 
 
