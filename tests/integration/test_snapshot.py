@@ -175,6 +175,55 @@ def test_under_expert_parallelism_a_rank_holding_other_experts_is_no_replica():
         assert (report["origin"], report["received"]) == ("storage", False)
 
 
+def _experts_over_cp_pairs(rank: int, world_size: int) -> dict:
+    """dp2·cp2 with the experts split over ep=2 (four ranks, index ``dp_index · cp + cp_index``): each dp
+    index's cp pair holds the same experts and dense weights, bit for bit, so it is a holder group; rank 1
+    holds nothing and receives rank 0's state."""
+    import dataclasses
+    import hashlib
+
+    import torch.distributed as dist
+
+    from etrain.workers.checkpoints.snapshot import has_replicas, replica_holder_groups, share_snapshots, take_snapshot
+    from etrain.workers.families import MODEL_PRESETS
+    from etrain.workers.protocol.run_config import ModelConfig
+
+    moe = dataclasses.replace(ModelConfig(**MODEL_PRESETS["qwen3-moe-tiny"]), seq_len=16)
+    parallel = ParallelConfig(dp=2, cp=2, ep=2)
+    trainer = _trainer_of(small_config(parallel=parallel, steps=2, model=moe), rank, world_size)
+    trainer.run(0, 2)
+
+    def digest() -> str:
+        state = _local_state(trainer)
+        return hashlib.sha256(b"".join(state[key].numpy().tobytes() for key in sorted(state))).hexdigest()
+
+    everyone: list = [None] * world_size
+    dist.all_gather_object(everyone, digest())
+    groups = replica_holder_groups(parallel, trainer.topology)
+    snapshot = take_snapshot(2, *trainer.state_for_checkpoint())
+    received, origin = share_snapshots({} if rank == 1 else {2: snapshot}, groups, floor=2, below=4)
+    from etrain.workers.checkpoints.snapshot import resume_from_snapshot
+
+    resume_from_snapshot(trainer, received)
+    return {
+        "digests": everyone,
+        "groups": groups,
+        "replicas": has_replicas(parallel),
+        "origin": origin,
+        "after": digest(),
+    }
+
+
+def test_under_context_parallelism_a_cp_peer_holding_the_same_experts_is_a_replica():
+    reports = run_distributed(_experts_over_cp_pairs, 4, timeout_s=240)
+    digests = reports[0]["digests"]
+    assert digests[0] == digests[1] and digests[2] == digests[3] and digests[0] != digests[2]
+    for report in reports:
+        assert report["groups"] == [(0, 1), (2, 3)] and report["replicas"] is True
+    assert [r["origin"] for r in reports] == ["own memory", "rank 0's memory", "own memory", "own memory"]
+    assert reports[1]["after"] == digests[1]  # rank 1 holds rank 0's state: its own, bit for bit
+
+
 def _hsdp(rank: int, world_size: int, root: str) -> dict:
     """HSDP (ZeRO-3 over pairs, two replica groups): rank 3 is replaced and receives the state of rank 1, the
     same shard in the other replica group, bit-identical to the committed step on storage."""

@@ -9,9 +9,10 @@ import random
 import pytest
 
 from etrain.workers.protocol.memory_resume import (
+    every_rank_has_a_replica,
     holder_groups,
     memory_resume_step,
-    replica_period,
+    replica_key,
     state_still_fits,
 )
 
@@ -99,16 +100,15 @@ def test_replica_holder_groups_are_the_ranks_whose_mesh_coordinates_give_the_sam
     """Every layout of up to 12 dp ranks, in a world of two dp groups (tp=2, dp slowest)."""
     for dp, zero, dp_replicate, ep in _layouts():
         layout = {"dp": dp, "zero": zero, "dp_replicate": dp_replicate, "ep": ep}
-        period = replica_period(**layout)
         dp_groups = _dp_groups(2 * dp, dp)
-        got = sorted(holder_groups(dp_groups, period))
+        got = sorted(holder_groups(dp_groups, **layout))
         expected = sorted(
             tuple(rank for index, rank in enumerate(group) if _state_of(index, **layout) == state)
             for group in dp_groups
             for state in dict.fromkeys(_state_of(index, **layout) for index in range(dp))
         )
-        assert got == expected, (layout, period)
-        assert (period is None) == all(len(group) == 1 for group in got), layout
+        assert got == expected, layout
+        assert every_rank_has_a_replica(**layout) == all(len(group) > 1 for group in got), layout
 
 
 def _state_with_cp(index: int, *, dp: int, zero: int, dp_replicate: int, ep: int, cp: int) -> tuple:
@@ -125,42 +125,41 @@ def _state_with_cp(index: int, *, dp: int, zero: int, dp_replicate: int, ep: int
     return dense, (index // cp) % ep
 
 
-def test_under_context_parallelism_the_holder_groups_hold_the_same_state():
-    """Every layout of up to 12 dp ranks at cp = 2 and 3, in a world of two data groups (tp=2): each holder
-    group's ranks hold the same state; without experts the groups are every rank that does (a dp·cp DDP
-    job: one group), with them a group is those of one cp index (a smaller group, still a true one)."""
+def test_under_context_parallelism_the_holder_groups_are_every_rank_that_holds_the_same_state():
+    """Every layout of up to 12 dp ranks at cp = 2 and 3, in a world of two data groups (tp=2): the holder groups
+    are exactly the ranks of a data group that hold the same state (a dp·cp DDP job: one group; with experts,
+    the ranks of the same experts, whatever their cp index)."""
     for (dp, zero, dp_replicate, ep), cp in itertools.product(_layouts(), (2, 3)):
         layout = {"dp": dp, "zero": zero, "dp_replicate": dp_replicate, "ep": ep, "cp": cp}
-        period = replica_period(**layout)
         data_groups = _dp_groups(2 * dp * cp, dp * cp)
-        got = holder_groups(data_groups, period)
-        assert sorted(rank for group in got for rank in group) == list(range(2 * dp * cp)), layout
-        for group in got:
-            states = {_state_with_cp(data_groups[group[0] % 2].index(rank), **layout) for rank in group}
-            assert len(states) == 1, (layout, group, states)
-        if ep == 1:
-            whole = sorted(
-                tuple(rank for index, rank in enumerate(group) if _state_with_cp(index, **layout) == state)
-                for group in data_groups
-                for state in dict.fromkeys(_state_with_cp(index, **layout) for index in range(dp * cp))
-            )
-            assert sorted(got) == whole, (layout, period)
-    assert replica_period(dp=1, zero=0, cp=2) == 1  # one replica split over two cp ranks: each holds it whole
-    assert replica_period(dp=1, zero=3, cp=2) is None  # FSDP2 over the two cp ranks
-    assert replica_period(dp=4, zero=3, dp_replicate=2, cp=2) == 4  # a shard group: 2 dp shards x 2 cp ranks
+        got = sorted(holder_groups(data_groups, **layout))
+        expected = sorted(
+            tuple(rank for index, rank in enumerate(group) if _state_with_cp(index, **layout) == state)
+            for group in data_groups
+            for state in dict.fromkeys(_state_with_cp(index, **layout) for index in range(dp * cp))
+        )
+        assert got == expected, layout
+    assert holder_groups([(0, 1)], dp=1, zero=0, cp=2) == [(0, 1)]  # one replica split over two cp ranks
+    assert holder_groups([(0, 1)], dp=1, zero=3, cp=2) == [(0,), (1,)]  # FSDP2 over the two cp ranks
+    # a shard group of 2 dp shards x 2 cp ranks, replicated twice
+    assert holder_groups([range(8)], dp=4, zero=3, dp_replicate=2, cp=2) == [(0, 4), (1, 5), (2, 6), (3, 7)]
+    # dp2·cp2 with the experts split over ep=2: each dp index's cp pair holds the same experts (before: no
+    # group had two ranks, so such a job never resumed from memory)
+    assert holder_groups([range(4)], dp=2, zero=0, ep=2, cp=2) == [(0, 1), (2, 3)]
+    assert every_rank_has_a_replica(dp=2, zero=0, ep=2, cp=2)
 
 
 def test_the_layouts_that_have_replicas():
-    assert replica_period(dp=2, zero=0) == 1  # DDP
-    assert replica_period(dp=1, zero=0) is None  # one rank: nobody to hold a copy
-    assert replica_period(dp=4, zero=1) is None  # ZeRO-1: the optimizer state is sharded
-    assert replica_period(dp=4, zero=3) is None  # plain FSDP2
-    assert replica_period(dp=4, zero=3, dp_replicate=2) == 2  # HSDP: shard s is held by ranks s and s + 2
-    assert replica_period(dp=2, zero=0, ep=2) is None  # DDP, experts split in two: rank 1's are not rank 0's
-    assert replica_period(dp=4, zero=0, ep=2) == 2
-    assert replica_period(dp=8, zero=2, dp_replicate=2, ep=8) is None
-    assert holder_groups([(0, 1, 2, 3), (4, 5, 6, 7)], 2) == [(0, 2), (1, 3), (4, 6), (5, 7)]
-    assert holder_groups([(0, 1)], None) == [(0,), (1,)]
+    assert every_rank_has_a_replica(dp=2, zero=0)  # DDP
+    assert not every_rank_has_a_replica(dp=1, zero=0)  # one rank: nobody to hold a copy
+    assert not every_rank_has_a_replica(dp=4, zero=1)  # ZeRO-1: the optimizer state is sharded
+    assert not every_rank_has_a_replica(dp=4, zero=3)  # plain FSDP2
+    assert every_rank_has_a_replica(dp=4, zero=3, dp_replicate=2)  # HSDP: shard s is held by ranks s and s + 2
+    assert not every_rank_has_a_replica(dp=2, zero=0, ep=2)  # DDP, experts split in two: rank 1's are not rank 0's
+    assert every_rank_has_a_replica(dp=4, zero=0, ep=2)
+    assert not every_rank_has_a_replica(dp=8, zero=2, dp_replicate=2, ep=8)
+    assert holder_groups([(0, 1, 2, 3), (4, 5, 6, 7)], dp=4, zero=3, dp_replicate=2) == [(0, 2), (1, 3), (4, 6), (5, 7)]
+    assert holder_groups([(0, 1)], dp=2, zero=3) == [(0,), (1,)]
 
 
 @pytest.mark.parametrize(
@@ -168,7 +167,7 @@ def test_the_layouts_that_have_replicas():
 )
 def test_a_layout_that_cannot_exist_is_refused(layout):
     with pytest.raises(ValueError, match="not a data-parallel layout"):
-        replica_period(**layout)
+        replica_key(0, **layout)
 
 
 def test_a_copy_serves_another_size_only_where_state_is_not_sharded_over_dp():

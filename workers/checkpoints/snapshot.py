@@ -21,7 +21,7 @@ optimizer state, copied to host memory, and the checkpoint's ``extra`` (next ste
 RNG). So a restore from memory is bit-identical to a restore from the disk checkpoint of that step
 (``tests/integration/test_snapshot.py``).
 
-Which layouts have replicas (``workers/protocol/memory_resume.py``: ``replica_period``): with ``zero=0``
+Which layouts have replicas (``workers/protocol/memory_resume.py``: ``replica_key``): with ``zero=0``
 (DDP) every rank of a data group (its dp and cp ranks) holds the same model and optimizer state (its
 tensor/pipeline shard of them), so any surviving member of the dead rank's data group can serve it; under HSDP (ZeRO-2/3
 with ``dp_replicate > 1``) the ranks of the same shard index in the other replica groups can; under expert
@@ -114,19 +114,23 @@ def resume_from_snapshot(trainer: Any, snapshot: Snapshot) -> int:
     return trainer.next_step
 
 
-def _period(parallel: Any) -> int | None:
-    from etrain.workers.protocol.memory_resume import replica_period
-
-    return replica_period(
-        dp=parallel.dp, zero=parallel.zero, dp_replicate=parallel.dp_replicate, ep=parallel.ep, cp=parallel.cp
-    )
+def _layout(parallel: Any) -> dict[str, int]:
+    return {
+        "dp": parallel.dp,
+        "zero": parallel.zero,
+        "dp_replicate": parallel.dp_replicate,
+        "ep": parallel.ep,
+        "cp": parallel.cp,
+    }
 
 
 def has_replicas(parallel: Any) -> bool:
     """Whether every rank of this layout (a ``ParallelConfig``) has a copy of its state on another rank:
     DDP, or HSDP's replica groups, with the same experts under expert parallelism
-    (``workers/protocol/memory_resume.py``: ``replica_period``)."""
-    return _period(parallel) is not None
+    (``workers/protocol/memory_resume.py``: ``replica_key``)."""
+    from etrain.workers.protocol.memory_resume import every_rank_has_a_replica
+
+    return every_rank_has_a_replica(**_layout(parallel))
 
 
 def replica_holder_groups(parallel: Any, topology: Any) -> list[tuple[int, ...]]:
@@ -134,7 +138,7 @@ def replica_holder_groups(parallel: Any, topology: Any) -> list[tuple[int, ...]]
     nothing is replicated): the groups :func:`share_snapshots` serves."""
     from etrain.workers.protocol.memory_resume import holder_groups
 
-    return holder_groups(topology.data_groups(), _period(parallel))
+    return holder_groups(topology.data_groups(), **_layout(parallel))
 
 
 def share_snapshots(

@@ -16,46 +16,70 @@ one member holds the step.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 
-__all__ = ["holder_groups", "memory_resume_step", "replica_period", "state_still_fits"]
+__all__ = [
+    "every_rank_has_a_replica",
+    "holder_groups",
+    "memory_resume_step",
+    "replica_key",
+    "state_still_fits",
+]
 
 
-def replica_period(*, dp: int, zero: int, dp_replicate: int = 1, ep: int = 1, cp: int = 1) -> int | None:
-    """Two ranks of one data group (the ``dp · cp`` ranks of one pipeline stage and tp index, in the order
-    ``Topology.data_groups`` lists them: index ``dp_index · cp + cp_index``) hold the same state when their
-    indices in it agree modulo this period; None when no two do (every rank's state is its own).
+def replica_key(index: int, *, dp: int, zero: int, dp_replicate: int = 1, ep: int = 1, cp: int = 1) -> tuple:
+    """What rank ``index`` of a data group holds (the ``dp · cp`` ranks of one pipeline stage and tp index, in
+    the order ``Topology.data_groups`` lists them: index ``dp_index · cp + cp_index``), as a key: two ranks of
+    a data group hold the same state exactly when their keys are equal.
 
-    Why each layout gives its period (the dp index is ``replicate · dp_shard + shard`` under HSDP and
+    Why each layout gives its key (the dp index is ``replicate · dp_shard + shard`` under HSDP and
     ``edp · ep + ep_index`` under expert parallelism, ``workers/engine/mesh.py``; context parallelism's cp
     ranks split the sequence, not the model, so they are one more data dimension for the parameters):
 
-    * DDP (``zero: 0``): the dense weights and their optimizer state are whole on every dp and cp rank
-      (period 1).
-    * ZeRO-1 shards the optimizer state over every dp·cp rank, plain FSDP2 (ZeRO-2/3) the weights too: no
-      replica.
+    * DDP (``zero: 0``): the dense weights and their optimizer state are whole on every dp and cp rank.
+    * ZeRO-1 shards the optimizer state over every dp·cp rank, plain FSDP2 (ZeRO-2/3) the weights too: every
+      rank's dense state is its own.
     * HSDP (ZeRO-2/3 with ``dp_replicate > 1``): each replica group of ``dp_shard · cp`` consecutive ranks
-      shards the model, so a shard's replicas are the ranks of the same index in the other groups (period
-      ``dp_shard · cp``).
+      shards the model, so a shard's replicas are the ranks of the same index in the other groups.
     * Expert parallelism splits the experts over ``ep`` consecutive dp indices and replicates them over the
       ``dp / ep`` of the same ``ep`` index and over cp (whole, under every ZeRO stage): a rank's replica must
-      hold the same experts as well as the same dense shard. Period ``lcm(dense period, ep · cp)``: the ranks
-      it groups hold the same experts (and the same cp index: a cp peer holding them too is not counted, a
-      smaller group but a true one). Under DDP with ``ep = 2``, rank 1 holds the other half of the experts
-      from rank 0: rank 0's state is no replica of it.
+      hold the same experts, ``(index // cp) mod ep``, as well as the same dense state. Under DDP with
+      ``ep = 2``, rank 1 holds the other half of the experts from rank 0: rank 0's state is no replica of
+      it; at dp=2·cp=2·ep=2 the cp pair of each dp index holds the same experts.
     """
     if dp < 1 or dp_replicate < 1 or ep < 1 or cp < 1 or dp % dp_replicate or dp % ep:
         raise ValueError(f"not a data-parallel layout: dp={dp}, dp_replicate={dp_replicate}, ep={ep}, cp={cp}")
-    ranks = dp * cp
     if zero == 0:
-        dense = 1
+        dense: int | None = None
     elif zero in (2, 3):
-        dense = dp // dp_replicate * cp
+        dense = index % (dp // dp_replicate * cp)
     else:  # ZeRO-1: the optimizer state is sharded over every dp·cp rank
-        dense = ranks
-    period = math.lcm(dense, ep * cp if ep > 1 else 1)
-    return period if period < ranks else None
+        dense = index
+    return dense, (index // cp) % ep
+
+
+def holder_groups(
+    data_groups: Iterable[Sequence[int]], *, dp: int, zero: int, dp_replicate: int = 1, ep: int = 1, cp: int = 1
+) -> list[tuple[int, ...]]:
+    """The sets of ranks that hold the same state: each data group (its ranks in (dp, cp) order, as
+    ``Topology.data_groups`` lists them) split by :func:`replica_key`, in the order of each set's first rank;
+    every rank alone where nothing is replicated. What :func:`memory_resume_step` serves, and from whom a
+    replacement rank receives its state."""
+    layout = {"dp": dp, "zero": zero, "dp_replicate": dp_replicate, "ep": ep, "cp": cp}
+    groups: list[tuple[int, ...]] = []
+    for data_group in data_groups:
+        by_key: dict[tuple, list[int]] = {}
+        for index, rank in enumerate(data_group):
+            by_key.setdefault(replica_key(index, **layout), []).append(rank)
+        groups.extend(tuple(ranks) for ranks in by_key.values())
+    return groups
+
+
+def every_rank_has_a_replica(*, dp: int, zero: int, dp_replicate: int = 1, ep: int = 1, cp: int = 1) -> bool:
+    """Whether each rank of a data group shares its state with another one (so memory can serve any one
+    lost rank)."""
+    groups = holder_groups([range(dp * cp)], dp=dp, zero=zero, dp_replicate=dp_replicate, ep=ep, cp=cp)
+    return all(len(group) > 1 for group in groups)
 
 
 def state_still_fits(*, taken_at_dp: int | None, dp: int, zero: int) -> bool:
@@ -65,21 +89,6 @@ def state_still_fits(*, taken_at_dp: int | None, dp: int, zero: int) -> bool:
     sharded over dp (ZeRO, HSDP: ``dp / dp_replicate`` ranks per shard group) each shard changes with dp, and
     a copy from another size is of other tensors: only the same dp. Unknown (None): never."""
     return taken_at_dp is not None and (zero == 0 or taken_at_dp == dp)
-
-
-def holder_groups(dp_groups: Iterable[Sequence[int]], period: int | None) -> list[tuple[int, ...]]:
-    """The sets of ranks that hold the same state: each data group (its ranks in (dp, cp) order, as
-    ``Topology.data_groups`` lists them) split by index modulo ``period`` (:func:`replica_period`);
-    every rank alone when ``period`` is None. What :func:`memory_resume_step` serves, and from whom a
-    replacement rank receives its state."""
-    groups: list[tuple[int, ...]] = []
-    for dp_group in dp_groups:
-        ranks = tuple(dp_group)
-        if period is None:
-            groups.extend((rank,) for rank in ranks)
-        else:
-            groups.extend(ranks[first::period] for first in range(period))  # period < dp: none empty
-    return groups
 
 
 def memory_resume_step(
