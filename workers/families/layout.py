@@ -289,8 +289,8 @@ def cp_problems(
     Tensor parallelism composes (each tp rank runs the ring over its own heads; with sequence parallelism
     tp divides ``seq_len / cp``: :func:`~etrain.workers.protocol.layout_rules.sequence_parallel_problems`), and so does pipeline parallelism (the
     stages pass a cp rank's chunks on); ZeRO-1 shards the optimizer state over ``dp · cp``, FSDP2 the model,
-    HSDP over each replica's ``dp_shard · cp`` ranks; compiled blocks run the ring eagerly between their
-    graphs. Expert parallelism composes too: an ep group is dp ranks of one cp index (the expert mesh is
+    HSDP over each replica's ``dp_shard · cp`` ranks; a compiled block holds the ring as one op inside its
+    graph. Expert parallelism composes too: an ep group is dp ranks of one cp index (the expert mesh is
     ``(pp, edp, ep, cp, tp)``), the expert gradients are averaged over ``edp · cp``, and a mixture of experts
     sums its routing statistics over cp. Selective activation checkpointing keeps the ring's output and
     log-sum-exp (the ring is one operator to it). ``tp``, ``pp``, ``ep``, ``zero`` and ``dp_replicate`` are
