@@ -248,3 +248,8 @@ def test_a_replacement_loads_shared_compiled_code_only_as_its_writer_reported_it
     assert sorted(recovered) == list(range(1, 25))
     worst = max(abs(recovered[s] - clean.losses[s]) for s in clean.losses)
     assert worst <= 1e-5, f"max |loss - clean loss| = {worst:.3g}"  # aot_eager runs eager's aten ops
+    # each attempt's compile is a job event: rank 0's seconds, its first step, and how the blocks compiled
+    compiled = [event_text(e) for e in plane.events(job["id"]) if e["kind"] == "compiled"]
+    assert len(compiled) == 2 and all(
+        text.startswith("rank 0: compile ") and "each block is one compiled graph" in text for text in compiled
+    ), compiled

@@ -335,19 +335,25 @@ class TrainWorker:
                     saves.after_first_step(trainer)
                     if config.training.compile:
                         compiled_now = compile_profile()
-                        if log is not None:  # compiling is lazy (the first step's forward and backward): its own phase
-                            form = compiled_block_form(
-                                ep=config.parallel.ep,
-                                tp=config.parallel.tp,
-                                moe=config.model.n_experts > 0,
-                                checkpointing=config.training.activation_checkpointing,
-                            )
+                        # compiling is lazy (the first step's forward and backward): its own phase
+                        form = compiled_block_form(
+                            ep=config.parallel.ep,
+                            tp=config.parallel.tp,
+                            moe=config.model.n_experts > 0,
+                            checkpointing=config.training.activation_checkpointing,
+                        )
+                        compiled_line = (
+                            f"compile {compile_seconds() - compiled_before:.1f}s "
+                            f"(first step {metrics['step_s']:.1f}s; {COMPILED_BLOCK_FORMS[form]}"
+                        )
+                        if log is not None:
                             log.write(
-                                f"attempt {plan.attempt}: compile {compile_seconds() - compiled_before:.1f}s "
-                                f"(first step {metrics['step_s']:.1f}s; {COMPILED_BLOCK_FORMS[form]}; "
+                                f"attempt {plan.attempt}: {compiled_line}; "
                                 f"cache {os.environ.get('TORCHINDUCTOR_CACHE_DIR')})"
                             )
                             log.write(f"attempt {plan.attempt}: compile spans {compiled_now.since(profile_before)}")
+                        if self.rank == 0:  # the job's event: rank 0's figures (each rank's are in its log)
+                            self._supervisor.report_note.remote(plan.attempt, "compiled", f"rank 0: {compiled_line})")
                         counts = compiled_now.counts_since(profile_before)
                         grew = counts["FX graph cache misses"] + counts["AOTAutograd cache misses"] > 0
                         compiled.after_first_step(grew)
