@@ -17,7 +17,8 @@ checkpointed call eagerly. So:
 * ``selective``: the block runs eagerly (``"eager"``). Compiling inside the checkpoint does not work there:
   torch 2.13's partitioner fails on the graphs traced under selective checkpointing's dispatch mode
   (``cleanup_recompute_tags``: a recompute tag without its checkpoint's id). Compiled around it, the break
-  makes the whole checkpointed block eager. The spec and the rank log say so.
+  makes the whole checkpointed block eager. The rank log, the ``compiled`` job event and ``POST /v1/plan``
+  (``estimate.training.compiled_blocks``) say so.
 
 Pure standard library: the control plane imports it without torch.
 """
