@@ -14,6 +14,7 @@ import re
 import numpy as np
 import pytest
 
+from etrain.service.decisions.in_place_waits import STUCK_SURVIVOR_GRACE_S
 from tests.chaos.conftest import (
     LLAMA_MODEL,
     assert_only_committed_steps_left,
@@ -280,6 +281,12 @@ def test_under_hsdp_with_shard_groups_of_two_a_survivor_stuck_on_a_peer_that_lef
     assert failed[0].startswith("rank 3 "), failed
     stuck = [text for text in failed[1:] if "stuck: still inside attempt 1" in text]
     assert len(stuck) == len(failed) - 1 and len(failed) < 4, failed  # the others replaced were stuck; one was kept
+    # The grace runs from the first survivor's return, which came at once (its collective with rank 3 failed),
+    # before the repair began: the stuck are named STUCK_SURVIVOR_GRACE_S after the fault, not after the
+    # exit timeout (15 s: a survivor collected before the repair was not counted as the first to leave).
+    failed_at = {int(event_text(e).split()[1]): e["ts"] for e in events if e["kind"] == "worker_failed"}  # rank -> ts
+    waited = max(failed_at.values()) - failed_at[3]
+    assert STUCK_SURVIVOR_GRACE_S - 0.5 <= waited <= STUCK_SURVIVOR_GRACE_S + 4.0, waited
     assert_same_trajectory(losses(plane, final["id"]), clean_zero3, tol=1e-5)
 
 
