@@ -112,17 +112,13 @@ def test_replica_holder_groups_are_the_ranks_whose_mesh_coordinates_give_the_sam
 
 
 def _state_with_cp(index: int, *, dp: int, zero: int, dp_replicate: int, ep: int, cp: int) -> tuple:
-    """What rank ``index`` of a data group (``dp_index · cp + cp_index``) holds under context parallelism: cp
-    splits the sequence, so the parameters are sharded over dp·cp (ZeRO), HSDP's shard group is a replica's
-    dp_shard·cp ranks, and the experts are replicated over cp."""
-    dp_shard = dp // dp_replicate
-    if zero == 0:
-        dense = ("whole",)
-    elif zero == 1:
-        dense = ("weights whole, optimizer shard", index)
-    else:
-        dense = ("shard", index % (dp_shard * cp))
-    return dense, (index // cp) % ep
+    """What rank ``index`` of a data group holds under context parallelism, from its coordinates (dp index
+    ``index // cp``, cp index ``index % cp``) and :func:`_state_of`: cp splits the sequence, so wherever the
+    parameters or their optimizer state are sharded (ZeRO, HSDP's shard group) the cp index is part of the
+    shard; the experts are replicated over cp."""
+    dp_index, cp_index = divmod(index, cp)
+    dense, experts = _state_of(dp_index, dp=dp, zero=zero, dp_replicate=dp_replicate, ep=ep)
+    return (dense if zero == 0 else (*dense, cp_index)), experts
 
 
 def test_under_context_parallelism_the_holder_groups_are_every_rank_that_holds_the_same_state():

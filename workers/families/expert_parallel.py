@@ -104,7 +104,10 @@ class _GatherSequenceForExperts(torch.autograd.Function):
         gathered = x.new_empty(tp * batch, shard, d)  # rank-major along dim 0, as the collectives lay it out
         dist.all_gather_into_tensor(gathered, x.contiguous(), group=group)
         whole = gathered.view(tp, batch, shard, d).permute(1, 0, 2, 3).reshape(batch, tp * shard, d)
-        return whole, whole.clone()
+        # Two outputs for one gathered buffer: the second a view of the first (no copy); their gradients still
+        # reach the backward apart. Nothing writes to either in place (the router reads one, the experts
+        # index the other).
+        return whole, whole.view_as(whole)
 
     @staticmethod
     def backward(ctx, grad_router: torch.Tensor | None, grad_experts: torch.Tensor | None):
