@@ -43,6 +43,13 @@ class JobPolicy:
     backoff_base_s: float  # the first restart's delay; doubles per restart used ...
     backoff_max_s: float  # ... up to this
     in_place: bool  # repair a single lost rank, and resize, in place instead of relaunching every rank
+    #: Whether a survivor's pending collective fails when a peer's process dies, which a repair in place
+    #: needs (the survivors must leave the failed attempt to rejoin the new one): true for gloo (CPU), whose
+    #: waits fail as the dead peer's sockets close; false for NCCL (``resources.device: cuda``), whose
+    #: kernels keep waiting for the dead peer (pytorch/elastic#134): a survivor's host thread blocks behind
+    #: them until the process group's timeout, when NCCL's watchdog ends its process. Without it a rank's
+    #: loss relaunches every rank (a resize, which stops at a step boundary, still runs in place).
+    collectives_fail_on_peer_loss: bool
     elastic_check_interval_s: float  # how often the supervisor re-checks capacity
     stragglers: StragglerConfig
     straggler_action: str  # report | evict
@@ -90,6 +97,7 @@ FROM_SPEC: dict[str, tuple[str, ...]] = {
     "backoff_base_s": ("fault_tolerance.backoff_base_s",),
     "backoff_max_s": ("fault_tolerance.backoff_max_s",),
     "in_place": ("fault_tolerance.in_place",),
+    "collectives_fail_on_peer_loss": ("resources.device",),
     "elastic_check_interval_s": ("elastic.check_interval_s",),
     "stragglers": (
         "stragglers.enabled",
@@ -135,6 +143,7 @@ def policy_for(spec: JobSpec) -> JobPolicy:
         backoff_base_s=tolerance.backoff_base_s,
         backoff_max_s=tolerance.backoff_max_s,
         in_place=tolerance.in_place,
+        collectives_fail_on_peer_loss=spec.resources.device != "cuda",  # gloo off CUDA (workers/engine/mesh.py)
         elastic_check_interval_s=spec.elastic.check_interval_s,
         stragglers=StragglerConfig(
             enabled=stragglers.enabled,

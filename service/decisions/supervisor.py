@@ -141,6 +141,11 @@ any non-terminal status; "fault" and [n] are explained under the table::
       the same conditions but a budget: no restart is spent, and a failed repair waits for a capacity
       report and fits the job to it (a shrink where the node's ranks have nowhere to go), as any node
       loss does.
+      All of this needs the survivors' collectives with the lost rank to fail, so that they leave the
+      failed attempt: gloo's do. NCCL's wait for the dead peer until the process group's timeout
+      (``JobPolicy.collectives_fail_on_peer_loss`` is false for ``device: cuda``), so there a lost rank,
+      or a hung one [10], relaunches every rank at once (a node loss waits for the capacity left), and
+      its event says why.
 
   [10] A hang is diagnosed before anything is stopped: DiagnoseHang asks every rank where its training
       thread is (step and Python frames, answered from another thread of the rank's process), and

@@ -47,12 +47,12 @@ def on_worker_lost(
     what = f"rank {event.rank} on node {event.node} lost ({event.cause})"
     if event.detail:
         what += f": {event.detail}"
-    if event.cause == "node":
-        if _can_repair(state, event.rank, config, spends=False):
-            return _repair(state, now, config, event.rank, what, node_loss=True)
+    spends = event.cause != "node"
+    if _can_repair(state, event.rank, config, spends=spends):
+        return _repair(state, now, config, event.rank, what, node_loss=not spends)
+    what += _relaunch_note(state, event.rank, config, spends=spends)
+    if not spends:
         return node_lost(state, now, config, what)
-    if _can_repair(state, event.rank, config):
-        return _repair(state, now, config, event.rank, what)
     return fault(state, now, config, "worker_failed", what)
 
 
@@ -74,11 +74,35 @@ def on_hang_diagnosed(state: SupervisorState, event: HangDiagnosed, now: float, 
         ]
         # The kill gets its own diagnosis window: no WorkerLost by then, and the tick relaunches.
         return decision(replace(state, hang_asked_at=now), actions, f"{what}: killing rank {event.rank} to repair it")
+    if event.rank is not None:
+        what += _relaunch_note(state, event.rank, config)
     return fault(replace(state, hang_asked_at=None), now, config, "hang_detected", what)
 
 
+#: What a lost rank's event adds where only the collective backend ruled its repair in place out.
+NCCL_RELAUNCH_NOTE = (
+    "; every rank relaunched, not repaired in place: NCCL does not fail the survivors' collectives with a "
+    "dead peer, so they cannot leave the failed attempt (they would wait until the process group's timeout)"
+)
+
+
 def _can_repair(state: SupervisorState, rank: int, config: SupervisorConfig, *, spends: bool = True) -> bool:
-    """[9] One known rank of a running group that has other ranks to keep, a committed step to resume,
+    """[9] A repair in place is possible (:func:`_repairable`) and the survivors can leave the failed
+    attempt: their collectives with the lost rank fail (gloo), rather than wait for it (NCCL:
+    ``JobPolicy.collectives_fail_on_peer_loss``)."""
+    return _repairable(state, rank, config, spends=spends) and config.policy.collectives_fail_on_peer_loss
+
+
+def _relaunch_note(state: SupervisorState, rank: int, config: SupervisorConfig, *, spends: bool = True) -> str:
+    """:data:`NCCL_RELAUNCH_NOTE` where the backend alone stopped a repair in place, else nothing."""
+    only_the_backend = (
+        _repairable(state, rank, config, spends=spends) and not config.policy.collectives_fail_on_peer_loss
+    )
+    return NCCL_RELAUNCH_NOTE if only_the_backend else ""
+
+
+def _repairable(state: SupervisorState, rank: int, config: SupervisorConfig, *, spends: bool = True) -> bool:
+    """One known rank of a running group that has other ranks to keep, a committed step to resume,
     nothing planned to stop for, and (``spends``: a process fault, not a node loss) a restart left. (A
     one-rank job has no survivor: a relaunch is the same work, and its checkpoint is verified by the
     supervisor first, which moves a refused step aside.)"""

@@ -409,7 +409,9 @@ class FaultToleranceSpec(_Section):
     in_place: bool = Field(
         default=True,
         description="repair a single lost rank, and resize, in place: the kept ranks keep "
-        "their processes and state; false relaunches every rank",
+        "their processes and state; false relaunches every rank. With resources.device cuda only a resize "
+        "runs in place: NCCL does not fail a survivor's collective with a dead peer, so a lost rank "
+        "relaunches every rank",
     )
     mtbf_hours: float = Field(
         default=24.0,

@@ -124,3 +124,11 @@ def test_the_gang_is_read_from_the_policy():
     gang = gang_for(spec)
     assert gang.per_rank == {"CPU": 1.0, "GPU": 1.0} and gang.strategy == "SPREAD"
     assert gang.dp_sizes == (1, 2) and gang.dp_field == "resources.min_dp"
+
+
+def test_only_a_gloo_jobs_survivors_can_leave_a_collective_with_a_dead_peer():
+    """A repair in place needs it (service/decisions/supervisor_failures.py): NCCL, CUDA's backend, waits."""
+    cpu = policy_for(_spec(BASE))
+    cuda = policy_for(_spec({**BASE, "resources": {**BASE["resources"], "device": "cuda", "gpus_per_worker": 1}}))
+    assert (cpu.collectives_fail_on_peer_loss, cuda.collectives_fail_on_peer_loss) == (True, False)
+    assert cpu.in_place and cuda.in_place  # a resize still runs in place on either

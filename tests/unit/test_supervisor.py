@@ -76,6 +76,7 @@ POLICY = JobPolicy(
     backoff_base_s=10,
     backoff_max_s=25,
     in_place=False,  # the relaunch path; the in-place repair [9] has its own tests (IN_PLACE)
+    collectives_fail_on_peer_loss=True,  # gloo; NCCL's relaunch has its own tests (ON_NCCL)
     elastic_check_interval_s=30,
     stragglers=StragglerConfig(),
     straggler_action="report",
@@ -95,6 +96,8 @@ def configured(base: SupervisorConfig = CONFIG, **changes) -> SupervisorConfig:
 
 
 IN_PLACE = configured(in_place=True)
+#: A CUDA job's policy: in place on, NCCL underneath (a survivor's collective never fails with a dead peer).
+ON_NCCL = configured(IN_PLACE, collectives_fail_on_peer_loss=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -188,6 +191,16 @@ class Story:
     @property
     def all_kinds(self):
         return [k for d in self.decisions for k in kinds(d)]
+
+
+def scaled_at_step_5(config, dp=2):
+    """A dp=8 job up at step 5 asked to scale to ``dp``: the story and the decision of its checkpoint's commit."""
+    s = Story(config, dp=8)
+    s.at(0, Start())
+    s.at(1, GroupReady(attempt=1, world_size=16))
+    s.at(2, StepReported(attempt=1, step=5, loss=2.0))
+    s.at(3, ScaleRequested(dp=dp))
+    return s, s.checkpoint(4, 5)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -892,6 +905,61 @@ class TestRepairInPlace:
         failed = decide(repairing, RepairFailed(attempt=3, reason="x"), 71.0, IN_PLACE)
         assert not failed.state.awaiting_capacity
         assert of(decide(failed.state, GroupStopped(attempt=3), 72.0, IN_PLACE), LaunchGroup)
+
+
+class TestRepairOnNccl:
+    """[9] Under NCCL the survivors of a lost rank cannot leave the failed attempt (their collectives wait
+    for the dead peer until the process group's timeout), so a rank's loss relaunches every rank at once,
+    and its event says why; a resize, which stops at a step boundary, still runs in place."""
+
+    NOTE = (
+        "; every rank relaunched, not repaired in place: NCCL does not fail the survivors' collectives with a "
+        "dead peer, so they cannot leave the failed attempt (they would wait until the process group's timeout)"
+    )
+
+    def test_a_lost_rank_relaunches_every_rank_and_says_why(self):
+        d = decide(
+            running(last_committed_step=8), WorkerLost(attempt=1, rank=3, node="n2", cause="process"), 60.0, ON_NCCL
+        )
+        assert of(d, RepairGroup) == [] and of(d, StopGroup)[0].attempt == 1
+        assert (d.state.status, d.state.restarts_used, d.state.group) == (Status.RECOVERING, 1, GroupPhase.STOPPING)
+        assert of(d, RecordEvent)[0] == RecordEvent(
+            kind="worker_failed", detail="rank 3 on node n2 lost (process)" + self.NOTE
+        )
+        relaunch = decide(d.state, GroupStopped(attempt=1), 61.0, ON_NCCL)  # the first restart: no backoff
+        assert of(relaunch, LaunchGroup) == [LaunchGroup(attempt=2, dp=4, world_size=8, resume_step=8)]
+
+    def test_a_node_loss_waits_for_the_capacity_left_without_spending_and_says_why(self):
+        d = decide(
+            running(last_committed_step=8), WorkerLost(attempt=1, rank=3, node="n2", cause="node"), 60.0, ON_NCCL
+        )
+        assert of(d, RepairGroup) == [] and of(d, StopGroup)
+        assert (d.state.restarts_used, d.state.awaiting_capacity) == (0, True)
+        assert of(d, RecordEvent)[0].detail == "rank 3 on node n2 lost (node)" + self.NOTE
+
+    def test_a_hung_rank_named_by_the_diagnosis_is_not_killed_alone(self):
+        asked = decide(running(last_committed_step=8), Tick(), 61.0, ON_NCCL).state
+        d = decide(asked, HangDiagnosed(attempt=1, rank=3, node="n2", detail="rank 3 outside"), 62.0, ON_NCCL)
+        assert of(d, KillRank) == [] and of(d, StopGroup)[0].attempt == 1
+        assert kinds(d) == ["hang_detected", "restarting"] and of(d, RecordEvent)[0].detail.endswith(self.NOTE)
+
+    @pytest.mark.parametrize(
+        "state,event",
+        [
+            (running(), WorkerLost(attempt=1, rank=3, node="n2", cause="process")),  # nothing committed
+            (running(dp=1, last_committed_step=8), WorkerLost(attempt=1, rank=0, node="n1", cause="actor")),
+        ],
+        ids=["nothing-committed", "one-rank"],
+    )
+    def test_the_note_is_only_where_the_backend_alone_ruled_the_repair_out(self, state, event):
+        d = decide(state, event, 60.0, configured(ON_NCCL, tp=1))
+        assert of(d, StopGroup) and self.NOTE not in of(d, RecordEvent)[0].detail
+
+    def test_a_resize_still_runs_in_place(self):
+        _, d = scaled_at_step_5(ON_NCCL)
+        assert of(d, StopGroup) == [] and of(d, ResizeGroup) == [
+            ResizeGroup(attempt=2, dp=2, from_dp=8, world_size=4, resume_step=5)
+        ]
 
 
 class TestGroupStopped:
@@ -1720,12 +1788,7 @@ class TestResizeInPlace:
     """[11] With ``in_place`` a resize keeps the ranks' processes: no StopGroup, no relaunch."""
 
     def _scaled(self, dp=2):
-        s = Story(IN_PLACE, dp=8)
-        s.at(0, Start())
-        s.at(1, GroupReady(attempt=1, world_size=16))
-        s.at(2, StepReported(attempt=1, step=5, loss=2.0))
-        s.at(3, ScaleRequested(dp=dp))
-        return s, s.checkpoint(4, 5)
+        return scaled_at_step_5(IN_PLACE, dp)
 
     def test_scale_down_then_up_resizes_in_place_without_a_stop(self):
         s, d = self._scaled()
@@ -1774,12 +1837,7 @@ class TestResizeInPlace:
         assert kinds(d) == ["restored"]
 
     def test_without_in_place_the_resized_event_says_it_relaunched(self):
-        s = Story(CONFIG, dp=8)
-        s.at(0, Start())
-        s.at(1, GroupReady(attempt=1, world_size=16))
-        s.at(2, StepReported(attempt=1, step=5, loss=2.0))
-        s.at(3, ScaleRequested(dp=2))
-        d = s.checkpoint(4, 5)
+        s, d = scaled_at_step_5(CONFIG)
         assert of(d, ResizeGroup) == [] and of(d, StopGroup)
         s.at(5, GroupStopped(attempt=1))
         d = s.at(6, GroupReady(attempt=2, world_size=4))
