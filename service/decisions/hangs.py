@@ -8,7 +8,9 @@ while every other rank waits for it inside a collective. So:
 
 * a rank whose frames are inside torch's communication or autograd (``torch/distributed/``,
   ``torch/autograd/``: DDP's and FSDP's collectives run inside backward; pipeline sends and receives;
-  etrain's step-boundary exchange) **waits on peers**;
+  etrain's step-boundary exchange), or in the step's host read (``workers/engine/host_read.py``: on
+  NCCL a collective only queues a kernel, and the host waits for its peers where it reads the loss)
+  **waits on peers**;
 * a rank that did not answer (its process holds the GIL, or is gone) or whose thread is anywhere else
   **stopped by itself**: the culprit.
 
@@ -27,7 +29,7 @@ from dataclasses import dataclass
 __all__ = ["Frame", "HangVerdict", "RankWhere", "find_culprit", "format_frames", "waits_on_peers"]
 
 #: Path fragments of the frames where a rank waits for its peers (``/`` and ``\\`` both accepted).
-WAITING_IN = ("torch/distributed/", "torch/autograd/", "workers/rank/step_exchange.py")
+WAITING_IN = ("torch/distributed/", "torch/autograd/", "workers/rank/step_exchange.py", "workers/engine/host_read.py")
 #: How many of the culprit's innermost frames the event and the rank log show.
 SHOWN_FRAMES = 6
 
@@ -62,7 +64,8 @@ class HangVerdict:
 
 
 def waits_on_peers(frames: Sequence[Frame]) -> bool:
-    """True when some frame is inside torch's communication or autograd, or etrain's step exchange."""
+    """True when some frame is inside torch's communication or autograd, etrain's step exchange, or the
+    step's host read (where an NCCL rank's host waits behind its peers' kernels)."""
     return any(part in frame.file.replace("\\", "/") for frame in frames for part in WAITING_IN)
 
 

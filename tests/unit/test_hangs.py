@@ -13,6 +13,7 @@ BACKWARD = Frame("/usr/lib/python3/site-packages/torch/autograd/graph.py", 824, 
 ALL_REDUCE = Frame("/usr/lib/python3/site-packages/torch/distributed/distributed_c10d.py", 2800, "all_reduce")
 EXCHANGE = Frame("/x/workers/rank/step_exchange.py", 88, "wait")
 LOADER = Frame("/x/workers/data/text_files.py", 40, "read")
+HOST_READ = Frame("/x/workers/engine/host_read.py", 21, "read_on_host")  # an NCCL rank behind its peers' kernels
 
 
 def at(step, *frames):
@@ -25,6 +26,7 @@ def at(step, *frames):
         ((BACKWARD,), True),  # DDP / FSDP collectives run inside backward
         ((ALL_REDUCE,), True),
         ((EXCHANGE,), True),  # etrain's step-boundary exchange waits in its own code
+        ((HOST_READ,), True),  # on NCCL the host waits for its peers where it reads the loss
         ((Frame("C:\\py\\torch\\distributed\\distributed_c10d.py", 1, "barrier"),), True),
         ((DRILL,), False),
         ((LOADER,), False),
@@ -43,6 +45,21 @@ def test_the_one_rank_outside_any_collective_is_the_culprit_with_its_frames():
         "/x/workers/rank/chaos.py:125 in on_compute; /x/workers/engine/train.py:310 in train_step; "
         "/x/workers/rank/worker.py:262 in _train"
     )
+
+
+def test_on_nccl_the_ranks_behind_the_stopped_one_wait_in_the_host_read_and_it_is_named():
+    """An NCCL collective blocks no host thread: the waiting ranks sit in the step's read of the loss. Were
+    that counted as stopping, the lowest of them would be named instead of the rank in its data loader."""
+    verdict = find_culprit({0: at(6, HOST_READ), 1: at(6, HOST_READ), 2: at(6, LOADER), 3: at(6, HOST_READ)})
+    assert verdict.rank == 2 and verdict.detail.startswith("rank 2 stopped at step 6 outside any collective")
+    assert find_culprit({0: at(6, HOST_READ), 1: at(6, HOST_READ)}).rank is None  # a device hung in a kernel
+
+
+def test_the_host_read_the_diagnosis_knows_is_the_one_the_step_calls():
+    from etrain.workers.engine import host_read, train
+
+    assert waits_on_peers((Frame(host_read.__file__, 21, host_read.read_on_host.__name__),))
+    assert train.read_on_host is host_read.read_on_host
 
 
 def test_of_several_stopped_ranks_the_one_furthest_behind_then_the_lowest_is_named():

@@ -45,6 +45,7 @@ from etrain.workers.engine import metrics as throughput
 from etrain.workers.engine.collective_waits import CollectiveWaitClock
 from etrain.workers.engine.compute_timer import ComputeTimer
 from etrain.workers.engine.data import GlobalSampler, build_dataset
+from etrain.workers.engine.host_read import read_on_host
 from etrain.workers.engine.init import materialize
 from etrain.workers.engine.mesh import build_device_mesh
 from etrain.workers.engine.optim import build_optimizer, clip_grad_norm_, lr_at, materialize_state, set_lr
@@ -272,7 +273,7 @@ class Trainer:
             pp_group=self.dims.group("pp"),
         )
         # The step's one host read (CPU offload leaves the norm on the host: bring it over).
-        loss, grad_norm = torch.stack([loss_t, grad_norm_t.to(loss_t.device)]).tolist()
+        loss, grad_norm = read_on_host(torch.stack([loss_t, grad_norm_t.to(loss_t.device)]))
         if not math.isfinite(loss):
             raise NonFiniteLossError(
                 f"the loss is {loss} at step {step}; the run cannot continue from this state.",
