@@ -3,9 +3,12 @@ supervisor's repair in place (``JobPolicy.collectives_fail_on_peer_loss``, servi
 
 A repair in place keeps the survivors' processes, so each survivor's run of the failed attempt must end
 by itself: its collective with the dead rank must fail. Two real ranks (separate processes, a real
-process group): both finish one all-reduce, then rank 1 starts a second one and SIGKILLs itself while
-rank 0 is inside it; rank 0 reports how its collective ended within ``wait_s`` (the host-side read
-included, which is where an NCCL rank's host waits). The processes are spawned (CUDA cannot be forked).
+process group) both finish one all-reduce; then rank 0 starts a second one at once, and rank 1, which
+never joins it, SIGKILLs itself 1 s later (or, ``peer_dies=False``, stays alive: a peer that left the
+attempt). Rank 0 reports how its collective ended within ``wait_s``, the host-side read included (where
+an NCCL rank's host waits). With ``abort``, a collective still blocked then is aborted from the main
+thread (``_abort_process_group``, what a repair in place on NCCL would do, as torchft does) and rank 0
+reports whether that ended it. The processes are spawned (CUDA cannot be forked).
 """
 
 from __future__ import annotations
@@ -32,7 +35,9 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _rank(rank: int, port: int, backend: str, wait_s: float, results) -> None:
+def _rank(rank: int, port: int, backend: str, wait_s: float, abort: float, peer_dies: bool, results) -> None:
+    if abort:  # torch: an abort is for callers that handle the errors, not NCCL's watchdog (which would end us)
+        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
     import torch
     import torch.distributed as dist
 
@@ -51,7 +56,10 @@ def _rank(rank: int, port: int, backend: str, wait_s: float, results) -> None:
     assert first.item() == 2.0
     if rank == 1:
         time.sleep(DIE_AFTER_S)
-        os.kill(os.getpid(), signal.SIGKILL)
+        if peer_dies:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(wait_s + abort + 60.0)  # alive, and never in the collective: a peer that left the attempt
+        os._exit(0)  # the parent ends it long before
     outcome: dict[str, Any] = {}
 
     def collective() -> None:
@@ -67,28 +75,40 @@ def _rank(rank: int, port: int, backend: str, wait_s: float, results) -> None:
     thread = threading.Thread(target=collective, daemon=True)
     thread.start()
     thread.join(wait_s)
-    results.put({"ended": not thread.is_alive(), **outcome})
+    report: dict[str, Any] = {"ended": not thread.is_alive()}
+    if abort and thread.is_alive():
+        aborted = time.monotonic()
+        dist.distributed_c10d._abort_process_group()  # every group of this process
+        thread.join(abort)
+        report.update(ended_after_abort=not thread.is_alive(), after_abort_s=time.monotonic() - aborted)
+    results.put({**report, **outcome})
     results.close()
     results.join_thread()
     os._exit(0)  # a blocked NCCL rank would hang in the group's teardown
 
 
-def survivor_outcome(backend: str, wait_s: float) -> dict[str, Any]:
+def survivor_outcome(backend: str, wait_s: float, *, abort: float = 0.0, peer_dies: bool = True) -> dict[str, Any]:
     """Rank 0's collective after rank 1 died inside it: ``{"ended": bool, "error"?, "value"?, "seconds"?}``
-    (``ended`` False: still blocked ``wait_s`` after it began)."""
+    (``ended`` False: still blocked ``wait_s`` after it began); with ``abort`` (seconds) one still blocked
+    is aborted and waited for that long more: ``ended_after_abort`` and ``after_abort_s``. With
+    ``peer_dies=False`` rank 1 stays alive but never joins the collective (a peer that left the attempt)."""
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     port = _free_port()
-    ranks = [context.Process(target=_rank, args=(rank, port, backend, wait_s, results)) for rank in range(2)]
+    ranks = [
+        context.Process(target=_rank, args=(rank, port, backend, wait_s, abort, peer_dies, results))
+        for rank in range(2)
+    ]
     for process in ranks:
         process.start()
     try:
-        return results.get(timeout=wait_s + 90.0)  # spawning and importing torch take seconds
+        limit_s = wait_s + abort + 90.0  # spawning and importing torch take seconds
+        return results.get(timeout=limit_s)
     except queue.Empty:
-        raise AssertionError(f"rank 0 reported nothing within {wait_s + 90.0:.0f}s") from None
+        raise AssertionError(f"rank 0 reported nothing within {limit_s:.0f}s") from None
     finally:
-        for process in ranks:
-            process.join(timeout=10)
+        ranks[0].join(timeout=5)  # it exits once it reported
+        for process in ranks:  # and a peer that stayed alive is ended here
             if process.is_alive():
                 process.kill()
-                process.join(timeout=10)
+            process.join(timeout=10)

@@ -1,6 +1,9 @@
 """On gloo a collective fails at once when its peer's process dies inside it, so the survivors of a lost
 rank leave the failed attempt by themselves, which a repair in place needs (the NCCL half, where they do
-not: tests/gpu/test_nccl_peer_death.py)."""
+not: tests/gpu/test_nccl_peer_death.py). But a collective whose peer is alive and has left it (a survivor
+that left the failed attempt first) never ends, not even when the waiting rank aborts its own groups:
+why a repair in place replaces a survivor still inside the attempt after a grace
+(service/decisions/in_place_waits.py ``STUCK_SURVIVOR_GRACE_S``)."""
 
 from __future__ import annotations
 
@@ -27,3 +30,9 @@ def test_a_gloo_survivors_collective_fails_as_its_peer_dies():
         }
     )
     assert policy_for(spec).collectives_fail_on_peer_loss  # what the supervisor assumes of a CPU job
+
+
+def test_a_gloo_collective_whose_peer_left_alive_waits_even_through_its_own_abort():
+    outcome = survivor_outcome("gloo", wait_s=DIE_AFTER_S + 2.0, abort=2.0, peer_dies=False)
+    assert not outcome["ended"] and not outcome["ended_after_abort"], outcome
+    assert outcome["after_abort_s"] >= 2.0, outcome
