@@ -316,7 +316,29 @@ def evaluate(case: Case) -> PlanEstimate:
             tensors=16 * layers + 2 * int(first) + 3 * int(last),
             dp_replicate=replicate,
         )
-        if ep > 1 and dp > ep:  # the local experts' gradients, all-reduced over the dp / ep ranks holding them
+        if layout_rules.experts_sharded_over_edp(
+            n_experts=model.n_experts,
+            zero=zero,
+            dp=dp,
+            ep=ep,
+            dp_replicate=replicate,
+            cp=cp,
+            tp=tp,
+            offload=lay.offload,
+        ):  # FSDP2 over the dp / ep ranks holding the same experts: gathered and reduce-scattered per block
+            expert_volume, expert_ops = dp_traffic(
+                zero=zero,
+                dp=dp // ep,
+                pp=pp,
+                microbatches=m,
+                params=experts_local,
+                param_bytes=param_comm_bytes,
+                grad_bytes=gb,
+                units=layers,
+                tensors=3 * layers,
+            )
+            volume, ops = volume + expert_volume, ops + expert_ops
+        elif ep > 1 and dp > ep:  # the local experts' gradients, all-reduced over the dp / ep ranks holding them
             volume += 2 * (dp // ep - 1) / (dp // ep) * experts_local * gb
             ops += 3 * layers
         dp_bytes.append(volume)

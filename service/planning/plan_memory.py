@@ -308,6 +308,14 @@ def stage_memory(
     """
     first, last = stage == 0, stage == pp - 1
     v = virtual_stages if pp > 1 else 1
+    # FSDP2 shards the experts too, over the edp = dp / ep ranks that hold the same ones (apply_dp)
+    edp_shard = (
+        dp // ep
+        if layout_rules.experts_sharded_over_edp(
+            n_experts=model.n_experts, zero=zero, dp=dp, ep=ep, dp_replicate=dp_replicate, cp=cp, tp=tp, offload=offload
+        )
+        else 1
+    )
     dp = dp * cp  # the parameters' data-parallel group is dp·cp ranks
     local = dataclasses.replace(model, seq_len=model.seq_len // cp) if cp > 1 else model  # one rank's tokens
     fsdp = layout_rules.uses_fsdp(zero, dp)
@@ -321,9 +329,10 @@ def stage_memory(
     state_div = shard if fsdp else (dp if zero >= 1 and dp > 1 else 1)
     split, experts_local, layer_experts = expert_split(model, layers=layers, ep=ep, tp=tp)
     dense = params - split  # the stage's parameters outside the split experts (all of them at ep = 1)
-    held_params = dense / shard + experts_local  # per rank: dense shards, whole local experts
+    # per rank: dense shards, the local experts (whole, or FSDP2's shard of them over edp)
+    held_params = dense / shard + experts_local / edp_shard
     parameters, gradients = 4 * held_params, 4 * held_params
-    states = 8 * (dense / state_div + experts_local)
+    states = 8 * (dense / state_div + experts_local / edp_shard)
     if tp > 1 and first and not fsdp:
         # Measured (make bench): under TP the token embedding's gradient arrives *replicated* on every tp
         # rank, full vocabulary x d_model, although the weight is a vocab shard (DTensor's embedding
@@ -331,6 +340,8 @@ def stage_memory(
         gradients += 4 * model.vocab_size * d * (1 - 1 / tp)
 
     layer = (layer_params(model, tp) - layer_experts) if layers else 0.0  # what DDP / FSDP2 handle per block
+    # FSDP2's units over edp (one per block's experts): gathered and reduced whole, like the block's
+    fsdp_experts, layer_fsdp_experts = (experts_local, layer_experts / ep) if edp_shard > 1 else (0.0, 0.0)
     root = (_embedding_params(model, tp) if first else 0.0) + (
         _head_params(model, tp, with_embedding=first) if last else 0.0
     )
@@ -339,12 +350,14 @@ def stage_memory(
     if fsdp:
         gathered_elem = 2 if regime == "bf16_params" else 4
         if zero == 2 or pp > 1:
-            gathered = dense * gathered_elem
+            gathered = (dense + fsdp_experts) * gathered_elem
         else:  # the root stays gathered from forward to backward; one block computing, one prefetched
-            gathered = (root + 2 * layer) * gathered_elem
+            gathered = (root + 2 * (layer + layer_fsdp_experts)) * gathered_elem
         # No gradient sync while accumulating: the stage's gradients stay unsharded (fp32) until the
         # last micro-step; with one micro-batch only the unit being reduced and its reduce-scatter input.
-        unsharded_grads = 4 * dense if microbatches > 1 else 2 * 4 * max(layer, root)
+        unsharded_grads = (
+            4 * (dense + fsdp_experts) if microbatches > 1 else 2 * 4 * max(layer + layer_fsdp_experts, root)
+        )
     elif dp > 1 and tp > 1:  # FSDP-based replicate(): all-reduces one unit's gradients at a time
         unsharded_grads = 4 * max(layer, root)
     # Autocast's bf16 weight copies, kept for backward; under compile with selective checkpointing the

@@ -25,10 +25,12 @@ between each block's graphs). The refusals are checked before any process group.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
 
+from etrain.service.planning.plan_memory import stage_memory
 from etrain.workers import families
 from etrain.workers.families import MODEL_PRESETS
 from etrain.workers.protocol.errors import ConfigError
@@ -98,6 +100,34 @@ def _two_ranks(rank: int, world_size: int, root: str) -> dict:
         # ZeRO-1 over the dense weights, an AdamW of their own for the experts; saved at step 2
         "zero1": _train(_config(ParallelConfig(dp=2, ep=2, zero=1)), rank, world_size, save_root=f"{root}/ep2z1"),
         "zero1_restored": _train(_config(ParallelConfig(dp=2, ep=2, zero=1)), rank, world_size, restore=f"{root}/one"),
+    }
+
+
+def _experts_sharded_over_edp(rank: int, world_size: int, root: str) -> dict:
+    """dp4·ep2 under FSDP2: each rank holds 2 of the 8 experts (4 per ep rank, halved over edp=2), loads its
+    own experts' Hugging Face tensors and nothing more, and trains one process's numbers under ZeRO-3, ZeRO-2
+    with full checkpointing (the recompute gathers the experts again), ZeRO-3 with CPU offload and ZeRO-3
+    with compiled blocks (the experts run eagerly between the graphs, their gathers too); its checkpoint
+    restores into one process."""
+    from etrain.workers.checkpoints.hf_io import load_hf_weights
+    from etrain.workers.engine.train import Trainer
+
+    parallel = ParallelConfig(dp=4, ep=2, zero=3)
+    trainer = Trainer(_config(parallel), rank=rank, world_size=world_size, device=torch.device("cpu"))
+    (model,) = trainer.model_parts
+    w1 = model.layers["0"].feed_forward.experts.w1
+    report = load_hf_weights(trainer.model_parts, f"{root}/hf", MOE)
+    loaded = full_state_dict(trainer)
+    del trainer
+    return {
+        "local_experts": w1.to_local().shape[0],
+        "placements": str(w1.placements),
+        "hf_read": (report.elements_read, report.local_elements),
+        "hf_loaded": loaded,
+        "zero3": _train(_config(parallel), rank, world_size, save_root=f"{root}/dp4ep2z3"),
+        "zero2": _train(_config(ParallelConfig(dp=4, ep=2, zero=2)), rank, world_size, activation_checkpointing="full"),
+        "offload": _train(_config(ParallelConfig(dp=4, ep=2, zero=3, offload="cpu")), rank, world_size),
+        "compiled": _train(_config(parallel), rank, world_size, compile=True),
     }
 
 
@@ -190,6 +220,51 @@ def test_ep2_trains_like_one_process_and_reshards(reference):
     restored = _train(BASE, 0, 1, restore=f"{root}/ep2z1")
     _assert_losses(one, restored.losses, first=SAVE_AT, layout="ep2 zero=1 -> ep1")
     assert len(restored.losses) == STEPS - SAVE_AT
+
+
+def test_fsdp2_shards_the_experts_over_the_ranks_holding_the_same_ones(reference, monkeypatch):
+    from etrain.workers.checkpoints.checkpoint_commit import step_dir
+    from etrain.workers.checkpoints.hf_io import export_hf
+
+    one, root = reference
+    monkeypatch.setenv("ETRAIN_COMPILE_BACKEND", "aot_eager")  # the ranks inherit it
+    if not os.path.isdir(f"{root}/hf"):
+        export_hf(step_dir(f"{root}/one", SAVE_AT), f"{root}/hf", MOE)
+    ranks = run_distributed(_experts_sharded_over_edp, 4, root, timeout_s=240)
+    assert [r["local_experts"] for r in ranks] == [2, 2, 2, 2], [r["placements"] for r in ranks]
+    experts = MOE.n_layers * 3 * MOE.n_experts * MOE.d_model * MOE.expert_dim
+    dense = families.num_params(MOE) - experts
+    for r in ranks:  # its quarter of the dense weights (ZeRO-3) and its own 2 experts' tensors, nothing more
+        assert r["hf_read"][0] == r["hf_read"][1] == dense // 4 + experts // 4
+    # what the planner counts a rank holds: the same elements
+    planned = stage_memory(
+        MOE,
+        stage=0,
+        pp=1,
+        layers=MOE.n_layers,
+        virtual_stages=1,
+        held=1,
+        dp=4,
+        tp=1,
+        zero=3,
+        micro_batch=1,
+        microbatches=1,
+        precision="fp32",
+        checkpointing="none",
+        device="cpu",
+        overhead=0.0,
+        ep=2,
+    )
+    assert planned.parameters == 4 * (dense // 4 + experts // 4)
+    _assert_loaded_the_reference_at_save(ranks, root)
+    assert_equivalent(one, [r["zero3"] for r in ranks], layout="qwen3_moe dp4 ep2 zero=3 (experts sharded over edp)")
+    assert_equivalent(
+        one, [r["zero2"] for r in ranks], layout="qwen3_moe dp4 ep2 zero=2 full checkpointing (experts sharded)"
+    )
+    assert_equivalent(one, [r["compiled"] for r in ranks], layout="qwen3_moe dp4 ep2 zero=3 compiled (experts sharded)")
+    assert_equivalent(one, [r["offload"] for r in ranks], layout="qwen3_moe dp4 ep2 zero=3 offload=cpu")
+    restored = _train(BASE, 0, 1, restore=f"{root}/dp4ep2z3")  # the sharded experts -> one process
+    _assert_losses(one, restored.losses, first=SAVE_AT, layout="dp4 ep2 zero=3 -> one process")
 
 
 def test_ep2_dp4_trains_like_one_process_with_ddp_and_hsdp(reference):
@@ -455,7 +530,7 @@ def test_mixtral_ep2_trains_like_one_process_eager_and_compiled(monkeypatch):
     [
         (ParallelConfig(dp=2, ep=3), MOE, "parallelism.ep", "does not divide model.n_experts=8"),
         (ParallelConfig(dp=2, ep=4), MOE, "parallelism.ep", "does not divide parallelism.dp=2"),
-        (ParallelConfig(dp=2, ep=2, zero=3, offload="cpu"), MOE, "parallelism.ep", "offload"),
+        (ParallelConfig(dp=4, ep=2, zero=3, dp_replicate=2, offload="cpu"), MOE, "parallelism.ep", "offload"),
         (
             ParallelConfig(dp=2, ep=2),
             ModelConfig(n_layers=2, d_model=32, n_heads=4, vocab_size=64, seq_len=16),

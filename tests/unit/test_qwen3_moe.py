@@ -346,10 +346,15 @@ def test_the_planner_divides_the_experts_and_their_state_by_ep_and_counts_the_al
     zero3 = estimate(_gpu_spec("qwen3-30b-a3b", {"dp": 8, "zero": 3, "ep": 4}))
     assert zero3.layout == "pp1·dp8·tp1 ep4 zero=3" and zero3.ep == 4
     assert zero3.params_per_rank == pytest.approx(dense + experts / 4, abs=1)
-    # FSDP2 shards the rest over dp; the local experts (n_experts / ep) are held whole, with their AdamW state
-    assert zero3.memory.parameters == pytest.approx(4 * (dense / 8 + experts / 4), abs=1)
-    assert zero3.memory.gradients == pytest.approx(4 * (dense / 8 + experts / 4), abs=1)
-    assert zero3.memory.optimizer_states == pytest.approx(8 * (dense / 8 + experts / 4), abs=1)
+    # FSDP2 shards the rest over dp, and the local experts (n_experts / ep) over the dp / ep = 2 ranks holding
+    # the same ones: a rank holds 1/8 of them, with their AdamW state
+    assert zero3.memory.parameters == pytest.approx(4 * (dense / 8 + experts / 8), abs=1)
+    assert zero3.memory.gradients == pytest.approx(4 * (dense / 8 + experts / 8), abs=1)
+    assert zero3.memory.optimizer_states == pytest.approx(8 * (dense / 8 + experts / 8), abs=1)
+    # under HSDP FSDP2 leaves the experts out: the local ones are held whole, with their AdamW state
+    hsdp = estimate(_gpu_spec("qwen3-30b-a3b", {"dp": 8, "zero": 3, "ep": 4, "dp_replicate": 2}))
+    assert hsdp.memory.parameters == pytest.approx(4 * (dense / 4 + experts / 4), abs=1)
+    assert hsdp.memory.optimizer_states == pytest.approx(8 * (dense / 4 + experts / 4), abs=1)
     ddp = estimate(_gpu_spec("qwen3-30b-a3b", {"dp": 8, "ep": 8}))
     assert ddp.memory.parameters == pytest.approx(4 * (dense + experts / 8), abs=1)
     assert ddp.memory.buffer_parts["ddp_buckets"] == pytest.approx(4 * dense, abs=1)  # DDP leaves experts out
@@ -376,7 +381,12 @@ def test_the_planner_divides_the_experts_and_their_state_by_ep_and_counts_the_al
     [
         ("qwen3-30b-a3b", {"dp": 6, "ep": 3, "zero": 3}, "parallelism.ep", "does not divide model.n_experts=128"),
         ("qwen3-30b-a3b", {"dp": 2, "ep": 4, "zero": 3}, "parallelism.ep", "does not divide parallelism.dp=2"),
-        ("qwen3-30b-a3b", {"dp": 4, "ep": 2, "zero": 3, "offload": "cpu"}, "parallelism.ep", "offload"),
+        (
+            "qwen3-30b-a3b",
+            {"dp": 4, "ep": 2, "zero": 3, "dp_replicate": 2, "offload": "cpu"},
+            "parallelism.ep",
+            "offload",
+        ),
         ("llama3-8b", {"dp": 2, "ep": 2, "zero": 3}, "parallelism.ep", "dense model"),
     ],
     ids=["experts", "dp", "offload", "dense"],

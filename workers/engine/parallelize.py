@@ -521,7 +521,7 @@ def expert_parameters(module: nn.Module) -> list[nn.Parameter]:
     return [p for layer in _moe_layers(module) for p in layer.experts.parameters()]
 
 
-def apply_ep(module: nn.Module, dims: ParallelDims) -> None:
+def apply_ep(module: nn.Module, dims: ParallelDims, *, fsdp_shards_experts: bool = False) -> None:
     """Expert parallelism, torchtitan's composition: the ``ep`` ranks are borrowed from ``dp`` (``dp = edp ×
     ep``). Every MoE layer's stacked expert weights (``[n_experts, ...]``) become DTensors on the ``(edp, ep)``
     mesh, ``Replicate`` over ``edp`` and ``Shard(0)`` (by expert) over ``ep``: a rank holds ``n_experts / ep``
@@ -533,6 +533,10 @@ def apply_ep(module: nn.Module, dims: ParallelDims) -> None:
     Gradients: the data-parallel wrappers (:func:`apply_dp`) leave these weights out; after the backward,
     :func:`reduce_expert_grads` sums them over ``edp`` and divides by ``dp``, which is the gradient of the
     mean loss over the global batch (a rank's expert gradient already sums the tokens every ep peer sent it).
+
+    ``fsdp_shards_experts`` (``layout_rules.experts_sharded_over_edp``): FSDP2 will shard the experts over
+    ``edp`` too (:func:`apply_dp`). The weights are then DTensors on the ``ep`` mesh alone (``(ep, tp)`` under
+    tensor parallelism), which FSDP2 composes with its own ``edp`` dimension, as it composes with tp.
     """
     if dims.mesh is None or dims.mesh.expert is None:
         raise ConfigError("expert parallelism needs the (edp, ep) expert mesh", field="parallelism.ep")
@@ -547,11 +551,14 @@ def apply_ep(module: nn.Module, dims: ParallelDims) -> None:
                 )
             # Under tensor parallelism (MoEParallel) the weight is already split by width over tp: keep that
             # split as the mesh's last dimension.
+            # Replicated over edp, or with no edp dimension where FSDP2 adds its own (it shards over edp).
+            over_edp = () if fsdp_shards_experts else (Replicate(),)
+            axes = ("ep",) if fsdp_shards_experts else ("edp", "ep")
             if isinstance(param, DTensor):
-                mesh, placements = dims.mesh.expert_tp, (Replicate(), Shard(0), *param.placements)
+                mesh, placements = dims.mesh.expert_root[(*axes, "tp")], (*over_edp, Shard(0), *param.placements)
                 local, whole = param.to_local(), param.shape
             else:
-                mesh, placements = dims.mesh.expert, (Replicate(), Shard(0))
+                mesh, placements = dims.mesh.expert_root[axes], (*over_edp, Shard(0))
                 local, whole = param.data, param.shape
             local_shape = (local.shape[0] // dims.ep, *local.shape[1:])
             if param.is_meta:
@@ -590,7 +597,9 @@ def reduce_expert_grads(modules: Iterable[nn.Module], dims: ParallelDims) -> Non
     grads = [
         param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
         for module in modules
-        for param in expert_parameters(module)
+        for layer in _moe_layers(module)
+        if not isinstance(layer.experts, FSDPModule)  # FSDP2 reduce-scattered these in the backward (apply_dp)
+        for param in layer.experts.parameters()
         if param.grad is not None
     ]
     for bucket in _buckets(grads, EXPERT_GRAD_BUCKET_BYTES):
@@ -681,6 +690,7 @@ def apply_dp(
     zero: int,
     mp_policy: MixedPrecisionPolicy | None = None,
     offload_policy: OffloadPolicy | None = None,
+    fsdp_shards_experts: bool = False,
 ) -> nn.Module:
     """Data parallelism over the ``dp`` axis by ZeRO stage; returns the module to call.
 
@@ -710,6 +720,13 @@ def apply_dp(
     loss is the mean over its ``S / cp`` tokens of every sequence it holds (no token is ever ignored, so the
     counts are equal), and the average of those means over cp is the mean over the whole sequence: averaging
     the gradients over ``dp · cp`` is exactly one process's gradient of the global batch's mean loss.
+
+    Expert parallelism: the experts (DTensors split over ep, :func:`apply_ep`) are left to
+    :func:`reduce_expert_grads`, or with ``fsdp_shards_experts`` get an FSDP2 unit of their own in each block
+    on the ``edp`` mesh, wrapped before the block so that the block's unit leaves them out (torchtitan's
+    order). Its reduce-scatter sums a rank's expert gradient over edp, and its divide factor is ``dp``, not
+    edp: that gradient already sums the tokens of the ep peers that routed to it, so over edp it covers every
+    dp rank once, and the mean over the global batch divides by dp (as :func:`reduce_expert_grads` does).
     """
     if dims.dp_cp == 1:
         return module
@@ -717,13 +734,20 @@ def apply_dp(
     if layout_rules.uses_fsdp(zero, dims.dp_cp):
         fsdp_mesh = dims.fsdp_mesh
         policies: dict[str, object] = {"reshard_after_forward": zero == 3}
-        if experts:  # sharded by expert over ep and reduced by reduce_expert_grads, not FSDP2's
-            policies["ignored_params"] = experts
         if mp_policy is not None:
             policies["mp_policy"] = mp_policy
         if offload_policy is not None:
             policies["offload_policy"] = offload_policy
+        if experts and not fsdp_shards_experts:  # sharded by expert over ep and reduced by reduce_expert_grads
+            policies["ignored_params"] = experts
         for block in module.layers.values():
+            if fsdp_shards_experts:
+                edp = dims.axis("edp")
+                for layer in _moe_layers(block):
+                    fully_shard(layer.experts, mesh=edp, **policies)
+                    layer.experts.set_gradient_divide_factor(float(dims.dp))
+                    if edp.device_type == "cpu":  # gloo has no pre-multiplied sum: a sum, then a division
+                        layer.experts.set_force_sum_reduction_for_comms(True)
             fully_shard(block, mesh=fsdp_mesh, **policies)
         fully_shard(module, mesh=fsdp_mesh, **policies)
         return module
@@ -787,8 +811,18 @@ def parallelize_stage(
         apply_tp(
             module, dims.axis("tp"), sequence_parallel=parallel.sequence_parallel, compiled=config.training.compile
         )
+    fsdp_shards_experts = layout_rules.experts_sharded_over_edp(
+        n_experts=config.model.n_experts,
+        zero=parallel.zero,
+        dp=dims.dp,
+        ep=dims.ep,
+        dp_replicate=dims.dp_replicate,
+        cp=dims.cp,
+        tp=dims.tp,
+        offload=parallel.offload,
+    )
     if dims.ep_enabled:  # its rules were checked by the Trainer before any process group
-        apply_ep(module, dims)
+        apply_ep(module, dims, fsdp_shards_experts=fsdp_shards_experts)
     if dims.cp_enabled:  # likewise
         apply_cp(module, dims)
     apply_ac(module, config.training.activation_checkpointing)
@@ -806,7 +840,15 @@ def parallelize_stage(
         apply_compile(module, form=form)
     if uses_fsdp(dims, parallel):
         device = torch.device(dims.fsdp_mesh.device_type)
-        return materialize(apply_dp(module, dims, zero=parallel.zero, **fsdp_policies(config, device)))
+        return materialize(
+            apply_dp(
+                module,
+                dims,
+                zero=parallel.zero,
+                fsdp_shards_experts=fsdp_shards_experts,
+                **fsdp_policies(config, device),
+            )
+        )
     return apply_dp(materialize(module), dims, zero=parallel.zero)
 
 

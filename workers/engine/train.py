@@ -124,6 +124,8 @@ class Trainer:
                 zero=parallel.zero,
                 dp_replicate=parallel.dp_replicate,
                 offload=parallel.offload,
+                cp=parallel.cp,
+                tp=parallel.tp,
             )
         )
         self.config = config

@@ -30,6 +30,7 @@ from etrain.workers.protocol.layout_rules import (
     data_parallel_problems,
     degree_problems,
     divisors,
+    experts_sharded_over_edp,
     is_count,
     layer_problems,
     schedule_problems,
@@ -161,12 +162,16 @@ def ep_problems(
     zero: int = 0,
     dp_replicate: int = 1,
     offload: str = "none",
+    cp: int = 1,
+    tp: int = 1,
 ) -> list[Problem]:
     """Expert parallelism (``parallelism.ep``) the way torchtitan composes it: the ``ep`` ranks are borrowed
     from the data-parallel dimension (world = pp·dp·tp still; each run of ``ep`` consecutive dp ranks
     splits every mixture-of-experts layer's experts, ``n_experts / ep`` each), so ``ep`` divides ``dp`` and
-    the number of experts, and only a family with experts has any to split. What it does not compose
-    with yet: CPU offload (an FSDP2 feature that would leave the expert shards in device memory). HSDP
+    the number of experts, and only a family with experts has any to split. Under ZeRO-2/3 FSDP2 shards the
+    experts too, over the ``dp / ep`` ranks that hold the same ones (``layout_rules.experts_sharded_over_edp``),
+    so CPU offload moves them with the dense shards; not yet under HSDP or context parallelism, where CPU
+    offload (an FSDP2 feature that would leave the experts in device memory) is refused. HSDP
     (``dp_replicate``) composes: FSDP2 shards the dense weights over each replica and the experts, outside
     FSDP2, are averaged over the ranks that hold them; so does ZeRO-1, over the dense weights only (its
     step broadcasts each parameter from its owner to every dp rank, and the ep ranks hold different
@@ -208,13 +213,24 @@ def ep_problems(
                 f"{[e for e in divisors(dp) if model.n_experts % e == 0][:24]}",
             )
         )
-    if offload != "none":
+    if (
+        offload != "none"
+        and not problems
+        and not experts_sharded_over_edp(
+            n_experts=model.n_experts, zero=zero, dp=dp, ep=ep, dp_replicate=dp_replicate, cp=cp, tp=tp, offload=offload
+        )
+    ):
+        edp = dp // ep
         problems.append(
             Problem(
                 field="parallelism.ep",
-                message=f"parallelism.ep={ep} does not compose with parallelism.offload={offload!r} yet (the expert "
-                "shards are not FSDP2's and would stay in device memory).",
-                fix="use parallelism.offload='none' with ep > 1, or ep=1",
+                message=f"parallelism.ep={ep} with parallelism.offload={offload!r} needs FSDP2 to shard the experts "
+                "(it offloads only what it shards), which it does under ZeRO-2/3 without HSDP, context or tensor "
+                f"parallelism, where dp / ep = {edp} divides a rank's n_experts / ep = {model.n_experts // ep} "
+                f"experts; here (zero={zero}, dp_replicate={dp_replicate}, cp={cp}, tp={tp}) the experts would "
+                "stay in device memory.",
+                fix="use parallelism.zero 2 or 3, dp_replicate=1, cp=1, tp=1 and a dp whose dp / ep divides "
+                "n_experts / ep, or offload='none'",
             )
         )
     return problems
@@ -263,7 +279,7 @@ def layout_problems(
     # context parallelism is one more data dimension for the parameters: FSDP2 / ZeRO over dp·cp ranks
     problems += data_parallel_problems(dp=dp * cp, zero=zero, dp_replicate=dp_replicate, offload=offload)
     problems += zero_problems(zero=zero, dp=dp * cp, max_dp=(dp if max_dp is None else max_dp) * cp)
-    problems += ep_problems(model, ep=ep, dp=dp, zero=zero, dp_replicate=dp_replicate, offload=offload)
+    problems += ep_problems(model, ep=ep, dp=dp, zero=zero, dp_replicate=dp_replicate, offload=offload, cp=cp, tp=tp)
     problems += cp_problems(model, cp=cp, tp=tp, pp=pp, ep=ep, zero=zero, dp_replicate=dp_replicate)
     return problems
 
