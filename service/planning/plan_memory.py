@@ -200,10 +200,10 @@ def expert_split(model: ModelConfig, *, layers: int, ep: int = 1, tp: int = 1) -
     """Expert parallelism's split of a stage's ``layers`` (``parallelism.ep``): (the expert parameters
     split over the ep ranks, ``layers`` blocks' worth of every expert; the expert parameters one rank holds,
     ``1 / ep`` of them; one block's stacked experts, which DDP and FSDP2 leave out), all 0 when ``ep`` is
-    1 (the experts are then parameters like any other). The local experts are neither sharded by FSDP2
-    nor bucketed by DDP: their weights, gradients and AdamW moments are held whole (``4 + 4 + 8`` bytes
-    per element), divided only by ``ep``, and by ``tp``, which splits every expert's width (as it does in
-    the stage's parameter count these are taken out of)."""
+    1 (the experts are then parameters like any other). The local experts are not bucketed by DDP: their
+    weights, gradients and AdamW moments (``4 + 4 + 8`` bytes per element) are divided by ``ep``, and by
+    ``tp``, which splits every expert's width (as it does in the stage's parameter count these are taken
+    out of); :func:`stage_memory` divides them by ``dp / ep`` too where FSDP2 shards them over those ranks."""
     if ep <= 1:
         return 0.0, 0.0, 0.0
     per_layer = family(model.arch).expert_params_per_layer(model) / tp
