@@ -6,7 +6,7 @@ Trainers on the same process group):
 
 * the reference's step-2 weights, exported to the Hugging Face layout, load into ep=2 bit for bit, each
   rank reading the dense weights and its own 4 experts' tensors;
-* ep=2 with DDP (zero 0), with FSDP2 (zero 3), and with FSDP2 (zero 2) under full activation
+* ep=2 with DDP (zero 0), with FSDP2 (zero 3; and with CPU offload), and with FSDP2 (zero 2) under full activation
   checkpointing (the backward replays the all-to-alls), each rank holding 4 of the 8 experts of each
   layer, train the reference's losses, gradient norms and final parameters within the equivalence
   tolerances (1e-5 relative on losses);
@@ -17,7 +17,9 @@ Trainers on the same process group):
 
 On four ranks: ep=2 × dp=4 (two pairs of ranks, each pair splitting the experts, the expert gradients
 averaged over the pairs) equals one process too, with DDP and with HSDP (dp_replicate=2) for the dense
-weights. The tiny Mixtral preset trains one process's numbers at
+weights; and under FSDP2, which then shards each pair's experts over the two ranks holding them (a rank
+holds 2 of the 8, reads only those from a Hugging Face folder, and holds what the planner counts), with
+ZeRO-3, ZeRO-2 under full checkpointing, CPU offload and compiled blocks. The tiny Mixtral preset trains one process's numbers at
 ep=2 under DDP and FSDP2 as well, and with compiled blocks (``aot_eager``: the exchange runs eagerly
 between each block's graphs). The refusals are checked before any process group.
 """
@@ -92,6 +94,8 @@ def _two_ranks(rank: int, world_size: int, root: str) -> dict:
         "hf_loaded": loaded,
         "ddp": _train(_config(ParallelConfig(dp=2, ep=2)), rank, world_size, save_root=f"{root}/ep2"),
         "fsdp": _train(_config(ParallelConfig(dp=2, ep=2, zero=3)), rank, world_size),
+        # dp = ep: FSDP2 holds the experts on one edp rank only to move them to host memory
+        "offload": _train(_config(ParallelConfig(dp=2, ep=2, zero=3, offload="cpu")), rank, world_size),
         # full checkpointing replays each block's forward in the backward, its all-to-alls included
         "recompute": _train(
             _config(ParallelConfig(dp=2, ep=2, zero=2)), rank, world_size, activation_checkpointing="full"
@@ -206,6 +210,7 @@ def test_ep2_trains_like_one_process_and_reshards(reference):
     print(f"qwen3_moe ep2: losses {ranks[0]['ddp'].losses} vs one process {one.losses}")
     assert_equivalent(one, [r["ddp"] for r in ranks], layout="qwen3_moe dp2 ep2 zero=0")
     assert_equivalent(one, [r["fsdp"] for r in ranks], layout="qwen3_moe dp2 ep2 zero=3")
+    assert_equivalent(one, [r["offload"] for r in ranks], layout="qwen3_moe dp2 ep2 zero=3 offload=cpu")
     assert_equivalent(one, [r["recompute"] for r in ranks], layout="qwen3_moe dp2 ep2 zero=2 full checkpointing")
     assert_equivalent(one, [r["zero1"] for r in ranks], layout="qwen3_moe dp2 ep2 zero=1")
     # ep=1 (one process) -> ep=2: the steps after the restore are the uninterrupted run's

@@ -746,7 +746,9 @@ def apply_dp(
                 for layer in _moe_layers(block):
                     fully_shard(layer.experts, mesh=edp, **policies)
                     layer.experts.set_gradient_divide_factor(float(dims.dp))
-                    if edp.device_type == "cpu":  # gloo has no pre-multiplied sum: a sum, then a division
+                    # gloo has no pre-multiplied sum: a sum, then a division. Not with one edp rank (offload at
+                    # dp = ep), where FSDP2 reduces nothing and (torch 2.13) would divide twice.
+                    if edp.device_type == "cpu" and edp.size() > 1:
                         layer.experts.set_force_sum_reduction_for_comms(True)
             fully_shard(block, mesh=fsdp_mesh, **policies)
         fully_shard(module, mesh=fsdp_mesh, **policies)
