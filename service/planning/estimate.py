@@ -323,7 +323,6 @@ def evaluate(case: Case) -> PlanEstimate:
             ep=ep,
             dp_replicate=replicate,
             cp=cp,
-            tp=tp,
             offload=lay.offload,
         ):  # FSDP2 over the dp / ep ranks holding the same experts: gathered and reduce-scattered per block
             expert_volume, expert_ops = dp_traffic(

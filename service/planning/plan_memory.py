@@ -314,7 +314,7 @@ def stage_memory(
     edp_shard = (
         dp // ep
         if layout_rules.experts_sharded_over_edp(
-            n_experts=model.n_experts, zero=zero, dp=dp, ep=ep, dp_replicate=dp_replicate, cp=cp, tp=tp, offload=offload
+            n_experts=model.n_experts, zero=zero, dp=dp, ep=ep, dp_replicate=dp_replicate, cp=cp, offload=offload
         )
         else 1
     )

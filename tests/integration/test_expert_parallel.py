@@ -19,7 +19,8 @@ On four ranks: ep=2 × dp=4 (two pairs of ranks, each pair splitting the experts
 averaged over the pairs) equals one process too, with DDP and with HSDP (dp_replicate=2) for the dense
 weights; and under FSDP2, which then shards each pair's experts over the two ranks holding them (a rank
 holds 2 of the 8, reads only those from a Hugging Face folder, and holds what the planner counts), with
-ZeRO-3, ZeRO-2 under full checkpointing, CPU offload and compiled blocks. The tiny Mixtral preset trains one process's numbers at
+ZeRO-3, ZeRO-2 under full checkpointing, CPU offload and compiled blocks. On eight ranks, dp4·tp2·ep2 under
+ZeRO-3 with sequence parallelism, FSDP2 sharding the experts split by expert and width. The tiny Mixtral preset trains one process's numbers at
 ep=2 under DDP and FSDP2 as well, and with compiled blocks (``aot_eager``: the exchange runs eagerly
 between each block's graphs). The refusals are checked before any process group.
 """
@@ -135,6 +136,25 @@ def _experts_sharded_over_edp(rank: int, world_size: int, root: str) -> dict:
     }
 
 
+def _eight_ranks(rank: int, world_size: int, root: str) -> dict:
+    """dp4·tp2·ep2 under FSDP2: every expert split by width over tp, the experts by expert over ep, and FSDP2
+    shards each rank's over the two edp ranks holding the same ones (its (edp, ep, tp) spec); saved at step 2."""
+    from etrain.workers.engine.train import Trainer
+
+    parallel = ParallelConfig(dp=4, tp=2, ep=2, zero=3, sequence_parallel=True)
+    trainer = Trainer(_config(parallel), rank=rank, world_size=world_size, device=torch.device("cpu"))
+    (model,) = trainer.model_parts
+    experts = model.layers["0"].feed_forward.experts
+    shapes = [tuple(experts.w1.to_local().shape), tuple(experts.w2.to_local().shape)]
+    held = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
+    del trainer
+    return {
+        "local_shapes": shapes,
+        "held": held,
+        "zero3_sp": _train(_config(parallel), rank, world_size, save_root=f"{root}/tp2ep2"),
+    }
+
+
 def _four_ranks(rank: int, world_size: int) -> tuple[RunResult, dict, RunResult, dict]:
     import torch.distributed as dist
 
@@ -227,6 +247,29 @@ def test_ep2_trains_like_one_process_and_reshards(reference):
     assert len(restored.losses) == STEPS - SAVE_AT
 
 
+def _planned_elements(*, dp: int, tp: int, ep: int) -> float:
+    """The parameter elements the planner counts on a rank of the tiny MoE under ZeRO-3."""
+    planned = stage_memory(
+        MOE,
+        stage=0,
+        pp=1,
+        layers=MOE.n_layers,
+        virtual_stages=1,
+        held=1,
+        dp=dp,
+        tp=tp,
+        zero=3,
+        micro_batch=1,
+        microbatches=1,
+        precision="fp32",
+        checkpointing="none",
+        device="cpu",
+        overhead=0.0,
+        ep=ep,
+    )
+    return planned.parameters / 4
+
+
 def test_fsdp2_shards_the_experts_over_the_ranks_holding_the_same_ones(reference, monkeypatch):
     from etrain.workers.checkpoints.checkpoint_commit import step_dir
     from etrain.workers.checkpoints.hf_io import export_hf
@@ -241,26 +284,7 @@ def test_fsdp2_shards_the_experts_over_the_ranks_holding_the_same_ones(reference
     dense = families.num_params(MOE) - experts
     for r in ranks:  # its quarter of the dense weights (ZeRO-3) and its own 2 experts' tensors, nothing more
         assert r["hf_read"][0] == r["hf_read"][1] == dense // 4 + experts // 4
-    # what the planner counts a rank holds: the same elements
-    planned = stage_memory(
-        MOE,
-        stage=0,
-        pp=1,
-        layers=MOE.n_layers,
-        virtual_stages=1,
-        held=1,
-        dp=4,
-        tp=1,
-        zero=3,
-        micro_batch=1,
-        microbatches=1,
-        precision="fp32",
-        checkpointing="none",
-        device="cpu",
-        overhead=0.0,
-        ep=2,
-    )
-    assert planned.parameters == 4 * (dense // 4 + experts // 4)
+    assert _planned_elements(dp=4, tp=1, ep=2) == dense // 4 + experts // 4  # what the planner counts a rank holds
     _assert_loaded_the_reference_at_save(ranks, root)
     assert_equivalent(one, [r["zero3"] for r in ranks], layout="qwen3_moe dp4 ep2 zero=3 (experts sharded over edp)")
     assert_equivalent(
@@ -270,6 +294,18 @@ def test_fsdp2_shards_the_experts_over_the_ranks_holding_the_same_ones(reference
     assert_equivalent(one, [r["offload"] for r in ranks], layout="qwen3_moe dp4 ep2 zero=3 offload=cpu")
     restored = _train(BASE, 0, 1, restore=f"{root}/dp4ep2z3")  # the sharded experts -> one process
     _assert_losses(one, restored.losses, first=SAVE_AT, layout="dp4 ep2 zero=3 -> one process")
+
+
+def test_fsdp2_shards_tensor_parallel_experts_over_the_ranks_holding_the_same_ones(reference):
+    one, root = reference
+    ranks = run_distributed(_eight_ranks, 8, root, timeout_s=300)
+    e, d, f = MOE.n_experts, MOE.d_model, MOE.expert_dim
+    # 8 experts: 4 per ep rank, 2 per edp rank; each split by width over tp
+    assert all(r["local_shapes"] == [(e // 4, f // 2, d), (e // 4, d, f // 2)] for r in ranks), ranks[0]["local_shapes"]
+    assert_equivalent(one, [r["zero3_sp"] for r in ranks], layout="qwen3_moe dp4 tp2 ep2 zero=3 sp (experts sharded)")
+    assert [r["held"] for r in ranks] == [_planned_elements(dp=4, tp=2, ep=2)] * 8  # what the planner counts
+    restored = _train(BASE, 0, 1, restore=f"{root}/tp2ep2")  # the (edp, ep, tp) shards -> one process
+    _assert_losses(one, restored.losses, first=SAVE_AT, layout="dp4 tp2 ep2 zero=3 -> one process")
 
 
 def test_ep2_dp4_trains_like_one_process_with_ddp_and_hsdp(reference):

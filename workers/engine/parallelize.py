@@ -820,7 +820,6 @@ def parallelize_stage(
         ep=dims.ep,
         dp_replicate=dims.dp_replicate,
         cp=dims.cp,
-        tp=dims.tp,
         offload=parallel.offload,
     )
     if dims.ep_enabled:  # its rules were checked by the Trainer before any process group

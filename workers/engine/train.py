@@ -125,7 +125,6 @@ class Trainer:
                 dp_replicate=parallel.dp_replicate,
                 offload=parallel.offload,
                 cp=parallel.cp,
-                tp=parallel.tp,
             )
         )
         self.config = config

@@ -163,7 +163,6 @@ def ep_problems(
     dp_replicate: int = 1,
     offload: str = "none",
     cp: int = 1,
-    tp: int = 1,
 ) -> list[Problem]:
     """Expert parallelism (``parallelism.ep``) the way torchtitan composes it: the ``ep`` ranks are borrowed
     from the data-parallel dimension (world = pp·dp·tp still; each run of ``ep`` consecutive dp ranks
@@ -217,7 +216,7 @@ def ep_problems(
         offload != "none"
         and not problems
         and not experts_sharded_over_edp(
-            n_experts=model.n_experts, zero=zero, dp=dp, ep=ep, dp_replicate=dp_replicate, cp=cp, tp=tp, offload=offload
+            n_experts=model.n_experts, zero=zero, dp=dp, ep=ep, dp_replicate=dp_replicate, cp=cp, offload=offload
         )
     ):
         edp = dp // ep
@@ -225,11 +224,11 @@ def ep_problems(
             Problem(
                 field="parallelism.ep",
                 message=f"parallelism.ep={ep} with parallelism.offload={offload!r} needs FSDP2 to shard the experts "
-                "(it offloads only what it shards), which it does under ZeRO-2/3 without HSDP, context or tensor "
+                "(it offloads only what it shards), which it does under ZeRO-2/3 without HSDP or context "
                 f"parallelism, where dp / ep = {edp} divides a rank's n_experts / ep = {model.n_experts // ep} "
-                f"experts; here (zero={zero}, dp_replicate={dp_replicate}, cp={cp}, tp={tp}) the experts would "
-                "stay in device memory.",
-                fix="use parallelism.zero 2 or 3, dp_replicate=1, cp=1, tp=1 and a dp whose dp / ep divides "
+                f"experts; here (zero={zero}, dp_replicate={dp_replicate}, cp={cp}) the experts would stay in "
+                "device memory.",
+                fix="use parallelism.zero 2 or 3, dp_replicate=1, cp=1 and a dp whose dp / ep divides "
                 "n_experts / ep, or offload='none'",
             )
         )
@@ -279,7 +278,7 @@ def layout_problems(
     # context parallelism is one more data dimension for the parameters: FSDP2 / ZeRO over dp·cp ranks
     problems += data_parallel_problems(dp=dp * cp, zero=zero, dp_replicate=dp_replicate, offload=offload)
     problems += zero_problems(zero=zero, dp=dp * cp, max_dp=(dp if max_dp is None else max_dp) * cp)
-    problems += ep_problems(model, ep=ep, dp=dp, zero=zero, dp_replicate=dp_replicate, offload=offload, cp=cp, tp=tp)
+    problems += ep_problems(model, ep=ep, dp=dp, zero=zero, dp_replicate=dp_replicate, offload=offload, cp=cp)
     problems += cp_problems(model, cp=cp, tp=tp, pp=pp, ep=ep, zero=zero, dp_replicate=dp_replicate)
     return problems
 

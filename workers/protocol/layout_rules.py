@@ -509,7 +509,6 @@ def experts_sharded_over_edp(
     ep: int,
     dp_replicate: int = 1,
     cp: int = 1,
-    tp: int = 1,
     offload: str = "none",
 ) -> bool:
     """Whether FSDP2 shards the experts too, over the ``edp = dp / ep`` ranks that hold the same ones
@@ -519,20 +518,18 @@ def experts_sharded_over_edp(
     block in the backward (overlapped with it) instead of all-reduced after it, and CPU offload moves them
     to host memory with the dense shards.
 
-    Under ZeRO-2/3 (FSDP2) without HSDP, context or tensor parallelism, where ``edp > 1`` (with ``edp = 1`` there
+    Under ZeRO-2/3 (FSDP2) without HSDP or context parallelism (with tensor parallelism too: FSDP2 over
+    experts split by expert and by width, an ``(edp, ep, tp)`` spec), where ``edp > 1`` (with ``edp = 1`` there
     is nothing to shard, and an FSDP2 wrapper would only add a copy of each layer's experts while they
     compute) or with CPU offload, and where edp divides a rank's ``n_experts / ep`` experts (FSDP2 then
     shards them by expert, each rank a run of whole experts, as every other expert split is). Elsewhere the experts stay whole over edp, outside DDP, ZeRO-1 and FSDP2,
     and their gradients are all-reduced after the backward (``reduce_expert_grads``): under HSDP and cp
-    FSDP2's own meshes for them (edp split into replicas and shards, edp·cp flattened) are not built yet,
-    and under tp (FSDP2 over experts split by expert and width, which torch supports) it is not tested yet
-    (the smallest such layout, dp=4·tp=2·ep=2, is eight ranks)."""
+    FSDP2's own meshes for them (edp split into replicas and shards, edp·cp flattened) are not built yet."""
     return (
         ep > 1
         and uses_fsdp(zero, dp * cp)
         and dp_replicate == 1
         and cp == 1
-        and tp == 1
         and (dp // ep > 1 or offload != "none")
         and n_experts % ep == 0
         and (n_experts // ep) % (dp // ep) == 0
