@@ -316,18 +316,13 @@ def evaluate(case: Case) -> PlanEstimate:
             tensors=16 * layers + 2 * int(first) + 3 * int(last),
             dp_replicate=replicate,
         )
-        if layout_rules.experts_sharded_over_edp(
-            n_experts=model.n_experts,
-            zero=zero,
-            dp=dp,
-            ep=ep,
-            dp_replicate=replicate,
-            cp=cp,
-            offload=lay.offload,
-        ):  # FSDP2 over the dp / ep ranks holding the same experts: gathered and reduce-scattered per block
+        expert_shards = layout_rules.expert_fsdp_shards(
+            n_experts=model.n_experts, zero=zero, dp=dp, ep=ep, dp_replicate=replicate, cp=cp, offload=lay.offload
+        )
+        if expert_shards:  # FSDP2 over the ranks holding the same experts: gathered and reduce-scattered per block
             expert_volume, expert_ops = dp_traffic(
                 zero=zero,
-                dp=dp // ep,
+                dp=dp // ep,  # under HSDP: shard groups of expert_shards ranks, all-reduced over the replicas
                 pp=pp,
                 microbatches=m,
                 params=experts_local,
@@ -335,6 +330,7 @@ def evaluate(case: Case) -> PlanEstimate:
                 grad_bytes=gb,
                 units=layers,
                 tensors=3 * layers,
+                dp_replicate=(dp // ep) // expert_shards,
             )
             volume, ops = volume + expert_volume, ops + expert_ops
         elif ep > 1 and dp > ep:  # the local experts' gradients, all-reduced over the dp / ep ranks holding them

@@ -310,14 +310,11 @@ def stage_memory(
     """
     first, last = stage == 0, stage == pp - 1
     v = virtual_stages if pp > 1 else 1
-    # FSDP2 shards the experts too, over the edp = dp / ep ranks that hold the same ones (apply_dp)
-    edp_shard = (
-        dp // ep
-        if layout_rules.experts_sharded_over_edp(
-            n_experts=model.n_experts, zero=zero, dp=dp, ep=ep, dp_replicate=dp_replicate, cp=cp, offload=offload
-        )
-        else 1
+    # FSDP2 shards the experts too, over the ranks (of a replica, under HSDP) that hold the same ones (apply_dp)
+    expert_shards = layout_rules.expert_fsdp_shards(
+        n_experts=model.n_experts, zero=zero, dp=dp, ep=ep, dp_replicate=dp_replicate, cp=cp, offload=offload
     )
+    edp_shard = expert_shards or 1
     dp = dp * cp  # the parameters' data-parallel group is dp·cp ranks
     local = dataclasses.replace(model, seq_len=model.seq_len // cp) if cp > 1 else model  # one rank's tokens
     fsdp = layout_rules.uses_fsdp(zero, dp)
@@ -343,7 +340,7 @@ def stage_memory(
 
     layer = (layer_params(model, tp) - layer_experts) if layers else 0.0  # what DDP / FSDP2 handle per block
     # FSDP2's units over edp (one per block's experts): gathered and reduced whole, like the block's
-    fsdp_experts, layer_fsdp_experts = (experts_local, layer_experts / ep) if edp_shard > 1 else (0.0, 0.0)
+    fsdp_experts, layer_fsdp_experts = (experts_local, layer_experts / ep) if expert_shards else (0.0, 0.0)
     root = (_embedding_params(model, tp) if first else 0.0) + (
         _head_params(model, tp, with_embedding=first) if last else 0.0
     )

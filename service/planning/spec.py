@@ -283,7 +283,7 @@ class ParallelismSpec(_Section):
         default=1,
         description="expert parallelism (mixture-of-experts models): ep ranks borrowed from dp split each "
         "layer's experts, n_experts / ep each, tokens exchanged by all-to-all; must divide dp and n_experts; "
-        "under zero 2/3 (without dp_replicate or cp) FSDP2 also shards them over the dp / ep ranks holding "
+        "under zero 2/3 (without cp; per replica group under dp_replicate) FSDP2 also shards them over the dp / ep ranks holding "
         "the same ones",
     )
     cp: _upto(MAX_WORKERS) = Field(

@@ -20,7 +20,8 @@ averaged over the pairs) equals one process too, with DDP and with HSDP (dp_repl
 weights; and under FSDP2, which then shards each pair's experts over the two ranks holding them (a rank
 holds 2 of the 8, reads only those from a Hugging Face folder, and holds what the planner counts), with
 ZeRO-3, ZeRO-2 under full checkpointing, CPU offload and compiled blocks. On eight ranks, dp4·tp2·ep2 under
-ZeRO-3 with sequence parallelism, FSDP2 sharding the experts split by expert and width. The tiny Mixtral preset trains one process's numbers at
+ZeRO-3 with sequence parallelism, FSDP2 sharding the experts split by expert and width, and dp8·ep2 under HSDP
+(two replica groups of four), FSDP2 sharding each group's experts within it. The tiny Mixtral preset trains one process's numbers at
 ep=2 under DDP and FSDP2 as well, and with compiled blocks (``aot_eager``: the exchange runs eagerly
 between each block's graphs). The refusals are checked before any process group.
 """
@@ -136,22 +137,33 @@ def _experts_sharded_over_edp(rank: int, world_size: int, root: str) -> dict:
     }
 
 
-def _eight_ranks(rank: int, world_size: int, root: str) -> dict:
-    """dp4·tp2·ep2 under FSDP2: every expert split by width over tp, the experts by expert over ep, and FSDP2
-    shards each rank's over the two edp ranks holding the same ones (its (edp, ep, tp) spec); saved at step 2."""
+def _held(config, rank: int, world_size: int) -> tuple[list[tuple[int, ...]], int]:
+    """The local shapes of a rank's first layer's w1 and w2 experts, and the parameter elements it holds."""
     from etrain.workers.engine.train import Trainer
 
-    parallel = ParallelConfig(dp=4, tp=2, ep=2, zero=3, sequence_parallel=True)
-    trainer = Trainer(_config(parallel), rank=rank, world_size=world_size, device=torch.device("cpu"))
+    trainer = Trainer(config, rank=rank, world_size=world_size, device=torch.device("cpu"))
     (model,) = trainer.model_parts
     experts = model.layers["0"].feed_forward.experts
     shapes = [tuple(experts.w1.to_local().shape), tuple(experts.w2.to_local().shape)]
     held = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
-    del trainer
+    return shapes, held
+
+
+def _eight_ranks(rank: int, world_size: int, root: str) -> dict:
+    """Two layouts of eight ranks under FSDP2, each saved at step 2:
+
+    * dp4·tp2·ep2: every expert split by width over tp, the experts by expert over ep, and FSDP2 shards each
+      rank's over the two edp ranks holding the same ones (an (edp, ep, tp) spec);
+    * dp8·ep2 under HSDP (2 replica groups of 4): FSDP2 shards each rank's experts over the two ranks of its
+      replica group holding the same ones, and replicates them over the groups."""
+    tp2 = _config(ParallelConfig(dp=4, tp=2, ep=2, zero=3, sequence_parallel=True))
+    hsdp = _config(ParallelConfig(dp=8, ep=2, zero=3, dp_replicate=2))
+    hsdp = dataclasses.replace(hsdp, training=dataclasses.replace(hsdp.training, micro_batch=1))  # 8 sequences
     return {
-        "local_shapes": shapes,
-        "held": held,
-        "zero3_sp": _train(_config(parallel), rank, world_size, save_root=f"{root}/tp2ep2"),
+        "tp2": _held(tp2, rank, world_size),
+        "hsdp": _held(hsdp, rank, world_size),
+        "zero3_sp": _train(tp2, rank, world_size, save_root=f"{root}/tp2ep2"),
+        "hsdp_run": _train(hsdp, rank, world_size, save_root=f"{root}/hsdp-ep2"),
     }
 
 
@@ -247,7 +259,7 @@ def test_ep2_trains_like_one_process_and_reshards(reference):
     assert len(restored.losses) == STEPS - SAVE_AT
 
 
-def _planned_elements(*, dp: int, tp: int, ep: int) -> float:
+def _planned_elements(*, dp: int, tp: int, ep: int, dp_replicate: int = 1) -> float:
     """The parameter elements the planner counts on a rank of the tiny MoE under ZeRO-3."""
     planned = stage_memory(
         MOE,
@@ -266,6 +278,7 @@ def _planned_elements(*, dp: int, tp: int, ep: int) -> float:
         device="cpu",
         overhead=0.0,
         ep=ep,
+        dp_replicate=dp_replicate,
     )
     return planned.parameters / 4
 
@@ -296,16 +309,26 @@ def test_fsdp2_shards_the_experts_over_the_ranks_holding_the_same_ones(reference
     _assert_losses(one, restored.losses, first=SAVE_AT, layout="dp4 ep2 zero=3 -> one process")
 
 
-def test_fsdp2_shards_tensor_parallel_experts_over_the_ranks_holding_the_same_ones(reference):
+def test_fsdp2_shards_experts_under_tensor_parallelism_and_hsdp(reference):
     one, root = reference
     ranks = run_distributed(_eight_ranks, 8, root, timeout_s=300)
     e, d, f = MOE.n_experts, MOE.d_model, MOE.expert_dim
-    # 8 experts: 4 per ep rank, 2 per edp rank; each split by width over tp
-    assert all(r["local_shapes"] == [(e // 4, f // 2, d), (e // 4, d, f // 2)] for r in ranks), ranks[0]["local_shapes"]
+    # 8 experts: 4 per ep rank, 2 per rank holding the same ones (over edp; under HSDP within a replica group);
+    # under tp each also split by width. A rank holds what the planner counts.
+    assert all(r["tp2"][0] == [(e // 4, f // 2, d), (e // 4, d, f // 2)] for r in ranks), ranks[0]["tp2"]
+    assert all(r["hsdp"][0] == [(e // 4, f, d), (e // 4, d, f)] for r in ranks), ranks[0]["hsdp"]
+    assert [r["tp2"][1] for r in ranks] == [_planned_elements(dp=4, tp=2, ep=2)] * 8
+    assert [r["hsdp"][1] for r in ranks] == [_planned_elements(dp=8, tp=1, ep=2, dp_replicate=2)] * 8
     assert_equivalent(one, [r["zero3_sp"] for r in ranks], layout="qwen3_moe dp4 tp2 ep2 zero=3 sp (experts sharded)")
-    assert [r["held"] for r in ranks] == [_planned_elements(dp=4, tp=2, ep=2)] * 8  # what the planner counts
-    restored = _train(BASE, 0, 1, restore=f"{root}/tp2ep2")  # the (edp, ep, tp) shards -> one process
-    _assert_losses(one, restored.losses, first=SAVE_AT, layout="dp4 tp2 ep2 zero=3 -> one process")
+    # eight ranks take one sequence each: the reference too (the load-balancing loss is per micro-batch)
+    single = dataclasses.replace(BASE, training=dataclasses.replace(BASE.training, micro_batch=1))
+    one_by_one = _train(single, 0, 1)
+    assert_equivalent(
+        one_by_one, [r["hsdp_run"] for r in ranks], layout="qwen3_moe dp8 ep2 zero=3 hsdp=2 (experts sharded)"
+    )
+    for reference_run, config, name in ((one, BASE, "tp2ep2"), (one_by_one, single, "hsdp-ep2")):
+        restored = _train(config, 0, 1, restore=f"{root}/{name}")  # the shards -> one process
+        _assert_losses(reference_run, restored.losses, first=SAVE_AT, layout=f"{name} zero=3 -> one process")
 
 
 def test_ep2_dp4_trains_like_one_process_with_ddp_and_hsdp(reference):

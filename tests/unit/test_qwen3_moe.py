@@ -351,7 +351,8 @@ def test_the_planner_divides_the_experts_and_their_state_by_ep_and_counts_the_al
     assert zero3.memory.parameters == pytest.approx(4 * (dense / 8 + experts / 8), abs=1)
     assert zero3.memory.gradients == pytest.approx(4 * (dense / 8 + experts / 8), abs=1)
     assert zero3.memory.optimizer_states == pytest.approx(8 * (dense / 8 + experts / 8), abs=1)
-    # under HSDP FSDP2 leaves the experts out: the local ones are held whole, with their AdamW state
+    # under HSDP with one rank per replica group holding each expert (dp_shard 4 = ep) FSDP2 leaves them out:
+    # the local ones are held whole, with their AdamW state
     hsdp = estimate(_gpu_spec("qwen3-30b-a3b", {"dp": 8, "zero": 3, "ep": 4, "dp_replicate": 2}))
     assert hsdp.memory.parameters == pytest.approx(4 * (dense / 4 + experts / 4), abs=1)
     assert hsdp.memory.optimizer_states == pytest.approx(8 * (dense / 4 + experts / 4), abs=1)

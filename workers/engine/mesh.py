@@ -50,6 +50,7 @@ from etrain.workers.protocol.topology import Topology, TopologyError
 __all__ = [
     "CP_MESH_DIMS",
     "EXPERT_CP_MESH_DIMS",
+    "EXPERT_HSDP_MESH_DIMS",
     "EXPERT_MESH_DIMS",
     "MESH_DIMS",
     "ParallelMesh",
@@ -69,6 +70,9 @@ _NAMES = (*MESH_DIMS, "dp", "ep", "edp", "cp", "dp_cp")
 EXPERT_MESH_DIMS: tuple[str, str, str, str] = ("pp", "edp", "ep", "tp")
 #: The expert mesh's dimensions with context parallelism too (cp between dp and tp, as on the root mesh).
 EXPERT_CP_MESH_DIMS: tuple[str, str, str, str, str] = ("pp", "edp", "ep", "cp", "tp")
+#: The expert mesh's dimensions where FSDP2 shards the experts under HSDP: edp split as the replica groups and
+#: the ranks of one replica that hold the same experts (``layout_rules.experts_sharded_over_edp``).
+EXPERT_HSDP_MESH_DIMS: tuple[str, str, str, str, str] = ("pp", "edp_replicate", "edp_shard", "ep", "tp")
 
 
 def backend_for(device_type: str, *, cpu_offload: bool = False) -> str:
@@ -106,6 +110,8 @@ class ParallelMesh:
     dp_cp: DeviceMesh | None = None
     #: context parallelism under HSDP: the 2-D ``(dp_replicate, dp_shard_cp)`` mesh FSDP2 runs on
     hsdp_cp: DeviceMesh | None = None
+    #: the experts' FSDP2 under HSDP: ``edp`` flattened from the expert root's ``(edp_replicate, edp_shard)``
+    edp: DeviceMesh | None = None
 
     def __getitem__(self, name: str) -> DeviceMesh:
         if name == "dp":
@@ -117,6 +123,8 @@ class ParallelMesh:
         if name in ("ep", "edp"):
             if self.expert_root is None:
                 raise TopologyError(f"mesh axis {name!r} exists only with expert parallelism (parallelism.ep > 1)")
+            if name == "edp" and self.edp is not None:
+                return self.edp
             return self.expert_root[name]
         if name not in CP_MESH_DIMS:
             raise TopologyError(f"mesh axis must be one of {_NAMES}, got {name!r}")
@@ -135,6 +143,17 @@ class ParallelMesh:
         if self.root.size(MESH_DIMS.index("dp_replicate")) == 1:
             return self.dp
         return self.root["dp_replicate", "dp_shard"]
+
+    @property
+    def expert_fsdp(self) -> DeviceMesh:
+        """The mesh FSDP2 shards the experts on (``layout_rules.experts_sharded_over_edp``): ``edp``, or under
+        HSDP the 2-D ``(edp_replicate, edp_shard)`` mesh (replicated over the replica groups, sharded over the
+        ranks of one replica that hold the same experts)."""
+        if self.expert_root is None:
+            raise TopologyError("the experts' FSDP2 mesh exists only with expert parallelism (parallelism.ep > 1)")
+        if self.edp is not None:
+            return self.expert_root["edp_replicate", "edp_shard"]
+        return self.expert_root["edp"]
 
     @property
     def expert(self) -> DeviceMesh | None:
@@ -161,7 +180,9 @@ class ParallelMesh:
         return tuple(self.root.get_coordinate())
 
 
-def build_device_mesh(topology: Topology, device_type: str, *, dp_replicate: int = 1, ep: int = 1) -> ParallelMesh:
+def build_device_mesh(
+    topology: Topology, device_type: str, *, dp_replicate: int = 1, ep: int = 1, experts_hsdp: bool = False
+) -> ParallelMesh:
     """The ``(pp, dp_replicate, dp_shard, tp)`` mesh of ``topology``, with ``dp`` flattened, and with
     ``ep > 1`` the ``(pp, edp, ep, tp)`` expert mesh over the same ranks. With ``topology.cp > 1`` the root
     is ``(pp, dp_replicate, dp_shard, cp, tp)`` and ``dp_cp`` is flattened too.
@@ -184,8 +205,17 @@ def build_device_mesh(topology: Topology, device_type: str, *, dp_replicate: int
         )
     validate_dp_replicate(topology.dp, dp_replicate)
     forget_mesh_state()  # an earlier job's or attempt's mesh in this process must not answer for this one
-    expert_root = None
-    if ep > 1:
+    expert_root = edp = None
+    if experts_hsdp:  # FSDP2 shards the experts under HSDP: edp as (replicas, ranks of a replica holding them)
+        dp_shard = topology.dp // dp_replicate
+        if ep < 2 or dp_shard % ep or topology.cp > 1:
+            raise TopologyError(
+                f"the experts' HSDP mesh needs ep={ep} > 1 to divide dp / dp_replicate = {dp_shard}, without cp"
+            )
+        shape = (topology.pp, dp_replicate, dp_shard // ep, ep, topology.tp)
+        expert_root = init_device_mesh(device_type, shape, mesh_dim_names=EXPERT_HSDP_MESH_DIMS)
+        edp = expert_root["edp_replicate", "edp_shard"]._flatten("edp")  # the same ranks as (pp, edp, ep, tp)
+    elif ep > 1:
         if topology.dp % ep:
             raise TopologyError(f"parallelism.ep={ep} does not divide parallelism.dp={topology.dp}")
         # The same ranks, dp split as (edp, ep): with cp, an ep group is the dp ranks of one cp index (the
@@ -203,10 +233,11 @@ def build_device_mesh(topology: Topology, device_type: str, *, dp_replicate: int
         if dp_replicate > 1:  # torch warns that slicing a flattened dimension is deprecated; torchtitan does it too
             root["dp_shard", "cp"]._flatten("dp_shard_cp")
             hsdp_cp = root["dp_replicate", "dp_shard_cp"]
-        return ParallelMesh(root=root, dp=dp, dp_cp=dp_cp, hsdp_cp=hsdp_cp, expert_root=expert_root)
+        return ParallelMesh(root=root, dp=dp, dp_cp=dp_cp, hsdp_cp=hsdp_cp, expert_root=expert_root, edp=edp)
     shape = (topology.pp, dp_replicate, topology.dp // dp_replicate, topology.tp)
     root = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
-    return ParallelMesh(root=root, dp=root["dp_replicate", "dp_shard"]._flatten("dp"), expert_root=expert_root)
+    dp = root["dp_replicate", "dp_shard"]._flatten("dp")
+    return ParallelMesh(root=root, dp=dp, expert_root=expert_root, edp=edp)
 
 
 def mesh_group_ranks(mesh: ParallelMesh, axis: str) -> tuple[int, ...]:

@@ -538,7 +538,7 @@ def apply_ep(module: nn.Module, dims: ParallelDims, *, fsdp_shards_experts: bool
     ``edp`` too (:func:`apply_dp`). The weights are then DTensors on the ``ep`` mesh alone (``(ep, tp)`` under
     tensor parallelism), which FSDP2 composes with its own ``edp`` dimension, as it composes with tp.
     """
-    if dims.mesh is None or dims.mesh.expert is None:
+    if dims.mesh is None or dims.mesh.expert_root is None:
         raise ConfigError("expert parallelism needs the (edp, ep) expert mesh", field="parallelism.ep")
     group = dims.mesh.get_group("ep")
     for layer in _moe_layers(module):
@@ -723,7 +723,7 @@ def apply_dp(
 
     Expert parallelism: the experts (DTensors split over ep, :func:`apply_ep`) are left to
     :func:`reduce_expert_grads`, or with ``fsdp_shards_experts`` get an FSDP2 unit of their own in each block
-    on the ``edp`` mesh, wrapped before the block so that the block's unit leaves them out (torchtitan's
+    on the ``edp`` mesh (under HSDP ``(edp_replicate, edp_shard)``: ``ParallelMesh.expert_fsdp``), wrapped before the block so that the block's unit leaves them out (torchtitan's
     order). Its reduce-scatter sums a rank's expert gradient over edp, and its divide factor is ``dp``, not
     edp: that gradient already sums the tokens of the ep peers that routed to it, so over edp it covers every
     dp rank once, and the mean over the global batch divides by dp (as :func:`reduce_expert_grads` does).
@@ -742,13 +742,13 @@ def apply_dp(
             policies["ignored_params"] = experts
         for block in module.layers.values():
             if fsdp_shards_experts:
-                edp = dims.axis("edp")
+                experts_mesh = dims.mesh.expert_fsdp  # edp, or under HSDP (edp_replicate, edp_shard)
                 for layer in _moe_layers(block):
-                    fully_shard(layer.experts, mesh=edp, **policies)
+                    fully_shard(layer.experts, mesh=experts_mesh, **policies)
                     layer.experts.set_gradient_divide_factor(float(dims.dp))
-                    # gloo has no pre-multiplied sum: a sum, then a division. Not with one edp rank (offload at
-                    # dp = ep), where FSDP2 reduces nothing and (torch 2.13) would divide twice.
-                    if edp.device_type == "cpu" and edp.size() > 1:
+                    # gloo has no pre-multiplied sum: a sum, then a division. Not with one rank to shard over
+                    # (offload at dp = ep), where FSDP2 reduces nothing and (torch 2.13) would divide twice.
+                    if experts_mesh.device_type == "cpu" and experts_mesh.size(-1) > 1:
                         layer.experts.set_force_sum_reduction_for_comms(True)
             fully_shard(block, mesh=fsdp_mesh, **policies)
         fully_shard(module, mesh=fsdp_mesh, **policies)

@@ -144,8 +144,24 @@ class Trainer:
                 field="training.timing_sync_every",
                 fix="use 1 to separate compute from waiting on every step, or e.g. 10",
             )
+        # Under HSDP, FSDP2's shards of the experts need edp split into replica groups on the expert mesh.
+        experts_hsdp = parallel.dp_replicate > 1 and layout_rules.experts_sharded_over_edp(
+            n_experts=config.model.n_experts,
+            zero=parallel.zero,
+            dp=parallel.dp,
+            ep=parallel.ep,
+            dp_replicate=parallel.dp_replicate,
+            cp=parallel.cp,
+            offload=parallel.offload,
+        )
         mesh = (
-            build_device_mesh(self.topology, self.device.type, dp_replicate=parallel.dp_replicate, ep=parallel.ep)
+            build_device_mesh(
+                self.topology,
+                self.device.type,
+                dp_replicate=parallel.dp_replicate,
+                ep=parallel.ep,
+                experts_hsdp=experts_hsdp,
+            )
             if self.distributed
             else None
         )

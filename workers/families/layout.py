@@ -168,9 +168,10 @@ def ep_problems(
     from the data-parallel dimension (world = pp·dp·tp still; each run of ``ep`` consecutive dp ranks
     splits every mixture-of-experts layer's experts, ``n_experts / ep`` each), so ``ep`` divides ``dp`` and
     the number of experts, and only a family with experts has any to split. Under ZeRO-2/3 FSDP2 shards the
-    experts too, over the ``dp / ep`` ranks that hold the same ones (``layout_rules.experts_sharded_over_edp``),
-    so CPU offload moves them with the dense shards; not yet under HSDP or context parallelism, where CPU
-    offload (an FSDP2 feature that would leave the experts in device memory) is refused. HSDP
+    experts too, over the ranks that hold the same ones (``layout_rules.expert_fsdp_shards``: under HSDP
+    those of one replica group), so CPU offload moves them with the dense shards; where it does not (context
+    parallelism, too few such ranks), CPU offload (an FSDP2 feature that would leave the experts in device
+    memory) is refused. HSDP
     (``dp_replicate``) composes: FSDP2 shards the dense weights over each replica and the experts, outside
     FSDP2, are averaged over the ranks that hold them; so does ZeRO-1, over the dense weights only (its
     step broadcasts each parameter from its owner to every dp rank, and the ep ranks hold different
@@ -224,12 +225,12 @@ def ep_problems(
             Problem(
                 field="parallelism.ep",
                 message=f"parallelism.ep={ep} with parallelism.offload={offload!r} needs FSDP2 to shard the experts "
-                "(it offloads only what it shards), which it does under ZeRO-2/3 without HSDP or context "
-                f"parallelism, where dp / ep = {edp} divides a rank's n_experts / ep = {model.n_experts // ep} "
-                f"experts; here (zero={zero}, dp_replicate={dp_replicate}, cp={cp}) the experts would stay in "
-                "device memory.",
-                fix="use parallelism.zero 2 or 3, dp_replicate=1, cp=1 and a dp whose dp / ep divides "
-                "n_experts / ep, or offload='none'",
+                "(it offloads only what it shards), which it does under ZeRO-2/3 without context parallelism, "
+                f"where the ranks holding the same experts (dp / ep = {edp}, or under HSDP those of one replica "
+                f"group, at least two) divide a rank's n_experts / ep = {model.n_experts // ep} experts; here "
+                f"(zero={zero}, dp_replicate={dp_replicate}, cp={cp}) the experts would stay in device memory.",
+                fix="use parallelism.zero 2 or 3, cp=1 and a dp whose dp / ep (per replica group under HSDP) "
+                "divides n_experts / ep, or offload='none'",
             )
         )
     return problems

@@ -66,6 +66,7 @@ __all__ = [
     "stage_ids_for_rank",
     "tied_embedding_problems",
     "uses_fsdp",
+    "expert_fsdp_shards",
     "experts_sharded_over_edp",
     "world_size",
     "world_size_problems",
@@ -501,7 +502,7 @@ def uses_fsdp(zero: int, dp: int) -> bool:
     return zero in (2, 3) and dp > 1
 
 
-def experts_sharded_over_edp(
+def expert_fsdp_shards(
     *,
     n_experts: int,
     zero: int,
@@ -510,30 +511,40 @@ def experts_sharded_over_edp(
     dp_replicate: int = 1,
     cp: int = 1,
     offload: str = "none",
-) -> bool:
-    """Whether FSDP2 shards the experts too, over the ``edp = dp / ep`` ranks that hold the same ones
-    (torchtitan's composition: FSDP2 takes a weight that is already a DTensor split by expert over ep, and
-    with tp by width, and adds its own shard over edp). Then a rank holds ``1 / (ep · edp)`` of the experts'
-    weights, gradients and AdamW states instead of ``1 / ep``, their gradients are reduce-scattered block by
-    block in the backward (overlapped with it) instead of all-reduced after it, and CPU offload moves them
-    to host memory with the dense shards.
+) -> int:
+    """Over how many ranks FSDP2 shards the experts, beside ep's split of them; 0 where it leaves them out.
 
-    Under ZeRO-2/3 (FSDP2) without HSDP or context parallelism (with tensor parallelism too: FSDP2 over
-    experts split by expert and by width, an ``(edp, ep, tp)`` spec), where ``edp > 1`` (with ``edp = 1`` there
-    is nothing to shard, and an FSDP2 wrapper would only add a copy of each layer's experts while they
-    compute) or with CPU offload, and where edp divides a rank's ``n_experts / ep`` experts (FSDP2 then
-    shards them by expert, each rank a run of whole experts, as every other expert split is). Elsewhere the experts stay whole over edp, outside DDP, ZeRO-1 and FSDP2,
-    and their gradients are all-reduced after the backward (``reduce_expert_grads``): under HSDP and cp
-    FSDP2's own meshes for them (edp split into replicas and shards, edp·cp flattened) are not built yet."""
-    return (
-        ep > 1
-        and uses_fsdp(zero, dp * cp)
-        and dp_replicate == 1
-        and cp == 1
-        and (dp // ep > 1 or offload != "none")
-        and n_experts % ep == 0
-        and (n_experts // ep) % (dp // ep) == 0
-    )
+    torchtitan's composition: FSDP2 takes an expert weight that is already a DTensor split by expert over ep
+    (and with tp by width) and adds its own shard over the ``edp = dp / ep`` ranks that hold the same experts.
+    A rank then holds ``1 / (ep · shards)`` of the experts' weights, gradients and AdamW states instead of
+    ``1 / ep``, their gradients are reduce-scattered block by block in the backward (overlapped with it)
+    instead of all-reduced after it, and CPU offload moves them to host memory with the dense shards.
+
+    * ZeRO-2/3 (FSDP2) without context parallelism (FSDP2's mesh for the experts under cp, edp·cp, is not
+      built), and edp must divide a rank's ``n_experts / ep`` experts, so that FSDP2 shards them by expert,
+      each rank a run of whole experts, as every other expert split is.
+    * Plain FSDP2: over all ``edp`` ranks, where ``edp > 1`` (with one there is nothing to shard, and a
+      wrapper would only add a copy of each layer's experts while they compute) or with CPU offload.
+    * HSDP (``dp_replicate > 1``): as the dense weights, sharded within a replica group (over its
+      ``dp / dp_replicate / ep`` ranks holding the same experts) and replicated over the groups; ep must
+      divide a replica's ranks, and at least two of them must hold each expert.
+
+    Elsewhere (DDP, ZeRO-1, and the cases above) the experts stay whole over edp, outside DDP, ZeRO-1 and
+    FSDP2, and their gradients are all-reduced over edp after the backward (``reduce_expert_grads``)."""
+    if ep < 2 or not uses_fsdp(zero, dp * cp) or cp != 1 or dp % ep or n_experts % ep:
+        return 0
+    if dp_replicate > 1:
+        if dp % dp_replicate or (dp // dp_replicate) % ep:
+            return 0
+        shards = dp // dp_replicate // ep
+        return shards if shards > 1 and (n_experts // ep) % shards == 0 else 0
+    shards = dp // ep
+    return shards if (shards > 1 or offload != "none") and (n_experts // ep) % shards == 0 else 0
+
+
+def experts_sharded_over_edp(**layout) -> bool:
+    """Whether FSDP2 shards the experts over the ranks that hold the same ones (:func:`expert_fsdp_shards`)."""
+    return expert_fsdp_shards(**layout) > 0
 
 
 def dp_replicate_problems(dp: int, dp_replicate: int) -> list[Problem]:
