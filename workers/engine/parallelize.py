@@ -71,6 +71,7 @@ __all__ = [
     "apply_ep",
     "expert_parameters",
     "reduce_expert_grads",
+    "shards_experts",
     "apply_tp",
     "fsdp_policies",
     "gradient_sync",
@@ -647,6 +648,22 @@ def validate_data_parallel(parallel: ParallelConfig) -> None:
     )
 
 
+def shards_experts(config: RunConfig) -> bool:
+    """Whether FSDP2 shards the run's experts over the ranks holding the same ones
+    (``layout_rules.experts_sharded_over_edp``): :func:`apply_ep` and :func:`apply_dp` then compose so, and
+    under HSDP the expert mesh must split edp into replica groups (``build_device_mesh(experts_hsdp=)``)."""
+    parallel = config.parallel
+    return layout_rules.experts_sharded_over_edp(
+        n_experts=config.model.n_experts,
+        zero=parallel.zero,
+        dp=parallel.dp,
+        ep=parallel.ep,
+        dp_replicate=parallel.dp_replicate,
+        cp=parallel.cp,
+        offload=parallel.offload,
+    )
+
+
 def uses_fsdp(dims: ParallelDims, parallel: ParallelConfig) -> bool:
     """Whether :func:`apply_dp` wraps with FSDP2 (ZeRO-2/3 over more than one dp·cp rank)."""
     return layout_rules.uses_fsdp(parallel.zero, dims.dp_cp)
@@ -813,15 +830,7 @@ def parallelize_stage(
         apply_tp(
             module, dims.axis("tp"), sequence_parallel=parallel.sequence_parallel, compiled=config.training.compile
         )
-    fsdp_shards_experts = layout_rules.experts_sharded_over_edp(
-        n_experts=config.model.n_experts,
-        zero=parallel.zero,
-        dp=dims.dp,
-        ep=dims.ep,
-        dp_replicate=dims.dp_replicate,
-        cp=dims.cp,
-        offload=parallel.offload,
-    )
+    fsdp_shards_experts = shards_experts(config)
     if dims.ep_enabled:  # its rules were checked by the Trainer before any process group
         apply_ep(module, dims, fsdp_shards_experts=fsdp_shards_experts)
     if dims.cp_enabled:  # likewise

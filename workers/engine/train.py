@@ -56,6 +56,7 @@ from etrain.workers.engine.parallelize import (
     loss_context,
     parallelize_stage,
     reduce_expert_grads,
+    shards_experts,
     unwrap,
     uses_fsdp,
     validate_data_parallel,
@@ -145,15 +146,7 @@ class Trainer:
                 fix="use 1 to separate compute from waiting on every step, or e.g. 10",
             )
         # Under HSDP, FSDP2's shards of the experts need edp split into replica groups on the expert mesh.
-        experts_hsdp = parallel.dp_replicate > 1 and layout_rules.experts_sharded_over_edp(
-            n_experts=config.model.n_experts,
-            zero=parallel.zero,
-            dp=parallel.dp,
-            ep=parallel.ep,
-            dp_replicate=parallel.dp_replicate,
-            cp=parallel.cp,
-            offload=parallel.offload,
-        )
+        experts_hsdp = parallel.dp_replicate > 1 and shards_experts(config)
         mesh = (
             build_device_mesh(
                 self.topology,
