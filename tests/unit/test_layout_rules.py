@@ -371,3 +371,43 @@ def test_layout_problems_are_exactly_the_failing_rules(model):
 def test_broken_degrees_stop_the_layout_rules():
     problems = family_rules.layout_problems(GPT, dp=0, tp=7, pp=5, virtual_stages=0)
     assert [p.field for p in problems] == ["parallelism.dp", "parallelism.virtual_stages"]
+
+
+# -- FSDP2's shards of the experts ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "layout, shards",
+    [
+        (dict(n_experts=8, zero=3, dp=4, ep=2), 2),  # edp = 2 ranks hold each expert
+        (dict(n_experts=8, zero=2, dp=8, ep=2), 4),
+        (dict(n_experts=8, zero=3, dp=2, ep=2), 0),  # one rank holds each: nothing to shard
+        (dict(n_experts=8, zero=3, dp=2, ep=2, offload="cpu"), 1),  # ... but FSDP2 must hold them to offload
+        (dict(n_experts=8, zero=1, dp=4, ep=2), 0),  # ZeRO-1 and DDP leave the experts whole
+        (dict(n_experts=8, zero=0, dp=4, ep=2), 0),
+        (dict(n_experts=8, zero=3, dp=4, ep=1), 0),  # no expert parallelism: the experts are FSDP2's anyway
+        (dict(n_experts=8, zero=3, dp=4, ep=2, cp=2), 0),  # the edp·cp mesh is not built
+        (dict(n_experts=6, zero=3, dp=8, ep=2), 0),  # 4 ranks cannot split a rank's 3 experts whole
+        (dict(n_experts=8, zero=3, dp=8, ep=2, dp_replicate=2), 2),  # HSDP: within a replica group of 4
+        (dict(n_experts=8, zero=3, dp=4, ep=2, dp_replicate=2), 0),  # one rank of a group holds each expert
+        (dict(n_experts=8, zero=3, dp=8, ep=4, dp_replicate=4), 0),  # ep does not divide a group's 2 ranks
+        (dict(n_experts=8, zero=3, dp=8, ep=2, dp_replicate=3), 0),  # not an HSDP layout
+    ],
+)
+def test_fsdp2_shards_the_experts_over_the_ranks_holding_the_same_ones(layout, shards):
+    assert rules.expert_fsdp_shards(**layout) == shards
+    assert rules.experts_sharded_over_edp(**layout) == (shards > 0)
+
+
+def test_wherever_fsdp2_shards_the_experts_each_rank_holds_a_run_of_whole_experts():
+    for n_experts, zero, dp, ep, dp_replicate, cp, offload in itertools.product(
+        (4, 6, 8, 16), (0, 1, 2, 3), (1, 2, 4, 6, 8, 16), (1, 2, 3, 4, 8), (1, 2, 4), (1, 2), ("none", "cpu")
+    ):
+        shards = rules.expert_fsdp_shards(
+            n_experts=n_experts, zero=zero, dp=dp, ep=ep, dp_replicate=dp_replicate, cp=cp, offload=offload
+        )
+        if not shards:
+            continue
+        assert zero in (2, 3) and cp == 1 and ep > 1 and dp % (ep * dp_replicate) == 0
+        assert (n_experts // ep) % shards == 0 and shards * ep * dp_replicate == dp
+        assert shards > 1 or (offload == "cpu" and dp_replicate == 1)
