@@ -19,7 +19,11 @@ mesh, :attr:`ParallelMesh.expert`, views the same ranks as ``(pp, edp, ep, tp)``
 (``ep`` fastest, so the flattened dp index is ``edp_index · ep + ep_index``, as on the root mesh, and an
 ep group is a run of consecutive dp ranks, on one node where a node holds them). Its ``(edp, ep)``
 sub-mesh is what the expert weights are DTensors on: ``Shard(0)`` (by expert) over ``ep``, ``Replicate``
-over ``edp``, the ranks that hold the same experts and average their gradients.
+over ``edp``, the ranks that hold the same experts and average their gradients. Where FSDP2 shards the
+experts over edp (``layout_rules.expert_fsdp_shards``) the weights are DTensors on ``ep`` alone and FSDP2
+adds edp (:attr:`ParallelMesh.expert_fsdp`); under HSDP the expert mesh is then ``(pp, edp_replicate,
+edp_shard, ep, tp)`` (:data:`EXPERT_HSDP_MESH_DIMS`, ``experts_hsdp``), the same ranks with edp split into
+the replica groups and the ranks of one group that hold the same experts, and ``edp`` is its flattening.
 
 Context parallelism (``parallelism.cp``) adds a ``cp`` dimension between ``dp_shard`` and ``tp``: the root
 mesh is then ``(pp, dp_replicate, dp_shard, cp, tp)`` (:data:`CP_MESH_DIMS`; Megatron order with cp between
