@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -45,6 +46,14 @@ RENDEZVOUS_TIMEOUT_S = 60.0
 # How long a finished group waits for its ranks to leave their job (release: a garbage collection and a
 # memory trim, well under a second) before it kills the ones that have not answered.
 RELEASE_TIMEOUT_S = 10.0
+# How long stop() waits for the GPU ranks it killed to be gone. Why wait: ray.kill only asks the node to end
+# the process (a call on the actor fails at once, before it has), and the next attempt's ranks take the same
+# GPUs (a relaunch, which is how a CUDA job survives a lost rank: NCCL's survivors cannot leave their
+# collectives, so they are killed): a process still being torn down holds its device memory, and a new rank
+# materialising a large model there would run out of it. torchrun and Ray Train likewise wait for the old
+# workers to exit before starting new ones. CPU ranks are not waited for (host memory is the node's, not a
+# device's a successor is pinned to, and the check costs a task per node).
+EXIT_TIMEOUT_S = 10.0
 # Failure classification is immediate on the recovery path and corrected later (issue #9): a rank
 # whose actor died is a process fault at once, unless Ray's own death cause already says its node
 # died; the runtime refunds the restart when the node table confirms a node loss afterwards
@@ -116,6 +125,7 @@ class WorkerGroup:
         self.pg = None
         self.actors: list[Any] = []
         self.nodes: dict[int, str] = {}  # rank -> node id
+        self._pids: dict[int, int] = {}  # rank -> its process id, from the last rendezvous
         self._bundle_nodes: dict[int, str] = {}  # bundle (= rank) -> node id, once the placement group is reserved
         self._reserving = False  # the placement group is requested and its bundles' nodes not yet recorded
         self._runs: dict[Any, int] = {}  # run ObjectRef -> rank
@@ -382,6 +392,7 @@ class WorkerGroup:
         """Learn where each rank runs, pick rank 0's address and a free port, start every ``run``."""
         infos = ray.get([actor.node_info.remote() for actor in self.actors], timeout=RENDEZVOUS_TIMEOUT_S)
         self.nodes = {info["rank"]: info["node_id"] for info in infos}
+        self._pids = {info["rank"]: int(info["pid"]) for info in infos}
         master_addr = infos[0]["ip"]
         master_port = ray.get(self.actors[0].free_port.remote(), timeout=RENDEZVOUS_TIMEOUT_S)
         for rank, actor in enumerate(self.actors):
@@ -903,16 +914,18 @@ class WorkerGroup:
             self._given_back = True
             self._remove_placement_group()
             given_back = self._give_back()
-        for actor in self.actors:
-            if _actor_key(actor) in given_back:
-                continue
-            try:
-                ray.kill(actor, no_restart=True)
-            except Exception:  # already dead
-                pass
+        killed = [rank for rank, actor in enumerate(self.actors) if _actor_key(actor) not in given_back]
+        for rank in killed:
+            _kill(self.actors[rank])
         self._remove_placement_group()
         self._runs.clear()
         self._returned.clear()
+        if self._resources.get("GPU"):
+            by_node: dict[str, list[int]] = {}
+            for rank in killed:
+                if rank in self._pids and self.nodes.get(rank):
+                    by_node.setdefault(self.nodes[rank], []).append(self._pids[rank])
+            _await_exits(by_node, EXIT_TIMEOUT_S)
 
     def _remove_placement_group(self) -> None:
         if self.pg is not None and not self._pg_removed:
@@ -966,6 +979,59 @@ def _kill(actor: Any) -> None:
         ray.kill(actor, no_restart=True)
     except Exception:  # already dead
         pass
+
+
+def _await_exits(pids_by_node: dict[str, list[int]], timeout_s: float) -> None:
+    """Wait up to ``timeout_s`` until the killed ranks' processes (``{node id: pids}``) have ended, each node
+    asked by a task of its own (EXIT_TIMEOUT_S says why). Never raises: a node that died took its processes
+    with it, and one still alive after the timeout is logged."""
+    if not pids_by_node:
+        return
+    asked = {
+        _processes_left.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)).remote(
+            pids, timeout_s
+        ): node
+        for node, pids in pids_by_node.items()
+    }
+    done, _ = ray.wait(list(asked), num_returns=len(asked), timeout=timeout_s + 10.0)
+    for ref in done:
+        try:
+            left = ray.get(ref, timeout=1)
+        except Exception:  # noqa: BLE001 - its node is gone, and the processes with it
+            continue
+        if left:
+            log.warning(
+                "stopped rank processes %s on node %s still run %.0fs after the kill", left, asked[ref], timeout_s
+            )
+
+
+@ray.remote(num_cpus=0, max_retries=0)
+def _processes_left(pids: list[int], timeout_s: float) -> list[int]:
+    """The processes of ``pids`` (on this node) still running after up to ``timeout_s``; a zombie has ended."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = [pid for pid in pids if process_runs(pid)]
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.05)
+
+
+def process_runs(pid: int) -> bool:
+    """Whether process ``pid`` of this node still runs: it exists and is not a zombie (which has given back its
+    memory, its devices' included, and only waits for its parent to read its status)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no procfs: ask the kernel (a zombie then counts as running)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
 
 
 class PlacementTimeout(RuntimeError):

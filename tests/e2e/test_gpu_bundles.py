@@ -8,8 +8,9 @@ WorkerGroup of two ranks of ``{CPU: 1, GPU: 1}`` runs a ``device: cpu`` job (the
 rank with either device), and each rank says which GPUs it runs on (``TrainWorker.devices``): warm
 spares and cold ranks alike hold exactly their own bundle's GPU id (what a task in that bundle gets
 from Ray), distinct across ranks, with the process pinned to it (``CUDA_VISIBLE_DEVICES``), and so
-does a rank replaced in place from a spare. The CUDA half (the context on that GPU) is
-tests/gpu/test_cuda.py's.
+does a rank replaced in place from a spare. A stopped group's ranks have exited when ``stop`` returns, so a
+relaunch's new ranks never share a GPU with a predecessor still being torn down. The CUDA half (the context on
+that GPU) is tests/gpu/test_cuda.py's.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import pytest
 import torch
 
 from etrain.service.runtime.spares import ensure_pool, find_pool
-from etrain.service.runtime.worker_group import WorkerGroup
+from etrain.service.runtime.worker_group import WorkerGroup, process_runs
 from etrain.workers.protocol.messages import LaunchPlan
 from etrain.workers.protocol.run_config import ParallelConfig
 from tests.equivalence_utils import small_config
@@ -175,3 +176,22 @@ def test_a_spare_runs_on_its_bundles_gpu_at_launch_and_when_it_replaces_a_rank_i
         group.stop()
         ray.get(pool.close.remote(), timeout=30)
         ray.kill(pool, no_restart=True)
+
+
+def test_a_stopped_groups_ranks_are_gone_before_stop_returns(gpu_node):
+    """A relaunch takes the same GPUs for its new ranks at once (a CUDA job's answer to a lost rank), so
+    ``stop`` returns only once the ranks it killed have exited: a process still being torn down would hold
+    its device memory while a new rank materialises its model there."""
+    ensure_pool(0)
+    group = _group(ReadyReports.remote())
+    try:
+        group.start()
+        pids = [ray.get(actor.node_info.remote(), timeout=10)["pid"] for actor in group.actors]
+        assert all(process_runs(pid) for pid in pids)
+        started = time.monotonic()
+        group.stop()
+        stopped_s = time.monotonic() - started
+        assert not any(process_runs(pid) for pid in pids), pids
+        assert stopped_s < 5.0, stopped_s
+    finally:
+        group.stop()
