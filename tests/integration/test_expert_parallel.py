@@ -38,6 +38,7 @@ from etrain.service.planning.plan_memory import stage_memory
 from etrain.workers import families
 from etrain.workers.families import MODEL_PRESETS
 from etrain.workers.protocol.errors import ConfigError
+from etrain.workers.protocol.memory_resume import replica_key
 from etrain.workers.protocol.run_config import ModelConfig, ParallelConfig
 from tests.dist_utils import run_distributed
 from tests.equivalence_utils import LOSS_RTOL, RunResult, assert_equivalent, save_and_commit, small_config
@@ -149,6 +150,16 @@ def _held(config, rank: int, world_size: int) -> tuple[list[tuple[int, ...]], in
     return shapes, held
 
 
+def _trained_expert_shard(config, rank: int, world_size: int) -> torch.Tensor:
+    """A rank's local shard of its first layer's w1 experts after two steps."""
+    from etrain.workers.engine.train import Trainer
+
+    trainer = Trainer(config, rank=rank, world_size=world_size, device=torch.device("cpu"))
+    trainer.run(0, 2)
+    (model,) = trainer.model_parts
+    return model.layers["0"].feed_forward.experts.w1.to_local().detach().clone()
+
+
 def _eight_ranks(rank: int, world_size: int, root: str) -> dict:
     """Two layouts of eight ranks under FSDP2, each saved at step 2:
 
@@ -162,6 +173,7 @@ def _eight_ranks(rank: int, world_size: int, root: str) -> dict:
     return {
         "tp2": _held(tp2, rank, world_size),
         "hsdp": _held(hsdp, rank, world_size),
+        "hsdp_shard": _trained_expert_shard(hsdp, rank, world_size),
         "zero3_sp": _train(tp2, rank, world_size, save_root=f"{root}/tp2ep2"),
         "hsdp_run": _train(hsdp, rank, world_size, save_root=f"{root}/hsdp-ep2"),
     }
@@ -326,6 +338,15 @@ def test_fsdp2_shards_experts_under_tensor_parallelism_and_hsdp(reference):
     assert_equivalent(
         one_by_one, [r["hsdp_run"] for r in ranks], layout="qwen3_moe dp8 ep2 zero=3 hsdp=2 (experts sharded)"
     )
+    # An in-place repair restores a lost rank from a rank with the same state key (memory_resume.replica_key):
+    # under HSDP with the experts sharded, those hold the very same expert shard after training, and no other
+    # rank holds it.
+    keys = [replica_key(rank, dp=8, zero=3, dp_replicate=2, ep=2) for rank in range(8)]
+    for a in range(8):
+        for b in range(a + 1, 8):
+            same = torch.equal(ranks[a]["hsdp_shard"], ranks[b]["hsdp_shard"])
+            assert same == (keys[a] == keys[b]), (a, b, keys[a], keys[b])
+    assert len(set(keys)) == 4  # four distinct shards, each held by one rank of each replica group
     for reference_run, config, name in ((one, BASE, "tp2ep2"), (one_by_one, single, "hsdp-ep2")):
         restored = _train(config, 0, 1, restore=f"{root}/{name}")  # the shards -> one process
         _assert_losses(reference_run, restored.losses, first=SAVE_AT, layout=f"{name} zero=3 -> one process")
