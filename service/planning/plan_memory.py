@@ -32,7 +32,7 @@ What a rank holds (``stage_memory``), as the engine runs (``workers/engine/paral
   each MoE layer whole (weights, gradients, AdamW moments: 16 bytes per element), replicated over the
   ``dp / ep`` ranks holding the same ones; DDP's buckets and FSDP2's gathers and shards leave them out,
   and autocast casts only the local ones. Where FSDP2 shards them over those ranks too
-  (``layout_rules.experts_sharded_over_edp``) a rank holds ``1 / (dp / ep)`` of them, and FSDP2 gathers and
+  (``layout_rules.expert_fsdp_shards``) a rank holds ``1 / (dp / ep)`` of them, and FSDP2 gathers and
   reduces each block's local experts with the block (its ``gathered_params`` and ``unsharded_grads``). Activations add the exchange's two int64 indexes per pick (the
   regrouping permutation and its inverse), the routing assumed balanced.
 * Tensor parallelism as measured: the token embedding's gradient arrives replicated (full

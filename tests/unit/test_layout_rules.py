@@ -396,7 +396,6 @@ def test_broken_degrees_stop_the_layout_rules():
 )
 def test_fsdp2_shards_the_experts_over_the_ranks_holding_the_same_ones(layout, shards):
     assert rules.expert_fsdp_shards(**layout) == shards
-    assert rules.experts_sharded_over_edp(**layout) == (shards > 0)
 
 
 def test_wherever_fsdp2_shards_the_experts_each_rank_holds_a_run_of_whole_experts():

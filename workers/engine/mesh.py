@@ -15,7 +15,7 @@ DeviceMesh lays ranks out row-major (last dimension fastest), which is exactly M
 process groups.
 
 Expert parallelism (``parallelism.ep``, torchtitan's composition) borrows its ranks from ``dp``: a second
-mesh, :attr:`ParallelMesh.expert`, views the same ranks as ``(pp, edp, ep, tp)`` with ``dp = edp × ep``
+mesh, :attr:`ParallelMesh.expert_root`, views the same ranks as ``(pp, edp, ep, tp)`` with ``dp = edp × ep``
 (``ep`` fastest, so the flattened dp index is ``edp_index · ep + ep_index``, as on the root mesh, and an
 ep group is a run of consecutive dp ranks, on one node where a node holds them). Its ``(edp, ep)``
 sub-mesh is what the expert weights are DTensors on: ``Shard(0)`` (by expert) over ``ep``, ``Replicate``
@@ -75,7 +75,7 @@ EXPERT_MESH_DIMS: tuple[str, str, str, str] = ("pp", "edp", "ep", "tp")
 #: The expert mesh's dimensions with context parallelism too (cp between dp and tp, as on the root mesh).
 EXPERT_CP_MESH_DIMS: tuple[str, str, str, str, str] = ("pp", "edp", "ep", "cp", "tp")
 #: The expert mesh's dimensions where FSDP2 shards the experts under HSDP: edp split as the replica groups and
-#: the ranks of one replica that hold the same experts (``layout_rules.experts_sharded_over_edp``).
+#: the ranks of one replica that hold the same experts (``layout_rules.expert_fsdp_shards``).
 EXPERT_HSDP_MESH_DIMS: tuple[str, str, str, str, str] = ("pp", "edp_replicate", "edp_shard", "ep", "tp")
 
 
@@ -150,7 +150,7 @@ class ParallelMesh:
 
     @property
     def expert_fsdp(self) -> DeviceMesh:
-        """The mesh FSDP2 shards the experts on (``layout_rules.experts_sharded_over_edp``): ``edp``, or under
+        """The mesh FSDP2 shards the experts on (``layout_rules.expert_fsdp_shards``): ``edp``, or under
         HSDP the 2-D ``(edp_replicate, edp_shard)`` mesh (replicated over the replica groups, sharded over the
         ranks of one replica that hold the same experts)."""
         if self.expert_root is None:
@@ -158,17 +158,6 @@ class ParallelMesh:
         if self.edp is not None:
             return self.expert_root["edp_replicate", "edp_shard"]
         return self.expert_root["edp"]
-
-    @property
-    def expert(self) -> DeviceMesh | None:
-        """The ``(edp, ep)`` mesh the expert weights are sharded on (None when ep = 1)."""
-        return None if self.expert_root is None else self.expert_root["edp", "ep"]
-
-    @property
-    def expert_tp(self) -> DeviceMesh | None:
-        """The ``(edp, ep, tp)`` mesh of expert weights split by expert over ep and by width over tp (None
-        when ep = 1)."""
-        return None if self.expert_root is None else self.expert_root["edp", "ep", "tp"]
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -535,7 +535,7 @@ def apply_ep(module: nn.Module, dims: ParallelDims, *, fsdp_shards_experts: bool
     :func:`reduce_expert_grads` sums them over ``edp`` and divides by ``dp``, which is the gradient of the
     mean loss over the global batch (a rank's expert gradient already sums the tokens every ep peer sent it).
 
-    ``fsdp_shards_experts`` (``layout_rules.experts_sharded_over_edp``): FSDP2 will shard the experts over
+    ``fsdp_shards_experts`` (``layout_rules.expert_fsdp_shards``): FSDP2 will shard the experts over
     ``edp`` too (:func:`apply_dp`). The weights are then DTensors on the ``ep`` mesh alone (``(ep, tp)`` under
     tensor parallelism), which FSDP2 composes with its own ``edp`` dimension, as it composes with tp.
     """
@@ -650,10 +650,10 @@ def validate_data_parallel(parallel: ParallelConfig) -> None:
 
 def shards_experts(config: RunConfig) -> bool:
     """Whether FSDP2 shards the run's experts over the ranks holding the same ones
-    (``layout_rules.experts_sharded_over_edp``): :func:`apply_ep` and :func:`apply_dp` then compose so, and
+    (``layout_rules.expert_fsdp_shards``): :func:`apply_ep` and :func:`apply_dp` then compose so, and
     under HSDP the expert mesh must split edp into replica groups (``build_device_mesh(experts_hsdp=)``)."""
     parallel = config.parallel
-    return layout_rules.experts_sharded_over_edp(
+    shards = layout_rules.expert_fsdp_shards(
         n_experts=config.model.n_experts,
         zero=parallel.zero,
         dp=parallel.dp,
@@ -662,6 +662,7 @@ def shards_experts(config: RunConfig) -> bool:
         cp=parallel.cp,
         offload=parallel.offload,
     )
+    return shards > 0
 
 
 def uses_fsdp(dims: ParallelDims, parallel: ParallelConfig) -> bool:

@@ -30,7 +30,7 @@ from etrain.workers.protocol.layout_rules import (
     data_parallel_problems,
     degree_problems,
     divisors,
-    experts_sharded_over_edp,
+    expert_fsdp_shards,
     is_count,
     layer_problems,
     schedule_problems,
@@ -216,7 +216,7 @@ def ep_problems(
     if (
         offload != "none"
         and not problems
-        and not experts_sharded_over_edp(
+        and not expert_fsdp_shards(
             n_experts=model.n_experts, zero=zero, dp=dp, ep=ep, dp_replicate=dp_replicate, cp=cp, offload=offload
         )
     ):

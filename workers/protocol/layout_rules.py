@@ -67,7 +67,6 @@ __all__ = [
     "tied_embedding_problems",
     "uses_fsdp",
     "expert_fsdp_shards",
-    "experts_sharded_over_edp",
     "world_size",
     "world_size_problems",
     "zero_problems",
@@ -540,23 +539,6 @@ def expert_fsdp_shards(
         return shards if shards > 1 and (n_experts // ep) % shards == 0 else 0
     shards = dp // ep
     return shards if (shards > 1 or offload != "none") and (n_experts // ep) % shards == 0 else 0
-
-
-def experts_sharded_over_edp(
-    *,
-    n_experts: int,
-    zero: int,
-    dp: int,
-    ep: int,
-    dp_replicate: int = 1,
-    cp: int = 1,
-    offload: str = "none",
-) -> bool:
-    """Whether FSDP2 shards the experts over the ranks that hold the same ones (:func:`expert_fsdp_shards`)."""
-    shards = expert_fsdp_shards(
-        n_experts=n_experts, zero=zero, dp=dp, ep=ep, dp_replicate=dp_replicate, cp=cp, offload=offload
-    )
-    return shards > 0
 
 
 def dp_replicate_problems(dp: int, dp_replicate: int) -> list[Problem]:
