@@ -208,3 +208,77 @@ def test_shape_rules_are_the_familys(name):
         assert [e.field for e in found.shape_errors(_config(name, {"n_kv_heads": 3}))] == ["model.n_kv_heads"]
     else:
         assert [e.field for e in found.shape_errors(_config(name, {"d_model": 50}))] == ["model.d_model"]
+
+
+class _MutatingOps:
+    """The mutating (in-place or ``out=``) ops run inside the model's blocks, by torch's own schema flag."""
+
+    def __init__(self, model: torch.nn.Module):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        found: list[str] = []
+        self.found = found
+        inside = [False]
+
+        class Record(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if inside[0] and func._schema.is_mutable:
+                    found.append(str(func))
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Record()
+        for block in model.layers.values():
+            block.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True))
+            block.register_forward_hook(lambda *_: inside.__setitem__(0, False))
+
+
+@pytest.mark.parametrize(("name", "variant"), CASES, ids=IDS)
+def test_no_block_runs_an_in_place_op(name, variant):
+    """``training.compile`` with ``activation_checkpointing: selective`` hands torch.compile a checkpointed
+    block with a policy, which torch accepts only for regions without in-place ops and says so in a warning
+    (``torch._higher_order_ops.wrap``) that ``workers/engine/compile.py`` silences: this is the check it
+    stands on, for every family, in fp32 and under bf16 autocast."""
+    from etrain.workers.engine.init import build_model
+
+    config = _config(name, variant)
+    model = build_model(config, seed=0)
+    ops = _MutatingOps(model)
+    tokens = torch.randint(0, config.vocab_size, (2, config.seq_len), generator=torch.Generator().manual_seed(0))
+    with ops.mode:
+        model(tokens)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(tokens)
+    assert ops.found == []
+    # ... and the check sees one: a block that adds in place
+    block = next(iter(model.layers.values()))
+    block.register_forward_hook(
+        lambda _m, _a, out: out.add_(1.0) if torch.is_tensor(out) else out[0].add_(1.0), prepend=True
+    )
+    with ops.mode, torch.no_grad():
+        model(tokens)
+    assert ops.found and "add_" in ops.found[0], ops.found
+
+
+def test_compile_silences_only_torchs_in_place_warning():
+    import logging
+
+    from etrain.workers.engine.compile import silence_checked_warnings
+
+    silence_checked_warnings()
+    logger = logging.getLogger("torch._higher_order_ops.wrap")
+    kept = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            kept.append(record.getMessage())
+
+    handler = Keep()
+    logger.addHandler(handler)
+    try:
+        logger.warning(
+            "\nDetected that context_fn is passed to torch.utils.checkpoint under torch.compile.\nPlease ..."
+        )
+        logger.warning("something else")
+    finally:
+        logger.removeHandler(handler)
+    assert kept == ["something else"]
