@@ -319,10 +319,11 @@ def evaluate(case: Case) -> PlanEstimate:
         expert_shards = layout_rules.expert_fsdp_shards(
             n_experts=model.n_experts, zero=zero, dp=dp, ep=ep, dp_replicate=replicate, cp=cp, offload=lay.offload
         )
+        holders = dp // ep * cp  # the ranks holding the same experts: edp, and the cp ranks of each
         if expert_shards:  # FSDP2 over the ranks holding the same experts: gathered and reduce-scattered per block
             expert_volume, expert_ops = dp_traffic(
                 zero=zero,
-                dp=dp // ep,  # under HSDP: shard groups of expert_shards ranks, all-reduced over the replicas
+                dp=holders,  # under HSDP: shard groups of expert_shards ranks, all-reduced over the replicas
                 pp=pp,
                 microbatches=m,
                 params=experts_local,
@@ -330,12 +331,13 @@ def evaluate(case: Case) -> PlanEstimate:
                 grad_bytes=gb,
                 units=layers,
                 tensors=3 * layers,
-                dp_replicate=(dp // ep) // expert_shards,
+                dp_replicate=holders // expert_shards,
             )
             volume, ops = volume + expert_volume, ops + expert_ops
-        elif ep > 1 and dp > ep:  # the local experts' gradients, all-reduced over the dp / ep ranks holding them
-            volume += 2 * (dp // ep - 1) / (dp // ep) * experts_local * gb
-            ops += 3 * layers
+        elif ep > 1:  # the local experts' gradients, all-reduced over edp, then over cp (reduce_expert_grads)
+            for group in (n for n in (dp // ep, cp) if n > 1):
+                volume += 2 * (group - 1) / group * experts_local * gb
+                ops += 3 * layers
         dp_bytes.append(volume)
         dp_ops.append(ops)
         volume, ops = tp_traffic(

@@ -135,45 +135,45 @@ def _experts_sharded_over_edp(rank: int, world_size: int, root: str) -> dict:
         "zero2": _train(_config(ParallelConfig(dp=4, ep=2, zero=2)), rank, world_size, activation_checkpointing="full"),
         "offload": _train(_config(ParallelConfig(dp=4, ep=2, zero=3, offload="cpu")), rank, world_size),
         "compiled": _train(_config(parallel), rank, world_size, compile=True),
+        # context parallelism: dp2·cp2·ep2, the two cp ranks of an edp index hold the same experts, so FSDP2
+        # shards them over those two (edp·cp, flattened over the ep dimension between them)
+        "cp_held": _held(_config(ParallelConfig(dp=2, cp=2, ep=2, zero=3)), rank, world_size),
+        "cp": _train(_config(ParallelConfig(dp=2, cp=2, ep=2, zero=3)), rank, world_size, save_root=f"{root}/cp2ep2"),
     }
 
 
-def _held(config, rank: int, world_size: int) -> tuple[list[tuple[int, ...]], int]:
-    """The local shapes of a rank's first layer's w1 and w2 experts, and the parameter elements it holds."""
+def _held(config, rank: int, world_size: int, *, train_steps: int = 0) -> tuple:
+    """The local shapes of a rank's first layer's w1 and w2 experts, the parameter elements it holds, its local
+    shard of those w1 experts after ``train_steps`` steps, and those steps' results."""
     from etrain.workers.engine.train import Trainer
 
+    torch.manual_seed(0)
     trainer = Trainer(config, rank=rank, world_size=world_size, device=torch.device("cpu"))
     (model,) = trainer.model_parts
     experts = model.layers["0"].feed_forward.experts
     shapes = [tuple(experts.w1.to_local().shape), tuple(experts.w2.to_local().shape)]
     held = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
-    return shapes, held
-
-
-def _trained_expert_shard(config, rank: int, world_size: int) -> torch.Tensor:
-    """A rank's local shard of its first layer's w1 experts after two steps."""
-    from etrain.workers.engine.train import Trainer
-
-    trainer = Trainer(config, rank=rank, world_size=world_size, device=torch.device("cpu"))
-    trainer.run(0, 2)
-    (model,) = trainer.model_parts
-    return model.layers["0"].feed_forward.experts.w1.to_local().detach().clone()
+    history = trainer.run(0, train_steps)
+    return shapes, held, experts.w1.to_local().detach().clone(), _result(trainer, history)
 
 
 def _eight_ranks(rank: int, world_size: int, root: str) -> dict:
-    """Two layouts of eight ranks under FSDP2, each saved at step 2:
+    """Three layouts of eight ranks under FSDP2, the first two saved at step 2:
 
     * dp4·tp2·ep2: every expert split by width over tp, the experts by expert over ep, and FSDP2 shards each
       rank's over the two edp ranks holding the same ones (an (edp, ep, tp) spec);
     * dp8·ep2 under HSDP (2 replica groups of 4): FSDP2 shards each rank's experts over the two ranks of its
-      replica group holding the same ones, and replicates them over the groups."""
+      replica group holding the same ones, and replicates them over the groups;
+    * dp4·cp2·ep2 under HSDP (2 replica groups of dp2·cp2): one rank of a group holds each ep index's experts
+      on each cp index, so FSDP2 shards them over the group's cp pair."""
     tp2 = _config(ParallelConfig(dp=4, tp=2, ep=2, zero=3, sequence_parallel=True))
     hsdp = _config(ParallelConfig(dp=8, ep=2, zero=3, dp_replicate=2))
     hsdp = dataclasses.replace(hsdp, training=dataclasses.replace(hsdp.training, micro_batch=1))  # 8 sequences
+    hsdp_cp = _config(ParallelConfig(dp=4, cp=2, ep=2, zero=3, dp_replicate=2))
     return {
+        "hsdp_cp": _held(hsdp_cp, rank, world_size, train_steps=STEPS),
         "tp2": _held(tp2, rank, world_size),
-        "hsdp": _held(hsdp, rank, world_size),
-        "hsdp_shard": _trained_expert_shard(hsdp, rank, world_size),
+        "hsdp": _held(hsdp, rank, world_size, train_steps=2),
         "zero3_sp": _train(tp2, rank, world_size, save_root=f"{root}/tp2ep2"),
         "hsdp_run": _train(hsdp, rank, world_size, save_root=f"{root}/hsdp-ep2"),
     }
@@ -271,7 +271,7 @@ def test_ep2_trains_like_one_process_and_reshards(reference):
     assert len(restored.losses) == STEPS - SAVE_AT
 
 
-def _planned_elements(*, dp: int, tp: int, ep: int, dp_replicate: int = 1) -> float:
+def _planned_elements(*, dp: int, tp: int, ep: int, dp_replicate: int = 1, cp: int = 1) -> float:
     """The parameter elements the planner counts on a rank of the tiny MoE under ZeRO-3."""
     planned = stage_memory(
         MOE,
@@ -291,6 +291,7 @@ def _planned_elements(*, dp: int, tp: int, ep: int, dp_replicate: int = 1) -> fl
         overhead=0.0,
         ep=ep,
         dp_replicate=dp_replicate,
+        cp=cp,
     )
     return planned.parameters / 4
 
@@ -319,6 +320,14 @@ def test_fsdp2_shards_the_experts_over_the_ranks_holding_the_same_ones(reference
     assert_equivalent(one, [r["offload"] for r in ranks], layout="qwen3_moe dp4 ep2 zero=3 offload=cpu")
     restored = _train(BASE, 0, 1, restore=f"{root}/dp4ep2z3")  # the sharded experts -> one process
     _assert_losses(one, restored.losses, first=SAVE_AT, layout="dp4 ep2 zero=3 -> one process")
+    # dp2·cp2·ep2: 2 of the 8 experts a rank (4 per ep rank, halved over the cp pair), what the planner counts
+    e, d, f = MOE.n_experts, MOE.d_model, MOE.expert_dim
+    assert all(r["cp_held"][0] == [(e // 4, f, d), (e // 4, d, f)] for r in ranks), ranks[0]["cp_held"]
+    assert [r["cp_held"][1] for r in ranks] == [dense // 4 + experts // 4] * 4
+    assert _planned_elements(dp=2, tp=1, ep=2, cp=2) == dense // 4 + experts // 4
+    assert_equivalent(one, [r["cp"] for r in ranks], layout="qwen3_moe dp2 cp2 ep2 zero=3 (experts sharded over cp)")
+    restored = _train(BASE, 0, 1, restore=f"{root}/cp2ep2")
+    _assert_losses(one, restored.losses, first=SAVE_AT, layout="dp2 cp2 ep2 zero=3 -> one process")
 
 
 def test_fsdp2_shards_experts_under_tensor_parallelism_and_hsdp(reference):
@@ -344,9 +353,20 @@ def test_fsdp2_shards_experts_under_tensor_parallelism_and_hsdp(reference):
     keys = [replica_key(rank, dp=8, zero=3, dp_replicate=2, ep=2) for rank in range(8)]
     for a in range(8):
         for b in range(a + 1, 8):
-            same = torch.equal(ranks[a]["hsdp_shard"], ranks[b]["hsdp_shard"])
+            same = torch.equal(ranks[a]["hsdp"][2], ranks[b]["hsdp"][2])
             assert same == (keys[a] == keys[b]), (a, b, keys[a], keys[b])
     assert len(set(keys)) == 4  # four distinct shards, each held by one rank of each replica group
+    # dp4·cp2·ep2 under HSDP: 2 of the 8 experts a rank, equal to one process; the ranks with the same state key
+    # (data group index dp_index · cp + cp_index = the rank here) hold the same expert shard, and no others
+    assert all(r["hsdp_cp"][0] == [(e // 4, f, d), (e // 4, d, f)] for r in ranks), ranks[0]["hsdp_cp"]
+    assert [r["hsdp_cp"][1] for r in ranks] == [_planned_elements(dp=4, tp=1, ep=2, dp_replicate=2, cp=2)] * 8
+    assert_equivalent(one, [r["hsdp_cp"][3] for r in ranks], layout="qwen3_moe dp4 cp2 ep2 zero=3 hsdp=2")
+    keys = [replica_key(rank, dp=4, zero=3, dp_replicate=2, ep=2, cp=2) for rank in range(8)]
+    for a in range(8):
+        for b in range(a + 1, 8):
+            same = torch.equal(ranks[a]["hsdp_cp"][2], ranks[b]["hsdp_cp"][2])
+            assert same == (keys[a] == keys[b]), (a, b, keys[a], keys[b])
+    assert len(set(keys)) == 4
     for reference_run, config, name in ((one, BASE, "tp2ep2"), (one_by_one, single, "hsdp-ep2")):
         restored = _train(config, 0, 1, restore=f"{root}/{name}")  # the shards -> one process
         _assert_losses(reference_run, restored.losses, first=SAVE_AT, layout=f"{name} zero=3 -> one process")

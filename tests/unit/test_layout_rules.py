@@ -386,7 +386,11 @@ def test_broken_degrees_stop_the_layout_rules():
         (dict(n_experts=8, zero=1, dp=4, ep=2), 0),  # ZeRO-1 and DDP leave the experts whole
         (dict(n_experts=8, zero=0, dp=4, ep=2), 0),
         (dict(n_experts=8, zero=3, dp=4, ep=1), 0),  # no expert parallelism: the experts are FSDP2's anyway
-        (dict(n_experts=8, zero=3, dp=4, ep=2, cp=2), 0),  # the edp·cp mesh is not built
+        (dict(n_experts=8, zero=3, dp=4, ep=2, cp=2), 4),  # cp ranks hold the same experts: edp·cp = 4
+        (dict(n_experts=8, zero=3, dp=2, ep=2, cp=2), 2),  # one edp rank, but two cp ranks hold each expert
+        (dict(n_experts=8, zero=3, dp=8, ep=2, cp=4), 0),  # 16 ranks cannot split a rank's 4 experts whole
+        (dict(n_experts=8, zero=1, dp=4, ep=2, cp=2), 0),
+        (dict(n_experts=8, zero=3, dp=4, ep=2, dp_replicate=2, cp=2), 2),  # HSDP: one edp_shard rank x 2 cp
         (dict(n_experts=6, zero=3, dp=8, ep=2), 0),  # 4 ranks cannot split a rank's 3 experts whole
         (dict(n_experts=8, zero=3, dp=8, ep=2, dp_replicate=2), 2),  # HSDP: within a replica group of 4
         (dict(n_experts=8, zero=3, dp=4, ep=2, dp_replicate=2), 0),  # one rank of a group holds each expert
@@ -407,6 +411,7 @@ def test_wherever_fsdp2_shards_the_experts_each_rank_holds_a_run_of_whole_expert
         )
         if not shards:
             continue
-        assert zero in (2, 3) and cp == 1 and ep > 1 and dp % (ep * dp_replicate) == 0
-        assert (n_experts // ep) % shards == 0 and shards * ep * dp_replicate == dp
+        assert zero in (2, 3) and ep > 1 and dp % (ep * dp_replicate) == 0
+        # the ranks of one replica group holding the same experts: its edp ranks and their cp ranks
+        assert (n_experts // ep) % shards == 0 and shards * ep * dp_replicate == dp * cp
         assert shards > 1 or (offload == "cpu" and dp_replicate == 1)

@@ -356,6 +356,11 @@ def test_the_planner_divides_the_experts_and_their_state_by_ep_and_counts_the_al
     hsdp = estimate(_gpu_spec("qwen3-30b-a3b", {"dp": 8, "zero": 3, "ep": 4, "dp_replicate": 2}))
     assert hsdp.memory.parameters == pytest.approx(4 * (dense / 4 + experts / 4), abs=1)
     assert hsdp.memory.optimizer_states == pytest.approx(8 * (dense / 4 + experts / 4), abs=1)
+    # with context parallelism the cp ranks of an edp rank hold the same experts too: dp4·cp2·ep4 shards a rank's
+    # 32 experts over its cp pair (1/8 of them a rank, as at dp8·ep4), the dense weights over dp·cp = 8
+    cp = estimate(_gpu_spec("qwen3-30b-a3b", {"dp": 4, "cp": 2, "zero": 3, "ep": 4}))
+    assert cp.memory.parameters == pytest.approx(4 * (dense / 8 + experts / 8), abs=1)
+    assert cp.memory.optimizer_states == pytest.approx(8 * (dense / 8 + experts / 8), abs=1)
     ddp = estimate(_gpu_spec("qwen3-30b-a3b", {"dp": 8, "ep": 8}))
     assert ddp.memory.parameters == pytest.approx(4 * (dense + experts / 8), abs=1)
     assert ddp.memory.buffer_parts["ddp_buckets"] == pytest.approx(4 * dense, abs=1)  # DDP leaves experts out

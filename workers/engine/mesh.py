@@ -20,19 +20,23 @@ mesh, :attr:`ParallelMesh.expert_root`, views the same ranks as ``(pp, edp, ep, 
 ep group is a run of consecutive dp ranks, on one node where a node holds them). Its ``(edp, ep)``
 sub-mesh is what the expert weights are DTensors on: ``Shard(0)`` (by expert) over ``ep``, ``Replicate``
 over ``edp``, the ranks that hold the same experts and average their gradients. Where FSDP2 shards the
-experts over edp (``layout_rules.expert_fsdp_shards``) the weights are DTensors on ``ep`` alone and FSDP2
-adds edp (:attr:`ParallelMesh.expert_fsdp`); under HSDP the expert mesh is then ``(pp, edp_replicate,
-edp_shard, ep, tp)`` (:data:`EXPERT_HSDP_MESH_DIMS`, ``experts_hsdp``), the same ranks with edp split into
-the replica groups and the ranks of one group that hold the same experts, and ``edp`` is its flattening.
+experts (``layout_rules.expert_fsdp_shards``, ``experts_sharded``) the weights are DTensors on ``ep`` alone and
+FSDP2 adds its own dimension over the ranks holding the same experts (:attr:`ParallelMesh.expert_fsdp`):
+``edp``; under HSDP the expert mesh is ``(pp, edp_replicate, edp_shard, ep, tp)``
+(:data:`EXPERT_HSDP_MESH_DIMS`), the same ranks with edp split into the replica groups and the ranks of one
+group that hold the same experts, ``edp`` is its flattening, and FSDP2 gets ``(edp_replicate, edp_shard)``.
 
 Context parallelism (``parallelism.cp``) adds a ``cp`` dimension between ``dp_shard`` and ``tp``: the root
 mesh is then ``(pp, dp_replicate, dp_shard, cp, tp)`` (:data:`CP_MESH_DIMS`; Megatron order with cp between
 dp and tp, as ``Topology`` numbers it), and a second flattening, ``dp_cp`` = ``(dp_replicate, dp_shard,
 cp)``, is the group the parameters' gradients are averaged over (DDP, FSDP2): torchtitan's composition,
 where cp ranks are one more data dimension for the parameters. Without cp the root mesh is the 4-D one
-above, so every existing layout keeps its ranks and groups. With both, the expert mesh is ``(pp, edp, ep,
-cp, tp)`` (:data:`EXPERT_CP_MESH_DIMS`): an ep group is the dp ranks of one cp index, which hold the same
-slice of their sequences, and the expert weights are replicated over cp like every other parameter.
+above, so every existing layout keeps its ranks and groups. With both, the ranks are numbered ``(pp, edp, ep,
+cp, tp)`` and the expert mesh lists them as ``(pp, edp, cp, ep, tp)`` (:data:`EXPERT_CP_MESH_DIMS`, a permuted
+rank map): an ep group is the dp ranks of one cp index, which hold the same slice of their sequences, and the
+expert weights are replicated over cp like every other parameter, or, where FSDP2 shards them, sharded over
+the flattened ``edp_cp`` = ``(edp, cp)`` (under HSDP ``(edp_replicate, edp_shard_cp)``,
+:data:`EXPERT_HSDP_CP_MESH_DIMS`).
 
 torch 2.13 deprecates slicing a flattened dimension out of the root mesh (``root["dp"]``) and asks
 callers to keep the mesh ``_flatten`` returns; :class:`ParallelMesh` is that bookkeeping: one object
@@ -45,6 +49,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -54,6 +59,7 @@ from etrain.workers.protocol.topology import Topology, TopologyError
 __all__ = [
     "CP_MESH_DIMS",
     "EXPERT_CP_MESH_DIMS",
+    "EXPERT_HSDP_CP_MESH_DIMS",
     "EXPERT_HSDP_MESH_DIMS",
     "EXPERT_MESH_DIMS",
     "MESH_DIMS",
@@ -72,11 +78,14 @@ CP_MESH_DIMS: tuple[str, str, str, str, str] = ("pp", "dp_replicate", "dp_shard"
 _NAMES = (*MESH_DIMS, "dp", "ep", "edp", "cp", "dp_cp")
 #: The expert mesh's dimensions (``ep > 1`` only), slowest-varying first.
 EXPERT_MESH_DIMS: tuple[str, str, str, str] = ("pp", "edp", "ep", "tp")
-#: The expert mesh's dimensions with context parallelism too (cp between dp and tp, as on the root mesh).
-EXPERT_CP_MESH_DIMS: tuple[str, str, str, str, str] = ("pp", "edp", "ep", "cp", "tp")
+#: The expert mesh's dimensions with context parallelism too: cp listed before ep (the ranks are numbered with
+#: cp between dp and tp, as on the root mesh: :func:`_expert_meshes` says why).
+EXPERT_CP_MESH_DIMS: tuple[str, str, str, str, str] = ("pp", "edp", "cp", "ep", "tp")
 #: The expert mesh's dimensions where FSDP2 shards the experts under HSDP: edp split as the replica groups and
 #: the ranks of one replica that hold the same experts (``layout_rules.expert_fsdp_shards``).
 EXPERT_HSDP_MESH_DIMS: tuple[str, str, str, str, str] = ("pp", "edp_replicate", "edp_shard", "ep", "tp")
+#: ... and with context parallelism too.
+EXPERT_HSDP_CP_MESH_DIMS: tuple[str, ...] = ("pp", "edp_replicate", "edp_shard", "cp", "ep", "tp")
 
 
 def backend_for(device_type: str, *, cpu_offload: bool = False) -> str:
@@ -103,8 +112,8 @@ class ParallelMesh:
 
     ``mesh[name]`` is the sub-mesh of ``name`` holding this rank: ``"pp"``, ``"dp"``, ``"tp"``,
     ``"dp_replicate"`` or ``"dp_shard"`` (1-D each), and with expert parallelism ``"ep"`` and ``"edp"``.
-    :attr:`fsdp` is the mesh FSDP2 runs on; :attr:`expert` the 2-D ``(edp, ep)`` mesh of the expert
-    weights (None without expert parallelism).
+    :attr:`fsdp` is the mesh FSDP2 runs on; :attr:`expert_root` the ranks seen as ``(pp, edp, ep, tp)``
+    (None without expert parallelism), and :attr:`expert_fsdp` the mesh FSDP2 shards the experts on.
     """
 
     root: DeviceMesh
@@ -114,8 +123,10 @@ class ParallelMesh:
     dp_cp: DeviceMesh | None = None
     #: context parallelism under HSDP: the 2-D ``(dp_replicate, dp_shard_cp)`` mesh FSDP2 runs on
     hsdp_cp: DeviceMesh | None = None
-    #: the experts' FSDP2 under HSDP: ``edp`` flattened from the expert root's ``(edp_replicate, edp_shard)``
+    #: under HSDP with the experts sharded: ``edp`` flattened from the expert root's ``(edp_replicate, edp_shard)``
     edp: DeviceMesh | None = None
+    #: where FSDP2 shards the experts (``build_device_mesh(experts_sharded=True)``): the mesh it shards them on
+    experts_fsdp: DeviceMesh | None = None
 
     def __getitem__(self, name: str) -> DeviceMesh:
         if name == "dp":
@@ -150,14 +161,15 @@ class ParallelMesh:
 
     @property
     def expert_fsdp(self) -> DeviceMesh:
-        """The mesh FSDP2 shards the experts on (``layout_rules.expert_fsdp_shards``): ``edp``, or under
-        HSDP the 2-D ``(edp_replicate, edp_shard)`` mesh (replicated over the replica groups, sharded over the
-        ranks of one replica that hold the same experts)."""
-        if self.expert_root is None:
-            raise TopologyError("the experts' FSDP2 mesh exists only with expert parallelism (parallelism.ep > 1)")
-        if self.edp is not None:
-            return self.expert_root["edp_replicate", "edp_shard"]
-        return self.expert_root["edp"]
+        """The mesh FSDP2 shards the experts on (``layout_rules.expert_fsdp_shards``): the ranks that hold the
+        same experts, ``edp`` (``edp_cp``, flattened, with context parallelism), or under HSDP the 2-D
+        ``(edp_replicate, edp_shard)`` mesh (``(edp_replicate, edp_shard_cp)``): replicated over the replica
+        groups, sharded over the ranks of one group that hold the same experts."""
+        if self.experts_fsdp is None:
+            raise TopologyError(
+                "the experts' FSDP2 mesh exists only where FSDP2 shards them (build_device_mesh(experts_sharded=True))"
+            )
+        return self.experts_fsdp
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -174,11 +186,12 @@ class ParallelMesh:
 
 
 def build_device_mesh(
-    topology: Topology, device_type: str, *, dp_replicate: int = 1, ep: int = 1, experts_hsdp: bool = False
+    topology: Topology, device_type: str, *, dp_replicate: int = 1, ep: int = 1, experts_sharded: bool = False
 ) -> ParallelMesh:
     """The ``(pp, dp_replicate, dp_shard, tp)`` mesh of ``topology``, with ``dp`` flattened, and with
     ``ep > 1`` the ``(pp, edp, ep, tp)`` expert mesh over the same ranks. With ``topology.cp > 1`` the root
-    is ``(pp, dp_replicate, dp_shard, cp, tp)`` and ``dp_cp`` is flattened too.
+    is ``(pp, dp_replicate, dp_shard, cp, tp)`` and ``dp_cp`` is flattened too. ``experts_sharded``: FSDP2
+    shards the experts (``layout_rules.expert_fsdp_shards``), so :attr:`ParallelMesh.expert_fsdp` is built.
 
     The caller owns the default process group: it must already be initialized (with
     ``backend_for(device_type)``) and span exactly ``topology.world_size`` ranks. Every rank
@@ -198,25 +211,13 @@ def build_device_mesh(
         )
     validate_dp_replicate(topology.dp, dp_replicate)
     forget_mesh_state()  # an earlier job's or attempt's mesh in this process must not answer for this one
-    expert_root = edp = None
-    if experts_hsdp:  # FSDP2 shards the experts under HSDP: edp as (replicas, ranks of a replica holding them)
-        dp_shard = topology.dp // dp_replicate
-        if ep < 2 or dp_shard % ep or topology.cp > 1:
-            raise TopologyError(
-                f"the experts' HSDP mesh needs ep={ep} > 1 to divide dp / dp_replicate = {dp_shard}, without cp"
-            )
-        shape = (topology.pp, dp_replicate, dp_shard // ep, ep, topology.tp)
-        expert_root = init_device_mesh(device_type, shape, mesh_dim_names=EXPERT_HSDP_MESH_DIMS)
-        edp = expert_root["edp_replicate", "edp_shard"]._flatten("edp")  # the same ranks as (pp, edp, ep, tp)
-    elif ep > 1:
-        if topology.dp % ep:
-            raise TopologyError(f"parallelism.ep={ep} does not divide parallelism.dp={topology.dp}")
-        # The same ranks, dp split as (edp, ep): with cp, an ep group is the dp ranks of one cp index (the
-        # ranks that hold the same slice of their sequences), so tokens only ever meet tokens of their slice.
-        cp_dims = (topology.cp,) if topology.cp > 1 else ()
-        expert_shape = (topology.pp, topology.dp // ep, ep, *cp_dims, topology.tp)
-        names = EXPERT_CP_MESH_DIMS if cp_dims else EXPERT_MESH_DIMS
-        expert_root = init_device_mesh(device_type, expert_shape, mesh_dim_names=names)
+    expert_root = edp = experts_fsdp = None
+    if ep > 1:
+        expert_root, edp, experts_fsdp = _expert_meshes(
+            topology, device_type, dp_replicate=dp_replicate, ep=ep, experts_sharded=experts_sharded
+        )
+    elif experts_sharded:
+        raise TopologyError(f"FSDP2 shards the experts apart only under expert parallelism, not at ep={ep}")
     if topology.cp > 1:
         shape = (topology.pp, dp_replicate, topology.dp // dp_replicate, topology.cp, topology.tp)
         root = init_device_mesh(device_type, shape, mesh_dim_names=CP_MESH_DIMS)
@@ -226,11 +227,66 @@ def build_device_mesh(
         if dp_replicate > 1:  # torch warns that slicing a flattened dimension is deprecated; torchtitan does it too
             root["dp_shard", "cp"]._flatten("dp_shard_cp")
             hsdp_cp = root["dp_replicate", "dp_shard_cp"]
-        return ParallelMesh(root=root, dp=dp, dp_cp=dp_cp, hsdp_cp=hsdp_cp, expert_root=expert_root, edp=edp)
+        return ParallelMesh(
+            root=root,
+            dp=dp,
+            dp_cp=dp_cp,
+            hsdp_cp=hsdp_cp,
+            expert_root=expert_root,
+            edp=edp,
+            experts_fsdp=experts_fsdp,
+        )
     shape = (topology.pp, dp_replicate, topology.dp // dp_replicate, topology.tp)
     root = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
     dp = root["dp_replicate", "dp_shard"]._flatten("dp")
-    return ParallelMesh(root=root, dp=dp, expert_root=expert_root, edp=edp)
+    return ParallelMesh(root=root, dp=dp, expert_root=expert_root, edp=edp, experts_fsdp=experts_fsdp)
+
+
+def _expert_meshes(
+    topology: Topology, device_type: str, *, dp_replicate: int, ep: int, experts_sharded: bool
+) -> tuple[DeviceMesh, DeviceMesh | None, DeviceMesh | None]:
+    """The expert root mesh (the same ranks, dp split as ``(edp, ep)``), ``edp`` where it is a flattening
+    (HSDP with the experts sharded), and the mesh FSDP2 shards the experts on (None unless
+    ``experts_sharded``).
+
+    With cp an ep group is the dp ranks of one cp index (the ranks that hold the same slice of their
+    sequences), so tokens only ever meet tokens of their slice. The ranks are numbered ``(pp, edp, ep, cp,
+    tp)`` (Megatron order, as the root mesh), but the mesh lists its dimensions as ``(pp, edp, cp, ep, tp)``
+    (a permuted rank map): the ranks holding the same experts, edp and cp, are then adjacent dimensions,
+    which FSDP2 needs. Flattened across ep instead, FSDP2's mesh for the experts joined with ep gave DTensor
+    a mesh whose dimensions torch 2.13's redistribution cannot slice (``KeyError: Mesh dim indices should be
+    in ascending order``, in the gradient norm's reduction)."""
+    if topology.dp % ep:
+        raise TopologyError(f"parallelism.ep={ep} does not divide parallelism.dp={topology.dp}")
+    cp = topology.cp > 1
+    hsdp = experts_sharded and dp_replicate > 1  # as the dense weights: edp as (replicas, ranks of one replica)
+    if hsdp and (topology.dp // dp_replicate) % ep:
+        raise TopologyError(
+            f"the experts' HSDP mesh needs ep={ep} to divide dp / dp_replicate = {topology.dp // dp_replicate}"
+        )
+    edp_dims = (dp_replicate, topology.dp // dp_replicate // ep) if hsdp else (topology.dp // ep,)
+    names = (
+        (EXPERT_HSDP_CP_MESH_DIMS if cp else EXPERT_HSDP_MESH_DIMS)
+        if hsdp
+        else (EXPERT_CP_MESH_DIMS if cp else EXPERT_MESH_DIMS)
+    )
+    with torch.device("cpu"):  # the rank map lives on the CPU whatever the default device (as init_device_mesh's)
+        ranks = torch.arange(topology.world_size, dtype=torch.int).view(
+            topology.pp, *edp_dims, ep, topology.cp, topology.tp
+        )
+    ep_axis = 1 + len(edp_dims)
+    ranks = ranks.transpose(ep_axis, ep_axis + 1) if cp else ranks.squeeze(ep_axis + 1)  # cp before ep
+    root = DeviceMesh(device_type, ranks, mesh_dim_names=names)
+    edp = root["edp_replicate", "edp_shard"]._flatten("edp") if hsdp else None  # the ranks as (pp, edp, ep, tp)
+    if not experts_sharded:
+        return root, edp, None
+    if hsdp:
+        if not cp:
+            return root, edp, root["edp_replicate", "edp_shard"]
+        # torch warns that slicing a flattened dimension is deprecated; the dense weights' hsdp_cp does it too
+        root["edp_shard", "cp"]._flatten("edp_shard_cp")
+        return root, edp, root["edp_replicate", "edp_shard_cp"]
+    return root, edp, root["edp", "cp"]._flatten("edp_cp") if cp else root["edp"]
 
 
 def mesh_group_ranks(mesh: ParallelMesh, axis: str) -> tuple[int, ...]:
@@ -252,7 +308,6 @@ def forget_mesh_state() -> None:
     where torch exposes it, and a cache torch has moved or renamed is skipped, not an error:
     ``tests/integration/test_mesh_reuse.py`` fails if one that matters is missed.
     """
-    import torch
     from torch.distributed.tensor import DTensor, _redistribute
 
     _redistribute.clear_redistribute_planner_cache()  # planners keep their mesh and flattened meshes

@@ -536,7 +536,7 @@ def apply_ep(module: nn.Module, dims: ParallelDims, *, fsdp_shards_experts: bool
     mean loss over the global batch (a rank's expert gradient already sums the tokens every ep peer sent it).
 
     ``fsdp_shards_experts`` (``layout_rules.expert_fsdp_shards``): FSDP2 will shard the experts over
-    ``edp`` too (:func:`apply_dp`). The weights are then DTensors on the ``ep`` mesh alone (``(ep, tp)`` under
+    ``edp`` (and ``cp``) too (:func:`apply_dp`). The weights are then DTensors on the ``ep`` mesh alone (``(ep, tp)`` under
     tensor parallelism), which FSDP2 composes with its own ``edp`` dimension, as it composes with tp.
     """
     if dims.mesh is None or dims.mesh.expert_root is None:
@@ -651,7 +651,7 @@ def validate_data_parallel(parallel: ParallelConfig) -> None:
 def shards_experts(config: RunConfig) -> bool:
     """Whether FSDP2 shards the run's experts over the ranks holding the same ones
     (``layout_rules.expert_fsdp_shards``): :func:`apply_ep` and :func:`apply_dp` then compose so, and
-    under HSDP the expert mesh must split edp into replica groups (``build_device_mesh(experts_hsdp=)``)."""
+    the mesh FSDP2 shards them on is built with the others (``build_device_mesh(experts_sharded=)``)."""
     parallel = config.parallel
     shards = layout_rules.expert_fsdp_shards(
         n_experts=config.model.n_experts,
@@ -741,10 +741,12 @@ def apply_dp(
 
     Expert parallelism: the experts (DTensors split over ep, :func:`apply_ep`) are left to
     :func:`reduce_expert_grads`, or with ``fsdp_shards_experts`` get an FSDP2 unit of their own in each block
-    on the ``edp`` mesh (under HSDP ``(edp_replicate, edp_shard)``: ``ParallelMesh.expert_fsdp``), wrapped before the block so that the block's unit leaves them out (torchtitan's
-    order). Its reduce-scatter sums a rank's expert gradient over edp, and its divide factor is ``dp``, not
-    edp: that gradient already sums the tokens of the ep peers that routed to it, so over edp it covers every
-    dp rank once, and the mean over the global batch divides by dp (as :func:`reduce_expert_grads` does).
+    on the mesh of the ranks holding the same experts (``ParallelMesh.expert_fsdp``: edp, with cp edp·cp,
+    under HSDP 2-D), wrapped before the block so that the block's unit leaves them out (torchtitan's order).
+    Its reduce-scatter sums a rank's expert gradient over those ranks, and its divide factor is ``dp · cp``,
+    not their count: that gradient already sums the tokens of the ep peers that routed to it, so over edp
+    and cp it covers every (dp, cp) rank once, and the mean over the global batch divides by dp · cp (as
+    :func:`reduce_expert_grads` does).
     """
     if dims.dp_cp == 1:
         return module
@@ -760,10 +762,10 @@ def apply_dp(
             policies["ignored_params"] = experts
         for block in module.layers.values():
             if fsdp_shards_experts:
-                experts_mesh = dims.mesh.expert_fsdp  # edp, or under HSDP (edp_replicate, edp_shard)
+                experts_mesh = dims.mesh.expert_fsdp  # edp (edp·cp), or under HSDP 2-D
                 for layer in _moe_layers(block):
                     fully_shard(layer.experts, mesh=experts_mesh, **policies)
-                    layer.experts.set_gradient_divide_factor(float(dims.dp))
+                    layer.experts.set_gradient_divide_factor(float(dims.dp_cp))
                     # gloo has no pre-multiplied sum: a sum, then a division. Not with one rank to shard over
                     # (offload at dp = ep), where FSDP2 reduces nothing and (torch 2.13) would divide twice.
                     if experts_mesh.device_type == "cpu" and experts_mesh.size(-1) > 1:

@@ -145,15 +145,13 @@ class Trainer:
                 field="training.timing_sync_every",
                 fix="use 1 to separate compute from waiting on every step, or e.g. 10",
             )
-        # Under HSDP, FSDP2's shards of the experts need edp split into replica groups on the expert mesh.
-        experts_hsdp = parallel.dp_replicate > 1 and shards_experts(config)
         mesh = (
             build_device_mesh(
                 self.topology,
                 self.device.type,
                 dp_replicate=parallel.dp_replicate,
                 ep=parallel.ep,
-                experts_hsdp=experts_hsdp,
+                experts_sharded=shards_experts(config),  # FSDP2's mesh for the experts
             )
             if self.distributed
             else None

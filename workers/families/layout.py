@@ -169,9 +169,9 @@ def ep_problems(
     splits every mixture-of-experts layer's experts, ``n_experts / ep`` each), so ``ep`` divides ``dp`` and
     the number of experts, and only a family with experts has any to split. Under ZeRO-2/3 FSDP2 shards the
     experts too, over the ranks that hold the same ones (``layout_rules.expert_fsdp_shards``: under HSDP
-    those of one replica group), so CPU offload moves them with the dense shards; where it does not (context
-    parallelism, too few such ranks), CPU offload (an FSDP2 feature that would leave the experts in device
-    memory) is refused. HSDP
+    those of one replica group; with context parallelism their cp ranks too), so CPU offload moves them with
+    the dense shards; where it does not (too few such ranks, or too many to split a rank's experts whole), CPU
+    offload (an FSDP2 feature that would leave the experts in device memory) is refused. HSDP
     (``dp_replicate``) composes: FSDP2 shards the dense weights over each replica and the experts, outside
     FSDP2, are averaged over the ranks that hold them; so does ZeRO-1, over the dense weights only (its
     step broadcasts each parameter from its owner to every dp rank, and the ep ranks hold different
@@ -220,16 +220,16 @@ def ep_problems(
             n_experts=model.n_experts, zero=zero, dp=dp, ep=ep, dp_replicate=dp_replicate, cp=cp, offload=offload
         )
     ):
-        edp = dp // ep
+        holders = dp // ep * cp
         problems.append(
             Problem(
                 field="parallelism.ep",
                 message=f"parallelism.ep={ep} with parallelism.offload={offload!r} needs FSDP2 to shard the experts "
-                "(it offloads only what it shards), which it does under ZeRO-2/3 without context parallelism, "
-                f"where the ranks holding the same experts (dp / ep = {edp}, or under HSDP those of one replica "
-                f"group, at least two) divide a rank's n_experts / ep = {model.n_experts // ep} experts; here "
-                f"(zero={zero}, dp_replicate={dp_replicate}, cp={cp}) the experts would stay in device memory.",
-                fix="use parallelism.zero 2 or 3, cp=1 and a dp whose dp / ep (per replica group under HSDP) "
+                "(it offloads only what it shards), which it does under ZeRO-2/3 where the ranks holding the same "
+                f"experts (dp / ep · cp = {holders}, or under HSDP those of one replica group, at least two) "
+                f"divide a rank's n_experts / ep = {model.n_experts // ep} experts; here (zero={zero}, "
+                f"dp_replicate={dp_replicate}, cp={cp}) the experts would stay in device memory.",
+                fix="use parallelism.zero 2 or 3 and a dp whose dp / ep · cp (per replica group under HSDP) "
                 "divides n_experts / ep, or offload='none'",
             )
         )

@@ -514,30 +514,32 @@ def expert_fsdp_shards(
     """Over how many ranks FSDP2 shards the experts, beside ep's split of them; 0 where it leaves them out.
 
     torchtitan's composition: FSDP2 takes an expert weight that is already a DTensor split by expert over ep
-    (and with tp by width) and adds its own shard over the ``edp = dp / ep`` ranks that hold the same experts.
-    A rank then holds ``1 / (ep · shards)`` of the experts' weights, gradients and AdamW states instead of
-    ``1 / ep``, their gradients are reduce-scattered block by block in the backward (overlapped with it)
-    instead of all-reduced after it, and CPU offload moves them to host memory with the dense shards.
+    (and with tp by width) and adds its own shard over the ranks that hold the same experts: the
+    ``edp = dp / ep`` ranks of an ep index, times the ``cp`` ranks of each (context parallelism splits the
+    sequence, not the model, so they hold the same experts too). A rank then holds ``1 / (ep · shards)`` of
+    the experts' weights, gradients and AdamW states instead of ``1 / ep``, their gradients are
+    reduce-scattered block by block in the backward (overlapped with it) instead of all-reduced after it, and
+    CPU offload moves them to host memory with the dense shards.
 
-    * ZeRO-2/3 (FSDP2) without context parallelism (FSDP2's mesh for the experts under cp, edp·cp, is not
-      built), and edp must divide a rank's ``n_experts / ep`` experts, so that FSDP2 shards them by expert,
-      each rank a run of whole experts, as every other expert split is.
-    * Plain FSDP2: over all ``edp`` ranks, where ``edp > 1`` (with one there is nothing to shard, and a
-      wrapper would only add a copy of each layer's experts while they compute) or with CPU offload.
+    * ZeRO-2/3 (FSDP2), and the sharding ranks must divide a rank's ``n_experts / ep`` experts, so that FSDP2
+      shards them by expert, each rank a run of whole experts, as every other expert split is.
+    * Plain FSDP2: over all ``edp · cp`` ranks, where there are more than one (with one there is nothing to
+      shard, and a wrapper would only add a copy of each layer's experts while they compute) or with CPU
+      offload.
     * HSDP (``dp_replicate > 1``): as the dense weights, sharded within a replica group (over its
-      ``dp / dp_replicate / ep`` ranks holding the same experts) and replicated over the groups; ep must
-      divide a replica's ranks, and at least two of them must hold each expert.
+      ``dp / dp_replicate / ep · cp`` ranks holding the same experts) and replicated over the groups; ep must
+      divide a replica's dp ranks, and at least two ranks of a group must hold each expert.
 
-    Elsewhere (DDP, ZeRO-1, and the cases above) the experts stay whole over edp, outside DDP, ZeRO-1 and
-    FSDP2, and their gradients are all-reduced over edp after the backward (``reduce_expert_grads``)."""
-    if ep < 2 or not uses_fsdp(zero, dp * cp) or cp != 1 or dp % ep or n_experts % ep:
+    Elsewhere (DDP, ZeRO-1, and the cases above) the experts stay whole over edp and cp, outside DDP, ZeRO-1
+    and FSDP2, and their gradients are all-reduced over them after the backward (``reduce_expert_grads``)."""
+    if ep < 2 or cp < 1 or not uses_fsdp(zero, dp * cp) or dp % ep or n_experts % ep:
         return 0
     if dp_replicate > 1:
         if dp % dp_replicate or (dp // dp_replicate) % ep:
             return 0
-        shards = dp // dp_replicate // ep
+        shards = dp // dp_replicate // ep * cp
         return shards if shards > 1 and (n_experts // ep) % shards == 0 else 0
-    shards = dp // ep
+    shards = dp // ep * cp
     return shards if (shards > 1 or offload != "none") and (n_experts // ep) % shards == 0 else 0
 
 
