@@ -84,6 +84,8 @@ class TrainWorker:
         self._step: int | None = None  # the step that thread is in
         self._log: Any = None  # the attempt's RankLog while `run` runs
         self._running = False  # an attempt's `run` is under way (a rank is renumbered only between them)
+        # a GPU rank's first attempt waits for memory another process holds (workers/rank/device_memory.py)
+        self._device_memory_checked = False
 
     # --- control calls (run concurrently with `run`) -------------------------------------------
 
@@ -266,6 +268,16 @@ class TrainWorker:
                 drill=(lambda: drills.health_failure(plan.start_step)) if drills is not None else None,
             )
             phases.mark("health check")
+            if device.type == "cuda" and not self._device_memory_checked:
+                # Here, not earlier: the CUDA context exists by now (made beside the rendezvous), and the peers
+                # wait for a late rank in the Trainer's first collectives (collective_timeout_s), not in the
+                # health check's 10 s deadline.
+                self._device_memory_checked = True
+                found = _wait_for_device_memory(device)
+                if found.held_at_start:
+                    phases.mark("device memory")
+                    if log is not None:
+                        log.write(f"attempt {plan.attempt}: {found.summary()}")
             trainer = Trainer(
                 config,
                 rank=self.rank,
@@ -632,6 +644,19 @@ class _Phases:
 
     def __str__(self) -> str:
         return f"{self._last - self._started:.2f}s (" + ", ".join(f"{name} {s:.2f}s" for name, s in self._spent) + ")"
+
+
+def _wait_for_device_memory(device: Any) -> Any:
+    """``workers/rank/device_memory.py``'s wait, reading the device's free memory and this process's reserve."""
+    import torch
+
+    from etrain.workers.rank.device_memory import wait_for_device_memory
+
+    def read() -> tuple[int, int, int]:
+        free, total = torch.cuda.mem_get_info(device)
+        return int(free), int(total), int(torch.cuda.memory_reserved(device))
+
+    return wait_for_device_memory(read)
 
 
 def _leave_process_groups() -> None:
