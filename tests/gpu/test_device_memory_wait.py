@@ -30,7 +30,7 @@ def _hold(ready, held_gib: int, hold_s: float) -> None:
 
 
 def test_a_rank_waits_for_another_processs_memory_and_starts_when_it_is_released():
-    from etrain.workers.rank.worker import _wait_for_device_memory
+    from etrain.workers.rank.device_memory import cuda_memory_reader, wait_for_device_memory
 
     torch.cuda.init()
     context = multiprocessing.get_context("spawn")
@@ -39,9 +39,11 @@ def test_a_rank_waits_for_another_processs_memory_and_starts_when_it_is_released
     holder.start()
     try:
         assert ready.wait(120), "the holding process did not allocate in time"
-        found = _wait_for_device_memory(torch.device("cuda", 0))
+        found = wait_for_device_memory(cuda_memory_reader(torch.device("cuda", 0)))
     finally:
         holder.join(60)
     assert found.held_at_start >= HELD_GIB << 30, found
     assert found.released and 0.5 <= found.waited_s <= HOLD_S + 15, found
-    assert _wait_for_device_memory(torch.device("cuda", 0)).held_at_start == 0  # and now nothing is held
+    assert (
+        wait_for_device_memory(cuda_memory_reader(torch.device("cuda", 0))).held_at_start == 0
+    )  # and now nothing is held

@@ -79,17 +79,19 @@ def test_bad_bounds_are_refused():
 
 
 def test_the_worker_reads_free_total_and_its_own_reserve_from_torch(monkeypatch):
-    """``TrainWorker``'s reader (its only GPU part; tests/gpu/test_device_memory_wait.py runs it on a GPU)."""
+    """``TrainWorker``'s reader, :func:`cuda_memory_reader` (its only GPU part; tests/gpu/test_device_memory_wait.py runs it on a GPU)."""
     import torch
 
-    from etrain.workers.rank.worker import _wait_for_device_memory
+    from etrain.workers.rank.device_memory import cuda_memory_reader
 
     device = torch.device("cuda", 0)
     asked = []
     in_use = [10 * GIB, 10 * GIB, GIB]  # what each read finds in use: another process's 9 GiB go after two reads
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: asked.append(d) or (TOTAL - in_use.pop(0), TOTAL))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 9 * GIB)
-    assert _wait_for_device_memory(device).held_at_start == 0 and asked == [device]  # its own reserve is its own
+    assert wait_for_device_memory(cuda_memory_reader(device)).held_at_start == 0 and asked == [
+        device
+    ]  # its own reserve is its own
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 0)
-    found = _wait_for_device_memory(device)
+    found = wait_for_device_memory(cuda_memory_reader(device))
     assert found.held_at_start == 10 * GIB and found.released and 0 < found.waited_s < 2 and len(asked) == 3

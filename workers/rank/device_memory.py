@@ -11,7 +11,7 @@ it goes on either way, and says in the rank log what it found (a process outside
 by design, and the job may fit beside it).
 
 The decision is :func:`wait_for_device_memory`, pure apart from the reader, clock and sleep it is given
-(``tests/unit/test_device_memory.py``); ``TrainWorker`` calls it with ``torch.cuda.mem_get_info``.
+(``tests/unit/test_device_memory.py``); ``TrainWorker`` calls it with :func:`cuda_memory_reader`.
 """
 
 from __future__ import annotations
@@ -19,8 +19,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["DEVICE_FREE_WAIT_S", "FOREIGN_ALLOWANCE_BYTES", "DeviceMemoryWait", "wait_for_device_memory"]
+__all__ = [
+    "DEVICE_FREE_WAIT_S",
+    "FOREIGN_ALLOWANCE_BYTES",
+    "DeviceMemoryWait",
+    "cuda_memory_reader",
+    "held_by_others",
+    "wait_for_device_memory",
+]
 
 #: The longest a rank waits for another process's device memory to be released (after the stop's own 10 s).
 DEVICE_FREE_WAIT_S = 30.0
@@ -86,3 +94,15 @@ def wait_for_device_memory(
         sleep(min(poll_s, max(0.0, timeout_s - (clock() - started))))
         held = held_by_others(*read(), allowance=allowance)
     return DeviceMemoryWait(held_at_start=first, held_at_end=held, waited_s=round(clock() - started, 3))
+
+
+def cuda_memory_reader(device: Any) -> Callable[[], tuple[int, int, int]]:
+    """The reader for a CUDA ``device``: its free and total memory (``torch.cuda.mem_get_info``, the driver's
+    figures, every process's use included) and this process's allocator reserve."""
+    import torch
+
+    def read() -> tuple[int, int, int]:
+        free, total = torch.cuda.mem_get_info(device)
+        return int(free), int(total), int(torch.cuda.memory_reserved(device))
+
+    return read

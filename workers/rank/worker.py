@@ -38,6 +38,7 @@ from etrain.workers.protocol.messages import REPORT_TIMEOUT_S, ChaosOrder, Launc
 from etrain.workers.protocol.run_config import RunConfig
 from etrain.workers.rank.compiled_code import CompiledCode
 from etrain.workers.rank.device_info import RankGpus, ray_bundle
+from etrain.workers.rank.device_memory import cuda_memory_reader, wait_for_device_memory
 from etrain.workers.rank.rank_saves import RankSaves
 from etrain.workers.rank.report_batch import ReportBatcher
 from etrain.workers.rank.step_control import ControlRequests, StepBoundaries, scheduled_save
@@ -273,7 +274,7 @@ class TrainWorker:
                 # wait for a late rank in the Trainer's first collectives (collective_timeout_s), not in the
                 # health check's 10 s deadline.
                 self._device_memory_checked = True
-                found = _wait_for_device_memory(device)
+                found = wait_for_device_memory(cuda_memory_reader(device))
                 if found.held_at_start:
                     phases.mark("device memory")
                     if log is not None:
@@ -644,19 +645,6 @@ class _Phases:
 
     def __str__(self) -> str:
         return f"{self._last - self._started:.2f}s (" + ", ".join(f"{name} {s:.2f}s" for name, s in self._spent) + ")"
-
-
-def _wait_for_device_memory(device: Any) -> Any:
-    """``workers/rank/device_memory.py``'s wait, reading the device's free memory and this process's reserve."""
-    import torch
-
-    from etrain.workers.rank.device_memory import wait_for_device_memory
-
-    def read() -> tuple[int, int, int]:
-        free, total = torch.cuda.mem_get_info(device)
-        return int(free), int(total), int(torch.cuda.memory_reserved(device))
-
-    return wait_for_device_memory(read)
 
 
 def _leave_process_groups() -> None:
