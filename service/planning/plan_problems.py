@@ -87,11 +87,18 @@ def _memory_fixes(case: Case, est: PlanEstimate) -> str:
         for z in (z for z in range(4) if z != lay.zero and not (z == 1 and lay.ep > 1)):  # ZeRO-1 refuses ep
             fsdp_only = {} if z >= 2 else {"dp_replicate": 1, "offload": "none"}  # HSDP/offload need FSDP2
             variants.append((f"parallelism.zero={z}", case.replace(layout={"zero": z, **fsdp_only})))
-    if layout_rules.uses_fsdp(lay.zero, lay.dp) and lay.offload == "none" and case.device == "cuda" and lay.ep == 1:
+    if (
+        layout_rules.uses_fsdp(lay.zero, lay.dp)
+        and lay.offload == "none"
+        and case.device == "cuda"
+        and not family_layout.ep_problems(  # under ep only where FSDP2 shards the experts too
+            model, ep=lay.ep, dp=lay.dp, zero=lay.zero, dp_replicate=lay.dp_replicate, offload="cpu", cp=lay.cp
+        )
+    ):
         variants.append(("parallelism.offload=cpu (states in host memory)", case.replace(layout={"offload": "cpu"})))
     wider = lay.ep * 2  # split the experts over more of the dp ranks (same world)
     if model.n_experts and not family_layout.ep_problems(
-        model, ep=wider, dp=lay.dp, zero=lay.zero, dp_replicate=lay.dp_replicate, offload=lay.offload
+        model, ep=wider, dp=lay.dp, zero=lay.zero, dp_replicate=lay.dp_replicate, offload=lay.offload, cp=lay.cp
     ):
         variants.append(
             (f"parallelism.ep={wider} (experts split over {wider} ranks)", case.replace(layout={"ep": wider}))

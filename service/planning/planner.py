@@ -93,6 +93,24 @@ def check_plan(spec: JobSpec, *, available_gb: float | None = None) -> list[Spec
     return problems
 
 
+def offloaded_fit(evaluated: list[tuple[Case, PlanEstimate]], min_dp: int | None) -> PlanEstimate | None:
+    """Where nothing fits: the layout among those searched that, with ``parallelism.offload: cpu`` (FSDP2's
+    offload of the parameters, gradients and AdamW states to host memory, ZeRO-2/3 on a GPU), fits in the least
+    device memory; None where none would. The search itself leaves offload out (a step then waits on host
+    memory and PCIe): this is what the refusal's fix offers instead, with its numbers."""
+    best = None
+    for case, _ in evaluated:
+        if case.device != "cuda" or case.layout.zero < 2 or case.layout.offload != "none":
+            continue
+        variant = case.replace(layout={"offload": "cpu"})
+        if layout_problems(variant, max_dp=variant.layout.dp):
+            continue  # e.g. experts FSDP2 leaves whole (layout_rules.expert_fsdp_shards)
+        est = evaluate(variant)
+        if est.fits and fits_after_shrink(variant, min_dp) and (best is None or est.memory.total < best.memory.total):
+            best = est
+    return best
+
+
 def resolve_auto(spec: JobSpec, *, available_gb: float | None = None) -> AutoPlan:
     """Choose a layout for ``parallelism: auto`` within the worker budget.
 
@@ -172,6 +190,7 @@ def resolve_auto(spec: JobSpec, *, available_gb: float | None = None) -> AutoPla
                 detail += f"; the search stopped after {MAX_AUTO_LAYOUTS} layouts"
         else:
             detail = "no layout satisfies the divisibility and batch rules"
+        offloaded = None if capped else offloaded_fit(evaluated, min_dp)
         raise SpecRejected(
             [
                 SpecProblem(
@@ -183,6 +202,13 @@ def resolve_auto(spec: JobSpec, *, available_gb: float | None = None) -> AutoPla
                         if capped
                         else "raise max_workers, enable training.activation_checkpointing, lower training.micro_batch, "
                         "or use a device with more memory (resources.device_memory_gb)"
+                        + (
+                            ""
+                            if offloaded is None
+                            else f"; or set parallelism.offload: cpu (auto searches without it: host memory is "
+                            f"slower), where {offloaded.layout} needs {gib(offloaded.memory.total):.1f} "
+                            f"GiB/rank on the device and {gib(offloaded.memory.host_bytes):.1f} GiB/rank of host memory"
+                        )
                     ),
                 )
             ]

@@ -212,7 +212,27 @@ def test_mixtral_on_8_gpus_does_not_fit_even_with_ep_and_tp():
     with pytest.raises(SpecRejected) as refused:
         resolve_auto(auto_spec("mixtral-8x7b", 8, activation_checkpointing="full"))
     # tensor parallelism splits every expert's width too: 91.1 GiB with tp=4 (98.7 GiB at pp1·dp8·tp1 ep8 zero=3)
-    assert "the smallest, pp1·dp2·tp4 ep2 zero=3 sp, needs 91.1 GiB/rank" in refused.value.problems[0].message
+    problem = refused.value.problems[0]
+    assert "the smallest, pp1·dp2·tp4 ep2 zero=3 sp, needs 91.1 GiB/rank" in problem.message
+    # The search leaves CPU offload out, but the fix names the searched layout that fits with it, with its numbers
+    # (FSDP2 holds the experts there, so it offloads them too), and that layout passes the plan check as given.
+    assert problem.fix.endswith(
+        "; or set parallelism.offload: cpu (auto searches without it: host memory is slower), where "
+        "pp1·dp2·tp4 ep2 zero=3 sp offload=cpu needs 25.7 GiB/rank on the device and 87.0 GiB/rank of host memory"
+    ), problem.fix
+    layout = ParallelismSpec(dp=2, tp=4, ep=2, zero=3, sequence_parallel=True, offload="cpu")
+    offloaded = auto_spec("mixtral-8x7b", 8, activation_checkpointing="full").with_layout(layout)
+    assert check_spec(offloaded) == [] and check_plan(offloaded) == []
+
+
+def test_no_offload_is_offered_where_it_would_not_fit_either():
+    spec = auto_spec("mixtral-8x7b", 2, activation_checkpointing="full")
+    with pytest.raises(SpecRejected) as refused:
+        resolve_auto(spec)
+    assert "offload" not in refused.value.problems[0].fix, refused.value.problems[0].fix
+    # on two GPUs even the offloaded experts' gathered blocks and unsharded gradients overflow the device
+    offloaded = check_plan(spec.with_layout(ParallelismSpec(dp=2, ep=2, zero=3, offload="cpu")))
+    assert [p.field for p in offloaded] == ["parallelism"] and "97.4 GiB" in offloaded[0].message
 
 
 # -- what does not change, and what every search keeps ----------------------------------------------------------

@@ -338,6 +338,17 @@ def test_what_etrain_would_compute_differently_is_refused(change, words):
 # -- expert parallelism: the planner, the spec and the refusals ---------------------------------------
 
 
+def test_a_layout_that_does_not_fit_is_offered_cpu_offload_where_ep_allows_it():
+    """The memory refusal's fixes offer ``parallelism.offload=cpu`` under expert parallelism where FSDP2 shards
+    the experts (so it offloads them too), and not where it leaves them whole (offload is refused there)."""
+    from etrain.service.planning.planner import check_plan
+
+    sharded = check_plan(_gpu_spec("qwen3-30b-a3b", {"dp": 8, "zero": 3, "ep": 4}, micro_batch=8))
+    assert [p.field for p in sharded] == ["parallelism"] and "parallelism.offload=cpu" in sharded[0].fix
+    whole = check_plan(_gpu_spec("qwen3-30b-a3b", {"dp": 8, "zero": 3, "ep": 4, "dp_replicate": 2}, micro_batch=8))
+    assert [p.field for p in whole] == ["parallelism"] and "parallelism.offload=cpu" not in whole[0].fix
+
+
 def test_the_planner_divides_the_experts_and_their_state_by_ep_and_counts_the_all_to_alls():
     model = ModelConfig(**MODEL_PRESETS["qwen3-30b-a3b"])
     experts = model.n_layers * FAMILY.expert_params_per_layer(model)
