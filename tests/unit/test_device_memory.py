@@ -41,7 +41,10 @@ class FakeDevice:
 def test_what_the_process_itself_holds_is_not_another_processs():
     assert held_by_others(TOTAL - GIB, TOTAL, 0) == 0  # the context alone
     assert held_by_others(TOTAL - 41 * GIB, TOTAL, 40 * GIB) == 0  # and its own allocator's reserve
-    assert held_by_others(TOTAL - FOREIGN_ALLOWANCE_BYTES, TOTAL, 0) == 0  # up to the allowance: its context
+    assert held_by_others(TOTAL - 5 * GIB, TOTAL, 0) == 0  # up to 1/16 of the device (5 GiB of 80): its context
+    assert held_by_others(TOTAL - 6 * GIB, TOTAL, 0) == 6 * GIB  # ... or another process's beside it
+    assert held_by_others(8 * GIB - 3 * GIB, 8 * GIB, 0) == 3 * GIB  # on a small device the 2 GiB allowance counts
+    assert held_by_others(8 * GIB - FOREIGN_ALLOWANCE_BYTES, 8 * GIB, 0) == 0
     assert held_by_others(TOTAL - 40 * GIB, TOTAL, 0) == 40 * GIB  # beyond it: another process's, context included
     assert held_by_others(TOTAL + 1, TOTAL, 0) == 0  # a reading that makes no sense is no memory held
 

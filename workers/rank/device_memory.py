@@ -24,6 +24,7 @@ from typing import Any
 __all__ = [
     "DEVICE_FREE_WAIT_S",
     "FOREIGN_ALLOWANCE_BYTES",
+    "FOREIGN_ALLOWANCE_FRACTION",
     "DeviceMemoryWait",
     "cuda_memory_reader",
     "held_by_others",
@@ -33,9 +34,12 @@ __all__ = [
 #: The longest a rank waits for another process's device memory to be released (after the stop's own 10 s).
 DEVICE_FREE_WAIT_S = 30.0
 #: Memory in use that this process's allocator does not account for and is still its own: the CUDA context,
-#: cuBLAS's workspace and the kernels loaded (about 0.5-1 GiB on an H100), with room to spare. More than
-#: this in use beyond the allocator's reserve is another process's.
+#: cuBLAS's workspace and the kernels loaded (about 0.5-1 GiB on an H100), with room to spare; at least
+#: :data:`FOREIGN_ALLOWANCE_FRACTION` of the device, so that a small process that shares the GPU for good (a
+#: monitor, another context) does not cost every start the whole wait. More than this in use beyond the
+#: allocator's reserve is another process's: a killed rank holds most of the device.
 FOREIGN_ALLOWANCE_BYTES = 2 << 30
+FOREIGN_ALLOWANCE_FRACTION = 1 / 16
 #: How often the device's free memory is read while waiting.
 POLL_S = 0.25
 
@@ -68,11 +72,12 @@ class DeviceMemoryWait:
 
 
 def held_by_others(free: int, total: int, own: int, *, allowance: int = FOREIGN_ALLOWANCE_BYTES) -> int:
-    """Bytes in use on the device beyond this process's allocator reserve ``own`` where they exceed
-    ``allowance`` (what its context and libraries take): then another process holds most of them (the figure
-    includes this process's context, well under the allowance); 0 otherwise."""
+    """Bytes in use on the device beyond this process's allocator reserve ``own`` where they exceed the larger
+    of ``allowance`` and :data:`FOREIGN_ALLOWANCE_FRACTION` of ``total`` (what its context and libraries
+    take): then another process holds most of them (the figure includes this process's context, well under
+    the allowance); 0 otherwise."""
     beyond = max(0, total - free - own)
-    return beyond if beyond > allowance else 0
+    return beyond if beyond > max(allowance, int(total * FOREIGN_ALLOWANCE_FRACTION)) else 0
 
 
 def wait_for_device_memory(
