@@ -10,6 +10,10 @@ polls until it is released (a fraction of a second per poll) or :data:`DEVICE_FR
 it goes on either way, and says in the rank log what it found (a process outside etrain may hold memory
 by design, and the job may fit beside it).
 
+It waits after the rendezvous and before the health check (whose allocation would fail on a device another
+process still fills, and fail the node with it); the health check's deadline on a GPU is longer by
+:data:`DEVICE_FREE_WAIT_S`, so that its peers wait for a rank that waited.
+
 The decision is :func:`wait_for_device_memory`, pure apart from the reader, clock and sleep it is given
 (``tests/unit/test_device_memory.py``); ``TrainWorker`` calls it with :func:`cuda_memory_reader`.
 """

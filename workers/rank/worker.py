@@ -38,7 +38,7 @@ from etrain.workers.protocol.messages import REPORT_TIMEOUT_S, ChaosOrder, Launc
 from etrain.workers.protocol.run_config import RunConfig
 from etrain.workers.rank.compiled_code import CompiledCode
 from etrain.workers.rank.device_info import RankGpus, ray_bundle
-from etrain.workers.rank.device_memory import cuda_memory_reader, wait_for_device_memory
+from etrain.workers.rank.device_memory import DEVICE_FREE_WAIT_S, cuda_memory_reader, wait_for_device_memory
 from etrain.workers.rank.rank_saves import RankSaves
 from etrain.workers.rank.report_batch import ReportBatcher
 from etrain.workers.rank.step_control import ControlRequests, StepBoundaries, scheduled_save
@@ -259,26 +259,28 @@ class TrainWorker:
         restored = None  # the Trainer once its state is whole (after the restore): a failure keeps that state
         boundaries = None
         try:
+            from etrain.workers.protocol.health import HEALTH_CHECK_TIMEOUT_S
             from etrain.workers.rank.health_check import check_health
 
-            drills = self._drills
-            check_health(
-                device,
-                rank=self.rank,
-                node=self._node_id(),
-                drill=(lambda: drills.health_failure(plan.start_step)) if drills is not None else None,
-            )
-            phases.mark("health check")
             if device.type == "cuda" and not self._device_memory_checked:
-                # Here, not earlier: the CUDA context exists by now (made beside the rendezvous), and the peers
-                # wait for a late rank in the Trainer's first collectives (collective_timeout_s), not in the
-                # health check's 10 s deadline.
+                # After the rendezvous (the CUDA context is made beside it) and before the health check, whose
+                # allocation would fail on a device another process still fills, failing this node; its
+                # deadline below leaves the peers room for this wait.
                 self._device_memory_checked = True
                 found = wait_for_device_memory(cuda_memory_reader(device))
                 if found.held_at_start:
                     phases.mark("device memory")
                     if log is not None:
                         log.write(f"attempt {plan.attempt}: {found.summary()}")
+            drills = self._drills
+            check_health(
+                device,
+                rank=self.rank,
+                node=self._node_id(),
+                drill=(lambda: drills.health_failure(plan.start_step)) if drills is not None else None,
+                timeout_s=HEALTH_CHECK_TIMEOUT_S + (DEVICE_FREE_WAIT_S if device.type == "cuda" else 0.0),
+            )
+            phases.mark("health check")
             trainer = Trainer(
                 config,
                 rank=self.rank,
