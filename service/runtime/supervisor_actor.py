@@ -91,7 +91,7 @@ TICK_S = 0.2
 #: How long a hang's diagnosis waits for the ranks' answers (a rank that holds the GIL never answers).
 HANG_ASK_TIMEOUT_S = 3.0
 #: The event kinds a rank may add to the job's events (``report_note``): a rank's own decisions.
-RANK_NOTES = frozenset({"checkpoint_interval", "compiled"})
+RANK_NOTES = frozenset({"checkpoint_interval", "compiled", "device_memory"})
 
 
 #: Names of pre-started supervisors (``service/runtime/supervisor_spares.py``); a job's own is
@@ -240,7 +240,7 @@ class JobSupervisor:
 
     def report_note(self, attempt: int, kind: str, detail: str) -> None:
         """Something a rank decided or measured that users should see as a job event (``checkpoint_interval``,
-        ``compiled``)."""
+        ``compiled``, ``device_memory``)."""
         if kind in RANK_NOTES:
             self._inbox.put(("note", attempt, kind, str(detail)[:2000]))
 

@@ -272,6 +272,9 @@ class TrainWorker:
                     phases.mark("device memory")
                     if log is not None:
                         log.write(f"attempt {plan.attempt}: {found.summary()}")
+                    self._supervisor.report_note.remote(
+                        plan.attempt, "device_memory", f"rank {self.rank}: {found.summary()}"
+                    )
             drills = self._drills
             check_health(
                 device,
