@@ -112,3 +112,72 @@ def survivor_outcome(backend: str, wait_s: float, *, abort: float = 0.0, peer_di
             if process.is_alive():
                 process.kill()
             process.join(timeout=10)
+
+
+#: The survivors' ranks report how long their attempt took to fail, then stay alive this long: a peer whose
+#: connections stayed open would keep the others waiting about that long.
+SURVIVOR_STAYS_S = 60.0
+
+
+def _hsdp_rank(rank: int, port: int, results) -> None:
+    """One rank of dp4 ZeRO-3 under HSDP (shard groups {0,1} and {2,3}, replica pairs {0,2} and {1,3}), the
+    Trainer of the service, two steps, then rank 3 SIGKILLs itself and the others train on until their
+    collectives fail; each survivor leaves its attempt as a rank process does (its groups destroyed, its
+    objects dropped, ``release_failed_attempt``) and stays alive."""
+    import torch
+    import torch.distributed as dist
+
+    from etrain.workers.engine.train import Trainer
+    from etrain.workers.protocol.run_config import ParallelConfig
+    from etrain.workers.rank.leave_attempt import release_failed_attempt
+    from tests.equivalence_utils import small_config
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=4,
+        timeout=timedelta(seconds=GROUP_TIMEOUT_S),
+    )
+    config = small_config(steps=40, parallel=ParallelConfig(dp=4, zero=3, dp_replicate=2))
+    trainer = Trainer(config, rank=rank, world_size=4, device=torch.device("cpu"))
+    trainer.run(0, 2)
+    if rank == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+    started = time.monotonic()
+    failure = None
+    try:
+        for step in range(2, 40):
+            trainer.train_step(step)
+    except Exception as err:  # noqa: BLE001 - the collective failure this is about
+        failure = err
+    failed_s = time.monotonic() - started
+    dist.destroy_process_group()
+    trainer = None
+    released = release_failed_attempt(failure) if failure is not None else False
+    results.put({"rank": rank, "failed": failure is not None, "failed_s": failed_s, "released": released})
+    results.close()
+    results.join_thread()
+    time.sleep(SURVIVOR_STAYS_S)
+    os._exit(0)
+
+
+def hsdp_survivors_leave() -> list[dict[str, Any]]:
+    """Each survivor's report (rank order) of the HSDP attempt above: whether its attempt failed, how long
+    after rank 3's death (its ``failed_s``), and whether it released its groups."""
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    port = _free_port()
+    ranks = [context.Process(target=_hsdp_rank, args=(rank, port, results)) for rank in range(4)]
+    for process in ranks:
+        process.start()
+    try:
+        reports = [results.get(timeout=120) for _ in range(3)]
+    except queue.Empty:
+        raise AssertionError("the survivors did not all report within 120 s") from None
+    finally:
+        for process in ranks:
+            if process.is_alive():
+                process.kill()
+            process.join(timeout=10)
+    return sorted(reports, key=lambda report: report["rank"])
