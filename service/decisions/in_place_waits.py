@@ -24,13 +24,12 @@ __all__ = [
 SURVIVOR_EXIT_TIMEOUT_S = 15.0
 # Once one survivor's run of the failed attempt has returned, an in-place repair gives the others this long
 # more (or two steps: stuck_survivor_grace_s), then counts those still out as stuck and replaces them too. Why: on gloo a pending collective fails
-# only when a peer's connections close, not when a live peer has left the attempt. In a 2-D layout a survivor
-# can wait on such a peer (HSDP with shard groups of two: rank 0 waits on ranks 1 and 2, which left after
-# their own collectives with the dead rank 3 failed). A rank leaving a failed attempt now closes its
-# connections at once (workers/rank/leave_attempt.py), which ends such waits within a second; this grace
-# is for a survivor that stays inside anyway (its peer's release failed, a crashed node's connections never
-# closed, it hangs elsewhere). The survivors of one fault return within a second of each other, so this is
-# seconds of margin, not of waiting.
+# only when a peer's process is gone, not when a live peer has left the attempt (measured with three gloo
+# processes: neither the peer's destroy_process_group() nor ProcessGroup.abort() unblocked it, only its
+# exit, 21 s later). In a 2-D layout a survivor can wait on such a peer (HSDP with shard groups of two:
+# rank 0 waits on ranks 1 and 2, which left after their own collectives with the dead rank 3 failed), and
+# it would wait for good. The survivors of one fault return within a second of each other (their
+# collectives with the dead rank fail at once), so this is seconds of margin, not of waiting.
 STUCK_SURVIVOR_GRACE_S = 5.0
 
 

@@ -33,7 +33,7 @@ from etrain.service.decisions.capacity import rank_slots
 from etrain.service.decisions.hangs import Frame, RankWhere
 from etrain.service.decisions.in_place_waits import stuck_survivor_grace_s, survivor_exit_timeout_s
 from etrain.service.runtime.spares import NAMESPACE, give_back_spares, start_cold_ranks, take_spares
-from etrain.workers.protocol.errors import CheckpointError, EtrainError, UnhealthyRankError, is_collective_failure
+from etrain.workers.protocol.errors import CheckpointError, EtrainError, UnhealthyRankError
 from etrain.workers.protocol.messages import RANK_ACTOR_CLASS, ChaosOrder, LaunchPlan, load_actor_class
 from etrain.workers.protocol.topology import Topology
 
@@ -820,7 +820,7 @@ class WorkerGroup:
                     traceback=str(err),
                     unreadable_checkpoint=isinstance(inner, CheckpointError),
                 )
-            if is_collective_failure(inner):
+            if _is_collective_failure(inner):
                 return GroupOutcome(
                     kind="job_error",
                     rank=rank,
@@ -1071,6 +1071,26 @@ def _death_cause(error: RayActorError, node: str) -> Literal["process", "actor",
     if getattr(error, "preempted", False) or "its node has died" in text or (node and not _node_alive(node)):
         return "node"
     return "actor" if "ray.kill" in text else "process"
+
+
+def _is_collective_failure(error: BaseException | None) -> bool:
+    """Errors a rank sees when a *peer* fails: gloo/nccl connection resets, store or PG timeouts."""
+    # By name, not isinstance: the service does not import torch (DistError, DistBackendError, ...).
+    names = {cls.__name__ for cls in type(error).__mro__} if error is not None else set()
+    if names & {
+        "DistError",
+        "DistBackendError",
+        "DistNetworkError",
+        "DistStoreError",
+        "TimeoutError",
+        "ConnectionError",
+    }:
+        return True
+    text = str(error).lower()
+    return any(
+        marker in text
+        for marker in ("gloo", "nccl", "connection reset", "connection closed", "timed out", "broken pipe")
+    )
 
 
 def _first_line(error: BaseException) -> str:

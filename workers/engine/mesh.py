@@ -307,11 +307,8 @@ def forget_mesh_state() -> None:
     number of groups created before the mesh). Torch offers no single reset (2.13); each cache is cleared
     where torch exposes it, and a cache torch has moved or renamed is skipped, not an error:
     ``tests/integration/test_mesh_reuse.py`` fails if one that matters is missed.
-
-    Also called when a rank leaves a failed attempt (``workers/rank/leave_attempt.py``): a cached mesh holds its
-    process groups, and a gloo group's connections close only when it is freed.
     """
-    from torch.distributed.tensor import DTensor, _collective_utils, _redistribute
+    from torch.distributed.tensor import DTensor, _redistribute
 
     _redistribute.clear_redistribute_planner_cache()  # planners keep their mesh and flattened meshes
     clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
@@ -321,8 +318,6 @@ def forget_mesh_state() -> None:
     for cached in (
         getattr(getattr(propagator, "propagate_op_sharding", None), "cache", None),  # this thread's
         getattr(propagator, "_propagate_tensor_meta_cached", None),
-        getattr(_redistribute, "_gen_transform_infos", None),  # keyed by DTensorSpec (their meshes)
-        getattr(getattr(_collective_utils, "MeshTopoInfo", None), "build_from_mesh", None),  # keyed by mesh
     ):
         if cached is not None and hasattr(cached, "cache_clear"):
             cached.cache_clear()

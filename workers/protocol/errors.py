@@ -79,24 +79,3 @@ def _rebuild_unhealthy(message, rank):
 
 class CheckpointError(EtrainError):
     """No usable checkpoint where one was required, or a checkpoint that fails verification."""
-
-
-def is_collective_failure(error: BaseException | None) -> bool:
-    """Whether ``error`` is what a rank sees when a *peer* fails: gloo/NCCL connection resets, store or process
-    group timeouts. By name, not ``isinstance``: the service does not import torch (``DistError``,
-    ``DistBackendError``, ...)."""
-    names = {cls.__name__ for cls in type(error).__mro__} if error is not None else set()
-    if names & {
-        "DistError",
-        "DistBackendError",
-        "DistNetworkError",
-        "DistStoreError",
-        "TimeoutError",
-        "ConnectionError",
-    }:
-        return True
-    text = str(error).lower()
-    return any(
-        marker in text
-        for marker in ("gloo", "nccl", "connection reset", "connection closed", "timed out", "broken pipe")
-    )

@@ -34,13 +34,11 @@ from typing import Any
 
 from etrain.workers.engine.compile import use_node_cache
 from etrain.workers.protocol.compiled_blocks import COMPILED_BLOCK_FORMS, compiled_block_form
-from etrain.workers.protocol.errors import is_collective_failure
 from etrain.workers.protocol.messages import REPORT_TIMEOUT_S, ChaosOrder, LaunchPlan, NodeInfo, RunResult
 from etrain.workers.protocol.run_config import RunConfig
 from etrain.workers.rank.compiled_code import CompiledCode
 from etrain.workers.rank.device_info import RankGpus, ray_bundle
 from etrain.workers.rank.device_memory import DEVICE_FREE_WAIT_S, cuda_memory_reader, wait_for_device_memory
-from etrain.workers.rank.leave_attempt import failure_text, release_failed_attempt
 from etrain.workers.rank.rank_saves import RankSaves
 from etrain.workers.rank.report_batch import ReportBatcher
 from etrain.workers.rank.step_control import ControlRequests, StepBoundaries, scheduled_save
@@ -89,7 +87,6 @@ class TrainWorker:
         self._running = False  # an attempt's `run` is under way (a rank is renumbered only between them)
         # a GPU rank's first attempt waits for memory another process holds (workers/rank/device_memory.py)
         self._device_memory_checked = False
-        self._failure_text: str | None = None  # a failed attempt's traceback, kept where leaving it dropped it
 
     # --- control calls (run concurrently with `run`) -------------------------------------------
 
@@ -209,10 +206,13 @@ class TrainWorker:
         try:
             result = self._train(plan, master_addr, master_port, log)
         except BaseException as err:
-            # the traceback as it was, where leaving the attempt dropped it (workers/rank/leave_attempt.py)
-            text, self._failure_text = self._failure_text or traceback.format_exc().rstrip(), None
             if log is not None:
-                log.write(held.shown(f"attempt {plan.attempt}: failed: {type(err).__name__}: {err}\n{text}"))
+                log.write(
+                    held.shown(
+                        f"attempt {plan.attempt}: failed: {type(err).__name__}: {err}\n"
+                        + traceback.format_exc().rstrip()
+                    )
+                )
             raise
         else:
             if log is not None:
@@ -258,7 +258,6 @@ class TrainWorker:
         phases.mark("process group")
         restored = None  # the Trainer once its state is whole (after the restore): a failure keeps that state
         boundaries = None
-        failure: BaseException | None = None
         try:
             from etrain.workers.protocol.health import HEALTH_CHECK_TIMEOUT_S
             from etrain.workers.rank.health_check import check_health
@@ -397,7 +396,6 @@ class TrainWorker:
                     return self._result(trainer, step + 1, final_loss, stopped=True)
             return self._result(trainer, total, final_loss, stopped=False)
         except Exception as err:
-            failure = err
             if restored is not None:
                 self._keep_live_state(restored, err, log)
             if batcher is not None and boundaries is not None:  # the last step completed, reported as it ends
@@ -417,12 +415,6 @@ class TrainWorker:
                 self._saves = None
                 ending.mark("saves closed")
             _leave_process_groups()
-            if failure is not None and is_collective_failure(failure):
-                # let go of the groups now, so a peer still waiting on this rank fails at once
-                # (workers/rank/leave_attempt.py); the log line is written from this text
-                self._failure_text = failure_text(failure)
-                trainer = restored = exchange = saves = boundaries = compiled = None
-                release_failed_attempt(failure)
             ending.mark("process groups")
             if log is not None:
                 log.write(f"attempt {plan.attempt}: wound down in {ending}")
