@@ -98,3 +98,10 @@ def test_the_worker_reads_free_total_and_its_own_reserve_from_torch(monkeypatch)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 0)
     found = wait_for_device_memory(cuda_memory_reader(device))
     assert found.held_at_start == 10 * GIB and found.released and 0 < found.waited_s < 2 and len(asked) == 3
+
+
+def test_on_a_gpu_the_health_checks_deadline_leaves_the_peers_room_for_the_wait():
+    from etrain.workers.protocol.health import HEALTH_CHECK_TIMEOUT_S, health_check_timeout_s
+
+    assert health_check_timeout_s("cpu") == HEALTH_CHECK_TIMEOUT_S == 10.0
+    assert health_check_timeout_s("cuda") == HEALTH_CHECK_TIMEOUT_S + DEVICE_FREE_WAIT_S == 40.0

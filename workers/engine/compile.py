@@ -115,9 +115,11 @@ def apply_compile(module: nn.Module, *, form: str = "whole") -> None:
     module.loss_compile_backend = backend
 
 
-#: torch's warning for a checkpoint policy (selective checkpointing) under torch.compile: correct only where
-#: the checkpointed region runs no in-place op, which tests/unit/test_families.py checks for every family.
-_CHECKED_WARNINGS = ("torch._higher_order_ops.wrap", "context_fn is passed to torch.utils.checkpoint")
+#: torch's warning for a checkpoint policy (selective checkpointing) under torch.compile, and its logger: it
+#: holds only where the checkpointed region runs no in-place op, which tests/unit/test_families.py checks for
+#: every family.
+_IN_PLACE_WARNING = "context_fn is passed to torch.utils.checkpoint"
+_IN_PLACE_WARNING_LOGGER = "torch._higher_order_ops.wrap"
 
 
 class _DropChecked:
@@ -125,13 +127,14 @@ class _DropChecked:
     process, told users to look for in-place ops they cannot change)."""
 
     def filter(self, record) -> bool:
-        return _CHECKED_WARNINGS[1] not in record.getMessage()
+        return _IN_PLACE_WARNING not in record.getMessage()
 
 
 def silence_checked_warnings() -> None:
+    """Filter torch's in-place warning out of its logger (once per process: the filter is not added twice)."""
     import logging
 
-    logger = logging.getLogger(_CHECKED_WARNINGS[0])
+    logger = logging.getLogger(_IN_PLACE_WARNING_LOGGER)
     if not any(isinstance(f, _DropChecked) for f in logger.filters):
         logger.addFilter(_DropChecked())
 

@@ -15,6 +15,18 @@ from statistics import median
 
 #: The whole check (allocation, matmul, the collective among the new group) must finish within this.
 HEALTH_CHECK_TIMEOUT_S = 10.0
+#: The longest a GPU rank's first attempt waits, just before its check, for device memory another process
+#: still holds (``workers/rank/device_memory.py``): a killed rank of the attempt before, being torn down.
+DEVICE_FREE_WAIT_S = 30.0
+
+
+def health_check_timeout_s(device_type: str) -> float:
+    """The check's deadline on ``device_type``: :data:`HEALTH_CHECK_TIMEOUT_S`, and on a GPU
+    :data:`DEVICE_FREE_WAIT_S` more, so that the peers' collective waits for a rank that first waited for its
+    device's memory."""
+    return HEALTH_CHECK_TIMEOUT_S + (DEVICE_FREE_WAIT_S if device_type == "cuda" else 0.0)
+
+
 #: A GPU rank whose matmul rate is below this fraction of its peers' median fails: a device running at a
 #: tenth of its peers is broken or throttled, not noisy.
 MIN_RATE_FRACTION = 0.1

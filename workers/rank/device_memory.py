@@ -12,7 +12,8 @@ by design, and the job may fit beside it).
 
 It waits after the rendezvous and before the health check (whose allocation would fail on a device another
 process still fills, and fail the node with it); the health check's deadline on a GPU is longer by
-:data:`DEVICE_FREE_WAIT_S`, so that its peers wait for a rank that waited.
+``DEVICE_FREE_WAIT_S`` (``workers/protocol/health.py``, which owns both), so that its peers wait for a rank
+that waited.
 
 The decision is :func:`wait_for_device_memory`, pure apart from the reader, clock and sleep it is given
 (``tests/unit/test_device_memory.py``); ``TrainWorker`` calls it with :func:`cuda_memory_reader`.
@@ -25,6 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from etrain.workers.protocol.health import DEVICE_FREE_WAIT_S
+
 __all__ = [
     "DEVICE_FREE_WAIT_S",
     "FOREIGN_ALLOWANCE_BYTES",
@@ -35,8 +38,6 @@ __all__ = [
     "wait_for_device_memory",
 ]
 
-#: The longest a rank waits for another process's device memory to be released (after the stop's own 10 s).
-DEVICE_FREE_WAIT_S = 30.0
 #: Memory in use that this process's allocator does not account for and is still its own: the CUDA context,
 #: cuBLAS's workspace and the kernels loaded (about 0.5-1 GiB on an H100), with room to spare; at least
 #: :data:`FOREIGN_ALLOWANCE_FRACTION` of the device, so that a small process that shares the GPU for good (a

@@ -21,10 +21,10 @@ import torch.distributed as dist
 from etrain.workers.protocol.errors import UnhealthyRankError
 from etrain.workers.protocol.health import (
     ALLOC_BYTES,
-    HEALTH_CHECK_TIMEOUT_S,
     MATMUL_REPEATS,
     MATMUL_SIZE,
     RankHealth,
+    health_check_timeout_s,
     unhealthy_ranks,
 )
 
@@ -35,13 +35,16 @@ def check_health(
     rank: int,
     node: str,
     drill: Callable[[], str | None] | None = None,
-    timeout_s: float = HEALTH_CHECK_TIMEOUT_S,
+    timeout_s: float | None = None,
 ) -> RankHealth:
     """Run the check with every rank of the default group; returns this rank's measurements.
 
     ``drill``: the fault drill's hook (``fail_health_check``): a failure to report instead of measuring.
     Raises UnhealthyRankError when any rank fails, and the collective's own error when a peer is gone.
+    ``timeout_s``: the deadline, by default the device type's (``health_check_timeout_s``).
     """
+    if timeout_s is None:
+        timeout_s = health_check_timeout_s(device.type)
     started = time.monotonic()
     mine = _measure(device, rank=rank, node=node, drill=drill)
     ones = torch.ones(1, device=device)

@@ -38,7 +38,7 @@ from etrain.workers.protocol.messages import REPORT_TIMEOUT_S, ChaosOrder, Launc
 from etrain.workers.protocol.run_config import RunConfig
 from etrain.workers.rank.compiled_code import CompiledCode
 from etrain.workers.rank.device_info import RankGpus, ray_bundle
-from etrain.workers.rank.device_memory import DEVICE_FREE_WAIT_S, cuda_memory_reader, wait_for_device_memory
+from etrain.workers.rank.device_memory import cuda_memory_reader, wait_for_device_memory
 from etrain.workers.rank.rank_saves import RankSaves
 from etrain.workers.rank.report_batch import ReportBatcher
 from etrain.workers.rank.step_control import ControlRequests, StepBoundaries, scheduled_save
@@ -259,13 +259,12 @@ class TrainWorker:
         restored = None  # the Trainer once its state is whole (after the restore): a failure keeps that state
         boundaries = None
         try:
-            from etrain.workers.protocol.health import HEALTH_CHECK_TIMEOUT_S
             from etrain.workers.rank.health_check import check_health
 
             if device.type == "cuda" and not self._device_memory_checked:
                 # After the rendezvous (the CUDA context is made beside it) and before the health check, whose
-                # allocation would fail on a device another process still fills, failing this node; its
-                # deadline below leaves the peers room for this wait.
+                # allocation would fail on a device another process still fills, failing this node; on a GPU
+                # its deadline leaves the peers room for this wait (health_check_timeout_s).
                 self._device_memory_checked = True
                 found = wait_for_device_memory(cuda_memory_reader(device))
                 if found.held_at_start:
@@ -281,7 +280,6 @@ class TrainWorker:
                 rank=self.rank,
                 node=self._node_id(),
                 drill=(lambda: drills.health_failure(plan.start_step)) if drills is not None else None,
-                timeout_s=HEALTH_CHECK_TIMEOUT_S + (DEVICE_FREE_WAIT_S if device.type == "cuda" else 0.0),
             )
             phases.mark("health check")
             trainer = Trainer(
