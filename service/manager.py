@@ -205,8 +205,8 @@ class JobManager:
     # --- jobs ------------------------------------------------------------------------------------
 
     def validate(self, spec: JobSpec) -> JobSpec:
-        """The spec as it will run (paths pinned, auto layout and auto loss chunking resolved), or SpecRejected with
-        every problem."""
+        """The spec as it will run (paths pinned, auto layout and auto loss chunking resolved, the host memory Ray
+        reserves per rank filled in), or SpecRejected with every problem."""
         spec, outside = pin_paths(spec, self._base_dir, self.storage)
         if outside:  # before anything looks at the files: the answer must not say whether they exist
             raise SpecRejected(outside)
@@ -219,7 +219,8 @@ class JobManager:
             problems += planner.check_plan(spec, available_gb=available)
         if problems:
             raise SpecRejected(problems)
-        return planner.resolve_loss_chunk(spec, available_gb=available)
+        spec = planner.resolve_loss_chunk(spec, available_gb=available)
+        return planner.resolve_host_memory(spec, available_gb=available)
 
     def submit(self, spec: JobSpec, *, principal: Principal = ADMIN, idempotency_key: str | None = None) -> JobRecord:
         """``idempotency_key``: a retry with the same key and spec returns the job the first request created

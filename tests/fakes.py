@@ -415,6 +415,7 @@ class FakeRuntime:
 
     #: The simulated cluster (``cluster()``): one node big enough that every test job fits at once.
     DEFAULT_NODES: dict[str, dict[str, float]] = {"fake-node-1": {"CPU": 1024.0, "GPU": 64.0}}
+    NODE_MEMORY_BYTES = float(1024**4)  # 1 TiB of host memory per simulated node
 
     def __init__(
         self,
@@ -430,7 +431,11 @@ class FakeRuntime:
         self.prune_updates = prune_updates
         self.prune_left: dict[str, int] = {}
         self.step_s = step_s
-        self.nodes = {name: dict(total) for name, total in (nodes or self.DEFAULT_NODES).items()}
+        # Every Ray node reports host memory (its ``memory`` resource, which ranks' bundles ask for): a node given
+        # without it has NODE_MEMORY_BYTES, as a real one has its RAM's share.
+        self.nodes = {
+            name: {"memory": self.NODE_MEMORY_BYTES, **total} for name, total in (nodes or self.DEFAULT_NODES).items()
+        }
         self.capacity_requests: list[list[dict[str, float]]] = []
         self.jobs: dict[str, dict[str, Any]] = {}
         self.calls: list[tuple[str, ...]] = []

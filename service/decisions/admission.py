@@ -40,16 +40,19 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from etrain.service.decisions.capacity import rank_slots
+from etrain.service.planning.plan_memory import GiB
 
 __all__ = [
     "Admit",
     "Claim",
     "ClusterView",
     "Gang",
+    "MEMORY",
     "NodeView",
     "Plan",
     "QueuedJob",
     "Refusal",
+    "SPEC_FIELDS",
     "Wait",
     "decide",
     "describe",
@@ -59,6 +62,16 @@ __all__ = [
     "tp_group_nodes",
     "tp_groups_across_nodes",
 ]
+
+#: Ray's logical host-memory resource (bytes): a rank's bundle asks for ``resources.host_memory_gb`` of it
+#: (service/planning/plan_host.py).
+MEMORY = "memory"
+#: The spec field behind each resource a rank asks for.
+SPEC_FIELDS = {
+    "CPU": "resources.cpus_per_worker",
+    "GPU": "resources.gpus_per_worker",
+    MEMORY: "resources.host_memory_gb",
+}
 
 #: Set this on an autoscaling cluster to queue jobs larger than the cluster is now (named in fixes).
 BEYOND_CLUSTER_SETTING = "ETRAIN_ADMIT_BEYOND_CLUSTER=1"
@@ -328,12 +341,19 @@ def refusal(gang: Gang, nodes: Sequence[NodeView]) -> Refusal | None:
             )
         name, amount = short[0]
         most = max(node.total.get(name, 0.0) for node in alive)
-        spec_field = {"CPU": "resources.cpus_per_worker", "GPU": "resources.gpus_per_worker"}.get(name, "resources")
+        spec_field = SPEC_FIELDS.get(name, "resources")
+        lower = f"lower {spec_field} to at most {most:g}"
+        if name == MEMORY:  # the planner's figure: what the rank holds, which lowering the field would not change
+            lower = (
+                "hold less state per rank in host memory (parallelism.zero: 3 or a larger parallelism.dp shard it; "
+                "checkpoint.async: false drops the staging copy, fault_tolerance.in_place: false the snapshots; "
+                "POST /v1/plan shows the parts as host_memory)"
+            )
         return Refusal(
             field=spec_field,
             message=f"one rank needs {describe(gang.per_rank)}, but no node has {_amount(amount, name)}: "
             f"the most any of the {len(alive)} node(s) has is {_amount(most, name)}.",
-            fix=f"lower {spec_field} to at most {most:g}, or add nodes with {_amount(amount, name)} ({beyond})",
+            fix=f"{lower}, or add nodes with {_amount(amount, name)} ({beyond})",
         )
     if best < gang.tp:
         group = {name: amount * gang.tp for name, amount in gang.per_rank.items()}
@@ -365,9 +385,10 @@ def refusal(gang: Gang, nodes: Sequence[NodeView]) -> Refusal | None:
     return None
 
 
-def describe(resources: Mapping[str, float]) -> str:
-    """``{"CPU": 2, "GPU": 0.5}`` -> ``"2 CPUs + 0.5 GPU"`` (zero entries left out; nothing -> ``"0 CPUs"``)."""
-    parts = [_amount(amount, name) for name, amount in sorted(resources.items()) if amount > _EPS]
+def describe(resources: Mapping[str, float], *, zeros: bool = False) -> str:
+    """``{"CPU": 2, "GPU": 0.5}`` -> ``"2 CPUs + 0.5 GPU"`` (zero entries left out unless ``zeros``: what is free
+    of each resource a job asks for; nothing -> ``"0 CPUs"``)."""
+    parts = [_amount(amount, name) for name, amount in sorted(resources.items()) if zeros or amount > _EPS]
     return " + ".join(parts) if parts else "0 CPUs"
 
 
@@ -375,6 +396,8 @@ def describe(resources: Mapping[str, float]) -> str:
 
 
 def _amount(amount: float, name: str) -> str:
+    if name == MEMORY:
+        return f"{amount / GiB:.2f} GiB of host memory"
     shown = round(amount, 3)
     return f"{shown:g} {name}{'s' if name in ('CPU', 'GPU') and not 0 < shown <= 1 else ''}"
 
@@ -510,7 +533,12 @@ def _why(gang: Gang, state: _Pass) -> tuple[str, str | None, str | None, bool]:
         )
     have = _sum(state.free.values())
     free_now = {name: max(0.0, have.get(name, 0.0)) for name in gang.per_rank}
-    return f"waiting for {wanted}; free now: {describe(free_now)} on {len(state.free)} node(s)", None, None, False
+    return (
+        f"waiting for {wanted}; free now: {describe(free_now, zeros=True)} on {len(state.free)} node(s)",
+        None,
+        None,
+        False,
+    )
 
 
 def free_summary(nodes: Sequence[NodeView]) -> dict[str, float]:

@@ -15,12 +15,14 @@ Adding a knob: its spec field (service/planning/spec.py), its policy field here 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from etrain.service.decisions import admission
 from etrain.service.decisions.elastic import ElasticPolicy
 from etrain.service.decisions.stragglers import StragglerConfig
+from etrain.service.planning.plan_memory import GiB
 from etrain.workers.protocol import layout_rules
 
 if TYPE_CHECKING:
@@ -107,7 +109,7 @@ FROM_SPEC: dict[str, tuple[str, ...]] = {
         "stragglers.sustained_windows",
     ),
     "straggler_action": ("stragglers.action",),
-    "resources_per_rank": ("resources.cpus_per_worker", "resources.gpus_per_worker"),
+    "resources_per_rank": ("resources.cpus_per_worker", "resources.gpus_per_worker", "resources.host_memory_gb"),
     "placement_strategy": ("resources.placement_strategy",),
     "export": ("checkpoint.export",),
 }
@@ -134,6 +136,8 @@ def policy_for(spec: JobSpec) -> JobPolicy:
     resources: dict[str, float] = {"CPU": spec.resources.cpus_per_worker}
     if spec.resources.gpus_per_worker:
         resources["GPU"] = spec.resources.gpus_per_worker
+    if spec.resources.host_memory_gb:  # Ray's logical memory resource, in bytes (service/planning/plan_host.py)
+        resources[admission.MEMORY] = float(math.ceil(spec.resources.host_memory_gb * GiB))
     tolerance, stragglers = spec.fault_tolerance, spec.stragglers
     return JobPolicy(
         min_dp=spec.min_dp,

@@ -32,6 +32,7 @@ __all__ = [
     "MAX_GLOBAL_BATCH",
     "MAX_GPUS_PER_WORKER",
     "MAX_HEADS",
+    "MAX_HOST_MEMORY_GB",
     "MAX_LAYERS",
     "MAX_LR",
     "MAX_PATH",
@@ -72,6 +73,7 @@ MAX_GPUS_PER_WORKER = 64.0
 #: resource it asks for at all (a smaller positive amount would also make "ranks per node" infinite).
 MIN_RESOURCE = 0.0001
 MAX_DEVICE_MEMORY_GB = 16384.0  # GiB per rank; the operator's value (or the detected one) caps it further
+MAX_HOST_MEMORY_GB = 65536.0  # GiB of host memory per rank (64 TiB: beyond any one node)
 
 # --- strings and cursors
 MAX_PATH = 4096  # PATH_MAX on Linux

@@ -244,6 +244,11 @@ class MemoryBreakdown:
     overhead: int
     phases: dict[str, int] = dataclasses.field(default_factory=dict)
     host_bytes: int = 0
+    #: The rank's checkpointed state (fp32 parameters and AdamW states, wherever they live): the size of each
+    #: host copy of it (an async checkpoint's staging, an in-memory snapshot: ``plan_host.py``).
+    checkpoint_bytes: int = 0
+    #: ``parameters``, ``gradients`` and ``optimizer_states`` live in host memory (FSDP2's CPU offload on a GPU)
+    offloaded: bool = False
     #: What ``buffers`` holds at the peak phase: ddp_buckets, gathered_params, unsharded_grads,
     #: weight_casts (autocast) and rope_tables.
     buffer_parts: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -482,6 +487,8 @@ def stage_memory(
         overhead=math.ceil(overhead),
         phases=totals,
         host_bytes=math.ceil(host_bytes),
+        checkpoint_bytes=math.ceil(parameters + states),
+        offloaded=offloaded,
         buffer_parts={k: math.ceil(v) for k, v in buffer_parts[peak].items() if v},
         **rounded[peak],
     )

@@ -24,6 +24,7 @@ from etrain.service.planning.estimate import (
     evaluate,
     require_bounds,
 )
+from etrain.service.planning.plan_host import HostMemory, host_memory, host_memory_gb, snapshot_copies
 from etrain.service.planning.plan_memory import gib
 from etrain.service.planning.plan_problems import (
     degree_problems,
@@ -45,8 +46,17 @@ from etrain.service.planning.plan_search import (
 )
 from etrain.service.planning.spec import JobSpec, ParallelismSpec, SpecProblem
 from etrain.service.planning.spec_checks import check_spec, field_problems
+from etrain.workers.protocol.memory_resume import snapshots_are_read
 
-__all__ = ["check_plan", "plan_report", "resolve_auto", "resolve_loss_chunk", "worker_init"]
+__all__ = [
+    "check_plan",
+    "host_plan",
+    "plan_report",
+    "resolve_auto",
+    "resolve_host_memory",
+    "resolve_loss_chunk",
+    "worker_init",
+]
 
 #: How much lower a planner worker process's CPU priority is than the API's (``os.nice``).
 PLANNER_NICENESS = 10
@@ -78,7 +88,10 @@ def check_plan(spec: JobSpec, *, available_gb: float | None = None) -> list[Spec
     est = evaluate(case)
     if not est.fits:
         problems.append(memory_problem(case, est))
-    elif spec.min_dp < case.layout.dp:
+    host_problem = _host_memory_problem(spec, available_gb)
+    if host_problem is not None:
+        problems.append(host_problem)
+    if est.fits and spec.min_dp < case.layout.dp:
         shrunk = case.replace(layout={"dp": spec.min_dp, "microbatches": None})
         low = evaluate(shrunk)
         if not low.fits:
@@ -91,6 +104,71 @@ def check_plan(spec: JobSpec, *, available_gb: float | None = None) -> list[Spec
                 )
             )
     return problems
+
+
+def host_plan(spec: JobSpec, *, available_gb: float | None = None) -> HostMemory:
+    """The host memory one rank of the spec's explicit layout holds (``plan_host.py``): the most of it at the
+    layout's dp and at ``resources.min_dp``, where ZeRO shards the state over fewer ranks."""
+    case = case_for(spec, spec.layout, available_gb)
+    cases = [case]
+    if spec.min_dp < case.layout.dp:
+        cases.append(case.replace(layout={"dp": spec.min_dp, "microbatches": None}))
+    figures = []
+    for each in cases:
+        layout = each.layout
+        copies = snapshot_copies(
+            read=snapshots_are_read(
+                in_place=spec.fault_tolerance.in_place,
+                repairs_in_place=spec.resources.device != "cuda",  # gloo (JobPolicy.collectives_fail_on_peer_loss)
+                resizable=spec.min_dp < spec.max_dp,
+            ),
+            dp=layout.dp,
+            zero=layout.zero,
+            dp_replicate=layout.dp_replicate,
+            ep=layout.ep,
+            cp=layout.cp,
+            may_grow=spec.max_dp > layout.dp,
+        )
+        figures.append(
+            host_memory(
+                evaluate(each).memory,
+                device=spec.resources.device,
+                async_checkpoints=spec.async_checkpoints,
+                snapshots=copies,
+            )
+        )
+    return max(figures, key=lambda host: host.total)
+
+
+def resolve_host_memory(spec: JobSpec, *, available_gb: float | None = None) -> JobSpec:
+    """``resources.host_memory_gb`` left out: the planner's figure (:func:`host_plan`), so the stored spec says
+    what Ray reserves for each rank and a supervisor recreated later reserves the same. A value the job gives
+    is kept (:func:`check_plan` refused one below the figure)."""
+    if spec.resources.host_memory_gb is not None or spec.is_auto:
+        return spec
+    figure = host_memory_gb(host_plan(spec, available_gb=available_gb).total)
+    return spec.model_copy(update={"resources": spec.resources.model_copy(update={"host_memory_gb": figure})})
+
+
+def _host_memory_problem(spec: JobSpec, available_gb: float | None) -> SpecProblem | None:
+    """A ``resources.host_memory_gb`` the job gives below what each rank holds: Ray would place ranks on nodes
+    whose RAM cannot hold them."""
+    asked = spec.resources.host_memory_gb
+    if asked is None:
+        return None
+    host = host_plan(spec, available_gb=available_gb)
+    needed = host_memory_gb(host.total)
+    if asked >= needed:
+        return None
+    parts = host.to_dict()["gib"]
+    shown = ", ".join(
+        f"{name.replace('_', ' ')} {value:.2f}" for name, value in parts.items() if name != "total" and value
+    )
+    return SpecProblem(
+        field="resources.host_memory_gb",
+        message=f"each rank holds {needed:g} GiB of host memory ({shown}), more than resources.host_memory_gb={asked:g}.",
+        fix=f"raise resources.host_memory_gb to at least {needed:g}, or leave it out (the planner's figure)",
+    )
 
 
 def offloaded_fit(evaluated: list[tuple[Case, PlanEstimate]], min_dp: int | None) -> PlanEstimate | None:
@@ -271,6 +349,7 @@ def plan_report(spec: JobSpec, *, available_gb: float | None = None) -> dict:
             "estimate": None,
             "auto": None,
             "loss_chunk_tokens": spec.training.loss_chunk_tokens,
+            "host_memory": None,
         }
     resolved = spec
     if spec.is_auto:
@@ -289,6 +368,8 @@ def plan_report(spec: JobSpec, *, available_gb: float | None = None) -> dict:
         decided = resolve_loss_chunk(resolved, available_gb=available_gb)
         if decided is not resolved:
             resolved, est = decided, _safe_estimate(decided, available_gb)
+    # what Ray reserves for each rank (resources.host_memory_gb, as the manager's validate sets it)
+    host = host_plan(resolved, available_gb=available_gb) if est is not None and not resolved.is_auto else None
     return {
         "feasible": not problems,
         "problems": [p.to_dict() for p in problems],
@@ -296,6 +377,9 @@ def plan_report(spec: JobSpec, *, available_gb: float | None = None) -> dict:
         "estimate": est.to_dict() if est else None,
         "auto": auto.to_dict() if auto else None,
         "loss_chunk_tokens": resolved.training.loss_chunk_tokens,
+        "host_memory": None
+        if host is None
+        else {**host.to_dict(), "reserved_gib": resolved.resources.host_memory_gb or host_memory_gb(host.total)},
     }
 
 

@@ -33,6 +33,7 @@ from etrain.service.planning.bounds import (
     MAX_GLOBAL_BATCH,
     MAX_GPUS_PER_WORKER,
     MAX_HEADS,
+    MAX_HOST_MEMORY_GB,
     MAX_LAYERS,
     MAX_LOSS_CHUNK_TOKENS,
     MAX_LR,
@@ -323,6 +324,14 @@ class ResourcesSpec(_Section):
         description="memory per rank (GiB) the planner checks against; default: what the cluster offers (the GPU "
         "memory its Ray nodes report, or the operator's ETRAIN_DEVICE_MEMORY_GB), else 80 (cuda) / 8 (cpu); "
         "a job may lower it, never raise it",
+    )
+    host_memory_gb: float | None = Field(
+        default=None,
+        gt=0,
+        le=MAX_HOST_MEMORY_GB,
+        description="host memory (GiB) Ray reserves for each rank on its node, beside its CPUs and GPUs; default: "
+        "the planner's figure, set at submit (a CPU rank's whole plan; on a GPU the offloaded state, the async "
+        "checkpoint's staging copy and the in-memory snapshots); a job may raise it, never lower it",
     )
     min_dp: DataParallel | None = Field(default=None, description="elastic floor; default: parallelism.dp")
     max_dp: DataParallel | None = Field(default=None, description="elastic ceiling; default: parallelism.dp")

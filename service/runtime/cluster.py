@@ -330,8 +330,9 @@ class RayRuntime:
             ) from err
 
 
-#: The resources a cluster view keeps (Ray also reports memory, object store, node and bundle labels).
-VIEW_RESOURCES = ("CPU", "GPU")
+#: The resources a cluster view keeps (Ray also reports object store, node and bundle labels): a rank's bundle
+#: asks for the first three (``memory``: the host memory Ray reserves for it, ``resources.host_memory_gb``).
+VIEW_RESOURCES = ("CPU", "GPU", "memory")
 
 
 def _plain(resources: dict[str, Any]) -> dict[str, float]:

@@ -82,6 +82,7 @@ from etrain.service.runtime.step_reports import StepReports
 from etrain.service.runtime.worker_group import NAMESPACE, GroupOutcome, PlacementTimeout, WorkerGroup
 from etrain.workers.protocol import compile_sharing
 from etrain.workers.protocol.compile_sharing import CompileArtifacts
+from etrain.workers.protocol.memory_resume import snapshots_are_read
 from etrain.workers.protocol.messages import LaunchPlan
 from etrain.workers.protocol.run_config import RunConfig
 
@@ -665,7 +666,11 @@ class JobSupervisor:
             chaos=self._drills.plan_orders() if self._drills is not None else (),
             chaos_enabled=self._drills is not None,
             state_from_memory=state_from_memory,
-            keep_snapshots=self.policy.in_place,  # only an in-place repair or resize ever reads them
+            keep_snapshots=snapshots_are_read(  # only an in-place repair or resize ever reads them
+                in_place=self.policy.in_place,
+                repairs_in_place=self.policy.collectives_fail_on_peer_loss,
+                resizable=self.policy.min_dp < self.policy.max_dp,
+            ),
             may_grow=self.policy.max_dp > config.parallel.dp,
             compile_artifacts=self._compile_artifacts,
         )

@@ -29,12 +29,16 @@ TWO_CPUS = {"n1": {"CPU": 2.0}}
 
 
 def spec(name: str, *, priority: int = 0, steps: int = 10, dp: int = 2, **extra: Any) -> dict[str, Any]:
+    """A job whose ranks each ask for 1 CPU and 1 GiB of host memory (``resources.host_memory_gb``, given so
+    that the messages do not move with the planner's figure for the tiny model)."""
+    resources = {"host_memory_gb": 1, **extra.pop("resources", {})}
     return {
         "name": name,
         "priority": priority,
         "model": {"preset": "gpt-tiny"},
         "parallelism": {"dp": dp},
         "training": {"steps": steps, "global_batch": 8, "micro_batch": 2},
+        "resources": resources,
         **extra,
     }
 
@@ -91,8 +95,8 @@ def test_queued_jobs_start_one_gang_at_a_time_by_priority(plane):
     assert {job["status"] for job in jobs.values()} == {"QUEUED"}
     queued = first(client, jobs[1]["id"], "queued")["detail"]["message"]
     assert queued == (
-        "waiting for 2 CPUs (2 rank(s) of 1 CPU: dp=2 tp=1 pp=1); free now: 0 CPUs on 1 node(s); "
-        "position 2 in the queue"
+        "waiting for 2 CPUs + 2.00 GiB of host memory (2 rank(s) of 1 CPU + 1.00 GiB of host memory: dp=2 tp=1 "
+        "pp=1); free now: 0 CPUs + 1022.00 GiB of host memory on 1 node(s); position 2 in the queue"
     )
 
     cluster = client.get("/v1/cluster").json()
@@ -147,16 +151,17 @@ def test_a_job_bigger_than_the_cluster_is_refused_with_the_numbers(plane):
     [problem] = response.json()["detail"]
     assert problem["field"] == "parallelism.dp"
     assert problem["message"] == (
-        "the minimum layout needs 4 ranks (dp=4 x tp=1 x pp=1) of 1 CPU = 4 CPUs, but the "
-        "cluster has 2 CPUs on 1 node(s), room for at most 2 replica(s) of 1 rank(s) "
-        "(tp groups node-local)."
+        "the minimum layout needs 4 ranks (dp=4 x tp=1 x pp=1) of 1 CPU + 1.00 GiB of host memory = 4 CPUs + "
+        "4.00 GiB of host memory, but the cluster has 2 CPUs + 1024.00 GiB of host memory on 1 node(s), room for "
+        "at most 2 replica(s) of 1 rank(s) (tp groups node-local)."
     )
     assert problem["fix"].startswith("lower parallelism.dp to at most 2, or add nodes")
     fat = client.post("/v1/jobs", json=spec("fat", resources={"cpus_per_worker": 4}))
     assert [(p["field"], p["message"]) for p in fat.json()["detail"]] == [
         (
             "resources.cpus_per_worker",
-            "one rank needs 4 CPUs, but no node has 4 CPUs: the most any of the 1 node(s) has is 2 CPUs.",
+            "one rank needs 4 CPUs + 1.00 GiB of host memory, but no node has 4 CPUs: the most any of the 1 node(s) "
+            "has is 2 CPUs.",
         )
     ]
     assert client.get("/v1/jobs").json()["jobs"] == []  # nothing recorded
@@ -279,7 +284,8 @@ def test_on_an_autoscaling_cluster_the_queue_asks_for_room(plane):
     huge = submit(client, spec("huge", dp=4, resources={"cpus_per_worker": 0.5}))
     assert huge["status"] == "QUEUED"
     deadline = time.monotonic() + 10
-    while manager.runtime.capacity_requests[-1:] != [[{"CPU": 1.0}] * 2 + [{"CPU": 0.5}] * 4]:
+    rank, half = {"CPU": 1.0, "memory": 1024.0**3}, {"CPU": 0.5, "memory": 1024.0**3}
+    while manager.runtime.capacity_requests[-1:] != [[rank] * 2 + [half] * 4]:
         assert time.monotonic() < deadline, manager.runtime.capacity_requests
         time.sleep(0.02)
     assert client.post(f"/v1/jobs/{huge['id']}/cancel").json()["status"] == "CANCELLED"
@@ -308,7 +314,7 @@ def test_what_an_ended_job_still_holds_is_counted_free(plane):
             if not ended:
                 return view
             held = {ended[0]: {"n1": {"CPU": 2.0, "GPU": 0.0}}}
-            nodes = tuple(dataclasses.replace(node, free={"CPU": 0.0, "GPU": 0.0}) for node in view.nodes)
+            nodes = tuple(dataclasses.replace(node, free={**node.free, "CPU": 0.0, "GPU": 0.0}) for node in view.nodes)
             return ClusterView(nodes=nodes, holdings={**view.holdings, **held})
 
     manager, client = plane(Lingering(nodes=TWO_CPUS))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -103,6 +104,11 @@ def test_cancel_stops_workers_and_releases_the_placement_group(plane):
 
     job = plane.submit(dp2_spec(steps=100000))
     plane.wait_until(job["id"], lambda j: j["status"] == "RUNNING" and j["step"] >= 2, timeout_s=180, what="RUNNING")
+    # Each rank's bundle reserves, beside its CPU, the host memory the planner filled into the stored spec
+    # (resources.host_memory_gb: service/planning/plan_host.py), as Ray's own `memory` resource.
+    reserved = plane.client.get(f"/v1/jobs/{job['id']}").json()["spec"]["resources"]["host_memory_gb"]
+    [held] = [pg for pg in placement_group_table().values() if job["id"] in (pg.get("name") or "")]
+    assert list(held["bundles"].values()) == [{"CPU": 1.0, "memory": float(math.ceil(reserved * 1024**3))}] * 2, held
     response = plane.client.post(f"/v1/jobs/{job['id']}/cancel")
     assert response.status_code == 202, response.text  # accepted at once; the job gets there below
     final = plane.wait_terminal(job["id"], timeout_s=60)

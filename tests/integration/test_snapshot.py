@@ -37,6 +37,38 @@ def _local_state(trainer) -> dict[str, torch.Tensor]:
     }
 
 
+def _snapshot_bytes(snapshot) -> int:
+    """The bytes of host memory a snapshot's tensors hold."""
+    return sum(
+        value.untyped_storage().nbytes()
+        for values in snapshot.state.values()
+        for value in values.values()
+        if torch.is_tensor(value)
+    )
+
+
+def _planned_checkpoint_bytes(parallel: ParallelConfig) -> int:
+    """The planner's size of one rank's checkpointed state (``MemoryBreakdown.checkpoint_bytes``: what each host
+    copy of it takes, ``service/planning/plan_host.py``) for small_config's model under ``parallel``."""
+    from etrain.service.planning.estimate import Case, evaluate
+    from etrain.service.planning.spec import ParallelismSpec
+
+    config = small_config(parallel=parallel)
+    layout = ParallelismSpec(dp=parallel.dp, zero=parallel.zero, dp_replicate=parallel.dp_replicate)
+    case = Case(
+        model=config.model,
+        layout=layout,
+        global_batch=config.training.global_batch,
+        micro_batch=config.training.micro_batch,
+        precision="fp32",
+        checkpointing="none",
+        device="cpu",
+        device_memory_bytes=8 * 1024**3,
+        cpus_per_worker=1.0,
+    )
+    return evaluate(case).memory.checkpoint_bytes
+
+
 def _save_committed(trainer, rank, world_size, directory, step):
     import torch.distributed as dist
 
@@ -111,6 +143,7 @@ def _scenarios(rank: int, world_size: int, root: str) -> dict:
         "stale": stale_origin,
         "live": (newest.step, newest_origin, live_next, after_live, capped.step),
         "groups": (pair, alone),
+        "snapshot_bytes": _snapshot_bytes(snapshot),
     }
 
 
@@ -127,6 +160,12 @@ def test_memory_restore_and_peer_transfer_equal_the_disk_checkpoint_bit_for_bit(
         assert report["live"][3] == report["straight"][-1:]  # step 6 from the live state: the same loss, exactly
         assert report["live"][4] == 3
         assert report["groups"] == ([(0, 1)], [(0,), (1,)])
+    # each copy of a rank's state is what the planner reserves host memory for, per copy (plan_host.py): its
+    # fp32 parameters and AdamW states, 12 bytes per parameter; beyond them only AdamW's step counters (4 bytes
+    # per tensor: 276 of 666,132 here)
+    planned = _planned_checkpoint_bytes(ParallelConfig(dp=2))
+    held = [r["snapshot_bytes"] for r in reports]
+    assert all(planned <= b <= 1.001 * planned for b in held), (planned, held)
 
 
 def _expert_parallel(rank: int, world_size: int) -> dict:
@@ -259,6 +298,7 @@ def _hsdp(rank: int, world_size: int, root: str) -> dict:
         "same_bits": same_bits,
         "resumed": [m.loss for m in from_memory.run(start, 4)],
         "straight": straight,
+        "snapshot_bytes": _snapshot_bytes(snapshot),
     }
 
 
@@ -269,6 +309,11 @@ def test_under_hsdp_a_replacement_receives_its_shard_from_the_other_replica_grou
         assert report["groups"] == [(0, 2), (1, 3)]  # the same shard index in each replica group
         assert report["start"] == 2 and report["same_bits"]
         assert report["resumed"] == report["straight"]  # exact: the same continuation as never stopping
+    # a shard of the state per rank, as the planner counts it (each rank's shard of every tensor, padded by FSDP2
+    # where a dimension does not divide: within 1%)
+    planned = _planned_checkpoint_bytes(ParallelConfig(dp=4, zero=3, dp_replicate=2))
+    held = [r["snapshot_bytes"] for r in reports]
+    assert all(abs(b - planned) <= 0.01 * planned for b in held), (planned, held)
 
 
 def _another_layout(rank: int, world_size: int) -> dict:

@@ -25,7 +25,7 @@ BASE: dict[str, Any] = {
     "model": {"preset": "gpt-tiny"},
     "training": {"steps": 10, "global_batch": 8, "micro_batch": 1},
     "parallelism": {"dp": 2},
-    "resources": {"min_dp": 1, "max_dp": 4},
+    "resources": {"min_dp": 1, "max_dp": 4, "host_memory_gb": 2},
 }
 
 #: Settings of the spec's supervisor sections that go somewhere else than the policy, and where.
@@ -132,3 +132,14 @@ def test_only_a_gloo_jobs_survivors_can_leave_a_collective_with_a_dead_peer():
     cuda = policy_for(_spec({**BASE, "resources": {**BASE["resources"], "device": "cuda", "gpus_per_worker": 1}}))
     assert (cpu.collectives_fail_on_peer_loss, cuda.collectives_fail_on_peer_loss) == (True, False)
     assert cpu.in_place and cuda.in_place  # a resize still runs in place on either
+
+
+def test_a_rank_asks_ray_for_its_host_memory_in_bytes():
+    """``resources.host_memory_gb`` becomes Ray's ``memory`` resource in each rank's bundle (bytes, rounded up);
+    a stored spec from before the field (None) asks for none."""
+    policy = policy_for(_spec({**BASE, "resources": {"host_memory_gb": 1.5, "gpus_per_worker": 1}}))
+    assert policy.resources_per_rank == {"CPU": 1.0, "GPU": 1.0, "memory": 1.5 * 1024**3}
+    assert gang_for(_spec({**BASE, "resources": {"host_memory_gb": 0.01}})).per_rank == {
+        "CPU": 1.0,
+        "memory": float(-(-0.01 * 1024**3 // 1)),
+    }

@@ -23,6 +23,7 @@ __all__ = [
     "holder_groups",
     "memory_resume_step",
     "replica_key",
+    "snapshots_are_read",
     "state_still_fits",
 ]
 
@@ -80,6 +81,16 @@ def every_rank_has_a_replica(*, dp: int, zero: int, dp_replicate: int = 1, ep: i
     lost rank)."""
     groups = holder_groups([range(dp * cp)], dp=dp, zero=zero, dp_replicate=dp_replicate, ep=ep, cp=cp)
     return all(len(group) > 1 for group in groups)
+
+
+def snapshots_are_read(*, in_place: bool, repairs_in_place: bool, resizable: bool) -> bool:
+    """Whether anything can read the copies of their state a job's ranks keep in memory, so whether they keep
+    them: only an in-place repair (``fault_tolerance.in_place``, where the survivors' collectives fail with a
+    lost peer: gloo, ``repairs_in_place``) or an in-place resize (``resizable``: ``resources.min_dp`` below
+    ``max_dp``) restores from them. On NCCL a lost rank relaunches every rank, so a GPU job of one size has no
+    reader: its copies would cost two times its state in host memory and a device-to-host copy at every
+    checkpoint (``service/planning/plan_host.py``) for nothing."""
+    return in_place and (repairs_in_place or resizable)
 
 
 def state_still_fits(*, taken_at_dp: int | None, dp: int, zero: int) -> bool:
