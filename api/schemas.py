@@ -213,14 +213,17 @@ class ClusterNodeOut(BaseModel):
     alive: bool
     cpus: float = Field(description="total CPUs the node offers to Ray")
     gpus: float
+    memory_gib: float = Field(description="host memory the node offers to Ray (its `memory` resource), GiB")
     free_cpus: float = Field(description="not held by any placement group, actor or task now")
     free_gpus: float
+    free_memory_gib: float
 
 
 class NodeHoldingOut(BaseModel):
     node_id: str
     cpus: float
     gpus: float
+    memory_gib: float = Field(description="host memory its ranks' bundles reserve (resources.host_memory_gb each)")
 
 
 class JobHoldingOut(BaseModel):
@@ -233,6 +236,7 @@ class JobHoldingOut(BaseModel):
     world_size: int = Field(description="ranks of its current layout")
     cpus: float
     gpus: float
+    memory_gib: float
     nodes: list[NodeHoldingOut]
 
 
@@ -249,8 +253,10 @@ class ClusterTotalsOut(BaseModel):
     alive_nodes: int
     cpus: float
     gpus: float
+    memory_gib: float
     free_cpus: float
     free_gpus: float
+    free_memory_gib: float
     running_jobs: int = Field(description="started, unfinished jobs of every tenant")
     queued_jobs: int = Field(description="queued jobs of every tenant")
 

@@ -197,7 +197,7 @@ class JobManagerPort(Protocol):
 
     def cluster(self, *, principal: Principal = ADMIN) -> dict[str, Any]:
         """The cluster as the scheduler sees it, in the shape of ``etrain.api.schemas.ClusterOut``: ``nodes``
-        (node_id, alive, cpus, gpus, free_cpus, free_gpus), ``totals``, ``jobs`` (what each started job
+        (node_id, alive, cpus, gpus, memory_gib, free_cpus, free_gpus, free_memory_gib), ``totals``, ``jobs`` (what each started job
         holds), ``queue`` (job_id, priority, position, reason, submitted_at) and ``observed_at``. Only the
         caller's jobs are listed; the totals count every tenant's. ServiceUnavailable when the cluster
         cannot be read."""

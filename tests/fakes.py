@@ -301,16 +301,17 @@ class InMemoryManager:
         return {"feasible": not problems, "problems": problems, "layout": None, "estimate": None, "auto": None}
 
     #: The simulated cluster ``cluster()`` reports: one node, every job running on it at once.
-    NODE = {"node_id": "fake-node-1", "alive": True, "cpus": 1024.0, "gpus": 64.0}
+    NODE = {"node_id": "fake-node-1", "alive": True, "cpus": 1024.0, "gpus": 64.0, "memory_gib": 1024.0}
 
     def cluster(self, *, principal: Principal = ADMIN) -> dict[str, Any]:
         """Jobs start at once here (no queue): each live job holds its world size x resources per worker."""
         live = [job for job in self.store.active_jobs() if not job.is_terminal]
-        holders, used_cpus, used_gpus = [], 0.0, 0.0
+        holders, used_cpus, used_gpus, used_memory = [], 0.0, 0.0, 0.0
         for job in live:
             resources = JobSpec.model_validate(job.spec).resources
             cpus, gpus = job.world_size * resources.cpus_per_worker, job.world_size * resources.gpus_per_worker
-            used_cpus, used_gpus = used_cpus + cpus, used_gpus + gpus
+            memory = job.world_size * (resources.host_memory_gb or 0.0)
+            used_cpus, used_gpus, used_memory = used_cpus + cpus, used_gpus + gpus, used_memory + memory
             if principal.can_see(job.tenant):
                 holders.append(
                     {
@@ -321,17 +322,25 @@ class InMemoryManager:
                         "world_size": job.world_size,
                         "cpus": cpus,
                         "gpus": gpus,
-                        "nodes": [{"node_id": self.NODE["node_id"], "cpus": cpus, "gpus": gpus}],
+                        "memory_gib": memory,
+                        "nodes": [{"node_id": self.NODE["node_id"], "cpus": cpus, "gpus": gpus, "memory_gib": memory}],
                     }
                 )
-        node = {**self.NODE, "free_cpus": self.NODE["cpus"] - used_cpus, "free_gpus": self.NODE["gpus"] - used_gpus}
+        node = {
+            **self.NODE,
+            "free_cpus": self.NODE["cpus"] - used_cpus,
+            "free_gpus": self.NODE["gpus"] - used_gpus,
+            "free_memory_gib": self.NODE["memory_gib"] - used_memory,
+        }
         totals = {
             "nodes": 1,
             "alive_nodes": 1,
             "cpus": node["cpus"],
             "gpus": node["gpus"],
+            "memory_gib": node["memory_gib"],
             "free_cpus": node["free_cpus"],
             "free_gpus": node["free_gpus"],
+            "free_memory_gib": node["free_memory_gib"],
             "running_jobs": len(live),
             "queued_jobs": 0,
         }

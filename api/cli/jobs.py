@@ -194,13 +194,14 @@ def cmd_cluster(client: Client, args: argparse.Namespace, out: TextIO, err: Text
     print(
         f"nodes {totals['alive_nodes']}/{totals['nodes']} alive   CPUs {totals['free_cpus']:g} free of "
         f"{totals['cpus']:g}   GPUs {totals['free_gpus']:g} free of {totals['gpus']:g}   "
-        f"jobs {totals['running_jobs']} started, {totals['queued_jobs']} queued",
+        f"memory {totals['free_memory_gib']:g} GiB free of {totals['memory_gib']:g}   jobs {totals['running_jobs']} started, {totals['queued_jobs']} queued",
         file=out,
     )
     for node in body["nodes"]:
         print(
             f"  node {node['node_id'][:12]}  {'alive' if node['alive'] else 'DEAD '}  CPUs {node['free_cpus']:g}/"
-            f"{node['cpus']:g} free  GPUs {node['free_gpus']:g}/{node['gpus']:g} free",
+            f"{node['cpus']:g} free  GPUs {node['free_gpus']:g}/{node['gpus']:g} free  "
+            f"memory {node['free_memory_gib']:g}/{node['memory_gib']:g} GiB free",
             file=out,
         )
     if body["jobs"]:
@@ -208,7 +209,7 @@ def cmd_cluster(client: Client, args: argparse.Namespace, out: TextIO, err: Text
         for job in body["jobs"]:
             print(
                 f"  {job['job_id']:<28} {job['status']:<10} prio {job['priority']:>4}  {job['world_size']} ranks  "
-                f"{job['cpus']:g} CPUs  {job['gpus']:g} GPUs",
+                f"{job['cpus']:g} CPUs  {job['gpus']:g} GPUs  {job['memory_gib']:g} GiB",
                 file=out,
             )
     if body["queue"]:

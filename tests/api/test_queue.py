@@ -105,13 +105,15 @@ def test_queued_jobs_start_one_gang_at_a_time_by_priority(plane):
         "alive_nodes": 1,
         "cpus": 2.0,
         "gpus": 0.0,
+        "memory_gib": 1024.0,  # FakeRuntime.NODE_MEMORY_BYTES, as Ray reports a node's memory
         "free_cpus": 0.0,
         "free_gpus": 0.0,
+        "free_memory_gib": 1022.0,  # the blocker's two ranks reserve 1 GiB each (resources.host_memory_gb)
         "running_jobs": 1,
         "queued_jobs": 3,
     }
-    assert [(h["job_id"], h["cpus"], h["nodes"]) for h in cluster["jobs"]] == [
-        (blocker["id"], 2.0, [{"node_id": "n1", "cpus": 2.0, "gpus": 0.0}])
+    assert [(h["job_id"], h["cpus"], h["memory_gib"], h["nodes"]) for h in cluster["jobs"]] == [
+        (blocker["id"], 2.0, 2.0, [{"node_id": "n1", "cpus": 2.0, "gpus": 0.0, "memory_gib": 2.0}])
     ]
     assert [(q["job_id"], q["priority"], q["position"]) for q in cluster["queue"]] == [
         (jobs[5]["id"], 5, 1),
@@ -269,9 +271,13 @@ def test_etrain_cluster_prints_nodes_holdings_and_the_queue(tmp_path, monkeypatc
         result = etrain(url, "cluster")
     assert result.code == 0, result
     lines = result.out.splitlines()
-    assert lines[0] == "nodes 1/1 alive   CPUs 0 free of 2   GPUs 0 free of 0   jobs 1 started, 1 queued"
-    assert lines[1].split() == ["node", "n1", "alive", "CPUs", "0/2", "free", "GPUs", "0/0", "free"]
-    assert lines[2] == "holding:" and lines[3].split()[0] == blocker["id"] and "2 CPUs" in lines[3]
+    assert lines[0] == (
+        "nodes 1/1 alive   CPUs 0 free of 2   GPUs 0 free of 0   memory 1022 GiB free of 1024   jobs 1 started, 1 queued"
+    )
+    assert lines[1].split() == [
+        *("node", "n1", "alive", "CPUs", "0/2", "free", "GPUs", "0/0", "free", "memory", "1022/1024", "GiB", "free")
+    ]
+    assert lines[2] == "holding:" and lines[3].split()[0] == blocker["id"] and "2 CPUs  0 GPUs  2 GiB" in lines[3]
     assert lines[4] == "queue:"
     assert lines[5].split()[:4] == ["1.", waiting["id"], "prio", "3"] and "waiting for 2 CPUs" in lines[5]
 

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -32,7 +33,7 @@ def whole_machine(name: str, *, priority: int = 0, dp: int = 2) -> dict:
         "model": {"n_layers": 1, "d_model": 16, "n_heads": 2, "vocab_size": 32, "seq_len": 8},
         "data": {"kind": "synthetic", "seed": 1},
         "parallelism": {"dp": dp},
-        "resources": {"cpus_per_worker": 1},
+        "resources": {"cpus_per_worker": 1, "host_memory_gb": 0.5},  # given: the messages below stay exact
         "training": {"steps": 6, "global_batch": 8, "micro_batch": 2, "lr": 0.01, "seed": 1},
         "stragglers": {"enabled": False},
     }
@@ -60,11 +61,13 @@ def test_whole_machine_jobs_start_one_at_a_time_by_priority(two_cpus, tmp_path):
         assert too_big.status_code == 422, too_big.text
         [problem] = too_big.json()["detail"]
         assert problem["field"] == "parallelism.dp"
-        assert problem["message"] == (
-            "the minimum layout needs 4 ranks (dp=4 x tp=1 x pp=1) of 1 CPU = 4 CPUs, but "
-            "the cluster has 2 CPUs on 1 node(s), room for at most 2 replica(s) of 1 "
-            "rank(s) (tp groups node-local)."
-        )
+        # (the machine's host memory, Ray's `memory` resource, is whatever this machine has)
+        assert re.fullmatch(
+            r"the minimum layout needs 4 ranks \(dp=4 x tp=1 x pp=1\) of 1 CPU \+ 0\.50 GiB of host memory = 4 CPUs "
+            r"\+ 2\.00 GiB of host memory, but the cluster has 2 CPUs \+ [0-9.]+ GiB of host memory on 1 node\(s\), room "
+            r"for at most 2 replica\(s\) of 1 rank\(s\) \(tp groups node-local\)\.",
+            problem["message"],
+        ), problem["message"]
 
         ids = {p: plane.submit(whole_machine(f"p{p}", priority=p))["id"] for p in (0, 5, 1)}
         assert {plane.job(job_id)["status"] for job_id in ids.values()} == {"QUEUED"}
@@ -75,16 +78,23 @@ def test_whole_machine_jobs_start_one_at_a_time_by_priority(two_cpus, tmp_path):
             3,
         )
         assert [(q["job_id"], q["position"]) for q in cluster["queue"]] == [(ids[5], 1), (ids[1], 2), (ids[0], 3)]
-        assert cluster["queue"][0]["reason"] == (
-            "waiting for 2 CPUs (2 rank(s) of 1 CPU: dp=2 tp=1 pp=1); free now: "
-            "0 CPUs on 1 node(s); position 1 in the queue"
-        )
+        assert re.fullmatch(
+            r"waiting for 2 CPUs \+ 1\.00 GiB of host memory \(2 rank\(s\) of 1 CPU \+ 0\.50 GiB of host memory: dp=2 "
+            r"tp=1 pp=1\); free now: 0 CPUs \+ [0-9.]+ GiB of host memory on 1 node\(s\); position 1 in the queue",
+            cluster["queue"][0]["reason"],
+        ), cluster["queue"][0]["reason"]
+        assert cluster["totals"]["free_memory_gib"] == cluster["totals"]["memory_gib"] > 1  # the Holder asked for none
 
         ray.kill(holder)
         plane.wait_until(ids[5], lambda job: job["status"] in ("RUNNING", "SUCCEEDED"), timeout_s=60, what="p5 starts")
         holding = _holding(plane, ids[5])
         if holding is not None:  # (p5 may already be done: 6 steps are quick)
-            assert (holding["cpus"], holding["world_size"], len(holding["nodes"])) == (2, 2, 1)
+            assert (holding["cpus"], holding["memory_gib"], holding["world_size"], len(holding["nodes"])) == (
+                2,
+                1,
+                2,
+                1,
+            )
             assert holding["nodes"][0]["node_id"] == cluster["nodes"][0]["node_id"]
 
         finals = {p: plane.wait_terminal(job_id, timeout_s=90) for p, job_id in ids.items()}

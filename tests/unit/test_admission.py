@@ -399,3 +399,40 @@ def test_ranks_held_on_a_node_take_their_share_of_it_before_the_tp_groups():
     assert tp_group_nodes(free, {"CPU": 1.0}, tp=2, groups=2, held={"a": 3}) is None
     assert tp_group_nodes(free, {"CPU": 1.0}, tp=2, groups=1, held={"gone": 5}) == ["a"]  # not in free: ignored
     assert free == {"a": {"CPU": 4.0}, "b": {"CPU": 2.0}}  # the caller's view is left as it was
+
+
+# --- host memory (Ray's ``memory`` resource: resources.host_memory_gb) -------------------------------------
+
+GIB = 1024.0**3
+
+
+def _with_memory(view: NodeView, total_gib: float, free_gib: float | None = None) -> NodeView:
+    free = total_gib if free_gib is None else free_gib
+    return NodeView(
+        id=view.id,
+        alive=view.alive,
+        total={**view.total, "memory": total_gib * GIB},
+        free={**view.free, "memory": free * GIB},
+    )
+
+
+def test_host_memory_is_a_resource_like_the_others():
+    """A rank that asks for 3 GiB fits once on a node of 4 CPUs and 4.5 GiB (whatever its CPUs say), and a
+    node of 2 GiB can never hold one: refused naming resources.host_memory_gb, with the fixes that shrink
+    what a rank holds (lowering the field below the planner's figure is refused at submit)."""
+    fat = Gang(per_rank={"CPU": 1.0, "memory": 3 * GIB}, dp_sizes=(1, 2), tp=1, pp=1)
+    two = [_with_memory(node("a", 4), 4.5), _with_memory(node("b", 4), 4.5)]
+    [admit] = decide([QueuedJob(id="fat", priority=0, created_at=0.0, gang=fat)], two).admit
+    assert (admit.dp, dict(admit.placement)) == (2, {"a": 1, "b": 1})  # one rank per node, 3 CPUs left idle on each
+    busy = [_with_memory(node("a", 4), 4.5, free_gib=2.0), _with_memory(node("b", 4), 4.5)]
+    assert decide([QueuedJob(id="fat", priority=0, created_at=0.0, gang=fat)], busy).admit[0].dp == 1
+    problem = refusal(fat, [_with_memory(node("a", 4), 2.0)])
+    assert problem.field == "resources.host_memory_gb"
+    assert problem.message == (
+        "one rank needs 1 CPU + 3.00 GiB of host memory, but no node has 3.00 GiB of host memory: the most any "
+        "of the 1 node(s) has is 2.00 GiB of host memory."
+    )
+    assert "parallelism.zero: 3" in problem.fix and "checkpoint.async: false" in problem.fix
+    assert "fault_tolerance.in_place: false" in problem.fix and "add nodes with 3.00 GiB of host memory" in problem.fix
+    assert describe({"CPU": 0.0, "memory": 1.5 * GIB}, zeros=True) == "0 CPUs + 1.50 GiB of host memory"
+    assert describe({"CPU": 0.0, "memory": 1.5 * GIB}) == "1.50 GiB of host memory"
