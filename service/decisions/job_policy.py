@@ -28,7 +28,7 @@ from etrain.workers.protocol import layout_rules
 if TYPE_CHECKING:
     from etrain.service.planning.spec import JobSpec
 
-__all__ = ["FROM_SPEC", "NOT_FROM_SPEC", "JobPolicy", "gang_for", "policy_for"]
+__all__ = ["FROM_SPEC", "NOT_FROM_SPEC", "JobPolicy", "collectives_fail_on_peer_loss", "gang_for", "policy_for"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,6 +131,12 @@ NOT_FROM_SPEC: dict[str, str] = {
 }
 
 
+def collectives_fail_on_peer_loss(device: str) -> bool:
+    """Whether a survivor's collective fails when a peer dies (so it can leave the failed attempt and be kept
+    by a repair in place): gloo's do, off CUDA (workers/engine/mesh.py); NCCL's wait on (docs/limits.md)."""
+    return device != "cuda"
+
+
 def policy_for(spec: JobSpec) -> JobPolicy:
     """The job policy of a (validated, explicit-layout) spec; the :data:`NOT_FROM_SPEC` values at their defaults."""
     resources: dict[str, float] = {"CPU": spec.resources.cpus_per_worker}
@@ -147,7 +153,7 @@ def policy_for(spec: JobSpec) -> JobPolicy:
         backoff_base_s=tolerance.backoff_base_s,
         backoff_max_s=tolerance.backoff_max_s,
         in_place=tolerance.in_place,
-        collectives_fail_on_peer_loss=spec.resources.device != "cuda",  # gloo off CUDA (workers/engine/mesh.py)
+        collectives_fail_on_peer_loss=collectives_fail_on_peer_loss(spec.resources.device),
         elastic_check_interval_s=spec.elastic.check_interval_s,
         stragglers=StragglerConfig(
             enabled=stragglers.enabled,

@@ -15,6 +15,7 @@ import os
 import signal
 import threading
 
+from etrain.service.decisions.job_policy import collectives_fail_on_peer_loss
 from etrain.service.errors import SpecRejected
 from etrain.service.planning.estimate import (
     Case,
@@ -119,7 +120,7 @@ def host_plan(spec: JobSpec, *, available_gb: float | None = None) -> HostMemory
         copies = snapshot_copies(
             read=snapshots_are_read(
                 in_place=spec.fault_tolerance.in_place,
-                repairs_in_place=spec.resources.device != "cuda",  # gloo (JobPolicy.collectives_fail_on_peer_loss)
+                repairs_in_place=collectives_fail_on_peer_loss(spec.resources.device),
                 resizable=spec.min_dp < spec.max_dp,
             ),
             dp=layout.dp,
