@@ -244,8 +244,9 @@ class MemoryBreakdown:
     overhead: int
     phases: dict[str, int] = dataclasses.field(default_factory=dict)
     host_bytes: int = 0
-    #: The rank's checkpointed state (fp32 parameters and AdamW states, wherever they live): the size of each
-    #: host copy of it (an async checkpoint's staging, an in-memory snapshot: ``plan_host.py``).
+    #: The rank's checkpointed state (fp32 parameters and AdamW states, wherever they live; a tied embedding
+    #: under both its names): the size of each host copy of it (an async checkpoint's staging, an in-memory
+    #: snapshot: ``plan_host.py``).
     checkpoint_bytes: int = 0
     #: ``parameters``, ``gradients`` and ``optimizer_states`` live in host memory (FSDP2's CPU offload on a GPU)
     offloaded: bool = False
@@ -421,6 +422,11 @@ def stage_memory(
             compiled=compiled,
         )
 
+    # A tied embedding is one parameter under two names (the embedding's and the head's): the rank's state dict,
+    # so each host copy of it (an async checkpoint's staging, an in-memory snapshot), holds its slice twice.
+    # Measured: a tied Llama's snapshot is the untied count plus one embedding (tests/integration/test_snapshot.py);
+    # on an H100, Llama-3.2-1B's staging held 15.9 GB where 12 bytes per parameter make 14.8 GB.
+    tied_twice = 4 * model.vocab_size * d / tp / shard if model.tie_embeddings and first and last else 0.0
     # Each parameter's full fp32 value, plus the rank's slice that distribute_tensor cuts from it as a
     # copy when the parameter is sharded (FSDP2 and/or TP DTensors; a plain parameter is copied into).
     pieces = shard * tp
@@ -487,7 +493,7 @@ def stage_memory(
         overhead=math.ceil(overhead),
         phases=totals,
         host_bytes=math.ceil(host_bytes),
-        checkpoint_bytes=math.ceil(parameters + states),
+        checkpoint_bytes=math.ceil(parameters + states + tied_twice),
         offloaded=offloaded,
         buffer_parts={k: math.ceil(v) for k, v in buffer_parts[peak].items() if v},
         **rounded[peak],
