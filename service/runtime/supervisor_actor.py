@@ -32,7 +32,7 @@ from typing import Any
 
 import ray
 
-from etrain.service.decisions.admission import tp_groups_across_nodes
+from etrain.service.decisions.admission import MEMORY, tp_groups_across_nodes
 from etrain.service.decisions.hangs import find_culprit
 from etrain.service.decisions.job_policy import JobPolicy
 from etrain.service.decisions.job_status import Status
@@ -672,6 +672,7 @@ class JobSupervisor:
                 resizable=self.policy.min_dp < self.policy.max_dp,
             ),
             may_grow=self.policy.max_dp > config.parallel.dp,
+            host_memory_bytes=int(self.policy.resources_per_rank.get(MEMORY, 0)),
             compile_artifacts=self._compile_artifacts,
         )
 

@@ -59,6 +59,7 @@ PURE_MODULES = [
     "etrain.workers.rank.rank_log",
     "etrain.workers.rank.report_batch",
     "etrain.workers.rank.step_control",
+    "etrain.workers.rank.host_memory",
 ]
 
 BLOCKED = ("torch", "ray")

@@ -105,8 +105,12 @@ class LaunchPlan:
     #: The newest step the ranks may resume at from memory: the last step whose record the supervisor holds
     #: (a step run but never reported, rank 0 having died with it, is run again so that it is). None: any.
     memory_resume_limit: int | None = None
-    #: Keep in-memory snapshots at each save (``fault_tolerance.in_place``): nothing else reads them.
+    #: Keep in-memory snapshots at each save: only an in-place repair or resize reads them
+    #: (``memory_resume.snapshots_are_read``).
     keep_snapshots: bool = True
+    #: The host memory this rank's bundle reserves (``resources.host_memory_gb``, bytes; 0: none), which the rank
+    #: log sets beside what the rank held (``workers/rank/host_memory.py``).
+    host_memory_bytes: int = 0
     #: The job may grow past this attempt's dp (its elastic ceiling is higher): at dp=1, where no replica
     #: would read a snapshot for a repair, rank 0 keeps them anyway for the ranks a grow adds.
     may_grow: bool = False

@@ -39,6 +39,7 @@ from etrain.workers.protocol.run_config import RunConfig
 from etrain.workers.rank.compiled_code import CompiledCode
 from etrain.workers.rank.device_info import RankGpus, ray_bundle
 from etrain.workers.rank.device_memory import cuda_memory_reader, wait_for_device_memory
+from etrain.workers.rank.host_memory import host_memory_use
 from etrain.workers.rank.rank_saves import RankSaves
 from etrain.workers.rank.report_batch import ReportBatcher
 from etrain.workers.rank.step_control import ControlRequests, StepBoundaries, scheduled_save
@@ -416,6 +417,8 @@ class TrainWorker:
             ending.mark("process groups")
             if log is not None:
                 log.write(f"attempt {plan.attempt}: wound down in {ending}")
+                # what the rank held against what its bundle reserves (workers/rank/host_memory.py)
+                log.write(f"attempt {plan.attempt}: {host_memory_use().describe(plan.host_memory_bytes)}")
 
     @staticmethod
     def _bound_node_cache(plan: LaunchPlan, log: Any) -> threading.Thread | None:
