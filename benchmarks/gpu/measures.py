@@ -328,6 +328,11 @@ _READY = re.compile(r"attempt (?P<attempt>\d+): ready after (?P<total>[\d.]+)s(?
 _WOUND_DOWN = re.compile(r"attempt (?P<attempt>\d+): wound down in (?P<total>[\d.]+)s(?: \((?P<phases>[^)]*)\))?")
 _WARMUP = re.compile(r"; cuda warm-up (?P<outcome>.+?) in (?P<s>[\d.]+)s \(driver without the GIL: (?P<driver>[^)]*)\)")
 _DIGEST = re.compile(r"attempt (?P<attempt>\d+): param digest (?P<s>[\d.]+)s")
+_HOST_MEMORY = re.compile(
+    r"attempt (?P<attempt>\d+): host memory: peak RSS (?P<peak_rss>[\d.]+) GiB"
+    r"(?:, now PSS (?P<pss>[\d.]+) GiB \(private (?P<private>[\d.]+) GiB\))?; "
+    r"(?:reserved (?P<reserved>[\d.]+) GiB|none reserved)"
+)
 _PHASE = re.compile(r"(?P<name>[A-Za-z][\w -]*?) (?P<s>[\d.]+)s")
 _STEP_LINE = re.compile(_STAMP + r" step (?P<step>\d+)/\d+ ")
 _SAVE_LINE = re.compile(_STAMP + r" checkpoint step (?P<step>\d+) (?P<what>.*)$")
@@ -384,8 +389,18 @@ def startup_phases(lines: list[str]) -> list[dict[str, Any]]:
 def wind_down(lines: list[str]) -> list[dict[str, Any]]:
     """Where each attempt's end went, from a rank log: the parameter digest (``attempt N: param digest
     T s``) and the wind-down after it (``attempt N: wound down in T s (reports s, saves closed s, process
-    groups s)``: the last reports, the last async save landing and its host buffers released, the groups)."""
+    groups s)``: the last reports, the last async save landing and its host buffers released, the groups), and
+    what the rank held in host memory against its reservation (``attempt N: host memory: peak RSS X GiB, now PSS
+    Y GiB (private Z GiB); reserved R GiB``: ``workers/rank/host_memory.py``; None before that line existed)."""
     digests = {int(m["attempt"]): float(m["s"]) for m in map(_DIGEST.search, lines) if m}
+    held = {
+        int(m["attempt"]): {
+            f"{name}_gib": float(m[name]) if m[name] is not None else None
+            for name in ("peak_rss", "pss", "private", "reserved")
+        }
+        for m in map(_HOST_MEMORY.search, lines)
+        if m
+    }
     out = []
     for line in lines:
         found = _WOUND_DOWN.search(line)
@@ -399,6 +414,7 @@ def wind_down(lines: list[str]) -> list[dict[str, Any]]:
                 "param_digest_s": digests.get(attempt),
                 "total_s": float(found["total"]),
                 "phases": phases,
+                "host_memory": held.get(attempt),
             }
         )
     return out

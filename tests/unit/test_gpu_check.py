@@ -240,6 +240,8 @@ LOG = [
     "2026-11-26T10:00:18.900 checkpoint step 40 saved, training blocked 0.68s",
     "2026-11-26T10:00:19.900 attempt 1: param digest 0.95s",
     "2026-11-26T10:00:22.000 attempt 1: wound down in 2.10s (reports 0.01s, saves closed 1.84s, process groups 0.25s)",
+    "2026-11-26T10:00:22.000 attempt 1: host memory: peak RSS 21.40 GiB, now PSS 18.90 GiB (private 18.20 GiB); "
+    "reserved 15.77 GiB",
 ]
 
 
@@ -267,7 +269,15 @@ def test_start_up_phases_and_save_blocking_from_a_rank_log():
         "param_digest_s": 0.95,
         "total_s": 2.10,
         "phases": {"reports": 0.01, "saves closed": 1.84, "process groups": 0.25},
+        # what the rank held against its bundle's reservation (workers/rank/host_memory.py)
+        "host_memory": {"peak_rss_gib": 21.4, "pss_gib": 18.9, "private_gib": 18.2, "reserved_gib": 15.77},
     }
+    # a kernel without the summary and a job reserving none (attempt 2); a log from before the line (attempt 3)
+    ended = [LOG[-2].replace("attempt 1", f"attempt {n}") for n in (2, 3)]
+    bare = "2026-11-26T10:00:22.000 attempt 2: host memory: peak RSS 3.00 GiB; none reserved"
+    second, third = wind_down([ended[0], bare, ended[1]])
+    assert second["host_memory"] == {"peak_rss_gib": 3.0, "pss_gib": None, "private_gib": None, "reserved_gib": None}
+    assert third["host_memory"] is None
 
 
 def _event(ts, kind, message=""):
