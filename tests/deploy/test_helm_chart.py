@@ -408,7 +408,7 @@ def test_gpu_groups_request_the_gpus_the_values_ask(gpus):
     assert set(groups) == {"cpu", "gpu"}
     resources = groups["gpu"]["template"]["spec"]["containers"][0]["resources"]
     assert resources["limits"]["nvidia.com/gpu"] == gpus and resources["requests"]["nvidia.com/gpu"] == gpus
-    assert resources["limits"]["cpu"] == "8" and resources["limits"]["memory"] == "64Gi"
+    assert resources["limits"]["cpu"] == "8" and resources["limits"]["memory"] == "128Gi"
     assert "nvidia.com/gpu" not in groups["cpu"]["template"]["spec"]["containers"][0]["resources"]["limits"]
     tolerations = groups["gpu"]["template"]["spec"]["tolerations"]
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in tolerations
