@@ -337,7 +337,8 @@ def refusal(gang: Gang, nodes: Sequence[NodeView]) -> Refusal | None:
                 field="resources",
                 message=f"one rank needs {describe(gang.per_rank)} on one node, but none of the {len(alive)} "
                 f"node(s) has all of it (for example: {describe(alive[0].total)}).",
-                fix=f"lower resources.cpus_per_worker / gpus_per_worker, or add such nodes ({beyond})",
+                fix="lower what one rank asks for (resources.cpus_per_worker / gpus_per_worker; its host memory: "
+                f"POST /v1/plan's host_memory says what holds it), or add such nodes ({beyond})",
             )
         name, amount = short[0]
         most = max(node.total.get(name, 0.0) for node in alive)

@@ -23,6 +23,7 @@ from etrain.service.access.tenancy import Principal
 from etrain.service.decisions import admission
 from etrain.service.decisions.job_policy import gang_for
 from etrain.service.errors import JobConflict, ServiceUnavailable, SpecRejected
+from etrain.service.planning.plan_memory import GiB
 from etrain.service.planning.spec import JobSpec, SpecProblem
 from etrain.service.runtime.cluster import Runtime
 from etrain.service.settings import Settings
@@ -163,7 +164,7 @@ class Scheduler:
             [self._queued(job) for job in queued], self._admission_nodes(view, active), self._claims(active, view)
         )
         alive = [node for node in view.nodes if node.alive]
-        total = {name: sum(node.total.get(name, 0.0) for node in alive) for name in ("CPU", "GPU", "memory")}
+        total = {name: sum(node.total.get(name, 0.0) for node in alive) for name in ("CPU", "GPU", admission.MEMORY)}
         free = admission.free_summary(view.nodes)
         visible = {job.id: job for job in active if principal.can_see(job.tenant)}
         for job_id in view.holdings:
@@ -185,13 +186,13 @@ class Scheduler:
                     "world_size": job.world_size,
                     "cpus": _round(sum(r.get("CPU", 0.0) for r in held.values())),
                     "gpus": _round(sum(r.get("GPU", 0.0) for r in held.values())),
-                    "memory_gib": _gib(sum(r.get("memory", 0.0) for r in held.values())),
+                    "memory_gib": _gib(sum(r.get(admission.MEMORY, 0.0) for r in held.values())),
                     "nodes": [
                         {
                             "node_id": node,
                             "cpus": _round(r.get("CPU", 0.0)),
                             "gpus": _round(r.get("GPU", 0.0)),
-                            "memory_gib": _gib(r.get("memory", 0.0)),
+                            "memory_gib": _gib(r.get(admission.MEMORY, 0.0)),
                         }
                         for node, r in sorted(held.items())
                     ],
@@ -216,10 +217,10 @@ class Scheduler:
                     "alive": node.alive,
                     "cpus": _round(node.total.get("CPU", 0.0)),
                     "gpus": _round(node.total.get("GPU", 0.0)),
-                    "memory_gib": _gib(node.total.get("memory", 0.0)),
+                    "memory_gib": _gib(node.total.get(admission.MEMORY, 0.0)),
                     "free_cpus": _round(node.free.get("CPU", 0.0)),
                     "free_gpus": _round(node.free.get("GPU", 0.0)),
-                    "free_memory_gib": _gib(node.free.get("memory", 0.0)),
+                    "free_memory_gib": _gib(node.free.get(admission.MEMORY, 0.0)),
                 }
                 for node in view.nodes
             ],
@@ -228,10 +229,10 @@ class Scheduler:
                 "alive_nodes": len(alive),
                 "cpus": _round(total["CPU"]),
                 "gpus": _round(total["GPU"]),
-                "memory_gib": _gib(total["memory"]),
+                "memory_gib": _gib(total[admission.MEMORY]),
                 "free_cpus": _round(free.get("CPU", 0.0)),
                 "free_gpus": _round(free.get("GPU", 0.0)),
-                "free_memory_gib": _gib(free.get("memory", 0.0)),
+                "free_memory_gib": _gib(free.get(admission.MEMORY, 0.0)),
                 "running_jobs": len(active) - len(queued),
                 "queued_jobs": len(queued),
             },
@@ -352,4 +353,4 @@ def _round(amount: float) -> float:
 
 def _gib(nbytes: float) -> float:
     """Ray's ``memory`` resource (bytes) for display, in GiB to the hundredth."""
-    return round(nbytes / 1024**3, 2) + 0.0
+    return round(nbytes / GiB, 2) + 0.0

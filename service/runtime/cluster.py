@@ -12,7 +12,7 @@ import logging
 import threading
 from typing import Any, Protocol
 
-from etrain.service.decisions.admission import ClusterView, NodeView
+from etrain.service.decisions.admission import MEMORY, ClusterView, NodeView
 from etrain.service.decisions.job_policy import JobPolicy
 from etrain.service.errors import ServiceUnavailable
 from etrain.service.runtime.hf_export import run_export
@@ -332,7 +332,7 @@ class RayRuntime:
 
 #: The resources a cluster view keeps (Ray also reports object store, node and bundle labels): a rank's bundle
 #: asks for the first three (``memory``: the host memory Ray reserves for it, ``resources.host_memory_gb``).
-VIEW_RESOURCES = ("CPU", "GPU", "memory")
+VIEW_RESOURCES = ("CPU", "GPU", MEMORY)
 
 
 def _plain(resources: dict[str, Any]) -> dict[str, float]:
