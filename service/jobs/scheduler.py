@@ -23,7 +23,7 @@ from etrain.service.access.tenancy import Principal
 from etrain.service.decisions import admission
 from etrain.service.decisions.job_policy import gang_for
 from etrain.service.errors import JobConflict, ServiceUnavailable, SpecRejected
-from etrain.service.planning.plan_memory import GiB
+from etrain.service.planning.plan_memory import gib
 from etrain.service.planning.spec import JobSpec, SpecProblem
 from etrain.service.runtime.cluster import Runtime
 from etrain.service.settings import Settings
@@ -186,13 +186,13 @@ class Scheduler:
                     "world_size": job.world_size,
                     "cpus": _round(sum(r.get("CPU", 0.0) for r in held.values())),
                     "gpus": _round(sum(r.get("GPU", 0.0) for r in held.values())),
-                    "memory_gib": _gib(sum(r.get(admission.MEMORY, 0.0) for r in held.values())),
+                    "memory_gib": gib(sum(r.get(admission.MEMORY, 0.0) for r in held.values())),
                     "nodes": [
                         {
                             "node_id": node,
                             "cpus": _round(r.get("CPU", 0.0)),
                             "gpus": _round(r.get("GPU", 0.0)),
-                            "memory_gib": _gib(r.get(admission.MEMORY, 0.0)),
+                            "memory_gib": gib(r.get(admission.MEMORY, 0.0)),
                         }
                         for node, r in sorted(held.items())
                     ],
@@ -217,10 +217,10 @@ class Scheduler:
                     "alive": node.alive,
                     "cpus": _round(node.total.get("CPU", 0.0)),
                     "gpus": _round(node.total.get("GPU", 0.0)),
-                    "memory_gib": _gib(node.total.get(admission.MEMORY, 0.0)),
+                    "memory_gib": gib(node.total.get(admission.MEMORY, 0.0)),
                     "free_cpus": _round(node.free.get("CPU", 0.0)),
                     "free_gpus": _round(node.free.get("GPU", 0.0)),
-                    "free_memory_gib": _gib(node.free.get(admission.MEMORY, 0.0)),
+                    "free_memory_gib": gib(node.free.get(admission.MEMORY, 0.0)),
                 }
                 for node in view.nodes
             ],
@@ -229,10 +229,10 @@ class Scheduler:
                 "alive_nodes": len(alive),
                 "cpus": _round(total["CPU"]),
                 "gpus": _round(total["GPU"]),
-                "memory_gib": _gib(total[admission.MEMORY]),
+                "memory_gib": gib(total[admission.MEMORY]),
                 "free_cpus": _round(free.get("CPU", 0.0)),
                 "free_gpus": _round(free.get("GPU", 0.0)),
-                "free_memory_gib": _gib(free.get(admission.MEMORY, 0.0)),
+                "free_memory_gib": gib(free.get(admission.MEMORY, 0.0)),
                 "running_jobs": len(active) - len(queued),
                 "queued_jobs": len(queued),
             },
@@ -349,8 +349,3 @@ def _reason(wait: admission.Wait, reader: Principal, jobs: Mapping[str, JobRecor
 def _round(amount: float) -> float:
     """Resource amounts for display: float dust (3 x 0.1 CPU) rounded away."""
     return round(amount, 4) + 0.0
-
-
-def _gib(nbytes: float) -> float:
-    """Ray's ``memory`` resource (bytes) for display, in GiB to the hundredth."""
-    return round(nbytes / GiB, 2) + 0.0

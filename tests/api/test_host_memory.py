@@ -32,17 +32,13 @@ def test_submit_fills_in_the_planners_host_memory_and_each_rank_asks_ray_for_it(
 
 def test_a_node_whose_ram_cannot_hold_one_rank_refuses_the_job_with_the_fixes(plane):  # noqa: F811
     _, client = plane(FakeRuntime(nodes={"n1": {"CPU": 4.0, "memory": 2.0 * GiB}}))
-    response = client.post("/v1/jobs", json=spec("fat", resources={"host_memory_gb": 3}))
-    assert response.status_code == 422, response.text
-    [problem] = response.json()["detail"]
-    assert problem["field"] == "resources.host_memory_gb"
+    problem = _refused(client, spec("fat", resources={"host_memory_gb": 3}), field="resources.host_memory_gb")
     assert problem["message"] == (
         "one rank needs 1 CPU + 3.00 GiB of host memory, but no node has 3.00 GiB of host memory: the most any "
         "of the 1 node(s) has is 2.00 GiB of host memory."
     )
     assert problem["fix"].startswith("hold less state per rank in host memory (parallelism.zero: 3")
     assert "add nodes with 3.00 GiB of host memory" in problem["fix"]
-    assert client.get("/v1/jobs").json()["jobs"] == []
 
 
 def test_host_memory_bounds_the_ranks_per_node(plane):  # noqa: F811
@@ -52,19 +48,29 @@ def test_host_memory_bounds_the_ranks_per_node(plane):  # noqa: F811
     _, client = plane(FakeRuntime(nodes=nodes))
     fits = submit(client, spec("fits", dp=4, resources={"host_memory_gb": 2}))
     assert fits["status"] in ("STARTING", "RUNNING"), fits
-    response = client.post("/v1/jobs", json=spec("fat", dp=4, resources={"host_memory_gb": 3}))
-    [problem] = response.json()["detail"]
-    assert problem["field"] == "parallelism.dp"
+    problem = _refused(client, spec("fat", dp=4, resources={"host_memory_gb": 3}), field="parallelism.dp")
     assert "room for at most 2 replica(s) of 1 rank(s)" in problem["message"], problem
 
 
 def test_a_host_memory_below_the_planners_figure_is_refused(plane):  # noqa: F811
     _, client = plane(FakeRuntime(nodes={"n1": {"CPU": 4.0, "memory": 64.0 * GiB}}))
-    response = client.post("/v1/jobs", json=spec("thin", resources={"host_memory_gb": 0.01}))
+    body = spec("thin", resources={})
+    del body["resources"]
+    figure = client.post("/v1/plan", json=body).json()["host_memory"]["reserved_gib"]  # the planner's figure
+    problem = _refused(client, spec("thin", resources={"host_memory_gb": 0.01}), field="resources.host_memory_gb")
+    assert problem["message"].startswith(f"each rank holds {figure:g} GiB of host memory (state ")
+    assert problem["message"].endswith(", more than resources.host_memory_gb=0.01.")
+    assert (
+        problem["fix"]
+        == f"raise resources.host_memory_gb to at least {figure:g}, or leave it out (the planner's figure)"
+    )
+
+
+def _refused(client, body: dict, *, field: str) -> dict:
+    """The one problem a submit of ``body`` is refused with (422, nothing recorded), which names ``field``."""
+    response = client.post("/v1/jobs", json=body)
     assert response.status_code == 422, response.text
     [problem] = response.json()["detail"]
-    assert problem["field"] == "resources.host_memory_gb"
-    assert (
-        problem["message"].startswith("each rank holds ")
-        and "more than resources.host_memory_gb=0.01" in (problem["message"])
-    )
+    assert problem["field"] == field, problem
+    assert body["name"] not in {job["name"] for job in client.get("/v1/jobs").json()["jobs"]}  # nothing recorded
+    return problem

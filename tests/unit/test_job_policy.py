@@ -8,6 +8,7 @@ supervisor sections reaches the policy. A knob added to one side only fails here
 from __future__ import annotations
 
 import copy
+import math
 import typing
 from dataclasses import MISSING, fields
 from typing import Any, Literal
@@ -141,5 +142,5 @@ def test_a_rank_asks_ray_for_its_host_memory_in_bytes():
     assert policy.resources_per_rank == {"CPU": 1.0, "GPU": 1.0, "memory": 1.5 * 1024**3}
     assert gang_for(_spec({**BASE, "resources": {"host_memory_gb": 0.01}})).per_rank == {
         "CPU": 1.0,
-        "memory": float(-(-0.01 * 1024**3 // 1)),
+        "memory": float(math.ceil(0.01 * 1024**3)),
     }
