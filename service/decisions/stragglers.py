@@ -23,7 +23,12 @@ windows (windows within the threshold either way). Relative, because what slows 
 host, every step getting longer) is not a straggler and must not look like one; what is left is a
 rank that *became* slow (a throttling GPU, a noisy neighbour, a failing link), which is what
 eviction can fix. A stage that is slow from its first window cannot be told from one that is slow
-by design, and is not flagged. The first window of a lone stage is its baseline and is not judged.
+by design, and is not flagged. The first window of a lone stage (of each attempt) is its warm-up and is
+neither judged nor learned: its steps include the attempt's first, whose one-off costs (allocations, the
+optimizer's state, the first reports) fall on each stage unevenly, so its relative cost is not the stage's
+usual one (a first window 1.5x off made three healthy windows after it look slow: rank 1 of a PP x2 job was
+flagged at step 16 before it was slowed at step 20, on a quiet 2-core machine, 2026-12-06). The second window
+is its baseline and is not judged.
 A run with one rank in total is never judged: nobody waits for it.
 
 The statistic is deliberately robust:
@@ -171,6 +176,7 @@ class StragglerDetector:
         self._samples: dict[int, list[float]] = {}
         self._steps_in_window = 0
         self._streaks: dict[int, _Streak] = {}
+        self._warmed: set[int] = set()  # lone ranks whose warm-up window has passed
         self._history: dict[int, deque[float]] = {}  # lone ranks: medians of their healthy windows
         self._standing: dict[int, deque[float]] = {}  # ranks with peers: their healthy windows' peer ratios
 
@@ -246,9 +252,12 @@ class StragglerDetector:
         if others <= 0:
             return None
         relative = median / others
+        if rank not in self._warmed:
+            self._warmed.add(rank)  # the first window is the warm-up: neither judged nor learned
+            return None
         history = self._history.setdefault(rank, deque(maxlen=self.config.history))
         if not history:
-            history.append(relative)  # the first window is the baseline, not judged
+            history.append(relative)  # the second window is the baseline, not judged
             return None
         usual = statistics.median(history)
         # In seconds: the compute this rank would have now at its usual cost relative to the others.

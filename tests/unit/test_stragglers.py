@@ -314,11 +314,21 @@ class TestLoneStagesAgainstTheirHistory:
         )
         assert [(s, f.rank) for s, f in found] == [(119, 1)]
 
-    def test_first_window_is_the_baseline_and_is_not_judged(self):
+    def test_the_first_window_is_the_warm_up_and_the_second_the_baseline_neither_judged(self):
         stages = stage_map(pp=2, dp=1, tp=1)
         detector = StragglerDetector(StragglerConfig(window=5, patience=1), stages=stages)
         # Slow from the very first step: indistinguishable from a stage slow by design.
         assert feed_stages(detector, 200, stages, stage_cost={0: 0.1, 1: 0.1}, slow={1: ALWAYS}, factor=3.0) == []
+
+    def test_an_uneven_warm_up_window_is_not_the_baseline(self):
+        """The attempt's first window falls on the stages unevenly (rank 1's relative cost 0.6 of its usual):
+        learned as the baseline it made three healthy windows look 1.67x slow (a chaos run, 2026-12-06)."""
+        detector = StragglerDetector(StragglerConfig(), stages=stage_map(pp=2, dp=1, tp=1))
+        rows = [{0: 0.005, 1: 0.003}] * 4 + [{0: 0.003, 1: 0.003}] * 76  # warm-up: rank 0 slower
+        assert feed_times(detector, rows) == []
+        slowed = [{0: 0.003, 1: 0.003}] * 20 + [{0: 0.003, 1: 0.009}] * 16
+        found = feed_times(StragglerDetector(StragglerConfig(), stages=stage_map(pp=2, dp=1, tp=1)), rows[:4] + slowed)
+        assert [(step, f.rank, f.basis) for step, f in found] == [(4 + 20 + 3 * 4 - 1, 1, HISTORY)]
 
     def test_slow_windows_never_become_the_baseline(self):
         # Slow for 30 windows (reported once), healthy again, slow again: reported a second time,
@@ -335,8 +345,8 @@ class TestLoneStagesAgainstTheirHistory:
         stages = stage_map(pp=2, dp=1, tp=1)
         detector = StragglerDetector(StragglerConfig(window=1, patience=1, history=3, threshold=1.5), stages=stages)
         found = []
-        # Healthy windows 1.0, 1.2, 1.4, 1.5 (each <= 1.3x the baseline then, the sustained threshold: a
-        # window over either threshold is not learned): baseline = median(1.2, 1.4, 1.5).
+        # After the warm-up window (1.0), healthy windows 1.2, 1.4, 1.5 (each <= 1.3x the baseline then, the
+        # sustained threshold: a window over either threshold is not learned): baseline = median(1.2, 1.4, 1.5).
         for step, t in enumerate([1.0, 1.2, 1.4, 1.5, 2.5]):
             found += detector.observe(step, {0: 1.0, 1: t})
         assert [(f.rank, f.step) for f in found] == [(1, 4)]
@@ -356,7 +366,8 @@ class TestLoneStagesAgainstTheirHistory:
         for step in range(3):
             detector.observe(step, {0: 0.1, 1: 0.1})
         detector.reset()
-        # After a relaunch the first window is a new baseline: 0.5 is not judged against 0.1.
+        # After a relaunch the first window is a new warm-up and the second a new baseline: 0.5 is not judged
+        # against 0.1.
         assert detector.observe(3, {0: 0.1, 1: 0.5}) == []
         assert detector.observe(4, {0: 0.1, 1: 0.5}) == []
 
