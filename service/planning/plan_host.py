@@ -11,8 +11,9 @@ without sharding 3 × 128 GB per rank, which no node has. Placed by CPUs and GPU
 OOM-killed mid-run; reserved, the job queues until a node has the memory, or is refused at submit with the
 numbers (``service/decisions/admission.py``).
 
-The figures come from the device plan's own counts (``MemoryBreakdown``): ``checkpoint_bytes`` for each copy
-of the state, ``host_bytes`` for the offloaded state or the initial draw; a CPU rank's whole plan, its process
+The figures come from the device plan's own counts (``MemoryBreakdown``): ``checkpoint_bytes`` for the staging
+copy of the state and ``snapshot_bytes`` for each snapshot (a tied embedding twice in the first, once in the
+second), ``host_bytes`` for the offloaded state or the initial draw; a CPU rank's whole plan, its process
 included. What a GPU rank's figure leaves out: the process itself (Python, torch, the CUDA context's host side:
 a few GB) and the data loader's buffers. Pure (no torch, no Ray).
 """
@@ -23,13 +24,9 @@ import math
 from dataclasses import dataclass
 
 from etrain.service.planning.plan_memory import GiB, MemoryBreakdown, gib
-from etrain.workers.protocol.memory_resume import every_rank_has_a_replica
+from etrain.workers.protocol.memory_resume import SNAPSHOTS_KEPT, every_rank_has_a_replica
 
 __all__ = ["SNAPSHOTS_KEPT", "HostMemory", "host_memory", "host_memory_gb", "snapshot_copies"]
-
-#: In-memory snapshots a rank keeps at most (``TrainWorker._store_snapshot``: the newest may not be committed
-#: when a rank dies, the one before it is).
-SNAPSHOTS_KEPT = 2
 
 
 @dataclass(frozen=True)
@@ -89,7 +86,7 @@ def host_memory(memory: MemoryBreakdown, *, device: str, async_checkpoints: bool
         state=state,
         init_draw=draw,
         checkpoint_staging=memory.checkpoint_bytes if async_checkpoints else 0,
-        snapshots=snapshots * memory.checkpoint_bytes,
+        snapshots=snapshots * memory.snapshot_bytes,
     )
 
 

@@ -245,9 +245,11 @@ class MemoryBreakdown:
     phases: dict[str, int] = dataclasses.field(default_factory=dict)
     host_bytes: int = 0
     #: The rank's checkpointed state (fp32 parameters and AdamW states, wherever they live; a tied embedding
-    #: under both its names): the size of each host copy of it (an async checkpoint's staging, an in-memory
-    #: snapshot: ``plan_host.py``).
+    #: under both its names): the size of an async checkpoint's staging copy of it (``plan_host.py``).
     checkpoint_bytes: int = 0
+    #: The same state as an in-memory snapshot holds it: a tied embedding once (``take_snapshot`` copies a
+    #: tensor held under two names once); ``checkpoint_bytes`` where nothing is tied.
+    snapshot_bytes: int = 0
     #: ``parameters``, ``gradients`` and ``optimizer_states`` live in host memory (FSDP2's CPU offload on a GPU)
     offloaded: bool = False
     #: What ``buffers`` holds at the peak phase: ddp_buckets, gathered_params, unsharded_grads,
@@ -422,10 +424,10 @@ def stage_memory(
             compiled=compiled,
         )
 
-    # A tied embedding is one parameter under two names (the embedding's and the head's): the rank's state dict,
-    # so each host copy of it (an async checkpoint's staging, an in-memory snapshot), holds its slice twice.
-    # Measured: a tied Llama's snapshot is the untied count plus one embedding (tests/integration/test_snapshot.py);
-    # on an H100, Llama-3.2-1B's staging held 15.9 GB where 12 bytes per parameter make 14.8 GB.
+    # A tied embedding is one parameter under two names (the embedding's and the head's) in the rank's state dict,
+    # so DCP's staging copy of it for an async save holds its slice twice: on an H100, Llama-3.2-1B's staging
+    # held 15.9 GB where 12 bytes per parameter make 14.8 GB. An in-memory snapshot copies it once (measured:
+    # tests/integration/test_snapshot.py).
     tied_twice = 4 * model.vocab_size * d / tp / shard if model.tie_embeddings and first and last else 0.0
     # Each parameter's full fp32 value, plus the rank's slice that distribute_tensor cuts from it as a
     # copy when the parameter is sharded (FSDP2 and/or TP DTensors; a plain parameter is copied into).
@@ -494,6 +496,7 @@ def stage_memory(
         phases=totals,
         host_bytes=math.ceil(host_bytes),
         checkpoint_bytes=math.ceil(parameters + states + tied_twice),
+        snapshot_bytes=math.ceil(parameters + states),
         offloaded=offloaded,
         buffer_parts={k: math.ceil(v) for k, v in buffer_parts[peak].items() if v},
         **rounded[peak],

@@ -38,18 +38,19 @@ def _local_state(trainer) -> dict[str, torch.Tensor]:
 
 
 def _snapshot_bytes(snapshot) -> int:
-    """The bytes of host memory a snapshot's tensors hold."""
-    return sum(
-        value.untyped_storage().nbytes()
+    """The bytes of host memory a snapshot's tensors hold (a storage held under two names counted once)."""
+    storages = {
+        value.untyped_storage().data_ptr(): value.untyped_storage().nbytes()
         for values in snapshot.state.values()
         for value in values.values()
         if torch.is_tensor(value)
-    )
+    }
+    return sum(storages.values())
 
 
-def _planned_checkpoint_bytes(parallel: ParallelConfig, model=None) -> int:
-    """The planner's size of one rank's checkpointed state (``MemoryBreakdown.checkpoint_bytes``: what each host
-    copy of it takes, ``service/planning/plan_host.py``) for small_config's model under ``parallel``."""
+def _planned_memory(parallel: ParallelConfig, model=None):
+    """The planner's memory plan of one rank (its ``snapshot_bytes``: what each in-memory copy of its state takes,
+    ``service/planning/plan_host.py``) for small_config's model under ``parallel``."""
     from etrain.service.planning.estimate import Case, evaluate
     from etrain.service.planning.spec import ParallelismSpec
 
@@ -66,7 +67,7 @@ def _planned_checkpoint_bytes(parallel: ParallelConfig, model=None) -> int:
         device_memory_bytes=8 * 1024**3,
         cpus_per_worker=1.0,
     )
-    return evaluate(case).memory.checkpoint_bytes
+    return evaluate(case).memory
 
 
 def _save_committed(trainer, rank, world_size, directory, step):
@@ -144,15 +145,40 @@ def _scenarios(rank: int, world_size: int, root: str) -> dict:
         "live": (newest.step, newest_origin, live_next, after_live, capped.step),
         "groups": (pair, alone),
         "snapshot_bytes": _snapshot_bytes(snapshot),
-        "tied_snapshot_bytes": _snapshot_bytes(take_snapshot(1, *_tied_after_one_step(rank, world_size))),
+        "tied": _tied(rank, world_size),
     }
 
 
-def _tied_after_one_step(rank: int, world_size: int):
-    """A Llama with tied input/output embeddings under DDP, after one step: its state for a snapshot."""
-    trainer = _trainer_of(small_config(parallel=ParallelConfig(dp=2), model=TINY_LLAMA_TIED), rank, world_size)
-    trainer.run(0, 1)
-    return trainer.state_for_checkpoint()
+def _tied(rank: int, world_size: int) -> dict:
+    """A Llama with tied input/output embeddings under DDP: its snapshot holds the one tensor under both names
+    once, and a replacement that receives it (pickled over gloo) resumes exactly, its embedding and head still
+    one parameter."""
+    from etrain.workers.checkpoints.snapshot import (
+        replica_holder_groups,
+        resume_from_snapshot,
+        share_snapshots,
+        take_snapshot,
+    )
+
+    config = small_config(parallel=ParallelConfig(dp=2), model=TINY_LLAMA_TIED, steps=3)
+    first = _trainer_of(config, rank, world_size)
+    first.run(0, 1)
+    snapshot = take_snapshot(1, *first.state_for_checkpoint())
+    straight = [m.loss for m in first.run(1, 3)]
+    pair = replica_holder_groups(ParallelConfig(dp=2), first.topology)
+    received, origin = share_snapshots({1: snapshot} if rank == 0 else {}, pair, floor=1, below=3)
+    second = _trainer_of(config, rank, world_size)
+    resumed = [m.loss for m in second.run(resume_from_snapshot(second, received), 3)]
+    model = second.model_parts[0]
+    names = len(list(model.named_parameters(remove_duplicate=False)))
+    return {
+        "bytes": _snapshot_bytes(snapshot),
+        "copies": (len(snapshot.state["model"]), len({id(value) for value in snapshot.state["model"].values()})),
+        "origin": origin,
+        "straight": straight,
+        "resumed": resumed,
+        "parameters": (names, len(list(model.parameters()))),
+    }
 
 
 def test_memory_restore_and_peer_transfer_equal_the_disk_checkpoint_bit_for_bit(tmp_path):
@@ -171,14 +197,20 @@ def test_memory_restore_and_peer_transfer_equal_the_disk_checkpoint_bit_for_bit(
     # each copy of a rank's state is what the planner reserves host memory for, per copy (plan_host.py): its
     # fp32 parameters and AdamW states, 12 bytes per parameter; beyond them only AdamW's step counters (4 bytes
     # per tensor: 276 of 666,132 here)
-    planned = _planned_checkpoint_bytes(ParallelConfig(dp=2))
+    planned = _planned_memory(ParallelConfig(dp=2)).snapshot_bytes
     held = [r["snapshot_bytes"] for r in reports]
     assert all(planned <= b <= 1.001 * planned for b in held), (planned, held)
-    # A tied embedding is one parameter under two names: the copy holds it twice, and so does the plan
-    # (without that, 8,192 bytes short here; 1.05 GB for Llama-3.2-1B's staging on a GPU)
-    planned = _planned_checkpoint_bytes(ParallelConfig(dp=2), model=TINY_LLAMA_TIED)
-    held = [r["tied_snapshot_bytes"] for r in reports]
-    assert all(planned <= b <= 1.001 * planned for b in held), (planned, held)
+    # A tied embedding is one parameter under two names: the copy holds it once (before, twice: 8,192 bytes more
+    # here, 0.98 GiB for Llama-3.2-1B), and so does the plan, while DCP's staging still holds both names
+    tied = _planned_memory(ParallelConfig(dp=2), model=TINY_LLAMA_TIED)
+    assert tied.checkpoint_bytes - tied.snapshot_bytes == 4 * TINY_LLAMA_TIED.vocab_size * TINY_LLAMA_TIED.d_model
+    for report in reports:
+        copy = report["tied"]
+        assert tied.snapshot_bytes <= copy["bytes"] <= 1.001 * tied.snapshot_bytes, (tied, copy["bytes"])
+        assert copy["copies"][1] == copy["copies"][0] - 1  # the embedding and the head: one copy
+        assert copy["resumed"] == copy["straight"] and len(copy["resumed"]) == 2  # exact, from rank 0's copy
+        assert copy["parameters"][1] == copy["parameters"][0] - 1  # still tied after the restore
+    assert [r["tied"]["origin"] for r in reports] == ["own memory", "rank 0's memory"]
 
 
 def _expert_parallel(rank: int, world_size: int) -> dict:
@@ -324,7 +356,7 @@ def test_under_hsdp_a_replacement_receives_its_shard_from_the_other_replica_grou
         assert report["resumed"] == report["straight"]  # exact: the same continuation as never stopping
     # a shard of the state per rank, as the planner counts it (each rank's shard of every tensor, padded by FSDP2
     # where a dimension does not divide: within 1%)
-    planned = _planned_checkpoint_bytes(ParallelConfig(dp=4, zero=3, dp_replicate=2))
+    planned = _planned_memory(ParallelConfig(dp=4, zero=3, dp_replicate=2)).snapshot_bytes
     held = [r["snapshot_bytes"] for r in reports]
     assert all(abs(b - planned) <= 0.01 * planned for b in held), (planned, held)
 

@@ -67,9 +67,9 @@ def test_snapshot_copies_follow_the_replicas(layout, copies):
 
 def test_a_gpu_rank_holds_the_staging_copy_and_where_read_two_snapshots_of_its_state():
     """Llama-3.2-1B on 8 GPUs. The state is 12 bytes per parameter (fp32 weights, AdamW's two moments), and the
-    tied embedding (128256 x 2048) is in it under two names, so 4 bytes per element more: each host copy is
-    that, whole under DDP, an eighth under ZeRO-3 (a hand count against the plan). On an H100 the staging
-    buffers of this model held 15.9 GB (docs/gpu.md)."""
+    tied embedding (128256 x 2048) is in it under two names, so DCP's staging copy holds 4 bytes per element more,
+    while a snapshot copies the one tensor once: whole under DDP, an eighth under ZeRO-3 (a hand count against the
+    plan). On an H100 the staging buffers of this model held 15.9 GB (docs/gpu.md)."""
     ddp = _spec()
     params, tied = estimate(ddp).num_params, 128256 * 2048
     host = host_plan(ddp)
@@ -77,8 +77,8 @@ def test_a_gpu_rank_holds_the_staging_copy_and_where_read_two_snapshots_of_its_s
     assert round(host.checkpoint_staging / 1e9, 1) == 15.9  # the H100's staging, measured
     assert host.init_draw == estimate(ddp).memory.host_bytes > 0 and host.state == 0
     elastic = host_plan(_spec(resources={"min_dp": 4}))
-    assert elastic.snapshots == 2 * host.checkpoint_staging
-    assert host_memory_gb(elastic.total) == pytest.approx(45.35)  # the figure docs/job-spec.md quotes
+    assert elastic.snapshots == 2 * 12 * params  # the tied embedding once in each (0.98 GiB less a copy)
+    assert host_memory_gb(elastic.total) == pytest.approx(43.4)  # the figure docs/job-spec.md quotes
     zero3 = host_plan(_spec(parallelism={"dp": 8, "zero": 3}))
     assert zero3.checkpoint_staging == pytest.approx((12 * params + 4 * tied) / 8, rel=1e-6)
     no_async = host_plan(_spec(checkpoint={"async": False}))
@@ -99,7 +99,8 @@ def test_a_cpu_rank_holds_its_whole_plan_and_its_snapshots():
     memory = estimate(spec).memory
     host = host_plan(spec)
     assert host.state == memory.total and host.checkpoint_staging == 0  # async is off on CPU by default
-    assert host.snapshots == SNAPSHOTS_KEPT * memory.checkpoint_bytes  # gloo: an in-place repair reads them
+    assert host.snapshots == SNAPSHOTS_KEPT * memory.snapshot_bytes  # gloo: an in-place repair reads them
+    assert memory.snapshot_bytes == memory.checkpoint_bytes  # the GPT's head is its own parameter
     assert host_plan(_spec(device="cpu", parallelism={"dp": 2}, model={"preset": "gpt-tiny"},
                            fault_tolerance={"in_place": False})).snapshots == 0  # fmt: skip
 
@@ -138,8 +139,8 @@ def test_the_plan_shows_the_parts_and_what_ray_reserves():
     report = plan_report(_spec(resources={"min_dp": 4}))
     host = report["host_memory"]
     assert host["bytes"]["total"] == sum(v for k, v in host["bytes"].items() if k != "total")
-    assert host["gib"]["snapshots"] == pytest.approx(29.58, abs=1e-3)
-    assert host["reserved_gib"] == host_memory_gb(host["bytes"]["total"]) == pytest.approx(45.35)
+    assert host["gib"]["snapshots"] == pytest.approx(27.623, abs=1e-3)
+    assert host["reserved_gib"] == host_memory_gb(host["bytes"]["total"]) == pytest.approx(43.4)
     assert plan_report(_spec(resources={"host_memory_gb": 50}))["host_memory"]["reserved_gib"] == 50
 
 
@@ -147,6 +148,6 @@ def test_host_memory_reads_the_device_plan():
     memory = estimate(_spec()).memory
     parts = host_memory(memory, device="cuda", async_checkpoints=True, snapshots=3)
     assert (parts.state, parts.init_draw) == (0, memory.host_bytes)
-    assert (parts.checkpoint_staging, parts.snapshots) == (memory.checkpoint_bytes, 3 * memory.checkpoint_bytes)
+    assert (parts.checkpoint_staging, parts.snapshots) == (memory.checkpoint_bytes, 3 * memory.snapshot_bytes)
     on_cpu = host_memory(memory, device="cpu", async_checkpoints=False, snapshots=0)
     assert (on_cpu.state, on_cpu.total) == (memory.total, memory.total)

@@ -9,10 +9,12 @@ import random
 import pytest
 
 from etrain.workers.protocol.memory_resume import (
+    SNAPSHOTS_KEPT,
     every_rank_has_a_replica,
     holder_groups,
     memory_resume_step,
     replica_key,
+    snapshots_to_drop,
     state_still_fits,
 )
 
@@ -175,3 +177,20 @@ def test_a_copy_serves_another_size_only_where_state_is_not_sharded_over_dp():
         assert not state_still_fits(taken_at_dp=4, dp=2, zero=zero)
         assert not state_still_fits(taken_at_dp=2, dp=4, zero=zero)
     assert not state_still_fits(taken_at_dp=None, dp=2, zero=0)  # unknown: never
+
+
+@pytest.mark.parametrize(
+    ("held", "new_step", "dropped"),
+    [
+        ((), 5, []),
+        ((5,), 10, []),
+        ((5, 10), 15, [5]),  # the oldest goes before step 15's copy is taken: two copies at most, never three
+        ((5, 10), 10, []),  # a copy of a held step replaces it
+        ((5, 10), 3, [3]),  # older than both held: not taken at all
+        ((5, 10, 15), 20, [5, 10]),
+    ],
+)
+def test_a_rank_drops_its_oldest_copies_before_taking_a_new_one(held, new_step, dropped):
+    assert snapshots_to_drop(held, new_step) == dropped
+    kept = sorted((set(held) | {new_step}) - set(dropped))
+    assert len(kept) <= SNAPSHOTS_KEPT and kept == sorted(set(held) | {new_step})[-SNAPSHOTS_KEPT:]

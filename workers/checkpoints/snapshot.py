@@ -68,8 +68,10 @@ def take_snapshot(
     """Copy this rank's local state to host memory (a device-to-host copy on GPU); ``dp``: the layout's
     data-parallel size, which a later restore checks (``Snapshot.dp``)."""
     collected = collect_state(model_parts, optimizers)
+    copies: dict[tuple, torch.Tensor] = {}
     state = {
-        section: {key: _to_host(value) for key, value in values.items()} for section, values in collected.state.items()
+        section: {key: _to_host(value, copies) for key, value in values.items()}
+        for section, values in collected.state.items()
     }
     return Snapshot(step=step, state=state, extra=copy.deepcopy(extra), dp=dp)
 
@@ -184,9 +186,24 @@ def share_snapshots(
     return received, origin
 
 
-def _to_host(value: Any) -> Any:
+def _to_host(value: Any, copies: dict[tuple, torch.Tensor]) -> Any:
+    """A host copy of one state-dict value. A tensor held under two names (a tied embedding: the embedding's and
+    the output head's) is copied once and kept under both (``copies``, by what the tensor views), so a snapshot
+    holds what the rank holds; the restore copies the one copy into the one tensor under each name. For
+    Llama-3.2-1B that is 0.98 GiB less host memory per copy (the planner's ``snapshot_bytes``; DCP's staging of
+    an async save still copies each name)."""
     if isinstance(value, DTensor):
         value = value.to_local()
-    if torch.is_tensor(value):
-        return value.detach().to("cpu", copy=True)
-    return copy.deepcopy(value)
+    if not torch.is_tensor(value):
+        return copy.deepcopy(value)
+    view = (
+        value.untyped_storage().data_ptr(),
+        value.device,
+        value.dtype,
+        value.storage_offset(),
+        tuple(value.shape),
+        value.stride(),
+    )
+    if view not in copies:
+        copies[view] = value.detach().to("cpu", copy=True)
+    return copies[view]

@@ -93,6 +93,20 @@ def snapshots_are_read(*, in_place: bool, repairs_in_place: bool, resizable: boo
     return in_place and (repairs_in_place or resizable)
 
 
+#: In-memory copies of its state a rank keeps at most: the newest may not be committed yet when a rank dies, the
+#: one before it is. What the planner reserves host memory for (``service/planning/plan_host.py``).
+SNAPSHOTS_KEPT = 2
+
+
+def snapshots_to_drop(held: Iterable[int], new_step: int) -> list[int]:
+    """The steps whose copies go when a copy of ``new_step`` is to be kept beside ``held``: all but the newest
+    :data:`SNAPSHOTS_KEPT` of them, ``new_step`` included when it is older than those (then no copy need be
+    taken). Dropped *before* the new copy is taken, so that a rank never holds more copies than it reserved
+    host memory for (before 2026-12-06 the oldest went after the take: three copies at the peak, while the
+    planner counts two); what is kept is the same either way."""
+    return sorted(set(held) | {new_step})[:-SNAPSHOTS_KEPT]
+
+
 def state_still_fits(*, taken_at_dp: int | None, dp: int, zero: int) -> bool:
     """Whether a rank's state kept at ``taken_at_dp`` data-parallel ranks can be restored at ``dp`` (an in-place
     resize changes dp and nothing else). Under DDP a rank's state is whole whatever dp is (and under expert

@@ -523,7 +523,8 @@ class TrainWorker:
         """Copy this rank's state at a checkpointed step to host memory, for an in-place repair (``held``: a
         snapshot of that step this rank holds already, kept instead of a new copy).
 
-        Two are kept: the newest may not be committed yet when a rank dies, the one before it is.
+        Two are kept (``memory_resume.SNAPSHOTS_KEPT``): the newest may not be committed yet when a rank dies,
+        the one before it is.
         Only where a data-parallel replica holds the same state (``snapshot.has_replicas``: DDP, HSDP's other
         replica groups, with the same experts under expert parallelism): the rank a repair replaces is a new
         process with no snapshot, so without a replica to send it one every rank restores from storage
@@ -542,14 +543,18 @@ class TrainWorker:
 
     def _store_snapshot(self, trainer, step: int, *, held: Any = None) -> None:
         """Copy this rank's state after ``step`` completed steps to host memory (or keep ``held``, a copy of
-        it); the newest two are kept."""
+        it); the newest two are kept, the others dropped before the copy is taken (``snapshots_to_drop``)."""
         from etrain.workers.checkpoints.snapshot import take_snapshot
+        from etrain.workers.protocol.memory_resume import snapshots_to_drop
 
+        dropped = snapshots_to_drop(self._snapshots, step)
+        for old in dropped:
+            self._snapshots.pop(old, None)
+        if step in dropped:  # older than the two held: it would go at once
+            return
         if held is None:
             held = take_snapshot(step, *trainer.state_for_checkpoint(), dp=trainer.config.parallel.dp)
         self._snapshots[step] = held
-        for old in sorted(self._snapshots)[:-2]:
-            del self._snapshots[old]
 
     def _report_batcher(self, attempt: int) -> ReportBatcher:
         """Rank 0's batched step reports: ``report_steps(attempt, records)``, fire-and-forget."""
