@@ -113,6 +113,12 @@ class JobOut(BaseModel):
         "(docs/rest-api.md; service/decisions/goodput_breakdown.py); refreshed every 10 s while the job runs, "
         "final at its end; null before the first refresh",
     )
+    host_memory_gib: float | None = Field(
+        default=None,
+        description="the most host memory a rank held at the latest sample (its anonymous pages, GiB; each rank "
+        "samples every 10 s), beside the spec's resources.host_memory_gb that each rank reserves; null before the "
+        "first sample and where the kernel does not say",
+    )
 
     @classmethod
     def of(cls, job: JobRecord) -> JobOut:
@@ -141,6 +147,7 @@ class JobOut(BaseModel):
             goodput_breakdown=None
             if job.goodput_breakdown is None
             else {cause: _finite(value) or 0.0 for cause, value in job.goodput_breakdown.items()},
+            host_memory_gib=_finite(job.host_memory_gib),
         )
 
 

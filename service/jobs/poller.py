@@ -188,6 +188,7 @@ class SupervisorPoller:
                 "loss",
                 "tokens_per_s",
                 "mfu",
+                "host_memory_gib",
                 "world_size",
                 "restarts",
                 "last_checkpoint_step",

@@ -25,6 +25,12 @@ class JobMetrics:
         self._straggler = Gauge(
             "etrain_straggler_factor", "slow rank's compute / peers' median", tag_keys=("job_id", "rank")
         )
+        self._host_memory = Gauge(
+            "etrain_host_memory_bytes", "the most host memory a rank holds (anonymous pages)", tag_keys=keys
+        )
+        self._host_reserved = Gauge(
+            "etrain_host_memory_reserved_bytes", "host memory each rank's bundle reserves", tag_keys=keys
+        )
         self._done = Gauge(
             "etrain_job_finished", "1 once the job reached a terminal status", tag_keys=("job_id", "status")
         )
@@ -36,6 +42,10 @@ class JobMetrics:
         if metrics.get("tokens_per_s") is not None:
             self._tokens.set(float(metrics["tokens_per_s"]), tags=self._tags)
         self._restarts.set(restarts, tags=self._tags)
+
+    def host_memory(self, held: int, reserved: int) -> None:
+        self._host_memory.set(held, tags=self._tags)
+        self._host_reserved.set(reserved, tags=self._tags)
 
     def straggler(self, rank: int, factor: float) -> None:
         self._straggler.set(factor, tags=self._tags | {"rank": str(rank)})

@@ -5,8 +5,9 @@ Rank 0 reports a batch of completed steps (workers/rank/report_batch.py) after e
 step's boundary exchange, so a report is every rank's heartbeat and carries every rank's timings. This
 is the one per-step path of a job, kept apart from the actor (service/runtime/supervisor_actor.py) so
 that what a step becomes is read in one place: a row for the control plane (its own sequence, since a
-restarted attempt re-reports step numbers), a StepReported (progress), and, per pipeline stage, the
-stragglers service/decisions/stragglers.py finds (StragglerFlagged).
+restarted attempt re-reports step numbers), a StepReported (progress), per pipeline stage the
+stragglers service/decisions/stragglers.py finds (StragglerFlagged), and a rank that holds more host memory than
+its bundle reserves (service/decisions/host_memory_watch.py: a note, once per attempt).
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from etrain.service.decisions.host_memory_watch import over_reservation
 from etrain.service.decisions.stragglers import StragglerConfig, StragglerDetector, stage_map
 from etrain.service.decisions.supervisor_events import Event, StepReported, StragglerFlagged
+from etrain.service.planning.plan_memory import GiB
 from etrain.service.runtime.job_metrics import JobMetrics
 
 __all__ = ["MAX_STEP_HISTORY", "StepReports"]
@@ -45,8 +48,18 @@ class StepReports:
     """The step rows and findings of one supervisor. :meth:`take` runs on the actor's control thread;
     :meth:`since` and :meth:`stats` on Ray's method threads."""
 
-    def __init__(self, *, stragglers: StragglerConfig, evict: bool, metrics: JobMetrics, parallel: Any):
+    def __init__(
+        self,
+        *,
+        stragglers: StragglerConfig,
+        evict: bool,
+        metrics: JobMetrics,
+        parallel: Any,
+        reserved_host_bytes: int = 0,
+    ):
         self._config = stragglers
+        self._reserved_host = reserved_host_bytes  # each rank's bundle's ``memory`` (0: none reserved)
+        self._host_warned: int | None = None  # the attempt the host-memory note was made for
         self._evict = evict  # straggler_action == "evict"
         self._metrics = metrics
         self._lock = threading.Lock()
@@ -141,6 +154,20 @@ class StepReports:
         events.append(StepReported(attempt=attempt, step=completed, loss=float(metrics["loss"]), rank=0))
         return events
 
+    def host_memory_note(self, attempt: int, metrics: dict, *, node_of: Callable[[int], str]) -> str | None:
+        """The ``host_memory`` event's words when a rank of this step holds more than its bundle reserves, the
+        first time in ``attempt`` (a repaired or relaunched attempt may say it again); the largest rank's
+        figure goes to the ``etrain_host_memory_bytes`` gauge at every step either way."""
+        held = (metrics.get("ranks") or {}).get("host_mem_bytes") or []
+        if not any(held):
+            return None
+        self._metrics.host_memory(max(held), self._reserved_host)
+        over = over_reservation(held, self._reserved_host)
+        if over is None or self._host_warned == attempt:
+            return None
+        self._host_warned = attempt
+        return f"attempt {attempt}, step {int(metrics['step']) + 1}: {over.describe(node_of(over.rank))}"
+
     def show(self, last: dict, *, attempt: int, restarts: int) -> None:
         """A batch of ``attempt`` was taken in: the job's fields and gauges show its newest step ``last``.
 
@@ -152,11 +179,14 @@ class StepReports:
         if attempt == self._shown_attempt and step <= int(self.latest.get("step") or 0):
             return
         self._shown_attempt = attempt
+        held = (last.get("ranks") or {}).get("host_mem_bytes") or []
         self.latest = {
             "step": step,
             "loss": last.get("loss"),
             "tokens_per_s": last.get("tokens_per_s"),
             "mfu": last.get("mfu"),
+            # the most any rank held at the latest sample; kept from an earlier step where this one has none
+            "host_memory_gib": round(max(held) / GiB, 3) if any(held) else self.latest.get("host_memory_gib"),
         }
         self._metrics.step(self.latest["step"], last, restarts)
 

@@ -184,6 +184,7 @@ class JobSupervisor:
             evict=policy.straggler_action == "evict",
             metrics=self._metrics,
             parallel=config.parallel,
+            reserved_host_bytes=int(policy.resources_per_rank.get(MEMORY, 0)),
         )
         # Each pipeline stage's compiled code as its writer reported it: named in every later plan, so a rank
         # started on a new node loads it instead of compiling (workers/protocol/compile_sharing.py).
@@ -321,6 +322,7 @@ class JobSupervisor:
             "loss": latest.get("loss"),
             "tokens_per_s": latest.get("tokens_per_s"),
             "mfu": latest.get("mfu"),
+            "host_memory_gib": latest.get("host_memory_gib"),
             "stragglers": list(self._steps.findings),
             "artifacts": {"hf": state.hf_export} if state.hf_export else {},
             "events": events,
@@ -430,6 +432,9 @@ class JobSupervisor:
                             attempt, record, world_size=world, node_of=self._node_of, now=now
                         ):
                             self._apply(event, now)
+                        note = self._steps.host_memory_note(attempt, record, node_of=self._node_of)
+                        if note is not None:
+                            self._record("host_memory", note)
                     self._steps.show(records[-1], attempt=attempt, restarts=self.state.restarts_used)
             elif records and attempt < self.state.attempt:  # the failed attempt's last steps, sent as it ended
                 for record in records:

@@ -50,6 +50,7 @@ _UPDATABLE = frozenset(
         "goodput",
         "goodput_breakdown",
         "granted_workers",
+        "host_memory_gib",
         "attempt",
         "artifacts",
     }
@@ -58,7 +59,7 @@ _JSON_FIELDS = frozenset({"spec", "stragglers", "artifacts", "goodput_breakdown"
 _JOB_COLUMNS = (
     "id, name, status, spec, step, loss, tokens_per_s, world_size, restarts, created_at, updated_at, "
     "error, layout, last_checkpoint_step, stragglers, goodput, attempt, artifacts, tenant, priority, mfu, "
-    "goodput_breakdown, granted_workers"
+    "goodput_breakdown, granted_workers, host_memory_gib"
 )
 
 
@@ -478,6 +479,7 @@ def _job(row: tuple) -> JobRecord:
         mfu,
         breakdown,
         granted,
+        host_memory_gib,
     ) = row
     return JobRecord(
         id=job_id,
@@ -503,6 +505,7 @@ def _job(row: tuple) -> JobRecord:
         mfu=mfu,
         goodput_breakdown=json.loads(breakdown) if breakdown else None,
         granted_workers=granted,
+        host_memory_gib=host_memory_gib,
     )
 
 

@@ -45,6 +45,9 @@ class JobRecord:
     #: The ranks the job was granted (its size at submit, then each accepted ``scale``): what the tenant's
     #: worker quota counts it at while it runs smaller, and the most it grows back to by itself.
     granted_workers: int | None = None
+    #: The most host memory (anonymous pages, GiB) a rank held at the latest sample, beside the
+    #: ``resources.host_memory_gb`` it reserved; None before the first sample.
+    host_memory_gib: float | None = None
 
     @property
     def is_terminal(self) -> bool:

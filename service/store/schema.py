@@ -95,6 +95,9 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
     # The ranks the tenant's worker quota granted the job: its size at submit, then each accepted scale's
     # (service/access/quotas.py counts a job at no less; an elastic job grows back only up to it); NULL before.
     ("ALTER TABLE jobs ADD COLUMN granted_workers INTEGER",),
+    # The most host memory a rank of the job held at the latest sample, GiB (the job JSON's ``host_memory_gib``,
+    # service/decisions/host_memory_watch.py); NULL before.
+    ("ALTER TABLE jobs ADD COLUMN host_memory_gib REAL",),
 )
 
 SCHEMA_VERSION = len(MIGRATIONS)

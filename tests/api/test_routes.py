@@ -109,9 +109,11 @@ def test_submit_returns_the_new_job(client):
         "priority",
         "mfu",
         "goodput_breakdown",
+        "host_memory_gib",
     }
     assert (job["name"], job["status"], job["step"], job["world_size"]) == ("tiny", "RUNNING", 0, 2)
     assert job["mfu"] is None and job["goodput_breakdown"] is None  # no step yet, no refresh yet
+    assert job["host_memory_gib"] is None  # no sample yet
     assert job["spec"]["training"]["global_batch"] == 8
     # Stored by alias (it validates again as a JobSpec); unset, it is decided by the device (off on CPU).
     assert "async_save" not in job["spec"]["checkpoint"] and job["spec"]["checkpoint"]["async"] is None

@@ -191,6 +191,12 @@ def test_rank_logs_show_what_each_rank_did(followed, plane):
     # from the tenant's earlier jobs 0.37 (its process keeps what those left; the planner counts a fresh one), and
     # no rank above 2 GiB is ever reused (REUSE_MAX_RSS_BYTES)
     assert 0.1 < private < 2.0, (private, reserved)
+    # While it ran, the job JSON said the same memory: the largest rank's anonymous pages at the latest sample
+    # (every 10 s from each rank's first step, carried by the step exchange), in GiB; within the half GiB a rank
+    # may hold beyond its reservation, so no host_memory event
+    shown = plane.client.get(f"/v1/jobs/{job_id}").json()["host_memory_gib"]
+    assert 0.1 < shown < min(2.0, reserved + 0.5), (shown, private, reserved)
+    assert "host_memory" not in event_kinds(followed["events"])
     rank1 = plane.client.get(f"/v1/jobs/{job_id}/logs", params={"rank": 1, "tail": 2}).json()
     assert len(rank1["lines"]) == 2 and rank1["lines"][-1].endswith(f" attempt 1: finished at step {STEPS}")
     # Following from offset 0, a page at a time, reads the same lines.

@@ -88,6 +88,7 @@ def _run_trials(rank: int, world_size: int, seed: int) -> list[dict]:
                 "step_s": 0.004,
                 "timing_synced": True,
                 "peak_mem_bytes": 1000 * rank + completed,
+                "host_mem_bytes": 2**30 * rank + completed,
             }
             # What this rank would do deciding alone on its own view of the same requests (never acted on).
             mine = own_view.decide_requests(completed, total_steps=STEPS) | (
@@ -101,6 +102,7 @@ def _run_trials(rank: int, world_size: int, seed: int) -> list[dict]:
                 assert done == timings_checked + 1, (done, timings_checked)
                 assert record["ranks"]["compute_s"] == [r + done / 1000 for r in range(world_size)]
                 assert record["ranks"]["peak_mem_bytes"] == [1000 * r + done for r in range(world_size)]
+                assert record["ranks"]["host_mem_bytes"] == [2**30 * r + done for r in range(world_size)]
                 timings_checked += 1
             if rank == 0:
                 mine = (SAVE if decision.save else 0) | (STOP if decision.stop else 0)

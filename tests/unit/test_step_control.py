@@ -39,13 +39,14 @@ def metrics(
         "step_s": step_s,
         "timing_synced": synced,
         "peak_mem_bytes": peak,
+        "host_mem_bytes": 3 * 2**30,
     }
 
 
 class TestVector:
     def test_encode_puts_each_field_in_its_slot(self):
         vector = encode(metrics(7), SAVE | STOP)
-        assert len(vector) == len(FIELDS) == 7
+        assert len(vector) == len(FIELDS) == 8
         assert dict(zip(FIELDS, vector)) == {
             "step": 7.0,
             "flags": 3.0,
@@ -54,6 +55,7 @@ class TestVector:
             "step_s": 0.3,
             "timing_synced": 1.0,
             "peak_mem_bytes": 123456789.0,
+            "host_mem_bytes": 3.0 * 2**30,
         }
 
     def test_round_trip_over_three_ranks_keeps_every_value_and_rank_zeros_flags(self):
@@ -70,6 +72,7 @@ class TestVector:
             "step_s": [0.3] * 3,
             "timing_synced": [True, True, True],
             "peak_mem_bytes": [2**40 + 1, 5, 0],
+            "host_mem_bytes": [3 * 2**30, 3 * 2**30, 3 * 2**30],
         }
         assert list(boundary.timings) == list(RANK_TIMINGS)
 
@@ -83,7 +86,7 @@ class TestVector:
             decode(rows, step=9)
 
     def test_missing_fields_and_bad_flags_are_refused(self):
-        with pytest.raises(ValueError, match="rank 1's vector has 6 values, expected 7"):
+        with pytest.raises(ValueError, match="rank 1's vector has 7 values, expected 8"):
             decode([encode(metrics(1)), encode(metrics(1))[:-1]], step=1)
         with pytest.raises(ValueError, match="flags=4"):
             encode(metrics(1), 4)
@@ -95,7 +98,7 @@ class TestVector:
             decode([], step=1)
 
     def test_a_missing_metric_encodes_as_zero(self):
-        assert encode({"step": 3}) == [3.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+        assert encode({"step": 3}) == [3.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
 
     def test_step_record_is_rank_zeros_metrics_plus_every_ranks_timings(self):
         mine = metrics(2, compute_s=0.1)

@@ -72,3 +72,48 @@ def test_a_failed_attempts_last_steps_are_kept_and_counted_as_reported():
     assert reports.latest["step"] == 2  # the job's fields follow the current attempt only
     reports.arrived(1, [_metrics(1)])  # an older batch arriving late does not lower it
     assert reports.reported_through(1) == 4
+
+
+def test_a_rank_over_its_host_memory_reservation_is_said_once_per_attempt():
+    """Rank 2 of three holds 3 GiB against 2 reserved (beyond the half-GiB slack): said at the first step that
+    shows it, naming the rank, its node and the figure to reserve; not again in the same attempt, again in the
+    next one (a repair or relaunch may have moved the rank)."""
+    gib = 1024**3
+    reports = StepReports(
+        stragglers=StragglerConfig(),
+        evict=False,
+        metrics=JobMetrics("job-under-test"),
+        parallel=SimpleNamespace(dp=3, tp=1, pp=1, cp=1),
+        reserved_host_bytes=2 * gib,
+    )
+    nodes = {0: "n0", 1: "n0", 2: "n1"}.__getitem__
+
+    def note(attempt: int, step: int, held: list[int]) -> str | None:
+        record = {**_metrics(step), "ranks": {"host_mem_bytes": held}}
+        return reports.host_memory_note(attempt, record, node_of=nodes)
+
+    within = [2 * gib, int(2.4 * gib), 0]  # up to 2.5 GiB unsaid; 0: a rank that could not say
+    assert note(0, 0, within) is None
+    assert note(0, 1, [2 * gib, 2 * gib, 3 * gib]) == (
+        "attempt 0, step 2: rank 2 (node n1) holds 3.00 GiB of host memory (anonymous pages), more than the 2.00 GiB "
+        "its bundle reserves (resources.host_memory_gb): Ray places ranks by the reservation without enforcing it, "
+        "so the node can run out of memory and lose ranks. Resubmit with resources.host_memory_gb: 3.3 (or shard "
+        "the state: a larger zero)"
+    )
+    assert note(0, 2, [2 * gib, 2 * gib, 4 * gib]) is None  # once per attempt
+    assert note(1, 2, [2 * gib, 2 * gib, 4 * gib]).startswith("attempt 1, step 3: rank 2 (node n1) holds 4.00 GiB")
+    assert note(2, 0, [0, 0, 0]) is None  # nothing sampled (no smaps_rollup)
+    unsettled = {**_metrics(1), "ranks": None}  # a step whose exchange never settled: no rank's figures
+    assert reports.host_memory_note(2, unsettled, node_of=nodes) is None
+
+
+def test_the_job_shows_the_most_host_memory_a_rank_held_at_the_latest_sample():
+    reports = _reports()
+    _take_batch(reports, 0, [0])
+    assert reports.latest["host_memory_gib"] is None  # nothing sampled yet
+    record = {**_metrics(1), "ranks": {"host_mem_bytes": [3 * 1024**3, 5 * 1024**3 + 1024**2]}}
+    reports.take(0, record, world_size=2, node_of=lambda rank: "node", now=0.0)
+    reports.show(record, attempt=0, restarts=0)
+    assert reports.latest["host_memory_gib"] == 5.001
+    _take_batch(reports, 0, [2])  # a step whose exchange never settled says nothing: the last sample stays
+    assert reports.latest["host_memory_gib"] == 5.001

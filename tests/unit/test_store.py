@@ -362,9 +362,11 @@ def test_a_release_2_file_gains_empty_artifacts_and_stores_new_ones(db_path):
     conn.close()
 
     with JobStore(db_path) as store:
-        assert store.schema_version == SCHEMA_VERSION == 9
+        assert store.schema_version == SCHEMA_VERSION == 10
         assert store.get_job("old").artifacts == {}
         assert store.get_job("old").granted_workers is None  # older rows: counted at their world size
+        assert store.get_job("old").host_memory_gib is None  # never sampled
+        assert store.update_job("old", host_memory_gib=0.27).host_memory_gib == 0.27
         assert (store.get_job("old").tenant, store.get_job("old").priority) == ("default", 0)
         updated = store.update_job("old", artifacts={"hf": "/ckpt/old/hf-export"})
         assert updated.artifacts == {"hf": "/ckpt/old/hf-export"}

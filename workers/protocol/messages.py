@@ -148,6 +148,7 @@ class RankTimings(TypedDict):
     step_s: list[float]
     timing_synced: list[bool]
     peak_mem_bytes: list[int]
+    host_mem_bytes: list[int]  # each rank's anonymous host memory, sampled every 10 s (0: unknown)
 
 
 #: One completed step as rank 0 reports it: ``dataclasses.asdict(StepMetrics)`` plus ``"ranks"``

@@ -46,7 +46,7 @@ __all__ = [
 
 #: One rank's vector, in order. ``step`` is the step index the rank just finished (a sanity check that
 #: every rank is at the same boundary); ``flags`` is meaningful in rank 0's row only.
-FIELDS = ("step", "flags", "compute_s", "comm_wait_s", "step_s", "timing_synced", "peak_mem_bytes")
+FIELDS = ("step", "flags", "compute_s", "comm_wait_s", "step_s", "timing_synced", "peak_mem_bytes", "host_mem_bytes")
 #: The per-rank timings rank 0 reports for every rank (``record["ranks"]``, one list per field, rank order).
 RANK_TIMINGS = FIELDS[2:]
 
@@ -84,6 +84,7 @@ class Boundary:
             "step_s": column("step_s"),
             "timing_synced": [value != 0.0 for value in column("timing_synced")],
             "peak_mem_bytes": [int(value) for value in column("peak_mem_bytes")],
+            "host_mem_bytes": [int(value) for value in column("host_mem_bytes")],
         }
 
 
@@ -105,6 +106,8 @@ def encode(metrics: Mapping[str, Any], flags: int = 0) -> list[float]:
         "timing_synced": 1.0 if metrics.get("timing_synced") else 0.0,
         # float64 holds integers exactly up to 2**53 bytes (8 PiB): exact for any device memory.
         "peak_mem_bytes": float(metrics.get("peak_mem_bytes") or 0),
+        # the rank's host memory, sampled (``workers/rank/host_memory.py``: ``HostMemorySampler``); 0 where unknown
+        "host_mem_bytes": float(metrics.get("host_mem_bytes") or 0),
     }
     return [values[name] for name in FIELDS]
 

@@ -9,7 +9,7 @@ created once per attempt beside the training groups:
 * a group of its own keeps these collectives from ever pairing up with the training step's (or the
   async checkpointer's, which has its own group too).
 
-One collective per step: ``all_gather`` of ``len(FIELDS)`` float64 values per rank (56 bytes), begun
+One collective per step: ``all_gather`` of ``len(FIELDS)`` float64 values per rank (64 bytes), begun
 after a step (:meth:`StepExchange.start`) and waited for at a later boundary (:meth:`StepExchange.settle`).
 Rank 0's row carries its requests, so no broadcast is needed.
 """

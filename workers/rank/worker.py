@@ -39,7 +39,7 @@ from etrain.workers.protocol.run_config import RunConfig
 from etrain.workers.rank.compiled_code import CompiledCode
 from etrain.workers.rank.device_info import RankGpus, ray_bundle
 from etrain.workers.rank.device_memory import cuda_memory_reader, wait_for_device_memory
-from etrain.workers.rank.host_memory import host_memory_use
+from etrain.workers.rank.host_memory import HostMemorySampler, host_memory_use
 from etrain.workers.rank.rank_saves import RankSaves
 from etrain.workers.rank.report_batch import ReportBatcher
 from etrain.workers.rank.step_control import ControlRequests, StepBoundaries, scheduled_save
@@ -344,9 +344,11 @@ class TrainWorker:
                         f"checkpoint step {plan.start_step} {saves.describe(blocked_s, held=True)} "
                         "(again, after the repair)"
                     )
+            host_memory = HostMemorySampler()
             for step in range(plan.start_step, total):
                 self._step = step + 1  # the step it runs, counted as the logs count it
                 metrics = dataclasses.asdict(trainer.train_step(step))
+                metrics["host_mem_bytes"] = host_memory.held_bytes()  # exchanged: the supervisor's host-memory watch
                 final_loss = metrics["loss"]
                 if step == plan.start_step:
                     saves.after_first_step(trainer)
