@@ -51,9 +51,10 @@ class HostMemoryOver:
     def describe(self, node: str) -> str:
         return (
             f"rank {self.rank} (node {node}) holds {self.held / GiB:.2f} GiB of host memory (anonymous pages), more "
-            f"than the {self.reserved / GiB:.2f} GiB its bundle reserves (resources.host_memory_gb): Ray places "
-            "ranks by the reservation without enforcing it, so the node can run out of memory and lose ranks. "
-            f"Resubmit with resources.host_memory_gb: {self.suggested_gb:g} (or shard the state: a larger zero)"
+            f"than the {self.reserved / GiB:.2f} GiB its bundle reserves (resources.host_memory_gb; the planner "
+            "counts the model's state, not the data loader's or the process's own memory: POST /v1/plan's "
+            "host_memory). Ray places ranks by the reservation without enforcing it, so the node can run out of "
+            f"memory and lose ranks: resubmit with resources.host_memory_gb: {self.suggested_gb:g}"
         )
 
 

@@ -190,3 +190,37 @@ def test_ranks_report_steps_in_batches_from_rank_zero_only(plane):
     assert all(row["compute_s"] > 0 and row["step_s"] >= row["compute_s"] for row in steps[:40])
     assert plane.client.post(f"/v1/jobs/{job['id']}/cancel").status_code == 202
     assert plane.wait_terminal(job["id"], timeout_s=60)["status"] == "CANCELLED"
+
+
+def test_a_rank_holding_more_host_memory_than_it_reserved_is_said_while_the_job_runs(plane, tmp_path):
+    """Byte-level text is read whole into each rank's memory, which the planner's host figure does not count (it
+    counts the model's state, docs/limits.md): a 700 MiB corpus makes a one-rank job's rank hold about 1 GiB
+    against the 0.3 GiB its bundle reserves. The rank's samples reach the job JSON (``host_memory_gib``) and
+    a ``host_memory`` event names the rank and the figure to resubmit with (service/decisions/host_memory_watch.py)."""
+    corpus = tmp_path / "corpus.txt"
+    line = b"the quick brown fox jumps over the lazy dog, again and again and again\n"
+    with corpus.open("wb") as out:
+        block = line * (1024 * 1024 // len(line) + 1)
+        for _ in range(700):
+            out.write(block[: 1024 * 1024])
+    body = {**dp2_spec(), "name": "host-memory", "data": {"kind": "text", "path": str(corpus)}}
+    body["parallelism"] = {"dp": 1}
+    body["training"] = {**body["training"], "steps": 4}
+    body["checkpoint"] = {"every_steps": 0}
+    job = plane.submit(body)
+    final = plane.wait_terminal(job["id"], timeout_s=300)
+    assert final["status"] == "SUCCEEDED", final
+    reserved = final["spec"]["resources"]["host_memory_gb"]
+    assert reserved < 1.0  # the planner's figure: the model's state and the process, not the corpus
+    held = final["host_memory_gib"]
+    assert 700 / 1024 < held < 3.0, (held, reserved)  # the corpus and the process, in GiB
+    [said] = [event_text(event) for event in plane.events(job["id"]) if event["kind"] == "host_memory"]
+    figures = re.search(
+        r"rank 0 \(node \w+\) holds (\d+\.\d\d) GiB of host memory \(anonymous pages\), more than the (\d+\.\d\d) GiB "
+        r"its bundle reserves \(resources\.host_memory_gb;.*resubmit with resources\.host_memory_gb: (\d+(?:\.\d+)?)$",
+        said,
+    )
+    assert figures is not None, said
+    sampled, said_reserved, suggested = map(float, figures.groups())
+    assert said_reserved == pytest.approx(reserved, abs=0.01) and sampled > reserved + 0.5
+    assert suggested >= sampled * 1.1 - 0.01  # with a tenth to spare

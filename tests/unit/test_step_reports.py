@@ -96,9 +96,9 @@ def test_a_rank_over_its_host_memory_reservation_is_said_once_per_attempt():
     assert note(0, 0, within) is None
     assert note(0, 1, [2 * gib, 2 * gib, 3 * gib]) == (
         "attempt 0, step 2: rank 2 (node n1) holds 3.00 GiB of host memory (anonymous pages), more than the 2.00 GiB "
-        "its bundle reserves (resources.host_memory_gb): Ray places ranks by the reservation without enforcing it, "
-        "so the node can run out of memory and lose ranks. Resubmit with resources.host_memory_gb: 3.3 (or shard "
-        "the state: a larger zero)"
+        "its bundle reserves (resources.host_memory_gb; the planner counts the model's state, not the data loader's "
+        "or the process's own memory: POST /v1/plan's host_memory). Ray places ranks by the reservation without "
+        "enforcing it, so the node can run out of memory and lose ranks: resubmit with resources.host_memory_gb: 3.3"
     )
     assert note(0, 2, [2 * gib, 2 * gib, 4 * gib]) is None  # once per attempt
     assert note(1, 2, [2 * gib, 2 * gib, 4 * gib]).startswith("attempt 1, step 3: rank 2 (node n1) holds 4.00 GiB")
