@@ -1,8 +1,9 @@
 """Prometheus exposition of job state for the control plane's ``/metrics``.
 
 Built from the SQLite store (not from Ray), so it answers even while the cluster is unreachable: the
-job's fields, its last step row (``etrain_mfu``) and its straggler findings (``etrain_job_stragglers``,
-``etrain_straggler_factor{rank}``). The supervisors also export their live gauges through Ray's own
+job's fields, its last step row (``etrain_mfu``), its straggler findings (``etrain_job_stragglers``,
+``etrain_straggler_factor{rank}``) and its ranks' host memory against their reservation
+(``etrain_host_memory_bytes``, ``etrain_host_memory_reserved_bytes``). The supervisors also export their live gauges through Ray's own
 metrics agent (``ray_etrain_*``). deploy/grafana/etrain-dashboard.json reads only what is exported here.
 
 ``/metrics`` is open (Prometheus scrapes it without secrets), so what it shows depends on the caller:
@@ -17,6 +18,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 from etrain.service.access.tenancy import Principal
+from etrain.service.planning.plan_memory import GiB
 from etrain.service.store.job_store import JobStore
 from etrain.service.store.records import JobStatus
 
@@ -70,6 +72,16 @@ class _JobCollector:
             "wall time since submit by cause (productive included; the causes sum to the wall time)",
             labels=["job_id", "name", "cause"],
         )
+        host_held = GaugeMetricFamily(
+            "etrain_host_memory_bytes",
+            "the most host memory a rank held at the latest sample (its anonymous pages)",
+            labels=["job_id", "name"],
+        )
+        host_reserved = GaugeMetricFamily(
+            "etrain_host_memory_reserved_bytes",
+            "host memory each rank's bundle reserves (resources.host_memory_gb)",
+            labels=["job_id", "name"],
+        )
         factor = GaugeMetricFamily(
             "etrain_straggler_factor",
             "a flagged rank's compute time / its peers' median, at its latest finding",
@@ -85,6 +97,11 @@ class _JobCollector:
             row = self._store.step_at_or_before(job.id, job.step) if job.step else None
             if row is not None and row.mfu is not None:
                 mfu.add_metric([job.id, job.name], float(row.mfu))
+            if job.host_memory_gib is not None:
+                host_held.add_metric([job.id, job.name], job.host_memory_gib * GiB)
+            reserved = (job.spec.get("resources") or {}).get("host_memory_gb")
+            if isinstance(reserved, (int, float)) and reserved > 0:
+                host_reserved.add_metric([job.id, job.name], float(reserved) * GiB)
             for cause, seconds in (job.goodput_breakdown or {}).items():
                 lost.add_metric([job.id, job.name, cause], float(seconds))
             latest = _straggler_factors(job.stragglers)
@@ -92,7 +109,7 @@ class _JobCollector:
             for rank, value in sorted(latest.items()):
                 factor.add_metric([job.id, job.name, str(rank)], value)
         yield from gauges.values()
-        yield from (mfu, stragglers, factor, lost)
+        yield from (mfu, stragglers, factor, lost, host_held, host_reserved)
 
 
 def _straggler_factors(findings: list) -> dict[int, float]:

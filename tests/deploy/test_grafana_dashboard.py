@@ -68,6 +68,8 @@ REQUIRED = {
     "restarts": "etrain_restarts_total",
     "stragglers": "etrain_straggler_factor",
     "straggler count": "etrain_job_stragglers",
+    "host memory": "etrain_host_memory_bytes",
+    "host memory reserved": "etrain_host_memory_reserved_bytes",
 }
 
 
@@ -141,6 +143,7 @@ def exported(tmp_path_factory) -> dict[str, set[str]]:
             "model": {"preset": "gpt-tiny"},
             "parallelism": {"dp": 2},
             "training": {"steps": 100, "global_batch": 8, "micro_batch": 2},
+            "resources": {"host_memory_gb": 2},
         }
         job_id = client.post("/v1/jobs", json=spec).json()["id"]
         client.post("/v1/jobs", json={**spec, "name": "second"})
@@ -173,6 +176,7 @@ def exported(tmp_path_factory) -> dict[str, set[str]]:
             goodput_breakdown={"queued": 0.2, "startup": 1.0, "productive": 1.5, "checkpoint": 0.3},
             last_checkpoint_step=2,
             stragglers=[{"rank": 1, "factor": 1.9, "step": 3, "node": "n1"}],
+            host_memory_gib=0.5,
         )
         text = client.get("/metrics").text
     families: dict[str, set[str]] = {}
@@ -184,6 +188,8 @@ def exported(tmp_path_factory) -> dict[str, set[str]]:
     assert f'etrain_mfu{{job_id="{job_id}",name="full"}} 0.4' in text
     assert f'etrain_straggler_factor{{job_id="{job_id}",name="full",rank="1"}} 1.9' in text
     assert f'etrain_job_stragglers{{job_id="{job_id}",name="full"}} 1.0' in text
+    assert f'etrain_host_memory_bytes{{job_id="{job_id}",name="full"}} 5.36870912e+08' in text  # 0.5 GiB
+    assert f'etrain_host_memory_reserved_bytes{{job_id="{job_id}",name="full"}} 2.147483648e+09' in text  # 2 GiB
     return families
 
 
