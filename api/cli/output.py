@@ -76,6 +76,7 @@ def print_job(job: dict[str, Any], out: TextIO) -> None:
         ("goodput", "-" if job.get("goodput") is None else f"{100 * job['goodput']:.1f}%"),
         ("time lost", _time_lost(job.get("goodput_breakdown"))),
         ("stragglers", ", ".join(str(s) for s in job.get("stragglers") or []) or "-"),
+        ("host memory", _host_memory(job)),
         ("artifacts", ", ".join(f"{kind}: {path}" for kind, path in (job.get("artifacts") or {}).items()) or "-"),
         ("created", _when(job.get("created_at"))),
         ("updated", _when(job.get("updated_at"))),
@@ -84,6 +85,14 @@ def print_job(job: dict[str, Any], out: TextIO) -> None:
         rows.append(("error", job["error"]))
     for label, value in rows:
         print(f"{label + ':':<12} {value}", file=out)
+
+
+def _host_memory(job: dict[str, Any]) -> str:
+    """The most host memory a rank held at the latest sample against what each rank reserves."""
+    held = job.get("host_memory_gib")
+    reserved = ((job.get("spec") or {}).get("resources") or {}).get("host_memory_gb")
+    said = f"{reserved:g} GiB reserved a rank" if reserved else "none reserved"
+    return f"{said}, at most {held:.2f} GiB held" if held is not None else said
 
 
 def _time_lost(breakdown: dict[str, float] | None, shown: int = 4) -> str:

@@ -348,6 +348,15 @@ def test_demo_serves_submits_and_follows_the_job(monkeypatch, tmp_path):
         assert sock.connect_ex(("127.0.0.1", port)) != 0
 
 
+def test_status_shows_the_most_host_memory_a_rank_held_against_its_reservation(url, tmp_path, manager):
+    job_id = submitted_id(etrain(url, "submit", str(write_spec(tmp_path))))
+    spec = manager.store.get_job(job_id).spec
+    manager.store.update_job(job_id, spec={**spec, "resources": {**spec.get("resources", {}), "host_memory_gb": 0.29}})
+    assert "host memory: 0.29 GiB reserved a rank\n" in etrain(url, "status", job_id).out  # nothing sampled yet
+    manager.store.update_job(job_id, host_memory_gib=1.118)
+    assert "host memory: 0.29 GiB reserved a rank, at most 1.12 GiB held\n" in etrain(url, "status", job_id).out
+
+
 def test_status_shows_where_the_time_went_largest_first(url, tmp_path, manager):
     job_id = submitted_id(etrain(url, "submit", str(write_spec(tmp_path))))
     assert "time lost:   -" in etrain(url, "status", job_id).out
