@@ -301,7 +301,15 @@ def run_job(
             "created_at",
             "updated_at",
             "last_checkpoint_step",
+            "host_memory_gib",
         )
+    }
+    # The most host memory a rank held (its anonymous pages, sampled every 10 s) against what it reserved, and
+    # whether the job said a rank held more: the GPU figure's first check against a real GPU rank
+    record["host_memory"] = {
+        "held_gib": final.get("host_memory_gib"),
+        "reserved_gib": ((final.get("spec") or {}).get("resources") or {}).get("host_memory_gb"),
+        "events": [e for e in events if e.get("kind") == "host_memory"],
     }
     record.update(_release_checkpoints(data_dir, job_id, logs_dir))
     figures = record["figures"]
@@ -323,6 +331,7 @@ def run_job(
             )
             if k in figures
         },
+        host_memory=record["host_memory"],
         startup=[s["line"] for s in figures["startup"]],
         saves=[(s["step"], round(s["blocked_s"], 3)) for s in figures["save_blocking"]],
     )
