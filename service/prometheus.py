@@ -3,8 +3,9 @@
 Built from the SQLite store (not from Ray), so it answers even while the cluster is unreachable: the
 job's fields, its last step row (``etrain_mfu``), its straggler findings (``etrain_job_stragglers``,
 ``etrain_straggler_factor{rank}``) and its ranks' host memory against their reservation
-(``etrain_host_memory_bytes``, ``etrain_host_memory_reserved_bytes``). The supervisors also export their live gauges through Ray's own
-metrics agent (``ray_etrain_*``). deploy/grafana/etrain-dashboard.json reads only what is exported here.
+(``etrain_host_memory_bytes``, ``etrain_host_memory_reserved_bytes``). The supervisors also export their
+live gauges through Ray's own metrics agent (``ray_etrain_*``). deploy/grafana/etrain-dashboard.json reads
+only what is exported here.
 
 ``/metrics`` is open (Prometheus scrapes it without secrets), so what it shows depends on the caller:
 anonymously only aggregates over all jobs (``etrain_jobs{status}``, ``etrain_active_workers``), never a
