@@ -88,11 +88,11 @@ def print_job(job: dict[str, Any], out: TextIO) -> None:
 
 
 def _host_memory(job: dict[str, Any]) -> str:
-    """The most host memory a rank held at the latest sample against what each rank reserves."""
+    """What each rank reserves, and what the rank holding the most held at the latest sample."""
     held = job.get("host_memory_gib")
     reserved = ((job.get("spec") or {}).get("resources") or {}).get("host_memory_gb")
     said = f"{reserved:g} GiB reserved a rank" if reserved else "none reserved"
-    return f"{said}, at most {held:.2f} GiB held" if held is not None else said
+    return f"{said}; the largest rank holds {held:.2f} GiB (latest sample)" if held is not None else said
 
 
 def _time_lost(breakdown: dict[str, float] | None, shown: int = 4) -> str:

@@ -304,7 +304,7 @@ def run_job(
             "host_memory_gib",
         )
     }
-    # The most host memory a rank held (its anonymous pages, sampled every 10 s) against what it reserved, and
+    # The largest rank's host memory at the latest sample (its anonymous pages, every 10 s) against what it reserved, and
     # whether the job said a rank held more: the GPU figure's first check against a real GPU rank
     record["host_memory"] = {
         "held_gib": final.get("host_memory_gib"),

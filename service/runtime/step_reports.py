@@ -156,13 +156,8 @@ class StepReports:
 
     def host_memory_note(self, attempt: int, metrics: dict, *, node_of: Callable[[int], str]) -> str | None:
         """The ``host_memory`` event's words when a rank of this step holds more than its bundle reserves, the
-        first time in ``attempt`` (a repaired or relaunched attempt may say it again); the largest rank's
-        figure goes to the ``etrain_host_memory_bytes`` gauge at every step either way."""
-        held = (metrics.get("ranks") or {}).get("host_mem_bytes") or []
-        if not any(held):
-            return None
-        self._metrics.host_memory(max(held), self._reserved_host)
-        over = over_reservation(held, self._reserved_host)
+        first time in ``attempt`` (a repaired or relaunched attempt may say it again)."""
+        over = over_reservation(_host_held(metrics), self._reserved_host)
         if over is None or self._host_warned == attempt:
             return None
         self._host_warned = attempt
@@ -179,7 +174,7 @@ class StepReports:
         if attempt == self._shown_attempt and step <= int(self.latest.get("step") or 0):
             return
         self._shown_attempt = attempt
-        held = (last.get("ranks") or {}).get("host_mem_bytes") or []
+        held = _host_held(last)
         self.latest = {
             "step": step,
             "loss": last.get("loss"),
@@ -189,6 +184,8 @@ class StepReports:
             "host_memory_gib": round(max(held) / GiB, 3) if any(held) else self.latest.get("host_memory_gib"),
         }
         self._metrics.step(self.latest["step"], last, restarts)
+        if any(held):
+            self._metrics.host_memory(max(held), self._reserved_host)
 
     def since(self, seq: int) -> list[dict[str, Any]]:
         """Step rows after the caller's cursor ``seq``."""
@@ -197,3 +194,9 @@ class StepReports:
 
     def stats(self) -> dict[str, int]:
         return {"step_report_calls": self._calls, "step_records": self._seq, "step": int(self.latest.get("step") or 0)}
+
+
+def _host_held(record: dict) -> list[int]:
+    """Each rank's host memory at the step ``record`` reports (its sample; 0 where unknown), or [] where the
+    step's exchange never settled (no rank's figures)."""
+    return list((record.get("ranks") or {}).get("host_mem_bytes") or [])

@@ -354,7 +354,8 @@ def test_status_shows_the_most_host_memory_a_rank_held_against_its_reservation(u
     manager.store.update_job(job_id, spec={**spec, "resources": {**spec.get("resources", {}), "host_memory_gb": 0.29}})
     assert "host memory: 0.29 GiB reserved a rank\n" in etrain(url, "status", job_id).out  # nothing sampled yet
     manager.store.update_job(job_id, host_memory_gib=1.118)
-    assert "host memory: 0.29 GiB reserved a rank, at most 1.12 GiB held\n" in etrain(url, "status", job_id).out
+    expected = "host memory: 0.29 GiB reserved a rank; the largest rank holds 1.12 GiB (latest sample)\n"
+    assert expected in etrain(url, "status", job_id).out
 
 
 def test_status_shows_where_the_time_went_largest_first(url, tmp_path, manager):

@@ -226,6 +226,7 @@ def test_a_rank_holding_more_host_memory_than_it_reserved_is_said_while_the_job_
         said,
     )
     assert figures is not None, said
+    assert said.startswith("attempt 1, step 1: ")  # each rank samples at its first step: said at once
     sampled, said_reserved, suggested = map(float, figures.groups())
     assert said_reserved == pytest.approx(reserved, abs=0.01) and sampled > reserved + 0.5
     assert suggested >= sampled * 1.1 - 0.01  # with a tenth to spare

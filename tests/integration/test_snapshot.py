@@ -174,6 +174,8 @@ def _tied(rank: int, world_size: int) -> dict:
     return {
         "bytes": _snapshot_bytes(snapshot),
         "copies": (len(snapshot.state["model"]), len({id(value) for value in snapshot.state["model"].values()})),
+        # what the replacement received over gloo (pickled): still one tensor under both names
+        "received": (len(received.state["model"]), len({id(value) for value in received.state["model"].values()})),
         "origin": origin,
         "straight": straight,
         "resumed": resumed,
@@ -208,6 +210,7 @@ def test_memory_restore_and_peer_transfer_equal_the_disk_checkpoint_bit_for_bit(
         copy = report["tied"]
         assert tied.snapshot_bytes <= copy["bytes"] <= 1.001 * tied.snapshot_bytes, (tied, copy["bytes"])
         assert copy["copies"][1] == copy["copies"][0] - 1  # the embedding and the head: one copy
+        assert copy["received"] == copy["copies"]  # rank 1's arrived from rank 0 so, and rank 0 kept its own
         assert copy["resumed"] == copy["straight"] and len(copy["resumed"]) == 2  # exact, from rank 0's copy
         assert copy["parameters"][1] == copy["parameters"][0] - 1  # still tied after the restore
     assert [r["tied"]["origin"] for r in reports] == ["own memory", "rank 0's memory"]

@@ -12,6 +12,7 @@ from etrain.workers.protocol.memory_resume import (
     SNAPSHOTS_KEPT,
     every_rank_has_a_replica,
     holder_groups,
+    keep_copy,
     memory_resume_step,
     replica_key,
     snapshots_to_drop,
@@ -190,7 +191,41 @@ def test_a_copy_serves_another_size_only_where_state_is_not_sharded_over_dp():
         ((5, 10, 15), 20, [5, 10]),
     ],
 )
-def test_a_rank_drops_its_oldest_copies_before_taking_a_new_one(held, new_step, dropped):
+def test_the_copies_to_drop_are_all_but_the_newest_two(held, new_step, dropped):
     assert snapshots_to_drop(held, new_step) == dropped
-    kept = sorted((set(held) | {new_step}) - set(dropped))
-    assert len(kept) <= SNAPSHOTS_KEPT and kept == sorted(set(held) | {new_step})[-SNAPSHOTS_KEPT:]
+
+
+@pytest.mark.parametrize(
+    ("held", "step", "during", "after"),
+    [
+        ((), 5, [], [5]),
+        ((5,), 10, [5], [5, 10]),
+        ((5, 10), 15, [10], [10, 15]),  # the oldest goes before step 15's copy is taken: never three copies
+        ((5, 10), 10, [5], [5, 10]),  # a held step copied again: its old copy goes first too
+        ((5, 10, 15), 20, [15], [15, 20]),
+    ],
+)
+def test_a_rank_drops_its_old_copies_before_it_takes_a_new_one(held, step, during, after):
+    kept = {s: f"copy of {s}" for s in held}
+    seen = []
+
+    def take():
+        seen.append(sorted(kept))  # what the rank holds while it copies
+        return f"new copy of {step}"
+
+    assert keep_copy(kept, step, take)
+    assert seen == [during] and len(during) < SNAPSHOTS_KEPT
+    assert sorted(kept) == after and kept[step] == f"new copy of {step}"
+
+
+def test_a_copy_older_than_the_two_kept_is_not_taken_and_a_failed_take_keeps_nothing_new():
+    kept = {5: "a", 10: "b"}
+    assert not keep_copy(kept, 3, lambda: pytest.fail("no copy of an older step is taken"))
+    assert kept == {5: "a", 10: "b"}
+
+    def fail():
+        raise MemoryError("no host memory left")
+
+    with pytest.raises(MemoryError):
+        keep_copy(kept, 15, fail)
+    assert kept == {10: "b"}  # the oldest went before the take, as the docstring says

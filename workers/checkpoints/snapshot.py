@@ -196,14 +196,21 @@ def _to_host(value: Any, copies: dict[tuple, torch.Tensor]) -> Any:
         value = value.to_local()
     if not torch.is_tensor(value):
         return copy.deepcopy(value)
-    view = (
-        value.untyped_storage().data_ptr(),
-        value.device,
-        value.dtype,
-        value.storage_offset(),
-        tuple(value.shape),
-        value.stride(),
-    )
+    view = _view_of(value)
+    if view is None:
+        return value.detach().to("cpu", copy=True)
     if view not in copies:
         copies[view] = value.detach().to("cpu", copy=True)
     return copies[view]
+
+
+def _view_of(tensor: torch.Tensor) -> tuple | None:
+    """What a tensor views (its storage, offset, shape, strides, dtype, device): two names of one tensor view the
+    same. None for a tensor subclass without a storage of its own, such as torchao's float8 weight wrapper under
+    FSDP2 (its storage cannot be read): copied under each name, as float8 converts linear layers only, never a
+    tied embedding (``workers/engine/float8.py``)."""
+    try:
+        pointer = tensor.untyped_storage().data_ptr()
+    except RuntimeError:
+        return None
+    return (pointer, tensor.device, tensor.dtype, tensor.storage_offset(), tuple(tensor.shape), tensor.stride())

@@ -16,7 +16,10 @@ one member holds the step.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, MutableMapping, Sequence
+from typing import TypeVar
+
+T = TypeVar("T")
 
 __all__ = [
     "every_rank_has_a_replica",
@@ -101,10 +104,25 @@ SNAPSHOTS_KEPT = 2
 def snapshots_to_drop(held: Iterable[int], new_step: int) -> list[int]:
     """The steps whose copies go when a copy of ``new_step`` is to be kept beside ``held``: all but the newest
     :data:`SNAPSHOTS_KEPT` of them, ``new_step`` included when it is older than those (then no copy need be
-    taken). Dropped *before* the new copy is taken, so that a rank never holds more copies than it reserved
-    host memory for (before 2026-12-06 the oldest went after the take: three copies at the peak, while the
-    planner counts two); what is kept is the same either way."""
+    taken). :func:`keep_copy` drops them before the new copy is taken."""
     return sorted(set(held) | {new_step})[:-SNAPSHOTS_KEPT]
+
+
+def keep_copy(kept: MutableMapping[int, T], step: int, take: Callable[[], T]) -> bool:
+    """Keep ``take()``, a copy of the state after ``step`` completed steps, in ``kept`` (step -> copy): the copies
+    :func:`snapshots_to_drop` names, and an earlier copy of ``step`` itself, are dropped *before* ``take`` runs,
+    so that a rank never holds more than :data:`SNAPSHOTS_KEPT` copies while it copies (before 2026-12-06 the
+    oldest went after the take: three copies at the peak, while the planner reserves two). Returns whether the
+    copy was taken (not when ``step`` is older than the ones kept). Where ``take`` raises, the dropped copies
+    are gone: a repair then finds fewer steps in memory, and restores from storage where none serves."""
+    dropped = snapshots_to_drop(kept, step)
+    for old in dropped:
+        kept.pop(old, None)
+    if step in dropped:
+        return False
+    kept.pop(step, None)
+    kept[step] = take()
+    return True
 
 
 def state_still_fits(*, taken_at_dp: int | None, dp: int, zero: int) -> bool:

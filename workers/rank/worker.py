@@ -533,6 +533,9 @@ class TrainWorker:
         (``etrain.workers.checkpoints.snapshot.share_snapshots``) and a copy here would never be read.
         The exception is dp=1 in a job that may grow (``LaunchPlan.may_grow``): an in-place grow resumes
         from the step committed at dp=1, and the ranks it adds receive this rank's copy of it.
+        Never raises: the copy only speeds a repair up, so a copy that fails (host memory, a tensor it cannot
+        read) is said in the rank log and the save goes on; a repair then restores from storage what memory
+        cannot serve.
         """
         from etrain.workers.checkpoints.snapshot import has_replicas
 
@@ -541,22 +544,27 @@ class TrainWorker:
         replica_to_be = self._plan.may_grow and parallel.dp == 1 and has_replicas(dataclasses.replace(parallel, dp=2))
         if not self._plan.keep_snapshots or not (has_replicas(parallel) or replica_to_be):
             return
-        self._store_snapshot(trainer, completed_steps, held=held)
+        try:
+            self._store_snapshot(trainer, completed_steps, held=held)
+        except Exception as err:  # noqa: BLE001 - the save and the run go on; the repair falls back to storage
+            if self._log is not None:
+                self._log.write(
+                    f"attempt {self._plan.attempt}: step {completed_steps}'s state not kept in memory: "
+                    f"{type(err).__name__}: {err}"
+                )
 
     def _store_snapshot(self, trainer, step: int, *, held: Any = None) -> None:
         """Copy this rank's state after ``step`` completed steps to host memory (or keep ``held``, a copy of
-        it); the newest two are kept, the others dropped before the copy is taken (``snapshots_to_drop``)."""
+        it); the newest two are kept, the others dropped before the copy is taken (``memory_resume.keep_copy``)."""
         from etrain.workers.checkpoints.snapshot import take_snapshot
-        from etrain.workers.protocol.memory_resume import snapshots_to_drop
+        from etrain.workers.protocol.memory_resume import keep_copy
 
-        dropped = snapshots_to_drop(self._snapshots, step)
-        for old in dropped:
-            self._snapshots.pop(old, None)
-        if step in dropped:  # older than the two held: it would go at once
-            return
-        if held is None:
-            held = take_snapshot(step, *trainer.state_for_checkpoint(), dp=trainer.config.parallel.dp)
-        self._snapshots[step] = held
+        def take() -> Any:
+            if held is not None:
+                return held
+            return take_snapshot(step, *trainer.state_for_checkpoint(), dp=trainer.config.parallel.dp)
+
+        keep_copy(self._snapshots, step, take)
 
     def _report_batcher(self, attempt: int) -> ReportBatcher:
         """Rank 0's batched step reports: ``report_steps(attempt, records)``, fire-and-forget."""
