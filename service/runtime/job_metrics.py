@@ -43,8 +43,10 @@ class JobMetrics:
             self._tokens.set(float(metrics["tokens_per_s"]), tags=self._tags)
         self._restarts.set(restarts, tags=self._tags)
 
-    def host_memory(self, held: int, reserved: int) -> None:
+    def host_memory(self, held: int) -> None:
         self._host_memory.set(held, tags=self._tags)
+
+    def host_memory_reserved(self, reserved: int) -> None:
         self._host_reserved.set(reserved, tags=self._tags)
 
     def straggler(self, rank: int, factor: float) -> None:

@@ -62,6 +62,8 @@ class StepReports:
         self._host_warned: int | None = None  # the attempt the host-memory note was made for
         self._evict = evict  # straggler_action == "evict"
         self._metrics = metrics
+        if reserved_host_bytes:
+            metrics.host_memory_reserved(reserved_host_bytes)  # fixed for the supervisor's life: set once
         self._lock = threading.Lock()
         self._rows: list[dict[str, Any]] = []
         self._seq = 0
@@ -185,7 +187,7 @@ class StepReports:
         }
         self._metrics.step(self.latest["step"], last, restarts)
         if any(held):
-            self._metrics.host_memory(max(held), self._reserved_host)
+            self._metrics.host_memory(max(held))
 
     def since(self, seq: int) -> list[dict[str, Any]]:
         """Step rows after the caller's cursor ``seq``."""
