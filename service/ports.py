@@ -20,6 +20,8 @@ from etrain.workers.protocol.messages import RANK_CHAOS_ACTIONS, ChaosMoment, Ra
 #: The rank drills (and when a kill lands) are the protocol's; ``corrupt_checkpoint`` is the supervisor's own.
 ChaosAction = Literal[RankChaosAction, "corrupt_checkpoint"]
 KILL_ACTIONS: frozenset[str] = frozenset({"kill_rank", "kill_actor"})
+#: The most a ``hold_host_memory`` drill holds: more than any node's RAM is a typo, not a drill.
+MAX_DRILL_GIB = 4096.0
 
 
 class ChaosRequest(BaseModel):
@@ -30,6 +32,9 @@ class ChaosRequest(BaseModel):
     * ``slow_rank``: the rank's steps take ``factor`` times longer (a straggler); ``factor: 1`` ends an
       earlier slowdown (the straggler recovers);
     * ``hang_rank``: the rank stops making progress without exiting (heartbeats stop);
+    * ``hold_host_memory``: the rank allocates ``gib`` GiB of host memory and holds it until the job ends
+      (``gib: 0`` lets go of it): a rank beyond its ``resources.host_memory_gb``, to see the ``host_memory``
+      event and the ``EtrainHostMemoryOverReservation`` alert fire where they are deployed;
     * ``fail_health_check``: the rank's health check at the start of an attempt reports it broken (the
       first attempt starting at or after ``at_step``; omitted: the next attempt), so its node is excluded;
     * ``corrupt_checkpoint``: the committed checkpoint of ``step`` is damaged on disk.
@@ -57,6 +62,13 @@ class ChaosRequest(BaseModel):
     rank: json_int(0, MAX_WORKERS - 1) | None = Field(default=None, validate_default=True)
     factor: float | None = Field(
         default=None, le=1000.0, validate_default=True, description="slow_rank only; >= 1 (1 ends an earlier slow_rank)"
+    )
+    gib: float | None = Field(
+        default=None,
+        ge=0.0,
+        le=MAX_DRILL_GIB,
+        validate_default=True,
+        description="hold_host_memory only: GiB the rank holds (0 lets go of it)",
     )
     step: json_int(0, MAX_STEPS) | None = Field(
         default=None, validate_default=True, description="corrupt_checkpoint only"
@@ -87,6 +99,16 @@ class ChaosRequest(BaseModel):
             raise ValueError(f"factor applies only to slow_rank, not {action!r}")
         return factor
 
+    @field_validator("gib")
+    @classmethod
+    def _gib_for_hold_host_memory(cls, gib: float | None, info: ValidationInfo) -> float | None:
+        action = info.data.get("action")
+        if action == "hold_host_memory" and gib is None:
+            raise ValueError("hold_host_memory needs gib: how many GiB the rank holds (0 lets go of what it held)")
+        if action is not None and action != "hold_host_memory" and gib is not None:
+            raise ValueError(f"gib applies only to hold_host_memory, not {action!r}")
+        return gib
+
     @field_validator("step")
     @classmethod
     def _step_for_corrupt_checkpoint(cls, step: int | None, info: ValidationInfo) -> int | None:
@@ -106,7 +128,9 @@ class ChaosRequest(BaseModel):
         return during
 
 
-def _chaos_shape(actions: list[str], *, rank: bool, factor: bool, step: bool, during: bool = False) -> dict[str, Any]:
+def _chaos_shape(
+    actions: list[str], *, rank: bool, factor: bool = False, step: bool = False, during: bool = False, gib: bool = False
+) -> dict[str, Any]:
     """One action's fields: each given one required (and not null), each other one absent or null;
     ``during`` is optional where it applies (absent or null: ``step``)."""
     none = {"type": "null"}
@@ -114,10 +138,12 @@ def _chaos_shape(actions: list[str], *, rank: bool, factor: bool, step: bool, du
         "action": {"enum": actions},
         "rank": {"type": "integer"} if rank else none,
         "factor": {"type": "number", "exclusiveMinimum": 1} if factor else none,
+        "gib": {"type": "number", "minimum": 0, "maximum": MAX_DRILL_GIB} if gib else none,
         "step": {"type": "integer"} if step else none,
         "during": {"enum": [*ChaosMoment.__args__, None]} if during else none,
     }
-    required = ["action", *(name for name, given in (("rank", rank), ("factor", factor), ("step", step)) if given)]
+    given = (("rank", rank), ("factor", factor), ("gib", gib), ("step", step))
+    required = ["action", *(name for name, present in given if present)]
     return {"properties": properties, "required": required}
 
 
@@ -126,6 +152,7 @@ _CHAOS_SHAPES = [
     _chaos_shape(["hang_rank"], rank=True, factor=False, step=False),
     _chaos_shape(["fail_health_check"], rank=True, factor=False, step=False),
     _chaos_shape(["slow_rank"], rank=True, factor=True, step=False),
+    _chaos_shape(["hold_host_memory"], rank=True, gib=True),
     _chaos_shape(["corrupt_checkpoint"], rank=False, factor=False, step=True),
 ]
 

@@ -271,6 +271,7 @@ def cmd_chaos(client: Client, args: argparse.Namespace, out: TextIO, err: TextIO
         "action": args.action,
         "rank": args.rank,
         "factor": args.factor,
+        "gib": args.gib,
         "step": args.step,
         "at_step": args.at_step,
     }

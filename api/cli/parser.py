@@ -157,9 +157,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     chaos = commands.add_parser("chaos", help="inject a fault (servers started with --enable-chaos)")
     chaos.add_argument("job_id")
-    chaos.add_argument("action", choices=["kill_rank", "kill_actor", "slow_rank", "hang_rank", "corrupt_checkpoint"])
+    chaos.add_argument(
+        "action",
+        choices=[
+            "kill_rank",
+            "kill_actor",
+            "slow_rank",
+            "hang_rank",
+            "fail_health_check",
+            "hold_host_memory",
+            "corrupt_checkpoint",
+        ],
+    )
     chaos.add_argument("--rank", type=int)
-    chaos.add_argument("--factor", type=float)
+    chaos.add_argument("--factor", type=float, help="slow_rank: how many times slower (1 ends it)")
+    chaos.add_argument("--gib", type=float, help="hold_host_memory: GiB the rank holds (0 lets go)")
     chaos.add_argument("--step", type=int, help="corrupt_checkpoint: the checkpoint step")
     chaos.add_argument("--at-step", type=int, help="inject when the job reaches this step")
 

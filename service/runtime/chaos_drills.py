@@ -65,6 +65,7 @@ class JobDrills:
             action=action,
             rank=int(request["rank"]),
             factor=float(request.get("factor") or 1.0),
+            gib=float(request.get("gib") or 0.0),
             # A kill inside a save is always armed (never fired on delivery, carried into the next
             # attempt until it fires): with no at_step it lands in the first save.
             at_step=request.get("at_step") if during == "step" else int(request.get("at_step") or 0),
@@ -128,7 +129,8 @@ class JobDrills:
         if order is not None:
             self._record(
                 "chaos_fired",
-                f"{order.action} on rank {rank} at step {step}"
+                f"{order.action} on rank {rank} "
+                + (f"at step {step}" if step is not None else "on delivery")
                 + (f" during {order.during}" if order.during != "step" else "")
                 + f" (order {order_id})",
             )

@@ -22,6 +22,7 @@ from etrain.service.runtime.chaos_drills import CorruptOrder, JobDrills
 from etrain.workers.checkpoints.checkpoint_commit import step_dir
 from etrain.workers.protocol.messages import ChaosOrder
 from etrain.workers.rank.chaos import RankDrills
+from etrain.workers.rank.host_memory import host_memory_use
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -116,6 +117,25 @@ def test_a_drill_fires_even_when_its_report_fails():
     assert (drills.slow_factor, reports) == (4.0, [(9, None)])
 
 
+def test_the_memory_drill_holds_its_own_pages_and_a_new_size_replaces_the_old():
+    """The held bytes are written (the rank's anonymous pages, what its sampler reads), a second order replaces
+    the first rather than adding to it, and ``gib: 0`` lets go."""
+    drills, reports = _drills()
+    before = host_memory_use().anonymous
+    drills.receive(ChaosOrder(id=1, action="hold_host_memory", rank=0, gib=0.125))
+    assert len(drills.held_memory) == 128 << 20 and reports == [(1, None)]
+    if before is not None:
+        assert host_memory_use().anonymous - before >= 120 << 20
+    drills.receive(ChaosOrder(id=2, action="hold_host_memory", rank=0, gib=0.0625))
+    assert len(drills.held_memory) == 64 << 20
+    drills.receive(ChaosOrder(id=3, action="hold_host_memory", rank=0, gib=0))
+    assert drills.held_memory is None and [order for order, _ in reports] == [1, 2, 3]
+    order, answer = JobDrills(root="unused", record=lambda *_: None).order(
+        {"action": "hold_host_memory", "rank": 3, "gib": 1.5}
+    )
+    assert order == ChaosOrder(id=1, action="hold_host_memory", rank=3, gib=1.5) and answer["gib"] == 1.5
+
+
 def test_the_slow_drill_multiplies_the_measured_compute():
     """Each micro-step sleeps (factor - 1) x the last step's own compute per micro-step, sleep excluded."""
     drills, _ = _drills()
@@ -155,6 +175,7 @@ def test_job_drills_turn_requests_into_orders_and_arm_them():
         "action": "kill_rank",
         "rank": 1,
         "factor": 1.0,
+        "gib": 0.0,
         "at_step": None,
         "during": "step",
         "armed": True,
@@ -194,6 +215,14 @@ def test_an_order_sent_to_a_running_group_is_armed_and_its_firing_recorded():
     kill, _ = drills.order({"action": "kill_actor", "rank": 0})
     drills.arm(kill, world_size=2, group=group, committed_step=None)
     assert sent == [slow, ("kill_actor", 0)]
+    hold, _ = drills.order({"action": "hold_host_memory", "rank": 1, "gib": 2})
+    drills.arm(hold, world_size=2, group=group, committed_step=None)
+    drills.fired(1, hold.id, None)  # fired on delivery, between steps: the rank reports no step
+    assert events[-2:] == [
+        ("chaos_armed", "hold_host_memory on rank 1 now, to the running group"),
+        ("chaos_fired", "hold_host_memory on rank 1 on delivery (order 3)"),
+    ]
+    del events[-2:]
     assert events == [
         ("chaos_armed", "slow_rank on rank 1 now, to the running group"),
         ("chaos_fired", "slow_rank on rank 1 at step 7 (order 1)"),

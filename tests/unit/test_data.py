@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from etrain.workers.engine.data import GlobalSampler, TokenDataset, build_dataset, read_text_tokens, synthetic_tokens
+from etrain.workers.engine.data import GlobalSampler, TokenDataset, build_dataset, synthetic_tokens
+from etrain.workers.engine.text_bytes import text_bytes
 from etrain.workers.protocol.errors import ConfigError, DataError
 from etrain.workers.protocol.run_config import DataConfig, ModelConfig
 
@@ -121,11 +122,11 @@ def test_text_folder_reads_text_files_sorted_and_skips_the_rest(tmp_path) -> Non
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "c.txt").write_text("héllo")
 
-    tokens = read_text_tokens(str(tmp_path))
+    tokens = text_bytes(str(tmp_path))
 
     assert tokens.dtype == np.uint8
     # Sorted by name (byte order: "Makefile" < "a.md"), files before the sub-folder's.
-    assert tokens.tobytes().decode() == "all:\n\n# A\n\nprint(1)\n\nhéllo"
+    assert tokens[:].tobytes().decode() == "all:\n\n# A\n\nprint(1)\n\nhéllo"
 
 
 def test_text_file_dataset_uses_byte_tokens(tmp_path) -> None:

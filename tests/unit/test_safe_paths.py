@@ -156,7 +156,7 @@ def test_a_folder_swapped_for_a_link_after_pin_is_refused_at_open(layout):
 
 
 def test_the_text_walk_refuses_links_to_files_and_folders_and_never_reads_them(layout):
-    from etrain.workers.engine.data import read_text_tokens
+    from etrain.workers.engine.text_bytes import text_bytes
 
     data = layout["root"] / "data"
     (data / "sub").mkdir(parents=True)
@@ -165,20 +165,20 @@ def test_the_text_walk_refuses_links_to_files_and_folders_and_never_reads_them(l
     (data / ".git").mkdir()
     (data / ".git" / "HEAD.txt").symlink_to(layout["secret"])  # in a skipped folder: passed over as before
     (data / ".hidden.txt").symlink_to(layout["secret"])  # a hidden name: passed over as before
-    assert read_text_tokens(str(data)).tobytes() == b"first\nsecond"
+    assert text_bytes(str(data))[:].tobytes() == b"first\nsecond"
 
     (data / "notes.txt").symlink_to(layout["secret"])
     with pytest.raises(UnsafePathError) as err:
-        read_text_tokens(str(data))
+        text_bytes(str(data))
     assert f"data.path={str(data / 'notes.txt')!r} is a symbolic link" in _refusal(err, "data.path")
     os.remove(data / "notes.txt")
     (data / "more").symlink_to(layout["outside"] / "dir")
     with pytest.raises(UnsafePathError) as err:
-        read_text_tokens(str(data))
+        text_bytes(str(data))
     _refusal(err, "data.path")
     (layout["root"] / "one.txt").symlink_to(layout["secret"])  # data.path itself a link to one file
     with pytest.raises(UnsafePathError):
-        read_text_tokens(str(layout["root"] / "one.txt"))
+        text_bytes(str(layout["root"] / "one.txt"))
 
 
 # -- the submit-time readers: model.hf's config.json, its index, data.tokenizer -----------------------

@@ -129,6 +129,8 @@ def test_not_found_names_the_job_and_how_to_list_jobs():
         {"action": "slow_rank", "rank": 2, "factor": 1.0},  # ends an earlier slowdown
         {"action": "hang_rank", "rank": 0, "at_step": 0},
         {"action": "corrupt_checkpoint", "step": 10},
+        {"action": "hold_host_memory", "rank": 1, "gib": 2.5},
+        {"action": "hold_host_memory", "rank": 1, "gib": 0.0},  # lets go of it
     ],
 )
 def test_valid_chaos_requests(request_body):
@@ -148,6 +150,10 @@ def test_valid_chaos_requests(request_body):
         ({"action": "kill_rank", "rank": -1}, "rank", "greater than or equal to 0"),
         ({"action": "explode", "rank": 0}, "action", "kill_rank"),
         ({"action": "kill_rank", "rank": 0, "when": 3}, "when", "Extra inputs"),
+        ({"action": "hold_host_memory", "rank": 0}, "gib", "needs gib"),
+        ({"action": "hold_host_memory", "rank": 0, "gib": -1.0}, "gib", "greater than or equal to 0"),
+        ({"action": "hold_host_memory", "rank": 0, "gib": 5000.0}, "gib", "less than or equal to 4096"),
+        ({"action": "slow_rank", "rank": 0, "factor": 2.0, "gib": 1.0}, "gib", "only to hold_host_memory"),
     ],
 )
 def test_invalid_chaos_requests_name_the_field(request_body, field, words):

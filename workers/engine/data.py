@@ -13,7 +13,8 @@ same window shifted by one).
 Kinds:
 
 * ``text``      a UTF-8 file, or a folder of text-like files walked in sorted order; bytes are
-                tokens (vocabulary 256). With ``data.tokenizer`` (a Hugging Face tokenizer.json) the
+                tokens (vocabulary 256), read from the files a sample at a time
+                (``workers/engine/text_bytes.py``: never held whole in a rank's memory). With ``data.tokenizer`` (a Hugging Face tokenizer.json) the
                 text is tokenized once into a cached ``.bin`` beside the data and read like
                 ``tokens`` (``workers/engine/tokenized.py``; the service usually writes it at submit).
 * ``tokens``    a nanoGPT-style ``.bin``: a raw array of ``uint16``/``uint32`` token ids, memory-mapped.
@@ -29,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from etrain.workers.engine.text_files import no_text_error, not_utf8_error, read_text_file, text_documents
+from etrain.workers.engine.text_bytes import text_bytes
 from etrain.workers.engine.tokenized import tokenize_text
 from etrain.workers.protocol import layout_rules, safe_paths
 from etrain.workers.protocol.errors import ConfigError, DataError
@@ -40,7 +41,6 @@ __all__ = [
     "GlobalSampler",
     "TokenDataset",
     "build_dataset",
-    "read_text_tokens",
     "read_token_file",
     "synthetic_tokens",
 ]
@@ -51,7 +51,7 @@ _TOKEN_RANGE_PROBE = 1 << 20  # tokens checked against the vocabulary when a .bi
 
 
 class TokenDataset:
-    """Samples of ``seq_len + 1`` tokens over a 1-D token stream (numpy array or memmap)."""
+    """Samples of ``seq_len + 1`` tokens over a 1-D token stream (numpy array, memmap or ``TextBytes``)."""
 
     def __init__(self, tokens: np.ndarray, *, seq_len: int, source: str):
         if tokens.ndim != 1:
@@ -139,23 +139,6 @@ class GlobalSampler:
 # -- readers --------------------------------------------------------------------------------------
 
 
-def read_text_tokens(path: str) -> np.ndarray:
-    """Byte tokens (uint8) of a UTF-8 file, or of every text-like file in a folder, sorted by path.
-
-    Files in a folder are joined with a newline so one file's end does not run into the next.
-    """
-    documents = text_documents(path)
-    if Path(path).is_file():
-        data = read_text_file(documents[0])
-        if data is None:
-            raise not_utf8_error(path)
-    else:
-        data = b"\n".join(d for p in documents if (d := read_text_file(p)))
-    if not data:
-        raise no_text_error(path)
-    return np.frombuffer(data, dtype=np.uint8)
-
-
 def read_token_file(path: str, token_dtype: str, vocab_size: int) -> np.ndarray:
     """Memory-map a raw ``.bin`` of token ids (nanoGPT format: no header, native byte order)."""
     file = Path(path)
@@ -237,7 +220,7 @@ def build_dataset(data: DataConfig, model: ModelConfig) -> TokenDataset:
                 field="model.vocab_size",
                 fix="set model.vocab_size >= 256",
             )
-        tokens = read_text_tokens(data.path)
+        tokens = text_bytes(data.path)
     elif data.kind == "tokens":
         tokens = read_token_file(data.path, data.token_dtype, model.vocab_size)
     else:

@@ -14,6 +14,7 @@ than its folder shows; hidden names and tooling folders are passed over as befor
 
 from __future__ import annotations
 
+import codecs
 import os
 import stat
 from collections.abc import Iterator
@@ -30,6 +31,7 @@ __all__ = [
     "not_utf8_error",
     "read_text_file",
     "text_documents",
+    "text_size",
     "walk_text_files",
 ]
 
@@ -37,6 +39,7 @@ TEXT_SUFFIXES = frozenset({".py", ".md", ".txt", ".yaml", ".yml", ".toml", ".jso
 TEXT_NAMES = frozenset({"Makefile"})
 SKIPPED_DIRS = frozenset({".venv", "venv", "__pycache__", ".git", "node_modules"})
 _BINARY_PROBE_BYTES = 8192
+_CHECK_CHUNK_BYTES = 1 << 20  # text_size decodes this much at a time: bounded memory for any file size
 
 
 def _is_text_name(name: str) -> bool:
@@ -58,6 +61,28 @@ def read_text_file(path: Path) -> bytes | None:
     except UnicodeDecodeError:
         return None
     return data
+
+
+def text_size(path: Path) -> int | None:
+    """The file's size in bytes if it is UTF-8 text, else ``None``: the same answer as :func:`read_text_file`
+    (no NUL in the first 8 KiB, valid UTF-8 throughout) without holding the file, so a multi-GB corpus is
+    checked in 1 MiB at a time. Opened without following links."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    size = 0
+    with safe_paths.open_file(path, field="data.path") as stream:
+        while chunk := stream.read(_CHECK_CHUNK_BYTES if size else _BINARY_PROBE_BYTES):
+            if not size and b"\x00" in chunk:
+                return None
+            try:
+                decoder.decode(chunk)
+            except UnicodeDecodeError:
+                return None
+            size += len(chunk)
+    try:
+        decoder.decode(b"", final=True)  # a file that ends inside a character is not UTF-8
+    except UnicodeDecodeError:
+        return None
+    return size
 
 
 def walk_text_files(root: Path) -> Iterator[Path]:

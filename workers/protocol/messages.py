@@ -58,7 +58,7 @@ __all__ = [
 REPORT_TIMEOUT_S = 30.0
 
 #: The drills a rank carries out on itself (``corrupt_checkpoint`` is the supervisor's own drill).
-RankChaosAction = Literal["kill_rank", "kill_actor", "slow_rank", "hang_rank", "fail_health_check"]
+RankChaosAction = Literal["kill_rank", "kill_actor", "slow_rank", "hang_rank", "fail_health_check", "hold_host_memory"]
 RANK_CHAOS_ACTIONS: frozenset[str] = frozenset(get_args(RankChaosAction))
 #: When a kill lands: at the start of a step (the default), or inside a checkpoint save.
 ChaosMoment = Literal["step", "checkpoint_write", "checkpoint_commit"]
@@ -78,6 +78,8 @@ class ChaosOrder:
     action: RankChaosAction
     rank: int
     factor: float = 1.0
+    #: ``hold_host_memory``: GiB the rank allocates (and writes, so they are its own pages) and holds; 0 lets go
+    gib: float = 0.0
     at_step: int | None = None
     #: ``health_check``: only ``fail_health_check``, set by the supervisor (not a ``during`` users give).
     during: ChaosMoment | Literal["health_check"] = "step"

@@ -25,7 +25,7 @@ __all__ = ["ChaosCallback", "RankDrills"]
 
 
 class RankDrills:
-    """One rank's armed drills and what the fired ones left behind (a slow factor, a hang).
+    """One rank's armed drills and what the fired ones left behind (a slow factor, a hang, held memory).
 
     ``report(order, step)`` tells the supervisor an order fired, and returns once it accepted (or gave
     up): it must know before the process disappears, so that a restart does not fire the order again.
@@ -40,6 +40,7 @@ class RankDrills:
         self.slow_factor = 1.0
         self.busy_wait = busy_wait
         self.hung = threading.Event()
+        self.held_memory: bytes | None = None  # a fired hold_host_memory's allocation, until the job ends
         self._health_failure: str | None = None  # a fired fail_health_check, for the attempt's check
         self._pending: dict[int, ChaosOrder] = {}  # by order id: delivered twice, fired once
         self._lock = threading.Lock()
@@ -96,6 +97,9 @@ class RankDrills:
             self.slow_factor = float(order.factor)
         elif order.action == "hang_rank":
             self.hung.set()
+        elif order.action == "hold_host_memory":
+            self.held_memory = None  # let go first: a new size replaces the old, it does not add to it
+            self.held_memory = b"\x01" * int(order.gib * (1 << 30)) or None  # written: the rank's own pages
         elif order.action == "fail_health_check":
             self._health_failure = f"fault drill {order.id}: fail_health_check (the device answers as a broken one)"
         else:  # validated by the API; an unknown action here is a bug
