@@ -304,8 +304,9 @@ class JobManager:
         return None if record is None else record.tenant
 
     def _prepare_data(self, spec: JobSpec) -> str | None:
-        """Tokenize ``data.tokenizer`` text now, once (a cache hit costs one hash of the data), so the ranks
-        only memory-map it; a line for the job's events, or SpecRejected naming the field and the fix."""
+        """Tokenize ``data.tokenizer`` text now, once (a cache hit costs a ``stat`` a file, or one hash of data that
+        changed), so the ranks only memory-map it; a line for the job's events, or SpecRejected naming the field and
+        the fix."""
         data = spec.data
         if data.kind != "text" or not data.tokenizer or not data.path:
             return None

@@ -5,6 +5,7 @@ in the test (tests/tiny_tokenizers.py), never downloaded."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import threading
 import time
@@ -81,7 +82,9 @@ def test_a_folder_is_encode_of_each_document_joined_with_eos(tmp_path, bpe):
         "documents": 3,
         "eos_id": eos,
         "eos_token": "<|endoftext|>",
+        "stamp": sidecar["stamp"],  # what the data looked like on disk (names, sizes, inodes, times)
     }
+    assert len(sidecar["stamp"]) == 64
     assert sorted(p.name for p in (data / CACHE_DIR_SUFFIX).iterdir()) == [
         f"{cache.sha256}.bin",
         f"{cache.sha256}.bin.json",
@@ -186,8 +189,74 @@ def test_the_second_call_reuses_the_cache_without_tokenizing(tmp_path, bpe):
     assert (first.reused, second.reused) == (False, True)
     assert (second.path, second.num_tokens, second.sha256) == (first.path, first.num_tokens, first.sha256)
     assert Path(first.path).stat().st_mtime_ns == mtime
-    assert set(stages) == {"hashing"}  # nothing was encoded
+    assert stages == []  # nothing was encoded, nor even hashed: found by the data's stamp
     assert second_s < first_s / 2, (first_s, second_s)
+
+
+def _unread(monkeypatch) -> None:
+    """From now on, reading a document's bytes fails the test."""
+
+    def read(*_args, **_kwargs):
+        raise AssertionError("a document was read")
+
+    monkeypatch.setattr(tokenized, "text_chunks", read)
+    monkeypatch.setattr(tokenized, "read_text_file", read)
+
+
+def test_a_prepared_corpus_is_found_by_its_stamp_without_reading_it_and_a_changed_one_is_hashed_again(
+    tmp_path, bpe, monkeypatch
+):
+    data, _ = corpus_folder(tmp_path / "corpus")
+    first = tokenize_text(data, bpe)
+    with monkeypatch.context() as patch:
+        _unread(patch)
+        again = tokenize_text(data, bpe)  # what a submit and every rank's start do: a walk and a stat a file
+    assert again.reused and (again.path, again.sha256) == (first.path, first.sha256)
+
+    stat = (data / "b.md").stat()
+    os.utime(data / "b.md", ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # touched, same bytes
+    stages: list[str] = []
+    touched = tokenize_text(data, bpe, progress=lambda stage, *_: stages.append(stage))
+    assert touched.reused and touched.sha256 == first.sha256 and set(stages) == {"hashing"}  # hashed again
+    with monkeypatch.context() as patch:
+        _unread(patch)
+        assert tokenize_text(data, bpe).reused  # and its new stamp kept: not hashed a second time
+
+    # The same size and modification time, other bytes: the change time still moves (touch cannot set it back).
+    text = (data / "b.md").read_bytes()
+    stat = (data / "b.md").stat()
+    (data / "b.md").write_bytes(text.upper())
+    os.utime(data / "b.md", ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    edited = tokenize_text(data, bpe)
+    assert not edited.reused and edited.sha256 != first.sha256
+    assert read_ids(edited) != read_ids(first)
+
+
+def test_the_hash_reads_a_document_in_pieces_keeps_the_name_and_meets_the_deadline_inside_it(tmp_path, bpe):
+    from etrain.workers.rank.host_memory import host_memory_use
+
+    data, documents = corpus_folder(tmp_path / "corpus")
+    digest = tokenized._new_digest(tokenized.tokenizer_info(bpe))
+    for text in documents:  # the name as it was before the hash streamed: caches written then are still found
+        digest.update(len(text.encode()).to_bytes(8, "little"))
+        digest.update(text.encode())
+    assert tokenize_text(data, bpe).sha256 == digest.hexdigest()
+
+    big = tmp_path / "big.txt"
+    with big.open("wb") as out:
+        for line in range(64 * 1024 * 1024 // 64):
+            out.write(f"{line:063d}\n".encode())
+    with pytest.raises(
+        DataError, match=r"hashing data.path=.* did not finish within 0 s \(0\.\d MiB of 64\.0 MiB done\)"
+    ):
+        tokenize_text(big, bpe, timeout_s=0)  # checked as the document is read, not once it is
+    before = host_memory_use().anonymous
+    if before is None:
+        pytest.skip("the kernel does not report anonymous pages")
+    with pytest.raises(DataError, match="more than the 1.0 MiB"):
+        tokenize_text(big, bpe, max_bytes=1 << 20)  # hashed whole (to look for a cache), then refused
+    grown = host_memory_use().anonymous - before
+    assert grown < 16 << 20, f"hashing a 64 MiB document grew the process {grown / (1 << 20):.1f} MiB"
 
 
 def test_the_hash_follows_the_content_of_data_and_tokenizer(tmp_path, bpe):

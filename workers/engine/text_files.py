@@ -19,17 +19,20 @@ import os
 import stat
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 from etrain.workers.protocol import safe_paths
 from etrain.workers.protocol.errors import DataError
 
 __all__ = [
+    "NotText",
     "SKIPPED_DIRS",
     "TEXT_NAMES",
     "TEXT_SUFFIXES",
     "no_text_error",
     "not_utf8_error",
     "read_text_file",
+    "text_chunks",
     "text_documents",
     "text_size",
     "walk_text_files",
@@ -50,39 +53,49 @@ def _is_walked_dir(name: str) -> bool:
     return not name.startswith(".") and name not in SKIPPED_DIRS
 
 
+class NotText(Exception):
+    """A file of ``data.path`` that is not UTF-8 text: both readers skip it (a folder) or refuse it (one file)."""
+
+
+def text_chunks(stream: IO[bytes]) -> Iterator[bytes]:
+    """The stream's bytes, checked as they are read: the first 8 KiB, then 1 MiB at a time. :class:`NotText` at
+    a NUL in the first 8 KiB (a binary file) or at invalid UTF-8, a file ending inside a character included
+    (raised after the last piece: read to the end before using what was read). The one rule of what is text."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    first = True
+    while chunk := stream.read(_BINARY_PROBE_BYTES if first else _CHECK_CHUNK_BYTES):
+        if first and b"\x00" in chunk:
+            raise NotText
+        first = False
+        try:
+            decoder.decode(chunk)
+        except UnicodeDecodeError:
+            raise NotText from None
+        yield chunk
+    try:
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        raise NotText from None
+
+
 def read_text_file(path: Path) -> bytes | None:
     """The file's bytes if it is UTF-8 text, else ``None`` (binary files are skipped). Opened without
     following links (a link on the way is ``UnsafePathError``)."""
-    data = safe_paths.read_file(path, field="data.path")
-    if b"\x00" in data[:_BINARY_PROBE_BYTES]:
-        return None
-    try:
-        data.decode("utf-8")
-    except UnicodeDecodeError:
-        return None
-    return data
+    with safe_paths.open_file(path, field="data.path") as stream:
+        try:
+            return b"".join(list(text_chunks(stream)))
+        except NotText:
+            return None
 
 
 def text_size(path: Path) -> int | None:
-    """The file's size in bytes if it is UTF-8 text, else ``None``: the same answer as :func:`read_text_file`
-    (no NUL in the first 8 KiB, valid UTF-8 throughout) without holding the file, so a multi-GB corpus is
-    checked in 1 MiB at a time. Opened without following links."""
-    decoder = codecs.getincrementaldecoder("utf-8")()
-    size = 0
+    """The file's size in bytes if it is UTF-8 text, else ``None``: :func:`read_text_file`'s answer without
+    holding the file (a multi-GB corpus is checked 1 MiB at a time). Opened without following links."""
     with safe_paths.open_file(path, field="data.path") as stream:
-        while chunk := stream.read(_CHECK_CHUNK_BYTES if size else _BINARY_PROBE_BYTES):
-            if not size and b"\x00" in chunk:
-                return None
-            try:
-                decoder.decode(chunk)
-            except UnicodeDecodeError:
-                return None
-            size += len(chunk)
-    try:
-        decoder.decode(b"", final=True)  # a file that ends inside a character is not UTF-8
-    except UnicodeDecodeError:
-        return None
-    return size
+        try:
+            return sum(len(chunk) for chunk in text_chunks(stream))
+        except NotText:
+            return None
 
 
 def walk_text_files(root: Path) -> Iterator[Path]:

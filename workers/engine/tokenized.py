@@ -21,6 +21,14 @@ EOS token when it has one (``eos_token`` of a ``tokenizer_config.json`` beside t
 conventional name such as ``<|endoftext|>`` or ``</s>``). Truncation and padding settings stored in
 the tokenizer.json are switched off: training wants every token.
 
+Finding the cache without reading the data: the content hash reads every byte (a 100 GB corpus: about a minute,
+on every submit and in every rank at every start). So each sidecar also keeps the data's *stamp* when it was
+hashed: each document's name under ``data.path``, size, inode, and modification and change times (ns), hashed
+with the tokenizer's part of the name. A call whose documents stamp the same reuses that cache without reading
+them (a walk and a ``stat`` a file); any write changes a file's change time, which ``touch`` cannot set back, so
+changed data is hashed again (and the new stamp kept). The hash itself reads 1 MiB at a time: never a whole
+document in memory, and a submit's deadline is checked as it goes.
+
 Bounded memory: a document longer than :data:`PIECE_CHARS` is encoded in pieces cut after a newline
 between two non-space characters, which is a pre-token boundary for byte-level BPE tokenizers
 (GPT-2, Llama 3, Qwen), so their ids equal a whole-document encode. Tokenizers that prepend a space
@@ -46,9 +54,16 @@ from typing import Any
 
 import numpy as np
 
-from etrain.workers.engine.text_files import no_text_error, not_utf8_error, read_text_file, text_documents
+from etrain.workers.engine.text_files import (
+    NotText,
+    no_text_error,
+    not_utf8_error,
+    read_text_file,
+    text_chunks,
+    text_documents,
+)
 from etrain.workers.protocol import safe_paths
-from etrain.workers.protocol.errors import DataError
+from etrain.workers.protocol.errors import DataError, UnsafePathError
 
 __all__ = [
     "CACHE_DIR_SUFFIX",
@@ -69,6 +84,8 @@ CACHE_DIR_SUFFIX = ".etrain-tokens"
 PIECE_CHARS = 1 << 20
 #: Characters encoded per batch call: bounds memory (a tokenizers Encoding costs ~100 bytes a token).
 BATCH_CHARS = 4 << 20
+#: The largest sidecar read (a few hundred bytes are written): anything bigger is not one.
+_SIDECAR_MAX_BYTES = 1 << 16
 #: Conventional EOS spellings, tried in order when no tokenizer_config.json names one.
 EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "<|im_end|>")
 
@@ -236,25 +253,39 @@ class TokenCache:
         return {"format": FORMAT_VERSION, **body}
 
 
+def cache_folder(data_path: str | os.PathLike) -> Path:
+    """The folder of ``data_path``'s caches (beside the data)."""
+    root = Path(data_path)
+    return root / CACHE_DIR_SUFFIX if root.is_dir() else root.with_name(root.name + CACHE_DIR_SUFFIX)
+
+
 def cache_file(data_path: str | os.PathLike, sha256: str) -> Path:
     """Where the cache of ``data_path`` with content hash ``sha256`` lives (beside the data)."""
-    root = Path(data_path)
-    folder = root / CACHE_DIR_SUFFIX if root.is_dir() else root.with_name(root.name + CACHE_DIR_SUFFIX)
-    return folder / f"{sha256}.bin"
+    return cache_folder(data_path) / f"{sha256}.bin"
 
 
 def _sidecar_path(target: Path) -> Path:
     return target.with_name(target.name + ".json")
 
 
-def _read_cache(target: Path, sha256: str) -> TokenCache | None:
-    """The cache at ``target`` if it is complete and of this content hash, else ``None``."""
+def _sidecar(target: Path) -> dict[str, Any] | None:
+    """The sidecar of the cache at ``target`` (its JSON), or None: missing, unreadable or another format."""
     try:
-        meta = json.loads(_sidecar_path(target).read_text(encoding="utf-8"))
-        size = target.stat().st_size
-    except (OSError, ValueError):
+        raw = safe_paths.read_file(_sidecar_path(target), field="data.path", limit=_SIDECAR_MAX_BYTES)
+        meta = json.loads(raw.decode("utf-8"))
+    except (OSError, ValueError, UnsafePathError):  # a link where a sidecar should be: none (rewritten in place)
         return None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION or meta.get("sha256") != sha256:
+    return meta if isinstance(meta, dict) and meta.get("format") == FORMAT_VERSION else None
+
+
+def _read_cache(target: Path, sha256: str, meta: dict[str, Any] | None = None) -> TokenCache | None:
+    """The cache at ``target`` if it is complete and of this content hash, else ``None``."""
+    meta = _sidecar(target) if meta is None else meta
+    try:
+        size = target.stat().st_size
+    except OSError:
+        return None
+    if meta is None or meta.get("sha256") != sha256:
         return None
     fields = {name: meta.get(name) for name in TokenCache.__dataclass_fields__ if name != "reused"}
     try:
@@ -263,6 +294,48 @@ def _read_cache(target: Path, sha256: str) -> TokenCache | None:
     except (TypeError, ValueError):
         return None
     return cache if size == expected else None
+
+
+def _stamp(data_path: str | os.PathLike, documents: list[Path], info: TokenizerInfo) -> tuple[str, int]:
+    """The data's stamp (see the module's docstring) and its size in bytes, from one ``lstat`` a document."""
+    root = Path(data_path)
+    digest = _new_digest(info)
+    digest.update(b"stamp\0")
+    total = 0
+    for path in documents:
+        try:
+            found = os.lstat(path)
+        except OSError:  # gone since the walk
+            raise _changed(str(data_path)) from None
+        name = os.fsencode(path.relative_to(root) if path != root else path.name)
+        digest.update(name + f"\0{found.st_size}\0{found.st_ino}\0{found.st_mtime_ns}\0{found.st_ctime_ns}\n".encode())
+        total += found.st_size
+    return digest.hexdigest(), total
+
+
+def _cache_by_stamp(candidates: list[Path], stamp: str) -> tuple[Path, TokenCache] | None:
+    """The first of ``candidates`` (cache files) whose sidecar keeps ``stamp`` and which is complete."""
+    for target in candidates:
+        meta = _sidecar(target)
+        if meta is not None and meta.get("stamp") == stamp:
+            cache = _read_cache(target, str(meta.get("sha256")), meta)
+            if cache is not None:
+                return target, cache
+    return None
+
+
+def _keep_stamp(target: Path, stamp: str) -> None:
+    """Record ``stamp`` in the sidecar of a cache just reused by its hash, so the next call finds it without one.
+    Best effort: a read-only data folder only means the next call hashes again."""
+    meta = _sidecar(target)
+    if meta is None or meta.get("stamp") == stamp:
+        return
+    tmp = target.with_name(f".{target.name}.json.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        tmp.write_text(json.dumps({**meta, "stamp": stamp}, indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp, _sidecar_path(target))
+    except OSError:
+        tmp.unlink(missing_ok=True)
 
 
 class _Clock:
@@ -301,22 +374,35 @@ def _new_digest(info: TokenizerInfo) -> Any:
 
 
 def _content_hash(
-    documents: list[Path], info: TokenizerInfo, clock: _Clock, progress: Progress | None, total: int
+    documents: list[Path], info: TokenizerInfo, clock: _Clock, progress: Progress | None, total: int, data_text: str
 ) -> tuple[str, list[Path]]:
     """sha256 over the format version, the tokenizer, the EOS id and every text document (length-prefixed,
-    in order); also the documents that are UTF-8 text and not empty (the ones tokenized)."""
+    in order); also the documents that are UTF-8 text and not empty (the ones tokenized). Read 1 MiB at a time
+    (a document is hashed on a copy of the running hash, kept only if it turns out to be text)."""
     digest = _new_digest(info)
     kept, done = [], 0
     for path in documents:
-        data = read_text_file(path)
-        done += path.stat().st_size if data is None else len(data)
-        if data:
-            digest.update(len(data).to_bytes(8, "little"))
-            digest.update(data)
+        with safe_paths.open_file(path, field="data.path") as stream:
+            size = os.fstat(stream.fileno()).st_size
+            document, read = digest.copy(), 0
+            document.update(size.to_bytes(8, "little"))
+            try:
+                for chunk in text_chunks(stream):
+                    document.update(chunk)
+                    read += len(chunk)
+                    if progress:
+                        progress("hashing", done + read, total, 0)
+                    clock.check("hashing", done + read, total)
+            except NotText:
+                document = None
+        if document is not None and read != size:  # it grew or shrank while read: the prefix would lie
+            raise _changed(data_text)
+        done += size
+        if document is not None and read:
+            digest = document
             kept.append(path)
         if progress:
             progress("hashing", done, total, 0)
-        clock.check("hashing", done, total)
     return digest.hexdigest(), kept
 
 
@@ -348,14 +434,24 @@ def tokenize_text(
         )
     clock = _Clock(timeout_s, data_text, tokenizer_text)
     documents = text_documents(data_path)
-    total = sum(path.stat().st_size for path in documents)
-    sha256, documents = _content_hash(documents, info, clock, progress, total)
-    if not documents:
-        if Path(data_path).is_file() and read_text_file(Path(data_path)) is None:
-            raise not_utf8_error(data_text)
-        raise no_text_error(data_text)
-    target = Path(out).expanduser() if out is not None else cache_file(data_path, sha256)
-    cached = _read_cache(target, sha256)
+    stamp, total = _stamp(data_path, documents, info)
+    folder = cache_folder(data_path)
+    candidates = (
+        [Path(out).expanduser()] if out is not None else sorted(folder.glob("*.bin")) if folder.is_dir() else []
+    )
+    found = _cache_by_stamp(candidates, stamp)
+    if found is not None:
+        target, cached = found
+    else:
+        sha256, documents = _content_hash(documents, info, clock, progress, total, data_text)
+        if not documents:
+            if Path(data_path).is_file() and read_text_file(Path(data_path)) is None:
+                raise not_utf8_error(data_text)
+            raise no_text_error(data_text)
+        target = Path(out).expanduser() if out is not None else cache_file(data_path, sha256)
+        cached = _read_cache(target, sha256)
+        if cached is not None:
+            _keep_stamp(target, stamp)
     if cached is not None:  # where it is now (the data may have moved with its cache), not where it was made
         return replace(cached, path=str(target.resolve()), tokenizer=info.path, data=str(Path(data_text).resolve()))
     if max_bytes is not None and total > max_bytes:
@@ -365,7 +461,7 @@ def tokenize_text(
             field="data.path",
             fix=_prepare_fix(data_text, tokenizer_text),
         )
-    return _write_cache(tokenizer, info, documents, sha256, target, data_text, clock, progress, total)
+    return _write_cache(tokenizer, info, documents, sha256, target, data_text, clock, progress, total, stamp)
 
 
 def _token_batches(
@@ -429,6 +525,7 @@ def _write_cache(
     clock: _Clock,
     progress: Progress | None,
     total: int,
+    stamp: str,
 ) -> TokenCache:
     """Stream the ids into a temporary file beside ``target``, then rename sidecar and ``.bin`` into place."""
     dtype = np.dtype(token_dtype_for(info.vocab_size))
@@ -465,7 +562,7 @@ def _write_cache(
             eos_id=info.eos_id,
             eos_token=info.eos_token,
         )
-        sidecar_tmp.write_text(json.dumps(cache.sidecar(), indent=2) + "\n", encoding="utf-8")
+        sidecar_tmp.write_text(json.dumps({**cache.sidecar(), "stamp": stamp}, indent=2) + "\n", encoding="utf-8")
         os.replace(sidecar_tmp, _sidecar_path(target))  # sidecar first: a visible .bin always has one
         os.replace(tmp, target)
         return cache
