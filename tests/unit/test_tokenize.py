@@ -4,6 +4,7 @@ in the test (tests/tiny_tokenizers.py), never downloaded."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -151,6 +152,26 @@ def test_long_documents_are_encoded_in_pieces_with_the_same_ids(tmp_path, bpe, m
     assert len(tokenizing) > 10  # one report per batch
     assert tokenizing[-1] == ("tokenizing", len(text), len(text), cache.num_tokens)
     assert [event[1] for event in tokenizing] == sorted(event[1] for event in tokenizing)
+
+
+@pytest.mark.parametrize("limit", [1, 2, 5, 12, 300, 10_000])
+def test_a_document_read_in_chunks_is_cut_into_the_pieces_of_the_whole_text(tmp_path, monkeypatch, limit):
+    """The pieces of a document read 7 bytes at a time (characters split across reads) are the pieces of its
+    whole text, each marked first and last as the whole would be, and its hash is the whole document's."""
+    from etrain.workers.engine import text_files
+
+    monkeypatch.setattr(text_files, "_BINARY_PROBE_BYTES", 5)
+    monkeypatch.setattr(text_files, "_CHECK_CHUNK_BYTES", 7)
+    monkeypatch.setattr(tokenized, "PIECE_CHARS", limit)
+    text = "".join(CORPUS[i % 4] for i in range(12)) + "naïve café ✓ 🙂\n  indented\nend"
+    (tmp_path / "doc.txt").write_text(text)
+    whole = tokenized._pieces(text, limit)
+    digest = hashlib.sha256()
+    read = list(tokenized._document_pieces(tmp_path / "doc.txt", digest, "doc.txt"))
+    assert [piece for piece, _, _ in read] == whole
+    assert [(first, last) for _, first, last in read] == [(i == 0, i == len(whole) - 1) for i in range(len(whole))]
+    expected = hashlib.sha256(len(text.encode()).to_bytes(8, "little") + text.encode())
+    assert digest.hexdigest() == expected.hexdigest()
 
 
 def test_pieces_prefer_a_newline_between_two_non_space_characters():

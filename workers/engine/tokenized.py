@@ -41,6 +41,7 @@ Torch-free on purpose (numpy and tokenizers only): the service runs the same fun
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import os
@@ -207,25 +208,60 @@ def _special_affixes(tokenizer: Any) -> tuple[list[int], list[int]]:
     return tokenizer.encode("").ids, []
 
 
+def _cut(text: str, start: int, limit: int) -> int:
+    """Where the piece starting at ``start`` ends (more than ``limit`` characters follow ``start``): right after
+    the last newline within ``limit`` that sits between two non-space characters (a pre-token boundary for
+    byte-level BPE regexes), else after any line end, else a hard cut. Reads only ``text[start:start+limit]``."""
+    end = start + limit
+    search_end = end
+    while (newline := text.rfind("\n", start + 1, search_end)) >= 0:
+        if not text[newline - 1].isspace() and not text[newline + 1].isspace():
+            return newline + 1
+        search_end = newline
+    newline = text.rfind("\n", start + 1, end)
+    return newline + 1 if newline >= 0 else end
+
+
 def _pieces(text: str, limit: int) -> list[str]:
-    """``text`` cut into pieces of at most ``limit`` characters, preferably right after a newline that
-    sits between two non-space characters (a pre-token boundary for byte-level BPE regexes)."""
+    """``text`` cut into pieces of at most ``limit`` characters (:func:`_cut`)."""
     pieces, start = [], 0
     while len(text) - start > limit:
-        end = start + limit
-        cut, search_end = -1, end
-        while (newline := text.rfind("\n", start + 1, search_end)) >= 0:
-            if not text[newline - 1].isspace() and not text[newline + 1].isspace():
-                cut = newline + 1
-                break
-            search_end = newline
-        if cut < 0:  # no clean boundary: any line end, else a hard cut
-            newline = text.rfind("\n", start + 1, end)
-            cut = newline + 1 if newline >= 0 else end
+        cut = _cut(text, start, limit)
         pieces.append(text[start:cut])
         start = cut
     pieces.append(text[start:])
     return pieces
+
+
+def _document_pieces(path: Path, digest: Any, data_text: str) -> Iterator[tuple[str, bool, bool]]:
+    """One document's :func:`_pieces` at :data:`PIECE_CHARS` as ``(piece, first, last)``, read 1 MiB at a time
+    (never the whole document in memory); its length and bytes go into ``digest`` as they are read. A piece is
+    held back until the next is cut, so that the last is known to be the last."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    held: str | None = None
+    first, read, buffer = True, 0, ""
+    with safe_paths.open_file(path, field="data.path") as stream:
+        size = os.fstat(stream.fileno()).st_size
+        digest.update(size.to_bytes(8, "little"))
+        try:
+            for chunk in text_chunks(stream):
+                digest.update(chunk)
+                read += len(chunk)
+                buffer += decoder.decode(chunk)
+                while len(buffer) > PIECE_CHARS:
+                    cut = _cut(buffer, 0, PIECE_CHARS)
+                    if held is not None:
+                        yield held, first, False
+                        first = False
+                    held, buffer = buffer[:cut], buffer[cut:]
+        except NotText:  # it was text when hashed
+            raise _changed(data_text) from None
+    if read != size or not read:
+        raise _changed(data_text)
+    if held is not None:
+        yield held, first, False
+        first = False
+    yield buffer, first, True
 
 
 # -- the cache ----------------------------------------------------------------------------------------
@@ -497,15 +533,9 @@ def _token_batches(
         return np.concatenate([np.asarray(part, dtype=np.int64) for part in parts]), covered
 
     for path in documents:
-        data = read_text_file(path)
-        if not data:
-            raise _changed(data_text)
-        digest.update(len(data).to_bytes(8, "little"))
-        digest.update(data)
-        cut = _pieces(data.decode("utf-8"), PIECE_CHARS)
-        for index, piece in enumerate(cut):
+        for piece, first, last in _document_pieces(path, digest, data_text):
             pieces.append(piece)
-            marks.append((index == 0, index == len(cut) - 1, len(data) if len(cut) == 1 else len(piece.encode())))
+            marks.append((first, last, len(piece.encode())))
             chars += len(piece)
             if chars >= BATCH_CHARS:
                 yield encode()
