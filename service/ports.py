@@ -137,7 +137,7 @@ def _chaos_shape(
     properties: dict[str, Any] = {
         "action": {"enum": actions},
         "rank": {"type": "integer"} if rank else none,
-        "factor": {"type": "number", "exclusiveMinimum": 1} if factor else none,
+        "factor": {"type": "number", "minimum": 1} if factor else none,
         "gib": {"type": "number", "minimum": 0, "maximum": MAX_DRILL_GIB} if gib else none,
         "step": {"type": "integer"} if step else none,
         "during": {"enum": [*ChaosMoment.__args__, None]} if during else none,

@@ -70,7 +70,7 @@ def cmd_prepare_data(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         cache = tokenize_text(
             os.path.realpath(os.path.expanduser(args.path)),
             os.path.realpath(os.path.expanduser(args.tokenizer)),
-            out=args.out,
+            out=os.path.realpath(os.path.expanduser(args.out)) if args.out else None,
             progress=bar,
         )
     except EtrainError as error:

@@ -123,13 +123,24 @@ def test_the_memory_drill_holds_its_own_pages_and_a_new_size_replaces_the_old():
     drills, reports = _drills()
     before = host_memory_use().anonymous
     drills.receive(ChaosOrder(id=1, action="hold_host_memory", rank=0, gib=0.125))
-    assert len(drills.held_memory) == 128 << 20 and reports == [(1, None)]
+    assert sum(map(len, drills.held_memory)) == 128 << 20 and reports == [(1, None)]
     if before is not None:
         assert host_memory_use().anonymous - before >= 120 << 20
     drills.receive(ChaosOrder(id=2, action="hold_host_memory", rank=0, gib=0.0625))
-    assert len(drills.held_memory) == 64 << 20
+    assert sum(map(len, drills.held_memory)) == 64 << 20
     drills.receive(ChaosOrder(id=3, action="hold_host_memory", rank=0, gib=0))
     assert drills.held_memory is None and [order for order, _ in reports] == [1, 2, 3]
+    from etrain.workers.rank import chaos
+
+    def too_much(nbytes):
+        raise MemoryError(nbytes)
+
+    drills.receive(ChaosOrder(id=4, action="hold_host_memory", rank=0, gib=0.5))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(chaos, "_written_bytes", too_much)
+        with pytest.raises(MemoryError):  # more than the node has: the error rises where it fired
+            drills.receive(ChaosOrder(id=5, action="hold_host_memory", rank=0, gib=4096))
+    assert drills.held_memory is None and reports[-1] == (5, None)  # reported all the same: never re-armed
     order, answer = JobDrills(root="unused", record=lambda *_: None).order(
         {"action": "hold_host_memory", "rank": 3, "gib": 1.5}
     )
@@ -175,7 +186,6 @@ def test_job_drills_turn_requests_into_orders_and_arm_them():
         "action": "kill_rank",
         "rank": 1,
         "factor": 1.0,
-        "gib": 0.0,
         "at_step": None,
         "during": "step",
         "armed": True,

@@ -114,6 +114,25 @@ def test_a_file_that_shrinks_while_read_is_an_error_naming_it_and_one_that_grows
     assert err.value.field == "data.path" and str(folder / "sub" / "e.py") in str(err.value)
     assert "changed while the job read it" in str(err.value) and err.value.fix
     assert view[:4].tobytes() == b"alph"  # the files before it still read
+    os.remove(folder / "c.md")
+    with pytest.raises(
+        DataError,
+        match="changed while the job read it: it held 1 bytes when the job started and "
+        "cannot be read: No such file or directory",
+    ) as err:
+        view[:8]
+    assert str(folder / "c.md") in str(err.value)
+
+
+def test_a_single_file_is_read_through_the_descriptor_opened_at_the_start(tmp_path: Path) -> None:
+    """Replacing the file (a new one renamed over it, as editors and tools save) leaves the job reading what it
+    checked; no read walks the path again."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(b"first version\n")
+    view = text_bytes(str(corpus))
+    (tmp_path / "new.txt").write_bytes(b"SECOND VERSION, LONGER\n")
+    os.replace(tmp_path / "new.txt", corpus)
+    assert view[:].tobytes() == b"first version\n"
 
 
 def test_a_file_swapped_for_a_link_after_the_start_is_refused_at_the_read(folder: Path, tmp_path_factory) -> None:
@@ -133,4 +152,4 @@ def test_the_view_is_a_token_stream_the_dataset_checks(tmp_path: Path) -> None:
     with pytest.raises(TypeError):
         text_bytes(str(tmp_path / "short.txt"))[1]
     with pytest.raises(ValueError):
-        TextBytes([])
+        TextBytes(str(tmp_path), [])

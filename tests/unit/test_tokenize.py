@@ -22,7 +22,7 @@ from etrain.service.planning.spec_paths import resolve_paths
 from etrain.workers.engine import tokenized
 from etrain.workers.engine.data import build_dataset, read_token_file
 from etrain.workers.engine.tokenized import CACHE_DIR_SUFFIX, cache_file, tokenize_text
-from etrain.workers.protocol.errors import DataError
+from etrain.workers.protocol.errors import DataError, UnsafePathError
 from etrain.workers.protocol.run_config import DataConfig, ModelConfig
 from tests.tiny_tokenizers import CORPUS, byte_bpe, wide_word_level, word_level_with_bos
 
@@ -83,9 +83,7 @@ def test_a_folder_is_encode_of_each_document_joined_with_eos(tmp_path, bpe):
         "documents": 3,
         "eos_id": eos,
         "eos_token": "<|endoftext|>",
-        "stamp": sidecar["stamp"],  # what the data looked like on disk (names, sizes, inodes, times)
-    }
-    assert len(sidecar["stamp"]) == 64
+    }  # no "stamp": the data was written just now (tokenized.SETTLED_S)
     assert sorted(p.name for p in (data / CACHE_DIR_SUFFIX).iterdir()) == [
         f"{cache.sha256}.bin",
         f"{cache.sha256}.bin.json",
@@ -194,7 +192,8 @@ def test_ids_beyond_uint16_are_stored_as_uint32(tmp_path):
 # -- the cache --------------------------------------------------------------------------------------------
 
 
-def test_the_second_call_reuses_the_cache_without_tokenizing(tmp_path, bpe):
+def test_the_second_call_reuses_the_cache_without_tokenizing(tmp_path, bpe, monkeypatch):
+    monkeypatch.setattr(tokenized, "SETTLED_S", 0.0)  # data written just now counts as settled
     data = tmp_path / "big.txt"
     data.write_text("".join(CORPUS) * 3000)  # ~700 kB
     started = time.perf_counter()
@@ -221,7 +220,7 @@ def _unread(monkeypatch) -> None:
         raise AssertionError("a document was read")
 
     monkeypatch.setattr(tokenized, "text_chunks", read)
-    monkeypatch.setattr(tokenized, "read_text_file", read)
+    monkeypatch.setattr(tokenized, "text_size", read)
 
 
 def test_a_prepared_corpus_is_found_by_its_stamp_without_reading_it_and_a_changed_one_is_hashed_again(
@@ -229,13 +228,16 @@ def test_a_prepared_corpus_is_found_by_its_stamp_without_reading_it_and_a_change
 ):
     data, _ = corpus_folder(tmp_path / "corpus")
     first = tokenize_text(data, bpe)
+    assert "stamp" not in json.loads(Path(first.path + ".json").read_text())  # written just now: not settled
+    monkeypatch.setattr(tokenized, "SETTLED_S", 0.0)
+    assert tokenize_text(data, bpe).reused  # found by its hash, and now its stamp kept
     with monkeypatch.context() as patch:
         _unread(patch)
         again = tokenize_text(data, bpe)  # what a submit and every rank's start do: a walk and a stat a file
     assert again.reused and (again.path, again.sha256) == (first.path, first.sha256)
 
     stat = (data / "b.md").stat()
-    os.utime(data / "b.md", ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # touched, same bytes
+    os.utime(data / "b.md", ns=(stat.st_atime_ns, stat.st_mtime_ns - 10**10))  # touched, same bytes
     stages: list[str] = []
     touched = tokenize_text(data, bpe, progress=lambda stage, *_: stages.append(stage))
     assert touched.reused and touched.sha256 == first.sha256 and set(stages) == {"hashing"}  # hashed again
@@ -251,6 +253,31 @@ def test_a_prepared_corpus_is_found_by_its_stamp_without_reading_it_and_a_change
     edited = tokenize_text(data, bpe)
     assert not edited.reused and edited.sha256 != first.sha256
     assert read_ids(edited) != read_ids(first)
+
+
+def test_a_cache_linked_outside_the_data_is_never_read(tmp_path, bpe, monkeypatch):
+    """A tenant who can write the data folder plants ``.etrain-tokens/<name>.bin`` as a link to a file elsewhere,
+    with a sidecar that matches: the link is no cache (it is replaced by a real one, the file it points at
+    untouched and unread)."""
+    monkeypatch.setattr(tokenized, "SETTLED_S", 0.0)
+    data, _ = corpus_folder(tmp_path / "corpus")
+    cache = tokenize_text(data, bpe)
+    secret = tmp_path / "outside.bin"
+    secret.write_bytes(Path(cache.path).read_bytes()[::-1])  # the same size, other ids
+    os.remove(cache.path)
+    os.symlink(secret, cache.path)
+    again = tokenize_text(data, bpe)
+    assert not again.reused and not Path(again.path).is_symlink() and read_ids(again) == read_ids(cache)
+    assert secret.read_bytes() == Path(cache.path).read_bytes()[::-1]
+
+    # The cache folder itself made a link to a folder elsewhere: refused, nothing written there.
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shutil.rmtree(data / CACHE_DIR_SUFFIX)
+    os.symlink(elsewhere, data / CACHE_DIR_SUFFIX)
+    with pytest.raises(UnsafePathError) as refused:
+        tokenize_text(data, bpe)
+    assert refused.value.field == "data.path" and list(elsewhere.iterdir()) == []
 
 
 def test_the_hash_reads_a_document_in_pieces_keeps_the_name_and_meets_the_deadline_inside_it(tmp_path, bpe):

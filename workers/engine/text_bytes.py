@@ -10,17 +10,21 @@ page cache's (shared by a node's ranks, reclaimable), as for memory-mapped token
 
 Why not ``np.memmap``: a folder is many files (one mapping each would hold a descriptor each, and a
 repository has thousands), and a mapped file that shrinks kills the reader with SIGBUS where a short
-read is an error that names the file. Each read opens the file again without following links
-(``safe_paths``): a link swapped in after the job started is refused, as at the start.
+read is an error that names the file. The view holds one descriptor: the file itself, or the folder, under
+which each read opens its file without following links (``safe_paths.open_regular``): a link swapped in after
+the job started is refused, as at the start, and no read walks the path from ``/`` again.
 
-A file that grows keeps its first bytes in the stream (what was checked); one that shrinks below them is a
-:class:`DataError` naming it, and the next attempt reads the folder as it is then. Torch-free.
+The bytes are read while the job trains, not copied at its start: leave ``data.path`` unchanged while a job
+trains on it (or train on a copy). A file that grows keeps its first bytes in the stream (what was checked);
+one that shrinks below them, or is removed, is a :class:`DataError` naming it, and the next attempt reads the
+folder as it is then. Torch-free.
 """
 
 from __future__ import annotations
 
 import bisect
 import os
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -37,29 +41,39 @@ SEPARATOR = ord("\n")  # between two documents of a folder, so one file's end do
 class TextBytes:
     """A 1-D ``uint8`` stream over text files: ``len()`` and ``view[a:b]`` (an ndarray) like an array.
 
-    Document ``i`` occupies ``[starts[i], starts[i] + sizes[i])``; the byte after it (before the next
-    document) is :data:`SEPARATOR`.
+    ``root`` is ``data.path``; ``documents`` its non-empty text documents in order, as (the path under ``root``,
+    or None for ``root`` itself when it is the one file; size in bytes). Document ``i`` occupies
+    ``[starts[i], starts[i] + sizes[i])``; the byte after it (before the next document) is :data:`SEPARATOR`.
     """
 
     ndim = 1
     dtype = np.dtype(np.uint8)
 
-    def __init__(self, documents: list[tuple[Path, int]]):
+    def __init__(self, root: str, documents: list[tuple[str | None, int]]):
         if not documents or any(size <= 0 for _, size in documents):
             raise ValueError("TextBytes needs one or more non-empty documents")
-        self._paths = [path for path, _ in documents]
+        if documents[0][0] is None and len(documents) > 1:
+            raise ValueError("a single file is the only document of its stream")
+        self._root = root
+        self._names = [name for name, _ in documents]
         self._sizes = [size for _, size in documents]
         self._starts = [0]
         for size in self._sizes[:-1]:
             self._starts.append(self._starts[-1] + size + 1)
         self._length = self._starts[-1] + self._sizes[-1]
+        self._fd = (
+            safe_paths.open_regular(root, field="data.path")
+            if self._names[0] is None
+            else safe_paths.open_dir(root, field="data.path")
+        )
+        weakref.finalize(self, os.close, self._fd)  # the view lives as long as its dataset (an attempt)
 
     def __len__(self) -> int:
         return self._length
 
     @property
     def documents(self) -> int:
-        return len(self._paths)
+        return len(self._names)
 
     def __getitem__(self, key: slice) -> np.ndarray:
         if not isinstance(key, slice):
@@ -69,7 +83,7 @@ class TextBytes:
             raise ValueError("TextBytes reads contiguous slices only")
         out = np.full(max(0, stop - start), SEPARATOR, dtype=np.uint8)
         first = bisect.bisect_right(self._starts, start) - 1
-        for index in range(max(first, 0), len(self._paths)):
+        for index in range(max(first, 0), len(self._names)):
             doc_start = self._starts[index]
             if doc_start >= stop:
                 break
@@ -79,26 +93,42 @@ class TextBytes:
         return out
 
     def _read(self, index: int, offset: int, count: int) -> np.ndarray:
-        path = self._paths[index]
-        with safe_paths.open_file(path, field="data.path") as stream:
-            data = os.pread(stream.fileno(), count, offset)
+        name = self._names[index]
+        shown = self._root if name is None else os.path.join(self._root, name)
+        try:
+            if name is None:
+                data = os.pread(self._fd, count, offset)
+            else:
+                fd = safe_paths.open_regular(self._fd, name, field="data.path")
+                try:
+                    data = os.pread(fd, count, offset)
+                finally:
+                    os.close(fd)
+        except OSError as err:  # removed, or made a folder, since the job started
+            raise self._changed(shown, index, f"cannot be read: {err.strerror or err}") from None
         if len(data) != count:
-            raise DataError(
-                f"data.path file {str(path)!r} changed while the job read it: it held {self._sizes[index]} bytes "
-                f"when the job started and now ends before byte {offset + count}.",
-                field="data.path",
-                fix="leave the job's data unchanged while it trains (the next attempt reads it as it is then), or "
-                "train on a copy",
-            )
+            raise self._changed(shown, index, f"now ends before byte {offset + count}")
         return np.frombuffer(data, dtype=np.uint8)
+
+    def _changed(self, shown: str, index: int, what: str) -> DataError:
+        return DataError(
+            f"data.path file {shown!r} changed while the job read it: it held {self._sizes[index]} bytes when the "
+            f"job started and {what}.",
+            field="data.path",
+            fix="leave the job's data unchanged while it trains (the next attempt reads it as it is then), or "
+            "train on a copy",
+        )
 
 
 def text_bytes(path: str) -> TextBytes:
     """The byte stream of ``data.path``: one UTF-8 file, or every non-empty text file of a folder in order."""
     checked = [(doc, text_size(doc)) for doc in text_documents(path)]
     documents = [(doc, size) for doc, size in checked if size]
+    one_file = Path(path).is_file()
     if not documents:
-        if Path(path).is_file() and checked[0][1] is None:
+        if one_file and checked[0][1] is None:
             raise not_utf8_error(path)
         raise no_text_error(path)
-    return TextBytes(documents)
+    return TextBytes(
+        str(path), [(None if one_file else os.fspath(doc.relative_to(path)), size) for doc, size in documents]
+    )

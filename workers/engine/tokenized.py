@@ -5,7 +5,7 @@
 reading a memmap, so it happens once and the result is cached *by content*: the cache file is named
 by the sha256 of the documents' bytes (in the same deterministic order the byte reader uses,
 ``workers/engine/text_files.py``), the tokenizer.json bytes, the EOS id and :data:`FORMAT_VERSION`. Any change
-to the data or the tokenizer gives a new name, so a stale cache can never be read; a copy of the same data shares its cache name.
+to the data or the tokenizer gives a new name, so a stale cache is never found by its hash (nor by a stamp, below); a copy of the same data shares its cache name.
 
 Where the cache lives: beside the data, so every node that sees the data sees the cache —
 ``<file>.etrain-tokens/<sha256>.bin`` next to a file, ``<folder>/.etrain-tokens/<sha256>.bin`` inside
@@ -22,12 +22,15 @@ conventional name such as ``<|endoftext|>`` or ``</s>``). Truncation and padding
 the tokenizer.json are switched off: training wants every token.
 
 Finding the cache without reading the data: the content hash reads every byte (a 100 GB corpus: about a minute,
-on every submit and in every rank at every start). So each sidecar also keeps the data's *stamp* when it was
-hashed: each document's name under ``data.path``, size, inode, and modification and change times (ns), hashed
-with the tokenizer's part of the name. A call whose documents stamp the same reuses that cache without reading
-them (a walk and a ``stat`` a file); any write changes a file's change time, which ``touch`` cannot set back, so
-changed data is hashed again (and the new stamp kept). The hash itself reads 1 MiB at a time: never a whole
-document in memory, and a submit's deadline is checked as it goes.
+on every submit and in every rank at every start). So each sidecar also keeps the data's *stamp*: each
+document's name under ``data.path``, size, inode, and modification and change times (ns), hashed with the
+tokenizer's part of the name (each document is opened for it, without a link on the way: an open asks an NFS
+server afresh). A call whose documents stamp the same reuses that cache without reading them; any write changes
+a file's change time, which ``touch`` cannot set back, so changed data is hashed again. A stamp is recorded
+only when the data settled (no document changed within :data:`SETTLED_S` of it) and stamps the same after it was
+read, git's rule for "racily clean" files: on a filesystem with coarse timestamps a same-size rewrite in the
+same tick could otherwise hide behind it. The hash itself reads 1 MiB at a time: never a whole document in
+memory, and a submit's deadline is checked as it goes.
 
 Bounded memory: a document longer than :data:`PIECE_CHARS` is encoded in pieces cut after a newline
 between two non-space characters, which is a pre-token boundary for byte-level BPE tokenizers
@@ -42,16 +45,18 @@ Torch-free on purpose (numpy and tokenizers only): the service runs the same fun
 from __future__ import annotations
 
 import codecs
+import contextlib
 import hashlib
 import json
 import os
+import stat
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
@@ -59,9 +64,9 @@ from etrain.workers.engine.text_files import (
     NotText,
     no_text_error,
     not_utf8_error,
-    read_text_file,
     text_chunks,
     text_documents,
+    text_size,
 )
 from etrain.workers.protocol import safe_paths
 from etrain.workers.protocol.errors import DataError, UnsafePathError
@@ -85,6 +90,10 @@ CACHE_DIR_SUFFIX = ".etrain-tokens"
 PIECE_CHARS = 1 << 20
 #: Characters encoded per batch call: bounds memory (a tokenizers Encoding costs ~100 bytes a token).
 BATCH_CHARS = 4 << 20
+#: A document changed less than this before the data's stamp was taken leaves the stamp unrecorded (the cache is
+#: found by its hash until the data settles): a filesystem with 1-second or coarser timestamps could otherwise
+#: hide a same-size rewrite in the same tick.
+SETTLED_S = 2.0
 #: The largest sidecar read (a few hundred bytes are written): anything bigger is not one.
 _SIDECAR_MAX_BYTES = 1 << 16
 #: Conventional EOS spellings, tried in order when no tokenizer_config.json names one.
@@ -317,10 +326,13 @@ def _sidecar(target: Path) -> dict[str, Any] | None:
 def _read_cache(target: Path, sha256: str, meta: dict[str, Any] | None = None) -> TokenCache | None:
     """The cache at ``target`` if it is complete and of this content hash, else ``None``."""
     meta = _sidecar(target) if meta is None else meta
-    try:
-        size = target.stat().st_size
-    except OSError:
+    try:  # no link on the way: a .bin linked to a file outside the storage roots is no cache
+        found = safe_paths.stat_path(target, field="data.path")
+    except (OSError, UnsafePathError):
         return None
+    if not stat.S_ISREG(found.st_mode):
+        return None
+    size = found.st_size
     if meta is None or meta.get("sha256") != sha256:
         return None
     fields = {name: meta.get(name) for name in TokenCache.__dataclass_fields__ if name != "reused"}
@@ -332,21 +344,60 @@ def _read_cache(target: Path, sha256: str, meta: dict[str, Any] | None = None) -
     return cache if size == expected else None
 
 
-def _stamp(data_path: str | os.PathLike, documents: list[Path], info: TokenizerInfo) -> tuple[str, int]:
-    """The data's stamp (see the module's docstring) and its size in bytes, from one ``lstat`` a document."""
+@dataclass(frozen=True)
+class _Stamp:
+    value: str
+    total: int  # the documents' bytes
+    #: every document last changed at least SETTLED_S before the stamp was taken
+    settled: bool
+
+
+def _stamp(data_path: str | os.PathLike, documents: list[Path], info: TokenizerInfo) -> _Stamp:
+    """The data's stamp (see the module's docstring), from one ``fstat`` a document. Each is opened (no link on the
+    way, from the folder's descriptor): an open asks an NFS server afresh, where a ``stat`` may answer from the
+    client's attribute cache (up to a minute old)."""
     root = Path(data_path)
+    taken = time.time_ns()
     digest = _new_digest(info)
     digest.update(b"stamp\0")
-    total = 0
-    for path in documents:
-        try:
-            found = os.lstat(path)
-        except OSError:  # gone since the walk
-            raise _changed(str(data_path)) from None
-        name = os.fsencode(path.relative_to(root) if path != root else path.name)
-        digest.update(name + f"\0{found.st_size}\0{found.st_ino}\0{found.st_mtime_ns}\0{found.st_ctime_ns}\n".encode())
-        total += found.st_size
-    return digest.hexdigest(), total
+    total = newest = 0
+    folder = None if root.is_file() else safe_paths.open_dir(root, field="data.path")
+    try:
+        for path in documents:
+            name = os.fspath(path.relative_to(root)) if folder is not None else None
+            try:
+                fd = safe_paths.open_regular(root if folder is None else folder, name, field="data.path")
+            except OSError:  # gone since the walk
+                raise _changed(str(data_path)) from None
+            try:
+                found = os.fstat(fd)
+            finally:
+                os.close(fd)
+            digest.update(
+                os.fsencode(name or path.name)
+                + f"\0{found.st_size}\0{found.st_ino}\0{found.st_mtime_ns}\0{found.st_ctime_ns}\n".encode()
+            )
+            total += found.st_size
+            newest = max(newest, found.st_mtime_ns, found.st_ctime_ns)
+    finally:
+        if folder is not None:
+            os.close(folder)
+    return _Stamp(digest.hexdigest(), total, settled=newest < taken - int(SETTLED_S * 1e9))
+
+
+def _stamp_to_keep(
+    before: _Stamp, data_path: str | os.PathLike, documents: list[Path], info: TokenizerInfo
+) -> str | None:
+    """The stamp to record for a cache of the data just read, or None: only a settled one, and only when the data
+    stamps the same after the read as before it (git's rule for "racily clean" files): on a filesystem whose
+    timestamps are coarse, a same-size rewrite within one tick of the stamp would otherwise hide behind it."""
+    if not before.settled:
+        return None
+    try:
+        after = _stamp(data_path, documents, info)
+    except DataError:
+        return None
+    return before.value if after.value == before.value else None
 
 
 def _cache_by_stamp(candidates: list[Path], stamp: str) -> tuple[Path, TokenCache] | None:
@@ -360,18 +411,28 @@ def _cache_by_stamp(candidates: list[Path], stamp: str) -> tuple[Path, TokenCach
     return None
 
 
-def _keep_stamp(target: Path, stamp: str) -> None:
-    """Record ``stamp`` in the sidecar of a cache just reused by its hash, so the next call finds it without one.
-    Best effort: a read-only data folder only means the next call hashes again."""
+def _keep_stamp(target: Path, stamp: str | None) -> None:
+    """Record ``stamp`` in the sidecar of a cache just reused or written, so the next call finds it without a hash.
+    Best effort: a read-only data folder only means the next call hashes again. Written like the cache itself,
+    through the folder's descriptor (no link followed)."""
     meta = _sidecar(target)
-    if meta is None or meta.get("stamp") == stamp:
+    if stamp is None or meta is None or meta.get("stamp") == stamp:
         return
-    tmp = target.with_name(f".{target.name}.json.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    body = (json.dumps({**meta, "stamp": stamp}, indent=2) + "\n").encode()
     try:
-        tmp.write_text(json.dumps({**meta, "stamp": stamp}, indent=2) + "\n", encoding="utf-8")
-        os.replace(tmp, _sidecar_path(target))
-    except OSError:
-        tmp.unlink(missing_ok=True)
+        folder = safe_paths.open_dir(target.parent, field="data.path")
+    except (OSError, UnsafePathError):
+        return
+    try:
+        tmp = _write_temp(folder, _sidecar_path(target).name, lambda sink: sink.write(body))
+        try:
+            safe_paths.rename_inside(folder, tmp, _sidecar_path(target).name, field="data.path")
+        except OSError:
+            os.unlink(tmp, dir_fd=folder)
+    except (OSError, UnsafePathError):
+        pass
+    finally:
+        os.close(folder)
 
 
 class _Clock:
@@ -469,27 +530,28 @@ def tokenize_text(
             fix=f"set model.vocab_size >= {info.vocab_size}, or use a tokenizer with at most {model_vocab_size} ids",
         )
     clock = _Clock(timeout_s, data_text, tokenizer_text)
-    documents = text_documents(data_path)
-    stamp, total = _stamp(data_path, documents, info)
+    listed = documents = text_documents(data_path)
+    before = _stamp(data_path, listed, info)
+    total = before.total
     folder = cache_folder(data_path)
     candidates = (
         [Path(out).expanduser()] if out is not None else sorted(folder.glob("*.bin")) if folder.is_dir() else []
     )
-    found = _cache_by_stamp(candidates, stamp)
+    found = _cache_by_stamp(candidates, before.value)
     if found is not None:
         target, cached = found
     else:
         sha256, documents = _content_hash(documents, info, clock, progress, total, data_text)
         if not documents:
-            if Path(data_path).is_file() and read_text_file(Path(data_path)) is None:
+            if Path(data_path).is_file() and text_size(Path(data_path)) is None:
                 raise not_utf8_error(data_text)
             raise no_text_error(data_text)
         target = Path(out).expanduser() if out is not None else cache_file(data_path, sha256)
         cached = _read_cache(target, sha256)
         if cached is not None:
-            _keep_stamp(target, stamp)
+            _keep_stamp(target, _stamp_to_keep(before, data_path, listed, info))
     if cached is not None:  # where it is now (the data may have moved with its cache), not where it was made
-        return replace(cached, path=str(target.resolve()), tokenizer=info.path, data=str(Path(data_text).resolve()))
+        return replace(cached, path=os.path.abspath(target), tokenizer=info.path, data=str(Path(data_text).resolve()))
     if max_bytes is not None and total > max_bytes:
         raise DataError(
             f"data.path={data_text!r} holds {_mib(total)} of text to tokenize, more than the "
@@ -497,7 +559,9 @@ def tokenize_text(
             field="data.path",
             fix=_prepare_fix(data_text, tokenizer_text),
         )
-    return _write_cache(tokenizer, info, documents, sha256, target, data_text, clock, progress, total, stamp)
+    written = _write_cache(tokenizer, info, documents, sha256, target, data_text, clock, progress, total)
+    _keep_stamp(target, _stamp_to_keep(before, data_path, listed, info))
+    return written
 
 
 def _token_batches(
@@ -545,6 +609,23 @@ def _token_batches(
         raise _changed(data_text)
 
 
+def _write_temp(folder: int, name: str, write: Callable[[IO[bytes]], None]) -> str:
+    """A new temporary file beside ``name`` in the open ``folder`` (created exclusively: nothing followed or
+    overwritten), filled by ``write`` and synced; returns its name, for the caller to rename into place."""
+    tmp = f".{name}.tmp-{os.getpid()}-{threading.get_ident()}-{uuid.uuid4().hex[:8]}"
+    fd = safe_paths.open_inside(folder, tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, field="data.path", mode=0o644)
+    try:
+        with os.fdopen(fd, "wb") as sink:
+            write(sink)
+            sink.flush()
+            os.fsync(sink.fileno())
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=folder)
+        raise
+    return tmp
+
+
 def _write_cache(
     tokenizer: Any,
     info: TokenizerInfo,
@@ -555,25 +636,29 @@ def _write_cache(
     clock: _Clock,
     progress: Progress | None,
     total: int,
-    stamp: str,
 ) -> TokenCache:
-    """Stream the ids into a temporary file beside ``target``, then rename sidecar and ``.bin`` into place."""
+    """Stream the ids into a temporary file beside ``target``, then rename sidecar and ``.bin`` into place. The
+    cache folder is reached without links and written through its descriptor: a tenant who can write the data
+    folder cannot make ``.etrain-tokens`` (or a file in it) a link that sends the service's writes elsewhere."""
     dtype = np.dtype(token_dtype_for(info.vocab_size))
-    tag = f"{os.getpid()}-{threading.get_ident()}-{uuid.uuid4().hex[:8]}"
-    tmp = target.with_name(f".{target.name}.tmp-{tag}")
-    sidecar_tmp = target.with_name(f".{target.name}.json.tmp-{tag}")
-    num_tokens, done = 0, 0
+    num_tokens = done = 0
+
+    def write_ids(sink: IO[bytes]) -> None:
+        nonlocal num_tokens, done
+        for ids, covered in _token_batches(tokenizer, info, documents, sha256, data_text):
+            ids.astype(dtype).tofile(sink)
+            num_tokens, done = num_tokens + len(ids), done + covered
+            if progress:
+                progress("tokenizing", done, total, num_tokens)
+            clock.check("tokenizing", done, total)
+
+    written: list[str] = []
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as sink:
-            for ids, covered in _token_batches(tokenizer, info, documents, sha256, data_text):
-                ids.astype(dtype).tofile(sink)
-                num_tokens, done = num_tokens + len(ids), done + covered
-                if progress:
-                    progress("tokenizing", done, total, num_tokens)
-                clock.check("tokenizing", done, total)
-            sink.flush()
-            os.fsync(sink.fileno())
+        folder = safe_paths.open_dir(target.parent, field="data.path", create=True)
+    except OSError as err:
+        raise _unwritable(target, err) from err
+    try:
+        written.append(_write_temp(folder, target.name, write_ids))
         if num_tokens == 0:
             raise DataError(
                 f"tokenizing data.path={data_text!r} gave no tokens.",
@@ -581,7 +666,7 @@ def _write_cache(
                 fix="check that data.tokenizer fits this text (a word-level vocabulary may drop it all)",
             )
         cache = TokenCache(
-            path=str(target.resolve()),
+            path=os.path.abspath(target),  # never resolved: what is there now is the file just renamed in
             num_tokens=num_tokens,
             dtype=dtype.name,
             vocab_size=info.vocab_size,
@@ -592,20 +677,29 @@ def _write_cache(
             eos_id=info.eos_id,
             eos_token=info.eos_token,
         )
-        sidecar_tmp.write_text(json.dumps({**cache.sidecar(), "stamp": stamp}, indent=2) + "\n", encoding="utf-8")
-        os.replace(sidecar_tmp, _sidecar_path(target))  # sidecar first: a visible .bin always has one
-        os.replace(tmp, target)
+        body = (json.dumps(cache.sidecar(), indent=2) + "\n").encode()
+        written.append(_write_temp(folder, _sidecar_path(target).name, lambda sink: sink.write(body)))
+        # sidecar first: a visible .bin always has one (a rename moves a link itself, never what it points at)
+        safe_paths.rename_inside(folder, written[1], _sidecar_path(target).name, field="data.path")
+        safe_paths.rename_inside(folder, written[0], target.name, field="data.path")
+        written.clear()
         return cache
     except OSError as err:
-        raise DataError(
-            f"cannot write the token cache {str(target)!r}: {err.strerror or err}.",
-            field="data.path",
-            fix="make the data's folder writable (or free space), or run `etrain prepare-data --out FILE` "
-            "elsewhere and train on FILE with data.kind: tokens",
-        ) from err
+        raise _unwritable(target, err) from err
     finally:
-        for leftover in (tmp, sidecar_tmp):
-            leftover.unlink(missing_ok=True)
+        for leftover in written:
+            with contextlib.suppress(OSError):
+                os.unlink(leftover, dir_fd=folder)
+        os.close(folder)
+
+
+def _unwritable(target: Path, err: OSError) -> DataError:
+    return DataError(
+        f"cannot write the token cache {str(target)!r}: {err.strerror or err}.",
+        field="data.path",
+        fix="make the data's folder writable (or free space), or run `etrain prepare-data --out FILE` "
+        "elsewhere and train on FILE with data.kind: tokens",
+    )
 
 
 def _changed(data_text: str) -> DataError:

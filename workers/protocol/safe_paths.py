@@ -56,6 +56,7 @@ __all__ = [
     "open_file",
     "open_inside",
     "open_path",
+    "open_regular",
     "read_file",
     "remove_tree",
     "remove_tree_inside",
@@ -214,7 +215,9 @@ def _regular(fd: int, shown: str) -> int:
     return fd
 
 
-def _open_regular(root: str | os.PathLike[str] | int, relative: str | None, field: str) -> int:
+def open_regular(root: str | os.PathLike[str] | int, relative: str | None = None, *, field: str) -> int:
+    """A descriptor of the regular file ``root`` (or ``relative`` under the folder ``root``) opened for reading, no
+    link on the way (see :func:`open_file`). The caller closes it."""
     if relative is None:
         assert not isinstance(root, int)
         return _regular(open_path(root, _READ_FLAGS, field=field), os.fspath(root))
@@ -225,7 +228,7 @@ def _open_regular(root: str | os.PathLike[str] | int, relative: str | None, fiel
 def open_file(root: str | os.PathLike[str] | int, relative: str | None = None, *, field: str) -> Iterator[IO[bytes]]:
     """A regular file opened for reading in binary (``root`` alone, or ``relative`` under it), no link on
     the way. ``FileNotFoundError``, ``IsADirectoryError`` or ``OSError`` for anything else, as ``open`` would."""
-    stream = os.fdopen(_open_regular(root, relative, field), "rb")
+    stream = os.fdopen(open_regular(root, relative, field=field), "rb")
     with stream:
         yield stream
 
@@ -278,7 +281,7 @@ def copy_file_inside(
     ``dest_dir`` (created exclusively, never through a link), fsynced. ``False`` when there is no such
     regular file (optional files); :class:`UnsafePathError` when it is, or passes through, a link."""
     try:
-        source = _open_regular(root, relative, field)
+        source = open_regular(root, relative, field=field)
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
         return False
     except OSError as err:
@@ -484,7 +487,7 @@ def file_view(folder: str | os.PathLike[str], *, field: str, select: Callable[[s
         for name in sorted(os.listdir(directory)):
             if select(name):
                 try:
-                    opened[name] = _open_regular(directory, name, field)
+                    opened[name] = open_regular(directory, name, field=field)
                 except (FileNotFoundError, IsADirectoryError):
                     continue
                 except OSError as err:

@@ -40,7 +40,8 @@ class RankDrills:
         self.slow_factor = 1.0
         self.busy_wait = busy_wait
         self.hung = threading.Event()
-        self.held_memory: bytes | None = None  # a fired hold_host_memory's allocation, until the job ends
+        #: a fired hold_host_memory's allocation, until the job ends (or this process does: a relaunch drops it)
+        self.held_memory: list[bytes] | None = None
         self._health_failure: str | None = None  # a fired fail_health_check, for the attempt's check
         self._pending: dict[int, ChaosOrder] = {}  # by order id: delivered twice, fired once
         self._lock = threading.Lock()
@@ -82,11 +83,21 @@ class RankDrills:
         failure, self._health_failure = self._health_failure, None
         return failure
 
-    def fire(self, order: ChaosOrder, step: int | None = None) -> None:
+    def _report_quietly(self, order: ChaosOrder, step: int | None) -> None:
         try:
             self._report(order, step)
         except Exception:  # the drill still fires; the supervisor may re-arm it, which the test will show
             pass
+
+    def fire(self, order: ChaosOrder, step: int | None = None) -> None:
+        if order.action == "hold_host_memory":  # taken before the report, so that chaos_fired means it is held
+            self.held_memory = None  # let go first: a new size replaces the old, it does not add to it
+            try:
+                self.held_memory = _written_bytes(int(order.gib * (1 << 30))) or None
+            except MemoryError:  # more than there is: fired all the same (never re-armed), and the error rises
+                self._report_quietly(order, step)
+                raise
+        self._report_quietly(order, step)
         if order.action == "kill_rank":
             os.kill(os.getpid(), signal.SIGKILL)
         elif order.action == "kill_actor":
@@ -98,12 +109,25 @@ class RankDrills:
         elif order.action == "hang_rank":
             self.hung.set()
         elif order.action == "hold_host_memory":
-            self.held_memory = None  # let go first: a new size replaces the old, it does not add to it
-            self.held_memory = b"\x01" * int(order.gib * (1 << 30)) or None  # written: the rank's own pages
+            pass  # taken above
         elif order.action == "fail_health_check":
             self._health_failure = f"fault drill {order.id}: fail_health_check (the device answers as a broken one)"
         else:  # validated by the API; an unknown action here is a bug
             raise AssertionError(f"unknown chaos action {order.action!r}")
+
+
+_HOLD_PIECE_BYTES = 64 << 20
+
+
+def _written_bytes(nbytes: int) -> list[bytes]:
+    """``nbytes`` of written memory (the rank's own anonymous pages, which its sampler reads) in 64 MiB pieces:
+    each piece is one C call, so the interpreter lets the rank's other threads (training, heartbeats) run
+    between them. A ``MemoryError`` lets go of what was taken and rises (the drill asked for more than there is)."""
+    pieces = []
+    while nbytes > 0:
+        pieces.append(b"\x01" * min(nbytes, _HOLD_PIECE_BYTES))
+        nbytes -= len(pieces[-1])
+    return pieces
 
 
 class ChaosCallback:
