@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from etrain.service.planning.bounds import MAX_STEPS
-from etrain.service.planning.spec import DataParallel, PathText, json_int
+from etrain.service.planning.spec import DataParallel, ExportDtype, PathText, json_int
 from etrain.service.ports import ChaosRequest
 from etrain.service.store.records import EventRecord, JobRecord, JobStatus, StepRecord
 
@@ -66,11 +66,17 @@ class ExportRequest(BaseModel):
         default=None, description="a committed checkpoint step; null: the newest"
     )
     out: PathText = Field(description="a new or empty folder (relative paths: the server's directory)")
+    dtype: ExportDtype | None = Field(
+        default=None,
+        description="the weights' dtype: float32 (the fp32 master weights exactly), bfloat16 or float16 (rounded, "
+        "half the bytes); null: the job's checkpoint.export_dtype",
+    )
 
 
 class ExportOut(BaseModel):
     hf: str = Field(description="absolute path of the folder transformers' from_pretrained loads")
     step: int
+    dtype: ExportDtype = Field(description="the dtype the weights were written in")
 
 
 class JobOut(BaseModel):

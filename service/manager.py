@@ -499,9 +499,18 @@ class JobManager:
                 ]
             )
 
-    def export(self, job_id: str, step: int | None, out: str, *, principal: Principal = ADMIN) -> dict[str, Any]:
+    def export(
+        self,
+        job_id: str,
+        step: int | None,
+        out: str,
+        *,
+        dtype: str | None = None,
+        principal: Principal = ADMIN,
+    ) -> dict[str, Any]:
         """Write committed checkpoint ``step`` (default: the newest) of ``job_id`` as a Hugging Face folder
-        at ``out`` with the same Ray task a job runs at its end; returns ``{"hf": path, "step": step}``.
+        at ``out`` with the same Ray task a job runs at its end, its weights in ``dtype`` (default: the job's
+        ``checkpoint.export_dtype``); returns ``{"hf": path, "step": step, "dtype": dtype}``.
 
         Any committed checkpoint qualifies, of a running job too (committed steps never change; a
         checkpoint pruned by ``keep_last`` mid-export fails the export, not the job).
@@ -538,6 +547,7 @@ class JobManager:
             )
         root = config.checkpoint.path
         step, directory, digest = committed_step(job_id, root, step, key=self._checkpoint_key)
+        dtype = dtype or spec.checkpoint.export_dtype
         path = self.runtime.export(
             step_dir=directory,
             out_dir=out_dir,
@@ -545,11 +555,12 @@ class JobManager:
             source_dir=model.hf_path,
             expect_digest=digest,
             timeout_s=EXPORT_TIMEOUT_S,
+            dtype=dtype,
         )
         self.store.add_events(
-            job_id, [(time.time(), "exported", {"message": f"step {step} -> {path} (requested via API)"})]
+            job_id, [(time.time(), "exported", {"message": f"step {step} -> {path} ({dtype}; requested via API)"})]
         )
-        return {"hf": path, "step": step}
+        return {"hf": path, "step": step, "dtype": dtype}
 
     def plan(self, spec: JobSpec, *, principal: Principal = ADMIN) -> dict[str, Any]:
         # The same 422 as a submit: a plan must not probe files outside the roots, or another tenant's, either.

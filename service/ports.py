@@ -211,9 +211,12 @@ class JobManagerPort(Protocol):
         supervisor has not started (QUEUED, STARTING) the order is kept and the answer says ``pending``
         (it is armed before the first launch): never a 503 before the start. JobConflict once terminal."""
 
-    def export(self, job_id: str, step: int | None, out: str, *, principal: Principal = ADMIN) -> dict[str, Any]:
-        """Write committed checkpoint ``step`` (None: the newest) as a Hugging Face folder at ``out``;
-        returns ``{"hf": absolute path, "step": step}``. Raises JobNotFound, JobConflict (no such
+    def export(
+        self, job_id: str, step: int | None, out: str, *, dtype: str | None = None, principal: Principal = ADMIN
+    ) -> dict[str, Any]:
+        """Write committed checkpoint ``step`` (None: the newest) as a Hugging Face folder at ``out``, its weights
+        in ``dtype`` (None: the job's ``checkpoint.export_dtype``); returns ``{"hf": absolute path, "step": step,
+        "dtype": dtype}``. Raises JobNotFound, JobConflict (no such
         committed step, ``out`` not empty), ConfigError (a model with no Hugging Face format), or
         ServiceUnavailable / EtrainError when the export itself fails or times out."""
 

@@ -254,7 +254,9 @@ class InMemoryManager:
         self.store.add_events(job_id, [(time.time(), "chaos_armed", {"message": f"{order.action} armed"})])
         return {"id": len(self.chaos_orders), **request, "armed": True}
 
-    def export(self, job_id: str, step: int | None, out: str, *, principal: Principal = ADMIN) -> dict[str, Any]:
+    def export(
+        self, job_id: str, step: int | None, out: str, *, dtype: str | None = None, principal: Principal = ADMIN
+    ) -> dict[str, Any]:
         """Simulated like the training: the same refusals as the real manager (unknown job, a GPT model,
         a non-empty ``out``, a step that was never checkpointed), then the export is only recorded in
         ``self.exports``; nothing is written (tests/e2e/test_rest_hf.py exports for real)."""
@@ -287,9 +289,10 @@ class InMemoryManager:
                 fix="pass a committed step",
             )
         chosen = committed[-1] if step is None else step
+        dtype = dtype or spec.checkpoint.export_dtype
         self.exports.append((job_id, chosen, out_dir))
-        self.store.add_events(job_id, [(time.time(), "exported", {"message": f"step {chosen} -> {out_dir}"})])
-        return {"hf": out_dir, "step": chosen}
+        self.store.add_events(job_id, [(time.time(), "exported", {"message": f"step {chosen} -> {out_dir} ({dtype})"})])
+        return {"hf": out_dir, "step": chosen, "dtype": dtype}
 
     def plan(self, spec: JobSpec, *, principal: Principal = ADMIN) -> dict[str, Any]:
         spec, outside = pin_paths(spec, self.base_dir, self.storage)
@@ -560,13 +563,21 @@ class FakeRuntime:
         self.calls.append(("release", job_id))
 
     def export(
-        self, *, step_dir: str, out_dir: str, model: Any, source_dir: str | None, expect_digest: str, timeout_s: float
+        self,
+        *,
+        step_dir: str,
+        out_dir: str,
+        model: Any,
+        source_dir: str | None,
+        expect_digest: str,
+        timeout_s: float,
+        dtype: str = "float32",
     ) -> str:
         """The real export, in this process instead of a Ray task (torch is imported only when called)."""
         self.calls.append(("export", step_dir, out_dir))
         from etrain.workers.checkpoints.hf_io import export_hf
 
-        return export_hf(step_dir, out_dir, model, source_dir=source_dir, expect_digest=expect_digest)
+        return export_hf(step_dir, out_dir, model, source_dir=source_dir, expect_digest=expect_digest, dtype=dtype)
 
     #: What ``accelerator_memory_gb`` answers: the GPU memory a real cluster's probe would measure.
     gpu_memory_gb: float | None = None

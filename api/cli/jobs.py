@@ -252,6 +252,8 @@ def cmd_export(client: Client, args: argparse.Namespace, out: TextIO, err: TextI
     """POST /v1/jobs/{id}/export and print the folder. ``--out`` is made absolute here, against the
     directory the command runs in: the server writes it, so both must see the same filesystem."""
     body = {"step": args.step, "out": os.path.abspath(os.path.expanduser(args.out))}
+    if args.dtype:
+        body["dtype"] = args.dtype
     result = client.post(f"/v1/jobs/{args.job_id}/export", body, timeout_s=args.max_wait)
     if args.json:
         print_json(result, out)

@@ -152,6 +152,11 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--step", type=int, help="a committed checkpoint step (default: the newest)")
     export.add_argument("--out", required=True, help="a new or empty folder to write")
     export.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        help="the weights' dtype (default: the job's checkpoint.export_dtype, float32 unless set)",
+    )
+    export.add_argument(
         "--max-wait", type=_positive, default=3600.0, help="seconds to wait for the export (default 3600)"
     )
 

@@ -309,7 +309,9 @@ def export_job(job_id: str, request: ExportRequest, manager: Manager, caller: Ca
     Blocks until the export task is done (it streams one output shard at a time); the folder loads
     with ``transformers.AutoModelForCausalLM.from_pretrained``.
     """
-    return ExportOut.model_validate(manager.export(job_id, request.step, request.out, principal=caller))
+    return ExportOut.model_validate(
+        manager.export(job_id, request.step, request.out, dtype=request.dtype, principal=caller)
+    )
 
 
 @router.post(

@@ -58,6 +58,7 @@ class JobPolicy:
     resources_per_rank: dict[str, float]
     placement_strategy: str  # PACK | SPREAD
     export: bool  # checkpoint.export == "hf": write <checkpoint root>/hf-export before SUCCEEDED
+    export_dtype: str  # checkpoint.export_dtype: the exported weights' dtype
     start_timeout_s: float = 300.0  # LaunchGroup -> GroupReady (never shorter than heartbeat_timeout_s)
     checkpoint_timeout_s: float = 120.0  # RequestCheckpoint -> committed
     capacity_wait_timeout_s: float = 900.0  # waiting for min_dp replicas / a capacity report
@@ -112,6 +113,7 @@ FROM_SPEC: dict[str, tuple[str, ...]] = {
     "resources_per_rank": ("resources.cpus_per_worker", "resources.gpus_per_worker", "resources.host_memory_gb"),
     "placement_strategy": ("resources.placement_strategy",),
     "export": ("checkpoint.export",),
+    "export_dtype": ("checkpoint.export_dtype",),
 }
 
 #: The policy values the spec does not set (each has its default in :class:`JobPolicy`) -> who sets it.
@@ -166,6 +168,7 @@ def policy_for(spec: JobSpec) -> JobPolicy:
         resources_per_rank=resources,
         placement_strategy=spec.resources.placement_strategy,
         export=spec.export_format == "hf",
+        export_dtype=spec.checkpoint.export_dtype,
     )
 
 

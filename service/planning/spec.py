@@ -56,6 +56,7 @@ from etrain.workers.protocol.run_config import (
     ActivationCheckpointing,
     CheckpointConfig,
     DataConfig,
+    ExportDtype,
     ModelConfig,
     ParallelConfig,
     PipelineSchedule,
@@ -404,6 +405,12 @@ class CheckpointSpec(_Section):
         default=None,
         description="hf: when the job succeeds, write its final weights as a Hugging Face folder "
         "(default for jobs started from model.hf); none: checkpoints only (default otherwise)",
+    )
+    export_dtype: ExportDtype = Field(
+        default="float32",
+        description="the exported weights' dtype (the job's export and POST /v1/jobs/{id}/export's default): "
+        "float32 keeps the fp32 master weights exactly; bfloat16 or float16 rounds them, half the bytes, "
+        "as Hugging Face releases ship",
     )
 
 

@@ -49,6 +49,7 @@ class Runtime(Protocol):
         source_dir: str | None,
         expect_digest: str,
         timeout_s: float,
+        dtype: str = "float32",
     ) -> str: ...
     def health(self) -> dict[str, Any]: ...
     def close(self) -> None: ...
@@ -206,6 +207,7 @@ class RayRuntime:
         source_dir: str | None,
         expect_digest: str,
         timeout_s: float,
+        dtype: str = "float32",
     ) -> str:
         """Run the Hugging Face export task (etrain.service.runtime.hf_export) and wait up to ``timeout_s``."""
         return run_export(
@@ -215,6 +217,7 @@ class RayRuntime:
             source_dir=source_dir,
             expect_digest=expect_digest,
             timeout_s=timeout_s,
+            dtype=dtype,
         )
 
     def accelerator_memory_gb(self) -> float | None:

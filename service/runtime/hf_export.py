@@ -60,6 +60,7 @@ def _export_folder(
     source_dir: str | None,
     replace_existing: bool,
     expect_digest: str | None = None,
+    dtype: str = "float32",
 ) -> str:
     """The body of the export task: runs in a Ray worker process, the only place torch is imported.
 
@@ -75,7 +76,7 @@ def _export_folder(
         storage.rmtree(out_dir)
     elif replace_existing:  # a link there is refused (UnsafePathError), never deleted through
         safe_paths.remove_tree(out_dir, field="checkpoint.path")
-    return export_hf(step_dir, out_dir, model, source_dir=source_dir, expect_digest=expect_digest)
+    return export_hf(step_dir, out_dir, model, source_dir=source_dir, expect_digest=expect_digest, dtype=dtype)
 
 
 _export_task = ray.remote(num_cpus=EXPORT_NUM_CPUS, max_retries=0)(_export_folder)
@@ -88,13 +89,14 @@ def submit_export(
     model: ModelConfig,
     source_dir: str | None,
     expect_digest: str,
+    dtype: str = "float32",
     replace_existing: bool = False,
 ):
     """Start the export task (any node: checkpoints live on shared storage); returns its ObjectRef.
     ``expect_digest``: the digest of ``step_dir``'s manifest as verified with the key (required: the task
     unpickles DCP's ``.metadata`` and can check nothing signed by itself)."""
     return _export_task.options(name=f"etrain-export:{storage.basename(out_dir)}").remote(
-        step_dir, out_dir, model, source_dir, replace_existing, expect_digest
+        step_dir, out_dir, model, source_dir, replace_existing, expect_digest, dtype
     )
 
 
@@ -123,11 +125,18 @@ def wait_export(ref: Any, *, timeout_s: float) -> str:
 
 
 def run_export(
-    *, step_dir: str, out_dir: str, model: ModelConfig, source_dir: str | None, expect_digest: str, timeout_s: float
+    *,
+    step_dir: str,
+    out_dir: str,
+    model: ModelConfig,
+    source_dir: str | None,
+    expect_digest: str,
+    timeout_s: float,
+    dtype: str = "float32",
 ) -> str:
     """Export one committed checkpoint and wait for it (the control plane's `etrain export`)."""
     ref = submit_export(
-        step_dir=step_dir, out_dir=out_dir, model=model, source_dir=source_dir, expect_digest=expect_digest
+        step_dir=step_dir, out_dir=out_dir, model=model, source_dir=source_dir, expect_digest=expect_digest, dtype=dtype
     )
     return wait_export(ref, timeout_s=timeout_s)
 

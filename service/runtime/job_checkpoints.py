@@ -154,7 +154,9 @@ class JobCheckpoints:
         with self._prune_lock:
             return self._pruner is not None
 
-    def export(self, step: int, *, model: ModelConfig, timeout_s: float, answer: Callable[[Event], None]) -> None:
+    def export(
+        self, step: int, *, model: ModelConfig, dtype: str, timeout_s: float, answer: Callable[[Event], None]
+    ) -> None:
         """Write committed ``step`` as a Hugging Face folder in a Ray task; ``answer`` gets Exported or
         ExportFailed. The task runs off the control thread (and off this process: torch is imported only
         there); its timeout is ``timeout_s``, and the state machine keeps its own as a backstop."""
@@ -170,6 +172,7 @@ class JobCheckpoints:
                 model=model,
                 source_dir=model.hf_path,
                 expect_digest=digest,
+                dtype=dtype,
                 replace_existing=True,
             )
         except Exception as err:

@@ -511,7 +511,11 @@ class JobSupervisor:
             pass  # the loop ticks every TICK_S anyway
         elif isinstance(action, ExportCheckpoint):
             self._checkpoints.export(
-                action.step, model=self.config.model, timeout_s=self.policy.export_timeout_s, answer=self._inbox.put
+                action.step,
+                model=self.config.model,
+                dtype=self.policy.export_dtype,
+                timeout_s=self.policy.export_timeout_s,
+                answer=self._inbox.put,
             )
         elif isinstance(action, MarkTerminal):  # its RecordEvent comes in the same action list
             self._checkpoints.end_export(succeeded=action.status is Status.SUCCEEDED)

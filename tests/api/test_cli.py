@@ -181,8 +181,8 @@ def test_export_prints_the_folder_and_its_refusals(url, tmp_path, manager, monke
     assert exported.code == 0, exported
     assert exported.out == f"{tmp_path / 'exports' / 'step5'}\n"  # made absolute where the command runs
     assert manager.exports == [(job_id, 5, str(tmp_path / "exports" / "step5"))]
-    as_json = etrain(url, "--json", "export", job_id, "--out", "newest")
-    assert json.loads(as_json.out) == {"hf": str(tmp_path / "newest"), "step": 10}
+    as_json = etrain(url, "--json", "export", job_id, "--out", "newest", "--dtype", "bfloat16")
+    assert json.loads(as_json.out) == {"hf": str(tmp_path / "newest"), "step": 10, "dtype": "bfloat16"}
 
     refused = etrain(url, "export", job_id, "--step", "7", "--out", "s7")
     assert refused.code == 1 and refused.out == ""

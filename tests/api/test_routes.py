@@ -458,10 +458,14 @@ def test_export_writes_a_committed_step_and_refuses_what_it_cannot(client, manag
 
     response = client.post(f"/v1/jobs/{job_id}/export", json={"step": 5, "out": "exports/s5"})
     assert response.status_code == 200, response.text
-    assert response.json() == {"hf": str(tmp_path / "exports" / "s5"), "step": 5}
-    newest = client.post(f"/v1/jobs/{job_id}/export", json={"out": str(tmp_path / "newest")}).json()
-    assert newest["step"] == 10
+    assert response.json() == {"hf": str(tmp_path / "exports" / "s5"), "step": 5, "dtype": "float32"}
+    newest = client.post(f"/v1/jobs/{job_id}/export", json={"out": str(tmp_path / "newest"), "dtype": "bfloat16"})
+    assert (newest.json()["step"], newest.json()["dtype"]) == (10, "bfloat16")
     assert [e["kind"] for e in client.get(f"/v1/jobs/{job_id}/events").json()["events"]].count("exported") == 2
+    halved = submit(client, name="bf16", model={"preset": "llama-tiny"}, checkpoint={"export_dtype": "bfloat16"})
+    manager.advance(halved["id"], 5)
+    by_default = client.post(f"/v1/jobs/{halved['id']}/export", json={"out": str(tmp_path / "default")}).json()
+    assert by_default["dtype"] == "bfloat16"  # the job's checkpoint.export_dtype
 
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "config.json").write_text("{}")
@@ -479,7 +483,13 @@ def test_export_writes_a_committed_step_and_refuses_what_it_cannot(client, manag
 
 @pytest.mark.parametrize(
     ("body", "field"),
-    [({}, "out"), ({"out": ""}, "out"), ({"out": "x", "step": -1}, "step"), ({"out": "x", "bogus": 1}, "bogus")],
+    [
+        ({}, "out"),
+        ({"out": ""}, "out"),
+        ({"out": "x", "step": -1}, "step"),
+        ({"out": "x", "bogus": 1}, "bogus"),
+        ({"out": "x", "dtype": "int8"}, "dtype"),
+    ],
 )
 def test_bad_export_requests_name_the_field(client, body, field):
     job_id = submit(client, model={"preset": "llama-tiny"})["id"]

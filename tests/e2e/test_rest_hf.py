@@ -179,9 +179,25 @@ def test_fine_tune_a_transformers_llama_through_rest_and_load_the_result(plane, 
 
     response = plane.client.post(f"/v1/jobs/{job['id']}/export", json={"out": str(tmp_path / "latest")}, timeout=120)
     assert response.status_code == 200, response.text
-    assert response.json() == {"hf": str(tmp_path / "latest"), "step": STEPS}
+    assert response.json() == {"hf": str(tmp_path / "latest"), "step": STEPS, "dtype": "float32"}
     again = loss_of(load(tmp_path / "latest"), *fixed_batch)
     assert abs(again - final_loss) <= SAME_CHECKPOINT_RTOL * final_loss, (again, final_loss)
+
+    # The same checkpoint in bfloat16 (the request's dtype; a job's default is checkpoint.export_dtype): every
+    # weight rounded, half the bytes, and the model still computes the trained loss closely.
+    half = plane.client.post(
+        f"/v1/jobs/{job['id']}/export", json={"out": str(tmp_path / "bf16"), "dtype": "bfloat16"}, timeout=120
+    )
+    assert half.json() == {"hf": str(tmp_path / "bf16"), "step": STEPS, "dtype": "bfloat16"}, half.text
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "bf16" / "model.safetensors"), "pt") as weights:
+        assert {str(weights.get_slice(name).get_dtype()) for name in weights.keys()} == {"BF16"}
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    size = (tmp_path / "bf16" / "model.safetensors").stat().st_size
+    assert size < 0.55 * (tmp_path / "latest" / "model.safetensors").stat().st_size
+    rounded = loss_of(load(tmp_path / "bf16"), *fixed_batch)
+    assert abs(rounded - final_loss) <= 0.01 * final_loss, (rounded, final_loss)
 
     # What cannot be exported is refused before any work: an uncommitted step, a non-empty folder.
     uncommitted = plane.client.post(f"/v1/jobs/{job['id']}/export", json={"step": 4, "out": str(tmp_path / "s4")})

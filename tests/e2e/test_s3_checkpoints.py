@@ -93,7 +93,9 @@ def test_a_killed_rank_resumes_from_s3_past_a_corrupt_step_to_the_clean_runs_los
     assert clean_final["status"] == "SUCCEEDED", clean_final
     assert final["status"] == "SUCCEEDED", (final, [f"{e['kind']}: {event_text(e)}" for e in events])
     assert (clean_final["step"], clean_final["restarts"], clean_final["last_checkpoint_step"]) == (STEPS, 0, STEPS)
-    assert (final["step"], final["restarts"], final["last_checkpoint_step"]) == (STEPS, 1, STEPS)
+    assert (final["step"], final["restarts"], final["last_checkpoint_step"]) == (STEPS, 1, STEPS), [
+        f"{e['kind']}: {event_text(e)}" for e in events
+    ]  # (once in a loaded suite run: 2 restarts; the events say why next time)
 
     # The supervisor verified step 8 on S3, found the flipped shard and fell back to step 4.
     kinds = event_kinds(events)

@@ -386,6 +386,25 @@ def test_export_round_trip(tmp_path, arch, hf_class):
     with torch.no_grad():
         assert torch.equal(reloaded(inputs).logits, exported(inputs).logits)
 
+    # checkpoint.export_dtype: bfloat16, each weight rounded to nearest, half the bytes, config.json says so
+    half = export_hf(saved, str(tmp_path / "bf16"), config.model, max_shard_bytes=30_000, dtype="bfloat16")
+    halved = _tensors(half)
+    assert halved.keys() == first_tensors.keys() and {t.dtype for t in halved.values()} == {torch.bfloat16}
+    assert all(torch.equal(halved[k], first_tensors[k].to(torch.bfloat16)) for k in halved)
+    half_index = json.load(open(os.path.join(half, "model.safetensors.index.json")))
+    assert half_index["metadata"]["total_size"] == 2 * families.num_params(config.model)
+    assert len(set(half_index["weight_map"].values())) == len(files)  # half the bytes, half the shard size
+    assert json.load(open(os.path.join(half, "config.json")))["torch_dtype"] == "bfloat16"
+    rounded = transformers.AutoModelForCausalLM.from_pretrained(half, dtype=torch.bfloat16).eval()
+    assert rounded.dtype == torch.bfloat16
+    with torch.no_grad():
+        got_bf16 = cross_entropy_loss(rounded(inputs).logits.float(), targets).item()
+    print(f"export {arch} bfloat16: transformers loss {got_bf16:.6f} against {got:.6f} in float32")
+    assert abs(got_bf16 - got) <= 0.02 * abs(got)  # bf16 weights and compute: within 2%
+    with pytest.raises(ConfigError) as refused:
+        export_hf(saved, str(tmp_path / "int8"), config.model, dtype="int8")
+    assert refused.value.field == "checkpoint.export_dtype" and not os.path.exists(tmp_path / "int8")
+
 
 def test_export_refusals(hf_folders, tmp_path):
     root = tmp_path / "ckpt"

@@ -108,6 +108,9 @@ def test_unset_dp_range_and_export_take_their_defaults_from_other_fields():
     policy = policy_for(spec)
     assert (policy.min_dp, policy.max_dp, policy.export) == (4, 4, False)
     assert policy.resources_per_rank == {"CPU": 1.0}
+    assert policy.export_dtype == "float32"
+    halved = policy_for(_spec({**BASE, "checkpoint": {"export": "hf", "export_dtype": "bfloat16"}}))
+    assert (halved.export, halved.export_dtype) == (True, "bfloat16")
 
 
 def test_the_supervisor_config_holds_the_policy_whole():

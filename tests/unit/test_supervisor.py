@@ -83,6 +83,7 @@ POLICY = JobPolicy(
     resources_per_rank={"CPU": 1.0},
     placement_strategy="PACK",
     export=False,
+    export_dtype="float32",
 )
 CONFIG = SupervisorConfig(total_steps=100, global_batch=32, micro_batch=2, tp=2, pp=1, stop_timeout_s=30, policy=POLICY)
 _POLICY_FIELDS = {f.name for f in fields(JobPolicy)}

@@ -91,7 +91,7 @@ from etrain.workers.families import family
 from etrain.workers.families.model import canonical_fqn
 from etrain.workers.protocol import safe_paths
 from etrain.workers.protocol.errors import CheckpointError, ConfigError
-from etrain.workers.protocol.run_config import ModelConfig
+from etrain.workers.protocol.run_config import ExportDtype, ModelConfig
 
 __all__ = ["HFLoadReport", "expected_shapes", "export_hf", "find_step_dir", "load_hf_weights"]
 
@@ -101,6 +101,8 @@ _MODEL_PREFIX = "model."
 #: safetensors dtypes whose values a float parameter can take as they are.
 _FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 _SINGLE_NAME = "model.safetensors"
+#: ``checkpoint.export_dtype`` -> the dtype the export writes (the names: ``run_config.ExportDtype``)
+_EXPORT_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _LISTED = 8  # names listed per kind of problem in an error
 
 
@@ -419,10 +421,15 @@ def export_hf(
     source_dir: str | os.PathLike | None = None,
     max_shard_bytes: int = 2 << 30,
     expect_digest: str | None = None,
+    dtype: ExportDtype = "float32",
 ) -> str:
     """Write the model of a committed checkpoint as a Hugging Face folder; returns its absolute path.
 
-    ``out_dir`` gets ``config.json``, the fp32 weights (``model.safetensors``, or
+    ``dtype`` (``checkpoint.export_dtype``, :data:`~etrain.workers.protocol.run_config.ExportDtype`): ``float32`` keeps
+    the fp32 master weights exactly; ``bfloat16`` (or ``float16``) rounds each to nearest, half the bytes, as
+    Hugging Face releases ship (``config.json``'s ``torch_dtype`` says which).
+
+    ``out_dir`` gets ``config.json``, the weights (``model.safetensors``, or
     ``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json`` past ``max_shard_bytes``)
     and the tokenizer files of ``source_dir`` (default ``model_config.hf_path``) when it has them.
     Single process; never holds more than one output file's tensors. Refuses a non-empty ``out_dir``
@@ -435,7 +442,13 @@ def export_hf(
     signed one. ``None`` (a local tool on one's own files) checks the checksums only.
     """
     directory = os.fspath(step_dir)  # a URL string is returned as is
-    config = hf_config_dict(model_config)  # refuses what cannot be exported, before any work
+    if dtype not in _EXPORT_TORCH_DTYPES:
+        raise ConfigError(
+            f"checkpoint.export_dtype={dtype!r} is not a dtype the export writes.",
+            field="checkpoint.export_dtype",
+            fix=f"use one of {', '.join(_EXPORT_TORCH_DTYPES)}",
+        )
+    config = {**hf_config_dict(model_config), "torch_dtype": dtype}  # refuses what cannot be exported, before any work
     if max_shard_bytes < 1:
         raise ValueError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
     if storage.is_url(out_dir):
@@ -502,7 +515,9 @@ def _export_into(
         try:
             tmp = safe_paths.descriptor_path(tmp_fd, os.path.join(parent, tmp_name))
             _copy_tokenizer_files(source, tmp_fd)
-            _write_weights(directory, tmp, shapes, max_shard_bytes, model_config)
+            _write_weights(
+                directory, tmp, shapes, max_shard_bytes, model_config, _EXPORT_TORCH_DTYPES[config["torch_dtype"]]
+            )
             _write_json(os.path.join(tmp, "config.json"), config)
             os.fsync(tmp_fd)
         finally:
@@ -553,7 +568,15 @@ def _export_to_url(
     try:
         for name in _copy_tokenizer_files(source_dir if source_dir is not None else model_config.hf_path, tmp):
             upload(os.path.join(tmp, name))
-        _write_weights(directory, tmp, shapes, max_shard_bytes, model_config, on_file=upload)
+        _write_weights(
+            directory,
+            tmp,
+            shapes,
+            max_shard_bytes,
+            model_config,
+            _EXPORT_TORCH_DTYPES[config["torch_dtype"]],
+            on_file=upload,
+        )
         _write_json(os.path.join(tmp, "config.json"), config)
         upload(os.path.join(tmp, "config.json"))
     finally:
@@ -588,13 +611,13 @@ def _checkpoint_shapes(directory: str, model_config: ModelConfig) -> dict[str, t
     return expected
 
 
-def _shard_groups(shapes: dict[str, tuple[int, ...]], max_shard_bytes: int) -> list[list[str]]:
-    """Parameters in order, cut into runs of at most ``max_shard_bytes`` fp32 bytes (a larger single
-    tensor gets a file of its own), like ``transformers``' ``save_pretrained(max_shard_size=...)``."""
+def _shard_groups(shapes: dict[str, tuple[int, ...]], max_shard_bytes: int, element_size: int = 4) -> list[list[str]]:
+    """Parameters in order, cut into runs of at most ``max_shard_bytes`` bytes as written (``element_size`` a value;
+    a larger single tensor gets a file of its own), like ``transformers``' ``save_pretrained(max_shard_size=...)``."""
     groups: list[list[str]] = [[]]
     size = 0
     for fqn, shape in shapes.items():
-        nbytes = 4 * _numel(shape)
+        nbytes = element_size * _numel(shape)
         if groups[-1] and size + nbytes > max_shard_bytes:
             groups.append([])
             size = 0
@@ -627,12 +650,14 @@ def _write_weights(
     shapes: dict[str, tuple[int, ...]],
     max_shard_bytes: int,
     model_config: ModelConfig,
+    dtype: torch.dtype,
     on_file=None,
 ) -> None:
-    """``on_file(path)``: called with each file once written (the URL export uploads and deletes it)."""
+    """``on_file(path)``: called with each file once written (the URL export uploads and deletes it). Each group
+    is read as fp32 (the checkpoint's) and written as ``dtype`` (rounded to nearest)."""
     from safetensors.torch import save_file
 
-    groups = _shard_groups(shapes, max_shard_bytes)
+    groups = _shard_groups(shapes, max_shard_bytes, torch.empty((), dtype=dtype).element_size())
     weight_map: dict[str, str] = {}
     total = 0
     for index, group in enumerate(groups, start=1):
@@ -640,7 +665,7 @@ def _write_weights(
         tensors = {fqn: torch.empty(shapes[fqn], dtype=torch.float32) for fqn in group}
         with _quiet_single_process():
             dcp.load({"model": tensors}, storage_reader=storage_reader(directory), no_dist=True)
-        named = _hf_tensors(tensors, model_config)
+        named = {hf: tensor.to(dtype) for hf, tensor in _hf_tensors(tensors, model_config).items()}
         path = os.path.join(tmp, name)
         save_file(named, path, metadata={"format": "pt"})
         _fsync(path)

@@ -28,6 +28,9 @@ Device = Literal["cpu", "cuda"]
 #: ``none``: keep every activation; ``full``: recompute each block in backward (keep its input);
 #: ``selective``: keep the matmul and attention outputs, recompute the cheap ops between them.
 ActivationCheckpointing = Literal["none", "full", "selective"]
+#: ``checkpoint.export_dtype``: the dtype of an exported Hugging Face folder's weights (``float32``: the fp32 master
+#: weights exactly; ``bfloat16``/``float16``: rounded to nearest, half the bytes, as Hugging Face releases ship).
+ExportDtype = Literal["float32", "bfloat16", "float16"]
 
 
 #: A registered model family's name (``etrain.workers.families``), e.g. ``gpt`` or ``llama``.
