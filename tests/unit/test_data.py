@@ -45,6 +45,17 @@ def test_a_batch_that_straddles_epochs_continues_into_the_next_permutation() -> 
     assert sorted(stream[:10]) == list(range(10)) and sorted(stream[10:]) == list(range(10))
 
 
+@pytest.mark.parametrize("num_samples", [1, 2, 7, 1000, 123_457])
+def test_the_order_is_numpys_permutation_held_in_half_the_bytes(num_samples: int) -> None:
+    """The epoch's order is ``Generator.permutation``'s (the order every checkpoint so far was trained in), held
+    as uint32 rather than int64."""
+    sampler = GlobalSampler(num_samples=num_samples, global_batch=1, seed=11)
+    for epoch in (0, 3):
+        order = sampler._permutation(epoch)
+        assert order.dtype == np.uint32
+        assert np.array_equal(order, np.random.default_rng([11, epoch]).permutation(num_samples))
+
+
 @pytest.mark.parametrize("dp", [1, 2, 4])
 def test_dp_slices_concatenate_to_the_global_batch(dp: int) -> None:
     sampler = GlobalSampler(num_samples=1000, global_batch=16, seed=3)
