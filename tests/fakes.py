@@ -574,7 +574,7 @@ class FakeRuntime:
         dtype: str = "float32",
     ) -> str:
         """The real export, in this process instead of a Ray task (torch is imported only when called)."""
-        self.calls.append(("export", step_dir, out_dir))
+        self.calls.append(("export", step_dir, out_dir, dtype))
         from etrain.workers.checkpoints.hf_io import export_hf
 
         return export_hf(step_dir, out_dir, model, source_dir=source_dir, expect_digest=expect_digest, dtype=dtype)

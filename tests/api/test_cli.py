@@ -191,6 +191,24 @@ def test_export_prints_the_folder_and_its_refusals(url, tmp_path, manager, monke
     assert etrain(url, "export", job_id).code == EXIT_USAGE  # --out is required
 
 
+def test_the_cli_offers_the_choices_the_api_takes():
+    """The CLI keeps its imports light (no pydantic models), so its choices are written out: they must be the
+    API's own (``ExportDtype`` for ``export --dtype``, the chaos actions for ``chaos``)."""
+    import argparse
+    import typing
+
+    from etrain.api.cli.parser import build_parser
+    from etrain.service.ports import ChaosAction
+    from etrain.workers.protocol.run_config import ExportDtype
+
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    [dtype] = [a for a in commands["export"]._actions if a.dest == "dtype"]
+    [action] = [a for a in commands["chaos"]._actions if a.dest == "action"]
+    assert tuple(dtype.choices) == typing.get_args(ExportDtype)
+    flat = [name for arg in typing.get_args(ChaosAction) for name in (typing.get_args(arg) or (arg,))]
+    assert sorted(action.choices) == sorted(flat)
+
+
 def test_status_shows_the_artifacts_of_a_job(url, tmp_path, manager):
     job_id = submitted_id(etrain(url, "submit", str(write_spec(tmp_path))))
     assert "artifacts:   -" in etrain(url, "status", job_id).out

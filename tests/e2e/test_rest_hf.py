@@ -24,7 +24,6 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 LOSS_RTOL = 1e-4  # etrain (DP2×TP2, gloo) vs transformers in one process, per step
-SAME_CHECKPOINT_RTOL = 1e-5  # two exports of one checkpoint
 STEPS, CHECKPOINT_EVERY = 6, 3
 TRAINING = {
     "steps": STEPS,
@@ -66,6 +65,17 @@ def make_hf_model(folder) -> None:
 
 def load(folder):
     return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def dtypes_of(folder) -> set[str]:
+    """The safetensors dtypes of a folder's weights (read from the headers)."""
+    from safetensors import safe_open
+
+    found = set()
+    for file in Path(folder).glob("*.safetensors"):
+        with safe_open(str(file), "pt") as weights:
+            found |= {str(weights.get_slice(name).get_dtype()) for name in weights.keys()}
+    return found
 
 
 def loss_of(model, inputs, targets) -> float:
@@ -119,7 +129,8 @@ def test_fine_tune_a_transformers_llama_through_rest_and_load_the_result(plane, 
         "parallelism": {"dp": 2, "tp": 2},
         "resources": {"cpus_per_worker": 0.5},
         "training": TRAINING,
-        "checkpoint": {"every_steps": CHECKPOINT_EVERY},
+        # the job's own export in bf16 (the float32 ones below are asked for by name)
+        "checkpoint": {"every_steps": CHECKPOINT_EVERY, "export_dtype": "bfloat16"},
     }
     job = plane.submit(body)
     assert job["spec"]["model"]["kind"] == "llama" and job["world_size"] == 4
@@ -142,15 +153,17 @@ def test_fine_tune_a_transformers_llama_through_rest_and_load_the_result(plane, 
     for step, (got, want) in enumerate(zip(losses, ref_losses), start=1):
         assert abs(got - want) <= LOSS_RTOL * abs(want), f"step {step}: etrain {got!r} vs transformers {want!r}"
 
-    # The job's own export: a folder transformers loads as is, holding the reference's final weights.
+    # The job's own export (checkpoint.export_dtype: bfloat16): a folder transformers loads as is, holding the
+    # reference's final weights rounded to bf16.
     exported = final["artifacts"]["hf"]
     checkpoint_root = plane.data_dir / "checkpoints" / job["id"]
     assert exported == str((checkpoint_root / "hf-export").resolve())
     config_json = json.loads((Path(exported) / "config.json").read_text())
     assert config_json["architectures"] == ["LlamaForCausalLM"] and config_json["num_key_value_heads"] == 2
-    final_loss = loss_of(load(exported), *fixed_batch)
-    assert abs(final_loss - ref_fixed[STEPS]) <= LOSS_RTOL * ref_fixed[STEPS], (final_loss, ref_fixed)
-    assert abs(final_loss - ref_fixed[0]) > 1e-3, "the exported model must differ from the one we started from"
+    assert config_json["torch_dtype"] == "bfloat16" and dtypes_of(exported) == {"BF16"}
+    rounded = loss_of(load(exported), *fixed_batch)
+    assert abs(rounded - ref_fixed[STEPS]) <= 0.01 * ref_fixed[STEPS], (rounded, ref_fixed)
+    assert abs(rounded - ref_fixed[0]) > 1e-3, "the exported model must differ from the one we started from"
 
     # `etrain export` of an earlier committed step, and POST /export of the last one, to new folders.
     out = io.StringIO()
@@ -167,6 +180,8 @@ def test_fine_tune_a_transformers_llama_through_rest_and_load_the_result(plane, 
             str(CHECKPOINT_EVERY),
             "--out",
             str(earlier_dir),
+            "--dtype",
+            "float32",
         ],
         out=out,
         err=out,
@@ -177,27 +192,20 @@ def test_fine_tune_a_transformers_llama_through_rest_and_load_the_result(plane, 
     want = ref_fixed[CHECKPOINT_EVERY]
     assert abs(earlier_loss - want) <= LOSS_RTOL * want, (earlier_loss, ref_fixed)
 
-    response = plane.client.post(f"/v1/jobs/{job['id']}/export", json={"out": str(tmp_path / "latest")}, timeout=120)
+    body = {"out": str(tmp_path / "latest"), "dtype": "float32"}
+    response = plane.client.post(f"/v1/jobs/{job['id']}/export", json=body, timeout=120)
     assert response.status_code == 200, response.text
     assert response.json() == {"hf": str(tmp_path / "latest"), "step": STEPS, "dtype": "float32"}
-    again = loss_of(load(tmp_path / "latest"), *fixed_batch)
-    assert abs(again - final_loss) <= SAME_CHECKPOINT_RTOL * final_loss, (again, final_loss)
+    final_loss = loss_of(load(tmp_path / "latest"), *fixed_batch)  # the final weights exactly
+    assert abs(final_loss - ref_fixed[STEPS]) <= LOSS_RTOL * ref_fixed[STEPS], (final_loss, ref_fixed)
 
-    # The same checkpoint in bfloat16 (the request's dtype; a job's default is checkpoint.export_dtype): every
-    # weight rounded, half the bytes, and the model still computes the trained loss closely.
-    half = plane.client.post(
-        f"/v1/jobs/{job['id']}/export", json={"out": str(tmp_path / "bf16"), "dtype": "bfloat16"}, timeout=120
-    )
+    # The same checkpoint with no dtype asked: the job's checkpoint.export_dtype (bf16), the same bytes as the
+    # job's own export, half the float32 folder's.
+    half = plane.client.post(f"/v1/jobs/{job['id']}/export", json={"out": str(tmp_path / "bf16")}, timeout=120)
     assert half.json() == {"hf": str(tmp_path / "bf16"), "step": STEPS, "dtype": "bfloat16"}, half.text
-    from safetensors import safe_open
-
-    with safe_open(str(tmp_path / "bf16" / "model.safetensors"), "pt") as weights:
-        assert {str(weights.get_slice(name).get_dtype()) for name in weights.keys()} == {"BF16"}
-    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
-    size = (tmp_path / "bf16" / "model.safetensors").stat().st_size
-    assert size < 0.55 * (tmp_path / "latest" / "model.safetensors").stat().st_size
-    rounded = loss_of(load(tmp_path / "bf16"), *fixed_batch)
-    assert abs(rounded - final_loss) <= 0.01 * final_loss, (rounded, final_loss)
+    weights = "model.safetensors"
+    assert (tmp_path / "bf16" / weights).read_bytes() == (Path(exported) / weights).read_bytes()
+    assert (tmp_path / "bf16" / weights).stat().st_size < 0.55 * (tmp_path / "latest" / weights).stat().st_size
 
     # What cannot be exported is refused before any work: an uncommitted step, a non-empty folder.
     uncommitted = plane.client.post(f"/v1/jobs/{job['id']}/export", json={"step": 4, "out": str(tmp_path / "s4")})

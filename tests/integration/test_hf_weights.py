@@ -405,6 +405,23 @@ def test_export_round_trip(tmp_path, arch, hf_class):
         export_hf(saved, str(tmp_path / "int8"), config.model, dtype="int8")
     assert refused.value.field == "checkpoint.export_dtype" and not os.path.exists(tmp_path / "int8")
 
+    # float16: within its range each weight rounds like bf16's; one beyond it (inf once written) is refused.
+    assert {
+        t.dtype for t in _tensors(export_hf(saved, str(tmp_path / "fp16"), config.model, dtype="float16")).values()
+    } == {torch.float16}
+    with torch.no_grad():
+        model.output.weight[0, 0] = 1e5
+    big = _save_committed(trainer, str(tmp_path / "ckpt-big"), 3)
+    with pytest.raises(
+        ConfigError, match="output.weight holds a weight of magnitude 1e\\+05, beyond float16"
+    ) as refused:
+        export_hf(big, str(tmp_path / "fp16-big"), config.model, dtype="float16")
+    assert refused.value.field == "checkpoint.export_dtype" and not os.path.exists(tmp_path / "fp16-big")
+    big_bf16 = _tensors(export_hf(big, str(tmp_path / "bf16-big"), config.model, dtype="bfloat16"))
+    assert big_bf16["lm_head.weight"][0, 0].item() == torch.tensor(1e5).bfloat16().item() and all(
+        t.isfinite().all() for t in big_bf16.values()
+    )
+
 
 def test_export_refusals(hf_folders, tmp_path):
     root = tmp_path / "ckpt"

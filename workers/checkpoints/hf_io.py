@@ -44,7 +44,8 @@ Exporting (:func:`export_hf`) runs in one process without a process group: it ve
 checkpoint's manifest, then loads the parameters group by group (a group is one output file of at
 most ``max_shard_bytes``) as full fp32 tensors with ``dcp.load(..., no_dist=True)`` from DCP's
 ``FileSystemReader`` (DCP reassembles any saved layout), writes each group as one safetensors file
-and frees it, so peak memory is one output shard, never the model. The folder is written next to
+(cast to ``checkpoint.export_dtype`` tensor by tensor) and frees it, so peak memory is one output shard read
+as fp32 (twice the shard for a bf16 export), never the model. The folder is written next to
 its destination and renamed into place, so an interrupted export leaves no half folder under the
 final name.
 
@@ -432,7 +433,7 @@ def export_hf(
     ``out_dir`` gets ``config.json``, the weights (``model.safetensors``, or
     ``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json`` past ``max_shard_bytes``)
     and the tokenizer files of ``source_dir`` (default ``model_config.hf_path``) when it has them.
-    Single process; never holds more than one output file's tensors. Refuses a non-empty ``out_dir``
+    Single process; never holds more than one output file's tensors (read as fp32). Refuses a non-empty ``out_dir``
     (``ConfigError``, field ``checkpoint.export``) and an uncommitted or corrupt checkpoint
     (``CheckpointError``).
 
@@ -633,14 +634,28 @@ def _numel(shape: tuple[int, ...]) -> int:
     return count
 
 
-def _hf_tensors(tensors: dict[str, torch.Tensor], model_config: ModelConfig) -> dict[str, torch.Tensor]:
-    """A group of whole etrain parameters under their Hugging Face names: a stacked expert parameter as
-    one tensor per expert (copies: safetensors refuses tensors that share memory), the hub's layout."""
+def _hf_tensors(
+    tensors: dict[str, torch.Tensor], model_config: ModelConfig, dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
+    """A group of whole etrain parameters under their Hugging Face names, as ``dtype``: a stacked expert parameter
+    as one tensor per expert (copies: safetensors refuses tensors that share memory), the hub's layout. Takes the
+    fp32 tensors out of ``tensors`` one by one, so a cast group holds little more than its fp32 reading at once.
+    A float16 export refuses a weight beyond float16's range (it would be written as inf)."""
     found = family(model_config.arch)
     named: dict[str, torch.Tensor] = {}
-    for fqn, tensor in tensors.items():
+    for fqn in list(tensors):
+        tensor = tensors.pop(fqn)
+        if dtype == torch.float16 and tensor.numel() and tensor.abs().max().item() > torch.finfo(torch.float16).max:
+            raise ConfigError(
+                f"checkpoint.export_dtype='float16': {fqn} holds a weight of magnitude "
+                f"{tensor.abs().max().item():.4g}, beyond float16's {torch.finfo(torch.float16).max:g} (it would be "
+                "written as inf).",
+                field="checkpoint.export_dtype",
+                fix="export in bfloat16 (float32's range) or float32",
+            )
         for name, _, expert in found.hf_tensors(fqn, tuple(tensor.shape), model_config):
-            named[name] = tensor if expert is None else tensor[expert].clone()
+            piece = tensor if expert is None else tensor[expert]
+            named[name] = piece.clone() if expert is not None and dtype == torch.float32 else piece.to(dtype)
     return named
 
 
@@ -654,7 +669,8 @@ def _write_weights(
     on_file=None,
 ) -> None:
     """``on_file(path)``: called with each file once written (the URL export uploads and deletes it). Each group
-    is read as fp32 (the checkpoint's) and written as ``dtype`` (rounded to nearest)."""
+    (one output file of at most ``max_shard_bytes`` as written) is read as fp32 (the checkpoint's) and written as
+    ``dtype`` (rounded to nearest), cast tensor by tensor."""
     from safetensors.torch import save_file
 
     groups = _shard_groups(shapes, max_shard_bytes, torch.empty((), dtype=dtype).element_size())
@@ -665,7 +681,7 @@ def _write_weights(
         tensors = {fqn: torch.empty(shapes[fqn], dtype=torch.float32) for fqn in group}
         with _quiet_single_process():
             dcp.load({"model": tensors}, storage_reader=storage_reader(directory), no_dist=True)
-        named = {hf: tensor.to(dtype) for hf, tensor in _hf_tensors(tensors, model_config).items()}
+        named = _hf_tensors(tensors, model_config, dtype)
         path = os.path.join(tmp, name)
         save_file(named, path, metadata={"format": "pt"})
         _fsync(path)

@@ -541,7 +541,8 @@ def hf_rope(raw: dict[str, Any]) -> dict[str, Any]:
 
 def hf_decoder_config(model: Sizes, architecture: str, model_type: str, **fields: Any) -> dict[str, Any]:
     """The ``config.json`` keys every decoder family writes (sizes, RMSNorm, silu, RoPE under transformers
-    v4's and v5's keys, fp32), with the family's own ``fields`` after the MLP width (which they may replace)."""
+    v4's and v5's keys, torch_dtype float32, which the export sets to ``checkpoint.export_dtype``), with the
+    family's own ``fields`` after the MLP width (which they may replace)."""
     rope = rope_parameters(model)
     config: dict[str, Any] = {
         "architectures": [architecture],
