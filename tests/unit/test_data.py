@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from collections import Counter
 
 import numpy as np
@@ -45,15 +46,18 @@ def test_a_batch_that_straddles_epochs_continues_into_the_next_permutation() -> 
     assert sorted(stream[:10]) == list(range(10)) and sorted(stream[10:]) == list(range(10))
 
 
-@pytest.mark.parametrize("num_samples", [1, 2, 7, 1000, 123_457])
-def test_the_order_is_numpys_permutation_held_in_half_the_bytes(num_samples: int) -> None:
-    """The epoch's order is ``Generator.permutation``'s (the order every checkpoint so far was trained in), held
-    as uint32 rather than int64."""
-    sampler = GlobalSampler(num_samples=num_samples, global_batch=1, seed=11)
-    for epoch in (0, 3):
-        order = sampler._permutation(epoch)
-        assert order.dtype == np.uint32
-        assert np.array_equal(order, np.random.default_rng([11, epoch]).permutation(num_samples))
+def test_a_corpus_of_a_trillion_samples_costs_nothing_to_start() -> None:
+    """No table is built: the first batch of a 10^12-sample corpus comes at once, distinct and in range."""
+    started = time.perf_counter()
+    batch = GlobalSampler(num_samples=10**12, global_batch=512, seed=0).indices(123_456)
+    assert time.perf_counter() - started < 0.5
+    assert len(set(batch)) == 512 and all(0 <= i < 10**12 for i in batch)
+
+
+def test_a_batch_larger_than_the_corpus_spans_several_epochs() -> None:
+    sampler = GlobalSampler(num_samples=3, global_batch=10, seed=4)
+    batch = sampler.indices(1)  # positions 10..19: the end of epoch 3, epochs 4 and 5, the start of epoch 6
+    assert sorted(batch[2:5]) == [0, 1, 2] and sorted(batch[5:8]) == [0, 1, 2]
 
 
 @pytest.mark.parametrize("dp", [1, 2, 4])

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from etrain.workers.engine.shuffle import permuted
 from etrain.workers.engine.text_bytes import text_bytes
 from etrain.workers.engine.tokenized import tokenize_text
 from etrain.workers.protocol import layout_rules, safe_paths
@@ -100,30 +101,19 @@ class GlobalSampler:
         self.num_samples = num_samples
         self.global_batch = global_batch
         self.seed = seed
-        self._permutations: dict[int, np.ndarray] = {}
-
-    def _permutation(self, epoch: int) -> np.ndarray:
-        """The epoch's order: ``Generator.permutation(num_samples)``'s, shuffled in place in the narrowest index type
-        (the same swaps whatever the dtype, so the same order): a corpus of 500M samples holds 2 GB an epoch in
-        uint32 where int64 held 4 (two epochs are kept)."""
-        if epoch not in self._permutations:
-            if len(self._permutations) >= 2:  # a batch spans at most two epochs when it wraps
-                self._permutations.pop(min(self._permutations))
-            order = np.arange(self.num_samples, dtype=np.uint32 if self.num_samples <= 1 << 32 else np.int64)
-            np.random.default_rng([self.seed, epoch]).shuffle(order)
-            self._permutations[epoch] = order
-        return self._permutations[epoch]
 
     def indices(self, step: int) -> list[int]:
-        """The global batch of ``step`` (sample indices in batch order)."""
+        """The global batch of ``step`` (sample indices in batch order): positions ``step * global_batch`` onward of
+        the epochs' orders laid end to end, each epoch's a keyed permutation (``workers/engine/shuffle.py``)."""
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         first = step * self.global_batch
-        out = []
-        for position in range(first, first + self.global_batch):
-            epoch, offset = divmod(position, self.num_samples)
-            out.append(int(self._permutation(epoch)[offset]))
-        return out
+        epochs, offsets = np.divmod(np.arange(first, first + self.global_batch, dtype=np.int64), self.num_samples)
+        out = np.empty(self.global_batch, dtype=np.int64)
+        for epoch in np.unique(epochs):  # each epoch the batch spans (two, where it wraps, unless it is the larger)
+            where = epochs == epoch
+            out[where] = permuted(offsets[where], self.num_samples, seed=self.seed, epoch=int(epoch))
+        return out.tolist()
 
     def local_indices(self, step: int, dp_rank: int, dp: int) -> list[int]:
         """Data-parallel rank ``dp_rank``'s contiguous slice of the global batch of ``step``."""
