@@ -25,6 +25,7 @@ from tests.dist_utils import run_distributed
 from tests.state_utils import full_state_dict
 
 __all__ = [
+    "EPS_REGIME_ATOL",
     "LOSS_RTOL",
     "MODELS",
     "PARAM_ATOL",
@@ -172,8 +173,18 @@ def run_layout(config: RunConfig, *, timeout_s: float = 150.0) -> list[RunResult
     return run_distributed(_train, config.parallel.world_size, config, timeout_s=timeout_s)
 
 
-def assert_equivalent(reference: RunResult, results: list[RunResult], *, layout: str) -> None:
-    """Every rank's per-step losses, gradient norms and final parameters equal the single process."""
+#: AdamW's eps regime (eps 1e-8): an element whose gradient nearly cancels (a token seen twice in four steps)
+#: turns fp32 summation-order noise into a visible update difference. A layout that sums attention in another
+#: order (ring attention) may leave a few such elements beyond PARAM_ATOL; :func:`assert_equivalent` then allows
+#: ``eps_regime_elements`` of them per tensor, none beyond this.
+EPS_REGIME_ATOL = 5e-4
+
+
+def assert_equivalent(
+    reference: RunResult, results: list[RunResult], *, layout: str, eps_regime_elements: int = 0
+) -> None:
+    """Every rank's per-step losses, gradient norms and final parameters equal the single process (at most
+    ``eps_regime_elements`` elements of a tensor beyond PARAM_ATOL, and those within EPS_REGIME_ATOL)."""
     for result in results:
         assert len(result.losses) == len(reference.losses), layout
         for step, (got, want) in enumerate(zip(result.losses, reference.losses)):
@@ -194,8 +205,12 @@ def assert_equivalent(reference: RunResult, results: list[RunResult], *, layout:
         for name, want in reference.params.items():
             got = result.params[name]
             assert got.shape == want.shape, f"{layout} rank {result.rank} {name}: shape {got.shape} vs {want.shape}"
-            diff = (got - want).abs().max().item()
-            assert diff <= PARAM_ATOL, f"{layout} rank {result.rank} {name}: max |Δ| = {diff:.3g} > {PARAM_ATOL}"
+            delta = (got - want).abs()
+            diff = delta.max().item()
+            beyond = int((delta > PARAM_ATOL).sum())
+            assert beyond <= eps_regime_elements and diff <= (EPS_REGIME_ATOL if beyond else PARAM_ATOL), (
+                f"{layout} rank {result.rank} {name}: max |Δ| = {diff:.3g}, {beyond} elements > {PARAM_ATOL}"
+            )
         unwanted = [w for w in result.warnings if any(text in w for text in UNWANTED_WARNINGS)]
         assert not unwanted, f"{layout} rank {result.rank}: {unwanted[0]}"
 

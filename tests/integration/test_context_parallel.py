@@ -412,7 +412,12 @@ def test_cp2_trains_like_one_process_and_restores_across_cp(reference, two_ranks
     assert_equivalent(one, [r["selective"] for r in ranks], layout="llama cp2 zero=0 selective checkpointing")
     assert_equivalent(one, [r["zero1"] for r in ranks], layout="llama cp2 zero=1")
     assert_equivalent(run_reference(GPT_BASE), [r["gpt"] for r in ranks], layout="gpt cp2 zero=0 chunked loss")
-    assert_equivalent(run_reference(OLMO_BASE), [r["olmo2"] for r in ranks], layout="olmo2 cp2 zero=0")
+    # OLMo 2 at cp2: a few embedding elements of tokens seen twice sit in AdamW's eps regime (measured over data
+    # seeds 3-6, in the sampler's old order and its new one: the largest |Δ| 1.1e-5 to 2.4e-4, in 2-4 of 16,384
+    # elements; the losses within LOSS_RTOL every time)
+    assert_equivalent(
+        run_reference(OLMO_BASE), [r["olmo2"] for r in ranks], layout="olmo2 cp2 zero=0", eps_regime_elements=8
+    )
     # a mixture of experts: the load-balancing loss over both ranks' tokens, as one process computes it
     assert_equivalent(run_reference(MOE_BASE), [r["moe"] for r in ranks], layout="qwen3-moe cp2 zero=0")
     # cp=1 (one process) -> cp=2: the steps after the restore are the uninterrupted run's
