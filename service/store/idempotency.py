@@ -59,8 +59,11 @@ def check_key(key: str) -> str:
 
 
 def request_hash(spec: JobSpec) -> str:
-    """SHA-256 of the spec's canonical JSON, as the client sent it (before paths are pinned)."""
-    canonical = json.dumps(spec.model_dump(mode="json", by_alias=True), sort_keys=True, separators=(",", ":"))
+    """SHA-256 of the spec's canonical JSON, as the client sent it (before paths are pinned), without the fields at
+    their defaults: a default written out is the same request as one left out, and a retry spanning an upgrade
+    that adds a field with a default (as ``checkpoint.export_dtype`` was) is still the same request."""
+    sent = spec.model_dump(mode="json", by_alias=True, exclude_defaults=True)
+    canonical = json.dumps(sent, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 

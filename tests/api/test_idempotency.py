@@ -182,6 +182,23 @@ def test_the_unique_index_decides_a_race_past_the_first_lookup(manager, monkeypa
     assert manager.store.find_idempotent("alice", "k")[1] == request_hash(JobSpec.model_validate(spec()))
 
 
+def test_the_hash_leaves_out_the_fields_at_their_defaults():
+    """A retry that spans an upgrade adding a defaulted spec field is the same request: fields at their defaults
+    (which the new version fills in and the old did not) are not hashed; a value other than the default is."""
+    import hashlib
+    import json
+
+    body = spec()
+    sent = JobSpec.model_validate(body).model_dump(mode="json", by_alias=True, exclude_defaults=True)
+    assert "export_dtype" not in json.dumps(sent)  # a default, added 2026-12-06: not part of the request
+    expected = hashlib.sha256(json.dumps(sent, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    assert request_hash(JobSpec.model_validate(body)) == expected
+    with_dtype = {**body, "checkpoint": {**body.get("checkpoint", {}), "export_dtype": "bfloat16"}}
+    assert request_hash(JobSpec.model_validate(with_dtype)) != expected
+    at_default = {**body, "checkpoint": {**body.get("checkpoint", {}), "export_dtype": "float32"}}
+    assert request_hash(JobSpec.model_validate(at_default)) == expected
+
+
 def test_keys_are_per_tenant(url, manager):
     alice = post(url, spec(), key="shared", token=ALICE)
     bob = post(url, spec(), key="shared", token=BOB)
