@@ -391,4 +391,13 @@ def _model_problems(spec: JobSpec) -> list[SpecProblem]:
                 "model.hf or one of their presets)",
             )
         )
+    if spec.checkpoint.export_dtype != "float32" and not found.has_hf_format:  # it would change nothing
+        problems.append(
+            SpecProblem(
+                field="checkpoint.export_dtype",
+                message=f"checkpoint.export_dtype={spec.checkpoint.export_dtype!r} sets the dtype of Hugging Face "
+                f"exports; model.kind={config.arch!r} has none.",
+                fix="leave checkpoint.export_dtype out",
+            )
+        )
     return problems

@@ -450,6 +450,9 @@ def test_an_unregistered_model_kind_is_refused_at_submit_and_plan(client):
 def test_export_hf_of_a_gpt_is_refused_at_submit(client):
     problem = problems(client.post("/v1/jobs", json=tiny_spec(checkpoint={"export": "hf"})))["checkpoint.export"]
     assert "built-in GPT" in problem["message"]
+    dtype = problems(client.post("/v1/jobs", json=tiny_spec(checkpoint={"export_dtype": "bfloat16"})))
+    assert "model.kind='gpt' has none" in dtype["checkpoint.export_dtype"]["message"]
+    assert client.post("/v1/jobs", json=tiny_spec(checkpoint={"export_dtype": "float32"})).status_code == 201
 
 
 def test_export_writes_a_committed_step_and_refuses_what_it_cannot(client, manager, tmp_path):
