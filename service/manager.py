@@ -52,7 +52,7 @@ from etrain.service.jobs.checkpoints import committed_step
 from etrain.service.jobs.poller import SupervisorPoller
 from etrain.service.jobs.scheduler import Scheduler
 from etrain.service.planning import planner
-from etrain.service.planning.spec import JobSpec, SpecProblem
+from etrain.service.planning.spec import ExportDtype, JobSpec, SpecProblem
 from etrain.service.planning.spec_checks import check_spec
 from etrain.service.planning.spec_paths import pin_paths
 from etrain.service.runtime.cluster import CALL_TIMEOUT_S, Runtime
@@ -505,7 +505,7 @@ class JobManager:
         step: int | None,
         out: str,
         *,
-        dtype: str | None = None,
+        dtype: ExportDtype | None = None,
         principal: Principal = ADMIN,
     ) -> dict[str, Any]:
         """Write committed checkpoint ``step`` (default: the newest) of ``job_id`` as a Hugging Face folder

@@ -571,7 +571,7 @@ class FakeRuntime:
         source_dir: str | None,
         expect_digest: str,
         timeout_s: float,
-        dtype: str = "float32",
+        dtype: str,
     ) -> str:
         """The real export, in this process instead of a Ray task (torch is imported only when called)."""
         self.calls.append(("export", step_dir, out_dir, dtype))

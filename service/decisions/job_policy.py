@@ -24,6 +24,7 @@ from etrain.service.decisions.elastic import ElasticPolicy
 from etrain.service.decisions.stragglers import StragglerConfig
 from etrain.service.planning.plan_memory import GiB
 from etrain.workers.protocol import layout_rules
+from etrain.workers.protocol.run_config import ExportDtype
 
 if TYPE_CHECKING:
     from etrain.service.planning.spec import JobSpec
@@ -58,7 +59,7 @@ class JobPolicy:
     resources_per_rank: dict[str, float]
     placement_strategy: str  # PACK | SPREAD
     export: bool  # checkpoint.export == "hf": write <checkpoint root>/hf-export before SUCCEEDED
-    export_dtype: str  # checkpoint.export_dtype: the exported weights' dtype
+    export_dtype: ExportDtype  # checkpoint.export_dtype: the exported weights' dtype
     start_timeout_s: float = 300.0  # LaunchGroup -> GroupReady (never shorter than heartbeat_timeout_s)
     checkpoint_timeout_s: float = 120.0  # RequestCheckpoint -> committed
     capacity_wait_timeout_s: float = 900.0  # waiting for min_dp replicas / a capacity report

@@ -71,10 +71,7 @@ class JobDrills:
             at_step=request.get("at_step") if during == "step" else int(request.get("at_step") or 0),
             during=during,
         )
-        answer = dataclasses.asdict(order)
-        if action != "hold_host_memory":
-            del answer["gib"]  # only the memory drill holds any
-        return order, answer | {"armed": True}
+        return order, dataclasses.asdict(order) | {"armed": True}
 
     def arm(
         self, order: ChaosOrder | CorruptOrder, *, world_size: int, group: Any | None, committed_step: int | None

@@ -20,7 +20,7 @@ from etrain.service.runtime.supervisor_actor import find_supervisor, forget_supe
 from etrain.service.runtime.supervisor_spares import SupervisorSpares
 from etrain.service.runtime.worker_group import NAMESPACE
 from etrain.service.settings import Settings
-from etrain.workers.protocol.run_config import ModelConfig, RunConfig
+from etrain.workers.protocol.run_config import ExportDtype, ModelConfig, RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class Runtime(Protocol):
         source_dir: str | None,
         expect_digest: str,
         timeout_s: float,
-        dtype: str = "float32",
+        dtype: ExportDtype,
     ) -> str: ...
     def health(self) -> dict[str, Any]: ...
     def close(self) -> None: ...
@@ -198,27 +198,8 @@ class RayRuntime:
                 pass
         forget_supervisor(job_id)
 
-    def export(
-        self,
-        *,
-        step_dir: str,
-        out_dir: str,
-        model: ModelConfig,
-        source_dir: str | None,
-        expect_digest: str,
-        timeout_s: float,
-        dtype: str = "float32",
-    ) -> str:
-        """Run the Hugging Face export task (etrain.service.runtime.hf_export) and wait up to ``timeout_s``."""
-        return run_export(
-            step_dir=step_dir,
-            out_dir=out_dir,
-            model=model,
-            source_dir=source_dir,
-            expect_digest=expect_digest,
-            timeout_s=timeout_s,
-            dtype=dtype,
-        )
+    #: Run the Hugging Face export task (etrain.service.runtime.hf_export) and wait up to ``timeout_s``.
+    export = staticmethod(run_export)
 
     def accelerator_memory_gb(self) -> float | None:
         """GiB of memory per GPU the cluster offers, for the planner (``resources.device_memory_gb``).

@@ -22,7 +22,7 @@ import ray
 from etrain.workers.checkpoints import storage
 from etrain.workers.protocol import safe_paths
 from etrain.workers.protocol.errors import EtrainError
-from etrain.workers.protocol.run_config import ModelConfig
+from etrain.workers.protocol.run_config import ExportDtype, ModelConfig
 
 __all__ = [
     "EXPORT_NUM_CPUS",
@@ -60,7 +60,7 @@ def _export_folder(
     source_dir: str | None,
     replace_existing: bool,
     expect_digest: str | None = None,
-    dtype: str = "float32",
+    dtype: ExportDtype = "float32",
 ) -> str:
     """The body of the export task: runs in a Ray worker process, the only place torch is imported.
 
@@ -89,7 +89,7 @@ def submit_export(
     model: ModelConfig,
     source_dir: str | None,
     expect_digest: str,
-    dtype: str = "float32",
+    dtype: ExportDtype,
     replace_existing: bool = False,
 ):
     """Start the export task (any node: checkpoints live on shared storage); returns its ObjectRef.
@@ -132,9 +132,9 @@ def run_export(
     source_dir: str | None,
     expect_digest: str,
     timeout_s: float,
-    dtype: str = "float32",
+    dtype: ExportDtype,
 ) -> str:
-    """Export one committed checkpoint and wait for it (the control plane's `etrain export`)."""
+    """Export one committed checkpoint and wait for it (the control plane's `etrain export`; ``RayRuntime.export``)."""
     ref = submit_export(
         step_dir=step_dir, out_dir=out_dir, model=model, source_dir=source_dir, expect_digest=expect_digest, dtype=dtype
     )

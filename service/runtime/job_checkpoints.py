@@ -29,7 +29,7 @@ from etrain.workers.checkpoints.checkpoint_commit import commit, list_steps, pru
 from etrain.workers.protocol import safe_paths
 from etrain.workers.protocol.errors import CheckpointError, UnsafePathError
 from etrain.workers.protocol.manifest import ManifestSignatureError
-from etrain.workers.protocol.run_config import ModelConfig
+from etrain.workers.protocol.run_config import ExportDtype, ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +155,7 @@ class JobCheckpoints:
             return self._pruner is not None
 
     def export(
-        self, step: int, *, model: ModelConfig, dtype: str, timeout_s: float, answer: Callable[[Event], None]
+        self, step: int, *, model: ModelConfig, dtype: ExportDtype, timeout_s: float, answer: Callable[[Event], None]
     ) -> None:
         """Write committed ``step`` as a Hugging Face folder in a Ray task; ``answer`` gets Exported or
         ExportFailed. The task runs off the control thread (and off this process: torch is imported only

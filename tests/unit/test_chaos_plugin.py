@@ -186,6 +186,7 @@ def test_job_drills_turn_requests_into_orders_and_arm_them():
         "action": "kill_rank",
         "rank": 1,
         "factor": 1.0,
+        "gib": 0.0,
         "at_step": None,
         "during": "step",
         "armed": True,

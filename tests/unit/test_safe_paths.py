@@ -18,7 +18,7 @@ from etrain.service.access.storage_roots import StorageRoots, pin
 from etrain.service.planning.spec import JobSpec
 from etrain.service.planning.spec_checks import check_spec
 from etrain.workers.checkpoints.hf_config import read_hf_config, weight_files
-from etrain.workers.engine.text_files import read_text_file, text_documents
+from etrain.workers.engine.text_files import text_documents, text_size
 from etrain.workers.protocol import safe_paths
 from etrain.workers.protocol.errors import ConfigError, DataError, UnsafePathError
 from tests.tiny_tokenizers import byte_bpe
@@ -140,7 +140,7 @@ def test_a_folder_swapped_for_a_link_after_pin_is_refused_at_open(layout):
         text_documents(pinned)
     _refusal(err, "data.path")
     with pytest.raises(UnsafePathError):
-        read_text_file(Path(pinned) / "stolen.txt")
+        text_size(Path(pinned) / "stolen.txt")
 
     model = root / "model"
     model.mkdir()

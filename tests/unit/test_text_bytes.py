@@ -12,7 +12,7 @@ import pytest
 
 from etrain.workers.engine.data import TokenDataset, build_dataset
 from etrain.workers.engine.text_bytes import TextBytes, text_bytes
-from etrain.workers.engine.text_files import read_text_file, text_documents, text_size
+from etrain.workers.engine.text_files import text_documents, text_size
 from etrain.workers.protocol.errors import DataError, UnsafePathError
 from etrain.workers.protocol.run_config import DataConfig, ModelConfig
 from etrain.workers.rank.host_memory import host_memory_use
@@ -20,9 +20,22 @@ from etrain.workers.rank.host_memory import host_memory_use
 MIB = 1 << 20
 
 
+def _whole_text(path: Path) -> bytes | None:
+    """The rule of what is text as the readers before the streaming check applied it, to the whole file at once:
+    no NUL in its first 8 KiB, and all of it valid UTF-8."""
+    data = path.read_bytes()
+    if b"\x00" in data[:8192]:
+        return None
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    return data
+
+
 def _joined(path: Path) -> bytes:
     """The reference: what the reader before the view held (every text file read whole, joined by newlines)."""
-    return b"\n".join(data for doc in text_documents(path) if (data := read_text_file(doc)))
+    return b"\n".join(data for doc in text_documents(path) if (data := _whole_text(doc)))
 
 
 @pytest.fixture
@@ -39,7 +52,7 @@ def folder(tmp_path: Path) -> Path:
 def test_every_slice_equals_the_files_joined_in_memory(folder: Path) -> None:
     expected = _joined(folder)
     view = text_bytes(str(folder))
-    assert len(view) == len(expected) and view.documents == 3 and view.dtype == np.uint8
+    assert len(view) == len(expected) == 5 + 1 + 1 + 1 + len("héllo\nwörld\n".encode()) and view.dtype == np.uint8
     for start in range(len(expected) + 1):
         for stop in range(start, len(expected) + 2):  # past the end is cut, as a numpy slice is
             assert view[start:stop].tobytes() == expected[start:stop], (start, stop)
@@ -76,7 +89,7 @@ def test_a_single_file_is_its_own_bytes(tmp_path: Path) -> None:
 def test_the_streaming_check_agrees_with_the_whole_file_reader(tmp_path: Path, content: bytes) -> None:
     path = tmp_path / "doc.txt"
     path.write_bytes(content)
-    whole = read_text_file(path)
+    whole = _whole_text(path)
     assert text_size(path) == (None if whole is None else len(whole))
 
 

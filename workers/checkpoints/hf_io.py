@@ -612,7 +612,7 @@ def _checkpoint_shapes(directory: str, model_config: ModelConfig) -> dict[str, t
     return expected
 
 
-def _shard_groups(shapes: dict[str, tuple[int, ...]], max_shard_bytes: int, element_size: int = 4) -> list[list[str]]:
+def _shard_groups(shapes: dict[str, tuple[int, ...]], max_shard_bytes: int, element_size: int) -> list[list[str]]:
     """Parameters in order, cut into runs of at most ``max_shard_bytes`` bytes as written (``element_size`` a value;
     a larger single tensor gets a file of its own), like ``transformers``' ``save_pretrained(max_shard_size=...)``."""
     groups: list[list[str]] = [[]]
@@ -635,7 +635,7 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def _hf_tensors(
-    tensors: dict[str, torch.Tensor], model_config: ModelConfig, dtype: torch.dtype = torch.float32
+    tensors: dict[str, torch.Tensor], model_config: ModelConfig, dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
     """A group of whole etrain parameters under their Hugging Face names, as ``dtype``: a stacked expert parameter
     as one tensor per expert (copies: safetensors refuses tensors that share memory), the hub's layout. Takes the
@@ -645,17 +645,17 @@ def _hf_tensors(
     named: dict[str, torch.Tensor] = {}
     for fqn in list(tensors):
         tensor = tensors.pop(fqn)
-        if dtype == torch.float16 and tensor.numel() and tensor.abs().max().item() > torch.finfo(torch.float16).max:
-            raise ConfigError(
-                f"checkpoint.export_dtype='float16': {fqn} holds a weight of magnitude "
-                f"{tensor.abs().max().item():.4g}, beyond float16's {torch.finfo(torch.float16).max:g} (it would be "
-                "written as inf).",
-                field="checkpoint.export_dtype",
-                fix="export in bfloat16 (float32's range) or float32",
-            )
         for name, _, expert in found.hf_tensors(fqn, tuple(tensor.shape), model_config):
             piece = tensor if expert is None else tensor[expert]
             named[name] = piece.clone() if expert is not None and dtype == torch.float32 else piece.to(dtype)
+            if dtype == torch.float16 and named[name].isinf().any():  # rounding never makes inf: only range does
+                raise ConfigError(
+                    f"checkpoint.export_dtype='float16': {fqn} holds a weight of magnitude "
+                    f"{tensor.abs().max().item():.4g}, beyond float16's {torch.finfo(torch.float16).max:g} (it would "
+                    "be written as inf).",
+                    field="checkpoint.export_dtype",
+                    fix="export in bfloat16 (float32's range) or float32",
+                )
     return named
 
 

@@ -71,10 +71,6 @@ class TextBytes:
     def __len__(self) -> int:
         return self._length
 
-    @property
-    def documents(self) -> int:
-        return len(self._names)
-
     def __getitem__(self, key: slice) -> np.ndarray:
         if not isinstance(key, slice):
             raise TypeError(f"TextBytes takes a slice, not {type(key).__name__}")

@@ -31,7 +31,6 @@ __all__ = [
     "TEXT_SUFFIXES",
     "no_text_error",
     "not_utf8_error",
-    "read_text_file",
     "text_chunks",
     "text_documents",
     "text_size",
@@ -42,7 +41,7 @@ TEXT_SUFFIXES = frozenset({".py", ".md", ".txt", ".yaml", ".yml", ".toml", ".jso
 TEXT_NAMES = frozenset({"Makefile"})
 SKIPPED_DIRS = frozenset({".venv", "venv", "__pycache__", ".git", "node_modules"})
 _BINARY_PROBE_BYTES = 8192
-_CHECK_CHUNK_BYTES = 1 << 20  # text_size decodes this much at a time: bounded memory for any file size
+_CHECK_CHUNK_BYTES = 1 << 20  # text_chunks checks this much at a time: bounded memory for any file size
 
 
 def _is_text_name(name: str) -> bool:
@@ -78,19 +77,10 @@ def text_chunks(stream: IO[bytes]) -> Iterator[bytes]:
         raise NotText from None
 
 
-def read_text_file(path: Path) -> bytes | None:
-    """The file's bytes if it is UTF-8 text, else ``None`` (binary files are skipped). Opened without
-    following links (a link on the way is ``UnsafePathError``)."""
-    with safe_paths.open_file(path, field="data.path") as stream:
-        try:
-            return b"".join(list(text_chunks(stream)))
-        except NotText:
-            return None
-
-
 def text_size(path: Path) -> int | None:
-    """The file's size in bytes if it is UTF-8 text, else ``None``: :func:`read_text_file`'s answer without
-    holding the file (a multi-GB corpus is checked 1 MiB at a time). Opened without following links."""
+    """The file's size in bytes if it is UTF-8 text, else ``None`` (binary files are skipped): checked 1 MiB at a
+    time, never held (a multi-GB corpus). Opened without following links (a link on the way is
+    ``UnsafePathError``)."""
     with safe_paths.open_file(path, field="data.path") as stream:
         try:
             return sum(len(chunk) for chunk in text_chunks(stream))

@@ -242,30 +242,42 @@ def _pieces(text: str, limit: int) -> list[str]:
     return pieces
 
 
-def _document_pieces(path: Path, digest: Any, data_text: str) -> Iterator[tuple[str, bool, bool]]:
-    """One document's :func:`_pieces` at :data:`PIECE_CHARS` as ``(piece, first, last)``, read 1 MiB at a time
-    (never the whole document in memory); its length and bytes go into ``digest`` as they are read. A piece is
-    held back until the next is cut, so that the last is known to be the last."""
-    decoder = codecs.getincrementaldecoder("utf-8")()
-    held: str | None = None
-    first, read, buffer = True, 0, ""
+def _hashed_chunks(path: Path, digest: Any, data_text: str) -> Iterator[bytes]:
+    """One document's bytes as :func:`text_chunks` reads them (1 MiB at a time; :class:`NotText` where it is not
+    text), its length and then its bytes going into ``digest`` as they are read: the one reading both the content
+    hash and the tokenizer make (so both hash the same). A document that grew or shrank while read is
+    :func:`_changed` (its length prefix would lie)."""
     with safe_paths.open_file(path, field="data.path") as stream:
         size = os.fstat(stream.fileno()).st_size
         digest.update(size.to_bytes(8, "little"))
-        try:
-            for chunk in text_chunks(stream):
-                digest.update(chunk)
-                read += len(chunk)
-                buffer += decoder.decode(chunk)
-                while len(buffer) > PIECE_CHARS:
-                    cut = _cut(buffer, 0, PIECE_CHARS)
-                    if held is not None:
-                        yield held, first, False
-                        first = False
-                    held, buffer = buffer[:cut], buffer[cut:]
-        except NotText:  # it was text when hashed
-            raise _changed(data_text) from None
-    if read != size or not read:
+        read = 0
+        for chunk in text_chunks(stream):
+            digest.update(chunk)
+            read += len(chunk)
+            yield chunk
+    if read != size:
+        raise _changed(data_text)
+
+
+def _document_pieces(path: Path, digest: Any, data_text: str) -> Iterator[tuple[str, bool, bool]]:
+    """One document's :func:`_pieces` at :data:`PIECE_CHARS` as ``(piece, first, last)``, read 1 MiB at a time
+    (never the whole document in memory; :func:`_hashed_chunks`). A piece is held back until the next is cut, so
+    that the last is known to be the last."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    held: str | None = None
+    first, buffer = True, ""
+    try:
+        for chunk in _hashed_chunks(path, digest, data_text):
+            buffer += decoder.decode(chunk)
+            while len(buffer) > PIECE_CHARS:
+                cut = _cut(buffer, 0, PIECE_CHARS)
+                if held is not None:
+                    yield held, first, False
+                    first = False
+                held, buffer = buffer[:cut], buffer[cut:]
+    except NotText:  # it was text when hashed
+        raise _changed(data_text) from None
+    if held is None and not buffer:  # emptied since it was hashed
         raise _changed(data_text)
     if held is not None:
         yield held, first, False
@@ -347,7 +359,7 @@ def _read_cache(target: Path, sha256: str, meta: dict[str, Any] | None = None) -
 @dataclass(frozen=True)
 class _Stamp:
     value: str
-    total: int  # the documents' bytes
+    sizes: list[int]  # each document's bytes
     #: every document last changed at least SETTLED_S before the stamp was taken
     settled: bool
 
@@ -360,7 +372,8 @@ def _stamp(data_path: str | os.PathLike, documents: list[Path], info: TokenizerI
     taken = time.time_ns()
     digest = _new_digest(info)
     digest.update(b"stamp\0")
-    total = newest = 0
+    sizes: list[int] = []
+    newest = 0
     folder = None if root.is_file() else safe_paths.open_dir(root, field="data.path")
     try:
         for path in documents:
@@ -377,12 +390,12 @@ def _stamp(data_path: str | os.PathLike, documents: list[Path], info: TokenizerI
                 os.fsencode(name or path.name)
                 + f"\0{found.st_size}\0{found.st_ino}\0{found.st_mtime_ns}\0{found.st_ctime_ns}\n".encode()
             )
-            total += found.st_size
+            sizes.append(found.st_size)
             newest = max(newest, found.st_mtime_ns, found.st_ctime_ns)
     finally:
         if folder is not None:
             os.close(folder)
-    return _Stamp(digest.hexdigest(), total, settled=newest < taken - int(SETTLED_S * 1e9))
+    return _Stamp(digest.hexdigest(), sizes, settled=newest < taken - int(SETTLED_S * 1e9))
 
 
 def _stamp_to_keep(
@@ -471,29 +484,30 @@ def _new_digest(info: TokenizerInfo) -> Any:
 
 
 def _content_hash(
-    documents: list[Path], info: TokenizerInfo, clock: _Clock, progress: Progress | None, total: int, data_text: str
+    documents: list[Path],
+    sizes: list[int],
+    info: TokenizerInfo,
+    clock: _Clock,
+    progress: Progress | None,
+    data_text: str,
 ) -> tuple[str, list[Path]]:
     """sha256 over the format version, the tokenizer, the EOS id and every text document (length-prefixed,
     in order); also the documents that are UTF-8 text and not empty (the ones tokenized). Read 1 MiB at a time
-    (a document is hashed on a copy of the running hash, kept only if it turns out to be text)."""
+    (a document is hashed on a copy of the running hash, kept only if it turns out to be text); ``sizes``: the
+    documents' sizes as the stamp saw them, for the progress."""
     digest = _new_digest(info)
+    total = sum(sizes)
     kept, done = [], 0
-    for path in documents:
-        with safe_paths.open_file(path, field="data.path") as stream:
-            size = os.fstat(stream.fileno()).st_size
-            document, read = digest.copy(), 0
-            document.update(size.to_bytes(8, "little"))
-            try:
-                for chunk in text_chunks(stream):
-                    document.update(chunk)
-                    read += len(chunk)
-                    if progress:
-                        progress("hashing", done + read, total, 0)
-                    clock.check("hashing", done + read, total)
-            except NotText:
-                document = None
-        if document is not None and read != size:  # it grew or shrank while read: the prefix would lie
-            raise _changed(data_text)
+    for path, size in zip(documents, sizes):
+        document, read = digest.copy(), 0
+        try:
+            for chunk in _hashed_chunks(path, document, data_text):
+                read += len(chunk)
+                if progress:
+                    progress("hashing", done + read, total, 0)
+                clock.check("hashing", done + read, total)
+        except NotText:
+            document = None
         done += size
         if document is not None and read:
             digest = document
@@ -532,7 +546,7 @@ def tokenize_text(
     clock = _Clock(timeout_s, data_text, tokenizer_text)
     listed = documents = text_documents(data_path)
     before = _stamp(data_path, listed, info)
-    total = before.total
+    total = sum(before.sizes)
     folder = cache_folder(data_path)
     candidates = (
         [Path(out).expanduser()] if out is not None else sorted(folder.glob("*.bin")) if folder.is_dir() else []
@@ -541,7 +555,7 @@ def tokenize_text(
     if found is not None:
         target, cached = found
     else:
-        sha256, documents = _content_hash(documents, info, clock, progress, total, data_text)
+        sha256, documents = _content_hash(documents, before.sizes, info, clock, progress, data_text)
         if not documents:
             if Path(data_path).is_file() and text_size(Path(data_path)) is None:
                 raise not_utf8_error(data_text)

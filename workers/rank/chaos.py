@@ -90,13 +90,9 @@ class RankDrills:
             pass
 
     def fire(self, order: ChaosOrder, step: int | None = None) -> None:
-        if order.action == "hold_host_memory":  # taken before the report, so that chaos_fired means it is held
-            self.held_memory = None  # let go first: a new size replaces the old, it does not add to it
-            try:
-                self.held_memory = _written_bytes(int(order.gib * (1 << 30))) or None
-            except MemoryError:  # more than there is: fired all the same (never re-armed), and the error rises
-                self._report_quietly(order, step)
-                raise
+        if order.action == "hold_host_memory":
+            self._hold(order, step)
+            return
         self._report_quietly(order, step)
         if order.action == "kill_rank":
             os.kill(os.getpid(), signal.SIGKILL)
@@ -108,12 +104,20 @@ class RankDrills:
             self.slow_factor = float(order.factor)
         elif order.action == "hang_rank":
             self.hung.set()
-        elif order.action == "hold_host_memory":
-            pass  # taken above
         elif order.action == "fail_health_check":
             self._health_failure = f"fault drill {order.id}: fail_health_check (the device answers as a broken one)"
         else:  # validated by the API; an unknown action here is a bug
             raise AssertionError(f"unknown chaos action {order.action!r}")
+
+    def _hold(self, order: ChaosOrder, step: int | None) -> None:
+        """``hold_host_memory``: the memory is taken before the report, so that chaos_fired means it is held; a new
+        size replaces the old (let go first), it does not add to it. More than there is (``MemoryError``) is
+        reported all the same (never re-armed), and the error rises."""
+        self.held_memory = None
+        try:
+            self.held_memory = _written_bytes(int(order.gib * (1 << 30))) or None
+        finally:
+            self._report_quietly(order, step)
 
 
 _HOLD_PIECE_BYTES = 64 << 20
