@@ -66,6 +66,7 @@ from etrain.workers import families
 from etrain.workers.checkpoints import storage
 from etrain.workers.protocol.errors import ConfigError
 from etrain.workers.protocol.messages import RANK_CHAOS_ACTIONS
+from etrain.workers.protocol.run_config import RunConfig
 from etrain.workers.rank.rank_log import rank_log_path, read_lines
 
 log = logging.getLogger(__name__)
@@ -185,7 +186,9 @@ class JobManager:
             default_root=lambda job_id: self.settings.checkpoint_location(job_id),
         )
         #: Which paths a tenant may reach: shared and own roots, own job directories (service/access/reach.py).
-        self._reach = Reach(tree=settings.checkpoint_tree, owners=settings.tenant_roots)
+        self._reach = Reach(
+            tree=settings.checkpoint_tree, owners=settings.tenant_roots, token_cache=settings.token_cache_dir
+        )
         self.store.record_checkpoint_dirs(self._directories.root_of)  # jobs stored before directories were
         self._submitting: set[str] = set()  # jobs whose supervisor is being created: not "lost", not queued
         self._quotas = TenantQuotas(max_jobs=settings.tenant_max_jobs, max_workers=settings.tenant_max_workers)
@@ -238,7 +241,7 @@ class JobManager:
         tokenized = self._prepare_data(spec)
         job_id = f"{spec.name.lower()}-{uuid.uuid4().hex[:8]}"
         self._directories.check_resume(spec, principal, tenant_of=self._tenant_of)
-        config = spec.to_run_config(job_id=job_id, checkpoint_root=self.settings.checkpoint_location(job_id))
+        config = self._run_config(spec, job_id)
         self._quotas.admit(principal, job_id, config.parallel.world_size, self.store)  # QuotaExceeded: 429
         self._submitting.add(job_id)
         try:
@@ -303,6 +306,14 @@ class JobManager:
         record = self.store.get_job(job_id)
         return None if record is None else record.tenant
 
+    def _run_config(self, spec: JobSpec, job_id: str) -> RunConfig:
+        """The job's run config as this service runs it: its checkpoint root and the service's token cache."""
+        return spec.to_run_config(
+            job_id=job_id,
+            checkpoint_root=self.settings.checkpoint_location(job_id),
+            token_cache_dir=self.settings.token_cache_dir,
+        )
+
     def _prepare_data(self, spec: JobSpec) -> str | None:
         """Tokenize ``data.tokenizer`` text now, once (a cache hit costs a ``stat`` a file, or one hash of data that
         changed), so the ranks only memory-map it; a line for the job's events, or SpecRejected naming the field and
@@ -317,6 +328,7 @@ class JobManager:
             cache = tokenize_text(
                 data.path,
                 data.tokenizer,
+                cache_dir=self.settings.token_cache_dir,
                 max_bytes=self.submit_tokenize_max_bytes,
                 timeout_s=self.submit_tokenize_timeout_s,
             )
@@ -459,9 +471,7 @@ class JobManager:
 
     def _checkpoint_path(self, record: JobRecord) -> str:
         """The job's checkpoint root as its ranks see it (the run config the supervisor was given)."""
-        spec = JobSpec.model_validate(record.spec)
-        root = self.settings.checkpoint_location(record.id)
-        return spec.to_run_config(job_id=record.id, checkpoint_root=root).checkpoint.path
+        return self._run_config(JobSpec.model_validate(record.spec), record.id).checkpoint.path
 
     def chaos(self, job_id: str, request: dict[str, Any], *, principal: Principal = ADMIN) -> dict[str, Any]:
         """Deliver a drill to the job's supervisor, or, before it exists (QUEUED, or STARTING before the actor
@@ -517,7 +527,7 @@ class JobManager:
         """
         record = self.get(job_id, principal=principal)
         spec = JobSpec.model_validate(record.spec)
-        config = spec.to_run_config(job_id=job_id, checkpoint_root=self.settings.checkpoint_location(job_id))
+        config = self._run_config(spec, job_id)
         model = config.model
         found = families.family(model.arch)
         if not found.has_hf_format:
@@ -608,8 +618,7 @@ class JobManager:
         that wins the race leaves it cancelled and unstarted)."""
         job_id = record.id
         spec = JobSpec.model_validate(record.spec)
-        root = self.settings.checkpoint_location(job_id)
-        config = spec.to_run_config(job_id=job_id, checkpoint_root=root).with_dp(admit.dp)
+        config = self._run_config(spec, job_id).with_dp(admit.dp)
         # attempt_base: a supervisor recreated after a loss numbers its attempts on from the job's last one,
         # so its step rows replace the recomputed steps' old rows (service/store/job_store.py keeps the higher attempt).
         # The jobs whose signed steps it may resume from: those of its tenant that recorded the same directory.

@@ -29,6 +29,8 @@ MAX_WARM_SPARES_PER_NODE = 16
 MAX_SUPERVISOR_SPARES = 8
 #: Each planner process holds the spec models and the planner (~100 MB); more than a few only queue for cores.
 MAX_PLAN_WORKERS = 16
+#: The token cache's folder inside the checkpoint tree (a dot name: no job id starts with one).
+TOKEN_CACHE_NAME = ".token-cache"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,6 +91,10 @@ class Settings:
     #: (``<root>/<job-id>``): an absolute folder every node shares, or ``s3://bucket/prefix`` (needs the
     #: ``s3`` extra; credentials from the AWS environment). None: ``<data_dir>/checkpoints``.
     checkpoint_base: str | None = None
+    #: ``ETRAIN_TOKEN_CACHE_DIR``: the folder of tokenized corpora (``data.tokenizer``), an absolute folder every
+    #: node shares and only the service writes. None: ``<checkpoint root>/.token-cache`` (``<data_dir>/token-cache``
+    #: when the checkpoint root is an object store). Never beside the data (workers/engine/tokenized.py says why).
+    token_cache_base: str | None = None
     #: Queue jobs whose minimum layout exceeds the cluster's total resources instead of refusing them
     #: (422): for autoscaling clusters, where nodes are added on demand (service/decisions/admission.py).
     admit_beyond_cluster: bool = False
@@ -182,6 +188,8 @@ class Settings:
 
         if self.checkpoint_base is not None:
             object.__setattr__(self, "checkpoint_base", _checkpoint_base(self.checkpoint_base))
+        if self.token_cache_base is not None:
+            object.__setattr__(self, "token_cache_base", _token_cache_base(self.token_cache_base))
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
@@ -309,6 +317,17 @@ class Settings:
         from etrain.service.access.storage_roots import resolve
 
         return resolve(self.checkpoint_base or self.data_dir / "checkpoints")
+
+    @property
+    def token_cache_dir(self) -> str:
+        """Where tokenized corpora live (``ETRAIN_TOKEN_CACHE_DIR``, else inside the checkpoint tree, which every
+        node sees and no tenant's path reaches), resolved."""
+        from etrain.service.access.storage_roots import resolve
+
+        if self.token_cache_base is not None:
+            return resolve(self.token_cache_base)
+        tree = self.checkpoint_tree
+        return resolve(self.data_dir / "token-cache") if _is_url(tree) else os.path.join(tree, TOKEN_CACHE_NAME)
 
     @property
     def api_url(self) -> str:
@@ -531,6 +550,18 @@ def _checkpoint_base(raw: str | os.PathLike) -> str:
     return str(path)
 
 
+def _token_cache_base(raw: str | os.PathLike) -> str:
+    """ETRAIN_TOKEN_CACHE_DIR checked: an absolute folder (tokens are memory-mapped: no object store)."""
+    if _is_url(raw) or not Path(raw).expanduser().is_absolute():
+        raise SettingsError(
+            f"ETRAIN_TOKEN_CACHE_DIR={str(raw)!r} is not an absolute folder.",
+            field="token_cache_base",
+            fix="give an absolute folder every Ray node and the server share and only the service writes "
+            "(ranks memory-map the tokens from it), or leave it unset: <checkpoint root>/.token-cache",
+        )
+    return str(Path(raw).expanduser())
+
+
 def _flag(variable: str, raw: str) -> bool:
     value = raw.strip().lower()
     if value in _TRUE:
@@ -567,6 +598,7 @@ _ENV = {
     "device_memory_gb": ("ETRAIN_DEVICE_MEMORY_GB", _number),
     "storage_roots": ("ETRAIN_STORAGE_ROOTS", _storage_roots),
     "checkpoint_base": ("ETRAIN_CHECKPOINT_ROOT", lambda variable, raw: raw.strip() or None),
+    "token_cache_base": ("ETRAIN_TOKEN_CACHE_DIR", lambda variable, raw: raw.strip() or None),
     "admit_beyond_cluster": ("ETRAIN_ADMIT_BEYOND_CLUSTER", _flag),
     "warm_spares_per_node": ("ETRAIN_WARM_SPARES_PER_NODE", _integer_or_auto),
     "supervisor_spares": ("ETRAIN_SUPERVISOR_SPARES", _integer),

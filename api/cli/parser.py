@@ -190,6 +190,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--tokenizer", required=True, help="a Hugging Face tokenizer.json, or the folder holding one (data.tokenizer)"
     )
     prepare.add_argument(
-        "--out", help="write the .bin here instead of the cache beside the data (then train with data.kind: tokens)"
+        "--cache-dir",
+        help="the service's token cache, where a job with data.tokenizer finds the corpus (default: the one "
+        "`etrain serve` uses here: ETRAIN_TOKEN_CACHE_DIR, else <ETRAIN_CHECKPOINT_ROOT or "
+        "ETRAIN_DATA_DIR/checkpoints>/.token-cache; ETRAIN_DATA_DIR default ./.etrain)",
+    )
+    prepare.add_argument(
+        "--out",
+        help="write the .bin here instead of into the token cache (then train on it with data.kind: tokens)",
     )
     return parser

@@ -2,7 +2,10 @@
 
 It runs the same function the server runs at submit (``etrain.workers.engine.tokenized.tokenize_text``), but
 locally, with no server and no time limit, and with a progress bar: the way to prepare a corpus too
-big to tokenize while a submit waits.
+big to tokenize while a submit waits. It writes into the service's token cache (``--cache-dir``, default the one
+``etrain serve`` would use with this environment), so it is run by whoever may write that folder: the operator,
+or a single user on the server's machine. Anyone else writes a token file of their own (``--out``) and trains on
+it with ``data.kind: tokens``.
 """
 
 from __future__ import annotations
@@ -57,6 +60,17 @@ class ProgressBar:
             self._stage = None
 
 
+def _cache_dir(given: str | None) -> str:
+    """``--cache-dir``, or the token cache ``etrain serve`` would use with this environment (the three variables
+    that place it, and only those: the rest of the server's settings are not this command's business)."""
+    if given:
+        return os.path.realpath(os.path.expanduser(given))
+    from etrain.service.settings import Settings
+
+    placing = ("ETRAIN_DATA_DIR", "ETRAIN_CHECKPOINT_ROOT", "ETRAIN_TOKEN_CACHE_DIR")
+    return Settings.from_env({name: os.environ[name] for name in placing if name in os.environ}).token_cache_dir
+
+
 def cmd_prepare_data(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     """Tokenize text with a tokenizer.json into the cache a ``data: {kind: text, tokenizer: ...}`` job reads
     (or into ``--out``), here, with no server and no time limit; print the file and its token count."""
@@ -65,11 +79,13 @@ def cmd_prepare_data(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
     bar = ProgressBar(err)
     try:
+        cache_dir = None if args.out else _cache_dir(args.cache_dir)
         # Resolved here as the server pins them at submit (symlinks followed once, on the user's own say): the
         # cache lands where the server will look, and the files inside are then opened without links, as there.
         cache = tokenize_text(
             os.path.realpath(os.path.expanduser(args.path)),
             os.path.realpath(os.path.expanduser(args.tokenizer)),
+            cache_dir=cache_dir,
             out=os.path.realpath(os.path.expanduser(args.out)) if args.out else None,
             progress=bar,
         )

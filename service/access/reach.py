@@ -10,6 +10,8 @@ when it lies in, or contains:
   an unmarked root is shared, a marked one is its tenant's; :func:`split_owner` reads the mark);
 * the checkpoint tree that holds every job's default directory (contains: refused; lies in: only the
   directory of a job the caller can see);
+* the service's token cache (``ETRAIN_TOKEN_CACHE_DIR``; by default it lies in the checkpoint tree): the
+  tokenized corpora every job trusts by their names, which only the service writes;
 * the checkpoint directory of another tenant's job as the store records it (a custom
   ``checkpoint.path``, default ones too), running or long finished: its weights, its exports and its
   rank logs are that tenant's.
@@ -59,9 +61,12 @@ def split_owner(entry: str | os.PathLike) -> tuple[str | None, str | os.PathLike
 class Reach:
     """The rule above for one service: its checkpoint tree and the marked roots (``(tenant, root)``)."""
 
-    def __init__(self, *, tree: str, owners: Iterable[tuple[str, str | os.PathLike]] = ()):
+    def __init__(
+        self, *, tree: str, owners: Iterable[tuple[str, str | os.PathLike]] = (), token_cache: str | None = None
+    ):
         self._tree = resolve(tree)
         self._owners = tuple((tenant, resolve(root)) for tenant, root in owners)
+        self._token_cache = None if token_cache is None else resolve(token_cache)
 
     def visible_roots(self, roots: Iterable[str], principal: Principal) -> tuple[str, ...]:
         """The storage roots an error message may name to ``principal``: all for the admin, else the shared
@@ -126,6 +131,9 @@ class Reach:
         tree = self._tree_problem(field, path, value, principal, tenant_of)
         if tree is not None:
             return tree
+        if self._token_cache is not None and (inside(path, self._token_cache) or inside(self._token_cache, path)):
+            where = "is in" if inside(path, self._token_cache) else "contains"
+            return SpecProblem(field=field, fix=fix, message=f"{value} {where} the service's token cache.")
         for _job_id, tenant, directory in job_dirs(path):
             if not principal.can_see(tenant) and (inside(path, directory) or inside(directory, path)):
                 where = "is inside" if inside(path, directory) else "contains"

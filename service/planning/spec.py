@@ -537,7 +537,7 @@ class JobSpec(_Section):
     def with_layout(self, layout: ParallelismSpec) -> JobSpec:
         return self.model_copy(update={"parallelism": layout})
 
-    def to_run_config(self, *, job_id: str, checkpoint_root: str) -> RunConfig:
+    def to_run_config(self, *, job_id: str, checkpoint_root: str, token_cache_dir: str | None = None) -> RunConfig:
         layout = self.layout
         return RunConfig(
             job_id=job_id,
@@ -548,6 +548,7 @@ class JobSpec(_Section):
                 seed=self.data.seed,
                 token_dtype=self.data.token_dtype,
                 tokenizer=self.data.tokenizer,
+                token_cache_dir=token_cache_dir if self.data.tokenizer else None,
             ),
             parallel=ParallelConfig(
                 dp=layout.dp,

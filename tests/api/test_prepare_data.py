@@ -1,6 +1,7 @@
 """``etrain prepare-data`` (local: progress bar on stderr, the cache file and its token count on stdout) and
 the submit path: the real JobManager (Ray replaced by FakeRuntime) tokenizes ``data.tokenizer`` text with the
-same function, bounded, or answers 422 naming the field and the fix."""
+same function, into the same token cache (the service's, never beside the data), bounded, or answers 422 naming
+the field and the fix."""
 
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ from tokenizers import Tokenizer
 from etrain.api import cli
 from etrain.api.app import create_app
 from etrain.service.settings import Settings
-from etrain.workers.engine.tokenized import CACHE_DIR_SUFFIX
 from tests.fakes import FakeRuntime
 from tests.service_harness import admin_headers
 from tests.tiny_tokenizers import CORPUS, byte_bpe
@@ -30,6 +30,16 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def bpe(tmp_path_factory) -> Path:
     return byte_bpe(tmp_path_factory.mktemp("bpe"))
+
+
+@pytest.fixture(autouse=True)
+def server_environment(tmp_path, monkeypatch) -> Path:
+    """The environment ``etrain serve`` would read here: its data directory is ``<tmp>/state`` (the manager's
+    below), so ``etrain prepare-data``'s default cache folder is the service's."""
+    for name in ("ETRAIN_CHECKPOINT_ROOT", "ETRAIN_TOKEN_CACHE_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("ETRAIN_DATA_DIR", str(tmp_path / "state"))
+    return tmp_path / "state" / "checkpoints" / ".token-cache"
 
 
 @pytest.fixture
@@ -59,7 +69,7 @@ def etrain(*args: str) -> tuple[int, str, str]:
 # -- etrain prepare-data ------------------------------------------------------------------------------------
 
 
-def test_prepare_data_prints_the_cache_and_its_token_count(bpe, corpus):
+def test_prepare_data_prints_the_cache_and_its_token_count(bpe, corpus, server_environment):
     expected = expected_ids(bpe, corpus)
 
     code, out, err = etrain("prepare-data", "--tokenizer", str(bpe), str(corpus))
@@ -67,7 +77,8 @@ def test_prepare_data_prints_the_cache_and_its_token_count(bpe, corpus):
     assert code == 0, err
     cache_line, tokens_line = out.splitlines()
     path = Path(cache_line.split()[1])
-    assert path.parent == corpus / CACHE_DIR_SUFFIX and cache_line.endswith(" (written)")
+    assert path.parent == server_environment and cache_line.endswith(" (written)")  # the server's token cache
+    assert [p.name for p in corpus.iterdir()] == [p.name for p in corpus.glob("*.txt")]  # nothing beside the data
     assert tokens_line == (f"tokens: {len(expected)} uint16 (4 documents, EOS '<|endoftext|>', tokenizer vocab 300)")
     assert np.fromfile(path, dtype=np.uint16).tolist() == expected
     # the progress bar: hashing, then tokenizing, each ending at 100% on stderr (stdout stays clean)
@@ -79,6 +90,10 @@ def test_prepare_data_prints_the_cache_and_its_token_count(bpe, corpus):
     assert again[0] == 0 and again[1].splitlines() == [f"cache:  {path} (reused)", tokens_line]
     assert "tokenizing" not in again[2]
 
+    elsewhere = corpus.parent / "operator-cache"  # --cache-dir: the cache of a server with other settings
+    code, out, err = etrain("prepare-data", "--tokenizer", str(bpe), str(corpus), "--cache-dir", str(elsewhere))
+    assert code == 0 and out.splitlines()[0] == f"cache:  {elsewhere / path.name} (written)"
+
 
 def test_prepare_data_out_and_json(bpe, corpus, tmp_path):
     out_file = tmp_path / "train.bin"
@@ -89,7 +104,7 @@ def test_prepare_data_out_and_json(bpe, corpus, tmp_path):
     assert body["path"] == str(out_file) and body["reused"] is False
     assert body["num_tokens"] == len(expected_ids(bpe, corpus)) and body["dtype"] == "uint16"
     assert out_file.stat().st_size == 2 * body["num_tokens"]
-    assert not (corpus / CACHE_DIR_SUFFIX).exists()
+    assert not (tmp_path / "state").exists()  # nothing in the token cache either
 
 
 def test_prepare_data_errors_name_the_setting_and_the_fix(bpe, corpus, tmp_path):
@@ -102,8 +117,15 @@ def test_prepare_data_errors_name_the_setting_and_the_fix(bpe, corpus, tmp_path)
     assert code == 1 and "data.path=" in err and "does not exist" in err
     assert etrain("prepare-data", str(corpus))[0] == 2  # --tokenizer is required
 
+    code, _, err = etrain("prepare-data", "--tokenizer", str(bpe), str(corpus), "--cache-dir", "")
+    assert code == 0  # empty: the server's default
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("ETRAIN_TOKEN_CACHE_DIR", "relative/cache")
+        code, out, err = etrain("prepare-data", "--tokenizer", str(bpe), str(corpus))
+    assert (code, out) == (1, "") and "ETRAIN_TOKEN_CACHE_DIR='relative/cache' is not an absolute folder" in err
 
-def test_the_console_command_runs_without_a_server(bpe, corpus):
+
+def test_the_console_command_runs_without_a_server(bpe, corpus, server_environment):
     result = subprocess.run(
         [
             sys.executable,
@@ -122,6 +144,7 @@ def test_the_console_command_runs_without_a_server(bpe, corpus):
         timeout=120,
     )
     assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"cache:  {server_environment}/")
     assert result.stdout.splitlines()[1].startswith(f"tokens: {len(expected_ids(bpe, corpus))} uint16")
     assert "tokenizing 100.0%" in result.stderr
 
@@ -152,7 +175,7 @@ def job(data: dict[str, Any], **model: Any) -> dict[str, Any]:
     }
 
 
-def test_submit_tokenizes_once_with_the_same_function(tmp_path, manager, bpe, corpus):
+def test_submit_tokenizes_once_with_the_same_function(tmp_path, manager, bpe, corpus, server_environment):
     client = TestClient(
         create_app(Settings(data_dir=tmp_path / "state"), manager=manager), headers=admin_headers(tmp_path / "state")
     )
@@ -161,10 +184,11 @@ def test_submit_tokenizes_once_with_the_same_function(tmp_path, manager, bpe, co
     first = client.post("/v1/jobs", json=spec)
 
     assert first.status_code == 201, first.text
-    [cache] = (corpus / CACHE_DIR_SUFFIX).glob("*.bin")
+    [cache] = server_environment.glob("*.bin")
     assert np.fromfile(cache, dtype=np.uint16).tolist() == expected_ids(bpe, corpus)
     config = manager.runtime.jobs[first.json()["id"]]["config"]
     assert (config.data.kind, config.data.path, config.data.tokenizer) == ("text", str(corpus), str(bpe))
+    assert config.data.token_cache_dir == str(server_environment)  # where the ranks find it
     events = client.get(f"/v1/jobs/{first.json()['id']}/events").json()["events"]
     tokenized = [event["detail"]["message"] for event in events if event["kind"] == "data_tokenized"]
     assert tokenized == [f"{len(expected_ids(bpe, corpus))} tokens (uint16) written to {cache}"]
@@ -190,7 +214,7 @@ def test_submit_refuses_a_tokenizer_the_model_cannot_embed(tmp_path, manager, bp
     assert problem["field"] == "data.tokenizer"
     assert "has 300 token ids but model.vocab_size=256" in problem["message"]
     assert problem["fix"].startswith("set model.vocab_size to at least 300")
-    assert not (corpus / CACHE_DIR_SUFFIX).exists()  # refused before any tokenizing
+    assert not (tmp_path / "state" / "checkpoints").exists()  # refused before any tokenizing
 
 
 def test_submit_bounds_the_work_and_points_at_prepare_data(tmp_path, manager, bpe, corpus):

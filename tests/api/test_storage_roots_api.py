@@ -221,3 +221,34 @@ def test_a_tenant_cannot_reach_another_tenants_checkpoints(world, server):
     assert whole.status_code == 422 and "holds other jobs' checkpoints" in whole.json()["detail"][0]["message"]
 
     assert alice.post("/v1/jobs", json=spec(checkpoint={"path": "ckpt/alice"})).status_code == 201
+
+
+def test_no_tenant_path_reaches_the_token_cache(world):
+    """The service trusts a tokenized corpus in its token cache by its name: an operator who puts that folder inside
+    a storage root (ETRAIN_TOKEN_CACHE_DIR) keeps every tenant's paths out of it, as out of the checkpoint tree."""
+    manager_module = pytest.importorskip("etrain.service.manager")
+    settings = Settings(
+        data_dir=world / "roots" / "state",
+        storage_roots=(world / "roots",),
+        api_token=ADMIN_TOKEN,
+        api_tokens=TENANTS,
+        poll_interval_s=60,
+        token_cache_base=str(world / "roots" / "shared" / "tokens"),
+    )
+    (world / "roots" / "shared" / "tokens").mkdir(parents=True)
+    (world / "roots" / "shared" / "tokens" / "abc.bin").write_bytes(b"\x01\x00" * 64)
+    manager = manager_module.JobManager(settings, runtime=FakeRuntime(), base_dir=str(world / "roots"))
+    try:
+        bob = TestClient(create_app(settings, manager=manager), headers=bearer(TENANTS["bob"]))
+        for body, field in [
+            (spec(data={"kind": "tokens", "path": "shared/tokens/abc.bin"}), "data.path"),  # others' corpora
+            (spec(checkpoint={"path": "shared/tokens/run"}), "checkpoint.path"),  # write into it
+            (spec(**text("shared")), "data.path"),  # a folder holding it
+        ]:
+            response = bob.post("/v1/jobs", json=body)
+            assert response.status_code == 422, body
+            [problem] = response.json()["detail"]
+            assert problem["field"] == field and "the service's token cache" in problem["message"], problem
+        assert bob.post("/v1/jobs", json=spec(**text("corpus"))).status_code == 201
+    finally:
+        manager.close()

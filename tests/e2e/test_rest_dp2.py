@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import re
 from pathlib import Path
 
@@ -240,3 +241,31 @@ def test_a_rank_holding_more_host_memory_than_it_reserved_is_said_while_the_job_
     assert suggested >= sampled * 1.1 - 0.01  # with a tenth to spare
     fired_at = re.search(r" at step (\d+) ", fired)
     assert fired_at is None or said_at >= int(fired_at[1]), (fired, said)  # said by a sample after it fired
+
+
+def test_a_tokenized_corpus_is_prepared_once_in_the_service_cache_and_read_by_the_ranks(plane, tmp_path):
+    """``data.tokenizer`` through the service: the submit tokenizes into the service's token cache (never beside
+    the data, which stays as it was), and both ranks memory-map that cache (reused: not written again)."""
+    from tests.tiny_tokenizers import CORPUS, byte_bpe
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for index, text in enumerate(CORPUS):
+        (corpus / f"{index}.txt").write_text(text * 40)
+    listed = sorted(os.walk(corpus))
+    spec = dp2_spec(steps=4)
+    spec["model"]["vocab_size"] = 320
+    spec["data"] = {"kind": "text", "path": str(corpus), "tokenizer": str(byte_bpe(tmp_path / "bpe"))}
+    spec["checkpoint"] = {"every_steps": 0}
+
+    job = plane.submit(spec)
+    cache_dir = plane.data_dir / "checkpoints" / ".token-cache"
+    [cache] = cache_dir.glob("*.bin")
+    written = cache.stat().st_mtime_ns
+    final = plane.wait_terminal(job["id"], timeout_s=300)
+
+    assert final["status"] == "SUCCEEDED" and final["step"] == 4, final
+    message = next(event_text(e) for e in plane.events(job["id"]) if e["kind"] == "data_tokenized")
+    assert message.endswith(f"written to {cache}"), message
+    assert list(cache_dir.glob("*.bin")) == [cache] and cache.stat().st_mtime_ns == written  # the ranks reused it
+    assert sorted(os.walk(corpus)) == listed  # nothing written beside the data

@@ -104,6 +104,23 @@ def test_the_checkpoint_root_setting_gives_each_job_its_own_folder_or_prefix(tmp
         Settings(checkpoint_base="s3:///x")
 
 
+def test_the_token_cache_lies_in_the_checkpoint_tree_or_where_the_operator_says(tmp_path):
+    """Tokenized corpora are memory-mapped by every rank: a folder every node sees and only the service writes."""
+    tree = os.path.realpath(tmp_path / "checkpoints")
+    assert Settings(data_dir=tmp_path).token_cache_dir == os.path.join(tree, ".token-cache")
+    shared = Settings.from_env({"ETRAIN_CHECKPOINT_ROOT": str(tmp_path / "shared"), "ETRAIN_DATA_DIR": str(tmp_path)})
+    assert shared.token_cache_dir == os.path.join(os.path.realpath(tmp_path / "shared"), ".token-cache")
+    on_s3 = Settings.from_env({"ETRAIN_CHECKPOINT_ROOT": "s3://bucket/etrain", "ETRAIN_DATA_DIR": str(tmp_path)})
+    assert on_s3.token_cache_dir == os.path.realpath(tmp_path / "token-cache")  # tokens are mapped, not fetched
+    given = Settings.from_env({"ETRAIN_TOKEN_CACHE_DIR": str(tmp_path / "tc"), "ETRAIN_CHECKPOINT_ROOT": "s3://b/e"})
+    assert given.token_cache_dir == os.path.realpath(tmp_path / "tc")
+    assert Settings.from_env({"ETRAIN_TOKEN_CACHE_DIR": " "}).token_cache_base is None
+    for bad in ("tc", "s3://bucket/tokens"):
+        with pytest.raises(SettingsError, match=f"ETRAIN_TOKEN_CACHE_DIR='{bad}' is not an absolute folder") as raised:
+            Settings.from_env({"ETRAIN_TOKEN_CACHE_DIR": bad})
+        assert "memory-map" in raised.value.fix
+
+
 def test_a_missing_backend_is_named_with_the_extra_to_install(monkeypatch):
     monkeypatch.setitem(storage.SUPPORTED_SCHEMES, "s3", ("etrain_no_such_backend", "s3"))
     message = (

@@ -62,7 +62,9 @@ def test_a_root_is_shared_unless_marked_for_a_tenant():
 
 def test_the_reach_rule_over_every_kind_of_path():
     reach = Reach(
-        tree="/data/state/checkpoints", owners=[("alice", "/data/alice"), ("bob", "/data/bob"), ("bob", "s3://bkt/bob")]
+        tree="/data/state/checkpoints",
+        owners=[("alice", "/data/alice"), ("bob", "/data/bob"), ("bob", "s3://bkt/bob")],
+        token_cache="/data/shared/.tokens",  # ETRAIN_TOKEN_CACHE_DIR set inside a shared root
     )
     tenants = {"a1": "alice", "b1": "bob", "d1": "default"}
     recorded = [
@@ -77,6 +79,7 @@ def test_the_reach_rule_over_every_kind_of_path():
 
     allowed_for_alice = [
         "/data/shared/corpus",
+        "/data/shared/.tokens-other",
         "/data/alice/x",
         "/data/shared/runs/alice/hf-export",
         "/data/state/checkpoints/a1/hf-export",
@@ -95,6 +98,11 @@ def test_the_reach_rule_over_every_kind_of_path():
         "/data/shared/runs/bob/logs": "is inside the checkpoint directory of a job you cannot access.",
         "/data/shared/runs": "contains the checkpoint directory of a job you cannot access.",
         "/data/shared/ops/x": "is inside the checkpoint directory of a job you cannot access.",  # the admin's job
+        "/data/shared/.tokens/abc.bin": "is in the service's token cache.",
+        "/data/shared/.tokens": "is in the service's token cache.",
+        "/data/shared": "contains the service's token cache.",
+        # the default token cache lies in the checkpoint tree, whose rule keeps tenants out of it
+        "/data/state/checkpoints/.token-cache/abc.bin": "is inside the checkpoint directory of a job you cannot",
     }
     for path, message in refused.items():
         assert message in (verdict(path, ALICE) or ""), path

@@ -1,5 +1,6 @@
 """Tokenized text data: ids equal ``Tokenizer.encode`` joined with EOS, written once into a content-addressed
-cache beside the data, reused, never torn; the spec rules for ``data.tokenizer``. Tokenizers are trained
+cache in the service's token cache folder (never beside the data), reused, never torn; the spec rules for
+``data.tokenizer``. Tokenizers are trained
 in the test (tests/tiny_tokenizers.py), never downloaded."""
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from etrain.service.planning.spec_checks import check_spec
 from etrain.service.planning.spec_paths import resolve_paths
 from etrain.workers.engine import tokenized
 from etrain.workers.engine.data import build_dataset, read_token_file
-from etrain.workers.engine.tokenized import CACHE_DIR_SUFFIX, cache_file, tokenize_text
-from etrain.workers.protocol.errors import DataError, UnsafePathError
+from etrain.workers.engine.tokenized import cache_file, tokenize_text
+from etrain.workers.protocol.errors import ConfigError, DataError, UnsafePathError
 from etrain.workers.protocol.run_config import DataConfig, ModelConfig
 from tests.tiny_tokenizers import CORPUS, byte_bpe, wide_word_level, word_level_with_bos
 
@@ -30,6 +31,19 @@ from tests.tiny_tokenizers import CORPUS, byte_bpe, wide_word_level, word_level_
 @pytest.fixture(scope="module")
 def bpe(tmp_path_factory) -> Path:
     return byte_bpe(tmp_path_factory.mktemp("bpe"))
+
+
+def token_cache(data: Path) -> Path:
+    """The test's token cache folder: beside the folder holding the data (every test keeps its data in tmp_path),
+    shared by the test's corpora as the service's is by every job's."""
+    return Path(data).parent / "token-cache"
+
+
+def tokens(data: Path, tokenizer: Path, **kwargs) -> tokenized.TokenCache:
+    """``tokenize_text`` as the service calls it (into its cache folder), or with ``out``."""
+    if "out" not in kwargs:
+        kwargs["cache_dir"] = token_cache(data)
+    return tokenize_text(data, tokenizer, **kwargs)
 
 
 def encode(tokenizer_path: Path, text: str) -> list[int]:
@@ -60,16 +74,19 @@ def corpus_folder(root: Path) -> tuple[Path, list[str]]:
 
 def test_a_folder_is_encode_of_each_document_joined_with_eos(tmp_path, bpe):
     data, documents = corpus_folder(tmp_path / "corpus")
+    listed = sorted(os.walk(data))
 
-    cache = tokenize_text(data, bpe)
+    cache = tokens(data, bpe)
 
     eos = Tokenizer.from_file(str(bpe)).token_to_id("<|endoftext|>")
     expected = encode(bpe, documents[0]) + [eos] + encode(bpe, documents[1]) + [eos] + encode(bpe, documents[2])
     assert read_ids(cache) == expected
     assert (cache.num_tokens, cache.dtype, cache.documents, cache.vocab_size) == (len(expected), "uint16", 3, 300)
     assert (cache.eos_id, cache.eos_token, cache.reused) == (eos, "<|endoftext|>", False)
-    # content-addressed, inside the folder in a hidden directory the text walk skips
-    assert Path(cache.path) == data / CACHE_DIR_SUFFIX / f"{cache.sha256}.bin" == cache_file(data, cache.sha256)
+    # content-addressed, in the token cache; nothing written beside the data
+    assert Path(cache.path) == tmp_path / "token-cache" / f"{cache.sha256}.bin"
+    assert Path(cache.path) == cache_file(tmp_path / "token-cache", cache.sha256)
+    assert sorted(os.walk(data)) == listed
     sidecar = json.loads(Path(cache.path + ".json").read_text())
     assert sidecar == {
         "format": 1,
@@ -83,30 +100,31 @@ def test_a_folder_is_encode_of_each_document_joined_with_eos(tmp_path, bpe):
         "documents": 3,
         "eos_id": eos,
         "eos_token": "<|endoftext|>",
-    }  # no "stamp": the data was written just now (tokenized.SETTLED_S)
-    assert sorted(p.name for p in (data / CACHE_DIR_SUFFIX).iterdir()) == [
+    }
+    assert sorted(p.name for p in (tmp_path / "token-cache").iterdir()) == [
         f"{cache.sha256}.bin",
         f"{cache.sha256}.bin.json",
-    ]
-    assert tokenize_text(data, bpe).sha256 == cache.sha256  # the cache folder is not read back as data
+    ]  # no <stamp>.stamp: the data was written just now (tokenized.SETTLED_S)
+    assert tokens(data, bpe).sha256 == cache.sha256
 
 
-def test_a_post_processor_bos_starts_every_document_and_the_cache_sits_beside_a_file(tmp_path):
+def test_a_post_processor_bos_starts_every_document_and_a_file_gets_no_cache_beside_it(tmp_path):
     tok = word_level_with_bos(tmp_path / "wl")
     single = tmp_path / "corpus.txt"
     single.write_text(CORPUS[0] + "an unknown word\n")
 
-    cache = tokenize_text(single, tok)
+    cache = tokens(single, tok)
 
     assert read_ids(cache) == encode(tok, single.read_text())
     assert read_ids(cache)[0] == 1 and read_ids(cache)[-3:] == [0, 0, 0]  # <s> first; unknown words: [UNK]
-    assert Path(cache.path).parent == tmp_path / f"corpus.txt{CACHE_DIR_SUFFIX}"
+    assert Path(cache.path).parent == tmp_path / "token-cache"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt", "token-cache", "wl"]
 
     folder = tmp_path / "two"
     folder.mkdir()
     (folder / "1.txt").write_text(CORPUS[0])
     (folder / "2.txt").write_text(CORPUS[1])
-    ids = read_ids(tokenize_text(folder, tok))
+    ids = read_ids(tokens(folder, tok))
     assert ids == encode(tok, CORPUS[0]) + [2] + encode(tok, CORPUS[1])  # </s> between, <s> inside each
     assert ids.count(1) == 2
 
@@ -114,7 +132,7 @@ def test_a_post_processor_bos_starts_every_document_and_the_cache_sits_beside_a_
 def test_without_an_eos_token_documents_are_concatenated(tmp_path):
     tok = byte_bpe(tmp_path / "noeos", eos=None)
     data, documents = corpus_folder(tmp_path / "corpus")
-    cache = tokenize_text(data, tok)
+    cache = tokens(data, tok)
     assert (cache.eos_id, cache.eos_token) == (None, None)
     assert read_ids(cache) == [i for document in documents for i in encode(tok, document)]
 
@@ -125,10 +143,10 @@ def test_tokenizer_config_names_the_eos_and_changes_the_cache(tmp_path):
     data.mkdir()
     (data / "1.txt").write_text(CORPUS[0])
     (data / "2.txt").write_text(CORPUS[1])
-    by_name = tokenize_text(data, tok)
+    by_name = tokens(data, tok)
     (tmp_path / "wl" / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "[UNK]"}}))
 
-    by_config = tokenize_text(data, tok)
+    by_config = tokens(data, tok)
 
     assert (by_name.eos_token, by_config.eos_token) == ("</s>", "[UNK]")
     assert by_config.sha256 != by_name.sha256
@@ -143,7 +161,7 @@ def test_long_documents_are_encoded_in_pieces_with_the_same_ids(tmp_path, bpe, m
     (tmp_path / "long.txt").write_text(text)
     progress: list[tuple[str, int, int, int]] = []
 
-    cache = tokenize_text(tmp_path / "long.txt", bpe, progress=lambda *event: progress.append(event))
+    cache = tokens(tmp_path / "long.txt", bpe, progress=lambda *event: progress.append(event))
 
     assert read_ids(cache) == encode(bpe, text)
     tokenizing = [event for event in progress if event[0] == "tokenizing"]
@@ -182,7 +200,7 @@ def test_ids_beyond_uint16_are_stored_as_uint32(tmp_path):
     tok = wide_word_level(tmp_path / "wide")
     (tmp_path / "words.txt").write_text("w1 w65999 w69998 nope")
 
-    cache = tokenize_text(tmp_path / "words.txt", tok)
+    cache = tokens(tmp_path / "words.txt", tok)
 
     assert (cache.dtype, cache.vocab_size) == ("uint32", 70_000)
     assert read_ids(cache) == [2, 66000, 69999, 0]
@@ -197,13 +215,13 @@ def test_the_second_call_reuses_the_cache_without_tokenizing(tmp_path, bpe, monk
     data = tmp_path / "big.txt"
     data.write_text("".join(CORPUS) * 3000)  # ~700 kB
     started = time.perf_counter()
-    first = tokenize_text(data, bpe)
+    first = tokens(data, bpe)
     first_s = time.perf_counter() - started
     mtime = Path(first.path).stat().st_mtime_ns
     stages: list[str] = []
 
     started = time.perf_counter()
-    second = tokenize_text(data, bpe, progress=lambda stage, *_: stages.append(stage))
+    second = tokens(data, bpe, progress=lambda stage, *_: stages.append(stage))
     second_s = time.perf_counter() - started
 
     assert (first.reused, second.reused) == (False, True)
@@ -227,56 +245,83 @@ def test_a_prepared_corpus_is_found_by_its_stamp_without_reading_it_and_a_change
     tmp_path, bpe, monkeypatch
 ):
     data, _ = corpus_folder(tmp_path / "corpus")
-    first = tokenize_text(data, bpe)
-    assert "stamp" not in json.loads(Path(first.path + ".json").read_text())  # written just now: not settled
+    first = tokens(data, bpe)
+    stamps = lambda: sorted((tmp_path / "token-cache").glob("*.stamp"))  # noqa: E731
+    assert stamps() == []  # written just now: not settled
     monkeypatch.setattr(tokenized, "SETTLED_S", 0.0)
-    assert tokenize_text(data, bpe).reused  # found by its hash, and now its stamp kept
+    assert tokens(data, bpe).reused  # found by its hash, and now its stamp kept
+    [index] = stamps()
+    assert json.loads(index.read_text()) == {"format": 1, "sha256": first.sha256}
     with monkeypatch.context() as patch:
         _unread(patch)
-        again = tokenize_text(data, bpe)  # what a submit and every rank's start do: a walk and a stat a file
+        again = tokens(data, bpe)  # what a submit and every rank's start do: a walk and a stat a file
     assert again.reused and (again.path, again.sha256) == (first.path, first.sha256)
 
     stat = (data / "b.md").stat()
     os.utime(data / "b.md", ns=(stat.st_atime_ns, stat.st_mtime_ns - 10**10))  # touched, same bytes
     stages: list[str] = []
-    touched = tokenize_text(data, bpe, progress=lambda stage, *_: stages.append(stage))
+    touched = tokens(data, bpe, progress=lambda stage, *_: stages.append(stage))
     assert touched.reused and touched.sha256 == first.sha256 and set(stages) == {"hashing"}  # hashed again
     with monkeypatch.context() as patch:
         _unread(patch)
-        assert tokenize_text(data, bpe).reused  # and its new stamp kept: not hashed a second time
+        assert tokens(data, bpe).reused  # and its new stamp kept: not hashed a second time
 
     # The same size and modification time, other bytes: the change time still moves (touch cannot set it back).
     text = (data / "b.md").read_bytes()
     stat = (data / "b.md").stat()
     (data / "b.md").write_bytes(text.upper())
     os.utime(data / "b.md", ns=(stat.st_atime_ns, stat.st_mtime_ns))
-    edited = tokenize_text(data, bpe)
+    edited = tokens(data, bpe)
     assert not edited.reused and edited.sha256 != first.sha256
     assert read_ids(edited) != read_ids(first)
 
 
-def test_a_cache_linked_outside_the_data_is_never_read(tmp_path, bpe, monkeypatch):
-    """A tenant who can write the data folder plants ``.etrain-tokens/<name>.bin`` as a link to a file elsewhere,
-    with a sidecar that matches: the link is no cache (it is replaced by a real one, the file it points at
+def test_a_cache_planted_beside_the_data_is_never_read_and_nothing_is_written_there(tmp_path, bpe, monkeypatch):
+    """A tenant who can write files in a shared root plants, for another tenant's corpus, the cache that earlier
+    versions kept beside the data (``<path>.etrain-tokens/<sha256>.bin`` with a matching sidecar and stamp): it is
+    never read, since the cache lives only in the service's folder; and the corpus's folder is left as it was,
+    so a read-only dataset volume needs no write access."""
+    monkeypatch.setattr(tokenized, "SETTLED_S", 0.0)
+    data = tmp_path / "shared" / "corpus.txt"
+    data.parent.mkdir()
+    data.write_text("".join(CORPUS))
+    honest = tokenize_text(data, bpe, out=tmp_path / "honest.bin")  # the real ids, and their sha256 and stamp
+    planted = tmp_path / "shared" / "corpus.txt.etrain-tokens"
+    planted.mkdir()
+    poison = np.full(honest.num_tokens, 7, dtype=honest.dtype)
+    poison.tofile(planted / f"{honest.sha256}.bin")
+    sidecar = json.loads((tmp_path / "honest.bin.json").read_text())
+    (planted / f"{honest.sha256}.bin.json").write_text(json.dumps({**sidecar, "path": str(planted)}))
+    listed = sorted(os.walk(data.parent))
+    cache = tokenize_text(data, bpe, cache_dir=tmp_path / "token-cache")
+    again = tokenize_text(data, bpe, cache_dir=tmp_path / "token-cache")
+    assert read_ids(cache) == read_ids(honest) == encode(bpe, data.read_text()) != poison.tolist()
+    assert Path(cache.path).parent == tmp_path / "token-cache" and again.reused and again.path == cache.path
+    assert sorted(os.walk(data.parent)) == listed  # nothing written beside the data: a read-only volume will do
+
+
+def test_a_cache_linked_elsewhere_is_never_read(tmp_path, bpe, monkeypatch):
+    """Defence in depth, should anything but the service write its folder: ``<name>.bin`` made a link to a file
+    elsewhere, with a sidecar that matches, is no cache (it is replaced by a real one, the file it points at
     untouched and unread)."""
     monkeypatch.setattr(tokenized, "SETTLED_S", 0.0)
     data, _ = corpus_folder(tmp_path / "corpus")
-    cache = tokenize_text(data, bpe)
+    cache = tokens(data, bpe)
     secret = tmp_path / "outside.bin"
     secret.write_bytes(Path(cache.path).read_bytes()[::-1])  # the same size, other ids
     os.remove(cache.path)
     os.symlink(secret, cache.path)
-    again = tokenize_text(data, bpe)
+    again = tokens(data, bpe)
     assert not again.reused and not Path(again.path).is_symlink() and read_ids(again) == read_ids(cache)
     assert secret.read_bytes() == Path(cache.path).read_bytes()[::-1]
 
     # The cache folder itself made a link to a folder elsewhere: refused, nothing written there.
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    shutil.rmtree(data / CACHE_DIR_SUFFIX)
-    os.symlink(elsewhere, data / CACHE_DIR_SUFFIX)
+    shutil.rmtree(tmp_path / "token-cache")
+    os.symlink(elsewhere, tmp_path / "token-cache")
     with pytest.raises(UnsafePathError) as refused:
-        tokenize_text(data, bpe)
+        tokens(data, bpe)
     assert refused.value.field == "data.path" and list(elsewhere.iterdir()) == []
 
 
@@ -288,7 +333,7 @@ def test_the_hash_reads_a_document_in_pieces_keeps_the_name_and_meets_the_deadli
     for text in documents:  # the name as it was before the hash streamed: caches written then are still found
         digest.update(len(text.encode()).to_bytes(8, "little"))
         digest.update(text.encode())
-    assert tokenize_text(data, bpe).sha256 == digest.hexdigest()
+    assert tokens(data, bpe).sha256 == digest.hexdigest()
 
     big = tmp_path / "big.txt"
     with big.open("wb") as out:
@@ -297,42 +342,41 @@ def test_the_hash_reads_a_document_in_pieces_keeps_the_name_and_meets_the_deadli
     with pytest.raises(
         DataError, match=r"hashing data.path=.* did not finish within 0 s \(0\.\d MiB of 64\.0 MiB done\)"
     ):
-        tokenize_text(big, bpe, timeout_s=0)  # checked as the document is read, not once it is
+        tokens(big, bpe, timeout_s=0)  # checked as the document is read, not once it is
     before = host_memory_use().anonymous
     if before is None:
         pytest.skip("the kernel does not report anonymous pages")
     with pytest.raises(DataError, match="more than the 1.0 MiB"):
-        tokenize_text(big, bpe, max_bytes=1 << 20)  # hashed whole (to look for a cache), then refused
+        tokens(big, bpe, max_bytes=1 << 20)  # hashed whole (to look for a cache), then refused
     grown = host_memory_use().anonymous - before
     assert grown < 16 << 20, f"hashing a 64 MiB document grew the process {grown / (1 << 20):.1f} MiB"
 
 
 def test_the_hash_follows_the_content_of_data_and_tokenizer(tmp_path, bpe):
     data, _ = corpus_folder(tmp_path / "corpus")
-    base = tokenize_text(data, bpe)
+    base = tokens(data, bpe)
 
     copy, _ = corpus_folder(tmp_path / "copy")
-    assert tokenize_text(copy, bpe).sha256 == base.sha256  # same bytes, same name: content, not path
-    moved = shutil.copytree(data, tmp_path / "moved")  # the data moves with its cache: reused where it is now
-    found = tokenize_text(moved, bpe)
-    assert found.reused and found.path == str(moved / CACHE_DIR_SUFFIX / f"{base.sha256}.bin")
-    assert found.data == str(moved)
+    assert tokens(copy, bpe).sha256 == base.sha256  # same bytes, same name: content, not path
+    moved = shutil.copytree(data, tmp_path / "moved")  # another stamp, found by its hash: the same cache
+    found = tokens(moved, bpe)
+    assert found.reused and found.path == base.path and found.data == str(moved)
 
     (data / "b.md").write_text(CORPUS[2] + "one more line\n")
-    edited = tokenize_text(data, bpe)
+    edited = tokens(data, bpe)
     assert edited.sha256 != base.sha256 and not edited.reused
     assert Path(base.path).is_file()  # the old cache is left, never overwritten
 
-    other = tokenize_text(data, byte_bpe(tmp_path / "bpe320", vocab_size=320))
+    other = tokens(data, byte_bpe(tmp_path / "bpe320", vocab_size=320))
     assert other.sha256 not in (base.sha256, edited.sha256)
 
     (data / "b.md").write_text(CORPUS[2])
-    assert tokenize_text(data, bpe).reused and tokenize_text(data, bpe).sha256 == base.sha256
+    assert tokens(data, bpe).reused and tokens(data, bpe).sha256 == base.sha256
 
 
 def test_a_tokenizer_folder_means_its_tokenizer_json(tmp_path, bpe):
     (tmp_path / "t.txt").write_text(CORPUS[0])
-    assert tokenize_text(tmp_path / "t.txt", bpe.parent).sha256 == tokenize_text(tmp_path / "t.txt", bpe).sha256
+    assert tokens(tmp_path / "t.txt", bpe.parent).sha256 == tokens(tmp_path / "t.txt", bpe).sha256
 
 
 def test_racing_writers_leave_one_whole_cache(tmp_path, bpe):
@@ -345,7 +389,7 @@ def test_racing_writers_leave_one_whole_cache(tmp_path, bpe):
     def run() -> None:
         barrier.wait()
         try:
-            results.append(tokenize_text(data, bpe))
+            results.append(tokens(data, bpe))
         except BaseException as err:  # noqa: BLE001 - surfaced by the assertion below
             errors.append(err)
 
@@ -368,11 +412,11 @@ def test_out_writes_a_tokens_file_that_kind_tokens_reads(tmp_path, bpe):
     data, documents = corpus_folder(tmp_path / "corpus")
     out = tmp_path / "prepared" / "train.bin"
 
-    cache = tokenize_text(data, bpe, out=out)
+    cache = tokens(data, bpe, out=out)
 
     assert cache.path == str(out) and (tmp_path / "prepared" / "train.bin.json").is_file()
-    assert not (data / CACHE_DIR_SUFFIX).exists()
-    assert tokenize_text(data, bpe, out=out).reused
+    assert not (tmp_path / "token-cache").exists()
+    assert tokens(data, bpe, out=out).reused
     model = ModelConfig(n_layers=1, d_model=8, n_heads=2, vocab_size=300, seq_len=8)
     dataset = build_dataset(DataConfig(kind="tokens", path=str(out), token_dtype="uint16"), model)
     assert dataset.num_tokens == cache.num_tokens
@@ -391,10 +435,10 @@ def test_bad_tokenizers_name_data_tokenizer(tmp_path, bpe):
         (tmp_path / "broken.json", "is not a Hugging Face tokenizer.json"),
     ]:
         with pytest.raises(DataError, match=words) as raised:
-            tokenize_text(tmp_path / "t.txt", path)
+            tokens(tmp_path / "t.txt", path)
         assert raised.value.field == "data.tokenizer" and raised.value.fix
     with pytest.raises(DataError, match="has 300 token ids but model.vocab_size=256") as raised:
-        tokenize_text(tmp_path / "t.txt", bpe, model_vocab_size=256)
+        tokens(tmp_path / "t.txt", bpe, model_vocab_size=256)
     assert raised.value.field == "data.tokenizer" and "300" in raised.value.fix
 
 
@@ -407,7 +451,7 @@ def test_bad_data_names_data_path(tmp_path, bpe):
         (tmp_path / "nothing", "holds no text"),
     ]:
         with pytest.raises(DataError, match=words) as raised:
-            tokenize_text(path, bpe)
+            tokens(path, bpe)
         assert raised.value.field == "data.path"
 
 
@@ -417,20 +461,20 @@ def test_a_bounded_run_refuses_big_or_slow_work_with_the_prepare_data_fix(tmp_pa
     size = data.stat().st_size
 
     with pytest.raises(DataError, match="holds 0.0 MiB of text to tokenize, more than the 0.0 MiB") as raised:
-        tokenize_text(data, bpe, max_bytes=size - 1)
+        tokens(data, bpe, max_bytes=size - 1)
     assert raised.value.field == "data.path"
     assert raised.value.fix.startswith(
-        f"tokenize it once ahead of the submit, where the data is: `etrain prepare-data --tokenizer {bpe} {data}`"
+        "tokenize it once ahead of the submit on a machine that mounts the service's token cache (the operator): "
+        f"`etrain prepare-data --tokenizer {bpe} {data}`, then submit again; or write a token file of your own "
+        "with `etrain prepare-data --out FILE ...` and train on FILE with data.kind: tokens"
     )
     with pytest.raises(DataError, match="did not finish within 0 s") as raised:
-        tokenize_text(data, bpe, timeout_s=0)
+        tokens(data, bpe, timeout_s=0)
     assert "etrain prepare-data" in raised.value.fix
-    assert not (tmp_path / f"c.txt{CACHE_DIR_SUFFIX}").exists() or not any(
-        (tmp_path / f"c.txt{CACHE_DIR_SUFFIX}").iterdir()
-    )
+    assert not (tmp_path / "token-cache").exists() or not any((tmp_path / "token-cache").iterdir())
 
-    tokenize_text(data, bpe)  # prepared ahead (no bounds): a bounded run now only reuses it
-    assert tokenize_text(data, bpe, max_bytes=1, timeout_s=60).reused
+    tokens(data, bpe)  # prepared ahead (no bounds): a bounded run now only reuses it
+    assert tokens(data, bpe, max_bytes=1, timeout_s=60).reused
 
 
 # -- the worker side --------------------------------------------------------------------------------------
@@ -440,19 +484,20 @@ def test_build_dataset_reads_the_tokenized_stream_and_bytes_stay_the_default(tmp
     data, documents = corpus_folder(tmp_path / "corpus")
     model = ModelConfig(n_layers=1, d_model=8, n_heads=2, vocab_size=320, seq_len=8)
 
-    dataset = build_dataset(DataConfig(kind="text", path=str(data), tokenizer=str(bpe)), model)
+    tokenized_text = DataConfig(kind="text", path=str(data), tokenizer=str(bpe), token_cache_dir=str(token_cache(data)))
+    dataset = build_dataset(tokenized_text, model)
 
-    expected = tokenize_text(data, bpe)
+    expected = tokens(data, bpe)
     assert expected.reused  # build_dataset wrote it; the same function finds it
     assert dataset.tokens.dtype == np.uint16 and dataset.tokens.tolist() == read_ids(expected)
     assert len(dataset) == (expected.num_tokens - 1) // 8
     assert build_dataset(DataConfig(kind="text", path=str(data)), model).tokens.dtype == np.uint8  # bytes
     with pytest.raises(DataError) as raised:
-        build_dataset(
-            DataConfig(kind="text", path=str(data), tokenizer=str(bpe)),
-            ModelConfig(n_layers=1, d_model=8, n_heads=2, vocab_size=256, seq_len=8),
-        )
+        build_dataset(tokenized_text, ModelConfig(n_layers=1, d_model=8, n_heads=2, vocab_size=256, seq_len=8))
     assert raised.value.field == "data.tokenizer"
+    with pytest.raises(ConfigError) as raised:  # a run config the service did not make
+        build_dataset(DataConfig(kind="text", path=str(data), tokenizer=str(bpe)), model)
+    assert raised.value.field == "data.token_cache_dir" and "through the service" in raised.value.fix
 
 
 # -- the job spec -----------------------------------------------------------------------------------------
@@ -481,8 +526,15 @@ def test_a_spec_with_a_tokenizer_validates_and_reaches_the_workers(tmp_path, bpe
         spec({"kind": "text", "path": str(tmp_path / "t.txt"), "tokenizer": str(bpe)}, vocab_size=320), tmp_path
     )
     assert check_spec(job) == []
-    config = job.to_run_config(job_id="tok-1", checkpoint_root=str(tmp_path / "ckpt"))
-    assert config.data == DataConfig(kind="text", path=str(tmp_path / "t.txt"), tokenizer=str(bpe))
+    config = job.to_run_config(job_id="tok-1", checkpoint_root=str(tmp_path / "ckpt"), token_cache_dir="/cache")
+    assert config.data == DataConfig(
+        kind="text", path=str(tmp_path / "t.txt"), tokenizer=str(bpe), token_cache_dir="/cache"
+    )
+    untokenized = spec({"kind": "text", "path": str(tmp_path / "t.txt")})
+    assert (
+        untokenized.to_run_config(job_id="b", checkpoint_root="/c", token_cache_dir="/cache").data.token_cache_dir
+        is None
+    )
 
     small = word_level_with_bos(tmp_path / "wl")  # 35 ids: a model under 256 is fine, no byte rule
     assert (

@@ -205,7 +205,15 @@ def build_dataset(data: DataConfig, model: ModelConfig) -> TokenDataset:
             fix="set data.path, or use data.kind='synthetic'",
         )
     if data.kind == "text" and data.tokenizer:
-        cache = tokenize_text(data.path, data.tokenizer, model_vocab_size=model.vocab_size)
+        if data.token_cache_dir is None:
+            raise ConfigError(
+                "data.tokenizer needs the token cache folder, and data.token_cache_dir is not set.",
+                field="data.token_cache_dir",
+                fix="run the job through the service (it sets its cache folder), or set data.token_cache_dir",
+            )
+        cache = tokenize_text(
+            data.path, data.tokenizer, cache_dir=data.token_cache_dir, model_vocab_size=model.vocab_size
+        )
         tokens = read_token_file(cache.path, cache.dtype, model.vocab_size)
     elif data.kind == "text":
         if model.vocab_size < BYTE_VOCAB_SIZE:

@@ -7,13 +7,18 @@ by the sha256 of the documents' bytes (in the same deterministic order the byte 
 ``workers/engine/text_files.py``), the tokenizer.json bytes, the EOS id and :data:`FORMAT_VERSION`. Any change
 to the data or the tokenizer gives a new name, so a stale cache is never found by its hash (nor by a stamp, below); a copy of the same data shares its cache name.
 
-Where the cache lives: beside the data, so every node that sees the data sees the cache —
-``<file>.etrain-tokens/<sha256>.bin`` next to a file, ``<folder>/.etrain-tokens/<sha256>.bin`` inside
-a folder (a hidden folder, so the text walk skips it). Each ``.bin`` (raw ``uint16`` ids when the
-tokenizer's id space fits, else ``uint32``: exactly what ``data.kind: tokens`` reads) has a JSON
-sidecar ``<sha256>.bin.json`` (token count, dtype, vocabulary, EOS, tokenizer path). Both are written
-to a temporary name and renamed into place (sidecar first), so racing writers (two submits, the ranks
-of one node) never leave a torn file and a reader that finds the ``.bin`` finds its sidecar.
+Where the cache lives: in the service's token cache folder (``cache_dir``; the service's default is
+``<checkpoint root>/.token-cache``, which every node sees, ``service/settings.py``), never beside the data. A
+storage root may be a shared volume other tenants can write (``docs/operations.md``, threat model): a cache found
+there would be trusted by its name, so a tenant could plant ``<sha256>.bin`` for another tenant's corpus, read-only
+to it or not, and that tenant would train on the planted ids. Only the service writes its cache folder (tenants'
+paths may not reach it, ``service/access/reach.py``), and a read-only dataset volume needs no write access at all.
+Each ``<sha256>.bin`` (raw ``uint16`` ids when the tokenizer's id space fits, else ``uint32``: exactly what
+``data.kind: tokens`` reads) has a JSON sidecar ``<sha256>.bin.json`` (token count, dtype, vocabulary, EOS,
+tokenizer path). Both are written to a temporary name and renamed into place (sidecar first), so racing writers
+(two submits, the ranks of one node) never leave a torn file and a reader that finds the ``.bin`` finds its
+sidecar. ``out`` (``etrain prepare-data --out``) writes one file where its caller says instead, for
+``data.kind: tokens``.
 
 The stream: each document (one file) is ``Tokenizer.encode(text).ids`` — the tokenizer's own special
 tokens included, e.g. a BOS its post-processor adds — and documents are joined with the tokenizer's
@@ -22,9 +27,10 @@ conventional name such as ``<|endoftext|>`` or ``</s>``). Truncation and padding
 the tokenizer.json are switched off: training wants every token.
 
 Finding the cache without reading the data: the content hash reads every byte (a 100 GB corpus: about a minute,
-on every submit and in every rank at every start). So each sidecar also keeps the data's *stamp*: each
-document's name under ``data.path``, size, inode, and modification and change times (ns), hashed with the
-tokenizer's part of the name (each document is opened for it, without a link on the way: an open asks an NFS
+on every submit and in every rank at every start). So the cache folder also keeps, for the data it was made from,
+the data's *stamp* (``<stamp>.stamp``, naming the cache; with ``out``, the sidecar keeps it): ``data.path``
+itself, each document's name under it, device, size, inode, and modification and change times (ns), hashed with
+the tokenizer's part of the name (each document is opened for it, without a link on the way: an open asks an NFS
 server afresh). A call whose documents stamp the same reuses that cache without reading them; any write changes
 a file's change time, which ``touch`` cannot set back, so changed data is hashed again. A stamp is recorded
 only when the data settled (no document changed within :data:`SETTLED_S` of it) and stamps the same after it was
@@ -72,7 +78,6 @@ from etrain.workers.protocol import safe_paths
 from etrain.workers.protocol.errors import DataError, UnsafePathError
 
 __all__ = [
-    "CACHE_DIR_SUFFIX",
     "FORMAT_VERSION",
     "TokenCache",
     "TokenizerInfo",
@@ -85,7 +90,8 @@ __all__ = [
 
 #: Bump when the stream a (data, tokenizer) pair produces changes (piece rule, EOS rule, layout).
 FORMAT_VERSION = 1
-CACHE_DIR_SUFFIX = ".etrain-tokens"
+#: A stamp's index file in the cache folder: ``<stamp>.stamp`` holds the content hash of the cache it names.
+STAMP_SUFFIX = ".stamp"
 #: Longest piece of one document handed to the tokenizer at once (characters).
 PIECE_CHARS = 1 << 20
 #: Characters encoded per batch call: bounds memory (a tokenizers Encoding costs ~100 bytes a token).
@@ -310,15 +316,9 @@ class TokenCache:
         return {"format": FORMAT_VERSION, **body}
 
 
-def cache_folder(data_path: str | os.PathLike) -> Path:
-    """The folder of ``data_path``'s caches (beside the data)."""
-    root = Path(data_path)
-    return root / CACHE_DIR_SUFFIX if root.is_dir() else root.with_name(root.name + CACHE_DIR_SUFFIX)
-
-
-def cache_file(data_path: str | os.PathLike, sha256: str) -> Path:
-    """Where the cache of ``data_path`` with content hash ``sha256`` lives (beside the data)."""
-    return cache_folder(data_path) / f"{sha256}.bin"
+def cache_file(cache_dir: str | os.PathLike, sha256: str) -> Path:
+    """Where the cache with content hash ``sha256`` lives in the service's token cache folder ``cache_dir``."""
+    return Path(cache_dir) / f"{sha256}.bin"
 
 
 def _sidecar_path(target: Path) -> Path:
@@ -371,7 +371,9 @@ def _stamp(data_path: str | os.PathLike, documents: list[Path], info: TokenizerI
     root = Path(data_path)
     taken = time.time_ns()
     digest = _new_digest(info)
-    digest.update(b"stamp\0")
+    # the data's own path too: the stamps of every corpus of every job share one cache folder, and each names one
+    # corpus where it is (the device and inode below already tell files apart)
+    digest.update(b"stamp\0" + os.fsencode(os.path.abspath(root)) + b"\0")
     sizes: list[int] = []
     newest = 0
     folder = None if root.is_file() else safe_paths.open_dir(root, field="data.path")
@@ -388,7 +390,7 @@ def _stamp(data_path: str | os.PathLike, documents: list[Path], info: TokenizerI
                 os.close(fd)
             digest.update(
                 os.fsencode(name or path.name)
-                + f"\0{found.st_size}\0{found.st_ino}\0{found.st_mtime_ns}\0{found.st_ctime_ns}\n".encode()
+                + f"\0{found.st_dev}\0{found.st_size}\0{found.st_ino}\0{found.st_mtime_ns}\0{found.st_ctime_ns}\n".encode()
             )
             sizes.append(found.st_size)
             newest = max(newest, found.st_mtime_ns, found.st_ctime_ns)
@@ -413,33 +415,56 @@ def _stamp_to_keep(
     return before.value if after.value == before.value else None
 
 
-def _cache_by_stamp(candidates: list[Path], stamp: str) -> tuple[Path, TokenCache] | None:
-    """The first of ``candidates`` (cache files) whose sidecar keeps ``stamp`` and which is complete."""
-    for target in candidates:
-        meta = _sidecar(target)
-        if meta is not None and meta.get("stamp") == stamp:
-            cache = _read_cache(target, str(meta.get("sha256")), meta)
-            if cache is not None:
-                return target, cache
-    return None
+def _stamp_index(cache_dir: Path, stamp: str) -> Path:
+    return cache_dir / f"{stamp}{STAMP_SUFFIX}"
 
 
-def _keep_stamp(target: Path, stamp: str | None) -> None:
-    """Record ``stamp`` in the sidecar of a cache just reused or written, so the next call finds it without a hash.
-    Best effort: a read-only data folder only means the next call hashes again. Written like the cache itself,
-    through the folder's descriptor (no link followed)."""
-    meta = _sidecar(target)
-    if stamp is None or meta is None or meta.get("stamp") == stamp:
+def _cache_by_stamp(cache_dir: Path | None, out: Path | None, stamp: str) -> tuple[Path, TokenCache] | None:
+    """The complete cache the data's ``stamp`` names, with where it is: in the cache folder, by its index file;
+    for ``out``, when its sidecar keeps that stamp."""
+    if out is not None:
+        meta = _sidecar(out)
+        found = _read_cache(out, str(meta.get("sha256")), meta) if meta and meta.get("stamp") == stamp else None
+        return None if found is None else (out, found)
+    assert cache_dir is not None
+    try:
+        index = json.loads(
+            safe_paths.read_file(_stamp_index(cache_dir, stamp), field="data.path", limit=_SIDECAR_MAX_BYTES)
+        )
+        sha256 = str(index["sha256"])
+    except (OSError, ValueError, KeyError, TypeError, UnsafePathError):
+        return None
+    if len(sha256) != 64 or not all(c in "0123456789abcdef" for c in sha256):
+        return None
+    target = cache_file(cache_dir, sha256)
+    found = _read_cache(target, sha256)
+    return None if found is None else (target, found)
+
+
+def _keep_stamp(target: Path, stamp: str | None, *, indexed: bool) -> None:
+    """Record ``stamp`` for the cache just reused or written at ``target``, so the next call finds it without a
+    hash: in the cache folder, ``<stamp>.stamp`` naming it (``indexed``); for ``out``, in its sidecar. Best effort
+    (an unwritable place only means the next call hashes again), written like the cache itself: through the
+    folder's descriptor, to a temporary name renamed into place, no link followed."""
+    if stamp is None:
         return
-    body = (json.dumps({**meta, "stamp": stamp}, indent=2) + "\n").encode()
+    if indexed:
+        name = _stamp_index(target.parent, stamp).name
+        body = (json.dumps({"format": FORMAT_VERSION, "sha256": target.name.removesuffix(".bin")}) + "\n").encode()
+    else:
+        meta = _sidecar(target)
+        if meta is None or meta.get("stamp") == stamp:
+            return
+        name = _sidecar_path(target).name
+        body = (json.dumps({**meta, "stamp": stamp}, indent=2) + "\n").encode()
     try:
         folder = safe_paths.open_dir(target.parent, field="data.path")
     except (OSError, UnsafePathError):
         return
     try:
-        tmp = _write_temp(folder, _sidecar_path(target).name, lambda sink: sink.write(body))
+        tmp = _write_temp(folder, name, lambda sink: sink.write(body))
         try:
-            safe_paths.rename_inside(folder, tmp, _sidecar_path(target).name, field="data.path")
+            safe_paths.rename_inside(folder, tmp, name, field="data.path")
         except OSError:
             os.unlink(tmp, dir_fd=folder)
     except (OSError, UnsafePathError):
@@ -472,8 +497,9 @@ def _mib(n: int) -> str:
 
 def _prepare_fix(data_path: str, tokenizer_path: str) -> str:
     return (
-        f"tokenize it once ahead of the submit, where the data is: `etrain prepare-data --tokenizer "
-        f"{tokenizer_path} {data_path}` (the cache it writes beside the data is reused), then submit again"
+        f"tokenize it once ahead of the submit on a machine that mounts the service's token cache (the operator): "
+        f"`etrain prepare-data --tokenizer {tokenizer_path} {data_path}`, then submit again; or write a token "
+        f"file of your own with `etrain prepare-data --out FILE ...` and train on FILE with data.kind: tokens"
     )
 
 
@@ -521,6 +547,7 @@ def tokenize_text(
     data_path: str | os.PathLike,
     tokenizer_path: str | os.PathLike,
     *,
+    cache_dir: str | os.PathLike | None = None,
     out: str | os.PathLike | None = None,
     progress: Progress | None = None,
     max_bytes: int | None = None,
@@ -529,11 +556,16 @@ def tokenize_text(
 ) -> TokenCache:
     """The token cache of ``data_path`` under ``tokenizer_path``: reused when present, else written once.
 
-    ``out`` writes (or reuses) the ``.bin`` there instead of beside the data. ``max_bytes`` and
-    ``timeout_s`` bound a run that someone waits on (a submit): more text than ``max_bytes`` to
-    tokenize, or a run past ``timeout_s``, is a :class:`DataError` whose fix is ``etrain prepare-data``.
-    ``model_vocab_size`` refuses (``data.tokenizer``) a tokenizer whose ids the model cannot embed.
+    Exactly one of ``cache_dir`` (the service's token cache folder: ``<sha256>.bin`` there) and ``out`` (this
+    one file, for ``data.kind: tokens``). ``max_bytes`` and ``timeout_s`` bound a run that someone waits on (a
+    submit): more text than ``max_bytes`` to tokenize, or a run past ``timeout_s``, is a :class:`DataError` whose
+    fix is ``etrain prepare-data``. ``model_vocab_size`` refuses (``data.tokenizer``) a tokenizer whose ids the
+    model cannot embed.
     """
+    if (cache_dir is None) == (out is None):
+        raise TypeError("tokenize_text takes exactly one of cache_dir and out")
+    folder = None if cache_dir is None else Path(cache_dir).expanduser()
+    out_file = None if out is None else Path(out).expanduser()
     data_text, tokenizer_text = str(data_path), str(tokenizer_path)
     tokenizer, info = load_tokenizer(tokenizer_path)
     if model_vocab_size is not None and info.vocab_size > model_vocab_size:
@@ -547,11 +579,7 @@ def tokenize_text(
     listed = documents = text_documents(data_path)
     before = _stamp(data_path, listed, info)
     total = sum(before.sizes)
-    folder = cache_folder(data_path)
-    candidates = (
-        [Path(out).expanduser()] if out is not None else sorted(folder.glob("*.bin")) if folder.is_dir() else []
-    )
-    found = _cache_by_stamp(candidates, before.value)
+    found = _cache_by_stamp(folder, out_file, before.value)
     if found is not None:
         target, cached = found
     else:
@@ -560,11 +588,11 @@ def tokenize_text(
             if Path(data_path).is_file() and text_size(Path(data_path)) is None:
                 raise not_utf8_error(data_text)
             raise no_text_error(data_text)
-        target = Path(out).expanduser() if out is not None else cache_file(data_path, sha256)
+        target = out_file if out_file is not None else cache_file(folder, sha256)
         cached = _read_cache(target, sha256)
         if cached is not None:
-            _keep_stamp(target, _stamp_to_keep(before, data_path, listed, info))
-    if cached is not None:  # where it is now (the data may have moved with its cache), not where it was made
+            _keep_stamp(target, _stamp_to_keep(before, data_path, listed, info), indexed=folder is not None)
+    if cached is not None:  # where it is now (an out file may have moved), not where it was made
         return replace(cached, path=os.path.abspath(target), tokenizer=info.path, data=str(Path(data_text).resolve()))
     if max_bytes is not None and total > max_bytes:
         raise DataError(
@@ -574,7 +602,7 @@ def tokenize_text(
             fix=_prepare_fix(data_text, tokenizer_text),
         )
     written = _write_cache(tokenizer, info, documents, sha256, target, data_text, clock, progress, total)
-    _keep_stamp(target, _stamp_to_keep(before, data_path, listed, info))
+    _keep_stamp(target, _stamp_to_keep(before, data_path, listed, info), indexed=folder is not None)
     return written
 
 
@@ -652,8 +680,8 @@ def _write_cache(
     total: int,
 ) -> TokenCache:
     """Stream the ids into a temporary file beside ``target``, then rename sidecar and ``.bin`` into place. The
-    cache folder is reached without links and written through its descriptor: a tenant who can write the data
-    folder cannot make ``.etrain-tokens`` (or a file in it) a link that sends the service's writes elsewhere."""
+    folder is reached without links and written through its descriptor: no link on the way sends the writes
+    elsewhere."""
     dtype = np.dtype(token_dtype_for(info.vocab_size))
     num_tokens = done = 0
 
@@ -711,8 +739,8 @@ def _unwritable(target: Path, err: OSError) -> DataError:
     return DataError(
         f"cannot write the token cache {str(target)!r}: {err.strerror or err}.",
         field="data.path",
-        fix="make the data's folder writable (or free space), or run `etrain prepare-data --out FILE` "
-        "elsewhere and train on FILE with data.kind: tokens",
+        fix="free space where it is (the service's token cache: ETRAIN_TOKEN_CACHE_DIR, or `--out`), or run "
+        "`etrain prepare-data --out FILE` elsewhere and train on FILE with data.kind: tokens",
     )
 
 

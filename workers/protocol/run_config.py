@@ -134,8 +134,11 @@ class DataConfig:
     seed: int = 0
     token_dtype: Literal["uint16", "uint32"] = "uint16"
     #: ``kind="text"`` only: a Hugging Face tokenizer.json (or its folder). The text is tokenized once
-    #: into a content-addressed ``.bin`` beside the data (``workers/engine/tokenized.py``); without it, bytes.
+    #: into a content-addressed ``.bin`` in ``token_cache_dir`` (``workers/engine/tokenized.py``); without it, bytes.
     tokenizer: str | None = None
+    #: The service's token cache folder (``Settings.token_cache_dir``: every node sees it, only the service writes
+    #: it), where a tokenized corpus is found or, when missing, written; needed with ``tokenizer``.
+    token_cache_dir: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
