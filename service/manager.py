@@ -160,6 +160,20 @@ class PlannerProcesses:
             pool.shutdown(wait=True, cancel_futures=True)
 
 
+#: A cache found this recently is kept, in use or not: a submit that found it may not have recorded its job yet.
+TOKEN_CACHE_MIN_IDLE_S = 600
+
+
+@dataclasses.dataclass(frozen=True)
+class Tokenized:
+    """What a submit did with ``data.tokenizer`` text: the event's line, the cache's content hash, whether it
+    wrote the cache (else it reused one)."""
+
+    message: str
+    sha256: str
+    written: bool
+
+
 class JobManager:
     #: ``data.tokenizer`` text is tokenized at submit, inside the HTTP request (clients wait 30 s by
     #: default), so that run is bounded: more text than this to tokenize, or a run longer than this, is
@@ -276,7 +290,10 @@ class JobManager:
             return replayed
         self.store.add_events(job_id, [(time.time(), "submitted", {"message": f"layout {config.parallel.describe()}"})])
         if tokenized is not None:
-            self.store.add_events(job_id, [(time.time(), "data_tokenized", {"message": tokenized})])
+            detail = {"message": tokenized.message, "cache_sha256": tokenized.sha256}
+            self.store.add_events(job_id, [(time.time(), "data_tokenized", detail)])
+            if tokenized.written:  # the folder grew: back under its bound, now that this job's use is recorded
+                self._prune_token_cache()
         self._submitting.discard(job_id)
         self._scheduler.announce(job_id)
         self._scheduler.schedule(submitted=job_id)  # it starts before we answer when it fits now, else waits QUEUED
@@ -314,10 +331,10 @@ class JobManager:
             token_cache_dir=self.settings.token_cache_dir,
         )
 
-    def _prepare_data(self, spec: JobSpec) -> str | None:
+    def _prepare_data(self, spec: JobSpec) -> Tokenized | None:
         """Tokenize ``data.tokenizer`` text now, once (a cache hit costs a ``stat`` a file, or one hash of data that
-        changed), so the ranks only memory-map it; a line for the job's events, or SpecRejected naming the field and
-        the fix."""
+        changed), so the ranks only memory-map it; what the job's events say of it, or SpecRejected naming the field
+        and the fix."""
         data = spec.data
         if data.kind != "text" or not data.tokenizer or not data.path:
             return None
@@ -334,9 +351,69 @@ class JobManager:
             )
         except DataError as err:
             raise SpecRejected([SpecProblem(field=err.field or "data.path", message=err.message, fix=err.fix)]) from err
-        return (
-            f"{cache.num_tokens} tokens ({cache.dtype}) {'reused from' if cache.reused else 'written to'} {cache.path}"
+        return Tokenized(
+            message=f"{cache.num_tokens} tokens ({cache.dtype}) "
+            f"{'reused from' if cache.reused else 'written to'} {cache.path}",
+            sha256=cache.sha256,
+            written=not cache.reused,
         )
+
+    def _prune_token_cache(self) -> None:
+        """Bring the service's token cache back under ``ETRAIN_TOKEN_CACHE_MAX_GB``: least recently used first,
+        never a cache an unfinished job uses (service/decisions/token_cache.py). Logged; a failure is only logged
+        (the job just submitted is not refused for it)."""
+        if self.settings.token_cache_max_gb is None:
+            return
+        from etrain.service.decisions.token_cache import CachedCorpus, to_prune
+        from etrain.workers.engine.tokenized import cached_corpora, remove_caches
+
+        folder = self.settings.token_cache_dir
+        try:
+            in_use = self._token_caches_in_use()
+            if in_use is None:
+                return
+            pruning = to_prune(
+                (CachedCorpus(*found) for found in cached_corpora(folder)),
+                max_bytes=int(self.settings.token_cache_max_gb * 1e9),
+                in_use=in_use,
+                now=time.time(),
+                min_idle_s=TOKEN_CACHE_MIN_IDLE_S,
+            )
+            remove_caches(folder, pruning.remove)
+        except OSError as err:
+            log.warning("token cache %s: could not prune (%s)", folder, err)
+            return
+        if pruning.remove:
+            log.info(
+                "token cache %s: removed %d least recently used caches (%.2f GB) to stay under %g GB",
+                folder,
+                len(pruning.remove),
+                pruning.freed_bytes / 1e9,
+                self.settings.token_cache_max_gb,
+            )
+        if pruning.over_bytes:
+            log.warning(
+                "token cache %s: %.2f GB over its %g GB bound, every cache left in use by an unfinished job or "
+                "used in the last %d s (ETRAIN_TOKEN_CACHE_MAX_GB)",
+                folder,
+                pruning.over_bytes / 1e9,
+                self.settings.token_cache_max_gb,
+                TOKEN_CACHE_MIN_IDLE_S,
+            )
+
+    def _token_caches_in_use(self) -> set[str] | None:
+        """The caches the unfinished jobs train on (their ``data_tokenized`` events say which), or None when one
+        of them does not say (a job submitted before the events did): then nothing is pruned."""
+        in_use: set[str] = set()
+        for record in self.store.active_jobs():
+            if not (record.spec.get("data") or {}).get("tokenizer"):
+                continue
+            said = [e.detail for e in self.store.events(record.id, limit=8) if e.kind == "data_tokenized"]
+            if not said or not said[0].get("cache_sha256"):
+                log.info("token cache: job %s does not say which cache it uses; nothing pruned", record.id)
+                return None
+            in_use.add(str(said[0]["cache_sha256"]))
+        return in_use
 
     def get(self, job_id: str, *, principal: Principal = ADMIN) -> JobRecord:
         """The job, if it exists *for this caller*: another tenant's job is JobNotFound, like a missing one."""

@@ -95,6 +95,10 @@ class Settings:
     #: node shares and only the service writes. None: ``<checkpoint root>/.token-cache`` (``<data_dir>/token-cache``
     #: when the checkpoint root is an object store). Never beside the data (workers/engine/tokenized.py says why).
     token_cache_base: str | None = None
+    #: ``ETRAIN_TOKEN_CACHE_MAX_GB``: the token cache's bound (GB, 10^9 bytes). After a submit writes a cache, the
+    #: least recently used caches no unfinished job uses are removed until the folder fits
+    #: (service/decisions/token_cache.py). None (set empty): no bound.
+    token_cache_max_gb: float | None = 100.0
     #: Queue jobs whose minimum layout exceeds the cluster's total resources instead of refusing them
     #: (422): for autoscaling clusters, where nodes are added on demand (service/decisions/admission.py).
     admit_beyond_cluster: bool = False
@@ -190,6 +194,12 @@ class Settings:
             object.__setattr__(self, "checkpoint_base", _checkpoint_base(self.checkpoint_base))
         if self.token_cache_base is not None:
             object.__setattr__(self, "token_cache_base", _token_cache_base(self.token_cache_base))
+        if self.token_cache_max_gb is not None and not 0 <= self.token_cache_max_gb < float("inf"):
+            raise SettingsError(
+                f"ETRAIN_TOKEN_CACHE_MAX_GB={self.token_cache_max_gb:g} must be 0 or more.",
+                field="token_cache_max_gb",
+                fix="give the token cache's size in GB (default 100), or set it empty for no bound",
+            )
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
@@ -368,6 +378,10 @@ def _number(variable: str, raw: str) -> float:
         raise SettingsError(
             f"{variable}={raw!r} is not a number.", field=variable, fix="give a number, e.g. 0.5"
         ) from None
+
+
+def _optional_number(variable: str, raw: str) -> float | None:
+    return None if raw.strip() == "" else _number(variable, raw.strip())
 
 
 def _optional_integer(variable: str, raw: str) -> int | None:
@@ -599,6 +613,7 @@ _ENV = {
     "storage_roots": ("ETRAIN_STORAGE_ROOTS", _storage_roots),
     "checkpoint_base": ("ETRAIN_CHECKPOINT_ROOT", lambda variable, raw: raw.strip() or None),
     "token_cache_base": ("ETRAIN_TOKEN_CACHE_DIR", lambda variable, raw: raw.strip() or None),
+    "token_cache_max_gb": ("ETRAIN_TOKEN_CACHE_MAX_GB", _optional_number),
     "admit_beyond_cluster": ("ETRAIN_ADMIT_BEYOND_CLUSTER", _flag),
     "warm_spares_per_node": ("ETRAIN_WARM_SPARES_PER_NODE", _integer_or_auto),
     "supervisor_spares": ("ETRAIN_SUPERVISOR_SPARES", _integer),

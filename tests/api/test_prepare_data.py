@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -240,3 +241,55 @@ def test_submit_bounds_the_work_and_points_at_prepare_data(tmp_path, manager, bp
     manager.submit_tokenize_timeout_s = 20.0
     manager.submit_tokenize_max_bytes = 1000
     assert client.post("/v1/jobs", json=spec).status_code == 201  # the prepared cache is reused
+
+
+def test_the_token_cache_stays_under_its_bound_and_keeps_what_unfinished_jobs_use(tmp_path, bpe, server_environment):
+    """ETRAIN_TOKEN_CACHE_MAX_GB: after a submit writes a cache, the least recently used caches are removed until the
+    folder fits, except those an unfinished job uses and those found in the last 10 minutes."""
+    manager_module = pytest.importorskip("etrain.service.manager")
+    settings = Settings(
+        data_dir=tmp_path / "state", poll_interval_s=60, storage_roots=(tmp_path.parent,), token_cache_max_gb=1e-9
+    )  # a 1-byte bound: every cache that may go, goes
+    manager = manager_module.JobManager(settings, runtime=FakeRuntime(), base_dir=str(tmp_path))
+    client = TestClient(create_app(settings, manager=manager), headers=admin_headers(tmp_path / "state"))
+    corpora = []
+    for index in range(3):
+        corpus = tmp_path / f"corpus{index}"
+        corpus.mkdir()
+        (corpus / "a.txt").write_text(CORPUS[index] * 30)
+        corpora.append(corpus)
+
+    def submit(corpus: Path) -> tuple[str, str]:
+        response = client.post("/v1/jobs", json=job({"kind": "text", "path": str(corpus), "tokenizer": str(bpe)}))
+        assert response.status_code == 201, response.text
+        [event] = [
+            e
+            for e in client.get(f"/v1/jobs/{response.json()['id']}/events").json()["events"]
+            if e["kind"] == "data_tokenized"
+        ]
+        return response.json()["id"], event["detail"]["cache_sha256"]
+
+    def age(sha256: str, seconds: float) -> None:
+        sidecar = server_environment / f"{sha256}.bin.json"
+        os.utime(sidecar, (sidecar.stat().st_atime, sidecar.stat().st_mtime - seconds))
+
+    def held() -> set[str]:
+        return {path.name.removesuffix(".bin") for path in server_environment.glob("*.bin")}
+
+    try:
+        first_job, first = submit(corpora[0])
+        manager.store.update_job(first_job, status="SUCCEEDED")
+        second_job, second = submit(corpora[1])
+        assert held() == {first, second}  # the first is unused but was used a moment ago
+        age(first, 3600)
+        age(second, 3600)
+        _, third = submit(corpora[2])
+        assert held() == {second, third}  # the second is the running second job's, the third the new one's
+        assert all(json.loads(p.read_text())["sha256"] != first for p in server_environment.glob("*.stamp"))
+
+        again_job, again = submit(corpora[0])  # the removed one is tokenized once more when asked for
+        assert again == first and held() == {second, third, first}
+        events = client.get(f"/v1/jobs/{again_job}/events").json()["events"]
+        assert any(e["kind"] == "data_tokenized" and "written to" in e["detail"]["message"] for e in events)
+    finally:
+        manager.close()

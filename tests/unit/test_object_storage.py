@@ -119,6 +119,12 @@ def test_the_token_cache_lies_in_the_checkpoint_tree_or_where_the_operator_says(
         with pytest.raises(SettingsError, match=f"ETRAIN_TOKEN_CACHE_DIR='{bad}' is not an absolute folder") as raised:
             Settings.from_env({"ETRAIN_TOKEN_CACHE_DIR": bad})
         assert "memory-map" in raised.value.fix
+    assert Settings().token_cache_max_gb == 100.0  # a bound by default
+    assert Settings.from_env({"ETRAIN_TOKEN_CACHE_MAX_GB": "2.5"}).token_cache_max_gb == 2.5
+    assert Settings.from_env({"ETRAIN_TOKEN_CACHE_MAX_GB": ""}).token_cache_max_gb is None  # no bound, said so
+    for bad, why in (("-1", "must be 0 or more"), ("inf", "must be 0 or more"), ("lots", "is not a number")):
+        with pytest.raises(SettingsError, match=f"ETRAIN_TOKEN_CACHE_MAX_GB.*{why}"):
+            Settings.from_env({"ETRAIN_TOKEN_CACHE_MAX_GB": bad})
 
 
 def test_a_missing_backend_is_named_with_the_extra_to_install(monkeypatch):

@@ -565,3 +565,42 @@ def test_spec_problems_name_data_tokenizer_with_a_fix(tmp_path, bpe):
     bin_file.write_bytes(b"\x00\x00")
     [wrong_kind] = check_spec(spec({"kind": "tokens", "path": str(bin_file), "tokenizer": str(bpe)}, vocab_size=320))
     assert (wrong_kind.field, wrong_kind.fix) == ("data.tokenizer", "remove data.tokenizer, or set data.kind: text")
+
+
+def test_the_cache_folder_lists_each_cache_with_its_last_use_and_removes_one_whole(tmp_path, bpe, monkeypatch):
+    """What the service's bound reads and does (service/decisions/token_cache.py decides): each complete cache with
+    its bytes and last use, which every reuse renews; a removed cache takes its sidecar and stamps along."""
+    from etrain.workers.engine.tokenized import cached_corpora, remove_caches
+
+    monkeypatch.setattr(tokenized, "SETTLED_S", 0.0)
+    folder = tmp_path / "token-cache"
+    assert cached_corpora(folder) == []  # no folder yet
+    one = tmp_path / "one.txt"
+    one.write_text(CORPUS[0] * 20)
+    two = tmp_path / "two.txt"
+    two.write_text(CORPUS[1] * 20)
+    first, second = tokens(one, bpe), tokens(two, bpe)
+    tokens(one, bpe), tokens(two, bpe)  # found by their hashes: now each has a <stamp>.stamp
+    (folder / ("f" * 64 + ".bin")).write_bytes(b"\0\0")  # ids without a sidecar: being written, no cache yet
+    (folder / "notes.bin").write_bytes(b"")
+    sidecar = Path(first.path + ".json")
+    os.utime(sidecar, (0, 1_000_000))
+    listed = {sha: (size, used) for sha, size, used in cached_corpora(folder)}
+    assert listed == {
+        first.sha256: (os.path.getsize(first.path) + sidecar.stat().st_size, 1_000_000.0),
+        second.sha256: (
+            os.path.getsize(second.path) + Path(second.path + ".json").stat().st_size,
+            pytest.approx(Path(second.path + ".json").stat().st_mtime),
+        ),
+    }
+    before = time.time()
+    assert tokens(one, bpe).reused  # a reuse (a submit, a rank's start) is its last use
+    assert dict((sha, used) for sha, _, used in cached_corpora(folder))[first.sha256] >= before - 1
+
+    remove_caches(folder, [first.sha256, "not-a-hash"])
+    assert sorted(p.name for p in folder.iterdir() if not p.name.endswith(".stamp")) == sorted(
+        [f"{second.sha256}.bin", f"{second.sha256}.bin.json", "f" * 64 + ".bin", "notes.bin"]
+    )
+    assert [json.loads(p.read_text())["sha256"] for p in folder.glob("*.stamp")] == [second.sha256]
+    again = tokens(one, bpe)
+    assert not again.reused and read_ids(again) == read_ids(first)  # asked for again: written again

@@ -59,7 +59,7 @@ import stat
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import IO, Any
@@ -82,6 +82,8 @@ __all__ = [
     "TokenCache",
     "TokenizerInfo",
     "cache_file",
+    "cached_corpora",
+    "remove_caches",
     "load_tokenizer",
     "token_dtype_for",
     "tokenize_text",
@@ -434,7 +436,7 @@ def _cache_by_stamp(cache_dir: Path | None, out: Path | None, stamp: str) -> tup
         sha256 = str(index["sha256"])
     except (OSError, ValueError, KeyError, TypeError, UnsafePathError):
         return None
-    if len(sha256) != 64 or not all(c in "0123456789abcdef" for c in sha256):
+    if not _is_sha256(sha256):
         return None
     target = cache_file(cache_dir, sha256)
     found = _read_cache(target, sha256)
@@ -469,6 +471,77 @@ def _keep_stamp(target: Path, stamp: str | None, *, indexed: bool) -> None:
             os.unlink(tmp, dir_fd=folder)
     except (OSError, UnsafePathError):
         pass
+    finally:
+        os.close(folder)
+
+
+def _mark_used(target: Path) -> None:
+    """Set the sidecar's modification time to now: the cache's last use, which the service's bound on its token
+    cache removes least recently used first (``service/decisions/token_cache.py``). Best effort, no link followed."""
+    try:
+        fd = safe_paths.open_path(_sidecar_path(target), os.O_RDONLY, field="data.path")
+    except (OSError, UnsafePathError):
+        return
+    try:
+        os.utime(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _is_sha256(name: str) -> bool:
+    return len(name) == 64 and all(c in "0123456789abcdef" for c in name)
+
+
+def cached_corpora(cache_dir: str | os.PathLike) -> list[tuple[str, int, float]]:
+    """``(sha256, bytes of the ids and sidecar, last use in seconds since the epoch)`` of every complete cache in
+    the service's token cache folder (none when it does not exist yet). Nothing followed: a link is no cache."""
+    try:
+        folder = safe_paths.open_dir(cache_dir, field="data.path")
+    except FileNotFoundError:
+        return []
+    try:
+        found = []
+        for name in safe_paths.list_names(folder, field="data.path"):
+            sha256 = name.removesuffix(".bin")
+            if not (name.endswith(".bin") and _is_sha256(sha256)):
+                continue
+            try:
+                ids = os.stat(name, dir_fd=folder, follow_symlinks=False)
+                sidecar = os.stat(f"{name}.json", dir_fd=folder, follow_symlinks=False)
+            except FileNotFoundError:  # being written (the sidecar comes first) or removed meanwhile
+                continue
+            if stat.S_ISREG(ids.st_mode) and stat.S_ISREG(sidecar.st_mode):
+                found.append((sha256, ids.st_size + sidecar.st_size, sidecar.st_mtime))
+        return found
+    finally:
+        os.close(folder)
+
+
+def remove_caches(cache_dir: str | os.PathLike, sha256s: Collection[str]) -> None:
+    """Remove these caches from the token cache folder: the ids first (then no reader finds a cache without its
+    sidecar), the sidecar, and each ``<stamp>.stamp`` that names one of them. A rank that has the ids mapped keeps
+    reading them (an unlinked file lives while it is open)."""
+    doomed = {sha256 for sha256 in sha256s if _is_sha256(sha256)}
+    if not doomed:
+        return
+    folder = safe_paths.open_dir(cache_dir, field="data.path")
+    try:
+        for sha256 in sorted(doomed):
+            for name in (f"{sha256}.bin", f"{sha256}.bin.json"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(name, dir_fd=folder)
+        for name in safe_paths.list_names(folder, field="data.path"):
+            if not name.endswith(STAMP_SUFFIX):
+                continue
+            try:
+                index = json.loads(safe_paths.read_file(folder, name, field="data.path", limit=_SIDECAR_MAX_BYTES))
+            except (OSError, ValueError, UnsafePathError):
+                continue
+            if isinstance(index, dict) and index.get("sha256") in doomed:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(name, dir_fd=folder)
     finally:
         os.close(folder)
 
@@ -593,6 +666,8 @@ def tokenize_text(
         if cached is not None:
             _keep_stamp(target, _stamp_to_keep(before, data_path, listed, info), indexed=folder is not None)
     if cached is not None:  # where it is now (an out file may have moved), not where it was made
+        if folder is not None:
+            _mark_used(target)
         return replace(cached, path=os.path.abspath(target), tokenizer=info.path, data=str(Path(data_text).resolve()))
     if max_bytes is not None and total > max_bytes:
         raise DataError(
