@@ -54,7 +54,7 @@ from etrain.service.jobs.scheduler import Scheduler
 from etrain.service.planning import planner
 from etrain.service.planning.spec import ExportDtype, JobSpec, SpecProblem
 from etrain.service.planning.spec_checks import check_spec
-from etrain.service.planning.spec_paths import pin_paths
+from etrain.service.planning.spec_paths import PATH_FIELDS, pin_paths
 from etrain.service.runtime.cluster import CALL_TIMEOUT_S, Runtime
 from etrain.service.runtime.control import ChaosHandOver, ControlQueue, ControlRequest, NotYet
 from etrain.service.settings import Settings
@@ -162,6 +162,9 @@ class PlannerProcesses:
 
 #: A cache found this recently is kept, in use or not: a submit that found it may not have recorded its job yet.
 TOKEN_CACHE_MIN_IDLE_S = 600
+#: A temporary file in the token cache unchanged this long was left by a writer that died (a writer appends a batch
+#: of ids every few seconds).
+TOKEN_CACHE_STALE_TEMPORARY_S = 3600
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,8 +252,9 @@ class JobManager:
                 return replayed
         check_priority(self.settings, principal, spec.priority)  # PriorityNotAllowed: 403
         self._quotas.precheck(principal, self.store)  # a tenant at its job cap costs no planning: 429
-        self._check_reach(spec, principal)
+        reached = self._check_reach(spec, principal)
         spec = self.validate(spec)
+        self._check_same_paths(reached, spec)
         self._scheduler.refuse_beyond_cluster(spec)
         tokenized = self._prepare_data(spec)
         job_id = f"{spec.name.lower()}-{uuid.uuid4().hex[:8]}"
@@ -292,11 +296,13 @@ class JobManager:
         if tokenized is not None:
             detail = {"message": tokenized.message, "cache_sha256": tokenized.sha256}
             self.store.add_events(job_id, [(time.time(), "data_tokenized", detail)])
-            if tokenized.written:  # the folder grew: back under its bound, now that this job's use is recorded
-                self._prune_token_cache()
         self._submitting.discard(job_id)
         self._scheduler.announce(job_id)
         self._scheduler.schedule(submitted=job_id)  # it starts before we answer when it fits now, else waits QUEUED
+        if (
+            tokenized is not None and tokenized.written
+        ):  # the folder grew: back under its bound, this job's use recorded
+            self._prune_token_cache()
         return self.store.get_job(job_id) or record
 
     def _check_reach(self, spec: JobSpec, principal: Principal) -> JobSpec:
@@ -314,6 +320,24 @@ class JobManager:
         if problems:
             raise SpecRejected(problems)
         return pinned
+
+    @staticmethod
+    def _check_same_paths(reached: JobSpec, validated: JobSpec) -> None:
+        """The paths the job stores are the ones the reach rule passed: each is resolved twice (the reach check,
+        then validate), and a link swapped in between (a tenant who can write a shared root) would otherwise store a
+        path the rule never saw, such as another tenant's job directory or the service's token cache."""
+        moved = [
+            SpecProblem(
+                field=field,
+                message=f"{field} resolved to {getattr(getattr(reached, section), name)!r}, then to "
+                f"{getattr(getattr(validated, section), name)!r}: a link on its way changed while it was checked.",
+                fix=f"point {field} at a path with no symbolic link that changes, and submit again",
+            )
+            for field, section, name in PATH_FIELDS
+            if getattr(getattr(reached, section), name) != getattr(getattr(validated, section), name)
+        ]
+        if moved:
+            raise SpecRejected(moved)
 
     def _job_dirs(self, principal: Principal):
         """The recorded job directories near a path that ``principal``'s paths must stay out of."""
@@ -360,18 +384,20 @@ class JobManager:
 
     def _prune_token_cache(self) -> None:
         """Bring the service's token cache back under ``ETRAIN_TOKEN_CACHE_MAX_GB``: least recently used first,
-        never a cache an unfinished job uses (service/decisions/token_cache.py). Logged; a failure is only logged
-        (the job just submitted is not refused for it)."""
+        never a cache an unfinished job uses or ``etrain prepare-data`` wrote (service/decisions/token_cache.py), and
+        temporaries left by writers that died. Logged; any failure is only logged: the job is stored and scheduled
+        already, and a cache left over the bound costs disk, not a job."""
         if self.settings.token_cache_max_gb is None:
             return
         from etrain.service.decisions.token_cache import CachedCorpus, to_prune
-        from etrain.workers.engine.tokenized import cached_corpora, remove_caches
+        from etrain.workers.engine.tokenized import cached_corpora, remove_caches, remove_stale_temporaries
 
         folder = self.settings.token_cache_dir
         try:
             in_use = self._token_caches_in_use()
             if in_use is None:
                 return
+            remove_stale_temporaries(folder, older_than_s=TOKEN_CACHE_STALE_TEMPORARY_S)
             pruning = to_prune(
                 (CachedCorpus(*found) for found in cached_corpora(folder)),
                 max_bytes=int(self.settings.token_cache_max_gb * 1e9),
@@ -380,8 +406,8 @@ class JobManager:
                 min_idle_s=TOKEN_CACHE_MIN_IDLE_S,
             )
             remove_caches(folder, pruning.remove)
-        except OSError as err:
-            log.warning("token cache %s: could not prune (%s)", folder, err)
+        except Exception:  # noqa: BLE001 - see the docstring: never the submit's failure
+            log.warning("token cache %s: could not prune", folder, exc_info=True)
             return
         if pruning.remove:
             log.info(

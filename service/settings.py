@@ -194,6 +194,7 @@ class Settings:
             object.__setattr__(self, "checkpoint_base", _checkpoint_base(self.checkpoint_base))
         if self.token_cache_base is not None:
             object.__setattr__(self, "token_cache_base", _token_cache_base(self.token_cache_base))
+            self._check_token_cache_apart()
         if self.token_cache_max_gb is not None and not 0 <= self.token_cache_max_gb < float("inf"):
             raise SettingsError(
                 f"ETRAIN_TOKEN_CACHE_MAX_GB={self.token_cache_max_gb:g} must be 0 or more.",
@@ -328,6 +329,26 @@ class Settings:
 
         return resolve(self.checkpoint_base or self.data_dir / "checkpoints")
 
+    def _check_token_cache_apart(self) -> None:
+        """ETRAIN_TOKEN_CACHE_DIR must be a folder only the service writes: not in (nor holding) a storage root, which
+        a tenant may be able to write directly (a shared dataset volume), unless it lies in the service's own data
+        directory or checkpoint tree."""
+        from etrain.service.access.storage_roots import inside, resolve
+
+        cache = resolve(self.token_cache_base)
+        own = [resolve(self.data_dir), self.checkpoint_tree]
+        if any(inside(cache, folder) for folder in own if not _is_url(folder)):
+            return
+        for root in self.storage_roots:
+            if not _is_url(root) and (inside(cache, resolve(root)) or inside(resolve(root), cache)):
+                raise SettingsError(
+                    f"ETRAIN_TOKEN_CACHE_DIR={self.token_cache_base!r} {'is in' if inside(cache, resolve(root)) else 'holds'} "
+                    f"the storage root {str(root)!r}, where a tenant may be able to write files and plant token ids.",
+                    field="token_cache_base",
+                    fix="give a folder outside every storage root that only the service writes (or one inside its "
+                    "checkpoint root), or leave it unset: <checkpoint root>/.token-cache",
+                )
+
     @property
     def token_cache_dir(self) -> str:
         """Where tokenized corpora live (``ETRAIN_TOKEN_CACHE_DIR``, else inside the checkpoint tree, which every
@@ -337,7 +358,9 @@ class Settings:
         if self.token_cache_base is not None:
             return resolve(self.token_cache_base)
         tree = self.checkpoint_tree
-        return resolve(self.data_dir / "token-cache") if _is_url(tree) else os.path.join(tree, TOKEN_CACHE_NAME)
+        return (
+            resolve(self.data_dir / "token-cache") if _is_url(tree) else resolve(os.path.join(tree, TOKEN_CACHE_NAME))
+        )
 
     @property
     def api_url(self) -> str:

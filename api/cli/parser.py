@@ -192,8 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument(
         "--cache-dir",
         help="the service's token cache, where a job with data.tokenizer finds the corpus (default: the one "
-        "`etrain serve` uses here: ETRAIN_TOKEN_CACHE_DIR, else <ETRAIN_CHECKPOINT_ROOT or "
-        "ETRAIN_DATA_DIR/checkpoints>/.token-cache; ETRAIN_DATA_DIR default ./.etrain)",
+        "`etrain serve` would use with this environment, not its --data-dir flag: ETRAIN_TOKEN_CACHE_DIR, else "
+        "<ETRAIN_CHECKPOINT_ROOT or ETRAIN_DATA_DIR/checkpoints>/.token-cache; ETRAIN_DATA_DIR default ./.etrain, "
+        "from this directory)",
     )
     prepare.add_argument(
         "--out",

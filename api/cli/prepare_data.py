@@ -88,6 +88,7 @@ def cmd_prepare_data(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             cache_dir=cache_dir,
             out=os.path.realpath(os.path.expanduser(args.out)) if args.out else None,
             progress=bar,
+            prepared=cache_dir is not None,  # the operator's: the cache's bound leaves it to the operator
         )
     except EtrainError as error:
         bar.close()

@@ -8,6 +8,8 @@ submit writes a new cache, the folder is brought back under the bound by removin
 * never a cache an unfinished job uses: its ranks memory-map it, and a replacement rank or the next attempt
   reads it again (removed, it would tokenize the whole corpus once more, in every rank that starts);
 * never one used within ``min_idle_s``: a submit that has just found a cache has not yet recorded its job;
+* never one ``etrain prepare-data`` wrote (``pinned``): the operator prepared it for jobs not yet submitted, and
+  only the operator removes it (it counts toward the bound all the same);
 * never the one just written (it is in use by the job being submitted).
 
 What stays over the bound is said (``over_bytes``), never forced: running jobs come first. The rules are tests in
@@ -29,6 +31,7 @@ class CachedCorpus:
     sha256: str
     size_bytes: int
     last_used: float  # seconds since the epoch
+    pinned: bool = False  # written by etrain prepare-data: never removed by the bound
 
 
 @dataclass(frozen=True)
@@ -37,7 +40,7 @@ class Pruning:
 
     remove: tuple[str, ...]
     freed_bytes: int
-    over_bytes: int  # > 0: the folder stays this far over its bound (every cache left is in use or just used)
+    over_bytes: int  # > 0: the folder stays this far over its bound (every cache left is in use, just used or pinned)
 
 
 def to_prune(
@@ -54,7 +57,11 @@ def to_prune(
     listed = list(caches)
     total = sum(cache.size_bytes for cache in listed)
     removable = sorted(
-        (cache for cache in listed if cache.sha256 not in in_use and now - cache.last_used >= min_idle_s),
+        (
+            cache
+            for cache in listed
+            if not cache.pinned and cache.sha256 not in in_use and now - cache.last_used >= min_idle_s
+        ),
         key=lambda cache: (cache.last_used, cache.sha256),  # the hash breaks ties: the same answer every time
     )
     remove: list[str] = []

@@ -256,7 +256,8 @@ class DataSpec(_Section):
     tokenizer: PathText | None = Field(
         default=None,
         description="text only: a Hugging Face tokenizer.json (or its folder); the text is tokenized once "
-        "into a cached .bin beside the data (`etrain prepare-data`). Default: byte tokens",
+        "into the service's token cache, never beside the data (`etrain prepare-data` ahead for big corpora). "
+        "Default: byte tokens",
     )
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -79,6 +80,7 @@ def test_prepare_data_prints_the_cache_and_its_token_count(bpe, corpus, server_e
     cache_line, tokens_line = out.splitlines()
     path = Path(cache_line.split()[1])
     assert path.parent == server_environment and cache_line.endswith(" (written)")  # the server's token cache
+    assert json.loads(Path(f"{path}.json").read_text())["prepared"] is True  # the operator's: never pruned
     assert [p.name for p in corpus.iterdir()] == [p.name for p in corpus.glob("*.txt")]  # nothing beside the data
     assert tokens_line == (f"tokens: {len(expected)} uint16 (4 documents, EOS '<|endoftext|>', tokenizer vocab 300)")
     assert np.fromfile(path, dtype=np.uint16).tolist() == expected
@@ -291,5 +293,16 @@ def test_the_token_cache_stays_under_its_bound_and_keeps_what_unfinished_jobs_us
         assert again == first and held() == {second, third, first}
         events = client.get(f"/v1/jobs/{again_job}/events").json()["events"]
         assert any(e["kind"] == "data_tokenized" and "written to" in e["detail"]["message"] for e in events)
+
+        # a pruning that fails never fails the submit, nor leaves its job unscheduled
+        def locked() -> set[str]:
+            raise sqlite3.OperationalError("database is locked")
+
+        manager._token_caches_in_use = locked
+        corpus = tmp_path / "corpus3"
+        corpus.mkdir()
+        (corpus / "a.txt").write_text(CORPUS[3] * 30)
+        late_job, _ = submit(corpus)  # a 201, above
+        assert late_job not in manager._submitting and manager.get(late_job).status.value != "FAILED"
     finally:
         manager.close()

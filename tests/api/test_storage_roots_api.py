@@ -224,8 +224,9 @@ def test_a_tenant_cannot_reach_another_tenants_checkpoints(world, server):
 
 
 def test_no_tenant_path_reaches_the_token_cache(world):
-    """The service trusts a tokenized corpus in its token cache by its name: an operator who puts that folder inside
-    a storage root (ETRAIN_TOKEN_CACHE_DIR) keeps every tenant's paths out of it, as out of the checkpoint tree."""
+    """The service trusts a tokenized corpus in its token cache by its name: where that folder lies inside a storage
+    root (here in the service's data directory, which is inside the root; by default in the checkpoint tree), no
+    tenant's path reaches it, as none reaches the checkpoint tree."""
     manager_module = pytest.importorskip("etrain.service.manager")
     settings = Settings(
         data_dir=world / "roots" / "state",
@@ -233,22 +234,38 @@ def test_no_tenant_path_reaches_the_token_cache(world):
         api_token=ADMIN_TOKEN,
         api_tokens=TENANTS,
         poll_interval_s=60,
-        token_cache_base=str(world / "roots" / "shared" / "tokens"),
+        token_cache_base=str(world / "roots" / "state" / "tokens"),
     )
-    (world / "roots" / "shared" / "tokens").mkdir(parents=True)
-    (world / "roots" / "shared" / "tokens" / "abc.bin").write_bytes(b"\x01\x00" * 64)
+    (world / "roots" / "state" / "tokens").mkdir(parents=True)
+    (world / "roots" / "state" / "tokens" / "abc.bin").write_bytes(b"\x01\x00" * 64)
     manager = manager_module.JobManager(settings, runtime=FakeRuntime(), base_dir=str(world / "roots"))
     try:
         bob = TestClient(create_app(settings, manager=manager), headers=bearer(TENANTS["bob"]))
         for body, field in [
-            (spec(data={"kind": "tokens", "path": "shared/tokens/abc.bin"}), "data.path"),  # others' corpora
-            (spec(checkpoint={"path": "shared/tokens/run"}), "checkpoint.path"),  # write into it
-            (spec(**text("shared")), "data.path"),  # a folder holding it
+            (spec(data={"kind": "tokens", "path": "state/tokens/abc.bin"}), "data.path"),  # others' corpora
+            (spec(checkpoint={"path": "state/tokens/run"}), "checkpoint.path"),  # write into it
         ]:
             response = bob.post("/v1/jobs", json=body)
             assert response.status_code == 422, body
             [problem] = response.json()["detail"]
             assert problem["field"] == field and "the service's token cache" in problem["message"], problem
         assert bob.post("/v1/jobs", json=spec(**text("corpus"))).status_code == 201
+
+        # A link a tenant swaps between the reach check and validate (each resolves the path) stores no path the
+        # rule did not pass: here, the link led to the corpus when checked and into the token cache after.
+        link = world / "roots" / "swapped"
+        link.symlink_to(world / "roots" / "corpus")
+        checked = manager.validate
+
+        def swap_then_validate(given):
+            link.unlink()
+            link.symlink_to(world / "roots" / "state" / "tokens" / "abc.bin")
+            return checked(given)
+
+        manager.validate = swap_then_validate
+        response = bob.post("/v1/jobs", json=spec(data={"kind": "tokens", "path": "swapped"}))
+        assert response.status_code == 422, response.text
+        [problem] = response.json()["detail"]
+        assert problem["field"] == "data.path" and "changed while it was checked" in problem["message"]
     finally:
         manager.close()

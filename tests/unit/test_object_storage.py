@@ -119,6 +119,22 @@ def test_the_token_cache_lies_in_the_checkpoint_tree_or_where_the_operator_says(
         with pytest.raises(SettingsError, match=f"ETRAIN_TOKEN_CACHE_DIR='{bad}' is not an absolute folder") as raised:
             Settings.from_env({"ETRAIN_TOKEN_CACHE_DIR": bad})
         assert "memory-map" in raised.value.fix
+    # never where a tenant may write files: in (or holding) a storage root, unless inside the service's own folders
+    roots = f"{tmp_path / 'datasets'}:{tmp_path}"
+    for where, words in ((tmp_path / "datasets" / "tc", "is in"), (tmp_path.parent, "holds")):
+        with pytest.raises(SettingsError, match=f"{words} the storage root") as raised:
+            Settings.from_env({"ETRAIN_TOKEN_CACHE_DIR": str(where), "ETRAIN_STORAGE_ROOTS": roots})
+        assert "outside every storage root" in raised.value.fix
+    for own in (tmp_path / "state" / "tc", tmp_path / "ckpt" / "tc"):
+        settings = Settings.from_env(
+            {
+                "ETRAIN_TOKEN_CACHE_DIR": str(own),
+                "ETRAIN_STORAGE_ROOTS": roots,
+                "ETRAIN_DATA_DIR": str(tmp_path / "state"),
+                "ETRAIN_CHECKPOINT_ROOT": str(tmp_path / "ckpt"),
+            }
+        )
+        assert settings.token_cache_dir == os.path.realpath(own)
     assert Settings().token_cache_max_gb == 100.0  # a bound by default
     assert Settings.from_env({"ETRAIN_TOKEN_CACHE_MAX_GB": "2.5"}).token_cache_max_gb == 2.5
     assert Settings.from_env({"ETRAIN_TOKEN_CACHE_MAX_GB": ""}).token_cache_max_gb is None  # no bound, said so

@@ -34,6 +34,12 @@ def test_a_cache_in_use_or_just_used_stays_and_what_is_left_over_is_said():
         to_prune(caches, max_bytes=-1, in_use=(), now=0.0, min_idle_s=0)
 
 
+def test_a_prepared_cache_is_the_operators_to_remove():
+    caches = [CachedCorpus("prepared", 9 * GB, 0.0, pinned=True), corpus("b", 1 * GB, 10.0)]
+    pruning = to_prune(caches, max_bytes=1 * GB, in_use=(), now=10_000.0, min_idle_s=600)
+    assert pruning.remove == ("b",) and pruning.over_bytes == 8 * GB  # it counts toward the bound all the same
+
+
 def test_every_small_folder_against_a_brute_force():
     """The answer is the shortest prefix of the removable caches, oldest first, that brings the folder under
     the bound (or all of them): checked over random folders against every prefix."""
@@ -41,7 +47,12 @@ def test_every_small_folder_against_a_brute_force():
     for _ in range(2000):
         count = rng.randint(0, 6)
         caches = [
-            corpus(f"{index:02d}", rng.randint(0, 5) * GB, float(rng.choice([0, 10, 10, 20, 990, 1000])))
+            CachedCorpus(
+                f"{index:02d}",
+                rng.randint(0, 5) * GB,
+                float(rng.choice([0, 10, 10, 20, 990, 1000])),
+                pinned=rng.random() < 0.15,
+            )
             for index in range(count)
         ]
         in_use = {cache.sha256 for cache in caches if rng.random() < 0.25}
@@ -50,7 +61,7 @@ def test_every_small_folder_against_a_brute_force():
         pruning = to_prune(caches, max_bytes=bound, in_use=in_use, now=now, min_idle_s=idle)
 
         removable = sorted(
-            (c for c in caches if c.sha256 not in in_use and now - c.last_used >= idle),
+            (c for c in caches if not c.pinned and c.sha256 not in in_use and now - c.last_used >= idle),
             key=lambda c: (c.last_used, c.sha256),
         )
         total = sum(c.size_bytes for c in caches)

@@ -100,6 +100,7 @@ def test_a_folder_is_encode_of_each_document_joined_with_eos(tmp_path, bpe):
         "documents": 3,
         "eos_id": eos,
         "eos_token": "<|endoftext|>",
+        "prepared": False,  # a submit's or a rank's: the cache's bound may remove it
     }
     assert sorted(p.name for p in (tmp_path / "token-cache").iterdir()) == [
         f"{cache.sha256}.bin",
@@ -585,22 +586,39 @@ def test_the_cache_folder_lists_each_cache_with_its_last_use_and_removes_one_who
     (folder / "notes.bin").write_bytes(b"")
     sidecar = Path(first.path + ".json")
     os.utime(sidecar, (0, 1_000_000))
-    listed = {sha: (size, used) for sha, size, used in cached_corpora(folder)}
+    listed = {sha: (size, used, pinned) for sha, size, used, pinned in cached_corpora(folder)}
     assert listed == {
-        first.sha256: (os.path.getsize(first.path) + sidecar.stat().st_size, 1_000_000.0),
+        first.sha256: (os.path.getsize(first.path) + sidecar.stat().st_size, 1_000_000.0, False),
         second.sha256: (
             os.path.getsize(second.path) + Path(second.path + ".json").stat().st_size,
             pytest.approx(Path(second.path + ".json").stat().st_mtime),
+            False,
         ),
     }
     before = time.time()
     assert tokens(one, bpe).reused  # a reuse (a submit, a rank's start) is its last use
-    assert dict((sha, used) for sha, _, used in cached_corpora(folder))[first.sha256] >= before - 1
+    assert {sha: used for sha, _, used, _ in cached_corpora(folder)}[first.sha256] >= before - 1
+    three = tmp_path / "three.txt"
+    three.write_text(CORPUS[2] * 20)
+    prepared = tokens(three, bpe, prepared=True)  # what etrain prepare-data writes: pinned
+    assert prepared.prepared and tokens(three, bpe).prepared  # and found as such
+    assert {sha: pinned for sha, *_, pinned in cached_corpora(folder)}[prepared.sha256] is True
 
     remove_caches(folder, [first.sha256, "not-a-hash"])
+    remove_caches(folder, [prepared.sha256])
     assert sorted(p.name for p in folder.iterdir() if not p.name.endswith(".stamp")) == sorted(
         [f"{second.sha256}.bin", f"{second.sha256}.bin.json", "f" * 64 + ".bin", "notes.bin"]
     )
     assert [json.loads(p.read_text())["sha256"] for p in folder.glob("*.stamp")] == [second.sha256]
     again = tokens(one, bpe)
     assert not again.reused and read_ids(again) == read_ids(first)  # asked for again: written again
+
+    # a writer that died leaves its temporary ids: removed once unchanged for the given time, never a fresh one
+    from etrain.workers.engine.tokenized import remove_stale_temporaries
+
+    stale, fresh = folder / f".{'e' * 64}.bin.tmp-1-2-abc", folder / f".{'d' * 64}.bin.tmp-3-4-def"
+    stale.write_bytes(b"\0" * 8)
+    fresh.write_bytes(b"\0" * 8)
+    os.utime(stale, (0, time.time() - 7200))
+    remove_stale_temporaries(folder, older_than_s=3600)
+    assert not stale.exists() and fresh.exists() and Path(again.path).exists()

@@ -15,8 +15,9 @@ Kinds:
 * ``text``      a UTF-8 file, or a folder of text-like files walked in sorted order; bytes are
                 tokens (vocabulary 256), read from the files a sample at a time
                 (``workers/engine/text_bytes.py``: never held whole in a rank's memory). With ``data.tokenizer`` (a Hugging Face tokenizer.json) the
-                text is tokenized once into a cached ``.bin`` beside the data and read like
-                ``tokens`` (``workers/engine/tokenized.py``; the service usually writes it at submit).
+                text is tokenized once into a cached ``.bin`` in the service's token cache
+                (``DataConfig.token_cache_dir``, never beside the data) and read like ``tokens``
+                (``workers/engine/tokenized.py``; the service usually writes it at submit).
 * ``tokens``    a nanoGPT-style ``.bin``: a raw array of ``uint16``/``uint32`` token ids, memory-mapped.
 * ``synthetic`` a deterministic, learnable stream built from a seed (random "words" of distinct
                 tokens repeated in a random order), so a loss curve falls clearly without any file.

@@ -29,7 +29,7 @@ the tokenizer.json are switched off: training wants every token.
 Finding the cache without reading the data: the content hash reads every byte (a 100 GB corpus: about a minute,
 on every submit and in every rank at every start). So the cache folder also keeps, for the data it was made from,
 the data's *stamp* (``<stamp>.stamp``, naming the cache; with ``out``, the sidecar keeps it): ``data.path``
-itself, each document's name under it, device, size, inode, and modification and change times (ns), hashed with
+itself, each document's name under it, size, inode, and modification and change times (ns), hashed with
 the tokenizer's part of the name (each document is opened for it, without a link on the way: an open asks an NFS
 server afresh). A call whose documents stamp the same reuses that cache without reading them; any write changes
 a file's change time, which ``touch`` cannot set back, so changed data is hashed again. A stamp is recorded
@@ -84,6 +84,7 @@ __all__ = [
     "cache_file",
     "cached_corpora",
     "remove_caches",
+    "remove_stale_temporaries",
     "load_tokenizer",
     "token_dtype_for",
     "tokenize_text",
@@ -310,6 +311,8 @@ class TokenCache:
     documents: int
     eos_id: int | None
     eos_token: str | None
+    #: written by ``etrain prepare-data`` into the service's cache: its bound never removes it (the operator does)
+    prepared: bool = False
     reused: bool = False  # found on disk instead of written by this call
 
     def sidecar(self) -> dict[str, Any]:
@@ -349,7 +352,8 @@ def _read_cache(target: Path, sha256: str, meta: dict[str, Any] | None = None) -
     size = found.st_size
     if meta is None or meta.get("sha256") != sha256:
         return None
-    fields = {name: meta.get(name) for name in TokenCache.__dataclass_fields__ if name != "reused"}
+    fields = {name: meta.get(name) for name in TokenCache.__dataclass_fields__ if name not in ("reused", "prepared")}
+    fields["prepared"] = meta.get("prepared") is True
     try:
         cache = TokenCache(**fields, reused=True)
         expected = int(cache.num_tokens) * np.dtype(cache.dtype).itemsize
@@ -374,7 +378,8 @@ def _stamp(data_path: str | os.PathLike, documents: list[Path], info: TokenizerI
     taken = time.time_ns()
     digest = _new_digest(info)
     # the data's own path too: the stamps of every corpus of every job share one cache folder, and each names one
-    # corpus where it is (the device and inode below already tell files apart)
+    # corpus where it is. No device number: a network filesystem's is chosen by each machine when it mounts it, and
+    # a stamp taken by the server (or prepare-data) must match in every rank on every node.
     digest.update(b"stamp\0" + os.fsencode(os.path.abspath(root)) + b"\0")
     sizes: list[int] = []
     newest = 0
@@ -392,7 +397,7 @@ def _stamp(data_path: str | os.PathLike, documents: list[Path], info: TokenizerI
                 os.close(fd)
             digest.update(
                 os.fsencode(name or path.name)
-                + f"\0{found.st_dev}\0{found.st_size}\0{found.st_ino}\0{found.st_mtime_ns}\0{found.st_ctime_ns}\n".encode()
+                + f"\0{found.st_size}\0{found.st_ino}\0{found.st_mtime_ns}\0{found.st_ctime_ns}\n".encode()
             )
             sizes.append(found.st_size)
             newest = max(newest, found.st_mtime_ns, found.st_ctime_ns)
@@ -494,9 +499,10 @@ def _is_sha256(name: str) -> bool:
     return len(name) == 64 and all(c in "0123456789abcdef" for c in name)
 
 
-def cached_corpora(cache_dir: str | os.PathLike) -> list[tuple[str, int, float]]:
-    """``(sha256, bytes of the ids and sidecar, last use in seconds since the epoch)`` of every complete cache in
-    the service's token cache folder (none when it does not exist yet). Nothing followed: a link is no cache."""
+def cached_corpora(cache_dir: str | os.PathLike) -> list[tuple[str, int, float, bool]]:
+    """``(sha256, bytes of the ids and sidecar, last use in seconds since the epoch, written by prepare-data)`` of
+    every complete cache in the service's token cache folder (none when it does not exist yet). Nothing followed:
+    a link is no cache."""
     try:
         folder = safe_paths.open_dir(cache_dir, field="data.path")
     except FileNotFoundError:
@@ -513,7 +519,9 @@ def cached_corpora(cache_dir: str | os.PathLike) -> list[tuple[str, int, float]]
             except FileNotFoundError:  # being written (the sidecar comes first) or removed meanwhile
                 continue
             if stat.S_ISREG(ids.st_mode) and stat.S_ISREG(sidecar.st_mode):
-                found.append((sha256, ids.st_size + sidecar.st_size, sidecar.st_mtime))
+                meta = _sidecar(Path(cache_dir) / name)
+                prepared = meta is not None and meta.get("prepared") is True
+                found.append((sha256, ids.st_size + sidecar.st_size, sidecar.st_mtime, prepared))
         return found
     finally:
         os.close(folder)
@@ -542,6 +550,28 @@ def remove_caches(cache_dir: str | os.PathLike, sha256s: Collection[str]) -> Non
             if isinstance(index, dict) and index.get("sha256") in doomed:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(name, dir_fd=folder)
+    finally:
+        os.close(folder)
+
+
+def remove_stale_temporaries(cache_dir: str | os.PathLike, *, older_than_s: float) -> None:
+    """Remove the temporary files (:func:`_write_temp`'s ``.<name>.tmp-...``) unchanged for ``older_than_s``: a
+    writer that died (a rank killed while it tokenized) leaves its partial ids, which no cache counts."""
+    try:
+        folder = safe_paths.open_dir(cache_dir, field="data.path")
+    except FileNotFoundError:
+        return
+    try:
+        cutoff = time.time() - older_than_s
+        for name in safe_paths.list_names(folder, field="data.path"):
+            if not (name.startswith(".") and ".tmp-" in name):
+                continue
+            try:
+                found = os.stat(name, dir_fd=folder, follow_symlinks=False)
+                if found.st_mtime < cutoff:
+                    os.unlink(name, dir_fd=folder)
+            except FileNotFoundError:
+                continue
     finally:
         os.close(folder)
 
@@ -626,6 +656,7 @@ def tokenize_text(
     max_bytes: int | None = None,
     timeout_s: float | None = None,
     model_vocab_size: int | None = None,
+    prepared: bool = False,
 ) -> TokenCache:
     """The token cache of ``data_path`` under ``tokenizer_path``: reused when present, else written once.
 
@@ -633,7 +664,7 @@ def tokenize_text(
     one file, for ``data.kind: tokens``). ``max_bytes`` and ``timeout_s`` bound a run that someone waits on (a
     submit): more text than ``max_bytes`` to tokenize, or a run past ``timeout_s``, is a :class:`DataError` whose
     fix is ``etrain prepare-data``. ``model_vocab_size`` refuses (``data.tokenizer``) a tokenizer whose ids the
-    model cannot embed.
+    model cannot embed. ``prepared``: ``etrain prepare-data`` is writing it (the cache's bound never removes it).
     """
     if (cache_dir is None) == (out is None):
         raise TypeError("tokenize_text takes exactly one of cache_dir and out")
@@ -676,7 +707,7 @@ def tokenize_text(
             field="data.path",
             fix=_prepare_fix(data_text, tokenizer_text),
         )
-    written = _write_cache(tokenizer, info, documents, sha256, target, data_text, clock, progress, total)
+    written = _write_cache(tokenizer, info, documents, sha256, target, data_text, clock, progress, total, prepared)
     _keep_stamp(target, _stamp_to_keep(before, data_path, listed, info), indexed=folder is not None)
     return written
 
@@ -753,6 +784,7 @@ def _write_cache(
     clock: _Clock,
     progress: Progress | None,
     total: int,
+    prepared: bool,
 ) -> TokenCache:
     """Stream the ids into a temporary file beside ``target``, then rename sidecar and ``.bin`` into place. The
     folder is reached without links and written through its descriptor: no link on the way sends the writes
@@ -793,6 +825,7 @@ def _write_cache(
             documents=len(documents),
             eos_id=info.eos_id,
             eos_token=info.eos_token,
+            prepared=prepared,
         )
         body = (json.dumps(cache.sidecar(), indent=2) + "\n").encode()
         written.append(_write_temp(folder, _sidecar_path(target).name, lambda sink: sink.write(body)))
