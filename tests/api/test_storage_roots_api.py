@@ -6,8 +6,10 @@ file exists or not, for plain, ``..`` and symlink escapes, on /v1/jobs, /v1/plan
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +42,10 @@ def world(tmp_path):
     return tmp_path
 
 
-@pytest.fixture
-def server(world):
+@contextlib.contextmanager
+def serving(world: Path, **settings: Any) -> Iterator[tuple[Any, TestClient]]:
+    """The real manager and app over ``world`` (roots: ``<world>/roots``, the server's directory too), and an admin
+    client; ``settings`` override the service's."""
     manager_module = pytest.importorskip("etrain.service.manager")  # imports Ray (not started)
     settings = Settings(
         data_dir=world / "roots" / "state",
@@ -49,10 +53,19 @@ def server(world):
         api_token=ADMIN_TOKEN,
         api_tokens=TENANTS,
         poll_interval_s=60,
+        **settings,
     )
     manager = manager_module.JobManager(settings, runtime=FakeRuntime(), base_dir=str(world / "roots"))
-    yield manager, TestClient(create_app(settings, manager=manager), headers=bearer(ADMIN_TOKEN))
-    manager.close()
+    try:
+        yield manager, TestClient(create_app(settings, manager=manager), headers=bearer(ADMIN_TOKEN))
+    finally:
+        manager.close()
+
+
+@pytest.fixture
+def server(world):
+    with serving(world) as served:
+        yield served
 
 
 def spec(**sections: Any) -> dict[str, Any]:
@@ -227,20 +240,10 @@ def test_no_tenant_path_reaches_the_token_cache(world):
     """The service trusts a tokenized corpus in its token cache by its name: where that folder lies inside a storage
     root (here in the service's data directory, which is inside the root; by default in the checkpoint tree), no
     tenant's path reaches it, as none reaches the checkpoint tree."""
-    manager_module = pytest.importorskip("etrain.service.manager")
-    settings = Settings(
-        data_dir=world / "roots" / "state",
-        storage_roots=(world / "roots",),
-        api_token=ADMIN_TOKEN,
-        api_tokens=TENANTS,
-        poll_interval_s=60,
-        token_cache_base=str(world / "roots" / "state" / "tokens"),
-    )
     (world / "roots" / "state" / "tokens").mkdir(parents=True)
     (world / "roots" / "state" / "tokens" / "abc.bin").write_bytes(b"\x01\x00" * 64)
-    manager = manager_module.JobManager(settings, runtime=FakeRuntime(), base_dir=str(world / "roots"))
-    try:
-        bob = TestClient(create_app(settings, manager=manager), headers=bearer(TENANTS["bob"]))
+    with serving(world, token_cache_base=str(world / "roots" / "state" / "tokens")) as (manager, admin):
+        bob = TestClient(admin.app, headers=bearer(TENANTS["bob"]))
         for body, field in [
             (spec(data={"kind": "tokens", "path": "state/tokens/abc.bin"}), "data.path"),  # others' corpora
             (spec(checkpoint={"path": "state/tokens/run"}), "checkpoint.path"),  # write into it
@@ -267,5 +270,3 @@ def test_no_tenant_path_reaches_the_token_cache(world):
         assert response.status_code == 422, response.text
         [problem] = response.json()["detail"]
         assert problem["field"] == "data.path" and "changed while it was checked" in problem["message"]
-    finally:
-        manager.close()
