@@ -103,6 +103,7 @@ def test_a_folder_is_encode_of_each_document_joined_with_eos(tmp_path, bpe):
         "prepared": False,  # a submit's or a rank's: the cache's bound may remove it
     }
     assert sorted(p.name for p in (tmp_path / "token-cache").iterdir()) == [
+        f".{cache.sha256}.bin.lock",  # its writer's lock (empty)
         f"{cache.sha256}.bin",
         f"{cache.sha256}.bin.json",
     ]  # no <stamp>.stamp: the data was written just now (tokenized.SETTLED_S)
@@ -404,9 +405,11 @@ def test_racing_writers_leave_one_whole_cache(tmp_path, bpe):
     assert len({cache.path for cache in results}) == 1
     assert read_ids(results[0]) == encode(bpe, data.read_text())
     assert sorted(p.name for p in Path(results[0].path).parent.iterdir()) == [
+        f".{Path(results[0].path).name}.lock",
         Path(results[0].path).name,
         Path(results[0].path).name + ".json",
     ]  # no temporary files left
+    assert sorted(cache.reused for cache in results) == [False, True, True]  # one wrote it, two waited for it
 
 
 def test_out_writes_a_tokens_file_that_kind_tokens_reads(tmp_path, bpe):
@@ -607,7 +610,8 @@ def test_the_cache_folder_lists_each_cache_with_its_last_use_and_removes_one_who
     remove_caches(folder, [first.sha256, "not-a-hash"])
     remove_caches(folder, [prepared.sha256])
     assert sorted(p.name for p in folder.iterdir() if not p.name.endswith(".stamp")) == sorted(
-        [f"{second.sha256}.bin", f"{second.sha256}.bin.json", "f" * 64 + ".bin", "notes.bin"]
+        [f".{second.sha256}.bin.lock", f"{second.sha256}.bin", f"{second.sha256}.bin.json", "f" * 64 + ".bin"]
+        + ["notes.bin"]
     )
     assert [json.loads(p.read_text())["sha256"] for p in folder.glob("*.stamp")] == [second.sha256]
     again = tokens(one, bpe)
@@ -622,3 +626,45 @@ def test_the_cache_folder_lists_each_cache_with_its_last_use_and_removes_one_who
     os.utime(stale, (0, time.time() - 7200))
     remove_stale_temporaries(folder, older_than_s=3600)
     assert not stale.exists() and fresh.exists() and Path(again.path).exists()
+
+
+def test_one_writer_tokenizes_a_cache_and_the_others_wait_for_it(tmp_path, bpe):
+    """Ranks of a node that miss the same cache (a corpus changed since the submit, or tokenized by an earlier
+    version) do not each tokenize it: the first holds the writer's lock, the others wait and then find its cache;
+    a submit waits no longer than its deadline."""
+    import fcntl
+
+    data = tmp_path / "corpus.txt"
+    data.write_text("".join(CORPUS) * 50)
+    elsewhere = tokenize_text(data, bpe, cache_dir=tmp_path / "elsewhere")  # the cache the "other writer" makes
+    folder = tmp_path / "token-cache"
+    folder.mkdir()
+    lock = os.open(folder / f".{elsewhere.sha256}.bin.lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(lock, fcntl.LOCK_EX)  # another writer at work
+    stages: list[str] = []
+    results: list[tokenized.TokenCache] = []
+    waiting = threading.Thread(
+        target=lambda: results.append(tokens(data, bpe, progress=lambda stage, *_: stages.append(stage)))
+    )
+    waiting.start()
+    time.sleep(0.6)
+    assert waiting.is_alive() and "tokenizing" not in stages and not list(folder.glob("*.bin"))
+
+    with pytest.raises(DataError, match=r"waiting for another writer to tokenize data.path=.* within 0.3 s"):
+        tokens(data, bpe, timeout_s=0.3)  # a submit: bounded by its deadline
+
+    for suffix in (".bin.json", ".bin"):  # the other writer finishes (sidecar first) and lets go
+        shutil.copy(elsewhere.path.removesuffix(".bin") + suffix, folder / f"{elsewhere.sha256}{suffix}")
+    os.close(lock)
+    waiting.join(timeout=30)
+    [found] = results
+    assert found.reused and found.path == str(folder / f"{elsewhere.sha256}.bin") and "tokenizing" not in stages
+    assert read_ids(found) == read_ids(elsewhere)
+
+    # no other writer: the lock is taken at once and the cache written (the lock file goes with the cache)
+    from etrain.workers.engine.tokenized import remove_caches
+
+    remove_caches(folder, [elsewhere.sha256])
+    assert sorted(p.name for p in folder.iterdir()) == []
+    written = tokens(data, bpe)
+    assert not written.reused and read_ids(written) == read_ids(elsewhere)

@@ -17,7 +17,7 @@ Each ``<sha256>.bin`` (raw ``uint16`` ids when the tokenizer's id space fits, el
 ``data.kind: tokens`` reads) has a JSON sidecar ``<sha256>.bin.json`` (token count, dtype, vocabulary, EOS,
 tokenizer path). Both are written to a temporary name and renamed into place (sidecar first), so racing writers
 (two submits, the ranks of one node) never leave a torn file and a reader that finds the ``.bin`` finds its
-sidecar. ``out`` (``etrain prepare-data --out``) writes one file where its caller says instead, for
+sidecar; and only one of them tokenizes: the others wait on its lock and find its cache (:func:`_one_writer`). ``out`` (``etrain prepare-data --out``) writes one file where its caller says instead, for
 ``data.kind: tokens``.
 
 The stream: each document (one file) is ``Tokenizer.encode(text).ids`` — the tokenizer's own special
@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import codecs
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -95,6 +96,8 @@ __all__ = [
 FORMAT_VERSION = 1
 #: A stamp's index file in the cache folder: ``<stamp>.stamp`` holds the content hash of the cache it names.
 STAMP_SUFFIX = ".stamp"
+#: ``.<sha256>.bin.lock``: the lock its writer holds (:func:`_one_writer`).
+LOCK_SUFFIX = ".lock"
 #: Longest piece of one document handed to the tokenizer at once (characters).
 PIECE_CHARS = 1 << 20
 #: Characters encoded per batch call: bounds memory (a tokenizers Encoding costs ~100 bytes a token).
@@ -537,7 +540,7 @@ def remove_caches(cache_dir: str | os.PathLike, sha256s: Collection[str]) -> Non
     folder = safe_paths.open_dir(cache_dir, field="data.path")
     try:
         for sha256 in sorted(doomed):
-            for name in (f"{sha256}.bin", f"{sha256}.bin.json"):
+            for name in (f"{sha256}.bin", f"{sha256}.bin.json", f".{sha256}.bin{LOCK_SUFFIX}"):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(name, dir_fd=folder)
         for name in safe_paths.list_names(folder, field="data.path"):
@@ -556,7 +559,8 @@ def remove_caches(cache_dir: str | os.PathLike, sha256s: Collection[str]) -> Non
 
 def remove_stale_temporaries(cache_dir: str | os.PathLike, *, older_than_s: float) -> None:
     """Remove the temporary files (:func:`_write_temp`'s ``.<name>.tmp-...``) unchanged for ``older_than_s``: a
-    writer that died (a rank killed while it tokenized) leaves its partial ids, which no cache counts."""
+    writer that died (a rank killed while it tokenized) leaves its partial ids, which no cache counts. (The empty
+    ``.lock`` files of writers go with their caches, :func:`remove_caches`.)"""
     try:
         folder = safe_paths.open_dir(cache_dir, field="data.path")
     except FileNotFoundError:
@@ -707,9 +711,55 @@ def tokenize_text(
             field="data.path",
             fix=_prepare_fix(data_text, tokenizer_text),
         )
-    written = _write_cache(tokenizer, info, documents, sha256, target, data_text, clock, progress, total, prepared)
+    with _one_writer(target, clock, total) if folder is not None else contextlib.nullcontext():
+        cached = _read_cache(target, sha256)  # written meanwhile by the writer this call waited for
+        if cached is None:
+            cached = _write_cache(
+                tokenizer, info, documents, sha256, target, data_text, clock, progress, total, prepared
+            )
     _keep_stamp(target, _stamp_to_keep(before, data_path, listed, info), indexed=folder is not None)
-    return written
+    if cached.reused:  # another writer's, found once it finished
+        _mark_used(target)
+        return replace(cached, path=os.path.abspath(target), tokenizer=info.path, data=str(Path(data_text).resolve()))
+    return cached
+
+
+#: How often a writer waiting for another writer of the same cache looks again.
+WRITER_POLL_S = 0.2
+
+
+@contextlib.contextmanager
+def _one_writer(target: Path, clock: _Clock, total: int) -> Iterator[None]:
+    """One writer of a cache at a time: the ranks of a node (and of nodes whose filesystem has working ``flock``)
+    that miss the same cache would otherwise each tokenize the whole corpus; the first writes it, the others wait
+    and then find it. An exclusive ``flock`` on ``.<name>.lock`` beside it, which the kernel releases when its holder
+    dies, so a wait lasts as long as a live writer works; a submit's wait is bounded by its deadline (``clock``). A
+    filesystem without locks (``ENOLCK``) only costs the duplicate work this avoids: the writes stay atomic."""
+    try:
+        folder = safe_paths.open_dir(target.parent, field="data.path", create=True)
+    except OSError as err:
+        raise _unwritable(target, err) from err
+    try:
+        fd = os.open(
+            f".{target.name}{LOCK_SUFFIX}", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=folder
+        )
+    except OSError as err:
+        os.close(folder)
+        raise _unwritable(target, err) from err
+    os.close(folder)
+    try:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                clock.check("waiting for another writer to tokenize", 0, total)
+                time.sleep(WRITER_POLL_S)
+            except OSError:  # no locks on this filesystem: proceed unlocked
+                break
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _token_batches(
