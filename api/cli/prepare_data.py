@@ -98,6 +98,12 @@ def cmd_prepare_data(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         bar.close()
         return EXIT_INTERRUPTED
     bar.close()
+    if cache_dir is not None and not args.cache_dir:
+        print(
+            f"note: {cache_dir} is the token cache of a server started here with this environment; for another "
+            "server give its folder with --cache-dir, or write a file of your own with --out",
+            file=err,
+        )
     if args.json:
         print_json({**cache.sidecar(), "reused": cache.reused}, out)
         return EXIT_OK

@@ -86,6 +86,7 @@ def test_prepare_data_prints_the_cache_and_its_token_count(bpe, corpus, server_e
     assert np.fromfile(path, dtype=np.uint16).tolist() == expected
     # the progress bar: hashing, then tokenizing, each ending at 100% on stderr (stdout stays clean)
     assert "hashing    100.0% |" + "#" * 30 + "|" in err
+    assert f"note: {server_environment} is the token cache of a server started here with this environment" in err
     assert "tokenizing 100.0% |" + "#" * 30 + "|" in err and f"{len(expected):,} tokens" in err
     assert err.endswith("\n")
 
