@@ -458,17 +458,27 @@ def _keep_stamp(target: Path, stamp: str | None, *, indexed: bool) -> None:
     folder's descriptor, to a temporary name renamed into place, no link followed."""
     if stamp is None:
         return
-    if indexed:
-        name = _stamp_index(target.parent, stamp).name
-        body = (json.dumps({"format": FORMAT_VERSION, "sha256": target.name.removesuffix(".bin")}) + "\n").encode()
-    else:
-        meta = _sidecar(target)
-        if meta is None or meta.get("stamp") == stamp:
-            return
-        name = _sidecar_path(target).name
-        body = (json.dumps({**meta, "stamp": stamp}, indent=2) + "\n").encode()
+    if not indexed:
+        _update_sidecar(target, {"stamp": stamp})
+        return
+    body = (json.dumps({"format": FORMAT_VERSION, "sha256": target.name.removesuffix(".bin")}) + "\n").encode()
+    _replace_file(target.parent, _stamp_index(target.parent, stamp).name, body)
+
+
+def _update_sidecar(target: Path, changes: dict[str, Any]) -> None:
+    """The sidecar of the cache at ``target`` with ``changes`` (best effort; nothing when they are there)."""
+    meta = _sidecar(target)
+    if meta is None or all(meta.get(key) == value for key, value in changes.items()):
+        return
+    body = (json.dumps({**meta, **changes}, indent=2) + "\n").encode()
+    _replace_file(target.parent, _sidecar_path(target).name, body)
+
+
+def _replace_file(parent: Path, name: str, body: bytes) -> None:
+    """``parent/name`` replaced by ``body`` as the cache is written: through the folder's descriptor, to a
+    temporary name renamed into place, no link followed. Best effort: an unwritable place is left as it is."""
     try:
-        folder = safe_paths.open_dir(target.parent, field="data.path")
+        folder = safe_paths.open_dir(parent, field="data.path")
     except (OSError, UnsafePathError):
         return
     try:
@@ -540,7 +550,7 @@ def remove_caches(cache_dir: str | os.PathLike, sha256s: Collection[str]) -> Non
     folder = safe_paths.open_dir(cache_dir, field="data.path")
     try:
         for sha256 in sorted(doomed):
-            for name in (f"{sha256}.bin", f"{sha256}.bin.json", f".{sha256}.bin{LOCK_SUFFIX}"):
+            for name in (f"{sha256}.bin", f"{sha256}.bin.json"):  # not the lock: a writer may hold it
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(name, dir_fd=folder)
         for name in safe_paths.list_names(folder, field="data.path"):
@@ -559,25 +569,50 @@ def remove_caches(cache_dir: str | os.PathLike, sha256s: Collection[str]) -> Non
 
 def remove_stale_temporaries(cache_dir: str | os.PathLike, *, older_than_s: float) -> None:
     """Remove the temporary files (:func:`_write_temp`'s ``.<name>.tmp-...``) unchanged for ``older_than_s``: a
-    writer that died (a rank killed while it tokenized) leaves its partial ids, which no cache counts. (The empty
-    ``.lock`` files of writers go with their caches, :func:`remove_caches`.)"""
+    writer that died (a rank killed while it tokenized) leaves its partial ids, which no cache counts. Also the
+    (empty) lock files unchanged as long whose cache is gone and which no writer holds."""
     try:
         folder = safe_paths.open_dir(cache_dir, field="data.path")
     except FileNotFoundError:
         return
     try:
         cutoff = time.time() - older_than_s
-        for name in safe_paths.list_names(folder, field="data.path"):
-            if not (name.startswith(".") and ".tmp-" in name):
+        names = safe_paths.list_names(folder, field="data.path")
+        for name in names:
+            temporary = name.startswith(".") and ".tmp-" in name
+            orphan_lock = (
+                name.startswith(".") and name.endswith(LOCK_SUFFIX) and name[1 : -len(LOCK_SUFFIX)] not in names
+            )
+            if not (temporary or orphan_lock):
                 continue
             try:
                 found = os.stat(name, dir_fd=folder, follow_symlinks=False)
-                if found.st_mtime < cutoff:
+                if found.st_mtime >= cutoff:
+                    continue
+                if temporary:
                     os.unlink(name, dir_fd=folder)
+                else:
+                    _remove_free_lock(folder, name)
             except FileNotFoundError:
                 continue
     finally:
         os.close(folder)
+
+
+def _remove_free_lock(folder: int, name: str) -> None:
+    """Unlink the lock file ``name`` if no writer holds it (taken without waiting, unlinked while held: a writer
+    that opened it meanwhile finds it no longer named so and opens the new one, :func:`_one_writer`)."""
+    try:
+        fd = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=folder)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.unlink(name, dir_fd=folder)
+    except OSError:  # held, or gone: left
+        pass
+    finally:
+        os.close(fd)
 
 
 class _Clock:
@@ -700,10 +735,8 @@ def tokenize_text(
         cached = _read_cache(target, sha256)
         if cached is not None:
             _keep_stamp(target, _stamp_to_keep(before, data_path, listed, info), indexed=folder is not None)
-    if cached is not None:  # where it is now (an out file may have moved), not where it was made
-        if folder is not None:
-            _mark_used(target)
-        return replace(cached, path=os.path.abspath(target), tokenizer=info.path, data=str(Path(data_text).resolve()))
+    if cached is not None:
+        return _found(cached, target, folder is not None, prepared, info, data_text)
     if max_bytes is not None and total > max_bytes:
         raise DataError(
             f"data.path={data_text!r} holds {_mib(total)} of text to tokenize, more than the "
@@ -711,55 +744,98 @@ def tokenize_text(
             field="data.path",
             fix=_prepare_fix(data_text, tokenizer_text),
         )
-    with _one_writer(target, clock, total) if folder is not None else contextlib.nullcontext():
+    with _one_writer(target, clock, total) if folder is not None else contextlib.nullcontext(lambda: None) as beat:
         cached = _read_cache(target, sha256)  # written meanwhile by the writer this call waited for
         if cached is None:
             cached = _write_cache(
-                tokenizer, info, documents, sha256, target, data_text, clock, progress, total, prepared
+                tokenizer, info, documents, sha256, target, data_text, clock, progress, total, prepared, beat
             )
     _keep_stamp(target, _stamp_to_keep(before, data_path, listed, info), indexed=folder is not None)
     if cached.reused:  # another writer's, found once it finished
-        _mark_used(target)
-        return replace(cached, path=os.path.abspath(target), tokenizer=info.path, data=str(Path(data_text).resolve()))
+        return _found(cached, target, folder is not None, prepared, info, data_text)
     return cached
 
 
-#: How often a writer waiting for another writer of the same cache looks again.
+def _found(
+    cached: TokenCache, target: Path, in_cache_folder: bool, prepared: bool, info: TokenizerInfo, data_text: str
+) -> TokenCache:
+    """A cache found on disk as this call sees it: where it is now (an out file may have moved), this call's
+    tokenizer and data; in the service's folder its use renewed and, for ``etrain prepare-data``, pinned."""
+    if in_cache_folder:
+        _mark_used(target)
+        if prepared and not cached.prepared:
+            _update_sidecar(target, {"prepared": True})
+            cached = replace(cached, prepared=True)
+    return replace(cached, path=os.path.abspath(target), tokenizer=info.path, data=str(Path(data_text).resolve()))
+
+
+#: A waiter looks again after this long, growing by half each time up to WRITER_POLL_MAX_S (each look is a lock
+#: request, which on NFS goes to the server).
 WRITER_POLL_S = 0.2
+WRITER_POLL_MAX_S = 5.0
+#: A writer touches its lock file with every batch of ids (a few seconds apart); a lock file unchanged this long
+#: has a holder that is stuck (stopped, hung, or on a node that crashed while the filesystem kept its lock), and a
+#: waiter with no deadline goes ahead without it.
+WRITER_STALE_S = 600.0
 
 
 @contextlib.contextmanager
-def _one_writer(target: Path, clock: _Clock, total: int) -> Iterator[None]:
+def _one_writer(target: Path, clock: _Clock, total: int) -> Iterator[Callable[[], None]]:
     """One writer of a cache at a time: the ranks of a node (and of nodes whose filesystem has working ``flock``)
     that miss the same cache would otherwise each tokenize the whole corpus; the first writes it, the others wait
     and then find it. An exclusive ``flock`` on ``.<name>.lock`` beside it, which the kernel releases when its holder
-    dies, so a wait lasts as long as a live writer works; a submit's wait is bounded by its deadline (``clock``). A
-    filesystem without locks (``ENOLCK``) only costs the duplicate work this avoids: the writes stay atomic."""
+    dies. Yields the writer's heartbeat (touch the lock file: call it with every batch). A submit's wait is bounded
+    by its deadline (``clock``); a rank's lasts while the holder beats, then it goes ahead (:data:`WRITER_STALE_S`).
+    Without a lock (a filesystem without ``flock``, a lock file this process may not open) two writers only do the
+    same work twice: the writes stay atomic."""
     try:
         folder = safe_paths.open_dir(target.parent, field="data.path", create=True)
     except OSError as err:
         raise _unwritable(target, err) from err
+    name = f".{target.name}{LOCK_SUFFIX}"
+    fd: int | None = None
     try:
-        fd = os.open(
-            f".{target.name}{LOCK_SUFFIX}", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=folder
-        )
-    except OSError as err:
-        os.close(folder)
-        raise _unwritable(target, err) from err
-    os.close(folder)
-    try:
+        wait = WRITER_POLL_S
         while True:
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=folder)
+            except OSError:  # another user's lock file, say: go ahead unlocked (the write reports a real problem)
                 break
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 clock.check("waiting for another writer to tokenize", 0, total)
-                time.sleep(WRITER_POLL_S)
-            except OSError:  # no locks on this filesystem: proceed unlocked
+                if clock.deadline is None and time.time() - os.fstat(fd).st_mtime > WRITER_STALE_S:
+                    break  # its holder stopped beating: write without the lock
+                os.close(fd)
+                fd = None
+                time.sleep(wait)
+                wait = min(wait * 1.5, WRITER_POLL_MAX_S)
+                continue
+            except OSError:  # no locks on this filesystem
                 break
-        yield
+            # the lock of the file still named so (not one removed and made again meanwhile): else look again
+            try:
+                named = os.stat(name, dir_fd=folder, follow_symlinks=False)
+            except FileNotFoundError:
+                named = None
+            held = os.fstat(fd)
+            if named is not None and (named.st_ino, named.st_dev) == (held.st_ino, held.st_dev):
+                break
+            os.close(fd)
+            fd = None
+
+        def beat() -> None:
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.utime(fd)
+
+        beat()
+        yield beat
     finally:
-        os.close(fd)  # releases the lock
+        os.close(folder)
+        if fd is not None:
+            os.close(fd)  # releases the lock
 
 
 def _token_batches(
@@ -835,6 +911,7 @@ def _write_cache(
     progress: Progress | None,
     total: int,
     prepared: bool,
+    beat: Callable[[], None],
 ) -> TokenCache:
     """Stream the ids into a temporary file beside ``target``, then rename sidecar and ``.bin`` into place. The
     folder is reached without links and written through its descriptor: no link on the way sends the writes
@@ -847,6 +924,7 @@ def _write_cache(
         for ids, covered in _token_batches(tokenizer, info, documents, sha256, data_text):
             ids.astype(dtype).tofile(sink)
             num_tokens, done = num_tokens + len(ids), done + covered
+            beat()  # this writer is alive: the others keep waiting (_one_writer)
             if progress:
                 progress("tokenizing", done, total, num_tokens)
             clock.check("tokenizing", done, total)
