@@ -247,7 +247,13 @@ class JobManager:
         (an :class:`~etrain.service.store.idempotency.ReplayedJob`), the same key with another spec is JobConflict."""
         digest = idempotency.request_hash(spec) if idempotency_key is not None else None
         if idempotency_key is not None:
-            replayed = idempotency.replay(self.store, principal.tenant, idempotency.check_key(idempotency_key), digest)
+            replayed = idempotency.replay(
+                self.store,
+                principal.tenant,
+                idempotency.check_key(idempotency_key),
+                digest,
+                earlier=idempotency.earlier_hashes(spec),
+            )
             if replayed is not None:
                 return replayed
         check_priority(self.settings, principal, spec.priority)  # PriorityNotAllowed: 403
@@ -288,7 +294,9 @@ class JobManager:
             self._quotas.release(job_id)
             replayed = None
             if idempotency_key is not None:
-                replayed = idempotency.replay(self.store, principal.tenant, idempotency_key, digest)
+                replayed = idempotency.replay(
+                    self.store, principal.tenant, idempotency_key, digest, earlier=idempotency.earlier_hashes(spec)
+                )
             if replayed is None:
                 raise
             return replayed

@@ -113,7 +113,10 @@ class InMemoryManager:
     def submit(self, spec: JobSpec, *, principal: Principal = ADMIN, idempotency_key: str | None = None) -> JobRecord:
         digest = idempotency.request_hash(spec) if idempotency_key is not None else None
         if idempotency_key is not None:  # the real manager's rules (service/store/idempotency.py)
-            replayed = idempotency.replay(self.store, principal.tenant, idempotency.check_key(idempotency_key), digest)
+            key = idempotency.check_key(idempotency_key)
+            replayed = idempotency.replay(
+                self.store, principal.tenant, key, digest, earlier=idempotency.earlier_hashes(spec)
+            )
             if replayed is not None:
                 return replayed
         spec = self.validate(spec)

@@ -7,9 +7,11 @@ exactly one INSERT wins; the loser looks the winner up with :func:`replay` (see
 ``etrain.service.manager.JobManager.submit``).
 
 "The same request" is the same *spec*, not the same bytes: the hash is over the canonical JSON of the
-parsed :class:`~etrain.service.planning.spec.JobSpec` (defaults filled in, keys sorted), so a client that re-serialises
-its body differently (key order, whitespace, an explicit default) still replays, while any change of
-meaning is a 409. Keys are per tenant: two tenants may use the same key for different jobs.
+parsed :class:`~etrain.service.planning.spec.JobSpec` (fields at their defaults left out, keys sorted), so a client
+that re-serialises its body differently (key order, whitespace, an explicit default) still replays, while any
+change of meaning is a 409. Keys are per tenant: two tenants may use the same key for different jobs. A key stored
+by a version before 2026-12-06 holds that version's hash (every default written out), which
+:func:`earlier_hashes` recomputes, so a retry spanning that upgrade replays too.
 """
 
 from __future__ import annotations
@@ -67,14 +69,26 @@ def request_hash(spec: JobSpec) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def replay(store: JobStore, tenant: str, key: str, digest: str) -> ReplayedJob | None:
-    """The job ``tenant`` created with ``key`` if the request is the same (``digest``); None if the key
-    is new; JobConflict (409) if the key was used for a different request."""
+def earlier_hashes(spec: JobSpec) -> tuple[str, ...]:
+    """The hashes versions before 2026-12-06 stored for this request: the canonical JSON with every default written
+    out, as that version's spec had them (no ``checkpoint.export_dtype``, added then). None for a request those
+    versions could not have taken (an export dtype other than the default)."""
+    dumped = spec.model_dump(mode="json", by_alias=True)
+    if dumped["checkpoint"].pop("export_dtype") != "float32":
+        return ()
+    canonical = json.dumps(dumped, sort_keys=True, separators=(",", ":"))
+    return (hashlib.sha256(canonical.encode()).hexdigest(),)
+
+
+def replay(store: JobStore, tenant: str, key: str, digest: str, *, earlier: tuple[str, ...] = ()) -> ReplayedJob | None:
+    """The job ``tenant`` created with ``key`` if the request is the same (``digest``, or one of the ``earlier``
+    hashes of it, :func:`earlier_hashes`); None if the key is new; JobConflict (409) if the key was used for a
+    different request."""
     found = store.find_idempotent(tenant, key)
     if found is None:
         return None
     record, stored = found
-    if stored != digest:
+    if stored != digest and stored not in earlier:
         raise JobConflict(
             f"{HEADER} {key!r} was already used for job {record.id} with a different request body.",
             job_id=record.id,

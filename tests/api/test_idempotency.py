@@ -199,6 +199,40 @@ def test_the_hash_leaves_out_the_fields_at_their_defaults():
     assert request_hash(JobSpec.model_validate(at_default)) == expected
 
 
+def test_a_key_stored_before_the_hash_left_out_defaults_still_replays(manager):
+    """A key stored by a version before 2026-12-06 holds that version's hash: every default written out, and no
+    checkpoint.export_dtype (which it did not have). A retry of the same request after the upgrade replays; another
+    request with that key is still a 409."""
+    import hashlib
+    import json
+
+    from etrain.service.errors import JobConflict
+    from etrain.service.store.idempotency import ReplayedJob
+
+    body = JobSpec.model_validate(spec())
+    old = body.model_dump(mode="json", by_alias=True)  # as the old version hashed it, written out here
+    del old["checkpoint"]["export_dtype"]
+    old_digest = hashlib.sha256(json.dumps(old, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    manager.store.create_job(
+        job_id="old-1",
+        name="old",
+        spec=body.model_dump(mode="json", by_alias=True),
+        world_size=1,
+        layout="pp1·dp1·tp1 zero=0",
+        tenant="default",
+        idempotency_key="before-upgrade",
+        request_hash=old_digest,
+    )
+    retried = manager.submit(body, idempotency_key="before-upgrade")
+    assert isinstance(retried, ReplayedJob) and retried.id == "old-1"
+    other = JobSpec.model_validate({**spec(), "priority": 5})
+    with pytest.raises(JobConflict, match="with a different request body"):
+        manager.submit(other, idempotency_key="before-upgrade")
+    bf16 = JobSpec.model_validate({**spec(), "checkpoint": {"export_dtype": "bfloat16"}})
+    with pytest.raises(JobConflict):  # a request the old version could not have taken is never its hash
+        manager.submit(bf16, idempotency_key="before-upgrade")
+
+
 def test_keys_are_per_tenant(url, manager):
     alice = post(url, spec(), key="shared", token=ALICE)
     bob = post(url, spec(), key="shared", token=BOB)
