@@ -92,6 +92,7 @@ MATRIX = {
     "existing-claim": {"checkpoint": {"existingClaim": "team-nfs", "path": "/mnt/ckpt"}},
     "s3": S3_INLINE,
     "s3-existing-secret": {"checkpoint": {"path": "s3://etrain-ckpt", "s3": {"existingSecret": "etrain-s3"}}},
+    "s3-token-cache": {**S3_INLINE, "tokenCache": {"existingClaim": "etrain-tokens", "maxGB": "250"}},
     "external-ray": {"rayCluster": {"enabled": False}, "controlPlane": {"rayAddress": "ray://ray-head.ray.svc:10001"}},
     "everything": {
         "image": {"tag": "0.1.0-cuda"},
@@ -281,9 +282,8 @@ def test_s3_checkpoints_mount_nothing_and_every_pod_gets_the_credentials(case):
     pods = r.pod_templates()
     assert set(pods) == {"control-plane", "ray-head", "worker/cpu"}
     for role, template in pods.items():
-        assert not any("persistentVolumeClaim" in v for v in template["spec"]["volumes"] if v["name"] != "data"), (
-            f"{role} mounts a claim besides /data"
-        )
+        claims = {v["name"] for v in template["spec"]["volumes"] if "persistentVolumeClaim" in v}
+        assert claims - {"data", "token-cache"} == set(), f"{role} mounts a claim besides /data and the token cache"
         env = resolve_env(template["spec"]["containers"][0], r, EXTERNAL_SECRETS)
         assert {key: value for key, value in env.items() if key.startswith("AWS_")} == expected, role
     settings = server_settings(case)
@@ -309,6 +309,28 @@ def test_the_server_reads_its_data_dir_storage_roots_and_autoscaling_from_the_re
     assert {"/data", "/tmp"} <= set(mounts)
     for root in shared:
         assert root in mounts
+
+
+@pytest.mark.parametrize("case", ["cpu-default", "s3", "s3-token-cache"])
+def test_the_token_cache_is_one_volume_every_pod_mounts_and_no_storage_root(case):
+    """Ranks memory-map tokenized text from the folder the control plane wrote it to: the checkpoint volume by
+    default, or `tokenCache.existingClaim` mounted at the same path in every pod (needed with s3:// checkpoints,
+    where the default would be the control plane's /data). The server never counts it a storage root."""
+    values = merged_values(case)
+    settings = server_settings(case)
+    claim = values["tokenCache"]["existingClaim"]
+    assert settings.token_cache_max_gb == float(values["tokenCache"]["maxGB"])
+    if not claim:
+        expected = "/data/token-cache" if case == "s3" else f"{values['checkpoint']['path']}/.token-cache"
+        assert settings.token_cache_dir == expected  # (the s3 case's: the control plane's alone, as values.yaml says)
+        return
+    assert settings.token_cache_dir == values["tokenCache"]["path"]
+    assert all(not str(root).startswith(values["tokenCache"]["path"]) for root in settings.storage_roots)
+    for role, template in rendered(case).pod_templates().items():
+        volume = next(v for v in template["spec"]["volumes"] if v["name"] == "token-cache")
+        assert volume["persistentVolumeClaim"] == {"claimName": claim}, role
+        mounts = [m for m in template["spec"]["containers"][0]["volumeMounts"] if m["name"] == "token-cache"]
+        assert [(m["mountPath"], m.get("readOnly", False)) for m in mounts] == [(values["tokenCache"]["path"], False)]
 
 
 def test_shared_volumes_are_mounted_at_the_same_path_in_every_pod():
@@ -606,6 +628,13 @@ def test_notes_say_how_to_reach_the_api_and_the_dashboard():
         ({"checkpoint": {"path": "/data/checkpoints"}}, helm.HelmValuesError, "/checkpoint/path"),
         ({"checkpoint": {"path": "/a:b"}}, helm.HelmValuesError, "/checkpoint/path"),
         ({"checkpoint": {"path": "s3://Bad_Bucket/x"}}, helm.HelmValuesError, "/checkpoint/path"),
+        ({"tokenCache": {"path": "/data/tokens"}}, helm.HelmValuesError, "/tokenCache/path"),
+        ({"tokenCache": {"maxGB": "lots"}}, helm.HelmValuesError, "/tokenCache/maxGB"),
+        (
+            {"tokenCache": {"existingClaim": "t", "path": "/checkpoints"}},
+            helm.HelmRenderError,
+            "tokenCache.path /checkpoints is already used",
+        ),
         ({"rayCluster": {"workerGroups": {"gpu": {"gpus": -1}}}}, helm.HelmValuesError, "gpus"),
         ({"checkpoint": {"path": "s3://bucket/x"}}, helm.HelmRenderError, "checkpoint.s3.existingSecret"),
         (

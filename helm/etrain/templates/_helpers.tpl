@@ -158,11 +158,17 @@ Included once, from the Deployment.
 {{- if not (include "etrain.checkpointIsS3" .) }}
 {{- $mounts = append $mounts .Values.checkpoint.path }}
 {{- end }}
+{{- if .Values.tokenCache.existingClaim }}
+{{- if has .Values.tokenCache.path $mounts }}
+{{- fail (printf "tokenCache.path %s is already used (/data, /tmp, /dev/shm and checkpoint.path are the chart's)" .Values.tokenCache.path) }}
+{{- end }}
+{{- $mounts = append $mounts .Values.tokenCache.path }}
+{{- end }}
 {{- range .Values.sharedVolumes }}
 {{- if has .mountPath $mounts }}
-{{- fail (printf "sharedVolumes %s: mountPath %s is already used (/data, /tmp, /dev/shm and checkpoint.path are the chart's)" .name .mountPath) }}
+{{- fail (printf "sharedVolumes %s: mountPath %s is already used (/data, /tmp, /dev/shm, checkpoint.path and tokenCache.path are the chart's)" .name .mountPath) }}
 {{- end }}
-{{- if has .name (list "data" "tmp" "dshm" "checkpoints" "tenant-tokens") }}
+{{- if has .name (list "data" "tmp" "dshm" "checkpoints" "tenant-tokens" "token-cache") }}
 {{- fail (printf "sharedVolumes: the name %s is one of the chart's own volumes; pick another" .name) }}
 {{- end }}
 {{- $mounts = append $mounts .mountPath }}
@@ -235,6 +241,11 @@ filesystem is read-only) and, for s3:// checkpoints, the bucket's credentials fr
   persistentVolumeClaim:
     claimName: {{ include "etrain.checkpointClaimName" . }}
 {{- end }}
+{{- with .Values.tokenCache.existingClaim }}
+- name: token-cache
+  persistentVolumeClaim:
+    claimName: {{ . }}
+{{- end }}
 {{- range .Values.sharedVolumes }}
 - name: {{ .name }}
   {{- toYaml .volume | nindent 2 }}
@@ -248,6 +259,10 @@ filesystem is read-only) and, for s3:// checkpoints, the bucket's credentials fr
 {{- if not (include "etrain.checkpointIsS3" .) }}
 - name: checkpoints
   mountPath: {{ .Values.checkpoint.path }}
+{{- end }}
+{{- if .Values.tokenCache.existingClaim }}
+- name: token-cache
+  mountPath: {{ .Values.tokenCache.path }}
 {{- end }}
 {{- range .Values.sharedVolumes }}
 - name: {{ .name }}
