@@ -54,7 +54,7 @@ from etrain.service.jobs.scheduler import Scheduler
 from etrain.service.planning import planner
 from etrain.service.planning.spec import ExportDtype, JobSpec, SpecProblem
 from etrain.service.planning.spec_checks import check_spec
-from etrain.service.planning.spec_paths import PATH_FIELDS, pin_paths
+from etrain.service.planning.spec_paths import pin_paths
 from etrain.service.runtime.cluster import CALL_TIMEOUT_S, Runtime
 from etrain.service.runtime.control import ChaosHandOver, ControlQueue, ControlRequest, NotYet
 from etrain.service.settings import Settings
@@ -225,11 +225,10 @@ class JobManager:
     # --- jobs ------------------------------------------------------------------------------------
 
     def validate(self, spec: JobSpec) -> JobSpec:
-        """The spec as it will run (paths pinned, auto layout and auto loss chunking resolved, the host memory Ray
-        reserves per rank filled in), or SpecRejected with every problem."""
-        spec, outside = pin_paths(spec, self._base_dir, self.storage)
-        if outside:  # before anything looks at the files: the answer must not say whether they exist
-            raise SpecRejected(outside)
+        """The spec as it will run (auto layout and auto loss chunking resolved, the host memory Ray reserves per
+        rank filled in), or SpecRejected with every problem. ``spec`` is :meth:`_check_reach`'s, its paths pinned
+        once: resolved again here, a link a tenant swapped meanwhile would store a path the reach rule never saw
+        (another tenant's job directory, the service's token cache)."""
         problems: list[SpecProblem] = list(check_spec(spec))
         available = self.device_memory_gb(spec.resources.device) if not problems else None
         if not problems and spec.is_auto:
@@ -258,9 +257,7 @@ class JobManager:
                 return replayed
         check_priority(self.settings, principal, spec.priority)  # PriorityNotAllowed: 403
         self._quotas.precheck(principal, self.store)  # a tenant at its job cap costs no planning: 429
-        reached = self._check_reach(spec, principal)
-        spec = self.validate(spec)
-        self._check_same_paths(reached, spec)
+        spec = self.validate(self._check_reach(spec, principal))
         self._scheduler.refuse_beyond_cluster(spec)
         tokenized = self._prepare_data(spec)
         job_id = f"{spec.name.lower()}-{uuid.uuid4().hex[:8]}"
@@ -307,9 +304,7 @@ class JobManager:
         self._submitting.discard(job_id)
         self._scheduler.announce(job_id)
         self._scheduler.schedule(submitted=job_id)  # it starts before we answer when it fits now, else waits QUEUED
-        if (
-            tokenized is not None and tokenized.written
-        ):  # the folder grew: back under its bound, this job's use recorded
+        if tokenized is not None and tokenized.written:  # the folder grew: back under its bound, its use recorded
             self._prune_token_cache()
         return self.store.get_job(job_id) or record
 
@@ -328,24 +323,6 @@ class JobManager:
         if problems:
             raise SpecRejected(problems)
         return pinned
-
-    @staticmethod
-    def _check_same_paths(reached: JobSpec, validated: JobSpec) -> None:
-        """The paths the job stores are the ones the reach rule passed: each is resolved twice (the reach check,
-        then validate), and a link swapped in between (a tenant who can write a shared root) would otherwise store a
-        path the rule never saw, such as another tenant's job directory or the service's token cache."""
-        moved = [
-            SpecProblem(
-                field=field,
-                message=f"{field} resolved to {getattr(getattr(reached, section), name)!r}, then to "
-                f"{getattr(getattr(validated, section), name)!r}: a link on its way changed while it was checked.",
-                fix=f"point {field} at a path with no symbolic link that changes, and submit again",
-            )
-            for field, section, name in PATH_FIELDS
-            if getattr(getattr(reached, section), name) != getattr(getattr(validated, section), name)
-        ]
-        if moved:
-            raise SpecRejected(moved)
 
     def _job_dirs(self, principal: Principal):
         """The recorded job directories near a path that ``principal``'s paths must stay out of."""

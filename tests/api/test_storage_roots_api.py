@@ -254,19 +254,21 @@ def test_no_tenant_path_reaches_the_token_cache(world):
             assert problem["field"] == field and "the service's token cache" in problem["message"], problem
         assert bob.post("/v1/jobs", json=spec(**text("corpus"))).status_code == 201
 
-        # A link a tenant swaps between the reach check and validate (each resolves the path) stores no path the
-        # rule did not pass: here, the link led to the corpus when checked and into the token cache after.
+        # A link a tenant swaps after the reach check stores no path the rule did not pass: the path is resolved
+        # once, and the job keeps what was checked (here: the link led to a token file of the shared root when
+        # checked, and into the token cache after; resolved again, the job would have read the cache's ids).
+        (world / "roots" / "mine.bin").write_bytes(b"\x02\x00" * 64)
         link = world / "roots" / "swapped"
-        link.symlink_to(world / "roots" / "corpus")
-        checked = manager.validate
+        link.symlink_to(world / "roots" / "mine.bin")
+        check = manager._check_reach
 
-        def swap_then_validate(given):
+        def check_then_swap(given, principal):
+            checked = check(given, principal)
             link.unlink()
             link.symlink_to(world / "roots" / "state" / "tokens" / "abc.bin")
-            return checked(given)
+            return checked
 
-        manager.validate = swap_then_validate
+        manager._check_reach = check_then_swap
         response = bob.post("/v1/jobs", json=spec(data={"kind": "tokens", "path": "swapped"}))
-        assert response.status_code == 422, response.text
-        [problem] = response.json()["detail"]
-        assert problem["field"] == "data.path" and "changed while it was checked" in problem["message"]
+        assert response.status_code == 201, response.text
+        assert response.json()["spec"]["data"]["path"] == str((world / "roots" / "mine.bin").resolve())
