@@ -340,9 +340,12 @@ class Settings:
         if any(inside(cache, folder) for folder in own if not _is_url(folder)):
             return
         for root in self.storage_roots:
-            if not _is_url(root) and (inside(cache, resolve(root)) or inside(resolve(root), cache)):
+            if _is_url(root):
+                continue
+            resolved = resolve(root)
+            if inside(cache, resolved) or inside(resolved, cache):
                 raise SettingsError(
-                    f"ETRAIN_TOKEN_CACHE_DIR={self.token_cache_base!r} {'is in' if inside(cache, resolve(root)) else 'holds'} "
+                    f"ETRAIN_TOKEN_CACHE_DIR={self.token_cache_base!r} {'is in' if inside(cache, resolved) else 'holds'} "
                     f"the storage root {str(root)!r}, where a tenant may be able to write files and plant token ids.",
                     field="token_cache_base",
                     fix="give a folder outside every storage root that only the service writes (or one inside its "

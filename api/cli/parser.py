@@ -198,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     prepare.add_argument(
         "--out",
-        help="write the .bin here instead of into the token cache (then train on it with data.kind: tokens)",
+        help="write the .bin here instead of into the token cache, --cache-dir or not (then train on it with "
+        "data.kind: tokens)",
     )
     return parser

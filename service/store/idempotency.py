@@ -10,7 +10,7 @@ exactly one INSERT wins; the loser looks the winner up with :func:`replay` (see
 parsed :class:`~etrain.service.planning.spec.JobSpec` (fields at their defaults left out, keys sorted), so a client
 that re-serialises its body differently (key order, whitespace, an explicit default) still replays, while any
 change of meaning is a 409. Keys are per tenant: two tenants may use the same key for different jobs. A key stored
-by a version before 2026-12-06 holds that version's hash (every default written out), which
+by a version before 2026-12-07 holds that version's hash (every default written out), which
 :func:`earlier_hashes` recomputes, so a retry spanning that upgrade replays too.
 """
 
@@ -70,14 +70,18 @@ def request_hash(spec: JobSpec) -> str:
 
 
 def earlier_hashes(spec: JobSpec) -> tuple[str, ...]:
-    """The hashes versions before 2026-12-06 stored for this request: the canonical JSON with every default written
-    out, as that version's spec had them (no ``checkpoint.export_dtype``, added then). None for a request those
-    versions could not have taken (an export dtype other than the default)."""
+    """The hashes versions before 2026-12-07 stored for this request: the canonical JSON with every default written
+    out, with ``checkpoint.export_dtype`` (the builds of 2026-12-06 that had the field) and without it (those
+    before it)."""
     dumped = spec.model_dump(mode="json", by_alias=True)
+
+    def digest(body: dict) -> str:
+        return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+    with_dtype = digest(dumped)
     if dumped["checkpoint"].pop("export_dtype") != "float32":
-        return ()
-    canonical = json.dumps(dumped, sort_keys=True, separators=(",", ":"))
-    return (hashlib.sha256(canonical.encode()).hexdigest(),)
+        return (with_dtype,)  # a request the versions without the field could not have taken
+    return (with_dtype, digest(dumped))
 
 
 def replay(store: JobStore, tenant: str, key: str, digest: str, *, earlier: tuple[str, ...] = ()) -> ReplayedJob | None:

@@ -225,6 +225,19 @@ def test_a_key_stored_before_the_hash_left_out_defaults_still_replays(manager):
     )
     retried = manager.submit(body, idempotency_key="before-upgrade")
     assert isinstance(retried, ReplayedJob) and retried.id == "old-1"
+    # the builds of 2026-12-06 that had the field wrote it out with the other defaults
+    full = body.model_dump(mode="json", by_alias=True)
+    manager.store.create_job(
+        job_id="old-2",
+        name="old",
+        spec=full,
+        world_size=1,
+        layout="pp1·dp1·tp1 zero=0",
+        tenant="default",
+        idempotency_key="during-upgrade",
+        request_hash=hashlib.sha256(json.dumps(full, sort_keys=True, separators=(",", ":")).encode()).hexdigest(),
+    )
+    assert manager.submit(body, idempotency_key="during-upgrade").id == "old-2"
     other = JobSpec.model_validate({**spec(), "priority": 5})
     with pytest.raises(JobConflict, match="with a different request body"):
         manager.submit(other, idempotency_key="before-upgrade")

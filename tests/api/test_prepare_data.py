@@ -111,7 +111,7 @@ def test_prepare_data_out_and_json(bpe, corpus, tmp_path):
     assert not (tmp_path / "state").exists()  # nothing in the token cache either
 
 
-def test_prepare_data_errors_name_the_setting_and_the_fix(bpe, corpus, tmp_path):
+def test_prepare_data_errors_name_the_setting_and_the_fix(bpe, corpus, tmp_path, server_environment):
     code, out, err = etrain("prepare-data", "--tokenizer", str(tmp_path / "nope.json"), str(corpus))
     assert (code, out) == (1, "")
     assert err.splitlines()[0] == f"error: data.tokenizer={str(tmp_path / 'nope.json')!r} is not a file."
@@ -121,8 +121,9 @@ def test_prepare_data_errors_name_the_setting_and_the_fix(bpe, corpus, tmp_path)
     assert code == 1 and "data.path=" in err and "does not exist" in err
     assert etrain("prepare-data", str(corpus))[0] == 2  # --tokenizer is required
 
-    code, _, err = etrain("prepare-data", "--tokenizer", str(bpe), str(corpus), "--cache-dir", "")
-    assert code == 0  # empty: the server's default
+    code, out, err = etrain("prepare-data", "--tokenizer", str(bpe), str(corpus), "--cache-dir", "")
+    assert code == 0 and out.startswith(f"cache:  {server_environment}/")  # empty: the server's default
+    assert f"note: {server_environment} is the token cache of a server" in err
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("ETRAIN_TOKEN_CACHE_DIR", "relative/cache")
         code, out, err = etrain("prepare-data", "--tokenizer", str(bpe), str(corpus))
@@ -246,9 +247,14 @@ def test_submit_bounds_the_work_and_points_at_prepare_data(tmp_path, manager, bp
     assert client.post("/v1/jobs", json=spec).status_code == 201  # the prepared cache is reused
 
 
-def test_the_token_cache_stays_under_its_bound_and_keeps_what_unfinished_jobs_use(tmp_path, bpe, server_environment):
+def test_the_token_cache_stays_under_its_bound_and_keeps_what_unfinished_jobs_use(
+    tmp_path, bpe, server_environment, monkeypatch
+):
     """ETRAIN_TOKEN_CACHE_MAX_GB: after a submit writes a cache, the least recently used caches are removed until the
     folder fits, except those an unfinished job uses and those found in the last 10 minutes."""
+    from etrain.workers.engine import tokenized
+
+    monkeypatch.setattr(tokenized, "SETTLED_S", 0.0)  # the corpora written just now count as settled: stamps kept
     manager_module = pytest.importorskip("etrain.service.manager")
     settings = Settings(
         data_dir=tmp_path / "state", poll_interval_s=60, storage_roots=(tmp_path.parent,), token_cache_max_gb=1e-9
@@ -279,16 +285,20 @@ def test_the_token_cache_stays_under_its_bound_and_keeps_what_unfinished_jobs_us
     def held() -> set[str]:
         return {path.name.removesuffix(".bin") for path in server_environment.glob("*.bin")}
 
+    def stamped() -> set[str]:
+        return {json.loads(path.read_text())["sha256"] for path in server_environment.glob("*.stamp")}
+
     try:
         first_job, first = submit(corpora[0])
         manager.store.update_job(first_job, status="SUCCEEDED")
         second_job, second = submit(corpora[1])
         assert held() == {first, second}  # the first is unused but was used a moment ago
+        assert stamped() == {first, second}
         age(first, 3600)
         age(second, 3600)
         _, third = submit(corpora[2])
         assert held() == {second, third}  # the second is the running second job's, the third the new one's
-        assert all(json.loads(p.read_text())["sha256"] != first for p in server_environment.glob("*.stamp"))
+        assert stamped() == {second, third}  # the removed cache's stamp went with it
 
         again_job, again = submit(corpora[0])  # the removed one is tokenized once more when asked for
         assert again == first and held() == {second, third, first}
@@ -296,14 +306,19 @@ def test_the_token_cache_stays_under_its_bound_and_keeps_what_unfinished_jobs_us
         assert any(e["kind"] == "data_tokenized" and "written to" in e["detail"]["message"] for e in events)
 
         # a pruning that fails never fails the submit, nor leaves its job unscheduled
+        asked: list[bool] = []
+
         def locked() -> set[str]:
+            asked.append(True)
             raise sqlite3.OperationalError("database is locked")
 
         manager._token_caches_in_use = locked
         corpus = tmp_path / "corpus3"
         corpus.mkdir()
         (corpus / "a.txt").write_text(CORPUS[3] * 30)
-        late_job, _ = submit(corpus)  # a 201, above
+        before = held()
+        late_job, late = submit(corpus)  # a 201, above
+        assert asked == [True] and held() == before | {late}  # the pruning failed: nothing removed, no error
         assert late_job not in manager._submitting and manager.get(late_job).status.value != "FAILED"
     finally:
         manager.close()
